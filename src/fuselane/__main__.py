@@ -1,0 +1,3 @@
+from fuselane.cli import main
+import sys
+sys.exit(main())

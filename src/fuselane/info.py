@@ -1,0 +1,86 @@
+"""What `fuselane info` reports about a checkpoint: architecture, shapes, quant mix, tokenizer.
+
+`describe` returns plain data (the JSON form); `render` lays it out for a terminal.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from fuselane.gguf.reader import open_gguf
+from fuselane.hub import resolve
+from fuselane.models import config_of
+
+TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre")
+
+
+def describe(model: str | None) -> dict[str, Any]:
+    """Facts about a checkpoint, read from its header and checked against its tensors."""
+    path = resolve(model)
+    with open_gguf(path) as f:
+        cfg = config_of(f.metadata, f.tensors)
+        counts: Counter[str] = Counter()
+        sizes: Counter[str] = Counter()
+        for t in f.tensors.values():
+            counts[t.format.name] += 1
+            sizes[t.format.name] += t.nbytes
+        meta = f.metadata
+        tokens = meta.get("tokenizer.ggml.tokens") or []
+        return {
+            "path": str(path),
+            "name": meta.get("general.name"),
+            "file_bytes": f.size,
+            "gguf_version": f.version,
+            "architecture": cfg.arch,
+            "shape": {
+                "n_embd": cfg.n_embd,
+                "layers": cfg.n_layers,
+                "heads": cfg.n_heads,
+                "kv_heads": cfg.n_kv_heads,
+                "head_dim": cfg.head_dim,
+                "ffn": cfg.n_ff,
+                "vocab": cfg.vocab,
+                "context": cfg.context,
+                "rope_base": cfg.rope_base,
+                "rms_eps": cfg.rms_eps,
+                "tied_embeddings": cfg.tied,
+                "qkv_bias": cfg.qkv_bias,
+                "qk_norm": cfg.qk_norm,
+            },
+            "quant_mix": {name: {"tensors": counts[name], "bytes": sizes[name]} for name, _ in counts.most_common()},
+            "tensors": len(f.tensors),
+            "tokenizer": {
+                "model": meta.get("tokenizer.ggml.model"),
+                "pre": meta.get("tokenizer.ggml.pre"),
+                "tokens": len(tokens),
+                "merges": len(meta.get("tokenizer.ggml.merges") or []),
+                "bos": _token(tokens, meta.get("tokenizer.ggml.bos_token_id")),
+                "eos": _token(tokens, meta.get("tokenizer.ggml.eos_token_id")),
+                "chat_template": "tokenizer.chat_template" in meta,
+            },
+        }
+
+
+def _token(tokens: list[str], idx: Any) -> str | None:
+    return tokens[idx] if isinstance(idx, int) and 0 <= idx < len(tokens) else None
+
+
+def render(info: dict[str, Any]) -> str:
+    """A human-readable report of `describe`'s facts."""
+    s, t = info["shape"], info["tokenizer"]
+    lines = [
+        f"{info['name'] or '(unnamed)'}  [{info['path']}]",
+        f"  architecture  {info['architecture']}   file {info['file_bytes'] / 1e6:.1f} MB, "
+        f"GGUF v{info['gguf_version']}, {info['tensors']} tensors",
+        f"  shape         n_embd {s['n_embd']}, {s['layers']} layers, {s['heads']} heads / {s['kv_heads']} kv, "
+        f"head_dim {s['head_dim']}, ffn {s['ffn']}, vocab {s['vocab']}",
+        f"  context       {s['context']} tokens, rope base {s['rope_base']:g}, rms eps {s['rms_eps']:g}",
+        f"  features      qkv bias {s['qkv_bias']}, q/k norm {s['qk_norm']}, tied embeddings {s['tied_embeddings']}",
+        "  quant mix     " + ", ".join(
+            f"{name} x{v['tensors']} ({v['bytes'] / 1e6:.1f} MB)" for name, v in info["quant_mix"].items()
+        ),
+        f"  tokenizer     {t['model']} / {t['pre']}, {t['tokens']} tokens, {t['merges']} merges, "
+        f"bos {t['bos']}, eos {t['eos']}, chat template {'yes' if t['chat_template'] else 'no'}",
+    ]
+    return "\n".join(lines)

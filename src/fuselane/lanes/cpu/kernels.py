@@ -1,0 +1,123 @@
+"""The cpu lane's kernels: one NumPy function per primitive spec, the reference every other lane is held to.
+
+Each takes the spec, its input arrays (already viewed through their accesses) and the bound position, and
+returns the op's result; the runner writes it to the op's destination. They compute in the dtype of their
+inputs (f32 by default, f64 for reference runs), with no fusion and no shortcuts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from fuselane.graph.ops import (
+    Attention,
+    Elementwise,
+    ElementwiseOp,
+    Matmul,
+    PrimSpec,
+    RmsNorm,
+    Rope,
+    RowsGather,
+    SetRow,
+    TakeRows,
+    Unary,
+    UnaryOp,
+)
+
+Kernel = Callable[[PrimSpec, list[np.ndarray], int], np.ndarray]
+
+
+def rms_norm(spec: RmsNorm, args: list[np.ndarray], pos: int) -> np.ndarray:
+    (x,) = args
+    units = x.reshape(spec.rows, spec.cols)
+    scale = 1.0 / np.sqrt(np.mean(units * units, axis=-1, keepdims=True) + units.dtype.type(spec.eps))
+    return (units * scale).reshape(x.shape)
+
+
+def elementwise(spec: Elementwise, args: list[np.ndarray], pos: int) -> np.ndarray:
+    a, b = args
+    if spec.row:
+        units = a.reshape(-1, spec.cols)
+        b = b.reshape(1, spec.cols)
+    else:
+        units = a
+    out = units + b if spec.op is ElementwiseOp.ADD else units * b
+    return out.reshape(a.shape)
+
+
+def unary(spec: Unary, args: list[np.ndarray], pos: int) -> np.ndarray:
+    (x,) = args
+    if spec.op is UnaryOp.SILU:
+        with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x << 0, and x / inf is the right 0
+            return x / (1 + np.exp(-x))
+    raise NotImplementedError(spec.op)
+
+
+def matmul(spec: Matmul, args: list[np.ndarray], pos: int) -> np.ndarray:
+    x, w = args
+    return x.reshape(spec.m, spec.k) @ w.T
+
+
+def rope_angles(positions: np.ndarray, hd: int, base: float, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of every position's angle for each of the hd/2 frequencies, computed in f64."""
+    inv_freq = base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+
+
+def rope(spec: Rope, args: list[np.ndarray], pos: int) -> np.ndarray:
+    x = args[0]
+    half = spec.hd // 2
+    cos, sin = rope_angles(np.arange(pos, pos + spec.rows), spec.hd, spec.base, x.dtype)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    heads = x.reshape(spec.rows, spec.heads, spec.hd)
+    if spec.half:
+        a, b = heads[..., :half], heads[..., half:]
+    else:
+        a, b = heads[..., 0::2], heads[..., 1::2]
+    ra, rb = a * cos - b * sin, b * cos + a * sin
+    out = np.concatenate([ra, rb], axis=-1) if spec.half else np.stack([ra, rb], axis=-1)
+    return out.reshape(x.shape)
+
+
+def attention(spec: Attention, args: list[np.ndarray], pos: int) -> np.ndarray:
+    q, k_cache, v_cache = args[0], args[1], args[2]
+    rows, hd, kv = spec.rows, spec.hd, spec.kv_heads
+    group = spec.heads // kv
+    span = pos + rows
+    qh = q.reshape(rows, kv, group, hd).transpose(1, 2, 0, 3)  # (kv, group, rows, hd)
+    kh = k_cache[:span].reshape(span, kv, hd).transpose(1, 2, 0)  # (kv, hd, span)
+    vh = v_cache[:span].reshape(span, kv, hd).transpose(1, 0, 2)  # (kv, span, hd)
+    scores = (qh @ kh[:, None]) * q.dtype.type(spec.scale)  # (kv, group, rows, span)
+    future = np.arange(span)[None, :] > (pos + np.arange(rows))[:, None]
+    scores[..., future] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    out = weights @ vh[:, None]  # (kv, group, rows, hd)
+    return out.transpose(2, 0, 1, 3).reshape(rows, spec.heads * hd)
+
+
+def set_row(spec: SetRow, args: list[np.ndarray], pos: int) -> np.ndarray:
+    return args[0].reshape(spec.rows, spec.cols)
+
+
+def take_rows(spec: TakeRows, args: list[np.ndarray], pos: int) -> np.ndarray:
+    return args[0].reshape(spec.rows, spec.cols)[spec.rows - spec.take :]
+
+
+KERNELS: dict[type, Kernel] = {
+    RmsNorm: rms_norm,
+    Elementwise: elementwise,
+    Unary: unary,
+    Matmul: matmul,
+    Rope: rope,
+    Attention: attention,
+    SetRow: set_row,
+    TakeRows: take_rows,
+}
+
+# RowsGather reads a table the runner may keep quantized, so the runner answers it itself.
+GATHER = RowsGather

@@ -1,0 +1,118 @@
+"""The cpu lane: runs a model's graphs with NumPy over weights dequantized once, and holds the KV cache.
+
+Matrices are dequantized on first use into the lane's dtype (f32, or f64 for reference runs) and kept; the
+embedding table stays quantized in the mapped file and only the gathered rows are dequantized, unless the
+output projection shares it. Peak memory is one dequantized copy of the weights plus the mapped file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from fuselane.gguf.dequant import dequantize, dequantize_rows
+from fuselane.graph.ir import Form, Op, Role, Strided, TensorGraph
+from fuselane.lanes.cpu.kernels import GATHER, KERNELS
+from fuselane.models import ModelConfig, recognizer
+from fuselane.models.qwen import IDS, LOGITS
+
+
+class CpuLane:
+    """Executes decode steps and prefill chunks of one model, one sequence, on the host."""
+
+    name = "cpu"
+
+    def __init__(self, cfg: ModelConfig, tensors: Mapping[str, Any], *, ctx: int, dtype: Any = np.float32):
+        self.cfg, self.tensors, self.ctx = cfg, tensors, ctx
+        self.dtype = np.dtype(dtype)
+        self._weights: dict[str, np.ndarray] = {}
+        self._graphs: dict[tuple[Form, int, bool], TensorGraph] = {}
+        self._cache: dict[str, np.ndarray] = {}
+
+    def graph(self, rows: int, *, all_logits: bool = False) -> TensorGraph:
+        """The graph for `rows` rows (a decode step when one), built once per shape."""
+        form = Form.DECODE if rows == 1 else Form.PREFILL
+        key = (form, rows, all_logits)
+        if key not in self._graphs:
+            rec = recognizer(self.cfg)
+            self._graphs[key] = rec.recognize(self.cfg, self.tensors, form, rows=rows, ctx=self.ctx,
+                                              all_logits=all_logits)
+        return self._graphs[key]
+
+    def weight(self, name: str) -> np.ndarray:
+        """A weight dequantized into the lane's dtype, once."""
+        if name not in self._weights:
+            t = self.tensors[name]
+            self._weights[name] = dequantize(t.data, t.format, t.shape, dtype=self.dtype)
+        return self._weights[name]
+
+    def warm(self) -> None:
+        """Dequantize every weight the graphs read now, rather than on the first step."""
+        for name, tensor in self.graph(1).tensors.items():
+            if tensor.role is Role.WEIGHT and not (name == "token_embd.weight" and not self.cfg.tied):
+                self.weight(name)
+
+    def cache(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self._cache:
+            self._cache[name] = np.zeros(shape, dtype=self.dtype)
+        return self._cache[name]
+
+    def forward(self, ids: np.ndarray, pos: int, *, all_logits: bool = False) -> np.ndarray:
+        """Run `len(ids)` tokens at positions pos .. pos + len - 1; logits of the last row (or every row)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if pos + len(ids) > self.ctx:
+            raise ValueError(f"positions up to {pos + len(ids)} exceed the cache of {self.ctx}")
+        return self.run(self.graph(len(ids), all_logits=all_logits), ids, pos)
+
+    def run(self, g: TensorGraph, ids: np.ndarray, pos: int) -> np.ndarray:
+        env: dict[str, np.ndarray] = {IDS: ids}
+        for op in g.ops:
+            self._step(g, op, env, pos)
+        return env[LOGITS]
+
+    def _value(self, g: TensorGraph, name: str, env: dict[str, np.ndarray]) -> np.ndarray:
+        if name in env:
+            return env[name]
+        tensor = g.tensors[name]
+        if tensor.role is Role.WEIGHT:
+            return self.weight(name)
+        if tensor.role is Role.CACHE:
+            return self.cache(name, tensor.shape)
+        raise KeyError(f"{name} is read before it is written")
+
+    def _step(self, g: TensorGraph, op: Op, env: dict[str, np.ndarray], pos: int) -> None:
+        spec = op.prim()
+        if isinstance(spec, GATHER):
+            table, ids = op.ins
+            if table in self._weights:
+                result = self._weights[table][env[ids]]
+            else:
+                t = self.tensors[table]
+                result = dequantize_rows(t.data, t.format, t.shape, env[ids], dtype=self.dtype)
+        else:
+            args = [self._view(self._value(g, n, env), a) for n, a in zip(op.ins, op.access, strict=True)]
+            result = KERNELS[type(spec)](spec, args, pos)
+        self._write(g, op, result, env, pos)
+
+    @staticmethod
+    def _view(x: np.ndarray, access: Any) -> np.ndarray:
+        if isinstance(access, Strided):
+            return x.reshape(-1, access.pitch)[:, access.offset : access.offset + access.width]
+        return x
+
+    def _write(self, g: TensorGraph, op: Op, result: np.ndarray, env: dict[str, np.ndarray], pos: int) -> None:
+        dst = op.dst
+        if dst.own() is not None:
+            env[dst.buf] = result
+            return
+        target = self._value(g, dst.buf, env)
+        if dst.row is not None:
+            start = pos if isinstance(dst.row.sel, str) else dst.row.sel
+            rows = target.reshape(-1, dst.row.pitch)
+            rows[start : start + result.shape[0]] = result.reshape(-1, dst.row.pitch)
+        if dst.unit is not None:
+            u = dst.unit
+            target.reshape(-1, u.pitch)[:, u.offset : u.offset + u.width] = result.reshape(-1, u.width)
+        env[dst.buf] = target

@@ -1,0 +1,175 @@
+"""A loaded model: checkpoint, tokenizer, chat template and a lane, with generation on top.
+
+`fuselane.load(path)` is the Python entry point: it opens and checks the GGUF, recognizes the architecture,
+builds the tokenizer and chat template from the file, and picks a lane. `Model.stream` yields text as it is
+generated; `Model.chat` keeps a conversation and its KV cache between turns.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fuselane.errors import FuselaneError
+from fuselane.gguf.reader import GgufFile, open_gguf
+from fuselane.models import ModelConfig, config_of
+from fuselane.runtime.sampling import GREEDY, Sampler, SamplingParams
+from fuselane.runtime.session import Session
+from fuselane.text.chat import ChatTemplate, encode_chat
+from fuselane.text.tokenizer import Tokenizer
+
+DEFAULT_CTX = 4096  # cache rows when the caller does not ask; the model's own context is often far larger
+LANES = ("cpu", "cuda", "auto")
+
+
+def _cuda_available() -> bool:
+    """Whether an NVIDIA driver is present, asked without importing torch on machines that have none."""
+    return os.path.exists("/dev/nvidiactl")
+
+
+def make_lane(name: str, cfg: ModelConfig, tensors: Any, ctx: int, dtype: Any):
+    """The lane called `name` (`auto`: cuda when a GPU is there and the lane exists, else cpu)."""
+    if name not in LANES:
+        raise FuselaneError(f"unknown lane '{name}' (choose from {', '.join(LANES)})")
+    if name == "cuda" or (name == "auto" and _cuda_available()):
+        try:
+            from fuselane.lanes.cuda import CudaLane  # noqa: F401  (the lane loads lazily)
+        except ImportError:
+            if name == "cuda":
+                raise FuselaneError("the cuda lane is not part of this build of fuselane; use --lane cpu") from None
+        else:
+            return CudaLane(cfg, tensors, ctx=ctx)
+    from fuselane.lanes.cpu.lane import CpuLane
+
+    return CpuLane(cfg, tensors, ctx=ctx, dtype=dtype)
+
+
+@dataclass(slots=True)
+class Model:
+    """A checkpoint ready to generate from."""
+
+    path: Path
+    file: GgufFile
+    cfg: ModelConfig
+    tokenizer: Tokenizer
+    template: ChatTemplate | None
+    lane: Any
+
+    @property
+    def ctx(self) -> int:
+        return self.lane.ctx
+
+    def session(self) -> Session:
+        return Session(self.lane)
+
+    def prompt_ids(self, prompt: str, *, raw: bool = False, system: str | None = None) -> list[int]:
+        """A prompt's tokens: as one user turn through the chat template, or (`raw`) the text as is, where
+        special tokens written out are parsed, as a completion prompt expects."""
+        if raw:
+            prefix = [self.tokenizer.bos_id] if self.tokenizer.add_bos and self.tokenizer.bos_id is not None else []
+            return prefix + self.tokenizer.encode(prompt, special=True)
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return self.encode_messages(messages)
+
+    def encode_messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        if self.template is None:
+            raise FuselaneError(f"{self.path.name} has no chat template; use --raw to complete text as is")
+        return encode_chat(self.tokenizer, self.template, list(messages))
+
+    def generate_ids(self, session: Session, ids: Sequence[int], *, max_tokens: int,
+                     sampling: SamplingParams = GREEDY) -> Iterator[int]:
+        """Feed `ids` and yield sampled tokens until a stop token, `max_tokens`, or the context's end."""
+        if len(ids) >= session.ctx:
+            raise FuselaneError(f"the prompt is {len(ids)} tokens but the context holds {session.ctx}")
+        sampler = Sampler(sampling)
+        logits = session.feed(ids)
+        for _ in range(max_tokens):
+            token = sampler(logits)
+            if token in self.tokenizer.stop_ids:
+                return
+            yield token
+            if session.room() == 0:
+                return
+            logits = session.extend([token])
+
+    def stream(self, prompt: str, *, max_tokens: int = 256, sampling: SamplingParams = GREEDY,
+               raw: bool = False) -> Iterator[str]:
+        """Yield the reply's text as it is generated, always in whole UTF-8 characters."""
+        decoder = self.tokenizer.stream()
+        for token in self.generate_ids(self.session(), self.prompt_ids(prompt, raw=raw), max_tokens=max_tokens,
+                                       sampling=sampling):
+            if piece := decoder.push(token):
+                yield piece
+        if tail := decoder.flush():
+            yield tail
+
+    def generate(self, prompt: str, **kwargs: Any) -> str:
+        """The whole reply as one string (see `stream`)."""
+        return "".join(self.stream(prompt, **kwargs))
+
+    def chat(self, system: str | None = None) -> Chat:
+        """A multi-turn conversation that keeps its KV cache between turns."""
+        return Chat(self, self.session(), [{"role": "system", "content": system}] if system else [])
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits after every token of `ids`, from position 0 (for checks against other implementations)."""
+        return self.lane.forward(np.asarray(ids), 0, all_logits=True)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+@dataclass(slots=True)
+class Chat:
+    """A conversation: each `say` renders the whole history, reusing the cache for what is unchanged."""
+
+    model: Model
+    session: Session
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+    def say(self, text: str, *, max_tokens: int = 512, sampling: SamplingParams = GREEDY) -> Iterator[str]:
+        self.messages.append({"role": "user", "content": text})
+        ids = self.model.encode_messages(self.messages)
+        decoder = self.model.tokenizer.stream()
+        reply: list[str] = []
+        try:
+            for token in self.model.generate_ids(self.session, ids, max_tokens=max_tokens, sampling=sampling):
+                if piece := decoder.push(token):
+                    reply.append(piece)
+                    yield piece
+            if tail := decoder.flush():
+                reply.append(tail)
+                yield tail
+        except FuselaneError:
+            self.messages.pop()
+            raise
+        self.messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def load(model: str | os.PathLike | None = None, *, lane: str = "auto", ctx: int | None = None,
+         dtype: Any = np.float32) -> Model:
+    """Open a checkpoint (a path, or a known name pulled on demand) and make it ready to generate.
+
+    `ctx` is the number of cache rows (default: the model's context, at most 4096); `dtype` is the cpu lane's
+    arithmetic (np.float64 for reference runs).
+    """
+    from fuselane.hub import resolve
+
+    path = resolve(None if model is None else str(model))
+    file = open_gguf(path)
+    try:
+        cfg = config_of(file.metadata, file.tensors)
+        tokenizer = Tokenizer.from_metadata(file.metadata)
+        template = ChatTemplate.from_metadata(file.metadata) if "tokenizer.chat_template" in file.metadata else None
+        rows = ctx if ctx is not None else min(cfg.context, DEFAULT_CTX)
+        if rows < 1:
+            raise FuselaneError(f"the context must hold at least one token, not {rows}")
+        return Model(path, file, cfg, tokenizer, template, make_lane(lane, cfg, file.tensors, rows, dtype))
+    except BaseException:
+        file.close()
+        raise

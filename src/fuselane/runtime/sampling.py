@@ -1,0 +1,65 @@
+"""Choosing the next token from logits: arg-max, or temperature with top-k and top-p, from a seeded generator.
+
+The order is llama.cpp's and Hugging Face's: top-k, then temperature, then top-p over what is left. The same
+seed, prompt and settings give the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fuselane.errors import FuselaneError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 switch those filters off; seed None draws one."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise FuselaneError(f"temperature must be >= 0, not {self.temperature}")
+        if self.top_k < 0:
+            raise FuselaneError(f"top-k must be >= 0, not {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise FuselaneError(f"top-p must be in (0, 1], not {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class Sampler:
+    """Picks tokens under one set of parameters, drawing from its own generator."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        p = self.params
+        logits = np.asarray(logits, dtype=np.float64).reshape(-1)
+        if p.greedy:
+            return int(np.argmax(logits))
+        candidates = np.arange(logits.size)
+        if 0 < p.top_k < logits.size:
+            candidates = np.argpartition(-logits, p.top_k - 1)[: p.top_k]
+        chosen = logits[candidates] / p.temperature
+        order = np.argsort(-chosen, kind="stable")
+        candidates, chosen = candidates[order], chosen[order]
+        probs = np.exp(chosen - chosen[0])
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
+            candidates, probs = candidates[:keep], probs[:keep] / probs[:keep].sum()
+        return int(candidates[self.rng.choice(probs.size, p=probs)])

@@ -1,0 +1,81 @@
+"""Tiny random Hugging Face Qwen2/Qwen3 models and their weights under GGUF names, for logits comparisons."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from fuselane.gguf.synth import Shape
+
+HF_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+LAYER_TO_GGUF = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def tiny_hf(arch: str, *, seed: int = 0, layers: int = 2, tied: bool = False):
+    """A random tiny model of `arch` whose norms and biases are random too (HF starts them at 1 and 0)."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=512,
+                  rope_theta=1e6, tie_word_embeddings=tied)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, **common))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    return model.eval().float()
+
+
+def shape_of(model, arch: str) -> Shape:
+    c = model.config
+    return Shape(arch=arch, n_embd=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
+                 n_kv_heads=c.num_key_value_heads, head_dim=getattr(c, "head_dim", None)
+                 or c.hidden_size // c.num_attention_heads, n_ff=c.intermediate_size, vocab=c.vocab_size,
+                 context=c.max_position_embeddings, rope_base=c.rope_parameters["rope_theta"],
+                 rms_eps=c.rms_norm_eps, tied=c.tie_word_embeddings)
+
+
+def gguf_weights(model) -> dict[str, np.ndarray]:
+    """The model's parameters under GGUF tensor names (numpy order; no q/k permutation for Qwen)."""
+    out = {}
+    for name, p in model.state_dict().items():
+        if name in HF_TO_GGUF:
+            key = HF_TO_GGUF[name]
+        else:
+            prefix, rest = name.split(".", 3)[2], name.split(".", 3)[3]
+            key = f"blk.{prefix}.{LAYER_TO_GGUF[rest]}"
+        if key == "output.weight" and model.config.tie_word_embeddings:
+            continue
+        out[key] = p.detach().cpu().numpy().astype(np.float32)
+    return out
+
+
+def hf_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double().numpy()
