@@ -1,3 +1,5 @@
-from fuselane.cli import main
 import sys
+
+from fuselane.cli import main
+
 sys.exit(main())

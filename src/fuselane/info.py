@@ -48,7 +48,9 @@ def describe(model: str | None) -> dict[str, Any]:
                 "qkv_bias": cfg.qkv_bias,
                 "qk_norm": cfg.qk_norm,
             },
-            "quant_mix": {name: {"tensors": counts[name], "bytes": sizes[name]} for name, _ in counts.most_common()},
+            "quant_mix": {
+                name: {"tensors": counts[name], "bytes": sizes[name]} for name, _ in counts.most_common()
+            },
             "tensors": len(f.tensors),
             "tokenizer": {
                 "model": meta.get("tokenizer.ggml.model"),
@@ -77,7 +79,8 @@ def render(info: dict[str, Any]) -> str:
         f"head_dim {s['head_dim']}, ffn {s['ffn']}, vocab {s['vocab']}",
         f"  context       {s['context']} tokens, rope base {s['rope_base']:g}, rms eps {s['rms_eps']:g}",
         f"  features      qkv bias {s['qkv_bias']}, q/k norm {s['qk_norm']}, tied embeddings {s['tied_embeddings']}",
-        "  quant mix     " + ", ".join(
+        "  quant mix     "
+        + ", ".join(
             f"{name} x{v['tensors']} ({v['bytes'] / 1e6:.1f} MB)" for name, v in info["quant_mix"].items()
         ),
         f"  tokenizer     {t['model']} / {t['pre']}, {t['tokens']} tokens, {t['merges']} merges, "

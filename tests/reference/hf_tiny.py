@@ -34,9 +34,18 @@ LAYER_TO_GGUF = {
 def tiny_hf(arch: str, *, seed: int = 0, layers: int = 2, tied: bool = False):
     """A random tiny model of `arch` whose norms and biases are random too (HF starts them at 1 and 0)."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=512,
-                  rope_theta=1e6, tie_word_embeddings=tied)
+    common = dict(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        rope_theta=1e6,
+        tie_word_embeddings=tied,
+    )
     if arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     else:
@@ -54,11 +63,20 @@ def tiny_hf(arch: str, *, seed: int = 0, layers: int = 2, tied: bool = False):
 
 def shape_of(model, arch: str) -> Shape:
     c = model.config
-    return Shape(arch=arch, n_embd=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
-                 n_kv_heads=c.num_key_value_heads, head_dim=getattr(c, "head_dim", None)
-                 or c.hidden_size // c.num_attention_heads, n_ff=c.intermediate_size, vocab=c.vocab_size,
-                 context=c.max_position_embeddings, rope_base=c.rope_parameters["rope_theta"],
-                 rms_eps=c.rms_norm_eps, tied=c.tie_word_embeddings)
+    return Shape(
+        arch=arch,
+        n_embd=c.hidden_size,
+        n_layers=c.num_hidden_layers,
+        n_heads=c.num_attention_heads,
+        n_kv_heads=c.num_key_value_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        n_ff=c.intermediate_size,
+        vocab=c.vocab_size,
+        context=c.max_position_embeddings,
+        rope_base=c.rope_parameters["rope_theta"],
+        rms_eps=c.rms_norm_eps,
+        tied=c.tie_word_embeddings,
+    )
 
 
 def gguf_weights(model) -> dict[str, np.ndarray]:

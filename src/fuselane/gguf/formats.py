@@ -75,6 +75,11 @@ class BlockLayout:
 QK = 32  # values in a block of the 32-value formats
 QK_K = 256  # values in a super-block of the K formats
 K_SCALE_BYTES = 12  # packed 6-bit sub-block scales and mins of Q4_K / Q5_K
+# the 16 values an IQ4_NL / IQ4_XS 4-bit code stands for (ggml's kvalues_iq4nl), before the block scale
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# the 16 e2m1 values an MXFP4 code stands for, doubled to be integers (ggml's kvalues_mxfp4); the e8m0
+# scale is read as half its power of two (ggml_e8m0_to_fp32_half) to make up for the doubling
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 def _layout(fmt: Format, values: int, *fields: tuple[str, str, int, FieldKind]) -> BlockLayout:
@@ -103,11 +108,21 @@ LAYOUTS: dict[Format, BlockLayout] = {
     ),
     # 16 sub-blocks of 16: 4-bit scale | 4-bit min each; 2-bit codes
     Format.Q2_K: _layout(
-        Format.Q2_K, QK_K, ("scales", "u1", 16, P), ("qs", "u1", 64, P), ("d", "<f2", 1, S), ("dmin", "<f2", 1, M)
+        Format.Q2_K,
+        QK_K,
+        ("scales", "u1", 16, P),
+        ("qs", "u1", 64, P),
+        ("d", "<f2", 1, S),
+        ("dmin", "<f2", 1, M),
     ),
     # hmask: high bits; qs: low 2 bits; scales: 16 packed 6-bit scales
     Format.Q3_K: _layout(
-        Format.Q3_K, QK_K, ("hmask", "u1", 32, P), ("qs", "u1", 64, P), ("scales", "u1", 12, P), ("d", "<f2", 1, S)
+        Format.Q3_K,
+        QK_K,
+        ("hmask", "u1", 32, P),
+        ("qs", "u1", 64, P),
+        ("scales", "u1", 12, P),
+        ("d", "<f2", 1, S),
     ),
     # 8 sub-blocks of 32: 6-bit scale and min packed in 12 bytes; 4-bit codes
     Format.Q4_K: _layout(
@@ -129,7 +144,12 @@ LAYOUTS: dict[Format, BlockLayout] = {
     ),
     # 16 sub-blocks of 16 with signed 8-bit scales; 6-bit codes as 4 low + 2 high bits
     Format.Q6_K: _layout(
-        Format.Q6_K, QK_K, ("ql", "u1", 128, P), ("qh", "u1", 64, P), ("scales", "i1", 16, P), ("d", "<f2", 1, S)
+        Format.Q6_K,
+        QK_K,
+        ("ql", "u1", 128, P),
+        ("qh", "u1", 64, P),
+        ("scales", "i1", 16, P),
+        ("d", "<f2", 1, S),
     ),
     # 4-bit codes into a non-linear table
     Format.IQ4_NL: _layout(Format.IQ4_NL, QK, ("d", "<f2", 1, S), ("qs", "u1", QK // 2, P)),

@@ -62,7 +62,9 @@ def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str) 
     head_dim = _get(meta, p + "attention.key_length", int, n_embd // n_heads)
     value_dim = _get(meta, p + "attention.value_length", int, head_dim)
     if value_dim != head_dim:
-        raise ModelError(f"key length {head_dim} and value length {value_dim} differ; fuselane needs them equal")
+        raise ModelError(
+            f"key length {head_dim} and value length {value_dim} differ; fuselane needs them equal"
+        )
     if "token_embd.weight" not in tensors:
         raise ModelError("tensor 'token_embd.weight' is missing")
     vocab = tensors["token_embd.weight"].shape[0]

@@ -74,7 +74,9 @@ def check_weights(cfg: ModelConfig, tensors: Mapping[str, Any]) -> None:
         if found != shape:
             raise ModelError(f"tensor '{name}' has shape {found} but the metadata implies {shape}")
         if len(shape) == 1 and tensors[name].format not in VECTOR_FORMATS:
-            raise ModelError(f"tensor '{name}' is a vector stored as {tensors[name].format.name}; expected floats")
+            raise ModelError(
+                f"tensor '{name}' is a vector stored as {tensors[name].format.name}; expected floats"
+            )
     if f"blk.{cfg.n_layers}.attn_norm.weight" in tensors:
         raise ModelError(f"the file has more layers than block_count {cfg.n_layers} says")
 
@@ -82,8 +84,16 @@ def check_weights(cfg: ModelConfig, tensors: Mapping[str, Any]) -> None:
 class _Builder:
     """Emits one form's ops into a graph; names activations `l{layer}.{what}`."""
 
-    def __init__(self, cfg: ModelConfig, tensors: Mapping[str, Any], form: Form, rows: int, ctx: int, *,
-                 all_logits: bool) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tensors: Mapping[str, Any],
+        form: Form,
+        rows: int,
+        ctx: int,
+        *,
+        all_logits: bool,
+    ) -> None:
         self.cfg, self.rows, self.ctx, self.all_logits = cfg, rows, ctx, all_logits
         self.g = TensorGraph(form=form, rows=rows, inputs=(IDS,), params=(POS,), outputs=(LOGITS,))
         for name, shape in weight_shapes(cfg).items():
@@ -168,8 +178,15 @@ class _Builder:
         return self.g
 
 
-def recognize(cfg: ModelConfig, tensors: Mapping[str, Any], form: Form, *, rows: int = 1, ctx: int,
-              all_logits: bool = False) -> TensorGraph:
+def recognize(
+    cfg: ModelConfig,
+    tensors: Mapping[str, Any],
+    form: Form,
+    *,
+    rows: int = 1,
+    ctx: int,
+    all_logits: bool = False,
+) -> TensorGraph:
     """The graph of one decode step (`rows` = 1) or one prefill chunk of `rows` rows, over a `ctx`-row cache.
 
     A prefill chunk computes logits for its last row only, unless `all_logits`.

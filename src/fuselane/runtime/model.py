@@ -41,7 +41,9 @@ def make_lane(name: str, cfg: ModelConfig, tensors: Any, ctx: int, dtype: Any):
             from fuselane.lanes.cuda import CudaLane  # noqa: F401  (the lane loads lazily)
         except ImportError:
             if name == "cuda":
-                raise FuselaneError("the cuda lane is not part of this build of fuselane; use --lane cpu") from None
+                raise FuselaneError(
+                    "the cuda lane is not part of this build of fuselane; use --lane cpu"
+                ) from None
         else:
             return CudaLane(cfg, tensors, ctx=ctx)
     from fuselane.lanes.cpu.lane import CpuLane
@@ -71,9 +73,15 @@ class Model:
         """A prompt's tokens: as one user turn through the chat template, or (`raw`) the text as is, where
         special tokens written out are parsed, as a completion prompt expects."""
         if raw:
-            prefix = [self.tokenizer.bos_id] if self.tokenizer.add_bos and self.tokenizer.bos_id is not None else []
+            prefix = (
+                [self.tokenizer.bos_id]
+                if self.tokenizer.add_bos and self.tokenizer.bos_id is not None
+                else []
+            )
             return prefix + self.tokenizer.encode(prompt, special=True)
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
         return self.encode_messages(messages)
 
     def encode_messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
@@ -81,8 +89,9 @@ class Model:
             raise FuselaneError(f"{self.path.name} has no chat template; use --raw to complete text as is")
         return encode_chat(self.tokenizer, self.template, list(messages))
 
-    def generate_ids(self, session: Session, ids: Sequence[int], *, max_tokens: int,
-                     sampling: SamplingParams = GREEDY) -> Iterator[int]:
+    def generate_ids(
+        self, session: Session, ids: Sequence[int], *, max_tokens: int, sampling: SamplingParams = GREEDY
+    ) -> Iterator[int]:
         """Feed `ids` and yield sampled tokens until a stop token, `max_tokens`, or the context's end."""
         if len(ids) >= session.ctx:
             raise FuselaneError(f"the prompt is {len(ids)} tokens but the context holds {session.ctx}")
@@ -97,12 +106,14 @@ class Model:
                 return
             logits = session.extend([token])
 
-    def stream(self, prompt: str, *, max_tokens: int = 256, sampling: SamplingParams = GREEDY,
-               raw: bool = False) -> Iterator[str]:
+    def stream(
+        self, prompt: str, *, max_tokens: int = 256, sampling: SamplingParams = GREEDY, raw: bool = False
+    ) -> Iterator[str]:
         """Yield the reply's text as it is generated, always in whole UTF-8 characters."""
         decoder = self.tokenizer.stream()
-        for token in self.generate_ids(self.session(), self.prompt_ids(prompt, raw=raw), max_tokens=max_tokens,
-                                       sampling=sampling):
+        for token in self.generate_ids(
+            self.session(), self.prompt_ids(prompt, raw=raw), max_tokens=max_tokens, sampling=sampling
+        ):
             if piece := decoder.push(token):
                 yield piece
         if tail := decoder.flush():
@@ -151,8 +162,13 @@ class Chat:
         self.messages.append({"role": "assistant", "content": "".join(reply)})
 
 
-def load(model: str | os.PathLike | None = None, *, lane: str = "auto", ctx: int | None = None,
-         dtype: Any = np.float32) -> Model:
+def load(
+    model: str | os.PathLike | None = None,
+    *,
+    lane: str = "auto",
+    ctx: int | None = None,
+    dtype: Any = np.float32,
+) -> Model:
     """Open a checkpoint (a path, or a known name pulled on demand) and make it ready to generate.
 
     `ctx` is the number of cache rows (default: the model's context, at most 4096); `dtype` is the cpu lane's
@@ -165,7 +181,9 @@ def load(model: str | os.PathLike | None = None, *, lane: str = "auto", ctx: int
     try:
         cfg = config_of(file.metadata, file.tensors)
         tokenizer = Tokenizer.from_metadata(file.metadata)
-        template = ChatTemplate.from_metadata(file.metadata) if "tokenizer.chat_template" in file.metadata else None
+        template = (
+            ChatTemplate.from_metadata(file.metadata) if "tokenizer.chat_template" in file.metadata else None
+        )
         rows = ctx if ctx is not None else min(cfg.context, DEFAULT_CTX)
         if rows < 1:
             raise FuselaneError(f"the context must hold at least one token, not {rows}")

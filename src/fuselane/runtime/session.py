@@ -14,7 +14,9 @@ import numpy as np
 
 from fuselane.errors import FuselaneError
 
-DEFAULT_CHUNK = 256  # prefill rows per graph run: big enough for BLAS, small enough for bounded attention scores
+DEFAULT_CHUNK = (
+    256  # prefill rows per graph run: big enough for BLAS, small enough for bounded attention scores
+)
 
 
 class Lane(Protocol):

@@ -16,7 +16,7 @@ from fuselane.gguf.dequant import dequantize, dequantize_rows
 from fuselane.graph.ir import Form, Op, Role, Strided, TensorGraph
 from fuselane.lanes.cpu.kernels import GATHER, KERNELS
 from fuselane.models import ModelConfig, recognizer
-from fuselane.models.qwen import IDS, LOGITS
+from fuselane.models.qwen import IDS, LOGITS, POS
 
 
 class CpuLane:
@@ -37,8 +37,9 @@ class CpuLane:
         key = (form, rows, all_logits)
         if key not in self._graphs:
             rec = recognizer(self.cfg)
-            self._graphs[key] = rec.recognize(self.cfg, self.tensors, form, rows=rows, ctx=self.ctx,
-                                              all_logits=all_logits)
+            self._graphs[key] = rec.recognize(
+                self.cfg, self.tensors, form, rows=rows, ctx=self.ctx, all_logits=all_logits
+            )
         return self._graphs[key]
 
     def weight(self, name: str) -> np.ndarray:
@@ -67,7 +68,7 @@ class CpuLane:
         return self.run(self.graph(len(ids), all_logits=all_logits), ids, pos)
 
     def run(self, g: TensorGraph, ids: np.ndarray, pos: int) -> np.ndarray:
-        env: dict[str, np.ndarray] = {IDS: ids}
+        env: dict[str, np.ndarray] = {IDS: ids, POS: np.asarray(pos)}
         for op in g.ops:
             self._step(g, op, env, pos)
         return env[LOGITS]
@@ -102,7 +103,9 @@ class CpuLane:
             return x.reshape(-1, access.pitch)[:, access.offset : access.offset + access.width]
         return x
 
-    def _write(self, g: TensorGraph, op: Op, result: np.ndarray, env: dict[str, np.ndarray], pos: int) -> None:
+    def _write(
+        self, g: TensorGraph, op: Op, result: np.ndarray, env: dict[str, np.ndarray], pos: int
+    ) -> None:
         dst = op.dst
         if dst.own() is not None:
             env[dst.buf] = result

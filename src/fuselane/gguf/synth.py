@@ -1,0 +1,512 @@
+"""Write GGUF checkpoints of Qwen2/Qwen3 models at any shape: random weights, or given float weights.
+
+Why: tests need small checkpoints of every architecture and quantization mix, and GPU benchmarks need files in
+the real models' shapes and mixes (decode speed does not depend on weight values) where no real file is at
+hand. `write_synthetic` writes random blocks in a named mix (`tensor_formats` holds the recipes, llama.cpp's
+included) with a synthetic tokenizer and ChatML template; `write_weights` writes given float weights (e.g. a
+Hugging Face tiny model's, for logits comparisons), quantized to chosen formats.
+
+Files are streamed: the header and tensor table go out first, then each tensor is generated and written in
+chunks, so memory stays at one chunk however large the model. Each tensor's random data comes from a
+generator seeded by (seed, tensor name), so the same seed gives the same bytes.
+
+    python -m fuselane.gguf.synth OUT.gguf --shape qwen3-8b --mix q4_k_m [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import enum
+import os
+import sys
+import zlib
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
+
+from fuselane.errors import FuselaneError
+from fuselane.gguf.formats import LAYOUTS, QK_K, Format, tensor_bytes
+from fuselane.gguf.quantize import quantize, random_blocks
+from fuselane.gguf.synth_vocab import synthetic_tokenizer
+
+ARCHS = ("qwen2", "qwen3")
+WEIGHT_SCALE = 0.02  # root-mean-square of random matrix weights, about that of trained transformer weights
+NORM_JITTER = 0.1  # random RMS-norm weights are 1 +- this, so activations keep their size through the norms
+CHUNK_BYTES = 64 << 20  # random data is generated and written this much at a time
+QUANTIZATION_VERSION = 2  # ggml's current block layouts, as llama-quantize stamps them
+UINT32_LIMIT = 1 << 32
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """Hyper-parameters of a dense Qwen model (qwen2: q/k/v biases; qwen3: q/k RMS norms)."""
+
+    arch: str
+    n_embd: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_ff: int
+    vocab: int
+    context: int = 32768
+    rope_base: float = 1_000_000.0
+    rms_eps: float = 1e-6
+    tied: bool = False  # the output projection is the embedding table: no output.weight
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise FuselaneError(f"architecture '{self.arch}' is not one of {', '.join(ARCHS)}")
+        sizes = ("n_embd", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_ff", "vocab", "context")
+        for size in sizes:
+            if getattr(self, size) <= 0:
+                raise FuselaneError(f"shape field {size} must be positive, not {getattr(self, size)}")
+        if self.n_heads % self.n_kv_heads:
+            raise FuselaneError(f"{self.n_heads} heads do not group evenly over {self.n_kv_heads} kv heads")
+        if self.head_dim % 2:
+            raise FuselaneError(f"head_dim {self.head_dim} is odd; rope rotates pairs of dimensions")
+
+
+# The real models' shapes (shared/ANCHORS.md). All are untied, as the files measured there: the real 0.5B
+# Q4_K_M file carries output.weight, and the 0.80 GB Qwen3-0.6B Q8_0 size counts one.
+# Qwen3 files declare a 40,960-token context, Qwen2.5's 32,768.
+SHAPES: dict[str, Shape] = {
+    "qwen2.5-0.5b": Shape("qwen2", 896, 24, 14, 2, 64, 4864, 151936),
+    "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, context=40960),
+    "qwen2.5-7b": Shape("qwen2", 3584, 28, 28, 4, 128, 18944, 151936),
+    "qwen3-8b": Shape("qwen3", 4096, 36, 32, 8, 128, 12288, 151936, context=40960),
+    "tiny-qwen2": Shape("qwen2", 64, 2, 4, 2, 16, 128, 512, context=4096),
+    "tiny-qwen3": Shape("qwen3", 64, 2, 4, 2, 16, 128, 512, context=4096),
+}
+
+
+class Mix(enum.Enum):
+    """Quantization mixes of the matrices (1-D norms and biases are always F32)."""
+
+    F32 = "f32"
+    F16 = "f16"
+    Q8_0 = "q8_0"
+    Q4_K_M = "q4_k_m"  # llama.cpp's Q4_K_M recipe
+    Q4_K_M_05B = "q4_k_m_05b"  # the real Qwen2.5-0.5B Q4_K_M file's mix (see `layer_ranks`)
+
+    @classmethod
+    def parse(cls, mix: Mix | str) -> Mix:
+        """A Mix from itself or its name ('q4_k_m', 'Q4_K_M'); FuselaneError for an unknown one."""
+        if isinstance(mix, Mix):
+            return mix
+        try:
+            return cls(mix.lower())
+        except ValueError:
+            raise FuselaneError(
+                f"unknown mix '{mix}': choose one of {', '.join(m.value for m in cls)}"
+            ) from None
+
+
+FILE_TYPES: dict[Mix, LlamaFileType] = {
+    Mix.F32: LlamaFileType.ALL_F32,
+    Mix.F16: LlamaFileType.MOSTLY_F16,
+    Mix.Q8_0: LlamaFileType.MOSTLY_Q8_0,
+    Mix.Q4_K_M: LlamaFileType.MOSTLY_Q4_K_M,
+    Mix.Q4_K_M_05B: LlamaFileType.MOSTLY_Q4_K_M,
+}
+
+# general.file_type of a file of given weights, by its most used matrix format
+FORMAT_FILE_TYPES: dict[Format, LlamaFileType] = {
+    Format.F32: LlamaFileType.ALL_F32,
+    Format.F16: LlamaFileType.MOSTLY_F16,
+    Format.BF16: LlamaFileType.MOSTLY_BF16,
+    Format.Q8_0: LlamaFileType.MOSTLY_Q8_0,
+    Format.Q4_0: LlamaFileType.MOSTLY_Q4_0,
+    Format.Q4_1: LlamaFileType.MOSTLY_Q4_1,
+    Format.Q5_0: LlamaFileType.MOSTLY_Q5_0,
+    Format.Q5_1: LlamaFileType.MOSTLY_Q5_1,
+    Format.Q2_K: LlamaFileType.MOSTLY_Q2_K,
+    Format.Q3_K: LlamaFileType.MOSTLY_Q3_K_M,
+    Format.Q4_K: LlamaFileType.MOSTLY_Q4_K_M,
+    Format.Q5_K: LlamaFileType.MOSTLY_Q5_K_M,
+    Format.Q6_K: LlamaFileType.MOSTLY_Q6_K,
+    Format.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL,
+    Format.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
+    Format.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE,
+}
+
+
+def resolve_shape(shape: Shape | str) -> tuple[str, Shape]:
+    """A display name and the Shape, from a Shape or a SHAPES key; FuselaneError for an unknown key."""
+    if isinstance(shape, Shape):
+        return f"{shape.arch}-{shape.n_embd}x{shape.n_layers}", shape
+    if shape not in SHAPES:
+        raise FuselaneError(f"unknown shape '{shape}': choose one of {', '.join(SHAPES)}")
+    return shape, SHAPES[shape]
+
+
+def tensor_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
+    """Every tensor's GGUF name and numpy-order shape (rows, row length), in the order files hold them."""
+    q, kv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    out: dict[str, tuple[int, ...]] = {"token_embd.weight": (shape.vocab, shape.n_embd)}
+    for i in range(shape.n_layers):
+        b = f"blk.{i}."
+        out[b + "attn_norm.weight"] = (shape.n_embd,)
+        out[b + "attn_q.weight"] = (q, shape.n_embd)
+        out[b + "attn_k.weight"] = (kv, shape.n_embd)
+        out[b + "attn_v.weight"] = (kv, shape.n_embd)
+        if shape.arch == "qwen2":
+            out |= {b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)}
+        else:
+            out |= {b + "attn_q_norm.weight": (shape.head_dim,), b + "attn_k_norm.weight": (shape.head_dim,)}
+        out[b + "attn_output.weight"] = (shape.n_embd, q)
+        out[b + "ffn_norm.weight"] = (shape.n_embd,)
+        out[b + "ffn_gate.weight"] = (shape.n_ff, shape.n_embd)
+        out[b + "ffn_up.weight"] = (shape.n_ff, shape.n_embd)
+        out[b + "ffn_down.weight"] = (shape.n_embd, shape.n_ff)
+    out["output_norm.weight"] = (shape.n_embd,)
+    if not shape.tied:
+        out["output.weight"] = (shape.vocab, shape.n_embd)
+    return out
+
+
+# --- the recipes --------------------------------------------------------------------------------------------
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's `use_more_bits` (llama-quant.cpp): the layers whose attn_v and ffn_down get Q6_K in Q4_K_M.
+
+    The first and last eighth, and every third layer between them, in C integer arithmetic:
+    `i < n/8 || i >= 7*n/8 || (i - n/8) % 3 == 2`.
+    """
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def layer_ranks(n_layers: int, mix: Mix) -> list[int]:
+    """The index llama-quantize counted each layer as when it applied `use_more_bits`.
+
+    llama-quantize counts attn_v / ffn_down tensors in the order the source file holds them. For Q4_K_M that
+    is taken as layer order. The real Qwen2.5-0.5B file was converted with tensors sorted by name, so its
+    layers were counted in string order (0, 1, 10, 11, ..., 19, 2, 20, ...): its Q6_K ffn_down / Q8_0 attn_v
+    layers are 0, 1, 3, 6-10, 13, 16, 19, 21 rather than 0-2, 5, 8, ..., 20-23; Q4_K_M_05B reproduces that.
+    """
+    if mix is not Mix.Q4_K_M_05B:
+        return list(range(n_layers))
+    counted = sorted(range(n_layers), key=str)
+    return [counted.index(i) for i in range(n_layers)]
+
+
+# llama.cpp's fallback when a tensor's rows are not whole blocks of the chosen format (llama-quant.cpp,
+# convert_incompatible_tensor); F16 when the fallback does not fit either.
+FALLBACK: dict[Format, Format] = {
+    Format.Q2_K: Format.IQ4_NL,
+    Format.Q3_K: Format.IQ4_NL,
+    Format.IQ4_XS: Format.IQ4_NL,
+    Format.Q4_K: Format.Q5_0,
+    Format.Q5_K: Format.Q5_1,
+    Format.Q6_K: Format.Q8_0,
+}
+
+
+def fit_format(fmt: Format, row: int) -> Format:
+    """`fmt`, or llama.cpp's fallback for it when a row of `row` values is not whole blocks of `fmt`."""
+    if row % LAYOUTS[fmt].values == 0:
+        return fmt
+    fmt = FALLBACK.get(fmt, Format.F16)
+    return fmt if row % LAYOUTS[fmt].values == 0 else Format.F16
+
+
+def _q4_k_m(shape: Shape, name: str, row: int, ranks: list[int]) -> Format:
+    # The output projection (the embedding table when tied) gets Q6_K, or Q8_0 straight away when its rows
+    # are not whole super-blocks: llama.cpp special-cases it before the generic fallback.
+    if name == "output.weight" or (shape.tied and name == "token_embd.weight"):
+        return Format.Q6_K if row % QK_K == 0 else Format.Q8_0
+    parts = name.split(".")
+    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down"):
+        if use_more_bits(ranks[int(parts[1])], shape.n_layers):
+            return Format.Q6_K
+    return Format.Q4_K
+
+
+_PLAIN: dict[Mix, Format] = {Mix.F32: Format.F32, Mix.F16: Format.F16, Mix.Q8_0: Format.Q8_0}
+
+
+def tensor_formats(shape: Shape, mix: Mix | str) -> dict[str, Format]:
+    """Each tensor's storage format in `mix`, by GGUF name, in file order.
+
+    1-D tensors (norms, biases) are F32. F32 / F16 / Q8_0: every matrix in that format. Q4_K_M (llama.cpp):
+    embedding Q4_K; output Q6_K; attn_v and ffn_down Q6_K on the `use_more_bits` layers, Q4_K elsewhere;
+    other matrices Q4_K. Q4_K_M_05B: the same with the real 0.5B file's layer count order (`layer_ranks`).
+    Rows that are not whole blocks fall back as llama.cpp does (`fit_format`): e.g. at n_embd 896, Q4_K
+    becomes Q5_0 and Q6_K becomes Q8_0.
+    """
+    mix = Mix.parse(mix)
+    ranks = layer_ranks(shape.n_layers, mix)
+    formats: dict[str, Format] = {}
+    for name, dims in tensor_shapes(shape).items():
+        if len(dims) == 1:
+            formats[name] = Format.F32
+            continue
+        wanted = _PLAIN[mix] if mix in _PLAIN else _q4_k_m(shape, name, dims[-1], ranks)
+        formats[name] = fit_format(wanted, dims[-1])
+    return formats
+
+
+# --- writing ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    name: str
+    dims: tuple[int, ...]
+    fmt: Format
+    nbytes: int
+
+
+def _add_metadata(writer: GGUFWriter, key: str, value: Any) -> None:
+    # GGUF keeps counts and token ids as uint32 and hyper-parameters as float32, as llama.cpp writes them
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        if 0 <= value < UINT32_LIMIT:
+            writer.add_uint32(key, value)
+        else:
+            writer.add_int64(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, list | tuple):
+        writer.add_array(key, list(value))
+    else:
+        raise FuselaneError(f"metadata '{key}' has a value of type {type(value).__name__} GGUF cannot hold")
+
+
+def model_metadata(shape: Shape, name: str, file_type: int) -> dict[str, Any]:
+    """The general.* and {arch}.* metadata of a checkpoint of `shape`, as llama.cpp's converter writes it."""
+    a = shape.arch
+    meta: dict[str, Any] = {
+        "general.type": "model",
+        "general.name": name,
+        f"{a}.block_count": shape.n_layers,
+        f"{a}.context_length": shape.context,
+        f"{a}.embedding_length": shape.n_embd,
+        f"{a}.feed_forward_length": shape.n_ff,
+        f"{a}.attention.head_count": shape.n_heads,
+        f"{a}.attention.head_count_kv": shape.n_kv_heads,
+    }
+    # Qwen3 always states its head size; Qwen2 files only when it is not n_embd / heads, the reader's default.
+    if a == "qwen3" or shape.n_heads * shape.head_dim != shape.n_embd:
+        meta[f"{a}.attention.key_length"] = shape.head_dim
+        meta[f"{a}.attention.value_length"] = shape.head_dim
+    meta |= {
+        f"{a}.rope.freq_base": float(shape.rope_base),
+        f"{a}.attention.layer_norm_rms_epsilon": float(shape.rms_eps),
+        "general.file_type": int(file_type),
+        "general.quantization_version": QUANTIZATION_VERSION,
+    }
+    return meta
+
+
+@contextlib.contextmanager
+def _progress_bar(enabled: bool, total: int, label: str) -> Iterator[Callable[[int], None]]:
+    if not enabled:
+        yield lambda _n: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def _pad(f: Any, alignment: int) -> None:
+    f.write(b"\0" * (-f.tell() % alignment))
+
+
+def _write(
+    path: str | os.PathLike[str],
+    shape: Shape,
+    plan: list[_Planned],
+    metadata: Mapping[str, Any],
+    chunks: Callable[[_Planned], Iterator[np.ndarray]],
+    progress: bool,
+) -> Path:
+    """Stream a GGUF file: header, metadata and tensor table through GGUFWriter, then each tensor's chunks.
+
+    Written to a '.partial' file renamed into place at the end, so a failed or interrupted write never leaves
+    a file at `path` that looks like a checkpoint.
+    """
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FuselaneError(f"cannot write {path}: folder {path.parent} does not exist")
+    partial = path.with_name(path.name + ".partial")
+    writer = GGUFWriter(partial, shape.arch)
+    for key, value in metadata.items():
+        _add_metadata(writer, key, value)
+    for t in plan:
+        # shape in numpy order with a non-uint8 dtype: GGUFWriter takes it as elements and reverses it
+        writer.add_tensor_info(
+            t.name, t.dims, np.dtype(np.float32), t.nbytes, GGMLQuantizationType(int(t.fmt))
+        )
+    alignment = writer.data_alignment
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        writer.close()
+        total = sum(t.nbytes for t in plan)
+        with open(partial, "ab") as f, _progress_bar(progress, total, f"writing {path.name}") as advance:
+            # the tensor table gives offsets from the aligned data start, each tensor padded to the alignment
+            _pad(f, alignment)
+            for t in plan:
+                written = 0
+                for chunk in chunks(t):
+                    chunk.tofile(f)
+                    written += chunk.nbytes
+                    advance(chunk.nbytes)
+                if written != t.nbytes:
+                    raise RuntimeError(f"{t.name}: wrote {written} bytes, the tensor table says {t.nbytes}")
+                _pad(f, alignment)
+        partial.replace(path)
+    except BaseException:
+        writer.close()
+        partial.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _seeded(seed: int, name: str) -> np.random.Generator:
+    # per tensor, so a tensor's bytes do not depend on which tensors come before it
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def _random_chunks(t: _Planned, seed: int) -> Iterator[np.ndarray]:
+    rng = _seeded(seed, t.name)
+    if len(t.dims) == 1:  # norm weights near one, biases near zero
+        is_norm = t.name.endswith("norm.weight")
+        spread = np.float32(NORM_JITTER if is_norm else WEIGHT_SCALE)
+        yield quantize(rng.standard_normal(t.dims[0], dtype=np.float32) * spread + np.float32(is_norm), t.fmt)
+        return
+    rows, row = t.dims
+    lay = LAYOUTS[t.fmt]
+    blocks_per_row = row // lay.values
+    rows_per_chunk = max(1, CHUNK_BYTES // (blocks_per_row * lay.nbytes))
+    for start in range(0, rows, rows_per_chunk):
+        n = min(rows_per_chunk, rows - start)
+        yield random_blocks(t.fmt, n * blocks_per_row, rng, WEIGHT_SCALE).reshape(-1)
+
+
+def write_synthetic(
+    path: str | os.PathLike[str],
+    shape: Shape | str,
+    mix: Mix | str = "q8_0",
+    *,
+    seed: int = 0,
+    progress: bool = False,
+) -> Path:
+    """Write a checkpoint of `shape` (a Shape or a SHAPES name) with random weights in `mix`; return its path.
+
+    Matrices are random blocks of the formats `tensor_formats` gives (values of size ~0.02), norms near one,
+    biases near zero; the tokenizer is `synthetic_tokenizer(shape.vocab, seed)`. The same arguments give the
+    same bytes. `progress` shows a progress bar on stderr. Memory stays at one 64 MiB chunk.
+    """
+    label, shape = resolve_shape(shape)
+    mix = Mix.parse(mix)
+    dims = tensor_shapes(shape)
+    plan = [_Planned(n, dims[n], f, tensor_bytes(f, dims[n])) for n, f in tensor_formats(shape, mix).items()]
+    meta = model_metadata(shape, f"synthetic {label} {mix.value}", FILE_TYPES[mix])
+    meta["general.description"] = (
+        f"fuselane synthetic checkpoint: random weights, mix {mix.value}, seed {seed}"
+    )
+    meta |= _tokenizer(shape, None, seed)
+    return _write(path, shape, plan, meta, lambda t: _random_chunks(t, seed), progress)
+
+
+def _tokenizer(shape: Shape, tokenizer: Mapping[str, Any] | None, seed: int = 0) -> dict[str, Any]:
+    try:
+        meta = dict(tokenizer) if tokenizer is not None else synthetic_tokenizer(shape.vocab, seed)
+    except ValueError as e:
+        raise FuselaneError(str(e)) from None
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is not None and len(tokens) != shape.vocab:
+        raise FuselaneError(f"the tokenizer has {len(tokens)} tokens, the embedding table {shape.vocab} rows")
+    return meta
+
+
+def write_weights(
+    path: str | os.PathLike[str],
+    shape: Shape | str,
+    weights: Mapping[str, np.ndarray],
+    formats: Mapping[str, Format] | None = None,
+    *,
+    tokenizer: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write given float weights, by GGUF tensor name in numpy order, as a checkpoint of `shape`.
+
+    Every tensor of `tensor_shapes(shape)` must be given, at its shape, and nothing else. Each is stored in
+    `formats[name]` (F32 where not named) via `quantize`, so F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 are
+    possible. `tokenizer` is GGUF tokenizer metadata (default: the synthetic one). Returns the path.
+    """
+    label, shape = resolve_shape(shape)
+    dims = tensor_shapes(shape)
+    missing = [n for n in dims if n not in weights]
+    extra = [n for n in weights if n not in dims]
+    if missing or extra:
+        raise FuselaneError(
+            f"weights do not match the {shape.arch} tensors: missing {missing[:3]}, extra {extra[:3]}"
+        )
+    formats = dict(formats or {})
+    unknown = [n for n in formats if n not in dims]
+    if unknown:
+        raise FuselaneError(f"formats name tensors the model does not have: {unknown[:3]}")
+    plan: list[_Planned] = []
+    for name, want in dims.items():
+        got = tuple(np.shape(weights[name]))
+        if got != want:
+            raise FuselaneError(f"weight '{name}' has shape {got}, expected {want}")
+        fmt = Format(formats.get(name, Format.F32))
+        if want[-1] % LAYOUTS[fmt].values:
+            raise FuselaneError(f"'{name}' rows of {want[-1]} values are not whole {fmt.name} blocks")
+        plan.append(_Planned(name, want, fmt, tensor_bytes(fmt, want)))
+    matrix_formats = Counter({t.fmt: 0 for t in plan})
+    for t in plan:
+        if len(t.dims) > 1:
+            matrix_formats[t.fmt] += t.dims[0] * t.dims[1]
+    file_type = FORMAT_FILE_TYPES.get(matrix_formats.most_common(1)[0][0], LlamaFileType.GUESSED)
+    meta = model_metadata(shape, f"{label} weights", file_type) | _tokenizer(shape, tokenizer)
+
+    def encode(t: _Planned) -> Iterator[np.ndarray]:
+        yield quantize(np.asarray(weights[t.name], dtype=np.float32), t.fmt)
+
+    return _write(path, shape, plan, meta, encode, progress=False)
+
+
+# --- command line -------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m fuselane.gguf.synth OUT.gguf --shape NAME --mix MIX [--seed N]`: write a synthetic file."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fuselane.gguf.synth", description="Write a synthetic Qwen GGUF checkpoint."
+    )
+    parser.add_argument("out", help="path of the .gguf file to write")
+    parser.add_argument("--shape", default="tiny-qwen2", help=f"one of: {', '.join(SHAPES)}")
+    parser.add_argument("--mix", default="q8_0", help=f"one of: {', '.join(m.value for m in Mix)}")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and vocabulary")
+    args = parser.parse_args(argv)
+    try:
+        path = write_synthetic(args.out, args.shape, args.mix, seed=args.seed, progress=sys.stderr.isatty())
+    except (FuselaneError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    size = path.stat().st_size
+    print(f"{path} {size:,} bytes ({size / 1e9:.2f} GB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Tests of the text layer: the GGUF tokenizer and chat templates."""
