@@ -59,7 +59,7 @@ class Model:
     file: GgufFile
     cfg: ModelConfig
     tokenizer: Tokenizer
-    template: ChatTemplate | None
+    template: ChatTemplate | str  # the template, or why the file has none usable
     lane: Any
 
     @property
@@ -85,8 +85,8 @@ class Model:
         return self.encode_messages(messages)
 
     def encode_messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        if self.template is None:
-            raise FuselaneError(f"{self.path.name} has no chat template; use --raw to complete text as is")
+        if isinstance(self.template, str):
+            raise FuselaneError(f"{self.path.name}: {self.template}")
         return encode_chat(self.tokenizer, self.template, list(messages))
 
     def generate_ids(
@@ -181,9 +181,11 @@ def load(
     try:
         cfg = config_of(file.metadata, file.tensors)
         tokenizer = Tokenizer.from_metadata(file.metadata)
-        template = (
-            ChatTemplate.from_metadata(file.metadata) if "tokenizer.chat_template" in file.metadata else None
-        )
+        template: ChatTemplate | str
+        try:
+            template = ChatTemplate.from_metadata(file.metadata)
+        except FuselaneError as e:  # kept, so that plain completion still works without a usable template
+            template = str(e)
         rows = ctx if ctx is not None else min(cfg.context, DEFAULT_CTX)
         if rows < 1:
             raise FuselaneError(f"the context must hold at least one token, not {rows}")

@@ -55,6 +55,10 @@ class CpuLane:
             if tensor.role is Role.WEIGHT and not (name == "token_embd.weight" and not self.cfg.tied):
                 self.weight(name)
 
+    def dequantized_bytes(self) -> int:
+        """Bytes the lane holds in dequantized weights."""
+        return sum(w.nbytes for w in self._weights.values())
+
     def cache(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self._cache:
             self._cache[name] = np.zeros(shape, dtype=self.dtype)
