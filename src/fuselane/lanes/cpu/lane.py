@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from fuselane.gguf.dequant import dequantize, dequantize_rows
+from fuselane.graph import facts
 from fuselane.graph.ir import Form, Op, Role, Strided, TensorGraph
 from fuselane.lanes.cpu.kernels import GATHER, KERNELS
 from fuselane.models import ModelConfig, recognizer
@@ -30,6 +31,7 @@ class CpuLane:
         self._weights: dict[str, np.ndarray] = {}
         self._graphs: dict[tuple[Form, int, bool], TensorGraph] = {}
         self._cache: dict[str, np.ndarray] = {}
+        self._liveness: dict[int, list[tuple[str, ...]]] = {}
 
     def graph(self, rows: int, *, all_logits: bool = False) -> TensorGraph:
         """The graph for `rows` rows (a decode step when one), built once per shape."""
@@ -73,9 +75,26 @@ class CpuLane:
 
     def run(self, g: TensorGraph, ids: np.ndarray, pos: int) -> np.ndarray:
         env: dict[str, np.ndarray] = {IDS: ids, POS: np.asarray(pos)}
-        for op in g.ops:
+        for op, dead in zip(g.ops, self._dead_after(g), strict=True):
             self._step(g, op, env, pos)
+            for name in dead:  # a chunk's activations would otherwise all stay alive until it ends
+                del env[name]
         return env[LOGITS]
+
+    def _dead_after(self, g: TensorGraph) -> list[tuple[str, ...]]:
+        """For each op, the activations no later op reads, so they can be freed once it has run."""
+        key = id(g)
+        if key not in self._liveness:
+            last: dict[str, int] = {}
+            for i, op in enumerate(g.ops):
+                for name in (*facts.reads(op), *facts.writes(op)):
+                    if g.tensors[name].role is Role.ACTIVATION:
+                        last[name] = i
+            dead: list[list[str]] = [[] for _ in g.ops]
+            for name, i in last.items():
+                dead[i].append(name)
+            self._liveness[key] = [tuple(d) for d in dead]
+        return self._liveness[key]
 
     def _value(self, g: TensorGraph, name: str, env: dict[str, np.ndarray]) -> np.ndarray:
         if name in env:
