@@ -39,9 +39,7 @@ def ours(qwen_gguf):
 @pytest.fixture(scope="module")
 def hf(qwen_gguf):
     path = Path(qwen_gguf)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return model.eval()
 
 

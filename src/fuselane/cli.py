@@ -11,6 +11,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from fuselane.errors import FuselaneError
 
@@ -20,6 +21,14 @@ EXIT_INTERRUPTED = 130
 
 def _say(*parts: object) -> None:
     print(*parts, file=sys.stderr, flush=True)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors follow the rule above (argparse prints the usage and exits 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        _say(f"fuselane: error: {message} (see '{self.prog} --help')")
+        sys.exit(EXIT_ERROR)
 
 
 def _sampling(args: argparse.Namespace):
@@ -124,24 +133,16 @@ def cmd_info(args: argparse.Namespace) -> None:
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", type=int, default=256, help="most tokens to generate (default 256)")
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 is greedy (default 0.8)")
-    p.add_argument(
-        "--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0 = all (default 40)"
-    )
+    p.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0 = all (default 40)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (default 0.95)")
     p.add_argument("--seed", type=int, default=None, help="random seed: the same seed gives the same text")
-    p.add_argument(
-        "--lane", choices=("cpu", "cuda", "auto"), default="auto", help="where to run (default auto)"
-    )
-    p.add_argument(
-        "--ctx", type=int, default=None, help="context size in tokens (default: model's, at most 4096)"
-    )
+    p.add_argument("--lane", choices=("cpu", "cuda", "auto"), default="auto", help="where to run (default auto)")
+    p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: model's, at most 4096)")
     p.add_argument("-v", "--verbose", action="store_true", help="timings and load details on stderr")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="fuselane", description="Run quantized GGUF checkpoints with fused kernels."
-    )
+    p = _Parser(prog="fuselane", description="Run quantized GGUF checkpoints with fused kernels.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="generate a reply to a prompt (streams to stdout)")
@@ -185,6 +186,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):
+        # a reply may hold characters the terminal's encoding lacks: show a stand-in, not a traceback mid-reply
+        sys.stdout.reconfigure(errors="replace")
     func: Callable[[argparse.Namespace], None] = args.func
     try:
         func(args)

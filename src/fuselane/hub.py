@@ -78,9 +78,7 @@ def known(name: str) -> KnownModel:
         return KNOWN_MODELS[name]
     except KeyError:
         names = ", ".join(sorted(KNOWN_MODELS))
-        raise FuselaneError(
-            f"unknown model '{name}': give a path to a .gguf file or one of: {names}"
-        ) from None
+        raise FuselaneError(f"unknown model '{name}': give a path to a .gguf file or one of: {names}") from None
 
 
 def _verified_marker(path: Path) -> Path:

@@ -48,9 +48,7 @@ def describe(model: str | None) -> dict[str, Any]:
                 "qkv_bias": cfg.qkv_bias,
                 "qk_norm": cfg.qk_norm,
             },
-            "quant_mix": {
-                name: {"tensors": counts[name], "bytes": sizes[name]} for name, _ in counts.most_common()
-            },
+            "quant_mix": {name: {"tensors": counts[name], "bytes": sizes[name]} for name, _ in counts.most_common()},
             "tensors": len(f.tensors),
             "tokenizer": {
                 "model": meta.get("tokenizer.ggml.model"),
@@ -80,9 +78,7 @@ def render(info: dict[str, Any]) -> str:
         f"  context       {s['context']} tokens, rope base {s['rope_base']:g}, rms eps {s['rms_eps']:g}",
         f"  features      qkv bias {s['qkv_bias']}, q/k norm {s['qk_norm']}, tied embeddings {s['tied_embeddings']}",
         "  quant mix     "
-        + ", ".join(
-            f"{name} x{v['tensors']} ({v['bytes'] / 1e6:.1f} MB)" for name, v in info["quant_mix"].items()
-        ),
+        + ", ".join(f"{name} x{v['tensors']} ({v['bytes'] / 1e6:.1f} MB)" for name, v in info["quant_mix"].items()),
         f"  tokenizer     {t['model']} / {t['pre']}, {t['tokens']} tokens, {t['merges']} merges, "
         f"bos {t['bos']}, eos {t['eos']}, chat template {'yes' if t['chat_template'] else 'no'}",
     ]

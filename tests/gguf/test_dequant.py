@@ -132,9 +132,7 @@ def test_reads_a_memmap(tmp_path) -> None:
     blocks.tofile(path)
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     shape = (8, 5 * 256)
-    assert _same_bits(
-        dequantize(mapped, Format.Q4_K, shape), dequantize(blocks.reshape(-1), Format.Q4_K, shape)
-    )
+    assert _same_bits(dequantize(mapped, Format.Q4_K, shape), dequantize(blocks.reshape(-1), Format.Q4_K, shape))
 
 
 def test_empty_tensor() -> None:
@@ -226,9 +224,7 @@ def test_random_blocks_have_the_intended_size(fmt: Format, scale: float) -> None
 @pytest.mark.parametrize("fmt", QUANTIZABLE, ids=lambda f: f.name)
 @FEW
 @given(rows=st.integers(1, 4), blocks_per_row=st.integers(1, 3), seed=st.integers(0, 2**16))
-def test_quantize_matches_gguf_and_round_trips(
-    fmt: Format, rows: int, blocks_per_row: int, seed: int
-) -> None:
+def test_quantize_matches_gguf_and_round_trips(fmt: Format, rows: int, blocks_per_row: int, seed: int) -> None:
     lay = LAYOUTS[fmt]
     shape = (rows, blocks_per_row * 32)  # 32: whole blocks of every quantizable format
     x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)

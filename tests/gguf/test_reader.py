@@ -65,9 +65,7 @@ def arr(etype: int, items: list[bytes], count: int | None = None) -> bytes:
     return u32(etype) + u64(len(items) if count is None else count) + b"".join(items)
 
 
-def tinfo(
-    name: str | bytes, dims: tuple[int, ...], type_id: int, offset: int, n_dims: int | None = None
-) -> bytes:
+def tinfo(name: str | bytes, dims: tuple[int, ...], type_id: int, offset: int, n_dims: int | None = None) -> bytes:
     n = len(dims) if n_dims is None else n_dims
     return gstr(name) + u32(n) + b"".join(u64(d) for d in dims) + u32(type_id) + u64(offset)
 
@@ -471,9 +469,7 @@ def test_kv_count_just_too_big(tmp_path: Path) -> None:
 
 def test_n_dims_max(tmp_path: Path) -> None:
     content = build([], [tinfo("w", (8, 2), QT.F32, 0, n_dims=U32_MAX)])
-    expect_error(
-        tmp_path, content, f"tensor 'w' has 4,294,967,295 dimensions; GGUF tensors have 1 to {GGML_MAX_DIMS}"
-    )
+    expect_error(tmp_path, content, f"tensor 'w' has 4,294,967,295 dimensions; GGUF tensors have 1 to {GGML_MAX_DIMS}")
 
 
 def test_n_dims_five(tmp_path: Path) -> None:
@@ -488,9 +484,7 @@ def test_n_dims_zero(tmp_path: Path) -> None:
 
 def test_zero_dim(tmp_path: Path) -> None:
     content = build([], [tinfo("w", (8, 0), QT.F32, 0)])
-    expect_error(
-        tmp_path, content, "tensor 'w' has a dimension of 0 in [8, 0]; every dimension must be at least 1"
-    )
+    expect_error(tmp_path, content, "tensor 'w' has a dimension of 0 in [8, 0]; every dimension must be at least 1")
 
 
 def test_dims_product_overflows(tmp_path: Path) -> None:
@@ -513,9 +507,7 @@ def test_deep_nesting(tmp_path: Path) -> None:
     value = arr(VT.UINT8, [b"\x01"])
     for _ in range(MAX_ARRAY_DEPTH):
         value = arr(VT.ARRAY, [value])
-    expect_error(
-        tmp_path, build([kv("deep", VT.ARRAY, value)]), f"nests arrays more than {MAX_ARRAY_DEPTH} deep"
-    )
+    expect_error(tmp_path, build([kv("deep", VT.ARRAY, value)]), f"nests arrays more than {MAX_ARRAY_DEPTH} deep")
 
 
 def test_nesting_at_the_limit_loads(tmp_path: Path) -> None:
@@ -540,9 +532,7 @@ def test_unknown_array_element_type(tmp_path: Path) -> None:
 
 
 def test_non_utf8_key(tmp_path: Path) -> None:
-    expect_error(
-        tmp_path, build([kv(b"k\xff", VT.UINT8, b"\x00")]), "metadata key #0 at byte 24 is not valid UTF-8"
-    )
+    expect_error(tmp_path, build([kv(b"k\xff", VT.UINT8, b"\x00")]), "metadata key #0 at byte 24 is not valid UTF-8")
 
 
 def test_non_utf8_value(tmp_path: Path) -> None:
@@ -608,9 +598,7 @@ def test_data_past_end(tmp_path: Path) -> None:
 
 def test_offset_past_end(tmp_path: Path) -> None:
     info, data = f32_tensor(offset=HUGE)
-    expect_error(
-        tmp_path, build([], [info], data), "truncated: tensor 'w' data ends at byte 9,223,372,036,854,"
-    )
+    expect_error(tmp_path, build([], [info], data), "truncated: tensor 'w' data ends at byte 9,223,372,036,854,")
 
 
 def test_overlapping_tensors(tmp_path: Path) -> None:
@@ -688,9 +676,5 @@ def test_real_file(qwen_gguf: str) -> None:
         ):
             assert md[key] == ref.fields[key].contents(), key
         first, last = ref.tensors[0], ref.tensors[-1]
-        assert (
-            f.tensors[first.name].data[:64].tobytes() == first.data.reshape(-1).view(np.uint8)[:64].tobytes()
-        )
-        assert (
-            f.tensors[last.name].data[-64:].tobytes() == last.data.reshape(-1).view(np.uint8)[-64:].tobytes()
-        )
+        assert f.tensors[first.name].data[:64].tobytes() == first.data.reshape(-1).view(np.uint8)[:64].tobytes()
+        assert f.tensors[last.name].data[-64:].tobytes() == last.data.reshape(-1).view(np.uint8)[-64:].tobytes()

@@ -156,9 +156,7 @@ def test_05b_mix_matches_the_real_file(request):
     with open_gguf(request.getfixturevalue("qwen_gguf")) as real:
         shape = SHAPES["qwen2.5-0.5b"]
         formats, shapes = tensor_formats(shape, Mix.Q4_K_M_05B), tensor_shapes(shape)
-        assert {n: (t.format, t.shape) for n, t in real.tensors.items()} == {
-            n: (formats[n], shapes[n]) for n in shapes
-        }
+        assert {n: (t.format, t.shape) for n, t in real.tensors.items()} == {n: (formats[n], shapes[n]) for n in shapes}
 
 
 def test_real_05b_file_writes_with_the_right_table(tmp_path):
@@ -261,9 +259,7 @@ def test_transformers_reads_the_tokenizer_and_template(tmp_path):
     assert len(tok) == 512 and tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
     text = "Hello there, ünïcode!"
     assert tok.decode(tok.encode(text)) == text
-    chat = tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
-    )
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -318,9 +314,7 @@ def test_write_weights_checks_names_and_shapes(tmp_path):
     with pytest.raises(FuselaneError, match="whole Q4_K blocks"):
         write_weights(tmp_path / "w.gguf", shape, weights, {"blk.0.attn_norm.weight": Format.Q4_K})
     with pytest.raises(FuselaneError, match="Q4_K"):  # rows fit, but quantize cannot make K blocks
-        write_weights(
-            tmp_path / "w.gguf", K_SHAPE, random_weights(K_SHAPE), {"blk.0.ffn_up.weight": Format.Q4_K}
-        )
+        write_weights(tmp_path / "w.gguf", K_SHAPE, random_weights(K_SHAPE), {"blk.0.ffn_up.weight": Format.Q4_K})
     with pytest.raises(FuselaneError, match="tokens"):
         write_weights(tmp_path / "w.gguf", shape, weights, tokenizer=synthetic_tokenizer(300))
     assert not list(tmp_path.iterdir())

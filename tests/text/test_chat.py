@@ -45,9 +45,7 @@ def test_chatml_fallback_without_template(chatml):
     assert chatml.is_fallback and chatml.source == CHATML_TEMPLATE
     rendered = chatml.render([{"role": "user", "content": "hi"}])
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert chatml.render([{"role": "user", "content": "hi"}], add_generation_prompt=False).endswith(
-        "<|im_end|>\n"
-    )
+    assert chatml.render([{"role": "user", "content": "hi"}], add_generation_prompt=False).endswith("<|im_end|>\n")
 
 
 def test_no_template_and_no_chatml_is_a_clear_error():
@@ -188,9 +186,7 @@ def test_encode_chat_when_the_template_trims_text(tiny):
 
 
 def test_encode_chat_when_the_template_repeats_text(tiny):
-    twice = ChatTemplate(
-        "{% for m in messages %}<|im_start|>{{ m.content }}{{ m.content }}<|im_end|>{% endfor %}"
-    )
+    twice = ChatTemplate("{% for m in messages %}<|im_start|>{{ m.content }}{{ m.content }}<|im_end|>{% endfor %}")
     messages = [{"role": "user", "content": "hello"}]
     assert encode_chat(tiny, twice, messages) == tiny.encode(twice.render(messages), special=True)
     with pytest.raises(FuselaneError, match="control token"):
@@ -202,9 +198,7 @@ def test_encode_chat_multipart_content(tiny):
         "{% for m in messages %}<|im_start|>{% for part in m.content %}{{ part.text }}{% endfor %}<|im_end|>"
         "{% endfor %}"
     )
-    messages = [
-        {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": INJECTION}]}
-    ]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": INJECTION}]}]
     ids = encode_chat(tiny, template, messages)
     assert ids.count(tiny.special_tokens["<|im_start|>"]) == 1
     assert tiny.decode(ids) == template.render(messages)
@@ -212,8 +206,7 @@ def test_encode_chat_multipart_content(tiny):
 
 def test_encode_chat_empty_content_keeps_template_branches(tiny):
     template = ChatTemplate(
-        "{% for m in messages %}{% if m.content %}[{{ m.content }}]{% else %}<|im_end|>{% endif %}"
-        "{% endfor %}"
+        "{% for m in messages %}{% if m.content %}[{{ m.content }}]{% else %}<|im_end|>{% endif %}{% endfor %}"
     )
     messages = [{"role": "user", "content": ""}, {"role": "user", "content": "hello"}]
     assert encode_chat(tiny, template, messages) == tiny.encode(template.render(messages), special=True)
@@ -251,9 +244,7 @@ def qwen_template(qwen_meta) -> ChatTemplate:
 @pytest.fixture(scope="module")
 def hf(qwen_gguf):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(qwen_gguf), gguf_file=os.path.basename(qwen_gguf)
-    )
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(qwen_gguf), gguf_file=os.path.basename(qwen_gguf))
 
 
 def hf_chat_ids(hf, messages: list[dict[str, Any]]) -> list[int]:

@@ -272,9 +272,7 @@ def qwen(qwen_meta) -> Tokenizer:
 @pytest.fixture(scope="module")
 def hf(qwen_gguf):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(qwen_gguf), gguf_file=os.path.basename(qwen_gguf)
-    )
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(qwen_gguf), gguf_file=os.path.basename(qwen_gguf))
 
 
 def hf_ids(hf, text: str, *, special: bool) -> list[int]:
@@ -329,9 +327,7 @@ def test_real_lookalike_stays_text(qwen, hf):
 
 
 @pytest.mark.real
-@pytest.mark.parametrize(
-    "name", ["emoji", "emoji_zwj", "flags", "skin_tones", "chinese", "japanese", "korean"]
-)
+@pytest.mark.parametrize("name", ["emoji", "emoji_zwj", "flags", "skin_tones", "chinese", "japanese", "korean"])
 def test_real_stream_of_multibyte_text(qwen, name):
     text = CORPUS[name]
     ids = qwen.encode(text)

@@ -276,9 +276,7 @@ def _check_shape(fmt: Format, lay: BlockLayout, shape: Sequence[int]) -> tuple[i
     if not shape or min(shape) < 0:
         raise GgufError(f"bad {fmt.name} tensor shape {shape}: need one or more non-negative dimensions")
     if shape[-1] % lay.values:
-        raise GgufError(
-            f"bad {fmt.name} tensor shape {shape}: rows must be whole blocks of {lay.values} values"
-        )
+        raise GgufError(f"bad {fmt.name} tensor shape {shape}: rows must be whole blocks of {lay.values} values")
     return shape
 
 
@@ -311,9 +309,7 @@ def _decode_blocks(decode: Decoder, lay: BlockLayout, blocks: np.ndarray, out: n
             out[start : start + step] = scratch[: len(chunk)]
 
 
-def dequantize(
-    raw: np.ndarray, fmt: Format | int, shape: Sequence[int], dtype: DTypeLike = np.float32
-) -> np.ndarray:
+def dequantize(raw: np.ndarray, fmt: Format | int, shape: Sequence[int], dtype: DTypeLike = np.float32) -> np.ndarray:
     """Decode a whole tensor.
 
     `raw` is the tensor's bytes as a 1-D uint8 array (a memmap slice is read in chunks, never copied whole);

@@ -72,9 +72,7 @@ def quantize(values: np.ndarray, fmt: Format | int) -> np.ndarray:
     values = np.asarray(values)
     block = LAYOUTS[fmt].values
     if values.ndim == 0 or values.shape[-1] % block:
-        raise GgufError(
-            f"cannot quantize shape {values.shape} to {fmt.name}: rows must be whole blocks of {block}"
-        )
+        raise GgufError(f"cannot quantize shape {values.shape} to {fmt.name}: rows must be whole blocks of {block}")
     if fmt is Format.F32:
         data = values.astype("<f4")
     elif fmt is Format.F16:
@@ -107,9 +105,9 @@ def _random_values(fmt: Format, n: int, rng: np.random.Generator, scale: float) 
         table = values.astype("<f2").view(np.uint16)
     else:  # BF16: the f32 bits rounded to nearest even on the 16 that are dropped (the values are finite)
         bits = values.view(np.uint32)
-        table = (
-            (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-        ).astype(np.uint16)
+        table = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(
+            np.uint16
+        )
     index = _random_bytes(rng, 2 * n).view("<u2")
     out = np.empty(n, dtype=table.dtype)
     step = 1 << 20  # take() widens the indices to intp: a chunk at a time keeps that copy small

@@ -107,8 +107,7 @@ def open_gguf(path: str | os.PathLike[str]) -> GgufFile:
         raise
     whole = np.frombuffer(mm, dtype=np.uint8)
     tensors = {
-        t.name: TensorInfo(t.name, t.format, t.shape, t.offset, t.nbytes, whole[t.offset : t.end])
-        for t in placed
+        t.name: TensorInfo(t.name, t.format, t.shape, t.offset, t.nbytes, whole[t.offset : t.end]) for t in placed
     }
     return GgufFile(p, header.version, size, alignment, header.metadata, tensors, mm)
 
@@ -182,9 +181,7 @@ def _place_tensors(header: Header, alignment: int, size: int, name: str) -> list
     for raw in header.tensors:
         what = f"tensor {shown(raw.name)}"
         if not is_supported(raw.type_id):
-            raise GgufError(
-                f"{name}: {what} has type {_type_name(raw.type_id)}, which fuselane does not read"
-            )
+            raise GgufError(f"{name}: {what} has type {_type_name(raw.type_id)}, which fuselane does not read")
         fmt = Format(raw.type_id)
         block = LAYOUTS[fmt].values
         if raw.dims[0] % block:
@@ -192,17 +189,13 @@ def _place_tensors(header: Header, alignment: int, size: int, name: str) -> list
                 f"{name}: {what} has rows of {raw.dims[0]:,} values, not whole {fmt.name} blocks of {block}"
             )
         if raw.offset % alignment:
-            raise GgufError(
-                f"{name}: {what} data offset {raw.offset:,} is not a multiple of the alignment {alignment}"
-            )
+            raise GgufError(f"{name}: {what} data offset {raw.offset:,} is not a multiple of the alignment {alignment}")
         shape = tuple(reversed(raw.dims))
         nbytes = tensor_bytes(fmt, shape)
         start = data_start + raw.offset
         end = start + nbytes
         if end > size:
-            raise GgufError(
-                f"{name}: truncated: {what} data ends at byte {end:,} but the file has {size:,} bytes"
-            )
+            raise GgufError(f"{name}: truncated: {what} data ends at byte {end:,} but the file has {size:,} bytes")
         placed.append(_Placed(raw.name, fmt, shape, start, nbytes))
     _check_overlap(placed, name)
     return placed

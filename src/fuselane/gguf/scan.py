@@ -76,9 +76,7 @@ def _min_value_bytes(vtype: GGUFValueType) -> int:
 _MIN_VALUE_BYTES = min(_min_value_bytes(t) for t in GGUFValueType)
 # The fewest bytes one metadata entry (key, type, value) and one tensor info can occupy.
 MIN_KV_BYTES = STRING_LENGTH_BYTES + VALUE_TYPE_BYTES + _MIN_VALUE_BYTES
-MIN_TENSOR_INFO_BYTES = (
-    STRING_LENGTH_BYTES + N_DIMS_BYTES + DIM_BYTES + TENSOR_TYPE_BYTES + TENSOR_OFFSET_BYTES
-)
+MIN_TENSOR_INFO_BYTES = STRING_LENGTH_BYTES + N_DIMS_BYTES + DIM_BYTES + TENSOR_TYPE_BYTES + TENSOR_OFFSET_BYTES
 
 
 def shown(name: str) -> str:
@@ -127,10 +125,7 @@ class _Cursor:
         """Fail unless `n` more bytes exist for `what`."""
         left = self.size - self.pos
         if n > left:
-            self.fail(
-                f"truncated: {what} needs {n:,} bytes at byte {self.pos:,} "
-                f"but the file has {self.size:,} bytes"
-            )
+            self.fail(f"truncated: {what} needs {n:,} bytes at byte {self.pos:,} but the file has {self.size:,} bytes")
 
     def u32(self, what: str) -> int:
         self.need(_U32.size, what)
@@ -152,9 +147,7 @@ class _Cursor:
         try:
             s = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            self.fail(
-                f"{what} at byte {start:,} is not valid UTF-8 ({e.reason} at byte {self.pos + e.start:,})"
-            )
+            self.fail(f"{what} at byte {start:,} is not valid UTF-8 ({e.reason} at byte {self.pos + e.start:,})")
         self.pos += n
         return s
 

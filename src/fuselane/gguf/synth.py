@@ -103,9 +103,7 @@ class Mix(enum.Enum):
         try:
             return cls(mix.lower())
         except ValueError:
-            raise FuselaneError(
-                f"unknown mix '{mix}': choose one of {', '.join(m.value for m in cls)}"
-            ) from None
+            raise FuselaneError(f"unknown mix '{mix}': choose one of {', '.join(m.value for m in cls)}") from None
 
 
 FILE_TYPES: dict[Mix, LlamaFileType] = {
@@ -349,9 +347,7 @@ def _write(
         _add_metadata(writer, key, value)
     for t in plan:
         # shape in numpy order with a non-uint8 dtype: GGUFWriter takes it as elements and reverses it
-        writer.add_tensor_info(
-            t.name, t.dims, np.dtype(np.float32), t.nbytes, GGMLQuantizationType(int(t.fmt))
-        )
+        writer.add_tensor_info(t.name, t.dims, np.dtype(np.float32), t.nbytes, GGMLQuantizationType(int(t.fmt)))
     alignment = writer.data_alignment
     try:
         writer.write_header_to_file()
@@ -419,9 +415,7 @@ def write_synthetic(
     dims = tensor_shapes(shape)
     plan = [_Planned(n, dims[n], f, tensor_bytes(f, dims[n])) for n, f in tensor_formats(shape, mix).items()]
     meta = model_metadata(shape, f"synthetic {label} {mix.value}", FILE_TYPES[mix])
-    meta["general.description"] = (
-        f"fuselane synthetic checkpoint: random weights, mix {mix.value}, seed {seed}"
-    )
+    meta["general.description"] = f"fuselane synthetic checkpoint: random weights, mix {mix.value}, seed {seed}"
     meta |= _tokenizer(shape, None, seed)
     return _write(path, shape, plan, meta, lambda t: _random_chunks(t, seed), progress)
 
@@ -456,9 +450,7 @@ def write_weights(
     missing = [n for n in dims if n not in weights]
     extra = [n for n in weights if n not in dims]
     if missing or extra:
-        raise FuselaneError(
-            f"weights do not match the {shape.arch} tensors: missing {missing[:3]}, extra {extra[:3]}"
-        )
+        raise FuselaneError(f"weights do not match the {shape.arch} tensors: missing {missing[:3]}, extra {extra[:3]}")
     formats = dict(formats or {})
     unknown = [n for n in formats if n not in dims]
     if unknown:

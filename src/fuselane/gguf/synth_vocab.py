@@ -71,9 +71,7 @@ def synthetic_tokenizer(vocab: int, seed: int = 0) -> dict[str, Any]:
     a ChatML chat template. `seed` picks which merged tokens exist. Raises ValueError below 259 tokens.
     """
     if vocab < MIN_VOCAB:
-        raise ValueError(
-            f"a synthetic vocabulary needs at least {MIN_VOCAB} tokens (bytes and specials), not {vocab}"
-        )
+        raise ValueError(f"a synthetic vocabulary needs at least {MIN_VOCAB} tokens (bytes and specials), not {vocab}")
     merges = merged_tokens(vocab - MIN_VOCAB, np.random.default_rng(seed))
     tokens = [*byte_symbols(), *(left + right for left, right in merges), *SPECIAL_TOKENS]
     first_special = vocab - len(SPECIAL_TOKENS)

@@ -60,11 +60,11 @@ def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str) 
     if n_heads % n_kv:
         raise ModelError(f"{n_heads} attention heads do not group evenly over {n_kv} key/value heads")
     head_dim = _get(meta, p + "attention.key_length", int, n_embd // n_heads)
+    if head_dim % 2:  # refused here, by name, rather than failing deep inside the rope kernel
+        raise ModelError(f"the head size {head_dim} is odd; rope rotates pairs of values")
     value_dim = _get(meta, p + "attention.value_length", int, head_dim)
     if value_dim != head_dim:
-        raise ModelError(
-            f"key length {head_dim} and value length {value_dim} differ; fuselane needs them equal"
-        )
+        raise ModelError(f"key length {head_dim} and value length {value_dim} differ; fuselane needs them equal")
     if "token_embd.weight" not in tensors:
         raise ModelError("tensor 'token_embd.weight' is missing")
     vocab = tensors["token_embd.weight"].shape[0]

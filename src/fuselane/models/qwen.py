@@ -74,9 +74,7 @@ def check_weights(cfg: ModelConfig, tensors: Mapping[str, Any]) -> None:
         if found != shape:
             raise ModelError(f"tensor '{name}' has shape {found} but the metadata implies {shape}")
         if len(shape) == 1 and tensors[name].format not in VECTOR_FORMATS:
-            raise ModelError(
-                f"tensor '{name}' is a vector stored as {tensors[name].format.name}; expected floats"
-            )
+            raise ModelError(f"tensor '{name}' is a vector stored as {tensors[name].format.name}; expected floats")
     if f"blk.{cfg.n_layers}.attn_norm.weight" in tensors:
         raise ModelError(f"the file has more layers than block_count {cfg.n_layers} says")
 

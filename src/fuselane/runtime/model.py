@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from fuselane.errors import FuselaneError
+from fuselane.errors import FuselaneError, ModelError
 from fuselane.gguf.reader import GgufFile, open_gguf
 from fuselane.models import ModelConfig, config_of
 from fuselane.runtime.sampling import GREEDY, Sampler, SamplingParams
@@ -41,9 +41,7 @@ def make_lane(name: str, cfg: ModelConfig, tensors: Any, ctx: int, dtype: Any):
             from fuselane.lanes.cuda import CudaLane  # noqa: F401  (the lane loads lazily)
         except ImportError:
             if name == "cuda":
-                raise FuselaneError(
-                    "the cuda lane is not part of this build of fuselane; use --lane cpu"
-                ) from None
+                raise FuselaneError("the cuda lane is not part of this build of fuselane; use --lane cpu") from None
         else:
             return CudaLane(cfg, tensors, ctx=ctx)
     from fuselane.lanes.cpu.lane import CpuLane
@@ -73,15 +71,9 @@ class Model:
         """A prompt's tokens: as one user turn through the chat template, or (`raw`) the text as is, where
         special tokens written out are parsed, as a completion prompt expects."""
         if raw:
-            prefix = (
-                [self.tokenizer.bos_id]
-                if self.tokenizer.add_bos and self.tokenizer.bos_id is not None
-                else []
-            )
+            prefix = [self.tokenizer.bos_id] if self.tokenizer.add_bos and self.tokenizer.bos_id is not None else []
             return prefix + self.tokenizer.encode(prompt, special=True)
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": prompt}
-        ]
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return self.encode_messages(messages)
 
     def encode_messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
@@ -93,8 +85,13 @@ class Model:
         self, session: Session, ids: Sequence[int], *, max_tokens: int, sampling: SamplingParams = GREEDY
     ) -> Iterator[int]:
         """Feed `ids` and yield sampled tokens until a stop token, `max_tokens`, or the context's end."""
+        if max_tokens < 0:  # range() would quietly make it an empty reply
+            raise FuselaneError(f"the number of tokens to generate must be >= 0, not {max_tokens}")
         if len(ids) >= session.ctx:
-            raise FuselaneError(f"the prompt is {len(ids)} tokens but the context holds {session.ctx}")
+            raise FuselaneError(
+                f"the prompt is {len(ids)} tokens, which leaves no room in the context of {session.ctx} "
+                "(raise --ctx or shorten the prompt)"
+            )
         sampler = Sampler(sampling)
         logits = session.feed(ids)
         for _ in range(max_tokens):
@@ -181,6 +178,10 @@ def load(
     try:
         cfg = config_of(file.metadata, file.tensors)
         tokenizer = Tokenizer.from_metadata(file.metadata)
+        if tokenizer.vocab_size > cfg.vocab:
+            raise ModelError(
+                f"the tokenizer has {tokenizer.vocab_size} tokens but token_embd.weight only {cfg.vocab} rows"
+            )
         template: ChatTemplate | str
         try:
             template = ChatTemplate.from_metadata(file.metadata)

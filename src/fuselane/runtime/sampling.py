@@ -23,12 +23,14 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # written so that NaN, which would make every probability NaN, fails too
             raise FuselaneError(f"temperature must be >= 0, not {self.temperature}")
         if self.top_k < 0:
             raise FuselaneError(f"top-k must be >= 0, not {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise FuselaneError(f"top-p must be in (0, 1], not {self.top_p}")
+        if self.seed is not None and self.seed < 0:  # numpy's generators take only non-negative seeds
+            raise FuselaneError(f"seed must be >= 0, not {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -48,15 +50,20 @@ class Sampler:
     def __call__(self, logits: np.ndarray) -> int:
         p = self.params
         logits = np.asarray(logits, dtype=np.float64).reshape(-1)
+        if np.isnan(logits).any():
+            # arg-max would quietly pick a NaN's index and sampling would fail inside numpy
+            raise FuselaneError("the model computed NaN logits: its weights or metadata are broken")
         if p.greedy:
             return int(np.argmax(logits))
         candidates = np.arange(logits.size)
         if 0 < p.top_k < logits.size:
             candidates = np.argpartition(-logits, p.top_k - 1)[: p.top_k]
-        chosen = logits[candidates] / p.temperature
+        chosen = logits[candidates]
         order = np.argsort(-chosen, kind="stable")
         candidates, chosen = candidates[order], chosen[order]
-        probs = np.exp(chosen - chosen[0])
+        # temperature scales the gaps below the best logit, not the logits: the gaps are <= 0, so a tiny
+        # temperature sends them to -inf (probability 0) where logits / T would overflow to inf - inf = NaN
+        probs = np.exp((chosen - chosen[0]) / p.temperature)
         probs /= probs.sum()
         if p.top_p < 1.0:
             # keep the smallest prefix whose mass reaches top_p (always at least one token)

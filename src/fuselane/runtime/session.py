@@ -14,9 +14,7 @@ import numpy as np
 
 from fuselane.errors import FuselaneError
 
-DEFAULT_CHUNK = (
-    256  # prefill rows per graph run: big enough for BLAS, small enough for bounded attention scores
-)
+DEFAULT_CHUNK = 256  # prefill rows per graph run: big enough for BLAS, small enough for bounded attention scores
 
 
 class Lane(Protocol):
@@ -49,7 +47,7 @@ class Session:
         if not ids:
             raise FuselaneError("nothing to feed: the prompt is empty")
         if len(ids) > self.ctx:
-            raise FuselaneError(f"the prompt is {len(ids)} tokens but the context holds {self.ctx}")
+            raise FuselaneError(f"the prompt is {len(ids)} tokens, longer than the context of {self.ctx}")
         common = 0
         for a, b in zip(self.tokens, ids, strict=False):
             if a != b:

@@ -71,9 +71,7 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     # Jinja's own `tojson` escapes <, >, & and ' for HTML; chat templates want plain JSON, as HF renders it.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(pattern: str) -> str:
@@ -134,9 +132,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
         # Jinja returns an Undefined that prints as '' and raises only when used further; a template probing
         # for `__class__` should fail loudly instead of rendering a prompt with a hole in it.
-        raise SecurityError(
-            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is not allowed"
-        )
+        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is not allowed")
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
@@ -208,9 +204,7 @@ class ChatTemplate:
                 f"chat template does not parse (line {exc.lineno}): {_one_line(exc.message or '')}"
             ) from None
         except Exception as exc:  # the parser itself can fail on hostile input, e.g. RecursionError
-            raise FuselaneError(
-                f"chat template does not compile: {type(exc).__name__}: {_one_line(exc)}"
-            ) from None
+            raise FuselaneError(f"chat template does not compile: {type(exc).__name__}: {_one_line(exc)}") from None
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> ChatTemplate:
@@ -244,9 +238,7 @@ class ChatTemplate:
         """
         for message in messages:
             if not isinstance(message, Mapping):
-                raise FuselaneError(
-                    f"a chat message must be a mapping with 'role' and 'content', not {message!r}"
-                )
+                raise FuselaneError(f"a chat message must be a mapping with 'role' and 'content', not {message!r}")
         context = {
             **_plain(dict(variables or {})),
             "messages": _plain(list(messages)),
@@ -265,13 +257,9 @@ class ChatTemplate:
                     raise SecurityError(f"the rendered prompt exceeds {MAX_RENDERED_CHARS} characters")
                 pieces.append(piece)
         except _TemplateRaised as exc:
-            raise FuselaneError(
-                f"chat template refused the conversation: {_one_line(exc.message or '')}"
-            ) from None
+            raise FuselaneError(f"chat template refused the conversation: {_one_line(exc.message or '')}") from None
         except SecurityError as exc:
-            raise FuselaneError(
-                f"chat template blocked by the sandbox: {_one_line(exc.message or '')}"
-            ) from None
+            raise FuselaneError(f"chat template blocked by the sandbox: {_one_line(exc.message or '')}") from None
         except TemplateError as exc:
             raise FuselaneError(f"chat template failed: {_one_line(exc.message or '')}") from None
         except Exception as exc:  # a template can raise anything Python can: TypeError, OverflowError, ...
@@ -330,16 +318,12 @@ def _texts(messages: Sequence[Mapping[str, Any]]) -> list[str]:
                 found.append(value)
             elif isinstance(value, list | tuple):
                 found.extend(
-                    part["text"]
-                    for part in value
-                    if isinstance(part, Mapping) and isinstance(part.get("text"), str)
+                    part["text"] for part in value if isinstance(part, Mapping) and isinstance(part.get("text"), str)
                 )
     return found
 
 
-def _with_sentinels(
-    messages: Sequence[Mapping[str, Any]], make: Any
-) -> tuple[list[dict[str, Any]], dict[str, str]]:
+def _with_sentinels(messages: Sequence[Mapping[str, Any]], make: Any) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """Copies of `messages` whose non-empty texts are sentinels from `make(n)`, and sentinel -> text."""
     texts: dict[str, str] = {}
 

@@ -136,9 +136,7 @@ def _optional_id(meta: Mapping[str, Any], name: str, vocab_size: int) -> int | N
     if value is None:
         return None
     if not isinstance(value, int) or not 0 <= value < vocab_size:
-        raise ModelError(
-            f"GGUF tokenizer {_KEY + name} = {value!r} is not a token id (vocabulary of {vocab_size})"
-        )
+        raise ModelError(f"GGUF tokenizer {_KEY + name} = {value!r} is not a token id (vocabulary of {vocab_size})")
     return int(value)
 
 

@@ -60,9 +60,7 @@ def matmul(spec: Matmul, args: list[np.ndarray], pos: int) -> np.ndarray:
     return x.reshape(spec.m, spec.k) @ w.T
 
 
-def rope_angles(
-    positions: np.ndarray, hd: int, base: float, dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray]:
+def rope_angles(positions: np.ndarray, hd: int, base: float, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of every position's angle for each of the hd/2 frequencies, computed in f64."""
     inv_freq = base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
     angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]

@@ -126,9 +126,7 @@ class CpuLane:
             return x.reshape(-1, access.pitch)[:, access.offset : access.offset + access.width]
         return x
 
-    def _write(
-        self, g: TensorGraph, op: Op, result: np.ndarray, env: dict[str, np.ndarray], pos: int
-    ) -> None:
+    def _write(self, g: TensorGraph, op: Op, result: np.ndarray, env: dict[str, np.ndarray], pos: int) -> None:
         dst = op.dst
         if dst.own() is not None:
             env[dst.buf] = result

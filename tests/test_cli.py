@@ -1,0 +1,187 @@
+"""The `fuselane` command as a user runs it: a subprocess on tiny synthetic checkpoints (and, marked real, on
+the real Qwen2.5-Coder-0.5B).
+
+What the command prints is checked against the Python API on the same file and settings, so "stdout holds
+the reply and nothing else" is an equality, not a guess about what a random model says. Every subprocess has
+a timeout, so a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from fuselane.runtime.model import load
+from fuselane.runtime.sampling import GREEDY, SamplingParams
+
+TIMEOUT = 120  # seconds; the tiny cases take about half a second, the real model tens of seconds
+ARCHS = ("qwen2", "qwen3")
+# the CLI's sampling defaults, for the API side of a comparison
+CLI_DEFAULTS = {"top_k": 40, "top_p": 0.95}
+REAL_PROMPT = "Write a Python function that adds two numbers."
+
+
+def fuselane(*args: str, stdin: bytes | None = None, env: dict[str, str] | None = None) -> tuple[str, str, int]:
+    """Run the command; stdout and stderr as text (UTF-8 asked for explicitly, whatever the test's locale)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "fuselane", *args],
+        input=stdin if stdin is not None else b"",
+        capture_output=True,
+        timeout=TIMEOUT,
+        env=os.environ | {"PYTHONIOENCODING": "utf-8"} | (env or {}),
+    )
+    # bytes decoded by hand: text mode would turn a '\r' the model emits into '\n'
+    return done.stdout.decode("utf-8"), done.stderr.decode("utf-8", "replace"), done.returncode
+
+
+def ok(*args: str, **kw: Any) -> str:
+    """stdout of a run that must succeed without a traceback."""
+    out, err, rc = fuselane(*args, **kw)
+    assert rc == 0 and "Traceback" not in err, err
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> dict[str, str]:
+    from fuselane.gguf.synth import write_synthetic
+
+    d = tmp_path_factory.mktemp("cli")
+    return {arch: str(write_synthetic(d / f"tiny-{arch}.gguf", f"tiny-{arch}", "q8_0", seed=11)) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def api(tiny):
+    models = {arch: load(path, lane="cpu") for arch, path in tiny.items()}
+    yield models
+    for m in models.values():
+        m.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_run_raw_prints_the_completion_and_nothing_else(tiny, api, arch):
+    text = "def add(a, b):"
+    expected = api[arch].generate(text, raw=True, max_tokens=8, sampling=GREEDY)
+    assert expected  # a reply that stopped at once would make the comparison empty
+    assert ok("run", "--raw", "--temp", "0", "-n", "8", tiny[arch], text) == expected + "\n"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_run_uses_the_chat_template(tiny, api, arch):
+    expected = api[arch].generate("hello there", max_tokens=8, sampling=GREEDY)
+    assert expected != api[arch].generate("hello there", raw=True, max_tokens=8, sampling=GREEDY)
+    assert ok("run", "--temp", "0", "-n", "8", tiny[arch], "hello there") == expected + "\n"
+
+
+def test_run_reads_the_prompt_from_stdin(tiny, api):
+    expected = api["qwen2"].generate("from a pipe", raw=True, max_tokens=6, sampling=GREEDY)
+    assert ok("run", "--raw", "--temp", "0", "-n", "6", tiny["qwen2"], "-", stdin=b"from a pipe") == expected + "\n"
+
+
+def test_the_same_seed_gives_the_same_text(tiny, api):
+    seeds = (1, 2, 3, 4)
+    replies = {}
+    for seed in seeds:
+        argv = ("run", "--raw", "--temp", "0.9", "--seed", str(seed), "-n", "8", tiny["qwen3"], "once upon")
+        replies[seed] = ok(*argv)
+        params = SamplingParams(temperature=0.9, seed=seed, **CLI_DEFAULTS)
+        assert replies[seed] == api["qwen3"].generate("once upon", raw=True, max_tokens=8, sampling=params) + "\n"
+        if seed == seeds[0]:
+            assert ok(*argv) == replies[seed]  # and again in a fresh process
+    assert len(set(replies.values())) > 1, "every seed gave the same text: the seed is not used"
+
+
+def test_zero_tokens_is_an_empty_reply(tiny):
+    assert ok("run", "--raw", "-n", "0", tiny["qwen2"], "hello") == "\n"
+    assert ok("run", "-n", "0", tiny["qwen3"], "hello") == "\n"
+
+
+@pytest.mark.parametrize(
+    "text,special",
+    [
+        ("hello world", False),
+        ("", False),
+        ("  two  spaces\nand a newline\ttab", False),
+        ("naïve café, 東京 🚀", False),
+        ("<|im_start|>user<|im_end|>", False),  # written out: plain text unless --special
+        ("<|im_start|>user<|im_end|>", True),
+    ],
+)
+def test_tokenize_prints_the_api_encoding(tiny, api, text, special):
+    out = ok("tokenize", tiny["qwen2"], text, *(["--special"] if special else []))
+    assert json.loads(out) == api["qwen2"].tokenizer.encode(text, special=special)
+
+
+def test_special_tokens_are_parsed_only_when_asked(tiny):
+    plain = json.loads(ok("tokenize", tiny["qwen2"], "<|im_end|>"))
+    special = json.loads(ok("tokenize", tiny["qwen2"], "<|im_end|>", "--special"))
+    assert len(special) == 1 and len(plain) > 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_info(tiny, arch):
+    text = ok("info", tiny[arch])
+    assert arch in text and "Q8_0" in text and "64" in text
+    info = json.loads(ok("info", tiny[arch], "--json"))
+    assert {"architecture", "shape", "quant_mix", "tokenizer"} <= info.keys()
+    assert info["architecture"] == arch
+    assert info["shape"]["n_embd"] == 64 and info["shape"]["layers"] == 2 and info["shape"]["vocab"] == 512
+    assert info["shape"]["qkv_bias"] == (arch == "qwen2") and info["shape"]["qk_norm"] == (arch == "qwen3")
+    assert set(info["quant_mix"]) == {"Q8_0", "F32"}
+    assert info["tokenizer"]["tokens"] == 512 and info["tokenizer"]["chat_template"] is True
+
+
+def test_models_lists_the_known_model():
+    out = ok("models")
+    assert out.splitlines()[0].startswith("qwen2.5-coder-0.5b")
+
+
+def test_chat_replies_to_each_line_until_end_of_input(tiny, api):
+    conversation = api["qwen3"].chat()
+    expected = ["".join(conversation.say(line, max_tokens=6, sampling=GREEDY)) for line in ("hi", "and again")]
+    assert all(expected)
+    out = ok("chat", "--temp", "0", "-n", "6", tiny["qwen3"], stdin=b"hi\nand again\n")
+    assert out == expected[0] + "\n" + expected[1] + "\n"
+
+
+def test_chat_reset_and_exit(tiny, api):
+    first = "".join(api["qwen3"].chat().say("hi", max_tokens=6, sampling=GREEDY))
+    assert first
+    # after /reset the same line gets the first reply again; /exit ends before the last line
+    out = ok("chat", "--temp", "0", "-n", "6", tiny["qwen3"], stdin=b"hi\n/reset\nhi\n/exit\nnever read\n")
+    assert out == first + "\n" + first + "\n"
+
+
+def test_a_reply_the_terminal_cannot_encode_is_not_a_traceback(tiny, api):
+    # random tokens decode to characters outside ASCII (at least U+FFFD); an ASCII stdout shows '?' instead
+    expected = api["qwen2"].generate("hello", raw=True, max_tokens=12, sampling=GREEDY)
+    assert not expected.isascii()
+    out = ok("run", "--raw", "--temp", "0", "-n", "12", tiny["qwen2"], "hello", env={"PYTHONIOENCODING": "ascii"})
+    assert out == expected.encode("ascii", "replace").decode() + "\n"
+
+
+# --- the real model ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def real_reply(qwen_gguf) -> str:
+    # by name, as a user types it; qwen_gguf has made sure the cache holds it, so nothing is downloaded
+    return ok("run", "--temp", "0", "-n", "24", "qwen2.5-coder-0.5b", REAL_PROMPT)
+
+
+@pytest.mark.real
+def test_real_model_writes_a_function(real_reply):
+    # greedy, the reply opens "Here's a simple Python function to add two numbers:\n\n```python\ndef ..."
+    # (twelve tokens stop at the fence, so this asks for 24)
+    assert real_reply.strip() and "def" in real_reply
+
+
+@pytest.mark.real
+def test_run_without_a_model_uses_the_default_model(real_reply):
+    # greedy decoding is a prefix of itself: 12 tokens of the default model open the named model's 24
+    short = ok("run", "--temp", "0", "-n", "12", REAL_PROMPT).removesuffix("\n")
+    assert short and real_reply.startswith(short)
