@@ -42,7 +42,22 @@ class Rows:
     transposed: bool = False
 
 
-Storage = Values | Rows
+class QuantFormat(enum.Enum):
+    """The quantized form in which a product reads its activation: int8 codes under a scale a 32-value block,
+    one word a value, or two (a second int8 word holding the first's rounding error)."""
+
+    ONE_WORD = "int8"
+    TWO_WORDS = "int8x2"
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedActs:
+    """An activation its producer writes already quantized for the products that read it."""
+
+    format: QuantFormat
+
+
+Storage = Values | Rows | QuantizedActs
 
 
 @dataclass(frozen=True, slots=True)

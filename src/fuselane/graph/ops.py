@@ -98,6 +98,12 @@ class Attention:
     hd: int
     len: int
     scale: float
+    vd: int = 0  # value width; 0 means hd
+    ext: AttentionExt | None = None
+
+    @property
+    def value_width(self) -> int:
+        return self.vd or self.hd
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,4 +115,136 @@ class TakeRows:
     take: int
 
 
-PrimSpec = RowsGather | RmsNorm | Elementwise | Unary | Matmul | Rope | SetRow | Attention | TakeRows
+# The specs below are the vocabulary of the families whose recognizers come next (mixtures, hybrid
+# recurrent layers, latent attention, soft-capped attention). The dense Qwen recognizers emit none of them;
+# the optimizer's views and the lanes' shims already answer for them.
+
+
+class GateAct(enum.Enum):
+    SILU = "silu"
+    SIGMOID = "sigmoid"
+
+
+class MoeAct(enum.Enum):
+    SWIGLU = "swiglu"
+    GELU = "gelu"
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionExt:
+    """Attention features beyond the dense Qwen form: soft-capped scores, sink logits, a sliding window, and a
+    value width other than the key width (latent attention)."""
+
+    softcap: float | None = None
+    sinks: bool = False
+    window: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Softcap:
+    """out = cap * tanh(x / cap)."""
+
+    rows: int
+    cols: int
+    cap: float
+
+
+@dataclass(frozen=True, slots=True)
+class HeadMatmul:
+    """Per-head product: each of `heads` heads of each of `m` rows, `a` values wide, times its own (b, a) matrix."""
+
+    m: int
+    heads: int
+    a: int
+    b: int
+
+
+@dataclass(frozen=True, slots=True)
+class Moe:
+    """A mixture of `experts` experts, `k` kept a row, over `rows` rows of `d` values; experts `dff` wide."""
+
+    rows: int
+    d: int
+    dff: int
+    experts: int
+    k: int
+    act: MoeAct = MoeAct.SWIGLU
+
+
+@dataclass(frozen=True, slots=True)
+class CausalConv:
+    """Depth-wise causal convolution of `chan` channels with `taps` taps over `rows` rows."""
+
+    rows: int
+    chan: int
+    taps: int
+
+
+@dataclass(frozen=True, slots=True)
+class L2Norm:
+    """x / max(||x||, eps) over each `cols`-wide unit of `rows` units."""
+
+    rows: int
+    cols: int
+    eps: float
+
+
+@dataclass(frozen=True, slots=True)
+class GatedDelta:
+    """One gated delta-rule recurrence step over `heads` heads (keys `dk`, values `dv` wide), gated by `gate`."""
+
+    rows: int
+    heads: int
+    dk: int
+    dv: int
+    gate: GateAct = GateAct.SILU
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """Each of `heads` heads of each row: `wa / heads` values of the first input then `wb / heads` of the second."""
+
+    rows: int
+    heads: int
+    wa: int
+    wb: int
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """`width` values at `start` of every `every`-wide unit of `groups` units."""
+
+    groups: int
+    every: int
+    start: int
+    width: int
+
+
+@dataclass(frozen=True, slots=True)
+class ArgMax:
+    """The index of each row's largest value: the greedy pick of the next token."""
+
+    rows: int
+    cols: int
+
+
+PrimSpec = (
+    RowsGather
+    | RmsNorm
+    | Elementwise
+    | Unary
+    | Matmul
+    | Rope
+    | SetRow
+    | Attention
+    | TakeRows
+    | ArgMax
+    | Softcap
+    | HeadMatmul
+    | Moe
+    | CausalConv
+    | L2Norm
+    | GatedDelta
+    | Join
+    | Slice
+)

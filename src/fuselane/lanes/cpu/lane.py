@@ -12,10 +12,12 @@ from typing import Any
 
 import numpy as np
 
+from fuselane.fuse.optimizer import Plan, optimize
 from fuselane.gguf.dequant import dequantize, dequantize_rows
 from fuselane.graph import facts
-from fuselane.graph.ir import Form, Op, Role, Strided, TensorGraph
+from fuselane.graph.ir import Form, Fused, Op, Role, Strided, TensorGraph
 from fuselane.lanes.cpu.kernels import GATHER, KERNELS
+from fuselane.lanes.cpu.shim import CpuShim
 from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
 
@@ -25,24 +27,31 @@ class CpuLane:
 
     name = "cpu"
 
-    def __init__(self, cfg: ModelConfig, tensors: Mapping[str, Any], *, ctx: int, dtype: Any = np.float32):
+    def __init__(
+        self, cfg: ModelConfig, tensors: Mapping[str, Any], *, ctx: int, dtype: Any = np.float32, held=()
+    ) -> None:
         self.cfg, self.tensors, self.ctx = cfg, tensors, ctx
         self.dtype = np.dtype(dtype)
+        self.shim = CpuShim(self.dtype, tuple(held))
         self._weights: dict[str, np.ndarray] = {}
-        self._graphs: dict[tuple[Form, int, bool], TensorGraph] = {}
+        self._graphs: dict[tuple[int, bool], TensorGraph] = {}
         self._cache: dict[str, np.ndarray] = {}
         self._liveness: dict[int, list[tuple[str, ...]]] = {}
 
     def graph(self, rows: int, *, all_logits: bool = False) -> TensorGraph:
-        """The graph for `rows` rows (a decode step when one), built once per shape."""
-        form = Form.DECODE if rows == 1 else Form.PREFILL
-        key = (form, rows, all_logits)
+        """The fused graph for `rows` rows (a decode step when one), built once per shape."""
+        key = (rows, all_logits)
         if key not in self._graphs:
-            rec = recognizer(self.cfg)
-            self._graphs[key] = rec.recognize(
-                self.cfg, self.tensors, form, rows=rows, ctx=self.ctx, all_logits=all_logits
-            )
+            self._graphs[key] = self.plan(rows, all_logits=all_logits).graph
         return self._graphs[key]
+
+    def plan(self, rows: int, *, all_logits: bool = False) -> Plan:
+        """The fused plan of `rows` rows on this lane (with the lane's held rules held back)."""
+        form = Form.DECODE if rows == 1 else Form.PREFILL
+        raw = recognizer(self.cfg).recognize(
+            self.cfg, self.tensors, form, rows=rows, ctx=self.ctx, all_logits=all_logits
+        )
+        return optimize(raw, self.shim, held=self.shim.held)
 
     def weight(self, name: str) -> np.ndarray:
         """A weight dequantized into the lane's dtype, once."""
@@ -107,6 +116,12 @@ class CpuLane:
         raise KeyError(f"{name} is read before it is written")
 
     def _step(self, g: TensorGraph, op: Op, env: dict[str, np.ndarray], pos: int) -> None:
+        if isinstance(op.sym, Fused):
+            # A fused op runs its parts' kernels in order in one call: the same numbers as the parts apart,
+            # its intermediates freed with it (they die with the op in the liveness table).
+            for part in op.sym.parts:
+                self._step(g, part, env, pos)
+            return
         spec = op.prim()
         if isinstance(spec, GATHER):
             table, ids = op.ins

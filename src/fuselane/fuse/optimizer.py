@@ -1,0 +1,111 @@
+"""The optimizer: applies the rule table (shared rules with the lane's linked in) to a graph for one lane.
+
+The result is a `Plan`: the fused schedule, every fusion that fired, every one a rule matched that the lane
+did not take (decomposed, refused, or not fitting its kernels, with the lane's reason), the rules held back,
+and the lane's numerics contract. A class the lane refuses that the model cannot do without stops
+compilation with the lane's reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fuselane.errors import FuselaneError
+from fuselane.fuse.rewriter import Fired, Missed, Rewriter, Schedule
+from fuselane.fuse.rule import Rule
+from fuselane.fuse.rules import SHARED_RULES
+from fuselane.fuse.views import leaves
+from fuselane.graph.classes import ClassId
+from fuselane.graph.ir import Op, TensorGraph
+from fuselane.graph.ops import Attention, GateAct, GatedDelta, Slice, Softcap, TakeRows
+from fuselane.lanes.shim import After, LaneRule, Shim, SupportKind
+from fuselane.numerics.contract import Contract
+
+# Primitives that are views of their input on every lane: no launch runs them.
+VIEWS = (TakeRows, Slice)
+
+
+@dataclass(slots=True)
+class Plan:
+    """A graph's fused schedule on one lane, and the story of how it got there."""
+
+    lane: str
+    graph: TensorGraph
+    ops: list[Op]
+    fired: list[Fired] = field(default_factory=list)
+    missed: list[Missed] = field(default_factory=list)
+    held: tuple[str, ...] = ()
+    table: tuple[str, ...] = ()
+    contract: Contract | None = None
+
+    def launches(self) -> int:
+        """Kernel launches the schedule makes: one an op, none for a view."""
+        return sum(0 if isinstance(op.sym, VIEWS) else 1 for op in self.ops)
+
+
+def table_for(shim: Shim) -> list[Rule | LaneRule]:
+    """The shared rules with the lane's own linked in at their positions."""
+    table: list[Rule | LaneRule] = list(SHARED_RULES)
+    names = [r.name for r in table]
+    for position, rule in shim.rules():
+        if position.rule not in names:
+            raise ValueError(f"lane rule {rule.name} is placed at unknown rule {position.rule}")
+        at = names.index(position.rule) + (1 if isinstance(position, After) else 0)
+        table.insert(at, rule)
+        names.insert(at, rule.name)
+    return table
+
+
+def rule_names(shim: Shim) -> list[str]:
+    return [r.name for r in table_for(shim)]
+
+
+def needs(op: Op) -> list[tuple[ClassId, str]]:
+    """Classes a primitive cannot run without, with what in it needs them."""
+    spec = op.sym
+    found: list[tuple[ClassId, str]] = []
+    if isinstance(spec, Softcap) or (isinstance(spec, Attention) and spec.ext and spec.ext.softcap is not None):
+        found.append((ClassId.SOFTCAP, f"{op.out} soft-caps its values"))
+    if isinstance(spec, GatedDelta) and spec.gate is GateAct.SIGMOID:
+        found.append((ClassId.GDN_STEP, f"{op.out} gates its delta rule by a sigmoid"))
+    return found
+
+
+def optimize(g: TensorGraph, shim: Shim, *, held: Sequence[str] = ()) -> Plan:
+    """Fuse `g` for the lane behind `shim`, holding back the rules named in `held`."""
+    table = table_for(shim)
+    unknown = sorted(set(held) - {r.name for r in table})
+    if unknown:
+        raise FuselaneError(f"no rule named {unknown[0]} (rules: {', '.join(r.name for r in table)})")
+    for op in g.ops:
+        for cls, why in needs(op):
+            support = shim.supports(cls)
+            if support.kind is SupportKind.REFUSE:
+                raise FuselaneError(f"the {shim.name} lane cannot run this model: {why}, and {support.reason}")
+    work = TensorGraph(g.form, g.rows, dict(g.tensors), list(g.ops), g.inputs, g.params, g.outputs)
+    r = Rewriter(work, Schedule(g.ops), shim, outputs=frozenset(g.outputs))
+    for rule in table:
+        if rule.name not in held:
+            rule.apply(r)
+    ops = r.s.live()
+    work.ops = ops
+    return Plan(
+        lane=shim.name,
+        graph=work,
+        ops=ops,
+        fired=[e for e in r.events if isinstance(e, Fired)],
+        missed=[e for e in r.events if isinstance(e, Missed)],
+        held=tuple(held),
+        table=tuple(r.name for r in table),
+        contract=shim.numerics(),
+    )
+
+
+def covered(plan: Plan) -> list[int]:
+    """The original op indices the plan's ops cover, in schedule order (each exactly once when sound)."""
+    return [c for op in plan.ops for c in op.covers]
+
+
+def leaf_count(plan: Plan) -> int:
+    return sum(len(leaves(op)) for op in plan.ops)

@@ -1,0 +1,61 @@
+"""Quantizing epilogues: a producer writes its result already quantized where every op that reads it reads
+it quantized (the lane's `activation`), so no launch quantizes it apart.
+
+They fire only where the lane's products read quantized activations; whether the lane's kernels quantize in
+their epilogue at all (`fuse_quant`) is the lane's `supports` answer for each class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from fuselane.fuse.patterns import op_at
+from fuselane.fuse.rewriter import Rewriter
+from fuselane.fuse.rule import Rule
+from fuselane.graph.classes import ClassId as C
+from fuselane.graph.ir import Op, QuantFormat, QuantizedActs
+from fuselane.graph.ops import Attention, Elementwise, Matmul, SetRow
+
+
+def wanted_format(r: Rewriter, op: Op) -> QuantFormat | None:
+    """The one quantized form in which every reader of op's result reads it, or None."""
+    readers = r.s.readers(op.out)
+    if not readers or op.out in r.outputs:
+        return None
+    formats = set()
+    for j in readers:
+        reader = r.s.get(j)
+        for k, name in enumerate(reader.ins):
+            if name == op.out:
+                formats.add(r.shim.activation(reader, k, r.g))
+    (fmt,) = formats if len(formats) == 1 else (None,)
+    return fmt
+
+
+def _quantizing(name: str, builds: C, *producers: type | C) -> Callable[[Rewriter, int], None]:
+    def pattern(r: Rewriter, i: int) -> None:
+        op = op_at(r, i, *producers)
+        if op is None:
+            return
+        fmt = wanted_format(r, op)
+        if fmt is not None and r.try_fuse(name, builds, [i], i):
+            tensor = r.g.tensors[op.out]
+            r.g.tensors[op.out] = replace(tensor, storage=QuantizedActs(fmt))
+
+    return pattern
+
+
+def _rule(name: str, builds: C, *producers: type | C) -> Rule:
+    return Rule(name, (builds,), _quantizing(name, builds, *producers))
+
+
+QUANT_RULES = [
+    _rule("norm_quant", C.NORM_QUANT, C.NORM_WEIGHT, C.EMBED_NORM, C.GEMV_NORM_EPILOGUE),  # norm -> int8 rows
+    _rule("add_norm_quant", C.ADD_NORM_QUANT, C.ADD_NORM),  # AddNorm -> writes its norm as int8
+    _rule("glu_quant", C.GLU_ACT_MUL_QUANT, C.GLU_ACT_MUL, C.GEMV_GATE_UP_GLU),  # silu(g) * u -> int8
+    _rule("elementwise_quant", C.ELEMENTWISE_QUANT, Elementwise),  # a (op) b -> int8
+    _rule("gemv_quant", C.GEMV_QUANT, Matmul, C.GEMM_BIAS),  # x @ W^T -> int8 outputs
+    _rule("attention_output_quant", C.ATTN_OUTPUT_QUANT, Attention, C.FLASH_DECODE, C.FLASH_PREFILL),  # -> int8
+    _rule("row_write_quant", C.ROW_WRITE_QUANT, SetRow),  # set_row -> the row and its int8 form
+]

@@ -1,0 +1,167 @@
+"""The rewriter: a schedule of ops that rules fuse in place, and the record of what fired and what did not.
+
+A fusion replaces its members with one op at a chosen place, keeping which original ops it covers. Before it
+does, the rewriter asks the lane: `supports` (native, or the fusion is recorded as decomposed or refused with
+the lane's reason) and then `fits` for the candidate op. Moving a member to the fused op's place is legal only
+when nothing between them writes what it reads or reads or writes what it writes (`facts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from fuselane.graph import facts
+from fuselane.graph.classes import ClassId
+from fuselane.graph.ir import WHOLE, Access, Dst, Fused, Op, TensorGraph
+from fuselane.lanes.shim import Shim, SupportKind
+
+
+@dataclass(frozen=True, slots=True)
+class Fired:
+    """A fusion that happened."""
+
+    rule: str
+    cls: ClassId
+    covers: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Missed:
+    """A fusion a rule matched that the lane did not take, and the lane's reason."""
+
+    rule: str
+    cls: ClassId
+    covers: tuple[int, ...]
+    kind: str  # "decompose", "refuse" or "fits"
+    reason: str
+
+
+class Schedule:
+    """Ops in order, each slot live or emptied by a fusion."""
+
+    def __init__(self, ops: Sequence[Op]) -> None:
+        self.ops: list[Op | None] = list(ops)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def slot(self, i: int) -> Op | None:
+        return self.ops[i]
+
+    def get(self, i: int) -> Op:
+        op = self.ops[i]
+        if op is None:
+            raise IndexError(f"slot {i} was fused away")
+        return op
+
+    def live(self) -> list[Op]:
+        return [op for op in self.ops if op is not None]
+
+    def producer(self, name: str) -> int | None:
+        """The last live op that writes `name`."""
+        found = [i for i, op in enumerate(self.ops) if op is not None and name in facts.writes(op)]
+        return found[-1] if found else None
+
+    def readers(self, name: str) -> list[int]:
+        """The live ops that read `name`."""
+        return [i for i, op in enumerate(self.ops) if op is not None and name in facts.reads(op)]
+
+
+@dataclass(slots=True)
+class Rewriter:
+    g: TensorGraph
+    s: Schedule
+    shim: Shim
+    events: list[Fired | Missed] = field(default_factory=list)
+    outputs: frozenset[str] = frozenset()
+
+    def sole_reader(self, name: str) -> int | None:
+        """The one op that reads `name`, where nothing else (no other op, no graph output) does."""
+        found = self.s.readers(name)
+        return found[0] if len(found) == 1 and name not in self.outputs else None
+
+    def crossing(self, members: Sequence[int], at: int) -> str | None:
+        """Why moving `members` to slot `at` would change what some op between sees, or None when legal."""
+        group = set(members)
+        for m in members:
+            op = self.s.get(m)
+            reads, writes = set(facts.reads(op)), set(facts.writes(op))
+            lo, hi = sorted((m, at))
+            for b in range(lo + 1, hi):
+                between = self.s.slot(b)
+                if b in group or between is None:
+                    continue
+                br, bw = set(facts.reads(between)), set(facts.writes(between))
+                clash = (writes & (br | bw)) | (reads & bw)
+                if clash:
+                    return f"op {b} between them touches {sorted(clash)[0]}"
+        return None
+
+    def candidate(
+        self,
+        cls: ClassId,
+        members: Sequence[int],
+        *,
+        ins: Sequence[tuple[str, Access]] | None = None,
+        out: str | None = None,
+        dst: Dst | None = None,
+    ) -> Op:
+        """The fused op `members` would become: by default reading what its members read from outside, writing
+        where the last member writes."""
+        ops = [self.s.get(m) for m in sorted(members)]
+        if ins is None:
+            made = {t for op in ops for t in facts.writes(op)}
+            seen: dict[str, Access] = {}
+            for op in ops:
+                for name, access in zip(op.ins, op.access, strict=True):
+                    if name not in made and name not in seen:
+                        seen[name] = access
+            ins = list(seen.items())
+        last = ops[-1]
+        covers = tuple(sorted(c for op in ops for c in op.covers))
+        return Op(
+            Fused(cls, tuple(ops)),
+            tuple(n for n, _ in ins),
+            tuple(a for _, a in ins),
+            out if out is not None else last.out,
+            dst if dst is not None else last.dst,
+            covers,
+        )
+
+    def try_fuse(self, rule: str, cls: ClassId, members: Sequence[int], at: int, **build) -> bool:
+        """Fuse `members` into one op of `cls` at slot `at`, if legal and the lane runs it; record either way."""
+        if self.crossing(members, at) is not None:
+            return False
+        op = self.candidate(cls, members, **build)
+        support = self.shim.supports(cls)
+        if support.kind is not SupportKind.NATIVE:
+            reason = support.reason or "the lane runs it as its parts"
+            self.events.append(Missed(rule, cls, op.covers, support.kind.value, reason))
+            return False
+        why = self.shim.fits(op, self.g)
+        if why is not None:
+            self.events.append(Missed(rule, cls, op.covers, "fits", why))
+            return False
+        self.place(rule, op, members, at)
+        return True
+
+    def place(self, rule: str, op: Op, members: Sequence[int], at: int) -> None:
+        """Put `op` at slot `at` and empty the other members' slots."""
+        for m in members:
+            self.s.ops[m] = None
+        self.s.ops[at] = op
+        assert isinstance(op.sym, Fused)
+        self.events.append(Fired(rule, op.sym.cls, op.covers))
+
+    def fuse(self, rule: str, cls: ClassId, at: int, others: Sequence[int], ins, out: str, dst: Dst) -> None:
+        """Fuse unconditionally (a lane rule that has already asked itself): the seed's `Rewriter::fuse`."""
+        members = [at, *others]
+        self.place(rule, self.candidate(cls, members, ins=ins, out=out, dst=dst), members, at)
+
+
+def whole(names: Sequence[str]) -> list[tuple[str, Access]]:
+    return [(n, WHOLE) for n in names]
+
+
+Pattern = Callable[[Rewriter, int], None]

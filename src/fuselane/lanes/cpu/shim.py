@@ -1,0 +1,76 @@
+"""The cpu lane's shim: it runs natively the fusions that save NumPy a pass over memory, and the rest apart.
+
+A NumPy fusion pays where it keeps an intermediate out of the step's buffers: a norm with its weight, an
+add with its norm, an activation with its multiply, a rotation that lands in the cache. Merging products
+(q/k/v in parts, gate with up, a projection with its epilogue) gains NumPy nothing (each is its own BLAS
+call), so those run as their parts. The lane refuses nothing a recognized model needs, reads activations
+dequantized, and fuses exactly: a fused op computes its parts' numbers in their order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fuselane.graph.classes import ClassId
+from fuselane.graph.ir import Op, QuantFormat, TensorGraph
+from fuselane.lanes.shim import DECOMPOSE, NATIVE, LaneRule, Position, Support
+from fuselane.numerics.contract import Bound, Contract, Keep
+
+CPU_NATIVE = frozenset(
+    {
+        ClassId.NORM_WEIGHT,
+        ClassId.ADD_NORM,
+        ClassId.NORM_THEN_ADD,
+        ClassId.EMBED_NORM,
+        ClassId.GLU_ACT_MUL,
+        ClassId.GEMM_BIAS,
+        ClassId.ROW_WRITE,
+        ClassId.QK_NORM_ROPE,
+        ClassId.QK_NORM_ROPE_KV_APPEND,
+        ClassId.ROPE_KV_APPEND,
+        ClassId.FLASH_DECODE,
+        ClassId.FLASH_PREFILL,
+        ClassId.STRIDED_READ,
+    }
+)
+
+_KEEP = {np.dtype(np.float32): Keep.F32, np.dtype(np.float64): Keep.F64}
+
+
+@dataclass(frozen=True, slots=True)
+class CpuShim:
+    """The cpu lane computing in `dtype`, with rules `held` back."""
+
+    dtype: np.dtype = np.dtype(np.float32)
+    held: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"cpu:{np.dtype(self.dtype).name}"
+
+    def supports(self, cls: ClassId) -> Support:
+        return NATIVE if cls in CPU_NATIVE else DECOMPOSE
+
+    def fits(self, op: Op, g: TensorGraph) -> str | None:
+        return None  # NumPy takes every shape
+
+    def activation(self, consumer: Op, operand: int, g: TensorGraph) -> QuantFormat | None:
+        return None  # products read dequantized activations
+
+    def rules(self) -> list[tuple[Position, LaneRule]]:
+        return []
+
+    def numerics(self) -> Contract:
+        keep = _KEEP[np.dtype(self.dtype)]
+        return Contract(
+            point=f"the cpu lane: {keep.value} arithmetic, {keep.value} cache, dequantized activations",
+            activations=None,
+            cache=keep,
+            state=keep,
+            attention=None,
+            fused=Bound.EXACT,  # type: ignore[attr-defined]
+            accumulator_bits=np.dtype(self.dtype).itemsize * 8,
+            arithmetic=keep,
+        )
