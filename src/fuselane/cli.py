@@ -130,6 +130,16 @@ def cmd_info(args: argparse.Namespace) -> None:
     print(render(info))
 
 
+def cmd_explain(args: argparse.Namespace) -> None:
+    from fuselane.explain import build_plan, render, to_json
+
+    name, cfg, plan = build_plan(
+        args.model, lane=args.lane, form=args.form, rows=args.rows, knobs=args.knob, held=args.hold
+    )
+    data = to_json(name, cfg, plan, args.form)
+    print(json.dumps(data, indent=2) if args.json else render(data))
+
+
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", type=int, default=256, help="most tokens to generate (default 256)")
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 is greedy (default 0.8)")
@@ -181,6 +191,15 @@ def parser() -> argparse.ArgumentParser:
     info.add_argument("model")
     info.add_argument("--json", action="store_true")
     info.set_defaults(func=cmd_info)
+    explain = sub.add_parser("explain", help="the fused plan on a lane, and why each missed fusion missed")
+    explain.add_argument("model", help="a .gguf path, a known name, or synth:SHAPE[:MIX] (no file needed)")
+    explain.add_argument("--lane", choices=("cpu", "cuda"), default="cpu")
+    explain.add_argument("--form", choices=("decode", "prefill", "batch"), default="decode")
+    explain.add_argument("--rows", type=int, default=None, help="rows of a prefill chunk (default 512)")
+    explain.add_argument("--knob", action="append", default=[], metavar="K=V", help="a lane knob (repeatable)")
+    explain.add_argument("--hold", action="append", default=[], metavar="RULE", help="hold a rule back (repeatable)")
+    explain.add_argument("--json", action="store_true", help="the stable JSON form")
+    explain.set_defaults(func=cmd_explain)
     return p
 
 

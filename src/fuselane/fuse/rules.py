@@ -12,7 +12,7 @@ from fuselane.fuse.patterns import is_add, is_mul, next_reader, op_at
 from fuselane.fuse.quant_rules import QUANT_RULES
 from fuselane.fuse.rewriter import Rewriter
 from fuselane.fuse.rule import Pattern, Rule
-from fuselane.fuse.views import gemv, slice_view
+from fuselane.fuse.views import gemv, rope, slice_view
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Dst, Role, Strided, UnitPart
 from fuselane.graph.ops import (
@@ -126,7 +126,8 @@ def rope_q_k_one_launch(r: Rewriter, i: int) -> None:
     for j in range(i + 1, len(r.s)):
         other = op_at(r, j, *ROPES)
         if other is not None:
-            if other.ins[1] == first.ins[1]:  # the same position: the same step's query and key
+            a, b = rope(first), rope(other)
+            if a is not None and b is not None and a.pos == b.pos:  # the same step's query and key
                 r.try_fuse("rope_q_k_one_launch", C.ROPE_QK_ONE_LAUNCH, [i, j], j)
             return
 
@@ -179,7 +180,13 @@ def merged_gate_up(r: Rewriter, j: int) -> None:
 
 
 def _product_of(r: Rewriter, i: int):
-    return gemv(r.s.get(i), r.g) if op_at(r, i, *PRODUCTS, C.ROW_WRITE) else None
+    """A product merged_projections may group: not a gate or up product, which the GLU rules pair."""
+    if op_at(r, i, *PRODUCTS, C.ROW_WRITE) is None:
+        return None
+    reader = r.sole_reader(r.s.get(i).out)
+    if reader is not None and op_at(r, reader, C.GLU_ACT_MUL, C.GEMV_GATE_UP_GLU) is not None:
+        return None
+    return gemv(r.s.get(i), r.g)
 
 
 def merged_projections(r: Rewriter, i: int) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from fuselane.graph.classes import ClassId
 from fuselane.graph.ir import Op, QuantFormat, TensorGraph
-from fuselane.lanes.shim import DECOMPOSE, NATIVE, LaneRule, Position, Support
+from fuselane.lanes.shim import NATIVE, LaneRule, Position, Support, SupportKind
 from fuselane.numerics.contract import Bound, Contract, Keep
 
 CPU_NATIVE = frozenset(
@@ -36,6 +36,36 @@ CPU_NATIVE = frozenset(
     }
 )
 
+# Why the lane runs a class as its parts.
+_PRODUCTS_APART = Support(
+    SupportKind.DECOMPOSE, "NumPy runs each product as its own BLAS call; merging them saves nothing"
+)
+_MERGED_PRODUCTS = frozenset(
+    {
+        ClassId.MERGED_QKV,
+        ClassId.MERGED_GATE_UP,
+        ClassId.GEMV_GATE_UP_GLU,
+        ClassId.GEMV_NORM_EPILOGUE,
+        ClassId.QKV_HEAD_EPILOGUE,
+        ClassId.FUSED_SAMPLING,
+        ClassId.GEMM_DEQUANT_INKERNEL,
+    }
+)
+_QUANT_APART = Support(SupportKind.DECOMPOSE, "the lane's products read dequantized activations")
+_QUANTIZING = frozenset(
+    {
+        ClassId.NORM_QUANT,
+        ClassId.ADD_NORM_QUANT,
+        ClassId.GLU_ACT_MUL_QUANT,
+        ClassId.ELEMENTWISE_QUANT,
+        ClassId.GDN_OUTPUT_QUANT,
+        ClassId.GEMV_QUANT,
+        ClassId.ATTN_OUTPUT_QUANT,
+        ClassId.ROW_WRITE_QUANT,
+    }
+)
+_NO_FUNCTION = Support(SupportKind.DECOMPOSE, "the lane has no fused NumPy function for it; its parts run apart")
+
 _KEEP = {np.dtype(np.float32): Keep.F32, np.dtype(np.float64): Keep.F64}
 
 
@@ -51,7 +81,11 @@ class CpuShim:
         return f"cpu:{np.dtype(self.dtype).name}"
 
     def supports(self, cls: ClassId) -> Support:
-        return NATIVE if cls in CPU_NATIVE else DECOMPOSE
+        if cls in CPU_NATIVE:
+            return NATIVE
+        if cls in _MERGED_PRODUCTS:
+            return _PRODUCTS_APART
+        return _QUANT_APART if cls in _QUANTIZING else _NO_FUNCTION
 
     def fits(self, op: Op, g: TensorGraph) -> str | None:
         return None  # NumPy takes every shape

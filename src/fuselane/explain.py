@@ -1,0 +1,229 @@
+"""`fuselane explain`: the fused plan of a model on a lane, and why each fusion that did not happen did not.
+
+The plan is built exactly as a lane would build it: the recognizer's graph for a form, the shared rules with
+the lane's linked in, the lane's `supports`/`fits` answers. The text form is for reading; the JSON form
+(`to_json`, schema version `JSON_VERSION`, documented in the README) is stable for tools.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fuselane.errors import FuselaneError
+from fuselane.fuse.optimizer import VIEWS, Plan, optimize
+from fuselane.fuse.views import class_of
+from fuselane.gguf.formats import Format
+from fuselane.graph.ir import Dst, Form, Op, Strided
+from fuselane.models import ModelConfig, config_of, recognizer
+from fuselane.numerics.contract import Contract, Kept
+
+JSON_VERSION = 1
+SYNTH_PREFIX = "synth:"
+DEFAULT_PREFILL_ROWS = 512
+DEFAULT_CTX = 4096
+FORMS = ("decode", "prefill", "batch")
+_LAYER = re.compile(r"^(?:l|blk\.)(\d+)\.")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorShape:
+    """A tensor as the recognizer sees it, where no file backs it (a synthetic shape)."""
+
+    shape: tuple[int, ...]
+    format: Format
+
+
+def model_source(model: str) -> tuple[str, ModelConfig, dict[str, Any]]:
+    """A model's name, config and tensor table: from a GGUF (path or known name), or `synth:SHAPE[:MIX]`,
+    a synthetic checkpoint's shapes and formats without writing it."""
+    if model.startswith(SYNTH_PREFIX):
+        from fuselane.gguf.synth import Mix, model_metadata, resolve_shape, tensor_formats, tensor_shapes
+
+        name, _, mix = model[len(SYNTH_PREFIX) :].partition(":")
+        label, shape = resolve_shape(name)
+        formats = tensor_formats(shape, Mix.parse(mix or "q8_0"))
+        tensors = {n: TensorShape(s, formats[n]) for n, s in tensor_shapes(shape).items()}
+        meta = {"general.architecture": shape.arch, **model_metadata(shape, label, 0)}
+        return label, config_of(meta, tensors), tensors
+    from fuselane.gguf.reader import open_gguf
+    from fuselane.hub import resolve
+
+    path = resolve(model)
+    with open_gguf(path) as f:
+        tensors = {n: TensorShape(t.shape, t.format) for n, t in f.tensors.items()}
+        return path.name, config_of(f.metadata, tensors), tensors
+
+
+def make_shim(lane: str, knobs: Sequence[str], held: Sequence[str], form: str):
+    """The shim of `lane` under `knobs` (`k=v` strings), holding `held`."""
+    if lane == "cpu":
+        import numpy as np
+
+        from fuselane.lanes.cpu.shim import CpuShim
+
+        dtype = "f32"
+        for knob in knobs:
+            key, _, value = knob.partition("=")
+            if key != "dtype" or value not in ("f32", "f64"):
+                raise FuselaneError(f"the cpu lane takes one knob, dtype=f32|f64, not '{knob}'")
+            dtype = value
+        return CpuShim(np.dtype(np.float32 if dtype == "f32" else np.float64), tuple(held))
+    if lane == "cuda":
+        from fuselane.lanes.cuda.knobs import CudaKnobs
+        from fuselane.lanes.cuda.shim import CudaShim
+
+        parsed = CudaKnobs.parse([*knobs, *(["batch=true"] if form == "batch" else [])])
+        return CudaShim(parsed, held=tuple(held))
+    raise FuselaneError(f"unknown lane '{lane}' (choose cpu or cuda)")
+
+
+def build_plan(
+    model: str,
+    *,
+    lane: str = "cpu",
+    form: str = "decode",
+    rows: int | None = None,
+    knobs: Sequence[str] = (),
+    held: Sequence[str] = (),
+) -> tuple[str, ModelConfig, Plan]:
+    """The plan `fuselane explain` shows."""
+    if form not in FORMS:
+        raise FuselaneError(f"unknown form '{form}' (choose from {', '.join(FORMS)})")
+    if form == "batch":
+        raise FuselaneError("the batch form waits for the batched recognizer; use decode or prefill")
+    name, cfg, tensors = model_source(model)
+    shim = make_shim(lane, knobs, held, form)
+    n = 1 if form == "decode" else (rows or DEFAULT_PREFILL_ROWS)
+    if n < 1:
+        raise FuselaneError(f"a prefill chunk has at least one row, not {n}")
+    ctx = max(DEFAULT_CTX, n)
+    graph = recognizer(cfg).recognize(cfg, tensors, Form(form), rows=n, ctx=ctx)
+    return name, cfg, optimize(graph, shim, held=held)
+
+
+def op_name(op: Op) -> str:
+    cls = class_of(op)
+    return cls.value if cls is not None else type(op.sym).__name__
+
+
+def _access(a: Any) -> str:
+    return f"strided(pitch={a.pitch}, offset={a.offset}, width={a.width})" if isinstance(a, Strided) else "whole"
+
+
+def _dst(d: Dst) -> dict[str, Any]:
+    out: dict[str, Any] = {"buffer": d.buf}
+    if d.row is not None:
+        out["row"] = {"at": d.row.sel, "pitch": d.row.pitch}
+    if d.unit is not None:
+        out["unit"] = {"pitch": d.unit.pitch, "offset": d.unit.offset, "width": d.unit.width}
+    return out
+
+
+def layer_of(op: Op) -> int | None:
+    m = _LAYER.match(op.out)
+    return int(m.group(1)) if m else None
+
+
+def launches_per_layer(plan: Plan) -> dict[int, int]:
+    counts: Counter[int] = Counter()
+    for op in plan.ops:
+        layer = layer_of(op)
+        if layer is not None and not isinstance(op.sym, VIEWS):
+            counts[layer] += 1
+    return dict(sorted(counts.items()))
+
+
+def _taken(t: Any) -> str:
+    return t.keep.value if isinstance(t, Kept) else t.scheme.describe()
+
+
+def numerics_json(c: Contract | None) -> dict[str, Any] | None:
+    if c is None:
+        return None
+    return {
+        "point": c.point,
+        "activations": c.activations.describe() if c.activations else "dequantized",
+        "cache": c.cache.value,
+        "state": c.state.value,
+        "attention": None
+        if c.attention is None
+        else {k: _taken(getattr(c.attention, k)) for k in ("queries", "keys_values", "weights")},
+        "fused_bound": "exact" if c.fused.exact else c.fused.relative,
+        "accumulator_bits": c.accumulator_bits,
+    }
+
+
+def to_json(name: str, cfg: ModelConfig, plan: Plan, form: str) -> dict[str, Any]:
+    """The plan as plain data: the stable JSON form (see the README for the schema)."""
+    per_layer = launches_per_layer(plan)
+    return {
+        "version": JSON_VERSION,
+        "model": {"name": name, "architecture": cfg.arch, "layers": cfg.n_layers},
+        "lane": plan.lane,
+        "form": form,
+        "rows": plan.graph.rows,
+        "held": list(plan.held),
+        "rules": list(plan.table),
+        "schedule": [
+            {
+                "op": op_name(op),
+                "fused": class_of(op) is not None,
+                "covers": list(op.covers),
+                "inputs": [{"name": n, "access": _access(a)} for n, a in zip(op.ins, op.access, strict=True)],
+                "output": op.out,
+                "destination": _dst(op.dst),
+            }
+            for op in plan.ops
+        ],
+        "not_fused": [
+            {"rule": m.rule, "class": m.cls.value, "kind": m.kind, "reason": m.reason, "covers": list(m.covers)}
+            for m in plan.missed
+        ],
+        "launches": {
+            "per_step": plan.launches(),
+            "per_layer_max": max(per_layer.values(), default=0),
+            "per_layer": per_layer,
+        },
+        "numerics": numerics_json(plan.contract),
+    }
+
+
+def render(data: dict[str, Any]) -> str:
+    """The plan for a terminal: the schedule, what was not fused and why, launches, numerics."""
+    m = data["model"]
+    lines = [
+        f"{m['name']} ({m['architecture']}, {m['layers']} layers) on {data['lane']}: "
+        f"{data['form']} form, {data['rows']} row{'s' if data['rows'] != 1 else ''}",
+        "",
+        f"schedule ({len(data['schedule'])} ops):",
+    ]
+    for i, op in enumerate(data["schedule"]):
+        ins = ", ".join(n["name"] + ("" if n["access"] == "whole" else f" [{n['access']}]") for n in op["inputs"])
+        d = op["destination"]
+        where = d["buffer"]
+        if "row" in d:
+            where += f"[row {d['row']['at']}, pitch {d['row']['pitch']}]"
+        if "unit" in d:
+            where += f"[unit {d['unit']['offset']}+{d['unit']['width']} of {d['unit']['pitch']}]"
+        lines.append(f"  {i:4d}  {op['op']:<22} {ins} -> {where}")
+    misses: dict[tuple[str, str, str, str], int] = {}
+    for miss in data["not_fused"]:
+        key = (miss["rule"], miss["class"], miss["kind"], miss["reason"])
+        misses[key] = misses.get(key, 0) + 1
+    lines += ["", f"not fused on this lane ({len(data['not_fused'])}):"]
+    for (rule, cls, kind, reason), count in misses.items():
+        lines.append(f"  {rule} -> {cls} x{count} [{kind}]: {reason}")
+    if not misses:
+        lines.append("  (none)")
+    if data["held"]:
+        lines += ["", "held: " + ", ".join(data["held"])]
+    la = data["launches"]
+    lines += ["", f"launches per {data['form']} step: {la['per_step']} (at most {la['per_layer_max']} per layer)"]
+    n = data["numerics"]
+    if n is not None:
+        lines += ["", "numerics:"] + [f"  {k}: {v}" for k, v in n.items()]
+    return "\n".join(lines)
