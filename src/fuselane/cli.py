@@ -195,7 +195,12 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("model", help="a .gguf path, a known name, or synth:SHAPE[:MIX] (no file needed)")
     explain.add_argument("--lane", choices=("cpu", "cuda"), default="cpu")
     explain.add_argument("--form", choices=("decode", "prefill", "batch"), default="decode")
-    explain.add_argument("--rows", type=int, default=None, help="rows of a prefill chunk (default 512)")
+    explain.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="rows of a prefill chunk (default 512) or sequences of a batch (default 8)",
+    )
     explain.add_argument("--knob", action="append", default=[], metavar="K=V", help="a lane knob (repeatable)")
     explain.add_argument("--hold", action="append", default=[], metavar="RULE", help="hold a rule back (repeatable)")
     explain.add_argument("--json", action="store_true", help="the stable JSON form")

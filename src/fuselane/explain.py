@@ -25,6 +25,7 @@ JSON_VERSION = 1
 SYNTH_PREFIX = "synth:"
 DEFAULT_PREFILL_ROWS = 512
 DEFAULT_CTX = 4096
+DEFAULT_BATCH = 8  # sequences a batch step decodes at once, where --rows does not say
 FORMS = ("decode", "prefill", "batch")
 _LAYER = re.compile(r"^(?:l|blk\.)(\d+)\.")
 
@@ -93,14 +94,13 @@ def build_plan(
     """The plan `fuselane explain` shows."""
     if form not in FORMS:
         raise FuselaneError(f"unknown form '{form}' (choose from {', '.join(FORMS)})")
-    if form == "batch":
-        raise FuselaneError("the batch form waits for the batched recognizer; use decode or prefill")
     name, cfg, tensors = model_source(model)
     shim = make_shim(lane, knobs, held, form)
-    n = 1 if form == "decode" else (rows or DEFAULT_PREFILL_ROWS)
+    default = DEFAULT_PREFILL_ROWS if form == "prefill" else DEFAULT_BATCH
+    n = 1 if form == "decode" else (rows if rows is not None else default)
     if n < 1:
-        raise FuselaneError(f"a prefill chunk has at least one row, not {n}")
-    ctx = max(DEFAULT_CTX, n)
+        raise FuselaneError(f"a {form} step has at least one row, not {n}")
+    ctx = max(DEFAULT_CTX, n) if form != "batch" else DEFAULT_CTX
     graph = recognizer(cfg).recognize(cfg, tensors, Form(form), rows=n, ctx=ctx)
     return name, cfg, optimize(graph, shim, held=held)
 

@@ -2,8 +2,9 @@
 
 The result is a `Plan`: the fused schedule, every fusion that fired, every one a rule matched that the lane
 did not take (decomposed, refused, or not fitting its kernels, with the lane's reason), the rules held back,
-and the lane's numerics contract. A class the lane refuses that the model cannot do without stops
-compilation with the lane's reason.
+and the lane's numerics contract; with `explain`, also the matches a rule let go of before asking the lane
+(an intermediate with another reader, an op in the way), each with its reason. A class the lane refuses
+that the model cannot do without stops compilation with the lane's reason.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fuselane.errors import FuselaneError
-from fuselane.fuse.rewriter import Fired, Missed, Rewriter, Schedule
+from fuselane.fuse.rewriter import Fired, Missed, Rewriter, Schedule, Unmatched
 from fuselane.fuse.rule import Rule
 from fuselane.fuse.rules import SHARED_RULES
 from fuselane.fuse.views import leaves
@@ -38,6 +39,7 @@ class Plan:
     held: tuple[str, ...] = ()
     table: tuple[str, ...] = ()
     contract: Contract | None = None
+    unmatched: list[Unmatched] = field(default_factory=list)  # only filled when optimized with `explain`
 
     def launches(self) -> int:
         """Kernel launches the schedule makes: one an op, none for a view."""
@@ -72,8 +74,9 @@ def needs(op: Op) -> list[tuple[ClassId, str]]:
     return found
 
 
-def optimize(g: TensorGraph, shim: Shim, *, held: Sequence[str] = ()) -> Plan:
-    """Fuse `g` for the lane behind `shim`, holding back the rules named in `held`."""
+def optimize(g: TensorGraph, shim: Shim, *, held: Sequence[str] = (), explain: bool = False) -> Plan:
+    """Fuse `g` for the lane behind `shim`, holding back the rules named in `held`; `explain` also keeps why
+    rules let go of the ops of their shape they did not fuse (`Plan.unmatched`)."""
     table = table_for(shim)
     unknown = sorted(set(held) - {r.name for r in table})
     if unknown:
@@ -84,7 +87,7 @@ def optimize(g: TensorGraph, shim: Shim, *, held: Sequence[str] = ()) -> Plan:
             if support.kind is SupportKind.REFUSE:
                 raise FuselaneError(f"the {shim.name} lane cannot run this model: {why}, and {support.reason}")
     work = TensorGraph(g.form, g.rows, dict(g.tensors), list(g.ops), g.inputs, g.params, g.outputs)
-    r = Rewriter(work, Schedule(g.ops), shim, outputs=frozenset(g.outputs))
+    r = Rewriter(work, Schedule(g.ops), shim, outputs=frozenset(g.outputs), explain=explain)
     for rule in table:
         if rule.name not in held:
             rule.apply(r)
@@ -99,6 +102,7 @@ def optimize(g: TensorGraph, shim: Shim, *, held: Sequence[str] = ()) -> Plan:
         held=tuple(held),
         table=tuple(r.name for r in table),
         contract=shim.numerics(),
+        unmatched=r.unmatched,
     )
 
 

@@ -32,13 +32,31 @@ def is_mul(op: Op, *, row: bool) -> bool:
     return isinstance(op.sym, Ew) and op.sym.op is ElementwiseOp.MUL and op.sym.row is row
 
 
-def next_reader(r: Rewriter, i: int, *kinds: type | ClassId, operand: int | None = 0) -> int | None:
-    """The sole reader of op i's output, if it is one of `kinds` and reads it as `operand` (None: any)."""
-    op = r.s.get(i)
-    j = r.sole_reader(op.out)
-    if j is None or op_at(r, j, *kinds) is None:
+def _takes(r: Rewriter, j: int, name: str, kinds: tuple[type | ClassId, ...], operand: int | None) -> bool:
+    """Whether the op at slot j is one of `kinds` reading `name` as `operand` (None: any)."""
+    if op_at(r, j, *kinds) is None:
+        return False
+    ins = r.s.get(j).ins
+    return operand is None or (len(ins) > operand and ins[operand] == name)
+
+
+def next_reader(
+    r: Rewriter, i: int, *kinds: type | ClassId, operand: int | None = 0, rule: str | None = None
+) -> int | None:
+    """The sole reader of op i's output, if it is one of `kinds` and reads it as `operand` (None: any).
+
+    Where one of several readers would have been taken, `rule` (when given) records why not, for `explain`."""
+    name = r.s.get(i).out
+    j = r.sole_reader(name)
+    if j is None:
+        if rule is not None:
+            r.no_match(rule, i, lambda: _shared(r, i, name, kinds, operand))
         return None
-    reader = r.s.get(j)
-    if operand is not None and (len(reader.ins) <= operand or reader.ins[operand] != op.out):
-        return None
-    return j
+    # a reader before op i reads an older value of the name, not op i's result
+    return j if j > i and _takes(r, j, name, kinds, operand) else None
+
+
+def _shared(r: Rewriter, i: int, name: str, kinds: tuple[type | ClassId, ...], operand: int | None) -> str | None:
+    """Why a reader of op i's `name` of the wanted kind was not taken: the other readers, or None if none is."""
+    takers = [j for j in r.s.readers(name) if j > i and _takes(r, j, name, kinds, operand)]
+    return r.other_readers(name, takers[0]) if takers else None

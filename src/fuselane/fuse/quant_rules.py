@@ -56,6 +56,7 @@ QUANT_RULES = [
     _rule("glu_quant", C.GLU_ACT_MUL_QUANT, C.GLU_ACT_MUL, C.GEMV_GATE_UP_GLU),  # silu(g) * u -> int8
     _rule("elementwise_quant", C.ELEMENTWISE_QUANT, Elementwise),  # a (op) b -> int8
     _rule("gemv_quant", C.GEMV_QUANT, Matmul, C.GEMM_BIAS),  # x @ W^T -> int8 outputs
-    _rule("attention_output_quant", C.ATTN_OUTPUT_QUANT, Attention, C.FLASH_DECODE, C.FLASH_PREFILL),  # -> int8
+    # attention(q, k, v) -> writes its output as int8
+    _rule("attention_output_quant", C.ATTN_OUTPUT_QUANT, Attention, C.FLASH_DECODE, C.FLASH_PREFILL),
     _rule("row_write_quant", C.ROW_WRITE_QUANT, SetRow),  # set_row -> the row and its int8 form
 ]

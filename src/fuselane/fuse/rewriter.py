@@ -4,12 +4,17 @@ A fusion replaces its members with one op at a chosen place, keeping which origi
 does, the rewriter asks the lane: `supports` (native, or the fusion is recorded as decomposed or refused with
 the lane's reason) and then `fits` for the candidate op. Moving a member to the fused op's place is legal only
 when nothing between them writes what it reads or reads or writes what it writes (`facts`).
+
+With `explain` on, the rewriter also keeps why a pattern let go of an op of its shape (an intermediate it
+would swallow has another reader, or a member cannot move past an op): Inductor's failed-match reasons. The
+patterns hand over the reason as a callable, so it is only built when asked.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from fuselane.graph import facts
 from fuselane.graph.classes import ClassId
@@ -37,6 +42,14 @@ class Missed:
     reason: str
 
 
+class Unmatched(NamedTuple):
+    """A pattern that found its shape at the ops `covers` but did not fuse them, and why (explain mode only)."""
+
+    rule: str
+    covers: tuple[int, ...]
+    reason: str
+
+
 class Schedule:
     """Ops in order, each slot live or emptied by a fusion."""
 
@@ -58,9 +71,10 @@ class Schedule:
     def live(self) -> list[Op]:
         return [op for op in self.ops if op is not None]
 
-    def producer(self, name: str) -> int | None:
-        """The last live op that writes `name`."""
-        found = [i for i, op in enumerate(self.ops) if op is not None and name in facts.writes(op)]
+    def producer(self, name: str, before: int | None = None) -> int | None:
+        """The last live op that writes `name` (before slot `before`: the value an op there reads)."""
+        end = len(self.ops) if before is None else before
+        found = [i for i, op in enumerate(self.ops[:end]) if op is not None and name in facts.writes(op)]
         return found[-1] if found else None
 
     def readers(self, name: str) -> list[int]:
@@ -75,6 +89,26 @@ class Rewriter:
     shim: Shim
     events: list[Fired | Missed] = field(default_factory=list)
     outputs: frozenset[str] = frozenset()
+    explain: bool = False
+    unmatched: list[Unmatched] = field(default_factory=list)
+
+    def no_match(self, rule: str, slots: int | Sequence[int], reason: Callable[[], str | None]) -> None:
+        """Record why `rule` let go of the ops at `slots`, when explaining; `reason` is only called then (and
+        may answer None: nothing worth saying)."""
+        if not self.explain:
+            return
+        text = reason()
+        if text:
+            members = [slots] if isinstance(slots, int) else slots
+            covers = tuple(sorted(c for m in members if (op := self.s.slot(m)) is not None for c in op.covers))
+            self.unmatched.append(Unmatched(rule, covers, text))
+
+    def other_readers(self, name: str, taker: int) -> str:
+        """Who besides the op at slot `taker` reads `name` (a failed match's reason)."""
+        found = [f"op {k} ({self.s.get(k).out})" for k in self.s.readers(name) if k != taker]
+        if name in self.outputs:
+            found.append("the graph's output")
+        return f"{name} is also read by {', '.join(found)}"
 
     def sole_reader(self, name: str) -> int | None:
         """The one op that reads `name`, where nothing else (no other op, no graph output) does."""
@@ -95,7 +129,7 @@ class Rewriter:
                 br, bw = set(facts.reads(between)), set(facts.writes(between))
                 clash = (writes & (br | bw)) | (reads & bw)
                 if clash:
-                    return f"op {b} between them touches {sorted(clash)[0]}"
+                    return f"op {b} ({between.out}) between them touches {sorted(clash)[0]}"
         return None
 
     def candidate(
@@ -131,7 +165,9 @@ class Rewriter:
 
     def try_fuse(self, rule: str, cls: ClassId, members: Sequence[int], at: int, **build) -> bool:
         """Fuse `members` into one op of `cls` at slot `at`, if legal and the lane runs it; record either way."""
-        if self.crossing(members, at) is not None:
+        crossing = self.crossing(members, at)
+        if crossing is not None:
+            self.no_match(rule, members, lambda: f"cannot move the ops together: {crossing}")
             return False
         op = self.candidate(cls, members, **build)
         support = self.shim.supports(cls)

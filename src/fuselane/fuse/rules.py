@@ -42,7 +42,7 @@ ROPES = (Rope, C.QK_NORM_ROPE, C.ROPE_KV_APPEND, C.QK_NORM_ROPE_KV_APPEND)
 def norm_weight(r: Rewriter, i: int) -> None:
     if op_at(r, i, RmsNorm) is None:
         return
-    j = next_reader(r, i, Elementwise)
+    j = next_reader(r, i, Elementwise, rule="norm_weight")
     if j is not None and is_mul(r.s.get(j), row=True) and _weight(r, r.s.get(j).ins[1]):
         r.try_fuse("norm_weight", C.NORM_WEIGHT, [i, j], j)
 
@@ -52,7 +52,7 @@ def embed_norm(r: Rewriter, i: int) -> None:
         return
     gathered = r.s.get(i).out
     for j in r.s.readers(gathered):
-        if op_at(r, j, C.NORM_WEIGHT) is not None and r.s.get(j).ins[0] == gathered:
+        if j > i and op_at(r, j, C.NORM_WEIGHT) is not None and r.s.get(j).ins[0] == gathered:
             r.try_fuse("embed_norm", C.EMBED_NORM, [i, j], j)
             return
 
@@ -61,8 +61,8 @@ def add_norm(r: Rewriter, i: int) -> None:
     op = op_at(r, i, Elementwise)
     if op is None or not is_add(op, row=False):
         return
-    for j in r.s.readers(op.out):
-        if op_at(r, j, C.NORM_WEIGHT) is not None and r.s.get(j).ins[0] == op.out:
+    for j in r.s.readers(op.out):  # after the add: a reader before it reads an older value of the name
+        if j > i and op_at(r, j, C.NORM_WEIGHT) is not None and r.s.get(j).ins[0] == op.out:
             r.try_fuse("add_norm", C.ADD_NORM, [i, j], j)
             return
 
@@ -70,7 +70,7 @@ def add_norm(r: Rewriter, i: int) -> None:
 def norm_then_add(r: Rewriter, i: int) -> None:
     if op_at(r, i, C.NORM_WEIGHT) is None:
         return
-    j = next_reader(r, i, Elementwise, operand=None)
+    j = next_reader(r, i, Elementwise, operand=None, rule="norm_then_add")
     if j is not None and is_add(r.s.get(j), row=False):
         r.try_fuse("norm_then_add", C.NORM_THEN_ADD, [i, j], j)
 
@@ -79,7 +79,7 @@ def qk_norm_rope(r: Rewriter, i: int) -> None:
     op = op_at(r, i, C.NORM_WEIGHT)
     if op is None:
         return
-    j = next_reader(r, i, Rope)
+    j = next_reader(r, i, Rope, rule="qk_norm_rope")
     if j is not None:
         r.try_fuse("qk_norm_rope", C.QK_NORM_ROPE, [i, j], j)
 
@@ -88,7 +88,7 @@ def _rope_append(name: str, first: type | C, builds: C) -> Pattern:
     def pattern(r: Rewriter, i: int) -> None:
         if op_at(r, i, first) is None:
             return
-        j = next_reader(r, i, SetRow)
+        j = next_reader(r, i, SetRow, rule=name)
         if j is not None:
             r.try_fuse(name, builds, [i, j], j)
 
@@ -98,7 +98,7 @@ def _rope_append(name: str, first: type | C, builds: C) -> Pattern:
 def gemm_bias(r: Rewriter, i: int) -> None:
     if op_at(r, i, Matmul) is None:
         return
-    j = next_reader(r, i, Elementwise)
+    j = next_reader(r, i, Elementwise, rule="gemm_bias")
     if j is not None and is_add(r.s.get(j), row=True) and _weight(r, r.s.get(j).ins[1]):
         r.try_fuse("gemm_bias", C.GEMM_BIAS, [i, j], j)
 
@@ -106,7 +106,7 @@ def gemm_bias(r: Rewriter, i: int) -> None:
 def row_write(r: Rewriter, i: int) -> None:
     if op_at(r, i, *PRODUCTS) is None:
         return
-    j = next_reader(r, i, SetRow)
+    j = next_reader(r, i, SetRow, rule="row_write")
     if j is not None:
         r.try_fuse("row_write", C.ROW_WRITE, [i, j], j)
 
@@ -114,7 +114,7 @@ def row_write(r: Rewriter, i: int) -> None:
 def qkv_head_epilogue(r: Rewriter, i: int) -> None:
     if op_at(r, i, *PRODUCTS) is None:
         return
-    j = next_reader(r, i, *ROPES)
+    j = next_reader(r, i, *ROPES, rule="qkv_head_epilogue")
     if j is not None:
         r.try_fuse("qkv_head_epilogue", C.QKV_HEAD_EPILOGUE, [i, j], j)
 
@@ -135,7 +135,8 @@ def rope_q_k_one_launch(r: Rewriter, i: int) -> None:
 def _attention(name: str, builds: C, decode: bool) -> Pattern:
     def pattern(r: Rewriter, i: int) -> None:
         op = op_at(r, i, Attention)
-        if op is not None and (op.sym.rows == 1) is decode:  # type: ignore[union-attr]
+        # a batch's rows are each one sequence's step: the decode kernel's shape, many times over
+        if op is not None and (op.sym.rows == 1 or op.sym.batched) is decode:  # type: ignore[union-attr]
             r.try_fuse(name, builds, [i], i)
 
     return pattern
@@ -145,21 +146,24 @@ def glu_act_mul(r: Rewriter, i: int) -> None:
     op = op_at(r, i, Unary)
     if op is None or op.sym.op is not UnaryOp.SILU:  # type: ignore[union-attr]
         return
-    j = next_reader(r, i, Elementwise)
+    j = next_reader(r, i, Elementwise, rule="glu_act_mul")
     if j is not None and is_mul(r.s.get(j), row=False):
         r.try_fuse("glu_act_mul", C.GLU_ACT_MUL, [i, j], j)
 
 
-def _gate_up(r: Rewriter, j: int) -> tuple[int, int] | None:
+def _gate_up(r: Rewriter, j: int, rule: str) -> tuple[int, int] | None:
     """The gate and up products a GLU at slot j multiplies, where they read one activation and only it reads
     them."""
     glu = op_at(r, j, C.GLU_ACT_MUL)
-    if glu is None:
+    if glu is None or len(glu.ins) != 2:  # silu(x) * x reads one value: there is no pair of products
         return None
     found = []
-    for name in glu.ins[:2]:
-        i = r.s.producer(name)
-        if i is None or op_at(r, i, Matmul) is None or r.sole_reader(name) != j:
+    for name in glu.ins:
+        i = r.s.producer(name, before=j)
+        if i is None or op_at(r, i, Matmul) is None:
+            return None
+        if r.sole_reader(name) != j:
+            r.no_match(rule, i, lambda name=name: r.other_readers(name, j))
             return None
         found.append(i)
     gate, up = (r.s.get(k) for k in found)
@@ -167,13 +171,13 @@ def _gate_up(r: Rewriter, j: int) -> tuple[int, int] | None:
 
 
 def gate_up_glu(r: Rewriter, j: int) -> None:
-    pair = _gate_up(r, j)
+    pair = _gate_up(r, j, "gate_up_glu")
     if pair is not None:
         r.try_fuse("gate_up_glu", C.GEMV_GATE_UP_GLU, [*pair, j], j)
 
 
 def merged_gate_up(r: Rewriter, j: int) -> None:
-    pair = _gate_up(r, j)
+    pair = _gate_up(r, j, "merged_gate_up")
     if pair is not None:
         gate = r.s.get(pair[0])
         r.try_fuse("merged_gate_up", C.MERGED_GATE_UP, list(pair), pair[0], out=gate.out, dst=gate.dst)
@@ -199,8 +203,13 @@ def merged_projections(r: Rewriter, i: int) -> None:
     group = [i]
     for j in range(i + 1, len(r.s)):
         p = _product_of(r, j)
-        if p is not None and p.x == first.x and r.crossing([j], i) is None:
+        if p is None or p.x != first.x:
+            continue
+        crossing = r.crossing([j], i)
+        if crossing is None:
             group.append(j)
+        else:
+            r.no_match("merged_projections", j, lambda crossing=crossing: f"cannot join op {i}'s group: {crossing}")
     if len(group) > 1:
         head = r.s.get(i)
         r.try_fuse("merged_projections", C.MERGED_QKV, group, i, out=head.out, dst=head.dst)
@@ -209,7 +218,7 @@ def merged_projections(r: Rewriter, i: int) -> None:
 def gemv_norm_epilogue(r: Rewriter, i: int) -> None:
     if op_at(r, i, *PRODUCTS) is None:
         return
-    j = next_reader(r, i, C.ADD_NORM, operand=None)
+    j = next_reader(r, i, C.ADD_NORM, operand=None, rule="gemv_norm_epilogue")
     if j is not None:
         r.try_fuse("gemv_norm_epilogue", C.GEMV_NORM_EPILOGUE, [i, j], j)
 
@@ -220,6 +229,9 @@ def strided_read(r: Rewriter, i: int) -> None:
         return
     j = r.sole_reader(r.s.get(i).out)
     if j is None:
+        r.no_match("strided_read", i, lambda: _other_readers(r, r.s.get(i).out))
+        return
+    if j < i:  # it reads an older value of the name
         return
     consumer = r.s.get(j)
     access = Strided(sl.every, sl.start, sl.width)
@@ -233,18 +245,28 @@ def join_in_place(r: Rewriter, j: int) -> None:
     if join is None:
         return
     spec: Join = join.sym  # type: ignore[assignment]
-    producers = [r.s.producer(n) for n in join.ins[:2]]
-    if any(p is None or r.sole_reader(join.ins[k]) != j for k, p in enumerate(producers)):
+    producers = [r.s.producer(n, before=j) for n in join.ins]
+    # two inputs from two producers: join(a, a) would make one op write both unit parts (and cover it twice)
+    if len(join.ins) != 2 or None in producers or producers[0] == producers[1]:
         return
+    for name in join.ins:
+        if r.sole_reader(name) != j:
+            r.no_match("join_in_place", j, lambda name=name: r.other_readers(name, j))
+            return
     pitch = (spec.wa + spec.wb) // spec.heads
     dst = Dst(join.out, unit=UnitPart(pitch, 0, spec.wa // spec.heads))
     r.try_fuse("join_in_place", C.JOIN_IN_PLACE, [*producers, j], j, dst=dst)  # type: ignore[list-item]
 
 
+def _other_readers(r: Rewriter, name: str) -> str:
+    readers = r.s.readers(name)
+    return r.other_readers(name, readers[0]) if readers else f"{name} is the graph's output"
+
+
 def fused_sampling(r: Rewriter, i: int) -> None:
     if op_at(r, i, Matmul) is None:
         return
-    j = next_reader(r, i, ArgMax)
+    j = next_reader(r, i, ArgMax, rule="fused_sampling")
     if j is not None:
         r.try_fuse("fused_sampling", C.FUSED_SAMPLING, [i, j], j)
 
@@ -276,8 +298,10 @@ EPILOGUE_RULES = [
     Rule("rope_q_k_one_launch", (C.ROPE_QK_ONE_LAUNCH,), rope_q_k_one_launch),  # rope(q); rope(k) -> one launch
 ]
 ATTENTION_RULES = [
-    Rule("flash_decode", (C.FLASH_DECODE,), _attention("flash_decode", C.FLASH_DECODE, True)),  # attn, 1 row
-    Rule("flash_prefill", (C.FLASH_PREFILL,), _attention("flash_prefill", C.FLASH_PREFILL, False)),  # a chunk
+    # attention(q, k cache, v cache) of one row -> FlashDecode
+    Rule("flash_decode", (C.FLASH_DECODE,), _attention("flash_decode", C.FLASH_DECODE, True)),
+    # attention(q, k cache, v cache) of a chunk's rows -> FlashPrefill
+    Rule("flash_prefill", (C.FLASH_PREFILL,), _attention("flash_prefill", C.FLASH_PREFILL, False)),
 ]
 PRODUCT_RULES = [
     Rule("gate_up_glu", (C.GEMV_GATE_UP_GLU,), gate_up_glu),  # GluActMul(x @ Wg^T, x @ Wu^T) -> GemvGateUpGlu

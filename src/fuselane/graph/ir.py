@@ -146,6 +146,7 @@ class Form(enum.Enum):
 
     DECODE = "decode"  # one row of one sequence
     PREFILL = "prefill"  # a chunk of rows of one sequence
+    BATCH = "batch"  # one row of each of several sequences, each at its own position
 
 
 @dataclass(slots=True)

@@ -75,15 +75,19 @@ class Rope:
     hd: int
     base: float
     half: bool = True
+    batched: bool = False  # each row is its own sequence, at its own position (pos is a vector)
 
 
 @dataclass(frozen=True, slots=True)
 class SetRow:
     """Write `rows` rows of `cols` values into a table at rows pos .. pos + rows - 1 (ins: x, pos); the op's
-    destination names the table and the row."""
+    destination names the table and the row. `batched`: row i is sequence i's, written at pos[i] of that
+    sequence's `seq_rows`-row block of the table."""
 
     rows: int
     cols: int
+    batched: bool = False
+    seq_rows: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +104,7 @@ class Attention:
     scale: float
     vd: int = 0  # value width; 0 means hd
     ext: AttentionExt | None = None
+    batched: bool = False  # row i is sequence i's query at pos[i], over its own `len`-row block of the caches
 
     @property
     def value_width(self) -> int:

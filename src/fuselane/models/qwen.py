@@ -99,7 +99,8 @@ class _Builder:
             storage = Values(fmt.name.lower()) if len(shape) == 1 else Rows(fmt)
             self.g.add(Tensor(name, shape, storage, Role.WEIGHT))
         self.g.add(Tensor(IDS, (rows,), Values("i32"), Role.INPUT))
-        self.g.add(Tensor(POS, (), Values("i32"), Role.PARAM))
+        self.batched = form is Form.BATCH
+        self.g.add(Tensor(POS, (rows,) if self.batched else (), Values("i32"), Role.PARAM))
 
     def act(self, name: str, cols: int, rows: int | None = None, role: Role = Role.ACTIVATION) -> str:
         return self.g.add(Tensor(name, (rows or self.rows, cols), Values("f32"), role))
@@ -137,14 +138,17 @@ class _Builder:
             q = self.norm(q, b + "attn_q_norm.weight", l_ + "q_normed", cfg.head_dim, rows * cfg.n_heads)
             k = self.norm(k, b + "attn_k_norm.weight", l_ + "k_normed", cfg.head_dim, rows * cfg.n_kv_heads)
         qr, kr = self.act(l_ + "q_rot", cfg.q_width), self.act(l_ + "k_rot", cfg.kv_width)
-        self.g.emit(Rope(rows, cfg.n_heads, cfg.head_dim, cfg.rope_base), (q, POS), qr)
-        self.g.emit(Rope(rows, cfg.n_kv_heads, cfg.head_dim, cfg.rope_base), (k, POS), kr)
-        kc = self.act(b + "k_cache", cfg.kv_width, self.ctx, Role.CACHE)
-        vc = self.act(b + "v_cache", cfg.kv_width, self.ctx, Role.CACHE)
-        self.g.emit(SetRow(rows, cfg.kv_width), (kr, POS), kc, Dst(kc, row=RowAt(POS, cfg.kv_width)))
-        self.g.emit(SetRow(rows, cfg.kv_width), (v, POS), vc, Dst(vc, row=RowAt(POS, cfg.kv_width)))
+        seqs = self.batched
+        self.g.emit(Rope(rows, cfg.n_heads, cfg.head_dim, cfg.rope_base, batched=seqs), (q, POS), qr)
+        self.g.emit(Rope(rows, cfg.n_kv_heads, cfg.head_dim, cfg.rope_base, batched=seqs), (k, POS), kr)
+        cache_rows = self.ctx * (rows if seqs else 1)  # a batch's sequences each own a block of ctx rows
+        kc = self.act(b + "k_cache", cfg.kv_width, cache_rows, Role.CACHE)
+        vc = self.act(b + "v_cache", cfg.kv_width, cache_rows, Role.CACHE)
+        append = SetRow(rows, cfg.kv_width, batched=seqs, seq_rows=self.ctx if seqs else 0)
+        self.g.emit(append, (kr, POS), kc, Dst(kc, row=RowAt(POS, cfg.kv_width)))
+        self.g.emit(append, (v, POS), vc, Dst(vc, row=RowAt(POS, cfg.kv_width)))
         scale = 1.0 / math.sqrt(cfg.head_dim)
-        att = Attention(rows, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.ctx, scale)
+        att = Attention(rows, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.ctx, scale, batched=seqs)
         o = self.act(l_ + "attn", cfg.q_width)
         self.g.emit(att, (qr, kc, vc, POS), o)
         a = self.matmul(o, b + "attn_output.weight", l_ + "attn_out")
@@ -165,7 +169,7 @@ class _Builder:
         self.g.emit(RowsGather(self.rows, cfg.n_embd), ("token_embd.weight", IDS), x)
         for i in range(cfg.n_layers):
             x = self.layer(i, x)
-        if not self.all_logits and self.rows > 1:
+        if not self.all_logits and self.rows > 1 and not self.batched:
             last = self.act("last", cfg.n_embd, 1)
             self.g.emit(TakeRows(self.rows, cfg.n_embd, 1), (x,), last)
             x, self.rows = last, 1
@@ -185,7 +189,9 @@ def recognize(
     ctx: int,
     all_logits: bool = False,
 ) -> TensorGraph:
-    """The graph of one decode step (`rows` = 1) or one prefill chunk of `rows` rows, over a `ctx`-row cache.
+    """The graph of one decode step (`rows` = 1), one prefill chunk of `rows` rows, or one step of a batch of
+    `rows` sequences (each its own `ctx`-row block of the caches, each at its own position), over a `ctx`-row
+    cache.
 
     A prefill chunk computes logits for its last row only, unless `all_logits`.
     """

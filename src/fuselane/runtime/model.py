@@ -32,8 +32,9 @@ def _cuda_available() -> bool:
     return os.path.exists("/dev/nvidiactl")
 
 
-def make_lane(name: str, cfg: ModelConfig, tensors: Any, ctx: int, dtype: Any):
-    """The lane called `name` (`auto`: cuda when a GPU is there and the lane exists, else cpu)."""
+def make_lane(name: str, cfg: ModelConfig, tensors: Any, ctx: int, dtype: Any, held: Sequence[str] = ()):
+    """The lane called `name` (`auto`: cuda when a GPU is there and the lane exists, else cpu), with the
+    optimizer's rules named in `held` held back (to trace a result to one fusion, or to compare)."""
     if name not in LANES:
         raise FuselaneError(f"unknown lane '{name}' (choose from {', '.join(LANES)})")
     if name == "cuda" or (name == "auto" and _cuda_available()):
@@ -43,10 +44,11 @@ def make_lane(name: str, cfg: ModelConfig, tensors: Any, ctx: int, dtype: Any):
             if name == "cuda":
                 raise FuselaneError("the cuda lane is not part of this build of fuselane; use --lane cpu") from None
         else:
-            return CudaLane(cfg, tensors, ctx=ctx)
+            # only passed when asked, so a cuda lane that does not hold rules yet still loads
+            return CudaLane(cfg, tensors, ctx=ctx, **({"held": tuple(held)} if held else {}))
     from fuselane.lanes.cpu.lane import CpuLane
 
-    return CpuLane(cfg, tensors, ctx=ctx, dtype=dtype)
+    return CpuLane(cfg, tensors, ctx=ctx, dtype=dtype, held=tuple(held))
 
 
 @dataclass(slots=True)
@@ -165,11 +167,12 @@ def load(
     lane: str = "auto",
     ctx: int | None = None,
     dtype: Any = np.float32,
+    held: Sequence[str] = (),
 ) -> Model:
     """Open a checkpoint (a path, or a known name pulled on demand) and make it ready to generate.
 
     `ctx` is the number of cache rows (default: the model's context, at most 4096); `dtype` is the cpu lane's
-    arithmetic (np.float64 for reference runs).
+    arithmetic (np.float64 for reference runs); `held` names optimizer rules the lane holds back.
     """
     from fuselane.hub import resolve
 
@@ -190,7 +193,7 @@ def load(
         rows = ctx if ctx is not None else min(cfg.context, DEFAULT_CTX)
         if rows < 1:
             raise FuselaneError(f"the context must hold at least one token, not {rows}")
-        return Model(path, file, cfg, tokenizer, template, make_lane(lane, cfg, file.tensors, rows, dtype))
+        return Model(path, file, cfg, tokenizer, template, make_lane(lane, cfg, file.tensors, rows, dtype, held))
     except BaseException:
         file.close()
         raise

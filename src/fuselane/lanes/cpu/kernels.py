@@ -8,19 +8,23 @@ inputs (f32 by default, f64 for reference runs), with no fusion and no shortcuts
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
 from fuselane.graph.ops import (
+    ArgMax,
     Attention,
     Elementwise,
     ElementwiseOp,
+    Join,
     Matmul,
     PrimSpec,
     RmsNorm,
     Rope,
     RowsGather,
     SetRow,
+    Slice,
     TakeRows,
     Unary,
     UnaryOp,
@@ -70,7 +74,8 @@ def rope_angles(positions: np.ndarray, hd: int, base: float, dtype: np.dtype) ->
 def rope(spec: Rope, args: list[np.ndarray], pos: int) -> np.ndarray:
     x = args[0]
     half = spec.hd // 2
-    cos, sin = rope_angles(np.arange(pos, pos + spec.rows), spec.hd, spec.base, x.dtype)
+    positions = np.asarray(pos) if spec.batched else np.arange(pos, pos + spec.rows)
+    cos, sin = rope_angles(positions, spec.hd, spec.base, x.dtype)
     cos, sin = cos[:, None, :], sin[:, None, :]
     heads = x.reshape(spec.rows, spec.heads, spec.hd)
     if spec.half:
@@ -82,8 +87,15 @@ def rope(spec: Rope, args: list[np.ndarray], pos: int) -> np.ndarray:
     return out.reshape(x.shape)
 
 
-def attention(spec: Attention, args: list[np.ndarray], pos: int) -> np.ndarray:
+def attention(spec: Attention, args: list[np.ndarray], pos) -> np.ndarray:
     q, k_cache, v_cache = args[0], args[1], args[2]
+    if spec.batched:  # each row its own sequence: one query over its own block of the caches
+        one = replace(spec, rows=1, batched=False)
+        blocks = [
+            attention(one, [q[i : i + 1], k_cache[i * spec.len :], v_cache[i * spec.len :]], int(p))
+            for i, p in enumerate(np.asarray(pos))
+        ]
+        return np.concatenate(blocks, axis=0)
     rows, hd, kv = spec.rows, spec.hd, spec.kv_heads
     group = spec.heads // kv
     span = pos + rows
@@ -108,6 +120,25 @@ def take_rows(spec: TakeRows, args: list[np.ndarray], pos: int) -> np.ndarray:
     return args[0].reshape(spec.rows, spec.cols)[spec.rows - spec.take :]
 
 
+def slice_units(spec: Slice, args: list[np.ndarray], pos: int) -> np.ndarray:
+    """`width` values at `start` of every `every`-wide unit: a copy (a lane with StridedRead reads it in place)."""
+    units = args[0].reshape(spec.groups, spec.every)
+    return units[:, spec.start : spec.start + spec.width].copy()
+
+
+def join(spec: Join, args: list[np.ndarray], pos: int) -> np.ndarray:
+    """Each head of each row: the first input's part of it, then the second's."""
+    a, b = args
+    ha = a.reshape(spec.rows, spec.heads, spec.wa // spec.heads)
+    hb = b.reshape(spec.rows, spec.heads, spec.wb // spec.heads)
+    return np.concatenate([ha, hb], axis=-1).reshape(spec.rows, spec.wa + spec.wb)
+
+
+def argmax(spec: ArgMax, args: list[np.ndarray], pos: int) -> np.ndarray:
+    """Each row's largest value's index (the first, on a tie), as the greedy sampler picks it."""
+    return args[0].reshape(spec.rows, spec.cols).argmax(axis=-1)
+
+
 KERNELS: dict[type, Kernel] = {
     RmsNorm: rms_norm,
     Elementwise: elementwise,
@@ -117,6 +148,9 @@ KERNELS: dict[type, Kernel] = {
     Attention: attention,
     SetRow: set_row,
     TakeRows: take_rows,
+    Slice: slice_units,
+    Join: join,
+    ArgMax: argmax,
 }
 
 # RowsGather reads a table the runner may keep quantized, so the runner answers it itself.

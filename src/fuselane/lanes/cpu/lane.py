@@ -16,6 +16,7 @@ from fuselane.fuse.optimizer import Plan, optimize
 from fuselane.gguf.dequant import dequantize, dequantize_rows
 from fuselane.graph import facts
 from fuselane.graph.ir import Form, Fused, Op, Role, Strided, TensorGraph
+from fuselane.graph.ops import SetRow
 from fuselane.lanes.cpu.kernels import GATHER, KERNELS
 from fuselane.lanes.cpu.shim import CpuShim
 from fuselane.models import ModelConfig, recognizer
@@ -34,7 +35,7 @@ class CpuLane:
         self.dtype = np.dtype(dtype)
         self.shim = CpuShim(self.dtype, tuple(held))
         self._weights: dict[str, np.ndarray] = {}
-        self._graphs: dict[tuple[int, bool], TensorGraph] = {}
+        self._graphs: dict[tuple[int, bool | str], TensorGraph] = {}
         self._cache: dict[str, np.ndarray] = {}
         self._liveness: dict[int, list[tuple[str, ...]]] = {}
 
@@ -74,6 +75,18 @@ class CpuLane:
         if name not in self._cache:
             self._cache[name] = np.zeros(shape, dtype=self.dtype)
         return self._cache[name]
+
+    def forward_batch(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """One step of len(ids) sequences, sequence i's token ids[i] at positions[i] of its own cache block
+        (the lane holds `ctx` rows a sequence); logits of every sequence."""
+        ids, positions = np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64)
+        if positions.max(initial=0) >= self.ctx:
+            raise ValueError(f"a position passes the cache of {self.ctx}")
+        key = (len(ids), "batch")
+        if key not in self._graphs:
+            raw = recognizer(self.cfg).recognize(self.cfg, self.tensors, Form.BATCH, rows=len(ids), ctx=self.ctx)
+            self._graphs[key] = optimize(raw, self.shim, held=self.shim.held).graph
+        return self.run(self._graphs[key], ids, positions)
 
     def forward(self, ids: np.ndarray, pos: int, *, all_logits: bool = False) -> np.ndarray:
         """Run `len(ids)` tokens at positions pos .. pos + len - 1; logits of the last row (or every row)."""
@@ -148,9 +161,14 @@ class CpuLane:
             return
         target = self._value(g, dst.buf, env)
         if dst.row is not None:
-            start = pos if isinstance(dst.row.sel, str) else dst.row.sel
             rows = target.reshape(-1, dst.row.pitch)
-            rows[start : start + result.shape[0]] = result.reshape(-1, dst.row.pitch)
+            values = result.reshape(-1, dst.row.pitch)
+            spec = op.sym
+            if isinstance(spec, SetRow) and spec.batched:  # row i lands in sequence i's block of the table
+                rows[np.arange(spec.rows) * spec.seq_rows + np.asarray(pos)] = values
+            else:
+                start = pos if isinstance(dst.row.sel, str) else dst.row.sel
+                rows[start : start + values.shape[0]] = values
         if dst.unit is not None:
             u = dst.unit
             target.reshape(-1, u.pitch)[:, u.offset : u.offset + u.width] = result.reshape(-1, u.width)

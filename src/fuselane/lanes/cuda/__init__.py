@@ -1,0 +1,6 @@
+"""The cuda lane: Triton kernels on an NVIDIA GPU, with torch for device memory, streams and CUDA graphs.
+
+This package's compiler side (`knobs`, `kernels`, `shim`) is plain Python and imports neither torch nor
+triton, so a plan can be built and explained on a machine without a GPU; the modules that launch kernels
+load those libraries lazily, on first use.
+"""

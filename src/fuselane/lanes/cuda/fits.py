@@ -1,0 +1,404 @@
+"""Whether the cuda lane's kernels have a launch for a fused op, and if not, why (the seed's `fits`).
+
+The checks run in the seed's order: the products' accumulator first; then every primitive the op stands
+for (a soft cap, a sigmoid-gated delta rule, a part of every unit written, a part read in place); then a
+mixture's destination; then the conditions of the op's own class. Each refusal's text is the seed's, shown
+to the user by `fuselane explain`; each threshold is a kernel fact from `kernels`.
+
+Where the seed reads something our IR names differently: our graphs keep an attention in a FlashDecode /
+FlashPrefill fold (built before the quantizing rules), so "the op's attention" is read through that fold;
+the seed's SwiGLU primitive is our SiLU of the gate times the up product; the seed's `RowSel::Param` row is
+our `RowAt` whose `sel` is a parameter's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from fuselane.fuse.views import class_of, conv, embedded_norm, gemv, leaves, moe, norm, parts, rope, unit_output
+from fuselane.gguf.formats import Format
+from fuselane.graph.classes import ClassId as C
+from fuselane.graph.ir import Fused, Op, Rows, Strided, TensorGraph, Values
+from fuselane.graph.ops import (
+    Attention,
+    CausalConv,
+    Elementwise,
+    ElementwiseOp,
+    GateAct,
+    GatedDelta,
+    HeadMatmul,
+    L2Norm,
+    MoeAct,
+    RowsGather,
+    SetRow,
+    Softcap,
+    Unary,
+    UnaryOp,
+)
+from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.knobs import Activations
+from fuselane.numerics.contract import holds_accumulator
+
+if TYPE_CHECKING:
+    from fuselane.lanes.cuda.shim import CudaShim
+
+GEMV_PARTS = "gemv_parts"  # the lane rule's name, which `--hold` takes
+ROWS_A_WARP = "rows_a_warp"  # the held name that runs every product a row a warp
+
+Check = Callable[["CudaShim", Op, Sequence[Op], TensorGraph], "str | None"]
+
+
+def fits(shim: CudaShim, op: Op, g: TensorGraph) -> str | None:
+    """Why the lane has no launch for `op`, or None when it has one."""
+    why = holds_accumulator(op, g, shim.accumulator_bits, shim.scheme)
+    if why is not None:
+        return why
+    for leaf in leaves(op):
+        why = _leaf(leaf)
+        if why is not None:
+            return why
+    if moe(op) is not None and op.dst.row is not None and isinstance(op.dst.row.sel, str):
+        return "a mixture writes its result at a fixed row, never at one a parameter names"
+    if not isinstance(op.sym, Fused):
+        return None
+    check = _CHECKS.get(op.sym.cls)
+    return None if check is None else check(shim, op, op.sym.parts, g)
+
+
+def _leaf(leaf: Op) -> str | None:
+    """What in one primitive no kernel of the lane takes."""
+    spec = leaf.sym
+    if isinstance(spec, Attention) and spec.ext is not None and spec.ext.softcap is not None:
+        return "the lane's attention takes no soft cap"
+    if isinstance(spec, Softcap):
+        return "the lane links no soft-capped tensor"
+    if isinstance(spec, GatedDelta) and spec.gate is GateAct.SIGMOID:
+        return "the lane's gated delta gates by SiLU, not a sigmoid"
+    unit = leaf.dst.unit
+    if unit is not None:
+        written = unit_output(leaf)
+        if written is None or written[1] != unit.width:
+            return (
+                "the lane writes a part of every unit of a wider tensor only from a norm, a rotation or a "
+                "per-head product"
+            )
+    for access in leaf.access:
+        if not isinstance(access, Strided):
+            continue
+        if isinstance(spec, HeadMatmul) and (access.pitch % kernels.QBLOCK or access.offset % kernels.QBLOCK):
+            return "a per-head product reads a part in place only at whole 32-value blocks"
+        pair = kernels.ATTN_VALUES_A_LOAD
+        if isinstance(spec, Attention) and (access.pitch % pair or access.offset % pair):
+            return "an attention reads its values in place a pair at a time, from an even place"
+    return None
+
+
+def _attention(op: Op) -> Attention | None:
+    """The attention an op is: bare, or in the FlashDecode / FlashPrefill fold our table wraps it in."""
+    if isinstance(op.sym, Attention):
+        return op.sym
+    if class_of(op) in (C.FLASH_DECODE, C.FLASH_PREFILL):
+        return _attention(parts(op)[0])
+    return None
+
+
+def _one_row(shim: CudaShim, m: int) -> bool:
+    return m == 1 and not shim.knobs.batch
+
+
+# --- norms -----------------------------------------------------------------------------------------------
+
+
+def _norm_then_add(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    if norm(op) is None:
+        return "the lane's norm-then-add kernel norms the sum it writes"
+    return None
+
+
+def _gemv_norm_epilogue(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    p = gemv(members[0], g)
+    n = norm(members[1]) if len(members) > 1 else None
+    if p is None or n is None:
+        return "a projection's epilogue norms the add of its result"
+    fmt = p.weights.format if isinstance(p.weights, Rows) else None
+    by_rows = fmt is not None and (fmt is Format.Q8_0 or kernels.decodes(fmt))
+    one_gemv = by_rows and _one_row(shim, p.m) and p.dst.own() is not None
+    whole_row = n.part is None and n.rows == p.m and n.cols == p.n and members[1].dst.own() is not None
+    if not (one_gemv and whole_row):
+        return (
+            "a projection norms in its last block the one row it writes whole, a GEMV of a step's one row by "
+            "checkpoint rows"
+        )
+    # A Q8_0 projection's block is the norm's own; a block format's is eight warps or four.
+    if fmt is Format.Q8_0:
+        threads = kernels.norm_threads(n.cols)
+    else:
+        threads = kernels.gemv_blk_norm_threads(shim.per_warp(p))
+    if not kernels.block_holds_its_norm(threads, n.cols):
+        return "a projection norms in its last block only where its block is at least the norm's width"
+    return None
+
+
+def _moe_deferred_finalize(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    m = moe(members[0])
+    n = norm(members[-1])
+    if m is None or n is None:
+        return "a mixture's last step norms the add of its result"
+    second = members[1].sym if len(members) > 1 else None
+    summed = len(members) == 2 or (isinstance(second, Elementwise) and second.op is ElementwiseOp.ADD)
+    whole_rows = n.part is None and n.rows == m.rows and n.cols == m.d and n.own and m.dst.own() is not None
+    if not (summed and whole_rows):
+        return "a mixture, alone or summed with another array, adds and norms in its last step the whole rows it writes"
+    # The decode step's last down block norms the row; a chunk's or a batch's combine takes a block of the
+    # norm's threads a row.
+    if _one_row(shim, m.rows):
+        launch = shim.moe_down_launch(members[0], g)
+        if launch is None:
+            return "a decode mixture's down projection reads its experts' widths from its parts"
+        _, threads = launch
+        if not kernels.block_holds_its_norm(threads, m.d):
+            return "a decode mixture norms in its last down block only where the block is at least the norm's width"
+    return None
+
+
+def _embed_norm(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    first = members[0]
+    gathered = isinstance(first.sym, RowsGather) or class_of(first) is C.EMBED_SCALE
+    n = embedded_norm(op)
+    if n is not None and gathered and n.own:
+        return None
+    return "a gather norms in its own blocks the whole rows it gathers"
+
+
+def _norm_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    first = members[0]
+    # A projection whose last block norms its row (GemvNormEpilogue, which the shared `norm_quant` rule
+    # offers) closes with an RMS norm too: its norm is its second part.
+    closing = norm(parts(first)[1]) if class_of(first) is C.GEMV_NORM_EPILOGUE else None
+    if norm(first) is None and embedded_norm(first) is None and closing is None:
+        return "the lane's norm quantizes its result only from an RMS norm"
+    return None
+
+
+# --- rotations and attention -----------------------------------------------------------------------------
+
+
+def _qkv_head_epilogue(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    p = shim.rows_product(members[0], g)
+    ro = rope(members[1]) if len(members) > 1 else None
+    if p is None or ro is None:
+        return "a projection's epilogue turns the heads of its result"
+    one_row = _one_row(shim, p.m) and shim.gemv_mergeable(p) and p.dst.own() is not None
+    its_heads = ro.part is None and ro.heads == ro.per_row and p.n == ro.heads * ro.hd and ro.hd <= kernels.ROPE_HEAD
+    if one_row and its_heads:
+        return None
+    return "a projection turns in its epilogue the heads of the one row it writes whole, a GEMV of a step's one row"
+
+
+def _rope_qk_one_launch(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    sides = [rope(m) for m in members]
+    if any(s is None for s in sides):
+        return "a launch of rotations takes rotations"
+    normed = {s.norm is not None for s in sides if s is not None}
+    one = (
+        len(sides) <= kernels.ROPE_SIDES
+        and all(s.heads == s.per_row for s in sides if s is not None)
+        and len(normed) <= 1
+    )
+    if one:
+        return None
+    return "one launch rotates at most a query and a key of a step's one row, both normed or neither"
+
+
+def _attn_output_gate(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    # The gate rides the decode step's, a short chunk's and a batch's sequences' attention stores, a pair a
+    # thread; a chunk in tiles gates apart.
+    attentions = [a for m in members if (a := _attention(m)) is not None]
+    pair = kernels.ATTN_VALUES_A_LOAD
+    if attentions and all(a.rows <= kernels.GEMV_ROWS and a.value_width % pair == 0 for a in attentions):
+        return None
+    return (
+        "an attention gates its output only in the decode step's, a short chunk's and a batch's sequences' "
+        "kernels, its heads whole pairs"
+    )
+
+
+def _attn_output_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    # The decode step's and a short chunk's attention kernels store their output a pair a thread, each 32-value
+    # group in one half-warp's sixteen lanes; a chunk the attention takes in tiles quantizes apart.
+    a = _attention(members[0])
+    if a is not None and a.rows <= kernels.GEMV_ROWS and a.value_width % kernels.QBLOCK == 0:
+        return None
+    return (
+        "an attention quantizes its output only in the decode step's and a short chunk's kernels, its heads "
+        "whole 32-value groups"
+    )
+
+
+# --- products --------------------------------------------------------------------------------------------
+
+
+def _gemv_gate_up_glu(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    products = [p for m in members if (p := gemv(m, g)) is not None]
+    if len(products) < 2:
+        return "a gated pair is two products"
+    gate, up = products[0], products[1]
+    if not (isinstance(gate.weights, Rows) and isinstance(up.weights, Rows)):
+        return "the lane pairs a gate and an up product only over checkpoint rows"
+    gemv_rows = gate.m <= kernels.GEMV_ROWS or shim.knobs.activations is Activations.DEQUANT or shim.knobs.batch
+    paired = not gemv_rows and gate.weights == up.weights and gate.n % kernels.GEMM_PAIR_TILE_N == 0
+    if gemv_rows or paired:
+        return None
+    return "a gated pair on the tensor cores pairs tiles of one format, the hidden width whole pair tiles"
+
+
+def _gemv_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    p = gemv(members[0], g)
+    if (
+        p is not None
+        and shim.per_warp(p) == kernels.ROWS_A_WARP_WIDE
+        and p.n % kernels.QBLOCK == 0
+        and p.dst.own() is not None
+    ):
+        return None
+    return "a product quantizes its outputs only four rows a warp, whole blocks of them"
+
+
+def _whole_groups(part: Op) -> bool:
+    """Whether a part of a gated attention stores whole 32-value groups: its heads, a batch's rows."""
+    a = _attention(part)
+    if a is not None:
+        return a.value_width % kernels.QBLOCK == 0
+    if isinstance(part.sym, SetRow):
+        return part.sym.cols % kernels.QBLOCK == 0
+    return True
+
+
+def _glu_act_mul_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    inner = members[0]
+    if class_of(inner) is C.ATTN_OUTPUT_GATE:
+        # A batch's sequences each quantize their gated row in their store, set with its quantized form into
+        # the product's. (The seed's arm for a gate that is not a fold cannot be reached: the class is one.)
+        if all(_whole_groups(p) for p in parts(inner)):
+            return None
+        return (
+            "a gated attention quantizes its output in its store only where its heads, and a batch's rows, are "
+            "whole 32-value groups"
+        )
+    if class_of(inner) is C.GEMV_GATE_UP_GLU:
+        hidden = next((p.n for m in parts(inner) if (p := gemv(m, g)) is not None), None)
+        if hidden is None or hidden % kernels.QBLOCK:
+            return "a gated pair quantizes its hidden values in whole 32-value blocks"
+    return None
+
+
+def _merged_qkv(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    # The GEMV in parts is the lane's own rule, held with it.
+    if shim.gemm_parts(members, g) or (GEMV_PARTS not in shim.held and shim.gemv_in_parts(members, g)):
+        return None
+    return (
+        "products of one activation are one launch in parts: at most four, one format — on the tensor cores "
+        "whole 128-output tiles, in the GEMV one number of rows a warp"
+    )
+
+
+# --- recurrent layers and mixtures -----------------------------------------------------------------------
+
+
+def _conv_silu_l2norm(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    found = leaves(op)
+    chan = next((x.sym.chan for x in found if isinstance(x.sym, CausalConv)), None)
+    cols = next((x.sym.cols for x in found if isinstance(x.sym, L2Norm)), None)
+    if (
+        chan is not None
+        and cols is not None
+        and cols <= kernels.CONV_L2_MAX_HEAD
+        and cols % kernels.WARP == 0
+        and chan % cols == 0
+    ):
+        return None
+    return "a convolution's epilogue norms heads of at most 1024 values, whole warps, that divide its channels"
+
+
+def _conv_parts(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    convs = [conv(m) for m in members]
+    if any(c is None for c in convs):
+        return "a launch of convolutions takes convolutions"
+    found = [c for c in convs if c is not None]
+    normed = {c.l2 for c in found if c.l2 is not None}
+    one = (
+        len(found) <= kernels.CONV_PARTS
+        and all(c.rows == 1 and c.silu and c.taps == found[0].taps for c in found)
+        and len(normed) <= 1
+    )
+    if one:
+        return None
+    return (
+        "one launch convolves a step's one row through the SiLU in at most four parts of one length of taps, the "
+        "normed ones over heads of one width"
+    )
+
+
+def _gdn_gate_projections(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    products = [p for m in members if (p := gemv(m, g)) is not None]
+    if all(isinstance(p.weights, Values) for p in products):
+        return None
+    return "the lane takes a delta rule's gates from its activation only by matrices it holds as values"
+
+
+def _shared_expert_fusion(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    found = leaves(op)
+    # The seed's SwiGLU primitive is, in our graphs, the SiLU of the gate times the up product.
+    silu = any(isinstance(x.sym, Unary) and x.sym.op is UnaryOp.SILU for x in found)
+    times = any(isinstance(x.sym, Elementwise) and x.sym.op is ElementwiseOp.MUL and not x.sym.row for x in found)
+    biased = any(isinstance(x.sym, Elementwise) and x.sym.op is ElementwiseOp.ADD and x.sym.row for x in found)
+    products = [p for x in found if (p := gemv(x, g)) is not None]
+    by_rows = all(isinstance(p.weights, Rows) and p.m == 1 for p in products)
+    m = moe(op)
+    # Kept experts take a warp each and the shared expert one more, in one block of at most 32 warps.
+    if (
+        m is not None
+        and m.k < kernels.MAX_BLOCK_WARPS
+        and m.rows == 1
+        and m.act is MoeAct.SWIGLU
+        and silu
+        and times
+        and not biased
+        and by_rows
+    ):
+        return None
+    return (
+        "a mixture folds its unbiased SwiGLU shared expert, a step's one row of checkpoint rows, into at most 32 "
+        "warps of kept experts"
+    )
+
+
+def _row_write_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    # A row set carries its row's quantized form a block at a time: the rows whole 32-value blocks.
+    first = members[0].sym
+    if isinstance(first, SetRow) and first.cols % kernels.QBLOCK == 0:
+        return None
+    return "a row set carries its rows' quantized form only where they are whole 32-value blocks"
+
+
+_CHECKS: dict[C, Check] = {
+    C.NORM_THEN_ADD: _norm_then_add,
+    C.GEMV_NORM_EPILOGUE: _gemv_norm_epilogue,
+    C.MOE_DEFERRED_FINALIZE: _moe_deferred_finalize,
+    C.EMBED_NORM: _embed_norm,
+    C.QKV_HEAD_EPILOGUE: _qkv_head_epilogue,
+    C.CONV_SILU_L2NORM: _conv_silu_l2norm,
+    C.GEMV_GATE_UP_GLU: _gemv_gate_up_glu,
+    C.CONV_PARTS: _conv_parts,
+    C.GDN_GATE_PROJECTIONS: _gdn_gate_projections,
+    C.SHARED_EXPERT_FUSION: _shared_expert_fusion,
+    C.ROPE_QK_ONE_LAUNCH: _rope_qk_one_launch,
+    C.ATTN_OUTPUT_GATE: _attn_output_gate,
+    C.ROW_WRITE_QUANT: _row_write_quant,
+    C.GLU_ACT_MUL_QUANT: _glu_act_mul_quant,
+    C.ATTN_OUTPUT_QUANT: _attn_output_quant,
+    C.NORM_QUANT: _norm_quant,
+    C.GEMV_QUANT: _gemv_quant,
+    C.MERGED_QKV: _merged_qkv,
+}

@@ -1,0 +1,211 @@
+"""The cuda lane's kernel facts: the one place that says what shapes each Triton kernel takes.
+
+The kernels size their launches from these values and the shim decides from the same values whether a fused
+op has a launch, so a fusion the optimizer builds is always one a kernel runs. Each value is chosen for an
+H200 (Hopper, sm_90: warps of 32 lanes, at most 1024 threads a block, 227 KiB of shared memory a block) and
+says why beside it. Chip-specific quantities (SM count, shared memory) come from the knobs' `Chip`, never
+from here.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import NamedTuple
+
+from fuselane.gguf.formats import Format
+from fuselane.lanes.cuda.knobs import Activations
+from fuselane.numerics import contract
+
+# --- the machine -----------------------------------------------------------------------------------------
+
+WARP = 32  # lanes a warp: every NVIDIA GPU since Kepler
+MAX_BLOCK_THREADS = 1024  # the most threads one block may have (every compute capability since 2.0)
+MAX_BLOCK_WARPS = MAX_BLOCK_THREADS // WARP  # 32
+
+# --- quantized activations -------------------------------------------------------------------------------
+
+# Values under one scale of a quantized activation: the kernels quantize exactly as the numerics contract
+# says, and a 32-value block is one warp's 32 lanes, one value a lane, so a block's largest |value| is one
+# warp reduction.
+QBLOCK = contract.QBLOCK
+
+# --- products --------------------------------------------------------------------------------------------
+
+# A product of at most this many rows runs as a GEMV: each lane keeps a partial sum per row in registers and
+# the weights stream through once. Past eight rows the register file runs out and the weights' reuse
+# across rows pays for tensor-core tiles (llama.cpp's MMVQ stops at eight columns for the same reason).
+GEMV_ROWS = 8
+
+# The output tile of a tensor-core GEMM: 128 outputs wide, the N tile Triton's Hopper wgmma path runs at
+# full rate for int8 and f16 operands.
+GEMM_TILE_N = 128
+
+# A gated pair on the tensor cores puts the gate's and the up product's tiles side by side in one 128-wide
+# tile: 64 outputs of each, so the SwiGLU of a column pair happens in the tile's epilogue.
+GEMM_PAIR_TILE_N = GEMM_TILE_N // 2
+
+# The most products one launch takes in parts (a GEMM's or a GEMV's): each part's bounds, weights, scales and
+# output are kernel arguments, and Triton compiles a kernel per argument signature, so the number of parts is
+# fixed when the kernel is built: four covers a layer's q, k and v and one more (a gate).
+GEMM_PARTS = 4
+
+# The block formats whose GEMV decodes the weights in registers, block by block. Q8_0 has a kernel of its
+# own (its int8 words are multiplied as stored, a row a warp); the rest (Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4,
+# floats) are converted to f16 once at load and multiplied as values.
+DECODED_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q5_0, Format.Q5_1, Format.Q4_K, Format.Q5_K, Format.Q6_K})
+
+# A decoded GEMV met one row at a time takes four rows a warp when the product is wide: the activation, held
+# in registers, is read once for four weight rows.
+ROWS_A_WARP_WIDE = 4
+# ...its rows at least this long: split four ways (eight lanes a row) each lane still takes at least four
+# 32-value blocks of a row, enough loads in flight to keep the memory system busy (8 * 4 * 32 = 1024).
+WIDE_K = (WARP // ROWS_A_WARP_WIDE) * 4 * QBLOCK
+# ...and at least this many outputs: at four rows a warp and four warps a block a narrower product has
+# fewer than 16 blocks for 132 SMs, and needs a warp a row for parallelism instead.
+WIDE_N = 256
+
+# Warps of a block of a decoded GEMV: eight at a row a warp; four at four rows a warp, whose threads each
+# hold four rows' partial sums and decoded weights, so fewer of them fit the register file.
+GEMV_BLOCK_WARPS_ONE_ROW = 8
+GEMV_BLOCK_WARPS_FOUR_ROWS = 4
+
+# --- norms -----------------------------------------------------------------------------------------------
+
+# A norm's thread loads eight f32 values of its row: two 16-byte vector loads.
+NORM_VALUES_A_THREAD = 8
+# The most values of a row one thread keeps in registers between a norm's sum of squares and its scaling. A
+# norm folded into a product's last block (GemvNormEpilogue, a mixture's last down block) reads the row back
+# once and keeps it: 32 f32 registers a thread leave the block's product registers unspilled.
+NORM_HELD_A_THREAD = 32
+
+# --- rotations and attention -----------------------------------------------------------------------------
+
+# A rotation's block takes a head, a pair of values a thread, in four warps: the largest head it rotates.
+ROPE_THREADS = 4 * WARP
+ROPE_HEAD = 2 * ROPE_THREADS  # 256
+# One launch of rotations takes a layer's query and its key.
+ROPE_SIDES = 2
+
+# An attention loads its values a pair at a time (one 32-bit load of two f16, or a 64-bit one of two f32),
+# so a value read in place starts at an even place of an even pitch.
+ATTN_VALUES_A_LOAD = 2
+# Cached rows an attention block stages at a time, its keys and values in f32 (an f16 cache widens on load).
+ATTN_TILE_ROWS = 64
+ATTN_STAGED_BYTES = 4
+ATTN_SCORE_BYTES = 4  # a score of the tile, f32
+ATTN_QUERY_BYTES = 4  # a query value, f32
+# Blocks an attention wants a SM: two, so one block's loads overlap the other's arithmetic.
+ATTN_WAVES = 2
+# The fewest cached rows a split of the span takes: its partial's merge (one LSE-weighted row a head) stays
+# small against attending 256 rows.
+ATTN_MIN_CHUNK = 256
+
+# --- convolutions and mixtures ---------------------------------------------------------------------------
+
+# One launch of convolutions takes at most four: a hybrid layer's q, k, v and gate channels.
+CONV_PARTS = 4
+# A convolution's epilogue norms each head by a block, a value a thread: at most a block's threads, whole
+# warps of them.
+CONV_L2_MAX_HEAD = MAX_BLOCK_THREADS
+
+
+def decodes(fmt: Format) -> bool:
+    """Whether the GEMV decodes checkpoint rows of `fmt` in its kernel, block by block."""
+    return fmt in DECODED_FORMATS
+
+
+def rows_a_warp(fmt: Format, n: int, k: int, m: int) -> int:
+    """Output rows a warp of a product's kernel takes: four for a wide product in a block format met one row
+    at a time, one otherwise."""
+    wide = n >= WIDE_N and k >= WIDE_K
+    return ROWS_A_WARP_WIDE if decodes(fmt) and m == 1 and wide else 1
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+def norm_threads(cols: int) -> int:
+    """The threads of a norm's block for a row of `cols` values: eight values a thread, whole warps, a power
+    of two, at most a block's."""
+    wanted = _pow2_at_least(math.ceil(cols / NORM_VALUES_A_THREAD))
+    return min(MAX_BLOCK_THREADS, max(WARP, wanted))
+
+
+def gemv_blk_norm_threads(per_warp: int) -> int:
+    """The threads of a decoded GEMV's block, which its last block norms the row with: a block format's is
+    eight warps or four."""
+    warps = GEMV_BLOCK_WARPS_FOUR_ROWS if per_warp == ROWS_A_WARP_WIDE else GEMV_BLOCK_WARPS_ONE_ROW
+    return warps * WARP
+
+
+def block_holds_its_norm(threads: int, cols: int) -> bool:
+    """Whether a block of `threads` holds a `cols`-wide row in registers to norm it."""
+    return cols <= threads * NORM_HELD_A_THREAD
+
+
+def moe_down_launch(d: int, dff: int, k: int, sdff: int) -> tuple[int, int]:
+    """A decode mixture's down projection: (blocks, threads a block).
+
+    A block takes a warp per kept expert (and one for a folded shared expert, `sdff` wide; 0 for none), up to
+    a block's warps, each warp looping over the experts past them; the block sums its warps' partials. A
+    warp takes four output rows where every expert's intermediate width is wide, one otherwise.
+    """
+    warps = min(k + (1 if sdff else 0), MAX_BLOCK_WARPS)
+    wide = dff >= WIDE_K and (sdff == 0 or sdff >= WIDE_K)
+    rows = ROWS_A_WARP_WIDE if wide else 1
+    return math.ceil(d / rows), warps * WARP
+
+
+# --- arithmetic ------------------------------------------------------------------------------------------
+
+
+class Mode(enum.Enum):
+    """How a product multiplies, by the lane's activations."""
+
+    FLOAT = "f32"  # decoded weights times f32 activations, f32 sums
+    INT8 = "int8"  # int8 dot products (dp4a, int8 mma), int32 sums
+    INT8X2 = "int8x2"  # two int8 passes, each summed in int32
+
+
+class Accumulator(NamedTuple):
+    """A product's running sum: the bytes it takes in registers or shared memory, and its width in bits."""
+
+    nbytes: int
+    bits: int
+
+
+ACCUMULATOR_BITS = 32  # f32 or int32: the widest sum a tensor core or a dp4a keeps
+ACCUMULATOR_BYTES = ACCUMULATOR_BITS // 8
+
+
+def mode(activations: Activations) -> Mode:
+    """The arithmetic of the lane's products under `activations`."""
+    return {Activations.DEQUANT: Mode.FLOAT, Activations.INT8: Mode.INT8, Activations.INT8X2: Mode.INT8X2}[activations]
+
+
+def accumulator(m: Mode) -> Accumulator:
+    """The accumulator of a product in mode `m`: f32 for floats, int32 for int8 words; both 32 bits."""
+    return Accumulator(ACCUMULATOR_BYTES, ACCUMULATOR_BITS)
+
+
+def attn_heads_per_block(group: int, hd: int, vd: int, span: int, smem_bytes: int, acc_bytes: int) -> int | None:
+    """Query heads an attention block takes together: the most heads of one key/value group (a divisor of
+    `group`) whose queries, accumulators and scores fit the block's shared memory beside one staged tile of
+    keys and values; None where not even one head fits."""
+    tile = min(ATTN_TILE_ROWS, max(1, span))
+    staged = tile * (hd + vd) * ATTN_STAGED_BYTES
+    per_head = hd * ATTN_QUERY_BYTES + vd * acc_bytes + tile * ATTN_SCORE_BYTES
+    for heads in sorted((h for h in range(1, group + 1) if group % h == 0), reverse=True):
+        if staged + heads * per_head <= smem_bytes:
+            return heads
+    return None
+
+
+def attn_splits(head_blocks: int, span: int, sms: int) -> int:
+    """Chunks an attention cuts its span into: enough that its blocks fill the chip `ATTN_WAVES` times over,
+    no chunk under `ATTN_MIN_CHUNK` rows."""
+    wanted = math.ceil(ATTN_WAVES * sms / max(1, head_blocks))
+    most = math.ceil(max(1, span) / ATTN_MIN_CHUNK)
+    return max(1, min(wanted, most))

@@ -1,0 +1,143 @@
+"""The cuda lane's knobs: which chip it compiles for and the numerics it runs at.
+
+A knob is set on the command line as `--knob key=value` (`CudaKnobs.parse`). The numerics knobs are the
+seed's: how products read their activations (dequantized values, or int8 words under a scale a 32-value
+block, one word a value or two), the precision of the KV cache and of a hybrid model's recurrent state, and
+whether producers quantize their result in their own epilogue (`fuse_quant`). `batch` compiles a form whose
+rows are a batch's sequences, each its own row, rather than one sequence's rows.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from fuselane.errors import FuselaneError
+
+KIB = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Chip:
+    """The facts of a GPU the kernels are sized by: streaming multiprocessors, and the shared memory one
+    thread block may claim (the opt-in maximum, in KiB)."""
+
+    name: str
+    sms: int
+    smem_kib_per_block: int
+
+    @property
+    def smem_bytes_per_block(self) -> int:
+        return self.smem_kib_per_block * KIB
+
+
+# Chips by the name `--knob chip=NAME` takes. SM counts and the opt-in shared memory per block are NVIDIA's
+# (CUDA programming guide, compute capability tables): Hopper and Ada 227 / 99 KiB, Ampere A100 163 KiB.
+H200 = Chip("H200", 132, 227)
+CHIPS: dict[str, Chip] = {
+    "h200": H200,
+    "h100": Chip("H100", 132, 227),
+    "a100": Chip("A100", 108, 163),
+    "l40s": Chip("L40S", 142, 99),
+    "rtx4090": Chip("RTX4090", 128, 99),
+}
+
+
+class Activations(enum.Enum):
+    """How a product by checkpoint rows reads its activation (the seed's `Q8MatKind`)."""
+
+    DEQUANT = "dequant"  # f32 activations; the kernel decodes the weights to floats
+    INT8 = "int8"  # one int8 word a value under a scale a 32-value block (the seed's Int8Act)
+    INT8X2 = "int8x2"  # two words: the second holds the first's rounding error (the seed's TwoPassInt8)
+
+
+class CachePrecision(enum.Enum):
+    F32 = "f32"
+    F16 = "f16"
+
+
+class StatePrecision(enum.Enum):
+    F32 = "f32"
+    BF16 = "bf16"
+
+
+@dataclass(frozen=True, slots=True)
+class CudaKnobs:
+    """The lane's knobs.
+
+    Defaults, and why:
+    - `activations=dequant`: a decode step is bound by reading the weights, which every setting reads once
+      in its own format, so int8 activations buy decode little; dequantized activations keep the lane's
+      numbers closest to the cpu reference (the tightest contract). `int8` / `int8x2` are for prefill and
+      batches, whose products run on the int8 tensor cores.
+    - `cache=f16`: halves the bytes a long context's attention reads, at f16's 2^-11 roundoff, the error
+      attention already tolerates (the seed's lane keeps its caches in f32 or f16; llama.cpp in f16).
+    - `state=f32`: a recurrent state is summed into every step, so its rounding compounds; keep it exact.
+    - `fuse_quant=True`: under quantized activations a producer writes its result already quantized, which
+      saves a launch and a pass over the activation; off only to trace a numerics difference.
+    - `batch=False`: a form's rows are one sequence's.
+    """
+
+    chip: Chip = H200
+    activations: Activations = Activations.DEQUANT
+    cache_precision: CachePrecision = CachePrecision.F16
+    recurrent_state: StatePrecision = StatePrecision.F32
+    fuse_quant: bool = True
+    batch: bool = False
+
+    @classmethod
+    def parse(cls, settings: Iterable[str], base: CudaKnobs | None = None) -> CudaKnobs:
+        """Knobs from `key=value` strings (`--knob activations=int8 --knob cache=f32`), over `base` or the
+        defaults; a bad key or value is a one-line FuselaneError naming the choices."""
+        knobs = base or cls()
+        for setting in settings:
+            key, sep, value = setting.partition("=")
+            key, value = key.strip().lower(), value.strip()
+            if not sep or not key or not value:
+                raise FuselaneError(f"a knob is key=value, not '{setting}' (knobs: {', '.join(_SETTERS)})")
+            if key not in _SETTERS:
+                raise FuselaneError(f"unknown knob '{key}' (knobs: {', '.join(_SETTERS)})")
+            knobs = _SETTERS[key](knobs, value)
+        return knobs
+
+
+def _choice(key: str, kind: type[enum.Enum], value: str) -> enum.Enum:
+    try:
+        return kind(value.lower())
+    except ValueError:
+        choices = ", ".join(str(m.value) for m in kind)
+        raise FuselaneError(f"knob '{key}' takes one of {choices}, not '{value}'") from None
+
+
+def _flag(key: str, value: str) -> bool:
+    lowered = value.lower()
+    if lowered in ("1", "true", "on", "yes"):
+        return True
+    if lowered in ("0", "false", "off", "no"):
+        return False
+    raise FuselaneError(f"knob '{key}' takes on or off, not '{value}'")
+
+
+def _count(key: str, value: str) -> int:
+    if not value.isdigit() or int(value) <= 0:
+        raise FuselaneError(f"knob '{key}' takes a positive whole number, not '{value}'")
+    return int(value)
+
+
+def _chip(knobs: CudaKnobs, value: str) -> CudaKnobs:
+    if value.lower() not in CHIPS:
+        raise FuselaneError(f"knob 'chip' takes one of {', '.join(CHIPS)}, not '{value}'")
+    return replace(knobs, chip=CHIPS[value.lower()])
+
+
+_SETTERS = {
+    "chip": _chip,
+    "sms": lambda k, v: replace(k, chip=replace(k.chip, sms=_count("sms", v))),
+    "smem": lambda k, v: replace(k, chip=replace(k.chip, smem_kib_per_block=_count("smem", v))),
+    "activations": lambda k, v: replace(k, activations=_choice("activations", Activations, v)),
+    "cache": lambda k, v: replace(k, cache_precision=_choice("cache", CachePrecision, v)),
+    "state": lambda k, v: replace(k, recurrent_state=_choice("state", StatePrecision, v)),
+    "fuse_quant": lambda k, v: replace(k, fuse_quant=_flag("fuse_quant", v)),
+    "batch": lambda k, v: replace(k, batch=_flag("batch", v)),
+}

@@ -1,0 +1,402 @@
+"""The cuda lane's shim: its answer to the shared optimizer (the seed's `LaneShim`).
+
+The shared rules decide a fusion by dataflow; the lane's kernels decide whether a fused op has a launch.
+Every condition here (and in `fits`) is a fact about a kernel, read from `kernels`, the module the Triton
+kernels size themselves by:
+
+- a per-head product reads a part of every unit of its input in place only at whole 32-value blocks;
+- an attention reads its values in place only from an even place at an even pitch, a pair at a time;
+- a convolution's epilogue norms heads of at most 1024 values, whole warps, that divide its channels;
+- a gated pair of products is one launch as GEMVs (a decode step's rows, a batch's, or the dequantized
+  numerics), or on the tensor cores as one GEMM of the gate's and up's tiles side by side where their
+  formats agree and the hidden width is whole pair tiles;
+- a mixture folds its shared expert into a block of at most 32 warps of kept experts, and never writes its
+  result at a row a parameter names;
+- a product by checkpoint rows reads its activation quantized under the lane's quantized numerics (one int8
+  word a value, or two), and a producer quantizes in its epilogue under `fuse_quant` where its kernel can;
+- several products of one activation are one launch in parts: at most four, one format, on the tensor cores
+  each whole 128-output tiles, in the GEMV one number of rows a warp.
+
+The lane's own rule `gemv_parts` links in before `merged_projections`: a decode step's products of one
+activation as one GEMV in parts. The seed's second lane rule, `latent_expanded` (a wide chunk's latent
+attention run expanded, before `add_norm`), waits for the latent-attention recognizer and its plan
+launches; it is not registered here.
+
+`held` names lane rules held back (`gemv_parts`) and the kernel choice `rows_a_warp` (every product a row
+a warp), for ablation. The optimizer holds rules by its own `held` argument: build the shim with the same
+names so its `fits` answers agree (a held `gemv_parts` is also skipped by the shim's pass itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fuselane.fuse.rewriter import Rewriter
+from fuselane.fuse.views import GemvForm, class_of, gemv, leaves, moe, parts, rope
+from fuselane.graph import facts
+from fuselane.graph.classes import ClassId as C
+from fuselane.graph.ir import WHOLE, Access, Op, QuantFormat, Rows, TensorGraph
+from fuselane.graph.ops import Moe
+from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.fits import GEMV_PARTS, ROWS_A_WARP
+from fuselane.lanes.cuda.fits import fits as lane_fits
+from fuselane.lanes.cuda.knobs import Activations, CachePrecision, CudaKnobs, StatePrecision
+from fuselane.lanes.shim import DECOMPOSE, NATIVE, Before, LaneRule, Position, Support, refuse
+from fuselane.numerics.contract import (
+    AttentionNumerics,
+    Block,
+    Bound,
+    Contract,
+    Keep,
+    Kept,
+    Quantized,
+    Scale,
+    Scheme,
+)
+
+# Classes a kernel of the lane runs in one launch.
+NATIVE_CLASSES = frozenset(
+    {
+        *(C.NORM_WEIGHT, C.ADD_NORM, C.NORM_THEN_ADD, C.GATED_NORM, C.EMBED_SCALE),
+        *(C.QK_NORM_ROPE, C.QK_NORM_ROPE_KV_APPEND, C.ROPE_KV_APPEND, C.ROPE_QK_ONE_LAUNCH, C.MLA),
+        *(C.FLASH_DECODE, C.FLASH_PREFILL, C.ATTENTION_VARIANTS_INLINE, C.ATTN_LSE_MERGE),
+        *(C.GLU_ACT_MUL, C.GEMV_GATE_UP_GLU, C.GEMM_BIAS, C.MERGED_QKV, C.MERGED_GATE_UP, C.GEMM_DEQUANT_INKERNEL),
+        *(C.ROUTER_TOPK, C.MOE_TOKEN_SORT, C.MOE_GATE_UP_ACT, C.MOE_DOWN_COMBINE, C.SHARED_EXPERT_FUSION),
+        *(C.GDN_STEP, C.CONV_BIAS_SILU, C.CONV_PARTS, C.CONV_SILU_L2NORM, C.GDN_GATE_PROJECTIONS, C.GDN_GATING),
+        *(C.FUSED_SAMPLING, C.STRIDED_READ, C.ROW_WRITE, C.JOIN_IN_PLACE, C.STRIDED_VALUES, C.CUDA_GRAPHS),
+        *(C.GEMV_NORM_EPILOGUE, C.EMBED_NORM, C.QKV_HEAD_EPILOGUE, C.ATTN_OUTPUT_GATE, C.ROW_WRITE_QUANT),
+        C.MOE_DEFERRED_FINALIZE,
+    }
+)
+
+# Producers that quantize their result in their epilogue: native under `fuse_quant`, their parts apart
+# otherwise.
+QUANT_EPILOGUES = frozenset(
+    {
+        *(C.NORM_QUANT, C.ADD_NORM_QUANT, C.GLU_ACT_MUL_QUANT, C.ELEMENTWISE_QUANT, C.GDN_OUTPUT_QUANT),
+        *(C.GEMV_QUANT, C.ATTN_OUTPUT_QUANT),
+    }
+)
+
+# Classes the lane runs as their parts.
+DECOMPOSED_CLASSES = frozenset(
+    {
+        *(C.NORM_SCALE, C.NORM_WEIGHT_OFFSET, C.DUAL_NORM, C.PREFILL_NORM_EPILOGUES, C.ATTN_RESIDUAL_NORM),
+        *(C.RECOMPUTE_FANOUT, C.QK_NORM_ROPE_GATE_SPLIT, C.HORIZONTAL_NORM_ROPE_INSERT, C.CROSS_LAYER_LAUNCH),
+        *(C.MLA_PROLOGUE, C.MLA_UNABSORB_IN_FOLD, C.ELEMENTWISE_CHAINS, C.ELEMENTWISE_REGIONS),
+        *(C.MASKED_EXPERT_ACTIVATION, C.GEMM_SCALE, C.AFFINE_INPUT_FOLD, C.ROUTER_SHARED_GATE_MERGE),
+        *(C.MOE_GATHER_IN_OPERAND, C.GDN_INPUT_EPILOGUE, C.GDN_DECODE_WHOLE, C.GDN_POST_CONV_PREP),
+        C.LAST_LAYER_ROWS,
+    }
+)
+
+# Classes no kernel of the lane runs, and why: a model that needs one cannot run here.
+REFUSED_CLASSES: dict[C, str] = {
+    C.RELU_SQR: "the lane links no ReLU",
+    C.SOFTCAP: "the lane's attention takes no soft cap",
+    C.MIXED_BATCH_ATTENTION: "the lane attends a batch's sequences each at its own position, none mid-prefill",
+    C.SPARSE_ATTENTION: "the lane's attention reads every cached row of its span",
+    C.GROUPED_TOPK: "the lane routes by one top-k over every expert",
+    C.SAMPLING: "the lane picks the next token by arg-max",
+    C.KV_CACHE_QUANT: "the lane stores its caches in f32 or f16",
+    C.HADAMARD_ROTATION: "the lane rotates no cache",
+    C.COMPENSATED_RESIDUAL: "the lane sums its residual in f32, uncompensated",
+    C.HOST_RESIDENT_KV: "the lane keeps its caches on the device; only matrices move to host memory",
+    C.ATTN_GQA_ROW_PACKING: "the lane's decode attention runs a head's dots on the CUDA cores",
+    C.MOE_DIRECT_PAIRS: "the lane sorts a chunk's rows by expert",
+    C.PERSISTENT_LAYER_MEGAKERNEL: "the lane replays a graph of a launch an op",
+    C.ALLREDUCE_NORM: "the lane runs on one device",
+}
+
+# Consumers that read their operands as their first part reads them alone: a producer with its quantizing
+# epilogue, and a projection with its epilogue folded in (which reads the projection's operands first).
+_QUANTIZING = QUANT_EPILOGUES
+_EPILOGUED = frozenset({C.GEMV_NORM_EPILOGUE, C.QKV_HEAD_EPILOGUE, C.MOE_DEFERRED_FINALIZE})
+
+_ACTIVATION_FORMATS: dict[Activations, QuantFormat | None] = {
+    Activations.DEQUANT: None,
+    Activations.INT8: QuantFormat.ONE_WORD,
+    Activations.INT8X2: QuantFormat.TWO_WORDS,
+}
+_CACHE_KEEP = {CachePrecision.F32: Keep.F32, CachePrecision.F16: Keep.F16}
+_STATE_KEEP = {StatePrecision.F32: Keep.F32, StatePrecision.BF16: Keep.BF16}
+
+# Two-word attention (the seed's `lk_attention_i8`): a weight times its value row's scale in three words.
+_ATTENTION_WEIGHT_WORDS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class CudaShim:
+    """The cuda lane under its `knobs`, with the lane rules (and the `rows_a_warp` choice) in `held` held."""
+
+    knobs: CudaKnobs = CudaKnobs()
+    held: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"cuda:{self.knobs.chip.name}:{self.knobs.activations.value}"
+
+    # --- the protocol ------------------------------------------------------------------------------------
+
+    def supports(self, cls: C) -> Support:
+        """Native, decomposed, or refused with the reason a user sees, for every class."""
+        if cls in NATIVE_CLASSES:
+            return NATIVE
+        if cls in QUANT_EPILOGUES:
+            return NATIVE if self.knobs.fuse_quant else DECOMPOSE
+        if cls in DECOMPOSED_CLASSES:
+            return DECOMPOSE
+        return refuse(REFUSED_CLASSES[cls])
+
+    def fits(self, op: Op, g: TensorGraph) -> str | None:
+        """Why the lane's kernels have no launch for `op`, or None when one does (see `fits`)."""
+        return lane_fits(self, op, g)
+
+    def activation(self, consumer: Op, operand: int, g: TensorGraph) -> QuantFormat | None:
+        """The quantized form in which `consumer` reads its operand `operand`: the lane's activation format
+        for the activation of a product by checkpoint rows, a mixture, a gated pair or products in parts."""
+        cls = class_of(consumer)
+        if cls in _QUANTIZING:
+            return self.activation(parts(consumer)[0], operand, g)
+        if cls in _EPILOGUED:
+            first = parts(consumer)[0]
+            return self.activation(first, operand, g) if operand < len(first.ins) else None
+        fmt = self.activation_format
+        if fmt is None:
+            return None
+        projected = operand == 0 and (
+            self.rows_product(consumer, g) is not None
+            or moe(consumer) is not None
+            or cls in (C.GEMV_GATE_UP_GLU, C.MERGED_QKV)
+        )
+        return fmt if projected else None
+
+    def rules(self) -> list[tuple[Position, LaneRule]]:
+        """The lane's own rules and where they link into the shared table."""
+        return [(Before("merged_projections"), LaneRule(GEMV_PARTS, (C.MERGED_QKV,), self.gemv_parts))]
+
+    def numerics(self) -> Contract:
+        """The lane's numerics contract at its knobs."""
+        k = self.knobs
+        return Contract(
+            point=(
+                f"the cuda lane: {k.activations.value} activations, {k.cache_precision.value} cache, "
+                f"{k.recurrent_state.value} state"
+            ),
+            activations=self.scheme,
+            cache=_CACHE_KEEP[k.cache_precision],
+            state=_STATE_KEEP[k.recurrent_state],
+            attention=self.attention(k.activations),
+            fused=Bound.EXACT,  # type: ignore[attr-defined]
+            accumulator_bits=self.accumulator_bits,
+        )
+
+    # --- numerics --------------------------------------------------------------------------------------
+
+    @property
+    def activation_format(self) -> QuantFormat | None:
+        """The quantized form products read their activation in; None under the dequantized numerics."""
+        return _ACTIVATION_FORMATS[self.knobs.activations]
+
+    @property
+    def scheme(self) -> Scheme | None:
+        fmt = self.activation_format
+        return None if fmt is None else Scheme.of(fmt)
+
+    @property
+    def accumulator_bits(self) -> int:
+        return kernels.accumulator(kernels.mode(self.knobs.activations)).bits
+
+    @staticmethod
+    def attention(activations: Activations) -> AttentionNumerics | None:
+        """How a wide chunk's attention takes its operands: on the f16 tensor cores under one word (queries,
+        keys, values and weights rounded to f16); on the int8 tensor cores under two (each query, key and
+        value row in two words under its largest over 127, each weight times its value row's scale in three
+        under the largest of its row in the tile); in f32 under the dequantized numerics."""
+        if activations is Activations.DEQUANT:
+            return None
+        if activations is Activations.INT8:
+            f16 = Kept(Keep.F16)
+            return AttentionNumerics(queries=f16, keys_values=f16, weights=f16)
+
+        def row(words: int) -> Quantized:
+            return Quantized(Scheme(Block.ROW, Scale.MAX_OVER_127, words))
+
+        return AttentionNumerics(queries=row(2), keys_values=row(2), weights=row(_ATTENTION_WEIGHT_WORDS))
+
+    # --- products ----------------------------------------------------------------------------------------
+
+    def per_warp(self, p: GemvForm) -> int:
+        """The output rows a warp of a product's kernel takes: four for a wide product in a block format met
+        one row at a time (`kernels.rows_a_warp`), one otherwise."""
+        if isinstance(p.weights, Rows) and ROWS_A_WARP not in self.held:
+            return kernels.rows_a_warp(p.weights.format, p.n, p.k, p.m)
+        return 1
+
+    def on_tensor_cores(self, p: GemvForm) -> bool:
+        """Whether a product multiplies on the int8 tensor cores: past the GEMV's rows, not a batch's, under
+        the quantized numerics, by checkpoint rows."""
+        return (
+            p.m > kernels.GEMV_ROWS
+            and not self.knobs.batch
+            and self.knobs.activations is not Activations.DEQUANT
+            and isinstance(p.weights, Rows)
+        )
+
+    @staticmethod
+    def lands_whole(p: GemvForm) -> bool:
+        """Whether a product lands where a launch in parts writes it: a buffer of its own, or a table's rows
+        its width wide."""
+        return p.dst.unit is None and (p.dst.row is None or p.dst.row.pitch == p.n)
+
+    @staticmethod
+    def rows_product(op: Op, g: TensorGraph) -> GemvForm | None:
+        """An op's product, where it is a plain product by checkpoint rows (not one quantizing its output)."""
+        p = gemv(op, g)
+        return p if p is not None and isinstance(p.weights, Rows) else None
+
+    @staticmethod
+    def part_product(op: Op, g: TensorGraph) -> GemvForm | None:
+        """The product a member of a GEMV in parts computes: a plain product by checkpoint rows, or one that
+        turns its heads in its epilogue."""
+        if class_of(op) is C.QKV_HEAD_EPILOGUE:
+            return CudaShim.rows_product(parts(op)[0], g)
+        return CudaShim.rows_product(op, g)
+
+    @staticmethod
+    def turned_alike(members: Sequence[Op]) -> bool:
+        """Whether the members of a GEMV in parts that turn their heads in its epilogue turn them as one
+        launch of rotations would: at most a query's and a key's, by one table at one position, one head
+        width, both normed or neither.
+
+        The seed's rotation reads cos/sin tables; ours computes them from the frequency base at the
+        position, so "one table" is one (base, pos)."""
+        sides = [
+            side for m in members if class_of(m) is C.QKV_HEAD_EPILOGUE and (side := rope(parts(m)[1])) is not None
+        ]
+        if len(sides) > kernels.ROPE_SIDES:
+            return False
+        keys = {(s.base, s.pos, s.hd, s.half, s.norm is not None) for s in sides}
+        return len(keys) <= 1
+
+    def gemv_mergeable(self, p: GemvForm) -> bool:
+        """Whether a product is one the GEMV takes in parts: within the GEMV's rows (or a batch's), landing
+        whole, its outputs whole warps of rows."""
+        return (p.m <= kernels.GEMV_ROWS or self.knobs.batch) and self.lands_whole(p) and p.n % self.per_warp(p) == 0
+
+    def gemv_in_parts(self, members: Sequence[Op], g: TensorGraph) -> bool:
+        """Whether every member of a GEMV in parts is one the GEMV takes together: at most four, one
+        activation, one format, one number of rows a warp."""
+        products = [self.part_product(m, g) for m in members]
+        if not products or any(p is None for p in products):
+            return False
+        first = products[0]
+        assert first is not None
+        return (
+            len(products) <= kernels.GEMM_PARTS
+            and self.turned_alike(members)
+            and all(
+                self.gemv_mergeable(p)
+                and p.weights == first.weights
+                and (p.x, p.k, p.m) == (first.x, first.k, first.m)
+                and self.per_warp(p) == self.per_warp(first)
+                for p in products
+                if p is not None
+            )
+        )
+
+    def gemm_parts(self, members: Sequence[Op], g: TensorGraph) -> bool:
+        """Whether every member of a GEMM in parts is one the tensor cores take together: at most four, one
+        activation, one format, each whole 128-output tiles."""
+        products = [self.rows_product(m, g) for m in members]
+        if not products or any(p is None for p in products):
+            return False
+        first = products[0]
+        assert first is not None
+        return len(products) <= kernels.GEMM_PARTS and all(
+            self.on_tensor_cores(p)
+            and self.lands_whole(p)
+            and p.n % kernels.GEMM_TILE_N == 0
+            and p.weights == first.weights
+            and (p.x, p.k, p.m) == (first.x, first.k, first.m)
+            for p in products
+            if p is not None
+        )
+
+    @staticmethod
+    def moe_down_launch(op: Op, g: TensorGraph) -> tuple[int, int] | None:
+        """A decode mixture's down projection launch (`kernels.moe_down_launch`): its experts' intermediate
+        width from the mixture's own spec, its shared expert's from that expert's down projection (the third
+        part of a SharedExpertFusion) where it is folded in; None where the parts do not say."""
+        m = moe(op)
+        dff = next((leaf.sym.dff for leaf in leaves(op) if isinstance(leaf.sym, Moe)), None)
+        if m is None or dff is None:
+            return None
+        sdff = 0
+        if class_of(op) is C.SHARED_EXPERT_FUSION:
+            members = parts(op)
+            shared = gemv(members[2], g) if len(members) > 2 else None
+            if shared is None:
+                return None
+            sdff = shared.k
+        return kernels.moe_down_launch(m.d, dff, m.k, sdff)
+
+    # --- the lane rule -----------------------------------------------------------------------------------
+
+    def gemv_parts(self, r: Rewriter) -> None:
+        """A step's products of one activation's rows within one GEMV's (one format, one number of rows a
+        warp, each into a buffer of its own or a table's rows its width wide, none quantizing its result,
+        those turning their heads in the epilogue turning them alike) as one GEMV over their outputs side by
+        side, at the first one's place: the short ones ride with the wide. Nothing between them may write
+        the activation or what a later member reads, or touch what it writes."""
+        if GEMV_PARTS in self.held:
+            return
+        s = r.s
+        for i in range(len(s)):
+            op = s.slot(i)
+            first = self.part_product(op, r.g) if op is not None else None
+            if first is None or not self.gemv_mergeable(first):
+                continue
+            group = [i]
+            for j in range(i + 1, len(s)):
+                op = s.slot(j)
+                if op is None:
+                    continue
+                if len(group) == kernels.GEMM_PARTS or first.x in facts.writes(op):
+                    break
+                members = [s.get(k) for k in group] + [op]
+                if self.part_product(op, r.g) is None or not self.gemv_in_parts(members, r.g):
+                    continue
+                if not self._crossed(r, op, group, i, j):
+                    group.append(j)
+            if len(group) < 2:
+                continue
+            members = [s.get(k) for k in group]
+            # The activation as the first member reads it, then each member's weights and epilogue operands,
+            # whole (the seed lists a tensor every time a member reads it; reading it once means the same).
+            ins: dict[str, Access] = {first.x: members[0].access[0]}
+            for m in members:
+                for name in m.ins[1:]:
+                    ins.setdefault(name, WHOLE)
+            head = members[0]
+            r.fuse(GEMV_PARTS, C.MERGED_QKV, i, group[1:], list(ins.items()), head.out, head.dst)
+
+    @staticmethod
+    def _crossed(r: Rewriter, op: Op, group: Sequence[int], i: int, j: int) -> bool:
+        """Whether moving `op` from slot j up to slot i would change what an op between them sees."""
+        written, read = set(facts.writes(op)), set(facts.reads(op))
+        for b in range(i + 1, j):
+            between = r.s.slot(b)
+            if b in group or between is None:
+                continue
+            br, bw = set(facts.reads(between)), set(facts.writes(between))
+            if written & (br | bw) or read & bw:
+                return True
+        return False
+
+
+def chunks_apart(splits: int, rows: int, head_blocks: int, sms: int) -> bool:
+    """Whether an attention cut into `splits` chunks runs a block a chunk: where its rows' head blocks alone
+    leave the chip idle (fewer than `ATTN_WAVES` blocks a SM)."""
+    return splits > 1 and rows * head_blocks < kernels.ATTN_WAVES * sms

@@ -1,0 +1,67 @@
+"""The cuda lane's knobs (`--knob key=value`) and its kernel facts."""
+
+from __future__ import annotations
+
+import pytest
+
+from fuselane.errors import FuselaneError
+from fuselane.fuse.views import GemvForm
+from fuselane.gguf.formats import Format
+from fuselane.graph.ir import Dst, Rows
+from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.knobs import H200, Activations, CachePrecision, CudaKnobs, StatePrecision
+from fuselane.lanes.cuda.shim import CudaShim, chunks_apart
+
+# --- kernel facts -----------------------------------------------------------------------------------------
+
+
+def test_kernel_facts() -> None:
+    assert kernels.rows_a_warp(Format.Q4_K, 4096, 4096, 1) == 4
+    assert kernels.rows_a_warp(Format.Q4_K, 4096, 4096, 2) == 1  # not met one row at a time
+    assert kernels.rows_a_warp(Format.Q8_0, 4096, 4096, 1) == 1  # Q8_0 has its own kernel
+    assert kernels.rows_a_warp(Format.Q5_0, 896, 896, 1) == 1  # not wide
+    wide = GemvForm("x", "w", Rows(Format.Q4_K), 1, 4096, 4096, Dst("y"))
+    assert CudaShim().per_warp(wide) == 4 and CudaShim(held=("rows_a_warp",)).per_warp(wide) == 1
+    assert kernels.norm_threads(1024) == 128 and kernels.norm_threads(10) == kernels.WARP
+    assert kernels.norm_threads(1 << 20) == kernels.MAX_BLOCK_THREADS
+    assert kernels.moe_down_launch(2048, 768, 8, 0) == (2048, 256)
+    assert kernels.moe_down_launch(2048, 1024, 8, 1024) == (512, 288)
+    for activations in Activations:
+        assert kernels.accumulator(kernels.mode(activations)) == (4, 32)
+    smem = H200.smem_bytes_per_block
+    assert kernels.attn_heads_per_block(4, 128, 128, 4096, smem, 4) == 4
+    assert kernels.attn_heads_per_block(4, 128, 128, 4096, 1024, 4) is None
+    assert kernels.attn_splits(head_blocks=8, span=4096, sms=132) == 16  # capped by 256-row chunks
+    assert kernels.attn_splits(head_blocks=8, span=300, sms=132) == 2
+    assert kernels.attn_splits(head_blocks=512, span=4096, sms=132) == 1
+    assert chunks_apart(splits=4, rows=1, head_blocks=8, sms=132)
+    assert not chunks_apart(splits=4, rows=64, head_blocks=8, sms=132)
+
+
+# --- (e) knobs --------------------------------------------------------------------------------------------
+
+
+def test_knobs_parse() -> None:
+    knobs = CudaKnobs.parse(["activations=int8x2", "cache=f32", "state=bf16", "fuse_quant=off", "batch=on"])
+    assert knobs == CudaKnobs(H200, Activations.INT8X2, CachePrecision.F32, StatePrecision.BF16, False, True)
+    assert CudaKnobs.parse([]) == CudaKnobs()
+    chip = CudaKnobs.parse(["chip=A100", "sms=100", "smem=160"]).chip
+    assert (chip.name, chip.sms, chip.smem_kib_per_block) == ("A100", 100, 160)
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("bogus=1", "unknown knob 'bogus'"),
+        ("activations=int4", "knob 'activations' takes one of dequant, int8, int8x2, not 'int4'"),
+        ("cache", "a knob is key=value, not 'cache'"),
+        ("cache=", "a knob is key=value, not 'cache='"),
+        ("fuse_quant=maybe", "knob 'fuse_quant' takes on or off, not 'maybe'"),
+        ("sms=-3", "knob 'sms' takes a positive whole number, not '-3'"),
+        ("chip=tpu", "knob 'chip' takes one of h200"),
+    ],
+)
+def test_knobs_parse_errors(setting: str, message: str) -> None:
+    with pytest.raises(FuselaneError) as e:
+        CudaKnobs.parse([setting])
+    assert message in str(e.value) and "\n" not in str(e.value)

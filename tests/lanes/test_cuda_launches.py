@@ -1,0 +1,102 @@
+"""The cuda lane's decode plans at the real models' shapes (shared/ANCHORS.md): launches per layer, with the
+lane rule `gemv_parts` and with it held.
+
+Graphs are recognized from a table of tensor stubs (shape and format, from the synthetic checkpoints' recipes),
+so no file is written. Run with `-s` to see each plan's launches per layer and classes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+
+from fuselane.fuse.optimizer import covered, optimize
+from fuselane.gguf.formats import Format
+from fuselane.gguf.synth import SHAPES, model_metadata, tensor_formats, tensor_shapes
+from fuselane.graph.classes import ClassId as C
+from fuselane.graph.ir import Form, Fused, Op, TensorGraph
+from fuselane.graph.ops import RowsGather
+from fuselane.lanes.cuda.knobs import Activations, CudaKnobs
+from fuselane.lanes.cuda.shim import CudaShim
+from fuselane.models import config_of, qwen
+
+
+@dataclass(frozen=True)
+class Stub:
+    shape: tuple[int, ...]
+    format: Format
+
+
+ANCHORS = {"qwen2.5-0.5b": "q4_k_m_05b", "qwen3-0.6b": "q8_0", "qwen2.5-7b": "q4_k_m", "qwen3-8b": "q4_k_m"}
+LAYER = re.compile(r"^(?:l|blk\.)(\d+)\.")
+
+
+def decode_graph(name: str) -> tuple[TensorGraph, int]:
+    shape = SHAPES[name]
+    formats = tensor_formats(shape, ANCHORS[name])
+    tensors = {n: Stub(dims, formats[n]) for n, dims in tensor_shapes(shape).items()}
+    cfg = config_of(model_metadata(shape, name, 0) | {"general.architecture": shape.arch}, tensors)
+    return qwen.recognize(cfg, tensors, Form.DECODE, ctx=4096), cfg.n_layers
+
+
+def launches_per_layer(g: TensorGraph, plan) -> Counter[int]:
+    """Launches by layer. An original op belongs to the layer its output is named for (`l3.q`, `blk.3.k_cache`);
+    a launch to the first layer among the ops it covers. Launches covering the embedding gather or the output
+    head's product (which cover no layer's op but the first layer's input norm and the last one's output
+    norm) are left out: what remains, over the layers, is the launches a layer costs."""
+    layer_of = {i: int(m.group(1)) for i, op in enumerate(g.ops) if (m := LAYER.match(op.out))}
+    edges = {i for i, op in enumerate(g.ops) if isinstance(op.sym, RowsGather) or op.out == qwen.LOGITS}
+    counts: Counter[int] = Counter()
+    for op in plan.ops:
+        if edges & set(op.covers):
+            continue
+        counts[min(layer_of[c] for c in op.covers if c in layer_of)] += 1
+    return counts
+
+
+def classes(plan) -> Counter[str]:
+    """The plan's launches by class (a primitive's by its spec)."""
+    return Counter(op.sym.cls.value if isinstance(op.sym, Fused) else type(op.sym).__name__ for op in plan.ops)
+
+
+def folded(plan, cls: C) -> int:
+    """How many folds of `cls` the plan holds, at any depth (a quantizing epilogue wraps its producer)."""
+
+    def count(op: Op) -> int:
+        if not isinstance(op.sym, Fused):
+            return 0
+        return (op.sym.cls is cls) + sum(count(p) for p in op.sym.parts)
+
+    return sum(count(op) for op in plan.ops)
+
+
+@pytest.fixture(scope="module", params=list(ANCHORS))
+def anchor(request) -> tuple[str, TensorGraph, int]:
+    g, layers = decode_graph(request.param)
+    return request.param, g, layers
+
+
+@pytest.mark.parametrize("activations", [Activations.DEQUANT, Activations.INT8])
+def test_decode_launches_per_layer(anchor, activations: Activations) -> None:
+    name, g, layers = anchor
+    knobs = CudaKnobs(activations=activations)
+    plan = optimize(g, CudaShim(knobs))
+    held = optimize(g, CudaShim(knobs, held=("gemv_parts",)), held=("gemv_parts",))
+    for p in (plan, held):
+        assert sorted(covered(p)) == list(range(len(g.ops)))  # every original op once
+    per_layer, per_layer_held = launches_per_layer(g, plan), launches_per_layer(g, held)
+    assert sorted(per_layer) == list(range(layers))
+    mean = sum(per_layer.values()) / layers
+    print(
+        f"\n{name} decode, {activations.value}: {plan.launches()} launches, {mean:.2f} a layer "
+        f"(most {max(per_layer.values())}); gemv_parts held: {sum(per_layer_held.values()) / layers:.2f} a layer"
+        f"\n  classes: {dict(classes(plan))}"
+    )
+    # every layer folds its projections' residual add and norm into their last block
+    assert folded(plan, C.GEMV_NORM_EPILOGUE) == 2 * layers
+    assert max(per_layer.values()) <= 7
+    assert held.launches() > plan.launches()
+    assert any(f.rule == "gemv_parts" for f in plan.fired) and not any(f.rule == "gemv_parts" for f in held.fired)
