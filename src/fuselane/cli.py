@@ -140,6 +140,13 @@ def cmd_explain(args: argparse.Namespace) -> None:
     print(json.dumps(data, indent=2) if args.json else render(data))
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    from fuselane.bench import as_json, bench, render
+
+    results = [bench(args.model, lane=args.lane, prompt=args.p, generated=args.n, depth=depth) for depth in args.depth]
+    print(json.dumps(as_json(results), indent=2) if args.json else render(results))
+
+
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", type=int, default=256, help="most tokens to generate (default 256)")
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 is greedy (default 0.8)")
@@ -205,6 +212,14 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("--hold", action="append", default=[], metavar="RULE", help="hold a rule back (repeatable)")
     explain.add_argument("--json", action="store_true", help="the stable JSON form")
     explain.set_defaults(func=cmd_explain)
+    bench = sub.add_parser("bench", help="prefill and decode tokens/s, launches a token, % of the bandwidth limit")
+    bench.add_argument("model", nargs="?", default=None)
+    bench.add_argument("--lane", choices=("cpu", "cuda", "auto"), default="auto")
+    bench.add_argument("-p", type=int, default=512, help="prompt tokens (default 512)")
+    bench.add_argument("-n", type=int, default=128, help="generated tokens (default 128)")
+    bench.add_argument("--depth", type=int, nargs="+", default=[0], help="tokens already in the cache (default 0)")
+    bench.add_argument("--json", action="store_true")
+    bench.set_defaults(func=cmd_bench)
     return p
 
 

@@ -124,6 +124,8 @@ def rope_q_k_one_launch(r: Rewriter, i: int) -> None:
     if first is None:
         return
     for j in range(i + 1, len(r.s)):
+        if op_at(r, j, Attention, C.FLASH_DECODE, C.FLASH_PREFILL) is not None:
+            return  # past the layer's attention: a later rotation is the next layer's
         other = op_at(r, j, *ROPES)
         if other is not None:
             a, b = rope(first), rope(other)

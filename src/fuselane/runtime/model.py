@@ -38,14 +38,13 @@ def make_lane(name: str, cfg: ModelConfig, tensors: Any, ctx: int, dtype: Any, h
     if name not in LANES:
         raise FuselaneError(f"unknown lane '{name}' (choose from {', '.join(LANES)})")
     if name == "cuda" or (name == "auto" and _cuda_available()):
+        from fuselane.lanes.cuda import CudaLane
+
         try:
-            from fuselane.lanes.cuda import CudaLane  # noqa: F401  (the lane loads lazily)
-        except ImportError:
+            return CudaLane(cfg, tensors, ctx=ctx, held=tuple(held))
+        except FuselaneError:
             if name == "cuda":
-                raise FuselaneError("the cuda lane is not part of this build of fuselane; use --lane cpu") from None
-        else:
-            # only passed when asked, so a cuda lane that does not hold rules yet still loads
-            return CudaLane(cfg, tensors, ctx=ctx, **({"held": tuple(held)} if held else {}))
+                raise  # asked for by name: say why it cannot run; `auto` falls back to the cpu lane
     from fuselane.lanes.cpu.lane import CpuLane
 
     return CpuLane(cfg, tensors, ctx=ctx, dtype=dtype, held=tuple(held))

@@ -37,7 +37,7 @@ class CpuLane:
         self._weights: dict[str, np.ndarray] = {}
         self._graphs: dict[tuple[int, bool | str], TensorGraph] = {}
         self._cache: dict[str, np.ndarray] = {}
-        self._liveness: dict[int, list[tuple[str, ...]]] = {}
+        self._liveness: dict[int, tuple[TensorGraph, list[tuple[str, ...]]]] = {}
 
     def graph(self, rows: int, *, all_logits: bool = False) -> TensorGraph:
         """The fused graph for `rows` rows (a decode step when one), built once per shape."""
@@ -105,18 +105,20 @@ class CpuLane:
 
     def _dead_after(self, g: TensorGraph) -> list[tuple[str, ...]]:
         """For each op, the activations no later op reads, so they can be freed once it has run."""
-        key = id(g)
-        if key not in self._liveness:
-            last: dict[str, int] = {}
-            for i, op in enumerate(g.ops):
-                for name in (*facts.reads(op), *facts.writes(op)):
-                    if g.tensors[name].role is Role.ACTIVATION:
-                        last[name] = i
-            dead: list[list[str]] = [[] for _ in g.ops]
-            for name, i in last.items():
-                dead[i].append(name)
-            self._liveness[key] = [tuple(d) for d in dead]
-        return self._liveness[key]
+        cached = self._liveness.get(id(g))
+        if cached is not None and cached[0] is g:  # the same graph object, not one that reused its id
+            return cached[1]
+        last: dict[str, int] = {}
+        for i, op in enumerate(g.ops):
+            for name in (*facts.reads(op), *facts.writes(op)):
+                if g.tensors[name].role is Role.ACTIVATION:
+                    last[name] = i
+        dead: list[list[str]] = [[] for _ in g.ops]
+        for name, i in last.items():
+            dead[i].append(name)
+        result = [tuple(d) for d in dead]
+        self._liveness[id(g)] = (g, result)
+        return result
 
     def _value(self, g: TensorGraph, name: str, env: dict[str, np.ndarray]) -> np.ndarray:
         if name in env:

@@ -1,0 +1,184 @@
+"""The cuda lane: the plan the cuda shim accepts, run as Triton launches over buffers allocated once, a decode
+step captured as a CUDA graph and replayed at every position.
+
+Weights stay in the checkpoint's own bytes on the device (the GEMVs decode them in the kernel); vectors
+(norm weights, biases) are uploaded as f32. Every activation of a plan has its buffer, allocated once per
+session; the token ids and the position are device values written before each replay. Products of more rows
+than the GEMV takes (prefill chunks) multiply a dequantized f16 copy of the matrix, made on first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from fuselane.errors import FuselaneError
+from fuselane.fuse.optimizer import Plan, optimize
+from fuselane.gguf.dequant import dequantize
+from fuselane.graph.ir import Form, QuantizedActs, Role, TensorGraph
+from fuselane.lanes.cuda.knobs import CachePrecision, CudaKnobs
+from fuselane.lanes.cuda.shim import CudaShim
+from fuselane.models import ModelConfig, recognizer
+from fuselane.models.qwen import IDS, LOGITS, POS
+
+WARMUP_RUNS = 2  # runs before capture: Triton compiles each kernel on its first launch
+
+
+class CudaLane:
+    """One sequence's decode steps and prefill chunks on one GPU."""
+
+    name = "cuda"
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tensors: Mapping[str, Any],
+        *,
+        ctx: int,
+        knobs: CudaKnobs | None = None,
+        held: tuple[str, ...] = (),
+        graphs: bool = True,
+    ) -> None:
+        try:
+            import torch
+        except ImportError:
+            raise FuselaneError("the cuda lane needs torch with CUDA: pip install 'fuselane[cuda]'") from None
+        if not torch.cuda.is_available():
+            raise FuselaneError("the cuda lane needs an NVIDIA GPU, and torch sees none")
+        self.torch, self.device = torch, torch.device("cuda")
+        self.cfg, self.tensors, self.ctx = cfg, tensors, ctx
+        props = torch.cuda.get_device_properties(self.device)
+        knobs = knobs or CudaKnobs()
+        # chip facts read from the device, not assumed
+        from dataclasses import replace
+
+        smem = getattr(props, "shared_memory_per_block_optin", 0) // 1024 or knobs.chip.smem_kib_per_block
+        knobs = replace(
+            knobs, chip=replace(knobs.chip, name=props.name, sms=props.multi_processor_count, smem_kib_per_block=smem)
+        )
+        self.shim = CudaShim(knobs, held=held)
+        self.held, self.use_graphs = held, graphs
+        self.cache_dtype = torch.float16 if knobs.cache_precision is CachePrecision.F16 else torch.float32
+        self.raw: dict[str, tuple[Any, Any]] = {}
+        self.vec: dict[str, Any] = {}
+        self._dense: dict[str, Any] = {}
+        self._upload()
+        self.caches: dict[str, Any] = {}
+        self._steps: dict[tuple[int, bool], _Step] = {}
+
+    # ---- weights ----------------------------------------------------------------------------------------
+
+    def _upload(self) -> None:
+        torch = self.torch
+        for name, t in self.tensors.items():
+            if len(t.shape) == 1:
+                values = dequantize(t.data, t.format, t.shape, dtype=np.float32)
+                self.vec[name] = torch.from_numpy(values).to(self.device)
+            else:
+                self.raw[name] = (torch.from_numpy(np.asarray(t.data)).to(self.device), t.format)
+
+    def dense(self, name: str) -> Any:
+        """A matrix dequantized to f16 on the device, for products past the GEMV's rows (made once)."""
+        if name not in self._dense:
+            t = self.tensors[name]
+            values = dequantize(t.data, t.format, t.shape, dtype=np.float32)
+            self._dense[name] = self.torch.from_numpy(values).to(self.device, self.torch.float16)
+        return self._dense[name]
+
+    def weight_bytes(self) -> int:
+        """Bytes a decode step reads: every matrix once, but the embedding table (one row is gathered)."""
+        return sum(int(w.numel()) for n, (w, _) in self.raw.items() if n != "token_embd.weight" or self.cfg.tied)
+
+    # ---- plans ------------------------------------------------------------------------------------------
+
+    def plan(self, rows: int, *, all_logits: bool = False) -> Plan:
+        form = Form.DECODE if rows == 1 else Form.PREFILL
+        raw = recognizer(self.cfg).recognize(
+            self.cfg, self.tensors, form, rows=rows, ctx=self.ctx, all_logits=all_logits
+        )
+        return optimize(raw, self.shim, held=[h for h in self.held if h != "rows_a_warp"])
+
+    def step(self, rows: int, *, all_logits: bool = False) -> _Step:
+        key = (rows, all_logits)
+        if key not in self._steps:
+            self._steps[key] = _Step(self, self.plan(rows, all_logits=all_logits))
+        return self._steps[key]
+
+    def cache(self, name: str, shape: tuple[int, ...]) -> Any:
+        if name not in self.caches:
+            self.caches[name] = self.torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+        return self.caches[name]
+
+    def forward(self, ids: np.ndarray, pos: int, *, all_logits: bool = False) -> np.ndarray:
+        """Run len(ids) tokens at positions pos ..; logits of the last row (or every row), on the host."""
+        ids = np.asarray(ids)
+        if pos + len(ids) > self.ctx:
+            raise ValueError(f"positions up to {pos + len(ids)} exceed the cache of {self.ctx}")
+        step = self.step(len(ids), all_logits=all_logits)
+        step.run(ids, pos)
+        return step.logits().float().cpu().numpy()
+
+    def launches_per_token(self) -> int:
+        return self.step(1).launches
+
+
+class _Step:
+    """A plan bound to buffers: its launches, and (for a decode step) the CUDA graph that replays them."""
+
+    def __init__(self, lane: CudaLane, plan: Plan) -> None:
+        from fuselane.lanes.cuda.launch import Bound, bind
+
+        torch = lane.torch
+        self.lane, self.plan, self.torch = lane, plan, torch
+        g: TensorGraph = plan.graph
+        bufs: dict[str, Any] = {}
+        for name, t in g.tensors.items():
+            if t.role is Role.CACHE:
+                bufs[name] = lane.cache(name, t.shape)
+            elif t.role in (Role.ACTIVATION, Role.OUTPUT):
+                if isinstance(t.storage, QuantizedActs):
+                    raise FuselaneError("quantized activations wait for the int8 kernels; use activations=dequant")
+                bufs[name] = torch.zeros(t.shape, dtype=torch.float32, device=lane.device)
+        bufs[IDS] = torch.zeros(g.rows, dtype=torch.int32, device=lane.device)
+        bufs[POS] = torch.zeros(1, dtype=torch.int32, device=lane.device)
+        self.bufs = bufs
+        bound = Bound(g, bufs, lane.raw, lane.vec, lane.dense)
+        self.launch_list = [launch for op in plan.ops for launch in bind(op, bound)]
+        self.launches = len(self.launch_list)
+        self.graph = None
+        self.runs = 0
+
+    def _eager(self) -> None:
+        for launch in self.launch_list:
+            launch()
+
+    def run(self, ids: np.ndarray, pos: int) -> None:
+        torch = self.torch
+        self.bufs[IDS].copy_(torch.from_numpy(np.asarray(ids, dtype=np.int32)), non_blocking=True)
+        self.bufs[POS].fill_(pos)
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        self._eager()
+        self.runs += 1
+        if self.lane.use_graphs and self.plan.graph.rows == 1 and self.runs >= WARMUP_RUNS:
+            self.capture()
+
+    def capture(self) -> None:
+        """Record the step's launches once; later steps replay them (ids and position are device values)."""
+        torch = self.torch
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._eager()  # a run on the capture stream first, as torch advises
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            self._eager()
+        self.graph = graph
+
+    def logits(self) -> Any:
+        return self.bufs[LOGITS]

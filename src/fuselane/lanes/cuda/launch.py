@@ -1,0 +1,319 @@
+"""Binding a plan's ops to launches: each op of the fused schedule becomes a list of closures over the lane's
+buffers, each closure one kernel launch.
+
+A native class the lane has one kernel for binds to that kernel; any other fused op binds to its parts'
+launches in order (so a plan held rule by rule still runs); a primitive binds to its own kernel. Everything a
+launch reads or writes is a buffer allocated once per session, and the position is a device value, so the
+launches of a decode step can be captured in a CUDA graph and replayed at every position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fuselane.fuse.views import class_of, leaves
+from fuselane.gguf.formats import Format
+from fuselane.graph.classes import ClassId as C
+from fuselane.graph.ir import Fused, Op, TensorGraph
+from fuselane.graph.ops import (
+    ArgMax,
+    Attention,
+    Elementwise,
+    ElementwiseOp,
+    Matmul,
+    RmsNorm,
+    Rope,
+    RowsGather,
+    SetRow,
+    TakeRows,
+    Unary,
+)
+from fuselane.lanes.cuda import kernels
+
+Launch = Callable[[], None]
+
+
+@dataclass(slots=True)
+class Bound:
+    """What launches are bound against: the plan's graph, buffers by name, weights, and the scalar facts."""
+
+    g: TensorGraph
+    bufs: dict[str, Any]  # name -> torch tensor (activations, caches, ids, pos)
+    raw: dict[str, tuple[Any, Format]]  # matrix name -> (uint8 bytes on the device, format)
+    vec: dict[str, Any]  # vector weights (norms, biases) as f32 device tensors
+    dense: Callable[[str], Any]  # matrix name -> dequantized f16 device matrix (for GEMMs past the GEMV's rows)
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+
+def _t():
+    """The Triton kernel modules, imported on first bind: the lane loads torch and Triton only when used."""
+    from fuselane.lanes.cuda.triton import attention, gemv, misc, norm, rope
+
+    return gemv, norm, rope, attention, misc
+
+
+def bind(op: Op, b: Bound) -> list[Launch]:
+    """The launches of one op of the schedule."""
+    cls = class_of(op)
+    if cls is not None:
+        builder = NATIVE.get(cls)
+        if builder is not None:
+            found = builder(op, b)
+            if found is not None:
+                return found
+        assert isinstance(op.sym, Fused)
+        return [launch for part in op.sym.parts for launch in bind(part, b)]
+    return _prim(op, b)
+
+
+# ---- primitives -------------------------------------------------------------------------------------------
+
+
+def _rows_view(b: Bound, op: Op):
+    """The destination a product or row write lands in: (buffer, (pos, pitch) or None)."""
+    if op.dst.row is not None:
+        return b.bufs[op.dst.buf], (b.bufs["pos"], op.dst.row.pitch)
+    return b.bufs[op.dst.buf], None
+
+
+def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None = None, dst: Op | None = None):
+    gemv, *_ = _t()
+    spec: Matmul = op.sym  # type: ignore[assignment]
+    x = b.bufs[op.ins[0]]
+    out, row = _rows_view(b, dst or op)
+    bias_t = b.vec[bias] if bias else None
+    res_t = b.bufs[residual] if residual else None
+    if spec.m <= kernels.GEMV_ROWS:
+        w, fmt = b.raw[op.ins[1]]
+        return lambda: gemv.gemv(x, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)
+    dense = b.dense(op.ins[1])
+
+    def gemm() -> None:
+        y = (x.to(dense.dtype) @ dense.T).float()
+        if bias_t is not None:
+            y += bias_t
+        if res_t is not None:
+            y += res_t
+        if row is None:
+            out.copy_(y.view(out.shape))
+        else:
+            out.index_copy_(0, row[0].long() + _arange(y.shape[0], out.device), y.to(out.dtype))
+
+    return gemm
+
+
+def _arange(n: int, device: Any):
+    import torch
+
+    return torch.arange(n, device=device)
+
+
+def _prim(op: Op, b: Bound) -> list[Launch]:
+    import torch
+
+    _, norm, rope, attention, misc = _t()
+    spec = op.sym
+    ins = [b.bufs.get(n) for n in op.ins]
+    if isinstance(spec, Matmul):
+        return [_product(op, b)]
+    if isinstance(spec, RmsNorm):
+        x, out = ins[0], b.bufs[op.out]
+        return [lambda: norm.rms_norm_plain(x.view(spec.rows, spec.cols), out.view(spec.rows, spec.cols), spec.eps)]
+    if isinstance(spec, Elementwise):
+        a = ins[0]
+        other = b.vec[op.ins[1]] if op.ins[1] in b.vec else ins[1]
+        out = b.bufs[op.out]
+        fn = torch.add if spec.op is ElementwiseOp.ADD else torch.mul
+        if spec.row:
+            return [lambda: fn(a.view(-1, spec.cols), other.view(1, spec.cols), out=out.view(-1, spec.cols))]
+        return [lambda: fn(a, other, out=out)]
+    if isinstance(spec, Unary):
+        x, out = ins[0], b.bufs[op.out]
+        return [lambda: torch.mul(torch.sigmoid(x), x, out=out)]
+    if isinstance(spec, Rope):
+        x, out = ins[0], b.bufs[op.out]
+        pos = b.bufs["pos"]
+        return [lambda: rope.qk_norm_rope(x, out, pos, heads=spec.heads, hd=spec.hd, base=spec.base)]
+    if isinstance(spec, SetRow):
+        x, cache = ins[0], b.bufs[op.dst.buf]
+        pos = b.bufs["pos"]
+        return [lambda: rope.set_rows(x.view(spec.rows, spec.cols), cache, pos)]
+    if isinstance(spec, Attention):
+        return [_attention(op, b)]
+    if isinstance(spec, TakeRows):
+        x, out = ins[0], b.bufs[op.out]
+        return [lambda: out.copy_(x.view(spec.rows, spec.cols)[spec.rows - spec.take :])]
+    if isinstance(spec, RowsGather):
+        table = b.dense(op.ins[0])
+        ids, out = b.bufs[op.ins[1]], b.bufs[op.out]
+        return [
+            lambda: (
+                torch.index_select(table, 0, ids.long(), out=out)
+                if table.dtype == out.dtype
+                else out.copy_(table.index_select(0, ids.long()))
+            )
+        ]
+    if isinstance(spec, ArgMax):
+        x, out = ins[0], b.bufs[op.out]
+        return [lambda: misc.argmax(x, out)]
+    raise NotImplementedError(f"the cuda lane has no launch for {type(spec).__name__}")
+
+
+def _attention(op: Op, b: Bound) -> Launch:
+    _, _, _, attention, _ = _t()
+    spec: Attention = op.sym  # type: ignore[assignment]
+    q, kc, vc = (b.bufs[n] for n in op.ins[:3])
+    out, pos = b.bufs[op.out], b.bufs["pos"]
+    shape = dict(heads=spec.heads, kv_heads=spec.kv_heads, hd=spec.hd, scale=spec.scale)
+    if spec.rows == 1:
+        scratch = b.scratch.setdefault("attn", attention.decode_scratch(spec.heads, spec.hd, spec.len, q.device))
+        return lambda: attention.flash_decode(q, kc, vc, pos, out, scratch=scratch, **shape)
+    return lambda: attention.flash_prefill(q, kc, vc, pos, out, rows=spec.rows, **shape)
+
+
+# ---- native classes ---------------------------------------------------------------------------------------
+
+
+def _norm_weight(op: Op, b: Bound):
+    _, norm, *_ = _t()
+    n_op, w_op = [p for p in leaves(op) if isinstance(p.sym, RmsNorm | Elementwise)][-2:]
+    spec: RmsNorm = n_op.sym  # type: ignore[assignment]
+    x, w, out = b.bufs[n_op.ins[0]], b.vec[w_op.ins[1]], b.bufs[w_op.out]
+    return [lambda: norm.rms_norm(x.view(spec.rows, spec.cols), w, out.view(spec.rows, spec.cols), spec.eps)]
+
+
+def _add_norm(op: Op, b: Bound):
+    _, norm, *_ = _t()
+    add, n_op, w_op = leaves(op)[-3:]
+    spec: RmsNorm = n_op.sym  # type: ignore[assignment]
+    a, r, s = b.bufs[add.ins[0]], b.bufs[add.ins[1]], b.bufs[add.out]
+    w, out = b.vec[w_op.ins[1]], b.bufs[w_op.out]
+    rows = (spec.rows, spec.cols)
+    return [
+        lambda: norm.rms_norm(a.view(rows), w, out.view(rows), spec.eps, residual=r.view(rows), sum_out=s.view(rows))
+    ]
+
+
+def _embed_norm(op: Op, b: Bound):
+    _, norm, *_ = _t()
+    gather, n_op, w_op = leaves(op)
+    spec: RmsNorm = n_op.sym  # type: ignore[assignment]
+    table, fmt = b.raw[gather.ins[0]]
+    ids, rows_out = b.bufs[gather.ins[1]], b.bufs[gather.out]
+    w, out = b.vec[w_op.ins[1]], b.bufs[w_op.out]
+    return [lambda: norm.embed_norm(table, fmt, ids, w, rows_out, out, spec.eps)]
+
+
+def _rope_class(op: Op, b: Bound):
+    _, _, rope, *_ = _t()
+    found = leaves(op)
+    r_op = next(p for p in found if isinstance(p.sym, Rope))
+    spec: Rope = r_op.sym  # type: ignore[assignment]
+    n_op = next((p for p in found if isinstance(p.sym, RmsNorm)), None)
+    w_op = next((p for p in found if isinstance(p.sym, Elementwise)), None)
+    x = b.bufs[(n_op or r_op).ins[0]]
+    norm_w = b.vec[w_op.ins[1]] if w_op is not None else None
+    eps = n_op.sym.eps if n_op is not None else 0.0  # type: ignore[union-attr]
+    appended = op.dst.row is not None
+    out = b.bufs[op.dst.buf] if appended else b.bufs[r_op.out]
+    pitch = op.dst.row.pitch if appended else None  # type: ignore[union-attr]
+    pos = b.bufs["pos"]
+    args = dict(heads=spec.heads, hd=spec.hd, base=spec.base, norm_w=norm_w, eps=eps, cache_row_pitch=pitch)
+    return [lambda: rope.qk_norm_rope(x, out, pos, **args)]
+
+
+def _gemm_bias(op: Op, b: Bound):
+    mm, add = leaves(op)
+    return [_product(mm, b, bias=add.ins[1], dst=add)]
+
+
+def _row_write(op: Op, b: Bound):
+    found = leaves(op)
+    mm = found[0]
+    bias = found[1].ins[1] if len(found) == 3 else None
+    return [_product(mm, b, bias=bias, dst=found[-1])]
+
+
+def _gate_up(op: Op, b: Bound):
+    gemv, *_ = _t()
+    gate, up = (p for p in leaves(op) if isinstance(p.sym, Matmul))
+    spec: Matmul = gate.sym  # type: ignore[assignment]
+    if spec.m > kernels.GEMV_ROWS:
+        return None
+    x, out = b.bufs[gate.ins[0]], b.bufs[op.out]
+    (wg, fmt), (wu, _) = b.raw[gate.ins[1]], b.raw[up.ins[1]]
+    return [lambda: gemv.gemv_gate_up_glu(x, wg, wu, fmt, spec.n, spec.k, out)]
+
+
+def _merged(op: Op, b: Bound):
+    """Products of one activation in parts: one GEMV launch, then each part's epilogue launch (rotations)."""
+    gemv, *_ = _t()
+    members = op.sym.parts  # type: ignore[union-attr]
+    products, after = [], []
+    for m in members:
+        found = leaves(m)
+        mm = found[0]
+        spec: Matmul = mm.sym  # type: ignore[assignment]
+        if spec.m > kernels.GEMV_ROWS:
+            return None
+        cls = class_of(m)
+        bias = next((p.ins[1] for p in found if isinstance(p.sym, Elementwise) and p.ins[0] == mm.out), None)
+        landing = found[-1] if cls in (C.ROW_WRITE,) else (found[1] if bias else mm)
+        out, row = _rows_view(b, landing)
+        products.append((b.raw[mm.ins[1]][0], spec.n, out, b.vec[bias] if bias else None, row))
+        if cls is C.QKV_HEAD_EPILOGUE:
+            after.extend(bind(m.sym.parts[1], b))  # type: ignore[union-attr]
+    x, fmt, k = b.bufs[members[0].ins[0]], b.raw[leaves(members[0])[0].ins[1]][1], leaves(members[0])[0].sym.k
+    return [lambda: gemv.gemv_parts(x, fmt, k, products), *after]
+
+
+def _qkv_head(op: Op, b: Bound):
+    return None  # its product, then its rotation: the parts' launches
+
+
+def _norm_epilogue(op: Op, b: Bound):
+    """A projection with its residual add and norm: the GEMV adds the residual into the sum, then the norm."""
+    mm = op.sym.parts[0]  # type: ignore[union-attr]
+    add_norm = op.sym.parts[1]  # type: ignore[union-attr]
+    add, n_op, w_op = leaves(add_norm)
+    residual = add.ins[0] if add.ins[1] == mm.out else add.ins[1]
+    _, norm, *_ = _t()
+    spec: RmsNorm = n_op.sym  # type: ignore[assignment]
+    s, w, out = b.bufs[add.out], b.vec[w_op.ins[1]], b.bufs[w_op.out]
+    rows = (spec.rows, spec.cols)
+    return [
+        _product(mm, b, residual=residual, dst=add),
+        lambda: norm.rms_norm(s.view(rows), w, out.view(rows), spec.eps),
+    ]
+
+
+def _glu(op: Op, b: Bound):
+    *_, misc = _t()
+    act, mul = leaves(op)
+    g, u, out = b.bufs[act.ins[0]], b.bufs[mul.ins[1]], b.bufs[mul.out]
+    return [lambda: misc.glu_act_mul(g, u, out)]
+
+
+def _flash(op: Op, b: Bound):
+    return [_attention(leaves(op)[0], b)]
+
+
+NATIVE: dict[C, Callable[[Op, Bound], list[Launch] | None]] = {
+    C.NORM_WEIGHT: _norm_weight,
+    C.ADD_NORM: _add_norm,
+    C.EMBED_NORM: _embed_norm,
+    C.QK_NORM_ROPE: _rope_class,
+    C.QK_NORM_ROPE_KV_APPEND: _rope_class,
+    C.ROPE_KV_APPEND: _rope_class,
+    C.GEMM_BIAS: _gemm_bias,
+    C.ROW_WRITE: _row_write,
+    C.GEMV_GATE_UP_GLU: _gate_up,
+    C.MERGED_QKV: _merged,
+    C.QKV_HEAD_EPILOGUE: _qkv_head,
+    C.GEMV_NORM_EPILOGUE: _norm_epilogue,
+    C.GLU_ACT_MUL: _glu,
+    C.FLASH_DECODE: _flash,
+    C.FLASH_PREFILL: _flash,
+}
