@@ -78,9 +78,11 @@ def optimize(g: TensorGraph, shim: Shim, *, held: Sequence[str] = (), explain: b
     """Fuse `g` for the lane behind `shim`, holding back the rules named in `held`; `explain` also keeps why
     rules let go of the ops of their shape they did not fuse (`Plan.unmatched`)."""
     table = table_for(shim)
-    unknown = sorted(set(held) - {r.name for r in table})
+    # a lane may also hold choices of its own kernels by name (the cuda lane's `rows_a_warp`)
+    known = [r.name for r in table] + list(getattr(shim, "lane_holds", ()))
+    unknown = sorted(set(held) - set(known))
     if unknown:
-        raise FuselaneError(f"no rule named {unknown[0]} (rules: {', '.join(r.name for r in table)})")
+        raise FuselaneError(f"no rule named {unknown[0]} (rules: {', '.join(known)})")
     for op in g.ops:
         for cls, why in needs(op):
             support = shim.supports(cls)

@@ -132,6 +132,7 @@ class CudaShim:
 
     knobs: CudaKnobs = CudaKnobs()
     held: tuple[str, ...] = ()
+    lane_holds = (ROWS_A_WARP,)  # kernel choices `--hold` takes besides rules: every product a row a warp
 
     @property
     def name(self) -> str:

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# On a GPU host without network access: write the synthetic checkpoints of ANCHORS.md, run the GPU tests,
+# and benchmark the cuda lane on each shape, writing everything to the folder given.
+#
+#   benchmarks/gpu.sh OUT_DIR [SHAPE:MIX ...]
+#
+# Runs from the source tree (PYTHONPATH=src). Wheels of missing pure-Python packages may be put in .whl/
+# (gguf, jinja2, rich, pytest, hypothesis, ...): they are installed into a private folder first.
+set -uo pipefail
+out=${1:?usage: benchmarks/gpu.sh OUT_DIR [SHAPE:MIX ...]}
+shift
+mkdir -p "$out"
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fuselane-site .whl/*.whl
+  export PYTHONPATH=/tmp/fuselane-site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$root/src:$root:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+models=${FUSELANE_MODELS:-/tmp/fuselane-models}
+mkdir -p "$models"
+specs=("$@")
+[ ${#specs[@]} -gt 0 ] || specs=(qwen2.5-0.5b:q4_k_m_05b qwen3-0.6b:q8_0 qwen2.5-7b:q4_k_m qwen3-8b:q4_k_m)
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
+git rev-parse --short HEAD > "$out/commit.txt" 2>/dev/null || echo unknown > "$out/commit.txt"
+
+for spec in "${specs[@]}"; do
+  shape=${spec%%:*} mix=${spec##*:}
+  [ -f "$models/$shape.gguf" ] || python3 -m fuselane.gguf.synth "$models/$shape.gguf" --shape "$shape" --mix "$mix"
+done
+
+python3 -m pytest -q -m cuda tests 2>&1 | tee "$out/tests.log"
+
+for spec in "${specs[@]}"; do
+  shape=${spec%%:*}
+  python3 -m fuselane bench "$models/$shape.gguf" --lane cuda -p 512 -n 128 --depth 0 4096 --json \
+    > "$out/bench-$shape.json" 2> "$out/bench-$shape.err"
+  python3 -m fuselane explain "$models/$shape.gguf" --lane cuda > "$out/explain-$shape.txt" 2>&1
+done
+cat "$out"/bench-*.json

@@ -1,0 +1,376 @@
+"""RMS norms on the device: NormWeight, AddNorm (per row or per head) and EmbedNorm (gather, dequantize, norm).
+
+Every norm here is one launch with a block a row (a unit: a whole row, or one head of a row for the per-head
+norms of q and k). A block's threads come from `kernels.norm_threads`, the same fact the shim reads, so a
+fused op the optimizer builds is one these kernels run. A row that fits one tile (eight values a thread, the
+norm's two 16-byte loads) is held in registers between the sum of squares and the scaling; a wider one is
+read twice (the second pass hits L2), which keeps the block's registers bounded for any width.
+
+The arithmetic matches the cpu lane's parts: `s = x + residual`, `r = 1 / sqrt(mean(s^2) + eps)`,
+`out = (s * r) * w`, all in f32 whatever the input's storage.
+
+The embedding gather dequantizes its rows in the kernel from the checkpoint's own blocks, reading each
+field at the byte offset `formats.LAYOUTS` gives: the table stays in its quantized form on the device, and
+a token's row costs a few hundred bytes instead of a dequantized copy of the table. Fields are read a byte at
+a time and assembled, so a block of any byte size (34 for Q8_0, 210 for Q6_K) needs no alignment; a step
+gathers one row, so the extra loads cost nothing that matters.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselane.gguf.formats import LAYOUTS, Format, row_bytes
+from fuselane.lanes.cuda import kernels
+
+# Formats the gather decodes in its kernel, by ggml type number (constexpr so each compiles its own decoder).
+F32: tl.constexpr = tl.constexpr(int(Format.F32))
+F16: tl.constexpr = tl.constexpr(int(Format.F16))
+BF16: tl.constexpr = tl.constexpr(int(Format.BF16))
+Q8_0: tl.constexpr = tl.constexpr(int(Format.Q8_0))
+Q5_0: tl.constexpr = tl.constexpr(int(Format.Q5_0))
+Q4_K: tl.constexpr = tl.constexpr(int(Format.Q4_K))
+Q6_K: tl.constexpr = tl.constexpr(int(Format.Q6_K))
+GATHER_FORMATS = frozenset({Format.F32, Format.F16, Format.BF16, Format.Q8_0, Format.Q5_0, Format.Q4_K, Format.Q6_K})
+
+# Code offsets that make the formats' unsigned codes signed (ggml's): Q5_0 codes are 5 bits around 16,
+# Q6_K codes 6 bits around 32.
+Q5_0_ZERO: tl.constexpr = tl.constexpr(16)
+Q6_K_ZERO: tl.constexpr = tl.constexpr(32)
+
+
+class RowTile(NamedTuple):
+    """How a norm's block walks a row: `block` values a step, `chunks` steps, `warps` warps."""
+
+    block: int
+    chunks: int
+    warps: int
+
+
+def row_tile(cols: int) -> RowTile:
+    """The tile of a norm over `cols`-wide units: the block's threads from `kernels.norm_threads`, each taking
+    `kernels.NORM_VALUES_A_THREAD` values a step (no more than the row, rounded to a power of two)."""
+    threads = kernels.norm_threads(cols)
+    block = min(triton.next_power_of_2(cols), threads * kernels.NORM_VALUES_A_THREAD)
+    return RowTile(block, triton.cdiv(cols, block), threads // kernels.WARP)
+
+
+# --- plain and residual norms ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _sum_in(x_row, res_row, offs, cols, HAS_RES: tl.constexpr):
+    """One tile of the unit: x, plus the residual where there is one, in f32."""
+    mask = offs < cols
+    s = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        s += tl.load(res_row + offs, mask=mask, other=0.0).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    sum_ptr,
+    w_ptr,
+    out_ptr,
+    x_pitch,
+    res_pitch,
+    sum_pitch,
+    out_pitch,
+    cols,
+    eps,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):
+    # program (row, unit): a unit is `cols` values at unit * cols of the row (a head, or the whole row)
+    row = tl.program_id(0).to(tl.int64)
+    unit = tl.program_id(1) * cols
+    x_row = x_ptr + row * x_pitch + unit
+    res_row = res_ptr + row * res_pitch + unit
+    sum_row = sum_ptr + row * sum_pitch + unit
+    out_row = out_ptr + row * out_pitch + unit
+    offs = tl.arange(0, BLOCK)
+    if CHUNKS == 1:  # the row fits the block's registers: read it once
+        mask = offs < cols
+        s = _sum_in(x_row, res_row, offs, cols, HAS_RES)
+        if HAS_RES:
+            tl.store(sum_row + offs, s.to(sum_ptr.dtype.element_ty), mask=mask)
+        r = tl.rsqrt(tl.sum(s * s, axis=0) / cols + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_row + offs, (s * r * w).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        squares = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in tl.static_range(CHUNKS):
+            s = _sum_in(x_row, res_row, c * BLOCK + offs, cols, HAS_RES)
+            if HAS_RES:
+                tl.store(sum_row + c * BLOCK + offs, s.to(sum_ptr.dtype.element_ty), mask=c * BLOCK + offs < cols)
+            squares += s * s
+        r = tl.rsqrt(tl.sum(squares, axis=0) / cols + eps)
+        for c in tl.static_range(CHUNKS):
+            # the sum is recomputed from its operands rather than read back from sum_out: the same bits,
+            # and no read of a value another thread of the block may not have stored yet
+            mask = c * BLOCK + offs < cols
+            s = _sum_in(x_row, res_row, c * BLOCK + offs, cols, HAS_RES)
+            w = tl.load(w_ptr + c * BLOCK + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_row + c * BLOCK + offs, (s * r * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_of(t: torch.Tensor, cols: int, name: str) -> torch.Tensor:
+    """`t` as 2-D rows of whole `cols`-wide units, read in place (a view, never a copy)."""
+    if t.dim() != 2:
+        t = t.view(-1, t.shape[-1])
+    if t.stride(-1) != 1 or t.shape[1] % cols:
+        raise ValueError(f"{name}: rows of unit-stride values, whole units of {cols}; got {tuple(t.shape)}")
+    return t
+
+
+def rms_norm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    eps: float,
+    *,
+    residual: torch.Tensor | None = None,
+    sum_out: torch.Tensor | None = None,
+) -> None:
+    """out = s / sqrt(mean(s^2) + eps) * w over each `w.numel()`-wide unit of each row, where s = x + residual
+    (written to `sum_out`, the AddNorm form) or s = x (NormWeight).
+
+    `x` (rows, units * cols) with unit-stride rows at any pitch (a part of a wider tensor is read in place);
+    a unit narrower than the row is a head (the per-head norm of q or k, `x` viewed as (rows * heads, hd)).
+    One launch, a block a unit.
+    """
+    cols = w.numel()
+    if (residual is None) != (sum_out is None):
+        raise ValueError("rms_norm: a residual needs sum_out to write the sum to, and sum_out needs a residual")
+    x2 = _rows_of(x, cols, "x")
+    out2 = _rows_of(out, cols, "out")
+    res2 = _rows_of(residual, cols, "residual") if residual is not None else x2
+    sum2 = _rows_of(sum_out, cols, "sum_out") if sum_out is not None else out2
+    rows, units = x2.shape[0], x2.shape[1] // cols
+    tile = row_tile(cols)
+    _rms_norm_kernel[(rows, units)](
+        x2,
+        res2,
+        sum2,
+        w,
+        out2,
+        x2.stride(0),
+        res2.stride(0),
+        sum2.stride(0),
+        out2.stride(0),
+        cols,
+        float(eps),
+        HAS_RES=residual is not None,
+        BLOCK=tile.block,
+        CHUNKS=tile.chunks,
+        num_warps=tile.warps,
+    )
+
+
+# --- the embedding gather --------------------------------------------------------------------------------
+
+
+@triton.jit
+def _byte(p, mask):
+    return tl.load(p, mask=mask, other=0).to(tl.uint32)
+
+
+@triton.jit
+def _f16_at(p, mask):
+    """The little-endian f16 at byte address p, as f32."""
+    bits = _byte(p, mask) | (_byte(p + 1, mask) << 8)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _i8_at(p, mask):
+    return tl.load(p, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _decode(
+    row,
+    j,
+    mask,
+    FMT: tl.constexpr,
+    VALUES: tl.constexpr,
+    NBYTES: tl.constexpr,
+    OFF_D: tl.constexpr,
+    OFF_DMIN: tl.constexpr,
+    OFF_SCALES: tl.constexpr,
+    OFF_QS: tl.constexpr,
+    OFF_QH: tl.constexpr,
+):
+    """Values j of a checkpoint row at byte address `row`, as f32, exactly as `dequant` decodes them (each
+    product of a scale and a code is exact in f32, so only a minimum's subtraction rounds, as it does there)."""
+    blk = row + (j // VALUES) * NBYTES
+    t = j % VALUES
+    if FMT == F32:
+        bits = _byte(row + 4 * j, mask)
+        bits |= _byte(row + 4 * j + 1, mask) << 8
+        bits |= _byte(row + 4 * j + 2, mask) << 16
+        bits |= _byte(row + 4 * j + 3, mask) << 24
+        v = bits.to(tl.float32, bitcast=True)
+    elif FMT == F16:
+        v = _f16_at(row + 2 * j, mask)
+    elif FMT == BF16:
+        bits = (_byte(row + 2 * j, mask) | (_byte(row + 2 * j + 1, mask) << 8)) << 16
+        v = bits.to(tl.float32, bitcast=True)
+    elif FMT == Q8_0:
+        v = _i8_at(blk + OFF_QS + t, mask) * _f16_at(blk + OFF_D, mask)
+    elif FMT == Q5_0:
+        # value t: its low four bits are nibble (t // 16) of qs[t % 16]; its fifth is bit t of qh (a u32)
+        nib = (_byte(blk + OFF_QS + t % 16, mask) >> ((t // 16) * 4)) & 0xF
+        high = (_byte(blk + OFF_QH + t // 8, mask) >> (t % 8)) & 1
+        code = (nib | (high << 4)).to(tl.int32) - Q5_0_ZERO
+        v = code.to(tl.float32) * _f16_at(blk + OFF_D, mask)
+    elif FMT == Q4_K:
+        # eight sub-blocks of 32; sub-block sb's codes are nibble (sb % 2) of qs[(t // 64) * 32 + t % 32];
+        # its 6-bit scale and min: sb < 4 the low six bits of scales[sb] and scales[sb + 4]; sb >= 4 a nibble
+        # of scales[sb + 4] under the top two bits of scales[sb - 4] and scales[sb]
+        sb = t // 32
+        nib = (_byte(blk + OFF_QS + (t // 64) * 32 + t % 32, mask) >> ((sb % 2) * 4)) & 0xF
+        a = _byte(blk + OFF_SCALES + sb % 4, mask)
+        b = _byte(blk + OFF_SCALES + sb % 4 + 4, mask)
+        c = _byte(blk + OFF_SCALES + sb % 4 + 8, mask)
+        low = sb < 4
+        sc = tl.where(low, a & 0x3F, (c & 0xF) | ((a >> 6) << 4))
+        mn = tl.where(low, b & 0x3F, (c >> 4) | ((b >> 6) << 4))
+        d = _f16_at(blk + OFF_D, mask) * sc.to(tl.float32)
+        dmin = _f16_at(blk + OFF_DMIN, mask) * mn.to(tl.float32)
+        v = d * nib.to(tl.float32) - dmin
+    else:
+        tl.static_assert(FMT == Q6_K, "the gather decodes F32, F16, BF16, Q8_0, Q5_0, Q4_K and Q6_K rows")
+        # two halves of 128: value r of half h takes nibble (r // 64) of ql[h * 64 + r % 64] and, above it,
+        # bits 2 * (r // 32) of qh[h * 32 + r % 32]; a signed 8-bit scale a sub-block of 16
+        h = t // 128
+        r = t % 128
+        nib = (_byte(blk + OFF_QS + h * 64 + r % 64, mask) >> ((r // 64) * 4)) & 0xF
+        top = (_byte(blk + OFF_QH + h * 32 + r % 32, mask) >> ((r // 32) * 2)) & 0x3
+        code = (nib | (top << 4)).to(tl.int32) - Q6_K_ZERO
+        d = _f16_at(blk + OFF_D, mask) * _i8_at(blk + OFF_SCALES + t // 16, mask)
+        v = d * code.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _embed_norm_kernel(
+    table_ptr,
+    ids_ptr,
+    w_ptr,
+    rows_ptr,
+    out_ptr,
+    rows_pitch,
+    out_pitch,
+    cols,
+    eps,
+    ROW_BYTES: tl.constexpr,
+    FMT: tl.constexpr,
+    VALUES: tl.constexpr,
+    NBYTES: tl.constexpr,
+    OFF_D: tl.constexpr,
+    OFF_DMIN: tl.constexpr,
+    OFF_SCALES: tl.constexpr,
+    OFF_QS: tl.constexpr,
+    OFF_QH: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    # int64: a table's bytes pass 2^31 (152k rows of 5120 f16 values are 1.5 GiB)
+    row = table_ptr + tl.load(ids_ptr + i).to(tl.int64) * ROW_BYTES
+    rows_row = rows_ptr + i * rows_pitch
+    out_row = out_ptr + i * out_pitch
+    offs = tl.arange(0, BLOCK)
+    if CHUNKS == 1:  # the row fits the block's registers: decode it once
+        mask = offs < cols
+        v = _decode(row, offs, mask, FMT, VALUES, NBYTES, OFF_D, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH)
+        v = tl.where(mask, v, 0.0)
+        tl.store(rows_row + offs, v.to(rows_ptr.dtype.element_ty), mask=mask)
+        r = tl.rsqrt(tl.sum(v * v, axis=0) / cols + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_row + offs, (v * r * w).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        squares = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in tl.static_range(CHUNKS):
+            j = c * BLOCK + offs
+            mask = j < cols
+            v = _decode(row, j, mask, FMT, VALUES, NBYTES, OFF_D, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH)
+            v = tl.where(mask, v, 0.0)
+            tl.store(rows_row + j, v.to(rows_ptr.dtype.element_ty), mask=mask)
+            squares += v * v
+        r = tl.rsqrt(tl.sum(squares, axis=0) / cols + eps)
+        for c in tl.static_range(CHUNKS):
+            # decode again rather than read rows_out back: the same bits, the table's row is in L2 from the
+            # first pass, and no read of a value another thread of the block may not have stored yet
+            j = c * BLOCK + offs
+            mask = j < cols
+            v = _decode(row, j, mask, FMT, VALUES, NBYTES, OFF_D, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH)
+            w = tl.load(w_ptr + j, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_row + j, (v * r * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _offset(fmt: Format, name: str) -> int:
+    lay = LAYOUTS[fmt]
+    return next((f.offset for f in lay.fields if f.name == name), 0)
+
+
+def embed_norm(
+    table_raw: torch.Tensor,
+    fmt: Format,
+    ids: torch.Tensor,
+    w: torch.Tensor,
+    rows_out: torch.Tensor,
+    out: torch.Tensor,
+    eps: float,
+) -> None:
+    """EmbedNorm: rows_out[i] = table[ids[i]] (dequantized in the kernel from the checkpoint's blocks) and
+    out[i] = rows_out[i] / sqrt(mean(rows_out[i]^2) + eps) * w, one launch, a block a row.
+
+    `table_raw` is the table's bytes on the device (uint8, 1-D or (vocab, row bytes)); `fmt` one of
+    F32, F16, BF16, Q8_0, Q5_0, Q4_K, Q6_K; `ids` int32 (rows,) on the device (a captured graph reads the
+    step's token from it); `rows_out` and `out` (rows, w.numel()).
+    """
+    fmt = Format(fmt)
+    if fmt not in GATHER_FORMATS:
+        names = ", ".join(sorted(f.name for f in GATHER_FORMATS))
+        raise ValueError(f"embed_norm decodes {names} rows, not {fmt.name}")
+    if table_raw.dtype != torch.uint8:
+        raise ValueError(f"embed_norm reads the table's bytes (uint8), not {table_raw.dtype}")
+    cols = w.numel()
+    rows = ids.numel()
+    lay = LAYOUTS[fmt]
+    # the 32- and 256-value formats name their code field qs (Q6_K: ql), their scales d / scales
+    qs = "ql" if fmt is Format.Q6_K else "qs"
+    tile = row_tile(cols)
+    _embed_norm_kernel[(rows,)](
+        table_raw,
+        ids,
+        w,
+        rows_out,
+        out,
+        rows_out.stride(0),
+        out.stride(0),
+        cols,
+        float(eps),
+        ROW_BYTES=row_bytes(fmt, cols),
+        FMT=int(fmt),
+        VALUES=lay.values,
+        NBYTES=lay.nbytes,
+        OFF_D=_offset(fmt, "d"),
+        OFF_DMIN=_offset(fmt, "dmin"),
+        OFF_SCALES=_offset(fmt, "scales"),
+        OFF_QS=_offset(fmt, qs),
+        OFF_QH=_offset(fmt, "qh"),
+        BLOCK=tile.block,
+        CHUNKS=tile.chunks,
+        num_warps=tile.warps,
+    )
