@@ -9,7 +9,10 @@ than the GEMV takes (prefill chunks) multiply a dequantized f16 copy of the matr
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -45,19 +48,19 @@ class CudaLane:
             import torch
         except ImportError:
             raise FuselaneError("the cuda lane needs torch with CUDA: pip install 'fuselane[cuda]'") from None
-        if not torch.cuda.is_available():
+        # Under Triton's interpreter the lane runs its kernels on the host: how CI checks every launch of a plan
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        if not interpreted and not torch.cuda.is_available():
             raise FuselaneError("the cuda lane needs an NVIDIA GPU, and torch sees none")
-        self.torch, self.device = torch, torch.device("cuda")
+        self.torch, self.device = torch, torch.device("cpu" if interpreted else "cuda")
+        graphs = graphs and not interpreted
         self.cfg, self.tensors, self.ctx = cfg, tensors, ctx
-        props = torch.cuda.get_device_properties(self.device)
         knobs = knobs or CudaKnobs()
-        # chip facts read from the device, not assumed
-        from dataclasses import replace
-
-        smem = getattr(props, "shared_memory_per_block_optin", 0) // 1024 or knobs.chip.smem_kib_per_block
-        knobs = replace(
-            knobs, chip=replace(knobs.chip, name=props.name, sms=props.multi_processor_count, smem_kib_per_block=smem)
-        )
+        if not interpreted:  # chip facts read from the device, not assumed
+            props = torch.cuda.get_device_properties(self.device)
+            smem = getattr(props, "shared_memory_per_block_optin", 0) // 1024 or knobs.chip.smem_kib_per_block
+            chip = replace(knobs.chip, name=props.name, sms=props.multi_processor_count, smem_kib_per_block=smem)
+            knobs = replace(knobs, chip=chip)
         self.shim = CudaShim(knobs, held=held)
         self.held, self.use_graphs = held, graphs
         self.cache_dtype = torch.float16 if knobs.cache_precision is CachePrecision.F16 else torch.float32
@@ -77,7 +80,10 @@ class CudaLane:
                 values = dequantize(t.data, t.format, t.shape, dtype=np.float32)
                 self.vec[name] = torch.from_numpy(values).to(self.device)
             else:
-                self.raw[name] = (torch.from_numpy(np.asarray(t.data)).to(self.device), t.format)
+                with warnings.catch_warnings():  # the mapped file is read-only; the kernels only read weights
+                    warnings.simplefilter("ignore", UserWarning)
+                    raw = torch.from_numpy(np.asarray(t.data))
+                self.raw[name] = (raw.to(self.device), t.format)
 
     def dense(self, name: str) -> Any:
         """A matrix dequantized to f16 on the device, for products past the GEMV's rows (made once)."""
@@ -118,7 +124,7 @@ class CudaLane:
             raise ValueError(f"positions up to {pos + len(ids)} exceed the cache of {self.ctx}")
         step = self.step(len(ids), all_logits=all_logits)
         step.run(ids, pos)
-        return step.logits().float().cpu().numpy()
+        return step.logits().float().cpu().numpy().copy()  # the buffer is rewritten by the next step
 
     def launches_per_token(self) -> int:
         return self.step(1).launches

@@ -157,7 +157,8 @@ def _prim(op: Op, b: Bound) -> list[Launch]:
         ]
     if isinstance(spec, ArgMax):
         x, out = ins[0], b.bufs[op.out]
-        return [lambda: misc.argmax(x, out)]
+        scratch = misc.argmax_scratch(spec.rows, spec.cols, x.device)  # so a long row is read by many blocks
+        return [lambda: misc.argmax(x, out, scratch=scratch)]
     raise NotImplementedError(f"the cuda lane has no launch for {type(spec).__name__}")
 
 
@@ -265,8 +266,8 @@ def _merged(op: Op, b: Bound):
         products.append((b.raw[mm.ins[1]][0], spec.n, out, b.vec[bias] if bias else None, row))
         if cls is C.QKV_HEAD_EPILOGUE:
             after.extend(bind(m.sym.parts[1], b))  # type: ignore[union-attr]
-    x, fmt, k = b.bufs[members[0].ins[0]], b.raw[leaves(members[0])[0].ins[1]][1], leaves(members[0])[0].sym.k
-    return [lambda: gemv.gemv_parts(x, fmt, k, products), *after]
+    x, fmt = b.bufs[members[0].ins[0]], b.raw[leaves(members[0])[0].ins[1]][1]
+    return [lambda: gemv.gemv_parts(x, products, fmt), *after]
 
 
 def _qkv_head(op: Op, b: Bound):

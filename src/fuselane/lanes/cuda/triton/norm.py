@@ -86,6 +86,7 @@ def _rms_norm_kernel(
     cols,
     eps,
     HAS_RES: tl.constexpr,
+    HAS_W: tl.constexpr,
     BLOCK: tl.constexpr,
     CHUNKS: tl.constexpr,
 ):
@@ -103,8 +104,10 @@ def _rms_norm_kernel(
         if HAS_RES:
             tl.store(sum_row + offs, s.to(sum_ptr.dtype.element_ty), mask=mask)
         r = tl.rsqrt(tl.sum(s * s, axis=0) / cols + eps)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_row + offs, (s * r * w).to(out_ptr.dtype.element_ty), mask=mask)
+        y = s * r
+        if HAS_W:
+            y = y * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         squares = tl.zeros([BLOCK], dtype=tl.float32)
         for c in tl.static_range(CHUNKS):
@@ -113,13 +116,19 @@ def _rms_norm_kernel(
                 tl.store(sum_row + c * BLOCK + offs, s.to(sum_ptr.dtype.element_ty), mask=c * BLOCK + offs < cols)
             squares += s * s
         r = tl.rsqrt(tl.sum(squares, axis=0) / cols + eps)
+        if HAS_RES:
+            # the second pass reads the sum back from sum_out, which may be the residual's own buffer (the
+            # residual stream updated in place); the barrier makes every thread's first-pass stores visible
+            tl.debug_barrier()
         for c in tl.static_range(CHUNKS):
-            # the sum is recomputed from its operands rather than read back from sum_out: the same bits,
-            # and no read of a value another thread of the block may not have stored yet
             mask = c * BLOCK + offs < cols
-            s = _sum_in(x_row, res_row, c * BLOCK + offs, cols, HAS_RES)
-            w = tl.load(w_ptr + c * BLOCK + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_row + c * BLOCK + offs, (s * r * w).to(out_ptr.dtype.element_ty), mask=mask)
+            if HAS_RES:
+                y = tl.load(sum_row + c * BLOCK + offs, mask=mask, other=0.0).to(tl.float32) * r
+            else:
+                y = tl.load(x_row + c * BLOCK + offs, mask=mask, other=0.0).to(tl.float32) * r
+            if HAS_W:
+                y = y * tl.load(w_ptr + c * BLOCK + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_row + c * BLOCK + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows_of(t: torch.Tensor, cols: int, name: str) -> torch.Tensor:
@@ -129,6 +138,43 @@ def _rows_of(t: torch.Tensor, cols: int, name: str) -> torch.Tensor:
     if t.stride(-1) != 1 or t.shape[1] % cols:
         raise ValueError(f"{name}: rows of unit-stride values, whole units of {cols}; got {tuple(t.shape)}")
     return t
+
+
+def _launch_norm(
+    x: torch.Tensor,
+    w: torch.Tensor | None,
+    out: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    sum_out: torch.Tensor | None,
+    cols: int,
+) -> None:
+    if (residual is None) != (sum_out is None):
+        raise ValueError("rms_norm: a residual needs sum_out to write the sum to, and sum_out needs a residual")
+    x2 = _rows_of(x, cols, "x")
+    out2 = _rows_of(out, cols, "out")
+    res2 = _rows_of(residual, cols, "residual") if residual is not None else x2
+    sum2 = _rows_of(sum_out, cols, "sum_out") if sum_out is not None else out2
+    rows, units = x2.shape[0], x2.shape[1] // cols
+    tile = row_tile(cols)
+    _rms_norm_kernel[(rows, units)](
+        x2,
+        res2,
+        sum2,
+        w if w is not None else x2,
+        out2,
+        x2.stride(0),
+        res2.stride(0),
+        sum2.stride(0),
+        out2.stride(0),
+        cols,
+        float(eps),
+        HAS_RES=residual is not None,
+        HAS_W=w is not None,
+        BLOCK=tile.block,
+        CHUNKS=tile.chunks,
+        num_warps=tile.warps,
+    )
 
 
 def rms_norm(
@@ -147,32 +193,13 @@ def rms_norm(
     a unit narrower than the row is a head (the per-head norm of q or k, `x` viewed as (rows * heads, hd)).
     One launch, a block a unit.
     """
-    cols = w.numel()
-    if (residual is None) != (sum_out is None):
-        raise ValueError("rms_norm: a residual needs sum_out to write the sum to, and sum_out needs a residual")
-    x2 = _rows_of(x, cols, "x")
-    out2 = _rows_of(out, cols, "out")
-    res2 = _rows_of(residual, cols, "residual") if residual is not None else x2
-    sum2 = _rows_of(sum_out, cols, "sum_out") if sum_out is not None else out2
-    rows, units = x2.shape[0], x2.shape[1] // cols
-    tile = row_tile(cols)
-    _rms_norm_kernel[(rows, units)](
-        x2,
-        res2,
-        sum2,
-        w,
-        out2,
-        x2.stride(0),
-        res2.stride(0),
-        sum2.stride(0),
-        out2.stride(0),
-        cols,
-        float(eps),
-        HAS_RES=residual is not None,
-        BLOCK=tile.block,
-        CHUNKS=tile.chunks,
-        num_warps=tile.warps,
-    )
+    _launch_norm(x, w, out, eps, residual, sum_out, w.numel())
+
+
+def rms_norm_plain(x: torch.Tensor, out: torch.Tensor, eps: float, *, cols: int | None = None) -> None:
+    """The bare RmsNorm primitive (no weight): out = x / sqrt(mean(x^2) + eps) over each `cols`-wide unit
+    (the whole row by default), as a plan with the norm_weight rule held runs it."""
+    _launch_norm(x, None, out, eps, None, None, cols if cols is not None else x.shape[-1])
 
 
 # --- the embedding gather --------------------------------------------------------------------------------

@@ -1,0 +1,501 @@
+"""Causal grouped-query attention on the device: FlashDecode (one query row) and FlashPrefill (a chunk's rows).
+
+Both read the KV cache (f16 or f32, one row of kv_heads * hd values a position, any row pitch) up to the
+rows the position in the 1-element int32 device tensor `pos` reaches, so a captured CUDA graph replays at a
+new position with no re-capture: every loop bound, every split's share of the span, is computed in the
+kernel from `pos`.
+
+FlashDecode. The span (cache rows 0..pos) is cut into `splits` chunks; a block takes a chunk for the query
+heads of one key/value group (`kernels.attn_heads_per_block` of them: the key/value tile is read once for
+all of them), running the online softmax over tiles of `tile_rows` cached rows on the CUDA cores (a decode
+step's dots are one row each; the shim refuses packing heads into tensor-core rows). Each block writes its
+partial (running max, sum of weights, unnormalized weighted values) to scratch; the last block of a head
+group to finish (an atomic counter a group, re-armed by that block for the next launch) merges the partials
+with the log-sum-exp combine and writes the output. One launch. The number of splits is fixed when the plan
+is built (`decode_plan`: `kernels.attn_splits` at the cache's length, where `shim.chunks_apart` says the head
+blocks alone leave the chip idle); at a short span only the first chunks hold rows (a chunk is never under
+`min_chunk` rows) and the rest write an empty partial.
+
+FlashPrefill. Query rows are packed with their group's heads (row-major over (row, head of the group)) into
+tiles of `block_m`, so a tile of keys and values serves every head of its group; scores and the weighted sum
+are `tl.dot`s (tensor cores on the GPU). The operands are f16 when the query is f16 (the int8 numerics'
+f16 tensor cores: keys, values and weights rounded to f16 in the kernel) and f32 otherwise, multiplied as
+3xTF32 on the tensor cores (`F32_DOT_PRECISION`: within a few 2^-20 of f32 a product, where plain TF32 would
+round to 2^-11; the dequantized numerics keep attention in f32). Key tiles wholly below a tile's first row's
+position run unmasked; only those crossing the diagonal apply the causal mask.
+
+Softmax weights are computed as 2^(s * scale * log2 e - max): the scale folds into one multiply.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.knobs import H200, Chip
+from fuselane.lanes.cuda.shim import chunks_apart
+
+LOG2E = math.log2(math.e)
+
+# A decode block's register tile: half a staged tile of cached rows, at 16 f32 values of the key tile and 16
+# of the value tile a thread (eight warps at hd 128). Compiled for sm_90 a block then takes 121-128
+# registers a thread for groups of up to four heads (175 at seven, 199 at eight), so two blocks fit a SM's
+# 64k registers, the `kernels.ATTN_WAVES` the splits are sized for; a whole 64-row tile took 183 at four.
+DECODE_TILE_ROWS = kernels.ATTN_TILE_ROWS // 2
+DECODE_VALUES_A_THREAD = 16
+# Tiles of the cache a decode loop keeps in flight.
+DECODE_STAGES = 3
+
+# Prefill tiles, by operand type, as compiled for sm_90 without spilling (f16) or nearly (f32):
+# - f16: 64 query rows (a warpgroup MMA's M: four warps) by 64 keys, two stages: 168 registers, the next
+#   key/value tile copied in (cp.async) while this one multiplies (wgmma);
+# - f32: 64 by 32 keys, at 3xTF32 (below): three tensor-core passes hold each operand twice, and 64 keys spill.
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_N_F16 = kernels.ATTN_TILE_ROWS
+PREFILL_BLOCK_N_F32 = kernels.ATTN_TILE_ROWS // 2
+PREFILL_WARPS = 4
+PREFILL_STAGES = 2
+# f32 operands multiply as 3xTF32: each operand split into a TF32 head and a TF32 tail, three tensor-core
+# products, each product within 3 * 2^-20 of its value (f32's own rounding is 2^-24, plain TF32's 2^-11).
+# "ieee" (FMA dots on the CUDA cores) is exact f32 but spills kilobytes a thread at every tile tried.
+F32_DOT_PRECISION = "tf32x3"
+F32_PRECISION: tl.constexpr = tl.constexpr(F32_DOT_PRECISION)
+# tl.dot's smallest side.
+DOT_MIN = 16
+
+
+def interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1).
+
+    Triton 3.6's interpreter runs `for i in range(lo, hi, step)` as Python's range, taking int() of the
+    bounds' 1-element arrays, which NumPy 2 refuses. Interpreted, a loop whose bounds come from device memory
+    (the position) runs as a while loop over the same tiles in the same order; compiled, it stays a for
+    loop, which Triton's pipeliner overlaps with the loads of the next tile.
+    """
+    return bool(triton.knobs.runtime.interpret)
+
+
+class DecodePlan(NamedTuple):
+    """A decode attention's launch: query heads a block, head blocks, and chunks of the span."""
+
+    heads_per_block: int
+    head_blocks: int
+    splits: int
+
+
+def decode_plan(
+    heads: int, kv_heads: int, hd: int, cache_len: int, *, chip: Chip = H200, splits: int | None = None
+) -> DecodePlan:
+    """The launch of a decode attention over a cache of `cache_len` rows on `chip`: heads a block from
+    `kernels.attn_heads_per_block`, splits from `kernels.attn_splits` where `shim.chunks_apart` says so
+    (or `splits` where given)."""
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not share {kv_heads} key/value heads evenly")
+    group = heads // kv_heads
+    per_block = kernels.attn_heads_per_block(
+        group, hd, hd, cache_len, chip.smem_bytes_per_block, kernels.ACCUMULATOR_BYTES
+    )
+    if per_block is None:
+        raise ValueError(f"a head of {hd} values does not fit one attention block's shared memory on {chip.name}")
+    head_blocks = heads // per_block
+    if splits is None:
+        splits = kernels.attn_splits(head_blocks, cache_len, chip.sms)
+        if not chunks_apart(splits, 1, head_blocks, chip.sms):
+            splits = 1
+    return DecodePlan(per_block, head_blocks, max(1, splits))
+
+
+def decode_scratch_size(plan: DecodePlan, heads: int, hd: int) -> int:
+    """f32 values of a decode attention's scratch: each head's partial a split (hd weighted values, a max,
+    a sum), then a counter a head block."""
+    return heads * plan.splits * (hd + 2) + plan.head_blocks
+
+
+def decode_scratch(
+    heads: int, hd: int, cache_len: int, device: torch.device | str, *, chip: Chip = H200, splits: int | None = None
+) -> torch.Tensor:
+    """A decode attention's scratch, allocated once with the plan and kept (its counters start at zero; the
+    kernel leaves them at zero). Sized for any grouping of `heads`: the most splits `kernels.attn_splits`
+    gives (at one head block) and a counter a head; pass `splits` where the launch names its own."""
+    most = splits or kernels.attn_splits(1, cache_len, chip.sms)
+    return torch.zeros(heads * most * (hd + 2) + heads, dtype=torch.float32, device=device)
+
+
+@triton.jit
+def _decode_tile(
+    q_ptr, k_ptr, v_ptr, run_max, run_sum, acc, start, hi, h0, kvh, k_pitch, v_pitch, scale_log2e,
+    HB: tl.constexpr, HB_P2: tl.constexpr, HD: tl.constexpr, HD_P2: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    """One tile of cached rows from `start` (rows below `hi`) into the running softmax of the block's heads."""
+    d = tl.arange(0, HD_P2)
+    dmask = d < HD
+    g = tl.arange(0, HB_P2)
+    r = start + tl.arange(0, TILE)
+    rmask = r < hi
+    kv_mask = rmask[:, None] & dmask[None, :]
+    k = tl.load(k_ptr + r[:, None] * k_pitch + kvh * HD + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + r[:, None] * v_pitch + kvh * HD + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    # the tile serves every head of the block: one head's dots at a time, its running state a row of the
+    # block's (a query row reloads from L1; keeping HB of them live would cost HB * HD registers)
+    for j in tl.static_range(HB):
+        q = tl.load(q_ptr + (h0 + j) * HD + d, mask=dmask, other=0.0).to(tl.float32)
+        s = tl.sum(k * q[None, :], axis=1) * scale_log2e
+        s = tl.where(rmask, s, float("-inf"))
+        mine = g == j
+        old_max = tl.max(tl.where(mine, run_max, float("-inf")), axis=0)
+        new_max = tl.maximum(old_max, tl.max(s, axis=0))
+        alpha = tl.exp2(old_max - new_max)  # 0 on the first tile, where old_max is -inf
+        p = tl.exp2(s - new_max)
+        new_sum = tl.sum(tl.where(mine, run_sum, 0.0), axis=0) * alpha + tl.sum(p, axis=0)
+        pv = tl.sum(p[:, None] * v, axis=0)
+        acc = tl.where(mine[:, None], acc * alpha + pv[None, :], acc)
+        run_max = tl.where(mine, new_max, run_max)
+        run_sum = tl.where(mine, new_sum, run_sum)
+    return run_max, run_sum, acc
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    out_ptr,
+    acc_ptr,
+    max_ptr,
+    sum_ptr,
+    count_ptr,
+    k_pitch,
+    v_pitch,
+    scale_log2e,
+    GROUP: tl.constexpr,
+    HB: tl.constexpr,
+    HB_P2: tl.constexpr,
+    HD: tl.constexpr,
+    HD_P2: tl.constexpr,
+    TILE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    hb = tl.program_id(0)
+    split = tl.program_id(1)
+    h0 = hb * HB
+    kvh = h0 // GROUP
+    # this split's share of the span 0..pos: equal shares of whole tiles, none under MIN_CHUNK rows
+    span = tl.load(pos_ptr) + 1
+    chunk = tl.cdiv(tl.maximum(tl.cdiv(span, SPLITS), MIN_CHUNK), TILE) * TILE
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, span)
+
+    d = tl.arange(0, HD_P2)
+    dmask = d < HD
+    g = tl.arange(0, HB_P2)
+    run_max = tl.full([HB_P2], float("-inf"), tl.float32)
+    run_sum = tl.zeros([HB_P2], tl.float32)
+    acc = tl.zeros([HB_P2, HD_P2], tl.float32)
+    if INTERPRETED:  # the same tiles in the same order (see INTERPRETED)
+        start = lo
+        while start < hi:
+            run_max, run_sum, acc = _decode_tile(
+                q_ptr, k_ptr, v_ptr, run_max, run_sum, acc, start, hi, h0, kvh, k_pitch, v_pitch, scale_log2e,
+                HB, HB_P2, HD, HD_P2, TILE,
+            )  # fmt: skip
+            start += TILE
+    else:
+        for start in range(lo, hi, TILE):
+            run_max, run_sum, acc = _decode_tile(
+                q_ptr, k_ptr, v_ptr, run_max, run_sum, acc, start, hi, h0, kvh, k_pitch, v_pitch, scale_log2e,
+                HB, HB_P2, HD, HD_P2, TILE,
+            )  # fmt: skip
+
+    heads_mask = g < HB
+    out_offs = (h0 + g)[:, None] * HD + d[None, :]
+    out_mask = heads_mask[:, None] & dmask[None, :]
+    if SPLITS == 1:
+        tl.store(out_ptr + out_offs, acc / run_sum[:, None], mask=out_mask)
+    else:
+        part = (h0 + g) * SPLITS + split
+        tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=out_mask)
+        tl.store(max_ptr + part, run_max, mask=heads_mask)
+        tl.store(sum_ptr + part, run_sum, mask=heads_mask)
+        # every thread's partial is stored before one thread's release: the block's barrier, then the
+        # counter's acq_rel atomic (CUTLASS's semaphore pattern); the last block's acquire sees them all
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + hb, 1, sem="acq_rel", scope="gpu")
+        if done == SPLITS - 1:
+            first = (h0 + g) * SPLITS
+            # partials are other SMs' writes: read them from L2 (.cg), past this SM's L1
+            top = tl.full([HB_P2], float("-inf"), tl.float32)
+            for s_ in range(SPLITS):
+                m_s = tl.load(max_ptr + first + s_, mask=heads_mask, other=0.0, cache_modifier=".cg")
+                top = tl.maximum(top, m_s)
+            total = tl.zeros([HB_P2], tl.float32)
+            merged = tl.zeros([HB_P2, HD_P2], tl.float32)
+            for s_ in range(SPLITS):
+                m_s = tl.load(max_ptr + first + s_, mask=heads_mask, other=0.0, cache_modifier=".cg")
+                l_s = tl.load(sum_ptr + first + s_, mask=heads_mask, other=1.0, cache_modifier=".cg")
+                a_s = tl.load(
+                    acc_ptr + (first + s_)[:, None] * HD + d[None, :], mask=out_mask, other=0.0, cache_modifier=".cg"
+                )
+                w = tl.exp2(m_s - top)  # 0 for an empty chunk's -inf max: the first chunk is never empty
+                total += w * l_s
+                merged += w[:, None] * a_s
+            tl.store(out_ptr + out_offs, merged / total[:, None], mask=out_mask)
+            tl.atomic_xchg(count_ptr + hb, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
+
+
+def _cache_pitch(cache: torch.Tensor, kv_heads: int, hd: int, name: str) -> int:
+    if cache.dim() != 2 or cache.stride(1) != 1 or cache.shape[1] < kv_heads * hd:
+        raise ValueError(f"{name}: a 2-D cache of unit-stride rows of at least {kv_heads * hd} values")
+    return cache.stride(0)
+
+
+def flash_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    heads: int,
+    kv_heads: int,
+    hd: int,
+    scale: float,
+    scratch: torch.Tensor | None,
+    splits: int | None = None,
+    chip: Chip = H200,
+    tile_rows: int = DECODE_TILE_ROWS,
+    min_chunk: int = kernels.ATTN_MIN_CHUNK,
+) -> None:
+    """FlashDecode: out (1, heads * hd) f32 = causal GQA of the one query row `q` (1, heads * hd) at position
+    pos[0] over cache rows 0..pos[0]; query head h reads key/value head h // (heads // kv_heads).
+
+    One launch of (head blocks, splits) blocks (`decode_plan`; `splits` overrides the plan's). `scratch` is
+    `decode_scratch(heads, hd, cache_len, ...)`, kept for the plan's life; None only where the plan has one
+    split. `tile_rows` and `min_chunk` are the kernel's facts, parameters only so tests reach several splits
+    of a short cache.
+    """
+    plan = decode_plan(heads, kv_heads, hd, k_cache.shape[0], chip=chip, splits=splits)
+    hd_p2 = triton.next_power_of_2(hd)
+    if plan.splits > 1:
+        need = decode_scratch_size(plan, heads, hd)
+        if scratch is None or scratch.dtype != torch.float32 or scratch.numel() < need:
+            raise ValueError(f"flash_decode over {plan.splits} splits needs an f32 scratch of {need} values")
+        parts = heads * plan.splits
+        acc = scratch[: parts * hd]
+        top = scratch[parts * hd : parts * (hd + 1)]
+        total = scratch[parts * (hd + 1) : parts * (hd + 2)]
+        count = scratch[parts * (hd + 2) : need].view(torch.int32)
+    else:
+        acc = top = total = count = out  # never read: the one split writes its result directly
+    warps = max(1, min(kernels.MAX_BLOCK_WARPS, tile_rows * hd_p2 // (kernels.WARP * DECODE_VALUES_A_THREAD)))
+    _decode_kernel[(plan.head_blocks, plan.splits)](
+        q,
+        k_cache,
+        v_cache,
+        pos,
+        out,
+        acc,
+        top,
+        total,
+        count,
+        _cache_pitch(k_cache, kv_heads, hd, "k_cache"),
+        _cache_pitch(v_cache, kv_heads, hd, "v_cache"),
+        scale * LOG2E,
+        GROUP=heads // kv_heads,
+        HB=plan.heads_per_block,
+        HB_P2=triton.next_power_of_2(plan.heads_per_block),
+        HD=hd,
+        HD_P2=hd_p2,
+        TILE=tile_rows,
+        SPLITS=plan.splits,
+        MIN_CHUNK=min_chunk,
+        INTERPRETED=interpreted(),
+        num_warps=triton.next_power_of_2(warps),
+        num_stages=DECODE_STAGES,
+    )
+
+
+# --- prefill ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_tile(
+    q,
+    run_max,
+    run_sum,
+    acc,
+    k_ptr,
+    v_ptr,
+    kvh,
+    n0,
+    end,
+    qpos,
+    k_pitch,
+    v_pitch,
+    scale_log2e,
+    HD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    F16_OPS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """One key/value tile of the online softmax; CAUSAL masks keys past each query's position."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HD)
+    k_addr = k_ptr + n[:, None].to(tl.int64) * k_pitch + kvh * HD + d[None, :]
+    v_addr = v_ptr + n[:, None].to(tl.int64) * v_pitch + kvh * HD + d[None, :]
+    if CAUSAL:
+        k = tl.load(k_addr, mask=(n < end)[:, None], other=0.0)
+        v = tl.load(v_addr, mask=(n < end)[:, None], other=0.0)
+    else:
+        k = tl.load(k_addr)
+        v = tl.load(v_addr)
+    if F16_OPS:
+        s = tl.dot(q, tl.trans(k.to(tl.float16)))
+    else:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=F32_PRECISION)
+    s = s * scale_log2e
+    if CAUSAL:
+        s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))
+    new_max = tl.maximum(run_max, tl.max(s, axis=1))
+    alpha = tl.exp2(run_max - new_max)
+    p = tl.exp2(s - new_max[:, None])
+    run_sum = run_sum * alpha + tl.sum(p, axis=1)
+    if F16_OPS:
+        pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+    else:
+        pv = tl.dot(p, v.to(tl.float32), input_precision=F32_PRECISION)
+    return new_max, run_sum, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    out_ptr,
+    q_pitch,
+    k_pitch,
+    v_pitch,
+    out_pitch,
+    rows,
+    scale_log2e,
+    GROUP: tl.constexpr,
+    HD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    F16_OPS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    mt = tl.program_id(0)
+    kvh = tl.program_id(1)
+    pos = tl.load(pos_ptr)
+    # tile row mi is query row mi // GROUP's head kvh * GROUP + mi % GROUP; rows past the chunk compute a
+    # copy of its last row (finite, never stored)
+    mi = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = mi < rows * GROUP
+    row = tl.minimum(mi // GROUP, rows - 1)
+    head = kvh * GROUP + mi % GROUP
+    d = tl.arange(0, HD)
+    q = tl.load(q_ptr + row[:, None].to(tl.int64) * q_pitch + head[:, None] * HD + d[None, :])
+    q = q.to(tl.float16) if F16_OPS else q.to(tl.float32)
+    qpos = pos + row
+    first = tl.minimum(mt * BLOCK_M // GROUP, rows - 1)
+    last = tl.minimum((mt * BLOCK_M + BLOCK_M - 1) // GROUP, rows - 1)
+    # keys below `full` every row of the tile sees; the tiles from there to `end` cross the diagonal
+    full = (pos + first + 1) // BLOCK_N * BLOCK_N
+    end = pos + last + 1
+    run_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    run_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HD], tl.float32)
+    if INTERPRETED:  # the same tiles in the same order (see INTERPRETED)
+        n0 = full * 0
+        while n0 < full:
+            run_max, run_sum, acc = _prefill_tile(
+                q, run_max, run_sum, acc, k_ptr, v_ptr, kvh, n0, end, qpos, k_pitch, v_pitch, scale_log2e,
+                HD, BLOCK_N, F16_OPS, False,
+            )  # fmt: skip
+            n0 += BLOCK_N
+        while n0 < end:
+            run_max, run_sum, acc = _prefill_tile(
+                q, run_max, run_sum, acc, k_ptr, v_ptr, kvh, n0, end, qpos, k_pitch, v_pitch, scale_log2e,
+                HD, BLOCK_N, F16_OPS, True,
+            )  # fmt: skip
+            n0 += BLOCK_N
+    else:
+        for n0 in range(0, full, BLOCK_N):
+            run_max, run_sum, acc = _prefill_tile(
+                q, run_max, run_sum, acc, k_ptr, v_ptr, kvh, n0, end, qpos, k_pitch, v_pitch, scale_log2e,
+                HD, BLOCK_N, F16_OPS, False,
+            )  # fmt: skip
+        for n0 in range(full, end, BLOCK_N):
+            run_max, run_sum, acc = _prefill_tile(
+                q, run_max, run_sum, acc, k_ptr, v_ptr, kvh, n0, end, qpos, k_pitch, v_pitch, scale_log2e,
+                HD, BLOCK_N, F16_OPS, True,
+            )  # fmt: skip
+    out = acc / run_sum[:, None]
+    dst = out_ptr + row[:, None].to(tl.int64) * out_pitch + head[:, None] * HD + d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+def flash_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    rows: int,
+    heads: int,
+    kv_heads: int,
+    hd: int,
+    scale: float,
+    block_m: int = PREFILL_BLOCK_M,
+    block_n: int | None = None,
+) -> None:
+    """FlashPrefill: out (rows, heads * hd) = causal GQA of `rows` query rows `q` (rows, heads * hd, any row
+    pitch) at positions pos[0]..pos[0] + rows - 1 over cache rows 0..pos[0] + rows - 1.
+
+    One launch of (query tiles, kv_heads) blocks; each tile packs `block_m` (row, head-of-group) pairs. f16
+    operands on the tensor cores where `q` is f16, IEEE f32 dots otherwise. `hd` a power of two of at least
+    16 (tl.dot's smallest side); `block_m` and `block_n` are kernel facts, parameters only for tests.
+    """
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not share {kv_heads} key/value heads evenly")
+    if hd < DOT_MIN or hd & (hd - 1):
+        raise ValueError(f"flash_prefill multiplies heads of a power of two >= {DOT_MIN} values, not {hd}")
+    if q.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("flash_prefill: the query's and the output's values must be unit-stride")
+    group = heads // kv_heads
+    f16_ops = q.dtype == torch.float16
+    if block_n is None:
+        block_n = PREFILL_BLOCK_N_F16 if f16_ops else PREFILL_BLOCK_N_F32
+    grid = (triton.cdiv(rows * group, block_m), kv_heads)
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        pos,
+        out,
+        q.stride(0),
+        _cache_pitch(k_cache, kv_heads, hd, "k_cache"),
+        _cache_pitch(v_cache, kv_heads, hd, "v_cache"),
+        out.stride(0),
+        rows,
+        scale * LOG2E,
+        GROUP=group,
+        HD=hd,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        F16_OPS=f16_ops,
+        INTERPRETED=interpreted(),
+        num_warps=PREFILL_WARPS,
+        num_stages=PREFILL_STAGES,
+    )

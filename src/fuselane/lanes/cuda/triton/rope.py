@@ -1,0 +1,258 @@
+"""Rotary position embedding on the device: QkNormRope, QkNormRopeKvAppend, RopeKvAppend, RopeQkOneLaunch,
+and the plain KV-cache row write (SetRows).
+
+A block takes one head of one row, a pair of values (j, j + hd/2) a thread: NEOX order, as Qwen rotates.
+The head is optionally RMS-normed with its weight first (Qwen3's q_norm / k_norm), then rotated by the angle
+of position pos + i, computed in the kernel from the frequency base (no cos/sin table to keep in step with
+the cache length). The rotated head lands in its own buffer, or (the KV-append forms) in the cache at row
+pos + i, rounded to the cache's f16 or f32 there.
+
+The position is read from a 1-element int32 device tensor, never passed as a number: a captured CUDA graph
+replays the same launches at the next step's position without being captured again.
+
+Angles: inv_freq_j = base^(-2j/hd) = 2^(j * (-2 log2(base) / hd)), the exponent's factor computed once on the
+host in f64; angle = p * inv_freq_j in f32 (as Hugging Face and llama.cpp compute it). The angle is reduced
+to [-pi, pi] with a two-part 2*pi before cos and sin, so an approximate GPU sine stays accurate at any
+position; the reduction adds nothing to the f32 product's own rounding, p * inv_freq_j * 2^-24.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from fuselane.lanes.cuda import kernels
+
+# 2*pi as an f32 and the f64 remainder it leaves: k * 2pi subtracted in two fused steps is exact to f32
+# for k up to 2^24 / 2pi, far past any cache's length.
+TWO_PI_HI: tl.constexpr = tl.constexpr(float(np.float32(2 * math.pi)))
+TWO_PI_LO: tl.constexpr = tl.constexpr(2 * math.pi - float(np.float32(2 * math.pi)))
+INV_TWO_PI: tl.constexpr = tl.constexpr(1 / (2 * math.pi))
+
+# Values a set-rows block copies: a warp's 32 lanes four f32 (one 16-byte load) each, four warps.
+SET_ROWS_WARPS = 4
+SET_ROWS_BLOCK = SET_ROWS_WARPS * kernels.WARP * 4
+
+
+def freq_exponent(base: float, hd: int) -> float:
+    """log2 of the ratio between successive inverse frequencies: inv_freq_j = 2^(j * this)."""
+    return -2.0 * math.log2(base) / hd
+
+
+def rope_warps(hd: int) -> int:
+    """Warps of a rotation's block: a pair a thread, whole warps, at most `kernels.ROPE_THREADS` threads."""
+    pairs = triton.next_power_of_2(max(1, hd // 2))
+    return max(1, min(kernels.ROPE_THREADS, pairs) // kernels.WARP)
+
+
+@triton.jit
+def _rotate_head(src, dst, w_ptr, p, eps, freq_exp, HD: tl.constexpr, HALF_P2: tl.constexpr, NORM: tl.constexpr):
+    """Norm (with NORM) and rotate the head of `HD` values at `src` to position `p`, writing it at `dst`."""
+    HALF: tl.constexpr = HD // 2
+    j = tl.arange(0, HALF_P2)
+    mask = j < HALF
+    a = tl.load(src + j, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(src + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        r = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / HD + eps)
+        a = a * r * tl.load(w_ptr + j, mask=mask, other=0.0).to(tl.float32)
+        b = b * r * tl.load(w_ptr + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    angle = p.to(tl.float32) * tl.exp2(j.to(tl.float32) * freq_exp)
+    turns = tl.floor(angle * INV_TWO_PI + 0.5)
+    angle = tl.fma(turns, -TWO_PI_HI, angle)
+    angle = tl.fma(turns, -TWO_PI_LO, angle)
+    cos = tl.cos(angle)
+    sin = tl.sin(angle)
+    ty = dst.dtype.element_ty
+    tl.store(dst + j, (a * cos - b * sin).to(ty), mask=mask)
+    tl.store(dst + HALF + j, (b * cos + a * sin).to(ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,
+    out_ptr,
+    w_ptr,
+    pos_ptr,
+    x_pitch,
+    out_pitch,
+    eps,
+    freq_exp,
+    HD: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    NORM: tl.constexpr,
+    AT_POS: tl.constexpr,
+):
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    p = tl.load(pos_ptr) + i
+    dst_row = p if AT_POS else i  # the cache's row pos + i, or the output's own row i
+    src = x_ptr + i.to(tl.int64) * x_pitch + head * HD
+    dst = out_ptr + dst_row.to(tl.int64) * out_pitch + head * HD
+    _rotate_head(src, dst, w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM)
+
+
+def _check_head(hd: int) -> None:
+    if hd % 2 or hd > kernels.ROPE_HEAD:
+        raise ValueError(f"a rotation takes an even head of at most {kernels.ROPE_HEAD} values, not {hd}")
+
+
+def _out_pitch(out: torch.Tensor, cache_row_pitch: int | None) -> int:
+    if out.stride(-1) != 1:
+        raise ValueError("rope: the output's values must be unit-stride")
+    return out.stride(0) if cache_row_pitch is None else int(cache_row_pitch)
+
+
+def qk_norm_rope(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    heads: int,
+    hd: int,
+    base: float,
+    norm_w: torch.Tensor | None = None,
+    eps: float = 0.0,
+    cache_row_pitch: int | None = None,
+) -> None:
+    """Rotate each of `heads` heads of `hd` values of each row of `x` (rows, >= heads * hd, any row pitch) to
+    position pos[0] + i (NEOX halves), after an RMS norm with weight `norm_w` (hd,) per head where given.
+
+    Without `cache_row_pitch`, row i lands in row i of `out`; with it, `out` is the cache (2-D, f16 or f32) and
+    row i lands at cache row pos[0] + i, `cache_row_pitch` values apart (RopeKvAppend / QkNormRopeKvAppend).
+    One launch, a block a head of a row.
+    """
+    _check_head(hd)
+    if x.stride(-1) != 1:
+        raise ValueError("rope: the input's values must be unit-stride")
+    rows = x.shape[0] if x.dim() == 2 else 1
+    _rope_kernel[(rows, heads)](
+        x,
+        out,
+        norm_w if norm_w is not None else x,
+        pos,
+        x.stride(0) if x.dim() == 2 else 0,
+        _out_pitch(out, cache_row_pitch),
+        float(eps),
+        freq_exponent(base, hd),
+        HD=hd,
+        HALF_P2=triton.next_power_of_2(hd // 2),
+        NORM=norm_w is not None,
+        AT_POS=cache_row_pitch is not None,
+        num_warps=rope_warps(hd),
+    )
+
+
+@triton.jit
+def _rope_qk_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    pos_ptr,
+    q_pitch,
+    k_pitch,
+    q_out_pitch,
+    k_out_pitch,
+    eps,
+    freq_exp,
+    HEADS: tl.constexpr,
+    HD: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    NORM: tl.constexpr,
+    K_AT_POS: tl.constexpr,
+):
+    # blocks 0 .. HEADS-1 of a row take the query's heads, the rest the key's
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    p = tl.load(pos_ptr) + i
+    # each side names its own pointers: a name assigned in both branches would have to be one type
+    if head < HEADS:
+        q_src = q_ptr + i.to(tl.int64) * q_pitch + head * HD
+        q_dst = q_out_ptr + i.to(tl.int64) * q_out_pitch + head * HD
+        _rotate_head(q_src, q_dst, q_w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM)
+    else:
+        kh = head - HEADS
+        k_row = p if K_AT_POS else i
+        k_src = k_ptr + i.to(tl.int64) * k_pitch + kh * HD
+        k_dst = k_out_ptr + k_row.to(tl.int64) * k_out_pitch + kh * HD
+        _rotate_head(k_src, k_dst, k_w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM)
+
+
+def rope_q_k(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    heads: int,
+    kv_heads: int,
+    hd: int,
+    base: float,
+    q_norm_w: torch.Tensor | None = None,
+    k_norm_w: torch.Tensor | None = None,
+    eps: float = 0.0,
+    k_cache_row_pitch: int | None = None,
+) -> None:
+    """RopeQkOneLaunch: `qk_norm_rope` of a layer's query (`heads` heads) and key (`kv_heads` heads) in one
+    launch, at one position and head width, both normed or neither. With `k_cache_row_pitch` the key's row i
+    lands in the cache `k_out` at row pos[0] + i (the key's KV append)."""
+    _check_head(hd)
+    if (q_norm_w is None) != (k_norm_w is None):
+        raise ValueError("one launch rotates a query and a key both normed or neither")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("rope: the inputs' values must be unit-stride")
+    rows = q.shape[0] if q.dim() == 2 else 1
+    _rope_qk_kernel[(rows, heads + kv_heads)](
+        q,
+        k,
+        q_out,
+        k_out,
+        q_norm_w if q_norm_w is not None else q,
+        k_norm_w if k_norm_w is not None else k,
+        pos,
+        q.stride(0) if q.dim() == 2 else 0,
+        k.stride(0) if k.dim() == 2 else 0,
+        _out_pitch(q_out, None),
+        _out_pitch(k_out, k_cache_row_pitch),
+        float(eps),
+        freq_exponent(base, hd),
+        HEADS=heads,
+        HD=hd,
+        HALF_P2=triton.next_power_of_2(hd // 2),
+        NORM=q_norm_w is not None,
+        K_AT_POS=k_cache_row_pitch is not None,
+        num_warps=rope_warps(hd),
+    )
+
+
+# --- the cache's plain row write -------------------------------------------------------------------------
+
+
+@triton.jit
+def _set_rows_kernel(x_ptr, cache_ptr, pos_ptr, x_pitch, cache_pitch, cols, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < cols
+    row = (tl.load(pos_ptr) + i).to(tl.int64)
+    v = tl.load(x_ptr + i.to(tl.int64) * x_pitch + offs, mask=mask, other=0.0)
+    tl.store(cache_ptr + row * cache_pitch + offs, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def set_rows(x: torch.Tensor, cache: torch.Tensor, pos: torch.Tensor) -> None:
+    """SetRows: row i of `x` (rows, cols) into `cache` (2-D) at row pos[0] + i, rounded to the cache's dtype
+    (f32 -> f16 to nearest, ties to even). The value half of a KV append."""
+    x2 = x if x.dim() == 2 else x.view(1, -1)
+    if x2.stride(-1) != 1 or cache.stride(-1) != 1:
+        raise ValueError("set_rows: the rows' values must be unit-stride")
+    rows, cols = x2.shape
+    _set_rows_kernel[(rows, triton.cdiv(cols, SET_ROWS_BLOCK))](
+        x2, cache, pos, x2.stride(0), cache.stride(0), cols, BLOCK=SET_ROWS_BLOCK, num_warps=SET_ROWS_WARPS
+    )

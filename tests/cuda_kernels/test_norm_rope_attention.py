@@ -1,0 +1,519 @@
+"""The cuda lane's norm, rotation, attention, SwiGLU and arg-max kernels against the cpu lane's NumPy kernels in f64.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors (small, Qwen-like shapes: 4 query heads
+over 2 key/value heads, heads of 16-64 values, a 40-row cache); the `cuda` tests run the real shapes (heads of
+128 values, 32 query heads over 8, a 4096-row cache) only where a GPU is.
+
+Every tolerance is a bound derived from the arithmetic, written beside it: the kernels compute in f32 (unit
+roundoff u = 2^-24) with a GPU's approximate rsqrt/exp2/sin/cos (each within a few u; the bounds allow 4u), and
+an f16 cache or f16 operands round each stored value by at most 2^-11 relative. The reference gets exactly the
+values the kernel reads (f32 inputs widened to f64), so only the kernel's own rounding is measured, except
+where a test compares a rounded cache against unrounded values and says so.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from fuselane.gguf.dequant import dequantize_rows  # noqa: E402
+from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
+from fuselane.gguf.quantize import random_blocks  # noqa: E402
+from fuselane.graph.ops import ArgMax, Attention, RmsNorm, Rope, Unary, UnaryOp  # noqa: E402
+from fuselane.lanes.cpu import kernels as ref  # noqa: E402
+from fuselane.lanes.cuda.triton import attention, misc, norm, rope  # noqa: E402
+from fuselane.numerics.contract import Keep  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+U = Keep.F32.unit_roundoff  # 2^-24
+U16 = Keep.F16.unit_roundoff  # 2^-11: an f16 cache's or operand's rounding, relative, per stored value
+APPROX = 4  # a GPU approximate rsqrt / exp2 / sin / cos: within 4u (PTX: 2^-22 relative or 2^-21 absolute)
+TINY = float(np.finfo(np.float32).tiny)
+# f32 prefill operands multiply as 3xTF32 on the GPU: a product within 3 * 2^-20 relative (the interpreter
+# multiplies in f32, well inside it)
+TF32X3 = 3 * 2.0**-20  # results below f32's normals may flush to zero on the GPU
+HEADS, KV, CACHE = 4, 2, 40
+QWEN_BASE = 1_000_000.0
+EPS = 1e-6
+
+
+def dev(a: np.ndarray, dtype=torch.float32) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE, dtype)
+
+
+def host(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().to(torch.float64).numpy() if t.is_floating_point() else t.cpu().numpy()
+
+
+def pos_of(p: int) -> torch.Tensor:
+    return torch.tensor([p], dtype=torch.int32, device=DEVICE)
+
+
+def f32(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    """Random values exactly representable in f32, as f64 (the reference sees what the kernel reads)."""
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(np.float64)
+
+
+def within(got: np.ndarray, want: np.ndarray, bound: np.ndarray | float, what: str) -> None:
+    err = np.abs(got - want)
+    excess = err - bound
+    assert np.all(np.isfinite(got)), f"{what}: non-finite values"
+    worst = np.unravel_index(np.argmax(excess), excess.shape) if excess.ndim else ()
+    assert np.all(excess <= 0), f"{what}: error {err[worst]:.3e} > bound {np.broadcast_to(bound, err.shape)[worst]:.3e}"
+
+
+# --- norms -----------------------------------------------------------------------------------------------
+
+
+def norm_rel(cols: int) -> float:
+    """Relative error of one output of a weighted RMS norm in f32.
+
+    s = x + r rounds once (u); the sum of squares is a tree of depth log2(cols) over squares that round once
+    each, (log2(cols) + 2) u relative; the mean and the eps add round twice more (2u); rsqrt's own error
+    (APPROX u) adds to half the mean's (the square root halves a relative error); the two products s*r*w 2u.
+    """
+    return U * (1 + (math.log2(cols) + 4) / 2 + APPROX + 2)
+
+
+def weighted_norm(s: np.ndarray, w: np.ndarray, cols: int) -> np.ndarray:
+    rows = s.size // cols
+    return ref.rms_norm(RmsNorm(rows, cols, EPS), [s.reshape(rows, cols)], 0).reshape(s.shape) * np.resize(w, s.shape)
+
+
+@pytest.mark.parametrize("cols", [96, 9000])  # one tile held in registers; a row wider than a block's tile
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_cpu(cols, with_residual):
+    rng = np.random.default_rng(cols)
+    x, r, w = f32(rng, 3, cols), f32(rng, 3, cols), f32(rng, cols)
+    out = torch.empty(3, cols, device=DEVICE)
+    if with_residual:
+        sums = torch.empty(3, cols, device=DEVICE)
+        norm.rms_norm(dev(x), dev(w), out, EPS, residual=dev(r), sum_out=sums)
+        within(host(sums), x + r, U * np.abs(x + r), "sum")  # one f32 add
+        s = x + r
+    else:
+        norm.rms_norm(dev(x), dev(w), out, EPS)
+        s = x
+    want = weighted_norm(s, w, cols)
+    within(host(out), want, norm_rel(cols) * np.abs(want), "norm")
+
+
+@pytest.mark.parametrize("cols", [96, 9000])
+def test_add_norm_updates_the_residual_in_place(cols):
+    """sum_out may be the residual's own buffer: the residual stream updated in place."""
+    rng = np.random.default_rng(cols + 1)
+    x, r, w = f32(rng, 2, cols), f32(rng, 2, cols), f32(rng, cols)
+    stream = dev(r)
+    out = torch.empty(2, cols, device=DEVICE)
+    norm.rms_norm(dev(x), dev(w), out, EPS, residual=stream, sum_out=stream)
+    within(host(stream), x + r, U * np.abs(x + r), "sum")
+    want = weighted_norm(x + r, w, cols)
+    within(host(out), want, norm_rel(cols) * np.abs(want), "norm")
+
+
+def test_rms_norm_per_head_reads_a_part_in_place():
+    """q's heads normed one by one, read from the q part of a merged q|k|v row (pitch wider than q)."""
+    rng = np.random.default_rng(1)
+    hd = 32
+    merged = f32(rng, 3, (HEADS + 2 * KV) * hd)
+    w = f32(rng, hd)
+    q = dev(merged)[:, : HEADS * hd]
+    out = torch.empty(3, HEADS * hd, device=DEVICE)
+    norm.rms_norm(q, dev(w), out, EPS)
+    want = weighted_norm(merged[:, : HEADS * hd], w, hd)
+    within(host(out), want, norm_rel(hd) * np.abs(want), "per-head norm")
+    plain = torch.empty_like(out)
+    norm.rms_norm_plain(q, plain, EPS, cols=hd)
+    want = ref.rms_norm(RmsNorm(3 * HEADS, hd, EPS), [merged[:, : HEADS * hd]], 0)
+    within(host(plain), want, norm_rel(hd) * np.abs(want), "plain per-head norm")
+
+
+@pytest.mark.parametrize("fmt", [Format.Q8_0, Format.Q4_K, Format.Q5_0, Format.Q6_K, Format.F16, Format.F32])
+def test_embed_norm_gathers_dequantized_rows(fmt):
+    rng = np.random.default_rng(int(fmt))
+    vocab, cols = 7, 512
+    raw = random_blocks(fmt, vocab * cols // LAYOUTS[fmt].values, rng, scale=0.5).reshape(-1)
+    ids = np.array([3, 0, 6, 3], dtype=np.int32)
+    w = f32(rng, cols)
+    rows_out = torch.empty(len(ids), cols, device=DEVICE)
+    out = torch.empty(len(ids), cols, device=DEVICE)
+    table = torch.from_numpy(raw).to(DEVICE)
+    norm.embed_norm(table, fmt, dev(ids, torch.int32), dev(w), rows_out, out, EPS)
+    gathered = dequantize_rows(raw, fmt, (vocab, cols), ids, dtype=np.float64)
+    # the decode is exact: every scale-times-code product is exact in f32, and the one rounding (a K format's
+    # minimum) happens on the same two f32 operands as dequant's
+    np.testing.assert_array_equal(host(rows_out), gathered)
+    want = weighted_norm(gathered, w, cols)
+    within(host(out), want, norm_rel(cols) * np.abs(want), "embed norm")
+
+
+def test_embed_norm_wide_row_decodes_twice():
+    rng = np.random.default_rng(5)
+    fmt, vocab, cols = Format.Q4_K, 3, 9216  # wider than a norm block's tile: the two-pass path
+    raw = random_blocks(fmt, vocab * cols // LAYOUTS[fmt].values, rng, scale=0.5).reshape(-1)
+    ids = np.array([2, 1], dtype=np.int32)
+    w = f32(rng, cols)
+    rows_out, out = torch.empty(2, cols, device=DEVICE), torch.empty(2, cols, device=DEVICE)
+    norm.embed_norm(torch.from_numpy(raw).to(DEVICE), fmt, dev(ids, torch.int32), dev(w), rows_out, out, EPS)
+    gathered = dequantize_rows(raw, fmt, (vocab, cols), ids, dtype=np.float64)
+    np.testing.assert_array_equal(host(rows_out), gathered)
+    want = weighted_norm(gathered, w, cols)
+    within(host(out), want, norm_rel(cols) * np.abs(want), "embed norm")
+
+
+# --- rotations -------------------------------------------------------------------------------------------
+
+
+def rope_ref(x: np.ndarray, heads: int, hd: int, p: int, w: np.ndarray | None) -> np.ndarray:
+    rows = x.shape[0]
+    if w is not None:
+        x = weighted_norm(x, w, hd)
+    return ref.rope(Rope(rows, heads, hd, QWEN_BASE), [x], p)
+
+
+def rope_bound(want: np.ndarray, hd: int, last_pos: int, normed: bool) -> np.ndarray:
+    """Error bound of a rotated pair (a, b) -> (a cos - b sin, b cos + a sin), per value.
+
+    The angle p * inv_j: inv_j = 2^(j * e), e = -2 log2(base) / hd rounded to f32 and multiplied by j (two
+    roundings, each moving the exponent by j|e| u <= log2(base) u, i.e. inv_j by ln2 log2(base) u relative),
+    exp2 itself APPROX u, the product by p one more u: |d angle| <= p (2 ln2 log2(base) + APPROX + 1) u. The
+    reduction to [-pi, pi] is exact to u * pi; cos and sin within APPROX u absolute. Each output moves by at
+    most (|a| + |b|) (|d angle| + pi u + APPROX u) plus its two products and a sum (3u), plus the norm's
+    relative error where normed. |a| + |b| <= sqrt(2) * |rotated pair|, which rotation preserves.
+    """
+    d_angle = last_pos * (2 * math.log(2) * math.log2(QWEN_BASE) + APPROX + 1) * U
+    per = d_angle + (math.pi + APPROX + 3) * U + (norm_rel(hd) if normed else 0.0)
+    heads = want.reshape(want.shape[0], -1, 2, hd // 2)
+    pair = np.sqrt(2 * (heads[:, :, 0] ** 2 + heads[:, :, 1] ** 2))
+    return np.broadcast_to((pair * per)[:, :, None, :], heads.shape).reshape(want.shape)
+
+
+@pytest.mark.parametrize("hd", [16, 32, 64])
+@pytest.mark.parametrize("p", [0, 17])
+@pytest.mark.parametrize("normed", [False, True])
+def test_qk_norm_rope_matches_cpu(hd, p, normed):
+    rng = np.random.default_rng(hd + p)
+    rows = 3
+    merged = f32(rng, rows, 2 * HEADS * hd)  # q is the first half of a wider row: read at its pitch
+    w = f32(rng, hd) if normed else None
+    out = torch.empty(rows, HEADS * hd, device=DEVICE)
+    x = dev(merged)[:, : HEADS * hd]
+    kw = dict(norm_w=dev(w), eps=EPS) if normed else {}
+    rope.qk_norm_rope(x, out, pos_of(p), heads=HEADS, hd=hd, base=QWEN_BASE, **kw)
+    want = rope_ref(merged[:, : HEADS * hd], HEADS, hd, p, w)
+    within(host(out), want, rope_bound(want, hd, p + rows, normed), "rope")
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("p", [0, 29])
+def test_rope_kv_append_lands_at_pos(cache_dtype, p):
+    rng = np.random.default_rng(p)
+    rows, hd, sentinel = 3, 32, 7.0
+    x, w = f32(rng, rows, KV * hd), f32(rng, hd)
+    cache = torch.full((CACHE, KV * hd), sentinel, dtype=cache_dtype, device=DEVICE)
+    rope.qk_norm_rope(
+        dev(x), cache, pos_of(p), heads=KV, hd=hd, base=QWEN_BASE, norm_w=dev(w), eps=EPS, cache_row_pitch=KV * hd
+    )
+    want = rope_ref(x, KV, hd, p, w)
+    got = host(cache)
+    # an f16 cache rounds each stored value once more: 2^-11 of it, on top of the f32 result's own error
+    stored = U16 if cache_dtype == torch.float16 else 0.0
+    within(got[p : p + rows], want, rope_bound(want, hd, p + rows, True) * (1 + stored) + stored * np.abs(want), "kv")
+    untouched = np.delete(got, np.arange(p, p + rows), axis=0)
+    assert np.all(untouched == sentinel), "a row other than pos..pos+rows-1 was written"
+
+
+@pytest.mark.parametrize("normed", [False, True])
+def test_rope_q_k_one_launch(normed):
+    rng = np.random.default_rng(11)
+    rows, hd, p = 2, 64, 13
+    q, k = f32(rng, rows, HEADS * hd), f32(rng, rows, KV * hd)
+    qw, kw = (f32(rng, hd), f32(rng, hd)) if normed else (None, None)
+    q_out = torch.empty(rows, HEADS * hd, device=DEVICE)
+    k_cache = torch.zeros(CACHE, KV * hd, dtype=torch.float16, device=DEVICE)
+    weights = dict(q_norm_w=dev(qw), k_norm_w=dev(kw), eps=EPS) if normed else {}
+    rope.rope_q_k(
+        dev(q), dev(k), q_out, k_cache, pos_of(p), heads=HEADS, kv_heads=KV, hd=hd, base=QWEN_BASE,
+        k_cache_row_pitch=KV * hd, **weights,
+    )  # fmt: skip
+    want_q, want_k = rope_ref(q, HEADS, hd, p, qw), rope_ref(k, KV, hd, p, kw)
+    within(host(q_out), want_q, rope_bound(want_q, hd, p + rows, normed), "q")
+    bound_k = rope_bound(want_k, hd, p + rows, normed) * (1 + U16) + U16 * np.abs(want_k)
+    within(host(k_cache)[p : p + rows], want_k, bound_k, "k in the cache")
+    assert not host(k_cache)[:p].any() and not host(k_cache)[p + rows :].any()
+    with pytest.raises(ValueError, match="both normed or neither"):
+        rope.rope_q_k(dev(q), dev(k), q_out, k_cache, pos_of(p), heads=HEADS, kv_heads=KV, hd=hd, base=1e4,
+                      q_norm_w=dev(f32(rng, hd)))  # fmt: skip
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_set_rows_writes_at_pos_rounding_to_the_cache(cache_dtype):
+    rng = np.random.default_rng(2)
+    x = f32(rng, 3, KV * 32)
+    cache = torch.full((CACHE, KV * 32), -1.0, dtype=cache_dtype, device=DEVICE)
+    rope.set_rows(dev(x), cache, pos_of(21))
+    # round to nearest even, as torch's conversion: bit for bit
+    np.testing.assert_array_equal(host(cache)[21:24], host(dev(x).to(cache_dtype)))
+    assert np.all(np.delete(host(cache), [21, 22, 23], axis=0) == -1.0)
+
+
+# --- attention -------------------------------------------------------------------------------------------
+
+
+def attention_bound(q, k, v, rows: int, span: int, hd: int, scale: float, stored: float, operand: float = 0.0):
+    """Error bound of causal attention's outputs, one value a query row (the worst head).
+
+    A score s = scale * q.k sums hd products in f32: |ds| <= (hd + 2) u S, S = scale * sum |q_d k_d| (the
+    largest over the row's heads and keys), plus `stored` S where the keys the reference reads were rounded
+    (2^-11 for an f16 cache against unrounded keys) and 2 `operand` S where the kernel's products round their
+    operands (f16 operands: the weights to 2^-11; 3xTF32: each product to 3 * 2^-20). A weight
+    2^(s log2e - max) then moves by eps_p <= 2 |ds| + (2 S log2e + APPROX) u relative (both s and the max, the
+    exponent's rounding, exp2). Relative weight errors eps_p move a weighted mean of values by at most
+    2 eps_p max|v|; the sums over span values (and the splits' merge) add (span + 4) u max|v|; f16 values add
+    `stored` max|v|, the second product's operands `operand` max|v|.
+    """
+    group = q.shape[1] // hd // (k.shape[1] // hd)
+    qh = np.abs(q.reshape(rows, -1, hd))
+    kh = np.abs(k[:span].reshape(span, -1, hd))
+    s = scale * np.einsum("rhd,nhd->rhn", qh, np.repeat(kh, group, axis=1))
+    big_s = s.max(axis=(1, 2))
+    ds = ((hd + 2) * U + stored + 2 * operand) * big_s
+    eps_p = 2 * ds + (2 * big_s * math.log2(math.e) + APPROX) * U
+    vmax = np.abs(v[:span]).max()
+    return (2 * eps_p + (span + 4) * U + stored + operand) * vmax
+
+
+def attention_ref(q, k, v, rows: int, p: int, hd: int, scale: float) -> np.ndarray:
+    spec = Attention(rows, HEADS, KV, hd, CACHE, scale)
+    return ref.attention(spec, [q.reshape(rows, -1), k, v], p)
+
+
+def caches(rng, hd: int, dtype):
+    """K and V caches of CACHE rows (f64 values, and the device tensors storing them in `dtype`), the two kv
+    heads far apart (head 1 shifted) so a query reading the wrong head is caught."""
+    k, v = f32(rng, CACHE, KV * hd), f32(rng, CACHE, KV * hd)
+    v[:, hd:] += 4.0
+    return k, v, dev(k, dtype), dev(v, dtype)
+
+
+@pytest.mark.parametrize("hd", [16, 32, 64])
+@pytest.mark.parametrize("p", [0, 17, CACHE - 1])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_flash_decode_matches_cpu(hd, p, cache_dtype, splits):
+    rng = np.random.default_rng(hd * 100 + p)
+    scale = hd**-0.5
+    q = f32(rng, 1, HEADS * hd)
+    k, v, kc, vc = caches(rng, hd, cache_dtype)
+    out = torch.empty(1, HEADS * hd, device=DEVICE)
+    scratch = attention.decode_scratch(HEADS, hd, CACHE, DEVICE, splits=splits)
+    # tiles of 8 rows and chunks of at least 8: a 40-row cache reaches four splits, some empty at small p
+    shape = dict(heads=HEADS, kv_heads=KV, hd=hd, scale=scale, splits=splits, tile_rows=8, min_chunk=8)
+    attention.flash_decode(dev(q), kc, vc, pos_of(p), out, scratch=scratch, **shape)
+    # against the unrounded caches: an f16 cache's rounding is part of the bound (2^-11 per stored value)
+    stored = U16 if cache_dtype == torch.float16 else 0.0
+    want = attention_ref(q, k, v, 1, p, hd, scale)
+    within(host(out), want, attention_bound(q, k, v, 1, p + 1, hd, scale, stored)[:, None], "decode")
+    if splits > 1:
+        assert not host(scratch[-HEADS:].view(torch.int32)).any(), "the merge left a counter armed"
+        # a replayed graph: the same launch at the next position, read from the same pos tensor
+        pos = pos_of(p)
+        attention.flash_decode(dev(q), kc, vc, pos, out, scratch=scratch, **shape)
+        again = host(out)
+        pos.fill_(max(0, p - 5))
+        attention.flash_decode(dev(q), kc, vc, pos, out, scratch=scratch, **shape)
+        want = attention_ref(q, k, v, 1, max(0, p - 5), hd, scale)
+        within(host(out), want, attention_bound(q, k, v, 1, max(0, p - 5) + 1, hd, scale, stored)[:, None], "at p-5")
+        np.testing.assert_allclose(again, attention_ref(q, k, v, 1, p, hd, scale), atol=1e-2)
+
+
+def test_flash_decode_reads_each_groups_kv_head():
+    """Query heads 0, 1 read kv head 0 and heads 2, 3 kv head 1 (h // group), not h % kv_heads."""
+    rng = np.random.default_rng(3)
+    hd, p = 32, 30
+    q = f32(rng, 1, HEADS * hd)
+    k, v, kc, vc = caches(rng, hd, torch.float32)
+    out = torch.empty(1, HEADS * hd, device=DEVICE)
+    attention.flash_decode(dev(q), kc, vc, pos_of(p), out, heads=HEADS, kv_heads=KV, hd=hd, scale=0.2, scratch=None)
+    got = host(out).reshape(HEADS, hd)
+    means = got.mean(axis=1)  # values of kv head 1 sit 4.0 above kv head 0's
+    assert means[2] - means[0] > 3 and means[3] - means[1] > 3
+    want = attention_ref(q, k, v, 1, p, hd, 0.2)
+    within(got.reshape(1, -1), want, attention_bound(q, k, v, 1, p + 1, hd, 0.2, 0.0)[:, None], "grouping")
+
+
+@pytest.mark.parametrize("hd", [16, 32, 64])
+@pytest.mark.parametrize("p", [0, 21])
+@pytest.mark.parametrize("operands", [torch.float32, torch.float16])
+def test_flash_prefill_matches_cpu(hd, p, operands):
+    rng = np.random.default_rng(hd + 7 * p)
+    rows, scale = 7, hd**-0.5
+    q = f32(rng, rows, HEADS * hd)
+    if operands == torch.float16:  # f16 operands: q as stored in f16 is what the reference reads
+        q = q.astype(np.float16).astype(np.float64)
+    k, v, kc, vc = caches(rng, hd, operands)
+    k, v = host(kc), host(vc)  # the stored values (exact for f32; the reference reads the f16 ones)
+    out = torch.empty(rows, HEADS * hd, device=DEVICE)
+    # 16-row tiles: several query tiles, key tiles wholly below the diagonal and tiles across it
+    attention.flash_prefill(
+        dev(q, operands), kc, vc, pos_of(p), out, rows=rows, heads=HEADS, kv_heads=KV, hd=hd, scale=scale,
+        block_m=16, block_n=16,
+    )  # fmt: skip
+    want = attention_ref(q, k, v, rows, p, hd, scale)
+    # f16 operands: q and k are already f16 values; the weights are rounded to f16 for the second product
+    operand = U16 if operands == torch.float16 else TF32X3
+    within(host(out), want, attention_bound(q, k, v, rows, p + rows, hd, scale, 0.0, operand)[:, None], "prefill")
+
+
+def test_flash_prefill_default_tiles_and_row_pitch():
+    rng = np.random.default_rng(9)
+    rows, hd, p, scale = 5, 32, 9, 0.15
+    merged = f32(rng, rows, 2 * HEADS * hd)  # q read in place from a wider row
+    k, v, kc, vc = caches(rng, hd, torch.float32)
+    out = torch.empty(rows, HEADS * hd, device=DEVICE)
+    q = dev(merged)[:, : HEADS * hd]
+    attention.flash_prefill(q, kc, vc, pos_of(p), out, rows=rows, heads=HEADS, kv_heads=KV, hd=hd, scale=scale)
+    want = attention_ref(merged[:, : HEADS * hd], k, v, rows, p, hd, scale)
+    bound = attention_bound(merged[:, : HEADS * hd], k, v, rows, p + rows, hd, scale, 0.0, TF32X3)
+    within(host(out), want, bound[:, None], "prefill")
+
+
+# --- SwiGLU and arg-max ----------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's e^100, on purpose
+def test_glu_act_mul_matches_cpu():
+    rng = np.random.default_rng(4)
+    rows, cols = 3, 1500
+    merged = f32(rng, rows, 2 * cols, scale=4.0)  # gate | up halves of one product, read in place
+    merged[0, :4] = [-100.0, 100.0, -30.0, 0.0]  # e^-g overflows for g = -100: silu is -0, not NaN
+    gate, up = merged[:, :cols], merged[:, cols:]
+    out = torch.empty(rows, cols, device=DEVICE)
+    m = dev(merged)
+    misc.glu_act_mul(m[:, :cols], m[:, cols:], out)
+    want = ref.unary(Unary(UnaryOp.SILU, rows, cols), [gate], 0) * up
+    # e^-g: the exponent's rounding |g| u, exp2's APPROX u; 1 + e, the quotient and the product 3u; the
+    # relative error of e^-g carries to silu at most once
+    within(host(out), want, (np.abs(gate) + APPROX + 3) * U * np.abs(want) + TINY, "swiglu")
+
+
+def test_argmax_ties_take_the_lowest_index():
+    rows, cols = 4, 10_000  # three chunks of 4096
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    x[0, [7, 4000]] = 9.0  # a tie within the first chunk
+    x[1, [4100, 9000]] = 9.0  # a tie across chunks: the earlier chunk's
+    x[2, [4095, 4096]] = 9.0  # either side of a chunk boundary
+    x[3, :] = -np.inf  # all equal: index 0
+    want = ref.argmax(ArgMax(rows, cols), [x], 0)
+    assert list(want) == [7, 4100, 4095, 0]
+    for scratch in (None, misc.argmax_scratch(rows, cols, DEVICE)):
+        out = torch.full((rows,), -1, dtype=torch.int32, device=DEVICE)
+        misc.argmax(dev(x), out, scratch=scratch)
+        np.testing.assert_array_equal(host(out), want)
+        if scratch is not None:
+            assert not host(scratch[-rows:].view(torch.int32)).any(), "the merge left a counter armed"
+            x[0, 12] = 10.0  # run again on new logits with the same scratch
+            out64 = torch.empty(rows, dtype=torch.int64, device=DEVICE)
+            misc.argmax(dev(x), out64, scratch=scratch)
+            assert host(out64)[0] == 12
+
+
+# --- the real shapes, on a GPU ---------------------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+R_HEADS, R_KV, R_HD, R_CACHE, R_HIDDEN, R_VOCAB = 32, 8, 128, 4096, 4096, 151_936
+
+
+def real_ref_attention(q, k, v, rows: int, p: int, scale: float) -> np.ndarray:
+    spec = Attention(rows, R_HEADS, R_KV, R_HD, R_CACHE, scale)
+    return ref.attention(spec, [q, k, v], p)
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("p", [0, 1000, R_CACHE - 1])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
+def test_cuda_flash_decode_real_shape(p, cache_dtype):
+    rng = np.random.default_rng(p)
+    scale = R_HD**-0.5
+    q = f32(rng, 1, R_HEADS * R_HD)
+    k, v = f32(rng, R_CACHE, R_KV * R_HD), f32(rng, R_CACHE, R_KV * R_HD)
+    out = torch.empty(1, R_HEADS * R_HD, device=DEVICE)
+    scratch = attention.decode_scratch(R_HEADS, R_HD, R_CACHE, DEVICE)
+    shape = dict(heads=R_HEADS, kv_heads=R_KV, hd=R_HD, scale=scale)
+    attention.flash_decode(dev(q), dev(k, cache_dtype), dev(v, cache_dtype), pos_of(p), out, scratch=scratch, **shape)
+    stored = U16 if cache_dtype == torch.float16 else 0.0
+    bound = attention_bound(q, k, v, 1, p + 1, R_HD, scale, stored)
+    within(host(out), real_ref_attention(q, k, v, 1, p, scale), bound[:, None], "decode")
+    assert attention.decode_plan(R_HEADS, R_KV, R_HD, R_CACHE).splits > 1
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("operands", [torch.float16, torch.float32])
+def test_cuda_flash_prefill_real_shape(operands):
+    rng = np.random.default_rng(8)
+    rows, p, scale = 128, 1000, R_HD**-0.5
+    q = f32(rng, rows, R_HEADS * R_HD)
+    if operands == torch.float16:
+        q = q.astype(np.float16).astype(np.float64)
+    kc, vc = dev(f32(rng, R_CACHE, R_KV * R_HD), operands), dev(f32(rng, R_CACHE, R_KV * R_HD), operands)
+    k, v = host(kc), host(vc)
+    out = torch.empty(rows, R_HEADS * R_HD, device=DEVICE)
+    attention.flash_prefill(
+        dev(q, operands), kc, vc, pos_of(p), out, rows=rows, heads=R_HEADS, kv_heads=R_KV, hd=R_HD, scale=scale
+    )
+    operand = U16 if operands == torch.float16 else TF32X3
+    bound = attention_bound(q, k, v, rows, p + rows, R_HD, scale, 0.0, operand)
+    within(host(out), real_ref_attention(q, k, v, rows, p, scale), bound[:, None], "prefill")
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_cuda_norms_rope_glu_argmax_real_shapes():
+    rng = np.random.default_rng(10)
+    x, r, w = f32(rng, 4, R_HIDDEN), f32(rng, 4, R_HIDDEN), f32(rng, R_HIDDEN)
+    out, sums = torch.empty(4, R_HIDDEN, device=DEVICE), torch.empty(4, R_HIDDEN, device=DEVICE)
+    norm.rms_norm(dev(x), dev(w), out, EPS, residual=dev(r), sum_out=sums)
+    want = weighted_norm(x + r, w, R_HIDDEN)
+    within(host(out), want, norm_rel(R_HIDDEN) * np.abs(want), "add norm")
+
+    fmt = Format.Q4_K
+    raw = random_blocks(fmt, 64 * R_HIDDEN // LAYOUTS[fmt].values, rng, scale=0.5).reshape(-1)
+    ids = np.array([63, 5], dtype=np.int32)
+    rows_out, out2 = torch.empty(2, R_HIDDEN, device=DEVICE), torch.empty(2, R_HIDDEN, device=DEVICE)
+    norm.embed_norm(torch.from_numpy(raw).to(DEVICE), fmt, dev(ids, torch.int32), dev(w), rows_out, out2, EPS)
+    np.testing.assert_array_equal(host(rows_out), dequantize_rows(raw, fmt, (64, R_HIDDEN), ids, dtype=np.float64))
+
+    p, rows = R_CACHE - 8, 4
+    q, k = f32(rng, rows, R_HEADS * R_HD), f32(rng, rows, R_KV * R_HD)
+    qw, kw = f32(rng, R_HD), f32(rng, R_HD)
+    q_out = torch.empty(rows, R_HEADS * R_HD, device=DEVICE)
+    k_cache = torch.zeros(R_CACHE, R_KV * R_HD, dtype=torch.float16, device=DEVICE)
+    rope.rope_q_k(
+        dev(q), dev(k), q_out, k_cache, pos_of(p), heads=R_HEADS, kv_heads=R_KV, hd=R_HD, base=QWEN_BASE,
+        q_norm_w=dev(qw), k_norm_w=dev(kw), eps=EPS, k_cache_row_pitch=R_KV * R_HD,
+    )  # fmt: skip
+    want_q = ref.rope(Rope(rows, R_HEADS, R_HD, QWEN_BASE), [weighted_norm(q, qw, R_HD)], p)
+    within(host(q_out), want_q, rope_bound(want_q, R_HD, p + rows, True), "q at a long position")
+
+    gate, up = f32(rng, 2, 11008, scale=4.0), f32(rng, 2, 11008)
+    glu = torch.empty(2, 11008, device=DEVICE)
+    misc.glu_act_mul(dev(gate), dev(up), glu)
+    want = ref.unary(Unary(UnaryOp.SILU, 2, 11008), [gate], 0) * up
+    within(host(glu), want, (np.abs(gate) + APPROX + 3) * U * np.abs(want) + TINY, "swiglu")
+
+    logits = rng.standard_normal((1, R_VOCAB)).astype(np.float32)
+    logits[0, [77_000, 150_000]] = 50.0
+    top = torch.empty(1, dtype=torch.int32, device=DEVICE)
+    misc.argmax(dev(logits), top, scratch=misc.argmax_scratch(1, R_VOCAB, DEVICE))
+    assert int(top.item()) == 77_000
