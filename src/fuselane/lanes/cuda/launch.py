@@ -207,22 +207,69 @@ def _embed_norm(op: Op, b: Bound):
     return [lambda: norm.embed_norm(table, fmt, ids, w, rows_out, out, spec.eps)]
 
 
-def _rope_class(op: Op, b: Bound):
-    _, _, rope, *_ = _t()
+@dataclass(frozen=True, slots=True)
+class _Side:
+    """One rotation as the rope kernels take it: input, output (a buffer, or the cache at the position), its
+    shape, and the per-head norm it may take first."""
+
+    x: Any
+    out: Any
+    heads: int
+    hd: int
+    base: float
+    norm_w: Any
+    eps: float
+    pitch: int | None
+
+
+def _side(op: Op, b: Bound) -> _Side:
     found = leaves(op)
     r_op = next(p for p in found if isinstance(p.sym, Rope))
     spec: Rope = r_op.sym  # type: ignore[assignment]
     n_op = next((p for p in found if isinstance(p.sym, RmsNorm)), None)
     w_op = next((p for p in found if isinstance(p.sym, Elementwise)), None)
-    x = b.bufs[(n_op or r_op).ins[0]]
-    norm_w = b.vec[w_op.ins[1]] if w_op is not None else None
-    eps = n_op.sym.eps if n_op is not None else 0.0  # type: ignore[union-attr]
     appended = op.dst.row is not None
-    out = b.bufs[op.dst.buf] if appended else b.bufs[r_op.out]
-    pitch = op.dst.row.pitch if appended else None  # type: ignore[union-attr]
-    pos = b.bufs["pos"]
-    args = dict(heads=spec.heads, hd=spec.hd, base=spec.base, norm_w=norm_w, eps=eps, cache_row_pitch=pitch)
-    return [lambda: rope.qk_norm_rope(x, out, pos, **args)]
+    return _Side(
+        x=b.bufs[(n_op or r_op).ins[0]],
+        out=b.bufs[op.dst.buf] if appended else b.bufs[r_op.out],
+        heads=spec.heads,
+        hd=spec.hd,
+        base=spec.base,
+        norm_w=b.vec[w_op.ins[1]] if w_op is not None else None,
+        eps=n_op.sym.eps if n_op is not None else 0.0,  # type: ignore[union-attr]
+        pitch=op.dst.row.pitch if appended else None,  # type: ignore[union-attr]
+    )
+
+
+def _rope_class(op: Op, b: Bound):
+    _, _, rope, *_ = _t()
+    s, pos = _side(op, b), b.bufs["pos"]
+    args = dict(heads=s.heads, hd=s.hd, base=s.base, norm_w=s.norm_w, eps=s.eps, cache_row_pitch=s.pitch)
+    return [lambda: rope.qk_norm_rope(s.x, s.out, pos, **args)]
+
+
+def _rope_pair(q_op: Op, k_op: Op, b: Bound) -> Launch:
+    """A layer's query and key rotations in one launch (the key appended to its cache where it is)."""
+    _, _, rope, *_ = _t()
+    q, k, pos = _side(q_op, b), _side(k_op, b), b.bufs["pos"]
+    args = dict(
+        heads=q.heads,
+        kv_heads=k.heads,
+        hd=q.hd,
+        base=q.base,
+        q_norm_w=q.norm_w,
+        k_norm_w=k.norm_w,
+        eps=q.eps,
+        k_cache_row_pitch=k.pitch,
+    )
+    return lambda: rope.rope_q_k(q.x, k.x, q.out, k.out, pos, **args)
+
+
+def _rope_qk(op: Op, b: Bound):
+    q_op, k_op = op.sym.parts  # type: ignore[union-attr]
+    if _side(q_op, b).pitch is not None:
+        q_op, k_op = k_op, q_op
+    return [_rope_pair(q_op, k_op, b)]
 
 
 def _gemm_bias(op: Op, b: Bound):
@@ -265,9 +312,19 @@ def _merged(op: Op, b: Bound):
         out, row = _rows_view(b, landing)
         products.append((b.raw[mm.ins[1]][0], spec.n, out, b.vec[bias] if bias else None, row))
         if cls is C.QKV_HEAD_EPILOGUE:
-            after.extend(bind(m.sym.parts[1], b))  # type: ignore[union-attr]
+            after.append(m.sym.parts[1])  # type: ignore[union-attr]
     x, fmt = b.bufs[members[0].ins[0]], b.raw[leaves(members[0])[0].ins[1]][1]
-    return [lambda: gemv.gemv_parts(x, products, fmt), *after]
+    turns = _turns(after, b)
+    return [lambda: gemv.gemv_parts(x, products, fmt), *turns]
+
+
+def _turns(sides: list[Op], b: Bound) -> list[Launch]:
+    """The rotations a GEMV in parts leaves for its epilogue: a query and a key go in one launch."""
+    if len(sides) == 2:
+        q_op, k_op = sides if _side(sides[1], b).pitch is not None else sides[::-1]
+        if _side(q_op, b).pitch is None and (_side(q_op, b).norm_w is None) == (_side(k_op, b).norm_w is None):
+            return [_rope_pair(q_op, k_op, b)]
+    return [launch for side in sides for launch in bind(side, b)]
 
 
 def _qkv_head(op: Op, b: Bound):
@@ -308,6 +365,7 @@ NATIVE: dict[C, Callable[[Op, Bound], list[Launch] | None]] = {
     C.QK_NORM_ROPE: _rope_class,
     C.QK_NORM_ROPE_KV_APPEND: _rope_class,
     C.ROPE_KV_APPEND: _rope_class,
+    C.ROPE_QK_ONE_LAUNCH: _rope_qk,
     C.GEMM_BIAS: _gemm_bias,
     C.ROW_WRITE: _row_write,
     C.GEMV_GATE_UP_GLU: _gate_up,

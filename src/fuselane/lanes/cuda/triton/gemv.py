@@ -1,0 +1,447 @@
+"""Decode products by checkpoint rows: y (m, n) = x (m, k) @ W^T, W dequantized in the kernel.
+
+A decode step's products read every weight once and do little arithmetic with it, so they run at the speed
+the weights stream from memory. These kernels keep W as the checkpoint's bytes (a 1-D uint8 tensor holding
+exactly the GGUF tensor: `n` rows of `k` values in whole blocks of the format) and decode it in registers,
+block by block, with f32 sums: no dequantized copy is ever written or read.
+
+Launch shape: a program takes a tile of BLOCK_N output rows for all m <= `kernels.GEMV_ROWS` input rows and
+walks k in steps of whole blocks (`gemv_formats`). BLOCK_N and the warps a program come from the lane's
+kernel facts: `kernels.rows_a_warp` rows a warp (four, eight lanes a row, for a wide product in a block
+format met one row at a time; one, 32 lanes, otherwise) times a block of four or eight warps, so the shim's
+promises (a part's rows whole warps of rows) are the launches' shapes. A batch's m past GEMV_ROWS runs in
+tiles of GEMV_ROWS rows on the grid's second axis, each tile re-reading the weights (mostly from L2):
+correct, but the tensor-core GEMM is the fast path there.
+
+Bandwidth (an H200 reads ~4.8 TB/s, ~18 bytes a clock a SM): the weights are read once, each thread taking
+whole runs of a block's bytes, a warp's lanes adjacent runs of a row, so every 32-byte sector is used whole.
+What limits a 4-bit format is issue rate, not memory: at f32 (the `dequant` activations) every value costs a
+decode, a float conversion and two FMAs. Compiled for sm_90 (Triton 3.6's ptxas), the k loop issues about
+6.8 instructions a value for Q4_K, 7.8 for Q8_0, 9.7 for Q6_K, 11.5 for Q5_0 and 3.9 for F16, no spills;
+at 128 instructions a clock a SM that is ~60 % of the HBM rate for Q4_K, ~70 % for Q8_0, ~45 % for Q6_K and
+Q5_0, the full rate for F16. (The int8 activations' dp4a kernels are the lane's path past that.)
+
+Three launchers, each one launch, none allocating:
+- `gemv`: one product, with its bias, a residual added, or landing in a row of a table (a KV cache) at a
+  position read on the device, so a captured CUDA graph replays at a new position;
+- `gemv_parts`: up to `kernels.GEMM_PARTS` products of one format reading one activation (a layer's q, k
+  and v), programs mapped to parts by their cumulative tiles;
+- `gemv_gate_up_glu`: a gate and an up product with SwiGLU in the epilogue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselane.gguf.formats import Format, row_bytes
+from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.triton.gemv_formats import SLOTS, dot_rows
+
+# The most f32 partial sums a thread keeps for its m rows' slot values: a step's slot is cut finer as m grows
+# so that m times the values a thread holds stays within it. At 64 the sm_90 build needs at most 128
+# registers at m = 1 (four 128-thread blocks a SM) and ~165 at m = 2..8, with no spills.
+ACC_VALUES = 64
+
+# Steps the k loop keeps in flight where its loads can go asynchronously (Triton's software pipeliner,
+# `tl.range(num_stages=...)`, staging through shared memory with cp.async): one decoded while two stream in.
+# A SM needs ~25 KB of loads in flight to cover HBM latency on an H200 (4.8 TB/s x ~0.7 us / 132 SMs); a Q4_K
+# step of a 16-row tile is 4.6 KB, and a 4096-row product has ~2 programs a SM.
+GEMV_STAGES = 3
+# cp.async moves 4, 8 or 16 bytes from an address so aligned: a format whose units are whole 16-byte lines
+# (Q4_K, Q5_K, the floats) pipelines; the others' 2-byte-aligned blocks (Q8_0's 34 bytes, Q6_K's 210, ...)
+# cannot, and run one step at a time, their latency covered by occupancy (sm_90 SASS of Q8_0 and Q6_K has ~5 %
+# fewer instructions a value unpipelined: the pipeliner's shared-memory staging buys them nothing).
+ASYNC_ALIGN = 16
+
+
+def _stages(fmt: Format) -> int:
+    """Pipeline stages of a format's k loop: GEMV_STAGES where every unit starts 16-byte aligned, else 1."""
+    unit_bytes = row_bytes(fmt, SLOTS[fmt].unit)
+    return GEMV_STAGES if unit_bytes % ASYNC_ALIGN == 0 else 1
+
+
+# Stand-in for a part's tile boundary when the launch has fewer parts: no program id reaches it.
+NO_TILE = 2**31 - 1
+
+
+class Part(NamedTuple):
+    """One product of a launch in parts: `out` (m, n) = x @ W^T (+ `bias`), or, with `out_row` =
+    (pos, pitch), row r written at row pos[0] + r of the table `out` whose rows are `pitch` values apart."""
+
+    w: torch.Tensor
+    n: int
+    out: torch.Tensor
+    bias: torch.Tensor | None = None
+    out_row: tuple[torch.Tensor, int] | None = None
+
+
+# --- kernels -----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _pick(part, a0, a1, a2, a3, PARTS: tl.constexpr):
+    """Argument `part` of a0..a3 (a scalar select; parts past PARTS are never picked)."""
+    v = a0
+    if PARTS > 1:
+        v = tl.where(part == 1, a1, v)
+    if PARTS > 2:
+        v = tl.where(part == 2, a2, v)
+    if PARTS > 3:
+        v = tl.where(part == 3, a3, v)
+    return v
+
+
+@triton.jit
+def _store(
+    y,
+    rows,
+    n,
+    mi,
+    m,
+    out,
+    pitch,
+    bias,
+    pos,
+    res,
+    res_pitch,
+    HAS_BIAS: tl.constexpr,
+    AT_ROW: tl.constexpr,
+    HAS_RES: tl.constexpr,
+):
+    """The epilogue: + bias, + residual, stored at row mi (or pos[0] + mi) of `out`; rows past m or n dropped."""
+    keep = rows < n
+    mask = (mi < m)[:, None] & keep[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias + rows, mask=keep, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:
+        y += tl.load(res + mi.to(tl.int64)[:, None] * res_pitch + rows[None, :], mask=mask, other=0.0).to(tl.float32)
+    at = mi.to(tl.int64)
+    if AT_ROW:
+        at += tl.load(pos).to(tl.int64)
+    tl.store(out + at[:, None] * pitch + rows[None, :], y, mask=mask)
+
+
+@triton.jit
+def _gemv_parts_kernel(
+    x,
+    x_pitch,
+    m,
+    w0,
+    n0,
+    out0,
+    pitch0,
+    bias0,
+    pos0,
+    w1,
+    n1,
+    out1,
+    pitch1,
+    bias1,
+    pos1,
+    w2,
+    n2,
+    out2,
+    pitch2,
+    bias2,
+    pos2,
+    w3,
+    n3,
+    out3,
+    pitch3,
+    bias3,
+    pos3,
+    t1,
+    t2,
+    t3,
+    res,
+    res_pitch,
+    FMT: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    STEPS: tl.constexpr,
+    UNITS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PARTS: tl.constexpr,
+    BIAS: tl.constexpr,
+    AT_ROW: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    # Part p owns tiles [t_p, t_{p+1}); BIAS and AT_ROW hold a bit a part; the residual is part 0's.
+    pid = tl.program_id(0)
+    part = (pid >= t1).to(tl.int32)
+    if PARTS > 2:
+        part += (pid >= t2).to(tl.int32)
+    if PARTS > 3:
+        part += (pid >= t3).to(tl.int32)
+    w = _pick(part, w0, w1, w2, w3, PARTS)
+    n = _pick(part, n0, n1, n2, n3, PARTS)
+    first = _pick(part, 0, t1, t2, t3, PARTS)
+    rows = (pid - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows past the part's end read its last row (no masked loads in the k loop); the store drops them.
+    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    mi = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    x_rows = x + tl.minimum(mi, m - 1) * x_pitch
+    y = dot_rows(w_rows, x_rows, FMT, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES)
+    if PARTS == 1:
+        _store(y, rows, n, mi, m, out0, pitch0, bias0, pos0, res, res_pitch, BIAS & 1, AT_ROW & 1, HAS_RES)
+    else:
+        if part == 0:
+            _store(y, rows, n, mi, m, out0, pitch0, bias0, pos0, res, res_pitch, BIAS & 1, AT_ROW & 1, HAS_RES)
+        if part == 1:
+            _store(y, rows, n, mi, m, out1, pitch1, bias1, pos1, res, 0, (BIAS >> 1) & 1, (AT_ROW >> 1) & 1, 0)
+        if PARTS > 2:
+            if part == 2:
+                _store(y, rows, n, mi, m, out2, pitch2, bias2, pos2, res, 0, (BIAS >> 2) & 1, (AT_ROW >> 2) & 1, 0)
+        if PARTS > 3:
+            if part == 3:
+                _store(y, rows, n, mi, m, out3, pitch3, bias3, pos3, res, 0, (BIAS >> 3) & 1, (AT_ROW >> 3) & 1, 0)
+
+
+@triton.jit
+def _gemv_glu_kernel(
+    x,
+    x_pitch,
+    m,
+    w_gate,
+    w_up,
+    n,
+    out,
+    pitch,
+    FMT: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    STEPS: tl.constexpr,
+    UNITS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_off = tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    mi = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    x_rows = x + tl.minimum(mi, m - 1) * x_pitch
+    gate = dot_rows(w_gate + row_off, x_rows, FMT, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES)
+    up = dot_rows(w_up + row_off, x_rows, FMT, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES)
+    # SiLU(g) = g / (1 + e^-g): for a very negative g, e^-g is inf and the quotient a signed zero, as it should
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    mask = (mi < m)[:, None] & (rows < n)[None, :]
+    tl.store(out + mi.to(tl.int64)[:, None] * pitch + rows[None, :], y, mask=mask)
+
+
+# --- launch facts ------------------------------------------------------------------------------------------------
+
+
+def _largest_pow2_dividing(count: int, most: int) -> int:
+    """The largest power of two <= `most` that divides `count`."""
+    p = 1
+    while p * 2 <= most and count % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+def _plan(fmt: Format, k: int, block_n: int, warps: int, block_m: int) -> tuple[int, int, int]:
+    """(steps, units a step, split) of the k loop (see `gemv_formats`): slots cut as finely as the registers
+    ask, a step as many units as the block's threads a row take, a power of two dividing the row (so no
+    step is partial and no load masked), and, where the row has too few units, slots cut finer still so
+    that no thread idles."""
+    s = SLOTS[fmt]
+    if k % s.unit:
+        raise ValueError(f"the {fmt.name} GEMV takes rows of whole {s.unit}-value units, not {k} values")
+    threads_a_row = max(1, warps * kernels.WARP // block_n)
+    split = 1
+    while s.values // split > max(1, ACC_VALUES // block_m) and split < s.most_split:
+        split *= 2
+    units = _largest_pow2_dividing(k // s.unit, max(1, threads_a_row // (s.base * split)))
+    while units * s.base * split < threads_a_row and split < s.most_split:
+        split *= 2
+    return k // s.unit // units, units, split
+
+
+def _tile(fmt: Format, n: int, k: int, m: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of a product: the lane's rows a warp times the block's warps."""
+    per_warp = kernels.rows_a_warp(fmt, n, k, m)
+    warps = kernels.gemv_blk_norm_threads(per_warp) // kernels.WARP
+    return per_warp * warps, warps
+
+
+def _check_x(x: torch.Tensor, k: int) -> int:
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or not x.is_floating_point():
+        raise ValueError(f"x must be a float (m, {k}) tensor with unit column stride, got {tuple(x.shape)}")
+    m = x.shape[0]
+    if m < 1:
+        raise ValueError("the GEMV needs at least one row of x")
+    return m
+
+
+def _row_tiles(m: int) -> tuple[int, int]:
+    """(BLOCK_M, tiles of x's rows): all m rows in one tile up to the GEMV's rows, tiles of them past it."""
+    block_m = min(triton.next_power_of_2(m), kernels.GEMV_ROWS)
+    return block_m, triton.cdiv(m, block_m)
+
+
+def _check_w(w: torch.Tensor, fmt: Format, n: int, k: int) -> None:
+    want = n * row_bytes(fmt, k)
+    if w.dtype != torch.uint8 or w.dim() != 1 or not w.is_contiguous() or w.numel() != want:
+        raise ValueError(f"{fmt.name} weights of {n} rows of {k} must be a contiguous 1-D uint8 tensor of {want} bytes")
+
+
+def _out_args(part: Part, m: int) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """(out, row pitch, position tensor or None) of a part, checked."""
+    out, n = part.out, part.n
+    if out.dim() != 2 or out.stride(1) != 1:
+        raise ValueError("out must be a 2-D tensor with unit column stride")
+    if part.out_row is None:
+        if tuple(out.shape) != (m, n):
+            raise ValueError(f"out must be ({m}, {n}), got {tuple(out.shape)}")
+        return out, out.stride(0), None
+    # The position is on the device: the rows pos[0] .. pos[0] + m - 1 must exist, which only the caller knows.
+    pos, pitch = part.out_row
+    if not n <= pitch == out.stride(0) or pos.numel() < 1 or pos.is_floating_point():
+        raise ValueError(f"out_row needs an integer position tensor and a pitch >= {n} equal to out's row stride")
+    return out, pitch, pos
+
+
+def _check_bias(bias: torch.Tensor | None, n: int) -> None:
+    if bias is not None and (bias.dim() != 1 or bias.numel() != n or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous ({n},) tensor")
+
+
+# --- launchers ---------------------------------------------------------------------------------------------------
+
+
+def gemv_parts(
+    x: torch.Tensor,
+    parts: Sequence[Part | tuple],
+    fmt: Format,
+    *,
+    residual: torch.Tensor | None = None,
+) -> None:
+    """One launch of up to `kernels.GEMM_PARTS` products of one format reading the same `x` (m, k).
+
+    Each part is a `Part` (or a tuple in its order: w, n, out, bias|None, out_row|None): its `out` gets
+    x @ W^T (+ bias), (m, n) or rows of a table at a position read on the device. `residual` (m, n0), if
+    given, is added to part 0 (it may be part 0's `out`). The tile shape is the first part's rows a warp
+    (the shim merges only parts that share it); any shape computes the same numbers.
+    """
+    fmt = Format(fmt)
+    parts = [Part(*p) for p in parts]
+    if not 1 <= len(parts) <= kernels.GEMM_PARTS:
+        raise ValueError(f"a launch in parts takes 1..{kernels.GEMM_PARTS} parts, not {len(parts)}")
+    k = x.shape[1]
+    m = _check_x(x, k)
+    block_n, warps = _tile(fmt, parts[0].n, k, m)
+    block_m, m_tiles = _row_tiles(m)
+    steps, units, split = _plan(fmt, k, block_n, warps, block_m)
+    args: list = []
+    firsts: list[int] = []
+    tiles = bias_bits = row_bits = 0
+    for i, p in enumerate(parts):
+        _check_w(p.w, fmt, p.n, k)
+        _check_bias(p.bias, p.n)
+        out, pitch, pos = _out_args(p, m)
+        bias_bits |= (p.bias is not None) << i
+        row_bits |= (pos is not None) << i
+        # an absent bias or position is never read: any tensor stands in for its pointer
+        args += [p.w, p.n, out, pitch, x if p.bias is None else p.bias, x if pos is None else pos]
+        firsts.append(tiles)
+        tiles += triton.cdiv(p.n, block_n)
+    for _ in range(len(parts), kernels.GEMM_PARTS):
+        args += [x, 1, x, 0, x, x]
+    firsts = firsts[1:] + [NO_TILE] * (kernels.GEMM_PARTS - len(parts))
+    if residual is not None and (tuple(residual.shape) != (m, parts[0].n) or residual.stride(1) != 1):
+        raise ValueError(f"residual must be ({m}, {parts[0].n}) with unit column stride")
+    _gemv_parts_kernel[(tiles, m_tiles)](
+        x,
+        x.stride(0),
+        m,
+        *args,
+        *firsts,
+        x if residual is None else residual,
+        0 if residual is None else residual.stride(0),
+        FMT=int(fmt),
+        ROW_BYTES=row_bytes(fmt, k),
+        STEPS=steps,
+        UNITS=units,
+        SPLIT=split,
+        PARTS=len(parts),
+        BIAS=bias_bits,
+        AT_ROW=row_bits,
+        HAS_RES=residual is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        STAGES=_stages(fmt),
+        num_warps=warps,
+    )
+
+
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    fmt: Format,
+    n: int,
+    k: int,
+    out: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    out_row: tuple[torch.Tensor, int] | None = None,
+) -> torch.Tensor:
+    """out = x (m, k) @ W^T (+ bias) (+ residual), W the n x k checkpoint rows `w` in `fmt`; returns `out`.
+
+    With `out_row` = (pos, pitch), row r of the result lands at row pos[0] + r of the 2-D table `out` (rows
+    `pitch` values apart, the first n of each written), the position read on the device. `residual` (m, n)
+    may be `out` itself (an in-place add).
+    """
+    if x.dim() == 2 and x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns, the weights' rows {k}")
+    gemv_parts(x, [Part(w, n, out, bias, out_row)], fmt, residual=residual)
+    return out
+
+
+def gemv_gate_up_glu(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    fmt: Format,
+    n: int,
+    k: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """out (m, n) = SiLU(x @ Wg^T) * (x @ Wu^T) in one launch, both matrices n x k checkpoint rows in `fmt`;
+    returns `out`. A program takes the same rows of both, so the gate's and the up product's values meet in
+    registers."""
+    fmt = Format(fmt)
+    m = _check_x(x, k)
+    _check_w(w_gate, fmt, n, k)
+    _check_w(w_up, fmt, n, k)
+    _out_args(Part(w_gate, n, out), m)
+    block_n, warps = _tile(fmt, n, k, m)
+    block_m, m_tiles = _row_tiles(m)
+    steps, units, split = _plan(fmt, k, block_n, warps, block_m)
+    _gemv_glu_kernel[(triton.cdiv(n, block_n), m_tiles)](
+        x,
+        x.stride(0),
+        m,
+        w_gate,
+        w_up,
+        n,
+        out,
+        out.stride(0),
+        FMT=int(fmt),
+        ROW_BYTES=row_bytes(fmt, k),
+        STEPS=steps,
+        UNITS=units,
+        SPLIT=split,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        STAGES=_stages(fmt),
+        num_warps=warps,
+    )
+    return out
