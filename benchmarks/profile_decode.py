@@ -1,0 +1,61 @@
+"""Where a cuda-lane decode step's time goes: graph replay alone, the host's share, and each kernel's.
+
+Usage: python benchmarks/profile_decode.py MODEL.gguf [--steps 100] [--ctx 1024]
+Prints the replay time of the captured step (no host copy of logits), the time of a whole `forward` (with
+the copy), and the kernels of one eager step by total GPU time (torch.profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from fuselane.runtime.model import load
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--ctx", type=int, default=1024)
+    args = ap.parse_args()
+    m = load(args.model, lane="cuda", ctx=args.ctx)
+    lane = m.lane
+    session = m.session()
+    session.feed(list(range(100, 164)))
+    for t in range(3):
+        lane.forward(np.array([t]), len(session.tokens))
+    step = lane.step(1)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step.graph.replay()
+    torch.cuda.synchronize()
+    replay = (time.perf_counter() - start) / args.steps
+    start = time.perf_counter()
+    for t in range(args.steps):
+        lane.forward(np.array([t]), 64)
+    torch.cuda.synchronize()
+    whole = (time.perf_counter() - start) / args.steps
+    print(f"launches a step {step.launches}; replay {replay * 1e3:.3f} ms; forward with logits {whole * 1e3:.3f} ms")
+    print(f"weights {lane.weight_bytes() / 1e9:.3f} GB a token -> {lane.weight_bytes() / replay / 1e9:.0f} GB/s")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step._eager()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name[:60]].append(e.device_time)
+    rows = sorted(totals.items(), key=lambda kv: -sum(kv[1]))
+    print(f"{'kernel':60} {'count':>5} {'total us':>9} {'mean us':>8}")
+    for name, times in rows[:20]:
+        print(f"{name:60} {len(times):5d} {sum(times):9.1f} {sum(times) / len(times):8.2f}")
+    print(f"all kernels {sum(sum(t) for t in totals.values()):.1f} us")
+
+
+if __name__ == "__main__":
+    main()
