@@ -20,7 +20,7 @@ from fuselane.fuse.optimizer import rule_names  # noqa: E402
 from fuselane.gguf.synth import write_synthetic  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 
-PROMPT = [5, 60, 7, 300, 8]
+PROMPT = [5, 60, 7, 300, 8, 1, 2, 3, 4, 5, 6]  # past the GEMV's rows: the prefill GEMM and flash-prefill run
 DECODE = [9, 10, 11]
 
 

@@ -86,11 +86,15 @@ class CudaLane:
                 self.raw[name] = (raw.to(self.device), t.format)
 
     def dense(self, name: str) -> Any:
-        """A matrix dequantized to f16 on the device, for products past the GEMV's rows (made once)."""
+        """A matrix dequantized to f16 on the device, for products past the GEMV's rows (made once, by a
+        kernel, from the bytes already there)."""
         if name not in self._dense:
-            t = self.tensors[name]
-            values = dequantize(t.data, t.format, t.shape, dtype=np.float32)
-            self._dense[name] = self.torch.from_numpy(values).to(self.device, self.torch.float16)
+            from fuselane.lanes.cuda.triton.gemv_epilogue import dequantize as device_dequantize
+
+            raw, fmt = self.raw[name]
+            n, k = self.tensors[name].shape
+            out = self.torch.empty((n, k), dtype=self.torch.float16, device=self.device)
+            self._dense[name] = device_dequantize(raw, fmt, n, k, out)
         return self._dense[name]
 
     def weight_bytes(self) -> int:

@@ -332,14 +332,24 @@ def _qkv_head(op: Op, b: Bound):
 
 
 def _norm_epilogue(op: Op, b: Bound):
-    """A projection with its residual add and norm: the GEMV adds the residual into the sum, then the norm."""
+    """A projection with its residual add and norm: one launch whose last program norms the sum (a step's one
+    row), or the product with the residual then the norm (a chunk's rows)."""
     mm = op.sym.parts[0]  # type: ignore[union-attr]
     add_norm = op.sym.parts[1]  # type: ignore[union-attr]
     add, n_op, w_op = leaves(add_norm)
     residual = add.ins[0] if add.ins[1] == mm.out else add.ins[1]
-    _, norm, *_ = _t()
     spec: RmsNorm = n_op.sym  # type: ignore[assignment]
     s, w, out = b.bufs[add.out], b.vec[w_op.ins[1]], b.bufs[w_op.out]
+    product: Matmul = mm.sym  # type: ignore[assignment]
+    if product.m == 1:
+        from fuselane.lanes.cuda.triton import gemv_epilogue
+
+        x, r = b.bufs[mm.ins[0]], b.bufs[residual]
+        wt, fmt = b.raw[mm.ins[1]]
+        counter = gemv_epilogue.gemv_add_norm_counter(x.device)  # its own: launches on one stream in turn
+        n, k = product.n, product.k
+        return [lambda: gemv_epilogue.gemv_add_norm(x, wt, fmt, n, k, r, s, w, spec.eps, out, counter)]
+    _, norm, *_ = _t()
     rows = (spec.rows, spec.cols)
     return [
         _product(mm, b, residual=residual, dst=add),

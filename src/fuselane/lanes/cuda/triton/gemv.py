@@ -27,6 +27,8 @@ Three launchers, each one launch, none allocating:
 - `gemv_parts`: up to `kernels.GEMM_PARTS` products of one format reading one activation (a layer's q, k
   and v), programs mapped to parts by their cumulative tiles;
 - `gemv_gate_up_glu`: a gate and an up product with SwiGLU in the epilogue.
+`gemv_epilogue` builds on these: `gemv_add_norm` (a step's projection plus residual whose last program norms
+the row, GemvNormEpilogue in one launch) and `dequantize` (a whole matrix decoded on the device).
 """
 
 from __future__ import annotations

@@ -1,0 +1,402 @@
+"""Launches past `gemv`'s plain products, over the same checkpoint bytes: a decode projection whose last block
+norms the row it wrote (GemvNormEpilogue), and the whole-matrix decode the prefill GEMMs' dense weights
+come from.
+
+`gemv_add_norm` is one launch where the plain path takes two (`gemv` with a residual, then `norm.rms_norm`):
+every program writes its tile of sum_out = x @ W^T + residual exactly as `gemv` does, then counts itself
+done on a device counter; the program that finds itself last reads the whole sum_out row back, which every
+other program has finished writing, and norms it. The norm's row is held in the block's registers, at most
+`kernels.NORM_HELD_A_THREAD` values a thread, so the launch takes only a norm its block holds
+(`kernels.block_holds_its_norm`), the very fact the shim fuses by (`fits._gemv_norm_epilogue`).
+
+`dequantize` decodes an (n, k) matrix of checkpoint bytes into f16 or f32 values on the device, each value
+the f32 `fuselane.gguf.dequant` gives, bit for bit (rounded once to f16 for an f16 result), with the bit
+facts and helpers of `gemv_formats`. A 4096 x 12288 Q4_K matrix is 28 MB read and 100 MB written (f16): tens
+of microseconds of an H200's HBM time, where a decode on the host and its copy up take far longer.
+
+`gemv_add_norm`'s memory ordering is not tested by Triton's interpreter, which runs programs one after another: the
+comments at the counter say why the GPU's is right.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselane.gguf.formats import LAYOUTS, QK, Format, row_bytes
+from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.triton.gemv import (
+    _check_w,
+    _check_x,
+    _largest_pow2_dividing,
+    _plan,
+    _stages,
+    _store,
+    _tile,
+)
+from fuselane.lanes.cuda.triton.gemv_formats import (
+    BIT,
+    CRUMB,
+    F32_TWO_23_BITS,
+    FMT_BF16,
+    FMT_F16,
+    FMT_F32,
+    FMT_Q4_0,
+    FMT_Q4_1,
+    FMT_Q4_K,
+    FMT_Q5_0,
+    FMT_Q5_1,
+    FMT_Q5_K,
+    FMT_Q6_K,
+    FMT_Q8_0,
+    HALF_QK,
+    HALF_WORD_BITS,
+    K_PAIRS,
+    NIBBLE,
+    NIBBLE_BITS,
+    NO_FIELD,
+    Q4_0_D,
+    Q4_0_QS,
+    Q4_1_D,
+    Q4_1_M,
+    Q4_1_QS,
+    Q4_BIAS,
+    Q4_K_D,
+    Q4_K_DMIN,
+    Q4_K_QS,
+    Q4_K_SCALES,
+    Q5_0_D,
+    Q5_0_QH,
+    Q5_0_QS,
+    Q5_1_D,
+    Q5_1_M,
+    Q5_1_QH,
+    Q5_1_QS,
+    Q5_BIAS,
+    Q5_K_D,
+    Q5_K_DMIN,
+    Q5_K_QH,
+    Q5_K_QS,
+    Q5_K_SCALES,
+    Q6_BIAS,
+    Q6_HALF,
+    Q6_K_D,
+    Q6_K_QH,
+    Q6_K_QL,
+    Q6_K_SCALES,
+    Q6_QH_HALF,
+    Q6_QL_HALF,
+    Q6_SUB,
+    Q8_0_D,
+    Q8_0_QS,
+    QK_C,
+    SLOTS,
+    _f16,
+    _in_two_23,
+    _k_scale_min,
+    dot_rows,
+)
+
+# Values one program of `dequantize` writes: 8 KB of f32 a program, 8 values a thread of DEQUANT_WARPS warps.
+# Compiled for sm_90 that takes 32-92 registers a thread, no spills; twice the values a program takes 120-206
+# for the 32-value formats and the floats (a thread then holds more units' pointers and scales), leaving a SM
+# too few warps to keep its stores in flight.
+DEQUANT_VALUES = 2048
+DEQUANT_WARPS = 8
+# Result types of `dequantize`: the prefill GEMMs' f16 operands, or f32 (the reference's own values).
+DEQUANT_OUT = (torch.float16, torch.float32)
+# The done-counter of `gemv_add_norm`: a 32-bit atomic, far past any launch's programs.
+COUNTER_DTYPE = torch.int32
+
+
+# --- the product with its norm ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gemv_add_norm_kernel(
+    x,
+    w,
+    n,
+    res,
+    sum_out,
+    norm_w,
+    out,
+    counter,
+    eps,
+    FMT: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    STEPS: tl.constexpr,
+    UNITS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # rows past n read the last row (no masked loads in the k loop); the store drops them
+    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    one = tl.arange(0, 1)  # the step's one row of x
+    y = dot_rows(w_rows, x + one, FMT, STEPS, UNITS, SPLIT, 1, BLOCK_N, STAGES)
+    # gemv's own epilogue: + residual (which may be sum_out itself: each program reads only the rows it writes)
+    _store(y, rows, n, one, 1, sum_out, 0, sum_out, sum_out, res, 0, False, False, True)
+
+    # Why the last program sees every program's sum_out, on the GPU:
+    # - the block's barrier orders all its threads' stores before the counter's atomic, which one thread does
+    #   (Triton lowers an atomic on a scalar pointer to one thread, its result broadcast through shared memory);
+    # - that atomic is a release at gpu scope (acq_rel): the stores it orders are visible at gpu scope (in L2,
+    #   as L1 writes through) to whoever acquires the counter's later value;
+    # - the last program's atomic reads the value every other program's release wrote (a read-modify-write
+    #   always reads the latest value in the counter's order), and is an acquire: everything those programs
+    #   stored happens-before it, and the broadcast's barrier orders it before every thread's loads below;
+    # - those loads read L2 (.cg), never this SM's L1: a line of sum_out may sit there stale, loaded as another
+    #   tile's residual by an earlier program on this SM (sum_out may be the residual's buffer), and weak loads
+    #   could hit it. This is CUTLASS's semaphore and `attention.flash_decode`'s merge.
+    tl.debug_barrier()
+    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        offs = tl.arange(0, NORM_BLOCK)
+        mask = offs < n
+        s = tl.load(sum_out + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        # the arithmetic of `norm.rms_norm`: r = 1 / sqrt(mean(s^2) + eps), out = (s * r) * w
+        r = tl.rsqrt(tl.sum(s * s, axis=0) / n + eps)
+        y_norm = s * r * tl.load(norm_w + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out + offs, y_norm.to(out.dtype.element_ty), mask=mask)
+        # every other program has counted already: re-armed for the next launch (a CUDA graph's replay), which
+        # stream order puts after this one's end, so no ordering is asked of the store
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+def norm_tile(fmt: Format, n: int, k: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of `gemv_add_norm`: the product's tile for one row (`gemv`'s), except that a Q8_0
+    projection's block is at least the norm's own (`kernels.norm_threads`), as the shim reads it."""
+    fmt = Format(fmt)
+    block_n, warps = _tile(fmt, n, k, 1)
+    if fmt is Format.Q8_0:
+        # a row a warp, so more warps only widen the tile; the k loop's plan is the same a row
+        warps = max(warps, kernels.norm_threads(n) // kernels.WARP)
+        block_n = kernels.rows_a_warp(fmt, n, k, 1) * warps
+    return block_n, warps
+
+
+def gemv_add_norm_counter(device: torch.device | str) -> torch.Tensor:
+    """The counter `gemv_add_norm` takes: one int32 at zero on `device`, allocated once (before a CUDA graph is
+    captured) and left at zero by every launch. Launches that may run at once (other streams) need their own."""
+    return torch.zeros(1, dtype=COUNTER_DTYPE, device=device)
+
+
+def _check_row(t: torch.Tensor, n: int, name: str) -> None:
+    if t.numel() != n or not t.is_contiguous() or not t.is_floating_point():
+        raise ValueError(f"{name} must be a contiguous float tensor of {n} values (one row), got {tuple(t.shape)}")
+
+
+def gemv_add_norm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    fmt: Format,
+    n: int,
+    k: int,
+    residual: torch.Tensor,
+    sum_out: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    counter: torch.Tensor,
+) -> torch.Tensor:
+    """One launch for a decode step's row: sum_out = x @ W^T + residual, then out = sum_out / sqrt(mean(sum_out^2)
+    + eps) * norm_w, the norm done by the launch's last program over the sum_out it reads back; returns `out`.
+
+    `x` is (1, k) or (k,), W the n x k checkpoint rows `w` in `fmt`; `residual`, `sum_out`, `norm_w` and `out`
+    hold n values each, contiguous. `sum_out` may be `residual` (the residual stream updated in place);
+    `out` and `x` must not overlap either. `counter` is `gemv_add_norm_counter`'s, at zero, and left at zero.
+    Raises ValueError where the block does not hold the norm's width (`kernels.block_holds_its_norm`).
+    """
+    fmt = Format(fmt)
+    x2 = x.view(1, -1) if x.dim() == 1 else x
+    if _check_x(x2, k) != 1:
+        raise ValueError(f"gemv_add_norm takes a decode step's one row of x, not {x2.shape[0]}")
+    _check_w(w, fmt, n, k)
+    for t, name in ((residual, "residual"), (sum_out, "sum_out"), (norm_w, "norm_w"), (out, "out")):
+        _check_row(t, n, name)
+    if counter.dtype != COUNTER_DTYPE or counter.numel() != 1 or counter.device != x.device:
+        raise ValueError("counter must be one int32 on x's device (gemv_add_norm_counter)")
+    block_n, warps = norm_tile(fmt, n, k)
+    threads = warps * kernels.WARP
+    if not kernels.block_holds_its_norm(threads, n):
+        raise ValueError(
+            f"a {fmt.name} GEMV's block of {threads} threads holds a norm of at most "
+            f"{threads * kernels.NORM_HELD_A_THREAD} values, not {n}"
+        )
+    steps, units, split = _plan(fmt, k, block_n, warps, 1)
+    _gemv_add_norm_kernel[(triton.cdiv(n, block_n),)](
+        x2,
+        w,
+        n,
+        residual,
+        sum_out,
+        norm_w,
+        out,
+        counter,
+        float(eps),
+        FMT=int(fmt),
+        ROW_BYTES=row_bytes(fmt, k),
+        STEPS=steps,
+        UNITS=units,
+        SPLIT=split,
+        BLOCK_N=block_n,
+        STAGES=_stages(fmt),
+        # threads are a power of two, so a held row's power of two is at most NORM_HELD_A_THREAD a thread
+        NORM_BLOCK=triton.next_power_of_2(n),
+        num_warps=warps,
+    )
+    return out
+
+
+# --- the whole-matrix decode ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _nibble_values(blk, t, D: tl.constexpr, M: tl.constexpr, QH: tl.constexpr, QS: tl.constexpr, BIAS: tl.constexpr):
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1: value t < 16 is the low nibble of qs byte t, 16 + t its high nibble; the
+    5-bit formats (QH >= 0) take bit t of the little-endian 32-bit qh as the fifth bit.
+    value = d * (code - BIAS), plus the minimum m where M >= 0 (one rounding, as gguf's)."""
+    q = tl.load(blk + QS + (t % HALF_QK)[None, :]).to(tl.int32)
+    code = (q >> ((t // HALF_QK) * NIBBLE_BITS)[None, :]) & NIBBLE
+    if QH >= 0:
+        qh_ptr = (blk + QH).to(tl.pointer_type(tl.uint16))
+        qh = tl.load(qh_ptr).to(tl.int32) | (tl.load(qh_ptr + 1).to(tl.int32) << HALF_WORD_BITS)
+        code |= ((qh >> t[None, :]) & BIT) << NIBBLE_BITS
+    v = _f16(blk + D) * _in_two_23(code | F32_TWO_23_BITS, BIAS)
+    if M >= 0:
+        v += _f16(blk + M)
+    return v
+
+
+@triton.jit
+def _k_pair_values(blk, D: tl.constexpr, DMIN: tl.constexpr, SCALES: tl.constexpr, QH: tl.constexpr, QS: tl.constexpr):
+    """Q4_K / Q5_K: sub-block s of 8 (values 32s .. 32s + 31 of t); sub-blocks 2g and 2g + 1 share the 32 qs
+    bytes from 32g, the first in low nibbles; Q5_K (QH >= 0) takes bit s of qh byte i as value 32s + i's fifth.
+    value = (d * scale) * code - dmin * min, every product exact, the difference rounded once. The tile is
+    [U, sub-block, value of it], returned so (a reshape to [U, 256] costs a layout change through shared memory
+    and twice the registers), so each sub-block's scale and min are unpacked once, not once a value."""
+    s = tl.arange(0, 2 * K_PAIRS)
+    i = tl.arange(0, QK_C)
+    at = blk[:, :, None] + ((s // 2) * QK_C)[None, :, None] + i[None, None, :]  # [U, 8, 32]: the code's byte
+    code = (tl.load(at + QS).to(tl.int32) >> ((s % 2) * NIBBLE_BITS)[None, :, None]) & NIBBLE
+    if QH >= 0:
+        qh = tl.load(blk[:, :, None] + QH + i[None, None, :]).to(tl.int32)
+        code |= ((qh >> s[None, :, None]) & BIT) << NIBBLE_BITS
+    sc, mn = _k_scale_min(blk, SCALES, s)  # [U, 8]
+    d_sc = (_f16(blk + D) * sc.to(tl.float32))[:, :, None]
+    dmin_mn = (_f16(blk + DMIN) * mn.to(tl.float32))[:, :, None]
+    return d_sc * _in_two_23(code | F32_TWO_23_BITS, 0) - dmin_mn
+
+
+@triton.jit
+def _q6_k_values(blk, t):
+    """Q6_K: value r of half h (t = 128h + r) is nibble r // 64 of ql byte 64h + r % 64 under crumb r // 32 of
+    qh byte 32h + r % 32; a signed 8-bit scale a sub-block of 16. value = (d * scale) * (code - 32)."""
+    h, r = t // Q6_HALF, t % Q6_HALF
+    ql = tl.load(blk + Q6_K_QL + (h * Q6_QL_HALF + r % Q6_QL_HALF)[None, :]).to(tl.int32)
+    qh = tl.load(blk + Q6_K_QH + (h * Q6_QH_HALF + r % Q6_QH_HALF)[None, :]).to(tl.int32)
+    code = ((ql >> ((r // Q6_QL_HALF) * NIBBLE_BITS)[None, :]) & NIBBLE) | (
+        ((qh >> (2 * (r // Q6_QH_HALF))[None, :]) & CRUMB) << NIBBLE_BITS
+    )
+    sc = tl.load((blk + Q6_K_SCALES + (t // Q6_SUB)[None, :]).to(tl.pointer_type(tl.int8))).to(tl.float32)
+    return (_f16(blk + Q6_K_D) * sc) * _in_two_23(code | F32_TWO_23_BITS, Q6_BIAS)
+
+
+@triton.jit
+def _dequant_kernel(
+    w,
+    out,
+    units,
+    units_a_row,
+    pitch,
+    FMT: tl.constexpr,
+    VALUES: tl.constexpr,
+    NBYTES: tl.constexpr,
+    UNITS: tl.constexpr,
+):
+    # a program decodes UNITS whole units (blocks, or runs of VALUES float values) of the flat tensor
+    u = tl.program_id(0).to(tl.int64) * UNITS + tl.arange(0, UNITS)
+    keep = u < units
+    # units past the end decode the last one (no masked loads); the store drops them
+    blk = (w + tl.minimum(u, units - 1) * NBYTES)[:, None]
+    t = tl.arange(0, VALUES)
+    first = out + (u // units_a_row) * pitch + (u % units_a_row) * VALUES  # [U]: each unit's first value
+    if (FMT == FMT_Q4_K) | (FMT == FMT_Q5_K):
+        if FMT == FMT_Q4_K:
+            v3 = _k_pair_values(blk, Q4_K_D, Q4_K_DMIN, Q4_K_SCALES, NO_FIELD, Q4_K_QS)
+        else:
+            v3 = _k_pair_values(blk, Q5_K_D, Q5_K_DMIN, Q5_K_SCALES, Q5_K_QH, Q5_K_QS)
+        at = tl.arange(0, 2 * K_PAIRS)[None, :, None] * QK_C + tl.arange(0, QK_C)[None, None, :]
+        tl.store(first[:, None, None] + at, v3.to(out.dtype.element_ty), mask=keep[:, None, None])
+    else:
+        if FMT == FMT_Q6_K:
+            v = _q6_k_values(blk, t)
+        elif FMT == FMT_Q8_0:
+            q = tl.load((blk + Q8_0_QS + t[None, :]).to(tl.pointer_type(tl.int8))).to(tl.float32)
+            v = _f16(blk + Q8_0_D) * q
+        elif FMT == FMT_Q4_0:
+            v = _nibble_values(blk, t, Q4_0_D, NO_FIELD, NO_FIELD, Q4_0_QS, Q4_BIAS)
+        elif FMT == FMT_Q4_1:
+            v = _nibble_values(blk, t, Q4_1_D, Q4_1_M, NO_FIELD, Q4_1_QS, 0)
+        elif FMT == FMT_Q5_0:
+            v = _nibble_values(blk, t, Q5_0_D, NO_FIELD, Q5_0_QH, Q5_0_QS, Q5_BIAS)
+        elif FMT == FMT_Q5_1:
+            v = _nibble_values(blk, t, Q5_1_D, Q5_1_M, Q5_1_QH, Q5_1_QS, 0)
+        elif FMT == FMT_F32:
+            v = tl.load(blk.to(tl.pointer_type(tl.float32)) + t[None, :])
+        elif FMT == FMT_F16:
+            v = tl.load(blk.to(tl.pointer_type(tl.float16)) + t[None, :]).to(tl.float32)
+        else:
+            tl.static_assert(FMT == FMT_BF16, "no decode for this format")
+            # bf16 is the top half of an f32: shifting it up is exact, NaN payloads included
+            bits = tl.load(blk.to(tl.pointer_type(tl.uint16)) + t[None, :]).to(tl.int32)
+            v = (bits << HALF_WORD_BITS).to(tl.float32, bitcast=True)
+        # an f16 result is the f32 value rounded once, to nearest even (as NumPy's astype rounds)
+        tl.store(first[:, None] + t[None, :], v.to(out.dtype.element_ty), mask=keep[:, None])
+
+
+def _unit_values(fmt: Format, k: int) -> int:
+    """Values a unit of the decode: a block of a quantized format; a float format's run of up to 32 values,
+    a power of two dividing the row (a float row is any length)."""
+    if LAYOUTS[fmt].values > 1:
+        return LAYOUTS[fmt].values
+    return _largest_pow2_dividing(k, QK)
+
+
+def dequantize(w: torch.Tensor, fmt: Format, n: int, k: int, out: torch.Tensor) -> torch.Tensor:
+    """out (n, k) = the values of the n x k checkpoint rows `w` (1-D uint8, the GGUF tensor's bytes) in `fmt`,
+    decoded on the device; returns `out`.
+
+    `out` is an f16 or f32 2-D tensor of unit column stride, rows at any pitch. Every value is the f32
+    `fuselane.gguf.dequant.dequantize` gives, bit for bit; an f16 `out` holds it rounded to nearest even.
+    One launch, any format `gemv` takes.
+    """
+    fmt = Format(fmt)
+    if fmt not in SLOTS:
+        raise ValueError(f"no device decode for {fmt.name}")
+    _check_w(w, fmt, n, k)
+    if out.dtype not in DEQUANT_OUT or out.dim() != 2 or tuple(out.shape) != (n, k) or out.stride(1) != 1:
+        raise ValueError(f"out must be an f16 or f32 ({n}, {k}) tensor with unit column stride")
+    values = _unit_values(fmt, k)
+    units_a_row = k // values
+    units = n * units_a_row
+    if units == 0:
+        return out
+    per_program = max(1, DEQUANT_VALUES // values)
+    _dequant_kernel[(triton.cdiv(units, per_program),)](
+        w,
+        out,
+        units,
+        units_a_row,
+        out.stride(0),
+        FMT=int(fmt),
+        VALUES=values,
+        NBYTES=row_bytes(fmt, values),
+        UNITS=per_program,
+        num_warps=DEQUANT_WARPS,
+    )
+    return out
