@@ -87,7 +87,8 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
     res_t = b.bufs[residual] if residual else None
     if spec.m <= kernels.GEMV_ROWS:
         w, fmt = b.raw[op.ins[1]]
-        return lambda: gemv.gemv(x, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)
+        kernel = _gemv_kernels(fmt, spec.m, out)
+        return lambda: kernel(x, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)
     dense = b.dense(op.ins[1])
 
     def gemm() -> None:
@@ -102,6 +103,29 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
             out.index_copy_(0, row[0].long() + _arange(y.shape[0], out.device), y.to(out.dtype))
 
     return gemm
+
+
+def _fast(fmt: Format, m: int, *outs: Any):
+    """The tile-streaming GEMV kernels where they take this product (one row, their formats, f32 outputs or
+    f16 cache rows), else None."""
+    from fuselane.lanes.cuda.triton import gemv_fast
+
+    f32 = all(out.dtype in _store_types() for out in outs)
+    return gemv_fast if f32 and gemv_fast.supports_fast(fmt, m) else None
+
+
+def _store_types():
+    import torch
+
+    return (torch.float32, torch.float16)
+
+
+def _gemv_kernels(fmt: Format, m: int, out: Any):
+    fast = _fast(fmt, m, out)
+    if fast is not None:
+        return fast.gemv_fast
+    gemv, *_ = _t()
+    return gemv.gemv
 
 
 def _arange(n: int, device: Any):
@@ -292,6 +316,9 @@ def _gate_up(op: Op, b: Bound):
         return None
     x, out = b.bufs[gate.ins[0]], b.bufs[op.out]
     (wg, fmt), (wu, _) = b.raw[gate.ins[1]], b.raw[up.ins[1]]
+    fast = _fast(fmt, spec.m, out)
+    if fast is not None:
+        return [lambda: fast.gemv_fast_gate_up_glu(x, wg, wu, fmt, spec.n, spec.k, out)]
     return [lambda: gemv.gemv_gate_up_glu(x, wg, wu, fmt, spec.n, spec.k, out)]
 
 
@@ -315,6 +342,9 @@ def _merged(op: Op, b: Bound):
             after.append(m.sym.parts[1])  # type: ignore[union-attr]
     x, fmt = b.bufs[members[0].ins[0]], b.raw[leaves(members[0])[0].ins[1]][1]
     turns = _turns(after, b)
+    fast = _fast(fmt, x.shape[0], *(p[2] for p in products))
+    if fast is not None:
+        return [lambda: fast.gemv_fast_parts(x, products, fmt), *turns]
     return [lambda: gemv.gemv_parts(x, products, fmt), *turns]
 
 
@@ -341,11 +371,13 @@ def _norm_epilogue(op: Op, b: Bound):
     spec: RmsNorm = n_op.sym  # type: ignore[assignment]
     s, w, out = b.bufs[add.out], b.vec[w_op.ins[1]], b.bufs[w_op.out]
     product: Matmul = mm.sym  # type: ignore[assignment]
-    if product.m == 1:
+    wt, fmt = b.raw[mm.ins[1]]
+    # The tile-streaming GEMV is 2-4x faster than the kernel that norms in its last program, so where it takes
+    # the product the lane spends a second launch on the norm (see benchmarks/RESULTS.md).
+    if product.m == 1 and _fast(fmt, 1) is None:
         from fuselane.lanes.cuda.triton import gemv_epilogue
 
         x, r = b.bufs[mm.ins[0]], b.bufs[residual]
-        wt, fmt = b.raw[mm.ins[1]]
         counter = gemv_epilogue.gemv_add_norm_counter(x.device)  # its own: launches on one stream in turn
         n, k = product.n, product.k
         return [lambda: gemv_epilogue.gemv_add_norm(x, wt, fmt, n, k, r, s, w, spec.eps, out, counter)]

@@ -1,34 +1,32 @@
 """Bandwidth-first decode GEMV for one activation row: y (1, n) = x (1, k) @ W^T, W as checkpoint bytes.
 
-A decode step's products stream every weight byte once, so their speed is the rate the bytes arrive. These
-kernels are the plain 2-D-tile shape that keeps the most bytes in flight for the least bookkeeping:
+A decode step's products stream every weight byte once, so they run at the rate the bytes arrive. These are
+plain 2-D-tile kernels that keep bytes in flight with little bookkeeping:
 
-- a program takes BLOCK_N whole output rows (grid `cdiv(n, BLOCK_N)`, four warps) and walks them in chunks
-  of CHUNK units (a unit: a 256-value K super-block, a 32-value block, or 256 f16 values), so each
-  iteration issues one wide load of every row's code bytes, a few small loads of their scales and one of
-  the chunk's activations;
-- codes are decoded with integer ops into f32 tiles and multiplied into an f32 accumulator of the tile's
-  own shape, ELEMENTWISE: the loop has no reductions and no cross-lane traffic; the value axes are summed
-  once after it;
-- a row whose units are not a whole number of chunks ends with one masked chunk; no other load is masked
-  (rows past n read row n - 1, and the store drops them).
-
-The tiles' axes are ordered for Triton's default layouts, which hand lanes to the fastest axis first and
-leave the slowest axis to repeat inside a thread: a tile is [RUNS, BLOCK_N, C, VEC] with VEC the bytes one
-load moves (16 where a format's blocks are 16-byte aligned, 2 where they are only 2-byte aligned), C the
-chunk's scale groups (sub-block pairs, 16-byte runs, blocks) and RUNS the VEC-runs of a group. With
-BLOCK_N * C >= 128 lanes a thread holds one group of one row whole, so it decodes that group's scales
-once for all its values instead of once per load.
+- a program takes BLOCK_N whole rows (grid `cdiv(n, BLOCK_N)`, four warps) and walks them in chunks of CHUNK
+  units (a K super-block, a 32-value block, 32 f16 values); each iteration first issues the next chunk's
+  weight loads (a one-chunk register prefetch), then decodes and accumulates this one's;
+- a chunk of a row is cut into scale groups (Q4_K, Q6_K: 16-byte runs of codes, one sub-block of each
+  nibble; Q8_0, Q5_0: a block; F16: 32 values) and CHUNK makes BLOCK_N * groups the block's 128 threads:
+  a thread owns one (row, group), loads its codes as whole vectors (16 bytes, or 2-byte words where blocks
+  are only 2-byte aligned), decodes its group's scales once, and multiplies its values into an f32
+  accumulator of the tile's shape, ELEMENTWISE: no reductions and no cross-lane traffic in the loop;
+- tiles are [BLOCK_N, G, 4, 4]: rows and groups take the lanes and warps (Triton's default layouts hand out
+  lanes to tied axes in order), the 4-wide axes stay in the thread. The activations are loaded with the
+  tile's full shape, so they land in the weights' layout (rows sharing an address are one broadcast), and
+  no layout conversion in the loop goes through shared memory (checked in sm_90 SASS);
+- a partial last chunk reads the row's last unit in place of the missing ones and zeroes them; no weight
+  load is masked (rows past n read row n - 1, and the store drops them).
 
 Codes become floats by the 2^23 trick: OR-ing an integer u < 2^23 into the bits of 2^23 gives the float
-2^23 + u, and one subtraction leaves u: two full-rate ops where the int-to-float converter runs at a
-fraction of the rate on Hopper. A high nibble (and Q6_K's high crumbs) is kept in place, 16 times its
-code, and its scale taken a sixteenth, which is exact. Every decoded weight is bit for bit the f32 value of
-`fuselane.gguf.dequant` (scale products are exact in f32; the K formats' minimum is subtracted with one
-rounding, as gguf does), so only the dot product's summation order differs from the reference.
+2^23 + u, and one subtraction leaves u: two full-rate ops, where the int-to-float converter runs at a
+fraction of the rate on Hopper. A code is kept where it lies in its word (2^e times its value, its scale
+taken 2^-e: exact), so most values cost one AND. Every decoded weight is bit for bit the f32 value of
+`fuselane.gguf.dequant` (scale products are exact in f32; Q4_K's minimum is subtracted with one rounding,
+as gguf does), so only the summation order differs from the reference.
 
-Launchers (raw uint8 weight tensors as `gemv.py` takes them; x (1, k) float; one launch each, none
-allocating): `gemv_fast`, `gemv_fast_parts`, `gemv_fast_gate_up_glu`, and `supports_fast`.
+sm_90 SASS of the loop (Triton 3.6, k = 4096, default tiles, PREFETCH_FENCE): ~6.8 instructions a value
+for Q4_K, 7.4 for Q6_K, 6.1 for Q8_0, 7.6 for Q5_0, 3.6 for F16; 72-96 registers (the GLU 128-168), no spills.
 """
 
 from __future__ import annotations
@@ -38,6 +36,7 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format, row_bytes
 from fuselane.lanes.cuda.triton.gemv import Part
@@ -51,11 +50,10 @@ def _off(fmt: Format, field: str) -> tl.constexpr:
     return _c(LAYOUTS[fmt].field(field).offset)
 
 
-# --- layout facts (formats.LAYOUTS), as constexprs the kernels read -----------------------------------------------
+# --- layout facts (formats.LAYOUTS), as constexprs the kernels read ----------------------------------------------
 
 FMT_F16, FMT_Q8_0, FMT_Q5_0 = _c(Format.F16.value), _c(Format.Q8_0.value), _c(Format.Q5_0.value)
 FMT_Q4_K, FMT_Q6_K = _c(Format.Q4_K.value), _c(Format.Q6_K.value)
-
 Q8_0_BYTES, Q8_0_D, Q8_0_QS = _c(LAYOUTS[Format.Q8_0].nbytes), _off(Format.Q8_0, "d"), _off(Format.Q8_0, "qs")
 Q5_0_BYTES, Q5_0_D = _c(LAYOUTS[Format.Q5_0].nbytes), _off(Format.Q5_0, "d")
 Q5_0_QH, Q5_0_QS = _off(Format.Q5_0, "qh"), _off(Format.Q5_0, "qs")
@@ -63,74 +61,536 @@ Q4_K_BYTES, Q4_K_D, Q4_K_DMIN = _c(LAYOUTS[Format.Q4_K].nbytes), _off(Format.Q4_
 Q4_K_SCALES, Q4_K_QS = _off(Format.Q4_K, "scales"), _off(Format.Q4_K, "qs")
 Q6_K_BYTES, Q6_K_D, Q6_K_SCALES = _c(LAYOUTS[Format.Q6_K].nbytes), _off(Format.Q6_K, "d"), _off(Format.Q6_K, "scales")
 Q6_K_QL, Q6_K_QH = _off(Format.Q6_K, "ql"), _off(Format.Q6_K, "qh")
-
 QK_C, QK_K_C = _c(QK), _c(QK_K)
-F16_UNIT = _c(QK_K)  # values of an F16 row a unit: a chunk of 256 values, like a K super-block
 
-# --- tile facts --------------------------------------------------------------------------------------------------
+# --- tiles -------------------------------------------------------------------------------------------------------
 
-WIDE = _c(16)  # bytes of one load where a format's blocks are 16-byte aligned (Q4_K: 144-byte blocks)
-NARROW = _c(2)  # ... where they are only 2-byte aligned (Q8_0: 34, Q5_0: 22, Q6_K: 210 bytes)
-F16_VEC = _c(8)  # f16 values of one 16-byte load
-# Q4_K: a super-block is 4 pairs of 32-value sub-blocks; a pair's 32 qs bytes hold sub-block 2j in their
-# low nibbles and 2j + 1 in their high ones, each run of 16 bytes a thread's.
-K_PAIRS = _c(4)
-PAIR_BYTES = _c(32)
-PAIR_RUNS = _c(2)  # 16-byte runs of a pair
+# Scale groups a unit has (Q4_K: 16-byte runs of qs, two a sub-block pair; Q6_K: 16-byte runs of ql, four a
+# half), values a unit, and rows a tile by default. Eight rows a tile: a 4096-row product is 512 programs,
+# ~4 for each of an H200's 132 SMs, so small products still fill the machine; the chunk follows (2 super-
+# blocks, 16 blocks, 512 f16 values an iteration).
+K_RUNS, Q6_RUNS = _c(8), _c(8)
+GROUPS = {Format.Q4_K: K_RUNS.value, Format.Q6_K: Q6_RUNS.value, Format.Q8_0: 1, Format.Q5_0: 1, Format.F16: 1}
+GROUPS_C = _c({int(f): g for f, g in GROUPS.items()})
+UNIT_VALUES = {Format.Q4_K: QK_K, Format.Q6_K: QK_K, Format.Q8_0: QK, Format.Q5_0: QK, Format.F16: QK}
+BLOCK_ROWS = {Format.Q4_K: 8, Format.Q6_K: 8, Format.Q8_0: 8, Format.Q5_0: 8, Format.F16: 8}
+WARPS, LANES = 4, 32
+PARTS_MOST = 4  # products one `gemv_fast_parts` launch takes
+# A CTA barrier after each iteration's prefetch: without it ptxas (Triton 3.6, sm_90) sinks the next chunk's
+# loads to the loop's end, so a warp waits out each chunk's latency; with it they issue first and a chunk's
+# decode covers the next one's latency, for ~3 % more instructions and 60-96 registers. Read at launch:
+# set False to time the other schedule.
+PREFETCH_FENCE = True
+NO_TILE = 2**31 - 1  # stand-in tile boundary of an absent part: no program id reaches it
+
+QUAD = _c(4)  # a thread's group as quads: 4 words (16 bytes) of codes, or 4 values (one 16-byte f32 load)
+PAIR = _c(2)  # 2-byte loads: the most that the 2-aligned blocks of Q8_0, Q5_0 and Q6_K allow
+WORD_BYTES, BYTE_BITS, NIBBLE_BITS, HALF_WORD_BITS = _c(4), _c(8), _c(4), _c(16)
+NIBBLE, BYTE, HALF_WORD = _c(0x0F), _c(0xFF), _c(0xFFFF)
+F32_TWO_23_BITS, F32_TWO_23 = _c(0x4B000000), _c(8388608.0)  # 2^23; OR-ing in u < 2^23 gives 2^23 + u
+F32_EXP_BIAS, F32_MANT_BITS = _c(127), _c(23)
+# Q4_K: a pair j of sub-blocks (2j in the low nibbles, 2j + 1 in the high ones) is 32 qs bytes, 64 values
+PAIR_BYTES, PAIR_VALUES, RUN_BYTES, PAIR_RUNS = _c(32), _c(64), _c(16), _c(2)
+LOW_3_BYTES = _c(0xFFFFFF)  # bytes 0-2 of a word: their nibbles in place stay below 2^23's bits
+TOP_SHIFT = _c(12)  # the word 12 bits down: byte 2's high nibble at bits 8-11, byte 3's nibbles at 12-19
+# Q4_K's 12 scale bytes as 16-bit pairs: pair j < 2 has its 6-bit scales in bytes 2j, 2j + 1 and its mins
+# four bytes on; j >= 2 has both's low 4 bits as the nibbles of bytes 2j + 4, 2j + 5 and their top 2 bits
+# as the top bits of bytes 2j - 4, 2j - 3 (scales) and 2j, 2j + 1 (mins).
+K_LOW_PAIRS, K_MIN_BYTES, TOP_TWO_SHIFT = _c(2), _c(4), _c(2)
+SIX_BITS_2, NIBBLE_2, TOP_TWO_2 = _c(0x3F3F), _c(0x0F0F), _c(0x3030)  # per byte of a 16-bit pair
 # Q6_K: two halves of 128 values; byte b (0..63) of a half's ql holds value b (sub-block b // 16) in its low
 # nibble and 64 + b (four sub-blocks on) in its high one; qh byte b % 32 of the half holds their top 2 bits
-# at crumb b // 32 and 2 + b // 32. A 16-byte run r of ql (sub-blocks r and r + 4) is a thread's.
-Q6_RUNS = _c(8)  # 16-byte runs of ql a super-block has: 4 a half
-Q6_HALF_RUNS = _c(4)
-Q6_RUN = _c(16)
-Q6_HALF = _c(128)  # values of a half
-Q6_QL_HALF = _c(64)  # ql bytes of a half; also how far a high nibble's value is from its low one's
-Q6_QH_HALF = _c(32)  # qh bytes of a half
-Q6_HIGH_SUBS = _c(4)  # sub-blocks from a low nibble's scale to its high nibble's
-Q6_SUBS_HALF = _c(8)  # sub-blocks (scales) of a half
-# Q8_0 / Q5_0: a block's 32 values as two planes of 16 (Q8_0: bytes 0-15 and 16-31; Q5_0: the 16 qs bytes'
-# low nibbles, values 0-15, and high nibbles, values 16-31)
-PLANE = _c(16)
+# as crumbs b // 32 and 2 + b // 32. A 16-byte run r of a half's ql is one sub-block of each nibble.
+Q6_HALF_RUNS, Q6_RUN, Q6_HALF, Q6_QL_HALF, Q6_QH_HALF = _c(4), _c(16), _c(128), _c(64), _c(32)
+Q6_QH_RUNS, Q6_HIGH_SUBS, Q6_SUBS_HALF = _c(2), _c(4), _c(8)
+Q6_CRUMB_SHIFT = _c(4)  # qh << (4 - 2 (r // 2)) puts both crumbs of a byte 4 bits over their nibbles
+Q6_CRUMB = _c(0x30)
+Q6_BIAS, Q5_BIAS, SIGNED_BIAS = _c(32), _c(16), _c(128)  # value = scale * (code - bias)
+SIGN_BITS = _c(0x8080)  # XOR-ed into two signed bytes: q + 128 each, unsigned
+HALF_BLOCK = _c(16)  # Q8_0: bytes 0-15 and 16-31; Q5_0: values 0-15 (low nibbles) and 16-31 (high ones)
+FIFTH_BIT = _c(0x10)  # Q5_0: a code's fifth bit, over its low nibble
+F16_RUN = _c(8)  # F16: a unit's 32 values as 4 runs of 8, a quad of each plane
 
-# --- bit facts of the codes (the formats' definitions, as in fuselane.gguf.dequant) --------------------------
 
-NIBBLE = _c(0x0F)
-HIGH_NIBBLE = _c(0xF0)  # a byte's high nibble in place: 16 times its code
-HIGH_STEP = _c(1.0 / 16)  # the scale of a code kept 16 times over (a power of two: exact)
-# Q4_K 6-bit scales and mins of 8 sub-blocks in 12 bytes; read as the little-endian 16-bit pairs of bytes
-# that hold sub-blocks 2j and 2j + 1 (a pair): for j < 2 the scales are the low 6 bits of bytes 2j, 2j + 1
-# and the mins of bytes 2j + 4, 2j + 5; for j >= 2 the low 4 bits of both are the nibbles of bytes 2j + 4,
-# 2j + 5 and their top 2 bits the top 2 bits of bytes 2j - 4, 2j - 3 (scales) and 2j, 2j + 1 (mins).
-K_LOW_PAIRS = _c(2)  # pairs whose scales and mins sit whole in one byte each
-SIX_BITS_2 = _c(0x3F3F)  # the low 6 bits of both bytes of a pair
-NIBBLE_2 = _c(0x0F0F)
-TOP_TWO_2 = _c(0x3030)  # a byte's top 2 bits shifted down to bits 4-5, both bytes
-TOP_SHIFT = _c(2)  # bits 6-7 -> 4-5
-NIBBLE_BITS = _c(4)
-BYTE_BITS = _c(8)
-BYTE = _c(0xFF)
-HALF_WORD_BITS = _c(16)
-PAIR_STRIDE = _c(2)  # bytes of a pair of scale bytes
-K_MIN_BYTES = _c(4)  # from a pair's scale bytes to its min bytes (j < 2) / its low bits (j >= 2)
-# Q6_K: a run's qh byte shifted left by 4 - 2 (r // 2) puts the low nibble's crumb at bits 4-5 and the high
-# nibble's at bits 8-9: each on top of its nibble as kept in place.
-Q6_CRUMB_LOW = _c(0x30)
-Q6_CRUMB_HIGH = _c(0x300)
-Q6_SHIFT_TOP = _c(4)
-Q6_BIAS = _c(32)  # Q6_K: value = d * scale * (code - 32)
-Q5_BIAS = _c(16)  # Q5_0: value = d * (code - 16)
-Q5_FIFTH = _c(0x10)  # the fifth bit of a low-nibble code in place
-Q5_FIFTH_HIGH = _c(0x100)  # ... of a high-nibble code kept 16 times over
-SIGN_AND_TWO_23 = _c(0x4B000080)  # XOR-ed into a signed byte: q + 128 in 2^23's bits
-SIGNED_BYTE_BIAS = _c(128)
-# 0x4B000000 are the bits of 2^23: OR-ing an integer u < 2^23 into them gives the float 2^23 + u exactly.
-F32_TWO_23_BITS = _c(0x4B000000)
-F32_TWO_23 = _c(8388608.0)
+# the alignments the loads take for granted: Q4_K a 16-byte header (d, dmin, scales) and 16-byte runs;
+# the other formats 2-byte words
+if LAYOUTS[Format.Q4_K].nbytes % RUN_BYTES.value or LAYOUTS[Format.Q4_K].field("qs").offset != RUN_BYTES.value:
+    raise RuntimeError("Q4_K: the fast GEMV's loads no longer fit the layout")
+for _lay in (LAYOUTS[Format.Q8_0], LAYOUTS[Format.Q5_0], LAYOUTS[Format.Q6_K]):
+    if _lay.nbytes % 2 or any(f.offset % 2 for f in _lay.fields if f.name != "scales"):
+        raise RuntimeError(f"{_lay.fmt.name}: the fast GEMV loads 2-byte words; the layout moved")
 
-# Units a chunk takes (one loop iteration), and the tile's rows, by default: see `_defaults`.
-CHUNK_UNITS = {Format.Q4_K: 4, Format.Q6_K: 2, Format.Q8_0: 8, Format.Q5_0: 8, Format.F16: 2}
-BLOCK_ROWS = {Format.Q4_K: 8, Format.Q6_K: 8, Format.Q8_0: 16, Format.Q5_0: 16, Format.F16: 8}
-UNIT_VALUES = {Format.Q4_K: QK_K, Format.Q6_K: QK_K, Format.Q8_0: QK, Format.Q5_0: QK, Format.F16: QK_K}
-WARPS = 4
-PARTS_MOST = 4  # products one `gemv_fast_parts` launch takes
-NO_TILE = 2**31 - 1  # stand-in tile boundary of an absent part: no program id reaches it
+
+# --- helpers -----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _ld(ptr):
+    """Weight bytes, read once: evict_first keeps them from pushing the activations out of L2."""
+    return tl.load(ptr, eviction_policy="evict_first")
+
+
+@triton.jit
+def _ld16(ptr, F16: tl.constexpr = False):
+    """The 2-byte words at byte pointers `ptr` (2-aligned), as int32, or as f16 values (F16) in f32."""
+    return _ld(ptr.to(tl.pointer_type(tl.float16 if F16 else tl.uint16))).to(tl.float32 if F16 else tl.int32)
+
+
+@triton.jit
+def _acts(ptr, live, MASKED: tl.constexpr):
+    """Activations as f32 (default caching: every program re-reads them); 0 past the row."""
+    return tl.load(ptr, mask=live if MASKED else None, other=0.0 if MASKED else None).to(tl.float32)
+
+
+@triton.jit
+def _in_two_23(bits, bias):
+    """u - bias as f32, exactly, from `bits`: 2^23's bits with an integer 0 <= u < 2^23 OR-ed in."""
+    return bits.to(tl.float32, bitcast=True) - (bias + F32_TWO_23)
+
+
+@triton.jit
+def _at(value, e):
+    """value << e for an integer tensor e (the constant made a tensor first)."""
+    return (tl.zeros_like(e) + value) << e
+
+
+@triton.jit
+def _pow2(e):
+    """2^-e, e an integer tensor in 0..126, as f32 from its exponent bits (exact, no exp2)."""
+    return ((-e + F32_EXP_BIAS) << F32_MANT_BITS).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quads_of(N: tl.constexpr, STEP: tl.constexpr, RUN: tl.constexpr = QUAD):
+    """Offsets [1, 1, 4, N] of a run as 4 quads (RUN apart) of N items STEP apart: 16 values (N = 4, STEP = 1),
+    or the 2-byte words of a 16-byte run (N = 2, STEP = 2)."""
+    return tl.arange(0, QUAD)[None, None, :, None] * RUN + tl.arange(0, N)[None, None, None, :] * STEP
+
+
+@triton.jit
+def _bytes(v):
+    """[N, G, 4, 2] 16-bit words -> [N, G, 4, 2, 1], and the index e of their bytes as [1, 1, 1, 1, 2]."""
+    return v[:, :, :, :, None], tl.arange(0, PAIR)[None, None, None, None, :]
+
+
+@triton.jit
+def _quads(wa, wb, BLOCK_N: tl.constexpr, G: tl.constexpr):
+    """Planes [N, G, 4, 2, 2] (a quad's 2-byte words, their bytes) -> [N, G, 4, 4]: bytes in memory order."""
+    return tl.reshape(wa, [BLOCK_N, G, QUAD, QUAD]), tl.reshape(wb, [BLOCK_N, G, QUAD, QUAD])
+
+
+# --- per format: decoding a chunk's raw bytes (`_raw`, loaded a chunk ahead) -------------------------------------
+#
+# Each `_w_*` returns two f32 planes (wa, wb) [N, G, 4, 4], which meet the activations `_activations` loads.
+
+
+@triton.jit
+def _header_u16(h0, h1, h2, h3, off):
+    """The 16-bit word at byte `off` (even, < 16) of a Q4_K header held as 4 words."""
+    word = tl.where(off < WORD_BYTES, h0, tl.where(off < 2 * WORD_BYTES, h1, tl.where(off < 3 * WORD_BYTES, h2, h3)))
+    return (word >> ((off % WORD_BYTES) * BYTE_BITS)) & HALF_WORD
+
+
+@triton.jit
+def _w_q4_k(raw, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Q4_K: value = d * scale * code - dmin * min. A group is a 16-byte run of pair j's qs: wa its low
+    nibbles (sub-block 2j), wb its high ones (2j + 1); [N, G, 4 words, 4 bytes]."""
+    header, words = raw
+    a, b = tl.split(tl.reshape(header, [BLOCK_N, CHUNK * K_RUNS, PAIR, PAIR]))
+    h0, h2 = tl.split(a)
+    h1, h3 = tl.split(b)
+    d = _header_u16(h0, h1, h2, h3, Q4_K_D).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = _header_u16(h0, h1, h2, h3, Q4_K_DMIN).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    j = ((tl.arange(0, CHUNK * K_RUNS) % K_RUNS) // PAIR_RUNS)[None, :]
+    low = j < K_LOW_PAIRS
+    p = _header_u16(h0, h1, h2, h3, j * PAIR + Q4_K_SCALES)  # bytes 2j, 2j + 1 of the scales
+    q = _header_u16(h0, h1, h2, h3, j * PAIR + (Q4_K_SCALES + K_MIN_BYTES))
+    r = _header_u16(h0, h1, h2, h3, j * PAIR - tl.where(low, 0, K_MIN_BYTES) + Q4_K_SCALES)
+    scales = tl.where(low, p & SIX_BITS_2, (q & NIBBLE_2) | ((r >> TOP_TWO_SHIFT) & TOP_TWO_2))
+    mins = tl.where(low, q & SIX_BITS_2, ((q >> NIBBLE_BITS) & NIBBLE_2) | ((p >> TOP_TWO_SHIFT) & TOP_TWO_2))
+    ds_a = (d * (scales & BYTE).to(tl.float32))[:, :, None, None]
+    ds_b = (d * (scales >> BYTE_BITS).to(tl.float32))[:, :, None, None]
+    dm_a = (dmin * (mins & BYTE).to(tl.float32))[:, :, None, None]
+    dm_b = (dmin * (mins >> BYTE_BITS).to(tl.float32))[:, :, None, None]
+    # Byte t of a word holds two codes, each kept where it lies: bytes 0-2's low nibbles (e = 8t) and bytes
+    # 0-1's high ones (e = 8t + 4) in the word itself, the rest in the word 12 bits down (byte 2's high
+    # nibble at e = 8, byte 3's at 12 and 16): all under 2^23's bits.
+    t = tl.arange(0, QUAD)[None, None, None, :]
+    w = words[:, :, :, None]
+    w_in_place = (w & LOW_3_BYTES) | F32_TWO_23_BITS
+    w_down = (w >> TOP_SHIFT) | F32_TWO_23_BITS
+    e_lo = tl.where(t < 3, t * BYTE_BITS, TOP_SHIFT)
+    e_hi = tl.where(t < 2, t * BYTE_BITS + NIBBLE_BITS, t * BYTE_BITS - TOP_SHIFT + NIBBLE_BITS)
+    lo = tl.where(t < 3, w_in_place, w_down) & (_at(NIBBLE, e_lo) | F32_TWO_23_BITS)
+    hi = tl.where(t < 2, w_in_place, w_down) & (_at(NIBBLE, e_hi) | F32_TWO_23_BITS)
+    wa = _in_two_23(lo, 0.0) * (ds_a * _pow2(e_lo)) - dm_a
+    wb = _in_two_23(hi, 0.0) * (ds_b * _pow2(e_hi)) - dm_b
+    return wa, wb
+
+
+@triton.jit
+def _q6_k_runs(u0, CHUNK: tl.constexpr):
+    """Q6_K: each group's (a ql run's) unit, half and run of the half, [G] each."""
+    g = tl.arange(0, CHUNK * Q6_RUNS)
+    return g // Q6_RUNS + u0, (g % Q6_RUNS) // Q6_HALF_RUNS, g % Q6_HALF_RUNS
+
+
+@triton.jit
+def _w_q6_k(raw, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Q6_K: value = d * scale * (code - 32); wa the low nibbles of a run, wb the high ones."""
+    d, sc_lo, sc_hi, ql, qh = raw
+    _, _, r = _q6_k_runs(0, CHUNK)
+    ds_a = (d * sc_lo.to(tl.float32))[:, :, None, None, None]
+    ds_b = (d * sc_hi.to(tl.float32))[:, :, None, None, None]
+    ql, e = _bytes(ql | F32_TWO_23_BITS)
+    top, _ = _bytes(qh << ((r // 2) * -2 + Q6_CRUMB_SHIFT)[None, :, None, None])
+    # byte e of a 2-byte word, in place: 2^(8e) times the low nibble's code, 2^(8e + 4) times the high one's
+    e_lo, e_hi = e * BYTE_BITS, e * BYTE_BITS + NIBBLE_BITS
+    lo = (ql & (_at(NIBBLE, e_lo) | F32_TWO_23_BITS)) | (top & _at(Q6_CRUMB, e_lo))
+    hi = (ql & (_at(NIBBLE, e_hi) | F32_TWO_23_BITS)) | (top & _at(Q6_CRUMB, e_hi))
+    wa = _in_two_23(lo, _at(Q6_BIAS, e_lo).to(tl.float32)) * (ds_a * _pow2(e_lo))
+    wb = _in_two_23(hi, _at(Q6_BIAS, e_hi).to(tl.float32)) * (ds_b * _pow2(e_hi))
+    return _quads(wa, wb, BLOCK_N, CHUNK * Q6_RUNS)
+
+
+@triton.jit
+def _w_q8_0(raw, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Q8_0: value = d * q, q a signed byte; wa bytes 0-15 of a block, wb bytes 16-31."""
+    d, qa, qb = raw
+    # one XOR flips both bytes' sign bits (q + 128, unsigned) and sets 2^23's bits, which they do not touch
+    qa, e = _bytes(qa ^ (F32_TWO_23_BITS | SIGN_BITS))
+    qb, _ = _bytes(qb ^ (F32_TWO_23_BITS | SIGN_BITS))
+    mask = _at(BYTE, e * BYTE_BITS) | F32_TWO_23_BITS  # byte e in place: 2^(8e) times its code
+    bias = _at(SIGNED_BIAS, e * BYTE_BITS).to(tl.float32)
+    scale = d[:, :, None, None, None] * _pow2(e * BYTE_BITS)
+    wa = _in_two_23(qa & mask, bias) * scale
+    wb = _in_two_23(qb & mask, bias) * scale
+    return _quads(wa, wb, BLOCK_N, CHUNK)
+
+
+@triton.jit
+def _w_q5_0(raw, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Q5_0: value = d * (code - 16); qs byte i holds the low 4 bits of value i (wa) in its low nibble and of
+    value 16 + i (wb) in its high one; bit v of the 32-bit qh is value v's fifth bit."""
+    d, qh, qs = raw
+    qs, e = _bytes(qs | F32_TWO_23_BITS)
+    i = tl.arange(0, QUAD)[None, None, :, None, None] * QUAD + tl.arange(0, PAIR)[None, None, None, :, None] * PAIR + e
+    fifth = qh[:, :, None, None, None] >> i  # bit 0: value i's fifth bit; bit 16: value 16 + i's
+    e_lo, e_hi = e * BYTE_BITS, e * BYTE_BITS + NIBBLE_BITS  # the nibbles in place, as for Q6_K
+    lo = (qs & (_at(NIBBLE, e_lo) | F32_TWO_23_BITS)) | ((fifth << (e_lo + NIBBLE_BITS)) & _at(FIFTH_BIT, e_lo))
+    hi = ((fifth >> HALF_WORD_BITS) << (e_hi + NIBBLE_BITS)) & _at(FIFTH_BIT, e_hi)
+    hi |= qs & (_at(NIBBLE, e_hi) | F32_TWO_23_BITS)
+    d = d[:, :, None, None, None]
+    wa = _in_two_23(lo, _at(Q5_BIAS, e_lo).to(tl.float32)) * (d * _pow2(e_lo))
+    wb = _in_two_23(hi, _at(Q5_BIAS, e_hi).to(tl.float32)) * (d * _pow2(e_hi))
+    return _quads(wa, wb, BLOCK_N, CHUNK)
+
+
+# --- the loop ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _raw(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
+    """Units u0.. of each row (`w_rows`: [N] uint8 pointers) as a tuple of [N, G, ...] tiles of raw bytes;
+    with CLAMP (a partial last chunk) units past the row read its last unit."""
+    if FMT == FMT_Q6_K:
+        unit, half, r = _q6_k_runs(u0, CHUNK)
+    else:
+        unit = tl.arange(0, CHUNK * GROUPS_C[FMT]) // GROUPS_C[FMT] + u0
+    if CLAMP:
+        unit = tl.minimum(unit, N_UNITS - 1)
+    if FMT == FMT_Q4_K:  # the 16-byte header (d, dmin, scales) and a 16-byte run of qs, as 4 words each
+        blk = (w_rows[:, None] + (unit * Q4_K_BYTES)[None, :])[:, :, None]
+        run = blk + ((tl.arange(0, CHUNK * K_RUNS) % K_RUNS) * RUN_BYTES + Q4_K_QS)[None, :, None]
+        words = tl.arange(0, QUAD)[None, None, :]
+        raw = _ld(blk.to(tl.pointer_type(tl.uint32)) + words), _ld(run.to(tl.pointer_type(tl.uint32)) + words)
+    elif FMT == FMT_Q6_K:  # d, the run's two scales, its 16 ql bytes and the 16 qh bytes of their crumbs
+        blk = w_rows[:, None] + (unit * Q6_K_BYTES)[None, :]
+        sc = (blk + (half * Q6_SUBS_HALF + r + Q6_K_SCALES)[None, :]).to(tl.pointer_type(tl.int8))
+        ql = (blk + (half * Q6_QL_HALF + r * Q6_RUN + Q6_K_QL)[None, :])[:, :, None, None] + _quads_of(PAIR, PAIR)
+        qh = (blk + (half * Q6_QH_HALF + (r % Q6_QH_RUNS) * Q6_RUN + Q6_K_QH)[None, :])[:, :, None, None]
+        raw = _ld16(blk + Q6_K_D, True), _ld(sc), _ld(sc + Q6_HIGH_SUBS), _ld16(ql), _ld16(qh + _quads_of(PAIR, PAIR))
+    elif FMT == FMT_Q8_0:  # d and the block's two 16-byte halves
+        blk = w_rows[:, None] + (unit * Q8_0_BYTES)[None, :]
+        qs = blk[:, :, None, None] + Q8_0_QS + _quads_of(PAIR, PAIR)
+        raw = _ld16(blk + Q8_0_D, True), _ld16(qs), _ld16(qs + HALF_BLOCK)
+    elif FMT == FMT_Q5_0:  # d, qh as little-endian 32 bits, the 16 qs bytes
+        blk = w_rows[:, None] + (unit * Q5_0_BYTES)[None, :]
+        qh = _ld16(blk + Q5_0_QH) | (_ld16(blk + Q5_0_QH + PAIR) << HALF_WORD_BITS)
+        raw = _ld16(blk + Q5_0_D, True), qh, _ld16(blk[:, :, None, None] + Q5_0_QS + _quads_of(PAIR, PAIR))
+    else:
+        tl.static_assert(FMT == FMT_F16, "no fast GEMV for this format")
+        rows = w_rows.to(tl.pointer_type(tl.float16))[:, None, None, None]
+        rows += unit[None, :, None, None] * QK_C + _quads_of(QUAD, 1, F16_RUN)
+        raw = _ld(rows), _ld(rows + QUAD)
+    return raw
+
+
+@triton.jit
+def _activations(x, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                 MASKED: tl.constexpr):  # fmt: skip
+    """The activations both planes meet, (xa, xb), and the chunk's live units."""
+    if FMT == FMT_Q4_K:  # run g % 8 of a super-block: pair (g % 8) // 2; xb is 32 values on (high nibbles)
+        g = tl.arange(0, CHUNK * K_RUNS)[None, :, None, None]
+        unit, run = g // K_RUNS + u0, g % K_RUNS
+        off = unit * QK_K_C + (run // PAIR_RUNS) * PAIR_VALUES + (run % PAIR_RUNS) * RUN_BYTES + _quads_of(QUAD, 1)
+        second: tl.constexpr = PAIR_BYTES
+    elif FMT == FMT_Q6_K:  # run r of a half; xb is 64 values on (high nibbles)
+        unit, half, r = _q6_k_runs(u0, CHUNK)
+        off = (unit * QK_K_C + half * Q6_HALF + r * Q6_RUN)[None, :, None, None] + _quads_of(QUAD, 1)
+        unit = unit[None, :, None, None]
+        second: tl.constexpr = Q6_QL_HALF
+    elif FMT == FMT_F16:  # values 8r + 0..3 of run r of a unit; xb the next 4
+        unit = tl.arange(0, CHUNK)[None, :, None, None] + u0
+        off = unit * QK_C + _quads_of(QUAD, 1, F16_RUN)
+        second: tl.constexpr = QUAD
+    else:  # a block; xb is its second half
+        unit = tl.arange(0, CHUNK)[None, :, None, None] + u0
+        off = unit * QK_C + _quads_of(QUAD, 1)
+        second: tl.constexpr = HALF_BLOCK
+    # the full [N, ...] shape puts the activations in the weights' layout (the rows' loads are one broadcast)
+    xs = x + off + tl.zeros([BLOCK_N, 1, 1, 1], tl.int32)
+    live = unit < N_UNITS
+    return _acts(xs, live, MASKED), _acts(xs + second, live, MASKED), live
+
+
+@triton.jit
+def _fma(acc, raw, xa, xb, live, FMT: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+         MASKED: tl.constexpr):  # fmt: skip
+    """acc += wa * xa; acc += wb * xb (two fused multiply-adds an element). In a partial chunk the missing
+    units' weights are zeroed too: their activations are 0, but the stand-in weights could be inf."""
+    if FMT == FMT_Q4_K:
+        wa, wb = _w_q4_k(raw, BLOCK_N, CHUNK)
+    elif FMT == FMT_Q6_K:
+        wa, wb = _w_q6_k(raw, BLOCK_N, CHUNK)
+    elif FMT == FMT_Q8_0:
+        wa, wb = _w_q8_0(raw, BLOCK_N, CHUNK)
+    elif FMT == FMT_Q5_0:
+        wa, wb = _w_q5_0(raw, BLOCK_N, CHUNK)
+    else:
+        wa, wb = raw[0].to(tl.float32), raw[1].to(tl.float32)
+    if MASKED:
+        wa = tl.where(live, wa, 0.0)
+        wb = tl.where(live, wb, 0.0)
+    acc += wa * xa
+    acc += wb * xb
+    return acc
+
+
+@triton.jit
+def _row_dots(w_a, w_b, x, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr,
+              FENCE: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
+    """x . row for the tile's rows of `w_a` (and of `w_b` where TWO), [N] f32 each: every iteration loads the
+    next chunk's weights, then decodes and accumulates this one's."""
+    CHUNKS: tl.constexpr = (N_UNITS + CHUNK - 1) // CHUNK
+    PARTIAL: tl.constexpr = N_UNITS % CHUNK != 0
+    G: tl.constexpr = CHUNK * (K_RUNS if FMT == FMT_Q4_K else (Q6_RUNS if FMT == FMT_Q6_K else 1))
+    raw_a = _raw(w_a, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
+    raw_b = raw_a
+    acc_a = tl.zeros([BLOCK_N, G, QUAD, QUAD], tl.float32)
+    acc_b = tl.zeros([1], tl.float32)  # a placeholder where not TWO
+    if TWO:
+        raw_b = _raw(w_b, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
+        acc_b = tl.zeros([BLOCK_N, G, QUAD, QUAD], tl.float32)
+    for c in range(0, CHUNKS - 1):
+        u0 = c * CHUNK
+        next_a = _raw(w_a, u0 + CHUNK, FMT, N_UNITS, CHUNK, PARTIAL)
+        if TWO:
+            next_b = _raw(w_b, u0 + CHUNK, FMT, N_UNITS, CHUNK, PARTIAL)
+        if FENCE:  # keeps ptxas from sinking the loads above to the loop's end (see PREFETCH_FENCE)
+            tl.debug_barrier()
+        xa, xb, live = _activations(x, u0, FMT, N_UNITS, BLOCK_N, CHUNK, False)
+        acc_a = _fma(acc_a, raw_a, xa, xb, live, FMT, BLOCK_N, CHUNK, False)
+        raw_a = next_a
+        if TWO:
+            acc_b = _fma(acc_b, raw_b, xa, xb, live, FMT, BLOCK_N, CHUNK, False)
+            raw_b = next_b
+    xa, xb, live = _activations(x, (CHUNKS - 1) * CHUNK, FMT, N_UNITS, BLOCK_N, CHUNK, PARTIAL)
+    y_a = tl.sum(tl.sum(tl.sum(_fma(acc_a, raw_a, xa, xb, live, FMT, BLOCK_N, CHUNK, PARTIAL), 3), 2), 1)
+    y_b = y_a
+    if TWO:
+        y_b = tl.sum(tl.sum(tl.sum(_fma(acc_b, raw_b, xa, xb, live, FMT, BLOCK_N, CHUNK, PARTIAL), 3), 2), 1)
+    return y_a, y_b
+
+
+# --- kernels -----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _pick(part, a0, a1, a2, a3):
+    """Argument `part` of a0..a3 (a scalar select; an absent part's stand-ins are never picked)."""
+    return tl.where(part == 0, a0, tl.where(part == 1, a1, tl.where(part == 2, a2, a3)))
+
+
+@triton.jit
+def _store(y, rows, n, out, pitch, bias, pos, res, HAS_BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr):
+    """The epilogue: + bias, + residual, stored in row 0 (or row pos[0]) of `out`; rows past n dropped."""
+    keep = rows < n
+    if HAS_BIAS:
+        y += tl.load(bias + rows, mask=keep, other=0.0).to(tl.float32)
+    if HAS_RES:
+        y += tl.load(res + rows, mask=keep, other=0.0).to(tl.float32)
+    at = 0
+    if AT_ROW:
+        at = tl.load(pos).to(tl.int64) * pitch
+    tl.store(out + at + rows, y, mask=keep)
+
+
+@triton.jit
+def _parts_kernel(
+    x,
+    w0, n0, out0, pitch0, bias0, pos0,
+    w1, n1, out1, pitch1, bias1, pos1,
+    w2, n2, out2, pitch2, bias2, pos2,
+    w3, n3, out3, pitch3, bias3, pos3,
+    t1, t2, t3, res,
+    FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    FENCE: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    # Part p owns tiles [t_p, t_{p+1}); BIAS and AT_ROW hold a bit a part; the residual is part 0's.
+    pid = tl.program_id(0)
+    part = (pid >= t1).to(tl.int32) + (pid >= t2).to(tl.int32) + (pid >= t3).to(tl.int32)  # absent: NO_TILE
+    w, n = _pick(part, w0, w1, w2, w3), _pick(part, n0, n1, n2, n3)
+    rows = (pid - _pick(part, 0, t1, t2, t3)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # rows past the part's end read its last row (no masked weight loads); the store drops them
+    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    y, _ = _row_dots(w_rows, w_rows, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False)
+    if part == 0:
+        _store(y, rows, n, out0, pitch0, bias0, pos0, res, BIAS & 1, AT_ROW & 1, HAS_RES)
+    if PARTS > 1:
+        if part == 1:
+            _store(y, rows, n, out1, pitch1, bias1, pos1, res, (BIAS >> 1) & 1, (AT_ROW >> 1) & 1, False)
+    if PARTS > 2:
+        if part == 2:
+            _store(y, rows, n, out2, pitch2, bias2, pos2, res, (BIAS >> 2) & 1, (AT_ROW >> 2) & 1, False)
+    if PARTS > 3:
+        if part == 3:
+            _store(y, rows, n, out3, pitch3, bias3, pos3, res, (BIAS >> 3) & 1, (AT_ROW >> 3) & 1, False)
+
+
+@triton.jit
+def _glu_kernel(x, w_gate, w_up, n, out, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr,
+                ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, FENCE: tl.constexpr):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_off = tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    gate, up = _row_dots(w_gate + row_off, w_up + row_off, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True)
+    # SiLU(g) = g / (1 + e^-g): for a very negative g, e^-g is inf and the quotient a signed zero, as it should
+    tl.store(out + rows, gate / (1.0 + tl.exp(-gate)) * up, mask=rows < n)
+
+
+# --- launchers ---------------------------------------------------------------------------------------------------
+
+
+def supports_fast(fmt: Format | int, m: int) -> bool:
+    """Whether these kernels take a product of `m` activation rows in `fmt`: one row, a format above."""
+    return m == 1 and fmt in GROUPS
+
+
+def _plan(fmt: Format, k: int, block_n: int | None, warps: int | None) -> dict:
+    """The launch's constexprs and warps. A chunk is as many units as give every thread one (row, group):
+    BLOCK_N * groups = the block's threads; or the row's units, rounded up to a power of two, if fewer."""
+    if fmt not in GROUPS:
+        raise ValueError(f"no fast GEMV for {Format(fmt).name}")
+    unit = UNIT_VALUES[fmt]
+    if k < 1 or k % unit:
+        raise ValueError(f"the fast {fmt.name} GEMV takes rows of whole {unit}-value units, not {k} values")
+    block_n = BLOCK_ROWS[fmt] if block_n is None else block_n
+    warps = WARPS if warps is None else warps
+    if block_n < 1 or block_n & (block_n - 1) or warps < 1 or warps & (warps - 1):
+        raise ValueError(f"block_n and warps must be powers of two, not {block_n} and {warps}")
+    n_units = k // unit
+    chunk = min(max(1, warps * LANES // (block_n * GROUPS[fmt])), triton.next_power_of_2(n_units))
+    consts = dict(FMT=int(fmt), N_UNITS=n_units, CHUNK=chunk, ROW_BYTES=row_bytes(fmt, k), BLOCK_N=block_n)
+    return consts | {"FENCE": PREFETCH_FENCE, "num_warps": warps}
+
+
+def _check(x: Tensor, k: int, weights: Sequence[Tensor], fmt: Format, n: int) -> None:
+    if x.dim() != 2 or tuple(x.shape) != (1, k) or x.stride(1) != 1 or not x.is_floating_point():
+        raise ValueError(f"x must be a float (1, {k}) tensor with unit column stride, got {tuple(x.shape)}")
+    want = n * row_bytes(fmt, k)
+    for w in weights:
+        if n < 1 or w.dtype != torch.uint8 or w.dim() != 1 or not w.is_contiguous() or w.numel() != want:
+            raise ValueError(f"{fmt.name} weights of {n} rows of {k} must be a contiguous uint8 tensor of {want} bytes")
+
+
+def _out_args(part: Part) -> tuple[Tensor, int, Tensor | None]:
+    """(out, row pitch, position tensor or None) of a part, checked."""
+    out, n = part.out, part.n
+    # an f16 out is a KV-cache row: the store rounds the f32 sums to the pointer's type
+    if out.dim() != 2 or out.stride(1) != 1 or out.dtype not in (torch.float32, torch.float16):
+        raise ValueError("out must be a 2-D f32 or f16 tensor with unit column stride")
+    if part.bias is not None and (part.bias.dim() != 1 or part.bias.numel() != n or not part.bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous ({n},) tensor")
+    if part.out_row is None:
+        if tuple(out.shape) != (1, n):
+            raise ValueError(f"out must be (1, {n}), got {tuple(out.shape)}")
+        return out, out.stride(0), None
+    # the position is on the device: row pos[0] must exist, which only the caller knows
+    pos, pitch = part.out_row
+    if not n <= pitch == out.stride(0) or pos.numel() < 1 or pos.is_floating_point():
+        raise ValueError(f"out_row needs an integer position tensor and a pitch >= {n} equal to out's row stride")
+    return out, pitch, pos
+
+
+def gemv_fast_parts(x: Tensor, parts: Sequence[Part | tuple], fmt: Format, *, residual: Tensor | None = None,
+                    block_n: int | None = None, warps: int | None = None) -> None:  # fmt: skip
+    """One launch of up to four products of one format reading the same `x` (1, k).
+
+    Each part is a `gemv.Part` (or a tuple in its order: w, n, out, bias|None, out_row|None): its `out` gets
+    x @ W^T (+ bias), (1, n), or row pos[0] of a table with out_row = (pos, pitch), the position read on the
+    device. `residual` (1, n0), if given, is added to part 0 (it may be part 0's `out`). Programs map to
+    (part, tile) by the parts' cumulative tile counts; `block_n` and `warps` override the format's tile.
+    """
+    fmt = Format(fmt)
+    parts = [Part(*p) for p in parts]
+    if not 1 <= len(parts) <= PARTS_MOST:
+        raise ValueError(f"a launch in parts takes 1..{PARTS_MOST} parts, not {len(parts)}")
+    k = x.shape[-1]
+    plan = _plan(fmt, k, block_n, warps)
+    args: list = []
+    firsts: list[int] = []
+    tiles = bias_bits = row_bits = 0
+    for i, p in enumerate(parts):
+        _check(x, k, [p.w], fmt, p.n)
+        out, pitch, pos = _out_args(p)
+        bias_bits |= (p.bias is not None) << i
+        row_bits |= (pos is not None) << i
+        # an absent bias or position is never read: any tensor stands in for its pointer
+        args += [p.w, p.n, out, pitch, x if p.bias is None else p.bias, x if pos is None else pos]
+        firsts.append(tiles)
+        tiles += triton.cdiv(p.n, plan["BLOCK_N"])
+    for _ in range(len(parts), PARTS_MOST):
+        args += [parts[0].w, 1, x, 0, x, x]  # picked only as a select's other arm: part 0's type
+    firsts = firsts[1:] + [NO_TILE] * (PARTS_MOST - len(parts))
+    if residual is not None and (tuple(residual.shape) != (1, parts[0].n) or residual.stride(1) != 1):
+        raise ValueError(f"residual must be (1, {parts[0].n}) with unit column stride")
+    flags = dict(PARTS=len(parts), BIAS=bias_bits, AT_ROW=row_bits, HAS_RES=residual is not None)
+    _parts_kernel[(tiles,)](x, *args, *firsts, x if residual is None else residual, **flags, **plan)
+
+
+def gemv_fast(x: Tensor, w: Tensor, fmt: Format, n: int, k: int, out: Tensor, *, bias: Tensor | None = None,
+              residual: Tensor | None = None, out_row: tuple[Tensor, int] | None = None, block_n: int | None = None,
+              warps: int | None = None) -> Tensor:  # fmt: skip
+    """out = x (1, k) @ W^T (+ bias) (+ residual), W the n x k checkpoint rows `w` in `fmt`; returns `out`.
+
+    With `out_row` = (pos, pitch) the result lands in row pos[0] of the 2-D table `out` (rows `pitch` values
+    apart), the position read on the device. `residual` (1, n) may be `out` itself. `block_n` (a power of
+    two) and `warps` override the format's tile.
+    """
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} columns, the weights' rows {k}")
+    gemv_fast_parts(x, [Part(w, n, out, bias, out_row)], fmt, residual=residual, block_n=block_n, warps=warps)
+    return out
+
+
+def gemv_fast_gate_up_glu(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, n: int, k: int, out: Tensor, *,
+                          block_n: int | None = None, warps: int | None = None) -> Tensor:  # fmt: skip
+    """out (1, n) = SiLU(x @ Wg^T) * (x @ Wu^T) in one launch, both n x k checkpoint rows in `fmt`; returns
+    `out`. A program walks the same rows of both, a chunk of each an iteration, into two accumulators."""
+    fmt = Format(fmt)
+    _check(x, k, [w_gate, w_up], fmt, n)
+    if tuple(out.shape) != (1, n) or not out.is_contiguous() or out.dtype != torch.float32:
+        raise ValueError(f"out must be a contiguous f32 (1, {n}) tensor")
+    plan = _plan(fmt, k, block_n, warps)
+    _glu_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](x, w_gate, w_up, n, out, **plan)
+    return out

@@ -1,0 +1,66 @@
+"""Time the decode GEMVs on real shapes: the in-parts kernel (`gemv`) against the tile-streaming one
+(`gemv_fast`), in GB/s of weights read, each launch replayed from a CUDA graph so no host time counts.
+
+Usage: python benchmarks/gemv_compare.py   (on a GPU)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fuselane.gguf.formats import LAYOUTS, Format, row_bytes
+from fuselane.gguf.quantize import random_blocks
+from fuselane.lanes.cuda.triton import gemv as G
+from fuselane.lanes.cuda.triton import gemv_fast as F
+
+SHAPES = [  # (name, format, n, k)
+    ("8b q/o", Format.Q4_K, 4096, 4096),
+    ("8b gate", Format.Q4_K, 12288, 4096),
+    ("8b down", Format.Q6_K, 4096, 12288),
+    ("8b head", Format.Q6_K, 151936, 4096),
+    ("7b gate", Format.Q4_K, 18944, 3584),
+    ("0.5b gate", Format.Q5_0, 4864, 896),
+    ("0.5b head", Format.Q8_0, 151936, 896),
+    ("0.6b gate", Format.Q8_0, 3072, 1024),
+]
+REPS = 20
+
+
+def timed(fn) -> float:
+    """Seconds a launch takes, replayed REPS times from one CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPS):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / REPS / 1e3
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    for name, fmt, n, k in SHAPES:
+        nbytes = n * row_bytes(fmt, k)
+        w = torch.from_numpy(random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng).reshape(-1)).cuda()
+        x = torch.randn(1, k, device="cuda")
+        a, b = torch.empty(1, n, device="cuda"), torch.empty(1, n, device="cuda")
+        slow = timed(lambda: G.gemv(x, w, fmt, n, k, a))  # noqa: B023
+        fast = timed(lambda: F.gemv_fast(x, w, fmt, n, k, b))  # noqa: B023
+        err = float((a - b).abs().max() / a.abs().max())
+        print(
+            f"{name:10} {fmt.name:5} {n}x{k} {nbytes / 1e6:7.1f} MB: gemv {nbytes / slow / 1e9:6.0f} GB/s "
+            f"({slow * 1e6:7.1f} us), gemv_fast {nbytes / fast / 1e9:6.0f} GB/s ({fast * 1e6:7.1f} us), "
+            f"rel diff {err:.1e}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
