@@ -267,7 +267,8 @@ def _device_reference(x: torch.Tensor, raw: np.ndarray, fmt: Format, n: int, k: 
     rows = raw.reshape(n, -1)
     want, scale = [], []
     for r in range(0, n, REF_ROWS):
-        w = torch.from_numpy(dequantize(rows[r : r + REF_ROWS].reshape(-1), fmt, (-1, k))).to(DEVICE, torch.float64)
+        chunk = rows[r : r + REF_ROWS]
+        w = torch.from_numpy(dequantize(chunk.reshape(-1), fmt, (chunk.shape[0], k))).to(DEVICE, torch.float64)
         want.append((x.double() @ w.T).cpu().numpy())
         scale.append((x.double().abs() @ w.abs().T).cpu().numpy())
     return np.concatenate(want, axis=1), np.concatenate(scale, axis=1)
