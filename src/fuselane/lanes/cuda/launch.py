@@ -372,14 +372,14 @@ def _norm_epilogue(op: Op, b: Bound):
     s, w, out = b.bufs[add.out], b.vec[w_op.ins[1]], b.bufs[w_op.out]
     product: Matmul = mm.sym  # type: ignore[assignment]
     wt, fmt = b.raw[mm.ins[1]]
-    # The tile-streaming GEMV is 2-4x faster than the kernel that norms in its last program, so where it takes
-    # the product the lane spends a second launch on the norm (see benchmarks/RESULTS.md).
-    if product.m == 1 and _fast(fmt, 1) is None:
-        from fuselane.lanes.cuda.triton import gemv_epilogue
+    if product.m == 1:
+        from fuselane.lanes.cuda.triton import gemv_epilogue, gemv_fast_norm
 
         x, r = b.bufs[mm.ins[0]], b.bufs[residual]
         counter = gemv_epilogue.gemv_add_norm_counter(x.device)  # its own: launches on one stream in turn
         n, k = product.n, product.k
+        if gemv_fast_norm.supports_fast_add_norm(fmt, n):
+            return [lambda: gemv_fast_norm.gemv_fast_add_norm(x, wt, fmt, n, k, r, s, w, spec.eps, out, counter)]
         return [lambda: gemv_epilogue.gemv_add_norm(x, wt, fmt, n, k, r, s, w, spec.eps, out, counter)]
     _, norm, *_ = _t()
     rows = (spec.rows, spec.cols)
