@@ -30,16 +30,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
 pytest.importorskip("triton")
 
+from kernel_checks import CUDA, DEVICE, U32, CountLaunches, check, dev, gamma, raw_weights  # noqa: E402
+
 from fuselane.gguf.dequant import dequantize  # noqa: E402
-from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
-from fuselane.gguf.quantize import quantize, random_blocks  # noqa: E402
+from fuselane.gguf.formats import Format  # noqa: E402
+from fuselane.gguf.quantize import quantize  # noqa: E402
 from fuselane.lanes.cuda import kernels  # noqa: E402
 from fuselane.lanes.cuda.triton import gemv as gemv_mod  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv import Part, gemv, gemv_gate_up_glu, gemv_parts  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-U32 = 2.0**-24  # f32 unit roundoff
 EPILOGUE_ROUNDINGS = 2  # a bias add and a residual add
 # SiLU(g) * u: the Lipschitz constant of SiLU (its slope peaks at ~1.0998), and the roundings of its own
 # ops in ulps of the result: e^-g (the GPU's exp2-based approximation is within 2 ulps), 1 + e^-g, the
@@ -65,18 +64,6 @@ K = 512  # two K super-blocks, sixteen 32-value blocks: every format's loop take
 N = 36  # not a whole tile of rows: the last tile's rows past n are computed and dropped
 
 
-def gamma(terms: int) -> float:
-    return terms * U32 / (1 - terms * U32)
-
-
-def _raw(fmt: Format, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    return random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng).reshape(-1)
-
-
-def _dev(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)
-
-
 def _x(m: int, k: int, rng: np.random.Generator) -> np.ndarray:
     return rng.standard_normal((m, k)).astype(np.float32)
 
@@ -88,25 +75,19 @@ def _reference(x: np.ndarray, raw: np.ndarray, fmt: Format, n: int, k: int) -> t
     return x64 @ w.T, np.abs(x64) @ np.abs(w).T
 
 
-def _check(got: torch.Tensor, want: np.ndarray, bound: np.ndarray) -> None:
-    err = np.abs(got.detach().cpu().double().numpy() - want)
-    worst = np.unravel_index(np.argmax(err - bound), err.shape)
-    assert np.all(err <= bound), f"error {err[worst]:.3g} over the bound {bound[worst]:.3g} at {worst}"
-
-
 def _gemv_case(fmt: Format, raw: np.ndarray, m: int, n: int, k: int, rng: np.random.Generator) -> None:
     x = _x(m, k, rng)
     out = torch.full((m, n), float("nan"), device=DEVICE)
-    gemv(_dev(x), _dev(raw), fmt, n, k, out)
+    gemv(dev(x), dev(raw), fmt, n, k, out)
     want, scale = _reference(x, raw, fmt, n, k)
-    _check(out, want, gamma(k) * scale)
+    check(out, want, gamma(k) * scale)
 
 
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
 def test_random_blocks(fmt: Format, m: int) -> None:
     rng = np.random.default_rng(int(fmt) * 10 + m)
-    _gemv_case(fmt, _raw(fmt, N, K, rng), m, N, K, rng)
+    _gemv_case(fmt, raw_weights(fmt, N, K, rng), m, N, K, rng)
 
 
 @pytest.mark.parametrize("fmt", QUANTIZABLE, ids=lambda f: f.name)
@@ -122,7 +103,7 @@ def test_rows_of_odd_blocks(fmt: Format) -> None:
     # 3 blocks of 32 (or 96 f16 values) a row: a step takes one block (32 values), three steps a row
     rng = np.random.default_rng(7)
     k = 3 * 32
-    _gemv_case(fmt, _raw(fmt, N, k, rng), 2, N, k, rng)
+    _gemv_case(fmt, raw_weights(fmt, N, k, rng), 2, N, k, rng)
 
 
 def test_wide_tile() -> None:
@@ -131,7 +112,7 @@ def test_wide_tile() -> None:
     warps = kernels.GEMV_BLOCK_WARPS_FOUR_ROWS
     assert gemv_mod._tile(Format.Q4_K, n, k, 1) == (kernels.ROWS_A_WARP_WIDE * warps, warps)
     rng = np.random.default_rng(11)
-    _gemv_case(Format.Q4_K, _raw(Format.Q4_K, n, k, rng), 1, n, k, rng)
+    _gemv_case(Format.Q4_K, raw_weights(Format.Q4_K, n, k, rng), 1, n, k, rng)
 
 
 # the anchors' products: (n, k) of q, k/v, o, gate/up, down and the output head of the four shapes
@@ -160,56 +141,45 @@ def test_more_rows_than_the_gemv_takes() -> None:
     # a batch's rows past GEMV_ROWS run in tiles of them
     rng = np.random.default_rng(12)
     m = kernels.GEMV_ROWS + 3
-    _gemv_case(Format.Q8_0, _raw(Format.Q8_0, N, K, rng), m, N, K, rng)
+    _gemv_case(Format.Q8_0, raw_weights(Format.Q8_0, N, K, rng), m, N, K, rng)
 
 
 @pytest.mark.parametrize("m", [1, 3])
 def test_bias_and_residual(m: int) -> None:
     fmt, rng = Format.Q4_K, np.random.default_rng(20 + m)
-    raw, x = _raw(fmt, N, K, rng), _x(m, K, rng)
+    raw, x = raw_weights(fmt, N, K, rng), _x(m, K, rng)
     bias = rng.standard_normal(N).astype(np.float32)
     res = rng.standard_normal((m, N)).astype(np.float32)
     want, scale = _reference(x, raw, fmt, N, K)
     bound = gamma(K + EPILOGUE_ROUNDINGS) * (scale + np.abs(bias) + np.abs(res))
 
     out = torch.empty((m, N), device=DEVICE)
-    gemv(_dev(x), _dev(raw), fmt, N, K, out, bias=_dev(bias), residual=_dev(res))
-    _check(out, want + bias + res, bound)
+    gemv(dev(x), dev(raw), fmt, N, K, out, bias=dev(bias), residual=dev(res))
+    check(out, want + bias + res, bound)
 
     # the residual is the output itself: an in-place add
-    out = _dev(res).clone()  # on the CPU _dev shares `res`' memory
-    gemv(_dev(x), _dev(raw), fmt, N, K, out, residual=out)
-    _check(out, want + res, bound)
+    out = dev(res).clone()  # on the CPU dev shares `res`' memory
+    gemv(dev(x), dev(raw), fmt, N, K, out, residual=out)
+    check(out, want + res, bound)
 
 
 @pytest.mark.parametrize("pitch", [N, N + 12])
 def test_out_row_at_a_device_position(pitch: int) -> None:
     fmt, rng, m, rows = Format.Q6_K, np.random.default_rng(30), 2, 16
-    raw, x = _raw(fmt, N, K, rng), _x(m, K, rng)
+    raw, x = raw_weights(fmt, N, K, rng), _x(m, K, rng)
     want, scale = _reference(x, raw, fmt, N, K)
     cache = torch.zeros((rows, pitch), device=DEVICE)
     pos = torch.tensor([5], dtype=torch.int32, device=DEVICE)
-    gemv(_dev(x), _dev(raw), fmt, N, K, cache, out_row=(pos, pitch))
-    _check(cache[5 : 5 + m, :N], want, gamma(K) * scale)
+    gemv(dev(x), dev(raw), fmt, N, K, cache, out_row=(pos, pitch))
+    check(cache[5 : 5 + m, :N], want, gamma(K) * scale)
     # a new position in the same tensor: the launch reads it on the device (as a graph replay would)
     pos.fill_(9)
-    gemv(_dev(x), _dev(raw), fmt, N, K, cache, out_row=(pos, pitch))
-    _check(cache[9 : 9 + m, :N], want, gamma(K) * scale)
+    gemv(dev(x), dev(raw), fmt, N, K, cache, out_row=(pos, pitch))
+    check(cache[9 : 9 + m, :N], want, gamma(K) * scale)
     untouched = np.ones(rows, dtype=bool)
     untouched[[5, 6, 9, 10]] = False
     assert not cache[torch.from_numpy(untouched).to(DEVICE)].any()
     assert not cache[:, N:].any()
-
-
-class _CountLaunches:
-    """Stands in for a kernel and counts its launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
 
 
 @pytest.mark.parametrize("m", [1, 3])
@@ -219,20 +189,20 @@ def test_parts_in_one_launch(fmt: Format, m: int, monkeypatch: pytest.MonkeyPatc
     rng = np.random.default_rng(40 + m)
     k, widths = 256, (64, 32, 32)
     x = _x(m, k, rng)
-    raws = [_raw(fmt, n, k, rng) for n in widths]
+    raws = [raw_weights(fmt, n, k, rng) for n in widths]
     bias = rng.standard_normal(widths[0]).astype(np.float32)
     q_out = torch.empty((m, widths[0]), device=DEVICE)
     k_out = torch.empty((m, widths[1]), device=DEVICE)
     cache = torch.zeros((8, widths[2]), device=DEVICE)
     pos = torch.tensor([3], dtype=torch.int64, device=DEVICE)
-    counter = _CountLaunches(gemv_mod._gemv_parts_kernel)
+    counter = CountLaunches(gemv_mod._gemv_parts_kernel)
     monkeypatch.setattr(gemv_mod, "_gemv_parts_kernel", counter)
     gemv_parts(
-        _dev(x),
+        dev(x),
         [
-            Part(_dev(raws[0]), widths[0], q_out, bias=_dev(bias)),
-            (_dev(raws[1]), widths[1], k_out, None, None),
-            Part(_dev(raws[2]), widths[2], cache, out_row=(pos, widths[2])),
+            Part(dev(raws[0]), widths[0], q_out, bias=dev(bias)),
+            (dev(raws[1]), widths[1], k_out, None, None),
+            Part(dev(raws[2]), widths[2], cache, out_row=(pos, widths[2])),
         ],
         fmt,
     )
@@ -241,12 +211,12 @@ def test_parts_in_one_launch(fmt: Format, m: int, monkeypatch: pytest.MonkeyPatc
     for i, (raw, n, got) in enumerate(zip(raws, widths, results, strict=True)):
         want, scale = _reference(x, raw, fmt, n, k)
         b = bias if i == 0 else np.zeros(n)
-        _check(got, want + b, gamma(k + EPILOGUE_ROUNDINGS) * (scale + np.abs(b)))
+        check(got, want + b, gamma(k + EPILOGUE_ROUNDINGS) * (scale + np.abs(b)))
 
 
 def test_parts_take_at_most_gemm_parts() -> None:
     rng = np.random.default_rng(50)
-    raw, x = _dev(_raw(Format.Q8_0, 8, 64, rng)), _dev(_x(1, 64, rng))
+    raw, x = dev(raw_weights(Format.Q8_0, 8, 64, rng)), dev(_x(1, 64, rng))
     parts = [Part(raw, 8, torch.empty((1, 8), device=DEVICE)) for _ in range(kernels.GEMM_PARTS + 1)]
     with pytest.raises(ValueError, match="parts"):
         gemv_parts(x, parts, Format.Q8_0)
@@ -254,16 +224,16 @@ def test_parts_take_at_most_gemm_parts() -> None:
 
 def test_wrong_byte_count_is_refused() -> None:
     rng = np.random.default_rng(51)
-    raw, x = _dev(_raw(Format.Q4_K, 8, 256, rng)), _dev(_x(1, 256, rng))
+    raw, x = dev(raw_weights(Format.Q4_K, 8, 256, rng)), dev(_x(1, 256, rng))
     with pytest.raises(ValueError, match="bytes"):
         gemv(x, raw[:-1].clone(), Format.Q4_K, 8, 256, torch.empty((1, 8), device=DEVICE))
 
 
 def _glu_case(fmt: Format, m: int, n: int, k: int, rng: np.random.Generator) -> None:
     x = _x(m, k, rng)
-    raw_g, raw_u = _raw(fmt, n, k, rng), _raw(fmt, n, k, rng)
+    raw_g, raw_u = raw_weights(fmt, n, k, rng), raw_weights(fmt, n, k, rng)
     out = torch.empty((m, n), device=DEVICE)
-    gemv_gate_up_glu(_dev(x), _dev(raw_g), _dev(raw_u), fmt, n, k, out)
+    gemv_gate_up_glu(dev(x), dev(raw_g), dev(raw_u), fmt, n, k, out)
     g, g_scale = _reference(x, raw_g, fmt, n, k)
     u, u_scale = _reference(x, raw_u, fmt, n, k)
     silu = g / (1 + np.exp(-g))
@@ -271,7 +241,7 @@ def _glu_case(fmt: Format, m: int, n: int, k: int, rng: np.random.Generator) -> 
     # |d(SiLU(g) u)| <= slope |dg| (|u| + |du|) + |SiLU(g)| |du|, plus the epilogue's own roundings
     dg, du = gamma(k) * g_scale, gamma(k) * u_scale
     bound = SILU_SLOPE * dg * (np.abs(u) + du) + np.abs(silu) * du + GLU_ULPS * U32 * np.abs(want)
-    _check(out, want, bound)
+    check(out, want, bound)
 
 
 @pytest.mark.parametrize("m", [1, 3])
@@ -285,16 +255,16 @@ def test_gate_up_glu(fmt: Format, m: int) -> None:
 
 def _real_case(fmt: Format, n: int, k: int) -> None:
     rng = np.random.default_rng(70)
-    raw = _raw(fmt, n, k, rng)
+    raw = raw_weights(fmt, n, k, rng)
     x = _x(1, k, rng)
     out = torch.empty((1, n), device=DEVICE)
-    gemv(_dev(x), _dev(raw), fmt, n, k, out)
+    gemv(dev(x), dev(raw), fmt, n, k, out)
     torch.cuda.synchronize()
     w = torch.from_numpy(dequantize(raw, fmt, (n, k))).to(DEVICE, torch.float64)
-    x64 = _dev(x).double()
+    x64 = dev(x).double()
     want = (x64 @ w.T).cpu().numpy()
     scale = (x64.abs() @ w.abs().T).cpu().numpy()
-    _check(out, want, gamma(k) * scale)
+    check(out, want, gamma(k) * scale)
 
 
 @pytest.mark.cuda

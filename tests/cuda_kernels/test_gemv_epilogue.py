@@ -26,22 +26,26 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
 pytest.importorskip("triton")
 
+from kernel_checks import (  # noqa: E402
+    CUDA,
+    DEVICE,
+    EPS,
+    F16_TINY_STEP,
+    U16,
+    CountLaunches,
+    dev,
+    gamma,
+    host,
+    norm_rel,
+    raw_weights,
+    within,
+)
+
 from fuselane.gguf.dequant import dequantize as reference_dequantize  # noqa: E402
-from fuselane.gguf.formats import LAYOUTS, Format, row_bytes  # noqa: E402
-from fuselane.gguf.quantize import random_blocks  # noqa: E402
+from fuselane.gguf.formats import Format, row_bytes  # noqa: E402
 from fuselane.lanes.cuda import kernels  # noqa: E402
 from fuselane.lanes.cuda.triton import gemv_epilogue as epi  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv_epilogue import dequantize, gemv_add_norm, gemv_add_norm_counter  # noqa: E402
-
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-U32 = 2.0**-24  # f32 unit roundoff
-U16 = 2.0**-11  # f16 unit roundoff: an f16 result's one rounding, relative (normal values)
-F16_TINY_STEP = 2.0**-24  # the spacing of f16's subnormals, where a rounding is within half of it, absolute
-APPROX = 4  # a GPU's approximate rsqrt: within 4u (PTX: 2^-22 relative)
-EPS = 1e-6
-NORM_ROUNDINGS = 3  # the mean's division, eps rounded to f32, and its add
-SECOND_ORDER = 1  # a u of room for the products of first-order terms
 
 ALL = (
     Format.F32,
@@ -59,52 +63,13 @@ ALL = (
 N, K = 256, 512  # a norm of 256 values; two K super-blocks a row, so every format's loop takes several steps
 
 
-def gamma(terms: int) -> float:
-    return terms * U32 / (1 - terms * U32)
-
-
-def norm_rel(n: int) -> float:
-    """Relative error of one output of the weighted RMS norm of an f32 row of `n` (the module's docstring)."""
-    return gamma(n + NORM_ROUNDINGS) / 2 + (APPROX + 2 + SECOND_ORDER) * U32
-
-
-def _raw(fmt: Format, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    return random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng).reshape(-1)
-
-
-def _dev(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().double().numpy().reshape(-1)
-
-
-def _within(got: np.ndarray, want: np.ndarray, bound: np.ndarray, what: str) -> None:
-    err = np.abs(got - want)
-    worst = int(np.argmax(err - bound))
-    assert np.all(np.isfinite(got)), f"{what}: non-finite values"
-    assert np.all(err <= bound), f"{what}: error {err[worst]:.3g} over the bound {bound[worst]:.3g} at {worst}"
-
-
-class _CountLaunches:
-    """Stands in for a kernel and counts its launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
-
-
 class _Case:
     """A decode step's projection, residual and norm weights, with the exact sum in f64."""
 
     def __init__(self, fmt: Format, n: int, k: int, seed: int) -> None:
         rng = np.random.default_rng(seed)
         self.fmt, self.n, self.k = fmt, n, k
-        self.raw = _raw(fmt, n, k, rng)
+        self.raw = raw_weights(fmt, n, k, rng)
         self.x = rng.standard_normal((1, k)).astype(np.float32)
         self.res = rng.standard_normal(n).astype(np.float32)
         self.norm_w = rng.standard_normal(n).astype(np.float32)
@@ -118,9 +83,9 @@ class _Case:
 
     def check_norm(self, sums: torch.Tensor, out: torch.Tensor, rel: float, tiny: float = 0.0) -> None:
         """out is the weighted RMS norm of the row sum_out holds, within `rel` relative and `tiny` absolute."""
-        s = _host(sums)
+        s = host(sums)
         want = s / np.sqrt(np.mean(s * s) + EPS) * self.norm_w
-        _within(_host(out), want, rel * np.abs(want) + tiny, "norm")
+        within(host(out), want, rel * np.abs(want) + tiny, "norm")
 
 
 @pytest.mark.parametrize(
@@ -138,18 +103,16 @@ def test_add_norm_is_one_launch(fmt: Format, out_dtype: torch.dtype, monkeypatch
     sums = torch.full((1, N), float("nan"), device=DEVICE)
     out = torch.full((1, N), float("nan"), device=DEVICE, dtype=out_dtype)
     counter = gemv_add_norm_counter(DEVICE)
-    count = _CountLaunches(epi._gemv_add_norm_kernel)
+    count = CountLaunches(epi._gemv_add_norm_kernel)
     monkeypatch.setattr(epi, "_gemv_add_norm_kernel", count)
     block_n, _ = epi.norm_tile(fmt, N, K)
     assert N // block_n > 1  # several programs: the norm is the last one's, not the only one's
 
-    got = gemv_add_norm(
-        _dev(case.x), _dev(case.raw), fmt, N, K, _dev(case.res), sums, _dev(case.norm_w), EPS, out, counter
-    )
+    got = gemv_add_norm(dev(case.x), dev(case.raw), fmt, N, K, dev(case.res), sums, dev(case.norm_w), EPS, out, counter)
 
     assert got is out and count.launches == 1
     want, bound = case.exact_sum(case.x, case.res)
-    _within(_host(sums), want, bound, "sum_out")
+    within(host(sums), want, bound, "sum_out")
     if out_dtype == torch.float16:  # one more rounding: relative for normal values, absolute for subnormal ones
         case.check_norm(sums, out, norm_rel(N) + U16, F16_TINY_STEP / 2)
     else:
@@ -161,19 +124,19 @@ def test_add_norm_in_place_and_replayed() -> None:
     # sum_out is the residual stream itself; the second launch reuses the counter the first one left at zero
     # (without the reset its last program would count past the grid and write no norm: out stays NaN)
     case = _Case(Format.Q4_K, N, K, 90)
-    stream = _dev(case.res).clone()  # on the CPU _dev shares the array's memory
+    stream = dev(case.res).clone()  # on the CPU dev shares the array's memory
     counter = gemv_add_norm_counter(DEVICE)
-    raw, norm_w = _dev(case.raw), _dev(case.norm_w)
+    raw, norm_w = dev(case.raw), dev(case.norm_w)
     res = case.res.astype(np.float64)
     for step in range(2):
         x = case.x if step == 0 else np.random.default_rng(91).standard_normal((1, K)).astype(np.float32)
         out = torch.full((N,), float("nan"), device=DEVICE)
-        gemv_add_norm(_dev(x).reshape(K), raw, Format.Q4_K, N, K, stream, stream, norm_w, EPS, out, counter)
+        gemv_add_norm(dev(x).reshape(K), raw, Format.Q4_K, N, K, stream, stream, norm_w, EPS, out, counter)
         want, bound = case.exact_sum(x, res)
-        _within(_host(stream), want, bound, f"stream, launch {step}")
+        within(host(stream), want, bound, f"stream, launch {step}")
         case.check_norm(stream, out, norm_rel(N))
         assert counter.item() == 0, f"launch {step} left the counter at {counter.item()}"
-        res = _host(stream)  # the next step adds to what this one wrote
+        res = host(stream)  # the next step adds to what this one wrote
 
 
 def test_add_norm_refuses_a_norm_its_block_does_not_hold() -> None:
@@ -216,9 +179,9 @@ def test_norm_tile_is_the_block_the_shim_fuses_by(fmt: Format) -> None:
 @pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
 def test_dequantize_is_the_reference(fmt: Format) -> None:
     n = 36  # not a whole program's units: the last program's units past the end are dropped
-    raw = _raw(fmt, n, K, np.random.default_rng(100 + int(fmt)))
+    raw = raw_weights(fmt, n, K, np.random.default_rng(100 + int(fmt)))
     want = reference_dequantize(raw, fmt, (n, K))
-    w = _dev(raw)
+    w = dev(raw)
 
     out = torch.full((n, K), float("nan"), device=DEVICE)
     assert dequantize(w, fmt, n, K, out) is out
@@ -237,14 +200,14 @@ def test_dequantize_is_the_reference(fmt: Format) -> None:
 def test_dequantize_float_rows_of_any_length(fmt: Format) -> None:
     # a float row need not be whole 32-value runs: 100 values decode in runs of 4
     n, k = 5, 100
-    raw = _raw(fmt, n, k, np.random.default_rng(110))
+    raw = raw_weights(fmt, n, k, np.random.default_rng(110))
     out = torch.empty((n, k), device=DEVICE)
-    dequantize(_dev(raw), fmt, n, k, out)
+    dequantize(dev(raw), fmt, n, k, out)
     assert np.array_equal(out.cpu().numpy().view(np.uint32), reference_dequantize(raw, fmt, (n, k)).view(np.uint32))
 
 
 def test_dequantize_refuses_a_wrong_out() -> None:
-    raw = _dev(_raw(Format.Q8_0, 4, 64, np.random.default_rng(120)))
+    raw = dev(raw_weights(Format.Q8_0, 4, 64, np.random.default_rng(120)))
     for bad in (torch.empty((4, 64), dtype=torch.bfloat16), torch.empty((4, 32)), torch.empty((64, 4)).t()):
         with pytest.raises(ValueError, match="out must be"):
             dequantize(raw, Format.Q8_0, 4, 64, bad.to(DEVICE))
@@ -259,24 +222,24 @@ def test_real_add_norm_replayed_in_a_cuda_graph() -> None:
     # a 4096-wide Q4_K o projection: 256 programs race to be last; the graph replays with the counter it captured
     n = k = 4096
     case = _Case(Format.Q4_K, n, k, 130)
-    x, raw, norm_w = _dev(case.x), _dev(case.raw), _dev(case.norm_w)
-    stream = _dev(case.res).clone()
+    x, raw, norm_w = dev(case.x), dev(case.raw), dev(case.norm_w)
+    stream = dev(case.res).clone()
     out = torch.empty(n, device=DEVICE)
     counter = gemv_add_norm_counter(DEVICE)
     gemv_add_norm(x, raw, Format.Q4_K, n, k, stream, stream, norm_w, EPS, out, counter)  # compile outside capture
     torch.cuda.synchronize()
-    stream.copy_(_dev(case.res))
+    stream.copy_(dev(case.res))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         gemv_add_norm(x, raw, Format.Q4_K, n, k, stream, stream, norm_w, EPS, out, counter)
-    stream.copy_(_dev(case.res))
+    stream.copy_(dev(case.res))
     res = case.res.astype(np.float64)
     for replay in range(3):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         want, bound = case.exact_sum(case.x, res)
-        _within(_host(stream), want, bound, f"stream, replay {replay}")
+        within(host(stream), want, bound, f"stream, replay {replay}")
         case.check_norm(stream, out, norm_rel(n))
         assert counter.item() == 0
-        res = _host(stream)
+        res = host(stream)

@@ -21,9 +21,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
 pytest.importorskip("triton")
 
+from kernel_checks import CUDA, DEVICE, U32, CountLaunches, check, dev, gamma, raw_weights  # noqa: E402
+
 from fuselane.gguf.dequant import dequantize  # noqa: E402
-from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
-from fuselane.gguf.quantize import quantize, random_blocks  # noqa: E402
+from fuselane.gguf.formats import Format  # noqa: E402
+from fuselane.gguf.quantize import quantize  # noqa: E402
 from fuselane.lanes.cuda.triton import gemv_fast as fast  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv import Part  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv_fast import (  # noqa: E402
@@ -33,9 +35,6 @@ from fuselane.lanes.cuda.triton.gemv_fast import (  # noqa: E402
     supports_fast,
 )
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-U32 = 2.0**-24  # f32 unit roundoff
 EPILOGUE_ROUNDINGS = 2  # a bias add and a residual add
 # SiLU(g) * u (as test_gemv.py): SiLU's slope peaks at ~1.0998; its own ops round within a few ulps of the
 # result (e^-g within 2 ulps on the GPU, 1 + e^-g, the division, the product), with a factor 2 of room.
@@ -53,18 +52,6 @@ K_BLOCKS = (96, 320, 512)
 REAL_SEED = 70
 
 
-def gamma(terms: int) -> float:
-    return terms * U32 / (1 - terms * U32)
-
-
-def _raw(fmt: Format, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    return random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng).reshape(-1)
-
-
-def _dev(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)
-
-
 def _x(k: int, rng: np.random.Generator) -> np.ndarray:
     return rng.standard_normal((1, k)).astype(np.float32)
 
@@ -76,25 +63,19 @@ def _reference(x: np.ndarray, raw: np.ndarray, fmt: Format, n: int, k: int) -> t
     return x64 @ w.T, np.abs(x64) @ np.abs(w).T
 
 
-def _check(got: torch.Tensor, want: np.ndarray, bound: np.ndarray) -> None:
-    err = np.abs(got.detach().cpu().double().numpy() - want)
-    worst = np.unravel_index(np.argmax(err - bound), err.shape)
-    assert np.all(err <= bound), f"error {err[worst]:.3g} over the bound {bound[worst]:.3g} at {worst}"
-
-
 def _case(fmt: Format, raw: np.ndarray, n: int, k: int, rng: np.random.Generator, **tile) -> None:
     x = _x(k, rng)
     out = torch.full((1, n), float("nan"), device=DEVICE)
-    assert gemv_fast(_dev(x), _dev(raw), fmt, n, k, out, **tile) is out
+    assert gemv_fast(dev(x), dev(raw), fmt, n, k, out, **tile) is out
     want, scale = _reference(x, raw, fmt, n, k)
-    _check(out, want, gamma(k) * scale)
+    check(out, want, gamma(k) * scale)
 
 
 @pytest.mark.parametrize("k", [K_SHORT, K_PARTIAL])
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_random_blocks(fmt: Format, k: int) -> None:
     rng = np.random.default_rng(int(fmt) * 10 + k)
-    _case(fmt, _raw(fmt, N, k, rng), N, k, rng)
+    _case(fmt, raw_weights(fmt, N, k, rng), N, k, rng)
 
 
 @pytest.mark.parametrize("k", K_BLOCKS)
@@ -102,7 +83,7 @@ def test_random_blocks(fmt: Format, k: int) -> None:
 def test_rows_of_odd_blocks(fmt: Format, k: int) -> None:
     # rows that are not whole 8-block chunks end in a partial chunk, with block_n 16 too (8-block chunks)
     rng = np.random.default_rng(int(fmt) * 100 + k)
-    raw = _raw(fmt, N, k, rng)
+    raw = raw_weights(fmt, N, k, rng)
     _case(fmt, raw, N, k, rng)
     _case(fmt, raw, N, k, rng, block_n=16)
 
@@ -120,14 +101,14 @@ def test_quantized_values(fmt: Format) -> None:
 def test_other_tiles(fmt: Format, tile: dict) -> None:
     # 4 rows take 4-super-block chunks (one partial chunk of 3), 16 rows one super-block a chunk
     rng = np.random.default_rng(int(fmt) + tile["block_n"])
-    _case(fmt, _raw(fmt, N, K_PARTIAL, rng), N, K_PARTIAL, rng, **tile)
+    _case(fmt, raw_weights(fmt, N, K_PARTIAL, rng), N, K_PARTIAL, rng, **tile)
 
 
 def test_without_the_prefetch_fence(monkeypatch: pytest.MonkeyPatch) -> None:
     # the other loop schedule (read at launch) computes the same
     monkeypatch.setattr(fast, "PREFETCH_FENCE", False)
     rng = np.random.default_rng(15)
-    _case(Format.Q4_K, _raw(Format.Q4_K, N, K_PARTIAL, rng), N, K_PARTIAL, rng)
+    _case(Format.Q4_K, raw_weights(Format.Q4_K, N, K_PARTIAL, rng), N, K_PARTIAL, rng)
 
 
 def test_default_tiles_give_every_thread_one_group() -> None:
@@ -147,47 +128,36 @@ def test_supports_fast() -> None:
 
 def test_bias_and_residual() -> None:
     fmt, rng = Format.Q4_K, np.random.default_rng(20)
-    raw, x = _raw(fmt, N, K_SHORT, rng), _x(K_SHORT, rng)
+    raw, x = raw_weights(fmt, N, K_SHORT, rng), _x(K_SHORT, rng)
     bias = rng.standard_normal(N).astype(np.float32)
     res = rng.standard_normal((1, N)).astype(np.float32)
     want, scale = _reference(x, raw, fmt, N, K_SHORT)
     bound = gamma(K_SHORT + EPILOGUE_ROUNDINGS) * (scale + np.abs(bias) + np.abs(res))
     out = torch.empty((1, N), device=DEVICE)
-    gemv_fast(_dev(x), _dev(raw), fmt, N, K_SHORT, out, bias=_dev(bias), residual=_dev(res))
-    _check(out, want + bias + res, bound)
+    gemv_fast(dev(x), dev(raw), fmt, N, K_SHORT, out, bias=dev(bias), residual=dev(res))
+    check(out, want + bias + res, bound)
     # the residual is the output itself: an in-place add
-    out = _dev(res).clone()  # on the CPU _dev shares `res`' memory
-    gemv_fast(_dev(x), _dev(raw), fmt, N, K_SHORT, out, residual=out)
-    _check(out, want + res, bound)
+    out = dev(res).clone()  # on the CPU dev shares `res`' memory
+    gemv_fast(dev(x), dev(raw), fmt, N, K_SHORT, out, residual=out)
+    check(out, want + res, bound)
 
 
 @pytest.mark.parametrize("pitch", [N, N + 12])
 def test_out_row_at_a_device_position(pitch: int) -> None:
     fmt, rng, rows = Format.Q6_K, np.random.default_rng(30), 16
-    raw, x = _raw(fmt, N, K_SHORT, rng), _x(K_SHORT, rng)
+    raw, x = raw_weights(fmt, N, K_SHORT, rng), _x(K_SHORT, rng)
     want, scale = _reference(x, raw, fmt, N, K_SHORT)
     cache = torch.zeros((rows, pitch), device=DEVICE)
     pos = torch.tensor([5], dtype=torch.int32, device=DEVICE)
-    gemv_fast(_dev(x), _dev(raw), fmt, N, K_SHORT, cache, out_row=(pos, pitch))
-    _check(cache[5:6, :N], want, gamma(K_SHORT) * scale)
+    gemv_fast(dev(x), dev(raw), fmt, N, K_SHORT, cache, out_row=(pos, pitch))
+    check(cache[5:6, :N], want, gamma(K_SHORT) * scale)
     pos.fill_(9)  # a new position in the same tensor, read on the device (as a graph replay would)
-    gemv_fast(_dev(x), _dev(raw), fmt, N, K_SHORT, cache, out_row=(pos, pitch))
-    _check(cache[9:10, :N], want, gamma(K_SHORT) * scale)
+    gemv_fast(dev(x), dev(raw), fmt, N, K_SHORT, cache, out_row=(pos, pitch))
+    check(cache[9:10, :N], want, gamma(K_SHORT) * scale)
     untouched = np.ones(rows, dtype=bool)
     untouched[[5, 9]] = False
     assert not cache[torch.from_numpy(untouched).to(DEVICE)].any()
     assert not cache[:, N:].any()
-
-
-class _CountLaunches:
-    """Stands in for a kernel and counts its launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
 
 
 @pytest.mark.parametrize("fmt", [Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0], ids=lambda f: f.name)
@@ -196,31 +166,31 @@ def test_parts_in_one_launch(fmt: Format, monkeypatch: pytest.MonkeyPatch) -> No
     rng = np.random.default_rng(40 + int(fmt))
     k, widths = 256, (40, 12, 20)  # none a whole number of tiles
     x = _x(k, rng)
-    raws = [_raw(fmt, n, k, rng) for n in widths]
+    raws = [raw_weights(fmt, n, k, rng) for n in widths]
     bias = rng.standard_normal(widths[0]).astype(np.float32)
     q_out = torch.empty((1, widths[0]), device=DEVICE)
     k_out = torch.empty((1, widths[1]), device=DEVICE)
     cache = torch.zeros((8, widths[2]), device=DEVICE)
     pos = torch.tensor([3], dtype=torch.int64, device=DEVICE)
-    counter = _CountLaunches(fast._parts_kernel)
+    counter = CountLaunches(fast._parts_kernel)
     monkeypatch.setattr(fast, "_parts_kernel", counter)
     parts = [
-        Part(_dev(raws[0]), widths[0], q_out, bias=_dev(bias)),
-        (_dev(raws[1]), widths[1], k_out, None, None),
-        Part(_dev(raws[2]), widths[2], cache, out_row=(pos, widths[2])),
+        Part(dev(raws[0]), widths[0], q_out, bias=dev(bias)),
+        (dev(raws[1]), widths[1], k_out, None, None),
+        Part(dev(raws[2]), widths[2], cache, out_row=(pos, widths[2])),
     ]
-    gemv_fast_parts(_dev(x), parts, fmt)
+    gemv_fast_parts(dev(x), parts, fmt)
     assert counter.launches == 1
     for i, (raw, n, got) in enumerate(zip(raws, widths, (q_out, k_out, cache[3:4]), strict=True)):
         want, scale = _reference(x, raw, fmt, n, k)
         b = bias if i == 0 else np.zeros(n)
-        _check(got, want + b, gamma(k + EPILOGUE_ROUNDINGS) * (scale + np.abs(b)))
+        check(got, want + b, gamma(k + EPILOGUE_ROUNDINGS) * (scale + np.abs(b)))
     assert not cache[torch.arange(8, device=DEVICE) != 3].any()
 
 
 def test_refusals() -> None:
     rng = np.random.default_rng(50)
-    raw, x = _dev(_raw(Format.Q8_0, 8, 64, rng)), _dev(_x(64, rng))
+    raw, x = dev(raw_weights(Format.Q8_0, 8, 64, rng)), dev(_x(64, rng))
     parts = [Part(raw, 8, torch.empty((1, 8), device=DEVICE)) for _ in range(fast.PARTS_MOST + 1)]
     with pytest.raises(ValueError, match="parts"):
         gemv_fast_parts(x, parts, Format.Q8_0)
@@ -236,9 +206,9 @@ def test_refusals() -> None:
 
 def _glu_case(fmt: Format, n: int, k: int, rng: np.random.Generator) -> None:
     x = _x(k, rng)
-    raw_g, raw_u = _raw(fmt, n, k, rng), _raw(fmt, n, k, rng)
+    raw_g, raw_u = raw_weights(fmt, n, k, rng), raw_weights(fmt, n, k, rng)
     out = torch.empty((1, n), device=DEVICE)
-    gemv_fast_gate_up_glu(_dev(x), _dev(raw_g), _dev(raw_u), fmt, n, k, out)
+    gemv_fast_gate_up_glu(dev(x), dev(raw_g), dev(raw_u), fmt, n, k, out)
     g, g_scale = _reference(x, raw_g, fmt, n, k)
     u, u_scale = _reference(x, raw_u, fmt, n, k)
     silu = g / (1 + np.exp(-g))
@@ -246,7 +216,7 @@ def _glu_case(fmt: Format, n: int, k: int, rng: np.random.Generator) -> None:
     # |d(SiLU(g) u)| <= slope |dg| (|u| + |du|) + |SiLU(g)| |du|, plus the epilogue's own roundings
     dg, du = gamma(k) * g_scale, gamma(k) * u_scale
     bound = SILU_SLOPE * dg * (np.abs(u) + du) + np.abs(silu) * du + GLU_ULPS * U32 * np.abs(want)
-    _check(out, want, bound)
+    check(out, want, bound)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -279,12 +249,12 @@ def _device_reference(x: torch.Tensor, raw: np.ndarray, fmt: Format, n: int, k: 
 @pytest.mark.parametrize(("fmt", "n", "k"), REAL, ids=lambda v: getattr(v, "name", str(v)))
 def test_real_shapes(fmt: Format, n: int, k: int) -> None:
     rng = np.random.default_rng(REAL_SEED)
-    raw, x = _raw(fmt, n, k, rng), _dev(_x(k, rng))
+    raw, x = raw_weights(fmt, n, k, rng), dev(_x(k, rng))
     out = torch.empty((1, n), device=DEVICE)
-    gemv_fast(x, _dev(raw), fmt, n, k, out)
+    gemv_fast(x, dev(raw), fmt, n, k, out)
     torch.cuda.synchronize()
     want, scale = _device_reference(x, raw, fmt, n, k)
-    _check(out, want, gamma(k) * scale)
+    check(out, want, gamma(k) * scale)
 
 
 @pytest.mark.cuda

@@ -29,6 +29,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
 pytest.importorskip("triton")
 
+from kernel_checks import (  # noqa: E402
+    CUDA,
+    DEVICE,
+    EPS,
+    F16_TINY_STEP,
+    U16,
+    CountLaunches,
+    dev,
+    gamma,
+    host,
+    norm_rel,
+    within,
+)
+
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
 from fuselane.gguf.quantize import random_blocks  # noqa: E402
@@ -36,54 +50,10 @@ from fuselane.lanes.cuda.triton import gemv_fast_norm as fnorm  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv_epilogue import gemv_add_norm_counter  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv_fast_norm import gemv_fast_add_norm, supports_fast_add_norm  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-U32 = 2.0**-24  # f32 unit roundoff
-U16 = 2.0**-11  # f16 unit roundoff: an f16 result's one rounding, relative (normal values)
-F16_TINY_STEP = 2.0**-24  # the spacing of f16's subnormals, where a rounding is within half of it, absolute
-APPROX = 4  # a GPU's approximate rsqrt: within 4u (PTX: 2^-22 relative)
-EPS = 1e-6
-NORM_ROUNDINGS = 3  # the mean's division, eps rounded to f32, and its add
-SECOND_ORDER = 1  # a u of room for the products of first-order terms
 K = 512  # two K super-blocks, or 16 32-value blocks: every format's loop takes a prefetch and a last chunk
 
 # (format, n): widths from 64 to 256, most not whole 8-row tiles (the last tile's extra rows are dropped)
 CASES = [(Format.Q4_K, 256), (Format.Q6_K, 100), (Format.Q8_0, 64), (Format.Q5_0, 203), (Format.F16, 150)]
-
-
-def gamma(terms: int) -> float:
-    return terms * U32 / (1 - terms * U32)
-
-
-def norm_rel(n: int) -> float:
-    """Relative error of one output of the weighted RMS norm of an f32 row of `n` (the module's docstring)."""
-    return gamma(n + NORM_ROUNDINGS) / 2 + (APPROX + 2 + SECOND_ORDER) * U32
-
-
-def _dev(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().double().numpy().reshape(-1)
-
-
-def _within(got: np.ndarray, want: np.ndarray, bound: np.ndarray, what: str) -> None:
-    err = np.abs(got - want)
-    worst = int(np.argmax(err - bound))
-    assert np.all(np.isfinite(got)), f"{what}: non-finite values"
-    assert np.all(err <= bound), f"{what}: error {err[worst]:.3g} over the bound {bound[worst]:.3g} at {worst}"
-
-
-class _CountLaunches:
-    """Stands in for a kernel and counts its launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
 
 
 class _Case:
@@ -117,9 +87,9 @@ class _Case:
 
     def check_norm(self, sums: torch.Tensor, out: torch.Tensor, rel: float, tiny: float = 0.0) -> None:
         """out is the weighted RMS norm of the row sum_out holds, within `rel` relative and `tiny` absolute."""
-        s = _host(sums)
+        s = host(sums)
         want = s / np.sqrt(np.mean(s * s) + EPS) * self.norm_w
-        _within(_host(out), want, rel * np.abs(want) + tiny, "norm")
+        within(host(out), want, rel * np.abs(want) + tiny, "norm")
 
 
 @pytest.mark.parametrize(("fmt", "n"), CASES, ids=lambda v: getattr(v, "name", str(v)))
@@ -128,16 +98,16 @@ def test_each_format(fmt: Format, n: int, monkeypatch: pytest.MonkeyPatch) -> No
     sums = torch.full((1, n), float("nan"), device=DEVICE)
     out = torch.full((1, n), float("nan"), device=DEVICE)
     counter = gemv_add_norm_counter(DEVICE)
-    count = _CountLaunches(fnorm._fast_add_norm_kernel)
+    count = CountLaunches(fnorm._fast_add_norm_kernel)
     monkeypatch.setattr(fnorm, "_fast_add_norm_kernel", count)
 
     got = gemv_fast_add_norm(
-        _dev(case.x), _dev(case.raw), fmt, n, K, _dev(case.res), sums, _dev(case.norm_w), EPS, out, counter
+        dev(case.x), dev(case.raw), fmt, n, K, dev(case.res), sums, dev(case.norm_w), EPS, out, counter
     )
 
     assert got is out and count.launches == 1
     want, bound = case.exact_sum(case.res.astype(np.float64))
-    _within(_host(sums), want, bound, "sum_out")
+    within(host(sums), want, bound, "sum_out")
     case.check_norm(sums, out, norm_rel(n))
     assert counter.item() == 0  # re-armed by the last program
 
@@ -150,10 +120,10 @@ def test_norm_in_chunks_into_f16(monkeypatch: pytest.MonkeyPatch) -> None:
     sums = torch.empty(n, device=DEVICE)
     out = torch.full((n,), float("nan"), device=DEVICE, dtype=torch.float16)
     counter = gemv_add_norm_counter(DEVICE)
-    gemv_fast_add_norm(_dev(case.x).reshape(K), _dev(case.raw), Format.Q6_K, n, K, _dev(case.res), sums,
-                       _dev(case.norm_w), EPS, out, counter)  # fmt: skip
+    gemv_fast_add_norm(dev(case.x).reshape(K), dev(case.raw), Format.Q6_K, n, K, dev(case.res), sums,
+                       dev(case.norm_w), EPS, out, counter)  # fmt: skip
     want, bound = case.exact_sum(case.res.astype(np.float64))
-    _within(_host(sums), want, bound, "sum_out")
+    within(host(sums), want, bound, "sum_out")
     # one more rounding: relative for normal values, absolute for subnormal ones
     case.check_norm(sums, out, norm_rel(n) + U16, F16_TINY_STEP / 2)
     assert counter.item() == 0
@@ -164,18 +134,18 @@ def test_in_place_and_relaunched_with_one_counter() -> None:
     # (without the reset its last program would count past the grid and write no norm: out would stay NaN)
     n = 120
     case = _Case(Format.Q4_K, n, K, 90)
-    stream = _dev(case.res).clone()  # on the CPU _dev shares the array's memory
+    stream = dev(case.res).clone()  # on the CPU dev shares the array's memory
     counter = gemv_add_norm_counter(DEVICE)
-    x, raw, norm_w = _dev(case.x), _dev(case.raw), _dev(case.norm_w)
+    x, raw, norm_w = dev(case.x), dev(case.raw), dev(case.norm_w)
     res = case.res.astype(np.float64)
     for step in range(2):
         out = torch.full((n,), float("nan"), device=DEVICE)
         gemv_fast_add_norm(x, raw, Format.Q4_K, n, K, stream, stream, norm_w, EPS, out, counter)
         want, bound = case.exact_sum(res)
-        _within(_host(stream), want, bound, f"stream, launch {step}")
+        within(host(stream), want, bound, f"stream, launch {step}")
         case.check_norm(stream, out, norm_rel(n))
         assert counter.item() == 0, f"launch {step} left the counter at {counter.item()}"
-        res = _host(stream)  # the next launch adds the same product to what this one wrote
+        res = host(stream)  # the next launch adds the same product to what this one wrote
 
 
 def test_supports_and_refusals() -> None:
@@ -205,8 +175,8 @@ def test_supports_and_refusals() -> None:
 def test_real_shape_replayed_in_a_cuda_graph(fmt: Format, n: int, k: int) -> None:
     # a 4096-wide down / o projection: 512 programs race to be last; the graph replays with the counter it captured
     case = _Case(fmt, n, k, 130)
-    x, raw, norm_w = _dev(case.x), _dev(case.raw), _dev(case.norm_w)
-    stream = _dev(case.res).clone()
+    x, raw, norm_w = dev(case.x), dev(case.raw), dev(case.norm_w)
+    stream = dev(case.res).clone()
     out = torch.empty(n, device=DEVICE)
     counter = gemv_add_norm_counter(DEVICE)
     gemv_fast_add_norm(x, raw, fmt, n, k, stream, stream, norm_w, EPS, out, counter)  # compile outside capture
@@ -214,14 +184,14 @@ def test_real_shape_replayed_in_a_cuda_graph(fmt: Format, n: int, k: int) -> Non
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         gemv_fast_add_norm(x, raw, fmt, n, k, stream, stream, norm_w, EPS, out, counter)
-    stream.copy_(_dev(case.res))
+    stream.copy_(dev(case.res))
     res = case.res.astype(np.float64)
     for replay in range(3):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         want, bound = case.exact_sum(res)
-        _within(_host(stream), want, bound, f"stream, replay {replay}")
+        within(host(stream), want, bound, f"stream, replay {replay}")
         case.check_norm(stream, out, norm_rel(n))
         assert counter.item() == 0
-        res = _host(stream)
+        res = host(stream)

@@ -1,0 +1,72 @@
+"""What the GEMV kernel tests share: the device, f32/f16 roundoff, the Higham bound gamma_k, the weighted
+RMS norm's relative error, random weights, and the checks of a result against its bound.
+
+The bounds are derived in the tests' module docstrings: an f32 sum of k exact products is within
+gamma_k * sum |w x| of the exact one (Higham, "Accuracy and Stability of Numerical Algorithms", 3.1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fuselane.gguf.formats import LAYOUTS, Format
+from fuselane.gguf.quantize import random_blocks
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+U32 = 2.0**-24  # f32 unit roundoff
+U16 = 2.0**-11  # f16 unit roundoff: an f16 result's one rounding, relative (normal values)
+F16_TINY_STEP = 2.0**-24  # the spacing of f16's subnormals, where a rounding is within half of it, absolute
+APPROX = 4  # a GPU's approximate rsqrt: within 4u (PTX: 2^-22 relative)
+EPS = 1e-6
+NORM_ROUNDINGS = 3  # the mean's division, eps rounded to f32, and its add
+SECOND_ORDER = 1  # a u of room for the products of first-order terms
+
+
+def gamma(terms: int) -> float:
+    return terms * U32 / (1 - terms * U32)
+
+
+def norm_rel(n: int) -> float:
+    """Relative error of one output of the weighted RMS norm of an f32 row of `n`."""
+    return gamma(n + NORM_ROUNDINGS) / 2 + (APPROX + 2 + SECOND_ORDER) * U32
+
+
+def raw_weights(fmt: Format, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """n rows of k values of random blocks in `fmt`, as the 1-D bytes a GGUF tensor is."""
+    return random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng).reshape(-1)
+
+
+def dev(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)
+
+
+def host(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().double().numpy().reshape(-1)
+
+
+def within(got: np.ndarray, want: np.ndarray, bound: np.ndarray, what: str) -> None:
+    """Every value finite and within its bound of the reference."""
+    err = np.abs(got - want)
+    worst = int(np.argmax(err - bound))
+    assert np.all(np.isfinite(got)), f"{what}: non-finite values"
+    assert np.all(err <= bound), f"{what}: error {err[worst]:.3g} over the bound {bound[worst]:.3g} at {worst}"
+
+
+def check(got: torch.Tensor, want: np.ndarray, bound: np.ndarray) -> None:
+    """A device result within its bound of the reference, element by element."""
+    err = np.abs(got.detach().cpu().double().numpy() - want)
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert np.all(err <= bound), f"error {err[worst]:.3g} over the bound {bound[worst]:.3g} at {worst}"
+
+
+class CountLaunches:
+    """Stands in for a kernel and counts its launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
