@@ -55,7 +55,8 @@ def _t():
 
 
 def bind(op: Op, b: Bound) -> list[Launch]:
-    """The launches of one op of the schedule."""
+    """The launches of one op of the schedule. A class without a one-launch kernel here (a projection that
+    turns its heads in its epilogue, outside a GEMV in parts) runs as its parts' launches."""
     cls = class_of(op)
     if cls is not None:
         builder = NATIVE.get(cls)
@@ -357,10 +358,6 @@ def _turns(sides: list[Op], b: Bound) -> list[Launch]:
     return [launch for side in sides for launch in bind(side, b)]
 
 
-def _qkv_head(op: Op, b: Bound):
-    return None  # its product, then its rotation: the parts' launches
-
-
 def _norm_epilogue(op: Op, b: Bound):
     """A projection with its residual add and norm: one launch whose last program norms the sum (a step's one
     row), or the product with the residual then the norm (a chunk's rows)."""
@@ -412,7 +409,6 @@ NATIVE: dict[C, Callable[[Op, Bound], list[Launch] | None]] = {
     C.ROW_WRITE: _row_write,
     C.GEMV_GATE_UP_GLU: _gate_up,
     C.MERGED_QKV: _merged,
-    C.QKV_HEAD_EPILOGUE: _qkv_head,
     C.GEMV_NORM_EPILOGUE: _norm_epilogue,
     C.GLU_ACT_MUL: _glu,
     C.FLASH_DECODE: _flash,
