@@ -28,11 +28,9 @@ def test_kernel_facts() -> None:
     assert kernels.moe_down_launch(2048, 1024, 8, 1024) == (512, 288)
     for activations in Activations:
         assert kernels.accumulator(kernels.mode(activations)) == (4, 32)
-    smem = H200.smem_bytes_per_block
-    assert kernels.attn_heads_per_block(4, 128, 128, 4096, smem, 4) == 4
-    assert kernels.attn_heads_per_block(4, 128, 128, 4096, 1024, 4) is None
-    assert kernels.attn_splits(head_blocks=8, span=4096, sms=132) == 16  # capped by 256-row chunks
-    assert kernels.attn_splits(head_blocks=8, span=300, sms=132) == 2
+    assert kernels.attn_splits(head_blocks=8, span=4096, sms=132) == 33  # two blocks a SM
+    assert kernels.attn_splits(head_blocks=2, span=4096, sms=132) == 64  # capped by 64-row chunks
+    assert kernels.attn_splits(head_blocks=8, span=300, sms=132) == 5
     assert kernels.attn_splits(head_blocks=512, span=4096, sms=132) == 1
     assert chunks_apart(splits=4, rows=1, head_blocks=8, sms=132)
     assert not chunks_apart(splits=4, rows=64, head_blocks=8, sms=132)

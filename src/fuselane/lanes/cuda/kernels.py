@@ -90,16 +90,18 @@ ROPE_SIDES = 2
 # An attention loads its values a pair at a time (one 32-bit load of two f16, or a 64-bit one of two f32),
 # so a value read in place starts at an even place of an even pitch.
 ATTN_VALUES_A_LOAD = 2
-# Cached rows an attention block stages at a time, its keys and values in f32 (an f16 cache widens on load).
-ATTN_TILE_ROWS = 64
-ATTN_STAGED_BYTES = 4
-ATTN_SCORE_BYTES = 4  # a score of the tile, f32
-ATTN_QUERY_BYTES = 4  # a query value, f32
+# A decode attention block takes every query head of one key/value group, a warp a head, and its lanes
+# split the head's values: a warp's dots reduce with shuffles and the softmax over the tile's rows stays in
+# each thread, so a tile costs no shared-memory round trip but the staging of its keys and values.
+ATTN_LANES = WARP
+# Cached rows a decode block reads at a time: each thread holds the tile's keys and values at its lanes'
+# places (16 rows x 4 groups of 32 values x 2 at hd 128: 128 registers as f32).
+ATTN_DECODE_TILE_ROWS = 16
 # Blocks an attention wants a SM: two, so one block's loads overlap the other's arithmetic.
 ATTN_WAVES = 2
-# The fewest cached rows a split of the span takes: its partial's merge (one LSE-weighted row a head) stays
-# small against attending 256 rows.
-ATTN_MIN_CHUNK = 256
+# The fewest cached rows a split of the span takes: a split's partial (one LSE-weighted row a head) and its
+# merge stay small against attending this many rows, and a short span runs as one split with no merge.
+ATTN_MIN_CHUNK = 64
 
 # --- convolutions and mixtures ---------------------------------------------------------------------------
 
@@ -188,19 +190,6 @@ def mode(activations: Activations) -> Mode:
 def accumulator(m: Mode) -> Accumulator:
     """The accumulator of a product in mode `m`: f32 for floats, int32 for int8 words; both 32 bits."""
     return Accumulator(ACCUMULATOR_BYTES, ACCUMULATOR_BITS)
-
-
-def attn_heads_per_block(group: int, hd: int, vd: int, span: int, smem_bytes: int, acc_bytes: int) -> int | None:
-    """Query heads an attention block takes together: the most heads of one key/value group (a divisor of
-    `group`) whose queries, accumulators and scores fit the block's shared memory beside one staged tile of
-    keys and values; None where not even one head fits."""
-    tile = min(ATTN_TILE_ROWS, max(1, span))
-    staged = tile * (hd + vd) * ATTN_STAGED_BYTES
-    per_head = hd * ATTN_QUERY_BYTES + vd * acc_bytes + tile * ATTN_SCORE_BYTES
-    for heads in sorted((h for h in range(1, group + 1) if group % h == 0), reverse=True):
-        if staged + heads * per_head <= smem_bytes:
-            return heads
-    return None
 
 
 def attn_splits(head_blocks: int, span: int, sms: int) -> int:

@@ -5,16 +5,17 @@ rows the position in the 1-element int32 device tensor `pos` reaches, so a captu
 new position with no re-capture: every loop bound, every split's share of the span, is computed in the
 kernel from `pos`.
 
-FlashDecode. The span (cache rows 0..pos) is cut into `splits` chunks; a block takes a chunk for the query
-heads of one key/value group (`kernels.attn_heads_per_block` of them: the key/value tile is read once for
-all of them), running the online softmax over tiles of `tile_rows` cached rows on the CUDA cores (a decode
-step's dots are one row each; the shim refuses packing heads into tensor-core rows). Each block writes its
-partial (running max, sum of weights, unnormalized weighted values) to scratch; the last block of a head
-group to finish (an atomic counter a group, re-armed by that block for the next launch) merges the partials
-with the log-sum-exp combine and writes the output. One launch. The number of splits is fixed when the plan
-is built (`decode_plan`: `kernels.attn_splits` at the cache's length, where `shim.chunks_apart` says the head
-blocks alone leave the chip idle); at a short span only the first chunks hold rows (a chunk is never under
-`min_chunk` rows) and the rest write an empty partial.
+FlashDecode. The span (cache rows 0..pos) is cut into up to `splits` chunks of at least `min_chunk` rows; a
+block takes one chunk for every query head of one key/value group, one warp a head, on the CUDA cores (the
+shim refuses packing heads into tensor-core rows). Its tensors are laid out [rows, hd / 32, heads, 32]: the
+lanes split a head's values and the warps its heads, so a dot reduces with warp shuffles, and the online
+softmax over a tile's rows and the weighted sum of values stay in each thread; only the staging of each tile
+of keys and values crosses shared memory. A block whose chunk is the whole span writes the output; otherwise
+each writes its partial (running max, sum of weights, unnormalized weighted values) to scratch and the last
+block of the group to finish (an atomic counter a group, re-armed by that block for the next launch) merges
+the partials with the log-sum-exp combine. One launch; the number of splits is fixed when the plan is built
+(`decode_plan`: `kernels.attn_splits` at the cache's length, where `shim.chunks_apart` says the groups alone
+leave the chip idle), and blocks past the chunks a short span needs exit at once.
 
 FlashPrefill. Query rows are packed with their group's heads (row-major over (row, head of the group)) into
 tiles of `block_m`, so a tile of keys and values serves every head of its group; scores and the weighted sum
@@ -42,12 +43,6 @@ from fuselane.lanes.cuda.shim import chunks_apart
 
 LOG2E = math.log2(math.e)
 
-# A decode block's register tile: half a staged tile of cached rows, at 16 f32 values of the key tile and 16
-# of the value tile a thread (eight warps at hd 128). Compiled for sm_90 a block then takes 121-128
-# registers a thread for groups of up to four heads (175 at seven, 199 at eight), so two blocks fit a SM's
-# 64k registers, the `kernels.ATTN_WAVES` the splits are sized for; a whole 64-row tile took 183 at four.
-DECODE_TILE_ROWS = kernels.ATTN_TILE_ROWS // 2
-DECODE_VALUES_A_THREAD = 16
 # Tiles of the cache a decode loop keeps in flight.
 DECODE_STAGES = 3
 
@@ -56,8 +51,8 @@ DECODE_STAGES = 3
 #   key/value tile copied in (cp.async) while this one multiplies (wgmma);
 # - f32: 64 by 32 keys, at 3xTF32 (below): three tensor-core passes hold each operand twice, and 64 keys spill.
 PREFILL_BLOCK_M = 64
-PREFILL_BLOCK_N_F16 = kernels.ATTN_TILE_ROWS
-PREFILL_BLOCK_N_F32 = kernels.ATTN_TILE_ROWS // 2
+PREFILL_BLOCK_N_F16 = 64
+PREFILL_BLOCK_N_F32 = 32
 PREFILL_WARPS = 4
 PREFILL_STAGES = 2
 # f32 operands multiply as 3xTF32: each operand split into a TF32 head and a TF32 tail, three tensor-core
@@ -81,7 +76,8 @@ def interpreted() -> bool:
 
 
 class DecodePlan(NamedTuple):
-    """A decode attention's launch: query heads a block, head blocks, and chunks of the span."""
+    """A decode attention's launch: query heads a block (a key/value group's), blocks (the groups), and the
+    most chunks of the span."""
 
     heads_per_block: int
     head_blocks: int
@@ -91,28 +87,20 @@ class DecodePlan(NamedTuple):
 def decode_plan(
     heads: int, kv_heads: int, hd: int, cache_len: int, *, chip: Chip = H200, splits: int | None = None
 ) -> DecodePlan:
-    """The launch of a decode attention over a cache of `cache_len` rows on `chip`: heads a block from
-    `kernels.attn_heads_per_block`, splits from `kernels.attn_splits` where `shim.chunks_apart` says so
-    (or `splits` where given)."""
+    """The launch of a decode attention over a cache of `cache_len` rows on `chip`: a block a key/value
+    group, splits from `kernels.attn_splits` where `shim.chunks_apart` says so (or `splits` where given)."""
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not share {kv_heads} key/value heads evenly")
-    group = heads // kv_heads
-    per_block = kernels.attn_heads_per_block(
-        group, hd, hd, cache_len, chip.smem_bytes_per_block, kernels.ACCUMULATOR_BYTES
-    )
-    if per_block is None:
-        raise ValueError(f"a head of {hd} values does not fit one attention block's shared memory on {chip.name}")
-    head_blocks = heads // per_block
     if splits is None:
-        splits = kernels.attn_splits(head_blocks, cache_len, chip.sms)
-        if not chunks_apart(splits, 1, head_blocks, chip.sms):
+        splits = kernels.attn_splits(kv_heads, cache_len, chip.sms)
+        if not chunks_apart(splits, 1, kv_heads, chip.sms):
             splits = 1
-    return DecodePlan(per_block, head_blocks, max(1, splits))
+    return DecodePlan(heads // kv_heads, kv_heads, max(1, splits))
 
 
 def decode_scratch_size(plan: DecodePlan, heads: int, hd: int) -> int:
     """f32 values of a decode attention's scratch: each head's partial a split (hd weighted values, a max,
-    a sum), then a counter a head block."""
+    a sum), then a counter a group."""
     return heads * plan.splits * (hd + 2) + plan.head_blocks
 
 
@@ -121,42 +109,37 @@ def decode_scratch(
 ) -> torch.Tensor:
     """A decode attention's scratch, allocated once with the plan and kept (its counters start at zero; the
     kernel leaves them at zero). Sized for any grouping of `heads`: the most splits `kernels.attn_splits`
-    gives (at one head block) and a counter a head; pass `splits` where the launch names its own."""
+    gives (at one group) and a counter a head; pass `splits` where the launch names its own."""
     most = splits or kernels.attn_splits(1, cache_len, chip.sms)
     return torch.zeros(heads * most * (hd + 2) + heads, dtype=torch.float32, device=device)
 
 
 @triton.jit
 def _decode_tile(
-    q_ptr, k_ptr, v_ptr, run_max, run_sum, acc, start, hi, h0, kvh, k_pitch, v_pitch, scale_log2e,
-    HB: tl.constexpr, HB_P2: tl.constexpr, HD: tl.constexpr, HD_P2: tl.constexpr, TILE: tl.constexpr,
+    q, run_max, run_sum, acc, k_ptr, v_ptr, start, hi, kvh, k_pitch, v_pitch, scale_log2e,
+    HD: tl.constexpr, C: tl.constexpr, L: tl.constexpr, TILE: tl.constexpr, G: tl.constexpr,
 ):  # fmt: skip
-    """One tile of cached rows from `start` (rows below `hi`) into the running softmax of the block's heads."""
-    d = tl.arange(0, HD_P2)
-    dmask = d < HD
-    g = tl.arange(0, HB_P2)
-    r = start + tl.arange(0, TILE)
-    rmask = r < hi
-    kv_mask = rmask[:, None] & dmask[None, :]
-    k = tl.load(k_ptr + r[:, None] * k_pitch + kvh * HD + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + r[:, None] * v_pitch + kvh * HD + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-    # the tile serves every head of the block: one head's dots at a time, its running state a row of the
-    # block's (a query row reloads from L1; keeping HB of them live would cost HB * HD registers)
-    for j in tl.static_range(HB):
-        q = tl.load(q_ptr + (h0 + j) * HD + d, mask=dmask, other=0.0).to(tl.float32)
-        s = tl.sum(k * q[None, :], axis=1) * scale_log2e
-        s = tl.where(rmask, s, float("-inf"))
-        mine = g == j
-        old_max = tl.max(tl.where(mine, run_max, float("-inf")), axis=0)
-        new_max = tl.maximum(old_max, tl.max(s, axis=0))
-        alpha = tl.exp2(old_max - new_max)  # 0 on the first tile, where old_max is -inf
-        p = tl.exp2(s - new_max)
-        new_sum = tl.sum(tl.where(mine, run_sum, 0.0), axis=0) * alpha + tl.sum(p, axis=0)
-        pv = tl.sum(p[:, None] * v, axis=0)
-        acc = tl.where(mine[:, None], acc * alpha + pv[None, :], acc)
-        run_max = tl.where(mine, new_max, run_max)
-        run_sum = tl.where(mine, new_sum, run_sum)
-    return run_max, run_sum, acc
+    """One tile of cached rows from `start` (rows below `hi`) into the running softmax of the group's heads.
+
+    Shapes: q [G, 1, C, L] and acc [G, C, L] (value c * L + l of head g); keys and values [G, TILE, C, L],
+    each warp reading its own copy of the tile; scores [G, TILE]. The heads' axis leads so that Triton's
+    layouts give it the warps (the lanes take the last, contiguous axis): rows and chunks stay in a thread.
+    """
+    row = start + tl.arange(0, TILE)
+    r = row[None, :, None, None]
+    col = (tl.arange(0, C)[:, None] * L + tl.arange(0, L)[None, :])[None, None, :, :]
+    col = col + 0 * tl.arange(0, G)[:, None, None, None]  # [G, 1, C, L]: a copy a warp
+    mask = (r < hi) & (col < HD)
+    k = tl.load(k_ptr + r.to(tl.int64) * k_pitch + kvh * HD + col, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + r.to(tl.int64) * v_pitch + kvh * HD + col, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sum(tl.sum(k * q, axis=3), axis=2) * scale_log2e  # [G, TILE]: lanes shuffle, chunks in the thread
+    s = tl.where((row < hi)[None, :], s, float("-inf"))
+    new_max = tl.maximum(run_max, tl.max(s, axis=1))
+    alpha = tl.exp2(run_max - new_max)  # 0 on the first tile, where run_max is -inf
+    p = tl.exp2(s - new_max[:, None])
+    run_sum = run_sum * alpha + tl.sum(p, axis=1)
+    pv = tl.sum(p[:, :, None, None] * v, axis=1)  # [G, C, L]: rows summed in the thread
+    return new_max, run_sum, acc * alpha[:, None, None] + pv
 
 
 @triton.jit
@@ -174,80 +157,86 @@ def _decode_kernel(
     v_pitch,
     scale_log2e,
     GROUP: tl.constexpr,
-    HB: tl.constexpr,
-    HB_P2: tl.constexpr,
+    G_P2: tl.constexpr,
     HD: tl.constexpr,
-    HD_P2: tl.constexpr,
+    C: tl.constexpr,
+    L: tl.constexpr,
     TILE: tl.constexpr,
     SPLITS: tl.constexpr,
+    S_P2: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    hb = tl.program_id(0)
+    kvh = tl.program_id(0)
     split = tl.program_id(1)
-    h0 = hb * HB
-    kvh = h0 // GROUP
     # this split's share of the span 0..pos: equal shares of whole tiles, none under MIN_CHUNK rows
     span = tl.load(pos_ptr) + 1
     chunk = tl.cdiv(tl.maximum(tl.cdiv(span, SPLITS), MIN_CHUNK), TILE) * TILE
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, span)
-
-    d = tl.arange(0, HD_P2)
-    dmask = d < HD
-    g = tl.arange(0, HB_P2)
-    run_max = tl.full([HB_P2], float("-inf"), tl.float32)
-    run_sum = tl.zeros([HB_P2], tl.float32)
-    acc = tl.zeros([HB_P2, HD_P2], tl.float32)
-    if INTERPRETED:  # the same tiles in the same order (see INTERPRETED)
-        start = lo
-        while start < hi:
-            run_max, run_sum, acc = _decode_tile(
-                q_ptr, k_ptr, v_ptr, run_max, run_sum, acc, start, hi, h0, kvh, k_pitch, v_pitch, scale_log2e,
-                HB, HB_P2, HD, HD_P2, TILE,
-            )  # fmt: skip
-            start += TILE
-    else:
-        for start in range(lo, hi, TILE):
-            run_max, run_sum, acc = _decode_tile(
-                q_ptr, k_ptr, v_ptr, run_max, run_sum, acc, start, hi, h0, kvh, k_pitch, v_pitch, scale_log2e,
-                HB, HB_P2, HD, HD_P2, TILE,
-            )  # fmt: skip
-
-    heads_mask = g < HB
-    out_offs = (h0 + g)[:, None] * HD + d[None, :]
-    out_mask = heads_mask[:, None] & dmask[None, :]
-    if SPLITS == 1:
-        tl.store(out_ptr + out_offs, acc / run_sum[:, None], mask=out_mask)
-    else:
-        part = (h0 + g) * SPLITS + split
-        tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=out_mask)
-        tl.store(max_ptr + part, run_max, mask=heads_mask)
-        tl.store(sum_ptr + part, run_sum, mask=heads_mask)
-        # every thread's partial is stored before one thread's release: the block's barrier, then the
-        # counter's acq_rel atomic (CUTLASS's semaphore pattern); the last block's acquire sees them all
-        tl.debug_barrier()
-        done = tl.atomic_add(count_ptr + hb, 1, sem="acq_rel", scope="gpu")
-        if done == SPLITS - 1:
-            first = (h0 + g) * SPLITS
-            # partials are other SMs' writes: read them from L2 (.cg), past this SM's L1
-            top = tl.full([HB_P2], float("-inf"), tl.float32)
-            for s_ in range(SPLITS):
-                m_s = tl.load(max_ptr + first + s_, mask=heads_mask, other=0.0, cache_modifier=".cg")
-                top = tl.maximum(top, m_s)
-            total = tl.zeros([HB_P2], tl.float32)
-            merged = tl.zeros([HB_P2, HD_P2], tl.float32)
-            for s_ in range(SPLITS):
-                m_s = tl.load(max_ptr + first + s_, mask=heads_mask, other=0.0, cache_modifier=".cg")
-                l_s = tl.load(sum_ptr + first + s_, mask=heads_mask, other=1.0, cache_modifier=".cg")
-                a_s = tl.load(
-                    acc_ptr + (first + s_)[:, None] * HD + d[None, :], mask=out_mask, other=0.0, cache_modifier=".cg"
-                )
-                w = tl.exp2(m_s - top)  # 0 for an empty chunk's -inf max: the first chunk is never empty
-                total += w * l_s
-                merged += w[:, None] * a_s
-            tl.store(out_ptr + out_offs, merged / total[:, None], mask=out_mask)
-            tl.atomic_xchg(count_ptr + hb, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
+    active = tl.cdiv(span, chunk)
+    if split < active:
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, span)
+        g = tl.arange(0, G_P2)
+        heads_mask = g < GROUP
+        # padded heads (a group of 7 in 8 warps) reread the group's last head: finite, never stored
+        head = kvh * GROUP + tl.minimum(g, GROUP - 1)
+        col = (tl.arange(0, C)[:, None] * L + tl.arange(0, L)[None, :])[None, :, :]  # [1, C, L]
+        col_mask = col < HD
+        offs = head[:, None, None] * HD + col  # [G, C, L]
+        q = tl.load(q_ptr + offs, mask=col_mask, other=0.0).to(tl.float32)[:, None, :, :]
+        run_max = tl.full([G_P2], float("-inf"), tl.float32)
+        run_sum = tl.zeros([G_P2], tl.float32)
+        acc = tl.zeros([G_P2, C, L], tl.float32)
+        if INTERPRETED:  # the same tiles in the same order (see INTERPRETED)
+            start = lo
+            while start < hi:
+                run_max, run_sum, acc = _decode_tile(
+                    q, run_max, run_sum, acc, k_ptr, v_ptr, start, hi, kvh, k_pitch, v_pitch, scale_log2e,
+                    HD, C, L, TILE, G_P2,
+                )  # fmt: skip
+                start += TILE
+        else:
+            for start in range(lo, hi, TILE):
+                run_max, run_sum, acc = _decode_tile(
+                    q, run_max, run_sum, acc, k_ptr, v_ptr, start, hi, kvh, k_pitch, v_pitch, scale_log2e,
+                    HD, C, L, TILE, G_P2,
+                )  # fmt: skip
+        store_mask = heads_mask[:, None, None] & col_mask
+        if active == 1:
+            tl.store(out_ptr + offs, acc / run_sum[:, None, None], mask=store_mask)
+        else:
+            part = head * SPLITS + split
+            tl.store(acc_ptr + part[:, None, None] * HD + col, acc, mask=store_mask)
+            tl.store(max_ptr + part, run_max, mask=heads_mask)
+            tl.store(sum_ptr + part, run_sum, mask=heads_mask)
+            # every thread's partial is stored before one thread's release: the block's barrier, then the
+            # counter's acq_rel atomic (CUTLASS's semaphore pattern); the last block's acquire sees them all
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + kvh, 1, sem="acq_rel", scope="gpu")
+            if done == active - 1:
+                # partials are other SMs' writes: read them from L2 (.cg), past this SM's L1
+                s_ = tl.arange(0, S_P2)[:, None]
+                parts = head[None, :] * SPLITS + s_  # [S_P2, G]
+                here = (s_ < active) & heads_mask[None, :]
+                maxes = tl.load(max_ptr + parts, mask=here, other=float("-inf"), cache_modifier=".cg")
+                sums = tl.load(sum_ptr + parts, mask=here, other=0.0, cache_modifier=".cg")
+                top = tl.max(maxes, axis=0)  # [G]
+                top = tl.where(heads_mask, top, 0.0)
+                total = tl.sum(tl.exp2(maxes - top[None, :]) * sums, axis=0)
+                merged = tl.zeros([G_P2, C, L], tl.float32)
+                i = split * 0  # a while loop: its bound is a device value (see INTERPRETED)
+                while i < active:
+                    m_i = tl.load(max_ptr + head * SPLITS + i, mask=heads_mask, other=0.0, cache_modifier=".cg")
+                    a_i = tl.load(
+                        acc_ptr + (head * SPLITS + i)[:, None, None] * HD + col,
+                        mask=store_mask,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    merged += tl.exp2(m_i - top)[:, None, None] * a_i
+                    i += 1
+                tl.store(out_ptr + offs, merged / total[:, None, None], mask=store_mask)
+                tl.atomic_xchg(count_ptr + kvh, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
 
 
 def _cache_pitch(cache: torch.Tensor, kv_heads: int, hd: int, name: str) -> int:
@@ -270,19 +259,18 @@ def flash_decode(
     scratch: torch.Tensor | None,
     splits: int | None = None,
     chip: Chip = H200,
-    tile_rows: int = DECODE_TILE_ROWS,
+    tile_rows: int = kernels.ATTN_DECODE_TILE_ROWS,
     min_chunk: int = kernels.ATTN_MIN_CHUNK,
 ) -> None:
     """FlashDecode: out (1, heads * hd) f32 = causal GQA of the one query row `q` (1, heads * hd) at position
     pos[0] over cache rows 0..pos[0]; query head h reads key/value head h // (heads // kv_heads).
 
-    One launch of (head blocks, splits) blocks (`decode_plan`; `splits` overrides the plan's). `scratch` is
+    One launch of (groups, splits) blocks (`decode_plan`; `splits` overrides the plan's). `scratch` is
     `decode_scratch(heads, hd, cache_len, ...)`, kept for the plan's life; None only where the plan has one
     split. `tile_rows` and `min_chunk` are the kernel's facts, parameters only so tests reach several splits
     of a short cache.
     """
     plan = decode_plan(heads, kv_heads, hd, k_cache.shape[0], chip=chip, splits=splits)
-    hd_p2 = triton.next_power_of_2(hd)
     if plan.splits > 1:
         need = decode_scratch_size(plan, heads, hd)
         if scratch is None or scratch.dtype != torch.float32 or scratch.numel() < need:
@@ -294,7 +282,8 @@ def flash_decode(
         count = scratch[parts * (hd + 2) : need].view(torch.int32)
     else:
         acc = top = total = count = out  # never read: the one split writes its result directly
-    warps = max(1, min(kernels.MAX_BLOCK_WARPS, tile_rows * hd_p2 // (kernels.WARP * DECODE_VALUES_A_THREAD)))
+    lanes = min(kernels.ATTN_LANES, triton.next_power_of_2(hd))
+    group_p2 = triton.next_power_of_2(plan.heads_per_block)
     _decode_kernel[(plan.head_blocks, plan.splits)](
         q,
         k_cache,
@@ -308,16 +297,17 @@ def flash_decode(
         _cache_pitch(k_cache, kv_heads, hd, "k_cache"),
         _cache_pitch(v_cache, kv_heads, hd, "v_cache"),
         scale * LOG2E,
-        GROUP=heads // kv_heads,
-        HB=plan.heads_per_block,
-        HB_P2=triton.next_power_of_2(plan.heads_per_block),
+        GROUP=plan.heads_per_block,
+        G_P2=group_p2,
         HD=hd,
-        HD_P2=hd_p2,
+        C=triton.next_power_of_2(triton.cdiv(hd, lanes)),
+        L=lanes,
         TILE=tile_rows,
         SPLITS=plan.splits,
+        S_P2=triton.next_power_of_2(plan.splits),
         MIN_CHUNK=min_chunk,
         INTERPRETED=interpreted(),
-        num_warps=triton.next_power_of_2(warps),
+        num_warps=min(group_p2, kernels.MAX_BLOCK_WARPS),
         num_stages=DECODE_STAGES,
     )
 
