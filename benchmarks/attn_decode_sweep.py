@@ -19,7 +19,7 @@ HEADS = [  # (name, heads, kv_heads, head dim)
 ]
 CACHE = 8192
 SPANS = [64, 512, 4096]
-SPLITS = [None, 1, 4, 16, 32, 64]
+SPLITS = [None, 1, 8, 16, 32, 64]
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
         kc = torch.randn(CACHE, kv * hd, device="cuda").half()
         vc = torch.randn(CACHE, kv * hd, device="cuda").half()
         out = torch.empty(1, heads * hd, device="cuda")
-        scratch = A.decode_scratch(heads, hd, CACHE, "cuda", splits=64)
+        scratch = A.decode_scratch(heads, hd, CACHE, "cuda", splits=128)
         for span in SPANS:
             pos = torch.tensor([span - 1], dtype=torch.int32, device="cuda")
             row = []

@@ -12,6 +12,9 @@ import numpy as np
 
 from fuselane.errors import FuselaneError
 
+# What a sampler says of NaN logits, on the host or read from the device's flag.
+NAN_LOGITS = "the model computed NaN logits: its weights or metadata are broken"
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -52,7 +55,7 @@ class Sampler:
         logits = np.asarray(logits, dtype=np.float64).reshape(-1)
         if np.isnan(logits).any():
             # arg-max would quietly pick a NaN's index and sampling would fail inside numpy
-            raise FuselaneError("the model computed NaN logits: its weights or metadata are broken")
+            raise FuselaneError(NAN_LOGITS)
         if p.greedy:
             return int(np.argmax(logits))
         candidates = np.arange(logits.size)

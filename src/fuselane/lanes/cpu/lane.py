@@ -7,7 +7,7 @@ output projection shares it. Peak memory is one dequantized copy of the weights 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ from fuselane.lanes.cpu.kernels import GATHER, KERNELS
 from fuselane.lanes.cpu.shim import CpuShim
 from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
+from fuselane.runtime.sampling import Sampler, SamplingParams
 
 
 class CpuLane:
@@ -94,6 +95,22 @@ class CpuLane:
         if pos + len(ids) > self.ctx:
             raise ValueError(f"positions up to {pos + len(ids)} exceed the cache of {self.ctx}")
         return self.run(self.graph(len(ids), all_logits=all_logits), ids, pos)
+
+    def decode(self, token: int, pos: int, sampling: SamplingParams) -> Iterator[int]:
+        """Feed `token` at `pos`, then yield the sampled next tokens one after another, each fed at the next
+        position in turn, until the cache is full (the cuda lane's decode loop, on the host: the logits are
+        here already, and the host `Sampler` picks). A token is fed only when the next one is asked for."""
+        if not 0 <= pos < self.ctx:
+            raise ValueError(f"position {pos} is outside the cache of {self.ctx}")
+        return self._decode(token, pos, Sampler(sampling))
+
+    def _decode(self, token: int, pos: int, sampler: Sampler) -> Iterator[int]:
+        while True:
+            token = sampler(self.forward(np.array([token]), pos)[-1])
+            yield token
+            pos += 1
+            if pos >= self.ctx:
+                return
 
     def run(self, g: TensorGraph, ids: np.ndarray, pos: int) -> np.ndarray:
         env: dict[str, np.ndarray] = {IDS: ids, POS: np.asarray(pos)}

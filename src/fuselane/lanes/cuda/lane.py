@@ -3,17 +3,19 @@ step captured as a CUDA graph and replayed at every position.
 
 Weights stay in the checkpoint's own bytes on the device (the GEMVs decode them in the kernel); vectors
 (norm weights, biases) are uploaded as f32. Every activation of a plan has its buffer, allocated once per
-session; the token ids and the position are device values written before each replay. Products of more rows
-than the GEMV takes (prefill chunks) multiply a dequantized f16 copy of the matrix, made on first use.
+session; the token ids and the position are device values, written from the host before a `forward` run and
+by the device sampler in the decode loop (`decode`, `fuselane.lanes.cuda.decode`), whose graphs end with the
+sampler's launches. Products of more rows than the GEMV takes (prefill chunks) multiply a dequantized f16 copy
+of the matrix, made on first use.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +27,10 @@ from fuselane.lanes.cuda.knobs import CachePrecision, CudaKnobs
 from fuselane.lanes.cuda.shim import CudaShim
 from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
+from fuselane.runtime.sampling import GREEDY, SamplingParams
+
+if TYPE_CHECKING:
+    from fuselane.lanes.cuda.decode import DeviceSampler, Tail
 
 WARMUP_RUNS = 2  # runs before capture: Triton compiles each kernel on its first launch
 
@@ -70,6 +76,7 @@ class CudaLane:
         self._upload()
         self.caches: dict[str, Any] = {}
         self._steps: dict[tuple[int, bool], _Step] = {}
+        self._sampler: DeviceSampler | None = None
 
     # ---- weights ----------------------------------------------------------------------------------------
 
@@ -130,8 +137,33 @@ class CudaLane:
         step.run(ids, pos)
         return step.logits().float().cpu().numpy().copy()  # the buffer is rewritten by the next step
 
+    def decode(self, token: int, pos: int, sampling: SamplingParams) -> Iterator[int]:
+        """Feed `token` at `pos`, then yield the sampled next tokens one after another, each fed at the next
+        position in turn, until the cache is full; the consumer stops iterating when it has what it wants.
+
+        Each step is one replay of a captured graph that computes the logits, samples on the device (the
+        sampler's token and the advanced position are the next replay's inputs) and leaves the logits
+        there: the host reads eight bytes a token. The loop runs one step ahead of the tokens read, so when
+        the consumer stops, the step feeding the last token read has run too and wrote one cache row past
+        what the caller holds; the caller's next feed at that position overwrites it. One loop at a time: a
+        new loop, or a `forward`, takes the lane from the last. See `fuselane.lanes.cuda.decode`.
+        """
+        from fuselane.lanes.cuda.decode import decode
+
+        return decode(self, token, pos, sampling)
+
+    def sampler(self) -> DeviceSampler:
+        """The device sampler bound to the decode step's buffers (made on first use)."""
+        if self._sampler is None:
+            from fuselane.lanes.cuda.decode import DeviceSampler
+
+            bufs = self.step(1).bufs
+            self._sampler = DeviceSampler(self, bufs[LOGITS], bufs[IDS], bufs[POS])
+        return self._sampler
+
     def launches_per_token(self) -> int:
-        return self.step(1).launches
+        """Launches one greedy decode step makes: the plan's and the sampler's."""
+        return self.step(1).launches + len(self.sampler().tail(GREEDY).launches)
 
 
 class _Step:
@@ -157,38 +189,63 @@ class _Step:
         bound = Bound(g, bufs, lane.raw, lane.vec, lane.dense)
         self.launch_list = [launch for op in plan.ops for launch in bind(op, bound)]
         self.launches = len(self.launch_list)
-        self.graph = None
-        self.runs = 0
+        self.graphs: dict[Hashable, Any] = {}  # the captured step, by its sampler tail's key (None: no tail)
+        self.runs: dict[Hashable, int] = {}
 
-    def _eager(self) -> None:
+    def eager(self, tail: Tail | None = None) -> None:
+        """Launch the step (and its tail) one launch at a time."""
         for launch in self.launch_list:
             launch()
+        for launch in tail.launches if tail is not None else ():
+            launch()
+
+    def feed(self, token: int, pos: int) -> None:
+        """Write a decode step's input token and position from the host."""
+        self.bufs[IDS].fill_(token)
+        self.bufs[POS].fill_(pos)
 
     def run(self, ids: np.ndarray, pos: int) -> None:
+        """Run the step on `ids` at `pos` (host values), leaving its logits on the device."""
         torch = self.torch
         self.bufs[IDS].copy_(torch.from_numpy(np.asarray(ids, dtype=np.int32)), non_blocking=True)
         self.bufs[POS].fill_(pos)
-        if self.graph is not None:
-            self.graph.replay()
-            return
-        self._eager()
-        self.runs += 1
-        if self.lane.use_graphs and self.plan.graph.rows == 1 and self.runs >= WARMUP_RUNS:
-            self.capture()
+        self.launch()
 
-    def capture(self) -> None:
-        """Record the step's launches once; later steps replay them (ids and position are device values)."""
+    def launch(self, tail: Tail | None = None) -> None:
+        """Run the step on the inputs already on the device, with `tail`'s launches after it: eagerly for its
+        first runs (Triton compiles each kernel on its first launch), then (a decode step) as a graph
+        captured once per tail and replayed."""
+        key = tail.key if tail is not None else None
+        graph = self.graphs.get(key)
+        if graph is None and self.lane.use_graphs and self.plan.graph.rows == 1:
+            if self.runs.get(key, 0) >= WARMUP_RUNS:
+                graph = self.capture(key, tail)
+        if graph is not None:
+            graph.replay()
+            return
+        self.eager(tail)
+        self.runs[key] = self.runs.get(key, 0) + 1
+
+    def capture(self, key: Hashable, tail: Tail | None) -> Any:
+        """Record the step's launches and `tail`'s once; later steps replay them (their inputs are device
+        values). A run on the capture stream comes first, as torch advises; it advances what the tail
+        advances (the input id, the position, the draw counter), which is put back before capturing."""
         torch = self.torch
         torch.cuda.synchronize()
+        state = tail.state if tail is not None else ()
+        saved = [t.clone() for t in state]
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._eager()  # a run on the capture stream first, as torch advises
+            self.eager(tail)
+            for t, value in zip(state, saved, strict=True):
+                t.copy_(value)
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(graph):
-            self._eager()
-        self.graph = graph
+            self.eager(tail)
+        self.graphs[key] = graph
+        return graph
 
     def logits(self) -> Any:
         return self.bufs[LOGITS]

@@ -45,6 +45,8 @@ LOG2E = math.log2(math.e)
 
 # Tiles of the cache a decode loop keeps in flight.
 DECODE_STAGES = 3
+# Splits' partials the merging block loads at a time (a [heads, 16, hd] tile: 16 values a thread at hd 128).
+DECODE_MERGE_BATCH = 16
 
 # Prefill tiles, by operand type, as compiled for sm_90 without spilling (f16) or nearly (f32):
 # - f16: 64 query rows (a warpgroup MMA's M: four warps) by 64 keys, two stages: 168 registers, the next
@@ -164,6 +166,7 @@ def _decode_kernel(
     TILE: tl.constexpr,
     SPLITS: tl.constexpr,
     S_P2: tl.constexpr,
+    MERGE_BATCH: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
@@ -215,26 +218,30 @@ def _decode_kernel(
             done = tl.atomic_add(count_ptr + kvh, 1, sem="acq_rel", scope="gpu")
             if done == active - 1:
                 # partials are other SMs' writes: read them from L2 (.cg), past this SM's L1
-                s_ = tl.arange(0, S_P2)[:, None]
-                parts = head[None, :] * SPLITS + s_  # [S_P2, G]
-                here = (s_ < active) & heads_mask[None, :]
+                s_ = tl.arange(0, S_P2)[None, :]
+                parts = head[:, None] * SPLITS + s_  # [G, S_P2]
+                here = (s_ < active) & heads_mask[:, None]
                 maxes = tl.load(max_ptr + parts, mask=here, other=float("-inf"), cache_modifier=".cg")
                 sums = tl.load(sum_ptr + parts, mask=here, other=0.0, cache_modifier=".cg")
-                top = tl.max(maxes, axis=0)  # [G]
+                top = tl.max(maxes, axis=1)  # [G]
                 top = tl.where(heads_mask, top, 0.0)
-                total = tl.sum(tl.exp2(maxes - top[None, :]) * sums, axis=0)
+                total = tl.sum(tl.exp2(maxes - top[:, None]) * sums, axis=1)
+                # the partials in batches of MERGE_BATCH splits, each batch's loads in flight together
                 merged = tl.zeros([G_P2, C, L], tl.float32)
                 i = split * 0  # a while loop: its bound is a device value (see INTERPRETED)
                 while i < active:
-                    m_i = tl.load(max_ptr + head * SPLITS + i, mask=heads_mask, other=0.0, cache_modifier=".cg")
-                    a_i = tl.load(
-                        acc_ptr + (head * SPLITS + i)[:, None, None] * HD + col,
-                        mask=store_mask,
+                    b = i + tl.arange(0, MERGE_BATCH)[None, :]  # [1, B]
+                    batch = head[:, None] * SPLITS + b  # [G, B]
+                    in_batch = (b < active) & heads_mask[:, None]
+                    m_b = tl.load(max_ptr + batch, mask=in_batch, other=float("-inf"), cache_modifier=".cg")
+                    a_b = tl.load(
+                        acc_ptr + batch[:, :, None, None] * HD + col[:, None, :, :],
+                        mask=in_batch[:, :, None, None] & col_mask[:, None, :, :],
                         other=0.0,
                         cache_modifier=".cg",
-                    )
-                    merged += tl.exp2(m_i - top)[:, None, None] * a_i
-                    i += 1
+                    )  # [G, B, C, L]
+                    merged += tl.sum(tl.exp2(m_b - top[:, None])[:, :, None, None] * a_b, axis=1)
+                    i += MERGE_BATCH
                 tl.store(out_ptr + offs, merged / total[:, None, None], mask=store_mask)
                 tl.atomic_xchg(count_ptr + kvh, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
 
@@ -261,14 +268,15 @@ def flash_decode(
     chip: Chip = H200,
     tile_rows: int = kernels.ATTN_DECODE_TILE_ROWS,
     min_chunk: int = kernels.ATTN_MIN_CHUNK,
+    merge_batch: int = DECODE_MERGE_BATCH,
 ) -> None:
     """FlashDecode: out (1, heads * hd) f32 = causal GQA of the one query row `q` (1, heads * hd) at position
     pos[0] over cache rows 0..pos[0]; query head h reads key/value head h // (heads // kv_heads).
 
     One launch of (groups, splits) blocks (`decode_plan`; `splits` overrides the plan's). `scratch` is
     `decode_scratch(heads, hd, cache_len, ...)`, kept for the plan's life; None only where the plan has one
-    split. `tile_rows` and `min_chunk` are the kernel's facts, parameters only so tests reach several splits
-    of a short cache.
+    split. `tile_rows`, `min_chunk` and `merge_batch` are the kernel's facts, parameters only so tests reach
+    several splits (and several batches of them in the merge) of a short cache.
     """
     plan = decode_plan(heads, kv_heads, hd, k_cache.shape[0], chip=chip, splits=splits)
     if plan.splits > 1:
@@ -305,6 +313,7 @@ def flash_decode(
         TILE=tile_rows,
         SPLITS=plan.splits,
         S_P2=triton.next_power_of_2(plan.splits),
+        MERGE_BATCH=min(merge_batch, triton.next_power_of_2(plan.splits)),
         MIN_CHUNK=min_chunk,
         INTERPRETED=interpreted(),
         num_warps=min(group_p2, kernels.MAX_BLOCK_WARPS),

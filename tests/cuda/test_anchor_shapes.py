@@ -1,0 +1,116 @@
+"""The cuda lane against the cpu lane in f64 at the widths of the four reference shapes of ANCHORS.md, on a GPU
+(`pytest -m cuda`; skipped where there is none).
+
+Each shape keeps its real widths (hidden size, heads, kv heads, head dim, ffn, vocab, tied or not, q/k norms or
+biases) and its ANCHORS.md quantization mix, but has 2 layers instead of 24 to 36: every kernel and every matrix
+shape of the real model runs (both branches of the Q4_K_M recipe's `use_more_bits` appear at 2 layers, so every
+format of the mix is read too), and further layers only repeat them. The cpu f64 reference of the real 36 layers
+at 8B would hold 61 GB of weights and take minutes a context.
+
+At context depth 0 (a short prompt) and 4096 (a 4096-token prompt, prefilled in the session's chunks), both
+lanes are fed the same fixed tokens for 100 decode steps, and the cuda lane's logits at its default knobs must
+be within the contract's `logits_tolerance` of the reference's at every step, and finite everywhere.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
+
+# the existing GPU tests' measure of a logits difference, so every shape is held to the same one
+from test_cuda_lane import rel  # noqa: E402
+
+from fuselane.gguf.synth import SHAPES, write_synthetic  # noqa: E402
+from fuselane.runtime.model import load  # noqa: E402
+
+ANCHORS = [
+    ("qwen2.5-0.5b", "q4_k_m_05b"),
+    ("qwen3-0.6b", "q8_0"),
+    ("qwen2.5-7b", "q4_k_m"),
+    ("qwen3-8b", "q4_k_m"),
+]
+LAYERS = 2
+SEED = 5
+SHORT_PROMPT = [11, 200, 7, 7, 90, 3, 141, 52, 9]
+LONG_DEPTH = 4096
+DEPTHS = [0, LONG_DEPTH]
+DECODE_STEPS = 100
+GREEDY_STEPS = 64
+CTX = LONG_DEPTH + DECODE_STEPS  # the longest sequence a test runs
+
+
+@pytest.fixture(scope="module", params=ANCHORS, ids=lambda a: f"{a[0]}-{a[1]}")
+def anchor(request, tmp_path_factory):
+    """Both lanes over one 2-layer checkpoint of a reference shape, written once for the module."""
+    name, mix = request.param
+    shape = replace(SHAPES[name], n_layers=LAYERS)
+    path = write_synthetic(tmp_path_factory.mktemp(name) / f"{name}-{LAYERS}l-{mix}.gguf", shape, mix, seed=SEED)
+    gpu = load(path, lane="cuda", ctx=CTX)
+    ref = load(path, lane="cpu", ctx=CTX, dtype=np.float64)
+    yield gpu, ref
+    # the 8B-width reference holds 8 GB of f64 weights: let them go before the next shape loads
+    gpu.close()
+    ref.close()
+    del gpu, ref
+    torch.cuda.empty_cache()
+
+
+def _tokens(vocab: int, n: int, stream: int) -> list[int]:
+    # over the whole vocabulary, so the gathers and the lm head's rows are read far from the first few hundred
+    return np.random.default_rng([SEED, stream]).integers(0, vocab, n).tolist()
+
+
+def _tolerance(gpu) -> float:
+    return gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_decode_logits_match_cpu_f64_within_the_contract(anchor, depth):
+    gpu, ref = anchor
+    vocab = gpu.cfg.vocab
+    tol = _tolerance(gpu)
+    prompt = _tokens(vocab, depth, 0) if depth else SHORT_PROMPT
+    steps = _tokens(vocab, DECODE_STEPS, 1)
+    sg, sr = gpu.session(), ref.session()
+    mine, theirs = sg.feed(prompt), sr.feed(prompt)
+    for step in range(DECODE_STEPS + 1):
+        where = "the prefill" if step == 0 else f"decode step {step} (position {len(prompt) + step - 1})"
+        assert np.isfinite(mine).all(), f"{where}: the cuda lane's logits are not all finite"
+        assert np.isfinite(theirs).all(), f"{where}: the reference's logits are not all finite"
+        err = rel(mine, theirs)
+        assert err <= tol, f"{where}: {err:.2e} > {tol:.2e}"
+        if step < DECODE_STEPS:
+            mine, theirs = sg.extend([steps[step]]), sr.extend([steps[step]])
+
+
+def test_greedy_tokens_match_cpu(anchor):
+    """Greedy tokens agree, except where the reference's top two logits are within twice the contract's bound
+    of each other: there either token is within the contract, so the test says so and goes on. Both lanes are
+    always fed the reference's token, so one such step does not send the sequences apart."""
+    gpu, ref = anchor
+    tol = _tolerance(gpu)
+    sg, sr = gpu.session(), ref.session()
+    lg, lr = sg.feed(SHORT_PROMPT), sr.feed(SHORT_PROMPT)
+    ties = []
+    for step in range(GREEDY_STEPS):
+        assert np.isfinite(lg).all(), f"step {step}: the cuda lane's logits are not all finite"
+        top2 = np.sort(lr)[-2:]
+        near_tie = top2[1] - top2[0] <= 2 * tol * np.max(np.abs(lr))
+        a, b = int(np.argmax(lg)), int(np.argmax(lr))
+        if near_tie:
+            if a != b:
+                ties.append(f"step {step}: cuda {a}, cpu {b}")
+        else:
+            assert a == b, f"step {step}: the cuda lane chose {a}, the reference {b}"
+        lg, lr = sg.extend([b]), sr.extend([b])
+    if ties:
+        warnings.warn(f"greedy tokens differed at near-ties of the reference: {'; '.join(ties)}", stacklevel=1)
