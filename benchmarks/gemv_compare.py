@@ -1,10 +1,14 @@
 """Time the decode GEMVs on real shapes: the in-parts kernel (`gemv`) against the tile-streaming one
 (`gemv_fast`), in GB/s of weights read, each launch replayed from a CUDA graph so no host time counts.
 
-Usage: python benchmarks/gemv_compare.py   (on a GPU)
+Usage: python benchmarks/gemv_compare.py [--tiles]   (on a GPU)
+--tiles sweeps the tile-streaming kernels' tiles (rows a program, warps, (row, group)s a thread) instead.
 """
 
 from __future__ import annotations
+
+import functools
+import sys
 
 import numpy as np
 import torch
@@ -62,5 +66,44 @@ def main() -> None:
         )
 
 
+TILES = [(8, 4, 1), (8, 4, 2), (8, 4, 4), (8, 2, 2), (16, 4, 1), (16, 4, 2), (4, 4, 2), (8, 8, 1), (32, 4, 2)]
+
+
+def _sweep(call, nbytes: int, check=None) -> str:
+    """GB/s of `call(block_n=, warps=, per_thread=)` under each tile of TILES (and its difference from the
+    default tile's result where `check` returns it)."""
+    row = []
+    for bn, warps, pt in TILES:
+        launch = functools.partial(call, block_n=bn, warps=warps, per_thread=pt)
+        try:
+            took = timed(launch)
+        except Exception as e:  # a tile that does not compile or fit is reported, not fatal
+            row.append(f"{bn}/{warps}/{pt}: {type(e).__name__}")
+            continue
+        err = check() if check else 0.0
+        row.append(f"{bn}/{warps}/{pt}: {nbytes / took / 1e9:5.0f}" + ("" if err < 1e-5 else f" (diff {err:.0e})"))
+    return "  ".join(row)
+
+
+def tiles() -> None:
+    """GB/s of the tile-streaming GEMV and gate/up GLU under each (block_n, warps, per_thread) of TILES."""
+    rng = np.random.default_rng(0)
+    for name, fmt, n, k in SHAPES:
+        nbytes = n * row_bytes(fmt, k)
+        w = torch.from_numpy(random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng).reshape(-1)).cuda()
+        x = torch.randn(1, k, device="cuda")
+        want, out = torch.empty(1, n, device="cuda"), torch.empty(1, n, device="cuda")
+        F.gemv_fast(x, w, fmt, n, k, want)
+        diff = functools.partial(lambda o, t: float((o - t).abs().max() / t.abs().max()), out, want)
+        print(
+            f"{name:10} {fmt.name:5} gemv  "
+            + _sweep(functools.partial(F.gemv_fast, x, w, fmt, n, k, out), nbytes, diff),
+            flush=True,
+        )
+        if "gate" in name:
+            glu = functools.partial(F.gemv_fast_gate_up_glu, x, w, w, fmt, n, k, out)
+            print(f"{name:10} {fmt.name:5} glu   " + _sweep(glu, 2 * nbytes), flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    tiles() if "--tiles" in sys.argv else main()

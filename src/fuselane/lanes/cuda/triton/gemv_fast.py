@@ -75,6 +75,8 @@ GROUPS_C = _c({int(f): g for f, g in GROUPS.items()})
 UNIT_VALUES = {Format.Q4_K: QK_K, Format.Q6_K: QK_K, Format.Q8_0: QK, Format.Q5_0: QK, Format.F16: QK}
 BLOCK_ROWS = {Format.Q4_K: 8, Format.Q6_K: 8, Format.Q8_0: 8, Format.Q5_0: 8, Format.F16: 8}
 WARPS, LANES = 4, 32
+# (row, group)s a thread takes a chunk: each one 16 bytes of codes in flight, and an accumulator tile
+GROUPS_A_THREAD = 1
 PARTS_MOST = 4  # products one `gemv_fast_parts` launch takes
 # A CTA barrier after each iteration's prefetch: without it ptxas (Triton 3.6, sm_90) sinks the next chunk's
 # loads to the loop's end, so a warp waits out each chunk's latency; with it they issue first and a chunk's
@@ -486,9 +488,10 @@ def supports_fast(fmt: Format | int, m: int) -> bool:
     return m == 1 and fmt in GROUPS
 
 
-def _plan(fmt: Format, k: int, block_n: int | None, warps: int | None) -> dict:
-    """The launch's constexprs and warps. A chunk is as many units as give every thread one (row, group):
-    BLOCK_N * groups = the block's threads; or the row's units, rounded up to a power of two, if fewer."""
+def _plan(fmt: Format, k: int, block_n: int | None, warps: int | None, per_thread: int | None = None) -> dict:
+    """The launch's constexprs and warps. A chunk is as many units as give every thread `per_thread` (row,
+    group)s: BLOCK_N * groups = the block's threads times that; or the row's units, rounded up to a power of
+    two, if fewer."""
     if fmt not in GROUPS:
         raise ValueError(f"no fast GEMV for {Format(fmt).name}")
     unit = UNIT_VALUES[fmt]
@@ -496,10 +499,12 @@ def _plan(fmt: Format, k: int, block_n: int | None, warps: int | None) -> dict:
         raise ValueError(f"the fast {fmt.name} GEMV takes rows of whole {unit}-value units, not {k} values")
     block_n = BLOCK_ROWS[fmt] if block_n is None else block_n
     warps = WARPS if warps is None else warps
-    if block_n < 1 or block_n & (block_n - 1) or warps < 1 or warps & (warps - 1):
-        raise ValueError(f"block_n and warps must be powers of two, not {block_n} and {warps}")
+    per_thread = GROUPS_A_THREAD if per_thread is None else per_thread
+    for name, v in (("block_n", block_n), ("warps", warps), ("per_thread", per_thread)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two, not {v}")
     n_units = k // unit
-    chunk = min(max(1, warps * LANES // (block_n * GROUPS[fmt])), triton.next_power_of_2(n_units))
+    chunk = min(max(1, warps * LANES * per_thread // (block_n * GROUPS[fmt])), triton.next_power_of_2(n_units))
     consts = dict(FMT=int(fmt), N_UNITS=n_units, CHUNK=chunk, ROW_BYTES=row_bytes(fmt, k), BLOCK_N=block_n)
     return consts | {"FENCE": PREFETCH_FENCE, "num_warps": warps}
 
@@ -533,20 +538,22 @@ def _out_args(part: Part) -> tuple[Tensor, int, Tensor | None]:
 
 
 def gemv_fast_parts(x: Tensor, parts: Sequence[Part | tuple], fmt: Format, *, residual: Tensor | None = None,
-                    block_n: int | None = None, warps: int | None = None) -> None:  # fmt: skip
+                    block_n: int | None = None, warps: int | None = None,
+                    per_thread: int | None = None) -> None:  # fmt: skip
     """One launch of up to four products of one format reading the same `x` (1, k).
 
     Each part is a `gemv.Part` (or a tuple in its order: w, n, out, bias|None, out_row|None): its `out` gets
     x @ W^T (+ bias), (1, n), or row pos[0] of a table with out_row = (pos, pitch), the position read on the
     device. `residual` (1, n0), if given, is added to part 0 (it may be part 0's `out`). Programs map to
-    (part, tile) by the parts' cumulative tile counts; `block_n` and `warps` override the format's tile.
+    (part, tile) by the parts' cumulative tile counts; `block_n`, `warps` and `per_thread` override the
+    format's tile.
     """
     fmt = Format(fmt)
     parts = [Part(*p) for p in parts]
     if not 1 <= len(parts) <= PARTS_MOST:
         raise ValueError(f"a launch in parts takes 1..{PARTS_MOST} parts, not {len(parts)}")
     k = x.shape[-1]
-    plan = _plan(fmt, k, block_n, warps)
+    plan = _plan(fmt, k, block_n, warps, per_thread)
     args: list = []
     firsts: list[int] = []
     tiles = bias_bits = row_bits = 0
@@ -570,27 +577,29 @@ def gemv_fast_parts(x: Tensor, parts: Sequence[Part | tuple], fmt: Format, *, re
 
 def gemv_fast(x: Tensor, w: Tensor, fmt: Format, n: int, k: int, out: Tensor, *, bias: Tensor | None = None,
               residual: Tensor | None = None, out_row: tuple[Tensor, int] | None = None, block_n: int | None = None,
-              warps: int | None = None) -> Tensor:  # fmt: skip
+              warps: int | None = None, per_thread: int | None = None) -> Tensor:  # fmt: skip
     """out = x (1, k) @ W^T (+ bias) (+ residual), W the n x k checkpoint rows `w` in `fmt`; returns `out`.
 
     With `out_row` = (pos, pitch) the result lands in row pos[0] of the 2-D table `out` (rows `pitch` values
     apart), the position read on the device. `residual` (1, n) may be `out` itself. `block_n` (a power of
-    two) and `warps` override the format's tile.
+    two), `warps` and `per_thread` override the format's tile.
     """
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} columns, the weights' rows {k}")
-    gemv_fast_parts(x, [Part(w, n, out, bias, out_row)], fmt, residual=residual, block_n=block_n, warps=warps)
+    one = [Part(w, n, out, bias, out_row)]
+    gemv_fast_parts(x, one, fmt, residual=residual, block_n=block_n, warps=warps, per_thread=per_thread)
     return out
 
 
 def gemv_fast_gate_up_glu(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, n: int, k: int, out: Tensor, *,
-                          block_n: int | None = None, warps: int | None = None) -> Tensor:  # fmt: skip
+                          block_n: int | None = None, warps: int | None = None,
+                          per_thread: int | None = None) -> Tensor:  # fmt: skip
     """out (1, n) = SiLU(x @ Wg^T) * (x @ Wu^T) in one launch, both n x k checkpoint rows in `fmt`; returns
     `out`. A program walks the same rows of both, a chunk of each an iteration, into two accumulators."""
     fmt = Format(fmt)
     _check(x, k, [w_gate, w_up], fmt, n)
     if tuple(out.shape) != (1, n) or not out.is_contiguous() or out.dtype != torch.float32:
         raise ValueError(f"out must be a contiguous f32 (1, {n}) tensor")
-    plan = _plan(fmt, k, block_n, warps)
+    plan = _plan(fmt, k, block_n, warps, per_thread)
     _glu_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](x, w_gate, w_up, n, out, **plan)
     return out
