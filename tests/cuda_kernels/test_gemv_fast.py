@@ -111,12 +111,15 @@ def test_without_the_prefetch_fence(monkeypatch: pytest.MonkeyPatch) -> None:
     _case(Format.Q4_K, raw_weights(Format.Q4_K, N, K_PARTIAL, rng), N, K_PARTIAL, rng)
 
 
-def test_default_tiles_give_every_thread_one_group() -> None:
+def test_default_tiles_give_every_thread_its_groups() -> None:
     # the layout the kernels are written for: BLOCK_N rows x the chunk's scale groups = the block's threads
+    # times the (row, group)s the format's tile gives a thread
     for fmt in FORMATS:
-        plan = fast._plan(fmt, 4096, None, None)
-        assert plan["BLOCK_N"] * plan["CHUNK"] * fast.GROUPS[fmt] == plan["num_warps"] * fast.LANES
-        assert plan["N_UNITS"] * fast.UNIT_VALUES[fmt] == 4096
+        for glu, tiles in ((False, fast.TILES), (True, fast.GLU_TILES)):
+            plan = fast._plan(fmt, 4096, None, None, glu=glu)
+            groups = plan["BLOCK_N"] * plan["CHUNK"] * fast.GROUPS[fmt]
+            assert groups == plan["num_warps"] * fast.LANES * tiles[fmt][1]
+            assert plan["N_UNITS"] * fast.UNIT_VALUES[fmt] == 4096
 
 
 def test_supports_fast() -> None:

@@ -7,7 +7,8 @@ plain 2-D-tile kernels that keep bytes in flight with little bookkeeping:
   units (a K super-block, a 32-value block, 32 f16 values); each iteration first issues the next chunk's
   weight loads (a one-chunk register prefetch), then decodes and accumulates this one's;
 - a chunk of a row is cut into scale groups (Q4_K, Q6_K: 16-byte runs of codes, one sub-block of each
-  nibble; Q8_0, Q5_0: a block; F16: 32 values) and CHUNK makes BLOCK_N * groups the block's 128 threads:
+  nibble; Q8_0, Q5_0: a block; F16: 32 values) and CHUNK makes BLOCK_N * groups the block's 128 threads
+  (or twice that, two groups a thread, where a format's tile says so):
   a thread owns one (row, group), loads its codes as whole vectors (16 bytes, or 2-byte words where blocks
   are only 2-byte aligned), decodes its group's scales once, and multiplies its values into an f32
   accumulator of the tile's shape, ELEMENTWISE: no reductions and no cross-lane traffic in the loop;
@@ -66,17 +67,22 @@ QK_C, QK_K_C = _c(QK), _c(QK_K)
 # --- tiles -------------------------------------------------------------------------------------------------------
 
 # Scale groups a unit has (Q4_K: 16-byte runs of qs, two a sub-block pair; Q6_K: 16-byte runs of ql, four a
-# half), values a unit, and rows a tile by default. Eight rows a tile: a 4096-row product is 512 programs,
+# half) and values a unit. Eight rows a tile (TILES below has each format's): a 4096-row product is 512 programs,
 # ~4 for each of an H200's 132 SMs, so small products still fill the machine; the chunk follows (2 super-
 # blocks, 16 blocks, 512 f16 values an iteration).
 K_RUNS, Q6_RUNS = _c(8), _c(8)
 GROUPS = {Format.Q4_K: K_RUNS.value, Format.Q6_K: Q6_RUNS.value, Format.Q8_0: 1, Format.Q5_0: 1, Format.F16: 1}
 GROUPS_C = _c({int(f): g for f, g in GROUPS.items()})
 UNIT_VALUES = {Format.Q4_K: QK_K, Format.Q6_K: QK_K, Format.Q8_0: QK, Format.Q5_0: QK, Format.F16: QK}
-BLOCK_ROWS = {Format.Q4_K: 8, Format.Q6_K: 8, Format.Q8_0: 8, Format.Q5_0: 8, Format.F16: 8}
 WARPS, LANES = 4, 32
-# (row, group)s a thread takes a chunk: each one 16 bytes of codes in flight, and an accumulator tile
-GROUPS_A_THREAD = 1
+# Tiles by format: (rows a program, (row, group)s a thread a chunk: each one 16 bytes of codes in flight and
+# an accumulator tile). Measured on the H200 (`benchmarks/gemv_compare.py --tiles`, GB/s of weights): the
+# super-block formats read 10-45 % faster at 4 rows and two groups a thread (8B q/o 1,035 -> 1,217, gate
+# 1,130 -> 1,639, down 1,121 -> 1,276, head 1,397 -> 1,682); the 32-value formats keep 8 rows and one.
+TILES = {Format.Q4_K: (4, 2), Format.Q6_K: (4, 2), Format.Q8_0: (8, 1), Format.Q5_0: (8, 1), Format.F16: (8, 1)}
+# The gate/up GLU walks two matrices: Q8_0 gains at 4 rows and two groups (0.6B gate 1,372 -> 1,617 GB/s),
+# Q4_K loses there on the 7B's (1,752 -> 1,453) and keeps 8 rows and one.
+GLU_TILES = TILES | {Format.Q4_K: (8, 1), Format.Q6_K: (8, 1), Format.Q8_0: (4, 2)}
 PARTS_MOST = 4  # products one `gemv_fast_parts` launch takes
 # A CTA barrier after each iteration's prefetch: without it ptxas (Triton 3.6, sm_90) sinks the next chunk's
 # loads to the loop's end, so a warp waits out each chunk's latency; with it they issue first and a chunk's
@@ -488,7 +494,9 @@ def supports_fast(fmt: Format | int, m: int) -> bool:
     return m == 1 and fmt in GROUPS
 
 
-def _plan(fmt: Format, k: int, block_n: int | None, warps: int | None, per_thread: int | None = None) -> dict:
+def _plan(
+    fmt: Format, k: int, block_n: int | None, warps: int | None, per_thread: int | None = None, *, glu: bool = False
+) -> dict:
     """The launch's constexprs and warps. A chunk is as many units as give every thread `per_thread` (row,
     group)s: BLOCK_N * groups = the block's threads times that; or the row's units, rounded up to a power of
     two, if fewer."""
@@ -497,9 +505,10 @@ def _plan(fmt: Format, k: int, block_n: int | None, warps: int | None, per_threa
     unit = UNIT_VALUES[fmt]
     if k < 1 or k % unit:
         raise ValueError(f"the fast {fmt.name} GEMV takes rows of whole {unit}-value units, not {k} values")
-    block_n = BLOCK_ROWS[fmt] if block_n is None else block_n
+    rows, groups = (GLU_TILES if glu else TILES)[fmt]
+    block_n = rows if block_n is None else block_n
     warps = WARPS if warps is None else warps
-    per_thread = GROUPS_A_THREAD if per_thread is None else per_thread
+    per_thread = groups if per_thread is None else per_thread
     for name, v in (("block_n", block_n), ("warps", warps), ("per_thread", per_thread)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two, not {v}")
@@ -600,6 +609,6 @@ def gemv_fast_gate_up_glu(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, 
     _check(x, k, [w_gate, w_up], fmt, n)
     if tuple(out.shape) != (1, n) or not out.is_contiguous() or out.dtype != torch.float32:
         raise ValueError(f"out must be a contiguous f32 (1, {n}) tensor")
-    plan = _plan(fmt, k, block_n, warps, per_thread)
+    plan = _plan(fmt, k, block_n, warps, per_thread, glu=True)
     _glu_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](x, w_gate, w_up, n, out, **plan)
     return out
