@@ -201,7 +201,7 @@ def test_refusals() -> None:
         gemv_fast(x, raw[:-1].clone(), Format.Q8_0, 8, 64, torch.empty((1, 8), device=DEVICE))
     with pytest.raises(ValueError, match="no fast GEMV"):
         gemv_fast(x, raw, Format.Q4_0, 8, 64, torch.empty((1, 8), device=DEVICE))
-    with pytest.raises(ValueError, match="powers of two"):
+    with pytest.raises(ValueError, match="a power of two"):
         gemv_fast(x, raw, Format.Q8_0, 8, 64, torch.empty((1, 8), device=DEVICE), block_n=6)
     with pytest.raises(ValueError, match="x must be"):
         gemv_fast(x.repeat(2, 1), raw, Format.Q8_0, 8, 64, torch.empty((2, 8), device=DEVICE))
