@@ -1,10 +1,12 @@
-"""Time the decode attention (FlashDecode) on the reference shapes' heads at several spans and splits, each
-launch replayed from a CUDA graph so no host time counts.
+"""Time the decode attention (FlashDecode) on the reference shapes' heads at several spans, heads a block and
+splits, each launch replayed from a CUDA graph so no host time counts.
 
 Usage: python benchmarks/attn_decode_sweep.py   (on a GPU)
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -19,7 +21,8 @@ HEADS = [  # (name, heads, kv_heads, head dim)
 ]
 CACHE = 8192
 SPANS = [64, 512, 4096]
-SPLITS = [None, 1, 8, 16, 32, 64]
+SPLITS = [None, 4, 16, 64, 128]
+TILES = [8, 32]
 
 
 def main() -> None:
@@ -28,17 +31,23 @@ def main() -> None:
         kc = torch.randn(CACHE, kv * hd, device="cuda").half()
         vc = torch.randn(CACHE, kv * hd, device="cuda").half()
         out = torch.empty(1, heads * hd, device="cuda")
-        scratch = A.decode_scratch(heads, hd, CACHE, "cuda", splits=128)
+        scratch = A.decode_scratch(heads, hd, CACHE, "cuda", splits=max(s or 0 for s in SPLITS))
+        group = heads // kv
+        blocks = sorted({h for h in (1, 2, group) if group % h == 0})
         for span in SPANS:
             pos = torch.tensor([span - 1], dtype=torch.int32, device="cuda")
+            call = functools.partial(A.flash_decode, q, kc, vc, pos, out, heads=heads, kv_heads=kv, hd=hd,
+                                     scale=hd**-0.5, scratch=scratch)  # fmt: skip
             row = []
-            shape = dict(heads=heads, kv_heads=kv, hd=hd, scale=hd**-0.5, scratch=scratch)
-            for s in SPLITS:
-                args = (q, kc, vc, pos, out)
-                took = timed(lambda a=args, k=shape, s=s: A.flash_decode(*a, **k, splits=s))
-                row.append(f"{'plan' if s is None else s}:{took * 1e6:6.1f}")
-            plan = A.decode_plan(heads, kv, hd, CACHE)
-            print(f"{name:5} span {span:5} plan {tuple(plan)}  us: " + "  ".join(row), flush=True)
+            for hb in blocks:
+                for s in SPLITS:
+                    took = timed(functools.partial(call, splits=s, heads_per_block=hb))
+                    row.append(f"{hb}h/{'plan' if s is None else s}:{took * 1e6:5.1f}")
+                for t in TILES:
+                    took = timed(functools.partial(call, heads_per_block=hb, tile_rows=t))
+                    row.append(f"{hb}h/t{t}:{took * 1e6:5.1f}")
+            plan = tuple(A.decode_plan(heads, kv, hd, CACHE))
+            print(f"{name:5} span {span:5} plan {plan} us: " + " ".join(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -307,8 +307,8 @@ def caches(rng, hd: int, dtype):
 @pytest.mark.parametrize("hd", [16, 32, 64])
 @pytest.mark.parametrize("p", [0, 17, CACHE - 1])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("splits, merge_batch", [(1, 16), (4, 16), (4, 2)])
-def test_flash_decode_matches_cpu(hd, p, cache_dtype, splits, merge_batch):
+@pytest.mark.parametrize("splits, merge_batch, per_block", [(1, 16, None), (4, 16, None), (4, 2, None), (4, 2, 1)])
+def test_flash_decode_matches_cpu(hd, p, cache_dtype, splits, merge_batch, per_block):
     rng = np.random.default_rng(hd * 100 + p)
     scale = hd**-0.5
     q = f32(rng, 1, HEADS * hd)
@@ -318,7 +318,7 @@ def test_flash_decode_matches_cpu(hd, p, cache_dtype, splits, merge_batch):
     # tiles of 8 rows and chunks of at least 8: a 40-row cache reaches four splits, some empty at small p
     # a merge of two splits at a time reaches a second batch
     shape = dict(heads=HEADS, kv_heads=KV, hd=hd, scale=scale, splits=splits, tile_rows=8, min_chunk=8)
-    shape |= dict(merge_batch=merge_batch)
+    shape |= dict(merge_batch=merge_batch, heads_per_block=per_block)
     attention.flash_decode(dev(q), kc, vc, pos_of(p), out, scratch=scratch, **shape)
     # against the unrounded caches: an f16 cache's rounding is part of the bound (2^-11 per stored value)
     stored = U16 if cache_dtype == torch.float16 else 0.0

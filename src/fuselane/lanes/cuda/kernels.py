@@ -94,6 +94,9 @@ ATTN_VALUES_A_LOAD = 2
 # split the head's values: a warp's dots reduce with shuffles and the softmax over the tile's rows stays in
 # each thread, so a tile costs no shared-memory round trip but the staging of its keys and values.
 ATTN_LANES = WARP
+# Query heads a decode block takes at most: a block's warps share its SM's issue slots, so a block of many
+# heads runs its tiles that many times slower, while its heads share one read of the tile.
+ATTN_HEADS_A_BLOCK_MOST = 8
 # Cached rows a decode block reads at a time: each thread holds the tile's keys and values at its lanes'
 # places (16 rows x 4 groups of 32 values x 2 at hd 128: 128 registers as f32).
 ATTN_DECODE_TILE_ROWS = 16
@@ -190,6 +193,12 @@ def mode(activations: Activations) -> Mode:
 def accumulator(m: Mode) -> Accumulator:
     """The accumulator of a product in mode `m`: f32 for floats, int32 for int8 words; both 32 bits."""
     return Accumulator(ACCUMULATOR_BYTES, ACCUMULATOR_BITS)
+
+
+def attn_heads_a_block(group: int) -> int:
+    """Query heads of one key/value group a decode attention block takes: the most, up to
+    `ATTN_HEADS_A_BLOCK_MOST`, that divide the group (a warp a head; the tile is read once for them all)."""
+    return max(h for h in range(1, min(group, ATTN_HEADS_A_BLOCK_MOST) + 1) if group % h == 0)
 
 
 def attn_splits(head_blocks: int, span: int, sms: int) -> int:

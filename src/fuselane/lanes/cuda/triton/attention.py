@@ -87,17 +87,30 @@ class DecodePlan(NamedTuple):
 
 
 def decode_plan(
-    heads: int, kv_heads: int, hd: int, cache_len: int, *, chip: Chip = H200, splits: int | None = None
+    heads: int,
+    kv_heads: int,
+    hd: int,
+    cache_len: int,
+    *,
+    chip: Chip = H200,
+    splits: int | None = None,
+    heads_per_block: int | None = None,
 ) -> DecodePlan:
-    """The launch of a decode attention over a cache of `cache_len` rows on `chip`: a block a key/value
-    group, splits from `kernels.attn_splits` where `shim.chunks_apart` says so (or `splits` where given)."""
+    """The launch of a decode attention over a cache of `cache_len` rows on `chip`: `kernels.attn_heads_a_block`
+    query heads of one key/value group a block (or `heads_per_block`), splits from `kernels.attn_splits` where
+    `shim.chunks_apart` says so (or `splits` where given)."""
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not share {kv_heads} key/value heads evenly")
+    group = heads // kv_heads
+    per_block = kernels.attn_heads_a_block(group) if heads_per_block is None else heads_per_block
+    if per_block < 1 or group % per_block:
+        raise ValueError(f"a block takes a divisor of the group's {group} heads, not {per_block}")
+    blocks = heads // per_block
     if splits is None:
-        splits = kernels.attn_splits(kv_heads, cache_len, chip.sms)
-        if not chunks_apart(splits, 1, kv_heads, chip.sms):
+        splits = kernels.attn_splits(blocks, cache_len, chip.sms)
+        if not chunks_apart(splits, 1, blocks, chip.sms):
             splits = 1
-    return DecodePlan(heads // kv_heads, kv_heads, max(1, splits))
+    return DecodePlan(per_block, blocks, max(1, splits))
 
 
 def decode_scratch_size(plan: DecodePlan, heads: int, hd: int) -> int:
@@ -159,6 +172,7 @@ def _decode_kernel(
     v_pitch,
     scale_log2e,
     GROUP: tl.constexpr,
+    HB: tl.constexpr,
     G_P2: tl.constexpr,
     HD: tl.constexpr,
     C: tl.constexpr,
@@ -170,7 +184,8 @@ def _decode_kernel(
     MIN_CHUNK: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    kvh = tl.program_id(0)
+    hb = tl.program_id(0)
+    kvh = hb * HB // GROUP
     split = tl.program_id(1)
     # this split's share of the span 0..pos: equal shares of whole tiles, none under MIN_CHUNK rows
     span = tl.load(pos_ptr) + 1
@@ -180,9 +195,9 @@ def _decode_kernel(
         lo = split * chunk
         hi = tl.minimum(lo + chunk, span)
         g = tl.arange(0, G_P2)
-        heads_mask = g < GROUP
-        # padded heads (a group of 7 in 8 warps) reread the group's last head: finite, never stored
-        head = kvh * GROUP + tl.minimum(g, GROUP - 1)
+        heads_mask = g < HB
+        # padded heads (a group of 7 in 8 warps) reread the block's last head: finite, never stored
+        head = hb * HB + tl.minimum(g, HB - 1)
         col = (tl.arange(0, C)[:, None] * L + tl.arange(0, L)[None, :])[None, :, :]  # [1, C, L]
         col_mask = col < HD
         offs = head[:, None, None] * HD + col  # [G, C, L]
@@ -215,7 +230,7 @@ def _decode_kernel(
             # every thread's partial is stored before one thread's release: the block's barrier, then the
             # counter's acq_rel atomic (CUTLASS's semaphore pattern); the last block's acquire sees them all
             tl.debug_barrier()
-            done = tl.atomic_add(count_ptr + kvh, 1, sem="acq_rel", scope="gpu")
+            done = tl.atomic_add(count_ptr + hb, 1, sem="acq_rel", scope="gpu")
             if done == active - 1:
                 # partials are other SMs' writes: read them from L2 (.cg), past this SM's L1
                 s_ = tl.arange(0, S_P2)[None, :]
@@ -243,7 +258,7 @@ def _decode_kernel(
                     merged += tl.sum(tl.exp2(m_b - top[:, None])[:, :, None, None] * a_b, axis=1)
                     i += MERGE_BATCH
                 tl.store(out_ptr + offs, merged / total[:, None, None], mask=store_mask)
-                tl.atomic_xchg(count_ptr + kvh, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
+                tl.atomic_xchg(count_ptr + hb, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
 
 
 def _cache_pitch(cache: torch.Tensor, kv_heads: int, hd: int, name: str) -> int:
@@ -269,6 +284,7 @@ def flash_decode(
     tile_rows: int = kernels.ATTN_DECODE_TILE_ROWS,
     min_chunk: int = kernels.ATTN_MIN_CHUNK,
     merge_batch: int = DECODE_MERGE_BATCH,
+    heads_per_block: int | None = None,
 ) -> None:
     """FlashDecode: out (1, heads * hd) f32 = causal GQA of the one query row `q` (1, heads * hd) at position
     pos[0] over cache rows 0..pos[0]; query head h reads key/value head h // (heads // kv_heads).
@@ -278,7 +294,7 @@ def flash_decode(
     split. `tile_rows`, `min_chunk` and `merge_batch` are the kernel's facts, parameters only so tests reach
     several splits (and several batches of them in the merge) of a short cache.
     """
-    plan = decode_plan(heads, kv_heads, hd, k_cache.shape[0], chip=chip, splits=splits)
+    plan = decode_plan(heads, kv_heads, hd, k_cache.shape[0], chip=chip, splits=splits, heads_per_block=heads_per_block)
     if plan.splits > 1:
         need = decode_scratch_size(plan, heads, hd)
         if scratch is None or scratch.dtype != torch.float32 or scratch.numel() < need:
@@ -305,7 +321,8 @@ def flash_decode(
         _cache_pitch(k_cache, kv_heads, hd, "k_cache"),
         _cache_pitch(v_cache, kv_heads, hd, "v_cache"),
         scale * LOG2E,
-        GROUP=plan.heads_per_block,
+        GROUP=heads // kv_heads,
+        HB=plan.heads_per_block,
         G_P2=group_p2,
         HD=hd,
         C=triton.next_power_of_2(triton.cdiv(hd, lanes)),
