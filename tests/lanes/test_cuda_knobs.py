@@ -28,12 +28,13 @@ def test_kernel_facts() -> None:
     assert kernels.moe_down_launch(2048, 1024, 8, 1024) == (512, 288)
     for activations in Activations:
         assert kernels.accumulator(kernels.mode(activations)) == (4, 32)
-    assert kernels.attn_splits(head_blocks=8, span=4096, sms=132) == 33  # two blocks a SM
-    assert kernels.attn_splits(head_blocks=2, span=4096, sms=132) == 64  # capped by 64-row chunks
+    assert kernels.attn_splits(head_blocks=32, span=4096, sms=132) == 64  # capped by 64-row chunks
+    assert kernels.attn_splits(head_blocks=256, span=4096, sms=132) == 9  # sixteen one-warp blocks a SM
     assert kernels.attn_splits(head_blocks=8, span=300, sms=132) == 5
-    assert kernels.attn_splits(head_blocks=512, span=4096, sms=132) == 1
+    assert kernels.attn_splits(head_blocks=4096, span=4096, sms=132) == 1
+    assert kernels.attn_heads_a_block(7) == 1
     assert chunks_apart(splits=4, rows=1, head_blocks=8, sms=132)
-    assert not chunks_apart(splits=4, rows=64, head_blocks=8, sms=132)
+    assert not chunks_apart(splits=4, rows=64, head_blocks=64, sms=132)
 
 
 # --- (e) knobs --------------------------------------------------------------------------------------------

@@ -6,16 +6,17 @@ new position with no re-capture: every loop bound, every split's share of the sp
 kernel from `pos`.
 
 FlashDecode. The span (cache rows 0..pos) is cut into up to `splits` chunks of at least `min_chunk` rows; a
-block takes one chunk for every query head of one key/value group, one warp a head, on the CUDA cores (the
-shim refuses packing heads into tensor-core rows). Its tensors are laid out [rows, hd / 32, heads, 32]: the
-lanes split a head's values and the warps its heads, so a dot reduces with warp shuffles, and the online
-softmax over a tile's rows and the weighted sum of values stay in each thread; only the staging of each tile
-of keys and values crosses shared memory. A block whose chunk is the whole span writes the output; otherwise
+block takes one chunk for `kernels.attn_heads_a_block` query heads of one key/value group (one: see the
+fact), one warp a head, on the CUDA cores (the shim refuses packing heads into tensor-core rows). Its tensors
+are laid out [heads, rows, hd / 32, 32]: the lanes split a head's values and the warps its heads, so a dot
+reduces with warp shuffles, and the online softmax over a tile's rows and the weighted sum of values stay in
+each thread, with no shared-memory round trip in the loop. A block whose chunk is the whole span writes the
+output; otherwise
 each writes its partial (running max, sum of weights, unnormalized weighted values) to scratch and the last
 block of the group to finish (an atomic counter a group, re-armed by that block for the next launch) merges
 the partials with the log-sum-exp combine. One launch; the number of splits is fixed when the plan is built
-(`decode_plan`: `kernels.attn_splits` at the cache's length, where `shim.chunks_apart` says the groups alone
-leave the chip idle), and blocks past the chunks a short span needs exit at once.
+(`decode_plan`: `kernels.attn_splits` at the cache's length, where `shim.chunks_apart` says the head blocks
+alone leave the chip idle), and blocks past the chunks a short span needs exit at once.
 
 FlashPrefill. Query rows are packed with their group's heads (row-major over (row, head of the group)) into
 tiles of `block_m`, so a tile of keys and values serves every head of its group; scores and the weighted sum
