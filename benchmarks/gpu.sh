@@ -30,7 +30,9 @@ for spec in "${specs[@]}"; do
   [ -f "$models/$shape.gguf" ] || python3 -m fuselane.gguf.synth "$models/$shape.gguf" --shape "$shape" --mix "$mix"
 done
 
-python3 -m pytest -q -m cuda tests 2>&1 | tee "$out/tests.log"
+# the slowest tests' times go in the log: the anchor-shape tests (tests/cuda/test_anchor_shapes.py) spend minutes
+# of a host's f64 reference, and this shows how many
+python3 -m pytest -q -m cuda --durations=20 tests 2>&1 | tee "$out/tests.log"
 
 for spec in "${specs[@]}"; do
   shape=${spec%%:*}

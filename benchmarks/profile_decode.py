@@ -33,7 +33,7 @@ def main() -> None:
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(args.steps):
-        step.graph.replay()
+        step.graphs[None].replay()
     torch.cuda.synchronize()
     replay = (time.perf_counter() - start) / args.steps
     start = time.perf_counter()
@@ -44,7 +44,7 @@ def main() -> None:
     print(f"launches a step {step.launches}; replay {replay * 1e3:.3f} ms; forward with logits {whole * 1e3:.3f} ms")
     print(f"weights {lane.weight_bytes() / 1e9:.3f} GB a token -> {lane.weight_bytes() / replay / 1e9:.0f} GB/s")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step._eager()
+        step.eager()
         torch.cuda.synchronize()
     totals: dict[str, list[float]] = defaultdict(list)
     for e in prof.events():

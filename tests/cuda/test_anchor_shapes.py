@@ -100,7 +100,7 @@ def test_greedy_tokens_match_cpu(anchor):
     tol = _tolerance(gpu)
     sg, sr = gpu.session(), ref.session()
     lg, lr = sg.feed(SHORT_PROMPT), sr.feed(SHORT_PROMPT)
-    ties = []
+    compared, ties = 0, []
     for step in range(GREEDY_STEPS):
         assert np.isfinite(lg).all(), f"step {step}: the cuda lane's logits are not all finite"
         top2 = np.sort(lr)[-2:]
@@ -111,6 +111,10 @@ def test_greedy_tokens_match_cpu(anchor):
                 ties.append(f"step {step}: cuda {a}, cpu {b}")
         else:
             assert a == b, f"step {step}: the cuda lane chose {a}, the reference {b}"
+            compared += 1
         lg, lr = sg.extend([b]), sr.extend([b])
     if ties:
         warnings.warn(f"greedy tokens differed at near-ties of the reference: {'; '.join(ties)}", stacklevel=1)
+    # Random weights give a flat-topped vocabulary: at seed 5 the reference has 10 to 19 near-ties in 64 steps
+    # on these shapes. Far more would mean the test compares little, e.g. after the contract's bound grew.
+    assert compared >= GREEDY_STEPS // 2, f"only {compared} of {GREEDY_STEPS} steps were clear of a near-tie"

@@ -18,7 +18,7 @@ import numpy as np
 from fuselane.errors import FuselaneError, ModelError
 from fuselane.gguf.reader import GgufFile, open_gguf
 from fuselane.models import ModelConfig, config_of
-from fuselane.runtime.sampling import GREEDY, Sampler, SamplingParams
+from fuselane.runtime.sampling import GREEDY, SamplingParams
 from fuselane.runtime.session import Session
 from fuselane.text.chat import ChatTemplate, encode_chat
 from fuselane.text.tokenizer import Tokenizer
@@ -85,7 +85,12 @@ class Model:
     def generate_ids(
         self, session: Session, ids: Sequence[int], *, max_tokens: int, sampling: SamplingParams = GREEDY
     ) -> Iterator[int]:
-        """Feed `ids` and yield sampled tokens until a stop token, `max_tokens`, or the context's end."""
+        """Feed `ids` and yield sampled tokens until a stop token, `max_tokens`, or the context's end.
+
+        The tokens come from the lane's decode loop (on the cuda lane: sampled on the device, no logits copied
+        to the host). `session.tokens` grows by exactly the tokens fed: `ids`, then each yielded token once
+        the one after it is asked for (never the last one yielded, nor a stop token).
+        """
         if max_tokens < 0:  # range() would quietly make it an empty reply
             raise FuselaneError(f"the number of tokens to generate must be >= 0, not {max_tokens}")
         if len(ids) >= session.ctx:
@@ -93,16 +98,23 @@ class Model:
                 f"the prompt is {len(ids)} tokens, which leaves no room in the context of {session.ctx} "
                 "(raise --ctx or shorten the prompt)"
             )
-        sampler = Sampler(sampling)
-        logits = session.feed(ids)
-        for _ in range(max_tokens):
-            token = sampler(logits)
-            if token in self.tokenizer.stop_ids:
-                return
-            yield token
-            if session.room() == 0:
-                return
-            logits = session.extend([token])
+        if max_tokens == 0:
+            session.feed(ids)  # nothing to sample, but the session holds the prompt, as after any reply
+            return
+        pos, last = session.prepare(ids), int(ids[-1])
+        # the lane's decode loop feeds the prompt's last token, then each token it yields when asked for the next
+        steps = self.lane.decode(last, pos, sampling)
+        session.tokens.append(last)
+        try:
+            for n, token in enumerate(steps, start=1):
+                if token in self.tokenizer.stop_ids:
+                    return
+                yield token
+                if n == max_tokens or session.room() == 0:
+                    return
+                session.tokens.append(token)
+        finally:
+            steps.close()
 
     def stream(
         self, prompt: str, *, max_tokens: int = 256, sampling: SamplingParams = GREEDY, raw: bool = False

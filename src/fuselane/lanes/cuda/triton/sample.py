@@ -62,13 +62,22 @@ SAMPLE_VALUES_A_THREAD = 16
 SAMPLE_MAX_WARPS = 8
 SAMPLE_TILE = SAMPLE_MAX_WARPS * kernels.WARP * SAMPLE_VALUES_A_THREAD
 SAMPLE_MIN_TILE = 16  # tl.arange's smallest useful block
-# Draws one launch may take: each compares with a tile of at least SAMPLE_MIN_TILE running weights, and the
-# draws-by-tile comparison stays within one SAMPLE_TILE of values.
+# Many draws in one launch compare each target with every running weight of a tile: at most this many
+# comparisons a tile (64 a thread of eight warps), and at least SAMPLE_MIN_TILE weights a draw.
+PICK_VALUES = 4 * SAMPLE_TILE
 MAX_DRAWS = SAMPLE_TILE // SAMPLE_MIN_TILE
 # A uniform from the top 24 bits of a 32-bit draw: exactly representable in f32 and below 1.
 UNIFORM_BITS = 24
-UNIFORM_SHIFT = 32 - UNIFORM_BITS
-UNIFORM_SCALE = 2.0**-UNIFORM_BITS
+UNIFORM_SHIFT: tl.constexpr = tl.constexpr(32 - UNIFORM_BITS)
+UNIFORM_SCALE: tl.constexpr = tl.constexpr(2.0**-UNIFORM_BITS)
+
+# The places above as the kernels read them: a jit function sees a module's globals only as constexprs.
+_TOKEN: tl.constexpr = tl.constexpr(TOKEN)
+_NAN_FLAG: tl.constexpr = tl.constexpr(NAN_FLAG)
+_TEMPERATURE: tl.constexpr = tl.constexpr(TEMPERATURE)
+_TOP_P: tl.constexpr = tl.constexpr(TOP_P)
+_SEED: tl.constexpr = tl.constexpr(SEED)
+_COUNTER: tl.constexpr = tl.constexpr(COUNTER)
 
 
 @triton.jit
@@ -81,8 +90,8 @@ def _feed(token, ids_ptr, pos_ptr):
 @triton.jit
 def _emit(token, nan, out_ptr, ids_ptr, pos_ptr, FEED: tl.constexpr):
     """Write one pick and the NaN flag after it; with FEED, feed it to the next step."""
-    tl.store(out_ptr + TOKEN, token)
-    tl.store(out_ptr + NAN_FLAG, nan)
+    tl.store(out_ptr + _TOKEN, token)
+    tl.store(out_ptr + _NAN_FLAG, nan)
     if FEED:
         _feed(token, ids_ptr, pos_ptr)
 
@@ -180,13 +189,14 @@ def _sample_kernel(
     pos_ptr,
     k,
     BLOCK: tl.constexpr,
+    PICK_BLOCK: tl.constexpr,
     DRAWS: tl.constexpr,
     FEED: tl.constexpr,
 ):
     best = tl.load(vals_ptr)
     nan = (best != best).to(tl.int32)  # candidates come best first, and torch orders NaN first
-    temperature = tl.load(params_ptr + TEMPERATURE)
-    top_p = tl.load(params_ptr + TOP_P)
+    temperature = tl.load(params_ptr + _TEMPERATURE)
+    top_p = tl.load(params_ptr + _TOP_P)
     total = tl.zeros([], tl.float32)
     start = 0
     while start < k:  # not a range over k: Triton's interpreter passes k as a 1-value array
@@ -194,18 +204,22 @@ def _sample_kernel(
         total += tl.sum(w, axis=0)
         start += BLOCK
     kept = total
+    limit = k - 1
     if top_p < 1.0:
         # the smallest prefix whose weight reaches top_p of the total (always at least the best)
         never = tl.full([1], float("inf"), tl.float32)
-        _, cut = _first_reaching(vals_ptr, k, best, temperature, never, top_p * total, BLOCK, 1)
-        kept = tl.sum(cut, axis=0)
-    seed = tl.load(rng_ptr + SEED)
-    counter = tl.load(rng_ptr + COUNTER)
+        cut, mass = _first_reaching(vals_ptr, k, best, temperature, never, top_p * total, BLOCK, 1)
+        kept = tl.sum(mass, axis=0)
+        limit = tl.max(cut, axis=0)
+    seed = tl.load(rng_ptr + _SEED)
+    counter = tl.load(rng_ptr + _COUNTER)
     draws = tl.randint(seed, counter + tl.arange(0, DRAWS)).to(tl.uint32, bitcast=True)
     u = (draws >> UNIFORM_SHIFT).to(tl.float32) * UNIFORM_SCALE
-    tl.store(rng_ptr + COUNTER, counter + DRAWS)
-    # the first running weight past u * M; `reach` M catches a product u * M rounded up to M itself
-    pick, _ = _first_reaching(vals_ptr, k, best, temperature, u * kept, kept, BLOCK, DRAWS)
+    tl.store(rng_ptr + _COUNTER, counter + DRAWS)
+    # the first running weight past u * M; `reach` M catches a product u * M rounded up to M itself, and the
+    # limit a running sum rounded below the cut's (a pick's tile may be narrower than the cut's)
+    pick, _ = _first_reaching(vals_ptr, k, best, temperature, u * kept, kept, PICK_BLOCK, DRAWS)
+    pick = tl.minimum(pick, limit)
     tokens = tl.where(nan != 0, 0, tl.load(idx_ptr + pick).to(tl.int32))
     tl.store(out_ptr + tl.arange(0, DRAWS), tokens)
     tl.store(out_ptr + DRAWS, nan)
@@ -307,11 +321,15 @@ def candidates(logits: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor) -> N
         torch.topk(x, k, sorted=True, out=(vals, idx))
 
 
-def sample_tile(k: int, draws: int = 1) -> int:
-    """The tile the sampling kernel scans `k` candidates in: a whole `candidates` tile for one draw, fewer
-    values for many (each draw compares its target with the tile's running weights)."""
-    wanted = min(SAMPLE_TILE, triton.next_power_of_2(k))
-    return max(SAMPLE_MIN_TILE, min(wanted, SAMPLE_TILE // draws))
+def sample_tile(k: int) -> int:
+    """The tile the sampling kernel scans `k` candidates in."""
+    return max(SAMPLE_MIN_TILE, min(SAMPLE_TILE, triton.next_power_of_2(k)))
+
+
+def pick_tile(k: int, draws: int) -> int:
+    """The tile the draws are picked in: the scan's for one draw, narrower for many (each draw compares its
+    target with every running weight of the tile)."""
+    return max(SAMPLE_MIN_TILE, min(sample_tile(k), PICK_VALUES // draws))
 
 
 def sample_token(
@@ -343,8 +361,20 @@ def sample_token(
     if draws > 1 and ids is not None:
         raise ValueError("only one draw feeds the next step")
     ids_t, pos_t, feed = _feed_args(picked, ids, pos, draws)
-    tile = sample_tile(k, draws)
+    tile = sample_tile(k)
     warps = max(1, min(SAMPLE_MAX_WARPS, tile // (kernels.WARP * SAMPLE_VALUES_A_THREAD)))
     _sample_kernel[(1,)](
-        vals, idx, params, rng, picked, ids_t, pos_t, k, BLOCK=tile, DRAWS=draws, FEED=feed, num_warps=warps
+        vals,
+        idx,
+        params,
+        rng,
+        picked,
+        ids_t,
+        pos_t,
+        k,
+        BLOCK=tile,
+        PICK_BLOCK=pick_tile(k, draws),
+        DRAWS=draws,
+        FEED=feed,
+        num_warps=warps,
     )
