@@ -22,6 +22,8 @@ COPY_REPEATS = 5
 SEED = 1234
 # Tokens read before decode is timed: the decode step's first runs compile its kernels and capture its graph.
 DECODE_WARM = 3
+# Runs of a whole prefill chunk before prefill is timed: compiling, then a lane's capture of the chunk as a graph.
+PREFILL_WARM = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +79,11 @@ def bench(model: str, *, lane: str = "auto", prompt: int = 512, generated: int =
     session = m.session()
     if depth:
         session.extend(tokens[:depth].tolist())
-    # a first run of a whole chunk compiles the kernels and makes what prefill uses; its cache rows are rewritten
-    session.extend(tokens[depth : depth + min(prompt, session.chunk)].tolist())
-    session.tokens = session.tokens[:depth]
+    # first runs of a whole chunk compile the kernels, make what prefill uses and let a lane capture the chunk
+    # as a graph; their cache rows are rewritten
+    for _ in range(PREFILL_WARM):
+        session.extend(tokens[depth : depth + min(prompt, session.chunk)].tolist())
+        session.tokens = session.tokens[:depth]
     _sync(m.lane)
     start = time.perf_counter()
     session.extend(tokens[depth : depth + prompt].tolist())

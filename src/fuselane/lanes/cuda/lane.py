@@ -1,5 +1,5 @@
 """The cuda lane: the plan the cuda shim accepts, run as Triton launches over buffers allocated once, a decode
-step captured as a CUDA graph and replayed at every position.
+step (and a prefill chunk of a row count seen before) captured as a CUDA graph and replayed at every position.
 
 Weights stay in the checkpoint's own bytes on the device (the GEMVs decode them in the kernel); vectors
 (norm weights, biases) are uploaded as f32. Every activation of a plan has its buffer, allocated once per
@@ -213,11 +213,12 @@ class _Step:
 
     def launch(self, tail: Tail | None = None) -> None:
         """Run the step on the inputs already on the device, with `tail`'s launches after it: eagerly for its
-        first runs (Triton compiles each kernel on its first launch), then (a decode step) as a graph
-        captured once per tail and replayed."""
+        first runs (Triton compiles each kernel on its first launch), then as a graph captured once per tail
+        and replayed: a decode step, and a prefill chunk of a row count met before (its hundreds of launches
+        cost the host more than the GPU takes to run them)."""
         key = tail.key if tail is not None else None
         graph = self.graphs.get(key)
-        if graph is None and self.lane.use_graphs and self.plan.graph.rows == 1:
+        if graph is None and self.lane.use_graphs:
             if self.runs.get(key, 0) >= WARMUP_RUNS:
                 graph = self.capture(key, tail)
         if graph is not None:
