@@ -48,13 +48,17 @@ def timed(fn) -> float:
     return start.elapsed_time(end) / REPS / 1e3
 
 
-def main() -> None:
+def cases():
+    """Each shape of SHAPES with random weights in its format on the device, a random row and two outputs."""
     rng = np.random.default_rng(0)
     for name, fmt, n, k in SHAPES:
-        nbytes = n * row_bytes(fmt, k)
         w = torch.from_numpy(random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng).reshape(-1)).cuda()
-        x = torch.randn(1, k, device="cuda")
-        a, b = torch.empty(1, n, device="cuda"), torch.empty(1, n, device="cuda")
+        outs = torch.empty(1, n, device="cuda"), torch.empty(1, n, device="cuda")
+        yield name, fmt, n, k, n * row_bytes(fmt, k), w, torch.randn(1, k, device="cuda"), outs
+
+
+def main() -> None:
+    for name, fmt, n, k, nbytes, w, x, (a, b) in cases():
         slow = timed(lambda: G.gemv(x, w, fmt, n, k, a))  # noqa: B023
         fast = timed(lambda: F.gemv_fast(x, w, fmt, n, k, b))  # noqa: B023
         err = float((a - b).abs().max() / a.abs().max())
@@ -87,12 +91,7 @@ def _sweep(call, nbytes: int, check=None) -> str:
 
 def tiles() -> None:
     """GB/s of the tile-streaming GEMV and gate/up GLU under each (block_n, warps, per_thread) of TILES."""
-    rng = np.random.default_rng(0)
-    for name, fmt, n, k in SHAPES:
-        nbytes = n * row_bytes(fmt, k)
-        w = torch.from_numpy(random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng).reshape(-1)).cuda()
-        x = torch.randn(1, k, device="cuda")
-        want, out = torch.empty(1, n, device="cuda"), torch.empty(1, n, device="cuda")
+    for name, fmt, n, k, nbytes, w, x, (want, out) in cases():
         F.gemv_fast(x, w, fmt, n, k, want)
         diff = functools.partial(lambda o, t: float((o - t).abs().max() / t.abs().max()), out, want)
         print(
