@@ -47,3 +47,22 @@ def test_cuda_lane_matches_cpu_f64(tmp_path, shape, mix, held):
     for step, (a, b) in enumerate(zip(_steps(gpu), _steps(ref), strict=True)):
         assert np.isfinite(a).all()
         assert rel(a, b) <= tol, f"step {step}: {rel(a, b):.2e} > {tol:.2e}"
+
+
+def test_prefill_products_decode_their_weights_in_the_kernel(tmp_path, monkeypatch):
+    # rows of 128 values: every prefill product takes the in-kernel-dequantizing GEMM, none an f16 copy
+    from fuselane.gguf.synth import Shape
+    from fuselane.lanes.cuda.triton import gemm
+
+    calls: list[int] = []
+    real = gemm.gemm
+    monkeypatch.setattr(gemm, "gemm", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    shape = Shape("qwen2", 128, 1, 4, 2, 32, 256, 512, context=4096)
+    path = write_synthetic(tmp_path / "m.gguf", shape, "q8_0", seed=6)
+    gpu = load(path, lane="cuda", ctx=32)
+    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    a, b = gpu.session().feed(PROMPT), ref.session().feed(PROMPT)
+    assert np.isfinite(a).all() and rel(a, b) <= tol
+    assert calls, "no prefill product took the GEMM"
+    assert not any(n != "token_embd.weight" for n in gpu.lane._dense), "a product made an f16 copy"

@@ -86,10 +86,18 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
     out, row = _rows_view(b, dst or op)
     bias_t = b.vec[bias] if bias else None
     res_t = b.bufs[residual] if residual else None
+    w, fmt = b.raw[op.ins[1]]
     if spec.m <= kernels.GEMV_ROWS:
-        w, fmt = b.raw[op.ins[1]]
         kernel = _gemv_kernels(fmt, spec.m, out)
         return lambda: kernel(x, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)
+    from fuselane.lanes.cuda.triton import gemm
+
+    if gemm.supports(fmt, spec.k) and out.dtype in _store_types():
+        # the weights decoded in the kernel: no f16 copy of the matrix
+        x2 = x.view(spec.m, spec.k)
+        res2 = res_t.view(spec.m, spec.n) if res_t is not None else None
+        out2 = out if row is not None else out.view(spec.m, spec.n)
+        return lambda: gemm.gemm(x2, w, fmt, spec.n, spec.k, out2, bias=bias_t, residual=res2, out_row=row)
     dense = b.dense(op.ins[1])
 
     def gemm() -> None:

@@ -1,0 +1,153 @@
+"""Prefill products on the tensor cores with the weights dequantized in the kernel: y (m, n) = x (m, k) @ W^T,
+W the n x k checkpoint rows as stored (GGUF bytes), for the products of a prefill chunk (m past the GEMV's rows).
+
+A program takes BLOCK_M activation rows and BLOCK_N weight rows and walks k in steps of whole units (a K-quant
+super-block of 256 values, or four 32-value blocks): each step decodes its units of the
+BLOCK_N rows to f32 in registers (`gemv_epilogue.unit_values`: every value the f32 of `fuselane.gguf.dequant`,
+bit for bit), rounds them and the activations to f16, and multiplies them on the tensor cores (`tl.dot`, f32
+sums). The numbers are those of multiplying a dequantized f16 copy of the matrix (the operands are rounded
+the same way, once), but no copy is made: the weights stay in the checkpoint's bytes on the device, so a
+model's prefill needs no second, 3.6x larger, f16 copy of its matrices (16 GB for an 8B Q4_K_M).
+
+Rows past m or n read the last row (no masked loads in the loop); the store drops them. The epilogue adds a
+bias and a residual and lands the rows at row pos[0] of a table where asked (a cache row write).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselane.gguf.formats import Format, row_bytes
+from fuselane.lanes.cuda.triton.gemv import _check_w
+from fuselane.lanes.cuda.triton.gemv_epilogue import DEQUANT_OUT, _unit_values, unit_values
+from fuselane.lanes.cuda.triton.gemv_formats import SLOTS
+
+# The tile, as compiled for sm_90 (ptxas -v): 64 activation rows by 32 weight rows, eight warps, the loads of
+# a step not staged ahead (one stage): 254 registers a thread and no spills for a K-quant's 256-value step,
+# where 64 weight rows spilled 32-250 bytes a thread and two stages 250.
+BLOCK_M = 64
+BLOCK_N = 32
+WARPS = 8
+STAGES = 1
+# A step of a 32-value format: four blocks (128 values, a tensor-core K of eight 16-value slices); eight
+# spilled 280-490 bytes a thread.
+BLOCK_STEP_VALUES = 128
+
+
+@triton.jit
+def _gemm_kernel(
+    x, w, out, bias, res, pos, m, n, x_pitch, out_pitch, res_pitch,
+    FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
+    STEPS: tl.constexpr, STEP_UNITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, AT_ROW: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    xm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    x_rows = x + tl.minimum(xm, m - 1).to(tl.int64) * x_pitch
+    units = tl.arange(0, STEP_UNITS)
+    cols = tl.arange(0, STEP_UNITS * VALUES)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for s in range(0, STEPS):
+        u0 = s * STEP_UNITS
+        a = tl.load(x_rows[:, None] + u0 * VALUES + cols[None, :]).to(tl.float16)
+        # [BLOCK_N * STEP_UNITS, 1] unit pointers, row-major, so the decoded [.., VALUES] reshapes to the rows'
+        blk = tl.reshape(w_rows[:, None] + (u0 + units)[None, :] * NBYTES, [BLOCK_N * STEP_UNITS, 1])
+        b = tl.reshape(unit_values(blk, FMT, VALUES), [BLOCK_N, STEP_UNITS * VALUES]).to(tl.float16)
+        acc = tl.dot(a, tl.trans(b), acc)
+    keep = (xm < m)[:, None] & (rows < n)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias + rows, mask=rows < n, other=0.0)[None, :]
+    if HAS_RES:
+        acc += tl.load(res + xm[:, None].to(tl.int64) * res_pitch + rows[None, :], mask=keep, other=0.0)
+    first = 0
+    if AT_ROW:
+        first = tl.load(pos)
+    dst = out + (first + xm)[:, None].to(tl.int64) * out_pitch + rows[None, :]
+    tl.store(dst, acc.to(out.dtype.element_ty), mask=keep)
+
+
+def supports(fmt: Format, k: int) -> bool:
+    """Whether `gemm` takes n x k rows in `fmt`: a format the device decodes, rows of whole steps."""
+    fmt = Format(fmt)
+    return fmt in SLOTS and k % _unit_values(fmt, k) == 0 and _step_units(fmt, k) > 0
+
+
+def _step_units(fmt: Format, k: int) -> int:
+    """Units a step: one K-quant super-block, or BLOCK_STEP_VALUES of a 32-value format where they divide the
+    row; 0 where they do not."""
+    values = _unit_values(fmt, k)
+    if values >= BLOCK_STEP_VALUES:
+        return 1
+    return BLOCK_STEP_VALUES // values if k % BLOCK_STEP_VALUES == 0 else 0
+
+
+def gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    fmt: Format,
+    n: int,
+    k: int,
+    out: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    out_row: tuple[torch.Tensor, int] | None = None,
+    block_m: int = BLOCK_M,
+    block_n: int = BLOCK_N,
+) -> torch.Tensor:
+    """out (m, n) = x (m, k) @ W^T (+ bias) (+ residual), W the n x k checkpoint rows `w` in `fmt`, on the
+    tensor cores with f16 operands and f32 sums; returns `out`.
+
+    `x` is f32 or f16 (m, k), rows at any pitch; `residual` (m, n) may be `out`. With `out_row` = (pos, pitch)
+    the rows land from row pos[0] of the table `out` (`pitch` values apart), the position read on the device.
+    `block_m` and `block_n` are the kernel's tile, parameters only so tests reach several tiles.
+    """
+    fmt = Format(fmt)
+    if not supports(fmt, k):
+        raise ValueError(f"no prefill GEMM for {fmt.name} rows of {k} values")
+    _check_w(w, fmt, n, k)
+    m = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in DEQUANT_OUT:
+        raise ValueError(f"x must be an f32 or f16 (m, {k}) tensor with unit column stride")
+    if out.dim() != 2 or out.stride(1) != 1 or out.dtype not in DEQUANT_OUT:
+        raise ValueError("out must be a 2-D f32 or f16 tensor with unit column stride")
+    if out_row is None and tuple(out.shape) != (m, n):
+        raise ValueError(f"out must be ({m}, {n}), got {tuple(out.shape)}")
+    pos, pitch = out_row if out_row is not None else (x, out.stride(0))
+    if residual is not None and (tuple(residual.shape) != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"residual must be ({m}, {n}) with unit column stride")
+    if bias is not None and (bias.dim() != 1 or bias.numel() != n or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous ({n},) tensor")
+    values = _unit_values(fmt, k)
+    step_units = _step_units(fmt, k)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    _gemm_kernel[grid](
+        x,
+        w,
+        out,
+        x if bias is None else bias,
+        x if residual is None else residual,
+        pos,
+        m,
+        n,
+        x.stride(0),
+        pitch,
+        out.stride(0) if residual is None else residual.stride(0),
+        FMT=int(fmt),
+        VALUES=values,
+        NBYTES=row_bytes(fmt, values),
+        ROW_BYTES=row_bytes(fmt, k),
+        STEPS=k // (values * step_units),
+        STEP_UNITS=step_units,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        AT_ROW=out_row is not None,
+        num_warps=WARPS,
+        num_stages=STAGES,
+    )
+    return out
