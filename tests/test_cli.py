@@ -95,6 +95,15 @@ def test_the_same_seed_gives_the_same_text(tiny, api):
     assert len(set(replies.values())) > 1, "every seed gave the same text: the seed is not used"
 
 
+@pytest.mark.parametrize(
+    ("knob", "message"),
+    [("prefill=in-place", "knobs are the cuda lane's; the cpu lane takes none"), ("bogus=1", "unknown knob 'bogus'")],
+)
+def test_a_knob_the_lane_cannot_take_is_one_line(tiny, knob, message):
+    out, err, rc = fuselane("run", tiny["qwen2"], "hi", "--lane", "cpu", "--knob", knob)
+    assert rc == 1 and out == "" and message in err and len(err.strip().splitlines()) == 1
+
+
 def test_zero_tokens_is_an_empty_reply(tiny):
     assert ok("run", "--raw", "-n", "0", tiny["qwen2"], "hello") == "\n"
     assert ok("run", "-n", "0", tiny["qwen3"], "hello") == "\n"

@@ -9,6 +9,7 @@ against the lane's limit: every weight read once a token at the machine's measur
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -70,10 +71,18 @@ def _sync(lane: Any) -> None:
         lane.torch.cuda.synchronize()
 
 
-def bench(model: str, *, lane: str = "auto", prompt: int = 512, generated: int = 128, depth: int = 0) -> BenchResult:
-    """Measure one model on one lane (see the module docstring)."""
+def bench(
+    model: str,
+    *,
+    lane: str = "auto",
+    prompt: int = 512,
+    generated: int = 128,
+    depth: int = 0,
+    knobs: Sequence[str] = (),
+) -> BenchResult:
+    """Measure one model on one lane under its `knobs` (see the module docstring)."""
     ctx = depth + prompt + generated + 1
-    m = load(model, lane=lane, ctx=ctx)
+    m = load(model, lane=lane, ctx=ctx, knobs=knobs)
     rng = np.random.default_rng(SEED)
     tokens = rng.integers(0, min(m.cfg.vocab, m.tokenizer.vocab_size), size=depth + prompt + generated)
     session = m.session()

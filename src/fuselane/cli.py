@@ -41,7 +41,7 @@ def _load(model: str | None, args: argparse.Namespace):
     from fuselane.runtime.model import load
 
     started = time.perf_counter()
-    m = load(model, lane=getattr(args, "lane", "auto"), ctx=getattr(args, "ctx", None))
+    m = load(model, lane=getattr(args, "lane", "auto"), ctx=getattr(args, "ctx", None), knobs=getattr(args, "knob", ()))
     if getattr(args, "verbose", False):
         _say(
             f"loaded {m.path.name} ({m.cfg.arch}, {m.cfg.n_layers} layers) on the {m.lane.name} lane "
@@ -143,7 +143,10 @@ def cmd_explain(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from fuselane.bench import as_json, bench, render
 
-    results = [bench(args.model, lane=args.lane, prompt=args.p, generated=args.n, depth=depth) for depth in args.depth]
+    results = [
+        bench(args.model, lane=args.lane, prompt=args.p, generated=args.n, depth=depth, knobs=args.knob)
+        for depth in args.depth
+    ]
     print(json.dumps(as_json(results), indent=2) if args.json else render(results))
 
 
@@ -155,7 +158,12 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed: the same seed gives the same text")
     p.add_argument("--lane", choices=("cpu", "cuda", "auto"), default="auto", help="where to run (default auto)")
     p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: model's, at most 4096)")
+    _knob_flag(p)
     p.add_argument("-v", "--verbose", action="store_true", help="timings and load details on stderr")
+
+
+def _knob_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--knob", action="append", default=[], metavar="K=V", help="a cuda lane knob, e.g. prefill=in-place")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -219,6 +227,7 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("-n", type=int, default=128, help="generated tokens (default 128)")
     bench.add_argument("--depth", type=int, nargs="+", default=[0], help="tokens already in the cache (default 0)")
     bench.add_argument("--json", action="store_true")
+    _knob_flag(bench)
     bench.set_defaults(func=cmd_bench)
     return p
 

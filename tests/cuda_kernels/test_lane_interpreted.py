@@ -49,8 +49,9 @@ def test_cuda_lane_matches_cpu_f64(tmp_path, shape, mix, held):
         assert rel(a, b) <= tol, f"step {step}: {rel(a, b):.2e} > {tol:.2e}"
 
 
-def test_prefill_products_decode_their_weights_in_the_kernel(tmp_path, monkeypatch):
-    # rows of 128 values: every prefill product takes the in-kernel-dequantizing GEMM, none an f16 copy
+def test_prefill_in_place_decodes_the_weights_in_the_kernel(tmp_path, monkeypatch):
+    # rows of 128 values under prefill=in-place: every prefill product takes the in-kernel-dequantizing GEMM,
+    # none an f16 copy
     from fuselane.gguf.synth import Shape
     from fuselane.lanes.cuda.triton import gemm
 
@@ -59,7 +60,7 @@ def test_prefill_products_decode_their_weights_in_the_kernel(tmp_path, monkeypat
     monkeypatch.setattr(gemm, "gemm", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
     shape = Shape("qwen2", 128, 1, 4, 2, 32, 256, 512, context=4096)
     path = write_synthetic(tmp_path / "m.gguf", shape, "q8_0", seed=6)
-    gpu = load(path, lane="cuda", ctx=32)
+    gpu = load(path, lane="cuda", ctx=32, knobs=["prefill=in-place"])
     ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     a, b = gpu.session().feed(PROMPT), ref.session().feed(PROMPT)

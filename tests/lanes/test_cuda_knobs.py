@@ -9,7 +9,7 @@ from fuselane.fuse.views import GemvForm
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Dst, Rows
 from fuselane.lanes.cuda import kernels
-from fuselane.lanes.cuda.knobs import H200, Activations, CachePrecision, CudaKnobs, StatePrecision
+from fuselane.lanes.cuda.knobs import H200, Activations, CachePrecision, CudaKnobs, PrefillWeights, StatePrecision
 from fuselane.lanes.cuda.shim import CudaShim, chunks_apart
 
 # --- kernel facts -----------------------------------------------------------------------------------------
@@ -46,6 +46,8 @@ def test_knobs_parse() -> None:
     assert CudaKnobs.parse([]) == CudaKnobs()
     chip = CudaKnobs.parse(["chip=A100", "sms=100", "smem=160"]).chip
     assert (chip.name, chip.sms, chip.smem_kib_per_block) == ("A100", 100, 160)
+    assert CudaKnobs().prefill_weights is PrefillWeights.F16_COPY
+    assert CudaKnobs.parse(["prefill=in-place"]).prefill_weights is PrefillWeights.IN_PLACE
 
 
 @pytest.mark.parametrize(
@@ -58,6 +60,7 @@ def test_knobs_parse() -> None:
         ("fuse_quant=maybe", "knob 'fuse_quant' takes on or off, not 'maybe'"),
         ("sms=-3", "knob 'sms' takes a positive whole number, not '-3'"),
         ("chip=tpu", "knob 'chip' takes one of h200"),
+        ("prefill=int4", "knob 'prefill' takes one of f16-copy, in-place, not 'int4'"),
     ],
 )
 def test_knobs_parse_errors(setting: str, message: str) -> None:

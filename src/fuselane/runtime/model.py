@@ -32,16 +32,33 @@ def _cuda_available() -> bool:
     return os.path.exists("/dev/nvidiactl")
 
 
-def make_lane(name: str, cfg: ModelConfig, tensors: Any, ctx: int, dtype: Any, held: Sequence[str] = ()):
+def make_lane(
+    name: str,
+    cfg: ModelConfig,
+    tensors: Any,
+    ctx: int,
+    dtype: Any,
+    held: Sequence[str] = (),
+    knobs: Sequence[str] = (),
+):
     """The lane called `name` (`auto`: cuda when a GPU is there and the lane exists, else cpu), with the
-    optimizer's rules named in `held` held back (to trace a result to one fusion, or to compare)."""
+    optimizer's rules named in `held` held back (to trace a result to one fusion, or to compare) and the cuda
+    lane's `knobs` (`key=value` strings; checked on any lane, used by the cuda lane)."""
     if name not in LANES:
         raise FuselaneError(f"unknown lane '{name}' (choose from {', '.join(LANES)})")
+    if knobs:
+        from fuselane.lanes.cuda.knobs import CudaKnobs
+
+        parsed = CudaKnobs.parse(knobs)
+        if name == "cpu":
+            raise FuselaneError("knobs are the cuda lane's; the cpu lane takes none")
+    else:
+        parsed = None
     if name == "cuda" or (name == "auto" and _cuda_available()):
         from fuselane.lanes.cuda import CudaLane
 
         try:
-            return CudaLane(cfg, tensors, ctx=ctx, held=tuple(held))
+            return CudaLane(cfg, tensors, ctx=ctx, held=tuple(held), knobs=parsed)
         except FuselaneError:
             if name == "cuda":
                 raise  # asked for by name: say why it cannot run; `auto` falls back to the cpu lane
@@ -179,11 +196,13 @@ def load(
     ctx: int | None = None,
     dtype: Any = np.float32,
     held: Sequence[str] = (),
+    knobs: Sequence[str] = (),
 ) -> Model:
     """Open a checkpoint (a path, or a known name pulled on demand) and make it ready to generate.
 
     `ctx` is the number of cache rows (default: the model's context, at most 4096); `dtype` is the cpu lane's
-    arithmetic (np.float64 for reference runs); `held` names optimizer rules the lane holds back.
+    arithmetic (np.float64 for reference runs); `held` names optimizer rules the lane holds back; `knobs` are
+    the cuda lane's (`["prefill=in-place"]`, see `CudaKnobs`).
     """
     from fuselane.hub import resolve
 
@@ -204,7 +223,7 @@ def load(
         rows = ctx if ctx is not None else min(cfg.context, DEFAULT_CTX)
         if rows < 1:
             raise FuselaneError(f"the context must hold at least one token, not {rows}")
-        return Model(path, file, cfg, tokenizer, template, make_lane(lane, cfg, file.tensors, rows, dtype, held))
+        return Model(path, file, cfg, tokenizer, template, make_lane(lane, cfg, file.tensors, rows, dtype, held, knobs))
     except BaseException:
         file.close()
         raise

@@ -52,6 +52,13 @@ class Activations(enum.Enum):
     INT8X2 = "int8x2"  # two words: the second holds the first's rounding error (the seed's TwoPassInt8)
 
 
+class PrefillWeights(enum.Enum):
+    """How a prefill chunk's products (past the GEMV's rows) read the weights."""
+
+    F16_COPY = "f16-copy"  # cuBLAS on an f16 copy of each matrix, made on first use (3.6x a Q4_K matrix's bytes)
+    IN_PLACE = "in-place"  # the tensor-core GEMM that decodes the checkpoint's bytes in the kernel; no copy
+
+
 class CachePrecision(enum.Enum):
     F32 = "f32"
     F16 = "f16"
@@ -77,6 +84,10 @@ class CudaKnobs:
     - `fuse_quant=True`: under quantized activations a producer writes its result already quantized, which
       saves a launch and a pass over the activation; off only to trace a numerics difference.
     - `batch=False`: a form's rows are one sequence's.
+    - `prefill=f16-copy`: cuBLAS on f16 copies multiplies a prefill chunk 7-20x faster than the GEMM that
+      decodes the weights in its kernel (H200, 256 rows: 370-530 against 27-76 TFLOP/s on the 8B's
+      products, `benchmarks/gemm_compare.py`); `in-place` keeps a model's memory at its checkpoint's size
+      (an 8B Q4_K_M's copies take 16 GB more), for a GPU the copies do not fit.
     """
 
     chip: Chip = H200
@@ -85,6 +96,7 @@ class CudaKnobs:
     recurrent_state: StatePrecision = StatePrecision.F32
     fuse_quant: bool = True
     batch: bool = False
+    prefill_weights: PrefillWeights = PrefillWeights.F16_COPY
 
     @classmethod
     def parse(cls, settings: Iterable[str], base: CudaKnobs | None = None) -> CudaKnobs:
@@ -140,4 +152,5 @@ _SETTERS = {
     "state": lambda k, v: replace(k, recurrent_state=_choice("state", StatePrecision, v)),
     "fuse_quant": lambda k, v: replace(k, fuse_quant=_flag("fuse_quant", v)),
     "batch": lambda k, v: replace(k, batch=_flag("batch", v)),
+    "prefill": lambda k, v: replace(k, prefill_weights=_choice("prefill", PrefillWeights, v)),
 }

@@ -23,7 +23,7 @@ from fuselane.errors import FuselaneError
 from fuselane.fuse.optimizer import Plan, optimize
 from fuselane.gguf.dequant import dequantize
 from fuselane.graph.ir import Form, QuantizedActs, Role, TensorGraph
-from fuselane.lanes.cuda.knobs import CachePrecision, CudaKnobs
+from fuselane.lanes.cuda.knobs import CachePrecision, CudaKnobs, PrefillWeights
 from fuselane.lanes.cuda.shim import CudaShim
 from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
@@ -186,7 +186,8 @@ class _Step:
         bufs[IDS] = torch.zeros(g.rows, dtype=torch.int32, device=lane.device)
         bufs[POS] = torch.zeros(1, dtype=torch.int32, device=lane.device)
         self.bufs = bufs
-        bound = Bound(g, bufs, lane.raw, lane.vec, lane.dense)
+        in_place = lane.shim.knobs.prefill_weights is PrefillWeights.IN_PLACE
+        bound = Bound(g, bufs, lane.raw, lane.vec, lane.dense, in_place=in_place)
         self.launch_list = [launch for op in plan.ops for launch in bind(op, bound)]
         self.launches = len(self.launch_list)
         self.graphs: dict[Hashable, Any] = {}  # the captured step, by its sampler tail's key (None: no tail)

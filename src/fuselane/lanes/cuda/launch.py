@@ -45,6 +45,7 @@ class Bound:
     vec: dict[str, Any]  # vector weights (norms, biases) as f32 device tensors
     dense: Callable[[str], Any]  # matrix name -> dequantized f16 device matrix (for GEMMs past the GEMV's rows)
     scratch: dict[str, Any] = field(default_factory=dict)
+    in_place: bool = False  # prefill products decode the checkpoint's bytes in the kernel (knob prefill=in-place)
 
 
 def _t():
@@ -92,7 +93,7 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
         return lambda: kernel(x, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)
     from fuselane.lanes.cuda.triton import gemm
 
-    if gemm.supports(fmt, spec.k) and out.dtype in _store_types():
+    if b.in_place and gemm.supports(fmt, spec.k) and out.dtype in _store_types():
         # the weights decoded in the kernel: no f16 copy of the matrix
         x2 = x.view(spec.m, spec.k)
         res2 = res_t.view(spec.m, spec.n) if res_t is not None else None
