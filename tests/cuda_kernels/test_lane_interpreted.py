@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
+pytest.importorskip("triton")
 
 from fuselane.fuse.optimizer import rule_names  # noqa: E402
 from fuselane.gguf.synth import write_synthetic  # noqa: E402
