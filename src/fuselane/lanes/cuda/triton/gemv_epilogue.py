@@ -307,6 +307,44 @@ def _q6_k_values(blk, t):
 
 
 @triton.jit
+def _k_pair_tile(blk, FMT: tl.constexpr):
+    """Q4_K / Q5_K units as their [U, sub-block, value of it] tile (see `_k_pair_values`)."""
+    if FMT == FMT_Q4_K:
+        v3 = _k_pair_values(blk, Q4_K_D, Q4_K_DMIN, Q4_K_SCALES, NO_FIELD, Q4_K_QS)
+    else:
+        v3 = _k_pair_values(blk, Q5_K_D, Q5_K_DMIN, Q5_K_SCALES, Q5_K_QH, Q5_K_QS)
+    return v3
+
+
+@triton.jit
+def _flat_values(blk, t, FMT: tl.constexpr):
+    """[U, len(t)] f32 values t of the units `blk` of any other format: bit for bit gguf's."""
+    if FMT == FMT_Q6_K:
+        v = _q6_k_values(blk, t)
+    elif FMT == FMT_Q8_0:
+        q = tl.load((blk + Q8_0_QS + t[None, :]).to(tl.pointer_type(tl.int8))).to(tl.float32)
+        v = _f16(blk + Q8_0_D) * q
+    elif FMT == FMT_Q4_0:
+        v = _nibble_values(blk, t, Q4_0_D, NO_FIELD, NO_FIELD, Q4_0_QS, Q4_BIAS)
+    elif FMT == FMT_Q4_1:
+        v = _nibble_values(blk, t, Q4_1_D, Q4_1_M, NO_FIELD, Q4_1_QS, 0)
+    elif FMT == FMT_Q5_0:
+        v = _nibble_values(blk, t, Q5_0_D, NO_FIELD, Q5_0_QH, Q5_0_QS, Q5_BIAS)
+    elif FMT == FMT_Q5_1:
+        v = _nibble_values(blk, t, Q5_1_D, Q5_1_M, Q5_1_QH, Q5_1_QS, 0)
+    elif FMT == FMT_F32:
+        v = tl.load(blk.to(tl.pointer_type(tl.float32)) + t[None, :])
+    elif FMT == FMT_F16:
+        v = tl.load(blk.to(tl.pointer_type(tl.float16)) + t[None, :]).to(tl.float32)
+    else:
+        tl.static_assert(FMT == FMT_BF16, "no decode for this format")
+        # bf16 is the top half of an f32: shifting it up is exact, NaN payloads included
+        bits = tl.load(blk.to(tl.pointer_type(tl.uint16)) + t[None, :]).to(tl.int32)
+        v = (bits << HALF_WORD_BITS).to(tl.float32, bitcast=True)
+    return v
+
+
+@triton.jit
 def _dequant_kernel(
     w,
     out,
@@ -326,35 +364,11 @@ def _dequant_kernel(
     t = tl.arange(0, VALUES)
     first = out + (u // units_a_row) * pitch + (u % units_a_row) * VALUES  # [U]: each unit's first value
     if (FMT == FMT_Q4_K) | (FMT == FMT_Q5_K):
-        if FMT == FMT_Q4_K:
-            v3 = _k_pair_values(blk, Q4_K_D, Q4_K_DMIN, Q4_K_SCALES, NO_FIELD, Q4_K_QS)
-        else:
-            v3 = _k_pair_values(blk, Q5_K_D, Q5_K_DMIN, Q5_K_SCALES, Q5_K_QH, Q5_K_QS)
+        v3 = _k_pair_tile(blk, FMT)
         at = tl.arange(0, 2 * K_PAIRS)[None, :, None] * QK_C + tl.arange(0, QK_C)[None, None, :]
         tl.store(first[:, None, None] + at, v3.to(out.dtype.element_ty), mask=keep[:, None, None])
     else:
-        if FMT == FMT_Q6_K:
-            v = _q6_k_values(blk, t)
-        elif FMT == FMT_Q8_0:
-            q = tl.load((blk + Q8_0_QS + t[None, :]).to(tl.pointer_type(tl.int8))).to(tl.float32)
-            v = _f16(blk + Q8_0_D) * q
-        elif FMT == FMT_Q4_0:
-            v = _nibble_values(blk, t, Q4_0_D, NO_FIELD, NO_FIELD, Q4_0_QS, Q4_BIAS)
-        elif FMT == FMT_Q4_1:
-            v = _nibble_values(blk, t, Q4_1_D, Q4_1_M, NO_FIELD, Q4_1_QS, 0)
-        elif FMT == FMT_Q5_0:
-            v = _nibble_values(blk, t, Q5_0_D, NO_FIELD, Q5_0_QH, Q5_0_QS, Q5_BIAS)
-        elif FMT == FMT_Q5_1:
-            v = _nibble_values(blk, t, Q5_1_D, Q5_1_M, Q5_1_QH, Q5_1_QS, 0)
-        elif FMT == FMT_F32:
-            v = tl.load(blk.to(tl.pointer_type(tl.float32)) + t[None, :])
-        elif FMT == FMT_F16:
-            v = tl.load(blk.to(tl.pointer_type(tl.float16)) + t[None, :]).to(tl.float32)
-        else:
-            tl.static_assert(FMT == FMT_BF16, "no decode for this format")
-            # bf16 is the top half of an f32: shifting it up is exact, NaN payloads included
-            bits = tl.load(blk.to(tl.pointer_type(tl.uint16)) + t[None, :]).to(tl.int32)
-            v = (bits << HALF_WORD_BITS).to(tl.float32, bitcast=True)
+        v = _flat_values(blk, t, FMT)
         # an f16 result is the f32 value rounded once, to nearest even (as NumPy's astype rounds)
         tl.store(first[:, None] + t[None, :], v.to(out.dtype.element_ty), mask=keep[:, None])
 
@@ -364,32 +378,10 @@ def unit_values(blk, FMT: tl.constexpr, VALUES: tl.constexpr):
     """[U, VALUES] f32: the values of the U units `blk` ([U, 1] pointers to each unit's first byte) in `FMT`,
     each the f32 `fuselane.gguf.dequant` gives, bit for bit (for the prefill GEMM's tiles; a K-quant's
     [U, 8, 32] tile is reshaped here, where the GEMM stages it through shared memory anyway)."""
-    t = tl.arange(0, VALUES)
-    if FMT == FMT_Q4_K:
-        v = tl.reshape(_k_pair_values(blk, Q4_K_D, Q4_K_DMIN, Q4_K_SCALES, NO_FIELD, Q4_K_QS), [blk.shape[0], VALUES])
-    elif FMT == FMT_Q5_K:
-        v = tl.reshape(_k_pair_values(blk, Q5_K_D, Q5_K_DMIN, Q5_K_SCALES, Q5_K_QH, Q5_K_QS), [blk.shape[0], VALUES])
-    elif FMT == FMT_Q6_K:
-        v = _q6_k_values(blk, t)
-    elif FMT == FMT_Q8_0:
-        q = tl.load((blk + Q8_0_QS + t[None, :]).to(tl.pointer_type(tl.int8))).to(tl.float32)
-        v = _f16(blk + Q8_0_D) * q
-    elif FMT == FMT_Q4_0:
-        v = _nibble_values(blk, t, Q4_0_D, NO_FIELD, NO_FIELD, Q4_0_QS, Q4_BIAS)
-    elif FMT == FMT_Q4_1:
-        v = _nibble_values(blk, t, Q4_1_D, Q4_1_M, NO_FIELD, Q4_1_QS, 0)
-    elif FMT == FMT_Q5_0:
-        v = _nibble_values(blk, t, Q5_0_D, NO_FIELD, Q5_0_QH, Q5_0_QS, Q5_BIAS)
-    elif FMT == FMT_Q5_1:
-        v = _nibble_values(blk, t, Q5_1_D, Q5_1_M, Q5_1_QH, Q5_1_QS, 0)
-    elif FMT == FMT_F32:
-        v = tl.load(blk.to(tl.pointer_type(tl.float32)) + t[None, :])
-    elif FMT == FMT_F16:
-        v = tl.load(blk.to(tl.pointer_type(tl.float16)) + t[None, :]).to(tl.float32)
+    if (FMT == FMT_Q4_K) | (FMT == FMT_Q5_K):
+        v = tl.reshape(_k_pair_tile(blk, FMT), [blk.shape[0], VALUES])
     else:
-        tl.static_assert(FMT == FMT_BF16, "no decode for this format")
-        bits = tl.load(blk.to(tl.pointer_type(tl.uint16)) + t[None, :]).to(tl.int32)
-        v = (bits << HALF_WORD_BITS).to(tl.float32, bitcast=True)
+        v = _flat_values(blk, tl.arange(0, VALUES), FMT)
     return v
 
 
