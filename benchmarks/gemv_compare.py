@@ -1,8 +1,10 @@
 """Time the decode GEMVs on real shapes: the in-parts kernel (`gemv`) against the tile-streaming one
 (`gemv_fast`), in GB/s of weights read, each launch replayed from a CUDA graph so no host time counts.
 
-Usage: python benchmarks/gemv_compare.py [--tiles]   (on a GPU)
---tiles sweeps the tile-streaming kernels' tiles (rows a program, warps, (row, group)s a thread) instead.
+Usage: python benchmarks/gemv_compare.py [--tiles | --q8]   (on a GPU)
+--tiles sweeps the tile-streaming kernels' tiles (rows a program, warps, (row, group)s a thread) instead;
+--q8 times the int8-activation kernels (`gemv_q8`, `activations=int8`) against `gemv_fast` and sweeps their
+tiles, and times the quantizing launch.
 """
 
 from __future__ import annotations
@@ -17,13 +19,17 @@ from fuselane.gguf.formats import LAYOUTS, Format, row_bytes
 from fuselane.gguf.quantize import random_blocks
 from fuselane.lanes.cuda.triton import gemv as G
 from fuselane.lanes.cuda.triton import gemv_fast as F
+from fuselane.lanes.cuda.triton import gemv_q8 as Q
+from fuselane.lanes.cuda.triton import quant
 
 SHAPES = [  # (name, format, n, k)
     ("8b q/o", Format.Q4_K, 4096, 4096),
     ("8b gate", Format.Q4_K, 12288, 4096),
     ("8b down", Format.Q6_K, 4096, 12288),
     ("8b head", Format.Q6_K, 151936, 4096),
+    ("7b qkv", Format.Q4_K, 4608, 3584),
     ("7b gate", Format.Q4_K, 18944, 3584),
+    ("7b down", Format.Q4_K, 3584, 18944),
     ("0.5b gate", Format.Q5_0, 4864, 896),
     ("0.5b head", Format.Q8_0, 151936, 896),
     ("0.6b gate", Format.Q8_0, 3072, 1024),
@@ -70,7 +76,7 @@ def main() -> None:
         )
 
 
-TILES = [(8, 4, 1), (4, 4, 2), (4, 4, 4), (2, 4, 2), (2, 4, 4), (4, 8, 2), (4, 2, 2), (4, 8, 1)]
+TILES = [(8, 4, 1), (4, 4, 2), (4, 4, 4), (2, 4, 2), (2, 4, 4), (4, 8, 2), (4, 2, 2), (4, 8, 1), (8, 4, 2), (16, 4, 1)]
 
 
 def _sweep(call, nbytes: int, check=None) -> str:
@@ -104,5 +110,36 @@ def tiles() -> None:
             print(f"{name:10} {fmt.name:5} glu   " + _sweep(glu, 2 * nbytes), flush=True)
 
 
+def q8() -> None:
+    """GB/s of the int8-activation GEMV against the f32 one, its tile sweep, and the quantizing launch."""
+    for name, fmt, n, k, nbytes, w, x, (want, out) in cases():
+        if not Q.supports(fmt, 1, k):
+            continue
+        acts = quant.quantize(x, quant.empty_q8(1, k, "cuda"))
+        t_quant = timed(lambda: quant.quantize(x, acts))  # noqa: B023
+        ref = quant.dequantize(acts)
+        F.gemv_fast(ref, w, fmt, n, k, want)
+        f32 = timed(lambda: F.gemv_fast(x, w, fmt, n, k, out))  # noqa: B023
+        q8 = timed(lambda: Q.gemv_q8(acts, w, fmt, n, k, out))  # noqa: B023
+        err = float((out - want).abs().max() / want.abs().max())
+        print(
+            f"{name:10} {fmt.name:5} {n}x{k}: gemv_fast {nbytes / f32 / 1e9:6.0f} GB/s ({f32 * 1e6:6.1f} us), "
+            f"gemv_q8 {nbytes / q8 / 1e9:6.0f} GB/s ({q8 * 1e6:6.1f} us), quantize {t_quant * 1e6:5.1f} us, "
+            f"diff from f32 on the same codes {err:.1e}",
+            flush=True,
+        )
+        diff = functools.partial(lambda o, t: float((o - t).abs().max() / t.abs().max()), out, want)
+        print(f"{name:10} q8 gemv " + _sweep(functools.partial(Q.gemv_q8, acts, w, fmt, n, k, out), nbytes, diff))
+        if "gate" in name:
+            glu = functools.partial(Q.gemv_q8_gate_up_glu, acts, w, w, fmt, n, k, out)
+            f32_glu = timed(lambda: F.gemv_fast_gate_up_glu(x, w, w, fmt, n, k, out))  # noqa: B023
+            print(f"{name:10} glu f32 {2 * nbytes / f32_glu / 1e9:5.0f}  q8 " + _sweep(glu, 2 * nbytes), flush=True)
+
+
 if __name__ == "__main__":
-    tiles() if "--tiles" in sys.argv else main()
+    if "--tiles" in sys.argv:
+        tiles()
+    elif "--q8" in sys.argv:
+        q8()
+    else:
+        main()

@@ -67,3 +67,41 @@ def test_prefill_in_place_decodes_the_weights_in_the_kernel(tmp_path, monkeypatc
     assert np.isfinite(a).all() and rel(a, b) <= tol
     assert calls, "no prefill product took the GEMM"
     assert not any(n != "token_embd.weight" for n in gpu.lane._dense), "a product made an f16 copy"
+
+
+INT8_SHAPES = {  # heads of whole 32-value blocks (attention quantizes its output), Q5_0 / Q8_0 and Q4_K / Q6_K rows
+    "qwen2": (("qwen2", 128, 2, 4, 2, 32, 256, 512), "q8_0"),
+    "qwen3": (("qwen3", 256, 2, 4, 2, 64, 512, 512), "q4_k_m"),
+}
+
+
+@pytest.mark.parametrize("arch", INT8_SHAPES)
+def test_int8_activations_multiply_with_dp4a(tmp_path, monkeypatch, arch):
+    # activations=int8: a decode step's products read int8 codes written by their producers' epilogues (the
+    # add + norm's last program, SwiGLU's, attention's) and multiply with dp4a; within the int8 contract
+    from fuselane.gguf.synth import Shape
+    from fuselane.lanes.cuda.triton import gemv_q8, gemv_q8_epilogue, quant
+
+    dims, mix = INT8_SHAPES[arch]
+    shape = Shape(*dims, context=4096)
+
+    calls: dict[str, int] = {}
+
+    def counted(module, name):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **k: calls.update({name: calls.get(name, 0) + 1}) or real(*a, **k))
+
+    for module, name in ((gemv_q8, "gemv_q8_parts"), (gemv_q8_epilogue, "gemv_q8_add_norm")):
+        counted(module, name)
+    counted(gemv_q8_epilogue, "gemv_q8_gate_up_glu_q8")
+    counted(quant, "quantize")
+    path = write_synthetic(tmp_path / "m.gguf", shape, mix, seed=8)
+    gpu = load(path, lane="cuda", ctx=32, knobs=["activations=int8"])
+    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    for step, (a, b) in enumerate(zip(_steps(gpu), _steps(ref), strict=True)):
+        assert np.isfinite(a).all()
+        assert rel(a, b) <= tol, f"step {step}: {rel(a, b):.2e} > {tol:.2e}"
+    assert calls.get("gemv_q8_add_norm") and calls.get("gemv_q8_parts"), calls
+    # one quantizing launch a step (the embedding's norm); the rest quantize in their producers' epilogues
+    assert calls.get("quantize", 0) <= len(DECODE), calls

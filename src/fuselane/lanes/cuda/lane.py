@@ -11,6 +11,7 @@ of the matrix, made on first use.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Hashable, Iterator, Mapping
@@ -23,6 +24,7 @@ from fuselane.errors import FuselaneError
 from fuselane.fuse.optimizer import Plan, optimize
 from fuselane.gguf.dequant import dequantize
 from fuselane.graph.ir import Form, QuantizedActs, Role, TensorGraph
+from fuselane.lanes.cuda.kernels import QBLOCK
 from fuselane.lanes.cuda.knobs import CachePrecision, CudaKnobs, PrefillWeights
 from fuselane.lanes.cuda.shim import CudaShim
 from fuselane.models import ModelConfig, recognizer
@@ -166,6 +168,16 @@ class CudaLane:
         return self.step(1).launches + len(self.sampler().tail(GREEDY).launches)
 
 
+def _int8_form(shape: tuple[int, ...], device: Any) -> Any:
+    """The int8 form (`gemv_q8.Q8Acts`) of a decode step's activation its producer writes quantized: the
+    step's products multiply it with dp4a. A prefill chunk's products read the f32 rows (no int8 GEMM)."""
+    from fuselane.lanes.cuda.triton.quant import empty_q8
+
+    if shape[-1] % QBLOCK:
+        raise FuselaneError(f"int8 activations take rows of whole {QBLOCK}-value blocks, not {shape[-1]}")
+    return empty_q8(math.prod(shape[:-1]), shape[-1], device)
+
+
 class _Step:
     """A plan bound to buffers: its launches, and (for a decode step) the CUDA graph that replays them."""
 
@@ -176,18 +188,19 @@ class _Step:
         self.lane, self.plan, self.torch = lane, plan, torch
         g: TensorGraph = plan.graph
         bufs: dict[str, Any] = {}
+        q8: dict[str, Any] = {}
         for name, t in g.tensors.items():
             if t.role is Role.CACHE:
                 bufs[name] = lane.cache(name, t.shape)
             elif t.role in (Role.ACTIVATION, Role.OUTPUT):
-                if isinstance(t.storage, QuantizedActs):
-                    raise FuselaneError("quantized activations wait for the int8 kernels; use activations=dequant")
                 bufs[name] = torch.zeros(t.shape, dtype=torch.float32, device=lane.device)
+                if isinstance(t.storage, QuantizedActs) and g.rows == 1:
+                    q8[name] = _int8_form(t.shape, lane.device)
         bufs[IDS] = torch.zeros(g.rows, dtype=torch.int32, device=lane.device)
         bufs[POS] = torch.zeros(1, dtype=torch.int32, device=lane.device)
         self.bufs = bufs
         in_place = lane.shim.knobs.prefill_weights is PrefillWeights.IN_PLACE
-        bound = Bound(g, bufs, lane.raw, lane.vec, lane.dense, in_place=in_place)
+        bound = Bound(g, bufs, lane.raw, lane.vec, lane.dense, in_place=in_place, q8=q8)
         self.launch_list = [launch for op in plan.ops for launch in bind(op, bound)]
         self.launches = len(self.launch_list)
         self.graphs: dict[Hashable, Any] = {}  # the captured step, by its sampler tail's key (None: no tail)

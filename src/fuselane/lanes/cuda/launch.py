@@ -31,6 +31,7 @@ from fuselane.graph.ops import (
     Unary,
 )
 from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.shim import QUANT_EPILOGUES
 
 Launch = Callable[[], None]
 
@@ -46,6 +47,7 @@ class Bound:
     dense: Callable[[str], Any]  # matrix name -> dequantized f16 device matrix (for GEMMs past the GEMV's rows)
     scratch: dict[str, Any] = field(default_factory=dict)
     in_place: bool = False  # prefill products decode the checkpoint's bytes in the kernel (knob prefill=in-place)
+    q8: dict[str, Any] = field(default_factory=dict)  # name -> gemv_q8.Q8Acts: a decode step's int8 activations
 
 
 def _t():
@@ -88,6 +90,10 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
     bias_t = b.vec[bias] if bias else None
     res_t = b.bufs[residual] if residual else None
     w, fmt = b.raw[op.ins[1]]
+    q8 = _q8_in(op.ins[0], fmt, spec.m, spec.k, b, out)
+    if q8 is not None:
+        gemv_q8, acts = q8
+        return lambda: gemv_q8.gemv_q8(acts, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)
     if spec.m <= kernels.GEMV_ROWS:
         kernel = _gemv_kernels(fmt, spec.m, out)
         return lambda: kernel(x, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)
@@ -122,6 +128,18 @@ def _fast(fmt: Format, m: int, *outs: Any):
 
     f32 = all(out.dtype in _store_types() for out in outs)
     return gemv_fast if f32 and gemv_fast.supports_fast(fmt, m) else None
+
+
+def _q8_in(name: str, fmt: Format, m: int, k: int, b: Bound, *outs: Any):
+    """(the int8 GEMV module, the activation's Q8Acts) where a product reads `name` quantized and the int8
+    kernels take it; None where it reads the f32 row (a format without a dp4a kernel reads the values the
+    producer also writes in f32)."""
+    if name not in b.q8:
+        return None
+    from fuselane.lanes.cuda.triton import gemv_q8
+
+    fits = gemv_q8.supports(fmt, m, k) and all(out.dtype in _store_types() for out in outs)
+    return (gemv_q8, b.q8[name]) if fits else None
 
 
 def _store_types():
@@ -196,7 +214,7 @@ def _prim(op: Op, b: Bound) -> list[Launch]:
     raise NotImplementedError(f"the cuda lane has no launch for {type(spec).__name__}")
 
 
-def _attention(op: Op, b: Bound) -> Launch:
+def _attention(op: Op, b: Bound, out_q8: Any = None) -> Launch:
     _, _, _, attention, _ = _t()
     spec: Attention = op.sym  # type: ignore[assignment]
     q, kc, vc = (b.bufs[n] for n in op.ins[:3])
@@ -204,7 +222,7 @@ def _attention(op: Op, b: Bound) -> Launch:
     shape = dict(heads=spec.heads, kv_heads=spec.kv_heads, hd=spec.hd, scale=spec.scale)
     if spec.rows == 1:
         scratch = b.scratch.setdefault("attn", attention.decode_scratch(spec.heads, spec.hd, spec.len, q.device))
-        return lambda: attention.flash_decode(q, kc, vc, pos, out, scratch=scratch, **shape)
+        return lambda: attention.flash_decode(q, kc, vc, pos, out, scratch=scratch, out_q8=out_q8, **shape)
     return lambda: attention.flash_prefill(q, kc, vc, pos, out, rows=spec.rows, **shape)
 
 
@@ -318,7 +336,7 @@ def _row_write(op: Op, b: Bound):
     return [_product(mm, b, bias=bias, dst=found[-1])]
 
 
-def _gate_up(op: Op, b: Bound):
+def _gate_up(op: Op, b: Bound, out_q8: Any = None):
     gemv, *_ = _t()
     gate, up = (p for p in leaves(op) if isinstance(p.sym, Matmul))
     spec: Matmul = gate.sym  # type: ignore[assignment]
@@ -326,6 +344,19 @@ def _gate_up(op: Op, b: Bound):
         return None
     x, out = b.bufs[gate.ins[0]], b.bufs[op.out]
     (wg, fmt), (wu, _) = b.raw[gate.ins[1]], b.raw[up.ins[1]]
+    q8 = _q8_in(gate.ins[0], fmt, spec.m, spec.k, b, out)
+    if q8 is not None:
+        gemv_q8, acts = q8
+        if out_q8 is None:
+            return [lambda: gemv_q8.gemv_q8_gate_up_glu(acts, wg, wu, fmt, spec.n, spec.k, out)]
+        from fuselane.lanes.cuda.triton import gemv_q8_epilogue as qe
+
+        if spec.n % kernels.QBLOCK == 0:
+            counters = b.scratch.setdefault(f"glu-q8:{op.out}", qe.q8_counters(spec.n, out.device))
+            return [lambda: qe.gemv_q8_gate_up_glu_q8(acts, wg, wu, fmt, spec.n, spec.k, out, out_q8, counters)]
+        return None
+    if out_q8 is not None:
+        return None
     fast = _fast(fmt, spec.m, out)
     if fast is not None:
         return [lambda: fast.gemv_fast_gate_up_glu(x, wg, wu, fmt, spec.n, spec.k, out)]
@@ -352,6 +383,11 @@ def _merged(op: Op, b: Bound):
             after.append(m.sym.parts[1])  # type: ignore[union-attr]
     x, fmt = b.bufs[members[0].ins[0]], b.raw[leaves(members[0])[0].ins[1]][1]
     turns = _turns(after, b)
+    k = leaves(members[0])[0].sym.k  # type: ignore[union-attr]
+    q8 = _q8_in(members[0].ins[0], fmt, x.shape[0], k, b, *(p[2] for p in products))
+    if q8 is not None:
+        gemv_q8, acts = q8
+        return [lambda: gemv_q8.gemv_q8_parts(acts, products, fmt), *turns]
     fast = _fast(fmt, x.shape[0], *(p[2] for p in products))
     if fast is not None:
         return [lambda: fast.gemv_fast_parts(x, products, fmt), *turns]
@@ -367,9 +403,10 @@ def _turns(sides: list[Op], b: Bound) -> list[Launch]:
     return [launch for side in sides for launch in bind(side, b)]
 
 
-def _norm_epilogue(op: Op, b: Bound):
+def _norm_epilogue(op: Op, b: Bound, out_q8: Any = None):
     """A projection with its residual add and norm: one launch whose last program norms the sum (a step's one
-    row), or the product with the residual then the norm (a chunk's rows)."""
+    row), or the product with the residual then the norm (a chunk's rows). With `out_q8` (int8 activations)
+    the last program writes the norm quantized too, where the product reads its own activation quantized."""
     mm = op.sym.parts[0]  # type: ignore[union-attr]
     add_norm = op.sym.parts[1]  # type: ignore[union-attr]
     add, n_op, w_op = leaves(add_norm)
@@ -384,6 +421,17 @@ def _norm_epilogue(op: Op, b: Bound):
         x, r = b.bufs[mm.ins[0]], b.bufs[residual]
         counter = gemv_epilogue.gemv_add_norm_counter(x.device)  # its own: launches on one stream in turn
         n, k = product.n, product.k
+        q8 = _q8_in(mm.ins[0], fmt, 1, k, b, out)
+        if q8 is not None and n % kernels.QBLOCK == 0:
+            from fuselane.lanes.cuda.triton import gemv_q8_epilogue as qe
+            from fuselane.lanes.cuda.triton.quant import empty_q8
+
+            acts = q8[1]
+            # a norm no product reads quantized still goes through the one kernel: its int8 form is dropped
+            oq = out_q8 if out_q8 is not None else b.scratch.setdefault(f"q8-drop:{n}", empty_q8(1, n, x.device))
+            return [lambda: qe.gemv_q8_add_norm(acts, wt, fmt, n, k, r, s, w, spec.eps, out, oq, counter)]
+        if out_q8 is not None:
+            return None
         if gemv_fast_norm.supports_fast_add_norm(fmt, n):
             return [lambda: gemv_fast_norm.gemv_fast_add_norm(x, wt, fmt, n, k, r, s, w, spec.eps, out, counter)]
         return [lambda: gemv_epilogue.gemv_add_norm(x, wt, fmt, n, k, r, s, w, spec.eps, out, counter)]
@@ -402,8 +450,29 @@ def _glu(op: Op, b: Bound):
     return [lambda: misc.glu_act_mul(g, u, out)]
 
 
-def _flash(op: Op, b: Bound):
-    return [_attention(leaves(op)[0], b)]
+def _flash(op: Op, b: Bound, out_q8: Any = None):
+    return [_attention(leaves(op)[0], b, out_q8)]
+
+
+def _quantizing(op: Op, b: Bound):
+    """A producer that writes its result quantized (NormQuant, GluActMulQuant, AttnOutputQuant, ...): in a
+    decode step, its kernel writing the int8 form in its epilogue where it has one, else its launches then
+    one quantizing launch; in a prefill chunk (no int8 GEMM: its products read the f32 rows on the f16
+    tensor cores) just its launches."""
+    inner = op.sym.parts[0]  # type: ignore[union-attr]
+    out_q8 = b.q8.get(op.out)
+    if out_q8 is None:
+        return None
+    epilogue = _QUANT_EPILOGUE.get(class_of(inner))
+    if epilogue is None and isinstance(inner.sym, Attention) and inner.sym.rows == 1:
+        return [_attention(inner, b, out_q8)]
+    found = epilogue(inner, b, out_q8) if epilogue is not None else None
+    if found is not None:
+        return found
+    from fuselane.lanes.cuda.triton import quant
+
+    x = b.bufs[op.out]
+    return [*bind(inner, b), lambda: quant.quantize(x.view(out_q8.q.shape), out_q8)]
 
 
 NATIVE: dict[C, Callable[[Op, Bound], list[Launch] | None]] = {
@@ -422,4 +491,11 @@ NATIVE: dict[C, Callable[[Op, Bound], list[Launch] | None]] = {
     C.GLU_ACT_MUL: _glu,
     C.FLASH_DECODE: _flash,
     C.FLASH_PREFILL: _flash,
+    **{cls: _quantizing for cls in QUANT_EPILOGUES},
+}
+# producers whose kernel writes its result's int8 form in its own epilogue (a decode step's)
+_QUANT_EPILOGUE: dict[C, Callable[[Op, Bound, Any], list[Launch] | None]] = {
+    C.GEMV_NORM_EPILOGUE: _norm_epilogue,
+    C.GEMV_GATE_UP_GLU: _gate_up,
+    C.FLASH_DECODE: _flash,
 }

@@ -41,6 +41,7 @@ import triton.language as tl
 from fuselane.lanes.cuda import kernels
 from fuselane.lanes.cuda.knobs import H200, Chip
 from fuselane.lanes.cuda.shim import chunks_apart
+from fuselane.lanes.cuda.triton.quant import quantize_block
 
 LOG2E = math.log2(math.e)
 
@@ -159,6 +160,25 @@ def _decode_tile(
 
 
 @triton.jit
+def _store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, Q8OUT: tl.constexpr):
+    """A block's heads' outputs o [G, C, L] at `offs`: f32, and where Q8OUT also as int8 activations
+    (`gemv_q8.Q8Acts`), a 32-lane row of the tile being one 32-value block."""
+    tl.store(out_ptr + offs, o, mask=store_mask)
+    if Q8OUT:
+        G: tl.constexpr = o.shape[0]
+        C: tl.constexpr = o.shape[1]
+        L: tl.constexpr = o.shape[2]
+        codes, d, sums = quantize_block(tl.reshape(o, [G * C, L]), L)
+        tl.store(oq_ptr + offs, tl.reshape(codes, [G, C, L]), mask=store_mask)
+        blk = offs // L  # [G, C, L]: each lane of a row has its block's index
+        first = tl.max(store_mask.to(tl.int32), 2) > 0  # [G, C]: rows holding values
+        blk_row = tl.max(blk, 2)
+        tl.store(od_ptr + blk_row, tl.reshape(d, [G, C]), mask=first)
+        two = tl.arange(0, 2)[None, None, :]
+        tl.store(os_ptr + blk_row[:, :, None] * 2 + two, tl.reshape(sums, [G, C, 2]), mask=first[:, :, None])
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -169,9 +189,13 @@ def _decode_kernel(
     max_ptr,
     sum_ptr,
     count_ptr,
+    oq_ptr,
+    od_ptr,
+    os_ptr,
     k_pitch,
     v_pitch,
     scale_log2e,
+    Q8OUT: tl.constexpr,
     GROUP: tl.constexpr,
     HB: tl.constexpr,
     G_P2: tl.constexpr,
@@ -222,7 +246,7 @@ def _decode_kernel(
                 )  # fmt: skip
         store_mask = heads_mask[:, None, None] & col_mask
         if active == 1:
-            tl.store(out_ptr + offs, acc / run_sum[:, None, None], mask=store_mask)
+            _store_out(acc / run_sum[:, None, None], offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, Q8OUT)
         else:
             part = head * SPLITS + split
             tl.store(acc_ptr + part[:, None, None] * HD + col, acc, mask=store_mask)
@@ -258,7 +282,8 @@ def _decode_kernel(
                     )  # [G, B, C, L]
                     merged += tl.sum(tl.exp2(m_b - top[:, None])[:, :, None, None] * a_b, axis=1)
                     i += MERGE_BATCH
-                tl.store(out_ptr + offs, merged / total[:, None, None], mask=store_mask)
+                merged = merged / total[:, None, None]
+                _store_out(merged, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, Q8OUT)
                 tl.atomic_xchg(count_ptr + hb, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
 
 
@@ -286,6 +311,7 @@ def flash_decode(
     min_chunk: int = kernels.ATTN_MIN_CHUNK,
     merge_batch: int = DECODE_MERGE_BATCH,
     heads_per_block: int | None = None,
+    out_q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """FlashDecode: out (1, heads * hd) f32 = causal GQA of the one query row `q` (1, heads * hd) at position
     pos[0] over cache rows 0..pos[0]; query head h reads key/value head h // (heads // kv_heads).
@@ -293,8 +319,11 @@ def flash_decode(
     One launch of (groups, splits) blocks (`decode_plan`; `splits` overrides the plan's). `scratch` is
     `decode_scratch(heads, hd, cache_len, ...)`, kept for the plan's life; None only where the plan has one
     split. `tile_rows`, `min_chunk` and `merge_batch` are the kernel's facts, parameters only so tests reach
-    several splits (and several batches of them in the merge) of a short cache.
+    several splits (and several batches of them in the merge) of a short cache. `out_q8`, a
+    `gemv_q8.Q8Acts` of the output's width, also gets the output as int8 activations (hd a multiple of 32).
     """
+    if out_q8 is not None and hd % kernels.ATTN_LANES:
+        raise ValueError(f"a quantized attention output takes heads of whole {kernels.ATTN_LANES}-value blocks")
     plan = decode_plan(heads, kv_heads, hd, k_cache.shape[0], chip=chip, splits=splits, heads_per_block=heads_per_block)
     if plan.splits > 1:
         need = decode_scratch_size(plan, heads, hd)
@@ -319,9 +348,11 @@ def flash_decode(
         top,
         total,
         count,
+        *(out_q8 if out_q8 is not None else (out, out, out)),
         _cache_pitch(k_cache, kv_heads, hd, "k_cache"),
         _cache_pitch(v_cache, kv_heads, hd, "v_cache"),
         scale * LOG2E,
+        Q8OUT=out_q8 is not None,
         GROUP=heads // kv_heads,
         HB=plan.heads_per_block,
         G_P2=group_p2,

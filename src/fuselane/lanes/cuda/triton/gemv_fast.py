@@ -203,10 +203,9 @@ def _header_u16(h0, h1, h2, h3, off):
 
 
 @triton.jit
-def _w_q4_k(raw, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-    """Q4_K: value = d * scale * code - dmin * min. A group is a 16-byte run of pair j's qs: wa its low
-    nibbles (sub-block 2j), wb its high ones (2j + 1); [N, G, 4 words, 4 bytes]."""
-    header, words = raw
+def q4_k_scales(header, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Q4_K: each group's super-block d and dmin (f32, [N, G]) and its pair's 6-bit scales and mins as 16-bit
+    pairs (sub-block 2j in the low byte, 2j + 1 in the high one), from the 16-byte headers as 4 words."""
     a, b = tl.split(tl.reshape(header, [BLOCK_N, CHUNK * K_RUNS, PAIR, PAIR]))
     h0, h2 = tl.split(a)
     h1, h3 = tl.split(b)
@@ -219,6 +218,15 @@ def _w_q4_k(raw, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     r = _header_u16(h0, h1, h2, h3, j * PAIR - tl.where(low, 0, K_MIN_BYTES) + Q4_K_SCALES)
     scales = tl.where(low, p & SIX_BITS_2, (q & NIBBLE_2) | ((r >> TOP_TWO_SHIFT) & TOP_TWO_2))
     mins = tl.where(low, q & SIX_BITS_2, ((q >> NIBBLE_BITS) & NIBBLE_2) | ((p >> TOP_TWO_SHIFT) & TOP_TWO_2))
+    return d, dmin, scales, mins
+
+
+@triton.jit
+def _w_q4_k(raw, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Q4_K: value = d * scale * code - dmin * min. A group is a 16-byte run of pair j's qs: wa its low
+    nibbles (sub-block 2j), wb its high ones (2j + 1); [N, G, 4 words, 4 bytes]."""
+    header, words = raw
+    d, dmin, scales, mins = q4_k_scales(header, BLOCK_N, CHUNK)
     ds_a = (d * (scales & BYTE).to(tl.float32))[:, :, None, None]
     ds_b = (d * (scales >> BYTE_BITS).to(tl.float32))[:, :, None, None]
     dm_a = (dmin * (mins & BYTE).to(tl.float32))[:, :, None, None]

@@ -1,0 +1,402 @@
+"""Decode GEMV on int8 activations (the lane's `activations=int8`): y (1, n) = x (1, k) @ W^T, x held as int8
+codes under one f32 scale a 32-value block, W as checkpoint bytes.
+
+Why: with f32 activations a 4-bit weight costs ~6.8 instructions in the loop (decode, float conversion, two
+FMAs), which holds Q4_K to ~60 % of the H200's memory rate (`gemv_fast`). Here four codes meet four int8
+activations in one `dp4a` (a 4-way byte dot product into an int32): a Q4_K word of eight codes is two masks
+and two dp4a, and the scales are applied once a 16-value run, in f32. The weights are read exactly as
+`gemv_fast` reads them (its `_raw`, tiles, chunks and register prefetch); only the arithmetic differs.
+
+The activation (`Q8Acts`): `q` int8 (k,) codes, `d` f32 (k / 32,) scales (largest |x| of the block / 127, a
+code is round(x / d)), and `s` f32 (k / 16,) each 16 values' d * (sum of codes). A format with a minimum or a
+code bias (Q4_K's dmin * min, Q6_K's 32, Q5_0's 16) subtracts it once a run as bias * s, so codes enter the
+dp4a unsigned, as stored. `quantize` writes a Q8Acts from f32 rows (`quant.py`).
+
+Under Triton's interpreter (`TRITON_INTERPRET=1`, CI without a GPU) dp4a is its four byte products in
+integer arithmetic, so the interpreted kernel sums exactly what the PTX instruction sums.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fuselane.gguf.formats import QK, QK_K, Format
+from fuselane.lanes.cuda.triton.gemv import Part
+from fuselane.lanes.cuda.triton.gemv_fast import (
+    BYTE,
+    BYTE_BITS,
+    FMT_Q4_K,
+    FMT_Q5_0,
+    FMT_Q6_K,
+    FMT_Q8_0,
+    HALF_WORD_BITS,
+    K_RUNS,
+    NIBBLE,
+    NIBBLE_BITS,
+    NO_TILE,
+    PAIR,
+    PAIR_RUNS,
+    PARTS_MOST,
+    Q6_RUNS,
+    QUAD,
+    _check,
+    _out_args,
+    _pick,
+    _plan,
+    _q6_k_runs,
+    _raw,
+    _store,
+    q4_k_scales,
+)
+
+
+def _c(value: int | float) -> tl.constexpr:
+    return tl.constexpr(value)
+
+
+INTERPRETED = _c(os.environ.get("TRITON_INTERPRET", "0") == "1")  # no inline PTX under the interpreter
+LOW_NIBBLES = _c(0x0F0F0F0F)  # the low nibble of each byte of a word
+CRUMBS = _c(0x03030303)  # the low 2 bits of each byte
+FIFTH_BITS = _c(0x10101010)  # bit 4 of each byte
+# x * SPREAD puts bit i (0..3) of x at bit 8i + 4 (shifts 4, 11, 18, 25; the other products miss the mask)
+SPREAD = _c((1 << 4) | (1 << 11) | (1 << 18) | (1 << 25))
+Q6_CRUMB_STEP, Q6_HIGH_CRUMB = _c(2), _c(4)  # Q6_K: crumbs of run r at bits 2 (r // 2) (low nibbles), + 4 (high)
+Q6_BIAS, Q5_BIAS = _c(32.0), _c(16.0)
+QK_C, QK_K_C, HALF_QK_C = _c(QK), _c(QK_K), _c(QK // 2)
+WORD_VALUES = _c(4)  # int8 codes a 32-bit word
+FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0})
+# Tiles (rows a program, warps, (row, group)s a thread), measured on the H200 (`benchmarks/gemv_compare.py
+# --q8`, GB/s of weights): with the arithmetic cut to a few instructions a value, two-warp programs of 4 rows
+# read fastest (8B gate/up GLU 2,932 -> 2,719 at 4 warps, 7B GLU 3,325 -> 3,482, 0.5B head 2,051 -> 2,525);
+# Q6_K keeps four warps (8B head 2,037 against 2,008).
+TILES = {Format.Q4_K: (4, 2, 2), Format.Q6_K: (4, 4, 2), Format.Q8_0: (4, 2, 2), Format.Q5_0: (4, 2, 2)}
+
+
+class Q8Acts(NamedTuple):
+    """An activation row quantized for these kernels: codes, block scales, 16-value sums (see the module)."""
+
+    q: Tensor  # int8 (m, k)
+    d: Tensor  # f32 (m, k / 32)
+    s: Tensor  # f32 (m, k / 16)
+
+
+# --- dp4a ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dp4a(a, b, c, SIGNED: tl.constexpr):
+    """c + the dot product of a's four bytes (signed bytes where SIGNED, else unsigned) with b's four signed
+    bytes, all int32."""
+    a = a.to(tl.int32, bitcast=True)
+    if INTERPRETED:
+        for i in tl.static_range(4):
+            if SIGNED:
+                ai = (a << (24 - 8 * i)) >> 24
+            else:
+                ai = (a >> (8 * i)) & BYTE
+            c += ai * ((b << (24 - 8 * i)) >> 24)
+        return c
+    elif SIGNED:
+        return tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        return tl.inline_asm_elementwise(
+            "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def _dot16(w, a, SIGNED: tl.constexpr):
+    """[N, G, 4] words of codes times [N, G, 4] words of int8 activations: the 16-value dot, [N, G] int32,
+    as a chain of four dp4a (each adds into the last)."""
+    w02, w13 = tl.split(tl.reshape(w, [w.shape[0], w.shape[1], PAIR, PAIR]))
+    a02, a13 = tl.split(tl.reshape(a, [a.shape[0], a.shape[1], PAIR, PAIR]))
+    w0, w2 = tl.split(w02)
+    w1, w3 = tl.split(w13)
+    a0, a2 = tl.split(a02)
+    a1, a3 = tl.split(a13)
+    c = _dp4a(w0, a0, tl.zeros_like(a0), SIGNED)
+    c = _dp4a(w1, a1, c, SIGNED)
+    c = _dp4a(w2, a2, c, SIGNED)
+    return _dp4a(w3, a3, c, SIGNED)
+
+
+@triton.jit
+def _words(v):
+    """[N, G, 4, 2] 2-byte words (little-endian pairs) -> [N, G, 4] 32-bit words."""
+    lo, hi = tl.split(v)
+    return lo | (hi << HALF_WORD_BITS)
+
+
+# --- the activations a group meets -----------------------------------------------------------------------------
+
+
+@triton.jit
+def _run(xq, xd, xs, first, BLOCK_N: tl.constexpr, live):
+    """The 16 activations from value `first` ([1, G], a multiple of 16): 4 words [N, G, 4], their block's
+    scale and their 16-value sum d * codes, [1, G] each; 0 where not live."""
+    words = xq.to(tl.pointer_type(tl.int32)) + (first // WORD_VALUES)[:, :, None] + tl.arange(0, QUAD)[None, None, :]
+    words += tl.zeros([BLOCK_N, 1, 1], tl.int32)  # the weights' layout: the rows' loads are one broadcast
+    a = tl.load(words, mask=live[:, :, None], other=0)
+    return a, tl.load(xd + first // QK_C, mask=live, other=0.0), tl.load(xs + first // HALF_QK_C, mask=live, other=0.0)
+
+
+# --- per format: a chunk's sum a group ([N, G] f32) -------------------------------------------------------------
+
+
+@triton.jit
+def _q4_k(raw, xq, xd, xs, u0, live, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Q4_K: group g is run r = g % 8 of a unit's qs: 16 bytes of pair j = r // 2, its low nibbles values
+    64j + 16 (r % 2) + 0..15 (sub-block 2j), its high ones 32 on (2j + 1)."""
+    header, words = raw
+    d, dmin, scales, mins = q4_k_scales(header, BLOCK_N, CHUNK)
+    g = tl.arange(0, CHUNK * K_RUNS)[None, :]
+    r = g % K_RUNS
+    first = (g // K_RUNS + u0) * QK_K_C + (r // PAIR_RUNS) * (2 * QK_C) + (r % PAIR_RUNS) * HALF_QK_C
+    a_lo, da_lo, s_lo = _run(xq, xd, xs, first, BLOCK_N, live)
+    a_hi, da_hi, s_hi = _run(xq, xd, xs, first + QK_C, BLOCK_N, live)
+    lo = _dot16(words & LOW_NIBBLES, a_lo, False).to(tl.float32)
+    hi = _dot16((words >> NIBBLE_BITS) & LOW_NIBBLES, a_hi, False).to(tl.float32)
+    y = lo * (d * (scales & BYTE).to(tl.float32) * da_lo) - (dmin * (mins & BYTE).to(tl.float32)) * s_lo
+    y += hi * (d * (scales >> BYTE_BITS).to(tl.float32) * da_hi) - (dmin * (mins >> BYTE_BITS).to(tl.float32)) * s_hi
+    return y
+
+
+@triton.jit
+def _q6_k(raw, xq, xd, xs, u0, live, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Q6_K: group g is ql run r of half h: low nibbles values 128h + 16r + 0..15, high ones 64 on; the top
+    two bits of each are crumbs r // 2 and 2 + r // 2 of the half's qh bytes 16 (r % 2) + 0..15."""
+    d, sc_lo, sc_hi, ql, qh = raw
+    unit, half, r = _q6_k_runs(u0, CHUNK)
+    ql, qh = _words(ql), _words(qh)
+    shift = ((r // PAIR) * Q6_CRUMB_STEP)[None, :, None]
+    lo = (ql & LOW_NIBBLES) | (((qh >> shift) & CRUMBS) << NIBBLE_BITS)
+    hi = ((ql >> NIBBLE_BITS) & LOW_NIBBLES) | (((qh >> (shift + Q6_HIGH_CRUMB)) & CRUMBS) << NIBBLE_BITS)
+    first = (unit * QK_K_C + half * (4 * QK_C) + r * HALF_QK_C)[None, :]
+    a_lo, da_lo, s_lo = _run(xq, xd, xs, first, BLOCK_N, live)
+    a_hi, da_hi, s_hi = _run(xq, xd, xs, first + 2 * QK_C, BLOCK_N, live)
+    y_lo = _dot16(lo, a_lo, False).to(tl.float32) * da_lo - Q6_BIAS * s_lo
+    y_hi = _dot16(hi, a_hi, False).to(tl.float32) * da_hi - Q6_BIAS * s_hi
+    return d * (sc_lo.to(tl.float32) * y_lo + sc_hi.to(tl.float32) * y_hi)
+
+
+@triton.jit
+def _q8_0(raw, xq, xd, xs, u0, live, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Q8_0: group g is block u0 + g, its bytes 0-15 and 16-31 signed codes."""
+    d, qa, qb = raw
+    first = (tl.arange(0, CHUNK) + u0)[None, :] * QK_C
+    a_lo, da, _ = _run(xq, xd, xs, first, BLOCK_N, live)
+    a_hi, _, _ = _run(xq, xd, xs, first + HALF_QK_C, BLOCK_N, live)
+    sumi = _dot16(_words(qa), a_lo, True) + _dot16(_words(qb), a_hi, True)
+    return d * da * sumi.to(tl.float32)
+
+
+@triton.jit
+def _q5_0(raw, xq, xd, xs, u0, live, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Q5_0: qs byte i holds the low 4 bits of value i (low nibble) and 16 + i (high one); bit v of qh is
+    value v's fifth bit, spread to bit 4 of its byte."""
+    d, qh, qs = raw
+    qs = _words(qs)
+    t = tl.arange(0, QUAD)[None, None, :] * WORD_VALUES
+    qh = qh[:, :, None]
+    lo = (qs & LOW_NIBBLES) | ((((qh >> t) & NIBBLE) * SPREAD) & FIFTH_BITS)
+    hi = ((qs >> NIBBLE_BITS) & LOW_NIBBLES) | ((((qh >> (t + HALF_WORD_BITS)) & NIBBLE) * SPREAD) & FIFTH_BITS)
+    first = (tl.arange(0, CHUNK) + u0)[None, :] * QK_C
+    a_lo, da, s_lo = _run(xq, xd, xs, first, BLOCK_N, live)
+    a_hi, _, s_hi = _run(xq, xd, xs, first + HALF_QK_C, BLOCK_N, live)
+    sumi = _dot16(lo, a_lo, False) + _dot16(hi, a_hi, False)
+    return d * (sumi.to(tl.float32) * da - Q5_BIAS * (s_lo + s_hi))
+
+
+@triton.jit
+def _chunk_sum(acc, raw, xq, xd, xs, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, BLOCK_N: tl.constexpr,
+               CHUNK: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """acc [N, G] += this chunk's sums a group; in a partial chunk the missing units' stand-in weights (the
+    row's last unit, read again) are dropped."""
+    G: tl.constexpr = CHUNK * (K_RUNS if FMT == FMT_Q4_K else (Q6_RUNS if FMT == FMT_Q6_K else 1))
+    if FMT == FMT_Q6_K:
+        unit, _, _ = _q6_k_runs(u0, CHUNK)
+    else:
+        unit = tl.arange(0, G) // (G // CHUNK) + u0
+    live = (unit < N_UNITS)[None, :]
+    if FMT == FMT_Q4_K:
+        y = _q4_k(raw, xq, xd, xs, u0, live, BLOCK_N, CHUNK)
+    elif FMT == FMT_Q6_K:
+        y = _q6_k(raw, xq, xd, xs, u0, live, BLOCK_N, CHUNK)
+    elif FMT == FMT_Q8_0:
+        y = _q8_0(raw, xq, xd, xs, u0, live, BLOCK_N, CHUNK)
+    else:
+        tl.static_assert(FMT == FMT_Q5_0, "no int8 GEMV for this format")
+        y = _q5_0(raw, xq, xd, xs, u0, live, BLOCK_N, CHUNK)
+    if MASKED:
+        y = tl.where(live, y, 0.0)
+    return acc + y
+
+
+@triton.jit
+def _row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_UNITS: tl.constexpr,
+              CHUNK: tl.constexpr, FENCE: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
+    """x . row for the tile's rows of `w_a` (and `w_b` where TWO), [N] f32 each; the loop of
+    `gemv_fast._row_dots`: each iteration loads the next chunk's weights, then sums this one's."""
+    CHUNKS: tl.constexpr = (N_UNITS + CHUNK - 1) // CHUNK
+    PARTIAL: tl.constexpr = N_UNITS % CHUNK != 0
+    G: tl.constexpr = CHUNK * (K_RUNS if FMT == FMT_Q4_K else (Q6_RUNS if FMT == FMT_Q6_K else 1))
+    raw_a = _raw(w_a, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
+    raw_b = raw_a
+    acc_a = tl.zeros([BLOCK_N, G], tl.float32)
+    acc_b = tl.zeros([1], tl.float32)  # a placeholder where not TWO
+    if TWO:
+        raw_b = _raw(w_b, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
+        acc_b = tl.zeros([BLOCK_N, G], tl.float32)
+    for c in range(0, CHUNKS - 1):
+        u0 = c * CHUNK
+        next_a = _raw(w_a, u0 + CHUNK, FMT, N_UNITS, CHUNK, PARTIAL)
+        if TWO:
+            next_b = _raw(w_b, u0 + CHUNK, FMT, N_UNITS, CHUNK, PARTIAL)
+        if FENCE:  # see gemv_fast.PREFETCH_FENCE
+            tl.debug_barrier()
+        acc_a = _chunk_sum(acc_a, raw_a, xq, xd, xs, u0, FMT, N_UNITS, BLOCK_N, CHUNK, False)
+        raw_a = next_a
+        if TWO:
+            acc_b = _chunk_sum(acc_b, raw_b, xq, xd, xs, u0, FMT, N_UNITS, BLOCK_N, CHUNK, False)
+            raw_b = next_b
+    last = (CHUNKS - 1) * CHUNK
+    y_a = tl.sum(_chunk_sum(acc_a, raw_a, xq, xd, xs, last, FMT, N_UNITS, BLOCK_N, CHUNK, PARTIAL), 1)
+    y_b = y_a
+    if TWO:
+        y_b = tl.sum(_chunk_sum(acc_b, raw_b, xq, xd, xs, last, FMT, N_UNITS, BLOCK_N, CHUNK, PARTIAL), 1)
+    return y_a, y_b
+
+
+# --- kernels -----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _parts_kernel(
+    xq, xd, xs,
+    w0, n0, out0, pitch0, bias0, pos0,
+    w1, n1, out1, pitch1, bias1, pos1,
+    w2, n2, out2, pitch2, bias2, pos2,
+    w3, n3, out3, pitch3, bias3, pos3,
+    t1, t2, t3, res,
+    FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    FENCE: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    # as gemv_fast._parts_kernel: part p owns tiles [t_p, t_{p+1}); BIAS and AT_ROW a bit a part
+    pid = tl.program_id(0)
+    part = (pid >= t1).to(tl.int32) + (pid >= t2).to(tl.int32) + (pid >= t3).to(tl.int32)
+    w, n = _pick(part, w0, w1, w2, w3), _pick(part, n0, n1, n2, n3)
+    rows = (pid - _pick(part, 0, t1, t2, t3)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    y, _ = _row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False)
+    if part == 0:
+        _store(y, rows, n, out0, pitch0, bias0, pos0, res, BIAS & 1, AT_ROW & 1, HAS_RES)
+    if PARTS > 1:
+        if part == 1:
+            _store(y, rows, n, out1, pitch1, bias1, pos1, res, (BIAS >> 1) & 1, (AT_ROW >> 1) & 1, False)
+    if PARTS > 2:
+        if part == 2:
+            _store(y, rows, n, out2, pitch2, bias2, pos2, res, (BIAS >> 2) & 1, (AT_ROW >> 2) & 1, False)
+    if PARTS > 3:
+        if part == 3:
+            _store(y, rows, n, out3, pitch3, bias3, pos3, res, (BIAS >> 3) & 1, (AT_ROW >> 3) & 1, False)
+
+
+@triton.jit
+def _glu_kernel(xq, xd, xs, w_gate, w_up, n, out, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr,
+                ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, FENCE: tl.constexpr):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_off = tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    gate, up = _row_dots(w_gate + row_off, w_up + row_off, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True)
+    tl.store(out + rows, gate / (1.0 + tl.exp(-gate)) * up, mask=rows < n)
+
+
+# --- launchers ---------------------------------------------------------------------------------------------------
+
+
+def supports(fmt: Format | int, m: int, k: int) -> bool:
+    """Whether these kernels take a product of `m` rows of `k` values in `fmt`: one row, a format above."""
+    return m == 1 and fmt in FORMATS and k % (QK_K if fmt in (Format.Q4_K, Format.Q6_K) else QK) == 0
+
+
+def _tile_plan(fmt: Format, k: int, block_n: int | None, warps: int | None, per_thread: int | None) -> dict:
+    """`gemv_fast._plan` at this module's tile for `fmt`, or at the tile given."""
+    if block_n is None and warps is None and per_thread is None:
+        block_n, warps, per_thread = TILES[fmt]
+    return _plan(fmt, k, block_n, warps, per_thread)
+
+
+def _check_acts(x: Q8Acts, k: int) -> None:
+    q, d, s = x
+    if q.dtype != torch.int8 or tuple(q.shape) != (1, k) or not q.is_contiguous():
+        raise ValueError(f"the activation codes must be a contiguous int8 (1, {k}) tensor")
+    for t, n in ((d, k // QK), (s, k // (QK // 2))):
+        if t.dtype != torch.float32 or t.numel() != n or not t.is_contiguous():
+            raise ValueError(f"the activation scales and sums must be contiguous f32 tensors of {n} values")
+
+
+def gemv_q8_parts(x: Q8Acts, parts: Sequence[Part | tuple], fmt: Format, *, residual: Tensor | None = None,
+                  block_n: int | None = None, warps: int | None = None,
+                  per_thread: int | None = None) -> None:  # fmt: skip
+    """One launch of up to four products of one format reading the same quantized `x`; as
+    `gemv_fast.gemv_fast_parts` (bias, a row of a table at a device position, residual into part 0)."""
+    fmt = Format(fmt)
+    parts = [Part(*p) for p in parts]
+    if not 1 <= len(parts) <= PARTS_MOST:
+        raise ValueError(f"a launch in parts takes 1..{PARTS_MOST} parts, not {len(parts)}")
+    k = x.q.shape[-1]
+    _check_acts(x, k)
+    plan = _tile_plan(fmt, k, block_n, warps, per_thread)
+    dummy = x.d.view(1, -1)  # for `_check`'s shape test only: a float tensor of the activation's width
+    args: list = []
+    firsts: list[int] = []
+    tiles = bias_bits = row_bits = 0
+    for i, p in enumerate(parts):
+        _check(torch.empty((1, k), device="meta"), k, [p.w], fmt, p.n)
+        out, pitch, pos = _out_args(p)
+        bias_bits |= (p.bias is not None) << i
+        row_bits |= (pos is not None) << i
+        args += [p.w, p.n, out, pitch, dummy if p.bias is None else p.bias, dummy if pos is None else pos]
+        firsts.append(tiles)
+        tiles += triton.cdiv(p.n, plan["BLOCK_N"])
+    for _ in range(len(parts), PARTS_MOST):
+        args += [parts[0].w, 1, dummy, 0, dummy, dummy]
+    firsts = firsts[1:] + [NO_TILE] * (PARTS_MOST - len(parts))
+    if residual is not None and (tuple(residual.shape) != (1, parts[0].n) or residual.stride(1) != 1):
+        raise ValueError(f"residual must be (1, {parts[0].n}) with unit column stride")
+    flags = dict(PARTS=len(parts), BIAS=bias_bits, AT_ROW=row_bits, HAS_RES=residual is not None)
+    res = dummy if residual is None else residual
+    _parts_kernel[(tiles,)](x.q, x.d, x.s, *args, *firsts, res, **flags, **plan)
+
+
+def gemv_q8(x: Q8Acts, w: Tensor, fmt: Format, n: int, k: int, out: Tensor, *, bias: Tensor | None = None,
+            residual: Tensor | None = None, out_row: tuple[Tensor, int] | None = None, block_n: int | None = None,
+            warps: int | None = None, per_thread: int | None = None) -> Tensor:  # fmt: skip
+    """out = x @ W^T (+ bias) (+ residual) for the quantized activation `x` (1, k); see `gemv_q8_parts`."""
+    if x.q.shape[-1] != k:
+        raise ValueError(f"x has {x.q.shape[-1]} columns, the weights' rows {k}")
+    one = [Part(w, n, out, bias, out_row)]
+    gemv_q8_parts(x, one, fmt, residual=residual, block_n=block_n, warps=warps, per_thread=per_thread)
+    return out
+
+
+def gemv_q8_gate_up_glu(x: Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, n: int, k: int, out: Tensor, *,
+                        block_n: int | None = None, warps: int | None = None,
+                        per_thread: int | None = None) -> Tensor:  # fmt: skip
+    """out (1, n) = SiLU(x @ Wg^T) * (x @ Wu^T) in one launch, for the quantized activation `x`."""
+    fmt = Format(fmt)
+    _check_acts(x, k)
+    _check(torch.empty((1, k), device="meta"), k, [w_gate, w_up], fmt, n)
+    if tuple(out.shape) != (1, n) or not out.is_contiguous() or out.dtype != torch.float32:
+        raise ValueError(f"out must be a contiguous f32 (1, {n}) tensor")
+    plan = _tile_plan(fmt, k, block_n, warps, per_thread)
+    _glu_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](x.q, x.d, x.s, w_gate, w_up, n, out, **plan)
+    return out

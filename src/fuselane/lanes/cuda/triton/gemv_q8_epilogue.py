@@ -1,0 +1,146 @@
+"""The int8 GEMV's producers that quantize their own result (the plan's NormQuant and GluActMulQuant under
+`activations=int8`), so the next product reads int8 without a launch of its own:
+
+- `gemv_q8_add_norm`: `gemv_fast_norm`'s one-launch product + residual + RMS norm, reading a quantized
+  activation; the last program norms the row and writes it as f32 and as a `Q8Acts`;
+- `gemv_q8_gate_up_glu_q8`: the gate/up product with SwiGLU, writing its result as f32 and as a `Q8Acts`: a
+  32-value block is quantized by the program that finishes it last (a self-resetting counter a block).
+
+The memory ordering of both is `gemv_fast_norm`'s (its comments say why it holds on the GPU): every program's
+stores, the block's barrier, an acq_rel atomic at gpu scope; the last program's loads go to L2 (.cg).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fuselane.gguf.formats import QK, Format
+from fuselane.lanes.cuda.triton.gemv_epilogue import COUNTER_DTYPE, _check_row
+from fuselane.lanes.cuda.triton.gemv_fast import _check, _store
+from fuselane.lanes.cuda.triton.gemv_fast_norm import NORM_CHUNK
+from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts, _check_acts, _row_dots, _tile_plan
+from fuselane.lanes.cuda.triton.quant import quantize_block
+
+QB = tl.constexpr(QK)
+
+
+@triton.jit
+def _store_q8(v, first, n, oq, od, os_, QB: tl.constexpr):
+    """Quantize the values v [B * 32] that start at value `first` (a multiple of 32) and store them; blocks
+    past n dropped."""
+    B: tl.constexpr = v.shape[0] // QB
+    codes, d, sums = quantize_block(tl.reshape(v, [B, QB]), QB)
+    blk = first // QB + tl.arange(0, B)
+    live = blk < n // QB
+    tl.store(oq + blk[:, None] * QB + tl.arange(0, QB)[None, :], codes, mask=live[:, None])
+    tl.store(od + blk, d, mask=live)
+    tl.store(os_ + blk[:, None] * 2 + tl.arange(0, 2)[None, :], sums, mask=live[:, None])
+
+
+@triton.jit
+def _q8_add_norm_kernel(
+    xq, xd, xs, w, n, res, sum_out, norm_w, out, oq, od, os_, counter, eps,
+    FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    FENCE: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    y, _ = _row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False)
+    _store(y, rows, n, sum_out, 0, res, res, res, False, False, True)
+    tl.debug_barrier()  # gemv_fast_norm's ordering
+    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        offs = tl.arange(0, NORM_BLOCK)
+        squares = tl.zeros([NORM_BLOCK], tl.float32)
+        for step in range(NORM_STEPS):
+            start = step * NORM_BLOCK
+            mask = start + offs < n
+            s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            squares += s * s
+        r = tl.rsqrt(tl.sum(squares, axis=0) / n + eps)
+        for step in range(NORM_STEPS):
+            start = step * NORM_BLOCK
+            mask = start + offs < n
+            s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            y_norm = s * r * tl.load(norm_w + start + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out + start + offs, y_norm, mask=mask)
+            _store_q8(y_norm, start, n, oq, od, os_, QB)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _q8_glu_q8_kernel(
+    xq, xd, xs, w_gate, w_up, n, out, oq, od, os_, counters,
+    FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    FENCE: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_off = tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    gate, up = _row_dots(w_gate + row_off, w_up + row_off, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True)
+    tl.store(out + rows, gate / (1.0 + tl.exp(-gate)) * up, mask=rows < n)
+    # the block of 32 outputs these rows are in is quantized by the last of its programs to finish
+    tl.debug_barrier()
+    blk = pid * BLOCK_N // QB
+    done = tl.atomic_add(counters + blk, 1, sem="acq_rel", scope="gpu")
+    if done == QB // BLOCK_N - 1:
+        v = tl.load(out + blk * QB + tl.arange(0, QB), cache_modifier=".cg")
+        _store_q8(v, blk * QB, n, oq, od, os_, QB)
+        tl.atomic_xchg(counters + blk, 0, sem="relaxed", scope="gpu")
+
+
+def q8_counters(n: int, device) -> Tensor:
+    """The zeroed counters `gemv_q8_gate_up_glu_q8` takes for an output of n values (one a 32-value block);
+    each launch leaves them at zero."""
+    return torch.zeros(triton.cdiv(n, QK), dtype=COUNTER_DTYPE, device=device)
+
+
+def _check_q8_out(out: Q8Acts, n: int) -> None:
+    if n % QK:
+        raise ValueError(f"a quantized output takes whole {QK}-value blocks, not {n} values")
+    _check_acts(Q8Acts(out.q.view(1, -1), out.d, out.s), n)
+
+
+def gemv_q8_add_norm(
+    x: Q8Acts, w: Tensor, fmt: Format, n: int, k: int, residual: Tensor, sum_out: Tensor, norm_w: Tensor,
+    eps: float, out: Tensor, out_q8: Q8Acts, counter: Tensor, *, block_n: int | None = None,
+    warps: int | None = None, per_thread: int | None = None,
+) -> Tensor:  # fmt: skip
+    """`gemv_fast_norm.gemv_fast_add_norm` on the quantized activation `x`: sum_out = x @ W^T + residual, out =
+    the RMS norm of sum_out times norm_w, and `out_q8` = out quantized (n whole 32-value blocks); returns out."""
+    fmt = Format(fmt)
+    _check_acts(x, k)
+    _check(torch.empty((1, k), device="meta"), k, [w], fmt, n)
+    for t, name in ((residual, "residual"), (sum_out, "sum_out"), (norm_w, "norm_w"), (out, "out")):
+        _check_row(t, n, name)
+    _check_q8_out(out_q8, n)
+    if counter.dtype != COUNTER_DTYPE or counter.numel() != 1:
+        raise ValueError("counter must be one int32 (gemv_add_norm_counter)")
+    plan = _tile_plan(fmt, k, block_n, warps, per_thread)
+    chunk = max(min(triton.next_power_of_2(n), NORM_CHUNK), QK)
+    _q8_add_norm_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](
+        *x, w, n, residual, sum_out, norm_w, out, *out_q8, counter, float(eps),
+        NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(n, chunk), **plan,
+    )  # fmt: skip
+    return out
+
+
+def gemv_q8_gate_up_glu_q8(
+    x: Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, n: int, k: int, out: Tensor, out_q8: Q8Acts,
+    counters: Tensor, *, block_n: int | None = None, warps: int | None = None, per_thread: int | None = None,
+) -> Tensor:  # fmt: skip
+    """`gemv_q8.gemv_q8_gate_up_glu` that also writes its result quantized into `out_q8` (n whole 32-value
+    blocks); `counters` are `q8_counters(n)`'s. Returns out."""
+    fmt = Format(fmt)
+    _check_acts(x, k)
+    _check(torch.empty((1, k), device="meta"), k, [w_gate, w_up], fmt, n)
+    _check_row(out, n, "out")
+    _check_q8_out(out_q8, n)
+    plan = _tile_plan(fmt, k, block_n, warps, per_thread)
+    if plan["BLOCK_N"] > QK or counters.numel() != n // QK or counters.dtype != COUNTER_DTYPE:
+        raise ValueError(f"a tile of at most {QK} rows and q8_counters({n})")
+    _q8_glu_q8_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](*x, w_gate, w_up, n, out, *out_q8, counters, **plan)
+    return out

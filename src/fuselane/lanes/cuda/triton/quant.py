@@ -1,0 +1,97 @@
+"""Quantizing activation rows for the int8 GEMV (`gemv_q8`): f32 (m, k) -> int8 codes under one scale a
+32-value block, plus each 16 values' scaled code sum.
+
+The scheme is the lane's `activations=int8` contract (`numerics.contract.Scheme`: int8, one word a value,
+the scale the block's largest |value| / 127): d = amax / 127, code = floor(x * (127 / amax) + 0.5) (an
+all-zero block has d = 0 and codes 0). `quantize_reference` is the same arithmetic in NumPy, f32 step by
+step, so the kernel's codes are checked bit for bit.
+
+`quantize` is the launch a plan uses where a producer cannot quantize in its own epilogue; the epilogues
+that can (the add + RMS norm's last program, the attention merge) call `quantize_block` on the values they
+already hold.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fuselane.gguf.formats import QK
+from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts
+
+INT8_MAX = 127.0
+INT8_MAX_C = tl.constexpr(INT8_MAX)
+HALF = 16  # values a sum covers: Q6_K's sub-blocks, and half a Q5_0 / Q8_0 block
+BLOCKS_A_PROGRAM = 32  # 1024 values: a 4096-wide row is 4 programs
+
+
+@triton.jit
+def quantize_block(v, QB: tl.constexpr):
+    """v [B, 32] f32 -> (codes [B, 32] int8, scales [B] f32, sums [B, 2] f32: d * the codes of values 0-15
+    and 16-31)."""
+    amax = tl.max(tl.abs(v), 1)
+    # IEEE divisions (div_rn), as NumPy's: Triton's `/` is the approximate one
+    inv = tl.where(amax > 0.0, tl.math.div_rn(tl.full(amax.shape, INT8_MAX_C, tl.float32), amax), 0.0)
+    codes = tl.floor(v * inv[:, None] + 0.5)
+    d = tl.math.div_rn(amax, tl.full(amax.shape, INT8_MAX_C, tl.float32))
+    halves = tl.sum(tl.reshape(codes, [v.shape[0], 2, QB // 2]), 2)
+    return codes.to(tl.int8), d, halves * d[:, None]
+
+
+@triton.jit
+def _quantize_kernel(x, q, d, s, n_blocks, QB: tl.constexpr, BLOCKS: tl.constexpr):
+    row = tl.program_id(1).to(tl.int64)
+    blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    live = blk < n_blocks
+    off = blk[:, None] * QB + tl.arange(0, QB)[None, :]
+    k = n_blocks * QB
+    v = tl.load(x + row * k + off, mask=live[:, None], other=0.0).to(tl.float32)
+    codes, scale, sums = quantize_block(v, QB)
+    tl.store(q + row * k + off, codes, mask=live[:, None])
+    tl.store(d + row * n_blocks + blk, scale, mask=live)
+    two = tl.arange(0, 2)[None, :]
+    tl.store(s + row * 2 * n_blocks + blk[:, None] * 2 + two, sums, mask=live[:, None])
+
+
+def empty_q8(m: int, k: int, device) -> Q8Acts:
+    """An uninitialized Q8Acts for m rows of k values (k whole 32-value blocks)."""
+    if k % QK:
+        raise ValueError(f"int8 activations take whole {QK}-value blocks, not {k} values")
+    return Q8Acts(
+        torch.empty((m, k), dtype=torch.int8, device=device),
+        torch.empty((m, k // QK), dtype=torch.float32, device=device),
+        torch.empty((m, k // HALF), dtype=torch.float32, device=device),
+    )
+
+
+def quantize(x: Tensor, out: Q8Acts) -> Q8Acts:
+    """Quantize the f32 rows `x` (m, k) into `out` (one launch); returns `out`."""
+    m, k = x.shape
+    if not x.is_contiguous() or k % QK or tuple(out.q.shape) != (m, k):
+        raise ValueError(f"x must be contiguous (m, k) with k whole {QK}-value blocks, matching out")
+    n_blocks = k // QK
+    grid = (triton.cdiv(n_blocks, BLOCKS_A_PROGRAM), m)
+    _quantize_kernel[grid](x, out.q, out.d, out.s, n_blocks, QB=QK, BLOCKS=BLOCKS_A_PROGRAM)
+    return out
+
+
+def dequantize(x: Q8Acts) -> Tensor:
+    """The f32 values a Q8Acts stands for, (m, k): code times its block's scale."""
+    m, k = x.q.shape
+    return (x.q.view(m, k // QK, QK).float() * x.d.view(m, k // QK, 1)).view(m, k)
+
+
+def quantize_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """NumPy's (codes, scales, sums) for f32 rows x (m, k), the kernel's arithmetic in f32."""
+    m, k = x.shape
+    v = x.astype(np.float32).reshape(m, k // QK, QK)
+    amax = np.abs(v).max(axis=2)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(INT8_MAX) / amax, np.float32(0)).astype(np.float32)
+    codes = np.floor(v * inv[..., None] + np.float32(0.5)).astype(np.float32)
+    d = (amax / np.float32(INT8_MAX)).astype(np.float32)
+    sums = codes.reshape(m, k // QK, 2, QK // 2).sum(axis=3) * d[..., None]
+    return codes.astype(np.int8).reshape(m, k), d, sums.reshape(m, k // HALF).astype(np.float32)

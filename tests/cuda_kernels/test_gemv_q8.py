@@ -1,0 +1,125 @@
+"""The int8-activation decode GEMV (`gemv_q8`) and its quantizer (`quant`) against NumPy.
+
+The quantizer's codes, scales and sums equal `quant.quantize_reference` bit for bit (the same f32 steps).
+The products are checked against x_q @ dequantize(raw).T in f64, x_q the quantized activation's values: the
+kernel's dp4a sums are exact integers, so only its f32 scale products and the f32 sum over runs round. Each
+run's result is a code sum times two or three exact-in-f32 scale factors minus an offset term (Q4_K's
+minimum, Q6_K's and Q5_0's code bias), each rounded a few times relative to its own size, then summed: within
+gamma_(k + 8) times sum_i (|w_i| + |offset_i|) |x_i| of the exact value, offset_i the value a zero code decodes
+to (Higham 3.1, as test_gemv_fast.py, with the offset split out because the kernel subtracts it apart).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
+pytest.importorskip("triton")
+
+from kernel_checks import DEVICE, check, dev, gamma, raw_weights  # noqa: E402
+
+from fuselane.gguf.dequant import dequantize  # noqa: E402
+from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
+from fuselane.lanes.cuda.triton import quant  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv import Part  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv_q8 import gemv_q8, gemv_q8_gate_up_glu, gemv_q8_parts, supports  # noqa: E402
+
+FORMATS = (Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0)
+CODE_FIELDS = {Format.Q4_K: ("qs",), Format.Q6_K: ("ql", "qh"), Format.Q8_0: ("qs",), Format.Q5_0: ("qh", "qs")}
+N = 37  # not whole tiles: rows past n are computed and dropped
+KS = {Format.Q4_K: (512, 768), Format.Q6_K: (512, 768), Format.Q8_0: (96, 320, 512), Format.Q5_0: (96, 320, 512)}
+ROUNDINGS = 8  # a run's scale products, its offset term and the epilogue's adds
+SILU_SLOPE, GLU_ULPS = 1.1, 12  # as test_gemv_fast.py
+
+
+def _zero_codes(raw: np.ndarray, fmt: Format) -> np.ndarray:
+    """The same blocks with every code 0: each value decodes to its offset (minus the minimum or the bias)."""
+    lay = LAYOUTS[fmt]
+    blocks = raw.reshape(-1, lay.nbytes).copy()
+    for name in CODE_FIELDS[fmt]:
+        f = lay.field(name)
+        blocks[:, f.offset : f.offset + f.nbytes] = 0
+    return blocks.reshape(-1)
+
+
+def _quantized(k: int, rng: np.random.Generator, m: int = 1):
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 4.0, (m, 1))).astype(np.float32)
+    x[:, : quant.QK] = 0.0  # an all-zero block: scale 0, codes 0
+    acts = quant.quantize(dev(x), quant.empty_q8(m, k, DEVICE))
+    return x, acts
+
+
+def _reference(acts, raw: np.ndarray, fmt: Format, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    xq = quant.dequantize(acts).cpu().double().numpy()
+    w = dequantize(raw, fmt, (n, k), np.float64)
+    off = dequantize(_zero_codes(raw, fmt), fmt, (n, k), np.float64)
+    return xq @ w.T, np.abs(xq) @ (np.abs(w) + np.abs(off)).T
+
+
+def test_quantize_matches_reference_bit_for_bit() -> None:
+    rng = np.random.default_rng(5)
+    x, acts = _quantized(1024 + 96, rng, m=3)
+    codes, d, s = quant.quantize_reference(x)
+    assert np.array_equal(acts.q.cpu().numpy(), codes)
+    assert np.array_equal(acts.d.cpu().numpy(), d)
+    assert np.array_equal(acts.s.cpu().numpy(), s)
+    assert np.abs(codes).max() == 127 and not codes[:, :32].any()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_products(fmt: Format) -> None:
+    for k in KS[fmt]:
+        rng = np.random.default_rng(int(fmt) * 1000 + k)
+        raw = raw_weights(fmt, N, k, rng)
+        _, acts = _quantized(k, rng)
+        out = torch.full((1, N), float("nan"), device=DEVICE)
+        assert gemv_q8(acts, dev(raw), fmt, N, k, out) is out
+        want, scale = _reference(acts, raw, fmt, N, k)
+        check(out, want, gamma(k + ROUNDINGS) * scale)
+
+
+@pytest.mark.parametrize("fmt", (Format.Q4_K, Format.Q8_0), ids=lambda f: f.name)
+def test_parts_bias_residual_and_row(fmt: Format) -> None:
+    k = 512
+    rng = np.random.default_rng(int(fmt))
+    ns = (N, 16, 9)
+    raws = [raw_weights(fmt, n, k, rng) for n in ns]
+    _, acts = _quantized(k, rng)
+    bias = rng.standard_normal(ns[1]).astype(np.float32)
+    res = rng.standard_normal((1, ns[0])).astype(np.float32)
+    out0, out1 = dev(res.copy()), torch.zeros((1, ns[1]), device=DEVICE)
+    table = torch.zeros((4, ns[2]), device=DEVICE)
+    pos = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+    parts = [Part(dev(raws[0]), ns[0], out0), Part(dev(raws[1]), ns[1], out1, dev(bias)),
+             Part(dev(raws[2]), ns[2], table, None, (pos, ns[2]))]  # fmt: skip
+    gemv_q8_parts(acts, parts, fmt, residual=out0)
+    refs = [_reference(acts, raw, fmt, n, k) for raw, n in zip(raws, ns, strict=True)]
+    check(out0, refs[0][0] + res, gamma(k + ROUNDINGS) * (refs[0][1] + np.abs(res)))
+    check(out1, refs[1][0] + bias, gamma(k + ROUNDINGS) * (refs[1][1] + np.abs(bias)))
+    assert not table[[0, 1, 3]].any()
+    check(table[2:3], refs[2][0], gamma(k + ROUNDINGS) * refs[2][1])
+
+
+@pytest.mark.parametrize("fmt", (Format.Q4_K, Format.Q6_K, Format.Q8_0), ids=lambda f: f.name)
+def test_gate_up_glu(fmt: Format) -> None:
+    k = 768 if fmt is not Format.Q8_0 else 320
+    rng = np.random.default_rng(int(fmt) + 7)
+    wg, wu = raw_weights(fmt, N, k, rng), raw_weights(fmt, N, k, rng)
+    _, acts = _quantized(k, rng)
+    out = torch.full((1, N), float("nan"), device=DEVICE)
+    gemv_q8_gate_up_glu(acts, dev(wg), dev(wu), fmt, N, k, out)
+    (g, g_scale), (u, u_scale) = _reference(acts, wg, fmt, N, k), _reference(acts, wu, fmt, N, k)
+    silu = g / (1 + np.exp(-g))
+    bound = gamma(k + ROUNDINGS) * (SILU_SLOPE * g_scale * np.abs(u) + np.abs(silu) * u_scale)
+    check(out, silu * u, bound + GLU_ULPS * 2.0**-24 * np.abs(silu * u))
+
+
+def test_supports() -> None:
+    assert supports(Format.Q4_K, 1, 512) and not supports(Format.Q4_K, 2, 512)
+    assert not supports(Format.Q4_K, 1, 96) and supports(Format.Q8_0, 1, 96)
+    assert not supports(Format.F16, 1, 512)
