@@ -3,6 +3,7 @@
 # and benchmark the cuda lane on each shape, writing everything to the folder given.
 #
 #   benchmarks/gpu.sh OUT_DIR [SHAPE:MIX ...]
+#   FUSELANE_KNOBS="activations=int8" benchmarks/gpu.sh OUT_DIR   (the benchmark and explain at those knobs)
 #
 # Runs from the source tree (PYTHONPATH=src). Wheels of missing pure-Python packages may be put in .whl/
 # (gguf, jinja2, rich, pytest, hypothesis, ...): they are installed into a private folder first.
@@ -34,10 +35,12 @@ done
 # of a host's f64 reference, and this shows how many
 python3 -m pytest -q -m cuda --durations=20 tests 2>&1 | tee "$out/tests.log"
 
+knobs=()
+for knob in ${FUSELANE_KNOBS:-}; do knobs+=(--knob "$knob"); done
 for spec in "${specs[@]}"; do
   shape=${spec%%:*}
-  python3 -m fuselane bench "$models/$shape.gguf" --lane cuda -p 512 -n 128 --depth 0 4096 --json \
+  python3 -m fuselane bench "$models/$shape.gguf" --lane cuda -p 512 -n 128 --depth 0 4096 --json "${knobs[@]}" \
     > "$out/bench-$shape.json" 2> "$out/bench-$shape.err"
-  python3 -m fuselane explain "$models/$shape.gguf" --lane cuda > "$out/explain-$shape.txt" 2>&1
+  python3 -m fuselane explain "$models/$shape.gguf" --lane cuda "${knobs[@]}" > "$out/explain-$shape.txt" 2>&1
 done
 cat "$out"/bench-*.json

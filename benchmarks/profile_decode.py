@@ -1,6 +1,6 @@
 """Where a cuda-lane decode step's time goes: graph replay alone, the host's share, and each kernel's.
 
-Usage: python benchmarks/profile_decode.py MODEL.gguf [--steps 100] [--ctx 1024]
+Usage: python benchmarks/profile_decode.py MODEL.gguf [--steps 100] [--ctx 1024] [--knob K=V ...]
 Prints the replay time of the captured step (no host copy of logits), the time of a whole `forward` (with
 the copy), and the kernels of one eager step by total GPU time (torch.profiler).
 """
@@ -22,8 +22,9 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--knob", action="append", default=[], help="a lane knob, K=V (repeatable)")
     args = ap.parse_args()
-    m = load(args.model, lane="cuda", ctx=args.ctx)
+    m = load(args.model, lane="cuda", ctx=args.ctx, knobs=args.knob)
     lane = m.lane
     session = m.session()
     session.feed(list(range(100, 164)))

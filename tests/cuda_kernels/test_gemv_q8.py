@@ -123,3 +123,55 @@ def test_supports() -> None:
     assert supports(Format.Q4_K, 1, 512) and not supports(Format.Q4_K, 2, 512)
     assert not supports(Format.Q4_K, 1, 96) and supports(Format.Q8_0, 1, 96)
     assert not supports(Format.F16, 1, 512)
+
+
+def _same_codes(q8, values: torch.Tensor) -> None:
+    codes, d, s = quant.quantize_reference(values.detach().cpu().numpy().reshape(1, -1))
+    assert np.array_equal(q8.q.cpu().numpy().reshape(1, -1), codes)
+    assert np.array_equal(q8.d.cpu().numpy().reshape(1, -1), d)
+    assert np.array_equal(q8.s.cpu().numpy().reshape(1, -1), s)
+
+
+@pytest.mark.parametrize("chunk", [None, 32], ids=["one-pass", "chunked"])
+@pytest.mark.parametrize("fmt", (Format.Q4_K, Format.Q8_0), ids=lambda f: f.name)
+def test_add_norm_writes_its_norm_quantized(monkeypatch, fmt: Format, chunk: int | None) -> None:
+    from kernel_checks import norm_rel
+
+    from fuselane.lanes.cuda.triton import gemv_epilogue, gemv_fast_norm, gemv_q8_epilogue
+
+    if chunk:  # the last program walks the row in chunks of 32 values
+        monkeypatch.setattr(gemv_q8_epilogue, "NORM_CHUNK", chunk)
+        monkeypatch.setattr(gemv_fast_norm, "NORM_CHUNK", chunk)
+    n, k = 96, 512
+    rng = np.random.default_rng(int(fmt) + 3)
+    raw = raw_weights(fmt, n, k, rng)
+    _, acts = _quantized(k, rng)
+    res = rng.standard_normal(n).astype(np.float32)
+    norm_w = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    sum_out, out = dev(res.copy()), torch.zeros(n, device=DEVICE)
+    out_q8 = quant.empty_q8(1, n, DEVICE)
+    counter = gemv_epilogue.gemv_add_norm_counter(DEVICE)
+    gemv_q8_epilogue.gemv_q8_add_norm(acts, dev(raw), fmt, n, k, sum_out, sum_out, dev(norm_w), 1e-6, out, out_q8, counter)
+    want, scale = _reference(acts, raw, fmt, n, k)
+    check(sum_out.view(1, n), want + res, gamma(k + ROUNDINGS) * (scale + np.abs(res)))
+    s = sum_out.cpu().double().numpy()
+    normed = s / np.sqrt(np.mean(s * s) + 1e-6) * norm_w
+    check(out, normed, norm_rel(n) * np.abs(normed) * 2)
+    _same_codes(out_q8, out)
+    assert int(counter.item()) == 0
+
+
+def test_glu_writes_its_result_quantized() -> None:
+    from fuselane.lanes.cuda.triton import gemv_q8_epilogue
+
+    fmt, n, k = Format.Q4_K, 96, 512
+    rng = np.random.default_rng(11)
+    wg, wu = dev(raw_weights(fmt, n, k, rng)), dev(raw_weights(fmt, n, k, rng))
+    _, acts = _quantized(k, rng)
+    plain, out = torch.zeros((1, n), device=DEVICE), torch.zeros((1, n), device=DEVICE)
+    out_q8, counters = quant.empty_q8(1, n, DEVICE), gemv_q8_epilogue.q8_counters(n, DEVICE)
+    gemv_q8_gate_up_glu(acts, wg, wu, fmt, n, k, plain)
+    gemv_q8_epilogue.gemv_q8_gate_up_glu_q8(acts, wg, wu, fmt, n, k, out, out_q8, counters)
+    assert torch.equal(out, plain)
+    _same_codes(out_q8, out)
+    assert not counters.any()

@@ -519,3 +519,25 @@ def test_cuda_norms_rope_glu_argmax_real_shapes():
     top = torch.empty(1, dtype=torch.int32, device=DEVICE)
     misc.argmax(dev(logits), top, scratch=misc.argmax_scratch(1, R_VOCAB, DEVICE))
     assert int(top.item()) == 77_000
+
+
+@pytest.mark.parametrize("hd", [32, 64])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_flash_decode_writes_its_output_quantized(hd, splits):
+    # with out_q8 the output is the same f32 row, and its int8 form is quant.quantize_reference's, bit for bit,
+    # from the one split's store and from the merge's
+    from fuselane.lanes.cuda.triton import quant
+
+    rng = np.random.default_rng(hd + splits)
+    q = f32(rng, 1, HEADS * hd)
+    _, _, kc, vc = caches(rng, hd, torch.float16)
+    shape = dict(heads=HEADS, kv_heads=KV, hd=hd, scale=hd**-0.5, splits=splits, tile_rows=8, min_chunk=8)
+    plain, out = torch.empty(1, HEADS * hd, device=DEVICE), torch.empty(1, HEADS * hd, device=DEVICE)
+    out_q8 = quant.empty_q8(1, HEADS * hd, DEVICE)
+    for o, q8 in ((plain, None), (out, out_q8)):
+        scratch = attention.decode_scratch(HEADS, hd, CACHE, DEVICE, splits=splits)
+        attention.flash_decode(dev(q), kc, vc, pos_of(CACHE - 1), o, scratch=scratch, out_q8=q8, **shape)
+    assert torch.equal(out, plain)
+    codes, d, s = quant.quantize_reference(out.cpu().numpy())
+    assert np.array_equal(out_q8.q.cpu().numpy(), codes)
+    assert np.array_equal(out_q8.d.cpu().numpy(), d) and np.array_equal(out_q8.s.cpu().numpy(), s)

@@ -6,7 +6,7 @@ tile plan as `gemv_fast`) and stores its rows of sum_out with `gemv_fast`'s own 
 done on a self-resetting device counter, and the program that finds itself last reads the whole sum_out row
 back and norms it. Unlike `gemv_add_norm`, the last program does not hold the row in registers: it walks it in
 chunks of NORM_CHUNK values twice (the sum of squares, then the scaled store), re-reading sum_out from L2,
-so any width n is taken (`supports_fast_add_norm`).
+so any width n is taken (`supports_fast_add_norm`); a row of at most NORM_CHUNK values is read once.
 
 The memory ordering is `gemv_add_norm`'s, copied: Triton's interpreter runs programs one after another and
 cannot test it, so the comments at the counter say why the GPU's is right.
@@ -22,10 +22,12 @@ from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.triton.gemv_epilogue import COUNTER_DTYPE, _check_row
 from fuselane.lanes.cuda.triton.gemv_fast import GROUPS, _check, _plan, _row_dots, _store
 
-# Values of the row the last program takes a pass: 8 a thread of the default 4 warps, the registers a norm
-# block keeps anyway. Read at launch (a power of two); a smaller one lets the interpreter's tests walk the
-# row in several chunks.
-NORM_CHUNK = 1024
+# Values of the row the last program takes a pass. A row that fits (every Qwen's hidden width, at most 8192)
+# is held in registers whole and read from L2 once; a wider one is walked in chunks twice, each chunk a
+# dependent round trip to L2 (~1 us), which at 1024 values a chunk left the 7B's 3584-wide norm a tail of
+# ~8 round trips. Read at launch (a power of two); a smaller one lets the interpreter's tests walk the row
+# in several chunks.
+NORM_CHUNK = 8192
 
 
 @triton.jit
@@ -56,26 +58,33 @@ def _fast_add_norm_kernel(
     done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
         offs = tl.arange(0, NORM_BLOCK)
-        # squares summed elementwise across chunks, reduced once: any order of n non-negative terms is within
-        # gamma_n of the exact sum, the bound the norm's tests derive
-        squares = tl.zeros([NORM_BLOCK], tl.float32)
-        # the passes' count is a constexpr (the launch's cdiv(n, NORM_BLOCK)): a norm's width is a model's constant,
-        # and the interpreter cannot loop to a runtime bound
-        for step in range(NORM_STEPS):
-            start = step * NORM_BLOCK
-            mask = start + offs < n
-            s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            squares += s * s
-        # the arithmetic of `norm.rms_norm`: r = 1 / sqrt(mean(s^2) + eps), out = (s * r) * w
-        r = tl.rsqrt(tl.sum(squares, axis=0) / n + eps)
-        for step in range(NORM_STEPS):
-            start = step * NORM_BLOCK
-            mask = start + offs < n
-            s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            y_norm = s * r * tl.load(norm_w + start + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out + start + offs, y_norm.to(out.dtype.element_ty), mask=mask)
-        # every other program has counted already: re-armed for the next launch (a CUDA graph's replay), which
-        # stream order puts after this one's end, so no ordering is asked of the store
+        if NORM_STEPS == 1:  # the whole row in registers: one round trip to L2, not two a chunk
+            mask = offs < n
+            s = tl.load(sum_out + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            r = tl.rsqrt(tl.sum(s * s, axis=0) / n + eps)
+            y_norm = s * r * tl.load(norm_w + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out + offs, y_norm.to(out.dtype.element_ty), mask=mask)
+        else:
+            # squares summed elementwise across chunks, reduced once: any order of n non-negative terms is within
+            # gamma_n of the exact sum, the bound the norm's tests derive
+            squares = tl.zeros([NORM_BLOCK], tl.float32)
+            # the passes' count is a constexpr (the launch's cdiv(n, NORM_BLOCK)): a norm's width is a model's constant,
+            # and the interpreter cannot loop to a runtime bound
+            for step in range(NORM_STEPS):
+                start = step * NORM_BLOCK
+                mask = start + offs < n
+                s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+                squares += s * s
+            # the arithmetic of `norm.rms_norm`: r = 1 / sqrt(mean(s^2) + eps), out = (s * r) * w
+            r = tl.rsqrt(tl.sum(squares, axis=0) / n + eps)
+            for step in range(NORM_STEPS):
+                start = step * NORM_BLOCK
+                mask = start + offs < n
+                s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+                y_norm = s * r * tl.load(norm_w + start + offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(out + start + offs, y_norm.to(out.dtype.element_ty), mask=mask)
+            # every other program has counted already: re-armed for the next launch (a CUDA graph's replay), which
+            # stream order puts after this one's end, so no ordering is asked of the store
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 

@@ -20,11 +20,12 @@ from torch import Tensor
 from fuselane.gguf.formats import QK, Format
 from fuselane.lanes.cuda.triton.gemv_epilogue import COUNTER_DTYPE, _check_row
 from fuselane.lanes.cuda.triton.gemv_fast import _check, _store
-from fuselane.lanes.cuda.triton.gemv_fast_norm import NORM_CHUNK
+from fuselane.lanes.cuda.triton import gemv_fast_norm
 from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts, _check_acts, _row_dots, _tile_plan
 from fuselane.lanes.cuda.triton.quant import quantize_block
 
 QB = tl.constexpr(QK)
+NORM_CHUNK: int | None = None  # the last program's pass over the row; None: gemv_fast_norm's (read at launch)
 
 
 @triton.jit
@@ -54,20 +55,28 @@ def _q8_add_norm_kernel(
     done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
         offs = tl.arange(0, NORM_BLOCK)
-        squares = tl.zeros([NORM_BLOCK], tl.float32)
-        for step in range(NORM_STEPS):
-            start = step * NORM_BLOCK
-            mask = start + offs < n
-            s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            squares += s * s
-        r = tl.rsqrt(tl.sum(squares, axis=0) / n + eps)
-        for step in range(NORM_STEPS):
-            start = step * NORM_BLOCK
-            mask = start + offs < n
-            s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            y_norm = s * r * tl.load(norm_w + start + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out + start + offs, y_norm, mask=mask)
-            _store_q8(y_norm, start, n, oq, od, os_, QB)
+        if NORM_STEPS == 1:  # the whole row in registers: one round trip to L2, not two a chunk
+            mask = offs < n
+            s = tl.load(sum_out + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            r = tl.rsqrt(tl.sum(s * s, axis=0) / n + eps)
+            y_norm = s * r * tl.load(norm_w + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out + offs, y_norm, mask=mask)
+            _store_q8(y_norm, 0, n, oq, od, os_, QB)
+        else:
+            squares = tl.zeros([NORM_BLOCK], tl.float32)
+            for step in range(NORM_STEPS):
+                start = step * NORM_BLOCK
+                mask = start + offs < n
+                s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+                squares += s * s
+            r = tl.rsqrt(tl.sum(squares, axis=0) / n + eps)
+            for step in range(NORM_STEPS):
+                start = step * NORM_BLOCK
+                mask = start + offs < n
+                s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+                y_norm = s * r * tl.load(norm_w + start + offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(out + start + offs, y_norm, mask=mask)
+                _store_q8(y_norm, start, n, oq, od, os_, QB)
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -120,7 +129,7 @@ def gemv_q8_add_norm(
     if counter.dtype != COUNTER_DTYPE or counter.numel() != 1:
         raise ValueError("counter must be one int32 (gemv_add_norm_counter)")
     plan = _tile_plan(fmt, k, block_n, warps, per_thread)
-    chunk = max(min(triton.next_power_of_2(n), NORM_CHUNK), QK)
+    chunk = max(min(triton.next_power_of_2(n), NORM_CHUNK or gemv_fast_norm.NORM_CHUNK), QK)
     _q8_add_norm_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](
         *x, w, n, residual, sum_out, norm_w, out, *out_q8, counter, float(eps),
         NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(n, chunk), **plan,
