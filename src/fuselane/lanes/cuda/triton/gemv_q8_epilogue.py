@@ -18,9 +18,9 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import QK, Format
+from fuselane.lanes.cuda.triton import gemv_fast_norm
 from fuselane.lanes.cuda.triton.gemv_epilogue import COUNTER_DTYPE, _check_row
 from fuselane.lanes.cuda.triton.gemv_fast import _check, _store
-from fuselane.lanes.cuda.triton import gemv_fast_norm
 from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts, _check_acts, _row_dots, _tile_plan
 from fuselane.lanes.cuda.triton.quant import quantize_block
 
