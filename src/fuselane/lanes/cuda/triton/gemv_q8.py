@@ -77,6 +77,12 @@ FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0})
 # read fastest (8B gate/up GLU 2,932 -> 2,719 at 4 warps, 7B GLU 3,325 -> 3,482, 0.5B head 2,051 -> 2,525);
 # Q6_K keeps four warps (8B head 2,037 against 2,008).
 TILES = {Format.Q4_K: (4, 2, 2), Format.Q6_K: (4, 4, 2), Format.Q8_0: (4, 2, 2), Format.Q5_0: (4, 2, 2)}
+# Rows of at least TALL_K values (a down projection's: the 7B's 18,944, the 8B's 12,288) leave few rows a
+# program for the SMs' streams: two rows and eight warps a program read them faster, measured as the whole
+# decode step's replay on the H200 (7B 2.829 -> 2.692 ms, 8B 3.312 -> 3.145 ms; 4x8x1 2.725 / 3.183,
+# 8x8x1 3.071 / 3.356).
+TALL_K = 8192
+TALL_TILES = TILES | {Format.Q4_K: (2, 8, 1), Format.Q6_K: (2, 8, 1)}
 
 
 class Q8Acts(NamedTuple):
@@ -328,9 +334,9 @@ def supports(fmt: Format | int, m: int, k: int) -> bool:
 
 
 def _tile_plan(fmt: Format, k: int, block_n: int | None, warps: int | None, per_thread: int | None) -> dict:
-    """`gemv_fast._plan` at this module's tile for `fmt`, or at the tile given."""
+    """`gemv_fast._plan` at this module's tile for `fmt` (a tall row's, from TALL_K values), or the tile given."""
     if block_n is None and warps is None and per_thread is None:
-        block_n, warps, per_thread = TILES[fmt]
+        block_n, warps, per_thread = (TALL_TILES if k >= TALL_K else TILES)[fmt]
     return _plan(fmt, k, block_n, warps, per_thread)
 
 
