@@ -23,7 +23,7 @@ import numpy as np
 from fuselane.errors import FuselaneError
 from fuselane.fuse.optimizer import Plan, optimize
 from fuselane.gguf.dequant import dequantize
-from fuselane.graph.ir import Form, QuantizedActs, Role, TensorGraph
+from fuselane.graph.ir import Form, QuantFormat, QuantizedActs, Role, TensorGraph
 from fuselane.lanes.cuda.kernels import QBLOCK
 from fuselane.lanes.cuda.knobs import CachePrecision, CudaKnobs, PrefillWeights
 from fuselane.lanes.cuda.shim import CudaShim
@@ -194,8 +194,11 @@ class _Step:
                 bufs[name] = lane.cache(name, t.shape)
             elif t.role in (Role.ACTIVATION, Role.OUTPUT):
                 bufs[name] = torch.zeros(t.shape, dtype=torch.float32, device=lane.device)
-                if isinstance(t.storage, QuantizedActs) and g.rows == 1:
-                    q8[name] = _int8_form(t.shape, lane.device)
+                if isinstance(t.storage, QuantizedActs):
+                    if t.storage.format is not QuantFormat.ONE_WORD:
+                        raise FuselaneError("activations=int8x2 waits for its two-word kernels; use int8 or dequant")
+                    if g.rows == 1:
+                        q8[name] = _int8_form(t.shape, lane.device)
         bufs[IDS] = torch.zeros(g.rows, dtype=torch.int32, device=lane.device)
         bufs[POS] = torch.zeros(1, dtype=torch.int32, device=lane.device)
         self.bufs = bufs
