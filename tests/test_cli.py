@@ -131,6 +131,13 @@ def test_special_tokens_are_parsed_only_when_asked(tiny):
     assert len(special) == 1 and len(plain) > 1
 
 
+@pytest.mark.parametrize("command", [(), ("run",), ("chat",), ("bench",), ("explain",), ("info",), ("tokenize",)])
+def test_help_prints_for_every_command(command):
+    # a help string with a bare % once made argparse raise instead of printing
+    out, err, code = fuselane(*command, "--help")
+    assert code == 0 and "usage: fuselane" in out and not err, err
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_info(tiny, arch):
     text = ok("info", tiny[arch])

@@ -220,7 +220,7 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("--hold", action="append", default=[], metavar="RULE", help="hold a rule back (repeatable)")
     explain.add_argument("--json", action="store_true", help="the stable JSON form")
     explain.set_defaults(func=cmd_explain)
-    bench = sub.add_parser("bench", help="prefill and decode tokens/s, launches a token, % of the bandwidth limit")
+    bench = sub.add_parser("bench", help="prefill and decode tokens/s, launches a token, %% of the bandwidth limit")
     bench.add_argument("model", nargs="?", default=None)
     bench.add_argument("--lane", choices=("cpu", "cuda", "auto"), default="auto")
     bench.add_argument("-p", type=int, default=512, help="prompt tokens (default 512)")
