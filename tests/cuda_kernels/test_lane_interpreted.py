@@ -28,10 +28,10 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def _steps(model) -> list[np.ndarray]:
+def _steps(model, decode: list[int] = DECODE) -> list[np.ndarray]:
     s = model.session()
     out = [s.feed(PROMPT)]
-    out += [s.extend([t]) for t in DECODE]
+    out += [s.extend([t]) for t in decode]
     return out
 
 
@@ -71,7 +71,7 @@ def test_prefill_in_place_decodes_the_weights_in_the_kernel(tmp_path, monkeypatc
 
 INT8_SHAPES = {  # heads of whole 32-value blocks (attention quantizes its output), Q5_0 / Q8_0 and Q4_K / Q6_K rows
     "qwen2": (("qwen2", 128, 2, 4, 2, 32, 256, 512), "q8_0"),
-    "qwen3": (("qwen3", 256, 2, 4, 2, 64, 512, 512), "q4_k_m"),
+    "qwen3": (("qwen3", 256, 1, 4, 2, 64, 512, 512), "q4_k_m"),
 }
 
 
@@ -99,7 +99,8 @@ def test_int8_activations_multiply_with_dp4a(tmp_path, monkeypatch, arch):
     gpu = load(path, lane="cuda", ctx=32, knobs=["activations=int8"])
     ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
-    for step, (a, b) in enumerate(zip(_steps(gpu), _steps(ref), strict=True)):
+    # two decode steps: the interpreter takes minutes a step at these widths
+    for step, (a, b) in enumerate(zip(_steps(gpu, DECODE[:2]), _steps(ref, DECODE[:2]), strict=True)):
         assert np.isfinite(a).all()
         assert rel(a, b) <= tol, f"step {step}: {rel(a, b):.2e} > {tol:.2e}"
     assert calls.get("gemv_q8_add_norm") and calls.get("gemv_q8_gate_up_glu_q8") and calls.get("gemv_q8_parts"), calls

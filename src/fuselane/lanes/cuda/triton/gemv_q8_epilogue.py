@@ -148,7 +148,7 @@ def gemv_q8_gate_up_glu_q8(
     _check(torch.empty((1, k), device="meta"), k, [w_gate, w_up], fmt, n)
     _check_row(out, n, "out")
     _check_q8_out(out_q8, n)
-    plan = _tile_plan(fmt, k, block_n, warps, per_thread)
+    plan = _tile_plan(fmt, k, block_n, warps, per_thread, glu=True)
     if plan["BLOCK_N"] > QK or counters.numel() != n // QK or counters.dtype != COUNTER_DTYPE:
         raise ValueError(f"a tile of at most {QK} rows and q8_counters({n})")
     _q8_glu_q8_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](*x, w_gate, w_up, n, out, *out_q8, counters, **plan)
