@@ -209,12 +209,6 @@ def q4_k_scales(header, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     a, b = tl.split(tl.reshape(header, [BLOCK_N, CHUNK * K_RUNS, PAIR, PAIR]))
     h0, h2 = tl.split(a)
     h1, h3 = tl.split(b)
-    return q4_k_header(h0, h1, h2, h3, CHUNK)
-
-
-@triton.jit
-def q4_k_header(h0, h1, h2, h3, CHUNK: tl.constexpr):
-    """`q4_k_scales` from the header's four words, each [N, G]."""
     d = _header_u16(h0, h1, h2, h3, Q4_K_D).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     dmin = _header_u16(h0, h1, h2, h3, Q4_K_DMIN).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     j = ((tl.arange(0, CHUNK * K_RUNS) % K_RUNS) // PAIR_RUNS)[None, :]

@@ -44,33 +44,16 @@ from fuselane.lanes.cuda.triton.gemv_fast import (
     PAIR,
     PAIR_RUNS,
     PARTS_MOST,
-    Q4_K_BYTES,
-    Q4_K_QS,
-    Q6_HIGH_SUBS,
-    Q6_K_BYTES,
-    Q6_K_D,
-    Q6_K_QH,
-    Q6_K_QL,
-    Q6_K_SCALES,
-    Q6_QH_HALF,
-    Q6_QH_RUNS,
-    Q6_QL_HALF,
-    Q6_RUN,
     Q6_RUNS,
-    Q6_SUBS_HALF,
     QUAD,
-    RUN_BYTES,
-    WORD_BYTES,
     _check,
-    _ld,
-    _ld16,
     _out_args,
     _pick,
     _plan,
     _q6_k_runs,
     _raw,
     _store,
-    q4_k_header,
+    q4_k_scales,
 )
 
 
@@ -173,78 +156,6 @@ def _run(xq, xd, xs, first, BLOCK_N: tl.constexpr, live):
     return a, tl.load(xd + first // QK_C, mask=live, other=0.0), tl.load(xs + first // HALF_QK_C, mask=live, other=0.0)
 
 
-@triton.jit
-def _run_words(xq, xd, xs, first, BLOCK_N: tl.constexpr, live):
-    """`_run` as four [N, G] word loads: each thread keeps its words apart, so a dp4a chain takes them with no
-    exchange between threads (a [N, G, 4] load is spread over four lanes, and splitting it goes through
-    shared memory with a barrier each time, sm_90 SASS)."""
-    words = xq.to(tl.pointer_type(tl.int32)) + first // WORD_VALUES + tl.zeros([BLOCK_N, 1], tl.int32)
-    a0 = tl.load(words, mask=live, other=0)
-    a1 = tl.load(words + 1, mask=live, other=0)
-    a2 = tl.load(words + 2, mask=live, other=0)
-    a3 = tl.load(words + 3, mask=live, other=0)
-    d = tl.load(xd + first // QK_C, mask=live, other=0.0)
-    return (a0, a1, a2, a3), d, tl.load(xs + first // HALF_QK_C, mask=live, other=0.0)
-
-
-@triton.jit
-def _chain(w, a, mask, shift, SIGNED: tl.constexpr):
-    """The dot of four words' codes ((w >> shift) & mask, each a tuple of four [N, G] words) with four
-    activation words, as a chain of four dp4a."""
-    c = _dp4a((w[0] >> shift) & mask, a[0], tl.zeros_like(a[0]), SIGNED)
-    c = _dp4a((w[1] >> shift) & mask, a[1], c, SIGNED)
-    c = _dp4a((w[2] >> shift) & mask, a[2], c, SIGNED)
-    return _dp4a((w[3] >> shift) & mask, a[3], c, SIGNED)
-
-
-@triton.jit
-def _raw_q4_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
-    """Q4_K's `gemv_fast._raw` as word loads: the header's and the qs run's four words, [N, G] each."""
-    unit = tl.arange(0, CHUNK * K_RUNS) // K_RUNS + u0
-    if CLAMP:
-        unit = tl.minimum(unit, N_UNITS - 1)
-    blk = (w_rows[:, None] + (unit * Q4_K_BYTES)[None, :]).to(tl.pointer_type(tl.uint32))
-    run = blk + ((tl.arange(0, CHUNK * K_RUNS) % K_RUNS) * (RUN_BYTES // WORD_BYTES) + Q4_K_QS // WORD_BYTES)[None, :]
-    return (_ld(blk), _ld(blk + 1), _ld(blk + 2), _ld(blk + 3)), (_ld(run), _ld(run + 1), _ld(run + 2), _ld(run + 3))
-
-
-@triton.jit
-def _w32(p, t):
-    """Word t of the 2-aligned 16 bytes at byte pointers p: two 2-byte loads."""
-    return _ld16(p + t * WORD_BYTES) | (_ld16(p + t * WORD_BYTES + PAIR) << HALF_WORD_BITS)
-
-
-@triton.jit
-def _raw_q6_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
-    """Q6_K's `gemv_fast._raw` with the ql run and its qh run as four words each ([N, G]), from 2-byte loads
-    (a Q6_K block is 210 bytes: only 2-aligned)."""
-    unit, half, r = _q6_k_runs(u0, CHUNK)
-    if CLAMP:
-        unit = tl.minimum(unit, N_UNITS - 1)
-    blk = w_rows[:, None] + (unit * Q6_K_BYTES)[None, :]
-    sc = (blk + (half * Q6_SUBS_HALF + r + Q6_K_SCALES)[None, :]).to(tl.pointer_type(tl.int8))
-    ql = blk + (half * Q6_QL_HALF + r * Q6_RUN + Q6_K_QL)[None, :]
-    qh = blk + (half * Q6_QH_HALF + (r % Q6_QH_RUNS) * Q6_RUN + Q6_K_QH)[None, :]
-    return (
-        _ld16(blk + Q6_K_D, True),
-        _ld(sc),
-        _ld(sc + Q6_HIGH_SUBS),
-        (_w32(ql, 0), _w32(ql, 1), _w32(ql, 2), _w32(ql, 3)),
-        (_w32(qh, 0), _w32(qh, 1), _w32(qh, 2), _w32(qh, 3)),
-    )
-
-
-@triton.jit
-def _load(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
-    """A chunk's raw weights: Q4_K's as words (`_raw_q4_k`), the rest as `gemv_fast._raw` loads them."""
-    if FMT == FMT_Q4_K:
-        return _raw_q4_k(w_rows, u0, N_UNITS, CHUNK, CLAMP)
-    elif FMT == FMT_Q6_K:
-        return _raw_q6_k(w_rows, u0, N_UNITS, CHUNK, CLAMP)
-    else:
-        return _raw(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP)
-
-
 # --- per format: a chunk's sum a group ([N, G] f32) -------------------------------------------------------------
 
 
@@ -253,25 +164,17 @@ def _q4_k(raw, xq, xd, xs, u0, live, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr)
     """Q4_K: group g is run r = g % 8 of a unit's qs: 16 bytes of pair j = r // 2, its low nibbles values
     64j + 16 (r % 2) + 0..15 (sub-block 2j), its high ones 32 on (2j + 1)."""
     header, words = raw
-    d, dmin, scales, mins = q4_k_header(header[0], header[1], header[2], header[3], CHUNK)
+    d, dmin, scales, mins = q4_k_scales(header, BLOCK_N, CHUNK)
     g = tl.arange(0, CHUNK * K_RUNS)[None, :]
     r = g % K_RUNS
     first = (g // K_RUNS + u0) * QK_K_C + (r // PAIR_RUNS) * (2 * QK_C) + (r % PAIR_RUNS) * HALF_QK_C
-    a_lo, da_lo, s_lo = _run_words(xq, xd, xs, first, BLOCK_N, live)
-    a_hi, da_hi, s_hi = _run_words(xq, xd, xs, first + QK_C, BLOCK_N, live)
-    lo = _chain(words, a_lo, LOW_NIBBLES, 0, False).to(tl.float32)
-    hi = _chain(words, a_hi, LOW_NIBBLES, NIBBLE_BITS, False).to(tl.float32)
+    a_lo, da_lo, s_lo = _run(xq, xd, xs, first, BLOCK_N, live)
+    a_hi, da_hi, s_hi = _run(xq, xd, xs, first + QK_C, BLOCK_N, live)
+    lo = _dot16(words & LOW_NIBBLES, a_lo, False).to(tl.float32)
+    hi = _dot16((words >> NIBBLE_BITS) & LOW_NIBBLES, a_hi, False).to(tl.float32)
     y = lo * (d * (scales & BYTE).to(tl.float32) * da_lo) - (dmin * (mins & BYTE).to(tl.float32)) * s_lo
     y += hi * (d * (scales >> BYTE_BITS).to(tl.float32) * da_hi) - (dmin * (mins >> BYTE_BITS).to(tl.float32)) * s_hi
     return y
-
-
-@triton.jit
-def _q6_codes(ql, qh, shift, t):
-    """Word t's codes of a Q6_K run: the low nibbles' (shift: the crumbs' place) and the high ones'."""
-    lo = (ql[t] & LOW_NIBBLES) | (((qh[t] >> shift) & CRUMBS) << NIBBLE_BITS)
-    hi = ((ql[t] >> NIBBLE_BITS) & LOW_NIBBLES) | (((qh[t] >> (shift + Q6_HIGH_CRUMB)) & CRUMBS) << NIBBLE_BITS)
-    return lo, hi
 
 
 @triton.jit
@@ -280,16 +183,15 @@ def _q6_k(raw, xq, xd, xs, u0, live, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr)
     two bits of each are crumbs r // 2 and 2 + r // 2 of the half's qh bytes 16 (r % 2) + 0..15."""
     d, sc_lo, sc_hi, ql, qh = raw
     unit, half, r = _q6_k_runs(u0, CHUNK)
-    shift = ((r // PAIR) * Q6_CRUMB_STEP)[None, :]
-    lo0, hi0 = _q6_codes(ql, qh, shift, 0)
-    lo1, hi1 = _q6_codes(ql, qh, shift, 1)
-    lo2, hi2 = _q6_codes(ql, qh, shift, 2)
-    lo3, hi3 = _q6_codes(ql, qh, shift, 3)
+    ql, qh = _words(ql), _words(qh)
+    shift = ((r // PAIR) * Q6_CRUMB_STEP)[None, :, None]
+    lo = (ql & LOW_NIBBLES) | (((qh >> shift) & CRUMBS) << NIBBLE_BITS)
+    hi = ((ql >> NIBBLE_BITS) & LOW_NIBBLES) | (((qh >> (shift + Q6_HIGH_CRUMB)) & CRUMBS) << NIBBLE_BITS)
     first = (unit * QK_K_C + half * (4 * QK_C) + r * HALF_QK_C)[None, :]
-    a_lo, da_lo, s_lo = _run_words(xq, xd, xs, first, BLOCK_N, live)
-    a_hi, da_hi, s_hi = _run_words(xq, xd, xs, first + 2 * QK_C, BLOCK_N, live)
-    y_lo = _chain((lo0, lo1, lo2, lo3), a_lo, -1, 0, False).to(tl.float32) * da_lo - Q6_BIAS * s_lo
-    y_hi = _chain((hi0, hi1, hi2, hi3), a_hi, -1, 0, False).to(tl.float32) * da_hi - Q6_BIAS * s_hi
+    a_lo, da_lo, s_lo = _run(xq, xd, xs, first, BLOCK_N, live)
+    a_hi, da_hi, s_hi = _run(xq, xd, xs, first + 2 * QK_C, BLOCK_N, live)
+    y_lo = _dot16(lo, a_lo, False).to(tl.float32) * da_lo - Q6_BIAS * s_lo
+    y_hi = _dot16(hi, a_hi, False).to(tl.float32) * da_hi - Q6_BIAS * s_hi
     return d * (sc_lo.to(tl.float32) * y_lo + sc_hi.to(tl.float32) * y_hi)
 
 
@@ -354,18 +256,18 @@ def _row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_
     CHUNKS: tl.constexpr = (N_UNITS + CHUNK - 1) // CHUNK
     PARTIAL: tl.constexpr = N_UNITS % CHUNK != 0
     G: tl.constexpr = CHUNK * (K_RUNS if FMT == FMT_Q4_K else (Q6_RUNS if FMT == FMT_Q6_K else 1))
-    raw_a = _load(w_a, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
+    raw_a = _raw(w_a, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
     raw_b = raw_a
     acc_a = tl.zeros([BLOCK_N, G], tl.float32)
     acc_b = tl.zeros([1], tl.float32)  # a placeholder where not TWO
     if TWO:
-        raw_b = _load(w_b, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
+        raw_b = _raw(w_b, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
         acc_b = tl.zeros([BLOCK_N, G], tl.float32)
     for c in range(0, CHUNKS - 1):
         u0 = c * CHUNK
-        next_a = _load(w_a, u0 + CHUNK, FMT, N_UNITS, CHUNK, PARTIAL)
+        next_a = _raw(w_a, u0 + CHUNK, FMT, N_UNITS, CHUNK, PARTIAL)
         if TWO:
-            next_b = _load(w_b, u0 + CHUNK, FMT, N_UNITS, CHUNK, PARTIAL)
+            next_b = _raw(w_b, u0 + CHUNK, FMT, N_UNITS, CHUNK, PARTIAL)
         if FENCE:  # see gemv_fast.PREFETCH_FENCE
             tl.debug_barrier()
         acc_a = _chunk_sum(acc_a, raw_a, xq, xd, xs, u0, FMT, N_UNITS, BLOCK_N, CHUNK, False)
