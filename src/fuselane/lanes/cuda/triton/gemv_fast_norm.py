@@ -21,6 +21,7 @@ from torch import Tensor
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.triton.gemv_epilogue import COUNTER_DTYPE, _check_row
 from fuselane.lanes.cuda.triton.gemv_fast import GROUPS, _check, _plan, _row_dots, _store
+from fuselane.lanes.cuda.triton.quant import store_quantized
 
 # Values of the row the last program takes a pass. A row that fits (every Qwen's hidden width, at most 8192)
 # is held in registers whole and read from L2 once; a wider one is walked in chunks twice, each chunk a
@@ -43,6 +44,24 @@ def _fast_add_norm_kernel(
     # gemv_fast's epilogue: + residual (which may be sum_out itself: each program reads only the rows it writes)
     _store(y, rows, n, sum_out, 0, x, x, res, False, False, True)
 
+    norm_last(sum_out, norm_w, out, n, eps, counter, out, out, out, NORM_BLOCK, NORM_STEPS, False)
+
+
+@triton.jit
+def _write(y_norm, start, n, mask, out, oq, od, os_, Q8OUT: tl.constexpr):
+    """Values start.. of the normed row: to `out`, and where Q8OUT also as int8 activations (`gemv_q8.Q8Acts`)."""
+    offs = start + tl.arange(0, y_norm.shape[0])
+    tl.store(out + offs, y_norm.to(out.dtype.element_ty), mask=mask)
+    if Q8OUT:
+        store_quantized(y_norm, start, n, oq, od, os_)
+
+
+@triton.jit
+def norm_last(sum_out, norm_w, out, n, eps, counter, oq, od, os_, NORM_BLOCK: tl.constexpr,
+              NORM_STEPS: tl.constexpr, Q8OUT: tl.constexpr):  # fmt: skip
+    """A launch's end: each program, its sum_out rows stored, counts itself done on `counter`; the last one
+    norms the whole row (out = sum_out / sqrt(mean(sum_out^2) + eps) * norm_w, and its int8 form where Q8OUT)
+    and re-arms the counter."""
     # Why the last program sees every program's sum_out, on the GPU (gemv_epilogue's pattern):
     # - the block's barrier orders all its threads' stores before the counter's atomic, which one thread does
     #   (Triton lowers an atomic on a scalar pointer to one thread, its result broadcast through shared memory);
@@ -63,7 +82,7 @@ def _fast_add_norm_kernel(
             s = tl.load(sum_out + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
             r = tl.rsqrt(tl.sum(s * s, axis=0) / n + eps)
             y_norm = s * r * tl.load(norm_w + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out + offs, y_norm.to(out.dtype.element_ty), mask=mask)
+            _write(y_norm, 0, n, mask, out, oq, od, os_, Q8OUT)
         else:
             # squares summed elementwise across chunks, reduced once: any order of n non-negative terms is within
             # gamma_n of the exact sum, the bound the norm's tests derive
@@ -82,7 +101,7 @@ def _fast_add_norm_kernel(
                 mask = start + offs < n
                 s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
                 y_norm = s * r * tl.load(norm_w + start + offs, mask=mask, other=0.0).to(tl.float32)
-                tl.store(out + start + offs, y_norm.to(out.dtype.element_ty), mask=mask)
+                _write(y_norm, start, n, mask, out, oq, od, os_, Q8OUT)
             # every other program has counted already: re-armed for the next launch (a CUDA graph's replay), which
             # stream order puts after this one's end, so no ordering is asked of the store
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")

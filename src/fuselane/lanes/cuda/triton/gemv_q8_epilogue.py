@@ -21,24 +21,12 @@ from fuselane.gguf.formats import QK, Format
 from fuselane.lanes.cuda.triton import gemv_fast_norm
 from fuselane.lanes.cuda.triton.gemv_epilogue import COUNTER_DTYPE, _check_row
 from fuselane.lanes.cuda.triton.gemv_fast import _check, _store
+from fuselane.lanes.cuda.triton.gemv_fast_norm import norm_last
 from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts, _check_acts, _row_dots, _tile_plan
-from fuselane.lanes.cuda.triton.quant import quantize_block
+from fuselane.lanes.cuda.triton.quant import store_quantized
 
 QB = tl.constexpr(QK)
 NORM_CHUNK: int | None = None  # the last program's pass over the row; None: gemv_fast_norm's (read at launch)
-
-
-@triton.jit
-def _store_q8(v, first, n, oq, od, os_, QB: tl.constexpr):
-    """Quantize the values v [B * 32] that start at value `first` (a multiple of 32) and store them; blocks
-    past n dropped."""
-    B: tl.constexpr = v.shape[0] // QB
-    codes, d, sums = quantize_block(tl.reshape(v, [B, QB]), QB)
-    blk = first // QB + tl.arange(0, B)
-    live = blk < n // QB
-    tl.store(oq + blk[:, None] * QB + tl.arange(0, QB)[None, :], codes, mask=live[:, None])
-    tl.store(od + blk, d, mask=live)
-    tl.store(os_ + blk[:, None] * 2 + tl.arange(0, 2)[None, :], sums, mask=live[:, None])
 
 
 @triton.jit
@@ -51,33 +39,7 @@ def _q8_add_norm_kernel(
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
     y, _ = _row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False)
     _store(y, rows, n, sum_out, 0, res, res, res, False, False, True)
-    tl.debug_barrier()  # gemv_fast_norm's ordering
-    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
-        offs = tl.arange(0, NORM_BLOCK)
-        if NORM_STEPS == 1:  # the whole row in registers: one round trip to L2, not two a chunk
-            mask = offs < n
-            s = tl.load(sum_out + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            r = tl.rsqrt(tl.sum(s * s, axis=0) / n + eps)
-            y_norm = s * r * tl.load(norm_w + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out + offs, y_norm, mask=mask)
-            _store_q8(y_norm, 0, n, oq, od, os_, QB)
-        else:
-            squares = tl.zeros([NORM_BLOCK], tl.float32)
-            for step in range(NORM_STEPS):
-                start = step * NORM_BLOCK
-                mask = start + offs < n
-                s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-                squares += s * s
-            r = tl.rsqrt(tl.sum(squares, axis=0) / n + eps)
-            for step in range(NORM_STEPS):
-                start = step * NORM_BLOCK
-                mask = start + offs < n
-                s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-                y_norm = s * r * tl.load(norm_w + start + offs, mask=mask, other=0.0).to(tl.float32)
-                tl.store(out + start + offs, y_norm, mask=mask)
-                _store_q8(y_norm, start, n, oq, od, os_, QB)
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    norm_last(sum_out, norm_w, out, n, eps, counter, oq, od, os_, NORM_BLOCK, NORM_STEPS, True)
 
 
 @triton.jit
@@ -97,7 +59,7 @@ def _q8_glu_q8_kernel(
     done = tl.atomic_add(counters + blk, 1, sem="acq_rel", scope="gpu")
     if done == QB // BLOCK_N - 1:
         v = tl.load(out + blk * QB + tl.arange(0, QB), cache_modifier=".cg")
-        _store_q8(v, blk * QB, n, oq, od, os_, QB)
+        store_quantized(v, blk * QB, n, oq, od, os_)
         tl.atomic_xchg(counters + blk, 0, sem="relaxed", scope="gpu")
 
 

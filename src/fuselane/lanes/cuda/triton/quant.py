@@ -24,6 +24,7 @@ from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts
 
 INT8_MAX = 127.0
 INT8_MAX_C = tl.constexpr(INT8_MAX)
+QB_C = tl.constexpr(QK)
 HALF = 16  # values a sum covers: Q6_K's sub-blocks, and half a Q5_0 / Q8_0 block
 BLOCKS_A_PROGRAM = 32  # 1024 values: a 4096-wide row is 4 programs
 
@@ -39,6 +40,19 @@ def quantize_block(v, QB: tl.constexpr):
     d = tl.math.div_rn(amax, tl.full(amax.shape, INT8_MAX_C, tl.float32))
     halves = tl.sum(tl.reshape(codes, [v.shape[0], 2, QB // 2]), 2)
     return codes.to(tl.int8), d, halves * d[:, None]
+
+
+@triton.jit
+def store_quantized(v, first, n, oq, od, os_):
+    """Quantize the values v [B * 32] that start at value `first` (a multiple of 32) of a row of n and store
+    them as a Q8Acts' codes, scales and sums; blocks past n dropped."""
+    B: tl.constexpr = v.shape[0] // QB_C
+    codes, d, sums = quantize_block(tl.reshape(v, [B, QB_C]), QB_C)
+    blk = first // QB_C + tl.arange(0, B)
+    live = blk < n // QB_C
+    tl.store(oq + blk[:, None] * QB_C + tl.arange(0, QB_C)[None, :], codes, mask=live[:, None])
+    tl.store(od + blk, d, mask=live)
+    tl.store(os_ + blk[:, None] * 2 + tl.arange(0, 2)[None, :], sums, mask=live[:, None])
 
 
 @triton.jit
