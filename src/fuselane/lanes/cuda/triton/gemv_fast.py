@@ -466,14 +466,34 @@ def _parts_kernel(
     FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     FENCE: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
 ):  # fmt: skip
-    # Part p owns tiles [t_p, t_{p+1}); BIAS and AT_ROW hold a bit a part; the residual is part 0's.
+    part, rows, n, w_rows = part_rows(w0, n0, w1, n1, w2, n2, w3, n3, t1, t2, t3, ROW_BYTES, BLOCK_N)
+    y, _ = _row_dots(w_rows, w_rows, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False)
+    store_parts(
+        y, rows, part, n,
+        out0, pitch0, bias0, pos0, out1, pitch1, bias1, pos1, out2, pitch2, bias2, pos2, out3, pitch3, bias3, pos3,
+        res, PARTS, BIAS, AT_ROW, HAS_RES,
+    )  # fmt: skip
+
+
+@triton.jit
+def part_rows(w0, n0, w1, n1, w2, n2, w3, n3, t1, t2, t3, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A launch in parts: this program's part (part p owns tiles [t_p, t_{p+1}), an absent one NO_TILE), its
+    rows, the part's n, and the rows' weight pointers (rows past n read its last row: no masked weight loads;
+    the store drops them)."""
     pid = tl.program_id(0)
-    part = (pid >= t1).to(tl.int32) + (pid >= t2).to(tl.int32) + (pid >= t3).to(tl.int32)  # absent: NO_TILE
+    part = (pid >= t1).to(tl.int32) + (pid >= t2).to(tl.int32) + (pid >= t3).to(tl.int32)
     w, n = _pick(part, w0, w1, w2, w3), _pick(part, n0, n1, n2, n3)
     rows = (pid - _pick(part, 0, t1, t2, t3)) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # rows past the part's end read its last row (no masked weight loads); the store drops them
-    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
-    y, _ = _row_dots(w_rows, w_rows, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False)
+    return part, rows, n, w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+
+
+@triton.jit
+def store_parts(
+    y, rows, part, n,
+    out0, pitch0, bias0, pos0, out1, pitch1, bias1, pos1, out2, pitch2, bias2, pos2, out3, pitch3, bias3, pos3,
+    res, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    """A part's epilogue (`_store`): BIAS and AT_ROW hold a bit a part; the residual is part 0's."""
     if part == 0:
         _store(y, rows, n, out0, pitch0, bias0, pos0, res, BIAS & 1, AT_ROW & 1, HAS_RES)
     if PARTS > 1:
@@ -577,30 +597,39 @@ def gemv_fast_parts(x: Tensor, parts: Sequence[Part | tuple], fmt: Format, *, re
     format's tile.
     """
     fmt = Format(fmt)
+    k = x.shape[-1]
+    _check(x, k, [], fmt, 1)  # the activation; parts_args checks each part's weights
+    plan = _plan(fmt, k, block_n, warps, per_thread)
+    args, flags, tiles = parts_args(parts, fmt, k, plan["BLOCK_N"], x, residual)
+    _parts_kernel[(tiles,)](x, *args, **flags, **plan)
+
+
+def parts_args(parts: Sequence[Part | tuple], fmt: Format, k: int, block_n: int, stand_in: Tensor,
+               residual: Tensor | None) -> tuple[list, dict, int]:  # fmt: skip
+    """A launch in parts' arguments after its activation: each part's (w, n, out, pitch, bias, pos), the
+    first tiles of parts 1-3, the residual; its flags; and its programs. `stand_in` (any device tensor)
+    stands in for an absent pointer, which is never read."""
     parts = [Part(*p) for p in parts]
     if not 1 <= len(parts) <= PARTS_MOST:
         raise ValueError(f"a launch in parts takes 1..{PARTS_MOST} parts, not {len(parts)}")
-    k = x.shape[-1]
-    plan = _plan(fmt, k, block_n, warps, per_thread)
     args: list = []
     firsts: list[int] = []
     tiles = bias_bits = row_bits = 0
     for i, p in enumerate(parts):
-        _check(x, k, [p.w], fmt, p.n)
+        _check(torch.empty((1, k), device="meta"), k, [p.w], fmt, p.n)
         out, pitch, pos = _out_args(p)
         bias_bits |= (p.bias is not None) << i
         row_bits |= (pos is not None) << i
-        # an absent bias or position is never read: any tensor stands in for its pointer
-        args += [p.w, p.n, out, pitch, x if p.bias is None else p.bias, x if pos is None else pos]
+        args += [p.w, p.n, out, pitch, stand_in if p.bias is None else p.bias, stand_in if pos is None else pos]
         firsts.append(tiles)
-        tiles += triton.cdiv(p.n, plan["BLOCK_N"])
+        tiles += triton.cdiv(p.n, block_n)
     for _ in range(len(parts), PARTS_MOST):
-        args += [parts[0].w, 1, x, 0, x, x]  # picked only as a select's other arm: part 0's type
+        args += [parts[0].w, 1, stand_in, 0, stand_in, stand_in]  # picked only as a select's other arm
     firsts = firsts[1:] + [NO_TILE] * (PARTS_MOST - len(parts))
     if residual is not None and (tuple(residual.shape) != (1, parts[0].n) or residual.stride(1) != 1):
         raise ValueError(f"residual must be (1, {parts[0].n}) with unit column stride")
     flags = dict(PARTS=len(parts), BIAS=bias_bits, AT_ROW=row_bits, HAS_RES=residual is not None)
-    _parts_kernel[(tiles,)](x, *args, *firsts, x if residual is None else residual, **flags, **plan)
+    return [*args, *firsts, stand_in if residual is None else residual], flags, tiles
 
 
 def gemv_fast(x: Tensor, w: Tensor, fmt: Format, n: int, k: int, out: Tensor, *, bias: Tensor | None = None,

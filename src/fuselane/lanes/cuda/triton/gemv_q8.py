@@ -40,20 +40,18 @@ from fuselane.lanes.cuda.triton.gemv_fast import (
     K_RUNS,
     NIBBLE,
     NIBBLE_BITS,
-    NO_TILE,
     PAIR,
     PAIR_RUNS,
-    PARTS_MOST,
     Q6_RUNS,
     QUAD,
     _check,
-    _out_args,
-    _pick,
     _plan,
     _q6_k_runs,
     _raw,
-    _store,
+    part_rows,
+    parts_args,
     q4_k_scales,
+    store_parts,
 )
 
 
@@ -297,24 +295,13 @@ def _parts_kernel(
     FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     FENCE: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
 ):  # fmt: skip
-    # as gemv_fast._parts_kernel: part p owns tiles [t_p, t_{p+1}); BIAS and AT_ROW a bit a part
-    pid = tl.program_id(0)
-    part = (pid >= t1).to(tl.int32) + (pid >= t2).to(tl.int32) + (pid >= t3).to(tl.int32)
-    w, n = _pick(part, w0, w1, w2, w3), _pick(part, n0, n1, n2, n3)
-    rows = (pid - _pick(part, 0, t1, t2, t3)) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    part, rows, n, w_rows = part_rows(w0, n0, w1, n1, w2, n2, w3, n3, t1, t2, t3, ROW_BYTES, BLOCK_N)
     y, _ = _row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False)
-    if part == 0:
-        _store(y, rows, n, out0, pitch0, bias0, pos0, res, BIAS & 1, AT_ROW & 1, HAS_RES)
-    if PARTS > 1:
-        if part == 1:
-            _store(y, rows, n, out1, pitch1, bias1, pos1, res, (BIAS >> 1) & 1, (AT_ROW >> 1) & 1, False)
-    if PARTS > 2:
-        if part == 2:
-            _store(y, rows, n, out2, pitch2, bias2, pos2, res, (BIAS >> 2) & 1, (AT_ROW >> 2) & 1, False)
-    if PARTS > 3:
-        if part == 3:
-            _store(y, rows, n, out3, pitch3, bias3, pos3, res, (BIAS >> 3) & 1, (AT_ROW >> 3) & 1, False)
+    store_parts(
+        y, rows, part, n,
+        out0, pitch0, bias0, pos0, out1, pitch1, bias1, pos1, out2, pitch2, bias2, pos2, out3, pitch3, bias3, pos3,
+        res, PARTS, BIAS, AT_ROW, HAS_RES,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -359,32 +346,11 @@ def gemv_q8_parts(x: Q8Acts, parts: Sequence[Part | tuple], fmt: Format, *, resi
     """One launch of up to four products of one format reading the same quantized `x`; as
     `gemv_fast.gemv_fast_parts` (bias, a row of a table at a device position, residual into part 0)."""
     fmt = Format(fmt)
-    parts = [Part(*p) for p in parts]
-    if not 1 <= len(parts) <= PARTS_MOST:
-        raise ValueError(f"a launch in parts takes 1..{PARTS_MOST} parts, not {len(parts)}")
     k = x.q.shape[-1]
     _check_acts(x, k)
     plan = _tile_plan(fmt, k, block_n, warps, per_thread)
-    dummy = x.d.view(1, -1)  # for `_check`'s shape test only: a float tensor of the activation's width
-    args: list = []
-    firsts: list[int] = []
-    tiles = bias_bits = row_bits = 0
-    for i, p in enumerate(parts):
-        _check(torch.empty((1, k), device="meta"), k, [p.w], fmt, p.n)
-        out, pitch, pos = _out_args(p)
-        bias_bits |= (p.bias is not None) << i
-        row_bits |= (pos is not None) << i
-        args += [p.w, p.n, out, pitch, dummy if p.bias is None else p.bias, dummy if pos is None else pos]
-        firsts.append(tiles)
-        tiles += triton.cdiv(p.n, plan["BLOCK_N"])
-    for _ in range(len(parts), PARTS_MOST):
-        args += [parts[0].w, 1, dummy, 0, dummy, dummy]
-    firsts = firsts[1:] + [NO_TILE] * (PARTS_MOST - len(parts))
-    if residual is not None and (tuple(residual.shape) != (1, parts[0].n) or residual.stride(1) != 1):
-        raise ValueError(f"residual must be (1, {parts[0].n}) with unit column stride")
-    flags = dict(PARTS=len(parts), BIAS=bias_bits, AT_ROW=row_bits, HAS_RES=residual is not None)
-    res = dummy if residual is None else residual
-    _parts_kernel[(tiles,)](x.q, x.d, x.s, *args, *firsts, res, **flags, **plan)
+    args, flags, tiles = parts_args(parts, fmt, k, plan["BLOCK_N"], x.d, residual)
+    _parts_kernel[(tiles,)](x.q, x.d, x.s, *args, **flags, **plan)
 
 
 def gemv_q8(x: Q8Acts, w: Tensor, fmt: Format, n: int, k: int, out: Tensor, *, bias: Tensor | None = None,
