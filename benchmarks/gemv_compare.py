@@ -5,6 +5,10 @@ Usage: python benchmarks/gemv_compare.py [--tiles | --q8]   (on a GPU)
 --tiles sweeps the tile-streaming kernels' tiles (rows a program, warps, (row, group)s a thread) instead;
 --q8 times the int8-activation kernels (`gemv_q8`, `activations=int8`) against `gemv_fast` and sweeps their
 tiles, and times the quantizing launch.
+
+Every launch here reads the same matrix, so a matrix under the GPU's L2 (50 MB on an H200) is partly read from
+L2 on its replays, and the GLU passes one matrix as both gate and up: below ~50 MB these figures overstate
+what a model's decode step sees. `profile_decode.py` times the step itself.
 """
 
 from __future__ import annotations
