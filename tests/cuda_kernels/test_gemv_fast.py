@@ -34,6 +34,7 @@ from fuselane.lanes.cuda.triton.gemv_fast import (  # noqa: E402
     gemv_fast_parts,
     supports_fast,
 )
+from fuselane.lanes.cuda.triton.gemv_parts import PARTS_MOST  # noqa: E402
 
 EPILOGUE_ROUNDINGS = 2  # a bias add and a residual add
 # SiLU(g) * u (as test_gemv.py): SiLU's slope peaks at ~1.0998; its own ops round within a few ulps of the
@@ -194,7 +195,7 @@ def test_parts_in_one_launch(fmt: Format, monkeypatch: pytest.MonkeyPatch) -> No
 def test_refusals() -> None:
     rng = np.random.default_rng(50)
     raw, x = dev(raw_weights(Format.Q8_0, 8, 64, rng)), dev(_x(64, rng))
-    parts = [Part(raw, 8, torch.empty((1, 8), device=DEVICE)) for _ in range(fast.PARTS_MOST + 1)]
+    parts = [Part(raw, 8, torch.empty((1, 8), device=DEVICE)) for _ in range(PARTS_MOST + 1)]
     with pytest.raises(ValueError, match="parts"):
         gemv_fast_parts(x, parts, Format.Q8_0)
     with pytest.raises(ValueError, match="bytes"):

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format, row_bytes
 from fuselane.lanes.cuda.triton.gemv import Part
+from fuselane.lanes.cuda.triton.gemv_parts import check_rows, part_rows, parts_args, store_parts
 
 
 def _c(value: int | float) -> tl.constexpr:
@@ -86,13 +87,11 @@ GLU_TILES = TILES | {Format.Q4_K: (2, 2), Format.Q8_0: (4, 2)}
 # A row whose units do not fill whole chunks of a format's tile (the 7B's 14 and 74 super-blocks) takes the
 # default tile, whose 2-unit chunk they fill: a partial last chunk cost the 7B's gate/up 17 % (1,766 -> 1,459).
 DEFAULT_TILE = (8, 1)
-PARTS_MOST = 4  # products one `gemv_fast_parts` launch takes
 # A CTA barrier after each iteration's prefetch: without it ptxas (Triton 3.6, sm_90) sinks the next chunk's
 # loads to the loop's end, so a warp waits out each chunk's latency; with it they issue first and a chunk's
 # decode covers the next one's latency, for ~3 % more instructions and 60-96 registers. Read at launch:
 # set False to time the other schedule.
 PREFETCH_FENCE = True
-NO_TILE = 2**31 - 1  # stand-in tile boundary of an absent part: no program id reaches it
 
 QUAD = _c(4)  # a thread's group as quads: 4 words (16 bytes) of codes, or 4 values (one 16-byte f32 load)
 PAIR = _c(2)  # 2-byte loads: the most that the 2-aligned blocks of Q8_0, Q5_0 and Q6_K allow
@@ -436,26 +435,6 @@ def _row_dots(w_a, w_b, x, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_UNITS: tl
 
 
 @triton.jit
-def _pick(part, a0, a1, a2, a3):
-    """Argument `part` of a0..a3 (a scalar select; an absent part's stand-ins are never picked)."""
-    return tl.where(part == 0, a0, tl.where(part == 1, a1, tl.where(part == 2, a2, a3)))
-
-
-@triton.jit
-def _store(y, rows, n, out, pitch, bias, pos, res, HAS_BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr):
-    """The epilogue: + bias, + residual, stored in row 0 (or row pos[0]) of `out`; rows past n dropped."""
-    keep = rows < n
-    if HAS_BIAS:
-        y += tl.load(bias + rows, mask=keep, other=0.0).to(tl.float32)
-    if HAS_RES:
-        y += tl.load(res + rows, mask=keep, other=0.0).to(tl.float32)
-    at = 0
-    if AT_ROW:
-        at = tl.load(pos).to(tl.int64) * pitch
-    tl.store(out + at + rows, y, mask=keep)
-
-
-@triton.jit
 def _parts_kernel(
     x,
     w0, n0, out0, pitch0, bias0, pos0,
@@ -473,38 +452,6 @@ def _parts_kernel(
         out0, pitch0, bias0, pos0, out1, pitch1, bias1, pos1, out2, pitch2, bias2, pos2, out3, pitch3, bias3, pos3,
         res, PARTS, BIAS, AT_ROW, HAS_RES,
     )  # fmt: skip
-
-
-@triton.jit
-def part_rows(w0, n0, w1, n1, w2, n2, w3, n3, t1, t2, t3, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A launch in parts: this program's part (part p owns tiles [t_p, t_{p+1}), an absent one NO_TILE), its
-    rows, the part's n, and the rows' weight pointers (rows past n read its last row: no masked weight loads;
-    the store drops them)."""
-    pid = tl.program_id(0)
-    part = (pid >= t1).to(tl.int32) + (pid >= t2).to(tl.int32) + (pid >= t3).to(tl.int32)
-    w, n = _pick(part, w0, w1, w2, w3), _pick(part, n0, n1, n2, n3)
-    rows = (pid - _pick(part, 0, t1, t2, t3)) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return part, rows, n, w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
-
-
-@triton.jit
-def store_parts(
-    y, rows, part, n,
-    out0, pitch0, bias0, pos0, out1, pitch1, bias1, pos1, out2, pitch2, bias2, pos2, out3, pitch3, bias3, pos3,
-    res, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
-):  # fmt: skip
-    """A part's epilogue (`_store`): BIAS and AT_ROW hold a bit a part; the residual is part 0's."""
-    if part == 0:
-        _store(y, rows, n, out0, pitch0, bias0, pos0, res, BIAS & 1, AT_ROW & 1, HAS_RES)
-    if PARTS > 1:
-        if part == 1:
-            _store(y, rows, n, out1, pitch1, bias1, pos1, res, (BIAS >> 1) & 1, (AT_ROW >> 1) & 1, False)
-    if PARTS > 2:
-        if part == 2:
-            _store(y, rows, n, out2, pitch2, bias2, pos2, res, (BIAS >> 2) & 1, (AT_ROW >> 2) & 1, False)
-    if PARTS > 3:
-        if part == 3:
-            _store(y, rows, n, out3, pitch3, bias3, pos3, res, (BIAS >> 3) & 1, (AT_ROW >> 3) & 1, False)
 
 
 @triton.jit
@@ -560,29 +507,8 @@ def _chunk(fmt: Format, k: int, block_n: int, warps: int, per_thread: int) -> in
 def _check(x: Tensor, k: int, weights: Sequence[Tensor], fmt: Format, n: int) -> None:
     if x.dim() != 2 or tuple(x.shape) != (1, k) or x.stride(1) != 1 or not x.is_floating_point():
         raise ValueError(f"x must be a float (1, {k}) tensor with unit column stride, got {tuple(x.shape)}")
-    want = n * row_bytes(fmt, k)
     for w in weights:
-        if n < 1 or w.dtype != torch.uint8 or w.dim() != 1 or not w.is_contiguous() or w.numel() != want:
-            raise ValueError(f"{fmt.name} weights of {n} rows of {k} must be a contiguous uint8 tensor of {want} bytes")
-
-
-def _out_args(part: Part) -> tuple[Tensor, int, Tensor | None]:
-    """(out, row pitch, position tensor or None) of a part, checked."""
-    out, n = part.out, part.n
-    # an f16 out is a KV-cache row: the store rounds the f32 sums to the pointer's type
-    if out.dim() != 2 or out.stride(1) != 1 or out.dtype not in (torch.float32, torch.float16):
-        raise ValueError("out must be a 2-D f32 or f16 tensor with unit column stride")
-    if part.bias is not None and (part.bias.dim() != 1 or part.bias.numel() != n or not part.bias.is_contiguous()):
-        raise ValueError(f"bias must be a contiguous ({n},) tensor")
-    if part.out_row is None:
-        if tuple(out.shape) != (1, n):
-            raise ValueError(f"out must be (1, {n}), got {tuple(out.shape)}")
-        return out, out.stride(0), None
-    # the position is on the device: row pos[0] must exist, which only the caller knows
-    pos, pitch = part.out_row
-    if not n <= pitch == out.stride(0) or pos.numel() < 1 or pos.is_floating_point():
-        raise ValueError(f"out_row needs an integer position tensor and a pitch >= {n} equal to out's row stride")
-    return out, pitch, pos
+        check_rows(w, fmt, n, k)
 
 
 def gemv_fast_parts(x: Tensor, parts: Sequence[Part | tuple], fmt: Format, *, residual: Tensor | None = None,
@@ -602,34 +528,6 @@ def gemv_fast_parts(x: Tensor, parts: Sequence[Part | tuple], fmt: Format, *, re
     plan = _plan(fmt, k, block_n, warps, per_thread)
     args, flags, tiles = parts_args(parts, fmt, k, plan["BLOCK_N"], x, residual)
     _parts_kernel[(tiles,)](x, *args, **flags, **plan)
-
-
-def parts_args(parts: Sequence[Part | tuple], fmt: Format, k: int, block_n: int, stand_in: Tensor,
-               residual: Tensor | None) -> tuple[list, dict, int]:  # fmt: skip
-    """A launch in parts' arguments after its activation: each part's (w, n, out, pitch, bias, pos), the
-    first tiles of parts 1-3, the residual; its flags; and its programs. `stand_in` (any device tensor)
-    stands in for an absent pointer, which is never read."""
-    parts = [Part(*p) for p in parts]
-    if not 1 <= len(parts) <= PARTS_MOST:
-        raise ValueError(f"a launch in parts takes 1..{PARTS_MOST} parts, not {len(parts)}")
-    args: list = []
-    firsts: list[int] = []
-    tiles = bias_bits = row_bits = 0
-    for i, p in enumerate(parts):
-        _check(torch.empty((1, k), device="meta"), k, [p.w], fmt, p.n)
-        out, pitch, pos = _out_args(p)
-        bias_bits |= (p.bias is not None) << i
-        row_bits |= (pos is not None) << i
-        args += [p.w, p.n, out, pitch, stand_in if p.bias is None else p.bias, stand_in if pos is None else pos]
-        firsts.append(tiles)
-        tiles += triton.cdiv(p.n, block_n)
-    for _ in range(len(parts), PARTS_MOST):
-        args += [parts[0].w, 1, stand_in, 0, stand_in, stand_in]  # picked only as a select's other arm
-    firsts = firsts[1:] + [NO_TILE] * (PARTS_MOST - len(parts))
-    if residual is not None and (tuple(residual.shape) != (1, parts[0].n) or residual.stride(1) != 1):
-        raise ValueError(f"residual must be (1, {parts[0].n}) with unit column stride")
-    flags = dict(PARTS=len(parts), BIAS=bias_bits, AT_ROW=row_bits, HAS_RES=residual is not None)
-    return [*args, *firsts, stand_in if residual is None else residual], flags, tiles
 
 
 def gemv_fast(x: Tensor, w: Tensor, fmt: Format, n: int, k: int, out: Tensor, *, bias: Tensor | None = None,

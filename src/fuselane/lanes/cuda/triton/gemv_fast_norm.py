@@ -20,7 +20,8 @@ from torch import Tensor
 
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.triton.gemv_epilogue import COUNTER_DTYPE, _check_row
-from fuselane.lanes.cuda.triton.gemv_fast import GROUPS, _check, _plan, _row_dots, _store
+from fuselane.lanes.cuda.triton.gemv_fast import GROUPS, _check, _plan, _row_dots
+from fuselane.lanes.cuda.triton.gemv_parts import store_row
 from fuselane.lanes.cuda.triton.quant import store_quantized
 
 # Values of the row the last program takes a pass. A row that fits (every Qwen's hidden width, at most 8192)
@@ -42,7 +43,7 @@ def _fast_add_norm_kernel(
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
     y, _ = _row_dots(w_rows, w_rows, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False)
     # gemv_fast's epilogue: + residual (which may be sum_out itself: each program reads only the rows it writes)
-    _store(y, rows, n, sum_out, 0, x, x, res, False, False, True)
+    store_row(y, rows, n, sum_out, 0, x, x, res, False, False, True)
 
     norm_last(sum_out, norm_w, out, n, eps, counter, out, out, out, NORM_BLOCK, NORM_STEPS, False)
 

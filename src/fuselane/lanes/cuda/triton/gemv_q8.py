@@ -44,15 +44,12 @@ from fuselane.lanes.cuda.triton.gemv_fast import (
     PAIR_RUNS,
     Q6_RUNS,
     QUAD,
-    _check,
     _plan,
     _q6_k_runs,
     _raw,
-    part_rows,
-    parts_args,
     q4_k_scales,
-    store_parts,
 )
+from fuselane.lanes.cuda.triton.gemv_parts import check_rows, part_rows, parts_args, store_parts
 
 
 def _c(value: int | float) -> tl.constexpr:
@@ -370,7 +367,8 @@ def gemv_q8_gate_up_glu(x: Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, n:
     """out (1, n) = SiLU(x @ Wg^T) * (x @ Wu^T) in one launch, for the quantized activation `x`."""
     fmt = Format(fmt)
     _check_acts(x, k)
-    _check(torch.empty((1, k), device="meta"), k, [w_gate, w_up], fmt, n)
+    check_rows(w_gate, fmt, n, k)
+    check_rows(w_up, fmt, n, k)
     if tuple(out.shape) != (1, n) or not out.is_contiguous() or out.dtype != torch.float32:
         raise ValueError(f"out must be a contiguous f32 (1, {n}) tensor")
     plan = _tile_plan(fmt, k, block_n, warps, per_thread, glu=True)

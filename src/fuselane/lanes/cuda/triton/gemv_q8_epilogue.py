@@ -20,8 +20,8 @@ from torch import Tensor
 from fuselane.gguf.formats import QK, Format
 from fuselane.lanes.cuda.triton import gemv_fast_norm
 from fuselane.lanes.cuda.triton.gemv_epilogue import COUNTER_DTYPE, _check_row
-from fuselane.lanes.cuda.triton.gemv_fast import _check, _store
 from fuselane.lanes.cuda.triton.gemv_fast_norm import norm_last
+from fuselane.lanes.cuda.triton.gemv_parts import check_rows, store_row
 from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts, _check_acts, _row_dots, _tile_plan
 from fuselane.lanes.cuda.triton.quant import store_quantized
 
@@ -38,7 +38,7 @@ def _q8_add_norm_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
     y, _ = _row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False)
-    _store(y, rows, n, sum_out, 0, res, res, res, False, False, True)
+    store_row(y, rows, n, sum_out, 0, res, res, res, False, False, True)
     norm_last(sum_out, norm_w, out, n, eps, counter, oq, od, os_, NORM_BLOCK, NORM_STEPS, True)
 
 
@@ -84,7 +84,7 @@ def gemv_q8_add_norm(
     the RMS norm of sum_out times norm_w, and `out_q8` = out quantized (n whole 32-value blocks); returns out."""
     fmt = Format(fmt)
     _check_acts(x, k)
-    _check(torch.empty((1, k), device="meta"), k, [w], fmt, n)
+    check_rows(w, fmt, n, k)
     for t, name in ((residual, "residual"), (sum_out, "sum_out"), (norm_w, "norm_w"), (out, "out")):
         _check_row(t, n, name)
     _check_q8_out(out_q8, n)
@@ -107,7 +107,8 @@ def gemv_q8_gate_up_glu_q8(
     blocks); `counters` are `q8_counters(n)`'s. Returns out."""
     fmt = Format(fmt)
     _check_acts(x, k)
-    _check(torch.empty((1, k), device="meta"), k, [w_gate, w_up], fmt, n)
+    check_rows(w_gate, fmt, n, k)
+    check_rows(w_up, fmt, n, k)
     _check_row(out, n, "out")
     _check_q8_out(out_q8, n)
     plan = _tile_plan(fmt, k, block_n, warps, per_thread, glu=True)
