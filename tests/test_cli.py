@@ -131,6 +131,20 @@ def test_special_tokens_are_parsed_only_when_asked(tiny):
     assert len(special) == 1 and len(plain) > 1
 
 
+def test_bench_measures_the_cpu_lane(tiny):
+    out, err, code = fuselane(
+        "bench", tiny["qwen2"], "--lane", "cpu", "-p", "8", "-n", "4", "--depth", "0", "4", "--json"
+    )
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [r["depth"] for r in rows] == [0, 4]
+    for r in rows:
+        assert r["lane"] == "cpu:float32" and r["prompt"] == 8 and r["generated"] == 4
+        assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and 0 < r["percent_of_limit"]
+    table, err, code = fuselane("bench", tiny["qwen2"], "--lane", "cpu", "-p", "8", "-n", "4")
+    assert code == 0 and "| cpu:float32 | pp8 |" in table and "| tg4 |" in table, err
+
+
 @pytest.mark.parametrize("command", [(), ("run",), ("chat",), ("bench",), ("explain",), ("info",), ("tokenize",)])
 def test_help_prints_for_every_command(command):
     # a help string with a bare % once made argparse raise instead of printing

@@ -116,7 +116,7 @@ def bench(
     launches = m.lane.launches_per_token() if hasattr(m.lane, "launches_per_token") else None
     return BenchResult(
         model=m.path.name,
-        lane=m.lane.name,
+        lane=m.lane.shim.name,  # the lane at its knobs: "cuda:H200:int8", "cpu:float32"
         size_gb=round(m.file.size / 1e9, 2),
         prompt=prompt,
         generated=generated,
