@@ -107,3 +107,22 @@ def test_int8_activations_multiply_with_dp4a(tmp_path, monkeypatch, arch):
     # one quantizing launch a step (the embedding's norm): the rest quantize in their producers' epilogues
     plain = load(path, lane="cuda", ctx=32)
     assert gpu.lane.step(1).launches == plain.lane.step(1).launches + 1
+
+
+def test_int8_products_quantize_what_their_producer_did_not(tmp_path):
+    # fuse_quant=off: producers write f32 and every product that reads int8 quantizes its activation in a
+    # launch of its own before it, one more launch a product; the numbers stay within the int8 contract
+    from fuselane.gguf.synth import Shape
+
+    dims, mix = INT8_SHAPES["qwen2"]
+    path = write_synthetic(tmp_path / "m.gguf", Shape(*dims, context=4096), mix, seed=9)
+    gpu = load(path, lane="cuda", ctx=32, knobs=["activations=int8", "fuse_quant=off"])
+    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    for step, (a, b) in enumerate(zip(_steps(gpu, DECODE[:1]), _steps(ref, DECODE[:1]), strict=True)):
+        assert np.isfinite(a).all()
+        assert rel(a, b) <= tol, f"step {step}: {rel(a, b):.2e} > {tol:.2e}"
+    step = gpu.lane.step(1)
+    reading = [op for op in step.plan.ops if gpu.lane.shim.activation(op, 0, step.plan.graph) is not None]
+    plain = load(path, lane="cuda", ctx=32)
+    assert reading and step.launches == plain.lane.step(1).launches + len(reading)

@@ -189,21 +189,24 @@ class _Step:
         g: TensorGraph = plan.graph
         bufs: dict[str, Any] = {}
         q8: dict[str, Any] = {}
+        if lane.shim.activation_format is not None and lane.shim.activation_format is not QuantFormat.ONE_WORD:
+            raise FuselaneError("activations=int8x2 waits for its two-word kernels; use int8 or dequant")
         for name, t in g.tensors.items():
             if t.role is Role.CACHE:
                 bufs[name] = lane.cache(name, t.shape)
             elif t.role in (Role.ACTIVATION, Role.OUTPUT):
                 bufs[name] = torch.zeros(t.shape, dtype=torch.float32, device=lane.device)
-                if isinstance(t.storage, QuantizedActs):
-                    if t.storage.format is not QuantFormat.ONE_WORD:
-                        raise FuselaneError("activations=int8x2 waits for its two-word kernels; use int8 or dequant")
-                    if g.rows == 1:
-                        q8[name] = _int8_form(t.shape, lane.device)
+                if isinstance(t.storage, QuantizedActs) and g.rows == 1:
+                    q8[name] = _int8_form(t.shape, lane.device)
         bufs[IDS] = torch.zeros(g.rows, dtype=torch.int32, device=lane.device)
         bufs[POS] = torch.zeros(1, dtype=torch.int32, device=lane.device)
         self.bufs = bufs
         in_place = lane.shim.knobs.prefill_weights is PrefillWeights.IN_PLACE
-        bound = Bound(g, bufs, lane.raw, lane.vec, lane.dense, in_place=in_place, q8=q8)
+        reads_int8 = None
+        if g.rows == 1 and lane.shim.activation_format is not None:
+            shim = lane.shim
+            reads_int8 = lambda op: shim.activation(op, 0, g) is not None  # noqa: E731
+        bound = Bound(g, bufs, lane.raw, lane.vec, lane.dense, in_place=in_place, q8=q8, reads_int8=reads_int8)
         self.launch_list = [launch for op in plan.ops for launch in bind(op, bound)]
         self.launches = len(self.launch_list)
         self.graphs: dict[Hashable, Any] = {}  # the captured step, by its sampler tail's key (None: no tail)

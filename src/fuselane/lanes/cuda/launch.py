@@ -48,6 +48,8 @@ class Bound:
     scratch: dict[str, Any] = field(default_factory=dict)
     in_place: bool = False  # prefill products decode the checkpoint's bytes in the kernel (knob prefill=in-place)
     q8: dict[str, Any] = field(default_factory=dict)  # name -> gemv_q8.Q8Acts: a decode step's int8 activations
+    # whether a decode step's op reads its activation quantized (the shim's `activation`); None: never
+    reads_int8: Callable[[Op], bool] | None = None
 
 
 def _t():
@@ -90,13 +92,14 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
     bias_t = b.vec[bias] if bias else None
     res_t = b.bufs[residual] if residual else None
     w, fmt = b.raw[op.ins[1]]
-    q8 = _q8_in(op.ins[0], fmt, spec.m, spec.k, b, out)
+    q8 = _q8_in(op, op.ins[0], fmt, spec.m, spec.k, b, out)
     if q8 is not None:
-        gemv_q8, acts = q8
-        return lambda: gemv_q8.gemv_q8(acts, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)
+        gemv_q8, acts, first = q8
+        n, k = spec.n, spec.k
+        return [*first, lambda: gemv_q8.gemv_q8(acts, w, fmt, n, k, out, bias=bias_t, residual=res_t, out_row=row)]
     if spec.m <= kernels.GEMV_ROWS:
         kernel = _gemv_kernels(fmt, spec.m, out)
-        return lambda: kernel(x, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)
+        return [lambda: kernel(x, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)]
     from fuselane.lanes.cuda.triton import gemm
 
     if b.in_place and gemm.supports(fmt, spec.k) and out.dtype in _store_types():
@@ -104,7 +107,7 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
         x2 = x.view(spec.m, spec.k)
         res2 = res_t.view(spec.m, spec.n) if res_t is not None else None
         out2 = out if row is not None else out.view(spec.m, spec.n)
-        return lambda: gemm.gemm(x2, w, fmt, spec.n, spec.k, out2, bias=bias_t, residual=res2, out_row=row)
+        return [lambda: gemm.gemm(x2, w, fmt, spec.n, spec.k, out2, bias=bias_t, residual=res2, out_row=row)]
     dense = b.dense(op.ins[1])
 
     def gemm() -> None:
@@ -118,7 +121,7 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
         else:
             out.index_copy_(0, row[0].long() + _arange(y.shape[0], out.device), y.to(out.dtype))
 
-    return gemm
+    return [gemm]
 
 
 def _fast(fmt: Format, m: int, *outs: Any):
@@ -130,16 +133,25 @@ def _fast(fmt: Format, m: int, *outs: Any):
     return gemv_fast if f32 and gemv_fast.supports_fast(fmt, m) else None
 
 
-def _q8_in(name: str, fmt: Format, m: int, k: int, b: Bound, *outs: Any):
-    """(the int8 GEMV module, the activation's Q8Acts) where a product reads `name` quantized and the int8
-    kernels take it; None where it reads the f32 row (a format without a dp4a kernel reads the values the
-    producer also writes in f32)."""
-    if name not in b.q8:
-        return None
+def _q8_in(consumer: Op, name: str, fmt: Format, m: int, k: int, b: Bound, *outs: Any):
+    """(the int8 GEMV module, the activation's Q8Acts, launches to run first) where `consumer` reads `name`
+    quantized and the int8 kernels take it: the form its producer wrote, or, where the producer wrote only
+    f32 (`fuse_quant=off`, or a producer that cannot quantize), the consumer's own quantizing launch first.
+    None where it reads the f32 row (a format without a dp4a kernel reads the values the producer also
+    writes in f32)."""
     from fuselane.lanes.cuda.triton import gemv_q8
 
-    fits = gemv_q8.supports(fmt, m, k) and all(out.dtype in _store_types() for out in outs)
-    return (gemv_q8, b.q8[name]) if fits else None
+    if not (gemv_q8.supports(fmt, m, k) and all(out.dtype in _store_types() for out in outs)):
+        return None
+    if name in b.q8:
+        return gemv_q8, b.q8[name], []
+    if b.reads_int8 is None or not b.reads_int8(consumer) or k % kernels.QBLOCK:
+        return None
+    from fuselane.lanes.cuda.triton import quant
+
+    x = b.bufs[name]
+    acts = b.scratch.setdefault(f"q8-read:{name}", quant.empty_q8(1, k, x.device))
+    return gemv_q8, acts, [lambda: quant.quantize(x.view(1, k), acts)]
 
 
 def _store_types():
@@ -169,7 +181,7 @@ def _prim(op: Op, b: Bound) -> list[Launch]:
     spec = op.sym
     ins = [b.bufs.get(n) for n in op.ins]
     if isinstance(spec, Matmul):
-        return [_product(op, b)]
+        return _product(op, b)
     if isinstance(spec, RmsNorm):
         x, out = ins[0], b.bufs[op.out]
         return [lambda: norm.rms_norm_plain(x.view(spec.rows, spec.cols), out.view(spec.rows, spec.cols), spec.eps)]
@@ -326,14 +338,14 @@ def _rope_qk(op: Op, b: Bound):
 
 def _gemm_bias(op: Op, b: Bound):
     mm, add = leaves(op)
-    return [_product(mm, b, bias=add.ins[1], dst=add)]
+    return _product(mm, b, bias=add.ins[1], dst=add)
 
 
 def _row_write(op: Op, b: Bound):
     found = leaves(op)
     mm = found[0]
     bias = found[1].ins[1] if len(found) == 3 else None
-    return [_product(mm, b, bias=bias, dst=found[-1])]
+    return _product(mm, b, bias=bias, dst=found[-1])
 
 
 def _gate_up(op: Op, b: Bound, out_q8: Any = None):
@@ -344,16 +356,17 @@ def _gate_up(op: Op, b: Bound, out_q8: Any = None):
         return None
     x, out = b.bufs[gate.ins[0]], b.bufs[op.out]
     (wg, fmt), (wu, _) = b.raw[gate.ins[1]], b.raw[up.ins[1]]
-    q8 = _q8_in(gate.ins[0], fmt, spec.m, spec.k, b, out)
+    q8 = _q8_in(op, gate.ins[0], fmt, spec.m, spec.k, b, out)
     if q8 is not None:
-        gemv_q8, acts = q8
+        gemv_q8, acts, first = q8
         if out_q8 is None:
-            return [lambda: gemv_q8.gemv_q8_gate_up_glu(acts, wg, wu, fmt, spec.n, spec.k, out)]
+            return [*first, lambda: gemv_q8.gemv_q8_gate_up_glu(acts, wg, wu, fmt, spec.n, spec.k, out)]
         from fuselane.lanes.cuda.triton import gemv_q8_epilogue as qe
 
         if spec.n % kernels.QBLOCK == 0:
             counters = b.scratch.setdefault(f"glu-q8:{op.out}", qe.q8_counters(spec.n, out.device))
-            return [lambda: qe.gemv_q8_gate_up_glu_q8(acts, wg, wu, fmt, spec.n, spec.k, out, out_q8, counters)]
+            n, k = spec.n, spec.k
+            return [*first, lambda: qe.gemv_q8_gate_up_glu_q8(acts, wg, wu, fmt, n, k, out, out_q8, counters)]
         return None
     if out_q8 is not None:
         return None
@@ -384,10 +397,10 @@ def _merged(op: Op, b: Bound):
     x, fmt = b.bufs[members[0].ins[0]], b.raw[leaves(members[0])[0].ins[1]][1]
     turns = _turns(after, b)
     k = leaves(members[0])[0].sym.k  # type: ignore[union-attr]
-    q8 = _q8_in(members[0].ins[0], fmt, x.shape[0], k, b, *(p[2] for p in products))
+    q8 = _q8_in(op, members[0].ins[0], fmt, x.shape[0], k, b, *(p[2] for p in products))
     if q8 is not None:
-        gemv_q8, acts = q8
-        return [lambda: gemv_q8.gemv_q8_parts(acts, products, fmt), *turns]
+        gemv_q8, acts, first = q8
+        return [*first, lambda: gemv_q8.gemv_q8_parts(acts, products, fmt), *turns]
     fast = _fast(fmt, x.shape[0], *(p[2] for p in products))
     if fast is not None:
         return [lambda: fast.gemv_fast_parts(x, products, fmt), *turns]
@@ -421,15 +434,15 @@ def _norm_epilogue(op: Op, b: Bound, out_q8: Any = None):
         x, r = b.bufs[mm.ins[0]], b.bufs[residual]
         counter = gemv_epilogue.gemv_add_norm_counter(x.device)  # its own: launches on one stream in turn
         n, k = product.n, product.k
-        q8 = _q8_in(mm.ins[0], fmt, 1, k, b, out)
+        q8 = _q8_in(mm, mm.ins[0], fmt, 1, k, b, out)
         if q8 is not None and n % kernels.QBLOCK == 0:
             from fuselane.lanes.cuda.triton import gemv_q8_epilogue as qe
             from fuselane.lanes.cuda.triton.quant import empty_q8
 
-            acts = q8[1]
+            _, acts, first = q8
             # a norm no product reads quantized still goes through the one kernel: its int8 form is dropped
             oq = out_q8 if out_q8 is not None else b.scratch.setdefault(f"q8-drop:{n}", empty_q8(1, n, x.device))
-            return [lambda: qe.gemv_q8_add_norm(acts, wt, fmt, n, k, r, s, w, spec.eps, out, oq, counter)]
+            return [*first, lambda: qe.gemv_q8_add_norm(acts, wt, fmt, n, k, r, s, w, spec.eps, out, oq, counter)]
         if out_q8 is not None:
             return None
         if gemv_fast_norm.supports_fast_add_norm(fmt, n):
@@ -438,7 +451,7 @@ def _norm_epilogue(op: Op, b: Bound, out_q8: Any = None):
     _, norm, *_ = _t()
     rows = (spec.rows, spec.cols)
     return [
-        _product(mm, b, residual=residual, dst=add),
+        *_product(mm, b, residual=residual, dst=add),
         lambda: norm.rms_norm(s.view(rows), w, out.view(rows), spec.eps),
     ]
 
