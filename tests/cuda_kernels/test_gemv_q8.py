@@ -140,7 +140,6 @@ def test_add_norm_writes_its_norm_quantized(monkeypatch, fmt: Format, chunk: int
     from fuselane.lanes.cuda.triton import gemv_epilogue, gemv_fast_norm, gemv_q8_epilogue
 
     if chunk:  # the last program walks the row in chunks of 32 values
-        monkeypatch.setattr(gemv_q8_epilogue, "NORM_CHUNK", chunk)
         monkeypatch.setattr(gemv_fast_norm, "NORM_CHUNK", chunk)
     n, k = 96, 512
     rng = np.random.default_rng(int(fmt) + 3)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import Format, row_bytes
-from fuselane.lanes.cuda.triton.gemv import _check_w
+from fuselane.lanes.cuda.triton.gemv import check_rows
 from fuselane.lanes.cuda.triton.gemv_epilogue import DEQUANT_OUT, _unit_values, unit_values
 from fuselane.lanes.cuda.triton.gemv_formats import SLOTS
 
@@ -108,7 +108,7 @@ def gemm(
     fmt = Format(fmt)
     if not supports(fmt, k):
         raise ValueError(f"no prefill GEMM for {fmt.name} rows of {k} values")
-    _check_w(w, fmt, n, k)
+    check_rows(w, fmt, n, k)
     m = x.shape[0]
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in DEQUANT_OUT:
         raise ValueError(f"x must be an f32 or f16 (m, {k}) tensor with unit column stride")

@@ -288,9 +288,10 @@ def _row_tiles(m: int) -> tuple[int, int]:
     return block_m, triton.cdiv(m, block_m)
 
 
-def _check_w(w: torch.Tensor, fmt: Format, n: int, k: int) -> None:
+def check_rows(w: torch.Tensor, fmt: Format, n: int, k: int) -> None:
+    """`w` must hold n >= 1 checkpoint rows of k values in `fmt`, as a contiguous 1-D uint8 tensor."""
     want = n * row_bytes(fmt, k)
-    if w.dtype != torch.uint8 or w.dim() != 1 or not w.is_contiguous() or w.numel() != want:
+    if n < 1 or w.dtype != torch.uint8 or w.dim() != 1 or not w.is_contiguous() or w.numel() != want:
         raise ValueError(f"{fmt.name} weights of {n} rows of {k} must be a contiguous 1-D uint8 tensor of {want} bytes")
 
 
@@ -345,7 +346,7 @@ def gemv_parts(
     firsts: list[int] = []
     tiles = bias_bits = row_bits = 0
     for i, p in enumerate(parts):
-        _check_w(p.w, fmt, p.n, k)
+        check_rows(p.w, fmt, p.n, k)
         _check_bias(p.bias, p.n)
         out, pitch, pos = _out_args(p, m)
         bias_bits |= (p.bias is not None) << i
@@ -421,8 +422,8 @@ def gemv_gate_up_glu(
     registers."""
     fmt = Format(fmt)
     m = _check_x(x, k)
-    _check_w(w_gate, fmt, n, k)
-    _check_w(w_up, fmt, n, k)
+    check_rows(w_gate, fmt, n, k)
+    check_rows(w_up, fmt, n, k)
     _out_args(Part(w_gate, n, out), m)
     block_n, warps = _tile(fmt, n, k, m)
     block_m, m_tiles = _row_tiles(m)

@@ -27,13 +27,13 @@ import triton.language as tl
 from fuselane.gguf.formats import LAYOUTS, QK, Format, row_bytes
 from fuselane.lanes.cuda import kernels
 from fuselane.lanes.cuda.triton.gemv import (
-    _check_w,
     _check_x,
     _largest_pow2_dividing,
     _plan,
     _stages,
     _store,
     _tile,
+    check_rows,
 )
 from fuselane.lanes.cuda.triton.gemv_formats import (
     BIT,
@@ -190,6 +190,14 @@ def _check_row(t: torch.Tensor, n: int, name: str) -> None:
         raise ValueError(f"{name} must be a contiguous float tensor of {n} values (one row), got {tuple(t.shape)}")
 
 
+def check_add_norm(residual, sum_out, norm_w, out, counter, n: int, device) -> None:
+    """The operands an add + norm launch takes after its product: four rows of n values and its counter."""
+    for t, name in ((residual, "residual"), (sum_out, "sum_out"), (norm_w, "norm_w"), (out, "out")):
+        _check_row(t, n, name)
+    if counter.dtype != COUNTER_DTYPE or counter.numel() != 1 or counter.device != device:
+        raise ValueError("counter must be one int32 on x's device (gemv_add_norm_counter)")
+
+
 def gemv_add_norm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -215,11 +223,8 @@ def gemv_add_norm(
     x2 = x.view(1, -1) if x.dim() == 1 else x
     if _check_x(x2, k) != 1:
         raise ValueError(f"gemv_add_norm takes a decode step's one row of x, not {x2.shape[0]}")
-    _check_w(w, fmt, n, k)
-    for t, name in ((residual, "residual"), (sum_out, "sum_out"), (norm_w, "norm_w"), (out, "out")):
-        _check_row(t, n, name)
-    if counter.dtype != COUNTER_DTYPE or counter.numel() != 1 or counter.device != x.device:
-        raise ValueError("counter must be one int32 on x's device (gemv_add_norm_counter)")
+    check_rows(w, fmt, n, k)
+    check_add_norm(residual, sum_out, norm_w, out, counter, n, x.device)
     block_n, warps = norm_tile(fmt, n, k)
     threads = warps * kernels.WARP
     if not kernels.block_holds_its_norm(threads, n):
@@ -404,7 +409,7 @@ def dequantize(w: torch.Tensor, fmt: Format, n: int, k: int, out: torch.Tensor) 
     fmt = Format(fmt)
     if fmt not in SLOTS:
         raise ValueError(f"no device decode for {fmt.name}")
-    _check_w(w, fmt, n, k)
+    check_rows(w, fmt, n, k)
     if out.dtype not in DEQUANT_OUT or out.dim() != 2 or tuple(out.shape) != (n, k) or out.stride(1) != 1:
         raise ValueError(f"out must be an f16 or f32 ({n}, {k}) tensor with unit column stride")
     values = _unit_values(fmt, k)

@@ -40,8 +40,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format, row_bytes
-from fuselane.lanes.cuda.triton.gemv import Part
-from fuselane.lanes.cuda.triton.gemv_parts import check_rows, part_rows, parts_args, store_parts
+from fuselane.lanes.cuda.triton.gemv import Part, check_rows
+from fuselane.lanes.cuda.triton.gemv_parts import part_rows, parts_args, store_parts
 
 
 def _c(value: int | float) -> tl.constexpr:

@@ -19,7 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import Format
-from fuselane.lanes.cuda.triton.gemv_epilogue import COUNTER_DTYPE, _check_row
+from fuselane.lanes.cuda.triton.gemv_epilogue import check_add_norm
 from fuselane.lanes.cuda.triton.gemv_fast import GROUPS, _check, _plan, _row_dots
 from fuselane.lanes.cuda.triton.gemv_parts import store_row
 from fuselane.lanes.cuda.triton.quant import store_quantized
@@ -144,10 +144,7 @@ def gemv_fast_add_norm(
         raise ValueError(f"no fast GEMV with a norm for {fmt.name} rows of {n}")
     x2 = x.view(1, -1) if x.dim() == 1 else x
     _check(x2, k, [w], fmt, n)
-    for t, name in ((residual, "residual"), (sum_out, "sum_out"), (norm_w, "norm_w"), (out, "out")):
-        _check_row(t, n, name)
-    if counter.dtype != COUNTER_DTYPE or counter.numel() != 1 or counter.device != x.device:
-        raise ValueError("counter must be one int32 on x's device (gemv_add_norm_counter)")
+    check_add_norm(residual, sum_out, norm_w, out, counter, n, x.device)
     if NORM_CHUNK < 1 or NORM_CHUNK & (NORM_CHUNK - 1):
         raise ValueError(f"NORM_CHUNK must be a power of two, not {NORM_CHUNK}")
     plan = _plan(fmt, k, block_n, warps)

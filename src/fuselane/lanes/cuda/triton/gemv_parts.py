@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuselane.gguf.formats import Format, row_bytes
-from fuselane.lanes.cuda.triton.gemv import Part
+from fuselane.gguf.formats import Format
+from fuselane.lanes.cuda.triton.gemv import Part, _check_bias, _out_args, check_rows
 
 PARTS_MOST = 4  # products one `gemv_fast_parts` launch takes
 NO_TILE = 2**31 - 1  # stand-in tile boundary of an absent part: no program id reaches it
@@ -77,29 +77,12 @@ def store_parts(
 
 
 def out_args(part: Part) -> tuple[Tensor, int, Tensor | None]:
-    """(out, row pitch, position tensor or None) of a part, checked."""
-    out, n = part.out, part.n
-    # an f16 out is a KV-cache row: the store rounds the f32 sums to the pointer's type
-    if out.dim() != 2 or out.stride(1) != 1 or out.dtype not in (torch.float32, torch.float16):
+    """(out, row pitch, position tensor or None) of a one-row part, checked as `gemv` checks its parts; the
+    out is f32, or f16 where it is a KV-cache row (the store rounds the f32 sums to the pointer's type)."""
+    if part.out.dtype not in (torch.float32, torch.float16):
         raise ValueError("out must be a 2-D f32 or f16 tensor with unit column stride")
-    if part.bias is not None and (part.bias.dim() != 1 or part.bias.numel() != n or not part.bias.is_contiguous()):
-        raise ValueError(f"bias must be a contiguous ({n},) tensor")
-    if part.out_row is None:
-        if tuple(out.shape) != (1, n):
-            raise ValueError(f"out must be (1, {n}), got {tuple(out.shape)}")
-        return out, out.stride(0), None
-    # the position is on the device: row pos[0] must exist, which only the caller knows
-    pos, pitch = part.out_row
-    if not n <= pitch == out.stride(0) or pos.numel() < 1 or pos.is_floating_point():
-        raise ValueError(f"out_row needs an integer position tensor and a pitch >= {n} equal to out's row stride")
-    return out, pitch, pos
-
-
-def check_rows(w: Tensor, fmt: Format, n: int, k: int) -> None:
-    """`w` must hold n checkpoint rows of k values in `fmt`, as a contiguous 1-D uint8 tensor."""
-    want = n * row_bytes(fmt, k)
-    if n < 1 or w.dtype != torch.uint8 or w.dim() != 1 or not w.is_contiguous() or w.numel() != want:
-        raise ValueError(f"{fmt.name} weights of {n} rows of {k} must be a contiguous uint8 tensor of {want} bytes")
+    _check_bias(part.bias, part.n)
+    return _out_args(part, 1)
 
 
 def parts_args(parts: Sequence[Part | tuple], fmt: Format, k: int, block_n: int, stand_in: Tensor,

@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import QK, QK_K, Format
-from fuselane.lanes.cuda.triton.gemv import Part
+from fuselane.lanes.cuda.triton.gemv import Part, check_rows
 from fuselane.lanes.cuda.triton.gemv_fast import (
     BYTE,
     BYTE_BITS,
@@ -49,7 +49,7 @@ from fuselane.lanes.cuda.triton.gemv_fast import (
     _raw,
     q4_k_scales,
 )
-from fuselane.lanes.cuda.triton.gemv_parts import check_rows, part_rows, parts_args, store_parts
+from fuselane.lanes.cuda.triton.gemv_parts import part_rows, parts_args, store_parts
 
 
 def _c(value: int | float) -> tl.constexpr:

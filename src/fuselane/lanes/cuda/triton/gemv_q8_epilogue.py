@@ -19,14 +19,14 @@ from torch import Tensor
 
 from fuselane.gguf.formats import QK, Format
 from fuselane.lanes.cuda.triton import gemv_fast_norm
-from fuselane.lanes.cuda.triton.gemv_epilogue import COUNTER_DTYPE, _check_row
+from fuselane.lanes.cuda.triton.gemv import check_rows
+from fuselane.lanes.cuda.triton.gemv_epilogue import COUNTER_DTYPE, _check_row, check_add_norm
 from fuselane.lanes.cuda.triton.gemv_fast_norm import norm_last
-from fuselane.lanes.cuda.triton.gemv_parts import check_rows, store_row
+from fuselane.lanes.cuda.triton.gemv_parts import store_row
 from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts, _check_acts, _row_dots, _tile_plan
 from fuselane.lanes.cuda.triton.quant import store_quantized
 
 QB = tl.constexpr(QK)
-NORM_CHUNK: int | None = None  # the last program's pass over the row; None: gemv_fast_norm's (read at launch)
 
 
 @triton.jit
@@ -85,13 +85,10 @@ def gemv_q8_add_norm(
     fmt = Format(fmt)
     _check_acts(x, k)
     check_rows(w, fmt, n, k)
-    for t, name in ((residual, "residual"), (sum_out, "sum_out"), (norm_w, "norm_w"), (out, "out")):
-        _check_row(t, n, name)
+    check_add_norm(residual, sum_out, norm_w, out, counter, n, x.q.device)
     _check_q8_out(out_q8, n)
-    if counter.dtype != COUNTER_DTYPE or counter.numel() != 1:
-        raise ValueError("counter must be one int32 (gemv_add_norm_counter)")
     plan = _tile_plan(fmt, k, block_n, warps, per_thread)
-    chunk = max(min(triton.next_power_of_2(n), NORM_CHUNK or gemv_fast_norm.NORM_CHUNK), QK)
+    chunk = max(min(triton.next_power_of_2(n), gemv_fast_norm.NORM_CHUNK), QK)
     _q8_add_norm_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](
         *x, w, n, residual, sum_out, norm_w, out, *out_q8, counter, float(eps),
         NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(n, chunk), **plan,
