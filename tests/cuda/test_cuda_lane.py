@@ -76,6 +76,18 @@ def test_fused_equals_held_plan(pair):
     assert rel(_run(gpu, PROMPT, 4), _run(held, PROMPT, 4)) <= tol
 
 
+def test_dependent_launches_change_no_bit(pair):
+    """Kernels launched as dependents of the one before (`pdl`, on by default on Hopper) wait for their
+    inputs: the logits are those of the plain launch order, bit for bit."""
+    path, gpu, _ = pair
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("dependent launches need compute capability 9.0")
+    assert gpu.lane.dependent_launch
+    plain = load(path, lane="cuda", ctx=128, knobs=["pdl=off"])
+    assert not plain.lane.dependent_launch
+    np.testing.assert_array_equal(_run(gpu, PROMPT, STEPS), _run(plain, PROMPT, STEPS))
+
+
 def test_greedy_tokens_match_cpu(pair):
     path, gpu, ref = pair
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)

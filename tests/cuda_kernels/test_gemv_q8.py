@@ -25,6 +25,7 @@ from kernel_checks import DEVICE, check, dev, gamma, raw_weights  # noqa: E402
 
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
+from fuselane.lanes.cuda.triton import gemv_q8 as q8_module  # noqa: E402
 from fuselane.lanes.cuda.triton import quant  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv import Part  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv_q8 import gemv_q8, gemv_q8_gate_up_glu, gemv_q8_parts, supports  # noqa: E402
@@ -81,6 +82,33 @@ def test_products(fmt: Format) -> None:
         assert gemv_q8(acts, dev(raw), fmt, N, k, out) is out
         want, scale = _reference(acts, raw, fmt, N, k)
         check(out, want, gamma(k + ROUNDINGS) * scale)
+
+
+# k and a small tile (4 rows, one warp, one (row, group) a thread) that walk each row in several chunks, the
+# last partial where the format's units allow
+CHUNKED_K = {Format.Q4_K: 1024, Format.Q6_K: 1024, Format.Q8_0: 800, Format.Q5_0: 800}
+SMALL_TILE = {"block_n": 4, "warps": 1, "per_thread": 1}
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_products_in_chunks_at_each_prefetch_depth(monkeypatch, fmt: Format, depth: int) -> None:
+    monkeypatch.setattr(q8_module, "PREFETCH_DEPTH", depth)
+    k = CHUNKED_K[fmt]
+    plan = q8_module._tile_plan(fmt, k, **SMALL_TILE)
+    assert plan["N_UNITS"] >= 3 * plan["CHUNK"] and plan["DEPTH"] == depth
+    rng = np.random.default_rng(int(fmt) * 10 + depth)
+    raw, up = raw_weights(fmt, N, k, rng), raw_weights(fmt, N, k, rng)
+    _, acts = _quantized(k, rng)
+    out = torch.full((1, N), float("nan"), device=DEVICE)
+    gemv_q8(acts, dev(raw), fmt, N, k, out, **SMALL_TILE)
+    want, scale = _reference(acts, raw, fmt, N, k)
+    check(out, want, gamma(k + ROUNDINGS) * scale)
+    gemv_q8_gate_up_glu(acts, dev(raw), dev(up), fmt, N, k, out, **SMALL_TILE)
+    u, u_scale = _reference(acts, up, fmt, N, k)
+    silu = want / (1 + np.exp(-want))
+    bound = gamma(k + ROUNDINGS) * (SILU_SLOPE * scale * np.abs(u) + np.abs(silu) * u_scale)
+    check(out, silu * u, bound + GLU_ULPS * 2.0**-24 * np.abs(silu * u))
 
 
 @pytest.mark.parametrize("fmt", (Format.Q4_K, Format.Q8_0), ids=lambda f: f.name)

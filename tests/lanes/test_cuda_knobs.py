@@ -48,6 +48,7 @@ def test_knobs_parse() -> None:
     assert (chip.name, chip.sms, chip.smem_kib_per_block) == ("A100", 100, 160)
     assert CudaKnobs().prefill_weights is PrefillWeights.F16_COPY
     assert CudaKnobs.parse(["prefill=in-place"]).prefill_weights is PrefillWeights.IN_PLACE
+    assert CudaKnobs().dependent_launch and not CudaKnobs.parse(["pdl=off"]).dependent_launch
 
 
 @pytest.mark.parametrize(
@@ -61,6 +62,7 @@ def test_knobs_parse() -> None:
         ("sms=-3", "knob 'sms' takes a positive whole number, not '-3'"),
         ("chip=tpu", "knob 'chip' takes one of h200"),
         ("prefill=int4", "knob 'prefill' takes one of f16-copy, in-place, not 'int4'"),
+        ("pdl=later", "knob 'pdl' takes on or off, not 'later'"),
     ],
 )
 def test_knobs_parse_errors(setting: str, message: str) -> None:

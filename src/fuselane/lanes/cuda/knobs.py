@@ -85,6 +85,9 @@ class CudaKnobs:
     - `fuse_quant=True`: under quantized activations a producer writes its result already quantized, which
       saves a launch and a pass over the activation; off only to trace a numerics difference.
     - `batch=False`: a form's rows are one sequence's.
+    - `pdl=True`: on a GPU of compute capability 9.0 or later each kernel launches as a dependent of the one
+      before it, so its blocks load their weights while that one finishes (`triton/pdl.py`); off to time
+      the plain launch order. Results are the same either way.
     - `prefill=f16-copy`: cuBLAS on f16 copies multiplies a prefill chunk 7-20x faster than the GEMM that
       decodes the weights in its kernel (H200, 256 rows: 370-530 against 27-76 TFLOP/s on the 8B's
       products, `benchmarks/gemm_compare.py`); `in-place` keeps a model's memory at its checkpoint's size
@@ -98,6 +101,7 @@ class CudaKnobs:
     fuse_quant: bool = True
     batch: bool = False
     prefill_weights: PrefillWeights = PrefillWeights.F16_COPY
+    dependent_launch: bool = True
 
     @classmethod
     def parse(cls, settings: Iterable[str], base: CudaKnobs | None = None) -> CudaKnobs:
@@ -154,4 +158,5 @@ _SETTERS = {
     "fuse_quant": lambda k, v: replace(k, fuse_quant=_flag("fuse_quant", v)),
     "batch": lambda k, v: replace(k, batch=_flag("batch", v)),
     "prefill": lambda k, v: replace(k, prefill_weights=_choice("prefill", PrefillWeights, v)),
+    "pdl": lambda k, v: replace(k, dependent_launch=_flag("pdl", v)),
 }

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from fuselane.lanes.cuda.decode import DeviceSampler, Tail
 
 WARMUP_RUNS = 2  # runs before capture: Triton compiles each kernel on its first launch
+PDL_MAJOR = 9  # the compute capability (major) from which a kernel may launch as a dependent (Hopper)
 
 
 class CudaLane:
@@ -70,6 +71,10 @@ class CudaLane:
             chip = replace(knobs.chip, name=props.name, sms=props.multi_processor_count, smem_kib_per_block=smem)
             knobs = replace(knobs, chip=chip)
         self.shim = CudaShim(knobs, held=held)
+        # programmatic dependent launch needs compute capability 9.0; the interpreter runs launches in turn
+        self.dependent_launch = (
+            knobs.dependent_launch and not interpreted and torch.cuda.get_device_capability(self.device)[0] >= PDL_MAJOR
+        )
         self.held, self.use_graphs = held, graphs
         self.cache_dtype = torch.float16 if knobs.cache_precision is CachePrecision.F16 else torch.float32
         self.raw: dict[str, tuple[Any, Any]] = {}
@@ -183,9 +188,10 @@ class _Step:
 
     def __init__(self, lane: CudaLane, plan: Plan) -> None:
         from fuselane.lanes.cuda.launch import Bound, bind
+        from fuselane.lanes.cuda.triton import pdl
 
         torch = lane.torch
-        self.lane, self.plan, self.torch = lane, plan, torch
+        self.lane, self.plan, self.torch, self.pdl = lane, plan, torch, pdl
         g: TensorGraph = plan.graph
         bufs: dict[str, Any] = {}
         q8: dict[str, Any] = {}
@@ -213,11 +219,13 @@ class _Step:
         self.runs: dict[Hashable, int] = {}
 
     def eager(self, tail: Tail | None = None) -> None:
-        """Launch the step (and its tail) one launch at a time."""
-        for launch in self.launch_list:
-            launch()
-        for launch in tail.launches if tail is not None else ():
-            launch()
+        """Launch the step (and its tail) one launch at a time, each a dependent of the last where the lane
+        launches so."""
+        with self.pdl.dependent_launches(self.lane.dependent_launch):
+            for launch in self.launch_list:
+                launch()
+            for launch in tail.launches if tail is not None else ():
+                launch()
 
     def feed(self, token: int, pos: int) -> None:
         """Write a decode step's input token and position from the host."""

@@ -41,6 +41,7 @@ import triton.language as tl
 from fuselane.lanes.cuda import kernels
 from fuselane.lanes.cuda.knobs import H200, Chip
 from fuselane.lanes.cuda.shim import chunks_apart
+from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.quant import quantize_block
 
 LOG2E = math.log2(math.e)
@@ -208,7 +209,9 @@ def _decode_kernel(
     MERGE_BATCH: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
     hb = tl.program_id(0)
     kvh = hb * HB // GROUP
     split = tl.program_id(1)
@@ -367,6 +370,7 @@ def flash_decode(
         INTERPRETED=interpreted(),
         num_warps=min(group_p2, kernels.MAX_BLOCK_WARPS),
         num_stages=DECODE_STAGES,
+        **pdl.options(),
     )
 
 
@@ -441,7 +445,9 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     F16_OPS: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
     mt = tl.program_id(0)
     kvh = tl.program_id(1)
     pos = tl.load(pos_ptr)
@@ -546,4 +552,5 @@ def flash_prefill(
         INTERPRETED=interpreted(),
         num_warps=PREFILL_WARPS,
         num_stages=PREFILL_STAGES,
+        **pdl.options(),
     )

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import Format, row_bytes
+from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import check_rows
 from fuselane.lanes.cuda.triton.gemv_epilogue import DEQUANT_OUT, _unit_values, unit_values
 from fuselane.lanes.cuda.triton.gemv_formats import SLOTS
@@ -41,8 +42,9 @@ def _gemm_kernel(
     x, w, out, bias, res, pos, m, n, x_pitch, out_pitch, res_pitch,
     FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
     STEPS: tl.constexpr, STEP_UNITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, AT_ROW: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, AT_ROW: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.begin(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     xm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
@@ -149,5 +151,6 @@ def gemm(
         AT_ROW=out_row is not None,
         num_warps=WARPS,
         num_stages=STAGES,
+        **pdl.options(),
     )
     return out

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from fuselane.gguf.formats import Format, row_bytes
 from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv_formats import SLOTS, dot_rows
 
 # The most f32 partial sums a thread keeps for its m rows' slot values: a step's slot is cut finer as m grows
@@ -174,8 +175,10 @@ def _gemv_parts_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Part p owns tiles [t_p, t_{p+1}); BIAS and AT_ROW hold a bit a part; the residual is part 0's.
+    pdl.begin(PDL)
     pid = tl.program_id(0)
     part = (pid >= t1).to(tl.int32)
     if PARTS > 2:
@@ -224,7 +227,9 @@ def _gemv_glu_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_off = tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
     mi = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -381,6 +386,7 @@ def gemv_parts(
         BLOCK_N=block_n,
         STAGES=_stages(fmt),
         num_warps=warps,
+        **pdl.options(),
     )
 
 
@@ -446,5 +452,6 @@ def gemv_gate_up_glu(
         BLOCK_N=block_n,
         STAGES=_stages(fmt),
         num_warps=warps,
+        **pdl.options(),
     )
     return out

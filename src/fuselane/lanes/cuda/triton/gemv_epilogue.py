@@ -26,6 +26,7 @@ import triton.language as tl
 
 from fuselane.gguf.formats import LAYOUTS, QK, Format, row_bytes
 from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import (
     _check_x,
     _largest_pow2_dividing,
@@ -132,7 +133,9 @@ def _gemv_add_norm_kernel(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # rows past n read the last row (no masked loads in the k loop); the store drops them
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
@@ -253,6 +256,7 @@ def gemv_add_norm(
         # threads are a power of two, so a held row's power of two is at most NORM_HELD_A_THREAD a thread
         NORM_BLOCK=triton.next_power_of_2(n),
         num_warps=warps,
+        **pdl.options(),
     )
     return out
 
@@ -360,8 +364,10 @@ def _dequant_kernel(
     VALUES: tl.constexpr,
     NBYTES: tl.constexpr,
     UNITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # a program decodes UNITS whole units (blocks, or runs of VALUES float values) of the flat tensor
+    pdl.begin(PDL)
     u = tl.program_id(0).to(tl.int64) * UNITS + tl.arange(0, UNITS)
     keep = u < units
     # units past the end decode the last one (no masked loads); the store drops them
@@ -429,5 +435,6 @@ def dequantize(w: torch.Tensor, fmt: Format, n: int, k: int, out: torch.Tensor) 
         NBYTES=row_bytes(fmt, values),
         UNITS=per_program,
         num_warps=DEQUANT_WARPS,
+        **pdl.options(),
     )
     return out

@@ -40,6 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format, row_bytes
+from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import Part, check_rows
 from fuselane.lanes.cuda.triton.gemv_parts import part_rows, parts_args, store_parts
 
@@ -397,9 +398,10 @@ def _fma(acc, raw, xa, xb, live, FMT: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK
 
 @triton.jit
 def _row_dots(w_a, w_b, x, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr,
-              FENCE: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
+              FENCE: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """x . row for the tile's rows of `w_a` (and of `w_b` where TWO), [N] f32 each: every iteration loads the
-    next chunk's weights, then decodes and accumulates this one's."""
+    next chunk's weights, then decodes and accumulates this one's. The first chunk's weights are loaded before
+    waiting for the kernel that wrote x (`pdl`)."""
     CHUNKS: tl.constexpr = (N_UNITS + CHUNK - 1) // CHUNK
     PARTIAL: tl.constexpr = N_UNITS % CHUNK != 0
     G: tl.constexpr = CHUNK * (K_RUNS if FMT == FMT_Q4_K else (Q6_RUNS if FMT == FMT_Q6_K else 1))
@@ -410,6 +412,7 @@ def _row_dots(w_a, w_b, x, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_UNITS: tl
     if TWO:
         raw_b = _raw(w_b, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
         acc_b = tl.zeros([BLOCK_N, G, QUAD, QUAD], tl.float32)
+    pdl.wait(PDL)
     for c in range(0, CHUNKS - 1):
         u0 = c * CHUNK
         next_a = _raw(w_a, u0 + CHUNK, FMT, N_UNITS, CHUNK, PARTIAL)
@@ -444,9 +447,11 @@ def _parts_kernel(
     t1, t2, t3, res,
     FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     FENCE: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.release(PDL)
     part, rows, n, w_rows = part_rows(w0, n0, w1, n1, w2, n2, w3, n3, t1, t2, t3, ROW_BYTES, BLOCK_N)
-    y, _ = _row_dots(w_rows, w_rows, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False)
+    y, _ = _row_dots(w_rows, w_rows, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, PDL)
     store_parts(
         y, rows, part, n,
         out0, pitch0, bias0, pos0, out1, pitch1, bias1, pos1, out2, pitch2, bias2, pos2, out3, pitch3, bias3, pos3,
@@ -456,10 +461,11 @@ def _parts_kernel(
 
 @triton.jit
 def _glu_kernel(x, w_gate, w_up, n, out, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr,
-                ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, FENCE: tl.constexpr):  # fmt: skip
+                ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    pdl.release(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_off = tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
-    gate, up = _row_dots(w_gate + row_off, w_up + row_off, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True)
+    gate, up = _row_dots(w_gate + row_off, w_up + row_off, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True, PDL)
     # SiLU(g) = g / (1 + e^-g): for a very negative g, e^-g is inf and the quotient a signed zero, as it should
     tl.store(out + rows, gate / (1.0 + tl.exp(-gate)) * up, mask=rows < n)
 
@@ -527,7 +533,7 @@ def gemv_fast_parts(x: Tensor, parts: Sequence[Part | tuple], fmt: Format, *, re
     _check(x, k, [], fmt, 1)  # the activation; parts_args checks each part's weights
     plan = _plan(fmt, k, block_n, warps, per_thread)
     args, flags, tiles = parts_args(parts, fmt, k, plan["BLOCK_N"], x, residual)
-    _parts_kernel[(tiles,)](x, *args, **flags, **plan)
+    _parts_kernel[(tiles,)](x, *args, **flags, **plan, **pdl.options())
 
 
 def gemv_fast(x: Tensor, w: Tensor, fmt: Format, n: int, k: int, out: Tensor, *, bias: Tensor | None = None,
@@ -556,5 +562,5 @@ def gemv_fast_gate_up_glu(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, 
     if tuple(out.shape) != (1, n) or not out.is_contiguous() or out.dtype != torch.float32:
         raise ValueError(f"out must be a contiguous f32 (1, {n}) tensor")
     plan = _plan(fmt, k, block_n, warps, per_thread, glu=True)
-    _glu_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](x, w_gate, w_up, n, out, **plan)
+    _glu_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](x, w_gate, w_up, n, out, **plan, **pdl.options())
     return out

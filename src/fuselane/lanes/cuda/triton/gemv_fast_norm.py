@@ -19,6 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import Format
+from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv_epilogue import check_add_norm
 from fuselane.lanes.cuda.triton.gemv_fast import GROUPS, _check, _plan, _row_dots
 from fuselane.lanes.cuda.triton.gemv_parts import store_row
@@ -36,12 +37,13 @@ NORM_CHUNK = 8192
 def _fast_add_norm_kernel(
     x, w, n, res, sum_out, norm_w, out, counter, eps,
     FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
-    FENCE: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr,
+    FENCE: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.release(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # rows past n read the last row (no masked weight loads, as gemv_fast); the store drops them
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
-    y, _ = _row_dots(w_rows, w_rows, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False)
+    y, _ = _row_dots(w_rows, w_rows, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, PDL)
     # gemv_fast's epilogue: + residual (which may be sum_out itself: each program reads only the rows it writes)
     store_row(y, rows, n, sum_out, 0, x, x, res, False, False, True)
 
@@ -162,5 +164,6 @@ def gemv_fast_add_norm(
         NORM_BLOCK=chunk,
         NORM_STEPS=triton.cdiv(n, chunk),
         **plan,
+        **pdl.options(),
     )
     return out

@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import QK, QK_K, Format
+from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import Part, check_rows
 from fuselane.lanes.cuda.triton.gemv_fast import (
     BYTE,
@@ -68,17 +69,22 @@ QK_C, QK_K_C, HALF_QK_C = _c(QK), _c(QK_K), _c(QK // 2)
 WORD_VALUES = _c(4)  # int8 codes a 32-bit word
 FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0})
 # Tiles (rows a program, warps, (row, group)s a thread), chosen by timing the whole decode step's graph
-# replay on the H200 over a sweep of each (`activations=int8`, 7B and 8B Q4_K_M): Q4_K at 4 rows and 8 warps
-# (8B 3.149 -> 3.067 ms), Q6_K at 2 rows and 8 warps (3.067 -> 3.046 ms); the gate/up GLU stays at 4 rows and
-# two warps, every other tile tried was slower (up to 3.645 ms). The kernel figures of `gemv_compare.py --q8`
-# pointed elsewhere: it re-reads one matrix from L2.
-TILES = {Format.Q4_K: (4, 8, 1), Format.Q6_K: (2, 8, 1), Format.Q8_0: (4, 2, 2), Format.Q5_0: (4, 2, 2)}
-GLU_TILES = TILES | {Format.Q4_K: (4, 2, 2)}
+# replay on the H200 over a sweep of each (`activations=int8`, `benchmarks/tile_sweep.py`): Q4_K at 4 rows
+# and 8 warps (8B 3.149 -> 3.067 ms), Q6_K at 2 rows and 8 warps (3.067 -> 3.046 ms); under dependent
+# launches Q8_0 at 2 rows (0.6B 0.826 -> 0.793 ms) and the Q4_K gate/up GLU at 2 rows and 4 warps (8B
+# 2.866 -> 2.821 ms); Q5_0 stays at 4 rows (2 rows: 0.5B 0.597 -> 0.634 ms). The kernel figures of
+# `gemv_compare.py --q8` pointed elsewhere: it re-reads one matrix from L2.
+TILES = {Format.Q4_K: (4, 8, 1), Format.Q6_K: (2, 8, 1), Format.Q8_0: (2, 2, 2), Format.Q5_0: (4, 2, 2)}
+GLU_TILES = TILES | {Format.Q4_K: (2, 4, 1)}
 # Rows of at least TALL_K values (a down projection's: the 7B's 18,944, the 8B's 12,288) leave few rows a
 # program for the SMs' streams: two rows and eight warps a program read them faster (7B 2.829 -> 2.692 ms,
 # 8B 3.312 -> 3.145 ms at the earlier tiles).
 TALL_K = 8192
 TALL_TILES = TILES | {Format.Q4_K: (2, 8, 1), Format.Q6_K: (2, 8, 1)}
+# Chunks of weights a program has in flight while it sums one (1 or 2). Two chunks: 0.6B 0.912 -> 0.826 ms,
+# 0.5B 0.621 -> 0.597 ms a step, where a row is few chunks and the first two load before the wait for the
+# kernel before; no change on the 8B (2.868 / 2.866 ms), whose programs are not short of loads in flight.
+PREFETCH_DEPTH = 2
 
 
 class Q8Acts(NamedTuple):
@@ -245,11 +251,14 @@ def _chunk_sum(acc, raw, xq, xd, xs, u0, FMT: tl.constexpr, N_UNITS: tl.constexp
 
 @triton.jit
 def _row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_UNITS: tl.constexpr,
-              CHUNK: tl.constexpr, FENCE: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
+              CHUNK: tl.constexpr, FENCE: tl.constexpr, TWO: tl.constexpr, DEPTH: tl.constexpr,
+              PDL: tl.constexpr):  # fmt: skip
     """x . row for the tile's rows of `w_a` (and `w_b` where TWO), [N] f32 each; the loop of
-    `gemv_fast._row_dots`: each iteration loads the next chunk's weights, then sums this one's."""
+    `gemv_fast._row_dots`: each iteration loads the weights DEPTH chunks ahead (1 or 2), then sums this
+    chunk's. The first DEPTH chunks' weights are loaded before waiting for the kernel that wrote x (`pdl`)."""
     CHUNKS: tl.constexpr = (N_UNITS + CHUNK - 1) // CHUNK
     PARTIAL: tl.constexpr = N_UNITS % CHUNK != 0
+    DEEP: tl.constexpr = DEPTH == 2 and CHUNKS >= 2
     G: tl.constexpr = CHUNK * (K_RUNS if FMT == FMT_Q4_K else (Q6_RUNS if FMT == FMT_Q6_K else 1))
     raw_a = _raw(w_a, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
     raw_b = raw_a
@@ -258,19 +267,38 @@ def _row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_
     if TWO:
         raw_b = _raw(w_b, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
         acc_b = tl.zeros([BLOCK_N, G], tl.float32)
-    for c in range(0, CHUNKS - 1):
-        u0 = c * CHUNK
-        next_a = _raw(w_a, u0 + CHUNK, FMT, N_UNITS, CHUNK, PARTIAL)
+    if DEEP:  # the second chunk, in flight with the first
+        mid_a = _raw(w_a, CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 2)
+        mid_b = mid_a
         if TWO:
-            next_b = _raw(w_b, u0 + CHUNK, FMT, N_UNITS, CHUNK, PARTIAL)
+            mid_b = _raw(w_b, CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 2)
+    pdl.wait(PDL)
+    AHEAD: tl.constexpr = 2 * CHUNK if DEEP else CHUNK
+    for c in range(0, CHUNKS - 2 if DEEP else CHUNKS - 1):
+        u0 = c * CHUNK
+        next_a = _raw(w_a, u0 + AHEAD, FMT, N_UNITS, CHUNK, PARTIAL)
+        if TWO:
+            next_b = _raw(w_b, u0 + AHEAD, FMT, N_UNITS, CHUNK, PARTIAL)
         if FENCE:  # see gemv_fast.PREFETCH_FENCE
             tl.debug_barrier()
         acc_a = _chunk_sum(acc_a, raw_a, xq, xd, xs, u0, FMT, N_UNITS, BLOCK_N, CHUNK, False)
-        raw_a = next_a
         if TWO:
             acc_b = _chunk_sum(acc_b, raw_b, xq, xd, xs, u0, FMT, N_UNITS, BLOCK_N, CHUNK, False)
-            raw_b = next_b
+        if DEEP:
+            raw_a, mid_a = mid_a, next_a
+            if TWO:
+                raw_b, mid_b = mid_b, next_b
+        else:
+            raw_a = next_a
+            if TWO:
+                raw_b = next_b
     last = (CHUNKS - 1) * CHUNK
+    if DEEP:  # the chunk before the last, already loaded
+        acc_a = _chunk_sum(acc_a, raw_a, xq, xd, xs, last - CHUNK, FMT, N_UNITS, BLOCK_N, CHUNK, False)
+        raw_a = mid_a
+        if TWO:
+            acc_b = _chunk_sum(acc_b, raw_b, xq, xd, xs, last - CHUNK, FMT, N_UNITS, BLOCK_N, CHUNK, False)
+            raw_b = mid_b
     y_a = tl.sum(_chunk_sum(acc_a, raw_a, xq, xd, xs, last, FMT, N_UNITS, BLOCK_N, CHUNK, PARTIAL), 1)
     y_b = y_a
     if TWO:
@@ -291,9 +319,11 @@ def _parts_kernel(
     t1, t2, t3, res,
     FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     FENCE: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
+    DEPTH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.release(PDL)
     part, rows, n, w_rows = part_rows(w0, n0, w1, n1, w2, n2, w3, n3, t1, t2, t3, ROW_BYTES, BLOCK_N)
-    y, _ = _row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False)
+    y, _ = _row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, PDL)
     store_parts(
         y, rows, part, n,
         out0, pitch0, bias0, pos0, out1, pitch1, bias1, pos1, out2, pitch2, bias2, pos2, out3, pitch3, bias3, pos3,
@@ -303,10 +333,13 @@ def _parts_kernel(
 
 @triton.jit
 def _glu_kernel(xq, xd, xs, w_gate, w_up, n, out, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr,
-                ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, FENCE: tl.constexpr):  # fmt: skip
+                ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
+                PDL: tl.constexpr):  # fmt: skip
+    pdl.release(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_off = tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
-    gate, up = _row_dots(w_gate + row_off, w_up + row_off, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True)
+    w_g, w_u = w_gate + row_off, w_up + row_off
+    gate, up = _row_dots(w_g, w_u, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True, DEPTH, PDL)
     tl.store(out + rows, gate / (1.0 + tl.exp(-gate)) * up, mask=rows < n)
 
 
@@ -325,7 +358,7 @@ def _tile_plan(
     tile given."""
     if block_n is None and warps is None and per_thread is None:
         block_n, warps, per_thread = (GLU_TILES if glu else TALL_TILES if k >= TALL_K else TILES)[fmt]
-    return _plan(fmt, k, block_n, warps, per_thread)
+    return _plan(fmt, k, block_n, warps, per_thread) | {"DEPTH": PREFETCH_DEPTH}
 
 
 def _check_acts(x: Q8Acts, k: int) -> None:
@@ -347,7 +380,7 @@ def gemv_q8_parts(x: Q8Acts, parts: Sequence[Part | tuple], fmt: Format, *, resi
     _check_acts(x, k)
     plan = _tile_plan(fmt, k, block_n, warps, per_thread)
     args, flags, tiles = parts_args(parts, fmt, k, plan["BLOCK_N"], x.d, residual)
-    _parts_kernel[(tiles,)](x.q, x.d, x.s, *args, **flags, **plan)
+    _parts_kernel[(tiles,)](x.q, x.d, x.s, *args, **flags, **plan, **pdl.options())
 
 
 def gemv_q8(x: Q8Acts, w: Tensor, fmt: Format, n: int, k: int, out: Tensor, *, bias: Tensor | None = None,
@@ -372,5 +405,5 @@ def gemv_q8_gate_up_glu(x: Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, n:
     if tuple(out.shape) != (1, n) or not out.is_contiguous() or out.dtype != torch.float32:
         raise ValueError(f"out must be a contiguous f32 (1, {n}) tensor")
     plan = _tile_plan(fmt, k, block_n, warps, per_thread, glu=True)
-    _glu_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](x.q, x.d, x.s, w_gate, w_up, n, out, **plan)
+    _glu_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](x.q, x.d, x.s, w_gate, w_up, n, out, **plan, **pdl.options())
     return out

@@ -18,7 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import QK, Format
-from fuselane.lanes.cuda.triton import gemv_fast_norm
+from fuselane.lanes.cuda.triton import gemv_fast_norm, pdl
 from fuselane.lanes.cuda.triton.gemv import check_rows
 from fuselane.lanes.cuda.triton.gemv_epilogue import COUNTER_DTYPE, _check_row, check_add_norm
 from fuselane.lanes.cuda.triton.gemv_fast_norm import norm_last
@@ -33,11 +33,12 @@ QB = tl.constexpr(QK)
 def _q8_add_norm_kernel(
     xq, xd, xs, w, n, res, sum_out, norm_w, out, oq, od, os_, counter, eps,
     FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
-    FENCE: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr,
+    FENCE: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, DEPTH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.release(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
-    y, _ = _row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False)
+    y, _ = _row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, PDL)
     store_row(y, rows, n, sum_out, 0, res, res, res, False, False, True)
     norm_last(sum_out, norm_w, out, n, eps, counter, oq, od, os_, NORM_BLOCK, NORM_STEPS, True)
 
@@ -46,12 +47,14 @@ def _q8_add_norm_kernel(
 def _q8_glu_q8_kernel(
     xq, xd, xs, w_gate, w_up, n, out, oq, od, os_, counters,
     FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
-    FENCE: tl.constexpr,
+    FENCE: tl.constexpr, DEPTH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.release(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_off = tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
-    gate, up = _row_dots(w_gate + row_off, w_up + row_off, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True)
+    w_g, w_u = w_gate + row_off, w_up + row_off
+    gate, up = _row_dots(w_g, w_u, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True, DEPTH, PDL)
     tl.store(out + rows, gate / (1.0 + tl.exp(-gate)) * up, mask=rows < n)
     # the block of 32 outputs these rows are in is quantized by the last of its programs to finish
     tl.debug_barrier()
@@ -91,7 +94,7 @@ def gemv_q8_add_norm(
     chunk = max(min(triton.next_power_of_2(n), gemv_fast_norm.NORM_CHUNK), QK)
     _q8_add_norm_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](
         *x, w, n, residual, sum_out, norm_w, out, *out_q8, counter, float(eps),
-        NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(n, chunk), **plan,
+        NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(n, chunk), **plan, **pdl.options(),
     )  # fmt: skip
     return out
 
@@ -111,5 +114,7 @@ def gemv_q8_gate_up_glu_q8(
     plan = _tile_plan(fmt, k, block_n, warps, per_thread, glu=True)
     if plan["BLOCK_N"] > QK or counters.numel() != n // QK or counters.dtype != COUNTER_DTYPE:
         raise ValueError(f"a tile of at most {QK} rows and q8_counters({n})")
-    _q8_glu_q8_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](*x, w_gate, w_up, n, out, *out_q8, counters, **plan)
+    _q8_glu_q8_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](
+        *x, w_gate, w_up, n, out, *out_q8, counters, **plan, **pdl.options()
+    )
     return out

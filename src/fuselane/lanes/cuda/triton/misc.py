@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.triton import pdl
 
 # An elementwise block: eight f32 values a thread (two 16-byte loads of each operand), four warps.
 GLU_VALUES_A_THREAD = 8
@@ -36,7 +37,10 @@ NO_INDEX: tl.constexpr = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
-def _glu_kernel(gate_ptr, up_ptr, out_ptr, gate_pitch, up_pitch, out_pitch, cols, BLOCK: tl.constexpr):
+def _glu_kernel(
+    gate_ptr, up_ptr, out_ptr, gate_pitch, up_pitch, out_pitch, cols, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    pdl.begin(PDL)
     i = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < cols
@@ -61,7 +65,16 @@ def glu_act_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None
     if u2.shape != g2.shape or o2.shape != g2.shape:
         raise ValueError(f"glu_act_mul: gate {tuple(g2.shape)}, up {tuple(u2.shape)}, out {tuple(o2.shape)} differ")
     _glu_kernel[(rows, triton.cdiv(cols, GLU_BLOCK))](
-        g2, u2, o2, g2.stride(0), u2.stride(0), o2.stride(0), cols, BLOCK=GLU_BLOCK, num_warps=GLU_WARPS
+        g2,
+        u2,
+        o2,
+        g2.stride(0),
+        u2.stride(0),
+        o2.stride(0),
+        cols,
+        BLOCK=GLU_BLOCK,
+        num_warps=GLU_WARPS,
+        **pdl.options(),
     )
 
 
@@ -85,7 +98,9 @@ def _argmax_kernel(
     SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     TILES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     x_row = x_ptr + row.to(tl.int64) * x_pitch
@@ -167,4 +182,5 @@ def argmax(logits: torch.Tensor, out: torch.Tensor, *, scratch: torch.Tensor | N
         SPLITS_P2=triton.next_power_of_2(splits),
         TILES=1 if splits > 1 else argmax_splits(cols),
         num_warps=ARGMAX_WARPS,
+        **pdl.options(),
     )

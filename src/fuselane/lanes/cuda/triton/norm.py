@@ -26,6 +26,7 @@ import triton.language as tl
 
 from fuselane.gguf.formats import LAYOUTS, Format, row_bytes
 from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.triton import pdl
 
 # Formats the gather decodes in its kernel, by ggml type number (constexpr so each compiles its own decoder).
 F32: tl.constexpr = tl.constexpr(int(Format.F32))
@@ -89,8 +90,10 @@ def _rms_norm_kernel(
     HAS_W: tl.constexpr,
     BLOCK: tl.constexpr,
     CHUNKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # program (row, unit): a unit is `cols` values at unit * cols of the row (a head, or the whole row)
+    pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     unit = tl.program_id(1) * cols
     x_row = x_ptr + row * x_pitch + unit
@@ -174,6 +177,7 @@ def _launch_norm(
         BLOCK=tile.block,
         CHUNKS=tile.chunks,
         num_warps=tile.warps,
+        **pdl.options(),
     )
 
 
@@ -310,7 +314,9 @@ def _embed_norm_kernel(
     OFF_QH: tl.constexpr,
     BLOCK: tl.constexpr,
     CHUNKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
     i = tl.program_id(0).to(tl.int64)
     # int64: a table's bytes pass 2^31 (152k rows of 5120 f16 values are 1.5 GiB)
     row = table_ptr + tl.load(ids_ptr + i).to(tl.int64) * ROW_BYTES
@@ -400,4 +406,5 @@ def embed_norm(
         BLOCK=tile.block,
         CHUNKS=tile.chunks,
         num_warps=tile.warps,
+        **pdl.options(),
     )

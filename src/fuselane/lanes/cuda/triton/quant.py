@@ -20,6 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import QK
+from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts
 
 INT8_MAX = 127.0
@@ -56,7 +57,8 @@ def store_quantized(v, first, n, oq, od, os_):
 
 
 @triton.jit
-def _quantize_kernel(x, q, d, s, n_blocks, QB: tl.constexpr, BLOCKS: tl.constexpr):
+def _quantize_kernel(x, q, d, s, n_blocks, QB: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     row = tl.program_id(1).to(tl.int64)
     blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     live = blk < n_blocks
@@ -88,7 +90,7 @@ def quantize(x: Tensor, out: Q8Acts) -> Q8Acts:
         raise ValueError(f"x must be contiguous (m, k) with k whole {QK}-value blocks, matching out")
     n_blocks = k // QK
     grid = (triton.cdiv(n_blocks, BLOCKS_A_PROGRAM), m)
-    _quantize_kernel[grid](x, out.q, out.d, out.s, n_blocks, QB=QK, BLOCKS=BLOCKS_A_PROGRAM)
+    _quantize_kernel[grid](x, out.q, out.d, out.s, n_blocks, QB=QK, BLOCKS=BLOCKS_A_PROGRAM, **pdl.options())
     return out
 
 

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.triton import pdl
 
 # 2*pi as an f32 and the f64 remainder it leaves: k * 2pi subtracted in two fused steps is exact to f32
 # for k up to 2^24 / 2pi, far past any cache's length.
@@ -86,7 +87,9 @@ def _rope_kernel(
     HALF_P2: tl.constexpr,
     NORM: tl.constexpr,
     AT_POS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
     i = tl.program_id(0)
     head = tl.program_id(1)
     p = tl.load(pos_ptr) + i
@@ -144,6 +147,7 @@ def qk_norm_rope(
         NORM=norm_w is not None,
         AT_POS=cache_row_pitch is not None,
         num_warps=rope_warps(hd),
+        **pdl.options(),
     )
 
 
@@ -167,8 +171,10 @@ def _rope_qk_kernel(
     HALF_P2: tl.constexpr,
     NORM: tl.constexpr,
     K_AT_POS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # blocks 0 .. HEADS-1 of a row take the query's heads, the rest the key's
+    pdl.begin(PDL)
     i = tl.program_id(0)
     head = tl.program_id(1)
     p = tl.load(pos_ptr) + i
@@ -230,6 +236,7 @@ def rope_q_k(
         NORM=q_norm_w is not None,
         K_AT_POS=k_cache_row_pitch is not None,
         num_warps=rope_warps(hd),
+        **pdl.options(),
     )
 
 
@@ -237,7 +244,8 @@ def rope_q_k(
 
 
 @triton.jit
-def _set_rows_kernel(x_ptr, cache_ptr, pos_ptr, x_pitch, cache_pitch, cols, BLOCK: tl.constexpr):
+def _set_rows_kernel(x_ptr, cache_ptr, pos_ptr, x_pitch, cache_pitch, cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     i = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < cols
@@ -254,5 +262,13 @@ def set_rows(x: torch.Tensor, cache: torch.Tensor, pos: torch.Tensor) -> None:
         raise ValueError("set_rows: the rows' values must be unit-stride")
     rows, cols = x2.shape
     _set_rows_kernel[(rows, triton.cdiv(cols, SET_ROWS_BLOCK))](
-        x2, cache, pos, x2.stride(0), cache.stride(0), cols, BLOCK=SET_ROWS_BLOCK, num_warps=SET_ROWS_WARPS
+        x2,
+        cache,
+        pos,
+        x2.stride(0),
+        cache.stride(0),
+        cols,
+        BLOCK=SET_ROWS_BLOCK,
+        num_warps=SET_ROWS_WARPS,
+        **pdl.options(),
     )

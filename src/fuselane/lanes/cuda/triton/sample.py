@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.misc import ARGMAX_CHUNK, ARGMAX_WARPS, NO_INDEX, _best_of
 
 # `picked`: the token, then 1 where the logits held a NaN (0 otherwise); `draws` tokens then the flag when a
@@ -111,7 +112,9 @@ def _argmax_kernel(
     SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     FEED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
     split = tl.program_id(0)
     idx = split * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(x_ptr + idx, mask=idx < cols, other=float("-inf")).to(tl.float32)
@@ -192,7 +195,9 @@ def _sample_kernel(
     PICK_BLOCK: tl.constexpr,
     DRAWS: tl.constexpr,
     FEED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
     best = tl.load(vals_ptr)
     nan = (best != best).to(tl.int32)  # candidates come best first, and torch orders NaN first
     temperature = tl.load(params_ptr + _TEMPERATURE)
@@ -305,6 +310,7 @@ def argmax_token(
         SPLITS_P2=triton.next_power_of_2(splits),
         FEED=feed,
         num_warps=ARGMAX_WARPS,
+        **pdl.options(),
     )
 
 
@@ -377,4 +383,5 @@ def sample_token(
         DRAWS=draws,
         FEED=feed,
         num_warps=warps,
+        **pdl.options(),
     )

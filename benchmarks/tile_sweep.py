@@ -1,0 +1,80 @@
+"""Time a cuda-lane decode step's graph replay over candidate tiles and prefetch depths of the int8 GEMVs.
+
+Usage:
+  python benchmarks/tile_sweep.py MODEL.gguf --table TALL_TILES --fmt Q4_K --tile 2,8,1 --tile 4,4,2 \
+      [--depth 1 2] [--steps 300] [--knob K=V ...]
+
+Each candidate (a tile of `gemv_q8`'s table for one format, times each prefetch depth) is set in the module,
+the step is run eagerly (compiling its kernels) and captured again, and its replay is timed: the whole step,
+because a GEMV's kernel time alone misleads (`gemv_compare.py` re-reads one matrix from L2, and a kernel's
+tail overlaps the next under dependent launches). The best of three batches of `--steps` replays is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from fuselane.gguf.formats import Format
+from fuselane.lanes.cuda.triton import gemv_q8
+from fuselane.runtime.model import load
+
+TABLES = ("TILES", "TALL_TILES", "GLU_TILES")
+BATCHES = 3
+PROMPT = 64
+
+
+def replay_ms(lane, step, steps: int) -> float:
+    """Re-capture the step at the module's current tiles and time its replay (best of BATCHES)."""
+    step.graphs.clear()
+    step.runs.clear()
+    for t in range(3):  # two eager runs compile, the third captures
+        lane.forward(np.array([t]), PROMPT)
+    graph = step.graphs[None]
+    best = float("inf")
+    for _ in range(BATCHES):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / steps)
+    return best * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--table", choices=TABLES, default="TILES")
+    ap.add_argument("--fmt", default="Q4_K", help="the format whose entry is swept (Q4_K, Q6_K, Q8_0, Q5_0)")
+    ap.add_argument("--tile", action="append", default=[], help="rows,warps,per_thread (repeatable)")
+    ap.add_argument("--depth", type=int, nargs="+", default=[gemv_q8.PREFETCH_DEPTH], choices=(1, 2))
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--knob", action="append", default=[], help="a lane knob, K=V (repeatable)")
+    args = ap.parse_args()
+    m = load(args.model, lane="cuda", ctx=args.ctx, knobs=["activations=int8", *args.knob])
+    m.session().feed(list(range(100, 100 + PROMPT)))
+    step = m.lane.step(1)
+    table: dict = getattr(gemv_q8, args.table)
+    fmt = Format[args.fmt]
+    landed, landed_depth = table[fmt], gemv_q8.PREFETCH_DEPTH
+    tiles = [tuple(int(v) for v in t.split(",")) for t in args.tile] or [landed]
+    print(f"{args.model}: {args.table}[{fmt.name}] (landed {landed}, depth {landed_depth})")
+    try:
+        for tile in tiles:
+            for depth in args.depth:
+                table[fmt], gemv_q8.PREFETCH_DEPTH = tile, depth
+                try:
+                    print(f"  tile {tile} depth {depth}: {replay_ms(m.lane, step, args.steps):.3f} ms", flush=True)
+                except Exception as e:  # a tile the plan or the compiler refuses: say so, go on
+                    print(f"  tile {tile} depth {depth}: refused ({type(e).__name__}: {str(e)[:80]})", flush=True)
+    finally:
+        table[fmt], gemv_q8.PREFETCH_DEPTH = landed, landed_depth
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Programmatic dependent launch (compute capability 9.0+): a kernel of a step is let onto the SMs while the one
+before it is still finishing, reads its own weights, and waits for the earlier kernel only where it reads what
+that kernel wrote.
+
+Why: a decode step is hundreds of short launches (the 0.5B's takes ~5 us a launch against ~0.6 us of weight
+reads). Between two kernels in stream order the GPU drains the first grid, then starts the second: its blocks
+issue their first weight loads only after the first grid's last block has stored. Launched as dependents, the
+second grid's blocks are placed as the first grid's retire, so their weight loads overlap its tail.
+
+The contract every kernel here keeps (checked by `wait` being the first thing a kernel does, or the first
+after loading weights):
+- `release(PDL)` at a kernel's start lets the next grid launch once every block of this one has run it;
+- `wait(PDL)` blocks until the grid before has completed and its writes are visible. Nothing before it may
+  read an activation, a cache, a counter or the position, or write anything: only weights, which no kernel
+  writes. As every kernel waits before it ends, a grid's completion implies all earlier grids'.
+- A kernel launched without the attribute (torch's own, cuBLAS) starts after the one before it has ended, as
+  always, and its successor's `wait` then waits for it.
+
+The lane turns it on for the launches it makes inside `dependent_launches(True)`; each launcher passes
+`options()` to its kernel: the `PDL` constexpr (so a kernel compiled without it carries no griddepcontrol
+instruction, for chips before Hopper) and Triton's `launch_pdl` launch attribute. Under Triton's interpreter
+the instructions are skipped: the interpreter runs one program at a time, in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Iterator
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# the launches made in this context are dependents of the launch before them
+_DEPENDENT = contextvars.ContextVar("fuselane_dependent_launch", default=False)
+
+
+@triton.jit
+def release(PDL: tl.constexpr):
+    """Let the next grid launch once every block of this one has got here."""
+    if PDL and not INTERPRETED:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Block until the grid launched before this one has completed, its writes visible."""
+    if PDL and not INTERPRETED:
+        gdc_wait()
+
+
+@triton.jit
+def begin(PDL: tl.constexpr):
+    """A kernel's start where it reads nothing before its inputs: release the next grid, wait for the last."""
+    release(PDL)
+    wait(PDL)
+
+
+@contextlib.contextmanager
+def dependent_launches(on: bool) -> Iterator[None]:
+    """Launches inside are made as dependents of the launch before them where `on`."""
+    token = _DEPENDENT.set(on)
+    try:
+        yield
+    finally:
+        _DEPENDENT.reset(token)
+
+
+def options() -> dict:
+    """A kernel launch's arguments for the current context: the `PDL` constexpr and, where on, the launch
+    attribute."""
+    if _DEPENDENT.get():
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}

@@ -1,0 +1,128 @@
+"""Programmatic dependent launch (`triton/pdl.py`): the contract each kernel keeps, read from its source, and
+the launch options a context gives.
+
+A kernel launched as a dependent may start while the kernel before it still runs, so it must wait before it
+reads anything that kernel could write. Every kernel here therefore starts with `pdl.begin(PDL)` (release the
+next grid, then wait), or with `pdl.release(PDL)` where it hands `PDL` to the GEMV loop, whose `pdl.wait`
+comes after the first chunk's weight loads and before any read of the activation. Every launch passes
+`pdl.options()`, so no kernel runs as a dependent without its wait compiled in. On the GPU the lane's logits
+with and without dependent launches are compared bit for bit (`tests/cuda/test_cuda_lane.py`).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
+pytest.importorskip("triton")
+
+from kernel_checks import DEVICE, raw_weights  # noqa: E402
+
+from fuselane.gguf.formats import Format  # noqa: E402
+from fuselane.lanes.cuda.triton import pdl, quant  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv_q8 import gemv_q8  # noqa: E402
+
+TRITON_DIR = Path(pdl.__file__).parent
+LOOPS = {"gemv_fast.py", "gemv_q8.py"}  # the GEMV loops that wait after their first weight loads
+
+
+def _modules() -> list[tuple[str, ast.Module]]:
+    return [(p.name, ast.parse(p.read_text())) for p in sorted(TRITON_DIR.glob("*.py"))]
+
+
+def _is_jit(fn: ast.FunctionDef) -> bool:
+    return any(isinstance(d, ast.Attribute) and d.attr == "jit" for d in fn.decorator_list)
+
+
+def _kernels() -> list[tuple[str, ast.FunctionDef]]:
+    return [
+        (name, node)
+        for name, tree in _modules()
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") and _is_jit(node)
+    ]
+
+
+def _pdl_call(stmt: ast.stmt) -> str | None:
+    """'begin', 'release' or 'wait' where `stmt` is `pdl.<that>(PDL)`."""
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+        f = stmt.value.func
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "pdl":
+            return f.attr
+    return None
+
+
+def test_every_kernel_waits_before_it_reads() -> None:
+    kernels = _kernels()
+    assert len(kernels) >= 20  # every module was read
+    for module, fn in kernels:
+        assert fn.args.args[-1].arg == "PDL", f"{module}:{fn.name} takes no PDL"
+        first = _pdl_call(fn.body[0])
+        assert first in ("begin", "release"), f"{module}:{fn.name} does not start with pdl.begin/release"
+        if first == "release":  # the wait is the GEMV loop's: PDL must reach it
+            passed = [a for n in ast.walk(fn) if isinstance(n, ast.Call) for a in n.args]
+            assert any(isinstance(a, ast.Name) and a.id == "PDL" for a in passed), f"{module}:{fn.name}"
+
+
+def test_the_gemv_loops_wait_after_their_first_weights_and_before_the_loop() -> None:
+    for module, tree in _modules():
+        if module not in LOOPS:
+            continue
+        fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_row_dots")
+        kinds = [_pdl_call(s) for s in fn.body]
+        at = kinds.index("wait")
+        loop = next(i for i, s in enumerate(fn.body) if isinstance(s, ast.For))
+        assert at < loop, module
+        called = {
+            n.func.id if isinstance(n.func, ast.Name) else n.func.attr
+            for s in fn.body[:at]
+            for n in ast.walk(s)
+            if isinstance(n, ast.Call)
+        }
+        assert called <= {"_raw", "zeros"}, f"{module}: {called - {'_raw', 'zeros'}} before the wait"
+
+
+def test_every_launch_passes_the_options() -> None:
+    names = {fn.name for _, fn in _kernels()}
+    launches = 0
+    for module, tree in _modules():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)):
+                continue
+            target = node.func.value
+            if isinstance(target, ast.Name) and target.id in names:
+                launches += 1
+                spread = [ast.unparse(k.value) for k in node.keywords if k.arg is None]
+                assert "pdl.options()" in spread, f"{module}: {target.id} launched without pdl.options()"
+    assert launches >= len(names)
+
+
+def test_options_follow_the_context() -> None:
+    assert pdl.options() == {"PDL": False}
+    with pdl.dependent_launches(True):
+        assert pdl.options() == {"PDL": True, "launch_pdl": True}
+        with pdl.dependent_launches(False):
+            assert pdl.options() == {"PDL": False}
+        assert pdl.options()["PDL"]
+    assert pdl.options() == {"PDL": False}
+
+
+def test_a_dependent_launch_gives_the_same_bits() -> None:
+    rng = np.random.default_rng(5)
+    n, k = 24, 512
+    raw = torch.from_numpy(raw_weights(Format.Q4_K, n, k, rng)).to(DEVICE)
+    x = torch.from_numpy(rng.standard_normal((1, k)).astype(np.float32)).to(DEVICE)
+    acts = quant.empty_q8(1, k, x.device)
+    quant.quantize(x, acts)
+    plain = gemv_q8(acts, raw, Format.Q4_K, n, k, torch.empty(1, n, device=DEVICE))
+    with pdl.dependent_launches(True):
+        quant.quantize(x, acts)
+        dependent = gemv_q8(acts, raw, Format.Q4_K, n, k, torch.empty(1, n, device=DEVICE))
+    assert torch.equal(plain, dependent)
