@@ -71,11 +71,13 @@ FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0})
 # Tiles (rows a program, warps, (row, group)s a thread), chosen by timing the whole decode step's graph
 # replay on the H200 over a sweep of each (`activations=int8`, `benchmarks/tile_sweep.py`): Q4_K at 4 rows
 # and 8 warps (8B 3.149 -> 3.067 ms), Q6_K at 2 rows and 8 warps (3.067 -> 3.046 ms); under dependent
-# launches Q8_0 at 2 rows (0.6B 0.826 -> 0.793 ms) and the Q4_K gate/up GLU at 2 rows and 4 warps (8B
-# 2.866 -> 2.821 ms); Q5_0 stays at 4 rows (2 rows: 0.5B 0.597 -> 0.634 ms). The kernel figures of
-# `gemv_compare.py --q8` pointed elsewhere: it re-reads one matrix from L2.
+# launches Q8_0 at 2 rows (0.6B 0.826 -> 0.793 ms) and the Q4_K gate/up GLU at 2 rows and 4 warps where its
+# 8-unit chunks cover the row whole (8B 2.864 -> 2.819 ms), else at 4 rows and 2 warps (`GLU_PARTIAL_TILES`:
+# the 7B's 14-unit rows, 2.618 -> 2.535 ms); Q5_0 stays at 4 rows (2 rows: 0.5B 0.597 -> 0.634 ms). The
+# kernel figures of `gemv_compare.py --q8` pointed elsewhere: it re-reads one matrix from L2.
 TILES = {Format.Q4_K: (4, 8, 1), Format.Q6_K: (2, 8, 1), Format.Q8_0: (2, 2, 2), Format.Q5_0: (4, 2, 2)}
 GLU_TILES = TILES | {Format.Q4_K: (2, 4, 1)}
+GLU_PARTIAL_TILES = TILES | {Format.Q4_K: (4, 2, 2)}
 # Rows of at least TALL_K values (a down projection's: the 7B's 18,944, the 8B's 12,288) leave few rows a
 # program for the SMs' streams: two rows and eight warps a program read them faster (7B 2.829 -> 2.692 ms,
 # 8B 3.312 -> 3.145 ms at the earlier tiles).
@@ -354,10 +356,13 @@ def supports(fmt: Format | int, m: int, k: int) -> bool:
 def _tile_plan(
     fmt: Format, k: int, block_n: int | None, warps: int | None, per_thread: int | None, *, glu: bool = False
 ) -> dict:
-    """`gemv_fast._plan` at this module's tile for `fmt` (a tall row's, from TALL_K values; the GLU's), or the
-    tile given."""
+    """`gemv_fast._plan` at this module's tile for `fmt` (a tall row's, from TALL_K values; the GLU's, or
+    GLU_PARTIAL_TILES' where its chunks leave the row's last one partial), or the tile given."""
     if block_n is None and warps is None and per_thread is None:
         block_n, warps, per_thread = (GLU_TILES if glu else TALL_TILES if k >= TALL_K else TILES)[fmt]
+        plan = _plan(fmt, k, block_n, warps, per_thread)
+        if glu and plan["N_UNITS"] % plan["CHUNK"]:
+            block_n, warps, per_thread = GLU_PARTIAL_TILES[fmt]
     return _plan(fmt, k, block_n, warps, per_thread) | {"DEPTH": PREFETCH_DEPTH}
 
 
