@@ -147,6 +147,22 @@ def test_gate_up_glu(fmt: Format) -> None:
     check(out, silu * u, bound + GLU_ULPS * 2.0**-24 * np.abs(silu * u))
 
 
+def test_q4_k_rows_and_codes_must_be_16_byte_aligned() -> None:
+    # Q4_K's header, its runs of codes and the activation's codes are read 16 bytes a load (`_ld4`)
+    rng = np.random.default_rng(3)
+    k = 256
+    raw = dev(raw_weights(Format.Q4_K, 2, k, rng))
+    _, acts = _quantized(k, rng)
+    out = torch.empty((1, 2), device=DEVICE)
+    shifted = torch.zeros(raw.numel() + 4, dtype=torch.uint8, device=DEVICE)[4:]
+    shifted.copy_(raw)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        gemv_q8(acts, shifted, Format.Q4_K, 2, k, out)
+    codes = torch.zeros(k + 4, dtype=torch.int8, device=DEVICE)[4:].view(1, k)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        gemv_q8(quant.Q8Acts(codes, acts.d, acts.s), raw, Format.Q4_K, 2, k, out)
+
+
 def test_supports() -> None:
     assert supports(Format.Q4_K, 1, 512) and not supports(Format.Q4_K, 2, 512)
     assert not supports(Format.Q4_K, 1, 96) and supports(Format.Q8_0, 1, 96)

@@ -86,7 +86,7 @@ class CudaKnobs:
       saves a launch and a pass over the activation; off only to trace a numerics difference.
     - `batch=False`: a form's rows are one sequence's.
     - `pdl=True`: on a GPU of compute capability 9.0 or later each kernel launches as a dependent of the one
-      before it, so its blocks load their weights while that one finishes (`triton/pdl.py`); off to time
+      before it, so its launch and its blocks' start overlap that one's end (`triton/pdl.py`); off to time
       the plain launch order. Results are the same either way.
     - `prefill=f16-copy`: cuBLAS on f16 copies multiplies a prefill chunk 7-20x faster than the GEMM that
       decodes the weights in its kernel (H200, 256 rows: 370-530 against 27-76 TFLOP/s on the 8B's

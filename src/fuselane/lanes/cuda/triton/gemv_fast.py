@@ -209,6 +209,12 @@ def q4_k_scales(header, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     a, b = tl.split(tl.reshape(header, [BLOCK_N, CHUNK * K_RUNS, PAIR, PAIR]))
     h0, h2 = tl.split(a)
     h1, h3 = tl.split(b)
+    return q4_k_scales_of(h0, h1, h2, h3, CHUNK)
+
+
+@triton.jit
+def q4_k_scales_of(h0, h1, h2, h3, CHUNK: tl.constexpr):
+    """`q4_k_scales` from the header's four words held apart ([N, G] each)."""
     d = _header_u16(h0, h1, h2, h3, Q4_K_D).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     dmin = _header_u16(h0, h1, h2, h3, Q4_K_DMIN).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     j = ((tl.arange(0, CHUNK * K_RUNS) % K_RUNS) // PAIR_RUNS)[None, :]
@@ -400,8 +406,8 @@ def _fma(acc, raw, xa, xb, live, FMT: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK
 def _row_dots(w_a, w_b, x, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr,
               FENCE: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """x . row for the tile's rows of `w_a` (and of `w_b` where TWO), [N] f32 each: every iteration loads the
-    next chunk's weights, then decodes and accumulates this one's. The first chunk's weights are loaded before
-    waiting for the kernel that wrote x (`pdl`)."""
+    next chunk's weights, then decodes and accumulates this one's. The first chunk's loads are written before
+    the wait for the kernel that wrote x (`pdl`)."""
     CHUNKS: tl.constexpr = (N_UNITS + CHUNK - 1) // CHUNK
     PARTIAL: tl.constexpr = N_UNITS % CHUNK != 0
     G: tl.constexpr = CHUNK * (K_RUNS if FMT == FMT_Q4_K else (Q6_RUNS if FMT == FMT_Q6_K else 1))

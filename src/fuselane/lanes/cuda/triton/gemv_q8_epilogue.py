@@ -23,7 +23,7 @@ from fuselane.lanes.cuda.triton.gemv import check_rows
 from fuselane.lanes.cuda.triton.gemv_epilogue import COUNTER_DTYPE, _check_row, check_add_norm
 from fuselane.lanes.cuda.triton.gemv_fast_norm import norm_last
 from fuselane.lanes.cuda.triton.gemv_parts import store_row
-from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts, _check_acts, _row_dots, _tile_plan
+from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts, _check_acts, _check_aligned, _row_dots, _tile_plan
 from fuselane.lanes.cuda.triton.quant import store_quantized
 
 QB = tl.constexpr(QK)
@@ -88,6 +88,7 @@ def gemv_q8_add_norm(
     fmt = Format(fmt)
     _check_acts(x, k)
     check_rows(w, fmt, n, k)
+    _check_aligned([w], fmt)
     check_add_norm(residual, sum_out, norm_w, out, counter, n, x.q.device)
     _check_q8_out(out_q8, n)
     plan = _tile_plan(fmt, k, block_n, warps, per_thread)
@@ -109,6 +110,7 @@ def gemv_q8_gate_up_glu_q8(
     _check_acts(x, k)
     check_rows(w_gate, fmt, n, k)
     check_rows(w_up, fmt, n, k)
+    _check_aligned([w_gate, w_up], fmt)
     _check_row(out, n, "out")
     _check_q8_out(out_q8, n)
     plan = _tile_plan(fmt, k, block_n, warps, per_thread, glu=True)
