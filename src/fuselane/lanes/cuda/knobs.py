@@ -77,7 +77,7 @@ class CudaKnobs:
     - `activations=dequant`: dequantized activations keep the lane's numbers closest to the cpu reference
       (the tightest contract). `int8` is the faster decode: with f32 activations a 4-bit weight costs ~6.8
       instructions, which holds the GEMVs to 1-2 TB/s, and dp4a on int8 codes cuts that to about one
-      (H200 decode 1.13-1.36x faster, `benchmarks/RESULTS.md`), at the contract's wider tolerance. A
+      (H200 decode 1.28-1.57x faster, `benchmarks/RESULTS.md`), at the contract's wider tolerance. A
       prefill chunk's products still read f32 values (no int8 GEMM yet); `int8x2` has no kernels here.
     - `cache=f16`: halves the bytes a long context's attention reads, at f16's 2^-11 roundoff, the error
       attention already tolerates (the seed's lane keeps its caches in f32 or f16; llama.cpp in f16).
