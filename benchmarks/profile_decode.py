@@ -2,7 +2,9 @@
 
 Usage: python benchmarks/profile_decode.py MODEL.gguf [--steps 100] [--ctx 1024] [--knob K=V ...]
 Prints the replay time of the captured step (no host copy of logits), the time of a whole `forward` (with
-the copy), and the kernels of one eager step by total GPU time (torch.profiler).
+the copy), and the kernels of one eager step by total GPU time (torch.profiler). Under dependent launches
+(`pdl`, on by default on Hopper) a kernel starts while the one before it runs and its time includes its wait;
+`--knob pdl=off` gives each kernel's own time (the replay figures are the ones with it on).
 """
 
 from __future__ import annotations
