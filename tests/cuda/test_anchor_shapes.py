@@ -11,7 +11,7 @@ At context depth 0 (a short prompt) and 4096 (a 4096-token prompt, prefilled in 
 lanes are fed the same fixed tokens for 100 decode steps, and the cuda lane's logits must be within its
 contract's `logits_tolerance` of the reference's at every step, and finite everywhere: at the default knobs
 and under `activations=int8` (the decode the benchmark's figures are measured at), each held to its own
-contract.
+contract. Greedy tokens are compared at the default knobs.
 """
 
 from __future__ import annotations
@@ -98,13 +98,16 @@ def test_decode_logits_match_cpu_f64_within_the_contract(anchor, depth, numerics
             mine, theirs = sg.extend([steps[step]]), sr.extend([steps[step]])
 
 
-@pytest.mark.parametrize("numerics", NUMERICS)
-def test_greedy_tokens_match_cpu(anchor, numerics):
+def test_greedy_tokens_match_cpu(anchor):
     """Greedy tokens agree, except where the reference's top two logits are within twice the contract's bound
     of each other: there either token is within the contract, so the test says so and goes on. Both lanes are
-    always fed the reference's token, so one such step does not send the sequences apart."""
+    always fed the reference's token, so one such step does not send the sequences apart.
+
+    At the default knobs only: under `activations=int8` the contract's tolerance (5.0e-2 relative, against
+    5.5e-3 at the default knobs) makes 56 and 64 of the 64 steps near-ties at the 0.6B's and the 0.5B's widths
+    (the cpu lane's reference, seed 5), so the comparison would test nothing."""
     gpus, ref = anchor
-    gpu = gpus[numerics]
+    gpu = gpus["default"]
     tol = _tolerance(gpu)
     sg, sr = gpu.session(), ref.session()
     lg, lr = sg.feed(SHORT_PROMPT), sr.feed(SHORT_PROMPT)
