@@ -14,15 +14,14 @@ values (a block's scales may decode to NaN, which costs the arithmetic nothing).
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from replay import best_replay
 
 from fuselane.gguf.formats import Format, row_bytes
 from fuselane.lanes.cuda.triton import gemv_q8, gemv_q8_epilogue, pdl, quant
 from fuselane.lanes.cuda.triton.gemv_epilogue import gemv_add_norm_counter
 
-BATCHES = 3
 REPLAYS = 20
 EPS = 1e-6
 
@@ -37,15 +36,7 @@ def _time(launches, on: bool) -> float:
         with torch.cuda.graph(graph):
             for launch in launches:
                 launch()
-    best = float("inf")
-    for _ in range(BATCHES):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(REPLAYS):
-            graph.replay()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / REPLAYS)
-    return best
+    return best_replay(graph, REPLAYS)
 
 
 def main() -> None:

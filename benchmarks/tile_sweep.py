@@ -13,36 +13,25 @@ tail overlaps the next under dependent launches). The best of three batches of `
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
-import torch
+from replay import best_replay
 
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.triton import gemv_q8
 from fuselane.runtime.model import load
 
 TABLES = ("TILES", "TALL_TILES", "GLU_TILES")
-BATCHES = 3
 PROMPT = 64
 
 
 def replay_ms(lane, step, steps: int) -> float:
-    """Re-capture the step at the module's current tiles and time its replay (best of BATCHES)."""
+    """Re-capture the step at the module's current tiles and time its replay (`replay.best_replay`)."""
     step.graphs.clear()
     step.runs.clear()
     for t in range(3):  # two eager runs compile, the third captures
         lane.forward(np.array([t]), PROMPT)
-    graph = step.graphs[None]
-    best = float("inf")
-    for _ in range(BATCHES):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            graph.replay()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / steps)
-    return best * 1e3
+    return best_replay(step.graphs[None], steps) * 1e3
 
 
 def main() -> None:

@@ -53,6 +53,8 @@ from fuselane.lanes.cuda.triton.gemv_fast import (
     Q6_RUNS,
     QUAD,
     RUN_BYTES,
+    UNIT_VALUES,
+    _chunk,
     _plan,
     _q6_k_runs,
     _raw,
@@ -444,8 +446,7 @@ def _tile_plan(
     GLU_PARTIAL_TILES' where its chunks leave the row's last one partial), or the tile given."""
     if block_n is None and warps is None and per_thread is None:
         block_n, warps, per_thread = (GLU_TILES if glu else TALL_TILES if k >= TALL_K else TILES)[fmt]
-        plan = _plan(fmt, k, block_n, warps, per_thread)
-        if glu and plan["N_UNITS"] % plan["CHUNK"]:
+        if glu and (k // UNIT_VALUES[fmt]) % _chunk(fmt, k, block_n, warps, per_thread):
             block_n, warps, per_thread = GLU_PARTIAL_TILES[fmt]
     return _plan(fmt, k, block_n, warps, per_thread) | {"DEPTH": PREFETCH_DEPTH}
 
