@@ -1,6 +1,8 @@
 """What the add + RMS norm epilogue costs an int8 decode GEMV: the same products launched with the norm
-(`gemv_q8_add_norm`: every program counts itself done, the last reads the row back, norms and quantizes it)
-and without it (`gemv_q8` with the residual added in its epilogue), in µs a launch and GB/s of weights.
+(`gemv_q8_add_norm`: every program counts itself done, the last reads the row back, norms and quantizes it),
+without it (`gemv_q8` with the residual added in its epilogue), and with the add and norm in a launch of
+their own after the product (`gemv_q8`, then `norm.rms_norm` writing the int8 form: the lane's
+`norm_launch=on`), in µs a product and GB/s of weights.
 
 Usage: python benchmarks/add_norm_tail.py [--fmt Q4_K] [--n 4096] [--k 12288] [--launches 36] [--pdl on|off]
 (on a GPU). Defaults: the 8B's down projection.
@@ -19,7 +21,7 @@ import torch
 from replay import best_replay
 
 from fuselane.gguf.formats import Format, row_bytes
-from fuselane.lanes.cuda.triton import gemv_q8, gemv_q8_epilogue, pdl, quant
+from fuselane.lanes.cuda.triton import gemv_q8, gemv_q8_epilogue, norm, pdl, quant
 from fuselane.lanes.cuda.triton.gemv_epilogue import gemv_add_norm_counter
 
 REPLAYS = 20
@@ -62,10 +64,20 @@ def main() -> None:
     def plain(w):
         return lambda: gemv_q8.gemv_q8(x, w, fmt, n, k, sum_out, residual=res)
 
+    product = torch.empty(1, n, device=dev)
+
+    def norm_launch(w):
+        def both():
+            gemv_q8.gemv_q8(x, w, fmt, n, k, product)
+            norm.rms_norm(product, norm_w, out, EPS, residual=res, sum_out=sum_out, out_q8=out_q8)
+
+        return both
+
     print(f"{fmt.name} {n} x {k} ({nbytes / 1e6:.1f} MB a matrix), {args.launches} launches, pdl {args.pdl}")
-    for name, make in (("without the norm", plain), ("with the norm", with_norm)):
+    variants = (("without the norm", plain), ("with the norm", with_norm), ("norm launch", norm_launch))
+    for name, make in variants:
         seconds = _time([make(w) for w in weights], args.pdl == "on") / args.launches
-        print(f"  {name:18} {seconds * 1e6:7.2f} us a launch  {nbytes / seconds / 1e9:7.0f} GB/s")
+        print(f"  {name:18} {seconds * 1e6:7.2f} us a product  {nbytes / seconds / 1e9:7.0f} GB/s")
 
 
 if __name__ == "__main__":

@@ -71,7 +71,9 @@ def test_prefill_in_place_decodes_the_weights_in_the_kernel(tmp_path, monkeypatc
 
 INT8_SHAPES = {  # heads of whole 32-value blocks (attention quantizes its output), Q5_0 / Q8_0 and Q4_K / Q6_K rows
     "qwen2": (("qwen2", 128, 2, 4, 2, 32, 256, 512), "q8_0"),
-    "qwen3": (("qwen3", 256, 1, 4, 2, 64, 512, 512), "q4_k_m"),
+    # the qwen3's down projection is longer than twice its width: under norm_launch=on its add and norm take a
+    # launch of their own
+    "qwen3": (("qwen3", 256, 1, 4, 2, 64, 768, 512), "q4_k_m"),
 }
 
 
@@ -80,7 +82,8 @@ def test_int8_activations_multiply_with_dp4a(tmp_path, monkeypatch, arch):
     # activations=int8: a decode step's products read int8 codes written by their producers' epilogues (the
     # add + norm's last program, SwiGLU's, attention's) and multiply with dp4a; within the int8 contract
     from fuselane.gguf.synth import Shape
-    from fuselane.lanes.cuda.triton import gemv_q8, gemv_q8_epilogue, quant
+    from fuselane.lanes.cuda import kernels
+    from fuselane.lanes.cuda.triton import gemv_q8, gemv_q8_epilogue, norm, quant
 
     dims, mix = INT8_SHAPES[arch]
     shape = Shape(*dims, context=4096)
@@ -95,8 +98,16 @@ def test_int8_activations_multiply_with_dp4a(tmp_path, monkeypatch, arch):
         counted(module, name)
     counted(gemv_q8_epilogue, "gemv_q8_gate_up_glu_q8")
     counted(quant, "quantize")
+    real_norm = norm.rms_norm
+    monkeypatch.setattr(
+        norm,
+        "rms_norm",
+        lambda *a, **k: (
+            calls.update(norm_q8=calls.get("norm_q8", 0) + (k.get("out_q8") is not None)) or real_norm(*a, **k)
+        ),
+    )
     path = write_synthetic(tmp_path / "m.gguf", shape, mix, seed=8)
-    gpu = load(path, lane="cuda", ctx=32, knobs=["activations=int8"])
+    gpu = load(path, lane="cuda", ctx=32, knobs=["activations=int8", "norm_launch=on"])
     ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     # two decode steps: the interpreter takes minutes a step at these widths
@@ -104,9 +115,13 @@ def test_int8_activations_multiply_with_dp4a(tmp_path, monkeypatch, arch):
         assert np.isfinite(a).all()
         assert rel(a, b) <= tol, f"step {step}: {rel(a, b):.2e} > {tol:.2e}"
     assert calls.get("gemv_q8_add_norm") and calls.get("gemv_q8_gate_up_glu_q8") and calls.get("gemv_q8_parts"), calls
-    # one quantizing launch a step (the embedding's norm): the rest quantize in their producers' epilogues
+    # one quantizing launch a step (the embedding's norm): the rest quantize in their producers' epilogues; under
+    # norm_launch=on a down projection longer than twice the width leaves its add and norm (quantizing) to a
+    # launch of its own
+    own = kernels.norm_in_own_launch(kernels.Mode.INT8, shape.n_ff, shape.n_embd)
+    assert bool(calls.get("norm_q8")) == own, calls
     plain = load(path, lane="cuda", ctx=32)
-    assert gpu.lane.step(1).launches == plain.lane.step(1).launches + 1
+    assert gpu.lane.step(1).launches == plain.lane.step(1).launches + 1 + own * shape.n_layers
 
 
 def test_int8_products_quantize_what_their_producer_did_not(tmp_path):

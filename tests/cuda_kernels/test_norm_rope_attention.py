@@ -29,7 +29,7 @@ from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
 from fuselane.gguf.quantize import random_blocks  # noqa: E402
 from fuselane.graph.ops import ArgMax, Attention, RmsNorm, Rope, Unary, UnaryOp  # noqa: E402
 from fuselane.lanes.cpu import kernels as ref  # noqa: E402
-from fuselane.lanes.cuda.triton import attention, misc, norm, rope  # noqa: E402
+from fuselane.lanes.cuda.triton import attention, misc, norm, quant, rope  # noqa: E402
 from fuselane.numerics.contract import Keep  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -117,6 +117,26 @@ def test_add_norm_updates_the_residual_in_place(cols):
     within(host(stream), x + r, U * np.abs(x + r), "sum")
     want = weighted_norm(x + r, w, cols)
     within(host(out), want, norm_rel(cols) * np.abs(want), "norm")
+
+
+@pytest.mark.parametrize("cols", [96, 8224])  # one tile; two tiles of 8192 (the second part-filled)
+def test_add_norm_writes_its_int8_form_as_quantize_would(cols):
+    """AddNormQuant's launch: the quantized norm is `quant.quantize` of the f32 norm it writes, bit for bit."""
+    rng = np.random.default_rng(cols + 2)
+    x, r, w = f32(rng, 2, cols), f32(rng, 2, cols), f32(rng, cols)
+    out, sums = torch.empty(2, cols, device=DEVICE), torch.empty(2, cols, device=DEVICE)
+    got, want = quant.empty_q8(2, cols, DEVICE), quant.empty_q8(2, cols, DEVICE)
+    norm.rms_norm(dev(x), dev(w), out, EPS, residual=dev(r), sum_out=sums, out_q8=got)
+    quant.quantize(out, want)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    within(host(out), weighted_norm(x + r, w, cols), norm_rel(cols) * np.abs(weighted_norm(x + r, w, cols)), "norm")
+
+
+def test_rms_norm_int8_form_takes_whole_rows():
+    x = torch.zeros(2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="whole rows"):
+        norm.rms_norm(x, torch.ones(32, device=DEVICE), torch.empty_like(x), EPS, out_q8=quant.empty_q8(2, 64, DEVICE))
 
 
 def test_rms_norm_per_head_reads_a_part_in_place():

@@ -49,6 +49,7 @@ def test_knobs_parse() -> None:
     assert CudaKnobs().prefill_weights is PrefillWeights.F16_COPY
     assert CudaKnobs.parse(["prefill=in-place"]).prefill_weights is PrefillWeights.IN_PLACE
     assert CudaKnobs().dependent_launch and not CudaKnobs.parse(["pdl=off"]).dependent_launch
+    assert not CudaKnobs().norm_launch and CudaKnobs.parse(["norm_launch=on"]).norm_launch
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from fuselane.gguf.synth import SHAPES, model_metadata, tensor_formats, tensor_s
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form, Fused, Op, TensorGraph
 from fuselane.graph.ops import RowsGather
+from fuselane.lanes.cuda import kernels
 from fuselane.lanes.cuda.knobs import Activations, CudaKnobs
 from fuselane.lanes.cuda.shim import CudaShim
 from fuselane.models import config_of, qwen
@@ -100,3 +101,19 @@ def test_decode_launches_per_layer(anchor, activations: Activations) -> None:
     assert max(per_layer.values()) <= 7
     assert held.launches() > plan.launches()
     assert any(f.rule == "gemv_parts" for f in plan.fired) and not any(f.rule == "gemv_parts" for f in held.fired)
+
+
+def test_norm_launch_takes_only_the_down_projections_norm_out_of_its_epilogue(anchor) -> None:
+    # norm_launch=on under int8: the down projection's add and norm (AddNormQuant) take a launch of their own
+    # (`kernels.norm_in_own_launch`); the attention output projection's stay in its last block
+    name, g, layers = anchor
+    shape = SHAPES[name]
+    plan = optimize(g, CudaShim(CudaKnobs(activations=Activations.INT8, norm_launch=True)))
+    assert sorted(covered(plan)) == list(range(len(g.ops)))
+    assert kernels.norm_in_own_launch(kernels.Mode.INT8, shape.n_ff, shape.n_embd)
+    assert not kernels.norm_in_own_launch(kernels.Mode.INT8, shape.n_heads * shape.head_dim, shape.n_embd)
+    assert folded(plan, C.GEMV_NORM_EPILOGUE) == layers
+    assert classes(plan)["AddNormQuant"] == layers
+    per_layer = launches_per_layer(g, plan)
+    default = launches_per_layer(g, optimize(g, CudaShim(CudaKnobs(activations=Activations.INT8))))
+    assert all(per_layer[i] == default[i] + 1 for i in range(layers))

@@ -280,6 +280,14 @@ CASES = [
         "a projection norms in its last block only where its block is at least the norm's width",
     ),
     Case(
+        "projection epilogue down norm launch",
+        lambda: gne(4096),  # the attention output projection's keeps its epilogue
+        lambda: fused(C.GEMV_NORM_EPILOGUE, matmul(1, 4096, 12288), add_norm(1, 4096)),
+        "under int8 activations and norm_launch=on a projection longer than the norm is wide leaves its add "
+        "and norm to a launch of their own: the last block's serial tail costs more than a launch",
+        CudaKnobs(activations=Activations.INT8, norm_launch=True),
+    ),
+    Case(
         "mixture finalize parts",
         lambda: mdf(mixture()),
         lambda: mdf(matmul(1, 2048, 2048, out="moe")),

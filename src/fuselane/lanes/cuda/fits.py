@@ -137,6 +137,11 @@ def _gemv_norm_epilogue(shim: CudaShim, op: Op, members: Sequence[Op], g: Tensor
         threads = kernels.gemv_blk_norm_threads(shim.per_warp(p))
     if not kernels.block_holds_its_norm(threads, n.cols):
         return "a projection norms in its last block only where its block is at least the norm's width"
+    if shim.knobs.norm_launch and kernels.norm_in_own_launch(kernels.mode(shim.knobs.activations), p.k, p.n):
+        return (
+            "under int8 activations and norm_launch=on a projection longer than the norm is wide leaves its add "
+            "and norm to a launch of their own: the last block's serial tail costs more than a launch"
+        )
     return None
 
 

@@ -210,3 +210,27 @@ def attn_splits(head_blocks: int, span: int, sms: int) -> int:
     wanted = math.ceil(ATTN_WAVES * sms / max(1, head_blocks))
     most = math.ceil(max(1, span) / ATTN_MIN_CHUNK)
     return max(1, min(wanted, most))
+
+
+# --- a projection's add + norm ---------------------------------------------------------------------------------
+
+# How many times longer than the norm is wide a product's rows must be for its add + norm to take a launch of
+# its own (`norm_in_own_launch`): a Qwen down projection's rows are 2.7-5.4 times the hidden width, an
+# attention output projection's at most twice (Qwen3-0.6B's 16 heads of 128 over 1024), so only the down
+# projection's norm leaves its epilogue and a layer takes one launch more.
+NORM_OWN_LAUNCH_RATIO = 2
+
+
+def norm_in_own_launch(m: Mode, k: int, n: int) -> bool:
+    """Whether a decode GEMV's residual add and norm run in a launch of their own (the product, then AddNorm)
+    instead of in the GEMV's last program (GemvNormEpilogue): under int8 activations, where the product's
+    rows are more than NORM_OWN_LAUNCH_RATIO times as long as the norm is wide (a down projection).
+
+    Why: under dependent launches the epilogue's tail is serial (every program releases its rows at gpu scope,
+    then one program reads the row back, norms and quantizes it), and it cost more than a launch of its own
+    on the H200: 8B down (4096 x 12288 Q4_K) 18.0 -> 13.9 us, 7B down (3584 x 18944 Q6_K) 37.9 -> 30.9 us;
+    an o_proj gains less (4096 x 4096: 9.0 -> 7.1 us) and stays in its epilogue. The dequantized GEMVs were
+    not measured this way and keep theirs. The lane asks only under its `norm_launch` knob (off by default:
+    a layer's launches then pass 7 where its V product takes a launch of its own).
+    """
+    return m is Mode.INT8 and k > NORM_OWN_LAUNCH_RATIO * n

@@ -88,6 +88,11 @@ class CudaKnobs:
     - `pdl=True`: on a GPU of compute capability 9.0 or later each kernel launches as a dependent of the one
       before it, so its launch and its blocks' start overlap that one's end (`triton/pdl.py`); off to time
       the plain launch order. Results are the same either way.
+    - `norm_launch=False`: under int8 activations a down projection's residual add and norm run in the
+      GEMV's last program. `on` gives them a launch of their own (`kernels.norm_in_own_launch`): the
+      epilogue's serial tail costs more than a launch (H200 decode: 7B 395 -> 417 tok/s, 8B 343 -> 358,
+      0.6B 1,151 -> 1,226), but a layer whose V product takes its own launch (a Q4_K_M layer's Q6_K
+      attn_v) then takes 8, one past the lane's budget of 7, so it is off by default.
     - `prefill=f16-copy`: cuBLAS on f16 copies multiplies a prefill chunk 7-20x faster than the GEMM that
       decodes the weights in its kernel (H200, 256 rows: 370-530 against 27-76 TFLOP/s on the 8B's
       products, `benchmarks/gemm_compare.py`); `in-place` keeps a model's memory at its checkpoint's size
@@ -102,6 +107,7 @@ class CudaKnobs:
     batch: bool = False
     prefill_weights: PrefillWeights = PrefillWeights.F16_COPY
     dependent_launch: bool = True
+    norm_launch: bool = False
 
     @classmethod
     def parse(cls, settings: Iterable[str], base: CudaKnobs | None = None) -> CudaKnobs:
@@ -159,4 +165,5 @@ _SETTERS = {
     "batch": lambda k, v: replace(k, batch=_flag("batch", v)),
     "prefill": lambda k, v: replace(k, prefill_weights=_choice("prefill", PrefillWeights, v)),
     "pdl": lambda k, v: replace(k, dependent_launch=_flag("pdl", v)),
+    "norm_launch": lambda k, v: replace(k, norm_launch=_flag("norm_launch", v)),
 }

@@ -249,15 +249,21 @@ def _norm_weight(op: Op, b: Bound):
     return [lambda: norm.rms_norm(x.view(spec.rows, spec.cols), w, out.view(spec.rows, spec.cols), spec.eps)]
 
 
-def _add_norm(op: Op, b: Bound):
+def _add_norm(op: Op, b: Bound, out_q8: Any = None):
+    """AddNorm in one launch; with `out_q8` (AddNormQuant under int8 activations: a down projection's add and
+    norm, `kernels.norm_in_own_launch`) the launch also writes the norm quantized."""
     _, norm, *_ = _t()
     add, n_op, w_op = leaves(op)[-3:]
     spec: RmsNorm = n_op.sym  # type: ignore[assignment]
     a, r, s = b.bufs[add.ins[0]], b.bufs[add.ins[1]], b.bufs[add.out]
     w, out = b.vec[w_op.ins[1]], b.bufs[w_op.out]
     rows = (spec.rows, spec.cols)
+    if out_q8 is not None and spec.cols % kernels.QBLOCK:
+        return None
     return [
-        lambda: norm.rms_norm(a.view(rows), w, out.view(rows), spec.eps, residual=r.view(rows), sum_out=s.view(rows))
+        lambda: norm.rms_norm(
+            a.view(rows), w, out.view(rows), spec.eps, residual=r.view(rows), sum_out=s.view(rows), out_q8=out_q8
+        )
     ]
 
 
@@ -508,6 +514,7 @@ NATIVE: dict[C, Callable[[Op, Bound], list[Launch] | None]] = {
 }
 # producers whose kernel writes its result's int8 form in its own epilogue (a decode step's)
 _QUANT_EPILOGUE: dict[C, Callable[[Op, Bound, Any], list[Launch] | None]] = {
+    C.ADD_NORM: _add_norm,
     C.GEMV_NORM_EPILOGUE: _norm_epilogue,
     C.GEMV_GATE_UP_GLU: _gate_up,
     C.FLASH_DECODE: _flash,

@@ -7,7 +7,9 @@ norm's two 16-byte loads) is held in registers between the sum of squares and th
 read twice (the second pass hits L2), which keeps the block's registers bounded for any width.
 
 The arithmetic matches the cpu lane's parts: `s = x + residual`, `r = 1 / sqrt(mean(s^2) + eps)`,
-`out = (s * r) * w`, all in f32 whatever the input's storage.
+`out = (s * r) * w`, all in f32 whatever the input's storage. Under int8 activations a norm may also write
+its rows quantized (`out_q8`, the plan's NormQuant / AddNormQuant), a 32-value block at a time as `quant`
+does, so the product that reads them needs no launch of its own to quantize.
 
 The embedding gather dequantizes its rows in the kernel from the checkpoint's own blocks, reading each
 field at the byte offset `formats.LAYOUTS` gives: the table stays in its quantized form on the device, and
@@ -24,9 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import LAYOUTS, Format, row_bytes
+from fuselane.gguf.formats import LAYOUTS, QK, Format, row_bytes
 from fuselane.lanes.cuda import kernels
 from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts
+from fuselane.lanes.cuda.triton.quant import store_quantized
+
+QB = tl.constexpr(QK)  # values an int8 block's scale covers
+HALF_QB = tl.constexpr(QK // 2)  # values a code sum covers
 
 # Formats the gather decodes in its kernel, by ggml type number (constexpr so each compiles its own decoder).
 F32: tl.constexpr = tl.constexpr(int(Format.F32))
@@ -74,6 +81,14 @@ def _sum_in(x_row, res_row, offs, cols, HAS_RES: tl.constexpr):
 
 
 @triton.jit
+def _store(y, first, cols, out_row, q_row, d_row, s_row, mask, Q8OUT: tl.constexpr):
+    """Values first.. of a unit's normed row: to `out`, and where Q8OUT also quantized (`quant.Q8Acts`)."""
+    tl.store(out_row + first + tl.arange(0, y.shape[0]), y.to(out_row.dtype.element_ty), mask=mask)
+    if Q8OUT:
+        store_quantized(y, first, cols, q_row, d_row, s_row)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,
@@ -84,15 +99,20 @@ def _rms_norm_kernel(
     res_pitch,
     sum_pitch,
     out_pitch,
+    q_ptr,
+    d_ptr,
+    s_ptr,
     cols,
     eps,
     HAS_RES: tl.constexpr,
     HAS_W: tl.constexpr,
     BLOCK: tl.constexpr,
     CHUNKS: tl.constexpr,
+    Q8OUT: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # program (row, unit): a unit is `cols` values at unit * cols of the row (a head, or the whole row)
+    # program (row, unit): a unit is `cols` values at unit * cols of the row (a head, or the whole row); an
+    # int8 form is written only for whole rows (one unit), contiguous
     pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     unit = tl.program_id(1) * cols
@@ -100,6 +120,7 @@ def _rms_norm_kernel(
     res_row = res_ptr + row * res_pitch + unit
     sum_row = sum_ptr + row * sum_pitch + unit
     out_row = out_ptr + row * out_pitch + unit
+    q_row, d_row, s_row = q_ptr + row * cols, d_ptr + row * (cols // QB), s_ptr + row * (cols // HALF_QB)
     offs = tl.arange(0, BLOCK)
     if CHUNKS == 1:  # the row fits the block's registers: read it once
         mask = offs < cols
@@ -110,7 +131,7 @@ def _rms_norm_kernel(
         y = s * r
         if HAS_W:
             y = y * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        _store(y, 0, cols, out_row, q_row, d_row, s_row, mask, Q8OUT)
     else:
         squares = tl.zeros([BLOCK], dtype=tl.float32)
         for c in tl.static_range(CHUNKS):
@@ -131,7 +152,16 @@ def _rms_norm_kernel(
                 y = tl.load(x_row + c * BLOCK + offs, mask=mask, other=0.0).to(tl.float32) * r
             if HAS_W:
                 y = y * tl.load(w_ptr + c * BLOCK + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_row + c * BLOCK + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+            _store(y, c * BLOCK, cols, out_row, q_row, d_row, s_row, mask, Q8OUT)
+
+
+def _check_q8(out_q8: Q8Acts, rows: int, units: int, cols: int, tile: RowTile) -> None:
+    q, d, s = out_q8
+    if units != 1 or cols % QK or tile.block % QK:
+        raise ValueError(f"rms_norm: an int8 form takes whole rows of whole {QK}-value blocks, not units of {cols}")
+    want = ((q, torch.int8, cols), (d, torch.float32, cols // QK), (s, torch.float32, cols // (QK // 2)))
+    if any(t.dtype != dt or t.numel() != rows * n or not t.is_contiguous() for t, dt, n in want):
+        raise ValueError(f"rms_norm: out_q8 must be a contiguous Q8Acts of {rows} rows of {cols} values")
 
 
 def _rows_of(t: torch.Tensor, cols: int, name: str) -> torch.Tensor:
@@ -151,6 +181,7 @@ def _launch_norm(
     residual: torch.Tensor | None,
     sum_out: torch.Tensor | None,
     cols: int,
+    out_q8: Q8Acts | None = None,
 ) -> None:
     if (residual is None) != (sum_out is None):
         raise ValueError("rms_norm: a residual needs sum_out to write the sum to, and sum_out needs a residual")
@@ -160,6 +191,8 @@ def _launch_norm(
     sum2 = _rows_of(sum_out, cols, "sum_out") if sum_out is not None else out2
     rows, units = x2.shape[0], x2.shape[1] // cols
     tile = row_tile(cols)
+    if out_q8 is not None:
+        _check_q8(out_q8, rows, units, cols, tile)
     _rms_norm_kernel[(rows, units)](
         x2,
         res2,
@@ -170,12 +203,14 @@ def _launch_norm(
         res2.stride(0),
         sum2.stride(0),
         out2.stride(0),
+        *(out_q8 if out_q8 is not None else (out2, out2, out2)),
         cols,
         float(eps),
         HAS_RES=residual is not None,
         HAS_W=w is not None,
         BLOCK=tile.block,
         CHUNKS=tile.chunks,
+        Q8OUT=out_q8 is not None,
         num_warps=tile.warps,
         **pdl.options(),
     )
@@ -189,15 +224,17 @@ def rms_norm(
     *,
     residual: torch.Tensor | None = None,
     sum_out: torch.Tensor | None = None,
+    out_q8: Q8Acts | None = None,
 ) -> None:
     """out = s / sqrt(mean(s^2) + eps) * w over each `w.numel()`-wide unit of each row, where s = x + residual
     (written to `sum_out`, the AddNorm form) or s = x (NormWeight).
 
     `x` (rows, units * cols) with unit-stride rows at any pitch (a part of a wider tensor is read in place);
     a unit narrower than the row is a head (the per-head norm of q or k, `x` viewed as (rows * heads, hd)).
-    One launch, a block a unit.
+    With `out_q8` (whole rows of whole 32-value blocks) `out` is also written quantized, as `quant.quantize`
+    would write it. One launch, a block a unit.
     """
-    _launch_norm(x, w, out, eps, residual, sum_out, w.numel())
+    _launch_norm(x, w, out, eps, residual, sum_out, w.numel(), out_q8)
 
 
 def rms_norm_plain(x: torch.Tensor, out: torch.Tensor, eps: float, *, cols: int | None = None) -> None:
