@@ -77,6 +77,18 @@ INT8_SHAPES = {  # heads of whole 32-value blocks (attention quantizes its outpu
 }
 
 
+def _int8_within_contract(path, knobs: list[str], steps: int):
+    """The cuda lane at `knobs` on `path`: its logits over the first `steps` decode steps are finite and
+    within its contract of the cpu lane's in f64. Returns the cuda model."""
+    gpu = load(path, lane="cuda", ctx=32, knobs=knobs)
+    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    for step, (a, b) in enumerate(zip(_steps(gpu, DECODE[:steps]), _steps(ref, DECODE[:steps]), strict=True)):
+        assert np.isfinite(a).all()
+        assert rel(a, b) <= tol, f"step {step}: {rel(a, b):.2e} > {tol:.2e}"
+    return gpu
+
+
 @pytest.mark.parametrize("arch", INT8_SHAPES)
 def test_int8_activations_multiply_with_dp4a(tmp_path, monkeypatch, arch):
     # activations=int8: a decode step's products read int8 codes written by their producers' epilogues (the
@@ -90,30 +102,20 @@ def test_int8_activations_multiply_with_dp4a(tmp_path, monkeypatch, arch):
 
     calls: dict[str, int] = {}
 
-    def counted(module, name):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, **k: calls.update({name: calls.get(name, 0) + 1}) or real(*a, **k))
+    def counted(module, name, key=None, when=lambda kwargs: True):
+        real, key = getattr(module, name), key or name
+        monkeypatch.setattr(
+            module, name, lambda *a, **k: calls.update({key: calls.get(key, 0) + when(k)}) or real(*a, **k)
+        )
 
     for module, name in ((gemv_q8, "gemv_q8_parts"), (gemv_q8_epilogue, "gemv_q8_add_norm")):
         counted(module, name)
     counted(gemv_q8_epilogue, "gemv_q8_gate_up_glu_q8")
     counted(quant, "quantize")
-    real_norm = norm.rms_norm
-    monkeypatch.setattr(
-        norm,
-        "rms_norm",
-        lambda *a, **k: (
-            calls.update(norm_q8=calls.get("norm_q8", 0) + (k.get("out_q8") is not None)) or real_norm(*a, **k)
-        ),
-    )
+    counted(norm, "rms_norm", "norm_q8", lambda k: k.get("out_q8") is not None)
     path = write_synthetic(tmp_path / "m.gguf", shape, mix, seed=8)
-    gpu = load(path, lane="cuda", ctx=32, knobs=["activations=int8", "norm_launch=on"])
-    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
-    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     # two decode steps: the interpreter takes minutes a step at these widths
-    for step, (a, b) in enumerate(zip(_steps(gpu, DECODE[:2]), _steps(ref, DECODE[:2]), strict=True)):
-        assert np.isfinite(a).all()
-        assert rel(a, b) <= tol, f"step {step}: {rel(a, b):.2e} > {tol:.2e}"
+    gpu = _int8_within_contract(path, ["activations=int8", "norm_launch=on"], steps=2)
     assert calls.get("gemv_q8_add_norm") and calls.get("gemv_q8_gate_up_glu_q8") and calls.get("gemv_q8_parts"), calls
     # one quantizing launch a step (the embedding's norm): the rest quantize in their producers' epilogues; under
     # norm_launch=on a down projection longer than twice the width leaves its add and norm (quantizing) to a
@@ -131,12 +133,7 @@ def test_int8_products_quantize_what_their_producer_did_not(tmp_path):
 
     dims, mix = INT8_SHAPES["qwen2"]
     path = write_synthetic(tmp_path / "m.gguf", Shape(*dims, context=4096), mix, seed=9)
-    gpu = load(path, lane="cuda", ctx=32, knobs=["activations=int8", "fuse_quant=off"])
-    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
-    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
-    for step, (a, b) in enumerate(zip(_steps(gpu, DECODE[:1]), _steps(ref, DECODE[:1]), strict=True)):
-        assert np.isfinite(a).all()
-        assert rel(a, b) <= tol, f"step {step}: {rel(a, b):.2e} > {tol:.2e}"
+    gpu = _int8_within_contract(path, ["activations=int8", "fuse_quant=off"], steps=1)
     step = gpu.lane.step(1)
     reading = [op for op in step.plan.ops if gpu.lane.shim.activation(op, 0, step.plan.graph) is not None]
     plain = load(path, lane="cuda", ctx=32)

@@ -451,13 +451,14 @@ def _tile_plan(
     return _plan(fmt, k, block_n, warps, per_thread) | {"DEPTH": PREFETCH_DEPTH}
 
 
-def _check_acts(x: Q8Acts, k: int) -> None:
+def _check_acts(x: Q8Acts, k: int, m: int = 1) -> None:
+    """A Q8Acts of m rows of k values, as the kernels read and write it."""
     q, d, s = x
-    if q.dtype != torch.int8 or tuple(q.shape) != (1, k) or not q.is_contiguous():
-        raise ValueError(f"the activation codes must be a contiguous int8 (1, {k}) tensor")
+    if q.dtype != torch.int8 or tuple(q.shape) != (m, k) or not q.is_contiguous():
+        raise ValueError(f"the activation codes must be a contiguous int8 ({m}, {k}) tensor")
     if q.data_ptr() % LOAD_BYTES:
         raise ValueError(f"the activation codes must start {LOAD_BYTES}-byte aligned (`_ld4`)")
-    for t, n in ((d, k // QK), (s, k // (QK // 2))):
+    for t, n in ((d, m * k // QK), (s, m * k // (QK // 2))):
         if t.dtype != torch.float32 or t.numel() != n or not t.is_contiguous():
             raise ValueError(f"the activation scales and sums must be contiguous f32 tensors of {n} values")
 

@@ -29,7 +29,7 @@ import triton.language as tl
 from fuselane.gguf.formats import LAYOUTS, QK, Format, row_bytes
 from fuselane.lanes.cuda import kernels
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts
+from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts, _check_acts
 from fuselane.lanes.cuda.triton.quant import store_quantized
 
 QB = tl.constexpr(QK)  # values an int8 block's scale covers
@@ -156,12 +156,9 @@ def _rms_norm_kernel(
 
 
 def _check_q8(out_q8: Q8Acts, rows: int, units: int, cols: int, tile: RowTile) -> None:
-    q, d, s = out_q8
     if units != 1 or cols % QK or tile.block % QK:
         raise ValueError(f"rms_norm: an int8 form takes whole rows of whole {QK}-value blocks, not units of {cols}")
-    want = ((q, torch.int8, cols), (d, torch.float32, cols // QK), (s, torch.float32, cols // (QK // 2)))
-    if any(t.dtype != dt or t.numel() != rows * n or not t.is_contiguous() for t, dt, n in want):
-        raise ValueError(f"rms_norm: out_q8 must be a contiguous Q8Acts of {rows} rows of {cols} values")
+    _check_acts(out_q8, cols, rows)
 
 
 def _rows_of(t: torch.Tensor, cols: int, name: str) -> torch.Tensor:
