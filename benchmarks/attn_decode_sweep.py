@@ -1,11 +1,12 @@
 """Time the decode attention (FlashDecode) on the reference shapes' heads at several spans, heads a block and
 splits, each launch replayed from a CUDA graph so no host time counts.
 
-Usage: python benchmarks/attn_decode_sweep.py   (on a GPU)
+Usage: python benchmarks/attn_decode_sweep.py [--spans 64 512 4096] [--shapes 7b 8b]   (on a GPU)
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 
 import torch
@@ -23,10 +24,17 @@ CACHE = 8192
 SPANS = [64, 512, 4096]
 SPLITS = [None, 4, 16, 64, 128]
 TILES = [8, 32]
+MIN_CHUNKS = [32, 128]  # beside the plan's kernels.ATTN_MIN_CHUNK
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--spans", type=int, nargs="+", default=SPANS)
+    ap.add_argument("--shapes", nargs="+", default=[h[0] for h in HEADS], choices=[h[0] for h in HEADS])
+    args = ap.parse_args()
     for name, heads, kv, hd in HEADS:
+        if name not in args.shapes:
+            continue
         q = torch.randn(1, heads * hd, device="cuda")
         kc = torch.randn(CACHE, kv * hd, device="cuda").half()
         vc = torch.randn(CACHE, kv * hd, device="cuda").half()
@@ -34,7 +42,7 @@ def main() -> None:
         scratch = A.decode_scratch(heads, hd, CACHE, "cuda", splits=max(s or 0 for s in SPLITS))
         group = heads // kv
         blocks = sorted({h for h in (1, 2, group) if group % h == 0})
-        for span in SPANS:
+        for span in args.spans:
             pos = torch.tensor([span - 1], dtype=torch.int32, device="cuda")
             call = functools.partial(A.flash_decode, q, kc, vc, pos, out, heads=heads, kv_heads=kv, hd=hd,
                                      scale=hd**-0.5, scratch=scratch)  # fmt: skip
@@ -46,6 +54,9 @@ def main() -> None:
                 for t in TILES:
                     took = timed(functools.partial(call, heads_per_block=hb, tile_rows=t))
                     row.append(f"{hb}h/t{t}:{took * 1e6:5.1f}")
+                for c in MIN_CHUNKS:
+                    took = timed(functools.partial(call, heads_per_block=hb, min_chunk=c))
+                    row.append(f"{hb}h/c{c}:{took * 1e6:5.1f}")
             plan = tuple(A.decode_plan(heads, kv, hd, CACHE))
             print(f"{name:5} span {span:5} plan {plan} us: " + " ".join(row), flush=True)
 

@@ -1,9 +1,10 @@
 """Where a cuda-lane decode step's time goes: graph replay alone, the host's share, and each kernel's.
 
-Usage: python benchmarks/profile_decode.py MODEL.gguf [--steps 100] [--ctx 1024] [--knob K=V ...]
-Prints the replay time of the captured step (no host copy of logits), the time of a whole `forward` (with
-the copy), and the kernels of one eager step by total GPU time (torch.profiler). Under dependent launches
-(`pdl`, on by default on Hopper) a kernel starts while the one before it runs and its time includes its wait;
+Usage: python benchmarks/profile_decode.py MODEL.gguf [--steps 100] [--ctx 1024] [--depth 64] [--knob K=V ...]
+Prints the replay time of the captured step at `--depth` tokens of context (no host copy of logits), the time
+of a whole `forward` (with the copy), and the kernels of one eager step by total GPU time (torch.profiler).
+Under dependent launches (`pdl`, on by default on Hopper) a kernel starts while the one before it runs and its
+time includes its wait;
 `--knob pdl=off` gives each kernel's own time (the replay figures are the ones with it on).
 """
 
@@ -24,12 +25,13 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=64, help="tokens in the cache before the timed step")
     ap.add_argument("--knob", action="append", default=[], help="a lane knob, K=V (repeatable)")
     args = ap.parse_args()
     m = load(args.model, lane="cuda", ctx=args.ctx, knobs=args.knob)
     lane = m.lane
     session = m.session()
-    session.feed(list(range(100, 164)))
+    session.feed([100 + t % 1000 for t in range(args.depth)])
     for t in range(3):
         lane.forward(np.array([t]), len(session.tokens))
     step = lane.step(1)
@@ -41,7 +43,7 @@ def main() -> None:
     replay = (time.perf_counter() - start) / args.steps
     start = time.perf_counter()
     for t in range(args.steps):
-        lane.forward(np.array([t]), 64)
+        lane.forward(np.array([t]), args.depth)
     torch.cuda.synchronize()
     whole = (time.perf_counter() - start) / args.steps
     print(f"launches a step {step.launches}; replay {replay * 1e3:.3f} ms; forward with logits {whole * 1e3:.3f} ms")

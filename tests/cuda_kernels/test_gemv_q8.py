@@ -19,14 +19,15 @@ import pytest
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from kernel_checks import DEVICE, check, dev, gamma, raw_weights  # noqa: E402
 
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
 from fuselane.lanes.cuda.triton import gemv_q8 as q8_module  # noqa: E402
-from fuselane.lanes.cuda.triton import quant  # noqa: E402
+from fuselane.lanes.cuda.triton import int8_words, quant  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv import Part  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv_q8 import gemv_q8, gemv_q8_gate_up_glu, gemv_q8_parts, supports  # noqa: E402
 
@@ -161,6 +162,29 @@ def test_q4_k_rows_and_codes_must_be_16_byte_aligned() -> None:
     codes = torch.zeros(k + 4, dtype=torch.int8, device=DEVICE)[4:].view(1, k)
     with pytest.raises(ValueError, match="16-byte aligned"):
         gemv_q8(quant.Q8Acts(codes, acts.d, acts.s), raw, Format.Q4_K, 2, k, out)
+
+
+@triton.jit
+def _runs_kernel(src, at, out, RUNS: tl.constexpr):
+    """The four words of the 16 bytes at each byte offset `at` of `src`, read by `int8_words.ld_run`."""
+    i = tl.arange(0, RUNS)
+    w0, w1, w2, w3 = int8_words.ld_run((src + tl.load(at + i))[None, :])
+    j = i[None, :] * 4
+    tl.store(out + j, w0)
+    tl.store(out + j + 1, w1)
+    tl.store(out + j + 2, w2)
+    tl.store(out + j + 3, w3)
+
+
+def test_runs_two_bytes_past_a_word_are_read_whole() -> None:
+    # Q6_K's blocks are 210 bytes, so every other block's runs start 2 bytes past a word: five aligned
+    # words are read and shifted into place; runs that start on a word take no shift
+    data = np.random.default_rng(5).integers(0, 256, 64, dtype=np.uint8)
+    at = np.array([0, 2, 4, 6, 14, 18, 30, 42], dtype=np.int32)  # each run's 16 bytes and next 2 in `data`
+    out = torch.zeros(4 * len(at), dtype=torch.int32, device=DEVICE)
+    _runs_kernel[(1,)](dev(data), dev(at), out, RUNS=len(at))
+    want = np.concatenate([data[a : a + 16].view("<i4") for a in at])
+    assert np.array_equal(out.cpu().numpy(), want)
 
 
 def test_supports() -> None:

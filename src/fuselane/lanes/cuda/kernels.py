@@ -90,17 +90,14 @@ ROPE_SIDES = 2
 # An attention loads its values a pair at a time (one 32-bit load of two f16, or a 64-bit one of two f32),
 # so a value read in place starts at an even place of an even pitch.
 ATTN_VALUES_A_LOAD = 2
-# A decode attention block takes query heads of one key/value group, a warp a head, and its lanes split the
-# head's values: a warp's dots reduce with shuffles and the softmax over the tile's rows stays in each thread.
-ATTN_LANES = WARP
 # Query heads a decode block takes at most: one. A block's warps share its SM's issue slots, so a block of G
 # heads runs its tiles about G times slower, and the heads' shared read of the tile does not buy that back
 # (H200, `benchmarks/attn_decode_sweep.py`, span 64: 4.2 us a head a block against 22.4 us for 7 of the
 # 0.5B's heads; 5.7 against 14.4 for 4 of the 8B's; the other heads' reads of a tile hit L2).
 ATTN_HEADS_A_BLOCK_MOST = 1
-# Cached rows a decode block reads at a time: each thread holds the tile's keys and values at its lanes'
-# places (32 rows x 4 groups of 32 values x 2 at hd 128: 207 registers, no spills, sm_90). 32 rows ran
-# 20-40 % faster than 16 at every span measured.
+# Cached rows a decode block reads at a time: each thread holds its share of the tile's keys and values
+# (32 rows of 128 values, twice, over a warp: 168 registers, no spills, sm_90). 32 rows ran 20-40 % faster
+# than 16 at every span measured, and 8 slower again (H200, 2026-11-29: 8B span 576 6.4 us against 8.4).
 ATTN_DECODE_TILE_ROWS = 32
 # Blocks a decode attention wants a SM: a block is one warp, so sixteen keep a SM's loads in flight.
 ATTN_WAVES = 16

@@ -7,23 +7,25 @@ activations in one `dp4a` (a 4-way byte dot product into an int32): a Q4_K word 
 and two dp4a, and the scales are applied once a 16-value run, in f32. The weights are read as `gemv_fast`
 reads them (its `_raw`, tiles, chunks and register prefetch), but Q4_K's 16-byte header and run of codes,
 and the activation's 16 codes they meet, are each one 128-bit load whose four words stay in the thread
-(`_ld4`): loaded as [N, G, 4] tensors, Triton spread the words over four lanes and gathered them back through
-shared memory before every dp4a chain (sm_90 SASS of the 8B's down projection: 35 barriers -> 5, 72
-registers -> 32; H200 7B decode 382 -> 395 tok/s, 8B 347 -> 343). Q6_K, Q8_0 and Q5_0 blocks are only
-2-byte aligned and keep `_raw`'s loads.
+(`int8_words.ld4`): loaded as [N, G, 4] tensors, Triton spread the words over four lanes and gathered them
+back through shared memory before every dp4a chain (sm_90 SASS of the 8B's down projection: 35 barriers -> 5, 72
+registers -> 32; H200 7B decode 382 -> 395 tok/s, 8B 347 -> 343). Q6_K's 210-byte blocks put every other
+block's runs 2 bytes past a word: each 16-byte run is five aligned 32-bit loads funnel-shifted into four
+words, and its activations are `ld4`'s, all in the thread (`ld_run`; 8B decode step 2.557 -> 2.477 ms,
+7B 2.252 -> 2.214 ms, where `_raw`'s eight 2-byte loads a run and [N, G, 4] activations went through shared
+memory). Q8_0 and Q5_0 keep `_raw`'s loads.
 
 The activation (`Q8Acts`): `q` int8 (k,) codes, `d` f32 (k / 32,) scales (largest |x| of the block / 127, a
 code is round(x / d)), and `s` f32 (k / 16,) each 16 values' d * (sum of codes). A format with a minimum or a
 code bias (Q4_K's dmin * min, Q6_K's 32, Q5_0's 16) subtracts it once a run as bias * s, so codes enter the
 dp4a unsigned, as stored. `quantize` writes a Q8Acts from f32 rows (`quant.py`).
 
-Under Triton's interpreter (`TRITON_INTERPRET=1`, CI without a GPU) dp4a is its four byte products in
-integer arithmetic, so the interpreted kernel sums exactly what the PTX instruction sums.
+Under Triton's interpreter (`TRITON_INTERPRET=1`, CI without a GPU) the word-level pieces run without PTX
+(`int8_words`), summing exactly what the instructions sum.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -50,24 +52,35 @@ from fuselane.lanes.cuda.triton.gemv_fast import (
     PAIR_RUNS,
     Q4_K_BYTES,
     Q4_K_QS,
+    Q6_HIGH_SUBS,
+    Q6_K_BYTES,
+    Q6_K_D,
+    Q6_K_QH,
+    Q6_K_QL,
+    Q6_K_SCALES,
+    Q6_QH_HALF,
+    Q6_QH_RUNS,
+    Q6_QL_HALF,
+    Q6_RUN,
     Q6_RUNS,
+    Q6_SUBS_HALF,
     QUAD,
     RUN_BYTES,
-    UNIT_VALUES,
-    _chunk,
+    _ld,
+    _ld16,
     _plan,
     _q6_k_runs,
     _raw,
     q4_k_scales_of,
 )
 from fuselane.lanes.cuda.triton.gemv_parts import part_rows, parts_args, store_parts
+from fuselane.lanes.cuda.triton.int8_words import dot16, dot16_of, ld4, ld_run, words
 
 
 def _c(value: int | float) -> tl.constexpr:
     return tl.constexpr(value)
 
 
-INTERPRETED = _c(os.environ.get("TRITON_INTERPRET", "0") == "1")  # no inline PTX under the interpreter
 LOW_NIBBLES = _c(0x0F0F0F0F)  # the low nibble of each byte of a word
 CRUMBS = _c(0x03030303)  # the low 2 bits of each byte
 FIFTH_BITS = _c(0x10101010)  # bit 4 of each byte
@@ -81,25 +94,26 @@ FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0})
 # Tiles (rows a program, warps, (row, group)s a thread), chosen by timing the whole decode step's graph
 # replay on the H200 over a sweep of each (`activations=int8`, `benchmarks/tile_sweep.py`): Q4_K at 4 rows
 # and 8 warps (8B 3.149 -> 3.067 ms), Q6_K at 2 rows and 8 warps (3.067 -> 3.046 ms); under dependent
-# launches Q8_0 at 2 rows (0.6B 0.826 -> 0.793 ms) and the Q4_K gate/up GLU at 2 rows and 4 warps where its
-# 8-unit chunks cover the row whole (8B 2.864 -> 2.819 ms), else at 4 rows and 2 warps (`GLU_PARTIAL_TILES`:
-# the 7B's 14-unit rows, 2.618 -> 2.535 ms); Q5_0 stays at 4 rows (2 rows: 0.5B 0.597 -> 0.634 ms). The
-# kernel figures of `gemv_compare.py --q8` pointed elsewhere: it re-reads one matrix from L2.
+# launches Q8_0 at 2 rows (0.6B 0.826 -> 0.793 ms) and the Q4_K gate/up GLU at 8 rows and 2 warps, two
+# (row, group)s a thread: 2-unit chunks, so both the 8B's 16-unit rows and the 7B's 14 are whole chunks
+# (8B 2.728 -> 2.583 ms, 7B 2.356 -> 2.266 ms against the earlier 2 rows / 4 warps and 4 rows / 2 warps);
+# Q5_0 stays at 4 rows (2 rows: 0.5B 0.597 -> 0.634 ms). The kernel figures of `gemv_compare.py --q8`
+# pointed elsewhere: it re-reads one matrix from L2.
 TILES = {Format.Q4_K: (4, 8, 1), Format.Q6_K: (2, 8, 1), Format.Q8_0: (2, 2, 2), Format.Q5_0: (4, 2, 2)}
-GLU_TILES = TILES | {Format.Q4_K: (2, 4, 1)}
-GLU_PARTIAL_TILES = TILES | {Format.Q4_K: (4, 2, 2)}
+GLU_TILES = TILES | {Format.Q4_K: (8, 2, 2)}
 # Rows of at least TALL_K values (a down projection's: the 7B's 18,944, the 8B's 12,288) leave few rows a
-# program for the SMs' streams: two rows and eight warps a program read them faster (7B 2.829 -> 2.692 ms,
-# 8B 3.312 -> 3.145 ms at the earlier tiles).
+# program for the SMs' streams: Q6_K's at two rows and eight warps a program (7B 2.829 -> 2.692 ms, 8B
+# 3.312 -> 3.145 ms at the earlier tiles), Q4_K's at four rows and two warps, two (row, group)s a thread
+# (8B 2.578 -> 2.545 ms, 7B 2.264 -> 2.252 ms against two rows and eight warps).
 TALL_K = 8192
-TALL_TILES = TILES | {Format.Q4_K: (2, 8, 1), Format.Q6_K: (2, 8, 1)}
+TALL_TILES = TILES | {Format.Q4_K: (4, 2, 2), Format.Q6_K: (2, 8, 1)}
 # Chunks of weights a program has in flight while it sums one (1 or 2). Two chunks: 0.6B 0.912 -> 0.826 ms,
 # 0.5B 0.621 -> 0.597 ms a step, where a row is a few chunks; no change on the 8B (2.868 / 2.866 ms), whose
 # programs are not short of loads in flight.
 PREFETCH_DEPTH = 2
 
 
-LOAD_BYTES = 16  # `_ld4`'s load: Q4_K rows and the activation codes must start at a multiple
+LOAD_BYTES = 16  # `ld4`'s load: Q4_K rows and the activation codes must start at a multiple
 
 
 class Q8Acts(NamedTuple):
@@ -110,103 +124,43 @@ class Q8Acts(NamedTuple):
     s: Tensor  # f32 (m, k / 16)
 
 
-# --- dp4a ----------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _dp4a(a, b, c, SIGNED: tl.constexpr):
-    """c + the dot product of a's four bytes (signed bytes where SIGNED, else unsigned) with b's four signed
-    bytes, all int32."""
-    a = a.to(tl.int32, bitcast=True)
-    if INTERPRETED:
-        for i in tl.static_range(4):
-            if SIGNED:
-                ai = (a << (24 - 8 * i)) >> 24
-            else:
-                ai = (a >> (8 * i)) & BYTE
-            c += ai * ((b << (24 - 8 * i)) >> 24)
-        return c
-    elif SIGNED:
-        return tl.inline_asm_elementwise(
-            "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
-        )
-    else:
-        return tl.inline_asm_elementwise(
-            "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
-        )
-
-
-@triton.jit
-def _dot16(w, a, SIGNED: tl.constexpr):
-    """[N, G, 4] words of codes times [N, G, 4] words of int8 activations: the 16-value dot, [N, G] int32,
-    as a chain of four dp4a (each adds into the last)."""
-    w02, w13 = tl.split(tl.reshape(w, [w.shape[0], w.shape[1], PAIR, PAIR]))
-    a02, a13 = tl.split(tl.reshape(a, [a.shape[0], a.shape[1], PAIR, PAIR]))
-    w0, w2 = tl.split(w02)
-    w1, w3 = tl.split(w13)
-    a0, a2 = tl.split(a02)
-    a1, a3 = tl.split(a13)
-    c = _dp4a(w0, a0, tl.zeros_like(a0), SIGNED)
-    c = _dp4a(w1, a1, c, SIGNED)
-    c = _dp4a(w2, a2, c, SIGNED)
-    return _dp4a(w3, a3, c, SIGNED)
-
-
-@triton.jit
-def _words(v):
-    """[N, G, 4, 2] 2-byte words (little-endian pairs) -> [N, G, 4] 32-bit words."""
-    lo, hi = tl.split(v)
-    return lo | (hi << HALF_WORD_BITS)
-
-
-@triton.jit
-def _ld4(ptr, WEIGHTS: tl.constexpr):
-    """The 16 bytes at each 16-byte aligned address of `ptr` ([N, G]) as four int32 tensors, one 128-bit load
-    a thread: the words stay in the thread that loaded them, where a [N, G, 4] load would hand them to four
-    lanes and `_dot16` would gather them back through shared memory (a barrier each). Weights take the
-    read-only path and leave L1 first; activations (written by the kernel before) the coherent one, and
-    the asm is not pure, so it stays behind `pdl.wait`."""
-    if INTERPRETED:
-        p = ptr.to(tl.pointer_type(tl.int32))
-        return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
-    elif WEIGHTS:
-        return tl.inline_asm_elementwise(
-            "ld.global.nc.L1::evict_first.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
-        )  # fmt: skip
-    else:
-        return tl.inline_asm_elementwise(
-            "ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1,
-        )  # fmt: skip
-
-
-@triton.jit
-def _dot16_of(w0, w1, w2, w3, a0, a1, a2, a3, SIGNED: tl.constexpr):
-    """`_dot16` on words held apart ([N, G] each)."""
-    return _dp4a(w3, a3, _dp4a(w2, a2, _dp4a(w1, a1, _dp4a(w0, a0, tl.zeros_like(a0), SIGNED), SIGNED), SIGNED), SIGNED)
-
-
 @triton.jit
 def _raw_q4_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
     """Q4_K's raw chunk as `gemv_fast._raw` reads it (each group's 16-byte header and 16-byte run of qs), but
-    as eight [N, G] words, each group's in one thread (`_ld4`)."""
+    as eight [N, G] words, each group's in one thread (`ld4`)."""
     g = tl.arange(0, CHUNK * K_RUNS)
     unit = g // K_RUNS + u0
     if CLAMP:
         unit = tl.minimum(unit, N_UNITS - 1)
     blk = w_rows[:, None] + (unit * Q4_K_BYTES)[None, :]
     run = blk + ((g % K_RUNS) * RUN_BYTES + Q4_K_QS)[None, :]
-    h0, h1, h2, h3 = _ld4(blk.to(tl.pointer_type(tl.int32)), True)
-    q0, q1, q2, q3 = _ld4(run.to(tl.pointer_type(tl.int32)), True)
+    h0, h1, h2, h3 = ld4(blk.to(tl.pointer_type(tl.int32)), True)
+    q0, q1, q2, q3 = ld4(run.to(tl.pointer_type(tl.int32)), True)
     return h0, h1, h2, h3, q0, q1, q2, q3
 
 
 @triton.jit
+def _raw_q6_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
+    """Q6_K's raw chunk: each group's (a ql run's) d, its two scales, and its 16 ql bytes and the 16 qh bytes
+    of their crumbs as four [N, G] words each, in one thread (`ld_run`)."""
+    unit, half, r = _q6_k_runs(u0, CHUNK)
+    if CLAMP:
+        unit = tl.minimum(unit, N_UNITS - 1)
+    blk = w_rows[:, None] + (unit * Q6_K_BYTES)[None, :]
+    sc = (blk + (half * Q6_SUBS_HALF + r + Q6_K_SCALES)[None, :]).to(tl.pointer_type(tl.int8))
+    ql = ld_run(blk + (half * Q6_QL_HALF + r * Q6_RUN + Q6_K_QL)[None, :])
+    qh = ld_run(blk + (half * Q6_QH_HALF + (r % Q6_QH_RUNS) * Q6_RUN + Q6_K_QH)[None, :])
+    return (_ld16(blk + Q6_K_D, True), _ld(sc), _ld(sc + Q6_HIGH_SUBS)) + ql + qh
+
+
+@triton.jit
 def _raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
-    """A chunk's weight bytes: Q4_K's held apart a group a thread (`_raw_q4_k`), the others' as `_raw`."""
+    """A chunk's weight bytes: Q4_K's and Q6_K's held apart a group a thread (`_raw_q4_k`, `_raw_q6_k`), the
+    others' as `_raw`."""
     if FMT == FMT_Q4_K:
         return _raw_q4_k(w_rows, u0, N_UNITS, CHUNK, CLAMP)
+    elif FMT == FMT_Q6_K:
+        return _raw_q6_k(w_rows, u0, N_UNITS, CHUNK, CLAMP)
     else:
         return _raw(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP)
 
@@ -226,32 +180,68 @@ def _run(xq, xd, xs, first, BLOCK_N: tl.constexpr, live):
 
 @triton.jit
 def _run_of(xq, xd, xs, first, BLOCK_N: tl.constexpr, live):
-    """`_run` with the four words held apart ([N, G] each, `_ld4`); where not live they are read at value 0
+    """`_run` with the four words held apart ([N, G] each, `ld4`); where not live they are read at value 0
     (the caller drops those groups' sums) and the scale and sum are 0."""
     at = tl.where(live, first, 0) // WORD_VALUES + tl.zeros([BLOCK_N, 1], tl.int32)
-    a0, a1, a2, a3 = _ld4(xq.to(tl.pointer_type(tl.int32)) + at, False)
+    a0, a1, a2, a3 = ld4(xq.to(tl.pointer_type(tl.int32)) + at, False)
     d = tl.load(xd + first // QK_C, mask=live, other=0.0)
     return a0, a1, a2, a3, d, tl.load(xs + first // HALF_QK_C, mask=live, other=0.0)
 
 
-# --- per format: a chunk's sum a group ([N, G] f32) -------------------------------------------------------------
+# --- per format: a chunk's activations, then its sum a group ([N, G] f32) ------------------------------------
 
 
 @triton.jit
-def _q4_k(raw, xq, xd, xs, u0, live, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+def _live(u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr):
+    """[1, G]: whether each group of the chunk at unit u0 is in the row (a partial last chunk's are not)."""
+    G: tl.constexpr = CHUNK * (K_RUNS if FMT == FMT_Q4_K else (Q6_RUNS if FMT == FMT_Q6_K else 1))
+    if FMT == FMT_Q6_K:
+        unit, _, _ = _q6_k_runs(u0, CHUNK)
+    else:
+        unit = tl.arange(0, G) // (G // CHUNK) + u0
+    return (unit < N_UNITS)[None, :]
+
+
+@triton.jit
+def _first_values(u0, FMT: tl.constexpr, CHUNK: tl.constexpr):
+    """[1, G]: the first activation value each group of the chunk at unit u0 meets (its low run's)."""
+    if FMT == FMT_Q4_K:  # group g: run r = g % 8, pair r // 2, half r % 2 of the pair's low sub-block
+        g = tl.arange(0, CHUNK * K_RUNS)
+        r = g % K_RUNS
+        first = (g // K_RUNS + u0) * QK_K_C + (r // PAIR_RUNS) * (2 * QK_C) + (r % PAIR_RUNS) * HALF_QK_C
+    elif FMT == FMT_Q6_K:  # group g: ql run r of half h
+        unit, half, r = _q6_k_runs(u0, CHUNK)
+        first = unit * QK_K_C + half * (4 * QK_C) + r * HALF_QK_C
+    else:  # Q8_0, Q5_0: a block a group
+        first = (tl.arange(0, CHUNK) + u0) * QK_C
+    return first[None, :]
+
+
+@triton.jit
+def _acts(xq, xd, xs, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """The activations the chunk at unit u0 meets, as a tuple `_chunk_sum` takes: each group's low run and
+    the run its other codes meet (Q4_K's high nibbles 32 on, Q6_K's 64 on, Q8_0's and Q5_0's 16 on)."""
+    live = _live(u0, FMT, N_UNITS, CHUNK)
+    first = _first_values(u0, FMT, CHUNK)
+    if FMT == FMT_Q4_K:
+        return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + QK_C, BLOCK_N, live)
+    elif FMT == FMT_Q6_K:
+        return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + 2 * QK_C, BLOCK_N, live)
+    else:
+        return _run(xq, xd, xs, first, BLOCK_N, live) + _run(xq, xd, xs, first + HALF_QK_C, BLOCK_N, live)
+
+
+@triton.jit
+def _q4_k(raw, acts, CHUNK: tl.constexpr):
     """Q4_K: group g is run r = g % 8 of a unit's qs: 16 bytes of pair j = r // 2, its low nibbles values
     64j + 16 (r % 2) + 0..15 (sub-block 2j), its high ones 32 on (2j + 1)."""
     h0, h1, h2, h3, q0, q1, q2, q3 = raw
+    a0, a1, a2, a3, da_lo, s_lo, b0, b1, b2, b3, da_hi, s_hi = acts
     d, dmin, scales, mins = q4_k_scales_of(h0, h1, h2, h3, CHUNK)
-    g = tl.arange(0, CHUNK * K_RUNS)[None, :]
-    r = g % K_RUNS
-    first = (g // K_RUNS + u0) * QK_K_C + (r // PAIR_RUNS) * (2 * QK_C) + (r % PAIR_RUNS) * HALF_QK_C
-    a0, a1, a2, a3, da_lo, s_lo = _run_of(xq, xd, xs, first, BLOCK_N, live)
-    lo = _dot16_of(q0 & LOW_NIBBLES, q1 & LOW_NIBBLES, q2 & LOW_NIBBLES, q3 & LOW_NIBBLES, a0, a1, a2, a3, False)
-    a0, a1, a2, a3, da_hi, s_hi = _run_of(xq, xd, xs, first + QK_C, BLOCK_N, live)
-    hi = _dot16_of(
+    lo = dot16_of(q0 & LOW_NIBBLES, q1 & LOW_NIBBLES, q2 & LOW_NIBBLES, q3 & LOW_NIBBLES, a0, a1, a2, a3, False)
+    hi = dot16_of(
         (q0 >> NIBBLE_BITS) & LOW_NIBBLES, (q1 >> NIBBLE_BITS) & LOW_NIBBLES,
-        (q2 >> NIBBLE_BITS) & LOW_NIBBLES, (q3 >> NIBBLE_BITS) & LOW_NIBBLES, a0, a1, a2, a3, False,
+        (q2 >> NIBBLE_BITS) & LOW_NIBBLES, (q3 >> NIBBLE_BITS) & LOW_NIBBLES, b0, b1, b2, b3, False,
     )  # fmt: skip
     y = lo.to(tl.float32) * (d * (scales & BYTE).to(tl.float32) * da_lo) - (dmin * (mins & BYTE).to(tl.float32)) * s_lo
     y += (
@@ -262,73 +252,73 @@ def _q4_k(raw, xq, xd, xs, u0, live, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr)
 
 
 @triton.jit
-def _q6_k(raw, xq, xd, xs, u0, live, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+def _q6_k(raw, acts, CHUNK: tl.constexpr):
     """Q6_K: group g is ql run r of half h: low nibbles values 128h + 16r + 0..15, high ones 64 on; the top
     two bits of each are crumbs r // 2 and 2 + r // 2 of the half's qh bytes 16 (r % 2) + 0..15."""
-    d, sc_lo, sc_hi, ql, qh = raw
-    unit, half, r = _q6_k_runs(u0, CHUNK)
-    ql, qh = _words(ql), _words(qh)
-    shift = ((r // PAIR) * Q6_CRUMB_STEP)[None, :, None]
-    lo = (ql & LOW_NIBBLES) | (((qh >> shift) & CRUMBS) << NIBBLE_BITS)
-    hi = ((ql >> NIBBLE_BITS) & LOW_NIBBLES) | (((qh >> (shift + Q6_HIGH_CRUMB)) & CRUMBS) << NIBBLE_BITS)
-    first = (unit * QK_K_C + half * (4 * QK_C) + r * HALF_QK_C)[None, :]
-    a_lo, da_lo, s_lo = _run(xq, xd, xs, first, BLOCK_N, live)
-    a_hi, da_hi, s_hi = _run(xq, xd, xs, first + 2 * QK_C, BLOCK_N, live)
-    y_lo = _dot16(lo, a_lo, False).to(tl.float32) * da_lo - Q6_BIAS * s_lo
-    y_hi = _dot16(hi, a_hi, False).to(tl.float32) * da_hi - Q6_BIAS * s_hi
+    d, sc_lo, sc_hi, l0, l1, l2, l3, h0, h1, h2, h3 = raw
+    a0, a1, a2, a3, da_lo, s_lo, b0, b1, b2, b3, da_hi, s_hi = acts
+    _, _, r = _q6_k_runs(0, CHUNK)
+    shift = ((r // PAIR) * Q6_CRUMB_STEP)[None, :]
+    lo = dot16_of(
+        _q6_codes(l0, h0, shift), _q6_codes(l1, h1, shift), _q6_codes(l2, h2, shift), _q6_codes(l3, h3, shift),
+        a0, a1, a2, a3, False,
+    )  # fmt: skip
+    up = shift + Q6_HIGH_CRUMB
+    hi = dot16_of(
+        _q6_codes(l0 >> NIBBLE_BITS, h0, up), _q6_codes(l1 >> NIBBLE_BITS, h1, up),
+        _q6_codes(l2 >> NIBBLE_BITS, h2, up), _q6_codes(l3 >> NIBBLE_BITS, h3, up), b0, b1, b2, b3, False,
+    )  # fmt: skip
+    y_lo = lo.to(tl.float32) * da_lo - Q6_BIAS * s_lo
+    y_hi = hi.to(tl.float32) * da_hi - Q6_BIAS * s_hi
     return d * (sc_lo.to(tl.float32) * y_lo + sc_hi.to(tl.float32) * y_hi)
 
 
 @triton.jit
-def _q8_0(raw, xq, xd, xs, u0, live, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+def _q6_codes(ql, qh, shift):
+    """Four 6-bit codes a word: the low nibbles of `ql`'s bytes under the crumbs at `shift` of `qh`'s."""
+    return (ql & LOW_NIBBLES) | (((qh >> shift) & CRUMBS) << NIBBLE_BITS)
+
+
+@triton.jit
+def _q8_0(raw, acts):
     """Q8_0: group g is block u0 + g, its bytes 0-15 and 16-31 signed codes."""
     d, qa, qb = raw
-    first = (tl.arange(0, CHUNK) + u0)[None, :] * QK_C
-    a_lo, da, _ = _run(xq, xd, xs, first, BLOCK_N, live)
-    a_hi, _, _ = _run(xq, xd, xs, first + HALF_QK_C, BLOCK_N, live)
-    sumi = _dot16(_words(qa), a_lo, True) + _dot16(_words(qb), a_hi, True)
+    a_lo, da, _, a_hi, _, _ = acts
+    sumi = dot16(words(qa), a_lo, True) + dot16(words(qb), a_hi, True)
     return d * da * sumi.to(tl.float32)
 
 
 @triton.jit
-def _q5_0(raw, xq, xd, xs, u0, live, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+def _q5_0(raw, acts):
     """Q5_0: qs byte i holds the low 4 bits of value i (low nibble) and 16 + i (high one); bit v of qh is
     value v's fifth bit, spread to bit 4 of its byte."""
     d, qh, qs = raw
-    qs = _words(qs)
+    a_lo, da, s_lo, a_hi, _, s_hi = acts
+    qs = words(qs)
     t = tl.arange(0, QUAD)[None, None, :] * WORD_VALUES
     qh = qh[:, :, None]
     lo = (qs & LOW_NIBBLES) | ((((qh >> t) & NIBBLE) * SPREAD) & FIFTH_BITS)
     hi = ((qs >> NIBBLE_BITS) & LOW_NIBBLES) | ((((qh >> (t + HALF_WORD_BITS)) & NIBBLE) * SPREAD) & FIFTH_BITS)
-    first = (tl.arange(0, CHUNK) + u0)[None, :] * QK_C
-    a_lo, da, s_lo = _run(xq, xd, xs, first, BLOCK_N, live)
-    a_hi, _, s_hi = _run(xq, xd, xs, first + HALF_QK_C, BLOCK_N, live)
-    sumi = _dot16(lo, a_lo, False) + _dot16(hi, a_hi, False)
+    sumi = dot16(lo, a_lo, False) + dot16(hi, a_hi, False)
     return d * (sumi.to(tl.float32) * da - Q5_BIAS * (s_lo + s_hi))
 
 
 @triton.jit
-def _chunk_sum(acc, raw, xq, xd, xs, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, BLOCK_N: tl.constexpr,
-               CHUNK: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-    """acc [N, G] += this chunk's sums a group; in a partial chunk the missing units' stand-in weights (the
-    row's last unit, read again) are dropped."""
-    G: tl.constexpr = CHUNK * (K_RUNS if FMT == FMT_Q4_K else (Q6_RUNS if FMT == FMT_Q6_K else 1))
-    if FMT == FMT_Q6_K:
-        unit, _, _ = _q6_k_runs(u0, CHUNK)
-    else:
-        unit = tl.arange(0, G) // (G // CHUNK) + u0
-    live = (unit < N_UNITS)[None, :]
+def _chunk_sum(acc, raw, acts, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr,
+               MASKED: tl.constexpr):  # fmt: skip
+    """acc [N, G] += this chunk's sums a group (its weights `raw`, its activations `acts`); in a partial
+    chunk the missing units' stand-in weights (the row's last unit, read again) are dropped."""
     if FMT == FMT_Q4_K:
-        y = _q4_k(raw, xq, xd, xs, u0, live, BLOCK_N, CHUNK)
+        y = _q4_k(raw, acts, CHUNK)
     elif FMT == FMT_Q6_K:
-        y = _q6_k(raw, xq, xd, xs, u0, live, BLOCK_N, CHUNK)
+        y = _q6_k(raw, acts, CHUNK)
     elif FMT == FMT_Q8_0:
-        y = _q8_0(raw, xq, xd, xs, u0, live, BLOCK_N, CHUNK)
+        y = _q8_0(raw, acts)
     else:
         tl.static_assert(FMT == FMT_Q5_0, "no int8 GEMV for this format")
-        y = _q5_0(raw, xq, xd, xs, u0, live, BLOCK_N, CHUNK)
+        y = _q5_0(raw, acts)
     if MASKED:
-        y = tl.where(live, y, 0.0)
+        y = tl.where(_live(u0, FMT, N_UNITS, CHUNK), y, 0.0)
     return acc + y
 
 
@@ -338,7 +328,8 @@ def _row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_
               PDL: tl.constexpr):  # fmt: skip
     """x . row for the tile's rows of `w_a` (and `w_b` where TWO), [N] f32 each; the loop of
     `gemv_fast._row_dots`: each iteration loads the weights DEPTH chunks ahead (1 or 2), then sums this
-    chunk's. The first DEPTH chunks' loads are written before the wait for the kernel that wrote x (`pdl`)."""
+    chunk's with its activations (`_acts`, read once for both matrices where TWO). The first DEPTH chunks'
+    loads are written before the wait for the kernel that wrote x (`pdl`)."""
     CHUNKS: tl.constexpr = (N_UNITS + CHUNK - 1) // CHUNK
     PARTIAL: tl.constexpr = N_UNITS % CHUNK != 0
     DEEP: tl.constexpr = DEPTH == 2 and CHUNKS >= 2
@@ -362,11 +353,12 @@ def _row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_
         next_a = _raw_chunk(w_a, u0 + AHEAD, FMT, N_UNITS, CHUNK, PARTIAL)
         if TWO:
             next_b = _raw_chunk(w_b, u0 + AHEAD, FMT, N_UNITS, CHUNK, PARTIAL)
+        acts = _acts(xq, xd, xs, u0, FMT, N_UNITS, BLOCK_N, CHUNK)
         if FENCE:  # see gemv_fast.PREFETCH_FENCE
             tl.debug_barrier()
-        acc_a = _chunk_sum(acc_a, raw_a, xq, xd, xs, u0, FMT, N_UNITS, BLOCK_N, CHUNK, False)
+        acc_a = _chunk_sum(acc_a, raw_a, acts, u0, FMT, N_UNITS, CHUNK, False)
         if TWO:
-            acc_b = _chunk_sum(acc_b, raw_b, xq, xd, xs, u0, FMT, N_UNITS, BLOCK_N, CHUNK, False)
+            acc_b = _chunk_sum(acc_b, raw_b, acts, u0, FMT, N_UNITS, CHUNK, False)
         if DEEP:
             raw_a, mid_a = mid_a, next_a
             if TWO:
@@ -377,15 +369,17 @@ def _row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_
                 raw_b = next_b
     last = (CHUNKS - 1) * CHUNK
     if DEEP:  # the chunk before the last, already loaded
-        acc_a = _chunk_sum(acc_a, raw_a, xq, xd, xs, last - CHUNK, FMT, N_UNITS, BLOCK_N, CHUNK, False)
+        acts = _acts(xq, xd, xs, last - CHUNK, FMT, N_UNITS, BLOCK_N, CHUNK)
+        acc_a = _chunk_sum(acc_a, raw_a, acts, last - CHUNK, FMT, N_UNITS, CHUNK, False)
         raw_a = mid_a
         if TWO:
-            acc_b = _chunk_sum(acc_b, raw_b, xq, xd, xs, last - CHUNK, FMT, N_UNITS, BLOCK_N, CHUNK, False)
+            acc_b = _chunk_sum(acc_b, raw_b, acts, last - CHUNK, FMT, N_UNITS, CHUNK, False)
             raw_b = mid_b
-    y_a = tl.sum(_chunk_sum(acc_a, raw_a, xq, xd, xs, last, FMT, N_UNITS, BLOCK_N, CHUNK, PARTIAL), 1)
+    acts = _acts(xq, xd, xs, last, FMT, N_UNITS, BLOCK_N, CHUNK)
+    y_a = tl.sum(_chunk_sum(acc_a, raw_a, acts, last, FMT, N_UNITS, CHUNK, PARTIAL), 1)
     y_b = y_a
     if TWO:
-        y_b = tl.sum(_chunk_sum(acc_b, raw_b, xq, xd, xs, last, FMT, N_UNITS, BLOCK_N, CHUNK, PARTIAL), 1)
+        y_b = tl.sum(_chunk_sum(acc_b, raw_b, acts, last, FMT, N_UNITS, CHUNK, PARTIAL), 1)
     return y_a, y_b
 
 
@@ -436,18 +430,16 @@ def supports(fmt: Format | int, m: int, k: int) -> bool:
 
 def _check_aligned(weights: Sequence[Tensor], fmt: Format) -> None:
     if fmt is Format.Q4_K and any(w.data_ptr() % LOAD_BYTES for w in weights):
-        raise ValueError(f"Q4_K weights must start {LOAD_BYTES}-byte aligned (`_ld4`)")
+        raise ValueError(f"Q4_K weights must start {LOAD_BYTES}-byte aligned (`ld4`)")
 
 
 def _tile_plan(
     fmt: Format, k: int, block_n: int | None, warps: int | None, per_thread: int | None, *, glu: bool = False
 ) -> dict:
-    """`gemv_fast._plan` at this module's tile for `fmt` (a tall row's, from TALL_K values; the GLU's, or
-    GLU_PARTIAL_TILES' where its chunks leave the row's last one partial), or the tile given."""
+    """`gemv_fast._plan` at this module's tile for `fmt` (a tall row's, from TALL_K values, or the GLU's), or
+    the tile given."""
     if block_n is None and warps is None and per_thread is None:
         block_n, warps, per_thread = (GLU_TILES if glu else TALL_TILES if k >= TALL_K else TILES)[fmt]
-        if glu and (k // UNIT_VALUES[fmt]) % _chunk(fmt, k, block_n, warps, per_thread):
-            block_n, warps, per_thread = GLU_PARTIAL_TILES[fmt]
     return _plan(fmt, k, block_n, warps, per_thread) | {"DEPTH": PREFETCH_DEPTH}
 
 
@@ -457,7 +449,7 @@ def _check_acts(x: Q8Acts, k: int, m: int = 1) -> None:
     if q.dtype != torch.int8 or tuple(q.shape) != (m, k) or not q.is_contiguous():
         raise ValueError(f"the activation codes must be a contiguous int8 ({m}, {k}) tensor")
     if q.data_ptr() % LOAD_BYTES:
-        raise ValueError(f"the activation codes must start {LOAD_BYTES}-byte aligned (`_ld4`)")
+        raise ValueError(f"the activation codes must start {LOAD_BYTES}-byte aligned (`ld4`)")
     for t, n in ((d, m * k // QK), (s, m * k // (QK // 2))):
         if t.dtype != torch.float32 or t.numel() != n or not t.is_contiguous():
             raise ValueError(f"the activation scales and sums must be contiguous f32 tensors of {n} values")

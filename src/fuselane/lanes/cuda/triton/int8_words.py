@@ -1,0 +1,137 @@
+"""Word-level pieces of the int8 GEMVs (`gemv_q8`): `dp4a` (four int8 products summed into an int32) and the
+loads that keep a run's 32-bit words in the thread that loaded them.
+
+Why in the thread: loaded as [N, G, 4] tensors, Triton spreads a run's four words over four lanes and
+gathers them back through shared memory before every dp4a chain (a barrier each). A 16-byte aligned run is
+one 128-bit load (`ld4`); a 2-byte aligned one (Q6_K's 210-byte blocks put every other block's runs 2 bytes
+past a word) is five aligned 32-bit loads funnel-shifted into four words (`ld_run`).
+
+Under Triton's interpreter (`TRITON_INTERPRET=1`, CI without a GPU) there is no inline PTX: dp4a is its four
+byte products in integer arithmetic, the loads are plain `tl.load`s and the shift is two shifts and a mask,
+so the interpreted kernels sum exactly what the PTX instructions sum.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from fuselane.lanes.cuda.triton.gemv_fast import BYTE, BYTE_BITS, HALF_WORD_BITS, PAIR
+
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # no inline PTX under the interpreter
+WORD_BYTES = tl.constexpr(4)
+WORD_START = tl.constexpr(-4)  # the mask that rounds an address down to its word
+HALF_WORD = tl.constexpr(0xFFFF)
+
+
+@triton.jit
+def dp4a(a, b, c, SIGNED: tl.constexpr):
+    """c + the dot product of a's four bytes (signed bytes where SIGNED, else unsigned) with b's four signed
+    bytes, all int32."""
+    a = a.to(tl.int32, bitcast=True)
+    if INTERPRETED:
+        for i in tl.static_range(4):
+            if SIGNED:
+                ai = (a << (24 - 8 * i)) >> 24
+            else:
+                ai = (a >> (8 * i)) & BYTE
+            c += ai * ((b << (24 - 8 * i)) >> 24)
+        return c
+    elif SIGNED:
+        return tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        return tl.inline_asm_elementwise(
+            "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def dot16(w, a, SIGNED: tl.constexpr):
+    """[N, G, 4] words of codes times [N, G, 4] words of int8 activations: the 16-value dot, [N, G] int32,
+    as a chain of four dp4a (each adds into the last)."""
+    w02, w13 = tl.split(tl.reshape(w, [w.shape[0], w.shape[1], PAIR, PAIR]))
+    a02, a13 = tl.split(tl.reshape(a, [a.shape[0], a.shape[1], PAIR, PAIR]))
+    w0, w2 = tl.split(w02)
+    w1, w3 = tl.split(w13)
+    a0, a2 = tl.split(a02)
+    a1, a3 = tl.split(a13)
+    c = dp4a(w0, a0, tl.zeros_like(a0), SIGNED)
+    c = dp4a(w1, a1, c, SIGNED)
+    c = dp4a(w2, a2, c, SIGNED)
+    return dp4a(w3, a3, c, SIGNED)
+
+
+@triton.jit
+def words(v):
+    """[N, G, 4, 2] 2-byte words (little-endian pairs) -> [N, G, 4] 32-bit words."""
+    lo, hi = tl.split(v)
+    return lo | (hi << HALF_WORD_BITS)
+
+
+@triton.jit
+def ld4(ptr, WEIGHTS: tl.constexpr):
+    """The 16 bytes at each 16-byte aligned address of `ptr` ([N, G]) as four int32 tensors, one 128-bit load
+    a thread: the words stay in the thread that loaded them, where a [N, G, 4] load would hand them to four
+    lanes and `dot16` would gather them back through shared memory (a barrier each). Weights take the
+    read-only path and leave L1 first; activations (written by the kernel before) the coherent one, and
+    the asm is not pure, so it stays behind `pdl.wait`."""
+    if INTERPRETED:
+        p = ptr.to(tl.pointer_type(tl.int32))
+        return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
+    elif WEIGHTS:
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.L1::evict_first.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        return tl.inline_asm_elementwise(
+            "ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
+def dot16_of(w0, w1, w2, w3, a0, a1, a2, a3, SIGNED: tl.constexpr):
+    """`dot16` on words held apart ([N, G] each)."""
+    return dp4a(w3, a3, dp4a(w2, a2, dp4a(w1, a1, dp4a(w0, a0, tl.zeros_like(a0), SIGNED), SIGNED), SIGNED), SIGNED)
+
+
+@triton.jit
+def _ld5(ptr):
+    """The five 32-bit words from each 4-byte aligned address of `ptr` ([N, G] int32 pointers), weights'
+    loads (read-only path, out of L1 first), each word in the thread that loaded it."""
+    if INTERPRETED:
+        return tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3), tl.load(ptr + 4)
+    else:
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.L1::evict_first.b32 $0, [$5];\n\tld.global.nc.L1::evict_first.b32 $1, [$5+4];\n\t"
+            "ld.global.nc.L1::evict_first.b32 $2, [$5+8];\n\tld.global.nc.L1::evict_first.b32 $3, [$5+12];\n\t"
+            "ld.global.nc.L1::evict_first.b32 $4, [$5+16];", "=r,=r,=r,=r,=r,l", [ptr],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
+def _word_at(lo, hi, shift):
+    """The 32 bits `shift` (0 or 16) bits into the 64-bit little-endian pair (lo, hi): a funnel shift."""
+    if INTERPRETED:
+        return tl.where(shift == 0, lo, ((lo >> HALF_WORD_BITS) & HALF_WORD) | (hi << HALF_WORD_BITS))
+    else:
+        return tl.inline_asm_elementwise(
+            "shf.r.wrap.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, shift], dtype=tl.int32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def ld_run(ptr):
+    """The 16 bytes at each 2-byte aligned address of `ptr` ([N, G] byte pointers) as four int32 words in the
+    thread: five aligned words read, then shifted into place (Q6_K's 210-byte blocks leave every other
+    block's runs 2 bytes past a word)."""
+    at = ptr.to(tl.int64)
+    shift = ((at & (WORD_BYTES - 1)) * BYTE_BITS).to(tl.int32)
+    w0, w1, w2, w3, w4 = _ld5((at & WORD_START).to(tl.pointer_type(tl.int32)))
+    return _word_at(w0, w1, shift), _word_at(w1, w2, shift), _word_at(w2, w3, shift), _word_at(w3, w4, shift)
