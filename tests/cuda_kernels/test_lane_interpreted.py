@@ -95,7 +95,7 @@ def test_int8_activations_multiply_with_dp4a(tmp_path, monkeypatch, arch):
     # add + norm's last program, SwiGLU's, attention's) and multiply with dp4a; within the int8 contract
     from fuselane.gguf.synth import Shape
     from fuselane.lanes.cuda import kernels
-    from fuselane.lanes.cuda.triton import gemv_q8, gemv_q8_epilogue, norm, quant
+    from fuselane.lanes.cuda.triton import gemv_q8, gemv_q8_epilogue, gemv_q8_rope, norm, quant
 
     dims, mix = INT8_SHAPES[arch]
     shape = Shape(*dims, context=4096)
@@ -113,17 +113,20 @@ def test_int8_activations_multiply_with_dp4a(tmp_path, monkeypatch, arch):
     counted(gemv_q8_epilogue, "gemv_q8_gate_up_glu_q8")
     counted(quant, "quantize")
     counted(norm, "rms_norm", "norm_q8", lambda k: k.get("out_q8") is not None)
+    counted(gemv_q8_rope, "gemv_q8_parts_rope")
     path = write_synthetic(tmp_path / "m.gguf", shape, mix, seed=8)
     # two decode steps: the interpreter takes minutes a step at these widths
-    gpu = _int8_within_contract(path, ["activations=int8", "norm_launch=on"], steps=2)
+    gpu = _int8_within_contract(path, ["activations=int8", "norm_launch=on", "rope_epilogue=on"], steps=2)
     assert calls.get("gemv_q8_add_norm") and calls.get("gemv_q8_gate_up_glu_q8") and calls.get("gemv_q8_parts"), calls
+    # rope_epilogue=on: each layer's query and key turn in the QKV GEMV's epilogue, a launch less a layer
+    assert calls.get("gemv_q8_parts_rope"), calls
     # one quantizing launch a step (the embedding's norm): the rest quantize in their producers' epilogues; under
     # norm_launch=on a down projection longer than twice the width leaves its add and norm (quantizing) to a
     # launch of its own
     own = kernels.norm_in_own_launch(kernels.Mode.INT8, shape.n_ff, shape.n_embd)
     assert bool(calls.get("norm_q8")) == own, calls
     plain = load(path, lane="cuda", ctx=32)
-    assert gpu.lane.step(1).launches == plain.lane.step(1).launches + 1 + own * shape.n_layers
+    assert gpu.lane.step(1).launches == plain.lane.step(1).launches + 1 + own * shape.n_layers - shape.n_layers
 
 
 def test_int8_products_quantize_what_their_producer_did_not(tmp_path):

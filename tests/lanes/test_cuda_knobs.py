@@ -50,6 +50,7 @@ def test_knobs_parse() -> None:
     assert CudaKnobs.parse(["prefill=in-place"]).prefill_weights is PrefillWeights.IN_PLACE
     assert CudaKnobs().dependent_launch and not CudaKnobs.parse(["pdl=off"]).dependent_launch
     assert not CudaKnobs().norm_launch and CudaKnobs.parse(["norm_launch=on"]).norm_launch
+    assert not CudaKnobs().rope_epilogue and CudaKnobs.parse(["rope_epilogue=on"]).rope_epilogue
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,10 @@ class CudaKnobs:
       epilogue's serial tail costs more than a launch (H200 decode: 7B 395 -> 417 tok/s, 8B 343 -> 358,
       0.6B 1,151 -> 1,226), but a layer whose V product takes its own launch (a Q4_K_M layer's Q6_K
       attn_v) then takes 8, one past the lane's budget of 7, so it is off by default.
+    - `rope_epilogue=False`: under int8 activations a decode step's query and key rotations (q/k norm, rope,
+      the key's cache append) are a launch after the QKV GEMV. `on` turns them in that GEMV's epilogue
+      (`triton/gemv_q8_rope.py`: the last program of each head turns it), a launch less a layer, which
+      would leave `norm_launch` within the budget of 7. Off until it is measured on a GPU.
     - `prefill=f16-copy`: cuBLAS on f16 copies multiplies a prefill chunk 7-20x faster than the GEMM that
       decodes the weights in its kernel (H200, 256 rows: 370-530 against 27-76 TFLOP/s on the 8B's
       products, `benchmarks/gemm_compare.py`); `in-place` keeps a model's memory at its checkpoint's size
@@ -108,6 +112,7 @@ class CudaKnobs:
     prefill_weights: PrefillWeights = PrefillWeights.F16_COPY
     dependent_launch: bool = True
     norm_launch: bool = False
+    rope_epilogue: bool = False
 
     @classmethod
     def parse(cls, settings: Iterable[str], base: CudaKnobs | None = None) -> CudaKnobs:
@@ -166,4 +171,5 @@ _SETTERS = {
     "prefill": lambda k, v: replace(k, prefill_weights=_choice("prefill", PrefillWeights, v)),
     "pdl": lambda k, v: replace(k, dependent_launch=_flag("pdl", v)),
     "norm_launch": lambda k, v: replace(k, norm_launch=_flag("norm_launch", v)),
+    "rope_epilogue": lambda k, v: replace(k, rope_epilogue=_flag("rope_epilogue", v)),
 }

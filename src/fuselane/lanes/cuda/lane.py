@@ -212,7 +212,11 @@ class _Step:
         if g.rows == 1 and lane.shim.activation_format is not None:
             shim = lane.shim
             reads_int8 = lambda op: shim.activation(op, 0, g) is not None  # noqa: E731
-        bound = Bound(g, bufs, lane.raw, lane.vec, lane.dense, in_place=in_place, q8=q8, reads_int8=reads_int8)
+        rope_in_gemv = lane.shim.knobs.rope_epilogue
+        bound = Bound(
+            g, bufs, lane.raw, lane.vec, lane.dense,
+            in_place=in_place, q8=q8, reads_int8=reads_int8, rope_in_gemv=rope_in_gemv,
+        )  # fmt: skip
         self.launch_list = [launch for op in plan.ops for launch in bind(op, bound)]
         self.launches = len(self.launch_list)
         self.graphs: dict[Hashable, Any] = {}  # the captured step, by its sampler tail's key (None: no tail)

@@ -50,6 +50,7 @@ class Bound:
     q8: dict[str, Any] = field(default_factory=dict)  # name -> gemv_q8.Q8Acts: a decode step's int8 activations
     # whether a decode step's op reads its activation quantized (the shim's `activation`); None: never
     reads_int8: Callable[[Op], bool] | None = None
+    rope_in_gemv: bool = False  # knob rope_epilogue: the int8 QKV GEMV turns its query and key (gemv_q8_rope)
 
 
 def _t():
@@ -386,7 +387,7 @@ def _merged(op: Op, b: Bound):
     """Products of one activation in parts: one GEMV launch, then each part's epilogue launch (rotations)."""
     gemv, *_ = _t()
     members = op.sym.parts  # type: ignore[union-attr]
-    products, after = [], []
+    products, after, turned = [], [], []
     for m in members:
         found = leaves(m)
         mm = found[0]
@@ -400,17 +401,44 @@ def _merged(op: Op, b: Bound):
         products.append((b.raw[mm.ins[1]][0], spec.n, out, b.vec[bias] if bias else None, row))
         if cls is C.QKV_HEAD_EPILOGUE:
             after.append(m.sym.parts[1])  # type: ignore[union-attr]
+            turned.append(len(products) - 1)
     x, fmt = b.bufs[members[0].ins[0]], b.raw[leaves(members[0])[0].ins[1]][1]
     turns = _turns(after, b)
     k = leaves(members[0])[0].sym.k  # type: ignore[union-attr]
     q8 = _q8_in(op, members[0].ins[0], fmt, x.shape[0], k, b, *(p[2] for p in products))
     if q8 is not None:
         gemv_q8, acts, first = q8
+        fused = _turned_in_gemv(list(zip(turned, after, strict=True)), products, acts, fmt, k, b)
+        if fused is not None:
+            return [*first, fused]
         return [*first, lambda: gemv_q8.gemv_q8_parts(acts, products, fmt), *turns]
     fast = _fast(fmt, x.shape[0], *(p[2] for p in products))
     if fast is not None:
         return [lambda: fast.gemv_fast_parts(x, products, fmt), *turns]
     return [lambda: gemv.gemv_parts(x, products, fmt), *turns]
+
+
+def _turned_in_gemv(turned: list[tuple[int, Op]], products: list, acts: Any, fmt: Format, k: int, b: Bound):
+    """Under `rope_epilogue`, the int8 GEMV in parts that turns a query's and a key's heads in its epilogue
+    (`gemv_q8_rope`): one launch for the product and its rotations, where they are one query (landing in a
+    buffer) and one key turned alike, and the GEMV's tile divides a head. None otherwise."""
+    if not b.rope_in_gemv or len(turned) != 2:
+        return None
+    from fuselane.lanes.cuda.triton import gemv_q8, gemv_q8_rope
+
+    (qi, q_op), (ki, k_op) = turned if _side(turned[0][1], b).pitch is None else turned[::-1]
+    q, kk = _side(q_op, b), _side(k_op, b)
+    alike = (q.hd, q.base, q.eps, q.norm_w is None) == (kk.hd, kk.base, kk.eps, kk.norm_w is None)
+    block_n = gemv_q8._tile_plan(fmt, k, None, None, None)["BLOCK_N"]
+    if q.pitch is not None or not alike or q.hd % block_n:
+        return None
+    counters = b.scratch.setdefault(f"rope-q8:{q_op.out}", gemv_q8_rope.rope_counters(q.heads, kk.heads, acts.q.device))
+    q_turn = gemv_q8_rope.Turn(qi, q.out, q.heads, None, q.norm_w)
+    k_turn = gemv_q8_rope.Turn(ki, kk.out, kk.heads, kk.pitch, kk.norm_w)
+    pos = b.bufs["pos"]
+    return lambda: gemv_q8_rope.gemv_q8_parts_rope(
+        acts, products, fmt, q_turn, k_turn, pos, counters, hd=q.hd, base=q.base, eps=q.eps
+    )
 
 
 def _turns(sides: list[Op], b: Bound) -> list[Launch]:

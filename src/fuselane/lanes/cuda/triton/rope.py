@@ -51,13 +51,16 @@ def rope_warps(hd: int) -> int:
 
 
 @triton.jit
-def _rotate_head(src, dst, w_ptr, p, eps, freq_exp, HD: tl.constexpr, HALF_P2: tl.constexpr, NORM: tl.constexpr):
-    """Norm (with NORM) and rotate the head of `HD` values at `src` to position `p`, writing it at `dst`."""
+def _rotate_head(src, dst, w_ptr, p, eps, freq_exp, HD: tl.constexpr, HALF_P2: tl.constexpr, NORM: tl.constexpr,
+                 FROM_L2: tl.constexpr = False):  # fmt: skip
+    """Norm (with NORM) and rotate the head of `HD` values at `src` to position `p`, writing it at `dst`. With
+    FROM_L2 the head is read past this SM's L1 (`.cg`): other programs of the same launch wrote it."""
     HALF: tl.constexpr = HD // 2
+    CACHE: tl.constexpr = ".cg" if FROM_L2 else ""
     j = tl.arange(0, HALF_P2)
     mask = j < HALF
-    a = tl.load(src + j, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(src + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(src + j, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    b = tl.load(src + HALF + j, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
     if NORM:
         r = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / HD + eps)
         a = a * r * tl.load(w_ptr + j, mask=mask, other=0.0).to(tl.float32)
@@ -99,7 +102,7 @@ def _rope_kernel(
     _rotate_head(src, dst, w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM)
 
 
-def _check_head(hd: int) -> None:
+def check_head(hd: int) -> None:
     if hd % 2 or hd > kernels.ROPE_HEAD:
         raise ValueError(f"a rotation takes an even head of at most {kernels.ROPE_HEAD} values, not {hd}")
 
@@ -129,7 +132,7 @@ def qk_norm_rope(
     row i lands at cache row pos[0] + i, `cache_row_pitch` values apart (RopeKvAppend / QkNormRopeKvAppend).
     One launch, a block a head of a row.
     """
-    _check_head(hd)
+    check_head(hd)
     if x.stride(-1) != 1:
         raise ValueError("rope: the input's values must be unit-stride")
     rows = x.shape[0] if x.dim() == 2 else 1
@@ -210,7 +213,7 @@ def rope_q_k(
     """RopeQkOneLaunch: `qk_norm_rope` of a layer's query (`heads` heads) and key (`kv_heads` heads) in one
     launch, at one position and head width, both normed or neither. With `k_cache_row_pitch` the key's row i
     lands in the cache `k_out` at row pos[0] + i (the key's KV append)."""
-    _check_head(hd)
+    check_head(hd)
     if (q_norm_w is None) != (k_norm_w is None):
         raise ValueError("one launch rotates a query and a key both normed or neither")
     if q.stride(-1) != 1 or k.stride(-1) != 1:

@@ -1,0 +1,90 @@
+"""The int8 GEMV in parts with its query's and key's heads turned in the epilogue (`gemv_q8_rope`) against the
+two launches it replaces: `gemv_q8.gemv_q8_parts`, then `rope.rope_q_k`. The same sums, the same rotation code
+on the same f32 values: every output equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
+pytest.importorskip("triton")
+
+from kernel_checks import DEVICE, dev, raw_weights  # noqa: E402
+
+from fuselane.gguf.formats import Format  # noqa: E402
+from fuselane.lanes.cuda.triton import quant, rope  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv import Part  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv_q8 import gemv_q8_parts  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv_q8_rope import Turn, gemv_q8_parts_rope, rope_counters  # noqa: E402
+
+HEADS, KV, HD, K, CTX, POS = 4, 2, 64, 256, 8, 5
+BASE, EPS = 1e6, 1e-6
+TILE = {"block_n": 4, "warps": 1, "per_thread": 1}  # 16 programs a head: the count decides who turns it
+
+
+def _layer(fmt: Format, normed: bool, rng: np.random.Generator):
+    """A decode step's QKV weights in `fmt`, its quantized input, and the q/k norm weights where `normed`."""
+    weights = [dev(raw_weights(fmt, n * HD, K, rng)) for n in (HEADS, KV, KV)]
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    acts = quant.quantize(dev(x), quant.empty_q8(1, K, DEVICE))
+    norms = [dev(rng.uniform(0.5, 1.5, HD).astype(np.float32)) for _ in range(2)] if normed else [None, None]
+    return weights, acts, norms
+
+
+def _outputs():
+    """Fresh raw q and k rows, the turned query, and the caches (filled with NaN: only row POS is written)."""
+    raw_q, raw_k = torch.zeros(1, HEADS * HD, device=DEVICE), torch.zeros(1, KV * HD, device=DEVICE)
+    q_out = torch.full((1, HEADS * HD), float("nan"), device=DEVICE)
+    k_cache, v_cache = (torch.full((CTX, KV * HD), float("nan"), device=DEVICE).half() for _ in range(2))
+    return raw_q, raw_k, q_out, k_cache, v_cache
+
+
+@pytest.mark.parametrize("normed", [False, True], ids=["rope", "qk_norm_rope"])
+@pytest.mark.parametrize("fmt", [Format.Q4_K, Format.Q8_0], ids=lambda f: f.name)
+def test_turned_in_the_epilogue_as_in_a_launch_of_its_own(fmt: Format, normed: bool) -> None:
+    rng = np.random.default_rng(int(fmt) + 10 * normed)
+    (wq, wk, wv), acts, (qw, kw) = _layer(fmt, normed, rng)
+    pos = torch.tensor([POS], dtype=torch.int32, device=DEVICE)
+    pitch = KV * HD
+
+    raw_q, raw_k, q_out, k_cache, v_cache = want = _outputs()
+    parts = [Part(wq, HEADS * HD, raw_q), Part(wk, KV * HD, raw_k), Part(wv, KV * HD, v_cache, None, (pos, pitch))]
+    gemv_q8_parts(acts, parts, fmt, **TILE)
+    rope.rope_q_k(raw_q, raw_k, q_out, k_cache, pos, heads=HEADS, kv_heads=KV, hd=HD, base=BASE,
+                  q_norm_w=qw, k_norm_w=kw, eps=EPS, k_cache_row_pitch=pitch)  # fmt: skip
+
+    raw_q, raw_k, q_out, k_cache, v_cache = got = _outputs()
+    parts = [Part(wq, HEADS * HD, raw_q), Part(wk, KV * HD, raw_k), Part(wv, KV * HD, v_cache, None, (pos, pitch))]
+    counters = rope_counters(HEADS, KV, DEVICE)
+    q, k = Turn(0, q_out, HEADS, None, qw), Turn(1, k_cache, KV, pitch, kw)
+    gemv_q8_parts_rope(acts, parts, fmt, q, k, pos, counters, hd=HD, base=BASE, eps=EPS, **TILE)
+
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert not k_cache[POS].isnan().any() and not q_out.isnan().any()
+    assert not counters.any()  # re-armed for the next launch
+
+
+def test_turns_are_checked() -> None:
+    rng = np.random.default_rng(3)
+    (wq, wk, wv), acts, _ = _layer(Format.Q4_K, False, rng)
+    pos = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    raw_q, raw_k, q_out, k_cache, _ = _outputs()
+    parts = [Part(wq, HEADS * HD, raw_q), Part(wk, KV * HD, raw_k)]
+    counters = rope_counters(HEADS, KV, DEVICE)
+    q, k = Turn(0, q_out, HEADS), Turn(1, k_cache, KV, KV * HD)
+    with pytest.raises(ValueError, match="two of the 2 parts"):
+        gemv_q8_parts_rope(acts, parts, Format.Q4_K, q, q, pos, counters, hd=HD, base=BASE, **TILE)
+    with pytest.raises(ValueError, match="heads of"):
+        gemv_q8_parts_rope(acts, parts, Format.Q4_K, q, Turn(1, k_cache, HEADS), pos, counters, hd=HD, base=BASE)
+    with pytest.raises(ValueError, match="rope_counters"):
+        gemv_q8_parts_rope(acts, parts, Format.Q4_K, q, k, pos, counters[:1], hd=HD, base=BASE, **TILE)
+    with pytest.raises(ValueError, match="does not divide a head"):
+        gemv_q8_parts_rope(acts, parts, Format.Q4_K, q, k, pos, counters, hd=HD, base=BASE, block_n=128, warps=4,
+                           per_thread=1)  # fmt: skip
