@@ -384,7 +384,8 @@ def _gate_up(op: Op, b: Bound, out_q8: Any = None):
 
 
 def _merged(op: Op, b: Bound):
-    """Products of one activation in parts: one GEMV launch, then each part's epilogue launch (rotations)."""
+    """Products of one activation in parts: one GEMV launch, then each part's epilogue launch (rotations), or
+    under `rope_epilogue` one int8 GEMV launch that turns the query and the key itself."""
     gemv, *_ = _t()
     members = op.sym.parts  # type: ignore[union-attr]
     products, after, turned = [], [], []
@@ -429,8 +430,10 @@ def _turned_in_gemv(turned: list[tuple[int, Op]], products: list, acts: Any, fmt
     (qi, q_op), (ki, k_op) = turned if _side(turned[0][1], b).pitch is None else turned[::-1]
     q, kk = _side(q_op, b), _side(k_op, b)
     alike = (q.hd, q.base, q.eps, q.norm_w is None) == (kk.hd, kk.base, kk.eps, kk.norm_w is None)
+    # the epilogue turns what the part wrote: the rotations must read the parts' own outputs
+    reads_parts = all(s.x.data_ptr() == products[i][2].data_ptr() for i, s in ((qi, q), (ki, kk)))
     block_n = gemv_q8._tile_plan(fmt, k, None, None, None)["BLOCK_N"]
-    if q.pitch is not None or not alike or q.hd % block_n:
+    if q.pitch is not None or not alike or not reads_parts or q.hd % block_n:
         return None
     counters = b.scratch.setdefault(f"rope-q8:{q_op.out}", gemv_q8_rope.rope_counters(q.heads, kk.heads, acts.q.device))
     q_turn = gemv_q8_rope.Turn(qi, q.out, q.heads, None, q.norm_w)
