@@ -45,9 +45,10 @@ def _outputs():
     return raw_q, raw_k, q_out, k_cache, v_cache
 
 
+@pytest.mark.parametrize("tile", [TILE, {}], ids=["small_tile", "landed_tile"])
 @pytest.mark.parametrize("normed", [False, True], ids=["rope", "qk_norm_rope"])
 @pytest.mark.parametrize("fmt", [Format.Q4_K, Format.Q8_0], ids=lambda f: f.name)
-def test_turned_in_the_epilogue_as_in_a_launch_of_its_own(fmt: Format, normed: bool) -> None:
+def test_turned_in_the_epilogue_as_in_a_launch_of_its_own(fmt: Format, normed: bool, tile: dict) -> None:
     rng = np.random.default_rng(int(fmt) + 10 * normed)
     (wq, wk, wv), acts, (qw, kw) = _layer(fmt, normed, rng)
     pos = torch.tensor([POS], dtype=torch.int32, device=DEVICE)
@@ -55,7 +56,7 @@ def test_turned_in_the_epilogue_as_in_a_launch_of_its_own(fmt: Format, normed: b
 
     raw_q, raw_k, q_out, k_cache, v_cache = want = _outputs()
     parts = [Part(wq, HEADS * HD, raw_q), Part(wk, KV * HD, raw_k), Part(wv, KV * HD, v_cache, None, (pos, pitch))]
-    gemv_q8_parts(acts, parts, fmt, **TILE)
+    gemv_q8_parts(acts, parts, fmt, **tile)
     rope.rope_q_k(raw_q, raw_k, q_out, k_cache, pos, heads=HEADS, kv_heads=KV, hd=HD, base=BASE,
                   q_norm_w=qw, k_norm_w=kw, eps=EPS, k_cache_row_pitch=pitch)  # fmt: skip
 
@@ -63,7 +64,7 @@ def test_turned_in_the_epilogue_as_in_a_launch_of_its_own(fmt: Format, normed: b
     parts = [Part(wq, HEADS * HD, raw_q), Part(wk, KV * HD, raw_k), Part(wv, KV * HD, v_cache, None, (pos, pitch))]
     counters = rope_counters(HEADS, KV, DEVICE)
     q, k = Turn(0, q_out, HEADS, None, qw), Turn(1, k_cache, KV, pitch, kw)
-    gemv_q8_parts_rope(acts, parts, fmt, q, k, pos, counters, hd=HD, base=BASE, eps=EPS, **TILE)
+    gemv_q8_parts_rope(acts, parts, fmt, q, k, pos, counters, hd=HD, base=BASE, eps=EPS, **tile)
 
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
