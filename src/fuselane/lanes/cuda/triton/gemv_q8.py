@@ -387,6 +387,30 @@ def _row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_
 
 
 @triton.jit
+def parts_product(
+    xq, xd, xs,
+    w0, n0, out0, pitch0, bias0, pos0,
+    w1, n1, out1, pitch1, bias1, pos1,
+    w2, n2, out2, pitch2, bias2, pos2,
+    w3, n3, out3, pitch3, bias3, pos3,
+    t1, t2, t3, res,
+    FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    FENCE: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
+    DEPTH: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """A launch in parts' program: its part's rows summed and stored with the part's epilogue. Returns the
+    part, for an epilogue of the kernel's own after it (`gemv_q8_rope`)."""
+    part, rows, n, w_rows = part_rows(w0, n0, w1, n1, w2, n2, w3, n3, t1, t2, t3, ROW_BYTES, BLOCK_N)
+    y, _ = _row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, PDL)
+    store_parts(
+        y, rows, part, n,
+        out0, pitch0, bias0, pos0, out1, pitch1, bias1, pos1, out2, pitch2, bias2, pos2, out3, pitch3, bias3, pos3,
+        res, PARTS, BIAS, AT_ROW, HAS_RES,
+    )  # fmt: skip
+    return part
+
+
+@triton.jit
 def _parts_kernel(
     xq, xd, xs,
     w0, n0, out0, pitch0, bias0, pos0,
@@ -399,12 +423,10 @@ def _parts_kernel(
     DEPTH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.release(PDL)
-    part, rows, n, w_rows = part_rows(w0, n0, w1, n1, w2, n2, w3, n3, t1, t2, t3, ROW_BYTES, BLOCK_N)
-    y, _ = _row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, PDL)
-    store_parts(
-        y, rows, part, n,
-        out0, pitch0, bias0, pos0, out1, pitch1, bias1, pos1, out2, pitch2, bias2, pos2, out3, pitch3, bias3, pos3,
-        res, PARTS, BIAS, AT_ROW, HAS_RES,
+    parts_product(
+        xq, xd, xs, w0, n0, out0, pitch0, bias0, pos0, w1, n1, out1, pitch1, bias1, pos1,
+        w2, n2, out2, pitch2, bias2, pos2, w3, n3, out3, pitch3, bias3, pos3, t1, t2, t3, res,
+        FMT, N_UNITS, CHUNK, ROW_BYTES, BLOCK_N, FENCE, PARTS, BIAS, AT_ROW, HAS_RES, DEPTH, PDL,
     )  # fmt: skip
 
 
@@ -460,13 +482,22 @@ def gemv_q8_parts(x: Q8Acts, parts: Sequence[Part | tuple], fmt: Format, *, resi
                   per_thread: int | None = None) -> None:  # fmt: skip
     """One launch of up to four products of one format reading the same quantized `x`; as
     `gemv_fast.gemv_fast_parts` (bias, a row of a table at a device position, residual into part 0)."""
+    plan, args, flags, tiles = parts_launch(x, parts, fmt, residual, block_n, warps, per_thread)
+    _parts_kernel[(tiles,)](x.q, x.d, x.s, *args, **flags, **plan, **pdl.options())
+
+
+def parts_launch(
+    x: Q8Acts, parts: Sequence[Part | tuple], fmt: Format, residual: Tensor | None,
+    block_n: int | None, warps: int | None, per_thread: int | None,
+) -> tuple[dict, list, dict, int]:  # fmt: skip
+    """A launch in parts on `x`, checked: its tile's plan, its arguments after the activation, its flags and
+    its programs (`gemv_parts.parts_args`)."""
     fmt = Format(fmt)
     k = x.q.shape[-1]
     _check_acts(x, k)
     _check_aligned([Part(*p).w for p in parts], fmt)
     plan = _tile_plan(fmt, k, block_n, warps, per_thread)
-    args, flags, tiles = parts_args(parts, fmt, k, plan["BLOCK_N"], x.d, residual)
-    _parts_kernel[(tiles,)](x.q, x.d, x.s, *args, **flags, **plan, **pdl.options())
+    return plan, *parts_args(parts, fmt, k, plan["BLOCK_N"], x.d, residual)
 
 
 def gemv_q8(x: Q8Acts, w: Tensor, fmt: Format, n: int, k: int, out: Tensor, *, bias: Tensor | None = None,

@@ -27,8 +27,8 @@ from torch import Tensor
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import Part
-from fuselane.lanes.cuda.triton.gemv_parts import part_rows, parts_args, pick, store_parts
-from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts, _check_acts, _check_aligned, _row_dots, _tile_plan
+from fuselane.lanes.cuda.triton.gemv_parts import pick
+from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts, parts_launch, parts_product
 from fuselane.lanes.cuda.triton.rope import _rotate_head, check_head, freq_exponent
 
 COUNTER_DTYPE = torch.int32
@@ -74,12 +74,10 @@ def _parts_rope_kernel(
     HALF_P2: tl.constexpr, NORM: tl.constexpr, K_AT_POS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.release(PDL)
-    part, rows, n, w_rows = part_rows(w0, n0, w1, n1, w2, n2, w3, n3, t1, t2, t3, ROW_BYTES, BLOCK_N)
-    y, _ = _row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, PDL)
-    store_parts(
-        y, rows, part, n,
-        out0, pitch0, bias0, pos0, out1, pitch1, bias1, pos1, out2, pitch2, bias2, pos2, out3, pitch3, bias3, pos3,
-        res, PARTS, BIAS, AT_ROW, HAS_RES,
+    part = parts_product(
+        xq, xd, xs, w0, n0, out0, pitch0, bias0, pos0, w1, n1, out1, pitch1, bias1, pos1,
+        w2, n2, out2, pitch2, bias2, pos2, w3, n3, out3, pitch3, bias3, pos3, t1, t2, t3, res,
+        FMT, N_UNITS, CHUNK, ROW_BYTES, BLOCK_N, FENCE, PARTS, BIAS, AT_ROW, HAS_RES, DEPTH, PDL,
     )  # fmt: skip
     if (part == Q_PART) | (part == K_PART):
         head = (tl.program_id(0) - pick(part, 0, t1, t2, t3)) * BLOCK_N // HD
@@ -120,11 +118,7 @@ def gemv_q8_parts_rope(
     their parts' outputs as before) are then turned in the epilogue as `rope.rope_q_k` turns them: normed
     where `norm_w` is given (both or neither), rotated to position pos[0], landing in `q.out` and in `k.out`
     (at row pos[0] where `cache_row_pitch` is given). `counters` are `rope_counters(q.heads, k.heads)`'s."""
-    fmt = Format(fmt)
-    kk = x.q.shape[-1]
     parts = [Part(*p) for p in parts]
-    _check_acts(x, kk)
-    _check_aligned([p.w for p in parts], fmt)
     check_head(hd)
     if q.part == k.part or not (0 <= q.part < len(parts) and 0 <= k.part < len(parts)):
         raise ValueError(f"the query and the key turn two of the {len(parts)} parts, not {q.part} and {k.part}")
@@ -137,9 +131,8 @@ def gemv_q8_parts_rope(
         raise ValueError("the query's turned heads land in a buffer, not a cache")
     if counters.dtype != COUNTER_DTYPE or counters.numel() != q.heads + k.heads:
         raise ValueError(f"counters must be rope_counters({q.heads}, {k.heads})")
-    plan = _tile_plan(fmt, kk, block_n, warps, per_thread)
+    plan, args, flags, tiles = parts_launch(x, parts, fmt, None, block_n, warps, per_thread)
     check_tile(plan["BLOCK_N"], hd)
-    args, flags, tiles = parts_args(parts, fmt, kk, plan["BLOCK_N"], x.d, None)
     k_pitch = 0 if k.cache_row_pitch is None else int(k.cache_row_pitch)
     _parts_rope_kernel[(tiles,)](
         x.q, x.d, x.s, *args,
