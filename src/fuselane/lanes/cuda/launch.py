@@ -404,7 +404,6 @@ def _merged(op: Op, b: Bound):
             after.append(m.sym.parts[1])  # type: ignore[union-attr]
             turned.append(len(products) - 1)
     x, fmt = b.bufs[members[0].ins[0]], b.raw[leaves(members[0])[0].ins[1]][1]
-    turns = _turns(after, b)
     k = leaves(members[0])[0].sym.k  # type: ignore[union-attr]
     q8 = _q8_in(op, members[0].ins[0], fmt, x.shape[0], k, b, *(p[2] for p in products))
     if q8 is not None:
@@ -412,7 +411,8 @@ def _merged(op: Op, b: Bound):
         fused = _turned_in_gemv(list(zip(turned, after, strict=True)), products, acts, fmt, k, b)
         if fused is not None:
             return [*first, fused]
-        return [*first, lambda: gemv_q8.gemv_q8_parts(acts, products, fmt), *turns]
+        return [*first, lambda: gemv_q8.gemv_q8_parts(acts, products, fmt), *_turns(after, b)]
+    turns = _turns(after, b)
     fast = _fast(fmt, x.shape[0], *(p[2] for p in products))
     if fast is not None:
         return [lambda: fast.gemv_fast_parts(x, products, fmt), *turns]
