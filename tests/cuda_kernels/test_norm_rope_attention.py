@@ -29,7 +29,7 @@ from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
 from fuselane.gguf.quantize import random_blocks  # noqa: E402
 from fuselane.graph.ops import ArgMax, Attention, RmsNorm, Rope, Unary, UnaryOp  # noqa: E402
 from fuselane.lanes.cpu import kernels as ref  # noqa: E402
-from fuselane.lanes.cuda.triton import attention, misc, norm, quant, rope  # noqa: E402
+from fuselane.lanes.cuda.triton import attention, misc, norm, pdl, quant, rope  # noqa: E402
 from fuselane.numerics.contract import Keep  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -328,7 +328,15 @@ def caches(rng, hd: int, dtype):
 @pytest.mark.parametrize("p", [0, 17, CACHE - 1])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("splits, merge_batch, per_block", [(1, 16, None), (4, 16, None), (4, 2, None), (4, 2, 1)])
-def test_flash_decode_matches_cpu(hd, p, cache_dtype, splits, merge_batch, per_block):
+@pytest.mark.parametrize("dependent", [False, True], ids=["plain", "dependent"])
+def test_flash_decode_matches_cpu(hd, p, cache_dtype, splits, merge_batch, per_block, dependent):
+    """Also as a dependent launch, whose blocks read their first tile before the wait and the position's row
+    after it."""
+    with pdl.dependent_launches(dependent):
+        _flash_decode_matches_cpu(hd, p, cache_dtype, splits, merge_batch, per_block)
+
+
+def _flash_decode_matches_cpu(hd, p, cache_dtype, splits, merge_batch, per_block):
     rng = np.random.default_rng(hd * 100 + p)
     scale = hd**-0.5
     q = f32(rng, 1, HEADS * hd)
@@ -364,7 +372,8 @@ def test_flash_decode_reads_each_groups_kv_head():
     q = f32(rng, 1, HEADS * hd)
     k, v, kc, vc = caches(rng, hd, torch.float32)
     out = torch.empty(1, HEADS * hd, device=DEVICE)
-    attention.flash_decode(dev(q), kc, vc, pos_of(p), out, heads=HEADS, kv_heads=KV, hd=hd, scale=0.2, scratch=None)
+    scratch = attention.decode_scratch(HEADS, hd, CACHE, DEVICE)  # the plan's splits, whatever they are
+    attention.flash_decode(dev(q), kc, vc, pos_of(p), out, heads=HEADS, kv_heads=KV, hd=hd, scale=0.2, scratch=scratch)
     got = host(out).reshape(HEADS, hd)
     means = got.mean(axis=1)  # values of kv head 1 sit 4.0 above kv head 0's
     assert means[2] - means[0] > 3 and means[3] - means[1] > 3

@@ -90,6 +90,21 @@ def test_the_gemv_loops_wait_after_their_first_weights_and_before_the_loop() -> 
         assert called <= weights_only, f"{module}: {called - weights_only} before the wait"
 
 
+def test_the_decode_attention_reads_only_the_steps_inputs_before_its_wait() -> None:
+    """The one kernel that reads before its wait: the position, and the first tile's rows before it."""
+    tree = dict(_modules())["attention.py"]
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_decode_kernel")
+    wait = next(n for n in ast.walk(fn) if isinstance(n, ast.Call) and ast.unparse(n.func) == "pdl.wait")
+    early = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and n.lineno < wait.lineno]
+    names = {ast.unparse(n.func) for n in early}
+    assert names <= {"pdl.release", "tl.program_id", "tl.load", "tl.cdiv", "tl.maximum", "tl.minimum", "_tile_kv"}
+    assert [ast.unparse(n.args[0]) for n in early if ast.unparse(n.func) == "tl.load"] == ["pos_ptr"]
+    (tile,) = (n for n in early if ast.unparse(n.func) == "_tile_kv")
+    below = ast.unparse(tile.args[3])
+    bound = next(n for n in ast.walk(fn) if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == below)
+    assert ast.unparse(bound.value) == "tl.minimum(hi, span - 1)"  # rows before the position: earlier steps'
+
+
 def test_every_launch_passes_the_options() -> None:
     names = {fn.name for _, fn in _kernels()}
     launches = 0

@@ -28,9 +28,10 @@ def test_kernel_facts() -> None:
     assert kernels.moe_down_launch(2048, 1024, 8, 1024) == (512, 288)
     for activations in Activations:
         assert kernels.accumulator(kernels.mode(activations)) == (4, 32)
-    assert kernels.attn_splits(head_blocks=32, span=4096, sms=132) == 64  # capped by 64-row chunks
-    assert kernels.attn_splits(head_blocks=256, span=4096, sms=132) == 9  # sixteen one-warp blocks a SM
-    assert kernels.attn_splits(head_blocks=8, span=300, sms=132) == 5
+    assert kernels.attn_splits(head_blocks=32, span=4096, sms=132) == 66  # sixteen one-warp blocks a SM
+    assert kernels.attn_splits(head_blocks=32, span=641, sms=132) == 21  # capped by 32-row (one-tile) chunks
+    assert kernels.attn_splits(head_blocks=256, span=4096, sms=132) == 9
+    assert kernels.attn_splits(head_blocks=8, span=300, sms=132) == 10
     assert kernels.attn_splits(head_blocks=4096, span=4096, sms=132) == 1
     assert kernels.attn_heads_a_block(7) == 1
     assert chunks_apart(splits=4, rows=1, head_blocks=8, sms=132)
@@ -49,8 +50,8 @@ def test_knobs_parse() -> None:
     assert CudaKnobs().prefill_weights is PrefillWeights.F16_COPY
     assert CudaKnobs.parse(["prefill=in-place"]).prefill_weights is PrefillWeights.IN_PLACE
     assert CudaKnobs().dependent_launch and not CudaKnobs.parse(["pdl=off"]).dependent_launch
-    assert not CudaKnobs().norm_launch and CudaKnobs.parse(["norm_launch=on"]).norm_launch
-    assert not CudaKnobs().rope_epilogue and CudaKnobs.parse(["rope_epilogue=on"]).rope_epilogue
+    assert CudaKnobs().norm_launch and not CudaKnobs.parse(["norm_launch=off"]).norm_launch
+    assert CudaKnobs().rope_epilogue and not CudaKnobs.parse(["rope_epilogue=off"]).rope_epilogue
 
 
 @pytest.mark.parametrize(

@@ -102,9 +102,11 @@ ATTN_DECODE_TILE_ROWS = 32
 # Blocks a decode attention wants a SM: a block is one warp, so sixteen keep a SM's loads in flight.
 ATTN_WAVES = 16
 # The fewest cached rows a split of the span takes: a split's partial (one LSE-weighted row a head) and its
-# merge stay small against attending this many rows, and a short span runs as one split with no merge
-# (64-row splits were the fastest measured at a 4096-row span on all four reference shapes).
-ATTN_MIN_CHUNK = 64
+# merge stay small against attending this many rows, and a short span runs as one split with no merge. One
+# tile: a block reads its first tile before its wait (`triton/attention.py`), so a split of one tile has
+# nothing left to read from the cache once the launch before ends (H200, in the step at a 512-640 span:
+# 8B 406 -> 413 tok/s, 0.6B 1,277 -> 1,377 against 64 rows; a 4096-row span's splits are 64 rows either way).
+ATTN_MIN_CHUNK = 32
 
 # --- convolutions and mixtures ---------------------------------------------------------------------------
 

@@ -13,10 +13,12 @@ neighbouring values (vector loads) and the lanes the rest, so a row's dot is sum
 then over a few lanes by shuffles, with no shared-memory round trip in the loop. (Laid out [heads, rows,
 hd / 32, 32], each value of a row its own 2-byte load and each dot five shuffles, the kernel took 212
 registers and 725 shuffles in its sm_90 SASS against 168 and 243: 8B span 576 6.8 -> 6.4 us, the 7B's
-6.6 -> 6.4.) A block whose chunk is the whole span writes the output; otherwise each writes its partial
-(running max, sum of weights, unnormalized weighted values) to scratch and the last block of the group to
-finish (an atomic counter a group, re-armed by that block for the next launch) merges the partials with the
-log-sum-exp combine. One launch; the number of splits is fixed when the plan is built
+6.6 -> 6.4.) As a dependent launch a block reads its first tile (rows before the position, the step's inputs:
+`pdl`'s contract) before its wait, so that round trip overlaps the end of the launch before, and reads the
+position's row, which that launch appends, into the tile after it. A block whose chunk is the whole span
+writes the output; otherwise each writes its partial (running max, sum of weights, unnormalized weighted
+values) to scratch and the last block of the group to finish (an atomic counter a group, re-armed by that
+block for the next launch) merges the partials with the log-sum-exp combine. One launch; the number of splits is fixed when the plan is built
 (`decode_plan`: `kernels.attn_splits` at the cache's length, where `shim.chunks_apart` says the head blocks
 alone leave the chip idle), and blocks past the chunks a short span needs exit at once.
 
@@ -137,31 +139,60 @@ def decode_scratch(
 
 
 @triton.jit
-def _decode_tile(
-    q, run_max, run_sum, acc, k_ptr, v_ptr, start, hi, kvh, k_pitch, v_pitch, scale_log2e,
-    HD: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, G: tl.constexpr,
-):  # fmt: skip
-    """One tile of cached rows from `start` (rows below `hi`) into the running softmax of the group's heads.
+def _tile_kv(k_ptr, v_ptr, start, below, kvh, k_pitch, v_pitch, HD: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+             G: tl.constexpr):  # fmt: skip
+    """A tile's keys and values [G, TILE, D] as the cache holds them: rows from `start`, those at or past
+    `below` (and the padding past HD) zero. Each warp reads its own copy of the tile; the values' axis is last
+    and contiguous, so a thread's loads are vectors of neighbouring values."""
+    r = (start + tl.arange(0, TILE))[None, :, None]
+    col = tl.arange(0, D)[None, None, :] + 0 * tl.arange(0, G)[:, None, None]  # [G, 1, D]: a copy a warp
+    mask = (r < below) & (col < HD)
+    k = tl.load(k_ptr + r.to(tl.int64) * k_pitch + kvh * HD + col, mask=mask, other=0.0)
+    v = tl.load(v_ptr + r.to(tl.int64) * v_pitch + kvh * HD + col, mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _with_row(k, v, k_ptr, v_ptr, start, row, kvh, k_pitch, v_pitch, HD: tl.constexpr, TILE: tl.constexpr):
+    """`_tile_kv`'s tile of rows from `start` with cache row `row` read into it: the position's row, which
+    the launch before appended, read after the wait."""
+    G: tl.constexpr = k.shape[0]
+    D: tl.constexpr = k.shape[2]
+    r = (start + tl.arange(0, TILE))[None, :, None]
+    col = tl.arange(0, D)[None, None, :] + 0 * tl.arange(0, G)[:, None, None]
+    mask = (r == row) & (col < HD)
+    k = tl.load(k_ptr + r.to(tl.int64) * k_pitch + kvh * HD + col, mask=mask, other=k)
+    v = tl.load(v_ptr + r.to(tl.int64) * v_pitch + kvh * HD + col, mask=mask, other=v)
+    return k, v
+
+
+@triton.jit
+def _fold_tile(q, run_max, run_sum, acc, k, v, start, hi, scale_log2e, TILE: tl.constexpr):
+    """One tile's keys and values (rows from `start`, those below `hi` live) into the running softmax of
+    the group's heads.
 
     Shapes: q [G, 1, D] and acc [G, D] (the head's values, padded to a power of two D); keys and values
-    [G, TILE, D], each warp reading its own copy of the tile; scores [G, TILE]. The values' axis is last and
-    contiguous, so a thread's loads are vectors of neighbouring values and a row's dot is mostly summed in
-    the thread before the lanes' shuffles.
+    [G, TILE, D]; scores [G, TILE]. A row's dot is mostly summed in the thread before the lanes' shuffles.
     """
     row = start + tl.arange(0, TILE)
-    r = row[None, :, None]
-    col = tl.arange(0, D)[None, None, :] + 0 * tl.arange(0, G)[:, None, None]  # [G, 1, D]: a copy a warp
-    mask = (r < hi) & (col < HD)
-    k = tl.load(k_ptr + r.to(tl.int64) * k_pitch + kvh * HD + col, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + r.to(tl.int64) * v_pitch + kvh * HD + col, mask=mask, other=0.0).to(tl.float32)
-    s = tl.sum(k * q, axis=2) * scale_log2e  # [G, TILE]
+    s = tl.sum(k.to(tl.float32) * q, axis=2) * scale_log2e  # [G, TILE]
     s = tl.where((row < hi)[None, :], s, float("-inf"))
     new_max = tl.maximum(run_max, tl.max(s, axis=1))
     alpha = tl.exp2(run_max - new_max)  # 0 on the first tile, where run_max is -inf
     p = tl.exp2(s - new_max[:, None])
     run_sum = run_sum * alpha + tl.sum(p, axis=1)
-    pv = tl.sum(p[:, :, None] * v, axis=1)  # [G, D]
+    pv = tl.sum(p[:, :, None] * v.to(tl.float32), axis=1)  # [G, D]
     return new_max, run_sum, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _decode_tile(
+    q, run_max, run_sum, acc, k_ptr, v_ptr, start, hi, kvh, k_pitch, v_pitch, scale_log2e,
+    HD: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, G: tl.constexpr,
+):  # fmt: skip
+    """One tile of cached rows from `start` (rows below `hi`), read and folded (`_fold_tile`)."""
+    k, v = _tile_kv(k_ptr, v_ptr, start, hi, kvh, k_pitch, v_pitch, HD, D, TILE, G)
+    return _fold_tile(q, run_max, run_sum, acc, k, v, start, hi, scale_log2e, TILE)
 
 
 @triton.jit
@@ -214,17 +245,29 @@ def _decode_kernel(
     INTERPRETED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl.begin(PDL)
+    pdl.release(PDL)
     hb = tl.program_id(0)
     kvh = hb * HB // GROUP
     split = tl.program_id(1)
-    # this split's share of the span 0..pos: equal shares of whole tiles, none under MIN_CHUNK rows
+    # this split's share of the span 0..pos: equal shares of whole tiles, none under MIN_CHUNK rows. The
+    # position and the cache's rows before it are the step's inputs, read before the wait (`pdl`'s contract).
     span = tl.load(pos_ptr) + 1
     chunk = tl.cdiv(tl.maximum(tl.cdiv(span, SPLITS), MIN_CHUNK), TILE) * TILE
     active = tl.cdiv(span, chunk)
     if split < active:
         lo = split * chunk
         hi = tl.minimum(lo + chunk, span)
+        if PDL:
+            # the first tile's rows before the position, read while the launch before still runs; the row at
+            # the position (the launch before's) after the wait, into the same tile: the same sums either way
+            before = tl.minimum(hi, span - 1)
+            k0, v0 = _tile_kv(k_ptr, v_ptr, lo, before, kvh, k_pitch, v_pitch, HD, D, TILE, G_P2)
+            if span > 0:  # always; a wait behind a branch is not hoisted above the loads (ptxas hoists a plain one)
+                pdl.wait(PDL)
+            if (lo <= span - 1) & (span - 1 < lo + TILE):
+                k0, v0 = _with_row(k0, v0, k_ptr, v_ptr, lo, span - 1, kvh, k_pitch, v_pitch, HD, TILE)
+        else:
+            k0, v0 = _tile_kv(k_ptr, v_ptr, lo, hi, kvh, k_pitch, v_pitch, HD, D, TILE, G_P2)
         g = tl.arange(0, G_P2)
         heads_mask = g < HB
         # padded heads (a group of 7 in 8 warps) reread the block's last head: finite, never stored
@@ -236,8 +279,9 @@ def _decode_kernel(
         run_max = tl.full([G_P2], float("-inf"), tl.float32)
         run_sum = tl.zeros([G_P2], tl.float32)
         acc = tl.zeros([G_P2, D], tl.float32)
+        run_max, run_sum, acc = _fold_tile(q, run_max, run_sum, acc, k0, v0, lo, hi, scale_log2e, TILE)
         if INTERPRETED:  # the same tiles in the same order (see INTERPRETED)
-            start = lo
+            start = lo + TILE
             while start < hi:
                 run_max, run_sum, acc = _decode_tile(
                     q, run_max, run_sum, acc, k_ptr, v_ptr, start, hi, kvh, k_pitch, v_pitch, scale_log2e,
@@ -245,7 +289,7 @@ def _decode_kernel(
                 )  # fmt: skip
                 start += TILE
         else:
-            for start in range(lo, hi, TILE):
+            for start in range(lo + TILE, hi, TILE):
                 run_max, run_sum, acc = _decode_tile(
                     q, run_max, run_sum, acc, k_ptr, v_ptr, start, hi, kvh, k_pitch, v_pitch, scale_log2e,
                     HD, D, TILE, G_P2,
