@@ -18,9 +18,10 @@ registers and 725 shuffles in its sm_90 SASS against 168 and 243: 8B span 576 6.
 position's row, which that launch appends, into the tile after it. A block whose chunk is the whole span
 writes the output; otherwise each writes its partial (running max, sum of weights, unnormalized weighted
 values) to scratch and the last block of the group to finish (an atomic counter a group, re-armed by that
-block for the next launch) merges the partials with the log-sum-exp combine. One launch; the number of splits is fixed when the plan is built
-(`decode_plan`: `kernels.attn_splits` at the cache's length, where `shim.chunks_apart` says the head blocks
-alone leave the chip idle), and blocks past the chunks a short span needs exit at once.
+block for the next launch) merges the partials with the log-sum-exp combine. One launch; the number of
+splits is fixed when the plan is built (`decode_plan`: `kernels.attn_splits` at the cache's length, where
+`shim.chunks_apart` says the head blocks alone leave the chip idle), and blocks past the chunks a short span
+needs exit at once.
 
 FlashPrefill. Query rows are packed with their group's heads (row-major over (row, head of the group)) into
 tiles of `block_m`, so a tile of keys and values serves every head of its group; scores and the weighted sum
