@@ -29,7 +29,7 @@ from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
 from fuselane.gguf.quantize import random_blocks  # noqa: E402
 from fuselane.graph.ops import ArgMax, Attention, RmsNorm, Rope, Unary, UnaryOp  # noqa: E402
 from fuselane.lanes.cpu import kernels as ref  # noqa: E402
-from fuselane.lanes.cuda.triton import attention, misc, norm, pdl, quant, rope  # noqa: E402
+from fuselane.lanes.cuda.triton import attention, attention_prefill, misc, norm, pdl, quant, rope  # noqa: E402
 from fuselane.numerics.contract import Keep  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -394,7 +394,7 @@ def test_flash_prefill_matches_cpu(hd, p, operands):
     k, v = host(kc), host(vc)  # the stored values (exact for f32; the reference reads the f16 ones)
     out = torch.empty(rows, HEADS * hd, device=DEVICE)
     # 16-row tiles: several query tiles, key tiles wholly below the diagonal and tiles across it
-    attention.flash_prefill(
+    attention_prefill.flash_prefill(
         dev(q, operands), kc, vc, pos_of(p), out, rows=rows, heads=HEADS, kv_heads=KV, hd=hd, scale=scale,
         block_m=16, block_n=16,
     )  # fmt: skip
@@ -411,7 +411,7 @@ def test_flash_prefill_default_tiles_and_row_pitch():
     k, v, kc, vc = caches(rng, hd, torch.float32)
     out = torch.empty(rows, HEADS * hd, device=DEVICE)
     q = dev(merged)[:, : HEADS * hd]
-    attention.flash_prefill(q, kc, vc, pos_of(p), out, rows=rows, heads=HEADS, kv_heads=KV, hd=hd, scale=scale)
+    attention_prefill.flash_prefill(q, kc, vc, pos_of(p), out, rows=rows, heads=HEADS, kv_heads=KV, hd=hd, scale=scale)
     want = attention_ref(merged[:, : HEADS * hd], k, v, rows, p, hd, scale)
     bound = attention_bound(merged[:, : HEADS * hd], k, v, rows, p + rows, hd, scale, 0.0, TF32X3)
     within(host(out), want, bound[:, None], "prefill")
@@ -500,7 +500,7 @@ def test_cuda_flash_prefill_real_shape(operands):
     kc, vc = dev(f32(rng, R_CACHE, R_KV * R_HD), operands), dev(f32(rng, R_CACHE, R_KV * R_HD), operands)
     k, v = host(kc), host(vc)
     out = torch.empty(rows, R_HEADS * R_HD, device=DEVICE)
-    attention.flash_prefill(
+    attention_prefill.flash_prefill(
         dev(q, operands), kc, vc, pos_of(p), out, rows=rows, heads=R_HEADS, kv_heads=R_KV, hd=R_HD, scale=scale
     )
     operand = U16 if operands == torch.float16 else TF32X3

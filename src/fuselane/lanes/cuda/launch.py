@@ -236,7 +236,9 @@ def _attention(op: Op, b: Bound, out_q8: Any = None) -> Launch:
     if spec.rows == 1:
         scratch = b.scratch.setdefault("attn", attention.decode_scratch(spec.heads, spec.hd, spec.len, q.device))
         return lambda: attention.flash_decode(q, kc, vc, pos, out, scratch=scratch, out_q8=out_q8, **shape)
-    return lambda: attention.flash_prefill(q, kc, vc, pos, out, rows=spec.rows, **shape)
+    from fuselane.lanes.cuda.triton import attention_prefill
+
+    return lambda: attention_prefill.flash_prefill(q, kc, vc, pos, out, rows=spec.rows, **shape)
 
 
 # ---- native classes ---------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Causal grouped-query attention on the device: FlashDecode (one query row) and FlashPrefill (a chunk's rows).
+"""Causal grouped-query attention on the device: FlashDecode (one query row), and what FlashPrefill shares.
 
 Both read the KV cache (f16 or f32, one row of kv_heads * hd values a position, any row pitch) up to the
 rows the position in the 1-element int32 device tensor `pos` reaches, so a captured CUDA graph replays at a
@@ -23,13 +23,7 @@ splits is fixed when the plan is built (`decode_plan`: `kernels.attn_splits` at 
 `shim.chunks_apart` says the head blocks alone leave the chip idle), and blocks past the chunks a short span
 needs exit at once.
 
-FlashPrefill. Query rows are packed with their group's heads (row-major over (row, head of the group)) into
-tiles of `block_m`, so a tile of keys and values serves every head of its group; scores and the weighted sum
-are `tl.dot`s (tensor cores on the GPU). The operands are f16 when the query is f16 (the int8 numerics'
-f16 tensor cores: keys, values and weights rounded to f16 in the kernel) and f32 otherwise, multiplied as
-3xTF32 on the tensor cores (`F32_DOT_PRECISION`: within a few 2^-20 of f32 a product, where plain TF32 would
-round to 2^-11; the dequantized numerics keep attention in f32). Key tiles wholly below a tile's first row's
-position run unmasked; only those crossing the diagonal apply the causal mask.
+FlashPrefill (a chunk's rows, on the tensor cores) is `attention_prefill.py`.
 
 Softmax weights are computed as 2^(s * scale * log2 e - max): the scale folds into one multiply.
 """
@@ -57,23 +51,6 @@ QB = tl.constexpr(QK)  # values a block of the int8 output
 DECODE_STAGES = 3
 # Splits' partials the merging block loads at a time (a [heads, 16, hd] tile: 16 values a thread at hd 128).
 DECODE_MERGE_BATCH = 16
-
-# Prefill tiles, by operand type, as compiled for sm_90 without spilling (f16) or nearly (f32):
-# - f16: 64 query rows (a warpgroup MMA's M: four warps) by 64 keys, two stages: 168 registers, the next
-#   key/value tile copied in (cp.async) while this one multiplies (wgmma);
-# - f32: 64 by 32 keys, at 3xTF32 (below): three tensor-core passes hold each operand twice, and 64 keys spill.
-PREFILL_BLOCK_M = 64
-PREFILL_BLOCK_N_F16 = 64
-PREFILL_BLOCK_N_F32 = 32
-PREFILL_WARPS = 4
-PREFILL_STAGES = 2
-# f32 operands multiply as 3xTF32: each operand split into a TF32 head and a TF32 tail, three tensor-core
-# products, each product within 3 * 2^-20 of its value (f32's own rounding is 2^-24, plain TF32's 2^-11).
-# "ieee" (FMA dots on the CUDA cores) is exact f32 but spills kilobytes a thread at every tile tried.
-F32_DOT_PRECISION = "tf32x3"
-F32_PRECISION: tl.constexpr = tl.constexpr(F32_DOT_PRECISION)
-# tl.dot's smallest side.
-DOT_MIN = 16
 
 
 def interpreted() -> bool:
@@ -338,7 +315,7 @@ def _decode_kernel(
                 tl.atomic_xchg(count_ptr + hb, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
 
 
-def _cache_pitch(cache: torch.Tensor, kv_heads: int, hd: int, name: str) -> int:
+def cache_pitch(cache: torch.Tensor, kv_heads: int, hd: int, name: str) -> int:
     if cache.dim() != 2 or cache.stride(1) != 1 or cache.shape[1] < kv_heads * hd:
         raise ValueError(f"{name}: a 2-D cache of unit-stride rows of at least {kv_heads * hd} values")
     return cache.stride(0)
@@ -399,8 +376,8 @@ def flash_decode(
         total,
         count,
         *(out_q8 if out_q8 is not None else (out, out, out)),
-        _cache_pitch(k_cache, kv_heads, hd, "k_cache"),
-        _cache_pitch(v_cache, kv_heads, hd, "v_cache"),
+        cache_pitch(k_cache, kv_heads, hd, "k_cache"),
+        cache_pitch(v_cache, kv_heads, hd, "v_cache"),
         scale * LOG2E,
         Q8OUT=out_q8 is not None,
         GROUP=heads // kv_heads,
@@ -416,187 +393,5 @@ def flash_decode(
         INTERPRETED=interpreted(),
         num_warps=min(group_p2, kernels.MAX_BLOCK_WARPS),
         num_stages=DECODE_STAGES,
-        **pdl.options(),
-    )
-
-
-# --- prefill ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _prefill_tile(
-    q,
-    run_max,
-    run_sum,
-    acc,
-    k_ptr,
-    v_ptr,
-    kvh,
-    n0,
-    end,
-    qpos,
-    k_pitch,
-    v_pitch,
-    scale_log2e,
-    HD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    F16_OPS: tl.constexpr,
-    CAUSAL: tl.constexpr,
-):
-    """One key/value tile of the online softmax; CAUSAL masks keys past each query's position."""
-    n = n0 + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, HD)
-    k_addr = k_ptr + n[:, None].to(tl.int64) * k_pitch + kvh * HD + d[None, :]
-    v_addr = v_ptr + n[:, None].to(tl.int64) * v_pitch + kvh * HD + d[None, :]
-    if CAUSAL:
-        k = tl.load(k_addr, mask=(n < end)[:, None], other=0.0)
-        v = tl.load(v_addr, mask=(n < end)[:, None], other=0.0)
-    else:
-        k = tl.load(k_addr)
-        v = tl.load(v_addr)
-    if F16_OPS:
-        s = tl.dot(q, tl.trans(k.to(tl.float16)))
-    else:
-        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=F32_PRECISION)
-    s = s * scale_log2e
-    if CAUSAL:
-        s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))
-    new_max = tl.maximum(run_max, tl.max(s, axis=1))
-    alpha = tl.exp2(run_max - new_max)
-    p = tl.exp2(s - new_max[:, None])
-    run_sum = run_sum * alpha + tl.sum(p, axis=1)
-    if F16_OPS:
-        pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
-    else:
-        pv = tl.dot(p, v.to(tl.float32), input_precision=F32_PRECISION)
-    return new_max, run_sum, acc * alpha[:, None] + pv
-
-
-@triton.jit
-def _prefill_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    pos_ptr,
-    out_ptr,
-    q_pitch,
-    k_pitch,
-    v_pitch,
-    out_pitch,
-    rows,
-    scale_log2e,
-    GROUP: tl.constexpr,
-    HD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    F16_OPS: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl.begin(PDL)
-    mt = tl.program_id(0)
-    kvh = tl.program_id(1)
-    pos = tl.load(pos_ptr)
-    # tile row mi is query row mi // GROUP's head kvh * GROUP + mi % GROUP; rows past the chunk compute a
-    # copy of its last row (finite, never stored)
-    mi = mt * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = mi < rows * GROUP
-    row = tl.minimum(mi // GROUP, rows - 1)
-    head = kvh * GROUP + mi % GROUP
-    d = tl.arange(0, HD)
-    q = tl.load(q_ptr + row[:, None].to(tl.int64) * q_pitch + head[:, None] * HD + d[None, :])
-    q = q.to(tl.float16) if F16_OPS else q.to(tl.float32)
-    qpos = pos + row
-    first = tl.minimum(mt * BLOCK_M // GROUP, rows - 1)
-    last = tl.minimum((mt * BLOCK_M + BLOCK_M - 1) // GROUP, rows - 1)
-    # keys below `full` every row of the tile sees; the tiles from there to `end` cross the diagonal
-    full = (pos + first + 1) // BLOCK_N * BLOCK_N
-    end = pos + last + 1
-    run_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    run_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HD], tl.float32)
-    if INTERPRETED:  # the same tiles in the same order (see INTERPRETED)
-        n0 = full * 0
-        while n0 < full:
-            run_max, run_sum, acc = _prefill_tile(
-                q, run_max, run_sum, acc, k_ptr, v_ptr, kvh, n0, end, qpos, k_pitch, v_pitch, scale_log2e,
-                HD, BLOCK_N, F16_OPS, False,
-            )  # fmt: skip
-            n0 += BLOCK_N
-        while n0 < end:
-            run_max, run_sum, acc = _prefill_tile(
-                q, run_max, run_sum, acc, k_ptr, v_ptr, kvh, n0, end, qpos, k_pitch, v_pitch, scale_log2e,
-                HD, BLOCK_N, F16_OPS, True,
-            )  # fmt: skip
-            n0 += BLOCK_N
-    else:
-        for n0 in range(0, full, BLOCK_N):
-            run_max, run_sum, acc = _prefill_tile(
-                q, run_max, run_sum, acc, k_ptr, v_ptr, kvh, n0, end, qpos, k_pitch, v_pitch, scale_log2e,
-                HD, BLOCK_N, F16_OPS, False,
-            )  # fmt: skip
-        for n0 in range(full, end, BLOCK_N):
-            run_max, run_sum, acc = _prefill_tile(
-                q, run_max, run_sum, acc, k_ptr, v_ptr, kvh, n0, end, qpos, k_pitch, v_pitch, scale_log2e,
-                HD, BLOCK_N, F16_OPS, True,
-            )  # fmt: skip
-    out = acc / run_sum[:, None]
-    dst = out_ptr + row[:, None].to(tl.int64) * out_pitch + head[:, None] * HD + d[None, :]
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
-
-
-def flash_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    pos: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    rows: int,
-    heads: int,
-    kv_heads: int,
-    hd: int,
-    scale: float,
-    block_m: int = PREFILL_BLOCK_M,
-    block_n: int | None = None,
-) -> None:
-    """FlashPrefill: out (rows, heads * hd) = causal GQA of `rows` query rows `q` (rows, heads * hd, any row
-    pitch) at positions pos[0]..pos[0] + rows - 1 over cache rows 0..pos[0] + rows - 1.
-
-    One launch of (query tiles, kv_heads) blocks; each tile packs `block_m` (row, head-of-group) pairs. f16
-    operands on the tensor cores where `q` is f16, IEEE f32 dots otherwise. `hd` a power of two of at least
-    16 (tl.dot's smallest side); `block_m` and `block_n` are kernel facts, parameters only for tests.
-    """
-    if heads % kv_heads:
-        raise ValueError(f"{heads} query heads do not share {kv_heads} key/value heads evenly")
-    if hd < DOT_MIN or hd & (hd - 1):
-        raise ValueError(f"flash_prefill multiplies heads of a power of two >= {DOT_MIN} values, not {hd}")
-    if q.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError("flash_prefill: the query's and the output's values must be unit-stride")
-    group = heads // kv_heads
-    f16_ops = q.dtype == torch.float16
-    if block_n is None:
-        block_n = PREFILL_BLOCK_N_F16 if f16_ops else PREFILL_BLOCK_N_F32
-    grid = (triton.cdiv(rows * group, block_m), kv_heads)
-    _prefill_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        pos,
-        out,
-        q.stride(0),
-        _cache_pitch(k_cache, kv_heads, hd, "k_cache"),
-        _cache_pitch(v_cache, kv_heads, hd, "v_cache"),
-        out.stride(0),
-        rows,
-        scale * LOG2E,
-        GROUP=group,
-        HD=hd,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        F16_OPS=f16_ops,
-        INTERPRETED=interpreted(),
-        num_warps=PREFILL_WARPS,
-        num_stages=PREFILL_STAGES,
         **pdl.options(),
     )
