@@ -129,6 +129,26 @@ def test_int8_activations_multiply_with_dp4a(tmp_path, monkeypatch, arch):
     assert gpu.lane.step(1).launches == plain.lane.step(1).launches + 1 + own * shape.n_layers - shape.n_layers
 
 
+def test_rope_epilogue_auto_turns_only_the_layers_that_need_it(tmp_path):
+    # a 2-layer Q4_K_M qwen3: layer 1's attn_v is Q6_K (use_more_bits), so its QKV GEMV has the query and the
+    # key alone and the V a launch of its own, and under norm_launch the layer takes 8 launches unless the
+    # rotations turn in the GEMV's epilogue; layer 0's V shares its GEMV, and 7 launches without
+    from fuselane.gguf.synth import Shape
+    from fuselane.lanes.cuda.knobs import CudaKnobs, RopeEpilogue
+
+    shape = Shape("qwen3", 256, 2, 4, 2, 64, 768, 512, context=4096)
+    path = write_synthetic(tmp_path / "m.gguf", shape, "q4_k_m", seed=8)
+
+    def launches(*knobs: str) -> int:
+        return load(path, lane="cuda", ctx=32, knobs=["activations=int8", *knobs]).lane.step(1).launches
+
+    off, auto, on = (launches(f"rope_epilogue={v}") for v in ("off", "auto", "on"))
+    assert (auto, on) == (off - 1, off - 2)
+    assert CudaKnobs().rope_epilogue is RopeEpilogue.AUTO and launches() == auto
+    # without norm_launch no layer takes 8: auto turns none
+    assert launches("norm_launch=off") == launches("norm_launch=off", "rope_epilogue=off")
+
+
 def test_int8_products_quantize_what_their_producer_did_not(tmp_path):
     # fuse_quant=off: producers write f32 and every product that reads int8 quantizes its activation in a
     # launch of its own before it, one more launch a product; the numbers stay within the int8 contract

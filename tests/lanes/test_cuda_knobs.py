@@ -9,7 +9,15 @@ from fuselane.fuse.views import GemvForm
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Dst, Rows
 from fuselane.lanes.cuda import kernels
-from fuselane.lanes.cuda.knobs import H200, Activations, CachePrecision, CudaKnobs, PrefillWeights, StatePrecision
+from fuselane.lanes.cuda.knobs import (
+    H200,
+    Activations,
+    CachePrecision,
+    CudaKnobs,
+    PrefillWeights,
+    RopeEpilogue,
+    StatePrecision,
+)
 from fuselane.lanes.cuda.shim import CudaShim, chunks_apart
 
 # --- kernel facts -----------------------------------------------------------------------------------------
@@ -51,7 +59,14 @@ def test_knobs_parse() -> None:
     assert CudaKnobs.parse(["prefill=in-place"]).prefill_weights is PrefillWeights.IN_PLACE
     assert CudaKnobs().dependent_launch and not CudaKnobs.parse(["pdl=off"]).dependent_launch
     assert CudaKnobs().norm_launch and not CudaKnobs.parse(["norm_launch=off"]).norm_launch
-    assert CudaKnobs().rope_epilogue and not CudaKnobs.parse(["rope_epilogue=off"]).rope_epilogue
+    assert CudaKnobs().rope_epilogue is RopeEpilogue.AUTO
+    assert [CudaKnobs.parse([f"rope_epilogue={v}"]).rope_epilogue for v in ("on", "off", "AUTO")] == [
+        RopeEpilogue.ON,
+        RopeEpilogue.OFF,
+        RopeEpilogue.AUTO,
+    ]
+    with pytest.raises(FuselaneError, match="rope_epilogue' takes one of auto, on, off"):
+        CudaKnobs.parse(["rope_epilogue=true"])
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,14 @@ class PrefillWeights(enum.Enum):
     IN_PLACE = "in-place"  # the tensor-core GEMM that decodes the checkpoint's bytes in the kernel; no copy
 
 
+class RopeEpilogue(enum.Enum):
+    """Where an int8 decode step's query and key rotations run: in the QKV GEMV's epilogue or a launch after."""
+
+    AUTO = "auto"  # in the epilogue where the layer would otherwise take 8 launches (see CudaKnobs)
+    ON = "on"  # in the epilogue wherever the GEMV's tile allows
+    OFF = "off"  # a launch of their own after the GEMV
+
+
 class CachePrecision(enum.Enum):
     F32 = "f32"
     F16 = "f16"
@@ -93,12 +101,14 @@ class CudaKnobs:
       (H200 decode: 7B 395 -> 417 tok/s, 8B 343 -> 358, 0.6B 1,151 -> 1,226). `off` keeps them in the GEMV's
       last program; a Q4_K_M layer whose V product takes its own launch (a Q6_K attn_v) then stays within
       the lane's budget of 7 launches without `rope_epilogue`.
-    - `rope_epilogue=True`: under int8 activations a decode step's query and key rotations (q/k norm, rope,
+    - `rope_epilogue=auto`: under int8 activations a decode step's query and key rotations (q/k norm, rope,
       the key's cache append) run in the QKV GEMV's epilogue (`triton/gemv_q8_rope.py`: the last program of
-      each head turns it), a launch less a layer, which keeps `norm_launch` within the budget of 7 (H200, 8B
-      Q4_K_M: 274 -> 238 launches a token, 412.9 -> 410.3 tok/s; 7B 214 -> 186). `off` gives them a launch
-      after the GEMV: the Q8_0 0.6B decodes 8 % faster so (1,218 against 1,119 tok/s, measured before the
-      attention read its first tile ahead), at 7 launches a layer.
+      each head turns it), a launch less a layer, only where the layer needs it to keep the lane's budget of
+      7: under `norm_launch`, where the query and key are the GEMV's only parts (the V product, in another
+      format, takes a launch of its own: a Q4_K_M layer's Q6_K attn_v). Elsewhere they keep a launch after
+      the GEMV, which was never slower (H200: 8B Q4_K_M 412.9 off against 410.3 tok/s everywhere on, 7B
+      437.9 / 436.8, 0.5B 1,486 / 1,481, and the Q8_0 0.6B 1,218 / 1,119). `on` turns them in every layer
+      whose tile divides a head, `off` in none.
     - `prefill=f16-copy`: cuBLAS on f16 copies multiplies a prefill chunk 7-20x faster than the GEMM that
       decodes the weights in its kernel (H200, 256 rows: 370-530 against 27-76 TFLOP/s on the 8B's
       products, `benchmarks/gemm_compare.py`); `in-place` keeps a model's memory at its checkpoint's size
@@ -114,7 +124,7 @@ class CudaKnobs:
     prefill_weights: PrefillWeights = PrefillWeights.F16_COPY
     dependent_launch: bool = True
     norm_launch: bool = True
-    rope_epilogue: bool = True
+    rope_epilogue: RopeEpilogue = RopeEpilogue.AUTO
 
     @classmethod
     def parse(cls, settings: Iterable[str], base: CudaKnobs | None = None) -> CudaKnobs:
@@ -173,5 +183,5 @@ _SETTERS = {
     "prefill": lambda k, v: replace(k, prefill_weights=_choice("prefill", PrefillWeights, v)),
     "pdl": lambda k, v: replace(k, dependent_launch=_flag("pdl", v)),
     "norm_launch": lambda k, v: replace(k, norm_launch=_flag("norm_launch", v)),
-    "rope_epilogue": lambda k, v: replace(k, rope_epilogue=_flag("rope_epilogue", v)),
+    "rope_epilogue": lambda k, v: replace(k, rope_epilogue=_choice("rope_epilogue", RopeEpilogue, v)),
 }

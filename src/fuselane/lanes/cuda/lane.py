@@ -25,7 +25,7 @@ from fuselane.fuse.optimizer import Plan, optimize
 from fuselane.gguf.dequant import dequantize
 from fuselane.graph.ir import Form, QuantFormat, QuantizedActs, Role, TensorGraph
 from fuselane.lanes.cuda.kernels import QBLOCK
-from fuselane.lanes.cuda.knobs import CachePrecision, CudaKnobs, PrefillWeights
+from fuselane.lanes.cuda.knobs import CachePrecision, CudaKnobs, PrefillWeights, RopeEpilogue
 from fuselane.lanes.cuda.shim import CudaShim
 from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
@@ -212,7 +212,10 @@ class _Step:
         if g.rows == 1 and lane.shim.activation_format is not None:
             shim = lane.shim
             reads_int8 = lambda op: shim.activation(op, 0, g) is not None  # noqa: E731
-        rope_in_gemv = lane.shim.knobs.rope_epilogue
+        knobs = lane.shim.knobs
+        rope_in_gemv = knobs.rope_epilogue
+        if rope_in_gemv is RopeEpilogue.AUTO and not knobs.norm_launch:  # no layer then needs the launch back
+            rope_in_gemv = RopeEpilogue.OFF
         bound = Bound(
             g, bufs, lane.raw, lane.vec, lane.dense,
             in_place=in_place, q8=q8, reads_int8=reads_int8, rope_in_gemv=rope_in_gemv,

@@ -31,6 +31,7 @@ from fuselane.graph.ops import (
     Unary,
 )
 from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.knobs import RopeEpilogue
 from fuselane.lanes.cuda.shim import QUANT_EPILOGUES
 
 Launch = Callable[[], None]
@@ -50,7 +51,7 @@ class Bound:
     q8: dict[str, Any] = field(default_factory=dict)  # name -> gemv_q8.Q8Acts: a decode step's int8 activations
     # whether a decode step's op reads its activation quantized (the shim's `activation`); None: never
     reads_int8: Callable[[Op], bool] | None = None
-    rope_in_gemv: bool = False  # knob rope_epilogue: the int8 QKV GEMV turns its query and key (gemv_q8_rope)
+    rope_in_gemv: RopeEpilogue = RopeEpilogue.OFF  # where the int8 QKV GEMV turns its query and key
 
 
 def _t():
@@ -424,8 +425,11 @@ def _merged(op: Op, b: Bound):
 def _turned_in_gemv(turned: list[tuple[int, Op]], products: list, acts: Any, fmt: Format, k: int, b: Bound):
     """Under `rope_epilogue`, the int8 GEMV in parts that turns a query's and a key's heads in its epilogue
     (`gemv_q8_rope`): one launch for the product and its rotations, where they are one query (landing in a
-    buffer) and one key turned alike, and the GEMV's tile divides a head. None otherwise."""
-    if not b.rope_in_gemv or len(turned) != 2:
+    buffer) and one key turned alike, and the GEMV's tile divides a head; under `auto` only where they are
+    the GEMV's only parts (the layer's V takes a launch of its own). None otherwise."""
+    if b.rope_in_gemv is RopeEpilogue.OFF or len(turned) != 2:
+        return None
+    if b.rope_in_gemv is RopeEpilogue.AUTO and len(products) != len(turned):
         return None
     from fuselane.lanes.cuda.triton import gemv_q8, gemv_q8_rope
 
