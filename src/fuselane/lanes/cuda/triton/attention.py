@@ -117,31 +117,32 @@ def decode_scratch(
 
 
 @triton.jit
+def _tile_at(start, kvh, k_pitch, v_pitch, HD: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, G: tl.constexpr):
+    """Where a tile of cache rows from `start` lies: its keys' and values' offsets [G, TILE, D] (each warp
+    reads its own copy of the tile), its rows [1, TILE, 1] and its columns [G, 1, D]."""
+    r = (start + tl.arange(0, TILE))[None, :, None]
+    col = tl.arange(0, D)[None, None, :] + 0 * tl.arange(0, G)[:, None, None]
+    return r.to(tl.int64) * k_pitch + kvh * HD + col, r.to(tl.int64) * v_pitch + kvh * HD + col, r, col
+
+
+@triton.jit
 def _tile_kv(k_ptr, v_ptr, start, below, kvh, k_pitch, v_pitch, HD: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
              G: tl.constexpr):  # fmt: skip
     """A tile's keys and values [G, TILE, D] as the cache holds them: rows from `start`, those at or past
-    `below` (and the padding past HD) zero. Each warp reads its own copy of the tile; the values' axis is last
-    and contiguous, so a thread's loads are vectors of neighbouring values."""
-    r = (start + tl.arange(0, TILE))[None, :, None]
-    col = tl.arange(0, D)[None, None, :] + 0 * tl.arange(0, G)[:, None, None]  # [G, 1, D]: a copy a warp
+    `below` (and the padding past HD) zero. The values' axis is last and contiguous, so a thread's loads are
+    vectors of neighbouring values."""
+    k_at, v_at, r, col = _tile_at(start, kvh, k_pitch, v_pitch, HD, D, TILE, G)
     mask = (r < below) & (col < HD)
-    k = tl.load(k_ptr + r.to(tl.int64) * k_pitch + kvh * HD + col, mask=mask, other=0.0)
-    v = tl.load(v_ptr + r.to(tl.int64) * v_pitch + kvh * HD + col, mask=mask, other=0.0)
-    return k, v
+    return tl.load(k_ptr + k_at, mask=mask, other=0.0), tl.load(v_ptr + v_at, mask=mask, other=0.0)
 
 
 @triton.jit
 def _with_row(k, v, k_ptr, v_ptr, start, row, kvh, k_pitch, v_pitch, HD: tl.constexpr, TILE: tl.constexpr):
     """`_tile_kv`'s tile of rows from `start` with cache row `row` read into it: the position's row, which
     the launch before appended, read after the wait."""
-    G: tl.constexpr = k.shape[0]
-    D: tl.constexpr = k.shape[2]
-    r = (start + tl.arange(0, TILE))[None, :, None]
-    col = tl.arange(0, D)[None, None, :] + 0 * tl.arange(0, G)[:, None, None]
+    k_at, v_at, r, col = _tile_at(start, kvh, k_pitch, v_pitch, HD, k.shape[2], TILE, k.shape[0])
     mask = (r == row) & (col < HD)
-    k = tl.load(k_ptr + r.to(tl.int64) * k_pitch + kvh * HD + col, mask=mask, other=k)
-    v = tl.load(v_ptr + r.to(tl.int64) * v_pitch + kvh * HD + col, mask=mask, other=v)
-    return k, v
+    return tl.load(k_ptr + k_at, mask=mask, other=k), tl.load(v_ptr + v_at, mask=mask, other=v)
 
 
 @triton.jit
