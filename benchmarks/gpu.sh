@@ -3,7 +3,7 @@
 # and benchmark the cuda lane on each shape, writing everything to the folder given.
 #
 #   benchmarks/gpu.sh OUT_DIR [SHAPE:MIX ...]
-#   FUSELANE_KNOBS="activations=int8" benchmarks/gpu.sh OUT_DIR   (the benchmark and explain at those knobs)
+#   FUSELANE_KNOBS="activations=dequant" benchmarks/gpu.sh OUT_DIR   (the benchmark and explain at those knobs)
 #
 # Runs from the source tree (PYTHONPATH=src). Wheels of missing pure-Python packages may be put in .whl/
 # (gguf, jinja2, rich, pytest, hypothesis, ...): they are installed into a private folder first.

@@ -1,9 +1,10 @@
 """The cuda lane against the cpu lane in f64, on a GPU (`pytest -m cuda`; skipped where there is none).
 
 Tolerances come from the cuda lane's numerics contract (`Contract.logits_tolerance`): f32 arithmetic, the KV
-cache in f16 or f32, dequantized activations. The decode loop (`CudaLane.decode`) is held to the host's path
-over the same lane (each step's logits copied out and picked by the host `Sampler`) and profiled: a step must
-be one graph replay and one copy of the 8-byte pick, never of the logits.
+cache in f16 or f32, activations in int8 (the default) or dequantized, each model run at both. The decode
+loop (`CudaLane.decode`) is held to the host's path over the same lane (each step's logits copied out and
+picked by the host `Sampler`) and profiled: a step must be one graph replay and one copy of the 8-byte pick,
+never of the logits.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ PICK_BYTES = 8  # the sampler's pick the host reads a step: two int32 (`triton.s
 # A small model whose rows are whole 256-value super-blocks, so the Q4_K_M mix really uses Q4_K and Q6_K.
 K_SHAPE = Shape("qwen3", 256, 3, 4, 2, 64, 512, 512)
 CASES = [("tiny-qwen2", "q8_0"), ("tiny-qwen3", "f32"), ("tiny-qwen3", "f16"), (K_SHAPE, "q4_k_m")]
+NUMERICS = {"int8": [], "dequant": ["activations=dequant"]}  # the knobs of each numerics a model runs at
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -43,12 +45,23 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{getattr(c[0], 'arch', c[0])}-{c[1]}")
-def pair(request, tmp_path_factory):
+def checkpoint(request, tmp_path_factory):
     shape, mix = request.param
     path = write_synthetic(tmp_path_factory.mktemp("m") / "m.gguf", shape, mix, seed=3)
-    gpu = load(path, lane="cuda", ctx=128)
-    ref = load(path, lane="cpu", ctx=128, dtype=np.float64)
+    return path, load(path, lane="cpu", ctx=128, dtype=np.float64)
+
+
+@pytest.fixture(scope="module", params=NUMERICS)
+def pair(request, checkpoint):
+    """(checkpoint, the cuda lane at one numerics, the cpu lane in f64)."""
+    path, ref = checkpoint
+    gpu = load(path, lane="cuda", ctx=128, knobs=NUMERICS[request.param])
     return path, gpu, ref
+
+
+def _knobs(gpu) -> list[str]:
+    """The knobs that load another lane at `gpu`'s numerics."""
+    return [f"activations={gpu.lane.shim.knobs.activations.value}"]
 
 
 def _run(model, ids, steps):
@@ -71,7 +84,7 @@ def test_logits_match_cpu_f64_within_the_contract(pair):
 def test_fused_equals_held_plan(pair):
     path, gpu, _ = pair
     every = [r for r in rule_names(gpu.lane.shim)]
-    held = load(path, lane="cuda", ctx=128, held=every)
+    held = load(path, lane="cuda", ctx=128, held=every, knobs=_knobs(gpu))
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     assert rel(_run(gpu, PROMPT, 4), _run(held, PROMPT, 4)) <= tol
 
@@ -83,13 +96,17 @@ def test_dependent_launches_change_no_bit(pair):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("dependent launches need compute capability 9.0")
     assert gpu.lane.dependent_launch
-    plain = load(path, lane="cuda", ctx=128, knobs=["pdl=off"])
+    plain = load(path, lane="cuda", ctx=128, knobs=[*_knobs(gpu), "pdl=off"])
     assert not plain.lane.dependent_launch
     np.testing.assert_array_equal(_run(gpu, PROMPT, STEPS), _run(plain, PROMPT, STEPS))
 
 
 def test_greedy_tokens_match_cpu(pair):
+    """At the dequantized numerics: int8's bound (5.0e-2 relative) makes most steps of these random-weight
+    models near-ties of the reference, so the comparison would test little (`test_anchor_shapes` says more)."""
     path, gpu, ref = pair
+    if gpu.lane.shim.activation_format is not None:
+        pytest.skip("greedy tokens are compared at the dequantized numerics")
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     sg, sr = gpu.session(), ref.session()
     lg, lr = sg.feed(PROMPT), sr.feed(PROMPT)

@@ -37,11 +37,13 @@ def _steps(model, decode: list[int] = DECODE) -> list[np.ndarray]:
 
 @pytest.mark.parametrize(("shape", "mix"), [("tiny-qwen2", "q8_0"), ("tiny-qwen3", "f16")])
 @pytest.mark.parametrize("held", [False, True], ids=["fused", "every-rule-held"])
-def test_cuda_lane_matches_cpu_f64(tmp_path, shape, mix, held):
+@pytest.mark.parametrize("activations", ["int8", "dequant"])
+def test_cuda_lane_matches_cpu_f64(tmp_path, shape, mix, held, activations):
     path = write_synthetic(tmp_path / "m.gguf", shape, mix, seed=4)
-    gpu = load(path, lane="cuda", ctx=32)
+    knobs = [f"activations={activations}"]
+    gpu = load(path, lane="cuda", ctx=32, knobs=knobs)
     if held:
-        gpu = load(path, lane="cuda", ctx=32, held=rule_names(gpu.lane.shim))
+        gpu = load(path, lane="cuda", ctx=32, held=rule_names(gpu.lane.shim), knobs=knobs)
     ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     for step, (a, b) in enumerate(zip(_steps(gpu), _steps(ref), strict=True)):
@@ -125,7 +127,7 @@ def test_int8_activations_multiply_with_dp4a(tmp_path, monkeypatch, arch):
     # launch of its own
     own = kernels.norm_in_own_launch(kernels.Mode.INT8, shape.n_ff, shape.n_embd)
     assert bool(calls.get("norm_q8")) == own, calls
-    plain = load(path, lane="cuda", ctx=32)
+    plain = load(path, lane="cuda", ctx=32, knobs=["activations=dequant"])
     assert gpu.lane.step(1).launches == plain.lane.step(1).launches + 1 + own * shape.n_layers - shape.n_layers
 
 
@@ -159,5 +161,5 @@ def test_int8_products_quantize_what_their_producer_did_not(tmp_path):
     gpu = _int8_within_contract(path, ["activations=int8", "fuse_quant=off"], steps=1)
     step = gpu.lane.step(1)
     reading = [op for op in step.plan.ops if gpu.lane.shim.activation(op, 0, step.plan.graph) is not None]
-    plain = load(path, lane="cuda", ctx=32)
+    plain = load(path, lane="cuda", ctx=32, knobs=["activations=dequant"])
     assert reading and step.launches == plain.lane.step(1).launches + len(reading)

@@ -404,6 +404,24 @@ def test_flash_prefill_matches_cpu(hd, p, operands):
     within(host(out), want, attention_bound(q, k, v, rows, p + rows, hd, scale, 0.0, operand)[:, None], "prefill")
 
 
+def test_flash_prefill_rounds_an_f32_query_in_the_kernel_under_f16_operands():
+    """`f16_ops` (the int8 numerics' attention) multiplies an f32 query on the f16 path: the same sums, bit
+    for bit, as a query stored in f16, and within the f16 operands' bound of the reference."""
+    rng = np.random.default_rng(12)
+    rows, hd, p, scale = 7, 32, 21, 32**-0.5
+    q = f32(rng, rows, HEADS * hd)
+    q16 = q.astype(np.float16).astype(np.float64)
+    _, _, kc, vc = caches(rng, hd, torch.float16)
+    k, v = host(kc), host(vc)
+    shape = dict(rows=rows, heads=HEADS, kv_heads=KV, hd=hd, scale=scale, block_m=16, block_n=16)
+    rounded, stored = (torch.empty(rows, HEADS * hd, device=DEVICE) for _ in range(2))
+    attention_prefill.flash_prefill(dev(q), kc, vc, pos_of(p), rounded, f16_ops=True, **shape)
+    attention_prefill.flash_prefill(dev(q16, torch.float16), kc, vc, pos_of(p), stored, **shape)
+    np.testing.assert_array_equal(host(rounded), host(stored))
+    bound = attention_bound(q16, k, v, rows, p + rows, hd, scale, 0.0, U16)
+    within(host(rounded), attention_ref(q16, k, v, rows, p, hd, scale), bound[:, None], "prefill")
+
+
 def test_flash_prefill_default_tiles_and_row_pitch():
     rng = np.random.default_rng(9)
     rows, hd, p, scale = 5, 32, 9, 0.15

@@ -36,9 +36,9 @@ def test_kernel_facts() -> None:
     assert kernels.moe_down_launch(2048, 1024, 8, 1024) == (512, 288)
     for activations in Activations:
         assert kernels.accumulator(kernels.mode(activations)) == (4, 32)
-    assert kernels.attn_splits(head_blocks=32, span=4096, sms=132) == 66  # sixteen one-warp blocks a SM
+    assert kernels.attn_splits(head_blocks=32, span=4096, sms=132) == 33  # eight one-warp blocks a SM
     assert kernels.attn_splits(head_blocks=32, span=641, sms=132) == 21  # capped by 32-row (one-tile) chunks
-    assert kernels.attn_splits(head_blocks=256, span=4096, sms=132) == 9
+    assert kernels.attn_splits(head_blocks=256, span=4096, sms=132) == 5
     assert kernels.attn_splits(head_blocks=8, span=300, sms=132) == 10
     assert kernels.attn_splits(head_blocks=4096, span=4096, sms=132) == 1
     assert kernels.attn_heads_a_block(7) == 1

@@ -99,8 +99,11 @@ ATTN_HEADS_A_BLOCK_MOST = 1
 # (32 rows of 128 values, twice, over a warp: 168 registers, no spills, sm_90). 32 rows ran 20-40 % faster
 # than 16 at every span measured, and 8 slower again (H200, 2026-11-29: 8B span 576 6.4 us against 8.4).
 ATTN_DECODE_TILE_ROWS = 32
-# Blocks a decode attention wants a SM: a block is one warp, so sixteen keep a SM's loads in flight.
-ATTN_WAVES = 16
+# Blocks a decode attention wants a SM (a block is one warp): at a long span, eight a SM read each split's
+# tiles with fewer partials to merge than sixteen (H200, in the step at depth 4096: 8B 338 -> 351 tok/s,
+# 0.6B 986 -> 1,061; 4, 6 and 32 were slower, 312 / 334 / 332 on the 8B). Short spans are cut by
+# ATTN_MIN_CHUNK instead, so they do not change.
+ATTN_WAVES = 8
 # The fewest cached rows a split of the span takes: a split's partial (one LSE-weighted row a head) and its
 # merge stay small against attending this many rows, and a short span runs as one split with no merge. One
 # tile: a block reads its first tile before its wait (`triton/attention.py`), so a split of one tile has
@@ -229,7 +232,7 @@ def norm_in_own_launch(m: Mode, k: int, n: int) -> bool:
     then one program reads the row back, norms and quantizes it), and it cost more than a launch of its own
     on the H200: 8B down (4096 x 12288 Q4_K) 18.0 -> 13.9 us, 7B down (3584 x 18944 Q6_K) 37.9 -> 30.9 us;
     an o_proj gains less (4096 x 4096: 9.0 -> 7.1 us) and stays in its epilogue. The dequantized GEMVs were
-    not measured this way and keep theirs. The lane asks only under its `norm_launch` knob (off by default:
-    a layer's launches then pass 7 where its V product takes a launch of its own).
+    not measured this way and keep theirs. The lane asks only under its `norm_launch` knob (on by default;
+    `rope_epilogue=auto` keeps a layer whose V product takes a launch of its own within 7 launches).
     """
     return m is Mode.INT8 and k > NORM_OWN_LAUNCH_RATIO * n

@@ -82,11 +82,12 @@ class CudaKnobs:
     """The lane's knobs.
 
     Defaults, and why:
-    - `activations=dequant`: dequantized activations keep the lane's numbers closest to the cpu reference
-      (the tightest contract). `int8` is the faster decode: with f32 activations a 4-bit weight costs ~6.8
-      instructions, which holds the GEMVs to 1-2 TB/s, and dp4a on int8 codes cuts that to about one
-      (H200 decode 1.28-1.57x faster, `benchmarks/RESULTS.md`), at the contract's wider tolerance. A
-      prefill chunk's products still read f32 values (no int8 GEMM yet); `int8x2` has no kernels here.
+    - `activations=int8`: a decode step's products multiply int8 codes of their activation with dp4a, as
+      llama.cpp's do (q8_1). With f32 activations a 4-bit weight costs ~6.8 instructions, which holds the
+      GEMVs to 1-2 TB/s; dp4a cuts that to about one (H200 decode 1.28-1.75x faster, `benchmarks/RESULTS.md`).
+      A chunk's attention multiplies on the f16 tensor cores (`CudaShim.attention`); its products read f32
+      values (no int8 GEMM yet). The contract's tolerance is wider: `dequant` keeps the lane's numbers closest
+      to the cpu reference (the tightest contract), at the slower decode. `int8x2` has no kernels here.
     - `cache=f16`: halves the bytes a long context's attention reads, at f16's 2^-11 roundoff, the error
       attention already tolerates (the seed's lane keeps its caches in f32 or f16; llama.cpp in f16).
     - `state=f32`: a recurrent state is summed into every step, so its rounding compounds; keep it exact.
@@ -116,7 +117,7 @@ class CudaKnobs:
     """
 
     chip: Chip = H200
-    activations: Activations = Activations.DEQUANT
+    activations: Activations = Activations.INT8
     cache_precision: CachePrecision = CachePrecision.F16
     recurrent_state: StatePrecision = StatePrecision.F32
     fuse_quant: bool = True

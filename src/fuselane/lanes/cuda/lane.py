@@ -29,6 +29,7 @@ from fuselane.lanes.cuda.knobs import CachePrecision, CudaKnobs, PrefillWeights,
 from fuselane.lanes.cuda.shim import CudaShim
 from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
+from fuselane.numerics.contract import Keep, Kept
 from fuselane.runtime.sampling import GREEDY, SamplingParams
 
 if TYPE_CHECKING:
@@ -183,6 +184,12 @@ def _int8_form(shape: tuple[int, ...], device: Any) -> Any:
     return empty_q8(math.prod(shape[:-1]), shape[-1], device)
 
 
+def _attention_in_f16(knobs: CudaKnobs) -> bool:
+    """Whether the numerics let a chunk's attention take its operands in f16 (the int8 numerics do)."""
+    numerics = CudaShim.attention(knobs.activations)
+    return numerics is not None and numerics.queries == Kept(Keep.F16)
+
+
 class _Step:
     """A plan bound to buffers: its launches, and (for a decode step) the CUDA graph that replays them."""
 
@@ -219,6 +226,7 @@ class _Step:
         bound = Bound(
             g, bufs, lane.raw, lane.vec, lane.dense,
             in_place=in_place, q8=q8, reads_int8=reads_int8, rope_in_gemv=rope_in_gemv,
+            attention_f16=_attention_in_f16(knobs),
         )  # fmt: skip
         self.launch_list = [launch for op in plan.ops for launch in bind(op, bound)]
         self.launches = len(self.launch_list)

@@ -52,6 +52,7 @@ class Bound:
     # whether a decode step's op reads its activation quantized (the shim's `activation`); None: never
     reads_int8: Callable[[Op], bool] | None = None
     rope_in_gemv: RopeEpilogue = RopeEpilogue.OFF  # where the int8 QKV GEMV turns its query and key
+    attention_f16: bool = False  # a chunk's attention multiplies on the f16 tensor cores (`CudaShim.attention`)
 
 
 def _t():
@@ -239,7 +240,8 @@ def _attention(op: Op, b: Bound, out_q8: Any = None) -> Launch:
         return lambda: attention.flash_decode(q, kc, vc, pos, out, scratch=scratch, out_q8=out_q8, **shape)
     from fuselane.lanes.cuda.triton import attention_prefill
 
-    return lambda: attention_prefill.flash_prefill(q, kc, vc, pos, out, rows=spec.rows, **shape)
+    f16 = b.attention_f16
+    return lambda: attention_prefill.flash_prefill(q, kc, vc, pos, out, rows=spec.rows, f16_ops=f16, **shape)
 
 
 # ---- native classes ---------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Query rows are packed with their group's heads (row-major over (row, head of the group)) into
 tiles of `block_m`, so a tile of keys and values serves every head of its group; scores and the weighted sum
-are `tl.dot`s (tensor cores on the GPU). The operands are f16 when the query is f16 (the int8 numerics'
-f16 tensor cores: keys, values and weights rounded to f16 in the kernel) and f32 otherwise, multiplied as
+are `tl.dot`s (tensor cores on the GPU). The operands are f16 under the int8 numerics (their f16 tensor
+cores: queries, keys, values and weights rounded to f16 in the kernel) and f32 otherwise, multiplied as
 3xTF32 on the tensor cores (`F32_DOT_PRECISION`: within a few 2^-20 of f32 a product, where plain TF32 would
 round to 2^-11; the dequantized numerics keep attention in f32). Key tiles wholly below a tile's first row's
 position run unmasked; only those crossing the diagonal apply the causal mask.
@@ -175,12 +175,14 @@ def flash_prefill(
     scale: float,
     block_m: int = PREFILL_BLOCK_M,
     block_n: int | None = None,
+    f16_ops: bool | None = None,
 ) -> None:
     """FlashPrefill: out (rows, heads * hd) = causal GQA of `rows` query rows `q` (rows, heads * hd, any row
     pitch) at positions pos[0]..pos[0] + rows - 1 over cache rows 0..pos[0] + rows - 1.
 
-    One launch of (query tiles, kv_heads) blocks; each tile packs `block_m` (row, head-of-group) pairs. f16
-    operands on the tensor cores where `q` is f16, IEEE f32 dots otherwise. `hd` a power of two of at least
+    One launch of (query tiles, kv_heads) blocks; each tile packs `block_m` (row, head-of-group) pairs.
+    `f16_ops`: multiply on the f16 tensor cores, the operands rounded to f16 in the kernel (the int8 numerics'
+    attention, `CudaShim.attention`); 3xTF32 dots otherwise; None: f16 where `q` is. `hd` a power of two of at least
     16 (tl.dot's smallest side); `block_m` and `block_n` are kernel facts, parameters only for tests.
     """
     if heads % kv_heads:
@@ -190,7 +192,8 @@ def flash_prefill(
     if q.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("flash_prefill: the query's and the output's values must be unit-stride")
     group = heads // kv_heads
-    f16_ops = q.dtype == torch.float16
+    if f16_ops is None:
+        f16_ops = q.dtype == torch.float16
     if block_n is None:
         block_n = PREFILL_BLOCK_N_F16 if f16_ops else PREFILL_BLOCK_N_F32
     grid = (triton.cdiv(rows * group, block_m), kv_heads)
