@@ -96,7 +96,8 @@ ATTN_VALUES_A_LOAD = 2
 # 0.5B's heads; 5.7 against 14.4 for 4 of the 8B's; the other heads' reads of a tile hit L2).
 ATTN_HEADS_A_BLOCK_MOST = 1
 # Cached rows a decode block reads at a time: each thread holds its share of the tile's keys and values
-# (32 rows of 128 values, twice, over a warp: 168 registers, no spills, sm_90). 32 rows ran 20-40 % faster
+# (32 rows of 128 values, twice, over a warp: 128 registers as a plain launch, 238 as a dependent one that
+# holds its first tile across its wait; no spills, sm_90). 32 rows ran 20-40 % faster
 # than 16 at every span measured, and 8 slower again (H200, 2026-11-29: 8B span 576 6.4 us against 8.4).
 ATTN_DECODE_TILE_ROWS = 32
 # Blocks a decode attention wants a SM (a block is one warp): at a long span, eight a SM read each split's
@@ -108,7 +109,8 @@ ATTN_WAVES = 8
 # merge stay small against attending this many rows, and a short span runs as one split with no merge. One
 # tile: a block reads its first tile before its wait (`triton/attention.py`), so a split of one tile has
 # nothing left to read from the cache once the launch before ends (H200, in the step at a 512-640 span:
-# 8B 406 -> 413 tok/s, 0.6B 1,277 -> 1,377 against 64 rows; a 4096-row span's splits are 64 rows either way).
+# 8B 406 -> 413 tok/s, 0.6B 1,277 -> 1,377 against 64 rows). A long span's splits are longer: ATTN_WAVES
+# caps their number (33 splits of ~124 rows for the 8B's 32 heads at 4,096 rows).
 ATTN_MIN_CHUNK = 32
 
 # --- convolutions and mixtures ---------------------------------------------------------------------------
