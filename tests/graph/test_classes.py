@@ -1,0 +1,92 @@
+"""Where each class stands (`graph.classes.STANDING`), held to the rule table and to the plans it builds.
+
+The record says, for every class, the rules that build it or what it waits for. It must agree with the rule
+table both ways (a rule's class names that rule; a rule the record names exists and builds that class), and
+with what the optimizer does on the tiny synthetic models in every form, on the cpu lane and on the cuda lane
+under its activation and epilogue knobs: every fusion that fires is one the record names, and a class the
+record says no rule builds never appears in a plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from fuselane.explain import FORMS, build_plan, make_shim
+from fuselane.fuse.optimizer import Plan, table_for
+from fuselane.fuse.views import class_of
+from fuselane.graph.classes import STANDING, Awaits, ClassId, Standing, built_by
+
+MODELS = ("synth:tiny-qwen2", "synth:tiny-qwen3", "synth:tiny-qwen3:q4_k_m")
+# Each lane at its defaults, and the cuda lane under the knobs that change which rules fire.
+LANES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("cpu", ()),
+    ("cpu", ("dtype=f64",)),
+    ("cuda", ()),
+    ("cuda", ("activations=dequant",)),
+    ("cuda", ("activations=int8x2",)),
+    ("cuda", ("fuse_quant=false",)),
+)
+
+
+def tables():
+    """Every lane's rule table: the shared rules with that lane's own linked in."""
+    return {lane: table_for(make_shim(lane, (), (), "decode")) for lane in ("cpu", "cuda")}
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[tuple[str, str, str, tuple[str, ...]], Plan]:
+    return {
+        (model, form, lane, knobs): build_plan(model, lane=lane, form=form, knobs=knobs)[2]
+        for model, form, (lane, knobs) in itertools.product(MODELS, FORMS, LANES)
+    }
+
+
+def test_every_class_has_one_standing_in_the_class_order() -> None:
+    assert list(STANDING) == list(ClassId)
+    for cls, standing in STANDING.items():
+        assert bool(standing.built_by) != (standing.awaits is not None), cls
+
+
+def test_a_standing_is_built_or_awaiting_never_both() -> None:
+    with pytest.raises(ValueError):
+        Standing()
+    with pytest.raises(ValueError):
+        Standing(built_by=("norm_weight",), awaits=Awaits.SEVERAL_GPUS)
+
+
+def test_every_rule_of_every_lane_is_named_by_the_classes_it_builds() -> None:
+    for lane, table in tables().items():
+        for rule in table:
+            for cls in rule.builds:
+                assert rule.name in built_by(cls), f"{lane} rule {rule.name} builds {cls.value}; STANDING omits it"
+
+
+def test_every_rule_the_record_names_exists_and_builds_that_class() -> None:
+    builds: dict[str, set[ClassId]] = {}
+    for table in tables().values():
+        for rule in table:
+            builds.setdefault(rule.name, set()).update(rule.builds)
+    for cls, standing in STANDING.items():
+        for name in standing.built_by:
+            assert name in builds, f"{cls.value} names {name}, which no lane's table has"
+            made = sorted(c.value for c in builds[name])
+            assert cls in builds[name], f"{cls.value} names {name}, which builds {made}"
+
+
+def test_what_fires_on_the_tiny_models_is_what_the_record_says(plans) -> None:
+    fired = set()
+    for key, plan in plans.items():
+        for f in plan.fired:
+            assert f.rule in built_by(f.cls), f"{key}: {f.rule} built {f.cls.value}, which STANDING does not say"
+            fired.add(f.cls)
+    # the sweep is not empty: the dense models' norms, rotations, attention and GLUs fuse on both lanes
+    assert {ClassId.NORM_WEIGHT, ClassId.FLASH_DECODE, ClassId.FLASH_PREFILL, ClassId.MERGED_QKV} <= fired
+
+
+def test_no_class_without_a_rule_is_in_any_plan(plans) -> None:
+    for key, plan in plans.items():
+        for op in plan.ops:
+            cls = class_of(op)
+            assert cls is None or built_by(cls), f"{key}: {cls} is in the plan, but STANDING says no rule builds it"
