@@ -21,8 +21,10 @@ import torch
 from replay import best_replay
 
 from fuselane.gguf.formats import Format, row_bytes
-from fuselane.lanes.cuda.triton import gemv_q8, gemv_q8_epilogue, norm, pdl, quant
-from fuselane.lanes.cuda.triton.gemv_epilogue import gemv_add_norm_counter
+from fuselane.lanes.cuda.triton import norm, pdl, quant
+from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
+from fuselane.lanes.cuda.triton.gemv import q8_epilogue as gemv_q8_epilogue
+from fuselane.lanes.cuda.triton.gemv.epilogue import gemv_add_norm_counter
 
 REPLAYS = 20
 EPS = 1e-6

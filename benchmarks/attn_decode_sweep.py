@@ -12,7 +12,7 @@ import functools
 import torch
 
 from benchmarks.gemv_compare import timed
-from fuselane.lanes.cuda.triton import attention as A
+from fuselane.lanes.cuda.triton.attention import decode as A
 
 HEADS = [  # (name, heads, kv_heads, head dim)
     ("0.5b", 14, 2, 64),

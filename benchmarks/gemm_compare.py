@@ -16,7 +16,7 @@ from benchmarks.gemv_compare import timed
 from fuselane.gguf.formats import LAYOUTS, Format
 from fuselane.gguf.quantize import random_blocks
 from fuselane.lanes.cuda.triton import gemm as G
-from fuselane.lanes.cuda.triton.gemv_epilogue import dequantize
+from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize
 
 ROWS = 256  # the lane's prefill chunk
 SHAPES = [  # (name, format, n, k)

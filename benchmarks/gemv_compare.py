@@ -21,10 +21,10 @@ import torch
 
 from fuselane.gguf.formats import LAYOUTS, Format, row_bytes
 from fuselane.gguf.quantize import random_blocks
-from fuselane.lanes.cuda.triton import gemv as G
-from fuselane.lanes.cuda.triton import gemv_fast as F
-from fuselane.lanes.cuda.triton import gemv_q8 as Q
 from fuselane.lanes.cuda.triton import quant
+from fuselane.lanes.cuda.triton.gemv import fast as F
+from fuselane.lanes.cuda.triton.gemv import q8 as Q
+from fuselane.lanes.cuda.triton.gemv import rows as G
 
 SHAPES = [  # (name, format, n, k)
     ("8b q/o", Format.Q4_K, 4096, 4096),

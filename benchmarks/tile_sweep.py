@@ -18,7 +18,7 @@ import numpy as np
 from replay import best_replay
 
 from fuselane.gguf.formats import Format
-from fuselane.lanes.cuda.triton import gemv_q8
+from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 from fuselane.runtime.model import load
 
 TABLES = ("TILES", "TALL_TILES", "GLU_TILES")

@@ -36,8 +36,8 @@ from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import Format  # noqa: E402
 from fuselane.gguf.quantize import quantize  # noqa: E402
 from fuselane.lanes.cuda import kernels  # noqa: E402
-from fuselane.lanes.cuda.triton import gemv as gemv_mod  # noqa: E402
-from fuselane.lanes.cuda.triton.gemv import Part, gemv, gemv_gate_up_glu, gemv_parts  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv import rows as gemv_mod  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv.rows import Part, gemv, gemv_gate_up_glu, gemv_parts  # noqa: E402
 
 EPILOGUE_ROUNDINGS = 2  # a bias add and a residual add
 # SiLU(g) * u: the Lipschitz constant of SiLU (its slope peaks at ~1.0998), and the roundings of its own

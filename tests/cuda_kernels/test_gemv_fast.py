@@ -26,15 +26,15 @@ from kernel_checks import CUDA, DEVICE, U32, CountLaunches, check, dev, gamma, r
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import Format  # noqa: E402
 from fuselane.gguf.quantize import quantize  # noqa: E402
-from fuselane.lanes.cuda.triton import gemv_fast as fast  # noqa: E402
-from fuselane.lanes.cuda.triton.gemv import Part  # noqa: E402
-from fuselane.lanes.cuda.triton.gemv_fast import (  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv import fast  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv.fast import (  # noqa: E402
     gemv_fast,
     gemv_fast_gate_up_glu,
     gemv_fast_parts,
     supports_fast,
 )
-from fuselane.lanes.cuda.triton.gemv_parts import PARTS_MOST  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv.parts import PARTS_MOST  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv.rows import Part  # noqa: E402
 
 EPILOGUE_ROUNDINGS = 2  # a bias add and a residual add
 # SiLU(g) * u (as test_gemv.py): SiLU's slope peaks at ~1.0998; its own ops round within a few ulps of the

@@ -46,9 +46,9 @@ from kernel_checks import (  # noqa: E402
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
 from fuselane.gguf.quantize import random_blocks  # noqa: E402
-from fuselane.lanes.cuda.triton import gemv_fast_norm as fnorm  # noqa: E402
-from fuselane.lanes.cuda.triton.gemv_epilogue import gemv_add_norm_counter  # noqa: E402
-from fuselane.lanes.cuda.triton.gemv_fast_norm import gemv_fast_add_norm, supports_fast_add_norm  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv import fast_norm as fnorm  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv.epilogue import gemv_add_norm_counter  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv.fast_norm import gemv_fast_add_norm, supports_fast_add_norm  # noqa: E402
 
 K = 512  # two K super-blocks, or 16 32-value blocks: every format's loop takes a prefetch and a last chunk
 

@@ -26,10 +26,11 @@ from kernel_checks import DEVICE, check, dev, gamma, raw_weights  # noqa: E402
 
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
-from fuselane.lanes.cuda.triton import gemv_q8 as q8_module  # noqa: E402
-from fuselane.lanes.cuda.triton import int8_words, quant  # noqa: E402
-from fuselane.lanes.cuda.triton.gemv import Part  # noqa: E402
-from fuselane.lanes.cuda.triton.gemv_q8 import gemv_q8, gemv_q8_gate_up_glu, gemv_q8_parts, supports  # noqa: E402
+from fuselane.lanes.cuda.triton import quant  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv import int8_words  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv import q8 as q8_module  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv.q8 import gemv_q8, gemv_q8_gate_up_glu, gemv_q8_parts, supports  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv.rows import Part  # noqa: E402
 
 FORMATS = (Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0)
 CODE_FIELDS = {Format.Q4_K: ("qs",), Format.Q6_K: ("ql", "qh"), Format.Q8_0: ("qs",), Format.Q5_0: ("qh", "qs")}
@@ -205,7 +206,9 @@ def _same_codes(q8, values: torch.Tensor) -> None:
 def test_add_norm_writes_its_norm_quantized(monkeypatch, fmt: Format, chunk: int | None) -> None:
     from kernel_checks import norm_rel
 
-    from fuselane.lanes.cuda.triton import gemv_epilogue, gemv_fast_norm, gemv_q8_epilogue
+    from fuselane.lanes.cuda.triton.gemv import epilogue as gemv_epilogue
+    from fuselane.lanes.cuda.triton.gemv import fast_norm as gemv_fast_norm
+    from fuselane.lanes.cuda.triton.gemv import q8_epilogue as gemv_q8_epilogue
 
     if chunk:  # the last program walks the row in chunks of 32 values
         monkeypatch.setattr(gemv_fast_norm, "NORM_CHUNK", chunk)
@@ -230,7 +233,7 @@ def test_add_norm_writes_its_norm_quantized(monkeypatch, fmt: Format, chunk: int
 
 
 def test_glu_writes_its_result_quantized() -> None:
-    from fuselane.lanes.cuda.triton import gemv_q8_epilogue
+    from fuselane.lanes.cuda.triton.gemv import q8_epilogue as gemv_q8_epilogue
 
     fmt, n, k = Format.Q4_K, 96, 512
     rng = np.random.default_rng(11)

@@ -19,9 +19,9 @@ from kernel_checks import DEVICE, dev, raw_weights  # noqa: E402
 
 from fuselane.gguf.formats import Format  # noqa: E402
 from fuselane.lanes.cuda.triton import quant, rope  # noqa: E402
-from fuselane.lanes.cuda.triton.gemv import Part  # noqa: E402
-from fuselane.lanes.cuda.triton.gemv_q8 import gemv_q8_parts  # noqa: E402
-from fuselane.lanes.cuda.triton.gemv_q8_rope import Turn, gemv_q8_parts_rope, rope_counters  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv.q8 import gemv_q8_parts  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv.q8_rope import Turn, gemv_q8_parts_rope, rope_counters  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv.rows import Part  # noqa: E402
 
 HEADS, KV, HD, K, CTX, POS = 4, 2, 64, 256, 8, 5
 BASE, EPS = 1e6, 1e-6

@@ -97,7 +97,10 @@ def test_int8_activations_multiply_with_dp4a(tmp_path, monkeypatch, arch):
     # add + norm's last program, SwiGLU's, attention's) and multiply with dp4a; within the int8 contract
     from fuselane.gguf.synth import Shape
     from fuselane.lanes.cuda import kernels
-    from fuselane.lanes.cuda.triton import gemv_q8, gemv_q8_epilogue, gemv_q8_rope, norm, quant
+    from fuselane.lanes.cuda.triton import norm, quant
+    from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
+    from fuselane.lanes.cuda.triton.gemv import q8_epilogue as gemv_q8_epilogue
+    from fuselane.lanes.cuda.triton.gemv import q8_rope as gemv_q8_rope
 
     dims, mix = INT8_SHAPES[arch]
     shape = Shape(*dims, context=4096)

@@ -29,7 +29,9 @@ from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
 from fuselane.gguf.quantize import random_blocks  # noqa: E402
 from fuselane.graph.ops import ArgMax, Attention, RmsNorm, Rope, Unary, UnaryOp  # noqa: E402
 from fuselane.lanes.cpu import kernels as ref  # noqa: E402
-from fuselane.lanes.cuda.triton import attention, attention_prefill, misc, norm, pdl, quant, rope  # noqa: E402
+from fuselane.lanes.cuda.triton import misc, norm, pdl, quant, rope  # noqa: E402
+from fuselane.lanes.cuda.triton.attention import decode as attention  # noqa: E402
+from fuselane.lanes.cuda.triton.attention import prefill as attention_prefill  # noqa: E402
 from fuselane.numerics.contract import Keep  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

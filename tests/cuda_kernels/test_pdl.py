@@ -27,14 +27,14 @@ from kernel_checks import DEVICE, raw_weights  # noqa: E402
 
 from fuselane.gguf.formats import Format  # noqa: E402
 from fuselane.lanes.cuda.triton import pdl, quant  # noqa: E402
-from fuselane.lanes.cuda.triton.gemv_q8 import gemv_q8  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv.q8 import gemv_q8  # noqa: E402
 
 TRITON_DIR = Path(pdl.__file__).parent
-LOOPS = {"gemv_fast.py", "gemv_q8.py"}  # the GEMV loops that wait after their first weight loads
+LOOPS = {"gemv/fast.py", "gemv/q8.py"}  # the GEMV loops that wait after their first weight loads
 
 
 def _modules() -> list[tuple[str, ast.Module]]:
-    return [(p.name, ast.parse(p.read_text())) for p in sorted(TRITON_DIR.glob("*.py"))]
+    return [(p.relative_to(TRITON_DIR).as_posix(), ast.parse(p.read_text())) for p in sorted(TRITON_DIR.rglob("*.py"))]
 
 
 def _is_jit(fn: ast.FunctionDef) -> bool:
@@ -92,7 +92,7 @@ def test_the_gemv_loops_wait_after_their_first_weights_and_before_the_loop() -> 
 
 def test_the_decode_attention_reads_only_the_steps_inputs_before_its_wait() -> None:
     """The one kernel that reads before its wait: the position, and the first tile's rows before it."""
-    tree = dict(_modules())["attention.py"]
+    tree = dict(_modules())["attention/decode.py"]
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_decode_kernel")
     wait = next(n for n in ast.walk(fn) if isinstance(n, ast.Call) and ast.unparse(n.func) == "pdl.wait")
     early = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and n.lineno < wait.lineno]

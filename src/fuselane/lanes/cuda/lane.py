@@ -104,7 +104,7 @@ class CudaLane:
         """A matrix dequantized to f16 on the device, for products past the GEMV's rows (made once, by a
         kernel, from the bytes already there)."""
         if name not in self._dense:
-            from fuselane.lanes.cuda.triton.gemv_epilogue import dequantize as device_dequantize
+            from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize as device_dequantize
 
             raw, fmt = self.raw[name]
             n, k = self.tensors[name].shape

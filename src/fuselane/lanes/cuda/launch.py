@@ -57,7 +57,9 @@ class Bound:
 
 def _t():
     """The Triton kernel modules, imported on first bind: the lane loads torch and Triton only when used."""
-    from fuselane.lanes.cuda.triton import attention, gemv, misc, norm, rope
+    from fuselane.lanes.cuda.triton import misc, norm, rope
+    from fuselane.lanes.cuda.triton.attention import decode as attention
+    from fuselane.lanes.cuda.triton.gemv import rows as gemv
 
     return gemv, norm, rope, attention, misc
 
@@ -130,7 +132,7 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
 def _fast(fmt: Format, m: int, *outs: Any):
     """The tile-streaming GEMV kernels where they take this product (one row, their formats, f32 outputs or
     f16 cache rows), else None."""
-    from fuselane.lanes.cuda.triton import gemv_fast
+    from fuselane.lanes.cuda.triton.gemv import fast as gemv_fast
 
     f32 = all(out.dtype in _store_types() for out in outs)
     return gemv_fast if f32 and gemv_fast.supports_fast(fmt, m) else None
@@ -142,7 +144,7 @@ def _q8_in(consumer: Op, name: str, fmt: Format, m: int, k: int, b: Bound, *outs
     f32 (`fuse_quant=off`, or a producer that cannot quantize), the consumer's own quantizing launch first.
     None where it reads the f32 row (a format without a dp4a kernel reads the values the producer also
     writes in f32)."""
-    from fuselane.lanes.cuda.triton import gemv_q8
+    from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 
     if not (gemv_q8.supports(fmt, m, k) and all(out.dtype in _store_types() for out in outs)):
         return None
@@ -238,7 +240,7 @@ def _attention(op: Op, b: Bound, out_q8: Any = None) -> Launch:
     if spec.rows == 1:
         scratch = b.scratch.setdefault("attn", attention.decode_scratch(spec.heads, spec.hd, spec.len, q.device))
         return lambda: attention.flash_decode(q, kc, vc, pos, out, scratch=scratch, out_q8=out_q8, **shape)
-    from fuselane.lanes.cuda.triton import attention_prefill
+    from fuselane.lanes.cuda.triton.attention import prefill as attention_prefill
 
     f16 = b.attention_f16
     return lambda: attention_prefill.flash_prefill(q, kc, vc, pos, out, rows=spec.rows, f16_ops=f16, **shape)
@@ -373,7 +375,7 @@ def _gate_up(op: Op, b: Bound, out_q8: Any = None):
         gemv_q8, acts, first = q8
         if out_q8 is None:
             return [*first, lambda: gemv_q8.gemv_q8_gate_up_glu(acts, wg, wu, fmt, spec.n, spec.k, out)]
-        from fuselane.lanes.cuda.triton import gemv_q8_epilogue as qe
+        from fuselane.lanes.cuda.triton.gemv import q8_epilogue as qe
 
         if spec.n % kernels.QBLOCK == 0:
             counters = b.scratch.setdefault(f"glu-q8:{op.out}", qe.q8_counters(spec.n, out.device))
@@ -433,7 +435,8 @@ def _turned_in_gemv(turned: list[tuple[int, Op]], products: list, acts: Any, fmt
         return None
     if b.rope_in_gemv is RopeEpilogue.AUTO and len(products) != len(turned):
         return None
-    from fuselane.lanes.cuda.triton import gemv_q8, gemv_q8_rope
+    from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
+    from fuselane.lanes.cuda.triton.gemv import q8_rope as gemv_q8_rope
 
     (qi, q_op), (ki, k_op) = turned if _side(turned[0][1], b).pitch is None else turned[::-1]
     q, kk = _side(q_op, b), _side(k_op, b)
@@ -474,14 +477,15 @@ def _norm_epilogue(op: Op, b: Bound, out_q8: Any = None):
     product: Matmul = mm.sym  # type: ignore[assignment]
     wt, fmt = b.raw[mm.ins[1]]
     if product.m == 1:
-        from fuselane.lanes.cuda.triton import gemv_epilogue, gemv_fast_norm
+        from fuselane.lanes.cuda.triton.gemv import epilogue as gemv_epilogue
+        from fuselane.lanes.cuda.triton.gemv import fast_norm as gemv_fast_norm
 
         x, r = b.bufs[mm.ins[0]], b.bufs[residual]
         counter = gemv_epilogue.gemv_add_norm_counter(x.device)  # its own: launches on one stream in turn
         n, k = product.n, product.k
         q8 = _q8_in(mm, mm.ins[0], fmt, 1, k, b, out)
         if q8 is not None and n % kernels.QBLOCK == 0:
-            from fuselane.lanes.cuda.triton import gemv_q8_epilogue as qe
+            from fuselane.lanes.cuda.triton.gemv import q8_epilogue as qe
             from fuselane.lanes.cuda.triton.quant import empty_q8
 
             _, acts, first = q8

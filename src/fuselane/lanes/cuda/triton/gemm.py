@@ -21,9 +21,9 @@ import triton.language as tl
 
 from fuselane.gguf.formats import Format, row_bytes
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv import check_rows
-from fuselane.lanes.cuda.triton.gemv_epilogue import DEQUANT_OUT, _unit_values, unit_values
-from fuselane.lanes.cuda.triton.gemv_formats import SLOTS
+from fuselane.lanes.cuda.triton.gemv.epilogue import DEQUANT_OUT, _unit_values, unit_values
+from fuselane.lanes.cuda.triton.gemv.formats import SLOTS
+from fuselane.lanes.cuda.triton.gemv.rows import check_rows
 
 # The tile, as compiled for sm_90 (ptxas -v): 64 activation rows by 32 weight rows, eight warps, the loads of
 # a step not staged ahead (one stage): 254 registers a thread and no spills for a K-quant's 256-value step,

@@ -29,7 +29,7 @@ import triton.language as tl
 from fuselane.gguf.formats import LAYOUTS, QK, Format, row_bytes
 from fuselane.lanes.cuda import kernels
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts, _check_acts
+from fuselane.lanes.cuda.triton.gemv.q8 import Q8Acts, _check_acts
 from fuselane.lanes.cuda.triton.quant import store_quantized
 
 QB = tl.constexpr(QK)  # values an int8 block's scale covers

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from fuselane.gguf.formats import QK
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts
+from fuselane.lanes.cuda.triton.gemv.q8 import Q8Acts
 
 INT8_MAX = 127.0
 INT8_MAX_C = tl.constexpr(INT8_MAX)

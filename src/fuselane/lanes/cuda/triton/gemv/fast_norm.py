@@ -20,9 +20,9 @@ from torch import Tensor
 
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv_epilogue import check_add_norm
-from fuselane.lanes.cuda.triton.gemv_fast import GROUPS, _check, _plan, _row_dots
-from fuselane.lanes.cuda.triton.gemv_parts import store_row
+from fuselane.lanes.cuda.triton.gemv.epilogue import check_add_norm
+from fuselane.lanes.cuda.triton.gemv.fast import GROUPS, _check, _plan, _row_dots
+from fuselane.lanes.cuda.triton.gemv.parts import store_row
 from fuselane.lanes.cuda.triton.quant import store_quantized
 
 # Values of the row the last program takes a pass. A row that fits (every Qwen's hidden width, at most 8192)

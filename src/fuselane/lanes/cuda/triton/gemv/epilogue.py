@@ -27,16 +27,7 @@ import triton.language as tl
 from fuselane.gguf.formats import LAYOUTS, QK, Format, row_bytes
 from fuselane.lanes.cuda import kernels
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv import (
-    _check_x,
-    _largest_pow2_dividing,
-    _plan,
-    _stages,
-    _store,
-    _tile,
-    check_rows,
-)
-from fuselane.lanes.cuda.triton.gemv_formats import (
+from fuselane.lanes.cuda.triton.gemv.formats import (
     BIT,
     CRUMB,
     F32_TWO_23_BITS,
@@ -97,6 +88,15 @@ from fuselane.lanes.cuda.triton.gemv_formats import (
     _in_two_23,
     _k_scale_min,
     dot_rows,
+)
+from fuselane.lanes.cuda.triton.gemv.rows import (
+    _check_x,
+    _largest_pow2_dividing,
+    _plan,
+    _stages,
+    _store,
+    _tile,
+    check_rows,
 )
 
 # Values one program of `dequantize` writes: 8 KB of f32 a program, 8 values a thread of DEQUANT_WARPS warps.

@@ -18,7 +18,7 @@ import os
 import triton
 import triton.language as tl
 
-from fuselane.lanes.cuda.triton.gemv_fast import BYTE, BYTE_BITS, HALF_WORD_BITS, PAIR
+from fuselane.lanes.cuda.triton.gemv.fast import BYTE, BYTE_BITS, HALF_WORD_BITS, PAIR
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # no inline PTX under the interpreter
 WORD_BYTES = tl.constexpr(4)

@@ -16,7 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import Format
-from fuselane.lanes.cuda.triton.gemv import Part, _check_bias, _out_args, check_rows
+from fuselane.lanes.cuda.triton.gemv.rows import Part, _check_bias, _out_args, check_rows
 
 PARTS_MOST = 4  # products one `gemv_fast_parts` launch takes
 NO_TILE = 2**31 - 1  # stand-in tile boundary of an absent part: no program id reaches it

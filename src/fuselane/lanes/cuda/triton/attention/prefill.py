@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.attention import LOG2E, cache_pitch, interpreted
+from fuselane.lanes.cuda.triton.attention.decode import LOG2E, cache_pitch, interpreted
 
 # Prefill tiles, by operand type, as compiled for sm_90 without spilling (f16) or nearly (f32):
 # - f16: 64 query rows (a warpgroup MMA's M: four warps) by 64 keys, two stages: 168 registers, the next

@@ -36,8 +36,7 @@ from torch import Tensor
 
 from fuselane.gguf.formats import QK, QK_K, Format
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv import Part, check_rows
-from fuselane.lanes.cuda.triton.gemv_fast import (
+from fuselane.lanes.cuda.triton.gemv.fast import (
     BYTE,
     BYTE_BITS,
     FMT_Q4_K,
@@ -73,8 +72,9 @@ from fuselane.lanes.cuda.triton.gemv_fast import (
     _raw,
     q4_k_scales_of,
 )
-from fuselane.lanes.cuda.triton.gemv_parts import part_rows, parts_args, store_parts
-from fuselane.lanes.cuda.triton.int8_words import dot16, dot16_of, ld4, ld_run, words
+from fuselane.lanes.cuda.triton.gemv.int8_words import dot16, dot16_of, ld4, ld_run, words
+from fuselane.lanes.cuda.triton.gemv.parts import part_rows, parts_args, store_parts
+from fuselane.lanes.cuda.triton.gemv.rows import Part, check_rows
 
 
 def _c(value: int | float) -> tl.constexpr:

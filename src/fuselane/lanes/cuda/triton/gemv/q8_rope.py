@@ -26,9 +26,9 @@ from torch import Tensor
 
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv import Part
-from fuselane.lanes.cuda.triton.gemv_parts import pick
-from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts, parts_launch, parts_product
+from fuselane.lanes.cuda.triton.gemv.parts import pick
+from fuselane.lanes.cuda.triton.gemv.q8 import Q8Acts, parts_launch, parts_product
+from fuselane.lanes.cuda.triton.gemv.rows import Part
 from fuselane.lanes.cuda.triton.rope import _rotate_head, check_head, freq_exponent
 
 COUNTER_DTYPE = torch.int32

@@ -18,12 +18,13 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import QK, Format
-from fuselane.lanes.cuda.triton import gemv_fast_norm, pdl
-from fuselane.lanes.cuda.triton.gemv import check_rows
-from fuselane.lanes.cuda.triton.gemv_epilogue import COUNTER_DTYPE, _check_row, check_add_norm
-from fuselane.lanes.cuda.triton.gemv_fast_norm import norm_last
-from fuselane.lanes.cuda.triton.gemv_parts import store_row
-from fuselane.lanes.cuda.triton.gemv_q8 import Q8Acts, _check_acts, _check_aligned, _row_dots, _tile_plan
+from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton.gemv import fast_norm as gemv_fast_norm
+from fuselane.lanes.cuda.triton.gemv.epilogue import COUNTER_DTYPE, _check_row, check_add_norm
+from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
+from fuselane.lanes.cuda.triton.gemv.parts import store_row
+from fuselane.lanes.cuda.triton.gemv.q8 import Q8Acts, _check_acts, _check_aligned, _row_dots, _tile_plan
+from fuselane.lanes.cuda.triton.gemv.rows import check_rows
 from fuselane.lanes.cuda.triton.quant import store_quantized
 
 QB = tl.constexpr(QK)

@@ -41,8 +41,8 @@ from torch import Tensor
 
 from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format, row_bytes
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv import Part, check_rows
-from fuselane.lanes.cuda.triton.gemv_parts import part_rows, parts_args, store_parts
+from fuselane.lanes.cuda.triton.gemv.parts import part_rows, parts_args, store_parts
+from fuselane.lanes.cuda.triton.gemv.rows import Part, check_rows
 
 
 def _c(value: int | float) -> tl.constexpr:

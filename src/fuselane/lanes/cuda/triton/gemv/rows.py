@@ -43,7 +43,7 @@ import triton.language as tl
 from fuselane.gguf.formats import Format, row_bytes
 from fuselane.lanes.cuda import kernels
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv_formats import SLOTS, dot_rows
+from fuselane.lanes.cuda.triton.gemv.formats import SLOTS, dot_rows
 
 # The most f32 partial sums a thread keeps for its m rows' slot values: a step's slot is cut finer as m grows
 # so that m times the values a thread holds stays within it. At 64 the sm_90 build needs at most 128

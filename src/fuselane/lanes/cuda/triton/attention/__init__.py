@@ -1,0 +1,2 @@
+"""The attention family: `decode` (flash-decoding over the KV cache, one query row a sequence, split over the
+cache's length) and `prefill` (a chunk's rows against the cache, causal, on the f16 tensor cores)."""
