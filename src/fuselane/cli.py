@@ -131,6 +131,16 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 
 def cmd_explain(args: argparse.Namespace) -> None:
+    if args.classes:
+        from fuselane.class_table import class_table, render_table
+
+        table = class_table(
+            lane=args.lane, knobs=args.knob, held=args.hold, form=args.form, model=args.model, rows=args.rows
+        )
+        print(json.dumps(table, indent=2) if args.json else render_table(table))
+        return
+    if args.model is None:
+        raise FuselaneError("explain needs a MODEL (or --classes, the table of fused classes)")
     from fuselane.explain import build_plan, render, to_json
 
     name, cfg, plan = build_plan(
@@ -207,7 +217,9 @@ def parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true")
     info.set_defaults(func=cmd_info)
     explain = sub.add_parser("explain", help="the fused plan on a lane, and why each missed fusion missed")
-    explain.add_argument("model", help="a .gguf path, a known name, or synth:SHAPE[:MIX] (no file needed)")
+    explain.add_argument(
+        "model", nargs="?", default=None, help="a .gguf path, a known name, or synth:SHAPE[:MIX] (no file needed)"
+    )
     explain.add_argument("--lane", choices=("cpu", "cuda"), default="cpu")
     explain.add_argument("--form", choices=("decode", "prefill", "batch"), default="decode")
     explain.add_argument(
@@ -219,6 +231,9 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("--knob", action="append", default=[], metavar="K=V", help="a lane knob (repeatable)")
     explain.add_argument("--hold", action="append", default=[], metavar="RULE", help="hold a rule back (repeatable)")
     explain.add_argument("--json", action="store_true", help="the stable JSON form")
+    explain.add_argument(
+        "--classes", action="store_true", help="every fused class: the rules that build it, each lane's answer"
+    )
     explain.set_defaults(func=cmd_explain)
     bench = sub.add_parser("bench", help="prefill and decode tokens/s, launches a token, %% of the bandwidth limit")
     bench.add_argument("model", nargs="?", default=None)

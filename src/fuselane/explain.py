@@ -3,6 +3,9 @@
 The plan is built exactly as a lane would build it: the recognizer's graph for a form, the shared rules with
 the lane's linked in, the lane's `supports`/`fits` answers. The text form is for reading; the JSON form
 (`to_json`, schema version `JSON_VERSION`, documented in the README) is stable for tools.
+
+`fuselane explain --classes` prints instead the table of every fused class (`fuselane.class_table`): the
+rules that build it or what it waits for, and each lane's `supports` answer, from shims `make_shim` builds.
 """
 
 from __future__ import annotations
