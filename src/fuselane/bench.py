@@ -2,19 +2,28 @@
 
 Prefill (`pp`) times a prompt of random tokens run in the lane's chunks; decode (`tg`) times greedy generation
 through the lane's decode loop, as a user gets it (on the cuda lane: a graph replay a token, the sampler on the
-device, no logits copied to the host), after `depth` tokens already in the cache. The decode figure is set
-against the lane's limit: every weight read once a token at the machine's measured copy bandwidth.
+device, no logits copied to the host), after `depth` tokens already in the cache. The sizes are checked against
+the model's context before anything runs.
+
+The decode figure is set against the lane's limit: the tokens a second it could reach if a step did nothing but
+read every weight once. On the cuda lane the weights' bytes are set against the device's measured copy
+bandwidth. On the cpu lane the limit is measured on the lane's own weights, read once each by a product with a
+vector (best of a few passes): a decode step reads them the same way and does more besides, so it cannot beat
+the limit, where a bandwidth measured on a buffer of another size could (weights that fit in the CPU's caches
+read faster than a copy through memory).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
+from fuselane.errors import FuselaneError
 from fuselane.runtime.model import load
 from fuselane.runtime.sampling import GREEDY
 
@@ -25,6 +34,10 @@ SEED = 1234
 DECODE_WARM = 3
 # Runs of a whole prefill chunk before prefill is timed: compiling, then a lane's capture of the chunk as a graph.
 PREFILL_WARM = 3
+# Passes over the cpu lane's weights when its limit is measured; the fastest counts.
+LIMIT_PASSES = 5
+# Cache rows past depth + prompt + generated: the decode loop's first step feeds a token of its own.
+DECODE_ROW = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,25 +58,41 @@ class BenchResult:
 
 
 def _copy_bandwidth(lane: Any) -> float:
-    """Bytes a second the lane's memory moves in a plain copy, counting both the read and the write."""
-    if getattr(lane, "name", "") == "cuda":
-        torch = lane.torch
-        src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=lane.device)
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(COPY_REPEATS):
-            dst.copy_(src)
-        torch.cuda.synchronize()
-        return 2 * COPY_BYTES * COPY_REPEATS / (time.perf_counter() - start)
-    src = np.ones(COPY_BYTES // 4, dtype=np.float32)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
+    """Bytes a second the cuda lane's memory moves in a plain copy, counting both the read and the write."""
+    torch = lane.torch
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=lane.device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(COPY_REPEATS):
-        np.copyto(dst, src)
-    return 2 * src.nbytes * COPY_REPEATS / (time.perf_counter() - start)
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * COPY_BYTES * COPY_REPEATS / (time.perf_counter() - start)
+
+
+def _read_seconds(weights: Sequence[np.ndarray]) -> float:
+    """The fastest of LIMIT_PASSES passes reading each of `weights` once, by a product with a vector."""
+    vectors = {w.shape[-1]: np.ones(w.shape[-1], dtype=w.dtype) for w in weights if w.ndim}
+    best = float("inf")
+    for _ in range(LIMIT_PASSES):
+        start = time.perf_counter()
+        for w in weights:
+            if w.ndim:
+                np.dot(w.reshape(-1, w.shape[-1]), vectors[w.shape[-1]])
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _limit(m: Any) -> tuple[int, float, float]:
+    """The weight bytes a decode step reads, the bandwidth they are read at, and the tokens/s limit."""
+    if getattr(m.lane, "name", "") == "cuda":
+        weight_bytes, bandwidth = m.lane.weight_bytes(), _copy_bandwidth(m.lane)
+        return weight_bytes, bandwidth, bandwidth / weight_bytes
+    weights = _cpu_weights(m)
+    weight_bytes = sum(w.nbytes for w in weights)
+    seconds = _read_seconds(weights)
+    return weight_bytes, weight_bytes / seconds, 1 / seconds
 
 
 def _sync(lane: Any) -> None:
@@ -71,8 +100,46 @@ def _sync(lane: Any) -> None:
         lane.torch.cuda.synchronize()
 
 
+def rows_needed(prompt: int, generated: int, depth: int) -> int:
+    """Cache rows one bench uses: the depth, the prompt, the generated tokens and the decode loop's own row."""
+    return depth + prompt + generated + DECODE_ROW
+
+
+def check_sizes(model: str | None, prompt: int, generated: int, depths: Sequence[int]) -> None:
+    """Refuse, before anything runs, sizes whose rows pass the model's context (read from its header)."""
+    from fuselane.gguf.reader import open_gguf
+    from fuselane.hub import resolve
+    from fuselane.models import config_of
+
+    if prompt < 1 or generated < 1 or min(depths, default=0) < 0:
+        raise FuselaneError(f"bench needs a prompt and generated tokens >= 1, depths >= 0, not {prompt}, {generated}")
+    with open_gguf(resolve(model)) as f:
+        context = config_of(f.metadata, f.tensors).context
+    deepest = max(depths, default=0)
+    need = rows_needed(prompt, generated, deepest)
+    if need > context:
+        raise FuselaneError(
+            f"depth {deepest} + prompt {prompt} + generated {generated} + 1 = {need:,} cache rows, "
+            f"more than the model's context of {context:,} tokens"
+        )
+
+
+def bench_depths(
+    model: str | None,
+    *,
+    lane: str = "auto",
+    prompt: int = 512,
+    generated: int = 128,
+    depths: Sequence[int] = (0,),
+    knobs: Sequence[str] = (),
+) -> list[BenchResult]:
+    """One bench a depth, every size checked against the model's context first."""
+    check_sizes(model, prompt, generated, depths)
+    return [bench(model, lane=lane, prompt=prompt, generated=generated, depth=d, knobs=knobs) for d in depths]
+
+
 def bench(
-    model: str,
+    model: str | None,
     *,
     lane: str = "auto",
     prompt: int = 512,
@@ -81,39 +148,49 @@ def bench(
     knobs: Sequence[str] = (),
 ) -> BenchResult:
     """Measure one model on one lane under its `knobs` (see the module docstring)."""
-    ctx = depth + prompt + generated + 1
-    m = load(model, lane=lane, ctx=ctx, knobs=knobs)
-    rng = np.random.default_rng(SEED)
-    tokens = rng.integers(0, min(m.cfg.vocab, m.tokenizer.vocab_size), size=depth + prompt + generated)
-    session = m.session()
-    if depth:
-        session.extend(tokens[:depth].tolist())
-    # first runs of a whole chunk compile the kernels, make what prefill uses and let a lane capture the chunk
-    # as a graph; their cache rows are rewritten
-    for _ in range(PREFILL_WARM):
-        session.extend(tokens[depth : depth + min(prompt, session.chunk)].tolist())
-        session.tokens = session.tokens[:depth]
-    _sync(m.lane)
-    start = time.perf_counter()
-    session.extend(tokens[depth : depth + prompt].tolist())
-    _sync(m.lane)
-    prefill = prompt / (time.perf_counter() - start)
-    steps = m.lane.decode(int(tokens[depth + prompt]), len(session.tokens), GREEDY)
-    warm = min(DECODE_WARM, generated)
-    for _ in range(warm):
-        next(steps)
-    # not synchronized first: the loop keeps a step queued ahead of the token it reads, as it does for a user
-    start = time.perf_counter()
-    for _ in range(generated - warm):
-        next(steps)
-    elapsed = time.perf_counter() - start
-    steps.close()
-    _sync(m.lane)
-    decode = (generated - warm) / elapsed if generated > warm else float("nan")
-    weight_bytes = _weight_bytes(m)
-    bandwidth = _copy_bandwidth(m.lane)
-    limit = bandwidth / weight_bytes
-    launches = m.lane.launches_per_token() if hasattr(m.lane, "launches_per_token") else None
+    with _progress(f"pp{prompt} tg{generated} @ d{depth}") as step:
+        step("loading")
+        m = load(model, lane=lane, ctx=rows_needed(prompt, generated, depth), knobs=knobs)
+        on_cpu = getattr(m.lane, "name", "") == "cpu"
+        rng = np.random.default_rng(SEED)
+        tokens = rng.integers(0, min(m.cfg.vocab, m.tokenizer.vocab_size), size=depth + prompt + generated)
+        session = m.session()
+        step("filling the cache to the depth", total=PREFILL_WARM + 1 + generated + 1)
+        if depth:
+            session.extend(tokens[:depth].tolist())
+        # first runs of a whole chunk compile the kernels, make what prefill uses and let a lane capture the
+        # chunk as a graph; their cache rows are rewritten
+        step("prefill warm-up")
+        for _ in range(PREFILL_WARM):
+            session.extend(tokens[depth : depth + min(prompt, session.chunk)].tolist())
+            session.tokens = session.tokens[:depth]
+            step(advance=1)
+        step(f"pp{prompt}")
+        _sync(m.lane)
+        start = time.perf_counter()
+        session.extend(tokens[depth : depth + prompt].tolist())
+        _sync(m.lane)
+        prefill = prompt / (time.perf_counter() - start)
+        step(f"tg{generated}", advance=1)
+        steps = m.lane.decode(int(tokens[depth + prompt]), len(session.tokens), GREEDY)
+        warm = min(DECODE_WARM, generated - 1)  # at least one token is timed
+        for _ in range(warm):
+            next(steps)
+            step(advance=1)
+        # not synchronized first: the loop keeps a step queued ahead of the token it reads, as it does for a user
+        start = time.perf_counter()
+        for _ in range(generated - warm):
+            next(steps)
+            if on_cpu:  # a cpu step takes milliseconds; on the device a tick would show in the figure
+                step(advance=1)
+        elapsed = time.perf_counter() - start
+        steps.close()
+        _sync(m.lane)
+        decode = (generated - warm) / elapsed
+        step("the lane's limit", advance=0 if on_cpu else generated - warm)
+        weight_bytes, bandwidth, limit = _limit(m)
+        step(advance=1)
+        launches = m.lane.launches_per_token() if hasattr(m.lane, "launches_per_token") else None
     return BenchResult(
         model=m.path.name,
         lane=m.lane.shim.name,  # the lane at its knobs: "cuda:H200:int8", "cpu:float32"
@@ -131,14 +208,38 @@ def bench(
     )
 
 
-def _weight_bytes(m: Any) -> int:
-    """Bytes one decode step must read: every matrix the lane multiplies by, not the gathered embedding."""
-    if hasattr(m.lane, "weight_bytes"):
-        return m.lane.weight_bytes()
-    if hasattr(m.lane, "dequantized_bytes"):
-        m.lane.warm()
-        return m.lane.dequantized_bytes()
-    return sum(t.nbytes for n, t in m.file.tensors.items() if n != "token_embd.weight")
+def _cpu_weights(m: Any) -> list[np.ndarray]:
+    """The cpu lane's dequantized weights a decode step reads: every one but an untied embedding table, of
+    which a step gathers one row."""
+    from fuselane.graph.ir import Role
+
+    lane = m.lane
+    return [
+        lane.weight(name)
+        for name, tensor in lane.graph(1).tensors.items()
+        if tensor.role is Role.WEIGHT and not (name == "token_embd.weight" and not m.cfg.tied)
+    ]
+
+
+@contextmanager
+def _progress(title: str) -> Iterator[Any]:
+    """A rich progress bar on stderr (only on a terminal) for one bench; yields `step(what, total=, advance=)`,
+    which names the current phase, sets the number of steps and advances that many."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(
+        *columns, TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal
+    ) as bar:
+        task = bar.add_task(title, total=None)
+
+        def step(what: str | None = None, *, total: int | None = None, advance: int = 0) -> None:
+            description = f"{title}: {what}" if what is not None else None
+            bar.update(task, description=description, total=total, advance=advance)
+
+        yield step
 
 
 def render(results: list[BenchResult]) -> str:

@@ -1,33 +1,62 @@
-"""The `fuselane` command: run, chat, tokenize, pull, models, info.
+"""The `fuselane` command: run, chat, tokenize, pull, models, info, explain, bench.
 
 stdout carries only what the user asked for (the reply, the ids, the table); logs and progress go to stderr.
-Every failure caused by input is one line on stderr and exit code 1, never a traceback.
+Every failure caused by input is one line on stderr and exit code 1, never a traceback: numbers are checked
+against their ranges (`fuselane.ranges`) while the arguments are parsed, an OS error names its path, warnings
+from the numerics stay off stderr, and a closed stdout (`| head`) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
+import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
-from fuselane.errors import FuselaneError
+from fuselane import __version__, ranges
+from fuselane.errors import FuselaneError, Terminated
 
 EXIT_ERROR = 1
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+MAX_MESSAGE_CHARS = 1000  # an error line is cut here: a message quoting a huge argument stays readable
 
 
 def _say(*parts: object) -> None:
     print(*parts, file=sys.stderr, flush=True)
 
 
+def _say_error(message: str) -> None:
+    """The one `fuselane: error:` line: control characters (a newline in a path or an argument) escaped,
+    the length bounded."""
+    text = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in message)
+    if len(text) > MAX_MESSAGE_CHARS:
+        text = text[: MAX_MESSAGE_CHARS - 3] + "..."
+    _say(f"fuselane: error: {text}")
+
+
+def _os_error(e: OSError) -> str:
+    """An OS error as one line naming its path: "/root/.cache/fuselane/models: Permission denied"."""
+    what = e.strerror or str(e) or type(e).__name__
+    if e.filename is None:
+        return what
+    where = os.fsdecode(e.filename)
+    if e.filename2 is not None:
+        where += f" -> {os.fsdecode(e.filename2)}"
+    return f"{where}: {what}"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose usage errors follow the rule above (argparse prints the usage and exits 2)."""
 
     def error(self, message: str) -> NoReturn:
-        _say(f"fuselane: error: {message} (see '{self.prog} --help')")
+        _say_error(f"{message} (see '{self.prog} --help')")
         sys.exit(EXIT_ERROR)
 
 
@@ -50,21 +79,67 @@ def _load(model: str | None, args: argparse.Namespace):
     return m
 
 
-def cmd_run(args: argparse.Namespace) -> None:
-    if len(args.words) > 2:
+def _model_and_prompt(words: Sequence[str]) -> tuple[str | None, str]:
+    """`run`'s words: a prompt, or a model then a prompt. A lone word that names a model (a file, a .gguf
+    path, a known name) is a forgotten prompt, not a prompt for the default model."""
+    if len(words) > 2:
         raise FuselaneError("run takes at most a model and a prompt (quote the prompt)")
-    model, prompt = (None, args.words[0]) if len(args.words) == 1 else args.words
+    if len(words) == 2:
+        return words[0], words[1]
+    from fuselane.hub import KNOWN_MODELS
+
+    word = words[0]
+    if word != "-" and (word.endswith(".gguf") or word in KNOWN_MODELS or os.path.isfile(word)):
+        raise FuselaneError(f"'{word}' names a model, but no prompt follows it: fuselane run {word} PROMPT")
+    return None, word
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    model, prompt = _model_and_prompt(args.words)
     if prompt == "-":
         prompt = sys.stdin.read()
     m = _load(model, args)
-    started, count = time.perf_counter(), 0
-    for piece in m.stream(prompt, max_tokens=args.n, sampling=_sampling(args), raw=args.raw):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    _reply(m, prompt, args)
+
+
+def _reply(m: Any, prompt: str, args: argparse.Namespace) -> None:
+    """Stream the reply to stdout (ended by a newline when it holds anything); on stderr, one line where -n or
+    the context's end cut it, and with -v the prompt's and the generation's tokens/s, as llama.cpp's timings."""
+    session = m.session()
+    started = time.perf_counter()
+    ids = m.prompt_ids(prompt, raw=args.raw)
+    decoder = m.tokenizer.stream()
+    count, wrote, first = 0, False, None
+    for token in m.generate_ids(session, ids, max_tokens=args.n, sampling=_sampling(args)):
         count += 1
-    sys.stdout.write("\n")
+        first = first or time.perf_counter()
+        if piece := decoder.push(token):
+            wrote = _write(piece) or wrote
+    if tail := decoder.flush():
+        wrote = _write(tail) or wrote
+    ended = time.perf_counter()
+    if wrote:
+        _write("\n")
+    if args.n and count == args.n:
+        _say(f"[stopped at -n {args.n} tokens]")
+    elif count and session.room() == 0:
+        _say(f"[stopped at the end of the context of {session.ctx} tokens]")
     if args.verbose:
-        _say(f"{time.perf_counter() - started:.2f} s")
+        prefill_end = first or ended  # the prompt's time runs to its first sampled token
+        _say(_rate("prompt", len(ids), prefill_end - started))
+        if count > 1:
+            _say(_rate("generation", count - 1, ended - prefill_end))
+
+
+def _write(text: str) -> bool:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    return bool(text)
+
+
+def _rate(what: str, tokens: int, seconds: float) -> str:
+    per_s = tokens / seconds if seconds > 0 else float("inf")
+    return f"{what}: {tokens} tokens in {seconds:.3f} s ({per_s:,.1f} tokens/s)"
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
@@ -84,14 +159,14 @@ def cmd_chat(args: argparse.Namespace) -> None:
             continue
         if not text.strip():
             continue
+        wrote = False
         try:
             for piece in chat.say(text, max_tokens=args.n, sampling=_sampling(args)):
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+                wrote = _write(piece) or wrote
         except FuselaneError as e:
-            _say(f"fuselane: error: {e}")
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+            _say_error(str(e))
+        if wrote:
+            _write("\n")
 
 
 def cmd_tokenize(args: argparse.Namespace) -> None:
@@ -151,23 +226,41 @@ def cmd_explain(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from fuselane.bench import as_json, bench, render
+    from fuselane.bench import as_json, bench_depths, render
 
-    results = [
-        bench(args.model, lane=args.lane, prompt=args.p, generated=args.n, depth=depth, knobs=args.knob)
-        for depth in args.depth
-    ]
+    results = bench_depths(
+        args.model, lane=args.lane, prompt=args.p, generated=args.n, depths=args.depth, knobs=args.knob
+    )
     print(json.dumps(as_json(results), indent=2) if args.json else render(results))
 
 
+def _range(bound: ranges.Bound, text: str) -> str:
+    return f"{text}; {bound.describe()}"
+
+
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", type=int, default=256, help="most tokens to generate (default 256)")
-    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 is greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0 = all (default 40)")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (default 0.95)")
-    p.add_argument("--seed", type=int, default=None, help="random seed: the same seed gives the same text")
+    p.add_argument(
+        "-n", type=ranges.TOKENS, default=256, help=_range(ranges.TOKENS, "most tokens to generate (default 256)")
+    )
+    p.add_argument(
+        "--temp", type=ranges.TEMPERATURE, default=0.8, help=_range(ranges.TEMPERATURE, "0 is greedy (default 0.8)")
+    )
+    p.add_argument(
+        "--top-k", type=ranges.TOP_K, default=40, help=_range(ranges.TOP_K, "0 keeps every token (default 40)")
+    )
+    p.add_argument(
+        "--top-p", type=ranges.TOP_P, default=0.95, help=_range(ranges.TOP_P, "nucleus mass; 1 keeps all (0.95)")
+    )
+    p.add_argument(
+        "--seed", type=ranges.SEED, default=None, help=_range(ranges.SEED, "the same seed gives the same text")
+    )
     p.add_argument("--lane", choices=("cpu", "cuda", "auto"), default="auto", help="where to run (default auto)")
-    p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: model's, at most 4096)")
+    p.add_argument(
+        "--ctx",
+        type=ranges.CTX,
+        default=None,
+        help=_range(ranges.CTX, "context size in tokens, at most the model's (default: the model's, at most 4096)"),
+    )
     _knob_flag(p)
     p.add_argument("-v", "--verbose", action="store_true", help="timings and load details on stderr")
 
@@ -178,9 +271,12 @@ def _knob_flag(p: argparse.ArgumentParser) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="fuselane", description="Run quantized GGUF checkpoints with fused kernels.")
+    p.add_argument("--version", action="version", version=f"fuselane {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = sub.add_parser("run", help="generate a reply to a prompt (streams to stdout)")
+    run = sub.add_parser(
+        "run", help="generate a reply to a prompt (streams to stdout)", usage="%(prog)s [options] [MODEL] PROMPT"
+    )
     run.add_argument(
         "words",
         nargs="+",
@@ -224,7 +320,7 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("--form", choices=("decode", "prefill", "batch"), default="decode")
     explain.add_argument(
         "--rows",
-        type=int,
+        type=ranges.ROWS,
         default=None,
         help="rows of a prefill chunk (default 512) or sequences of a batch (default 8)",
     )
@@ -238,13 +334,49 @@ def parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="prefill and decode tokens/s, launches a token, %% of the bandwidth limit")
     bench.add_argument("model", nargs="?", default=None)
     bench.add_argument("--lane", choices=("cpu", "cuda", "auto"), default="auto")
-    bench.add_argument("-p", type=int, default=512, help="prompt tokens (default 512)")
-    bench.add_argument("-n", type=int, default=128, help="generated tokens (default 128)")
-    bench.add_argument("--depth", type=int, nargs="+", default=[0], help="tokens already in the cache (default 0)")
+    bench.add_argument(
+        "-p", type=ranges.BENCH_PROMPT, default=512, help=_range(ranges.BENCH_PROMPT, "prompt tokens (default 512)")
+    )
+    bench.add_argument(
+        "-n",
+        type=ranges.BENCH_GENERATED,
+        default=128,
+        help=_range(ranges.BENCH_GENERATED, "generated tokens (default 128)"),
+    )
+    bench.add_argument(
+        "--depth",
+        type=ranges.BENCH_DEPTH,
+        nargs="+",
+        default=[0],
+        help=_range(ranges.BENCH_DEPTH, "tokens already in the cache, one bench each (default 0)")
+        + "; depth + prompt + generated + 1 must fit the model's context",
+    )
     bench.add_argument("--json", action="store_true")
     _knob_flag(bench)
     bench.set_defaults(func=cmd_bench)
     return p
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def _quiet_outputs(verbose: bool) -> None:
+    """Keep stderr for fuselane's own lines: NumPy's floating-point warnings and library log records are not
+    the user's business (a -v run still shows the log records); an explicit -W or PYTHONWARNINGS wins."""
+    if not sys.warnoptions:
+        warnings.simplefilter("ignore")
+    if verbose:
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    else:
+        logging.getLogger().addHandler(logging.NullHandler())
+
+
+def _stdout_closed() -> None:
+    """The reader of stdout is gone (`| head`): point stdout at /dev/null so the exit's flush stays quiet."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -252,18 +384,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hasattr(sys.stdout, "reconfigure"):
         # a reply may hold characters the terminal's encoding lacks: show a stand-in, not a traceback mid-reply
         sys.stdout.reconfigure(errors="replace")
+    _quiet_outputs(getattr(args, "verbose", False))
+    # SIGTERM unwinds like Ctrl-C, so that `finally` blocks (a pull's temporary folder) run
+    signal.signal(signal.SIGTERM, _terminate)
     func: Callable[[argparse.Namespace], None] = args.func
     try:
         func(args)
     except FuselaneError as e:
-        _say(f"fuselane: error: {e}")
+        _say_error(str(e))
         return EXIT_ERROR
-    except (OSError, MemoryError) as e:
-        _say(f"fuselane: error: {type(e).__name__}: {e}")
+    except BrokenPipeError:
+        _stdout_closed()
+        return 0
+    except OSError as e:
+        _say_error(_os_error(e))
+        return EXIT_ERROR
+    except MemoryError as e:
+        _say_error(f"out of memory{f': {e}' if str(e) else ''}")
         return EXIT_ERROR
     except KeyboardInterrupt:
         _say("")
         return EXIT_INTERRUPTED
+    except Terminated:
+        return EXIT_TERMINATED
     return 0
 
 

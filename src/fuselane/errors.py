@@ -1,4 +1,4 @@
-"""The one error type a user sees.
+"""The one error type a user sees, and the signal a stopped process raises.
 
 Every failure caused by input (a file, a name, a prompt, a template) raises `FuselaneError` with a message
 that fits on one line; the CLI prints it and exits with code 1, never a traceback.
@@ -15,3 +15,9 @@ class GgufError(FuselaneError):
 
 class ModelError(FuselaneError):
     """A checkpoint that reads as GGUF but is not a model fuselane can run (architecture, tensors, shapes)."""
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the process is so that `finally` blocks (a pull's temporary files) still run.
+
+    A BaseException, like KeyboardInterrupt: no `except Exception` may swallow a request to stop."""

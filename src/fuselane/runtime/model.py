@@ -221,8 +221,8 @@ def load(
         except FuselaneError as e:  # kept, so that plain completion still works without a usable template
             template = str(e)
         rows = ctx if ctx is not None else min(cfg.context, DEFAULT_CTX)
-        if rows < 1:
-            raise FuselaneError(f"the context must hold at least one token, not {rows}")
+        if not 1 <= rows <= cfg.context:  # past its trained context a model's positions mean nothing
+            raise FuselaneError(f"the context (--ctx) must be 1 to {cfg.context:,} tokens, the model's, not {rows:,}")
         return Model(path, file, cfg, tokenizer, template, make_lane(lane, cfg, file.tensors, rows, dtype, held, knobs))
     except BaseException:
         file.close()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fuselane.errors import FuselaneError
+from fuselane.ranges import SEED, TEMPERATURE, TOP_K, TOP_P
 
 # What a sampler says of NaN logits, on the host or read from the device's flag.
 NAN_LOGITS = "the model computed NaN logits: its weights or metadata are broken"
@@ -26,14 +27,13 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:  # written so that NaN, which would make every probability NaN, fails too
-            raise FuselaneError(f"temperature must be >= 0, not {self.temperature}")
-        if self.top_k < 0:
-            raise FuselaneError(f"top-k must be >= 0, not {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise FuselaneError(f"top-p must be in (0, 1], not {self.top_p}")
-        if self.seed is not None and self.seed < 0:  # numpy's generators take only non-negative seeds
-            raise FuselaneError(f"seed must be >= 0, not {self.seed}")
+        # the command line's bounds: NaN would make every probability NaN, an infinite temperature samples
+        # uniformly, numpy's generators take only non-negative seeds
+        TEMPERATURE.check(self.temperature)
+        TOP_K.check(self.top_k)
+        TOP_P.check(self.top_p)
+        if self.seed is not None:
+            SEED.check(self.seed)
 
     @property
     def greedy(self) -> bool:
