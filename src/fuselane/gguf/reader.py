@@ -11,7 +11,8 @@ placement below take about 0.12 s. So this module uses only the scan and one rea
 package remains the source of the format's constants (magic, value types, versions, default alignment, type
 names), and the tests check the results against GGUFReader's.
 
-What is checked here, after the scan: every tensor's type is a `Format` fuselane reads, its rows are whole
+What is checked here, after the scan: the stored type of every metadata key fuselane reads
+(`fuselane.gguf.keys`), every tensor's type is a `Format` fuselane reads, its rows are whole
 blocks, its offset is aligned, its data lies inside the file and does not overlap another tensor's, and
 `general.alignment` is an integer power of two. Every failure is a `GgufError` whose one-line message names
 the file and what is wrong.
@@ -31,6 +32,7 @@ from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, Keys
 
 from fuselane.errors import GgufError
 from fuselane.gguf.formats import LAYOUTS, Format, is_supported, tensor_bytes
+from fuselane.gguf.keys import check_types
 from fuselane.gguf.scan import INTEGER_TYPES, MAGIC_BYTES, Header, check_magic, scan_header, shown
 
 
@@ -98,18 +100,41 @@ def open_gguf(path: str | os.PathLike[str]) -> GgufFile:
     name = os.fspath(path)
     mm = _map(p, name)
     try:
-        size = len(mm)
-        header = scan_header(mm, size, name)
-        alignment = _alignment(header, name)
-        placed = _place_tensors(header, alignment, size, name)
+        layout = check_layout(mm, len(mm), name)
     except BaseException:
         mm.close()  # no array views exist yet: they are made only once every check has passed
         raise
-    whole = np.frombuffer(mm, dtype=np.uint8)
-    tensors = {
-        t.name: TensorInfo(t.name, t.format, t.shape, t.offset, t.nbytes, whole[t.offset : t.end]) for t in placed
-    }
-    return GgufFile(p, header.version, size, alignment, header.metadata, tensors, mm)
+    tensors = layout.views(np.frombuffer(mm, dtype=np.uint8))
+    return GgufFile(p, layout.header.version, layout.size, layout.alignment, layout.header.metadata, tensors, mm)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A whole GGUF file checked in memory: its header, alignment and every tensor's place in it."""
+
+    header: Header
+    size: int
+    alignment: int
+    placed: list[_Placed]
+
+    def views(self, whole: np.ndarray) -> dict[str, TensorInfo]:
+        """Each tensor as a `TensorInfo` whose data is a view into `whole` (the file's bytes), in file order."""
+        return {
+            t.name: TensorInfo(t.name, t.format, t.shape, t.offset, t.nbytes, whole[t.offset : t.end])
+            for t in self.placed
+        }
+
+
+def check_layout(buf: Any, size: int, name: str) -> Layout:
+    """Every check `open_gguf` makes, on a file already in memory: `buf` holds its `size` bytes.
+
+    Raises a one-line GgufError naming `name`. This is the reader's whole trust boundary, so tests and the
+    fuzz target (fuzz/gguf_reader.py) call it directly on bytes.
+    """
+    header = scan_header(buf, size, name)
+    check_types(header, name)
+    alignment = _alignment(header, name)
+    return Layout(header, size, alignment, _place_tensors(header, alignment, size, name))
 
 
 def _map(path: Path, name: str) -> mmap.mmap:

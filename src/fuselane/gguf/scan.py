@@ -103,6 +103,9 @@ class Header:
     version: int
     metadata: dict[str, Any]
     value_types: dict[str, GGUFValueType]  # the stored type of each metadata value (alignment needs it)
+    # the declared element type of each top-level array value, so that a vocabulary stored as numbers is
+    # refused by its declared type rather than by whatever its converted values happen to be
+    element_types: dict[str, GGUFValueType]
     tensors: list[RawTensor]
     end: int  # byte just past the last tensor info: the data section starts at the next aligned byte
 
@@ -158,6 +161,14 @@ class _Cursor:
         if vtype is None:
             self.fail(f"{what} has unknown value type {raw:,} at byte {at:,}")
         return vtype
+
+    def peek_value_type(self, what: str) -> GGUFValueType:
+        """The value type at the read position, without moving past it."""
+        at = self.pos
+        try:
+            return self.value_type(what)
+        finally:
+            self.pos = at
 
     def value(self, vtype: GGUFValueType, what: str, depth: int = 0) -> Any:
         """One value of `vtype`, converted to Python (arrays to lists)."""
@@ -253,6 +264,7 @@ def scan_header(buf: Any, size: int, name: str) -> Header:
         )
     metadata: dict[str, Any] = {}
     value_types: dict[str, GGUFValueType] = {}
+    element_types: dict[str, GGUFValueType] = {}
     for i in range(kv_count):
         at = cur.pos
         key = cur.string(f"metadata key #{i}")
@@ -260,6 +272,8 @@ def scan_header(buf: Any, size: int, name: str) -> Header:
             cur.fail(f"duplicate metadata key {shown(key)} at byte {at:,}")
         what = f"metadata {shown(key)}"
         vtype = cur.value_type(what)
+        if vtype == GGUFValueType.ARRAY:
+            element_types[key] = cur.peek_value_type(f"elements of {what}")
         metadata[key] = cur.value(vtype, what)
         value_types[key] = vtype
     tensors: list[RawTensor] = []
@@ -271,7 +285,7 @@ def scan_header(buf: Any, size: int, name: str) -> Header:
             cur.fail(f"duplicate tensor name {shown(t.name)} at byte {at:,}")
         seen.add(t.name)
         tensors.append(t)
-    return Header(version, metadata, value_types, tensors, cur.pos)
+    return Header(version, metadata, value_types, element_types, tensors, cur.pos)
 
 
 def _tensor_info(cur: _Cursor, index: int) -> RawTensor:
