@@ -1,7 +1,16 @@
-"""Hyper-parameters of a dense Qwen-family model, read from GGUF metadata and checked against its tensors."""
+"""Hyper-parameters of a dense Qwen-family model, read from GGUF metadata and checked against its tensors.
+
+Every count here is a claim the file makes, and later code sizes tables and loops by it (the recognizer lists
+`block_count` layers of weights before comparing any of them), so each is checked before it is returned:
+the layer count against the layers whose tensors the file actually holds, the context against the positions
+a model can address, the rest against their kind and sign. A wrong value is a one-line `ModelError` naming
+the key, what was expected and what was found.
+"""
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +19,9 @@ from fuselane.errors import ModelError
 
 DEFAULT_RMS_EPS = 1e-6
 DEFAULT_ROPE_BASE = 10_000.0
+# ggml numbers positions with int32, so no model addresses more; real contexts are far below (10M at most).
+MAX_CONTEXT = 2**31 - 1
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,17 +50,61 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
 
+def _found(value: Any) -> str:
+    """A metadata value's kind and (short) value, as an error message names what it found."""
+    if isinstance(value, bool):
+        kind = "a BOOL"
+    elif isinstance(value, int):
+        kind = "an integer"
+    elif isinstance(value, float):
+        kind = "a float"
+    elif isinstance(value, str):
+        kind = "a STRING"
+    elif isinstance(value, list):
+        return f"an ARRAY of {len(value):,} values"
+    else:
+        kind = type(value).__name__
+    shown = repr(value)
+    return f"{kind} ({shown[:40]}...)" if len(shown) > 40 else f"{kind} ({shown})"
+
+
 def _get(meta: Mapping[str, Any], key: str, kind: type, default: Any = None) -> Any:
     value = meta.get(key, default)
     if value is None:
         raise ModelError(f"metadata key '{key}' is missing")
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ModelError(f"metadata key '{key}' should be an integer, not {value!r}")
-    if kind is float and not isinstance(value, int | float):
-        raise ModelError(f"metadata key '{key}' should be a number, not {value!r}")
+        raise ModelError(f"metadata key '{key}' should be an integer, found {_found(value)}")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise ModelError(f"metadata key '{key}' should be a number, found {_found(value)}")
     if kind is int and value <= 0:
-        raise ModelError(f"metadata key '{key}' should be positive, not {value}")
+        raise ModelError(f"metadata key '{key}' should be positive, not {value:,}")
+    if kind is float and not math.isfinite(value):
+        raise ModelError(f"metadata key '{key}' should be a finite number, not {value}")
     return kind(value)
+
+
+def layers_present(tensors: Mapping[str, Any]) -> int:
+    """How many layers (`blk.<i>.` prefixes) the file holds tensors for: the bound on `block_count`."""
+    return len({m.group(1) for name in tensors if (m := _LAYER_NAME.match(name))})
+
+
+def _check_counts(meta: Mapping[str, Any], tensors: Mapping[str, Any], p: str, n_layers: int, vocab: int) -> None:
+    """Refuse counts that disagree with the tensors present before anything is sized by them."""
+    present = layers_present(tensors)
+    if n_layers > present:
+        raise ModelError(
+            f"metadata key '{p}block_count' says {n_layers:,} layers but the file holds tensors for {present:,}"
+        )
+    claimed_vocab = meta.get(p + "vocab_size")
+    if claimed_vocab is not None and _get(meta, p + "vocab_size", int) != vocab:
+        raise ModelError(
+            f"metadata key '{p}vocab_size' says {claimed_vocab:,} tokens but token_embd.weight has {vocab:,} rows"
+        )
+    if meta.get(p + "expert_count") is not None and _get(meta, p + "expert_count", int):
+        raise ModelError(
+            f"metadata key '{p}expert_count' declares {meta[p + 'expert_count']:,} experts; fuselane runs dense "
+            "models only"
+        )
 
 
 def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str) -> ModelConfig:
@@ -58,7 +114,12 @@ def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str) 
     n_heads = _get(meta, p + "attention.head_count", int)
     n_kv = _get(meta, p + "attention.head_count_kv", int, n_heads)
     if n_heads % n_kv:
-        raise ModelError(f"{n_heads} attention heads do not group evenly over {n_kv} key/value heads")
+        raise ModelError(f"{n_heads:,} attention heads do not group evenly over {n_kv:,} key/value heads")
+    if p + "attention.key_length" not in meta and n_heads > n_embd:
+        raise ModelError(
+            f"metadata key '{p}attention.head_count' says {n_heads:,} heads, more than the {n_embd:,} values "
+            f"of '{p}embedding_length' can be split into"
+        )
     head_dim = _get(meta, p + "attention.key_length", int, n_embd // n_heads)
     if head_dim % 2:  # refused here, by name, rather than failing deep inside the rope kernel
         raise ModelError(f"the head size {head_dim} is odd; rope rotates pairs of values")
@@ -68,18 +129,31 @@ def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str) 
     if "token_embd.weight" not in tensors:
         raise ModelError("tensor 'token_embd.weight' is missing")
     vocab = tensors["token_embd.weight"].shape[0]
+    n_layers = _get(meta, p + "block_count", int)
+    _check_counts(meta, tensors, p, n_layers, vocab)
+    context = _get(meta, p + "context_length", int)
+    if context > MAX_CONTEXT:
+        raise ModelError(
+            f"metadata key '{p}context_length' is {context:,}, past the {MAX_CONTEXT:,} positions a model can address"
+        )
+    rope_base = _get(meta, p + "rope.freq_base", float, DEFAULT_ROPE_BASE)
+    if rope_base <= 0:
+        raise ModelError(f"metadata key '{p}rope.freq_base' should be positive, not {rope_base}")
+    rms_eps = _get(meta, p + "attention.layer_norm_rms_epsilon", float, DEFAULT_RMS_EPS)
+    if rms_eps < 0:
+        raise ModelError(f"metadata key '{p}attention.layer_norm_rms_epsilon' should not be negative, not {rms_eps}")
     return ModelConfig(
         arch=arch,
         n_embd=n_embd,
-        n_layers=_get(meta, p + "block_count", int),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
         n_ff=_get(meta, p + "feed_forward_length", int),
         vocab=vocab,
-        context=_get(meta, p + "context_length", int),
-        rope_base=_get(meta, p + "rope.freq_base", float, DEFAULT_ROPE_BASE),
-        rms_eps=_get(meta, p + "attention.layer_norm_rms_epsilon", float, DEFAULT_RMS_EPS),
+        context=context,
+        rope_base=rope_base,
+        rms_eps=rms_eps,
         tied="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
