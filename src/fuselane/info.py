@@ -1,6 +1,10 @@
 """What `fuselane info` reports about a checkpoint: architecture, shapes, quant mix, tokenizer.
 
 `describe` returns plain data (the JSON form); `render` lays it out for a terminal.
+
+The quantization a file is named for (`general.file_type`, e.g. Q4_K_M) is only the converter's label for a
+recipe: a "Q4_K_M" file may hold mostly Q5_0 tensors, where a row is too short for K-quant blocks. So `info`
+reports the label as the file's own claim, next to the format that actually holds most of the bytes.
 """
 
 from __future__ import annotations
@@ -8,58 +12,79 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from fuselane.gguf.reader import open_gguf
+from gguf.constants import Keys, LlamaFileType
+
+from fuselane.gguf.reader import GgufFile, open_gguf
 from fuselane.hub import resolve
 from fuselane.models import config_of
 
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre")
+_FILE_TYPE_PREFIX = "MOSTLY_"  # LlamaFileType names; the label drops it, as file names do (Q4_K_M)
 
 
 def describe(model: str | None) -> dict[str, Any]:
     """Facts about a checkpoint, read from its header and checked against its tensors."""
-    path = resolve(model)
-    with open_gguf(path) as f:
-        cfg = config_of(f.metadata, f.tensors)
-        counts: Counter[str] = Counter()
-        sizes: Counter[str] = Counter()
-        for t in f.tensors.values():
-            counts[t.format.name] += 1
-            sizes[t.format.name] += t.nbytes
-        meta = f.metadata
-        tokens = meta.get("tokenizer.ggml.tokens") or []
-        return {
-            "path": str(path),
-            "name": meta.get("general.name"),
-            "file_bytes": f.size,
-            "gguf_version": f.version,
-            "architecture": cfg.arch,
-            "shape": {
-                "n_embd": cfg.n_embd,
-                "layers": cfg.n_layers,
-                "heads": cfg.n_heads,
-                "kv_heads": cfg.n_kv_heads,
-                "head_dim": cfg.head_dim,
-                "ffn": cfg.n_ff,
-                "vocab": cfg.vocab,
-                "context": cfg.context,
-                "rope_base": cfg.rope_base,
-                "rms_eps": cfg.rms_eps,
-                "tied_embeddings": cfg.tied,
-                "qkv_bias": cfg.qkv_bias,
-                "qk_norm": cfg.qk_norm,
-            },
-            "quant_mix": {name: {"tensors": counts[name], "bytes": sizes[name]} for name, _ in counts.most_common()},
-            "tensors": len(f.tensors),
-            "tokenizer": {
-                "model": meta.get("tokenizer.ggml.model"),
-                "pre": meta.get("tokenizer.ggml.pre"),
-                "tokens": len(tokens),
-                "merges": len(meta.get("tokenizer.ggml.merges") or []),
-                "bos": _token(tokens, meta.get("tokenizer.ggml.bos_token_id")),
-                "eos": _token(tokens, meta.get("tokenizer.ggml.eos_token_id")),
-                "chat_template": "tokenizer.chat_template" in meta,
-            },
-        }
+    with open_gguf(resolve(model)) as f:
+        return summarize(f)
+
+
+def summarize(f: GgufFile) -> dict[str, Any]:
+    """`describe`'s facts for a file already opened (and so already checked) by the reader."""
+    cfg = config_of(f.metadata, f.tensors)
+    counts: Counter[str] = Counter()
+    sizes: Counter[str] = Counter()
+    for t in f.tensors.values():
+        counts[t.format.name] += 1
+        sizes[t.format.name] += t.nbytes
+    meta = f.metadata
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    return {
+        "path": str(f.path),
+        "name": meta.get("general.name"),
+        "file_bytes": f.size,
+        "gguf_version": f.version,
+        "architecture": cfg.arch,
+        "shape": {
+            "n_embd": cfg.n_embd,
+            "layers": cfg.n_layers,
+            "heads": cfg.n_heads,
+            "kv_heads": cfg.n_kv_heads,
+            "head_dim": cfg.head_dim,
+            "ffn": cfg.n_ff,
+            "vocab": cfg.vocab,
+            "context": cfg.context,
+            "rope_base": cfg.rope_base,
+            "rms_eps": cfg.rms_eps,
+            "tied_embeddings": cfg.tied,
+            "qkv_bias": cfg.qkv_bias,
+            "qk_norm": cfg.qk_norm,
+        },
+        "quant_mix": {name: {"tensors": counts[name], "bytes": sizes[name]} for name, _ in counts.most_common()},
+        "quant": {
+            "label": _label(meta.get(Keys.General.FILE_TYPE)),
+            "most_bytes": sizes.most_common(1)[0][0] if sizes else None,
+        },
+        "tensors": len(f.tensors),
+        "tokenizer": {
+            "model": meta.get("tokenizer.ggml.model"),
+            "pre": meta.get("tokenizer.ggml.pre"),
+            "tokens": len(tokens),
+            "merges": len(meta.get("tokenizer.ggml.merges") or []),
+            "bos": _token(tokens, meta.get("tokenizer.ggml.bos_token_id")),
+            "eos": _token(tokens, meta.get("tokenizer.ggml.eos_token_id")),
+            "chat_template": "tokenizer.chat_template" in meta,
+        },
+    }
+
+
+def _label(file_type: Any) -> str | None:
+    """The quantization the file says it is (`general.file_type`), by its usual name; None if it says none."""
+    if not isinstance(file_type, int):
+        return None
+    try:
+        return LlamaFileType(file_type).name.removeprefix(_FILE_TYPE_PREFIX)
+    except ValueError:
+        return f"unknown file type {file_type:,}"
 
 
 def _token(tokens: list[str], idx: Any) -> str | None:
@@ -68,7 +93,8 @@ def _token(tokens: list[str], idx: Any) -> str | None:
 
 def render(info: dict[str, Any]) -> str:
     """A human-readable report of `describe`'s facts."""
-    s, t = info["shape"], info["tokenizer"]
+    s, t, q = info["shape"], info["tokenizer"], info["quant"]
+    label = f"{q['label']} (the file's own label, general.file_type)" if q["label"] else "none (no general.file_type)"
     lines = [
         f"{info['name'] or '(unnamed)'}  [{info['path']}]",
         f"  architecture  {info['architecture']}   file {info['file_bytes'] / 1e6:.1f} MB, "
@@ -77,6 +103,7 @@ def render(info: dict[str, Any]) -> str:
         f"head_dim {s['head_dim']}, ffn {s['ffn']}, vocab {s['vocab']}",
         f"  context       {s['context']} tokens, rope base {s['rope_base']:g}, rms eps {s['rms_eps']:g}",
         f"  features      qkv bias {s['qkv_bias']}, q/k norm {s['qk_norm']}, tied embeddings {s['tied_embeddings']}",
+        f"  quant label   {label}; most bytes are {q['most_bytes'] or 'in no tensor'}",
         "  quant mix     "
         + ", ".join(f"{name} x{v['tensors']} ({v['bytes'] / 1e6:.1f} MB)" for name, v in info["quant_mix"].items()),
         f"  tokenizer     {t['model']} / {t['pre']}, {t['tokens']} tokens, {t['merges']} merges, "
