@@ -1,0 +1,1 @@
+"""Coverage-guided fuzz targets (atheris) for the GGUF reader and the chat template renderer."""
