@@ -2,7 +2,8 @@
 
 Seeds give the fuzzer a start inside the format, so that its mutations reach the tensor table, the tokenizer
 keys and the model checks instead of dying at the magic. They are kept tiny (a few KB each) because every
-execution parses the whole input: `python -m fuzz.make_corpus` rewrites them byte for byte the same.
+execution parses the whole input: `python -m fuzz.make_corpus` rewrites them byte for byte the same. The
+GGUF seeds are named `.bin` because the repository ignores `*.gguf` (checkpoints are never committed).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ TEMPLATES = CORPUS / "chat_template"
 # The smallest models the recognizer accepts: one layer, a 4-wide residual, the synthetic tokenizer's
 # minimum vocabulary. Only the header matters to the reader; the weights are a few hundred floats.
 MICRO = {
-    "micro-qwen2-f32.gguf": (Shape("qwen2", 4, 1, 1, 1, 4, 4, 260, context=64, tied=True), "f32"),
-    "micro-qwen3-f16.gguf": (Shape("qwen3", 4, 1, 2, 1, 2, 4, 260, context=64), "f16"),
+    "micro-qwen2-f32.bin": (Shape("qwen2", 4, 1, 1, 1, 4, 4, 260, context=64, tied=True), "f32"),
+    "micro-qwen3-f16.bin": (Shape("qwen3", 4, 1, 2, 1, 2, 4, 260, context=64), "f16"),
 }
 
 
@@ -58,10 +59,10 @@ def _hand_made() -> dict[str, bytes]:
     tensor = _str("w") + _u32(2) + _u64(8) + _u64(2) + _u32(GGMLQuantizationType.F32) + _u64(0)
     data = struct.pack("<16f", *range(16))
     return {
-        "empty-v3.gguf": _header([], []),
-        "scalars-v2.gguf": _header(scalars, [], version=2),
-        "arrays.gguf": _header([nested, strings], []),
-        "one-tensor-aligned.gguf": _header([align], [tensor], data + bytes(32)),
+        "empty-v3.bin": _header([], []),
+        "scalars-v2.bin": _header(scalars, [], version=2),
+        "arrays.bin": _header([nested, strings], []),
+        "one-tensor-aligned.bin": _header([align], [tensor], data + bytes(32)),
     }
 
 
