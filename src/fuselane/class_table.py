@@ -36,6 +36,21 @@ def _answer(support: Support) -> dict[str, str]:
     return {"kind": support.kind.value, "reason": support.reason}
 
 
+def _shims(lane: str, knobs: Sequence[str], held: Sequence[str], form: str) -> dict[str, Any]:
+    """Each lane's shim as `explain` builds it: `lane`'s under `knobs` and `held`, the others at defaults."""
+    if lane not in LANES:
+        raise FuselaneError(f"unknown lane '{lane}' (choose {' or '.join(sorted(LANES))})")
+    return {name: make_shim(name, knobs if name == lane else (), held if name == lane else (), form) for name in LANES}
+
+
+def _check_held(shim: Any, lanes_of: dict[str, list[str]], lane: str, held: Sequence[str]) -> None:
+    """What `--hold` names must be a rule of the lane or a kernel choice it holds, as `optimize` checks it."""
+    known = [name for name, lanes in lanes_of.items() if lane in lanes] + list(getattr(shim, "lane_holds", ()))
+    unknown = sorted(set(held) - set(known))
+    if unknown:
+        raise FuselaneError(f"no rule named {unknown[0]} (rules: {', '.join(known)})")
+
+
 def class_table(
     *,
     lane: str = "cpu",
@@ -47,18 +62,12 @@ def class_table(
 ) -> dict[str, Any]:
     """The table as plain data: every class's builders (or what it awaits) and each lane's `supports` answer,
     with `knobs` and `held` given to the shim of `lane`; with `model`, each class's ops in its plan there."""
-    if lane not in LANES:
-        make_shim(lane, knobs, held, form)  # raises the lane's own error
-    shims = {name: make_shim(name, knobs if name == lane else (), held if name == lane else (), form) for name in LANES}
+    shims = _shims(lane, knobs, held, form)
     lanes_of: dict[str, list[str]] = {}
     for name, shim in shims.items():
         for rule in table_for(shim):
             lanes_of.setdefault(rule.name, []).append(name)
-    # what `--hold` may name on the lane, as the optimizer checks it when it builds a plan
-    known = [name for name, lanes in lanes_of.items() if lane in lanes] + list(getattr(shims[lane], "lane_holds", ()))
-    unknown = sorted(set(held) - set(known))
-    if unknown:
-        raise FuselaneError(f"no rule named {unknown[0]} (rules: {', '.join(known)})")
+    _check_held(shims[lane], lanes_of, lane, held)
     data: dict[str, Any] = {
         "version": JSON_VERSION,
         "lanes": {name: shim.name for name, shim in shims.items()},
