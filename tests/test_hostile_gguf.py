@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,13 @@ from gguf.constants import GGUFValueType
 
 from fuselane.errors import FuselaneError, GgufError, ModelError
 from fuselane.gguf.reader import check_layout
+from fuselane.gguf.scan import (
+    MAX_ARRAY_ELEMENTS,
+    MAX_KV_COUNT,
+    MAX_STRING_ELEMENTS,
+    MAX_TENSOR_COUNT,
+    MIN_TENSOR_INFO_BYTES,
+)
 from fuselane.gguf.synth import write_synthetic
 from fuselane.info import describe
 from fuselane.models.config import MAX_CONTEXT
@@ -32,6 +40,7 @@ from tests.test_bad_input import _add, tiny_meta, tiny_weights
 VT = GGUFValueType
 ARCH = "qwen2"
 U64_MAX = 2**64 - 1
+BOUND_SECONDS = 1.0  # a refused count is refused before any loop over it
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,3 +226,38 @@ def test_a_file_without_a_file_type_has_no_label(tmp_path):
     assert describe(str(path))["quant"] == {"label": None, "most_bytes": "F32"}
     done, _ = run_bounded(["info", str(path)])
     assert "quant label   none (no general.file_type); most bytes are F32" in done.stdout.decode()
+
+
+def _header(tensor_count: int, kv_count: int, body: bytes) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, tensor_count, kv_count) + body
+
+
+def _key(key: bytes) -> bytes:
+    return struct.pack("<Q", len(key)) + key
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        # enough bytes for every entry the counts claim, but more entries than any real file holds
+        (_header(0, MAX_KV_COUNT + 1, (_key(b"k") + struct.pack("<IB", VT.UINT8, 0)) * (MAX_KV_COUNT + 1)), "65,537"),
+        (_header(MAX_TENSOR_COUNT + 1, 0, bytes(MIN_TENSOR_INFO_BYTES * (MAX_TENSOR_COUNT + 1))), "65,537 tensors"),
+        (
+            _header(0, 1, _key(b"a") + struct.pack("<IIQ", VT.ARRAY, VT.STRING, MAX_STRING_ELEMENTS + 1))
+            + bytes(8 * (MAX_STRING_ELEMENTS + 1)),
+            f"{MAX_STRING_ELEMENTS + 1:,} STRING elements",
+        ),
+        (
+            _header(0, 1, _key(b"a") + struct.pack("<IIQ", VT.ARRAY, VT.UINT8, MAX_ARRAY_ELEMENTS + 1))
+            + bytes(MAX_ARRAY_ELEMENTS + 1),
+            f"{MAX_ARRAY_ELEMENTS + 1:,} UINT8 elements",
+        ),
+    ],
+    ids=["metadata entries", "tensors", "strings", "numbers"],
+)
+def test_counts_past_a_sane_bound_are_refused_before_anything_is_built(raw, says):
+    started = time.perf_counter()
+    with pytest.raises(GgufError, match="fuselane reads at most") as info:
+        check_layout(raw, len(raw), "x.gguf")
+    assert says in str(info.value)
+    assert time.perf_counter() - started < BOUND_SECONDS

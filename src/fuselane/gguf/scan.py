@@ -3,8 +3,9 @@
 A GGUF header is a sequence of self-described values: counts and lengths that the file claims, followed by
 that many items. A reader that trusts them (as `gguf.GGUFReader` does) can be sent into a 2^63-step loop or
 a 2^63-byte allocation by a file of a few dozen bytes. This scan never allocates or loops on a claimed number
-before checking that the bytes those items need at the very least are actually in the file, so its time and
-memory are bounded by the real file size whatever the file says.
+before checking that the bytes those items need at the very least are actually in the file, and that the
+number is within a sane bound (`MAX_KV_COUNT`, `MAX_TENSOR_COUNT`, `MAX_STRING_ELEMENTS`,
+`MAX_ARRAY_ELEMENTS`), so its time and memory are bounded by the real file size whatever the file says.
 
 The scan also converts the metadata to Python values on the way (it has to walk every byte of it anyway), so
 the reader does not need a second pass. It reports structure only; what the tensors mean (formats, block
@@ -44,6 +45,14 @@ GGML_MAX_DIMS = 4  # ggml tensors have at most four dimensions
 INT64_MAX = 2**63 - 1  # ggml stores dimensions and element counts as int64_t
 # Nested arrays are legal GGUF, but nothing real nests deeply; a cap keeps the recursion bounded.
 MAX_ARRAY_DEPTH = 8
+# Sane bounds on what the bytes alone would allow. Every Python object made for an entry costs tens of times
+# the few bytes a minimal entry takes on disk, so without them a 50 MB file of a million empty entries takes
+# gigabytes and tens of seconds. Real files are far inside: some 50 metadata keys, a few thousand tensors
+# (experts are stored merged), vocabularies of at most ~262k tokens and ~450k merges.
+MAX_KV_COUNT = 1 << 16
+MAX_TENSOR_COUNT = 1 << 16
+MAX_STRING_ELEMENTS = 1 << 21  # per array of strings
+MAX_ARRAY_ELEMENTS = 1 << 24  # per array of numbers (converted by one numpy call, so a larger bound)
 NAME_SHOWN_CHARS = 80  # how much of a (possibly hostile) name goes into an error message
 
 # Scalar value types: how struct unpacks one, and the numpy dtype that unpacks an array of them at once.
@@ -197,6 +206,9 @@ class _Cursor:
                 f"which need at least {count * least:,} bytes, but only {self.size - self.pos:,} remain"
             )
         scalar = _SCALARS.get(etype)
+        bound = MAX_ARRAY_ELEMENTS if scalar is not None else MAX_STRING_ELEMENTS
+        if count > bound:
+            self.fail(f"{what} claims {count:,} {etype.name} elements at byte {at:,}; fuselane reads at most {bound:,}")
         if scalar is not None:
             # Converted in one numpy call: per-element unpacking would dominate the tokenizer's load time.
             dtype = scalar[1]
@@ -262,6 +274,12 @@ def scan_header(buf: Any, size: int, name: str) -> Header:
             f"truncated: header claims {kv_count:,} metadata entries and {tensor_count:,} tensors, "
             f"which need at least {least:,} bytes, but only {left:,} remain"
         )
+    for count, bound, what in (
+        (kv_count, MAX_KV_COUNT, "metadata entries"),
+        (tensor_count, MAX_TENSOR_COUNT, "tensors"),
+    ):
+        if count > bound:
+            cur.fail(f"header claims {count:,} {what}; fuselane reads at most {bound:,}")
     metadata: dict[str, Any] = {}
     value_types: dict[str, GGUFValueType] = {}
     element_types: dict[str, GGUFValueType] = {}
