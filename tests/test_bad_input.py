@@ -291,6 +291,15 @@ USAGE: dict[str, tuple[str, ...]] = {
     "run with three words": ("run", "{good}", "hello", "there"),
     "a token count that is not a number": ("run", "-n", "many", "{good}", "hi"),
     "an unknown command": ("explode",),
+    "run with a model file and no prompt": ("run", "{good}"),
+    "an infinite temperature": ("run", "--temp", "inf", "{good}", "hi"),
+    "a context of 2^62 tokens": ("run", "--ctx", str(2**62), "{good}", "hi"),
+    "bench with no prompt": ("bench", "{good}", "-p", "0"),
+    "bench with no generated tokens": ("bench", "{good}", "-n", "0"),
+    "bench at a negative depth": ("bench", "{good}", "--depth", "-1"),
+    "bench at a depth of 10^9": ("bench", "{good}", "--depth", str(10**9)),
+    "bench with a prompt of 10^7": ("bench", "{good}", "-p", str(10**7)),
+    "a context past the model's": ("run", "--ctx", "5000", "{good}", "hi"),
 }
 
 

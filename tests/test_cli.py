@@ -104,9 +104,70 @@ def test_a_knob_the_lane_cannot_take_is_one_line(tiny, knob, message):
     assert rc == 1 and out == "" and message in err and len(err.strip().splitlines()) == 1
 
 
-def test_zero_tokens_is_an_empty_reply(tiny):
-    assert ok("run", "--raw", "-n", "0", tiny["qwen2"], "hello") == "\n"
-    assert ok("run", "-n", "0", tiny["qwen3"], "hello") == "\n"
+def test_zero_tokens_generates_nothing(tiny):
+    # as llama.cpp's -n 0: the prompt is read, nothing is generated, nothing is printed (not even a newline)
+    for argv in (("--raw", "-n", "0", tiny["qwen2"], "hello"), ("-n", "0", tiny["qwen3"], "hello")):
+        out, err, rc = fuselane("run", *argv)
+        assert (out, err, rc) == ("", "", 0)
+
+
+def _tokens(api, text: str, n: int) -> int:
+    m = api["qwen2"]
+    return sum(1 for _ in m.generate_ids(m.session(), m.prompt_ids(text, raw=True), max_tokens=n, sampling=GREEDY))
+
+
+def test_a_reply_cut_by_n_says_so_on_stderr(tiny, api):
+    assert _tokens(api, "hello", 5) == 5  # the reply is cut by -n, not ended by a stop token
+    out, err, rc = fuselane("run", "--raw", "--temp", "0", "-n", "5", tiny["qwen2"], "hello")
+    assert rc == 0 and err == "[stopped at -n 5 tokens]\n" and out.endswith("\n")
+
+
+def test_a_reply_cut_by_the_context_says_so(tiny, api):
+    prompt_tokens = len(api["qwen2"].prompt_ids("hello", raw=True))
+    ctx = prompt_tokens + 3
+    out, err, rc = fuselane("run", "--raw", "--temp", "0", "-n", "50", "--ctx", str(ctx), tiny["qwen2"], "hello")
+    assert rc == 0 and err == f"[stopped at the end of the context of {ctx} tokens]\n"
+
+
+def test_verbose_prints_the_prompt_and_generation_rates(tiny):
+    _, err, rc = fuselane("run", "--raw", "--temp", "0", "-n", "6", "-v", tiny["qwen2"], "hello")
+    lines = err.splitlines()
+    assert rc == 0 and lines[0].startswith("loaded tiny-qwen2.gguf"), err
+    assert any(line.startswith("prompt: ") and line.endswith("tokens/s)") for line in lines), err
+    assert any(line.startswith("generation: 5 tokens in ") and line.endswith("tokens/s)") for line in lines), err
+
+
+def test_version():
+    from importlib.metadata import version
+
+    out, err, rc = fuselane("--version")
+    assert rc == 0 and out == f"fuselane {version('fuselane')}\n" and not err
+
+
+def test_run_usage_reads_model_then_prompt():
+    out = ok("run", "--help")
+    assert out.startswith("usage: fuselane run [options] [MODEL] PROMPT\n")
+
+
+@pytest.mark.parametrize("word", ["{path}", "qwen2.5-coder-0.5b", "missing.gguf"])
+def test_a_lone_model_without_a_prompt_is_refused(tiny, word):
+    word = word.format(path=tiny["qwen2"])
+    out, err, rc = fuselane("run", word)
+    assert rc == 1 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("fuselane: error: ") and "no prompt follows it" in err and word in err
+
+
+def test_a_closed_stdout_ends_quietly(tiny):
+    # the reader has gone before the first piece is written: no BrokenPipeError, exit 0, as `yes | head`
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fuselane", "run", "--raw", "-n", "40", tiny["qwen2"], "hello"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=TIMEOUT) == 0 and err == b"", err.decode()
 
 
 @pytest.mark.parametrize(
