@@ -1,11 +1,10 @@
 """Chat templates: the GGUF's own Jinja2 template, rendered in a sandbox, and tokenized without injection.
 
-A chat template is code that came with a downloaded file, so it runs in Jinja2's
-`ImmutableSandboxedEnvironment` (no underscore attributes, no mutating methods), configured as Hugging Face's
-`apply_chat_template` configures it (trim_blocks, lstrip_blocks, loop controls, `raise_exception`,
-`strftime_now`, a `tojson` that keeps non-ASCII text), so a template renders here exactly as it renders
-there. Where Jinja2's sandbox would quietly render an unsafe attribute as an empty string, ours refuses, and
-every failure is a one-line `FuselaneError`.
+A chat template is code that came with a downloaded file, so it runs in a sandbox (`fuselane.text.sandbox`):
+Jinja2's immutable sandbox, configured as Hugging Face's `apply_chat_template` configures Jinja so a template
+renders here exactly as it renders there, and metered against a `RenderBudget` of time, steps, value sizes
+and work (`fuselane.text.budget`), so a template that loops or builds without end stops in about a second.
+Every failure is a one-line `FuselaneError`.
 
 Tokenizing the rendered text is where a chat can be hijacked: a user message that spells `<|im_end|>` must not
 end its turn. `encode_chat` therefore reads control tokens only in the text the template wrote, never in the
@@ -14,22 +13,17 @@ messages' content (see its docstring for how).
 
 from __future__ import annotations
 
-import json
 import numbers
 import re
 import secrets
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.utils
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from fuselane.errors import FuselaneError
+from fuselane.text.budget import BudgetExceeded, Meter, RenderBudget, activate, deactivate
+from fuselane.text.sandbox import TemplateRaised, environment
 
 if TYPE_CHECKING:
     from fuselane.text.tokenizer import Tokenizer
@@ -46,119 +40,21 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# Limits on what a template can make the renderer build: a hostile template can otherwise ask for a string of
-# 10**12 characters with one `*`. Real prompts are far below both.
-MAX_RENDERED_CHARS = 64 * 1024 * 1024
-MAX_POWER_BITS = 1 << 16
+# Real templates are a few to a few tens of kB; parsing is not metered, so a template's source is capped.
+MAX_TEMPLATE_CHARS = 512 * 1024
+MAX_MESSAGE_CHARS = 300  # of a template's error message, which may quote anything the template built
 
 # Message fields holding text a person or the model wrote: these never become control tokens.
 _CONTENT_FIELDS = ("content", "reasoning_content", "thinking")
 
 
-class _TemplateRaised(TemplateError):
-    """The template called `raise_exception`: it refuses this conversation."""
+class PromptTooLong(FuselaneError):
+    """The rendered prompt is longer than the context can hold, whatever it tokenizes to."""
 
 
-def _raise_exception(message: str) -> None:
-    raise _TemplateRaised(str(message))
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's own `tojson` escapes <, >, & and ' for HTML; chat templates want plain JSON, as HF renders it.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(pattern: str) -> str:
-    return datetime.now().strftime(pattern)
-
-
-class _SafeDict:
-    """`dict(...)` for templates, without handing them the `dict` type itself (and its class machinery)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _SafeNamespace(jinja2.utils.Namespace):
-    """A Jinja `namespace` refusing underscore attributes: `{% set ns.__x = ... %}` cannot reach internals."""
-
-    # No named `self`, as in Jinja's own Namespace, so that `namespace(self=...)` still works.
-    def __init__(*args: Any, **kwargs: Any) -> None:
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _SafeNamespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _SafeNamespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name: object) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise SecurityError(f"namespace attribute {name!r} starts with an underscore")
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}`: HF marks assistant text for training; renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """Jinja2's immutable sandbox, made strict: unsafe access raises instead of rendering as nothing."""
-
-    # Repetition and powers are checked so one expression cannot build a gigantic value.
-    intercepted_binops = frozenset({"*", "**"})
-
-    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
-        # Jinja returns an Undefined that prints as '' and raises only when used further; a template probing
-        # for `__class__` should fail loudly instead of rendering a prompt with a hole in it.
-        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is not allowed")
-
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "*":
-            for sequence, count in ((left, right), (right, left)):
-                if isinstance(sequence, str | list | tuple) and isinstance(count, int):
-                    if len(sequence) * count > MAX_RENDERED_CHARS:
-                        raise SecurityError("a repetition in the template is too large")
-        elif operator == "**" and isinstance(left, int) and isinstance(right, int):
-            # The result has about bit_length * exponent bits; chained powers get there fast.
-            if right > 0 and max(abs(left).bit_length(), 1) * right > MAX_POWER_BITS:
-                raise SecurityError("a power in the template is too large")
-        return super().call_binop(context, operator, left, right)
-
-
-def _environment() -> _Sandbox:
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _SafeDict()
-    env.globals["namespace"] = _SafeNamespace
-    return env
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
+def _one_line(text: object) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= MAX_MESSAGE_CHARS else line[:MAX_MESSAGE_CHARS] + "..."
 
 
 def _plain(value: Any) -> Any:
@@ -189,22 +85,41 @@ class ChatTemplate:
     `is_fallback` then says so. Without either, it raises `FuselaneError`.
     """
 
-    __slots__ = ("source", "bos_token", "eos_token", "is_fallback", "_template")
+    __slots__ = ("source", "bos_token", "eos_token", "is_fallback", "budget", "_template")
 
-    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "", is_fallback: bool = False):
-        """Compile `source`; a template that does not parse raises `FuselaneError`."""
+    def __init__(
+        self,
+        source: str,
+        *,
+        bos_token: str = "",
+        eos_token: str = "",
+        is_fallback: bool = False,
+        budget: RenderBudget | None = None,
+    ):
+        """Compile `source`; a template that does not parse raises `FuselaneError`. `budget` bounds each render
+        (default `RenderBudget()`)."""
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.is_fallback = is_fallback
+        self.budget = budget or RenderBudget()
+        if len(source) > MAX_TEMPLATE_CHARS:
+            raise FuselaneError(
+                f"chat template is {len(source)} characters, more than the {MAX_TEMPLATE_CHARS} a template may be"
+            )
+        # Jinja folds constant expressions while it compiles: a metered compile refuses (and leaves to the
+        # render, which refuses again) any fold that would build too much.
+        token = activate(Meter(self.budget))
         try:
-            self._template = _environment().from_string(source)
+            self._template = environment().from_string(source)
         except TemplateSyntaxError as exc:
             raise FuselaneError(
                 f"chat template does not parse (line {exc.lineno}): {_one_line(exc.message or '')}"
             ) from None
         except Exception as exc:  # the parser itself can fail on hostile input, e.g. RecursionError
             raise FuselaneError(f"chat template does not compile: {type(exc).__name__}: {_one_line(exc)}") from None
+        finally:
+            deactivate(token)
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> ChatTemplate:
@@ -229,12 +144,15 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         variables: Mapping[str, Any] | None = None,
+        max_chars: int | None = None,
     ) -> str:
         """The prompt for `messages` (dicts with 'role' and 'content'), as HF's apply_chat_template makes it.
 
         `tools` are JSON schemas for templates that describe tools; `variables` are extra names some templates
-        read (Qwen3's `enable_thinking`). A template that fails, refuses (`raise_exception`) or breaks the
-        sandbox raises `FuselaneError` with a one-line message.
+        read (Qwen3's `enable_thinking`). A template that fails, refuses (`raise_exception`), breaks the
+        sandbox or runs past its budget raises `FuselaneError` with a one-line message. `max_chars` bounds the
+        prompt's length (the context's bound, see `encode_chat`): past it, `PromptTooLong` is raised as soon as
+        the template has written that much.
         """
         for message in messages:
             if not isinstance(message, Mapping):
@@ -248,22 +166,37 @@ class ChatTemplate:
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
         }
+        meter = Meter(self.budget)
+        # A long conversation may be built on and written several times over; the budget grows with it.
+        meter = Meter(self.budget.scaled(meter.size(context)))
+        limit = meter.budget.output_chars
+        token = activate(meter)
         try:
             pieces: list[str] = []
             length = 0
             for piece in self._template.generate(context):
                 length += len(piece)
-                if length > MAX_RENDERED_CHARS:
-                    raise SecurityError(f"the rendered prompt exceeds {MAX_RENDERED_CHARS} characters")
+                if max_chars is not None and length > max_chars:
+                    raise PromptTooLong(
+                        f"the chat prompt is longer than the {max_chars} characters the context can hold"
+                    )
+                if length > limit:
+                    raise BudgetExceeded(f"it wrote more than {limit} characters")
                 pieces.append(piece)
-        except _TemplateRaised as exc:
+        except PromptTooLong:
+            raise
+        except TemplateRaised as exc:
             raise FuselaneError(f"chat template refused the conversation: {_one_line(exc.message or '')}") from None
+        except BudgetExceeded as exc:
+            raise FuselaneError(f"chat template stopped: {_one_line(exc.message or '')}") from None
         except SecurityError as exc:
             raise FuselaneError(f"chat template blocked by the sandbox: {_one_line(exc.message or '')}") from None
         except TemplateError as exc:
             raise FuselaneError(f"chat template failed: {_one_line(exc.message or '')}") from None
         except Exception as exc:  # a template can raise anything Python can: TypeError, OverflowError, ...
             raise FuselaneError(f"chat template failed: {type(exc).__name__}: {_one_line(exc)}") from None
+        finally:
+            deactivate(token)
         return "".join(pieces)
 
 
