@@ -380,7 +380,10 @@ def _stdout_closed() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:  # a usage error (already said in one line), --help or --version: a code, not an exit
+        return e.code if isinstance(e.code, int) else EXIT_ERROR
     if hasattr(sys.stdout, "reconfigure"):
         # a reply may hold characters the terminal's encoding lacks: show a stand-in, not a traceback mid-reply
         sys.stdout.reconfigure(errors="replace")

@@ -105,6 +105,6 @@ SEED = Bound("--seed", "random seed", Kind.INT, 0, MAX_SEED)
 BENCH_PROMPT = Bound("-p", "prompt tokens", Kind.INT, 1, MAX_CTX)
 BENCH_GENERATED = Bound("-n", "generated tokens", Kind.INT, 1, MAX_CTX)
 BENCH_DEPTH = Bound("--depth", "tokens already in the cache", Kind.INT, 0, MAX_CTX)
-ROWS = Bound("--rows", "rows of a prefill chunk or sequences of a batch", Kind.INT, 1, MAX_CTX)
+ROWS = Bound("--rows", "rows of a prefill chunk or sequences of a batch (at least one row)", Kind.INT, 1, MAX_CTX)
 
 __all__ = ["Bound", "Kind", "MAX_CTX", "MAX_SEED", "MAX_TOP_K"]
