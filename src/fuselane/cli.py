@@ -95,10 +95,14 @@ def _model_and_prompt(words: Sequence[str]) -> tuple[str | None, str]:
 
 
 def cmd_run(args: argparse.Namespace) -> None:
+    from fuselane.text.utf8 import read_text, require_utf8
+
     model, prompt = _model_and_prompt(args.words)
-    if prompt == "-":
-        prompt = sys.stdin.read()
+    if prompt != "-":
+        require_utf8(prompt, "the prompt")
     m = _load(model, args)
+    if prompt == "-":  # read no further than the context could use
+        prompt = read_text(sys.stdin.buffer, m.max_prompt_bytes, "the prompt on stdin")
     _reply(m, prompt, args)
 
 
@@ -143,6 +147,10 @@ def _rate(what: str, tokens: int, seconds: float) -> str:
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
+    from fuselane.text.utf8 import read_text, require_utf8
+
+    if args.system is not None:
+        require_utf8(args.system, "the system message")
     m = _load(args.model, args)
     chat = m.chat(system=args.system)
     _say("chat with the model; /reset starts over, /exit (or end of input) quits")
@@ -150,8 +158,8 @@ def cmd_chat(args: argparse.Namespace) -> None:
         _say_prompt = "> "
         sys.stderr.write(_say_prompt)
         sys.stderr.flush()
-        line = sys.stdin.readline()
-        if not line or line.strip() == "/exit":
+        line = read_text(sys.stdin.buffer, m.max_prompt_bytes, "a chat line on stdin", line=True)
+        if line is None or line.strip() == "/exit":
             return
         text = line.rstrip("\n")
         if text.strip() == "/reset":

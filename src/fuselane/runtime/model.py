@@ -82,22 +82,33 @@ class Model:
     def ctx(self) -> int:
         return self.lane.ctx
 
+    @property
+    def max_prompt_bytes(self) -> int:
+        """Bytes of text past which a prompt cannot fit the context, whatever it tokenizes to (a reader of
+        stdin need not read further)."""
+        return self.ctx * self.tokenizer.max_token_bytes
+
     def session(self) -> Session:
         return Session(self.lane)
 
     def prompt_ids(self, prompt: str, *, raw: bool = False, system: str | None = None) -> list[int]:
         """A prompt's tokens: as one user turn through the chat template, or (`raw`) the text as is, where
-        special tokens written out are parsed, as a completion prompt expects."""
+        special tokens written out are parsed, as a completion prompt expects.
+
+        A prompt longer than the context is refused (`PromptTooLong`) before it is tokenized whole, and text
+        that is not valid UTF-8 with one line (`FuselaneError`).
+        """
         if raw:
             prefix = [self.tokenizer.bos_id] if self.tokenizer.add_bos and self.tokenizer.bos_id is not None else []
-            return prefix + self.tokenizer.encode(prompt, special=True)
+            return prefix + self.tokenizer.encode(prompt, special=True, limit=self.ctx - len(prefix))
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return self.encode_messages(messages)
 
     def encode_messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """A conversation's tokens through the chat template, bounded by the context as `prompt_ids` is."""
         if isinstance(self.template, str):
             raise FuselaneError(f"{self.path.name}: {self.template}")
-        return encode_chat(self.tokenizer, self.template, list(messages))
+        return encode_chat(self.tokenizer, self.template, list(messages), limit=self.ctx)
 
     def generate_ids(
         self, session: Session, ids: Sequence[int], *, max_tokens: int, sampling: SamplingParams = GREEDY

@@ -24,6 +24,7 @@ from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from fuselane.errors import FuselaneError
 from fuselane.text.budget import BudgetExceeded, Meter, RenderBudget, activate, deactivate
 from fuselane.text.sandbox import TemplateRaised, environment
+from fuselane.text.utf8 import PromptTooLong, require_utf8
 
 if TYPE_CHECKING:
     from fuselane.text.tokenizer import Tokenizer
@@ -46,10 +47,6 @@ MAX_MESSAGE_CHARS = 300  # of a template's error message, which may quote anythi
 
 # Message fields holding text a person or the model wrote: these never become control tokens.
 _CONTENT_FIELDS = ("content", "reasoning_content", "thinking")
-
-
-class PromptTooLong(FuselaneError):
-    """The rendered prompt is longer than the context can hold, whatever it tokenizes to."""
 
 
 def _one_line(text: object) -> str:
@@ -211,6 +208,7 @@ def encode_chat(
     messages: Sequence[Mapping[str, Any]],
     *,
     add_generation_prompt: bool = True,
+    limit: int | None = None,
 ) -> list[int]:
     """Render and tokenize `messages`, reading control tokens only in the text the template wrote.
 
@@ -224,18 +222,37 @@ def encode_chat(
     matched back. If no message spells a control token, the rendered prompt is then encoded directly, which
     is safe; otherwise this raises `FuselaneError` rather than let message text become control tokens.
     BOS is put in front when the file asks for it (`add_bos`) and the template did not write it.
+
+    `limit` (the context's size) bounds the prompt before it is tokenized whole: messages or a rendering of more
+    than `limit * tokenizer.max_token_bytes` characters are refused unrendered or untokenized, and tokenizing
+    stops past `limit` tokens (`PromptTooLong`, see `Tokenizer.encode`).
     """
-    rendered = template.render(messages, add_generation_prompt=add_generation_prompt)
+    texts = _texts(messages)
+    for text in texts:
+        require_utf8(text, "a chat message")
+    bound = None if limit is None else limit * tokenizer.max_token_bytes
+    if bound is not None and sum(map(len, texts)) > bound:
+        raise PromptTooLong(
+            f"the chat messages are {sum(map(len, texts))} characters, more than {limit} tokens of at most "
+            f"{tokenizer.max_token_bytes} bytes can hold: the prompt is past the context of {limit}"
+        )
+    try:
+        rendered = template.render(messages, add_generation_prompt=add_generation_prompt, max_chars=bound)
+    except PromptTooLong:
+        raise PromptTooLong(
+            f"the chat prompt is more than {bound} characters, more than {limit} tokens can hold: "
+            f"past the context of {limit}"
+        ) from None
     pieces = _split_by_sentinels(tokenizer, template, messages, add_generation_prompt, rendered)
     if pieces is None:
-        if any(tokenizer.split_special(text) != [text] for text in _texts(messages)):
+        if any(tokenizer.split_special(text) != [text] for text in texts):
             raise FuselaneError(
                 "a chat message spells a control token and this chat template rewrites message text, so it "
                 "cannot be kept apart from the template's own tokens; remove the control token from it"
             )
-        ids = tokenizer.encode(rendered, special=True)
+        ids = tokenizer.encode(rendered, special=True, limit=limit)
     else:
-        ids = _encode_pieces(tokenizer, pieces)
+        ids = _encode_pieces(tokenizer, pieces, limit)
     if tokenizer.add_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
         ids.insert(0, tokenizer.bos_id)
     return ids
@@ -313,19 +330,32 @@ def _split_by_sentinels(
     return [(text, is_template) for text, is_template in spans if text]
 
 
-def _encode_pieces(tokenizer: Tokenizer, spans: list[tuple[str, bool]]) -> list[int]:
-    """Control tokens from template spans; every run of text between them encoded as one plain string."""
+def _encode_pieces(tokenizer: Tokenizer, spans: list[tuple[str, bool]], limit: int | None) -> list[int]:
+    """Control tokens from template spans; every run of text between them encoded as one plain string, each
+    within what is left of `limit`."""
     ids: list[int] = []
     run: list[str] = []
+
+    def flush() -> None:
+        left = None if limit is None else limit - len(ids)
+        if left is not None and left < 0:
+            raise PromptTooLong(f"the prompt is more than {limit} tokens, past the context of {limit}")
+        try:
+            ids.extend(tokenizer.encode("".join(run), special=False, limit=left))
+        except PromptTooLong:
+            raise PromptTooLong(f"the prompt is more than {limit} tokens, past the context of {limit}") from None
+        run.clear()
+
     for text, is_template in spans:
         for piece in tokenizer.split_special(text) if is_template else [text]:
             if isinstance(piece, int):
                 if run:
-                    ids.extend(tokenizer.encode("".join(run), special=False))
-                    run.clear()
+                    flush()
                 ids.append(piece)
             else:
                 run.append(piece)
     if run:
-        ids.extend(tokenizer.encode("".join(run), special=False))
+        flush()
+    if limit is not None and len(ids) > limit:
+        raise PromptTooLong(f"the prompt is more than {limit} tokens, past the context of {limit}")
     return ids

@@ -11,6 +11,11 @@ the text as llama.cpp matches them. Control tokens are only matched when the cal
 (`encode(..., special=True)`, for text a chat template wrote); a user's text that spells `<|im_end|>` is
 tokenized as the characters it is, so a prompt cannot forge the end of a turn.
 
+`encode(text, limit=ctx)` bounds a prompt by the context before tokenizing it whole: no token stands for more
+than `max_token_bytes` bytes, so a text of more characters than `limit * max_token_bytes` is refused without
+tokenizing, and a shorter one is tokenized in chunks cut where the pre-tokenizer cuts anyway, stopping as soon
+as it passes `limit` tokens. Text holding lone surrogates (undecodable bytes) is refused with one line.
+
 Decoding maps each token back to its bytes ourselves (the byte-level alphabet of GPT-2), so `decode` and the
 streaming decoder agree byte for byte, and the stream can hold back a character split across tokens.
 """
@@ -30,6 +35,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
 from fuselane.errors import FuselaneError, ModelError
+from fuselane.text.utf8 import PromptTooLong, require_utf8
 
 _KEY = "tokenizer.ggml."
 
@@ -92,6 +98,13 @@ _END_OF_TURN = (
 
 _UTF8 = "utf-8"
 _BYTE_VALUES = 256
+# Characters a bounded encode hands the backend at a time: big enough to amortize the call, small enough that
+# the backend's per-character bookkeeping (about 150 bytes) stays a few MB.
+CHUNK_CHARS = 1 << 16
+# A cut the pre-tokenizers of `_PRE_TOKENIZERS` all make: after an ASCII letter, before an ASCII non-letter.
+# No pre-token that holds a letter runs past the end of its letters, and what follows a cut is split the same
+# whatever came before it, so encoding chunks cut there gives the ids of encoding the whole.
+_CUT = re.compile(r"[A-Za-z](?=[\x00-\x40\x5b-\x60\x7b-\x7f])")
 # Invalid bytes (a model can emit any byte token) come out as U+FFFD, never as an exception.
 _ON_BAD_UTF8 = "replace"
 
@@ -155,6 +168,9 @@ class Tokenizer:
         "_piece_bytes",
         "_special",
         "_special_pattern",
+        "_added",
+        "_added_patterns",
+        "_max_token_bytes",
         "bos_id",
         "eos_id",
         "stop_ids",
@@ -168,6 +184,7 @@ class Tokenizer:
         types: Sequence[int],
         special: Mapping[str, int],
         *,
+        user: Mapping[str, int] | None = None,
         bos_id: int | None,
         eos_id: int | None,
         stop_ids: frozenset[int],
@@ -184,6 +201,10 @@ class Tokenizer:
         # Longest first, so at any position the longest control token wins, as the backend's matcher does.
         alternatives = sorted(self._special, key=len, reverse=True)
         self._special_pattern = re.compile("|".join(map(re.escape, alternatives))) if alternatives else None
+        # user-defined tokens are matched whole in any text; control tokens too when special=True
+        self._added = MappingProxyType({**(user or {}), **special})
+        self._added_patterns: dict[bool, re.Pattern[str] | None] = {}
+        self._max_token_bytes: int | None = None
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.stop_ids = stop_ids
@@ -241,6 +262,7 @@ class Tokenizer:
             tokens,
             types,
             special,
+            user=user,
             bos_id=bos_id,
             eos_id=eos_id,
             stop_ids=stop_ids,
@@ -262,16 +284,60 @@ class Tokenizer:
         self._check_id(token_id)
         return self._tokens[token_id]
 
-    def encode(self, text: str, *, special: bool = False) -> list[int]:
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes any token's spelling takes, an upper bound of the bytes a token stands for: a
+        text of more than `n * max_token_bytes` bytes (so also characters) is more than `n` tokens."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max((len(token.encode(_UTF8)) for token in self._tokens), default=1)
+        return self._max_token_bytes
+
+    def encode(self, text: str, *, special: bool = False, limit: int | None = None) -> list[int]:
         """Token ids for `text`; no BOS is added.
 
         special=True reads control tokens written out in the text (`<|im_start|>`) as those tokens: use it for
         text a chat template produced. special=False tokenizes such spellings as plain characters: use it for
-        anything a user wrote.
+        anything a user wrote. `limit` (a context's size) refuses, with `PromptTooLong`, a text of more than
+        `limit` tokens without tokenizing all of it (see the module docstring). Text that is not valid UTF-8
+        (lone surrogates) raises `FuselaneError`.
         """
+        require_utf8(text)
+        if limit is None:
+            return self._encode(text, special)
+        if len(text) > limit * self.max_token_bytes:
+            raise PromptTooLong(
+                f"the prompt is {len(text)} characters, more than {limit} tokens of at most "
+                f"{self.max_token_bytes} bytes can hold: past the context of {limit}"
+            )
+        ids: list[int] = []
+        for piece in self._pieces(text, special):
+            if isinstance(piece, int):
+                ids.append(piece)
+            else:
+                ids.extend(self._encode(piece, special))
+            if len(ids) > limit:
+                raise PromptTooLong(f"the prompt is more than {limit} tokens, past the context of {limit}")
+        return ids
+
+    def _encode(self, text: str, special: bool) -> list[int]:
         with self._lock:
             self._backend.encode_special_tokens = not special
             return self._backend.encode(text, add_special_tokens=False).ids
+
+    def _pieces(self, text: str, special: bool) -> Iterable[str | int]:
+        """`text` as the backend splits it at added tokens (their ids), with the text between them cut into
+        chunks of about `CHUNK_CHARS` where the pre-tokenizer cuts anyway (`_CUT`)."""
+        if special not in self._added_patterns:
+            spellings = sorted((t for t, i in self._added.items() if special or i not in self._special.values()),
+                               key=len, reverse=True)  # fmt: skip
+            self._added_patterns[special] = re.compile("|".join(map(re.escape, spellings))) if spellings else None
+        pattern = self._added_patterns[special]
+        start = 0
+        for match in pattern.finditer(text) if pattern is not None else ():
+            yield from _chunks(text, start, match.start())
+            yield self._added[match.group()]
+            start = match.end()
+        yield from _chunks(text, start, len(text))
 
     def split_special(self, text: str) -> list[str | int]:
         """`text` cut at the control tokens written in it: plain pieces, and the ids of the tokens between.
@@ -320,6 +386,18 @@ class Tokenizer:
             piece = text.encode(_UTF8) if plain else bytes(_BYTE_OF_CHAR[char] for char in text)
             self._piece_bytes[token_id] = piece
         return piece
+
+
+def _chunks(text: str, start: int, end: int) -> Iterable[str]:
+    """text[start:end] in pieces of about `CHUNK_CHARS`, each cut at a `_CUT` (or not at all, if none)."""
+    while end - start > CHUNK_CHARS:
+        cut = _CUT.search(text, start + CHUNK_CHARS, end)
+        if cut is None:
+            break
+        yield text[start : cut.end()]
+        start = cut.end()
+    if end > start:
+        yield text[start:end]
 
 
 @dataclass(slots=True)
