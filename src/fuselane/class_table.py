@@ -17,9 +17,9 @@ from typing import Any
 from fuselane.errors import FuselaneError
 from fuselane.explain import build_plan, make_shim
 from fuselane.fuse.optimizer import table_for
+from fuselane.fuse.shim import Support
 from fuselane.fuse.views import class_of
 from fuselane.graph.classes import STANDING, Awaits, ClassId
-from fuselane.lanes.shim import Support
 
 JSON_VERSION = 1
 LANES = ("cuda", "cpu")  # the table's answer columns, in order

@@ -23,13 +23,13 @@ from hypothesis import strategies as st
 
 from fuselane.fuse.optimizer import Plan, covered, optimize, rule_names
 from fuselane.fuse.rewriter import Missed
+from fuselane.fuse.shim import SupportKind
 from fuselane.fuse.views import class_of, parts
 from fuselane.gguf.formats import Format
 from fuselane.gguf.synth import Shape, model_metadata, tensor_formats, tensor_shapes
 from fuselane.graph import facts
 from fuselane.graph.ir import Form, Op, Role, TensorGraph
 from fuselane.lanes.cpu.shim import CpuShim
-from fuselane.lanes.shim import SupportKind
 from fuselane.models import config_of
 from fuselane.models.qwen import recognize
 

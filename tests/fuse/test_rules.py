@@ -28,6 +28,7 @@ from fuselane.fuse import quant_rules, rules
 from fuselane.fuse.optimizer import Plan, optimize, rule_names
 from fuselane.fuse.rewriter import Fired, Missed, Rewriter, Schedule
 from fuselane.fuse.rules import SHARED_RULES
+from fuselane.fuse.shim import DECOMPOSE, NATIVE, LaneRule, Position, Support
 from fuselane.fuse.views import class_of, gemv, parts
 from fuselane.gguf.formats import Format
 from fuselane.gguf.synth import write_synthetic
@@ -61,7 +62,6 @@ from fuselane.graph.ops import (
 from fuselane.lanes.cpu import kernels
 from fuselane.lanes.cpu.lane import CpuLane
 from fuselane.lanes.cpu.shim import CPU_NATIVE, CpuShim
-from fuselane.lanes.shim import DECOMPOSE, NATIVE, LaneRule, Position, Support
 from fuselane.models.qwen import IDS, LOGITS, POS, recognize
 from fuselane.runtime.model import load
 

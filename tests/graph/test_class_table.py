@@ -17,9 +17,9 @@ import pytest
 from fuselane.class_table import JSON_VERSION, LANES, NONE_YET, awaits_key, class_table
 from fuselane.cli import main
 from fuselane.explain import build_plan, make_shim
+from fuselane.fuse.shim import Support, SupportKind
 from fuselane.fuse.views import class_of
 from fuselane.graph.classes import STANDING, ClassId
-from fuselane.lanes.shim import Support, SupportKind
 from tests.bounded import assert_one_line_error, run_bounded
 
 TIMEOUT = 120

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from fuselane.fuse.rewriter import Rewriter, Schedule
+from fuselane.fuse.shim import Before, SupportKind
 from fuselane.gguf.formats import Format
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import (
@@ -63,7 +64,6 @@ from fuselane.lanes.cuda.shim import (
     REFUSED_CLASSES,
     CudaShim,
 )
-from fuselane.lanes.shim import Before, SupportKind
 from fuselane.numerics.contract import Block, Keep, Kept, Quantized, Scale, Scheme
 
 DEFAULT = CudaKnobs()

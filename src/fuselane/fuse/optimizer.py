@@ -16,11 +16,11 @@ from fuselane.errors import FuselaneError
 from fuselane.fuse.rewriter import Fired, Missed, Rewriter, Schedule, Unmatched
 from fuselane.fuse.rule import Rule
 from fuselane.fuse.rules import SHARED_RULES
+from fuselane.fuse.shim import After, LaneRule, Shim, SupportKind
 from fuselane.fuse.views import leaves
 from fuselane.graph.classes import ClassId
 from fuselane.graph.ir import Op, TensorGraph
 from fuselane.graph.ops import Attention, GateAct, GatedDelta, Slice, Softcap, TakeRows
-from fuselane.lanes.shim import After, LaneRule, Shim, SupportKind
 from fuselane.numerics.contract import Contract
 
 # Primitives that are views of their input on every lane: no launch runs them.

@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from fuselane.fuse.shim import Shim, SupportKind
 from fuselane.graph import facts
 from fuselane.graph.classes import ClassId
 from fuselane.graph.ir import WHOLE, Access, Dst, Fused, Op, TensorGraph
-from fuselane.lanes.shim import Shim, SupportKind
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fuselane.fuse.shim import NATIVE, LaneRule, Position, Support, SupportKind
 from fuselane.graph.classes import ClassId
 from fuselane.graph.ir import Op, QuantFormat, TensorGraph
-from fuselane.lanes.shim import NATIVE, LaneRule, Position, Support, SupportKind
 from fuselane.numerics.contract import Bound, Contract, Keep
 
 CPU_NATIVE = frozenset(

@@ -22,20 +22,40 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from fuselane.errors import FuselaneError
 from fuselane.lanes.cuda.launch import Launch
+from fuselane.models import ModelConfig
 from fuselane.runtime.sampling import NAN_LOGITS, SamplingParams
-
-if TYPE_CHECKING:
-    from fuselane.lanes.cuda.lane import CudaLane
 
 # Host slots of picks in flight: the step being read and the one queued after it.
 SLOTS = 2
 GREEDY_KEY = ("argmax",)
+
+
+class Step(Protocol):
+    """What the loop runs of a decode step (`lane._Step`): feed it the first token, launch it with a tail."""
+
+    def feed(self, token: int, pos: int) -> None: ...
+
+    def launch(self, tail: Tail | None = None) -> None: ...
+
+
+class CudaLane(Protocol):
+    """What the loop and the sampler read of the lane (`lane.CudaLane`, which calls them): a protocol, so this
+    module does not import the lane back."""
+
+    torch: Any
+    device: Any
+    ctx: int
+    cfg: ModelConfig
+
+    def step(self, rows: int, *, all_logits: bool = False) -> Step: ...
+
+    def sampler(self) -> DeviceSampler: ...
 
 
 @dataclass(slots=True)

@@ -14,9 +14,21 @@ our `RowAt` whose `sel` is a parameter's name.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from fuselane.fuse.views import class_of, conv, embedded_norm, gemv, leaves, moe, norm, parts, rope, unit_output
+from fuselane.fuse.views import (
+    GemvForm,
+    class_of,
+    conv,
+    embedded_norm,
+    gemv,
+    leaves,
+    moe,
+    norm,
+    parts,
+    rope,
+    unit_output,
+)
 from fuselane.gguf.formats import Format
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Fused, Op, Rows, Strided, TensorGraph, Values
@@ -37,16 +49,40 @@ from fuselane.graph.ops import (
     UnaryOp,
 )
 from fuselane.lanes.cuda import kernels
-from fuselane.lanes.cuda.knobs import Activations
-from fuselane.numerics.contract import holds_accumulator
-
-if TYPE_CHECKING:
-    from fuselane.lanes.cuda.shim import CudaShim
+from fuselane.lanes.cuda.knobs import Activations, CudaKnobs
+from fuselane.numerics.contract import Scheme, holds_accumulator
 
 GEMV_PARTS = "gemv_parts"  # the lane rule's name, which `--hold` takes
 ROWS_A_WARP = "rows_a_warp"  # the held name that runs every product a row a warp
 
-Check = Callable[["CudaShim", Op, Sequence[Op], TensorGraph], "str | None"]
+
+class CudaShim(Protocol):
+    """What the checks read of the cuda shim (`shim.CudaShim`, which calls `fits`): its knobs, what it holds,
+    its numerics and its answers about products. A protocol, so this module does not import the shim back."""
+
+    knobs: CudaKnobs
+    held: tuple[str, ...]
+
+    @property
+    def accumulator_bits(self) -> int: ...
+
+    @property
+    def scheme(self) -> Scheme | None: ...
+
+    def per_warp(self, p: GemvForm) -> int: ...
+
+    def rows_product(self, op: Op, g: TensorGraph) -> GemvForm | None: ...
+
+    def gemv_mergeable(self, p: GemvForm) -> bool: ...
+
+    def gemv_in_parts(self, members: Sequence[Op], g: TensorGraph) -> bool: ...
+
+    def gemm_parts(self, members: Sequence[Op], g: TensorGraph) -> bool: ...
+
+    def moe_down_launch(self, op: Op, g: TensorGraph) -> tuple[int, int] | None: ...
+
+
+Check = Callable[[CudaShim, Op, Sequence[Op], TensorGraph], "str | None"]
 
 
 def fits(shim: CudaShim, op: Op, g: TensorGraph) -> str | None:

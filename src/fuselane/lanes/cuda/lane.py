@@ -16,7 +16,7 @@ import os
 import warnings
 from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +24,8 @@ from fuselane.errors import FuselaneError
 from fuselane.fuse.optimizer import Plan, optimize
 from fuselane.gguf.dequant import dequantize
 from fuselane.graph.ir import Form, QuantFormat, QuantizedActs, Role, TensorGraph
+from fuselane.lanes.cuda import decode as loop
+from fuselane.lanes.cuda.decode import DeviceSampler, Tail
 from fuselane.lanes.cuda.kernels import QBLOCK
 from fuselane.lanes.cuda.knobs import CachePrecision, CudaKnobs, PrefillWeights, RopeEpilogue
 from fuselane.lanes.cuda.shim import CudaShim
@@ -31,9 +33,6 @@ from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
 from fuselane.numerics.contract import Keep, Kept
 from fuselane.runtime.sampling import GREEDY, SamplingParams
-
-if TYPE_CHECKING:
-    from fuselane.lanes.cuda.decode import DeviceSampler, Tail
 
 WARMUP_RUNS = 2  # runs before capture: Triton compiles each kernel on its first launch
 PDL_MAJOR = 9  # the compute capability (major) from which a kernel may launch as a dependent (Hopper)
@@ -156,15 +155,11 @@ class CudaLane:
         what the caller holds; the caller's next feed at that position overwrites it. One loop at a time: a
         new loop, or a `forward`, takes the lane from the last. See `fuselane.lanes.cuda.decode`.
         """
-        from fuselane.lanes.cuda.decode import decode
-
-        return decode(self, token, pos, sampling)
+        return loop.decode(self, token, pos, sampling)
 
     def sampler(self) -> DeviceSampler:
         """The device sampler bound to the decode step's buffers (made on first use)."""
         if self._sampler is None:
-            from fuselane.lanes.cuda.decode import DeviceSampler
-
             bufs = self.step(1).bufs
             self._sampler = DeviceSampler(self, bufs[LOGITS], bufs[IDS], bufs[POS])
         return self._sampler

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fuselane.fuse.rewriter import Rewriter
+from fuselane.fuse.shim import DECOMPOSE, NATIVE, Before, LaneRule, Position, Support, refuse
 from fuselane.fuse.views import GemvForm, class_of, gemv, leaves, moe, parts, rope
 from fuselane.graph import facts
 from fuselane.graph.classes import ClassId as C
@@ -42,7 +43,6 @@ from fuselane.lanes.cuda import kernels
 from fuselane.lanes.cuda.fits import GEMV_PARTS, ROWS_A_WARP
 from fuselane.lanes.cuda.fits import fits as lane_fits
 from fuselane.lanes.cuda.knobs import Activations, CachePrecision, CudaKnobs, StatePrecision
-from fuselane.lanes.shim import DECOMPOSE, NATIVE, Before, LaneRule, Position, Support, refuse
 from fuselane.numerics.contract import (
     AttentionNumerics,
     Block,

@@ -1,4 +1,4 @@
-"""The shim protocol: a lane's answers to the shared optimizer.
+"""The shim protocol: a lane's answers to the shared optimizer, beside the optimizer that asks them.
 
 The rules decide a fusion by dataflow; the lane decides whether the fused op has a launch. Five questions:
 `supports` (native, decompose, or refuse with a reason, per class), `fits` (why this particular fused op has
@@ -12,14 +12,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from fuselane.graph.classes import ClassId
 from fuselane.graph.ir import Op, QuantFormat, TensorGraph
 from fuselane.numerics.contract import Contract
-
-if TYPE_CHECKING:
-    from fuselane.fuse.rewriter import Rewriter
 
 
 class SupportKind(enum.Enum):
@@ -65,11 +62,18 @@ Position = Before | After
 
 @dataclass(frozen=True, slots=True)
 class LaneRule:
-    """A rule only one lane has: its name (which `--hold` takes), the classes it builds, and its pass."""
+    """A rule only one lane has: its name, the classes it builds, and its pass over the rewriter
+    (`fuse.rewriter.Rewriter`, which this module sits below: the rewriter asks the shim, so the pass's argument
+    is typed loosely here rather than by importing it back).
+
+    `holdable` is False for a lane's settling pass: one that splits a fusion the lane's kernels run only in
+    some shapes, or adds the launches its kernels need (a quantizing launch). Without it the plan would not be
+    what the lane runs, so `--hold` does not take it; the knob it reads is how to switch its choice."""
 
     name: str
     builds: tuple[ClassId, ...]
-    apply: Callable[[Rewriter], None]
+    apply: Callable[[Any], None]
+    holdable: bool = True
 
 
 class Shim(Protocol):
