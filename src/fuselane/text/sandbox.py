@@ -44,6 +44,7 @@ _SEQUENCES = (str, bytes, list, tuple)
 _COMPARING_TESTS = frozenset(
     {"==", "eq", "equalto", "!=", "ne", "<", "lt", "lessthan", "<=", "le", ">", "gt", "greaterthan", ">=", "ge", "in"}
 )
+_JINJA_KEYWORDS = frozenset({"_loop_vars", "_block_vars"})
 _HOOKS = frozenset({"meter_iter", "meter_concat", "meter_compare", "meter_value", "meter_output"})
 
 
@@ -220,7 +221,9 @@ class Sandbox(ImmutableSandboxedEnvironment):
             raise SecurityError(f"{__obj!r} is not safely callable")
         if isinstance(__obj, LoopContext) and args:  # the body of a recursive loop, on new items
             args = (MeteredIterator(meter, args[0]), *args[1:])
-        sized.int_arguments(meter, args, kwargs)
+        # Jinja adds its own _loop_vars / _block_vars for callables that take the context; they are not arguments
+        given = {key: value for key, value in kwargs.items() if key not in _JINJA_KEYWORDS}
+        sized.int_arguments(meter, args, given)
         receiver = getattr(__obj, "__self__", None)
         if isinstance(__obj, types.BuiltinMethodType) and isinstance(receiver, (*_SEQUENCES, dict, int)):
             name = __obj.__name__
@@ -229,7 +232,7 @@ class Sandbox(ImmutableSandboxedEnvironment):
                 sized.joined(meter, receiver, args[0])
             check = sized.METHOD_CHECKS.get(name)
             if check is not None and isinstance(receiver, str | bytes | int):
-                check(meter, receiver, *args, **kwargs)
+                check(meter, receiver, *args, **given)
             meter.charge(meter.size(receiver))
         return meter.built(__context.call(__obj, *args, **kwargs))
 
