@@ -110,7 +110,7 @@ def test_wide_tile() -> None:
     # a wide Q4_K product met one row at a time takes four rows a warp: 16-row tiles of four warps
     n, k = kernels.WIDE_N, kernels.WIDE_K
     warps = kernels.GEMV_BLOCK_WARPS_FOUR_ROWS
-    assert gemv_mod._tile(Format.Q4_K, n, k, 1) == (kernels.ROWS_A_WARP_WIDE * warps, warps)
+    assert gemv_mod.tile(Format.Q4_K, n, k, 1) == (kernels.ROWS_A_WARP_WIDE * warps, warps)
     rng = np.random.default_rng(11)
     _gemv_case(Format.Q4_K, raw_weights(Format.Q4_K, n, k, rng), 1, n, k, rng)
 
@@ -129,9 +129,9 @@ def test_plan_gives_every_thread_a_slot(fmt: Format, m: int) -> None:
     for n, k in ANCHOR_PRODUCTS:
         if k % slots.unit:
             continue  # the checkpoint cannot hold such rows in this format
-        block_n, warps = gemv_mod._tile(fmt, n, k, m)
+        block_n, warps = gemv_mod.tile(fmt, n, k, m)
         block_m, _ = gemv_mod._row_tiles(m)
-        steps, units, split = gemv_mod._plan(fmt, k, block_n, warps, block_m)
+        steps, units, split = gemv_mod.plan(fmt, k, block_n, warps, block_m)
         assert steps * units * slots.unit == k
         assert units * slots.base * split * block_n == warps * kernels.WARP, (n, k)
         assert block_m * slots.values // split <= gemv_mod.ACC_VALUES or split == slots.most_split

@@ -117,7 +117,7 @@ def test_default_tiles_give_every_thread_its_groups() -> None:
     # times the (row, group)s the format's tile gives a thread
     for fmt in FORMATS:
         for glu, tiles in ((False, fast.TILES), (True, fast.GLU_TILES)):
-            plan = fast._plan(fmt, 4096, None, None, glu=glu)
+            plan = fast.launch_plan(fmt, 4096, None, None, glu=glu)
             groups = plan["BLOCK_N"] * plan["CHUNK"] * fast.GROUPS[fmt]
             assert groups == plan["num_warps"] * fast.LANES * tiles[fmt][1]
             assert plan["N_UNITS"] * fast.UNIT_VALUES[fmt] == 4096

@@ -97,7 +97,7 @@ SMALL_TILE = {"block_n": 4, "warps": 1, "per_thread": 1}
 def test_products_in_chunks_at_each_prefetch_depth(monkeypatch, fmt: Format, depth: int) -> None:
     monkeypatch.setattr(q8_module, "PREFETCH_DEPTH", depth)
     k = CHUNKED_K[fmt]
-    plan = q8_module._tile_plan(fmt, k, **SMALL_TILE)
+    plan = q8_module.tile_plan(fmt, k, **SMALL_TILE)
     assert plan["N_UNITS"] >= 3 * plan["CHUNK"] and plan["DEPTH"] == depth
     rng = np.random.default_rng(int(fmt) * 10 + depth)
     raw, up = raw_weights(fmt, N, k, rng), raw_weights(fmt, N, k, rng)

@@ -75,7 +75,7 @@ def test_the_gemv_loops_wait_after_their_first_weights_and_before_the_loop() -> 
     for module, tree in _modules():
         if module not in LOOPS:
             continue
-        fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_row_dots")
+        fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "row_dots")
         kinds = [_pdl_call(s) for s in fn.body]
         at = kinds.index("wait")
         loop = next(i for i, s in enumerate(fn.body) if isinstance(s, ast.For))
@@ -86,7 +86,7 @@ def test_the_gemv_loops_wait_after_their_first_weights_and_before_the_loop() -> 
             for n in ast.walk(s)
             if isinstance(n, ast.Call)
         }
-        weights_only = {"_raw", "_raw_chunk", "zeros"}
+        weights_only = {"load_chunk", "_raw_chunk", "zeros"}
         assert called <= weights_only, f"{module}: {called - weights_only} before the wait"
 
 

@@ -3,7 +3,7 @@ W the n x k checkpoint rows as stored (GGUF bytes), for the products of a prefil
 
 A program takes BLOCK_M activation rows and BLOCK_N weight rows and walks k in steps of whole units (a K-quant
 super-block of 256 values, or four 32-value blocks): each step decodes its units of the
-BLOCK_N rows to f32 in registers (`gemv_epilogue.unit_values`: every value the f32 of `fuselane.gguf.dequant`,
+BLOCK_N rows to f32 in registers (`gemv.epilogue.unit_values`: every value the f32 of `fuselane.gguf.dequant`,
 bit for bit), rounds them and the activations to f16, and multiplies them on the tensor cores (`tl.dot`, f32
 sums). The numbers are those of multiplying a dequantized f16 copy of the matrix (the operands are rounded
 the same way, once), but no copy is made: the weights stay in the checkpoint's bytes on the device, so a
@@ -21,9 +21,9 @@ import triton.language as tl
 
 from fuselane.gguf.formats import Format, row_bytes
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv.epilogue import DEQUANT_OUT, _unit_values, unit_values
+from fuselane.lanes.cuda.triton.gemv.epilogue import DEQUANT_OUT, decode_unit, unit_values
 from fuselane.lanes.cuda.triton.gemv.formats import SLOTS
-from fuselane.lanes.cuda.triton.gemv.rows import check_rows
+from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 
 # The tile, as compiled for sm_90 (ptxas -v): 64 activation rows by 32 weight rows, eight warps, the loads of
 # a step not staged ahead (one stage): 254 registers a thread and no spills for a K-quant's 256-value step,
@@ -74,13 +74,13 @@ def _gemm_kernel(
 def supports(fmt: Format, k: int) -> bool:
     """Whether `gemm` takes n x k rows in `fmt`: a format the device decodes, rows of whole steps."""
     fmt = Format(fmt)
-    return fmt in SLOTS and k % _unit_values(fmt, k) == 0 and _step_units(fmt, k) > 0
+    return fmt in SLOTS and k % decode_unit(fmt, k) == 0 and _step_units(fmt, k) > 0
 
 
 def _step_units(fmt: Format, k: int) -> int:
     """Units a step: one K-quant super-block, or BLOCK_STEP_VALUES of a 32-value format where they divide the
     row; 0 where they do not."""
-    values = _unit_values(fmt, k)
+    values = decode_unit(fmt, k)
     if values >= BLOCK_STEP_VALUES:
         return 1
     return BLOCK_STEP_VALUES // values if k % BLOCK_STEP_VALUES == 0 else 0
@@ -123,7 +123,7 @@ def gemm(
         raise ValueError(f"residual must be ({m}, {n}) with unit column stride")
     if bias is not None and (bias.dim() != 1 or bias.numel() != n or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous ({n},) tensor")
-    values = _unit_values(fmt, k)
+    values = decode_unit(fmt, k)
     step_units = _step_units(fmt, k)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _gemm_kernel[grid](

@@ -79,7 +79,7 @@ def glu_act_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None
 
 
 @triton.jit
-def _best_of(x, idx):
+def best_of(x, idx):
     """The tile's largest value and the lowest index holding it."""
     top = tl.max(x, axis=0)
     return top, tl.min(tl.where(x == top, idx, NO_INDEX), axis=0)
@@ -107,10 +107,10 @@ def _argmax_kernel(
     offs = tl.arange(0, CHUNK)
     # a chunk of one tile when split; every tile of the row in turn when not (split is then 0)
     idx = split * CHUNK + offs
-    best, best_i = _best_of(tl.load(x_row + idx, mask=idx < cols, other=float("-inf")).to(tl.float32), idx)
+    best, best_i = best_of(tl.load(x_row + idx, mask=idx < cols, other=float("-inf")).to(tl.float32), idx)
     for t in range(1, TILES):
         idx = (split + t) * CHUNK + offs
-        top, top_i = _best_of(tl.load(x_row + idx, mask=idx < cols, other=float("-inf")).to(tl.float32), idx)
+        top, top_i = best_of(tl.load(x_row + idx, mask=idx < cols, other=float("-inf")).to(tl.float32), idx)
         better = top > best  # strictly: an equal value later in the row keeps the earlier index
         best_i = tl.where(better, top_i, best_i)
         best = tl.where(better, top, best)

@@ -29,8 +29,7 @@ import triton.language as tl
 from fuselane.gguf.formats import LAYOUTS, QK, Format, row_bytes
 from fuselane.lanes.cuda import kernels
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv.q8 import Q8Acts, _check_acts
-from fuselane.lanes.cuda.triton.quant import store_quantized
+from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts, store_quantized
 
 QB = tl.constexpr(QK)  # values an int8 block's scale covers
 HALF_QB = tl.constexpr(QK // 2)  # values a code sum covers
@@ -158,7 +157,7 @@ def _rms_norm_kernel(
 def _check_q8(out_q8: Q8Acts, rows: int, units: int, cols: int, tile: RowTile) -> None:
     if units != 1 or cols % QK or tile.block % QK:
         raise ValueError(f"rms_norm: an int8 form takes whole rows of whole {QK}-value blocks, not units of {cols}")
-    _check_acts(out_q8, cols, rows)
+    check_acts(out_q8, cols, rows)
 
 
 def _rows_of(t: torch.Tensor, cols: int, name: str) -> torch.Tensor:

@@ -21,7 +21,7 @@ after weight loads):
   writes. As every kernel waits before it ends, a grid's completion implies all earlier grids'.
 - A kernel launched without the attribute (torch's own, cuBLAS) starts after the one before it has ended, as
   always, and its successor's `wait` then waits for it.
-- One kernel reads a step's inputs before its wait: the decode attention (`attention._decode_kernel`) reads
+- One kernel reads a step's inputs before its wait: the decode attention (`attention.decode._decode_kernel`) reads
   the position and its first tile's cache rows before the position, then waits, then reads the query and the
   row at the position (which the launch just before appends). Those inputs were written before the step's
   first kernel began: the position by the host's fill (a kernel launched without the attribute) or by the

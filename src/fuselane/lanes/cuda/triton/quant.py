@@ -1,4 +1,4 @@
-"""Quantizing activation rows for the int8 GEMV (`gemv_q8`): f32 (m, k) -> int8 codes under one scale a
+"""Quantizing activation rows for the int8 GEMV (`gemv.q8`): f32 (m, k) -> int8 codes under one scale a
 32-value block, plus each 16 values' scaled code sum.
 
 The scheme is the lane's `activations=int8` contract (`numerics.contract.Scheme`: int8, one word a value,
@@ -13,6 +13,8 @@ already hold.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 import triton
@@ -21,13 +23,33 @@ from torch import Tensor
 
 from fuselane.gguf.formats import QK
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv.q8 import Q8Acts
 
 INT8_MAX = 127.0
 INT8_MAX_C = tl.constexpr(INT8_MAX)
 QB_C = tl.constexpr(QK)
 HALF = 16  # values a sum covers: Q6_K's sub-blocks, and half a Q5_0 / Q8_0 block
 BLOCKS_A_PROGRAM = 32  # 1024 values: a 4096-wide row is 4 programs
+CODES_ALIGN = 16  # bytes the codes start at a multiple of: the int8 GEMV reads 16 codes in one 128-bit load
+
+
+class Q8Acts(NamedTuple):
+    """An activation row quantized for these kernels: codes, block scales, 16-value sums (see the module)."""
+
+    q: Tensor  # int8 (m, k)
+    d: Tensor  # f32 (m, k / 32)
+    s: Tensor  # f32 (m, k / 16)
+
+
+def check_acts(x: Q8Acts, k: int, m: int = 1) -> None:
+    """A Q8Acts of m rows of k values, as the kernels read and write it."""
+    q, d, s = x
+    if q.dtype != torch.int8 or tuple(q.shape) != (m, k) or not q.is_contiguous():
+        raise ValueError(f"the activation codes must be a contiguous int8 ({m}, {k}) tensor")
+    if q.data_ptr() % CODES_ALIGN:
+        raise ValueError(f"the activation codes must start {CODES_ALIGN}-byte aligned (`gemv.int8_words.ld4`)")
+    for t, n in ((d, m * k // QK), (s, m * k // (QK // 2))):
+        if t.dtype != torch.float32 or t.numel() != n or not t.is_contiguous():
+            raise ValueError(f"the activation scales and sums must be contiguous f32 tensors of {n} values")
 
 
 @triton.jit

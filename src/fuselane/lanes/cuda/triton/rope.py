@@ -51,7 +51,7 @@ def rope_warps(hd: int) -> int:
 
 
 @triton.jit
-def _rotate_head(src, dst, w_ptr, p, eps, freq_exp, HD: tl.constexpr, HALF_P2: tl.constexpr, NORM: tl.constexpr,
+def rotate_head(src, dst, w_ptr, p, eps, freq_exp, HD: tl.constexpr, HALF_P2: tl.constexpr, NORM: tl.constexpr,
                  FROM_L2: tl.constexpr = False):  # fmt: skip
     """Norm (with NORM) and rotate the head of `HD` values at `src` to position `p`, writing it at `dst`. With
     FROM_L2 the head is read past this SM's L1 (`.cg`): other programs of the same launch wrote it."""
@@ -99,7 +99,7 @@ def _rope_kernel(
     dst_row = p if AT_POS else i  # the cache's row pos + i, or the output's own row i
     src = x_ptr + i.to(tl.int64) * x_pitch + head * HD
     dst = out_ptr + dst_row.to(tl.int64) * out_pitch + head * HD
-    _rotate_head(src, dst, w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM)
+    rotate_head(src, dst, w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM)
 
 
 def check_head(hd: int) -> None:
@@ -185,13 +185,13 @@ def _rope_qk_kernel(
     if head < HEADS:
         q_src = q_ptr + i.to(tl.int64) * q_pitch + head * HD
         q_dst = q_out_ptr + i.to(tl.int64) * q_out_pitch + head * HD
-        _rotate_head(q_src, q_dst, q_w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM)
+        rotate_head(q_src, q_dst, q_w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM)
     else:
         kh = head - HEADS
         k_row = p if K_AT_POS else i
         k_src = k_ptr + i.to(tl.int64) * k_pitch + kh * HD
         k_dst = k_out_ptr + k_row.to(tl.int64) * k_out_pitch + kh * HD
-        _rotate_head(k_src, k_dst, k_w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM)
+        rotate_head(k_src, k_dst, k_w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM)
 
 
 def rope_q_k(

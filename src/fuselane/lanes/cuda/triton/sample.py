@@ -40,7 +40,7 @@ import triton.language as tl
 
 from fuselane.lanes.cuda import kernels
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.misc import ARGMAX_CHUNK, ARGMAX_WARPS, NO_INDEX, _best_of
+from fuselane.lanes.cuda.triton.misc import ARGMAX_CHUNK, ARGMAX_WARPS, NO_INDEX, best_of
 
 # `picked`: the token, then 1 where the logits held a NaN (0 otherwise); `draws` tokens then the flag when a
 # launch draws many.
@@ -119,7 +119,7 @@ def _argmax_kernel(
     idx = split * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(x_ptr + idx, mask=idx < cols, other=float("-inf")).to(tl.float32)
     nan = tl.max((x != x).to(tl.int32), axis=0)
-    best, best_i = _best_of(x, idx)
+    best, best_i = best_of(x, idx)
     if SPLITS == 1:
         # a NaN's comparisons may leave no lane holding the maximum: the token stays an index of the row
         token = tl.where(nan != 0, 0, tl.minimum(best_i, cols - 1))

@@ -23,7 +23,7 @@ splits is fixed when the plan is built (`decode_plan`: `kernels.attn_splits` at 
 `shim.chunks_apart` says the head blocks alone leave the chip idle), and blocks past the chunks a short span
 needs exit at once.
 
-FlashPrefill (a chunk's rows, on the tensor cores) is `attention_prefill.py`.
+FlashPrefill (a chunk's rows, on the tensor cores) is `attention/prefill.py`.
 
 Softmax weights are computed as 2^(s * scale * log2 e - max): the scale folds into one multiply.
 """
@@ -177,7 +177,7 @@ def _decode_tile(
 @triton.jit
 def _store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD: tl.constexpr, Q8OUT: tl.constexpr):
     """A block's heads' outputs o [G, D] at `offs`: f32, and where Q8OUT also as int8 activations
-    (`gemv_q8.Q8Acts`): each head's values in 32-value blocks (HD a multiple of 32)."""
+    (`quant.Q8Acts`): each head's values in 32-value blocks (HD a multiple of 32)."""
     tl.store(out_ptr + offs, o, mask=store_mask)
     if Q8OUT:
         G: tl.constexpr = o.shape[0]
@@ -349,7 +349,7 @@ def flash_decode(
     `decode_scratch(heads, hd, cache_len, ...)`, kept for the plan's life; None only where the plan has one
     split. `tile_rows`, `min_chunk` and `merge_batch` are the kernel's facts, parameters only so tests reach
     several splits (and several batches of them in the merge) of a short cache. `out_q8`, a
-    `gemv_q8.Q8Acts` of the output's width, also gets the output as int8 activations (hd a multiple of 32).
+    `quant.Q8Acts` of the output's width, also gets the output as int8 activations (hd a multiple of 32).
     """
     if out_q8 is not None and hd % QK:
         raise ValueError(f"a quantized attention output takes heads of whole {QK}-value blocks")

@@ -11,7 +11,7 @@ other program has finished writing, and norms it. The norm's row is held in the 
 
 `dequantize` decodes an (n, k) matrix of checkpoint bytes into f16 or f32 values on the device, each value
 the f32 `fuselane.gguf.dequant` gives, bit for bit (rounded once to f16 for an f16 result), with the bit
-facts and helpers of `gemv_formats`. A 4096 x 12288 Q4_K matrix is 28 MB read and 100 MB written (f16): tens
+facts and helpers of `formats`. A 4096 x 12288 Q4_K matrix is 28 MB read and 100 MB written (f16): tens
 of microseconds of an H200's HBM time, where a decode on the host and its copy up take far longer.
 
 `gemv_add_norm`'s memory ordering is not tested by Triton's interpreter, which runs programs one after another: the
@@ -27,7 +27,8 @@ import triton.language as tl
 from fuselane.gguf.formats import LAYOUTS, QK, Format, row_bytes
 from fuselane.lanes.cuda import kernels
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv.formats import (
+from fuselane.lanes.cuda.triton.gemv.formats import SLOTS, dot_rows
+from fuselane.lanes.cuda.triton.gemv.layout import (
     BIT,
     CRUMB,
     F32_TWO_23_BITS,
@@ -83,20 +84,18 @@ from fuselane.lanes.cuda.triton.gemv.formats import (
     Q8_0_D,
     Q8_0_QS,
     QK_C,
-    SLOTS,
-    _f16,
-    _in_two_23,
-    _k_scale_min,
-    dot_rows,
+    in_two_23,
+    k_scale_min,
+    load_f16,
 )
 from fuselane.lanes.cuda.triton.gemv.rows import (
-    _check_x,
-    _largest_pow2_dividing,
-    _plan,
-    _stages,
-    _store,
-    _tile,
     check_rows,
+    check_x,
+    largest_pow2_dividing,
+    plan,
+    stages,
+    store_rows,
+    tile,
 )
 
 # Values one program of `dequantize` writes: 8 KB of f32 a program, 8 values a thread of DEQUANT_WARPS warps.
@@ -142,7 +141,7 @@ def _gemv_add_norm_kernel(
     one = tl.arange(0, 1)  # the step's one row of x
     y = dot_rows(w_rows, x + one, FMT, STEPS, UNITS, SPLIT, 1, BLOCK_N, STAGES)
     # gemv's own epilogue: + residual (which may be sum_out itself: each program reads only the rows it writes)
-    _store(y, rows, n, one, 1, sum_out, 0, sum_out, sum_out, res, 0, False, False, True)
+    store_rows(y, rows, n, one, 1, sum_out, 0, sum_out, sum_out, res, 0, False, False, True)
 
     # Why the last program sees every program's sum_out, on the GPU:
     # - the block's barrier orders all its threads' stores before the counter's atomic, which one thread does
@@ -174,7 +173,7 @@ def norm_tile(fmt: Format, n: int, k: int) -> tuple[int, int]:
     """(BLOCK_N, num_warps) of `gemv_add_norm`: the product's tile for one row (`gemv`'s), except that a Q8_0
     projection's block is at least the norm's own (`kernels.norm_threads`), as the shim reads it."""
     fmt = Format(fmt)
-    block_n, warps = _tile(fmt, n, k, 1)
+    block_n, warps = tile(fmt, n, k, 1)
     if fmt is Format.Q8_0:
         # a row a warp, so more warps only widen the tile; the k loop's plan is the same a row
         warps = max(warps, kernels.norm_threads(n) // kernels.WARP)
@@ -188,7 +187,7 @@ def gemv_add_norm_counter(device: torch.device | str) -> torch.Tensor:
     return torch.zeros(1, dtype=COUNTER_DTYPE, device=device)
 
 
-def _check_row(t: torch.Tensor, n: int, name: str) -> None:
+def check_row(t: torch.Tensor, n: int, name: str) -> None:
     if t.numel() != n or not t.is_contiguous() or not t.is_floating_point():
         raise ValueError(f"{name} must be a contiguous float tensor of {n} values (one row), got {tuple(t.shape)}")
 
@@ -196,7 +195,7 @@ def _check_row(t: torch.Tensor, n: int, name: str) -> None:
 def check_add_norm(residual, sum_out, norm_w, out, counter, n: int, device) -> None:
     """The operands an add + norm launch takes after its product: four rows of n values and its counter."""
     for t, name in ((residual, "residual"), (sum_out, "sum_out"), (norm_w, "norm_w"), (out, "out")):
-        _check_row(t, n, name)
+        check_row(t, n, name)
     if counter.dtype != COUNTER_DTYPE or counter.numel() != 1 or counter.device != device:
         raise ValueError("counter must be one int32 on x's device (gemv_add_norm_counter)")
 
@@ -224,7 +223,7 @@ def gemv_add_norm(
     """
     fmt = Format(fmt)
     x2 = x.view(1, -1) if x.dim() == 1 else x
-    if _check_x(x2, k) != 1:
+    if check_x(x2, k) != 1:
         raise ValueError(f"gemv_add_norm takes a decode step's one row of x, not {x2.shape[0]}")
     check_rows(w, fmt, n, k)
     check_add_norm(residual, sum_out, norm_w, out, counter, n, x.device)
@@ -235,7 +234,7 @@ def gemv_add_norm(
             f"a {fmt.name} GEMV's block of {threads} threads holds a norm of at most "
             f"{threads * kernels.NORM_HELD_A_THREAD} values, not {n}"
         )
-    steps, units, split = _plan(fmt, k, block_n, warps, 1)
+    steps, units, split = plan(fmt, k, block_n, warps, 1)
     _gemv_add_norm_kernel[(triton.cdiv(n, block_n),)](
         x2,
         w,
@@ -252,7 +251,7 @@ def gemv_add_norm(
         UNITS=units,
         SPLIT=split,
         BLOCK_N=block_n,
-        STAGES=_stages(fmt),
+        STAGES=stages(fmt),
         # threads are a power of two, so a held row's power of two is at most NORM_HELD_A_THREAD a thread
         NORM_BLOCK=triton.next_power_of_2(n),
         num_warps=warps,
@@ -275,9 +274,9 @@ def _nibble_values(blk, t, D: tl.constexpr, M: tl.constexpr, QH: tl.constexpr, Q
         qh_ptr = (blk + QH).to(tl.pointer_type(tl.uint16))
         qh = tl.load(qh_ptr).to(tl.int32) | (tl.load(qh_ptr + 1).to(tl.int32) << HALF_WORD_BITS)
         code |= ((qh >> t[None, :]) & BIT) << NIBBLE_BITS
-    v = _f16(blk + D) * _in_two_23(code | F32_TWO_23_BITS, BIAS)
+    v = load_f16(blk + D) * in_two_23(code | F32_TWO_23_BITS, BIAS)
     if M >= 0:
-        v += _f16(blk + M)
+        v += load_f16(blk + M)
     return v
 
 
@@ -295,10 +294,10 @@ def _k_pair_values(blk, D: tl.constexpr, DMIN: tl.constexpr, SCALES: tl.constexp
     if QH >= 0:
         qh = tl.load(blk[:, :, None] + QH + i[None, None, :]).to(tl.int32)
         code |= ((qh >> s[None, :, None]) & BIT) << NIBBLE_BITS
-    sc, mn = _k_scale_min(blk, SCALES, s)  # [U, 8]
-    d_sc = (_f16(blk + D) * sc.to(tl.float32))[:, :, None]
-    dmin_mn = (_f16(blk + DMIN) * mn.to(tl.float32))[:, :, None]
-    return d_sc * _in_two_23(code | F32_TWO_23_BITS, 0) - dmin_mn
+    sc, mn = k_scale_min(blk, SCALES, s)  # [U, 8]
+    d_sc = (load_f16(blk + D) * sc.to(tl.float32))[:, :, None]
+    dmin_mn = (load_f16(blk + DMIN) * mn.to(tl.float32))[:, :, None]
+    return d_sc * in_two_23(code | F32_TWO_23_BITS, 0) - dmin_mn
 
 
 @triton.jit
@@ -312,7 +311,7 @@ def _q6_k_values(blk, t):
         ((qh >> (2 * (r // Q6_QH_HALF))[None, :]) & CRUMB) << NIBBLE_BITS
     )
     sc = tl.load((blk + Q6_K_SCALES + (t // Q6_SUB)[None, :]).to(tl.pointer_type(tl.int8))).to(tl.float32)
-    return (_f16(blk + Q6_K_D) * sc) * _in_two_23(code | F32_TWO_23_BITS, Q6_BIAS)
+    return (load_f16(blk + Q6_K_D) * sc) * in_two_23(code | F32_TWO_23_BITS, Q6_BIAS)
 
 
 @triton.jit
@@ -332,7 +331,7 @@ def _flat_values(blk, t, FMT: tl.constexpr):
         v = _q6_k_values(blk, t)
     elif FMT == FMT_Q8_0:
         q = tl.load((blk + Q8_0_QS + t[None, :]).to(tl.pointer_type(tl.int8))).to(tl.float32)
-        v = _f16(blk + Q8_0_D) * q
+        v = load_f16(blk + Q8_0_D) * q
     elif FMT == FMT_Q4_0:
         v = _nibble_values(blk, t, Q4_0_D, NO_FIELD, NO_FIELD, Q4_0_QS, Q4_BIAS)
     elif FMT == FMT_Q4_1:
@@ -396,12 +395,12 @@ def unit_values(blk, FMT: tl.constexpr, VALUES: tl.constexpr):
     return v
 
 
-def _unit_values(fmt: Format, k: int) -> int:
+def decode_unit(fmt: Format, k: int) -> int:
     """Values a unit of the decode: a block of a quantized format; a float format's run of up to 32 values,
     a power of two dividing the row (a float row is any length)."""
     if LAYOUTS[fmt].values > 1:
         return LAYOUTS[fmt].values
-    return _largest_pow2_dividing(k, QK)
+    return largest_pow2_dividing(k, QK)
 
 
 def dequantize(w: torch.Tensor, fmt: Format, n: int, k: int, out: torch.Tensor) -> torch.Tensor:
@@ -418,7 +417,7 @@ def dequantize(w: torch.Tensor, fmt: Format, n: int, k: int, out: torch.Tensor) 
     check_rows(w, fmt, n, k)
     if out.dtype not in DEQUANT_OUT or out.dim() != 2 or tuple(out.shape) != (n, k) or out.stride(1) != 1:
         raise ValueError(f"out must be an f16 or f32 ({n}, {k}) tensor with unit column stride")
-    values = _unit_values(fmt, k)
+    values = decode_unit(fmt, k)
     units_a_row = k // values
     units = n * units_a_row
     if units == 0:

@@ -41,30 +41,48 @@ from torch import Tensor
 
 from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format, row_bytes
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv.parts import part_rows, parts_args, store_parts
-from fuselane.lanes.cuda.triton.gemv.rows import Part, check_rows
-
-
-def _c(value: int | float) -> tl.constexpr:
-    return tl.constexpr(value)
-
-
-def _off(fmt: Format, field: str) -> tl.constexpr:
-    return _c(LAYOUTS[fmt].field(field).offset)
-
-
-# --- layout facts (formats.LAYOUTS), as constexprs the kernels read ----------------------------------------------
-
-FMT_F16, FMT_Q8_0, FMT_Q5_0 = _c(Format.F16.value), _c(Format.Q8_0.value), _c(Format.Q5_0.value)
-FMT_Q4_K, FMT_Q6_K = _c(Format.Q4_K.value), _c(Format.Q6_K.value)
-Q8_0_BYTES, Q8_0_D, Q8_0_QS = _c(LAYOUTS[Format.Q8_0].nbytes), _off(Format.Q8_0, "d"), _off(Format.Q8_0, "qs")
-Q5_0_BYTES, Q5_0_D = _c(LAYOUTS[Format.Q5_0].nbytes), _off(Format.Q5_0, "d")
-Q5_0_QH, Q5_0_QS = _off(Format.Q5_0, "qh"), _off(Format.Q5_0, "qs")
-Q4_K_BYTES, Q4_K_D, Q4_K_DMIN = _c(LAYOUTS[Format.Q4_K].nbytes), _off(Format.Q4_K, "d"), _off(Format.Q4_K, "dmin")
-Q4_K_SCALES, Q4_K_QS = _off(Format.Q4_K, "scales"), _off(Format.Q4_K, "qs")
-Q6_K_BYTES, Q6_K_D, Q6_K_SCALES = _c(LAYOUTS[Format.Q6_K].nbytes), _off(Format.Q6_K, "d"), _off(Format.Q6_K, "scales")
-Q6_K_QL, Q6_K_QH = _off(Format.Q6_K, "ql"), _off(Format.Q6_K, "qh")
-QK_C, QK_K_C = _c(QK), _c(QK_K)
+from fuselane.lanes.cuda.triton.gemv.layout import (
+    BYTE,
+    BYTE_BITS,
+    F32_TWO_23_BITS,
+    FMT_F16,
+    FMT_Q4_K,
+    FMT_Q5_0,
+    FMT_Q6_K,
+    FMT_Q8_0,
+    HALF_WORD_BITS,
+    NIBBLE,
+    NIBBLE_BITS,
+    Q4_K_BYTES,
+    Q4_K_D,
+    Q4_K_DMIN,
+    Q4_K_QS,
+    Q4_K_SCALES,
+    Q5_0_BYTES,
+    Q5_0_D,
+    Q5_0_QH,
+    Q5_0_QS,
+    Q5_BIAS,
+    Q6_BIAS,
+    Q6_HALF,
+    Q6_HIGH_SUBS,
+    Q6_K_BYTES,
+    Q6_K_D,
+    Q6_K_QH,
+    Q6_K_QL,
+    Q6_K_SCALES,
+    Q6_QH_HALF,
+    Q6_QL_HALF,
+    Q8_0_BYTES,
+    Q8_0_D,
+    Q8_0_QS,
+    QK_C,
+    QK_K_C,
+    WORD,
+    const,
+    in_two_23,
+)
+from fuselane.lanes.cuda.triton.gemv.parts import Part, check_rows, part_rows, parts_args, store_parts
 
 # --- tiles -------------------------------------------------------------------------------------------------------
 
@@ -72,9 +90,9 @@ QK_C, QK_K_C = _c(QK), _c(QK_K)
 # half) and values a unit. Eight rows a tile (TILES below has each format's): a 4096-row product is 512 programs,
 # ~4 for each of an H200's 132 SMs, so small products still fill the machine; the chunk follows (2 super-
 # blocks, 16 blocks, 512 f16 values an iteration).
-K_RUNS, Q6_RUNS = _c(8), _c(8)
+K_RUNS, Q6_RUNS = const(8), const(8)
 GROUPS = {Format.Q4_K: K_RUNS.value, Format.Q6_K: Q6_RUNS.value, Format.Q8_0: 1, Format.Q5_0: 1, Format.F16: 1}
-GROUPS_C = _c({int(f): g for f, g in GROUPS.items()})
+GROUPS_C = const({int(f): g for f, g in GROUPS.items()})
 UNIT_VALUES = {Format.Q4_K: QK_K, Format.Q6_K: QK_K, Format.Q8_0: QK, Format.Q5_0: QK, Format.F16: QK}
 WARPS, LANES = 4, 32
 # Tiles by format: (rows a program, (row, group)s a thread a chunk: each one 16 bytes of codes in flight and
@@ -94,33 +112,31 @@ DEFAULT_TILE = (8, 1)
 # set False to time the other schedule.
 PREFETCH_FENCE = True
 
-QUAD = _c(4)  # a thread's group as quads: 4 words (16 bytes) of codes, or 4 values (one 16-byte f32 load)
-PAIR = _c(2)  # 2-byte loads: the most that the 2-aligned blocks of Q8_0, Q5_0 and Q6_K allow
-WORD_BYTES, BYTE_BITS, NIBBLE_BITS, HALF_WORD_BITS = _c(4), _c(8), _c(4), _c(16)
-NIBBLE, BYTE, HALF_WORD = _c(0x0F), _c(0xFF), _c(0xFFFF)
-F32_TWO_23_BITS, F32_TWO_23 = _c(0x4B000000), _c(8388608.0)  # 2^23; OR-ing in u < 2^23 gives 2^23 + u
-F32_EXP_BIAS, F32_MANT_BITS = _c(127), _c(23)
+QUAD = const(4)  # a thread's group as quads: 4 words (16 bytes) of codes, or 4 values (one 16-byte f32 load)
+PAIR = const(2)  # 2-byte loads: the most that the 2-aligned blocks of Q8_0, Q5_0 and Q6_K allow
+HALF_WORD = const(0xFFFF)
+F32_EXP_BIAS, F32_MANT_BITS = const(127), const(23)
 # Q4_K: a pair j of sub-blocks (2j in the low nibbles, 2j + 1 in the high ones) is 32 qs bytes, 64 values
-PAIR_BYTES, PAIR_VALUES, RUN_BYTES, PAIR_RUNS = _c(32), _c(64), _c(16), _c(2)
-LOW_3_BYTES = _c(0xFFFFFF)  # bytes 0-2 of a word: their nibbles in place stay below 2^23's bits
-TOP_SHIFT = _c(12)  # the word 12 bits down: byte 2's high nibble at bits 8-11, byte 3's nibbles at 12-19
+PAIR_BYTES, PAIR_VALUES, RUN_BYTES, PAIR_RUNS = const(32), const(64), const(16), const(2)
+LOW_3_BYTES = const(0xFFFFFF)  # bytes 0-2 of a word: their nibbles in place stay below 2^23's bits
+TOP_SHIFT = const(12)  # the word 12 bits down: byte 2's high nibble at bits 8-11, byte 3's nibbles at 12-19
 # Q4_K's 12 scale bytes as 16-bit pairs: pair j < 2 has its 6-bit scales in bytes 2j, 2j + 1 and its mins
 # four bytes on; j >= 2 has both's low 4 bits as the nibbles of bytes 2j + 4, 2j + 5 and their top 2 bits
 # as the top bits of bytes 2j - 4, 2j - 3 (scales) and 2j, 2j + 1 (mins).
-K_LOW_PAIRS, K_MIN_BYTES, TOP_TWO_SHIFT = _c(2), _c(4), _c(2)
-SIX_BITS_2, NIBBLE_2, TOP_TWO_2 = _c(0x3F3F), _c(0x0F0F), _c(0x3030)  # per byte of a 16-bit pair
+K_LOW_PAIRS, K_MIN_BYTES, TOP_TWO_SHIFT = const(2), const(4), const(2)
+SIX_BITS_2, NIBBLE_2, TOP_TWO_2 = const(0x3F3F), const(0x0F0F), const(0x3030)  # per byte of a 16-bit pair
 # Q6_K: two halves of 128 values; byte b (0..63) of a half's ql holds value b (sub-block b // 16) in its low
 # nibble and 64 + b (four sub-blocks on) in its high one; qh byte b % 32 of the half holds their top 2 bits
 # as crumbs b // 32 and 2 + b // 32. A 16-byte run r of a half's ql is one sub-block of each nibble.
-Q6_HALF_RUNS, Q6_RUN, Q6_HALF, Q6_QL_HALF, Q6_QH_HALF = _c(4), _c(16), _c(128), _c(64), _c(32)
-Q6_QH_RUNS, Q6_HIGH_SUBS, Q6_SUBS_HALF = _c(2), _c(4), _c(8)
-Q6_CRUMB_SHIFT = _c(4)  # qh << (4 - 2 (r // 2)) puts both crumbs of a byte 4 bits over their nibbles
-Q6_CRUMB = _c(0x30)
-Q6_BIAS, Q5_BIAS, SIGNED_BIAS = _c(32), _c(16), _c(128)  # value = scale * (code - bias)
-SIGN_BITS = _c(0x8080)  # XOR-ed into two signed bytes: q + 128 each, unsigned
-HALF_BLOCK = _c(16)  # Q8_0: bytes 0-15 and 16-31; Q5_0: values 0-15 (low nibbles) and 16-31 (high ones)
-FIFTH_BIT = _c(0x10)  # Q5_0: a code's fifth bit, over its low nibble
-F16_RUN = _c(8)  # F16: a unit's 32 values as 4 runs of 8, a quad of each plane
+Q6_HALF_RUNS, Q6_RUN = const(4), const(16)
+Q6_QH_RUNS, Q6_SUBS_HALF = const(2), const(8)
+Q6_CRUMB_SHIFT = const(4)  # qh << (4 - 2 (r // 2)) puts both crumbs of a byte 4 bits over their nibbles
+Q6_CRUMB = const(0x30)
+SIGNED_BIAS = const(128)  # Q8_0: value = d * ((q + 128) - 128), q + 128 unsigned
+SIGN_BITS = const(0x8080)  # XOR-ed into two signed bytes: q + 128 each, unsigned
+HALF_BLOCK = const(16)  # Q8_0: bytes 0-15 and 16-31; Q5_0: values 0-15 (low nibbles) and 16-31 (high ones)
+FIFTH_BIT = const(0x10)  # Q5_0: a code's fifth bit, over its low nibble
+F16_RUN = const(8)  # F16: a unit's 32 values as 4 runs of 8, a quad of each plane
 
 
 # the alignments the loads take for granted: Q4_K a 16-byte header (d, dmin, scales) and 16-byte runs;
@@ -136,27 +152,21 @@ for _lay in (LAYOUTS[Format.Q8_0], LAYOUTS[Format.Q5_0], LAYOUTS[Format.Q6_K]):
 
 
 @triton.jit
-def _ld(ptr):
+def ld_once(ptr):
     """Weight bytes, read once: evict_first keeps them from pushing the activations out of L2."""
     return tl.load(ptr, eviction_policy="evict_first")
 
 
 @triton.jit
-def _ld16(ptr, F16: tl.constexpr = False):
+def ld16(ptr, F16: tl.constexpr = False):
     """The 2-byte words at byte pointers `ptr` (2-aligned), as int32, or as f16 values (F16) in f32."""
-    return _ld(ptr.to(tl.pointer_type(tl.float16 if F16 else tl.uint16))).to(tl.float32 if F16 else tl.int32)
+    return ld_once(ptr.to(tl.pointer_type(tl.float16 if F16 else tl.uint16))).to(tl.float32 if F16 else tl.int32)
 
 
 @triton.jit
 def _acts(ptr, live, MASKED: tl.constexpr):
     """Activations as f32 (default caching: every program re-reads them); 0 past the row."""
     return tl.load(ptr, mask=live if MASKED else None, other=0.0 if MASKED else None).to(tl.float32)
-
-
-@triton.jit
-def _in_two_23(bits, bias):
-    """u - bias as f32, exactly, from `bits`: 2^23's bits with an integer 0 <= u < 2^23 OR-ed in."""
-    return bits.to(tl.float32, bitcast=True) - (bias + F32_TWO_23)
 
 
 @triton.jit
@@ -190,7 +200,7 @@ def _quads(wa, wb, BLOCK_N: tl.constexpr, G: tl.constexpr):
     return tl.reshape(wa, [BLOCK_N, G, QUAD, QUAD]), tl.reshape(wb, [BLOCK_N, G, QUAD, QUAD])
 
 
-# --- per format: decoding a chunk's raw bytes (`_raw`, loaded a chunk ahead) -------------------------------------
+# --- per format: decoding a chunk's raw bytes (`load_chunk`, loaded a chunk ahead) ----------------------------------
 #
 # Each `_w_*` returns two f32 planes (wa, wb) [N, G, 4, 4], which meet the activations `_activations` loads.
 
@@ -198,8 +208,8 @@ def _quads(wa, wb, BLOCK_N: tl.constexpr, G: tl.constexpr):
 @triton.jit
 def _header_u16(h0, h1, h2, h3, off):
     """The 16-bit word at byte `off` (even, < 16) of a Q4_K header held as 4 words."""
-    word = tl.where(off < WORD_BYTES, h0, tl.where(off < 2 * WORD_BYTES, h1, tl.where(off < 3 * WORD_BYTES, h2, h3)))
-    return (word >> ((off % WORD_BYTES) * BYTE_BITS)) & HALF_WORD
+    word = tl.where(off < WORD, h0, tl.where(off < 2 * WORD, h1, tl.where(off < 3 * WORD, h2, h3)))
+    return (word >> ((off % WORD) * BYTE_BITS)) & HALF_WORD
 
 
 @triton.jit
@@ -248,13 +258,13 @@ def _w_q4_k(raw, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     e_hi = tl.where(t < 2, t * BYTE_BITS + NIBBLE_BITS, t * BYTE_BITS - TOP_SHIFT + NIBBLE_BITS)
     lo = tl.where(t < 3, w_in_place, w_down) & (_at(NIBBLE, e_lo) | F32_TWO_23_BITS)
     hi = tl.where(t < 2, w_in_place, w_down) & (_at(NIBBLE, e_hi) | F32_TWO_23_BITS)
-    wa = _in_two_23(lo, 0.0) * (ds_a * _pow2(e_lo)) - dm_a
-    wb = _in_two_23(hi, 0.0) * (ds_b * _pow2(e_hi)) - dm_b
+    wa = in_two_23(lo, 0.0) * (ds_a * _pow2(e_lo)) - dm_a
+    wb = in_two_23(hi, 0.0) * (ds_b * _pow2(e_hi)) - dm_b
     return wa, wb
 
 
 @triton.jit
-def _q6_k_runs(u0, CHUNK: tl.constexpr):
+def q6_k_runs(u0, CHUNK: tl.constexpr):
     """Q6_K: each group's (a ql run's) unit, half and run of the half, [G] each."""
     g = tl.arange(0, CHUNK * Q6_RUNS)
     return g // Q6_RUNS + u0, (g % Q6_RUNS) // Q6_HALF_RUNS, g % Q6_HALF_RUNS
@@ -264,7 +274,7 @@ def _q6_k_runs(u0, CHUNK: tl.constexpr):
 def _w_q6_k(raw, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     """Q6_K: value = d * scale * (code - 32); wa the low nibbles of a run, wb the high ones."""
     d, sc_lo, sc_hi, ql, qh = raw
-    _, _, r = _q6_k_runs(0, CHUNK)
+    _, _, r = q6_k_runs(0, CHUNK)
     ds_a = (d * sc_lo.to(tl.float32))[:, :, None, None, None]
     ds_b = (d * sc_hi.to(tl.float32))[:, :, None, None, None]
     ql, e = _bytes(ql | F32_TWO_23_BITS)
@@ -273,8 +283,8 @@ def _w_q6_k(raw, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     e_lo, e_hi = e * BYTE_BITS, e * BYTE_BITS + NIBBLE_BITS
     lo = (ql & (_at(NIBBLE, e_lo) | F32_TWO_23_BITS)) | (top & _at(Q6_CRUMB, e_lo))
     hi = (ql & (_at(NIBBLE, e_hi) | F32_TWO_23_BITS)) | (top & _at(Q6_CRUMB, e_hi))
-    wa = _in_two_23(lo, _at(Q6_BIAS, e_lo).to(tl.float32)) * (ds_a * _pow2(e_lo))
-    wb = _in_two_23(hi, _at(Q6_BIAS, e_hi).to(tl.float32)) * (ds_b * _pow2(e_hi))
+    wa = in_two_23(lo, _at(Q6_BIAS, e_lo).to(tl.float32)) * (ds_a * _pow2(e_lo))
+    wb = in_two_23(hi, _at(Q6_BIAS, e_hi).to(tl.float32)) * (ds_b * _pow2(e_hi))
     return _quads(wa, wb, BLOCK_N, CHUNK * Q6_RUNS)
 
 
@@ -288,8 +298,8 @@ def _w_q8_0(raw, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     mask = _at(BYTE, e * BYTE_BITS) | F32_TWO_23_BITS  # byte e in place: 2^(8e) times its code
     bias = _at(SIGNED_BIAS, e * BYTE_BITS).to(tl.float32)
     scale = d[:, :, None, None, None] * _pow2(e * BYTE_BITS)
-    wa = _in_two_23(qa & mask, bias) * scale
-    wb = _in_two_23(qb & mask, bias) * scale
+    wa = in_two_23(qa & mask, bias) * scale
+    wb = in_two_23(qb & mask, bias) * scale
     return _quads(wa, wb, BLOCK_N, CHUNK)
 
 
@@ -306,8 +316,8 @@ def _w_q5_0(raw, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     hi = ((fifth >> HALF_WORD_BITS) << (e_hi + NIBBLE_BITS)) & _at(FIFTH_BIT, e_hi)
     hi |= qs & (_at(NIBBLE, e_hi) | F32_TWO_23_BITS)
     d = d[:, :, None, None, None]
-    wa = _in_two_23(lo, _at(Q5_BIAS, e_lo).to(tl.float32)) * (d * _pow2(e_lo))
-    wb = _in_two_23(hi, _at(Q5_BIAS, e_hi).to(tl.float32)) * (d * _pow2(e_hi))
+    wa = in_two_23(lo, _at(Q5_BIAS, e_lo).to(tl.float32)) * (d * _pow2(e_lo))
+    wb = in_two_23(hi, _at(Q5_BIAS, e_hi).to(tl.float32)) * (d * _pow2(e_hi))
     return _quads(wa, wb, BLOCK_N, CHUNK)
 
 
@@ -315,11 +325,11 @@ def _w_q5_0(raw, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _raw(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
+def load_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
     """Units u0.. of each row (`w_rows`: [N] uint8 pointers) as a tuple of [N, G, ...] tiles of raw bytes;
     with CLAMP (a partial last chunk) units past the row read its last unit."""
     if FMT == FMT_Q6_K:
-        unit, half, r = _q6_k_runs(u0, CHUNK)
+        unit, half, r = q6_k_runs(u0, CHUNK)
     else:
         unit = tl.arange(0, CHUNK * GROUPS_C[FMT]) // GROUPS_C[FMT] + u0
     if CLAMP:
@@ -328,26 +338,32 @@ def _raw(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constex
         blk = (w_rows[:, None] + (unit * Q4_K_BYTES)[None, :])[:, :, None]
         run = blk + ((tl.arange(0, CHUNK * K_RUNS) % K_RUNS) * RUN_BYTES + Q4_K_QS)[None, :, None]
         words = tl.arange(0, QUAD)[None, None, :]
-        raw = _ld(blk.to(tl.pointer_type(tl.uint32)) + words), _ld(run.to(tl.pointer_type(tl.uint32)) + words)
+        raw = ld_once(blk.to(tl.pointer_type(tl.uint32)) + words), ld_once(run.to(tl.pointer_type(tl.uint32)) + words)
     elif FMT == FMT_Q6_K:  # d, the run's two scales, its 16 ql bytes and the 16 qh bytes of their crumbs
         blk = w_rows[:, None] + (unit * Q6_K_BYTES)[None, :]
         sc = (blk + (half * Q6_SUBS_HALF + r + Q6_K_SCALES)[None, :]).to(tl.pointer_type(tl.int8))
         ql = (blk + (half * Q6_QL_HALF + r * Q6_RUN + Q6_K_QL)[None, :])[:, :, None, None] + _quads_of(PAIR, PAIR)
         qh = (blk + (half * Q6_QH_HALF + (r % Q6_QH_RUNS) * Q6_RUN + Q6_K_QH)[None, :])[:, :, None, None]
-        raw = _ld16(blk + Q6_K_D, True), _ld(sc), _ld(sc + Q6_HIGH_SUBS), _ld16(ql), _ld16(qh + _quads_of(PAIR, PAIR))
+        raw = (
+            ld16(blk + Q6_K_D, True),
+            ld_once(sc),
+            ld_once(sc + Q6_HIGH_SUBS),
+            ld16(ql),
+            ld16(qh + _quads_of(PAIR, PAIR)),
+        )
     elif FMT == FMT_Q8_0:  # d and the block's two 16-byte halves
         blk = w_rows[:, None] + (unit * Q8_0_BYTES)[None, :]
         qs = blk[:, :, None, None] + Q8_0_QS + _quads_of(PAIR, PAIR)
-        raw = _ld16(blk + Q8_0_D, True), _ld16(qs), _ld16(qs + HALF_BLOCK)
+        raw = ld16(blk + Q8_0_D, True), ld16(qs), ld16(qs + HALF_BLOCK)
     elif FMT == FMT_Q5_0:  # d, qh as little-endian 32 bits, the 16 qs bytes
         blk = w_rows[:, None] + (unit * Q5_0_BYTES)[None, :]
-        qh = _ld16(blk + Q5_0_QH) | (_ld16(blk + Q5_0_QH + PAIR) << HALF_WORD_BITS)
-        raw = _ld16(blk + Q5_0_D, True), qh, _ld16(blk[:, :, None, None] + Q5_0_QS + _quads_of(PAIR, PAIR))
+        qh = ld16(blk + Q5_0_QH) | (ld16(blk + Q5_0_QH + PAIR) << HALF_WORD_BITS)
+        raw = ld16(blk + Q5_0_D, True), qh, ld16(blk[:, :, None, None] + Q5_0_QS + _quads_of(PAIR, PAIR))
     else:
         tl.static_assert(FMT == FMT_F16, "no fast GEMV for this format")
         rows = w_rows.to(tl.pointer_type(tl.float16))[:, None, None, None]
         rows += unit[None, :, None, None] * QK_C + _quads_of(QUAD, 1, F16_RUN)
-        raw = _ld(rows), _ld(rows + QUAD)
+        raw = ld_once(rows), ld_once(rows + QUAD)
     return raw
 
 
@@ -361,7 +377,7 @@ def _activations(x, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, BLOCK_N: tl.co
         off = unit * QK_K_C + (run // PAIR_RUNS) * PAIR_VALUES + (run % PAIR_RUNS) * RUN_BYTES + _quads_of(QUAD, 1)
         second: tl.constexpr = PAIR_BYTES
     elif FMT == FMT_Q6_K:  # run r of a half; xb is 64 values on (high nibbles)
-        unit, half, r = _q6_k_runs(u0, CHUNK)
+        unit, half, r = q6_k_runs(u0, CHUNK)
         off = (unit * QK_K_C + half * Q6_HALF + r * Q6_RUN)[None, :, None, None] + _quads_of(QUAD, 1)
         unit = unit[None, :, None, None]
         second: tl.constexpr = Q6_QL_HALF
@@ -403,7 +419,7 @@ def _fma(acc, raw, xa, xb, live, FMT: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK
 
 
 @triton.jit
-def _row_dots(w_a, w_b, x, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr,
+def row_dots(w_a, w_b, x, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr,
               FENCE: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """x . row for the tile's rows of `w_a` (and of `w_b` where TWO), [N] f32 each: every iteration loads the
     next chunk's weights, then decodes and accumulates this one's. The first chunk's loads are written before
@@ -411,19 +427,19 @@ def _row_dots(w_a, w_b, x, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_UNITS: tl
     CHUNKS: tl.constexpr = (N_UNITS + CHUNK - 1) // CHUNK
     PARTIAL: tl.constexpr = N_UNITS % CHUNK != 0
     G: tl.constexpr = CHUNK * (K_RUNS if FMT == FMT_Q4_K else (Q6_RUNS if FMT == FMT_Q6_K else 1))
-    raw_a = _raw(w_a, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
+    raw_a = load_chunk(w_a, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
     raw_b = raw_a
     acc_a = tl.zeros([BLOCK_N, G, QUAD, QUAD], tl.float32)
     acc_b = tl.zeros([1], tl.float32)  # a placeholder where not TWO
     if TWO:
-        raw_b = _raw(w_b, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
+        raw_b = load_chunk(w_b, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
         acc_b = tl.zeros([BLOCK_N, G, QUAD, QUAD], tl.float32)
     pdl.wait(PDL)
     for c in range(0, CHUNKS - 1):
         u0 = c * CHUNK
-        next_a = _raw(w_a, u0 + CHUNK, FMT, N_UNITS, CHUNK, PARTIAL)
+        next_a = load_chunk(w_a, u0 + CHUNK, FMT, N_UNITS, CHUNK, PARTIAL)
         if TWO:
-            next_b = _raw(w_b, u0 + CHUNK, FMT, N_UNITS, CHUNK, PARTIAL)
+            next_b = load_chunk(w_b, u0 + CHUNK, FMT, N_UNITS, CHUNK, PARTIAL)
         if FENCE:  # keeps ptxas from sinking the loads above to the loop's end (see PREFETCH_FENCE)
             tl.debug_barrier()
         xa, xb, live = _activations(x, u0, FMT, N_UNITS, BLOCK_N, CHUNK, False)
@@ -445,24 +461,16 @@ def _row_dots(w_a, w_b, x, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_UNITS: tl
 
 @triton.jit
 def _parts_kernel(
-    x,
-    w0, n0, out0, pitch0, bias0, pos0,
-    w1, n1, out1, pitch1, bias1, pos1,
-    w2, n2, out2, pitch2, bias2, pos2,
-    w3, n3, out3, pitch3, bias3, pos3,
-    t1, t2, t3, res,
+    x, parts, res,
     FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     FENCE: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.release(PDL)
-    part, rows, n, w_rows = part_rows(w0, n0, w1, n1, w2, n2, w3, n3, t1, t2, t3, ROW_BYTES, BLOCK_N)
-    y, _ = _row_dots(w_rows, w_rows, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, PDL)
-    store_parts(
-        y, rows, part, n,
-        out0, pitch0, bias0, pos0, out1, pitch1, bias1, pos1, out2, pitch2, bias2, pos2, out3, pitch3, bias3, pos3,
-        res, PARTS, BIAS, AT_ROW, HAS_RES,
-    )  # fmt: skip
+    # `parts`: a `parts.PartsArgs` (the parts' pointers, sizes and pitches as one tuple argument)
+    part, rows, n, w_rows = part_rows(parts, ROW_BYTES, BLOCK_N)
+    y, _ = row_dots(w_rows, w_rows, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, PDL)
+    store_parts(y, rows, part, n, parts, res, PARTS, BIAS, AT_ROW, HAS_RES)
 
 
 @triton.jit
@@ -471,7 +479,7 @@ def _glu_kernel(x, w_gate, w_up, n, out, FMT: tl.constexpr, N_UNITS: tl.constexp
     pdl.release(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_off = tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
-    gate, up = _row_dots(w_gate + row_off, w_up + row_off, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True, PDL)
+    gate, up = row_dots(w_gate + row_off, w_up + row_off, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True, PDL)
     # SiLU(g) = g / (1 + e^-g): for a very negative g, e^-g is inf and the quotient a signed zero, as it should
     tl.store(out + rows, gate / (1.0 + tl.exp(-gate)) * up, mask=rows < n)
 
@@ -484,7 +492,7 @@ def supports_fast(fmt: Format | int, m: int) -> bool:
     return m == 1 and fmt in GROUPS
 
 
-def _plan(
+def launch_plan(
     fmt: Format, k: int, block_n: int | None, warps: int | None, per_thread: int | None = None, *, glu: bool = False
 ) -> dict:
     """The launch's constexprs and warps. A chunk is as many units as give every thread `per_thread` (row,
@@ -516,7 +524,7 @@ def _chunk(fmt: Format, k: int, block_n: int, warps: int, per_thread: int) -> in
     return min(max(1, warps * LANES * per_thread // (block_n * GROUPS[fmt])), most)
 
 
-def _check(x: Tensor, k: int, weights: Sequence[Tensor], fmt: Format, n: int) -> None:
+def check_one_row(x: Tensor, k: int, weights: Sequence[Tensor], fmt: Format, n: int) -> None:
     if x.dim() != 2 or tuple(x.shape) != (1, k) or x.stride(1) != 1 or not x.is_floating_point():
         raise ValueError(f"x must be a float (1, {k}) tensor with unit column stride, got {tuple(x.shape)}")
     for w in weights:
@@ -528,7 +536,7 @@ def gemv_fast_parts(x: Tensor, parts: Sequence[Part | tuple], fmt: Format, *, re
                     per_thread: int | None = None) -> None:  # fmt: skip
     """One launch of up to four products of one format reading the same `x` (1, k).
 
-    Each part is a `gemv.Part` (or a tuple in its order: w, n, out, bias|None, out_row|None): its `out` gets
+    Each part is a `parts.Part` (or a tuple in its order: w, n, out, bias|None, out_row|None): its `out` gets
     x @ W^T (+ bias), (1, n), or row pos[0] of a table with out_row = (pos, pitch), the position read on the
     device. `residual` (1, n0), if given, is added to part 0 (it may be part 0's `out`). Programs map to
     (part, tile) by the parts' cumulative tile counts; `block_n`, `warps` and `per_thread` override the
@@ -536,8 +544,8 @@ def gemv_fast_parts(x: Tensor, parts: Sequence[Part | tuple], fmt: Format, *, re
     """
     fmt = Format(fmt)
     k = x.shape[-1]
-    _check(x, k, [], fmt, 1)  # the activation; parts_args checks each part's weights
-    plan = _plan(fmt, k, block_n, warps, per_thread)
+    check_one_row(x, k, [], fmt, 1)  # the activation; parts_args checks each part's weights
+    plan = launch_plan(fmt, k, block_n, warps, per_thread)
     args, flags, tiles = parts_args(parts, fmt, k, plan["BLOCK_N"], x, residual)
     _parts_kernel[(tiles,)](x, *args, **flags, **plan, **pdl.options())
 
@@ -564,9 +572,9 @@ def gemv_fast_gate_up_glu(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, 
     """out (1, n) = SiLU(x @ Wg^T) * (x @ Wu^T) in one launch, both n x k checkpoint rows in `fmt`; returns
     `out`. A program walks the same rows of both, a chunk of each an iteration, into two accumulators."""
     fmt = Format(fmt)
-    _check(x, k, [w_gate, w_up], fmt, n)
+    check_one_row(x, k, [w_gate, w_up], fmt, n)
     if tuple(out.shape) != (1, n) or not out.is_contiguous() or out.dtype != torch.float32:
         raise ValueError(f"out must be a contiguous f32 (1, {n}) tensor")
-    plan = _plan(fmt, k, block_n, warps, per_thread, glu=True)
+    plan = launch_plan(fmt, k, block_n, warps, per_thread, glu=True)
     _glu_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](x, w_gate, w_up, n, out, **plan, **pdl.options())
     return out

@@ -1,8 +1,8 @@
-"""`gemv_epilogue.gemv_add_norm`'s contract on the fast decode GEMV's tile loop (`gemv_fast`): one launch for a
+"""`epilogue.gemv_add_norm`'s contract on the fast decode GEMV's tile loop (`fast`): one launch for a
 decode step's row, sum_out = x @ W^T + residual, then out = RMS norm of sum_out times norm_w.
 
-Every program walks its BLOCK_N rows with `gemv_fast._row_dots` (the same per-format decode, prefetch and
-tile plan as `gemv_fast`) and stores its rows of sum_out with `gemv_fast`'s own epilogue; then it counts itself
+Every program walks its BLOCK_N rows with `fast.row_dots` (the same per-format decode, prefetch and
+tile plan as `fast`) and stores its rows of sum_out with `fast`'s own epilogue; then it counts itself
 done on a self-resetting device counter, and the program that finds itself last reads the whole sum_out row
 back and norms it. Unlike `gemv_add_norm`, the last program does not hold the row in registers: it walks it in
 chunks of NORM_CHUNK values twice (the sum of squares, then the scaled store), re-reading sum_out from L2,
@@ -21,7 +21,7 @@ from torch import Tensor
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.epilogue import check_add_norm
-from fuselane.lanes.cuda.triton.gemv.fast import GROUPS, _check, _plan, _row_dots
+from fuselane.lanes.cuda.triton.gemv.fast import GROUPS, check_one_row, launch_plan, row_dots
 from fuselane.lanes.cuda.triton.gemv.parts import store_row
 from fuselane.lanes.cuda.triton.quant import store_quantized
 
@@ -41,10 +41,10 @@ def _fast_add_norm_kernel(
 ):  # fmt: skip
     pdl.release(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # rows past n read the last row (no masked weight loads, as gemv_fast); the store drops them
+    # rows past n read the last row (no masked weight loads, as `fast`); the store drops them
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
-    y, _ = _row_dots(w_rows, w_rows, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, PDL)
-    # gemv_fast's epilogue: + residual (which may be sum_out itself: each program reads only the rows it writes)
+    y, _ = row_dots(w_rows, w_rows, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, PDL)
+    # fast's epilogue: + residual (which may be sum_out itself: each program reads only the rows it writes)
     store_row(y, rows, n, sum_out, 0, x, x, res, False, False, True)
 
     norm_last(sum_out, norm_w, out, n, eps, counter, out, out, out, NORM_BLOCK, NORM_STEPS, False)
@@ -52,7 +52,7 @@ def _fast_add_norm_kernel(
 
 @triton.jit
 def _write(y_norm, start, n, mask, out, oq, od, os_, Q8OUT: tl.constexpr):
-    """Values start.. of the normed row: to `out`, and where Q8OUT also as int8 activations (`gemv_q8.Q8Acts`)."""
+    """Values start.. of the normed row: to `out`, and where Q8OUT also as int8 activations (`quant.Q8Acts`)."""
     offs = start + tl.arange(0, y_norm.shape[0])
     tl.store(out + offs, y_norm.to(out.dtype.element_ty), mask=mask)
     if Q8OUT:
@@ -65,7 +65,7 @@ def norm_last(sum_out, norm_w, out, n, eps, counter, oq, od, os_, NORM_BLOCK: tl
     """A launch's end: each program, its sum_out rows stored, counts itself done on `counter`; the last one
     norms the whole row (out = sum_out / sqrt(mean(sum_out^2) + eps) * norm_w, and its int8 form where Q8OUT)
     and re-arms the counter."""
-    # Why the last program sees every program's sum_out, on the GPU (gemv_epilogue's pattern):
+    # Why the last program sees every program's sum_out, on the GPU (epilogue's pattern):
     # - the block's barrier orders all its threads' stores before the counter's atomic, which one thread does
     #   (Triton lowers an atomic on a scalar pointer to one thread, its result broadcast through shared memory);
     # - that atomic is a release at gpu scope (acq_rel): the stores it orders are visible at gpu scope (in L2,
@@ -112,7 +112,7 @@ def norm_last(sum_out, norm_w, out, n, eps, counter, oq, od, os_, NORM_BLOCK: tl
 
 def supports_fast_add_norm(fmt: Format | int, n: int, m: int = 1) -> bool:
     """Whether `gemv_fast_add_norm` takes a product of `m` rows of x in `fmt` normed over `n` values: one row, a
-    format `gemv_fast` takes; any n >= 1 (the last program walks the norm's row in chunks)."""
+    format `fast` takes; any n >= 1 (the last program walks the norm's row in chunks)."""
     return m == 1 and fmt in GROUPS and n >= 1
 
 
@@ -135,21 +135,21 @@ def gemv_fast_add_norm(
     """One launch: sum_out = x @ W^T + residual, then out = sum_out / sqrt(mean(sum_out^2) + eps) * norm_w, the
     norm done by the launch's last program over the sum_out it reads back; returns `out`.
 
-    `gemv_epilogue.gemv_add_norm`'s contract on `gemv_fast`'s kernels: `x` is (1, k) or (k,), W the n x k
-    checkpoint rows `w` in `fmt` (a format `gemv_fast` takes); `residual`, `sum_out`, `norm_w` and `out` hold n
+    `epilogue.gemv_add_norm`'s contract on `fast`'s kernels: `x` is (1, k) or (k,), W the n x k
+    checkpoint rows `w` in `fmt` (a format `fast` takes); `residual`, `sum_out`, `norm_w` and `out` hold n
     values each, contiguous. `sum_out` may be `residual`; `out` and `x` must not overlap either. `counter` is
-    `gemv_epilogue.gemv_add_norm_counter`'s, at zero, and left at zero. `block_n` and `warps` override the
-    format's tile, as in `gemv_fast`.
+    `epilogue.gemv_add_norm_counter`'s, at zero, and left at zero. `block_n` and `warps` override the
+    format's tile, as in `fast`.
     """
     fmt = Format(fmt)
     if not supports_fast_add_norm(fmt, n):
         raise ValueError(f"no fast GEMV with a norm for {fmt.name} rows of {n}")
     x2 = x.view(1, -1) if x.dim() == 1 else x
-    _check(x2, k, [w], fmt, n)
+    check_one_row(x2, k, [w], fmt, n)
     check_add_norm(residual, sum_out, norm_w, out, counter, n, x.device)
     if NORM_CHUNK < 1 or NORM_CHUNK & (NORM_CHUNK - 1):
         raise ValueError(f"NORM_CHUNK must be a power of two, not {NORM_CHUNK}")
-    plan = _plan(fmt, k, block_n, warps)
+    plan = launch_plan(fmt, k, block_n, warps)
     chunk = min(triton.next_power_of_2(n), NORM_CHUNK)
     _fast_add_norm_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](
         x2,

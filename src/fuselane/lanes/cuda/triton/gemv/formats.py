@@ -12,14 +12,14 @@ take one row's slots (a row a warp where a row has 32 slots, four rows a warp of
 has 8: the shape `kernels.rows_a_warp` promises), and a thread holds its slot's A bytes in registers: it
 decodes its slot's one or two sub-block scales once, for 2A (4-bit) or A values, reads the slot's bytes and
 activations as whole vectors, and the row's sum is a warp's shuffle-reduction, once, after the loop. The
-launcher (`gemv._plan`) picks SPLIT and UNITS so that the slots of a row are the block's threads a row and
+launcher (`rows.plan`) picks SPLIT and UNITS so that the slots of a row are the block's threads a row and
 the values a thread holds fit its registers.
 
 Why the loops look the way they do:
 - Values are never put back in order. A slot's codes come out in whatever arrangement the layout packs them
   (a byte's low and high nibbles are values 16, 32 or 64 apart); the activations are loaded in that
   arrangement instead.
-- Codes become floats by the 2^23 trick (`_in_two_23`): OR-ing an integer below 2^23 into the bits of 2^23
+- Codes become floats by the 2^23 trick (`layout.in_two_23`): OR-ing an integer below 2^23 into the bits of 2^23
   and subtracting 2^23 is two full-rate ops, where the int-to-float converter runs at a quarter of the rate
   on Hopper and would hold a 4-bit format to about half the memory bandwidth. The bits are OR-ed into a byte
   once for both its nibbles; a high nibble is kept in place (16 times its code: one AND, no shift) and its
@@ -42,154 +42,88 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format
-
-# --- layout facts, as constexprs the kernels can read --------------------------------------------------------
-
-
-def _c(value: int | float) -> tl.constexpr:
-    return tl.constexpr(value)
-
-
-def _off(fmt: Format, field: str) -> tl.constexpr:
-    return _c(LAYOUTS[fmt].field(field).offset)
-
-
-def _nbytes(fmt: Format) -> tl.constexpr:
-    return _c(LAYOUTS[fmt].nbytes)
-
-
-FMT_F32, FMT_F16, FMT_BF16 = _c(Format.F32.value), _c(Format.F16.value), _c(Format.BF16.value)
-FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 = _c(Format.Q8_0.value), _c(Format.Q4_0.value), _c(Format.Q4_1.value)
-FMT_Q5_0, FMT_Q5_1 = _c(Format.Q5_0.value), _c(Format.Q5_1.value)
-FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = _c(Format.Q4_K.value), _c(Format.Q5_K.value), _c(Format.Q6_K.value)
-
-QK_C = _c(QK)  # values of a 32-value block
-HALF_QK = _c(QK // 2)  # a 32-value 4-bit block's bytes: low nibbles are values 0-15, high nibbles 16-31
-QK_K_C = _c(QK_K)  # values of a K super-block
-NO_FIELD = _c(-1)  # a field offset a format does not have
-
-Q8_0_BYTES, Q8_0_D, Q8_0_QS = _nbytes(Format.Q8_0), _off(Format.Q8_0, "d"), _off(Format.Q8_0, "qs")
-Q4_0_BYTES, Q4_0_D, Q4_0_QS = _nbytes(Format.Q4_0), _off(Format.Q4_0, "d"), _off(Format.Q4_0, "qs")
-Q4_1_BYTES, Q4_1_D, Q4_1_QS = _nbytes(Format.Q4_1), _off(Format.Q4_1, "d"), _off(Format.Q4_1, "qs")
-Q4_1_M = _off(Format.Q4_1, "m")
-Q5_0_BYTES, Q5_0_D, Q5_0_QS = _nbytes(Format.Q5_0), _off(Format.Q5_0, "d"), _off(Format.Q5_0, "qs")
-Q5_0_QH = _off(Format.Q5_0, "qh")
-Q5_1_BYTES, Q5_1_D, Q5_1_QS = _nbytes(Format.Q5_1), _off(Format.Q5_1, "d"), _off(Format.Q5_1, "qs")
-Q5_1_M, Q5_1_QH = _off(Format.Q5_1, "m"), _off(Format.Q5_1, "qh")
-Q4_K_BYTES, Q4_K_D, Q4_K_DMIN = _nbytes(Format.Q4_K), _off(Format.Q4_K, "d"), _off(Format.Q4_K, "dmin")
-Q4_K_SCALES, Q4_K_QS = _off(Format.Q4_K, "scales"), _off(Format.Q4_K, "qs")
-Q5_K_BYTES, Q5_K_D, Q5_K_DMIN = _nbytes(Format.Q5_K), _off(Format.Q5_K, "d"), _off(Format.Q5_K, "dmin")
-Q5_K_SCALES, Q5_K_QH, Q5_K_QS = _off(Format.Q5_K, "scales"), _off(Format.Q5_K, "qh"), _off(Format.Q5_K, "qs")
-Q6_K_BYTES, Q6_K_D, Q6_K_SCALES = _nbytes(Format.Q6_K), _off(Format.Q6_K, "d"), _off(Format.Q6_K, "scales")
-Q6_K_QL, Q6_K_QH = _off(Format.Q6_K, "ql"), _off(Format.Q6_K, "qh")
-
-# --- bit facts of the codes (the formats' definitions, as in dequant.py) --------------------------------------
-
-NIBBLE_BITS = _c(4)
-NIBBLE = _c(0x0F)
-HIGH_NIBBLE = _c(0xF0)  # a byte's high nibble in place: 16 times its code
-HIGH_WEIGHT = _c(16)  # what a high nibble kept in place is worth: 16 times its code
-HIGH_STEP = _c(1.0 / 16)  # the scale of a code kept 16 times over (a power of two: exact)
-CRUMB = _c(0x3)  # a 2-bit field
-BIT = _c(0x1)
-Q4_BIAS = _c(8)  # Q4_0: value = d * (code - 8)
-Q5_BIAS = _c(16)  # Q5_0: value = d * (code - 16)
-Q6_BIAS = _c(32)  # Q6_K: value = d * scale * (code - 32)
-SIGN_BIT = _c(0x80)  # an int8's sign bit: flipping it turns the signed byte q into the unsigned q + 128
-SIGNED_BYTE_BIAS = _c(0x80)
-# Q4_K / Q5_K: 8 sub-blocks of 32, their 6-bit scales and mins packed in 12 bytes (three 32-bit words a, b,
-# c): sub-blocks 0-3 keep theirs in the low 6 bits of a byte of a (scales) and b (mins); sub-blocks 4-7 take
-# their low 4 bits from a nibble of c and their top 2 bits from the top 2 bits of a's (b's) byte.
-K_PAIRS = _c(4)  # pairs of sub-blocks: a pair's 32 qs bytes hold the first in low nibbles, the second in high
-K_LOW_SUBS = _c(4)  # sub-blocks whose scale and min are whole in one byte
-SIX_BITS = _c(0x3F)
-K_TOP_SHIFT = _c(6)  # where a byte of a / b keeps the top 2 bits of a later sub-block's scale / min
-# Q6_K: two halves of 128 values. Byte b (0..63) of a half's ql holds value b in its low nibble and value
-# 64 + b in its high one; qh byte b % 32 of the half holds their top 2 bits, as crumb b // 32 and 2 + b // 32.
-Q6_SUB = _c(16)  # values under one Q6_K scale: a slot's 16 ql bytes share one scale a nibble
-Q6_SLOTS = _c(8)  # 16-byte runs of ql a super-block has
-Q6_HALF_SLOTS = _c(4)  # ... a half has
-Q6_HALF = _c(128)  # values of a half
-Q6_QL_HALF = _c(64)  # ql bytes of a half
-Q6_QH_HALF = _c(32)  # qh bytes of a half
-Q6_HIGH_SUBS = _c(4)  # the high nibbles' sub-block is four on from the low nibbles'
-Q6_HIGH_CRUMBS = _c(4)  # ... and their top bits two crumbs (4 bits) up qh
-
-WORD = _c(4)  # bytes of the 32-bit words the K formats' headers are loaded as
-BYTE_BITS = _c(8)
-F16_BITS = _c(0xFFFF)
-HALF_WORD_BITS = _c(16)
-
-# The 2^23 trick: 0x4B000000 are the bits of 2.0**23; OR-ing an integer u < 2^23 into them gives the float
-# 2^23 + u exactly.
-F32_TWO_23_BITS = _c(0x4B000000)
-F32_TWO_23 = _c(8388608.0)
-
-
-def _check_layouts() -> None:
-    """Fail at import if a layout no longer has the alignment the loads below take for granted."""
-    for fmt in (Format.Q4_K, Format.Q5_K):
-        lay = LAYOUTS[fmt]
-        if lay.nbytes % WORD.value or lay.field("scales").offset % WORD.value:
-            raise RuntimeError(f"{fmt.name}: the GEMV loads its header as 32-bit words; the layout moved")
-    for fmt in (Format.Q5_0, Format.Q5_1):
-        lay = LAYOUTS[fmt]
-        if lay.nbytes % 2 or lay.field("qh").offset % 2:
-            raise RuntimeError(f"{fmt.name}: the GEMV loads qh as two 16-bit halves; the layout moved")
-    for fmt in (Format.Q8_0, Format.Q4_0, Format.Q4_1, Format.Q5_0, Format.Q5_1, Format.Q6_K):
-        lay = LAYOUTS[fmt]
-        names = {f.name for f in lay.fields}
-        if lay.nbytes % 2 or any(lay.field(f).offset % 2 for f in ("d", "m") if f in names):
-            raise RuntimeError(f"{fmt.name}: the GEMV loads f16 scales as 16-bit words; the layout moved")
-
-
-_check_layouts()
-
+from fuselane.gguf.formats import QK, QK_K, Format
+from fuselane.lanes.cuda.triton.gemv.layout import (
+    BIT,
+    CRUMB,
+    F32_TWO_23_BITS,
+    FMT_BF16,
+    FMT_F16,
+    FMT_F32,
+    FMT_Q4_0,
+    FMT_Q4_1,
+    FMT_Q4_K,
+    FMT_Q5_0,
+    FMT_Q5_1,
+    FMT_Q5_K,
+    FMT_Q6_K,
+    FMT_Q8_0,
+    HALF_QK,
+    HALF_WORD_BITS,
+    HIGH_NIBBLE,
+    HIGH_STEP,
+    HIGH_WEIGHT,
+    K_PAIRS,
+    NIBBLE,
+    NIBBLE_BITS,
+    NO_FIELD,
+    Q4_0_BYTES,
+    Q4_0_D,
+    Q4_0_QS,
+    Q4_1_BYTES,
+    Q4_1_D,
+    Q4_1_M,
+    Q4_1_QS,
+    Q4_BIAS,
+    Q4_K_BYTES,
+    Q4_K_D,
+    Q4_K_DMIN,
+    Q4_K_QS,
+    Q4_K_SCALES,
+    Q5_0_BYTES,
+    Q5_0_D,
+    Q5_0_QH,
+    Q5_0_QS,
+    Q5_1_BYTES,
+    Q5_1_D,
+    Q5_1_M,
+    Q5_1_QH,
+    Q5_1_QS,
+    Q5_BIAS,
+    Q5_K_BYTES,
+    Q5_K_D,
+    Q5_K_DMIN,
+    Q5_K_QH,
+    Q5_K_QS,
+    Q5_K_SCALES,
+    Q6_BIAS,
+    Q6_HALF,
+    Q6_HALF_SLOTS,
+    Q6_HIGH_CRUMBS,
+    Q6_HIGH_SUBS,
+    Q6_K_BYTES,
+    Q6_K_D,
+    Q6_K_QH,
+    Q6_K_QL,
+    Q6_K_SCALES,
+    Q6_QH_HALF,
+    Q6_QL_HALF,
+    Q6_SLOTS,
+    Q6_SUB,
+    Q8_0_BYTES,
+    Q8_0_D,
+    Q8_0_QS,
+    QK_C,
+    QK_K_C,
+    SIGN_BIT,
+    SIGNED_BYTE_BIAS,
+    f16_in_word,
+    in_two_23,
+    k_scale_min,
+    load_f16,
+)
 
 # --- decoding helpers -------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _in_two_23(bits, BIAS: tl.constexpr):
-    """u - BIAS as f32, exactly, from `bits`: 2^23's bits with an integer 0 <= u < 2^23 OR-ed in (the float
-    2^23 + u), with one subtraction and no int-to-float convert."""
-    return bits.to(tl.float32, bitcast=True) - (F32_TWO_23 + BIAS)
-
-
-@triton.jit
-def _f16(ptr):
-    """The f16 at each of `ptr` (uint8 pointers, 2-aligned), as f32."""
-    return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
-
-
-@triton.jit
-def _word(blk, OFF: tl.constexpr):
-    """The aligned 32-bit word holding byte OFF of each block (`blk`: pointers to 4-aligned blocks)."""
-    return tl.load((blk + (OFF - OFF % WORD)).to(tl.pointer_type(tl.int32)))
-
-
-@triton.jit
-def _f16_in_word(blk, OFF: tl.constexpr):
-    """The f16 at byte OFF of each 4-aligned block, read from its 32-bit word (a load the pipeliner can
-    stage asynchronously, which a 2-byte load is not), as f32."""
-    bits = (_word(blk, OFF) >> (BYTE_BITS * (OFF % WORD))) & F16_BITS
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _k_scale_min(blk, SCALES: tl.constexpr, s):
-    """Q4_K / Q5_K: the 6-bit scale and min of sub-block s[j] of block blk[r, j] ([N, B] pointers), [N, B]."""
-    a = _word(blk, SCALES)
-    b = _word(blk, SCALES + WORD)
-    c = _word(blk, SCALES + 2 * WORD)
-    shift = ((s % K_LOW_SUBS) * BYTE_BITS)[None, :]  # the byte of each word that sub-block s reads
-    sc_low = (a >> shift) & SIX_BITS
-    mn_low = (b >> shift) & SIX_BITS
-    sc_high = ((c >> shift) & NIBBLE) | (((a >> (shift + K_TOP_SHIFT)) & CRUMB) << NIBBLE_BITS)
-    mn_high = ((c >> (shift + NIBBLE_BITS)) & NIBBLE) | (((b >> (shift + K_TOP_SHIFT)) & CRUMB) << NIBBLE_BITS)
-    low = (s < K_LOW_SUBS)[None, :]
-    return tl.where(low, sc_low, sc_high), tl.where(low, mn_low, mn_high)
 
 
 @triton.jit
@@ -238,9 +172,9 @@ def _dot_k_pairs(
     acc = tl.zeros([BLOCK_M, A, BLOCK_N, B], tl.float32)
     for step in tl.range(0, STEPS, num_stages=STAGES):
         blk = _units(w_rows, step, unit, UNITS, NBYTES)
-        d, dmin = _f16_in_word(blk, D), _f16_in_word(blk, DMIN)
-        sc_lo, mn_lo = _k_scale_min(blk, SCALES, 2 * g)
-        sc_hi, mn_hi = _k_scale_min(blk, SCALES, 2 * g + 1)
+        d, dmin = f16_in_word(blk, D), f16_in_word(blk, DMIN)
+        sc_lo, mn_lo = k_scale_min(blk, SCALES, 2 * g)
+        sc_hi, mn_hi = k_scale_min(blk, SCALES, 2 * g + 1)
         # 2^23's bits OR-ed in once for both nibbles, each then kept by one AND
         q = tl.load(blk[None] + (g[None, :] * QK_C + i + QS)[:, None, :]).to(tl.int32) | F32_TWO_23_BITS
         lo, hi = q & (F32_TWO_23_BITS | NIBBLE), q & (F32_TWO_23_BITS | HIGH_NIBBLE)
@@ -248,8 +182,8 @@ def _dot_k_pairs(
             qh = tl.load(blk[None] + (i + QH)[:, None, :]).to(tl.int32)
             lo |= ((qh >> lo_bit) & BIT) << NIBBLE_BITS
             hi |= ((qh >> (lo_bit + 1)) & BIT) << (2 * NIBBLE_BITS)
-        w_lo = (d * sc_lo.to(tl.float32))[None] * _in_two_23(lo, 0) - (dmin * mn_lo.to(tl.float32))[None]
-        w_hi = (d * sc_hi.to(tl.float32) * HIGH_STEP)[None] * _in_two_23(hi, 0) - (dmin * mn_hi.to(tl.float32))[None]
+        w_lo = (d * sc_lo.to(tl.float32))[None] * in_two_23(lo, 0) - (dmin * mn_lo.to(tl.float32))[None]
+        w_hi = (d * sc_hi.to(tl.float32) * HIGH_STEP)[None] * in_two_23(hi, 0) - (dmin * mn_hi.to(tl.float32))[None]
         xs = x_rows[:, None, None] + (val + step * (UNITS * QK_K_C))[None]
         acc = _acc_dot(acc, w_lo, xs)
         acc = _acc_dot(acc, w_hi, xs + QK_C)
@@ -285,7 +219,7 @@ def _dot_q6_k(
     acc = tl.zeros([BLOCK_M, A, BLOCK_N, B], tl.float32)
     for step in tl.range(0, STEPS, num_stages=STAGES):
         blk = _units(w_rows, step, unit, UNITS, Q6_K_BYTES)
-        d = _f16(blk + Q6_K_D)
+        d = load_f16(blk + Q6_K_D)
         scales = (blk + Q6_K_SCALES + sub[None, :]).to(tl.pointer_type(tl.int8))
         sc_lo = tl.load(scales).to(tl.float32)
         sc_hi = tl.load(scales + Q6_HIGH_SUBS).to(tl.float32)
@@ -295,8 +229,8 @@ def _dot_q6_k(
         hi = (ql & (F32_TWO_23_BITS | HIGH_NIBBLE)) | (
             ((qh >> (lo_shift + Q6_HIGH_CRUMBS)) & CRUMB) << (2 * NIBBLE_BITS)
         )
-        w_lo = (d * sc_lo)[None] * _in_two_23(lo, Q6_BIAS)
-        w_hi = (d * sc_hi * HIGH_STEP)[None] * _in_two_23(hi, Q6_BIAS * HIGH_WEIGHT)
+        w_lo = (d * sc_lo)[None] * in_two_23(lo, Q6_BIAS)
+        w_hi = (d * sc_hi * HIGH_STEP)[None] * in_two_23(hi, Q6_BIAS * HIGH_WEIGHT)
         xs = x_rows[:, None, None] + (val + step * (UNITS * QK_K_C))[None]
         acc = _acc_dot(acc, w_lo, xs)
         acc = _acc_dot(acc, w_hi, xs + Q6_QL_HALF)
@@ -327,10 +261,10 @@ def _dot_q8_0(
     acc = tl.zeros([BLOCK_M, A, BLOCK_N, B], tl.float32)
     for step in tl.range(0, STEPS, num_stages=STAGES):
         blk = _units(w_rows, step, unit, UNITS, Q8_0_BYTES)
-        d = _f16(blk + Q8_0_D)
+        d = load_f16(blk + Q8_0_D)
         u = tl.load(blk[None] + (i + Q8_0_QS)[:, None, :]).to(tl.int32)
         # one XOR flips the sign bit (q + 128, unsigned) and sets 2^23's bits, which the byte does not touch
-        w = d[None] * _in_two_23(u ^ (F32_TWO_23_BITS | SIGN_BIT), SIGNED_BYTE_BIAS)
+        w = d[None] * in_two_23(u ^ (F32_TWO_23_BITS | SIGN_BIT), SIGNED_BYTE_BIAS)
         acc = _acc_dot(acc, w, x_rows[:, None, None] + (val + step * (UNITS * QK_C))[None])
     return tl.sum(tl.sum(acc, axis=1), axis=2)
 
@@ -364,7 +298,7 @@ def _dot_nibbles(
     acc = tl.zeros([BLOCK_M, A, BLOCK_N, B], tl.float32)
     for step in tl.range(0, STEPS, num_stages=STAGES):
         blk = _units(w_rows, step, unit, UNITS, NBYTES)
-        d = _f16(blk + D)
+        d = load_f16(blk + D)
         q = tl.load(blk[None] + (i + QS)[:, None, :]).to(tl.int32) | F32_TWO_23_BITS
         lo, hi = q & (F32_TWO_23_BITS | NIBBLE), q & (F32_TWO_23_BITS | HIGH_NIBBLE)
         if QH >= 0:
@@ -372,10 +306,10 @@ def _dot_nibbles(
             qh = (tl.load(qh_ptr).to(tl.int32) | (tl.load(qh_ptr + 1).to(tl.int32) << HALF_WORD_BITS))[None]
             lo |= ((qh >> i[:, None, :]) & BIT) << NIBBLE_BITS
             hi |= ((qh >> (i + HALF_QK)[:, None, :]) & BIT) << (2 * NIBBLE_BITS)
-        w_lo = d[None] * _in_two_23(lo, BIAS)
-        w_hi = (d * HIGH_STEP)[None] * _in_two_23(hi, BIAS * HIGH_WEIGHT)
+        w_lo = d[None] * in_two_23(lo, BIAS)
+        w_hi = (d * HIGH_STEP)[None] * in_two_23(hi, BIAS * HIGH_WEIGHT)
         if M >= 0:
-            m = _f16(blk + M)[None]
+            m = load_f16(blk + M)[None]
             w_lo += m
             w_hi += m
         xs = x_rows[:, None, None] + (val + step * (UNITS * QK_C))[None]

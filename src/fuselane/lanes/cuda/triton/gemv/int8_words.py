@@ -1,4 +1,4 @@
-"""Word-level pieces of the int8 GEMVs (`gemv_q8`): `dp4a` (four int8 products summed into an int32) and the
+"""Word-level pieces of the int8 GEMVs (`q8`): `dp4a` (four int8 products summed into an int32) and the
 loads that keep a run's 32-bit words in the thread that loaded them.
 
 Why in the thread: loaded as [N, G, 4] tensors, Triton spreads a run's four words over four lanes and
@@ -18,7 +18,12 @@ import os
 import triton
 import triton.language as tl
 
-from fuselane.lanes.cuda.triton.gemv.fast import BYTE, BYTE_BITS, HALF_WORD_BITS, PAIR
+from fuselane.lanes.cuda.triton.gemv.fast import PAIR
+from fuselane.lanes.cuda.triton.gemv.layout import (
+    BYTE,
+    BYTE_BITS,
+    HALF_WORD_BITS,
+)
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # no inline PTX under the interpreter
 WORD_BYTES = tl.constexpr(4)

@@ -1,25 +1,105 @@
-"""A decode GEMV launch in parts (`gemv_fast`, `gemv_q8`): up to four products of one activation, programs
+"""A decode GEMV launch in parts (`rows`, `fast`, `q8`): up to four products of one activation, programs
 mapped to (part, tile) by the parts' cumulative tile counts, each part with its own epilogue (a bias, a
 residual, or a row of a table at a position read on the device).
 
-The kernels call `part_rows` for their program's part and rows and `store_parts` for its epilogue; the
-launchers build the arguments with `parts_args`.
+The grouped-argument convention: a kernel in parts takes its parts as one Triton tuple argument, `PartsArgs`
+(each part's `PartArgs` (w, n, out, pitch, bias, pos), then the first tiles of parts 1-3), where it once
+took 27 scalars. Triton flattens a tuple argument in order, so the kernel's parameters, their
+specialization and the code are what they were; an item is read with a constant index (`parts.items[1].out`).
+
+Host side: `Part` (what a caller asks for), the checks, `parts_args` (the one-row GEMVs' arguments) and
+`pack_parts`. Device side: `part_rows` (this program's part and rows), `store_parts` (its epilogue), `pick`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuselane.gguf.formats import Format
-from fuselane.lanes.cuda.triton.gemv.rows import Part, _check_bias, _out_args, check_rows
+from fuselane.gguf.formats import Format, row_bytes
 
 PARTS_MOST = 4  # products one `gemv_fast_parts` launch takes
-NO_TILE = 2**31 - 1  # stand-in tile boundary of an absent part: no program id reaches it
+
+# Stand-in for a part's tile boundary when the launch has fewer parts: no program id reaches it.
+NO_TILE = 2**31 - 1
+
+
+class Part(NamedTuple):
+    """One product of a launch in parts: `out` (m, n) = x @ W^T (+ `bias`), or, with `out_row` =
+    (pos, pitch), row r written at row pos[0] + r of the table `out` whose rows are `pitch` values apart."""
+
+    w: torch.Tensor
+    n: int
+    out: torch.Tensor
+    bias: torch.Tensor | None = None
+    out_row: tuple[torch.Tensor, int] | None = None
+
+
+class PartArgs(NamedTuple):
+    """One part as a kernel takes it: weights, rows, output and its row pitch, bias and position tensor
+    (any device tensor stands in for an absent bias or position, and for an absent part's pointers: never
+    read)."""
+
+    w: Tensor
+    n: int
+    out: Tensor
+    pitch: int
+    bias: Tensor
+    pos: Tensor
+
+
+class PartsArgs(NamedTuple):
+    """A launch in parts' one tuple argument: PARTS_MOST `PartArgs` (absent parts' stand-ins last) and
+    `first`, the first tiles of parts 1-3 (NO_TILE for an absent part: no program reaches it)."""
+
+    items: tuple[PartArgs, ...]
+    first: tuple[int, ...]
+
+
+def pack_parts(entries: Sequence[PartArgs], block_n: int, absent: PartArgs) -> tuple[PartsArgs, int]:
+    """The `PartsArgs` of up to PARTS_MOST parts' checked arguments (`absent` in each missing part's place)
+    and the launch's programs: each part's rows in tiles of `block_n`, part after part."""
+    firsts: list[int] = []
+    tiles = 0
+    for e in entries:
+        firsts.append(tiles)
+        tiles += triton.cdiv(e.n, block_n)
+    missing = PARTS_MOST - len(entries)
+    return PartsArgs((*entries, *(absent,) * missing), (*firsts[1:], *(NO_TILE,) * missing)), tiles
+
+
+def check_rows(w: torch.Tensor, fmt: Format, n: int, k: int) -> None:
+    """`w` must hold n >= 1 checkpoint rows of k values in `fmt`, as a contiguous 1-D uint8 tensor."""
+    want = n * row_bytes(fmt, k)
+    if n < 1 or w.dtype != torch.uint8 or w.dim() != 1 or not w.is_contiguous() or w.numel() != want:
+        raise ValueError(f"{fmt.name} weights of {n} rows of {k} must be a contiguous 1-D uint8 tensor of {want} bytes")
+
+
+def part_out(part: Part, m: int) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """(out, row pitch, position tensor or None) of a part, checked."""
+    out, n = part.out, part.n
+    if out.dim() != 2 or out.stride(1) != 1:
+        raise ValueError("out must be a 2-D tensor with unit column stride")
+    if part.out_row is None:
+        if tuple(out.shape) != (m, n):
+            raise ValueError(f"out must be ({m}, {n}), got {tuple(out.shape)}")
+        return out, out.stride(0), None
+    # The position is on the device: the rows pos[0] .. pos[0] + m - 1 must exist, which only the caller knows.
+    pos, pitch = part.out_row
+    if not n <= pitch == out.stride(0) or pos.numel() < 1 or pos.is_floating_point():
+        raise ValueError(f"out_row needs an integer position tensor and a pitch >= {n} equal to out's row stride")
+    return out, pitch, pos
+
+
+def check_bias(bias: torch.Tensor | None, n: int) -> None:
+    """`bias`, where given, must be a contiguous (n,) tensor."""
+    if bias is not None and (bias.dim() != 1 or bias.numel() != n or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous ({n},) tensor")
 
 
 @triton.jit
@@ -45,35 +125,37 @@ def store_row(
 
 
 @triton.jit
-def part_rows(w0, n0, w1, n1, w2, n2, w3, n3, t1, t2, t3, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A launch in parts: this program's part (part p owns tiles [t_p, t_{p+1}), an absent one NO_TILE), its
-    rows, the part's n, and the rows' weight pointers (rows past n read its last row: no masked weight loads;
-    the store drops them)."""
+def first_tile(part, parts):
+    """The first tile of part `part` of `parts` (a `PartsArgs`)."""
+    return pick(part, 0, parts.first[0], parts.first[1], parts.first[2])
+
+
+@triton.jit
+def part_rows(parts, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A launch in parts (`parts`: a `PartsArgs`): this program's part (part p owns tiles [t_p, t_{p+1}), an
+    absent one NO_TILE), its rows, the part's n, and the rows' weight pointers (rows past n read its last
+    row: no masked weight loads; the store drops them)."""
     pid = tl.program_id(0)
-    part = (pid >= t1).to(tl.int32) + (pid >= t2).to(tl.int32) + (pid >= t3).to(tl.int32)
-    w, n = pick(part, w0, w1, w2, w3), pick(part, n0, n1, n2, n3)
-    rows = (pid - pick(part, 0, t1, t2, t3)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t, p = parts.first, parts.items
+    part = (pid >= t[0]).to(tl.int32) + (pid >= t[1]).to(tl.int32) + (pid >= t[2]).to(tl.int32)
+    w, n = pick(part, p[0].w, p[1].w, p[2].w, p[3].w), pick(part, p[0].n, p[1].n, p[2].n, p[3].n)
+    rows = (pid - first_tile(part, parts)) * BLOCK_N + tl.arange(0, BLOCK_N)
     return part, rows, n, w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
 
 
 @triton.jit
-def store_parts(
-    y, rows, part, n,
-    out0, pitch0, bias0, pos0, out1, pitch1, bias1, pos1, out2, pitch2, bias2, pos2, out3, pitch3, bias3, pos3,
-    res, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
-):  # fmt: skip
-    """A part's epilogue (`_store`): BIAS and AT_ROW hold a bit a part; the residual is part 0's."""
+def store_parts(y, rows, part, n, parts, res, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr,
+                HAS_RES: tl.constexpr):  # fmt: skip
+    """A part's epilogue (`store_row`) from `parts` (a `PartsArgs`): BIAS and AT_ROW hold a bit a part; the
+    residual is part 0's."""
+    p = parts.items
     if part == 0:
-        store_row(y, rows, n, out0, pitch0, bias0, pos0, res, BIAS & 1, AT_ROW & 1, HAS_RES)
-    if PARTS > 1:
-        if part == 1:
-            store_row(y, rows, n, out1, pitch1, bias1, pos1, res, (BIAS >> 1) & 1, (AT_ROW >> 1) & 1, False)
-    if PARTS > 2:
-        if part == 2:
-            store_row(y, rows, n, out2, pitch2, bias2, pos2, res, (BIAS >> 2) & 1, (AT_ROW >> 2) & 1, False)
-    if PARTS > 3:
-        if part == 3:
-            store_row(y, rows, n, out3, pitch3, bias3, pos3, res, (BIAS >> 3) & 1, (AT_ROW >> 3) & 1, False)
+        store_row(y, rows, n, p[0].out, p[0].pitch, p[0].bias, p[0].pos, res, BIAS & 1, AT_ROW & 1, HAS_RES)
+    for i in tl.static_range(1, PARTS):
+        if part == i:
+            store_row(
+                y, rows, n, p[i].out, p[i].pitch, p[i].bias, p[i].pos, res, (BIAS >> i) & 1, (AT_ROW >> i) & 1, False
+            )
 
 
 def out_args(part: Part) -> tuple[Tensor, int, Tensor | None]:
@@ -81,33 +163,30 @@ def out_args(part: Part) -> tuple[Tensor, int, Tensor | None]:
     out is f32, or f16 where it is a KV-cache row (the store rounds the f32 sums to the pointer's type)."""
     if part.out.dtype not in (torch.float32, torch.float16):
         raise ValueError("out must be a 2-D f32 or f16 tensor with unit column stride")
-    _check_bias(part.bias, part.n)
-    return _out_args(part, 1)
+    check_bias(part.bias, part.n)
+    return part_out(part, 1)
 
 
 def parts_args(parts: Sequence[Part | tuple], fmt: Format, k: int, block_n: int, stand_in: Tensor,
                residual: Tensor | None) -> tuple[list, dict, int]:  # fmt: skip
-    """A launch in parts' arguments after its activation: each part's (w, n, out, pitch, bias, pos), the
-    first tiles of parts 1-3, the residual; its flags; and its programs. `stand_in` (any device tensor)
-    stands in for an absent pointer, which is never read."""
+    """A one-row launch in parts' arguments after its activation: its `PartsArgs` and the residual; its
+    flags; and its programs. `stand_in` (any device tensor) stands in for an absent pointer, never read."""
     parts = [Part(*p) for p in parts]
     if not 1 <= len(parts) <= PARTS_MOST:
         raise ValueError(f"a launch in parts takes 1..{PARTS_MOST} parts, not {len(parts)}")
-    args: list = []
-    firsts: list[int] = []
-    tiles = bias_bits = row_bits = 0
+    entries: list[PartArgs] = []
+    bias_bits = row_bits = 0
     for i, p in enumerate(parts):
         check_rows(p.w, fmt, p.n, k)
         out, pitch, pos = out_args(p)
         bias_bits |= (p.bias is not None) << i
         row_bits |= (pos is not None) << i
-        args += [p.w, p.n, out, pitch, stand_in if p.bias is None else p.bias, stand_in if pos is None else pos]
-        firsts.append(tiles)
-        tiles += triton.cdiv(p.n, block_n)
-    for _ in range(len(parts), PARTS_MOST):
-        args += [parts[0].w, 1, stand_in, 0, stand_in, stand_in]  # picked only as a select's other arm
-    firsts = firsts[1:] + [NO_TILE] * (PARTS_MOST - len(parts))
+        entries.append(
+            PartArgs(p.w, p.n, out, pitch, stand_in if p.bias is None else p.bias, stand_in if pos is None else pos)
+        )
+    # an absent part is picked only as a select's other arm
+    packed, tiles = pack_parts(entries, block_n, PartArgs(parts[0].w, 1, stand_in, 0, stand_in, stand_in))
     if residual is not None and (tuple(residual.shape) != (1, parts[0].n) or residual.stride(1) != 1):
         raise ValueError(f"residual must be (1, {parts[0].n}) with unit column stride")
     flags = dict(PARTS=len(parts), BIAS=bias_bits, AT_ROW=row_bits, HAS_RES=residual is not None)
-    return [*args, *firsts, stand_in if residual is None else residual], flags, tiles
+    return [packed, stand_in if residual is None else residual], flags, tiles

@@ -2,18 +2,18 @@
 codes under one f32 scale a 32-value block, W as checkpoint bytes.
 
 Why: with f32 activations a 4-bit weight costs ~6.8 instructions in the loop (decode, float conversion, two
-FMAs), which holds Q4_K to ~60 % of the H200's memory rate (`gemv_fast`). Here four codes meet four int8
+FMAs), which holds Q4_K to ~60 % of the H200's memory rate (`fast`). Here four codes meet four int8
 activations in one `dp4a` (a 4-way byte dot product into an int32): a Q4_K word of eight codes is two masks
-and two dp4a, and the scales are applied once a 16-value run, in f32. The weights are read as `gemv_fast`
-reads them (its `_raw`, tiles, chunks and register prefetch), but Q4_K's 16-byte header and run of codes,
+and two dp4a, and the scales are applied once a 16-value run, in f32. The weights are read as `fast`
+reads them (its `load_chunk`, tiles, chunks and register prefetch), but Q4_K's 16-byte header and run of codes,
 and the activation's 16 codes they meet, are each one 128-bit load whose four words stay in the thread
 (`int8_words.ld4`): loaded as [N, G, 4] tensors, Triton spread the words over four lanes and gathered them
 back through shared memory before every dp4a chain (sm_90 SASS of the 8B's down projection: 35 barriers -> 5, 72
 registers -> 32; H200 7B decode 382 -> 395 tok/s, 8B 347 -> 343). Q6_K's 210-byte blocks put every other
 block's runs 2 bytes past a word: each 16-byte run is five aligned 32-bit loads funnel-shifted into four
 words, and its activations are `ld4`'s, all in the thread (`ld_run`; 8B decode step 2.557 -> 2.477 ms,
-7B 2.252 -> 2.214 ms, where `_raw`'s eight 2-byte loads a run and [N, G, 4] activations went through shared
-memory). Q8_0 and Q5_0 keep `_raw`'s loads.
+7B 2.252 -> 2.214 ms, where `load_chunk`'s eight 2-byte loads a run and [N, G, 4] activations went through shared
+memory). Q8_0 and Q5_0 keep `load_chunk`'s loads.
 
 The activation (`Q8Acts`): `q` int8 (k,) codes, `d` f32 (k / 32,) scales (largest |x| of the block / 127, a
 code is round(x / d)), and `s` f32 (k / 16,) each 16 values' d * (sum of codes). A format with a minimum or a
@@ -27,7 +27,6 @@ Under Triton's interpreter (`TRITON_INTERPRET=1`, CI without a GPU) the word-lev
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 import triton
@@ -37,6 +36,24 @@ from torch import Tensor
 from fuselane.gguf.formats import QK, QK_K, Format
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.fast import (
+    K_RUNS,
+    PAIR,
+    PAIR_RUNS,
+    Q6_QH_RUNS,
+    Q6_RUN,
+    Q6_RUNS,
+    Q6_SUBS_HALF,
+    QUAD,
+    RUN_BYTES,
+    launch_plan,
+    ld16,
+    ld_once,
+    load_chunk,
+    q4_k_scales_of,
+    q6_k_runs,
+)
+from fuselane.lanes.cuda.triton.gemv.int8_words import dot16, dot16_of, ld4, ld_run, words
+from fuselane.lanes.cuda.triton.gemv.layout import (
     BYTE,
     BYTE_BITS,
     FMT_Q4_K,
@@ -44,11 +61,8 @@ from fuselane.lanes.cuda.triton.gemv.fast import (
     FMT_Q6_K,
     FMT_Q8_0,
     HALF_WORD_BITS,
-    K_RUNS,
     NIBBLE,
     NIBBLE_BITS,
-    PAIR,
-    PAIR_RUNS,
     Q4_K_BYTES,
     Q4_K_QS,
     Q6_HIGH_SUBS,
@@ -58,38 +72,21 @@ from fuselane.lanes.cuda.triton.gemv.fast import (
     Q6_K_QL,
     Q6_K_SCALES,
     Q6_QH_HALF,
-    Q6_QH_RUNS,
     Q6_QL_HALF,
-    Q6_RUN,
-    Q6_RUNS,
-    Q6_SUBS_HALF,
-    QUAD,
-    RUN_BYTES,
-    _ld,
-    _ld16,
-    _plan,
-    _q6_k_runs,
-    _raw,
-    q4_k_scales_of,
+    const,
 )
-from fuselane.lanes.cuda.triton.gemv.int8_words import dot16, dot16_of, ld4, ld_run, words
-from fuselane.lanes.cuda.triton.gemv.parts import part_rows, parts_args, store_parts
-from fuselane.lanes.cuda.triton.gemv.rows import Part, check_rows
+from fuselane.lanes.cuda.triton.gemv.parts import Part, check_rows, part_rows, parts_args, store_parts
+from fuselane.lanes.cuda.triton.quant import CODES_ALIGN, Q8Acts, check_acts
 
-
-def _c(value: int | float) -> tl.constexpr:
-    return tl.constexpr(value)
-
-
-LOW_NIBBLES = _c(0x0F0F0F0F)  # the low nibble of each byte of a word
-CRUMBS = _c(0x03030303)  # the low 2 bits of each byte
-FIFTH_BITS = _c(0x10101010)  # bit 4 of each byte
+LOW_NIBBLES = const(0x0F0F0F0F)  # the low nibble of each byte of a word
+CRUMBS = const(0x03030303)  # the low 2 bits of each byte
+FIFTH_BITS = const(0x10101010)  # bit 4 of each byte
 # x * SPREAD puts bit i (0..3) of x at bit 8i + 4 (shifts 4, 11, 18, 25; the other products miss the mask)
-SPREAD = _c((1 << 4) | (1 << 11) | (1 << 18) | (1 << 25))
-Q6_CRUMB_STEP, Q6_HIGH_CRUMB = _c(2), _c(4)  # Q6_K: crumbs of run r at bits 2 (r // 2) (low nibbles), + 4 (high)
-Q6_BIAS, Q5_BIAS = _c(32.0), _c(16.0)
-QK_C, QK_K_C, HALF_QK_C = _c(QK), _c(QK_K), _c(QK // 2)
-WORD_VALUES = _c(4)  # int8 codes a 32-bit word
+SPREAD = const((1 << 4) | (1 << 11) | (1 << 18) | (1 << 25))
+Q6_CRUMB_STEP, Q6_HIGH_CRUMB = const(2), const(4)  # Q6_K: crumbs of run r at bits 2 (r // 2) (low nibbles), + 4 (high)
+Q6_BIAS, Q5_BIAS = const(32.0), const(16.0)
+QK_C, QK_K_C, HALF_QK_C = const(QK), const(QK_K), const(QK // 2)
+WORD_VALUES = const(4)  # int8 codes a 32-bit word
 FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0})
 # Tiles (rows a program, warps, (row, group)s a thread), chosen by timing the whole decode step's graph
 # replay on the H200 over a sweep of each (`activations=int8`, `benchmarks/tile_sweep.py`): Q4_K at 4 rows
@@ -113,20 +110,12 @@ TALL_TILES = TILES | {Format.Q4_K: (4, 2, 2), Format.Q6_K: (2, 8, 1)}
 PREFETCH_DEPTH = 2
 
 
-LOAD_BYTES = 16  # `ld4`'s load: Q4_K rows and the activation codes must start at a multiple
-
-
-class Q8Acts(NamedTuple):
-    """An activation row quantized for these kernels: codes, block scales, 16-value sums (see the module)."""
-
-    q: Tensor  # int8 (m, k)
-    d: Tensor  # f32 (m, k / 32)
-    s: Tensor  # f32 (m, k / 16)
+LOAD_BYTES = CODES_ALIGN  # `ld4`'s load: Q4_K rows and the activation codes must start at a multiple
 
 
 @triton.jit
 def _raw_q4_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
-    """Q4_K's raw chunk as `gemv_fast._raw` reads it (each group's 16-byte header and 16-byte run of qs), but
+    """Q4_K's raw chunk as `fast.load_chunk` reads it (each group's 16-byte header and 16-byte run of qs), but
     as eight [N, G] words, each group's in one thread (`ld4`)."""
     g = tl.arange(0, CHUNK * K_RUNS)
     unit = g // K_RUNS + u0
@@ -143,26 +132,26 @@ def _raw_q4_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.
 def _raw_q6_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
     """Q6_K's raw chunk: each group's (a ql run's) d, its two scales, and its 16 ql bytes and the 16 qh bytes
     of their crumbs as four [N, G] words each, in one thread (`ld_run`)."""
-    unit, half, r = _q6_k_runs(u0, CHUNK)
+    unit, half, r = q6_k_runs(u0, CHUNK)
     if CLAMP:
         unit = tl.minimum(unit, N_UNITS - 1)
     blk = w_rows[:, None] + (unit * Q6_K_BYTES)[None, :]
     sc = (blk + (half * Q6_SUBS_HALF + r + Q6_K_SCALES)[None, :]).to(tl.pointer_type(tl.int8))
     ql = ld_run(blk + (half * Q6_QL_HALF + r * Q6_RUN + Q6_K_QL)[None, :])
     qh = ld_run(blk + (half * Q6_QH_HALF + (r % Q6_QH_RUNS) * Q6_RUN + Q6_K_QH)[None, :])
-    return (_ld16(blk + Q6_K_D, True), _ld(sc), _ld(sc + Q6_HIGH_SUBS)) + ql + qh
+    return (ld16(blk + Q6_K_D, True), ld_once(sc), ld_once(sc + Q6_HIGH_SUBS)) + ql + qh
 
 
 @triton.jit
 def _raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
     """A chunk's weight bytes: Q4_K's and Q6_K's held apart a group a thread (`_raw_q4_k`, `_raw_q6_k`), the
-    others' as `_raw`."""
+    others' as `load_chunk`."""
     if FMT == FMT_Q4_K:
         return _raw_q4_k(w_rows, u0, N_UNITS, CHUNK, CLAMP)
     elif FMT == FMT_Q6_K:
         return _raw_q6_k(w_rows, u0, N_UNITS, CHUNK, CLAMP)
     else:
-        return _raw(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP)
+        return load_chunk(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP)
 
 
 # --- the activations a group meets -----------------------------------------------------------------------------
@@ -196,7 +185,7 @@ def _live(u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr):
     """[1, G]: whether each group of the chunk at unit u0 is in the row (a partial last chunk's are not)."""
     G: tl.constexpr = CHUNK * (K_RUNS if FMT == FMT_Q4_K else (Q6_RUNS if FMT == FMT_Q6_K else 1))
     if FMT == FMT_Q6_K:
-        unit, _, _ = _q6_k_runs(u0, CHUNK)
+        unit, _, _ = q6_k_runs(u0, CHUNK)
     else:
         unit = tl.arange(0, G) // (G // CHUNK) + u0
     return (unit < N_UNITS)[None, :]
@@ -210,7 +199,7 @@ def _first_values(u0, FMT: tl.constexpr, CHUNK: tl.constexpr):
         r = g % K_RUNS
         first = (g // K_RUNS + u0) * QK_K_C + (r // PAIR_RUNS) * (2 * QK_C) + (r % PAIR_RUNS) * HALF_QK_C
     elif FMT == FMT_Q6_K:  # group g: ql run r of half h
-        unit, half, r = _q6_k_runs(u0, CHUNK)
+        unit, half, r = q6_k_runs(u0, CHUNK)
         first = unit * QK_K_C + half * (4 * QK_C) + r * HALF_QK_C
     else:  # Q8_0, Q5_0: a block a group
         first = (tl.arange(0, CHUNK) + u0) * QK_C
@@ -257,7 +246,7 @@ def _q6_k(raw, acts, CHUNK: tl.constexpr):
     two bits of each are crumbs r // 2 and 2 + r // 2 of the half's qh bytes 16 (r % 2) + 0..15."""
     d, sc_lo, sc_hi, l0, l1, l2, l3, h0, h1, h2, h3 = raw
     a0, a1, a2, a3, da_lo, s_lo, b0, b1, b2, b3, da_hi, s_hi = acts
-    _, _, r = _q6_k_runs(0, CHUNK)
+    _, _, r = q6_k_runs(0, CHUNK)
     shift = ((r // PAIR) * Q6_CRUMB_STEP)[None, :]
     lo = dot16_of(
         _q6_codes(l0, h0, shift), _q6_codes(l1, h1, shift), _q6_codes(l2, h2, shift), _q6_codes(l3, h3, shift),
@@ -323,11 +312,11 @@ def _chunk_sum(acc, raw, acts, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHU
 
 
 @triton.jit
-def _row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_UNITS: tl.constexpr,
+def row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_UNITS: tl.constexpr,
               CHUNK: tl.constexpr, FENCE: tl.constexpr, TWO: tl.constexpr, DEPTH: tl.constexpr,
               PDL: tl.constexpr):  # fmt: skip
     """x . row for the tile's rows of `w_a` (and `w_b` where TWO), [N] f32 each; the loop of
-    `gemv_fast._row_dots`: each iteration loads the weights DEPTH chunks ahead (1 or 2), then sums this
+    `fast.row_dots`: each iteration loads the weights DEPTH chunks ahead (1 or 2), then sums this
     chunk's with its activations (`_acts`, read once for both matrices where TWO). The first DEPTH chunks'
     loads are written before the wait for the kernel that wrote x (`pdl`)."""
     CHUNKS: tl.constexpr = (N_UNITS + CHUNK - 1) // CHUNK
@@ -354,7 +343,7 @@ def _row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_
         if TWO:
             next_b = _raw_chunk(w_b, u0 + AHEAD, FMT, N_UNITS, CHUNK, PARTIAL)
         acts = _acts(xq, xd, xs, u0, FMT, N_UNITS, BLOCK_N, CHUNK)
-        if FENCE:  # see gemv_fast.PREFETCH_FENCE
+        if FENCE:  # see fast.PREFETCH_FENCE
             tl.debug_barrier()
         acc_a = _chunk_sum(acc_a, raw_a, acts, u0, FMT, N_UNITS, CHUNK, False)
         if TWO:
@@ -388,45 +377,29 @@ def _row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_
 
 @triton.jit
 def parts_product(
-    xq, xd, xs,
-    w0, n0, out0, pitch0, bias0, pos0,
-    w1, n1, out1, pitch1, bias1, pos1,
-    w2, n2, out2, pitch2, bias2, pos2,
-    w3, n3, out3, pitch3, bias3, pos3,
-    t1, t2, t3, res,
+    xq, xd, xs, parts, res,
     FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     FENCE: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
     DEPTH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """A launch in parts' program: its part's rows summed and stored with the part's epilogue. Returns the
-    part, for an epilogue of the kernel's own after it (`gemv_q8_rope`)."""
-    part, rows, n, w_rows = part_rows(w0, n0, w1, n1, w2, n2, w3, n3, t1, t2, t3, ROW_BYTES, BLOCK_N)
-    y, _ = _row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, PDL)
-    store_parts(
-        y, rows, part, n,
-        out0, pitch0, bias0, pos0, out1, pitch1, bias1, pos1, out2, pitch2, bias2, pos2, out3, pitch3, bias3, pos3,
-        res, PARTS, BIAS, AT_ROW, HAS_RES,
-    )  # fmt: skip
+    part, for an epilogue of the kernel's own after it (`q8_rope`)."""
+    part, rows, n, w_rows = part_rows(parts, ROW_BYTES, BLOCK_N)
+    y, _ = row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, PDL)
+    store_parts(y, rows, part, n, parts, res, PARTS, BIAS, AT_ROW, HAS_RES)
     return part
 
 
 @triton.jit
 def _parts_kernel(
-    xq, xd, xs,
-    w0, n0, out0, pitch0, bias0, pos0,
-    w1, n1, out1, pitch1, bias1, pos1,
-    w2, n2, out2, pitch2, bias2, pos2,
-    w3, n3, out3, pitch3, bias3, pos3,
-    t1, t2, t3, res,
+    xq, xd, xs, parts, res,
     FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     FENCE: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
     DEPTH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.release(PDL)
     parts_product(
-        xq, xd, xs, w0, n0, out0, pitch0, bias0, pos0, w1, n1, out1, pitch1, bias1, pos1,
-        w2, n2, out2, pitch2, bias2, pos2, w3, n3, out3, pitch3, bias3, pos3, t1, t2, t3, res,
-        FMT, N_UNITS, CHUNK, ROW_BYTES, BLOCK_N, FENCE, PARTS, BIAS, AT_ROW, HAS_RES, DEPTH, PDL,
+        xq, xd, xs, parts, res, FMT, N_UNITS, CHUNK, ROW_BYTES, BLOCK_N, FENCE, PARTS, BIAS, AT_ROW, HAS_RES, DEPTH, PDL
     )  # fmt: skip
 
 
@@ -438,7 +411,7 @@ def _glu_kernel(xq, xd, xs, w_gate, w_up, n, out, FMT: tl.constexpr, N_UNITS: tl
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_off = tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
     w_g, w_u = w_gate + row_off, w_up + row_off
-    gate, up = _row_dots(w_g, w_u, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True, DEPTH, PDL)
+    gate, up = row_dots(w_g, w_u, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True, DEPTH, PDL)
     tl.store(out + rows, gate / (1.0 + tl.exp(-gate)) * up, mask=rows < n)
 
 
@@ -450,31 +423,23 @@ def supports(fmt: Format | int, m: int, k: int) -> bool:
     return m == 1 and fmt in FORMATS and k % (QK_K if fmt in (Format.Q4_K, Format.Q6_K) else QK) == 0
 
 
-def _check_aligned(weights: Sequence[Tensor], fmt: Format) -> None:
+def check_aligned(weights: Sequence[Tensor], fmt: Format) -> None:
     if fmt is Format.Q4_K and any(w.data_ptr() % LOAD_BYTES for w in weights):
         raise ValueError(f"Q4_K weights must start {LOAD_BYTES}-byte aligned (`ld4`)")
 
 
-def _tile_plan(
+def tile_plan(
     fmt: Format, k: int, block_n: int | None, warps: int | None, per_thread: int | None, *, glu: bool = False
 ) -> dict:
-    """`gemv_fast._plan` at this module's tile for `fmt` (a tall row's, from TALL_K values, or the GLU's), or
+    """`fast.launch_plan` at this module's tile for `fmt` (a tall row's, from TALL_K values, or the GLU's), or
     the tile given."""
     if block_n is None and warps is None and per_thread is None:
         block_n, warps, per_thread = (GLU_TILES if glu else TALL_TILES if k >= TALL_K else TILES)[fmt]
-    return _plan(fmt, k, block_n, warps, per_thread) | {"DEPTH": PREFETCH_DEPTH}
+    return launch_plan(fmt, k, block_n, warps, per_thread) | {"DEPTH": PREFETCH_DEPTH}
 
 
-def _check_acts(x: Q8Acts, k: int, m: int = 1) -> None:
-    """A Q8Acts of m rows of k values, as the kernels read and write it."""
-    q, d, s = x
-    if q.dtype != torch.int8 or tuple(q.shape) != (m, k) or not q.is_contiguous():
-        raise ValueError(f"the activation codes must be a contiguous int8 ({m}, {k}) tensor")
-    if q.data_ptr() % LOAD_BYTES:
-        raise ValueError(f"the activation codes must start {LOAD_BYTES}-byte aligned (`ld4`)")
-    for t, n in ((d, m * k // QK), (s, m * k // (QK // 2))):
-        if t.dtype != torch.float32 or t.numel() != n or not t.is_contiguous():
-            raise ValueError(f"the activation scales and sums must be contiguous f32 tensors of {n} values")
+# The name `lanes/cuda/launch.py` reads the tile by (its QKV launch's rows a program).
+_tile_plan = tile_plan
 
 
 def gemv_q8_parts(x: Q8Acts, parts: Sequence[Part | tuple], fmt: Format, *, residual: Tensor | None = None,
@@ -491,12 +456,12 @@ def parts_launch(
     block_n: int | None, warps: int | None, per_thread: int | None,
 ) -> tuple[dict, list, dict, int]:  # fmt: skip
     """A launch in parts on `x`, checked: its tile's plan, its arguments after the activation, its flags and
-    its programs (`gemv_parts.parts_args`)."""
+    its programs (`parts.parts_args`)."""
     fmt = Format(fmt)
     k = x.q.shape[-1]
-    _check_acts(x, k)
-    _check_aligned([Part(*p).w for p in parts], fmt)
-    plan = _tile_plan(fmt, k, block_n, warps, per_thread)
+    check_acts(x, k)
+    check_aligned([Part(*p).w for p in parts], fmt)
+    plan = tile_plan(fmt, k, block_n, warps, per_thread)
     return plan, *parts_args(parts, fmt, k, plan["BLOCK_N"], x.d, residual)
 
 
@@ -516,12 +481,12 @@ def gemv_q8_gate_up_glu(x: Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, n:
                         per_thread: int | None = None) -> Tensor:  # fmt: skip
     """out (1, n) = SiLU(x @ Wg^T) * (x @ Wu^T) in one launch, for the quantized activation `x`."""
     fmt = Format(fmt)
-    _check_acts(x, k)
+    check_acts(x, k)
     check_rows(w_gate, fmt, n, k)
     check_rows(w_up, fmt, n, k)
-    _check_aligned([w_gate, w_up], fmt)
+    check_aligned([w_gate, w_up], fmt)
     if tuple(out.shape) != (1, n) or not out.is_contiguous() or out.dtype != torch.float32:
         raise ValueError(f"out must be a contiguous f32 (1, {n}) tensor")
-    plan = _tile_plan(fmt, k, block_n, warps, per_thread, glu=True)
+    plan = tile_plan(fmt, k, block_n, warps, per_thread, glu=True)
     _glu_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](x.q, x.d, x.s, w_gate, w_up, n, out, **plan, **pdl.options())
     return out

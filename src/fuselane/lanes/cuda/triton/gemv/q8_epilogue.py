@@ -1,12 +1,12 @@
 """The int8 GEMV's producers that quantize their own result (the plan's NormQuant and GluActMulQuant under
 `activations=int8`), so the next product reads int8 without a launch of its own:
 
-- `gemv_q8_add_norm`: `gemv_fast_norm`'s one-launch product + residual + RMS norm, reading a quantized
+- `gemv_q8_add_norm`: `fast_norm`'s one-launch product + residual + RMS norm, reading a quantized
   activation; the last program norms the row and writes it as f32 and as a `Q8Acts`;
 - `gemv_q8_gate_up_glu_q8`: the gate/up product with SwiGLU, writing its result as f32 and as a `Q8Acts`: a
   32-value block is quantized by the program that finishes it last (a self-resetting counter a block).
 
-The memory ordering of both is `gemv_fast_norm`'s (its comments say why it holds on the GPU): every program's
+The memory ordering of both is `fast_norm`'s (its comments say why it holds on the GPU): every program's
 stores, the block's barrier, an acq_rel atomic at gpu scope; the last program's loads go to L2 (.cg).
 """
 
@@ -19,13 +19,12 @@ from torch import Tensor
 
 from fuselane.gguf.formats import QK, Format
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv import fast_norm as gemv_fast_norm
-from fuselane.lanes.cuda.triton.gemv.epilogue import COUNTER_DTYPE, _check_row, check_add_norm
+from fuselane.lanes.cuda.triton.gemv import fast_norm
+from fuselane.lanes.cuda.triton.gemv.epilogue import COUNTER_DTYPE, check_add_norm, check_row
 from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
-from fuselane.lanes.cuda.triton.gemv.parts import store_row
-from fuselane.lanes.cuda.triton.gemv.q8 import Q8Acts, _check_acts, _check_aligned, _row_dots, _tile_plan
-from fuselane.lanes.cuda.triton.gemv.rows import check_rows
-from fuselane.lanes.cuda.triton.quant import store_quantized
+from fuselane.lanes.cuda.triton.gemv.parts import check_rows, store_row
+from fuselane.lanes.cuda.triton.gemv.q8 import check_aligned, row_dots, tile_plan
+from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts, store_quantized
 
 QB = tl.constexpr(QK)
 
@@ -39,7 +38,7 @@ def _q8_add_norm_kernel(
     pdl.release(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
-    y, _ = _row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, PDL)
+    y, _ = row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, PDL)
     store_row(y, rows, n, sum_out, 0, res, res, res, False, False, True)
     norm_last(sum_out, norm_w, out, n, eps, counter, oq, od, os_, NORM_BLOCK, NORM_STEPS, True)
 
@@ -55,7 +54,7 @@ def _q8_glu_q8_kernel(
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_off = tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
     w_g, w_u = w_gate + row_off, w_up + row_off
-    gate, up = _row_dots(w_g, w_u, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True, DEPTH, PDL)
+    gate, up = row_dots(w_g, w_u, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True, DEPTH, PDL)
     tl.store(out + rows, gate / (1.0 + tl.exp(-gate)) * up, mask=rows < n)
     # the block of 32 outputs these rows are in is quantized by the last of its programs to finish
     tl.debug_barrier()
@@ -76,7 +75,7 @@ def q8_counters(n: int, device) -> Tensor:
 def _check_q8_out(out: Q8Acts, n: int) -> None:
     if n % QK:
         raise ValueError(f"a quantized output takes whole {QK}-value blocks, not {n} values")
-    _check_acts(Q8Acts(out.q.view(1, -1), out.d, out.s), n)
+    check_acts(Q8Acts(out.q.view(1, -1), out.d, out.s), n)
 
 
 def gemv_q8_add_norm(
@@ -84,16 +83,16 @@ def gemv_q8_add_norm(
     eps: float, out: Tensor, out_q8: Q8Acts, counter: Tensor, *, block_n: int | None = None,
     warps: int | None = None, per_thread: int | None = None,
 ) -> Tensor:  # fmt: skip
-    """`gemv_fast_norm.gemv_fast_add_norm` on the quantized activation `x`: sum_out = x @ W^T + residual, out =
+    """`fast_norm.gemv_fast_add_norm` on the quantized activation `x`: sum_out = x @ W^T + residual, out =
     the RMS norm of sum_out times norm_w, and `out_q8` = out quantized (n whole 32-value blocks); returns out."""
     fmt = Format(fmt)
-    _check_acts(x, k)
+    check_acts(x, k)
     check_rows(w, fmt, n, k)
-    _check_aligned([w], fmt)
+    check_aligned([w], fmt)
     check_add_norm(residual, sum_out, norm_w, out, counter, n, x.q.device)
     _check_q8_out(out_q8, n)
-    plan = _tile_plan(fmt, k, block_n, warps, per_thread)
-    chunk = max(min(triton.next_power_of_2(n), gemv_fast_norm.NORM_CHUNK), QK)
+    plan = tile_plan(fmt, k, block_n, warps, per_thread)
+    chunk = max(min(triton.next_power_of_2(n), fast_norm.NORM_CHUNK), QK)
     _q8_add_norm_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](
         *x, w, n, residual, sum_out, norm_w, out, *out_q8, counter, float(eps),
         NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(n, chunk), **plan, **pdl.options(),
@@ -108,13 +107,13 @@ def gemv_q8_gate_up_glu_q8(
     """`gemv_q8.gemv_q8_gate_up_glu` that also writes its result quantized into `out_q8` (n whole 32-value
     blocks); `counters` are `q8_counters(n)`'s. Returns out."""
     fmt = Format(fmt)
-    _check_acts(x, k)
+    check_acts(x, k)
     check_rows(w_gate, fmt, n, k)
     check_rows(w_up, fmt, n, k)
-    _check_aligned([w_gate, w_up], fmt)
-    _check_row(out, n, "out")
+    check_aligned([w_gate, w_up], fmt)
+    check_row(out, n, "out")
     _check_q8_out(out_q8, n)
-    plan = _tile_plan(fmt, k, block_n, warps, per_thread, glu=True)
+    plan = tile_plan(fmt, k, block_n, warps, per_thread, glu=True)
     if plan["BLOCK_N"] > QK or counters.numel() != n // QK or counters.dtype != COUNTER_DTYPE:
         raise ValueError(f"a tile of at most {QK} rows and q8_counters({n})")
     _q8_glu_q8_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](

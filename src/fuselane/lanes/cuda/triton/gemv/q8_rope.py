@@ -3,9 +3,9 @@ product and its rotations (q/k norm where the model has it, rope, the key's appe
 
 Why: the rotations are otherwise a launch of their own after the product (`rope.rope_q_k`), one of the seven
 a layer the lane's budget allows, and it reads back what the product has just written. Here each program
-stores its rows (`gemv_parts.store_parts`), then counts itself on its head's counter; the program that makes
+stores its rows (`parts.store_parts`), then counts itself on its head's counter; the program that makes
 a head's count whole reads the head back from L2 (past its SM's L1: the other programs wrote it), turns it
-with `rope._rotate_head` and re-arms the counter for the next launch. The count is `gemv_q8_epilogue`'s
+with `rope.rotate_head` and re-arms the counter for the next launch. The count is `q8_epilogue`'s
 semaphore pattern: the block's barrier, then an acq_rel atomic, so every program's stores are visible to the
 one that finishes the head.
 
@@ -26,10 +26,9 @@ from torch import Tensor
 
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv.parts import pick
+from fuselane.lanes.cuda.triton.gemv.parts import Part, first_tile
 from fuselane.lanes.cuda.triton.gemv.q8 import Q8Acts, parts_launch, parts_product
-from fuselane.lanes.cuda.triton.gemv.rows import Part
-from fuselane.lanes.cuda.triton.rope import _rotate_head, check_head, freq_exponent
+from fuselane.lanes.cuda.triton.rope import check_head, freq_exponent, rotate_head
 
 COUNTER_DTYPE = torch.int32
 
@@ -47,26 +46,8 @@ class Turn(NamedTuple):
 
 
 @triton.jit
-def _nth(P: tl.constexpr, a0, a1, a2, a3):
-    """Argument P of a0..a3, chosen when the kernel is compiled (the parts' outputs may differ in type)."""
-    if P == 0:
-        return a0
-    elif P == 1:
-        return a1
-    elif P == 2:
-        return a2
-    else:
-        return a3
-
-
-@triton.jit
 def _parts_rope_kernel(
-    xq, xd, xs,
-    w0, n0, out0, pitch0, bias0, pos0,
-    w1, n1, out1, pitch1, bias1, pos1,
-    w2, n2, out2, pitch2, bias2, pos2,
-    w3, n3, out3, pitch3, bias3, pos3,
-    t1, t2, t3, res,
+    xq, xd, xs, parts, res,
     q_out, k_out, k_pitch, q_w, k_w, pos, counters, eps, freq_exp,
     FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     FENCE: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
@@ -75,12 +56,10 @@ def _parts_rope_kernel(
 ):  # fmt: skip
     pdl.release(PDL)
     part = parts_product(
-        xq, xd, xs, w0, n0, out0, pitch0, bias0, pos0, w1, n1, out1, pitch1, bias1, pos1,
-        w2, n2, out2, pitch2, bias2, pos2, w3, n3, out3, pitch3, bias3, pos3, t1, t2, t3, res,
-        FMT, N_UNITS, CHUNK, ROW_BYTES, BLOCK_N, FENCE, PARTS, BIAS, AT_ROW, HAS_RES, DEPTH, PDL,
+        xq, xd, xs, parts, res, FMT, N_UNITS, CHUNK, ROW_BYTES, BLOCK_N, FENCE, PARTS, BIAS, AT_ROW, HAS_RES, DEPTH, PDL
     )  # fmt: skip
     if (part == Q_PART) | (part == K_PART):
-        head = (tl.program_id(0) - pick(part, 0, t1, t2, t3)) * BLOCK_N // HD
+        head = (tl.program_id(0) - first_tile(part, parts)) * BLOCK_N // HD
         slot = head + tl.where(part == K_PART, Q_HEADS, 0)
         tl.debug_barrier()  # every thread's rows stored before the count
         done = tl.atomic_add(counters + slot, 1, sem="acq_rel", scope="gpu")
@@ -88,12 +67,12 @@ def _parts_rope_kernel(
             p = tl.load(pos)
             # each side names its own pointers: a name assigned in both branches would have to be one type
             if part == Q_PART:
-                q_src = _nth(Q_PART, out0, out1, out2, out3) + head * HD
-                _rotate_head(q_src, q_out + head * HD, q_w, p, eps, freq_exp, HD, HALF_P2, NORM, True)
+                q_src = parts.items[Q_PART].out + head * HD
+                rotate_head(q_src, q_out + head * HD, q_w, p, eps, freq_exp, HD, HALF_P2, NORM, True)
             else:
                 k_row = p.to(tl.int64) * k_pitch if K_AT_POS else 0
-                k_src = _nth(K_PART, out0, out1, out2, out3) + head * HD
-                _rotate_head(k_src, k_out + k_row + head * HD, k_w, p, eps, freq_exp, HD, HALF_P2, NORM, True)
+                k_src = parts.items[K_PART].out + head * HD
+                rotate_head(k_src, k_out + k_row + head * HD, k_w, p, eps, freq_exp, HD, HALF_P2, NORM, True)
             tl.atomic_xchg(counters + slot, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
 
 

@@ -6,7 +6,7 @@ exactly the GGUF tensor: `n` rows of `k` values in whole blocks of the format) a
 block by block, with f32 sums: no dequantized copy is ever written or read.
 
 Launch shape: a program takes a tile of BLOCK_N output rows for all m <= `kernels.GEMV_ROWS` input rows and
-walks k in steps of whole blocks (`gemv_formats`). BLOCK_N and the warps a program come from the lane's
+walks k in steps of whole blocks (`formats`). BLOCK_N and the warps a program come from the lane's
 kernel facts: `kernels.rows_a_warp` rows a warp (four, eight lanes a row, for a wide product in a block
 format met one row at a time; one, 32 lanes, otherwise) times a block of four or eight warps, so the shim's
 promises (a part's rows whole warps of rows) are the launches' shapes. A batch's m past GEMV_ROWS runs in
@@ -27,14 +27,13 @@ Three launchers, each one launch, none allocating:
 - `gemv_parts`: up to `kernels.GEMM_PARTS` products of one format reading one activation (a layer's q, k
   and v), programs mapped to parts by their cumulative tiles;
 - `gemv_gate_up_glu`: a gate and an up product with SwiGLU in the epilogue.
-`gemv_epilogue` builds on these: `gemv_add_norm` (a step's projection plus residual whose last program norms
+`epilogue` builds on these: `gemv_add_norm` (a step's projection plus residual whose last program norms
 the row, GemvNormEpilogue in one launch) and `dequantize` (a whole matrix decoded on the device).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 import triton
@@ -44,6 +43,7 @@ from fuselane.gguf.formats import Format, row_bytes
 from fuselane.lanes.cuda import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.formats import SLOTS, dot_rows
+from fuselane.lanes.cuda.triton.gemv.parts import Part, PartArgs, check_bias, check_rows, pack_parts, part_out
 
 # The most f32 partial sums a thread keeps for its m rows' slot values: a step's slot is cut finer as m grows
 # so that m times the values a thread holds stays within it. At 64 the sm_90 build needs at most 128
@@ -62,25 +62,10 @@ GEMV_STAGES = 3
 ASYNC_ALIGN = 16
 
 
-def _stages(fmt: Format) -> int:
+def stages(fmt: Format) -> int:
     """Pipeline stages of a format's k loop: GEMV_STAGES where every unit starts 16-byte aligned, else 1."""
     unit_bytes = row_bytes(fmt, SLOTS[fmt].unit)
     return GEMV_STAGES if unit_bytes % ASYNC_ALIGN == 0 else 1
-
-
-# Stand-in for a part's tile boundary when the launch has fewer parts: no program id reaches it.
-NO_TILE = 2**31 - 1
-
-
-class Part(NamedTuple):
-    """One product of a launch in parts: `out` (m, n) = x @ W^T (+ `bias`), or, with `out_row` =
-    (pos, pitch), row r written at row pos[0] + r of the table `out` whose rows are `pitch` values apart."""
-
-    w: torch.Tensor
-    n: int
-    out: torch.Tensor
-    bias: torch.Tensor | None = None
-    out_row: tuple[torch.Tensor, int] | None = None
 
 
 # --- kernels -----------------------------------------------------------------------------------------------------
@@ -100,7 +85,7 @@ def _pick(part, a0, a1, a2, a3, PARTS: tl.constexpr):
 
 
 @triton.jit
-def _store(
+def store_rows(
     y,
     rows,
     n,
@@ -131,63 +116,24 @@ def _store(
 
 @triton.jit
 def _gemv_parts_kernel(
-    x,
-    x_pitch,
-    m,
-    w0,
-    n0,
-    out0,
-    pitch0,
-    bias0,
-    pos0,
-    w1,
-    n1,
-    out1,
-    pitch1,
-    bias1,
-    pos1,
-    w2,
-    n2,
-    out2,
-    pitch2,
-    bias2,
-    pos2,
-    w3,
-    n3,
-    out3,
-    pitch3,
-    bias3,
-    pos3,
-    t1,
-    t2,
-    t3,
-    res,
-    res_pitch,
-    FMT: tl.constexpr,
-    ROW_BYTES: tl.constexpr,
-    STEPS: tl.constexpr,
-    UNITS: tl.constexpr,
-    SPLIT: tl.constexpr,
-    PARTS: tl.constexpr,
-    BIAS: tl.constexpr,
-    AT_ROW: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # Part p owns tiles [t_p, t_{p+1}); BIAS and AT_ROW hold a bit a part; the residual is part 0's.
+    x, x_pitch, m, parts, res, res_pitch,
+    FMT: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr,
+    PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # `parts`: a `parts.PartsArgs`. Part p owns tiles [t_p, t_{p+1}); BIAS and AT_ROW hold a bit a part; the
+    # residual is part 0's.
     pdl.begin(PDL)
+    p, t = parts.items, parts.first
     pid = tl.program_id(0)
-    part = (pid >= t1).to(tl.int32)
+    part = (pid >= t[0]).to(tl.int32)
     if PARTS > 2:
-        part += (pid >= t2).to(tl.int32)
+        part += (pid >= t[1]).to(tl.int32)
     if PARTS > 3:
-        part += (pid >= t3).to(tl.int32)
-    w = _pick(part, w0, w1, w2, w3, PARTS)
-    n = _pick(part, n0, n1, n2, n3, PARTS)
-    first = _pick(part, 0, t1, t2, t3, PARTS)
+        part += (pid >= t[2]).to(tl.int32)
+    w = _pick(part, p[0].w, p[1].w, p[2].w, p[3].w, PARTS)
+    n = _pick(part, p[0].n, p[1].n, p[2].n, p[3].n, PARTS)
+    first = _pick(part, 0, t[0], t[1], t[2], PARTS)
     rows = (pid - first) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past the part's end read its last row (no masked loads in the k loop); the store drops them.
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
@@ -195,18 +141,16 @@ def _gemv_parts_kernel(
     x_rows = x + tl.minimum(mi, m - 1) * x_pitch
     y = dot_rows(w_rows, x_rows, FMT, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES)
     if PARTS == 1:
-        _store(y, rows, n, mi, m, out0, pitch0, bias0, pos0, res, res_pitch, BIAS & 1, AT_ROW & 1, HAS_RES)
+        store_rows(y, rows, n, mi, m, p[0].out, p[0].pitch, p[0].bias, p[0].pos, res, res_pitch, BIAS & 1, AT_ROW & 1,
+                   HAS_RES)  # fmt: skip
     else:
         if part == 0:
-            _store(y, rows, n, mi, m, out0, pitch0, bias0, pos0, res, res_pitch, BIAS & 1, AT_ROW & 1, HAS_RES)
-        if part == 1:
-            _store(y, rows, n, mi, m, out1, pitch1, bias1, pos1, res, 0, (BIAS >> 1) & 1, (AT_ROW >> 1) & 1, 0)
-        if PARTS > 2:
-            if part == 2:
-                _store(y, rows, n, mi, m, out2, pitch2, bias2, pos2, res, 0, (BIAS >> 2) & 1, (AT_ROW >> 2) & 1, 0)
-        if PARTS > 3:
-            if part == 3:
-                _store(y, rows, n, mi, m, out3, pitch3, bias3, pos3, res, 0, (BIAS >> 3) & 1, (AT_ROW >> 3) & 1, 0)
+            store_rows(y, rows, n, mi, m, p[0].out, p[0].pitch, p[0].bias, p[0].pos, res, res_pitch, BIAS & 1,
+                       AT_ROW & 1, HAS_RES)  # fmt: skip
+        for i in tl.static_range(1, PARTS):
+            if part == i:
+                store_rows(y, rows, n, mi, m, p[i].out, p[i].pitch, p[i].bias, p[i].pos, res, 0, (BIAS >> i) & 1,
+                           (AT_ROW >> i) & 1, 0)  # fmt: skip
 
 
 @triton.jit
@@ -245,7 +189,7 @@ def _gemv_glu_kernel(
 # --- launch facts ------------------------------------------------------------------------------------------------
 
 
-def _largest_pow2_dividing(count: int, most: int) -> int:
+def largest_pow2_dividing(count: int, most: int) -> int:
     """The largest power of two <= `most` that divides `count`."""
     p = 1
     while p * 2 <= most and count % (p * 2) == 0:
@@ -253,8 +197,8 @@ def _largest_pow2_dividing(count: int, most: int) -> int:
     return p
 
 
-def _plan(fmt: Format, k: int, block_n: int, warps: int, block_m: int) -> tuple[int, int, int]:
-    """(steps, units a step, split) of the k loop (see `gemv_formats`): slots cut as finely as the registers
+def plan(fmt: Format, k: int, block_n: int, warps: int, block_m: int) -> tuple[int, int, int]:
+    """(steps, units a step, split) of the k loop (see `formats`): slots cut as finely as the registers
     ask, a step as many units as the block's threads a row take, a power of two dividing the row (so no
     step is partial and no load masked), and, where the row has too few units, slots cut finer still so
     that no thread idles."""
@@ -265,20 +209,20 @@ def _plan(fmt: Format, k: int, block_n: int, warps: int, block_m: int) -> tuple[
     split = 1
     while s.values // split > max(1, ACC_VALUES // block_m) and split < s.most_split:
         split *= 2
-    units = _largest_pow2_dividing(k // s.unit, max(1, threads_a_row // (s.base * split)))
+    units = largest_pow2_dividing(k // s.unit, max(1, threads_a_row // (s.base * split)))
     while units * s.base * split < threads_a_row and split < s.most_split:
         split *= 2
     return k // s.unit // units, units, split
 
 
-def _tile(fmt: Format, n: int, k: int, m: int) -> tuple[int, int]:
+def tile(fmt: Format, n: int, k: int, m: int) -> tuple[int, int]:
     """(BLOCK_N, num_warps) of a product: the lane's rows a warp times the block's warps."""
     per_warp = kernels.rows_a_warp(fmt, n, k, m)
     warps = kernels.gemv_blk_norm_threads(per_warp) // kernels.WARP
     return per_warp * warps, warps
 
 
-def _check_x(x: torch.Tensor, k: int) -> int:
+def check_x(x: torch.Tensor, k: int) -> int:
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or not x.is_floating_point():
         raise ValueError(f"x must be a float (m, {k}) tensor with unit column stride, got {tuple(x.shape)}")
     m = x.shape[0]
@@ -291,34 +235,6 @@ def _row_tiles(m: int) -> tuple[int, int]:
     """(BLOCK_M, tiles of x's rows): all m rows in one tile up to the GEMV's rows, tiles of them past it."""
     block_m = min(triton.next_power_of_2(m), kernels.GEMV_ROWS)
     return block_m, triton.cdiv(m, block_m)
-
-
-def check_rows(w: torch.Tensor, fmt: Format, n: int, k: int) -> None:
-    """`w` must hold n >= 1 checkpoint rows of k values in `fmt`, as a contiguous 1-D uint8 tensor."""
-    want = n * row_bytes(fmt, k)
-    if n < 1 or w.dtype != torch.uint8 or w.dim() != 1 or not w.is_contiguous() or w.numel() != want:
-        raise ValueError(f"{fmt.name} weights of {n} rows of {k} must be a contiguous 1-D uint8 tensor of {want} bytes")
-
-
-def _out_args(part: Part, m: int) -> tuple[torch.Tensor, int, torch.Tensor | None]:
-    """(out, row pitch, position tensor or None) of a part, checked."""
-    out, n = part.out, part.n
-    if out.dim() != 2 or out.stride(1) != 1:
-        raise ValueError("out must be a 2-D tensor with unit column stride")
-    if part.out_row is None:
-        if tuple(out.shape) != (m, n):
-            raise ValueError(f"out must be ({m}, {n}), got {tuple(out.shape)}")
-        return out, out.stride(0), None
-    # The position is on the device: the rows pos[0] .. pos[0] + m - 1 must exist, which only the caller knows.
-    pos, pitch = part.out_row
-    if not n <= pitch == out.stride(0) or pos.numel() < 1 or pos.is_floating_point():
-        raise ValueError(f"out_row needs an integer position tensor and a pitch >= {n} equal to out's row stride")
-    return out, pitch, pos
-
-
-def _check_bias(bias: torch.Tensor | None, n: int) -> None:
-    if bias is not None and (bias.dim() != 1 or bias.numel() != n or not bias.is_contiguous()):
-        raise ValueError(f"bias must be a contiguous ({n},) tensor")
 
 
 # --- launchers ---------------------------------------------------------------------------------------------------
@@ -343,34 +259,28 @@ def gemv_parts(
     if not 1 <= len(parts) <= kernels.GEMM_PARTS:
         raise ValueError(f"a launch in parts takes 1..{kernels.GEMM_PARTS} parts, not {len(parts)}")
     k = x.shape[1]
-    m = _check_x(x, k)
-    block_n, warps = _tile(fmt, parts[0].n, k, m)
+    m = check_x(x, k)
+    block_n, warps = tile(fmt, parts[0].n, k, m)
     block_m, m_tiles = _row_tiles(m)
-    steps, units, split = _plan(fmt, k, block_n, warps, block_m)
-    args: list = []
-    firsts: list[int] = []
-    tiles = bias_bits = row_bits = 0
+    steps, units, split = plan(fmt, k, block_n, warps, block_m)
+    entries: list[PartArgs] = []
+    bias_bits = row_bits = 0
     for i, p in enumerate(parts):
         check_rows(p.w, fmt, p.n, k)
-        _check_bias(p.bias, p.n)
-        out, pitch, pos = _out_args(p, m)
+        check_bias(p.bias, p.n)
+        out, pitch, pos = part_out(p, m)
         bias_bits |= (p.bias is not None) << i
         row_bits |= (pos is not None) << i
         # an absent bias or position is never read: any tensor stands in for its pointer
-        args += [p.w, p.n, out, pitch, x if p.bias is None else p.bias, x if pos is None else pos]
-        firsts.append(tiles)
-        tiles += triton.cdiv(p.n, block_n)
-    for _ in range(len(parts), kernels.GEMM_PARTS):
-        args += [x, 1, x, 0, x, x]
-    firsts = firsts[1:] + [NO_TILE] * (kernels.GEMM_PARTS - len(parts))
+        entries.append(PartArgs(p.w, p.n, out, pitch, x if p.bias is None else p.bias, x if pos is None else pos))
+    packed, tiles = pack_parts(entries, block_n, PartArgs(x, 1, x, 0, x, x))
     if residual is not None and (tuple(residual.shape) != (m, parts[0].n) or residual.stride(1) != 1):
         raise ValueError(f"residual must be ({m}, {parts[0].n}) with unit column stride")
     _gemv_parts_kernel[(tiles, m_tiles)](
         x,
         x.stride(0),
         m,
-        *args,
-        *firsts,
+        packed,
         x if residual is None else residual,
         0 if residual is None else residual.stride(0),
         FMT=int(fmt),
@@ -384,7 +294,7 @@ def gemv_parts(
         HAS_RES=residual is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        STAGES=_stages(fmt),
+        STAGES=stages(fmt),
         num_warps=warps,
         **pdl.options(),
     )
@@ -427,13 +337,13 @@ def gemv_gate_up_glu(
     returns `out`. A program takes the same rows of both, so the gate's and the up product's values meet in
     registers."""
     fmt = Format(fmt)
-    m = _check_x(x, k)
+    m = check_x(x, k)
     check_rows(w_gate, fmt, n, k)
     check_rows(w_up, fmt, n, k)
-    _out_args(Part(w_gate, n, out), m)
-    block_n, warps = _tile(fmt, n, k, m)
+    part_out(Part(w_gate, n, out), m)
+    block_n, warps = tile(fmt, n, k, m)
     block_m, m_tiles = _row_tiles(m)
-    steps, units, split = _plan(fmt, k, block_n, warps, block_m)
+    steps, units, split = plan(fmt, k, block_n, warps, block_m)
     _gemv_glu_kernel[(triton.cdiv(n, block_n), m_tiles)](
         x,
         x.stride(0),
@@ -450,7 +360,7 @@ def gemv_gate_up_glu(
         SPLIT=split,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        STAGES=_stages(fmt),
+        STAGES=stages(fmt),
         num_warps=warps,
         **pdl.options(),
     )

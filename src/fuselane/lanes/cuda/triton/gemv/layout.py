@@ -1,0 +1,166 @@
+"""The GEMV family's format facts: block layouts, code bits and the 2^23 trick, as constexprs every body reads.
+
+One place for what a format *is* to the kernels (`formats.LAYOUTS`' byte offsets and sizes, the bits of its
+codes as `fuselane.gguf.dequant` defines them), so the three GEMV bodies (`formats` for `rows`, `fast`, `q8`)
+and the on-device dequantization read the same numbers; each body keeps only its own tiling's constants.
+`check_layouts` fails at import if a layout stops meeting an alignment a load relies on.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format
+
+# --- layout facts, as constexprs the kernels can read --------------------------------------------------------
+
+
+def const(value: int | float) -> tl.constexpr:
+    """`value` as a constexpr a kernel reads (a module-level name a @triton.jit function may use)."""
+    return tl.constexpr(value)
+
+
+def offset(fmt: Format, field: str) -> tl.constexpr:
+    """The byte offset of `field` in a block of `fmt` (`formats.LAYOUTS`), as a constexpr."""
+    return const(LAYOUTS[fmt].field(field).offset)
+
+
+def nbytes(fmt: Format) -> tl.constexpr:
+    """The bytes of a block of `fmt`, as a constexpr."""
+    return const(LAYOUTS[fmt].nbytes)
+
+
+FMT_F32, FMT_F16, FMT_BF16 = const(Format.F32.value), const(Format.F16.value), const(Format.BF16.value)
+FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 = const(Format.Q8_0.value), const(Format.Q4_0.value), const(Format.Q4_1.value)
+FMT_Q5_0, FMT_Q5_1 = const(Format.Q5_0.value), const(Format.Q5_1.value)
+FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = const(Format.Q4_K.value), const(Format.Q5_K.value), const(Format.Q6_K.value)
+
+QK_C = const(QK)  # values of a 32-value block
+HALF_QK = const(QK // 2)  # a 32-value 4-bit block's bytes: low nibbles are values 0-15, high nibbles 16-31
+QK_K_C = const(QK_K)  # values of a K super-block
+NO_FIELD = const(-1)  # a field offset a format does not have
+
+Q8_0_BYTES, Q8_0_D, Q8_0_QS = nbytes(Format.Q8_0), offset(Format.Q8_0, "d"), offset(Format.Q8_0, "qs")
+Q4_0_BYTES, Q4_0_D, Q4_0_QS = nbytes(Format.Q4_0), offset(Format.Q4_0, "d"), offset(Format.Q4_0, "qs")
+Q4_1_BYTES, Q4_1_D, Q4_1_QS = nbytes(Format.Q4_1), offset(Format.Q4_1, "d"), offset(Format.Q4_1, "qs")
+Q4_1_M = offset(Format.Q4_1, "m")
+Q5_0_BYTES, Q5_0_D, Q5_0_QS = nbytes(Format.Q5_0), offset(Format.Q5_0, "d"), offset(Format.Q5_0, "qs")
+Q5_0_QH = offset(Format.Q5_0, "qh")
+Q5_1_BYTES, Q5_1_D, Q5_1_QS = nbytes(Format.Q5_1), offset(Format.Q5_1, "d"), offset(Format.Q5_1, "qs")
+Q5_1_M, Q5_1_QH = offset(Format.Q5_1, "m"), offset(Format.Q5_1, "qh")
+Q4_K_BYTES, Q4_K_D, Q4_K_DMIN = nbytes(Format.Q4_K), offset(Format.Q4_K, "d"), offset(Format.Q4_K, "dmin")
+Q4_K_SCALES, Q4_K_QS = offset(Format.Q4_K, "scales"), offset(Format.Q4_K, "qs")
+Q5_K_BYTES, Q5_K_D, Q5_K_DMIN = nbytes(Format.Q5_K), offset(Format.Q5_K, "d"), offset(Format.Q5_K, "dmin")
+Q5_K_SCALES, Q5_K_QH, Q5_K_QS = offset(Format.Q5_K, "scales"), offset(Format.Q5_K, "qh"), offset(Format.Q5_K, "qs")
+Q6_K_BYTES, Q6_K_D, Q6_K_SCALES = nbytes(Format.Q6_K), offset(Format.Q6_K, "d"), offset(Format.Q6_K, "scales")
+Q6_K_QL, Q6_K_QH = offset(Format.Q6_K, "ql"), offset(Format.Q6_K, "qh")
+
+# --- bit facts of the codes (the formats' definitions, as in dequant.py) --------------------------------------
+
+NIBBLE_BITS = const(4)
+NIBBLE = const(0x0F)
+HIGH_NIBBLE = const(0xF0)  # a byte's high nibble in place: 16 times its code
+HIGH_WEIGHT = const(16)  # what a high nibble kept in place is worth: 16 times its code
+HIGH_STEP = const(1.0 / 16)  # the scale of a code kept 16 times over (a power of two: exact)
+CRUMB = const(0x3)  # a 2-bit field
+BIT = const(0x1)
+Q4_BIAS = const(8)  # Q4_0: value = d * (code - 8)
+Q5_BIAS = const(16)  # Q5_0: value = d * (code - 16)
+Q6_BIAS = const(32)  # Q6_K: value = d * scale * (code - 32)
+SIGN_BIT = const(0x80)  # an int8's sign bit: flipping it turns the signed byte q into the unsigned q + 128
+SIGNED_BYTE_BIAS = const(0x80)
+# Q4_K / Q5_K: 8 sub-blocks of 32, their 6-bit scales and mins packed in 12 bytes (three 32-bit words a, b,
+# c): sub-blocks 0-3 keep theirs in the low 6 bits of a byte of a (scales) and b (mins); sub-blocks 4-7 take
+# their low 4 bits from a nibble of c and their top 2 bits from the top 2 bits of a's (b's) byte.
+K_PAIRS = const(4)  # pairs of sub-blocks: a pair's 32 qs bytes hold the first in low nibbles, the second in high
+K_LOW_SUBS = const(4)  # sub-blocks whose scale and min are whole in one byte
+SIX_BITS = const(0x3F)
+K_TOP_SHIFT = const(6)  # where a byte of a / b keeps the top 2 bits of a later sub-block's scale / min
+# Q6_K: two halves of 128 values. Byte b (0..63) of a half's ql holds value b in its low nibble and value
+# 64 + b in its high one; qh byte b % 32 of the half holds their top 2 bits, as crumb b // 32 and 2 + b // 32.
+Q6_SUB = const(16)  # values under one Q6_K scale: a slot's 16 ql bytes share one scale a nibble
+Q6_SLOTS = const(8)  # 16-byte runs of ql a super-block has
+Q6_HALF_SLOTS = const(4)  # ... a half has
+Q6_HALF = const(128)  # values of a half
+Q6_QL_HALF = const(64)  # ql bytes of a half
+Q6_QH_HALF = const(32)  # qh bytes of a half
+Q6_HIGH_SUBS = const(4)  # the high nibbles' sub-block is four on from the low nibbles'
+Q6_HIGH_CRUMBS = const(4)  # ... and their top bits two crumbs (4 bits) up qh
+
+WORD = const(4)  # bytes of the 32-bit words the K formats' headers are loaded as
+BYTE_BITS = const(8)
+BYTE = const(0xFF)  # a byte's bits
+F16_BITS = const(0xFFFF)
+HALF_WORD_BITS = const(16)
+
+# The 2^23 trick: 0x4B000000 are the bits of 2.0**23; OR-ing an integer u < 2^23 into them gives the float
+# 2^23 + u exactly.
+F32_TWO_23_BITS = const(0x4B000000)
+F32_TWO_23 = const(8388608.0)
+
+
+def check_layouts() -> None:
+    """Fail at import if a layout no longer has the alignment the loads below take for granted."""
+    for fmt in (Format.Q4_K, Format.Q5_K):
+        lay = LAYOUTS[fmt]
+        if lay.nbytes % WORD.value or lay.field("scales").offset % WORD.value:
+            raise RuntimeError(f"{fmt.name}: the GEMV loads its header as 32-bit words; the layout moved")
+    for fmt in (Format.Q5_0, Format.Q5_1):
+        lay = LAYOUTS[fmt]
+        if lay.nbytes % 2 or lay.field("qh").offset % 2:
+            raise RuntimeError(f"{fmt.name}: the GEMV loads qh as two 16-bit halves; the layout moved")
+    for fmt in (Format.Q8_0, Format.Q4_0, Format.Q4_1, Format.Q5_0, Format.Q5_1, Format.Q6_K):
+        lay = LAYOUTS[fmt]
+        names = {f.name for f in lay.fields}
+        if lay.nbytes % 2 or any(lay.field(f).offset % 2 for f in ("d", "m") if f in names):
+            raise RuntimeError(f"{fmt.name}: the GEMV loads f16 scales as 16-bit words; the layout moved")
+
+
+check_layouts()
+
+
+@triton.jit
+def in_two_23(bits, bias):
+    """u - bias as f32, exactly, from `bits`: 2^23's bits with an integer 0 <= u < 2^23 OR-ed in (the float
+    2^23 + u), with one subtraction and no int-to-float convert. `bias` may be a constexpr (folded into the
+    constant) or a tensor."""
+    return bits.to(tl.float32, bitcast=True) - (bias + F32_TWO_23)
+
+
+# --- reading a block's fields ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def load_f16(ptr):
+    """The f16 at each of `ptr` (uint8 pointers, 2-aligned), as f32."""
+    return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def load_word(blk, OFF: tl.constexpr):
+    """The aligned 32-bit word holding byte OFF of each block (`blk`: pointers to 4-aligned blocks)."""
+    return tl.load((blk + (OFF - OFF % WORD)).to(tl.pointer_type(tl.int32)))
+
+
+@triton.jit
+def f16_in_word(blk, OFF: tl.constexpr):
+    """The f16 at byte OFF of each 4-aligned block, read from its 32-bit word (a load the pipeliner can
+    stage asynchronously, which a 2-byte load is not), as f32."""
+    bits = (load_word(blk, OFF) >> (BYTE_BITS * (OFF % WORD))) & F16_BITS
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def k_scale_min(blk, SCALES: tl.constexpr, s):
+    """Q4_K / Q5_K: the 6-bit scale and min of sub-block s[j] of block blk[r, j] ([N, B] pointers), [N, B]."""
+    a = load_word(blk, SCALES)
+    b = load_word(blk, SCALES + WORD)
+    c = load_word(blk, SCALES + 2 * WORD)
+    shift = ((s % K_LOW_SUBS) * BYTE_BITS)[None, :]  # the byte of each word that sub-block s reads
+    sc_low = (a >> shift) & SIX_BITS
+    mn_low = (b >> shift) & SIX_BITS
+    sc_high = ((c >> shift) & NIBBLE) | (((a >> (shift + K_TOP_SHIFT)) & CRUMB) << NIBBLE_BITS)
+    mn_high = ((c >> (shift + NIBBLE_BITS)) & NIBBLE) | (((b >> (shift + K_TOP_SHIFT)) & CRUMB) << NIBBLE_BITS)
+    low = (s < K_LOW_SUBS)[None, :]
+    return tl.where(low, sc_low, sc_high), tl.where(low, mn_low, mn_high)
