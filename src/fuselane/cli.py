@@ -102,7 +102,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         require_utf8(prompt, "the prompt")
     m = _load(model, args)
     if prompt == "-":  # read no further than the context could use
-        prompt = read_text(sys.stdin.buffer, m.max_prompt_bytes, "the prompt on stdin")
+        prompt = read_text(sys.stdin.buffer, m.max_prompt_bytes, "the prompt on stdin", context=m.ctx)
     _reply(m, prompt, args)
 
 
@@ -158,7 +158,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
         _say_prompt = "> "
         sys.stderr.write(_say_prompt)
         sys.stderr.flush()
-        line = read_text(sys.stdin.buffer, m.max_prompt_bytes, "a chat line on stdin", line=True)
+        line = read_text(sys.stdin.buffer, m.max_prompt_bytes, "a chat line on stdin", line=True, context=m.ctx)
         if line is None or line.strip() == "/exit":
             return
         text = line.rstrip("\n")

@@ -50,13 +50,17 @@ def decode(data: bytes, what: str = "the text") -> str:
         ) from None
 
 
-def read_text(stream: BinaryIO, limit: int, what: str = "the prompt", *, line: bool = False) -> str | None:
+def read_text(
+    stream: BinaryIO, limit: int, what: str = "the prompt", *, line: bool = False, context: int | None = None
+) -> str | None:
     """Read all of `stream` (or one line of it, `line=True`; None at the end of input) as UTF-8, refusing
-    (`PromptTooLong`) more than `limit` bytes without reading past them."""
+    (`PromptTooLong`) more than `limit` bytes without reading past them; `context`, the context's size in
+    tokens the limit comes from, is named in that error."""
     data = stream.readline(limit + 1) if line else stream.read(limit + 1)
     if line and not data:
         return None
     body = data[:-1] if line and data.endswith(b"\n") else data
     if len(body) > limit:
-        raise PromptTooLong(f"{what} is more than {limit} bytes, more than the context can hold")
+        past = f"past the context of {context}" if context is not None else "more than the context can hold"
+        raise PromptTooLong(f"{what} is more than {limit} bytes: {past}")
     return decode(data, what)
