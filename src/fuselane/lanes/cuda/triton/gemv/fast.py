@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -82,7 +81,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     const,
     in_two_23,
 )
-from fuselane.lanes.cuda.triton.gemv.parts import Part, check_rows, part_rows, parts_args, store_parts
+from fuselane.lanes.cuda.triton.gemv.parts import Part, check_glu_out, check_rows, part_rows, parts_args, store_parts
 
 # --- tiles -------------------------------------------------------------------------------------------------------
 
@@ -573,8 +572,7 @@ def gemv_fast_gate_up_glu(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, 
     `out`. A program walks the same rows of both, a chunk of each an iteration, into two accumulators."""
     fmt = Format(fmt)
     check_one_row(x, k, [w_gate, w_up], fmt, n)
-    if tuple(out.shape) != (1, n) or not out.is_contiguous() or out.dtype != torch.float32:
-        raise ValueError(f"out must be a contiguous f32 (1, {n}) tensor")
+    check_glu_out(out, n)
     plan = launch_plan(fmt, k, block_n, warps, per_thread, glu=True)
     _glu_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](x, w_gate, w_up, n, out, **plan, **pdl.options())
     return out

@@ -102,6 +102,12 @@ def check_bias(bias: torch.Tensor | None, n: int) -> None:
         raise ValueError(f"bias must be a contiguous ({n},) tensor")
 
 
+def check_glu_out(out: Tensor, n: int) -> None:
+    """A one-row gate/up GLU's output: a contiguous f32 (1, n) tensor."""
+    if tuple(out.shape) != (1, n) or not out.is_contiguous() or out.dtype != torch.float32:
+        raise ValueError(f"out must be a contiguous f32 (1, {n}) tensor")
+
+
 @triton.jit
 def pick(part, a0, a1, a2, a3):
     """Argument `part` of a0..a3 (a scalar select; an absent part's stand-ins are never picked)."""

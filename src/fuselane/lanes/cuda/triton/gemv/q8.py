@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -75,7 +74,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q6_QL_HALF,
     const,
 )
-from fuselane.lanes.cuda.triton.gemv.parts import Part, check_rows, part_rows, parts_args, store_parts
+from fuselane.lanes.cuda.triton.gemv.parts import Part, check_glu_out, check_rows, part_rows, parts_args, store_parts
 from fuselane.lanes.cuda.triton.quant import CODES_ALIGN, Q8Acts, check_acts
 
 LOW_NIBBLES = const(0x0F0F0F0F)  # the low nibble of each byte of a word
@@ -485,8 +484,7 @@ def gemv_q8_gate_up_glu(x: Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, n:
     check_rows(w_gate, fmt, n, k)
     check_rows(w_up, fmt, n, k)
     check_aligned([w_gate, w_up], fmt)
-    if tuple(out.shape) != (1, n) or not out.is_contiguous() or out.dtype != torch.float32:
-        raise ValueError(f"out must be a contiguous f32 (1, {n}) tensor")
+    check_glu_out(out, n)
     plan = tile_plan(fmt, k, block_n, warps, per_thread, glu=True)
     _glu_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](x.q, x.d, x.s, w_gate, w_up, n, out, **plan, **pdl.options())
     return out
