@@ -41,8 +41,11 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# Real templates are a few to a few tens of kB; parsing is not metered, so a template's source is capped.
-MAX_TEMPLATE_CHARS = 512 * 1024
+# Real templates are a few to a few tens of kB. Jinja compiles about 100 kB a second and compiling is not
+# metered, so a template's source is capped at about a second of it.
+MAX_TEMPLATE_CHARS = 128 * 1024
+# What Jinja may build while it folds constant expressions at compile time; a larger fold is left to the render.
+_COMPILE_BUDGET = RenderBudget(value_units=1 << 16, work_units=1 << 20)
 MAX_MESSAGE_CHARS = 300  # of a template's error message, which may quote anything the template built
 
 # Message fields holding text a person or the model wrote: these never become control tokens.
@@ -106,7 +109,7 @@ class ChatTemplate:
             )
         # Jinja folds constant expressions while it compiles: a metered compile refuses (and leaves to the
         # render, which refuses again) any fold that would build too much.
-        token = activate(Meter(self.budget))
+        token = activate(Meter(_COMPILE_BUDGET))
         try:
             self._template = environment().from_string(source)
         except TemplateSyntaxError as exc:

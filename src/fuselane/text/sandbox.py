@@ -225,7 +225,9 @@ class Sandbox(ImmutableSandboxedEnvironment):
         given = {key: value for key, value in kwargs.items() if key not in _JINJA_KEYWORDS}
         sized.int_arguments(meter, args, given)
         receiver = getattr(__obj, "__self__", None)
-        if isinstance(__obj, types.BuiltinMethodType) and isinstance(receiver, (*_SEQUENCES, dict, int)):
+        # str's own methods, and Markup's Python wrappers of them
+        method = isinstance(__obj, types.BuiltinMethodType | types.MethodType)
+        if method and isinstance(receiver, (*_SEQUENCES, dict, int)):
             name = __obj.__name__
             if name == "join" and isinstance(receiver, str | bytes) and args:
                 args = (list(args[0]), *args[1:])
