@@ -100,7 +100,7 @@ class Model:
         """
         if raw:
             prefix = [self.tokenizer.bos_id] if self.tokenizer.add_bos and self.tokenizer.bos_id is not None else []
-            return prefix + self.tokenizer.encode(prompt, special=True, limit=self.ctx - len(prefix))
+            return prefix + self.tokenizer.encode(prompt, special=True, limit=self.ctx)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return self.encode_messages(messages)
 

@@ -46,6 +46,7 @@ CHATML_TEMPLATE = (
 MAX_TEMPLATE_CHARS = 128 * 1024
 # What Jinja may build while it folds constant expressions at compile time; a larger fold is left to the render.
 _COMPILE_BUDGET = RenderBudget(value_units=1 << 16, work_units=1 << 20)
+_UNBOUNDED = 1 << 62  # measuring the conversation itself is not the template's work
 MAX_MESSAGE_CHARS = 300  # of a template's error message, which may quote anything the template built
 
 # Message fields holding text a person or the model wrote: these never become control tokens.
@@ -154,21 +155,23 @@ class ChatTemplate:
         prompt's length (the context's bound, see `encode_chat`): past it, `PromptTooLong` is raised as soon as
         the template has written that much.
         """
-        for message in messages:
-            if not isinstance(message, Mapping):
-                raise FuselaneError(f"a chat message must be a mapping with 'role' and 'content', not {message!r}")
-        context = {
-            **_plain(dict(variables or {})),
-            "messages": _plain(list(messages)),
-            "tools": _plain(list(tools)) if tools is not None else None,
-            "documents": None,
-            "add_generation_prompt": bool(add_generation_prompt),
-            "bos_token": self.bos_token,
-            "eos_token": self.eos_token,
-        }
-        meter = Meter(self.budget)
-        # A long conversation may be built on and written several times over; the budget grows with it.
-        meter = Meter(self.budget.scaled(meter.size(context)))
+        _check_messages(messages)
+        try:
+            context = {
+                **_plain(dict(variables or {})),
+                "messages": _plain(list(messages)),
+                "tools": _plain(list(tools)) if tools is not None else None,
+                "documents": None,
+                "add_generation_prompt": bool(add_generation_prompt),
+                "bos_token": self.bos_token,
+                "eos_token": self.eos_token,
+            }
+            # A long conversation may be built on and written several times over; the budget grows with it.
+            meter = Meter(
+                self.budget.scaled(Meter(RenderBudget(work_units=_UNBOUNDED, depth=_UNBOUNDED)).size(context))
+            )
+        except (RecursionError, BudgetExceeded):
+            raise FuselaneError("the conversation is nested too deeply to render") from None
         limit = meter.budget.output_chars
         token = activate(meter)
         try:
@@ -198,6 +201,12 @@ class ChatTemplate:
         finally:
             deactivate(token)
         return "".join(pieces)
+
+
+def _check_messages(messages: Sequence[Any]) -> None:
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise FuselaneError(f"a chat message must be a mapping with 'role' and 'content', not {_one_line(message)}")
 
 
 def _token_text(meta: Mapping[str, Any], name: str, tokens: Sequence[str]) -> str:
@@ -230,6 +239,7 @@ def encode_chat(
     than `limit * tokenizer.max_token_bytes` characters are refused unrendered or untokenized, and tokenizing
     stops past `limit` tokens (`PromptTooLong`, see `Tokenizer.encode`).
     """
+    _check_messages(messages)
     texts = _texts(messages)
     for text in texts:
         require_utf8(text, "a chat message")
