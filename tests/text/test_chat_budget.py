@@ -99,6 +99,12 @@ BOMBS = {
     "{% for k in d|items %}{% endfor %}{% endfor %}",
     "sorting again and again": growing("range(100000)|list", "ns.s|sort", 10000),
     "namespace growth": growing("[]", "ns.s + [i]", 100000),
+    "urlize, Python per character": "{{ ('x ' * 4000000)|urlize }}",
+    "title, Python per word": "{{ ('x ' * 4000000)|title }}",
+    "striptags, quadratic": "{{ ('<a> x ' * 200000)|striptags }}",
+    "xmlattr, Python per item": "{{ dict.fromkeys(range(100000)|map('string'), 'x')|xmlattr }}",
+    "deep nesting hashed": growing("()", "(ns.s,)", 100000, "{{ {ns.s: 1} }}"),
+    "deep nesting compared": growing("[]", "[ns.s]", 100000, "{{ ns.s == [ns.s] }}"),
 }
 
 # The same operations at the sizes real templates use.

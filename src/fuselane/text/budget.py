@@ -50,12 +50,13 @@ class RenderBudget:
     # how many times the size of the conversation the template may build, work on and write
     input_factor: int = 4
     work_factor: int = 32
+    step_divisor: int = 4  # a conversation of n units may take n / step_divisor steps
 
     def scaled(self, input_units: int) -> RenderBudget:
         """This budget, raised where needed so a conversation of `input_units` fits several times over."""
         return RenderBudget(
             seconds=self.seconds,
-            steps=self.steps,
+            steps=max(self.steps, input_units // self.step_divisor),
             value_units=max(self.value_units, self.input_factor * input_units),
             work_units=max(self.work_units, self.work_factor * input_units),
             output_chars=max(self.output_chars, self.input_factor * input_units),
@@ -63,6 +64,7 @@ class RenderBudget:
             depth=self.depth,
             input_factor=self.input_factor,
             work_factor=self.work_factor,
+            step_divisor=self.step_divisor,
         )
 
 
@@ -87,7 +89,9 @@ class Meter:
         """Count `steps` (loop iterations, calls, outputs) and check the step limit and the deadline."""
         self.steps += steps
         if self.steps > self.budget.steps:
-            raise BudgetExceeded(f"it ran past {self.budget.steps} steps (loop iterations, calls, outputs)")
+            raise BudgetExceeded(
+                f"it ran past {self.budget.steps} steps (loop iterations, calls, outputs, filters' work)"
+            )
         if time.monotonic() > self._deadline:
             raise BudgetExceeded(f"it ran past {self.budget.seconds:g} seconds")
 

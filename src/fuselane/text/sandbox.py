@@ -335,6 +335,7 @@ def _sized_filter(name: str, function: Callable[..., Any]) -> Callable[..., Any]
     offset = 0 if jinja2.utils._PassArg.from_obj(function) is None else 1
     check = sized.FILTER_CHECKS.get(name)
     cheap = name in sized.CHEAP_FILTERS
+    steps = sized.FILTER_STEPS.get(name, sized.DEFAULT_FILTER_STEPS)
 
     @functools.wraps(function)  # keeps Jinja's pass_context/pass_environment mark
     def filtered(*args: Any, **kwargs: Any) -> Any:
@@ -346,7 +347,9 @@ def _sized_filter(name: str, function: Callable[..., Any]) -> Callable[..., Any]
             if check is not None:
                 check(meter, *given, **kwargs)
             if not cheap:
-                meter.charge(meter.size(given[0]))
+                units = meter.size(given[0])
+                meter.tick(steps(meter, given[0], units))  # before it runs: a filter cannot be stopped midway
+                meter.charge(units)
         return meter.built(function(*args, **kwargs))
 
     return filtered
