@@ -160,9 +160,11 @@ def _indent(meter: Meter, value: Any, width: Any = 4, *_: Any, **__: Any) -> Non
     meter.allow(text + lines * max(pad, 0), "an indented string")
 
 
-def _wordwrap(meter: Meter, value: Any, width: Any = 79, break_long_words: Any = True, wrapstring: Any = None,
-              *_: Any, **kwargs: Any) -> None:  # fmt: skip
-    wrap = kwargs.get("wrapstring", wrapstring)
+_WRAPSTRING_AT = 2  # wordwrap(s, width, break_long_words, wrapstring, ...)
+
+
+def _wordwrap(meter: Meter, value: Any, *args: Any, **kwargs: Any) -> None:
+    wrap = kwargs.get("wrapstring", args[_WRAPSTRING_AT] if len(args) > _WRAPSTRING_AT else None)
     text = meter.printable(value)
     meter.allow(text * (1 + (len(wrap) if isinstance(wrap, str) else 1)), "a wrapped string")
 
@@ -206,7 +208,9 @@ def _per_unit(steps: float) -> Callable[[Meter, Any, int], int]:
 
 def _striptags(meter: Meter, value: Any, units: int) -> int:
     # markupsafe removes one tag at a time, copying the rest of the text each time
-    text = str(value) if isinstance(value, str) else ""
+    if not isinstance(value, str):
+        meter.printable(value)  # it strips the value's text: refused first if that would be too large
+    text = value if isinstance(value, str) else str(value)
     return (text.count("<") + 1) * units // _COPY_CHARS_PER_STEP
 
 
@@ -232,9 +236,12 @@ DEFAULT_FILTER_STEPS = _per_unit(1 / _COPY_CHARS_PER_STEP)
 
 # Filters whose cost does not grow with their input; every other filter is charged the size of its input.
 CHEAP_FILTERS = frozenset(
-    {"length", "count", "first", "last", "default", "d", "attr", "abs", "int", "float", "bool", "round", "random",
-     "safe", "filesizeformat", "items", "batch", "slice", "map", "select", "reject", "selectattr", "rejectattr"}
-)  # fmt: skip
+    {
+        *("length", "count", "first", "last", "default", "d", "attr", "abs", "int", "float", "bool", "round"),
+        *("random", "safe", "filesizeformat", "items", "batch", "slice", "map", "select", "reject", "selectattr"),
+        "rejectattr",
+    }
+)
 
 
 def sized_join(join: Callable[..., str]) -> Callable[..., str]:

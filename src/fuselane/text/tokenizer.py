@@ -328,8 +328,10 @@ class Tokenizer:
         """`text` as the backend splits it at added tokens (their ids), with the text between them cut into
         chunks of about `CHUNK_CHARS` where the pre-tokenizer cuts anyway (`_CUT`)."""
         if special not in self._added_patterns:
-            spellings = sorted((t for t, i in self._added.items() if special or i not in self._special.values()),
-                               key=len, reverse=True)  # fmt: skip
+            control = set(self._special.values())
+            spellings = sorted(
+                (t for t, i in self._added.items() if special or i not in control), key=len, reverse=True
+            )
             self._added_patterns[special] = re.compile("|".join(map(re.escape, spellings))) if spellings else None
         pattern = self._added_patterns[special]
         start = 0
