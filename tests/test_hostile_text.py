@@ -141,3 +141,19 @@ def test_huge_chat_line_is_one_error(models):
 def test_a_prompt_that_fits_still_runs(models, tmp_path: Path):
     done, _ = run_bounded(("run", "--raw", "--ctx", CTX, "-n", "2", models["good"], "-"), stdin="héllo 日本".encode())
     assert done.returncode == 0, done.stderr.decode()
+
+
+def test_a_chat_turn_past_the_context_leaves_the_conversation_as_it_was(models):
+    from fuselane.runtime.model import load
+    from fuselane.text.utf8 import PromptTooLong
+
+    m = load(models["good"], lane="cpu", ctx=int(CTX))
+    try:
+        chat = m.chat(system="be brief")
+        with pytest.raises(PromptTooLong, match=f"past the context of {CTX}"):
+            list(chat.say("word " * 1000, max_tokens=1))
+        assert [message["role"] for message in chat.messages] == ["system"]
+        list(chat.say("hi", max_tokens=1))
+        assert [message["role"] for message in chat.messages] == ["system", "user", "assistant"]
+    finally:
+        m.close()

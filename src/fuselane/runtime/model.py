@@ -183,10 +183,11 @@ class Chat:
 
     def say(self, text: str, *, max_tokens: int = 512, sampling: SamplingParams = GREEDY) -> Iterator[str]:
         self.messages.append({"role": "user", "content": text})
-        ids = self.model.encode_messages(self.messages)
         decoder = self.model.tokenizer.stream()
         reply: list[str] = []
         try:
+            # a turn the template refuses, or past the context, leaves the conversation as it was
+            ids = self.model.encode_messages(self.messages)
             for token in self.model.generate_ids(self.session, ids, max_tokens=max_tokens, sampling=sampling):
                 if piece := decoder.push(token):
                     reply.append(piece)
