@@ -305,3 +305,30 @@ def test_real_encode_chat_resists_injection(qwen, qwen_template, hf):
     assert ids.count(im_start) == 3  # system, user, and the generation prompt: all the template's
     assert qwen.decode(ids) == qwen_template.render(messages)
     assert hf_chat_ids(hf, messages).count(im_start) == 4  # transformers lets the message forge a turn
+
+
+# ----------------------------------------------------------------------------------------------------
+# Metering changes nothing a template renders
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{% autoescape true %}{{ ('<b>'|safe) ~ '<i>' }}|{{ '<' ~ 1 }}{% endautoescape %}{{ ('<b>'|safe) ~ '<i>' }}",
+        "{% set s = '<b>'|safe %}{% autoescape true %}{{ s ~ m ~ '<i>' }}{% endautoescape %}{{ s ~ '<i>' }}",
+        "{% for x in range(5)|map('string') %}{{ loop.index }}/{{ loop.length }}{{ loop.cycle('a', 'b') }}{% endfor %}",
+        "{% for x in [[1, [2]], [3]] recursive %}[{% if x is iterable %}{{ loop(x) }}{% else %}{{ x }}{% endif %}]"
+        "{% endfor %}",
+        "{{ m[::-1] }}{{ m[1:3] }}{{ [1, 2, 3][1:] }}{{ (1, 2) + (3,) }}{{ [m, m]|join('-') }}{{ m ~ [1] }}",
+        "{{ '%-6s|%05.1f|%(k)s' % ('ab', 2.25, ) if false else '%-6s|%05.1f' % ('ab', 2.25) }}{{ '{:^7}'.format(m) }}",
+        "{{ 2 ** 10 }}{{ 7 // 2 }}{{ 7 % 3 }}{{ 1 / 4 }}{{ 'ab' * 3 }}{{ [0] * 2 }}{{ m in 'x<u>y' }}{{ m == '<u>' }}",
+        "{{ {'a': m, 'b': [1, 2]} }}{{ {'b': 1, 'a': 2}|dictsort }}{{ [3, 1, 2]|sort|list }}{{ m|center(9) }}",
+        "{% macro f(x) %}<{{ x }}{{ caller() if caller }}>{% endmacro %}{{ f(1) }}{% call f(2) %}in{% endcall %}",
+        "{% set ns = namespace(a=[]) %}{% for i in range(3) %}{% set ns.a = ns.a + [i] %}{% endfor %}{{ ns.a }}",
+    ],
+)
+def test_metered_render_is_jinjas_render(source):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source)
+    assert ChatTemplate(source).render([], variables={"m": "<u>"}) == plain.render(m="<u>", messages=[])

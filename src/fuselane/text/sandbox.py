@@ -31,7 +31,7 @@ import jinja2.ext
 import jinja2.nodes as nodes
 import jinja2.utils
 from jinja2.exceptions import SecurityError, TemplateError
-from jinja2.runtime import LoopContext
+from jinja2.runtime import LoopContext, markup_join
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter
 from jinja2.visitor import NodeTransformer
 from markupsafe import EscapeFormatter, Markup
@@ -40,12 +40,15 @@ from fuselane.text import sized
 from fuselane.text.budget import ITEM_UNITS, MeteredIterator, current
 
 _SEQUENCES = (str, bytes, list, tuple)
+_ESCAPED_UNITS = 5  # HTML escaping writes at most five characters for one (&amp;)
 # Tests that compare their arguments: each costs as much as its operands are large.
 _COMPARING_TESTS = frozenset(
     {"==", "eq", "equalto", "!=", "ne", "<", "lt", "lessthan", "<=", "le", ">", "gt", "greaterthan", ">=", "ge", "in"}
 )
 _JINJA_KEYWORDS = frozenset({"_loop_vars", "_block_vars"})
-_HOOKS = frozenset({"meter_iter", "meter_concat", "meter_compare", "meter_value", "meter_output"})
+_HOOKS = frozenset(
+    {"meter_iter", "meter_concat", "meter_markup_concat", "meter_compare", "meter_value", "meter_output"}
+)
 
 
 class TemplateRaised(TemplateError):
@@ -115,6 +118,23 @@ class _Metering(NodeTransformer):
     """Rewrites a parsed template so that its loops, concatenations, comparisons, literals and outputs go
     through the environment's `meter_*` hooks; everything else already passes through the sandbox."""
 
+    def __init__(self, environment: jinja2.Environment) -> None:
+        super().__init__()
+        self._environment = environment
+        # inside `{% autoescape true %}`, `~` joins as Jinja's markup_join does (escaping what is not safe)
+        self._escaping = [False]
+
+    def visit_ScopedEvalContextModifier(self, node: nodes.ScopedEvalContextModifier) -> nodes.Node:
+        setting = next((option.value for option in node.options if option.key == "autoescape"), None)
+        if setting is None:
+            self._escaping.append(self._escaping[-1])
+        else:  # a setting known only at run time may turn escaping on: join as if it did
+            self._escaping.append(not isinstance(setting, nodes.Const) or bool(setting.value))
+        try:
+            return self.generic_visit(node)
+        finally:
+            self._escaping.pop()
+
     def visit_For(self, node: nodes.For) -> nodes.Node:
         self.generic_visit(node)
         node.iter = _hook("meter_iter", node.lineno, node.iter)
@@ -122,7 +142,12 @@ class _Metering(NodeTransformer):
 
     def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
         self.generic_visit(node)
-        return _hook("meter_concat", node.lineno, *node.nodes)
+        try:  # constants Jinja folds while compiling (metered then): left to it, so they join as Jinja joins them
+            node.as_const(nodes.EvalContext(self._environment))
+            return node
+        except nodes.Impossible:
+            pass
+        return _hook("meter_markup_concat" if self._escaping[-1] else "meter_concat", node.lineno, *node.nodes)
 
     def visit_Compare(self, node: nodes.Compare) -> nodes.Node:
         self.generic_visit(node)
@@ -201,7 +226,7 @@ class Sandbox(ImmutableSandboxedEnvironment):
         self.globals["lipsum"] = sized.lipsum
 
     def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
-        tree = _Metering().visit(super()._parse(source, name, filename))
+        tree = _Metering(self).visit(super()._parse(source, name, filename))
         tree.set_environment(self)
         return tree
 
@@ -304,6 +329,11 @@ class Sandbox(ImmutableSandboxedEnvironment):
         meter = current()
         meter.allow(sum(map(meter.printable, items)), "a concatenation")
         return meter.built("".join(map(str, items)))
+
+    def meter_markup_concat(self, *items: Any) -> str:
+        meter = current()
+        meter.allow(sum(map(meter.printable, items)) * _ESCAPED_UNITS, "a concatenation")
+        return meter.built(markup_join(items))
 
     def meter_compare(self, value: Any) -> Any:
         if not isinstance(value, int | float | bool | type(None)):
