@@ -255,7 +255,8 @@ class Sandbox(ImmutableSandboxedEnvironment):
         if method and isinstance(receiver, (*_SEQUENCES, dict, int)):
             name = __obj.__name__
             if name == "join" and isinstance(receiver, str | bytes) and args:
-                args = (list(args[0]), *args[1:])
+                if not isinstance(args[0], str | bytes):  # measured as a list (a generator is consumed, metered)
+                    args = (list(args[0]), *args[1:])
                 sized.joined(meter, receiver, args[0])
             check = sized.METHOD_CHECKS.get(name)
             if check is not None and isinstance(receiver, str | bytes | int):

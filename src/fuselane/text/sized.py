@@ -140,8 +140,9 @@ METHOD_CHECKS: Mapping[str, Callable[..., None]] = {
 
 
 def joined(meter: Meter, separator: Any, items: Sequence[Any]) -> None:
-    """`separator.join(items)`, `items` already a list."""
-    need = sum(meter.printable(item) for item in items) + len(separator) * max(len(items) - 1, 0)
+    """`separator.join(items)`, `items` a list or a string (joined character by character)."""
+    text = sum(map(meter.printable, items)) if not isinstance(items, str | bytes) else len(items)
+    need = text + len(separator) * max(len(items) - 1, 0)
     meter.allow(need, "a joined string")
 
 
@@ -250,7 +251,7 @@ def sized_join(join: Callable[..., str]) -> Callable[..., str]:
     @jinja2.pass_eval_context
     def do_join(eval_ctx: Any, value: Any, d: Any = "", attribute: Any = None) -> str:
         meter = current()
-        items = list(value)
+        items = value if isinstance(value, str) else list(value)  # a generator is consumed, metered
         if attribute is None:
             joined(meter, str(d), items)
         else:
