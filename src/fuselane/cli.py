@@ -94,6 +94,11 @@ def _model_and_prompt(words: Sequence[str]) -> tuple[str | None, str]:
     return None, word
 
 
+def _stdin() -> Any:
+    """stdin's bytes (decoded by `read_text`, which names a bad byte), or stdin itself where it has none."""
+    return getattr(sys.stdin, "buffer", sys.stdin)
+
+
 def cmd_run(args: argparse.Namespace) -> None:
     from fuselane.text.utf8 import read_text, require_utf8
 
@@ -102,7 +107,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         require_utf8(prompt, "the prompt")
     m = _load(model, args)
     if prompt == "-":  # read no further than the context could use
-        prompt = read_text(sys.stdin.buffer, m.max_prompt_bytes, "the prompt on stdin", context=m.ctx)
+        prompt = read_text(_stdin(), m.max_prompt_bytes, "the prompt on stdin", context=m.ctx)
     _reply(m, prompt, args)
 
 
@@ -158,7 +163,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
         _say_prompt = "> "
         sys.stderr.write(_say_prompt)
         sys.stderr.flush()
-        line = read_text(sys.stdin.buffer, m.max_prompt_bytes, "a chat line on stdin", line=True, context=m.ctx)
+        line = read_text(_stdin(), m.max_prompt_bytes, "a chat line on stdin", line=True, context=m.ctx)
         if line is None or line.strip() == "/exit":
             return
         text = line.rstrip("\n")

@@ -12,7 +12,7 @@ whatever it tokenizes to, so `read_text` stops one byte past that bound instead 
 from __future__ import annotations
 
 import re
-from typing import BinaryIO
+from typing import BinaryIO, TextIO
 
 from fuselane.errors import FuselaneError
 
@@ -51,16 +51,18 @@ def decode(data: bytes, what: str = "the text") -> str:
 
 
 def read_text(
-    stream: BinaryIO, limit: int, what: str = "the prompt", *, line: bool = False, context: int | None = None
+    stream: BinaryIO | TextIO, limit: int, what: str = "the prompt", *, line: bool = False, context: int | None = None
 ) -> str | None:
     """Read all of `stream` (or one line of it, `line=True`; None at the end of input) as UTF-8, refusing
     (`PromptTooLong`) more than `limit` bytes without reading past them; `context`, the context's size in
-    tokens the limit comes from, is named in that error."""
+    tokens the limit comes from, is named in that error. A text stream (one without bytes underneath, as
+    tests and embedders may give) is read the same way, counting characters."""
     data = stream.readline(limit + 1) if line else stream.read(limit + 1)
     if line and not data:
         return None
-    body = data[:-1] if line and data.endswith(b"\n") else data
+    newline = "\n" if isinstance(data, str) else b"\n"
+    body = data[:-1] if line and data.endswith(newline) else data
     if len(body) > limit:
         past = f"past the context of {context}" if context is not None else "more than the context can hold"
         raise PromptTooLong(f"{what} is more than {limit} bytes: {past}")
-    return decode(data, what)
+    return require_utf8(data, what) if isinstance(data, str) else decode(data, what)
