@@ -18,9 +18,10 @@ from typing import Any
 
 from fuselane.errors import FuselaneError
 from fuselane.fuse.optimizer import VIEWS, Plan, optimize
-from fuselane.fuse.views import class_of
+from fuselane.fuse.views import class_of, leaves
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Dst, Form, Op, Strided
+from fuselane.graph.ops import RowsGather
 from fuselane.models import ModelConfig, config_of, recognizer
 from fuselane.numerics.contract import Contract, Kept
 
@@ -131,12 +132,27 @@ def layer_of(op: Op) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def launch_layers(ops: Sequence[Op]) -> list[int | None]:
+    """The layer each op of a schedule launches for (None: none, or a view): the layer its output is named for;
+    the embedding's gather, and what folds into it, launch before the first layer; an op a lane adds (one that
+    covers none of the model's, a `Quantize`) launches for the layer of the op that wrote what it reads."""
+    layers: list[int | None] = []
+    writer: dict[str, int | None] = {}
+    for op in ops:
+        if not op.covers and op.ins:
+            layer = writer.get(op.ins[0], layer_of(op))
+        elif any(isinstance(leaf.sym, RowsGather) for leaf in leaves(op)):
+            layer = None
+        else:
+            layer = layer_of(op)
+        writer[op.out] = layer
+        layers.append(None if isinstance(op.sym, VIEWS) else layer)
+    return layers
+
+
 def launches_per_layer(plan: Plan) -> dict[int, int]:
-    counts: Counter[int] = Counter()
-    for op in plan.ops:
-        layer = layer_of(op)
-        if layer is not None and not isinstance(op.sym, VIEWS):
-            counts[layer] += 1
+    """Launches by layer (`launch_layers`): one an op of the plan, none for a view."""
+    counts = Counter(layer for layer in launch_layers(plan.ops) if layer is not None)
     return dict(sorted(counts.items()))
 
 

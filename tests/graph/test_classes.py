@@ -40,6 +40,9 @@ NOT_IN_DENSE_GRAPHS = {
     "elementwise_quant": "no product reads an elementwise result that add_norm has not taken",
     "gemv_quant": "no product reads another product's output",
     "row_write_quant": "attention reads the cache rows as the cache keeps them, not quantized",
+    # a decode step's down projection keeps its add and norm in its epilogue unless its rows are more than twice
+    # the width (not the tiny models'), and a chunk's products read f32 rows, so nothing asks for the int8 form
+    "add_norm_quant": "the tiny models' add + norm whose result a product reads int8 is a projection's epilogue",
 }
 
 

@@ -20,7 +20,7 @@ from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form, Fused, Op, TensorGraph
 from fuselane.graph.ops import RowsGather
 from fuselane.lanes.cuda import kernels
-from fuselane.lanes.cuda.knobs import Activations, CudaKnobs
+from fuselane.lanes.cuda.knobs import Activations, CudaKnobs, RopeEpilogue
 from fuselane.lanes.cuda.shim import CudaShim
 from fuselane.models import config_of, qwen
 
@@ -47,14 +47,20 @@ def launches_per_layer(g: TensorGraph, plan) -> Counter[int]:
     """Launches by layer. An original op belongs to the layer its output is named for (`l3.q`, `blk.3.k_cache`);
     a launch to the first layer among the ops it covers. Launches covering the embedding gather or the output
     head's product (which cover no layer's op but the first layer's input norm and the last one's output
-    norm) are left out: what remains, over the layers, is the launches a layer costs."""
+    norm) are left out: what remains, over the layers, is the launches a layer costs. A launch the lane adds
+    (a `Quantize`, covering no op of the graph) goes with the launch that wrote what it quantizes."""
     layer_of = {i: int(m.group(1)) for i, op in enumerate(g.ops) if (m := LAYER.match(op.out))}
     edges = {i for i, op in enumerate(g.ops) if isinstance(op.sym, RowsGather) or op.out == qwen.LOGITS}
     counts: Counter[int] = Counter()
+    writer: dict[str, int | None] = {}  # a value's writer's layer (None: an edge's)
     for op in plan.ops:
-        if edges & set(op.covers):
-            continue
-        counts[min(layer_of[c] for c in op.covers if c in layer_of)] += 1
+        if op.covers:
+            layer = None if edges & set(op.covers) else min(layer_of[c] for c in op.covers if c in layer_of)
+        else:
+            layer = writer[op.ins[0]]
+        writer[op.out] = layer
+        if layer is not None:
+            counts[layer] += 1
     return counts
 
 
@@ -118,7 +124,10 @@ def test_norm_launch_takes_only_the_down_projections_norm_out_of_its_epilogue(an
     assert not kernels.norm_in_own_launch(kernels.Mode.INT8, shape.n_heads * shape.head_dim, shape.n_embd)
     assert folded(plan, C.GEMV_NORM_EPILOGUE) == layers
     assert classes(plan)["AddNormQuant"] == layers
-    per_layer = launches_per_layer(g, plan)
-    kept = CudaKnobs(activations=Activations.INT8, norm_launch=False)
+    # the query's and key's rotations kept apart in both (`rope_epilogue=auto` folds them into the QKV GEMV
+    # under norm_launch only), so the one launch a layer more is the norm's
+    apart = CudaKnobs(activations=Activations.INT8, norm_launch=True, rope_epilogue=RopeEpilogue.OFF)
+    per_layer = launches_per_layer(g, optimize(g, CudaShim(apart)))
+    kept = CudaKnobs(activations=Activations.INT8, norm_launch=False, rope_epilogue=RopeEpilogue.OFF)
     in_epilogue = launches_per_layer(g, optimize(g, CudaShim(kept)))
     assert all(per_layer[i] == in_epilogue[i] + 1 for i in range(layers))

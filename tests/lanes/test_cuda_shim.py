@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import pytest
 
 from fuselane.fuse.rewriter import Rewriter, Schedule
-from fuselane.fuse.shim import Before, SupportKind
+from fuselane.fuse.rules import SHARED_RULES
+from fuselane.fuse.shim import After, Before, SupportKind
 from fuselane.gguf.formats import Format
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import (
@@ -60,6 +61,7 @@ from fuselane.lanes.cuda.knobs import Activations, CachePrecision, CudaKnobs, St
 from fuselane.lanes.cuda.shim import (
     DECOMPOSED_CLASSES,
     NATIVE_CLASSES,
+    NO_KERNEL_CLASSES,
     QUANT_EPILOGUES,
     REFUSED_CLASSES,
     CudaShim,
@@ -438,6 +440,13 @@ CASES = [
         "a gated pair quantizes its hidden values in whole 32-value blocks",
     ),
     Case(
+        "products in parts on the tensor cores",
+        lambda: fused(C.MERGED_QKV, matmul(8, 4096, 4096), matmul(8, 1024, 4096, out="k")),
+        lambda: fused(C.MERGED_QKV, matmul(64, 4096, 4096), matmul(64, 1024, 4096, out="k")),
+        "the lane has no GEMM in parts yet: a chunk's products of one activation run apart",
+        INT8,
+    ),
+    Case(
         "products in parts",
         lambda: fused(C.MERGED_QKV, matmul(1, 4096, 4096), matmul(1, 1024, 4096, out="k")),
         lambda: fused(C.MERGED_QKV, matmul(1, 4096, 4096), matmul(1, 1024, 4096, "q6k", out="k")),
@@ -472,8 +481,8 @@ def test_the_table_covers_every_refusal() -> None:
 
 
 def test_held_gemv_parts_refuses_products_in_parts() -> None:
-    merged = CASES[-1].fits()
-    assert CudaShim(DEFAULT, held=("gemv_parts",)).fits(merged, graph()) == CASES[-1].reason
+    (case,) = [c for c in CASES if c.name == "products in parts"]
+    assert CudaShim(DEFAULT, held=("gemv_parts",)).fits(case.fits(), graph()) == case.reason
 
 
 # --- (b) supports -----------------------------------------------------------------------------------------
@@ -519,8 +528,10 @@ def test_quantizing_epilogues_follow_fuse_quant(fuse_quant: bool) -> None:
     quantizing = {C.NORM_QUANT, C.ADD_NORM_QUANT, C.GLU_ACT_MUL_QUANT, C.ELEMENTWISE_QUANT}
     quantizing |= {C.GDN_OUTPUT_QUANT, C.GEMV_QUANT, C.ATTN_OUTPUT_QUANT}
     assert {cls for cls in C if shim.supports(cls).kind is expected} >= quantizing
-    # the row write with its quantized form and the gated attention are native either way, as in the seed
-    assert shim.supports(C.ROW_WRITE_QUANT).native and shim.supports(C.ATTN_OUTPUT_GATE).native
+    # the row write with its quantized form and the gated attention do not follow fuse_quant: the lane has no
+    # kernel for either yet, so they run as their parts either way
+    for cls in (C.ROW_WRITE_QUANT, C.ATTN_OUTPUT_GATE):
+        assert shim.supports(cls).kind is SupportKind.DECOMPOSE and cls in NO_KERNEL_CLASSES
     assert shim.supports(C.PREFILL_NORM_EPILOGUES).kind is SupportKind.DECOMPOSE
 
 
@@ -584,8 +595,14 @@ def test_wide_attention_numerics() -> None:
 def test_name_and_rules() -> None:
     shim = CudaShim(INT8)
     assert shim.name == "cuda:H200:int8"
-    [(position, rule)] = shim.rules()
-    assert position == Before("merged_projections") and rule.name == "gemv_parts" and rule.builds == (C.MERGED_QKV,)
+    found = [(position, rule.name, rule.holdable) for position, rule in shim.rules()]
+    assert found == [
+        (Before("merged_projections"), "gemv_parts", True),
+        (After(SHARED_RULES[-1].name), "rope_epilogue", False),
+        (After("rope_epilogue"), "products_apart", False),
+        (After("products_apart"), "quantize_apart", False),
+    ]
+    assert shim.rules()[0][1].builds == (C.MERGED_QKV,)
 
 
 def test_gemv_parts_respects_what_lies_between() -> None:

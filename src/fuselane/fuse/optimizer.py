@@ -59,8 +59,14 @@ def table_for(shim: Shim) -> list[Rule | LaneRule]:
     return table
 
 
+def holdable(rule: Rule | LaneRule) -> bool:
+    """Whether `--hold` takes the rule: every shared rule, and a lane's own but its settling passes."""
+    return not isinstance(rule, LaneRule) or rule.holdable
+
+
 def rule_names(shim: Shim) -> list[str]:
-    return [r.name for r in table_for(shim)]
+    """The names `--hold` takes, in table order."""
+    return [r.name for r in table_for(shim) if holdable(r)]
 
 
 def needs(op: Op) -> list[tuple[ClassId, str]]:
@@ -79,7 +85,7 @@ def optimize(g: TensorGraph, shim: Shim, *, held: Sequence[str] = (), explain: b
     rules let go of the ops of their shape they did not fuse (`Plan.unmatched`)."""
     table = table_for(shim)
     # a lane may also hold choices of its own kernels by name (the cuda lane's `rows_a_warp`)
-    known = [r.name for r in table] + list(getattr(shim, "lane_holds", ()))
+    known = [r.name for r in table if holdable(r)] + list(getattr(shim, "lane_holds", ()))
     unknown = sorted(set(held) - set(known))
     if unknown:
         raise FuselaneError(f"no rule named {unknown[0]} (rules: {', '.join(known)})")
@@ -91,7 +97,7 @@ def optimize(g: TensorGraph, shim: Shim, *, held: Sequence[str] = (), explain: b
     work = TensorGraph(g.form, g.rows, dict(g.tensors), list(g.ops), g.inputs, g.params, g.outputs)
     r = Rewriter(work, Schedule(g.ops), shim, outputs=frozenset(g.outputs), explain=explain)
     for rule in table:
-        if rule.name not in held:
+        if rule.name not in held or not holdable(rule):
             rule.apply(r)
     ops = r.s.live()
     work.ops = ops

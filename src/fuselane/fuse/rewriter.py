@@ -38,7 +38,7 @@ class Missed:
     rule: str
     cls: ClassId
     covers: tuple[int, ...]
-    kind: str  # "decompose", "refuse" or "fits"
+    kind: str  # "decompose", "refuse" or "fits" (also where a lane's settling pass ran a fusion as its parts)
     reason: str
 
 
@@ -189,6 +189,22 @@ class Rewriter:
         self.s.ops[at] = op
         assert isinstance(op.sym, Fused)
         self.events.append(Fired(rule, op.sym.cls, op.covers))
+
+    def split(self, rule: str, at: int, ops: Sequence[Op], reason: str, undone: Sequence[Op] = ()) -> None:
+        """Run the fused op at slot `at` as `ops` (its parts, or its parts regrouped), in order, in its place: a
+        lane's settling pass taking back a fusion its kernels run only in other shapes. Each fusion taken back
+        (`undone`; by default the op itself) is recorded as a miss for `fits`: the lane has no launch for it
+        here."""
+        op = self.s.get(at)
+        self.s.ops[at : at + 1] = list(ops)
+        for gone in undone or (op,):
+            assert isinstance(gone.sym, Fused)
+            self.events.append(Missed(rule, gone.sym.cls, gone.covers, "fits", reason))
+
+    def insert(self, at: int, op: Op) -> None:
+        """Put a lane's own op (one no model emits, covering none of the graph's) at slot `at`, before what is
+        there."""
+        self.s.ops.insert(at, op)
 
     def fuse(self, rule: str, cls: ClassId, at: int, others: Sequence[int], ins, out: str, dst: Dst) -> None:
         """Fuse unconditionally (a lane rule that has already asked itself): the seed's `Rewriter::fuse`."""

@@ -156,7 +156,7 @@ STANDING: dict[ClassId, Standing] = {
     ClassId.QK_NORM_ROPE: _built("qk_norm_rope"),
     ClassId.QK_NORM_ROPE_KV_APPEND: _built("qk_norm_rope_kv_append"),
     ClassId.ROPE_KV_APPEND: _built("rope_kv_append"),
-    ClassId.ROPE_QK_ONE_LAUNCH: _built("rope_q_k_one_launch"),
+    ClassId.ROPE_QK_ONE_LAUNCH: _built("rope_q_k_one_launch", "rope_epilogue"),
     ClassId.MLA: _MLA,
     ClassId.FLASH_DECODE: _built("flash_decode"),
     ClassId.FLASH_PREFILL: _built("flash_prefill"),

@@ -233,6 +233,15 @@ class ArgMax:
     cols: int
 
 
+@dataclass(frozen=True, slots=True)
+class Quantize:
+    """x's int8 form for the products that read it quantized, where its producer wrote it in f32 only: `rows`
+    units of `cols` values, each 32-value block under its own scale. A lane adds it (no model emits it)."""
+
+    rows: int
+    cols: int
+
+
 PrimSpec = (
     RowsGather
     | RmsNorm
@@ -252,4 +261,5 @@ PrimSpec = (
     | GatedDelta
     | Join
     | Slice
+    | Quantize
 )

@@ -31,7 +31,7 @@ from fuselane.fuse.views import (
 )
 from fuselane.gguf.formats import Format
 from fuselane.graph.classes import ClassId as C
-from fuselane.graph.ir import Fused, Op, Rows, Strided, TensorGraph, Values
+from fuselane.graph.ir import Fused, Op, QuantFormat, Rows, Strided, TensorGraph, Values
 from fuselane.graph.ops import (
     Attention,
     CausalConv,
@@ -69,7 +69,15 @@ class CudaShim(Protocol):
     @property
     def scheme(self) -> Scheme | None: ...
 
+    def fits(self, op: Op, g: TensorGraph) -> str | None: ...
+
+    def activation(self, consumer: Op, operand: int, g: TensorGraph) -> QuantFormat | None: ...
+
+    def quantizes_in_epilogue(self, producer: Op, g: TensorGraph) -> bool: ...
+
     def per_warp(self, p: GemvForm) -> int: ...
+
+    def part_product(self, op: Op, g: TensorGraph) -> GemvForm | None: ...
 
     def rows_product(self, op: Op, g: TensorGraph) -> GemvForm | None: ...
 
@@ -336,8 +344,10 @@ def _glu_act_mul_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorG
 
 def _merged_qkv(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
     # The GEMV in parts is the lane's own rule, held with it.
-    if shim.gemm_parts(members, g) or (GEMV_PARTS not in shim.held and shim.gemv_in_parts(members, g)):
+    if GEMV_PARTS not in shim.held and shim.gemv_in_parts(members, g):
         return None
+    if shim.gemm_parts(members, g):
+        return "the lane has no GEMM in parts yet: a chunk's products of one activation run apart"
     return (
         "products of one activation are one launch in parts: at most four, one format — on the tensor cores "
         "whole 128-output tiles, in the GEMV one number of rows a warp"

@@ -13,7 +13,7 @@ import enum
 import math
 from typing import NamedTuple
 
-from fuselane.gguf.formats import Format
+from fuselane.gguf.formats import QK, QK_K, Format
 from fuselane.lanes.cuda.knobs import Activations
 from fuselane.numerics import contract
 
@@ -54,6 +54,16 @@ GEMM_PARTS = 4
 # own (its int8 words are multiplied as stored, a row a warp); the rest (Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4,
 # floats) are converted to f16 once at load and multiplied as values.
 DECODED_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q5_0, Format.Q5_1, Format.Q4_K, Format.Q5_K, Format.Q6_K})
+
+# The formats the int8 GEMV (dp4a over the activation's int8 codes, `triton/gemv/q8.py`) multiplies, and the
+# rows of weights a program of it takes in each (its tile's BLOCK_N, the same for a tall row's tile): the
+# QKV GEMV that turns the query and key in its epilogue turns a head in whole tiles, so a head is whole rows
+# of programs. A product in any other format reads the f32 activation.
+INT8_GEMV_FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0})
+INT8_GEMV_TILE_ROWS = {Format.Q4_K: 4, Format.Q6_K: 2, Format.Q8_0: 2, Format.Q5_0: 4}
+# ...its rows whole super-blocks of the format (a K format's 256 values, the others' 32): the run a program
+# reads at a time.
+SUPER_BLOCK_FORMATS = frozenset({Format.Q4_K, Format.Q6_K})
 
 # A decoded GEMV met one row at a time takes four rows a warp when the product is wide: the activation, held
 # in registers, is read once for four weight rows.
@@ -125,6 +135,12 @@ CONV_L2_MAX_HEAD = MAX_BLOCK_THREADS
 def decodes(fmt: Format) -> bool:
     """Whether the GEMV decodes checkpoint rows of `fmt` in its kernel, block by block."""
     return fmt in DECODED_FORMATS
+
+
+def int8_gemv(fmt: Format, m: int, k: int) -> bool:
+    """Whether the int8 GEMV takes a product of `m` rows of `k` values in `fmt`: one row, one of its formats,
+    whole blocks of the format."""
+    return m == 1 and fmt in INT8_GEMV_FORMATS and k % (QK_K if fmt in SUPER_BLOCK_FORMATS else QK) == 0
 
 
 def rows_a_warp(fmt: Format, n: int, k: int, m: int) -> int:

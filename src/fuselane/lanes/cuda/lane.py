@@ -27,7 +27,7 @@ from fuselane.graph.ir import Form, QuantFormat, QuantizedActs, Role, TensorGrap
 from fuselane.lanes.cuda import decode as loop
 from fuselane.lanes.cuda.decode import DeviceSampler, Tail
 from fuselane.lanes.cuda.kernels import QBLOCK
-from fuselane.lanes.cuda.knobs import CachePrecision, CudaKnobs, PrefillWeights, RopeEpilogue
+from fuselane.lanes.cuda.knobs import CachePrecision, CudaKnobs, PrefillWeights
 from fuselane.lanes.cuda.shim import CudaShim
 from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
@@ -204,26 +204,19 @@ class _Step:
                 bufs[name] = lane.cache(name, t.shape)
             elif t.role in (Role.ACTIVATION, Role.OUTPUT):
                 bufs[name] = torch.zeros(t.shape, dtype=torch.float32, device=lane.device)
-                if isinstance(t.storage, QuantizedActs) and g.rows == 1:
+                if isinstance(t.storage, QuantizedActs):  # the plan writes its int8 form
                     q8[name] = _int8_form(t.shape, lane.device)
         bufs[IDS] = torch.zeros(g.rows, dtype=torch.int32, device=lane.device)
         bufs[POS] = torch.zeros(1, dtype=torch.int32, device=lane.device)
         self.bufs = bufs
         in_place = lane.shim.knobs.prefill_weights is PrefillWeights.IN_PLACE
-        reads_int8 = None
-        if g.rows == 1 and lane.shim.activation_format is not None:
-            shim = lane.shim
-            reads_int8 = lambda op: shim.activation(op, 0, g) is not None  # noqa: E731
-        knobs = lane.shim.knobs
-        rope_in_gemv = knobs.rope_epilogue
-        if rope_in_gemv is RopeEpilogue.AUTO and not knobs.norm_launch:  # no layer then needs the launch back
-            rope_in_gemv = RopeEpilogue.OFF
         bound = Bound(
             g, bufs, lane.raw, lane.vec, lane.dense,
-            in_place=in_place, q8=q8, reads_int8=reads_int8, rope_in_gemv=rope_in_gemv,
-            attention_f16=_attention_in_f16(knobs),
+            in_place=in_place, q8=q8, attention_f16=_attention_in_f16(lane.shim.knobs),
         )  # fmt: skip
-        self.launch_list = [launch for op in plan.ops for launch in bind(op, bound)]
+        # each op of the plan and its launches (one, none for a view): what `fuselane explain` counts
+        self.bound = [(op, bind(op, bound)) for op in plan.ops]
+        self.launch_list = [launch for _, launches in self.bound for launch in launches]
         self.launches = len(self.launch_list)
         self.graphs: dict[Hashable, Any] = {}  # the captured step, by its sampler tail's key (None: no tail)
         self.runs: dict[Hashable, int] = {}

@@ -1,10 +1,12 @@
-"""Binding a plan's ops to launches: each op of the fused schedule becomes a list of closures over the lane's
-buffers, each closure one kernel launch.
+"""Binding a plan's ops to launches: each op of the plan becomes one closure over the lane's buffers, one kernel
+launch (a view, none), through one table, `BINDERS`: a native class or a primitive's spec -> its binder.
 
-A native class the lane has one kernel for binds to that kernel; any other fused op binds to its parts'
-launches in order (so a plan held rule by rule still runs); a primitive binds to its own kernel. Everything a
-launch reads or writes is a buffer allocated once per session, and the position is a device value, so the
-launches of a decode step can be captured in a CUDA graph and replayed at every position.
+Every choice that changes what launches was made by the optimizer (the lane's rules and its shim's answers),
+so a binder only picks among kernels that launch the same way (the int8 GEMV where the plan quantized the
+activation, the register-tiled GEMV where it takes the format) and never adds or drops a launch: `bind`
+checks it. Everything a launch reads or writes is a buffer allocated once per session, and the position is a
+device value, so the launches of a decode step can be captured in a CUDA graph and replayed at every
+position.
 """
 
 from __future__ import annotations
@@ -13,16 +15,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fuselane.fuse.views import class_of, leaves
+from fuselane.errors import FuselaneError
+from fuselane.fuse.optimizer import VIEWS
+from fuselane.fuse.views import class_of, leaves, parts
 from fuselane.gguf.formats import Format
 from fuselane.graph.classes import ClassId as C
-from fuselane.graph.ir import Fused, Op, TensorGraph
+from fuselane.graph.ir import Op, TensorGraph
 from fuselane.graph.ops import (
     ArgMax,
     Attention,
     Elementwise,
     ElementwiseOp,
     Matmul,
+    Quantize,
     RmsNorm,
     Rope,
     RowsGather,
@@ -31,7 +36,6 @@ from fuselane.graph.ops import (
     Unary,
 )
 from fuselane.lanes.cuda import kernels
-from fuselane.lanes.cuda.knobs import RopeEpilogue
 from fuselane.lanes.cuda.shim import QUANT_EPILOGUES
 
 Launch = Callable[[], None]
@@ -48,10 +52,7 @@ class Bound:
     dense: Callable[[str], Any]  # matrix name -> dequantized f16 device matrix (for GEMMs past the GEMV's rows)
     scratch: dict[str, Any] = field(default_factory=dict)
     in_place: bool = False  # prefill products decode the checkpoint's bytes in the kernel (knob prefill=in-place)
-    q8: dict[str, Any] = field(default_factory=dict)  # name -> gemv_q8.Q8Acts: a decode step's int8 activations
-    # whether a decode step's op reads its activation quantized (the shim's `activation`); None: never
-    reads_int8: Callable[[Op], bool] | None = None
-    rope_in_gemv: RopeEpilogue = RopeEpilogue.OFF  # where the int8 QKV GEMV turns its query and key
+    q8: dict[str, Any] = field(default_factory=dict)  # name -> quant.Q8Acts: the int8 forms the plan writes
     attention_f16: bool = False  # a chunk's attention multiplies on the f16 tensor cores (`CudaShim.attention`)
 
 
@@ -64,19 +65,33 @@ def _t():
     return gemv, norm, rope, attention, misc
 
 
-def bind(op: Op, b: Bound) -> list[Launch]:
-    """The launches of one op of the schedule. A class without a one-launch kernel here (a projection that
-    turns its heads in its epilogue, outside a GEMV in parts) runs as its parts' launches."""
+class PlanMismatch(FuselaneError):
+    """An op the plan holds that this lane's binders do not launch as the plan says: a bug of the lane."""
+
+
+def binder_of(op: Op) -> Binder:
+    """The binder of an op: its class's, or its primitive spec's."""
     cls = class_of(op)
-    if cls is not None:
-        builder = NATIVE.get(cls)
-        if builder is not None:
-            found = builder(op, b)
-            if found is not None:
-                return found
-        assert isinstance(op.sym, Fused)
-        return [launch for part in op.sym.parts for launch in bind(part, b)]
-    return _prim(op, b)
+    binder = BINDERS.get(cls if cls is not None else type(op.sym))
+    if binder is None:
+        name = cls.value if cls is not None else type(op.sym).__name__
+        raise PlanMismatch(f"the cuda lane has no launch for {name}")
+    return binder
+
+
+def bind(op: Op, b: Bound) -> list[Launch]:
+    """The launches of one op of the plan: exactly one, none for a view."""
+    launches = binder_of(op)(op, b)
+    expected = 0 if isinstance(op.sym, VIEWS) else 1
+    if len(launches) != expected:
+        raise PlanMismatch(f"{op.out} bound to {len(launches)} launches, the plan says {expected}")
+    return launches
+
+
+def _one(op: Op, b: Bound) -> Launch:
+    """The one launch of an op a binder runs inside its own (a fold's producer)."""
+    (launch,) = bind(op, b)
+    return launch
 
 
 # ---- primitives -------------------------------------------------------------------------------------------
@@ -97,11 +112,11 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
     bias_t = b.vec[bias] if bias else None
     res_t = b.bufs[residual] if residual else None
     w, fmt = b.raw[op.ins[1]]
-    q8 = _q8_in(op, op.ins[0], fmt, spec.m, spec.k, b, out)
+    q8 = _q8_in(op.ins[0], fmt, spec.m, spec.k, b, out)
     if q8 is not None:
-        gemv_q8, acts, first = q8
+        gemv_q8, acts = q8
         n, k = spec.n, spec.k
-        return [*first, lambda: gemv_q8.gemv_q8(acts, w, fmt, n, k, out, bias=bias_t, residual=res_t, out_row=row)]
+        return [lambda: gemv_q8.gemv_q8(acts, w, fmt, n, k, out, bias=bias_t, residual=res_t, out_row=row)]
     if spec.m <= kernels.GEMV_ROWS:
         kernel = _gemv_kernels(fmt, spec.m, out)
         return [lambda: kernel(x, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)]
@@ -113,9 +128,10 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
         res2 = res_t.view(spec.m, spec.n) if res_t is not None else None
         out2 = out if row is not None else out.view(spec.m, spec.n)
         return [lambda: gemm.gemm(x2, w, fmt, spec.n, spec.k, out2, bias=bias_t, residual=res2, out_row=row)]
-    dense = b.dense(op.ins[1])
+    matrix = op.ins[1]
 
     def gemm() -> None:
+        dense = b.dense(matrix)  # the f16 copy, made by the first run (a kernel): binding launches nothing
         y = (x.to(dense.dtype) @ dense.T).float()
         if bias_t is not None:
             y += bias_t
@@ -138,25 +154,14 @@ def _fast(fmt: Format, m: int, *outs: Any):
     return gemv_fast if f32 and gemv_fast.supports_fast(fmt, m) else None
 
 
-def _q8_in(consumer: Op, name: str, fmt: Format, m: int, k: int, b: Bound, *outs: Any):
-    """(the int8 GEMV module, the activation's Q8Acts, launches to run first) where `consumer` reads `name`
-    quantized and the int8 kernels take it: the form its producer wrote, or, where the producer wrote only
-    f32 (`fuse_quant=off`, or a producer that cannot quantize), the consumer's own quantizing launch first.
-    None where it reads the f32 row (a format without a dp4a kernel reads the values the producer also
-    writes in f32)."""
+def _q8_in(name: str, fmt: Format, m: int, k: int, b: Bound, *outs: Any):
+    """(the int8 GEMV module, the activation's Q8Acts) where the plan wrote `name`'s int8 form (its producer's
+    epilogue, or a `Quantize` launch) and the int8 kernels take the product; None where it reads the f32 row."""
     from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 
-    if not (gemv_q8.supports(fmt, m, k) and all(out.dtype in _store_types() for out in outs)):
+    if name not in b.q8 or not gemv_q8.supports(fmt, m, k) or any(out.dtype not in _store_types() for out in outs):
         return None
-    if name in b.q8:
-        return gemv_q8, b.q8[name], []
-    if b.reads_int8 is None or not b.reads_int8(consumer) or k % kernels.QBLOCK:
-        return None
-    from fuselane.lanes.cuda.triton import quant
-
-    x = b.bufs[name]
-    acts = b.scratch.setdefault(f"q8-read:{name}", quant.empty_q8(1, k, x.device))
-    return gemv_q8, acts, [lambda: quant.quantize(x.view(1, k), acts)]
+    return gemv_q8, b.q8[name]
 
 
 def _store_types():
@@ -179,59 +184,87 @@ def _arange(n: int, device: Any):
     return torch.arange(n, device=device)
 
 
-def _prim(op: Op, b: Bound) -> list[Launch]:
+def _rms_norm(op: Op, b: Bound):
+    _, norm, *_ = _t()
+    spec: RmsNorm = op.sym  # type: ignore[assignment]
+    x, out = b.bufs[op.ins[0]], b.bufs[op.out]
+    return [lambda: norm.rms_norm_plain(x.view(spec.rows, spec.cols), out.view(spec.rows, spec.cols), spec.eps)]
+
+
+def _elementwise(op: Op, b: Bound):
     import torch
 
-    _, norm, rope, attention, misc = _t()
-    spec = op.sym
-    ins = [b.bufs.get(n) for n in op.ins]
-    if isinstance(spec, Matmul):
-        return _product(op, b)
-    if isinstance(spec, RmsNorm):
-        x, out = ins[0], b.bufs[op.out]
-        return [lambda: norm.rms_norm_plain(x.view(spec.rows, spec.cols), out.view(spec.rows, spec.cols), spec.eps)]
-    if isinstance(spec, Elementwise):
-        a = ins[0]
-        other = b.vec[op.ins[1]] if op.ins[1] in b.vec else ins[1]
-        out = b.bufs[op.out]
-        fn = torch.add if spec.op is ElementwiseOp.ADD else torch.mul
-        if spec.row:
-            return [lambda: fn(a.view(-1, spec.cols), other.view(1, spec.cols), out=out.view(-1, spec.cols))]
-        return [lambda: fn(a, other, out=out)]
-    if isinstance(spec, Unary):
-        x, out = ins[0], b.bufs[op.out]
-        return [lambda: torch.mul(torch.sigmoid(x), x, out=out)]
-    if isinstance(spec, Rope):
-        x, out = ins[0], b.bufs[op.out]
-        pos = b.bufs["pos"]
-        return [lambda: rope.qk_norm_rope(x, out, pos, heads=spec.heads, hd=spec.hd, base=spec.base)]
-    if isinstance(spec, SetRow):
-        x, cache = ins[0], b.bufs[op.dst.buf]
-        pos = b.bufs["pos"]
-        return [lambda: rope.set_rows(x.view(spec.rows, spec.cols), cache, pos)]
-    if isinstance(spec, Attention):
-        return [_attention(op, b)]
-    if isinstance(spec, TakeRows):
-        x, out = ins[0], b.bufs[op.out]
-        return [lambda: out.copy_(x.view(spec.rows, spec.cols)[spec.rows - spec.take :])]
-    if isinstance(spec, RowsGather):
-        table = b.dense(op.ins[0])
-        ids, out = b.bufs[op.ins[1]], b.bufs[op.out]
-        return [
-            lambda: (
-                torch.index_select(table, 0, ids.long(), out=out)
-                if table.dtype == out.dtype
-                else out.copy_(table.index_select(0, ids.long()))
-            )
-        ]
-    if isinstance(spec, ArgMax):
-        x, out = ins[0], b.bufs[op.out]
-        scratch = misc.argmax_scratch(spec.rows, spec.cols, x.device)  # so a long row is read by many blocks
-        return [lambda: misc.argmax(x, out, scratch=scratch)]
-    raise NotImplementedError(f"the cuda lane has no launch for {type(spec).__name__}")
+    spec: Elementwise = op.sym  # type: ignore[assignment]
+    a = b.bufs[op.ins[0]]
+    other = b.vec[op.ins[1]] if op.ins[1] in b.vec else b.bufs[op.ins[1]]
+    out = b.bufs[op.out]
+    fn = torch.add if spec.op is ElementwiseOp.ADD else torch.mul
+    if spec.row:
+        return [lambda: fn(a.view(-1, spec.cols), other.view(1, spec.cols), out=out.view(-1, spec.cols))]
+    return [lambda: fn(a, other, out=out)]
 
 
-def _attention(op: Op, b: Bound, out_q8: Any = None) -> Launch:
+def _unary(op: Op, b: Bound):
+    import torch
+
+    x, out = b.bufs[op.ins[0]], b.bufs[op.out]
+    return [lambda: torch.mul(torch.sigmoid(x), x, out=out)]
+
+
+def _rope(op: Op, b: Bound):
+    _, _, rope, *_ = _t()
+    spec: Rope = op.sym  # type: ignore[assignment]
+    x, out, pos = b.bufs[op.ins[0]], b.bufs[op.out], b.bufs["pos"]
+    return [lambda: rope.qk_norm_rope(x, out, pos, heads=spec.heads, hd=spec.hd, base=spec.base)]
+
+
+def _set_row(op: Op, b: Bound):
+    _, _, rope, *_ = _t()
+    spec: SetRow = op.sym  # type: ignore[assignment]
+    x, cache, pos = b.bufs[op.ins[0]], b.bufs[op.dst.buf], b.bufs["pos"]
+    return [lambda: rope.set_rows(x.view(spec.rows, spec.cols), cache, pos)]
+
+
+def _take_rows(op: Op, b: Bound):
+    """A chunk's last rows: a view of its input, which the ops after it read in place (no launch)."""
+    spec: TakeRows = op.sym  # type: ignore[assignment]
+    b.bufs[op.out] = b.bufs[op.ins[0]].view(spec.rows, spec.cols)[spec.rows - spec.take :]
+    return []
+
+
+def _gather(op: Op, b: Bound):
+    import torch
+
+    name, ids, out = op.ins[0], b.bufs[op.ins[1]], b.bufs[op.out]
+
+    def gather() -> None:
+        table = b.dense(name)  # made by the first run, as a product's f16 copy
+        if table.dtype == out.dtype:
+            torch.index_select(table, 0, ids.long(), out=out)
+        else:
+            out.copy_(table.index_select(0, ids.long()))
+
+    return [gather]
+
+
+def _argmax(op: Op, b: Bound):
+    *_, misc = _t()
+    spec: ArgMax = op.sym  # type: ignore[assignment]
+    x, out = b.bufs[op.ins[0]], b.bufs[op.out]
+    scratch = misc.argmax_scratch(spec.rows, spec.cols, x.device)  # so a long row is read by many blocks
+    return [lambda: misc.argmax(x, out, scratch=scratch)]
+
+
+def _quantize(op: Op, b: Bound):
+    """An activation's int8 form, where its producer wrote it in f32 only (the lane rule `quantize_apart`)."""
+    from fuselane.lanes.cuda.triton import quant
+
+    spec: Quantize = op.sym  # type: ignore[assignment]
+    x, acts = b.bufs[op.ins[0]], b.q8[op.out]
+    return [lambda: quant.quantize(x.view(spec.rows, spec.cols), acts)]
+
+
+def _attention(op: Op, b: Bound, out_q8: Any = None):
     _, _, _, attention, _ = _t()
     spec: Attention = op.sym  # type: ignore[assignment]
     q, kc, vc = (b.bufs[n] for n in op.ins[:3])
@@ -239,11 +272,11 @@ def _attention(op: Op, b: Bound, out_q8: Any = None) -> Launch:
     shape = dict(heads=spec.heads, kv_heads=spec.kv_heads, hd=spec.hd, scale=spec.scale)
     if spec.rows == 1:
         scratch = b.scratch.setdefault("attn", attention.decode_scratch(spec.heads, spec.hd, spec.len, q.device))
-        return lambda: attention.flash_decode(q, kc, vc, pos, out, scratch=scratch, out_q8=out_q8, **shape)
+        return [lambda: attention.flash_decode(q, kc, vc, pos, out, scratch=scratch, out_q8=out_q8, **shape)]
     from fuselane.lanes.cuda.triton.attention import prefill as attention_prefill
 
     f16 = b.attention_f16
-    return lambda: attention_prefill.flash_prefill(q, kc, vc, pos, out, rows=spec.rows, f16_ops=f16, **shape)
+    return [lambda: attention_prefill.flash_prefill(q, kc, vc, pos, out, rows=spec.rows, f16_ops=f16, **shape)]
 
 
 # ---- native classes ---------------------------------------------------------------------------------------
@@ -266,8 +299,6 @@ def _add_norm(op: Op, b: Bound, out_q8: Any = None):
     a, r, s = b.bufs[add.ins[0]], b.bufs[add.ins[1]], b.bufs[add.out]
     w, out = b.vec[w_op.ins[1]], b.bufs[w_op.out]
     rows = (spec.rows, spec.cols)
-    if out_q8 is not None and spec.cols % kernels.QBLOCK:
-        return None
     return [
         lambda: norm.rms_norm(
             a.view(rows), w, out.view(rows), spec.eps, residual=r.view(rows), sum_out=s.view(rows), out_q8=out_q8
@@ -326,9 +357,12 @@ def _rope_class(op: Op, b: Bound):
     return [lambda: rope.qk_norm_rope(s.x, s.out, pos, **args)]
 
 
-def _rope_pair(q_op: Op, k_op: Op, b: Bound) -> Launch:
+def _rope_qk(op: Op, b: Bound):
     """A layer's query and key rotations in one launch (the key appended to its cache where it is)."""
     _, _, rope, *_ = _t()
+    q_op, k_op = op.sym.parts  # type: ignore[union-attr]
+    if _side(q_op, b).pitch is not None:
+        q_op, k_op = k_op, q_op
     q, k, pos = _side(q_op, b), _side(k_op, b), b.bufs["pos"]
     args = dict(
         heads=q.heads,
@@ -340,14 +374,7 @@ def _rope_pair(q_op: Op, k_op: Op, b: Bound) -> Launch:
         eps=q.eps,
         k_cache_row_pitch=k.pitch,
     )
-    return lambda: rope.rope_q_k(q.x, k.x, q.out, k.out, pos, **args)
-
-
-def _rope_qk(op: Op, b: Bound):
-    q_op, k_op = op.sym.parts  # type: ignore[union-attr]
-    if _side(q_op, b).pitch is not None:
-        q_op, k_op = k_op, q_op
-    return [_rope_pair(q_op, k_op, b)]
+    return [lambda: rope.rope_q_k(q.x, k.x, q.out, k.out, pos, **args)]
 
 
 def _gemm_bias(op: Op, b: Bound):
@@ -363,89 +390,74 @@ def _row_write(op: Op, b: Bound):
 
 
 def _gate_up(op: Op, b: Bound, out_q8: Any = None):
+    """The gated pair in one GEMV launch (the lane rule `products_apart` keeps it within the GEMV's rows); with
+    `out_q8` (GluActMulQuant) the int8 GEMV writes the GLU's int8 form too."""
     gemv, *_ = _t()
     gate, up = (p for p in leaves(op) if isinstance(p.sym, Matmul))
     spec: Matmul = gate.sym  # type: ignore[assignment]
-    if spec.m > kernels.GEMV_ROWS:
-        return None
     x, out = b.bufs[gate.ins[0]], b.bufs[op.out]
     (wg, fmt), (wu, _) = b.raw[gate.ins[1]], b.raw[up.ins[1]]
-    q8 = _q8_in(op, gate.ins[0], fmt, spec.m, spec.k, b, out)
+    n, k = spec.n, spec.k
+    q8 = _q8_in(gate.ins[0], fmt, spec.m, k, b, out)
     if q8 is not None:
-        gemv_q8, acts, first = q8
+        gemv_q8, acts = q8
         if out_q8 is None:
-            return [*first, lambda: gemv_q8.gemv_q8_gate_up_glu(acts, wg, wu, fmt, spec.n, spec.k, out)]
+            return [lambda: gemv_q8.gemv_q8_gate_up_glu(acts, wg, wu, fmt, n, k, out)]
         from fuselane.lanes.cuda.triton.gemv import q8_epilogue as qe
 
-        if spec.n % kernels.QBLOCK == 0:
-            counters = b.scratch.setdefault(f"glu-q8:{op.out}", qe.q8_counters(spec.n, out.device))
-            n, k = spec.n, spec.k
-            return [*first, lambda: qe.gemv_q8_gate_up_glu_q8(acts, wg, wu, fmt, n, k, out, out_q8, counters)]
-        return None
+        counters = b.scratch.setdefault(f"glu-q8:{op.out}", qe.q8_counters(n, out.device))
+        return [lambda: qe.gemv_q8_gate_up_glu_q8(acts, wg, wu, fmt, n, k, out, out_q8, counters)]
     if out_q8 is not None:
-        return None
+        raise PlanMismatch(f"{op.out}: the gated pair writes its int8 form only from the int8 GEMV")
     fast = _fast(fmt, spec.m, out)
     if fast is not None:
-        return [lambda: fast.gemv_fast_gate_up_glu(x, wg, wu, fmt, spec.n, spec.k, out)]
-    return [lambda: gemv.gemv_gate_up_glu(x, wg, wu, fmt, spec.n, spec.k, out)]
+        return [lambda: fast.gemv_fast_gate_up_glu(x, wg, wu, fmt, n, k, out)]
+    return [lambda: gemv.gemv_gate_up_glu(x, wg, wu, fmt, n, k, out)]
+
+
+def _part(member: Op, b: Bound) -> tuple:
+    """A member of a GEMV in parts as the kernels take it: (weights, outputs, output buffer, bias, row)."""
+    found = leaves(member)
+    mm = found[0]
+    spec: Matmul = mm.sym  # type: ignore[assignment]
+    bias = next((p.ins[1] for p in found if isinstance(p.sym, Elementwise) and p.ins[0] == mm.out), None)
+    landing = found[-1] if class_of(member) is C.ROW_WRITE else (found[1] if bias else mm)
+    out, row = _rows_view(b, landing)
+    return (b.raw[mm.ins[1]][0], spec.n, out, b.vec[bias] if bias else None, row)
 
 
 def _merged(op: Op, b: Bound):
-    """Products of one activation in parts: one GEMV launch, then each part's epilogue launch (rotations), or
-    under `rope_epilogue` one int8 GEMV launch that turns the query and the key itself."""
+    """Products of one activation in parts, one GEMV launch; where the plan folded the query's and key's
+    rotations into it (the lane rule `rope_epilogue`), the int8 GEMV that turns them in its epilogue."""
     gemv, *_ = _t()
     members = op.sym.parts  # type: ignore[union-attr]
-    products, after, turned = [], [], []
-    for m in members:
-        found = leaves(m)
-        mm = found[0]
-        spec: Matmul = mm.sym  # type: ignore[assignment]
-        if spec.m > kernels.GEMV_ROWS:
-            return None
-        cls = class_of(m)
-        bias = next((p.ins[1] for p in found if isinstance(p.sym, Elementwise) and p.ins[0] == mm.out), None)
-        landing = found[-1] if cls in (C.ROW_WRITE,) else (found[1] if bias else mm)
-        out, row = _rows_view(b, landing)
-        products.append((b.raw[mm.ins[1]][0], spec.n, out, b.vec[bias] if bias else None, row))
-        if cls is C.QKV_HEAD_EPILOGUE:
-            after.append(m.sym.parts[1])  # type: ignore[union-attr]
-            turned.append(len(products) - 1)
-    x, fmt = b.bufs[members[0].ins[0]], b.raw[leaves(members[0])[0].ins[1]][1]
-    k = leaves(members[0])[0].sym.k  # type: ignore[union-attr]
-    q8 = _q8_in(op, members[0].ins[0], fmt, x.shape[0], k, b, *(p[2] for p in products))
+    turned = [k for k, m in enumerate(members) if class_of(m) is C.QKV_HEAD_EPILOGUE]
+    products = [_part(parts(m)[0] if k in turned else m, b) for k, m in enumerate(members)]
+    first = leaves(members[0])[0]
+    spec: Matmul = first.sym  # type: ignore[assignment]
+    x, fmt = b.bufs[first.ins[0]], b.raw[first.ins[1]][1]
+    q8 = _q8_in(first.ins[0], fmt, spec.m, spec.k, b, *(p[2] for p in products))
+    if turned:
+        if q8 is None:
+            raise PlanMismatch(f"{op.out}: the query and key turn in the GEMV's epilogue only in the int8 GEMV")
+        return [_turned_in_gemv(turned, members, products, q8[1], fmt, spec.k, b)]
     if q8 is not None:
-        gemv_q8, acts, first = q8
-        fused = _turned_in_gemv(list(zip(turned, after, strict=True)), products, acts, fmt, k, b)
-        if fused is not None:
-            return [*first, fused]
-        return [*first, lambda: gemv_q8.gemv_q8_parts(acts, products, fmt), *_turns(after, b)]
-    turns = _turns(after, b)
-    fast = _fast(fmt, x.shape[0], *(p[2] for p in products))
+        gemv_q8, acts = q8
+        return [lambda: gemv_q8.gemv_q8_parts(acts, products, fmt)]
+    fast = _fast(fmt, spec.m, *(p[2] for p in products))
     if fast is not None:
-        return [lambda: fast.gemv_fast_parts(x, products, fmt), *turns]
-    return [lambda: gemv.gemv_parts(x, products, fmt), *turns]
+        return [lambda: fast.gemv_fast_parts(x, products, fmt)]
+    return [lambda: gemv.gemv_parts(x, products, fmt)]
 
 
-def _turned_in_gemv(turned: list[tuple[int, Op]], products: list, acts: Any, fmt: Format, k: int, b: Bound):
-    """Under `rope_epilogue`, the int8 GEMV in parts that turns a query's and a key's heads in its epilogue
-    (`gemv_q8_rope`): one launch for the product and its rotations, where they are one query (landing in a
-    buffer) and one key turned alike, and the GEMV's tile divides a head; under `auto` only where they are
-    the GEMV's only parts (the layer's V takes a launch of its own). None otherwise."""
-    if b.rope_in_gemv is RopeEpilogue.OFF or len(turned) != 2:
-        return None
-    if b.rope_in_gemv is RopeEpilogue.AUTO and len(products) != len(turned):
-        return None
-    from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
+def _turned_in_gemv(turned: list[int], members, products: list, acts: Any, fmt: Format, k: int, b: Bound):
+    """The int8 GEMV in parts that turns a query's and a key's heads in its epilogue (`q8_rope`): the query
+    lands in a buffer of its own, the key where its rotation writes it (its cache row)."""
     from fuselane.lanes.cuda.triton.gemv import q8_rope as gemv_q8_rope
 
-    (qi, q_op), (ki, k_op) = turned if _side(turned[0][1], b).pitch is None else turned[::-1]
+    qi, ki = turned if members[turned[0]].dst.row is None else turned[::-1]
+    q_op, k_op = (parts(members[i])[1] for i in (qi, ki))
     q, kk = _side(q_op, b), _side(k_op, b)
-    alike = (q.hd, q.base, q.eps, q.norm_w is None) == (kk.hd, kk.base, kk.eps, kk.norm_w is None)
-    # the epilogue turns what the part wrote: the rotations must read the parts' own outputs
-    reads_parts = all(s.x.data_ptr() == products[i][2].data_ptr() for i, s in ((qi, q), (ki, kk)))
-    block_n = gemv_q8._tile_plan(fmt, k, None, None, None)["BLOCK_N"]
-    if q.pitch is not None or not alike or not reads_parts or q.hd % block_n:
-        return None
     counters = b.scratch.setdefault(f"rope-q8:{q_op.out}", gemv_q8_rope.rope_counters(q.heads, kk.heads, acts.q.device))
     q_turn = gemv_q8_rope.Turn(qi, q.out, q.heads, None, q.norm_w)
     k_turn = gemv_q8_rope.Turn(ki, kk.out, kk.heads, kk.pitch, kk.norm_w)
@@ -455,19 +467,10 @@ def _turned_in_gemv(turned: list[tuple[int, Op]], products: list, acts: Any, fmt
     )
 
 
-def _turns(sides: list[Op], b: Bound) -> list[Launch]:
-    """The rotations a GEMV in parts leaves for its epilogue: a query and a key go in one launch."""
-    if len(sides) == 2:
-        q_op, k_op = sides if _side(sides[1], b).pitch is not None else sides[::-1]
-        if _side(q_op, b).pitch is None and (_side(q_op, b).norm_w is None) == (_side(k_op, b).norm_w is None):
-            return [_rope_pair(q_op, k_op, b)]
-    return [launch for side in sides for launch in bind(side, b)]
-
-
 def _norm_epilogue(op: Op, b: Bound, out_q8: Any = None):
-    """A projection with its residual add and norm: one launch whose last program norms the sum (a step's one
-    row), or the product with the residual then the norm (a chunk's rows). With `out_q8` (int8 activations)
-    the last program writes the norm quantized too, where the product reads its own activation quantized."""
+    """A step's projection with its residual add and norm in one launch, whose last program norms the sum. In
+    the int8 GEMV (where the plan quantized its activation) the last program writes the norm's int8 form too:
+    into `out_q8` (NormQuant), else into a scratch no product reads."""
     mm = op.sym.parts[0]  # type: ignore[union-attr]
     add_norm = op.sym.parts[1]  # type: ignore[union-attr]
     add, n_op, w_op = leaves(add_norm)
@@ -476,33 +479,25 @@ def _norm_epilogue(op: Op, b: Bound, out_q8: Any = None):
     s, w, out = b.bufs[add.out], b.vec[w_op.ins[1]], b.bufs[w_op.out]
     product: Matmul = mm.sym  # type: ignore[assignment]
     wt, fmt = b.raw[mm.ins[1]]
-    if product.m == 1:
-        from fuselane.lanes.cuda.triton.gemv import epilogue as gemv_epilogue
-        from fuselane.lanes.cuda.triton.gemv import fast_norm as gemv_fast_norm
+    from fuselane.lanes.cuda.triton.gemv import epilogue as gemv_epilogue
+    from fuselane.lanes.cuda.triton.gemv import fast_norm as gemv_fast_norm
 
-        x, r = b.bufs[mm.ins[0]], b.bufs[residual]
-        counter = gemv_epilogue.gemv_add_norm_counter(x.device)  # its own: launches on one stream in turn
-        n, k = product.n, product.k
-        q8 = _q8_in(mm, mm.ins[0], fmt, 1, k, b, out)
-        if q8 is not None and n % kernels.QBLOCK == 0:
-            from fuselane.lanes.cuda.triton.gemv import q8_epilogue as qe
-            from fuselane.lanes.cuda.triton.quant import empty_q8
+    x, r = b.bufs[mm.ins[0]], b.bufs[residual]
+    counter = gemv_epilogue.gemv_add_norm_counter(x.device)  # its own: launches on one stream in turn
+    n, k = product.n, product.k
+    q8 = _q8_in(mm.ins[0], fmt, product.m, k, b, out)
+    if q8 is not None and n % kernels.QBLOCK == 0:
+        from fuselane.lanes.cuda.triton.gemv import q8_epilogue as qe
+        from fuselane.lanes.cuda.triton.quant import empty_q8
 
-            _, acts, first = q8
-            # a norm no product reads quantized still goes through the one kernel: its int8 form is dropped
-            oq = out_q8 if out_q8 is not None else b.scratch.setdefault(f"q8-drop:{n}", empty_q8(1, n, x.device))
-            return [*first, lambda: qe.gemv_q8_add_norm(acts, wt, fmt, n, k, r, s, w, spec.eps, out, oq, counter)]
-        if out_q8 is not None:
-            return None
-        if gemv_fast_norm.supports_fast_add_norm(fmt, n):
-            return [lambda: gemv_fast_norm.gemv_fast_add_norm(x, wt, fmt, n, k, r, s, w, spec.eps, out, counter)]
-        return [lambda: gemv_epilogue.gemv_add_norm(x, wt, fmt, n, k, r, s, w, spec.eps, out, counter)]
-    _, norm, *_ = _t()
-    rows = (spec.rows, spec.cols)
-    return [
-        *_product(mm, b, residual=residual, dst=add),
-        lambda: norm.rms_norm(s.view(rows), w, out.view(rows), spec.eps),
-    ]
+        _, acts = q8
+        oq = out_q8 if out_q8 is not None else b.scratch.setdefault(f"q8-drop:{n}", empty_q8(1, n, x.device))
+        return [lambda: qe.gemv_q8_add_norm(acts, wt, fmt, n, k, r, s, w, spec.eps, out, oq, counter)]
+    if out_q8 is not None:
+        raise PlanMismatch(f"{op.out}: a projection's norm writes its int8 form only from the int8 GEMV")
+    if gemv_fast_norm.supports_fast_add_norm(fmt, n):
+        return [lambda: gemv_fast_norm.gemv_fast_add_norm(x, wt, fmt, n, k, r, s, w, spec.eps, out, counter)]
+    return [lambda: gemv_epilogue.gemv_add_norm(x, wt, fmt, n, k, r, s, w, spec.eps, out, counter)]
 
 
 def _glu(op: Op, b: Bound):
@@ -513,31 +508,40 @@ def _glu(op: Op, b: Bound):
 
 
 def _flash(op: Op, b: Bound, out_q8: Any = None):
-    return [_attention(leaves(op)[0], b, out_q8)]
+    return _attention(leaves(op)[0], b, out_q8)
 
 
 def _quantizing(op: Op, b: Bound):
-    """A producer that writes its result quantized (NormQuant, GluActMulQuant, AttnOutputQuant, ...): in a
-    decode step, its kernel writing the int8 form in its epilogue where it has one, else its launches then
-    one quantizing launch; in a prefill chunk (no int8 GEMM: its products read the f32 rows on the f16
-    tensor cores) just its launches."""
+    """A producer that writes its result's int8 form too (NormQuant, GluActMulQuant, AttnOutputQuant, ...): its
+    kernel with the int8 epilogue. The lane rule `quantize_apart` left only producers that have one; where the
+    step keeps no int8 form (a chunk's rows, whose products read f32), the producer's own launch."""
     inner = op.sym.parts[0]  # type: ignore[union-attr]
     out_q8 = b.q8.get(op.out)
     if out_q8 is None:
-        return None
-    epilogue = _QUANT_EPILOGUE.get(class_of(inner))
-    if epilogue is None and isinstance(inner.sym, Attention) and inner.sym.rows == 1:
-        return [_attention(inner, b, out_q8)]
-    found = epilogue(inner, b, out_q8) if epilogue is not None else None
-    if found is not None:
-        return found
-    from fuselane.lanes.cuda.triton import quant
-
-    x = b.bufs[op.out]
-    return [*bind(inner, b), lambda: quant.quantize(x.view(out_q8.q.shape), out_q8)]
+        return bind(inner, b)
+    cls = class_of(inner)
+    epilogue = _QUANT_EPILOGUE.get(cls if cls is not None else type(inner.sym))
+    if epilogue is None:
+        raise PlanMismatch(f"{op.out}: no int8 epilogue for {cls.value if cls else type(inner.sym).__name__}")
+    return epilogue(inner, b, out_q8)
 
 
-NATIVE: dict[C, Callable[[Op, Bound], list[Launch] | None]] = {
+Binder = Callable[[Op, Bound], list[Launch]]
+
+# The one table: every class the shim runs natively, and every primitive, to its binder (a test holds the
+# classes to the shim's `NATIVE_CLASSES` and `QUANT_EPILOGUES`).
+BINDERS: dict[C | type, Binder] = {
+    Matmul: _product,
+    RmsNorm: _rms_norm,
+    Elementwise: _elementwise,
+    Unary: _unary,
+    Rope: _rope,
+    SetRow: _set_row,
+    Attention: _attention,
+    TakeRows: _take_rows,
+    RowsGather: _gather,
+    ArgMax: _argmax,
+    Quantize: _quantize,
     C.NORM_WEIGHT: _norm_weight,
     C.ADD_NORM: _add_norm,
     C.EMBED_NORM: _embed_norm,
@@ -555,10 +559,14 @@ NATIVE: dict[C, Callable[[Op, Bound], list[Launch] | None]] = {
     C.FLASH_PREFILL: _flash,
     **{cls: _quantizing for cls in QUANT_EPILOGUES},
 }
-# producers whose kernel writes its result's int8 form in its own epilogue (a decode step's)
-_QUANT_EPILOGUE: dict[C, Callable[[Op, Bound, Any], list[Launch] | None]] = {
+# Native classes that launch only as a part of another class's launch: a projection turns its heads in its
+# epilogue in the int8 QKV GEMV in parts (the lane rule `rope_epilogue` runs every other one as its parts).
+PARTS_ONLY: dict[C, C] = {C.QKV_HEAD_EPILOGUE: C.MERGED_QKV}
+# Producers whose kernel writes its result's int8 form in its own epilogue (`CudaShim.quantizes_in_epilogue`).
+_QUANT_EPILOGUE: dict[C | type, Callable[[Op, Bound, Any], list[Launch]]] = {
     C.ADD_NORM: _add_norm,
     C.GEMV_NORM_EPILOGUE: _norm_epilogue,
     C.GEMV_GATE_UP_GLU: _gate_up,
     C.FLASH_DECODE: _flash,
+    Attention: _attention,
 }

@@ -31,18 +31,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from fuselane.fuse.rewriter import Rewriter
-from fuselane.fuse.shim import DECOMPOSE, NATIVE, Before, LaneRule, Position, Support, refuse
+from fuselane.fuse.rules import SHARED_RULES
+from fuselane.fuse.shim import DECOMPOSE, NATIVE, After, Before, LaneRule, Position, Support, SupportKind, refuse
 from fuselane.fuse.views import GemvForm, class_of, gemv, leaves, moe, parts, rope
-from fuselane.graph import facts
 from fuselane.graph.classes import ClassId as C
-from fuselane.graph.ir import WHOLE, Access, Op, QuantFormat, Rows, TensorGraph
-from fuselane.graph.ops import Moe
+from fuselane.graph.ir import Op, QuantFormat, Rows, TensorGraph
+from fuselane.graph.ops import Attention, Moe
 from fuselane.lanes.cuda import kernels
 from fuselane.lanes.cuda.fits import GEMV_PARTS, ROWS_A_WARP
 from fuselane.lanes.cuda.fits import fits as lane_fits
 from fuselane.lanes.cuda.knobs import Activations, CachePrecision, CudaKnobs, StatePrecision
+from fuselane.lanes.cuda.rules import (
+    PRODUCTS_APART,
+    QUANTIZE_APART,
+    ROPE_EPILOGUE,
+    gemv_parts,
+    products_apart,
+    quantize_apart,
+    rope_epilogue,
+)
 from fuselane.numerics.contract import (
     AttentionNumerics,
     Block,
@@ -55,23 +65,20 @@ from fuselane.numerics.contract import (
     Scheme,
 )
 
-# Classes a kernel of the lane runs in one launch.
+# Classes a kernel of the lane runs in one launch: each has its binder in `launch.BINDERS`, which a test holds
+# this set to.
 NATIVE_CLASSES = frozenset(
     {
-        *(C.NORM_WEIGHT, C.ADD_NORM, C.NORM_THEN_ADD, C.GATED_NORM, C.EMBED_SCALE),
-        *(C.QK_NORM_ROPE, C.QK_NORM_ROPE_KV_APPEND, C.ROPE_KV_APPEND, C.ROPE_QK_ONE_LAUNCH, C.MLA),
-        *(C.FLASH_DECODE, C.FLASH_PREFILL, C.ATTENTION_VARIANTS_INLINE, C.ATTN_LSE_MERGE),
-        *(C.GLU_ACT_MUL, C.GEMV_GATE_UP_GLU, C.GEMM_BIAS, C.MERGED_QKV, C.MERGED_GATE_UP, C.GEMM_DEQUANT_INKERNEL),
-        *(C.ROUTER_TOPK, C.MOE_TOKEN_SORT, C.MOE_GATE_UP_ACT, C.MOE_DOWN_COMBINE, C.SHARED_EXPERT_FUSION),
-        *(C.GDN_STEP, C.CONV_BIAS_SILU, C.CONV_PARTS, C.CONV_SILU_L2NORM, C.GDN_GATE_PROJECTIONS, C.GDN_GATING),
-        *(C.FUSED_SAMPLING, C.STRIDED_READ, C.ROW_WRITE, C.JOIN_IN_PLACE, C.STRIDED_VALUES, C.CUDA_GRAPHS),
-        *(C.GEMV_NORM_EPILOGUE, C.EMBED_NORM, C.QKV_HEAD_EPILOGUE, C.ATTN_OUTPUT_GATE, C.ROW_WRITE_QUANT),
-        C.MOE_DEFERRED_FINALIZE,
+        *(C.NORM_WEIGHT, C.ADD_NORM, C.EMBED_NORM, C.GEMV_NORM_EPILOGUE),
+        *(C.QK_NORM_ROPE, C.QK_NORM_ROPE_KV_APPEND, C.ROPE_KV_APPEND, C.ROPE_QK_ONE_LAUNCH),
+        *(C.FLASH_DECODE, C.FLASH_PREFILL, C.QKV_HEAD_EPILOGUE),
+        *(C.GLU_ACT_MUL, C.GEMV_GATE_UP_GLU, C.GEMM_BIAS, C.MERGED_QKV, C.ROW_WRITE),
     }
 )
 
 # Producers that quantize their result in their epilogue: native under `fuse_quant`, their parts apart
-# otherwise.
+# otherwise. Where the producer's kernel writes no int8 form, the lane rule `quantize_apart` runs the producer
+# and a quantizing launch after it.
 QUANT_EPILOGUES = frozenset(
     {
         *(C.NORM_QUANT, C.ADD_NORM_QUANT, C.GLU_ACT_MUL_QUANT, C.ELEMENTWISE_QUANT, C.GDN_OUTPUT_QUANT),
@@ -79,8 +86,23 @@ QUANT_EPILOGUES = frozenset(
     }
 )
 
+# Classes the specification runs in one launch and this lane has no kernel for yet: their parts run apart,
+# each its own launch (a model that needs none of them fused still runs).
+NO_KERNEL_CLASSES = frozenset(
+    {
+        *(C.NORM_THEN_ADD, C.GATED_NORM, C.EMBED_SCALE, C.MLA, C.ATTENTION_VARIANTS_INLINE, C.ATTN_LSE_MERGE),
+        *(C.MERGED_GATE_UP, C.GEMM_DEQUANT_INKERNEL, C.FUSED_SAMPLING, C.CUDA_GRAPHS),
+        *(C.ROUTER_TOPK, C.MOE_TOKEN_SORT, C.MOE_GATE_UP_ACT, C.MOE_DOWN_COMBINE, C.SHARED_EXPERT_FUSION),
+        *(C.MOE_DEFERRED_FINALIZE, C.GDN_STEP, C.GDN_GATE_PROJECTIONS, C.GDN_GATING),
+        *(C.CONV_BIAS_SILU, C.CONV_PARTS, C.CONV_SILU_L2NORM),
+        *(C.STRIDED_READ, C.JOIN_IN_PLACE, C.STRIDED_VALUES, C.ATTN_OUTPUT_GATE),
+        C.ROW_WRITE_QUANT,
+    }
+)
+_NO_KERNEL = Support(SupportKind.DECOMPOSE, "the lane has no kernel for it yet: its parts run apart")
+
 # Classes the lane runs as their parts.
-DECOMPOSED_CLASSES = frozenset(
+DECOMPOSED_CLASSES = NO_KERNEL_CLASSES | frozenset(
     {
         *(C.NORM_SCALE, C.NORM_WEIGHT_OFFSET, C.DUAL_NORM, C.PREFILL_NORM_EPILOGUES, C.ATTN_RESIDUAL_NORM),
         *(C.RECOMPUTE_FANOUT, C.QK_NORM_ROPE_GATE_SPLIT, C.HORIZONTAL_NORM_ROPE_INSERT, C.CROSS_LAYER_LAUNCH),
@@ -146,6 +168,8 @@ class CudaShim:
             return NATIVE
         if cls in QUANT_EPILOGUES:
             return NATIVE if self.knobs.fuse_quant else DECOMPOSE
+        if cls in NO_KERNEL_CLASSES:
+            return _NO_KERNEL
         if cls in DECOMPOSED_CLASSES:
             return DECOMPOSE
         return refuse(REFUSED_CLASSES[cls])
@@ -156,7 +180,9 @@ class CudaShim:
 
     def activation(self, consumer: Op, operand: int, g: TensorGraph) -> QuantFormat | None:
         """The quantized form in which `consumer` reads its operand `operand`: the lane's activation format
-        for the activation of a product by checkpoint rows, a mixture, a gated pair or products in parts."""
+        for the activation of a product by checkpoint rows the int8 GEMV takes (`kernels.int8_gemv`: a decode
+        step's one row, its formats), alone, as a gated pair or in parts, and of a mixture. Other products (a
+        chunk's, a batch's) read the f32 activation, so nothing quantizes it for them."""
         cls = class_of(consumer)
         if cls in _QUANTIZING:
             return self.activation(parts(consumer)[0], operand, g)
@@ -166,16 +192,46 @@ class CudaShim:
         fmt = self.activation_format
         if fmt is None:
             return None
-        projected = operand == 0 and (
-            self.rows_product(consumer, g) is not None
-            or moe(consumer) is not None
-            or cls in (C.GEMV_GATE_UP_GLU, C.MERGED_QKV)
-        )
-        return fmt if projected else None
+        if operand != 0 or g.rows != 1:  # a chunk's products, even its last row's head, read f32 rows
+            return None
+        if moe(consumer) is not None:
+            return fmt
+        first = parts(consumer)[0] if cls in (C.GEMV_GATE_UP_GLU, C.MERGED_QKV) else consumer
+        p = self.part_product(first, g)
+        return fmt if p is not None and self.int8_gemv(p) else None
+
+    @staticmethod
+    def int8_gemv(p: GemvForm) -> bool:
+        """Whether a product by checkpoint rows is one the int8 GEMV multiplies."""
+        return isinstance(p.weights, Rows) and kernels.int8_gemv(p.weights.format, p.m, p.k)
+
+    def quantizes_in_epilogue(self, producer: Op, g: TensorGraph) -> bool:
+        """Whether a decode step's `producer` writes its result's int8 form in its own kernel's epilogue: an
+        add + norm; a projection whose last program norms its row, and a gated pair, where they read their own
+        activation in int8 and write whole 32-value blocks; the decode attention."""
+        cls = class_of(producer)
+        if cls is C.ADD_NORM or cls is C.FLASH_DECODE:
+            return True
+        if isinstance(producer.sym, Attention):
+            return producer.sym.rows == 1
+        if cls in (C.GEMV_NORM_EPILOGUE, C.GEMV_GATE_UP_GLU):
+            p = gemv(parts(producer)[0], g)
+            return p is not None and p.n % kernels.QBLOCK == 0 and self.activation(producer, 0, g) is not None
+        return False
 
     def rules(self) -> list[tuple[Position, LaneRule]]:
-        """The lane's own rules and where they link into the shared table."""
-        return [(Before("merged_projections"), LaneRule(GEMV_PARTS, (C.MERGED_QKV,), self.gemv_parts))]
+        """The lane's own rules and where they link into the shared table (`rules`): the GEMV in parts before
+        `merged_projections`; the settling passes, which `--hold` does not take, after the last shared rule."""
+        last = SHARED_RULES[-1].name
+        return [
+            (Before("merged_projections"), LaneRule(GEMV_PARTS, (C.MERGED_QKV,), self.gemv_parts)),
+            (
+                After(last),
+                LaneRule(ROPE_EPILOGUE, (C.ROPE_QK_ONE_LAUNCH,), partial(rope_epilogue, self), holdable=False),
+            ),
+            (After(ROPE_EPILOGUE), LaneRule(PRODUCTS_APART, (), partial(products_apart, self), holdable=False)),
+            (After(PRODUCTS_APART), LaneRule(QUANTIZE_APART, (), partial(quantize_apart, self), holdable=False)),
+        ]
 
     def numerics(self) -> Contract:
         """The lane's numerics contract at its knobs."""
@@ -343,58 +399,11 @@ class CudaShim:
             sdff = shared.k
         return kernels.moe_down_launch(m.d, dff, m.k, sdff)
 
-    # --- the lane rule -----------------------------------------------------------------------------------
+    # --- the lane rule ---------------------------------------------------------------------------------
 
     def gemv_parts(self, r: Rewriter) -> None:
-        """A step's products of one activation's rows within one GEMV's (one format, one number of rows a
-        warp, each into a buffer of its own or a table's rows its width wide, none quantizing its result,
-        those turning their heads in the epilogue turning them alike) as one GEMV over their outputs side by
-        side, at the first one's place: the short ones ride with the wide. Nothing between them may write
-        the activation or what a later member reads, or touch what it writes."""
-        if GEMV_PARTS in self.held:
-            return
-        s = r.s
-        for i in range(len(s)):
-            op = s.slot(i)
-            first = self.part_product(op, r.g) if op is not None else None
-            if first is None or not self.gemv_mergeable(first):
-                continue
-            group = [i]
-            for j in range(i + 1, len(s)):
-                op = s.slot(j)
-                if op is None:
-                    continue
-                if len(group) == kernels.GEMM_PARTS or first.x in facts.writes(op):
-                    break
-                members = [s.get(k) for k in group] + [op]
-                if self.part_product(op, r.g) is None or not self.gemv_in_parts(members, r.g):
-                    continue
-                if not self._crossed(r, op, group, i, j):
-                    group.append(j)
-            if len(group) < 2:
-                continue
-            members = [s.get(k) for k in group]
-            # The activation as the first member reads it, then each member's weights and epilogue operands,
-            # whole (the seed lists a tensor every time a member reads it; reading it once means the same).
-            ins: dict[str, Access] = {first.x: members[0].access[0]}
-            for m in members:
-                for name in m.ins[1:]:
-                    ins.setdefault(name, WHOLE)
-            head = members[0]
-            r.fuse(GEMV_PARTS, C.MERGED_QKV, i, group[1:], list(ins.items()), head.out, head.dst)
-
-    @staticmethod
-    def _crossed(r: Rewriter, op: Op, group: Sequence[int], i: int, j: int) -> bool:
-        """Whether moving `op` from slot j up to slot i would change what an op between them sees."""
-        written, read = set(facts.writes(op)), set(facts.reads(op))
-        for b in range(i + 1, j):
-            between = r.s.slot(b)
-            if b in group or between is None:
-                continue
-            br, bw = set(facts.reads(between)), set(facts.writes(between))
-            if written & (br | bw) or read & bw:
-                return True
-        return False
+        """The lane rule `gemv_parts` (`rules.gemv_parts`)."""
+        gemv_parts(self, r)
 
 
 def chunks_apart(splits: int, rows: int, head_blocks: int, sms: int) -> bool:
