@@ -1,4 +1,4 @@
-"""The cuda lane's shim against its specification (the seed's `LaneShim`): every `fits` refusal, the
+"""The cuda lane's shim against its specification: every `fits` refusal, the
 `supports` table, `activation` and `numerics` at each knob setting, and the `gemv_parts` lane rule on hand-built
 schedules (on the real models' shapes: test_cuda_launches.py; knobs and kernel facts: test_cuda_knobs.py).
 
@@ -457,7 +457,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_fits_refuses_with_the_seed_reason(case: Case) -> None:
+def test_fits_refuses_with_the_specified_reason(case: Case) -> None:
     shim, g = CudaShim(case.knobs), graph()
     assert shim.fits(case.fits(), g) is None
     assert shim.fits(case.refused(), g) == case.reason
@@ -487,7 +487,7 @@ def test_held_gemv_parts_refuses_products_in_parts() -> None:
 
 # --- (b) supports -----------------------------------------------------------------------------------------
 
-SEED_REFUSALS = {
+SPECIFIED_REFUSALS = {
     C.RELU_SQR: "the lane links no ReLU",
     C.SOFTCAP: "the lane's attention takes no soft cap",
     C.MIXED_BATCH_ATTENTION: "the lane attends a batch's sequences each at its own position, none mid-prefill",
@@ -515,10 +515,10 @@ def test_supports_answers_every_class_once() -> None:
         assert (answer.kind is SupportKind.REFUSE) == (cls in REFUSED_CLASSES), cls
 
 
-def test_supports_refusals_are_the_seed_reasons() -> None:
+def test_supports_refusals_are_the_specified_reasons() -> None:
     shim = CudaShim(DEFAULT)
     refused = {cls: shim.supports(cls).reason for cls in C if shim.supports(cls).kind is SupportKind.REFUSE}
-    assert refused == SEED_REFUSALS
+    assert refused == SPECIFIED_REFUSALS
 
 
 @pytest.mark.parametrize("fuse_quant", [True, False])

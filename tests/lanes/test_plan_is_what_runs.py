@@ -231,3 +231,17 @@ def test_explain_counts_the_quantizing_launches_it_adds(paths) -> None:
 
 def quantizes(plan) -> int:
     return sum(isinstance(op.sym, Quantize) for op in plan.ops)
+
+
+def test_the_int8_gemv_facts_are_the_kernels() -> None:
+    # the plan side decides from `kernels` what the int8 GEMV takes and how many rows a program of it turns
+    from fuselane.lanes.cuda import kernels
+    from fuselane.lanes.cuda.triton.gemv import q8
+
+    assert q8.FORMATS == kernels.INT8_GEMV_FORMATS
+    for fmt in q8.FORMATS:
+        rows = kernels.INT8_GEMV_TILE_ROWS[fmt]
+        assert q8.TILES[fmt][0] == q8.TALL_TILES[fmt][0] == rows, fmt
+        for k in (256, 512, 4096, 12288):
+            assert q8.supports(fmt, 1, k) == kernels.int8_gemv(fmt, 1, k)
+        assert not kernels.int8_gemv(fmt, 2, 4096) and not q8.supports(fmt, 2, 4096)

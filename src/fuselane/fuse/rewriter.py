@@ -207,7 +207,7 @@ class Rewriter:
         self.s.ops.insert(at, op)
 
     def fuse(self, rule: str, cls: ClassId, at: int, others: Sequence[int], ins, out: str, dst: Dst) -> None:
-        """Fuse unconditionally (a lane rule that has already asked itself): the seed's `Rewriter::fuse`."""
+        """Fuse unconditionally: a lane rule that has already asked itself."""
         members = [at, *others]
         self.place(rule, self.candidate(cls, members, ins=ins, out=out, dst=dst), members, at)
 

@@ -1,14 +1,13 @@
-"""Whether the cuda lane's kernels have a launch for a fused op, and if not, why (the seed's `fits`).
+"""Whether the cuda lane's kernels have a launch for a fused op, and if not, why (the shim's `fits`).
 
-The checks run in the seed's order: the products' accumulator first; then every primitive the op stands
-for (a soft cap, a sigmoid-gated delta rule, a part of every unit written, a part read in place); then a
-mixture's destination; then the conditions of the op's own class. Each refusal's text is the seed's, shown
-to the user by `fuselane explain`; each threshold is a kernel fact from `kernels`.
+The checks run in a fixed order: the products' accumulator first; then every primitive the op stands for (a
+soft cap, a sigmoid-gated delta rule, a part of every unit written, a part read in place); then a mixture's
+destination; then the conditions of the op's own class. Each refusal's text is shown to the user by
+`fuselane explain`; each threshold is a kernel fact from `kernels`.
 
-Where the seed reads something our IR names differently: our graphs keep an attention in a FlashDecode /
-FlashPrefill fold (built before the quantizing rules), so "the op's attention" is read through that fold;
-the seed's SwiGLU primitive is our SiLU of the gate times the up product; the seed's `RowSel::Param` row is
-our `RowAt` whose `sel` is a parameter's name.
+How the IR names what the checks read: an attention sits in a FlashDecode / FlashPrefill fold (built before
+the quantizing rules), so "the op's attention" is read through that fold; a SwiGLU is the SiLU of the gate
+times the up product; a row a parameter names is a `RowAt` whose `sel` is the parameter's name.
 """
 
 from __future__ import annotations
@@ -328,7 +327,7 @@ def _glu_act_mul_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorG
     inner = members[0]
     if class_of(inner) is C.ATTN_OUTPUT_GATE:
         # A batch's sequences each quantize their gated row in their store, set with its quantized form into
-        # the product's. (The seed's arm for a gate that is not a fold cannot be reached: the class is one.)
+        # the product's. (A gate that is not a fold cannot reach here: the class is one.)
         if all(_whole_groups(p) for p in parts(inner)):
             return None
         return (
@@ -400,7 +399,7 @@ def _gdn_gate_projections(shim: CudaShim, op: Op, members: Sequence[Op], g: Tens
 
 def _shared_expert_fusion(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
     found = leaves(op)
-    # The seed's SwiGLU primitive is, in our graphs, the SiLU of the gate times the up product.
+    # A SwiGLU is, in the graphs, the SiLU of the gate times the up product.
     silu = any(isinstance(x.sym, Unary) and x.sym.op is UnaryOp.SILU for x in found)
     times = any(isinstance(x.sym, Elementwise) and x.sym.op is ElementwiseOp.MUL and not x.sym.row for x in found)
     biased = any(isinstance(x.sym, Elementwise) and x.sym.op is ElementwiseOp.ADD and x.sym.row for x in found)

@@ -1,8 +1,8 @@
 """The cuda lane's knobs: which chip it compiles for and the numerics it runs at.
 
-A knob is set on the command line as `--knob key=value` (`CudaKnobs.parse`). The numerics knobs are the
-seed's: how products read their activations (dequantized values, or int8 words under a scale a 32-value
-block, one word a value or two), the precision of the KV cache and of a hybrid model's recurrent state, and
+A knob is set on the command line as `--knob key=value` (`CudaKnobs.parse`). The numerics knobs say how
+products read their activations (dequantized values, or int8 words under a scale a 32-value block, one word a
+value or two), the precision of the KV cache and of a hybrid model's recurrent state, and
 whether producers quantize their result in their own epilogue (`fuse_quant`). `batch` compiles a form whose
 rows are a batch's sequences, each its own row, rather than one sequence's rows.
 """
@@ -45,11 +45,11 @@ CHIPS: dict[str, Chip] = {
 
 
 class Activations(enum.Enum):
-    """How a product by checkpoint rows reads its activation (the seed's `Q8MatKind`)."""
+    """How a product by checkpoint rows reads its activation (the numerics contract's scheme)."""
 
     DEQUANT = "dequant"  # f32 activations; the kernel decodes the weights to floats
-    INT8 = "int8"  # one int8 word a value under a scale a 32-value block (the seed's Int8Act)
-    INT8X2 = "int8x2"  # two words: the second holds the first's rounding error (the seed's TwoPassInt8)
+    INT8 = "int8"  # one int8 word a value under a scale a 32-value block
+    INT8X2 = "int8x2"  # two words: the second holds the first's rounding error
 
 
 class PrefillWeights(enum.Enum):
@@ -89,7 +89,7 @@ class CudaKnobs:
       values (no int8 GEMM yet). The contract's tolerance is wider: `dequant` keeps the lane's numbers closest
       to the cpu reference (the tightest contract), at the slower decode. `int8x2` has no kernels here.
     - `cache=f16`: halves the bytes a long context's attention reads, at f16's 2^-11 roundoff, the error
-      attention already tolerates (the seed's lane keeps its caches in f32 or f16; llama.cpp in f16).
+      attention already tolerates (the lane keeps its caches in f32 or f16; llama.cpp in f16).
     - `state=f32`: a recurrent state is summed into every step, so its rounding compounds; keep it exact.
     - `fuse_quant=True`: under quantized activations a producer writes its result already quantized, which
       saves a launch and a pass over the activation; off only to trace a numerics difference.

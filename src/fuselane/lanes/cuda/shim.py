@@ -1,4 +1,4 @@
-"""The cuda lane's shim: its answer to the shared optimizer (the seed's `LaneShim`).
+"""The cuda lane's shim: its answer to the shared optimizer (the five questions of `fuse.shim.Shim`).
 
 The shared rules decide a fusion by dataflow; the lane's kernels decide whether a fused op has a launch.
 Every condition here (and in `fits`) is a fact about a kernel, read from `kernels`, the module the Triton
@@ -14,12 +14,14 @@ kernels size themselves by:
   result at a row a parameter names;
 - a product by checkpoint rows reads its activation quantized under the lane's quantized numerics (one int8
   word a value, or two), and a producer quantizes in its epilogue under `fuse_quant` where its kernel can;
-- several products of one activation are one launch in parts: at most four, one format, on the tensor cores
-  each whole 128-output tiles, in the GEMV one number of rows a warp.
+- several products of one activation are one launch in parts: at most four, one format, in the GEMV one
+  number of rows a warp (the GEMM in parts on the tensor cores is specified but has no kernel yet).
 
-The lane's own rule `gemv_parts` links in before `merged_projections`: a decode step's products of one
-activation as one GEMV in parts. The seed's second lane rule, `latent_expanded` (a wide chunk's latent
-attention run expanded, before `add_norm`), waits for the latent-attention recognizer and its plan
+A class is native only where the lane has the kernel that runs it in one launch (`launch.BINDERS`); the
+specified classes it has no kernel for yet run as their parts (`NO_KERNEL_CLASSES`). The lane's own rules
+(`rules`) link in around the shared table: `gemv_parts` before `merged_projections`, and after the last
+shared rule the settling passes that make the plan exactly what the lane launches. A lane rule for a wide
+chunk's latent attention run expanded (before `add_norm`) waits for the latent-attention recognizer and its
 launches; it is not registered here.
 
 `held` names lane rules held back (`gemv_parts`) and the kernel choice `rows_a_warp` (every product a row
@@ -144,7 +146,7 @@ _ACTIVATION_FORMATS: dict[Activations, QuantFormat | None] = {
 _CACHE_KEEP = {CachePrecision.F32: Keep.F32, CachePrecision.F16: Keep.F16}
 _STATE_KEEP = {StatePrecision.F32: Keep.F32, StatePrecision.BF16: Keep.BF16}
 
-# Two-word attention (the seed's `lk_attention_i8`): a weight times its value row's scale in three words.
+# Two-word attention: a weight times its value row's scale in three words.
 _ATTENTION_WEIGHT_WORDS = 3
 
 
@@ -327,8 +329,8 @@ class CudaShim:
         launch of rotations would: at most a query's and a key's, by one table at one position, one head
         width, both normed or neither.
 
-        The seed's rotation reads cos/sin tables; ours computes them from the frequency base at the
-        position, so "one table" is one (base, pos)."""
+        The rotation computes its cos/sin from the frequency base at the position, so "one table" is one
+        (base, pos)."""
         sides = [
             side for m in members if class_of(m) is C.QKV_HEAD_EPILOGUE and (side := rope(parts(m)[1])) is not None
         ]
