@@ -20,10 +20,11 @@ PACKAGE = "fuselane"
 # Modules that build and explain a cuda plan: what `explain --lane cuda` imports, and the lane's plan side.
 PLAN_SIDE = (
     "fuselane.explain",
-    "fuselane.lanes.cuda.shim",
-    "fuselane.lanes.cuda.fits",
-    "fuselane.lanes.cuda.knobs",
-    "fuselane.lanes.cuda.kernels",
+    "fuselane.lanes.cuda.plan.shim",
+    "fuselane.lanes.cuda.plan.fits",
+    "fuselane.lanes.cuda.plan.knobs",
+    "fuselane.lanes.cuda.plan.kernels",
+    "fuselane.lanes.cuda.plan.rules",
 )
 HEAVY = ("torch", "triton")
 
@@ -70,7 +71,7 @@ def import_graph() -> nx.DiGraph:
 def test_the_graph_is_read() -> None:
     g = import_graph()
     assert g.has_edge("fuselane.fuse.optimizer", "fuselane.fuse.rewriter")
-    assert g.has_edge("fuselane.lanes.cuda.shim", "fuselane.lanes.cuda.fits")
+    assert g.has_edge("fuselane.lanes.cuda.plan.shim", "fuselane.lanes.cuda.plan.fits")
 
 
 def test_no_import_circles() -> None:

@@ -78,8 +78,8 @@ def make_shim(lane: str, knobs: Sequence[str], held: Sequence[str], form: str):
             dtype = value
         return CpuShim(np.dtype(np.float32 if dtype == "f32" else np.float64), tuple(held))
     if lane == "cuda":
-        from fuselane.lanes.cuda.knobs import CudaKnobs
-        from fuselane.lanes.cuda.shim import CudaShim
+        from fuselane.lanes.cuda.plan.knobs import CudaKnobs
+        from fuselane.lanes.cuda.plan.shim import CudaShim
 
         parsed = CudaKnobs.parse([*knobs, *(["batch=true"] if form == "batch" else [])])
         return CudaShim(parsed, held=tuple(held))

@@ -35,7 +35,7 @@ from kernel_checks import CUDA, DEVICE, U32, CountLaunches, check, dev, gamma, r
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import Format  # noqa: E402
 from fuselane.gguf.quantize import quantize  # noqa: E402
-from fuselane.lanes.cuda import kernels  # noqa: E402
+from fuselane.lanes.cuda.plan import kernels  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv import rows as gemv_mod  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.rows import Part, gemv, gemv_gate_up_glu, gemv_parts  # noqa: E402
 

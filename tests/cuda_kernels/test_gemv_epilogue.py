@@ -43,7 +43,7 @@ from kernel_checks import (  # noqa: E402
 
 from fuselane.gguf.dequant import dequantize as reference_dequantize  # noqa: E402
 from fuselane.gguf.formats import Format, row_bytes  # noqa: E402
-from fuselane.lanes.cuda import kernels  # noqa: E402
+from fuselane.lanes.cuda.plan import kernels  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv import epilogue as epi  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize, gemv_add_norm, gemv_add_norm_counter  # noqa: E402
 

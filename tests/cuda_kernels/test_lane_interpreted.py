@@ -96,7 +96,7 @@ def test_int8_activations_multiply_with_dp4a(tmp_path, monkeypatch, arch):
     # activations=int8: a decode step's products read int8 codes written by their producers' epilogues (the
     # add + norm's last program, SwiGLU's, attention's) and multiply with dp4a; within the int8 contract
     from fuselane.gguf.synth import Shape
-    from fuselane.lanes.cuda import kernels
+    from fuselane.lanes.cuda.plan import kernels
     from fuselane.lanes.cuda.triton import norm, quant
     from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
     from fuselane.lanes.cuda.triton.gemv import q8_epilogue as gemv_q8_epilogue
@@ -139,7 +139,7 @@ def test_rope_epilogue_auto_turns_only_the_layers_that_need_it(tmp_path):
     # key alone and the V a launch of its own, and under norm_launch the layer takes 8 launches unless the
     # rotations turn in the GEMV's epilogue; layer 0's V shares its GEMV, and 7 launches without
     from fuselane.gguf.synth import Shape
-    from fuselane.lanes.cuda.knobs import CudaKnobs, RopeEpilogue
+    from fuselane.lanes.cuda.plan.knobs import CudaKnobs, RopeEpilogue
 
     shape = Shape("qwen3", 256, 2, 4, 2, 64, 768, 512, context=4096)
     path = write_synthetic(tmp_path / "m.gguf", shape, "q4_k_m", seed=8)

@@ -35,7 +35,7 @@ from fuselane.models.qwen import recognize
 
 AVAILABLE = (Role.WEIGHT, Role.INPUT, Role.PARAM)  # there before a step's first op
 HAS_CUDA_SHIM = importlib.util.find_spec("fuselane.lanes.cuda") is not None and (
-    importlib.util.find_spec("fuselane.lanes.cuda.shim") is not None
+    importlib.util.find_spec("fuselane.lanes.cuda.plan.shim") is not None
 )
 LANES = ["cpu", *(["cuda"] if HAS_CUDA_SHIM else [])]
 
@@ -58,8 +58,8 @@ def graph_of(shape: Shape, mix: str, rows: int, ctx: int) -> TensorGraph:
 
 
 def cuda_shim(activations: str, cache: str, fuse_quant: bool, held: tuple[str, ...]) -> Any:
-    from fuselane.lanes.cuda.knobs import CudaKnobs
-    from fuselane.lanes.cuda.shim import CudaShim
+    from fuselane.lanes.cuda.plan.knobs import CudaKnobs
+    from fuselane.lanes.cuda.plan.shim import CudaShim
 
     knobs = CudaKnobs.parse(
         [f"activations={activations}", f"cache={cache}", f"fuse_quant={'on' if fuse_quant else 'off'}", "batch=off"]

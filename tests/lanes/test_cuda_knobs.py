@@ -8,8 +8,8 @@ from fuselane.errors import FuselaneError
 from fuselane.fuse.views import GemvForm
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Dst, Rows
-from fuselane.lanes.cuda import kernels
-from fuselane.lanes.cuda.knobs import (
+from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.knobs import (
     H200,
     Activations,
     CachePrecision,
@@ -18,7 +18,7 @@ from fuselane.lanes.cuda.knobs import (
     RopeEpilogue,
     StatePrecision,
 )
-from fuselane.lanes.cuda.shim import CudaShim, chunks_apart
+from fuselane.lanes.cuda.plan.shim import CudaShim, chunks_apart
 
 # --- kernel facts -----------------------------------------------------------------------------------------
 

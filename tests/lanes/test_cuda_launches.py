@@ -19,9 +19,9 @@ from fuselane.gguf.synth import SHAPES, model_metadata, tensor_formats, tensor_s
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form, Fused, Op, TensorGraph
 from fuselane.graph.ops import RowsGather
-from fuselane.lanes.cuda import kernels
-from fuselane.lanes.cuda.knobs import Activations, CudaKnobs, RopeEpilogue
-from fuselane.lanes.cuda.shim import CudaShim
+from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs, RopeEpilogue
+from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.models import config_of, qwen
 
 

@@ -56,9 +56,9 @@ from fuselane.graph.ops import (
     Unary,
     UnaryOp,
 )
-from fuselane.lanes.cuda import fits as fits_module
-from fuselane.lanes.cuda.knobs import Activations, CachePrecision, CudaKnobs, StatePrecision
-from fuselane.lanes.cuda.shim import (
+from fuselane.lanes.cuda.plan import fits as fits_module
+from fuselane.lanes.cuda.plan.knobs import Activations, CachePrecision, CudaKnobs, StatePrecision
+from fuselane.lanes.cuda.plan.shim import (
     DECOMPOSED_CLASSES,
     NATIVE_CLASSES,
     NO_KERNEL_CLASSES,

@@ -24,9 +24,9 @@ from fuselane.gguf.synth import Shape, write_synthetic
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form
 from fuselane.graph.ops import Quantize
-from fuselane.lanes.cuda.knobs import Activations, CudaKnobs
-from fuselane.lanes.cuda.launch import BINDERS, PARTS_ONLY
-from fuselane.lanes.cuda.shim import NATIVE_CLASSES, QUANT_EPILOGUES, CudaShim
+from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
+from fuselane.lanes.cuda.plan.shim import NATIVE_CLASSES, QUANT_EPILOGUES, CudaShim
+from fuselane.lanes.cuda.run.launch import BINDERS, PARTS_ONLY
 from fuselane.models import recognizer
 
 CTX = 32
@@ -118,7 +118,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the lane's device is the host
 pytest.importorskip("triton")
 
-from fuselane.lanes.cuda.lane import _Step  # noqa: E402
+from fuselane.lanes.cuda.run.lane import _Step  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 
 
@@ -235,7 +235,7 @@ def quantizes(plan) -> int:
 
 def test_the_int8_gemv_facts_are_the_kernels() -> None:
     # the plan side decides from `kernels` what the int8 GEMV takes and how many rows a program of it turns
-    from fuselane.lanes.cuda import kernels
+    from fuselane.lanes.cuda.plan import kernels
     from fuselane.lanes.cuda.triton.gemv import q8
 
     assert q8.FORMATS == kernels.INT8_GEMV_FORMATS

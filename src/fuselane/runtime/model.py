@@ -47,7 +47,7 @@ def make_lane(
     if name not in LANES:
         raise FuselaneError(f"unknown lane '{name}' (choose from {', '.join(LANES)})")
     if knobs:
-        from fuselane.lanes.cuda.knobs import CudaKnobs
+        from fuselane.lanes.cuda.plan.knobs import CudaKnobs
 
         parsed = CudaKnobs.parse(knobs)
         if name == "cpu":

@@ -3,5 +3,5 @@ in the kernel), `attention` (decode, prefill), `gemm` (prefill products), `norm`
 activations), `sample` and `misc` (SwiGLU, arg-max), and `pdl` (dependent launches).
 
 Each module holds kernels and thin launchers for its launches. Shapes the shim must agree with come from
-`fuselane.lanes.cuda.kernels`; block layouts from `fuselane.gguf.formats`. See docs/kernels.md.
+`fuselane.lanes.cuda.plan.kernels`; block layouts from `fuselane.gguf.formats`. See docs/kernels.md.
 """

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 
 # An elementwise block: eight f32 values a thread (two 16-byte loads of each operand), four warps.

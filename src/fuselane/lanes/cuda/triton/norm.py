@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import LAYOUTS, QK, Format, row_bytes
-from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts, store_quantized
 

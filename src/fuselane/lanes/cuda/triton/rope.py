@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 
 # 2*pi as an f32 and the f64 remainder it leaves: k * 2pi subtracted in two fused steps is exact to f32

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.misc import ARGMAX_CHUNK, ARGMAX_WARPS, NO_INDEX, best_of
 

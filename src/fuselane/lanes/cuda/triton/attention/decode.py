@@ -38,9 +38,9 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import QK
-from fuselane.lanes.cuda import kernels
-from fuselane.lanes.cuda.knobs import H200, Chip
-from fuselane.lanes.cuda.shim import chunks_apart
+from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.knobs import H200, Chip
+from fuselane.lanes.cuda.plan.shim import chunks_apart
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.quant import quantize_block
 

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import LAYOUTS, QK, Format, row_bytes
-from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.formats import SLOTS, dot_rows
 from fuselane.lanes.cuda.triton.gemv.layout import (

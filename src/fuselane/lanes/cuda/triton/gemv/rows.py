@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import Format, row_bytes
-from fuselane.lanes.cuda import kernels
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.formats import SLOTS, dot_rows
 from fuselane.lanes.cuda.triton.gemv.parts import Part, PartArgs, check_bias, check_rows, pack_parts, part_out

@@ -47,8 +47,8 @@ from fuselane.graph.ops import (
     Unary,
     UnaryOp,
 )
-from fuselane.lanes.cuda import kernels
-from fuselane.lanes.cuda.knobs import Activations, CudaKnobs
+from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
 from fuselane.numerics.contract import Scheme, holds_accumulator
 
 GEMV_PARTS = "gemv_parts"  # the lane rule's name, which `--hold` takes

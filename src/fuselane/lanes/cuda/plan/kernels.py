@@ -14,7 +14,7 @@ import math
 from typing import NamedTuple
 
 from fuselane.gguf.formats import QK, QK_K, Format
-from fuselane.lanes.cuda.knobs import Activations
+from fuselane.lanes.cuda.plan.knobs import Activations
 from fuselane.numerics import contract
 
 # --- the machine -----------------------------------------------------------------------------------------

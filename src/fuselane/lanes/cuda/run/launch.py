@@ -35,8 +35,8 @@ from fuselane.graph.ops import (
     TakeRows,
     Unary,
 )
-from fuselane.lanes.cuda import kernels
-from fuselane.lanes.cuda.shim import QUANT_EPILOGUES
+from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.shim import QUANT_EPILOGUES
 
 Launch = Callable[[], None]
 

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fuselane.errors import FuselaneError
-from fuselane.lanes.cuda.launch import Launch
+from fuselane.lanes.cuda.run.launch import Launch
 from fuselane.models import ModelConfig
 from fuselane.runtime.sampling import NAN_LOGITS, SamplingParams
 

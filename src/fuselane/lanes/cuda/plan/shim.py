@@ -42,11 +42,11 @@ from fuselane.fuse.views import GemvForm, class_of, gemv, leaves, moe, parts, ro
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Op, QuantFormat, Rows, TensorGraph
 from fuselane.graph.ops import Attention, Moe
-from fuselane.lanes.cuda import kernels
-from fuselane.lanes.cuda.fits import GEMV_PARTS, ROWS_A_WARP
-from fuselane.lanes.cuda.fits import fits as lane_fits
-from fuselane.lanes.cuda.knobs import Activations, CachePrecision, CudaKnobs, StatePrecision
-from fuselane.lanes.cuda.rules import (
+from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, ROWS_A_WARP
+from fuselane.lanes.cuda.plan.fits import fits as lane_fits
+from fuselane.lanes.cuda.plan.knobs import Activations, CachePrecision, CudaKnobs, StatePrecision
+from fuselane.lanes.cuda.plan.rules import (
     PRODUCTS_APART,
     QUANTIZE_APART,
     ROPE_EPILOGUE,

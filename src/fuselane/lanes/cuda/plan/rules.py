@@ -28,9 +28,9 @@ from fuselane.graph import facts
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import WHOLE, Access, Dst, Fused, Op, QuantFormat, QuantizedActs, Rows, TensorGraph
 from fuselane.graph.ops import Quantize
-from fuselane.lanes.cuda import kernels
-from fuselane.lanes.cuda.fits import GEMV_PARTS, CudaShim
-from fuselane.lanes.cuda.knobs import RopeEpilogue
+from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, CudaShim
+from fuselane.lanes.cuda.plan.knobs import RopeEpilogue
 
 ROPE_EPILOGUE = "rope_epilogue"
 PRODUCTS_APART = "products_apart"

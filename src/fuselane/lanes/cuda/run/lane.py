@@ -4,7 +4,7 @@ step (and a prefill chunk of a row count seen before) captured as a CUDA graph a
 Weights stay in the checkpoint's own bytes on the device (the GEMVs decode them in the kernel); vectors
 (norm weights, biases) are uploaded as f32. Every activation of a plan has its buffer, allocated once per
 session; the token ids and the position are device values, written from the host before a `forward` run and
-by the device sampler in the decode loop (`decode`, `fuselane.lanes.cuda.decode`), whose graphs end with the
+by the device sampler in the decode loop (`decode`, `fuselane.lanes.cuda.run.decode`), whose graphs end with the
 sampler's launches. Products of more rows than the GEMV takes (prefill chunks) multiply a dequantized f16 copy
 of the matrix, made on first use.
 """
@@ -24,11 +24,11 @@ from fuselane.errors import FuselaneError
 from fuselane.fuse.optimizer import Plan, optimize
 from fuselane.gguf.dequant import dequantize
 from fuselane.graph.ir import Form, QuantFormat, QuantizedActs, Role, TensorGraph
-from fuselane.lanes.cuda import decode as loop
-from fuselane.lanes.cuda.decode import DeviceSampler, Tail
-from fuselane.lanes.cuda.kernels import QBLOCK
-from fuselane.lanes.cuda.knobs import CachePrecision, CudaKnobs, PrefillWeights
-from fuselane.lanes.cuda.shim import CudaShim
+from fuselane.lanes.cuda.plan.kernels import QBLOCK
+from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights
+from fuselane.lanes.cuda.plan.shim import CudaShim
+from fuselane.lanes.cuda.run import decode as loop
+from fuselane.lanes.cuda.run.decode import DeviceSampler, Tail
 from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
 from fuselane.numerics.contract import Keep, Kept
@@ -153,7 +153,7 @@ class CudaLane:
         there: the host reads eight bytes a token. The loop runs one step ahead of the tokens read, so when
         the consumer stops, the step feeding the last token read has run too and wrote one cache row past
         what the caller holds; the caller's next feed at that position overwrites it. One loop at a time: a
-        new loop, or a `forward`, takes the lane from the last. See `fuselane.lanes.cuda.decode`.
+        new loop, or a `forward`, takes the lane from the last. See `fuselane.lanes.cuda.run.decode`.
         """
         return loop.decode(self, token, pos, sampling)
 
@@ -189,7 +189,7 @@ class _Step:
     """A plan bound to buffers: its launches, and (for a decode step) the CUDA graph that replays them."""
 
     def __init__(self, lane: CudaLane, plan: Plan) -> None:
-        from fuselane.lanes.cuda.launch import Bound, bind
+        from fuselane.lanes.cuda.run.launch import Bound, bind
         from fuselane.lanes.cuda.triton import pdl
 
         torch = lane.torch
