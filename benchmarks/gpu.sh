@@ -4,6 +4,7 @@
 #
 #   benchmarks/gpu.sh OUT_DIR [SHAPE:MIX ...]
 #   FUSELANE_KNOBS="activations=dequant" benchmarks/gpu.sh OUT_DIR   (the benchmark and explain at those knobs)
+#   FUSELANE_SKIP_TESTS=1 benchmarks/gpu.sh OUT_DIR                   (the benchmark alone)
 #
 # Runs from the source tree (PYTHONPATH=src). Wheels of missing pure-Python packages may be put in .whl/
 # (gguf, jinja2, rich, pytest, hypothesis, ...): they are installed into a private folder first.
@@ -31,9 +32,9 @@ for spec in "${specs[@]}"; do
   [ -f "$models/$shape.gguf" ] || python3 -m fuselane.gguf.synth "$models/$shape.gguf" --shape "$shape" --mix "$mix"
 done
 
-# the slowest tests' times go in the log: the anchor-shape tests (tests/cuda/test_anchor_shapes.py) spend minutes
-# of a host's f64 reference, and this shows how many
-python3 -m pytest -q -m cuda --durations=20 tests 2>&1 | tee "$out/tests.log"
+# the slowest tests' times go in the log: the anchor-shape tests (tests/cuda/test_anchor_shapes.py) spend most
+# of theirs in the host's f64 reference, and this shows how much
+[ -n "${FUSELANE_SKIP_TESTS:-}" ] || python3 -m pytest -q -m cuda --durations=20 tests 2>&1 | tee "$out/tests.log"
 
 knobs=()
 for knob in ${FUSELANE_KNOBS:-}; do knobs+=(--knob "$knob"); done
