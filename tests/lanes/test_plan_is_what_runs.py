@@ -245,3 +245,16 @@ def test_the_int8_gemv_facts_are_the_kernels() -> None:
         for k in (256, 512, 4096, 12288):
             assert q8.supports(fmt, 1, k) == kernels.int8_gemv(fmt, 1, k)
         assert not kernels.int8_gemv(fmt, 2, 4096) and not q8.supports(fmt, 2, 4096)
+
+
+@pytest.mark.parametrize("shape", ["qwen2.5-0.5b:q4_k_m_05b", "qwen2.5-7b:q4_k_m", "qwen3-8b:q4_k_m"])
+def test_a_wide_chunk_splits_every_layers_gated_pair(shape: str) -> None:
+    # the settling pass runs over a schedule that grows as it splits: every layer's pair, the last ones too, must
+    # reach the GEMMs (the binder refuses a pair past the GEMV's rows rather than run it a row at a time)
+    from fuselane.lanes.cuda.plan import kernels
+
+    _, cfg, plan = build_plan(f"synth:{shape}", lane="cuda", form="prefill", rows=256)
+    pairs = [op for op in plan.ops if class_of(op) is C.GEMV_GATE_UP_GLU]
+    assert not pairs, [op.out for op in pairs]
+    glus = [op for op in plan.ops if class_of(op) is C.GLU_ACT_MUL or class_of(op) is C.GLU_ACT_MUL_QUANT]
+    assert len(glus) == cfg.n_layers and kernels.GEMV_ROWS < 256

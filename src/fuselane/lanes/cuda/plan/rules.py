@@ -195,13 +195,15 @@ def _turns_apart(r: Rewriter, i: int, why: str) -> int:
 
 def products_apart(shim: CudaShim, r: Rewriter) -> None:
     """A gated pair of more rows than the GEMV takes, as its gate and up products and its GLU."""
-    for i in range(len(r.s)):
+    i = 0
+    while i < len(r.s):  # the schedule grows as pairs split: read its length each time round
         op = r.s.slot(i)
-        if op is None or class_of(op) is not C.GEMV_GATE_UP_GLU:
-            continue
-        product = gemv(parts(op)[0], r.g)
+        product = gemv(parts(op)[0], r.g) if op is not None and class_of(op) is C.GEMV_GATE_UP_GLU else None
         if product is not None and product.m > kernels.GEMV_ROWS:
-            r.split(PRODUCTS_APART, i, parts(op), NO_PAIRED_GEMM)
+            members = parts(op)
+            r.split(PRODUCTS_APART, i, members, NO_PAIRED_GEMM)
+            i += len(members) - 1
+        i += 1
 
 
 # --- settling: quantize_apart ----------------------------------------------------------------------------
