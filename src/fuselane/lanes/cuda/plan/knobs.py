@@ -99,20 +99,19 @@ class CudaKnobs:
       the plain launch order. Results are the same either way.
     - `norm_launch=True`: under int8 activations a down projection's residual add and norm take a launch of
       their own (`kernels.norm_in_own_launch`): the GEMV epilogue's serial tail costs more than a launch
-      (H200 decode: 7B 395 -> 417 tok/s, 8B 343 -> 358, 0.6B 1,151 -> 1,226). `off` keeps them in the GEMV's
+      (measured in benchmarks/RESULTS.md). `off` keeps them in the GEMV's
       last program; a Q4_K_M layer whose V product takes its own launch (a Q6_K attn_v) then stays within
       the lane's budget of 7 launches without `rope_epilogue`.
     - `rope_epilogue=auto`: under int8 activations a decode step's query and key rotations (q/k norm, rope,
-      the key's cache append) run in the QKV GEMV's epilogue (`triton/gemv_q8_rope.py`: the last program of
+      the key's cache append) run in the QKV GEMV's epilogue (`triton/gemv/q8_rope.py`: the last program of
       each head turns it), a launch less a layer, only where the layer needs it to keep the lane's budget of
       7: under `norm_launch`, where the query and key are the GEMV's only parts (the V product, in another
       format, takes a launch of its own: a Q4_K_M layer's Q6_K attn_v). Elsewhere they keep a launch after
-      the GEMV, which was never slower (H200: 8B Q4_K_M 412.9 off against 410.3 tok/s everywhere on, 7B
-      437.9 / 436.8, 0.5B 1,486 / 1,481, and the Q8_0 0.6B 1,218 / 1,119). `on` turns them in every layer
+      the GEMV, which was never slower (benchmarks/RESULTS.md). `on` turns them in every layer
       whose tile divides a head, `off` in none.
-    - `prefill=f16-copy`: cuBLAS on f16 copies multiplies a prefill chunk 7-20x faster than the GEMM that
-      decodes the weights in its kernel (H200, 256 rows: 370-530 against 27-76 TFLOP/s on the 8B's
-      products, `benchmarks/gemm_compare.py`); `in-place` keeps a model's memory at its checkpoint's size
+    - `prefill=f16-copy`: cuBLAS on f16 copies multiplies a prefill chunk several times faster than the GEMM
+      that decodes the weights in its kernel (benchmarks/RESULTS.md); `in-place` keeps a model's memory at its
+      checkpoint's size
       (an 8B Q4_K_M's copies take 16 GB more), for a GPU the copies do not fit.
     """
 

@@ -437,10 +437,6 @@ def tile_plan(
     return launch_plan(fmt, k, block_n, warps, per_thread) | {"DEPTH": PREFETCH_DEPTH}
 
 
-# The name `lanes/cuda/launch.py` reads the tile by (its QKV launch's rows a program).
-_tile_plan = tile_plan
-
-
 def gemv_q8_parts(x: Q8Acts, parts: Sequence[Part | tuple], fmt: Format, *, residual: Tensor | None = None,
                   block_n: int | None = None, warps: int | None = None,
                   per_thread: int | None = None) -> None:  # fmt: skip
