@@ -122,6 +122,15 @@ def test_a_reply_cut_by_n_says_so_on_stderr(tiny, api):
     assert rc == 0 and err == "[stopped at -n 5 tokens]\n" and out.endswith("\n")
 
 
+def test_a_chat_reply_cut_by_n_says_so_on_stderr(tiny, api):
+    m = api["qwen2"]
+    chat = m.chat()
+    assert sum(1 for _ in chat.say("hello", max_tokens=4)) and chat.generated == 4  # cut by the limit, not ended
+    out, err, rc = fuselane("chat", "--temp", "0", "-n", "4", tiny["qwen2"], stdin=b"hello\n")
+    # after the "> " prompt chat writes on stderr
+    assert rc == 0 and any(line.endswith("[stopped at -n 4 tokens]") for line in err.splitlines()), err
+
+
 def test_a_reply_cut_by_the_context_says_so(tiny, api):
     prompt_tokens = len(api["qwen2"].prompt_ids("hello", raw=True))
     ctx = prompt_tokens + 3

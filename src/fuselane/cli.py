@@ -111,6 +111,14 @@ def cmd_run(args: argparse.Namespace) -> None:
     _reply(m, prompt, args)
 
 
+def _say_where_cut(count: int, limit: int, session: Any) -> None:
+    """One line on stderr where -n or the context's end cut a reply of `count` tokens (not where it ended)."""
+    if limit and count == limit:
+        _say(f"[stopped at -n {limit} tokens]")
+    elif count and session.room() == 0:
+        _say(f"[stopped at the end of the context of {session.ctx} tokens]")
+
+
 def _reply(m: Any, prompt: str, args: argparse.Namespace) -> None:
     """Stream the reply to stdout (ended by a newline when it holds anything); on stderr, one line where -n or
     the context's end cut it, and with -v the prompt's and the generation's tokens/s, as llama.cpp's timings."""
@@ -129,10 +137,7 @@ def _reply(m: Any, prompt: str, args: argparse.Namespace) -> None:
     ended = time.perf_counter()
     if wrote:
         _write("\n")
-    if args.n and count == args.n:
-        _say(f"[stopped at -n {args.n} tokens]")
-    elif count and session.room() == 0:
-        _say(f"[stopped at the end of the context of {session.ctx} tokens]")
+    _say_where_cut(count, args.n, session)
     if args.verbose:
         prefill_end = first or ended  # the prompt's time runs to its first sampled token
         _say(_rate("prompt", len(ids), prefill_end - started))
@@ -180,6 +185,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
             _say_error(str(e))
         if wrote:
             _write("\n")
+        _say_where_cut(chat.generated, args.n, chat.session)
 
 
 def cmd_tokenize(args: argparse.Namespace) -> None:

@@ -180,15 +180,18 @@ class Chat:
     model: Model
     session: Session
     messages: list[dict[str, str]] = field(default_factory=list)
+    generated: int = 0  # tokens the last turn's reply took, so a caller can tell that a limit cut it
 
     def say(self, text: str, *, max_tokens: int = 512, sampling: SamplingParams = GREEDY) -> Iterator[str]:
         self.messages.append({"role": "user", "content": text})
         decoder = self.model.tokenizer.stream()
         reply: list[str] = []
+        self.generated = 0
         try:
             # a turn the template refuses, or past the context, leaves the conversation as it was
             ids = self.model.encode_messages(self.messages)
             for token in self.model.generate_ids(self.session, ids, max_tokens=max_tokens, sampling=sampling):
+                self.generated += 1
                 if piece := decoder.push(token):
                     reply.append(piece)
                     yield piece
