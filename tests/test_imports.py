@@ -1,5 +1,5 @@
-"""The package's imports: no module imports itself back through others, and the plan side loads neither torch nor
-Triton, so `fuselane explain --lane cuda` runs on a machine with neither.
+"""The package's imports: no module imports itself back through others or another's private names, and the plan
+side loads neither torch nor Triton, so `fuselane explain --lane cuda` runs on a machine with neither.
 
 The graph is read with `ast` from every module under src/fuselane: every import counts, at module level, inside
 a function, or under `TYPE_CHECKING`, since each is an edge a reader has to follow.
@@ -91,3 +91,27 @@ def test_the_plan_side_imports_neither_torch_nor_triton() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert done.stdout.strip() == "", f"the plan side loaded {done.stdout.strip()}"
+
+
+def _dunder(name: str) -> bool:
+    return name.startswith("__") and name.endswith("__")  # `__version__` and its kind are public
+
+
+def private_imports(path: Path) -> list[str]:
+    """`from module import _name` in `path`: a module reaching into another's private names."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGE):
+            found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_") and not _dunder(a.name)]
+    return found
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    found = {module_name(p): private_imports(p) for p in sorted((SRC / PACKAGE).rglob("*.py"))}
+    found = {module: names for module, names in found.items() if names}
+    assert not found, "private names imported across modules:\n" + "\n".join(f"{m}: {n}" for m, n in found.items())
+
+
+def test_a_private_import_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "m.py").write_text("from fuselane.fuse.rewriter import _hidden, Rewriter, __doc__\n")
+    assert private_imports(tmp_path / "m.py") == ["fuselane.fuse.rewriter._hidden"]
