@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import defaultdict
 
 import numpy as np
 import torch
+from replay import print_kernel_times
 
 from fuselane.runtime.model import load
 
@@ -48,18 +48,7 @@ def main() -> None:
     whole = (time.perf_counter() - start) / args.steps
     print(f"launches a step {step.launches}; replay {replay * 1e3:.3f} ms; forward with logits {whole * 1e3:.3f} ms")
     print(f"weights {lane.weight_bytes() / 1e9:.3f} GB a token -> {lane.weight_bytes() / replay / 1e9:.0f} GB/s")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step.eager()
-        torch.cuda.synchronize()
-    totals: dict[str, list[float]] = defaultdict(list)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            totals[e.name[:60]].append(e.device_time)
-    rows = sorted(totals.items(), key=lambda kv: -sum(kv[1]))
-    print(f"{'kernel':60} {'count':>5} {'total us':>9} {'mean us':>8}")
-    for name, times in rows[:20]:
-        print(f"{name:60} {len(times):5d} {sum(times):9.1f} {sum(times) / len(times):8.2f}")
-    print(f"all kernels {sum(sum(t) for t in totals.values()):.1f} us")
+    print_kernel_times(step.eager)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import defaultdict
 
 import numpy as np
 import torch
+from replay import print_kernel_times
 
 from fuselane.runtime.model import load
 
@@ -41,17 +41,7 @@ def main() -> None:
     step = lane.step(args.rows)
     print(f"{args.rows} rows at depth {args.depth}: {chunk * 1e3:.3f} ms a chunk ({args.rows / chunk:,.0f} tok/s)")
     print(f"launches {step.launches}, graph captured: {bool(step.graphs)}")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step.eager()
-        torch.cuda.synchronize()
-    totals: dict[str, list[float]] = defaultdict(list)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            totals[e.name[:60]].append(e.device_time)
-    print(f"{'kernel':60} {'count':>5} {'total us':>9}")
-    for name, times in sorted(totals.items(), key=lambda kv: -sum(kv[1]))[:TOP]:
-        print(f"{name:60} {len(times):5d} {sum(times):9.1f}")
-    print(f"all kernels {sum(sum(t) for t in totals.values()):.1f} us")
+    print_kernel_times(step.eager, TOP)
 
 
 if __name__ == "__main__":
