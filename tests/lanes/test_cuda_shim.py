@@ -77,6 +77,7 @@ WEIGHTS = {
     "q4k": Rows(Format.Q4_K),
     "q6k": Rows(Format.Q6_K),
     "q8": Rows(Format.Q8_0),
+    "q5k": Rows(Format.Q5_K),
     "f32": Values("f32"),
     "norm": Values("f32"),
 }
@@ -277,8 +278,8 @@ CASES = [
     ),
     Case(
         "projection epilogue block",
-        lambda: gne(4096),
-        lambda: gne(5120),
+        lambda: gne(5120),  # the fast GEMV's Q4_K: its last program walks the row in chunks, any width
+        lambda: gne(5120, first=matmul(1, 5120, 5120, "q5k")),  # the GEMV by rows holds the row in its block
         "a projection norms in its last block only where its block is at least the norm's width",
     ),
     Case(

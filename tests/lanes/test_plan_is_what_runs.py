@@ -247,6 +247,17 @@ def test_the_int8_gemv_facts_are_the_kernels() -> None:
         assert not kernels.int8_gemv(fmt, 2, 4096) and not q8.supports(fmt, 2, 4096)
 
 
+def test_the_fast_gemv_facts_are_the_kernels() -> None:
+    # the plan lets a projection's epilogue norm any width where the bound kernel walks the row in chunks
+    from fuselane.lanes.cuda.plan import kernels
+    from fuselane.lanes.cuda.triton.gemv import fast, fast_norm, formats
+
+    assert set(fast.GROUPS) == kernels.FAST_GEMV_FORMATS
+    assert set(formats.SLOTS) == kernels.ROWS_GEMV_FORMATS
+    for fmt in kernels.FAST_GEMV_FORMATS:
+        assert fast_norm.supports_fast_add_norm(fmt, 5120) and kernels.norm_walked_in_chunks(fmt, 1, 5120, 5120, False)
+
+
 @pytest.mark.parametrize("shape", ["qwen2.5-0.5b:q4_k_m_05b", "qwen2.5-7b:q4_k_m", "qwen3-8b:q4_k_m"])
 def test_a_wide_chunk_splits_every_layers_gated_pair(shape: str) -> None:
     # the settling pass runs over a schedule that grows as it splits: every layer's pair, the last ones too, must

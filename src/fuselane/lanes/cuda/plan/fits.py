@@ -165,7 +165,9 @@ def _gemv_norm_epilogue(shim: CudaShim, op: Op, members: Sequence[Op], g: Tensor
     if p is None or n is None:
         return "a projection's epilogue norms the add of its result"
     fmt = p.weights.format if isinstance(p.weights, Rows) else None
-    by_rows = fmt is not None and (fmt is Format.Q8_0 or kernels.decodes(fmt))
+    int8 = shim.activation(members[0], 0, g) is not None
+    chunked = fmt is not None and kernels.norm_walked_in_chunks(fmt, p.m, p.k, n.cols, int8)
+    by_rows = fmt is not None and (fmt in kernels.ROWS_GEMV_FORMATS or chunked)
     one_gemv = by_rows and _one_row(shim, p.m) and p.dst.own() is not None
     whole_row = n.part is None and n.rows == p.m and n.cols == p.n and members[1].dst.own() is not None
     if not (one_gemv and whole_row):
@@ -178,9 +180,11 @@ def _gemv_norm_epilogue(shim: CudaShim, op: Op, members: Sequence[Op], g: Tensor
         threads = kernels.norm_threads(n.cols)
     else:
         threads = kernels.gemv_blk_norm_threads(shim.per_warp(p))
-    if not kernels.block_holds_its_norm(threads, n.cols):
+    if not chunked and not kernels.block_holds_its_norm(threads, n.cols):
         return "a projection norms in its last block only where its block is at least the norm's width"
-    if shim.knobs.norm_launch and kernels.norm_in_own_launch(kernels.mode(shim.knobs.activations), p.k, p.n):
+    # the int8 GEMV's tail was measured slower than a launch; a product that reads f32 keeps its epilogue
+    mode = kernels.mode(shim.knobs.activations) if int8 else kernels.Mode.FLOAT
+    if shim.knobs.norm_launch and kernels.norm_in_own_launch(mode, p.k, p.n):
         return (
             "under int8 activations and norm_launch=on a projection longer than the norm is wide leaves its add "
             "and norm to a launch of their own: the last block's serial tail costs more than a launch"

@@ -60,6 +60,16 @@ DECODED_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q5_0, Format.Q5_1,
 # QKV GEMV that turns the query and key in its epilogue turns a head in whole tiles, so a head is whole rows
 # of programs. A product in any other format reads the f32 activation.
 INT8_GEMV_FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0})
+# The formats the GEMV by checkpoint rows decodes (`triton/gemv/formats.py`, its `SLOTS`): any rows, any
+# width, a block of the lane's threads a tile.
+ROWS_GEMV_FORMATS = frozenset({
+    Format.Q4_K, Format.Q5_K, Format.Q6_K, Format.Q8_0, Format.Q4_0, Format.Q4_1, Format.Q5_0, Format.Q5_1,
+    Format.F32, Format.F16, Format.BF16,
+})  # fmt: skip
+# The one-row f32 GEMV's formats (`triton/gemv/fast.py`, its `GROUPS`): its add + norm epilogue, like the
+# int8 GEMV's, has the last program walk the norm's row in chunks re-read from L2, so it norms any width; only
+# the GEMV by checkpoint rows (`triton/gemv/rows.py`) holds the row in its block's registers.
+FAST_GEMV_FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0, Format.F16})
 INT8_GEMV_TILE_ROWS = {Format.Q4_K: 4, Format.Q6_K: 2, Format.Q8_0: 2, Format.Q5_0: 4}
 # ...its rows whole super-blocks of the format (a K format's 256 values, the others' 32): the run a program
 # reads at a time.
@@ -141,6 +151,15 @@ def int8_gemv(fmt: Format, m: int, k: int) -> bool:
     """Whether the int8 GEMV takes a product of `m` rows of `k` values in `fmt`: one row, one of its formats,
     whole blocks of the format."""
     return m == 1 and fmt in INT8_GEMV_FORMATS and k % (QK_K if fmt in SUPER_BLOCK_FORMATS else QK) == 0
+
+
+def norm_walked_in_chunks(fmt: Format, m: int, k: int, n: int, int8: bool) -> bool:
+    """Whether a projection's add + norm epilogue walks the norm's `n`-wide row in chunks (any width): a step's
+    one row in the fast GEMV's formats, or in the int8 GEMV's (`int8`: its activation is read as int8) where
+    the norm's row is whole 32-value blocks (it writes their int8 form too)."""
+    if m != 1:
+        return False
+    return fmt in FAST_GEMV_FORMATS or (int8 and int8_gemv(fmt, m, k) and n % QBLOCK == 0)
 
 
 def rows_a_warp(fmt: Format, n: int, k: int, m: int) -> int:

@@ -1,0 +1,59 @@
+"""The launch budget of a decode step, at the lane's default knobs: at most LAUNCH_BUDGET launches a layer on
+every dense Qwen shape published (0.5B to 72B, Qwen2.5 and Qwen3) in every quantization mix the synthetic
+writer knows, not only the four of ANCHORS.md.
+
+Plans are built from tensor stubs (shapes and the mix's formats), so no file is written. Each shape keeps its
+widths at LAYERS layers: a layer's launches depend on its widths and its tensors' formats, and the recipes give
+a layer more bits in the first and last eighth and every third layer between, so eight layers hold every
+combination of formats a layer of the real depth has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from fuselane.fuse.optimizer import covered, optimize
+from fuselane.gguf.synth import Mix, Shape, model_metadata, tensor_formats, tensor_shapes
+from fuselane.graph.ir import Form
+from fuselane.lanes.cuda.plan.knobs import CudaKnobs
+from fuselane.lanes.cuda.plan.shim import CudaShim
+from fuselane.models import config_of, qwen
+from tests.lanes.test_cuda_launches import Stub, launches_per_layer
+
+LAUNCH_BUDGET = 7  # a decode step's launches a layer
+LAYERS = 8
+
+# The published configs (hidden size, layers, heads, kv heads, head dim, ffn, vocab); the ones of ANCHORS.md
+# are in `synth.SHAPES`. Qwen2.5's 14B, 32B and 72B are where a norm wider than a block first appears.
+PUBLISHED = {
+    "qwen2.5-0.5b": Shape("qwen2", 896, 24, 14, 2, 64, 4864, 151936),
+    "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 12, 2, 128, 8960, 151936),
+    "qwen2.5-3b": Shape("qwen2", 2048, 36, 16, 2, 128, 11008, 151936),
+    "qwen2.5-7b": Shape("qwen2", 3584, 28, 28, 4, 128, 18944, 152064),
+    "qwen2.5-14b": Shape("qwen2", 5120, 48, 40, 8, 128, 13824, 152064),
+    "qwen2.5-32b": Shape("qwen2", 5120, 64, 40, 8, 128, 27648, 152064),
+    "qwen2.5-72b": Shape("qwen2", 8192, 80, 64, 8, 128, 29568, 152064),
+    "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 151936),
+    "qwen3-1.7b": Shape("qwen3", 2048, 28, 16, 8, 128, 6144, 151936),
+    "qwen3-4b": Shape("qwen3", 2560, 36, 32, 8, 128, 9728, 151936),
+    "qwen3-8b": Shape("qwen3", 4096, 36, 32, 8, 128, 12288, 151936),
+    "qwen3-14b": Shape("qwen3", 5120, 40, 40, 8, 128, 17408, 151936),
+    "qwen3-32b": Shape("qwen3", 5120, 64, 64, 8, 128, 25600, 151936),
+}
+
+
+@pytest.mark.parametrize("mix", [m for m in Mix if m is not Mix.Q4_K_M_05B])
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_a_decode_step_takes_at_most_the_budget_a_layer(name: str, mix: Mix) -> None:
+    shape = replace(PUBLISHED[name], n_layers=LAYERS)
+    formats = tensor_formats(shape, mix)
+    tensors = {n: Stub(dims, formats[n]) for n, dims in tensor_shapes(shape).items()}
+    cfg = config_of(model_metadata(shape, name, 0) | {"general.architecture": shape.arch}, tensors)
+    g = qwen.recognize(cfg, tensors, Form.DECODE, ctx=4096)
+    plan = optimize(g, CudaShim(CudaKnobs()))
+    assert sorted(covered(plan)) == list(range(len(g.ops)))
+    per_layer = launches_per_layer(g, plan)
+    worst = max(per_layer, key=per_layer.__getitem__)
+    assert per_layer[worst] <= LAUNCH_BUDGET, f"layer {worst} takes {per_layer[worst]} launches"
