@@ -1,0 +1,82 @@
+"""What a lane implements to run many sequences at once: "step these sequences".
+
+A step is a list of `Work`: for each sequence, the tokens it feeds (a prefill chunk, or the one token of a decode
+row), the position of the first, its block table, and its sampler where the step samples its next token. The
+lane runs them (together, or one after another), keeps each sequence's KV rows in the pool blocks its table
+names, and returns each sequence's sampled token (None for a chunk that samples nothing). A lane joins by adding
+a row to `PAGED_LANES`: its class is built from the lane, the pool's size in blocks and the block size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fuselane.engine.blocks import BlockTable
+from fuselane.errors import FuselaneError
+from fuselane.runtime.sampling import Sampler
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """One sequence's share of a step."""
+
+    seq: int  # the sequence's id: a lane may keep per-sequence state under it (a device sampler's generator)
+    ids: tuple[int, ...]  # tokens fed at positions pos .. pos + len - 1
+    pos: int
+    table: BlockTable
+    sampler: Sampler | None  # picks the token after the last of `ids`; None: a prefill chunk that samples nothing
+
+    @property
+    def samples(self) -> bool:
+        return self.sampler is not None
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """Bytes of the accelerator's memory in all, and in use before the pool is allocated."""
+
+    total: int
+    used: int
+
+
+class PagedLane(Protocol):
+    """A lane running steps of many sequences over a paged KV pool."""
+
+    name: str
+
+    def step(self, works: Sequence[Work]) -> list[int | None]: ...
+
+    def forget(self, seq: int) -> None:
+        """The sequence has ended: drop what the lane kept for it."""
+        ...
+
+
+class PagedLaneType(Protocol):
+    """The class of a paged lane: what the pool's sizing asks before the lane exists, and how to build it."""
+
+    @staticmethod
+    def block_bytes(lane: Any, block_size: int) -> int: ...
+
+    @staticmethod
+    def device_memory(lane: Any) -> DeviceMemory | None: ...
+
+    def __call__(self, lane: Any, blocks: int, block_size: int) -> PagedLane: ...
+
+
+def paged_lanes() -> dict[str, PagedLaneType]:
+    """The lanes that step batches of sequences, by lane name."""
+    from fuselane.engine.cpu import CpuPaged
+
+    return {"cpu": CpuPaged}
+
+
+def paged_type(lane: Any) -> PagedLaneType:
+    """The paged form of `lane`, or a one-line error naming the lanes that have one."""
+    table = paged_lanes()
+    if lane.name not in table:
+        raise FuselaneError(
+            f"the {lane.name} lane does not run batches of sequences yet; use --lane {' or '.join(table)}"
+        )
+    return table[lane.name]
