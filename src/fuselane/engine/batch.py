@@ -18,11 +18,15 @@ from fuselane.ranges import TOKENS
 from fuselane.runtime.sampling import SamplingParams
 
 
-def engine_for(model: Any, *, blocks: int, max_seqs: int, max_queue: int, block_size: int = DEFAULT_BLOCK_SIZE):
-    """An engine over `model`'s lane in its paged form, with a pool of `blocks` blocks."""
+def engine_for(
+    model: Any, *, blocks: int, max_seqs: int, max_queue: int, block_size: int = DEFAULT_BLOCK_SIZE, chunk: int = 0
+) -> Engine:
+    """An engine over `model`'s lane in its paged form, with a pool of `blocks` blocks (prefill chunks of `chunk`
+    rows a step; 0: the sessions' chunk)."""
     paged = paged_type(model.lane)(model.lane, blocks, block_size)
     pool = BlockPool(blocks, block_size)
-    return Engine(paged, model.tokenizer, pool, ctx=model.ctx, max_seqs=max_seqs, max_queue=max_queue)
+    sizes = {"chunk": chunk} if chunk else {}
+    return Engine(paged, model.tokenizer, pool, ctx=model.ctx, max_seqs=max_seqs, max_queue=max_queue, **sizes)
 
 
 def generate_batch(
