@@ -108,6 +108,12 @@ class Engine:
             sink(seq.event(""))
         return seq.id
 
+    @property
+    def pending(self) -> int:
+        """Requests submitted and not yet ended, queued or running."""
+        with self._cv:
+            return self._live
+
     def cancel(self, seq_id: int) -> None:
         """End a sequence (its client went away); its blocks return before the next step."""
         with self._cv:
