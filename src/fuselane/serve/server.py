@@ -70,7 +70,7 @@ def _say(line: str) -> None:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port, or a one-line error."""
+    """A socket listening on host:port, or a one-line error."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
@@ -79,6 +79,7 @@ def listen(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        sock.listen(BACKLOG)  # connections queue from here on, before uvicorn takes the socket
     except OSError as e:
         sock.close()
         raise FuselaneError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
