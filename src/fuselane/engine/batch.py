@@ -11,7 +11,7 @@ from typing import Any
 
 from fuselane.engine.blocks import DEFAULT_BLOCK_SIZE, BlockPool, blocks_for
 from fuselane.engine.engine import Engine
-from fuselane.engine.lane import paged_type
+from fuselane.engine.lanes import paged_type
 from fuselane.engine.sequence import Event, Request
 from fuselane.errors import FuselaneError
 from fuselane.ranges import TOKENS

@@ -4,7 +4,8 @@ A step is a list of `Work`: for each sequence, the tokens it feeds (a prefill ch
 row), the position of the first, its block table, and its sampler where the step samples its next token. The
 lane runs them (together, or one after another), keeps each sequence's KV rows in the pool blocks its table
 names, and returns each sequence's sampled token (None for a chunk that samples nothing). A lane joins by adding
-a row to `PAGED_LANES`: its class is built from the lane, the pool's size in blocks and the block size.
+a row to the table in `fuselane.engine.lanes`: its class, built from the lane, the pool's size in blocks and the
+block size.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fuselane.engine.blocks import BlockTable
-from fuselane.errors import FuselaneError
 from fuselane.runtime.sampling import Sampler
 
 
@@ -63,20 +63,3 @@ class PagedLaneType(Protocol):
     def device_memory(lane: Any) -> DeviceMemory | None: ...
 
     def __call__(self, lane: Any, blocks: int, block_size: int) -> PagedLane: ...
-
-
-def paged_lanes() -> dict[str, PagedLaneType]:
-    """The lanes that step batches of sequences, by lane name."""
-    from fuselane.engine.cpu import CpuPaged
-
-    return {"cpu": CpuPaged}
-
-
-def paged_type(lane: Any) -> PagedLaneType:
-    """The paged form of `lane`, or a one-line error naming the lanes that have one."""
-    table = paged_lanes()
-    if lane.name not in table:
-        raise FuselaneError(
-            f"the {lane.name} lane does not run batches of sequences yet; use --lane {' or '.join(table)}"
-        )
-    return table[lane.name]

@@ -15,7 +15,7 @@ from typing import Any
 
 from fuselane.engine.blocks import DEFAULT_BLOCK_SIZE, BlockPool
 from fuselane.engine.engine import Engine
-from fuselane.engine.lane import paged_lanes, paged_type
+from fuselane.engine.lanes import paged_lanes, paged_type
 from fuselane.engine.sizing import pool_blocks
 from fuselane.errors import FuselaneError
 from fuselane.serve.app import Service, create_app
