@@ -59,6 +59,7 @@ def test_health_and_models(served):
     assert health["status"] == "ok" and health["kv_blocks_used"] == 0 and health["kv_blocks_total"] > 0
     models = one(svc, "GET", "/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [svc.name]
+    assert models["data"][0]["max_model_len"] == svc.model.ctx
     assert one(svc, "GET", f"/v1/models/{svc.name}").json()["id"] == svc.name
     missing = one(svc, "GET", "/v1/models/gpt-4")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

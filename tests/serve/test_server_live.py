@@ -3,6 +3,7 @@ that drops its stream (or stops waiting for a whole reply) cancels its sequence 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -98,3 +99,17 @@ def test_the_openai_client(live, model):
         wrong.models.list()
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=svc.name, messages=messages, n=2)
+
+
+def test_the_load_script_runs_against_the_server(live, capsys):
+    """benchmarks/load.py, briefly: every request completes or is dropped on purpose, none fails, and the
+    blocks of the dropped ones come back."""
+    from benchmarks.load import main
+
+    svc, url, _ = live
+    argv = ["--url", url, "--api-key", KEY, "--clients", "3", "--seconds", "1", "--max-tokens", "24", "--drop", "0.5",
+            "--prompt-tokens", "4", "40", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    (row,) = json.loads(capsys.readouterr().out)["levels"]
+    assert row["errors"] == 0 and row["completed"] + row["dropped"] > 0 and row["kv_blocks_in_use_after"] == 0
+    assert row["tokens"] > 0 and row["ttft_p50_ms"] is not None

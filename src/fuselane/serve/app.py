@@ -111,7 +111,7 @@ class Api:
 
     async def models(self, request: Request) -> Response:
         return self._denied(request) or JSONResponse(
-            {"object": "list", "data": [replies.model_card(self.s.name, self.s.created)]}
+            {"object": "list", "data": [replies.model_card(self.s.name, self.s.created, self.s.model.ctx)]}
         )
 
     async def model(self, request: Request) -> Response:
@@ -120,7 +120,7 @@ class Api:
         asked = request.path_params["model_id"]
         if asked != self.s.name:
             return _error(404, f"the model '{asked}' is not served here", "not_found_error", code="model_not_found")
-        return JSONResponse(replies.model_card(self.s.name, self.s.created))
+        return JSONResponse(replies.model_card(self.s.name, self.s.created, self.s.model.ctx))
 
     async def chat(self, request: Request) -> Response:
         return await self._complete(request, parse_chat)

@@ -32,8 +32,9 @@ def event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def model_card(name: str, created: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "fuselane"}
+def model_card(name: str, created: int, ctx: int) -> dict[str, Any]:
+    """A model as `/v1/models` lists it; `max_model_len` (the context a sequence gets) as vLLM adds it."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "fuselane", "max_model_len": ctx}
 
 
 @dataclass(frozen=True, slots=True)
