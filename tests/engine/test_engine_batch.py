@@ -116,3 +116,17 @@ def test_generate_batch_leaves_a_chat_cache_alone(model):
     fresh = model.chat()
     assert "".join(fresh.say("hi", max_tokens=4)) == first
     assert "".join(fresh.say("and again", max_tokens=6)) == second
+
+
+def test_a_request_without_blocks_waits(model):
+    # the pool holds one context (6 blocks): the long prompt takes 5, so the second waits until it ends
+    prompts, max_tokens = [list(range(1, 81)), list(range(1, 31))], [4, 4]
+    blocks = blocks_for(CTX, DEFAULT_BLOCK_SIZE)
+    engine, recorder, events = run(model, prompts, max_tokens, GREEDY, max_seqs=2, blocks=blocks, chunk=256)
+    ran = [{seq for seq, *_ in step} for step in recorder.steps]
+    assert {1, 2} not in ran and max(i for i, s in enumerate(ran) if 1 in s) < min(
+        i for i, s in enumerate(ran) if 2 in s
+    )
+    for prompt, n, evs in zip(prompts, max_tokens, events, strict=True):
+        assert [t for e in evs for t in e.tokens] == alone(model, prompt, n, GREEDY)
+    assert engine.stats.preemptions == 0 and engine.pool.used == 0

@@ -136,10 +136,14 @@ class Engine:
         if thread is not None:
             thread.join()
         self._intake()
+        self._abandon(SHUTDOWN)
+
+    def _abandon(self, message: str) -> None:
+        """End every queued and running sequence with `message`."""
         events = []
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self.scheduler.end(seq, Finish.ERROR)
-            events.append(seq.event("", error=SHUTDOWN))
+            events.append(seq.event("", error=message))
         self._finish(events)
 
     # --- the engine's thread --------------------------------------------------------------------------------
@@ -156,7 +160,10 @@ class Engine:
                     self._cv.wait()
                 if self._stopping:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # a bug past the lane (a token the tokenizer cannot spell): end what runs, go on
+                self._abandon(f"internal error: {type(e).__name__}: {e}")
 
     def step(self) -> bool:
         """Take in submissions and cancels, run one step; False when there was nothing to run."""

@@ -14,10 +14,11 @@ import asyncio
 import contextlib
 import hmac
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import anyio
@@ -48,7 +49,7 @@ class Service:
     name: str
     api_key: str | None = None
     created: int = 0  # when the server started, as OpenAI's `created` (seconds since the epoch)
-    say: Callable[[str], None] = print
+    say: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _error(status: int, message: str, kind: str = INVALID, *, param: str | None = None, code: str | None = None):
