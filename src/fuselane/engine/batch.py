@@ -23,7 +23,7 @@ def engine_for(
 ) -> Engine:
     """An engine over `model`'s lane in its paged form, with a pool of `blocks` blocks (prefill chunks of `chunk`
     rows a step; 0: the sessions' chunk)."""
-    paged = paged_type(model.lane)(model.lane, blocks, block_size)
+    paged = paged_type(model.lane.name)(model.lane, blocks, block_size)
     pool = BlockPool(blocks, block_size)
     sizes = {"chunk": chunk} if chunk else {}
     return Engine(paged, model.tokenizer, pool, ctx=model.ctx, max_seqs=max_seqs, max_queue=max_queue, **sizes)

@@ -5,8 +5,6 @@ A lane joins the engine (and `fuselane serve`) by adding its class here (see `fu
 
 from __future__ import annotations
 
-from typing import Any
-
 from fuselane.engine.cpu import CpuPaged
 from fuselane.engine.lane import PagedLaneType
 from fuselane.errors import FuselaneError
@@ -17,11 +15,9 @@ def paged_lanes() -> dict[str, PagedLaneType]:
     return {"cpu": CpuPaged}
 
 
-def paged_type(lane: Any) -> PagedLaneType:
-    """The paged form of `lane`, or a one-line error naming the lanes that have one."""
+def paged_type(lane: str) -> PagedLaneType:
+    """The paged form of the lane called `lane`, or a one-line error naming the lanes that have one."""
     table = paged_lanes()
-    if lane.name not in table:
-        raise FuselaneError(
-            f"the {lane.name} lane does not run batches of sequences yet; use --lane {' or '.join(table)}"
-        )
-    return table[lane.name]
+    if lane not in table:
+        raise FuselaneError(f"the {lane} lane does not run batches of sequences yet; use --lane {' or '.join(table)}")
+    return table[lane]

@@ -50,8 +50,11 @@ def build(opts: Options, model: Any | None = None, say: Any = None) -> Service:
     if model is None:
         from fuselane.runtime.model import load
 
-        model = load(opts.model, lane=serving_lane(opts.lane), ctx=opts.ctx)
-    kind = paged_type(model.lane)
+        lane = serving_lane(opts.lane)
+        if lane != "auto":
+            paged_type(lane)  # a lane that cannot serve is refused before the model is loaded onto it
+        model = load(opts.model, lane=lane, ctx=opts.ctx)
+    kind = paged_type(model.lane.name)
     blocks = pool_blocks(
         kv_blocks=opts.kv_blocks, gpu_memory=opts.gpu_memory, ctx=model.ctx, max_seqs=opts.max_seqs,
         block_size=DEFAULT_BLOCK_SIZE, block_bytes=kind.block_bytes(model.lane, DEFAULT_BLOCK_SIZE),
