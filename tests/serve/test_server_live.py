@@ -65,7 +65,7 @@ def test_a_dropped_stream_cancels_its_sequence_and_frees_its_blocks(live):
     # the client is gone: the server notices, cancels, and the pool is whole again
     until(lambda: health(url)["kv_blocks_used"] == 0 and health(url)["running"] == 0, "the blocks to come back")
     until(lambda: any(line.endswith(" cancelled") for line in lines), "the log line")
-    assert health(url)["generated"] - before < LONG_CTX // 2  # cut short, not run to its end
+    assert health(url)["generated"] - before < LONG_CTX - 32  # cut short: left alone it runs to max_tokens
     line = next(line for line in lines if line.endswith(" cancelled"))
     assert "POST /v1/completions 200" in line and int(line.split("out=")[1].split()[0]) < LONG_CTX - 32
 
@@ -77,7 +77,7 @@ def test_a_client_that_stops_waiting_cancels_its_sequence(live):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json=ask, headers={"authorization": f"Bearer {KEY}"}, timeout=0.2)
     until(lambda: health(url)["kv_blocks_used"] == 0 and health(url)["running"] == 0, "the blocks to come back")
-    assert health(url)["generated"] - before < LONG_CTX // 2
+    assert health(url)["generated"] - before < LONG_CTX - 32
     until(lambda: any(" POST /v1/completions 499 " in x and x.endswith(" cancelled") for x in lines), "the log line")
 
 
