@@ -30,13 +30,27 @@ def tiny(tmp_path_factory) -> str:
     [
         (["--port", "70000"], "--port"),
         (["--kv-blocks", "3", "--ctx", "256"], "less than one context"),
-        (["--gpu-memory", "0.5", "--lane", "cpu"], "--kv-blocks"),
-        (["--lane", "cuda"], "does not run batches of sequences yet"),  # until its batch form joins the engine
     ],
 )
 def test_bad_values_are_one_line(tiny, argv, words):
     done, seconds = run_bounded(["serve", tiny, "--port", "0", *argv])
     assert words in assert_one_line_error(done, seconds)
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"gpu_memory": 0.5, "lane": "cpu"}, "--kv-blocks"),
+        ({"lane": "cuda"}, "does not run batches of sequences yet"),  # until its batch form joins the engine
+    ],
+)
+def test_a_setup_that_cannot_serve_is_refused_in_one_line(tiny, options, words):
+    from fuselane.errors import FuselaneError
+    from fuselane.serve.server import Options, build
+
+    with pytest.raises(FuselaneError, match=words) as refused:
+        build(Options(model=tiny, **options))
+    assert "\n" not in str(refused.value)
 
 
 def test_a_busy_port_is_one_line(tiny):
