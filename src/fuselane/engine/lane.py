@@ -7,12 +7,12 @@ names, and returns each sequence's sampled token (None for a chunk that samples 
 a row to the table in `fuselane.engine.lanes`: its class, built from the lane, the pool's size in blocks and the
 block size.
 
-What a lane may rely on: a step lists the decode rows first (one token each, every one sampling: a batch form
-runs them as one launch sequence, each row at its own position over its own blocks), then at most a few prefill
-chunks; a table already holds the blocks of every row its work writes; a sequence appears once a step; block
-ids are below the pool's size; after `forget(seq)` the sequence never appears again. The sampler carries the
-sequence's settings (`sampler.params`) and its host generator; a lane that samples on the device keeps its own
-generator per sequence, seeded from `params.seed`.
+What a lane may rely on: a step lists the decode rows first (one token each, every one sampling: a batch form runs
+them as one launch sequence, each row at its own position over its own blocks), then prefill chunks of at most the
+scheduler's `chunk` rows in all; a table already holds the blocks of every row its work writes; a sequence appears
+once a step; block ids are below the pool's size; after `forget(seq)` the sequence never appears again. The sampler
+carries the sequence's settings (`sampler.params`) and its host generator; a lane that samples on the device keeps
+its own generator per sequence, seeded from `params.seed`.
 """
 
 from __future__ import annotations
