@@ -10,6 +10,7 @@ import pytest
 from fuselane.engine.batch import engine_for
 from fuselane.engine.blocks import DEFAULT_BLOCK_SIZE, blocks_for
 from fuselane.engine.sequence import Event, Finish, Request
+from fuselane.errors import FuselaneError
 from fuselane.gguf.synth import write_synthetic
 from fuselane.runtime.model import load
 from fuselane.runtime.sampling import GREEDY, SamplingParams
@@ -106,6 +107,10 @@ def test_generate_batch_equals_generate(model):
     assert model.generate_batch(prompts, max_tokens=10, sampling=settings, max_seqs=2) == expect
     raw = [model.generate(p, max_tokens=6, raw=True) for p in prompts]
     assert model.generate_batch(prompts, max_tokens=6, raw=True) == raw
+    assert model.generate_batch([], max_tokens=6) == []
+    for bad in [{"max_seqs": 0}, {"max_tokens": -1}, {"sampling": [GREEDY]}]:
+        with pytest.raises(FuselaneError):
+            model.generate_batch(prompts, **({"max_tokens": 4} | bad))
 
 
 def test_generate_batch_leaves_a_chat_cache_alone(model):

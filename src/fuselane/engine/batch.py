@@ -14,7 +14,7 @@ from fuselane.engine.engine import Engine
 from fuselane.engine.lanes import paged_type
 from fuselane.engine.sequence import Event, Request
 from fuselane.errors import FuselaneError
-from fuselane.ranges import TOKENS
+from fuselane.ranges import MAX_SEQS, TOKENS
 from fuselane.runtime.sampling import SamplingParams
 
 
@@ -41,6 +41,8 @@ def generate_batch(
 ) -> list[str]:
     """The reply to each prompt (see `Model.generate_batch`)."""
     TOKENS.check(max_tokens)
+    if max_seqs is not None:
+        MAX_SEQS.check(max_seqs)
     samplings = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
     if len(samplings) != len(prompts):
         raise FuselaneError(f"{len(samplings)} sampling settings for {len(prompts)} prompts")
