@@ -58,6 +58,8 @@ OPTIONS = [
     (("bench", "{tiny}", "--lane", "cpu"), ranges.BENCH_GENERATED, ()),
     (("bench", "{tiny}", "--lane", "cpu"), ranges.BENCH_DEPTH, ()),
     (("explain", "synth:tiny-qwen2", "--form", "prefill"), ranges.ROWS, ()),
+    (("serve", "{tiny}"), ranges.PORT, ()),  # serve's other bounds are of the same two kinds, checked alike
+    (("serve", "{tiny}"), ranges.GPU_MEMORY, ()),
 ]
 CASES = [
     pytest.param(before, bound, value, after, id=f"{before[0]} {bound.flag} {value[:12]!r}")

@@ -1,4 +1,4 @@
-"""The `fuselane` command: run, chat, tokenize, pull, models, info, explain, bench.
+"""The `fuselane` command: run, chat, serve, tokenize, pull, models, info, explain, bench.
 
 stdout carries only what the user asked for (the reply, the ids, the table); logs and progress go to stderr.
 Every failure caused by input is one line on stderr and exit code 1, never a traceback: numbers are checked
@@ -188,6 +188,51 @@ def cmd_chat(args: argparse.Namespace) -> None:
         _say_where_cut(chat.generated, args.n, chat.session)
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from fuselane.serve.server import Options, serve
+
+    if args.api_key is not None and not args.api_key.strip():
+        raise FuselaneError("--api-key must not be empty")
+    serve(
+        Options(
+            model=args.model, host=args.host, port=args.port, lane=args.lane, ctx=args.ctx, max_seqs=args.max_seqs,
+            max_queue=args.max_queue, api_key=args.api_key, kv_blocks=args.kv_blocks, gpu_memory=args.gpu_memory,
+        )
+    )  # fmt: skip
+
+
+def _serve_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="a .gguf path or known name (default qwen2.5-coder-0.5b)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=ranges.PORT, default=8000, help=_range(ranges.PORT, "TCP port (default 8000)"))
+    p.add_argument(
+        "--lane", choices=("cpu", "cuda", "auto"), default="auto", help="where to run (default auto: a lane that "
+        "runs batches of sequences)",
+    )  # fmt: skip
+    p.add_argument(
+        "--ctx", type=ranges.CTX, default=None, help=_range(ranges.CTX, "context of each sequence (default: the "
+        "model's, at most 4096)"),
+    )  # fmt: skip
+    p.add_argument(
+        "--max-seqs", type=ranges.MAX_SEQS, default=16, help=_range(ranges.MAX_SEQS, "sequences run together (16)")
+    )
+    p.add_argument(
+        "--max-queue", type=ranges.MAX_QUEUE, default=256,
+        help=_range(ranges.MAX_QUEUE, "requests that may wait beyond those; past them a request gets 429 (256)"),
+    )  # fmt: skip
+    p.add_argument("--api-key", default=None, metavar="K", help="require 'Authorization: Bearer K' on /v1")
+    p.add_argument(
+        "--kv-blocks", type=ranges.KV_BLOCKS, default=None,
+        help=_range(ranges.KV_BLOCKS, "KV pool size in blocks of 16 tokens (default: a GPU lane's --gpu-memory; "
+        "the cpu lane's: every sequence to the context's end)"),
+    )  # fmt: skip
+    p.add_argument(
+        "--gpu-memory", type=ranges.GPU_MEMORY, default=None,
+        help=_range(ranges.GPU_MEMORY, "share of the GPU's memory to hold, weights and KV pool (default 0.9)"),
+    )  # fmt: skip
+    p.set_defaults(func=cmd_serve)
+
+
 def cmd_tokenize(args: argparse.Namespace) -> None:
     from fuselane.gguf.reader import open_gguf
     from fuselane.hub import resolve
@@ -311,6 +356,9 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message")
     _sampling_flags(chat)
     chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server, many sequences at once")
+    _serve_flags(serve)
 
     tok = sub.add_parser("tokenize", help="print the token ids of a text as a JSON list")
     tok.add_argument("model")

@@ -105,6 +105,11 @@ SEED = Bound("--seed", "random seed", Kind.INT, 0, MAX_SEED)
 BENCH_PROMPT = Bound("-p", "prompt tokens", Kind.INT, 1, MAX_CTX)
 BENCH_GENERATED = Bound("-n", "generated tokens", Kind.INT, 1, MAX_CTX)
 BENCH_DEPTH = Bound("--depth", "tokens already in the cache", Kind.INT, 0, MAX_CTX)
+PORT = Bound("--port", "TCP port (0: any free one)", Kind.INT, 0, 65535)
+MAX_SEQS = Bound("--max-seqs", "sequences run together", Kind.INT, 1, 1 << 16)
+MAX_QUEUE = Bound("--max-queue", "requests that may wait for a place", Kind.INT, 0, 1 << 20)
+KV_BLOCKS = Bound("--kv-blocks", "blocks of the KV pool", Kind.INT, 1, 1 << 30)
+GPU_MEMORY = Bound("--gpu-memory", "share of the GPU's memory the server may hold", Kind.REAL, 0, 1, open_low=True)
 ROWS = Bound("--rows", "rows of a prefill chunk or sequences of a batch (at least one row)", Kind.INT, 1, MAX_CTX)
 
 __all__ = ["Bound", "Kind", "MAX_CTX", "MAX_SEED", "MAX_TOP_K"]

@@ -55,6 +55,13 @@ class CpuLane:
         )
         return optimize(raw, self.shim, held=self.shim.held)
 
+    def sibling(self) -> CpuLane:
+        """A lane over the same weights and graphs with a KV cache of its own: runs on it leave this lane's
+        cache, and the sessions over it, as they were."""
+        twin = CpuLane(self.cfg, self.tensors, ctx=self.ctx, dtype=self.dtype, held=self.shim.held)
+        twin._weights, twin._graphs, twin._liveness = self._weights, self._graphs, self._liveness
+        return twin
+
     def weight(self, name: str) -> np.ndarray:
         """A weight dequantized into the lane's dtype, once."""
         if name not in self._weights:
