@@ -20,7 +20,18 @@ from fuselane.fuse.shim import After, LaneRule, Shim, SupportKind
 from fuselane.fuse.views import leaves
 from fuselane.graph.classes import ClassId
 from fuselane.graph.ir import Op, TensorGraph
-from fuselane.graph.ops import Attention, GateAct, GatedDelta, Slice, Softcap, TakeRows
+from fuselane.graph.ops import (
+    Attention,
+    ExpertMatmul,
+    ExpertSort,
+    GateAct,
+    GatedDelta,
+    Moe,
+    Slice,
+    Softcap,
+    TakeRows,
+    TopK,
+)
 from fuselane.numerics.contract import Contract
 
 # Primitives that are views of their input on every lane: no launch runs them.
@@ -69,10 +80,24 @@ def rule_names(shim: Shim) -> list[str]:
     return [r.name for r in table_for(shim) if holdable(r)]
 
 
+# A mixture's primitives run only where the lane runs their classes: no lane routes rows to experts otherwise.
+_MIXTURE_NEEDS: dict[type, tuple[ClassId, str]] = {
+    TopK: (ClassId.ROUTER_TOPK, "routes each row to its top-k experts"),
+    ExpertSort: (ClassId.MOE_TOKEN_SORT, "orders a chunk's rows by expert"),
+    ExpertMatmul: (ClassId.MOE_GATE_UP_ACT, "multiplies each row by its kept experts' matrices"),
+    Moe: (ClassId.MOE_DOWN_COMBINE, "sums the kept experts' outputs by their routing weights"),
+}
+
+
 def needs(op: Op) -> list[tuple[ClassId, str]]:
     """Classes a primitive cannot run without, with what in it needs them."""
     spec = op.sym
     found: list[tuple[ClassId, str]] = []
+    if type(spec) in _MIXTURE_NEEDS:
+        cls, what = _MIXTURE_NEEDS[type(spec)]
+        if isinstance(spec, ExpertMatmul) and spec.slotted:  # the down products: the combine's
+            cls, what = ClassId.MOE_DOWN_COMBINE, "multiplies each kept expert's hidden row by its down matrix"
+        found.append((cls, f"{op.out} {what}"))
     if isinstance(spec, Softcap) or (isinstance(spec, Attention) and spec.ext and spec.ext.softcap is not None):
         found.append((ClassId.SOFTCAP, f"{op.out} soft-caps its values"))
     if isinstance(spec, GatedDelta) and spec.gate is GateAct.SIGMOID:
