@@ -35,10 +35,17 @@ def _internal(r: Rewriter, rule: str, members: Sequence[int], swallowed: Sequenc
     for m in swallowed:
         name = r.s.get(m).out
         if not _read_only_by(r, name, members):
-            outside = [k for k in r.s.readers(name) if k not in members]
-            r.no_match(rule, m, lambda name=name, k=outside: r.other_readers(name, k[0]) if k else None)
+            r.no_match(rule, m, lambda name=name: _read_outside(r, name, members))
             return False
     return True
+
+
+def _read_outside(r: Rewriter, name: str, members: Sequence[int]) -> str:
+    """Who outside the group reads `name` (a failed match's reason)."""
+    found = [f"op {k} ({r.s.get(k).out})" for k in r.s.readers(name) if k not in members]
+    if name in r.outputs:
+        found.append("the graph's output")
+    return f"{name} is also read by {', '.join(found)}"
 
 
 def router_topk(r: Rewriter, i: int) -> None:
