@@ -105,6 +105,15 @@ def needs(op: Op) -> list[tuple[ClassId, str]]:
     return found
 
 
+def check_runs(g: TensorGraph, shim: Shim) -> None:
+    """Raise, with the lane's reason, where `g` holds a primitive whose class the lane refuses."""
+    for op in g.ops:
+        for cls, why in needs(op):
+            support = shim.supports(cls)
+            if support.kind is SupportKind.REFUSE:
+                raise FuselaneError(f"the {shim.name} lane cannot run this model: {why}, and {support.reason}")
+
+
 def optimize(g: TensorGraph, shim: Shim, *, held: Sequence[str] = (), explain: bool = False) -> Plan:
     """Fuse `g` for the lane behind `shim`, holding back the rules named in `held`; `explain` also keeps why
     rules let go of the ops of their shape they did not fuse (`Plan.unmatched`)."""
@@ -114,11 +123,7 @@ def optimize(g: TensorGraph, shim: Shim, *, held: Sequence[str] = (), explain: b
     unknown = sorted(set(held) - set(known))
     if unknown:
         raise FuselaneError(f"no rule named {unknown[0]} (rules: {', '.join(known)})")
-    for op in g.ops:
-        for cls, why in needs(op):
-            support = shim.supports(cls)
-            if support.kind is SupportKind.REFUSE:
-                raise FuselaneError(f"the {shim.name} lane cannot run this model: {why}, and {support.reason}")
+    check_runs(g, shim)
     work = TensorGraph(g.form, g.rows, dict(g.tensors), list(g.ops), g.inputs, g.params, g.outputs)
     r = Rewriter(work, Schedule(g.ops), shim, outputs=frozenset(g.outputs), explain=explain)
     for rule in table:
