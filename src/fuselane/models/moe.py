@@ -60,6 +60,12 @@ def same_vector(name: str, found: tuple[int, ...], want: tuple[int, ...]) -> boo
     return name.endswith(SHARED_GATE) and found == (1, *want)
 
 
+def graph_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A weight's shape in the graph: the file's, but the shared expert's gate (a vector in the file, or one
+    row) is the one-row matrix its product multiplies by, checkpoint rows like every product's weight."""
+    return (1, *shape) if name.endswith(SHARED_GATE) else shape
+
+
 def mixture(bd: Any, b: str, l_: str, h: str) -> str:
     """Emit the mixture of layer prefix `b` over the normed rows `h` into the builder `bd` (a `qwen._Builder`);
     returns the name of its result, one `n_embd` row a row."""

@@ -98,10 +98,11 @@ class _Builder:
     ) -> None:
         self.cfg, self.rows, self.ctx, self.all_logits = cfg, rows, ctx, all_logits
         self.g = TensorGraph(form=form, rows=rows, inputs=(IDS,), params=(POS,), outputs=(LOGITS,))
-        for name in weight_shapes(cfg):
-            fmt, found = tensors[name].format, tuple(tensors[name].shape)
-            storage = Values(fmt.name.lower()) if len(found) == 1 else Rows(fmt)
-            self.g.add(Tensor(name, found, storage, Role.WEIGHT))
+        for name, shape in weight_shapes(cfg).items():
+            fmt = tensors[name].format
+            shape = moe.graph_shape(name, shape)  # the shared expert's gate is a one-row product's weight
+            storage = Values(fmt.name.lower()) if len(shape) == 1 else Rows(fmt)
+            self.g.add(Tensor(name, shape, storage, Role.WEIGHT))
         self.g.add(Tensor(IDS, (rows,), Values("i32"), Role.INPUT))
         self.batched = form is Form.BATCH
         self.g.add(Tensor(POS, (rows,) if self.batched else (), Values("i32"), Role.PARAM))

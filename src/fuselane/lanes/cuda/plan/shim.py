@@ -398,19 +398,18 @@ class CudaShim:
     @staticmethod
     def moe_down_launch(op: Op, g: TensorGraph) -> tuple[int, int] | None:
         """A decode mixture's down projection launch (`kernels.moe_down_launch`): its experts' intermediate
-        width from the mixture's own spec, its shared expert's from that expert's down projection (the third
-        part of a SharedExpertFusion) where it is folded in; None where the parts do not say."""
+        width from the mixture's own spec, its shared expert's from that expert's down projection (the fold's
+        product that lands the model's width) where it is folded in; None where the parts do not say."""
         m = moe(op)
         dff = next((leaf.sym.dff for leaf in leaves(op) if isinstance(leaf.sym, Moe)), None)
         if m is None or dff is None:
             return None
         sdff = 0
         if class_of(op) is C.SHARED_EXPERT_FUSION:
-            members = parts(op)
-            shared = gemv(members[2], g) if len(members) > 2 else None
-            if shared is None:
+            landing = [p for x in leaves(op) if (p := gemv(x, g)) is not None and p.n == m.d]
+            if not landing:
                 return None
-            sdff = shared.k
+            sdff = landing[0].k
         return kernels.moe_down_launch(m.d, dff, m.k, sdff)
 
     # --- the lane rule ---------------------------------------------------------------------------------
