@@ -7,8 +7,8 @@ Near-ties: which experts a row keeps is a discrete choice, so if the k-th and (k
 row were within rounding of each other, f32 summation order alone could pick a different expert on each side.
 The routers' weights are drawn wide (`ROUTER_SCALE`) and every test first asserts that, over every row and
 layer of the sequence it compares, the k-th score leads the (k+1)-th by at least `MIN_GAP`, far above the
-f32 difference between the two implementations' scores (about 1e-6): a failure there means the seed drew a
-near-tie, not that routing is wrong.
+f32 difference between the two implementations' scores (measured: at most 5e-6, on scores about 10 in size):
+a failure there means the seed drew a near-tie, not that routing is wrong.
 """
 
 from __future__ import annotations
