@@ -20,6 +20,7 @@ from fuselane.graph.classes import ClassId, built_by
 from fuselane.info import describe
 from fuselane.lanes.cuda.plan.shim import NO_MOE_KERNELS, CudaShim
 from fuselane.models import config_of
+from fuselane.runtime.model import load
 from tests.bounded import assert_one_line_error, run_bounded
 from tests.graph.test_classes import MIXTURE_RULES
 
@@ -128,3 +129,15 @@ def test_what_fires_on_the_mixtures_is_what_the_record_says(plans):
         for op in plan.ops:
             assert class_of(op) is None or built_by(class_of(op)), key
     assert set(MIXTURE_RULES) <= fired
+
+
+def test_a_batch_of_sequences_routes_each_as_alone(tiny):
+    """A batch's rows are each one sequence's step: each is routed and multiplied as that step alone."""
+    ids = np.array([3, 7, 11])
+    batched = load(tiny["tiny-qwen2moe"], lane="cpu", ctx=8, dtype=np.float64)
+    got = batched.lane.forward_batch(ids, np.zeros(3, dtype=np.int64))
+    for row, token in enumerate(ids):
+        alone = load(tiny["tiny-qwen2moe"], lane="cpu", ctx=8, dtype=np.float64)
+        assert np.abs(got[row] - alone.lane.forward(np.array([token]), 0)[-1]).max() <= 1e-12
+        alone.close()
+    batched.close()
