@@ -19,7 +19,7 @@ from fuselane.fuse.optimizer import optimize
 from fuselane.fuse.shim import DECOMPOSE, NATIVE, Support
 from fuselane.fuse.views import class_of
 from fuselane.graph.classes import ClassId as C
-from fuselane.graph.ir import Form
+from fuselane.graph.ir import Form, QuantFormat
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
 from fuselane.lanes.cuda.plan.shim import MOE_CLASSES, NO_MOE_KERNELS, CudaShim
 from fuselane.models import recognizer
@@ -85,3 +85,15 @@ def test_the_decode_fold_reads_its_shared_expert_width_from_its_down_product():
     assert class_of(fold) is C.SHARED_EXPERT_FUSION
     # four kept experts and the shared expert a warp each; every width past the wide GEMV's: four rows a warp
     assert CudaShim.moe_down_launch(fold, plan.graph) == (2048 // 4, 5 * 32)
+
+
+@pytest.mark.parametrize(
+    ("activations", "fmt"), [(Activations.INT8, QuantFormat.ONE_WORD), (Activations.DEQUANT, None)]
+)
+def test_the_kept_experts_read_their_activation_in_the_lanes_form(activations, fmt):
+    g = graph("synth:tiny-qwen3moe", 1)
+    shim = Specified(CudaKnobs(activations=activations))
+    plan = optimize(g, shim)
+    gate_up = next(op for op in plan.ops if class_of(op) is C.MOE_GATE_UP_ACT)
+    assert shim.activation(gate_up, 0, plan.graph) is fmt
+    assert shim.activation(gate_up, 1, plan.graph) is None  # the expert matrices are not an activation
