@@ -59,6 +59,7 @@ def summarize(f: GgufFile) -> dict[str, Any]:
             "qkv_bias": cfg.qkv_bias,
             "qk_norm": cfg.qk_norm,
         },
+        "experts": _experts(cfg),
         "quant_mix": {name: {"tensors": counts[name], "bytes": sizes[name]} for name, _ in counts.most_common()},
         "quant": {
             "label": _label(meta.get(Keys.General.FILE_TYPE)),
@@ -75,6 +76,29 @@ def summarize(f: GgufFile) -> dict[str, Any]:
             "chat_template": "tokenizer.chat_template" in meta,
         },
     }
+
+
+def _experts(cfg: Any) -> dict[str, Any] | None:
+    """A mixture's experts and their widths; None for a dense model."""
+    if not cfg.moe:
+        return None
+    return {
+        "count": cfg.experts,
+        "used": cfg.experts_used,
+        "ffn": cfg.expert_ff,
+        "shared_ffn": cfg.shared_ff,
+        "renormalised": cfg.renorm,
+    }
+
+
+def _experts_line(e: dict[str, Any] | None) -> list[str]:
+    if e is None:
+        return []
+    shared = f"a shared expert of ffn {e['shared_ffn']} (sigmoid-gated)" if e["shared_ffn"] else "no shared expert"
+    kept = "renormalised over the kept" if e["renormalised"] else "as the softmax gives them"
+    return [
+        f"  experts       {e['count']} experts of ffn {e['ffn']}, {e['used']} kept a token (weights {kept}), {shared}"
+    ]
 
 
 def _label(file_type: Any) -> str | None:
@@ -103,6 +127,7 @@ def render(info: dict[str, Any]) -> str:
         f"head_dim {s['head_dim']}, ffn {s['ffn']}, vocab {s['vocab']}",
         f"  context       {s['context']} tokens, rope base {s['rope_base']:g}, rms eps {s['rms_eps']:g}",
         f"  features      qkv bias {s['qkv_bias']}, q/k norm {s['qk_norm']}, tied embeddings {s['tied_embeddings']}",
+        *_experts_line(info.get("experts")),
         f"  quant label   {label}; most bytes are {q['most_bytes'] or 'in no tensor'}",
         "  quant mix     "
         + ", ".join(f"{name} x{v['tensors']} ({v['bytes'] / 1e6:.1f} MB)" for name, v in info["quant_mix"].items()),

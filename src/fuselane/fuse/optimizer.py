@@ -20,7 +20,18 @@ from fuselane.fuse.shim import After, LaneRule, Shim, SupportKind
 from fuselane.fuse.views import leaves
 from fuselane.graph.classes import ClassId
 from fuselane.graph.ir import Op, TensorGraph
-from fuselane.graph.ops import Attention, GateAct, GatedDelta, Slice, Softcap, TakeRows
+from fuselane.graph.ops import (
+    Attention,
+    ExpertMatmul,
+    ExpertSort,
+    GateAct,
+    GatedDelta,
+    Moe,
+    Slice,
+    Softcap,
+    TakeRows,
+    TopK,
+)
 from fuselane.numerics.contract import Contract
 
 # Primitives that are views of their input on every lane: no launch runs them.
@@ -69,15 +80,38 @@ def rule_names(shim: Shim) -> list[str]:
     return [r.name for r in table_for(shim) if holdable(r)]
 
 
+# A mixture's primitives run only where the lane runs their classes: no lane routes rows to experts otherwise.
+_MIXTURE_NEEDS: dict[type, tuple[ClassId, str]] = {
+    TopK: (ClassId.ROUTER_TOPK, "routes each row to its top-k experts"),
+    ExpertSort: (ClassId.MOE_TOKEN_SORT, "orders a chunk's rows by expert"),
+    ExpertMatmul: (ClassId.MOE_GATE_UP_ACT, "multiplies each row by its kept experts' matrices"),
+    Moe: (ClassId.MOE_DOWN_COMBINE, "sums the kept experts' outputs by their routing weights"),
+}
+
+
 def needs(op: Op) -> list[tuple[ClassId, str]]:
     """Classes a primitive cannot run without, with what in it needs them."""
     spec = op.sym
     found: list[tuple[ClassId, str]] = []
+    if type(spec) in _MIXTURE_NEEDS:
+        cls, what = _MIXTURE_NEEDS[type(spec)]
+        if isinstance(spec, ExpertMatmul) and spec.slotted:  # the down products: the combine's
+            cls, what = ClassId.MOE_DOWN_COMBINE, "multiplies each kept expert's hidden row by its down matrix"
+        found.append((cls, f"{op.out} {what}"))
     if isinstance(spec, Softcap) or (isinstance(spec, Attention) and spec.ext and spec.ext.softcap is not None):
         found.append((ClassId.SOFTCAP, f"{op.out} soft-caps its values"))
     if isinstance(spec, GatedDelta) and spec.gate is GateAct.SIGMOID:
         found.append((ClassId.GDN_STEP, f"{op.out} gates its delta rule by a sigmoid"))
     return found
+
+
+def check_runs(g: TensorGraph, shim: Shim) -> None:
+    """Raise, with the lane's reason, where `g` holds a primitive whose class the lane refuses."""
+    for op in g.ops:
+        for cls, why in needs(op):
+            support = shim.supports(cls)
+            if support.kind is SupportKind.REFUSE:
+                raise FuselaneError(f"the {shim.name} lane cannot run this model: {why}, and {support.reason}")
 
 
 def optimize(g: TensorGraph, shim: Shim, *, held: Sequence[str] = (), explain: bool = False) -> Plan:
@@ -89,11 +123,7 @@ def optimize(g: TensorGraph, shim: Shim, *, held: Sequence[str] = (), explain: b
     unknown = sorted(set(held) - set(known))
     if unknown:
         raise FuselaneError(f"no rule named {unknown[0]} (rules: {', '.join(known)})")
-    for op in g.ops:
-        for cls, why in needs(op):
-            support = shim.supports(cls)
-            if support.kind is SupportKind.REFUSE:
-                raise FuselaneError(f"the {shim.name} lane cannot run this model: {why}, and {support.reason}")
+    check_runs(g, shim)
     work = TensorGraph(g.form, g.rows, dict(g.tensors), list(g.ops), g.inputs, g.params, g.outputs)
     r = Rewriter(work, Schedule(g.ops), shim, outputs=frozenset(g.outputs), explain=explain)
     for rule in table:

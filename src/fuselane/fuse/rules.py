@@ -8,6 +8,7 @@ Lanes link their own rules in at named positions; any rule may be held by name.
 
 from __future__ import annotations
 
+from fuselane.fuse.moe_rules import MOE_RULES
 from fuselane.fuse.patterns import is_add, is_mul, next_reader, op_at
 from fuselane.fuse.quant_rules import QUANT_RULES
 from fuselane.fuse.rewriter import Rewriter
@@ -323,6 +324,7 @@ SHARED_RULES: list[Rule] = (
     + ELEMENTWISE_RULES
     + EPILOGUE_RULES
     + ATTENTION_RULES
+    + MOE_RULES  # before the product rules: the router is the mixture's, not a product to merge
     + PRODUCT_RULES
     + LAYOUT_RULES
     + QUANT_RULES

@@ -12,7 +12,19 @@ from dataclasses import dataclass
 
 from fuselane.graph.classes import ClassId
 from fuselane.graph.ir import Dst, Fused, Op, Rows, Strided, TensorGraph, Values
-from fuselane.graph.ops import CausalConv, L2Norm, Matmul, Moe, MoeAct, RmsNorm, Rope, Slice, Unary, UnaryOp
+from fuselane.graph.ops import (
+    CausalConv,
+    ExpertMatmul,
+    L2Norm,
+    Matmul,
+    Moe,
+    MoeAct,
+    RmsNorm,
+    Rope,
+    Slice,
+    Unary,
+    UnaryOp,
+)
 
 Weights = Rows | Values
 
@@ -203,12 +215,18 @@ def unit_output(op: Op) -> tuple[str, int] | None:
 
 
 def moe(op: Op) -> MoeForm | None:
-    """The mixture an op computes, bare or folded with its shared expert, its sort or its last step."""
+    """The mixture an op computes, bare or folded with its shared expert, its sort or its last step; or the
+    part of it that reads the mixture's input, the kept experts' gate and up products (`x` is then that
+    input, `d` its width)."""
     leaf = _find(op, Moe)
-    if leaf is None:
+    if leaf is not None:
+        spec: Moe = leaf.sym  # type: ignore[assignment]
+        return MoeForm(leaf.ins[0], spec.rows, spec.d, spec.k, spec.act, op.dst)
+    products = [x for x in leaves(op) if isinstance(x.sym, ExpertMatmul) and not x.sym.slotted]
+    if not products:
         return None
-    spec: Moe = leaf.sym  # type: ignore[assignment]
-    return MoeForm(leaf.ins[0], spec.rows, spec.d, spec.k, spec.act, op.dst)
+    first: ExpertMatmul = products[0].sym  # type: ignore[assignment]
+    return MoeForm(products[0].ins[0], first.rows, first.kd, first.k, MoeAct.SWIGLU, op.dst)
 
 
 def conv(op: Op) -> ConvForm | None:

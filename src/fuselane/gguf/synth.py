@@ -1,4 +1,5 @@
-"""Write GGUF checkpoints of Qwen2/Qwen3 models at any shape: random weights, or given float weights.
+"""Write GGUF checkpoints of Qwen2/Qwen3 models (dense, or mixtures of experts) at any shape: random weights,
+or given float weights.
 
 Why: tests need small checkpoints of every architecture and quantization mix, and GPU benchmarks need files in
 the real models' shapes and mixes (decode speed does not depend on weight values) where no real file is at
@@ -35,7 +36,8 @@ from fuselane.gguf.formats import LAYOUTS, QK_K, Format, tensor_bytes
 from fuselane.gguf.quantize import quantize, random_blocks
 from fuselane.gguf.synth_vocab import synthetic_tokenizer
 
-ARCHS = ("qwen2", "qwen3")
+ARCHS = ("qwen2", "qwen3", "qwen2moe", "qwen3moe")
+MOE_ARCHS = ("qwen2moe", "qwen3moe")
 WEIGHT_SCALE = 0.02  # root-mean-square of random matrix weights, about that of trained transformer weights
 NORM_JITTER = 0.1  # random RMS-norm weights are 1 +- this, so activations keep their size through the norms
 CHUNK_BYTES = 64 << 20  # random data is generated and written this much at a time
@@ -45,7 +47,9 @@ UINT32_LIMIT = 1 << 32
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """Hyper-parameters of a dense Qwen model (qwen2: q/k/v biases; qwen3: q/k RMS norms)."""
+    """Hyper-parameters of a Qwen model (qwen2: q/k/v biases; qwen3: q/k RMS norms; their `moe` forms: a
+    mixture of `experts` experts, `experts_used` kept a token, each `expert_ff` wide, and for qwen2moe a shared
+    expert `shared_ff` wide)."""
 
     arch: str
     n_embd: int
@@ -59,10 +63,16 @@ class Shape:
     rope_base: float = 1_000_000.0
     rms_eps: float = 1e-6
     tied: bool = False  # the output projection is the embedding table: no output.weight
+    experts: int = 0
+    experts_used: int = 0
+    expert_ff: int = 0
+    shared_ff: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise FuselaneError(f"architecture '{self.arch}' is not one of {', '.join(ARCHS)}")
+        if self.moe:
+            self._check_experts()
         sizes = ("n_embd", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_ff", "vocab", "context")
         for size in sizes:
             if getattr(self, size) <= 0:
@@ -71,6 +81,24 @@ class Shape:
             raise FuselaneError(f"{self.n_heads} heads do not group evenly over {self.n_kv_heads} kv heads")
         if self.head_dim % 2:
             raise FuselaneError(f"head_dim {self.head_dim} is odd; rope rotates pairs of dimensions")
+
+    @property
+    def moe(self) -> bool:
+        return self.arch in MOE_ARCHS
+
+    @property
+    def family(self) -> str:
+        """The attention's family: qwen2 (q/k/v biases) or qwen3 (q/k norms)."""
+        return self.arch.removesuffix("moe")
+
+    def _check_experts(self) -> None:
+        for size in ("experts", "experts_used", "expert_ff"):
+            if getattr(self, size) <= 0:
+                raise FuselaneError(f"shape field {size} must be positive for {self.arch}, not {getattr(self, size)}")
+        if self.experts_used > self.experts:
+            raise FuselaneError(f"{self.experts_used} experts a token is more than the {self.experts} experts")
+        if (self.shared_ff > 0) != (self.arch == "qwen2moe"):
+            raise FuselaneError("qwen2moe has a shared expert (shared_ff > 0); qwen3moe has none")
 
 
 # The real models' shapes (shared/ANCHORS.md). All are untied, as the files measured there: the real 0.5B
@@ -83,6 +111,31 @@ SHAPES: dict[str, Shape] = {
     "qwen3-8b": Shape("qwen3", 4096, 36, 32, 8, 128, 12288, 151936, context=40960),
     "tiny-qwen2": Shape("qwen2", 64, 2, 4, 2, 16, 128, 512, context=4096),
     "tiny-qwen3": Shape("qwen3", 64, 2, 4, 2, 16, 128, 512, context=4096),
+    # Mixtures: n_ff is the dense width the real files state (unused by the mixture layers).
+    "qwen3-30b-a3b": Shape(
+        "qwen3moe", 2048, 48, 32, 4, 128, 6144, 151936, context=40960, experts=128, experts_used=8, expert_ff=768
+    ),
+    "qwen1.5-moe-a2.7b": Shape(
+        "qwen2moe",
+        2048,
+        24,
+        16,
+        16,
+        128,
+        5632,
+        151936,
+        context=8192,
+        experts=60,
+        experts_used=4,
+        expert_ff=1408,
+        shared_ff=5632,
+    ),
+    "tiny-qwen3moe": Shape(
+        "qwen3moe", 64, 2, 4, 2, 16, 128, 512, context=4096, experts=8, experts_used=2, expert_ff=32
+    ),
+    "tiny-qwen2moe": Shape(
+        "qwen2moe", 64, 2, 4, 2, 16, 128, 512, context=4096, experts=8, experts_used=2, expert_ff=32, shared_ff=64
+    ),
 }
 
 
@@ -154,18 +207,40 @@ def tensor_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
         out[b + "attn_q.weight"] = (q, shape.n_embd)
         out[b + "attn_k.weight"] = (kv, shape.n_embd)
         out[b + "attn_v.weight"] = (kv, shape.n_embd)
-        if shape.arch == "qwen2":
+        if shape.family == "qwen2":
             out |= {b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)}
         else:
             out |= {b + "attn_q_norm.weight": (shape.head_dim,), b + "attn_k_norm.weight": (shape.head_dim,)}
         out[b + "attn_output.weight"] = (shape.n_embd, q)
         out[b + "ffn_norm.weight"] = (shape.n_embd,)
-        out[b + "ffn_gate.weight"] = (shape.n_ff, shape.n_embd)
-        out[b + "ffn_up.weight"] = (shape.n_ff, shape.n_embd)
-        out[b + "ffn_down.weight"] = (shape.n_embd, shape.n_ff)
+        out |= _moe_shapes(shape, b) if shape.moe else _dense_shapes(shape, b)
     out["output_norm.weight"] = (shape.n_embd,)
     if not shape.tied:
         out["output.weight"] = (shape.vocab, shape.n_embd)
+    return out
+
+
+def _dense_shapes(shape: Shape, b: str) -> dict[str, tuple[int, ...]]:
+    d, ff = shape.n_embd, shape.n_ff
+    return {b + "ffn_gate.weight": (ff, d), b + "ffn_up.weight": (ff, d), b + "ffn_down.weight": (d, ff)}
+
+
+def _moe_shapes(shape: Shape, b: str) -> dict[str, tuple[int, ...]]:
+    """A mixture layer's tensors as llama.cpp's converter writes them: 3-D experts, outermost first."""
+    d, e, ff, sff = shape.n_embd, shape.experts, shape.expert_ff, shape.shared_ff
+    out: dict[str, tuple[int, ...]] = {
+        b + "ffn_gate_inp.weight": (e, d),
+        b + "ffn_gate_exps.weight": (e, ff, d),
+        b + "ffn_up_exps.weight": (e, ff, d),
+        b + "ffn_down_exps.weight": (e, d, ff),
+    }
+    if sff:
+        out |= {
+            b + "ffn_gate_inp_shexp.weight": (d,),
+            b + "ffn_gate_shexp.weight": (sff, d),
+            b + "ffn_up_shexp.weight": (sff, d),
+            b + "ffn_down_shexp.weight": (d, sff),
+        }
     return out
 
 
@@ -221,11 +296,14 @@ def _q4_k_m(shape: Shape, name: str, row: int, ranks: list[int]) -> Format:
     if name == "output.weight" or (shape.tied and name == "token_embd.weight"):
         return Format.Q6_K if row % QK_K == 0 else Format.Q8_0
     parts = name.split(".")
-    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down"):
+    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down", "ffn_down_exps", "ffn_down_shexp"):
         if use_more_bits(ranks[int(parts[1])], shape.n_layers):
             return Format.Q6_K
     return Format.Q4_K
 
+
+# llama.cpp's converter keeps the router in F32 and llama-quantize never quantizes it.
+ROUTER = "ffn_gate_inp.weight"
 
 _PLAIN: dict[Mix, Format] = {Mix.F32: Format.F32, Mix.F16: Format.F16, Mix.Q8_0: Format.Q8_0}
 
@@ -233,7 +311,7 @@ _PLAIN: dict[Mix, Format] = {Mix.F32: Format.F32, Mix.F16: Format.F16, Mix.Q8_0:
 def tensor_formats(shape: Shape, mix: Mix | str) -> dict[str, Format]:
     """Each tensor's storage format in `mix`, by GGUF name, in file order.
 
-    1-D tensors (norms, biases) are F32. F32 / F16 / Q8_0: every matrix in that format. Q4_K_M (llama.cpp):
+    1-D tensors (norms, biases) and routers are F32. F32 / F16 / Q8_0: every matrix in that format. Q4_K_M (llama.cpp):
     embedding Q4_K; output Q6_K; attn_v and ffn_down Q6_K on the `use_more_bits` layers, Q4_K elsewhere;
     other matrices Q4_K. Q4_K_M_05B: the same with the real 0.5B file's layer count order (`layer_ranks`).
     Rows that are not whole blocks fall back as llama.cpp does (`fit_format`): e.g. at n_embd 896, Q4_K
@@ -243,7 +321,7 @@ def tensor_formats(shape: Shape, mix: Mix | str) -> dict[str, Format]:
     ranks = layer_ranks(shape.n_layers, mix)
     formats: dict[str, Format] = {}
     for name, dims in tensor_shapes(shape).items():
-        if len(dims) == 1:
+        if len(dims) == 1 or name.endswith(ROUTER):
             formats[name] = Format.F32
             continue
         wanted = _PLAIN[mix] if mix in _PLAIN else _q4_k_m(shape, name, dims[-1], ranks)
@@ -294,8 +372,16 @@ def model_metadata(shape: Shape, name: str, file_type: int) -> dict[str, Any]:
         f"{a}.attention.head_count": shape.n_heads,
         f"{a}.attention.head_count_kv": shape.n_kv_heads,
     }
+    if shape.moe:
+        meta |= {
+            f"{a}.expert_count": shape.experts,
+            f"{a}.expert_used_count": shape.experts_used,
+            f"{a}.expert_feed_forward_length": shape.expert_ff,
+        }
+        if shape.shared_ff:
+            meta[f"{a}.expert_shared_feed_forward_length"] = shape.shared_ff
     # Qwen3 always states its head size; Qwen2 files only when it is not n_embd / heads, the reader's default.
-    if a == "qwen3" or shape.n_heads * shape.head_dim != shape.n_embd:
+    if shape.family == "qwen3" or shape.n_heads * shape.head_dim != shape.n_embd:
         meta[f"{a}.attention.key_length"] = shape.head_dim
         meta[f"{a}.attention.value_length"] = shape.head_dim
     meta |= {
@@ -387,7 +473,7 @@ def _random_chunks(t: _Planned, seed: int) -> Iterator[np.ndarray]:
         spread = np.float32(NORM_JITTER if is_norm else WEIGHT_SCALE)
         yield quantize(rng.standard_normal(t.dims[0], dtype=np.float32) * spread + np.float32(is_norm), t.fmt)
         return
-    rows, row = t.dims
+    rows, row = int(np.prod(t.dims[:-1])), t.dims[-1]  # a 3-D expert tensor: every expert's rows in turn
     lay = LAYOUTS[t.fmt]
     blocks_per_row = row // lay.values
     rows_per_chunk = max(1, CHUNK_BYTES // (blocks_per_row * lay.nbytes))
@@ -467,7 +553,7 @@ def write_weights(
     matrix_formats = Counter({t.fmt: 0 for t in plan})
     for t in plan:
         if len(t.dims) > 1:
-            matrix_formats[t.fmt] += t.dims[0] * t.dims[1]
+            matrix_formats[t.fmt] += int(np.prod(t.dims))
     file_type = FORMAT_FILE_TYPES.get(matrix_formats.most_common(1)[0][0], LlamaFileType.GUESSED)
     meta = model_metadata(shape, f"{label} weights", file_type) | _tokenizer(shape, tokenizer)
 

@@ -107,7 +107,7 @@ class Awaits(enum.Enum):
     """What a class no rule builds yet waits for: a model family, a form, a kind of rule, or nothing the graph
     can say (the value says which, as `explain --classes` prints it)."""
 
-    MIXTURE_OF_EXPERTS = "mixture of experts (a qwen2moe / qwen3moe recognizer)"
+    GROUPED_ROUTING = "routing by groups of experts (deepseek2's grouped top-k)"
     GATED_DELTA_RULE = "the gated delta rule (qwen3next's linear-attention layers)"
     GATED_ATTENTION = "gated attention (qwen3next's full-attention layers)"
     LATENT_ATTENTION = "latent attention (a deepseek2 recognizer)"
@@ -140,7 +140,6 @@ def _awaits(what: Awaits) -> Standing:
     return Standing(awaits=what)
 
 
-_MOE = _awaits(Awaits.MIXTURE_OF_EXPERTS)
 _GDR = _awaits(Awaits.GATED_DELTA_RULE)
 _MLA = _awaits(Awaits.LATENT_ATTENTION)
 _ARCH = _awaits(Awaits.OTHER_ARCHITECTURES)
@@ -168,11 +167,11 @@ STANDING: dict[ClassId, Standing] = {
     ClassId.MERGED_QKV: _built("merged_projections", "gemv_parts"),
     ClassId.MERGED_GATE_UP: _built("merged_gate_up"),
     ClassId.GEMM_DEQUANT_INKERNEL: _LANE,  # a product by checkpoint rows dequantizes them in its kernel
-    ClassId.ROUTER_TOPK: _MOE,
-    ClassId.MOE_TOKEN_SORT: _MOE,
-    ClassId.MOE_GATE_UP_ACT: _MOE,
-    ClassId.MOE_DOWN_COMBINE: _MOE,
-    ClassId.SHARED_EXPERT_FUSION: _MOE,
+    ClassId.ROUTER_TOPK: _built("router_topk"),
+    ClassId.MOE_TOKEN_SORT: _built("moe_token_sort"),
+    ClassId.MOE_GATE_UP_ACT: _built("moe_gate_up_act"),
+    ClassId.MOE_DOWN_COMBINE: _built("moe_down_combine"),
+    ClassId.SHARED_EXPERT_FUSION: _built("shared_expert_fusion"),
     ClassId.GDN_STEP: _GDR,
     ClassId.CONV_BIAS_SILU: _GDR,
     ClassId.CONV_PARTS: _GDR,
@@ -210,12 +209,12 @@ STANDING: dict[ClassId, Standing] = {
     ClassId.MLA_UNABSORB_IN_FOLD: _MLA,
     ClassId.ELEMENTWISE_CHAINS: _SCHEDULE,
     ClassId.ELEMENTWISE_REGIONS: _SCHEDULE,
-    ClassId.MASKED_EXPERT_ACTIVATION: _MOE,
+    ClassId.MASKED_EXPERT_ACTIVATION: _LANE,  # every expert's activation under a mask of the kept: no lane does
     ClassId.GEMM_SCALE: _ARCH,
     ClassId.AFFINE_INPUT_FOLD: _ARCH,
-    ClassId.ROUTER_SHARED_GATE_MERGE: _MOE,
-    ClassId.MOE_GATHER_IN_OPERAND: _MOE,
-    ClassId.MOE_DEFERRED_FINALIZE: _MOE,
+    ClassId.ROUTER_SHARED_GATE_MERGE: _SCHEDULE,  # the router's and the shared gate's products as one
+    ClassId.MOE_GATHER_IN_OPERAND: _LANE,  # an expert product gathers its rows as it reads its operand
+    ClassId.MOE_DEFERRED_FINALIZE: _built("moe_deferred_finalize"),
     ClassId.GDN_INPUT_EPILOGUE: _GDR,
     ClassId.GDN_DECODE_WHOLE: _GDR,
     ClassId.GDN_POST_CONV_PREP: _GDR,
@@ -224,14 +223,14 @@ STANDING: dict[ClassId, Standing] = {
     ClassId.SOFTCAP: _awaits(Awaits.ATTENTION_VARIANTS),
     ClassId.MIXED_BATCH_ATTENTION: _awaits(Awaits.MIXED_BATCHES),
     ClassId.SPARSE_ATTENTION: _awaits(Awaits.ATTENTION_VARIANTS),
-    ClassId.GROUPED_TOPK: _MOE,
+    ClassId.GROUPED_TOPK: _awaits(Awaits.GROUPED_ROUTING),
     ClassId.SAMPLING: _LANE,  # the cuda lane's decode loop samples on the device after the graph's logits
     ClassId.KV_CACHE_QUANT: _awaits(Awaits.CACHE_NUMERICS),
     ClassId.HADAMARD_ROTATION: _awaits(Awaits.CACHE_NUMERICS),
     ClassId.COMPENSATED_RESIDUAL: _awaits(Awaits.CACHE_NUMERICS),
     ClassId.HOST_RESIDENT_KV: _LANE,
     ClassId.ATTN_GQA_ROW_PACKING: _LANE,
-    ClassId.MOE_DIRECT_PAIRS: _MOE,
+    ClassId.MOE_DIRECT_PAIRS: _LANE,  # a chunk's pairs multiplied unsorted: the lane's choice, not a rewrite
     ClassId.PERSISTENT_LAYER_MEGAKERNEL: _LANE,
     ClassId.ALLREDUCE_NORM: _awaits(Awaits.SEVERAL_GPUS),
 }

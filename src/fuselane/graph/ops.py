@@ -18,6 +18,7 @@ class ElementwiseOp(enum.Enum):
 
 class UnaryOp(enum.Enum):
     SILU = "silu"
+    SIGMOID = "sigmoid"
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,9 +121,9 @@ class TakeRows:
     take: int
 
 
-# The specs below are the vocabulary of the families whose recognizers come next (mixtures, hybrid
-# recurrent layers, latent attention, soft-capped attention). The dense Qwen recognizers emit none of them;
-# the optimizer's views and the lanes' shims already answer for them.
+# The specs below are the vocabulary of the families past the dense Qwen ones: mixtures of experts (emitted by
+# the qwen2moe / qwen3moe recognizer), and hybrid recurrent layers, latent attention and soft-capped attention,
+# whose recognizers come next (the optimizer's views and the lanes' shims already answer for them).
 
 
 class GateAct(enum.Enum):
@@ -166,7 +167,9 @@ class HeadMatmul:
 
 @dataclass(frozen=True, slots=True)
 class Moe:
-    """A mixture of `experts` experts, `k` kept a row, over `rows` rows of `d` values; experts `dff` wide."""
+    """The mixture's result: each of `rows` rows sums its `k` kept experts' outputs (`d` wide), each weighted by
+    its routing probability (ins: expert outputs (rows * k, d), weights (rows, k)). The spec also carries the
+    mixture's size (`experts` experts, each `dff` wide, its activation), which the lanes size launches by."""
 
     rows: int
     d: int
@@ -174,6 +177,60 @@ class Moe:
     experts: int
     k: int
     act: MoeAct = MoeAct.SWIGLU
+
+
+@dataclass(frozen=True, slots=True)
+class TopK:
+    """The indices of each row's `k` largest of `cols` router scores, largest first (the first on a tie):
+    ins: scores (rows, cols); out: (rows, k) i32."""
+
+    rows: int
+    cols: int
+    k: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouteWeights:
+    """Each kept expert's routing weight: the softmax of a row's `experts` router scores at the kept indices,
+    renormalised to sum to one over the `k` kept where `renorm` (ins: scores (rows, experts), ids (rows, k))."""
+
+    rows: int
+    experts: int
+    k: int
+    renorm: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertSort:
+    """A chunk's (row, slot) pairs ordered by the expert each routes to, stably (ins: ids (rows, k); out:
+    (rows * k,) i32 pair indices), so each expert's rows are multiplied together."""
+
+    rows: int
+    k: int
+    experts: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertMatmul:
+    """Each (row, slot) pair's product by its expert's matrix: y[p] (n) = x[p] (kd) @ W[ids[p]] (n, kd)^T,
+    ins: x, W (experts, n, kd) checkpoint rows, ids (rows, k)[, order from ExpertSort]. `slotted`: x has a row
+    a pair (rows * k, kd), the down product's; otherwise one a row, read by each of its k pairs. out:
+    (rows * k, n). Only the kept experts' rows are read."""
+
+    rows: int
+    k: int
+    n: int
+    kd: int
+    slotted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RowScale:
+    """out = x * s, each row of `cols` values times its own scalar (ins: x (rows, cols), s (rows, 1)): the
+    shared expert's sigmoid gate."""
+
+    rows: int
+    cols: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +313,11 @@ PrimSpec = (
     | Softcap
     | HeadMatmul
     | Moe
+    | TopK
+    | RouteWeights
+    | ExpertSort
+    | ExpertMatmul
+    | RowScale
     | CausalConv
     | L2Norm
     | GatedDelta

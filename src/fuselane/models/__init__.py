@@ -9,7 +9,7 @@ from fuselane.errors import ModelError
 from fuselane.models import qwen
 from fuselane.models.config import ModelConfig, read_config
 
-RECOGNIZERS = {"qwen2": qwen, "qwen3": qwen}
+RECOGNIZERS = {"qwen2": qwen, "qwen3": qwen, "qwen2moe": qwen, "qwen3moe": qwen}
 
 
 def config_of(meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> ModelConfig:

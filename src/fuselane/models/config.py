@@ -1,4 +1,5 @@
-"""Hyper-parameters of a dense Qwen-family model, read from GGUF metadata and checked against its tensors.
+"""Hyper-parameters of a Qwen-family model (dense, or a mixture of experts), read from GGUF metadata and checked
+against its tensors.
 
 Every count here is a claim the file makes, and later code sizes tables and loops by it (the recognizer lists
 `block_count` layers of weights before comparing any of them), so each is checked before it is returned:
@@ -22,6 +23,11 @@ DEFAULT_ROPE_BASE = 10_000.0
 # ggml numbers positions with int32, so no model addresses more; real contexts are far below (10M at most).
 MAX_CONTEXT = 2**31 - 1
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.")
+# Whether a mixture renormalises its top-k routing probabilities over the k kept: the file does not say, so
+# this follows llama.cpp, which hardcodes it per architecture (and Hugging Face's configs, which agree).
+RENORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
+# Where the mixture's shared expert is: qwen2moe has one, gated by a sigmoid; qwen3moe has none.
+SHARED_EXPERT = {"qwen2moe": True, "qwen3moe": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +46,15 @@ class ModelConfig:
     tied: bool  # the output projection is the embedding table
     qkv_bias: bool  # qwen2: q, k and v products add a bias
     qk_norm: bool  # qwen3: per-head RMS norm of q and k before rope
+    experts: int = 0  # a mixture's experts (0: a dense model)
+    experts_used: int = 0  # experts kept a row (top-k)
+    expert_ff: int = 0  # each expert's hidden width
+    shared_ff: int = 0  # the shared expert's hidden width (0: none)
+    renorm: bool = False  # the kept experts' probabilities are renormalised to sum to one
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
 
     @property
     def q_width(self) -> int:
@@ -100,15 +115,49 @@ def _check_counts(meta: Mapping[str, Any], tensors: Mapping[str, Any], p: str, n
         raise ModelError(
             f"metadata key '{p}vocab_size' says {claimed_vocab:,} tokens but token_embd.weight has {vocab:,} rows"
         )
-    if meta.get(p + "expert_count") is not None and _get(meta, p + "expert_count", int):
+    if p[:-1] not in RENORM_TOPK and meta.get(p + "expert_count") is not None and _get(meta, p + "expert_count", int):
         raise ModelError(
-            f"metadata key '{p}expert_count' declares {meta[p + 'expert_count']:,} experts; fuselane runs dense "
-            "models only"
+            f"metadata key '{p}expert_count' declares {meta[p + 'expert_count']:,} experts, but {p[:-1]} is a dense "
+            f"architecture (mixtures are {' / '.join(RENORM_TOPK)})"
         )
 
 
+def _shared_width(meta: Mapping[str, Any], tensors: Mapping[str, Any], p: str) -> int:
+    """The shared expert's hidden width: its key, or (older files omit it) its up product's rows."""
+    key = p + "expert_shared_feed_forward_length"
+    if key in meta:
+        return _get(meta, key, int)
+    up = tensors.get("blk.0.ffn_up_shexp.weight")
+    if up is None:
+        raise ModelError(f"metadata key '{key}' is missing")
+    return int(up.shape[0])
+
+
+def read_experts(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """A mixture's counts and widths (ModelConfig's expert fields); empty for a dense architecture."""
+    if arch not in RENORM_TOPK:
+        return {}
+    p = f"{arch}."
+    experts = _get(meta, p + "expert_count", int)
+    used = _get(meta, p + "expert_used_count", int)
+    if used > experts:
+        raise ModelError(
+            f"metadata key '{p}expert_used_count' says {used:,} experts a token, more than the {experts:,} of "
+            f"'{p}expert_count'"
+        )
+    shared = _shared_width(meta, tensors, p) if SHARED_EXPERT[arch] else 0
+    return {
+        "experts": experts,
+        "experts_used": used,
+        "expert_ff": _get(meta, p + "expert_feed_forward_length", int),
+        "shared_ff": shared,
+        "renorm": RENORM_TOPK[arch],
+    }
+
+
 def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str) -> ModelConfig:
-    """A Qwen2/Qwen3 config from metadata; `tensors` (name -> object with `.shape`) settle what metadata omits."""
+    """A Qwen2/Qwen3 (or their mixtures') config from metadata; `tensors` (name -> object with `.shape`) settle
+    what metadata omits."""
     p = f"{arch}."
     n_embd = _get(meta, p + "embedding_length", int)
     n_heads = _get(meta, p + "attention.head_count", int)
@@ -139,6 +188,9 @@ def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str) 
     rope_base = _get(meta, p + "rope.freq_base", float, DEFAULT_ROPE_BASE)
     if rope_base <= 0:
         raise ModelError(f"metadata key '{p}rope.freq_base' should be positive, not {rope_base}")
+    experts = read_experts(meta, tensors, arch)
+    # a mixture's files state the dense width too (unused); one that omits it needs none
+    n_ff = _get(meta, p + "feed_forward_length", int, experts.get("expert_ff"))
     rms_eps = _get(meta, p + "attention.layer_norm_rms_epsilon", float, DEFAULT_RMS_EPS)
     if rms_eps < 0:
         raise ModelError(f"metadata key '{p}attention.layer_norm_rms_epsilon' should not be negative, not {rms_eps}")
@@ -149,7 +201,7 @@ def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str) 
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
-        n_ff=_get(meta, p + "feed_forward_length", int),
+        n_ff=n_ff,
         vocab=vocab,
         context=context,
         rope_base=rope_base,
@@ -157,4 +209,5 @@ def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str) 
         tied="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        **experts,
     )

@@ -1,4 +1,5 @@
-"""Recognizer for dense Qwen models: `qwen2` (q/k/v biases) and `qwen3` (per-head q/k RMS norm).
+"""Recognizer for Qwen models: `qwen2` (q/k/v biases) and `qwen3` (per-head q/k RMS norm), dense, and their
+mixtures of experts `qwen2moe` and `qwen3moe`, whose feed-forward half is `models.moe`'s.
 
 It turns a config and the checkpoint's tensor table into a graph of primitive ops for one form: a decode step
 (one row at position `pos`) or a prefill chunk (`rows` rows at positions pos .. pos + rows - 1). Every weight
@@ -27,6 +28,7 @@ from fuselane.graph.ops import (
     Unary,
     UnaryOp,
 )
+from fuselane.models import moe
 from fuselane.models.config import ModelConfig
 
 POS = "pos"  # the position parameter: the first row's place in the sequence
@@ -50,10 +52,11 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             b + "attn_v.weight": (kv, d),
             b + "attn_output.weight": (d, q),
             b + "ffn_norm.weight": (d,),
-            b + "ffn_gate.weight": (ff, d),
-            b + "ffn_up.weight": (ff, d),
-            b + "ffn_down.weight": (d, ff),
         }
+        if cfg.moe:
+            shapes |= moe.weight_shapes(cfg, b)
+        else:
+            shapes |= {b + "ffn_gate.weight": (ff, d), b + "ffn_up.weight": (ff, d), b + "ffn_down.weight": (d, ff)}
         if cfg.qkv_bias:
             shapes |= {b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)}
         if cfg.qk_norm:
@@ -63,15 +66,16 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def check_weights(cfg: ModelConfig, tensors: Mapping[str, Any]) -> None:
     """Raise a ModelError naming the first tensor that is missing or disagrees with the metadata."""
-    if cfg.arch == "qwen2" and not cfg.qkv_bias:
-        raise ModelError("tensor 'blk.0.attn_q.bias' is missing (qwen2 adds a bias to q, k and v)")
-    if cfg.arch == "qwen3" and not cfg.qk_norm:
-        raise ModelError("tensor 'blk.0.attn_q_norm.weight' is missing (qwen3 norms q and k per head)")
+    family = cfg.arch.removesuffix("moe")
+    if family == "qwen2" and not cfg.qkv_bias:
+        raise ModelError(f"tensor 'blk.0.attn_q.bias' is missing ({cfg.arch} adds a bias to q, k and v)")
+    if family == "qwen3" and not cfg.qk_norm:
+        raise ModelError(f"tensor 'blk.0.attn_q_norm.weight' is missing ({cfg.arch} norms q and k per head)")
     for name, shape in weight_shapes(cfg).items():
         if name not in tensors:
             raise ModelError(f"tensor '{name}' is missing")
         found = tuple(tensors[name].shape)
-        if found != shape:
+        if found != shape and not moe.same_vector(name, found, shape):
             raise ModelError(f"tensor '{name}' has shape {found} but the metadata implies {shape}")
         if len(shape) == 1 and tensors[name].format not in VECTOR_FORMATS:
             raise ModelError(f"tensor '{name}' is a vector stored as {tensors[name].format.name}; expected floats")
@@ -96,6 +100,7 @@ class _Builder:
         self.g = TensorGraph(form=form, rows=rows, inputs=(IDS,), params=(POS,), outputs=(LOGITS,))
         for name, shape in weight_shapes(cfg).items():
             fmt = tensors[name].format
+            shape = moe.graph_shape(name, shape)  # the shared expert's gate is a one-row product's weight
             storage = Values(fmt.name.lower()) if len(shape) == 1 else Rows(fmt)
             self.g.add(Tensor(name, shape, storage, Role.WEIGHT))
         self.g.add(Tensor(IDS, (rows,), Values("i32"), Role.INPUT))
@@ -154,14 +159,25 @@ class _Builder:
         a = self.matmul(o, b + "attn_output.weight", l_ + "attn_out")
         x = self.add(x, a, l_ + "resid_attn")
         h = self.norm(x, b + "ffn_norm.weight", l_ + "ffn_in", cfg.n_embd)
+        down = moe.mixture(self, b, l_, h) if cfg.moe else self.dense_ffn(b, l_, h)
+        return self.add(x, down, l_ + "resid_ffn")
+
+    def glu(self, gate: str, up: str, out: str, rows: int, cols: int) -> str:
+        """silu(gate) * up over `rows` rows of `cols` values."""
+        act = self.act(out + "_act", cols, rows)
+        self.g.emit(Unary(UnaryOp.SILU, rows, cols), (gate,), act)
+        self.g.emit(Elementwise(ElementwiseOp.MUL, rows, cols), (act, up), self.act(out, cols, rows))
+        return out
+
+    def dense_ffn(self, b: str, l_: str, h: str) -> str:
+        cfg, rows = self.cfg, self.rows
         gate = self.matmul(h, b + "ffn_gate.weight", l_ + "gate")
         up = self.matmul(h, b + "ffn_up.weight", l_ + "up")
         act = self.act(l_ + "gate_act", cfg.n_ff)
         self.g.emit(Unary(UnaryOp.SILU, rows, cfg.n_ff), (gate,), act)
         glu = self.act(l_ + "glu", cfg.n_ff)
         self.g.emit(Elementwise(ElementwiseOp.MUL, rows, cfg.n_ff), (act, up), glu)
-        down = self.matmul(glu, b + "ffn_down.weight", l_ + "ffn_out")
-        return self.add(x, down, l_ + "resid_ffn")
+        return self.matmul(glu, b + "ffn_down.weight", l_ + "ffn_out")
 
     def build(self) -> TensorGraph:
         cfg = self.cfg

@@ -58,6 +58,7 @@ def make_lane(
         from fuselane.lanes.cuda import CudaLane
 
         try:
+            _cuda_runs(cfg, tensors, ctx, parsed)
             return CudaLane(cfg, tensors, ctx=ctx, held=tuple(held), knobs=parsed)
         except FuselaneError:
             if name == "cuda":
@@ -65,6 +66,19 @@ def make_lane(
     from fuselane.lanes.cpu.lane import CpuLane
 
     return CpuLane(cfg, tensors, ctx=ctx, dtype=dtype, held=tuple(held))
+
+
+def _cuda_runs(cfg: ModelConfig, tensors: Any, ctx: int, knobs: Any) -> None:
+    """Refuse, by the cuda shim's reason, a model whose primitives the cuda lane has no kernels for (a mixture's
+    routing), before torch or a GPU is asked for: the plan side alone decides it."""
+    from fuselane.fuse.optimizer import check_runs
+    from fuselane.graph.ir import Form
+    from fuselane.lanes.cuda.plan.knobs import CudaKnobs
+    from fuselane.lanes.cuda.plan.shim import CudaShim
+    from fuselane.models import recognizer
+
+    graph = recognizer(cfg).recognize(cfg, tensors, Form.DECODE, rows=1, ctx=ctx)
+    check_runs(graph, CudaShim(knobs or CudaKnobs()))
 
 
 @dataclass(slots=True)

@@ -29,6 +29,7 @@ from fuselane.graph.ops import (
     Unary,
     UnaryOp,
 )
+from fuselane.lanes.cpu.moe_kernels import MOE_KERNELS
 
 Kernel = Callable[[PrimSpec, list[np.ndarray], int], np.ndarray]
 
@@ -53,15 +54,18 @@ def elementwise(spec: Elementwise, args: list[np.ndarray], pos: int) -> np.ndarr
 
 def unary(spec: Unary, args: list[np.ndarray], pos: int) -> np.ndarray:
     (x,) = args
-    if spec.op is UnaryOp.SILU:
-        with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x << 0, and x / inf is the right 0
+    with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x << 0, and x / inf is the right 0
+        if spec.op is UnaryOp.SILU:
             return x / (1 + np.exp(-x))
+        if spec.op is UnaryOp.SIGMOID:
+            return 1 / (1 + np.exp(-x))
     raise NotImplementedError(spec.op)
 
 
 def matmul(spec: Matmul, args: list[np.ndarray], pos: int) -> np.ndarray:
     x, w = args
-    return x.reshape(spec.m, spec.k) @ w.T
+    # a one-output product's weight may be stored as a vector (the shared expert's gate)
+    return x.reshape(spec.m, spec.k) @ w.reshape(spec.n, spec.k).T
 
 
 def rope_angles(positions: np.ndarray, hd: int, base: float, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -151,6 +155,7 @@ KERNELS: dict[type, Kernel] = {
     Slice: slice_units,
     Join: join,
     ArgMax: argmax,
+    **MOE_KERNELS,
 }
 
 # RowsGather reads a table the runner may keep quantized, so the runner answers it itself.

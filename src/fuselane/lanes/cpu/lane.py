@@ -2,7 +2,9 @@
 
 Matrices are dequantized on first use into the lane's dtype (f32, or f64 for reference runs) and kept; the
 embedding table stays quantized in the mapped file and only the gathered rows are dequantized, unless the
-output projection shares it. Peak memory is one dequantized copy of the weights plus the mapped file.
+output projection shares it. A mixture's expert tensors stay quantized too: each product dequantizes only
+the matrices of the experts its rows route to, when they do, and keeps none. Peak memory is one dequantized
+copy of the other weights plus the mapped file.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ from fuselane.fuse.optimizer import Plan, optimize
 from fuselane.gguf.dequant import dequantize, dequantize_rows
 from fuselane.graph import facts
 from fuselane.graph.ir import Form, Fused, Op, Role, Strided, TensorGraph
-from fuselane.graph.ops import SetRow
+from fuselane.graph.ops import ExpertMatmul, SetRow
 from fuselane.lanes.cpu.kernels import GATHER, KERNELS
+from fuselane.lanes.cpu.moe_kernels import expert_products
 from fuselane.lanes.cpu.shim import CpuShim
 from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
 from fuselane.runtime.sampling import Sampler, SamplingParams
+
+EXPERT_DIMS = 3  # an expert tensor: (experts, rows, row length)
 
 
 class CpuLane:
@@ -72,7 +77,8 @@ class CpuLane:
     def warm(self) -> None:
         """Dequantize every weight the graphs read now, rather than on the first step."""
         for name, tensor in self.graph(1).tensors.items():
-            if tensor.role is Role.WEIGHT and not (name == "token_embd.weight" and not self.cfg.tied):
+            gathered = name == "token_embd.weight" and not self.cfg.tied
+            if tensor.role is Role.WEIGHT and not gathered and len(tensor.shape) < EXPERT_DIMS:
                 self.weight(name)
 
     def dequantized_bytes(self) -> int:
@@ -162,7 +168,10 @@ class CpuLane:
                 self._step(g, part, env, pos)
             return
         spec = op.prim()
-        if isinstance(spec, GATHER):
+        if isinstance(spec, ExpertMatmul):
+            x, w, *route = op.ins
+            result = expert_products(spec, env[x], self.tensors[w], [env[n] for n in route], self.dtype)
+        elif isinstance(spec, GATHER):
             table, ids = op.ins
             if table in self._weights:
                 result = self._weights[table][env[ids]]

@@ -33,6 +33,13 @@ CPU_NATIVE = frozenset(
         ClassId.FLASH_DECODE,
         ClassId.FLASH_PREFILL,
         ClassId.STRIDED_READ,
+        # a mixture's classes: one NumPy call a kept expert, whichever class groups them
+        ClassId.ROUTER_TOPK,
+        ClassId.MOE_TOKEN_SORT,
+        ClassId.MOE_GATE_UP_ACT,
+        ClassId.MOE_DOWN_COMBINE,
+        ClassId.SHARED_EXPERT_FUSION,
+        ClassId.MOE_DEFERRED_FINALIZE,
     }
 )
 

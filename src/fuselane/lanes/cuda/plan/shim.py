@@ -94,8 +94,7 @@ NO_KERNEL_CLASSES = frozenset(
     {
         *(C.NORM_THEN_ADD, C.GATED_NORM, C.EMBED_SCALE, C.MLA, C.ATTENTION_VARIANTS_INLINE, C.ATTN_LSE_MERGE),
         *(C.MERGED_GATE_UP, C.GEMM_DEQUANT_INKERNEL, C.FUSED_SAMPLING, C.CUDA_GRAPHS),
-        *(C.ROUTER_TOPK, C.MOE_TOKEN_SORT, C.MOE_GATE_UP_ACT, C.MOE_DOWN_COMBINE, C.SHARED_EXPERT_FUSION),
-        *(C.MOE_DEFERRED_FINALIZE, C.GDN_STEP, C.GDN_GATE_PROJECTIONS, C.GDN_GATING),
+        *(C.GDN_STEP, C.GDN_GATE_PROJECTIONS, C.GDN_GATING),
         *(C.CONV_BIAS_SILU, C.CONV_PARTS, C.CONV_SILU_L2NORM),
         *(C.STRIDED_READ, C.JOIN_IN_PLACE, C.STRIDED_VALUES, C.ATTN_OUTPUT_GATE),
         C.ROW_WRITE_QUANT,
@@ -109,14 +108,27 @@ DECOMPOSED_CLASSES = NO_KERNEL_CLASSES | frozenset(
         *(C.NORM_SCALE, C.NORM_WEIGHT_OFFSET, C.DUAL_NORM, C.PREFILL_NORM_EPILOGUES, C.ATTN_RESIDUAL_NORM),
         *(C.RECOMPUTE_FANOUT, C.QK_NORM_ROPE_GATE_SPLIT, C.HORIZONTAL_NORM_ROPE_INSERT, C.CROSS_LAYER_LAUNCH),
         *(C.MLA_PROLOGUE, C.MLA_UNABSORB_IN_FOLD, C.ELEMENTWISE_CHAINS, C.ELEMENTWISE_REGIONS),
-        *(C.MASKED_EXPERT_ACTIVATION, C.GEMM_SCALE, C.AFFINE_INPUT_FOLD, C.ROUTER_SHARED_GATE_MERGE),
-        *(C.MOE_GATHER_IN_OPERAND, C.GDN_INPUT_EPILOGUE, C.GDN_DECODE_WHOLE, C.GDN_POST_CONV_PREP),
+        *(C.GEMM_SCALE, C.AFFINE_INPUT_FOLD, C.ROUTER_SHARED_GATE_MERGE),
+        *(C.GDN_INPUT_EPILOGUE, C.GDN_DECODE_WHOLE, C.GDN_POST_CONV_PREP),
         C.LAST_LAYER_ROWS,
+    }
+)
+
+# A mixture's classes: the specification runs the first six natively (and the masked activation and the gather
+# in the operand as their parts), but the lane has no kernel for a mixture's routing or its expert products yet,
+# so it cannot run their parts apart either: it refuses them, and a mixture model with them (docs/moe.md keeps
+# the specified answers, for when the kernels come).
+NO_MOE_KERNELS = "the lane has no mixture-of-experts kernels yet"
+MOE_CLASSES = frozenset(
+    {
+        *(C.ROUTER_TOPK, C.MOE_TOKEN_SORT, C.MOE_GATE_UP_ACT, C.MOE_DOWN_COMBINE, C.SHARED_EXPERT_FUSION),
+        *(C.MOE_DEFERRED_FINALIZE, C.MASKED_EXPERT_ACTIVATION, C.MOE_GATHER_IN_OPERAND),
     }
 )
 
 # Classes no kernel of the lane runs, and why: a model that needs one cannot run here.
 REFUSED_CLASSES: dict[C, str] = {
+    **dict.fromkeys(MOE_CLASSES, NO_MOE_KERNELS),
     C.RELU_SQR: "the lane links no ReLU",
     C.SOFTCAP: "the lane's attention takes no soft cap",
     C.MIXED_BATCH_ATTENTION: "the lane attends a batch's sequences each at its own position, none mid-prefill",
@@ -386,19 +398,18 @@ class CudaShim:
     @staticmethod
     def moe_down_launch(op: Op, g: TensorGraph) -> tuple[int, int] | None:
         """A decode mixture's down projection launch (`kernels.moe_down_launch`): its experts' intermediate
-        width from the mixture's own spec, its shared expert's from that expert's down projection (the third
-        part of a SharedExpertFusion) where it is folded in; None where the parts do not say."""
+        width from the mixture's own spec, its shared expert's from that expert's down projection (the fold's
+        product that lands the model's width) where it is folded in; None where the parts do not say."""
         m = moe(op)
         dff = next((leaf.sym.dff for leaf in leaves(op) if isinstance(leaf.sym, Moe)), None)
         if m is None or dff is None:
             return None
         sdff = 0
         if class_of(op) is C.SHARED_EXPERT_FUSION:
-            members = parts(op)
-            shared = gemv(members[2], g) if len(members) > 2 else None
-            if shared is None:
+            landing = [p for x in leaves(op) if (p := gemv(x, g)) is not None and p.n == m.d]
+            if not landing:
                 return None
-            sdff = shared.k
+            sdff = landing[0].k
         return kernels.moe_down_launch(m.d, dff, m.k, sdff)
 
     # --- the lane rule ---------------------------------------------------------------------------------

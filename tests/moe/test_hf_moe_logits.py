@@ -1,0 +1,81 @@
+"""The cpu lane's logits on mixtures against Hugging Face transformers' `Qwen3MoeForCausalLM` (top-k
+renormalised, no shared expert) and `Qwen2MoeForCausalLM` (top-k as the softmax gives it, a shared expert
+under its sigmoid gate), on the same random weights written to GGUF: prefill, decode steps, and a prompt fed
+in chunks.
+
+Near-ties: which experts a row keeps is a discrete choice, so if the k-th and (k+1)-th router scores of some
+row were within rounding of each other, f32 summation order alone could pick a different expert on each side.
+The routers' weights are drawn wide (`ROUTER_SCALE`) and every test first asserts that, over every row and
+layer of the sequence it compares, the k-th score leads the (k+1)-th by at least `MIN_GAP`, far above the
+f32 difference between the two implementations' scores (measured: at most 5e-6, on scores about 10 in size):
+a failure there means the seed drew a near-tie, not that routing is wrong.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+from fuselane.gguf.synth import write_weights  # noqa: E402
+from fuselane.runtime.model import load  # noqa: E402
+from tests.reference.hf_moe import moe_shape, moe_weights, router_gaps, tiny_moe  # noqa: E402
+from tests.reference.hf_tiny import hf_logits  # noqa: E402
+
+# f32 on both sides, summed in different orders: the dense comparison's bound (tests/test_hf_logits.py).
+REL_TOL = 1e-4
+MIN_GAP = 1e-3
+PROMPT = [5, 17, 101, 42, 42, 300, 7, 250, 3]
+DECODE_STEPS = 4
+CHUNK = 4  # three chunks of the nine-token prompt
+
+
+def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.fixture(scope="module", params=["qwen2moe", "qwen3moe"])
+def pair(request, tmp_path_factory):
+    arch = request.param
+    hf = tiny_moe(arch)
+    path = write_weights(tmp_path_factory.mktemp(arch) / f"{arch}.gguf", moe_shape(hf, arch), moe_weights(hf))
+    model = load(path, lane="cpu", ctx=64)
+    yield arch, hf, model
+    model.close()
+
+
+def test_the_file_says_what_the_model_is(pair):
+    arch, hf, model = pair
+    cfg = model.cfg
+    assert (cfg.arch, cfg.experts, cfg.experts_used, cfg.expert_ff) == (arch, 8, 2, 32)
+    assert cfg.renorm == hf.config.norm_topk_prob
+    assert cfg.shared_ff == (48 if arch == "qwen2moe" else 0)
+
+
+def test_prefill_logits_match_transformers(pair):
+    arch, hf, model = pair
+    assert router_gaps(hf, PROMPT) >= MIN_GAP
+    assert rel_err(model.logits(PROMPT), hf_logits(hf, PROMPT)) <= REL_TOL
+
+
+def test_decode_steps_match_transformers(pair):
+    arch, hf, model = pair
+    session = model.session()
+    ids = list(PROMPT)
+    ours = [session.feed(ids)]
+    for _ in range(DECODE_STEPS):
+        ids.append(int(np.argmax(ours[-1])))
+        ours.append(session.extend(ids[-1:]))
+    assert router_gaps(hf, ids) >= MIN_GAP
+    ref = hf_logits(hf, ids)[len(PROMPT) - 1 :]
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        assert rel_err(a, b) <= REL_TOL, f"{arch} step {step}"
+
+
+def test_a_prompt_of_several_chunks_matches_transformers(pair):
+    arch, hf, model = pair
+    session = model.session()
+    session.chunk = CHUNK
+    assert len(PROMPT) > CHUNK
+    assert rel_err(session.feed(PROMPT), hf_logits(hf, PROMPT)[-1]) <= REL_TOL

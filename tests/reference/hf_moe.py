@@ -1,0 +1,120 @@
+"""Tiny random Hugging Face Qwen2-MoE/Qwen3-MoE models, their weights under GGUF names, and their router scores.
+
+Hugging Face holds each layer's experts as two 3-D tensors: `gate_up_proj` (experts, 2 * expert_ff, n_embd),
+the gate's rows first, and `down_proj` (experts, n_embd, expert_ff); llama.cpp's converter splits the first
+into `ffn_gate_exps` and `ffn_up_exps`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from fuselane.gguf.synth import Shape
+from tests.reference.hf_tiny import HF_TO_GGUF, LAYER_TO_GGUF
+
+EXPERTS, KEPT, EXPERT_FF, SHARED_FF = 8, 2, 32, 48
+ROUTER_SCALE = 0.5  # router weights spread the scores, so kept and dropped experts are well apart
+MOE_TO_GGUF = {
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+
+
+def tiny_moe(arch: str, *, seed: int = 0, layers: int = 2):
+    """A random tiny mixture of `arch` (qwen2moe: shared expert, top-k not renormalised; qwen3moe: renormalised)."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=EXPERT_FF,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=EXPERTS,
+        num_experts_per_tok=KEPT,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+    )
+    if arch == "qwen2moe":
+        config = Qwen2MoeConfig(shared_expert_intermediate_size=SHARED_FF, norm_topk_prob=False, **common)
+        model = Qwen2MoeForCausalLM(config)
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=32, norm_topk_prob=True, **common))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(ROUTER_SCALE * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    return model.eval().float()
+
+
+def moe_shape(model, arch: str) -> Shape:
+    c = model.config
+    return Shape(
+        arch=arch,
+        n_embd=c.hidden_size,
+        n_layers=c.num_hidden_layers,
+        n_heads=c.num_attention_heads,
+        n_kv_heads=c.num_key_value_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        n_ff=c.intermediate_size,
+        vocab=c.vocab_size,
+        context=c.max_position_embeddings,
+        rope_base=c.rope_parameters["rope_theta"],
+        rms_eps=c.rms_norm_eps,
+        experts=EXPERTS,
+        experts_used=KEPT,
+        expert_ff=EXPERT_FF,
+        shared_ff=SHARED_FF if arch == "qwen2moe" else 0,
+    )
+
+
+def moe_weights(model) -> dict[str, np.ndarray]:
+    """The model's parameters under GGUF tensor names, in numpy order."""
+    out = {}
+    for name, p in model.state_dict().items():
+        value = p.detach().cpu().numpy().astype(np.float32)
+        if name in HF_TO_GGUF:
+            out[HF_TO_GGUF[name]] = value
+            continue
+        layer, rest = name.split(".", 3)[2], name.split(".", 3)[3]
+        b = f"blk.{layer}."
+        if rest == "mlp.experts.gate_up_proj":
+            out[b + "ffn_gate_exps.weight"], out[b + "ffn_up_exps.weight"] = np.split(value, 2, axis=1)
+        elif rest == "mlp.shared_expert_gate.weight":
+            out[b + MOE_TO_GGUF[rest]] = value.reshape(-1)  # llama.cpp reads it as a vector
+        else:
+            out[b + {**LAYER_TO_GGUF, **MOE_TO_GGUF}[rest]] = value
+    return out
+
+
+def router_gaps(model, ids: list[int]) -> float:
+    """The smallest gap, over every row and layer of a forward pass of `ids`, between the k-th and the
+    (k+1)-th router score: how far the routing is from a near-tie that rounding could flip."""
+    seen: list[torch.Tensor] = []
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda mod, args, out: seen.append(args[0] @ mod.weight.T))
+        for layer in model.model.layers
+    ]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    ranked = torch.cat([s.reshape(-1, EXPERTS) for s in seen]).sort(dim=-1, descending=True).values
+    return float((ranked[:, KEPT - 1] - ranked[:, KEPT]).min())
