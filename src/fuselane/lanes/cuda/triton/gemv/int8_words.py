@@ -27,6 +27,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # no inline PTX under the interpreter
 WORD_BYTES = tl.constexpr(4)
+PRMT_PICK = tl.constexpr(0x7)  # the bits of a `prmt` selector nibble that pick one of 8 bytes
 WORD_START = tl.constexpr(-4)  # the mask that rounds an address down to its word
 HALF_WORD = tl.constexpr(0xFFFF)
 
@@ -140,3 +141,20 @@ def ld_run(ptr):
     shift = ((at & (WORD_BYTES - 1)) * BYTE_BITS).to(tl.int32)
     w0, w1, w2, w3, w4 = _ld5((at & WORD_START).to(tl.pointer_type(tl.int32)))
     return _word_at(w0, w1, shift), _word_at(w1, w2, shift), _word_at(w2, w3, shift), _word_at(w3, w4, shift)
+
+
+@triton.jit
+def prmt(a, b, sel):
+    """Each byte i of the result is byte (sel >> 4i) & 7 of the 8 bytes (b:a) (a's bytes 0-3, b's 4-7): PTX's
+    `prmt.b32` in its default mode for selector nibbles below 8 (the caller's), all int32."""
+    if INTERPRETED:
+        out = tl.zeros_like(sel)
+        for i in tl.static_range(4):
+            k = (sel >> (4 * i)) & PRMT_PICK
+            src = tl.where(k < WORD_BYTES, a, b)
+            out |= ((src >> ((k % WORD_BYTES) * BYTE_BITS)) & BYTE) << (BYTE_BITS * i)
+        return out
+    else:
+        return tl.inline_asm_elementwise(
+            "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.int32, is_pure=True, pack=1
+        )
