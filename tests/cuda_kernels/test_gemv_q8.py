@@ -229,7 +229,7 @@ def _iq4_kernel(words, out, N: tl.constexpr):
     from fuselane.lanes.cuda.triton.gemv import q8_bodies
 
     i = tl.arange(0, N)
-    tl.store(out + i, q8_bodies._iq4_values(tl.load(words + i)))
+    tl.store(out + i, q8_bodies.iq4_values(tl.load(words + i)))
 
 
 # The new formats at real widths, compiled: the 7B's q (3584 x 3584) and down (3584 x 18944, the tall tile),

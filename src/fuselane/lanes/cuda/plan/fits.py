@@ -68,6 +68,12 @@ class CudaShim(Protocol):
     @property
     def scheme(self) -> Scheme | None: ...
 
+    @property
+    def activation_format(self) -> QuantFormat | None: ...
+
+    @staticmethod
+    def int8_gemv(p: GemvForm) -> bool: ...
+
     def fits(self, op: Op, g: TensorGraph) -> str | None: ...
 
     def activation(self, consumer: Op, operand: int, g: TensorGraph) -> QuantFormat | None: ...
@@ -159,13 +165,20 @@ def _norm_then_add(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph
     return None
 
 
+def _int8_add_norm(shim: CudaShim, p: GemvForm) -> bool:
+    """Whether a step's product reads its activation in int8 (the int8 GEMV's formats under int8 activations):
+    its add-norm epilogue is the int8 GEMV's, whose last program norms any row of whole 32-value blocks, so it
+    needs no decoded-format kernel of the f32 path behind it."""
+    return shim.activation_format is not None and shim.int8_gemv(p) and p.n % kernels.QBLOCK == 0
+
+
 def _gemv_norm_epilogue(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
     p = gemv(members[0], g)
     n = norm(members[1]) if len(members) > 1 else None
     if p is None or n is None:
         return "a projection's epilogue norms the add of its result"
     fmt = p.weights.format if isinstance(p.weights, Rows) else None
-    by_rows = fmt is not None and (fmt is Format.Q8_0 or kernels.decodes(fmt))
+    by_rows = fmt is not None and (fmt is Format.Q8_0 or kernels.decodes(fmt) or _int8_add_norm(shim, p))
     one_gemv = by_rows and _one_row(shim, p.m) and p.dst.own() is not None
     whole_row = n.part is None and n.rows == p.m and n.cols == p.n and members[1].dst.own() is not None
     if not (one_gemv and whole_row):
@@ -173,12 +186,13 @@ def _gemv_norm_epilogue(shim: CudaShim, op: Op, members: Sequence[Op], g: Tensor
             "a projection norms in its last block the one row it writes whole, a GEMV of a step's one row by "
             "checkpoint rows"
         )
-    # A Q8_0 projection's block is the norm's own; a block format's is eight warps or four.
+    # A Q8_0 projection's block is the norm's own; a block format's is eight warps or four. The int8 GEMV's
+    # last program walks the row in chunks, so any block holds its norm.
     if fmt is Format.Q8_0:
         threads = kernels.norm_threads(n.cols)
     else:
         threads = kernels.gemv_blk_norm_threads(shim.per_warp(p))
-    if not kernels.block_holds_its_norm(threads, n.cols):
+    if not _int8_add_norm(shim, p) and not kernels.block_holds_its_norm(threads, n.cols):
         return "a projection norms in its last block only where its block is at least the norm's width"
     if shim.knobs.norm_launch and kernels.norm_in_own_launch(kernels.mode(shim.knobs.activations), p.k, p.n):
         return (

@@ -59,11 +59,14 @@ DECODED_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q5_0, Format.Q5_1,
 # rows of weights a program of it takes in each (its tile's BLOCK_N, the same for a tall row's tile): the
 # QKV GEMV that turns the query and key in its epilogue turns a head in whole tiles, so a head is whole rows
 # of programs. A product in any other format reads the f32 activation.
-INT8_GEMV_FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0})
-INT8_GEMV_TILE_ROWS = {Format.Q4_K: 4, Format.Q6_K: 2, Format.Q8_0: 2, Format.Q5_0: 4}
-# ...its rows whole super-blocks of the format (a K format's 256 values, the others' 32): the run a program
-# reads at a time.
-SUPER_BLOCK_FORMATS = frozenset({Format.Q4_K, Format.Q6_K})
+INT8_GEMV_TILE_ROWS = {
+    Format.Q4_K: 4, Format.Q6_K: 2, Format.Q8_0: 2, Format.Q5_0: 4, Format.Q5_K: 4, Format.Q4_0: 4, Format.Q4_1: 4,
+    Format.Q5_1: 4, Format.IQ4_NL: 4, Format.IQ4_XS: 4, Format.Q3_K: 4, Format.Q2_K: 4,
+}  # fmt: skip
+INT8_GEMV_FORMATS = frozenset(INT8_GEMV_TILE_ROWS)
+# ...its rows whole super-blocks of the format (a K format's or IQ4_XS's 256 values, the others' 32): the run
+# a program reads at a time.
+SUPER_BLOCK_FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q5_K, Format.IQ4_XS, Format.Q3_K, Format.Q2_K})
 
 # A decoded GEMV met one row at a time takes four rows a warp when the product is wide: the activation, held
 # in registers, is read once for four weight rows.

@@ -21,7 +21,7 @@ exchange before a dp4a chain.
 Codes enter dp4a as stored (unsigned) and the format's offset is applied once a run from the activation's
 16-value sum s: Q4_0's 8 and Q3_K's 4 as a bias, Q4_1's and Q5_1's minimum m and Q2_K's dmin * min as an
 added term. IQ4_NL / IQ4_XS codes index a table of 16 signed values: the table is four words in registers
-and a word of four codes becomes four signed bytes in three `prmt` byte permutes (`_iq4_values`), then a
+and a word of four codes becomes four signed bytes in three `prmt` byte permutes (`iq4_values`), then a
 signed dp4a.
 """
 
@@ -282,7 +282,7 @@ def _q5_1(raw, acts):
 
 
 @triton.jit
-def _iq4_values(codes):
+def iq4_values(codes):
     """A word of four codes (0..15, a byte each) -> the word of their four signed table values: the codes as
     a selector's nibbles, each picks its byte of the table's low half (codes 0-7) and its high half (8-15),
     then bit 3 picks between the two."""
@@ -299,10 +299,10 @@ def _iq4_runs(q0, q1, q2, q3, acts):
     """IQ4_NL / IQ4_XS: a block's low nibbles' table values with its first 16 activations, its high ones'
     with the next 16, as signed dp4a."""
     return _runs(
-        _iq4_values(q0 & LOW_NIBBLES), _iq4_values(q1 & LOW_NIBBLES),
-        _iq4_values(q2 & LOW_NIBBLES), _iq4_values(q3 & LOW_NIBBLES),
-        _iq4_values((q0 >> NIBBLE_BITS) & LOW_NIBBLES), _iq4_values((q1 >> NIBBLE_BITS) & LOW_NIBBLES),
-        _iq4_values((q2 >> NIBBLE_BITS) & LOW_NIBBLES), _iq4_values((q3 >> NIBBLE_BITS) & LOW_NIBBLES), acts, True,
+        iq4_values(q0 & LOW_NIBBLES), iq4_values(q1 & LOW_NIBBLES),
+        iq4_values(q2 & LOW_NIBBLES), iq4_values(q3 & LOW_NIBBLES),
+        iq4_values((q0 >> NIBBLE_BITS) & LOW_NIBBLES), iq4_values((q1 >> NIBBLE_BITS) & LOW_NIBBLES),
+        iq4_values((q2 >> NIBBLE_BITS) & LOW_NIBBLES), iq4_values((q3 >> NIBBLE_BITS) & LOW_NIBBLES), acts, True,
     )  # fmt: skip
 
 
