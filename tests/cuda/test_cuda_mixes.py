@@ -1,4 +1,4 @@
-"""Every llama.cpp mix on the cuda lane's int8 GEMV, on a GPU (`pytest -m cuda`; skipped where there is none):
+"""Every llama.cpp mix on the cuda lane's decode GEMVs (int8 for the quantized, the f32 row for BF16), on a GPU (`pytest -m cuda`; skipped where there is none):
 a small model whose rows are whole super-blocks (so the K formats and IQ4_XS are really written), decoded a
 token at a time, against the cpu lane in f64 within the lane's contract. Under Triton's interpreter the same
 run takes minutes a mix, so CI checks the kernels one by one (`tests/cuda_kernels/test_gemv_q8.py`) and the
@@ -20,7 +20,7 @@ from fuselane.runtime.model import load  # noqa: E402
 
 # 4 query heads a kv head, so the gqa >= 4 rules of Q2_K and IQ4_XS show; 16 layers for the layer rules
 SHAPE = Shape("qwen2", 256, 16, 4, 1, 64, 512, 512, context=256)
-MIXES = ("q5_k_m", "q6_k", "q4_0", "q5_0", "iq4_xs", "q3_k_m", "q2_k")
+MIXES = ("q5_k_m", "q6_k", "q4_0", "q5_0", "iq4_xs", "q3_k_m", "q2_k", "bf16")
 TOKENS = [11, 200, 7, 90, 3, 141]
 
 
