@@ -1,8 +1,9 @@
-"""Every llama.cpp mix on the cuda lane's decode GEMVs (int8 for the quantized, the f32 row for BF16), on a GPU (`pytest -m cuda`; skipped where there is none):
-a small model whose rows are whole super-blocks (so the K formats and IQ4_XS are really written), decoded a
-token at a time, against the cpu lane in f64 within the lane's contract. Under Triton's interpreter the same
-run takes minutes a mix, so CI checks the kernels one by one (`tests/cuda_kernels/test_gemv_q8.py`) and the
-plans (`tests/lanes/test_int8_formats.py`) instead."""
+"""Every llama.cpp mix on the cuda lane's decode GEMVs (int8 for the quantized formats, the f32 row for BF16),
+on a GPU (`pytest -m cuda`; skipped where there is none): a small model whose rows are whole super-blocks
+(so the K formats and IQ4_XS are really written), decoded a token at a time, against the cpu lane in f64
+within the lane's contract. Under Triton's interpreter the same run takes minutes a mix, so CI checks the
+kernels one by one (`tests/cuda_kernels/test_gemv_q8.py`) and the plans (`tests/lanes/test_int8_formats.py`)
+instead."""
 
 from __future__ import annotations
 
