@@ -283,7 +283,6 @@ CASES = [
         "a projection norms in its last block only where its block is at least the norm's width",
         CudaKnobs(activations=Activations.DEQUANT),
     ),
-
     Case(
         "projection epilogue down norm launch",
         lambda: gne(4096),  # the attention output projection's keeps its epilogue
