@@ -314,3 +314,38 @@ def test_glu_writes_its_result_quantized() -> None:
     assert torch.equal(out, plain)
     _same_codes(out_q8, out)
     assert not counters.any()
+
+
+# Compiled for sm_90 without a GPU (Triton's PTX, then ptxas): the compiled path differs from the interpreted
+# one (inline asm for dp4a, prmt and the loads; no `in` on constexprs), so CI builds it too. One format for
+# each kind of load: Q5_K (`ld4`), Q2_K (`ld_words`, 1- and 4-byte `ld_scalar`), IQ4_NL (`ld_run`, `prmt`,
+# 2-byte `ld_scalar`).
+_COMPILE = """
+import sys
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fuselane.gguf.formats import Format
+from fuselane.lanes.cuda.triton.gemv import q8
+for name in sys.argv[1:]:
+    plan = q8.tile_plan(Format[name], 4096, None, None, None, glu=True)
+    warps = plan.pop("num_warps")
+    consts = dict(plan, PDL=True)
+    sig = {"xq": "*i8", "xd": "*fp32", "xs": "*fp32", "w_gate": "*u8", "w_up": "*u8", "n": "i32", "out": "*fp32"}
+    sig |= {c: "constexpr" for c in consts}
+    src = ASTSource(q8._glu_kernel, sig, constexprs={(list(sig).index(c),): v for c, v in consts.items()})
+    kernel = compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert kernel.asm["ptx"].count("dp4a") and kernel.asm["cubin"], name
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU the other tests compile and run the kernels")
+def test_bodies_compile_for_sm90() -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE, "Q5_K", "Q2_K", "IQ4_NL"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -32,7 +32,8 @@ Q2_K = const(int(Format.Q2_K))
 FORMATS = frozenset(
     {Format.Q5_K, Format.Q4_0, Format.Q4_1, Format.Q5_1, Format.IQ4_NL, Format.IQ4_XS, Format.Q3_K, Format.Q2_K}
 )
-FORMATS_C = const(frozenset(int(f) for f in FORMATS))
+# every format's flag, as a constexpr map (compiled Triton indexes a constexpr dict, but has no `in`)
+DECODES_C = const({int(f): f in FORMATS for f in Format})
 # field names the gather passes each format's offsets under (`norm.embed_norm`), where the layout's differ
 MIN_FIELD = {Format.Q4_1: "m", Format.Q5_1: "m"}
 HIGH_FIELD = {Format.Q3_K: "hmask"}

@@ -314,7 +314,7 @@ def _decode(
         d = _f16_at(blk + OFF_D, mask) * sc.to(tl.float32)
         dmin = _f16_at(blk + OFF_DMIN, mask) * mn.to(tl.float32)
         v = d * nib.to(tl.float32) - dmin
-    elif FMT in gather_formats.FORMATS_C:
+    elif gather_formats.DECODES_C[FMT]:
         v = gather_formats.decode(blk, t, mask, FMT, OFF_D, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH)
     else:
         tl.static_assert(FMT == Q6_K, "no gather decoder for this format")

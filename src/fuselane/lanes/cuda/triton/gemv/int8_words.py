@@ -122,6 +122,50 @@ def _ld5(ptr):
 
 
 @triton.jit
+def ld_words(ptr):
+    """The 16 bytes at each 4-byte aligned address of `ptr` ([N, G] byte pointers) as four int32 words in the
+    thread: four aligned 32-bit weight loads (read-only path, out of L1 first), where `ld_run` would read a
+    fifth and shift (the runs of Q4_1's 20-byte, Q5_1's 24-byte, IQ4_XS's 136-byte and Q2_K's 84-byte blocks
+    all start on a word)."""
+    p = ptr.to(tl.pointer_type(tl.int32))
+    if INTERPRETED:
+        return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
+    else:
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.L1::evict_first.b32 $0, [$4];\n\tld.global.nc.L1::evict_first.b32 $1, [$4+4];\n\t"
+            "ld.global.nc.L1::evict_first.b32 $2, [$4+8];\n\tld.global.nc.L1::evict_first.b32 $3, [$4+12];",
+            "=r,=r,=r,=r,l", [p], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
+def ld_scalar(ptr, BYTES: tl.constexpr):
+    """The unsigned BYTES-byte (1, 2 or 4) weight field at each naturally aligned address of `ptr` ([N, G] byte
+    pointers), as int32, loaded by inline asm as the runs are (`ld4`, `ld_words`, `ld_run`): a `tl.load`
+    beside them takes a layout of its own, and Triton converts between the two through shared memory (a
+    barrier each) in the loop."""
+    if INTERPRETED:
+        if BYTES == 1:
+            return tl.load(ptr).to(tl.int32)
+        elif BYTES == 2:
+            return tl.load(ptr.to(tl.pointer_type(tl.uint16))).to(tl.int32)
+        else:
+            return tl.load(ptr.to(tl.pointer_type(tl.int32)))
+    elif BYTES == 1:
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.L1::evict_first.u8 $0, [$1];", "=h,l", [ptr], dtype=tl.int16, is_pure=True, pack=1
+        ).to(tl.int32) & BYTE
+    elif BYTES == 2:
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.L1::evict_first.u16 $0, [$1];", "=h,l", [ptr], dtype=tl.int16, is_pure=True, pack=1
+        ).to(tl.int32) & HALF_WORD
+    else:
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.L1::evict_first.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
 def _word_at(lo, hi, shift):
     """The 32 bits `shift` (0 or 16) bits into the 64-bit little-endian pair (lo, hi): a funnel shift."""
     if INTERPRETED:

@@ -94,8 +94,9 @@ UNIT_VALUES = {Format.Q4_K: QK_K, Format.Q6_K: QK_K, Format.Q8_0: QK, Format.Q5_
 GROUPS_C = const({int(f): g for f, g in GROUPS.items()})
 FORMATS = frozenset(GROUPS)
 # formats whose group r of a unit meets values 64 (r // 2) + 16 (r % 2) + 0..15 and the 16 from 32 on
-K_PAIRS_C = const(frozenset(int(f) for f in {Format.Q4_K} | q8_bodies.K_PAIR_FORMATS))
-NEW_BODIES_C = const(frozenset(int(f) for f in q8_bodies.FORMATS))
+# (as a constexpr map of every format to a flag: compiled Triton indexes a constexpr dict, but has no `in`)
+K_PAIRS_C = const({int(f): f in {Format.Q4_K} | q8_bodies.K_PAIR_FORMATS for f in Format})
+NEW_BODIES_C = const({int(f): f in q8_bodies.FORMATS for f in Format})  # the formats of `q8_bodies`
 # Tiles (rows a program, warps, (row, group)s a thread), chosen by timing the whole decode step's graph
 # replay on the H200 over a sweep of each (`activations=int8`, `benchmarks/tile_sweep.py`): Q4_K at 4 rows
 # and 8 warps (8B 3.149 -> 3.067 ms), Q6_K at 2 rows and 8 warps (3.067 -> 3.046 ms); under dependent
@@ -162,7 +163,7 @@ def _raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.c
         return _raw_q4_k(w_rows, u0, N_UNITS, CHUNK, CLAMP)
     elif FMT == FMT_Q6_K:
         return _raw_q6_k(w_rows, u0, N_UNITS, CHUNK, CLAMP)
-    elif FMT in NEW_BODIES_C:
+    elif NEW_BODIES_C[FMT]:
         return q8_bodies.raw_chunk(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP, GROUPS_C[FMT])
     else:
         return load_chunk(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP)
@@ -208,7 +209,7 @@ def _live(u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr):
 @triton.jit
 def _first_values(u0, FMT: tl.constexpr, CHUNK: tl.constexpr):
     """[1, G]: the first activation value each group of the chunk at unit u0 meets (its low run's)."""
-    if FMT in K_PAIRS_C:  # group g: run r = g % 8, pair r // 2, half r % 2 of the pair's low sub-block
+    if K_PAIRS_C[FMT]:  # group g: run r = g % 8, pair r // 2, half r % 2 of the pair's low sub-block
         g = tl.arange(0, CHUNK * K_RUNS)
         r = g % K_RUNS
         first = (g // K_RUNS + u0) * QK_K_C + (r // PAIR_RUNS) * (2 * QK_C) + (r % PAIR_RUNS) * HALF_QK_C
@@ -226,11 +227,11 @@ def _acts(xq, xd, xs, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, BLOCK_N: tl.
     the run its other codes meet (Q4_K's high nibbles 32 on, Q6_K's 64 on, Q8_0's and Q5_0's 16 on)."""
     live = _live(u0, FMT, N_UNITS, CHUNK)
     first = _first_values(u0, FMT, CHUNK)
-    if FMT in K_PAIRS_C:
+    if K_PAIRS_C[FMT]:
         return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + QK_C, BLOCK_N, live)
     elif FMT == FMT_Q6_K:
         return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + 2 * QK_C, BLOCK_N, live)
-    elif FMT in NEW_BODIES_C:  # a block's two halves, held apart
+    elif NEW_BODIES_C[FMT]:  # a block's two halves, held apart
         return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + HALF_QK_C, BLOCK_N, live)
     else:
         return _run(xq, xd, xs, first, BLOCK_N, live) + _run(xq, xd, xs, first + HALF_QK_C, BLOCK_N, live)
@@ -319,7 +320,7 @@ def _chunk_sum(acc, raw, acts, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHU
         y = _q6_k(raw, acts, CHUNK)
     elif FMT == FMT_Q8_0:
         y = _q8_0(raw, acts)
-    elif FMT in NEW_BODIES_C:
+    elif NEW_BODIES_C[FMT]:
         y = q8_bodies.group_sums(raw, acts, FMT, CHUNK)
     else:
         tl.static_assert(FMT == FMT_Q5_0, "no int8 GEMV for this format")

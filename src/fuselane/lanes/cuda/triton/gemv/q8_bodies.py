@@ -15,8 +15,9 @@ an int32, then scaled once in f32. The groups follow the formats' packing so a g
 - the 32-value formats (Q4_0, Q4_1, Q5_1, IQ4_NL) and IQ4_XS's 32-value sub-blocks: a group a block, lo its
   low nibbles (values 0-15), hi its high ones (16-31).
 Every group's codes are 4 words held in the thread (`int8_words.ld4` where a run is 16-byte aligned: Q5_K's
-176-byte blocks; `ld_run` where it is only 2-byte aligned), as `q8` holds Q4_K's and Q6_K's: no shared-memory
-exchange before a dp4a chain.
+176-byte blocks; `ld_words` where it is 4-byte aligned: Q4_1, Q5_1, IQ4_XS, Q2_K; `ld_run` where it is only
+2-byte aligned: Q4_0, IQ4_NL, Q3_K), as `q8` holds Q4_K's and Q6_K's: no shared-memory exchange before a
+dp4a chain.
 
 Codes enter dp4a as stored (unsigned) and the format's offset is applied once a run from the activation's
 16-value sum s: Q4_0's 8 and Q3_K's 4 as a bias, Q4_1's and Q5_1's minimum m and Q2_K's dmin * min as an
@@ -31,8 +32,8 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import IQ4_NL_VALUES, QK, QK_K, Format
-from fuselane.lanes.cuda.triton.gemv.fast import K_RUNS, RUN_BYTES, ld16, ld_once, q4_k_scales_of
-from fuselane.lanes.cuda.triton.gemv.int8_words import dot16_of, ld4, ld_run, prmt
+from fuselane.lanes.cuda.triton.gemv.fast import K_RUNS, RUN_BYTES, q4_k_scales_of
+from fuselane.lanes.cuda.triton.gemv.int8_words import dot16_of, ld4, ld_run, ld_scalar, ld_words, prmt
 from fuselane.lanes.cuda.triton.gemv.layout import (
     BYTE,
     BYTE_BITS,
@@ -116,9 +117,10 @@ UNIT_VALUES = {f: QK_K if f in (Format.Q5_K, Format.Q3_K, Format.Q2_K, Format.IQ
 FORMATS = frozenset(GROUPS)
 # formats whose group r meets Q4_K's runs (64 (r // 2) + 16 (r % 2), and 32 on); the rest meet a 32-value block
 K_PAIR_FORMATS = frozenset({Format.Q5_K, Format.Q3_K, Format.Q2_K})
-# the alignment each format's loads need of its rows' start: Q5_K's 128-bit loads (`ld4`), 32-bit words of
-# Q5_1's qh, IQ4_XS's header and Q2_K's d and dmin
-ALIGN = {Format.Q5_K: 16, Format.Q5_1: 4, Format.IQ4_XS: 4, Format.Q2_K: 4}
+# the alignment each format's loads need of its rows' start: Q5_K's 128-bit loads (`ld4`), the 32-bit words
+# of Q4_1's, Q5_1's, IQ4_XS's and Q2_K's runs (`ld_words`) and of Q5_1's qh, IQ4_XS's header and Q2_K's d and
+# dmin
+ALIGN = {Format.Q5_K: 16, Format.Q4_1: 4, Format.Q5_1: 4, Format.IQ4_XS: 4, Format.Q2_K: 4}
 
 
 # --- loads ---------------------------------------------------------------------------------------------------
@@ -131,7 +133,18 @@ def _i32(ptr):
 
 @triton.jit
 def _byte(ptr):
-    return ld_once(ptr).to(tl.int32)
+    return ld_scalar(ptr, 1)
+
+
+@triton.jit
+def _word(ptr):
+    return ld_scalar(ptr, 4)
+
+
+@triton.jit
+def _half(ptr):
+    """The f16 at each 2-aligned byte address, as f32."""
+    return _f16(ld_scalar(ptr, 2))
 
 
 @triton.jit
@@ -150,22 +163,20 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
         return head + qs + ld4(_i32(blk + (r % 2) * RUN_BYTES + Q5_K_QH), True)
     elif FMT == FMT_Q4_0:
         blk = w_rows[:, None] + (unit * Q4_0_BYTES)[None, :]
-        return (ld16(blk + Q4_0_D, True),) + ld_run(blk + Q4_0_QS)
+        return (_half(blk + Q4_0_D),) + ld_run(blk + Q4_0_QS)
     elif FMT == FMT_IQ4_NL:
         blk = w_rows[:, None] + (unit * IQ4_NL_BYTES)[None, :]
-        return (ld16(blk + IQ4_NL_D, True),) + ld_run(blk + IQ4_NL_QS)
+        return (_half(blk + IQ4_NL_D),) + ld_run(blk + IQ4_NL_QS)
     elif FMT == FMT_Q4_1:
         blk = w_rows[:, None] + (unit * Q4_1_BYTES)[None, :]
-        return (ld16(blk + Q4_1_D, True), ld16(blk + Q4_1_M, True)) + ld_run(blk + Q4_1_QS)
+        return (_half(blk + Q4_1_D), _half(blk + Q4_1_M)) + ld_words(blk + Q4_1_QS)
     elif FMT == FMT_Q5_1:
         blk = w_rows[:, None] + (unit * Q5_1_BYTES)[None, :]
-        return (ld16(blk + Q5_1_D, True), ld16(blk + Q5_1_M, True), ld_once(_i32(blk + Q5_1_QH))) + ld_run(
-            blk + Q5_1_QS
-        )
+        return (_half(blk + Q5_1_D), _half(blk + Q5_1_M), _word(blk + Q5_1_QH)) + ld_words(blk + Q5_1_QS)
     elif FMT == FMT_IQ4_XS:  # d and scales_h as one word, scales_l as the next; the sub-block's 16 qs bytes
         blk = w_rows[:, None] + (unit * IQ4_XS_BYTES)[None, :]
-        head = ld_once(_i32(blk + IQ4_XS_D)), ld_once(_i32(blk + IQ4_XS_SCALES_L))
-        return head + ld_run(blk + r * RUN_BYTES + IQ4_XS_QS)
+        head = _word(blk + IQ4_XS_D), _word(blk + IQ4_XS_SCALES_L)
+        return head + ld_words(blk + r * RUN_BYTES + IQ4_XS_QS)
     elif FMT == FMT_Q3_K:  # d, the bytes of the lo and hi sub-blocks' scales, the qs run, the hmask run
         blk = w_rows[:, None] + (unit * Q3_K_BYTES)[None, :]
         pair, t = r // 2, r % 2
@@ -176,15 +187,15 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
             _byte(sc + (i_lo + 2) % Q3_HIGH_SCALES), _byte(sc + Q3_HIGH_SCALES + (i_lo + 2) % Q3_SCALE_ROWS),
         )  # fmt: skip
         qs = ld_run(blk + (pair // HALF_RUNS) * HALF_QS + t * RUN_BYTES + Q3_K_QS)
-        return (ld16(blk + Q3_K_D, True),) + scales + qs + ld_run(blk + t * RUN_BYTES + Q3_K_HMASK)
+        return (_half(blk + Q3_K_D),) + scales + qs + ld_run(blk + t * RUN_BYTES + Q3_K_HMASK)
     else:
         tl.static_assert(FMT == FMT_Q2_K, "no int8 GEMV body for this format")
         blk = w_rows[:, None] + (unit * Q2_K_BYTES)[None, :]
         pair, t = r // 2, r % 2
         i_lo = pair * Q3_SCALE_ROWS + t
         sc = blk + Q2_K_SCALES
-        head = ld_once(_i32(blk + Q2_K_D)), _byte(sc + i_lo), _byte(sc + i_lo + 2)
-        return head + ld_run(blk + (pair // HALF_RUNS) * HALF_QS + t * RUN_BYTES + Q2_K_QS)
+        head = _word(blk + Q2_K_D), _byte(sc + i_lo), _byte(sc + i_lo + 2)
+        return head + ld_words(blk + (pair // HALF_RUNS) * HALF_QS + t * RUN_BYTES + Q2_K_QS)
 
 
 # --- the sums a group --------------------------------------------------------------------------------------------
