@@ -107,16 +107,16 @@ def dot16_of(w0, w1, w2, w3, a0, a1, a2, a3, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def _ld5(ptr):
-    """The five 32-bit words from each 4-byte aligned address of `ptr` ([N, G] int32 pointers), weights'
-    loads (read-only path, out of L1 first), each word in the thread that loaded it."""
+def _ld5(ptr, last):
+    """The four 32-bit words from each 4-byte aligned address of `ptr` ([N, G] int32 pointers) and the word at
+    `last`, weights' loads (read-only path, out of L1 first), each word in the thread that loaded it."""
     if INTERPRETED:
-        return tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3), tl.load(ptr + 4)
+        return tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3), tl.load(last)
     else:
         return tl.inline_asm_elementwise(
             "ld.global.nc.L1::evict_first.b32 $0, [$5];\n\tld.global.nc.L1::evict_first.b32 $1, [$5+4];\n\t"
             "ld.global.nc.L1::evict_first.b32 $2, [$5+8];\n\tld.global.nc.L1::evict_first.b32 $3, [$5+12];\n\t"
-            "ld.global.nc.L1::evict_first.b32 $4, [$5+16];", "=r,=r,=r,=r,=r,l", [ptr],
+            "ld.global.nc.L1::evict_first.b32 $4, [$6];", "=r,=r,=r,=r,=r,l,l", [ptr, last],
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
         )  # fmt: skip
 
@@ -179,11 +179,15 @@ def _word_at(lo, hi, shift):
 @triton.jit
 def ld_run(ptr):
     """The 16 bytes at each 2-byte aligned address of `ptr` ([N, G] byte pointers) as four int32 words in the
-    thread: five aligned words read, then shifted into place (Q6_K's 210-byte blocks leave every other
-    block's runs 2 bytes past a word)."""
+    thread: five aligned words read (four where the run is on a word), then shifted into place (Q6_K's
+    210-byte blocks leave every other block's runs 2 bytes past a word). A run 2 bytes past a word reads
+    the 2 bytes after it too."""
     at = ptr.to(tl.int64)
     shift = ((at & (WORD_BYTES - 1)) * BYTE_BITS).to(tl.int32)
-    w0, w1, w2, w3, w4 = _ld5((at & WORD_START).to(tl.pointer_type(tl.int32)))
+    first = (at & WORD_START).to(tl.pointer_type(tl.int32))
+    # a run on a word needs only four: the fifth is read again from the fourth's, so no load passes the run
+    # (a run at a block's end, as Q4_0's and Q8_0's, would otherwise read 4 bytes past its tensor)
+    w0, w1, w2, w3, w4 = _ld5(first, first + tl.where(shift == 0, 3, 4))
     return _word_at(w0, w1, shift), _word_at(w1, w2, shift), _word_at(w2, w3, shift), _word_at(w3, w4, shift)
 
 
