@@ -50,9 +50,9 @@ GEMM_PAIR_TILE_N = GEMM_TILE_N // 2
 # fixed when the kernel is built: four covers a layer's q, k and v and one more (a gate).
 GEMM_PARTS = 4
 
-# The block formats whose GEMV decodes the weights in registers, block by block. Q8_0 has a kernel of its
-# own (its int8 words are multiplied as stored, a row a warp); the rest (Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4,
-# floats) are converted to f16 once at load and multiplied as values.
+# The block formats whose f32-activation GEMV decodes the weights in registers, block by block. Q8_0 has a
+# kernel of its own (its int8 words are multiplied as stored, a row a warp); Q2_K, Q3_K, IQ4_NL and IQ4_XS
+# have none yet: a decode step multiplies them on the int8 GEMV (`INT8_GEMV_FORMATS`) only.
 DECODED_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q5_0, Format.Q5_1, Format.Q4_K, Format.Q5_K, Format.Q6_K})
 
 # The formats the int8 GEMV (dp4a over the activation's int8 codes, `triton/gemv/q8.py`) multiplies, and the
