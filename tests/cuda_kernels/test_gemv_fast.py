@@ -42,8 +42,8 @@ EPILOGUE_ROUNDINGS = 2  # a bias add and a residual add
 SILU_SLOPE = 1.1
 GLU_ULPS = 12
 
-FORMATS = (Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0, Format.F16)
-BLOCKS_32 = (Format.Q8_0, Format.Q5_0, Format.F16)  # rows of 32-value units: any multiple of 32 values
+FORMATS = (Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0, Format.F16, Format.BF16)
+BLOCKS_32 = (Format.Q8_0, Format.Q5_0, Format.F16, Format.BF16)  # rows of 32-value units: any multiple of 32 values
 N = 37  # not a whole number of tiles at any BLOCK_N: the last tile's rows past n are computed and dropped
 # rows of 2 super-blocks (one default Q4_K / Q6_K chunk) and of 3 (a whole chunk, then a partial one)
 K_SHORT, K_PARTIAL = 512, 768
@@ -233,7 +233,7 @@ def test_gate_up_glu(fmt: Format) -> None:
 # (format, n, k): a 7-8B model's projections and the output heads
 REAL = [(Format.Q4_K, 4096, 4096), (Format.Q4_K, 12288, 4096), (Format.Q6_K, 4096, 12288),
         (Format.Q6_K, 151936, 4096), (Format.Q8_0, 151936, 896), (Format.Q5_0, 4864, 896),
-        (Format.F16, 4096, 4096)]  # fmt: skip
+        (Format.F16, 4096, 4096), (Format.BF16, 4096, 4096)]  # fmt: skip
 REF_ROWS = 8192  # rows of the f64 reference dequantized at a time on the device
 
 

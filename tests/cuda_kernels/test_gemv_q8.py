@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from kernel_checks import DEVICE, check, dev, gamma, raw_weights  # noqa: E402
+from kernel_checks import CUDA, DEVICE, check, dev, gamma, raw_weights  # noqa: E402
 
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
@@ -32,10 +32,21 @@ from fuselane.lanes.cuda.triton.gemv import q8 as q8_module  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.q8 import gemv_q8, gemv_q8_gate_up_glu, gemv_q8_parts, supports  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.rows import Part  # noqa: E402
 
-FORMATS = (Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0)
-CODE_FIELDS = {Format.Q4_K: ("qs",), Format.Q6_K: ("ql", "qh"), Format.Q8_0: ("qs",), Format.Q5_0: ("qh", "qs")}
+SUPER = (Format.Q4_K, Format.Q6_K, Format.Q5_K, Format.IQ4_XS, Format.Q3_K, Format.Q2_K)  # 256-value units
+BLOCKS = (Format.Q8_0, Format.Q5_0, Format.Q4_0, Format.Q4_1, Format.Q5_1, Format.IQ4_NL)  # 32-value blocks
+FORMATS = SUPER + BLOCKS
+CODE_FIELDS = {
+    Format.Q4_K: ("qs",), Format.Q6_K: ("ql", "qh"), Format.Q8_0: ("qs",), Format.Q5_0: ("qh", "qs"),
+    Format.Q5_K: ("qh", "qs"), Format.Q4_0: ("qs",), Format.Q4_1: ("qs",), Format.Q5_1: ("qh", "qs"),
+    Format.IQ4_NL: ("qs",), Format.IQ4_XS: ("qs",), Format.Q3_K: ("hmask", "qs"), Format.Q2_K: ("qs",),
+}  # fmt: skip
 N = 37  # not whole tiles: rows past n are computed and dropped
-KS = {Format.Q4_K: (512, 768), Format.Q6_K: (512, 768), Format.Q8_0: (96, 320, 512), Format.Q5_0: (96, 320, 512)}
+# The formats added after the first four run fewer rows and widths: the interpreter's time is a program's
+# loop, and the loop they share is the first four's (the IQ4 tables' emulated byte permutes cost the most)
+NEWER = frozenset(SUPER[2:] + BLOCKS[2:])
+ROWS = {f: 9 if f in NEWER else N for f in FORMATS}
+KS = {f: (512, 768) for f in SUPER} | {f: (96, 320, 512) for f in BLOCKS}
+KS |= {f: (512,) if f in SUPER else (96, 320) for f in NEWER}
 ROUNDINGS = 8  # a run's scale products, its offset term and the epilogue's adds
 SILU_SLOPE, GLU_ULPS = 1.1, 12  # as test_gemv_fast.py
 
@@ -76,44 +87,47 @@ def test_quantize_matches_reference_bit_for_bit() -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_products(fmt: Format) -> None:
+    n = ROWS[fmt]
     for k in KS[fmt]:
         rng = np.random.default_rng(int(fmt) * 1000 + k)
-        raw = raw_weights(fmt, N, k, rng)
+        raw = raw_weights(fmt, n, k, rng)
         _, acts = _quantized(k, rng)
-        out = torch.full((1, N), float("nan"), device=DEVICE)
-        assert gemv_q8(acts, dev(raw), fmt, N, k, out) is out
-        want, scale = _reference(acts, raw, fmt, N, k)
+        out = torch.full((1, n), float("nan"), device=DEVICE)
+        assert gemv_q8(acts, dev(raw), fmt, n, k, out) is out
+        want, scale = _reference(acts, raw, fmt, n, k)
         check(out, want, gamma(k + ROUNDINGS) * scale)
 
 
 # k and a small tile (4 rows, one warp, one (row, group) a thread) that walk each row in several chunks, the
 # last partial where the format's units allow
-CHUNKED_K = {Format.Q4_K: 1024, Format.Q6_K: 1024, Format.Q8_0: 800, Format.Q5_0: 800}
+CHUNKED_K = {f: 1024 for f in SUPER} | {f: 800 for f in BLOCKS} | {f: 768 for f in NEWER if f in SUPER}
 SMALL_TILE = {"block_n": 4, "warps": 1, "per_thread": 1}
+# the newer formats at the default depth and a program and a bit of rows (the loop at depth 1 is the same
+# code for every format, and runs the first four)
+DEPTHS = [(f, d) for f in FORMATS for d in ((2,) if f in NEWER else (1, 2))]
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize(("fmt", "depth"), DEPTHS, ids=lambda v: getattr(v, "name", str(v)))
 def test_products_in_chunks_at_each_prefetch_depth(monkeypatch, fmt: Format, depth: int) -> None:
     monkeypatch.setattr(q8_module, "PREFETCH_DEPTH", depth)
-    k = CHUNKED_K[fmt]
+    k, n = CHUNKED_K[fmt], 5 if fmt in NEWER else N
     plan = q8_module.tile_plan(fmt, k, **SMALL_TILE)
     assert plan["N_UNITS"] >= 3 * plan["CHUNK"] and plan["DEPTH"] == depth
     rng = np.random.default_rng(int(fmt) * 10 + depth)
-    raw, up = raw_weights(fmt, N, k, rng), raw_weights(fmt, N, k, rng)
+    raw, up = raw_weights(fmt, n, k, rng), raw_weights(fmt, n, k, rng)
     _, acts = _quantized(k, rng)
-    out = torch.full((1, N), float("nan"), device=DEVICE)
-    gemv_q8(acts, dev(raw), fmt, N, k, out, **SMALL_TILE)
-    want, scale = _reference(acts, raw, fmt, N, k)
+    out = torch.full((1, n), float("nan"), device=DEVICE)
+    gemv_q8(acts, dev(raw), fmt, n, k, out, **SMALL_TILE)
+    want, scale = _reference(acts, raw, fmt, n, k)
     check(out, want, gamma(k + ROUNDINGS) * scale)
-    gemv_q8_gate_up_glu(acts, dev(raw), dev(up), fmt, N, k, out, **SMALL_TILE)
-    u, u_scale = _reference(acts, up, fmt, N, k)
+    gemv_q8_gate_up_glu(acts, dev(raw), dev(up), fmt, n, k, out, **SMALL_TILE)
+    u, u_scale = _reference(acts, up, fmt, n, k)
     silu = want / (1 + np.exp(-want))
     bound = gamma(k + ROUNDINGS) * (SILU_SLOPE * scale * np.abs(u) + np.abs(silu) * u_scale)
     check(out, silu * u, bound + GLU_ULPS * 2.0**-24 * np.abs(silu * u))
 
 
-@pytest.mark.parametrize("fmt", (Format.Q4_K, Format.Q8_0), ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", (Format.Q4_K, Format.Q8_0, Format.Q5_K, Format.Q4_0), ids=lambda f: f.name)
 def test_parts_bias_residual_and_row(fmt: Format) -> None:
     k = 512
     rng = np.random.default_rng(int(fmt))
@@ -135,9 +149,9 @@ def test_parts_bias_residual_and_row(fmt: Format) -> None:
     check(table[2:3], refs[2][0], gamma(k + ROUNDINGS) * refs[2][1])
 
 
-@pytest.mark.parametrize("fmt", (Format.Q4_K, Format.Q6_K, Format.Q8_0), ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", (Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_K, Format.Q2_K), ids=lambda f: f.name)
 def test_gate_up_glu(fmt: Format) -> None:
-    k = 768 if fmt is not Format.Q8_0 else 320
+    k = 768 if fmt in SUPER else 320
     rng = np.random.default_rng(int(fmt) + 7)
     wg, wu = raw_weights(fmt, N, k, rng), raw_weights(fmt, N, k, rng)
     _, acts = _quantized(k, rng)
@@ -191,7 +205,61 @@ def test_runs_two_bytes_past_a_word_are_read_whole() -> None:
 def test_supports() -> None:
     assert supports(Format.Q4_K, 1, 512) and not supports(Format.Q4_K, 2, 512)
     assert not supports(Format.Q4_K, 1, 96) and supports(Format.Q8_0, 1, 96)
-    assert not supports(Format.F16, 1, 512)
+    assert not supports(Format.F16, 1, 512) and not supports(Format.BF16, 1, 512)
+    for fmt in SUPER:
+        assert supports(fmt, 1, 512) and not supports(fmt, 1, 96), fmt
+    for fmt in BLOCKS:
+        assert supports(fmt, 1, 96), fmt
+
+
+def test_iq4_values_are_the_table() -> None:
+    # every code 0..15 in every byte of a word, through the three byte permutes
+    from fuselane.gguf.formats import IQ4_NL_VALUES
+
+    codes = np.array([[c, (c + 5) % 16, (c + 9) % 16, 15 - c] for c in range(16)], dtype=np.uint8)
+    words = torch.from_numpy(codes.view("<i4").reshape(-1).copy()).to(DEVICE)
+    out = torch.zeros_like(words)
+    _iq4_kernel[(1,)](words, out, N=16)
+    got = out.cpu().numpy().view(np.int8).reshape(16, 4)
+    assert np.array_equal(got, np.array(IQ4_NL_VALUES, dtype=np.int8)[codes])
+
+
+@triton.jit
+def _iq4_kernel(words, out, N: tl.constexpr):
+    from fuselane.lanes.cuda.triton.gemv import q8_bodies
+
+    i = tl.arange(0, N)
+    tl.store(out + i, q8_bodies.iq4_values(tl.load(words + i)))
+
+
+# The new formats at real widths, compiled: the 7B's q (3584 x 3584) and down (3584 x 18944, the tall tile),
+# the 8B's gate/up GLU (12288 x 4096)
+REAL = ((3584, 3584), (3584, 18944))
+NEW = (Format.Q5_K, Format.IQ4_XS, Format.Q3_K, Format.Q2_K, Format.Q4_0, Format.Q4_1, Format.Q5_1, Format.IQ4_NL)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("fmt", NEW, ids=lambda f: f.name)
+def test_real_widths(fmt: Format) -> None:
+    rng = np.random.default_rng(int(fmt) + 99)
+    for n, k in REAL:
+        raw = raw_weights(fmt, n, k, rng)
+        _, acts = _quantized(k, rng)
+        out = torch.full((1, n), float("nan"), device=DEVICE)
+        gemv_q8(acts, dev(raw), fmt, n, k, out)
+        torch.cuda.synchronize()
+        want, scale = _reference(acts, raw, fmt, n, k)
+        check(out, want, gamma(k + ROUNDINGS) * scale)
+    n, k = 12288, 4096
+    wg, wu = raw_weights(fmt, n, k, rng), raw_weights(fmt, n, k, rng)
+    _, acts = _quantized(k, rng)
+    out = torch.full((1, n), float("nan"), device=DEVICE)
+    gemv_q8_gate_up_glu(acts, dev(wg), dev(wu), fmt, n, k, out)
+    (g, g_scale), (u, u_scale) = _reference(acts, wg, fmt, n, k), _reference(acts, wu, fmt, n, k)
+    silu = g / (1 + np.exp(-g))
+    bound = gamma(k + ROUNDINGS) * (SILU_SLOPE * g_scale * np.abs(u) + np.abs(silu) * u_scale)
+    check(out, silu * u, bound + GLU_ULPS * 2.0**-24 * np.abs(silu * u))
 
 
 def _same_codes(q8, values: torch.Tensor) -> None:
@@ -246,3 +314,38 @@ def test_glu_writes_its_result_quantized() -> None:
     assert torch.equal(out, plain)
     _same_codes(out_q8, out)
     assert not counters.any()
+
+
+# Compiled for sm_90 without a GPU (Triton's PTX, then ptxas): the compiled path differs from the interpreted
+# one (inline asm for dp4a, prmt and the loads; no `in` on constexprs), so CI builds it too. One format for
+# each kind of load: Q5_K (`ld4`), Q2_K (`ld_words`, 1- and 4-byte `ld_scalar`), IQ4_NL (`ld_run`, `prmt`,
+# 2-byte `ld_scalar`).
+_COMPILE = """
+import sys
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fuselane.gguf.formats import Format
+from fuselane.lanes.cuda.triton.gemv import q8
+for name in sys.argv[1:]:
+    plan = q8.tile_plan(Format[name], 4096, None, None, None, glu=True)
+    warps = plan.pop("num_warps")
+    consts = dict(plan, PDL=True)
+    sig = {"xq": "*i8", "xd": "*fp32", "xs": "*fp32", "w_gate": "*u8", "w_up": "*u8", "n": "i32", "out": "*fp32"}
+    sig |= {c: "constexpr" for c in consts}
+    src = ASTSource(q8._glu_kernel, sig, constexprs={(list(sig).index(c),): v for c, v in consts.items()})
+    kernel = compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert kernel.asm["ptx"].count("dp4a") and kernel.asm["cubin"], name
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU the other tests compile and run the kernels")
+def test_bodies_compile_for_sm90() -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE, "Q5_K", "Q2_K", "IQ4_NL"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -158,7 +158,11 @@ def test_rms_norm_per_head_reads_a_part_in_place():
     within(host(plain), want, norm_rel(hd) * np.abs(want), "plain per-head norm")
 
 
-@pytest.mark.parametrize("fmt", [Format.Q8_0, Format.Q4_K, Format.Q5_0, Format.Q6_K, Format.F16, Format.F32])
+GATHERED = [Format.Q8_0, Format.Q4_K, Format.Q5_0, Format.Q6_K, Format.F16, Format.F32, Format.BF16, Format.Q5_K]
+GATHERED += [Format.Q4_0, Format.Q4_1, Format.Q5_1, Format.IQ4_NL, Format.IQ4_XS, Format.Q3_K, Format.Q2_K]
+
+
+@pytest.mark.parametrize("fmt", GATHERED, ids=lambda f: f.name)
 def test_embed_norm_gathers_dequantized_rows(fmt):
     rng = np.random.default_rng(int(fmt))
     vocab, cols = 7, 512

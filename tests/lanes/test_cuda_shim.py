@@ -80,6 +80,7 @@ WEIGHTS = {
     "q6k": Rows(Format.Q6_K),
     "q8": Rows(Format.Q8_0),
     "q5k": Rows(Format.Q5_K),
+    "q2k": Rows(Format.Q2_K),
     "f32": Values("f32"),
     "norm": Values("f32"),
 }
@@ -279,10 +280,11 @@ CASES = [
         "checkpoint rows",
     ),
     Case(
-        "projection epilogue block",
+        "projection epilogue block",  # the GEMV by rows' block; the fast and int8 GEMVs walk the row in chunks
         lambda: gne(5120),  # the fast GEMV's Q4_K: its last program walks the row in chunks, any width
         lambda: gne(5120, first=matmul(1, 5120, 5120, "q5k")),  # the GEMV by rows holds the row in its block
         "a projection norms in its last block only where its block is at least the norm's width",
+        CudaKnobs(activations=Activations.DEQUANT),
     ),
     Case(
         "projection epilogue down norm launch",
@@ -457,6 +459,15 @@ CASES = [
         "whole 128-output tiles, in the GEMV one number of rows a warp",
     ),
 ]
+
+
+def test_the_int8_gemvs_epilogue_norms_any_width_and_format() -> None:
+    # its last program walks the row in chunks, and it takes formats the f32 GEMV has no body for (Q2_K)
+    g = graph()
+    q2k = gne(4096, first=matmul(1, 4096, 4096, "q2k"))
+    assert CudaShim(INT8).fits(gne(5120), g) is None and CudaShim(INT8).fits(q2k, g) is None
+    refused = CudaShim(CudaKnobs(activations=Activations.DEQUANT)).fits(q2k, g)
+    assert refused is not None and refused.startswith("a projection norms in its last block the one row")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -32,7 +32,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 
 from fuselane.errors import FuselaneError
-from fuselane.gguf.formats import LAYOUTS, QK_K, Format, tensor_bytes
+from fuselane.gguf.formats import LAYOUTS, Format, tensor_bytes
 from fuselane.gguf.quantize import quantize, random_blocks
 from fuselane.gguf.synth_vocab import synthetic_tokenizer
 
@@ -109,6 +109,7 @@ SHAPES: dict[str, Shape] = {
     "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, context=40960),
     "qwen2.5-7b": Shape("qwen2", 3584, 28, 28, 4, 128, 18944, 151936),
     "qwen3-8b": Shape("qwen3", 4096, 36, 32, 8, 128, 12288, 151936, context=40960),
+    "qwen2.5-32b": Shape("qwen2", 5120, 64, 40, 8, 128, 27648, 151936),
     "tiny-qwen2": Shape("qwen2", 64, 2, 4, 2, 16, 128, 512, context=4096),
     "tiny-qwen3": Shape("qwen3", 64, 2, 4, 2, 16, 128, 512, context=4096),
     # Mixtures: n_ff is the dense width the real files state (unused by the mixture layers).
@@ -140,13 +141,22 @@ SHAPES: dict[str, Shape] = {
 
 
 class Mix(enum.Enum):
-    """Quantization mixes of the matrices (1-D norms and biases are always F32)."""
+    """Quantization mixes of the matrices (1-D norms and biases are always F32): llama-quantize's file types,
+    each in llama.cpp's recipe (`RECIPES`)."""
 
     F32 = "f32"
     F16 = "f16"
+    BF16 = "bf16"
     Q8_0 = "q8_0"
-    Q4_K_M = "q4_k_m"  # llama.cpp's Q4_K_M recipe
+    Q6_K = "q6_k"
+    Q5_K_M = "q5_k_m"
+    Q4_K_M = "q4_k_m"
     Q4_K_M_05B = "q4_k_m_05b"  # the real Qwen2.5-0.5B Q4_K_M file's mix (see `layer_ranks`)
+    Q5_0 = "q5_0"
+    Q4_0 = "q4_0"
+    IQ4_XS = "iq4_xs"
+    Q3_K_M = "q3_k_m"
+    Q2_K = "q2_k"
 
     @classmethod
     def parse(cls, mix: Mix | str) -> Mix:
@@ -162,9 +172,17 @@ class Mix(enum.Enum):
 FILE_TYPES: dict[Mix, LlamaFileType] = {
     Mix.F32: LlamaFileType.ALL_F32,
     Mix.F16: LlamaFileType.MOSTLY_F16,
+    Mix.BF16: LlamaFileType.MOSTLY_BF16,
     Mix.Q8_0: LlamaFileType.MOSTLY_Q8_0,
+    Mix.Q6_K: LlamaFileType.MOSTLY_Q6_K,
+    Mix.Q5_K_M: LlamaFileType.MOSTLY_Q5_K_M,
     Mix.Q4_K_M: LlamaFileType.MOSTLY_Q4_K_M,
     Mix.Q4_K_M_05B: LlamaFileType.MOSTLY_Q4_K_M,
+    Mix.Q5_0: LlamaFileType.MOSTLY_Q5_0,
+    Mix.Q4_0: LlamaFileType.MOSTLY_Q4_0,
+    Mix.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
+    Mix.Q3_K_M: LlamaFileType.MOSTLY_Q3_K_M,
+    Mix.Q2_K: LlamaFileType.MOSTLY_Q2_K,
 }
 
 # general.file_type of a file of given weights, by its most used matrix format
@@ -290,32 +308,96 @@ def fit_format(fmt: Format, row: int) -> Format:
     return fmt if row % LAYOUTS[fmt].values == 0 else Format.F16
 
 
-def _q4_k_m(shape: Shape, name: str, row: int, ranks: list[int]) -> Format:
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """A mix's choice of format per matrix, as llama.cpp's `llama_tensor_get_type` makes it for a dense model
+    (src/llama-quant.cpp): `base` for every matrix it does not name; the output projection (the embedding
+    table when tied) Q6_K unless `base` is Q8_0 or unquantized; then, by kind, a rule of the layer's rank r
+    among n layers (`layer_ranks`) and the model's query heads a kv head (`gqa`)."""
+
+    base: Format
+    attn_v: Callable[[int, int, int], Format | None] = lambda r, n, gqa: None
+    attn_output: Format | None = None
+    ffn_down: Callable[[int, int], Format | None] = lambda r, n: None
+
+
+def _more_bits(fmt: Format) -> Callable[..., Format | None]:
+    # Q4_K_M / Q5_K_M: attn_v and ffn_down get `fmt` on the `use_more_bits` layers
+    return lambda r, n, *_: fmt if use_more_bits(r, n) else None
+
+
+# Only the file types llama-quantize makes from an f16/bf16 source without an importance matrix; rules that
+# need one (IQ4_XS's and Q4_0's ffn_down guards) are left out, as llama.cpp leaves them out without it.
+RECIPES: dict[Mix, Recipe] = {
+    Mix.Q8_0: Recipe(Format.Q8_0),
+    Mix.Q6_K: Recipe(Format.Q6_K),
+    Mix.Q5_K_M: Recipe(Format.Q5_K, attn_v=_more_bits(Format.Q6_K), ffn_down=_more_bits(Format.Q6_K)),
+    Mix.Q4_K_M: Recipe(Format.Q4_K, attn_v=_more_bits(Format.Q6_K), ffn_down=_more_bits(Format.Q6_K)),
+    Mix.Q4_K_M_05B: Recipe(Format.Q4_K, attn_v=_more_bits(Format.Q6_K), ffn_down=_more_bits(Format.Q6_K)),
+    Mix.Q5_0: Recipe(Format.Q5_0),
+    Mix.Q4_0: Recipe(Format.Q4_0),
+    # IQ4_XS: attn_v Q5_K where 4+ query heads share a kv head; ffn_down Q5_K on the first eighth of layers
+    Mix.IQ4_XS: Recipe(
+        Format.IQ4_XS,
+        attn_v=lambda r, n, gqa: Format.Q5_K if gqa >= 4 else None,
+        ffn_down=lambda r, n: Format.Q5_K if r < n // 8 else None,
+    ),
+    # Q3_K_M: attn_v Q5_K on the first two layers, Q4_K after; attn_output Q4_K; ffn_down Q5_K on the first
+    # sixteenth, Q4_K after (llama.cpp keeps Q3_K there only for Falcon)
+    Mix.Q3_K_M: Recipe(
+        Format.Q3_K,
+        attn_v=lambda r, n, gqa: Format.Q5_K if r < 2 else Format.Q4_K,
+        attn_output=Format.Q4_K,
+        ffn_down=lambda r, n: Format.Q5_K if r < n // 16 else Format.Q4_K,
+    ),
+    # Q2_K: attn_v Q4_K where 4+ query heads share a kv head, else Q3_K; attn_output and ffn_down Q3_K
+    Mix.Q2_K: Recipe(
+        Format.Q2_K,
+        attn_v=lambda r, n, gqa: Format.Q4_K if gqa >= 4 else Format.Q3_K,
+        attn_output=Format.Q3_K,
+        ffn_down=lambda r, n: Format.Q3_K,
+    ),
+}
+
+
+def _recipe_format(shape: Shape, recipe: Recipe, name: str, row: int, ranks: list[int]) -> Format:
+    """The format `recipe` gives matrix `name` (rows of `row` values), before the row-size fallback."""
     # The output projection (the embedding table when tied) gets Q6_K, or Q8_0 straight away when its rows
-    # are not whole super-blocks: llama.cpp special-cases it before the generic fallback.
+    # are not whole blocks of the base format: llama.cpp special-cases it before the generic fallback.
     if name == "output.weight" or (shape.tied and name == "token_embd.weight"):
-        return Format.Q6_K if row % QK_K == 0 else Format.Q8_0
+        if row % LAYOUTS[recipe.base].values or recipe.base is Format.Q8_0:
+            return Format.Q8_0
+        return Format.Q6_K
     parts = name.split(".")
-    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down", "ffn_down_exps", "ffn_down_shexp"):
-        if use_more_bits(ranks[int(parts[1])], shape.n_layers):
-            return Format.Q6_K
-    return Format.Q4_K
+    if parts[0] != "blk":
+        return recipe.base
+    rank, kind = ranks[int(parts[1])], parts[2]
+    if kind == "attn_v":
+        chosen = recipe.attn_v(rank, shape.n_layers, shape.n_heads // shape.n_kv_heads)
+    elif kind == "attn_output":
+        chosen = recipe.attn_output
+    elif kind in ("ffn_down", "ffn_down_exps", "ffn_down_shexp"):
+        chosen = recipe.ffn_down(rank, shape.n_layers)
+    else:
+        chosen = None
+    return chosen or recipe.base
 
 
 # llama.cpp's converter keeps the router in F32 and llama-quantize never quantizes it.
 ROUTER = "ffn_gate_inp.weight"
 
-_PLAIN: dict[Mix, Format] = {Mix.F32: Format.F32, Mix.F16: Format.F16, Mix.Q8_0: Format.Q8_0}
+_PLAIN: dict[Mix, Format] = {Mix.F32: Format.F32, Mix.F16: Format.F16, Mix.BF16: Format.BF16}
 
 
 def tensor_formats(shape: Shape, mix: Mix | str) -> dict[str, Format]:
     """Each tensor's storage format in `mix`, by GGUF name, in file order.
 
-    1-D tensors (norms, biases) and routers are F32. F32 / F16 / Q8_0: every matrix in that format. Q4_K_M (llama.cpp):
-    embedding Q4_K; output Q6_K; attn_v and ffn_down Q6_K on the `use_more_bits` layers, Q4_K elsewhere;
-    other matrices Q4_K. Q4_K_M_05B: the same with the real 0.5B file's layer count order (`layer_ranks`).
-    Rows that are not whole blocks fall back as llama.cpp does (`fit_format`): e.g. at n_embd 896, Q4_K
-    becomes Q5_0 and Q6_K becomes Q8_0.
+    1-D tensors (norms, biases) and routers are F32. F32 / F16 / BF16: every matrix in that format (llama-quantize does
+    not requantize floats). The quantized mixes follow llama.cpp's recipe (`RECIPES`), e.g. Q4_K_M: embedding
+    Q4_K; output Q6_K; attn_v and ffn_down Q6_K on the `use_more_bits` layers, Q4_K elsewhere; other matrices
+    Q4_K. Q4_K_M_05B: the same with the real 0.5B file's layer count order (`layer_ranks`). Rows that are not
+    whole blocks fall back as llama.cpp does (`fit_format`): e.g. at n_embd 896, Q4_K becomes Q5_0 and Q6_K
+    becomes Q8_0.
     """
     mix = Mix.parse(mix)
     ranks = layer_ranks(shape.n_layers, mix)
@@ -323,9 +405,10 @@ def tensor_formats(shape: Shape, mix: Mix | str) -> dict[str, Format]:
     for name, dims in tensor_shapes(shape).items():
         if len(dims) == 1 or name.endswith(ROUTER):
             formats[name] = Format.F32
-            continue
-        wanted = _PLAIN[mix] if mix in _PLAIN else _q4_k_m(shape, name, dims[-1], ranks)
-        formats[name] = fit_format(wanted, dims[-1])
+        elif mix in _PLAIN:
+            formats[name] = _PLAIN[mix]
+        else:
+            formats[name] = fit_format(_recipe_format(shape, RECIPES[mix], name, dims[-1], ranks), dims[-1])
     return formats
 
 

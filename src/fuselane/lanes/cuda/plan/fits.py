@@ -68,6 +68,12 @@ class CudaShim(Protocol):
     @property
     def scheme(self) -> Scheme | None: ...
 
+    @property
+    def activation_format(self) -> QuantFormat | None: ...
+
+    @staticmethod
+    def int8_gemv(p: GemvForm) -> bool: ...
+
     def fits(self, op: Op, g: TensorGraph) -> str | None: ...
 
     def activation(self, consumer: Op, operand: int, g: TensorGraph) -> QuantFormat | None: ...
@@ -175,7 +181,8 @@ def _gemv_norm_epilogue(shim: CudaShim, op: Op, members: Sequence[Op], g: Tensor
             "a projection norms in its last block the one row it writes whole, a GEMV of a step's one row by "
             "checkpoint rows"
         )
-    # A Q8_0 projection's block is the norm's own; a block format's is eight warps or four.
+    # A Q8_0 projection's block is the norm's own; a block format's is eight warps or four. The int8 GEMV's
+    # last program walks the row in chunks, so any block holds its norm.
     if fmt is Format.Q8_0:
         threads = kernels.norm_threads(n.cols)
     else:

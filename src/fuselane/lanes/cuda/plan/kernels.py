@@ -50,16 +50,23 @@ GEMM_PAIR_TILE_N = GEMM_TILE_N // 2
 # fixed when the kernel is built: four covers a layer's q, k and v and one more (a gate).
 GEMM_PARTS = 4
 
-# The block formats whose GEMV decodes the weights in registers, block by block. Q8_0 has a kernel of its
-# own (its int8 words are multiplied as stored, a row a warp); the rest (Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4,
-# floats) are converted to f16 once at load and multiplied as values.
+# The block formats whose f32-activation GEMV decodes the weights in registers, block by block. Q8_0 has a
+# kernel of its own (its int8 words are multiplied as stored, a row a warp); Q2_K, Q3_K, IQ4_NL and IQ4_XS
+# have none yet: a decode step multiplies them on the int8 GEMV (`INT8_GEMV_FORMATS`) only.
 DECODED_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q5_0, Format.Q5_1, Format.Q4_K, Format.Q5_K, Format.Q6_K})
 
 # The formats the int8 GEMV (dp4a over the activation's int8 codes, `triton/gemv/q8.py`) multiplies, and the
 # rows of weights a program of it takes in each (its tile's BLOCK_N, the same for a tall row's tile): the
 # QKV GEMV that turns the query and key in its epilogue turns a head in whole tiles, so a head is whole rows
 # of programs. A product in any other format reads the f32 activation.
-INT8_GEMV_FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0})
+INT8_GEMV_TILE_ROWS = {
+    Format.Q4_K: 4, Format.Q6_K: 2, Format.Q8_0: 2, Format.Q5_0: 4, Format.Q5_K: 4, Format.Q4_0: 4, Format.Q4_1: 4,
+    Format.Q5_1: 4, Format.IQ4_NL: 4, Format.IQ4_XS: 4, Format.Q3_K: 4, Format.Q2_K: 4,
+}  # fmt: skip
+INT8_GEMV_FORMATS = frozenset(INT8_GEMV_TILE_ROWS)
+# ...its rows whole super-blocks of the format (a K format's or IQ4_XS's 256 values, the others' 32): the run
+# a program reads at a time.
+SUPER_BLOCK_FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q5_K, Format.IQ4_XS, Format.Q3_K, Format.Q2_K})
 # The formats the GEMV by checkpoint rows decodes (`triton/gemv/formats.py`, its `SLOTS`): any rows, any
 # width, a block of the lane's threads a tile.
 ROWS_GEMV_FORMATS = frozenset({
@@ -69,11 +76,7 @@ ROWS_GEMV_FORMATS = frozenset({
 # The one-row f32 GEMV's formats (`triton/gemv/fast.py`, its `GROUPS`): its add + norm epilogue, like the
 # int8 GEMV's, has the last program walk the norm's row in chunks re-read from L2, so it norms any width; only
 # the GEMV by checkpoint rows (`triton/gemv/rows.py`) holds the row in its block's registers.
-FAST_GEMV_FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0, Format.F16})
-INT8_GEMV_TILE_ROWS = {Format.Q4_K: 4, Format.Q6_K: 2, Format.Q8_0: 2, Format.Q5_0: 4}
-# ...its rows whole super-blocks of the format (a K format's 256 values, the others' 32): the run a program
-# reads at a time.
-SUPER_BLOCK_FORMATS = frozenset({Format.Q4_K, Format.Q6_K})
+FAST_GEMV_FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0, Format.F16, Format.BF16})
 
 # A decoded GEMV met one row at a time takes four rows a warp when the product is wide: the activation, held
 # in registers, is read once for four weight rows.

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from fuselane.gguf.formats import LAYOUTS, QK, Format, row_bytes
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton import gather_formats, pdl
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts, store_quantized
 
 QB = tl.constexpr(QK)  # values an int8 block's scale covers
@@ -42,7 +42,10 @@ Q8_0: tl.constexpr = tl.constexpr(int(Format.Q8_0))
 Q5_0: tl.constexpr = tl.constexpr(int(Format.Q5_0))
 Q4_K: tl.constexpr = tl.constexpr(int(Format.Q4_K))
 Q6_K: tl.constexpr = tl.constexpr(int(Format.Q6_K))
-GATHER_FORMATS = frozenset({Format.F32, Format.F16, Format.BF16, Format.Q8_0, Format.Q5_0, Format.Q4_K, Format.Q6_K})
+GATHER_FORMATS = (
+    frozenset({Format.F32, Format.F16, Format.BF16, Format.Q8_0, Format.Q5_0, Format.Q4_K, Format.Q6_K})
+    | gather_formats.FORMATS
+)
 
 # Code offsets that make the formats' unsigned codes signed (ggml's): Q5_0 codes are 5 bits around 16,
 # Q6_K codes 6 bits around 32.
@@ -311,8 +314,10 @@ def _decode(
         d = _f16_at(blk + OFF_D, mask) * sc.to(tl.float32)
         dmin = _f16_at(blk + OFF_DMIN, mask) * mn.to(tl.float32)
         v = d * nib.to(tl.float32) - dmin
+    elif gather_formats.DECODES_C[FMT]:
+        v = gather_formats.decode(blk, t, mask, FMT, OFF_D, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH)
     else:
-        tl.static_assert(FMT == Q6_K, "the gather decodes F32, F16, BF16, Q8_0, Q5_0, Q4_K and Q6_K rows")
+        tl.static_assert(FMT == Q6_K, "no gather decoder for this format")
         # two halves of 128: value r of half h takes nibble (r // 64) of ql[h * 64 + r % 64] and, above it,
         # bits 2 * (r // 32) of qh[h * 32 + r % 32]; a signed 8-bit scale a sub-block of 16
         h = t // 128
@@ -402,7 +407,7 @@ def embed_norm(
     out[i] = rows_out[i] / sqrt(mean(rows_out[i]^2) + eps) * w, one launch, a block a row.
 
     `table_raw` is the table's bytes on the device (uint8, 1-D or (vocab, row bytes)); `fmt` one of
-    F32, F16, BF16, Q8_0, Q5_0, Q4_K, Q6_K; `ids` int32 (rows,) on the device (a captured graph reads the
+    GATHER_FORMATS (every matrix format but MXFP4); `ids` int32 (rows,) on the device (a captured graph reads the
     step's token from it); `rows_out` and `out` (rows, w.numel()).
     """
     fmt = Format(fmt)
@@ -432,10 +437,10 @@ def embed_norm(
         VALUES=lay.values,
         NBYTES=lay.nbytes,
         OFF_D=_offset(fmt, "d"),
-        OFF_DMIN=_offset(fmt, "dmin"),
-        OFF_SCALES=_offset(fmt, "scales"),
+        OFF_DMIN=_offset(fmt, gather_formats.MIN_FIELD.get(fmt, "dmin")),
+        OFF_SCALES=_offset(fmt, gather_formats.SCALES_FIELD.get(fmt, "scales")),
         OFF_QS=_offset(fmt, qs),
-        OFF_QH=_offset(fmt, "qh"),
+        OFF_QH=_offset(fmt, gather_formats.HIGH_FIELD.get(fmt, "qh")),
         BLOCK=tile.block,
         CHUNKS=tile.chunks,
         num_warps=tile.warps,

@@ -44,6 +44,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     BYTE,
     BYTE_BITS,
     F32_TWO_23_BITS,
+    FMT_BF16,
     FMT_F16,
     FMT_Q4_K,
     FMT_Q5_0,
@@ -91,14 +92,16 @@ from fuselane.lanes.cuda.triton.gemv.parts import Part, check_glu_out, check_row
 # blocks, 16 blocks, 512 f16 values an iteration).
 K_RUNS, Q6_RUNS = const(8), const(8)
 GROUPS = {Format.Q4_K: K_RUNS.value, Format.Q6_K: Q6_RUNS.value, Format.Q8_0: 1, Format.Q5_0: 1, Format.F16: 1}
+GROUPS[Format.BF16] = 1  # BF16 rows as F16's: 32 values a unit, two 16-byte loads a thread
 GROUPS_C = const({int(f): g for f, g in GROUPS.items()})
-UNIT_VALUES = {Format.Q4_K: QK_K, Format.Q6_K: QK_K, Format.Q8_0: QK, Format.Q5_0: QK, Format.F16: QK}
+UNIT_VALUES = {Format.Q4_K: QK_K, Format.Q6_K: QK_K, Format.Q8_0: QK, Format.Q5_0: QK, Format.F16: QK, Format.BF16: QK}
 WARPS, LANES = 4, 32
 # Tiles by format: (rows a program, (row, group)s a thread a chunk: each one 16 bytes of codes in flight and
 # an accumulator tile). Measured on the H200 (`benchmarks/gemv_compare.py --tiles`, GB/s of weights): the
 # super-block formats read 10-45 % faster at 4 rows and two groups a thread (8B q/o 1,035 -> 1,217, gate
 # 1,130 -> 1,639, down 1,121 -> 1,276, head 1,397 -> 1,682); the 32-value formats keep 8 rows and one.
 TILES = {Format.Q4_K: (4, 2), Format.Q6_K: (4, 2), Format.Q8_0: (8, 1), Format.Q5_0: (8, 1), Format.F16: (8, 1)}
+TILES[Format.BF16] = TILES[Format.F16]  # the same bytes a value (not swept)
 # The gate/up GLU walks two matrices: Q4_K at 2 rows and two groups (8B gate 1,465 -> 2,003 GB/s), Q8_0 at
 # 4 and two (0.6B gate 1,372 -> 1,617).
 GLU_TILES = TILES | {Format.Q4_K: (2, 2), Format.Q8_0: (4, 2)}
@@ -359,8 +362,8 @@ def load_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.c
         qh = ld16(blk + Q5_0_QH) | (ld16(blk + Q5_0_QH + PAIR) << HALF_WORD_BITS)
         raw = ld16(blk + Q5_0_D, True), qh, ld16(blk[:, :, None, None] + Q5_0_QS + _quads_of(PAIR, PAIR))
     else:
-        tl.static_assert(FMT == FMT_F16, "no fast GEMV for this format")
-        rows = w_rows.to(tl.pointer_type(tl.float16))[:, None, None, None]
+        tl.static_assert(FMT == FMT_F16 or FMT == FMT_BF16, "no fast GEMV for this format")
+        rows = w_rows.to(tl.pointer_type(tl.float16 if FMT == FMT_F16 else tl.bfloat16))[:, None, None, None]
         rows += unit[None, :, None, None] * QK_C + _quads_of(QUAD, 1, F16_RUN)
         raw = ld_once(rows), ld_once(rows + QUAD)
     return raw
@@ -380,7 +383,7 @@ def _activations(x, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, BLOCK_N: tl.co
         off = (unit * QK_K_C + half * Q6_HALF + r * Q6_RUN)[None, :, None, None] + _quads_of(QUAD, 1)
         unit = unit[None, :, None, None]
         second: tl.constexpr = Q6_QL_HALF
-    elif FMT == FMT_F16:  # values 8r + 0..3 of run r of a unit; xb the next 4
+    elif FMT == FMT_F16 or FMT == FMT_BF16:  # values 8r + 0..3 of run r of a unit; xb the next 4
         unit = tl.arange(0, CHUNK)[None, :, None, None] + u0
         off = unit * QK_C + _quads_of(QUAD, 1, F16_RUN)
         second: tl.constexpr = QUAD

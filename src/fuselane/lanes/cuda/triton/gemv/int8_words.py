@@ -27,6 +27,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # no inline PTX under the interpreter
 WORD_BYTES = tl.constexpr(4)
+PRMT_PICK = tl.constexpr(0x7)  # the bits of a `prmt` selector nibble that pick one of 8 bytes
 WORD_START = tl.constexpr(-4)  # the mask that rounds an address down to its word
 HALF_WORD = tl.constexpr(0xFFFF)
 
@@ -106,18 +107,68 @@ def dot16_of(w0, w1, w2, w3, a0, a1, a2, a3, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def _ld5(ptr):
-    """The five 32-bit words from each 4-byte aligned address of `ptr` ([N, G] int32 pointers), weights'
-    loads (read-only path, out of L1 first), each word in the thread that loaded it."""
+def _ld5(ptr, last):
+    """The four 32-bit words from each 4-byte aligned address of `ptr` ([N, G] int32 pointers) and the word at
+    `last`, weights' loads (read-only path, out of L1 first), each word in the thread that loaded it."""
     if INTERPRETED:
-        return tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3), tl.load(ptr + 4)
+        return tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3), tl.load(last)
     else:
         return tl.inline_asm_elementwise(
             "ld.global.nc.L1::evict_first.b32 $0, [$5];\n\tld.global.nc.L1::evict_first.b32 $1, [$5+4];\n\t"
             "ld.global.nc.L1::evict_first.b32 $2, [$5+8];\n\tld.global.nc.L1::evict_first.b32 $3, [$5+12];\n\t"
-            "ld.global.nc.L1::evict_first.b32 $4, [$5+16];", "=r,=r,=r,=r,=r,l", [ptr],
+            "ld.global.nc.L1::evict_first.b32 $4, [$6];", "=r,=r,=r,=r,=r,l,l", [ptr, last],
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
         )  # fmt: skip
+
+
+@triton.jit
+def ld_words(ptr):
+    """The 16 bytes at each 4-byte aligned address of `ptr` ([N, G] byte pointers) as four int32 words in the
+    thread: four aligned 32-bit weight loads (read-only path, out of L1 first), where `ld_run` would read a
+    fifth and shift (the runs of Q4_1's 20-byte, Q5_1's 24-byte, IQ4_XS's 136-byte and Q2_K's 84-byte blocks
+    all start on a word)."""
+    p = ptr.to(tl.pointer_type(tl.int32))
+    if INTERPRETED:
+        return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
+    else:
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.L1::evict_first.b32 $0, [$4];\n\tld.global.nc.L1::evict_first.b32 $1, [$4+4];\n\t"
+            "ld.global.nc.L1::evict_first.b32 $2, [$4+8];\n\tld.global.nc.L1::evict_first.b32 $3, [$4+12];",
+            "=r,=r,=r,=r,l", [p], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
+def ld_scalar(ptr, BYTES: tl.constexpr):
+    """The unsigned BYTES-byte (1, 2 or 4) weight field at each naturally aligned address of `ptr` ([N, G] byte
+    pointers), as int32, loaded by inline asm as the runs are (`ld4`, `ld_words`, `ld_run`): a `tl.load`
+    beside them takes a layout of its own, and Triton converts between the two through shared memory (a
+    barrier each) in the loop."""
+    if INTERPRETED:
+        if BYTES == 1:
+            return tl.load(ptr).to(tl.int32)
+        elif BYTES == 2:
+            return tl.load(ptr.to(tl.pointer_type(tl.uint16))).to(tl.int32)
+        else:
+            return tl.load(ptr.to(tl.pointer_type(tl.int32)))
+    elif BYTES == 1:
+        return (
+            tl.inline_asm_elementwise(
+                "ld.global.nc.L1::evict_first.u8 $0, [$1];", "=h,l", [ptr], dtype=tl.int16, is_pure=True, pack=1
+            ).to(tl.int32)
+            & BYTE
+        )
+    elif BYTES == 2:
+        return (
+            tl.inline_asm_elementwise(
+                "ld.global.nc.L1::evict_first.u16 $0, [$1];", "=h,l", [ptr], dtype=tl.int16, is_pure=True, pack=1
+            ).to(tl.int32)
+            & HALF_WORD
+        )
+    else:
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.L1::evict_first.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True, pack=1
+        )
 
 
 @triton.jit
@@ -134,9 +185,30 @@ def _word_at(lo, hi, shift):
 @triton.jit
 def ld_run(ptr):
     """The 16 bytes at each 2-byte aligned address of `ptr` ([N, G] byte pointers) as four int32 words in the
-    thread: five aligned words read, then shifted into place (Q6_K's 210-byte blocks leave every other
-    block's runs 2 bytes past a word)."""
+    thread: five aligned words read (four where the run is on a word), then shifted into place (Q6_K's
+    210-byte blocks leave every other block's runs 2 bytes past a word). A run 2 bytes past a word reads
+    the 2 bytes after it too."""
     at = ptr.to(tl.int64)
     shift = ((at & (WORD_BYTES - 1)) * BYTE_BITS).to(tl.int32)
-    w0, w1, w2, w3, w4 = _ld5((at & WORD_START).to(tl.pointer_type(tl.int32)))
+    first = (at & WORD_START).to(tl.pointer_type(tl.int32))
+    # a run on a word needs only four: the fifth is read again from the fourth's, so no load passes the run
+    # (a run at a block's end, as Q4_0's and Q8_0's, would otherwise read 4 bytes past its tensor)
+    w0, w1, w2, w3, w4 = _ld5(first, first + tl.where(shift == 0, 3, 4))
     return _word_at(w0, w1, shift), _word_at(w1, w2, shift), _word_at(w2, w3, shift), _word_at(w3, w4, shift)
+
+
+@triton.jit
+def prmt(a, b, sel):
+    """Each byte i of the result is byte (sel >> 4i) & 7 of the 8 bytes (b:a) (a's bytes 0-3, b's 4-7): PTX's
+    `prmt.b32` in its default mode for selector nibbles below 8 (the caller's), all int32."""
+    if INTERPRETED:
+        out = tl.zeros_like(sel)
+        for i in tl.static_range(4):
+            k = (sel >> (4 * i)) & PRMT_PICK
+            src = tl.where(k < WORD_BYTES, a, b)
+            out |= ((src >> ((k % WORD_BYTES) * BYTE_BITS)) & BYTE) << (BYTE_BITS * i)
+        return out
+    else:
+        return tl.inline_asm_elementwise(
+            "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.int32, is_pure=True, pack=1
+        )

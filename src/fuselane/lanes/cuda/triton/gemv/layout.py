@@ -35,6 +35,8 @@ FMT_F32, FMT_F16, FMT_BF16 = const(Format.F32.value), const(Format.F16.value), c
 FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 = const(Format.Q8_0.value), const(Format.Q4_0.value), const(Format.Q4_1.value)
 FMT_Q5_0, FMT_Q5_1 = const(Format.Q5_0.value), const(Format.Q5_1.value)
 FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = const(Format.Q4_K.value), const(Format.Q5_K.value), const(Format.Q6_K.value)
+FMT_Q2_K, FMT_Q3_K = const(Format.Q2_K.value), const(Format.Q3_K.value)
+FMT_IQ4_NL, FMT_IQ4_XS = const(Format.IQ4_NL.value), const(Format.IQ4_XS.value)
 
 QK_C = const(QK)  # values of a 32-value block
 HALF_QK = const(QK // 2)  # a 32-value 4-bit block's bytes: low nibbles are values 0-15, high nibbles 16-31
@@ -55,6 +57,13 @@ Q5_K_BYTES, Q5_K_D, Q5_K_DMIN = nbytes(Format.Q5_K), offset(Format.Q5_K, "d"), o
 Q5_K_SCALES, Q5_K_QH, Q5_K_QS = offset(Format.Q5_K, "scales"), offset(Format.Q5_K, "qh"), offset(Format.Q5_K, "qs")
 Q6_K_BYTES, Q6_K_D, Q6_K_SCALES = nbytes(Format.Q6_K), offset(Format.Q6_K, "d"), offset(Format.Q6_K, "scales")
 Q6_K_QL, Q6_K_QH = offset(Format.Q6_K, "ql"), offset(Format.Q6_K, "qh")
+Q2_K_BYTES, Q2_K_SCALES, Q2_K_QS = nbytes(Format.Q2_K), offset(Format.Q2_K, "scales"), offset(Format.Q2_K, "qs")
+Q2_K_D, Q2_K_DMIN = offset(Format.Q2_K, "d"), offset(Format.Q2_K, "dmin")
+Q3_K_BYTES, Q3_K_HMASK, Q3_K_QS = nbytes(Format.Q3_K), offset(Format.Q3_K, "hmask"), offset(Format.Q3_K, "qs")
+Q3_K_SCALES, Q3_K_D = offset(Format.Q3_K, "scales"), offset(Format.Q3_K, "d")
+IQ4_NL_BYTES, IQ4_NL_D, IQ4_NL_QS = nbytes(Format.IQ4_NL), offset(Format.IQ4_NL, "d"), offset(Format.IQ4_NL, "qs")
+IQ4_XS_BYTES, IQ4_XS_D, IQ4_XS_QS = nbytes(Format.IQ4_XS), offset(Format.IQ4_XS, "d"), offset(Format.IQ4_XS, "qs")
+IQ4_XS_SCALES_H, IQ4_XS_SCALES_L = offset(Format.IQ4_XS, "scales_h"), offset(Format.IQ4_XS, "scales_l")
 
 # --- bit facts of the codes (the formats' definitions, as in dequant.py) --------------------------------------
 

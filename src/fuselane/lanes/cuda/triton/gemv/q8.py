@@ -13,7 +13,7 @@ registers -> 32; H200 7B decode 382 -> 395 tok/s, 8B 347 -> 343). Q6_K's 210-byt
 block's runs 2 bytes past a word: each 16-byte run is five aligned 32-bit loads funnel-shifted into four
 words, and its activations are `ld4`'s, all in the thread (`ld_run`; 8B decode step 2.557 -> 2.477 ms,
 7B 2.252 -> 2.214 ms, where `load_chunk`'s eight 2-byte loads a run and [N, G, 4] activations went through shared
-memory). Q8_0 and Q5_0 keep `load_chunk`'s loads.
+memory). The other formats' bodies (`q8_bodies`) hold their runs and scalar fields in the thread the same way.
 
 The activation (`Q8Acts`): `q` int8 (k,) codes, `d` f32 (k / 32,) scales (largest |x| of the block / 127, a
 code is round(x / d)), and `s` f32 (k / 16,) each 16 values' d * (sum of codes). A format with a minimum or a
@@ -32,35 +32,28 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuselane.gguf.formats import QK, QK_K, Format
+from fuselane.gguf.formats import QK, QK_K, Format, row_bytes
 from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton.gemv import fast, q8_bodies
 from fuselane.lanes.cuda.triton.gemv.fast import (
     K_RUNS,
+    LANES,
     PAIR,
     PAIR_RUNS,
     Q6_QH_RUNS,
     Q6_RUN,
     Q6_RUNS,
     Q6_SUBS_HALF,
-    QUAD,
     RUN_BYTES,
-    launch_plan,
-    ld16,
-    ld_once,
-    load_chunk,
     q4_k_scales_of,
     q6_k_runs,
 )
-from fuselane.lanes.cuda.triton.gemv.int8_words import dot16, dot16_of, ld4, ld_run, words
+from fuselane.lanes.cuda.triton.gemv.int8_words import dot16_of, ld4, ld_run, ld_scalar
 from fuselane.lanes.cuda.triton.gemv.layout import (
     BYTE,
     BYTE_BITS,
     FMT_Q4_K,
-    FMT_Q5_0,
     FMT_Q6_K,
-    FMT_Q8_0,
-    HALF_WORD_BITS,
-    NIBBLE,
     NIBBLE_BITS,
     Q4_K_BYTES,
     Q4_K_QS,
@@ -79,14 +72,20 @@ from fuselane.lanes.cuda.triton.quant import CODES_ALIGN, Q8Acts, check_acts
 
 LOW_NIBBLES = const(0x0F0F0F0F)  # the low nibble of each byte of a word
 CRUMBS = const(0x03030303)  # the low 2 bits of each byte
-FIFTH_BITS = const(0x10101010)  # bit 4 of each byte
-# x * SPREAD puts bit i (0..3) of x at bit 8i + 4 (shifts 4, 11, 18, 25; the other products miss the mask)
-SPREAD = const((1 << 4) | (1 << 11) | (1 << 18) | (1 << 25))
 Q6_CRUMB_STEP, Q6_HIGH_CRUMB = const(2), const(4)  # Q6_K: crumbs of run r at bits 2 (r // 2) (low nibbles), + 4 (high)
-Q6_BIAS, Q5_BIAS = const(32.0), const(16.0)
+Q6_BIAS = const(32.0)
+SIGN_SHIFT = const(24)  # a byte moved to the top of a word and back: its sign extended
 QK_C, QK_K_C, HALF_QK_C = const(QK), const(QK_K), const(QK // 2)
 WORD_VALUES = const(4)  # int8 codes a 32-bit word
-FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0})
+# Each format's groups a unit (a thread's share of a chunk: see `_acts`) and values a unit; `q8_bodies` holds
+# the formats but Q4_K and Q6_K
+GROUPS = {Format.Q4_K: K_RUNS.value, Format.Q6_K: Q6_RUNS.value} | q8_bodies.GROUPS
+UNIT_VALUES = {Format.Q4_K: QK_K, Format.Q6_K: QK_K} | q8_bodies.UNIT_VALUES
+GROUPS_C = const({int(f): g for f, g in GROUPS.items()})
+FORMATS = frozenset(GROUPS)
+# formats whose group r of a unit meets values 64 (r // 2) + 16 (r % 2) + 0..15 and the 16 from 32 on
+# (as a constexpr map of every format to a flag: compiled Triton indexes a constexpr dict, but has no `in`)
+K_PAIRS_C = const({int(f): f in {Format.Q4_K} | q8_bodies.K_PAIR_FORMATS for f in Format})
 # Tiles (rows a program, warps, (row, group)s a thread), chosen by timing the whole decode step's graph
 # replay on the H200 over a sweep of each (`activations=int8`, `benchmarks/tile_sweep.py`): Q4_K at 4 rows
 # and 8 warps (8B 3.149 -> 3.067 ms), Q6_K at 2 rows and 8 warps (3.067 -> 3.046 ms); under dependent
@@ -95,14 +94,18 @@ FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0})
 # (8B 2.728 -> 2.583 ms, 7B 2.356 -> 2.266 ms against the earlier 2 rows / 4 warps and 4 rows / 2 warps);
 # Q5_0 stays at 4 rows (2 rows: 0.5B 0.597 -> 0.634 ms). The kernel figures of `gemv_compare.py --q8`
 # pointed elsewhere: it re-reads one matrix from L2.
+# The formats of `q8_bodies` take the tile of the format whose loads theirs follow (not yet swept): the
+# super-block formats with eight 16-byte groups a unit Q4_K's, the 32-value block formats Q5_0's.
 TILES = {Format.Q4_K: (4, 8, 1), Format.Q6_K: (2, 8, 1), Format.Q8_0: (2, 2, 2), Format.Q5_0: (4, 2, 2)}
-GLU_TILES = TILES | {Format.Q4_K: (8, 2, 2)}
+TILES |= {f: TILES[Format.Q4_K] if GROUPS[f] > 1 else TILES[Format.Q5_0] for f in q8_bodies.FORMATS - set(TILES)}
+GLU_TILES = TILES | {f: (8, 2, 2) for f in (Format.Q4_K, Format.Q5_K, Format.IQ4_XS, Format.Q3_K, Format.Q2_K)}
 # Rows of at least TALL_K values (a down projection's: the 7B's 18,944, the 8B's 12,288) leave few rows a
 # program for the SMs' streams: Q6_K's at two rows and eight warps a program (7B 2.829 -> 2.692 ms, 8B
 # 3.312 -> 3.145 ms at the earlier tiles), Q4_K's at four rows and two warps, two (row, group)s a thread
 # (8B 2.578 -> 2.545 ms, 7B 2.264 -> 2.252 ms against two rows and eight warps).
 TALL_K = 8192
-TALL_TILES = TILES | {Format.Q4_K: (4, 2, 2), Format.Q6_K: (2, 8, 1)}
+TALL_TILES = TILES | {f: (4, 2, 2) for f in (Format.Q4_K, Format.Q5_K, Format.IQ4_XS, Format.Q3_K, Format.Q2_K)}
+TALL_TILES[Format.Q6_K] = (2, 8, 1)
 # Chunks of weights a program has in flight while it sums one (1 or 2). Two chunks: 0.6B 0.912 -> 0.826 ms,
 # 0.5B 0.621 -> 0.597 ms a step, where a row is a few chunks; no change on the 8B (2.868 / 2.866 ms), whose
 # programs are not short of loads in flight.
@@ -135,35 +138,33 @@ def _raw_q6_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.
     if CLAMP:
         unit = tl.minimum(unit, N_UNITS - 1)
     blk = w_rows[:, None] + (unit * Q6_K_BYTES)[None, :]
-    sc = (blk + (half * Q6_SUBS_HALF + r + Q6_K_SCALES)[None, :]).to(tl.pointer_type(tl.int8))
+    sc = blk + (half * Q6_SUBS_HALF + r + Q6_K_SCALES)[None, :]
     ql = ld_run(blk + (half * Q6_QL_HALF + r * Q6_RUN + Q6_K_QL)[None, :])
     qh = ld_run(blk + (half * Q6_QH_HALF + (r % Q6_QH_RUNS) * Q6_RUN + Q6_K_QH)[None, :])
-    return (ld16(blk + Q6_K_D, True), ld_once(sc), ld_once(sc + Q6_HIGH_SUBS)) + ql + qh
+    # the scalar fields by inline asm too (`ld_scalar`): one layout with the runs, no exchange in the loop
+    d = q8_bodies.f16_of(ld_scalar(blk + Q6_K_D, 2))
+    return (d, _signed_byte(ld_scalar(sc, 1)), _signed_byte(ld_scalar(sc + Q6_HIGH_SUBS, 1))) + ql + qh
+
+
+@triton.jit
+def _signed_byte(v):
+    """An unsigned byte (int32 0..255) as the signed value it stores."""
+    return (v << SIGN_SHIFT) >> SIGN_SHIFT
 
 
 @triton.jit
 def _raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
-    """A chunk's weight bytes: Q4_K's and Q6_K's held apart a group a thread (`_raw_q4_k`, `_raw_q6_k`), the
-    others' as `load_chunk`."""
+    """A chunk's weight bytes, a group's held apart in its thread: Q4_K's and Q6_K's (`_raw_q4_k`,
+    `_raw_q6_k`), the others' (`q8_bodies.raw_chunk`)."""
     if FMT == FMT_Q4_K:
         return _raw_q4_k(w_rows, u0, N_UNITS, CHUNK, CLAMP)
     elif FMT == FMT_Q6_K:
         return _raw_q6_k(w_rows, u0, N_UNITS, CHUNK, CLAMP)
     else:
-        return load_chunk(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP)
+        return q8_bodies.raw_chunk(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP, GROUPS_C[FMT])
 
 
 # --- the activations a group meets -----------------------------------------------------------------------------
-
-
-@triton.jit
-def _run(xq, xd, xs, first, BLOCK_N: tl.constexpr, live):
-    """The 16 activations from value `first` ([1, G], a multiple of 16): 4 words [N, G, 4], their block's
-    scale and their 16-value sum d * codes, [1, G] each; 0 where not live."""
-    words = xq.to(tl.pointer_type(tl.int32)) + (first // WORD_VALUES)[:, :, None] + tl.arange(0, QUAD)[None, None, :]
-    words += tl.zeros([BLOCK_N, 1, 1], tl.int32)  # the weights' layout: the rows' loads are one broadcast
-    a = tl.load(words, mask=live[:, :, None], other=0)
-    return a, tl.load(xd + first // QK_C, mask=live, other=0.0), tl.load(xs + first // HALF_QK_C, mask=live, other=0.0)
 
 
 @triton.jit
@@ -182,7 +183,7 @@ def _run_of(xq, xd, xs, first, BLOCK_N: tl.constexpr, live):
 @triton.jit
 def _live(u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr):
     """[1, G]: whether each group of the chunk at unit u0 is in the row (a partial last chunk's are not)."""
-    G: tl.constexpr = CHUNK * (K_RUNS if FMT == FMT_Q4_K else (Q6_RUNS if FMT == FMT_Q6_K else 1))
+    G: tl.constexpr = CHUNK * GROUPS_C[FMT]
     if FMT == FMT_Q6_K:
         unit, _, _ = q6_k_runs(u0, CHUNK)
     else:
@@ -193,15 +194,15 @@ def _live(u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr):
 @triton.jit
 def _first_values(u0, FMT: tl.constexpr, CHUNK: tl.constexpr):
     """[1, G]: the first activation value each group of the chunk at unit u0 meets (its low run's)."""
-    if FMT == FMT_Q4_K:  # group g: run r = g % 8, pair r // 2, half r % 2 of the pair's low sub-block
+    if K_PAIRS_C[FMT]:  # group g: run r = g % 8, pair r // 2, half r % 2 of the pair's low sub-block
         g = tl.arange(0, CHUNK * K_RUNS)
         r = g % K_RUNS
         first = (g // K_RUNS + u0) * QK_K_C + (r // PAIR_RUNS) * (2 * QK_C) + (r % PAIR_RUNS) * HALF_QK_C
     elif FMT == FMT_Q6_K:  # group g: ql run r of half h
         unit, half, r = q6_k_runs(u0, CHUNK)
         first = unit * QK_K_C + half * (4 * QK_C) + r * HALF_QK_C
-    else:  # Q8_0, Q5_0: a block a group
-        first = (tl.arange(0, CHUNK) + u0) * QK_C
+    else:  # a 32-value block (or IQ4_XS's sub-block) a group
+        first = (tl.arange(0, CHUNK * GROUPS_C[FMT]) + u0 * GROUPS_C[FMT]) * QK_C
     return first[None, :]
 
 
@@ -211,12 +212,12 @@ def _acts(xq, xd, xs, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, BLOCK_N: tl.
     the run its other codes meet (Q4_K's high nibbles 32 on, Q6_K's 64 on, Q8_0's and Q5_0's 16 on)."""
     live = _live(u0, FMT, N_UNITS, CHUNK)
     first = _first_values(u0, FMT, CHUNK)
-    if FMT == FMT_Q4_K:
+    if K_PAIRS_C[FMT]:
         return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + QK_C, BLOCK_N, live)
     elif FMT == FMT_Q6_K:
         return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + 2 * QK_C, BLOCK_N, live)
-    else:
-        return _run(xq, xd, xs, first, BLOCK_N, live) + _run(xq, xd, xs, first + HALF_QK_C, BLOCK_N, live)
+    else:  # a block's two halves
+        return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + HALF_QK_C, BLOCK_N, live)
 
 
 @triton.jit
@@ -268,30 +269,6 @@ def _q6_codes(ql, qh, shift):
 
 
 @triton.jit
-def _q8_0(raw, acts):
-    """Q8_0: group g is block u0 + g, its bytes 0-15 and 16-31 signed codes."""
-    d, qa, qb = raw
-    a_lo, da, _, a_hi, _, _ = acts
-    sumi = dot16(words(qa), a_lo, True) + dot16(words(qb), a_hi, True)
-    return d * da * sumi.to(tl.float32)
-
-
-@triton.jit
-def _q5_0(raw, acts):
-    """Q5_0: qs byte i holds the low 4 bits of value i (low nibble) and 16 + i (high one); bit v of qh is
-    value v's fifth bit, spread to bit 4 of its byte."""
-    d, qh, qs = raw
-    a_lo, da, s_lo, a_hi, _, s_hi = acts
-    qs = words(qs)
-    t = tl.arange(0, QUAD)[None, None, :] * WORD_VALUES
-    qh = qh[:, :, None]
-    lo = (qs & LOW_NIBBLES) | ((((qh >> t) & NIBBLE) * SPREAD) & FIFTH_BITS)
-    hi = ((qs >> NIBBLE_BITS) & LOW_NIBBLES) | ((((qh >> (t + HALF_WORD_BITS)) & NIBBLE) * SPREAD) & FIFTH_BITS)
-    sumi = dot16(lo, a_lo, False) + dot16(hi, a_hi, False)
-    return d * (sumi.to(tl.float32) * da - Q5_BIAS * (s_lo + s_hi))
-
-
-@triton.jit
 def _chunk_sum(acc, raw, acts, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr,
                MASKED: tl.constexpr):  # fmt: skip
     """acc [N, G] += this chunk's sums a group (its weights `raw`, its activations `acts`); in a partial
@@ -300,11 +277,8 @@ def _chunk_sum(acc, raw, acts, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHU
         y = _q4_k(raw, acts, CHUNK)
     elif FMT == FMT_Q6_K:
         y = _q6_k(raw, acts, CHUNK)
-    elif FMT == FMT_Q8_0:
-        y = _q8_0(raw, acts)
     else:
-        tl.static_assert(FMT == FMT_Q5_0, "no int8 GEMV for this format")
-        y = _q5_0(raw, acts)
+        y = q8_bodies.group_sums(raw, acts, FMT, CHUNK)
     if MASKED:
         y = tl.where(_live(u0, FMT, N_UNITS, CHUNK), y, 0.0)
     return acc + y
@@ -321,7 +295,7 @@ def row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_U
     CHUNKS: tl.constexpr = (N_UNITS + CHUNK - 1) // CHUNK
     PARTIAL: tl.constexpr = N_UNITS % CHUNK != 0
     DEEP: tl.constexpr = DEPTH == 2 and CHUNKS >= 2
-    G: tl.constexpr = CHUNK * (K_RUNS if FMT == FMT_Q4_K else (Q6_RUNS if FMT == FMT_Q6_K else 1))
+    G: tl.constexpr = CHUNK * GROUPS_C[FMT]
     raw_a = _raw_chunk(w_a, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
     raw_b = raw_a
     acc_a = tl.zeros([BLOCK_N, G], tl.float32)
@@ -419,22 +393,41 @@ def _glu_kernel(xq, xd, xs, w_gate, w_up, n, out, FMT: tl.constexpr, N_UNITS: tl
 
 def supports(fmt: Format | int, m: int, k: int) -> bool:
     """Whether these kernels take a product of `m` rows of `k` values in `fmt`: one row, a format above."""
-    return m == 1 and fmt in FORMATS and k % (QK_K if fmt in (Format.Q4_K, Format.Q6_K) else QK) == 0
+    return m == 1 and fmt in FORMATS and k % UNIT_VALUES[Format(fmt)] == 0
+
+
+# the alignment each format's loads need of its rows' start (Q4_K's header, runs and activations: `ld4`)
+ALIGN = {Format.Q4_K: LOAD_BYTES} | q8_bodies.ALIGN
 
 
 def check_aligned(weights: Sequence[Tensor], fmt: Format) -> None:
-    if fmt is Format.Q4_K and any(w.data_ptr() % LOAD_BYTES for w in weights):
-        raise ValueError(f"Q4_K weights must start {LOAD_BYTES}-byte aligned (`ld4`)")
+    align = ALIGN.get(Format(fmt), 1)
+    if any(w.data_ptr() % align for w in weights):
+        raise ValueError(f"{Format(fmt).name} weights must start {align}-byte aligned (`ld4`)")
 
 
 def tile_plan(
     fmt: Format, k: int, block_n: int | None, warps: int | None, per_thread: int | None, *, glu: bool = False
 ) -> dict:
-    """`fast.launch_plan` at this module's tile for `fmt` (a tall row's, from TALL_K values, or the GLU's), or
-    the tile given."""
-    if block_n is None and warps is None and per_thread is None:
-        block_n, warps, per_thread = (GLU_TILES if glu else TALL_TILES if k >= TALL_K else TILES)[fmt]
-    return launch_plan(fmt, k, block_n, warps, per_thread) | {"DEPTH": PREFETCH_DEPTH}
+    """The launch's constexprs and warps at this module's tile for `fmt` (a tall row's, from TALL_K values, or
+    the GLU's), or at the tile given (each of its three a power of two; one left None takes the format's). A
+    chunk is as many units as give each thread `per_thread` (row, group)s, at most the row's units rounded up
+    to a power of two, as in `fast.launch_plan`."""
+    fmt = Format(fmt)
+    if fmt not in FORMATS:
+        raise ValueError(f"no int8 GEMV for {fmt.name}")
+    unit = UNIT_VALUES[fmt]
+    if k < 1 or k % unit:
+        raise ValueError(f"the int8 {fmt.name} GEMV takes rows of whole {unit}-value units, not {k} values")
+    tile = (GLU_TILES if glu else TALL_TILES if k >= TALL_K else TILES)[fmt]
+    block_n, warps, per_thread = (given or t for given, t in zip((block_n, warps, per_thread), tile, strict=True))
+    for name, v in (("block_n", block_n), ("warps", warps), ("per_thread", per_thread)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two, not {v}")
+    n_units = k // unit
+    chunk = min(max(1, warps * LANES * per_thread // (block_n * GROUPS[fmt])), triton.next_power_of_2(n_units))
+    consts = dict(FMT=int(fmt), N_UNITS=n_units, CHUNK=chunk, ROW_BYTES=row_bytes(fmt, k), BLOCK_N=block_n)
+    return consts | {"FENCE": fast.PREFETCH_FENCE, "num_warps": warps, "DEPTH": PREFETCH_DEPTH}
 
 
 def gemv_q8_parts(x: Q8Acts, parts: Sequence[Part | tuple], fmt: Format, *, residual: Tensor | None = None,
