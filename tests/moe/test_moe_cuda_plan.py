@@ -1,27 +1,22 @@
-"""The cuda lane's plan side on mixtures: what it answers today, and what its `fits` decide under the answers
-the specification gives the mixture's classes (native; the masked activation and the gather in the operand
-decomposed), which the lane switches on when its mixture kernels come (docs/moe.md).
+"""The cuda lane's plan side on mixtures: the specification's answers for the mixture's classes (native; the
+masked activation and the gather in the operand decomposed) and what its `fits` decide (docs/moe.md).
 
-Today the shim refuses the mixture's classes, so compiling a mixture for the lane stops at the first top-k
-with that reason. Under the specified answers, a decode step's mixture is three launches (RouterTopk,
-MoeGateUpAct, MoeDeferredFinalize, the shared expert folded in), and a chunk sorts its pairs by expert but
-keeps its shared expert apart: the fold takes a step's one row."""
+A decode step's mixture is three launches (RouterTopk, MoeGateUpAct, MoeDeferredFinalize, the shared expert
+folded in), and a chunk sorts its pairs by expert but keeps its shared expert apart: the fold takes a step's
+one row."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
-from fuselane.errors import FuselaneError
 from fuselane.explain import model_source
 from fuselane.fuse.optimizer import optimize
-from fuselane.fuse.shim import DECOMPOSE, NATIVE, Support
+from fuselane.fuse.shim import DECOMPOSE, NATIVE
 from fuselane.fuse.views import class_of
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form, QuantFormat
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
-from fuselane.lanes.cuda.plan.shim import MOE_CLASSES, NO_MOE_KERNELS, CudaShim
+from fuselane.lanes.cuda.plan.shim import MOE_CLASSES, CudaShim
 from fuselane.models import recognizer
 
 DECOMPOSED_BY_SPEC = (C.MASKED_EXPERT_ACTIVATION, C.MOE_GATHER_IN_OPERAND)
@@ -29,16 +24,6 @@ SHARED_REASON = (
     "a mixture folds its unbiased SwiGLU shared expert, a step's one row of checkpoint rows, into at most 32 warps "
     "of kept experts"
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Specified(CudaShim):
-    """The cuda shim answering the mixture's classes as the specification does."""
-
-    def supports(self, cls: C) -> Support:
-        if cls in DECOMPOSED_BY_SPEC:
-            return DECOMPOSE
-        return NATIVE if cls in MOE_CLASSES else CudaShim.supports(self, cls)
 
 
 def graph(model: str, rows: int):
@@ -51,9 +36,10 @@ def mixture_ops(plan) -> list[str]:
     return [c.value for op in plan.ops if (c := class_of(op)) is not None and c in MOE_CLASSES]
 
 
-def test_today_the_lane_refuses_a_mixture_by_its_first_top_k():
-    with pytest.raises(FuselaneError, match=f"l0.experts routes each row to its top-k experts, and {NO_MOE_KERNELS}"):
-        optimize(graph("synth:tiny-qwen3moe", 1), CudaShim())
+def test_the_lane_answers_the_mixture_as_specified():
+    shim = CudaShim()
+    for cls in MOE_CLASSES:
+        assert shim.supports(cls) == (DECOMPOSE if cls in DECOMPOSED_BY_SPEC else NATIVE), cls
 
 
 @pytest.mark.parametrize(
@@ -65,21 +51,21 @@ def test_today_the_lane_refuses_a_mixture_by_its_first_top_k():
     ],
 )
 def test_a_decode_step_mixture_is_three_launches_under_the_specified_answers(model, activations):
-    plan = optimize(graph(model, 1), Specified(CudaKnobs(activations=activations)))
+    plan = optimize(graph(model, 1), CudaShim(CudaKnobs(activations=activations)))
     layers = len({op.out.split(".")[0] for op in plan.ops if class_of(op) is C.ROUTER_TOPK})
     assert mixture_ops(plan) == ["RouterTopk", "MoeGateUpAct", "MoeDeferredFinalize"] * layers
     assert not [m for m in plan.missed if m.cls in MOE_CLASSES]
 
 
 def test_a_chunk_sorts_by_expert_and_keeps_its_shared_expert_apart():
-    plan = optimize(graph("synth:tiny-qwen2moe", 5), Specified())
+    plan = optimize(graph("synth:tiny-qwen2moe", 5), CudaShim())
     assert mixture_ops(plan)[:3] == ["MoeTokenSort", "MoeGateUpAct", "MoeDownCombine"]
     reasons = {m.reason for m in plan.missed if m.cls is C.SHARED_EXPERT_FUSION}
     assert reasons == {SHARED_REASON}
 
 
 def test_the_decode_fold_reads_its_shared_expert_width_from_its_down_product():
-    plan = optimize(graph("synth:qwen1.5-moe-a2.7b", 1), Specified())
+    plan = optimize(graph("synth:qwen1.5-moe-a2.7b", 1), CudaShim())
     final = next(op for op in plan.ops if class_of(op) is C.MOE_DEFERRED_FINALIZE)
     fold = final.sym.parts[0]
     assert class_of(fold) is C.SHARED_EXPERT_FUSION
@@ -92,7 +78,7 @@ def test_the_decode_fold_reads_its_shared_expert_width_from_its_down_product():
 )
 def test_the_kept_experts_read_their_activation_in_the_lanes_form(activations, fmt):
     g = graph("synth:tiny-qwen3moe", 1)
-    shim = Specified(CudaKnobs(activations=activations))
+    shim = CudaShim(CudaKnobs(activations=activations))
     plan = optimize(g, shim)
     gate_up = next(op for op in plan.ops if class_of(op) is C.MOE_GATE_UP_ACT)
     assert shim.activation(gate_up, 0, plan.graph) is fmt
