@@ -16,7 +16,7 @@ from fuselane.fuse.views import class_of
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form, QuantFormat
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
-from fuselane.lanes.cuda.plan.shim import MOE_CLASSES, CudaShim
+from fuselane.lanes.cuda.plan.shim import MOE_CLASSES, QUANT_EPILOGUES, CudaShim
 from fuselane.models import recognizer
 
 DECOMPOSED_BY_SPEC = (C.MASKED_EXPERT_ACTIVATION, C.MOE_GATHER_IN_OPERAND)
@@ -32,8 +32,14 @@ def graph(model: str, rows: int):
     return recognizer(cfg).recognize(cfg, tensors, form, rows=rows, ctx=64)
 
 
+def _inner(op):
+    """An op's class, or its producer's where it is a quantizing fold (the int8 epilogue of a mixture's step)."""
+    c = class_of(op)
+    return class_of(op.sym.parts[0]) if c in QUANT_EPILOGUES else c
+
+
 def mixture_ops(plan) -> list[str]:
-    return [c.value for op in plan.ops if (c := class_of(op)) is not None and c in MOE_CLASSES]
+    return [c.value for op in plan.ops if (c := _inner(op)) is not None and c in MOE_CLASSES]
 
 
 def test_the_lane_answers_the_mixture_as_specified():
@@ -66,7 +72,7 @@ def test_a_chunk_sorts_by_expert_and_keeps_its_shared_expert_apart():
 
 def test_the_decode_fold_reads_its_shared_expert_width_from_its_down_product():
     plan = optimize(graph("synth:qwen1.5-moe-a2.7b", 1), CudaShim())
-    final = next(op for op in plan.ops if class_of(op) is C.MOE_DEFERRED_FINALIZE)
+    final = next(op.sym.parts[0] for op in plan.ops if _inner(op) is C.MOE_DEFERRED_FINALIZE)
     fold = final.sym.parts[0]
     assert class_of(fold) is C.SHARED_EXPERT_FUSION
     # four kept experts and the shared expert a warp each; every width past the wide GEMV's: four rows a warp
@@ -80,6 +86,7 @@ def test_the_kept_experts_read_their_activation_in_the_lanes_form(activations, f
     g = graph("synth:tiny-qwen3moe", 1)
     shim = CudaShim(CudaKnobs(activations=activations))
     plan = optimize(g, shim)
-    gate_up = next(op for op in plan.ops if class_of(op) is C.MOE_GATE_UP_ACT)
+    gate_up = next(op for op in plan.ops if _inner(op) is C.MOE_GATE_UP_ACT)
+    gate_up = gate_up.sym.parts[0] if class_of(gate_up) is not C.MOE_GATE_UP_ACT else gate_up
     assert shim.activation(gate_up, 0, plan.graph) is fmt
     assert shim.activation(gate_up, 1, plan.graph) is None  # the expert matrices are not an activation
