@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fuselane.explain import model_source
+from fuselane.explain import build_plan, launches_per_layer, model_source
 from fuselane.fuse.optimizer import optimize
 from fuselane.fuse.shim import DECOMPOSE, NATIVE
 from fuselane.fuse.views import class_of
@@ -90,3 +90,12 @@ def test_the_kept_experts_read_their_activation_in_the_lanes_form(activations, f
     gate_up = gate_up.sym.parts[0] if class_of(gate_up) is not C.MOE_GATE_UP_ACT else gate_up
     assert shim.activation(gate_up, 0, plan.graph) is fmt
     assert shim.activation(gate_up, 1, plan.graph) is None  # the expert matrices are not an activation
+
+
+@pytest.mark.parametrize("model", ["synth:qwen3-30b-a3b", "synth:qwen1.5-moe-a2.7b"])
+@pytest.mark.parametrize("knobs", [(), ("activations=dequant",)])
+def test_a_decode_step_is_at_most_eight_launches_a_layer(model, knobs):
+    # attention's four (QKV, rotations, attention, output projection with its add and norm) and the mixture's
+    # router, gate/up and down with its add and norm; under int8 one quantizing launch of the mixture's input
+    _, _, plan = build_plan(model, lane="cuda", knobs=knobs)
+    assert max(launches_per_layer(plan).values()) <= 8

@@ -22,7 +22,7 @@ from fuselane.info import describe
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.models import config_of
 from fuselane.runtime.model import load
-from tests.bounded import assert_one_line_error, run_bounded
+from tests.bounded import run_bounded
 from tests.graph.test_classes import MIXTURE_RULES
 
 MOE_MODELS = ("synth:tiny-qwen2moe", "synth:tiny-qwen3moe", "synth:tiny-qwen3moe:q4_k_m")

@@ -38,8 +38,8 @@ from fuselane.graph.ops import (
     UnaryOp,
 )
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.run import moe_launch
 from fuselane.lanes.cuda.plan.shim import QUANT_EPILOGUES
+from fuselane.lanes.cuda.run import moe_launch
 
 Launch = Callable[[], None]
 
