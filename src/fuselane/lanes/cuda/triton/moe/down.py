@@ -111,43 +111,65 @@ def _down_kernel(
 ):  # fmt: skip
     pdl.begin(PDL)
     row = tl.program_id(1)
-    tile = tl.program_id(0)
-    if SHARED:
-        tile = tl.atomic_add(counters + ROWS, 1, sem="relaxed", scope="gpu")
-        if tile == NA + NB - 1:  # every ticket is taken
+    if SHARED:  # tickets, not program ids: the shared programs are the first to start
+        ticket = tl.atomic_add(counters + ROWS, 1, sem="relaxed", scope="gpu")
+        if ticket == NA + NB - 1:  # every ticket is taken
             tl.atomic_xchg(counters + ROWS, 0, sem="relaxed", scope="gpu")
-    if SHARED and tile < NA:
-        _shared_phase(x, w_sg, w_su, w_sc, sh, tile, D, SDFF, NA, SG_FMT, SG_STEPS, SG_UNITS, SG_SPLIT, SG_BLOCK_N,
-                      SG_STAGES, SG_ROW_BYTES, SC_FMT, SC_STEPS, SC_UNITS, SC_SPLIT, SC_STAGES)  # fmt: skip
-        tl.debug_barrier()
-        tl.atomic_add(counters + ROWS + 1, 1, sem="acq_rel", scope="gpu")
+        if ticket < NA:
+            _shared_phase(x, w_sg, w_su, w_sc, sh, ticket, D, SDFF, NA, SG_FMT, SG_STEPS, SG_UNITS, SG_SPLIT,
+                          SG_BLOCK_N, SG_STAGES, SG_ROW_BYTES, SC_FMT, SC_STEPS, SC_UNITS, SC_SPLIT,
+                          SC_STAGES)  # fmt: skip
+            tl.debug_barrier()
+            tl.atomic_add(counters + ROWS + 1, 1, sem="acq_rel", scope="gpu")
+        else:
+            _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, ticket - NA,
+                       D, DFF, K, ROWS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, NA, NB, FMT, ROW_BYTES, BLOCK_N,
+                       N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
+                       SD_SPLIT, SD_STAGES, SD_ROW_BYTES)  # fmt: skip
     else:
-        if SHARED:
-            tile -= NA
-        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        rc = tl.minimum(rows, D - 1).to(tl.int64)
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for j in tl.static_range(K):
-            pair = row * K + j
-            off = tl.load(ids + pair).to(tl.int64) * EXPERT_BYTES + rc * ROW_BYTES
-            if Q8IN:
-                y, _ = row_dots(w + off, w + off, hq + pair * DFF, hd + pair * (DFF // 32), hs + pair * (DFF // 16),
-                                FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, False)  # fmt: skip
-            else:
-                y = row_dot(w + off, h + pair * DFF, FMT, STEPS, UNITS, SPLIT, BLOCK_N, STAGES)
-            acc += tl.load(weights + pair) * y
-        if SHARED:
-            _wait_shared(counters, ROWS, NA, NB)
-            ys = row_dot(w_sd + rc * SD_ROW_BYTES, sh, SD_FMT, SD_STEPS, SD_UNITS, SD_SPLIT, BLOCK_N, SD_STAGES)
-            acc += tl.load(sh + SDFF, cache_modifier=".cg") * ys
-        if ADDS >= 1:
-            acc += tl.load(a0 + row * D + rc)
-        if ADDS >= 2:
-            acc += tl.load(a1 + row * D + rc)
-        tl.store(sum_out + row * D + rows, acc, mask=rows < D)
+        _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, tl.program_id(0),
+                   D, DFF, K, ROWS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, NA, NB, FMT, ROW_BYTES, BLOCK_N,
+                   N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
+                   SD_SPLIT, SD_STAGES, SD_ROW_BYTES)  # fmt: skip
     if NORM:
         norm_last(sum_out + row * D, norm_w, out + row * D, D, eps, counters + row, oq + row * D,
                   od + row * (D // 32), os_ + row * (D // 16), NORM_BLOCK, NORM_STEPS, Q8OUT)  # fmt: skip
+
+
+@triton.jit
+def _down_rows(
+    h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, tile,
+    D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, EXPERT_BYTES: tl.constexpr,
+    Q8IN: tl.constexpr, ADDS: tl.constexpr, SHARED: tl.constexpr, SDFF: tl.constexpr, NA: tl.constexpr,
+    NB: tl.constexpr, FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
+    STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+    SD_FMT: tl.constexpr, SD_STEPS: tl.constexpr, SD_UNITS: tl.constexpr, SD_SPLIT: tl.constexpr,
+    SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr,
+):  # fmt: skip
+    """Tile `tile` of row `row`'s sum: its kept experts' weighted down products, the shared expert's (once its
+    programs are done), the arrays added in; stored to sum_out."""
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rc = tl.minimum(rows, D - 1).to(tl.int64)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(K):
+        pair = row * K + j
+        off = tl.load(ids + pair).to(tl.int64) * EXPERT_BYTES + rc * ROW_BYTES
+        if Q8IN:
+            y, _ = row_dots(w + off, w + off, hq + pair * DFF, hd + pair * (DFF // 32), hs + pair * (DFF // 16),
+                            FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, False)  # fmt: skip
+        else:
+            y = row_dot(w + off, h + pair * DFF, FMT, STEPS, UNITS, SPLIT, BLOCK_N, STAGES)
+        acc += tl.load(weights + pair) * y
+    if SHARED:
+        _wait_shared(counters, ROWS, NA, NB)
+        ys = row_dot(w_sd + rc * SD_ROW_BYTES, sh, SD_FMT, SD_STEPS, SD_UNITS, SD_SPLIT, BLOCK_N, SD_STAGES)
+        acc += tl.load(sh + SDFF, cache_modifier=".cg") * ys
+    if ADDS >= 1:
+        acc += tl.load(a0 + row * D + rc)
+    if ADDS >= 2:
+        acc += tl.load(a1 + row * D + rc)
+    tl.store(sum_out + row * D + rows, acc, mask=rows < D)
 
 
 def counters(rows: int, device) -> Tensor:
