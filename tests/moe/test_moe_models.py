@@ -1,6 +1,6 @@
 """Mixture checkpoints end to end, without transformers: synthetic files at the built-in shapes, what `info` and
 `explain` say of them, where the classes stand (`STANDING` against what fires on the mixtures' plans), and the
-cuda lane's refusal of a mixture (it has no mixture-of-experts kernels yet) in one line."""
+cuda lane's answers and launches for a mixture."""
 
 from __future__ import annotations
 
