@@ -3,7 +3,12 @@ a prompt past the GEMV's rows (routing with the pairs sorted by expert, the chun
 rows, the shared expert apart) and a decode step (the router and top-k on the device, the kept experts'
 int8 gate/up writing its int8 form, the down products with the shared expert folded in, the residual add
 and the next norm in one launch). Tolerances from the lane's numerics contract. One step each: the
-interpreter is slow."""
+interpreter is slow.
+
+Routing: the lane must keep the experts the reference keeps, in every row (recorded from the cpu lane's top-k
+and read from the lane's id buffer). The lane routes on its own scores, which differ from the reference's by
+its numerics, so a k-th and (k+1)-th score within that of each other could keep another expert by chance:
+the message then gives the reference's smallest lead of the k-th score, to tell such a seed from a bug."""
 
 from __future__ import annotations
 
@@ -37,6 +42,23 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
+def _record_routing(monkeypatch) -> list:
+    """The cpu lane's router scores and kept ids at each top-k it runs (the one layer's), appended in turn."""
+    from fuselane.graph.ops import TopK
+    from fuselane.lanes.cpu import kernels
+
+    seen: list = []
+    top_k = kernels.KERNELS[TopK]
+
+    def recording(spec, args, pos):
+        ids = top_k(spec, args, pos)
+        seen.append((args[0].reshape(spec.rows, spec.cols), ids))
+        return ids
+
+    monkeypatch.setitem(kernels.KERNELS, TopK, recording)
+    return seen
+
+
 @pytest.mark.parametrize(
     ("shape", "activations", "decode_classes"),
     [
@@ -44,14 +66,22 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
         ("qwen2moe", "dequant", {C.ROUTER_TOPK, C.MOE_GATE_UP_ACT, C.MOE_DEFERRED_FINALIZE}),
     ],
 )
-def test_cuda_lane_runs_a_mixture_as_the_cpu_lane(tmp_path, shape, activations, decode_classes):
+def test_cuda_lane_runs_a_mixture_as_the_cpu_lane(tmp_path, monkeypatch, shape, activations, decode_classes):
     path = write_synthetic(tmp_path / "m.gguf", SHAPES[shape], "q8_0", seed=4)
     gpu = load(path, lane="cuda", ctx=16, knobs=[f"activations={activations}"])
     ref = load(path, lane="cpu", ctx=16, dtype=np.float64)
     step = gpu.lane.step(1)
     assert decode_classes <= {class_of(op) for op, _ in step.bound}
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    routed = _record_routing(monkeypatch)
     sg, sr = gpu.session(), ref.session()
     for what, a, b in (("prefill", sg.feed(PROMPT), sr.feed(PROMPT)), ("decode", sg.extend([9]), sr.extend([9]))):
+        rows = len(PROMPT) if what == "prefill" else 1
+        scores, want = routed.pop(0)
+        got = gpu.lane.step(rows).bufs["l0.experts"].view(torch.int32).numpy()
+        k = got.shape[-1]
+        ranked = np.sort(scores, axis=-1)[:, ::-1]
+        lead = float(np.min(ranked[:, k - 1] - ranked[:, k]))
+        assert np.array_equal(np.sort(got, -1), np.sort(want, -1)), f"{what}: other experts kept (lead {lead:.2e})"
         assert np.isfinite(a).all()
         assert rel(a, b) <= tol, f"{what}: {rel(a, b):.2e} > {tol:.2e}"

@@ -116,8 +116,16 @@ class CudaLane:
         return self._dense[name]
 
     def weight_bytes(self) -> int:
-        """Bytes a decode step reads: every matrix once, but the embedding table (one row is gathered)."""
-        return sum(int(w.numel()) for n, (w, _) in self.raw.items() if n != "token_embd.weight" or self.cfg.tied)
+        """Bytes a decode step reads: every matrix once, but the embedding table (one row is gathered) and a
+        mixture's expert tensors (only the kept experts' matrices are read: k of them a layer)."""
+        total = 0
+        for n, (w, _) in self.raw.items():
+            shape = self.tensors[n].shape
+            if len(shape) == 1 or (n == "token_embd.weight" and not self.cfg.tied):
+                continue
+            kept = self.cfg.experts_used / self.cfg.experts if len(shape) == 3 else 1
+            total += int(w.numel() * kept)
+        return total
 
     # ---- plans ------------------------------------------------------------------------------------------
 
