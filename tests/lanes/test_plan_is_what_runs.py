@@ -46,10 +46,11 @@ MODELS = {
         "q4_k_m",
     ),
     "qwen2moe-q8_0": (
-        Shape("qwen2moe", 128, 2, 4, 2, 32, 256, 512, context=4096, experts=8, experts_used=2, expert_ff=64,
-              shared_ff=128),
+        Shape(
+            "qwen2moe", 128, 2, 4, 2, 32, 256, 512, context=4096, experts=8, experts_used=2, expert_ff=64, shared_ff=128
+        ),
         "q8_0",
-    ),  # fmt: skip
+    ),
 }
 KNOBS = [
     (),
