@@ -66,6 +66,7 @@ def test_decode_loop_replays_the_host_steps_within_the_launch_budget(mixture):
     assert max(per_layer.values()) <= LAUNCH_BUDGET, per_layer
     pos = gpu.session().prepare(PROMPT)
     replayed = list(itertools.islice(gpu.lane.decode(PROMPT[-1], pos, GREEDY), len(DECODE)))
+    pos = gpu.session().prepare(PROMPT)  # the same prompt again: the host path from the same cache
     sampler, token, host = Sampler(GREEDY), PROMPT[-1], []
     for i in range(len(DECODE)):
         host.append(sampler(gpu.lane.forward(np.array([token]), pos + i)[-1]))

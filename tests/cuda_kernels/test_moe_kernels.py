@@ -129,7 +129,7 @@ def _shared(rng, d: int, sdff: int, fmt: Format):
 )  # fmt: skip
 def test_down_combines_adds_and_norms(fmt, int8, rows, shared):
     rng = np.random.default_rng(3)
-    experts, d, dff, slots = 5, 64, 256, 2
+    experts, d, dff, slots = 5, 32, 256, 2
     rd, wd = _matrices(fmt, experts, d, dff, rng)
     h = rng.standard_normal((rows * slots, dff)).astype(np.float32)
     ids_np = np.array([[4, 2], [2, 0]][:rows], dtype=np.int32)
