@@ -123,13 +123,14 @@ def _shared(rng, d: int, sdff: int, fmt: Format):
 
 
 @pytest.mark.parametrize(
-    ("fmt", "int8", "rows", "shared"),
-    [(Format.Q8_0, True, 1, True), (Format.Q6_K, True, 1, False), (Format.Q8_0, False, 2, False),
-     (Format.Q5_0, False, 1, True)],
+    ("fmt", "int8", "rows", "shared", "dff"),
+    [(Format.Q8_0, True, 1, True, 256), (Format.Q6_K, True, 1, False, 256), (Format.Q8_0, False, 2, False, 256),
+     (Format.Q5_0, False, 1, True, 256), (Format.Q4_K, True, 1, False, 768)],
 )  # fmt: skip
-def test_down_combines_adds_and_norms(fmt, int8, rows, shared):
+def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff):
+    # 768 values: Q4_K's three super-blocks, a partial chunk of the int8 GEMV's tile (Qwen3-30B-A3B's experts)
     rng = np.random.default_rng(3)
-    experts, d, dff, slots = 5, 32, 256, 2
+    experts, d, slots = 5, 32, 2
     rd, wd = _matrices(fmt, experts, d, dff, rng)
     h = rng.standard_normal((rows * slots, dff)).astype(np.float32)
     ids_np = np.array([[4, 2], [2, 0]][:rows], dtype=np.int32)
