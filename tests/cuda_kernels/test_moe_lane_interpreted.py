@@ -64,6 +64,7 @@ def _record_routing(monkeypatch) -> list:
     [
         ("qwen3moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT}),
         ("qwen2moe", "dequant", {C.ROUTER_TOPK, C.MOE_GATE_UP_ACT, C.MOE_DEFERRED_FINALIZE}),
+        ("qwen2moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT}),  # the fold's int8 experts
     ],
 )
 def test_cuda_lane_runs_a_mixture_as_the_cpu_lane(tmp_path, monkeypatch, shape, activations, decode_classes):
