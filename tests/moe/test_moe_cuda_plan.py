@@ -7,17 +7,22 @@ one row."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from fuselane.explain import build_plan, launches_per_layer, model_source
 from fuselane.fuse.optimizer import optimize
 from fuselane.fuse.shim import DECOMPOSE, NATIVE
 from fuselane.fuse.views import class_of
+from fuselane.gguf.synth import SHAPES, Mix, model_metadata, tensor_formats, tensor_shapes
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form, QuantFormat
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
 from fuselane.lanes.cuda.plan.shim import MOE_CLASSES, QUANT_EPILOGUES, CudaShim
-from fuselane.models import recognizer
+from fuselane.models import config_of, recognizer
+from tests.lanes.test_cuda_launches import Stub
+from tests.lanes.test_cuda_launches import launches_per_layer as stub_launches
 
 DECOMPOSED_BY_SPEC = (C.MASKED_EXPERT_ACTIVATION, C.MOE_GATHER_IN_OPERAND)
 SHARED_REASON = (
@@ -99,3 +104,16 @@ def test_a_decode_step_is_at_most_eight_launches_a_layer(model, knobs):
     # router, gate/up and down with its add and norm; under int8 one quantizing launch of the mixture's input
     _, _, plan = build_plan(model, lane="cuda", knobs=knobs)
     assert max(launches_per_layer(plan).values()) <= 8
+
+
+@pytest.mark.parametrize("mix", [m for m in Mix if m is not Mix.Q4_K_M_05B])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen1.5-moe-a2.7b"])
+def test_every_mix_of_the_real_mixtures_is_within_the_budget(name, mix):
+    # eight layers hold every combination of formats the recipes give a layer (tests/lanes/test_launch_budget.py)
+    shape = replace(SHAPES[name], n_layers=8)
+    formats = tensor_formats(shape, mix)
+    tensors = {n: Stub(dims, formats[n]) for n, dims in tensor_shapes(shape).items()}
+    cfg = config_of(model_metadata(shape, name, 0) | {"general.architecture": shape.arch}, tensors)
+    g = recognizer(cfg).recognize(cfg, tensors, Form.DECODE, ctx=4096)
+    per_layer = stub_launches(g, optimize(g, CudaShim()))
+    assert max(per_layer.values()) <= 8, per_layer

@@ -208,7 +208,7 @@ class CudaShim:
         if operand != 0 or g.rows != 1:  # a chunk's products, even its last row's head, read f32 rows
             return None
         if moe(consumer) is not None:
-            return fmt
+            return fmt if self._experts_read_int8(consumer, consumer.ins[operand], g) else None
         first = parts(consumer)[0] if cls in (C.GEMV_GATE_UP_GLU, C.MERGED_QKV) else consumer
         p = self.part_product(first, g)
         return fmt if p is not None and self.int8_gemv(p) else None
@@ -236,6 +236,18 @@ class CudaShim:
             m = moe(producer)
             return m is not None and m.rows == 1 and m.d % kernels.QBLOCK == 0
         return False
+
+    @staticmethod
+    def _experts_read_int8(op: Op, x: str, g: TensorGraph) -> bool:
+        """Whether the kept experts' products of `op` that read `x` are ones the int8 GEMV multiplies (its
+        formats, whole blocks): only then is `x` quantized for them."""
+        products = [p for p in leaves(op) if isinstance(p.sym, ExpertMatmul) and p.ins[0] == x]
+        for p in products:
+            storage = g.tensors[p.ins[1]].storage
+            spec: ExpertMatmul = p.sym  # type: ignore[assignment]
+            if not isinstance(storage, Rows) or not kernels.int8_gemv(storage.format, 1, spec.kd):
+                return False
+        return bool(products)
 
     def _experts_in_int8(self, op: Op, g: TensorGraph) -> bool:
         """Whether the kept experts' gate/up products of a decode step read their activation in int8 (the int8
