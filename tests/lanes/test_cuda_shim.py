@@ -60,10 +60,8 @@ from fuselane.lanes.cuda.plan import fits as fits_module
 from fuselane.lanes.cuda.plan.knobs import Activations, CachePrecision, CudaKnobs, StatePrecision
 from fuselane.lanes.cuda.plan.shim import (
     DECOMPOSED_CLASSES,
-    MOE_CLASSES,
     NATIVE_CLASSES,
     NO_KERNEL_CLASSES,
-    NO_MOE_KERNELS,
     QUANT_EPILOGUES,
     REFUSED_CLASSES,
     CudaShim,
@@ -532,9 +530,7 @@ def test_supports_answers_every_class_once() -> None:
 def test_supports_refusals_are_the_specified_reasons() -> None:
     shim = CudaShim(DEFAULT)
     refused = {cls: shim.supports(cls).reason for cls in C if shim.supports(cls).kind is SupportKind.REFUSE}
-    # until the lane has mixture kernels it refuses the mixture's classes, which the specification runs
-    # (docs/moe.md keeps the specified answers)
-    assert refused == SPECIFIED_REFUSALS | dict.fromkeys(MOE_CLASSES, NO_MOE_KERNELS)
+    assert refused == SPECIFIED_REFUSALS
 
 
 @pytest.mark.parametrize("fuse_quant", [True, False])

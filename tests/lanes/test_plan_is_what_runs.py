@@ -40,6 +40,17 @@ MODELS = {
     "qwen2-q8_0": (Shape("qwen2", 128, 2, 4, 2, 32, 256, 512, context=4096), "q8_0"),
     "qwen3-q4_k_m": (Shape("qwen3", 256, 2, 4, 2, 64, 768, 512, context=4096), "q4_k_m"),
     "qwen3-f16": (Shape("qwen3", 64, 2, 4, 2, 16, 128, 512, context=4096), "f16"),
+    # mixtures: the kept experts' rows Q4_K / Q6_K of 256, or Q8_0 with a shared expert
+    "qwen3moe-q4_k_m": (
+        Shape("qwen3moe", 256, 2, 4, 2, 64, 768, 512, context=4096, experts=8, experts_used=2, expert_ff=256),
+        "q4_k_m",
+    ),
+    "qwen2moe-q8_0": (
+        Shape(
+            "qwen2moe", 128, 2, 4, 2, 32, 256, 512, context=4096, experts=8, experts_used=2, expert_ff=64, shared_ff=128
+        ),
+        "q8_0",
+    ),
 }
 KNOBS = [
     (),

@@ -1,28 +1,28 @@
-"""The cuda lane's plan side on mixtures: what it answers today, and what its `fits` decide under the answers
-the specification gives the mixture's classes (native; the masked activation and the gather in the operand
-decomposed), which the lane switches on when its mixture kernels come (docs/moe.md).
+"""The cuda lane's plan side on mixtures: the specification's answers for the mixture's classes (native; the
+masked activation and the gather in the operand decomposed) and what its `fits` decide (docs/moe.md).
 
-Today the shim refuses the mixture's classes, so compiling a mixture for the lane stops at the first top-k
-with that reason. Under the specified answers, a decode step's mixture is three launches (RouterTopk,
-MoeGateUpAct, MoeDeferredFinalize, the shared expert folded in), and a chunk sorts its pairs by expert but
-keeps its shared expert apart: the fold takes a step's one row."""
+A decode step's mixture is three launches (RouterTopk, MoeGateUpAct, MoeDeferredFinalize, the shared expert
+folded in), and a chunk sorts its pairs by expert but keeps its shared expert apart: the fold takes a step's
+one row."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 import pytest
 
-from fuselane.errors import FuselaneError
-from fuselane.explain import model_source
+from fuselane.explain import build_plan, launches_per_layer, model_source
 from fuselane.fuse.optimizer import optimize
-from fuselane.fuse.shim import DECOMPOSE, NATIVE, Support
+from fuselane.fuse.shim import DECOMPOSE, NATIVE
 from fuselane.fuse.views import class_of
+from fuselane.gguf.synth import SHAPES, Mix, model_metadata, tensor_formats, tensor_shapes
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form, QuantFormat
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
-from fuselane.lanes.cuda.plan.shim import MOE_CLASSES, NO_MOE_KERNELS, CudaShim
-from fuselane.models import recognizer
+from fuselane.lanes.cuda.plan.shim import MOE_CLASSES, QUANT_EPILOGUES, CudaShim
+from fuselane.models import config_of, recognizer
+from tests.lanes.test_cuda_launches import Stub
+from tests.lanes.test_cuda_launches import launches_per_layer as stub_launches
 
 DECOMPOSED_BY_SPEC = (C.MASKED_EXPERT_ACTIVATION, C.MOE_GATHER_IN_OPERAND)
 SHARED_REASON = (
@@ -31,29 +31,26 @@ SHARED_REASON = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Specified(CudaShim):
-    """The cuda shim answering the mixture's classes as the specification does."""
-
-    def supports(self, cls: C) -> Support:
-        if cls in DECOMPOSED_BY_SPEC:
-            return DECOMPOSE
-        return NATIVE if cls in MOE_CLASSES else CudaShim.supports(self, cls)
-
-
 def graph(model: str, rows: int):
     _, cfg, tensors = model_source(model)
     form = Form.DECODE if rows == 1 else Form.PREFILL
     return recognizer(cfg).recognize(cfg, tensors, form, rows=rows, ctx=64)
 
 
+def _inner(op):
+    """An op's class, or its producer's where it is a quantizing fold (the int8 epilogue of a mixture's step)."""
+    c = class_of(op)
+    return class_of(op.sym.parts[0]) if c in QUANT_EPILOGUES else c
+
+
 def mixture_ops(plan) -> list[str]:
-    return [c.value for op in plan.ops if (c := class_of(op)) is not None and c in MOE_CLASSES]
+    return [c.value for op in plan.ops if (c := _inner(op)) is not None and c in MOE_CLASSES]
 
 
-def test_today_the_lane_refuses_a_mixture_by_its_first_top_k():
-    with pytest.raises(FuselaneError, match=f"l0.experts routes each row to its top-k experts, and {NO_MOE_KERNELS}"):
-        optimize(graph("synth:tiny-qwen3moe", 1), CudaShim())
+def test_the_lane_answers_the_mixture_as_specified():
+    shim = CudaShim()
+    for cls in MOE_CLASSES:
+        assert shim.supports(cls) == (DECOMPOSE if cls in DECOMPOSED_BY_SPEC else NATIVE), cls
 
 
 @pytest.mark.parametrize(
@@ -65,22 +62,22 @@ def test_today_the_lane_refuses_a_mixture_by_its_first_top_k():
     ],
 )
 def test_a_decode_step_mixture_is_three_launches_under_the_specified_answers(model, activations):
-    plan = optimize(graph(model, 1), Specified(CudaKnobs(activations=activations)))
+    plan = optimize(graph(model, 1), CudaShim(CudaKnobs(activations=activations)))
     layers = len({op.out.split(".")[0] for op in plan.ops if class_of(op) is C.ROUTER_TOPK})
     assert mixture_ops(plan) == ["RouterTopk", "MoeGateUpAct", "MoeDeferredFinalize"] * layers
     assert not [m for m in plan.missed if m.cls in MOE_CLASSES]
 
 
 def test_a_chunk_sorts_by_expert_and_keeps_its_shared_expert_apart():
-    plan = optimize(graph("synth:tiny-qwen2moe", 5), Specified())
+    plan = optimize(graph("synth:tiny-qwen2moe", 5), CudaShim())
     assert mixture_ops(plan)[:3] == ["MoeTokenSort", "MoeGateUpAct", "MoeDownCombine"]
     reasons = {m.reason for m in plan.missed if m.cls is C.SHARED_EXPERT_FUSION}
     assert reasons == {SHARED_REASON}
 
 
 def test_the_decode_fold_reads_its_shared_expert_width_from_its_down_product():
-    plan = optimize(graph("synth:qwen1.5-moe-a2.7b", 1), Specified())
-    final = next(op for op in plan.ops if class_of(op) is C.MOE_DEFERRED_FINALIZE)
+    plan = optimize(graph("synth:qwen1.5-moe-a2.7b", 1), CudaShim())
+    final = next(op.sym.parts[0] for op in plan.ops if _inner(op) is C.MOE_DEFERRED_FINALIZE)
     fold = final.sym.parts[0]
     assert class_of(fold) is C.SHARED_EXPERT_FUSION
     # four kept experts and the shared expert a warp each; every width past the wide GEMV's: four rows a warp
@@ -92,8 +89,31 @@ def test_the_decode_fold_reads_its_shared_expert_width_from_its_down_product():
 )
 def test_the_kept_experts_read_their_activation_in_the_lanes_form(activations, fmt):
     g = graph("synth:tiny-qwen3moe", 1)
-    shim = Specified(CudaKnobs(activations=activations))
+    shim = CudaShim(CudaKnobs(activations=activations))
     plan = optimize(g, shim)
-    gate_up = next(op for op in plan.ops if class_of(op) is C.MOE_GATE_UP_ACT)
+    gate_up = next(op for op in plan.ops if _inner(op) is C.MOE_GATE_UP_ACT)
+    gate_up = gate_up.sym.parts[0] if class_of(gate_up) is not C.MOE_GATE_UP_ACT else gate_up
     assert shim.activation(gate_up, 0, plan.graph) is fmt
     assert shim.activation(gate_up, 1, plan.graph) is None  # the expert matrices are not an activation
+
+
+@pytest.mark.parametrize("model", ["synth:qwen3-30b-a3b", "synth:qwen1.5-moe-a2.7b"])
+@pytest.mark.parametrize("knobs", [(), ("activations=dequant",)])
+def test_a_decode_step_is_at_most_eight_launches_a_layer(model, knobs):
+    # attention's four (QKV, rotations, attention, output projection with its add and norm) and the mixture's
+    # router, gate/up and down with its add and norm; under int8 one quantizing launch of the mixture's input
+    _, _, plan = build_plan(model, lane="cuda", knobs=knobs)
+    assert max(launches_per_layer(plan).values()) <= 8
+
+
+@pytest.mark.parametrize("mix", [m for m in Mix if m is not Mix.Q4_K_M_05B])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen1.5-moe-a2.7b"])
+def test_every_mix_of_the_real_mixtures_is_within_the_budget(name, mix):
+    # eight layers hold every combination of formats the recipes give a layer (tests/lanes/test_launch_budget.py)
+    shape = replace(SHAPES[name], n_layers=8)
+    formats = tensor_formats(shape, mix)
+    tensors = {n: Stub(dims, formats[n]) for n, dims in tensor_shapes(shape).items()}
+    cfg = config_of(model_metadata(shape, name, 0) | {"general.architecture": shape.arch}, tensors)
+    g = recognizer(cfg).recognize(cfg, tensors, Form.DECODE, ctx=4096)
+    per_layer = stub_launches(g, optimize(g, CudaShim()))
+    assert max(per_layer.values()) <= 8, per_layer

@@ -1,6 +1,6 @@
 """Mixture checkpoints end to end, without transformers: synthetic files at the built-in shapes, what `info` and
 `explain` say of them, where the classes stand (`STANDING` against what fires on the mixtures' plans), and the
-cuda lane's refusal of a mixture (it has no mixture-of-experts kernels yet) in one line."""
+cuda lane's answers and launches for a mixture."""
 
 from __future__ import annotations
 
@@ -12,16 +12,17 @@ import pytest
 
 from fuselane.errors import FuselaneError
 from fuselane.explain import FORMS, build_plan
+from fuselane.fuse.shim import SupportKind
 from fuselane.fuse.views import class_of
 from fuselane.gguf.formats import Format
 from fuselane.gguf.reader import open_gguf
 from fuselane.gguf.synth import SHAPES, Shape, tensor_formats, tensor_shapes, write_synthetic
 from fuselane.graph.classes import ClassId, built_by
 from fuselane.info import describe
-from fuselane.lanes.cuda.plan.shim import NO_MOE_KERNELS, CudaShim
+from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.models import config_of
 from fuselane.runtime.model import load
-from tests.bounded import assert_one_line_error, run_bounded
+from tests.bounded import run_bounded
 from tests.graph.test_classes import MIXTURE_RULES
 
 MOE_MODELS = ("synth:tiny-qwen2moe", "synth:tiny-qwen3moe", "synth:tiny-qwen3moe:q4_k_m")
@@ -87,15 +88,17 @@ def test_info_shows_the_experts_and_their_widths(tiny):
     assert "a shared expert of ffn 64" in done.stdout.decode()
 
 
-def test_run_on_the_cuda_lane_says_it_has_no_mixture_kernels(tiny):
-    line = assert_one_line_error(*run_bounded(["run", "--lane", "cuda", "-n", "1", str(tiny["tiny-qwen3moe"]), "hi"]))
-    assert "cannot run this model" in line and NO_MOE_KERNELS in line and "top-k experts" in line
+def test_explain_on_the_cuda_lane_shows_a_decode_mixture_in_three_launches():
+    ops = [class_of(op) for op in build_plan("synth:tiny-qwen3moe", lane="cuda")[2].ops]
+    # the kept experts' gate/up and the mixture's last step write their results' int8 form themselves
+    assert ops.count(ClassId.ROUTER_TOPK) == ops.count(ClassId.GLU_ACT_MUL_QUANT) == ops.count(ClassId.NORM_QUANT)
+    assert ops.count(ClassId.ROUTER_TOPK) == 2  # a layer each
 
 
-def test_the_cuda_shim_refuses_every_mixture_class():
+def test_the_cuda_shim_runs_the_mixture_classes_and_refuses_grouped_routing():
     shim = CudaShim()
     for cls in (ClassId.ROUTER_TOPK, ClassId.MOE_GATE_UP_ACT, ClassId.MOE_DEFERRED_FINALIZE):
-        assert shim.supports(cls).reason == NO_MOE_KERNELS
+        assert shim.supports(cls).kind is SupportKind.NATIVE
     assert shim.supports(ClassId.GROUPED_TOPK).reason == "the lane routes by one top-k over every expert"
 
 

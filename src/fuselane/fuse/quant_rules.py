@@ -51,9 +51,11 @@ def _rule(name: str, builds: C, *producers: type | C) -> Rule:
 
 
 QUANT_RULES = [
-    _rule("norm_quant", C.NORM_QUANT, C.NORM_WEIGHT, C.EMBED_NORM, C.GEMV_NORM_EPILOGUE),  # norm -> int8 rows
+    # norm -> int8 rows (a mixture's last step norms too)
+    _rule("norm_quant", C.NORM_QUANT, C.NORM_WEIGHT, C.EMBED_NORM, C.GEMV_NORM_EPILOGUE, C.MOE_DEFERRED_FINALIZE),
     _rule("add_norm_quant", C.ADD_NORM_QUANT, C.ADD_NORM),  # AddNorm -> writes its norm as int8
-    _rule("glu_quant", C.GLU_ACT_MUL_QUANT, C.GLU_ACT_MUL, C.GEMV_GATE_UP_GLU),  # silu(g) * u -> int8
+    # silu(g) * u -> int8 (the kept experts' too)
+    _rule("glu_quant", C.GLU_ACT_MUL_QUANT, C.GLU_ACT_MUL, C.GEMV_GATE_UP_GLU, C.MOE_GATE_UP_ACT),
     _rule("elementwise_quant", C.ELEMENTWISE_QUANT, Elementwise),  # a (op) b -> int8
     _rule("gemv_quant", C.GEMV_QUANT, Matmul, C.GEMM_BIAS),  # x @ W^T -> int8 outputs
     # attention(q, k, v) -> writes its output as int8

@@ -233,8 +233,12 @@ def _embed_norm(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -
 def _norm_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
     first = members[0]
     # A projection whose last block norms its row (GemvNormEpilogue, which the shared `norm_quant` rule
-    # offers) closes with an RMS norm too: its norm is its second part.
-    closing = norm(parts(first)[1]) if class_of(first) is C.GEMV_NORM_EPILOGUE else None
+    # offers) closes with an RMS norm too: its norm is its second part; a mixture's last step's is its last.
+    closing = None
+    if class_of(first) is C.GEMV_NORM_EPILOGUE:
+        closing = norm(parts(first)[1])
+    elif class_of(first) is C.MOE_DEFERRED_FINALIZE:
+        closing = norm(parts(first)[-1])
     if norm(first) is None and embedded_norm(first) is None and closing is None:
         return "the lane's norm quantizes its result only from an RMS norm"
     return None

@@ -41,7 +41,7 @@ from fuselane.fuse.shim import DECOMPOSE, NATIVE, After, Before, LaneRule, Posit
 from fuselane.fuse.views import GemvForm, class_of, gemv, leaves, moe, parts, rope
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Op, QuantFormat, Rows, TensorGraph
-from fuselane.graph.ops import Attention, Moe
+from fuselane.graph.ops import Attention, ExpertMatmul, Moe
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, ROWS_A_WARP
 from fuselane.lanes.cuda.plan.fits import fits as lane_fits
@@ -67,6 +67,16 @@ from fuselane.numerics.contract import (
     Scheme,
 )
 
+# A mixture's classes: the lane runs the first six in one launch each (`triton.moe`), and the masked activation
+# and the gather in the operand as their parts, as the specification does (docs/moe.md).
+MOE_CLASSES = frozenset(
+    {
+        *(C.ROUTER_TOPK, C.MOE_TOKEN_SORT, C.MOE_GATE_UP_ACT, C.MOE_DOWN_COMBINE, C.SHARED_EXPERT_FUSION),
+        *(C.MOE_DEFERRED_FINALIZE, C.MASKED_EXPERT_ACTIVATION, C.MOE_GATHER_IN_OPERAND),
+    }
+)
+MOE_DECOMPOSED = frozenset({C.MASKED_EXPERT_ACTIVATION, C.MOE_GATHER_IN_OPERAND})
+
 # Classes a kernel of the lane runs in one launch: each has its binder in `launch.BINDERS`, which a test holds
 # this set to.
 NATIVE_CLASSES = frozenset(
@@ -75,6 +85,7 @@ NATIVE_CLASSES = frozenset(
         *(C.QK_NORM_ROPE, C.QK_NORM_ROPE_KV_APPEND, C.ROPE_KV_APPEND, C.ROPE_QK_ONE_LAUNCH),
         *(C.FLASH_DECODE, C.FLASH_PREFILL, C.QKV_HEAD_EPILOGUE),
         *(C.GLU_ACT_MUL, C.GEMV_GATE_UP_GLU, C.GEMM_BIAS, C.MERGED_QKV, C.ROW_WRITE),
+        *(MOE_CLASSES - MOE_DECOMPOSED),
     }
 )
 
@@ -111,24 +122,12 @@ DECOMPOSED_CLASSES = NO_KERNEL_CLASSES | frozenset(
         *(C.GEMM_SCALE, C.AFFINE_INPUT_FOLD, C.ROUTER_SHARED_GATE_MERGE),
         *(C.GDN_INPUT_EPILOGUE, C.GDN_DECODE_WHOLE, C.GDN_POST_CONV_PREP),
         C.LAST_LAYER_ROWS,
-    }
-)
-
-# A mixture's classes: the specification runs the first six natively (and the masked activation and the gather
-# in the operand as their parts), but the lane has no kernel for a mixture's routing or its expert products yet,
-# so it cannot run their parts apart either: it refuses them, and a mixture model with them (docs/moe.md keeps
-# the specified answers, for when the kernels come).
-NO_MOE_KERNELS = "the lane has no mixture-of-experts kernels yet"
-MOE_CLASSES = frozenset(
-    {
-        *(C.ROUTER_TOPK, C.MOE_TOKEN_SORT, C.MOE_GATE_UP_ACT, C.MOE_DOWN_COMBINE, C.SHARED_EXPERT_FUSION),
-        *(C.MOE_DEFERRED_FINALIZE, C.MASKED_EXPERT_ACTIVATION, C.MOE_GATHER_IN_OPERAND),
+        *MOE_DECOMPOSED,
     }
 )
 
 # Classes no kernel of the lane runs, and why: a model that needs one cannot run here.
 REFUSED_CLASSES: dict[C, str] = {
-    **dict.fromkeys(MOE_CLASSES, NO_MOE_KERNELS),
     C.RELU_SQR: "the lane links no ReLU",
     C.SOFTCAP: "the lane's attention takes no soft cap",
     C.MIXED_BATCH_ATTENTION: "the lane attends a batch's sequences each at its own position, none mid-prefill",
@@ -209,7 +208,7 @@ class CudaShim:
         if operand != 0 or g.rows != 1:  # a chunk's products, even its last row's head, read f32 rows
             return None
         if moe(consumer) is not None:
-            return fmt
+            return fmt if self._experts_read_int8(consumer, consumer.ins[operand], g) else None
         first = parts(consumer)[0] if cls in (C.GEMV_GATE_UP_GLU, C.MERGED_QKV) else consumer
         p = self.part_product(first, g)
         return fmt if p is not None and self.int8_gemv(p) else None
@@ -231,7 +230,34 @@ class CudaShim:
         if cls in (C.GEMV_NORM_EPILOGUE, C.GEMV_GATE_UP_GLU):
             p = gemv(parts(producer)[0], g)
             return p is not None and p.n % kernels.QBLOCK == 0 and self.activation(producer, 0, g) is not None
+        if cls is C.MOE_GATE_UP_ACT:
+            return self._experts_in_int8(producer, g)
+        if cls is C.MOE_DEFERRED_FINALIZE:
+            m = moe(producer)
+            return m is not None and m.rows == 1 and m.d % kernels.QBLOCK == 0
         return False
+
+    @staticmethod
+    def _experts_read_int8(op: Op, x: str, g: TensorGraph) -> bool:
+        """Whether the kept experts' products of `op` that read `x` are ones the int8 GEMV multiplies (its
+        formats, whole blocks): only then is `x` quantized for them."""
+        products = [p for p in leaves(op) if isinstance(p.sym, ExpertMatmul) and p.ins[0] == x]
+        for p in products:
+            storage = g.tensors[p.ins[1]].storage
+            spec: ExpertMatmul = p.sym  # type: ignore[assignment]
+            if not isinstance(storage, Rows) or not kernels.int8_gemv(storage.format, 1, spec.kd):
+                return False
+        return bool(products)
+
+    def _experts_in_int8(self, op: Op, g: TensorGraph) -> bool:
+        """Whether the kept experts' gate/up products of a decode step read their activation in int8 (the int8
+        GEMV's formats, whole blocks), so their kernel writes its result's int8 form: a tile is one block."""
+        product = next((x for x in leaves(op) if isinstance(x.sym, ExpertMatmul)), None)
+        storage = g.tensors[product.ins[1]].storage if product is not None else None
+        if product is None or not isinstance(storage, Rows) or self.activation(op, 0, g) is None:
+            return False
+        spec: ExpertMatmul = product.sym  # type: ignore[assignment]
+        return kernels.int8_gemv(storage.format, spec.rows, spec.kd) and spec.n % kernels.QBLOCK == 0
 
     def rules(self) -> list[tuple[Position, LaneRule]]:
         """The lane's own rules and where they link into the shared table (`rules`): the GEMV in parts before

@@ -23,6 +23,7 @@ import numpy as np
 from fuselane.errors import FuselaneError
 from fuselane.fuse.optimizer import Plan, optimize
 from fuselane.gguf.dequant import dequantize
+from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Form, QuantFormat, QuantizedActs, Role, TensorGraph
 from fuselane.lanes.cuda.plan.kernels import QBLOCK
 from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights
@@ -93,6 +94,8 @@ class CudaLane:
             if len(t.shape) == 1:
                 values = dequantize(t.data, t.format, t.shape, dtype=np.float32)
                 self.vec[name] = torch.from_numpy(values).to(self.device)
+                # a vector a product multiplies by (a shared expert's gate, one row): its f32 bytes as a matrix's
+                self.raw[name] = (self.vec[name].view(torch.uint8), Format.F32)
             else:
                 with warnings.catch_warnings():  # the mapped file is read-only; the kernels only read weights
                     warnings.simplefilter("ignore", UserWarning)
@@ -106,14 +109,23 @@ class CudaLane:
             from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize as device_dequantize
 
             raw, fmt = self.raw[name]
-            n, k = self.tensors[name].shape
+            shape = self.tensors[name].shape
+            n, k = (1, shape[0]) if len(shape) == 1 else shape
             out = self.torch.empty((n, k), dtype=self.torch.float16, device=self.device)
             self._dense[name] = device_dequantize(raw, fmt, n, k, out)
         return self._dense[name]
 
     def weight_bytes(self) -> int:
-        """Bytes a decode step reads: every matrix once, but the embedding table (one row is gathered)."""
-        return sum(int(w.numel()) for n, (w, _) in self.raw.items() if n != "token_embd.weight" or self.cfg.tied)
+        """Bytes a decode step reads: every matrix once, but the embedding table (one row is gathered) and a
+        mixture's expert tensors (only the kept experts' matrices are read: k of them a layer)."""
+        total = 0
+        for n, (w, _) in self.raw.items():
+            shape = self.tensors[n].shape
+            if len(shape) == 1 or (n == "token_embd.weight" and not self.cfg.tied):
+                continue
+            kept = self.cfg.experts_used / self.cfg.experts if len(shape) == 3 else 1
+            total += int(w.numel() * kept)
+        return total
 
     # ---- plans ------------------------------------------------------------------------------------------
 

@@ -30,13 +30,16 @@ from fuselane.graph.ops import (
     Quantize,
     RmsNorm,
     Rope,
+    RowScale,
     RowsGather,
     SetRow,
     TakeRows,
     Unary,
+    UnaryOp,
 )
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.shim import QUANT_EPILOGUES
+from fuselane.lanes.cuda.run import moe_launch
 
 Launch = Callable[[], None]
 
@@ -208,6 +211,8 @@ def _unary(op: Op, b: Bound):
     import torch
 
     x, out = b.bufs[op.ins[0]], b.bufs[op.out]
+    if op.sym.op is UnaryOp.SIGMOID:  # type: ignore[union-attr]
+        return [lambda: torch.sigmoid(x, out=out)]
     return [lambda: torch.mul(torch.sigmoid(x), x, out=out)]
 
 
@@ -544,6 +549,7 @@ BINDERS: dict[C | type, Binder] = {
     RowsGather: _gather,
     ArgMax: _argmax,
     Quantize: _quantize,
+    RowScale: moe_launch.row_scale,
     C.NORM_WEIGHT: _norm_weight,
     C.ADD_NORM: _add_norm,
     C.EMBED_NORM: _embed_norm,
@@ -559,6 +565,12 @@ BINDERS: dict[C | type, Binder] = {
     C.GLU_ACT_MUL: _glu,
     C.FLASH_DECODE: _flash,
     C.FLASH_PREFILL: _flash,
+    C.ROUTER_TOPK: moe_launch.route_topk,
+    C.MOE_TOKEN_SORT: moe_launch.route_topk,
+    C.MOE_GATE_UP_ACT: moe_launch.gate_up_act,
+    C.MOE_DOWN_COMBINE: moe_launch.down_combine,
+    C.SHARED_EXPERT_FUSION: moe_launch.down_combine,
+    C.MOE_DEFERRED_FINALIZE: moe_launch.down_combine,
     **{cls: _quantizing for cls in QUANT_EPILOGUES},
 }
 # Native classes that launch only as a part of another class's launch: a projection turns its heads in its
@@ -571,4 +583,6 @@ _QUANT_EPILOGUE: dict[C | type, Callable[[Op, Bound, Any], list[Launch]]] = {
     C.GEMV_GATE_UP_GLU: _gate_up,
     C.FLASH_DECODE: _flash,
     Attention: _attention,
+    C.MOE_GATE_UP_ACT: moe_launch.gate_up_act,
+    C.MOE_DEFERRED_FINALIZE: moe_launch.down_combine,
 }

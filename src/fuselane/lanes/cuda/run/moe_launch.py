@@ -1,0 +1,186 @@
+"""The binders of a mixture's classes (`launch.BINDERS`): each fused op of a mixture is one launch of the
+`triton.moe` kernels. Expert ids are the int32 view of their f32 activation buffer, on the device.
+
+- RouterTopk, MoeTokenSort: `route` (scores, top-k, weights; the chunk's order by expert);
+- MoeGateUpAct (and its GluActMulQuant): `gate_up`, int8 where the plan quantized its activation and the
+  int8 GEMV takes the format, writing its own int8 form where the plan asks;
+- MoeDownCombine, SharedExpertFusion, MoeDeferredFinalize (and its NormQuant): `down_combine`, with the
+  arrays the fused op adds in, the folded shared expert, and the next norm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fuselane.fuse.views import leaves
+from fuselane.graph.ir import Op
+from fuselane.graph.ops import (
+    Elementwise,
+    ElementwiseOp,
+    ExpertMatmul,
+    ExpertSort,
+    Matmul,
+    Moe,
+    RmsNorm,
+    RouteWeights,
+    RowScale,
+    TopK,
+    Unary,
+    UnaryOp,
+)
+
+
+def _mismatch(message: str) -> Exception:
+    from fuselane.lanes.cuda.run.launch import PlanMismatch
+
+    return PlanMismatch(message)
+
+
+def _ids(b, name: str) -> Any:
+    """The int32 view of an expert-id (or pair-order) buffer."""
+    import torch
+
+    return b.bufs[name].view(torch.int32)
+
+
+def _of(found: list[Op], kind: type) -> list[Op]:
+    return [x for x in found if isinstance(x.sym, kind)]
+
+
+def route_topk(op: Op, b) -> list:
+    """RouterTopk and MoeTokenSort: one `route` launch."""
+    from fuselane.lanes.cuda.triton.moe import route
+
+    found = leaves(op)
+    mms, tops, rws, sorts = (_of(found, t) for t in (Matmul, TopK, RouteWeights, ExpertSort))
+    if len(mms) != 1 or len(tops) != 1 or len(rws) != 1:
+        raise _mismatch(f"{op.out}: routing launches with its router product, top-k and weights together")
+    mm, top, rw = mms[0], tops[0], rws[0]
+    spec: RouteWeights = rw.sym  # type: ignore[assignment]
+    x = b.bufs[mm.ins[0]].view(spec.rows, -1)
+    w, fmt = b.raw[mm.ins[1]]
+    ids, weights, scores = _ids(b, top.out), b.bufs[rw.out], b.bufs[mm.out]
+    order = _ids(b, sorts[0].out) if sorts else None
+    counter = b.scratch.setdefault(f"moe-route:{op.out}", route.counters(x.device))
+    args = (spec.experts, spec.k, spec.renorm, ids, weights, scores, counter, order)
+    return [lambda: route.route(x, w, fmt, *args)]
+
+
+def _int8(b, name: str, fmt, n: int, k: int, rows: int) -> Any:
+    """The int8 form of activation `name` where the plan wrote one and the int8 expert products take it."""
+    from fuselane.lanes.cuda.triton.moe.gate_up import int8_takes
+
+    return b.q8.get(name) if rows == 1 and int8_takes(fmt, n, k) else None
+
+
+def gate_up_act(op: Op, b, out_q8: Any = None) -> list:
+    """MoeGateUpAct: one `gate_up` launch (with `out_q8`, GluActMulQuant: it writes its int8 form too)."""
+    from fuselane.lanes.cuda.triton.moe import gate_up
+
+    gate, up = _of(leaves(op), ExpertMatmul)
+    spec: ExpertMatmul = gate.sym  # type: ignore[assignment]
+    (wg, fmt), (wu, _) = b.raw[gate.ins[1]], b.raw[up.ins[1]]
+    ids, out = _ids(b, gate.ins[2]).view(spec.rows, spec.k), b.bufs[op.out]
+    q8 = _int8(b, gate.ins[0], fmt, spec.n, spec.kd, spec.rows)
+    if out_q8 is not None and q8 is None:
+        raise _mismatch(f"{op.out}: the kept experts write their int8 form only from the int8 products")
+    x = q8 if q8 is not None else b.bufs[gate.ins[0]].view(spec.rows, spec.kd)
+    return [lambda: gate_up.gate_up(x, wg, wu, fmt, ids, spec.n, spec.kd, out, out_q8)]
+
+
+@dataclass(frozen=True, slots=True)
+class _Parts:
+    """A down launch's leaves, found by what they compute."""
+
+    down: Op
+    mix: Op
+    norm: Op | None
+    norm_w: Op | None
+    shared: dict[str, Op]
+    adds: list[str]
+
+
+def _shared_products(found: list[Op]) -> dict[str, Op]:
+    """The folded shared expert's products, by what reads them: gate (a SiLU), score (a sigmoid), down (the
+    RowScale), up (the other)."""
+    mms = _of(found, Matmul)
+    if not mms:
+        return {}
+    readers = {x.ins[0]: x for x in found if isinstance(x.sym, Unary | RowScale)}
+
+    def role(mm: Op) -> str:
+        r = readers.get(mm.out)
+        if r is None:
+            return "up"
+        if isinstance(r.sym, RowScale):
+            return "down"
+        return "gate" if r.sym.op is UnaryOp.SILU else "score"  # type: ignore[union-attr]
+
+    return {role(mm): mm for mm in mms}
+
+
+def _parts(op: Op) -> _Parts:
+    found = leaves(op)
+    made = {x.out for x in found}
+    norms = _of(found, RmsNorm)
+    norm = norms[0] if norms else None
+    norm_w = next((x for x in found if norm is not None and x.ins[0] == norm.out), None)
+    adds = [x for x in found if isinstance(x.sym, Elementwise) and x.sym.op is ElementwiseOp.ADD and not x.sym.row]
+    external = [name for a in adds for name in a.ins if name not in made]
+    downs = [x for x in _of(found, ExpertMatmul) if x.sym.slotted]  # type: ignore[union-attr]
+    (mix,) = _of(found, Moe)
+    return _Parts(downs[0], mix, norm, norm_w, _shared_products(found), external)
+
+
+def _shared(b, s: dict[str, Op], op: Op) -> Any:
+    import torch
+
+    from fuselane.lanes.cuda.triton.moe.down import Shared
+
+    (wg, fmt), (wu, _), (wd, dfmt), (wsc, sfmt) = (b.raw[s[r].ins[1]] for r in ("gate", "up", "down", "score"))
+    sdff = s["down"].sym.k  # type: ignore[union-attr]
+    x = b.bufs[s["gate"].ins[0]].view(1, -1)
+    scratch = b.scratch.setdefault(f"moe-shared:{op.out}", torch.zeros(sdff + 1, device=x.device))
+    return Shared(x, wg, wu, wd, wsc, fmt, dfmt, sfmt, sdff, scratch)
+
+
+def down_combine(op: Op, b, out_q8: Any = None) -> list:
+    """MoeDownCombine, SharedExpertFusion, MoeDeferredFinalize: one `down_combine` launch (with `out_q8`,
+    NormQuant: the norm's int8 form too)."""
+    from fuselane.lanes.cuda.triton.moe import down
+
+    p = _parts(op)
+    spec: ExpertMatmul = p.down.sym  # type: ignore[assignment]
+    mix: Moe = p.mix.sym  # type: ignore[assignment]
+    w, fmt = b.raw[p.down.ins[1]]
+    ids = _ids(b, p.down.ins[2]).view(mix.rows, mix.k)
+    weights = b.bufs[p.mix.ins[1]]
+    q8 = _int8(b, p.down.ins[0], fmt, spec.n, spec.kd, mix.rows)
+    h = q8 if q8 is not None else b.bufs[p.down.ins[0]].view(mix.rows * mix.k, spec.kd)
+    adds = tuple(b.bufs[name] for name in p.adds)
+    shared = _shared(b, p.shared, op) if p.shared else None
+    norm = None
+    sum_name = op.out
+    if p.norm is not None and p.norm_w is not None:
+        sum_name = p.norm.ins[0]
+        norm = down.Norm(b.vec[p.norm_w.ins[1]], p.norm.sym.eps, b.bufs[p.norm_w.out], out_q8)  # type: ignore[union-attr]
+    elif out_q8 is not None:
+        raise _mismatch(f"{op.out}: a mixture writes an int8 form only of the norm it ends with")
+    sum_out = b.bufs[sum_name]
+    counter = b.scratch.setdefault(f"moe-down:{op.out}", down.counters(mix.rows, sum_out.device))
+    d, dff = mix.d, spec.kd
+    return [
+        lambda: down.down_combine(
+            h, w, fmt, ids, weights, d, dff, sum_out, adds=adds, shared=shared, norm=norm, counter=counter
+        )
+    ]
+
+
+def row_scale(op: Op, b) -> list:
+    """RowScale (a chunk's shared expert, apart): each row times its own scalar, one launch."""
+    import torch
+
+    spec: RowScale = op.sym  # type: ignore[assignment]
+    x, s, out = b.bufs[op.ins[0]], b.bufs[op.ins[1]], b.bufs[op.out]
+    return [lambda: torch.mul(x.view(spec.rows, spec.cols), s.view(spec.rows, 1), out=out.view(spec.rows, spec.cols))]

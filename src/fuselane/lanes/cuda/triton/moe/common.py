@@ -1,0 +1,34 @@
+"""What the mixture kernels share: the f32-activation product of a tile of checkpoint rows (every format the
+decoded GEMV takes, `gemv.formats.dot_rows`) and its launch constants."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fuselane.gguf.formats import Format, row_bytes
+from fuselane.lanes.cuda.triton.gemv import rows as gemv_rows
+from fuselane.lanes.cuda.triton.gemv.formats import dot_rows
+
+COUNTER_SLOTS = 4  # a launch's self-resetting counters: done, tickets, shared phase done, waits passed
+
+
+@triton.jit
+def row_dot(w_rows, x_row, FMT: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr,
+            BLOCK_N: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    """x_row (one f32 row's pointer) . each of the tile's rows `w_rows` ([BLOCK_N] byte pointers): [BLOCK_N] f32."""
+    y = dot_rows(w_rows, x_row + tl.arange(0, 1), FMT, STEPS, UNITS, SPLIT, 1, BLOCK_N, STAGES)
+    return tl.reshape(y, [BLOCK_N])
+
+
+def f32_plan(fmt: Format, n: int, k: int, prefix: str = "") -> tuple[dict, int]:
+    """The constants of `row_dot` for an (n, k) product in `fmt` (the GEMV's own tile), and its warps."""
+    block_n, warps = gemv_rows.tile(fmt, n, k, 1)
+    steps, units, split = gemv_rows.plan(fmt, k, block_n, warps, 1)
+    consts = dict(FMT=int(fmt), STEPS=steps, UNITS=units, SPLIT=split, BLOCK_N=block_n,
+                  STAGES=gemv_rows.stages(fmt), ROW_BYTES=row_bytes(fmt, k))  # fmt: skip
+    return {prefix + name: v for name, v in consts.items()}, warps
+
+
+def tiles(n: int, block_n: int) -> int:
+    return triton.cdiv(n, block_n)

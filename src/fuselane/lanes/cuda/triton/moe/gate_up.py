@@ -1,0 +1,91 @@
+"""The kept experts' gate and up products with their SwiGLU, one launch over only their rows: a grid of (tiles
+of the expert's rows, (row, slot) pairs), each program reading its pair's expert id on the device and that
+expert's rows of the 3-D tensors (base + id * an expert's bytes).
+
+The activation is the int8 GEMV's (`gemv.q8.row_dots`, a decode step's one row where the plan quantized it)
+or f32 rows (`gemv.formats.dot_rows`, every format: a chunk's rows, the dequantized numerics). Under int8 a
+program's tile is whole 32-value blocks, so it writes its result's int8 form (`quant.store_quantized`) for
+the down products too, with no launch of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fuselane.gguf.formats import QK, Format, row_bytes
+from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
+from fuselane.lanes.cuda.triton.gemv.q8 import row_dots
+from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
+from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts, store_quantized
+
+Q8_ROWS, Q8_WARPS, Q8_PER_THREAD = QK, 4, 1  # a program's rows: one 32-value block of the output, quantized whole
+
+
+@triton.jit
+def _gate_up_kernel(
+    x, xq, xd, xs, w_gate, w_up, ids, out, oq, od, os_,
+    N: tl.constexpr, KD: tl.constexpr, SLOTS: tl.constexpr, EXPERT_BYTES: tl.constexpr,
+    Q8IN: tl.constexpr, Q8OUT: tl.constexpr,
+    FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
+    STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.begin(PDL)  # the expert ids are the last launch's
+    pair = tl.program_id(1)
+    e = tl.load(ids + pair).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    off = e * EXPERT_BYTES + tl.minimum(rows, N - 1).to(tl.int64) * ROW_BYTES
+    if Q8IN:
+        gate, up = row_dots(w_gate + off, w_up + off, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True, DEPTH,
+                            False)  # fmt: skip
+    else:
+        x_row = x + (pair // SLOTS) * KD
+        gate = row_dot(w_gate + off, x_row, FMT, STEPS, UNITS, SPLIT, BLOCK_N, STAGES)
+        up = row_dot(w_up + off, x_row, FMT, STEPS, UNITS, SPLIT, BLOCK_N, STAGES)
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out + pair * N + rows, h, mask=rows < N)
+    if Q8OUT:
+        store_quantized(h, tl.program_id(0) * BLOCK_N, N, oq + pair * N, od + pair * (N // 32), os_ + pair * (N // 16))
+
+
+def int8_takes(fmt: Format, n: int, k: int) -> bool:
+    """Whether the int8 kernel takes experts of (n, k) rows in `fmt` (and writes its int8 form: whole blocks)."""
+    return gemv_q8.supports(fmt, 1, k) and n % QK == 0
+
+
+def gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: Tensor, n: int, k: int,
+            out: Tensor, out_q8: Q8Acts | None = None) -> Tensor:  # fmt: skip
+    """out (pairs, n) f32 = SiLU(x[row] @ Wg[e]^T) * (x[row] @ Wu[e]^T) for each (row, slot) pair, e = ids[pair]
+    (int32, (rows, slots)), Wg and Wu (experts, n, k) checkpoint rows in `fmt`; x f32 (rows, k), or one row's
+    int8 form (a Q8Acts), with `out_q8` the result's int8 form too. One launch."""
+    fmt = Format(fmt)
+    pairs = ids.numel()
+    if ids.dtype != torch.int32 or tuple(out.shape[-1:]) != (n,) or out.numel() != pairs * n:
+        raise ValueError(f"ids must be int32 and out ({pairs}, {n})")
+    q8in = isinstance(x, Q8Acts)
+    common = dict(N=n, KD=k, SLOTS=ids.shape[-1], EXPERT_BYTES=n * row_bytes(fmt, k), Q8IN=q8in,
+                  Q8OUT=out_q8 is not None)  # fmt: skip
+    if q8in:
+        check_acts(x, k)
+        if pairs != ids.shape[-1] or not int8_takes(fmt, n, k):
+            raise ValueError("the int8 expert products take one row of whole blocks in the int8 GEMV's formats")
+        gemv_q8.check_aligned([w_gate, w_up], fmt)
+        plan = gemv_q8.tile_plan(fmt, k, Q8_ROWS, Q8_WARPS, Q8_PER_THREAD)
+        warps = plan.pop("num_warps")
+        consts = plan | dict(STEPS=1, UNITS=1, SPLIT=1, STAGES=1)
+        args = (x.q, *x)
+    else:
+        if out_q8 is not None:
+            raise ValueError("the expert products write their int8 form only from int8 activations")
+        consts, warps = f32_plan(fmt, n, k)
+        consts |= dict(N_UNITS=1, CHUNK=1, FENCE=False, DEPTH=1)
+        args = (x, x, x, x)
+    oq = out_q8 if out_q8 is not None else (out, out, out)
+    _gate_up_kernel[(tiles(n, consts["BLOCK_N"]), pairs)](
+        *args, w_gate, w_up, ids, out, *oq, **common, **consts, num_warps=warps, **pdl.options()
+    )
+    return out

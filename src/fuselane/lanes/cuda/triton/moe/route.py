@@ -1,0 +1,108 @@
+"""Routing on the device: each row's router scores (x @ Wr^T over every expert), its top-k experts and their
+weights (the softmax over every expert at the kept ones, renormalised over the k where the model says so),
+and in a chunk the (row, slot) pairs ordered by expert (ExpertSort), in one launch.
+
+Programs take tiles of experts of a row and store the scores; the last program to finish (a self-resetting
+counter, `fast_norm.norm_last`'s memory ordering) ranks every row: k arg-max passes (the lower index first
+on a tie, as the cpu lane's stable sort), and the stable counting sort of the pairs by expert id. Ids are
+int32 and never leave the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fuselane.gguf.formats import Format
+from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton.moe.common import COUNTER_SLOTS, f32_plan, row_dot, tiles
+
+PAIRS_A_PASS = 64  # pairs a counting-sort pass ranks against as many others
+
+
+@triton.jit
+def _rank_row(scores, ids, weights, r, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr,
+              K_BLOCK: tl.constexpr, RENORM: tl.constexpr):  # fmt: skip
+    ex = tl.arange(0, E_BLOCK)
+    live = ex < E
+    s = tl.load(scores + r * E + ex, mask=live, other=float("-inf"), cache_modifier=".cg")
+    p = tl.where(live, tl.exp(s - tl.max(s, 0)), 0.0)
+    p = p / tl.sum(p, 0)
+    slot = tl.arange(0, K_BLOCK)
+    kept_ids = tl.zeros([K_BLOCK], tl.int32)
+    kept = tl.zeros([K_BLOCK], tl.float32)
+    for j in tl.static_range(K):
+        best = tl.argmax(s, 0, tie_break_left=True)
+        kept_ids = tl.where(slot == j, best.to(tl.int32), kept_ids)
+        kept = tl.where(slot == j, tl.sum(tl.where(ex == best, p, 0.0), 0), kept)
+        s = tl.where(ex == best, float("-inf"), s)
+    if RENORM:
+        kept = kept / tl.sum(kept, 0)
+    tl.store(ids + r * K + slot, kept_ids, mask=slot < K)
+    tl.store(weights + r * K + slot, kept, mask=slot < K)
+
+
+@triton.jit
+def _sort_pairs(ids, order, P: tl.constexpr, PB: tl.constexpr):
+    """order[rank] = p, the rank of pair p its place among the pairs by (expert id, p): a stable sort."""
+    for a in range(0, tl.cdiv(P, PB)):
+        pa = a * PB + tl.arange(0, PB)
+        ka = tl.load(ids + pa, mask=pa < P, other=0, cache_modifier=".cg")
+        rank = tl.zeros([PB], tl.int32)
+        for b in range(0, tl.cdiv(P, PB)):
+            pb = b * PB + tl.arange(0, PB)
+            kb = tl.load(ids + pb, mask=pb < P, other=0, cache_modifier=".cg")
+            before = (kb[None, :] < ka[:, None]) | ((kb[None, :] == ka[:, None]) & (pb[None, :] < pa[:, None]))
+            rank += tl.sum((before & (pb < P)[None, :]).to(tl.int32), 1)
+        tl.store(order + rank, pa, mask=pa < P)
+
+
+@triton.jit
+def _route_kernel(
+    x, w, scores, ids, weights, order, counter,
+    D: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr, K_BLOCK: tl.constexpr,
+    ROWS: tl.constexpr, RENORM: tl.constexpr, SORT: tl.constexpr, PB: tl.constexpr,
+    FMT: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr, ROW_BYTES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.begin(PDL)
+    row = tl.program_id(1)
+    e = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = row_dot(w + tl.minimum(e, E - 1).to(tl.int64) * ROW_BYTES, x + row * D, FMT, STEPS, UNITS, SPLIT, BLOCK_N,
+                STAGES)  # fmt: skip
+    tl.store(scores + row * E + e, y, mask=e < E)
+    tl.debug_barrier()
+    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) * tl.num_programs(1) - 1:
+        for r in range(0, ROWS):
+            _rank_row(scores, ids, weights, r, E, E_BLOCK, K, K_BLOCK, RENORM)
+        if SORT:
+            tl.debug_barrier()
+            _sort_pairs(ids, order, ROWS * K, PB)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+def counters(device) -> Tensor:
+    """Zeroed counters a mixture launch takes; each launch leaves them at zero."""
+    return torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+
+
+def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool, ids: Tensor, weights: Tensor,
+          scores: Tensor, counter: Tensor, order: Tensor | None = None) -> None:  # fmt: skip
+    """ids (rows, k) int32 and weights (rows, k) f32 of x's rows (rows, d) f32 routed by the router `w`
+    (experts, d) checkpoint rows in `fmt`; `scores` (rows, experts) f32 scratch; with `order` (rows * k,)
+    int32 also the pairs ordered by expert. One launch."""
+    rows, d = x.shape
+    if ids.dtype != torch.int32 or ids.numel() != rows * k or weights.numel() != rows * k:
+        raise ValueError(f"ids must be int32 and ids and weights ({rows}, {k})")
+    if scores.numel() < rows * experts or not 1 <= k <= experts:
+        raise ValueError(f"scores must hold ({rows}, {experts}) and 1 <= k <= {experts}")
+    plan, warps = f32_plan(Format(fmt), experts, d)
+    sort = order is not None
+    _route_kernel[(tiles(experts, plan["BLOCK_N"]), rows)](
+        x, w, scores, ids, weights, order if sort else ids, counter,
+        D=d, E=experts, E_BLOCK=triton.next_power_of_2(experts), K=k, K_BLOCK=triton.next_power_of_2(k),
+        ROWS=rows, RENORM=renorm, SORT=sort, PB=PAIRS_A_PASS, num_warps=warps, **plan, **pdl.options(),
+    )  # fmt: skip

@@ -1,0 +1,164 @@
+"""The mixture kernels (`triton.moe`) against NumPy at tiny shapes, under the interpreter on a CPU.
+
+Routing: the ids equal NumPy's stable arg-sort of the scores (the scores are spaced so no rounding can swap
+two), the weights are the softmax at them (renormalised or not) within a few f32 roundings, the chunk's
+order is NumPy's stable arg-sort of the ids. Products: each against the f64 product of the dequantized
+weights (`gguf.dequant`) with the activation the kernel reads (f32 rows, or the int8 form's values), within
+gamma_(k + 8) of sum |w x| per dot (Higham 3.1, as test_gemv_q8.py) carried through SiLU, the weights and the
+adds; the norm within `norm_rel` more.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
+pytest.importorskip("triton")
+
+from kernel_checks import DEVICE, dev, gamma, norm_rel, raw_weights  # noqa: E402
+
+from fuselane.gguf.dequant import dequantize  # noqa: E402
+from fuselane.gguf.formats import Format  # noqa: E402
+from fuselane.lanes.cuda.triton import quant  # noqa: E402
+from fuselane.lanes.cuda.triton.moe import down, gate_up, route  # noqa: E402
+
+ROUNDINGS = 8
+SILU_SLOPE = 1.1  # |d/dg SiLU(g)| <= 1.1
+
+
+def _matrices(fmt: Format, experts: int, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    raw = raw_weights(fmt, experts * n, k, rng)
+    return raw, dequantize(raw, fmt, (experts, n, k), dtype=np.float64)
+
+
+def _softmax_topk(scores: np.ndarray, k: int, renorm: bool):
+    ids = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    kept = np.take_along_axis(p, ids, -1)
+    return ids, kept / kept.sum(-1, keepdims=True) if renorm else kept
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_route_ranks_the_experts_and_sorts_the_pairs(renorm, rows):
+    rng = np.random.default_rng(1)
+    experts, d, k = 12, 64, 3
+    w = rng.standard_normal((experts, d)).astype(np.float32)
+    x = rng.standard_normal((rows, d)).astype(np.float32)
+    ids, weights = torch.zeros((rows, k), dtype=torch.int32), torch.zeros((rows, k))
+    order = torch.zeros(rows * k, dtype=torch.int32) if rows > 1 else None
+    scores, counter = torch.zeros((rows, experts)), route.counters(DEVICE)
+    for _ in range(2):  # the counter re-arms: a second launch runs the same
+        route.route(dev(x), dev(w.view(np.uint8)), Format.F32, experts, k, renorm, ids, weights, scores, counter,
+                    order)  # fmt: skip
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    top = np.sort(exact, -1)[:, ::-1]
+    assert np.all(top[:, k - 1] - top[:, k] > 1e-3), "a near-tie: pick another seed"
+    want_ids, want_w = _softmax_topk(exact, k, renorm)
+    assert np.array_equal(ids.numpy(), want_ids)
+    np.testing.assert_allclose(weights.numpy(), want_w, rtol=1e-5, atol=1e-7)
+    if order is not None:
+        assert np.array_equal(order.numpy(), np.argsort(want_ids.reshape(-1), kind="stable"))
+    assert not counter.any()
+
+
+def _q8(x: np.ndarray):
+    acts = quant.quantize(dev(x), quant.empty_q8(*x.shape, DEVICE))
+    return acts, quant.dequantize(acts).double().numpy()
+
+
+def _glu_bound(wg, wu, xv, g, u):
+    dg = gamma(xv.shape[-1] + ROUNDINGS) * (np.abs(wg) @ np.abs(xv))
+    du = gamma(xv.shape[-1] + ROUNDINGS) * (np.abs(wu) @ np.abs(xv))
+    silu = g / (1 + np.exp(-g))
+    return SILU_SLOPE * dg * np.abs(u) + np.abs(silu) * du + 4 * gamma(1) * np.abs(silu * u) + 1e-30
+
+
+@pytest.mark.parametrize(
+    ("fmt", "int8", "rows"),
+    [(Format.Q8_0, True, 1), (Format.Q4_K, True, 1), (Format.Q6_K, False, 1), (Format.Q8_0, False, 2)],
+)
+def test_gate_up_reads_only_the_kept_experts(fmt, int8, rows):
+    rng = np.random.default_rng(2)
+    experts, n, k, slots = 5, 64, 256, 2
+    rg, wg = _matrices(fmt, experts, n, k, rng)
+    ru, wu = _matrices(fmt, experts, n, k, rng)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    ids_np = np.array([[3, 1], [0, 3]][:rows], dtype=np.int32)
+    out = torch.zeros((rows * slots, n))
+    q8out = quant.empty_q8(rows * slots, n, DEVICE) if int8 else None
+    xin, xv = _q8(x) if int8 else (dev(x), x.astype(np.float64))
+    gate_up.gate_up(xin, dev(rg), dev(ru), fmt, dev(ids_np), n, k, out, q8out)
+    for p, e in enumerate(ids_np.reshape(-1)):
+        xr = xv[p // slots]
+        g, u = wg[e] @ xr, wu[e] @ xr
+        want = g / (1 + np.exp(-g)) * u
+        got = out[p].double().numpy()
+        assert np.all(np.abs(got - want) <= _glu_bound(wg[e], wu[e], xr, g, u)), f"pair {p}"
+    if int8:
+        codes, d, sums = quant.quantize_reference(out.numpy())
+        assert np.array_equal(q8out.q.numpy(), codes) and np.array_equal(q8out.d.numpy(), d)
+
+
+def _shared(rng, d: int, sdff: int, fmt: Format):
+    rg, wg = _matrices(fmt, 1, sdff, d, rng)
+    ru, wu = _matrices(fmt, 1, sdff, d, rng)
+    rd, wd = _matrices(fmt, 1, d, sdff, rng)
+    sc = (rng.standard_normal((1, d)) * 0.1).astype(np.float32)
+    x = rng.standard_normal((1, d)).astype(np.float32)
+    s = down.Shared(dev(x), dev(rg), dev(ru), dev(rd), dev(sc.view(np.uint8)), fmt, fmt, Format.F32, sdff,
+                    torch.zeros(sdff + 1))  # fmt: skip
+    xv = x[0].astype(np.float64)
+    g, u = wg[0] @ xv, wu[0] @ xv
+    glu = g / (1 + np.exp(-g)) * u
+    gate = 1 / (1 + np.exp(-(sc[0].astype(np.float64) @ xv)))
+    bound = gamma(d + ROUNDINGS) * (np.abs(wd[0]) @ (np.abs(glu) + _glu_bound(wg[0], wu[0], xv, g, u)))
+    return s, gate * (wd[0] @ glu), gate * bound
+
+
+@pytest.mark.parametrize(
+    ("fmt", "int8", "rows", "shared", "dff"),
+    [(Format.Q8_0, True, 1, True, 256), (Format.Q6_K, True, 1, False, 256), (Format.Q8_0, False, 2, False, 256),
+     (Format.Q5_0, False, 1, True, 256), (Format.Q4_K, True, 1, False, 768)],
+)  # fmt: skip
+def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff):
+    # 768 values: Q4_K's three super-blocks, a partial chunk of the int8 GEMV's tile (Qwen3-30B-A3B's experts)
+    rng = np.random.default_rng(3)
+    experts, d, slots = 5, 32, 2
+    rd, wd = _matrices(fmt, experts, d, dff, rng)
+    h = rng.standard_normal((rows * slots, dff)).astype(np.float32)
+    ids_np = np.array([[4, 2], [2, 0]][:rows], dtype=np.int32)
+    wts = rng.uniform(0.1, 0.6, (rows, slots)).astype(np.float32)
+    res = rng.standard_normal((rows, d)).astype(np.float32)
+    norm_w = rng.uniform(0.5, 1.5, d).astype(np.float32)
+    hin, hv = _q8(h) if int8 else (dev(h), h.astype(np.float64))
+    s, s_want, s_bound = _shared(rng, d, 128, fmt) if shared else (None, 0.0, 0.0)
+    sum_out, out = torch.zeros((rows, d)), torch.zeros((rows, d))
+    out_q8 = quant.empty_q8(rows, d, DEVICE) if int8 else None
+    counter = down.counters(rows, DEVICE)
+    for _ in range(2):  # every counter re-arms: a second launch runs the same
+        down.down_combine(hin, dev(rd), fmt, dev(ids_np), dev(wts), d, dff, sum_out, adds=(dev(res),), shared=s,
+                          norm=down.Norm(dev(norm_w), 1e-6, out, out_q8), counter=counter)  # fmt: skip
+    assert not counter.any()
+    for r in range(rows):
+        want = res[r].astype(np.float64) + s_want
+        bound = np.abs(res[r]) * gamma(slots + 2) + s_bound
+        for j in range(slots):
+            pair = r * slots + j
+            y = wd[ids_np[r, j]] @ hv[pair]
+            want = want + wts[r, j] * y
+            bound = bound + wts[r, j] * gamma(dff + ROUNDINGS) * (np.abs(wd[ids_np[r, j]]) @ np.abs(hv[pair]))
+            bound = bound + gamma(slots + 2) * np.abs(wts[r, j] * y)
+        got = sum_out[r].double().numpy()
+        assert np.all(np.abs(got - want) <= bound + 1e-30), f"row {r}"
+        normed = got / np.sqrt(np.mean(got**2) + 1e-6) * norm_w
+        np.testing.assert_allclose(out[r].double().numpy(), normed, rtol=4 * norm_rel(d), atol=0)
+    if int8:
+        codes, dq, _ = quant.quantize_reference(out.numpy())
+        assert np.array_equal(out_q8.q.numpy(), codes)

@@ -1,0 +1,88 @@
+"""The cuda lane on the two mixtures, every launch under Triton's interpreter, against the cpu lane in f64:
+a prompt past the GEMV's rows (routing with the pairs sorted by expert, the chunk's expert products on f32
+rows, the shared expert apart) and a decode step (the router and top-k on the device, the kept experts'
+int8 gate/up writing its int8 form, the down products with the shared expert folded in, the residual add
+and the next norm in one launch). Tolerances from the lane's numerics contract. One step each: the
+interpreter is slow.
+
+Routing: the lane must keep the experts the reference keeps, in every row (recorded from the cpu lane's top-k
+and read from the lane's id buffer). The lane routes on its own scores, which differ from the reference's by
+its numerics, so a k-th and (k+1)-th score within that of each other could keep another expert by chance:
+the message then gives the reference's smallest lead of the k-th score, to tell such a seed from a bug."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
+pytest.importorskip("triton")
+
+from fuselane.fuse.views import class_of  # noqa: E402
+from fuselane.gguf.synth import Shape, write_synthetic  # noqa: E402
+from fuselane.graph.classes import ClassId as C  # noqa: E402
+from fuselane.runtime.model import load  # noqa: E402
+
+PROMPT = [5, 60, 7, 100, 8, 1, 2, 3, 4, 5, 6]  # past the GEMV's rows
+# the tiny mixtures with one layer and a small vocabulary: the interpreter's time goes to the lm head and the
+# attention, which other tests cover
+SHAPES = {
+    "qwen3moe": Shape("qwen3moe", 64, 1, 4, 2, 16, 128, 260, context=4096, experts=8, experts_used=2, expert_ff=32),
+    "qwen2moe": Shape(
+        "qwen2moe", 64, 1, 4, 2, 16, 128, 260, context=4096, experts=8, experts_used=2, expert_ff=32, shared_ff=64
+    ),
+}
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _record_routing(monkeypatch) -> list:
+    """The cpu lane's router scores and kept ids at each top-k it runs (the one layer's), appended in turn."""
+    from fuselane.graph.ops import TopK
+    from fuselane.lanes.cpu import kernels
+
+    seen: list = []
+    top_k = kernels.KERNELS[TopK]
+
+    def recording(spec, args, pos):
+        ids = top_k(spec, args, pos)
+        seen.append((args[0].reshape(spec.rows, spec.cols), ids))
+        return ids
+
+    monkeypatch.setitem(kernels.KERNELS, TopK, recording)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("shape", "activations", "decode_classes"),
+    [
+        ("qwen3moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT}),
+        ("qwen2moe", "dequant", {C.ROUTER_TOPK, C.MOE_GATE_UP_ACT, C.MOE_DEFERRED_FINALIZE}),
+        ("qwen2moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT}),  # the fold's int8 experts
+    ],
+)
+def test_cuda_lane_runs_a_mixture_as_the_cpu_lane(tmp_path, monkeypatch, shape, activations, decode_classes):
+    path = write_synthetic(tmp_path / "m.gguf", SHAPES[shape], "q8_0", seed=4)
+    gpu = load(path, lane="cuda", ctx=16, knobs=[f"activations={activations}"])
+    ref = load(path, lane="cpu", ctx=16, dtype=np.float64)
+    step = gpu.lane.step(1)
+    assert decode_classes <= {class_of(op) for op, _ in step.bound}
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    routed = _record_routing(monkeypatch)
+    sg, sr = gpu.session(), ref.session()
+    for what, a, b in (("prefill", sg.feed(PROMPT), sr.feed(PROMPT)), ("decode", sg.extend([9]), sr.extend([9]))):
+        rows = len(PROMPT) if what == "prefill" else 1
+        scores, want = routed.pop(0)
+        got = gpu.lane.step(rows).bufs["l0.experts"].view(torch.int32).numpy()
+        k = got.shape[-1]
+        ranked = np.sort(scores, axis=-1)[:, ::-1]
+        lead = float(np.min(ranked[:, k - 1] - ranked[:, k]))
+        assert np.array_equal(np.sort(got, -1), np.sort(want, -1)), f"{what}: other experts kept (lead {lead:.2e})"
+        assert np.isfinite(a).all()
+        assert rel(a, b) <= tol, f"{what}: {rel(a, b):.2e} > {tol:.2e}"
