@@ -42,6 +42,7 @@ from fuselane.graph.ops import (
     CausalConv,
     Elementwise,
     ElementwiseOp,
+    ExpertMatmul,
     GateAct,
     GatedDelta,
     HeadMatmul,
@@ -560,7 +561,10 @@ def test_activation(activations: Activations) -> None:
     assert shim.activation(product, 1, g) is None  # the weights are not an activation
     assert shim.activation(matmul(1, 64, 64, "f32"), 0, g) is None  # a product by values reads floats
     assert shim.activation(unary(), 0, g) is None
-    assert shim.activation(mixture(), 0, g) is fmt
+    # a mixture's kept experts read int8 where the int8 GEMV takes their format; the combine alone reads f32
+    experts = prim(ExpertMatmul(1, 8, 768, 2048), ("x", "q4k", "ids"), "gate")
+    assert shim.activation(experts, 0, g) is fmt
+    assert shim.activation(mixture(), 0, g) is None
     assert shim.activation(gate_up_glu(), 0, g) is fmt
     assert shim.activation(CASES[-1].fits(), 0, g) is fmt  # products in parts
     assert shim.activation(fused(C.GEMV_QUANT, product), 0, g) is fmt  # quantizing: as its producer reads

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fuselane.errors import FuselaneError
 from fuselane.fuse.optimizer import VIEWS
 from fuselane.fuse.views import class_of, leaves, parts
 from fuselane.gguf.formats import Format
@@ -40,6 +39,7 @@ from fuselane.graph.ops import (
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.shim import QUANT_EPILOGUES
 from fuselane.lanes.cuda.run import moe_launch
+from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
 Launch = Callable[[], None]
 
@@ -66,10 +66,6 @@ def _t():
     from fuselane.lanes.cuda.triton.gemv import rows as gemv
 
     return gemv, norm, rope, attention, misc
-
-
-class PlanMismatch(FuselaneError):
-    """An op the plan holds that this lane's binders do not launch as the plan says: a bug of the lane."""
 
 
 def binder_of(op: Op) -> Binder:

@@ -29,11 +29,10 @@ from fuselane.graph.ops import (
     Unary,
     UnaryOp,
 )
+from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
 
 def _mismatch(message: str) -> Exception:
-    from fuselane.lanes.cuda.run.launch import PlanMismatch
-
     return PlanMismatch(message)
 
 
