@@ -42,10 +42,10 @@ from fuselane.fuse.views import GemvForm, class_of, gemv, leaves, moe, parts, ro
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Op, QuantFormat, Rows, TensorGraph
 from fuselane.graph.ops import Attention, Moe
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import gemm_tiles, kernels
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, ROWS_A_WARP
 from fuselane.lanes.cuda.plan.fits import fits as lane_fits
-from fuselane.lanes.cuda.plan.knobs import Activations, CachePrecision, CudaKnobs, StatePrecision
+from fuselane.lanes.cuda.plan.knobs import Activations, CachePrecision, CudaKnobs, PrefillWeights, StatePrecision
 from fuselane.lanes.cuda.plan.rules import (
     PRODUCTS_APART,
     QUANTIZE_APART,
@@ -183,8 +183,9 @@ class CudaShim:
     def activation(self, consumer: Op, operand: int, g: TensorGraph) -> QuantFormat | None:
         """The quantized form in which `consumer` reads its operand `operand`: the lane's activation format
         for the activation of a product by checkpoint rows the int8 GEMV takes (`kernels.int8_gemv`: a decode
-        step's one row, its formats), alone, as a gated pair or in parts, and of a mixture. Other products (a
-        chunk's, a batch's) read the f32 activation, so nothing quantizes it for them."""
+        step's one row, its formats), alone, as a gated pair or in parts, and of a mixture; and of a chunk's
+        product the int8 GEMM takes (`int8_gemm`). Other products (a batch's, a chunk's in other formats or
+        within the GEMV's rows) read the f32 activation, so nothing quantizes it for them."""
         cls = class_of(consumer)
         if cls in _QUANTIZING:
             return self.activation(parts(consumer)[0], operand, g)
@@ -192,13 +193,14 @@ class CudaShim:
             first = parts(consumer)[0]
             return self.activation(first, operand, g) if operand < len(first.ins) else None
         fmt = self.activation_format
-        if fmt is None:
+        if fmt is None or operand != 0:
             return None
-        if operand != 0 or g.rows != 1:  # a chunk's products, even its last row's head, read f32 rows
-            return None
+        first = parts(consumer)[0] if cls in (C.GEMV_GATE_UP_GLU, C.MERGED_QKV) else consumer
+        if g.rows != 1:  # a chunk's products past the GEMV's rows on the int8 tensor cores; the rest read f32
+            p = self.part_product(first, g)
+            return fmt if p is not None and self.int8_gemm(p) else None
         if moe(consumer) is not None:
             return fmt
-        first = parts(consumer)[0] if cls in (C.GEMV_GATE_UP_GLU, C.MERGED_QKV) else consumer
         p = self.part_product(first, g)
         return fmt if p is not None and self.int8_gemv(p) else None
 
@@ -206,6 +208,15 @@ class CudaShim:
     def int8_gemv(p: GemvForm) -> bool:
         """Whether a product by checkpoint rows is one the int8 GEMV multiplies."""
         return isinstance(p.weights, Rows) and kernels.int8_gemv(p.weights.format, p.m, p.k)
+
+    def int8_gemm(self, p: GemvForm) -> bool:
+        """Whether a chunk's product multiplies on the int8 tensor cores (`gemm_tiles.int8_gemm`): past the
+        GEMV's rows, under int8 activations and `prefill=int8`, by checkpoint rows in one of its formats."""
+        return (
+            self.on_tensor_cores(p)
+            and self.knobs.prefill_weights is PrefillWeights.INT8
+            and gemm_tiles.int8_gemm(p.weights.format, p.m, p.k)  # type: ignore[union-attr]
+        )
 
     def quantizes_in_epilogue(self, producer: Op, g: TensorGraph) -> bool:
         """Whether a decode step's `producer` writes its result's int8 form in its own kernel's epilogue: an
@@ -218,7 +229,8 @@ class CudaShim:
             return producer.sym.rows == 1
         if cls in (C.GEMV_NORM_EPILOGUE, C.GEMV_GATE_UP_GLU):
             p = gemv(parts(producer)[0], g)
-            return p is not None and p.n % kernels.QBLOCK == 0 and self.activation(producer, 0, g) is not None
+            within = p is not None and p.m <= kernels.GEMV_ROWS and p.n % kernels.QBLOCK == 0
+            return within and self.activation(producer, 0, g) is not None
         return False
 
     def rules(self) -> list[tuple[Position, LaneRule]]:

@@ -5,8 +5,10 @@ Weights stay in the checkpoint's own bytes on the device (the GEMVs decode them 
 (norm weights, biases) are uploaded as f32. Every activation of a plan has its buffer, allocated once per
 session; the token ids and the position are device values, written from the host before a `forward` run and
 by the device sampler in the decode loop (`decode`, `fuselane.lanes.cuda.run.decode`), whose graphs end with the
-sampler's launches. Products of more rows than the GEMV takes (prefill chunks) multiply a dequantized f16 copy
-of the matrix, made on first use.
+sampler's launches. Products of more rows than the GEMV takes (prefill chunks) multiply the activation's int8
+form by the checkpoint's bytes on the int8 tensor cores (`triton/gemm_q8.py`, knob `prefill=int8`); a format
+that GEMM lacks decodes its weights to f16 in the kernel (`triton/gemm.py`), and only `prefill=f16-copy` (or a
+format neither kernel takes) makes a dequantized f16 copy of a matrix, on first use.
 """
 
 from __future__ import annotations
@@ -170,8 +172,8 @@ class CudaLane:
 
 
 def _int8_form(shape: tuple[int, ...], device: Any) -> Any:
-    """The int8 form (`gemv_q8.Q8Acts`) of a decode step's activation its producer writes quantized: the
-    step's products multiply it with dp4a. A prefill chunk's products read the f32 rows (no int8 GEMM)."""
+    """The int8 form (`quant.Q8Acts`) of an activation the plan writes quantized: a decode step's products
+    multiply it with dp4a, a chunk's on the int8 tensor cores."""
     from fuselane.lanes.cuda.triton.quant import empty_q8
 
     if shape[-1] % QBLOCK:
@@ -209,7 +211,7 @@ class _Step:
         bufs[IDS] = torch.zeros(g.rows, dtype=torch.int32, device=lane.device)
         bufs[POS] = torch.zeros(1, dtype=torch.int32, device=lane.device)
         self.bufs = bufs
-        in_place = lane.shim.knobs.prefill_weights is PrefillWeights.IN_PLACE
+        in_place = lane.shim.knobs.prefill_weights is not PrefillWeights.F16_COPY
         bound = Bound(
             g, bufs, lane.raw, lane.vec, lane.dense,
             in_place=in_place, q8=q8, attention_f16=_attention_in_f16(lane.shim.knobs),

@@ -49,9 +49,9 @@ class Bound:
     bufs: dict[str, Any]  # name -> torch tensor (activations, caches, ids, pos)
     raw: dict[str, tuple[Any, Format]]  # matrix name -> (uint8 bytes on the device, format)
     vec: dict[str, Any]  # vector weights (norms, biases) as f32 device tensors
-    dense: Callable[[str], Any]  # matrix name -> dequantized f16 device matrix (for GEMMs past the GEMV's rows)
+    dense: Callable[[str], Any]  # matrix name -> dequantized f16 device matrix (prefill=f16-copy's GEMMs)
     scratch: dict[str, Any] = field(default_factory=dict)
-    in_place: bool = False  # prefill products decode the checkpoint's bytes in the kernel (knob prefill=in-place)
+    in_place: bool = False  # a chunk's products the int8 GEMM does not take decode the weights to f16 in the kernel
     q8: dict[str, Any] = field(default_factory=dict)  # name -> quant.Q8Acts: the int8 forms the plan writes
     attention_f16: bool = False  # a chunk's attention multiplies on the f16 tensor cores (`CudaShim.attention`)
 
@@ -112,6 +112,13 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
     bias_t = b.vec[bias] if bias else None
     res_t = b.bufs[residual] if residual else None
     w, fmt = b.raw[op.ins[1]]
+    chunk = _q8_gemm(op.ins[0], fmt, spec.m, spec.k, b, out)
+    if chunk is not None:  # the plan quantized a chunk's activation: the int8 tensor cores, no copy
+        gemm_q8, acts = chunk
+        res2 = res_t.view(spec.m, spec.n) if res_t is not None else None
+        out2 = out if row is not None else out.view(spec.m, spec.n)
+        n, k = spec.n, spec.k
+        return [lambda: gemm_q8.gemm_q8(acts, w, fmt, n, k, out2, bias=bias_t, residual=res2, out_row=row)]
     q8 = _q8_in(op.ins[0], fmt, spec.m, spec.k, b, out)
     if q8 is not None:
         gemv_q8, acts = q8
@@ -123,7 +130,7 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
     from fuselane.lanes.cuda.triton import gemm
 
     if b.in_place and gemm.supports(fmt, spec.k) and out.dtype in _store_types():
-        # the weights decoded in the kernel: no f16 copy of the matrix
+        # the weights decoded to f16 in the kernel: no f16 copy of the matrix
         x2 = x.view(spec.m, spec.k)
         res2 = res_t.view(spec.m, spec.n) if res_t is not None else None
         out2 = out if row is not None else out.view(spec.m, spec.n)
@@ -152,6 +159,16 @@ def _fast(fmt: Format, m: int, *outs: Any):
 
     f32 = all(out.dtype in _store_types() for out in outs)
     return gemv_fast if f32 and gemv_fast.supports_fast(fmt, m) else None
+
+
+def _q8_gemm(name: str, fmt: Format, m: int, k: int, b: Bound, out: Any):
+    """(the int8 GEMM module, the activation's Q8Acts) where the plan wrote a chunk's activation `name` in int8
+    for a product the int8 GEMM takes (`CudaShim.int8_gemm`); None otherwise."""
+    from fuselane.lanes.cuda.triton import gemm_q8
+
+    if name not in b.q8 or not gemm_q8.supports(fmt, m, k) or out.dtype not in _store_types():
+        return None
+    return gemm_q8, b.q8[name]
 
 
 def _q8_in(name: str, fmt: Format, m: int, k: int, b: Bound, *outs: Any):
