@@ -578,7 +578,7 @@ def test_numerics(knobs: CudaKnobs) -> None:
     assert c.fused.exact and c.accumulator_bits == 32
     assert c.point == (
         f"the cuda lane: {knobs.activations.value} activations, {knobs.cache_precision.value} cache, "
-        f"{knobs.recurrent_state.value} state"
+        f"{knobs.recurrent_state.value} state; a chunk's products {CudaShim(knobs).prefill_products}"
     )
     assert c.attention == CudaShim.attention(knobs.activations)
 

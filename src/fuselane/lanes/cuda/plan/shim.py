@@ -253,7 +253,7 @@ class CudaShim:
         return Contract(
             point=(
                 f"the cuda lane: {k.activations.value} activations, {k.cache_precision.value} cache, "
-                f"{k.recurrent_state.value} state"
+                f"{k.recurrent_state.value} state; a chunk's products {self.prefill_products}"
             ),
             activations=self.scheme,
             cache=_CACHE_KEEP[k.cache_precision],
@@ -264,6 +264,19 @@ class CudaShim:
         )
 
     # --- numerics --------------------------------------------------------------------------------------
+
+    @property
+    def prefill_products(self) -> str:
+        """How a chunk's products past the GEMV's rows multiply, under the `prefill` knob (what `explain`
+        prints): the int8 tensor cores, the f16 ones decoding the weights in the kernel, or f16 copies."""
+        k = self.knobs
+        if k.prefill_weights is PrefillWeights.F16_COPY:
+            return "multiply f16 copies of the matrices (prefill=f16-copy)"
+        in_kernel = "decode the checkpoint's bytes to f16 in the kernel"
+        if k.prefill_weights is PrefillWeights.INT8 and k.activations is Activations.INT8:
+            formats = ", ".join(sorted(f.name for f in gemm_tiles.INT8_GEMM_FORMATS))
+            return f"run on the int8 tensor cores from the checkpoint's bytes in {formats}; other formats {in_kernel}"
+        return in_kernel
 
     @property
     def activation_format(self) -> QuantFormat | None:
