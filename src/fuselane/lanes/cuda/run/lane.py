@@ -138,13 +138,20 @@ class CudaLane:
         return self.caches[name]
 
     def forward(self, ids: np.ndarray, pos: int, *, all_logits: bool = False) -> np.ndarray:
-        """Run len(ids) tokens at positions pos ..; logits of the last row (or every row), on the host."""
+        """Run len(ids) tokens at positions pos ..; logits of the last row (or every row), on the host. Logits
+        that are not finite raise `NonFinite`, naming the layer and op where the lane's numbers left the
+        finite range."""
         ids = np.asarray(ids)
         if pos + len(ids) > self.ctx:
             raise ValueError(f"positions up to {pos + len(ids)} exceed the cache of {self.ctx}")
         step = self.step(len(ids), all_logits=all_logits)
         step.run(ids, pos)
-        return step.logits().float().cpu().numpy().copy()  # the buffer is rewritten by the next step
+        logits = step.logits().float().cpu().numpy().copy()  # the buffer is rewritten by the next step
+        if not np.isfinite(logits).all():  # the lane's own account: which op made it
+            from fuselane.lanes.cuda.run.finite import NonFinite, explain_non_finite
+
+            raise NonFinite(explain_non_finite(step))
+        return logits
 
     def decode(self, token: int, pos: int, sampling: SamplingParams) -> Iterator[int]:
         """Feed `token` at `pos`, then yield the sampled next tokens one after another, each fed at the next

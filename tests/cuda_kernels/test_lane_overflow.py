@@ -1,0 +1,72 @@
+"""Activations past f16's range: a checkpoint whose feed-forward activations reach about 1e6 gives finite logits
+on the cpu lane and on the cuda lane (under the interpreter), in prefill and decode, within the contract; the
+f16-copy prefill, which rounds them to f16 (largest 65504), overflows, and the error names the cuda lane and
+the layer where its numbers left the finite range, not the file.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
+pytest.importorskip("triton")
+
+from fuselane.gguf.formats import Format  # noqa: E402
+from fuselane.gguf.synth import SHAPES, tensor_shapes, write_weights  # noqa: E402
+from fuselane.lanes.cuda.run.finite import NonFinite  # noqa: E402
+from fuselane.runtime.model import load  # noqa: E402
+
+PROMPT = [5, 60, 7, 300, 8, 1, 2, 3, 4, 5, 6]  # past the GEMV's rows: the int8 GEMM runs
+DECODE = [9, 10]
+SHAPE = "tiny-qwen2"
+# The feed-forward's norm weight and its products' spread: the gate and up products come out ~400 a value, so
+# SwiGLU's output (the down product's activation) is ~1e5 a value and its largest ~1e6, and the residual
+# stream ~1e5 after the first layer's feed-forward.
+FFN_NORM, GATE_UP_STD, DOWN_STD, STD = 100.0, 0.5, 0.05, 0.05
+
+
+def _weights(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    out = {}
+    for name, dims in tensor_shapes(SHAPES[SHAPE]).items():
+        if len(dims) == 1:
+            out[name] = (FFN_NORM if "ffn_norm" in name else 1.0) * np.ones(dims, np.float32)
+            if name.endswith(".bias"):
+                out[name] = np.zeros(dims, np.float32)
+            continue
+        std = GATE_UP_STD if ("ffn_gate" in name or "ffn_up" in name) else DOWN_STD if "ffn_down" in name else STD
+        out[name] = (rng.standard_normal(dims) * std).astype(np.float32)
+    return out
+
+
+@pytest.fixture(scope="module")
+def loud(tmp_path_factory):
+    weights = _weights(np.random.default_rng(3))
+    formats = {n: Format.Q8_0 for n, w in weights.items() if w.ndim == 2}
+    return write_weights(tmp_path_factory.mktemp("loud") / "loud.gguf", SHAPE, weights, formats)
+
+
+def _run(model) -> list[np.ndarray]:
+    s = model.session()
+    return [s.feed(PROMPT)] + [s.extend([t]) for t in DECODE]
+
+
+def test_activations_of_1e6_stay_finite_on_both_lanes(loud):
+    ref = load(loud, lane="cpu", ctx=32, dtype=np.float64)
+    gpu = load(loud, lane="cuda", ctx=32)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    for step, (a, b) in enumerate(zip(_run(gpu), _run(ref), strict=True)):
+        assert np.isfinite(b).all() and np.isfinite(a).all(), f"step {step}"
+        err = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+        assert err <= tol, f"step {step}: {err:.2e} > {tol:.2e}"
+
+
+def test_an_f16_overflow_is_the_lanes_not_the_files(loud):
+    # the f16 copies round the ~1e6 activation to inf: the error names the lane and the layer
+    gpu = load(loud, lane="cuda", ctx=32, knobs=["prefill=f16-copy"])
+    with pytest.raises(NonFinite, match="cuda lane computed a non-finite value at layer 0"):
+        gpu.session().feed(PROMPT)
