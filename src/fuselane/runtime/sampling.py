@@ -13,12 +13,13 @@ import numpy as np
 from fuselane.errors import FuselaneError
 from fuselane.ranges import SEED, TEMPERATURE, TOP_K, TOP_P
 
+
 def nan_logits(lane: str) -> str:
     """What a sampler says of NaN logits, on the host or read from the device's flag: which lane made them, and
     how to tell the lane's own overflow from a broken file (the cpu lane is the reference)."""
     if lane == "cpu":
         return "the cpu lane computed NaN logits: the file's weights or metadata are broken (or overflow f32)"
-    return f"the {lane} lane computed NaN logits; if `--lane cpu` gives finite ones, the {lane} lane's numbers overflowed"
+    return f"the {lane} lane computed NaN logits; if `--lane cpu` gives finite ones, its own numbers overflowed"
 
 
 @dataclass(frozen=True, slots=True)

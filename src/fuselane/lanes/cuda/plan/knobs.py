@@ -87,8 +87,9 @@ class CudaKnobs:
       llama.cpp's do (q8_1). With f32 activations a 4-bit weight costs ~6.8 instructions, which holds the
       GEMVs to 1-2 TB/s; dp4a cuts that to about one (H200 decode 1.28-1.75x faster, `benchmarks/RESULTS.md`).
       A chunk's attention multiplies on the f16 tensor cores (`CudaShim.attention`); its products read the
-      int8 form too, on the int8 tensor cores (`prefill=int8`). The contract's tolerance is wider: `dequant` keeps the lane's numbers closest
-      to the cpu reference (the tightest contract), at the slower decode. `int8x2` has no kernels here.
+      int8 form too, on the int8 tensor cores (`prefill=int8`). The contract's tolerance is wider: `dequant`
+      keeps the lane's numbers closest to the cpu reference (the tightest contract), at the slower decode.
+      `int8x2` has no kernels here.
     - `cache=f16`: halves the bytes a long context's attention reads, at f16's 2^-11 roundoff, the error
       attention already tolerates (the lane keeps its caches in f32 or f16; llama.cpp in f16).
     - `state=f32`: a recurrent state is summed into every step, so its rounding compounds; keep it exact.
