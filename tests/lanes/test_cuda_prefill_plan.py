@@ -1,0 +1,48 @@
+"""The cuda lane's prefill plan under `prefill=int8`: a chunk's products read their activation's int8 form, which
+the plan writes (an add + norm in its epilogue, a `Quantize` launch after the producers that have none), and
+the other `prefill` values, a batch and the dequantized numerics leave every activation in f32."""
+
+from __future__ import annotations
+
+import pytest
+
+from fuselane.explain import build_plan
+from fuselane.fuse.views import leaves
+from fuselane.graph.ir import QuantFormat, QuantizedActs
+from fuselane.graph.ops import Matmul, Quantize
+
+
+def _plan(*knobs: str, form: str = "prefill", rows: int = 16):
+    _, _, plan = build_plan("synth:tiny-qwen2", lane="cuda", form=form, rows=rows, knobs=knobs)
+    return plan
+
+
+def _int8_products(plan) -> list[str]:
+    g = plan.graph
+    return [
+        op.out
+        for op in plan.ops
+        if any(isinstance(leaf.sym, Matmul) for leaf in leaves(op))
+        and isinstance(g.tensors[op.ins[0]].storage, QuantizedActs)
+    ]
+
+
+def test_a_chunks_products_read_int8():
+    plan = _plan()
+    g = plan.graph
+    # q, k, v, o, gate, up, down of each of the two layers; the head reads the last row's f32 norm (one row)
+    assert len(_int8_products(plan)) == 2 * 7
+    assert all(g.tensors[n].storage == QuantizedActs(QuantFormat.ONE_WORD) for n in ("l0.glu", "l0.attn", "l1.ffn_in"))
+    # the embedding's norm, each attention's output and each SwiGLU's are quantized by a launch of their own
+    assert sum(isinstance(op.sym, Quantize) for op in plan.ops) == 1 + 2 * 2
+    assert "int8 tensor cores" in plan.contract.point
+
+
+@pytest.mark.parametrize("knobs", [("prefill=f16-copy",), ("prefill=in-place",), ("activations=dequant",)])
+def test_other_prefills_read_f32(knobs):
+    plan = _plan(*knobs)
+    assert not _int8_products(plan) and not any(isinstance(op.sym, Quantize) for op in plan.ops)
+
+
+def test_a_chunk_within_the_gemvs_rows_reads_f32():
+    assert not _int8_products(_plan(rows=8))
