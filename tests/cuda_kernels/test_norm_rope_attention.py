@@ -456,6 +456,20 @@ def test_glu_act_mul_matches_cpu():
     within(host(out), want, (np.abs(gate) + APPROX + 3) * U * np.abs(want) + TINY, "swiglu")
 
 
+def test_glu_act_mul_writes_its_int8_form():
+    # GluActMulQuant: the launch's own f32 output, quantized as `quant.quantize` does, bit for bit; a row of
+    # 1504 values ends in a partial program's whole blocks
+    rng = np.random.default_rng(5)
+    rows, cols = 2, 1504
+    gate, up = f32(rng, rows, cols, scale=4.0), f32(rng, rows, cols, scale=1e5)  # past f16's range
+    out = torch.empty(rows, cols, device=DEVICE)
+    q8 = quant.empty_q8(rows, cols, DEVICE)
+    misc.glu_act_mul(dev(gate), dev(up), out, q8)
+    codes, d, s = quant.quantize_reference(out.cpu().numpy())
+    assert np.array_equal(q8.q.cpu().numpy(), codes) and np.array_equal(q8.d.cpu().numpy(), d)
+    assert np.array_equal(q8.s.cpu().numpy(), s)
+
+
 def test_argmax_ties_take_the_lowest_index():
     rows, cols = 4, 10_000  # three chunks of 4096
     rng = np.random.default_rng(6)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from fuselane.explain import build_plan
-from fuselane.fuse.views import leaves
+from fuselane.fuse.views import class_of, leaves
+from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import QuantFormat, QuantizedActs
 from fuselane.graph.ops import Matmul, Quantize
 
@@ -33,8 +34,10 @@ def test_a_chunks_products_read_int8():
     # q, k, v, o, gate, up, down of each of the two layers; the head reads the last row's f32 norm (one row)
     assert len(_int8_products(plan)) == 2 * 7
     assert all(g.tensors[n].storage == QuantizedActs(QuantFormat.ONE_WORD) for n in ("l0.glu", "l0.attn", "l1.ffn_in"))
-    # the embedding's norm, each attention's output and each SwiGLU's are quantized by a launch of their own
-    assert sum(isinstance(op.sym, Quantize) for op in plan.ops) == 1 + 2 * 2
+    # the embedding's norm and each attention's output are quantized by a launch of their own; SwiGLU's and the
+    # add + norms' in their own launches
+    assert sum(isinstance(op.sym, Quantize) for op in plan.ops) == 1 + 2
+    assert sum(class_of(op) is C.GLU_ACT_MUL_QUANT for op in plan.ops) == 2
     assert "int8 tensor cores" in plan.contract.point
 
 

@@ -196,8 +196,8 @@ def _turns_apart(r: Rewriter, i: int, why: str) -> int:
 
 def products_apart(shim: CudaShim, r: Rewriter) -> None:
     """A gated pair of more rows than the GEMV takes, as its gate and up products and its GLU; one that writes
-    its GLU's int8 form (a chunk's, for a down product on the int8 tensor cores) first as the bare pair, whose
-    GLU's int8 form `quantize_apart` then writes in a launch of its own."""
+    its GLU's int8 form (a chunk's, for a down product on the int8 tensor cores) as the bare pair first, then
+    its GLU as the fold that writes the int8 form in its launch (GluActMulQuant)."""
     i = 0
     while i < len(r.s):  # the schedule grows as pairs split: read its length each time round
         op = r.s.slot(i)
@@ -208,7 +208,17 @@ def products_apart(shim: CudaShim, r: Rewriter) -> None:
             members = parts(op)
             r.split(PRODUCTS_APART, i, members, NO_PAIRED_GEMM)
             i += len(members) - 1
+            _requantize(shim, r, i)
         i += 1
+
+
+def _requantize(shim: CudaShim, r: Rewriter, i: int) -> None:
+    """The GLU at slot i of a split pair writes its int8 form in its own launch where the pair wrote one."""
+    glu = r.s.slot(i)
+    if glu is None or not isinstance(r.g.tensors[glu.out].storage, QuantizedActs):
+        return
+    if shim.quantizes_in_epilogue(glu, r.g):
+        r.try_fuse(PRODUCTS_APART, C.GLU_ACT_MUL_QUANT, [i], i)
 
 
 def _wide_pair(op: Op, g: TensorGraph) -> bool:

@@ -219,12 +219,15 @@ class CudaShim:
         )
 
     def quantizes_in_epilogue(self, producer: Op, g: TensorGraph) -> bool:
-        """Whether a decode step's `producer` writes its result's int8 form in its own kernel's epilogue: an
-        add + norm; a projection whose last program norms its row, and a gated pair, where they read their own
-        activation in int8 and write whole 32-value blocks; the decode attention."""
+        """Whether `producer` writes its result's int8 form in its own kernel's epilogue: an add + norm; SwiGLU's
+        product of rows of whole 32-value blocks; a decode step's projection whose last program norms its row,
+        and gated pair, where they read their own activation in int8 and write whole 32-value blocks; the
+        decode attention."""
         cls = class_of(producer)
         if cls is C.ADD_NORM or cls is C.FLASH_DECODE:
             return True
+        if cls is C.GLU_ACT_MUL:  # its launch quantizes rows of whole 32-value blocks
+            return g.tensors[producer.out].shape[-1] % kernels.QBLOCK == 0
         if isinstance(producer.sym, Attention):
             return producer.sym.rows == 1
         if cls in (C.GEMV_NORM_EPILOGUE, C.GEMV_GATE_UP_GLU):

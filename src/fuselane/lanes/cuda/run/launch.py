@@ -519,11 +519,13 @@ def _norm_epilogue(op: Op, b: Bound, out_q8: Any = None):
     return [lambda: gemv_epilogue.gemv_add_norm(x, wt, fmt, n, k, r, s, w, spec.eps, out, counter)]
 
 
-def _glu(op: Op, b: Bound):
+def _glu(op: Op, b: Bound, out_q8: Any = None):
+    """SwiGLU's product in one launch; with `out_q8` (GluActMulQuant: a chunk's, for the down product on the
+    int8 tensor cores) the launch also writes its int8 form."""
     *_, misc = _t()
     act, mul = leaves(op)
     g, u, out = b.bufs[act.ins[0]], b.bufs[mul.ins[1]], b.bufs[mul.out]
-    return [lambda: misc.glu_act_mul(g, u, out)]
+    return [lambda: misc.glu_act_mul(g, u, out, out_q8)]
 
 
 def _flash(op: Op, b: Bound, out_q8: Any = None):
@@ -586,6 +588,7 @@ _QUANT_EPILOGUE: dict[C | type, Callable[[Op, Bound, Any], list[Launch]]] = {
     C.ADD_NORM: _add_norm,
     C.GEMV_NORM_EPILOGUE: _norm_epilogue,
     C.GEMV_GATE_UP_GLU: _gate_up,
+    C.GLU_ACT_MUL: _glu,
     C.FLASH_DECODE: _flash,
     Attention: _attention,
 }
