@@ -110,7 +110,7 @@ def test_gemm_q8_bias_residual_and_rows_of_a_table():
 def test_supports_and_refusals():
     assert G.supports(Format.Q4_K, 512, 3584) and G.supports(Format.Q5_0, 16, 896)
     assert not G.supports(Format.Q4_K, gemm_tiles.GEMV_ROWS, 3584)  # the GEMV's rows
-    assert not G.supports(Format.Q4_K, 64, 96) and not G.supports(Format.IQ4_XS, 64, 4096)
+    assert not G.supports(Format.Q4_K, 64, 96) and not G.supports(Format.F16, 64, 4096)
     raw = dev(raw_weights(Format.Q8_0, 8, 256, np.random.default_rng(0)))
     acts, _ = _acts(np.zeros((16, 256), np.float32))
     with pytest.raises(ValueError, match="out must be"):

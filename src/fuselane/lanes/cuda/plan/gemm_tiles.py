@@ -32,18 +32,22 @@ class GemmTile(NamedTuple):
 # Formats whose 32-value runs unpack to int8 codes under one f32 scale (and one f32 offset where the format
 # has a minimum) or two scales of 16 values (Q6_K's, Q3_K's sub-blocks): every run is one or two int8 MMAs.
 INT8_GEMM_FORMATS = frozenset(
-    {Format.Q4_K, Format.Q5_K, Format.Q6_K, Format.Q8_0, Format.Q5_0, Format.Q4_0, Format.Q4_1, Format.Q5_1}
+    {
+        *(Format.Q4_0, Format.Q4_1, Format.Q5_0, Format.Q5_1, Format.Q8_0, Format.IQ4_NL),
+        *(Format.Q2_K, Format.Q3_K, Format.Q4_K, Format.Q5_K, Format.Q6_K, Format.IQ4_XS),
+    }
 )
 # ...of which these are K formats: a block is a 256-value super-block of eight runs.
-SUPER_BLOCK_FORMATS = frozenset({Format.Q4_K, Format.Q5_K, Format.Q6_K})
+SUPER_BLOCK_FORMATS = frozenset({Format.Q2_K, Format.Q3_K, Format.Q4_K, Format.Q5_K, Format.Q6_K, Format.IQ4_XS})
 # ...and these scale each 16 values of a run apart: two MMAs a run, each with the other half's codes zeroed.
-SPLIT_FORMATS = frozenset({Format.Q6_K})
-# ...and these add a minimum (an offset) a run: the activation's block sums carry it (one FMA a run).
-MIN_FORMATS = frozenset({Format.Q4_K, Format.Q5_K, Format.Q4_1, Format.Q5_1})
+SPLIT_FORMATS = frozenset({Format.Q2_K, Format.Q3_K, Format.Q6_K})
+# ...and these add a minimum (an offset) a run: the activation's block sums carry it (one FMA a run, two split).
+MIN_FORMATS = frozenset({Format.Q2_K, Format.Q4_K, Format.Q5_K, Format.Q4_1, Format.Q5_1})
 
 DEFAULT_TILE = GemmTile(block_m=128, block_n=128, warps=8, stages=3)
 # A format of two MMAs a run holds two int32 tiles at once: 64 activation rows leave it its registers.
-TILES: dict[Format, GemmTile] = {Format.Q6_K: GemmTile(block_m=64, block_n=128, warps=8, stages=3)}
+_SPLIT_TILE = GemmTile(block_m=64, block_n=128, warps=8, stages=3)
+TILES: dict[Format, GemmTile] = {fmt: _SPLIT_TILE for fmt in SPLIT_FORMATS}
 # 32-value blocks a step of the K loop takes in a 32-value format: four (128 values, the K formats' half a
 # super-block) give the pipeliner a body as long as a K format's; fewer where a row has fewer.
 BLOCKS_A_STEP = 4

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import QK, Format, row_bytes
+from fuselane.gguf.formats import IQ4_NL_VALUES, QK, Format, row_bytes
 from fuselane.lanes.cuda.plan import gemm_tiles
 from fuselane.lanes.cuda.plan.gemm_tiles import GemmTile
 from fuselane.lanes.cuda.triton import pdl
@@ -43,7 +43,7 @@ HALF_C = tl.constexpr(HALF)
 
 @triton.jit
 def _gemm_q8_kernel(
-    xq, xd, xs, w, out, bias, res, pos, m, n, out_pitch, res_pitch,
+    xq, xd, xs, w, lut, out, bias, res, pos, m, n, out_pitch, res_pitch,
     FMT: tl.constexpr, K: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_BYTES: tl.constexpr,
     RUNS: tl.constexpr, BLOCKS: tl.constexpr, SPLIT: tl.constexpr, HAS_MIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -67,7 +67,7 @@ def _gemm_q8_kernel(
                 r = (step * BLOCKS + b) * RUNS + j  # the run's index in the row: its activation block
                 a = tl.load(xq_rows[:, None] + r * QB + cols[None, :])
                 ad = tl.load(xd_rows + r)
-                codes, s0, s1, m0, m1 = run(blk, j, FMT)
+                codes, s0, s1, m0, m1 = run(blk, j, FMT, lut)
                 wt = tl.trans(codes)
                 if SPLIT:
                     lo = tl.dot(tl.where(low, a, 0).to(tl.int8), wt, out_dtype=tl.int32).to(tl.float32)
@@ -93,6 +93,16 @@ def _gemm_q8_kernel(
         first = tl.load(pos)
     dst = out + (first + xm)[:, None].to(tl.int64) * out_pitch + rows[None, :]
     tl.store(dst, acc.to(out.dtype.element_ty), mask=keep)
+
+
+_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _lut(device: torch.device) -> torch.Tensor:
+    """The IQ4 formats' 16 code values on `device` (made once a device)."""
+    if device not in _LUTS:
+        _LUTS[device] = torch.tensor(IQ4_NL_VALUES, dtype=torch.int8, device=device)
+    return _LUTS[device]
 
 
 def supports(fmt: Format, m: int, k: int) -> bool:
@@ -143,7 +153,7 @@ def gemm_q8(
     values = gemm_tiles.block_values(fmt)
     grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))
     _gemm_q8_kernel[grid](
-        x.q, x.d, x.s, w, out,
+        x.q, x.d, x.s, w, _lut(w.device), out,
         x.d if bias is None else bias,
         x.d if residual is None else residual,
         pos, m, n, pitch,

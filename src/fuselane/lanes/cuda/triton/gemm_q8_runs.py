@@ -1,17 +1,18 @@
 """One 32-value run of a tile of weight rows as the int8 GEMM multiplies it: int8 codes, scales and offsets.
 
-`run(blk, J, FMT)` takes `blk`, [BLOCK_N] uint8 pointers each to its row's block (a K format's super-block,
-else a 32-value block) as the checkpoint stores it, and J, the run within the block (0-7 in a super-block,
-0 otherwise), and returns
+`run(blk, J, FMT, lut)` takes `blk`, [BLOCK_N] uint8 pointers each to its row's block (a K format's
+super-block, else a 32-value block) as the checkpoint stores it, and J, the run within the block (0-7 in a
+super-block, 0 otherwise), and returns
 
     codes [BLOCK_N, 32] int8, s0, s1, m0, m1 [BLOCK_N] f32
 
 with every weight of the run = s * code + m, (s0, m0) for its values 0-15 and (s1, m1) for 16-31 (the same
-pair twice but in Q6_K, whose 16-value sub-blocks have scales of their own). Each format is one small body:
-its code unpack and its run's scale and offset, from `formats.LAYOUTS`' byte offsets (`gemv.layout`). The
-codes are the format's own (signed where the format subtracts a bias), so s * code + m is the f32 weight
-`fuselane.gguf.dequant` gives: s is d (times a sub-block scale, exact in f32), m the minimum (-dmin * its
-6-bit min in a K format, exact).
+pair twice but in Q2_K, Q3_K and Q6_K, whose 16-value sub-blocks have scales of their own). Each format is
+one small body: its code unpack and its run's scale and offset, from `formats.LAYOUTS`' byte offsets
+(`gemv.layout`). The codes are the format's own (signed where the format subtracts a bias; the IQ4 formats'
+are the values of their table, -127..113, read from `lut`), so s * code + m is the f32 weight
+`fuselane.gguf.dequant` gives: s is d (times a sub-block scale, exact in f32), m the minimum (-dmin times a
+K format's integer min, exact).
 
 A run's bytes of a row are contiguous (a Q4_K pair's 32 qs bytes, a Q8_0 block's 32 codes), so a tile's
 load is BLOCK_N rows of 16-32 contiguous bytes: the vector loads the layout's alignment allows.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.triton.gemv.layout import (
     BIT,
     CRUMB,
@@ -74,12 +76,29 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     SIX_BITS,
     const,
     load_f16,
+    offset,
 )
 
 K_TOP = const(6)  # a Q4_K / Q5_K scale byte of sub-blocks 0-3 keeps a later sub-block's top 2 bits from bit 6
 K_MINS = const(4)  # the mins' bytes follow the four scale bytes of sub-blocks 0-3
 K_LOW_NIBBLES = const(8)  # bytes 8-11 hold sub-blocks 4-7's low bits: the scale's low nibble, the min's high
 BYTE_BITS = const(8)
+
+FMT_Q2_K, FMT_Q3_K = const(Format.Q2_K.value), const(Format.Q3_K.value)
+FMT_IQ4_NL, FMT_IQ4_XS = const(Format.IQ4_NL.value), const(Format.IQ4_XS.value)
+Q2_K_SCALES, Q2_K_QS = offset(Format.Q2_K, "scales"), offset(Format.Q2_K, "qs")
+Q2_K_D, Q2_K_DMIN = offset(Format.Q2_K, "d"), offset(Format.Q2_K, "dmin")
+Q3_K_HMASK, Q3_K_QS = offset(Format.Q3_K, "hmask"), offset(Format.Q3_K, "qs")
+Q3_K_SCALES, Q3_K_D = offset(Format.Q3_K, "scales"), offset(Format.Q3_K, "d")
+IQ4_NL_D, IQ4_NL_QS = offset(Format.IQ4_NL, "d"), offset(Format.IQ4_NL, "qs")
+IQ4_XS_D, IQ4_XS_QS = offset(Format.IQ4_XS, "d"), offset(Format.IQ4_XS, "qs")
+IQ4_XS_SCALES_H, IQ4_XS_SCALES_L = offset(Format.IQ4_XS, "scales_h"), offset(Format.IQ4_XS, "scales_l")
+K2_HALF_RUNS = const(4)  # Q2_K / Q3_K: a half of 128 values is four runs, crumb c of qs byte i of the half
+K2_QS_HALF = const(32)  # qs bytes of a half
+Q3_BIAS = const(4)  # Q3_K: code = (2 low bits | high bit << 2) - 4
+K_SIGNED_SCALE = const(32)  # Q3_K / IQ4_XS: a 6-bit scale stands for scale - 32
+Q3_K_LOW_SCALES = const(8)  # Q3_K: scales 0-7 keep their low 4 bits in the low nibbles of bytes 0-7, 8-15 high
+Q3_K_HIGH = const(8)  # ...and their top 2 bits as crumb j // 4 of byte 8 + j % 4
 
 
 @triton.jit
@@ -133,10 +152,22 @@ def _k_run(blk, J: tl.constexpr, D: tl.constexpr, DMIN: tl.constexpr, SCALES: tl
 
 
 @triton.jit
-def run(blk, J: tl.constexpr, FMT: tl.constexpr):
-    """(codes int8 [BLOCK_N, 32], s0, s1, m0, m1 [BLOCK_N] f32) of run J of each row's block (see the module)."""
+def run(blk, J: tl.constexpr, FMT: tl.constexpr, lut):
+    """(codes int8 [BLOCK_N, 32], s0, s1, m0, m1 [BLOCK_N] f32) of run J of each row's block (see the module).
+    `lut` points at the 16 int8 values of `IQ4_NL_VALUES` (read by the IQ4 formats only)."""
     if FMT == FMT_Q6_K:
         codes, s0, s1, m0, m1 = _q6_k_run(blk, J)
+    elif FMT == FMT_Q2_K:
+        codes, s0, s1, m0, m1 = _q2_k_run(blk, J)
+    elif FMT == FMT_Q3_K:
+        codes, s0, s1, m0, m1 = _q3_k_run(blk, J)
+    elif FMT == FMT_IQ4_NL:
+        codes = tl.load(lut + _nibble_run(blk, IQ4_NL_QS))
+        s0 = load_f16(blk + IQ4_NL_D)
+        zero = tl.zeros(blk.shape, tl.float32)
+        s1, m0, m1 = s0, zero, zero
+    elif FMT == FMT_IQ4_XS:
+        codes, s0, s1, m0, m1 = _iq4_xs_run(blk, J, lut)
     else:
         codes, s0, s1, m0, m1 = _one_scale_run(blk, J, FMT)
     return codes, s0, s1, m0, m1
@@ -193,3 +224,59 @@ def _q6_k_run(blk, J: tl.constexpr):
     s1 = d * tl.load(sc + 1).to(tl.float32)
     zero = tl.zeros(blk.shape, tl.float32)
     return codes.to(tl.int8), s0, s1, zero, zero
+
+
+@triton.jit
+def _crumb_run(blk, QS: tl.constexpr, J: tl.constexpr):
+    """Q2_K / Q3_K run J's 2-bit codes: crumb J % 4 of qs bytes 0-31 of half J // 4."""
+    half: tl.constexpr = J // K2_HALF_RUNS
+    c: tl.constexpr = J - half * K2_HALF_RUNS
+    return (_bytes(blk, QS + half * K2_QS_HALF, tl.arange(0, QK_C)) >> (2 * c)) & CRUMB
+
+
+@triton.jit
+def _q2_k_run(blk, J: tl.constexpr):
+    """Q2_K run J: 2-bit codes; sub-blocks 2J and 2J + 1 of 16 each take d * (scale byte's low nibble) and
+    -dmin * (its high nibble)."""
+    d, dmin = load_f16(blk + Q2_K_D), load_f16(blk + Q2_K_DMIN)
+    b0, b1 = _byte(blk, Q2_K_SCALES + 2 * J), _byte(blk, Q2_K_SCALES + 2 * J + 1)
+    s0, s1 = d * (b0 & NIBBLE).to(tl.float32), d * (b1 & NIBBLE).to(tl.float32)
+    m0, m1 = -(dmin * (b0 >> NIBBLE_BITS).to(tl.float32)), -(dmin * (b1 >> NIBBLE_BITS).to(tl.float32))
+    return _crumb_run(blk, Q2_K_QS, J).to(tl.int8), s0, s1, m0, m1
+
+
+@triton.jit
+def _q3_k_scale(blk, S: tl.constexpr):
+    """Q3_K's signed 6-bit scale S (0-15), as f32."""
+    if S < Q3_K_LOW_SCALES:
+        low = _byte(blk, Q3_K_SCALES + S) & NIBBLE
+    else:
+        low = _byte(blk, Q3_K_SCALES + S - Q3_K_LOW_SCALES) >> NIBBLE_BITS
+    top = (_byte(blk, Q3_K_SCALES + Q3_K_HIGH + S % 4) >> (2 * (S // 4))) & CRUMB
+    return ((low | (top << NIBBLE_BITS)) - K_SIGNED_SCALE).to(tl.float32)
+
+
+@triton.jit
+def _q3_k_run(blk, J: tl.constexpr):
+    """Q3_K run J: 2-bit codes with bit J of each hmask byte as their third bit, less 4; sub-blocks 2J and
+    2J + 1 take d times their signed scales."""
+    high = ((_bytes(blk, Q3_K_HMASK, tl.arange(0, QK_C)) >> J) & BIT) << 2
+    codes = (_crumb_run(blk, Q3_K_QS, J) | high) - Q3_BIAS
+    d = load_f16(blk + Q3_K_D)
+    zero = tl.zeros(blk.shape, tl.float32)
+    return codes.to(tl.int8), d * _q3_k_scale(blk, 2 * J), d * _q3_k_scale(blk, 2 * J + 1), zero, zero
+
+
+@triton.jit
+def _iq4_xs_run(blk, J: tl.constexpr, lut):
+    """IQ4_XS run J: the table's values of 16 qs bytes' nibbles (low: values 0-15, high: 16-31), under d times
+    the run's signed 6-bit scale (a nibble of scales_l byte J // 2, and crumb J of the u16 scales_h)."""
+    i = tl.arange(0, QK_C)
+    b = _bytes(blk, IQ4_XS_QS + J * HALF_QK, i % HALF_QK)
+    codes = tl.load(lut + tl.where((i < HALF_QK)[None, :], b & NIBBLE, b >> NIBBLE_BITS))
+    low = (_byte(blk, IQ4_XS_SCALES_L + J // 2) >> (NIBBLE_BITS * (J % 2))) & NIBBLE
+    scales_h = _byte(blk, IQ4_XS_SCALES_H) | (_byte(blk, IQ4_XS_SCALES_H + 1) << BYTE_BITS)
+    top = (scales_h >> (2 * J)) & CRUMB
+    s = load_f16(blk + IQ4_XS_D) * ((low | (top << NIBBLE_BITS)) - K_SIGNED_SCALE).to(tl.float32)
+    zero = tl.zeros(blk.shape, tl.float32)
+    return codes, s, s, zero, zero
