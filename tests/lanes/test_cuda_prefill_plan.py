@@ -34,10 +34,20 @@ def test_a_chunks_products_read_int8():
     # q, k, v, o, gate, up, down of each of the two layers; the head reads the last row's f32 norm (one row)
     assert len(_int8_products(plan)) == 2 * 7
     assert all(g.tensors[n].storage == QuantizedActs(QuantFormat.ONE_WORD) for n in ("l0.glu", "l0.attn", "l1.ffn_in"))
-    # the embedding's norm and each attention's output are quantized by a launch of their own; SwiGLU's and the
-    # add + norms' in their own launches
+    # the embedding's norm is quantized by a launch of its own, and each attention's output (its heads of 16
+    # values are no whole 32-value blocks); the add + norms and SwiGLU write their int8 forms in their launches
     assert sum(isinstance(op.sym, Quantize) for op in plan.ops) == 1 + 2
     assert sum(class_of(op) is C.GLU_ACT_MUL_QUANT for op in plan.ops) == 2
+
+
+def test_an_attention_of_whole_blocks_quantizes_its_output(tmp_path):
+    from fuselane.gguf.synth import Shape, write_synthetic
+
+    shape = Shape("qwen2", 128, 1, 4, 2, 32, 256, 512, context=4096)
+    path = write_synthetic(tmp_path / "m.gguf", shape, "q8_0")
+    _, _, plan = build_plan(str(path), lane="cuda", form="prefill", rows=16)
+    assert sum(class_of(op) is C.ATTN_OUTPUT_QUANT for op in plan.ops) == 1
+    assert sum(isinstance(op.sym, Quantize) for op in plan.ops) == 1  # the embedding's norm only
     assert "int8 tensor cores" in plan.contract.point
 
 

@@ -418,8 +418,7 @@ CASES = [
         "attention output quant",
         lambda: fused(C.ATTN_OUTPUT_QUANT, fused(C.FLASH_DECODE, attention())),
         lambda: fused(C.ATTN_OUTPUT_QUANT, fused(C.FLASH_DECODE, attention(hd=16))),
-        "an attention quantizes its output only in the decode step's and a short chunk's kernels, its heads "
-        "whole 32-value groups",
+        "an attention quantizes its output only where its heads are whole 32-value groups",
     ),
     Case(
         "norm quant",

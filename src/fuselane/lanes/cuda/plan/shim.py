@@ -222,14 +222,15 @@ class CudaShim:
         """Whether `producer` writes its result's int8 form in its own kernel's epilogue: an add + norm; SwiGLU's
         product of rows of whole 32-value blocks; a decode step's projection whose last program norms its row,
         and gated pair, where they read their own activation in int8 and write whole 32-value blocks; the
-        decode attention."""
+        decode attention, and a chunk's of heads of whole 32-value blocks."""
         cls = class_of(producer)
         if cls is C.ADD_NORM or cls is C.FLASH_DECODE:
             return True
         if cls is C.GLU_ACT_MUL:  # its launch quantizes rows of whole 32-value blocks
             return g.tensors[producer.out].shape[-1] % kernels.QBLOCK == 0
-        if isinstance(producer.sym, Attention):
-            return producer.sym.rows == 1
+        if isinstance(producer.sym, Attention) or cls is C.FLASH_PREFILL:
+            spec = leaves(producer)[0].sym  # the attention: a chunk's quantizes heads of whole 32-value blocks
+            return spec.rows == 1 or spec.hd % kernels.QBLOCK == 0  # type: ignore[union-attr]
         if cls in (C.GEMV_NORM_EPILOGUE, C.GEMV_GATE_UP_GLU):
             p = gemv(parts(producer)[0], g)
             within = p is not None and p.m <= kernels.GEMV_ROWS and p.n % kernels.QBLOCK == 0

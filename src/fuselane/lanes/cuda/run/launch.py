@@ -293,7 +293,11 @@ def _attention(op: Op, b: Bound, out_q8: Any = None):
     from fuselane.lanes.cuda.triton.attention import prefill as attention_prefill
 
     f16 = b.attention_f16
-    return [lambda: attention_prefill.flash_prefill(q, kc, vc, pos, out, rows=spec.rows, f16_ops=f16, **shape)]
+    return [
+        lambda: attention_prefill.flash_prefill(
+            q, kc, vc, pos, out, rows=spec.rows, f16_ops=f16, out_q8=out_q8, **shape
+        )
+    ]
 
 
 # ---- native classes ---------------------------------------------------------------------------------------
@@ -590,5 +594,6 @@ _QUANT_EPILOGUE: dict[C | type, Callable[[Op, Bound, Any], list[Launch]]] = {
     C.GEMV_GATE_UP_GLU: _gate_up,
     C.GLU_ACT_MUL: _glu,
     C.FLASH_DECODE: _flash,
+    C.FLASH_PREFILL: _flash,
     Attention: _attention,
 }
