@@ -30,6 +30,7 @@ from fuselane.lanes.cuda.plan.kernels import QBLOCK
 from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run import decode as loop
+from fuselane.lanes.cuda.run.buffers import pooled_buffers
 from fuselane.lanes.cuda.run.decode import DeviceSampler, Tail
 from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
@@ -204,15 +205,19 @@ class _Step:
         torch = lane.torch
         self.lane, self.plan, self.torch, self.pdl = lane, plan, torch, pdl
         g: TensorGraph = plan.graph
-        bufs: dict[str, Any] = {}
-        q8: dict[str, Any] = {}
         if lane.shim.activation_format is not None and lane.shim.activation_format is not QuantFormat.ONE_WORD:
             raise FuselaneError("activations=int8x2 waits for its two-word kernels; use int8 or dequant")
+        def f32(shape: tuple[int, ...]) -> Any:
+            return torch.zeros(shape, dtype=torch.float32, device=lane.device)
+
+        # activations share buffers where their lives do not overlap (`buffers`): a chunk's workspace is what
+        # it holds at once, not every layer's
+        bufs, q8 = pooled_buffers(plan, f32, lambda shape: _int8_form(shape, lane.device))
         for name, t in g.tensors.items():
             if t.role is Role.CACHE:
                 bufs[name] = lane.cache(name, t.shape)
-            elif t.role in (Role.ACTIVATION, Role.OUTPUT):
-                bufs[name] = torch.zeros(t.shape, dtype=torch.float32, device=lane.device)
+            elif t.role is Role.OUTPUT:
+                bufs[name] = f32(t.shape)
                 if isinstance(t.storage, QuantizedActs):  # the plan writes its int8 form
                     q8[name] = _int8_form(t.shape, lane.device)
         bufs[IDS] = torch.zeros(g.rows, dtype=torch.int32, device=lane.device)
