@@ -7,7 +7,8 @@ buffer of exactly its size (f32 values; its int8 form, where the plan writes one
 when its life begins, and gives it back once the op where its life ends has taken what it needs: an op never
 gets an input's buffer for its own output. Every op writes its outputs whole before anything reads them
 within a step, so a buffer's stale values from another activation are never read. The step's output (the
-logits), the caches, the ids and the position keep buffers of their own.
+logits), the caches, the ids and the position keep buffers of their own; a view's output (a chunk's last
+rows) is bound to its input's buffer by its binder.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def pooled_buffers(
         for name in ends[i]:
             for key, buf in taken.pop(name):
                 free[key].append(buf)
-    for name in pooled - set(span):  # never touched by an op: a buffer of its own all the same
+    views = {op.out for op in plan.ops if isinstance(op.sym, VIEWS)}  # bound to their input's buffer
+    for name in pooled - set(span) - views:  # never touched by an op: a buffer of its own all the same
         bufs[name] = make(g.tensors[name].shape)
     return bufs, q8
 

@@ -207,6 +207,7 @@ class _Step:
         g: TensorGraph = plan.graph
         if lane.shim.activation_format is not None and lane.shim.activation_format is not QuantFormat.ONE_WORD:
             raise FuselaneError("activations=int8x2 waits for its two-word kernels; use int8 or dequant")
+
         def f32(shape: tuple[int, ...]) -> Any:
             return torch.zeros(shape, dtype=torch.float32, device=lane.device)
 
