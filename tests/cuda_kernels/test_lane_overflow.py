@@ -1,7 +1,7 @@
 """Activations past f16's range: a checkpoint whose feed-forward activations reach about 1e6 gives finite logits
-on the cpu lane and on the cuda lane (under the interpreter), in prefill and decode, within the contract; the
-f16-copy prefill, which rounds them to f16 (largest 65504), overflows, and the error names the cuda lane and
-the layer where its numbers left the finite range, not the file.
+on the cpu lane and on the cuda lane (under the interpreter), in prefill and decode, within the contract, at
+every `prefill` knob (the f16 paths scale a row past f16's range first); and a value that does leave the
+finite range is reported as the lane's, with the layer and op that made it.
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ def loud(tmp_path_factory):
     return write_weights(tmp_path_factory.mktemp("loud") / "loud.gguf", SHAPE, weights, formats)
 
 
-def _within_contract(path, decode: list[int]) -> None:
-    """The cuda lane's logits of the prompt, then of each `decode` token fed, finite and within its contract
-    of the cpu lane's in f64 (finite too)."""
+def _within_contract(path, decode: list[int], knobs: list[str] = ()) -> None:
+    """The cuda lane's logits (at `knobs`) of the prompt, then of each `decode` token fed, finite and within its
+    contract of the cpu lane's in f64 (finite too)."""
     ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
-    gpu = load(path, lane="cuda", ctx=32)
+    gpu = load(path, lane="cuda", ctx=32, knobs=list(knobs))
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     sessions = gpu.session(), ref.session()
     steps = [[s.feed(PROMPT) for s in sessions]] + [[s.extend([t]) for s in sessions] for t in decode]
@@ -74,8 +74,19 @@ def test_activations_of_1e6_stay_finite_in_decode(loud):
     _within_contract(loud, DECODE)
 
 
-def test_an_f16_overflow_is_the_lanes_not_the_files(loud):
-    # the f16 copies round the ~1e6 activation to inf: the error names the lane and the layer
-    gpu = load(loud, lane="cuda", ctx=32, knobs=["prefill=f16-copy"])
-    with pytest.raises(NonFinite, match="cuda lane computed a non-finite value at layer 0"):
-        gpu.session().feed(PROMPT)
+@pytest.mark.parametrize("prefill", ["f16-copy", "in-place"])
+def test_the_f16_prefills_scale_rows_past_f16(loud, prefill):
+    # the f16 paths divide a row past 2^14 by a power of two before rounding it to f16: finite, in contract
+    _within_contract(loud, [], [f"prefill={prefill}"])
+
+
+def test_a_non_finite_value_names_the_lane_layer_and_op(tmp_path):
+    # a feed-forward norm weight of 1e20: gate and up products of ~1e21, and SwiGLU's output past f32's range
+    # (on the cpu lane too); the error names the cuda lane and where its numbers left the finite range
+    weights = _weights(np.random.default_rng(3))
+    weights["blk.0.ffn_norm.weight"] *= np.float32(1e18)
+    formats = {n: Format.Q8_0 for n, w in weights.items() if w.ndim == 2}
+    path = write_weights(tmp_path / "inf.gguf", SHAPE, weights, formats)
+    assert not np.isfinite(load(path, lane="cpu", ctx=32).session().feed(PROMPT)).all()
+    with pytest.raises(NonFinite, match=r"cuda lane computed a non-finite value at layer 0, GluActMulQuant"):
+        load(path, lane="cuda", ctx=32).session().feed(PROMPT)
