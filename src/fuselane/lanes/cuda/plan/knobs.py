@@ -116,8 +116,8 @@ class CudaKnobs:
       model's memory is its file, its KV cache and the activations; nothing is rounded to f16, so no
       activation overflows. A product in a format that GEMM lacks (or under `activations=dequant`) takes the
       GEMM that decodes the weights to f16 in its kernel where that takes the format, else an f16 copy.
-      `f16-copy` multiplies f16 copies of every matrix with cuBLAS (3.6x a Q4_K matrix's bytes more memory,
-      and an activation past f16's 65504 overflows); `in-place` the f16 in-kernel GEMM for every product.
+      `f16-copy` multiplies f16 copies of every matrix with cuBLAS (3.6x a Q4_K matrix's bytes more memory);
+      `in-place` the f16 in-kernel GEMM for every product (both scale a row past f16's range first).
     """
 
     chip: Chip = H200
