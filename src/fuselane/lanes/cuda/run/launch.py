@@ -139,7 +139,7 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
 
     def gemm() -> None:
         dense = b.dense(matrix)  # the f16 copy, made by the first run (a kernel): binding launches nothing
-        x2 = x.view(-1, spec.k)
+        x2 = x.reshape(-1, spec.k)
         # a row past f16's range divided by a power of two first (exact) and scaled back: no overflow
         scale = _f16_scale(x2)
         y = ((x2 / scale).to(dense.dtype) @ dense.T).float() * scale
