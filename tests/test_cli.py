@@ -211,6 +211,7 @@ def test_bench_measures_the_cpu_lane(tiny):
     for r in rows:
         assert r["lane"] == "cpu:float32" and r["prompt"] == 8 and r["generated"] == 4
         assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and 0 < r["percent_of_limit"]
+        assert r["peak_gpu_gb"] is None  # the cpu lane takes no GPU memory
     table, err, code = fuselane("bench", tiny["qwen2"], "--lane", "cpu", "-p", "8", "-n", "4")
     assert code == 0 and "| cpu:float32 | pp8 |" in table and "| tg4 |" in table, err
 

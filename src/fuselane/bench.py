@@ -1,4 +1,5 @@
-"""`fuselane bench`: prefill and decode tokens/s of a model on a lane, llama-bench style.
+"""`fuselane bench`: prefill and decode tokens/s of a model on a lane, llama-bench style, and on the cuda lane
+the most GPU memory the model took (`torch.cuda.max_memory_allocated`, from its load to its last token).
 
 Prefill (`pp`) times a prompt of random tokens run in the lane's chunks; decode (`tg`) times greedy generation
 through the lane's decode loop, as a user gets it (on the cuda lane: a graph replay a token, the sampler on the
@@ -55,6 +56,7 @@ class BenchResult:
     bandwidth_gb_s: float
     limit_tok_s: float
     percent_of_limit: float
+    peak_gpu_gb: float | None  # the most GPU memory the model took, load to last token (None on the cpu lane)
 
 
 def _copy_bandwidth(lane: Any) -> float:
@@ -150,6 +152,7 @@ def bench(
     """Measure one model on one lane under its `knobs` (see the module docstring)."""
     with _progress(f"pp{prompt} tg{generated} @ d{depth}") as step:
         step("loading")
+        _reset_peak(lane)
         m = load(model, lane=lane, ctx=rows_needed(prompt, generated, depth), knobs=knobs)
         on_cpu = getattr(m.lane, "name", "") == "cpu"
         rng = np.random.default_rng(SEED)
@@ -187,6 +190,7 @@ def bench(
         steps.close()
         _sync(m.lane)
         decode = (generated - warm) / elapsed
+        peak = _peak_gb(m.lane)  # before the limit's copy buffers, which are the bench's, not the model's
         step("the lane's limit", advance=0 if on_cpu else generated - warm)
         weight_bytes, bandwidth, limit = _limit(m)
         step(advance=1)
@@ -205,7 +209,28 @@ def bench(
         bandwidth_gb_s=round(bandwidth / 1e9, 1),
         limit_tok_s=round(limit, 1),
         percent_of_limit=round(100 * decode / limit, 1),
+        peak_gpu_gb=peak,
     )
+
+
+def _reset_peak(lane: str) -> None:
+    """Start counting the GPU memory peak afresh (the memory of a model loaded before is not this one's)."""
+    if lane == "cpu":
+        return
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gb(lane: Any) -> float | None:
+    """The most GPU memory allocated since `_reset_peak` (`torch.cuda.max_memory_allocated`): the weights as
+    the file holds them, the KV cache, the activations and their int8 forms, the kernels' scratch."""
+    if getattr(lane, "name", "") != "cuda" or not lane.torch.cuda.is_available():
+        return None
+    return round(lane.torch.cuda.max_memory_allocated() / 1e9, 2)
 
 
 def _cpu_weights(m: Any) -> list[np.ndarray]:
@@ -244,14 +269,17 @@ def _progress(title: str) -> Iterator[Any]:
 
 def render(results: list[BenchResult]) -> str:
     """A llama-bench-like table."""
-    head = "| model | size | lane | test | t/s | launches/token | % of limit |"
-    lines = [head, "|" + "---|" * 7]
+    head = "| model | size | lane | test | t/s | launches/token | % of limit | peak GPU memory |"
+    lines = [head, "|" + "---|" * 8]
     for r in results:
         at = f" @ d{r.depth}" if r.depth else ""
-        lines.append(f"| {r.model} | {r.size_gb} GB | {r.lane} | pp{r.prompt}{at} | {r.prefill_tok_s:,.1f} | | |")
+        peak = f"{r.peak_gpu_gb} GB" if r.peak_gpu_gb is not None else ""
+        lines.append(
+            f"| {r.model} | {r.size_gb} GB | {r.lane} | pp{r.prompt}{at} | {r.prefill_tok_s:,.1f} | | | {peak} |"
+        )
         lines.append(
             f"| {r.model} | {r.size_gb} GB | {r.lane} | tg{r.generated}{at} | {r.decode_tok_s:,.1f} | "
-            f"{r.launches_per_token if r.launches_per_token is not None else ''} | {r.percent_of_limit} % |"
+            f"{r.launches_per_token if r.launches_per_token is not None else ''} | {r.percent_of_limit} % | {peak} |"
         )
     return "\n".join(lines)
 

@@ -49,6 +49,26 @@ def test_gemm_matches_numpy(fmt):
     check(out, want, gamma(k) * mag + 1e-30)
 
 
+def test_activations_past_f16_stay_finite():
+    # rows of ~1e6 (f16 holds 65504) next to rows of ~1: each step's large rows are divided by a power of two
+    # before their f16 rounding and scaled back, so the operands keep f16's relative rounding, 2^-11 each (a
+    # value the division leaves below f16's normals, 2^-14, rounds within 2^-25 times its row's scale)
+    fmt, m, n, k = Format.Q4_K, 20, 40, 512
+    rng = np.random.default_rng(3)
+    raw = raw_weights(fmt, n, k, rng)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[::3] *= np.float32(1e6)
+    w = dequantize(raw, fmt, (n, k), dtype=np.float32).astype(np.float16).astype(np.float64)
+    xd = x.astype(np.float64)
+    out = torch.empty((m, n), device=DEVICE)
+    G.gemm(dev(x), dev(raw), fmt, n, k, out, **TILE)
+    want, mag = xd @ w.T, np.abs(xd) @ np.abs(w).T
+    scale = np.maximum(1.0, 2.0 ** np.ceil(np.log2(np.abs(xd).max(axis=1) / 2**14)))[:, None]
+    bound = (gamma(k) + 2 * U16) * mag + scale * 2.0**-25 * np.abs(w).sum(axis=1)[None, :]
+    assert np.abs(want).max() > np.finfo(np.float16).max
+    check(out, want, bound)
+
+
 def test_gemm_bias_residual_and_rows_of_a_table():
     fmt, m, n, k = Format.Q8_0, 9, 24, 256
     raw, x, want, mag = _case(fmt, m, n, k, 7)

@@ -117,7 +117,8 @@ def test_int8_activations_multiply_with_dp4a(tmp_path, monkeypatch, arch):
         counted(module, name)
     counted(gemv_q8_epilogue, "gemv_q8_gate_up_glu_q8")
     counted(quant, "quantize")
-    counted(norm, "rms_norm", "norm_q8", lambda k: k.get("out_q8") is not None)
+    # a decode step's norms (a chunk's add + norms quantize for the int8 GEMM too)
+    counted(norm, "rms_norm", "norm_q8", lambda k: k.get("out_q8") is not None and k["out_q8"].q.shape[0] == 1)
     counted(gemv_q8_rope, "gemv_q8_parts_rope")
     path = write_synthetic(tmp_path / "m.gguf", shape, mix, seed=8)
     # two decode steps: the interpreter takes minutes a step at these widths
@@ -166,3 +167,22 @@ def test_int8_products_quantize_what_their_producer_did_not(tmp_path):
     reading = [op for op in step.plan.ops if gpu.lane.shim.activation(op, 0, step.plan.graph) is not None]
     plain = load(path, lane="cuda", ctx=32, knobs=["activations=dequant"])
     assert reading and step.launches == plain.lane.step(1).launches + len(reading)
+
+
+def test_prefill_multiplies_on_the_int8_tensor_cores(tmp_path, monkeypatch):
+    # the default prefill: every product of a chunk multiplies the activation's int8 form by the checkpoint's
+    # Q4_K and Q6_K bytes (`gemm_q8`), no f16 copy of any matrix is made, and the logits keep the int8 contract
+    from fuselane.gguf.synth import Shape
+    from fuselane.lanes.cuda.triton import gemm_q8
+
+    formats: set[int] = set()
+    real = gemm_q8.gemm_q8
+    monkeypatch.setattr(gemm_q8, "gemm_q8", lambda *a, **k: formats.add(int(a[2])) or real(*a, **k))
+    path = write_synthetic(tmp_path / "m.gguf", Shape(*INT8_SHAPES["qwen3"][0], context=4096), "q4_k_m", seed=6)
+    gpu = load(path, lane="cuda", ctx=32)
+    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    a, b = gpu.session().feed(PROMPT), ref.session().feed(PROMPT)
+    assert np.isfinite(a).all() and rel(a, b) <= tol
+    assert formats == {12, 14}, formats  # Q4_K, Q6_K
+    assert not gpu.lane._dense, "a product made an f16 copy"

@@ -428,6 +428,21 @@ def test_flash_prefill_rounds_an_f32_query_in_the_kernel_under_f16_operands():
     within(host(rounded), attention_ref(q16, k, v, rows, p, hd, scale), bound[:, None], "prefill")
 
 
+def test_flash_prefill_writes_its_int8_form():
+    # AttnOutputQuant of a chunk: the launch's own output, quantized as `quant.quantize` does, bit for bit
+    rng = np.random.default_rng(13)
+    rows, hd, p, scale = 7, 64, 21, 64**-0.5
+    q = f32(rng, rows, HEADS * hd)
+    _, _, kc, vc = caches(rng, hd, torch.float16)
+    out = torch.empty(rows, HEADS * hd, device=DEVICE)
+    q8 = quant.empty_q8(rows, HEADS * hd, DEVICE)
+    shape = dict(rows=rows, heads=HEADS, kv_heads=KV, hd=hd, scale=scale, block_m=16, block_n=16)
+    attention_prefill.flash_prefill(dev(q), kc, vc, pos_of(p), out, f16_ops=True, out_q8=q8, **shape)
+    codes, d, s = quant.quantize_reference(out.cpu().numpy())
+    assert np.array_equal(q8.q.cpu().numpy(), codes) and np.array_equal(q8.d.cpu().numpy(), d)
+    assert np.array_equal(q8.s.cpu().numpy(), s)
+
+
 def test_flash_prefill_default_tiles_and_row_pitch():
     rng = np.random.default_rng(9)
     rows, hd, p, scale = 5, 32, 9, 0.15
@@ -458,6 +473,20 @@ def test_glu_act_mul_matches_cpu():
     # e^-g: the exponent's rounding |g| u, exp2's APPROX u; 1 + e, the quotient and the product 3u; the
     # relative error of e^-g carries to silu at most once
     within(host(out), want, (np.abs(gate) + APPROX + 3) * U * np.abs(want) + TINY, "swiglu")
+
+
+def test_glu_act_mul_writes_its_int8_form():
+    # GluActMulQuant: the launch's own f32 output, quantized as `quant.quantize` does, bit for bit; a row of
+    # 1504 values ends in a partial program's whole blocks
+    rng = np.random.default_rng(5)
+    rows, cols = 2, 1504
+    gate, up = f32(rng, rows, cols, scale=4.0), f32(rng, rows, cols, scale=1e5)  # past f16's range
+    out = torch.empty(rows, cols, device=DEVICE)
+    q8 = quant.empty_q8(rows, cols, DEVICE)
+    misc.glu_act_mul(dev(gate), dev(up), out, q8)
+    codes, d, s = quant.quantize_reference(out.cpu().numpy())
+    assert np.array_equal(q8.q.cpu().numpy(), codes) and np.array_equal(q8.d.cpu().numpy(), d)
+    assert np.array_equal(q8.s.cpu().numpy(), s)
 
 
 def test_argmax_ties_take_the_lowest_index():

@@ -422,8 +422,7 @@ CASES = [
         "attention output quant",
         lambda: fused(C.ATTN_OUTPUT_QUANT, fused(C.FLASH_DECODE, attention())),
         lambda: fused(C.ATTN_OUTPUT_QUANT, fused(C.FLASH_DECODE, attention(hd=16))),
-        "an attention quantizes its output only in the decode step's and a short chunk's kernels, its heads "
-        "whole 32-value groups",
+        "an attention quantizes its output only where its heads are whole 32-value groups",
     ),
     Case(
         "norm quant",
@@ -594,7 +593,7 @@ def test_numerics(knobs: CudaKnobs) -> None:
     assert c.fused.exact and c.accumulator_bits == 32
     assert c.point == (
         f"the cuda lane: {knobs.activations.value} activations, {knobs.cache_precision.value} cache, "
-        f"{knobs.recurrent_state.value} state"
+        f"{knobs.recurrent_state.value} state; a chunk's products {CudaShim(knobs).prefill_products}"
     )
     assert c.attention == CudaShim.attention(knobs.activations)
 

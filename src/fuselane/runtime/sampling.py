@@ -13,8 +13,13 @@ import numpy as np
 from fuselane.errors import FuselaneError
 from fuselane.ranges import SEED, TEMPERATURE, TOP_K, TOP_P
 
-# What a sampler says of NaN logits, on the host or read from the device's flag.
-NAN_LOGITS = "the model computed NaN logits: its weights or metadata are broken"
+
+def nan_logits(lane: str) -> str:
+    """What a sampler says of NaN logits, on the host or read from the device's flag: which lane made them, and
+    how to tell the lane's own overflow from a broken file (the cpu lane is the reference)."""
+    if lane == "cpu":
+        return "the cpu lane computed NaN logits: the file's weights or metadata are broken (or overflow f32)"
+    return f"the {lane} lane computed NaN logits; if `--lane cpu` gives finite ones, its own numbers overflowed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +51,8 @@ GREEDY = SamplingParams(temperature=0.0)
 class Sampler:
     """Picks tokens under one set of parameters, drawing from its own generator."""
 
-    def __init__(self, params: SamplingParams) -> None:
-        self.params = params
+    def __init__(self, params: SamplingParams, lane: str = "cpu") -> None:
+        self.params, self.lane = params, lane
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: np.ndarray) -> int:
@@ -55,7 +60,7 @@ class Sampler:
         logits = np.asarray(logits, dtype=np.float64).reshape(-1)
         if np.isnan(logits).any():
             # arg-max would quietly pick a NaN's index and sampling would fail inside numpy
-            raise FuselaneError(NAN_LOGITS)
+            raise FuselaneError(nan_logits(self.lane))
         if p.greedy:
             return int(np.argmax(logits))
         candidates = np.arange(logits.size)

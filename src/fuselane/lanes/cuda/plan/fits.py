@@ -288,15 +288,13 @@ def _attn_output_gate(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGr
 
 
 def _attn_output_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
-    # The decode step's and a short chunk's attention kernels store their output a pair a thread, each 32-value
-    # group in one half-warp's sixteen lanes; a chunk the attention takes in tiles quantizes apart.
+    # The decode step's attention stores its output a pair a thread, each 32-value group in one half-warp's
+    # sixteen lanes; a chunk's (`attention/prefill.py`) quantizes each tile row's head in its epilogue: both
+    # take heads of whole 32-value groups.
     a = _attention(members[0])
-    if a is not None and a.rows <= kernels.GEMV_ROWS and a.value_width % kernels.QBLOCK == 0:
+    if a is not None and a.value_width % kernels.QBLOCK == 0:
         return None
-    return (
-        "an attention quantizes its output only in the decode step's and a short chunk's kernels, its heads "
-        "whole 32-value groups"
-    )
+    return "an attention quantizes its output only where its heads are whole 32-value groups"
 
 
 # --- products --------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ class Activations(enum.Enum):
 class PrefillWeights(enum.Enum):
     """How a prefill chunk's products (past the GEMV's rows) read the weights."""
 
+    INT8 = "int8"  # the int8 tensor-core GEMM on the checkpoint's bytes and the activation's int8 form; no copy
     F16_COPY = "f16-copy"  # cuBLAS on an f16 copy of each matrix, made on first use (3.6x a Q4_K matrix's bytes)
     IN_PLACE = "in-place"  # the tensor-core GEMM that decodes the checkpoint's bytes in the kernel; no copy
 
@@ -85,9 +86,10 @@ class CudaKnobs:
     - `activations=int8`: a decode step's products multiply int8 codes of their activation with dp4a, as
       llama.cpp's do (q8_1). With f32 activations a 4-bit weight costs ~6.8 instructions, which holds the
       GEMVs to 1-2 TB/s; dp4a cuts that to about one (H200 decode 1.28-1.75x faster, `benchmarks/RESULTS.md`).
-      A chunk's attention multiplies on the f16 tensor cores (`CudaShim.attention`); its products read f32
-      values (no int8 GEMM yet). The contract's tolerance is wider: `dequant` keeps the lane's numbers closest
-      to the cpu reference (the tightest contract), at the slower decode. `int8x2` has no kernels here.
+      A chunk's attention multiplies on the f16 tensor cores (`CudaShim.attention`); its products multiply
+      f16 copies of the matrices by default (`prefill`, below). The contract's tolerance is wider: `dequant`
+      keeps the lane's numbers closest to the cpu reference (the tightest contract), at the slower decode.
+      `int8x2` has no kernels here.
     - `cache=f16`: halves the bytes a long context's attention reads, at f16's 2^-11 roundoff, the error
       attention already tolerates (the lane keeps its caches in f32 or f16; llama.cpp in f16).
     - `state=f32`: a recurrent state is summed into every step, so its rounding compounds; keep it exact.
@@ -109,10 +111,13 @@ class CudaKnobs:
       format, takes a launch of its own: a Q4_K_M layer's Q6_K attn_v). Elsewhere they keep a launch after
       the GEMV, which was never slower (benchmarks/RESULTS.md). `on` turns them in every layer
       whose tile divides a head, `off` in none.
-    - `prefill=f16-copy`: cuBLAS on f16 copies multiplies a prefill chunk several times faster than the GEMM
-      that decodes the weights in its kernel (benchmarks/RESULTS.md); `in-place` keeps a model's memory at its
-      checkpoint's size
-      (an 8B Q4_K_M's copies take 16 GB more), for a GPU the copies do not fit.
+    - `prefill=f16-copy`: a chunk's products multiply f16 copies of the matrices with cuBLAS (made on first
+      use; 3.6x a Q4_K matrix's bytes more memory), a row of the activation past f16's range scaled first so
+      it does not overflow. Measured on the H200 (benchmarks/RESULTS.md, 2026-12-01), the int8 tensor-core
+      GEMM from the checkpoint's bytes (`prefill=int8`: `triton/gemm_q8.py`, the formats of `gemm_tiles`;
+      no copy, nothing rounded to f16) is still 6-20x slower than cuBLAS at its best tile (7B pp512 1,042
+      against 23,639 tok/s), so it stays a knob until it is faster. `in-place` takes the f16 GEMM that
+      decodes the weights in its kernel for every product (no copy, slower).
     """
 
     chip: Chip = H200

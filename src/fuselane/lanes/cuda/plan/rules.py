@@ -8,7 +8,8 @@ In the order they link into the shared table (`CudaShim.rules`):
   epilogue only in the int8 QKV GEMV in parts (`triton/gemv/q8_rope.py`) and where the knob of that name asks
   for it; elsewhere the rotations run after the product, a query's and a key's in one launch.
 - `products_apart` (settling, after the shared table): a gated pair past the GEMV's rows runs as its two
-  products and its GLU: the lane has no paired GEMM yet.
+  products and its GLU (whose int8 form, where the down product reads one, a `Quantize` launch writes): the
+  lane has no paired GEMM yet.
 - `quantize_apart` (settling, last): a quantizing fold whose producer has no int8 epilogue here runs as the
   producer then a `Quantize` launch; every activation a product reads in int8 that its producer wrote in f32
   only is quantized by one `Quantize` launch before its first such reader.
@@ -194,16 +195,36 @@ def _turns_apart(r: Rewriter, i: int, why: str) -> int:
 
 
 def products_apart(shim: CudaShim, r: Rewriter) -> None:
-    """A gated pair of more rows than the GEMV takes, as its gate and up products and its GLU."""
+    """A gated pair of more rows than the GEMV takes, as its gate and up products and its GLU; one that writes
+    its GLU's int8 form (a chunk's, for a down product on the int8 tensor cores) as the bare pair first, then
+    its GLU as the fold that writes the int8 form in its launch (GluActMulQuant)."""
     i = 0
     while i < len(r.s):  # the schedule grows as pairs split: read its length each time round
         op = r.s.slot(i)
-        product = gemv(parts(op)[0], r.g) if op is not None and class_of(op) is C.GEMV_GATE_UP_GLU else None
-        if product is not None and product.m > kernels.GEMV_ROWS:
+        if op is not None and class_of(op) in QUANTIZING and _wide_pair(parts(op)[0], r.g):
+            r.split(PRODUCTS_APART, i, parts(op)[:1], NO_PAIRED_GEMM)
+            continue  # the bare pair, now at slot i, splits next round
+        if op is not None and _wide_pair(op, r.g):
             members = parts(op)
             r.split(PRODUCTS_APART, i, members, NO_PAIRED_GEMM)
             i += len(members) - 1
+            _requantize(shim, r, i)
         i += 1
+
+
+def _requantize(shim: CudaShim, r: Rewriter, i: int) -> None:
+    """The GLU at slot i of a split pair writes its int8 form in its own launch where the pair wrote one."""
+    glu = r.s.slot(i)
+    if glu is None or not isinstance(r.g.tensors[glu.out].storage, QuantizedActs):
+        return
+    if shim.quantizes_in_epilogue(glu, r.g):
+        r.try_fuse(PRODUCTS_APART, C.GLU_ACT_MUL_QUANT, [i], i)
+
+
+def _wide_pair(op: Op, g: TensorGraph) -> bool:
+    """Whether `op` is a gated pair of more rows than the GEMV takes."""
+    product = gemv(parts(op)[0], g) if class_of(op) is C.GEMV_GATE_UP_GLU else None
+    return product is not None and product.m > kernels.GEMV_ROWS
 
 
 # --- settling: quantize_apart ----------------------------------------------------------------------------

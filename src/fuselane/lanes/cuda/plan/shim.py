@@ -42,10 +42,10 @@ from fuselane.fuse.views import GemvForm, class_of, gemv, leaves, moe, parts, ro
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Op, QuantFormat, Rows, TensorGraph
 from fuselane.graph.ops import Attention, ExpertMatmul, Moe
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import gemm_tiles, kernels
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, ROWS_A_WARP
 from fuselane.lanes.cuda.plan.fits import fits as lane_fits
-from fuselane.lanes.cuda.plan.knobs import Activations, CachePrecision, CudaKnobs, StatePrecision
+from fuselane.lanes.cuda.plan.knobs import Activations, CachePrecision, CudaKnobs, PrefillWeights, StatePrecision
 from fuselane.lanes.cuda.plan.rules import (
     PRODUCTS_APART,
     QUANTIZE_APART,
@@ -194,8 +194,9 @@ class CudaShim:
     def activation(self, consumer: Op, operand: int, g: TensorGraph) -> QuantFormat | None:
         """The quantized form in which `consumer` reads its operand `operand`: the lane's activation format
         for the activation of a product by checkpoint rows the int8 GEMV takes (`kernels.int8_gemv`: a decode
-        step's one row, its formats), alone, as a gated pair or in parts, and of a mixture. Other products (a
-        chunk's, a batch's) read the f32 activation, so nothing quantizes it for them."""
+        step's one row, its formats), alone, as a gated pair or in parts, and of a mixture; and of a chunk's
+        product the int8 GEMM takes (`int8_gemm`). Other products (a batch's, a chunk's in other formats or
+        within the GEMV's rows) read the f32 activation, so nothing quantizes it for them."""
         cls = class_of(consumer)
         if cls in _QUANTIZING:
             return self.activation(parts(consumer)[0], operand, g)
@@ -203,13 +204,14 @@ class CudaShim:
             first = parts(consumer)[0]
             return self.activation(first, operand, g) if operand < len(first.ins) else None
         fmt = self.activation_format
-        if fmt is None:
+        if fmt is None or operand != 0:
             return None
-        if operand != 0 or g.rows != 1:  # a chunk's products, even its last row's head, read f32 rows
-            return None
+        first = parts(consumer)[0] if cls in (C.GEMV_GATE_UP_GLU, C.MERGED_QKV) else consumer
+        if g.rows != 1:  # a chunk's products past the GEMV's rows on the int8 tensor cores; the rest read f32
+            p = self.part_product(first, g)
+            return fmt if p is not None and self.int8_gemm(p) else None
         if moe(consumer) is not None:
             return fmt if self._experts_read_int8(consumer, consumer.ins[operand], g) else None
-        first = parts(consumer)[0] if cls in (C.GEMV_GATE_UP_GLU, C.MERGED_QKV) else consumer
         p = self.part_product(first, g)
         return fmt if p is not None and self.int8_gemv(p) else None
 
@@ -218,18 +220,32 @@ class CudaShim:
         """Whether a product by checkpoint rows is one the int8 GEMV multiplies."""
         return isinstance(p.weights, Rows) and kernels.int8_gemv(p.weights.format, p.m, p.k)
 
+    def int8_gemm(self, p: GemvForm) -> bool:
+        """Whether a chunk's product multiplies on the int8 tensor cores (`gemm_tiles.int8_gemm`): past the
+        GEMV's rows, under int8 activations and `prefill=int8`, by checkpoint rows in one of its formats."""
+        return (
+            self.on_tensor_cores(p)
+            and self.knobs.prefill_weights is PrefillWeights.INT8
+            and gemm_tiles.int8_gemm(p.weights.format, p.m, p.k)  # type: ignore[union-attr]
+        )
+
     def quantizes_in_epilogue(self, producer: Op, g: TensorGraph) -> bool:
-        """Whether a decode step's `producer` writes its result's int8 form in its own kernel's epilogue: an
-        add + norm; a projection whose last program norms its row, and a gated pair, where they read their own
-        activation in int8 and write whole 32-value blocks; the decode attention."""
+        """Whether `producer` writes its result's int8 form in its own kernel's epilogue: an add + norm; SwiGLU's
+        product of rows of whole 32-value blocks; a decode step's projection whose last program norms its row,
+        and gated pair, where they read their own activation in int8 and write whole 32-value blocks; the
+        decode attention, and a chunk's of heads of whole 32-value blocks."""
         cls = class_of(producer)
         if cls is C.ADD_NORM or cls is C.FLASH_DECODE:
             return True
-        if isinstance(producer.sym, Attention):
-            return producer.sym.rows == 1
+        if cls is C.GLU_ACT_MUL:  # its launch quantizes rows of whole 32-value blocks
+            return g.tensors[producer.out].shape[-1] % kernels.QBLOCK == 0
+        if isinstance(producer.sym, Attention) or cls is C.FLASH_PREFILL:
+            spec = leaves(producer)[0].sym  # the attention: a chunk's quantizes heads of whole 32-value blocks
+            return spec.rows == 1 or spec.hd % kernels.QBLOCK == 0  # type: ignore[union-attr]
         if cls in (C.GEMV_NORM_EPILOGUE, C.GEMV_GATE_UP_GLU):
             p = gemv(parts(producer)[0], g)
-            return p is not None and p.n % kernels.QBLOCK == 0 and self.activation(producer, 0, g) is not None
+            within = p is not None and p.m <= kernels.GEMV_ROWS and p.n % kernels.QBLOCK == 0
+            return within and self.activation(producer, 0, g) is not None
         if cls is C.MOE_GATE_UP_ACT:
             return self._experts_in_int8(producer, g)
         if cls is C.MOE_DEFERRED_FINALIZE:
@@ -279,7 +295,7 @@ class CudaShim:
         return Contract(
             point=(
                 f"the cuda lane: {k.activations.value} activations, {k.cache_precision.value} cache, "
-                f"{k.recurrent_state.value} state"
+                f"{k.recurrent_state.value} state; a chunk's products {self.prefill_products}"
             ),
             activations=self.scheme,
             cache=_CACHE_KEEP[k.cache_precision],
@@ -290,6 +306,19 @@ class CudaShim:
         )
 
     # --- numerics --------------------------------------------------------------------------------------
+
+    @property
+    def prefill_products(self) -> str:
+        """How a chunk's products past the GEMV's rows multiply, under the `prefill` knob (what `explain`
+        prints): the int8 tensor cores, the f16 ones decoding the weights in the kernel, or f16 copies."""
+        k = self.knobs
+        if k.prefill_weights is PrefillWeights.F16_COPY:
+            return "multiply f16 copies of the matrices (prefill=f16-copy)"
+        in_kernel = "decode the checkpoint's bytes to f16 in the kernel"
+        if k.prefill_weights is PrefillWeights.INT8 and k.activations is Activations.INT8:
+            formats = ", ".join(sorted(f.name for f in gemm_tiles.INT8_GEMM_FORMATS))
+            return f"run on the int8 tensor cores from the checkpoint's bytes in {formats}; other formats {in_kernel}"
+        return in_kernel
 
     @property
     def activation_format(self) -> QuantFormat | None:

@@ -29,7 +29,7 @@ import numpy as np
 from fuselane.errors import FuselaneError
 from fuselane.lanes.cuda.run.launch import Launch
 from fuselane.models import ModelConfig
-from fuselane.runtime.sampling import NAN_LOGITS, SamplingParams
+from fuselane.runtime.sampling import SamplingParams, nan_logits
 
 # Host slots of picks in flight: the step being read and the one queued after it.
 SLOTS = 2
@@ -142,7 +142,7 @@ class DeviceSampler:
             self.events[slot].synchronize()
         picked = self.host[slot].tolist()
         if picked[self.sample.NAN_FLAG]:
-            raise FuselaneError(NAN_LOGITS)
+            raise FuselaneError(nan_logits("cuda"))
         return int(picked[self.sample.TOKEN])
 
 

@@ -3,10 +3,13 @@ step (and a prefill chunk of a row count seen before) captured as a CUDA graph a
 
 Weights stay in the checkpoint's own bytes on the device (the GEMVs decode them in the kernel); vectors
 (norm weights, biases) are uploaded as f32. Every activation of a plan has its buffer, allocated once per
-session; the token ids and the position are device values, written from the host before a `forward` run and
-by the device sampler in the decode loop (`decode`, `fuselane.lanes.cuda.run.decode`), whose graphs end with the
-sampler's launches. Products of more rows than the GEMV takes (prefill chunks) multiply a dequantized f16 copy
-of the matrix, made on first use.
+session and shared with the activations whose lives do not overlap its own (`buffers`); the token ids and the
+position are device values, written from the host before a `forward` run and by the device sampler in the
+decode loop (`decode`, `fuselane.lanes.cuda.run.decode`), whose graphs end with the sampler's launches.
+Products of more rows than the GEMV takes (prefill chunks) multiply the activation's int8 form by the
+checkpoint's bytes on the int8 tensor cores (`triton/gemm_q8.py`, knob `prefill=int8`); a format that GEMM
+lacks decodes its weights to f16 in the kernel (`triton/gemm.py`), and only `prefill=f16-copy` (or a format
+neither kernel takes) makes a dequantized f16 copy of a matrix, on first use.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from fuselane.lanes.cuda.plan.kernels import QBLOCK
 from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run import decode as loop
+from fuselane.lanes.cuda.run.buffers import pooled_buffers
 from fuselane.lanes.cuda.run.decode import DeviceSampler, Tail
 from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
@@ -148,13 +152,20 @@ class CudaLane:
         return self.caches[name]
 
     def forward(self, ids: np.ndarray, pos: int, *, all_logits: bool = False) -> np.ndarray:
-        """Run len(ids) tokens at positions pos ..; logits of the last row (or every row), on the host."""
+        """Run len(ids) tokens at positions pos ..; logits of the last row (or every row), on the host. Logits
+        that are not finite raise `NonFinite`, naming the layer and op where the lane's numbers left the
+        finite range."""
         ids = np.asarray(ids)
         if pos + len(ids) > self.ctx:
             raise ValueError(f"positions up to {pos + len(ids)} exceed the cache of {self.ctx}")
         step = self.step(len(ids), all_logits=all_logits)
         step.run(ids, pos)
-        return step.logits().float().cpu().numpy().copy()  # the buffer is rewritten by the next step
+        logits = step.logits().float().cpu().numpy().copy()  # the buffer is rewritten by the next step
+        if not np.isfinite(logits).all():  # the lane's own account: which op made it
+            from fuselane.lanes.cuda.run.finite import NonFinite, explain_non_finite
+
+            raise NonFinite(explain_non_finite(step))
+        return logits
 
     def decode(self, token: int, pos: int, sampling: SamplingParams) -> Iterator[int]:
         """Feed `token` at `pos`, then yield the sampled next tokens one after another, each fed at the next
@@ -182,8 +193,8 @@ class CudaLane:
 
 
 def _int8_form(shape: tuple[int, ...], device: Any) -> Any:
-    """The int8 form (`gemv_q8.Q8Acts`) of a decode step's activation its producer writes quantized: the
-    step's products multiply it with dp4a. A prefill chunk's products read the f32 rows (no int8 GEMM)."""
+    """The int8 form (`quant.Q8Acts`) of an activation the plan writes quantized: a decode step's products
+    multiply it with dp4a, a chunk's on the int8 tensor cores."""
     from fuselane.lanes.cuda.triton.quant import empty_q8
 
     if shape[-1] % QBLOCK:
@@ -207,21 +218,26 @@ class _Step:
         torch = lane.torch
         self.lane, self.plan, self.torch, self.pdl = lane, plan, torch, pdl
         g: TensorGraph = plan.graph
-        bufs: dict[str, Any] = {}
-        q8: dict[str, Any] = {}
         if lane.shim.activation_format is not None and lane.shim.activation_format is not QuantFormat.ONE_WORD:
             raise FuselaneError("activations=int8x2 waits for its two-word kernels; use int8 or dequant")
+
+        def f32(shape: tuple[int, ...]) -> Any:
+            return torch.zeros(shape, dtype=torch.float32, device=lane.device)
+
+        # activations share buffers where their lives do not overlap (`buffers`): a chunk's workspace is what
+        # it holds at once, not every layer's
+        bufs, q8 = pooled_buffers(plan, f32, lambda shape: _int8_form(shape, lane.device))
         for name, t in g.tensors.items():
             if t.role is Role.CACHE:
                 bufs[name] = lane.cache(name, t.shape)
-            elif t.role in (Role.ACTIVATION, Role.OUTPUT):
-                bufs[name] = torch.zeros(t.shape, dtype=torch.float32, device=lane.device)
+            elif t.role is Role.OUTPUT:
+                bufs[name] = f32(t.shape)
                 if isinstance(t.storage, QuantizedActs):  # the plan writes its int8 form
                     q8[name] = _int8_form(t.shape, lane.device)
         bufs[IDS] = torch.zeros(g.rows, dtype=torch.int32, device=lane.device)
         bufs[POS] = torch.zeros(1, dtype=torch.int32, device=lane.device)
         self.bufs = bufs
-        in_place = lane.shim.knobs.prefill_weights is PrefillWeights.IN_PLACE
+        in_place = lane.shim.knobs.prefill_weights is not PrefillWeights.F16_COPY
         bound = Bound(
             g, bufs, lane.raw, lane.vec, lane.dense,
             in_place=in_place, q8=q8, attention_f16=_attention_in_f16(lane.shim.knobs),

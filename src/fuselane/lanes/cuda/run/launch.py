@@ -52,9 +52,9 @@ class Bound:
     bufs: dict[str, Any]  # name -> torch tensor (activations, caches, ids, pos)
     raw: dict[str, tuple[Any, Format]]  # matrix name -> (uint8 bytes on the device, format)
     vec: dict[str, Any]  # vector weights (norms, biases) as f32 device tensors
-    dense: Callable[[str], Any]  # matrix name -> dequantized f16 device matrix (for GEMMs past the GEMV's rows)
+    dense: Callable[[str], Any]  # matrix name -> dequantized f16 device matrix (prefill=f16-copy's GEMMs)
     scratch: dict[str, Any] = field(default_factory=dict)
-    in_place: bool = False  # prefill products decode the checkpoint's bytes in the kernel (knob prefill=in-place)
+    in_place: bool = False  # a chunk's products the int8 GEMM does not take decode the weights to f16 in the kernel
     q8: dict[str, Any] = field(default_factory=dict)  # name -> quant.Q8Acts: the int8 forms the plan writes
     attention_f16: bool = False  # a chunk's attention multiplies on the f16 tensor cores (`CudaShim.attention`)
 
@@ -111,6 +111,13 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
     bias_t = b.vec[bias] if bias else None
     res_t = b.bufs[residual] if residual else None
     w, fmt = b.raw[op.ins[1]]
+    chunk = _q8_gemm(op.ins[0], fmt, spec.m, spec.k, b, out)
+    if chunk is not None:  # the plan quantized a chunk's activation: the int8 tensor cores, no copy
+        gemm_q8, acts = chunk
+        res2 = res_t.view(spec.m, spec.n) if res_t is not None else None
+        out2 = out if row is not None else out.view(spec.m, spec.n)
+        n, k = spec.n, spec.k
+        return [lambda: gemm_q8.gemm_q8(acts, w, fmt, n, k, out2, bias=bias_t, residual=res2, out_row=row)]
     q8 = _q8_in(op.ins[0], fmt, spec.m, spec.k, b, out)
     if q8 is not None:
         gemv_q8, acts = q8
@@ -122,7 +129,7 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
     from fuselane.lanes.cuda.triton import gemm
 
     if b.in_place and gemm.supports(fmt, spec.k) and out.dtype in _store_types():
-        # the weights decoded in the kernel: no f16 copy of the matrix
+        # the weights decoded to f16 in the kernel: no f16 copy of the matrix
         x2 = x.view(spec.m, spec.k)
         res2 = res_t.view(spec.m, spec.n) if res_t is not None else None
         out2 = out if row is not None else out.view(spec.m, spec.n)
@@ -131,7 +138,10 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
 
     def gemm() -> None:
         dense = b.dense(matrix)  # the f16 copy, made by the first run (a kernel): binding launches nothing
-        y = (x.to(dense.dtype) @ dense.T).float()
+        x2 = x.reshape(-1, spec.k)
+        # a row past f16's range divided by a power of two first (exact) and scaled back: no overflow
+        scale = _f16_scale(x2)
+        y = ((x2 / scale).to(dense.dtype) @ dense.T).float() * scale
         if bias_t is not None:
             y += bias_t
         if res_t is not None:
@@ -144,6 +154,17 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
     return [gemm]
 
 
+F16_SAFE = 2.0**14  # the largest |activation| an f16 copy's product rounds to f16 as it is (`gemm.F16_SAFE`)
+
+
+def _f16_scale(x: Any) -> Any:
+    """Each row's power of two that brings its largest |value| under F16_SAFE (1 where it is already), (m, 1)."""
+    import torch
+
+    amax = x.abs().amax(dim=1, keepdim=True)
+    return torch.where(amax > F16_SAFE, torch.exp2(torch.ceil(torch.log2(amax / F16_SAFE))), 1.0)
+
+
 def _fast(fmt: Format, m: int, *outs: Any):
     """The tile-streaming GEMV kernels where they take this product (one row, their formats, f32 outputs or
     f16 cache rows), else None."""
@@ -151,6 +172,16 @@ def _fast(fmt: Format, m: int, *outs: Any):
 
     f32 = all(out.dtype in _store_types() for out in outs)
     return gemv_fast if f32 and gemv_fast.supports_fast(fmt, m) else None
+
+
+def _q8_gemm(name: str, fmt: Format, m: int, k: int, b: Bound, out: Any):
+    """(the int8 GEMM module, the activation's Q8Acts) where the plan wrote a chunk's activation `name` in int8
+    for a product the int8 GEMM takes (`CudaShim.int8_gemm`); None otherwise."""
+    from fuselane.lanes.cuda.triton import gemm_q8
+
+    if name not in b.q8 or not gemm_q8.supports(fmt, m, k) or out.dtype not in _store_types():
+        return None
+    return gemm_q8, b.q8[name]
 
 
 def _q8_in(name: str, fmt: Format, m: int, k: int, b: Bound, *outs: Any):
@@ -277,7 +308,11 @@ def _attention(op: Op, b: Bound, out_q8: Any = None):
     from fuselane.lanes.cuda.triton.attention import prefill as attention_prefill
 
     f16 = b.attention_f16
-    return [lambda: attention_prefill.flash_prefill(q, kc, vc, pos, out, rows=spec.rows, f16_ops=f16, **shape)]
+    return [
+        lambda: attention_prefill.flash_prefill(
+            q, kc, vc, pos, out, rows=spec.rows, f16_ops=f16, out_q8=out_q8, **shape
+        )
+    ]
 
 
 # ---- native classes ---------------------------------------------------------------------------------------
@@ -503,11 +538,13 @@ def _norm_epilogue(op: Op, b: Bound, out_q8: Any = None):
     return [lambda: gemv_epilogue.gemv_add_norm(x, wt, fmt, n, k, r, s, w, spec.eps, out, counter)]
 
 
-def _glu(op: Op, b: Bound):
+def _glu(op: Op, b: Bound, out_q8: Any = None):
+    """SwiGLU's product in one launch; with `out_q8` (GluActMulQuant: a chunk's, for the down product on the
+    int8 tensor cores) the launch also writes its int8 form."""
     *_, misc = _t()
     act, mul = leaves(op)
     g, u, out = b.bufs[act.ins[0]], b.bufs[mul.ins[1]], b.bufs[mul.out]
-    return [lambda: misc.glu_act_mul(g, u, out)]
+    return [lambda: misc.glu_act_mul(g, u, out, out_q8)]
 
 
 def _flash(op: Op, b: Bound, out_q8: Any = None):
@@ -577,7 +614,9 @@ _QUANT_EPILOGUE: dict[C | type, Callable[[Op, Bound, Any], list[Launch]]] = {
     C.ADD_NORM: _add_norm,
     C.GEMV_NORM_EPILOGUE: _norm_epilogue,
     C.GEMV_GATE_UP_GLU: _gate_up,
+    C.GLU_ACT_MUL: _glu,
     C.FLASH_DECODE: _flash,
+    C.FLASH_PREFILL: _flash,
     Attention: _attention,
     C.MOE_GATE_UP_ACT: moe_launch.gate_up_act,
     C.MOE_DEFERRED_FINALIZE: moe_launch.down_combine,

@@ -7,7 +7,9 @@ BLOCK_N rows to f32 in registers (`gemv.epilogue.unit_values`: every value the f
 bit for bit), rounds them and the activations to f16, and multiplies them on the tensor cores (`tl.dot`, f32
 sums). The numbers are those of multiplying a dequantized f16 copy of the matrix (the operands are rounded
 the same way, once), but no copy is made: the weights stay in the checkpoint's bytes on the device, so a
-model's prefill needs no second, 3.6x larger, f16 copy of its matrices (16 GB for an 8B Q4_K_M).
+model's prefill needs no second, 3.6x larger, f16 copy of its matrices (16 GB for an 8B Q4_K_M). A step's
+activation row past 2^14 is first divided by the power of two that brings it under (exact), and the f16 tensor
+cores' product scaled back in f32, so activations past f16's range (65504) stay finite.
 
 Rows past m or n read the last row (no masked loads in the loop); the store drops them. The epilogue adds a
 bias and a residual and lands the rows at row pos[0] of a table where asked (a cache row write).
@@ -35,6 +37,9 @@ STAGES = 1
 # A step of a 32-value format: four blocks (128 values, a tensor-core K of eight 16-value slices); eight
 # spilled 280-490 bytes a thread.
 BLOCK_STEP_VALUES = 128
+# The largest |activation| a step rounds to f16 as it is: a row of a step past it is divided by the power of two
+# that brings it under (exact), multiplied in f16 and scaled back in f32, so no activation overflows f16 (65504).
+F16_SAFE = tl.constexpr(2.0**14)
 
 
 @triton.jit
@@ -54,11 +59,17 @@ def _gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for s in range(0, STEPS):
         u0 = s * STEP_UNITS
-        a = tl.load(x_rows[:, None] + u0 * VALUES + cols[None, :]).to(tl.float16)
+        a = tl.load(x_rows[:, None] + u0 * VALUES + cols[None, :]).to(tl.float32)
         # [BLOCK_N * STEP_UNITS, 1] unit pointers, row-major, so the decoded [.., VALUES] reshapes to the rows'
         blk = tl.reshape(w_rows[:, None] + (u0 + units)[None, :] * NBYTES, [BLOCK_N * STEP_UNITS, 1])
         b = tl.reshape(unit_values(blk, FMT, VALUES), [BLOCK_N, STEP_UNITS * VALUES]).to(tl.float16)
-        acc = tl.dot(a, tl.trans(b), acc)
+        amax = tl.max(tl.abs(a), 1)
+        if tl.max(amax) > F16_SAFE:  # a row past f16's range: scaled down by a power of two, exactly
+            scale = tl.where(amax > F16_SAFE, tl.exp2(tl.ceil(tl.log2(amax / F16_SAFE))), 1.0)
+            part = tl.dot((a / scale[:, None]).to(tl.float16), tl.trans(b))
+            acc += part * scale[:, None]
+        else:
+            acc = tl.dot(a.to(tl.float16), tl.trans(b), acc)
     keep = (xm < m)[:, None] & (rows < n)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias + rows, mask=rows < n, other=0.0)[None, :]

@@ -1,4 +1,5 @@
-"""Small device kernels: SwiGLU's activation product (GluActMul) and the greedy sampler's arg-max.
+"""Small device kernels: SwiGLU's activation product (GluActMul, and its int8 form where a product on the int8
+tensor cores reads it: GluActMulQuant) and the greedy sampler's arg-max.
 
 GluActMul is silu(gate) * up, elementwise over rows that may be parts of a wider tensor (a merged gate/up
 product's halves are read in place at their row pitch). silu is computed as g / (1 + e^-g), the cpu lane's
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton import pdl, quant
 
 # An elementwise block: eight f32 values a thread (two 16-byte loads of each operand), four warps.
 GLU_VALUES_A_THREAD = 8
@@ -38,16 +39,22 @@ NO_INDEX: tl.constexpr = tl.constexpr(2**31 - 1)
 
 @triton.jit
 def _glu_kernel(
-    gate_ptr, up_ptr, out_ptr, gate_pitch, up_pitch, out_pitch, cols, BLOCK: tl.constexpr, PDL: tl.constexpr
-):
+    gate_ptr, up_ptr, out_ptr, gate_pitch, up_pitch, out_pitch, cols, oq, od, os_,
+    BLOCK: tl.constexpr, Q8OUT: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     pdl.begin(PDL)
     i = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    first = tl.program_id(1) * BLOCK
+    offs = first + tl.arange(0, BLOCK)
     mask = offs < cols
     g = tl.load(gate_ptr + i * gate_pitch + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + i * up_pitch + offs, mask=mask, other=0.0).to(tl.float32)
     silu = g / (1.0 + tl.exp(-g))
-    tl.store(out_ptr + i * out_pitch + offs, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
+    v = silu * u
+    tl.store(out_ptr + i * out_pitch + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+    if Q8OUT:  # the row's int8 form too (whole 32-value blocks: the values past cols are zeros, dropped)
+        blocks = cols // quant.QB_C
+        quant.store_quantized(v, first, cols, oq + i * cols, od + i * blocks, os_ + i * 2 * blocks)
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -57,25 +64,21 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
     return t2
 
 
-def glu_act_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
+def glu_act_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, out_q8: quant.Q8Acts | None = None) -> None:
     """GluActMul: out = silu(gate) * up, elementwise, in f32. `gate`, `up`, `out` (rows, cols) at any row pitch
-    (1-D for one row)."""
+    (1-D for one row). With `out_q8` (GluActMulQuant: rows of whole 32-value blocks) the launch also writes
+    `out` quantized, as `quant.quantize` would."""
     g2, u2, o2 = _rows(gate, "gate"), _rows(up, "up"), _rows(out, "out")
     rows, cols = g2.shape
     if u2.shape != g2.shape or o2.shape != g2.shape:
         raise ValueError(f"glu_act_mul: gate {tuple(g2.shape)}, up {tuple(u2.shape)}, out {tuple(o2.shape)} differ")
+    if out_q8 is not None:
+        quant.check_acts(out_q8, cols, rows)
+    q = out_q8 if out_q8 is not None else (o2, o2, o2)
     _glu_kernel[(rows, triton.cdiv(cols, GLU_BLOCK))](
-        g2,
-        u2,
-        o2,
-        g2.stride(0),
-        u2.stride(0),
-        o2.stride(0),
-        cols,
-        BLOCK=GLU_BLOCK,
-        num_warps=GLU_WARPS,
-        **pdl.options(),
-    )
+        g2, u2, o2, g2.stride(0), u2.stride(0), o2.stride(0), cols, *q,
+        BLOCK=GLU_BLOCK, Q8OUT=out_q8 is not None, num_warps=GLU_WARPS, **pdl.options(),
+    )  # fmt: skip
 
 
 @triton.jit

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.lanes.cuda.triton import pdl
+from fuselane.gguf.formats import QK
+from fuselane.lanes.cuda.triton import pdl, quant
 from fuselane.lanes.cuda.triton.attention.decode import LOG2E, cache_pitch, interpreted
 
 # Prefill tiles, by operand type, as compiled for sm_90 without spilling (f16) or nearly (f32):
@@ -101,12 +102,17 @@ def _prefill_kernel(
     out_pitch,
     rows,
     scale_log2e,
+    oq,
+    od,
+    os_,
+    q8_cols,
     GROUP: tl.constexpr,
     HD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     F16_OPS: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    Q8OUT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.begin(PDL)
@@ -159,6 +165,21 @@ def _prefill_kernel(
     out = acc / run_sum[:, None]
     dst = out_ptr + row[:, None].to(tl.int64) * out_pitch + head[:, None] * HD + d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+    if Q8OUT:  # the output's int8 form too: a head's values are whole 32-value blocks of its row
+        _store_q8(out, row, head, valid, oq, od, os_, q8_cols, HD, BLOCK_M)
+
+
+@triton.jit
+def _store_q8(out, row, head, valid, oq, od, os_, q8_cols, HD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Quantize each tile row's head (HD values, HD / 32 blocks) into the Q8Acts of rows of q8_cols values."""
+    NB: tl.constexpr = HD // quant.QB_C
+    codes, d, sums = quant.quantize_block(tl.reshape(out, [BLOCK_M * NB, quant.QB_C]), quant.QB_C)
+    blk = tl.reshape(row[:, None].to(tl.int64) * (q8_cols // quant.QB_C) + head[:, None] * NB
+                     + tl.arange(0, NB)[None, :], [BLOCK_M * NB])  # fmt: skip
+    live = tl.reshape(tl.broadcast_to(valid[:, None], [BLOCK_M, NB]), [BLOCK_M * NB])
+    tl.store(oq + blk[:, None] * quant.QB_C + tl.arange(0, quant.QB_C)[None, :], codes, mask=live[:, None])
+    tl.store(od + blk, d, mask=live)
+    tl.store(os_ + blk[:, None] * 2 + tl.arange(0, 2)[None, :], sums, mask=live[:, None])
 
 
 def flash_prefill(
@@ -176,6 +197,7 @@ def flash_prefill(
     block_m: int = PREFILL_BLOCK_M,
     block_n: int | None = None,
     f16_ops: bool | None = None,
+    out_q8: quant.Q8Acts | None = None,
 ) -> None:
     """FlashPrefill: out (rows, heads * hd) = causal GQA of `rows` query rows `q` (rows, heads * hd, any row
     pitch) at positions pos[0]..pos[0] + rows - 1 over cache rows 0..pos[0] + rows - 1.
@@ -183,7 +205,9 @@ def flash_prefill(
     One launch of (query tiles, kv_heads) blocks; each tile packs `block_m` (row, head-of-group) pairs.
     `f16_ops`: multiply on the f16 tensor cores, the operands rounded to f16 in the kernel (the int8 numerics'
     attention, `CudaShim.attention`); 3xTF32 dots otherwise; None: f16 where `q` is. `hd` a power of two of at least
-    16 (tl.dot's smallest side); `block_m` and `block_n` are kernel facts, parameters only for tests.
+    16 (tl.dot's smallest side); `block_m` and `block_n` are kernel facts, parameters only for tests. With
+    `out_q8` (AttnOutputQuant: heads of whole 32-value blocks) the launch also writes `out` quantized, as
+    `quant.quantize` would, for a product on the int8 tensor cores.
     """
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not share {kv_heads} key/value heads evenly")
@@ -192,6 +216,11 @@ def flash_prefill(
     if q.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("flash_prefill: the query's and the output's values must be unit-stride")
     group = heads // kv_heads
+    if out_q8 is not None:
+        if hd % QK:
+            raise ValueError(f"flash_prefill quantizes heads of whole {QK}-value blocks, not {hd}")
+        quant.check_acts(out_q8, heads * hd, rows)
+    q8 = out_q8 if out_q8 is not None else (out, out, out)
     if f16_ops is None:
         f16_ops = q.dtype == torch.float16
     if block_n is None:
@@ -209,12 +238,15 @@ def flash_prefill(
         out.stride(0),
         rows,
         scale * LOG2E,
+        *q8,
+        heads * hd,
         GROUP=group,
         HD=hd,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         F16_OPS=f16_ops,
         INTERPRETED=interpreted(),
+        Q8OUT=out_q8 is not None,
         num_warps=PREFILL_WARPS,
         num_stages=PREFILL_STAGES,
         **pdl.options(),

@@ -1,0 +1,168 @@
+"""Prefill products on the int8 tensor cores from the checkpoint's bytes: y (m, n) = x (m, k) @ W^T.
+
+x is the activation in the decode step's int8 form (`quant.Q8Acts`: int8 codes under one f32 scale a 32-value
+block, and each 16 values' scaled code sums), W the n x k checkpoint rows as stored. A program takes BLOCK_M
+activation rows and BLOCK_N weight rows and walks k a step at a time (a K format's super-block, or up to four
+32-value blocks); each 32-value run of the step
+
+- loads the activation's int8 tile [BLOCK_M, 32] and its scales once,
+- unpacks the weight rows' codes of the run to int8 in registers (`gemm_q8_runs.run`: one small body a
+  format) with the run's f32 scale and offset,
+- multiplies codes by codes on the int8 tensor cores (`tl.dot`, int32 sums: exact), and
+- scales in f32: acc += dot * (x_scale * w_scale) + x_sum * w_offset, where x_sum (the run's scaled code
+  sum, `Q8Acts.s`) carries a format's minimum. Q6_K's 16-value sub-blocks take two MMAs a run, each with the
+  other half of the activation's codes zeroed.
+
+So the numbers are the exact product of the dequantized activation and the dequantized weights, up to the f32
+roundings of the scaling and the sums; nothing is rounded to f16, so no activation overflows (an int8 code
+and an f32 scale hold any finite f32), and no copy of the weights is made: a model's memory is its file, its
+KV cache and the activations' int8 forms.
+
+Rows past m or n read the last row (no masked loads in the loop); the store drops them. The epilogue adds a
+bias and a residual and lands the rows at row pos[0] of a table where asked (a cache row write). Tiles come
+from `plan.gemm_tiles` (one table, to tune on the GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselane.gguf.formats import IQ4_NL_VALUES, QK, Format, row_bytes
+from fuselane.lanes.cuda.plan import gemm_tiles
+from fuselane.lanes.cuda.plan.gemm_tiles import GemmTile
+from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton.gemm_q8_runs import run
+from fuselane.lanes.cuda.triton.gemv.parts import check_rows
+from fuselane.lanes.cuda.triton.quant import HALF, Q8Acts, check_acts
+
+QB = tl.constexpr(QK)
+HALF_C = tl.constexpr(HALF)
+
+
+@triton.jit
+def _gemm_q8_kernel(
+    xq, xd, xs, w, lut, out, bias, res, pos, m, n, out_pitch, res_pitch,
+    FMT: tl.constexpr, K: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+    RUNS: tl.constexpr, BLOCKS: tl.constexpr, SPLIT: tl.constexpr, HAS_MIN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, AT_ROW: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.begin(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    xm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    xr = tl.minimum(xm, m - 1).to(tl.int64)
+    xq_rows = xq + xr * K
+    xd_rows = xd + xr * (K // QB)
+    xs_rows = xs + xr * (K // HALF_C)
+    cols = tl.arange(0, QB)
+    low = (cols < HALF_C)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for step in range(0, K // (QB * RUNS * BLOCKS)):
+        for b in tl.static_range(BLOCKS):
+            blk = w_rows + (step * BLOCKS + b) * BLOCK_BYTES
+            for j in tl.static_range(RUNS):
+                r = (step * BLOCKS + b) * RUNS + j  # the run's index in the row: its activation block
+                a = tl.load(xq_rows[:, None] + r * QB + cols[None, :])
+                ad = tl.load(xd_rows + r)
+                codes, s0, s1, m0, m1 = run(blk, j, FMT, lut)
+                wt = tl.trans(codes)
+                if SPLIT:
+                    lo = tl.dot(tl.where(low, a, 0).to(tl.int8), wt, out_dtype=tl.int32).to(tl.float32)
+                    hi = tl.dot(tl.where(low, 0, a).to(tl.int8), wt, out_dtype=tl.int32).to(tl.float32)
+                    acc += ad[:, None] * (lo * s0[None, :] + hi * s1[None, :])
+                else:
+                    dot = tl.dot(a, wt, out_dtype=tl.int32).to(tl.float32)
+                    acc += dot * (ad[:, None] * s0[None, :])
+                if HAS_MIN:
+                    if SPLIT:
+                        acc += tl.load(xs_rows + 2 * r)[:, None] * m0[None, :]
+                        acc += tl.load(xs_rows + 2 * r + 1)[:, None] * m1[None, :]
+                    else:
+                        x_sum = tl.load(xs_rows + 2 * r) + tl.load(xs_rows + 2 * r + 1)
+                        acc += x_sum[:, None] * m0[None, :]
+    keep = (xm < m)[:, None] & (rows < n)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias + rows, mask=rows < n, other=0.0)[None, :]
+    if HAS_RES:
+        acc += tl.load(res + xm[:, None].to(tl.int64) * res_pitch + rows[None, :], mask=keep, other=0.0)
+    first = 0
+    if AT_ROW:
+        first = tl.load(pos)
+    dst = out + (first + xm)[:, None].to(tl.int64) * out_pitch + rows[None, :]
+    tl.store(dst, acc.to(out.dtype.element_ty), mask=keep)
+
+
+_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _lut(device: torch.device) -> torch.Tensor:
+    """The IQ4 formats' 16 code values on `device` (made once a device)."""
+    if device not in _LUTS:
+        _LUTS[device] = torch.tensor(IQ4_NL_VALUES, dtype=torch.int8, device=device)
+    return _LUTS[device]
+
+
+def supports(fmt: Format, m: int, k: int) -> bool:
+    """Whether `gemm_q8` takes a product of m rows of k values in `fmt` (`plan.gemm_tiles.int8_gemm`)."""
+    return gemm_tiles.int8_gemm(Format(fmt), m, k)
+
+
+def _check_out(out: torch.Tensor, m: int, n: int, out_row, residual, bias) -> None:
+    if out.dim() != 2 or out.stride(1) != 1 or out.dtype not in (torch.float32, torch.float16):
+        raise ValueError("out must be a 2-D f32 or f16 tensor with unit column stride")
+    if out_row is None and tuple(out.shape) != (m, n):
+        raise ValueError(f"out must be ({m}, {n}), got {tuple(out.shape)}")
+    if residual is not None and (tuple(residual.shape) != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"residual must be ({m}, {n}) with unit column stride")
+    if bias is not None and (bias.dim() != 1 or bias.numel() != n or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous ({n},) tensor")
+
+
+def gemm_q8(
+    x: Q8Acts,
+    w: torch.Tensor,
+    fmt: Format,
+    n: int,
+    k: int,
+    out: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    out_row: tuple[torch.Tensor, int] | None = None,
+    tile: GemmTile | None = None,
+) -> torch.Tensor:
+    """out (m, n) = x (m, k) @ W^T (+ bias) (+ residual), x an activation's int8 form (m rows of k), W the n x k
+    checkpoint rows `w` in `fmt`, on the int8 tensor cores with f32 scaling; returns `out`.
+
+    `residual` (m, n) may be `out`. With `out_row` = (pos, pitch) the rows land from row pos[0] of the table
+    `out` (`pitch` values apart), the position read on the device. `tile` overrides the format's tile of
+    `plan.gemm_tiles` (tests reach several tiles with small ones; the GPU is tuned through the table).
+    """
+    fmt = Format(fmt)
+    m = x.q.shape[0]
+    if not supports(fmt, m, k):
+        raise ValueError(f"no int8 GEMM for {m} rows of {fmt.name} rows of {k} values")
+    check_rows(w, fmt, n, k)
+    check_acts(x, k, m)
+    _check_out(out, m, n, out_row, residual, bias)
+    pos, pitch = out_row if out_row is not None else (x.d, out.stride(0))
+    t = tile or gemm_tiles.tile(fmt)
+    values = gemm_tiles.block_values(fmt)
+    grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))
+    _gemm_q8_kernel[grid](
+        x.q, x.d, x.s, w, _lut(w.device), out,
+        x.d if bias is None else bias,
+        x.d if residual is None else residual,
+        pos, m, n, pitch,
+        out.stride(0) if residual is None else residual.stride(0),
+        FMT=int(fmt), K=k, ROW_BYTES=row_bytes(fmt, k), BLOCK_BYTES=row_bytes(fmt, values),
+        RUNS=values // QK, BLOCKS=gemm_tiles.blocks_a_step(fmt, k),
+        SPLIT=fmt in gemm_tiles.SPLIT_FORMATS, HAS_MIN=fmt in gemm_tiles.MIN_FORMATS,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, AT_ROW=out_row is not None,
+        num_warps=t.warps, num_stages=t.stages, **pdl.options(),
+    )  # fmt: skip
+    return out
