@@ -1,4 +1,4 @@
-"""What a model takes on the GPU through a prefill and decode at the default knobs: the file's matrices as stored,
+"""What a model takes on the GPU through a prefill and decode under `prefill=int8` (not yet the default): the file's matrices as stored,
 its norms and biases, its KV cache, and a workspace of at most 5 % more (`pytest -m cuda`; skipped without a GPU).
 
 A Qwen2.5-7B-shaped Q4_K_M checkpoint (all 28 layers: the workspace is one chunk's live activations, the same
@@ -29,7 +29,7 @@ WORKSPACE = 0.05  # of the weights and caches
 def test_memory_is_the_file_the_cache_and_a_small_workspace(tmp_path):
     path = write_synthetic(tmp_path / "7b.gguf", "qwen2.5-7b", "q4_k_m", seed=3)
     torch.cuda.reset_peak_memory_stats()
-    model = load(path, lane="cuda", ctx=CTX)
+    model = load(path, lane="cuda", ctx=CTX, knobs=["prefill=int8"])
     session = model.session()
     tokens = np.random.default_rng(0).integers(0, model.cfg.vocab, size=PROMPT).tolist()
     session.feed(tokens)

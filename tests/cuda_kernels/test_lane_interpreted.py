@@ -170,7 +170,7 @@ def test_int8_products_quantize_what_their_producer_did_not(tmp_path):
 
 
 def test_prefill_multiplies_on_the_int8_tensor_cores(tmp_path, monkeypatch):
-    # the default prefill: every product of a chunk multiplies the activation's int8 form by the checkpoint's
+    # prefill=int8: every product of a chunk multiplies the activation's int8 form by the checkpoint's
     # Q4_K and Q6_K bytes (`gemm_q8`), no f16 copy of any matrix is made, and the logits keep the int8 contract
     from fuselane.gguf.synth import Shape
     from fuselane.lanes.cuda.triton import gemm_q8
@@ -179,7 +179,7 @@ def test_prefill_multiplies_on_the_int8_tensor_cores(tmp_path, monkeypatch):
     real = gemm_q8.gemm_q8
     monkeypatch.setattr(gemm_q8, "gemm_q8", lambda *a, **k: formats.add(int(a[2])) or real(*a, **k))
     path = write_synthetic(tmp_path / "m.gguf", Shape(*INT8_SHAPES["qwen3"][0], context=4096), "q4_k_m", seed=6)
-    gpu = load(path, lane="cuda", ctx=32)
+    gpu = load(path, lane="cuda", ctx=32, knobs=["prefill=int8"])
     ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     a, b = gpu.session().feed(PROMPT), ref.session().feed(PROMPT)
