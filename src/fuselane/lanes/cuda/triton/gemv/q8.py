@@ -13,7 +13,7 @@ registers -> 32; H200 7B decode 382 -> 395 tok/s, 8B 347 -> 343). Q6_K's 210-byt
 block's runs 2 bytes past a word: each 16-byte run is five aligned 32-bit loads funnel-shifted into four
 words, and its activations are `ld4`'s, all in the thread (`ld_run`; 8B decode step 2.557 -> 2.477 ms,
 7B 2.252 -> 2.214 ms, where `load_chunk`'s eight 2-byte loads a run and [N, G, 4] activations went through shared
-memory). The other formats' bodies (`q8_bodies`) hold their runs and scalar fields in the thread the same way.
+memory). Q8_0 and Q5_0 keep `load_chunk`'s loads.
 
 The activation (`Q8Acts`): `q` int8 (k,) codes, `d` f32 (k / 32,) scales (largest |x| of the block / 127, a
 code is round(x / d)), and `s` f32 (k / 16,) each 16 values' d * (sum of codes). A format with a minimum or a
@@ -44,16 +44,24 @@ from fuselane.lanes.cuda.triton.gemv.fast import (
     Q6_RUN,
     Q6_RUNS,
     Q6_SUBS_HALF,
+    QUAD,
     RUN_BYTES,
+    ld16,
+    ld_once,
+    load_chunk,
     q4_k_scales_of,
     q6_k_runs,
 )
-from fuselane.lanes.cuda.triton.gemv.int8_words import dot16_of, ld4, ld_run, ld_scalar
+from fuselane.lanes.cuda.triton.gemv.int8_words import dot16, dot16_of, ld4, ld_run, words
 from fuselane.lanes.cuda.triton.gemv.layout import (
     BYTE,
     BYTE_BITS,
     FMT_Q4_K,
+    FMT_Q5_0,
     FMT_Q6_K,
+    FMT_Q8_0,
+    HALF_WORD_BITS,
+    NIBBLE,
     NIBBLE_BITS,
     Q4_K_BYTES,
     Q4_K_QS,
@@ -72,20 +80,23 @@ from fuselane.lanes.cuda.triton.quant import CODES_ALIGN, Q8Acts, check_acts
 
 LOW_NIBBLES = const(0x0F0F0F0F)  # the low nibble of each byte of a word
 CRUMBS = const(0x03030303)  # the low 2 bits of each byte
+FIFTH_BITS = const(0x10101010)  # bit 4 of each byte
+# x * SPREAD puts bit i (0..3) of x at bit 8i + 4 (shifts 4, 11, 18, 25; the other products miss the mask)
+SPREAD = const((1 << 4) | (1 << 11) | (1 << 18) | (1 << 25))
 Q6_CRUMB_STEP, Q6_HIGH_CRUMB = const(2), const(4)  # Q6_K: crumbs of run r at bits 2 (r // 2) (low nibbles), + 4 (high)
-Q6_BIAS = const(32.0)
-SIGN_SHIFT = const(24)  # a byte moved to the top of a word and back: its sign extended
+Q6_BIAS, Q5_BIAS = const(32.0), const(16.0)
 QK_C, QK_K_C, HALF_QK_C = const(QK), const(QK_K), const(QK // 2)
 WORD_VALUES = const(4)  # int8 codes a 32-bit word
 # Each format's groups a unit (a thread's share of a chunk: see `_acts`) and values a unit; `q8_bodies` holds
-# the formats but Q4_K and Q6_K
-GROUPS = {Format.Q4_K: K_RUNS.value, Format.Q6_K: Q6_RUNS.value} | q8_bodies.GROUPS
-UNIT_VALUES = {Format.Q4_K: QK_K, Format.Q6_K: QK_K} | q8_bodies.UNIT_VALUES
+# the formats after the first four
+GROUPS = {Format.Q4_K: K_RUNS.value, Format.Q6_K: Q6_RUNS.value, Format.Q8_0: 1, Format.Q5_0: 1} | q8_bodies.GROUPS
+UNIT_VALUES = {Format.Q4_K: QK_K, Format.Q6_K: QK_K, Format.Q8_0: QK, Format.Q5_0: QK} | q8_bodies.UNIT_VALUES
 GROUPS_C = const({int(f): g for f, g in GROUPS.items()})
 FORMATS = frozenset(GROUPS)
 # formats whose group r of a unit meets values 64 (r // 2) + 16 (r % 2) + 0..15 and the 16 from 32 on
 # (as a constexpr map of every format to a flag: compiled Triton indexes a constexpr dict, but has no `in`)
 K_PAIRS_C = const({int(f): f in {Format.Q4_K} | q8_bodies.K_PAIR_FORMATS for f in Format})
+NEW_BODIES_C = const({int(f): f in q8_bodies.FORMATS for f in Format})  # the formats of `q8_bodies`
 # Tiles (rows a program, warps, (row, group)s a thread), chosen by timing the whole decode step's graph
 # replay on the H200 over a sweep of each (`activations=int8`, `benchmarks/tile_sweep.py`): Q4_K at 4 rows
 # and 8 warps (8B 3.149 -> 3.067 ms), Q6_K at 2 rows and 8 warps (3.067 -> 3.046 ms); under dependent
@@ -97,7 +108,7 @@ K_PAIRS_C = const({int(f): f in {Format.Q4_K} | q8_bodies.K_PAIR_FORMATS for f i
 # The formats of `q8_bodies` take the tile of the format whose loads theirs follow (not yet swept): the
 # super-block formats with eight 16-byte groups a unit Q4_K's, the 32-value block formats Q5_0's.
 TILES = {Format.Q4_K: (4, 8, 1), Format.Q6_K: (2, 8, 1), Format.Q8_0: (2, 2, 2), Format.Q5_0: (4, 2, 2)}
-TILES |= {f: TILES[Format.Q4_K] if GROUPS[f] > 1 else TILES[Format.Q5_0] for f in q8_bodies.FORMATS - set(TILES)}
+TILES |= {f: TILES[Format.Q4_K] if GROUPS[f] > 1 else TILES[Format.Q5_0] for f in q8_bodies.FORMATS}
 GLU_TILES = TILES | {f: (8, 2, 2) for f in (Format.Q4_K, Format.Q5_K, Format.IQ4_XS, Format.Q3_K, Format.Q2_K)}
 # Rows of at least TALL_K values (a down projection's: the 7B's 18,944, the 8B's 12,288) leave few rows a
 # program for the SMs' streams: Q6_K's at two rows and eight warps a program (7B 2.829 -> 2.692 ms, 8B
@@ -138,33 +149,37 @@ def _raw_q6_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.
     if CLAMP:
         unit = tl.minimum(unit, N_UNITS - 1)
     blk = w_rows[:, None] + (unit * Q6_K_BYTES)[None, :]
-    sc = blk + (half * Q6_SUBS_HALF + r + Q6_K_SCALES)[None, :]
+    sc = (blk + (half * Q6_SUBS_HALF + r + Q6_K_SCALES)[None, :]).to(tl.pointer_type(tl.int8))
     ql = ld_run(blk + (half * Q6_QL_HALF + r * Q6_RUN + Q6_K_QL)[None, :])
     qh = ld_run(blk + (half * Q6_QH_HALF + (r % Q6_QH_RUNS) * Q6_RUN + Q6_K_QH)[None, :])
-    # the scalar fields by inline asm too (`ld_scalar`): one layout with the runs, no exchange in the loop
-    d = q8_bodies.f16_of(ld_scalar(blk + Q6_K_D, 2))
-    return (d, _signed_byte(ld_scalar(sc, 1)), _signed_byte(ld_scalar(sc + Q6_HIGH_SUBS, 1))) + ql + qh
-
-
-@triton.jit
-def _signed_byte(v):
-    """An unsigned byte (int32 0..255) as the signed value it stores."""
-    return (v << SIGN_SHIFT) >> SIGN_SHIFT
+    return (ld16(blk + Q6_K_D, True), ld_once(sc), ld_once(sc + Q6_HIGH_SUBS)) + ql + qh
 
 
 @triton.jit
 def _raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
-    """A chunk's weight bytes, a group's held apart in its thread: Q4_K's and Q6_K's (`_raw_q4_k`,
-    `_raw_q6_k`), the others' (`q8_bodies.raw_chunk`)."""
+    """A chunk's weight bytes: Q4_K's and Q6_K's held apart a group a thread (`_raw_q4_k`, `_raw_q6_k`), the
+    others' as `load_chunk`."""
     if FMT == FMT_Q4_K:
         return _raw_q4_k(w_rows, u0, N_UNITS, CHUNK, CLAMP)
     elif FMT == FMT_Q6_K:
         return _raw_q6_k(w_rows, u0, N_UNITS, CHUNK, CLAMP)
-    else:
+    elif NEW_BODIES_C[FMT]:
         return q8_bodies.raw_chunk(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP, GROUPS_C[FMT])
+    else:
+        return load_chunk(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP)
 
 
 # --- the activations a group meets -----------------------------------------------------------------------------
+
+
+@triton.jit
+def _run(xq, xd, xs, first, BLOCK_N: tl.constexpr, live):
+    """The 16 activations from value `first` ([1, G], a multiple of 16): 4 words [N, G, 4], their block's
+    scale and their 16-value sum d * codes, [1, G] each; 0 where not live."""
+    words = xq.to(tl.pointer_type(tl.int32)) + (first // WORD_VALUES)[:, :, None] + tl.arange(0, QUAD)[None, None, :]
+    words += tl.zeros([BLOCK_N, 1, 1], tl.int32)  # the weights' layout: the rows' loads are one broadcast
+    a = tl.load(words, mask=live[:, :, None], other=0)
+    return a, tl.load(xd + first // QK_C, mask=live, other=0.0), tl.load(xs + first // HALF_QK_C, mask=live, other=0.0)
 
 
 @triton.jit
@@ -216,8 +231,10 @@ def _acts(xq, xd, xs, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, BLOCK_N: tl.
         return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + QK_C, BLOCK_N, live)
     elif FMT == FMT_Q6_K:
         return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + 2 * QK_C, BLOCK_N, live)
-    else:  # a block's two halves
+    elif NEW_BODIES_C[FMT]:  # a block's two halves, held apart
         return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + HALF_QK_C, BLOCK_N, live)
+    else:
+        return _run(xq, xd, xs, first, BLOCK_N, live) + _run(xq, xd, xs, first + HALF_QK_C, BLOCK_N, live)
 
 
 @triton.jit
@@ -269,6 +286,30 @@ def _q6_codes(ql, qh, shift):
 
 
 @triton.jit
+def _q8_0(raw, acts):
+    """Q8_0: group g is block u0 + g, its bytes 0-15 and 16-31 signed codes."""
+    d, qa, qb = raw
+    a_lo, da, _, a_hi, _, _ = acts
+    sumi = dot16(words(qa), a_lo, True) + dot16(words(qb), a_hi, True)
+    return d * da * sumi.to(tl.float32)
+
+
+@triton.jit
+def _q5_0(raw, acts):
+    """Q5_0: qs byte i holds the low 4 bits of value i (low nibble) and 16 + i (high one); bit v of qh is
+    value v's fifth bit, spread to bit 4 of its byte."""
+    d, qh, qs = raw
+    a_lo, da, s_lo, a_hi, _, s_hi = acts
+    qs = words(qs)
+    t = tl.arange(0, QUAD)[None, None, :] * WORD_VALUES
+    qh = qh[:, :, None]
+    lo = (qs & LOW_NIBBLES) | ((((qh >> t) & NIBBLE) * SPREAD) & FIFTH_BITS)
+    hi = ((qs >> NIBBLE_BITS) & LOW_NIBBLES) | ((((qh >> (t + HALF_WORD_BITS)) & NIBBLE) * SPREAD) & FIFTH_BITS)
+    sumi = dot16(lo, a_lo, False) + dot16(hi, a_hi, False)
+    return d * (sumi.to(tl.float32) * da - Q5_BIAS * (s_lo + s_hi))
+
+
+@triton.jit
 def _chunk_sum(acc, raw, acts, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr,
                MASKED: tl.constexpr):  # fmt: skip
     """acc [N, G] += this chunk's sums a group (its weights `raw`, its activations `acts`); in a partial
@@ -277,8 +318,13 @@ def _chunk_sum(acc, raw, acts, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHU
         y = _q4_k(raw, acts, CHUNK)
     elif FMT == FMT_Q6_K:
         y = _q6_k(raw, acts, CHUNK)
-    else:
+    elif FMT == FMT_Q8_0:
+        y = _q8_0(raw, acts)
+    elif NEW_BODIES_C[FMT]:
         y = q8_bodies.group_sums(raw, acts, FMT, CHUNK)
+    else:
+        tl.static_assert(FMT == FMT_Q5_0, "no int8 GEMV for this format")
+        y = _q5_0(raw, acts)
     if MASKED:
         y = tl.where(_live(u0, FMT, N_UNITS, CHUNK), y, 0.0)
     return acc + y

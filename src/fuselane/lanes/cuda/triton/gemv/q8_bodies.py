@@ -1,5 +1,4 @@
-"""The int8 GEMV's (`q8`) per-format pieces for Q8_0, Q5_0, Q5_K, Q4_0, Q4_1, Q5_1, IQ4_NL, IQ4_XS, Q3_K and
-Q2_K (Q4_K's and Q6_K's are `q8`'s own): how a
+"""The int8 GEMV's (`q8`) per-format pieces for Q5_K, Q4_0, Q4_1, Q5_1, IQ4_NL, IQ4_XS, Q3_K and Q2_K: how a
 chunk's bytes are loaded (`raw_chunk`) and how a group's codes meet its two runs of 16 int8 activations in
 dp4a (`chunk_sum`). `q8.row_dots` and every launch built on it (alone, in parts, with epilogues, the gate/up
 GLU) call these through `q8._raw_chunk` and `q8._chunk_sum`, so a format here is a format of all of them.
@@ -13,19 +12,18 @@ an int32, then scaled once in f32. The groups follow the formats' packing so a g
   16 qh bytes of its fifth bits; Q3_K's and Q2_K's a 16-byte run of qs (bytes 32 n + 16 t of half n) whose
   crumbs 2 j' and 2 j' + 1 (j' = (r // 2) % 2) are its lo and hi sub-blocks, and for Q3_K the 16 hmask bytes of
   their third bits;
-- the 32-value formats (Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, IQ4_NL) and IQ4_XS's 32-value sub-blocks: a group a
-  block, lo its values 0-15 (Q8_0's first 16 bytes, the others' low nibbles), hi values 16-31.
+- the 32-value formats (Q4_0, Q4_1, Q5_1, IQ4_NL) and IQ4_XS's 32-value sub-blocks: a group a block, lo its
+  low nibbles (values 0-15), hi its high ones (16-31).
 Every group's codes are 4 words held in the thread (`int8_words.ld4` where a run is 16-byte aligned: Q5_K's
 176-byte blocks; `ld_words` where it is 4-byte aligned: Q4_1, Q5_1, IQ4_XS, Q2_K; `ld_run` where it is only
-2-byte aligned: Q8_0, Q5_0, Q4_0, IQ4_NL, Q3_K), as `q8` holds Q4_K's and Q6_K's, and the scalar fields
-too (`ld_scalar`): every loaded value has one layout, so nothing goes through shared memory in the loop (sm_90
-PTX of the gate/up GLU: 4 barriers, as Q4_K's, where Q8_0's [N, G, 4, 2] loads had 37 and Q5_0's 30).
+2-byte aligned: Q4_0, IQ4_NL, Q3_K), as `q8` holds Q4_K's and Q6_K's: no shared-memory exchange before a
+dp4a chain.
 
-Codes enter dp4a as stored (unsigned; Q8_0's signed) and the format's offset is applied once a run from the
-activation's 16-value sum s: Q4_0's 8, Q5_0's 16 and Q3_K's 4 as a bias, Q4_1's and Q5_1's minimum m and
-Q2_K's dmin * min as an added term. IQ4_NL / IQ4_XS codes index a table of 16 signed values: the table is
-four words in registers and a word of four codes becomes four signed bytes in three `prmt` byte permutes
-(`iq4_values`), then a signed dp4a.
+Codes enter dp4a as stored (unsigned) and the format's offset is applied once a run from the activation's
+16-value sum s: Q4_0's 8 and Q3_K's 4 as a bias, Q4_1's and Q5_1's minimum m and Q2_K's dmin * min as an
+added term. IQ4_NL / IQ4_XS codes index a table of 16 signed values: the table is four words in registers
+and a word of four codes becomes four signed bytes in three `prmt` byte permutes (`iq4_values`), then a
+signed dp4a.
 """
 
 from __future__ import annotations
@@ -46,10 +44,8 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     FMT_Q3_K,
     FMT_Q4_0,
     FMT_Q4_1,
-    FMT_Q5_0,
     FMT_Q5_1,
     FMT_Q5_K,
-    FMT_Q8_0,
     HALF_WORD_BITS,
     IQ4_NL_BYTES,
     IQ4_NL_D,
@@ -77,22 +73,14 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q4_1_M,
     Q4_1_QS,
     Q4_BIAS,
-    Q5_0_BYTES,
-    Q5_0_D,
-    Q5_0_QH,
-    Q5_0_QS,
     Q5_1_BYTES,
     Q5_1_D,
     Q5_1_M,
     Q5_1_QH,
     Q5_1_QS,
-    Q5_BIAS,
     Q5_K_BYTES,
     Q5_K_QH,
     Q5_K_QS,
-    Q8_0_BYTES,
-    Q8_0_D,
-    Q8_0_QS,
     const,
 )
 
@@ -123,7 +111,7 @@ LOW_BYTE, SECOND_BYTE = const(0xFF), const(0xFF00)
 # Groups a unit (a block or super-block), and values a unit, of each format here
 GROUPS = {
     Format.Q5_K: K_RUNS.value, Format.Q3_K: K_RUNS.value, Format.Q2_K: K_RUNS.value, Format.IQ4_XS: QK_K // QK,
-    Format.Q8_0: 1, Format.Q5_0: 1, Format.Q4_0: 1, Format.Q4_1: 1, Format.Q5_1: 1, Format.IQ4_NL: 1,
+    Format.Q4_0: 1, Format.Q4_1: 1, Format.Q5_1: 1, Format.IQ4_NL: 1,
 }  # fmt: skip
 UNIT_VALUES = {f: QK_K if f in (Format.Q5_K, Format.Q3_K, Format.Q2_K, Format.IQ4_XS) else QK for f in GROUPS}
 FORMATS = frozenset(GROUPS)
@@ -156,7 +144,7 @@ def _word(ptr):
 @triton.jit
 def _half(ptr):
     """The f16 at each 2-aligned byte address, as f32."""
-    return f16_of(ld_scalar(ptr, 2))
+    return _f16(ld_scalar(ptr, 2))
 
 
 @triton.jit
@@ -173,13 +161,6 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
         blk = w_rows[:, None] + (unit * Q5_K_BYTES)[None, :]
         head, qs = ld4(_i32(blk), True), ld4(_i32(blk + r * RUN_BYTES + Q5_K_QS), True)
         return head + qs + ld4(_i32(blk + (r % 2) * RUN_BYTES + Q5_K_QH), True)
-    elif FMT == FMT_Q8_0:  # d and the block's two 16-byte halves of signed codes
-        blk = w_rows[:, None] + (unit * Q8_0_BYTES)[None, :]
-        return (_half(blk + Q8_0_D),) + ld_run(blk + Q8_0_QS) + ld_run(blk + Q8_0_QS + RUN_BYTES)
-    elif FMT == FMT_Q5_0:  # d, qh as two 16-bit halves (2-aligned), the 16 qs bytes
-        blk = w_rows[:, None] + (unit * Q5_0_BYTES)[None, :]
-        qh = ld_scalar(blk + Q5_0_QH, 2) | (ld_scalar(blk + Q5_0_QH + 2, 2) << HALF_WORD_BITS)
-        return (_half(blk + Q5_0_D), qh) + ld_run(blk + Q5_0_QS)
     elif FMT == FMT_Q4_0:
         blk = w_rows[:, None] + (unit * Q4_0_BYTES)[None, :]
         return (_half(blk + Q4_0_D),) + ld_run(blk + Q4_0_QS)
@@ -221,7 +202,7 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
 
 
 @triton.jit
-def f16_of(bits):
+def _f16(bits):
     """The f16 in the low 16 bits of int32 `bits`, as f32."""
     return (bits & HALF_WORD).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
@@ -272,36 +253,6 @@ def _q5_k(raw, acts, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _q8_0(raw, acts):
-    """Q8_0: value = d * code, the codes signed bytes: values 0-15 and 16-31 in a signed dp4a each."""
-    d, a0, a1, a2, a3, b0, b1, b2, b3 = raw
-    lo, hi = _runs(a0, a1, a2, a3, b0, b1, b2, b3, acts, True)
-    return d * acts[4] * (lo + hi).to(tl.float32)
-
-
-@triton.jit
-def _q5_codes(q0, q1, q2, q3, qh):
-    """Q5_0 / Q5_1: a block's 5-bit codes as eight words: values 0-15 (the low nibbles under qh bits 0-15)
-    and 16-31 (the high ones under bits 16-31)."""
-    up = qh >> HALF_WORD_BITS
-    return (
-        (q0 & LOW_NIBBLES) | _fifth(qh, 0), (q1 & LOW_NIBBLES) | _fifth(qh, 1),
-        (q2 & LOW_NIBBLES) | _fifth(qh, 2), (q3 & LOW_NIBBLES) | _fifth(qh, 3),
-        ((q0 >> NIBBLE_BITS) & LOW_NIBBLES) | _fifth(up, 0), ((q1 >> NIBBLE_BITS) & LOW_NIBBLES) | _fifth(up, 1),
-        ((q2 >> NIBBLE_BITS) & LOW_NIBBLES) | _fifth(up, 2), ((q3 >> NIBBLE_BITS) & LOW_NIBBLES) | _fifth(up, 3),
-    )  # fmt: skip
-
-
-@triton.jit
-def _q5_0(raw, acts):
-    """Q5_0: value = d * (code - 16); bit v of the 32-bit qh is value v's fifth bit."""
-    d, qh, q0, q1, q2, q3 = raw
-    c0, c1, c2, c3, c4, c5, c6, c7 = _q5_codes(q0, q1, q2, q3, qh)
-    lo, hi = _runs(c0, c1, c2, c3, c4, c5, c6, c7, acts, False)
-    return d * ((lo + hi).to(tl.float32) * acts[4] - Q5_BIAS * (acts[5] + acts[11]))
-
-
-@triton.jit
 def _q4_0(raw, acts):
     """Q4_0: value = d * (code - 8); the bias is taken once a block from the 32 values' code sums."""
     d, q0, q1, q2, q3 = raw
@@ -329,9 +280,16 @@ def _fifth(qh, w: tl.constexpr):
 def _q5_1(raw, acts):
     """Q5_1: value = d * code + m; bit v of the 32-bit qh is value v's fifth bit."""
     d, m, qh, q0, q1, q2, q3 = raw
-    c0, c1, c2, c3, c4, c5, c6, c7 = _q5_codes(q0, q1, q2, q3, qh)
-    lo, hi = _runs(c0, c1, c2, c3, c4, c5, c6, c7, acts, False)
-    return d * acts[4] * (lo + hi).to(tl.float32) + m * (acts[5] + acts[11])
+    da, s_lo, s_hi = acts[4], acts[5], acts[11]
+    up = qh >> HALF_WORD_BITS  # values 16-31's fifth bits
+    lo, hi = _runs(
+        (q0 & LOW_NIBBLES) | _fifth(qh, 0), (q1 & LOW_NIBBLES) | _fifth(qh, 1),
+        (q2 & LOW_NIBBLES) | _fifth(qh, 2), (q3 & LOW_NIBBLES) | _fifth(qh, 3),
+        ((q0 >> NIBBLE_BITS) & LOW_NIBBLES) | _fifth(up, 0), ((q1 >> NIBBLE_BITS) & LOW_NIBBLES) | _fifth(up, 1),
+        ((q2 >> NIBBLE_BITS) & LOW_NIBBLES) | _fifth(up, 2), ((q3 >> NIBBLE_BITS) & LOW_NIBBLES) | _fifth(up, 3),
+        acts, False,
+    )  # fmt: skip
+    return d * da * (lo + hi).to(tl.float32) + m * (s_lo + s_hi)
 
 
 @triton.jit
@@ -376,7 +334,7 @@ def _iq4_xs(raw, acts, CHUNK: tl.constexpr):
     high = (head >> HALF_WORD_BITS) & HALF_WORD
     ls = ((low_scales >> ib * NIBBLE_BITS) & NIBBLE) | (((high >> ib * CRUMB_BITS) & CRUMB) << NIBBLE_BITS)
     lo, hi = _iq4_runs(q0, q1, q2, q3, acts)
-    return f16_of(head) * (ls - SIGNED_SCALE).to(tl.float32) * acts[4] * (lo + hi).to(tl.float32)
+    return _f16(head) * (ls - SIGNED_SCALE).to(tl.float32) * acts[4] * (lo + hi).to(tl.float32)
 
 
 @triton.jit
@@ -430,7 +388,7 @@ def _q2_k(raw, acts, CHUNK: tl.constexpr):
         _crumb_codes(q0, sh), _crumb_codes(q1, sh), _crumb_codes(q2, sh), _crumb_codes(q3, sh),
         _crumb_codes(q0, up), _crumb_codes(q1, up), _crumb_codes(q2, up), _crumb_codes(q3, up), acts, False,
     )  # fmt: skip
-    d, dmin = f16_of(dd), f16_of(dd >> HALF_WORD_BITS)
+    d, dmin = _f16(dd), _f16(dd >> HALF_WORD_BITS)
     y = lo.to(tl.float32) * (d * (sc_lo & NIBBLE).to(tl.float32) * da_lo)
     y += hi.to(tl.float32) * (d * (sc_hi & NIBBLE).to(tl.float32) * da_hi)
     return y - dmin * ((sc_lo >> NIBBLE_BITS).to(tl.float32) * s_lo + (sc_hi >> NIBBLE_BITS).to(tl.float32) * s_hi)
@@ -441,10 +399,6 @@ def group_sums(raw, acts, FMT: tl.constexpr, CHUNK: tl.constexpr):
     """A chunk's sums a group ([N, G] f32) in one of this module's formats."""
     if FMT == FMT_Q5_K:
         return _q5_k(raw, acts, CHUNK)
-    elif FMT == FMT_Q8_0:
-        return _q8_0(raw, acts)
-    elif FMT == FMT_Q5_0:
-        return _q5_0(raw, acts)
     elif FMT == FMT_Q4_0:
         return _q4_0(raw, acts)
     elif FMT == FMT_Q4_1:
