@@ -1,5 +1,6 @@
-"""What a model takes on the GPU through a prefill and decode under `prefill=int8` (not yet the default): the file's matrices as stored,
-its norms and biases, its KV cache, and a workspace of at most 5 % more (`pytest -m cuda`; skipped without a GPU).
+"""What a model takes on the GPU through a prefill and decode under `prefill=int8` (not yet the default): the
+file's matrices as stored, its norms and biases, its KV cache, and a workspace of at most 5 % more (`pytest -m
+cuda`; skipped without a GPU).
 
 A Qwen2.5-7B-shaped Q4_K_M checkpoint (all 28 layers: the workspace is one chunk's live activations, the same
 at any depth, set against the whole model's bytes) prefills a 512-token prompt in the session's chunks and

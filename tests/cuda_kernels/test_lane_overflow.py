@@ -1,7 +1,8 @@
 """Activations past f16's range: a checkpoint whose feed-forward activations reach about 1e6 gives finite logits
-on the cpu lane and on the cuda lane (under the interpreter), in prefill and decode, within the contract, at
-every `prefill` knob (the f16 paths scale a row past f16's range first); and a value that does leave the
-finite range is reported as the lane's, with the layer and op that made it.
+on the cpu lane and on the cuda lane (under the interpreter), in prefill and decode, within the contract, under
+`prefill=int8` and `prefill=in-place` (whose kernel scales a row past f16's range first); the default
+`prefill=f16-copy` still rounds the activation to f16 as it is (a known gap, held by a strict xfail); and a
+value that does leave the finite range is reported as the lane's, with the layer and op that made it.
 """
 
 from __future__ import annotations
@@ -64,20 +65,31 @@ def _within_contract(path, decode: list[int], knobs: list[str] = ()) -> None:
         assert err <= tol, f"step {step}: {err:.2e} > {tol:.2e}"
 
 
+INT8 = ["prefill=int8"]
+
+
 def test_activations_of_1e6_stay_finite_in_prefill(loud):
-    _within_contract(loud, [])
+    _within_contract(loud, [], INT8)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter takes over a minute a decode step")
 def test_activations_of_1e6_stay_finite_in_decode(loud):
-    _within_contract(loud, DECODE)
+    _within_contract(loud, DECODE, INT8)
 
 
-@pytest.mark.parametrize("prefill", ["f16-copy", "in-place"])
-def test_the_f16_prefills_scale_rows_past_f16(loud, prefill):
-    # the f16 paths divide a row past 2^14 by a power of two before rounding it to f16: finite, in contract
-    _within_contract(loud, [], [f"prefill={prefill}"])
+def test_the_in_kernel_f16_prefill_scales_rows_past_f16(loud):
+    # the in-kernel f16 GEMM divides a row past 2^14 by a power of two before rounding it to f16
+    _within_contract(loud, [], ["prefill=in-place"])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="prefill=f16-copy (the default) rounds the activation to f16 as it is: scaling it with torch ops "
+    "halved pp512 on the H200 (benchmarks/RESULTS.md, 2026-12-01); a fused scale is still to be written",
+)
+def test_the_f16_copies_overflow_past_f16(loud):
+    _within_contract(loud, [], ["prefill=f16-copy"])
 
 
 def test_a_non_finite_value_names_the_lane_layer_and_op(tmp_path):
@@ -89,4 +101,4 @@ def test_a_non_finite_value_names_the_lane_layer_and_op(tmp_path):
     path = write_weights(tmp_path / "inf.gguf", SHAPE, weights, formats)
     assert not np.isfinite(load(path, lane="cpu", ctx=32).session().feed(PROMPT)).all()
     with pytest.raises(NonFinite, match=r"cuda lane computed a non-finite value at layer 0, GluActMulQuant"):
-        load(path, lane="cuda", ctx=32).session().feed(PROMPT)
+        load(path, lane="cuda", ctx=32, knobs=INT8).session().feed(PROMPT)
