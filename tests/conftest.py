@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+
 @pytest.fixture(scope="session")
 def qwen_gguf() -> str:
     """Path of the real Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF, pulled and verified on first use.
