@@ -12,7 +12,7 @@ import torch
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from fuselane.gguf.synth import Shape
-from tests.reference.hf_tiny import HF_TO_GGUF, LAYER_TO_GGUF
+from tests.reference.hf_tiny import HF_TO_GGUF, LAYER_TO_GGUF, randomize, shape_of
 
 EXPERTS, KEPT, EXPERT_FF, SHARED_FF = 8, 2, 32, 48
 ROUTER_SCALE = 0.5  # router weights spread the scores, so kept and dropped experts are well apart
@@ -49,38 +49,13 @@ def tiny_moe(arch: str, *, seed: int = 0, layers: int = 2):
         model = Qwen2MoeForCausalLM(config)
     else:
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=32, norm_topk_prob=True, **common))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.2 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
-                p.copy_(ROUTER_SCALE * torch.randn_like(p))
-            else:
-                p.copy_(0.08 * torch.randn_like(p))
-    return model.eval().float()
+    return randomize(model, {"mlp.gate.weight": ROUTER_SCALE})
 
 
 def moe_shape(model, arch: str) -> Shape:
-    c = model.config
-    return Shape(
-        arch=arch,
-        n_embd=c.hidden_size,
-        n_layers=c.num_hidden_layers,
-        n_heads=c.num_attention_heads,
-        n_kv_heads=c.num_key_value_heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        n_ff=c.intermediate_size,
-        vocab=c.vocab_size,
-        context=c.max_position_embeddings,
-        rope_base=c.rope_parameters["rope_theta"],
-        rms_eps=c.rms_norm_eps,
-        experts=EXPERTS,
-        experts_used=KEPT,
-        expert_ff=EXPERT_FF,
-        shared_ff=SHARED_FF if arch == "qwen2moe" else 0,
-    )
+    """The synthetic writer's Shape of a tiny mixture: the dense reading and the experts' widths."""
+    shared = SHARED_FF if arch == "qwen2moe" else 0
+    return shape_of(model, arch, experts=EXPERTS, experts_used=KEPT, expert_ff=EXPERT_FF, shared_ff=shared)
 
 
 def moe_weights(model) -> dict[str, np.ndarray]:

@@ -50,9 +50,20 @@ def tiny_hf(arch: str, *, seed: int = 0, layers: int = 2, tied: bool = False):
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, **common))
+    return randomize(model)
+
+
+def randomize(model, spreads: dict[str, float] | None = None):
+    """`model` with random weights that keep activations in range: norm weights 1 +- 0.2, biases 0.2, every
+    other parameter 0.08, or the spread `spreads` gives parameters whose names end with its keys. Returns it in
+    f32, in eval mode."""
+    spreads = spreads or {}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            spread = next((v for k, v in spreads.items() if name.endswith(k)), None)
+            if spread is not None:
+                p.copy_(spread * torch.randn_like(p))
+            elif name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
@@ -61,7 +72,9 @@ def tiny_hf(arch: str, *, seed: int = 0, layers: int = 2, tied: bool = False):
     return model.eval().float()
 
 
-def shape_of(model, arch: str) -> Shape:
+def shape_of(model, arch: str, **fields) -> Shape:
+    """The synthetic writer's Shape of a tiny Hugging Face model; `fields` adds what the config's dense reading
+    leaves out (a mixture's experts)."""
     c = model.config
     return Shape(
         arch=arch,
@@ -76,6 +89,7 @@ def shape_of(model, arch: str) -> Shape:
         rope_base=c.rope_parameters["rope_theta"],
         rms_eps=c.rms_norm_eps,
         tied=c.tie_word_embeddings,
+        **fields,
     )
 
 
