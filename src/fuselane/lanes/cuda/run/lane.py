@@ -6,10 +6,10 @@ Weights stay in the checkpoint's own bytes on the device (the GEMVs decode them 
 session and shared with the activations whose lives do not overlap its own (`buffers`); the token ids and the
 position are device values, written from the host before a `forward` run and by the device sampler in the
 decode loop (`decode`, `fuselane.lanes.cuda.run.decode`), whose graphs end with the sampler's launches.
-Products of more rows than the GEMV takes (prefill chunks) multiply the activation's int8 form by the
-checkpoint's bytes on the int8 tensor cores (`triton/gemm_q8.py`, knob `prefill=int8`); a format that GEMM
-lacks decodes its weights to f16 in the kernel (`triton/gemm.py`), and only `prefill=f16-copy` (or a format
-neither kernel takes) makes a dequantized f16 copy of a matrix, on first use.
+Products of more rows than the GEMV takes (prefill chunks) multiply dequantized f16 copies of the matrices,
+made on first use (`prefill=f16-copy`, the default); `prefill=int8` multiplies the activation's int8 form by
+the checkpoint's bytes on the int8 tensor cores (`triton/gemm_q8.py`), and `prefill=in-place` decodes the
+weights to f16 in the kernel (`triton/gemm.py`), neither making a copy.
 """
 
 from __future__ import annotations
