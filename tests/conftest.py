@@ -2,9 +2,42 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
+
+# `pytest -m cuda tests` (the GPU run) spreads over this many pytest-xdist workers where xdist is installed and no
+# `-n` was given: its time is host work (Triton compiling each kernel once, the f64 references), which one
+# process does serially while the GPU waits. Four keep a 16-core host's compiles in parallel, and its memory (an
+# 8B-width f64 reference holds 10 GB) within bounds. Tests sharing a costly module fixture (a reference model) carry
+# an `xdist_group` mark so one worker builds it once (`--dist loadgroup`).
+CUDA_WORKERS = 4
+# Each worker's BLAS and OpenMP pools take the host's cores over the workers: one pool of every core a worker
+# ran the host out of threads.
+THREAD_POOLS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """The GPU run's workers (`CUDA_WORKERS`); runs before pytest-xdist reads its options, and sets the workers'
+    thread pools in the environment they start with."""
+    wants_gpu = (config.option.markexpr or "").strip() == "cuda"
+    chose = getattr(config.option, "numprocesses", None) is not None
+    in_worker = "PYTEST_XDIST_WORKER" in os.environ  # a worker's options lack -n: it must not spread again
+    if not wants_gpu or chose or in_worker or importlib.util.find_spec("xdist") is None:
+        return
+    config.option.numprocesses = CUDA_WORKERS
+    config.option.dist = "loadgroup"
+    per_worker = str(max(1, (os.cpu_count() or CUDA_WORKERS) // CUDA_WORKERS))
+    for pool in THREAD_POOLS:
+        os.environ.setdefault(pool, per_worker)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # the mark pytest-xdist reads, declared here too so a host without xdist accepts it
+    config.addinivalue_line("markers", "xdist_group(name): tests one pytest-xdist worker runs together")
+
 
 
 @pytest.fixture(scope="session")

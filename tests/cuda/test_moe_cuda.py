@@ -28,6 +28,7 @@ LAYERS, VOCAB, SEED = 2, 4096, 7
 PROMPT = [11, 200, 7, 7, 90, 3, 141, 52, 9, 1000, 17, 4000]  # past the GEMV's rows: a chunk
 DECODE = [5, 6, 7]
 LAUNCH_BUDGET = 8  # a decode step's launches a layer
+SHAPE_NAMES = ["qwen3-30b-a3b", "qwen1.5-moe-a2.7b"]
 NUMERICS = {"int8": [], "dequant": ["activations=dequant"]}
 
 
@@ -35,7 +36,11 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-@pytest.fixture(scope="module", params=["qwen3-30b-a3b", "qwen1.5-moe-a2.7b"])
+# a shape's tests run on one worker under pytest-xdist, which builds its reference once
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(name, marks=pytest.mark.xdist_group(f"moe-{name}")) for name in SHAPE_NAMES],
+)
 def mixture(request, tmp_path_factory):
     name = request.param
     shape = replace(SHAPES[name], n_layers=LAYERS, vocab=VOCAB)
