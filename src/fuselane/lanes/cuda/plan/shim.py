@@ -44,8 +44,8 @@ from fuselane.graph.ir import Op, QuantFormat, Rows, TensorGraph
 from fuselane.graph.ops import Attention, ExpertMatmul, Moe
 from fuselane.lanes.cuda.plan import gemm_tiles, kernels
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, ROWS_A_WARP
-from fuselane.lanes.cuda.plan.gdn import NOT_YET
 from fuselane.lanes.cuda.plan.fits import fits as lane_fits
+from fuselane.lanes.cuda.plan.gdn import NOT_YET
 from fuselane.lanes.cuda.plan.knobs import Activations, CachePrecision, CudaKnobs, PrefillWeights, StatePrecision
 from fuselane.lanes.cuda.plan.rules import (
     PRODUCTS_APART,
