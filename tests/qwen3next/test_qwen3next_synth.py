@@ -11,6 +11,7 @@ import pytest
 from fuselane.errors import FuselaneError
 from fuselane.gguf.formats import Format, tensor_bytes
 from fuselane.gguf.synth import SHAPES, main, tensor_formats, tensor_shapes
+from fuselane.info import describe
 from fuselane.runtime.model import load
 
 REAL = SHAPES["qwen3-next-80b-a3b"]
@@ -44,6 +45,8 @@ def test_a_tiny_file_reads_back_and_runs(tmp_path):
         assert (cfg.linear.k_heads, cfg.linear.v_heads, cfg.linear.k_dim, cfg.linear.conv) == (2, 4, 16, 4)
         assert (cfg.rope_dim, cfg.shared_ff, cfg.experts) == (shape.rope_dim, shape.shared_ff, shape.experts)
         assert np.all(np.isfinite(model.logits([1, 2, 3])))
+        linear = describe(str(tmp_path / "t.gguf"))["linear"]
+        assert linear == {"layers": 2, "key_heads": 2, "value_heads": 4, "head_dim": 16, "conv_taps": 4, "rope_dim": 8}
     finally:
         model.close()
 

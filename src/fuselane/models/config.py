@@ -240,6 +240,7 @@ def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str) 
         rms_eps=rms_eps,
         tied="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        # qwen3next's full-attention layers always norm q and k (its layer 0 is usually a linear one)
+        qk_norm=arch == "qwen3next" or "blk.0.attn_q_norm.weight" in tensors,
         **experts,
     )
