@@ -60,6 +60,7 @@ def summarize(f: GgufFile) -> dict[str, Any]:
             "qk_norm": cfg.qk_norm,
         },
         "experts": _experts(cfg),
+        "linear": _linear(cfg),
         "quant_mix": {name: {"tensors": counts[name], "bytes": sizes[name]} for name, _ in counts.most_common()},
         "quant": {
             "label": _label(meta.get(Keys.General.FILE_TYPE)),
@@ -89,6 +90,31 @@ def _experts(cfg: Any) -> dict[str, Any] | None:
         "shared_ffn": cfg.shared_ff,
         "renormalised": cfg.renorm,
     }
+
+
+def _linear(cfg: Any) -> dict[str, Any] | None:
+    """A hybrid's gated delta-rule layers and the full-attention layers' rotary; None for other models."""
+    la = cfg.linear
+    if la is None:
+        return None
+    return {
+        "layers": sum(la.layers),
+        "key_heads": la.k_heads,
+        "value_heads": la.v_heads,
+        "head_dim": la.k_dim,
+        "conv_taps": la.conv,
+        "rope_dim": cfg.rope_dim,
+    }
+
+
+def _linear_line(la: dict[str, Any] | None, layers: int) -> list[str]:
+    if la is None:
+        return []
+    return [
+        f"  linear attn   {la['layers']} of {layers} layers gated delta rule ({la['key_heads']} key / "
+        f"{la['value_heads']} value heads of {la['head_dim']}, a {la['conv_taps']}-tap convolution); the others "
+        f"gated attention, rope on {la['rope_dim']} values a head"
+    ]
 
 
 def _experts_line(e: dict[str, Any] | None) -> list[str]:
@@ -128,6 +154,7 @@ def render(info: dict[str, Any]) -> str:
         f"  context       {s['context']} tokens, rope base {s['rope_base']:g}, rms eps {s['rms_eps']:g}",
         f"  features      qkv bias {s['qkv_bias']}, q/k norm {s['qk_norm']}, tied embeddings {s['tied_embeddings']}",
         *_experts_line(info.get("experts")),
+        *_linear_line(info.get("linear"), s["layers"]),
         f"  quant label   {label}; most bytes are {q['most_bytes'] or 'in no tensor'}",
         "  quant mix     "
         + ", ".join(f"{name} x{v['tensors']} ({v['bytes'] / 1e6:.1f} MB)" for name, v in info["quant_mix"].items()),

@@ -22,6 +22,9 @@ from fuselane.graph.classes import ClassId
 from fuselane.graph.ir import Op, TensorGraph
 from fuselane.graph.ops import (
     Attention,
+    CausalConv,
+    ConvShift,
+    DeltaState,
     ExpertMatmul,
     ExpertSort,
     GateAct,
@@ -89,6 +92,15 @@ _MIXTURE_NEEDS: dict[type, tuple[ClassId, str]] = {
 }
 
 
+# A gated delta-rule layer's primitives run only where the lane runs the classes that hold them.
+_RECURRENT_NEEDS: dict[type, tuple[ClassId, str]] = {
+    GatedDelta: (ClassId.GDN_STEP, "runs the gated delta rule"),
+    DeltaState: (ClassId.GDN_STEP, "updates the gated delta rule's state"),
+    CausalConv: (ClassId.CONV_BIAS_SILU, "runs a causal convolution"),
+    ConvShift: (ClassId.CONV_BIAS_SILU, "moves a causal convolution's state"),
+}
+
+
 def needs(op: Op) -> list[tuple[ClassId, str]]:
     """Classes a primitive cannot run without, with what in it needs them."""
     spec = op.sym
@@ -102,6 +114,9 @@ def needs(op: Op) -> list[tuple[ClassId, str]]:
         found.append((ClassId.SOFTCAP, f"{op.out} soft-caps its values"))
     if isinstance(spec, GatedDelta) and spec.gate is GateAct.SIGMOID:
         found.append((ClassId.GDN_STEP, f"{op.out} gates its delta rule by a sigmoid"))
+    elif type(spec) in _RECURRENT_NEEDS:  # a lane that runs no gated delta rule fused runs none of its parts
+        cls, what = _RECURRENT_NEEDS[type(spec)]
+        found.append((cls, f"{op.out} {what}"))
     return found
 
 

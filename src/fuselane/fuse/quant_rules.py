@@ -55,7 +55,8 @@ QUANT_RULES = [
     _rule("norm_quant", C.NORM_QUANT, C.NORM_WEIGHT, C.EMBED_NORM, C.GEMV_NORM_EPILOGUE, C.MOE_DEFERRED_FINALIZE),
     _rule("add_norm_quant", C.ADD_NORM_QUANT, C.ADD_NORM),  # AddNorm -> writes its norm as int8
     # silu(g) * u -> int8 (the kept experts' too)
-    _rule("glu_quant", C.GLU_ACT_MUL_QUANT, C.GLU_ACT_MUL, C.GEMV_GATE_UP_GLU, C.MOE_GATE_UP_ACT),
+    _rule("glu_quant", C.GLU_ACT_MUL_QUANT, C.GLU_ACT_MUL, C.GEMV_GATE_UP_GLU, C.MOE_GATE_UP_ACT, C.ATTN_OUTPUT_GATE),
+    _rule("gdn_output_quant", C.GDN_OUTPUT_QUANT, C.GATED_NORM),  # norm(o) * w * silu(z) -> int8
     _rule("elementwise_quant", C.ELEMENTWISE_QUANT, Elementwise),  # a (op) b -> int8
     _rule("gemv_quant", C.GEMV_QUANT, Matmul, C.GEMM_BIAS),  # x @ W^T -> int8 outputs
     # attention(q, k, v) -> writes its output as int8

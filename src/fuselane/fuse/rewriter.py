@@ -145,12 +145,15 @@ class Rewriter:
         where the last member writes."""
         ops = [self.s.get(m) for m in sorted(members)]
         if ins is None:
-            made = {t for op in ops for t in facts.writes(op)}
+            # a member reading a value before any member writes it (a state a later member updates) reads it
+            # from outside
+            made: set[str] = set()
             seen: dict[str, Access] = {}
             for op in ops:
                 for name, access in zip(op.ins, op.access, strict=True):
                     if name not in made and name not in seen:
                         seen[name] = access
+                made.update(facts.writes(op))
             ins = list(seen.items())
         last = ops[-1]
         covers = tuple(sorted(c for op in ops for c in op.covers))

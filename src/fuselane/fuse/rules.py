@@ -8,6 +8,7 @@ Lanes link their own rules in at named positions; any rule may be held by name.
 
 from __future__ import annotations
 
+from fuselane.fuse.gdn_rules import GATED_ATTENTION_RULES, GDN_RULES
 from fuselane.fuse.moe_rules import MOE_RULES
 from fuselane.fuse.patterns import is_add, is_mul, next_reader, op_at
 from fuselane.fuse.quant_rules import QUANT_RULES
@@ -321,9 +322,11 @@ LAYOUT_RULES = [
 SHARED_RULES: list[Rule] = (
     NORM_RULES
     + ROTATION_RULES
+    + GDN_RULES  # before the elementwise rules: a gated norm's silu(z) is its gate, not a GLU's
     + ELEMENTWISE_RULES
     + EPILOGUE_RULES
     + ATTENTION_RULES
+    + GATED_ATTENTION_RULES
     + MOE_RULES  # before the product rules: the router is the mixture's, not a product to merge
     + PRODUCT_RULES
     + LAYOUT_RULES

@@ -32,12 +32,14 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 
 from fuselane.errors import FuselaneError
+from fuselane.gguf import synth_qwen3next as hybrid
 from fuselane.gguf.formats import LAYOUTS, Format, tensor_bytes
 from fuselane.gguf.quantize import quantize, random_blocks
 from fuselane.gguf.synth_vocab import synthetic_tokenizer
 
-ARCHS = ("qwen2", "qwen3", "qwen2moe", "qwen3moe")
-MOE_ARCHS = ("qwen2moe", "qwen3moe")
+ARCHS = ("qwen2", "qwen3", "qwen2moe", "qwen3moe", "qwen3next")
+MOE_ARCHS = ("qwen2moe", "qwen3moe", "qwen3next")
+SHARED_EXPERT_ARCHS = ("qwen2moe", "qwen3next")
 WEIGHT_SCALE = 0.02  # root-mean-square of random matrix weights, about that of trained transformer weights
 NORM_JITTER = 0.1  # random RMS-norm weights are 1 +- this, so activations keep their size through the norms
 CHUNK_BYTES = 64 << 20  # random data is generated and written this much at a time
@@ -67,12 +69,23 @@ class Shape:
     experts_used: int = 0
     expert_ff: int = 0
     shared_ff: int = 0
+    # qwen3next: every `full_every`-th layer full attention, the others gated delta-rule layers with
+    # `ssm_k_heads` key and `ssm_v_heads` value heads of `ssm_dim` values and a `conv`-tap convolution; rope
+    # turns the first `rope_dim` values of a head
+    full_every: int = 0
+    ssm_k_heads: int = 0
+    ssm_v_heads: int = 0
+    ssm_dim: int = 0
+    conv: int = 0
+    rope_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise FuselaneError(f"architecture '{self.arch}' is not one of {', '.join(ARCHS)}")
         if self.moe:
             self._check_experts()
+        if self.arch == hybrid.ARCH:
+            hybrid.check(self)
         sizes = ("n_embd", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_ff", "vocab", "context")
         for size in sizes:
             if getattr(self, size) <= 0:
@@ -97,8 +110,8 @@ class Shape:
                 raise FuselaneError(f"shape field {size} must be positive for {self.arch}, not {getattr(self, size)}")
         if self.experts_used > self.experts:
             raise FuselaneError(f"{self.experts_used} experts a token is more than the {self.experts} experts")
-        if (self.shared_ff > 0) != (self.arch == "qwen2moe"):
-            raise FuselaneError("qwen2moe has a shared expert (shared_ff > 0); qwen3moe has none")
+        if (self.shared_ff > 0) != (self.arch in SHARED_EXPERT_ARCHS):
+            raise FuselaneError("qwen2moe and qwen3next have a shared expert (shared_ff > 0); qwen3moe has none")
 
 
 # The real models' shapes (shared/ANCHORS.md). All are untied, as the files measured there: the real 0.5B
@@ -136,6 +149,51 @@ SHAPES: dict[str, Shape] = {
     ),
     "tiny-qwen2moe": Shape(
         "qwen2moe", 64, 2, 4, 2, 16, 128, 512, context=4096, experts=8, experts_used=2, expert_ff=32, shared_ff=64
+    ),
+    # Qwen3-Next-80B-A3B: three of every four layers gated delta rule; full attention with 16 heads of 256,
+    # a quarter of each head rotated; 512 experts, 10 kept, each 512 wide, and a shared expert of 512.
+    "qwen3-next-80b-a3b": Shape(
+        "qwen3next",
+        2048,
+        48,
+        16,
+        2,
+        256,
+        5120,
+        151936,
+        context=262144,
+        rope_base=10_000_000.0,
+        experts=512,
+        experts_used=10,
+        expert_ff=512,
+        shared_ff=512,
+        full_every=4,
+        ssm_k_heads=16,
+        ssm_v_heads=32,
+        ssm_dim=128,
+        conv=4,
+        rope_dim=64,
+    ),
+    "tiny-qwen3next": Shape(
+        "qwen3next",
+        64,
+        4,
+        4,
+        2,
+        16,
+        128,
+        512,
+        context=4096,
+        experts=4,
+        experts_used=2,
+        expert_ff=32,
+        shared_ff=32,
+        full_every=2,
+        ssm_k_heads=2,
+        ssm_v_heads=4,
+        ssm_dim=16,
+        conv=4,
+        rope_dim=8,
     ),
 }
 
@@ -221,6 +279,9 @@ def tensor_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {"token_embd.weight": (shape.vocab, shape.n_embd)}
     for i in range(shape.n_layers):
         b = f"blk.{i}."
+        if shape.arch == hybrid.ARCH:
+            out |= hybrid.layer_shapes(shape, b, i) | _moe_shapes(shape, b)
+            continue
         out[b + "attn_norm.weight"] = (shape.n_embd,)
         out[b + "attn_q.weight"] = (q, shape.n_embd)
         out[b + "attn_k.weight"] = (kv, shape.n_embd)
@@ -403,7 +464,7 @@ def tensor_formats(shape: Shape, mix: Mix | str) -> dict[str, Format]:
     ranks = layer_ranks(shape.n_layers, mix)
     formats: dict[str, Format] = {}
     for name, dims in tensor_shapes(shape).items():
-        if len(dims) == 1 or name.endswith(ROUTER):
+        if len(dims) == 1 or name.endswith((ROUTER, *hybrid.F32_MATRICES)):
             formats[name] = Format.F32
         elif mix in _PLAIN:
             formats[name] = _PLAIN[mix]
@@ -463,8 +524,10 @@ def model_metadata(shape: Shape, name: str, file_type: int) -> dict[str, Any]:
         }
         if shape.shared_ff:
             meta[f"{a}.expert_shared_feed_forward_length"] = shape.shared_ff
+    if a == hybrid.ARCH:
+        meta |= hybrid.metadata(shape)
     # Qwen3 always states its head size; Qwen2 files only when it is not n_embd / heads, the reader's default.
-    if shape.family == "qwen3" or shape.n_heads * shape.head_dim != shape.n_embd:
+    if shape.family in ("qwen3", hybrid.ARCH) or shape.n_heads * shape.head_dim != shape.n_embd:
         meta[f"{a}.attention.key_length"] = shape.head_dim
         meta[f"{a}.attention.value_length"] = shape.head_dim
     meta |= {
@@ -551,6 +614,9 @@ def _seeded(seed: int, name: str) -> np.random.Generator:
 
 def _random_chunks(t: _Planned, seed: int) -> Iterator[np.ndarray]:
     rng = _seeded(seed, t.name)
+    if len(t.dims) == 1 and (special := hybrid.random_vector(t.name, t.dims[0], rng)) is not None:
+        yield quantize(special, t.fmt)
+        return
     if len(t.dims) == 1:  # norm weights near one, biases near zero
         is_norm = t.name.endswith("norm.weight")
         spread = np.float32(NORM_JITTER if is_norm else WEIGHT_SCALE)

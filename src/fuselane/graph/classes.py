@@ -108,7 +108,7 @@ class Awaits(enum.Enum):
     can say (the value says which, as `explain --classes` prints it)."""
 
     GROUPED_ROUTING = "routing by groups of experts (deepseek2's grouped top-k)"
-    GATED_DELTA_RULE = "the gated delta rule (qwen3next's linear-attention layers)"
+    GATED_DELTA_RULE = "rules regrouping a gated delta-rule layer's fused ops (qwen3next's run as they are)"
     GATED_ATTENTION = "gated attention (qwen3next's full-attention layers)"
     LATENT_ATTENTION = "latent attention (a deepseek2 recognizer)"
     ATTENTION_VARIANTS = "attention variants: soft caps, windows, sinks, sparse reads"
@@ -150,7 +150,7 @@ STANDING: dict[ClassId, Standing] = {
     ClassId.NORM_WEIGHT: _built("norm_weight"),
     ClassId.ADD_NORM: _built("add_norm"),
     ClassId.NORM_THEN_ADD: _built("norm_then_add"),
-    ClassId.GATED_NORM: _GDR,  # the delta rule's output normed and gated by silu(z)
+    ClassId.GATED_NORM: _built("gated_norm"),  # the delta rule's output normed and gated by silu(z)
     ClassId.EMBED_SCALE: _ARCH,  # an embedding scaled by a constant (Gemma)
     ClassId.QK_NORM_ROPE: _built("qk_norm_rope"),
     ClassId.QK_NORM_ROPE_KV_APPEND: _built("qk_norm_rope_kv_append"),
@@ -172,12 +172,12 @@ STANDING: dict[ClassId, Standing] = {
     ClassId.MOE_GATE_UP_ACT: _built("moe_gate_up_act"),
     ClassId.MOE_DOWN_COMBINE: _built("moe_down_combine"),
     ClassId.SHARED_EXPERT_FUSION: _built("shared_expert_fusion"),
-    ClassId.GDN_STEP: _GDR,
-    ClassId.CONV_BIAS_SILU: _GDR,
-    ClassId.CONV_PARTS: _GDR,
-    ClassId.CONV_SILU_L2NORM: _GDR,
-    ClassId.GDN_GATE_PROJECTIONS: _GDR,
-    ClassId.GDN_GATING: _GDR,
+    ClassId.GDN_STEP: _built("gdn_step"),
+    ClassId.CONV_BIAS_SILU: _built("conv_silu"),
+    ClassId.CONV_PARTS: _ARCH,  # several convolutions a launch: qwen3next convolves q, k and v as one
+    ClassId.CONV_SILU_L2NORM: _built("conv_silu_l2norm"),
+    ClassId.GDN_GATE_PROJECTIONS: _built("gdn_gate_projections"),
+    ClassId.GDN_GATING: _built("gdn_gating"),
     ClassId.FUSED_SAMPLING: _built("fused_sampling"),
     ClassId.STRIDED_READ: _built("strided_read"),
     ClassId.ROW_WRITE: _built("row_write"),
@@ -188,7 +188,7 @@ STANDING: dict[ClassId, Standing] = {
     ClassId.ADD_NORM_QUANT: _built("add_norm_quant"),
     ClassId.GLU_ACT_MUL_QUANT: _built("glu_quant"),
     ClassId.ELEMENTWISE_QUANT: _built("elementwise_quant"),
-    ClassId.GDN_OUTPUT_QUANT: _GDR,
+    ClassId.GDN_OUTPUT_QUANT: _built("gdn_output_quant"),
     ClassId.GEMV_QUANT: _built("gemv_quant"),
     ClassId.GEMV_NORM_EPILOGUE: _built("gemv_norm_epilogue"),
     ClassId.EMBED_NORM: _built("embed_norm"),
@@ -203,7 +203,7 @@ STANDING: dict[ClassId, Standing] = {
     ClassId.HORIZONTAL_NORM_ROPE_INSERT: _SCHEDULE,
     ClassId.CROSS_LAYER_LAUNCH: _SCHEDULE,
     ClassId.ATTN_OUTPUT_QUANT: _built("attention_output_quant"),
-    ClassId.ATTN_OUTPUT_GATE: _awaits(Awaits.GATED_ATTENTION),
+    ClassId.ATTN_OUTPUT_GATE: _built("attn_output_gate"),
     ClassId.ROW_WRITE_QUANT: _built("row_write_quant"),
     ClassId.MLA_PROLOGUE: _MLA,
     ClassId.MLA_UNABSORB_IN_FOLD: _MLA,

@@ -23,6 +23,7 @@ class Role(enum.Enum):
     INPUT = "input"  # token ids fed to a step
     PARAM = "param"  # a scalar bound per call (the position)
     CACHE = "cache"  # persists across steps (KV cache)
+    STATE = "state"  # persists across steps, summing the whole sequence (a recurrent layer's state)
     ACTIVATION = "activation"  # lives within one step
     OUTPUT = "output"  # what the step returns (logits)
 

@@ -19,6 +19,7 @@ class ElementwiseOp(enum.Enum):
 class UnaryOp(enum.Enum):
     SILU = "silu"
     SIGMOID = "sigmoid"
+    SOFTPLUS = "softplus"  # log(1 + exp(x)): a delta rule's decay
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +70,8 @@ class Matmul:
 @dataclass(frozen=True, slots=True)
 class Rope:
     """Rotary position embedding of `heads` heads of `hd` values in each of `rows` rows, the i-th row at
-    position pos + i (ins: x, pos). `half` pairs value j with j + hd/2 (NEOX order, as Qwen rotates)."""
+    position pos + i (ins: x, pos). `half` pairs value j with j + rot/2 (NEOX order, as Qwen rotates); only
+    the first `rot` values of a head turn (partial rotary), the rest pass."""
 
     rows: int
     heads: int
@@ -77,6 +79,11 @@ class Rope:
     base: float
     half: bool = True
     batched: bool = False  # each row is its own sequence, at its own position (pos is a vector)
+    rot: int = 0  # values of a head that turn; 0: all `hd`
+
+    @property
+    def turned(self) -> int:
+        return self.rot or self.hd
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +242,9 @@ class RowScale:
 
 @dataclass(frozen=True, slots=True)
 class CausalConv:
-    """Depth-wise causal convolution of `chan` channels with `taps` taps over `rows` rows."""
+    """Depth-wise causal convolution of `chan` channels with `taps` taps over `rows` rows: row t of channel c
+    is sum_j w[c, j] * x[t - taps + 1 + j, c], the rows before the first read from the state (ins: x (rows,
+    chan), state (taps - 1, chan): the sequence's last inputs, weight (chan, taps))."""
 
     rows: int
     chan: int
@@ -243,8 +252,18 @@ class CausalConv:
 
 
 @dataclass(frozen=True, slots=True)
+class ConvShift:
+    """A convolution's state after `rows` more rows: the last `keep` rows of the old state followed by x
+    (ins: x (rows, chan), state (keep, chan); the op writes the state)."""
+
+    rows: int
+    chan: int
+    keep: int
+
+
+@dataclass(frozen=True, slots=True)
 class L2Norm:
-    """x / max(||x||, eps) over each `cols`-wide unit of `rows` units."""
+    """x / sqrt(sum(x^2) + eps) over each `cols`-wide unit of `rows` units."""
 
     rows: int
     cols: int
@@ -253,13 +272,31 @@ class L2Norm:
 
 @dataclass(frozen=True, slots=True)
 class GatedDelta:
-    """One gated delta-rule recurrence step over `heads` heads (keys `dk`, values `dv` wide), gated by `gate`."""
+    """The gated delta rule over `rows` rows of `heads` value heads (values `dv` wide), each reading key head
+    h // (heads // k_heads) (keys `dk` wide): per row, S = S * exp(g); S += k (beta (v - S^T k))^T; the
+    output is S^T q * `scale` (ins: q, k (rows, k_heads * dk), v (rows, heads * dv), g, beta (rows, heads),
+    state (heads, dk, dv)). A chunk of rows may be computed in the chunked form, the same numbers within
+    rounding. `gate` names the activation that gates the rule's output downstream (SiLU for Qwen3-Next)."""
 
     rows: int
     heads: int
     dk: int
     dv: int
     gate: GateAct = GateAct.SILU
+    k_heads: int = 0  # key heads (0: one a value head)
+    scale: float = 1.0
+
+    @property
+    def key_heads(self) -> int:
+        return self.k_heads or self.heads
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaState:
+    """The gated delta rule's state after its `rows` rows (the ins and shapes of `GatedDelta`'s spec `rule`,
+    without the query); the op writes the state."""
+
+    rule: GatedDelta
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,8 +356,10 @@ PrimSpec = (
     | ExpertMatmul
     | RowScale
     | CausalConv
+    | ConvShift
     | L2Norm
     | GatedDelta
+    | DeltaState
     | Join
     | Slice
     | Quantize

@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from fuselane.errors import ModelError
-from fuselane.models import qwen
+from fuselane.models import qwen, qwen3next
 from fuselane.models.config import ModelConfig, read_config
 
-RECOGNIZERS = {"qwen2": qwen, "qwen3": qwen, "qwen2moe": qwen, "qwen3moe": qwen}
+RECOGNIZERS = {"qwen2": qwen, "qwen3": qwen, "qwen2moe": qwen, "qwen3moe": qwen, "qwen3next": qwen3next}
 
 
 def config_of(meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> ModelConfig:

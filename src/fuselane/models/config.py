@@ -25,9 +25,35 @@ MAX_CONTEXT = 2**31 - 1
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.")
 # Whether a mixture renormalises its top-k routing probabilities over the k kept: the file does not say, so
 # this follows llama.cpp, which hardcodes it per architecture (and Hugging Face's configs, which agree).
-RENORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
-# Where the mixture's shared expert is: qwen2moe has one, gated by a sigmoid; qwen3moe has none.
-SHARED_EXPERT = {"qwen2moe": True, "qwen3moe": False}
+RENORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "qwen3next": True}
+# Where the mixture's shared expert is: qwen2moe and qwen3next have one, gated by a sigmoid; qwen3moe has none.
+SHARED_EXPERT = {"qwen2moe": True, "qwen3moe": False, "qwen3next": True}
+
+
+@dataclass(frozen=True, slots=True)
+class LinearAttention:
+    """A hybrid model's linear-attention (gated delta rule) layers: which layers they are, their key and value
+    heads, and their convolution's taps (read by `models.qwen3next_config`)."""
+
+    layers: tuple[bool, ...]  # per layer: True where it is a gated delta-rule layer, False for full attention
+    k_heads: int
+    v_heads: int
+    k_dim: int  # a key (and query) head's width
+    v_dim: int  # a value head's width
+    conv: int  # the causal convolution's taps
+
+    @property
+    def key_width(self) -> int:
+        return self.k_heads * self.k_dim
+
+    @property
+    def value_width(self) -> int:
+        return self.v_heads * self.v_dim
+
+    @property
+    def conv_width(self) -> int:
+        """The convolution's channels: the queries, keys and values of a row."""
+        return 2 * self.key_width + self.value_width
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +77,8 @@ class ModelConfig:
     expert_ff: int = 0  # each expert's hidden width
     shared_ff: int = 0  # the shared expert's hidden width (0: none)
     renorm: bool = False  # the kept experts' probabilities are renormalised to sum to one
+    rope_dim: int = 0  # values of a head that rope turns (0: all of head_dim)
+    linear: LinearAttention | None = None  # a hybrid's gated delta-rule layers (qwen3next)
 
     @property
     def moe(self) -> bool:
@@ -189,6 +217,10 @@ def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str) 
     if rope_base <= 0:
         raise ModelError(f"metadata key '{p}rope.freq_base' should be positive, not {rope_base}")
     experts = read_experts(meta, tensors, arch)
+    if arch == "qwen3next":
+        from fuselane.models.qwen3next_config import read_hybrid
+
+        experts |= read_hybrid(meta, tensors, p, n_layers, head_dim)
     # a mixture's files state the dense width too (unused); one that omits it needs none
     n_ff = _get(meta, p + "feed_forward_length", int, experts.get("expert_ff"))
     rms_eps = _get(meta, p + "attention.layer_norm_rms_epsilon", float, DEFAULT_RMS_EPS)
@@ -208,6 +240,7 @@ def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str) 
         rms_eps=rms_eps,
         tied="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        # qwen3next's full-attention layers always norm q and k (its layer 0 is usually a linear one)
+        qk_norm=arch == "qwen3next" or "blk.0.attn_q_norm.weight" in tensors,
         **experts,
     )

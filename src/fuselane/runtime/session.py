@@ -75,6 +75,8 @@ class Session:
                 break
             common += 1
         common = min(common, len(ids) - 1)
+        if common < len(self.tokens) and getattr(self.lane, "recurrent", False):
+            common = 0  # a recurrent state sums every token it has seen: it starts again, never rewinds
         self.tokens = self.tokens[:common]
         return common
 

@@ -29,6 +29,7 @@ from fuselane.graph.ops import (
     Unary,
     UnaryOp,
 )
+from fuselane.lanes.cpu.gdn_kernels import GDN_KERNELS
 from fuselane.lanes.cpu.moe_kernels import MOE_KERNELS
 
 Kernel = Callable[[PrimSpec, list[np.ndarray], int], np.ndarray]
@@ -46,8 +47,9 @@ def elementwise(spec: Elementwise, args: list[np.ndarray], pos: int) -> np.ndarr
     if spec.row:
         units = a.reshape(-1, spec.cols)
         b = b.reshape(1, spec.cols)
-    else:
+    else:  # the same values, perhaps viewed as other units (a gate sliced a head at a time)
         units = a
+        b = b.reshape(a.shape)
     out = units + b if spec.op is ElementwiseOp.ADD else units * b
     return out.reshape(a.shape)
 
@@ -59,6 +61,8 @@ def unary(spec: Unary, args: list[np.ndarray], pos: int) -> np.ndarray:
             return x / (1 + np.exp(-x))
         if spec.op is UnaryOp.SIGMOID:
             return 1 / (1 + np.exp(-x))
+        if spec.op is UnaryOp.SOFTPLUS:
+            return np.logaddexp(0, x)  # log(1 + exp(x)), without overflow
     raise NotImplementedError(spec.op)
 
 
@@ -77,18 +81,20 @@ def rope_angles(positions: np.ndarray, hd: int, base: float, dtype: np.dtype) ->
 
 def rope(spec: Rope, args: list[np.ndarray], pos: int) -> np.ndarray:
     x = args[0]
-    half = spec.hd // 2
+    rot = spec.turned
+    half = rot // 2
     positions = np.asarray(pos) if spec.batched else np.arange(pos, pos + spec.rows)
-    cos, sin = rope_angles(positions, spec.hd, spec.base, x.dtype)
+    cos, sin = rope_angles(positions, rot, spec.base, x.dtype)
     cos, sin = cos[:, None, :], sin[:, None, :]
-    heads = x.reshape(spec.rows, spec.heads, spec.hd)
+    whole = x.reshape(spec.rows, spec.heads, spec.hd)
+    heads, kept = whole[..., :rot], whole[..., rot:]  # a partial rotary turns the first `rot` values only
     if spec.half:
         a, b = heads[..., :half], heads[..., half:]
     else:
         a, b = heads[..., 0::2], heads[..., 1::2]
     ra, rb = a * cos - b * sin, b * cos + a * sin
-    out = np.concatenate([ra, rb], axis=-1) if spec.half else np.stack([ra, rb], axis=-1)
-    return out.reshape(x.shape)
+    out = np.concatenate([ra, rb], axis=-1) if spec.half else np.stack([ra, rb], axis=-1).reshape(heads.shape)
+    return np.concatenate([out, kept], axis=-1).reshape(x.shape)
 
 
 def attention(spec: Attention, args: list[np.ndarray], pos) -> np.ndarray:
@@ -156,6 +162,7 @@ KERNELS: dict[type, Kernel] = {
     Join: join,
     ArgMax: argmax,
     **MOE_KERNELS,
+    **GDN_KERNELS,
 }
 
 # RowsGather reads a table the runner may keep quantized, so the runner answers it itself.

@@ -43,6 +43,7 @@ class CpuLane:
         self._weights: dict[str, np.ndarray] = {}
         self._graphs: dict[tuple[int, bool | str], TensorGraph] = {}
         self._cache: dict[str, np.ndarray] = {}
+        self._fed = 0  # positions the recurrent states have summed (a hybrid model's)
         self._liveness: dict[int, tuple[TensorGraph, list[tuple[str, ...]]]] = {}
 
     def graph(self, rows: int, *, all_logits: bool = False) -> TensorGraph:
@@ -102,12 +103,34 @@ class CpuLane:
             self._graphs[key] = optimize(raw, self.shim, held=self.shim.held).graph
         return self.run(self._graphs[key], ids, positions)
 
+    @property
+    def recurrent(self) -> bool:
+        """Whether the model keeps recurrent state, which sums the whole sequence: it cannot rewind to an
+        earlier position, only start again at 0."""
+        return self.cfg.linear is not None
+
     def forward(self, ids: np.ndarray, pos: int, *, all_logits: bool = False) -> np.ndarray:
-        """Run `len(ids)` tokens at positions pos .. pos + len - 1; logits of the last row (or every row)."""
+        """Run `len(ids)` tokens at positions pos .. pos + len - 1; logits of the last row (or every row).
+
+        A recurrent model's states start again at position 0 and otherwise must continue where they are."""
         ids = np.asarray(ids, dtype=np.int64)
         if pos + len(ids) > self.ctx:
             raise ValueError(f"positions up to {pos + len(ids)} exceed the cache of {self.ctx}")
-        return self.run(self.graph(len(ids), all_logits=all_logits), ids, pos)
+        if self.recurrent:
+            self._continue_at(pos)
+        logits = self.run(self.graph(len(ids), all_logits=all_logits), ids, pos)
+        self._fed = pos + len(ids)
+        return logits
+
+    def _continue_at(self, pos: int) -> None:
+        if pos == 0:
+            for name in [n for n in self._cache if n in self._states()]:
+                self._cache[name][...] = 0
+        elif pos != self._fed:
+            raise ValueError(f"the recurrent state holds {self._fed} positions; it cannot continue at {pos}")
+
+    def _states(self) -> set[str]:
+        return {n for n, t in self.graph(1).tensors.items() if t.role is Role.STATE}
 
     def decode(self, token: int, pos: int, sampling: SamplingParams) -> Iterator[int]:
         """Feed `token` at `pos`, then yield the sampled next tokens one after another, each fed at the next
@@ -156,7 +179,7 @@ class CpuLane:
         tensor = g.tensors[name]
         if tensor.role is Role.WEIGHT:
             return self.weight(name)
-        if tensor.role is Role.CACHE:
+        if tensor.role in (Role.CACHE, Role.STATE):
             return self.cache(name, tensor.shape)
         raise KeyError(f"{name} is read before it is written")
 
@@ -191,6 +214,11 @@ class CpuLane:
 
     def _write(self, g: TensorGraph, op: Op, result: np.ndarray, env: dict[str, np.ndarray], pos: int) -> None:
         dst = op.dst
+        if dst.own() is not None and g.tensors[dst.buf].role is Role.STATE:  # kept in place, across steps
+            state = self._value(g, dst.buf, env)
+            state[...] = result.reshape(state.shape)
+            env[dst.buf] = state
+            return
         if dst.own() is not None:
             env[dst.buf] = result
             return

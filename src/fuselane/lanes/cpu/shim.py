@@ -40,6 +40,13 @@ CPU_NATIVE = frozenset(
         ClassId.MOE_DOWN_COMBINE,
         ClassId.SHARED_EXPERT_FUSION,
         ClassId.MOE_DEFERRED_FINALIZE,
+        # a gated delta-rule layer's and a gated attention's: each keeps an intermediate out of the step
+        ClassId.CONV_BIAS_SILU,
+        ClassId.CONV_SILU_L2NORM,
+        ClassId.GDN_GATING,
+        ClassId.GDN_STEP,
+        ClassId.GATED_NORM,
+        ClassId.ATTN_OUTPUT_GATE,
     }
 )
 
@@ -56,6 +63,7 @@ _MERGED_PRODUCTS = frozenset(
         ClassId.QKV_HEAD_EPILOGUE,
         ClassId.FUSED_SAMPLING,
         ClassId.GEMM_DEQUANT_INKERNEL,
+        ClassId.GDN_GATE_PROJECTIONS,
     }
 )
 _QUANT_APART = Support(SupportKind.DECOMPOSE, "the lane's products read dequantized activations")

@@ -45,6 +45,7 @@ from fuselane.graph.ops import Attention, ExpertMatmul, Moe
 from fuselane.lanes.cuda.plan import gemm_tiles, kernels
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, ROWS_A_WARP
 from fuselane.lanes.cuda.plan.fits import fits as lane_fits
+from fuselane.lanes.cuda.plan.gdn import NOT_YET
 from fuselane.lanes.cuda.plan.knobs import Activations, CachePrecision, CudaKnobs, PrefillWeights, StatePrecision
 from fuselane.lanes.cuda.plan.rules import (
     PRODUCTS_APART,
@@ -105,8 +106,6 @@ NO_KERNEL_CLASSES = frozenset(
     {
         *(C.NORM_THEN_ADD, C.GATED_NORM, C.EMBED_SCALE, C.MLA, C.ATTENTION_VARIANTS_INLINE, C.ATTN_LSE_MERGE),
         *(C.MERGED_GATE_UP, C.GEMM_DEQUANT_INKERNEL, C.FUSED_SAMPLING, C.CUDA_GRAPHS),
-        *(C.GDN_STEP, C.GDN_GATE_PROJECTIONS, C.GDN_GATING),
-        *(C.CONV_BIAS_SILU, C.CONV_PARTS, C.CONV_SILU_L2NORM),
         *(C.STRIDED_READ, C.JOIN_IN_PLACE, C.STRIDED_VALUES, C.ATTN_OUTPUT_GATE),
         C.ROW_WRITE_QUANT,
     }
@@ -142,6 +141,7 @@ REFUSED_CLASSES: dict[C, str] = {
     C.MOE_DIRECT_PAIRS: "the lane sorts a chunk's rows by expert",
     C.PERSISTENT_LAYER_MEGAKERNEL: "the lane replays a graph of a launch an op",
     C.ALLREDUCE_NORM: "the lane runs on one device",
+    **NOT_YET,  # the gated delta rule's classes, until the lane has their kernels (`plan.gdn`)
 }
 
 # Consumers that read their operands as their first part reads them alone: a producer with its quantizing

@@ -1,0 +1,164 @@
+"""The gated delta-rule and gated-attention rules: Qwen3-Next's linear-attention layers and gated attention.
+
+A linear layer's primitives (`models.qwen3next`) fuse into the classes a lane runs in few launches: the
+causal convolution with its state's shift and its SiLU (`ConvBiasSilu`), that with the per-head L2 norms of
+the queries and keys it feeds (`ConvSiluL2norm`), the gates beta = sigmoid(b) and g = A * softplus(a + dt)
+(`GdnGating`), with the product that reads them off the layer's input (`GdnGateProjections`), the rule's
+output with its state's update (`GdnStep`), and the gated norm of its output, norm(o) * w * silu(z)
+(`GatedNorm`). A full-attention layer's output times sigmoid(gate) rides the attention (`AttnOutputGate`).
+Each swallows an intermediate only where nothing outside the fusion reads it.
+"""
+
+from __future__ import annotations
+
+from fuselane.fuse.moe_rules import _internal, _producer_of
+from fuselane.fuse.patterns import is_add, is_mul, next_reader, op_at
+from fuselane.fuse.rewriter import Rewriter
+from fuselane.fuse.rule import Rule
+from fuselane.graph.classes import ClassId as C
+from fuselane.graph.ops import (
+    Attention,
+    CausalConv,
+    ConvShift,
+    DeltaState,
+    Elementwise,
+    GatedDelta,
+    L2Norm,
+    Matmul,
+    Slice,
+    Unary,
+    UnaryOp,
+)
+
+ATTENTIONS = (Attention, C.FLASH_DECODE, C.FLASH_PREFILL)
+DELTAS = (GatedDelta, C.GDN_STEP)
+
+
+def _unary(r: Rewriter, i: int | None, kind: UnaryOp) -> bool:
+    op = op_at(r, i, Unary) if i is not None else None
+    return op is not None and op.sym.op is kind  # type: ignore[union-attr]
+
+
+def conv_silu(r: Rewriter, i: int) -> None:
+    conv = op_at(r, i, CausalConv)
+    if conv is None:
+        return
+    j = next_reader(r, i, Unary, rule="conv_silu")
+    if j is None or not _unary(r, j, UnaryOp.SILU):
+        return
+    # the state's shift after the convolution (it reads the same inputs and state), into the same launch
+    shift = [k for k in range(i + 1, j) if op_at(r, k, ConvShift) and r.s.get(k).ins == conv.ins[:2]]
+    r.try_fuse("conv_silu", C.CONV_BIAS_SILU, [i, *shift, j], i)
+
+
+def _normed_slices(r: Rewriter, name: str, after: int) -> list[int]:
+    """The slices of `name` each read by an L2 norm alone, with those norms, in schedule order."""
+    found: list[int] = []
+    for k in r.s.readers(name):
+        if k > after and op_at(r, k, Slice) is not None:
+            n = r.sole_reader(r.s.get(k).out)
+            if n is not None and n > k and op_at(r, n, L2Norm) is not None:
+                found += [k, n]
+    return sorted(found)
+
+
+def conv_silu_l2norm(r: Rewriter, i: int) -> None:
+    if op_at(r, i, C.CONV_BIAS_SILU) is None:
+        return
+    normed = _normed_slices(r, r.s.get(i).out, i)
+    if normed:
+        members = [i, *normed]
+        swallowed = [k for k in normed if op_at(r, k, Slice)]  # each norm's result is read by the delta rule
+        if _internal(r, "conv_silu_l2norm", members, swallowed):
+            r.try_fuse("conv_silu_l2norm", C.CONV_SILU_L2NORM, members, i)
+
+
+def gdn_gating(r: Rewriter, m: int) -> None:
+    """At the decay's product by A: softplus(a + dt) before it, and the beta that the same rule reads."""
+    mul = op_at(r, m, Elementwise)
+    if mul is None or not is_mul(mul, row=True):
+        return
+    soft = _producer_of(r, mul.ins[0], m, Unary)
+    if soft is None or not _unary(r, soft, UnaryOp.SOFTPLUS):
+        return
+    add = _producer_of(r, r.s.get(soft).ins[0], soft, Elementwise)
+    if add is None or not is_add(r.s.get(add), row=True):
+        return
+    rule = next((k for k in r.s.readers(mul.out) if k > m and op_at(r, k, *DELTAS)), None)
+    beta = _producer_of(r, r.s.get(rule).ins[4], rule, Unary) if rule is not None else None
+    if beta is None or not _unary(r, beta, UnaryOp.SIGMOID):
+        return
+    members = sorted([beta, add, soft, m])
+    if _internal(r, "gdn_gating", members, [add, soft]):
+        r.try_fuse("gdn_gating", C.GDN_GATING, members, m)
+
+
+def gdn_gate_projections(r: Rewriter, j: int) -> None:
+    """The product whose result the gating's slices read, with the slices and the gating."""
+    gating = op_at(r, j, C.GDN_GATING)
+    if gating is None:
+        return
+    slices = [k for n in gating.ins if (k := _producer_of(r, n, j, Slice)) is not None]
+    sources = {r.s.get(k).ins[0] for k in slices}
+    if len(slices) < 2 or len(sources) != 1:
+        return
+    product = _producer_of(r, sources.pop(), min(slices), Matmul)
+    if product is None:
+        return
+    members = sorted([product, *slices, j])
+    if _internal(r, "gdn_gate_projections", members, [product, *slices]):
+        r.try_fuse("gdn_gate_projections", C.GDN_GATE_PROJECTIONS, members, j)
+
+
+def gdn_step(r: Rewriter, i: int) -> None:
+    delta = op_at(r, i, GatedDelta)
+    if delta is None:
+        return
+    state = delta.ins[-1]
+    j = next((k for k in range(i + 1, len(r.s)) if op_at(r, k, DeltaState) and r.s.get(k).dst.buf == state), None)
+    if j is not None and r.s.get(j).ins == delta.ins[1:]:
+        r.try_fuse("gdn_step", C.GDN_STEP, [i, j], j, out=delta.out, dst=delta.dst)
+
+
+def gated_norm(r: Rewriter, i: int) -> None:
+    if op_at(r, i, C.NORM_WEIGHT) is None:
+        return
+    j = next_reader(r, i, Elementwise, rule="gated_norm")
+    if j is None or not is_mul(r.s.get(j), row=False):
+        return
+    gate = _producer_of(r, r.s.get(j).ins[1], j, Unary)
+    if gate is not None and _unary(r, gate, UnaryOp.SILU) and _internal(r, "gated_norm", [i, gate, j], [gate]):
+        r.try_fuse("gated_norm", C.GATED_NORM, sorted([i, gate, j]), j)
+
+
+def attn_output_gate(r: Rewriter, j: int) -> None:
+    mul = op_at(r, j, Elementwise)
+    if mul is None or not is_mul(mul, row=False) or len(mul.ins) != 2:
+        return
+    att = _producer_of(r, mul.ins[0], j, *ATTENTIONS)
+    sig = _producer_of(r, mul.ins[1], j, Unary)
+    if att is None or sig is None or not _unary(r, sig, UnaryOp.SIGMOID):
+        return
+    members = sorted([att, sig, j])
+    if _internal(r, "attn_output_gate", members, [att, sig]):
+        r.try_fuse("attn_output_gate", C.ATTN_OUTPUT_GATE, members, j)
+
+
+GDN_RULES = [
+    # silu(conv(x, state)); shift(state, x) -> ConvBiasSilu: the convolution moves its state and activates
+    Rule("conv_silu", (C.CONV_BIAS_SILU,), conv_silu),
+    # l2norm(slice(ConvBiasSilu)) for q and k -> ConvSiluL2norm: the heads normed in the convolution's epilogue
+    Rule("conv_silu_l2norm", (C.CONV_SILU_L2NORM,), conv_silu_l2norm),
+    # A * softplus(a + dt); sigmoid(b) -> GdnGating: both gates of the delta rule
+    Rule("gdn_gating", (C.GDN_GATING,), gdn_gating),
+    # GdnGating(slices of x @ Wba^T) -> GdnGateProjections: the gates straight off the layer's input
+    Rule("gdn_gate_projections", (C.GDN_GATE_PROJECTIONS,), gdn_gate_projections),
+    # delta(q, k, v, g, beta, S); S = state(k, v, g, beta, S) -> GdnStep: output and state in one pass
+    Rule("gdn_step", (C.GDN_STEP,), gdn_step),
+    # NormWeight(o) * silu(z) -> GatedNorm
+    Rule("gated_norm", (C.GATED_NORM,), gated_norm),
+]
+GATED_ATTENTION_RULES = [
+    # attention(q, K, V) * sigmoid(gate) -> AttnOutputGate: the gate rides the attention's store
+    Rule("attn_output_gate", (C.ATTN_OUTPUT_GATE,), attn_output_gate),
+]

@@ -1,0 +1,80 @@
+"""Hostile or inconsistent Qwen3-Next files: a hybrid's counts and tensors that do not back each other.
+
+Each file is the tiny Qwen3-Next (float weights, the synthetic tokenizer) with one claim wrong: a convolution of
+no taps, a full-attention interval of 0, a missing recurrent tensor, value heads that do not group over the key
+heads, an inner size the heads do not make, layer flags short of the layers, a partial rotary past the head.
+Each must end in one error line naming what is wrong: through `run` (exit code 1, quickly) and `info`'s API.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fuselane.errors import ModelError
+from fuselane.gguf.synth import SHAPES
+from fuselane.info import describe
+from tests.bounded import assert_one_line_error, run_bounded
+from tests.moe.test_hostile_moe import Case, write_with
+
+Q3N = SHAPES["tiny-qwen3next"]
+P = "qwen3next."
+CASES = {
+    "a convolution of no taps": Case(Q3N, {P + "ssm.conv_kernel": 0}, {}, ("ssm.conv_kernel", "positive", "not 0")),
+    "full attention every 0th layer": Case(
+        Q3N, {P + "full_attention_interval": 0}, {}, ("full_attention_interval", "positive")
+    ),
+    "no ssm_a": Case(Q3N, {}, {"blk.0.ssm_a": None}, ("blk.0.ssm_a", "missing")),
+    "no convolution": Case(Q3N, {}, {"blk.2.ssm_conv1d.weight": None}, ("blk.2.ssm_conv1d.weight", "missing")),
+    "taps past the tensor": Case(Q3N, {P + "ssm.conv_kernel": 5}, {}, ("ssm_conv1d.weight", "(128, 4)", "(128, 5)")),
+    "value heads over key heads": Case(
+        Q3N, {P + "ssm.time_step_rank": 3}, {}, ("time_step_rank", "3 value heads", "2 key heads")
+    ),
+    "an inner size the heads do not make": Case(Q3N, {P + "ssm.inner_size": 100}, {}, ("ssm.inner_size", "100")),
+    "layer flags short of the layers": Case(
+        Q3N, {P + "attention.recurrent_layers": [True, False]}, {}, ("recurrent_layers", "2 layers", "4 layers")
+    ),
+    "a rotary past the head": Case(Q3N, {P + "rope.dimension_count": 18}, {}, ("rope.dimension_count", "18")),
+    "a quantized norm of the rule": Case(
+        Q3N, {}, {"blk.0.ssm_norm.weight": np.zeros((3, 16), np.float32)}, ("blk.0.ssm_norm.weight", "(3, 16)")
+    ),
+}
+CLI_CASES = ("a convolution of no taps", "full attention every 0th layer", "no ssm_a")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hostile_q3n")
+    out = {
+        name: write_with(d / f"case{i}.gguf", c.shape, c.meta, c.tensors) for i, (name, c) in enumerate(CASES.items())
+    }
+    out["good"] = write_with(d / "good.gguf", Q3N, {}, {})
+    return out
+
+
+@pytest.mark.parametrize("name", CLI_CASES)
+def test_cli_refuses_in_one_line(files, name):
+    line = assert_one_line_error(*run_bounded(["run", "--raw", "-n", "1", "--lane", "cpu", str(files[name]), "hi"]))
+    for fragment in CASES[name].says:
+        assert fragment.lower() in line.lower(), line
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_api_raises_a_model_error(files, name):
+    with pytest.raises(ModelError) as info:
+        describe(str(files[name]))
+    assert "\n" not in str(info.value)
+    for fragment in CASES[name].says:
+        assert fragment.lower() in str(info.value).lower(), info.value
+
+
+def test_the_untouched_file_runs(files):
+    done, _ = run_bounded(["run", "--raw", "-n", "2", "--lane", "cpu", str(files["good"]), "hi"])
+    assert done.returncode == 0, done.stderr.decode()
+
+
+def test_the_cuda_lane_refuses_it_in_one_line(files):
+    """No kernel of the cuda lane runs a gated delta rule yet: asked for by name, it says so (a plan-side
+    refusal: no GPU is needed to give it)."""
+    line = assert_one_line_error(*run_bounded(["explain", "--lane", "cuda", str(files["good"])]))
+    assert "no gated-delta kernels yet" in line

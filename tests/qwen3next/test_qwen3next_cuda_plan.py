@@ -1,0 +1,117 @@
+"""The cuda lane's plan side on Qwen3-Next: the specification's answers for the gated delta rule's and the
+gated attention's classes (`plan.gdn.SPECIFIED`), the lane's own answers until it has their kernels, and the
+specification's `fits` on the fused ops the shared rules build from a real graph.
+
+Today the lane refuses every class whose parts include the convolution, the decay's softplus or the rule
+(`NOT_YET`: none of its parts has a launch either), so a Qwen3-Next file is refused at load with that reason;
+the gated norm and the gated attention run as their parts. Under the specified answers (a shim that answers
+them as the specification does, `Specified`), the rules' fusions at Qwen3-Next-80B-A3B's widths take the
+specification's fits: everything fuses but the gates' projection, whose matrix the file holds as checkpoint
+rows, and the tiny shape's 16-value heads are too narrow for the convolution's norming epilogue.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from fuselane.errors import FuselaneError
+from fuselane.fuse.optimizer import check_runs, needs, optimize
+from fuselane.fuse.shim import DECOMPOSE, NATIVE, SupportKind, refuse
+from fuselane.gguf.synth import SHAPES, model_metadata, tensor_formats, tensor_shapes
+from fuselane.graph.classes import ClassId as C
+from fuselane.graph.ir import WHOLE, Dst, Form, Op
+from fuselane.graph.ops import GateAct, GatedDelta
+from fuselane.lanes.cuda.plan.gdn import EPILOGUE, NO_GDN_KERNELS, NOT_YET, SPECIFIED
+from fuselane.lanes.cuda.plan.knobs import CudaKnobs
+from fuselane.lanes.cuda.plan.shim import CudaShim
+from fuselane.models import config_of, recognizer
+from fuselane.numerics.contract import Keep
+from tests.lanes.test_cuda_launches import Stub
+
+LAYERS = 4  # three gated delta-rule layers and one full-attention layer at the real shape
+HYBRID_RULES = ("conv_silu", "conv_silu_l2norm", "gdn_gating", "gdn_gate_projections", "gdn_step", "gated_norm")
+GATES_BY_VALUES = "the lane takes a delta rule's gates from its activation only by matrices it holds as values"
+NARROW_HEADS = "a convolution's epilogue norms heads of at most 1024 values, whole warps, that divide its channels"
+
+
+class Specified(CudaShim):
+    """The cuda shim answering the gated delta rule's classes as the specification does."""
+
+    def supports(self, cls):
+        spec = SPECIFIED.get(cls)
+        if spec is None:
+            return CudaShim.supports(self, cls)
+        if spec == EPILOGUE:
+            return NATIVE if self.knobs.fuse_quant else DECOMPOSE
+        return spec
+
+
+def graph(name: str, rows: int):
+    shape = replace(SHAPES[name], n_layers=LAYERS)
+    formats = tensor_formats(shape, "q4_k_m")
+    tensors = {n: Stub(dims, formats[n]) for n, dims in tensor_shapes(shape).items()}
+    cfg = config_of(model_metadata(shape, name, 0) | {"general.architecture": shape.arch}, tensors)
+    form = Form.DECODE if rows == 1 else Form.PREFILL
+    return recognizer(cfg).recognize(cfg, tensors, form, rows=rows, ctx=4096)
+
+
+def ours(events) -> Counter:
+    return Counter(e.cls.value for e in events if e.rule in (*HYBRID_RULES, "attn_output_gate"))
+
+
+@pytest.mark.parametrize("fuse_quant", [True, False])
+def test_the_lane_answers_as_specified_or_refuses_until_it_has_the_kernels(fuse_quant):
+    shim = CudaShim(CudaKnobs(fuse_quant=fuse_quant))
+    for cls, spec in SPECIFIED.items():
+        answer = shim.supports(cls)
+        if cls in NOT_YET:
+            assert answer == refuse(NO_GDN_KERNELS), cls
+        elif spec == EPILOGUE:
+            assert answer.kind is (SupportKind.NATIVE if fuse_quant else SupportKind.DECOMPOSE), cls
+        else:  # the three regroupings as specified; the gated norm and attention apart, as no kernel has them
+            assert answer.kind is SupportKind.DECOMPOSE, cls
+
+
+def test_a_qwen3next_file_is_refused_with_the_reason():
+    with pytest.raises(FuselaneError, match=NO_GDN_KERNELS):
+        check_runs(graph("tiny-qwen3next", 1), CudaShim())
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_under_the_specified_answers_the_real_shape_fuses_all_but_the_gates_projection(rows):
+    plan = optimize(graph("qwen3-next-80b-a3b", rows), Specified())
+    linear = LAYERS - 1
+    want = {c: linear for c in ("ConvBiasSilu", "ConvSiluL2norm", "GdnGating", "GdnStep", "GatedNorm")}
+    assert ours(plan.fired) == Counter(want | {"AttnOutputGate": 1})
+    assert {(m.cls, m.reason) for m in plan.missed if m.rule in HYBRID_RULES} == {
+        (C.GDN_GATE_PROJECTIONS, GATES_BY_VALUES)
+    }
+
+
+def test_under_int8_the_gated_norm_and_the_gated_attention_quantize_their_output():
+    plan = optimize(graph("qwen3-next-80b-a3b", 1), Specified())
+    fired = Counter(f.rule for f in plan.fired)
+    assert fired["gdn_output_quant"] == LAYERS - 1
+    gated = [f for f in plan.fired if f.rule == "glu_quant" and f.cls is C.GLU_ACT_MUL_QUANT]
+    assert any(set(g.covers) & set(a.covers) for g in gated for a in plan.fired if a.rule == "attn_output_gate")
+
+
+def test_the_tiny_shapes_heads_are_too_narrow_for_the_convolutions_epilogue():
+    plan = optimize(graph("tiny-qwen3next", 1), Specified())
+    assert {m.reason for m in plan.missed if m.cls is C.CONV_SILU_L2NORM} == {NARROW_HEADS}
+
+
+def test_a_sigmoid_gated_delta_rule_is_refused():
+    spec = GatedDelta(1, 4, 8, 8, gate=GateAct.SIGMOID)
+    op = Op(spec, ("q", "k", "v", "g", "b", "s"), (WHOLE,) * 6, "o", Dst("o"))
+    assert CudaShim().fits(op, None) == "the lane's gated delta gates by SiLU, not a sigmoid"
+    assert needs(op) == [(C.GDN_STEP, "o gates its delta rule by a sigmoid")]
+
+
+@pytest.mark.parametrize(("value", "keep"), [("f32", Keep.F32), ("bf16", Keep.BF16)])
+def test_the_state_knob_sets_the_recurrent_states_precision(value, keep):
+    shim = CudaShim(CudaKnobs.parse([f"state={value}"]))
+    assert shim.numerics().state is keep

@@ -1,0 +1,163 @@
+"""A tiny random Hugging Face Qwen3-Next model and its weights under GGUF names, as llama.cpp's converter
+writes them.
+
+The converter's changes: every RMS norm weight but the gated `linear_attn.norm` gets the +1 the Hugging Face
+model adds at run time; `in_proj_qkvz` (per key head: its query, key, value heads and z heads) is split into
+`attn_qkv` (every query head, then every key head, then every value head: the convolution's channel order) and
+`attn_gate` (z); `in_proj_ba` stays as it is (`ssm_ba`); `A_log` becomes `ssm_a` = -exp(A_log); the
+convolution's (channels, 1, taps) weight loses its middle axis.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+from fuselane.gguf.synth import Shape
+from tests.reference.hf_moe import MOE_TO_GGUF
+from tests.reference.hf_tiny import HF_TO_GGUF, randomize
+
+EXPERTS, KEPT, EXPERT_FF, SHARED_FF = 4, 2, 32, 32
+K_HEADS, V_HEADS, SSM_DIM, CONV = 2, 4, 16, 4
+HEAD_DIM, ROPE_PART = 16, 0.5
+LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+# Spreads: the zero-centred norms (the model adds 1), the decay's A (A = exp(A_log)) and the router, whose
+# scores this spreads so the kept experts lead the dropped ones well past rounding.
+SPREADS = {
+    "layernorm.weight": 0.2,
+    "q_norm.weight": 0.2,
+    "k_norm.weight": 0.2,
+    "model.norm.weight": 0.2,
+    "A_log": 0.5,
+    "mlp.gate.weight": 0.5,
+}
+ONE_CENTRED = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")
+LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+    "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    **MOE_TO_GGUF,
+}
+
+
+def tiny_qwen3next(*, seed: int = 0):
+    """A random four-layer Qwen3-Next: linear, full, linear, full; four experts, two kept, a shared expert."""
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=len(LAYER_TYPES),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=HEAD_DIM,
+        linear_num_key_heads=K_HEADS,
+        linear_num_value_heads=V_HEADS,
+        linear_key_head_dim=SSM_DIM,
+        linear_value_head_dim=SSM_DIM,
+        linear_conv_kernel_dim=CONV,
+        num_experts=EXPERTS,
+        num_experts_per_tok=KEPT,
+        moe_intermediate_size=EXPERT_FF,
+        shared_expert_intermediate_size=SHARED_FF,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        layer_types=LAYER_TYPES,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": ROPE_PART},
+        tie_word_embeddings=False,
+    )
+    return randomize(Qwen3NextForCausalLM(config), SPREADS)
+
+
+def shape_of(model) -> Shape:
+    c = model.config
+    return Shape(
+        "qwen3next",
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        HEAD_DIM,
+        c.intermediate_size,
+        c.vocab_size,
+        context=c.max_position_embeddings,
+        rope_base=1e6,
+        rms_eps=c.rms_norm_eps,
+        experts=EXPERTS,
+        experts_used=KEPT,
+        expert_ff=EXPERT_FF,
+        shared_ff=SHARED_FF,
+        full_every=2,
+        ssm_k_heads=K_HEADS,
+        ssm_v_heads=V_HEADS,
+        ssm_dim=SSM_DIM,
+        conv=CONV,
+        rope_dim=int(HEAD_DIM * ROPE_PART),
+    )
+
+
+def _split_qkvz(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """in_proj_qkvz's rows, grouped per key head, as attn_qkv's (queries, keys, values) and attn_gate's (z)."""
+    per = V_HEADS // K_HEADS * SSM_DIM
+    groups = w.reshape(K_HEADS, 2 * SSM_DIM + 2 * per, -1)
+    q, k, v, z = np.split(groups, np.cumsum([SSM_DIM, SSM_DIM, per]), axis=1)
+    d = w.shape[-1]
+    return np.concatenate([q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)]), z.reshape(-1, d)
+
+
+def gguf_weights(model) -> dict[str, np.ndarray]:
+    """The model's parameters under GGUF names, numpy order, as the converter writes them."""
+    out = {}
+    for name, p in model.state_dict().items():
+        value = p.detach().cpu().numpy().astype(np.float32)
+        if name.endswith(ONE_CENTRED):
+            value = value + np.float32(1)
+        if name in HF_TO_GGUF:
+            out[HF_TO_GGUF[name]] = value
+            continue
+        layer, rest = name.split(".", 3)[2], name.split(".", 3)[3]
+        b = f"blk.{layer}."
+        if rest == "linear_attn.in_proj_qkvz.weight":
+            out[b + "attn_qkv.weight"], out[b + "attn_gate.weight"] = _split_qkvz(value)
+        elif rest == "linear_attn.A_log":
+            out[b + "ssm_a"] = -np.exp(value)
+        elif rest == "linear_attn.conv1d.weight":
+            out[b + "ssm_conv1d.weight"] = value[:, 0, :]
+        elif rest == "mlp.experts.gate_up_proj":
+            out[b + "ffn_gate_exps.weight"], out[b + "ffn_up_exps.weight"] = np.split(value, 2, axis=1)
+        elif rest == "mlp.shared_expert_gate.weight":
+            out[b + "ffn_gate_inp_shexp.weight"] = value.reshape(-1)
+        else:
+            out[b + LAYER_NAMES[rest]] = value
+    return out
+
+
+def router_gaps(model, ids: list[int]) -> float:
+    """The smallest lead, over every row and layer of a pass over `ids`, of the k-th router score over the
+    (k+1)-th: how far the routing is from a near-tie rounding could flip."""
+    seen: list[torch.Tensor] = []
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda mod, args, out: seen.append(args[0] @ mod.weight.T))
+        for layer in model.model.layers
+    ]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    ranked = torch.cat([s.reshape(-1, EXPERTS) for s in seen]).sort(dim=-1, descending=True).values
+    return float((ranked[:, KEPT - 1] - ranked[:, KEPT]).min())
