@@ -51,10 +51,17 @@ class ModelConfig:
     expert_ff: int = 0  # each expert's hidden width
     shared_ff: int = 0  # the shared expert's hidden width (0: none)
     renorm: bool = False  # the kept experts' probabilities are renormalised to sum to one
+    latent: Any = None  # deepseek2's latent attention and routing (`models.latent_config.LatentConfig`)
 
     @property
     def moe(self) -> bool:
         return self.experts > 0
+
+    @property
+    def cache_values(self) -> int:
+        """Values the cache holds a token a layer: a key and a value row of every kv head, or (latent
+        attention) one latent row and its shared rotated key."""
+        return self.latent.cache_width if self.latent is not None else 2 * self.kv_width
 
     @property
     def q_width(self) -> int:
