@@ -106,7 +106,7 @@ def build_plan(
         raise FuselaneError(f"a {form} step has at least one row, not {n}")
     ctx = max(DEFAULT_CTX, n) if form != "batch" else DEFAULT_CTX
     graph = recognizer(cfg).recognize(cfg, tensors, Form(form), rows=n, ctx=ctx)
-    return name, cfg, optimize(graph, shim, held=held)
+    return name, cfg, optimize(graph, shim, held=held, check=False)
 
 
 def op_name(op: Op) -> str:
@@ -208,6 +208,7 @@ def to_json(name: str, cfg: ModelConfig, plan: Plan, form: str) -> dict[str, Any
             "per_layer": per_layer,
         },
         "numerics": numerics_json(plan.contract),
+        "cannot_run": plan.cannot_run,
     }
 
 
@@ -240,6 +241,8 @@ def render(data: dict[str, Any]) -> str:
         lines.append("  (none)")
     if data["held"]:
         lines += ["", "held: " + ", ".join(data["held"])]
+    if data.get("cannot_run"):
+        lines += ["", f"this lane cannot run the model: {data['cannot_run']}"]
     la = data["launches"]
     lines += ["", f"launches per {data['form']} step: {la['per_step']} (at most {la['per_layer_max']} per layer)"]
     n = data["numerics"]

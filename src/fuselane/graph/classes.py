@@ -110,7 +110,7 @@ class Awaits(enum.Enum):
     GROUPED_ROUTING = "routing by groups of experts (deepseek2's grouped top-k)"
     GATED_DELTA_RULE = "the gated delta rule (qwen3next's linear-attention layers)"
     GATED_ATTENTION = "gated attention (qwen3next's full-attention layers)"
-    LATENT_ATTENTION = "latent attention (a deepseek2 recognizer)"
+    LATENT_ATTENTION = "rules over latent attention's prologue and its value expansion (deepseek2)"
     ATTENTION_VARIANTS = "attention variants: soft caps, windows, sinks, sparse reads"
     OTHER_ARCHITECTURES = "an architecture with this shape (qwen2 / qwen3 graphs have none)"
     SCHEDULE_REWRITES = "rules that rewrite across the schedule (recompute, regroup across ops or layers)"
@@ -156,7 +156,7 @@ STANDING: dict[ClassId, Standing] = {
     ClassId.QK_NORM_ROPE_KV_APPEND: _built("qk_norm_rope_kv_append"),
     ClassId.ROPE_KV_APPEND: _built("rope_kv_append"),
     ClassId.ROPE_QK_ONE_LAUNCH: _built("rope_q_k_one_launch", "rope_epilogue"),
-    ClassId.MLA: _MLA,
+    ClassId.MLA: _built("latent_expanded"),  # the cuda lane's rule: a wide chunk's latent attention expanded
     ClassId.FLASH_DECODE: _built("flash_decode"),
     ClassId.FLASH_PREFILL: _built("flash_prefill"),
     ClassId.ATTENTION_VARIANTS_INLINE: _awaits(Awaits.ATTENTION_VARIANTS),
