@@ -179,7 +179,7 @@ def numerics_json(c: Contract | None) -> dict[str, Any] | None:
 def to_json(name: str, cfg: ModelConfig, plan: Plan, form: str) -> dict[str, Any]:
     """The plan as plain data: the stable JSON form (see the README for the schema)."""
     per_layer = launches_per_layer(plan)
-    return {
+    data = {
         "version": JSON_VERSION,
         "model": {"name": name, "architecture": cfg.arch, "layers": cfg.n_layers},
         "lane": plan.lane,
@@ -208,8 +208,10 @@ def to_json(name: str, cfg: ModelConfig, plan: Plan, form: str) -> dict[str, Any
             "per_layer": per_layer,
         },
         "numerics": numerics_json(plan.contract),
-        "cannot_run": plan.cannot_run,
     }
+    if plan.cannot_run is not None:  # only where the lane refuses a class the model needs
+        data["cannot_run"] = plan.cannot_run
+    return data
 
 
 def render(data: dict[str, Any]) -> str:

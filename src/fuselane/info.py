@@ -90,7 +90,6 @@ def _experts(cfg: Any) -> dict[str, Any] | None:
         "ffn": cfg.expert_ff,
         "shared_ffn": cfg.shared_ff,
         "renormalised": cfg.renorm,
-        "shared_gated": cfg.latent is None,  # DeepSeek's shared experts are added ungated
     }
 
 
@@ -141,10 +140,10 @@ def _latent_lines(lt: dict[str, Any] | None) -> list[str]:
     ]
 
 
-def _experts_line(e: dict[str, Any] | None) -> list[str]:
+def _experts_line(e: dict[str, Any] | None, gated: bool) -> list[str]:
     if e is None:
         return []
-    gated = " (sigmoid-gated)" if e.get("shared_gated", True) else ""
+    gated = " (sigmoid-gated)" if gated else ""  # DeepSeek's shared experts are added ungated
     shared = f"a shared expert of ffn {e['shared_ffn']}{gated}" if e["shared_ffn"] else "no shared expert"
     kept = "renormalised over the kept" if e["renormalised"] else "as the softmax gives them"
     return [
@@ -178,7 +177,7 @@ def render(info: dict[str, Any]) -> str:
         f"head_dim {s['head_dim']}, ffn {s['ffn']}, vocab {s['vocab']}",
         f"  context       {s['context']} tokens, rope base {s['rope_base']:g}, rms eps {s['rms_eps']:g}",
         f"  features      qkv bias {s['qkv_bias']}, q/k norm {s['qk_norm']}, tied embeddings {s['tied_embeddings']}",
-        *_experts_line(info.get("experts")),
+        *_experts_line(info.get("experts"), gated=info.get("latent") is None),
         *_latent_lines(info.get("latent")),
         f"  cache         {info['cache']}",
         f"  quant label   {label}; most bytes are {q['most_bytes'] or 'in no tensor'}",
