@@ -216,7 +216,6 @@ def bench(
     )
 
 
-
 def _reset_peak(lane: str) -> None:
     """Start counting the GPU memory peak afresh (the memory of a model loaded before is not this one's)."""
     if lane == "cpu":

@@ -76,3 +76,17 @@ def test_grouped_top_k_keeps_the_best_groups_experts():
         assert list(ids) == brute_grouped(row, spec.groups, spec.used, spec.k)
     plain = np.argsort(-choice, axis=-1, kind="stable")[:, : spec.k]
     assert (got != plain).any()  # the groups do change some rows' experts: the check is not vacuous
+
+
+def test_a_batch_step_equals_each_sequence_alone(tiny):
+    from fuselane.lanes.cpu.lane import CpuLane
+
+    seqs = [[1, 2, 3], [7, 8, 9], [4, 5, 6]]
+    with opened(tiny["tiny-deepseek3"]) as model:
+        lane = model.lane
+        alone = [CpuLane(lane.cfg, lane.tensors, ctx=lane.ctx, dtype=lane.dtype).forward(np.array(s), 0)[-1]
+                 for s in seqs]  # fmt: skip
+        batch = CpuLane(lane.cfg, lane.tensors, ctx=lane.ctx, dtype=lane.dtype)
+        for p in range(3):  # every sequence's latent rows land in its own block of the cache
+            out = batch.forward_batch(np.array([s[p] for s in seqs]), np.array([p] * len(seqs)))
+    assert relative(list(out), alone) <= RTOL

@@ -131,8 +131,11 @@ def _cfg_with(path: str, **changes):
         ({"deepseek2.leading_dense_block_count": 9}, "leading_dense_block_count"),
         ({"deepseek2.attention.kv_lora_rank": 40}, "deepseek2.attention.key_length"),
         (
-            {"deepseek2.attention.kv_lora_rank": 40, "deepseek2.attention.key_length": 56,
-             "deepseek2.attention.value_length": 40},
+            {
+                "deepseek2.attention.kv_lora_rank": 40,
+                "deepseek2.attention.key_length": 56,
+                "deepseek2.attention.value_length": 40,
+            },
             "attn_kv_a_mqa",
         ),  # fmt: skip
         ({"deepseek2.vocab_size": 7}, "vocab_size"),

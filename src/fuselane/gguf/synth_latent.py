@@ -14,6 +14,7 @@ from fuselane.errors import FuselaneError
 ARCH = "deepseek2"
 SIGMOID_GATING = 2  # `expert_gating_func` as llama.cpp numbers it: 1 softmax, 2 sigmoid
 YARN_LOG_MULTIPLIER = 0.1  # the converter's 0.1 * mscale_all_dim, at DeepSeek-V3's mscale_all_dim of 1
+V2_LITE_LOG_MULTIPLIER = 0.0707  # ... at DeepSeek-V2-Lite's 0.707
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,7 @@ class LatentShape:
     groups_used: int = 1
     yarn_factor: float = 1.0
     yarn_original: int = 4096
+    yarn_log_mul: float = YARN_LOG_MULTIPLIER
     context: int = 4096
     rope_base: float = 10_000.0
     rms_eps: float = 1e-6
@@ -59,8 +61,10 @@ class LatentShape:
         if self.rope % 2:
             raise FuselaneError(f"rope {self.rope} is odd; rope rotates pairs of dimensions")
         if self.experts_used > self.experts or self.experts % self.groups or self.groups_used > self.groups:
-            raise FuselaneError(f"{self.experts_used} of {self.experts} experts in {self.groups_used} of "
-                                f"{self.groups} groups is no routing")
+            raise FuselaneError(
+                f"{self.experts_used} of {self.experts} experts in {self.groups_used} of "
+                f"{self.groups} groups is no routing"
+            )
 
     @property
     def n_kv_heads(self) -> int:
@@ -76,6 +80,7 @@ LATENT_SHAPES: dict[str, LatentShape] = {
     "deepseek-v2-lite": LatentShape(
         2048, 27, 16, 10944, 102400, kv_lora=512, nope=128, rope=64, vdim=128, experts=64, experts_used=6,
         expert_ff=1408, shared_experts=2, context=163840, yarn_factor=40.0, yarn_original=4096,
+        yarn_log_mul=V2_LITE_LOG_MULTIPLIER,
     ),
     "tiny-deepseek2": LatentShape(64, 2, 4, 128, 512, kv_lora=32, nope=16, rope=16, vdim=16),
     "tiny-deepseek3": LatentShape(
@@ -174,7 +179,7 @@ def metadata(shape: LatentShape) -> dict[str, Any]:
             s + "type": "yarn",
             s + "factor": float(shape.yarn_factor),
             s + "original_context_length": shape.yarn_original,
-            s + "yarn_log_multiplier": YARN_LOG_MULTIPLIER,
+            s + "yarn_log_multiplier": shape.yarn_log_mul,
         }
     return meta
 

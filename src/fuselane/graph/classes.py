@@ -107,7 +107,7 @@ class Awaits(enum.Enum):
     """What a class no rule builds yet waits for: a model family, a form, a kind of rule, or nothing the graph
     can say (the value says which, as `explain --classes` prints it)."""
 
-    GROUPED_ROUTING = "routing by groups of experts (deepseek2's grouped top-k)"
+    GROUPED_ROUTING = "a rule fusing deepseek2's grouped top-k with its router (the primitive runs on the cpu lane)"
     GATED_DELTA_RULE = "the gated delta rule (qwen3next's linear-attention layers)"
     GATED_ATTENTION = "gated attention (qwen3next's full-attention layers)"
     LATENT_ATTENTION = "rules over latent attention's prologue and its value expansion (deepseek2)"
