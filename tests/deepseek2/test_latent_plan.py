@@ -19,6 +19,7 @@ from fuselane.gguf.synth import SHAPES, tensor_formats, write_synthetic
 from fuselane.gguf.synth_latent import LatentShape, parameters
 from fuselane.graph.classes import ClassId as C
 from fuselane.lanes.cuda.plan import latent
+from fuselane.lanes.cuda.plan.fits import ROUTING_SOFTMAX_ONLY
 from fuselane.lanes.cuda.plan.knobs import CudaKnobs
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.models import config_of
@@ -35,6 +36,7 @@ def files(tmp_path_factory) -> dict[str, str]:
         "v3": SHAPES["tiny-deepseek3"],
         "half": replace(SHAPES["tiny-deepseek2"], kv_lora=48),  # the latent not whole 32-value blocks
         "attend": replace(SHAPES["tiny-deepseek2"], rope=8),  # a head's key 24 wide: not whole 16s
+        "scaled": replace(SHAPES["tiny-deepseek2"], weights_scale=2.5),  # V2's routing, its weights scaled
     }
     return {k: str(write_synthetic(d / f"{k}.gguf", s, "f32")) for k, s in shapes.items()}
 
@@ -151,3 +153,20 @@ def test_hostile_metadata_is_one_clear_line(files, changes, says):
 def test_a_latent_shape_refuses_no_routing():
     with pytest.raises(Exception, match="no routing"):
         LatentShape(64, 2, 4, 128, 512, kv_lora=32, nope=16, rope=16, vdim=16, experts=8, experts_used=9)
+
+
+def test_grouped_routing_fuses_on_the_cpu_lane_and_the_cuda_lane_declines_it(files):
+    _, _, cpu = build_plan(files["v3"], lane="cpu", form="decode")
+    assert [f.rule for f in cpu.fired].count("grouped_topk") == 1  # the one mixture layer
+    _, _, cuda = build_plan(files["v3"], lane="cuda", form="prefill", rows=int(WIDE))
+    declined = {(m.kind, m.reason) for m in cuda.missed if m.rule == "grouped_topk"}
+    assert declined == {("refuse", "the lane routes by one top-k over every expert")}
+    _, _, plain = build_plan(files["v2"], lane="cpu", form="decode")  # V2 routes by one top-k: the mixture's rule
+    assert "grouped_topk" not in {f.rule for f in plain.fired} and "router_topk" in {f.rule for f in plain.fired}
+
+
+def test_the_cuda_routing_kernel_declines_scaled_weights(files):
+    _, _, scaled = build_plan(files["scaled"], lane="cuda", form="decode")
+    assert ("fits", ROUTING_SOFTMAX_ONLY) in {(m.kind, m.reason) for m in scaled.missed if m.rule == "router_topk"}
+    _, _, plain = build_plan(files["v2"], lane="cuda", form="decode")
+    assert "router_topk" in {f.rule for f in plain.fired}

@@ -107,7 +107,6 @@ class Awaits(enum.Enum):
     """What a class no rule builds yet waits for: a model family, a form, a kind of rule, or nothing the graph
     can say (the value says which, as `explain --classes` prints it)."""
 
-    GROUPED_ROUTING = "a rule fusing deepseek2's grouped top-k with its router (the primitive runs on the cpu lane)"
     GATED_DELTA_RULE = "the gated delta rule (qwen3next's linear-attention layers)"
     GATED_ATTENTION = "gated attention (qwen3next's full-attention layers)"
     LATENT_ATTENTION = "rules over latent attention's prologue and its value expansion (deepseek2)"
@@ -223,7 +222,7 @@ STANDING: dict[ClassId, Standing] = {
     ClassId.SOFTCAP: _awaits(Awaits.ATTENTION_VARIANTS),
     ClassId.MIXED_BATCH_ATTENTION: _awaits(Awaits.MIXED_BATCHES),
     ClassId.SPARSE_ATTENTION: _awaits(Awaits.ATTENTION_VARIANTS),
-    ClassId.GROUPED_TOPK: _awaits(Awaits.GROUPED_ROUTING),
+    ClassId.GROUPED_TOPK: _built("grouped_topk"),
     ClassId.SAMPLING: _LANE,  # the cuda lane's decode loop samples on the device after the graph's logits
     ClassId.KV_CACHE_QUANT: _awaits(Awaits.CACHE_NUMERICS),
     ClassId.HADAMARD_ROTATION: _awaits(Awaits.CACHE_NUMERICS),

@@ -40,6 +40,7 @@ CPU_NATIVE = frozenset(
         ClassId.MOE_DOWN_COMBINE,
         ClassId.SHARED_EXPERT_FUSION,
         ClassId.MOE_DEFERRED_FINALIZE,
+        ClassId.GROUPED_TOPK,  # deepseek2's grouped routing: NumPy ranks the groups, then their experts
     }
 )
 
