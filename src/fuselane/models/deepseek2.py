@@ -22,8 +22,6 @@ from fuselane.errors import ModelError
 from fuselane.graph.ir import Dst, Form, Role, RowAt, Rows, Tensor, TensorGraph, Values
 from fuselane.graph.ops import (
     Attention,
-    Elementwise,
-    ElementwiseOp,
     ExpertChoice,
     ExpertMatmul,
     ExpertSort,
@@ -145,18 +143,24 @@ class _Builder(qwen._Builder):
         qa = self.norm(qa, b + "attn_q_a_norm.weight", l_ + "q_a_normed", self.cfg.latent.q_lora)
         return self.matmul(qa, b + "attn_q_b.weight", l_ + "q")
 
-    def attention(self, b: str, l_: str, h: str) -> str:
-        """Latent attention, absorbed; returns the output projection's result."""
+    def absorbed_query(self, b: str, l_: str, h: str) -> str:
+        """Each head's query in the latent's space (its unrotated part through the key half), then its rotated
+        part: `kv_lora + rope` values a head."""
         cfg, lt, rows = self.cfg, self.cfg.latent, self.rows
-        heads, kw = cfg.n_heads, lt.cache_width
+        heads = cfg.n_heads
         qr = self.query(b, l_, h)
         qn = self.slice(qr, l_ + "q_nope", rows * heads, lt.qk, 0, lt.nope)
         ql = self.act(l_ + "q_latent", heads * lt.kv_lora)
         self.g.emit(HeadMatmul(rows, heads, lt.nope, lt.kv_lora), (qn, b + "attn_k_b.weight"), ql)
-        qp = self.slice(qr, l_ + "q_pe", rows * heads, lt.qk, lt.nope, lt.rope)
-        qpp = self.rope(qp, l_ + "q_pe_rot", heads)
-        q = self.act(l_ + "q_absorbed", heads * kw)
+        qpp = self.rope(self.slice(qr, l_ + "q_pe", rows * heads, lt.qk, lt.nope, lt.rope), l_ + "q_pe_rot", heads)
+        q = self.act(l_ + "q_absorbed", heads * lt.cache_width)
         self.g.emit(Join(rows, heads, heads * lt.kv_lora, heads * lt.rope), (ql, qpp), q)
+        return q
+
+    def append_latent(self, b: str, l_: str, h: str) -> str:
+        """The step's cache rows (the normed latent, then the rotated shared key) written at the position;
+        returns the cache."""
+        lt, rows, kw = self.cfg.latent, self.rows, self.cfg.latent.cache_width
         kv = self.matmul(h, b + "attn_kv_a_mqa.weight", l_ + "kv_a")
         latent = self.slice(kv, l_ + "latent", rows, kw, 0, lt.kv_lora)
         latent = self.norm(latent, b + "attn_kv_a_norm.weight", l_ + "latent_normed", lt.kv_lora)
@@ -167,12 +171,20 @@ class _Builder(qwen._Builder):
         kc = self.act(b + "latent_cache", kw, cache_rows, Role.CACHE)
         append = SetRow(rows, kw, batched=self.batched, seq_rows=self.ctx if self.batched else 0)
         self.g.emit(append, (row, POS), kc, Dst(kc, row=RowAt(POS, kw)))
-        vc = self.slice(kc, l_ + "latent_values", cache_rows, kw, 0, lt.kv_lora)
-        att = Attention(rows, heads, 1, kw, self.ctx, lt.attn_scale, vd=lt.kv_lora, batched=self.batched)
-        o = self.act(l_ + "attn_latent", heads * lt.kv_lora)
+        return kc
+
+    def attention(self, b: str, l_: str, h: str) -> str:
+        """Latent attention, absorbed: the query attends every cached row, their latents the values; the
+        attended latent through the value half, then the output projection."""
+        cfg, lt, rows = self.cfg, self.cfg.latent, self.rows
+        q, kc = self.absorbed_query(b, l_, h), self.append_latent(b, l_, h)
+        vc = self.slice(kc, l_ + "latent_values", self.g.tensors[kc].shape[0], lt.cache_width, 0, lt.kv_lora)
+        att = Attention(rows, cfg.n_heads, 1, lt.cache_width, self.ctx, lt.attn_scale, vd=lt.kv_lora,
+                        batched=self.batched)  # fmt: skip
+        o = self.act(l_ + "attn_latent", cfg.n_heads * lt.kv_lora)
         self.g.emit(att, (q, kc, vc, POS), o)
-        ctx = self.act(l_ + "attn", heads * lt.vdim)
-        self.g.emit(HeadMatmul(rows, heads, lt.kv_lora, lt.vdim), (o, b + "attn_v_b.weight"), ctx)
+        ctx = self.act(l_ + "attn", cfg.n_heads * lt.vdim)
+        self.g.emit(HeadMatmul(rows, cfg.n_heads, lt.kv_lora, lt.vdim), (o, b + "attn_v_b.weight"), ctx)
         return self.matmul(ctx, b + "attn_output.weight", l_ + "attn_out")
 
     def route(self, b: str, l_: str, h: str) -> tuple[str, str]:
@@ -210,15 +222,14 @@ class _Builder(qwen._Builder):
         self.g.emit(ExpertMatmul(rows, k, d, ff, slotted=True), (glu, b + "ffn_down_exps.weight", *route), down)
         out = l_ + ("moe" if cfg.shared_ff else "ffn_out")
         self.g.emit(Moe(rows, d, ff, cfg.experts, k), (down, weights), self.act(out, d))
-        if not cfg.shared_ff:
-            return out
-        sg = self.matmul(h, b + "ffn_gate_shexp.weight", l_ + "sh_gate")
-        su = self.matmul(h, b + "ffn_up_shexp.weight", l_ + "sh_up")
-        shared = self.matmul(
-            self.glu(sg, su, l_ + "sh_glu", rows, cfg.shared_ff), b + "ffn_down_shexp.weight", l_ + "sh_down"
-        )
-        self.g.emit(Elementwise(ElementwiseOp.ADD, rows, d), (out, shared), self.act(l_ + "ffn_out", d))
-        return l_ + "ffn_out"
+        return self.shared(b, l_, h, out) if cfg.shared_ff else out
+
+    def shared(self, b: str, l_: str, h: str, routed: str) -> str:
+        """The shared experts' SwiGLU (one, `shared_experts` experts wide), added to the routed result ungated."""
+        gate = self.matmul(h, b + "ffn_gate_shexp.weight", l_ + "sh_gate")
+        up = self.matmul(h, b + "ffn_up_shexp.weight", l_ + "sh_up")
+        glu = self.glu(gate, up, l_ + "sh_glu", self.rows, self.cfg.shared_ff)
+        return self.add(routed, self.matmul(glu, b + "ffn_down_shexp.weight", l_ + "sh_down"), l_ + "ffn_out")
 
     def layer(self, i: int, x: str) -> str:
         cfg, b, l_ = self.cfg, f"blk.{i}.", f"l{i}."
