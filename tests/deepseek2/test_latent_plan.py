@@ -170,3 +170,16 @@ def test_the_cuda_routing_kernel_declines_scaled_weights(files):
     assert ("fits", ROUTING_SOFTMAX_ONLY) in {(m.kind, m.reason) for m in scaled.missed if m.rule == "router_topk"}
     _, _, plain = build_plan(files["v2"], lane="cuda", form="decode")
     assert "router_topk" in {f.rule for f in plain.fired}
+
+
+def test_info_and_bench_print_the_cache_a_token(files, capsys):
+    from fuselane.bench import BenchResult, render
+    from fuselane.cli import main
+
+    assert main(["info", files["v3"]]) == 0
+    out = capsys.readouterr().out
+    assert "cache         48 values a token a layer (kv_lora_rank 32 + rope 16), 96 over 2 layers" in out
+    assert "latent        q LoRA 48, kv_lora_rank 32" in out and "top 2 of 4 groups" in out
+    result = BenchResult("m.gguf", "cpu:float32", 0.0, 16, 8, 0, 1.0, 1.0, None, 0.0, 1.0, 1.0, 100.0, None,
+                         cache_values="48 values a token a layer")  # fmt: skip
+    assert render([result]).endswith("m.gguf: cache 48 values a token a layer")

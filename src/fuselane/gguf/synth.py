@@ -1,5 +1,5 @@
-"""Write GGUF checkpoints of Qwen2/Qwen3 models (dense, or mixtures of experts) at any shape: random weights,
-or given float weights.
+"""Write GGUF checkpoints of Qwen2/Qwen3 models (dense, or mixtures of experts) and of DeepSeek's deepseek2
+(`synth_latent`) at any shape: random weights, or given float weights.
 
 Why: tests need small checkpoints of every architecture and quantization mix, and GPU benchmarks need files in
 the real models' shapes and mixes (decode speed does not depend on weight values) where no real file is at
@@ -660,7 +660,7 @@ def write_weights(
 def main(argv: list[str] | None = None) -> int:
     """`python -m fuselane.gguf.synth OUT.gguf --shape NAME --mix MIX [--seed N]`: write a synthetic file."""
     parser = argparse.ArgumentParser(
-        prog="python -m fuselane.gguf.synth", description="Write a synthetic Qwen GGUF checkpoint."
+        prog="python -m fuselane.gguf.synth", description="Write a synthetic Qwen or DeepSeek GGUF checkpoint."
     )
     parser.add_argument("out", help="path of the .gguf file to write")
     parser.add_argument("--shape", default="tiny-qwen2", help=f"one of: {', '.join(SHAPES)}")
