@@ -77,6 +77,7 @@ def test_latent_launches_size_three_launches():
                        _formats()[0], 128, "ct")  # fmt: skip
     kh, vh, attend = latent.latent_launches(shim, lt)
     assert (kh.a, kh.b, kh.rows_out, vh.a, vh.b, vh.rows_out) == (512, 128, False, 512, 128, True)
+    assert kh.upto == vh.upto == ("pos", 511) and kh.x == vh.x == "kc" and kh.pitch == 576
     assert (attend.hd, attend.vd, attend.own, attend.q_tail, attend.k_tail) == (192, 128, 128, ("qpp", 64),
                                                                                ("kc", 576, 512))  # fmt: skip
     assert attend.per_block >= 1 and 16 % attend.per_block == 0
@@ -183,3 +184,15 @@ def test_info_and_bench_print_the_cache_a_token(files, capsys):
     result = BenchResult("m.gguf", "cpu:float32", 0.0, 16, 8, 0, 1.0, 1.0, None, 0.0, 1.0, 1.0, 100.0, None,
                          cache_values="48 values a token a layer")  # fmt: skip
     assert render([result]).endswith("m.gguf: cache 48 values a token a layer")
+
+
+def test_explain_says_why_the_cuda_lane_cannot_run_it(files, capsys):
+    import json
+
+    from fuselane.cli import main
+
+    assert main(["explain", files["v3"], "--lane", "cuda", "--json"]) == 0
+    why = json.loads(capsys.readouterr().out)["cannot_run"]
+    assert "no latent-attention kernels yet" in why and "one top-k over every expert" in why
+    assert main(["explain", files["v3"], "--lane", "cpu", "--json"]) == 0
+    assert "cannot_run" not in json.loads(capsys.readouterr().out)

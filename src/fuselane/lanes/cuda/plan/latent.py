@@ -70,8 +70,9 @@ class Latent:
 
 @dataclass(frozen=True, slots=True)
 class HeadHalf:
-    """A half of the expansion over every cached row: each head's `a` latent values (read in place at `pitch`
-    from the cache) times its (b, a) matrix (`rows_out`: stored as b rows of a; else a rows of b), into `y`."""
+    """A half of the expansion over the cached rows up to `upto` (the position parameter plus the chunk's last
+    row): each row's `a` latent values (read in place at `pitch` from the cache, one row `shared` by every head)
+    times each head's (b, a) matrix (`rows_out`: stored as b rows of a; else a rows of b), into `y`."""
 
     x: str
     pitch: int
@@ -83,6 +84,8 @@ class HeadHalf:
     a: int
     b: int
     rows_out: bool
+    upto: tuple[str, int]
+    shared: bool = True
 
     def in_tiles(self, activations: Activations) -> bool:
         """Whether it runs on the tensor cores in tiles: the latent whole 32-value blocks (its int8 form), the
@@ -136,9 +139,9 @@ def latent_launches(shim, lt: Latent) -> tuple[HeadHalf, HeadHalf, SplitAttentio
     k = shim.knobs
     acc = kernels.accumulator(kernels.mode(k.activations)).nbytes
     rope, qk = lt.kw - lt.lora, lt.nope + lt.kw - lt.lora
-    keys, values = f"{lt.ct}.keys", f"{lt.ct}.values"
-    kh = HeadHalf(lt.kc, lt.kw, lt.wkb, lt.fk, keys, lt.len, lt.heads, lt.lora, lt.nope, not lt.kro)
-    vh = HeadHalf(lt.kc, lt.kw, lt.wvb, lt.fv, values, lt.len, lt.heads, lt.lora, lt.vd, True)
+    keys, values, upto = f"{lt.ct}.keys", f"{lt.ct}.values", (lt.pos, lt.rows - 1)
+    kh = HeadHalf(lt.kc, lt.kw, lt.wkb, lt.fk, keys, lt.len, lt.heads, lt.lora, lt.nope, not lt.kro, upto)
+    vh = HeadHalf(lt.kc, lt.kw, lt.wvb, lt.fv, values, lt.len, lt.heads, lt.lora, lt.vd, True, upto)
     per_block = heads_per_block(lt.heads, qk, lt.vd, k.chip.smem_bytes_per_block, acc)
     if per_block is None:
         return None
