@@ -39,7 +39,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "xdist_group(name): tests one pytest-xdist worker runs together")
 
 
-
 @pytest.fixture(scope="session")
 def qwen_gguf() -> str:
     """Path of the real Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF, pulled and verified on first use.

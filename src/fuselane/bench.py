@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from fuselane.errors import FuselaneError
+from fuselane.info import cache_line
 from fuselane.runtime.model import load
 from fuselane.runtime.sampling import GREEDY
 
@@ -57,6 +58,7 @@ class BenchResult:
     limit_tok_s: float
     percent_of_limit: float
     peak_gpu_gb: float | None  # the most GPU memory the model took, load to last token (None on the cpu lane)
+    cache_values: str = ""  # what the cache holds a token a layer (`cache_line`)
 
 
 def _copy_bandwidth(lane: Any) -> float:
@@ -210,6 +212,7 @@ def bench(
         limit_tok_s=round(limit, 1),
         percent_of_limit=round(100 * decode / limit, 1),
         peak_gpu_gb=peak,
+        cache_values=cache_line(m.cfg),
     )
 
 
@@ -281,7 +284,8 @@ def render(results: list[BenchResult]) -> str:
             f"| {r.model} | {r.size_gb} GB | {r.lane} | tg{r.generated}{at} | {r.decode_tok_s:,.1f} | "
             f"{r.launches_per_token if r.launches_per_token is not None else ''} | {r.percent_of_limit} % | {peak} |"
         )
-    return "\n".join(lines)
+    caches = dict.fromkeys(f"{r.model}: cache {r.cache_values}" for r in results if r.cache_values)
+    return "\n".join([*lines, *([""] if caches else []), *caches])
 
 
 def as_json(results: list[BenchResult]) -> list[dict[str, Any]]:

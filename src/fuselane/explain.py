@@ -106,7 +106,7 @@ def build_plan(
         raise FuselaneError(f"a {form} step has at least one row, not {n}")
     ctx = max(DEFAULT_CTX, n) if form != "batch" else DEFAULT_CTX
     graph = recognizer(cfg).recognize(cfg, tensors, Form(form), rows=n, ctx=ctx)
-    return name, cfg, optimize(graph, shim, held=held)
+    return name, cfg, optimize(graph, shim, held=held, check=False)
 
 
 def op_name(op: Op) -> str:
@@ -179,7 +179,7 @@ def numerics_json(c: Contract | None) -> dict[str, Any] | None:
 def to_json(name: str, cfg: ModelConfig, plan: Plan, form: str) -> dict[str, Any]:
     """The plan as plain data: the stable JSON form (see the README for the schema)."""
     per_layer = launches_per_layer(plan)
-    return {
+    data = {
         "version": JSON_VERSION,
         "model": {"name": name, "architecture": cfg.arch, "layers": cfg.n_layers},
         "lane": plan.lane,
@@ -209,6 +209,9 @@ def to_json(name: str, cfg: ModelConfig, plan: Plan, form: str) -> dict[str, Any
         },
         "numerics": numerics_json(plan.contract),
     }
+    if plan.cannot_run is not None:  # only where the lane refuses a class the model needs
+        data["cannot_run"] = plan.cannot_run
+    return data
 
 
 def render(data: dict[str, Any]) -> str:
@@ -240,6 +243,8 @@ def render(data: dict[str, Any]) -> str:
         lines.append("  (none)")
     if data["held"]:
         lines += ["", "held: " + ", ".join(data["held"])]
+    if data.get("cannot_run"):
+        lines += ["", f"this lane cannot run the model: {data['cannot_run']}"]
     la = data["launches"]
     lines += ["", f"launches per {data['form']} step: {la['per_step']} (at most {la['per_layer_max']} per layer)"]
     n = data["numerics"]

@@ -61,6 +61,8 @@ def summarize(f: GgufFile) -> dict[str, Any]:
         },
         "experts": _experts(cfg),
         "linear": _linear(cfg),
+        "latent": _latent(cfg),
+        "cache": cache_line(cfg),
         "quant_mix": {name: {"tensors": counts[name], "bytes": sizes[name]} for name, _ in counts.most_common()},
         "quant": {
             "label": _label(meta.get(Keys.General.FILE_TYPE)),
@@ -117,10 +119,58 @@ def _linear_line(la: dict[str, Any] | None, layers: int) -> list[str]:
     ]
 
 
-def _experts_line(e: dict[str, Any] | None) -> list[str]:
+def cache_line(cfg: Any) -> str:
+    """The values the cache holds a token: a layer's, and what they are."""
+    per_layer = cfg.cache_values
+    if cfg.latent is not None:
+        what = f"kv_lora_rank {cfg.latent.kv_lora} + rope {cfg.latent.rope}"
+    else:
+        what = f"keys and values of {cfg.n_kv_heads} kv heads of {cfg.head_dim}"
+    return f"{per_layer:,} values a token a layer ({what}), {per_layer * cfg.n_layers:,} over {cfg.n_layers} layers"
+
+
+def _latent(cfg: Any) -> dict[str, Any] | None:
+    """Latent attention's widths and DeepSeek's routing; None for another architecture."""
+    lt = cfg.latent
+    if lt is None:
+        return None
+    return {
+        "q_lora_rank": lt.q_lora,
+        "kv_lora_rank": lt.kv_lora,
+        "nope": lt.nope,
+        "rope": lt.rope,
+        "value": lt.vdim,
+        "dense_layers": lt.dense_layers,
+        "shared_experts": lt.shared_experts,
+        "gating": lt.gating.value,
+        "correction_bias": lt.bias,
+        "weights_scale": lt.weights_scale,
+        "groups": lt.groups,
+        "groups_used": lt.groups_used,
+        "yarn_factor": lt.yarn.factor if lt.yarn is not None else None,
+    }
+
+
+def _latent_lines(lt: dict[str, Any] | None) -> list[str]:
+    if lt is None:
+        return []
+    q = f"q LoRA {lt['q_lora_rank']}" if lt["q_lora_rank"] else "plain q"
+    groups = f", top {lt['groups_used']} of {lt['groups']} groups" if lt["groups"] > 1 else ""
+    bias = " with a correction bias" if lt["correction_bias"] else ""
+    yarn = f", YaRN x{lt['yarn_factor']:g}" if lt["yarn_factor"] else ""
+    return [
+        f"  latent        {q}, kv_lora_rank {lt['kv_lora_rank']}, head nope {lt['nope']} + rope {lt['rope']}, "
+        f"value {lt['value']}{yarn}",
+        f"  routing       {lt['gating']}{bias}{groups}, weights x{lt['weights_scale']:g}; "
+        f"{lt['dense_layers']} dense layers first, {lt['shared_experts']} shared experts",
+    ]
+
+
+def _experts_line(e: dict[str, Any] | None, gated: bool) -> list[str]:
     if e is None:
         return []
-    shared = f"a shared expert of ffn {e['shared_ffn']} (sigmoid-gated)" if e["shared_ffn"] else "no shared expert"
+    gated = " (sigmoid-gated)" if gated else ""  # DeepSeek's shared experts are added ungated
+    shared = f"a shared expert of ffn {e['shared_ffn']}{gated}" if e["shared_ffn"] else "no shared expert"
     kept = "renormalised over the kept" if e["renormalised"] else "as the softmax gives them"
     return [
         f"  experts       {e['count']} experts of ffn {e['ffn']}, {e['used']} kept a token (weights {kept}), {shared}"
@@ -153,8 +203,10 @@ def render(info: dict[str, Any]) -> str:
         f"head_dim {s['head_dim']}, ffn {s['ffn']}, vocab {s['vocab']}",
         f"  context       {s['context']} tokens, rope base {s['rope_base']:g}, rms eps {s['rms_eps']:g}",
         f"  features      qkv bias {s['qkv_bias']}, q/k norm {s['qk_norm']}, tied embeddings {s['tied_embeddings']}",
-        *_experts_line(info.get("experts")),
         *_linear_line(info.get("linear"), s["layers"]),
+        *_experts_line(info.get("experts"), gated=info.get("latent") is None),
+        *_latent_lines(info.get("latent")),
+        f"  cache         {info['cache']}",
         f"  quant label   {label}; most bytes are {q['most_bytes'] or 'in no tensor'}",
         "  quant mix     "
         + ", ".join(f"{name} x{v['tensors']} ({v['bytes'] / 1e6:.1f} MB)" for name, v in info["quant_mix"].items()),

@@ -43,6 +43,8 @@ NOT_IN_DENSE_GRAPHS = {
     # a decode step's down projection keeps its add and norm in its epilogue unless its rows are more than twice
     # the width (not the tiny models'), and a chunk's products read f32 rows, so nothing asks for the int8 form
     "add_norm_quant": "the tiny models' add + norm whose result a product reads int8 is a projection's epilogue",
+    "latent_expanded": "the dense graphs hold no latent attention (tests/deepseek2/test_latent_plan.py)",
+    "grouped_topk": "the dense graphs route to no experts (tests/deepseek2/test_latent_plan.py)",
 }
 # The mixture rules' shape is only in the mixtures' graphs, which the cuda lane refuses (it has no mixture
 # kernels yet); tests/moe/test_moe_classes.py holds them to the record on the cpu lane.

@@ -123,7 +123,7 @@ def test_an_odd_head_size_is_refused():
 # --- errors ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["llama", "mamba", "deepseek2", ""])
+@pytest.mark.parametrize("arch", ["llama", "mamba", "gemma3", ""])
 def test_unknown_architecture_is_named(arch):
     shape = SHAPES["tiny-qwen2"]
     with pytest.raises(ModelError, match=f"'{arch}'.*not supported"):

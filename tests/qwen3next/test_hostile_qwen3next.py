@@ -74,7 +74,11 @@ def test_the_untouched_file_runs(files):
 
 
 def test_the_cuda_lane_refuses_it_in_one_line(files):
-    """No kernel of the cuda lane runs a gated delta rule yet: asked for by name, it says so (a plan-side
-    refusal: no GPU is needed to give it)."""
-    line = assert_one_line_error(*run_bounded(["explain", "--lane", "cuda", str(files["good"])]))
+    """No kernel of the cuda lane runs a gated delta rule yet: `run` asked for it by name says so in one line,
+    and `explain` shows the plan with the refused classes and the line saying why the lane cannot run it (a
+    plan-side refusal: no GPU is needed to give either)."""
+    line = assert_one_line_error(*run_bounded(["run", str(files["good"]), "hi", "--lane", "cuda", "-n", "1"]))
     assert "no gated-delta kernels yet" in line
+    done, _ = run_bounded(["explain", "--lane", "cuda", str(files["good"])])
+    out = done.stdout.decode()
+    assert "GdnStep" in out and "this lane cannot run the model" in out and "no gated-delta kernels yet" in out

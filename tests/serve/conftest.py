@@ -4,7 +4,5 @@ lanes' dependencies (a GPU host running `pytest -m cuda tests`) skips them inste
 import importlib.util
 
 collect_ignore_glob = (
-    []
-    if all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn", "httpx"))
-    else ["test_*.py"]
+    [] if all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn", "httpx")) else ["test_*.py"]
 )

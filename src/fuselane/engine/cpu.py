@@ -36,7 +36,7 @@ class CpuPaged:
     @staticmethod
     def block_bytes(lane: CpuLane, block_size: int) -> int:
         cfg = lane.cfg
-        return 2 * cfg.n_layers * cfg.kv_width * np.dtype(lane.dtype).itemsize * block_size  # keys and values
+        return cfg.n_layers * cfg.cache_values * np.dtype(lane.dtype).itemsize * block_size
 
     @staticmethod
     def device_memory(lane: CpuLane) -> DeviceMemory | None:

@@ -29,6 +29,8 @@ from fuselane.graph.ops import (
     ExpertSort,
     GateAct,
     GatedDelta,
+    GroupedTopK,
+    HeadMatmul,
     Moe,
     Slice,
     Softcap,
@@ -54,6 +56,7 @@ class Plan:
     table: tuple[str, ...] = ()
     contract: Contract | None = None
     unmatched: list[Unmatched] = field(default_factory=list)  # only filled when optimized with `explain`
+    cannot_run: str | None = None  # why the lane cannot run the graph (only where optimized unchecked)
 
     def launches(self) -> int:
         """Kernel launches the schedule makes: one an op, none for a view."""
@@ -112,6 +115,10 @@ def needs(op: Op) -> list[tuple[ClassId, str]]:
         found.append((cls, f"{op.out} {what}"))
     if isinstance(spec, Softcap) or (isinstance(spec, Attention) and spec.ext and spec.ext.softcap is not None):
         found.append((ClassId.SOFTCAP, f"{op.out} soft-caps its values"))
+    if isinstance(spec, HeadMatmul):
+        found.append((ClassId.MLA, f"{op.out} multiplies each head by its own part of the latent's expansion"))
+    if isinstance(spec, GroupedTopK):
+        found.append((ClassId.GROUPED_TOPK, f"{op.out} routes within the best groups of experts"))
     if isinstance(spec, GatedDelta) and spec.gate is GateAct.SIGMOID:
         found.append((ClassId.GDN_STEP, f"{op.out} gates its delta rule by a sigmoid"))
     elif type(spec) in _RECURRENT_NEEDS:  # a lane that runs no gated delta rule fused runs none of its parts
@@ -120,25 +127,39 @@ def needs(op: Op) -> list[tuple[ClassId, str]]:
     return found
 
 
-def check_runs(g: TensorGraph, shim: Shim) -> None:
-    """Raise, with the lane's reason, where `g` holds a primitive whose class the lane refuses."""
+def refusals(g: TensorGraph, shim: Shim) -> str | None:
+    """Why the lane cannot run `g` (each class it refuses that a primitive needs, once, with the first op
+    that needs it and the lane's reason), or None where it can."""
+    found: dict[ClassId, str] = {}
     for op in g.ops:
         for cls, why in needs(op):
             support = shim.supports(cls)
-            if support.kind is SupportKind.REFUSE:
-                raise FuselaneError(f"the {shim.name} lane cannot run this model: {why}, and {support.reason}")
+            if support.kind is SupportKind.REFUSE and cls not in found:
+                found[cls] = f"{why}, and {support.reason}"
+    return "; ".join(found.values()) or None
 
 
-def optimize(g: TensorGraph, shim: Shim, *, held: Sequence[str] = (), explain: bool = False) -> Plan:
+def check_runs(g: TensorGraph, shim: Shim) -> None:
+    """Raise, with the lane's reasons, where `g` holds a primitive whose class the lane refuses."""
+    why = refusals(g, shim)
+    if why is not None:
+        raise FuselaneError(f"the {shim.name} lane cannot run this model: {why}")
+
+
+def optimize(
+    g: TensorGraph, shim: Shim, *, held: Sequence[str] = (), explain: bool = False, check: bool = True
+) -> Plan:
     """Fuse `g` for the lane behind `shim`, holding back the rules named in `held`; `explain` also keeps why
-    rules let go of the ops of their shape they did not fuse (`Plan.unmatched`)."""
+    rules let go of the ops of their shape they did not fuse (`Plan.unmatched`). A graph the lane cannot run
+    raises, unless not `check` (`fuselane explain` shows its plan): then `Plan.cannot_run` says why."""
     table = table_for(shim)
     # a lane may also hold choices of its own kernels by name (the cuda lane's `rows_a_warp`)
     known = [r.name for r in table if holdable(r)] + list(getattr(shim, "lane_holds", ()))
     unknown = sorted(set(held) - set(known))
     if unknown:
         raise FuselaneError(f"no rule named {unknown[0]} (rules: {', '.join(known)})")
-    check_runs(g, shim)
+    if check:
+        check_runs(g, shim)
     work = TensorGraph(g.form, g.rows, dict(g.tensors), list(g.ops), g.inputs, g.params, g.outputs)
     r = Rewriter(work, Schedule(g.ops), shim, outputs=frozenset(g.outputs), explain=explain)
     for rule in table:
@@ -156,6 +177,7 @@ def optimize(g: TensorGraph, shim: Shim, *, held: Sequence[str] = (), explain: b
         table=tuple(r.name for r in table),
         contract=shim.numerics(),
         unmatched=r.unmatched,
+        cannot_run=None if check else refusals(g, shim),
     )
 
 

@@ -13,6 +13,7 @@ from fuselane.fuse.moe_rules import MOE_RULES
 from fuselane.fuse.patterns import is_add, is_mul, next_reader, op_at
 from fuselane.fuse.quant_rules import QUANT_RULES
 from fuselane.fuse.rewriter import Rewriter
+from fuselane.fuse.routing_rules import ROUTING_RULES
 from fuselane.fuse.rule import Pattern, Rule
 from fuselane.fuse.views import gemv, rope, slice_view
 from fuselane.graph.classes import ClassId as C
@@ -328,6 +329,7 @@ SHARED_RULES: list[Rule] = (
     + ATTENTION_RULES
     + GATED_ATTENTION_RULES
     + MOE_RULES  # before the product rules: the router is the mixture's, not a product to merge
+    + ROUTING_RULES
     + PRODUCT_RULES
     + LAYOUT_RULES
     + QUANT_RULES

@@ -1,5 +1,5 @@
-"""Write GGUF checkpoints of Qwen2/Qwen3 models (dense, or mixtures of experts) at any shape: random weights,
-or given float weights.
+"""Write GGUF checkpoints of Qwen2/Qwen3 models (dense, or mixtures of experts) and of DeepSeek's deepseek2
+(`synth_latent`) at any shape: random weights, or given float weights.
 
 Why: tests need small checkpoints of every architecture and quantization mix, and GPU benchmarks need files in
 the real models' shapes and mixes (decode speed does not depend on weight values) where no real file is at
@@ -35,6 +35,9 @@ from fuselane.errors import FuselaneError
 from fuselane.gguf import synth_qwen3next as hybrid
 from fuselane.gguf.formats import LAYOUTS, Format, tensor_bytes
 from fuselane.gguf.quantize import quantize, random_blocks
+from fuselane.gguf.synth_latent import LATENT_SHAPES, LatentShape
+from fuselane.gguf.synth_latent import metadata as latent_metadata
+from fuselane.gguf.synth_latent import tensor_shapes as latent_tensor_shapes
 from fuselane.gguf.synth_vocab import synthetic_tokenizer
 
 ARCHS = ("qwen2", "qwen3", "qwen2moe", "qwen3moe", "qwen3next")
@@ -117,7 +120,7 @@ class Shape:
 # The real models' shapes (shared/ANCHORS.md). All are untied, as the files measured there: the real 0.5B
 # Q4_K_M file carries output.weight, and the 0.80 GB Qwen3-0.6B Q8_0 size counts one.
 # Qwen3 files declare a 40,960-token context, Qwen2.5's 32,768.
-SHAPES: dict[str, Shape] = {
+SHAPES: dict[str, Shape | LatentShape] = {
     "qwen2.5-0.5b": Shape("qwen2", 896, 24, 14, 2, 64, 4864, 151936),
     "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, context=40960),
     "qwen2.5-7b": Shape("qwen2", 3584, 28, 28, 4, 128, 18944, 151936),
@@ -195,6 +198,7 @@ SHAPES: dict[str, Shape] = {
         conv=4,
         rope_dim=8,
     ),
+    **LATENT_SHAPES,  # deepseek2 (`synth_latent`)
 }
 
 
@@ -266,7 +270,7 @@ FORMAT_FILE_TYPES: dict[Format, LlamaFileType] = {
 
 def resolve_shape(shape: Shape | str) -> tuple[str, Shape]:
     """A display name and the Shape, from a Shape or a SHAPES key; FuselaneError for an unknown key."""
-    if isinstance(shape, Shape):
+    if isinstance(shape, Shape | LatentShape):
         return f"{shape.arch}-{shape.n_embd}x{shape.n_layers}", shape
     if shape not in SHAPES:
         raise FuselaneError(f"unknown shape '{shape}': choose one of {', '.join(SHAPES)}")
@@ -275,6 +279,8 @@ def resolve_shape(shape: Shape | str) -> tuple[str, Shape]:
 
 def tensor_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
     """Every tensor's GGUF name and numpy-order shape (rows, row length), in the order files hold them."""
+    if isinstance(shape, LatentShape):
+        return latent_tensor_shapes(shape)
     q, kv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
     out: dict[str, tuple[int, ...]] = {"token_embd.weight": (shape.vocab, shape.n_embd)}
     for i in range(shape.n_layers):
@@ -516,7 +522,9 @@ def model_metadata(shape: Shape, name: str, file_type: int) -> dict[str, Any]:
         f"{a}.attention.head_count": shape.n_heads,
         f"{a}.attention.head_count_kv": shape.n_kv_heads,
     }
-    if shape.moe:
+    if isinstance(shape, LatentShape):
+        meta |= latent_metadata(shape)
+    elif shape.moe:
         meta |= {
             f"{a}.expert_count": shape.experts,
             f"{a}.expert_used_count": shape.experts_used,
@@ -527,7 +535,7 @@ def model_metadata(shape: Shape, name: str, file_type: int) -> dict[str, Any]:
     if a == hybrid.ARCH:
         meta |= hybrid.metadata(shape)
     # Qwen3 always states its head size; Qwen2 files only when it is not n_embd / heads, the reader's default.
-    if shape.family in ("qwen3", hybrid.ARCH) or shape.n_heads * shape.head_dim != shape.n_embd:
+    if isinstance(shape, Shape) and (shape.family == "qwen3" or shape.n_heads * shape.head_dim != shape.n_embd):
         meta[f"{a}.attention.key_length"] = shape.head_dim
         meta[f"{a}.attention.value_length"] = shape.head_dim
     meta |= {
@@ -718,7 +726,7 @@ def write_weights(
 def main(argv: list[str] | None = None) -> int:
     """`python -m fuselane.gguf.synth OUT.gguf --shape NAME --mix MIX [--seed N]`: write a synthetic file."""
     parser = argparse.ArgumentParser(
-        prog="python -m fuselane.gguf.synth", description="Write a synthetic Qwen GGUF checkpoint."
+        prog="python -m fuselane.gguf.synth", description="Write a synthetic Qwen or DeepSeek GGUF checkpoint."
     )
     parser.add_argument("out", help="path of the .gguf file to write")
     parser.add_argument("--shape", default="tiny-qwen2", help=f"one of: {', '.join(SHAPES)}")

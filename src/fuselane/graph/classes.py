@@ -107,10 +107,9 @@ class Awaits(enum.Enum):
     """What a class no rule builds yet waits for: a model family, a form, a kind of rule, or nothing the graph
     can say (the value says which, as `explain --classes` prints it)."""
 
-    GROUPED_ROUTING = "routing by groups of experts (deepseek2's grouped top-k)"
     GATED_DELTA_RULE = "rules regrouping a gated delta-rule layer's fused ops (qwen3next's run as they are)"
     GATED_ATTENTION = "gated attention (qwen3next's full-attention layers)"
-    LATENT_ATTENTION = "latent attention (a deepseek2 recognizer)"
+    LATENT_ATTENTION = "rules over latent attention's prologue and its value expansion (deepseek2)"
     ATTENTION_VARIANTS = "attention variants: soft caps, windows, sinks, sparse reads"
     OTHER_ARCHITECTURES = "an architecture with this shape (qwen2 / qwen3 graphs have none)"
     SCHEDULE_REWRITES = "rules that rewrite across the schedule (recompute, regroup across ops or layers)"
@@ -156,7 +155,7 @@ STANDING: dict[ClassId, Standing] = {
     ClassId.QK_NORM_ROPE_KV_APPEND: _built("qk_norm_rope_kv_append"),
     ClassId.ROPE_KV_APPEND: _built("rope_kv_append"),
     ClassId.ROPE_QK_ONE_LAUNCH: _built("rope_q_k_one_launch", "rope_epilogue"),
-    ClassId.MLA: _MLA,
+    ClassId.MLA: _built("latent_expanded"),  # the cuda lane's rule: a wide chunk's latent attention expanded
     ClassId.FLASH_DECODE: _built("flash_decode"),
     ClassId.FLASH_PREFILL: _built("flash_prefill"),
     ClassId.ATTENTION_VARIANTS_INLINE: _awaits(Awaits.ATTENTION_VARIANTS),
@@ -223,7 +222,7 @@ STANDING: dict[ClassId, Standing] = {
     ClassId.SOFTCAP: _awaits(Awaits.ATTENTION_VARIANTS),
     ClassId.MIXED_BATCH_ATTENTION: _awaits(Awaits.MIXED_BATCHES),
     ClassId.SPARSE_ATTENTION: _awaits(Awaits.ATTENTION_VARIANTS),
-    ClassId.GROUPED_TOPK: _awaits(Awaits.GROUPED_ROUTING),
+    ClassId.GROUPED_TOPK: _built("grouped_topk"),
     ClassId.SAMPLING: _LANE,  # the cuda lane's decode loop samples on the device after the graph's logits
     ClassId.KV_CACHE_QUANT: _awaits(Awaits.CACHE_NUMERICS),
     ClassId.HADAMARD_ROTATION: _awaits(Awaits.CACHE_NUMERICS),

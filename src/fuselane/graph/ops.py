@@ -68,10 +68,23 @@ class Matmul:
 
 
 @dataclass(frozen=True, slots=True)
+class Yarn:
+    """YaRN's stretch of the rotary frequencies: each frequency is interpolated by `factor`, extrapolated, or a
+    mix of both, by where its wavelength falls between the `beta_fast` and `beta_slow` turns over the
+    `original` context the model was trained at (ggml's and Hugging Face's reading)."""
+
+    factor: float
+    original: int
+    beta_fast: float
+    beta_slow: float
+
+
+@dataclass(frozen=True, slots=True)
 class Rope:
     """Rotary position embedding of `heads` heads of `hd` values in each of `rows` rows, the i-th row at
-    position pos + i (ins: x, pos). `half` pairs value j with j + rot/2 (NEOX order, as Qwen rotates); only
-    the first `rot` values of a head turn (partial rotary), the rest pass."""
+    position pos + i (ins: x, pos). `half` pairs value j with j + rot/2 (NEOX order, as Qwen rotates);
+    otherwise value 2j with 2j + 1 (DeepSeek's order). Only the first `rot` values of a head turn (partial
+    rotary), the rest pass. `yarn` stretches the frequencies (DeepSeek-V3)."""
 
     rows: int
     heads: int
@@ -80,6 +93,7 @@ class Rope:
     half: bool = True
     batched: bool = False  # each row is its own sequence, at its own position (pos is a vector)
     rot: int = 0  # values of a head that turn; 0: all `hd`
+    yarn: Yarn | None = None
 
     @property
     def turned(self) -> int:
@@ -131,6 +145,13 @@ class TakeRows:
 # The specs below are the vocabulary of the families past the dense Qwen ones: mixtures of experts (emitted by
 # the qwen2moe / qwen3moe recognizer), and hybrid recurrent layers, latent attention and soft-capped attention,
 # whose recognizers come next (the optimizer's views and the lanes' shims already answer for them).
+
+
+class Gating(enum.Enum):
+    """How a router turns its scores into routing probabilities."""
+
+    SOFTMAX = "softmax"  # over every expert
+    SIGMOID = "sigmoid"  # each expert on its own (DeepSeek-V3)
 
 
 class GateAct(enum.Enum):
@@ -198,13 +219,41 @@ class TopK:
 
 @dataclass(frozen=True, slots=True)
 class RouteWeights:
-    """Each kept expert's routing weight: the softmax of a row's `experts` router scores at the kept indices,
-    renormalised to sum to one over the `k` kept where `renorm` (ins: scores (rows, experts), ids (rows, k))."""
+    """Each kept expert's routing weight: the softmax of a row's `experts` router scores at the kept indices
+    (the sigmoid of each, under `Gating.SIGMOID`), renormalised to sum to one over the `k` kept where `renorm`,
+    then times `scale` (ins: scores (rows, experts), ids (rows, k))."""
 
     rows: int
     experts: int
     k: int
     renorm: bool
+    gating: Gating = Gating.SOFTMAX
+    scale: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertChoice:
+    """The scores a router chooses its experts by, where they are not its raw scores: the routing
+    probabilities (`gating` of each row's `experts` scores), plus a per-expert correction bias where `bias`
+    (DeepSeek-V3's `exp_probs_b`). ins: scores (rows, experts)[, bias (experts,)]; out (rows, experts)."""
+
+    rows: int
+    experts: int
+    gating: Gating
+    bias: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GroupedTopK:
+    """Top-k within the best groups: the `experts` are `groups` runs of equal length; a group scores the sum of
+    its two best choice scores, each row keeps its `used` best groups, then its `k` best experts among them,
+    best first (the lower index first on a tie). ins: choice scores (rows, experts); out: (rows, k) i32."""
+
+    rows: int
+    experts: int
+    k: int
+    groups: int
+    used: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,6 +400,8 @@ PrimSpec = (
     | HeadMatmul
     | Moe
     | TopK
+    | ExpertChoice
+    | GroupedTopK
     | RouteWeights
     | ExpertSort
     | ExpertMatmul

@@ -6,10 +6,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from fuselane.errors import ModelError
-from fuselane.models import qwen, qwen3next
+from fuselane.models import deepseek2, qwen, qwen3next
 from fuselane.models.config import ModelConfig, read_config
 
-RECOGNIZERS = {"qwen2": qwen, "qwen3": qwen, "qwen2moe": qwen, "qwen3moe": qwen, "qwen3next": qwen3next}
+RECOGNIZERS = {
+    "qwen2": qwen,
+    "qwen3": qwen,
+    "qwen2moe": qwen,
+    "qwen3moe": qwen,
+    "qwen3next": qwen3next,
+    "deepseek2": deepseek2,
+}
 
 
 def config_of(meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> ModelConfig:
@@ -20,7 +27,7 @@ def config_of(meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> ModelConfi
     if arch not in RECOGNIZERS:
         known = ", ".join(sorted(RECOGNIZERS))
         raise ModelError(f"architecture '{arch}' is not supported (fuselane runs: {known})")
-    cfg = read_config(meta, tensors, arch)
+    cfg = getattr(RECOGNIZERS[arch], "read_config", read_config)(meta, tensors, arch)
     RECOGNIZERS[arch].check_weights(cfg, tensors)
     return cfg
 

@@ -79,10 +79,17 @@ class ModelConfig:
     renorm: bool = False  # the kept experts' probabilities are renormalised to sum to one
     rope_dim: int = 0  # values of a head that rope turns (0: all of head_dim)
     linear: LinearAttention | None = None  # a hybrid's gated delta-rule layers (qwen3next)
+    latent: Any = None  # deepseek2's latent attention and routing (`models.latent_config.LatentConfig`)
 
     @property
     def moe(self) -> bool:
         return self.experts > 0
+
+    @property
+    def cache_values(self) -> int:
+        """Values the cache holds a token a layer: a key and a value row of every kv head, or (latent
+        attention) one latent row and its shared rotated key."""
+        return self.latent.cache_width if self.latent is not None else 2 * self.kv_width
 
     @property
     def q_width(self) -> int:

@@ -28,8 +28,10 @@ from fuselane.graph.ops import (
     TakeRows,
     Unary,
     UnaryOp,
+    Yarn,
 )
 from fuselane.lanes.cpu.gdn_kernels import GDN_KERNELS
+from fuselane.lanes.cpu.latent_kernels import LATENT_KERNELS, inv_freq
 from fuselane.lanes.cpu.moe_kernels import MOE_KERNELS
 
 Kernel = Callable[[PrimSpec, list[np.ndarray], int], np.ndarray]
@@ -72,10 +74,11 @@ def matmul(spec: Matmul, args: list[np.ndarray], pos: int) -> np.ndarray:
     return x.reshape(spec.m, spec.k) @ w.reshape(spec.n, spec.k).T
 
 
-def rope_angles(positions: np.ndarray, hd: int, base: float, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of every position's angle for each of the hd/2 frequencies, computed in f64."""
-    inv_freq = base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
-    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+def rope_angles(
+    positions: np.ndarray, hd: int, base: float, dtype: np.dtype, yarn: Yarn | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of every position's angle for each of the hd/2 frequencies (YaRN's where given), in f64."""
+    angles = positions.astype(np.float64)[:, None] * inv_freq(hd, base, yarn)[None, :]
     return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
 
 
@@ -84,7 +87,7 @@ def rope(spec: Rope, args: list[np.ndarray], pos: int) -> np.ndarray:
     rot = spec.turned
     half = rot // 2
     positions = np.asarray(pos) if spec.batched else np.arange(pos, pos + spec.rows)
-    cos, sin = rope_angles(positions, rot, spec.base, x.dtype)
+    cos, sin = rope_angles(positions, rot, spec.base, x.dtype, spec.yarn)
     cos, sin = cos[:, None, :], sin[:, None, :]
     whole = x.reshape(spec.rows, spec.heads, spec.hd)
     heads, kept = whole[..., :rot], whole[..., rot:]  # a partial rotary turns the first `rot` values only
@@ -106,20 +109,20 @@ def attention(spec: Attention, args: list[np.ndarray], pos) -> np.ndarray:
             for i, p in enumerate(np.asarray(pos))
         ]
         return np.concatenate(blocks, axis=0)
-    rows, hd, kv = spec.rows, spec.hd, spec.kv_heads
+    rows, hd, vd, kv = spec.rows, spec.hd, spec.value_width, spec.kv_heads
     group = spec.heads // kv
     span = pos + rows
     qh = q.reshape(rows, kv, group, hd).transpose(1, 2, 0, 3)  # (kv, group, rows, hd)
     kh = k_cache[:span].reshape(span, kv, hd).transpose(1, 2, 0)  # (kv, hd, span)
-    vh = v_cache[:span].reshape(span, kv, hd).transpose(1, 0, 2)  # (kv, span, hd)
+    vh = v_cache[:span].reshape(span, kv, vd).transpose(1, 0, 2)  # (kv, span, vd)
     scores = (qh @ kh[:, None]) * q.dtype.type(spec.scale)  # (kv, group, rows, span)
     future = np.arange(span)[None, :] > (pos + np.arange(rows))[:, None]
     scores[..., future] = -np.inf
     scores -= scores.max(axis=-1, keepdims=True)
     weights = np.exp(scores)
     weights /= weights.sum(axis=-1, keepdims=True)
-    out = weights @ vh[:, None]  # (kv, group, rows, hd)
-    return out.transpose(2, 0, 1, 3).reshape(rows, spec.heads * hd)
+    out = weights @ vh[:, None]  # (kv, group, rows, vd)
+    return out.transpose(2, 0, 1, 3).reshape(rows, spec.heads * vd)
 
 
 def set_row(spec: SetRow, args: list[np.ndarray], pos: int) -> np.ndarray:
@@ -163,6 +166,7 @@ KERNELS: dict[type, Kernel] = {
     ArgMax: argmax,
     **MOE_KERNELS,
     **GDN_KERNELS,
+    **LATENT_KERNELS,
 }
 
 # RowsGather reads a table the runner may keep quantized, so the runner answers it itself.

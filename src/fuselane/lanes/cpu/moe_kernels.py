@@ -14,6 +14,7 @@ import numpy as np
 
 from fuselane.gguf.dequant import dequantize_rows
 from fuselane.graph.ops import ExpertMatmul, ExpertSort, Moe, RouteWeights, RowScale, TopK
+from fuselane.lanes.cpu.latent_kernels import gate
 
 
 def top_k(spec: TopK, args: list[np.ndarray], pos: int) -> np.ndarray:
@@ -25,10 +26,10 @@ def top_k(spec: TopK, args: list[np.ndarray], pos: int) -> np.ndarray:
 
 def route_weights(spec: RouteWeights, args: list[np.ndarray], pos: int) -> np.ndarray:
     scores, ids = args[0].reshape(spec.rows, spec.experts), args[1].reshape(spec.rows, spec.k)
-    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
-    kept = np.take_along_axis(probs, ids.astype(np.int64), axis=-1)
-    return kept / kept.sum(axis=-1, keepdims=True) if spec.renorm else kept
+    kept = np.take_along_axis(gate(spec.gating, scores), ids.astype(np.int64), axis=-1)
+    if spec.renorm:
+        kept = kept / kept.sum(axis=-1, keepdims=True)
+    return kept * kept.dtype.type(spec.scale) if spec.scale != 1 else kept
 
 
 def expert_sort(spec: ExpertSort, args: list[np.ndarray], pos: int) -> np.ndarray:

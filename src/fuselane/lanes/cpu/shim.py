@@ -47,6 +47,7 @@ CPU_NATIVE = frozenset(
         ClassId.GDN_STEP,
         ClassId.GATED_NORM,
         ClassId.ATTN_OUTPUT_GATE,
+        ClassId.GROUPED_TOPK,  # deepseek2's grouped routing: NumPy ranks the groups, then their experts
     }
 )
 

@@ -20,9 +20,10 @@ kernels size themselves by:
 A class is native only where the lane has the kernel that runs it in one launch (`launch.BINDERS`); the
 specified classes it has no kernel for yet run as their parts (`NO_KERNEL_CLASSES`). The lane's own rules
 (`rules`) link in around the shared table: `gemv_parts` before `merged_projections`, and after the last
-shared rule the settling passes that make the plan exactly what the lane launches. A lane rule for a wide
-chunk's latent attention run expanded (before `add_norm`) waits for the latent-attention recognizer and its
-launches; it is not registered here.
+shared rule the settling passes that make the plan exactly what the lane launches. The lane rule
+`latent_expanded` (before `add_norm`, `latent.py`) takes a wide chunk's latent attention whole as `Mla` where
+its expanded launches fit; the lane has no latent-attention kernels yet, so it answers `Mla` (and every
+latent attention's per-head products, `optimizer.needs`) with a refusal saying so.
 
 `held` names lane rules held back (`gemv_parts`) and the kernel choice `rows_a_warp` (every product a row
 a warp), for ablation. The optimizer holds rules by its own `held` argument: build the shim with the same
@@ -42,7 +43,7 @@ from fuselane.fuse.views import GemvForm, class_of, gemv, leaves, moe, parts, ro
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Op, QuantFormat, Rows, TensorGraph
 from fuselane.graph.ops import Attention, ExpertMatmul, Moe
-from fuselane.lanes.cuda.plan import gemm_tiles, kernels
+from fuselane.lanes.cuda.plan import gemm_tiles, kernels, latent
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, ROWS_A_WARP
 from fuselane.lanes.cuda.plan.fits import fits as lane_fits
 from fuselane.lanes.cuda.plan.gdn import NOT_YET
@@ -104,7 +105,7 @@ QUANT_EPILOGUES = frozenset(
 # each its own launch (a model that needs none of them fused still runs).
 NO_KERNEL_CLASSES = frozenset(
     {
-        *(C.NORM_THEN_ADD, C.GATED_NORM, C.EMBED_SCALE, C.MLA, C.ATTENTION_VARIANTS_INLINE, C.ATTN_LSE_MERGE),
+        *(C.NORM_THEN_ADD, C.GATED_NORM, C.EMBED_SCALE, C.ATTENTION_VARIANTS_INLINE, C.ATTN_LSE_MERGE),
         *(C.MERGED_GATE_UP, C.GEMM_DEQUANT_INKERNEL, C.FUSED_SAMPLING, C.CUDA_GRAPHS),
         *(C.STRIDED_READ, C.JOIN_IN_PLACE, C.STRIDED_VALUES, C.ATTN_OUTPUT_GATE),
         C.ROW_WRITE_QUANT,
@@ -142,6 +143,8 @@ REFUSED_CLASSES: dict[C, str] = {
     C.PERSISTENT_LAYER_MEGAKERNEL: "the lane replays a graph of a launch an op",
     C.ALLREDUCE_NORM: "the lane runs on one device",
     **NOT_YET,  # the gated delta rule's classes, until the lane has their kernels (`plan.gdn`)
+    # the specification runs Mla natively; this lane has no kernels for latent attention, absorbed or expanded
+    C.MLA: "the lane has no latent-attention kernels yet",
 }
 
 # Consumers that read their operands as their first part reads them alone: a producer with its quantizing
@@ -280,6 +283,7 @@ class CudaShim:
         `merged_projections`; the settling passes, which `--hold` does not take, after the last shared rule."""
         last = SHARED_RULES[-1].name
         return [
+            (Before("add_norm"), LaneRule(latent.RULE, (C.MLA,), partial(latent.latent_expanded, self))),
             (Before("merged_projections"), LaneRule(GEMV_PARTS, (C.MERGED_QKV,), self.gemv_parts)),
             (
                 After(last),

@@ -152,13 +152,19 @@ def ld_scalar(ptr, BYTES: tl.constexpr):
         else:
             return tl.load(ptr.to(tl.pointer_type(tl.int32)))
     elif BYTES == 1:
-        return tl.inline_asm_elementwise(
-            "ld.global.nc.L1::evict_first.u8 $0, [$1];", "=h,l", [ptr], dtype=tl.int16, is_pure=True, pack=1
-        ).to(tl.int32) & BYTE
+        return (
+            tl.inline_asm_elementwise(
+                "ld.global.nc.L1::evict_first.u8 $0, [$1];", "=h,l", [ptr], dtype=tl.int16, is_pure=True, pack=1
+            ).to(tl.int32)
+            & BYTE
+        )
     elif BYTES == 2:
-        return tl.inline_asm_elementwise(
-            "ld.global.nc.L1::evict_first.u16 $0, [$1];", "=h,l", [ptr], dtype=tl.int16, is_pure=True, pack=1
-        ).to(tl.int32) & HALF_WORD
+        return (
+            tl.inline_asm_elementwise(
+                "ld.global.nc.L1::evict_first.u16 $0, [$1];", "=h,l", [ptr], dtype=tl.int16, is_pure=True, pack=1
+            ).to(tl.int32)
+            & HALF_WORD
+        )
     else:
         return tl.inline_asm_elementwise(
             "ld.global.nc.L1::evict_first.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True, pack=1
