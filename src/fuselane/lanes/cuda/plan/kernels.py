@@ -145,6 +145,36 @@ CONV_PARTS = 4
 CONV_L2_MAX_HEAD = MAX_BLOCK_THREADS
 
 
+# --- a chunk's mixture: the grouped GEMM (`triton/moe/grouped.py`) -----------------------------------------
+
+# A chunk past the GEMV's rows multiplies its kept experts as a grouped GEMM: its (row, slot) pairs sorted by
+# expert, each expert's pairs cut into tiles of MOE_GEMM_BLOCK_M, a program a tile by MOE_*_BLOCK_N weight
+# rows, on the f16 tensor cores. 64 pairs a tile: Qwen3-30B-A3B's 512-row chunk routes 4,096 pairs to 128
+# experts, 32 on average, so most experts are one tile and their matrices are read once; the tensor cores'
+# M of a warp group is 64. The weight tiles are the dense prefill GEMM's (`triton/gemm.py`: 32 rows, eight
+# warps, one stage, no spills for a K-quant's 256-value step); gate/up decodes two of them a step. First
+# choices for an H200, to be tuned there (`benchmarks/moe_prefill.py`).
+MOE_GEMM_BLOCK_M = 64
+MOE_GATE_UP_BLOCK_N = 32
+MOE_DOWN_BLOCK_N = 32
+MOE_GEMM_WARPS = 8
+MOE_GEMM_STAGES = 1
+# The next norm a chunk's down launch ends with is taken in chunks of this many values of a tile's rows, so
+# 64 rows of it hold 32 f32 registers a thread of eight warps.
+MOE_NORM_CHUNK = 128
+
+
+def moe_grouped(rows: int) -> bool:
+    """Whether a mixture of `rows` rows multiplies its experts as the grouped GEMM: past the GEMV's rows."""
+    return rows > GEMV_ROWS
+
+
+def moe_tiles_bound(pairs: int, experts: int, block_m: int) -> int:
+    """The most tiles of `block_m` pairs `pairs` pairs sorted by expert can take, however they route: each
+    expert's last tile may be partial, so at most one more than the whole tiles a program each."""
+    return math.ceil(pairs / block_m) + experts
+
+
 def decodes(fmt: Format) -> bool:
     """Whether the GEMV decodes checkpoint rows of `fmt` in its kernel, block by block."""
     return fmt in DECODED_FORMATS

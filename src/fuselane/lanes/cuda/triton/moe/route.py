@@ -1,6 +1,7 @@
 """Routing on the device: each row's router scores (x @ Wr^T over every expert), its top-k experts and their
 weights (the softmax over every expert at the kept ones, renormalised over the k where the model says so),
-and in a chunk the (row, slot) pairs ordered by expert (ExpertSort), in one launch.
+and in a chunk the (row, slot) pairs ordered by expert (ExpertSort) and the pairs each expert takes (what the
+grouped GEMM cuts into tiles, `grouped.py`), in one launch.
 
 Programs take tiles of experts of a row and store the scores; the last program to finish (a self-resetting
 counter, `fast_norm.norm_last`'s memory ordering) ranks every row: k arg-max passes (the lower index first
@@ -60,10 +61,22 @@ def _sort_pairs(ids, order, P: tl.constexpr, PB: tl.constexpr):
 
 
 @triton.jit
+def _count_pairs(ids, counts, P: tl.constexpr, PB: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr):
+    """counts[e] = the pairs routed to expert e."""
+    ex = tl.arange(0, E_BLOCK)
+    total = tl.zeros([E_BLOCK], tl.int32)
+    for a in range(0, tl.cdiv(P, PB)):
+        pa = a * PB + tl.arange(0, PB)
+        ka = tl.load(ids + pa, mask=pa < P, other=-1, cache_modifier=".cg")
+        total += tl.sum((ka[:, None] == ex[None, :]).to(tl.int32), 0)
+    tl.store(counts + ex, total, mask=ex < E)
+
+
+@triton.jit
 def _route_kernel(
-    x, w, scores, ids, weights, order, counter,
+    x, w, scores, ids, weights, order, counts, counter,
     D: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr, K_BLOCK: tl.constexpr,
-    ROWS: tl.constexpr, RENORM: tl.constexpr, SORT: tl.constexpr, PB: tl.constexpr,
+    ROWS: tl.constexpr, RENORM: tl.constexpr, SORT: tl.constexpr, COUNT: tl.constexpr, PB: tl.constexpr,
     FMT: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr, ROW_BYTES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -81,6 +94,8 @@ def _route_kernel(
         if SORT:
             tl.debug_barrier()
             _sort_pairs(ids, order, ROWS * K, PB)
+        if COUNT:
+            _count_pairs(ids, counts, ROWS * K, PB, E, E_BLOCK)
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -90,19 +105,24 @@ def counters(device) -> Tensor:
 
 
 def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool, ids: Tensor, weights: Tensor,
-          scores: Tensor, counter: Tensor, order: Tensor | None = None) -> None:  # fmt: skip
+          scores: Tensor, counter: Tensor, order: Tensor | None = None,
+          counts: Tensor | None = None) -> None:  # fmt: skip
     """ids (rows, k) int32 and weights (rows, k) f32 of x's rows (rows, d) f32 routed by the router `w`
     (experts, d) checkpoint rows in `fmt`; `scores` (rows, experts) f32 scratch; with `order` (rows * k,)
-    int32 also the pairs ordered by expert. One launch."""
+    int32 also the pairs ordered by expert, and with `counts` (experts,) int32 the pairs each expert takes.
+    One launch."""
     rows, d = x.shape
     if ids.dtype != torch.int32 or ids.numel() != rows * k or weights.numel() != rows * k:
         raise ValueError(f"ids must be int32 and ids and weights ({rows}, {k})")
     if scores.numel() < rows * experts or not 1 <= k <= experts:
         raise ValueError(f"scores must hold ({rows}, {experts}) and 1 <= k <= {experts}")
+    if counts is not None and (counts.dtype != torch.int32 or counts.numel() != experts):
+        raise ValueError(f"counts must be int32 ({experts},)")
     plan, warps = f32_plan(Format(fmt), experts, d)
     sort = order is not None
     _route_kernel[(tiles(experts, plan["BLOCK_N"]), rows)](
-        x, w, scores, ids, weights, order if sort else ids, counter,
+        x, w, scores, ids, weights, order if sort else ids, ids if counts is None else counts, counter,
         D=d, E=experts, E_BLOCK=triton.next_power_of_2(experts), K=k, K_BLOCK=triton.next_power_of_2(k),
-        ROWS=rows, RENORM=renorm, SORT=sort, PB=PAIRS_A_PASS, num_warps=warps, **plan, **pdl.options(),
+        ROWS=rows, RENORM=renorm, SORT=sort, COUNT=counts is not None, PB=PAIRS_A_PASS, num_warps=warps, **plan,
+        **pdl.options(),
     )  # fmt: skip
