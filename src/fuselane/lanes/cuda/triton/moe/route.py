@@ -5,7 +5,8 @@ grouped GEMM cuts into tiles, `grouped.py`), in one launch.
 
 Programs take tiles of experts of a row and store the scores; the last program to finish (a self-resetting
 counter, `fast_norm.norm_last`'s memory ordering) ranks every row: k arg-max passes (the lower index first
-on a tie, as the cpu lane's stable sort), and the stable counting sort of the pairs by expert id. Ids are
+on a tie, as the cpu lane's stable sort), and the stable counting sort of the pairs by expert id (P * (E +
+64) comparisons for P pairs and E experts). Ids are
 int32 and never leave the device.
 """
 
@@ -20,7 +21,7 @@ from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.moe.common import COUNTER_SLOTS, f32_plan, row_dot, tiles
 
-PAIRS_A_PASS = 64  # pairs a counting-sort pass ranks against as many others
+PAIRS_A_PASS = 64  # pairs a counting-sort pass ranks among themselves
 
 
 @triton.jit
@@ -46,30 +47,38 @@ def _rank_row(scores, ids, weights, r, E: tl.constexpr, E_BLOCK: tl.constexpr, K
 
 
 @triton.jit
-def _sort_pairs(ids, order, P: tl.constexpr, PB: tl.constexpr):
-    """order[rank] = p, the rank of pair p its place among the pairs by (expert id, p): a stable sort."""
-    for a in range(0, tl.cdiv(P, PB)):
-        pa = a * PB + tl.arange(0, PB)
-        ka = tl.load(ids + pa, mask=pa < P, other=0, cache_modifier=".cg")
-        rank = tl.zeros([PB], tl.int32)
-        for b in range(0, tl.cdiv(P, PB)):
-            pb = b * PB + tl.arange(0, PB)
-            kb = tl.load(ids + pb, mask=pb < P, other=0, cache_modifier=".cg")
-            before = (kb[None, :] < ka[:, None]) | ((kb[None, :] == ka[:, None]) & (pb[None, :] < pa[:, None]))
-            rank += tl.sum((before & (pb < P)[None, :]).to(tl.int32), 1)
-        tl.store(order + rank, pa, mask=pa < P)
-
-
-@triton.jit
-def _count_pairs(ids, counts, P: tl.constexpr, PB: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr):
-    """counts[e] = the pairs routed to expert e."""
+def _count_pairs(ids, P: tl.constexpr, PB: tl.constexpr, E_BLOCK: tl.constexpr):
+    """[E_BLOCK] int32: the pairs routed to each expert."""
     ex = tl.arange(0, E_BLOCK)
     total = tl.zeros([E_BLOCK], tl.int32)
     for a in range(0, tl.cdiv(P, PB)):
         pa = a * PB + tl.arange(0, PB)
         ka = tl.load(ids + pa, mask=pa < P, other=-1, cache_modifier=".cg")
         total += tl.sum((ka[:, None] == ex[None, :]).to(tl.int32), 0)
-    tl.store(counts + ex, total, mask=ex < E)
+    return total
+
+
+@triton.jit
+def _sort_pairs(ids, order, counts, P: tl.constexpr, PB: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr,
+                COUNT: tl.constexpr):  # fmt: skip
+    """order[rank] = p, the rank of pair p its place among the pairs by (expert id, p): a stable counting sort.
+    A pair's rank is its expert's first place (the pairs of lower experts) plus the pairs of its expert before
+    it: those of earlier passes (a running count an expert) and of its own pass (a PB x PB comparison), so
+    the work is P * (E + PB), not P * P. With COUNT, counts[e] = the pairs of expert e too."""
+    ex = tl.arange(0, E_BLOCK)
+    total = _count_pairs(ids, P, PB, E_BLOCK)
+    seen = tl.cumsum(total, 0) - total  # the pairs before each expert's first, then before this pass's
+    i = tl.arange(0, PB)
+    for a in range(0, tl.cdiv(P, PB)):
+        pa = a * PB + i
+        ka = tl.load(ids + pa, mask=pa < P, other=-1, cache_modifier=".cg")
+        hit = ka[:, None] == ex[None, :]
+        first = tl.sum(tl.where(hit, seen[None, :], 0), 1)
+        ahead = tl.sum(((ka[None, :] == ka[:, None]) & (i[None, :] < i[:, None])).to(tl.int32), 1)
+        tl.store(order + first + ahead, pa, mask=pa < P)
+        seen += tl.sum(hit.to(tl.int32), 0)
+    if COUNT:
+        tl.store(counts + ex, total, mask=ex < E)
 
 
 @triton.jit
@@ -93,9 +102,7 @@ def _route_kernel(
             _rank_row(scores, ids, weights, r, E, E_BLOCK, K, K_BLOCK, RENORM)
         if SORT:
             tl.debug_barrier()
-            _sort_pairs(ids, order, ROWS * K, PB)
-        if COUNT:
-            _count_pairs(ids, counts, ROWS * K, PB, E, E_BLOCK)
+            _sort_pairs(ids, order, counts, ROWS * K, PB, E, E_BLOCK, COUNT)
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -116,8 +123,8 @@ def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool,
         raise ValueError(f"ids must be int32 and ids and weights ({rows}, {k})")
     if scores.numel() < rows * experts or not 1 <= k <= experts:
         raise ValueError(f"scores must hold ({rows}, {experts}) and 1 <= k <= {experts}")
-    if counts is not None and (counts.dtype != torch.int32 or counts.numel() != experts):
-        raise ValueError(f"counts must be int32 ({experts},)")
+    if counts is not None and (order is None or counts.dtype != torch.int32 or counts.numel() != experts):
+        raise ValueError(f"counts must be int32 ({experts},), written with the order")
     plan, warps = f32_plan(Format(fmt), experts, d)
     sort = order is not None
     _route_kernel[(tiles(experts, plan["BLOCK_N"]), rows)](
