@@ -145,7 +145,7 @@ def test_route_sorts_and_counts_each_experts_pairs():
     order, counts = torch.zeros(rows * k, dtype=torch.int32), torch.full((experts,), -1, dtype=torch.int32)
     scores = torch.zeros((rows, experts))
     route.route(dev(x), dev(w.view(np.uint8)), Format.F32, experts, k, True, ids, weights, scores,
-                route.counters(DEVICE), order, counts)  # fmt: skip
+                route.counters(DEVICE, rows), order, counts)  # fmt: skip
     got = ids.numpy().reshape(-1)
     assert np.array_equal(counts.numpy(), np.bincount(got, minlength=experts))
     assert np.array_equal(order.numpy(), np.argsort(got, kind="stable"))

@@ -82,7 +82,7 @@ def route_topk(op: Op, b) -> list:
     ids, weights, scores = _ids(b, top.out), b.bufs[rw.out], b.bufs[mm.out]
     order = _ids(b, sorts[0].out) if sorts else None
     counts = _counts(b, sorts[0].out, spec.experts, x.device) if sorts and kernels.moe_grouped(spec.rows) else None
-    counter = b.scratch.setdefault(f"moe-route:{op.out}", route.counters(x.device))
+    counter = b.scratch.setdefault(f"moe-route:{op.out}", route.counters(x.device, spec.rows))
     args = (spec.experts, spec.k, spec.renorm, ids, weights, scores, counter, order, counts)
     return [lambda: route.route(x, w, fmt, *args)]
 

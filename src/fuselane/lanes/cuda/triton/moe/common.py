@@ -10,8 +10,6 @@ from fuselane.gguf.formats import Format, row_bytes
 from fuselane.lanes.cuda.triton.gemv import rows as gemv_rows
 from fuselane.lanes.cuda.triton.gemv.formats import dot_rows
 
-COUNTER_SLOTS = 4  # a launch's self-resetting counters: done, tickets, shared phase done, waits passed
-
 
 @triton.jit
 def row_dot(w_rows, x_row, FMT: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr,

@@ -3,11 +3,12 @@ weights (the softmax over every expert at the kept ones, renormalised over the k
 and in a chunk the (row, slot) pairs ordered by expert (ExpertSort) and the pairs each expert takes (what the
 grouped GEMM cuts into tiles, `grouped.py`), in one launch.
 
-Programs take tiles of experts of a row and store the scores; the last program to finish (a self-resetting
-counter, `fast_norm.norm_last`'s memory ordering) ranks every row: k arg-max passes (the lower index first
-on a tie, as the cpu lane's stable sort), and the stable counting sort of the pairs by expert id (P * (E +
-64) comparisons for P pairs and E experts). Ids are
-int32 and never leave the device.
+Programs take tiles of experts of a row and store the scores; a row's last program to finish (a
+self-resetting counter a row, `fast_norm.norm_last`'s memory ordering) ranks the row, so a chunk's rows are
+ranked in parallel, and in a chunk the last row ranked (another counter) sorts the pairs. Ranking: k
+arg-max passes (the lower index first on a tie, as the cpu lane's stable sort); sorting: the stable
+counting sort of the pairs by expert id (P * (E + 64) comparisons for P pairs and E experts). Ids are int32
+and never leave the device.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.moe.common import COUNTER_SLOTS, f32_plan, row_dot, tiles
+from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
 
 PAIRS_A_PASS = 64  # pairs a counting-sort pass ranks among themselves
 
@@ -96,19 +97,22 @@ def _route_kernel(
                 STAGES)  # fmt: skip
     tl.store(scores + row * E + e, y, mask=e < E)
     tl.debug_barrier()
-    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) * tl.num_programs(1) - 1:
-        for r in range(0, ROWS):
-            _rank_row(scores, ids, weights, r, E, E_BLOCK, K, K_BLOCK, RENORM)
+    done = tl.atomic_add(counter + 1 + row, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:  # the row's last tile of experts ranks it: a chunk's rows in parallel
+        tl.atomic_xchg(counter + 1 + row, 0, sem="relaxed", scope="gpu")
+        _rank_row(scores, ids, weights, row, E, E_BLOCK, K, K_BLOCK, RENORM)
         if SORT:
             tl.debug_barrier()
-            _sort_pairs(ids, order, counts, ROWS * K, PB, E, E_BLOCK, COUNT)
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            ranked = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ranked == ROWS - 1:  # the last row ranked sorts every row's pairs
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                _sort_pairs(ids, order, counts, ROWS * K, PB, E, E_BLOCK, COUNT)
 
 
-def counters(device) -> Tensor:
-    """Zeroed counters a mixture launch takes; each launch leaves them at zero."""
-    return torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+def counters(device, rows: int = 1) -> Tensor:
+    """Zeroed counters a routing launch of `rows` rows takes (one a row, one for the rows ranked); each launch
+    leaves them at zero."""
+    return torch.zeros(1 + rows, dtype=torch.int32, device=device)
 
 
 def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool, ids: Tensor, weights: Tensor,
@@ -123,6 +127,8 @@ def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool,
         raise ValueError(f"ids must be int32 and ids and weights ({rows}, {k})")
     if scores.numel() < rows * experts or not 1 <= k <= experts:
         raise ValueError(f"scores must hold ({rows}, {experts}) and 1 <= k <= {experts}")
+    if counter.numel() < 1 + rows:
+        raise ValueError(f"a routing launch of {rows} rows takes {1 + rows} counters")
     if counts is not None and (order is None or counts.dtype != torch.int32 or counts.numel() != experts):
         raise ValueError(f"counts must be int32 ({experts},), written with the order")
     plan, warps = f32_plan(Format(fmt), experts, d)
