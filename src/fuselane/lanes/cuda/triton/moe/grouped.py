@@ -50,15 +50,22 @@ def _tile_of(counts, t, E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.cons
 
 
 @triton.jit
-def _mma(a, b, acc):
-    """acc + a (BLOCK_M, values) @ b (BLOCK_N, values)^T on f16 operands; a row of `a` past F16_SAFE is
-    divided by the power of two that brings it under (exact) and its product scaled back in f32."""
+def _f16_rows(a):
+    """a (BLOCK_M, values) f32 as the f16 operand: each row past F16_SAFE divided by the power of two that brings
+    it under (exact; the others by 1), with those divisors and whether any row took one. Rounded once, here,
+    so the f32 tile is not kept for the products."""
     amax = tl.max(tl.abs(a), 1)
-    if tl.max(amax) > F16_SAFE:
-        scale = tl.where(amax > F16_SAFE, tl.exp2(tl.ceil(tl.log2(amax / F16_SAFE))), 1.0)
-        acc += tl.dot((a / scale[:, None]).to(tl.float16), tl.trans(b)) * scale[:, None]
+    scale = tl.where(amax > F16_SAFE, tl.exp2(tl.ceil(tl.log2(amax / F16_SAFE))), 1.0)
+    return (a * (1.0 / scale)[:, None]).to(tl.float16), scale, tl.max(amax) > F16_SAFE
+
+
+@triton.jit
+def _mma(a16, scale, big, b, acc):
+    """acc + a16 @ b^T on the tensor cores (f32 sums), the rows' divisors multiplied back where any row took one."""
+    if big:
+        acc += tl.dot(a16, tl.trans(b)) * scale[:, None]
     else:
-        acc = tl.dot(a.to(tl.float16), tl.trans(b), acc)
+        acc = tl.dot(a16, tl.trans(b), acc)
     return acc
 
 
@@ -99,9 +106,9 @@ def _gate_up_kernel(
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for s in range(0, STEPS):
             u0 = s * STEP_UNITS
-            a = tl.load(x_rows[:, None] + u0 * VALUES + cols[None, :])
-            gate = _mma(a, _weights(w_gate + off, u0, FMT, VALUES, NBYTES, STEP_UNITS, BLOCK_N), gate)
-            up = _mma(a, _weights(w_up + off, u0, FMT, VALUES, NBYTES, STEP_UNITS, BLOCK_N), up)
+            a16, scale, big = _f16_rows(tl.load(x_rows[:, None] + u0 * VALUES + cols[None, :]))
+            gate = _mma(a16, scale, big, _weights(w_gate + off, u0, FMT, VALUES, NBYTES, STEP_UNITS, BLOCK_N), gate)
+            up = _mma(a16, scale, big, _weights(w_up + off, u0, FMT, VALUES, NBYTES, STEP_UNITS, BLOCK_N), up)
         h = gate / (1.0 + tl.exp(-gate)) * up
         dst = out + pair.to(tl.int64)[:, None] * N + rows[None, :]
         tl.store(dst, h, mask=live[:, None] & (rows < N)[None, :])
@@ -126,8 +133,8 @@ def _down_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for s in range(0, STEPS):
             u0 = s * STEP_UNITS
-            a = tl.load(h_rows[:, None] + u0 * VALUES + vals[None, :])
-            acc = _mma(a, _weights(w + off, u0, FMT, VALUES, NBYTES, STEP_UNITS, BLOCK_N), acc)
+            a16, scale, big = _f16_rows(tl.load(h_rows[:, None] + u0 * VALUES + vals[None, :]))
+            acc = _mma(a16, scale, big, _weights(w + off, u0, FMT, VALUES, NBYTES, STEP_UNITS, BLOCK_N), acc)
         acc = acc * tl.load(weights + pair)[:, None]
         keep = live[:, None] & (cols_d < D)[None, :]
         tl.store(pair_out + pair.to(tl.int64)[:, None] * D + cols_d[None, :], acc, mask=keep)
