@@ -27,7 +27,7 @@ pytest.importorskip("triton")
 from kernel_checks import CUDA, DEVICE, dev, gamma, norm_rel, raw_weights, within  # noqa: E402
 
 from fuselane.gguf.dequant import dequantize  # noqa: E402
-from fuselane.gguf.formats import Format  # noqa: E402
+from fuselane.gguf.formats import Format, row_bytes  # noqa: E402
 from fuselane.lanes.cuda.triton.moe import grouped, route  # noqa: E402
 from fuselane.lanes.cuda.triton.moe import grouped_combine as gc  # noqa: E402
 
@@ -163,15 +163,17 @@ def test_refusals():
 # --- compiled, at Qwen3-30B-A3B's widths (n_embd 2048, 128 experts, top-8, expert ffn 768) ------------------
 
 
+REAL = (512, 8, 128, 2048, 768)  # rows, kept experts, experts, n_embd, expert ffn
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize(("fmt_gu", "fmt_d"), [(Format.Q4_K, Format.Q4_K), (Format.Q4_K, Format.Q6_K)])
 def test_cuda_grouped_experts_30b_a3b(fmt_gu, fmt_d):
-    rows, slots, experts, d, dff = 512, 8, 128, 2048, 768
+    # a sample of rows against the f64 reference, each of their experts dequantized alone (the cost)
+    rows, slots, experts, d, dff = REAL
     rng = np.random.default_rng(9)
-    rg, wg = _experts(fmt_gu, experts, dff, d, rng)
-    ru, wu = _experts(fmt_gu, experts, dff, d, rng)
-    rd, wd = _experts(fmt_d, experts, d, dff, rng)
+    rg, ru, rd = (raw_weights(f, experts * n, kk, rng) for f, n, kk in ((fmt_gu, dff, d),) * 2 + ((fmt_d, d, dff),))
     x = rng.standard_normal((rows, d)).astype(np.float32)
     ids = np.stack([rng.permutation(experts)[:slots] for _ in range(rows)]).astype(np.int32)
     rw = rng.uniform(0.0, 0.3, (rows, slots)).astype(np.float32)
@@ -179,13 +181,6 @@ def test_cuda_grouped_experts_30b_a3b(fmt_gu, fmt_d):
     pairs = rows * slots
     h = torch.empty((pairs, dff), device=DEVICE)
     grouped.gate_up_grouped(dev(x), dev(rg), dev(ru), fmt_gu, experts, slots, order, counts, dff, d, h)
-    torch.cuda.synchronize()
-    some = rng.choice(rows, 4, replace=False)  # a sample of rows: the f64 reference is the cost
-    for r in some:
-        for j, ex in enumerate(ids[r]):
-            want_h, bound_h = _glu(wg[ex][None], wu[ex][None], _f16(x[r])[None])
-            within(h[r * slots + j].double().cpu().numpy(), want_h[0], bound_h[0], f"gate/up {r}, {j}")
-
     res = rng.standard_normal((rows, d)).astype(np.float32)
     sum_out = dev(res.copy())
     gnorm = gc.GroupedNorm(dev(np.ones(d, np.float32)), EPS, torch.zeros((rows, d), device=DEVICE))
@@ -195,14 +190,24 @@ def test_cuda_grouped_experts_30b_a3b(fmt_gu, fmt_d):
     grouped.down_grouped(h, dev(rd), fmt_d, experts, order, counts, dev(rw), d, dff, pair_out, c)
     torch.cuda.synchronize()
     assert not c.counters.any()
-    got, out = sum_out.double().cpu().numpy(), gnorm.out.double().cpu().numpy()
-    for r in some:
-        hv = _f16(h[r * slots : (r + 1) * slots].double().cpu().numpy())
-        wds = wd[ids[r]].astype(np.float64)
-        prods = np.einsum("sdk,sk->sd", wds, hv) * rw[r][:, None]
-        mags = np.einsum("sdk,sk->sd", np.abs(wds), np.abs(hv)) * rw[r][:, None]
-        want = prods.sum(0) + res[r]
-        bound = gamma(dff + 1) * mags.sum(0) + gamma(slots + 2) * (np.abs(prods).sum(0) + np.abs(res[r])) + 1e-30
+    got, out, hs = (t.double().cpu().numpy() for t in (sum_out, gnorm.out, h))
+    for r in rng.choice(rows, 4, replace=False):
+        hv, prods, mags = _f16(hs[r * slots : (r + 1) * slots]), [], []
+        for j, e in enumerate(ids[r]):
+            wg, wu = (_expert(raw, fmt_gu, e, dff, d)[None] for raw in (rg, ru))
+            want_h, bound_h = _glu(wg, wu, _f16(x[r])[None])
+            within(hs[r * slots + j], want_h[0], bound_h[0], f"gate/up {r}, {j}")
+            wd = _expert(rd, fmt_d, e, d, dff).astype(np.float64)
+            prods.append(rw[r, j] * (wd @ hv[j]))
+            mags.append(rw[r, j] * (np.abs(wd) @ np.abs(hv[j])))
+        want = np.sum(prods, 0) + res[r]
+        bound = gamma(dff + 1) * np.sum(mags, 0) + gamma(slots + 2) * (np.abs(prods).sum(0) + np.abs(res[r])) + 1e-30
         within(got[r], want, bound, f"down + combine {r}")
         normed = got[r] / np.sqrt((got[r] * got[r]).mean() + EPS)
         within(out[r], normed, norm_rel(d) * np.abs(normed) + 1e-30, f"norm {r}")
+
+
+def _expert(raw: np.ndarray, fmt: Format, e: int, n: int, k: int) -> np.ndarray:
+    """Expert e's (n, k) values of a 3-D expert tensor's bytes, rounded to f16."""
+    size = n * row_bytes(fmt, k)
+    return dequantize(raw[e * size : (e + 1) * size], fmt, (n, k), dtype=np.float32).astype(np.float16)
