@@ -154,7 +154,8 @@ CONV_L2_MAX_HEAD = MAX_BLOCK_THREADS
 # expert is one or two tiles, run one after the other (the second reads its weights from L2). As compiled
 # for sm_90 (Triton 3.6, ptxas -v), 32 x 64 tiles at eight warps take Q4_K and Q6_K steps in 235-255
 # registers with no spills for gate/up (two weight tiles decoded a step) and down; 64 pairs spilled 460-610
-# bytes a thread, 32 x 128 240-340. A first choice, to be tuned on the GPU (`benchmarks/moe_prefill.py`).
+# bytes a thread, 32 x 128 240-340 (`benchmarks/moe_registers.py`). 32 pairs take `mma.sync`, 64 the warp
+# group's wgmma. A first choice, to be tuned on the GPU (`benchmarks/moe_prefill.py`).
 MOE_GEMM_BLOCK_M = 32
 MOE_GATE_UP_BLOCK_N = 64
 MOE_DOWN_BLOCK_N = 64
