@@ -59,13 +59,13 @@ def main() -> None:
     common = dict(SLOTS=TOP, E=EXPERTS, E_BLOCK=triton.next_power_of_2(EXPERTS), BLOCK_M=a.block_m, PDL=True)
     for fmt in (Format[f] for f in a.fmt):
         bn = a.block_n or kernels.MOE_GATE_UP_BLOCK_N
-        consts = dict(N=DFF, KD=D, **G._format_consts(fmt, DFF, D), BLOCK_N=bn, **common)
-        said = _compile(G._gate_up_kernel, consts, a.warps)
+        consts = dict(N=DFF, KD=D, **G.format_consts(fmt, DFF, D), BLOCK_N=bn, **common)
+        said = _compile(G.gate_up_kernel, consts, a.warps)
         print(f"gate/up {fmt.name:5s} {a.block_m} x {bn}, {a.warps} warps: {said}")
         bn = a.block_n or kernels.MOE_DOWN_BLOCK_N
-        consts = dict(D=D, DFF=DFF, **G._format_consts(fmt, D, DFF), ADDS=1, NORM=True,
+        consts = dict(D=D, DFF=DFF, **G.format_consts(fmt, D, DFF), ADDS=1, NORM=True,
                       NORM_CHUNK=kernels.MOE_NORM_CHUNK, ROWS=ROWS, BLOCK_N=bn, **common)  # fmt: skip
-        said = _compile(G._down_kernel, consts, a.warps)
+        said = _compile(G.down_kernel, consts, a.warps)
         print(f"down    {fmt.name:5s} {a.block_m} x {bn}, {a.warps} warps: {said}")
 
 

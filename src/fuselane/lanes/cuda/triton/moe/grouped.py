@@ -28,7 +28,7 @@ from torch import Tensor
 from fuselane.gguf.formats import Format, row_bytes
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemm import F16_SAFE, _step_units, supports
+from fuselane.lanes.cuda.triton.gemm import F16_SAFE, step_units, supports
 from fuselane.lanes.cuda.triton.gemv.epilogue import decode_unit, unit_values
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 from fuselane.lanes.cuda.triton.moe.grouped_combine import Combine, combine_args, combine_rows, counters_for
@@ -88,7 +88,7 @@ def _tile_pairs(order, counts, E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: 
 
 
 @triton.jit
-def _gate_up_kernel(
+def gate_up_kernel(
     x, w_gate, w_up, order, counts, out,
     N: tl.constexpr, KD: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr,
     EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
@@ -115,7 +115,7 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _down_kernel(
+def down_kernel(
     h, w, order, counts, weights, pair_out, a0, a1, sum_out, norm_w, normed, counters, eps,
     D: tl.constexpr, DFF: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr,
     EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
@@ -148,11 +148,12 @@ def takes(fmt: Format, n: int, k: int) -> bool:
     return n > 0 and supports(Format(fmt), k)
 
 
-def _format_consts(fmt: Format, n: int, k: int) -> dict:
+def format_consts(fmt: Format, n: int, k: int) -> dict:
+    """The kernels' constants for experts of (n, k) rows in `fmt`: the decode's unit and step, an expert's bytes."""
     values = decode_unit(fmt, k)
-    step_units = _step_units(fmt, k)
+    units = step_units(fmt, k)
     return dict(FMT=int(fmt), VALUES=values, NBYTES=row_bytes(fmt, values), ROW_BYTES=row_bytes(fmt, k),
-                STEPS=k // (values * step_units), STEP_UNITS=step_units,
+                STEPS=k // (values * units), STEP_UNITS=units,
                 EXPERT_BYTES=n * row_bytes(fmt, k))  # fmt: skip
 
 
@@ -182,9 +183,9 @@ def gate_up_grouped(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, expert
         raise ValueError(f"x must be contiguous f32 ({pairs // slots}, {k})")
     if out.numel() != pairs * n or not out.is_contiguous():
         raise ValueError(f"out must be contiguous ({pairs}, {n})")
-    _gate_up_kernel[_grid(n, block_n, pairs, experts, block_m)](
+    gate_up_kernel[_grid(n, block_n, pairs, experts, block_m)](
         x, w_gate, w_up, order, counts, out, N=n, KD=k, SLOTS=slots, E=experts,
-        E_BLOCK=triton.next_power_of_2(experts), **_format_consts(fmt, n, k), BLOCK_M=block_m, BLOCK_N=block_n,
+        E_BLOCK=triton.next_power_of_2(experts), **format_consts(fmt, n, k), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=kernels.MOE_GEMM_WARPS, num_stages=kernels.MOE_GEMM_STAGES, **pdl.options(),
     )  # fmt: skip
     return out
@@ -208,10 +209,10 @@ def down_grouped(h: Tensor, w: Tensor, fmt: Format, experts: int, order: Tensor,
     grid = _grid(d, block_n, pairs, experts, block_m)
     if c.counters.numel() < counters_for(rows, grid[0]):
         raise ValueError(f"counters must hold {counters_for(rows, grid[0])}")
-    _down_kernel[grid](
+    down_kernel[grid](
         h, w, order, counts, weights, pair_out, *combine_args(c, rows, d),
         D=d, DFF=dff, SLOTS=slots, E=experts, E_BLOCK=triton.next_power_of_2(experts),
-        **_format_consts(fmt, d, dff), ADDS=len(c.adds), NORM=c.norm is not None,
+        **format_consts(fmt, d, dff), ADDS=len(c.adds), NORM=c.norm is not None,
         NORM_CHUNK=kernels.MOE_NORM_CHUNK, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=kernels.MOE_GEMM_WARPS, num_stages=kernels.MOE_GEMM_STAGES, **pdl.options(),
     )  # fmt: skip
