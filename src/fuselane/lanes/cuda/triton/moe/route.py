@@ -3,12 +3,12 @@ weights (the softmax over every expert at the kept ones, renormalised over the k
 and in a chunk the (row, slot) pairs ordered by expert (ExpertSort) and the pairs each expert takes (what the
 grouped GEMM cuts into tiles, `grouped.py`), in one launch.
 
-Programs take tiles of experts of a row and store the scores; a row's last program to finish (a
-self-resetting counter a row, `fast_norm.norm_last`'s memory ordering) ranks the row, so a chunk's rows are
-ranked in parallel, and in a chunk the last row ranked (another counter) sorts the pairs. Ranking: k
-arg-max passes (the lower index first on a tie, as the cpu lane's stable sort); sorting: the stable
-counting sort of the pairs by expert id (P * (E + 64) comparisons for P pairs and E experts). Ids are int32
-and never leave the device.
+Programs take tiles of experts of a block of rows (up to the GEMV's 8, which read the router's rows once)
+and store the scores; a block's last program to finish (a self-resetting counter a block,
+`fast_norm.norm_last`'s memory ordering) ranks its rows, so a chunk's blocks are ranked in parallel, and in
+a chunk the last block ranked (another counter) sorts the pairs. Ranking: k arg-max passes (the lower index
+first on a tie, as the cpu lane's stable sort); sorting: the stable counting sort of the pairs by expert id
+(P * (E + 64) comparisons for P pairs and E experts). Ids are int32 and never leave the device.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import Format
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
+from fuselane.lanes.cuda.triton.gemv.formats import dot_rows
+from fuselane.lanes.cuda.triton.moe.common import f32_plan, tiles
 
 PAIRS_A_PASS = 64  # pairs a counting-sort pass ranks among themselves
 
@@ -86,32 +88,37 @@ def _sort_pairs(ids, order, counts, P: tl.constexpr, PB: tl.constexpr, E: tl.con
 def _route_kernel(
     x, w, scores, ids, weights, order, counts, counter,
     D: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr, K_BLOCK: tl.constexpr,
-    ROWS: tl.constexpr, RENORM: tl.constexpr, SORT: tl.constexpr, COUNT: tl.constexpr, PB: tl.constexpr,
+    ROWS: tl.constexpr, ROW_BLOCK: tl.constexpr, RENORM: tl.constexpr, SORT: tl.constexpr, COUNT: tl.constexpr,
+    PB: tl.constexpr,
     FMT: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr, ROW_BYTES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
-    row = tl.program_id(1)
+    block = tl.program_id(1)
+    rows = block * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
     e = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = row_dot(w + tl.minimum(e, E - 1).to(tl.int64) * ROW_BYTES, x + row * D, FMT, STEPS, UNITS, SPLIT, BLOCK_N,
-                STAGES)  # fmt: skip
-    tl.store(scores + row * E + e, y, mask=e < E)
+    x_rows = x + tl.minimum(rows, ROWS - 1).to(tl.int64) * D  # a row past the chunk reads its last
+    y = dot_rows(w + tl.minimum(e, E - 1).to(tl.int64) * ROW_BYTES, x_rows, FMT, STEPS, UNITS, SPLIT, ROW_BLOCK,
+                 BLOCK_N, STAGES)  # fmt: skip
+    tl.store(scores + rows[:, None] * E + e[None, :], y, mask=(rows < ROWS)[:, None] & (e < E)[None, :])
     tl.debug_barrier()
-    done = tl.atomic_add(counter + 1 + row, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:  # the row's last tile of experts ranks it: a chunk's rows in parallel
-        tl.atomic_xchg(counter + 1 + row, 0, sem="relaxed", scope="gpu")
-        _rank_row(scores, ids, weights, row, E, E_BLOCK, K, K_BLOCK, RENORM)
+    done = tl.atomic_add(counter + 1 + block, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:  # a block's last tile of experts ranks its rows: the blocks in parallel
+        tl.atomic_xchg(counter + 1 + block, 0, sem="relaxed", scope="gpu")
+        for i in range(0, ROW_BLOCK):
+            if block * ROW_BLOCK + i < ROWS:
+                _rank_row(scores, ids, weights, block * ROW_BLOCK + i, E, E_BLOCK, K, K_BLOCK, RENORM)
         if SORT:
             tl.debug_barrier()
             ranked = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ranked == ROWS - 1:  # the last row ranked sorts every row's pairs
+            if ranked == tl.num_programs(1) - 1:  # the last block ranked sorts every row's pairs
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
                 _sort_pairs(ids, order, counts, ROWS * K, PB, E, E_BLOCK, COUNT)
 
 
 def counters(device, rows: int = 1) -> Tensor:
-    """Zeroed counters a routing launch of `rows` rows takes (one a row, one for the rows ranked); each launch
-    leaves them at zero."""
+    """Zeroed counters a routing launch of `rows` rows takes (one a row, as many as its blocks of rows at most,
+    and one for the blocks ranked); each launch leaves them at zero."""
     return torch.zeros(1 + rows, dtype=torch.int32, device=device)
 
 
@@ -131,11 +138,12 @@ def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool,
         raise ValueError(f"a routing launch of {rows} rows takes {1 + rows} counters")
     if counts is not None and (order is None or counts.dtype != torch.int32 or counts.numel() != experts):
         raise ValueError(f"counts must be int32 ({experts},), written with the order")
-    plan, warps = f32_plan(Format(fmt), experts, d)
+    row_block = triton.next_power_of_2(min(rows, kernels.GEMV_ROWS))
+    plan, warps = f32_plan(Format(fmt), experts, d, m=row_block)
     sort = order is not None
-    _route_kernel[(tiles(experts, plan["BLOCK_N"]), rows)](
+    _route_kernel[(tiles(experts, plan["BLOCK_N"]), triton.cdiv(rows, row_block))](
         x, w, scores, ids, weights, order if sort else ids, ids if counts is None else counts, counter,
         D=d, E=experts, E_BLOCK=triton.next_power_of_2(experts), K=k, K_BLOCK=triton.next_power_of_2(k),
-        ROWS=rows, RENORM=renorm, SORT=sort, COUNT=counts is not None, PB=PAIRS_A_PASS, num_warps=warps, **plan,
-        **pdl.options(),
+        ROWS=rows, ROW_BLOCK=row_block, RENORM=renorm, SORT=sort, COUNT=counts is not None, PB=PAIRS_A_PASS,
+        num_warps=warps, **plan, **pdl.options(),
     )  # fmt: skip
