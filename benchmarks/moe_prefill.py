@@ -1,6 +1,8 @@
 """What a prefill chunk's grouped expert GEMM (`triton.moe.grouped`) takes alone, at Qwen3-30B-A3B's widths:
 the gate/up launch (both products and the SwiGLU) and the down launch (the products times the route weights,
-the combine, the residual and the next norm), in µs, achieved TFLOPS and GB/s.
+the combine, the residual and the next norm), in µs, achieved TFLOPS and GB/s; and, for the whole mixture's
+three launches, the routing launch before them (router scores, top-k, the sort and the counts) on its own
+drawn routing.
 
 Usage: python benchmarks/moe_prefill.py [--rows 512] [--experts 128] [--top 8] [--d 2048] [--dff 768]
 [--gate-up Q4_K] [--down Q4_K] [--block-m 64] [--block-n-gate-up 32] [--block-n-down 32] (on a GPU).
@@ -23,7 +25,7 @@ import torch
 
 from fuselane.gguf.formats import Format, row_bytes
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.triton.moe import grouped
+from fuselane.lanes.cuda.triton.moe import grouped, route
 from fuselane.lanes.cuda.triton.moe import grouped_combine as gc
 
 WARMUP, TIMED = 3, 20
@@ -105,8 +107,20 @@ def main() -> None:
     _report("gate/up", gu_us, 2 * pairs * 2 * dff * d, gu_bytes)
     _report("down", dn_us, 2 * pairs * d * dff, dn_bytes)
     total = gu_us + dn_us
+    ids_dev, rweights = torch.empty(rows, k, dtype=torch.int32, device=dev), torch.empty(rows, k, device=dev)
+    scores, order_r = torch.empty(rows, experts, device=dev), torch.empty(pairs, dtype=torch.int32, device=dev)
+    counts_r, router = torch.empty(experts, dtype=torch.int32, device=dev), torch.randn(experts, d, device=dev)
+    rcount = route.counters(dev, rows)
+
+    def routing() -> None:
+        route.route(x, router.view(torch.uint8).view(-1), Format.F32, experts, k, True, ids_dev, rweights, scores,
+                    rcount, order_r, counts_r)  # fmt: skip
+
+    rt_us = _median_us(routing)
+    _report("route", rt_us, 2 * rows * experts * d, router.numel() * F32 + x.numel() * F32)
+    total += rt_us
     chunk_ms = MODEL_LAYERS * total / 1e3
-    print(f"both     {total:9.1f} µs a layer; {MODEL_LAYERS} layers: {chunk_ms:.2f} ms a {rows}-row chunk")
+    print(f"all      {total:9.1f} µs a layer; {MODEL_LAYERS} layers: {chunk_ms:.2f} ms a {rows}-row chunk")
 
 
 if __name__ == "__main__":
