@@ -136,9 +136,9 @@ def test_grouped_experts_match_numpy(case):
 
 
 def test_route_sorts_and_counts_each_experts_pairs():
-    # 80 pairs: the counting sort's passes of 64 pairs carry each expert's count from one to the next
+    # more pairs than a pass of the counting sort takes: each expert's count carries from one pass to the next
     rng = np.random.default_rng(5)
-    rows, experts, d, k = 40, 6, 64, 2
+    rows, experts, d, k = route.PAIRS_A_PASS // 2 + 10, 6, 64, 2
     w = rng.standard_normal((experts, d)).astype(np.float32)
     x = rng.standard_normal((rows, d)).astype(np.float32)
     ids, weights = torch.zeros((rows, k), dtype=torch.int32), torch.zeros((rows, k))

@@ -8,7 +8,7 @@ and store the scores; a block's last program to finish (a self-resetting counter
 `fast_norm.norm_last`'s memory ordering) ranks its rows, so a chunk's blocks are ranked in parallel, and in
 a chunk the last block ranked (another counter) sorts the pairs. Ranking: k arg-max passes (the lower index
 first on a tie, as the cpu lane's stable sort); sorting: the stable counting sort of the pairs by expert id
-(P * (E + 64) comparisons for P pairs and E experts). Ids are int32 and never leave the device.
+(P * (E + 128) comparisons for P pairs and E experts). Ids are int32 and never leave the device.
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.formats import dot_rows
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, tiles
 
-PAIRS_A_PASS = 64  # pairs a counting-sort pass ranks among themselves
+# Pairs a pass of the counting sort takes: the one program that sorts walks a chunk's pairs twice (counting,
+# then placing), a load from L2 and a few block reductions a pass, so fewer, wider passes are shorter;
+# 128 a pass keep the launch within the registers its products take (ptxas, sm_90: 4 bytes spilled, 256
+# spilled 464).
+PAIRS_A_PASS = 128
 
 
 @triton.jit
