@@ -31,7 +31,7 @@ PROMPT = [5, 60, 7, 100, 8, 1, 2, 3, 4, 5, 6, 9, 11]  # past the GEMV's rows
 CASES = {
     # 32-value blocks (Q4_0), the residual and the next norm in the down launch, weights renormalised
     "qwen3moe-q4_0": (
-        Shape("qwen3moe", 128, 2, 4, 2, 32, 256, 260, context=4096, experts=6, experts_used=2, expert_ff=256),
+        Shape("qwen3moe", 128, 2, 4, 2, 32, 256, 260, context=4096, experts=4, experts_used=2, expert_ff=128),
         "q4_0",
     ),
     # a shared expert (computed apart in a chunk, added after), routing weights not renormalised
