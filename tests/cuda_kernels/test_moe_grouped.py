@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
 pytest.importorskip("triton")
 
-from kernel_checks import CUDA, DEVICE, dev, gamma, norm_rel, raw_weights, within  # noqa: E402
+from kernel_checks import CUDA, DEVICE, U16, dev, gamma, norm_rel, raw_weights, within  # noqa: E402
 
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import Format, row_bytes  # noqa: E402
@@ -133,6 +133,34 @@ def test_grouped_experts_match_numpy(case):
         normed = got / np.sqrt((got * got).mean(-1, keepdims=True) + EPS) * gnorm.w.double().numpy()
         out = gnorm.out.double().numpy()
         within(out.reshape(-1), normed.reshape(-1), (norm_rel(d) * np.abs(normed)).reshape(-1) + 1e-30, "norm")
+
+
+def test_activations_past_f16_stay_finite():
+    # rows of the down products' input of ~1e6 (f16 holds 65504) beside rows of ~1: a step's large rows are
+    # divided by a power of two before their f16 rounding and scaled back, so each operand keeps f16's relative
+    # rounding, 2^-11 (a value the division leaves below f16's normals, 2^-14, rounds within 2^-25 of its scale)
+    fmt, rows, slots, experts, d, dff = Format.Q4_K, 9, 2, 3, 256, 256
+    rng = np.random.default_rng(11)
+    rd, wd = _experts(fmt, experts, d, dff, rng)
+    ids = _routing(rows, slots, experts, rng, every=None, none=None)
+    order, counts = _sorted(ids, experts)
+    h = rng.standard_normal((rows * slots, dff)).astype(np.float32)
+    h[::3] *= np.float32(1e6)
+    rw = np.ones((rows, slots), np.float32)
+    sum_out = torch.zeros((rows, d))
+    c = gc.Combine(sum_out, gc.counters(rows, -(-d // TILE["block_n"]), DEVICE))
+    grouped.down_grouped(dev(h), dev(rd), fmt, experts, order, counts, dev(rw), d, dff, torch.empty(rows * slots * d),
+                         c, **TILE)  # fmt: skip
+    w, hd = wd[ids.reshape(-1)].astype(np.float64), h.astype(np.float64)
+    prods = np.einsum("pdk,pk->pd", w, hd)
+    mags = np.einsum("pdk,pk->pd", np.abs(w), np.abs(hd))
+    scale = np.maximum(1.0, 2.0 ** np.ceil(np.log2(np.abs(hd).max(axis=1) / 2**14)))[:, None]
+    tiny = scale * 2.0**-25 * np.abs(w).sum(axis=2)
+    bound = (gamma(dff) + 2 * U16) * mags + tiny
+    bound = bound.reshape(rows, slots, d).sum(1) + gamma(slots + 1) * np.abs(prods).reshape(rows, slots, d).sum(1)
+    assert np.abs(prods).max() > np.finfo(np.float16).max
+    within(sum_out.double().numpy().reshape(-1), prods.reshape(rows, slots, d).sum(1).reshape(-1), bound.reshape(-1),
+           "down past f16")  # fmt: skip
 
 
 def test_route_sorts_and_counts_each_experts_pairs():
