@@ -78,3 +78,27 @@ def test_decode_loop_replays_the_host_steps_within_the_launch_budget(mixture):
         token = host[-1]
     assert replayed == host  # the counters re-arm: every replay routes and norms as the first
     gpu.close()
+
+
+def test_the_prompts_chunk_runs_the_grouped_expert_gemm(mixture, monkeypatch):
+    # the chunk past the GEMV's rows multiplies the kept experts on the tensor cores (`triton.moe.grouped`):
+    # gate/up in every layer; the down products where the grouped GEMM takes the experts' rows (Qwen1.5's
+    # 1408-wide Q4_K_M down rows are Q8_0 / Q5_0 there, of whole 128-value steps), and the logits as the cpu lane's
+    from fuselane.lanes.cuda.triton.moe import grouped
+
+    calls = {"gate_up_grouped": 0, "down_grouped": 0}
+    for name in calls:
+        real = getattr(grouped, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(grouped, name, counted)
+    path, want = mixture
+    gpu = load(path, lane="cuda", ctx=64)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    got = gpu.session().feed(PROMPT)
+    assert calls == {"gate_up_grouped": LAYERS, "down_grouped": LAYERS}, calls
+    assert np.isfinite(got).all() and rel(got, want[0]) <= tol, f"{rel(got, want[0]):.2e} > {tol:.2e}"
+    gpu.close()

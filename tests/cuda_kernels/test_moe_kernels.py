@@ -53,7 +53,7 @@ def test_route_ranks_the_experts_and_sorts_the_pairs(renorm, rows):
     x = rng.standard_normal((rows, d)).astype(np.float32)
     ids, weights = torch.zeros((rows, k), dtype=torch.int32), torch.zeros((rows, k))
     order = torch.zeros(rows * k, dtype=torch.int32) if rows > 1 else None
-    scores, counter = torch.zeros((rows, experts)), route.counters(DEVICE)
+    scores, counter = torch.zeros((rows, experts)), route.counters(DEVICE, rows)
     for _ in range(2):  # the counter re-arms: a second launch runs the same
         route.route(dev(x), dev(w.view(np.uint8)), Format.F32, experts, k, renorm, ids, weights, scores, counter,
                     order)  # fmt: skip

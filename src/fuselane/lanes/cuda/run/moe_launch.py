@@ -6,6 +6,10 @@
   int8 GEMV takes the format, writing its own int8 form where the plan asks;
 - MoeDownCombine, SharedExpertFusion, MoeDeferredFinalize (and its NormQuant): `down_combine`, with the
   arrays the fused op adds in, the folded shared expert, and the next norm.
+
+A chunk past the GEMV's rows (`kernels.moe_grouped`) whose experts the grouped GEMM takes multiplies them on
+the tensor cores instead (`grouped`): the routing launch also counts each expert's pairs (a buffer the
+three launches share, by the order's name), and gate/up and down are each still one launch.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from fuselane.graph.ops import (
     Unary,
     UnaryOp,
 )
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
 
@@ -47,6 +52,21 @@ def _of(found: list[Op], kind: type) -> list[Op]:
     return [x for x in found if isinstance(x.sym, kind)]
 
 
+def _order(b, found: Op, rows: int) -> tuple[Any, str] | None:
+    """A chunk's sorted pairs (int32) and the order's name, where the expert product `found` reads them and
+    the chunk is the grouped GEMM's."""
+    if len(found.ins) < 4 or not kernels.moe_grouped(rows):
+        return None
+    return _ids(b, found.ins[3]), found.ins[3]
+
+
+def _counts(b, order_name: str, experts: int, device) -> Any:
+    """The pairs each expert takes, written by the routing launch that writes `order_name`."""
+    import torch
+
+    return b.scratch.setdefault(f"moe-counts:{order_name}", torch.zeros(experts, dtype=torch.int32, device=device))
+
+
 def route_topk(op: Op, b) -> list:
     """RouterTopk and MoeTokenSort: one `route` launch."""
     from fuselane.lanes.cuda.triton.moe import route
@@ -61,8 +81,9 @@ def route_topk(op: Op, b) -> list:
     w, fmt = b.raw[mm.ins[1]]
     ids, weights, scores = _ids(b, top.out), b.bufs[rw.out], b.bufs[mm.out]
     order = _ids(b, sorts[0].out) if sorts else None
-    counter = b.scratch.setdefault(f"moe-route:{op.out}", route.counters(x.device))
-    args = (spec.experts, spec.k, spec.renorm, ids, weights, scores, counter, order)
+    counts = _counts(b, sorts[0].out, spec.experts, x.device) if sorts and kernels.moe_grouped(spec.rows) else None
+    counter = b.scratch.setdefault(f"moe-route:{op.out}", route.counters(x.device, spec.rows))
+    args = (spec.experts, spec.k, spec.renorm, ids, weights, scores, counter, order, counts)
     return [lambda: route.route(x, w, fmt, *args)]
 
 
@@ -81,11 +102,37 @@ def gate_up_act(op: Op, b, out_q8: Any = None) -> list:
     spec: ExpertMatmul = gate.sym  # type: ignore[assignment]
     (wg, fmt), (wu, _) = b.raw[gate.ins[1]], b.raw[up.ins[1]]
     ids, out = _ids(b, gate.ins[2]).view(spec.rows, spec.k), b.bufs[op.out]
+    order = _order(b, gate, spec.rows)
+    if order is not None and out_q8 is None and _grouped().takes(fmt, spec.n, spec.kd):
+        return _gate_up_grouped(b, gate, wg, wu, fmt, spec, order, out)
     q8 = _int8(b, gate.ins[0], fmt, spec.n, spec.kd, spec.rows)
     if out_q8 is not None and q8 is None:
         raise _mismatch(f"{op.out}: the kept experts write their int8 form only from the int8 products")
     x = q8 if q8 is not None else b.bufs[gate.ins[0]].view(spec.rows, spec.kd)
     return [lambda: gate_up.gate_up(x, wg, wu, fmt, ids, spec.n, spec.kd, out, out_q8)]
+
+
+def _grouped() -> Any:
+    from fuselane.lanes.cuda.triton.moe import grouped
+
+    return grouped
+
+
+def _experts(w, spec_n: int, spec_kd: int, fmt) -> int:
+    """The experts of a 3-D expert tensor's bytes `w`: its bytes over one expert's."""
+    from fuselane.gguf.formats import row_bytes
+
+    return w.numel() // (spec_n * row_bytes(fmt, spec_kd))
+
+
+def _gate_up_grouped(b, gate: Op, wg, wu, fmt, spec: ExpertMatmul, order: tuple[Any, str], out) -> list:
+    """MoeGateUpAct in a chunk: one launch of the grouped GEMM."""
+    sorted_pairs, name = order
+    experts = _experts(wg, spec.n, spec.kd, fmt)
+    x = b.bufs[gate.ins[0]].view(spec.rows, spec.kd)
+    counts = _counts(b, name, experts, x.device)
+    args = (fmt, experts, spec.k, sorted_pairs, counts, spec.n, spec.kd, out.view(spec.rows * spec.k, spec.n))
+    return [lambda: _grouped().gate_up_grouped(x, wg, wu, *args)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +214,9 @@ def down_combine(op: Op, b, out_q8: Any = None) -> list:
     elif out_q8 is not None:
         raise _mismatch(f"{op.out}: a mixture writes an int8 form only of the norm it ends with")
     sum_out = b.bufs[sum_name]
+    order = _order(b, p.down, mix.rows)
+    if order is not None and shared is None and out_q8 is None and _grouped().takes(fmt, mix.d, spec.kd):
+        return _down_grouped(b, op, p, w, fmt, order, weights, adds, norm, sum_out)
     counter = b.scratch.setdefault(f"moe-down:{op.out}", down.counters(mix.rows, sum_out.device))
     d, dff = mix.d, spec.kd
     return [
@@ -174,6 +224,30 @@ def down_combine(op: Op, b, out_q8: Any = None) -> list:
             h, w, fmt, ids, weights, d, dff, sum_out, adds=adds, shared=shared, norm=norm, counter=counter
         )
     ]
+
+
+def _down_grouped(b, op: Op, p: _Parts, w, fmt, order: tuple[Any, str], weights, adds, norm, sum_out) -> list:
+    """MoeDownCombine, MoeDeferredFinalize in a chunk: one launch of the grouped GEMM and its combine."""
+    import torch
+    import triton
+
+    from fuselane.lanes.cuda.triton.moe import grouped_combine as gc
+
+    spec: ExpertMatmul = p.down.sym  # type: ignore[assignment]
+    mix: Moe = p.mix.sym  # type: ignore[assignment]
+    sorted_pairs, name = order
+    d, dff, pairs = mix.d, spec.kd, mix.rows * mix.k
+    counts = _counts(b, name, mix.experts, sum_out.device)
+    # one scratch a shape: the layers' down launches run one after another
+    pair_out = b.scratch.setdefault(f"moe-pair-out:{pairs}x{d}", torch.empty(pairs * d, device=sum_out.device))
+    width_tiles = triton.cdiv(d, kernels.MOE_DOWN_BLOCK_N)
+    counter = b.scratch.setdefault(f"moe-combine:{op.out}", gc.counters(mix.rows, width_tiles, sum_out.device))
+    gnorm = gc.GroupedNorm(norm.w, norm.eps, norm.out) if norm is not None else None
+    c = gc.Combine(sum_out.view(mix.rows, d), counter, tuple(a.view(mix.rows, d) for a in adds), gnorm)
+    h = b.bufs[p.down.ins[0]].view(pairs, dff)
+    rw = weights.view(mix.rows, mix.k)
+    args = (fmt, mix.experts, sorted_pairs, counts, rw, d, dff, pair_out, c)
+    return [lambda: _grouped().down_grouped(h, w, *args)]
 
 
 def row_scale(op: Op, b) -> list:

@@ -85,10 +85,10 @@ def _gemm_kernel(
 def supports(fmt: Format, k: int) -> bool:
     """Whether `gemm` takes n x k rows in `fmt`: a format the device decodes, rows of whole steps."""
     fmt = Format(fmt)
-    return fmt in SLOTS and k % decode_unit(fmt, k) == 0 and _step_units(fmt, k) > 0
+    return fmt in SLOTS and k % decode_unit(fmt, k) == 0 and step_units(fmt, k) > 0
 
 
-def _step_units(fmt: Format, k: int) -> int:
+def step_units(fmt: Format, k: int) -> int:
     """Units a step: one K-quant super-block, or BLOCK_STEP_VALUES of a 32-value format where they divide the
     row; 0 where they do not."""
     values = decode_unit(fmt, k)
@@ -135,7 +135,7 @@ def gemm(
     if bias is not None and (bias.dim() != 1 or bias.numel() != n or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous ({n},) tensor")
     values = decode_unit(fmt, k)
-    step_units = _step_units(fmt, k)
+    units = step_units(fmt, k)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _gemm_kernel[grid](
         x,
@@ -153,8 +153,8 @@ def gemm(
         VALUES=values,
         NBYTES=row_bytes(fmt, values),
         ROW_BYTES=row_bytes(fmt, k),
-        STEPS=k // (values * step_units),
-        STEP_UNITS=step_units,
+        STEPS=k // (values * units),
+        STEP_UNITS=units,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         HAS_BIAS=bias is not None,

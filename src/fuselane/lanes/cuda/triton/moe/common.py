@@ -10,8 +10,6 @@ from fuselane.gguf.formats import Format, row_bytes
 from fuselane.lanes.cuda.triton.gemv import rows as gemv_rows
 from fuselane.lanes.cuda.triton.gemv.formats import dot_rows
 
-COUNTER_SLOTS = 4  # a launch's self-resetting counters: done, tickets, shared phase done, waits passed
-
 
 @triton.jit
 def row_dot(w_rows, x_row, FMT: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr,
@@ -21,10 +19,11 @@ def row_dot(w_rows, x_row, FMT: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.con
     return tl.reshape(y, [BLOCK_N])
 
 
-def f32_plan(fmt: Format, n: int, k: int, prefix: str = "") -> tuple[dict, int]:
-    """The constants of `row_dot` for an (n, k) product in `fmt` (the GEMV's own tile), and its warps."""
-    block_n, warps = gemv_rows.tile(fmt, n, k, 1)
-    steps, units, split = gemv_rows.plan(fmt, k, block_n, warps, 1)
+def f32_plan(fmt: Format, n: int, k: int, prefix: str = "", m: int = 1) -> tuple[dict, int]:
+    """The constants of `row_dot` (or `dot_rows` over `m` rows) for an (n, k) product in `fmt` (the GEMV's own
+    tile), and its warps."""
+    block_n, warps = gemv_rows.tile(fmt, n, k, m)
+    steps, units, split = gemv_rows.plan(fmt, k, block_n, warps, m)
     consts = dict(FMT=int(fmt), STEPS=steps, UNITS=units, SPLIT=split, BLOCK_N=block_n,
                   STAGES=gemv_rows.stages(fmt), ROW_BYTES=row_bytes(fmt, k))  # fmt: skip
     return {prefix + name: v for name, v in consts.items()}, warps

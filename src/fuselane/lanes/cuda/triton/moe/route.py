@@ -1,11 +1,14 @@
 """Routing on the device: each row's router scores (x @ Wr^T over every expert), its top-k experts and their
 weights (the softmax over every expert at the kept ones, renormalised over the k where the model says so),
-and in a chunk the (row, slot) pairs ordered by expert (ExpertSort), in one launch.
+and in a chunk the (row, slot) pairs ordered by expert (ExpertSort) and the pairs each expert takes (what the
+grouped GEMM cuts into tiles, `grouped.py`), in one launch.
 
-Programs take tiles of experts of a row and store the scores; the last program to finish (a self-resetting
-counter, `fast_norm.norm_last`'s memory ordering) ranks every row: k arg-max passes (the lower index first
-on a tie, as the cpu lane's stable sort), and the stable counting sort of the pairs by expert id. Ids are
-int32 and never leave the device.
+Programs take tiles of experts of a block of rows (up to the GEMV's 8, which read the router's rows once)
+and store the scores; a block's last program to finish (a self-resetting counter a block,
+`fast_norm.norm_last`'s memory ordering) ranks its rows, so a chunk's blocks are ranked in parallel, and in
+a chunk the last block ranked (another counter) sorts the pairs. Ranking: k arg-max passes (the lower index
+first on a tie, as the cpu lane's stable sort); sorting: the stable counting sort of the pairs by expert id
+(P * (E + 128) comparisons for P pairs and E experts). Ids are int32 and never leave the device.
 """
 
 from __future__ import annotations
@@ -16,10 +19,16 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import Format
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.moe.common import COUNTER_SLOTS, f32_plan, row_dot, tiles
+from fuselane.lanes.cuda.triton.gemv.formats import dot_rows
+from fuselane.lanes.cuda.triton.moe.common import f32_plan, tiles
 
-PAIRS_A_PASS = 64  # pairs a counting-sort pass ranks against as many others
+# Pairs a pass of the counting sort takes: the one program that sorts walks a chunk's pairs twice (counting,
+# then placing), a load from L2 and a few block reductions a pass, so fewer, wider passes are shorter;
+# 128 a pass keep the launch within the registers its products take (ptxas, sm_90: 4 bytes spilled, 256
+# spilled 464).
+PAIRS_A_PASS = 128
 
 
 @triton.jit
@@ -45,64 +54,100 @@ def _rank_row(scores, ids, weights, r, E: tl.constexpr, E_BLOCK: tl.constexpr, K
 
 
 @triton.jit
-def _sort_pairs(ids, order, P: tl.constexpr, PB: tl.constexpr):
-    """order[rank] = p, the rank of pair p its place among the pairs by (expert id, p): a stable sort."""
+def _count_pairs(ids, P: tl.constexpr, PB: tl.constexpr, E_BLOCK: tl.constexpr):
+    """[E_BLOCK] int32: the pairs routed to each expert."""
+    ex = tl.arange(0, E_BLOCK)
+    total = tl.zeros([E_BLOCK], tl.int32)
     for a in range(0, tl.cdiv(P, PB)):
         pa = a * PB + tl.arange(0, PB)
-        ka = tl.load(ids + pa, mask=pa < P, other=0, cache_modifier=".cg")
-        rank = tl.zeros([PB], tl.int32)
-        for b in range(0, tl.cdiv(P, PB)):
-            pb = b * PB + tl.arange(0, PB)
-            kb = tl.load(ids + pb, mask=pb < P, other=0, cache_modifier=".cg")
-            before = (kb[None, :] < ka[:, None]) | ((kb[None, :] == ka[:, None]) & (pb[None, :] < pa[:, None]))
-            rank += tl.sum((before & (pb < P)[None, :]).to(tl.int32), 1)
-        tl.store(order + rank, pa, mask=pa < P)
+        ka = tl.load(ids + pa, mask=pa < P, other=-1, cache_modifier=".cg")
+        total += tl.sum((ka[:, None] == ex[None, :]).to(tl.int32), 0)
+    return total
+
+
+@triton.jit
+def _sort_pairs(ids, order, counts, P: tl.constexpr, PB: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr,
+                COUNT: tl.constexpr):  # fmt: skip
+    """order[rank] = p, the rank of pair p its place among the pairs by (expert id, p): a stable counting sort.
+    A pair's rank is its expert's first place (the pairs of lower experts) plus the pairs of its expert before
+    it: those of earlier passes (a running count an expert) and of its own pass (a PB x PB comparison), so
+    the work is P * (E + PB), not P * P. With COUNT, counts[e] = the pairs of expert e too."""
+    ex = tl.arange(0, E_BLOCK)
+    total = _count_pairs(ids, P, PB, E_BLOCK)
+    seen = tl.cumsum(total, 0) - total  # the pairs before each expert's first, then before this pass's
+    i = tl.arange(0, PB)
+    for a in range(0, tl.cdiv(P, PB)):
+        pa = a * PB + i
+        ka = tl.load(ids + pa, mask=pa < P, other=-1, cache_modifier=".cg")
+        hit = ka[:, None] == ex[None, :]
+        first = tl.sum(tl.where(hit, seen[None, :], 0), 1)
+        ahead = tl.sum(((ka[None, :] == ka[:, None]) & (i[None, :] < i[:, None])).to(tl.int32), 1)
+        tl.store(order + first + ahead, pa, mask=pa < P)
+        seen += tl.sum(hit.to(tl.int32), 0)
+    if COUNT:
+        tl.store(counts + ex, total, mask=ex < E)
 
 
 @triton.jit
 def _route_kernel(
-    x, w, scores, ids, weights, order, counter,
+    x, w, scores, ids, weights, order, counts, counter,
     D: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr, K_BLOCK: tl.constexpr,
-    ROWS: tl.constexpr, RENORM: tl.constexpr, SORT: tl.constexpr, PB: tl.constexpr,
+    ROWS: tl.constexpr, ROW_BLOCK: tl.constexpr, RENORM: tl.constexpr, SORT: tl.constexpr, COUNT: tl.constexpr,
+    PB: tl.constexpr,
     FMT: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr, ROW_BYTES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
-    row = tl.program_id(1)
+    block = tl.program_id(1)
+    rows = block * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
     e = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = row_dot(w + tl.minimum(e, E - 1).to(tl.int64) * ROW_BYTES, x + row * D, FMT, STEPS, UNITS, SPLIT, BLOCK_N,
-                STAGES)  # fmt: skip
-    tl.store(scores + row * E + e, y, mask=e < E)
+    x_rows = x + tl.minimum(rows, ROWS - 1).to(tl.int64) * D  # a row past the chunk reads its last
+    y = dot_rows(w + tl.minimum(e, E - 1).to(tl.int64) * ROW_BYTES, x_rows, FMT, STEPS, UNITS, SPLIT, ROW_BLOCK,
+                 BLOCK_N, STAGES)  # fmt: skip
+    tl.store(scores + rows[:, None] * E + e[None, :], y, mask=(rows < ROWS)[:, None] & (e < E)[None, :])
     tl.debug_barrier()
-    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) * tl.num_programs(1) - 1:
-        for r in range(0, ROWS):
-            _rank_row(scores, ids, weights, r, E, E_BLOCK, K, K_BLOCK, RENORM)
+    done = tl.atomic_add(counter + 1 + block, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:  # a block's last tile of experts ranks its rows: the blocks in parallel
+        tl.atomic_xchg(counter + 1 + block, 0, sem="relaxed", scope="gpu")
+        for i in range(0, ROW_BLOCK):
+            if block * ROW_BLOCK + i < ROWS:
+                _rank_row(scores, ids, weights, block * ROW_BLOCK + i, E, E_BLOCK, K, K_BLOCK, RENORM)
         if SORT:
             tl.debug_barrier()
-            _sort_pairs(ids, order, ROWS * K, PB)
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            ranked = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ranked == tl.num_programs(1) - 1:  # the last block ranked sorts every row's pairs
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                _sort_pairs(ids, order, counts, ROWS * K, PB, E, E_BLOCK, COUNT)
 
 
-def counters(device) -> Tensor:
-    """Zeroed counters a mixture launch takes; each launch leaves them at zero."""
-    return torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+def counters(device, rows: int = 1) -> Tensor:
+    """Zeroed counters a routing launch of `rows` rows takes (one a row, as many as its blocks of rows at most,
+    and one for the blocks ranked); each launch leaves them at zero."""
+    return torch.zeros(1 + rows, dtype=torch.int32, device=device)
 
 
 def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool, ids: Tensor, weights: Tensor,
-          scores: Tensor, counter: Tensor, order: Tensor | None = None) -> None:  # fmt: skip
+          scores: Tensor, counter: Tensor, order: Tensor | None = None,
+          counts: Tensor | None = None) -> None:  # fmt: skip
     """ids (rows, k) int32 and weights (rows, k) f32 of x's rows (rows, d) f32 routed by the router `w`
     (experts, d) checkpoint rows in `fmt`; `scores` (rows, experts) f32 scratch; with `order` (rows * k,)
-    int32 also the pairs ordered by expert. One launch."""
+    int32 also the pairs ordered by expert, and with `counts` (experts,) int32 the pairs each expert takes.
+    One launch."""
     rows, d = x.shape
     if ids.dtype != torch.int32 or ids.numel() != rows * k or weights.numel() != rows * k:
         raise ValueError(f"ids must be int32 and ids and weights ({rows}, {k})")
     if scores.numel() < rows * experts or not 1 <= k <= experts:
         raise ValueError(f"scores must hold ({rows}, {experts}) and 1 <= k <= {experts}")
-    plan, warps = f32_plan(Format(fmt), experts, d)
+    if counter.numel() < 1 + rows:
+        raise ValueError(f"a routing launch of {rows} rows takes {1 + rows} counters")
+    if counts is not None and (order is None or counts.dtype != torch.int32 or counts.numel() != experts):
+        raise ValueError(f"counts must be int32 ({experts},), written with the order")
+    row_block = triton.next_power_of_2(min(rows, kernels.GEMV_ROWS))
+    plan, warps = f32_plan(Format(fmt), experts, d, m=row_block)
     sort = order is not None
-    _route_kernel[(tiles(experts, plan["BLOCK_N"]), rows)](
-        x, w, scores, ids, weights, order if sort else ids, counter,
+    _route_kernel[(tiles(experts, plan["BLOCK_N"]), triton.cdiv(rows, row_block))](
+        x, w, scores, ids, weights, order if sort else ids, ids if counts is None else counts, counter,
         D=d, E=experts, E_BLOCK=triton.next_power_of_2(experts), K=k, K_BLOCK=triton.next_power_of_2(k),
-        ROWS=rows, RENORM=renorm, SORT=sort, PB=PAIRS_A_PASS, num_warps=warps, **plan, **pdl.options(),
+        ROWS=rows, ROW_BLOCK=row_block, RENORM=renorm, SORT=sort, COUNT=counts is not None, PB=PAIRS_A_PASS,
+        num_warps=warps, **plan, **pdl.options(),
     )  # fmt: skip

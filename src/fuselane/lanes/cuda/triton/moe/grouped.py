@@ -1,0 +1,219 @@
+"""A chunk's kept experts as a grouped GEMM on the tensor cores, from the checkpoint's bytes.
+
+The routing launch (`route`) leaves the chunk's (row, slot) pairs sorted by expert, stably (`order`), and the
+pairs each expert takes (`counts`). Each expert's run of the sorted pairs is cut into tiles of BLOCK_M pairs,
+the last one partial; tile t of the chunk is found on the device from the counts (`_tile_of`), so nothing
+returns to the host and the grid is a bound, not a count: `kernels.moe_tiles_bound` tiles of pairs (a tile
+past the chunk's ends at once) by the tiles of weight rows. The launches are thus captured as they are.
+
+A program takes one tile of one expert's pairs by BLOCK_N rows of that expert's matrix (the 3-D tensor's
+base + expert * an expert's bytes): it gathers the pairs' activation rows, decodes the weight rows' units to
+f16 as the dense prefill GEMM does (`gemv.epilogue.unit_values`, each value `fuselane.gguf.dequant`'s f32,
+rounded once), and multiplies on the tensor cores (`tl.dot`, f32 sums), a step of whole units at a time. An
+activation row past f16's range is scaled by a power of two first, as `gemm` does.
+
+- `gate_up_grouped` (MoeGateUpAct): both products of a tile, SiLU(gate) * up in the epilogue, stored at each
+  pair's row of the output (the layout the down products read).
+- `down_grouped` (MoeDownCombine, MoeDeferredFinalize): the product times the pair's route weight, stored at
+  the pair's row of a (pairs, d) scratch; then the weighted combine (`grouped_combine`), in the same launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fuselane.gguf.formats import Format, row_bytes
+from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton.gemm import F16_SAFE, step_units, supports
+from fuselane.lanes.cuda.triton.gemv.epilogue import decode_unit, unit_values
+from fuselane.lanes.cuda.triton.gemv.parts import check_rows
+from fuselane.lanes.cuda.triton.moe.grouped_combine import Combine, combine_args, combine_rows, counters_for
+
+
+@triton.jit
+def _tile_of(counts, t, E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Tile `t` of the chunk: its expert, its first place in the sorted pairs, and its pairs (0: past the end)."""
+    ex = tl.arange(0, E_BLOCK)
+    c = tl.load(counts + ex, mask=ex < E, other=0)
+    tiles = (c + BLOCK_M - 1) // BLOCK_M
+    end = tl.cumsum(tiles, 0)
+    mine = (t >= end - tiles) & (t < end)
+    e = tl.sum(tl.where(mine, ex, 0), 0)
+    j = t - tl.sum(tl.where(mine, end - tiles, 0), 0)  # the tile's place among its expert's
+    start = tl.sum(tl.where(mine, tl.cumsum(c, 0) - c, 0), 0) + j * BLOCK_M
+    left = tl.sum(tl.where(mine, c, 0), 0) - j * BLOCK_M
+    return e, start, tl.where(tl.sum(mine.to(tl.int32), 0) > 0, tl.minimum(left, BLOCK_M), 0)
+
+
+@triton.jit
+def _f16_rows(a):
+    """a (BLOCK_M, values) f32 as the f16 operand: each row past F16_SAFE divided by the power of two that brings
+    it under (exact; the others by 1), with those divisors and whether any row took one. Rounded once, here,
+    so the f32 tile is not kept for the products."""
+    amax = tl.max(tl.abs(a), 1)
+    scale = tl.where(amax > F16_SAFE, tl.exp2(tl.ceil(tl.log2(amax / F16_SAFE))), 1.0)
+    return (a * (1.0 / scale)[:, None]).to(tl.float16), scale, tl.max(amax) > F16_SAFE
+
+
+@triton.jit
+def _mma(a16, scale, big, b, acc):
+    """acc + a16 @ b^T on the tensor cores (f32 sums), the rows' divisors multiplied back where any row took one."""
+    if big:
+        acc += tl.dot(a16, tl.trans(b)) * scale[:, None]
+    else:
+        acc = tl.dot(a16, tl.trans(b), acc)
+    return acc
+
+
+@triton.jit
+def _weights(w_rows, u0, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
+             STEP_UNITS: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, STEP_UNITS * VALUES] f16: a step's units of the tile's weight rows, decoded."""
+    units = tl.arange(0, STEP_UNITS)
+    blk = tl.reshape(w_rows[:, None] + (u0 + units)[None, :] * NBYTES, [BLOCK_N * STEP_UNITS, 1])
+    return tl.reshape(unit_values(blk, FMT, VALUES), [BLOCK_N, STEP_UNITS * VALUES]).to(tl.float16)
+
+
+@triton.jit
+def _tile_pairs(order, counts, E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's tile: its expert, its pairs (a pair past the tile's repeats its first), which are live."""
+    e, start, live = _tile_of(counts, tl.program_id(1), E, E_BLOCK, BLOCK_M)
+    i = tl.arange(0, BLOCK_M)
+    pair = tl.load(order + start + tl.minimum(i, tl.maximum(live - 1, 0)), mask=live > 0, other=0)
+    return e.to(tl.int64), pair, (i < live), live
+
+
+@triton.jit
+def gate_up_kernel(
+    x, w_gate, w_up, order, counts, out,
+    N: tl.constexpr, KD: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr,
+    EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
+    ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, STEP_UNITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.begin(PDL)  # the order and counts are the routing launch's
+    e, pair, live, n_live = _tile_pairs(order, counts, E, E_BLOCK, BLOCK_M)
+    if n_live > 0:
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        off = e * EXPERT_BYTES + tl.minimum(rows, N - 1).to(tl.int64) * ROW_BYTES
+        x_rows = x + (pair // SLOTS).to(tl.int64) * KD
+        cols = tl.arange(0, STEP_UNITS * VALUES)
+        gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for s in range(0, STEPS):
+            u0 = s * STEP_UNITS
+            a16, scale, big = _f16_rows(tl.load(x_rows[:, None] + u0 * VALUES + cols[None, :]))
+            gate = _mma(a16, scale, big, _weights(w_gate + off, u0, FMT, VALUES, NBYTES, STEP_UNITS, BLOCK_N), gate)
+            up = _mma(a16, scale, big, _weights(w_up + off, u0, FMT, VALUES, NBYTES, STEP_UNITS, BLOCK_N), up)
+        h = gate / (1.0 + tl.exp(-gate)) * up
+        dst = out + pair.to(tl.int64)[:, None] * N + rows[None, :]
+        tl.store(dst, h, mask=live[:, None] & (rows < N)[None, :])
+
+
+@triton.jit
+def down_kernel(
+    h, w, order, counts, weights, pair_out, a0, a1, sum_out, norm_w, normed, counters, eps,
+    D: tl.constexpr, DFF: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr,
+    EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
+    ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, STEP_UNITS: tl.constexpr, ADDS: tl.constexpr,
+    NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.begin(PDL)
+    e, pair, live, n_live = _tile_pairs(order, counts, E, E_BLOCK, BLOCK_M)
+    if n_live > 0:
+        cols_d = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        off = e * EXPERT_BYTES + tl.minimum(cols_d, D - 1).to(tl.int64) * ROW_BYTES
+        h_rows = h + pair.to(tl.int64) * DFF
+        vals = tl.arange(0, STEP_UNITS * VALUES)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for s in range(0, STEPS):
+            u0 = s * STEP_UNITS
+            a16, scale, big = _f16_rows(tl.load(h_rows[:, None] + u0 * VALUES + vals[None, :]))
+            acc = _mma(a16, scale, big, _weights(w + off, u0, FMT, VALUES, NBYTES, STEP_UNITS, BLOCK_N), acc)
+        acc = acc * tl.load(weights + pair)[:, None]
+        keep = live[:, None] & (cols_d < D)[None, :]
+        tl.store(pair_out + pair.to(tl.int64)[:, None] * D + cols_d[None, :], acc, mask=keep)
+        combine_rows(pair_out, a0, a1, sum_out, norm_w, normed, counters, eps, pair // SLOTS, live, cols_d,
+                     D, SLOTS, ADDS, NORM, NORM_CHUNK, ROWS, BLOCK_M, BLOCK_N)  # fmt: skip
+
+
+def takes(fmt: Format, n: int, k: int) -> bool:
+    """Whether the grouped GEMM takes experts of (n, k) checkpoint rows in `fmt`: those the dense prefill GEMM
+    takes (`gemm.supports`)."""
+    return n > 0 and supports(Format(fmt), k)
+
+
+def format_consts(fmt: Format, n: int, k: int) -> dict:
+    """The kernels' constants for experts of (n, k) rows in `fmt`: the decode's unit and step, an expert's bytes."""
+    values = decode_unit(fmt, k)
+    units = step_units(fmt, k)
+    return dict(FMT=int(fmt), VALUES=values, NBYTES=row_bytes(fmt, values), ROW_BYTES=row_bytes(fmt, k),
+                STEPS=k // (values * units), STEP_UNITS=units,
+                EXPERT_BYTES=n * row_bytes(fmt, k))  # fmt: skip
+
+
+def _check(w: Tensor, fmt: Format, experts: int, n: int, k: int, order: Tensor, counts: Tensor) -> None:
+    if not takes(fmt, n, k):
+        raise ValueError(f"no grouped GEMM for {Format(fmt).name} experts of {k}-value rows")
+    check_rows(w, fmt, experts * n, k)
+    if order.dtype != torch.int32 or counts.dtype != torch.int32 or counts.numel() != experts:
+        raise ValueError(f"order must be int32 pairs and counts int32 ({experts},)")
+
+
+def _grid(n: int, block_n: int, pairs: int, experts: int, block_m: int) -> tuple[int, int]:
+    return triton.cdiv(n, block_n), kernels.moe_tiles_bound(pairs, experts, block_m)
+
+
+def gate_up_grouped(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, experts: int, slots: int, order: Tensor,
+                    counts: Tensor, n: int, k: int, out: Tensor, *, block_m: int = kernels.MOE_GEMM_BLOCK_M,
+                    block_n: int = kernels.MOE_GATE_UP_BLOCK_N) -> Tensor:  # fmt: skip
+    """out[p] (n) f32 = SiLU(x[p // slots] @ Wg[e]^T) * (x[p // slots] @ Wu[e]^T) for each pair p the sorted
+    `order` (int32 (pairs,)) lists, e its expert, `counts` (int32 (experts,)) the pairs of each in turn; Wg and
+    Wu (experts, n, k) checkpoint rows in `fmt`, x f32 (rows, k) contiguous. One launch."""
+    fmt = Format(fmt)
+    _check(w_gate, fmt, experts, n, k, order, counts)
+    check_rows(w_up, fmt, experts * n, k)
+    pairs = order.numel()
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() * slots != pairs * k:
+        raise ValueError(f"x must be contiguous f32 ({pairs // slots}, {k})")
+    if out.numel() != pairs * n or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous ({pairs}, {n})")
+    gate_up_kernel[_grid(n, block_n, pairs, experts, block_m)](
+        x, w_gate, w_up, order, counts, out, N=n, KD=k, SLOTS=slots, E=experts,
+        E_BLOCK=triton.next_power_of_2(experts), **format_consts(fmt, n, k), BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=kernels.MOE_GEMM_WARPS, num_stages=kernels.MOE_GEMM_STAGES, **pdl.options(),
+    )  # fmt: skip
+    return out
+
+
+def down_grouped(h: Tensor, w: Tensor, fmt: Format, experts: int, order: Tensor, counts: Tensor, weights: Tensor,
+                 d: int, dff: int, pair_out: Tensor, c: Combine, *, block_m: int = kernels.MOE_GEMM_BLOCK_M,
+                 block_n: int = kernels.MOE_DOWN_BLOCK_N) -> Tensor:  # fmt: skip
+    """c.sum_out (rows, d) = sum over each row's slots j, in order, of weights[row, j] * (h[pair] @ Wd[e]^T)
+    (+ each of c.adds), e the pair's expert; with c.norm its RMS norm too. Wd (experts, d, dff) checkpoint rows
+    in `fmt`, h f32 (pairs, dff), weights f32 (rows, slots), `pair_out` a (pairs, d) f32 scratch. One launch:
+    the products, then each (row, tile of d) summed by the program that stores its last slot."""
+    fmt = Format(fmt)
+    _check(w, fmt, experts, d, dff, order, counts)
+    pairs = order.numel()
+    rows, slots = weights.shape
+    if h.dtype != torch.float32 or h.numel() != pairs * dff or not h.is_contiguous() or rows * slots != pairs:
+        raise ValueError(f"h must be contiguous f32 ({pairs}, {dff}) and weights ({pairs // max(slots, 1)}, k)")
+    if pair_out.numel() < pairs * d:
+        raise ValueError(f"pair_out must hold ({pairs}, {d})")
+    grid = _grid(d, block_n, pairs, experts, block_m)
+    if c.counters.numel() < counters_for(rows, grid[0]):
+        raise ValueError(f"counters must hold {counters_for(rows, grid[0])}")
+    down_kernel[grid](
+        h, w, order, counts, weights, pair_out, *combine_args(c, rows, d),
+        D=d, DFF=dff, SLOTS=slots, E=experts, E_BLOCK=triton.next_power_of_2(experts),
+        **format_consts(fmt, d, dff), ADDS=len(c.adds), NORM=c.norm is not None,
+        NORM_CHUNK=kernels.MOE_NORM_CHUNK, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=kernels.MOE_GEMM_WARPS, num_stages=kernels.MOE_GEMM_STAGES, **pdl.options(),
+    )  # fmt: skip
+    return c.sum_out

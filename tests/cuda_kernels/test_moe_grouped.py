@@ -1,0 +1,241 @@
+"""A chunk's grouped expert GEMM (`triton.moe.grouped`) against NumPy at tiny shapes, under the interpreter.
+
+The reference multiplies what the kernels multiply: the activations rounded to f16 and each expert's weights
+(`gguf.dequant`'s f32) rounded to f16, in f64. An f32 sum of k exact f16 products is within gamma_k * sum
+|w x| (Higham 3.1); SiLU's slope (at most 1.1) and the up product carry the gate's error, and a few f32
+roundings more each result (SiLU, the products, the route weight). The combine sums k slots and the added
+arrays in f32: k + 2 roundings of their magnitudes. The norm is checked against the f64 norm of the sums
+the kernel wrote, within `norm_rel`. A wrong expert, pair, tile or slot moves a value by about its size.
+
+Routing is given (ids drawn, each row's experts distinct; the order NumPy's stable sort, the counts its
+bincount), with an expert no pair routes to, one in every row (several tiles), and a chunk whose every pair
+routes to one expert. Each launch runs twice: the counters re-arm and the sums are the same bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
+pytest.importorskip("triton")
+
+from kernel_checks import CUDA, DEVICE, U16, dev, gamma, norm_rel, raw_weights, within  # noqa: E402
+
+from fuselane.gguf.dequant import dequantize  # noqa: E402
+from fuselane.gguf.formats import Format, row_bytes  # noqa: E402
+from fuselane.lanes.cuda.triton.moe import grouped, route  # noqa: E402
+from fuselane.lanes.cuda.triton.moe import grouped_combine as gc  # noqa: E402
+
+ROUNDINGS = 6
+SILU_SLOPE = 1.1
+EPS = 1e-6
+# small tiles, so a few pairs reach several tiles of an expert and of the width
+TILE = dict(block_m=8, block_n=32)
+
+
+def _experts(fmt: Format, experts: int, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes of (experts, n, k) random rows, and their values rounded to f16 (kept f16: the real widths')."""
+    raw = raw_weights(fmt, experts * n, k, rng)
+    return raw, dequantize(raw, fmt, (experts, n, k), dtype=np.float32).astype(np.float16)
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float64)
+
+
+def _routing(rows: int, slots: int, experts: int, rng, *, every: int | None, none: int | None) -> np.ndarray:
+    """(rows, slots) distinct experts a row: `every` in each row's first slot, `none` in no row."""
+    pool = [e for e in range(experts) if e not in (every, none)]
+    ids = np.stack([rng.permutation(pool)[: slots - (every is not None)] for _ in range(rows)])
+    if every is not None:
+        ids = np.concatenate([np.full((rows, 1), every), ids], axis=1)
+    return ids.astype(np.int32)
+
+
+def _sorted(ids: np.ndarray, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable").astype(np.int32)
+    return dev(order), dev(np.bincount(flat, minlength=experts).astype(np.int32))
+
+
+def _glu(wg, wu, x16):
+    """SiLU(gate) * up for each pair in f64, and its bound."""
+    wg, wu = wg.astype(np.float64), wu.astype(np.float64)
+    g, u = np.einsum("pnk,pk->pn", wg, x16), np.einsum("pnk,pk->pn", wu, x16)
+    k = x16.shape[-1]
+    dg = gamma(k) * np.einsum("pnk,pk->pn", np.abs(wg), np.abs(x16))
+    du = gamma(k) * np.einsum("pnk,pk->pn", np.abs(wu), np.abs(x16))
+    silu = g / (1 + np.exp(-g))
+    want = silu * u
+    return want, SILU_SLOPE * dg * np.abs(u) + np.abs(silu) * du + gamma(ROUNDINGS) * np.abs(want) + 1e-30
+
+
+CASES = {
+    # K formats (a super-block a step), a residual, the next norm; expert 3 idle, expert 0 in every row
+    "q4_k-q6_k-norm": (Format.Q4_K, Format.Q6_K, 12, 2, 5, 256, 256, dict(every=0, none=3), 1, True),
+    # 32-value formats (four blocks a step), two arrays added, one of them the sum's own buffer
+    "q8_0-q5_0-adds": (Format.Q8_0, Format.Q5_0, 11, 3, 6, 128, 128, dict(every=None, none=2), 2, False),
+    # every pair to one expert: its tiles are the chunk's, the others' none
+    "one-expert": (Format.Q4_0, Format.Q8_0, 17, 1, 4, 128, 128, dict(every=1, none=None), 1, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_grouped_experts_match_numpy(case):
+    fmt_gu, fmt_d, rows, slots, experts, d, dff, routing, adds, norm = CASES[case]
+    rng = np.random.default_rng(len(case))
+    rg, wg = _experts(fmt_gu, experts, dff, d, rng)
+    ru, wu = _experts(fmt_gu, experts, dff, d, rng)
+    rd, wd = _experts(fmt_d, experts, d, dff, rng)
+    x = rng.standard_normal((rows, d)).astype(np.float32)
+    ids = _routing(rows, slots, experts, rng, **routing)
+    rw = rng.uniform(0.1, 1.0, (rows, slots)).astype(np.float32)
+    order, counts = _sorted(ids, experts)
+    pairs = rows * slots
+
+    h = torch.full((pairs, dff), np.nan)
+    for _ in range(2):
+        grouped.gate_up_grouped(dev(x), dev(rg), dev(ru), fmt_gu, experts, slots, order, counts, dff, d, h, **TILE)
+    e = ids.reshape(-1)
+    want_h, bound_h = _glu(wg[e], wu[e], _f16(x)[np.arange(pairs) // slots])
+    within(h.double().numpy().reshape(-1), want_h.reshape(-1), bound_h.reshape(-1), "gate/up")
+
+    res = [rng.standard_normal((rows, d)).astype(np.float32) for _ in range(adds)]
+    sum_out = dev(res[-1].copy())  # the last array added is the sum's own buffer
+    added = tuple(dev(r) for r in res[:-1]) + (sum_out,)
+    norm_w = dev(rng.standard_normal(d).astype(np.float32))
+    gnorm = gc.GroupedNorm(norm_w, EPS, torch.zeros((rows, d))) if norm else None
+    width_tiles = -(-d // TILE["block_n"])
+    c = gc.Combine(sum_out, gc.counters(rows, width_tiles, DEVICE), added, gnorm)
+    pair_out = torch.empty(pairs * d)
+    first = None
+    for _ in range(2):
+        sum_out.copy_(dev(res[-1]))
+        grouped.down_grouped(h, dev(rd), fmt_d, experts, order, counts, dev(rw), d, dff, pair_out, c, **TILE)
+        assert not c.counters.any(), "a counter was left armed"
+        first = sum_out.clone() if first is None else first
+    assert torch.equal(first, sum_out), "the combine's sum changed between launches"
+
+    hv, wde = _f16(h.double().numpy()), wd[e].astype(np.float64)
+    prods = np.einsum("pdk,pk->pd", wde, hv) * rw.reshape(-1, 1)
+    mags = np.einsum("pdk,pk->pd", np.abs(wde), np.abs(hv)) * rw.reshape(-1, 1)
+    want = prods.reshape(rows, slots, d).sum(1) + sum(r.astype(np.float64) for r in res)
+    terms = np.abs(prods).reshape(rows, slots, d).sum(1) + sum(np.abs(r) for r in res)
+    bound = gamma(dff + 1) * mags.reshape(rows, slots, d).sum(1) + gamma(slots + adds + 1) * terms + 1e-30
+    got = sum_out.double().numpy()
+    within(got.reshape(-1), want.reshape(-1), bound.reshape(-1), "down + combine")
+    if norm:
+        normed = got / np.sqrt((got * got).mean(-1, keepdims=True) + EPS) * gnorm.w.double().numpy()
+        out = gnorm.out.double().numpy()
+        within(out.reshape(-1), normed.reshape(-1), (norm_rel(d) * np.abs(normed)).reshape(-1) + 1e-30, "norm")
+
+
+def test_activations_past_f16_stay_finite():
+    # rows of the down products' input of ~1e6 (f16 holds 65504) beside rows of ~1: a step's large rows are
+    # divided by a power of two before their f16 rounding and scaled back, so each operand keeps f16's relative
+    # rounding, 2^-11 (a value the division leaves below f16's normals, 2^-14, rounds within 2^-25 of its scale)
+    fmt, rows, slots, experts, d, dff = Format.Q4_K, 9, 2, 3, 256, 256
+    rng = np.random.default_rng(11)
+    rd, wd = _experts(fmt, experts, d, dff, rng)
+    ids = _routing(rows, slots, experts, rng, every=None, none=None)
+    order, counts = _sorted(ids, experts)
+    h = rng.standard_normal((rows * slots, dff)).astype(np.float32)
+    h[::3] *= np.float32(1e6)
+    rw = np.ones((rows, slots), np.float32)
+    sum_out = torch.zeros((rows, d))
+    c = gc.Combine(sum_out, gc.counters(rows, -(-d // TILE["block_n"]), DEVICE))
+    grouped.down_grouped(dev(h), dev(rd), fmt, experts, order, counts, dev(rw), d, dff, torch.empty(rows * slots * d),
+                         c, **TILE)  # fmt: skip
+    w, hd = wd[ids.reshape(-1)].astype(np.float64), h.astype(np.float64)
+    prods = np.einsum("pdk,pk->pd", w, hd)
+    mags = np.einsum("pdk,pk->pd", np.abs(w), np.abs(hd))
+    scale = np.maximum(1.0, 2.0 ** np.ceil(np.log2(np.abs(hd).max(axis=1) / 2**14)))[:, None]
+    tiny = scale * 2.0**-25 * np.abs(w).sum(axis=2)
+    bound = (gamma(dff) + 2 * U16) * mags + tiny
+    bound = bound.reshape(rows, slots, d).sum(1) + gamma(slots + 1) * np.abs(prods).reshape(rows, slots, d).sum(1)
+    assert np.abs(prods).max() > np.finfo(np.float16).max
+    within(sum_out.double().numpy().reshape(-1), prods.reshape(rows, slots, d).sum(1).reshape(-1), bound.reshape(-1),
+           "down past f16")  # fmt: skip
+
+
+def test_route_sorts_and_counts_each_experts_pairs():
+    # more pairs than a pass of the counting sort takes: each expert's count carries from one pass to the next
+    rng = np.random.default_rng(5)
+    rows, experts, d, k = route.PAIRS_A_PASS // 2 + 10, 6, 64, 2
+    w = rng.standard_normal((experts, d)).astype(np.float32)
+    x = rng.standard_normal((rows, d)).astype(np.float32)
+    ids, weights = torch.zeros((rows, k), dtype=torch.int32), torch.zeros((rows, k))
+    order, counts = torch.zeros(rows * k, dtype=torch.int32), torch.full((experts,), -1, dtype=torch.int32)
+    scores = torch.zeros((rows, experts))
+    route.route(dev(x), dev(w.view(np.uint8)), Format.F32, experts, k, True, ids, weights, scores,
+                route.counters(DEVICE, rows), order, counts)  # fmt: skip
+    got = ids.numpy().reshape(-1)
+    assert np.array_equal(counts.numpy(), np.bincount(got, minlength=experts))
+    assert np.array_equal(order.numpy(), np.argsort(got, kind="stable"))
+
+
+def test_refusals():
+    raw = dev(raw_weights(Format.Q8_0, 2 * 8, 96, np.random.default_rng(0)))
+    order, counts = torch.zeros(4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    assert not grouped.takes(Format.Q8_0, 8, 96) and grouped.takes(Format.Q4_K, 8, 256)
+    with pytest.raises(ValueError, match="no grouped GEMM"):
+        grouped.gate_up_grouped(torch.zeros((2, 96)), raw, raw, Format.Q8_0, 2, 2, order, counts, 8, 96,
+                                torch.zeros((4, 8)))  # fmt: skip
+
+
+# --- compiled, at Qwen3-30B-A3B's widths (n_embd 2048, 128 experts, top-8, expert ffn 768) ------------------
+
+
+REAL = (512, 8, 128, 2048, 768)  # rows, kept experts, experts, n_embd, expert ffn
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize(("fmt_gu", "fmt_d"), [(Format.Q4_K, Format.Q4_K), (Format.Q4_K, Format.Q6_K)])
+def test_cuda_grouped_experts_30b_a3b(fmt_gu, fmt_d):
+    # a sample of rows against the f64 reference, each of their experts dequantized alone (the cost)
+    rows, slots, experts, d, dff = REAL
+    rng = np.random.default_rng(9)
+    rg, ru, rd = (raw_weights(f, experts * n, kk, rng) for f, n, kk in ((fmt_gu, dff, d),) * 2 + ((fmt_d, d, dff),))
+    x = rng.standard_normal((rows, d)).astype(np.float32)
+    ids = np.stack([rng.permutation(experts)[:slots] for _ in range(rows)]).astype(np.int32)
+    rw = rng.uniform(0.0, 0.3, (rows, slots)).astype(np.float32)
+    order, counts = _sorted(ids, experts)
+    pairs = rows * slots
+    h = torch.empty((pairs, dff), device=DEVICE)
+    grouped.gate_up_grouped(dev(x), dev(rg), dev(ru), fmt_gu, experts, slots, order, counts, dff, d, h)
+    res = rng.standard_normal((rows, d)).astype(np.float32)
+    sum_out = dev(res.copy())
+    gnorm = gc.GroupedNorm(dev(np.ones(d, np.float32)), EPS, torch.zeros((rows, d), device=DEVICE))
+    width_tiles = -(-d // grouped.kernels.MOE_DOWN_BLOCK_N)
+    c = gc.Combine(sum_out, gc.counters(rows, width_tiles, DEVICE), (sum_out,), gnorm)
+    pair_out = torch.empty(pairs * d, device=DEVICE)
+    grouped.down_grouped(h, dev(rd), fmt_d, experts, order, counts, dev(rw), d, dff, pair_out, c)
+    torch.cuda.synchronize()
+    assert not c.counters.any()
+    got, out, hs = (t.double().cpu().numpy() for t in (sum_out, gnorm.out, h))
+    for r in rng.choice(rows, 4, replace=False):
+        hv, prods, mags = _f16(hs[r * slots : (r + 1) * slots]), [], []
+        for j, e in enumerate(ids[r]):
+            wg, wu = (_expert(raw, fmt_gu, e, dff, d)[None] for raw in (rg, ru))
+            want_h, bound_h = _glu(wg, wu, _f16(x[r])[None])
+            within(hs[r * slots + j], want_h[0], bound_h[0], f"gate/up {r}, {j}")
+            wd = _expert(rd, fmt_d, e, d, dff).astype(np.float64)
+            prods.append(rw[r, j] * (wd @ hv[j]))
+            mags.append(rw[r, j] * (np.abs(wd) @ np.abs(hv[j])))
+        want = np.sum(prods, 0) + res[r]
+        bound = gamma(dff + 1) * np.sum(mags, 0) + gamma(slots + 2) * (np.abs(prods).sum(0) + np.abs(res[r])) + 1e-30
+        within(got[r], want, bound, f"down + combine {r}")
+        normed = got[r] / np.sqrt((got[r] * got[r]).mean() + EPS)
+        within(out[r], normed, norm_rel(d) * np.abs(normed) + 1e-30, f"norm {r}")
+
+
+def _expert(raw: np.ndarray, fmt: Format, e: int, n: int, k: int) -> np.ndarray:
+    """Expert e's (n, k) values of a 3-D expert tensor's bytes, rounded to f16."""
+    size = n * row_bytes(fmt, k)
+    return dequantize(raw[e * size : (e + 1) * size], fmt, (n, k), dtype=np.float32).astype(np.float16)
