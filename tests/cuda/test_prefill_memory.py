@@ -4,11 +4,14 @@ cuda`; skipped without a GPU).
 
 A Qwen2.5-7B-shaped Q4_K_M checkpoint (all 28 layers: the workspace is one chunk's live activations, the same
 at any depth, set against the whole model's bytes) prefills a 512-token prompt in the session's chunks and
-decodes 8 tokens; `torch.cuda.max_memory_allocated` over that must stay within 5 % of the weights and caches
-the lane holds. Before the int8 prefill the f16 copies of the matrices alone were 3.6x the Q4_K bytes.
+decodes 8 tokens; `torch.cuda.max_memory_allocated` over that, less what the process held before the load
+(other tests' models in the same worker), must stay within 5 % of the weights and caches the lane holds.
+Before the int8 prefill the f16 copies of the matrices alone were 3.6x the Q4_K bytes.
 """
 
 from __future__ import annotations
+
+import gc
 
 import numpy as np
 import pytest
@@ -29,7 +32,10 @@ WORKSPACE = 0.05  # of the weights and caches
 
 def test_memory_is_the_file_the_cache_and_a_small_workspace(tmp_path):
     path = write_synthetic(tmp_path / "7b.gguf", "qwen2.5-7b", "q4_k_m", seed=3)
+    gc.collect()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     model = load(path, lane="cuda", ctx=CTX, knobs=["prefill=int8"])
     session = model.session()
     tokens = np.random.default_rng(0).integers(0, model.cfg.vocab, size=PROMPT).tolist()
@@ -43,5 +49,5 @@ def test_memory_is_the_file_the_cache_and_a_small_workspace(tmp_path):
     held = sum(w.numel() for w, _ in lane.raw.values()) + sum(v.numel() * 4 for v in lane.vec.values())
     held += sum(c.numel() * c.element_size() for c in lane.caches.values())
     assert not lane._dense, "a product made an f16 copy"
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() - before
     assert peak <= held * (1 + WORKSPACE), f"peak {peak / 1e9:.2f} GB over {held / 1e9:.2f} GB + 5 %"
