@@ -14,6 +14,7 @@ weights to f16 in the kernel (`triton/gemm.py`), neither making a copy.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import warnings
@@ -89,6 +90,14 @@ class CudaLane:
         self.caches: dict[str, Any] = {}
         self._steps: dict[tuple[int, bool], _Step] = {}
         self._sampler: DeviceSampler | None = None
+
+    def sibling(self) -> CudaLane:
+        """A lane over the same weights on the same device (nothing uploaded again, the f16 copies shared),
+        with caches, steps and a sampler of its own: the paged form's prefill runs on one, so the model's
+        sessions keep theirs."""
+        other = copy.copy(self)
+        other.caches, other._steps, other._sampler = {}, {}, None
+        return other
 
     # ---- weights ----------------------------------------------------------------------------------------
 
