@@ -52,7 +52,9 @@ class CudaPaged:
         self.single = lane.sibling()
         caches = {n: t.shape for n, t in self.single.plan(1).graph.tensors.items() if t.role is Role.CACHE}
         rows = (blocks + 1) * block_size
-        self.pools = {n: torch.zeros((rows, s[-1]), dtype=lane.cache_dtype, device=lane.device) for n, s in caches.items()}
+        self.pools = {
+            n: torch.zeros((rows, s[-1]), dtype=lane.cache_dtype, device=lane.device) for n, s in caches.items()
+        }
         self.scratch = {n: self.single.cache(n, s) for n, s in caches.items()}
         self.steps: dict[int, Any] = {}
         self.draws = Draws(lane)
@@ -129,4 +131,3 @@ class CudaPaged:
             self.pools[name].index_copy_(0, fresh, scratch[w.pos : end])
         self.resident = (w.seq, end)
         return w.sampler(logits[-1]) if w.sampler is not None else None
-

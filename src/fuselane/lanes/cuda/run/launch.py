@@ -472,7 +472,8 @@ def _gate_up(op: Op, b: Bound, out_q8: Any = None):
     gemv, *_ = _t()
     gate, up = (p for p in leaves(op) if isinstance(p.sym, Matmul))
     spec: Matmul = gate.sym  # type: ignore[assignment]
-    if spec.m > kernels.GEMV_ROWS and b.paged is None:  # the GEMV would read every matrix once a row: far slower than the GEMMs
+    # a chunk's: the GEMV would read every matrix once a row, far slower than the GEMMs (a batch's run as GEMVs)
+    if spec.m > kernels.GEMV_ROWS and b.paged is None:
         raise PlanMismatch(f"{op.out}: a gated pair of {spec.m} rows, past the GEMV's {kernels.GEMV_ROWS}, not split")
     x, out = b.bufs[gate.ins[0]], b.bufs[op.out]
     (wg, fmt), (wu, _) = b.raw[gate.ins[1]], b.raw[up.ins[1]]

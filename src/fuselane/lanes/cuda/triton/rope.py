@@ -80,8 +80,10 @@ def rotate_head(src, dst, w_ptr, p, eps, freq_exp, HD: tl.constexpr, HALF_P2: tl
 def _position(pos_ptr, i, PER_ROW: tl.constexpr):
     """Row i's position: pos[0] + i (a sequence's rows), or pos[i] (a batch's rows, each its own sequence)."""
     if PER_ROW:
-        return tl.load(pos_ptr + i)
-    return tl.load(pos_ptr) + i
+        p = tl.load(pos_ptr + i)
+    else:
+        p = tl.load(pos_ptr) + i
+    return p
 
 
 @triton.jit

@@ -33,6 +33,7 @@ from fuselane.lanes.cuda.triton.quant import Q8Acts
 LOG2E = math.log2(math.e)
 STORE_WARPS = 4
 STORE_BLOCK = 512  # values of a row a store program copies
+MAX_WARPS = 8  # a program's warps: one a query head of its group, at most these
 
 
 @triton.jit
@@ -114,7 +115,7 @@ def _paged_kernel(
             run_max, run_sum, acc = _fold_tile(q, run_max, run_sum, acc, k, v, start, hi, scale_log2e, BS)
     width = HEADS * HD
     o_row = row.to(tl.int64) * width
-    nb_row = row.to(tl.int64) * (width // 32) if Q8OUT else row.to(tl.int64) * 0
+    nb_row = row.to(tl.int64) * (width // 32)  # the row's first 32-value block (read only with Q8OUT)
     _store_out(acc / run_sum[:, None], offs, heads_mask[:, None] & col_mask, head, out_ptr + o_row,
                oq_ptr + o_row, od_ptr + nb_row, os_ptr + 2 * nb_row, HD, Q8OUT)  # fmt: skip
 
@@ -152,6 +153,6 @@ def paged_decode(
         q, k_pool, v_pool, tables, lens, out, oq, od, os_,
         q_pitch, k_pool.stride(0), v_pool.stride(0), tables.stride(0), scale * LOG2E,
         HEADS=heads, GROUP=group, G_P2=triton.next_power_of_2(group), HD=hd, D=triton.next_power_of_2(hd),
-        BS=block_size, Q8OUT=out_q8 is not None, INTERPRETED=interpreted(), num_warps=max(1, min(8, group)),
-        **pdl.options(),
+        BS=block_size, Q8OUT=out_q8 is not None, INTERPRETED=interpreted(),
+        num_warps=min(MAX_WARPS, triton.next_power_of_2(group)), **pdl.options(),
     )  # fmt: skip
