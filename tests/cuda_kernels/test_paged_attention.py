@@ -1,4 +1,5 @@
-"""The paged decode attention and the pool's row store against the cpu lane's NumPy attention in f64.
+"""The paged decode attention, the pool's row store and the rotations of a batch's rows (each at its own
+position) against the cpu lane's NumPy kernels in f64.
 
 Each row of a batch attends its own cache rows, which lie in scattered blocks of one pool found through its
 table: the reference gathers them into a contiguous cache and runs the cpu lane's attention over it. Bounds are
@@ -18,11 +19,24 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from test_norm_rope_attention import HEADS, KV, U16, attention_bound, dev, f32, host, within  # noqa: E402
+from test_norm_rope_attention import (  # noqa: E402
+    EPS,
+    HEADS,
+    KV,
+    QWEN_BASE,
+    U16,
+    attention_bound,
+    dev,
+    f32,
+    host,
+    rope_bound,
+    weighted_norm,
+    within,
+)
 
-from fuselane.graph.ops import Attention  # noqa: E402
+from fuselane.graph.ops import Attention, Rope  # noqa: E402
 from fuselane.lanes.cpu import kernels as ref  # noqa: E402
-from fuselane.lanes.cuda.triton import quant  # noqa: E402
+from fuselane.lanes.cuda.triton import quant, rope  # noqa: E402
 from fuselane.lanes.cuda.triton.attention import paged  # noqa: E402
 
 BLOCK = 4
@@ -102,6 +116,40 @@ def test_store_kv_lands_rows_at_their_slots(cache_dtype):
         np.testing.assert_array_equal(vp[s], v[i].astype(rounded))
     others = np.setdiff1d(np.arange(20), [17, 2, 9])
     assert not kp[others].any() and not vp[others].any()
+
+
+POSITIONS = [13, 0, 5]  # each row its own sequence's position
+
+
+def _turned(x: np.ndarray, heads: int, hd: int, w: np.ndarray | None) -> np.ndarray:
+    """The cpu lane's rotation of a batch's rows, each at its own position (normed first where `w`)."""
+    x = weighted_norm(x, w, hd) if w is not None else x
+    return ref.rope(Rope(len(POSITIONS), heads, hd, QWEN_BASE, batched=True), [x], np.asarray(POSITIONS))
+
+
+@pytest.mark.parametrize("normed", [False, True])
+def test_rope_per_row_turns_each_row_at_its_own_position(normed):
+    """`per_row`: row i at pos[i]; the query lands in its row, the key in its staging row i (not at a position)."""
+    rng = np.random.default_rng(4)
+    rows, hd = len(POSITIONS), 32
+    positions = torch.tensor(POSITIONS, dtype=torch.int32, device=q_device())
+    q, k = f32(rng, rows, HEADS * hd), f32(rng, rows, KV * hd)
+    qw, kw = (f32(rng, hd), f32(rng, hd)) if normed else (None, None)
+    weights = dict(q_norm_w=dev(qw), k_norm_w=dev(kw), eps=EPS) if normed else {}
+    q_out = torch.empty(rows, HEADS * hd, device=q_device())
+    k_staged = torch.zeros(rows, KV * hd, dtype=torch.float16, device=q_device())
+    rope.rope_q_k(
+        dev(q), dev(k), q_out, k_staged, positions, heads=HEADS, kv_heads=KV, hd=hd, base=QWEN_BASE,
+        k_cache_row_pitch=KV * hd, per_row=True, **weights,
+    )  # fmt: skip
+    want_q, want_k = _turned(q, HEADS, hd, qw), _turned(k, KV, hd, kw)
+    within(host(q_out), want_q, rope_bound(want_q, hd, max(POSITIONS) + 1, normed), "q")
+    bound_k = rope_bound(want_k, hd, max(POSITIONS) + 1, normed) * (1 + U16) + U16 * np.abs(want_k)
+    within(host(k_staged), want_k, bound_k, "k staged")
+    alone = torch.empty(rows, KV * hd, device=q_device())
+    kn = dict(norm_w=dev(kw), eps=EPS) if normed else {}
+    rope.qk_norm_rope(dev(k), alone, positions, heads=KV, hd=hd, base=QWEN_BASE, per_row=True, **kn)
+    within(host(alone), want_k, rope_bound(want_k, hd, max(POSITIONS) + 1, normed), "k alone")
 
 
 def q_device() -> torch.device:
