@@ -31,7 +31,7 @@ from fuselane.graph.ir import Form, QuantizedActs, Role
 from fuselane.lanes.cuda.plan.knobs import RopeEpilogue
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run.buffers import pooled_buffers
-from fuselane.lanes.cuda.run.lane import WARMUP_RUNS, CudaLane, _int8_form
+from fuselane.lanes.cuda.run.lane import WARMUP_RUNS, CudaLane, int8_form
 from fuselane.models import recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
 from fuselane.runtime.sampling import SamplingParams, nan_logits
@@ -60,14 +60,14 @@ class BatchStep:
         def f32(shape: tuple[int, ...]) -> Any:
             return torch.zeros(shape, dtype=torch.float32, device=device)
 
-        bufs, q8 = pooled_buffers(self.plan, f32, lambda shape: _int8_form(shape, device))
+        bufs, q8 = pooled_buffers(self.plan, f32, lambda shape: int8_form(shape, device))
         for name, t in g.tensors.items():
             if t.role is Role.CACHE:  # the step's staging rows: the attention stores them into the blocks
                 bufs[name] = torch.zeros((rows, t.shape[-1]), dtype=lane.cache_dtype, device=device)
             elif t.role is Role.OUTPUT:
                 bufs[name] = f32(t.shape)
                 if isinstance(t.storage, QuantizedActs):
-                    q8[name] = _int8_form(t.shape, device)
+                    q8[name] = int8_form(t.shape, device)
         self.inputs = torch.zeros(rows * (COLUMNS + width), dtype=torch.int32, device=device)
         columns = self.inputs[: rows * COLUMNS].view(COLUMNS, rows)
         bufs[IDS] = columns[ID]

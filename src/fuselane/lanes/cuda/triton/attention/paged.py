@@ -9,8 +9,8 @@ and tables):
   with the table), rounded to the pool's f16 or f32 there;
 - `paged_decode`: row i's query heads over pool rows of its blocks 0 .. len[i] - 1, a block of cache rows a
   tile. A program takes one key/value group of one row, its query heads one warp each, with the running
-  softmax of FlashDecode (`decode._fold_tile`: the same tile fold, the same 2^(s * scale * log2 e - max)
-  weights); the output is f32, and where the plan wants it also int8 activations (`decode._store_out`).
+  softmax of FlashDecode (`decode.fold_tile`: the same tile fold, the same 2^(s * scale * log2 e - max)
+  weights); the output is f32, and where the plan wants it also int8 activations (`decode.store_out`).
 
 Tables are int32 (rows, width), padded past a sequence's blocks with any valid block id (never read: a row
 reads only the blocks its length reaches). There is no split of a long span over several programs: a row's
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.attention.decode import _fold_tile, _store_out, interpreted
+from fuselane.lanes.cuda.triton.attention.decode import fold_tile, interpreted, store_out
 from fuselane.lanes.cuda.triton.quant import Q8Acts
 
 LOG2E = math.log2(math.e)
@@ -106,17 +106,17 @@ def _paged_kernel(
         while start < hi:
             k, v = _block_tile(k_ptr, v_ptr, tl.load(table + start // BS), start, hi, kvh, k_pitch, v_pitch,
                                HD, D, BS, G_P2)  # fmt: skip
-            run_max, run_sum, acc = _fold_tile(q, run_max, run_sum, acc, k, v, start, hi, scale_log2e, BS)
+            run_max, run_sum, acc = fold_tile(q, run_max, run_sum, acc, k, v, start, hi, scale_log2e, BS)
             start += BS
     else:
         for start in range(0, hi, BS):
             k, v = _block_tile(k_ptr, v_ptr, tl.load(table + start // BS), start, hi, kvh, k_pitch, v_pitch,
                                HD, D, BS, G_P2)  # fmt: skip
-            run_max, run_sum, acc = _fold_tile(q, run_max, run_sum, acc, k, v, start, hi, scale_log2e, BS)
+            run_max, run_sum, acc = fold_tile(q, run_max, run_sum, acc, k, v, start, hi, scale_log2e, BS)
     width = HEADS * HD
     o_row = row.to(tl.int64) * width
     nb_row = row.to(tl.int64) * (width // 32)  # the row's first 32-value block (read only with Q8OUT)
-    _store_out(acc / run_sum[:, None], offs, heads_mask[:, None] & col_mask, head, out_ptr + o_row,
+    store_out(acc / run_sum[:, None], offs, heads_mask[:, None] & col_mask, head, out_ptr + o_row,
                oq_ptr + o_row, od_ptr + nb_row, os_ptr + 2 * nb_row, HD, Q8OUT)  # fmt: skip
 
 
