@@ -60,3 +60,16 @@ def test_paged_cuda_lane_equals_cpu_alone(tmp_path):
         assert got == list(ref.generate_ids(ref.session(), prompt, max_tokens=n, sampling=GREEDY))
     assert {1, 2} <= set(recorder.rows)  # batches of two rows and of one
     assert engine.pool.used == 0 and sorted(engine.lane.lane.steps) == [1, 2]
+
+
+def test_a_steps_inputs_pad_the_bucket_with_the_spare_block():
+    """Two sequences in a bucket of four: their ids, positions, slots, lengths and tables, then two padding rows
+    of token 0 at position 0 writing into and reading only the spare block (7, after the pool's 7)."""
+    from fuselane.engine.cuda import _bucket
+    from fuselane.lanes.cuda.run.paged import COLUMNS, layout
+
+    assert [_bucket(n) for n in (1, 2, 3, 4, 5, 33, 64)] == [1, 2, 4, 4, 8, 64, 64]
+    values = layout(4, 3, [11, 12], [5, 0], [2 * 4 + 1, 6 * 4], [[3, 2], [6]], spare=7, block_size=4)
+    columns, tables = values[: 4 * COLUMNS].reshape(COLUMNS, 4), values[4 * COLUMNS :].reshape(4, 3)
+    assert columns.tolist() == [[11, 12, 0, 0], [5, 0, 0, 0], [9, 24, 28, 28], [6, 1, 1, 1]]
+    assert tables.tolist() == [[3, 2, 7], [6, 7, 7], [7, 7, 7], [7, 7, 7]]
