@@ -60,7 +60,7 @@ class PagedRows:
     slots: Any  # int32 (rows,)
     tables: Any  # int32 (rows, width)
     lens: Any  # int32 (rows,)
-    pools: dict[str, Any]  # cache name -> (blocks * block_size, width) in the cache's precision
+    pools: dict[str, Any]  # cache name -> (rows of every block, width) in the cache's precision
     block_size: int
 
 
