@@ -3,7 +3,7 @@ single, the batch step's logits within the lane's contract, seeded draws that re
 
 Small synthetic models with the reference families' features (qwen2: q/k/v biases, its V product landing in the
 cache as a part of the QKV GEMV; qwen3: q/k norms), two layers, heads of whole 32-value blocks so the int8
-numerics run where the single-sequence step has them.
+numerics run where the single-sequence step has them; and the tiny mixture of experts.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ CTX = 160
 SHAPES = {
     "qwen2-q8_0": (Shape("qwen2", 256, 2, 8, 2, 32, 512, 1024, context=4096), "q8_0"),
     "qwen3-q4_k_m": (Shape("qwen3", 256, 2, 4, 2, 64, 768, 1024, context=4096), "q4_k_m"),
+    "qwen3moe-q8_0": ("tiny-qwen3moe", "q8_0"),  # a mixture: each row routed to its own experts
 }
 # eight prompts of different lengths (one past several prefill chunks) and replies of different lengths
 PROMPTS = [[3 + i for i in range(n)] for n in (1, 5, 9, 17, 33, 70, 2, 120)]
