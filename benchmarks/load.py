@@ -10,7 +10,9 @@ errors (a status other than 200, a connection failure, a stream that ends withou
 finish reason), aggregate generated tokens/s over the level's wall time (a completed stream counts its `usage`,
 a dropped one the chunks it read), time to first token and time between tokens (p50, p99, from the arrival of
 each streamed chunk), and the server's KV blocks in use once it has settled (from `/health`; 0 means every
-sequence, dropped ones included, gave its blocks back). Needs only the standard library.
+sequence, dropped ones included, gave its blocks back). The server's lane is read from `/health` and printed;
+`--lane cuda` refuses to measure a server that runs another (a GPU run that fell back to the cpu lane). Needs
+only the standard library.
 """
 
 from __future__ import annotations
@@ -233,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         help="prompt length in tokens, drawn evenly (default 16 512; cut to fit the server's context)",
     )  # fmt: skip
     ap.add_argument("--api-key", default=None)
+    ap.add_argument("--lane", default=None, help="the lane the server must run (cpu, cuda); exit 1 if another")
     ap.add_argument("--seed", type=int, default=0, help="the clients' random choices (prompts, drops, seeds)")
     ap.add_argument("--json", action="store_true", help="the results as JSON")
     args = ap.parse_args(argv)
@@ -241,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         card = get_json(t, "/v1/models")["data"][0]
     except (OSError, KeyError, ValueError) as e:
         print(f"load: cannot reach {args.url}: {e}", file=sys.stderr)
+        return 1
+    lane = get_json(t, "/health").get("lane")
+    if args.lane is not None and lane != args.lane:
+        print(f"load: the server runs the {lane} lane, not {args.lane}", file=sys.stderr)
         return 1
     model, room = card["id"], card.get("max_model_len", 1 << 30) - args.max_tokens - 1
     if room < 1:
@@ -251,9 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     for clients in args.clients:
         rows.append(level(t, args, clients))
         print(f"load: {clients} clients done", file=sys.stderr, flush=True)
-    result = {"url": args.url, "model": model, "args": {k: v for k, v in vars(args).items() if k != "api_key"},
-              "levels": rows}  # fmt: skip
-    print(json.dumps(result, indent=2) if args.json else f"{model} at {args.url}\n{render(rows)}")
+    result = {"url": args.url, "model": model, "lane": lane,
+              "args": {k: v for k, v in vars(args).items() if k != "api_key"}, "levels": rows}  # fmt: skip
+    print(json.dumps(result, indent=2) if args.json else f"{model} at {args.url} (lane {lane})\n{render(rows)}")
     return 1 if any(r["errors"] or r["kv_blocks_in_use_after"] for r in rows) else 0
 
 

@@ -41,7 +41,6 @@ def test_bad_values_are_one_line(tiny, argv, words):
     ("options", "words"),
     [
         ({"gpu_memory": 0.5, "lane": "cpu"}, "--kv-blocks"),
-        ({"lane": "cuda"}, "does not run batches of sequences yet"),  # until its batch form joins the engine
     ],
 )
 def test_a_setup_that_cannot_serve_is_refused_in_one_line(tiny, options, words):
@@ -51,6 +50,14 @@ def test_a_setup_that_cannot_serve_is_refused_in_one_line(tiny, options, words):
     with pytest.raises(FuselaneError, match=words) as refused:
         build(Options(model=tiny, **options))
     assert "\n" not in str(refused.value)
+
+
+def test_a_lane_without_a_batch_form_is_refused_in_one_line():
+    from fuselane.engine.lanes import paged_type
+    from fuselane.errors import FuselaneError
+
+    with pytest.raises(FuselaneError, match="does not run batches of sequences yet; use --lane cpu or cuda"):
+        paged_type("metal")
 
 
 def test_a_busy_port_is_one_line(tiny):

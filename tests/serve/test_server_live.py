@@ -109,7 +109,10 @@ def test_the_load_script_runs_against_the_server(live, capsys):
     svc, url, _ = live
     argv = ["--url", url, "--api-key", KEY, "--clients", "3", "--seconds", "1", "--max-tokens", "24", "--drop", "0.5",
             "--prompt-tokens", "4", "40", "--json"]  # fmt: skip
-    assert main(argv) == 0
-    (row,) = json.loads(capsys.readouterr().out)["levels"]
+    assert main([*argv, "--lane", "cuda"]) == 1  # the server runs the cpu lane: not measured as another
+    assert main([*argv, "--lane", "cpu"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    (row,) = result["levels"]
+    assert result["lane"] == "cpu"
     assert row["errors"] == 0 and row["completed"] + row["dropped"] > 0 and row["kv_blocks_in_use_after"] == 0
     assert row["tokens"] > 0 and row["ttft_p50_ms"] is not None

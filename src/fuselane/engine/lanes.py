@@ -6,13 +6,14 @@ A lane joins the engine (and `fuselane serve`) by adding its class here (see `fu
 from __future__ import annotations
 
 from fuselane.engine.cpu import CpuPaged
+from fuselane.engine.cuda import CudaPaged
 from fuselane.engine.lane import PagedLaneType
 from fuselane.errors import FuselaneError
 
 
 def paged_lanes() -> dict[str, PagedLaneType]:
     """The lanes that step batches of sequences, by lane name."""
-    return {"cpu": CpuPaged}
+    return {"cpu": CpuPaged, "cuda": CudaPaged}
 
 
 def paged_type(lane: str) -> PagedLaneType:

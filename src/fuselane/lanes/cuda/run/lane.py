@@ -14,6 +14,7 @@ weights to f16 in the kernel (`triton/gemm.py`), neither making a copy.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import warnings
@@ -89,6 +90,14 @@ class CudaLane:
         self.caches: dict[str, Any] = {}
         self._steps: dict[tuple[int, bool], _Step] = {}
         self._sampler: DeviceSampler | None = None
+
+    def sibling(self) -> CudaLane:
+        """A lane over the same weights on the same device (nothing uploaded again, the f16 copies shared),
+        with caches, steps and a sampler of its own: the paged form's prefill runs on one, so the model's
+        sessions keep theirs."""
+        other = copy.copy(self)
+        other.caches, other._steps, other._sampler = {}, {}, None
+        return other
 
     # ---- weights ----------------------------------------------------------------------------------------
 
@@ -192,7 +201,7 @@ class CudaLane:
         return self.step(1).launches + len(self.sampler().tail(GREEDY).launches)
 
 
-def _int8_form(shape: tuple[int, ...], device: Any) -> Any:
+def int8_form(shape: tuple[int, ...], device: Any) -> Any:
     """The int8 form (`quant.Q8Acts`) of an activation the plan writes quantized: a decode step's products
     multiply it with dp4a, a chunk's on the int8 tensor cores."""
     from fuselane.lanes.cuda.triton.quant import empty_q8
@@ -226,14 +235,14 @@ class _Step:
 
         # activations share buffers where their lives do not overlap (`buffers`): a chunk's workspace is what
         # it holds at once, not every layer's
-        bufs, q8 = pooled_buffers(plan, f32, lambda shape: _int8_form(shape, lane.device))
+        bufs, q8 = pooled_buffers(plan, f32, lambda shape: int8_form(shape, lane.device))
         for name, t in g.tensors.items():
             if t.role is Role.CACHE:
                 bufs[name] = lane.cache(name, t.shape)
             elif t.role is Role.OUTPUT:
                 bufs[name] = f32(t.shape)
                 if isinstance(t.storage, QuantizedActs):  # the plan writes its int8 form
-                    q8[name] = _int8_form(t.shape, lane.device)
+                    q8[name] = int8_form(t.shape, lane.device)
         bufs[IDS] = torch.zeros(g.rows, dtype=torch.int32, device=lane.device)
         bufs[POS] = torch.zeros(1, dtype=torch.int32, device=lane.device)
         self.bufs = bufs

@@ -7,6 +7,12 @@ activation, the register-tiled GEMV where it takes the format) and never adds or
 checks it. Everything a launch reads or writes is a buffer allocated once per session, and the position is a
 device value, so the launches of a decode step can be captured in a CUDA graph and replayed at every
 position.
+
+A batch's step over a paged KV pool (`Bound.paged`, `fuselane.engine.cuda`) binds the same plan ops with three
+differences: its rotations turn each row at its own position; the rows its plan writes "into the cache" land in
+the step's staging rows (the cache buffers it is given, at row 0 + i), which its attention stores into each
+row's block before attending over the row's blocks (`attention/paged.py`); and its products run as GEMVs over
+all the batch's rows, in tiles of the GEMV's rows past them.
 """
 
 from __future__ import annotations
@@ -44,6 +50,20 @@ from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 Launch = Callable[[], None]
 
 
+@dataclass(frozen=True, slots=True)
+class PagedRows:
+    """A batch's rows over a paged KV pool, as device values a captured graph replays with: each row's position,
+    the pool row its new key and value go to, its block table (padded to one width) and its length (position
+    + 1); the pool's tensors by the plan's cache names."""
+
+    positions: Any  # int32 (rows,)
+    slots: Any  # int32 (rows,)
+    tables: Any  # int32 (rows, width)
+    lens: Any  # int32 (rows,)
+    pools: dict[str, Any]  # cache name -> (rows of every block, width) in the cache's precision
+    block_size: int
+
+
 @dataclass(slots=True)
 class Bound:
     """What launches are bound against: the plan's graph, buffers by name, weights, and the scalar facts."""
@@ -57,6 +77,7 @@ class Bound:
     in_place: bool = False  # a chunk's products the int8 GEMM does not take decode the weights to f16 in the kernel
     q8: dict[str, Any] = field(default_factory=dict)  # name -> quant.Q8Acts: the int8 forms the plan writes
     attention_f16: bool = False  # a chunk's attention multiplies on the f16 tensor cores (`CudaShim.attention`)
+    paged: PagedRows | None = None  # a batch's step over a paged KV pool (see the module)
 
 
 def _t():
@@ -123,7 +144,7 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
         gemv_q8, acts = q8
         n, k = spec.n, spec.k
         return [lambda: gemv_q8.gemv_q8(acts, w, fmt, n, k, out, bias=bias_t, residual=res_t, out_row=row)]
-    if spec.m <= kernels.GEMV_ROWS:
+    if spec.m <= kernels.GEMV_ROWS or b.paged is not None:  # a batch's products: GEMVs over its rows
         kernel = _gemv_kernels(fmt, spec.m, out)
         return [lambda: kernel(x, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)]
     from fuselane.lanes.cuda.triton import gemm
@@ -231,11 +252,18 @@ def _unary(op: Op, b: Bound):
     return [lambda: torch.mul(torch.sigmoid(x), x, out=out)]
 
 
+def _positions(b: Bound) -> tuple[Any, bool]:
+    """What a rotation reads its positions from: the step's position (row i at pos + i), or a batch's own
+    position a row."""
+    return (b.paged.positions, True) if b.paged is not None else (b.bufs["pos"], False)
+
+
 def _rope(op: Op, b: Bound):
     _, _, rope, *_ = _t()
     spec: Rope = op.sym  # type: ignore[assignment]
-    x, out, pos = b.bufs[op.ins[0]], b.bufs[op.out], b.bufs["pos"]
-    return [lambda: rope.qk_norm_rope(x, out, pos, heads=spec.heads, hd=spec.hd, base=spec.base)]
+    x, out = b.bufs[op.ins[0]], b.bufs[op.out]
+    pos, per_row = _positions(b)
+    return [lambda: rope.qk_norm_rope(x, out, pos, heads=spec.heads, hd=spec.hd, base=spec.base, per_row=per_row)]
 
 
 def _set_row(op: Op, b: Bound):
@@ -290,6 +318,8 @@ def _attention(op: Op, b: Bound, out_q8: Any = None):
     q, kc, vc = (b.bufs[n] for n in op.ins[:3])
     out, pos = b.bufs[op.out], b.bufs["pos"]
     shape = dict(heads=spec.heads, kv_heads=spec.kv_heads, hd=spec.hd, scale=spec.scale)
+    if b.paged is not None:
+        return [_paged_attention(op, b, spec, out_q8)]
     if spec.rows == 1:
         scratch = b.scratch.setdefault("attn", attention.decode_scratch(spec.heads, spec.hd, spec.len, q.device))
         return [lambda: attention.flash_decode(q, kc, vc, pos, out, scratch=scratch, out_q8=out_q8, **shape)]
@@ -301,6 +331,27 @@ def _attention(op: Op, b: Bound, out_q8: Any = None):
             q, kc, vc, pos, out, rows=spec.rows, f16_ops=f16, out_q8=out_q8, **shape
         )
     ]
+
+
+def _paged_attention(op: Op, b: Bound, spec: Attention, out_q8: Any) -> Launch:
+    """A batch's attention over the pool: its rows' new keys and values (staged where the plan's cache writes
+    landed) stored into their blocks, then each row over its own blocks. One launch of the plan's, two
+    kernels."""
+    from fuselane.lanes.cuda.triton.attention import paged as attention_paged
+
+    p: PagedRows = b.paged  # type: ignore[assignment]
+    k_name, v_name = op.ins[1], op.ins[2]
+    rows, width = spec.rows, spec.heads * spec.hd
+    q, out = b.bufs[op.ins[0]].view(rows, width), b.bufs[op.out].view(rows, width)
+    k_new, v_new = b.bufs[k_name], b.bufs[v_name]
+    k_pool, v_pool = p.pools[k_name], p.pools[v_name]
+    shape = dict(heads=spec.heads, kv_heads=spec.kv_heads, hd=spec.hd, scale=spec.scale, block_size=p.block_size)
+
+    def attend() -> None:
+        attention_paged.store_kv(k_new, v_new, k_pool, v_pool, p.slots)
+        attention_paged.paged_decode(q, k_pool, v_pool, p.tables, p.lens, out, out_q8=out_q8, **shape)
+
+    return attend
 
 
 # ---- native classes ---------------------------------------------------------------------------------------
@@ -376,8 +427,9 @@ def _side(op: Op, b: Bound) -> _Side:
 
 def _rope_class(op: Op, b: Bound):
     _, _, rope, *_ = _t()
-    s, pos = _side(op, b), b.bufs["pos"]
+    s, (pos, per_row) = _side(op, b), _positions(b)
     args = dict(heads=s.heads, hd=s.hd, base=s.base, norm_w=s.norm_w, eps=s.eps, cache_row_pitch=s.pitch)
+    args |= dict(per_row=per_row)
     return [lambda: rope.qk_norm_rope(s.x, s.out, pos, **args)]
 
 
@@ -387,8 +439,9 @@ def _rope_qk(op: Op, b: Bound):
     q_op, k_op = op.sym.parts  # type: ignore[union-attr]
     if _side(q_op, b).pitch is not None:
         q_op, k_op = k_op, q_op
-    q, k, pos = _side(q_op, b), _side(k_op, b), b.bufs["pos"]
+    q, k, (pos, per_row) = _side(q_op, b), _side(k_op, b), _positions(b)
     args = dict(
+        per_row=per_row,
         heads=q.heads,
         kv_heads=k.heads,
         hd=q.hd,
@@ -419,7 +472,8 @@ def _gate_up(op: Op, b: Bound, out_q8: Any = None):
     gemv, *_ = _t()
     gate, up = (p for p in leaves(op) if isinstance(p.sym, Matmul))
     spec: Matmul = gate.sym  # type: ignore[assignment]
-    if spec.m > kernels.GEMV_ROWS:  # the GEMV would read every matrix once a row: far slower than the GEMMs
+    # a chunk's: the GEMV would read every matrix once a row, far slower than the GEMMs (a batch's run as GEMVs)
+    if spec.m > kernels.GEMV_ROWS and b.paged is None:
         raise PlanMismatch(f"{op.out}: a gated pair of {spec.m} rows, past the GEMV's {kernels.GEMV_ROWS}, not split")
     x, out = b.bufs[gate.ins[0]], b.bufs[op.out]
     (wg, fmt), (wu, _) = b.raw[gate.ins[1]], b.raw[up.ins[1]]
@@ -458,6 +512,8 @@ def _merged(op: Op, b: Bound):
     gemv, *_ = _t()
     members = op.sym.parts  # type: ignore[union-attr]
     turned = [k for k, m in enumerate(members) if class_of(m) is C.QKV_HEAD_EPILOGUE]
+    if turned and b.paged is not None:
+        raise PlanMismatch(f"{op.out}: a batch's rows turn in their own launch (plan it with rope_epilogue=off)")
     products = [_part(parts(m)[0] if k in turned else m, b) for k, m in enumerate(members)]
     first = leaves(members[0])[0]
     spec: Matmul = first.sym  # type: ignore[assignment]

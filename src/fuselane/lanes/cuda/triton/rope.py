@@ -77,6 +77,16 @@ def rotate_head(src, dst, w_ptr, p, eps, freq_exp, HD: tl.constexpr, HALF_P2: tl
 
 
 @triton.jit
+def _position(pos_ptr, i, PER_ROW: tl.constexpr):
+    """Row i's position: pos[0] + i (a sequence's rows), or pos[i] (a batch's rows, each its own sequence)."""
+    if PER_ROW:
+        p = tl.load(pos_ptr + i)
+    else:
+        p = tl.load(pos_ptr) + i
+    return p
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr,
     out_ptr,
@@ -90,12 +100,13 @@ def _rope_kernel(
     HALF_P2: tl.constexpr,
     NORM: tl.constexpr,
     AT_POS: tl.constexpr,
+    PER_ROW: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.begin(PDL)
     i = tl.program_id(0)
     head = tl.program_id(1)
-    p = tl.load(pos_ptr) + i
+    p = _position(pos_ptr, i, PER_ROW)
     dst_row = p if AT_POS else i  # the cache's row pos + i, or the output's own row i
     src = x_ptr + i.to(tl.int64) * x_pitch + head * HD
     dst = out_ptr + dst_row.to(tl.int64) * out_pitch + head * HD
@@ -124,13 +135,16 @@ def qk_norm_rope(
     norm_w: torch.Tensor | None = None,
     eps: float = 0.0,
     cache_row_pitch: int | None = None,
+    per_row: bool = False,
 ) -> None:
     """Rotate each of `heads` heads of `hd` values of each row of `x` (rows, >= heads * hd, any row pitch) to
     position pos[0] + i (NEOX halves), after an RMS norm with weight `norm_w` (hd,) per head where given.
 
     Without `cache_row_pitch`, row i lands in row i of `out`; with it, `out` is the cache (2-D, f16 or f32) and
     row i lands at cache row pos[0] + i, `cache_row_pitch` values apart (RopeKvAppend / QkNormRopeKvAppend).
-    One launch, a block a head of a row.
+    `per_row`: row i is a batch's sequence i, at its own position pos[i], and lands at row i of `out` either
+    way (a cache row's staging: the paged attention stores it into its block). One launch, a block a head of
+    a row.
     """
     check_head(hd)
     if x.stride(-1) != 1:
@@ -148,7 +162,8 @@ def qk_norm_rope(
         HD=hd,
         HALF_P2=triton.next_power_of_2(hd // 2),
         NORM=norm_w is not None,
-        AT_POS=cache_row_pitch is not None,
+        AT_POS=cache_row_pitch is not None and not per_row,  # a batch's rows land at their own row
+        PER_ROW=per_row,
         num_warps=rope_warps(hd),
         **pdl.options(),
     )
@@ -174,13 +189,14 @@ def _rope_qk_kernel(
     HALF_P2: tl.constexpr,
     NORM: tl.constexpr,
     K_AT_POS: tl.constexpr,
+    PER_ROW: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # blocks 0 .. HEADS-1 of a row take the query's heads, the rest the key's
     pdl.begin(PDL)
     i = tl.program_id(0)
     head = tl.program_id(1)
-    p = tl.load(pos_ptr) + i
+    p = _position(pos_ptr, i, PER_ROW)
     # each side names its own pointers: a name assigned in both branches would have to be one type
     if head < HEADS:
         q_src = q_ptr + i.to(tl.int64) * q_pitch + head * HD
@@ -209,10 +225,11 @@ def rope_q_k(
     k_norm_w: torch.Tensor | None = None,
     eps: float = 0.0,
     k_cache_row_pitch: int | None = None,
+    per_row: bool = False,
 ) -> None:
     """RopeQkOneLaunch: `qk_norm_rope` of a layer's query (`heads` heads) and key (`kv_heads` heads) in one
     launch, at one position and head width, both normed or neither. With `k_cache_row_pitch` the key's row i
-    lands in the cache `k_out` at row pos[0] + i (the key's KV append)."""
+    lands in the cache `k_out` at row pos[0] + i (the key's KV append). `per_row`: as `qk_norm_rope`'s."""
     check_head(hd)
     if (q_norm_w is None) != (k_norm_w is None):
         raise ValueError("one launch rotates a query and a key both normed or neither")
@@ -237,7 +254,8 @@ def rope_q_k(
         HD=hd,
         HALF_P2=triton.next_power_of_2(hd // 2),
         NORM=q_norm_w is not None,
-        K_AT_POS=k_cache_row_pitch is not None,
+        K_AT_POS=k_cache_row_pitch is not None and not per_row,
+        PER_ROW=per_row,
         num_warps=rope_warps(hd),
         **pdl.options(),
     )

@@ -146,7 +146,7 @@ def _with_row(k, v, k_ptr, v_ptr, start, row, kvh, k_pitch, v_pitch, HD: tl.cons
 
 
 @triton.jit
-def _fold_tile(q, run_max, run_sum, acc, k, v, start, hi, scale_log2e, TILE: tl.constexpr):
+def fold_tile(q, run_max, run_sum, acc, k, v, start, hi, scale_log2e, TILE: tl.constexpr):
     """One tile's keys and values (rows from `start`, those below `hi` live) into the running softmax of
     the group's heads.
 
@@ -169,13 +169,13 @@ def _decode_tile(
     q, run_max, run_sum, acc, k_ptr, v_ptr, start, hi, kvh, k_pitch, v_pitch, scale_log2e,
     HD: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, G: tl.constexpr,
 ):  # fmt: skip
-    """One tile of cached rows from `start` (rows below `hi`), read and folded (`_fold_tile`)."""
+    """One tile of cached rows from `start` (rows below `hi`), read and folded (`fold_tile`)."""
     k, v = _tile_kv(k_ptr, v_ptr, start, hi, kvh, k_pitch, v_pitch, HD, D, TILE, G)
-    return _fold_tile(q, run_max, run_sum, acc, k, v, start, hi, scale_log2e, TILE)
+    return fold_tile(q, run_max, run_sum, acc, k, v, start, hi, scale_log2e, TILE)
 
 
 @triton.jit
-def _store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD: tl.constexpr, Q8OUT: tl.constexpr):
+def store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD: tl.constexpr, Q8OUT: tl.constexpr):
     """A block's heads' outputs o [G, D] at `offs`: f32, and where Q8OUT also as int8 activations
     (`quant.Q8Acts`): each head's values in 32-value blocks (HD a multiple of 32)."""
     tl.store(out_ptr + offs, o, mask=store_mask)
@@ -258,7 +258,7 @@ def _decode_kernel(
         run_max = tl.full([G_P2], float("-inf"), tl.float32)
         run_sum = tl.zeros([G_P2], tl.float32)
         acc = tl.zeros([G_P2, D], tl.float32)
-        run_max, run_sum, acc = _fold_tile(q, run_max, run_sum, acc, k0, v0, lo, hi, scale_log2e, TILE)
+        run_max, run_sum, acc = fold_tile(q, run_max, run_sum, acc, k0, v0, lo, hi, scale_log2e, TILE)
         if INTERPRETED:  # the same tiles in the same order (see INTERPRETED)
             start = lo + TILE
             while start < hi:
@@ -275,7 +275,7 @@ def _decode_kernel(
                 )  # fmt: skip
         store_mask = heads_mask[:, None] & col_mask
         if active == 1:
-            _store_out(acc / run_sum[:, None], offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT)
+            store_out(acc / run_sum[:, None], offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT)
         else:
             part = head * SPLITS + split
             tl.store(acc_ptr + part[:, None] * HD + col, acc, mask=store_mask)
@@ -312,7 +312,7 @@ def _decode_kernel(
                     merged += tl.sum(tl.exp2(m_b - top[:, None])[:, :, None] * a_b, axis=1)
                     i += MERGE_BATCH
                 merged = merged / total[:, None]
-                _store_out(merged, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT)
+                store_out(merged, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT)
                 tl.atomic_xchg(count_ptr + hb, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
 
 

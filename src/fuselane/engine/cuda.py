@@ -1,0 +1,133 @@
+"""The cuda lane's paged form: a step's decode rows as one batch on the GPU, its prefill chunks one at a time.
+
+The pool lives on the device: per cache tensor of the plan (a layer's keys, its values) one tensor of
+`(blocks + 1) * block_size` rows in the `cache` knob's precision (the last block is the spare the padding rows
+of a bucket write into). Block tables are written with each step as int32 device values.
+
+Decode rows run together (`fuselane.lanes.cuda.run.paged`): the lane's plan compiled for a batch of B rows,
+B the step's rows rounded up to a power of two (the buckets 1, 2, 4, 8, ... up to `--max-seqs`), each bucket's
+step captured as one CUDA graph after its first runs (eager where the lane runs without graphs). Each row
+takes the greedy pick of the graph or, when its sequence samples, a draw of the device sampler under its own
+settings and seed.
+
+Prefill chunks run through the lane's own single-sequence path (its prefill GEMMs and attention, over a
+contiguous cache of `ctx` rows): the sequence's rows are gathered from its blocks into that scratch cache
+first (unless it holds them already, from this sequence's last chunk), and the rows the chunk writes are
+scattered back into its blocks after. The scratch is a second lane over the same weights on the device, so
+the model's own sessions keep their caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fuselane.engine.lane import DeviceMemory, Work
+from fuselane.errors import FuselaneError
+from fuselane.graph.ir import Role
+from fuselane.lanes.cuda.run.mismatch import PlanMismatch
+
+if TYPE_CHECKING:  # the lane imports its kernels' modules: only where the cuda lane runs
+    from fuselane.lanes.cuda.run.lane import CudaLane
+
+
+def _bucket(rows: int) -> int:
+    """The batch size a step of `rows` decode rows runs at: the next power of two."""
+    return 1 << (rows - 1).bit_length()
+
+
+class CudaPaged:
+    """Steps of many sequences on the cuda lane over a pool of `blocks` blocks of `block_size` rows."""
+
+    name = "cuda"
+
+    def __init__(self, lane: CudaLane, blocks: int, block_size: int) -> None:
+        from fuselane.lanes.cuda.run.paged import Draws
+
+        torch = lane.torch
+        self.lane, self.torch, self.block_size, self.spare = lane, torch, block_size, blocks
+        self.width = -(-lane.ctx // block_size)  # a table's blocks: as many as one context needs
+        self.single = lane.sibling()
+        caches = {n: t.shape for n, t in self.single.plan(1).graph.tensors.items() if t.role is Role.CACHE}
+        rows = (blocks + 1) * block_size
+        self.pools = {
+            n: torch.zeros((rows, s[-1]), dtype=lane.cache_dtype, device=lane.device) for n, s in caches.items()
+        }
+        self.scratch = {n: self.single.cache(n, s) for n, s in caches.items()}
+        self.steps: dict[int, Any] = {}
+        self.draws = Draws(lane)
+        self.resident: tuple[int, int] | None = None  # (sequence, rows) the scratch cache holds
+        self._batch(1)  # a model whose batch form the lane cannot run is refused here, not at the first step
+
+    @staticmethod
+    def block_bytes(lane: CudaLane, block_size: int) -> int:
+        itemsize = lane.torch.empty((), dtype=lane.cache_dtype).element_size()
+        return 2 * lane.cfg.n_layers * lane.cfg.kv_width * itemsize * block_size  # keys and values
+
+    @staticmethod
+    def device_memory(lane: CudaLane) -> DeviceMemory | None:
+        if lane.device.type != "cuda":  # interpreted: the pool is host memory, sized in blocks
+            return None
+        free, total = lane.torch.cuda.mem_get_info(lane.device)
+        return DeviceMemory(total=total, used=total - free)
+
+    def step(self, works: Sequence[Work]) -> list[int | None]:
+        rows = [w for w in works if w.samples and len(w.ids) == 1]
+        tokens: dict[int, int | None] = dict(zip((id(w) for w in rows), self._decode(rows), strict=True))
+        for w in works:
+            if id(w) not in tokens:
+                tokens[id(w)] = self._chunk(w)
+        return [tokens[id(w)] for w in works]
+
+    def forget(self, seq: int) -> None:
+        self.draws.forget(seq)
+        if self.resident is not None and self.resident[0] == seq:
+            self.resident = None
+
+    # ---- decode rows: one batch ----------------------------------------------------------------------------
+
+    def _batch(self, rows: int):
+        from fuselane.lanes.cuda.run.paged import BatchStep
+
+        if rows not in self.steps:
+            try:
+                self.steps[rows] = BatchStep(self.lane, rows, self.pools, self.block_size, self.width)
+            except (PlanMismatch, NotImplementedError, ValueError) as e:
+                raise FuselaneError(f"the cuda lane cannot run this model's batch form: {e}") from None
+        return self.steps[rows]
+
+    def _decode(self, works: Sequence[Work]) -> list[int]:
+        from fuselane.lanes.cuda.run.paged import layout, picks
+
+        if not works:
+            return []
+        step = self._batch(_bucket(len(works)))
+        bs = self.block_size
+        positions = [w.pos for w in works]
+        slots = [w.table.blocks[p // bs] * bs + p % bs for w, p in zip(works, positions, strict=True)]
+        tables = [w.table.blocks for w in works]
+        ids = [w.ids[0] for w in works]
+        step.write(layout(step.rows, self.width, ids, positions, slots, tables, self.spare, bs))
+        step.launch()
+        for i, w in enumerate(works):
+            if not w.sampler.params.greedy:
+                self.draws.draw(w.seq, w.sampler.params, step.logits[i], step.picked[i])
+        return picks(step, len(works))
+
+    # ---- prefill chunks: the single-sequence path over a gathered cache ---------------------------------
+
+    def _chunk(self, w: Work) -> int | None:
+        torch, bs = self.torch, self.block_size
+        if self.resident != (w.seq, w.pos):
+            held = torch.from_numpy(w.table.rows(0, w.pos, bs)).to(self.lane.device)
+            for name, scratch in self.scratch.items():
+                torch.index_select(self.pools[name], 0, held, out=scratch[: w.pos])
+        end = w.pos + len(w.ids)
+        logits = self.single.forward(np.asarray(w.ids), w.pos)
+        fresh = torch.from_numpy(w.table.rows(w.pos, end, bs)).to(self.lane.device)
+        for name, scratch in self.scratch.items():
+            self.pools[name].index_copy_(0, fresh, scratch[w.pos : end])
+        self.resident = (w.seq, end)
+        return w.sampler(logits[-1]) if w.sampler is not None else None

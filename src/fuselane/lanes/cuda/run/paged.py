@@ -1,0 +1,191 @@
+"""The cuda lane's batch form over a paged KV pool: one decode step for `rows` sequences, each at its own
+position over its own blocks, as one launch sequence (captured as one CUDA graph per batch size).
+
+The plan is the lane's own, compiled for `Form.BATCH` under the `batch` knob (`CudaShim`: a batch's products
+are GEMVs over its rows, in parts where one activation feeds several; past one row they read the f32
+activation, at one row the int8 one as the single-sequence step's) with `rope_epilogue=off`, so every
+rotation is a launch of its own that turns each row at its own position. The plan's cache writes land in
+staging rows (one row a sequence); each layer's attention stores them into the rows' blocks and attends over
+each row's blocks (`launch.PagedRows`, `triton/attention/paged.py`).
+
+Inputs are one int32 device tensor written from the host before a step: the rows' token ids, positions,
+pool slots (where the new key and value go), lengths and block tables (padded to the widest a context needs).
+Rows past the batch's sequences (a bucket is a power of two) feed token 0 at position 0, write their key and
+value into a spare block past the pool's and attend over it alone: their results are never read.
+
+The step ends with an arg-max a row (the greedy pick, `triton/sample.py`), part of the captured graph. A row
+that samples is drawn after the replay by the device sampler with its own sequence's settings and Philox
+generator (`Draws`): two launches a sampling row, outside the graph, whose shape (top-k) differs by row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from fuselane.errors import FuselaneError
+from fuselane.fuse.optimizer import optimize
+from fuselane.graph.ir import Form, QuantizedActs, Role
+from fuselane.lanes.cuda.plan.knobs import RopeEpilogue
+from fuselane.lanes.cuda.plan.shim import CudaShim
+from fuselane.lanes.cuda.run.buffers import pooled_buffers
+from fuselane.lanes.cuda.run.lane import WARMUP_RUNS, CudaLane, int8_form
+from fuselane.models import recognizer
+from fuselane.models.qwen import IDS, LOGITS, POS
+from fuselane.runtime.sampling import SamplingParams, nan_logits
+
+# The columns of the step's inputs, one int32 row each (then the tables, `width` columns a row).
+ID, POSITION, SLOT, LENGTH = range(4)
+COLUMNS = 4
+
+
+class BatchStep:
+    """The plan for `rows` sequences bound to the pool's tensors (`pools`: by cache name, `block_size` rows a
+    block, tables `width` blocks wide), with its inputs, its staging rows and its picks."""
+
+    def __init__(self, lane: CudaLane, rows: int, pools: dict[str, Any], block_size: int, width: int) -> None:
+        from fuselane.lanes.cuda.run.launch import Bound, PagedRows, bind
+        from fuselane.lanes.cuda.triton import pdl, sample
+
+        torch, device = lane.torch, lane.device
+        self.lane, self.torch, self.pdl, self.sample, self.rows, self.width = lane, torch, pdl, sample, rows, width
+        knobs = replace(lane.shim.knobs, batch=True, rope_epilogue=RopeEpilogue.OFF)
+        held = [h for h in lane.held if h != "rows_a_warp"]
+        raw = recognizer(lane.cfg).recognize(lane.cfg, lane.tensors, Form.BATCH, rows=rows, ctx=lane.ctx)
+        self.plan = optimize(raw, CudaShim(knobs, held=lane.held), held=held)
+        g = self.plan.graph
+
+        def f32(shape: tuple[int, ...]) -> Any:
+            return torch.zeros(shape, dtype=torch.float32, device=device)
+
+        bufs, q8 = pooled_buffers(self.plan, f32, lambda shape: int8_form(shape, device))
+        for name, t in g.tensors.items():
+            if t.role is Role.CACHE:  # the step's staging rows: the attention stores them into the blocks
+                bufs[name] = torch.zeros((rows, t.shape[-1]), dtype=lane.cache_dtype, device=device)
+            elif t.role is Role.OUTPUT:
+                bufs[name] = f32(t.shape)
+                if isinstance(t.storage, QuantizedActs):
+                    q8[name] = int8_form(t.shape, device)
+        self.inputs = torch.zeros(rows * (COLUMNS + width), dtype=torch.int32, device=device)
+        columns = self.inputs[: rows * COLUMNS].view(COLUMNS, rows)
+        bufs[IDS] = columns[ID]
+        bufs[POS] = torch.zeros(1, dtype=torch.int32, device=device)  # staging rows start at row 0
+        tables = self.inputs[rows * COLUMNS :].view(rows, width)
+        paged = PagedRows(columns[POSITION], columns[SLOT], tables, columns[LENGTH], pools, block_size)
+        self.bufs = bufs
+        bound = Bound(g, bufs, lane.raw, lane.vec, lane.dense, q8=q8, paged=paged)
+        self.launch_list = [launch for op in self.plan.ops for launch in bind(op, bound)]
+        self.logits = bufs[LOGITS].view(rows, -1)
+        self.picked = torch.zeros((rows, sample.PICKED_VALUES), dtype=sample.PICKED_DTYPE, device=device)
+        vocab = self.logits.shape[1]
+        scratch = [sample.argmax_scratch(vocab, device) for _ in range(rows)]
+        self.greedy = [
+            (lambda i=i: sample.argmax_token(self.logits[i], self.picked[i], scratch[i]))  # noqa: B023
+            for i in range(rows)
+        ]
+        self.graph: Any = None
+        self.runs = 0
+
+    def write(self, values: np.ndarray) -> None:
+        """The step's inputs from the host: `COLUMNS` rows of `rows` values, then the tables (`layout`)."""
+        self.inputs.copy_(self.torch.from_numpy(values), non_blocking=False)
+
+    def launch(self) -> None:
+        """Run the step and the greedy picks on the inputs written: eagerly for the first runs (Triton compiles
+        each kernel on its first launch), then as the graph captured once and replayed."""
+        if self.graph is None and self.lane.use_graphs and self.runs >= WARMUP_RUNS:
+            self.graph = self._capture()
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        self._eager()
+        self.runs += 1
+
+    def _eager(self) -> None:
+        with self.pdl.dependent_launches(self.lane.dependent_launch):
+            for launch in (*self.launch_list, *self.greedy):
+                launch()
+
+    def _capture(self) -> Any:
+        torch = self.torch
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._eager()  # a run on the capture stream first, as torch advises (nothing it advances is kept)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            self._eager()
+        return graph
+
+
+def layout(rows: int, width: int, ids, positions, slots, tables, spare: int, block_size: int) -> np.ndarray:
+    """A step's inputs for `len(ids)` sequences in a bucket of `rows`: each column padded with the spare
+    block's row (token 0 at position 0, its key and value into the spare block, attending over it alone)."""
+    n = len(ids)
+    values = np.zeros(rows * (COLUMNS + width), dtype=np.int32)
+    columns = values[: rows * COLUMNS].reshape(COLUMNS, rows)
+    columns[ID, :n], columns[POSITION, :n], columns[SLOT, :n] = ids, positions, slots
+    columns[LENGTH, :n] = np.asarray(positions) + 1
+    columns[SLOT, n:], columns[LENGTH, n:] = spare * block_size, 1
+    grid = values[rows * COLUMNS :].reshape(rows, width)
+    grid[:, :] = spare
+    for i, table in enumerate(tables):
+        grid[i, : len(table)] = table
+    return values
+
+
+class Draws:
+    """The device sampler's state of each sampling sequence (its settings and its Philox seed and counter, device
+    values), and the candidates' buffers by their count."""
+
+    def __init__(self, lane: CudaLane) -> None:
+        from fuselane.lanes.cuda.triton import sample
+
+        self.lane, self.sample, self.torch = lane, sample, lane.torch
+        self.state: dict[int, tuple[Any, Any]] = {}
+        self.buffers: dict[int, tuple[Any, Any]] = {}
+
+    def forget(self, seq: int) -> None:
+        self.state.pop(seq, None)
+
+    def _state(self, seq: int, p: SamplingParams) -> tuple[Any, Any]:
+        """The sequence's params and generator, armed on its first draw as `DeviceSampler.arm` arms a loop."""
+        if seq not in self.state:
+            s, torch, device = self.sample, self.torch, self.lane.device
+            params = [0.0] * s.PARAMS_VALUES
+            params[s.TEMPERATURE], params[s.TOP_P] = p.temperature, p.top_p
+            seed = np.random.SeedSequence(p.seed).generate_state(1, np.uint64).view(np.int64)[0]
+            rng = [0] * s.RNG_VALUES
+            rng[s.SEED] = int(seed)
+            self.state[seq] = (
+                torch.tensor(params, dtype=torch.float32, device=device),
+                torch.tensor(rng, dtype=torch.int64, device=device),
+            )
+        return self.state[seq]
+
+    def draw(self, seq: int, p: SamplingParams, logits: Any, picked: Any) -> None:
+        """Draw the sequence's next token from its logits row into its `picked` row (two launches)."""
+        vocab = logits.numel()
+        k = p.top_k if 0 < p.top_k < vocab else vocab
+        if k not in self.buffers:
+            device = self.lane.device
+            self.buffers[k] = (
+                self.torch.empty(k, dtype=self.torch.float32, device=device),
+                self.torch.empty(k, dtype=self.torch.int64, device=device),
+            )
+        vals, idx = self.buffers[k]
+        params, rng = self._state(seq, p)
+        self.sample.candidates(logits, vals, idx)
+        self.sample.sample_token(vals, idx, params, rng, picked)
+
+
+def picks(step: BatchStep, n: int) -> list[int]:
+    """The first `n` rows' tokens, read from the device; NaN logits in any of them is the lane's error."""
+    values = step.picked[:n].cpu().numpy()
+    if values[:, step.sample.NAN_FLAG].any():
+        raise FuselaneError(nan_logits("cuda"))
+    return [int(t) for t in values[:, step.sample.TOKEN]]

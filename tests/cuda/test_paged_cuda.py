@@ -1,0 +1,124 @@
+"""The cuda lane's paged form compiled on a GPU (`pytest -m cuda`; skipped where there is none): batch equals
+single, the batch step's logits within the lane's contract, seeded draws that repeat, and every block back.
+
+Small synthetic models with the reference families' features (qwen2: q/k/v biases, its V product landing in the
+cache as a part of the QKV GEMV; qwen3: q/k norms), two layers, heads of whole 32-value blocks so the int8
+numerics run where the single-sequence step has them; and the tiny mixture of experts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
+
+from fuselane.engine.batch import engine_for  # noqa: E402
+from fuselane.engine.blocks import BlockPool, BlockTable  # noqa: E402
+from fuselane.engine.cuda import CudaPaged  # noqa: E402
+from fuselane.engine.lane import Work  # noqa: E402
+from fuselane.engine.sequence import Event, Request  # noqa: E402
+from fuselane.gguf.synth import Shape, write_synthetic  # noqa: E402
+from fuselane.runtime.model import load  # noqa: E402
+from fuselane.runtime.sampling import GREEDY, Sampler, SamplingParams  # noqa: E402
+
+CTX = 160
+SHAPES = {
+    "qwen2-q8_0": (Shape("qwen2", 256, 2, 8, 2, 32, 512, 1024, context=4096), "q8_0"),
+    "qwen3-q4_k_m": (Shape("qwen3", 256, 2, 4, 2, 64, 768, 1024, context=4096), "q4_k_m"),
+    "qwen3moe-q8_0": ("tiny-qwen3moe", "q8_0"),  # a mixture: each row routed to its own experts
+}
+# eight prompts of different lengths (one past several prefill chunks) and replies of different lengths
+PROMPTS = [[3 + i for i in range(n)] for n in (1, 5, 9, 17, 33, 70, 2, 120)]
+MAX_TOKENS = [12, 7, 20, 3, 16, 9, 25, 5]
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def path(request, tmp_path_factory):
+    shape, mix = SHAPES[request.param]
+    return write_synthetic(tmp_path_factory.mktemp("paged") / "m.gguf", shape, mix, seed=9)
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def run(model, prompts, max_tokens, sampling, *, max_seqs, chunk=32, cancel_after=None):
+    """The engine over the model's paged lane: each sequence's tokens, and the engine after the run."""
+    engine = engine_for(model, blocks=max_seqs * (CTX // 16), max_seqs=max_seqs, max_queue=len(prompts), chunk=chunk)
+    events: dict[int, list[Event]] = {}
+    ids = [
+        engine.submit(Request(tuple(p), n, sampling), lambda e: events.setdefault(e.seq, []).append(e))
+        for p, n in zip(prompts, max_tokens, strict=True)
+    ]
+    if cancel_after is not None:
+        for _ in range(cancel_after):
+            engine.step()
+        for seq in ids[::3]:
+            engine.cancel(seq)
+    engine.run_until_idle()
+    assert not any(e.error for evs in events.values() for e in evs)
+    return [[t for e in events.get(seq, []) for t in e.tokens] for seq in ids], engine
+
+
+@pytest.mark.parametrize("max_seqs", [8, 3], ids=["all-at-once", "joining-and-leaving"])
+def test_batch_equals_single(path, max_seqs):
+    """Greedy, at the dequantized numerics (the tightest contract): each sequence's tokens are its tokens alone
+    on the cpu lane in f64."""
+    gpu = load(path, lane="cuda", ctx=CTX, knobs=["activations=dequant"])
+    ref = load(path, lane="cpu", ctx=CTX, dtype=np.float64)
+    got, engine = run(gpu, PROMPTS, MAX_TOKENS, GREEDY, max_seqs=max_seqs)
+    for tokens, prompt, n in zip(got, PROMPTS, MAX_TOKENS, strict=True):
+        assert tokens == list(ref.generate_ids(ref.session(), prompt, max_tokens=n, sampling=GREEDY))
+    assert engine.pool.used == 0
+    steps = engine.lane.steps
+    # rows ran together, in buckets no larger than max_seqs rounded up, and replayed their graphs
+    assert 2 <= max(steps) <= (8 if max_seqs == 8 else 4) and any(s.graph is not None for s in steps.values())
+
+
+@pytest.mark.parametrize("knobs", [[], ["activations=dequant"]], ids=["int8", "dequant"])
+def test_batch_logits_within_contract(path, knobs):
+    """One decode step of five sequences (a bucket of 8, f32 activations) and of one (int8 where the
+    single-sequence step has them): each row's logits within the lane's contract of the cpu lane's alone."""
+    gpu = load(path, lane="cuda", ctx=CTX, knobs=knobs)
+    ref = load(path, lane="cpu", ctx=CTX, dtype=np.float64)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    paged, pool = CudaPaged(gpu.lane, 64, 16), BlockPool(64, 16)
+    prompts = PROMPTS[1:6]
+    tables = [BlockTable() for _ in prompts]
+    for seq, (p, t) in enumerate(zip(prompts, tables, strict=True)):
+        assert pool.grow(t, len(p))
+        if len(p) > 1:
+            paged.step([Work(seq, tuple(p[:-1]), 0, t, None)])
+    for rows in (prompts, prompts[:1]):
+        works = [Work(s, (p[-1],), len(p) - 1, tables[s], Sampler(GREEDY)) for s, p in enumerate(rows)]
+        tokens = paged.step(works)
+        logits = paged.steps[1 << (len(rows) - 1).bit_length()].logits[: len(rows)].float().cpu().numpy()
+        for i, p in enumerate(rows):
+            want = ref.session().feed(p)
+            assert np.isfinite(logits[i]).all() and rel(logits[i], want) <= tol, f"row {i} of {len(rows)}"
+            assert tokens[i] == int(np.argmax(logits[i]))
+
+
+def test_seeded_draws_repeat_and_blocks_come_back(path):
+    """Each sequence draws from its own seeded generator: the same batch twice gives the same tokens, another
+    seed others. Sequences cancelled mid-run give their blocks back with the rest."""
+    gpu = load(path, lane="cuda", ctx=CTX)
+    sampled = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=3)
+    first, _ = run(gpu, PROMPTS, MAX_TOKENS, sampled, max_seqs=8)
+    again, _ = run(gpu, PROMPTS, MAX_TOKENS, sampled, max_seqs=8)
+    other, _ = run(gpu, PROMPTS, MAX_TOKENS, SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=4), max_seqs=8)
+    assert first == again and first != other
+    _, engine = run(gpu, PROMPTS, [CTX] * len(PROMPTS), sampled, max_seqs=5, cancel_after=6)
+    assert engine.pool.used == 0 and engine.stats.kv_blocks_used == 0 and engine.scheduler.idle
+
+
+def test_generate_batch_runs_on_the_gpu(path):
+    gpu = load(path, lane="cuda", ctx=CTX, knobs=["activations=dequant"])
+    ref = load(path, lane="cpu", ctx=CTX, dtype=np.float64)
+    prompts = ["hello", "a longer prompt than the first", "x"]
+    assert gpu.generate_batch(prompts, max_tokens=6, raw=True) == ref.generate_batch(prompts, max_tokens=6, raw=True)
