@@ -11,7 +11,7 @@ Each swallows an intermediate only where nothing outside the fusion reads it.
 
 from __future__ import annotations
 
-from fuselane.fuse.moe_rules import _internal, _producer_of
+from fuselane.fuse.moe_rules import internal, producer_of
 from fuselane.fuse.patterns import is_add, is_mul, next_reader, op_at
 from fuselane.fuse.rewriter import Rewriter
 from fuselane.fuse.rule import Rule
@@ -69,7 +69,7 @@ def conv_silu_l2norm(r: Rewriter, i: int) -> None:
     if normed:
         members = [i, *normed]
         swallowed = [k for k in normed if op_at(r, k, Slice)]  # each norm's result is read by the delta rule
-        if _internal(r, "conv_silu_l2norm", members, swallowed):
+        if internal(r, "conv_silu_l2norm", members, swallowed):
             r.try_fuse("conv_silu_l2norm", C.CONV_SILU_L2NORM, members, i)
 
 
@@ -78,18 +78,18 @@ def gdn_gating(r: Rewriter, m: int) -> None:
     mul = op_at(r, m, Elementwise)
     if mul is None or not is_mul(mul, row=True):
         return
-    soft = _producer_of(r, mul.ins[0], m, Unary)
+    soft = producer_of(r, mul.ins[0], m, Unary)
     if soft is None or not _unary(r, soft, UnaryOp.SOFTPLUS):
         return
-    add = _producer_of(r, r.s.get(soft).ins[0], soft, Elementwise)
+    add = producer_of(r, r.s.get(soft).ins[0], soft, Elementwise)
     if add is None or not is_add(r.s.get(add), row=True):
         return
     rule = next((k for k in r.s.readers(mul.out) if k > m and op_at(r, k, *DELTAS)), None)
-    beta = _producer_of(r, r.s.get(rule).ins[4], rule, Unary) if rule is not None else None
+    beta = producer_of(r, r.s.get(rule).ins[4], rule, Unary) if rule is not None else None
     if beta is None or not _unary(r, beta, UnaryOp.SIGMOID):
         return
     members = sorted([beta, add, soft, m])
-    if _internal(r, "gdn_gating", members, [add, soft]):
+    if internal(r, "gdn_gating", members, [add, soft]):
         r.try_fuse("gdn_gating", C.GDN_GATING, members, m)
 
 
@@ -98,15 +98,15 @@ def gdn_gate_projections(r: Rewriter, j: int) -> None:
     gating = op_at(r, j, C.GDN_GATING)
     if gating is None:
         return
-    slices = [k for n in gating.ins if (k := _producer_of(r, n, j, Slice)) is not None]
+    slices = [k for n in gating.ins if (k := producer_of(r, n, j, Slice)) is not None]
     sources = {r.s.get(k).ins[0] for k in slices}
     if len(slices) < 2 or len(sources) != 1:
         return
-    product = _producer_of(r, sources.pop(), min(slices), Matmul)
+    product = producer_of(r, sources.pop(), min(slices), Matmul)
     if product is None:
         return
     members = sorted([product, *slices, j])
-    if _internal(r, "gdn_gate_projections", members, [product, *slices]):
+    if internal(r, "gdn_gate_projections", members, [product, *slices]):
         r.try_fuse("gdn_gate_projections", C.GDN_GATE_PROJECTIONS, members, j)
 
 
@@ -126,8 +126,8 @@ def gated_norm(r: Rewriter, i: int) -> None:
     j = next_reader(r, i, Elementwise, rule="gated_norm")
     if j is None or not is_mul(r.s.get(j), row=False):
         return
-    gate = _producer_of(r, r.s.get(j).ins[1], j, Unary)
-    if gate is not None and _unary(r, gate, UnaryOp.SILU) and _internal(r, "gated_norm", [i, gate, j], [gate]):
+    gate = producer_of(r, r.s.get(j).ins[1], j, Unary)
+    if gate is not None and _unary(r, gate, UnaryOp.SILU) and internal(r, "gated_norm", [i, gate, j], [gate]):
         r.try_fuse("gated_norm", C.GATED_NORM, sorted([i, gate, j]), j)
 
 
@@ -135,12 +135,12 @@ def attn_output_gate(r: Rewriter, j: int) -> None:
     mul = op_at(r, j, Elementwise)
     if mul is None or not is_mul(mul, row=False) or len(mul.ins) != 2:
         return
-    att = _producer_of(r, mul.ins[0], j, *ATTENTIONS)
-    sig = _producer_of(r, mul.ins[1], j, Unary)
+    att = producer_of(r, mul.ins[0], j, *ATTENTIONS)
+    sig = producer_of(r, mul.ins[1], j, Unary)
     if att is None or sig is None or not _unary(r, sig, UnaryOp.SIGMOID):
         return
     members = sorted([att, sig, j])
-    if _internal(r, "attn_output_gate", members, [att, sig]):
+    if internal(r, "attn_output_gate", members, [att, sig]):
         r.try_fuse("attn_output_gate", C.ATTN_OUTPUT_GATE, members, j)
 
 

@@ -29,7 +29,7 @@ def _read_only_by(r: Rewriter, name: str, group: Sequence[int]) -> bool:
     return name not in r.outputs and set(r.s.readers(name)) <= set(group)
 
 
-def _internal(r: Rewriter, rule: str, members: Sequence[int], swallowed: Sequence[int]) -> bool:
+def internal(r: Rewriter, rule: str, members: Sequence[int], swallowed: Sequence[int]) -> bool:
     """Whether the results of the members at `swallowed` are read only inside the group (the fusion keeps
     them to itself); records the first that is not, for `explain`."""
     for m in swallowed:
@@ -58,7 +58,7 @@ def router_topk(r: Rewriter, i: int) -> None:
     if topk is None or weights is None or r.s.get(weights).ins[1] != r.s.get(topk).out:
         return
     members = [i, topk, weights]
-    if _internal(r, "router_topk", members, [i]):  # the kept experts and weights are the fusion's results
+    if internal(r, "router_topk", members, [i]):  # the kept experts and weights are the fusion's results
         r.try_fuse("router_topk", C.ROUTER_TOPK, members, weights)
 
 
@@ -87,7 +87,7 @@ def moe_gate_up_act(r: Rewriter, j: int) -> None:
     gate, up = (r.s.get(k) for k in pair)  # type: ignore[arg-type]
     same_rows = gate.ins[0] == up.ins[0] and gate.ins[2:] == up.ins[2:]
     members = [*pair, j]
-    if same_rows and _internal(r, "moe_gate_up_act", members, pair):  # type: ignore[arg-type]
+    if same_rows and internal(r, "moe_gate_up_act", members, pair):  # type: ignore[arg-type]
         r.try_fuse("moe_gate_up_act", C.MOE_GATE_UP_ACT, members, j)  # type: ignore[arg-type]
 
 
@@ -100,7 +100,7 @@ def moe_down_combine(r: Rewriter, i: int) -> None:
         r.try_fuse("moe_down_combine", C.MOE_DOWN_COMBINE, [i, j], j)
 
 
-def _producer_of(r: Rewriter, name: str, before: int, *kinds) -> int | None:
+def producer_of(r: Rewriter, name: str, before: int, *kinds) -> int | None:
     i = r.s.producer(name, before=before)
     return i if i is not None and op_at(r, i, *kinds) is not None else None
 
@@ -109,17 +109,17 @@ def _shared_members(r: Rewriter, scaled: int) -> list[int] | None:
     """The shared expert whose gated output the RowScale at slot `scaled` writes: its SwiGLU (and the gate and
     up products it reads, where they are apart), its down product, and its gate's product and sigmoid."""
     rs = r.s.get(scaled)
-    down = _producer_of(r, rs.ins[0], scaled, Matmul)
-    sig = _producer_of(r, rs.ins[1], scaled, Unary)
+    down = producer_of(r, rs.ins[0], scaled, Matmul)
+    sig = producer_of(r, rs.ins[1], scaled, Unary)
     if down is None or sig is None or r.s.get(sig).sym.op is not U.SIGMOID:  # type: ignore[union-attr]
         return None
-    score = _producer_of(r, r.s.get(sig).ins[0], sig, Matmul)
-    glu = _producer_of(r, r.s.get(down).ins[0], down, *GLUS)
+    score = producer_of(r, r.s.get(sig).ins[0], sig, Matmul)
+    glu = producer_of(r, r.s.get(down).ins[0], down, *GLUS)
     if score is None or glu is None:
         return None
     products = []
     if class_of(r.s.get(glu)) is C.GLU_ACT_MUL:
-        products = [_producer_of(r, name, glu, Matmul) for name in r.s.get(glu).ins]
+        products = [producer_of(r, name, glu, Matmul) for name in r.s.get(glu).ins]
         if None in products:
             return None
     return sorted([*products, glu, down, score, sig, scaled])  # type: ignore[list-item]
@@ -129,14 +129,14 @@ def shared_expert_fusion(r: Rewriter, j: int) -> None:
     add = op_at(r, j, Elementwise)
     if add is None or not is_add(add, row=False):
         return
-    found = [(_producer_of(r, n, j, *MIXTURES), _producer_of(r, n, j, RowScale)) for n in add.ins]
+    found = [(producer_of(r, n, j, *MIXTURES), producer_of(r, n, j, RowScale)) for n in add.ins]
     mixture = next((m for m, _ in found if m is not None), None)
     scaled = next((s for _, s in found if s is not None), None)
     shared = _shared_members(r, scaled) if mixture is not None and scaled is not None else None
     if shared is None:
         return
     members = sorted([mixture, *shared, j])  # type: ignore[list-item]
-    if _internal(r, "shared_expert_fusion", members, [m for m in members if m != j]):
+    if internal(r, "shared_expert_fusion", members, [m for m in members if m != j]):
         r.try_fuse("shared_expert_fusion", C.SHARED_EXPERT_FUSION, members, j)
 
 

@@ -7,7 +7,7 @@ over every expert and refuses the class (so the model, which cannot route withou
 
 from __future__ import annotations
 
-from fuselane.fuse.moe_rules import _internal
+from fuselane.fuse.moe_rules import internal
 from fuselane.fuse.patterns import op_at
 from fuselane.fuse.rewriter import Rewriter
 from fuselane.fuse.rule import Rule
@@ -28,7 +28,7 @@ def grouped_topk(r: Rewriter, i: int) -> None:
     if top is None or r.s.get(weights).ins[1] != r.s.get(top).out:
         return
     members = sorted([i, choice, top, weights])
-    if _internal(r, "grouped_topk", members, [i, choice]):  # the kept experts and weights are its results
+    if internal(r, "grouped_topk", members, [i, choice]):  # the kept experts and weights are its results
         r.try_fuse("grouped_topk", C.GROUPED_TOPK, members, weights)
 
 

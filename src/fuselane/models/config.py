@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +100,7 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
 
-def _found(value: Any) -> str:
+def found(value: Any) -> str:
     """A metadata value's kind and (short) value, as an error message names what it found."""
     if isinstance(value, bool):
         kind = "a BOOL"
@@ -118,14 +118,14 @@ def _found(value: Any) -> str:
     return f"{kind} ({shown[:40]}...)" if len(shown) > 40 else f"{kind} ({shown})"
 
 
-def _get(meta: Mapping[str, Any], key: str, kind: type, default: Any = None) -> Any:
+def get_key(meta: Mapping[str, Any], key: str, kind: type, default: Any = None) -> Any:
     value = meta.get(key, default)
     if value is None:
         raise ModelError(f"metadata key '{key}' is missing")
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ModelError(f"metadata key '{key}' should be an integer, found {_found(value)}")
+        raise ModelError(f"metadata key '{key}' should be an integer, found {found(value)}")
     if kind is float and (isinstance(value, bool) or not isinstance(value, int | float)):
-        raise ModelError(f"metadata key '{key}' should be a number, found {_found(value)}")
+        raise ModelError(f"metadata key '{key}' should be a number, found {found(value)}")
     if kind is int and value <= 0:
         raise ModelError(f"metadata key '{key}' should be positive, not {value:,}")
     if kind is float and not math.isfinite(value):
@@ -146,11 +146,15 @@ def _check_counts(meta: Mapping[str, Any], tensors: Mapping[str, Any], p: str, n
             f"metadata key '{p}block_count' says {n_layers:,} layers but the file holds tensors for {present:,}"
         )
     claimed_vocab = meta.get(p + "vocab_size")
-    if claimed_vocab is not None and _get(meta, p + "vocab_size", int) != vocab:
+    if claimed_vocab is not None and get_key(meta, p + "vocab_size", int) != vocab:
         raise ModelError(
             f"metadata key '{p}vocab_size' says {claimed_vocab:,} tokens but token_embd.weight has {vocab:,} rows"
         )
-    if p[:-1] not in RENORM_TOPK and meta.get(p + "expert_count") is not None and _get(meta, p + "expert_count", int):
+    if (
+        p[:-1] not in RENORM_TOPK
+        and meta.get(p + "expert_count") is not None
+        and get_key(meta, p + "expert_count", int)
+    ):
         raise ModelError(
             f"metadata key '{p}expert_count' declares {meta[p + 'expert_count']:,} experts, but {p[:-1]} is a dense "
             f"architecture (mixtures are {' / '.join(RENORM_TOPK)})"
@@ -161,7 +165,7 @@ def _shared_width(meta: Mapping[str, Any], tensors: Mapping[str, Any], p: str) -
     """The shared expert's hidden width: its key, or (older files omit it) its up product's rows."""
     key = p + "expert_shared_feed_forward_length"
     if key in meta:
-        return _get(meta, key, int)
+        return get_key(meta, key, int)
     up = tensors.get("blk.0.ffn_up_shexp.weight")
     if up is None:
         raise ModelError(f"metadata key '{key}' is missing")
@@ -173,8 +177,8 @@ def read_experts(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str)
     if arch not in RENORM_TOPK:
         return {}
     p = f"{arch}."
-    experts = _get(meta, p + "expert_count", int)
-    used = _get(meta, p + "expert_used_count", int)
+    experts = get_key(meta, p + "expert_count", int)
+    used = get_key(meta, p + "expert_used_count", int)
     if used > experts:
         raise ModelError(
             f"metadata key '{p}expert_used_count' says {used:,} experts a token, more than the {experts:,} of "
@@ -184,19 +188,25 @@ def read_experts(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str)
     return {
         "experts": experts,
         "experts_used": used,
-        "expert_ff": _get(meta, p + "expert_feed_forward_length", int),
+        "expert_ff": get_key(meta, p + "expert_feed_forward_length", int),
         "shared_ff": shared,
         "renorm": RENORM_TOPK[arch],
     }
 
 
-def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str) -> ModelConfig:
+# reads an architecture's own fields: (meta, tensors, key prefix, layers, head size) -> ModelConfig fields
+ExtraFields = Callable[[Mapping[str, Any], Mapping[str, Any], str, int, int], dict[str, Any]]
+
+
+def read_config(
+    meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str, extra: ExtraFields | None = None
+) -> ModelConfig:
     """A Qwen2/Qwen3 (or their mixtures') config from metadata; `tensors` (name -> object with `.shape`) settle
-    what metadata omits."""
+    what metadata omits. `extra` reads an architecture's own fields (qwen3next's hybrid layers)."""
     p = f"{arch}."
-    n_embd = _get(meta, p + "embedding_length", int)
-    n_heads = _get(meta, p + "attention.head_count", int)
-    n_kv = _get(meta, p + "attention.head_count_kv", int, n_heads)
+    n_embd = get_key(meta, p + "embedding_length", int)
+    n_heads = get_key(meta, p + "attention.head_count", int)
+    n_kv = get_key(meta, p + "attention.head_count_kv", int, n_heads)
     if n_heads % n_kv:
         raise ModelError(f"{n_heads:,} attention heads do not group evenly over {n_kv:,} key/value heads")
     if p + "attention.key_length" not in meta and n_heads > n_embd:
@@ -204,33 +214,31 @@ def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str) 
             f"metadata key '{p}attention.head_count' says {n_heads:,} heads, more than the {n_embd:,} values "
             f"of '{p}embedding_length' can be split into"
         )
-    head_dim = _get(meta, p + "attention.key_length", int, n_embd // n_heads)
+    head_dim = get_key(meta, p + "attention.key_length", int, n_embd // n_heads)
     if head_dim % 2:  # refused here, by name, rather than failing deep inside the rope kernel
         raise ModelError(f"the head size {head_dim} is odd; rope rotates pairs of values")
-    value_dim = _get(meta, p + "attention.value_length", int, head_dim)
+    value_dim = get_key(meta, p + "attention.value_length", int, head_dim)
     if value_dim != head_dim:
         raise ModelError(f"key length {head_dim} and value length {value_dim} differ; fuselane needs them equal")
     if "token_embd.weight" not in tensors:
         raise ModelError("tensor 'token_embd.weight' is missing")
     vocab = tensors["token_embd.weight"].shape[0]
-    n_layers = _get(meta, p + "block_count", int)
+    n_layers = get_key(meta, p + "block_count", int)
     _check_counts(meta, tensors, p, n_layers, vocab)
-    context = _get(meta, p + "context_length", int)
+    context = get_key(meta, p + "context_length", int)
     if context > MAX_CONTEXT:
         raise ModelError(
             f"metadata key '{p}context_length' is {context:,}, past the {MAX_CONTEXT:,} positions a model can address"
         )
-    rope_base = _get(meta, p + "rope.freq_base", float, DEFAULT_ROPE_BASE)
+    rope_base = get_key(meta, p + "rope.freq_base", float, DEFAULT_ROPE_BASE)
     if rope_base <= 0:
         raise ModelError(f"metadata key '{p}rope.freq_base' should be positive, not {rope_base}")
     experts = read_experts(meta, tensors, arch)
-    if arch == "qwen3next":
-        from fuselane.models.qwen3next_config import read_hybrid
-
-        experts |= read_hybrid(meta, tensors, p, n_layers, head_dim)
+    if extra is not None:
+        experts |= extra(meta, tensors, p, n_layers, head_dim)
     # a mixture's files state the dense width too (unused); one that omits it needs none
-    n_ff = _get(meta, p + "feed_forward_length", int, experts.get("expert_ff"))
-    rms_eps = _get(meta, p + "attention.layer_norm_rms_epsilon", float, DEFAULT_RMS_EPS)
+    n_ff = get_key(meta, p + "feed_forward_length", int, experts.get("expert_ff"))
+    rms_eps = get_key(meta, p + "attention.layer_norm_rms_epsilon", float, DEFAULT_RMS_EPS)
     if rms_eps < 0:
         raise ModelError(f"metadata key '{p}attention.layer_norm_rms_epsilon' should not be negative, not {rms_eps}")
     return ModelConfig(

@@ -111,7 +111,7 @@ def check_weights(cfg: ModelConfig, tensors: Mapping[str, Any]) -> None:
         raise ModelError(f"the file has more layers than block_count {cfg.n_layers} says")
 
 
-class _Builder(qwen._Builder):
+class Builder(qwen.Builder):
     """Emits a deepseek2 form's ops: the dense builder's embedding, norms, products and head, with latent
     attention and DeepSeek's mixture in each layer."""
 
@@ -253,4 +253,4 @@ def recognize(
     if form is Form.DECODE and rows != 1:
         raise ValueError("a decode step is one row")
     check_weights(cfg, tensors)
-    return _Builder(cfg, tensors, form, rows, ctx, all_logits=all_logits).build()
+    return Builder(cfg, tensors, form, rows, ctx, all_logits=all_logits).build()

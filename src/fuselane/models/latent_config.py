@@ -23,8 +23,8 @@ from fuselane.models.config import (
     DEFAULT_ROPE_BASE,
     MAX_CONTEXT,
     ModelConfig,
-    _found,
-    _get,
+    found,
+    get_key,
     layers_present,
 )
 
@@ -73,29 +73,29 @@ class LatentConfig:
 
 
 def _opt(meta: Mapping[str, Any], key: str, kind: type, default: Any) -> Any:
-    return _get(meta, key, kind, default) if key in meta else default
+    return get_key(meta, key, kind, default) if key in meta else default
 
 
 def _count(meta: Mapping[str, Any], key: str) -> int:
     """A count that may be zero (absent: zero)."""
     value = meta.get(key, 0)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ModelError(f"metadata key '{key}' should be a count, found {_found(value)}")
+        raise ModelError(f"metadata key '{key}' should be a count, found {found(value)}")
     return value
 
 
 def _flag(meta: Mapping[str, Any], key: str) -> bool:
     value = meta.get(key, False)
     if not isinstance(value, bool):
-        raise ModelError(f"metadata key '{key}' should be a BOOL, found {_found(value)}")
+        raise ModelError(f"metadata key '{key}' should be a BOOL, found {found(value)}")
     return value
 
 
 def _head_sizes(meta: Mapping[str, Any], p: str, kv_lora: int) -> tuple[int, int, int]:
     """(nope, rope, vdim) from the per-head keys, checked against the absorbed sizes where the file states them."""
-    rope = _get(meta, p + "rope.dimension_count", int)
-    qk = _get(meta, p + "attention.key_length_mla", int, meta.get(p + "attention.key_length"))
-    vdim = _get(meta, p + "attention.value_length_mla", int, meta.get(p + "attention.value_length"))
+    rope = get_key(meta, p + "rope.dimension_count", int)
+    qk = get_key(meta, p + "attention.key_length_mla", int, meta.get(p + "attention.key_length"))
+    vdim = get_key(meta, p + "attention.value_length_mla", int, meta.get(p + "attention.value_length"))
     if rope % 2:
         raise ModelError(f"metadata key '{p}rope.dimension_count' is {rope}, odd; rope rotates pairs of values")
     if qk <= rope:
@@ -114,12 +114,12 @@ def _yarn(meta: Mapping[str, Any], p: str, qk: int) -> tuple[Yarn | None, float]
     if kind == "none":
         return None, 1.0 / math.sqrt(qk)
     if kind != "yarn":
-        raise ModelError(f"metadata key '{p}rope.scaling.type' is {_found(kind)}; deepseek2 runs none or yarn")
+        raise ModelError(f"metadata key '{p}rope.scaling.type' is {found(kind)}; deepseek2 runs none or yarn")
     s = p + "rope.scaling."
-    factor = _get(meta, s + "factor", float)
+    factor = get_key(meta, s + "factor", float)
     yarn = Yarn(
         factor=factor,
-        original=_get(meta, s + "original_context_length", int),
+        original=get_key(meta, s + "original_context_length", int),
         beta_fast=_opt(meta, s + "yarn_beta_fast", float, YARN_BETA_FAST),
         beta_slow=_opt(meta, s + "yarn_beta_slow", float, YARN_BETA_SLOW),
     )
@@ -164,15 +164,15 @@ def _q_lora(meta: Mapping[str, Any], tensors: Mapping[str, Any], p: str) -> int:
         return 0
     if "blk.0.attn_q_a.weight" not in tensors:
         raise ModelError("tensor 'blk.0.attn_q.weight' is missing (nor does the file hold the q LoRA 'attn_q_a')")
-    return _get(meta, key, int, tensors["blk.0.attn_q_a.weight"].shape[0])
+    return get_key(meta, key, int, tensors["blk.0.attn_q_a.weight"].shape[0])
 
 
 def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str = ARCH) -> ModelConfig:
     """A deepseek2 config from metadata, checked against the tensors' presence (`check_weights` checks shapes)."""
     p = f"{arch}."
-    n_embd = _get(meta, p + "embedding_length", int)
-    n_heads = _get(meta, p + "attention.head_count", int)
-    n_layers = _get(meta, p + "block_count", int)
+    n_embd = get_key(meta, p + "embedding_length", int)
+    n_heads = get_key(meta, p + "attention.head_count", int)
+    n_layers = get_key(meta, p + "block_count", int)
     present = layers_present(tensors)
     if n_layers > present:
         raise ModelError(
@@ -181,15 +181,15 @@ def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str =
     if "token_embd.weight" not in tensors:
         raise ModelError("tensor 'token_embd.weight' is missing")
     vocab = tensors["token_embd.weight"].shape[0]
-    if p + "vocab_size" in meta and _get(meta, p + "vocab_size", int) != vocab:
+    if p + "vocab_size" in meta and get_key(meta, p + "vocab_size", int) != vocab:
         raise ModelError(
             f"metadata key '{p}vocab_size' says {meta[p + 'vocab_size']:,} tokens but "
             f"token_embd.weight has {vocab:,} rows"
         )
-    context = _get(meta, p + "context_length", int)
+    context = get_key(meta, p + "context_length", int)
     if context > MAX_CONTEXT:
         raise ModelError(f"metadata key '{p}context_length' is {context:,}, past the {MAX_CONTEXT:,} positions")
-    kv_lora = _get(meta, p + "attention.kv_lora_rank", int)
+    kv_lora = get_key(meta, p + "attention.kv_lora_rank", int)
     nope, rope, vdim = _head_sizes(meta, p, kv_lora)
     dense = _count(meta, p + "leading_dense_block_count")
     if dense > n_layers:
@@ -203,19 +203,19 @@ def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str =
         "groups_used": 1,
     }
     if dense < n_layers:  # a mixture past the dense layers
-        experts = _get(meta, p + "expert_count", int)
-        used = _get(meta, p + "expert_used_count", int)
+        experts = get_key(meta, p + "expert_count", int)
+        used = get_key(meta, p + "expert_used_count", int)
         if used > experts:
             raise ModelError(
                 f"metadata key '{p}expert_used_count' says {used:,} experts a token, more than the "
                 f"{experts:,} of '{p}expert_count'"
             )
-        expert_ff = _get(meta, p + "expert_feed_forward_length", int)
+        expert_ff = get_key(meta, p + "expert_feed_forward_length", int)
         shared = _count(meta, p + "expert_shared_count")
         routing = _routing(meta, tensors, p, experts, used)
     yarn, attn_scale = _yarn(meta, p, nope + rope)
-    rope_base = _get(meta, p + "rope.freq_base", float, DEFAULT_ROPE_BASE)
-    rms_eps = _get(meta, p + "attention.layer_norm_rms_epsilon", float, DEFAULT_RMS_EPS)
+    rope_base = get_key(meta, p + "rope.freq_base", float, DEFAULT_ROPE_BASE)
+    rms_eps = get_key(meta, p + "attention.layer_norm_rms_epsilon", float, DEFAULT_RMS_EPS)
     if rope_base <= 0 or rms_eps < 0:
         raise ModelError(
             f"metadata keys '{p}rope.freq_base' {rope_base} / '{p}attention.layer_norm_rms_epsilon' "
@@ -234,7 +234,7 @@ def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str =
         **routing,
     )
     # the dense layers' width; a file of mixture layers alone may omit it
-    n_ff = _get(meta, p + "feed_forward_length", int, None if dense else expert_ff)
+    n_ff = get_key(meta, p + "feed_forward_length", int, None if dense else expert_ff)
     return ModelConfig(
         arch=arch,
         n_embd=n_embd,

@@ -67,7 +67,7 @@ def graph_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def mixture(bd: Any, b: str, l_: str, h: str) -> str:
-    """Emit the mixture of layer prefix `b` over the normed rows `h` into the builder `bd` (a `qwen._Builder`);
+    """Emit the mixture of layer prefix `b` over the normed rows `h` into the builder `bd` (a `qwen.Builder`);
     returns the name of its result, one `n_embd` row a row."""
     cfg: ModelConfig = bd.cfg
     rows, k, e, d, ff = bd.rows, cfg.experts_used, cfg.experts, cfg.n_embd, cfg.expert_ff

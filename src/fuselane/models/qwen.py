@@ -83,7 +83,7 @@ def check_weights(cfg: ModelConfig, tensors: Mapping[str, Any]) -> None:
         raise ModelError(f"the file has more layers than block_count {cfg.n_layers} says")
 
 
-class _Builder:
+class Builder:
     """Emits one form's ops into a graph; names activations `l{layer}.{what}`."""
 
     def __init__(
@@ -214,4 +214,4 @@ def recognize(
     if form is Form.DECODE and rows != 1:
         raise ValueError("a decode step is one row")
     check_weights(cfg, tensors)
-    return _Builder(cfg, tensors, form, rows, ctx, all_logits=all_logits).build()
+    return Builder(cfg, tensors, form, rows, ctx, all_logits=all_logits).build()

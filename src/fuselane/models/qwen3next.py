@@ -40,12 +40,18 @@ from fuselane.graph.ops import (
     Unary,
     UnaryOp,
 )
-from fuselane.models import moe
+from fuselane.models import config, moe
 from fuselane.models.config import ModelConfig
-from fuselane.models.qwen import IDS, POS, VECTOR_FORMATS, _Builder
+from fuselane.models.qwen import IDS, POS, VECTOR_FORMATS, Builder
+from fuselane.models.qwen3next_config import read_hybrid
 
 # Tensors the graph reads as plain values, not as a product's checkpoint rows.
 _VALUE_TENSORS = ("ssm_conv1d.weight",)
+
+
+def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str) -> ModelConfig:
+    """The shared config reading with the hybrid's own fields (its delta-rule layers, the partial rotary)."""
+    return config.read_config(meta, tensors, arch, extra=read_hybrid)
 
 
 def _full_shapes(cfg: ModelConfig, b: str) -> dict[str, tuple[int, ...]]:
@@ -105,7 +111,7 @@ def check_weights(cfg: ModelConfig, tensors: Mapping[str, Any]) -> None:
         raise ModelError(f"the file has more layers than block_count {cfg.n_layers} says")
 
 
-class _HybridBuilder(_Builder):
+class _HybridBuilder(Builder):
     """Emits one form's ops of a Qwen3-Next model; names activations `l{layer}.{what}`."""
 
     def __init__(self, cfg: ModelConfig, tensors: Mapping[str, Any], form: Form, rows: int, ctx: int, **kw) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fuselane.errors import ModelError
-from fuselane.models.config import LinearAttention, _found, _get
+from fuselane.models.config import LinearAttention, found, get_key
 
 DEFAULT_FULL_INTERVAL = 4  # llama.cpp's default when the file names neither the interval nor the layers
 
@@ -25,11 +25,11 @@ def _layer_kinds(meta: Mapping[str, Any], p: str, n_layers: int) -> tuple[bool, 
     if key in meta:
         flags = meta[key]
         if not isinstance(flags, list) or any(not isinstance(f, bool | int) for f in flags):
-            raise ModelError(f"metadata key '{key}' should be an array of one flag a layer, found {_found(flags)}")
+            raise ModelError(f"metadata key '{key}' should be an array of one flag a layer, found {found(flags)}")
         if len(flags) < n_layers:
             raise ModelError(f"metadata key '{key}' flags {len(flags):,} layers, fewer than the {n_layers:,} layers")
         return tuple(bool(f) for f in flags[:n_layers])
-    every = _get(meta, p + "full_attention_interval", int, DEFAULT_FULL_INTERVAL)
+    every = get_key(meta, p + "full_attention_interval", int, DEFAULT_FULL_INTERVAL)
     return tuple((i + 1) % every != 0 for i in range(n_layers))
 
 
@@ -37,21 +37,21 @@ def read_hybrid(
     meta: Mapping[str, Any], tensors: Mapping[str, Any], p: str, n_layers: int, head_dim: int
 ) -> dict[str, Any]:
     """ModelConfig's `rope_dim` and `linear` fields of a qwen3next file."""
-    rope_dim = _get(meta, p + "rope.dimension_count", int, head_dim)
+    rope_dim = get_key(meta, p + "rope.dimension_count", int, head_dim)
     if rope_dim > head_dim or rope_dim % 2:
         raise ModelError(
             f"metadata key '{p}rope.dimension_count' is {rope_dim:,}: rope turns pairs of at most the head's "
             f"{head_dim:,} values"
         )
-    k_heads = _get(meta, p + "ssm.group_count", int)
-    v_heads = _get(meta, p + "ssm.time_step_rank", int)
+    k_heads = get_key(meta, p + "ssm.group_count", int)
+    v_heads = get_key(meta, p + "ssm.time_step_rank", int)
     if v_heads % k_heads:
         raise ModelError(
             f"metadata key '{p}ssm.time_step_rank' says {v_heads:,} value heads, which do not group evenly over "
             f"the {k_heads:,} key heads of '{p}ssm.group_count'"
         )
-    width = _get(meta, p + "ssm.state_size", int)
-    inner = _get(meta, p + "ssm.inner_size", int)
+    width = get_key(meta, p + "ssm.state_size", int)
+    inner = get_key(meta, p + "ssm.inner_size", int)
     if inner != v_heads * width:
         raise ModelError(
             f"metadata key '{p}ssm.inner_size' is {inner:,}, not the {v_heads:,} value heads of {width:,} values "
@@ -63,6 +63,6 @@ def read_hybrid(
         v_heads=v_heads,
         k_dim=width,
         v_dim=width,
-        conv=_get(meta, p + "ssm.conv_kernel", int),
+        conv=get_key(meta, p + "ssm.conv_kernel", int),
     )
     return {"rope_dim": rope_dim, "linear": linear}
