@@ -1,0 +1,90 @@
+"""Aggregate decode tokens/s of several sequences at once through the engine (the paged batch form), as
+`llama-batched-bench -npp P -ntg N -npl B` measures it: B sequences of P prompt tokens each generate N tokens;
+the figure is the tokens generated after every sequence has its first token, over the time that took (prefill
+excluded), so it is the decode steps' throughput at B rows.
+
+Usage: python benchmarks/batch_decode.py MODEL [--lane cuda] [--seqs 1 8 32 64] [--prompt 128] [--gen 128]
+[--json]
+
+Prompts are random token ids; greedy sampling. A sequence ending early at an end token (random weights can pick
+one) leaves the batch: the tokens counted are those generated, and the rows each step ran are reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from fuselane.engine.batch import engine_for
+from fuselane.engine.blocks import DEFAULT_BLOCK_SIZE, blocks_for
+from fuselane.engine.sequence import Request
+from fuselane.runtime.model import load
+
+
+def measure(model, seqs: int, prompt: int, gen: int, seed: int) -> dict:
+    """One level: the decode throughput of `seqs` sequences (see the module's docstring)."""
+    rng = np.random.default_rng(seed)
+    per_seq = blocks_for(prompt + gen + 1, DEFAULT_BLOCK_SIZE)
+    engine = engine_for(model, blocks=per_seq * seqs, max_seqs=seqs, max_queue=seqs)
+    first: set[int] = set()
+    counted = [0]
+    timing = [False]
+
+    def sink(event) -> None:
+        if event.tokens:
+            first.add(event.seq)
+            if timing[0]:
+                counted[0] += len(event.tokens)
+
+    for _ in range(seqs):
+        ids = tuple(int(t) for t in rng.integers(1, model.cfg.vocab - 1, prompt))
+        engine.submit(Request(ids, gen), sink)
+    while len(first) < seqs and engine.step():
+        pass
+    steps_before = engine.stats.steps
+    timing[0] = True
+    start = time.perf_counter()
+    while engine.step():
+        pass
+    seconds = time.perf_counter() - start
+    steps = engine.stats.steps - steps_before
+    return {
+        "seqs": seqs,
+        "prompt": prompt,
+        "gen": gen,
+        "decode_tokens": counted[0],
+        "decode_steps": steps,
+        "seconds": round(seconds, 4),
+        "aggregate_tok_s": round(counted[0] / seconds, 1) if seconds else None,
+        "blocks_in_use_after": engine.pool.used,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--lane", default="cuda")
+    ap.add_argument("--seqs", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    model = load(args.model, lane=args.lane)
+    for seqs in args.seqs:  # warm: compiles, and captures the graphs of the buckets each level passes through
+        measure(model, seqs, args.prompt, 8, seed=99)
+    rows = [measure(model, s, args.prompt, args.gen, seed=s) for s in args.seqs]
+    for r in rows:
+        print(
+            json.dumps(r)
+            if args.json
+            else f"{r['seqs']:>3} seqs: {r['aggregate_tok_s']:>10} tok/s "
+            f"({r['decode_tokens']} tokens in {r['decode_steps']} steps, {r['seconds']} s; "
+            f"blocks in use after: {r['blocks_in_use_after']})"
+        )
+
+
+if __name__ == "__main__":
+    main()
