@@ -73,17 +73,18 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     model = load(args.model, lane=args.lane)
-    for seqs in args.seqs:  # warm: compiles, and captures the graphs of the buckets each level passes through
-        measure(model, seqs, args.prompt, 8, seed=99)
-    rows = [measure(model, s, args.prompt, args.gen, seed=s) for s in args.seqs]
-    for r in rows:
-        print(
+    for seqs in args.seqs:
+        measure(model, seqs, args.prompt, 8, seed=99)  # warm: compiles, captures the graphs of the level's buckets
+        r = measure(model, seqs, args.prompt, args.gen, seed=seqs)
+        line = (
             json.dumps(r)
             if args.json
-            else f"{r['seqs']:>3} seqs: {r['aggregate_tok_s']:>10} tok/s "
-            f"({r['decode_tokens']} tokens in {r['decode_steps']} steps, {r['seconds']} s; "
-            f"blocks in use after: {r['blocks_in_use_after']})"
+            else (
+                f"{r['seqs']:>3} seqs: {r['aggregate_tok_s']:>10} tok/s ({r['decode_tokens']} tokens in "
+                f"{r['decode_steps']} steps, {r['seconds']} s; blocks in use after: {r['blocks_in_use_after']})"
+            )
         )
+        print(line, flush=True)  # each level as it is measured
 
 
 if __name__ == "__main__":

@@ -150,19 +150,19 @@ CONV_L2_MAX_HEAD = MAX_BLOCK_THREADS
 # A chunk past the GEMV's rows multiplies its kept experts as a grouped GEMM: its (row, slot) pairs sorted by
 # expert, each expert's pairs cut into tiles of MOE_GEMM_BLOCK_M, a program a tile by MOE_*_BLOCK_N weight
 # rows, on the f16 tensor cores, a step of a K-quant's 256 values (or 128 of a 32-value format) at a time.
-# 32 pairs a tile: Qwen3-30B-A3B's 512-row chunk routes 4,096 pairs to 128 experts, 32 on average, so an
-# expert is one or two tiles, run one after the other (the second reads its weights from L2). As compiled
-# for sm_90 (Triton 3.6, ptxas -v), 32 x 64 tiles at eight warps take Q4_K and Q6_K steps in 235-255
-# registers with no spills for gate/up (two weight tiles decoded a step) and down; 64 pairs spilled 460-610
-# bytes a thread, 32 x 128 240-340 (`benchmarks/moe_registers.py`). 32 pairs take `mma.sync`, 64 the warp
-# group's wgmma. A first choice, to be tuned on the GPU (`benchmarks/moe_prefill.py`).
-MOE_GEMM_BLOCK_M = 32
-MOE_GATE_UP_BLOCK_N = 64
-MOE_DOWN_BLOCK_N = 64
+# 64 pairs by 128 weight rows a tile, measured on the H200 at Qwen3-30B-A3B's widths (a 512-row chunk routes
+# 4,096 pairs to 128 experts, 32 on average; `benchmarks/moe_prefill.py`, Q4_K, eight warps, one stage): a
+# layer's three launches 1,458 us at 64 x 128, against 1,622 at 32 x 128, 2,048 at 64 x 64, 2,248 at 32 x 64
+# and 3,055 at 16 x 64 (RESULTS.md). 64 pairs take the warp group's wgmma; ptxas reports spills at 64 pairs
+# (460-610 bytes a thread at 64 x 64, `benchmarks/moe_registers.py`), which cost less than the smaller tiles'
+# extra weight reads.
+MOE_GEMM_BLOCK_M = 64
+MOE_GATE_UP_BLOCK_N = 128
+MOE_DOWN_BLOCK_N = 128
 MOE_GEMM_WARPS = 8
 MOE_GEMM_STAGES = 1
 # The next norm a chunk's down launch ends with is taken in chunks of this many values of a tile's rows, so
-# a tile's 32 rows of it hold 16 f32 registers a thread of eight warps.
+# a tile's 64 rows of it hold 32 f32 registers a thread of eight warps.
 MOE_NORM_CHUNK = 128
 
 
