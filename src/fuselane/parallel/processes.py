@@ -50,6 +50,8 @@ def _rank_main(rank: int, tp: int, path: str, steps: list[list[int]], ctx: int, 
 
 def rank_logits(path: str | Path, tp: int, steps: list[list[int]], ctx: int) -> list[list[np.ndarray]]:
     """Every rank's logits (f64, every row) of `steps` (a prefill chunk, then decode steps, ...), by rank."""
+    import torch.distributed  # noqa: F401  (imported once here, so that the forked ranks need not each)
+
     spawn = mp.get_context(START)
     out = spawn.Queue()
     with tempfile.TemporaryDirectory() as tmp:
