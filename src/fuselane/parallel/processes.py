@@ -30,7 +30,10 @@ def _rank_main(rank: int, tp: int, path: str, steps: list[list[int]], ctx: int, 
     from fuselane.parallel.executor import RankLane, TorchGroup
 
     dist.init_process_group(
-        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=tp,
+        "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=tp,
         timeout=datetime.timedelta(seconds=TIMEOUT_S),
     )
     try:
@@ -57,8 +60,7 @@ def rank_logits(path: str | Path, tp: int, steps: list[list[int]], ctx: int) -> 
     with tempfile.TemporaryDirectory() as tmp:
         rendezvous = str(Path(tmp) / "rendezvous")
         procs = [
-            spawn.Process(target=_rank_main, args=(r, tp, str(path), steps, ctx, rendezvous, out))
-            for r in range(tp)
+            spawn.Process(target=_rank_main, args=(r, tp, str(path), steps, ctx, rendezvous, out)) for r in range(tp)
         ]
         for p in procs:
             p.start()

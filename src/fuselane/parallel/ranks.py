@@ -19,7 +19,7 @@ from typing import Any
 from fuselane.errors import ModelError
 from fuselane.models.config import ModelConfig
 from fuselane.parallel.shard import Shard, Span, check_ranks, even, uneven
-from fuselane.parallel.slicing import Part, take, whole
+from fuselane.parallel.slicing import Part, column_refusal, take, whole
 
 _LAYER = re.compile(r"blk\.\d+\.(.+)$")
 # per-layer tensor -> (axis, which span of the rank's): rows (0) or columns (-1); the rest are replicated
@@ -86,6 +86,23 @@ def cut(name: str) -> tuple[int, str] | None:
     """How a tensor of this name is split (axis, span), or None where every rank holds it whole."""
     m = _LAYER.match(name)
     return _CUTS.get(m.group(1)) if m else _GLOBAL_CUTS.get(name)
+
+
+def rank_shapes(cfg: ModelConfig, tensors: Mapping[str, Any], tp: int, rank: int) -> dict[str, Any]:
+    """Rank `rank`'s tensors as shapes and formats only (`explain`'s tables, no bytes), each split checked as
+    `rank_tensors` checks it."""
+    s = spans(cfg, make_shard(cfg, tp, rank))
+    shapes: dict[str, Any] = {}
+    for name, t in tensors.items():
+        how = cut(name)
+        shape = list(t.shape)
+        if how is not None:
+            axis, span = how
+            if axis == -1 and (why := column_refusal(t.format, name, s[span].lo, s[span].count)) is not None:
+                raise ModelError(why)
+            shape[axis] = s[span].count
+        shapes[name] = dataclasses.replace(t, shape=tuple(shape))
+    return shapes
 
 
 def rank_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], tp: int, rank: int) -> dict[str, Part]:
