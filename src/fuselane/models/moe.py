@@ -30,6 +30,7 @@ from fuselane.graph.ops import (
     UnaryOp,
 )
 from fuselane.models.config import ModelConfig
+from fuselane.parallel.graph import local_route
 
 SHARED_GATE = "ffn_gate_inp_shexp.weight"
 
@@ -78,9 +79,7 @@ def mixture(bd: Any, b: str, l_: str, h: str) -> str:
     bd.g.emit(TopK(rows, e, k), (scores,), ids)
     weights = bd.act(l_ + "route", k)
     bd.g.emit(RouteWeights(rows, e, k, cfg.renorm), (scores, ids), weights)
-    if cfg.shard:
-        from fuselane.parallel.graph import local_route
-
+    if cfg.shard:  # expert parallel: the rank multiplies only by its own experts
         ids, weights = local_route(bd, l_, ids, weights)
     route: tuple[str, ...] = (ids,)
     if rows > 1:  # a chunk's rows, or a batch's sequences: each expert's rows multiplied together
