@@ -7,12 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fuselane.gguf.reader import open_gguf
-from fuselane.gguf.synth import write_synthetic
-from fuselane.lanes.cpu.lane import CpuLane
-from fuselane.models import config_of
-from fuselane.parallel.executor import RankShim
-from fuselane.parallel.processes import rank_logits
+pytest.importorskip("torch.distributed")
+
+from fuselane.gguf.reader import open_gguf  # noqa: E402
+from fuselane.gguf.synth import write_synthetic  # noqa: E402
+from fuselane.lanes.cpu.lane import CpuLane  # noqa: E402
+from fuselane.models import config_of  # noqa: E402
+from fuselane.parallel.executor import RankShim  # noqa: E402
+from fuselane.parallel.processes import rank_logits  # noqa: E402
 
 TP, CTX = 2, 16
 STEPS = [[1, 5, 9, 300, 511], [7], [499]]  # a prefill chunk, then two decode steps

@@ -64,9 +64,15 @@ def rank_logits(path: str | Path, tp: int, steps: list[list[int]], ctx: int) -> 
         ]
         for p in procs:
             p.start()
-        results = dict(out.get(timeout=TIMEOUT_S) for _ in procs)
-        for p in procs:
-            p.join(TIMEOUT_S)
+        try:
+            results = dict(out.get(timeout=TIMEOUT_S) for _ in procs)
+        except BaseException:
+            for p in procs:  # a rank that lost the others would otherwise wait on them until its own timeout
+                p.terminate()
+            raise
+        finally:
+            for p in procs:
+                p.join(TIMEOUT_S)
     failed = [f"rank {r}: {v}" for r, v in sorted(results.items()) if isinstance(v, str)]
     if failed:
         raise RuntimeError("; ".join(failed))
