@@ -85,3 +85,12 @@ def test_splits_that_cannot_be_made_are_refused_by_name(tmp_path) -> None:
         # 4 ranks: 16 values of attn_output's rows a rank, inside its 32-value Q8_0 blocks
         with pytest.raises(ModelError, match="'blk.0.attn_output.weight' splits its rows at 16 .* Q8_0"):
             rank_tensors(cfg, f.tensors, 4, 1)
+
+
+@pytest.mark.parametrize("shape", ["tiny-qwen3next", "tiny-deepseek2"])
+def test_a_hybrid_or_latent_model_is_refused_by_name(shape) -> None:
+    from fuselane.explain import model_source
+
+    _, cfg, _ = model_source(f"synth:{shape}")
+    with pytest.raises(ModelError, match=f"--tp covers qwen2 / qwen3 and their mixtures, not {cfg.arch}"):
+        rank_config(cfg, TP, 0)
