@@ -70,13 +70,20 @@ def _load(model: str | None, args: argparse.Namespace):
     from fuselane.runtime.model import load
 
     started = time.perf_counter()
-    m = load(model, lane=getattr(args, "lane", "auto"), ctx=getattr(args, "ctx", None), knobs=getattr(args, "knob", ()))
+    lane, ctx, knobs = getattr(args, "lane", "auto"), getattr(args, "ctx", None), getattr(args, "knob", ())
+    m = load(model, lane=lane, ctx=ctx, knobs=knobs, tp=getattr(args, "tp", 1))
     if getattr(args, "verbose", False):
         _say(
             f"loaded {m.path.name} ({m.cfg.arch}, {m.cfg.n_layers} layers) on the {m.lane.name} lane "
             f"in {time.perf_counter() - started:.2f} s"
         )
     return m
+
+
+def _split(model: str | None, args: argparse.Namespace) -> None:
+    """With --tp past 1, load the model split (which says why it cannot run so) before serving or benching."""
+    if args.tp > 1:
+        _load(model, args)
 
 
 def _model_and_prompt(words: Sequence[str]) -> tuple[str | None, str]:
@@ -193,6 +200,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     if args.api_key is not None and not args.api_key.strip():
         raise FuselaneError("--api-key must not be empty")
+    _split(args.model, args)
     serve(
         Options(
             model=args.model, host=args.host, port=args.port, lane=args.lane, ctx=args.ctx, max_seqs=args.max_seqs,
@@ -230,6 +238,7 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
         "--gpu-memory", type=ranges.GPU_MEMORY, default=None,
         help=_range(ranges.GPU_MEMORY, "share of the GPU's memory to hold, weights and KV pool (default 0.9)"),
     )  # fmt: skip
+    _tp_flag(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -282,6 +291,14 @@ def cmd_explain(args: argparse.Namespace) -> None:
         raise FuselaneError("explain needs a MODEL (or --classes, the table of fused classes)")
     from fuselane.explain import build_plan, render, to_json
 
+    if args.tp > 1:
+        from fuselane.parallel import explain as tp_explain
+
+        ranks = tp_explain.rank_plans(
+            args.model, args.tp, lane=args.lane, form=args.form, rows=args.rows, knobs=args.knob, held=args.hold
+        )
+        print(json.dumps(ranks, indent=2) if args.json else tp_explain.render(ranks))
+        return
     name, cfg, plan = build_plan(
         args.model, lane=args.lane, form=args.form, rows=args.rows, knobs=args.knob, held=args.hold
     )
@@ -292,6 +309,7 @@ def cmd_explain(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from fuselane.bench import as_json, bench_depths, render
 
+    _split(args.model, args)
     results = bench_depths(
         args.model, lane=args.lane, prompt=args.p, generated=args.n, depths=args.depth, knobs=args.knob
     )
@@ -327,6 +345,13 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     )
     _knob_flag(p)
     p.add_argument("-v", "--verbose", action="store_true", help="timings and load details on stderr")
+    _tp_flag(p)
+
+
+def _tp_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tp", type=ranges.TP, default=1, help=_range(ranges.TP, "split the model over this many GPUs (default 1)")
+    )
 
 
 def _knob_flag(p: argparse.ArgumentParser) -> None:
@@ -394,6 +419,7 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("--knob", action="append", default=[], metavar="K=V", help="a lane knob (repeatable)")
     explain.add_argument("--hold", action="append", default=[], metavar="RULE", help="hold a rule back (repeatable)")
     explain.add_argument("--json", action="store_true", help="the stable JSON form")
+    _tp_flag(explain)
     explain.add_argument(
         "--classes", action="store_true", help="every fused class: the rules that build it, each lane's answer"
     )
@@ -419,6 +445,7 @@ def parser() -> argparse.ArgumentParser:
         + "; depth + prompt + generated + 1 must fit the model's context",
     )
     bench.add_argument("--json", action="store_true")
+    _tp_flag(bench)
     _knob_flag(bench)
     bench.set_defaults(func=cmd_bench)
     return p

@@ -25,6 +25,7 @@ MAX_CTX = 1 << 20
 MAX_TOP_K = (1 << 31) - 1  # llama.cpp's int32; any k at or past the vocabulary switches the filter off
 # numpy's SeedSequence keeps 128 bits of entropy; a larger seed adds nothing a user could rely on
 MAX_SEED = (1 << 128) - 1
+MAX_TP = 1 << 10  # ranks of one split: far past any host's GPUs, low enough that a typo is refused at once
 
 
 class Kind(enum.Enum):
@@ -110,6 +111,7 @@ MAX_SEQS = Bound("--max-seqs", "sequences run together", Kind.INT, 1, 1 << 16)
 MAX_QUEUE = Bound("--max-queue", "requests that may wait for a place", Kind.INT, 0, 1 << 20)
 KV_BLOCKS = Bound("--kv-blocks", "blocks of the KV pool", Kind.INT, 1, 1 << 30)
 GPU_MEMORY = Bound("--gpu-memory", "share of the GPU's memory the server may hold", Kind.REAL, 0, 1, open_low=True)
+TP = Bound("--tp", "GPUs to split the model over", Kind.INT, 1, MAX_TP)
 ROWS = Bound("--rows", "rows of a prefill chunk or sequences of a batch (at least one row)", Kind.INT, 1, MAX_CTX)
 
 __all__ = ["Bound", "Kind", "MAX_CTX", "MAX_SEED", "MAX_TOP_K"]

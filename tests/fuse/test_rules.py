@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fuselane.fuse import gdn_rules, moe_rules, quant_rules, routing_rules, rules
+from fuselane.fuse import gdn_rules, moe_rules, parallel_rules, quant_rules, routing_rules, rules
 from fuselane.fuse.optimizer import Plan, optimize, rule_names
 from fuselane.fuse.rewriter import Fired, Missed, Rewriter, Schedule
 from fuselane.fuse.rules import SHARED_RULES
@@ -517,7 +517,7 @@ def test_every_rule_builds_classes_that_exist():
 def test_every_rule_says_what_it_rewrites_in_a_comment():
     """`# before -> after` on the rule's line (or, where its entry spans lines, the line above it)."""
     found: dict[str, str] = {}
-    for module in (rules, quant_rules, moe_rules, gdn_rules, routing_rules):
+    for module in (rules, quant_rules, moe_rules, gdn_rules, routing_rules, parallel_rules):
         lines = inspect.getsource(module).splitlines()
         for node in ast.walk(ast.parse("\n".join(lines))):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("Rule", "_rule") and node.args:

@@ -45,6 +45,7 @@ NOT_IN_DENSE_GRAPHS = {
     "add_norm_quant": "the tiny models' add + norm whose result a product reads int8 is a projection's epilogue",
     "latent_expanded": "the dense graphs hold no latent attention (tests/deepseek2/test_latent_plan.py)",
     "grouped_topk": "the dense graphs route to no experts (tests/deepseek2/test_latent_plan.py)",
+    "allreduce_norm": "one rank's graph of a split model holds the all-reduces (tests/parallel/test_ranks.py)",
 }
 # The mixture rules' shape is only in the mixtures' graphs, which the cuda lane refuses (it has no mixture
 # kernels yet); tests/moe/test_moe_classes.py holds them to the record on the cpu lane.

@@ -38,6 +38,7 @@ from fuselane.graph.ops import (
     TopK,
 )
 from fuselane.numerics.contract import Contract
+from fuselane.parallel.ops import COLLECTIVES
 
 # Primitives that are views of their input on every lane: no launch runs them.
 VIEWS = (TakeRows, Slice)
@@ -117,6 +118,8 @@ def needs(op: Op) -> list[tuple[ClassId, str]]:
         found.append((ClassId.SOFTCAP, f"{op.out} soft-caps its values"))
     if isinstance(spec, HeadMatmul):
         found.append((ClassId.MLA, f"{op.out} multiplies each head by its own part of the latent's expansion"))
+    if isinstance(spec, COLLECTIVES):  # a tensor-parallel rank's: a lane on one device has no collective
+        found.append((ClassId.ALLREDUCE_NORM, f"{op.out} meets the other ranks' partial results"))
     if isinstance(spec, GroupedTopK):
         found.append((ClassId.GROUPED_TOPK, f"{op.out} routes within the best groups of experts"))
     if isinstance(spec, GatedDelta) and spec.gate is GateAct.SIGMOID:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fuselane.fuse.gdn_rules import GATED_ATTENTION_RULES, GDN_RULES
 from fuselane.fuse.moe_rules import MOE_RULES
+from fuselane.fuse.parallel_rules import PARALLEL_RULES
 from fuselane.fuse.patterns import is_add, is_mul, next_reader, op_at
 from fuselane.fuse.quant_rules import QUANT_RULES
 from fuselane.fuse.rewriter import Rewriter
@@ -322,6 +323,7 @@ LAYOUT_RULES = [
 
 SHARED_RULES: list[Rule] = (
     NORM_RULES
+    + PARALLEL_RULES  # after add_norm: it takes the AddNorm that reads an all-reduce's sum
     + ROTATION_RULES
     + GDN_RULES  # before the elementwise rules: a gated norm's silu(z) is its gate, not a GLU's
     + ELEMENTWISE_RULES

@@ -231,7 +231,7 @@ STANDING: dict[ClassId, Standing] = {
     ClassId.ATTN_GQA_ROW_PACKING: _LANE,
     ClassId.MOE_DIRECT_PAIRS: _LANE,  # a chunk's pairs multiplied unsorted: the lane's choice, not a rewrite
     ClassId.PERSISTENT_LAYER_MEGAKERNEL: _LANE,
-    ClassId.ALLREDUCE_NORM: _awaits(Awaits.SEVERAL_GPUS),
+    ClassId.ALLREDUCE_NORM: _built("allreduce_norm"),  # a tensor-parallel rank's graph only
 }
 """Every class's standing, in the class list's order."""
 

@@ -80,6 +80,7 @@ class ModelConfig:
     rope_dim: int = 0  # values of a head that rope turns (0: all of head_dim)
     linear: LinearAttention | None = None  # a hybrid's gated delta-rule layers (qwen3next)
     latent: Any = None  # deepseek2's latent attention and routing (`models.latent_config.LatentConfig`)
+    shard: Any = None  # tensor parallel: which rank of how many, its rows and experts (`parallel.shard.Shard`)
 
     @property
     def moe(self) -> bool:

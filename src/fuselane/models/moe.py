@@ -30,6 +30,7 @@ from fuselane.graph.ops import (
     UnaryOp,
 )
 from fuselane.models.config import ModelConfig
+from fuselane.parallel.graph import local_route
 
 SHARED_GATE = "ffn_gate_inp_shexp.weight"
 
@@ -37,11 +38,12 @@ SHARED_GATE = "ffn_gate_inp_shexp.weight"
 def weight_shapes(cfg: ModelConfig, b: str) -> dict[str, tuple[int, ...]]:
     """A mixture layer's feed-forward tensors, by GGUF name, in numpy order."""
     d, e, ff = cfg.n_embd, cfg.experts, cfg.expert_ff
+    held = cfg.shard.experts.count if cfg.shard else e  # a rank holds its experts, and the whole router
     shapes = {
         b + "ffn_gate_inp.weight": (e, d),  # the router: one row of scores an expert
-        b + "ffn_gate_exps.weight": (e, ff, d),
-        b + "ffn_up_exps.weight": (e, ff, d),
-        b + "ffn_down_exps.weight": (e, d, ff),
+        b + "ffn_gate_exps.weight": (held, ff, d),
+        b + "ffn_up_exps.weight": (held, ff, d),
+        b + "ffn_down_exps.weight": (held, d, ff),
     }
     if cfg.shared_ff:
         sff = cfg.shared_ff
@@ -77,6 +79,8 @@ def mixture(bd: Any, b: str, l_: str, h: str) -> str:
     bd.g.emit(TopK(rows, e, k), (scores,), ids)
     weights = bd.act(l_ + "route", k)
     bd.g.emit(RouteWeights(rows, e, k, cfg.renorm), (scores, ids), weights)
+    if cfg.shard:  # expert parallel: the rank multiplies only by its own experts
+        ids, weights = local_route(bd, l_, ids, weights)
     route: tuple[str, ...] = (ids,)
     if rows > 1:  # a chunk's rows, or a batch's sequences: each expert's rows multiplied together
         order = bd.g.add(Tensor(l_ + "expert_order", (rows * k,), Values("i32"), Role.ACTIVATION))

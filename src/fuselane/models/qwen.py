@@ -30,6 +30,7 @@ from fuselane.graph.ops import (
 )
 from fuselane.models import moe
 from fuselane.models.config import ModelConfig
+from fuselane.parallel import graph as parallel_graph
 
 POS = "pos"  # the position parameter: the first row's place in the sequence
 IDS = "ids"  # the step's token ids
@@ -40,9 +41,10 @@ VECTOR_FORMATS = (Format.F32, Format.F16, Format.BF16)
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the architecture needs, by GGUF name, in numpy order (rows, row length)."""
     d, q, kv, ff, hd = cfg.n_embd, cfg.q_width, cfg.kv_width, cfg.n_ff, cfg.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.vocab, d), "output_norm.weight": (d,)}
+    vocab = cfg.shard.vocab.count if cfg.shard else cfg.vocab  # a rank holds its vocabulary rows
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,)}
     if not cfg.tied:
-        shapes["output.weight"] = (cfg.vocab, d)
+        shapes["output.weight"] = (vocab, d)
     for i in range(cfg.n_layers):
         b = f"blk.{i}."
         shapes |= {
@@ -156,11 +158,15 @@ class Builder:
         att = Attention(rows, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.ctx, scale, batched=seqs)
         o = self.act(l_ + "attn", cfg.q_width)
         self.g.emit(att, (qr, kc, vc, POS), o)
-        a = self.matmul(o, b + "attn_output.weight", l_ + "attn_out")
+        a = self.reduced(self.matmul(o, b + "attn_output.weight", l_ + "attn_out"))
         x = self.add(x, a, l_ + "resid_attn")
         h = self.norm(x, b + "ffn_norm.weight", l_ + "ffn_in", cfg.n_embd)
-        down = moe.mixture(self, b, l_, h) if cfg.moe else self.dense_ffn(b, l_, h)
+        down = self.reduced(moe.mixture(self, b, l_, h) if cfg.moe else self.dense_ffn(b, l_, h))
         return self.add(x, down, l_ + "resid_ffn")
+
+    def reduced(self, partial: str) -> str:
+        """A rank's partial sum made whole over the ranks (the unsplit model's result is whole already)."""
+        return parallel_graph.reduce(self, partial) if self.cfg.shard else partial
 
     def glu(self, gate: str, up: str, out: str, rows: int, cols: int) -> str:
         """silu(gate) * up over `rows` rows of `cols` values."""
@@ -182,7 +188,10 @@ class Builder:
     def build(self) -> TensorGraph:
         cfg = self.cfg
         x = self.act("embd", cfg.n_embd)
-        self.g.emit(RowsGather(self.rows, cfg.n_embd), ("token_embd.weight", IDS), x)
+        if cfg.shard:
+            parallel_graph.embed(self, "token_embd.weight", IDS, x)
+        else:
+            self.g.emit(RowsGather(self.rows, cfg.n_embd), ("token_embd.weight", IDS), x)
         for i in range(cfg.n_layers):
             x = self.layer(i, x)
         if not self.all_logits and self.rows > 1 and not self.batched:
@@ -192,7 +201,10 @@ class Builder:
         h = self.norm(x, "output_norm.weight", "out_in", cfg.n_embd)
         head = "token_embd.weight" if cfg.tied else "output.weight"
         self.g.add(Tensor(LOGITS, (self.rows, cfg.vocab), Values("f32"), Role.OUTPUT))
-        self.g.emit(Matmul(self.rows, cfg.vocab, cfg.n_embd), (h, head), LOGITS)
+        if cfg.shard:
+            parallel_graph.head(self, h, head, LOGITS)
+        else:
+            self.g.emit(Matmul(self.rows, cfg.vocab, cfg.n_embd), (h, head), LOGITS)
         return self.g
 
 

@@ -246,12 +246,14 @@ def load(
     dtype: Any = np.float32,
     held: Sequence[str] = (),
     knobs: Sequence[str] = (),
+    tp: int = 1,
 ) -> Model:
     """Open a checkpoint (a path, or a known name pulled on demand) and make it ready to generate.
 
     `ctx` is the number of cache rows (default: the model's context, at most 4096); `dtype` is the cpu lane's
     arithmetic (np.float64 for reference runs); `held` names optimizer rules the lane holds back; `knobs` are
-    the cuda lane's (`["prefill=in-place"]`, see `CudaKnobs`).
+    the cuda lane's (`["prefill=in-place"]`, see `CudaKnobs`). `tp` splits the model over that many GPUs
+    (docs/parallel.md: the split is checked, and no lane runs one yet).
     """
     from fuselane.hub import resolve
 
@@ -269,6 +271,11 @@ def load(
             template = ChatTemplate.from_metadata(file.metadata)
         except FuselaneError as e:  # kept, so that plain completion still works without a usable template
             template = str(e)
+        if tp != 1:
+            from fuselane.parallel.runtime import refuse_split
+
+            on_gpu = lane == "cuda" or (lane == "auto" and _cuda_available())
+            refuse_split(cfg, file.tensors, tp, "cuda" if on_gpu else lane)
         rows = ctx if ctx is not None else min(cfg.context, DEFAULT_CTX)
         if not 1 <= rows <= cfg.context:  # past its trained context a model's positions mean nothing
             raise FuselaneError(f"the context (--ctx) must be 1 to {cfg.context:,} tokens, the model's, not {rows:,}")
