@@ -25,6 +25,8 @@ from fuselane.graph.ops import (
     Attention,
     Elementwise,
     ElementwiseOp,
+    HeadMatmul,
+    Join,
     Matmul,
     Quantize,
     RmsNorm,
@@ -32,13 +34,14 @@ from fuselane.graph.ops import (
     RowScale,
     RowsGather,
     SetRow,
+    Slice,
     TakeRows,
     Unary,
     UnaryOp,
 )
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.shim import QUANT_EPILOGUES
-from fuselane.lanes.cuda.run import moe_launch
+from fuselane.lanes.cuda.run import mla_launch, moe_launch
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
 Launch = Callable[[], None]
@@ -234,6 +237,8 @@ def _unary(op: Op, b: Bound):
 def _rope(op: Op, b: Bound):
     _, _, rope, *_ = _t()
     spec: Rope = op.sym  # type: ignore[assignment]
+    if mla_launch.takes_rope(spec):  # DeepSeek's pairs or YaRN's frequencies: the table rotation
+        return mla_launch.rope(op, b)
     x, out, pos = b.bufs[op.ins[0]], b.bufs[op.out], b.bufs["pos"]
     return [lambda: rope.qk_norm_rope(x, out, pos, heads=spec.heads, hd=spec.hd, base=spec.base)]
 
@@ -287,6 +292,8 @@ def _quantize(op: Op, b: Bound):
 def _attention(op: Op, b: Bound, out_q8: Any = None):
     _, _, _, attention, _ = _t()
     spec: Attention = op.sym  # type: ignore[assignment]
+    if spec.value_width != spec.hd:  # the latent cache: values its rows' first part
+        return mla_launch.latent_attention(op, b, out_q8)
     q, kc, vc = (b.bufs[n] for n in op.ins[:3])
     out, pos = b.bufs[op.out], b.bufs["pos"]
     shape = dict(heads=spec.heads, kv_heads=spec.kv_heads, hd=spec.hd, scale=spec.scale)
@@ -571,6 +578,9 @@ BINDERS: dict[C | type, Binder] = {
     ArgMax: _argmax,
     Quantize: _quantize,
     RowScale: moe_launch.row_scale,
+    Slice: mla_launch.slice_view,
+    Join: mla_launch.join,
+    HeadMatmul: mla_launch.head_matmul,
     C.NORM_WEIGHT: _norm_weight,
     C.ADD_NORM: _add_norm,
     C.EMBED_NORM: _embed_norm,
