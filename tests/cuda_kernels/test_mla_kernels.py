@@ -145,3 +145,27 @@ def test_route_gates_by_sigmoid_with_the_correction_bias(sigmoid, bias, renorm, 
     want_w = route_weights(RouteWeights(rows, experts, k, renorm, gating, scale), [exact, want_ids], 0)
     np.testing.assert_allclose(weights.numpy(), want_w, rtol=1e-5, atol=1e-7)
     assert not counter.any()
+
+
+def test_a_batch_attends_and_turns_each_sequence_at_its_own_position():
+    rng = np.random.default_rng(10)
+    seqs, h, lora, rope_w, block = 3, 2, 32, 16, 8
+    kw = lora + rope_w
+    cache = rng.standard_normal((seqs * block, kw)).astype(np.float16)
+    q = rng.standard_normal((seqs, h * kw)).astype(np.float32)
+    pos = np.array([0, 5, 7], np.int32)
+    out = torch.zeros((seqs, h * lora))
+    kc = dev(cache)
+    attention.latent_attention(dev(q), kc, kc[:, :lora], dev(pos), out, rows=seqs, heads=h, kw=kw, vd=lora,
+                               scale=0.2, seq_rows=block)  # fmt: skip
+    c = cache.astype(np.float64)
+    spec = Attention(seqs, h, 1, kw, block, 0.2, vd=lora, batched=True)
+    want = cpu.attention(spec, [q.astype(np.float64), c, c[:, :lora].copy()], pos)
+    np.testing.assert_allclose(out.double().numpy(), want, rtol=0, atol=1e-5 * np.abs(c).max())
+    x = rng.standard_normal((seqs, h * rope_w)).astype(np.float32)
+    turned = torch.zeros((seqs, h * rope_w))
+    table = dev(inv_freq(rope_w, 10_000.0, None).astype(np.float32))
+    parts.rope(dev(x), h * rope_w, rope_w, turned, dev(pos), table, rows=seqs, heads=h, hd=rope_w, half=False,
+               batched=True)  # fmt: skip
+    want = cpu.rope(Rope(seqs, h, rope_w, 10_000.0, half=False, batched=True), [x.astype(np.float64)], pos)
+    np.testing.assert_allclose(turned.double().numpy(), want, rtol=0, atol=1e-5 * np.abs(x).max())

@@ -63,15 +63,15 @@ def rope(op: Op, b) -> list:
     from fuselane.lanes.cuda.triton.mla import parts
 
     spec: Rope = op.sym  # type: ignore[assignment]
-    if spec.batched or spec.rot:
-        raise PlanMismatch(f"{op.out}: the table rotation turns one sequence's whole heads")
+    if spec.rot:
+        raise PlanMismatch(f"{op.out}: the table rotation turns whole heads")
     x, out, pos = b.bufs[op.ins[0]], b.bufs[op.out], b.bufs["pos"]
     key = f"rope-table:{spec.hd}:{spec.base}:{spec.yarn}"
     table = b.scratch.setdefault(
         key, torch.tensor(inv_freq(spec.hd, spec.base, spec.yarn), dtype=torch.float32, device=x.device)
     )
     x_row, x_head = _pitches(x, spec.heads, spec.hd)
-    shape = dict(rows=spec.rows, heads=spec.heads, hd=spec.hd, half=spec.half)
+    shape = dict(rows=spec.rows, heads=spec.heads, hd=spec.hd, half=spec.half, batched=spec.batched)
     return [lambda: parts.rope(x, x_row, x_head, out, pos, table, **shape)]
 
 
@@ -86,10 +86,11 @@ def latent_attention(op: Op, b, out_q8: Any = None) -> list:
     from fuselane.lanes.cuda.triton.mla import attention
 
     spec: Attention = op.sym  # type: ignore[assignment]
-    if out_q8 is not None or spec.batched or spec.kv_heads != 1:
-        raise PlanMismatch(f"{op.out}: the latent attention writes f32 rows of one sequence, one kv head")
+    if out_q8 is not None or spec.kv_heads != 1:
+        raise PlanMismatch(f"{op.out}: the latent attention writes f32 rows, one kv head")
     q, kc, vc = (b.bufs[n] for n in op.ins[:3])
     out, pos = b.bufs[op.out], b.bufs["pos"]
-    shape = dict(rows=spec.rows, heads=spec.heads, kw=spec.hd, vd=spec.value_width, scale=spec.scale)
+    shape = dict(rows=spec.rows, heads=spec.heads, kw=spec.hd, vd=spec.value_width, scale=spec.scale,
+                 seq_rows=spec.len if spec.batched else 0)  # fmt: skip
     kc2 = kc.view(-1, spec.hd) if kc.is_contiguous() else kc
     return [lambda: attention.latent_attention(q, kc2, vc, pos, out, **shape)]

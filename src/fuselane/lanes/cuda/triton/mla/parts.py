@@ -46,11 +46,14 @@ def join(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: int, heads: 
 
 @triton.jit
 def _rope_kernel(x, x_row, x_head, out, pos, inv, HEADS: tl.constexpr, PAIRS: tl.constexpr,
-                 BLOCK: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+                 BLOCK: tl.constexpr, HALF: tl.constexpr, BATCHED: tl.constexpr):  # fmt: skip
     r, h = tl.program_id(0), tl.program_id(1)
     j = tl.arange(0, BLOCK)
     keep = j < PAIRS
-    p = (tl.load(pos) + r).to(tl.float32)
+    if BATCHED:  # each row its own sequence at its own position
+        p = tl.load(pos + r).to(tl.float32)
+    else:
+        p = (tl.load(pos) + r).to(tl.float32)
     angle = p * tl.load(inv + j, mask=keep, other=0.0)
     c, s = tl.cos(angle), tl.sin(angle)
     if HALF:  # NEOX: value j with j + hd/2
@@ -67,13 +70,15 @@ def _rope_kernel(x, x_row, x_head, out, pos, inv, HEADS: tl.constexpr, PAIRS: tl
 
 def rope(
     x: torch.Tensor, x_row: int, x_head: int, out: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, *,
-    rows: int, heads: int, hd: int, half: bool,
+    rows: int, heads: int, hd: int, half: bool, batched: bool = False,
 ) -> None:  # fmt: skip
     """out (rows, heads * hd), contiguous: each head of `x` (a head's `hd` values `x_head` apart, a row's heads
-    `x_row` apart) turned by the angles (pos[0] + row) * inv[j], inv the hd/2 frequencies (f32 on the device)."""
+    `x_row` apart) turned by the angles (pos[0] + row) * inv[j] (pos[row] where `batched`), inv the hd/2
+    frequencies (f32 on the device)."""
     if hd % 2 or inv.numel() != hd // 2:
         raise ValueError(f"rope: {hd} values need {hd // 2} frequencies, not {inv.numel()}")
     pairs = hd // 2
     _rope_kernel[(rows, heads)](
-        x, x_row, x_head, out, pos, inv, heads, pairs, triton.next_power_of_2(pairs), half, num_warps=WARPS
-    )
+        x, x_row, x_head, out, pos, inv, heads, pairs, triton.next_power_of_2(pairs), half, batched,
+        num_warps=WARPS,
+    )  # fmt: skip
