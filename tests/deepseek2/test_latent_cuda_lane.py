@@ -27,10 +27,12 @@ from fuselane.gguf.synth import write_synthetic  # noqa: E402
 from fuselane.gguf.synth_latent import LATENT_SHAPES  # noqa: E402
 from fuselane.graph.classes import ClassId as C  # noqa: E402
 from fuselane.graph.ops import HeadMatmul, Join, Rope  # noqa: E402
+from fuselane.lanes.cuda.run.mla_launch import splits  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 
 PROMPT = [5, 60, 7, 100, 8, 1, 2, 3, 4]  # past the GEMV's rows
 VOCAB = 260  # a small head: the interpreter's time goes to the products
+CTX = 64  # cache rows: a decode step cuts its span in two shares (`mla_launch.splits`)
 SHAPES = {
     "v2": dataclasses.replace(LATENT_SHAPES["tiny-deepseek2"], vocab=VOCAB),
     # q LoRA whole 32-value blocks (the GEMV's rows); one group: the lane routes by one top-k
@@ -46,12 +48,13 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_cuda_lane_runs_latent_attention_as_the_cpu_lane(tmp_path, name):
     path = write_synthetic(tmp_path / "m.gguf", SHAPES[name], "q8_0", seed=3)
-    gpu = load(path, lane="cuda", ctx=16, knobs=["activations=dequant"])
-    ref = load(path, lane="cpu", ctx=16, dtype=np.float64)
+    gpu = load(path, lane="cuda", ctx=CTX, knobs=["activations=dequant"])
+    ref = load(path, lane="cpu", ctx=CTX, dtype=np.float64)
     step = gpu.lane.step(1)
     bound = [op for op, _ in step.bound]
     assert {HeadMatmul, Join, Rope} <= {type(op.sym) for op in bound}
     assert C.ROUTER_TOPK in {class_of(op) for op in bound}  # the gating runs in the routing launch
+    assert splits(1, CTX, torch.device("cpu")) > 1  # the decode step's shares are merged
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     sg, sr = gpu.session(), ref.session()
     for what, a, b in (("prefill", sg.feed(PROMPT), sr.feed(PROMPT)), ("decode", sg.extend([9]), sr.extend([9]))):

@@ -14,6 +14,8 @@ from fuselane.graph.ir import Op
 from fuselane.graph.ops import Attention, HeadMatmul, Join, Rope, Slice
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
+INTERPRETED_SMS = 4  # the chip the interpreter stands for: a few shares a row, so the merge runs in tests
+
 
 def _pitches(x: Any, heads: int, width: int) -> tuple[int, int]:
     """(row pitch, head pitch) of an activation read `width` values a head: a slice's view (one unit a head,
@@ -82,7 +84,8 @@ def takes_rope(spec: Rope) -> bool:
 
 
 def latent_attention(op: Op, b, out_q8: Any = None) -> list:
-    """An attention whose values are narrower than its keys (the latent cache's): one launch."""
+    """An attention whose values are narrower than its keys (the latent cache's): one launch, a row's span in
+    shares (`splits`) where the rows are few."""
     from fuselane.lanes.cuda.triton.mla import attention
 
     spec: Attention = op.sym  # type: ignore[assignment]
@@ -90,7 +93,22 @@ def latent_attention(op: Op, b, out_q8: Any = None) -> list:
         raise PlanMismatch(f"{op.out}: the latent attention writes f32 rows, one kv head")
     q, kc, vc = (b.bufs[n] for n in op.ins[:3])
     out, pos = b.bufs[op.out], b.bufs["pos"]
+    shares = splits(spec.rows, spec.len, q.device)
+    work = attention.scratch(spec.rows, spec.heads, spec.value_width, shares, q.device) if shares > 1 else None
     shape = dict(rows=spec.rows, heads=spec.heads, kw=spec.hd, vd=spec.value_width, scale=spec.scale,
-                 seq_rows=spec.len if spec.batched else 0)  # fmt: skip
+                 seq_rows=spec.len if spec.batched else 0, splits=shares, work=work)  # fmt: skip
     kc2 = kc.view(-1, spec.hd) if kc.is_contiguous() else kc
     return [lambda: attention.latent_attention(q, kc2, vc, pos, out, **shape)]
+
+
+def splits(rows: int, span: int, device: Any) -> int:
+    """Shares of a row's span: enough programs to fill the chip (`kernels.attn_splits`, a program a row a
+    share) for a decode step's or a batch's few rows; a chunk's rows fill it alone."""
+    import torch
+
+    from fuselane.lanes.cuda.plan import kernels
+
+    if rows > kernels.GEMV_ROWS:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else INTERPRETED_SMS
+    return kernels.attn_splits(rows, span, sms)
