@@ -366,6 +366,8 @@ def _side(op: Op, b: Bound) -> _Side:
     found = leaves(op)
     r_op = next(p for p in found if isinstance(p.sym, Rope))
     spec: Rope = r_op.sym  # type: ignore[assignment]
+    if mla_launch.takes_rope(spec):  # the fused rotations turn NEOX pairs by the base's own frequencies
+        raise PlanMismatch(f"{op.out}: a fused rotation of DeepSeek's pairs or YaRN's frequencies has no launch")
     n_op = next((p for p in found if isinstance(p.sym, RmsNorm)), None)
     w_op = next((p for p in found if isinstance(p.sym, Elementwise)), None)
     appended = op.dst.row is not None
