@@ -4,8 +4,8 @@ sums the rows' latents (their first `kv_lora` values, read in place from the cac
 scores.
 
 Every head reads the same cached rows (one kv head), so a program takes one query row and all its heads: a
-tile of `BLOCK_N` cached rows is loaded once and scored for every head at once (two products on the tensor
-cores, the latent part and the rotated part, in f32 with IEEE products), the running maximum, sum and weighted
+tile of `BLOCK_N` cached rows is loaded once and scored for every head at once (two tile products, `tl.dot`,
+the latent part and the rotated part, in f32 with IEEE products), the running maximum, sum and weighted
 latents (the online softmax) kept in f32. A row's span (up to its own position, read on the device, so a
 chunk is causal and a captured graph replays at any position) is cut into `splits` equal shares of whole
 tiles, a program a share (flash-decoding): each writes its share's maximum, sum and weighted latents to a
@@ -22,10 +22,10 @@ import triton.language as tl
 
 from fuselane.lanes.cuda.triton.attention.decode import interpreted
 
-# Cached rows a program scores at a time: the tensor cores' smallest tile.
+# Cached rows a program scores at a time: `tl.dot`'s smallest tile.
 BLOCK_N = 16
 WARPS = 8
-MIN_DOT = 16  # the tensor cores' smallest M, N and K
+MIN_DOT = 16  # `tl.dot`'s smallest M, N and K
 
 
 @triton.jit
