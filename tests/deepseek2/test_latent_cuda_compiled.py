@@ -7,12 +7,15 @@ The widths are V2-Lite's: 2048 wide, 16 heads, kv_lora_rank 512, nope 128, rope 
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():  # skipped, but Triton is imported once a session: as the other modules want it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from fuselane.fuse.views import class_of  # noqa: E402
