@@ -57,9 +57,11 @@ def _rope_kernel(x, x_row, x_head, out, pos, inv, HEADS: tl.constexpr, PAIRS: tl
     angle = p * tl.load(inv + j, mask=keep, other=0.0)
     c, s = tl.cos(angle), tl.sin(angle)
     if HALF:  # NEOX: value j with j + hd/2
-        first, second = j, j + PAIRS
+        first = j
+        second = j + PAIRS
     else:  # DeepSeek: value 2j with 2j + 1
-        first, second = 2 * j, 2 * j + 1
+        first = 2 * j
+        second = 2 * j + 1
     src = x + r.to(tl.int64) * x_row + h * x_head
     a = tl.load(src + first, mask=keep).to(tl.float32)
     b = tl.load(src + second, mask=keep).to(tl.float32)

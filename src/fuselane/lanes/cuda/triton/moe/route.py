@@ -48,10 +48,10 @@ def _rank_row(scores, ids, weights, bias, scale, r, E: tl.constexpr, E_BLOCK: tl
     # the choice scores: the probabilities (plus the correction bias) where the model ranks by them; a
     # softmax without a bias ranks as its scores do
     c = s
-    if SIGMOID or BIAS:
+    if SIGMOID:
         c = p
     if BIAS:
-        c += tl.load(bias + ex, mask=live, other=0.0)
+        c = p + tl.load(bias + ex, mask=live, other=0.0)
     c = tl.where(live, c, float("-inf"))
     slot = tl.arange(0, K_BLOCK)
     kept_ids = tl.zeros([K_BLOCK], tl.int32)
