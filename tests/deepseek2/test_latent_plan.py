@@ -1,8 +1,9 @@
 """deepseek2 on the cuda lane's plan side, the synthetic shapes, and hostile files.
 
 `latent_expanded` takes a wide chunk's absorbed latent attention whole as `Mla`, where its expanded launches
-fit; the lane has no latent-attention kernels yet, so `Mla`, the per-head products and grouped top-k are
-refused with a reason, and `run --lane cuda` says so in one line. Every reason the rule gives has its row.
+fit; the lane has no expanded kernels yet, so it answers `Mla` as its parts (the absorbed form's launches run
+every latent attention), and refuses grouped top-k with a reason: `run --lane cuda` on a grouped file says so
+in one line. Every reason the rule gives has its row.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from fuselane.gguf.synth import SHAPES, tensor_formats, write_synthetic
 from fuselane.gguf.synth_latent import LatentShape, parameters
 from fuselane.graph.classes import ClassId as C
 from fuselane.lanes.cuda.plan import latent
-from fuselane.lanes.cuda.plan.fits import ROUTING_SOFTMAX_ONLY
 from fuselane.lanes.cuda.plan.knobs import CudaKnobs
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.models import config_of
@@ -46,9 +46,11 @@ def latent_misses(path: str, *knobs: str, rows: str = WIDE) -> list[tuple[str, s
     return [(m.kind, m.reason) for m in plan.missed if m.rule == latent.RULE]
 
 
-def test_the_rule_finds_each_layers_latent_attention_and_the_lane_refuses_it(files):
+def test_the_rule_finds_each_layers_latent_attention_and_the_lane_runs_its_parts(files):
     misses = latent_misses(files["v2"])
-    assert misses == [("refuse", "the lane has no latent-attention kernels yet")] * 2  # one a layer
+    assert misses == [("decompose", "the lane has no kernel for it yet: its parts run apart")] * 2  # one a layer
+    _, _, plan = build_plan(files["v2"], lane="cuda", form="prefill", rows=int(WIDE))
+    assert plan.cannot_run is None
 
 
 @pytest.mark.parametrize(
@@ -93,7 +95,7 @@ def _formats():
 def test_the_shim_answers_as_specified():
     shim = CudaShim(CudaKnobs())
     assert shim.supports(C.GROUPED_TOPK).reason == "the lane routes by one top-k over every expert"
-    assert shim.supports(C.MLA).kind is SupportKind.REFUSE
+    assert shim.supports(C.MLA).kind is SupportKind.DECOMPOSE  # the specification: native (expanded)
     for cls in (C.MLA_PROLOGUE, C.MLA_UNABSORB_IN_FOLD):
         assert shim.supports(cls).kind is SupportKind.DECOMPOSE
 
@@ -101,7 +103,7 @@ def test_the_shim_answers_as_specified():
 def test_run_on_the_cuda_lane_says_why_in_one_line(files):
     done, seconds = run_bounded(["run", files["v3"], "hi", "--lane", "cuda", "-n", "1"])
     line = assert_one_line_error(done, seconds)
-    assert "routes by one top-k over every expert" in line and "no latent-attention kernels yet" in line
+    assert "routes by one top-k over every expert" in line and "latent" not in line
 
 
 def test_deepseek_v2_lite_shape():
@@ -166,11 +168,14 @@ def test_grouped_routing_fuses_on_the_cpu_lane_and_the_cuda_lane_declines_it(fil
     assert "grouped_topk" not in {f.rule for f in plain.fired} and "router_topk" in {f.rule for f in plain.fired}
 
 
-def test_the_cuda_routing_kernel_declines_scaled_weights(files):
+def test_the_cuda_routing_kernel_takes_scaled_and_sigmoid_weights(files, tmp_path):
     _, _, scaled = build_plan(files["scaled"], lane="cuda", form="decode")
-    assert ("fits", ROUTING_SOFTMAX_ONLY) in {(m.kind, m.reason) for m in scaled.missed if m.rule == "router_topk"}
+    assert "router_topk" in {f.rule for f in scaled.fired}
     _, _, plain = build_plan(files["v2"], lane="cuda", form="decode")
     assert "router_topk" in {f.rule for f in plain.fired}
+    ungrouped = replace(SHAPES["tiny-deepseek3"], groups=1, groups_used=1)  # sigmoid, the bias, scaled, renormed
+    _, _, v3 = build_plan(str(write_synthetic(tmp_path / "u.gguf", ungrouped, "f32")), lane="cuda", form="decode")
+    assert "router_topk" in {f.rule for f in v3.fired} and v3.cannot_run is None
 
 
 def test_info_and_bench_print_the_cache_a_token(files, capsys):
@@ -193,6 +198,6 @@ def test_explain_says_why_the_cuda_lane_cannot_run_it(files, capsys):
 
     assert main(["explain", files["v3"], "--lane", "cuda", "--json"]) == 0
     why = json.loads(capsys.readouterr().out)["cannot_run"]
-    assert "no latent-attention kernels yet" in why and "one top-k over every expert" in why
+    assert "one top-k over every expert" in why and "latent" not in why
     assert main(["explain", files["v3"], "--lane", "cpu", "--json"]) == 0
     assert "cannot_run" not in json.loads(capsys.readouterr().out)

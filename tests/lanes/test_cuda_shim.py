@@ -533,8 +533,7 @@ def test_supports_answers_every_class_once() -> None:
 def test_supports_refusals_are_the_specified_reasons() -> None:
     shim = CudaShim(DEFAULT)
     refused = {cls: shim.supports(cls).reason for cls in C if shim.supports(cls).kind is SupportKind.REFUSE}
-    # the specification runs Mla natively; this lane has no latent-attention kernels, and says so
-    assert refused == SPECIFIED_REFUSALS | {C.MLA: "the lane has no latent-attention kernels yet"}
+    assert refused == SPECIFIED_REFUSALS
 
 
 @pytest.mark.parametrize("fuse_quant", [True, False])

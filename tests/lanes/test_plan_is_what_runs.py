@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -21,6 +21,7 @@ from fuselane.fuse.optimizer import VIEWS, optimize, rule_names
 from fuselane.fuse.shim import NATIVE, Support, SupportKind
 from fuselane.fuse.views import class_of
 from fuselane.gguf.synth import Shape, write_synthetic
+from fuselane.gguf.synth_latent import LATENT_SHAPES
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form
 from fuselane.graph.ops import Quantize
@@ -49,6 +50,12 @@ MODELS = {
         Shape(
             "qwen2moe", 128, 2, 4, 2, 32, 256, 512, context=4096, experts=8, experts_used=2, expert_ff=64, shared_ff=128
         ),
+        "q8_0",
+    ),
+    # latent attention, absorbed: V2's routing, and V3's (sigmoid with the bias, q LoRA, YaRN) in one group
+    "deepseek2-q8_0": (LATENT_SHAPES["tiny-deepseek2"], "q8_0"),
+    "deepseek3-ungrouped-q8_0": (
+        replace(LATENT_SHAPES["tiny-deepseek3"], groups=1, groups_used=1, q_lora=64, weights_scale=2.5),
         "q8_0",
     ),
 }

@@ -17,7 +17,18 @@ from fuselane.fuse.rewriter import Rewriter
 from fuselane.fuse.rule import Rule
 from fuselane.fuse.views import class_of, moe
 from fuselane.graph.classes import ClassId as C
-from fuselane.graph.ops import Elementwise, ExpertMatmul, ExpertSort, Matmul, Moe, RouteWeights, RowScale, TopK, Unary
+from fuselane.graph.ops import (
+    Elementwise,
+    ExpertChoice,
+    ExpertMatmul,
+    ExpertSort,
+    Matmul,
+    Moe,
+    RouteWeights,
+    RowScale,
+    TopK,
+    Unary,
+)
 from fuselane.graph.ops import UnaryOp as U
 
 MIXTURES = (Moe, C.MOE_DOWN_COMBINE)  # an op whose result is the routed experts' combine
@@ -53,12 +64,16 @@ def router_topk(r: Rewriter, i: int) -> None:
         return
     scores = r.s.get(i).out
     readers = [j for j in r.s.readers(scores) if j > i]
-    topk = next((j for j in readers if op_at(r, j, TopK)), None)
+    # the top-k reads the scores, or the choice scores made of them (DeepSeek's gating and correction bias)
+    choice = next((j for j in readers if op_at(r, j, ExpertChoice)), None)
+    ranked = [j for j in r.s.readers(r.s.get(choice).out) if j > choice] if choice is not None else readers
+    topk = next((j for j in ranked if op_at(r, j, TopK)), None)
     weights = next((j for j in readers if op_at(r, j, RouteWeights)), None)
     if topk is None or weights is None or r.s.get(weights).ins[1] != r.s.get(topk).out:
         return
-    members = [i, topk, weights]
-    if internal(r, "router_topk", members, [i]):  # the kept experts and weights are the fusion's results
+    made = [i] if choice is None else [i, choice]
+    members = sorted([*made, topk, weights])
+    if internal(r, "router_topk", members, made):  # the kept experts and weights are the fusion's results
         r.try_fuse("router_topk", C.ROUTER_TOPK, members, weights)
 
 
@@ -149,7 +164,7 @@ def moe_deferred_finalize(r: Rewriter, i: int) -> None:
 
 
 MOE_RULES = [
-    # TopK(x @ Wr^T); RouteWeights(scores, ids) -> RouterTopk writes the kept experts and their weights
+    # TopK(x @ Wr^T or its choice scores); RouteWeights(scores, ids) -> RouterTopk writes the kept experts, weights
     Rule("router_topk", (C.ROUTER_TOPK,), router_topk),
     # ExpertSort(RouterTopk's ids) -> MoeTokenSort: the top-k also orders the chunk's pairs by expert
     Rule("moe_token_sort", (C.MOE_TOKEN_SORT,), moe_token_sort),

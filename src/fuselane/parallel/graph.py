@@ -1,6 +1,6 @@
 """What a rank's graph emits where it differs from the unsplit model's: the all-reduces after the attention
 output and the down projection, the embedding of the rank's vocabulary rows made whole, and its logits laid
-beside the other ranks'. A builder (`models.qwen._Builder`) calls these only for a config with a shard.
+beside the other ranks'. A builder (`models.qwen.Builder`) calls these only for a config with a shard.
 """
 
 from __future__ import annotations

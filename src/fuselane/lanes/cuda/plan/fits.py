@@ -38,11 +38,9 @@ from fuselane.graph.ops import (
     ElementwiseOp,
     GateAct,
     GatedDelta,
-    Gating,
     HeadMatmul,
     L2Norm,
     MoeAct,
-    RouteWeights,
     RowsGather,
     SetRow,
     Softcap,
@@ -100,10 +98,6 @@ class CudaShim(Protocol):
 Check = Callable[[CudaShim, Op, Sequence[Op], TensorGraph], "str | None"]
 
 
-# The routing kernel (`triton/moe/route.py`) weighs the kept experts by their softmax probabilities, unscaled.
-ROUTING_SOFTMAX_ONLY = "the lane's routing weighs the kept experts by their softmax, unscaled"
-
-
 def fits(shim: CudaShim, op: Op, g: TensorGraph) -> str | None:
     """Why the lane has no launch for `op`, or None when it has one."""
     why = holds_accumulator(op, g, shim.accumulator_bits, shim.scheme)
@@ -130,8 +124,6 @@ def _leaf(leaf: Op) -> str | None:
         return "the lane links no soft-capped tensor"
     if isinstance(spec, GatedDelta) and spec.gate is GateAct.SIGMOID:
         return "the lane's gated delta gates by SiLU, not a sigmoid"
-    if isinstance(spec, RouteWeights) and (spec.gating is not Gating.SOFTMAX or spec.scale != 1):
-        return ROUTING_SOFTMAX_ONLY
     unit = leaf.dst.unit
     if unit is not None:
         written = unit_output(leaf)

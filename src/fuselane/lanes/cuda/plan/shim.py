@@ -22,8 +22,8 @@ specified classes it has no kernel for yet run as their parts (`NO_KERNEL_CLASSE
 (`rules`) link in around the shared table: `gemv_parts` before `merged_projections`, and after the last
 shared rule the settling passes that make the plan exactly what the lane launches. The lane rule
 `latent_expanded` (before `add_norm`, `latent.py`) takes a wide chunk's latent attention whole as `Mla` where
-its expanded launches fit; the lane has no latent-attention kernels yet, so it answers `Mla` (and every
-latent attention's per-head products, `optimizer.needs`) with a refusal saying so.
+its expanded launches fit; the lane has no expanded kernels yet, so it answers `Mla` as its parts: the
+absorbed form's launches (`triton.mla`), which run every latent attention, a decode step's and a chunk's.
 
 `held` names lane rules held back (`gemv_parts`) and the kernel choice `rows_a_warp` (every product a row
 a warp), for ablation. The optimizer holds rules by its own `held` argument: build the shim with the same
@@ -109,6 +109,7 @@ NO_KERNEL_CLASSES = frozenset(
         *(C.MERGED_GATE_UP, C.GEMM_DEQUANT_INKERNEL, C.FUSED_SAMPLING, C.CUDA_GRAPHS),
         *(C.STRIDED_READ, C.JOIN_IN_PLACE, C.STRIDED_VALUES, C.ATTN_OUTPUT_GATE),
         C.ROW_WRITE_QUANT,
+        C.MLA,  # a wide chunk's latent attention runs absorbed, as its parts (`triton.mla`), not expanded
     }
 )
 _NO_KERNEL = Support(SupportKind.DECOMPOSE, "the lane has no kernel for it yet: its parts run apart")
@@ -143,8 +144,6 @@ REFUSED_CLASSES: dict[C, str] = {
     C.PERSISTENT_LAYER_MEGAKERNEL: "the lane replays a graph of a launch an op",
     C.ALLREDUCE_NORM: "the lane runs on one device",
     **NOT_YET,  # the gated delta rule's classes, until the lane has their kernels (`plan.gdn`)
-    # the specification runs Mla natively; this lane has no kernels for latent attention, absorbed or expanded
-    C.MLA: "the lane has no latent-attention kernels yet",
 }
 
 # Consumers that read their operands as their first part reads them alone: a producer with its quantizing

@@ -31,6 +31,8 @@ from fuselane.graph.ops import (
     Attention,
     Elementwise,
     ElementwiseOp,
+    HeadMatmul,
+    Join,
     Matmul,
     Quantize,
     RmsNorm,
@@ -38,13 +40,14 @@ from fuselane.graph.ops import (
     RowScale,
     RowsGather,
     SetRow,
+    Slice,
     TakeRows,
     Unary,
     UnaryOp,
 )
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.shim import QUANT_EPILOGUES
-from fuselane.lanes.cuda.run import moe_launch
+from fuselane.lanes.cuda.run import mla_launch, moe_launch
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
 Launch = Callable[[], None]
@@ -261,6 +264,8 @@ def _positions(b: Bound) -> tuple[Any, bool]:
 def _rope(op: Op, b: Bound):
     _, _, rope, *_ = _t()
     spec: Rope = op.sym  # type: ignore[assignment]
+    if mla_launch.takes_rope(spec):  # DeepSeek's pairs or YaRN's frequencies: the table rotation
+        return mla_launch.rope(op, b)
     x, out = b.bufs[op.ins[0]], b.bufs[op.out]
     pos, per_row = _positions(b)
     return [lambda: rope.qk_norm_rope(x, out, pos, heads=spec.heads, hd=spec.hd, base=spec.base, per_row=per_row)]
@@ -315,6 +320,8 @@ def _quantize(op: Op, b: Bound):
 def _attention(op: Op, b: Bound, out_q8: Any = None):
     _, _, _, attention, _ = _t()
     spec: Attention = op.sym  # type: ignore[assignment]
+    if spec.value_width != spec.hd:  # the latent cache: values its rows' first part
+        return mla_launch.latent_attention(op, b, out_q8)
     q, kc, vc = (b.bufs[n] for n in op.ins[:3])
     out, pos = b.bufs[op.out], b.bufs["pos"]
     shape = dict(heads=spec.heads, kv_heads=spec.kv_heads, hd=spec.hd, scale=spec.scale)
@@ -410,6 +417,8 @@ def _side(op: Op, b: Bound) -> _Side:
     found = leaves(op)
     r_op = next(p for p in found if isinstance(p.sym, Rope))
     spec: Rope = r_op.sym  # type: ignore[assignment]
+    if mla_launch.takes_rope(spec):  # the fused rotations turn NEOX pairs by the base's own frequencies
+        raise PlanMismatch(f"{op.out}: a fused rotation of DeepSeek's pairs or YaRN's frequencies has no launch")
     n_op = next((p for p in found if isinstance(p.sym, RmsNorm)), None)
     w_op = next((p for p in found if isinstance(p.sym, Elementwise)), None)
     appended = op.dst.row is not None
@@ -627,6 +636,9 @@ BINDERS: dict[C | type, Binder] = {
     ArgMax: _argmax,
     Quantize: _quantize,
     RowScale: moe_launch.row_scale,
+    Slice: mla_launch.slice_view,
+    Join: mla_launch.join,
+    HeadMatmul: mla_launch.head_matmul,
     C.NORM_WEIGHT: _norm_weight,
     C.ADD_NORM: _add_norm,
     C.EMBED_NORM: _embed_norm,

@@ -22,8 +22,10 @@ from fuselane.graph.ir import Op
 from fuselane.graph.ops import (
     Elementwise,
     ElementwiseOp,
+    ExpertChoice,
     ExpertMatmul,
     ExpertSort,
+    Gating,
     Matmul,
     Moe,
     RmsNorm,
@@ -84,7 +86,10 @@ def route_topk(op: Op, b) -> list:
     counts = _counts(b, sorts[0].out, spec.experts, x.device) if sorts and kernels.moe_grouped(spec.rows) else None
     counter = b.scratch.setdefault(f"moe-route:{op.out}", route.counters(x.device, spec.rows))
     args = (spec.experts, spec.k, spec.renorm, ids, weights, scores, counter, order, counts)
-    return [lambda: route.route(x, w, fmt, *args)]
+    choices = _of(found, ExpertChoice)  # DeepSeek's gating: the top-k ranks the choice scores
+    bias = b.vec[choices[0].ins[1]] if choices and choices[0].sym.bias else None  # type: ignore[union-attr]
+    gating = dict(sigmoid=spec.gating is Gating.SIGMOID, bias=bias, scale=spec.scale)
+    return [lambda: route.route(x, w, fmt, *args, **gating)]
 
 
 def _int8(b, name: str, fmt, n: int, k: int, rows: int) -> Any:

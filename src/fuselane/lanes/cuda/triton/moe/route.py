@@ -1,7 +1,10 @@
 """Routing on the device: each row's router scores (x @ Wr^T over every expert), its top-k experts and their
-weights (the softmax over every expert at the kept ones, renormalised over the k where the model says so),
+weights (the routing probabilities at the kept ones, renormalised over the k where the model says so, scaled),
 and in a chunk the (row, slot) pairs ordered by expert (ExpertSort) and the pairs each expert takes (what the
 grouped GEMM cuts into tiles, `grouped.py`), in one launch.
+
+Gating: the softmax over every expert, or (DeepSeek-V3) each score's sigmoid with the experts ranked by their
+probabilities plus a per-expert correction bias; the kept weights scaled by the model's factor.
 
 Programs take tiles of experts of a block of rows (up to the GEMV's 8, which read the router's rows once)
 and store the scores; a block's last program to finish (a self-resetting counter a block,
@@ -32,25 +35,36 @@ PAIRS_A_PASS = 128
 
 
 @triton.jit
-def _rank_row(scores, ids, weights, r, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr,
-              K_BLOCK: tl.constexpr, RENORM: tl.constexpr):  # fmt: skip
+def _rank_row(scores, ids, weights, bias, scale, r, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr,
+              K_BLOCK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
     ex = tl.arange(0, E_BLOCK)
     live = ex < E
     s = tl.load(scores + r * E + ex, mask=live, other=float("-inf"), cache_modifier=".cg")
-    p = tl.where(live, tl.exp(s - tl.max(s, 0)), 0.0)
-    p = p / tl.sum(p, 0)
+    if SIGMOID:  # each score's own probability; e^-s overflows to inf for s << 0: the right 0
+        p = tl.where(live, 1.0 / (1.0 + tl.exp(-s)), 0.0)
+    else:
+        p = tl.where(live, tl.exp(s - tl.max(s, 0)), 0.0)
+        p = p / tl.sum(p, 0)
+    # the choice scores: the probabilities (plus the correction bias) where the model ranks by them; a
+    # softmax without a bias ranks as its scores do
+    c = s
+    if SIGMOID:
+        c = p
+    if BIAS:
+        c = p + tl.load(bias + ex, mask=live, other=0.0)
+    c = tl.where(live, c, float("-inf"))
     slot = tl.arange(0, K_BLOCK)
     kept_ids = tl.zeros([K_BLOCK], tl.int32)
     kept = tl.zeros([K_BLOCK], tl.float32)
     for j in tl.static_range(K):
-        best = tl.argmax(s, 0, tie_break_left=True)
+        best = tl.argmax(c, 0, tie_break_left=True)
         kept_ids = tl.where(slot == j, best.to(tl.int32), kept_ids)
         kept = tl.where(slot == j, tl.sum(tl.where(ex == best, p, 0.0), 0), kept)
-        s = tl.where(ex == best, float("-inf"), s)
+        c = tl.where(ex == best, float("-inf"), c)
     if RENORM:
         kept = kept / tl.sum(kept, 0)
     tl.store(ids + r * K + slot, kept_ids, mask=slot < K)
-    tl.store(weights + r * K + slot, kept, mask=slot < K)
+    tl.store(weights + r * K + slot, kept * scale, mask=slot < K)
 
 
 @triton.jit
@@ -90,9 +104,10 @@ def _sort_pairs(ids, order, counts, P: tl.constexpr, PB: tl.constexpr, E: tl.con
 
 @triton.jit
 def _route_kernel(
-    x, w, scores, ids, weights, order, counts, counter,
+    x, w, scores, ids, weights, order, counts, counter, bias, scale,
     D: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr, K_BLOCK: tl.constexpr,
-    ROWS: tl.constexpr, ROW_BLOCK: tl.constexpr, RENORM: tl.constexpr, SORT: tl.constexpr, COUNT: tl.constexpr,
+    ROWS: tl.constexpr, ROW_BLOCK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
+    SORT: tl.constexpr, COUNT: tl.constexpr,
     PB: tl.constexpr,
     FMT: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr, ROW_BYTES: tl.constexpr, PDL: tl.constexpr,
@@ -111,7 +126,8 @@ def _route_kernel(
         tl.atomic_xchg(counter + 1 + block, 0, sem="relaxed", scope="gpu")
         for i in range(0, ROW_BLOCK):
             if block * ROW_BLOCK + i < ROWS:
-                _rank_row(scores, ids, weights, block * ROW_BLOCK + i, E, E_BLOCK, K, K_BLOCK, RENORM)
+                _rank_row(scores, ids, weights, bias, scale, block * ROW_BLOCK + i, E, E_BLOCK, K, K_BLOCK, RENORM,
+                          SIGMOID, BIAS)  # fmt: skip
         if SORT:
             tl.debug_barrier()
             ranked = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -127,12 +143,15 @@ def counters(device, rows: int = 1) -> Tensor:
 
 
 def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool, ids: Tensor, weights: Tensor,
-          scores: Tensor, counter: Tensor, order: Tensor | None = None,
-          counts: Tensor | None = None) -> None:  # fmt: skip
+          scores: Tensor, counter: Tensor, order: Tensor | None = None, counts: Tensor | None = None, *,
+          sigmoid: bool = False, bias: Tensor | None = None, scale: float = 1.0) -> None:  # fmt: skip
     """ids (rows, k) int32 and weights (rows, k) f32 of x's rows (rows, d) f32 routed by the router `w`
     (experts, d) checkpoint rows in `fmt`; `scores` (rows, experts) f32 scratch; with `order` (rows * k,)
     int32 also the pairs ordered by expert, and with `counts` (experts,) int32 the pairs each expert takes.
-    One launch."""
+    The probabilities are the softmax over every expert, or each score's sigmoid (`sigmoid`); the experts
+    are ranked by their probabilities plus `bias` (experts,) f32 where given (DeepSeek-V3's correction),
+    else by their scores; the kept weights are the probabilities (renormalised over the k where `renorm`)
+    times `scale`. One launch."""
     rows, d = x.shape
     if ids.dtype != torch.int32 or ids.numel() != rows * k or weights.numel() != rows * k:
         raise ValueError(f"ids must be int32 and ids and weights ({rows}, {k})")
@@ -142,12 +161,16 @@ def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool,
         raise ValueError(f"a routing launch of {rows} rows takes {1 + rows} counters")
     if counts is not None and (order is None or counts.dtype != torch.int32 or counts.numel() != experts):
         raise ValueError(f"counts must be int32 ({experts},), written with the order")
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != experts):
+        raise ValueError(f"the correction bias must be f32 ({experts},)")
     row_block = triton.next_power_of_2(min(rows, kernels.GEMV_ROWS))
     plan, warps = f32_plan(Format(fmt), experts, d, m=row_block)
     sort = order is not None
     _route_kernel[(tiles(experts, plan["BLOCK_N"]), triton.cdiv(rows, row_block))](
         x, w, scores, ids, weights, order if sort else ids, ids if counts is None else counts, counter,
+        scores if bias is None else bias, float(scale),
         D=d, E=experts, E_BLOCK=triton.next_power_of_2(experts), K=k, K_BLOCK=triton.next_power_of_2(k),
-        ROWS=rows, ROW_BLOCK=row_block, RENORM=renorm, SORT=sort, COUNT=counts is not None, PB=PAIRS_A_PASS,
+        ROWS=rows, ROW_BLOCK=row_block, RENORM=renorm, SIGMOID=sigmoid, BIAS=bias is not None, SORT=sort,
+        COUNT=counts is not None, PB=PAIRS_A_PASS,
         num_warps=warps, **plan, **pdl.options(),
     )  # fmt: skip

@@ -1,0 +1,114 @@
+"""Binders of the absorbed latent attention's ops (`triton.mla`): the per-head products, the join of a head's
+two parts, the rotation of DeepSeek's pairs (YaRN's frequencies where the file has them), the attention over
+the latent cache with the latents as values, and the slices the others read in place (views, no launch).
+
+Each binds one launch (a slice none), as `launch.bind` checks; the position is read on the device, so the
+decode step's launches are captured in the CUDA graph with the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fuselane.graph.ir import Op
+from fuselane.graph.ops import Attention, HeadMatmul, Join, Rope, Slice
+from fuselane.lanes.cuda.run.mismatch import PlanMismatch
+
+INTERPRETED_SMS = 4  # the chip the interpreter stands for: a few shares a row, so the merge runs in tests
+
+
+def _pitches(x: Any, heads: int, width: int) -> tuple[int, int]:
+    """(row pitch, head pitch) of an activation read `width` values a head: a slice's view (one unit a head,
+    at its pitch) or a buffer of whole rows."""
+    if x.dim() == 2 and x.shape[-1] == width and x.shape[0] > 0 and x.stride(-1) == 1:
+        return heads * x.stride(0), x.stride(0)
+    return heads * width, width
+
+
+def slice_view(op: Op, b) -> list:
+    """A part of every unit of its input: a view its readers read in place (no launch)."""
+    spec: Slice = op.sym  # type: ignore[assignment]
+    x = b.bufs[op.ins[0]]
+    b.bufs[op.out] = x.view(spec.groups, spec.every)[:, spec.start : spec.start + spec.width]
+    return []
+
+
+def head_matmul(op: Op, b) -> list:
+    """HeadMatmul: one launch of every head's GEMV over its own rows of the file's bytes."""
+    from fuselane.lanes.cuda.triton.mla import heads
+
+    spec: HeadMatmul = op.sym  # type: ignore[assignment]
+    x, out = b.bufs[op.ins[0]], b.bufs[op.out]
+    w, fmt = b.raw[op.ins[1]]
+    x_row, x_head = _pitches(x, spec.heads, spec.a)
+    return [lambda: heads.head_matmul(x, x_row, x_head, spec.m, w, fmt, spec.heads, spec.a, spec.b, out)]
+
+
+def join(op: Op, b) -> list:
+    """Join: each head's two parts side by side, one launch."""
+    from fuselane.lanes.cuda.triton.mla import parts
+
+    spec: Join = op.sym  # type: ignore[assignment]
+    x, y = (b.bufs[n] for n in op.ins)
+    out, h = b.bufs[op.out], spec.heads
+    wa, wb = spec.wa // h, spec.wb // h
+    xa, ya = x.view(spec.rows, h * wa), y.view(spec.rows, h * wb)
+    return [lambda: parts.join(xa, ya, out, spec.rows, h, wa, wb)]
+
+
+def rope(op: Op, b) -> list:
+    """A rotation by a table of frequencies (DeepSeek's pairs, or YaRN's stretch): one launch, the table
+    computed once in f64 here."""
+    import torch
+
+    from fuselane.lanes.cpu.latent_kernels import inv_freq
+    from fuselane.lanes.cuda.triton.mla import parts
+
+    spec: Rope = op.sym  # type: ignore[assignment]
+    if spec.rot:
+        raise PlanMismatch(f"{op.out}: the table rotation turns whole heads")
+    x, out, pos = b.bufs[op.ins[0]], b.bufs[op.out], b.bufs["pos"]
+    key = f"rope-table:{spec.hd}:{spec.base}:{spec.yarn}"
+    table = b.scratch.setdefault(
+        key, torch.tensor(inv_freq(spec.hd, spec.base, spec.yarn), dtype=torch.float32, device=x.device)
+    )
+    x_row, x_head = _pitches(x, spec.heads, spec.hd)
+    shape = dict(rows=spec.rows, heads=spec.heads, hd=spec.hd, half=spec.half, batched=spec.batched)
+    return [lambda: parts.rope(x, x_row, x_head, out, pos, table, **shape)]
+
+
+def takes_rope(spec: Rope) -> bool:
+    """Whether a rotation is the table kernel's (DeepSeek's pairs, or YaRN's frequencies) rather than the
+    lane's NEOX rotation."""
+    return not spec.half or spec.yarn is not None
+
+
+def latent_attention(op: Op, b, out_q8: Any = None) -> list:
+    """An attention whose values are narrower than its keys (the latent cache's): one launch, a row's span in
+    shares (`splits`) where the rows are few."""
+    from fuselane.lanes.cuda.triton.mla import attention
+
+    spec: Attention = op.sym  # type: ignore[assignment]
+    if out_q8 is not None or spec.kv_heads != 1:
+        raise PlanMismatch(f"{op.out}: the latent attention writes f32 rows, one kv head")
+    q, kc, vc = (b.bufs[n] for n in op.ins[:3])
+    out, pos = b.bufs[op.out], b.bufs["pos"]
+    shares = splits(spec.rows, spec.len, q.device)
+    work = attention.scratch(spec.rows, spec.heads, spec.value_width, shares, q.device) if shares > 1 else None
+    shape = dict(rows=spec.rows, heads=spec.heads, kw=spec.hd, vd=spec.value_width, scale=spec.scale,
+                 seq_rows=spec.len if spec.batched else 0, splits=shares, work=work)  # fmt: skip
+    kc2 = kc.view(-1, spec.hd) if kc.is_contiguous() else kc
+    return [lambda: attention.latent_attention(q, kc2, vc, pos, out, **shape)]
+
+
+def splits(rows: int, span: int, device: Any) -> int:
+    """Shares of a row's span: enough programs to fill the chip (`kernels.attn_splits`, a program a row a
+    share) for a decode step's or a batch's few rows; a chunk's rows fill it alone."""
+    import torch
+
+    from fuselane.lanes.cuda.plan import kernels
+
+    if rows > kernels.GEMV_ROWS:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else INTERPRETED_SMS
+    return kernels.attn_splits(rows, span, sms)

@@ -1,0 +1,63 @@
+"""The cuda lane on DeepSeek's latent attention, every launch under Triton's interpreter, against the cpu
+lane in f64 within the lane's numerics contract: a prompt chunk past the GEMV's rows (the absorbed attention
+causal over the chunk, the latent cache written a row a token) and a decode step (the per-head products, the
+join, DeepSeek's rotation, the attention over the latent cache with the latents as values).
+
+Two files: V2's routing (softmax, the kept weights as they are) and an ungrouped V3-style one (q LoRA, each
+score's sigmoid ranked with the correction bias, the kept weights renormalised and scaled, YaRN). Both run
+under the dequantized numerics here: the interpreter takes a minute a step through the int8 GEMVs, which
+their own tests cover; the latent kernels are the same launches under either numerics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
+pytest.importorskip("triton")
+
+from fuselane.fuse.views import class_of  # noqa: E402
+from fuselane.gguf.synth import write_synthetic  # noqa: E402
+from fuselane.gguf.synth_latent import LATENT_SHAPES  # noqa: E402
+from fuselane.graph.classes import ClassId as C  # noqa: E402
+from fuselane.graph.ops import HeadMatmul, Join, Rope  # noqa: E402
+from fuselane.lanes.cuda.run.mla_launch import splits  # noqa: E402
+from fuselane.runtime.model import load  # noqa: E402
+
+PROMPT = [5, 60, 7, 100, 8, 1, 2, 3, 4]  # past the GEMV's rows
+VOCAB = 260  # a small head: the interpreter's time goes to the products
+CTX = 64  # cache rows: a decode step cuts its span in two shares (`mla_launch.splits`)
+SHAPES = {
+    "v2": dataclasses.replace(LATENT_SHAPES["tiny-deepseek2"], vocab=VOCAB),
+    # q LoRA whole 32-value blocks (the GEMV's rows); one group: the lane routes by one top-k
+    "v3-ungrouped": dataclasses.replace(LATENT_SHAPES["tiny-deepseek3"], groups=1, groups_used=1, q_lora=64,
+                                        vocab=VOCAB),
+}  # fmt: skip
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_cuda_lane_runs_latent_attention_as_the_cpu_lane(tmp_path, name):
+    path = write_synthetic(tmp_path / "m.gguf", SHAPES[name], "q8_0", seed=3)
+    gpu = load(path, lane="cuda", ctx=CTX, knobs=["activations=dequant"])
+    ref = load(path, lane="cpu", ctx=CTX, dtype=np.float64)
+    step = gpu.lane.step(1)
+    bound = [op for op, _ in step.bound]
+    assert {HeadMatmul, Join, Rope} <= {type(op.sym) for op in bound}
+    assert C.ROUTER_TOPK in {class_of(op) for op in bound}  # the gating runs in the routing launch
+    assert splits(1, CTX, torch.device("cpu")) > 1  # the decode step's shares are merged
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    sg, sr = gpu.session(), ref.session()
+    for what, a, b in (("prefill", sg.feed(PROMPT), sr.feed(PROMPT)), ("decode", sg.extend([9]), sr.extend([9]))):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.isfinite(a).all()
+        assert rel(a, b) <= tol, f"{what}: {rel(a, b):.2e} > {tol:.2e}"
