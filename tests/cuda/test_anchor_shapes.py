@@ -57,12 +57,9 @@ CTX = LONG_DEPTH + DECODE_STEPS  # the longest sequence a test runs
 NUMERICS = {"int8": [], "dequant": ["activations=dequant"]}  # the cuda lane's knobs each test runs at
 
 
-# a shape's tests run on one worker under pytest-xdist, which builds its checkpoint and reference once
-@pytest.fixture(
-    scope="module",
-    params=[pytest.param(a, marks=pytest.mark.xdist_group(f"anchor-{a[0]}")) for a in ANCHORS],
-    ids=lambda a: f"{a[0]}-{a[1]}",
-)
+# under pytest-xdist a (shape, depth)'s tests run on one worker (tests/cuda/conftest.py), which builds the
+# shape's checkpoint and reference once for them
+@pytest.fixture(scope="module", params=ANCHORS, ids=lambda a: f"{a[0]}-{a[1]}")
 def anchor(request, tmp_path_factory):
     """Both lanes over one 2-layer checkpoint of a reference shape, written once for the module."""
     name, mix = request.param
