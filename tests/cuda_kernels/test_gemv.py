@@ -130,7 +130,7 @@ def test_plan_gives_every_thread_a_slot(fmt: Format, m: int) -> None:
         if k % slots.unit:
             continue  # the checkpoint cannot hold such rows in this format
         block_n, warps = gemv_mod.tile(fmt, n, k, m)
-        block_m, _ = gemv_mod._row_tiles(m)
+        block_m, _ = gemv_mod.row_tiles(m)
         steps, units, split = gemv_mod.plan(fmt, k, block_n, warps, block_m)
         assert steps * units * slots.unit == k
         assert units * slots.base * split * block_n == warps * kernels.WARP, (n, k)

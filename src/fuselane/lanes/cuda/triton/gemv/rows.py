@@ -231,7 +231,7 @@ def check_x(x: torch.Tensor, k: int) -> int:
     return m
 
 
-def _row_tiles(m: int) -> tuple[int, int]:
+def row_tiles(m: int) -> tuple[int, int]:
     """(BLOCK_M, tiles of x's rows): all m rows in one tile up to the GEMV's rows, tiles of them past it."""
     block_m = min(triton.next_power_of_2(m), kernels.GEMV_ROWS)
     return block_m, triton.cdiv(m, block_m)
@@ -261,7 +261,7 @@ def gemv_parts(
     k = x.shape[1]
     m = check_x(x, k)
     block_n, warps = tile(fmt, parts[0].n, k, m)
-    block_m, m_tiles = _row_tiles(m)
+    block_m, m_tiles = row_tiles(m)
     steps, units, split = plan(fmt, k, block_n, warps, block_m)
     entries: list[PartArgs] = []
     bias_bits = row_bits = 0
@@ -342,7 +342,7 @@ def gemv_gate_up_glu(
     check_rows(w_up, fmt, n, k)
     part_out(Part(w_gate, n, out), m)
     block_n, warps = tile(fmt, n, k, m)
-    block_m, m_tiles = _row_tiles(m)
+    block_m, m_tiles = row_tiles(m)
     steps, units, split = plan(fmt, k, block_n, warps, block_m)
     _gemv_glu_kernel[(triton.cdiv(n, block_n), m_tiles)](
         x,

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from fuselane.gguf.formats import Format, row_bytes
 from fuselane.lanes.cuda.triton.gemv.formats import SLOTS, dot_rows
-from fuselane.lanes.cuda.triton.gemv.rows import _row_tiles, plan, stages, tile
+from fuselane.lanes.cuda.triton.gemv.rows import row_tiles, plan, stages, tile
 
 FLOATS = {Format.F32: tl.float32, Format.F16: tl.float16}
 # Output rows a program of the float kernel takes.
@@ -78,7 +78,7 @@ def head_matmul(
     if fmt not in SLOTS:
         raise ValueError(f"no per-head product for {fmt.name} rows")
     block_n, warps = tile(fmt, b, a, m)
-    block_m, m_tiles = _row_tiles(m)
+    block_m, m_tiles = row_tiles(m)
     steps, units, split = plan(fmt, a, block_n, warps, block_m)
     _head_rows_kernel[(triton.cdiv(b, block_n), m_tiles, heads)](
         x, x_row, x_head, m, w, out, out_row, b,
