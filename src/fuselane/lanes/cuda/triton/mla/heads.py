@@ -17,7 +17,7 @@ import triton.language as tl
 
 from fuselane.gguf.formats import Format, row_bytes
 from fuselane.lanes.cuda.triton.gemv.formats import SLOTS, dot_rows
-from fuselane.lanes.cuda.triton.gemv.rows import row_tiles, plan, stages, tile
+from fuselane.lanes.cuda.triton.gemv.rows import plan, row_tiles, stages, tile
 
 FLOATS = {Format.F32: tl.float32, Format.F16: tl.float16}
 # Output rows a program of the float kernel takes.
