@@ -46,7 +46,7 @@ from fuselane.graph.ops import Attention, ExpertMatmul, Moe
 from fuselane.lanes.cuda.plan import gemm_tiles, kernels, latent
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, ROWS_A_WARP
 from fuselane.lanes.cuda.plan.fits import fits as lane_fits
-from fuselane.lanes.cuda.plan.gdn import NOT_YET
+from fuselane.lanes.cuda.plan.gdn import GDN_NATIVE, NOT_YET
 from fuselane.lanes.cuda.plan.knobs import Activations, CachePrecision, CudaKnobs, PrefillWeights, StatePrecision
 from fuselane.lanes.cuda.plan.rules import (
     PRODUCTS_APART,
@@ -88,6 +88,7 @@ NATIVE_CLASSES = frozenset(
         *(C.FLASH_DECODE, C.FLASH_PREFILL, C.QKV_HEAD_EPILOGUE),
         *(C.GLU_ACT_MUL, C.GEMV_GATE_UP_GLU, C.GEMM_BIAS, C.MERGED_QKV, C.ROW_WRITE),
         *(MOE_CLASSES - MOE_DECOMPOSED),
+        *GDN_NATIVE,
     }
 )
 
@@ -105,10 +106,11 @@ QUANT_EPILOGUES = frozenset(
 # each its own launch (a model that needs none of them fused still runs).
 NO_KERNEL_CLASSES = frozenset(
     {
-        *(C.NORM_THEN_ADD, C.GATED_NORM, C.EMBED_SCALE, C.ATTENTION_VARIANTS_INLINE, C.ATTN_LSE_MERGE),
+        *(C.NORM_THEN_ADD, C.EMBED_SCALE, C.ATTENTION_VARIANTS_INLINE, C.ATTN_LSE_MERGE),
         *(C.MERGED_GATE_UP, C.GEMM_DEQUANT_INKERNEL, C.FUSED_SAMPLING, C.CUDA_GRAPHS),
         *(C.STRIDED_READ, C.JOIN_IN_PLACE, C.STRIDED_VALUES, C.ATTN_OUTPUT_GATE),
         C.ROW_WRITE_QUANT,
+        *NOT_YET,  # two of the gated delta rule's classes (`plan.gdn`)
     }
 )
 _NO_KERNEL = Support(SupportKind.DECOMPOSE, "the lane has no kernel for it yet: its parts run apart")
@@ -142,7 +144,6 @@ REFUSED_CLASSES: dict[C, str] = {
     C.MOE_DIRECT_PAIRS: "the lane sorts a chunk's rows by expert",
     C.PERSISTENT_LAYER_MEGAKERNEL: "the lane replays a graph of a launch an op",
     C.ALLREDUCE_NORM: "the lane runs on one device",
-    **NOT_YET,  # the gated delta rule's classes, until the lane has their kernels (`plan.gdn`)
     # the specification runs Mla natively; this lane has no kernels for latent attention, absorbed or expanded
     C.MLA: "the lane has no latent-attention kernels yet",
 }

@@ -23,8 +23,13 @@ from fuselane.graph.ir import Op, TensorGraph
 from fuselane.graph.ops import (
     ArgMax,
     Attention,
+    CausalConv,
+    ConvShift,
+    DeltaState,
     Elementwise,
     ElementwiseOp,
+    GatedDelta,
+    L2Norm,
     Matmul,
     Quantize,
     RmsNorm,
@@ -32,13 +37,14 @@ from fuselane.graph.ops import (
     RowScale,
     RowsGather,
     SetRow,
+    Slice,
     TakeRows,
     Unary,
     UnaryOp,
 )
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.shim import QUANT_EPILOGUES
-from fuselane.lanes.cuda.run import moe_launch
+from fuselane.lanes.cuda.run import gdn_launch, moe_launch
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
 Launch = Callable[[], None]
@@ -225,17 +231,27 @@ def _elementwise(op: Op, b: Bound):
 def _unary(op: Op, b: Bound):
     import torch
 
-    x, out = b.bufs[op.ins[0]], b.bufs[op.out]
-    if op.sym.op is UnaryOp.SIGMOID:  # type: ignore[union-attr]
+    x = b.bufs[op.ins[0]]
+    out = b.bufs[op.out].view(x.shape)  # the input may be a slice's (groups, width) view
+    kind = op.sym.op  # type: ignore[union-attr]
+    if kind is UnaryOp.SIGMOID:
         return [lambda: torch.sigmoid(x, out=out)]
+    if kind is UnaryOp.SOFTPLUS:
+        return [lambda: out.copy_(torch.nn.functional.softplus(x))]
     return [lambda: torch.mul(torch.sigmoid(x), x, out=out)]
 
 
 def _rope(op: Op, b: Bound):
     _, _, rope, *_ = _t()
     spec: Rope = op.sym  # type: ignore[assignment]
-    x, out, pos = b.bufs[op.ins[0]], b.bufs[op.out], b.bufs["pos"]
-    return [lambda: rope.qk_norm_rope(x, out, pos, heads=spec.heads, hd=spec.hd, base=spec.base)]
+    x, out, pos = _heads_of(b.bufs[op.ins[0]], spec), b.bufs[op.out], b.bufs["pos"]
+    args = dict(heads=spec.heads, hd=spec.hd, base=spec.base, rot=spec.rot)
+    return [lambda: rope.qk_norm_rope(x, out, pos, **args)]
+
+
+def _heads_of(x: Any, spec: Rope) -> Any:
+    """A rotation's input as the rope kernels take it: a slice's view of heads apart as rows x heads x hd."""
+    return x if x.is_contiguous() else x.view(spec.rows, spec.heads, spec.hd)
 
 
 def _set_row(op: Op, b: Bound):
@@ -353,6 +369,7 @@ class _Side:
     norm_w: Any
     eps: float
     pitch: int | None
+    rot: int
 
 
 def _side(op: Op, b: Bound) -> _Side:
@@ -363,7 +380,7 @@ def _side(op: Op, b: Bound) -> _Side:
     w_op = next((p for p in found if isinstance(p.sym, Elementwise)), None)
     appended = op.dst.row is not None
     return _Side(
-        x=b.bufs[(n_op or r_op).ins[0]],
+        x=_heads_of(b.bufs[(n_op or r_op).ins[0]], spec),
         out=b.bufs[op.dst.buf] if appended else b.bufs[r_op.out],
         heads=spec.heads,
         hd=spec.hd,
@@ -371,13 +388,14 @@ def _side(op: Op, b: Bound) -> _Side:
         norm_w=b.vec[w_op.ins[1]] if w_op is not None else None,
         eps=n_op.sym.eps if n_op is not None else 0.0,  # type: ignore[union-attr]
         pitch=op.dst.row.pitch if appended else None,  # type: ignore[union-attr]
+        rot=spec.rot,
     )
 
 
 def _rope_class(op: Op, b: Bound):
     _, _, rope, *_ = _t()
     s, pos = _side(op, b), b.bufs["pos"]
-    args = dict(heads=s.heads, hd=s.hd, base=s.base, norm_w=s.norm_w, eps=s.eps, cache_row_pitch=s.pitch)
+    args = dict(heads=s.heads, hd=s.hd, base=s.base, norm_w=s.norm_w, eps=s.eps, cache_row_pitch=s.pitch, rot=s.rot)
     return [lambda: rope.qk_norm_rope(s.x, s.out, pos, **args)]
 
 
@@ -397,6 +415,7 @@ def _rope_qk(op: Op, b: Bound):
         k_norm_w=k.norm_w,
         eps=q.eps,
         k_cache_row_pitch=k.pitch,
+        rot=q.rot,
     )
     return [lambda: rope.rope_q_k(q.x, k.x, q.out, k.out, pos, **args)]
 
@@ -571,6 +590,12 @@ BINDERS: dict[C | type, Binder] = {
     ArgMax: _argmax,
     Quantize: _quantize,
     RowScale: moe_launch.row_scale,
+    Slice: gdn_launch.slice_view,
+    CausalConv: gdn_launch.conv,
+    ConvShift: gdn_launch.conv,
+    L2Norm: gdn_launch.l2_norm,
+    GatedDelta: gdn_launch.step,
+    DeltaState: gdn_launch.step,
     C.NORM_WEIGHT: _norm_weight,
     C.ADD_NORM: _add_norm,
     C.EMBED_NORM: _embed_norm,
@@ -592,6 +617,11 @@ BINDERS: dict[C | type, Binder] = {
     C.MOE_DOWN_COMBINE: moe_launch.down_combine,
     C.SHARED_EXPERT_FUSION: moe_launch.down_combine,
     C.MOE_DEFERRED_FINALIZE: moe_launch.down_combine,
+    C.CONV_BIAS_SILU: gdn_launch.conv,
+    C.CONV_SILU_L2NORM: gdn_launch.conv,
+    C.GDN_GATING: gdn_launch.gating,
+    C.GDN_STEP: gdn_launch.step,
+    C.GATED_NORM: gdn_launch.gated_norm,
     **{cls: _quantizing for cls in QUANT_EPILOGUES},
 }
 # Native classes that launch only as a part of another class's launch: a projection turns its heads in its
