@@ -17,7 +17,6 @@ from dataclasses import replace
 
 import pytest
 
-from fuselane.errors import FuselaneError
 from fuselane.fuse.optimizer import check_runs, needs, optimize
 from fuselane.fuse.shim import DECOMPOSE, NATIVE, SupportKind
 from fuselane.gguf.synth import SHAPES, model_metadata, tensor_formats, tensor_shapes
