@@ -224,7 +224,8 @@ def _elementwise(op: Op, b: Bound):
     out = b.bufs[op.out]
     fn = torch.add if spec.op is ElementwiseOp.ADD else torch.mul
     if spec.row:
-        return [lambda: fn(a.view(-1, spec.cols), other.view(1, spec.cols), out=out.view(-1, spec.cols))]
+        # an input may be a slice's strided view (a gate's values): read through a copy where it is not contiguous
+        return [lambda: fn(a.reshape(-1, spec.cols), other.view(1, spec.cols), out=out.view(-1, spec.cols))]
     return [lambda: fn(a, other, out=out)]
 
 
