@@ -174,8 +174,11 @@ def test_cuda_binds_a_batch_plan_as_explain_prints_it(paths, model: str) -> None
 
 
 # a gated delta-rule layer (heads the convolution's epilogue norms) and a gated full-attention layer
-QWEN3NEXT_SHAPE = Shape("qwen3next", 64, 2, 4, 2, 16, 128, 512, context=4096, experts=4, experts_used=2, expert_ff=32,
-                        shared_ff=32, full_every=2, ssm_k_heads=2, ssm_v_heads=4, ssm_dim=32, conv=4, rope_dim=8)  # fmt: skip
+QWEN3NEXT_SHAPE = Shape(
+    *("qwen3next", 64, 2, 4, 2, 16, 128, 512),
+    **dict(context=4096, experts=4, experts_used=2, expert_ff=32, shared_ff=32, full_every=2),
+    **dict(ssm_k_heads=2, ssm_v_heads=4, ssm_dim=32, conv=4, rope_dim=8),
+)
 GDN_RULES = ("conv_silu", "conv_silu_l2norm", "gdn_gating", "gdn_step", "gated_norm", "attn_output_gate")
 
 
