@@ -27,7 +27,7 @@ from fuselane.graph.ops import CausalConv, ConvShift, GatedDelta, L2Norm, Rope  
 from fuselane.lanes.cpu import gdn_kernels as ref  # noqa: E402
 from fuselane.lanes.cpu.kernels import rope as ref_rope  # noqa: E402
 from fuselane.lanes.cuda.triton import rope  # noqa: E402
-from fuselane.lanes.cuda.triton.gdn import conv, delta, gates, norm  # noqa: E402
+from fuselane.lanes.cuda.triton.gdn import chunked, conv, delta, gates, norm  # noqa: E402
 from fuselane.numerics.contract import Keep  # noqa: E402
 
 SILU_ROUNDINGS = 8  # the sigmoid's exponential (approximate on a GPU: 4u), its add and division, the product
@@ -174,3 +174,23 @@ def test_a_partial_rotary_turns_the_first_values_of_each_head(apart):
     rope.qk_norm_rope(src, out, dev(np.array([pos], dtype=np.int32)), heads=heads, hd=hd, base=1e4, rot=rot)
     want = ref_rope(Rope(rows, heads, hd, 1e4, rot=rot), [x[..., :hd].reshape(rows, -1)], pos)
     assert rel(out, want) <= 64 * gamma(4)  # the angle's f32 product at position < 64, then cos, sin and a dot
+
+
+@pytest.mark.parametrize("keep", [Keep.F32, Keep.BF16])
+@pytest.mark.parametrize("rows", [5, chunked.CHUNK + 3])
+def test_the_chunked_rule_equals_the_recurrence(rows, keep):
+    rng = np.random.default_rng(20 + rows)
+    q, k, v, g, beta, state = _rule_inputs(rows, rng)
+    dtype = torch.float32 if keep is Keep.F32 else torch.bfloat16
+    st = torch.from_numpy(state).to(dtype).to(DEVICE)
+    spec = GatedDelta(rows, V_HEADS, DK, DV, k_heads=K_HEADS, scale=DK**-0.5)
+    want_o, want_s = ref.recurrence(spec, q, k, v, g, beta, st.double().cpu().numpy())
+    out = torch.zeros((rows, V_HEADS * DV), device=DEVICE)
+    f32 = lambda a: dev(a.astype(np.float32))  # noqa: E731
+    chunked.chunked(f32(q), f32(k), f32(v), f32(g), f32(beta), st, out, rows=rows, heads=V_HEADS,
+                    key_heads=K_HEADS, dk=DK, dv=DV, scale=spec.scale, write_state=True)  # fmt: skip
+    # a chunk's products and its triangular solve (a row of the inverse a sum over the rows before it) in f32
+    bound = gamma(rows * (DK + STEP_ROUNDINGS) + chunked.CHUNK * (DK + DV))
+    assert rel(out, want_o) <= bound
+    got_s = st.double().cpu().numpy()
+    assert np.all(np.abs(got_s - want_s) <= keep.unit_roundoff * np.abs(want_s) + bound * np.abs(want_s).max())

@@ -1,5 +1,5 @@
 """The cuda lane's gated delta-rule kernels and the whole lane on the GPU, compiled, at Qwen3-Next-80B-A3B's
-widths: the delta step over 32 value heads of 128 (16 key heads) and the convolution over 8192 channels with
+widths: the delta step over 32 value heads of 128 (16 key heads), as the recurrence and in chunks, and the convolution over 8192 channels with
 its 128-value heads normed in the epilogue, against the cpu lane's kernels in f64; and the lane on four layers
 of the real shape (three gated delta-rule layers, one gated full-attention layer; 16 experts rather than 512,
 a small vocabulary) against the cpu lane in f64: a prompt past one chunk of the cpu lane's chunked rule, then
@@ -37,8 +37,8 @@ EPS = 1e-6
 
 
 @pytest.mark.parametrize("keep", [Keep.F32, Keep.BF16])
-@pytest.mark.parametrize("rows", [1, CHUNK_PAST])
-def test_the_delta_step_at_the_real_widths(rows, keep):
+@pytest.mark.parametrize(("rows", "form"), [(1, "delta"), (CHUNK_PAST, "delta"), (CHUNK_PAST, "chunked")])
+def test_the_delta_step_at_the_real_widths(rows, form, keep):
     rng = np.random.default_rng(rows)
     q = rng.standard_normal((rows, K_HEADS * DIM))
     k = rng.standard_normal((rows, K_HEADS, DIM))
@@ -50,15 +50,16 @@ def test_the_delta_step_at_the_real_widths(rows, keep):
     st = torch.from_numpy(rng.standard_normal((V_HEADS, DIM, DIM)) * 0.1).to(dtype).to(DEVICE)
     spec = GatedDelta(rows, V_HEADS, DIM, DIM, k_heads=K_HEADS, scale=DIM**-0.5)
     want_o, want_s = ref.recurrence(spec, q, k, v, g, beta, st.double().cpu().numpy())
-    from fuselane.lanes.cuda.triton.gdn import delta
+    from fuselane.lanes.cuda.triton.gdn import chunked, delta
 
+    run = delta.delta if form == "delta" else chunked.chunked
     out = torch.zeros((rows, V_HEADS * DIM), device=DEVICE)
     f32 = lambda a: dev(a.astype(np.float32))  # noqa: E731
-    delta.delta(f32(q), f32(k), f32(v), f32(g), f32(beta), st, out, rows=rows, heads=V_HEADS, key_heads=K_HEADS,
+    run(f32(q), f32(k), f32(v), f32(g), f32(beta), st, out, rows=rows, heads=V_HEADS, key_heads=K_HEADS,
                 dk=DIM, dv=DIM, scale=spec.scale, write_state=True)  # fmt: skip
     torch.cuda.synchronize()
-    bound = gamma(rows * (DIM + STEP_ROUNDINGS))
-    assert rel(out, want_o) <= bound + gamma(DIM + 1)
+    bound = gamma(rows * (DIM + STEP_ROUNDINGS) + chunked.CHUNK * 2 * DIM) + gamma(DIM + 1)  # as the kernel tests
+    assert rel(out, want_o) <= bound
     got_s = st.double().cpu().numpy()
     assert np.all(np.abs(got_s - want_s) <= keep.unit_roundoff * np.abs(want_s) + bound * np.abs(want_s).max())
 

@@ -5,7 +5,8 @@ zeroed when a sequence starts, `lane.CudaLane`).
 - ConvBiasSilu, ConvSiluL2norm, and the bare CausalConv and ConvShift: `conv.conv`, which moves the
   convolution's state in the same launch where the plan fused the shift in;
 - GdnGating: `gates.gates` (beta and the decay for every row and value head);
-- GdnStep, and the bare GatedDelta and DeltaState: `delta.delta` (the output, the state, or both);
+- GdnStep, and the bare GatedDelta and DeltaState: `delta.delta` for a decode step's row, `chunked.chunked`
+  for a chunk's rows (the output, the state, or both);
 - GatedNorm: `norm.gated_norm`; a bare L2Norm: `norm.l2_norm`;
 - Slice: a strided view of its input (no launch), which the kernels above and the rotations read in place.
 """
@@ -114,7 +115,7 @@ def gating(op: Op, b) -> list:
 
 def step(op: Op, b) -> list:
     """GdnStep (output and state), or the bare GatedDelta (output) or DeltaState (state): one `delta` launch."""
-    from fuselane.lanes.cuda.triton.gdn import delta as kernel
+    from fuselane.lanes.cuda.triton.gdn import chunked, delta
 
     rule, after = _one(op, GatedDelta), _one(op, DeltaState)
     spec: GatedDelta = rule.sym if rule is not None else after.sym.rule  # type: ignore[union-attr,assignment]
@@ -126,7 +127,9 @@ def step(op: Op, b) -> list:
         (k, v, g, beta, state), q, out = (b.bufs[n] for n in after.ins), None, None
     shape = dict(rows=spec.rows, heads=spec.heads, key_heads=spec.k_heads or spec.heads, dk=spec.dk, dv=spec.dv)
     write = after is not None
-    return [lambda: kernel.delta(q, k, v, g, beta, state, out, scale=spec.scale, write_state=write, **shape)]
+    # a chunk's rows in the chunked form where its products take the heads; a decode step's row by the recurrence
+    run = chunked.chunked if spec.rows > 1 and chunked.takes(spec.dk) else delta.delta
+    return [lambda: run(q, k, v, g, beta, state, out, scale=spec.scale, write_state=write, **shape)]
 
 
 def gated_norm(op: Op, b) -> list:

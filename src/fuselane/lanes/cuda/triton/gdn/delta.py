@@ -3,8 +3,8 @@
 Per value head h (reading key head h / (value heads / key heads)) with state S (dk x dv) and each row t in turn:
 S = S exp(g); S += k (beta (v - S^T k))^T; o = S^T q, q scaled by 1/sqrt(dk). A program holds one head's state
 for a block of `BV` value columns in f32 registers (the columns are independent: each reads all of k and q),
-reads it once, runs the step's rows (a decode step's one, or a chunk's rows in turn: the recurrence, exact, not
-the chunked form on the tensor cores), and writes it back once, rounded to the state's dtype (f32 or bf16).
+reads it once, runs the step's rows (a decode step's one; a chunk's rows in turn, where `chunked` does not take
+the heads), and writes it back once, rounded to the state's dtype (f32 or bf16).
 The gates come in already made (GdnGating, `gates`): beta and g a row and value head.
 """
 
@@ -20,7 +20,7 @@ BV = 32  # value columns of a program: with dk = 128, a state block of 4096 f32 
 
 
 @triton.jit
-def _nearest_bf16(x):
+def nearest_bf16(x):
     """x rounded to the nearest bf16 (ties to even) and kept as f32: the conversion after it is then exact,
     the same on the GPU and in the interpreter (which truncates)."""
     bits = x.to(tl.uint32, bitcast=True)
@@ -58,7 +58,7 @@ def _delta_kernel(
         t += 1
     if WRITE_S:
         if s_ptr.dtype.element_ty == tl.bfloat16:
-            s = _nearest_bf16(s)
+            s = nearest_bf16(s)
         tl.store(s_at, s.to(s_ptr.dtype.element_ty), mask=sm)
 
 
