@@ -1,11 +1,11 @@
 """The cuda lane's gated delta-rule kernels and the whole lane on the GPU, compiled, at Qwen3-Next-80B-A3B's
-widths: the delta step over 32 value heads of 128 (16 key heads), as the recurrence and in chunks, and the convolution over 8192 channels with
-its 128-value heads normed in the epilogue, against the cpu lane's kernels in f64; and the lane on four layers
-of the real shape (three gated delta-rule layers, one gated full-attention layer; 16 experts rather than 512,
-a small vocabulary) against the cpu lane in f64: a prompt past one chunk of the cpu lane's chunked rule, then
-decode steps (the third and later replayed as a captured CUDA graph, which must not move the states twice),
-under both `state` precisions, and the device decode loop's greedy tokens where the reference's pick is clear.
-Bounds as in test_gdn_kernels.py and the lane's numerics contract.
+widths: the delta step over 32 value heads of 128 (16 key heads), as the recurrence and in chunks, and the
+convolution over 8192 channels with its 128-value heads normed in the epilogue, against the cpu lane's kernels
+in f64; and the lane on four layers of the real shape (three gated delta-rule layers, one gated full-attention
+layer; 16 experts rather than 512, a small vocabulary) against the cpu lane in f64: a prompt past one chunk,
+then decode steps (the third and later replayed as a captured CUDA graph, which must not move the states
+twice), under both `state` precisions, and the device decode loop's greedy tokens where the reference's pick is
+clear. Bounds as in test_gdn_kernels.py and the lane's numerics contract.
 """
 
 from __future__ import annotations
