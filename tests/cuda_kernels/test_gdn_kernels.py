@@ -194,3 +194,28 @@ def test_the_chunked_rule_equals_the_recurrence(rows, keep):
     assert rel(out, want_o) <= bound
     got_s = st.double().cpu().numpy()
     assert np.all(np.abs(got_s - want_s) <= keep.unit_roundoff * np.abs(want_s) + bound * np.abs(want_s).max())
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_attention_gates_its_output_in_the_store(rows):
+    """AttnOutputGate: the attention's output times sigmoid(gate), the gate read between the query's heads."""
+    from fuselane.lanes.cuda.triton.attention import decode, prefill
+
+    rng = np.random.default_rng(8 + rows)
+    heads, kv, hd, pos = 4, 2, 16, 5
+    f32 = lambda a: dev(a.astype(np.float32))  # noqa: E731
+    qg = f32(rng.standard_normal((rows, heads, 2 * hd)))  # each head's query, then its gate
+    q, gate = qg[..., :hd].contiguous().view(rows, -1), qg[..., hd:]
+    kc, vc = f32(rng.standard_normal((16, kv * hd))), f32(rng.standard_normal((16, kv * hd)))
+    p = dev(np.array([pos], dtype=np.int32))
+    plain, gated = torch.zeros((rows, heads * hd), device=DEVICE), torch.zeros((rows, heads * hd), device=DEVICE)
+    shape = dict(heads=heads, kv_heads=kv, hd=hd, scale=hd**-0.5)
+    if rows == 1:
+        for out, g in ((plain, None), (gated, gate[0])):  # one row: (heads, hd), heads 2 hd apart
+            decode.flash_decode(q, kc, vc, p, out, scratch=decode.decode_scratch(heads, hd, 16, DEVICE), gate=g,
+                                **shape)  # fmt: skip
+    else:
+        for out, g in ((plain, None), (gated, gate)):
+            prefill.flash_prefill(q, kc, vc, p, out, rows=rows, gate=g, **shape)
+    want = plain.double().cpu().numpy() * (1 / (1 + np.exp(-gate.double().cpu().numpy().reshape(rows, -1))))
+    assert rel(gated, want) <= gamma(SILU_ROUNDINGS)

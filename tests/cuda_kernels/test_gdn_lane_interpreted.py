@@ -31,7 +31,7 @@ PROMPT = [5, 60, 7]
 # one linear and one full-attention layer, a small vocabulary: the interpreter's time goes to the lm head
 TINY = replace(SHAPES["tiny-qwen3next"], n_layers=2, vocab=260)
 WIDE = replace(TINY, ssm_dim=32)  # heads of whole warps: normed in the convolution's epilogue
-STEP = {C.CONV_BIAS_SILU, C.GDN_GATING, C.GDN_STEP, C.GATED_NORM}
+STEP = {C.CONV_BIAS_SILU, C.GDN_GATING, C.GDN_STEP, C.GATED_NORM, C.ATTN_OUTPUT_GATE}
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:

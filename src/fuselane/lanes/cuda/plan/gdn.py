@@ -10,9 +10,10 @@ and the gated norm natively (`triton/gdn`, bound in `run/gdn_launch.py`). Two na
 specification have no kernel here (`NOT_YET`): several convolutions in one launch (no rule builds it: Qwen3-Next
 convolves q, k and v as one) and the gates' projection with its gating (the specification's fit takes it only
 by matrices held as values, never a checkpoint's rows): each runs as its parts, as the lane's other classes
-without a kernel. The gated attention (AttnOutputGate) runs as its parts (the attention, a sigmoid, a product) until the
-attention kernels gate their store; the gated norm quantizes its output in a launch after it under `fuse_quant`
-(the lane rule `quantize_apart`).
+without a kernel. The gated attention (AttnOutputGate) multiplies by its gate's sigmoid in the attention's
+store (the decode and the chunk attention kernels; `fits` keeps it to a step's and a short chunk's), writing
+its int8 form there too under `fuse_quant`; the gated norm quantizes its output in a launch after it (the lane
+rule `quantize_apart`).
 """
 
 from __future__ import annotations
@@ -41,4 +42,6 @@ SPECIFIED: dict[C, Support | str] = {
 # never takes a checkpoint's rows): their parts run apart.
 NOT_YET = frozenset({C.CONV_PARTS, C.GDN_GATE_PROJECTIONS})
 # The classes the lane runs in one launch each (`launch.BINDERS`).
-GDN_NATIVE = frozenset({C.GDN_STEP, C.GDN_GATING, C.CONV_BIAS_SILU, C.CONV_SILU_L2NORM, C.GATED_NORM})
+GDN_NATIVE = frozenset(
+    {C.GDN_STEP, C.GDN_GATING, C.CONV_BIAS_SILU, C.CONV_SILU_L2NORM, C.GATED_NORM, C.ATTN_OUTPUT_GATE}
+)

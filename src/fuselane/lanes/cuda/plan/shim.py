@@ -108,7 +108,7 @@ NO_KERNEL_CLASSES = frozenset(
     {
         *(C.NORM_THEN_ADD, C.EMBED_SCALE, C.ATTENTION_VARIANTS_INLINE, C.ATTN_LSE_MERGE),
         *(C.MERGED_GATE_UP, C.GEMM_DEQUANT_INKERNEL, C.FUSED_SAMPLING, C.CUDA_GRAPHS),
-        *(C.STRIDED_READ, C.JOIN_IN_PLACE, C.STRIDED_VALUES, C.ATTN_OUTPUT_GATE),
+        *(C.STRIDED_READ, C.JOIN_IN_PLACE, C.STRIDED_VALUES),
         C.ROW_WRITE_QUANT,
         *NOT_YET,  # two of the gated delta rule's classes (`plan.gdn`)
     }
@@ -243,7 +243,7 @@ class CudaShim:
             return True
         if cls is C.GLU_ACT_MUL:  # its launch quantizes rows of whole 32-value blocks
             return g.tensors[producer.out].shape[-1] % kernels.QBLOCK == 0
-        if isinstance(producer.sym, Attention) or cls is C.FLASH_PREFILL:
+        if isinstance(producer.sym, Attention) or cls in (C.FLASH_PREFILL, C.ATTN_OUTPUT_GATE):
             spec = leaves(producer)[0].sym  # the attention: a chunk's quantizes heads of whole 32-value blocks
             return spec.rows == 1 or spec.hd % kernels.QBLOCK == 0  # type: ignore[union-attr]
         if cls in (C.GEMV_NORM_EPILOGUE, C.GEMV_GATE_UP_GLU):

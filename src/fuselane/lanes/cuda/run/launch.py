@@ -301,23 +301,36 @@ def _quantize(op: Op, b: Bound):
     return [lambda: quant.quantize(x.view(spec.rows, spec.cols), acts)]
 
 
-def _attention(op: Op, b: Bound, out_q8: Any = None):
+def _attention(op: Op, b: Bound, out_q8: Any = None, gate: Any = None, out: Any = None):
+    """An attention's launch; with `gate` (AttnOutputGate) its output times sigmoid(gate) lands in `out`."""
     _, _, _, attention, _ = _t()
     spec: Attention = op.sym  # type: ignore[assignment]
     q, kc, vc = (b.bufs[n] for n in op.ins[:3])
-    out, pos = b.bufs[op.out], b.bufs["pos"]
+    out, pos = (out if out is not None else b.bufs[op.out]), b.bufs["pos"]
     shape = dict(heads=spec.heads, kv_heads=spec.kv_heads, hd=spec.hd, scale=spec.scale)
     if spec.rows == 1:
         scratch = b.scratch.setdefault("attn", attention.decode_scratch(spec.heads, spec.hd, spec.len, q.device))
-        return [lambda: attention.flash_decode(q, kc, vc, pos, out, scratch=scratch, out_q8=out_q8, **shape)]
+        g1 = gate.view(spec.heads, -1) if gate is not None else None  # one row: a head's gate a row
+        return [lambda: attention.flash_decode(q, kc, vc, pos, out, scratch=scratch, out_q8=out_q8, gate=g1, **shape)]
     from fuselane.lanes.cuda.triton.attention import prefill as attention_prefill
 
     f16 = b.attention_f16
+    g3 = gate.view(spec.rows, spec.heads, -1) if gate is not None else None
     return [
         lambda: attention_prefill.flash_prefill(
-            q, kc, vc, pos, out, rows=spec.rows, f16_ops=f16, out_q8=out_q8, **shape
+            q, kc, vc, pos, out, rows=spec.rows, f16_ops=f16, out_q8=out_q8, gate=g3, **shape
         )
     ]
+
+
+def _attn_output_gate(op: Op, b: Bound, out_q8: Any = None):
+    """AttnOutputGate: the attention with its gate's sigmoid in the store, one launch (the gate a slice's view
+    of the query product, each head's gate after its query)."""
+    found = leaves(op)
+    att = next(p for p in found if isinstance(p.sym, Attention))
+    sig = next(p for p in found if isinstance(p.sym, Unary))
+    mul = next(p for p in found if isinstance(p.sym, Elementwise))
+    return _attention(att, b, out_q8, gate=b.bufs[sig.ins[0]], out=b.bufs[mul.out])
 
 
 # ---- native classes ---------------------------------------------------------------------------------------
@@ -623,6 +636,7 @@ BINDERS: dict[C | type, Binder] = {
     C.GDN_GATING: gdn_launch.gating,
     C.GDN_STEP: gdn_launch.step,
     C.GATED_NORM: gdn_launch.gated_norm,
+    C.ATTN_OUTPUT_GATE: _attn_output_gate,
     **{cls: _quantizing for cls in QUANT_EPILOGUES},
 }
 # Native classes that launch only as a part of another class's launch: a projection turns its heads in its
@@ -637,6 +651,7 @@ _QUANT_EPILOGUE: dict[C | type, Callable[[Op, Bound, Any], list[Launch]]] = {
     C.FLASH_DECODE: _flash,
     C.FLASH_PREFILL: _flash,
     Attention: _attention,
+    C.ATTN_OUTPUT_GATE: _attn_output_gate,
     C.MOE_GATE_UP_ACT: moe_launch.gate_up_act,
     C.MOE_DEFERRED_FINALIZE: moe_launch.down_combine,
 }
