@@ -516,8 +516,12 @@ SPECIFIED_REFUSALS = {
     C.PERSISTENT_LAYER_MEGAKERNEL: "the lane replays a graph of a launch an op",
     C.ALLREDUCE_NORM: "the lane runs on one device",
 }
-# ... and the lane's own, until it has the kernels: the gated delta rule's classes (`plan.gdn`)
-SPECIFIED_REFUSALS |= NOT_YET
+
+
+def test_the_gated_delta_rules_classes_without_a_kernel_run_as_their_parts() -> None:
+    shim = CudaShim(DEFAULT)
+    for cls in NOT_YET:  # `plan.gdn`: several convolutions a launch, the gates' projection with the gating
+        assert shim.supports(cls).kind is SupportKind.DECOMPOSE and cls in NO_KERNEL_CLASSES
 
 
 def test_supports_answers_every_class_once() -> None:
@@ -543,10 +547,10 @@ def test_quantizing_epilogues_follow_fuse_quant(fuse_quant: bool) -> None:
     quantizing = {C.NORM_QUANT, C.ADD_NORM_QUANT, C.GLU_ACT_MUL_QUANT, C.ELEMENTWISE_QUANT}
     quantizing |= {C.GDN_OUTPUT_QUANT, C.GEMV_QUANT, C.ATTN_OUTPUT_QUANT}
     assert {cls for cls in C if shim.supports(cls).kind is expected} >= quantizing
-    # the row write with its quantized form and the gated attention do not follow fuse_quant: the lane has no
-    # kernel for either yet, so they run as their parts either way
-    for cls in (C.ROW_WRITE_QUANT, C.ATTN_OUTPUT_GATE):
-        assert shim.supports(cls).kind is SupportKind.DECOMPOSE and cls in NO_KERNEL_CLASSES
+    # the row write with its quantized form does not follow fuse_quant: the lane has no kernel for it yet, so it
+    # runs as its parts either way; the gated attention runs natively either way
+    assert shim.supports(C.ROW_WRITE_QUANT).kind is SupportKind.DECOMPOSE and C.ROW_WRITE_QUANT in NO_KERNEL_CLASSES
+    assert shim.supports(C.ATTN_OUTPUT_GATE).kind is SupportKind.NATIVE
     assert shim.supports(C.PREFILL_NORM_EPILOGUES).kind is SupportKind.DECOMPOSE
 
 

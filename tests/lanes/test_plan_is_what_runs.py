@@ -180,6 +180,26 @@ def test_cuda_binds_a_batch_plan_as_explain_prints_it(paths, model: str) -> None
     _check_step(paths[model], step, "batch", BATCH_ROWS, knobs, ())
 
 
+# a gated delta-rule layer (heads the convolution's epilogue norms) and a gated full-attention layer
+QWEN3NEXT_SHAPE = Shape(
+    *("qwen3next", 64, 2, 4, 2, 16, 128, 512),
+    **dict(context=4096, experts=4, experts_used=2, expert_ff=32, shared_ff=32, full_every=2),
+    **dict(ssm_k_heads=2, ssm_v_heads=4, ssm_dim=32, conv=4, rope_dim=8),
+)
+GDN_RULES = ("conv_silu", "conv_silu_l2norm", "gdn_gating", "gdn_step", "gated_norm", "attn_output_gate")
+
+
+@pytest.mark.parametrize(
+    ("knobs", "held"),
+    [((), ()), (("activations=dequant", "state=bf16"), ()), ((), GDN_RULES), *(((), (r,)) for r in GDN_RULES)],
+)
+def test_cuda_binds_a_qwen3next_plan_as_explain_prints_it(tmp_path, knobs, held) -> None:
+    path = str(write_synthetic(tmp_path / "m.gguf", QWEN3NEXT_SHAPE, "q8_0", seed=3))
+    lane = load(path, lane="cuda", ctx=CTX, knobs=list(knobs), held=held).lane
+    for form, rows in (("decode", 1), ("prefill", PREFILL_ROWS)):
+        _check_step(path, lane.step(rows), form, rows, knobs, held)
+
+
 def test_rope_epilogue_folds_the_rotations_only_where_the_gemv_turns_them(paths) -> None:
     # qwen3 Q4_K_M: layer 1's V is Q6_K, so its QKV GEMV holds the query and key alone; auto turns only there
     path = paths["qwen3-q4_k_m"]

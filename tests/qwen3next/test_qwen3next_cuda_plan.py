@@ -2,9 +2,9 @@
 gated attention's classes (`plan.gdn.SPECIFIED`), the lane's own answers until it has their kernels, and the
 specification's `fits` on the fused ops the shared rules build from a real graph.
 
-Today the lane refuses every class whose parts include the convolution, the decay's softplus or the rule
-(`NOT_YET`: none of its parts has a launch either), so a Qwen3-Next file is refused at load with that reason;
-the gated norm and the gated attention run as their parts. Under the specified answers (a shim that answers
+The lane runs the convolution, the gates, the delta step and the gated norm natively (`GDN_NATIVE`), and the
+specification's two other native classes (`NOT_YET`: several convolutions a launch, the gates' projection)
+and the gated attention as their parts, so a Qwen3-Next file runs. Under the specified answers (a shim that answers
 them as the specification does, `Specified`), the rules' fusions at Qwen3-Next-80B-A3B's widths take the
 specification's fits: everything fuses but the gates' projection, whose matrix the file holds as checkpoint
 rows, and the tiny shape's 16-value heads are too narrow for the convolution's norming epilogue.
@@ -17,16 +17,15 @@ from dataclasses import replace
 
 import pytest
 
-from fuselane.errors import FuselaneError
 from fuselane.fuse.optimizer import check_runs, needs, optimize
-from fuselane.fuse.shim import DECOMPOSE, NATIVE, SupportKind, refuse
+from fuselane.fuse.shim import DECOMPOSE, NATIVE, SupportKind
 from fuselane.gguf.synth import SHAPES, model_metadata, tensor_formats, tensor_shapes
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import WHOLE, Dst, Form, Op
 from fuselane.graph.ops import GateAct, GatedDelta
-from fuselane.lanes.cuda.plan.gdn import EPILOGUE, NO_GDN_KERNELS, NOT_YET, SPECIFIED
+from fuselane.lanes.cuda.plan.gdn import EPILOGUE, GDN_NATIVE, NOT_YET, SPECIFIED
 from fuselane.lanes.cuda.plan.knobs import CudaKnobs
-from fuselane.lanes.cuda.plan.shim import CudaShim
+from fuselane.lanes.cuda.plan.shim import _NO_KERNEL, CudaShim
 from fuselane.models import config_of, recognizer
 from fuselane.numerics.contract import Keep
 from tests.lanes.test_cuda_launches import Stub
@@ -63,21 +62,26 @@ def ours(events) -> Counter:
 
 
 @pytest.mark.parametrize("fuse_quant", [True, False])
-def test_the_lane_answers_as_specified_or_refuses_until_it_has_the_kernels(fuse_quant):
+def test_the_lane_answers_as_specified_where_it_has_the_kernels(fuse_quant):
     shim = CudaShim(CudaKnobs(fuse_quant=fuse_quant))
     for cls, spec in SPECIFIED.items():
         answer = shim.supports(cls)
-        if cls in NOT_YET:
-            assert answer == refuse(NO_GDN_KERNELS), cls
+        if cls in GDN_NATIVE:
+            assert spec == NATIVE and answer == NATIVE, cls
+        elif cls in NOT_YET or cls is C.ATTN_OUTPUT_GATE:
+            assert answer == _NO_KERNEL, cls
         elif spec == EPILOGUE:
             assert answer.kind is (SupportKind.NATIVE if fuse_quant else SupportKind.DECOMPOSE), cls
-        else:  # the three regroupings as specified; the gated norm and attention apart, as no kernel has them
+        else:  # the three regroupings, as specified
             assert answer.kind is SupportKind.DECOMPOSE, cls
 
 
-def test_a_qwen3next_file_is_refused_with_the_reason():
-    with pytest.raises(FuselaneError, match=NO_GDN_KERNELS):
-        check_runs(graph("tiny-qwen3next", 1), CudaShim())
+@pytest.mark.parametrize(("name", "linear"), [("tiny-qwen3next", LAYERS // 2), ("qwen3-next-80b-a3b", LAYERS - 1)])
+def test_a_qwen3next_file_runs_on_the_lane(name, linear):
+    check_runs(graph(name, 1), CudaShim())
+    plan = optimize(graph(name, 1), CudaShim())
+    fused = Counter(e.cls.value for e in plan.fired if e.cls in GDN_NATIVE)
+    assert fused["GdnStep"] == fused["GdnGating"] == fused["GatedNorm"] == linear
 
 
 @pytest.mark.parametrize("rows", [1, 5])

@@ -128,10 +128,11 @@ class Contract:
         """A bound on the relative error of logits against an f64 reference after `depth` layers.
 
         Each layer's error compounds from the arithmetic's roundoff, the cache's, and the activations'
-        quantization step; the constant 8 covers the products, norm and attention of a layer. This is a
-        model of the error, not a proof; it is what the GPU tests hold a lane to.
+        quantization step, and a recurrent state's rounding (summed into every step, as the cache's); the constant
+        8 covers the products, norm and attention of a layer. This is a model of the error, not a proof; it is
+        what the GPU tests hold a lane to.
         """
-        per_layer = self.arithmetic.unit_roundoff + self.cache.unit_roundoff
+        per_layer = self.arithmetic.unit_roundoff + self.cache.unit_roundoff + self.state.unit_roundoff
         if self.activations is not None:
             per_layer += self.activations.relative_step
         return 8 * per_layer * math.sqrt(depth)

@@ -46,7 +46,7 @@ from fuselane.graph.ops import Attention, ExpertMatmul, Moe
 from fuselane.lanes.cuda.plan import gemm_tiles, kernels, latent
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, ROWS_A_WARP
 from fuselane.lanes.cuda.plan.fits import fits as lane_fits
-from fuselane.lanes.cuda.plan.gdn import NOT_YET
+from fuselane.lanes.cuda.plan.gdn import GDN_NATIVE, NOT_YET
 from fuselane.lanes.cuda.plan.knobs import Activations, CachePrecision, CudaKnobs, PrefillWeights, StatePrecision
 from fuselane.lanes.cuda.plan.rules import (
     PRODUCTS_APART,
@@ -88,6 +88,7 @@ NATIVE_CLASSES = frozenset(
         *(C.FLASH_DECODE, C.FLASH_PREFILL, C.QKV_HEAD_EPILOGUE),
         *(C.GLU_ACT_MUL, C.GEMV_GATE_UP_GLU, C.GEMM_BIAS, C.MERGED_QKV, C.ROW_WRITE),
         *(MOE_CLASSES - MOE_DECOMPOSED),
+        *GDN_NATIVE,
     }
 )
 
@@ -105,11 +106,12 @@ QUANT_EPILOGUES = frozenset(
 # each its own launch (a model that needs none of them fused still runs).
 NO_KERNEL_CLASSES = frozenset(
     {
-        *(C.NORM_THEN_ADD, C.GATED_NORM, C.EMBED_SCALE, C.ATTENTION_VARIANTS_INLINE, C.ATTN_LSE_MERGE),
+        *(C.NORM_THEN_ADD, C.EMBED_SCALE, C.ATTENTION_VARIANTS_INLINE, C.ATTN_LSE_MERGE),
         *(C.MERGED_GATE_UP, C.GEMM_DEQUANT_INKERNEL, C.FUSED_SAMPLING, C.CUDA_GRAPHS),
-        *(C.STRIDED_READ, C.JOIN_IN_PLACE, C.STRIDED_VALUES, C.ATTN_OUTPUT_GATE),
+        *(C.STRIDED_READ, C.JOIN_IN_PLACE, C.STRIDED_VALUES),
         C.ROW_WRITE_QUANT,
         C.MLA,  # a wide chunk's latent attention runs absorbed, as its parts (`triton.mla`), not expanded
+        *NOT_YET,  # two of the gated delta rule's classes (`plan.gdn`)
     }
 )
 _NO_KERNEL = Support(SupportKind.DECOMPOSE, "the lane has no kernel for it yet: its parts run apart")
@@ -143,7 +145,6 @@ REFUSED_CLASSES: dict[C, str] = {
     C.MOE_DIRECT_PAIRS: "the lane sorts a chunk's rows by expert",
     C.PERSISTENT_LAYER_MEGAKERNEL: "the lane replays a graph of a launch an op",
     C.ALLREDUCE_NORM: "the lane runs on one device",
-    **NOT_YET,  # the gated delta rule's classes, until the lane has their kernels (`plan.gdn`)
 }
 
 # Consumers that read their operands as their first part reads them alone: a producer with its quantizing
@@ -241,7 +242,7 @@ class CudaShim:
             return True
         if cls is C.GLU_ACT_MUL:  # its launch quantizes rows of whole 32-value blocks
             return g.tensors[producer.out].shape[-1] % kernels.QBLOCK == 0
-        if isinstance(producer.sym, Attention) or cls is C.FLASH_PREFILL:
+        if isinstance(producer.sym, Attention) or cls in (C.FLASH_PREFILL, C.ATTN_OUTPUT_GATE):
             spec = leaves(producer)[0].sym  # the attention: a chunk's quantizes heads of whole 32-value blocks
             return spec.rows == 1 or spec.hd % kernels.QBLOCK == 0  # type: ignore[union-attr]
         if cls in (C.GEMV_NORM_EPILOGUE, C.GEMV_GATE_UP_GLU):

@@ -16,6 +16,10 @@ pinned host slot behind an event, so the host waits for that step alone while th
 consumer stops (a stop token, enough tokens), the step after the last token read has already run: it wrote
 the cache row of that token, one row past what the session holds, and the next feed at that position
 overwrites it before any attention reads it. No step runs at a position past the cache.
+
+A model with recurrent state (Qwen3-Next) runs no step ahead: a step sums its token into the state, which no
+later feed can take back, so a token is fed only when the next one is asked for (as on the cpu lane); the
+lane's states start again at position 0 and continue only where they stopped (`CudaLane.continue_at`).
 """
 
 from __future__ import annotations
@@ -56,6 +60,13 @@ class CudaLane(Protocol):
     def step(self, rows: int, *, all_logits: bool = False) -> Step: ...
 
     def sampler(self) -> DeviceSampler: ...
+
+    @property
+    def recurrent(self) -> bool: ...
+
+    def continue_at(self, pos: int) -> None: ...
+
+    def fed(self, pos: int) -> None: ...
 
 
 @dataclass(slots=True)
@@ -157,6 +168,8 @@ def decode(lane: CudaLane, token: int, pos: int, sampling: SamplingParams) -> It
 
 def _steps(lane: CudaLane, token: int, pos: int, sampling: SamplingParams) -> Iterator[int]:
     step, sampler = lane.step(1), lane.sampler()
+    ahead = not lane.recurrent  # a recurrent state cannot take back a step run ahead
+    lane.continue_at(pos)
     tail = sampler.tail(sampling)
     sampler.arm(sampling)
     step.feed(token, pos)  # the loop's only host values: every later input is the sampler's write
@@ -164,13 +177,16 @@ def _steps(lane: CudaLane, token: int, pos: int, sampling: SamplingParams) -> It
     def issue(n: int) -> None:
         step.launch(tail)
         sampler.issue(n % SLOTS)
+        lane.fed(pos + n + 1)
 
     issue(0)
     n = 0
     while True:
-        if pos + n + 1 < lane.ctx:
+        if ahead and pos + n + 1 < lane.ctx:
             issue(n + 1)  # one step ahead: the GPU runs it while the host reads this one's token
         yield sampler.read(n % SLOTS)
         n += 1
         if pos + n >= lane.ctx:
             return
+        if not ahead:
+            issue(n)

@@ -26,11 +26,13 @@ import numpy as np
 
 from fuselane.errors import FuselaneError
 from fuselane.fuse.optimizer import Plan, optimize
+from fuselane.fuse.views import leaves
 from fuselane.gguf.dequant import dequantize
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Form, QuantFormat, QuantizedActs, Role, TensorGraph
+from fuselane.graph.ops import GatedDelta
 from fuselane.lanes.cuda.plan.kernels import QBLOCK
-from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights
+from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights, StatePrecision
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run import decode as loop
 from fuselane.lanes.cuda.run.buffers import pooled_buffers
@@ -88,6 +90,9 @@ class CudaLane:
         self._dense: dict[str, Any] = {}
         self._upload()
         self.caches: dict[str, Any] = {}
+        self.states: dict[str, Any] = {}  # a hybrid model's recurrent states, the sequence's (zeroed at position 0)
+        self._fed = 0  # positions the recurrent states have summed
+        self.state_dtype = torch.bfloat16 if knobs.recurrent_state is StatePrecision.BF16 else torch.float32
         self._steps: dict[tuple[int, bool], _Step] = {}
         self._sampler: DeviceSampler | None = None
 
@@ -160,6 +165,35 @@ class CudaLane:
             self.caches[name] = self.torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
         return self.caches[name]
 
+    def state(self, name: str, shape: tuple[int, ...], rule: bool) -> Any:
+        """A recurrent state's buffer, kept across steps: a delta rule's (`rule`) in the `state` knob's precision,
+        a convolution's (its last inputs) in f32."""
+        if name not in self.states:
+            dtype = self.state_dtype if rule else self.torch.float32
+            self.states[name] = self.torch.zeros(shape, dtype=dtype, device=self.device)
+        return self.states[name]
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the model keeps recurrent state, which sums the whole sequence: it cannot rewind to an
+        earlier position, only start again at 0."""
+        return self.cfg.linear is not None
+
+    def continue_at(self, pos: int) -> None:
+        """Zero the recurrent states where a sequence starts (position 0); refuse to continue them anywhere but
+        where they stopped."""
+        if not self.recurrent:
+            return
+        if pos == 0:
+            for state in self.states.values():
+                state.zero_()
+        elif pos != self._fed:
+            raise ValueError(f"the recurrent state holds {self._fed} positions; it cannot continue at {pos}")
+
+    def fed(self, pos: int) -> None:
+        """The recurrent states have summed every position before `pos`."""
+        self._fed = pos
+
     def forward(self, ids: np.ndarray, pos: int, *, all_logits: bool = False) -> np.ndarray:
         """Run len(ids) tokens at positions pos ..; logits of the last row (or every row), on the host. Logits
         that are not finite raise `NonFinite`, naming the layer and op where the lane's numbers left the
@@ -168,7 +202,9 @@ class CudaLane:
         if pos + len(ids) > self.ctx:
             raise ValueError(f"positions up to {pos + len(ids)} exceed the cache of {self.ctx}")
         step = self.step(len(ids), all_logits=all_logits)
+        self.continue_at(pos)
         step.run(ids, pos)
+        self.fed(pos + len(ids))
         logits = step.logits().float().cpu().numpy().copy()  # the buffer is rewritten by the next step
         if not np.isfinite(logits).all():  # the lane's own account: which op made it
             from fuselane.lanes.cuda.run.finite import NonFinite, explain_non_finite
@@ -236,9 +272,12 @@ class _Step:
         # activations share buffers where their lives do not overlap (`buffers`): a chunk's workspace is what
         # it holds at once, not every layer's
         bufs, q8 = pooled_buffers(plan, f32, lambda shape: int8_form(shape, lane.device))
+        rules = {leaf.ins[-1] for op in plan.ops for leaf in leaves(op) if isinstance(leaf.sym, GatedDelta)}
         for name, t in g.tensors.items():
             if t.role is Role.CACHE:
                 bufs[name] = lane.cache(name, t.shape)
+            elif t.role is Role.STATE:
+                bufs[name] = lane.state(name, t.shape, name in rules)
             elif t.role is Role.OUTPUT:
                 bufs[name] = f32(t.shape)
                 if isinstance(t.storage, QuantizedActs):  # the plan writes its int8 form
@@ -301,7 +340,8 @@ class _Step:
         advances (the input id, the position, the draw counter), which is put back before capturing."""
         torch = self.torch
         torch.cuda.synchronize()
-        state = tail.state if tail is not None else ()
+        # the warm-up run also moves the recurrent states on a step: put back with the tail's values
+        state = (*(tail.state if tail is not None else ()), *self.lane.states.values())
         saved = [t.clone() for t in state]
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()

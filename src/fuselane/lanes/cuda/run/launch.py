@@ -29,10 +29,15 @@ from fuselane.graph.ir import Op, TensorGraph
 from fuselane.graph.ops import (
     ArgMax,
     Attention,
+    CausalConv,
+    ConvShift,
+    DeltaState,
     Elementwise,
     ElementwiseOp,
+    GatedDelta,
     HeadMatmul,
     Join,
+    L2Norm,
     Matmul,
     Quantize,
     RmsNorm,
@@ -47,7 +52,7 @@ from fuselane.graph.ops import (
 )
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.shim import QUANT_EPILOGUES
-from fuselane.lanes.cuda.run import mla_launch, moe_launch
+from fuselane.lanes.cuda.run import gdn_launch, mla_launch, moe_launch
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
 Launch = Callable[[], None]
@@ -242,16 +247,21 @@ def _elementwise(op: Op, b: Bound):
     out = b.bufs[op.out]
     fn = torch.add if spec.op is ElementwiseOp.ADD else torch.mul
     if spec.row:
-        return [lambda: fn(a.view(-1, spec.cols), other.view(1, spec.cols), out=out.view(-1, spec.cols))]
+        # an input may be a slice's strided view (a gate's values): read through a copy where it is not contiguous
+        return [lambda: fn(a.reshape(-1, spec.cols), other.view(1, spec.cols), out=out.view(-1, spec.cols))]
     return [lambda: fn(a, other, out=out)]
 
 
 def _unary(op: Op, b: Bound):
     import torch
 
-    x, out = b.bufs[op.ins[0]], b.bufs[op.out]
-    if op.sym.op is UnaryOp.SIGMOID:  # type: ignore[union-attr]
+    x = b.bufs[op.ins[0]]
+    out = b.bufs[op.out].view(x.shape)  # the input may be a slice's (groups, width) view
+    kind = op.sym.op  # type: ignore[union-attr]
+    if kind is UnaryOp.SIGMOID:
         return [lambda: torch.sigmoid(x, out=out)]
+    if kind is UnaryOp.SOFTPLUS:
+        return [lambda: out.copy_(torch.nn.functional.softplus(x))]
     return [lambda: torch.mul(torch.sigmoid(x), x, out=out)]
 
 
@@ -266,9 +276,15 @@ def _rope(op: Op, b: Bound):
     spec: Rope = op.sym  # type: ignore[assignment]
     if mla_launch.takes_rope(spec):  # DeepSeek's pairs or YaRN's frequencies: the table rotation
         return mla_launch.rope(op, b)
-    x, out = b.bufs[op.ins[0]], b.bufs[op.out]
+    x, out = _heads_of(b.bufs[op.ins[0]], spec), b.bufs[op.out]
     pos, per_row = _positions(b)
-    return [lambda: rope.qk_norm_rope(x, out, pos, heads=spec.heads, hd=spec.hd, base=spec.base, per_row=per_row)]
+    args = dict(heads=spec.heads, hd=spec.hd, base=spec.base, rot=spec.rot, per_row=per_row)
+    return [lambda: rope.qk_norm_rope(x, out, pos, **args)]
+
+
+def _heads_of(x: Any, spec: Rope) -> Any:
+    """A rotation's input as the rope kernels take it: a slice's view of heads apart as rows x heads x hd."""
+    return x if x.is_contiguous() else x.view(spec.rows, spec.heads, spec.hd)
 
 
 def _set_row(op: Op, b: Bound):
@@ -317,25 +333,28 @@ def _quantize(op: Op, b: Bound):
     return [lambda: quant.quantize(x.view(spec.rows, spec.cols), acts)]
 
 
-def _attention(op: Op, b: Bound, out_q8: Any = None):
+def _attention(op: Op, b: Bound, out_q8: Any = None, gate: Any = None, out: Any = None):
+    """An attention's launch; with `gate` (AttnOutputGate) its output times sigmoid(gate) lands in `out`."""
     _, _, _, attention, _ = _t()
     spec: Attention = op.sym  # type: ignore[assignment]
     if spec.value_width != spec.hd:  # the latent cache: values its rows' first part
         return mla_launch.latent_attention(op, b, out_q8)
     q, kc, vc = (b.bufs[n] for n in op.ins[:3])
-    out, pos = b.bufs[op.out], b.bufs["pos"]
+    out, pos = (out if out is not None else b.bufs[op.out]), b.bufs["pos"]
     shape = dict(heads=spec.heads, kv_heads=spec.kv_heads, hd=spec.hd, scale=spec.scale)
     if b.paged is not None:
         return [_paged_attention(op, b, spec, out_q8)]
     if spec.rows == 1:
         scratch = b.scratch.setdefault("attn", attention.decode_scratch(spec.heads, spec.hd, spec.len, q.device))
-        return [lambda: attention.flash_decode(q, kc, vc, pos, out, scratch=scratch, out_q8=out_q8, **shape)]
+        g1 = gate.view(spec.heads, -1) if gate is not None else None  # one row: a head's gate a row
+        return [lambda: attention.flash_decode(q, kc, vc, pos, out, scratch=scratch, out_q8=out_q8, gate=g1, **shape)]
     from fuselane.lanes.cuda.triton.attention import prefill as attention_prefill
 
     f16 = b.attention_f16
+    g3 = gate.view(spec.rows, spec.heads, -1) if gate is not None else None
     return [
         lambda: attention_prefill.flash_prefill(
-            q, kc, vc, pos, out, rows=spec.rows, f16_ops=f16, out_q8=out_q8, **shape
+            q, kc, vc, pos, out, rows=spec.rows, f16_ops=f16, out_q8=out_q8, gate=g3, **shape
         )
     ]
 
@@ -359,6 +378,16 @@ def _paged_attention(op: Op, b: Bound, spec: Attention, out_q8: Any) -> Launch:
         attention_paged.paged_decode(q, k_pool, v_pool, p.tables, p.lens, out, out_q8=out_q8, **shape)
 
     return attend
+
+
+def _attn_output_gate(op: Op, b: Bound, out_q8: Any = None):
+    """AttnOutputGate: the attention with its gate's sigmoid in the store, one launch (the gate a slice's view
+    of the query product, each head's gate after its query)."""
+    found = leaves(op)
+    att = next(p for p in found if isinstance(p.sym, Attention))
+    sig = next(p for p in found if isinstance(p.sym, Unary))
+    mul = next(p for p in found if isinstance(p.sym, Elementwise))
+    return _attention(att, b, out_q8, gate=b.bufs[sig.ins[0]], out=b.bufs[mul.out])
 
 
 # ---- native classes ---------------------------------------------------------------------------------------
@@ -411,6 +440,7 @@ class _Side:
     norm_w: Any
     eps: float
     pitch: int | None
+    rot: int
 
 
 def _side(op: Op, b: Bound) -> _Side:
@@ -423,7 +453,7 @@ def _side(op: Op, b: Bound) -> _Side:
     w_op = next((p for p in found if isinstance(p.sym, Elementwise)), None)
     appended = op.dst.row is not None
     return _Side(
-        x=b.bufs[(n_op or r_op).ins[0]],
+        x=_heads_of(b.bufs[(n_op or r_op).ins[0]], spec),
         out=b.bufs[op.dst.buf] if appended else b.bufs[r_op.out],
         heads=spec.heads,
         hd=spec.hd,
@@ -431,13 +461,14 @@ def _side(op: Op, b: Bound) -> _Side:
         norm_w=b.vec[w_op.ins[1]] if w_op is not None else None,
         eps=n_op.sym.eps if n_op is not None else 0.0,  # type: ignore[union-attr]
         pitch=op.dst.row.pitch if appended else None,  # type: ignore[union-attr]
+        rot=spec.rot,
     )
 
 
 def _rope_class(op: Op, b: Bound):
     _, _, rope, *_ = _t()
     s, (pos, per_row) = _side(op, b), _positions(b)
-    args = dict(heads=s.heads, hd=s.hd, base=s.base, norm_w=s.norm_w, eps=s.eps, cache_row_pitch=s.pitch)
+    args = dict(heads=s.heads, hd=s.hd, base=s.base, norm_w=s.norm_w, eps=s.eps, cache_row_pitch=s.pitch, rot=s.rot)
     args |= dict(per_row=per_row)
     return [lambda: rope.qk_norm_rope(s.x, s.out, pos, **args)]
 
@@ -459,6 +490,7 @@ def _rope_qk(op: Op, b: Bound):
         k_norm_w=k.norm_w,
         eps=q.eps,
         k_cache_row_pitch=k.pitch,
+        rot=q.rot,
     )
     return [lambda: rope.rope_q_k(q.x, k.x, q.out, k.out, pos, **args)]
 
@@ -636,9 +668,14 @@ BINDERS: dict[C | type, Binder] = {
     ArgMax: _argmax,
     Quantize: _quantize,
     RowScale: moe_launch.row_scale,
-    Slice: mla_launch.slice_view,
+    Slice: gdn_launch.slice_view,
     Join: mla_launch.join,
     HeadMatmul: mla_launch.head_matmul,
+    CausalConv: gdn_launch.conv,
+    ConvShift: gdn_launch.conv,
+    L2Norm: gdn_launch.l2_norm,
+    GatedDelta: gdn_launch.step,
+    DeltaState: gdn_launch.step,
     C.NORM_WEIGHT: _norm_weight,
     C.ADD_NORM: _add_norm,
     C.EMBED_NORM: _embed_norm,
@@ -660,6 +697,12 @@ BINDERS: dict[C | type, Binder] = {
     C.MOE_DOWN_COMBINE: moe_launch.down_combine,
     C.SHARED_EXPERT_FUSION: moe_launch.down_combine,
     C.MOE_DEFERRED_FINALIZE: moe_launch.down_combine,
+    C.CONV_BIAS_SILU: gdn_launch.conv,
+    C.CONV_SILU_L2NORM: gdn_launch.conv,
+    C.GDN_GATING: gdn_launch.gating,
+    C.GDN_STEP: gdn_launch.step,
+    C.GATED_NORM: gdn_launch.gated_norm,
+    C.ATTN_OUTPUT_GATE: _attn_output_gate,
     **{cls: _quantizing for cls in QUANT_EPILOGUES},
 }
 # Native classes that launch only as a part of another class's launch: a projection turns its heads in its
@@ -674,6 +717,7 @@ _QUANT_EPILOGUE: dict[C | type, Callable[[Op, Bound, Any], list[Launch]]] = {
     C.FLASH_DECODE: _flash,
     C.FLASH_PREFILL: _flash,
     Attention: _attention,
+    C.ATTN_OUTPUT_GATE: _attn_output_gate,
     C.MOE_GATE_UP_ACT: moe_launch.gate_up_act,
     C.MOE_DEFERRED_FINALIZE: moe_launch.down_combine,
 }

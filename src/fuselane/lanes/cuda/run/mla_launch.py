@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from fuselane.graph.ir import Op
-from fuselane.graph.ops import Attention, HeadMatmul, Join, Rope, Slice
+from fuselane.graph.ops import Attention, HeadMatmul, Join, Rope
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
 INTERPRETED_SMS = 4  # the chip the interpreter stands for: a few shares a row, so the merge runs in tests
@@ -23,14 +23,6 @@ def _pitches(x: Any, heads: int, width: int) -> tuple[int, int]:
     if x.dim() == 2 and x.shape[-1] == width and x.shape[0] > 0 and x.stride(-1) == 1:
         return heads * x.stride(0), x.stride(0)
     return heads * width, width
-
-
-def slice_view(op: Op, b) -> list:
-    """A part of every unit of its input: a view its readers read in place (no launch)."""
-    spec: Slice = op.sym  # type: ignore[assignment]
-    x = b.bufs[op.ins[0]]
-    b.bufs[op.out] = x.view(spec.groups, spec.every)[:, spec.start : spec.start + spec.width]
-    return []
 
 
 def head_matmul(op: Op, b) -> list:

@@ -52,9 +52,53 @@ def rope_warps(hd: int) -> int:
 
 @triton.jit
 def rotate_head(src, dst, w_ptr, p, eps, freq_exp, HD: tl.constexpr, HALF_P2: tl.constexpr, NORM: tl.constexpr,
-                 FROM_L2: tl.constexpr = False):  # fmt: skip
+                 FROM_L2: tl.constexpr = False, ROT: tl.constexpr = 0):  # fmt: skip
     """Norm (with NORM) and rotate the head of `HD` values at `src` to position `p`, writing it at `dst`. With
-    FROM_L2 the head is read past this SM's L1 (`.cg`): other programs of the same launch wrote it."""
+    FROM_L2 the head is read past this SM's L1 (`.cg`): other programs of the same launch wrote it. With ROT
+    (0 < ROT < HD) only the first ROT values turn (partial rotary; `freq_exp` then of ROT), the rest pass."""
+    if ROT != 0 and ROT != HD:
+        _rotate_part(src, dst, w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM, ROT)
+    else:
+        _rotate_whole(src, dst, w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM, FROM_L2)
+
+
+@triton.jit
+def _angles(p, j, freq_exp):
+    """cos and sin of position p times inv_freq_j, the angle reduced to [-pi, pi] first."""
+    angle = p.to(tl.float32) * tl.exp2(j.to(tl.float32) * freq_exp)
+    turns = tl.floor(angle * INV_TWO_PI + 0.5)
+    angle = tl.fma(turns, -TWO_PI_HI, angle)
+    angle = tl.fma(turns, -TWO_PI_LO, angle)
+    return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def _rotate_part(src, dst, w_ptr, p, eps, freq_exp, HD: tl.constexpr, HALF_P2: tl.constexpr, NORM: tl.constexpr,
+                 ROT: tl.constexpr):  # fmt: skip
+    """The first ROT values in NEOX pairs (j, j + ROT/2); the HD - ROT after them only normed."""
+    RH: tl.constexpr = ROT // 2
+    j = tl.arange(0, HALF_P2)
+    mask = j < RH
+    rest = tl.arange(0, 2 * HALF_P2)
+    rmask = rest < HD - ROT
+    a = tl.load(src + j, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(src + RH + j, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(src + ROT + rest, mask=rmask, other=0.0).to(tl.float32)
+    if NORM:
+        r = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0) + tl.sum(c * c, axis=0)) / HD + eps)
+        a = a * r * tl.load(w_ptr + j, mask=mask, other=0.0).to(tl.float32)
+        b = b * r * tl.load(w_ptr + RH + j, mask=mask, other=0.0).to(tl.float32)
+        c = c * r * tl.load(w_ptr + ROT + rest, mask=rmask, other=0.0).to(tl.float32)
+    cos, sin = _angles(p, j, freq_exp)
+    ty = dst.dtype.element_ty
+    tl.store(dst + j, (a * cos - b * sin).to(ty), mask=mask)
+    tl.store(dst + RH + j, (b * cos + a * sin).to(ty), mask=mask)
+    tl.store(dst + ROT + rest, c.to(ty), mask=rmask)
+
+
+@triton.jit
+def _rotate_whole(src, dst, w_ptr, p, eps, freq_exp, HD: tl.constexpr, HALF_P2: tl.constexpr, NORM: tl.constexpr,
+                  FROM_L2: tl.constexpr):  # fmt: skip
     HALF: tl.constexpr = HD // 2
     CACHE: tl.constexpr = ".cg" if FROM_L2 else ""
     j = tl.arange(0, HALF_P2)
@@ -65,12 +109,7 @@ def rotate_head(src, dst, w_ptr, p, eps, freq_exp, HD: tl.constexpr, HALF_P2: tl
         r = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / HD + eps)
         a = a * r * tl.load(w_ptr + j, mask=mask, other=0.0).to(tl.float32)
         b = b * r * tl.load(w_ptr + HALF + j, mask=mask, other=0.0).to(tl.float32)
-    angle = p.to(tl.float32) * tl.exp2(j.to(tl.float32) * freq_exp)
-    turns = tl.floor(angle * INV_TWO_PI + 0.5)
-    angle = tl.fma(turns, -TWO_PI_HI, angle)
-    angle = tl.fma(turns, -TWO_PI_LO, angle)
-    cos = tl.cos(angle)
-    sin = tl.sin(angle)
+    cos, sin = _angles(p, j, freq_exp)
     ty = dst.dtype.element_ty
     tl.store(dst + j, (a * cos - b * sin).to(ty), mask=mask)
     tl.store(dst + HALF + j, (b * cos + a * sin).to(ty), mask=mask)
@@ -102,20 +141,39 @@ def _rope_kernel(
     AT_POS: tl.constexpr,
     PER_ROW: tl.constexpr,
     PDL: tl.constexpr,
+    HEAD_PITCH: tl.constexpr,
+    ROT: tl.constexpr = 0,
 ):
     pdl.begin(PDL)
     i = tl.program_id(0)
     head = tl.program_id(1)
     p = _position(pos_ptr, i, PER_ROW)
     dst_row = p if AT_POS else i  # the cache's row pos + i, or the output's own row i
-    src = x_ptr + i.to(tl.int64) * x_pitch + head * HD
+    src = x_ptr + i.to(tl.int64) * x_pitch + head * HEAD_PITCH
     dst = out_ptr + dst_row.to(tl.int64) * out_pitch + head * HD
-    rotate_head(src, dst, w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM)
+    rotate_head(src, dst, w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM, False, ROT)
 
 
 def check_head(hd: int) -> None:
     if hd % 2 or hd > kernels.ROPE_HEAD:
         raise ValueError(f"a rotation takes an even head of at most {kernels.ROPE_HEAD} values, not {hd}")
+
+
+def _in_pitches(x: torch.Tensor, hd: int) -> tuple[int, int, int]:
+    """(rows, row pitch, head pitch) of a rotation's input: rows x heads * hd, or rows x heads x hd (the heads a
+    slice of a wider row: a gated query's heads, each followed by its gate)."""
+    if x.stride(-1) != 1:
+        raise ValueError("rope: the input's values must be unit-stride")
+    if x.dim() == 3:
+        return x.shape[0], x.stride(0), x.stride(1)
+    return (x.shape[0], x.stride(0), hd) if x.dim() == 2 else (1, 0, hd)
+
+
+def _turned(hd: int, rot: int) -> int:
+    """The values a head turns (0: all), checked even and within the head."""
+    if rot % 2 or rot > hd:
+        raise ValueError(f"a head of {hd} values turns an even number of them, not {rot}")
+    return 0 if rot == hd else rot
 
 
 def _out_pitch(out: torch.Tensor, cache_row_pitch: int | None) -> int:
@@ -136,6 +194,7 @@ def qk_norm_rope(
     eps: float = 0.0,
     cache_row_pitch: int | None = None,
     per_row: bool = False,
+    rot: int = 0,
 ) -> None:
     """Rotate each of `heads` heads of `hd` values of each row of `x` (rows, >= heads * hd, any row pitch) to
     position pos[0] + i (NEOX halves), after an RMS norm with weight `norm_w` (hd,) per head where given.
@@ -144,26 +203,28 @@ def qk_norm_rope(
     row i lands at cache row pos[0] + i, `cache_row_pitch` values apart (RopeKvAppend / QkNormRopeKvAppend).
     `per_row`: row i is a batch's sequence i, at its own position pos[i], and lands at row i of `out` either
     way (a cache row's staging: the paged attention stores it into its block). One launch, a block a head of
-    a row.
+    a row. `x` may be rows x heads x hd, its heads apart (a slice's); `rot`
+    (partial rotary) turns only each head's first `rot` values.
     """
     check_head(hd)
-    if x.stride(-1) != 1:
-        raise ValueError("rope: the input's values must be unit-stride")
-    rows = x.shape[0] if x.dim() == 2 else 1
+    rows, x_pitch, head_pitch = _in_pitches(x, hd)
+    rot = _turned(hd, rot)
     _rope_kernel[(rows, heads)](
         x,
         out,
         norm_w if norm_w is not None else x,
         pos,
-        x.stride(0) if x.dim() == 2 else 0,
+        x_pitch,
         _out_pitch(out, cache_row_pitch),
         float(eps),
-        freq_exponent(base, hd),
+        freq_exponent(base, rot or hd),
         HD=hd,
         HALF_P2=triton.next_power_of_2(hd // 2),
         NORM=norm_w is not None,
         AT_POS=cache_row_pitch is not None and not per_row,  # a batch's rows land at their own row
         PER_ROW=per_row,
+        HEAD_PITCH=head_pitch,
+        ROT=rot,
         num_warps=rope_warps(hd),
         **pdl.options(),
     )
@@ -191,6 +252,9 @@ def _rope_qk_kernel(
     K_AT_POS: tl.constexpr,
     PER_ROW: tl.constexpr,
     PDL: tl.constexpr,
+    Q_HEAD_PITCH: tl.constexpr,
+    K_HEAD_PITCH: tl.constexpr,
+    ROT: tl.constexpr = 0,
 ):
     # blocks 0 .. HEADS-1 of a row take the query's heads, the rest the key's
     pdl.begin(PDL)
@@ -199,15 +263,15 @@ def _rope_qk_kernel(
     p = _position(pos_ptr, i, PER_ROW)
     # each side names its own pointers: a name assigned in both branches would have to be one type
     if head < HEADS:
-        q_src = q_ptr + i.to(tl.int64) * q_pitch + head * HD
+        q_src = q_ptr + i.to(tl.int64) * q_pitch + head * Q_HEAD_PITCH
         q_dst = q_out_ptr + i.to(tl.int64) * q_out_pitch + head * HD
-        rotate_head(q_src, q_dst, q_w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM)
+        rotate_head(q_src, q_dst, q_w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM, False, ROT)
     else:
         kh = head - HEADS
         k_row = p if K_AT_POS else i
-        k_src = k_ptr + i.to(tl.int64) * k_pitch + kh * HD
+        k_src = k_ptr + i.to(tl.int64) * k_pitch + kh * K_HEAD_PITCH
         k_dst = k_out_ptr + k_row.to(tl.int64) * k_out_pitch + kh * HD
-        rotate_head(k_src, k_dst, k_w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM)
+        rotate_head(k_src, k_dst, k_w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM, False, ROT)
 
 
 def rope_q_k(
@@ -226,6 +290,7 @@ def rope_q_k(
     eps: float = 0.0,
     k_cache_row_pitch: int | None = None,
     per_row: bool = False,
+    rot: int = 0,
 ) -> None:
     """RopeQkOneLaunch: `qk_norm_rope` of a layer's query (`heads` heads) and key (`kv_heads` heads) in one
     launch, at one position and head width, both normed or neither. With `k_cache_row_pitch` the key's row i
@@ -233,9 +298,9 @@ def rope_q_k(
     check_head(hd)
     if (q_norm_w is None) != (k_norm_w is None):
         raise ValueError("one launch rotates a query and a key both normed or neither")
-    if q.stride(-1) != 1 or k.stride(-1) != 1:
-        raise ValueError("rope: the inputs' values must be unit-stride")
-    rows = q.shape[0] if q.dim() == 2 else 1
+    rows, q_pitch, q_head_pitch = _in_pitches(q, hd)
+    _, k_pitch, k_head_pitch = _in_pitches(k, hd)
+    rot = _turned(hd, rot)
     _rope_qk_kernel[(rows, heads + kv_heads)](
         q,
         k,
@@ -244,18 +309,21 @@ def rope_q_k(
         q_norm_w if q_norm_w is not None else q,
         k_norm_w if k_norm_w is not None else k,
         pos,
-        q.stride(0) if q.dim() == 2 else 0,
-        k.stride(0) if k.dim() == 2 else 0,
+        q_pitch,
+        k_pitch,
         _out_pitch(q_out, None),
         _out_pitch(k_out, k_cache_row_pitch),
         float(eps),
-        freq_exponent(base, hd),
+        freq_exponent(base, rot or hd),
         HEADS=heads,
         HD=hd,
         HALF_P2=triton.next_power_of_2(hd // 2),
         NORM=q_norm_w is not None,
         K_AT_POS=k_cache_row_pitch is not None and not per_row,
         PER_ROW=per_row,
+        Q_HEAD_PITCH=q_head_pitch,
+        K_HEAD_PITCH=k_head_pitch,
+        ROT=rot,
         num_warps=rope_warps(hd),
         **pdl.options(),
     )

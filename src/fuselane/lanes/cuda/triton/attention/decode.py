@@ -175,6 +175,15 @@ def _decode_tile(
 
 
 @triton.jit
+def _gate(o, gate_ptr, head, col, mask, GATE_HP: tl.constexpr, GATED: tl.constexpr):
+    """o times sigmoid of each head's gate (AttnOutputGate), the gate's head `GATE_HP` values apart."""
+    if GATED:
+        z = tl.load(gate_ptr + head[:, None] * GATE_HP + col, mask=mask, other=0.0).to(tl.float32)
+        o = o * tl.sigmoid(z)
+    return o
+
+
+@triton.jit
 def store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD: tl.constexpr, Q8OUT: tl.constexpr):
     """A block's heads' outputs o [G, D] at `offs`: f32, and where Q8OUT also as int8 activations
     (`quant.Q8Acts`): each head's values in 32-value blocks (HD a multiple of 32)."""
@@ -207,6 +216,7 @@ def _decode_kernel(
     oq_ptr,
     od_ptr,
     os_ptr,
+    gate_ptr,
     k_pitch,
     v_pitch,
     scale_log2e,
@@ -223,6 +233,8 @@ def _decode_kernel(
     MIN_CHUNK: tl.constexpr,
     INTERPRETED: tl.constexpr,
     PDL: tl.constexpr,
+    GATED: tl.constexpr = False,
+    GATE_HP: tl.constexpr = 0,
 ):
     pdl.release(PDL)
     hb = tl.program_id(0)
@@ -275,7 +287,8 @@ def _decode_kernel(
                 )  # fmt: skip
         store_mask = heads_mask[:, None] & col_mask
         if active == 1:
-            store_out(acc / run_sum[:, None], offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT)
+            o = _gate(acc / run_sum[:, None], gate_ptr, head, col, store_mask, GATE_HP, GATED)
+            store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT)
         else:
             part = head * SPLITS + split
             tl.store(acc_ptr + part[:, None] * HD + col, acc, mask=store_mask)
@@ -311,7 +324,7 @@ def _decode_kernel(
                     )  # [G, B, D]
                     merged += tl.sum(tl.exp2(m_b - top[:, None])[:, :, None] * a_b, axis=1)
                     i += MERGE_BATCH
-                merged = merged / total[:, None]
+                merged = _gate(merged / total[:, None], gate_ptr, head, col, store_mask, GATE_HP, GATED)
                 store_out(merged, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT)
                 tl.atomic_xchg(count_ptr + hb, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
 
@@ -341,6 +354,7 @@ def flash_decode(
     merge_batch: int = DECODE_MERGE_BATCH,
     heads_per_block: int | None = None,
     out_q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    gate: torch.Tensor | None = None,
 ) -> None:
     """FlashDecode: out (1, heads * hd) f32 = causal GQA of the one query row `q` (1, heads * hd) at position
     pos[0] over cache rows 0..pos[0]; query head h reads key/value head h // (heads // kv_heads).
@@ -350,6 +364,8 @@ def flash_decode(
     split. `tile_rows`, `min_chunk` and `merge_batch` are the kernel's facts, parameters only so tests reach
     several splits (and several batches of them in the merge) of a short cache. `out_q8`, a
     `quant.Q8Acts` of the output's width, also gets the output as int8 activations (hd a multiple of 32).
+    `gate` (heads, >= hd: each head's gate, rows any pitch; AttnOutputGate) multiplies the output by its
+    sigmoid in the store.
     """
     if out_q8 is not None and hd % QK:
         raise ValueError(f"a quantized attention output takes heads of whole {QK}-value blocks")
@@ -377,6 +393,7 @@ def flash_decode(
         total,
         count,
         *(out_q8 if out_q8 is not None else (out, out, out)),
+        gate if gate is not None else out,
         cache_pitch(k_cache, kv_heads, hd, "k_cache"),
         cache_pitch(v_cache, kv_heads, hd, "v_cache"),
         scale * LOG2E,
@@ -392,6 +409,8 @@ def flash_decode(
         MERGE_BATCH=min(merge_batch, triton.next_power_of_2(plan.splits)),
         MIN_CHUNK=min_chunk,
         INTERPRETED=interpreted(),
+        GATED=gate is not None,
+        GATE_HP=gate.stride(0) if gate is not None else 0,
         num_warps=min(group_p2, kernels.MAX_BLOCK_WARPS),
         num_stages=DECODE_STAGES,
         **pdl.options(),

@@ -106,6 +106,8 @@ def _prefill_kernel(
     od,
     os_,
     q8_cols,
+    gate_ptr,
+    gate_pitch,
     GROUP: tl.constexpr,
     HD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -114,6 +116,8 @@ def _prefill_kernel(
     INTERPRETED: tl.constexpr,
     Q8OUT: tl.constexpr,
     PDL: tl.constexpr,
+    GATED: tl.constexpr = False,
+    GATE_HP: tl.constexpr = 0,
 ):
     pdl.begin(PDL)
     mt = tl.program_id(0)
@@ -163,6 +167,9 @@ def _prefill_kernel(
                 HD, BLOCK_N, F16_OPS, True,
             )  # fmt: skip
     out = acc / run_sum[:, None]
+    if GATED:  # AttnOutputGate: each head's output times the sigmoid of its gate
+        z = tl.load(gate_ptr + row[:, None].to(tl.int64) * gate_pitch + head[:, None] * GATE_HP + d[None, :])
+        out = out * tl.sigmoid(z.to(tl.float32))
     dst = out_ptr + row[:, None].to(tl.int64) * out_pitch + head[:, None] * HD + d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
     if Q8OUT:  # the output's int8 form too: a head's values are whole 32-value blocks of its row
@@ -198,6 +205,7 @@ def flash_prefill(
     block_n: int | None = None,
     f16_ops: bool | None = None,
     out_q8: quant.Q8Acts | None = None,
+    gate: torch.Tensor | None = None,
 ) -> None:
     """FlashPrefill: out (rows, heads * hd) = causal GQA of `rows` query rows `q` (rows, heads * hd, any row
     pitch) at positions pos[0]..pos[0] + rows - 1 over cache rows 0..pos[0] + rows - 1.
@@ -207,7 +215,8 @@ def flash_prefill(
     attention, `CudaShim.attention`); 3xTF32 dots otherwise; None: f16 where `q` is. `hd` a power of two of at least
     16 (tl.dot's smallest side); `block_m` and `block_n` are kernel facts, parameters only for tests. With
     `out_q8` (AttnOutputQuant: heads of whole 32-value blocks) the launch also writes `out` quantized, as
-    `quant.quantize` would, for a product on the int8 tensor cores.
+    `quant.quantize` would, for a product on the int8 tensor cores. `gate` (rows, heads, >= hd; AttnOutputGate)
+    multiplies each head's output by its sigmoid in the store.
     """
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not share {kv_heads} key/value heads evenly")
@@ -240,6 +249,8 @@ def flash_prefill(
         scale * LOG2E,
         *q8,
         heads * hd,
+        gate if gate is not None else out,
+        gate.stride(0) if gate is not None else 0,
         GROUP=group,
         HD=hd,
         BLOCK_M=block_m,
@@ -247,6 +258,8 @@ def flash_prefill(
         F16_OPS=f16_ops,
         INTERPRETED=interpreted(),
         Q8OUT=out_q8 is not None,
+        GATED=gate is not None,
+        GATE_HP=gate.stride(1) if gate is not None else 0,
         num_warps=PREFILL_WARPS,
         num_stages=PREFILL_STAGES,
         **pdl.options(),

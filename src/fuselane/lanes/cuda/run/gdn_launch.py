@@ -1,0 +1,154 @@
+"""The binders of a gated delta-rule layer's classes and primitives (`launch.BINDERS`): each is one launch of
+the `triton.gdn` kernels over the lane's buffers, the recurrent states being the lane's own (kept across steps,
+zeroed when a sequence starts, `lane.CudaLane`).
+
+- ConvBiasSilu, ConvSiluL2norm, and the bare CausalConv and ConvShift: `conv.conv`, which moves the
+  convolution's state in the same launch where the plan fused the shift in;
+- GdnGating: `gates.gates` (beta and the decay for every row and value head);
+- GdnStep, and the bare GatedDelta and DeltaState: `delta.delta` for a decode step's row, `chunked.chunked`
+  for a chunk's rows (the output, the state, or both);
+- GatedNorm: `norm.gated_norm`; a bare L2Norm: `norm.l2_norm`;
+- Slice: a strided view of its input (no launch), which the kernels above and the rotations read in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fuselane.fuse.views import leaves
+from fuselane.gguf.formats import Format
+from fuselane.graph.ir import Op
+from fuselane.graph.ops import (
+    CausalConv,
+    ConvShift,
+    DeltaState,
+    Elementwise,
+    GatedDelta,
+    L2Norm,
+    RmsNorm,
+    Slice,
+    Unary,
+    UnaryOp,
+)
+from fuselane.lanes.cuda.run.mismatch import PlanMismatch
+
+
+def _all(op: Op, kind: type) -> list[Op]:
+    return [p for p in leaves(op) if isinstance(p.sym, kind)]
+
+
+def _one(op: Op, kind: type) -> Op | None:
+    found = _all(op, kind)
+    return found[0] if found else None
+
+
+def slice_view(op: Op, b) -> list:
+    """`width` values at `start` of each `every`-wide group of the input: a (groups, width) view, no launch."""
+    spec: Slice = op.sym  # type: ignore[assignment]
+    flat = b.bufs[op.ins[0]].reshape(-1)
+    b.bufs[op.out] = flat[spec.start :].as_strided((spec.groups, spec.width), (spec.every, 1))
+    return []
+
+
+def _taps(b, name: str, spec: CausalConv) -> Any:
+    """The convolution's taps (chan, taps) as f32 on the device, made once from the file's F32 or F16 bytes."""
+    import torch
+
+    key = f"conv-taps:{name}"
+    if key not in b.scratch:
+        raw, fmt = b.raw[name]
+        if fmt not in (Format.F32, Format.F16):
+            raise PlanMismatch(f"{name}: the convolution takes its taps as F32 or F16, not {fmt.name}")
+        values = raw.view(torch.float32 if fmt is Format.F32 else torch.float16)
+        b.scratch[key] = values.float().view(spec.chan, spec.taps)
+    return b.scratch[key]
+
+
+def _normed(op: Op, b) -> Any:
+    """The query and key heads a ConvSiluL2norm norms in its epilogue, or None where it norms none."""
+    from fuselane.lanes.cuda.triton.gdn.conv import Normed
+
+    norms = _all(op, L2Norm)
+    if not norms:
+        return None
+    slices = {s.out: s.sym for s in _all(op, Slice)}
+    q_norm, k_norm = sorted(norms, key=lambda n: slices[n.ins[0]].start)  # type: ignore[union-attr]
+    spec: L2Norm = q_norm.sym  # type: ignore[assignment]
+    key_width = slices[k_norm.ins[0]].start  # type: ignore[union-attr]
+    if slices[q_norm.ins[0]].start != 0 or slices[k_norm.ins[0]].width != key_width:  # type: ignore[union-attr]
+        raise PlanMismatch(f"{op.out}: the convolution norms its first channels' queries and the keys after them")
+    return Normed(b.bufs[q_norm.out], b.bufs[k_norm.out], key_width, spec.cols, spec.eps)
+
+
+def conv(op: Op, b) -> list:
+    """ConvBiasSilu, ConvSiluL2norm, CausalConv or ConvShift: one `conv` launch."""
+    from fuselane.lanes.cuda.triton.gdn import conv as kernel
+
+    cv, shift, silu = _one(op, CausalConv), _one(op, ConvShift), _one(op, Unary)
+    if cv is None:  # the state's shift alone
+        assert shift is not None
+        s: ConvShift = shift.sym  # type: ignore[assignment]
+        x, state = b.bufs[shift.ins[0]], b.bufs[shift.ins[1]]
+        taps = s.keep + 1
+        return [lambda: kernel.conv(x, state, state, None, rows=s.rows, chan=s.chan, taps=taps, silu=False, shift=True)]
+    spec: CausalConv = cv.sym  # type: ignore[assignment]
+    x, state, w = b.bufs[cv.ins[0]], b.bufs[cv.ins[1]], _taps(b, cv.ins[2], spec)
+    out = b.bufs[silu.out if silu is not None else cv.out]
+    normed = _normed(op, b)
+    args = dict(rows=spec.rows, chan=spec.chan, taps=spec.taps, silu=silu is not None, shift=shift is not None)
+    return [lambda: kernel.conv(x, state, w, out, normed=normed, **args)]
+
+
+def gating(op: Op, b) -> list:
+    """GdnGating: beta = sigmoid(b), g = A * softplus(a + dt), one `gates` launch."""
+    from fuselane.lanes.cuda.triton.gdn import gates as kernel
+
+    sig = next(u for u in _all(op, Unary) if u.sym.op is UnaryOp.SIGMOID)  # type: ignore[union-attr]
+    add, mul = _all(op, Elementwise)
+    spec: Unary = sig.sym  # type: ignore[assignment]
+    bv, av = b.bufs[sig.ins[0]], b.bufs[add.ins[0]]
+    dt, decay = b.vec[add.ins[1]], b.vec[mul.ins[1]]
+    beta, g = b.bufs[sig.out], b.bufs[mul.out]
+    shape = dict(rows=spec.rows, heads=spec.cols, key_heads=bv.shape[0] // spec.rows)
+    return [lambda: kernel.gates(bv, av, dt, decay, beta, g, **shape)]
+
+
+def step(op: Op, b) -> list:
+    """GdnStep (output and state), or the bare GatedDelta (output) or DeltaState (state): one `delta` launch."""
+    from fuselane.lanes.cuda.triton.gdn import chunked, delta
+
+    rule, after = _one(op, GatedDelta), _one(op, DeltaState)
+    spec: GatedDelta = rule.sym if rule is not None else after.sym.rule  # type: ignore[union-attr,assignment]
+    if rule is not None:
+        q, k, v, g, beta, state = (b.bufs[n] for n in rule.ins)
+        out = b.bufs[rule.out]
+    else:
+        assert after is not None
+        (k, v, g, beta, state), q, out = (b.bufs[n] for n in after.ins), None, None
+    shape = dict(rows=spec.rows, heads=spec.heads, key_heads=spec.k_heads or spec.heads, dk=spec.dk, dv=spec.dv)
+    write = after is not None
+    # a chunk's rows in the chunked form where its products take the heads; a decode step's row by the recurrence
+    run = chunked.chunked if spec.rows > 1 and chunked.takes(spec.dk) else delta.delta
+    return [lambda: run(q, k, v, g, beta, state, out, scale=spec.scale, write_state=write, **shape)]
+
+
+def gated_norm(op: Op, b) -> list:
+    """GatedNorm: norm(o) * w * silu(z), one `gated_norm` launch."""
+    from fuselane.lanes.cuda.triton.gdn import norm as kernel
+
+    n_op = _one(op, RmsNorm)
+    weight, gated = _all(op, Elementwise)
+    silu = _one(op, Unary)
+    assert n_op is not None and silu is not None
+    spec: RmsNorm = n_op.sym  # type: ignore[assignment]
+    x, w, z, out = b.bufs[n_op.ins[0]], b.vec[weight.ins[1]], b.bufs[silu.ins[0]], b.bufs[gated.out]
+    return [lambda: kernel.gated_norm(x, w, z, out, units=spec.rows, d=spec.cols, eps=spec.eps)]
+
+
+def l2_norm(op: Op, b) -> list:
+    """A bare L2Norm of heads (where the convolution's epilogue does not take them): one launch."""
+    from fuselane.lanes.cuda.triton.gdn import norm as kernel
+
+    spec: L2Norm = op.sym  # type: ignore[assignment]
+    x, out = b.bufs[op.ins[0]], b.bufs[op.out]
+    return [lambda: kernel.l2_norm(x, out, units=spec.rows, d=spec.cols, eps=spec.eps)]

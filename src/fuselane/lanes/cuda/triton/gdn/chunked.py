@@ -1,0 +1,107 @@
+"""The gated delta rule over a prefill chunk's rows in the chunked form: `CHUNK` rows at a time, the state read
+once and written once, every step of the recurrence within a chunk folded into products (`tl.dot`).
+
+As the cpu lane's `gdn_kernels.chunked` (the UT form of the Hugging Face and FLA reference), per value head and
+chunk of rows with cum the running sum of the decays g: the delta updates of the chunk are one unit-lower-
+triangular system (I + A), A = strictly_lower((beta k) k^T * exp(cum_i - cum_j)); its inverse T (forward
+substitution, a row a step, in registers) gives each row's correction beyond what the state predicts,
+v_new = T (beta v) - T (beta k exp(cum)) S; the rows' outputs are (q exp(cum)) S + (q k^T * decay) v_new; the
+state moves to S exp(cum_last) + (k exp(cum_last - cum))^T v_new. Rows past the chunk's end are loaded as
+zeros (k = 0, g = 0: they change nothing). A program holds one value head's state for `BV` value columns.
+
+The products run in f32 (`DOT_PRECISION`: IEEE, so the numbers are the recurrence's within f32 roundoff, as the
+lane's contract keeps its arithmetic); TF32 on the tensor cores would be a numerics choice of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton.gdn.delta import nearest_bf16
+
+CHUNK = 64  # rows a chunk (the reference's chunk size)
+BV = 64  # value columns a program
+MIN_DOT = 16  # tl.dot's least extent: heads of fewer key values run the recurrence (`delta`)
+DOT_PRECISION: tl.constexpr = tl.constexpr("ieee")
+WARPS = 8
+
+
+@triton.jit
+def _chunked_kernel(
+    q_ptr, k_ptr, qk_pitch, v_ptr, v_pitch, g_ptr, b_ptr, gb_pitch, s_ptr, o_ptr, o_pitch, rows, scale,
+    DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PER: tl.constexpr, C: tl.constexpr,
+    WRITE_O: tl.constexpr, WRITE_S: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.begin(PDL)
+    h = tl.program_id(0)
+    kh = h // PER
+    kk = tl.arange(0, DK)
+    vv = tl.program_id(1) * BV + tl.arange(0, BV)
+    vm = vv < DV
+    cr = tl.arange(0, C)
+    s_at = s_ptr + h.to(tl.int64) * DK * DV + kk[:, None] * DV + vv[None, :]
+    s = tl.load(s_at, mask=vm[None, :], other=0.0).to(tl.float32)
+    upto = cr[:, None] >= cr[None, :]  # row i sees rows j <= i
+    before = cr[:, None] > cr[None, :]
+    c0 = 0
+    while c0 < rows:  # a while loop: the interpreter cannot range over a runtime bound
+        r = c0 + cr
+        rm = r < rows
+        k = tl.load(k_ptr + r[:, None] * qk_pitch + kh * DK + kk[None, :], mask=rm[:, None], other=0.0)
+        v = tl.load(v_ptr + r[:, None] * v_pitch + h * DV + vv[None, :], mask=rm[:, None] & vm[None, :], other=0.0)
+        g = tl.load(g_ptr + r * gb_pitch + h, mask=rm, other=0.0)
+        beta = tl.load(b_ptr + r * gb_pitch + h, mask=rm, other=0.0)
+        cum = tl.cumsum(g, 0)
+        decay = tl.where(upto, tl.exp(tl.where(upto, cum[:, None] - cum[None, :], 0.0)), 0.0)
+        kb = k * beta[:, None]
+        a = tl.where(before, tl.dot(kb, tl.trans(k), input_precision=DOT_PRECISION) * decay, 0.0)
+        t = tl.where(cr[:, None] == cr[None, :], 1.0, 0.0)  # (I + a)^-1, a row a step: T_i = e_i - a_i T
+        i = 1
+        while i < C:
+            a_i = tl.sum(tl.where(cr[:, None] == i, a, 0.0), 0)
+            t = tl.where(cr[:, None] == i, t - tl.sum(a_i[:, None] * t, 0)[None, :], t)
+            i += 1
+        new_v = tl.dot(t, v * beta[:, None], input_precision=DOT_PRECISION)
+        k_decayed = tl.dot(t, kb * tl.exp(cum)[:, None], input_precision=DOT_PRECISION)
+        v_new = new_v - tl.dot(k_decayed, s, input_precision=DOT_PRECISION)
+        if WRITE_O:
+            q = tl.load(q_ptr + r[:, None] * qk_pitch + kh * DK + kk[None, :], mask=rm[:, None], other=0.0) * scale
+            inner = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay
+            o = tl.dot(q * tl.exp(cum)[:, None], s, input_precision=DOT_PRECISION)
+            o += tl.dot(inner, v_new, input_precision=DOT_PRECISION)
+            tl.store(o_ptr + r[:, None] * o_pitch + h * DV + vv[None, :], o, mask=rm[:, None] & vm[None, :])
+        last = tl.sum(tl.where(cr == C - 1, cum, 0.0), 0)  # the padded rows' g = 0: the last real row's
+        to_end = k * tl.exp(last - cum)[:, None]
+        s = s * tl.exp(last) + tl.dot(tl.trans(to_end), v_new, input_precision=DOT_PRECISION)
+        c0 += C
+    if WRITE_S:
+        if s_ptr.dtype.element_ty == tl.bfloat16:
+            s = nearest_bf16(s)
+        tl.store(s_at, s.to(s_ptr.dtype.element_ty), mask=vm[None, :])
+
+
+def takes(dk: int) -> bool:
+    """Whether the chunked kernel takes heads of `dk` key values (a power of two, at least tl.dot's extent)."""
+    return dk >= MIN_DOT and dk & (dk - 1) == 0
+
+
+def chunked(
+    q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, out: torch.Tensor | None, *, rows: int, heads: int, key_heads: int, dk: int, dv: int,
+    scale: float, write_state: bool,
+) -> None:  # fmt: skip
+    """`delta.delta`'s arguments and results, the rows `CHUNK` at a time. One launch."""
+    if not takes(dk):
+        raise ValueError(f"the chunked rule takes heads of a power of two of at least {MIN_DOT} key values")
+    k2, v2 = k.view(rows, -1) if k.is_contiguous() else k, v.view(rows, -1) if v.is_contiguous() else v
+    q2 = k2 if q is None else (q.view(rows, -1) if q.is_contiguous() else q)
+    o = out.view(rows, -1) if out is not None else v2
+    bv = min(BV, max(MIN_DOT, triton.next_power_of_2(dv)))
+    _chunked_kernel[(heads, triton.cdiv(dv, bv))](
+        q2, k2, k2.stride(0), v2, v2.stride(0), g, beta, heads, state, o, o.stride(0), rows, float(scale),
+        DK=dk, DV=dv, BV=bv, PER=heads // key_heads, C=CHUNK, WRITE_O=out is not None, WRITE_S=write_state,
+        num_warps=WARPS, **pdl.options(),
+    )  # fmt: skip
