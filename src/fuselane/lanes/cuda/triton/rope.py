@@ -140,9 +140,9 @@ def _rope_kernel(
     NORM: tl.constexpr,
     AT_POS: tl.constexpr,
     PER_ROW: tl.constexpr,
-    PDL: tl.constexpr,
     HEAD_PITCH: tl.constexpr,
     ROT: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     pdl.begin(PDL)
     i = tl.program_id(0)
@@ -251,10 +251,10 @@ def _rope_qk_kernel(
     NORM: tl.constexpr,
     K_AT_POS: tl.constexpr,
     PER_ROW: tl.constexpr,
-    PDL: tl.constexpr,
     Q_HEAD_PITCH: tl.constexpr,
     K_HEAD_PITCH: tl.constexpr,
     ROT: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     # blocks 0 .. HEADS-1 of a row take the query's heads, the rest the key's
     pdl.begin(PDL)

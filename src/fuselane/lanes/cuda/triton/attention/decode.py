@@ -232,9 +232,9 @@ def _decode_kernel(
     MERGE_BATCH: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    GATED: tl.constexpr,
+    GATE_HP: tl.constexpr,
     PDL: tl.constexpr,
-    GATED: tl.constexpr = False,
-    GATE_HP: tl.constexpr = 0,
 ):
     pdl.release(PDL)
     hb = tl.program_id(0)

@@ -115,9 +115,9 @@ def _prefill_kernel(
     F16_OPS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     Q8OUT: tl.constexpr,
-    PDL: tl.constexpr,
     GATED: tl.constexpr = False,
     GATE_HP: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     pdl.begin(PDL)
     mt = tl.program_id(0)

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.attention.decode import interpreted
 
 # Cached rows a program scores at a time: `tl.dot`'s smallest tile.
@@ -56,8 +57,9 @@ def _latent_attention_kernel(
     q, kc, k_pitch, vc, v_pitch, pos, out, part, counter, scale,
     HEADS: tl.constexpr, LORA: tl.constexpr, ROPE: tl.constexpr, VD: tl.constexpr, H_P2: tl.constexpr,
     L_P2: tl.constexpr, R_P2: tl.constexpr, V_P2: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    INTERPRETED: tl.constexpr, SEQ_ROWS: tl.constexpr,
+    INTERPRETED: tl.constexpr, SEQ_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.begin(PDL)
     r, sp = tl.program_id(0), tl.program_id(1)
     if SEQ_ROWS > 0:  # a batch: row r is sequence r's query at pos[r], over its own block of the cache
         end = tl.load(pos + r) + 1
@@ -145,5 +147,5 @@ def latent_attention(
     lora, rope = vd, kw - vd
     _latent_attention_kernel[(rows, splits)](
         q, kc, kc.stride(0), vc, vc.stride(0), pos, out, part, counter, scale, heads, lora, rope, vd, _p2(heads),
-        _p2(lora), _p2(rope), _p2(vd), BLOCK_N, splits, interpreted(), seq_rows, num_warps=WARPS,
+        _p2(lora), _p2(rope), _p2(vd), BLOCK_N, splits, interpreted(), seq_rows, num_warps=WARPS, **pdl.options(),
     )  # fmt: skip

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import Format, row_bytes
+from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.formats import SLOTS, dot_rows
 from fuselane.lanes.cuda.triton.gemv.rows import plan, row_tiles, stages, tile
 
@@ -28,8 +29,9 @@ FLOAT_BLOCK_N = 32
 def _head_rows_kernel(
     x, x_row, x_head, m, w, out, out_row, n,
     FMT: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl.begin(PDL)
     h = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past the head's end read its last row (no masked loads in the k loop); the store drops them.
@@ -44,8 +46,9 @@ def _head_rows_kernel(
 @triton.jit
 def _head_floats_kernel(
     x, x_row, x_head, w, out, out_row, n, a,
-    BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl.begin(PDL)
     h, mi = tl.program_id(2), tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_A)
@@ -73,7 +76,9 @@ def head_matmul(
     if fmt in FLOATS:
         grid = (triton.cdiv(b, FLOAT_BLOCK_N), m, heads)
         block_a = triton.next_power_of_2(a)
-        _head_floats_kernel[grid](x, x_row, x_head, _floats(w, fmt), out, out_row, b, a, FLOAT_BLOCK_N, block_a)
+        _head_floats_kernel[grid](
+            x, x_row, x_head, _floats(w, fmt), out, out_row, b, a, FLOAT_BLOCK_N, block_a, **pdl.options()
+        )
         return out
     if fmt not in SLOTS:
         raise ValueError(f"no per-head product for {fmt.name} rows")
@@ -83,6 +88,6 @@ def head_matmul(
     _head_rows_kernel[(triton.cdiv(b, block_n), m_tiles, heads)](
         x, x_row, x_head, m, w, out, out_row, b,
         FMT=int(fmt), ROW_BYTES=row_bytes(fmt, a), STEPS=steps, UNITS=units, SPLIT=split, BLOCK_M=block_m,
-        BLOCK_N=block_n, STAGES=stages(fmt), num_warps=warps,
+        BLOCK_N=block_n, STAGES=stages(fmt), num_warps=warps, **pdl.options()
     )  # fmt: skip
     return out

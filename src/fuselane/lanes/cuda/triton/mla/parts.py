@@ -15,12 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselane.lanes.cuda.triton import pdl
+
 WARPS = 1
 
 
 @triton.jit
 def _join_kernel(a, a_row, b, b_row, out, HEADS: tl.constexpr, WA: tl.constexpr, WB: tl.constexpr,
-                 BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):  # fmt: skip
+                 BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl.begin(PDL)
     r, h = tl.program_id(0), tl.program_id(1)
     ia, ib = tl.arange(0, BLOCK_A), tl.arange(0, BLOCK_B)
     o = out + r.to(tl.int64) * HEADS * (WA + WB) + h * (WA + WB)
@@ -40,13 +43,15 @@ def join(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: int, heads: 
     b_row = b.stride(0) if b.dim() == 2 else heads * wb
     _join_kernel[(rows, heads)](
         a, a_row, b, b_row, out, heads, wa, wb, triton.next_power_of_2(wa), triton.next_power_of_2(wb),
-        num_warps=WARPS,
+        num_warps=WARPS, **pdl.options()
     )  # fmt: skip
 
 
 @triton.jit
 def _rope_kernel(x, x_row, x_head, out, pos, inv, HEADS: tl.constexpr, PAIRS: tl.constexpr,
-                 BLOCK: tl.constexpr, HALF: tl.constexpr, BATCHED: tl.constexpr):  # fmt: skip
+                 BLOCK: tl.constexpr, HALF: tl.constexpr, BATCHED: tl.constexpr,
+                 PDL: tl.constexpr = False):  # fmt: skip
+    pdl.begin(PDL)
     r, h = tl.program_id(0), tl.program_id(1)
     j = tl.arange(0, BLOCK)
     keep = j < PAIRS
@@ -82,5 +87,5 @@ def rope(
     pairs = hd // 2
     _rope_kernel[(rows, heads)](
         x, x_row, x_head, out, pos, inv, heads, pairs, triton.next_power_of_2(pairs), half, batched,
-        num_warps=WARPS,
+        num_warps=WARPS, **pdl.options()
     )  # fmt: skip
