@@ -8,7 +8,7 @@ end, through `run` (and `info`'s API), in one `fuselane: error:` line naming wha
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,20 +89,31 @@ def files(tmp_path_factory) -> dict[str, Path]:
 CLI_CASES = ("no experts", "more kept than there are", "an expert tensor short of an expert")
 
 
+def run_refuses_in_one_line(path: Path, says: Sequence[str], *options: str) -> None:
+    """`fuselane run` on a hostile file: one error line that says each of `says` (the other hostile-file suites
+    share it)."""
+    line = assert_one_line_error(*run_bounded(["run", "--raw", "-n", "1", *options, str(path), "hi"]))
+    for fragment in says:
+        assert fragment.lower() in line.lower(), line
+
+
+def describe_raises_a_model_error(path: Path, says: Sequence[str]) -> None:
+    """`describe` on a hostile file raises one line of ModelError that says each of `says`."""
+    with pytest.raises(ModelError) as info:
+        describe(str(path))
+    assert "\n" not in str(info.value)
+    for fragment in says:
+        assert fragment.lower() in str(info.value).lower(), info.value
+
+
 @pytest.mark.parametrize("name", CLI_CASES)
 def test_cli_refuses_in_one_line(files, name):
-    line = assert_one_line_error(*run_bounded(["run", "--raw", "-n", "1", str(files[name]), "hi"]))
-    for fragment in CASES[name].says:
-        assert fragment.lower() in line.lower(), line
+    run_refuses_in_one_line(files[name], CASES[name].says)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_api_raises_a_model_error(files, name):
-    with pytest.raises(ModelError) as info:
-        describe(str(files[name]))
-    assert "\n" not in str(info.value)
-    for fragment in CASES[name].says:
-        assert fragment.lower() in str(info.value).lower(), info.value
+    describe_raises_a_model_error(files[name], CASES[name].says)
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
