@@ -20,7 +20,8 @@ import torch  # noqa: E402
 from fuselane.gguf.synth import write_weights  # noqa: E402
 from fuselane.lanes.cpu.gdn_kernels import CHUNK  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
-from tests.reference.hf_qwen3next import gguf_weights, router_gaps, shape_of, tiny_qwen3next  # noqa: E402
+from tests.reference.hf_moe import router_gaps  # noqa: E402
+from tests.reference.hf_qwen3next import gguf_weights, shape_of, tiny_qwen3next  # noqa: E402
 from tests.reference.hf_tiny import hf_logits  # noqa: E402
 
 REL_TOL = 1e-4  # f32 on both sides, summed in different orders (tests/test_hf_logits.py's bound)

@@ -91,5 +91,6 @@ def router_gaps(model, ids: list[int]) -> float:
     finally:
         for h in hooks:
             h.remove()
-    ranked = torch.cat([s.reshape(-1, EXPERTS) for s in seen]).sort(dim=-1, descending=True).values
-    return float((ranked[:, KEPT - 1] - ranked[:, KEPT]).min())
+    experts, kept = model.config.num_experts, model.config.num_experts_per_tok
+    ranked = torch.cat([s.reshape(-1, experts) for s in seen]).sort(dim=-1, descending=True).values
+    return float((ranked[:, kept - 1] - ranked[:, kept]).min())

@@ -143,21 +143,3 @@ def gguf_weights(model) -> dict[str, np.ndarray]:
         else:
             out[b + LAYER_NAMES[rest]] = value
     return out
-
-
-def router_gaps(model, ids: list[int]) -> float:
-    """The smallest lead, over every row and layer of a pass over `ids`, of the k-th router score over the
-    (k+1)-th: how far the routing is from a near-tie rounding could flip."""
-    seen: list[torch.Tensor] = []
-    hooks = [
-        layer.mlp.gate.register_forward_hook(lambda mod, args, out: seen.append(args[0] @ mod.weight.T))
-        for layer in model.model.layers
-    ]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([ids]))
-    finally:
-        for h in hooks:
-            h.remove()
-    ranked = torch.cat([s.reshape(-1, EXPERTS) for s in seen]).sort(dim=-1, descending=True).values
-    return float((ranked[:, KEPT - 1] - ranked[:, KEPT]).min())
