@@ -43,6 +43,24 @@ F16_SAFE = tl.constexpr(2.0**14)
 
 
 @triton.jit
+def store_tile(acc, xm, rows, m, n, bias, res, res_pitch, out, out_pitch, pos,
+               HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, AT_ROW: tl.constexpr):  # fmt: skip
+    """A prefill GEMM's epilogue, shared by the f16 and the int8 GEMMs: the tile `acc` (activation rows `xm` x
+    weight rows `rows`) plus a bias and a residual where given, stored at row pos[0] + xm of `out` where AT_ROW
+    (a cache row write), else at row xm; rows past m or n dropped."""
+    keep = (xm < m)[:, None] & (rows < n)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias + rows, mask=rows < n, other=0.0)[None, :]
+    if HAS_RES:
+        acc += tl.load(res + xm[:, None].to(tl.int64) * res_pitch + rows[None, :], mask=keep, other=0.0)
+    first = 0
+    if AT_ROW:
+        first = tl.load(pos)
+    dst = out + (first + xm)[:, None].to(tl.int64) * out_pitch + rows[None, :]
+    tl.store(dst, acc.to(out.dtype.element_ty), mask=keep)
+
+
+@triton.jit
 def _gemm_kernel(
     x, w, out, bias, res, pos, m, n, x_pitch, out_pitch, res_pitch,
     FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
@@ -70,16 +88,7 @@ def _gemm_kernel(
             acc += part * scale[:, None]
         else:
             acc = tl.dot(a.to(tl.float16), tl.trans(b), acc)
-    keep = (xm < m)[:, None] & (rows < n)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias + rows, mask=rows < n, other=0.0)[None, :]
-    if HAS_RES:
-        acc += tl.load(res + xm[:, None].to(tl.int64) * res_pitch + rows[None, :], mask=keep, other=0.0)
-    first = 0
-    if AT_ROW:
-        first = tl.load(pos)
-    dst = out + (first + xm)[:, None].to(tl.int64) * out_pitch + rows[None, :]
-    tl.store(dst, acc.to(out.dtype.element_ty), mask=keep)
+    store_tile(acc, xm, rows, m, n, bias, res, res_pitch, out, out_pitch, pos, HAS_BIAS, HAS_RES, AT_ROW)
 
 
 def supports(fmt: Format, k: int) -> bool:

@@ -33,6 +33,7 @@ from fuselane.gguf.formats import IQ4_NL_VALUES, QK, Format, row_bytes
 from fuselane.lanes.cuda.plan import gemm_tiles
 from fuselane.lanes.cuda.plan.gemm_tiles import GemmTile
 from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton.gemm import store_tile
 from fuselane.lanes.cuda.triton.gemm_q8_runs import run
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 from fuselane.lanes.cuda.triton.quant import HALF, Q8Acts, check_acts
@@ -83,16 +84,7 @@ def _gemm_q8_kernel(
                     else:
                         x_sum = tl.load(xs_rows + 2 * r) + tl.load(xs_rows + 2 * r + 1)
                         acc += x_sum[:, None] * m0[None, :]
-    keep = (xm < m)[:, None] & (rows < n)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias + rows, mask=rows < n, other=0.0)[None, :]
-    if HAS_RES:
-        acc += tl.load(res + xm[:, None].to(tl.int64) * res_pitch + rows[None, :], mask=keep, other=0.0)
-    first = 0
-    if AT_ROW:
-        first = tl.load(pos)
-    dst = out + (first + xm)[:, None].to(tl.int64) * out_pitch + rows[None, :]
-    tl.store(dst, acc.to(out.dtype.element_ty), mask=keep)
+    store_tile(acc, xm, rows, m, n, bias, res, res_pitch, out, out_pitch, pos, HAS_BIAS, HAS_RES, AT_ROW)
 
 
 _LUTS: dict[torch.device, torch.Tensor] = {}
