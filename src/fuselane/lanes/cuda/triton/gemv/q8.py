@@ -312,8 +312,14 @@ def _q5_0(raw, acts):
 @triton.jit
 def _chunk_sum(acc, raw, acts, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr,
                MASKED: tl.constexpr):  # fmt: skip
-    """acc [N, G] += this chunk's sums a group (its weights `raw`, its activations `acts`); in a partial
-    chunk the missing units' stand-in weights (the row's last unit, read again) are dropped."""
+    """acc [N, G] += this chunk's sums a group (`chunk_sums`)."""
+    return acc + chunk_sums(raw, acts, u0, FMT, N_UNITS, CHUNK, MASKED)
+
+
+@triton.jit
+def chunk_sums(raw, acts, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, MASKED: tl.constexpr):
+    """[N, G]: this chunk's sums a group (its weights `raw`, its activations `acts`); in a partial chunk the
+    missing units' stand-in weights (the row's last unit, read again) are dropped."""
     if FMT == FMT_Q4_K:
         y = _q4_k(raw, acts, CHUNK)
     elif FMT == FMT_Q6_K:
@@ -327,7 +333,7 @@ def _chunk_sum(acc, raw, acts, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHU
         y = _q5_0(raw, acts)
     if MASKED:
         y = tl.where(_live(u0, FMT, N_UNITS, CHUNK), y, 0.0)
-    return acc + y
+    return y
 
 
 @triton.jit
