@@ -33,12 +33,16 @@ from fuselane.lanes.cuda.triton.gemv.q8_rows import (  # noqa: E402
     supports,
 )
 
-# (format, k): Q4_K and Q6_K walk a 768-value row in several chunks of their tile with the last partial where
-# the tile's chunk is 2 units; Q8_0 and Q5_0 blocks of 32
-CASES = [(Format.Q4_K, 768), (Format.Q6_K, 512), (Format.Q8_0, 320), (Format.Q5_0, 96)]
+# (format, k, rows, tile): Q4_K walks its 5-unit rows in chunks of 2 (two rows a program, one warp, one
+# (row, group) a thread), the last partial; Q6_K in three chunks of a unit (`SMALL_TILE`); Q8_0 in two tiles of
+# 8 rows; Q5_0 in one tile of 8 rows with 3 dropped; Q8_0 and Q5_0 at their own tiles
+SMALL_TILE = {"block_n": 4, "warps": 1, "per_thread": 1}
+CASES = [
+    (Format.Q4_K, 1280, 2, {"block_n": 2, "warps": 1, "per_thread": 1}), (Format.Q6_K, 768, 2, SMALL_TILE),
+    (Format.Q8_0, 64, 10, {}), (Format.Q5_0, 96, 5, {}),
+]  # fmt: skip
 Q6_K_BYTES, Q6_K_CODE_BYTES = 210, 192  # a Q6_K block, and its ql and qh (its first bytes)
-N = 11  # not whole tiles: rows past n are computed and dropped
-ROWS = (3, 10)
+N = 5  # not whole tiles: rows past n are computed and dropped
 
 
 def _acts(m: int, k: int, rng: np.random.Generator) -> quant.Q8Acts:
@@ -57,26 +61,26 @@ def _alone(acts: quant.Q8Acts, run) -> torch.Tensor:
     return torch.cat([run(_row(acts, i), i) for i in range(acts.q.shape[0])])
 
 
-@pytest.mark.parametrize(("fmt", "k"), CASES, ids=lambda v: getattr(v, "name", str(v)))
-@pytest.mark.parametrize("m", ROWS)
-def test_rows_equal_each_row_alone(fmt: Format, k: int, m: int) -> None:
+@pytest.mark.parametrize(("fmt", "k", "m", "tile"), CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_rows_equal_each_row_alone(fmt: Format, k: int, m: int, tile: dict) -> None:
     rng = np.random.default_rng(int(fmt) * 100 + m)
     w = dev(raw_weights(fmt, N, k, rng))
     acts = _acts(m, k, rng)
     out = torch.full((m, N), float("nan"), device=DEVICE)
-    assert gemv_q8_rows(acts, w, fmt, N, k, out) is out
-    want = _alone(acts, lambda row, _: gemv_q8(row, w, fmt, N, k, torch.empty((1, N), device=DEVICE)))
+    assert gemv_q8_rows(acts, w, fmt, N, k, out, **tile) is out
+    want = _alone(acts, lambda row, _: gemv_q8(row, w, fmt, N, k, torch.empty((1, N), device=DEVICE), **tile))
     assert torch.equal(out, want)
 
 
-@pytest.mark.parametrize(("fmt", "k"), CASES[:3], ids=lambda v: getattr(v, "name", str(v)))
-def test_gate_up_glu_rows_equal_each_row_alone(fmt: Format, k: int) -> None:
-    m, rng = 5, np.random.default_rng(int(fmt) + 7)
+@pytest.mark.parametrize(("fmt", "k", "m", "tile"), CASES[:1] + [(Format.Q8_0, 64, 2, {})], ids=str)
+def test_gate_up_glu_rows_equal_each_row_alone(fmt: Format, k: int, m: int, tile: dict) -> None:
+    rng = np.random.default_rng(int(fmt) + 7)
     wg, wu = dev(raw_weights(fmt, N, k, rng)), dev(raw_weights(fmt, N, k, rng))
     acts = _acts(m, k, rng)
     out = torch.full((m, N), float("nan"), device=DEVICE)
-    gemv_q8_rows_gate_up_glu(acts, wg, wu, fmt, N, k, out)
-    want = _alone(acts, lambda row, _: gemv_q8_gate_up_glu(row, wg, wu, fmt, N, k, torch.empty((1, N), device=DEVICE)))
+    gemv_q8_rows_gate_up_glu(acts, wg, wu, fmt, N, k, out, **tile)
+    empty = torch.empty((1, N), device=DEVICE)
+    want = _alone(acts, lambda row, _: gemv_q8_gate_up_glu(row, wg, wu, fmt, N, k, empty.clone(), **tile))
     assert torch.equal(out, want)
 
 
@@ -135,7 +139,7 @@ def test_supports_and_bad_inputs() -> None:
     rng = np.random.default_rng(2)
     acts = _acts(2, 96, rng)
     w = dev(raw_weights(Format.Q8_0, N, 96, rng))
-    with pytest.raises(ValueError, match=r"\(2, 11\)"):
+    with pytest.raises(ValueError, match=r"\(2, 5\)"):
         gemv_q8_rows(acts, w, Format.Q8_0, N, 96, torch.empty((1, N), device=DEVICE))
     with pytest.raises(ValueError, match="no int8 GEMV"):
         gemv_q8_rows(acts, w, Format.F16, N, 96, torch.empty((2, N), device=DEVICE))

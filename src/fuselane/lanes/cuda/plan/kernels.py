@@ -182,10 +182,12 @@ def decodes(fmt: Format) -> bool:
     return fmt in DECODED_FORMATS
 
 
-def int8_gemv(fmt: Format, m: int, k: int) -> bool:
-    """Whether the int8 GEMV takes a product of `m` rows of `k` values in `fmt`: one row, one of its formats,
-    whole blocks of the format."""
-    return m == 1 and fmt in INT8_GEMV_FORMATS and k % (QK_K if fmt in SUPER_BLOCK_FORMATS else QK) == 0
+def int8_gemv(fmt: Format, m: int, k: int, batch: bool = False) -> bool:
+    """Whether the int8 GEMV takes a product of `m` rows of `k` values in `fmt`: one row, or a batch's rows
+    (each its own sequence's decode row: `triton/gemv/q8_rows.py`, tiles of GEMV_ROWS rows that read a chunk
+    of weights once for all of theirs), in one of its formats, whole blocks of the format."""
+    rows = m == 1 or (batch and m >= 1)
+    return rows and fmt in INT8_GEMV_FORMATS and k % (QK_K if fmt in SUPER_BLOCK_FORMATS else QK) == 0
 
 
 def norm_walked_in_chunks(fmt: Format, m: int, k: int, n: int, int8: bool) -> bool:

@@ -197,9 +197,10 @@ class CudaShim:
     def activation(self, consumer: Op, operand: int, g: TensorGraph) -> QuantFormat | None:
         """The quantized form in which `consumer` reads its operand `operand`: the lane's activation format
         for the activation of a product by checkpoint rows the int8 GEMV takes (`kernels.int8_gemv`: a decode
-        step's one row, its formats), alone, as a gated pair or in parts, and of a mixture; and of a chunk's
-        product the int8 GEMM takes (`int8_gemm`). Other products (a batch's, a chunk's in other formats or
-        within the GEMV's rows) read the f32 activation, so nothing quantizes it for them."""
+        step's one row or a batch's rows, its formats), alone, as a gated pair or in parts, and of a decode
+        step's mixture; and of a chunk's product the int8 GEMM takes (`int8_gemm`). Other products (a batch's
+        in other formats or of its mixtures, a chunk's in other formats or within the GEMV's rows) read the
+        f32 activation, so nothing quantizes it for them."""
         cls = class_of(consumer)
         if cls in _QUANTIZING:
             return self.activation(parts(consumer)[0], operand, g)
@@ -210,6 +211,9 @@ class CudaShim:
         if fmt is None or operand != 0:
             return None
         first = parts(consumer)[0] if cls in (C.GEMV_GATE_UP_GLU, C.MERGED_QKV) else consumer
+        if self.knobs.batch and g.rows != 1:  # a batch's products on the int8 GEMV over its rows; its mixtures f32
+            p = self.part_product(first, g)
+            return fmt if moe(consumer) is None and p is not None and self.int8_gemv(p, batch=True) else None
         if g.rows != 1:  # a chunk's products past the GEMV's rows on the int8 tensor cores; the rest read f32
             p = self.part_product(first, g)
             return fmt if p is not None and self.int8_gemm(p) else None
@@ -219,9 +223,10 @@ class CudaShim:
         return fmt if p is not None and self.int8_gemv(p) else None
 
     @staticmethod
-    def int8_gemv(p: GemvForm) -> bool:
-        """Whether a product by checkpoint rows is one the int8 GEMV multiplies."""
-        return isinstance(p.weights, Rows) and kernels.int8_gemv(p.weights.format, p.m, p.k)
+    def int8_gemv(p: GemvForm, batch: bool = False) -> bool:
+        """Whether a product by checkpoint rows is one the int8 GEMV multiplies (over a batch's rows where
+        `batch`)."""
+        return isinstance(p.weights, Rows) and kernels.int8_gemv(p.weights.format, p.m, p.k, batch)
 
     def int8_gemm(self, p: GemvForm) -> bool:
         """Whether a chunk's product multiplies on the int8 tensor cores (`gemm_tiles.int8_gemm`): past the
@@ -235,8 +240,9 @@ class CudaShim:
     def quantizes_in_epilogue(self, producer: Op, g: TensorGraph) -> bool:
         """Whether `producer` writes its result's int8 form in its own kernel's epilogue: an add + norm; SwiGLU's
         product of rows of whole 32-value blocks; a decode step's projection whose last program norms its row,
-        and gated pair, where they read their own activation in int8 and write whole 32-value blocks; the
-        decode attention, and a chunk's of heads of whole 32-value blocks."""
+        and gated pair (a batch's only at one row), where they read their own activation in int8 and write
+        whole 32-value blocks; the decode attention (a batch's too), and a chunk's of heads of whole 32-value
+        blocks."""
         cls = class_of(producer)
         if cls is C.ADD_NORM or cls is C.FLASH_DECODE:
             return True
@@ -246,8 +252,10 @@ class CudaShim:
             spec = leaves(producer)[0].sym  # the attention: a chunk's quantizes heads of whole 32-value blocks
             return spec.rows == 1 or spec.hd % kernels.QBLOCK == 0  # type: ignore[union-attr]
         if cls in (C.GEMV_NORM_EPILOGUE, C.GEMV_GATE_UP_GLU):
+            # the one-row int8 GEMV's epilogues; a batch's rows past one are quantized by a launch of their own
             p = gemv(parts(producer)[0], g)
-            within = p is not None and p.m <= kernels.GEMV_ROWS and p.n % kernels.QBLOCK == 0
+            rows = kernels.GEMV_ROWS if not self.knobs.batch else 1
+            within = p is not None and p.m <= rows and p.n % kernels.QBLOCK == 0
             return within and self.activation(producer, 0, g) is not None
         if cls is C.MOE_GATE_UP_ACT:
             return self._experts_in_int8(producer, g)

@@ -25,7 +25,7 @@ from fuselane.fuse.optimizer import VIEWS
 from fuselane.fuse.views import class_of, leaves, parts
 from fuselane.gguf.formats import Format
 from fuselane.graph.classes import ClassId as C
-from fuselane.graph.ir import Op, TensorGraph
+from fuselane.graph.ir import Form, Op, TensorGraph
 from fuselane.graph.ops import (
     ArgMax,
     Attention,
@@ -196,17 +196,23 @@ def _q8_gemm(name: str, fmt: Format, m: int, k: int, b: Bound, out: Any):
     for a product the int8 GEMM takes (`CudaShim.int8_gemm`); None otherwise."""
     from fuselane.lanes.cuda.triton import gemm_q8
 
-    if name not in b.q8 or not gemm_q8.supports(fmt, m, k) or out.dtype not in _store_types():
+    batch = b.g.form is Form.BATCH  # a batch's rows are each a decode row: the int8 GEMV over them
+    if batch or name not in b.q8 or not gemm_q8.supports(fmt, m, k) or out.dtype not in _store_types():
         return None
     return gemm_q8, b.q8[name]
 
 
 def _q8_in(name: str, fmt: Format, m: int, k: int, b: Bound, *outs: Any):
     """(the int8 GEMV module, the activation's Q8Acts) where the plan wrote `name`'s int8 form (its producer's
-    epilogue, or a `Quantize` launch) and the int8 kernels take the product; None where it reads the f32 row."""
-    from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
+    epilogue, or a `Quantize` launch) and the int8 kernels take the product; None where it reads the f32 row.
+    A batch's rows past one take the module over many rows (`q8_rows`), whose launchers the one-row
+    module's names call alike."""
+    from fuselane.lanes.cuda.triton.gemv import q8, q8_rows
 
-    if name not in b.q8 or not gemv_q8.supports(fmt, m, k) or any(out.dtype not in _store_types() for out in outs):
+    gemv_q8 = q8 if m == 1 else q8_rows if b.g.form is Form.BATCH else None  # a chunk's: the GEMMs, or f32
+    if gemv_q8 is None or name not in b.q8 or not gemv_q8.supports(fmt, m, k):
+        return None
+    if any(out.dtype not in _store_types() for out in outs):
         return None
     return gemv_q8, b.q8[name]
 
@@ -524,6 +530,8 @@ def _gate_up(op: Op, b: Bound, out_q8: Any = None):
         gemv_q8, acts = q8
         if out_q8 is None:
             return [lambda: gemv_q8.gemv_q8_gate_up_glu(acts, wg, wu, fmt, n, k, out)]
+        if spec.m > 1:
+            raise PlanMismatch(f"{op.out}: the gated pair writes its int8 form from the one-row int8 GEMV only")
         from fuselane.lanes.cuda.triton.gemv import q8_epilogue as qe
 
         counters = b.scratch.setdefault(f"glu-q8:{op.out}", qe.q8_counters(n, out.device))
@@ -609,6 +617,8 @@ def _norm_epilogue(op: Op, b: Bound, out_q8: Any = None):
     counter = gemv_epilogue.gemv_add_norm_counter(x.device)  # its own: launches on one stream in turn
     n, k = product.n, product.k
     q8 = _q8_in(mm.ins[0], fmt, product.m, k, b, out)
+    if product.m > 1:
+        raise PlanMismatch(f"{op.out}: a projection norms in its last program the one row of a decode step only")
     if q8 is not None and n % kernels.QBLOCK == 0:
         from fuselane.lanes.cuda.triton.gemv import q8_epilogue as qe
         from fuselane.lanes.cuda.triton.quant import empty_q8
