@@ -104,7 +104,11 @@ def test_parts_bias_residual_and_rows_at_a_position_equal_each_row_alone() -> No
         one = [torch.zeros((1, n), device=DEVICE) for n in ns[1:]]
         cache = torch.zeros((1, ns[2]), dtype=torch.float16, device=DEVICE)
         zero = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-        alone = [Part(ws[0], ns[0], dres), Part(ws[1], ns[1], one[0], bias), Part(ws[2], ns[2], cache, None, (zero, ns[2]))]
+        alone = [
+            Part(ws[0], ns[0], dres),
+            Part(ws[1], ns[1], one[0], bias),
+            Part(ws[2], ns[2], cache, None, (zero, ns[2])),
+        ]
         gemv_q8_parts(row, alone, fmt, residual=dres)
         assert torch.equal(out0[i : i + 1], dres) and torch.equal(out1[i : i + 1], one[0])
         assert torch.equal(table[2 + i : 3 + i], cache)

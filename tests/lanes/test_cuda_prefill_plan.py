@@ -1,6 +1,7 @@
 """The cuda lane's prefill plan under `prefill=int8`: a chunk's products read their activation's int8 form, which
 the plan writes (an add + norm in its epilogue, a `Quantize` launch after the producers that have none), and
-the other `prefill` values, a batch and the dequantized numerics leave every activation in f32."""
+the other `prefill` values and the dequantized numerics leave every activation in f32 (a batch's rows:
+`test_cuda_batch_plan.py`)."""
 
 from __future__ import annotations
 
