@@ -86,7 +86,7 @@ def test_the_gemv_loops_wait_after_their_first_weights_and_before_the_loop() -> 
             for n in ast.walk(s)
             if isinstance(n, ast.Call)
         }
-        weights_only = {"load_chunk", "_raw_chunk", "zeros"}
+        weights_only = {"load_chunk", "raw_chunk", "zeros"}
         assert called <= weights_only, f"{module}: {called - weights_only} before the wait"
 
 

@@ -87,7 +87,7 @@ Q6_CRUMB_STEP, Q6_HIGH_CRUMB = const(2), const(4)  # Q6_K: crumbs of run r at bi
 Q6_BIAS, Q5_BIAS = const(32.0), const(16.0)
 QK_C, QK_K_C, HALF_QK_C = const(QK), const(QK_K), const(QK // 2)
 WORD_VALUES = const(4)  # int8 codes a 32-bit word
-# Each format's groups a unit (a thread's share of a chunk: see `_acts`) and values a unit; `q8_bodies` holds
+# Each format's groups a unit (a thread's share of a chunk: see `chunk_acts`) and values a unit; `q8_bodies` holds
 # the formats after the first four
 GROUPS = {Format.Q4_K: K_RUNS.value, Format.Q6_K: Q6_RUNS.value, Format.Q8_0: 1, Format.Q5_0: 1} | q8_bodies.GROUPS
 UNIT_VALUES = {Format.Q4_K: QK_K, Format.Q6_K: QK_K, Format.Q8_0: QK, Format.Q5_0: QK} | q8_bodies.UNIT_VALUES
@@ -156,7 +156,7 @@ def _raw_q6_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.
 
 
 @triton.jit
-def _raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
+def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
     """A chunk's weight bytes: Q4_K's and Q6_K's held apart a group a thread (`_raw_q4_k`, `_raw_q6_k`), the
     others' as `load_chunk`."""
     if FMT == FMT_Q4_K:
@@ -222,7 +222,7 @@ def _first_values(u0, FMT: tl.constexpr, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _acts(xq, xd, xs, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+def chunk_acts(xq, xd, xs, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     """The activations the chunk at unit u0 meets, as a tuple `_chunk_sum` takes: each group's low run and
     the run its other codes meet (Q4_K's high nibbles 32 on, Q6_K's 64 on, Q8_0's and Q5_0's 16 on)."""
     live = _live(u0, FMT, N_UNITS, CHUNK)
@@ -342,32 +342,32 @@ def row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_U
               PDL: tl.constexpr):  # fmt: skip
     """x . row for the tile's rows of `w_a` (and `w_b` where TWO), [N] f32 each; the loop of
     `fast.row_dots`: each iteration loads the weights DEPTH chunks ahead (1 or 2), then sums this
-    chunk's with its activations (`_acts`, read once for both matrices where TWO). The first DEPTH chunks'
+    chunk's with its activations (`chunk_acts`, read once for both matrices where TWO). The first DEPTH chunks'
     loads are written before the wait for the kernel that wrote x (`pdl`)."""
     CHUNKS: tl.constexpr = (N_UNITS + CHUNK - 1) // CHUNK
     PARTIAL: tl.constexpr = N_UNITS % CHUNK != 0
     DEEP: tl.constexpr = DEPTH == 2 and CHUNKS >= 2
     G: tl.constexpr = CHUNK * GROUPS_C[FMT]
-    raw_a = _raw_chunk(w_a, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
+    raw_a = raw_chunk(w_a, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
     raw_b = raw_a
     acc_a = tl.zeros([BLOCK_N, G], tl.float32)
     acc_b = tl.zeros([1], tl.float32)  # a placeholder where not TWO
     if TWO:
-        raw_b = _raw_chunk(w_b, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
+        raw_b = raw_chunk(w_b, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
         acc_b = tl.zeros([BLOCK_N, G], tl.float32)
     if DEEP:  # the second chunk, in flight with the first
-        mid_a = _raw_chunk(w_a, CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 2)
+        mid_a = raw_chunk(w_a, CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 2)
         mid_b = mid_a
         if TWO:
-            mid_b = _raw_chunk(w_b, CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 2)
+            mid_b = raw_chunk(w_b, CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 2)
     pdl.wait(PDL)
     AHEAD: tl.constexpr = 2 * CHUNK if DEEP else CHUNK
     for c in range(0, CHUNKS - 2 if DEEP else CHUNKS - 1):
         u0 = c * CHUNK
-        next_a = _raw_chunk(w_a, u0 + AHEAD, FMT, N_UNITS, CHUNK, PARTIAL)
+        next_a = raw_chunk(w_a, u0 + AHEAD, FMT, N_UNITS, CHUNK, PARTIAL)
         if TWO:
-            next_b = _raw_chunk(w_b, u0 + AHEAD, FMT, N_UNITS, CHUNK, PARTIAL)
-        acts = _acts(xq, xd, xs, u0, FMT, N_UNITS, BLOCK_N, CHUNK)
+            next_b = raw_chunk(w_b, u0 + AHEAD, FMT, N_UNITS, CHUNK, PARTIAL)
+        acts = chunk_acts(xq, xd, xs, u0, FMT, N_UNITS, BLOCK_N, CHUNK)
         if FENCE:  # see fast.PREFETCH_FENCE
             tl.debug_barrier()
         acc_a = _chunk_sum(acc_a, raw_a, acts, u0, FMT, N_UNITS, CHUNK, False)
@@ -383,13 +383,13 @@ def row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_U
                 raw_b = next_b
     last = (CHUNKS - 1) * CHUNK
     if DEEP:  # the chunk before the last, already loaded
-        acts = _acts(xq, xd, xs, last - CHUNK, FMT, N_UNITS, BLOCK_N, CHUNK)
+        acts = chunk_acts(xq, xd, xs, last - CHUNK, FMT, N_UNITS, BLOCK_N, CHUNK)
         acc_a = _chunk_sum(acc_a, raw_a, acts, last - CHUNK, FMT, N_UNITS, CHUNK, False)
         raw_a = mid_a
         if TWO:
             acc_b = _chunk_sum(acc_b, raw_b, acts, last - CHUNK, FMT, N_UNITS, CHUNK, False)
             raw_b = mid_b
-    acts = _acts(xq, xd, xs, last, FMT, N_UNITS, BLOCK_N, CHUNK)
+    acts = chunk_acts(xq, xd, xs, last, FMT, N_UNITS, BLOCK_N, CHUNK)
     y_a = tl.sum(_chunk_sum(acc_a, raw_a, acts, last, FMT, N_UNITS, CHUNK, PARTIAL), 1)
     y_b = y_a
     if TWO:

@@ -1,7 +1,7 @@
 """The int8 GEMV's (`q8`) per-format pieces for Q5_K, Q4_0, Q4_1, Q5_1, IQ4_NL, IQ4_XS, Q3_K and Q2_K: how a
 chunk's bytes are loaded (`raw_chunk`) and how a group's codes meet its two runs of 16 int8 activations in
 dp4a (`chunk_sum`). `q8.row_dots` and every launch built on it (alone, in parts, with epilogues, the gate/up
-GLU) call these through `q8._raw_chunk` and `q8._chunk_sum`, so a format here is a format of all of them.
+GLU) call these through `q8.raw_chunk` and `q8.chunk_sums`, so a format here is a format of all of them.
 
 A group is what one thread owns a chunk: two 16-value runs of codes, each summed by a chain of four dp4a into
 an int32, then scaled once in f32. The groups follow the formats' packing so a group's bytes are one or two

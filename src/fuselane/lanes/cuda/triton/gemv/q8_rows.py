@@ -3,8 +3,8 @@ held as int8 codes under one f32 scale a 32-value block (`quant.Q8Acts` of m row
 
 Why: a batch step's rows are each one sequence's decode row, so each product is the decode GEMV many times
 over. Run as m one-row launches, every row would stream the whole matrix again; here a program loads a chunk
-of its weight rows once (`q8._raw_chunk`, the one-row kernel's loads) and sums it against each of its
-BLOCK_M activation rows in turn (`q8._acts`, `q8.chunk_sums`: the one-row kernel's dp4a bodies), so a
+of its weight rows once (`q8.raw_chunk`, the one-row kernel's loads) and sums it against each of its
+BLOCK_M activation rows in turn (`q8.chunk_acts`, `q8.chunk_sums`: the one-row kernel's dp4a bodies), so a
 weight block is read once for all the tile's rows. Past `kernels.GEMV_ROWS` rows the rows run in tiles of
 that many on the grid's second axis, each tile reading the weights again (as the f32 GEMV's, `rows.py`).
 
@@ -44,10 +44,10 @@ from fuselane.lanes.cuda.triton.gemv.q8 import (
     FORMATS,
     GROUPS,
     UNIT_VALUES,
-    _acts,
-    _raw_chunk,
     check_aligned,
+    chunk_acts,
     chunk_sums,
+    raw_chunk,
     tile_plan,
 )
 from fuselane.lanes.cuda.triton.gemv.rows import store_rows
@@ -62,7 +62,7 @@ def _add_row(acc, raw, xq, xd, xs, r, i, u0, K: tl.constexpr, FMT: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """acc [M, N, G] with this chunk's sums for activation row `r` added to its row `i` (the others as they
     were): the one-row kernel's `acc + sums`, for that row alone."""
-    acts = _acts(xq + r * K, xd + r * (K // QK_C), xs + r * (K // HALF_C), u0, FMT, N_UNITS, BLOCK_N, CHUNK)
+    acts = chunk_acts(xq + r * K, xd + r * (K // QK_C), xs + r * (K // HALF_C), u0, FMT, N_UNITS, BLOCK_N, CHUNK)
     y = chunk_sums(raw, acts, u0, FMT, N_UNITS, CHUNK, MASKED)
     mine = (tl.arange(0, BLOCK_M) == i)[:, None, None]
     return tl.where(mine, acc + y[None, :, :], acc)
@@ -74,10 +74,10 @@ def _rows_chunk(acc_a, acc_b, w_a, w_b, xq, xd, xs, m0, m, u0, K: tl.constexpr, 
                 TWO: tl.constexpr, LAST: tl.constexpr, PARTIAL: tl.constexpr):  # fmt: skip
     """One chunk at unit u0: its weights of `w_a` (and `w_b` where TWO) loaded once, then summed against each
     of the tile's rows (rows past m read row m - 1; the store drops them)."""
-    raw_a = _raw_chunk(w_a, u0, FMT, N_UNITS, CHUNK, PARTIAL and LAST)
+    raw_a = raw_chunk(w_a, u0, FMT, N_UNITS, CHUNK, PARTIAL and LAST)
     raw_b = raw_a
     if TWO:
-        raw_b = _raw_chunk(w_b, u0, FMT, N_UNITS, CHUNK, PARTIAL and LAST)
+        raw_b = raw_chunk(w_b, u0, FMT, N_UNITS, CHUNK, PARTIAL and LAST)
     for i in tl.static_range(BLOCK_M):
         r = tl.minimum(m0 + i, m - 1).to(tl.int64)
         acc_a = _add_row(acc_a, raw_a, xq, xd, xs, r, i, u0, K, FMT, N_UNITS, BLOCK_M, BLOCK_N, CHUNK,
