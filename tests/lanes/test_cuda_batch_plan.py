@@ -45,6 +45,7 @@ def test_a_batchs_products_read_int8():
     # the embedding's norm; each layer's attention output (heads of 16 values: no whole blocks) and gated pair
     assert _count(plan, Quantize) == 1 + 2 * 2
     assert _count(plan, C.ADD_NORM_QUANT) == 2 * 2 and _count(plan, C.GLU_ACT_MUL_QUANT) == 0
+    assert "a batch's products read int8 rows in the int8 GEMV's formats" in plan[0].contract.point
 
 
 def test_a_batch_of_one_row_keeps_the_one_row_epilogues():
@@ -59,6 +60,8 @@ def test_other_formats_and_the_dequantized_numerics_read_f32(model, knobs):
     """f16 rows: no int8 GEMV multiplies them."""
     plan = _plan(model, *knobs)
     assert not _reads_int8(plan) and not _count(plan, Quantize)
+    if knobs:
+        assert plan[0].contract.point.endswith("a batch's products read f32 rows")
 
 
 def test_a_mixtures_kept_experts_read_f32_its_shared_expert_int8():

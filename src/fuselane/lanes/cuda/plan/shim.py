@@ -308,6 +308,7 @@ class CudaShim:
             point=(
                 f"the cuda lane: {k.activations.value} activations, {k.cache_precision.value} cache, "
                 f"{k.recurrent_state.value} state; a chunk's products {self.prefill_products}"
+                + (f"; a batch's products {self.batch_products}" if k.batch else "")
             ),
             activations=self.scheme,
             cache=_CACHE_KEEP[k.cache_precision],
@@ -331,6 +332,14 @@ class CudaShim:
             formats = ", ".join(sorted(f.name for f in gemm_tiles.INT8_GEMM_FORMATS))
             return f"run on the int8 tensor cores from the checkpoint's bytes in {formats}; other formats {in_kernel}"
         return in_kernel
+
+    @property
+    def batch_products(self) -> str:
+        """How a batch's products multiply under the `batch` knob (what `explain` prints): past one row, the
+        int8 GEMV over the batch's rows in its formats, the f32 GEMV in the others and for a mixture's experts."""
+        if self.knobs.activations is Activations.DEQUANT:
+            return "read f32 rows"
+        return "read int8 rows in the int8 GEMV's formats, f32 rows in other formats and a mixture's kept experts"
 
     @property
     def activation_format(self) -> QuantFormat | None:

@@ -12,7 +12,8 @@ A batch's step over a paged KV pool (`Bound.paged`, `fuselane.engine.cuda`) bind
 differences: its rotations turn each row at its own position; the rows its plan writes "into the cache" land in
 the step's staging rows (the cache buffers it is given, at row 0 + i), which its attention stores into each
 row's block before attending over the row's blocks (`attention/paged.py`); and its products run as GEMVs over
-all the batch's rows, in tiles of the GEMV's rows past them.
+all the batch's rows, in tiles of the GEMV's rows past them (the int8 GEMV over the rows, `q8_rows`, where the
+plan quantized them; never the chunk's GEMMs).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 position over its own blocks, as one launch sequence (captured as one CUDA graph per batch size).
 
 The plan is the lane's own, compiled for `Form.BATCH` under the `batch` knob (`CudaShim`: a batch's products
-are GEMVs over its rows, in parts where one activation feeds several; past one row they read the f32
-activation, at one row the int8 one as the single-sequence step's) with `rope_epilogue=off`, so every
+are GEMVs over its rows, in parts where one activation feeds several; under int8 activations they read each
+row's int8 form, as the single-sequence step reads its one row's, in the int8 GEMV's formats: past one row
+the int8 GEMV over the rows, `triton/gemv/q8_rows.py`) with `rope_epilogue=off`, so every
 rotation is a launch of its own that turns each row at its own position. The plan's cache writes land in
 staging rows (one row a sequence); each layer's attention stores them into the rows' blocks and attends over
 each row's blocks (`launch.PagedRows`, `triton/attention/paged.py`).
