@@ -23,6 +23,7 @@ from fuselane.engine.cuda import CudaPaged  # noqa: E402
 from fuselane.engine.lane import Work  # noqa: E402
 from fuselane.engine.sequence import Event, Request  # noqa: E402
 from fuselane.gguf.synth import Shape, write_synthetic  # noqa: E402
+from fuselane.graph.ops import Quantize  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 from fuselane.runtime.sampling import GREEDY, Sampler, SamplingParams  # noqa: E402
 
@@ -82,8 +83,9 @@ def test_batch_equals_single(path, max_seqs):
 
 @pytest.mark.parametrize("knobs", [[], ["activations=dequant"]], ids=["int8", "dequant"])
 def test_batch_logits_within_contract(path, knobs):
-    """One decode step of five sequences (a bucket of 8, f32 activations) and of one (int8 where the
-    single-sequence step has them): each row's logits within the lane's contract of the cpu lane's alone."""
+    """One decode step of five sequences (a bucket of 8) and of one: each row's logits within the lane's contract
+    of the cpu lane's alone. Under int8 activations both read int8 rows where the single-sequence step does (the
+    bucket of 8 through the int8 GEMV over its rows, `q8_rows`, after its `Quantize` launches)."""
     gpu = load(path, lane="cuda", ctx=CTX, knobs=knobs)
     ref = load(path, lane="cpu", ctx=CTX, dtype=np.float64)
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
@@ -102,6 +104,8 @@ def test_batch_logits_within_contract(path, knobs):
             want = ref.session().feed(p)
             assert np.isfinite(logits[i]).all() and rel(logits[i], want) <= tol, f"row {i} of {len(rows)}"
             assert tokens[i] == int(np.argmax(logits[i]))
+    quantized = any(isinstance(op.sym, Quantize) for op in paged.steps[8].plan.ops)
+    assert quantized is (not knobs)  # the dequantized numerics quantize nothing
 
 
 def test_seeded_draws_repeat_and_blocks_come_back(path):
