@@ -72,7 +72,16 @@ UNIFORM_BITS = 24
 UNIFORM_SHIFT: tl.constexpr = tl.constexpr(32 - UNIFORM_BITS)
 UNIFORM_SCALE: tl.constexpr = tl.constexpr(2.0**-UNIFORM_BITS)
 
+# A batch's sequences' settings, a row of ROW_PARAMS f32 each (`sample_rows`): the temperature, top-p, then the
+# candidates a draw picks from (top-k, or the vocabulary: exact in f32 below 2^24).
+CANDIDATES = 2
+ROW_PARAMS = 3
+
 # The places above as the kernels read them: a jit function sees a module's globals only as constexprs.
+_CANDIDATES: tl.constexpr = tl.constexpr(CANDIDATES)
+ROW_PARAMS_C: tl.constexpr = tl.constexpr(ROW_PARAMS)
+PICKED_VALUES_C: tl.constexpr = tl.constexpr(PICKED_VALUES)
+RNG_VALUES_C: tl.constexpr = tl.constexpr(RNG_VALUES)
 _TOKEN: tl.constexpr = tl.constexpr(TOKEN)
 _NAN_FLAG: tl.constexpr = tl.constexpr(NAN_FLAG)
 _TEMPERATURE: tl.constexpr = tl.constexpr(TEMPERATURE)
@@ -182,22 +191,10 @@ def _first_reaching(vals_ptr, k, best, temperature, above, reach, BLOCK: tl.cons
 
 
 @triton.jit
-def _sample_kernel(
-    vals_ptr,
-    idx_ptr,
-    params_ptr,
-    rng_ptr,
-    out_ptr,
-    ids_ptr,
-    pos_ptr,
-    k,
-    BLOCK: tl.constexpr,
-    PICK_BLOCK: tl.constexpr,
-    DRAWS: tl.constexpr,
-    FEED: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl.begin(PDL)
+def _draw(vals_ptr, idx_ptr, params_ptr, rng_ptr, out_ptr, k, BLOCK: tl.constexpr, PICK_BLOCK: tl.constexpr,
+          DRAWS: tl.constexpr):  # fmt: skip
+    """DRAWS seeded draws from the first `k` candidates (best first) under `params` and `rng` (advanced), into
+    out[:DRAWS] with the NaN flag after them; returns the draws' tokens."""
     best = tl.load(vals_ptr)
     nan = (best != best).to(tl.int32)  # candidates come best first, and torch orders NaN first
     temperature = tl.load(params_ptr + _TEMPERATURE)
@@ -228,8 +225,45 @@ def _sample_kernel(
     tokens = tl.where(nan != 0, 0, tl.load(idx_ptr + pick).to(tl.int32))
     tl.store(out_ptr + tl.arange(0, DRAWS), tokens)
     tl.store(out_ptr + DRAWS, nan)
+    return tokens
+
+
+@triton.jit
+def _sample_kernel(
+    vals_ptr,
+    idx_ptr,
+    params_ptr,
+    rng_ptr,
+    out_ptr,
+    ids_ptr,
+    pos_ptr,
+    k,
+    BLOCK: tl.constexpr,
+    PICK_BLOCK: tl.constexpr,
+    DRAWS: tl.constexpr,
+    FEED: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl.begin(PDL)
+    tokens = _draw(vals_ptr, idx_ptr, params_ptr, rng_ptr, out_ptr, k, BLOCK, PICK_BLOCK, DRAWS)
     if FEED:
         _feed(tl.max(tokens, axis=0), ids_ptr, pos_ptr)  # one draw when fed: its token
+
+
+@triton.jit
+def _sample_rows_kernel(vals_ptr, idx_ptr, slots_ptr, params_ptr, rng_ptr, out_ptr, cols, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):  # fmt: skip
+    """A batch's rows, a program each: a row whose slot is a sequence's draws from its sorted row under that
+    sequence's settings and generator (`_draw`, its own top-k as its candidates); a row of slot -1 (greedy, or
+    padding) keeps the pick the arg-max wrote."""
+    pdl.begin(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot >= 0:
+        params = params_ptr + slot * ROW_PARAMS_C
+        k = tl.load(params + _CANDIDATES).to(tl.int32)
+        out, rng = out_ptr + row * PICKED_VALUES_C, rng_ptr + slot * RNG_VALUES_C
+        _draw(vals_ptr + row * cols, idx_ptr + row * cols, params, rng, out, k, BLOCK, BLOCK, 1)
 
 
 # ---- the host's side --------------------------------------------------------------------------------------
@@ -385,3 +419,35 @@ def sample_token(
         num_warps=warps,
         **pdl.options(),
     )
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    vals: torch.Tensor,
+    idx: torch.Tensor,
+    slots: torch.Tensor,
+    params: torch.Tensor,
+    rng: torch.Tensor,
+    picked: torch.Tensor,
+) -> None:
+    """A batch's draws, every row's in one launch after one sort, so a captured step draws inside its graph:
+    row r with slots[r] = s >= 0 draws from its logits under params[s] (f32: temperature > 0, top-p in (0, 1],
+    candidates: its top-k, or the whole row) and rng[s] (int64: seed, counter; advanced by one) into picked[r],
+    as `sample_token` draws from that many `candidates`; a row of slot -1 keeps picked[r].
+
+    The rows are sorted whole (a stable descending sort: ties in index order, where `candidates`' top-k leaves
+    them unordered) and each is scanned in the widest tile, the one `sample_token` takes for a whole vocabulary:
+    a top-k row's total weight is summed in another order than `sample_token`'s narrower tile sums it, so its
+    draw is the same but where u * total falls within an f32 rounding of a running weight."""
+    rows, cols = logits.shape
+    if vals.shape != (rows, cols) or idx.shape != (rows, cols) or picked.shape != (rows, PICKED_VALUES):
+        raise ValueError(f"sample_rows: sorted values, indices of ({rows}, {cols}) and picks of ({rows}, 2)")
+    if slots.dtype != torch.int32 or slots.numel() != rows:
+        raise ValueError(f"slots must be {rows} int32 values")
+    if params.dtype != torch.float32 or params.shape[-1] != ROW_PARAMS or rng.dtype != torch.int64:
+        raise ValueError(f"params must be rows of {ROW_PARAMS} f32 values, rng of {RNG_VALUES} int64")
+    torch.sort(logits, dim=1, descending=True, stable=True, out=(vals, idx))
+    tile = sample_tile(cols)
+    warps = max(1, min(SAMPLE_MAX_WARPS, tile // (kernels.WARP * SAMPLE_VALUES_A_THREAD)))
+    _sample_rows_kernel[(rows,)](vals, idx, slots, params, rng, picked, cols, BLOCK=tile, num_warps=warps,
+                                 **pdl.options())  # fmt: skip
