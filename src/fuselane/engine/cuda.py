@@ -8,7 +8,7 @@ Decode rows run together (`fuselane.lanes.cuda.run.paged`): the lane's plan comp
 B the step's rows rounded up to a power of two (the buckets 1, 2, 4, 8, ... up to `--max-seqs`), each bucket's
 step captured as one CUDA graph after its first runs (eager where the lane runs without graphs). Each row
 takes the greedy pick of the graph or, when its sequence samples, a draw of the device sampler under its own
-settings and seed.
+settings and seed, drawn inside the graph too.
 
 Prefill chunks run through the lane's own single-sequence path (its prefill GEMMs and attention, over a
 contiguous cache of `ctx` rows): the sequence's rows are gathered from its blocks into that scratch cache
@@ -57,7 +57,9 @@ class CudaPaged:
         }
         self.scratch = {n: self.single.cache(n, s) for n, s in caches.items()}
         self.steps: dict[int, Any] = {}
-        self.draws = Draws(lane)
+        # a row of draws a sequence that has drawn, until it ends: a running one holds a block, and a preempted
+        # one waits at the queue's head, so no new sequence joins before it does: at most `blocks` at once
+        self.draws = Draws(lane, blocks + 1)
         self.resident: tuple[int, int] | None = None  # (sequence, rows) the scratch cache holds
         self._batch(1)  # a model whose batch form the lane cannot run is refused here, not at the first step
 
@@ -93,13 +95,13 @@ class CudaPaged:
 
         if rows not in self.steps:
             try:
-                self.steps[rows] = BatchStep(self.lane, rows, self.pools, self.block_size, self.width)
+                self.steps[rows] = BatchStep(self.lane, rows, self.pools, self.block_size, self.width, self.draws)
             except (PlanMismatch, NotImplementedError, ValueError) as e:
                 raise FuselaneError(f"the cuda lane cannot run this model's batch form: {e}") from None
         return self.steps[rows]
 
     def _decode(self, works: Sequence[Work]) -> list[int]:
-        from fuselane.lanes.cuda.run.paged import layout, picks
+        from fuselane.lanes.cuda.run.paged import NO_SLOT, layout, picks
 
         if not works:
             return []
@@ -110,10 +112,11 @@ class CudaPaged:
         tables = [w.table.blocks for w in works]
         ids = [w.ids[0] for w in works]
         step.write(layout(step.rows, self.width, ids, positions, slots, tables, self.spare, bs))
-        step.launch()
-        for i, w in enumerate(works):
-            if not w.sampler.params.greedy:
-                self.draws.draw(w.seq, w.sampler.params, step.logits[i], step.picked[i])
+        draws = [NO_SLOT if w.sampler.params.greedy else self.draws.slot(w.seq, w.sampler.params) for w in works]
+        sampling = any(d != NO_SLOT for d in draws)
+        if sampling:
+            step.write_slots(draws)
+        step.launch(sampling)
         return picks(step, len(works))
 
     # ---- prefill chunks: the single-sequence path over a gathered cache ---------------------------------

@@ -14,9 +14,11 @@ pool slots (where the new key and value go), lengths and block tables (padded to
 Rows past the batch's sequences (a bucket is a power of two) feed token 0 at position 0, write their key and
 value into a spare block past the pool's and attend over it alone: their results are never read.
 
-The step ends with an arg-max a row (the greedy pick, `triton/sample.py`), part of the captured graph. A row
-that samples is drawn after the replay by the device sampler with its own sequence's settings and Philox
-generator (`Draws`): two launches a sampling row, outside the graph, whose shape (top-k) differs by row.
+The step ends with an arg-max a row (the greedy pick, `triton/sample.py`), part of the captured graph. Where a
+row samples, the step ends with the batch's draws too (`sample.sample_rows`: one sort of every row and one
+launch that draws each sampling row under its own sequence's settings and Philox generator, which live on the
+device in `Draws`' tables, a row a sequence, found through the step's slot column), also inside the graph: a
+bucket keeps two graphs, one that samples and one that only picks greedily, so greedy steps sort nothing.
 """
 
 from __future__ import annotations
@@ -40,13 +42,16 @@ from fuselane.runtime.sampling import SamplingParams, nan_logits
 # The columns of the step's inputs, one int32 row each (then the tables, `width` columns a row).
 ID, POSITION, SLOT, LENGTH = range(4)
 COLUMNS = 4
+NO_SLOT = -1  # a row that draws nothing: greedy, or padding
 
 
 class BatchStep:
     """The plan for `rows` sequences bound to the pool's tensors (`pools`: by cache name, `block_size` rows a
     block, tables `width` blocks wide), with its inputs, its staging rows and its picks."""
 
-    def __init__(self, lane: CudaLane, rows: int, pools: dict[str, Any], block_size: int, width: int) -> None:
+    def __init__(
+        self, lane: CudaLane, rows: int, pools: dict[str, Any], block_size: int, width: int, draws: Draws
+    ) -> None:
         from fuselane.lanes.cuda.run.launch import Bound, PagedRows, bind
         from fuselane.lanes.cuda.triton import pdl, sample
 
@@ -86,40 +91,60 @@ class BatchStep:
             (lambda i=i: sample.argmax_token(self.logits[i], self.picked[i], scratch[i]))  # noqa: B023
             for i in range(rows)
         ]
-        self.graph: Any = None
-        self.runs = 0
+        self.draws = draws
+        self.slots = torch.full((rows,), NO_SLOT, dtype=torch.int32, device=device)  # each row's sequence's draws
+        self.sorted: tuple[Any, Any] | None = None  # the rows sorted for their draws: made by the first that samples
+        self.graphs: dict[bool, Any] = {}  # sampling or not -> its captured graph
+        self.runs = {False: 0, True: 0}
 
     def write(self, values: np.ndarray) -> None:
         """The step's inputs from the host: `COLUMNS` rows of `rows` values, then the tables (`layout`)."""
         self.inputs.copy_(self.torch.from_numpy(values), non_blocking=False)
 
-    def launch(self) -> None:
-        """Run the step and the greedy picks on the inputs written: eagerly for the first runs (Triton compiles
-        each kernel on its first launch), then as the graph captured once and replayed."""
-        if self.graph is None and self.lane.use_graphs and self.runs >= WARMUP_RUNS:
-            self.graph = self._capture()
-        if self.graph is not None:
-            self.graph.replay()
-            return
-        self._eager()
-        self.runs += 1
+    def write_slots(self, slots: list[int]) -> None:
+        """Each row's slot in the draws' tables (`NO_SLOT` for a greedy row), padding rows none."""
+        values = np.full(self.rows, NO_SLOT, dtype=np.int32)
+        values[: len(slots)] = slots
+        self.slots.copy_(self.torch.from_numpy(values), non_blocking=False)
 
-    def _eager(self) -> None:
+    def launch(self, sampling: bool = False) -> None:
+        """Run the step and the greedy picks on the inputs written, then, `sampling`, the draws of the rows with
+        a slot (`write_slots`): eagerly for the first runs of each (Triton compiles each kernel on its first
+        launch), then as the graph captured once for each and replayed."""
+        graph = self.graphs.get(sampling)
+        if graph is None and self.lane.use_graphs and self.runs[sampling] >= WARMUP_RUNS:
+            graph = self.graphs[sampling] = self._capture(sampling)
+        if graph is not None:
+            graph.replay()
+            return
+        self._eager(sampling)
+        self.runs[sampling] += 1
+
+    def _eager(self, sampling: bool) -> None:
+        tail = [self._draw] if sampling else []
         with self.pdl.dependent_launches(self.lane.dependent_launch):
-            for launch in (*self.launch_list, *self.greedy):
+            for launch in (*self.launch_list, *self.greedy, *tail):
                 launch()
 
-    def _capture(self) -> Any:
+    def _draw(self) -> None:
+        if self.sorted is None:  # made by an eager run, before any capture
+            torch, shape, device = self.torch, self.logits.shape, self.logits.device
+            self.sorted = tuple(torch.empty(shape, dtype=t, device=device) for t in (torch.float32, torch.int64))
+        vals, idx = self.sorted
+        d = self.draws
+        self.sample.sample_rows(self.logits, vals, idx, self.slots, d.params, d.rng, self.picked)
+
+    def _capture(self, sampling: bool) -> Any:
         torch = self.torch
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._eager()  # a run on the capture stream first, as torch advises (nothing it advances is kept)
+            self._eager(False)  # a run on the capture stream first, as torch advises (nothing it advances is kept)
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(graph):
-            self._eager()
+            self._eager(sampling)
         return graph
 
 
@@ -140,48 +165,41 @@ def layout(rows: int, width: int, ids, positions, slots, tables, spare: int, blo
 
 
 class Draws:
-    """The device sampler's state of each sampling sequence (its settings and its Philox seed and counter, device
-    values), and the candidates' buffers by their count."""
+    """The device sampler's state of each sampling sequence: its settings (temperature, top-p, candidates) and
+    its Philox seed and counter, a row of two device tables each, the tables' row a sequence's slot. A step's
+    draws read and advance them in place (`sample.sample_rows`), so a captured step draws with no copy."""
 
-    def __init__(self, lane: CudaLane) -> None:
+    def __init__(self, lane: CudaLane, slots: int) -> None:
         from fuselane.lanes.cuda.triton import sample
 
-        self.lane, self.sample, self.torch = lane, sample, lane.torch
-        self.state: dict[int, tuple[Any, Any]] = {}
-        self.buffers: dict[int, tuple[Any, Any]] = {}
+        torch, device = lane.torch, lane.device
+        self.sample, self.torch, self.vocab = sample, torch, lane.cfg.vocab
+        self.params = torch.ones((slots, sample.ROW_PARAMS), dtype=torch.float32, device=device)
+        self.rng = torch.zeros((slots, sample.RNG_VALUES), dtype=torch.int64, device=device)
+        self.free = list(range(slots - 1, -1, -1))
+        self.held: dict[int, int] = {}
 
     def forget(self, seq: int) -> None:
-        self.state.pop(seq, None)
+        slot = self.held.pop(seq, None)
+        if slot is not None:
+            self.free.append(slot)
 
-    def _state(self, seq: int, p: SamplingParams) -> tuple[Any, Any]:
-        """The sequence's params and generator, armed on its first draw as `DeviceSampler.arm` arms a loop."""
-        if seq not in self.state:
-            s, torch, device = self.sample, self.torch, self.lane.device
-            params = [0.0] * s.PARAMS_VALUES
+    def slot(self, seq: int, p: SamplingParams) -> int:
+        """The sequence's row of the tables, armed on its first draw as `DeviceSampler.arm` arms a loop."""
+        if seq not in self.held:
+            if not self.free:  # the engine keeps at most a sequence a block alive that has drawn (engine/cuda.py)
+                raise FuselaneError("the cuda lane's draws hold no free row for another sampling sequence")
+            s, torch = self.sample, self.torch
+            slot = self.held[seq] = self.free.pop()
+            params = [0.0] * s.ROW_PARAMS
             params[s.TEMPERATURE], params[s.TOP_P] = p.temperature, p.top_p
+            params[s.CANDIDATES] = p.top_k if 0 < p.top_k < self.vocab else self.vocab
             seed = np.random.SeedSequence(p.seed).generate_state(1, np.uint64).view(np.int64)[0]
             rng = [0] * s.RNG_VALUES
             rng[s.SEED] = int(seed)
-            self.state[seq] = (
-                torch.tensor(params, dtype=torch.float32, device=device),
-                torch.tensor(rng, dtype=torch.int64, device=device),
-            )
-        return self.state[seq]
-
-    def draw(self, seq: int, p: SamplingParams, logits: Any, picked: Any) -> None:
-        """Draw the sequence's next token from its logits row into its `picked` row (two launches)."""
-        vocab = logits.numel()
-        k = p.top_k if 0 < p.top_k < vocab else vocab
-        if k not in self.buffers:
-            device = self.lane.device
-            self.buffers[k] = (
-                self.torch.empty(k, dtype=self.torch.float32, device=device),
-                self.torch.empty(k, dtype=self.torch.int64, device=device),
-            )
-        vals, idx = self.buffers[k]
-        params, rng = self._state(seq, p)
-        self.sample.candidates(logits, vals, idx)
-        self.sample.sample_token(vals, idx, params, rng, picked)
+            self.params[slot] = torch.tensor(params, dtype=torch.float32)
+            self.rng[slot] = torch.tensor(rng, dtype=torch.int64)
+        return self.held[seq]
 
 
 def picks(step: BatchStep, n: int) -> list[int]:
