@@ -253,9 +253,9 @@ def _sample_kernel(
 @triton.jit
 def _sample_rows_kernel(vals_ptr, idx_ptr, slots_ptr, params_ptr, rng_ptr, out_ptr, cols, BLOCK: tl.constexpr,
                         PDL: tl.constexpr):  # fmt: skip
-    """A batch's rows, a program each: a row whose slot is a sequence's draws from its sorted row under that
-    sequence's settings and generator (`_draw`, its own top-k as its candidates); a row of slot -1 (greedy, or
-    padding) keeps the pick the arg-max wrote."""
+    # A batch's rows, a program each: a row whose slot is a sequence's draws from its sorted row under that
+    # sequence's settings and generator (`_draw`, its own top-k as its candidates); a row of slot -1 (greedy, or
+    # padding) keeps the pick the arg-max wrote.
     pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row).to(tl.int64)
