@@ -108,6 +108,34 @@ def test_batch_logits_within_contract(path, knobs):
     assert quantized is (not knobs)  # the dequantized numerics quantize nothing
 
 
+def test_draws_inside_the_graph_are_the_one_row_samplers(path):
+    """A sampling row (top-k off: the one-row sampler's own tile over the whole row) beside a greedy one, step
+    after step, eager and then replayed from the captured graph: each draw is the one `sample_token` makes from
+    that step's logits with the sequence's generator at that step's counter; the greedy row takes the arg-max."""
+    from fuselane.lanes.cuda.triton import sample
+
+    gpu = load(path, lane="cuda", ctx=CTX)
+    paged, pool = CudaPaged(gpu.lane, 8, 16), BlockPool(8, 16)
+    p = SamplingParams(temperature=0.9, top_k=0, top_p=0.95, seed=7)
+    tables, fed = [BlockTable(), BlockTable()], [5, 9]
+    seed = int(np.random.SeedSequence(p.seed).generate_state(1, np.uint64).view(np.int64)[0])
+    vocab = gpu.cfg.vocab
+    for pos in range(6):  # past the bucket's warm-up runs: the last steps replay its sampling graph
+        assert all(pool.grow(t, pos + 1) for t in tables)
+        works = [Work(0, (fed[0],), pos, tables[0], Sampler(p)), Work(1, (fed[1],), pos, tables[1], Sampler(GREEDY))]
+        fed = paged.step(works)
+        logits = paged.steps[2].logits[:2].clone()
+        vals = torch.empty(vocab, dtype=torch.float32, device=logits.device)
+        idx = torch.empty(vocab, dtype=torch.int64, device=logits.device)
+        sample.candidates(logits[0], vals, idx)
+        params = torch.tensor([p.temperature, p.top_p], dtype=torch.float32, device=logits.device)
+        rng = torch.tensor([seed, pos], dtype=torch.int64, device=logits.device)
+        picked = sample.new_picked(logits.device)
+        sample.sample_token(vals, idx, params, rng, picked)
+        assert fed == [int(picked[sample.TOKEN]), int(torch.argmax(logits[1]))], f"step {pos}"
+    assert True in paged.steps[2].graphs
+
+
 def test_seeded_draws_repeat_and_blocks_come_back(path):
     """Each sequence draws from its own seeded generator: the same batch twice gives the same tokens, another
     seed others. Sequences cancelled mid-run give their blocks back with the rest."""
