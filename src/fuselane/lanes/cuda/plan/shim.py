@@ -43,10 +43,10 @@ from fuselane.fuse.views import GemvForm, class_of, gemv, leaves, moe, parts, ro
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Op, QuantFormat, Rows, TensorGraph
 from fuselane.graph.ops import Attention, ExpertMatmul, Moe
-from fuselane.lanes.cuda.plan import gemm_tiles, kernels, latent
+from fuselane.lanes.cuda.plan import gdn, gemm_tiles, kernels, latent
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, ROWS_A_WARP
 from fuselane.lanes.cuda.plan.fits import fits as lane_fits
-from fuselane.lanes.cuda.plan.gdn import GDN_NATIVE, NOT_YET
+from fuselane.lanes.cuda.plan.gdn import GDN_NATIVE
 from fuselane.lanes.cuda.plan.knobs import Activations, CachePrecision, CudaKnobs, PrefillWeights, StatePrecision
 from fuselane.lanes.cuda.plan.rules import (
     PRODUCTS_APART,
@@ -111,7 +111,6 @@ NO_KERNEL_CLASSES = frozenset(
         *(C.STRIDED_READ, C.JOIN_IN_PLACE, C.STRIDED_VALUES),
         C.ROW_WRITE_QUANT,
         C.MLA,  # a wide chunk's latent attention runs absorbed, as its parts (`triton.mla`), not expanded
-        *NOT_YET,  # two of the gated delta rule's classes (`plan.gdn`)
     }
 )
 _NO_KERNEL = Support(SupportKind.DECOMPOSE, "the lane has no kernel for it yet: its parts run apart")
@@ -236,7 +235,8 @@ class CudaShim:
         """Whether `producer` writes its result's int8 form in its own kernel's epilogue: an add + norm; SwiGLU's
         product of rows of whole 32-value blocks; a decode step's projection whose last program norms its row,
         and gated pair, where they read their own activation in int8 and write whole 32-value blocks; the
-        decode attention, and a chunk's of heads of whole 32-value blocks."""
+        decode attention, and a chunk's of heads of whole 32-value blocks; the gated norm of heads of whole
+        32-value blocks."""
         cls = class_of(producer)
         if cls is C.ADD_NORM or cls is C.FLASH_DECODE:
             return True
@@ -245,6 +245,8 @@ class CudaShim:
         if isinstance(producer.sym, Attention) or cls in (C.FLASH_PREFILL, C.ATTN_OUTPUT_GATE):
             spec = leaves(producer)[0].sym  # the attention: a chunk's quantizes heads of whole 32-value blocks
             return spec.rows == 1 or spec.hd % kernels.QBLOCK == 0  # type: ignore[union-attr]
+        if cls is C.GATED_NORM:  # a program a head: heads of whole 32-value blocks quantize in its store
+            return gdn.gated_norm_quantizes(producer)
         if cls in (C.GEMV_NORM_EPILOGUE, C.GEMV_GATE_UP_GLU):
             p = gemv(parts(producer)[0], g)
             within = p is not None and p.m <= kernels.GEMV_ROWS and p.n % kernels.QBLOCK == 0

@@ -7,7 +7,7 @@ zeroed when a sequence starts, `lane.CudaLane`).
 - GdnGating: `gates.gates` (beta and the decay for every row and value head);
 - GdnStep, and the bare GatedDelta and DeltaState: `delta.delta` for a decode step's row, `chunked.chunked`
   for a chunk's rows (the output, the state, or both);
-- GatedNorm: `norm.gated_norm`; a bare L2Norm: `norm.l2_norm`;
+- GatedNorm: `norm.gated_norm`, which writes its int8 form in its store under GdnOutputQuant; a bare L2Norm: `norm.l2_norm`;
 - Slice: a strided view of its input (no launch), which the kernels above and the rotations read in place.
 """
 
@@ -132,8 +132,9 @@ def step(op: Op, b) -> list:
     return [lambda: run(q, k, v, g, beta, state, out, scale=spec.scale, write_state=write, **shape)]
 
 
-def gated_norm(op: Op, b) -> list:
-    """GatedNorm: norm(o) * w * silu(z), one `gated_norm` launch."""
+def gated_norm(op: Op, b, out_q8: Any = None) -> list:
+    """GatedNorm: norm(o) * w * silu(z), one `gated_norm` launch; with `out_q8` (GdnOutputQuant) the launch
+    writes the result's int8 form too."""
     from fuselane.lanes.cuda.triton.gdn import norm as kernel
 
     n_op = _one(op, RmsNorm)
@@ -142,7 +143,8 @@ def gated_norm(op: Op, b) -> list:
     assert n_op is not None and silu is not None
     spec: RmsNorm = n_op.sym  # type: ignore[assignment]
     x, w, z, out = b.bufs[n_op.ins[0]], b.vec[weight.ins[1]], b.bufs[silu.ins[0]], b.bufs[gated.out]
-    return [lambda: kernel.gated_norm(x, w, z, out, units=spec.rows, d=spec.cols, eps=spec.eps)]
+    shape = dict(units=spec.rows, d=spec.cols, eps=spec.eps)
+    return [lambda: kernel.gated_norm(x, w, z, out, out_q8=out_q8, **shape)]
 
 
 def l2_norm(op: Op, b) -> list:

@@ -718,6 +718,7 @@ _QUANT_EPILOGUE: dict[C | type, Callable[[Op, Bound, Any], list[Launch]]] = {
     C.FLASH_PREFILL: _flash,
     Attention: _attention,
     C.ATTN_OUTPUT_GATE: _attn_output_gate,
+    C.GATED_NORM: gdn_launch.gated_norm,
     C.MOE_GATE_UP_ACT: moe_launch.gate_up_act,
     C.MOE_DEFERRED_FINALIZE: moe_launch.down_combine,
 }

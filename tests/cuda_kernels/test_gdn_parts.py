@@ -1,0 +1,137 @@
+"""The gated delta rule's three launches that take what ran apart (`triton.gdn`): several convolutions in one
+launch (ConvParts), the gates with the `ssm_ba` product that feeds them (GdnGateProjections), and the gated
+norm writing its int8 form in its store (GdnOutputQuant), against the cpu lane's kernels in f64 at tiny shapes
+under the interpreter on a CPU.
+
+Bounds (Higham 3.1, gamma_k as kernel_checks): each convolution part is the convolution's own launch, so its
+bound is that of `test_gdn_kernels` (a sum of `taps` f32 products and the SiLU's roundings, a head's L2 norm
+within norm_rel of its length); the states move, not computed. A gate's product is an f32 sum of k products,
+within gamma(k) of the sum of |w x|, which the sigmoid (derivative at most 1/4) and the softplus (at most 1,
+then times |A|) carry on, plus the gates' own roundings. The int8 form is the `Quantize` launch's arithmetic on
+the values the launch stores: its codes, scales and sums bit for bit those of `quant.quantize_reference`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
+pytest.importorskip("triton")
+
+from kernel_checks import DEVICE, dev, gamma, norm_rel  # noqa: E402
+
+from fuselane.graph.ops import CausalConv, ConvShift, L2Norm, RmsNorm  # noqa: E402
+from fuselane.lanes.cpu import gdn_kernels as ref  # noqa: E402
+from fuselane.lanes.cpu.kernels import rms_norm  # noqa: E402
+from fuselane.lanes.cuda.triton import quant  # noqa: E402
+from fuselane.lanes.cuda.triton.gdn import conv, conv_parts, gates, norm  # noqa: E402
+
+SILU_ROUNDINGS = 8  # the sigmoid's exponential (approximate on a GPU: 4u), its add and division, the product
+TAPS, DK, EPS = 4, 32, 1e-6
+
+
+def rel(a, b) -> float:
+    a = a.detach().cpu().double().numpy() if isinstance(a, torch.Tensor) else a
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def f32(a: np.ndarray):
+    return dev(a.astype(np.float32))
+
+
+def _conv_want(x, state, w, rows):
+    chan = x.shape[1]
+    out = silu(ref.causal_conv(CausalConv(rows, chan, TAPS), [x, state, w], 0))
+    return out, ref.conv_shift(ConvShift(rows, chan, TAPS - 1), [x, state], 0)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_launch_of_convolutions_convolves_each_part_as_alone(rows):
+    rng = np.random.default_rng(30 + rows)
+    # a q-and-k part normed in its epilogue (heads of DK), a wider plain part, a narrow part past no whole block
+    chans, normed = [2 * 2 * DK, 5 * DK + 8, 40], [True, False, False]
+    parts, wants = [], []
+    for chan, n in zip(chans, normed, strict=True):
+        x = rng.standard_normal((rows, chan))
+        state, w = rng.standard_normal((TAPS - 1, chan)), rng.standard_normal((chan, TAPS))
+        out, st = torch.zeros((rows, chan), device=DEVICE), f32(state)
+        kw = chan // 2
+        qk = conv.Normed(torch.zeros((rows, kw), device=DEVICE), torch.zeros((rows, kw), device=DEVICE), kw, DK, EPS)
+        parts.append(conv_parts.Part(f32(x), st, f32(w), out, chan, shift=True, normed=qk if n else None))
+        wants.append(_conv_want(x, state, w, rows))
+    conv_parts.conv_parts(parts, rows=rows, taps=TAPS)
+    bound = TAPS * gamma(TAPS + SILU_ROUNDINGS)
+    for part, (want, want_state) in zip(parts, wants, strict=True):
+        assert rel(part.out, want) <= bound
+        assert rel(part.state, want_state) <= gamma(1)  # moved, not computed
+        if part.normed is not None:
+            kw, l2 = part.normed.key_width, L2Norm(rows * part.normed.key_width // DK, DK, EPS)
+            for got, cols in ((part.normed.q, want[:, :kw]), (part.normed.k, want[:, kw : 2 * kw])):
+                exact = ref.l2_norm(l2, [cols], 0).reshape(rows, kw)
+                assert rel(got, exact) <= norm_rel(DK) + bound
+
+
+def test_a_launch_of_convolutions_refuses_what_it_cannot_take():
+    x = torch.zeros((1, 64), device=DEVICE)
+    part = conv_parts.Part(x, torch.zeros((TAPS - 1, 64), device=DEVICE), x, x, 64, shift=False)
+    with pytest.raises(ValueError, match="1 to 4 parts"):
+        conv_parts.conv_parts([part] * 5, rows=1, taps=TAPS)
+    heads = [conv.Normed(x, x, 32, w, EPS) for w in (16, 32)]
+    with pytest.raises(ValueError, match="heads of one width"):
+        conv_parts.conv_parts([conv_parts.Part(x, x, x, x, 64, False, h) for h in heads], rows=1, taps=TAPS)
+
+
+@pytest.mark.parametrize(("rows", "k"), [(1, 96), (3, 40)])
+def test_the_gates_take_their_projection_in_the_same_launch(rows, k):
+    rng = np.random.default_rng(40 + rows)
+    key_heads, heads = 2, 6
+    per = heads // key_heads
+    x, w = rng.standard_normal((rows, k)), rng.standard_normal((2 * heads, k)) / np.sqrt(k)
+    dt, coef = rng.standard_normal(heads), -np.exp(rng.standard_normal(heads))
+    beta, g = torch.zeros((rows, heads), device=DEVICE), torch.zeros((rows, heads), device=DEVICE)
+    gates.projected(f32(x), f32(w), f32(dt), f32(coef), beta, g, rows=rows, heads=heads, key_heads=key_heads, k=k)
+    ba = (x @ w.T).reshape(rows * key_heads, 2 * per)  # the product as the file's groups hold it
+    b, a = ba[:, :per].reshape(rows, heads), ba[:, per:].reshape(rows, heads)
+    product = gamma(k) * (np.abs(x) @ np.abs(w.T)).reshape(rows * key_heads, 2 * per)  # sum |w x| bound
+    pb, pa = product[:, :per].reshape(rows, heads), product[:, per:].reshape(rows, heads)
+    want_beta, want_g = 1 / (1 + np.exp(-b)), coef * np.logaddexp(0, a + dt)
+    got_beta, got_g = beta.double().cpu().numpy(), g.double().cpu().numpy()
+    assert np.all(np.abs(got_beta - want_beta) <= pb / 4 + gamma(SILU_ROUNDINGS) * want_beta)
+    assert np.all(np.abs(got_g - want_g) <= np.abs(coef) * pa + gamma(SILU_ROUNDINGS) * np.abs(want_g))
+
+
+def test_the_gates_projection_takes_only_its_matrix_as_f32():
+    x = torch.zeros((1, 8), device=DEVICE)
+    with pytest.raises(ValueError, match="contiguous f32"):
+        gates.projected(x, torch.zeros((4, 8), device=DEVICE), x, x, x, x, rows=1, heads=4, key_heads=2, k=8)
+
+
+@pytest.mark.parametrize("d", [32, 96])  # a head one block, and three (not a power of two: a masked tail)
+def test_the_gated_norm_writes_its_int8_form_in_its_store(d):
+    rng = np.random.default_rng(50 + d)
+    rows, heads = 2, 3
+    units = rows * heads
+    x, z, w = rng.standard_normal((units, d)), rng.standard_normal((units, d)) * 2, rng.standard_normal(d)
+    out = torch.zeros((units, d), device=DEVICE)
+    q8 = quant.empty_q8(rows, heads * d, DEVICE)
+    norm.gated_norm(f32(x), f32(w), f32(z), out, units=units, d=d, eps=EPS, out_q8=q8)
+    want = rms_norm(RmsNorm(units, d, EPS), [x], 0) * w * silu(z)
+    assert rel(out, want) <= norm_rel(d) + gamma(SILU_ROUNDINGS)
+    codes, scales, sums = quant.quantize_reference(out.cpu().numpy().reshape(rows, heads * d))
+    assert np.array_equal(q8.q.cpu().numpy(), codes)
+    assert np.array_equal(q8.d.cpu().numpy(), scales) and np.array_equal(q8.s.cpu().numpy(), sums)
+
+
+def test_the_gated_norm_quantizes_only_whole_blocks():
+    x = torch.zeros((2, 16), device=DEVICE)
+    with pytest.raises(ValueError, match="whole 32-value blocks"):
+        norm.gated_norm(x, x[0], x, x, units=2, d=16, eps=EPS, out_q8=quant.empty_q8(1, 32, DEVICE))
