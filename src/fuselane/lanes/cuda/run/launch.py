@@ -700,6 +700,8 @@ BINDERS: dict[C | type, Binder] = {
     C.CONV_BIAS_SILU: gdn_launch.conv,
     C.CONV_SILU_L2NORM: gdn_launch.conv,
     C.GDN_GATING: gdn_launch.gating,
+    C.GDN_GATE_PROJECTIONS: gdn_launch.gate_projections,
+    C.CONV_PARTS: gdn_launch.conv_parts,
     C.GDN_STEP: gdn_launch.step,
     C.GATED_NORM: gdn_launch.gated_norm,
     C.ATTN_OUTPUT_GATE: _attn_output_gate,
