@@ -9,7 +9,8 @@ zeroed when a sequence starts, `lane.CudaLane`).
   `gates.projected`, the `ssm_ba` product in the same launch (its matrix as f32 on the device, made once);
 - GdnStep, and the bare GatedDelta and DeltaState: `delta.delta` for a decode step's row, `chunked.chunked`
   for a chunk's rows (the output, the state, or both);
-- GatedNorm: `norm.gated_norm`, which writes its int8 form in its store under GdnOutputQuant; a bare L2Norm: `norm.l2_norm`;
+- GatedNorm: `norm.gated_norm`, which writes its int8 form in its store under GdnOutputQuant; a bare L2Norm:
+  `norm.l2_norm`;
 - Slice: a strided view of its input (no launch), which the kernels above and the rotations read in place.
 """
 
@@ -22,12 +23,12 @@ from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Op
 from fuselane.graph.ops import (
     CausalConv,
-    Matmul,
     ConvShift,
     DeltaState,
     Elementwise,
     GatedDelta,
     L2Norm,
+    Matmul,
     RmsNorm,
     Slice,
     Unary,
