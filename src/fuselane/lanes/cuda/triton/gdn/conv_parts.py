@@ -109,4 +109,3 @@ def conv_parts(parts: Sequence[Part], *, rows: int, taps: int) -> None:
         consts |= {f"SH{i}": shift, f"N{i}": normed, f"KW{i}": kw}
     grid = (max(triton.cdiv(p.chan, block) for p in parts), len(parts))
     _conv_parts_kernel[grid](*runtime, rows, TAPS=taps, BLOCK=block, PARTS=len(parts), **consts, **pdl.options())
-
