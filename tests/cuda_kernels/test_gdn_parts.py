@@ -135,3 +135,69 @@ def test_the_gated_norm_quantizes_only_whole_blocks():
     x = torch.zeros((2, 16), device=DEVICE)
     with pytest.raises(ValueError, match="whole 32-value blocks"):
         norm.gated_norm(x, x[0], x, x, units=2, d=16, eps=EPS, out_q8=quant.empty_q8(1, 32, DEVICE))
+
+
+# --- compiled, at Qwen3-Next-80B-A3B's widths (`pytest -m cuda`) ------------------------------------------------
+
+REAL_K_HEADS, REAL_V_HEADS, REAL_DIM, REAL_EMBD = 16, 32, 128, 2048
+
+
+@pytest.mark.parametrize("rows", [1, 70])
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs an NVIDIA GPU")
+def test_the_real_widths_gates_with_their_projection(rows):
+    rng = np.random.default_rng(60 + rows)
+    heads, k = REAL_V_HEADS, REAL_EMBD
+    x, w = rng.standard_normal((rows, k)), rng.standard_normal((2 * heads, k)) / np.sqrt(k)
+    dt, coef = rng.standard_normal(heads), -np.exp(rng.standard_normal(heads))
+    beta, g = torch.zeros((rows, heads), device=DEVICE), torch.zeros((rows, heads), device=DEVICE)
+    gates.projected(f32(x), f32(w), f32(dt), f32(coef), beta, g, rows=rows, heads=heads, key_heads=REAL_K_HEADS,
+                    k=k)  # fmt: skip
+    torch.cuda.synchronize()
+    per = heads // REAL_K_HEADS
+    ba = (x @ w.T).reshape(rows * REAL_K_HEADS, 2 * per)
+    bound = (gamma(k) * (np.abs(x) @ np.abs(w.T))).reshape(rows * REAL_K_HEADS, 2 * per)
+    b, a = ba[:, :per].reshape(rows, heads), ba[:, per:].reshape(rows, heads)
+    pb, pa = bound[:, :per].reshape(rows, heads), bound[:, per:].reshape(rows, heads)
+    want_beta, want_g = 1 / (1 + np.exp(-b)), coef * np.logaddexp(0, a + dt)
+    assert np.all(np.abs(beta.double().cpu().numpy() - want_beta) <= pb / 4 + gamma(SILU_ROUNDINGS) * want_beta)
+    err_g = np.abs(g.double().cpu().numpy() - want_g)
+    assert np.all(err_g <= np.abs(coef) * pa + gamma(SILU_ROUNDINGS) * np.abs(want_g))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs an NVIDIA GPU")
+def test_the_real_widths_gated_norm_and_its_int8_form():
+    rng = np.random.default_rng(61)
+    units, d = REAL_V_HEADS, REAL_DIM
+    x, z, w = rng.standard_normal((units, d)), rng.standard_normal((units, d)), rng.standard_normal(d)
+    out, q8 = torch.zeros((units, d), device=DEVICE), quant.empty_q8(1, units * d, DEVICE)
+    norm.gated_norm(f32(x), f32(w), f32(z), out, units=units, d=d, eps=EPS, out_q8=q8)
+    torch.cuda.synchronize()
+    want = rms_norm(RmsNorm(units, d, EPS), [x], 0) * w * silu(z)
+    assert rel(out, want) <= norm_rel(d) + gamma(SILU_ROUNDINGS)
+    codes, scales, sums = quant.quantize_reference(out.cpu().numpy().reshape(1, -1))
+    assert np.array_equal(q8.q.cpu().numpy(), codes) and np.array_equal(q8.d.cpu().numpy(), scales)
+    assert np.array_equal(q8.s.cpu().numpy(), sums)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs an NVIDIA GPU")
+def test_the_real_widths_convolutions_in_one_launch():
+    rng = np.random.default_rng(62)
+    kw, vw = REAL_K_HEADS * REAL_DIM, REAL_V_HEADS * REAL_DIM
+    parts, wants = [], []
+    for chan, normed in ((2 * kw, True), (vw, False)):  # q and k normed in the epilogue; v
+        x, state, w = (rng.standard_normal(s) for s in ((1, chan), (TAPS - 1, chan), (chan, TAPS)))
+        qk = conv.Normed(torch.zeros((1, kw), device=DEVICE), torch.zeros((1, kw), device=DEVICE), kw, REAL_DIM, EPS)
+        out = torch.zeros((1, chan), device=DEVICE)
+        parts.append(conv_parts.Part(f32(x), f32(state), f32(w), out, chan, True, qk if normed else None))
+        wants.append(_conv_want(x, state, w, 1))
+    conv_parts.conv_parts(parts, rows=1, taps=TAPS)
+    torch.cuda.synchronize()
+    bound = TAPS * gamma(TAPS + SILU_ROUNDINGS)
+    for part, (want, want_state) in zip(parts, wants, strict=True):
+        assert rel(part.out, want) <= bound
+        assert rel(part.state, want_state) <= gamma(1)
+    exact = ref.l2_norm(L2Norm(REAL_K_HEADS, REAL_DIM, EPS), [wants[0][0][:, kw:]], 0).reshape(1, kw)
+    assert rel(parts[0].normed.k, exact) <= norm_rel(REAL_DIM) + bound

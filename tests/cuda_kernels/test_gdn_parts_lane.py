@@ -97,3 +97,25 @@ def test_the_lane_with_the_gated_norms_int8_form_equals_the_cpu_lane(tmp_path):
     path, gpu = _int8_lane(tmp_path)
     assert C.GDN_OUTPUT_QUANT in {class_of(op) for op, _ in gpu.lane.step(1).bound}
     _same_as_the_cpu_lane(gpu, load(path, lane="cpu", ctx=16, dtype=np.float64), PROMPT)
+
+
+REAL = replace(SHAPES["qwen3-next-80b-a3b"], n_layers=4, vocab=512, experts=16)
+DECODES = 4  # the third decode step is captured as a CUDA graph, the fourth replayed
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("state", ["f32", "bf16"])
+def test_the_real_shape_in_f16_takes_the_gates_projection_in_the_graph(tmp_path, state):
+    """Four layers of the real shape with every matrix F16: the gates with their projection in the captured
+    decode step, its logits within the contract of the cpu lane's in f64."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    path = write_synthetic(tmp_path / "m.gguf", REAL, "f16", seed=6)
+    gpu = load(path, lane="cuda", ctx=32, knobs=[f"state={state}"])
+    assert C.GDN_GATE_PROJECTIONS in {class_of(op) for op, _ in gpu.lane.step(1).bound}
+    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    sg, sr = gpu.session(), ref.session()
+    pairs = [(sg.feed(PROMPT), sr.feed(PROMPT))] + [(sg.extend([t]), sr.extend([t])) for t in range(11, 11 + DECODES)]
+    for i, (a, b) in enumerate(pairs):
+        assert rel(a, b) <= tol, f"step {i}: {rel(a, b):.2e} > {tol:.2e}"
