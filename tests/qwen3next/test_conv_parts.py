@@ -13,11 +13,18 @@ the fused op as one launch whose every part equals the cpu lane's kernels (bound
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
+
+if importlib.util.find_spec("torch") is not None:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
 
 from fuselane.fuse.optimizer import optimize
 from fuselane.fuse.views import class_of, leaves
@@ -181,8 +188,6 @@ def test_the_lane_takes_at_most_four_convolutions_a_launch():
 
 def test_the_lanes_launch_convolves_every_part_as_the_cpu_lane():
     torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
     pytest.importorskip("triton")
     from fuselane.lanes.cpu import gdn_kernels as ref
     from fuselane.lanes.cuda.run.launch import Bound, bind
