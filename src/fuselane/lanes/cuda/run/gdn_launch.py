@@ -161,7 +161,8 @@ def gate_projections(op: Op, b) -> list:
     x, w = b.bufs[product.ins[0]], _gate_matrix(b, product.ins[1], (mm.n, mm.k))
     dt, decay = b.vec[add.ins[1]], b.vec[mul.ins[1]]
     beta, g = b.bufs[sig.out], b.bufs[mul.out]
-    cut: Slice = _all(op, Slice)[0].sym  # type: ignore[assignment]  # b or a: a group a key head of each row
+    # b's slice: a group of each row's values a key head
+    cut: Slice = _all(op, Slice)[0].sym  # type: ignore[assignment]
     shape = dict(rows=spec.rows, heads=spec.cols, key_heads=cut.groups // spec.rows, k=mm.k)
     return [lambda: kernel.projected(x, w, dt, decay, beta, g, **shape)]
 
