@@ -201,3 +201,67 @@ def test_the_real_widths_convolutions_in_one_launch():
         assert rel(part.state, want_state) <= gamma(1)
     exact = ref.l2_norm(L2Norm(REAL_K_HEADS, REAL_DIM, EPS), [wants[0][0][:, kw:]], 0).reshape(1, kw)
     assert rel(parts[0].normed.k, exact) <= norm_rel(REAL_DIM) + bound
+
+
+def _real_launches(rng) -> dict:
+    """The three launches at the real widths, each a (run, outputs, state) triple: `run` launches it, `outputs`
+    are what it writes, `state` what it reads and writes (put back before each run)."""
+    kw, vw = REAL_K_HEADS * REAL_DIM, REAL_V_HEADS * REAL_DIM
+    parts = []
+    for chan, normed in ((2 * kw, True), (vw, False)):
+        x, state, w = (f32(rng.standard_normal(s)) for s in ((1, chan), (TAPS - 1, chan), (chan, TAPS)))
+        qk = conv.Normed(torch.zeros((1, kw), device=DEVICE), torch.zeros((1, kw), device=DEVICE), kw, REAL_DIM, EPS)
+        out = torch.zeros((1, chan), device=DEVICE)
+        parts.append(conv_parts.Part(x, state, w, out, chan, True, qk if normed else None))
+    heads, k = REAL_V_HEADS, REAL_EMBD
+    x, w = f32(rng.standard_normal((1, k))), f32(rng.standard_normal((2 * heads, k)) / np.sqrt(k))
+    dt, coef = f32(rng.standard_normal(heads)), f32(-np.exp(rng.standard_normal(heads)))
+    beta, g = torch.zeros((1, heads), device=DEVICE), torch.zeros((1, heads), device=DEVICE)
+    o, z, nw = (f32(rng.standard_normal(s)) for s in ((heads, REAL_DIM), (heads, REAL_DIM), (REAL_DIM,)))
+    normed, q8 = torch.zeros((heads, REAL_DIM), device=DEVICE), quant.empty_q8(1, heads * REAL_DIM, DEVICE)
+    shape = dict(rows=1, heads=heads, key_heads=REAL_K_HEADS, k=k)
+    return {
+        "conv_parts": (
+            lambda: conv_parts.conv_parts(parts, rows=1, taps=TAPS),
+            [p.out for p in parts] + [parts[0].normed.q, parts[0].normed.k],
+            [p.state for p in parts],
+        ),
+        "gates": (lambda: gates.projected(x, w, dt, coef, beta, g, **shape), [beta, g], []),
+        "gated_norm": (
+            lambda: norm.gated_norm(o, nw, z, normed, units=heads, d=REAL_DIM, eps=EPS, out_q8=q8),
+            [normed, *q8],
+            [],
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", ["conv_parts", "gates", "gated_norm"])
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs an NVIDIA GPU")
+def test_each_launch_replays_from_a_cuda_graph_as_it_runs(name):
+    run, outputs, states = _real_launches(np.random.default_rng(63))[name]
+    start = [s.clone() for s in states]
+
+    def fresh() -> None:
+        for s, s0 in zip(states, start, strict=True):
+            s.copy_(s0)
+        for out in outputs:
+            out.zero_()
+
+    run()  # Triton compiles on the first launch, before the capture
+    fresh()
+    run()
+    eager = [out.clone() for out in outputs]
+    side = torch.cuda.Stream()  # a run on a side stream before the capture, as torch advises (and the lane does)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    fresh()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(outputs, eager, strict=True):
+        assert torch.equal(got, want)
