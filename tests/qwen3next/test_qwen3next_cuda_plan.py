@@ -24,8 +24,8 @@ from fuselane.fuse.views import class_of
 from fuselane.gguf.formats import Format
 from fuselane.gguf.synth import SHAPES, model_metadata, tensor_formats, tensor_shapes
 from fuselane.graph.classes import ClassId as C
-from fuselane.graph.ir import WHOLE, Dst, Form, Op
-from fuselane.graph.ops import GateAct, GatedDelta, Quantize
+from fuselane.graph.ir import WHOLE, Dst, Form, Op, Role, Tensor, Values
+from fuselane.graph.ops import Elementwise, ElementwiseOp, GateAct, GatedDelta, Quantize
 from fuselane.lanes.cuda.plan.gdn import EPILOGUE, GDN_NATIVE, SPECIFIED
 from fuselane.lanes.cuda.plan.knobs import CudaKnobs
 from fuselane.lanes.cuda.plan.shim import CudaShim
@@ -141,3 +141,16 @@ def test_a_sigmoid_gated_delta_rule_is_refused():
 def test_the_state_knob_sets_the_recurrent_states_precision(value, keep):
     shim = CudaShim(CudaKnobs.parse([f"state={value}"]))
     assert shim.numerics().state is keep
+
+
+def test_a_gated_norm_read_elsewhere_in_f32_quantizes_apart():
+    g = graph("qwen3-next-80b-a3b", 1)
+    name = "l0.o_gated"
+    rows, cols = g.tensors[name].shape
+    g.add(Tensor("probe", (rows, cols), Values("f32"), Role.ACTIVATION))
+    g.ops.append(Op(Elementwise(ElementwiseOp.ADD, rows, cols), (name, name), (WHOLE, WHOLE), "probe", Dst("probe"),
+                    (len(g.ops),)))  # fmt: skip
+    plan = optimize(g, CudaShim())
+    quantized = {op.out for op in plan.ops if class_of(op) is C.GDN_OUTPUT_QUANT}
+    assert name not in quantized and len(quantized) == LAYERS - 2  # the other linear layers' still do
+    assert [op.out for op in plan.ops if isinstance(op.sym, Quantize) and op.out == name] == [name]
