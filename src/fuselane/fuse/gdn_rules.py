@@ -16,6 +16,7 @@ from fuselane.fuse.moe_rules import internal, producer_of
 from fuselane.fuse.patterns import is_add, is_mul, next_reader, op_at
 from fuselane.fuse.rewriter import Rewriter
 from fuselane.fuse.rule import Rule
+from fuselane.fuse.views import class_of
 from fuselane.graph import facts
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ops import (
@@ -77,19 +78,25 @@ def conv_silu_l2norm(r: Rewriter, i: int) -> None:
 
 
 def conv_parts(r: Rewriter, i: int) -> None:
-    """At a convolution through its SiLU: the later ones that read nothing it or another taken writes, and that
-    move up to it past nothing they touch (the next layer's, fed by this one, never do), as the parts of one
-    launch."""
+    """At a convolution through its SiLU: the later ones, up to the first other op that reads what a taken one
+    writes, that read nothing a taken one writes and move up to it past nothing they touch (the next layer's,
+    fed through this one, never do), as the parts of one launch."""
     if op_at(r, i, *CONVS) is None:
         return
     group = [i]
     written = set(facts.writes(r.s.get(i)))
     for j in range(i + 1, len(r.s)):
-        op = op_at(r, j, *CONVS)
-        if op is None or written & set(facts.reads(op)) or r.crossing([j], i) is not None:
+        op = r.s.slot(j)
+        if op is None:
             continue
-        group.append(j)
-        written |= set(facts.writes(op))
+        fed = bool(written & set(facts.reads(op)))
+        if class_of(op) not in CONVS:
+            if fed:  # the step reads a taken convolution's result: the launch ends before it
+                break
+            continue
+        if not fed and r.crossing([j], i) is None:
+            group.append(j)
+            written |= set(facts.writes(op))
     if len(group) > 1:
         r.try_fuse("conv_parts", C.CONV_PARTS, group, i)
 
