@@ -173,7 +173,7 @@ def test_the_cuda_routing_kernel_takes_scaled_and_sigmoid_weights(files, tmp_pat
     assert "router_topk" in {f.rule for f in scaled.fired}
     _, _, plain = build_plan(files["v2"], lane="cuda", form="decode")
     assert "router_topk" in {f.rule for f in plain.fired}
-    ungrouped = replace(SHAPES["tiny-deepseek3"], groups=1, groups_used=1)  # sigmoid, the bias, scaled, renormed
+    ungrouped = replace(SHAPES["tiny-deepseek3"], groups=1, groups_used=1, q_lora=64)  # sigmoid, bias, scale, renorm
     _, _, v3 = build_plan(str(write_synthetic(tmp_path / "u.gguf", ungrouped, "f32")), lane="cuda", form="decode")
     assert "router_topk" in {f.rule for f in v3.fired} and v3.cannot_run is None
 

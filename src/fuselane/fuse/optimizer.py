@@ -142,6 +142,16 @@ def refusals(g: TensorGraph, shim: Shim) -> str | None:
     return "; ".join(found.values()) or None
 
 
+def misfits(ops: Sequence[Op], g: TensorGraph, shim: Shim) -> str | None:
+    """Why the lane has no launch for an op of the rewritten schedule (a fused op is built only where it fits,
+    so only a primitive can be left so: a float matrix of ragged rows, say), first such op once, or None."""
+    for op in ops:
+        why = shim.fits(op, g)
+        if why is not None:
+            return f"{op.out}: {why}"
+    return None
+
+
 def check_runs(g: TensorGraph, shim: Shim) -> None:
     """Raise, with the lane's reasons, where `g` holds a primitive whose class the lane refuses."""
     why = refusals(g, shim)
@@ -170,6 +180,9 @@ def optimize(
             rule.apply(r)
     ops = r.s.live()
     work.ops = ops
+    misfit = misfits(ops, work, shim)
+    if check and misfit is not None:
+        raise FuselaneError(f"the {shim.name} lane cannot run this model: {misfit}")
     return Plan(
         lane=shim.name,
         graph=work,
@@ -180,7 +193,7 @@ def optimize(
         table=tuple(r.name for r in table),
         contract=shim.numerics(),
         unmatched=r.unmatched,
-        cannot_run=None if check else refusals(g, shim),
+        cannot_run=None if check else "; ".join(w for w in (refusals(g, shim), misfit) if w) or None,
     )
 
 

@@ -40,6 +40,7 @@ from fuselane.graph.ops import (
     GatedDelta,
     HeadMatmul,
     L2Norm,
+    Matmul,
     MoeAct,
     RowsGather,
     SetRow,
@@ -124,6 +125,9 @@ def _leaf(leaf: Op) -> str | None:
         return "the lane links no soft-capped tensor"
     if isinstance(spec, GatedDelta) and spec.gate is GateAct.SIGMOID:
         return "the lane's gated delta gates by SiLU, not a sigmoid"
+    if isinstance(spec, Matmul) and spec.k % kernels.QBLOCK:
+        # quantized rows are whole blocks by their format; only a float matrix can be ragged
+        return f"the lane's products take rows of whole {kernels.QBLOCK}-value blocks, not {spec.k} values"
     unit = leaf.dst.unit
     if unit is not None:
         written = unit_output(leaf)
