@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fuselane.errors import FuselaneError
-from fuselane.fuse.optimizer import VIEWS, Plan, optimize
+from fuselane.fuse.optimizer import VIEWS, Plan, launches_of, optimize
 from fuselane.fuse.views import class_of, leaves
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Dst, Form, Op, Strided
@@ -151,8 +151,11 @@ def launch_layers(ops: Sequence[Op]) -> list[int | None]:
 
 
 def launches_per_layer(plan: Plan) -> dict[int, int]:
-    """Launches by layer (`launch_layers`): one an op of the plan, none for a view."""
-    counts = Counter(layer for layer in launch_layers(plan.ops) if layer is not None)
+    """Launches by layer (`launch_layers`): each op's own (`launches_of`: none for a view)."""
+    counts: Counter[int] = Counter()
+    for op, layer in zip(plan.ops, launch_layers(plan.ops), strict=True):
+        if layer is not None:
+            counts[layer] += launches_of(op)
     return dict(sorted(counts.items()))
 
 
