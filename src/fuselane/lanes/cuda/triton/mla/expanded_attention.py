@@ -82,6 +82,9 @@ def _expanded_kernel(
     dn, dr, dv = tl.arange(0, N_P2), tl.arange(0, R_P2), tl.arange(0, V_P2)
     qn = tl.load(q + row[:, None] * q_row + h * q_head + dn[None, :], mask=(dn < NOPE)[None, :], other=0.0)
     qr = tl.load(qp + row[:, None] * qp_row + h * ROPE + dr[None, :], mask=(dr < ROPE)[None, :], other=0.0)
+    if F16_OPS:  # rounded once, not at every tile
+        qn = qn.to(tl.float16)
+        qr = qr.to(tl.float16)
     qpos = p0 + row
     first = mt * BLOCK_M
     last = tl.minimum(first + BLOCK_M - 1, rows - 1)
