@@ -198,6 +198,7 @@ def to_json(name: str, cfg: ModelConfig, plan: Plan, form: str) -> dict[str, Any
                 "inputs": [{"name": n, "access": _access(a)} for n, a in zip(op.ins, op.access, strict=True)],
                 "output": op.out,
                 "destination": _dst(op.dst),
+                "launches": launches_of(op),
             }
             for op in plan.ops
         ],
@@ -234,7 +235,8 @@ def render(data: dict[str, Any]) -> str:
             where += f"[row {d['row']['at']}, pitch {d['row']['pitch']}]"
         if "unit" in d:
             where += f"[unit {d['unit']['offset']}+{d['unit']['width']} of {d['unit']['pitch']}]"
-        lines.append(f"  {i:4d}  {op['op']:<22} {ins} -> {where}")
+        several = f"  ({op['launches']} launches)" if op["launches"] > 1 else ""
+        lines.append(f"  {i:4d}  {op['op']:<22} {ins} -> {where}{several}")
     misses: dict[tuple[str, str, str, str], int] = {}
     for miss in data["not_fused"]:
         key = (miss["rule"], miss["class"], miss["kind"], miss["reason"])
