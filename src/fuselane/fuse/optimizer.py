@@ -19,7 +19,7 @@ from fuselane.fuse.rules import SHARED_RULES
 from fuselane.fuse.shim import After, LaneRule, Shim, SupportKind
 from fuselane.fuse.views import leaves
 from fuselane.graph.classes import ClassId
-from fuselane.graph.ir import Op, TensorGraph
+from fuselane.graph.ir import Fused, Op, TensorGraph
 from fuselane.graph.ops import (
     Attention,
     CausalConv,
@@ -60,8 +60,16 @@ class Plan:
     cannot_run: str | None = None  # why the lane cannot run the graph (only where optimized unchecked)
 
     def launches(self) -> int:
-        """Kernel launches the schedule makes: one an op, none for a view."""
-        return sum(0 if isinstance(op.sym, VIEWS) else 1 for op in self.ops)
+        """Kernel launches the schedule makes (`launches_of` each op)."""
+        return sum(launches_of(op) for op in self.ops)
+
+
+def launches_of(op: Op) -> int:
+    """Kernel launches an op of a schedule makes: none for a view, a fused op's own count (one, unless the lane
+    rule that built it sized several), one for any other primitive."""
+    if isinstance(op.sym, VIEWS):
+        return 0
+    return op.sym.launches if isinstance(op.sym, Fused) else 1
 
 
 def table_for(shim: Shim) -> list[Rule | LaneRule]:
