@@ -40,14 +40,39 @@ from fuselane.lanes.cuda.triton.quant import HALF, Q8Acts, check_acts
 
 QB = tl.constexpr(QK)
 HALF_C = tl.constexpr(HALF)
+# int32 -> f32 without a convert: adding an integer |v| < 2^22 to the bits of 1.5 * 2^23 gives the bits of the
+# float 1.5 * 2^23 + v (one step a unit in [2^23, 2^24)), and subtracting 1.5 * 2^23 leaves v exactly.
+F32_MAGIC_BITS = tl.constexpr(0x4B400000)
+F32_MAGIC = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def _exact_f32(v):
+    """An int32 tile of |v| < 2^22 (a run's dot: 32 products of two int8, at most 2^19) as f32, exactly, in
+    an integer add and a float subtract: an int-to-float convert issues at a quarter of their rate or less."""
+    return (v + F32_MAGIC_BITS).to(tl.float32, bitcast=True) - F32_MAGIC
+
+
+@triton.jit
+def _run_product(acc, a, ad, wt, s0, s1, SPLIT: tl.constexpr):
+    """acc + the run's product: the int8 codes' dot (int32, exact) times the activation's and the weights'
+    scales. A split run (two scales of 16 values) takes two dots, each with the other half's codes zeroed."""
+    if SPLIT:
+        low = (tl.arange(0, QB) < HALF_C)[None, :]
+        lo = _exact_f32(tl.dot(tl.where(low, a, 0).to(tl.int8), wt, out_dtype=tl.int32))
+        hi = _exact_f32(tl.dot(tl.where(low, 0, a).to(tl.int8), wt, out_dtype=tl.int32))
+        acc += ad[:, None] * (lo * s0[None, :] + hi * s1[None, :])
+    else:
+        acc += _exact_f32(tl.dot(a, wt, out_dtype=tl.int32)) * (ad[:, None] * s0[None, :])
+    return acc
 
 
 @triton.jit
 def _gemm_q8_kernel(
     xq, xd, xs, w, lut, out, bias, res, pos, m, n, out_pitch, res_pitch,
     FMT: tl.constexpr, K: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_BYTES: tl.constexpr,
-    RUNS: tl.constexpr, BLOCKS: tl.constexpr, SPLIT: tl.constexpr, HAS_MIN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    RUNS: tl.constexpr, SPLIT: tl.constexpr, HAS_MIN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, AT_ROW: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
@@ -59,31 +84,25 @@ def _gemm_q8_kernel(
     xd_rows = xd + xr * (K // QB)
     xs_rows = xs + xr * (K // HALF_C)
     cols = tl.arange(0, QB)
-    low = (cols < HALF_C)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for step in range(0, K // (QB * RUNS * BLOCKS)):
-        for b in tl.static_range(BLOCKS):
-            blk = w_rows + (step * BLOCKS + b) * BLOCK_BYTES
-            for j in tl.static_range(RUNS):
-                r = (step * BLOCKS + b) * RUNS + j  # the run's index in the row: its activation block
-                a = tl.load(xq_rows[:, None] + r * QB + cols[None, :])
-                ad = tl.load(xd_rows + r)
-                codes, s0, s1, m0, m1 = run(blk, j, FMT, lut)
-                wt = tl.trans(codes)
-                if SPLIT:
-                    lo = tl.dot(tl.where(low, a, 0).to(tl.int8), wt, out_dtype=tl.int32).to(tl.float32)
-                    hi = tl.dot(tl.where(low, 0, a).to(tl.int8), wt, out_dtype=tl.int32).to(tl.float32)
-                    acc += ad[:, None] * (lo * s0[None, :] + hi * s1[None, :])
-                else:
-                    dot = tl.dot(a, wt, out_dtype=tl.int32).to(tl.float32)
-                    acc += dot * (ad[:, None] * s0[None, :])
-                if HAS_MIN:
-                    if SPLIT:
-                        acc += tl.load(xs_rows + 2 * r)[:, None] * m0[None, :]
-                        acc += tl.load(xs_rows + 2 * r + 1)[:, None] * m1[None, :]
-                    else:
-                        x_sum = tl.load(xs_rows + 2 * r) + tl.load(xs_rows + 2 * r + 1)
-                        acc += x_sum[:, None] * m0[None, :]
+    # one 32-value run a trip, the run's index in its block a value of the loop (so one body, no unrolled
+    # super-block): the pipeliner issues the next STAGES - 1 runs' loads while this one multiplies
+    for r in tl.range(0, K // QB, num_stages=STAGES):
+        a = tl.load(xq_rows[:, None] + r * QB + cols[None, :])  # [BLOCK_M, 32] int8
+        ad = tl.load(xd_rows + r)  # [BLOCK_M] f32
+        # the run in its block as an int32 scalar in the interpreter too (where r is a Python int, which the
+        # formats' constexpr operands do not all take on the right of an operator)
+        j = tl.zeros([], tl.int32) + r % RUNS
+        codes, s0, s1, m0, m1 = run(w_rows + (r // RUNS) * BLOCK_BYTES, j, FMT, lut)
+        acc = _run_product(acc, a, ad, tl.trans(codes), s0, s1, SPLIT)
+        if HAS_MIN:
+            # a format's minimum: the run's scaled code sums (one a 16 values) times the offset
+            sum0 = tl.load(xs_rows + 2 * r)
+            sum1 = tl.load(xs_rows + 2 * r + 1)
+            if SPLIT:
+                acc += sum0[:, None] * m0[None, :] + sum1[:, None] * m1[None, :]
+            else:
+                acc += (sum0 + sum1)[:, None] * m0[None, :]
     store_tile(acc, xm, rows, m, n, bias, res, res_pitch, out, out_pitch, pos, HAS_BIAS, HAS_RES, AT_ROW)
 
 
@@ -151,9 +170,8 @@ def gemm_q8(
         pos, m, n, pitch,
         out.stride(0) if residual is None else residual.stride(0),
         FMT=int(fmt), K=k, ROW_BYTES=row_bytes(fmt, k), BLOCK_BYTES=row_bytes(fmt, values),
-        RUNS=values // QK, BLOCKS=gemm_tiles.blocks_a_step(fmt, k),
-        SPLIT=fmt in gemm_tiles.SPLIT_FORMATS, HAS_MIN=fmt in gemm_tiles.MIN_FORMATS,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        RUNS=values // QK, SPLIT=fmt in gemm_tiles.SPLIT_FORMATS, HAS_MIN=fmt in gemm_tiles.MIN_FORMATS,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.stages,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, AT_ROW=out_row is not None,
         num_warps=t.warps, num_stages=t.stages, **pdl.options(),
     )  # fmt: skip
