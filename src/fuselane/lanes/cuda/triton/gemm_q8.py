@@ -54,16 +54,17 @@ def _exact_f32(v):
 
 
 @triton.jit
-def _run_product(acc, a, ad, wt, s0, s1, SPLIT: tl.constexpr):
-    """acc + the run's product: the int8 codes' dot (int32, exact) times the activation's and the weights'
-    scales. A split run (two scales of 16 values) takes two dots, each with the other half's codes zeroed."""
+def _run_product(acc, codes, xt, ad, s0, s1, SPLIT: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] + the run's product: the weights' int8 codes (the MMA's A, [BLOCK_N, 32]) times
+    the activation's (B, [32, BLOCK_M]), an exact int32 dot, times the weights' and the activation's scales. A
+    split run (two scales of 16 values) takes two dots, each with the other half's codes zeroed."""
     if SPLIT:
         low = (tl.arange(0, QB) < HALF_C)[None, :]
-        lo = _exact_f32(tl.dot(tl.where(low, a, 0).to(tl.int8), wt, out_dtype=tl.int32))
-        hi = _exact_f32(tl.dot(tl.where(low, 0, a).to(tl.int8), wt, out_dtype=tl.int32))
-        acc += ad[:, None] * (lo * s0[None, :] + hi * s1[None, :])
+        lo = _exact_f32(tl.dot(tl.where(low, codes, 0).to(tl.int8), xt, out_dtype=tl.int32))
+        hi = _exact_f32(tl.dot(tl.where(low, 0, codes).to(tl.int8), xt, out_dtype=tl.int32))
+        acc += (lo * s0[:, None] + hi * s1[:, None]) * ad[None, :]
     else:
-        acc += _exact_f32(tl.dot(a, wt, out_dtype=tl.int32)) * (ad[:, None] * s0[None, :])
+        acc += _exact_f32(tl.dot(codes, xt, out_dtype=tl.int32)) * (s0[:, None] * ad[None, :])
     return acc
 
 
@@ -84,26 +85,28 @@ def _gemm_q8_kernel(
     xd_rows = xd + xr * (K // QB)
     xs_rows = xs + xr * (K // HALF_C)
     cols = tl.arange(0, QB)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # the transposed product, weight rows down: their scales (computed a run) are then the MMA's rows, a few
+    # to a thread, where as its columns each thread would hold and compute a quarter of them
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     # one 32-value run a trip, the run's index in its block a value of the loop (so one body, no unrolled
     # super-block): the pipeliner issues the next STAGES - 1 runs' loads while this one multiplies
     for r in tl.range(0, K // QB, num_stages=STAGES):
-        a = tl.load(xq_rows[:, None] + r * QB + cols[None, :])  # [BLOCK_M, 32] int8
+        xt = tl.trans(tl.load(xq_rows[:, None] + r * QB + cols[None, :]))  # [32, BLOCK_M] int8
         ad = tl.load(xd_rows + r)  # [BLOCK_M] f32
         # the run in its block as an int32 scalar in the interpreter too (where r is a Python int, which the
         # formats' constexpr operands do not all take on the right of an operator)
         j = tl.zeros([], tl.int32) + r % RUNS
         codes, s0, s1, m0, m1 = run(w_rows + (r // RUNS) * BLOCK_BYTES, j, FMT, lut)
-        acc = _run_product(acc, a, ad, tl.trans(codes), s0, s1, SPLIT)
+        acc = _run_product(acc, codes, xt, ad, s0, s1, SPLIT)
         if HAS_MIN:
             # a format's minimum: the run's scaled code sums (one a 16 values) times the offset
             sum0 = tl.load(xs_rows + 2 * r)
             sum1 = tl.load(xs_rows + 2 * r + 1)
             if SPLIT:
-                acc += sum0[:, None] * m0[None, :] + sum1[:, None] * m1[None, :]
+                acc += m0[:, None] * sum0[None, :] + m1[:, None] * sum1[None, :]
             else:
-                acc += (sum0 + sum1)[:, None] * m0[None, :]
-    store_tile(acc, xm, rows, m, n, bias, res, res_pitch, out, out_pitch, pos, HAS_BIAS, HAS_RES, AT_ROW)
+                acc += m0[:, None] * (sum0 + sum1)[None, :]
+    store_tile(tl.trans(acc), xm, rows, m, n, bias, res, res_pitch, out, out_pitch, pos, HAS_BIAS, HAS_RES, AT_ROW)
 
 
 _LUTS: dict[torch.device, torch.Tensor] = {}
