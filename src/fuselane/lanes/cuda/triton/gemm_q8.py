@@ -2,16 +2,29 @@
 
 x is the activation in the decode step's int8 form (`quant.Q8Acts`: int8 codes under one f32 scale a 32-value
 block, and each 16 values' scaled code sums), W the n x k checkpoint rows as stored. A program takes BLOCK_M
-activation rows and BLOCK_N weight rows and walks k a step at a time (a K format's super-block, or up to four
-32-value blocks); each 32-value run of the step
+activation rows and BLOCK_N weight rows and computes the transposed tile, weight rows down (the MMA's rows),
+activation rows across. Its K loop is flat: one trip a 32-value run of the row (k / 32 trips), the run's
+block (r // runs a block) and its index in the block (r % runs: 0-7 in a K format's super-block) values of the
+loop, so the body is one run's work whatever the format, and only one run's codes are live. A trip
 
-- loads the activation's int8 tile [BLOCK_M, 32] and its scales once,
-- unpacks the weight rows' codes of the run to int8 in registers (`gemm_q8_runs.run`: one small body a
-  format) with the run's f32 scale and offset,
-- multiplies codes by codes on the int8 tensor cores (`tl.dot`, int32 sums: exact), and
-- scales in f32: acc += dot * (x_scale * w_scale) + x_sum * w_offset, where x_sum (the run's scaled code
-  sum, `Q8Acts.s`) carries a format's minimum. Q6_K's 16-value sub-blocks take two MMAs a run, each with the
-  other half of the activation's codes zeroed.
+- loads the activation's int8 tile [BLOCK_M, 32] of the run, its block scales and (formats with a minimum)
+  its two 16-value code sums, and the weight rows' bytes of the run (codes, and the scales and minimums of
+  its block: `gemm_q8_runs.run`, one small body a format taking the run's index as a value),
+- unpacks the rows' codes to int8 in registers with the run's f32 scale and offset,
+- multiplies codes by codes on the int8 tensor cores (`tl.dot` [BLOCK_N, 32] x [32, BLOCK_M], int32 sums:
+  exact; the codes are the register operand of Hopper's wgmma, the activation the shared-memory one),
+- turns the int32 sums to f32 exactly without a convert (|sum| < 2^22: added to the bits of 1.5 * 2^23 and
+  the float 1.5 * 2^23 taken off), and scales in f32: acc += dot * (w_scale * x_scale) + w_offset * x_sum,
+  where x_sum (`Q8Acts.s`) carries a format's minimum. Q2_K's, Q3_K's and Q6_K's 16-value sub-blocks take
+  two MMAs a run, each with the other half of the codes zeroed.
+
+The loop is a `tl.range` with `num_stages`: Triton's pipeliner issues the next stages' loads as asynchronous
+copies into shared memory while the current run multiplies. A load is staged only if a thread's part of it is
+4 bytes or more, so the formats whose blocks are whole 32-bit words read their scale bytes as words
+(`gemm_q8_runs`); the 2-aligned blocks (Q8_0, Q4_0, Q5_0, IQ4_NL, Q3_K, Q6_K) keep some 2-byte loads that
+wait in the trip. Weight rows are the MMA's rows because a run's per-row scales are then a few values a
+thread (four at 128 rows and 4 warps); as its columns each thread would hold a quarter of them and compute
+every scale 32 times over.
 
 So the numbers are the exact product of the dequantized activation and the dequantized weights, up to the f32
 roundings of the scaling and the sums; nothing is rounded to f16, so no activation overflows (an int8 code
@@ -20,7 +33,8 @@ KV cache and the activations' int8 forms.
 
 Rows past m or n read the last row (no masked loads in the loop); the store drops them. The epilogue adds a
 bias and a residual and lands the rows at row pos[0] of a table where asked (a cache row write). Tiles come
-from `plan.gemm_tiles` (one table, to tune on the GPU).
+from `plan.gemm_tiles` (one table, to tune on the GPU with `benchmarks/gemm_q8_sweep.py`;
+`benchmarks/gemm_q8_registers.py` compiles a tile for sm_90 and tells its registers and spills without one).
 """
 
 from __future__ import annotations
