@@ -93,7 +93,7 @@ def _gemm_q8_kernel(
     pdl.begin(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     xm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    w_rows = tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # each row's byte offset in the matrix
     xr = tl.minimum(xm, m - 1).to(tl.int64)
     xq_rows = xq + xr * K
     xd_rows = xd + xr * (K // QB)
@@ -110,7 +110,7 @@ def _gemm_q8_kernel(
         # the run in its block as an int32 scalar in the interpreter too (where r is a Python int, which the
         # formats' constexpr operands do not all take on the right of an operator)
         j = tl.zeros([], tl.int32) + r % RUNS
-        codes, s0, s1, m0, m1 = run(w_rows + (r // RUNS) * BLOCK_BYTES, j, FMT, lut)
+        codes, s0, s1, m0, m1 = run(w, w_rows + (r // RUNS) * BLOCK_BYTES, j, FMT, lut)
         acc = _run_product(acc, codes, xt, ad, s0, s1, SPLIT)
         if HAS_MIN:
             # a format's minimum: the run's scaled code sums (one a 16 values) times the offset

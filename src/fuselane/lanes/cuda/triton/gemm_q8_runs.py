@@ -161,6 +161,44 @@ def _word(blk, off):
 
 
 @triton.jit
+def _word_below(w, o):
+    """The 32-bit word holding byte o ([BLOCK_N] int64 offsets, any alignment) of the matrix at `w` (16-aligned):
+    a 4-byte load the pipeliner can stage, where a 2-aligned block's own f16 is a 2-byte one."""
+    return tl.load((w + (o // WORD) * WORD).to(tl.pointer_type(tl.int32)))
+
+
+@triton.jit
+def _f16_at(w, o):
+    """The f16 at byte o (even) of the matrix, read from the word holding it, as f32."""
+    bits = (_word_below(w, o) >> ((o % WORD) * BYTE_BITS).to(tl.int32)) & F16_BITS
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _i8_pair_at(w, o):
+    """The two int8 at bytes o (even) and o + 1 of the matrix, from the word holding both, as f32."""
+    pair = _word_below(w, o) >> ((o % WORD) * BYTE_BITS).to(tl.int32)
+    return pair.to(tl.int8).to(tl.float32), (pair >> BYTE_BITS).to(tl.int8).to(tl.float32)
+
+
+@triton.jit
+def _run_bytes(w, o):
+    """Bytes o .. o + 31 of the matrix (o even: [BLOCK_N] int64 offsets into a 2-aligned block), [BLOCK_N, 32]
+    int32, read as 32-bit words from the word boundary at or below o: nine words, as the eight there and the
+    eight one on; where o is 2 past a boundary each run word is the upper half of one and the lower of the
+    next. Every load is 4 bytes a thread, so the pipeliner stages it."""
+    i = tl.arange(0, QK_C // WORD)
+    words = (w + ((o // WORD) * WORD)[:, None] + (i * WORD)[None, :]).to(tl.pointer_type(tl.int32))
+    off = (o % WORD).to(tl.int32)[:, None] // 2  # 1 where o is 2 past a boundary
+    # the words one on are read only where they hold run bytes (else the same words again): the last one
+    # of a row's last run would otherwise lie past the matrix
+    here, on = tl.load(words), tl.load(words + off)
+    run = tl.where(off != 0, ((here >> HALF_WORD_BITS) & F16_BITS) | (on << HALF_WORD_BITS), here)
+    lanes = (tl.arange(0, WORD) * BYTE_BITS)[None, None, :]
+    return tl.reshape((run[:, :, None] >> lanes) & BYTE, [run.shape[0], QK_C])
+
+
+@triton.jit
 def _f16_pair(word):
     """The two f16 halves of a 32-bit word (low, high), as f32."""
     low = (word & F16_BITS).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -209,11 +247,13 @@ def _k_run(blk, j, D: tl.constexpr, SCALES: tl.constexpr, QS: tl.constexpr):
 
 
 @triton.jit
-def run(blk, j, FMT: tl.constexpr, lut):
-    """(codes int8 [BLOCK_N, 32], s0, s1, m0, m1 [BLOCK_N] f32) of run j of each row's block (see the module).
-    `lut` points at the 16 int8 values of `IQ4_NL_VALUES` (read by the IQ4 formats only)."""
+def run(w, at, j, FMT: tl.constexpr, lut):
+    """(codes int8 [BLOCK_N, 32], s0, s1, m0, m1 [BLOCK_N] f32) of run j of each row's block (see the module),
+    the blocks at byte offsets `at` ([BLOCK_N] int64) of the matrix `w`. `lut` points at the 16 int8 values of
+    `IQ4_NL_VALUES` (read by the IQ4 formats only)."""
+    blk = w + at
     if FMT == FMT_Q6_K:
-        codes, s0, s1, m0, m1 = _q6_k_run(blk, j)
+        codes, s0, s1, m0, m1 = _q6_k_run(w, at, j)
     elif FMT == FMT_Q2_K:
         codes, s0, s1, m0, m1 = _q2_k_run(blk, j)
     elif FMT == FMT_Q3_K:
@@ -226,17 +266,18 @@ def run(blk, j, FMT: tl.constexpr, lut):
     elif FMT == FMT_IQ4_XS:
         codes, s0, s1, m0, m1 = _iq4_xs_run(blk, j, lut)
     else:
-        codes, s0, s1, m0, m1 = _one_scale_run(blk, j, FMT)
+        codes, s0, s1, m0, m1 = _one_scale_run(w, at, j, FMT)
     return codes, s0, s1, m0, m1
 
 
 @triton.jit
-def _one_scale_run(blk, j, FMT: tl.constexpr):
+def _one_scale_run(w, at, j, FMT: tl.constexpr):
     """A run under one scale and one offset (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K)."""
+    blk = w + at
     zero = tl.zeros(blk.shape, tl.float32)
     if FMT == FMT_Q8_0:
-        codes = tl.load(blk[:, None] + Q8_0_QS + tl.arange(0, QK_C)[None, :]).to(tl.int32)
-        s = load_f16(blk + Q8_0_D)
+        codes = _run_bytes(w, at + Q8_0_QS)  # unsigned bytes: the int8 cast below gives the signed codes back
+        s = _f16_at(w, at + Q8_0_D)
         m = zero
     elif FMT == FMT_Q4_0:
         codes = _nibble_run(blk, Q4_0_QS) - Q4_BIAS
@@ -265,22 +306,19 @@ def _one_scale_run(blk, j, FMT: tl.constexpr):
 
 
 @triton.jit
-def _q6_k_run(blk, j):
+def _q6_k_run(w, at, j):
     """Q6_K run j: half j // 4, quarter q = j % 4 of it. Its low nibbles are ql bytes (q % 2) * 32 + i of the
     half (low nibbles for q < 2, high after), its top 2 bits crumb q of qh byte i of the half; two int8
-    sub-block scales times d."""
-    i = tl.arange(0, QK_C)
+    sub-block scales (bytes 2j, 2j + 1) times d. The 210-byte blocks are 2-aligned: read as words."""
     half = j // Q6_HALF_SLOTS
     q = j % Q6_HALF_SLOTS
-    low = _bytes(blk, Q6_K_QL + half * Q6_QL_HALF + (q % 2) * QK_C, i) >> (NIBBLE_BITS * (q // 2))
-    top = (_bytes(blk, Q6_K_QH + half * Q6_QH_HALF, i) >> (2 * q)) & CRUMB
+    low = _run_bytes(w, at + Q6_K_QL + half * Q6_QL_HALF + (q % 2) * QK_C) >> (NIBBLE_BITS * (q // 2))
+    top = (_run_bytes(w, at + Q6_K_QH + half * Q6_QH_HALF) >> (2 * q)) & CRUMB
     codes = ((low & NIBBLE) | (top << NIBBLE_BITS)) - Q6_BIAS
-    d = load_f16(blk + Q6_K_D)
-    sc = blk.to(tl.pointer_type(tl.int8)) + Q6_K_SCALES + SUBS_A_RUN * j
-    s0 = d * tl.load(sc).to(tl.float32)
-    s1 = d * tl.load(sc + 1).to(tl.float32)
-    zero = tl.zeros(blk.shape, tl.float32)
-    return codes.to(tl.int8), s0, s1, zero, zero
+    d = _f16_at(w, at + Q6_K_D)
+    sc0, sc1 = _i8_pair_at(w, at + Q6_K_SCALES + SUBS_A_RUN * j)
+    zero = tl.zeros(at.shape, tl.float32)
+    return codes.to(tl.int8), d * sc0, d * sc1, zero, zero
 
 
 @triton.jit
