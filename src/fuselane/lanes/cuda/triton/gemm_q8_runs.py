@@ -79,7 +79,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     SIX_BITS,
     WORD,
     const,
-    load_f16,
     offset,
 )
 
@@ -149,12 +148,6 @@ def _bytes(blk, off, idx):
 
 
 @triton.jit
-def _byte(blk, off):
-    """Byte off of each row's block: [BLOCK_N] int32."""
-    return tl.load(blk + off).to(tl.int32)
-
-
-@triton.jit
 def _word(blk, off):
     """The 32-bit word at byte off (a multiple of 4) of each row's block (a whole number of words): [BLOCK_N]."""
     return tl.load((blk + off).to(tl.pointer_type(tl.int32)))
@@ -168,10 +161,21 @@ def _word_below(w, o):
 
 
 @triton.jit
+def _u16_at(w, o):
+    """The 16 bits at byte o (even) of the matrix, from the word holding them: [BLOCK_N] int32."""
+    return (_word_below(w, o) >> ((o % WORD) * BYTE_BITS).to(tl.int32)) & F16_BITS
+
+
+@triton.jit
+def _byte_at(w, o):
+    """The byte at o of the matrix, from the word holding it: [BLOCK_N] int32."""
+    return (_word_below(w, o) >> ((o % WORD) * BYTE_BITS).to(tl.int32)) & BYTE
+
+
+@triton.jit
 def _f16_at(w, o):
     """The f16 at byte o (even) of the matrix, read from the word holding it, as f32."""
-    bits = (_word_below(w, o) >> ((o % WORD) * BYTE_BITS).to(tl.int32)) & F16_BITS
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return _u16_at(w, o).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -182,12 +186,12 @@ def _i8_pair_at(w, o):
 
 
 @triton.jit
-def _run_bytes(w, o):
-    """Bytes o .. o + 31 of the matrix (o even: [BLOCK_N] int64 offsets into a 2-aligned block), [BLOCK_N, 32]
-    int32, read as 32-bit words from the word boundary at or below o: nine words, as the eight there and the
-    eight one on; where o is 2 past a boundary each run word is the upper half of one and the lower of the
-    next. Every load is 4 bytes a thread, so the pipeliner stages it."""
-    i = tl.arange(0, QK_C // WORD)
+def _run_bytes(w, o, N: tl.constexpr):
+    """Bytes o .. o + N - 1 of the matrix (o even: [BLOCK_N] int64 offsets into a 2-aligned block; N 16 or 32),
+    [BLOCK_N, N] int32, read as 32-bit words from the word boundary at or below o: N / 4 + 1 words, as the
+    N / 4 there and the N / 4 one on; where o is 2 past a boundary each run word is the upper half of one and
+    the lower of the next. Every load is 4 bytes a thread, so the pipeliner stages it."""
+    i = tl.arange(0, N // WORD)
     words = (w + ((o // WORD) * WORD)[:, None] + (i * WORD)[None, :]).to(tl.pointer_type(tl.int32))
     off = (o % WORD).to(tl.int32)[:, None] // 2  # 1 where o is 2 past a boundary
     # the words one on are read only where they hold run bytes (else the same words again): the last one
@@ -195,7 +199,16 @@ def _run_bytes(w, o):
     here, on = tl.load(words), tl.load(words + off)
     run = tl.where(off != 0, ((here >> HALF_WORD_BITS) & F16_BITS) | (on << HALF_WORD_BITS), here)
     lanes = (tl.arange(0, WORD) * BYTE_BITS)[None, None, :]
-    return tl.reshape((run[:, :, None] >> lanes) & BYTE, [run.shape[0], QK_C])
+    return tl.reshape((run[:, :, None] >> lanes) & BYTE, [run.shape[0], N])
+
+
+@triton.jit
+def _nibble_run_at(w, o):
+    """A 32-value block's 4-bit codes from its 16 qs bytes at o (2-aligned): bytes 0-15 hold values 0-15 in
+    their low nibbles, 16-31 in the high."""
+    b = _run_bytes(w, o, HALF_QK)
+    halves = tl.permute(tl.join(b & NIBBLE, b >> NIBBLE_BITS), (0, 2, 1))  # [BLOCK_N, 2, 16]: low, high
+    return tl.reshape(halves, [b.shape[0], QK_C])
 
 
 @triton.jit
@@ -212,13 +225,6 @@ def _nibble_run(blk, QS: tl.constexpr):
     i = tl.arange(0, QK_C)
     b = _bytes(blk, QS, i % HALF_QK)
     return tl.where((i < HALF_QK)[None, :], b & NIBBLE, b >> NIBBLE_BITS)
-
-
-@triton.jit
-def _fifth_bits(blk, QH: tl.constexpr):
-    """Q5_0: bit j of the block's 32-bit qh (little-endian bytes, 2-aligned) is value j's top bit, as 16 * bit."""
-    i = tl.arange(0, QK_C)
-    return ((_bytes(blk, QH, i // BYTE_BITS) >> (i % BYTE_BITS)[None, :]) & BIT) << NIBBLE_BITS
 
 
 @triton.jit
@@ -257,10 +263,10 @@ def run(w, at, j, FMT: tl.constexpr, lut):
     elif FMT == FMT_Q2_K:
         codes, s0, s1, m0, m1 = _q2_k_run(blk, j)
     elif FMT == FMT_Q3_K:
-        codes, s0, s1, m0, m1 = _q3_k_run(blk, j)
+        codes, s0, s1, m0, m1 = _q3_k_run(w, at, j)
     elif FMT == FMT_IQ4_NL:
-        codes = tl.load(lut + _nibble_run(blk, IQ4_NL_QS))
-        s0 = load_f16(blk + IQ4_NL_D)
+        codes = tl.load(lut + _nibble_run_at(w, at + IQ4_NL_QS))
+        s0 = _f16_at(w, at + IQ4_NL_D)
         zero = tl.zeros(blk.shape, tl.float32)
         s1, m0, m1 = s0, zero, zero
     elif FMT == FMT_IQ4_XS:
@@ -276,19 +282,22 @@ def _one_scale_run(w, at, j, FMT: tl.constexpr):
     blk = w + at
     zero = tl.zeros(blk.shape, tl.float32)
     if FMT == FMT_Q8_0:
-        codes = _run_bytes(w, at + Q8_0_QS)  # unsigned bytes: the int8 cast below gives the signed codes back
+        codes = _run_bytes(w, at + Q8_0_QS, QK_C)  # unsigned bytes: the int8 cast below gives the signed codes back
         s = _f16_at(w, at + Q8_0_D)
         m = zero
     elif FMT == FMT_Q4_0:
-        codes = _nibble_run(blk, Q4_0_QS) - Q4_BIAS
-        s = load_f16(blk + Q4_0_D)
+        codes = _nibble_run_at(w, at + Q4_0_QS) - Q4_BIAS
+        s = _f16_at(w, at + Q4_0_D)
         m = zero
     elif FMT == FMT_Q4_1:
         codes = _nibble_run(blk, Q4_1_QS)
         s, m = _f16_pair(_word(blk, Q4_1_D))  # d, then m in the same word
     elif FMT == FMT_Q5_0:
-        codes = (_nibble_run(blk, Q5_0_QS) | _fifth_bits(blk, Q5_0_QH)) - Q5_BIAS
-        s = load_f16(blk + Q5_0_D)
+        # bit i of the 32-bit qh (two 16-bit halves: the 22-byte block is 2-aligned) is value i's fifth bit
+        qh = _u16_at(w, at + Q5_0_QH) | (_u16_at(w, at + Q5_0_QH + 2) << HALF_WORD_BITS)
+        fifth = ((qh[:, None] >> tl.arange(0, QK_C)[None, :]) & BIT) << NIBBLE_BITS
+        codes = (_nibble_run_at(w, at + Q5_0_QS) | fifth) - Q5_BIAS
+        s = _f16_at(w, at + Q5_0_D)
         m = zero
     elif FMT == FMT_Q5_1:
         # bit i of the 32-bit qh (one word) is value i's fifth bit
@@ -312,8 +321,8 @@ def _q6_k_run(w, at, j):
     sub-block scales (bytes 2j, 2j + 1) times d. The 210-byte blocks are 2-aligned: read as words."""
     half = j // Q6_HALF_SLOTS
     q = j % Q6_HALF_SLOTS
-    low = _run_bytes(w, at + Q6_K_QL + half * Q6_QL_HALF + (q % 2) * QK_C) >> (NIBBLE_BITS * (q // 2))
-    top = (_run_bytes(w, at + Q6_K_QH + half * Q6_QH_HALF) >> (2 * q)) & CRUMB
+    low = _run_bytes(w, at + Q6_K_QL + half * Q6_QL_HALF + (q % 2) * QK_C, QK_C) >> (NIBBLE_BITS * (q // 2))
+    top = (_run_bytes(w, at + Q6_K_QH + half * Q6_QH_HALF, QK_C) >> (2 * q)) & CRUMB
     codes = ((low & NIBBLE) | (top << NIBBLE_BITS)) - Q6_BIAS
     d = _f16_at(w, at + Q6_K_D)
     sc0, sc1 = _i8_pair_at(w, at + Q6_K_SCALES + SUBS_A_RUN * j)
@@ -323,7 +332,7 @@ def _q6_k_run(w, at, j):
 
 @triton.jit
 def _crumb_run(blk, QS: tl.constexpr, j):
-    """Q2_K / Q3_K run j's 2-bit codes: crumb j % 4 of qs bytes 0-31 of half j // 4."""
+    """Q2_K run j's 2-bit codes: crumb j % 4 of qs bytes 0-31 of half j // 4."""
     half = j // K2_HALF_RUNS
     c = j % K2_HALF_RUNS
     return (_bytes(blk, QS + half * K2_QS_HALF, tl.arange(0, QK_C)) >> (2 * c)) & CRUMB
@@ -342,24 +351,27 @@ def _q2_k_run(blk, j):
 
 
 @triton.jit
-def _q3_k_scale(blk, s):
+def _q3_k_scale(w, at, s):
     """Q3_K's signed 6-bit scale s (0-15), as f32: its low nibble is nibble s // 8 of byte s % 8, its top 2 bits
-    crumb s // 4 of byte 8 + s % 4."""
-    low = (_byte(blk, Q3_K_SCALES + s % Q3_K_LOW_SCALES) >> (NIBBLE_BITS * (s // Q3_K_LOW_SCALES))) & NIBBLE
-    top = (_byte(blk, Q3_K_SCALES + Q3_K_HIGH + s % 4) >> (2 * (s // 4))) & CRUMB
+    crumb s // 4 of byte 8 + s % 4 (of the 12 scale bytes)."""
+    byte = _byte_at(w, at + Q3_K_SCALES + s % Q3_K_LOW_SCALES)
+    low = (byte >> (NIBBLE_BITS * (s // Q3_K_LOW_SCALES))) & NIBBLE
+    top = (_byte_at(w, at + Q3_K_SCALES + Q3_K_HIGH + s % 4) >> (2 * (s // 4))) & CRUMB
     return ((low | (top << NIBBLE_BITS)) - K_SIGNED_SCALE).to(tl.float32)
 
 
 @triton.jit
-def _q3_k_run(blk, j):
-    """Q3_K run j: 2-bit codes with bit j of each hmask byte as their third bit, less 4; sub-blocks 2j and
-    2j + 1 take d times their signed scales."""
-    high = ((_bytes(blk, Q3_K_HMASK, tl.arange(0, QK_C)) >> j) & BIT) << 2
-    codes = (_crumb_run(blk, Q3_K_QS, j) | high) - Q3_BIAS
-    d = load_f16(blk + Q3_K_D)
-    zero = tl.zeros(blk.shape, tl.float32)
-    s0 = d * _q3_k_scale(blk, SUBS_A_RUN * j)
-    s1 = d * _q3_k_scale(blk, SUBS_A_RUN * j + 1)
+def _q3_k_run(w, at, j):
+    """Q3_K run j: 2-bit codes (crumb j % 4 of qs bytes 0-31 of half j // 4) with bit j of each hmask byte as
+    their third bit, less 4; sub-blocks 2j and 2j + 1 take d times their signed scales. The 110-byte blocks
+    are 2-aligned: read as words."""
+    high = ((_run_bytes(w, at + Q3_K_HMASK, QK_C) >> j) & BIT) << 2
+    crumbs = _run_bytes(w, at + Q3_K_QS + (j // K2_HALF_RUNS) * K2_QS_HALF, QK_C) >> (2 * (j % K2_HALF_RUNS))
+    codes = ((crumbs & CRUMB) | high) - Q3_BIAS
+    d = _f16_at(w, at + Q3_K_D)
+    zero = tl.zeros(at.shape, tl.float32)
+    s0 = d * _q3_k_scale(w, at, SUBS_A_RUN * j)
+    s1 = d * _q3_k_scale(w, at, SUBS_A_RUN * j + 1)
     return codes.to(tl.int8), s0, s1, zero, zero
 
 
