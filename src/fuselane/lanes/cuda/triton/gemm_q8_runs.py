@@ -203,12 +203,18 @@ def _run_bytes(w, o, N: tl.constexpr):
 
 
 @triton.jit
-def _nibble_run_at(w, o):
-    """A 32-value block's 4-bit codes from its 16 qs bytes at o (2-aligned): bytes 0-15 hold values 0-15 in
-    their low nibbles, 16-31 in the high."""
+def _nibbles_at(w, o):
+    """A 32-value block's 16 qs bytes at o (2-aligned) as its two halves of 4-bit codes, [BLOCK_N, 16] each:
+    values 0-15 are the bytes' low nibbles, 16-31 their high ones."""
     b = _run_bytes(w, o, HALF_QK)
-    halves = tl.permute(tl.join(b & NIBBLE, b >> NIBBLE_BITS), (0, 2, 1))  # [BLOCK_N, 2, 16]: low, high
-    return tl.reshape(halves, [b.shape[0], QK_C])
+    return b & NIBBLE, b >> NIBBLE_BITS
+
+
+@triton.jit
+def _halves(low, high):
+    """Two [BLOCK_N, 16] halves of a run as one [BLOCK_N, 32]: low's values first."""
+    both = tl.permute(tl.join(low, high), (0, 2, 1))  # [BLOCK_N, 2, 16]
+    return tl.reshape(both, [low.shape[0], QK_C])
 
 
 @triton.jit
@@ -265,7 +271,7 @@ def run(w, at, j, FMT: tl.constexpr, lut):
     elif FMT == FMT_Q3_K:
         codes, s0, s1, m0, m1 = _q3_k_run(w, at, j)
     elif FMT == FMT_IQ4_NL:
-        codes = tl.load(lut + _nibble_run_at(w, at + IQ4_NL_QS))
+        codes = tl.load(lut + _halves(*_nibbles_at(w, at + IQ4_NL_QS)))
         s0 = _f16_at(w, at + IQ4_NL_D)
         zero = tl.zeros(blk.shape, tl.float32)
         s1, m0, m1 = s0, zero, zero
@@ -286,17 +292,20 @@ def _one_scale_run(w, at, j, FMT: tl.constexpr):
         s = _f16_at(w, at + Q8_0_D)
         m = zero
     elif FMT == FMT_Q4_0:
-        codes = _nibble_run_at(w, at + Q4_0_QS) - Q4_BIAS
+        codes = _halves(*_nibbles_at(w, at + Q4_0_QS)) - Q4_BIAS
         s = _f16_at(w, at + Q4_0_D)
         m = zero
     elif FMT == FMT_Q4_1:
         codes = _nibble_run(blk, Q4_1_QS)
         s, m = _f16_pair(_word(blk, Q4_1_D))  # d, then m in the same word
     elif FMT == FMT_Q5_0:
-        # bit i of the 32-bit qh (two 16-bit halves: the 22-byte block is 2-aligned) is value i's fifth bit
-        qh = _u16_at(w, at + Q5_0_QH) | (_u16_at(w, at + Q5_0_QH + 2) << HALF_WORD_BITS)
-        fifth = ((qh[:, None] >> tl.arange(0, QK_C)[None, :]) & BIT) << NIBBLE_BITS
-        codes = (_nibble_run_at(w, at + Q5_0_QS) | fifth) - Q5_BIAS
+        # bit i of the 32-bit qh (two 16-bit halves: the 22-byte block is 2-aligned) is value i's fifth bit,
+        # added to each half before they are put together
+        low, high = _nibbles_at(w, at + Q5_0_QS)
+        i = tl.arange(0, HALF_QK)[None, :]
+        low |= ((_u16_at(w, at + Q5_0_QH)[:, None] >> i) & BIT) << NIBBLE_BITS
+        high |= ((_u16_at(w, at + Q5_0_QH + 2)[:, None] >> i) & BIT) << NIBBLE_BITS
+        codes = _halves(low, high) - Q5_BIAS
         s = _f16_at(w, at + Q5_0_D)
         m = zero
     elif FMT == FMT_Q5_1:
