@@ -16,12 +16,15 @@ are the values of their table, -127..113, read from `lut`), so s * code + m is t
 K format's integer min, exact).
 
 A run's bytes of a row are contiguous (a Q4_K pair's 32 qs bytes, a Q8_0 block's 32 codes), so a tile's
-load is BLOCK_N rows of 16-32 contiguous bytes: the vector loads the layout's alignment allows. Where a
-format's block is a whole number of 32-bit words (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K, IQ4_XS) its scales, minimums
-and Q5_1's high bits are read as whole words and taken apart with shifts: a load of 4 bytes or more a thread
-is one the software pipeliner can issue ahead as an asynchronous copy, a 1- or 2-byte load is not (it would
-wait in every run). The other formats' blocks (18, 22, 34, 110, 210 bytes) are only 2-aligned: they keep
-2-byte loads of their f16 scales.
+load is BLOCK_N rows of 16-32 contiguous bytes. Every byte is read as part of a 32-bit word and taken apart
+with shifts: a load of 4 bytes or more a thread is one the software pipeliner can issue ahead as an
+asynchronous copy, a 1- or 2-byte load is not (it would wait in every run). Where a format's block is a whole
+number of words (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K, IQ4_XS) its fields are read at their own word offsets (`blk`
+pointers). The other blocks (Q4_0 and IQ4_NL 18 bytes, Q5_0 22, Q8_0 34, Q3_K 110, Q6_K 210) are only
+2-aligned, so those bodies take the blocks' byte offsets (`at`) and read the word at or below each field
+(`_word_below`); a run of 16 or 32 bytes that starts 2 past a word boundary is rebuilt from the words there
+and the words one on (`_run_bytes`). Every offset into a block is even, so a field never straddles more than
+two words, and every word read holds a byte of the matrix (no read past its end).
 """
 
 from __future__ import annotations
