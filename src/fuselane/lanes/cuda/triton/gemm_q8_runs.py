@@ -106,6 +106,8 @@ K_SIGNED_SCALE = const(32)  # Q3_K / IQ4_XS: a 6-bit scale stands for scale - 32
 Q3_K_LOW_SCALES = const(8)  # Q3_K: scales 0-7 keep their low 4 bits in the low nibbles of bytes 0-7, 8-15 high
 Q3_K_HIGH = const(8)  # ...and their top 2 bits as crumb s // 4 of byte 8 + s % 4
 SUBS_A_RUN = const(2)  # Q2_K / Q3_K / Q6_K: 16-value sub-blocks a run
+WORD_DOWN = const(-4)  # an offset & this: the word boundary at or below it (a mask: no signed division)
+WORD_BYTE = const(3)  # an offset & this: its byte in its word
 
 
 # the formats read as 32-bit words, and the field each keeps in the upper half of d's word
@@ -160,19 +162,19 @@ def _word(blk, off):
 def _word_below(w, o):
     """The 32-bit word holding byte o ([BLOCK_N] int64 offsets, any alignment) of the matrix at `w` (16-aligned):
     a 4-byte load the pipeliner can stage, where a 2-aligned block's own f16 is a 2-byte one."""
-    return tl.load((w + (o // WORD) * WORD).to(tl.pointer_type(tl.int32)))
+    return tl.load((w + (o & WORD_DOWN)).to(tl.pointer_type(tl.int32)))
 
 
 @triton.jit
 def _u16_at(w, o):
     """The 16 bits at byte o (even) of the matrix, from the word holding them: [BLOCK_N] int32."""
-    return (_word_below(w, o) >> ((o % WORD) * BYTE_BITS).to(tl.int32)) & F16_BITS
+    return (_word_below(w, o) >> ((o & WORD_BYTE) * BYTE_BITS).to(tl.int32)) & F16_BITS
 
 
 @triton.jit
 def _byte_at(w, o):
     """The byte at o of the matrix, from the word holding it: [BLOCK_N] int32."""
-    return (_word_below(w, o) >> ((o % WORD) * BYTE_BITS).to(tl.int32)) & BYTE
+    return (_word_below(w, o) >> ((o & WORD_BYTE) * BYTE_BITS).to(tl.int32)) & BYTE
 
 
 @triton.jit
@@ -184,7 +186,7 @@ def _f16_at(w, o):
 @triton.jit
 def _i8_pair_at(w, o):
     """The two int8 at bytes o (even) and o + 1 of the matrix, from the word holding both, as f32."""
-    pair = _word_below(w, o) >> ((o % WORD) * BYTE_BITS).to(tl.int32)
+    pair = _word_below(w, o) >> ((o & WORD_BYTE) * BYTE_BITS).to(tl.int32)
     return pair.to(tl.int8).to(tl.float32), (pair >> BYTE_BITS).to(tl.int8).to(tl.float32)
 
 
@@ -195,8 +197,8 @@ def _run_bytes(w, o, N: tl.constexpr):
     N / 4 there and the N / 4 one on; where o is 2 past a boundary each run word is the upper half of one and
     the lower of the next. Every load is 4 bytes a thread, so the pipeliner stages it."""
     i = tl.arange(0, N // WORD)
-    words = (w + ((o // WORD) * WORD)[:, None] + (i * WORD)[None, :]).to(tl.pointer_type(tl.int32))
-    off = (o % WORD).to(tl.int32)[:, None] // 2  # 1 where o is 2 past a boundary
+    words = (w + (o & WORD_DOWN)[:, None] + (i * WORD)[None, :]).to(tl.pointer_type(tl.int32))
+    off = ((o & WORD_BYTE).to(tl.int32) >> 1)[:, None]  # 1 where o is 2 past a boundary
     # the words one on are read only where they hold run bytes (else the same words again): the last one
     # of a row's last run would otherwise lie past the matrix
     here, on = tl.load(words), tl.load(words + off)
