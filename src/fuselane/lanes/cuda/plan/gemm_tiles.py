@@ -11,7 +11,7 @@ The tiles are the H200's (sm_90) measured best of the kernel that unrolled a sup
 for the formats of two MMAs a run (Q6_K's figure). The kernel now keeps one run live and pipelines its loads
 (`triton/gemm_q8.py`); `benchmarks/gemm_q8_sweep.py` times the candidates of `SWEEP` (tiles and stages) on the
 GPU in one call, and its best go here. At these, every format compiles for sm_90 (Triton 3.6) without a spill
-but Q3_K (4 words a thread: `benchmarks/gemm_q8_registers.py`).
+(`benchmarks/gemm_q8_registers.py`).
 """
 
 from __future__ import annotations
