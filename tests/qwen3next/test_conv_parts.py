@@ -50,7 +50,7 @@ from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.models.qwen import IDS, LOGITS, POS
 
 F64 = np.dtype(np.float64)
-D, C_PLAIN, HEAD, EPS = 16, 64, 32, 1e-6
+D, C_PLAIN, HEAD, EPS = 32, 64, 32, 1e-6  # D: whole 32-value blocks, as the lane's products take
 NORMED_CHAN = 3 * HEAD  # one query head, one key head, one value head
 SILU_ROUNDINGS = 8  # the sigmoid's exponential (approximate on a GPU: 4u), its add and division, the product
 SHIM = CudaShim(CudaKnobs.parse(["activations=dequant"]))

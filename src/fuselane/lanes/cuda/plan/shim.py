@@ -22,8 +22,9 @@ specified classes it has no kernel for yet run as their parts (`NO_KERNEL_CLASSE
 (`rules`) link in around the shared table: `gemv_parts` before `merged_projections`, and after the last
 shared rule the settling passes that make the plan exactly what the lane launches. The lane rule
 `latent_expanded` (before `add_norm`, `latent.py`) takes a wide chunk's latent attention whole as `Mla` where
-its expanded launches fit; the lane has no expanded kernels yet, so it answers `Mla` as its parts: the
-absorbed form's launches (`triton.mla`), which run every latent attention, a decode step's and a chunk's.
+its expanded launches fit, run as its three launches (`triton.mla.expand`, `triton.mla.expanded_attention`);
+the absorbed form's launches (`triton.mla`) run every other latent attention (a decode step's, a batch's, a
+narrow chunk's, and any under the dequantized numerics).
 
 `held` names lane rules held back (`gemv_parts`) and the kernel choice `rows_a_warp` (every product a row
 a warp), for ablation. The optimizer holds rules by its own `held` argument: build the shim with the same
@@ -79,8 +80,8 @@ MOE_CLASSES = frozenset(
 )
 MOE_DECOMPOSED = frozenset({C.MASKED_EXPERT_ACTIVATION, C.MOE_GATHER_IN_OPERAND})
 
-# Classes a kernel of the lane runs in one launch: each has its binder in `launch.BINDERS`, which a test holds
-# this set to.
+# Classes a kernel of the lane runs in one launch (`Mla` in the three its rule sizes): each has its binder in
+# `launch.BINDERS`, which a test holds this set to.
 NATIVE_CLASSES = frozenset(
     {
         *(C.NORM_WEIGHT, C.ADD_NORM, C.EMBED_NORM, C.GEMV_NORM_EPILOGUE),
@@ -89,6 +90,7 @@ NATIVE_CLASSES = frozenset(
         *(C.GLU_ACT_MUL, C.GEMV_GATE_UP_GLU, C.GEMM_BIAS, C.MERGED_QKV, C.ROW_WRITE),
         *(MOE_CLASSES - MOE_DECOMPOSED),
         *GDN_NATIVE,
+        C.MLA,  # a wide chunk's latent attention expanded: its three launches (`latent.latent_launches`)
     }
 )
 
@@ -110,7 +112,6 @@ NO_KERNEL_CLASSES = frozenset(
         *(C.MERGED_GATE_UP, C.GEMM_DEQUANT_INKERNEL, C.FUSED_SAMPLING, C.CUDA_GRAPHS),
         *(C.STRIDED_READ, C.JOIN_IN_PLACE, C.STRIDED_VALUES),
         C.ROW_WRITE_QUANT,
-        C.MLA,  # a wide chunk's latent attention runs absorbed, as its parts (`triton.mla`), not expanded
     }
 )
 _NO_KERNEL = Support(SupportKind.DECOMPOSE, "the lane has no kernel for it yet: its parts run apart")
