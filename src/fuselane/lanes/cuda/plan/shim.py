@@ -415,8 +415,13 @@ class CudaShim:
 
     def gemv_mergeable(self, p: GemvForm) -> bool:
         """Whether a product is one the GEMV takes in parts: within the GEMV's rows (or a batch's), landing
-        whole, its outputs whole warps of rows."""
-        return (p.m <= kernels.GEMV_ROWS or self.knobs.batch) and self.lands_whole(p) and p.n % self.per_warp(p) == 0
+        whole, its outputs whole warps of rows, its rows whole 32-value blocks (only a float matrix is ragged)."""
+        return (
+            (p.m <= kernels.GEMV_ROWS or self.knobs.batch)
+            and self.lands_whole(p)
+            and p.n % self.per_warp(p) == 0
+            and p.k % kernels.QBLOCK == 0
+        )
 
     def gemv_in_parts(self, members: Sequence[Op], g: TensorGraph) -> bool:
         """Whether every member of a GEMV in parts is one the GEMV takes together: at most four, one
