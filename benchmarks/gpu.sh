@@ -5,6 +5,8 @@
 #   benchmarks/gpu.sh OUT_DIR [SHAPE:MIX ...]
 #   FUSELANE_KNOBS="activations=dequant" benchmarks/gpu.sh OUT_DIR   (the benchmark and explain at those knobs)
 #   FUSELANE_SKIP_TESTS=1 benchmarks/gpu.sh OUT_DIR                   (the benchmark alone)
+#   FUSELANE_COMMIT=abc1234 benchmarks/gpu.sh OUT_DIR                   (the commit to record, where the tree
+#                                                                       was copied without an up-to-date .git)
 #
 # Runs from the source tree (PYTHONPATH=src). Wheels of missing pure-Python packages may be put in .whl/
 # (gguf, jinja2, rich, pytest, hypothesis, ...): they are installed into a private folder first.
@@ -25,7 +27,11 @@ specs=("$@")
 [ ${#specs[@]} -gt 0 ] || specs=(qwen2.5-0.5b:q4_k_m_05b qwen3-0.6b:q8_0 qwen2.5-7b:q4_k_m qwen3-8b:q4_k_m)
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
-git rev-parse --short HEAD > "$out/commit.txt" 2>/dev/null || echo unknown > "$out/commit.txt"
+if [ -n "${FUSELANE_COMMIT:-}" ]; then
+  echo "$FUSELANE_COMMIT" > "$out/commit.txt"
+else
+  git rev-parse --short HEAD > "$out/commit.txt" 2>/dev/null || echo unknown > "$out/commit.txt"
+fi
 
 for spec in "${specs[@]}"; do
   shape=${spec%%:*} mix=${spec##*:}

@@ -18,6 +18,21 @@ CUDA_WORKERS = 4
 THREAD_POOLS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
+def _without_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return True
+    return not torch.cuda.is_available()
+
+
+# Triton reads TRITON_INTERPRET as a kernel is decorated, and decorates its own library's functions as it is first
+# imported: on a host without a GPU every kernel runs under the interpreter, so it is set before any test module
+# imports Triton (one importing transformers does, through torch), whatever order the tests run in.
+if _without_gpu():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """The GPU run's workers (`CUDA_WORKERS`); runs before pytest-xdist reads its options, and sets the workers'

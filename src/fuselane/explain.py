@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fuselane.errors import FuselaneError
-from fuselane.fuse.optimizer import VIEWS, Plan, optimize
+from fuselane.fuse.optimizer import VIEWS, Plan, launches_of, optimize
 from fuselane.fuse.views import class_of, leaves
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Dst, Form, Op, Strided
@@ -151,8 +151,11 @@ def launch_layers(ops: Sequence[Op]) -> list[int | None]:
 
 
 def launches_per_layer(plan: Plan) -> dict[int, int]:
-    """Launches by layer (`launch_layers`): one an op of the plan, none for a view."""
-    counts = Counter(layer for layer in launch_layers(plan.ops) if layer is not None)
+    """Launches by layer (`launch_layers`): each op's own (`launches_of`: none for a view)."""
+    counts: Counter[int] = Counter()
+    for op, layer in zip(plan.ops, launch_layers(plan.ops), strict=True):
+        if layer is not None:
+            counts[layer] += launches_of(op)
     return dict(sorted(counts.items()))
 
 
@@ -195,6 +198,7 @@ def to_json(name: str, cfg: ModelConfig, plan: Plan, form: str) -> dict[str, Any
                 "inputs": [{"name": n, "access": _access(a)} for n, a in zip(op.ins, op.access, strict=True)],
                 "output": op.out,
                 "destination": _dst(op.dst),
+                "launches": launches_of(op),
             }
             for op in plan.ops
         ],
@@ -231,7 +235,8 @@ def render(data: dict[str, Any]) -> str:
             where += f"[row {d['row']['at']}, pitch {d['row']['pitch']}]"
         if "unit" in d:
             where += f"[unit {d['unit']['offset']}+{d['unit']['width']} of {d['unit']['pitch']}]"
-        lines.append(f"  {i:4d}  {op['op']:<22} {ins} -> {where}")
+        several = f"  ({op['launches']} launches)" if op["launches"] > 1 else ""
+        lines.append(f"  {i:4d}  {op['op']:<22} {ins} -> {where}{several}")
     misses: dict[tuple[str, str, str, str], int] = {}
     for miss in data["not_fused"]:
         key = (miss["rule"], miss["class"], miss["kind"], miss["reason"])

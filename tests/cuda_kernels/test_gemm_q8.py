@@ -36,6 +36,8 @@ from fuselane.lanes.cuda.triton.quant import Q8Acts, quantize_reference  # noqa:
 FORMATS = sorted(gemm_tiles.INT8_GEMM_FORMATS, key=int)
 # Small tiles, so a few rows reach several tiles and a partial one of each kind.
 TILE = GemmTile(block_m=16, block_n=16, warps=4, stages=1)
+# Tiles of unequal sides (an activation row taken for a weight row would show) and a pipelined loop.
+WIDE_TILES = (GemmTile(block_m=16, block_n=32, warps=4, stages=2), GemmTile(block_m=32, block_n=16, warps=4, stages=3))
 CODE_FIELDS = ("qs", "qh", "ql")  # the packed code fields: zeroed, a block decodes to its offsets
 ROUNDINGS_A_RUN, ROUNDINGS_MORE = 3, 8
 
@@ -76,6 +78,17 @@ def test_gemm_q8_matches_the_f64_product(fmt):
     raw, acts, want, bound = _case(fmt, m, n, k, int(fmt))
     out = torch.empty((m, n), device=DEVICE)
     G.gemm_q8(acts, dev(raw), fmt, n, k, out, tile=TILE)
+    check(out, want, bound + 1e-30)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_gemm_q8_rows_of_several_blocks(fmt):
+    # two super-blocks (16 runs) a row: a run's index in its block and the block's in the row both vary in
+    # the K loop; ragged m and n past a tile of unequal sides (each format one of the two)
+    m, n, k = 19, 37, 2 * 256
+    raw, acts, want, bound = _case(fmt, m, n, k, 100 + int(fmt))
+    out = torch.full((m, n), float("nan"), device=DEVICE)
+    G.gemm_q8(acts, dev(raw), fmt, n, k, out, tile=WIDE_TILES[FORMATS.index(fmt) % len(WIDE_TILES)])
     check(out, want, bound + 1e-30)
 
 

@@ -1,7 +1,9 @@
 """The cuda lane on DeepSeek-V2-Lite's widths, compiled on an NVIDIA GPU, against the cpu lane in f64 within
 the lane's numerics contract: two layers (the first dense, the second a mixture of 8 experts keeping 6, with
-the 2 shared) in Q4_K_M, a small vocabulary; a prompt chunk past the GEMV's rows, then decode steps replayed
-from the captured CUDA graph (the latent cache written a row a token in f16, read in place by the attention).
+the 2 shared) in Q4_K_M, a small vocabulary; a prompt chunk past the GEMV's rows (its latent attention
+expanded, `Mla`: the key half Q5_0, the value half Q4_K), then decode steps replayed from the captured CUDA
+graph (the latent cache written a row a token in f16, read in place by the attention), then a second chunk at
+a later position, twice (the second replayed from its graph).
 The widths are V2-Lite's: 2048 wide, 16 heads, kv_lora_rank 512, nope 128, rope 64, value 128, YaRN x40.
 """
 
@@ -49,6 +51,11 @@ def test_v2_lite_widths_run_as_the_cpu_lane(tmp_path):
     steps = [("prefill", sg.feed(PROMPT), sr.feed(PROMPT))]
     for token in (9, 11, 13):  # the second and third replay the captured graph at a new position
         steps.append((f"decode {token}", sg.extend([token]), sr.extend([token])))
+    chunk = list(range(30, 42))
+    expanded = [op for op, _ in gpu.lane.step(len(chunk)).bound if class_of(op) is C.MLA]
+    assert len(expanded) == SHAPE.n_layers  # each layer's latent attention, expanded
+    steps.append(("chunk at 23", sg.extend(chunk), sr.extend(chunk)))
+    steps.append(("chunk at 35", sg.extend(chunk), sr.extend(chunk)))  # the chunk's graph replayed
     for what, a, b in steps:
         a, b = np.asarray(a), np.asarray(b)
         assert np.isfinite(a).all(), what

@@ -1,9 +1,8 @@
 """deepseek2 on the cuda lane's plan side, the synthetic shapes, and hostile files.
 
 `latent_expanded` takes a wide chunk's absorbed latent attention whole as `Mla`, where its expanded launches
-fit; the lane has no expanded kernels yet, so it answers `Mla` as its parts (the absorbed form's launches run
-every latent attention), and refuses grouped top-k with a reason: `run --lane cuda` on a grouped file says so
-in one line. Every reason the rule gives has its row.
+fit, counted as their three launches; the lane refuses grouped top-k with a reason: `run --lane cuda` on a
+grouped file says so in one line. Every reason the rule gives has its row.
 """
 
 from __future__ import annotations
@@ -14,12 +13,15 @@ import pytest
 
 from fuselane.errors import ModelError
 from fuselane.explain import build_plan
+from fuselane.fuse.optimizer import launches_of
 from fuselane.fuse.shim import SupportKind
+from fuselane.fuse.views import class_of
 from fuselane.gguf.reader import open_gguf
 from fuselane.gguf.synth import SHAPES, tensor_formats, write_synthetic
 from fuselane.gguf.synth_latent import LatentShape, parameters
 from fuselane.graph.classes import ClassId as C
 from fuselane.lanes.cuda.plan import latent
+from fuselane.lanes.cuda.plan.fits import TABLE_ROTATIONS_APART
 from fuselane.lanes.cuda.plan.knobs import CudaKnobs
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.models import config_of
@@ -46,11 +48,19 @@ def latent_misses(path: str, *knobs: str, rows: str = WIDE) -> list[tuple[str, s
     return [(m.kind, m.reason) for m in plan.missed if m.rule == latent.RULE]
 
 
-def test_the_rule_finds_each_layers_latent_attention_and_the_lane_runs_its_parts(files):
-    misses = latent_misses(files["v2"])
-    assert misses == [("decompose", "the lane has no kernel for it yet: its parts run apart")] * 2  # one a layer
+def test_the_rule_takes_each_layers_latent_attention_as_its_three_launches(files):
+    assert latent_misses(files["v2"]) == []
     _, _, plan = build_plan(files["v2"], lane="cuda", form="prefill", rows=int(WIDE))
     assert plan.cannot_run is None
+    taken = [op for op in plan.ops if class_of(op) is C.MLA]
+    assert len(taken) == 2 and [f.rule for f in plan.fired].count(latent.RULE) == 2  # one a layer
+    assert all(launches_of(op) == latent.LAUNCHES == 3 for op in taken)
+    _, _, held = build_plan(files["v2"], lane="cuda", form="prefill", rows=int(WIDE), held=(latent.RULE,))
+    absorbed = 4  # the absorption, the join, the attention, the value half (the slices are views)
+    assert held.launches() - plan.launches() == 2 * (absorbed - latent.LAUNCHES)
+    # with the join inside `Mla`, the query's and the key's rotations meet: the table kernel turns each apart
+    rotations = {(m.kind, m.reason) for m in plan.missed if m.rule == "rope_q_k_one_launch"}
+    assert rotations == {("fits", TABLE_ROTATIONS_APART)}
 
 
 @pytest.mark.parametrize(
@@ -95,7 +105,7 @@ def _formats():
 def test_the_shim_answers_as_specified():
     shim = CudaShim(CudaKnobs())
     assert shim.supports(C.GROUPED_TOPK).reason == "the lane routes by one top-k over every expert"
-    assert shim.supports(C.MLA).kind is SupportKind.DECOMPOSE  # the specification: native (expanded)
+    assert shim.supports(C.MLA).kind is SupportKind.NATIVE
     for cls in (C.MLA_PROLOGUE, C.MLA_UNABSORB_IN_FOLD):
         assert shim.supports(cls).kind is SupportKind.DECOMPOSE
 
@@ -173,7 +183,7 @@ def test_the_cuda_routing_kernel_takes_scaled_and_sigmoid_weights(files, tmp_pat
     assert "router_topk" in {f.rule for f in scaled.fired}
     _, _, plain = build_plan(files["v2"], lane="cuda", form="decode")
     assert "router_topk" in {f.rule for f in plain.fired}
-    ungrouped = replace(SHAPES["tiny-deepseek3"], groups=1, groups_used=1)  # sigmoid, the bias, scaled, renormed
+    ungrouped = replace(SHAPES["tiny-deepseek3"], groups=1, groups_used=1, q_lora=64)  # sigmoid, bias, scale, renorm
     _, _, v3 = build_plan(str(write_synthetic(tmp_path / "u.gguf", ungrouped, "f32")), lane="cuda", form="decode")
     assert "router_topk" in {f.rule for f in v3.fired} and v3.cannot_run is None
 

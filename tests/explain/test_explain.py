@@ -64,13 +64,14 @@ def test_json_schema(lane, capsys):
     }
     assert set(data["model"]) == {"name", "architecture", "layers"}
     for op in data["schedule"]:
-        assert set(op) == {"op", "fused", "covers", "inputs", "output", "destination"}
+        assert set(op) == {"op", "fused", "covers", "inputs", "output", "destination", "launches"}
         assert all(set(i) == {"name", "access"} for i in op["inputs"])
         assert "buffer" in op["destination"]
     for miss in data["not_fused"]:
         assert set(miss) == {"rule", "class", "kind", "reason", "covers"}
         assert miss["kind"] in ("decompose", "refuse", "fits") and miss["reason"]
     assert set(data["launches"]) == {"per_step", "per_layer_max", "per_layer"}
+    assert sum(op["launches"] for op in data["schedule"]) == data["launches"]["per_step"]
     assert set(data["numerics"]) == {
         "point",
         "activations",

@@ -17,7 +17,7 @@ import pytest
 
 from fuselane.fuse.rewriter import Rewriter, Schedule
 from fuselane.fuse.rules import SHARED_RULES
-from fuselane.fuse.shim import After, Before, SupportKind
+from fuselane.fuse.shim import NATIVE, After, Before, SupportKind
 from fuselane.gguf.formats import Format
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import (
@@ -58,7 +58,7 @@ from fuselane.graph.ops import (
     UnaryOp,
 )
 from fuselane.lanes.cuda.plan import fits as fits_module
-from fuselane.lanes.cuda.plan.gdn import NOT_YET
+from fuselane.lanes.cuda.plan.gdn import GDN_NATIVE
 from fuselane.lanes.cuda.plan.knobs import Activations, CachePrecision, CudaKnobs, StatePrecision
 from fuselane.lanes.cuda.plan.shim import (
     DECOMPOSED_CLASSES,
@@ -518,10 +518,10 @@ SPECIFIED_REFUSALS = {
 }
 
 
-def test_the_gated_delta_rules_classes_without_a_kernel_run_as_their_parts() -> None:
+def test_the_gated_delta_rules_native_classes_each_have_a_kernel() -> None:
     shim = CudaShim(DEFAULT)
-    for cls in NOT_YET:  # `plan.gdn`: several convolutions a launch, the gates' projection with the gating
-        assert shim.supports(cls).kind is SupportKind.DECOMPOSE and cls in NO_KERNEL_CLASSES
+    for cls in GDN_NATIVE:  # `plan.gdn`: several convolutions a launch, the gates with their projection too
+        assert shim.supports(cls) == NATIVE and cls not in NO_KERNEL_CLASSES
 
 
 def test_supports_answers_every_class_once() -> None:

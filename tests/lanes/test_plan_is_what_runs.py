@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from fuselane.explain import build_plan, launch_layers, launches_per_layer
-from fuselane.fuse.optimizer import VIEWS, optimize, rule_names
+from fuselane.fuse.optimizer import VIEWS, launches_of, optimize, rule_names
 from fuselane.fuse.shim import NATIVE, Support, SupportKind
 from fuselane.fuse.views import class_of
 from fuselane.gguf.synth import Shape, write_synthetic
@@ -119,14 +119,14 @@ def test_the_table_binds_no_class_the_shim_does_not_run() -> None:
 class _Claims(CudaShim):
     """The cuda shim answering native for one more class: what the binder test must catch."""
 
-    extra: C = C.MLA
+    extra: C = C.MLA_PROLOGUE
 
     def supports(self, cls: C) -> Support:
         return NATIVE if cls is self.extra else CudaShim.supports(self, cls)
 
 
 def test_a_native_answer_without_a_binder_is_caught() -> None:
-    assert unbound_native(_Claims()) == {C.MLA}
+    assert unbound_native(_Claims()) == {C.MLA_PROLOGUE}
 
 
 # --- the cuda lane: what binds is what explain prints ----------------------------------------------------
@@ -143,7 +143,8 @@ from fuselane.runtime.model import load  # noqa: E402
 def _check_step(path: str, step, form: str, rows: int, knobs: tuple[str, ...], held: tuple[str, ...]) -> None:
     bound = [(op, len(launches)) for op, launches in step.bound]
     for op, n in bound:
-        assert n == (0 if isinstance(op.sym, VIEWS) else 1), f"{op.out} launched {n} times"
+        assert n == launches_of(op), f"{op.out} launched {n} times"
+        assert n == (0 if isinstance(op.sym, VIEWS) else 1) or class_of(op) is C.MLA  # Mla: its three launches
     _, _, told = build_plan(path, lane="cuda", form=form, rows=rows, knobs=knobs, held=held)
     assert step.launches == sum(n for _, n in bound) == told.launches()
     assert per_layer(bound) == launches_per_layer(told)
@@ -186,18 +187,29 @@ QWEN3NEXT_SHAPE = Shape(
     **dict(context=4096, experts=4, experts_used=2, expert_ff=32, shared_ff=32, full_every=2),
     **dict(ssm_k_heads=2, ssm_v_heads=4, ssm_dim=32, conv=4, rope_dim=8),
 )
-GDN_RULES = ("conv_silu", "conv_silu_l2norm", "gdn_gating", "gdn_step", "gated_norm", "attn_output_gate")
+GDN_RULES = (
+    *("conv_silu", "conv_silu_l2norm", "gdn_gating", "gdn_gate_projections", "gdn_step", "gated_norm"),
+    *("attn_output_gate", "gdn_output_quant"),
+)
 
 
 @pytest.mark.parametrize(
-    ("knobs", "held"),
-    [((), ()), (("activations=dequant", "state=bf16"), ()), ((), GDN_RULES), *(((), (r,)) for r in GDN_RULES)],
+    ("mix", "knobs", "held"),
+    [
+        *(("q8_0", (), ()), ("q8_0", ("activations=dequant", "state=bf16"), ()), ("q8_0", (), GDN_RULES)),
+        *(("q8_0", (), (r,)) for r in GDN_RULES),
+        # every matrix F16: the gates take their projection (`ssm_ba` held as values) in their launch
+        *(("f16", (), ()), ("f16", (), ("gdn_gate_projections",))),
+    ],
 )
-def test_cuda_binds_a_qwen3next_plan_as_explain_prints_it(tmp_path, knobs, held) -> None:
-    path = str(write_synthetic(tmp_path / "m.gguf", QWEN3NEXT_SHAPE, "q8_0", seed=3))
+def test_cuda_binds_a_qwen3next_plan_as_explain_prints_it(tmp_path, mix, knobs, held) -> None:
+    path = str(write_synthetic(tmp_path / "m.gguf", QWEN3NEXT_SHAPE, mix, seed=3))
     lane = load(path, lane="cuda", ctx=CTX, knobs=list(knobs), held=held).lane
     for form, rows in (("decode", 1), ("prefill", PREFILL_ROWS)):
         _check_step(path, lane.step(rows), form, rows, knobs, held)
+    classes = {class_of(op) for op, _ in lane.step(1).bound}
+    if not held and not knobs:  # the classes this plan is here for are in it
+        assert (C.GDN_GATE_PROJECTIONS if mix == "f16" else C.GDN_OUTPUT_QUANT) in classes
 
 
 def test_rope_epilogue_folds_the_rotations_only_where_the_gemv_turns_them(paths) -> None:

@@ -1,13 +1,14 @@
 """The cuda lane's plan side on Qwen3-Next: the specification's answers for the gated delta rule's and the
-gated attention's classes (`plan.gdn.SPECIFIED`), the lane's own answers until it has their kernels, and the
-specification's `fits` on the fused ops the shared rules build from a real graph.
+gated attention's classes (`plan.gdn.SPECIFIED`), which the lane gives, and the specification's `fits` on the
+fused ops the shared rules build from a real graph.
 
-The lane runs the convolution, the gates, the delta step and the gated norm natively (`GDN_NATIVE`), and the
-specification's two other native classes (`NOT_YET`: several convolutions a launch, the gates' projection)
-and the gated attention as their parts, so a Qwen3-Next file runs. Under the specified answers (a shim that answers
-them as the specification does, `Specified`), the rules' fusions at Qwen3-Next-80B-A3B's widths take the
-specification's fits: everything fuses but the gates' projection, whose matrix the file holds as checkpoint
-rows, and the tiny shape's 16-value heads are too narrow for the convolution's norming epilogue.
+The lane runs every class the specification runs natively (`GDN_NATIVE`: the convolution, several of them a
+launch, the gates with and without their projection, the delta step, the gated norm, the gated attention) and
+quantizes the gated norm's output in its store under `fuse_quant`. Under the specified answers (a shim that
+answers them as the specification does, `Specified`), the rules' fusions at Qwen3-Next-80B-A3B's widths take
+the specification's fits: everything fuses but the gates' projection, whose matrix the file holds as
+checkpoint rows (a file holding it as floats fuses it too), and the tiny shape's 16-value heads are too narrow
+for the convolution's norming epilogue.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ import pytest
 
 from fuselane.fuse.optimizer import check_runs, needs, optimize
 from fuselane.fuse.shim import DECOMPOSE, NATIVE, SupportKind
+from fuselane.fuse.views import class_of
+from fuselane.gguf.formats import Format
 from fuselane.gguf.synth import SHAPES, model_metadata, tensor_formats, tensor_shapes
 from fuselane.graph.classes import ClassId as C
-from fuselane.graph.ir import WHOLE, Dst, Form, Op
-from fuselane.graph.ops import GateAct, GatedDelta
-from fuselane.lanes.cuda.plan.gdn import EPILOGUE, GDN_NATIVE, NOT_YET, SPECIFIED
+from fuselane.graph.ir import WHOLE, Dst, Form, Op, Role, Tensor, Values
+from fuselane.graph.ops import Elementwise, ElementwiseOp, GateAct, GatedDelta, Quantize
+from fuselane.lanes.cuda.plan.gdn import EPILOGUE, GDN_NATIVE, SPECIFIED
 from fuselane.lanes.cuda.plan.knobs import CudaKnobs
-from fuselane.lanes.cuda.plan.shim import _NO_KERNEL, CudaShim
+from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.models import config_of, recognizer
 from fuselane.numerics.contract import Keep
 from tests.lanes.test_cuda_launches import Stub
@@ -48,9 +51,11 @@ class Specified(CudaShim):
         return spec
 
 
-def graph(name: str, rows: int):
+def graph(name: str, rows: int, *, float_ba: bool = False):
     shape = replace(SHAPES[name], n_layers=LAYERS)
     formats = tensor_formats(shape, "q4_k_m")
+    if float_ba:  # the gates' projection kept in F32, as the converter writes it before quantizing
+        formats |= {n: Format.F32 for n in formats if n.endswith("ssm_ba.weight")}
     tensors = {n: Stub(dims, formats[n]) for n, dims in tensor_shapes(shape).items()}
     cfg = config_of(model_metadata(shape, name, 0) | {"general.architecture": shape.arch}, tensors)
     form = Form.DECODE if rows == 1 else Form.PREFILL
@@ -62,14 +67,13 @@ def ours(events) -> Counter:
 
 
 @pytest.mark.parametrize("fuse_quant", [True, False])
-def test_the_lane_answers_as_specified_where_it_has_the_kernels(fuse_quant):
+def test_the_lane_answers_as_specified(fuse_quant):
     shim = CudaShim(CudaKnobs(fuse_quant=fuse_quant))
+    assert {c for c, spec in SPECIFIED.items() if spec == NATIVE} == GDN_NATIVE
     for cls, spec in SPECIFIED.items():
         answer = shim.supports(cls)
         if cls in GDN_NATIVE:
-            assert spec == NATIVE and answer == NATIVE, cls
-        elif cls in NOT_YET or cls is C.ATTN_OUTPUT_GATE:
-            assert answer == _NO_KERNEL, cls
+            assert answer == NATIVE, cls
         elif spec == EPILOGUE:
             assert answer.kind is (SupportKind.NATIVE if fuse_quant else SupportKind.DECOMPOSE), cls
         else:  # the three regroupings, as specified
@@ -93,6 +97,24 @@ def test_under_the_specified_answers_the_real_shape_fuses_all_but_the_gates_proj
     assert {(m.cls, m.reason) for m in plan.missed if m.rule in HYBRID_RULES} == {
         (C.GDN_GATE_PROJECTIONS, GATES_BY_VALUES)
     }
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_lane_takes_the_gates_with_their_projection_from_a_matrix_of_floats(rows):
+    plan = optimize(graph("qwen3-next-80b-a3b", rows, float_ba=True), CudaShim())
+    fused = Counter(e.cls for e in plan.fired)
+    assert fused[C.GDN_GATE_PROJECTIONS] == LAYERS - 1
+    assert not [m for m in plan.missed if m.cls is C.GDN_GATE_PROJECTIONS]
+    rows_ba = optimize(graph("qwen3-next-80b-a3b", rows), CudaShim())
+    assert {m.reason for m in rows_ba.missed if m.cls is C.GDN_GATE_PROJECTIONS} == {GATES_BY_VALUES}
+
+
+def test_the_lanes_gated_norm_writes_its_int8_form_in_its_store():
+    # heads of 128: whole 32-value blocks, so no Quantize launch follows the gated norm
+    plan = optimize(graph("qwen3-next-80b-a3b", 1), CudaShim())
+    quantized = [op for op in plan.ops if class_of(op) is C.GDN_OUTPUT_QUANT]
+    assert len(quantized) == LAYERS - 1
+    assert not [op for op in plan.ops if isinstance(op.sym, Quantize) and op.out.endswith("o_gated")]
 
 
 def test_under_int8_the_gated_norm_and_the_gated_attention_quantize_their_output():
@@ -119,3 +141,16 @@ def test_a_sigmoid_gated_delta_rule_is_refused():
 def test_the_state_knob_sets_the_recurrent_states_precision(value, keep):
     shim = CudaShim(CudaKnobs.parse([f"state={value}"]))
     assert shim.numerics().state is keep
+
+
+def test_a_gated_norm_read_elsewhere_in_f32_quantizes_apart():
+    g = graph("qwen3-next-80b-a3b", 1)
+    name = "l0.o_gated"
+    rows, cols = g.tensors[name].shape
+    g.add(Tensor("probe", (rows, cols), Values("f32"), Role.ACTIVATION))
+    g.ops.append(Op(Elementwise(ElementwiseOp.ADD, rows, cols), (name, name), (WHOLE, WHOLE), "probe", Dst("probe"),
+                    (len(g.ops),)))  # fmt: skip
+    plan = optimize(g, CudaShim())
+    quantized = {op.out for op in plan.ops if class_of(op) is C.GDN_OUTPUT_QUANT}
+    assert name not in quantized and len(quantized) == LAYERS - 2  # the other linear layers' still do
+    assert [op.out for op in plan.ops if isinstance(op.sym, Quantize) and op.out == name] == [name]

@@ -23,9 +23,17 @@ def plan(request):
     return build_plan("synth:tiny-qwen3next", lane="cpu", form=request.param)[2]
 
 
+# Qwen3-Next convolves q, k and v as one, and each layer's convolution reads what the one before it fed: a
+# step has no two convolutions one launch takes (`test_conv_parts.py` builds such a step by hand).
+ONE_CONVOLUTION_A_STEP = "conv_parts"
+
+
 def test_every_rule_builds_what_the_record_says(plan):
     matched = {(e.rule, e.cls) for e in [*plan.fired, *plan.missed]}
+    assert not {e for e in matched if e[0] == ONE_CONVOLUTION_A_STEP}
     for rule in GDN_RULES + GATED_ATTENTION_RULES:
+        if rule.name == ONE_CONVOLUTION_A_STEP:
+            continue
         for cls in rule.builds:
             assert rule.name in built_by(cls)
             assert (rule.name, cls) in matched, f"{rule.name} never builds {cls.value}"

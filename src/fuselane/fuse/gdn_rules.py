@@ -2,7 +2,8 @@
 
 A linear layer's primitives (`models.qwen3next`) fuse into the classes a lane runs in few launches: the
 causal convolution with its state's shift and its SiLU (`ConvBiasSilu`), that with the per-head L2 norms of
-the queries and keys it feeds (`ConvSiluL2norm`), the gates beta = sigmoid(b) and g = A * softplus(a + dt)
+the queries and keys it feeds (`ConvSiluL2norm`), a step's convolutions that do not feed one another in one
+launch (`ConvParts`), the gates beta = sigmoid(b) and g = A * softplus(a + dt)
 (`GdnGating`), with the product that reads them off the layer's input (`GdnGateProjections`), the rule's
 output with its state's update (`GdnStep`), and the gated norm of its output, norm(o) * w * silu(z)
 (`GatedNorm`). A full-attention layer's output times sigmoid(gate) rides the attention (`AttnOutputGate`).
@@ -15,6 +16,8 @@ from fuselane.fuse.moe_rules import internal, producer_of
 from fuselane.fuse.patterns import is_add, is_mul, next_reader, op_at
 from fuselane.fuse.rewriter import Rewriter
 from fuselane.fuse.rule import Rule
+from fuselane.fuse.views import class_of
+from fuselane.graph import facts
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ops import (
     Attention,
@@ -31,6 +34,7 @@ from fuselane.graph.ops import (
 )
 
 ATTENTIONS = (Attention, C.FLASH_DECODE, C.FLASH_PREFILL)
+CONVS = (C.CONV_BIAS_SILU, C.CONV_SILU_L2NORM)
 DELTAS = (GatedDelta, C.GDN_STEP)
 
 
@@ -71,6 +75,30 @@ def conv_silu_l2norm(r: Rewriter, i: int) -> None:
         swallowed = [k for k in normed if op_at(r, k, Slice)]  # each norm's result is read by the delta rule
         if internal(r, "conv_silu_l2norm", members, swallowed):
             r.try_fuse("conv_silu_l2norm", C.CONV_SILU_L2NORM, members, i)
+
+
+def conv_parts(r: Rewriter, i: int) -> None:
+    """At a convolution through its SiLU: the later ones, up to the first other op that reads what a taken one
+    writes, that read nothing a taken one writes and move up to it past nothing they touch (the next layer's,
+    fed through this one, never do), as the parts of one launch."""
+    if op_at(r, i, *CONVS) is None:
+        return
+    group = [i]
+    written = set(facts.writes(r.s.get(i)))
+    for j in range(i + 1, len(r.s)):
+        op = r.s.slot(j)
+        if op is None:
+            continue
+        fed = bool(written & set(facts.reads(op)))
+        if class_of(op) not in CONVS:
+            if fed:  # the step reads a taken convolution's result: the launch ends before it
+                break
+            continue
+        if not fed and r.crossing([j], i) is None:
+            group.append(j)
+            written |= set(facts.writes(op))
+    if len(group) > 1:
+        r.try_fuse("conv_parts", C.CONV_PARTS, group, i)
 
 
 def gdn_gating(r: Rewriter, m: int) -> None:
@@ -149,6 +177,8 @@ GDN_RULES = [
     Rule("conv_silu", (C.CONV_BIAS_SILU,), conv_silu),
     # l2norm(slice(ConvBiasSilu)) for q and k -> ConvSiluL2norm: the heads normed in the convolution's epilogue
     Rule("conv_silu_l2norm", (C.CONV_SILU_L2NORM,), conv_silu_l2norm),
+    # ConvBiasSilu(x1); ...; ConvSiluL2norm(x4) -> ConvParts: convolutions feeding none of the others, one launch
+    Rule("conv_parts", (C.CONV_PARTS,), conv_parts),
     # A * softplus(a + dt); sigmoid(b) -> GdnGating: both gates of the delta rule
     Rule("gdn_gating", (C.GDN_GATING,), gdn_gating),
     # GdnGating(slices of x @ Wba^T) -> GdnGateProjections: the gates straight off the layer's input

@@ -19,7 +19,7 @@ from fuselane.fuse.rules import SHARED_RULES
 from fuselane.fuse.shim import After, LaneRule, Shim, SupportKind
 from fuselane.fuse.views import leaves
 from fuselane.graph.classes import ClassId
-from fuselane.graph.ir import Op, TensorGraph
+from fuselane.graph.ir import Fused, Op, TensorGraph
 from fuselane.graph.ops import (
     Attention,
     CausalConv,
@@ -60,8 +60,16 @@ class Plan:
     cannot_run: str | None = None  # why the lane cannot run the graph (only where optimized unchecked)
 
     def launches(self) -> int:
-        """Kernel launches the schedule makes: one an op, none for a view."""
-        return sum(0 if isinstance(op.sym, VIEWS) else 1 for op in self.ops)
+        """Kernel launches the schedule makes (`launches_of` each op)."""
+        return sum(launches_of(op) for op in self.ops)
+
+
+def launches_of(op: Op) -> int:
+    """Kernel launches an op of a schedule makes: none for a view, a fused op's own count (one, unless the lane
+    rule that built it sized several), one for any other primitive."""
+    if isinstance(op.sym, VIEWS):
+        return 0
+    return op.sym.launches if isinstance(op.sym, Fused) else 1
 
 
 def table_for(shim: Shim) -> list[Rule | LaneRule]:
@@ -142,6 +150,16 @@ def refusals(g: TensorGraph, shim: Shim) -> str | None:
     return "; ".join(found.values()) or None
 
 
+def misfits(ops: Sequence[Op], g: TensorGraph, shim: Shim) -> str | None:
+    """Why the lane has no launch for an op of the rewritten schedule (a fused op is built only where it fits,
+    so only a primitive can be left so: a float matrix of ragged rows, say), first such op once, or None."""
+    for op in ops:
+        why = shim.fits(op, g)
+        if why is not None:
+            return f"{op.out}: {why}"
+    return None
+
+
 def check_runs(g: TensorGraph, shim: Shim) -> None:
     """Raise, with the lane's reasons, where `g` holds a primitive whose class the lane refuses."""
     why = refusals(g, shim)
@@ -170,6 +188,9 @@ def optimize(
             rule.apply(r)
     ops = r.s.live()
     work.ops = ops
+    misfit = misfits(ops, work, shim)
+    if check and misfit is not None:
+        raise FuselaneError(f"the {shim.name} lane cannot run this model: {misfit}")
     return Plan(
         lane=shim.name,
         graph=work,
@@ -180,7 +201,7 @@ def optimize(
         table=tuple(r.name for r in table),
         contract=shim.numerics(),
         unmatched=r.unmatched,
-        cannot_run=None if check else refusals(g, shim),
+        cannot_run=None if check else "; ".join(w for w in (refusals(g, shim), misfit) if w) or None,
     )
 
 

@@ -140,9 +140,10 @@ class Rewriter:
         ins: Sequence[tuple[str, Access]] | None = None,
         out: str | None = None,
         dst: Dst | None = None,
+        launches: int = 1,
     ) -> Op:
         """The fused op `members` would become: by default reading what its members read from outside, writing
-        where the last member writes."""
+        where the last member writes; run as `launches` kernel launches."""
         ops = [self.s.get(m) for m in sorted(members)]
         if ins is None:
             # a member reading a value before any member writes it (a state a later member updates) reads it
@@ -158,7 +159,7 @@ class Rewriter:
         last = ops[-1]
         covers = tuple(sorted(c for op in ops for c in op.covers))
         return Op(
-            Fused(cls, tuple(ops)),
+            Fused(cls, tuple(ops), launches),
             tuple(n for n, _ in ins),
             tuple(a for _, a in ins),
             out if out is not None else last.out,
@@ -209,10 +210,12 @@ class Rewriter:
         there."""
         self.s.ops.insert(at, op)
 
-    def fuse(self, rule: str, cls: ClassId, at: int, others: Sequence[int], ins, out: str, dst: Dst) -> None:
-        """Fuse unconditionally: a lane rule that has already asked itself."""
+    def fuse(
+        self, rule: str, cls: ClassId, at: int, others: Sequence[int], ins, out: str, dst: Dst, launches: int = 1
+    ) -> None:
+        """Fuse unconditionally: a lane rule that has already asked itself (and sized its `launches`)."""
         members = [at, *others]
-        self.place(rule, self.candidate(cls, members, ins=ins, out=out, dst=dst), members, at)
+        self.place(rule, self.candidate(cls, members, ins=ins, out=out, dst=dst, launches=launches), members, at)
 
 
 def whole(names: Sequence[str]) -> list[tuple[str, Access]]:

@@ -32,6 +32,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 
 from fuselane.errors import FuselaneError
+from fuselane.gguf import synth_ffn as ffn
 from fuselane.gguf import synth_qwen3next as hybrid
 from fuselane.gguf.formats import LAYOUTS, Format, tensor_bytes
 from fuselane.gguf.quantize import quantize, random_blocks
@@ -306,26 +307,14 @@ def tensor_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
 
 
 def _dense_shapes(shape: Shape, b: str) -> dict[str, tuple[int, ...]]:
-    d, ff = shape.n_embd, shape.n_ff
-    return {b + "ffn_gate.weight": (ff, d), b + "ffn_up.weight": (ff, d), b + "ffn_down.weight": (d, ff)}
+    return ffn.dense(b, shape.n_embd, shape.n_ff)
 
 
 def _moe_shapes(shape: Shape, b: str) -> dict[str, tuple[int, ...]]:
     """A mixture layer's tensors as llama.cpp's converter writes them: 3-D experts, outermost first."""
-    d, e, ff, sff = shape.n_embd, shape.experts, shape.expert_ff, shape.shared_ff
-    out: dict[str, tuple[int, ...]] = {
-        b + "ffn_gate_inp.weight": (e, d),
-        b + "ffn_gate_exps.weight": (e, ff, d),
-        b + "ffn_up_exps.weight": (e, ff, d),
-        b + "ffn_down_exps.weight": (e, d, ff),
-    }
-    if sff:
-        out |= {
-            b + "ffn_gate_inp_shexp.weight": (d,),
-            b + "ffn_gate_shexp.weight": (sff, d),
-            b + "ffn_up_shexp.weight": (sff, d),
-            b + "ffn_down_shexp.weight": (d, sff),
-        }
+    out = ffn.experts(b, shape.n_embd, shape.experts, shape.expert_ff)
+    if shape.shared_ff:
+        out |= ffn.shared_expert(b, shape.n_embd, shape.shared_ff, gated=True)
     return out
 
 

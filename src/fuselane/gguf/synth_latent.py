@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fuselane.errors import FuselaneError
+from fuselane.gguf import synth_ffn as ffn
 
 ARCH = "deepseek2"
 SIGMOID_GATING = 2  # `expert_gating_func` as llama.cpp numbers it: 1 softmax, 2 sigmoid
@@ -117,23 +118,15 @@ def tensor_shapes(shape: LatentShape) -> dict[str, tuple[int, ...]]:
 
 
 def _dense(shape: LatentShape, b: str) -> dict[str, tuple[int, ...]]:
-    d, ff = shape.n_embd, shape.n_ff
-    return {b + "ffn_gate.weight": (ff, d), b + "ffn_up.weight": (ff, d), b + "ffn_down.weight": (d, ff)}
+    return ffn.dense(b, shape.n_embd, shape.n_ff)
 
 
 def _mixture(shape: LatentShape, b: str) -> dict[str, tuple[int, ...]]:
-    d, e, ff, sff = shape.n_embd, shape.experts, shape.expert_ff, shape.expert_ff * shape.shared_experts
-    out: dict[str, tuple[int, ...]] = {
-        b + "ffn_gate_inp.weight": (e, d),
-        b + "ffn_gate_exps.weight": (e, ff, d),
-        b + "ffn_up_exps.weight": (e, ff, d),
-        b + "ffn_down_exps.weight": (e, d, ff),
-    }
-    if sff:
-        out |= {b + "ffn_gate_shexp.weight": (sff, d), b + "ffn_up_shexp.weight": (sff, d)}
-        out[b + "ffn_down_shexp.weight"] = (d, sff)
+    out = ffn.experts(b, shape.n_embd, shape.experts, shape.expert_ff)
+    if shape.shared_experts:  # DeepSeek's shared experts are ungated, one block as wide as all of them
+        out |= ffn.shared_expert(b, shape.n_embd, shape.expert_ff * shape.shared_experts, gated=False)
     if shape.sigmoid:
-        out[b + "exp_probs_b.bias"] = (e,)
+        out[b + "exp_probs_b.bias"] = (shape.experts,)
     return out
 
 

@@ -173,7 +173,7 @@ STANDING: dict[ClassId, Standing] = {
     ClassId.SHARED_EXPERT_FUSION: _built("shared_expert_fusion"),
     ClassId.GDN_STEP: _built("gdn_step"),
     ClassId.CONV_BIAS_SILU: _built("conv_silu"),
-    ClassId.CONV_PARTS: _ARCH,  # several convolutions a launch: qwen3next convolves q, k and v as one
+    ClassId.CONV_PARTS: _built("conv_parts"),  # a step's convolutions feeding none of the others, one launch
     ClassId.CONV_SILU_L2NORM: _built("conv_silu_l2norm"),
     ClassId.GDN_GATE_PROJECTIONS: _built("gdn_gate_projections"),
     ClassId.GDN_GATING: _built("gdn_gating"),

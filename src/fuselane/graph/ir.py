@@ -122,10 +122,12 @@ class Dst:
 
 @dataclass(frozen=True, slots=True)
 class Fused:
-    """A fused op: a class and the ops it stands for, in their original order."""
+    """A fused op: a class and the ops it stands for, in their original order, and the kernel launches it runs
+    as (a lane rule that sizes several launches for it says how many)."""
 
     cls: ClassId
     parts: tuple[Op, ...]
+    launches: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,9 @@ from fuselane.graph.ops import (
     GatedDelta,
     HeadMatmul,
     L2Norm,
+    Matmul,
     MoeAct,
+    Rope,
     RowsGather,
     SetRow,
     Softcap,
@@ -53,6 +55,8 @@ from fuselane.numerics.contract import Scheme, holds_accumulator
 
 GEMV_PARTS = "gemv_parts"  # the lane rule's name, which `--hold` takes
 ROWS_A_WARP = "rows_a_warp"  # the held name that runs every product a row a warp
+# A latent attention's query and key rotations, side by side once `Mla` holds what lay between them.
+TABLE_ROTATIONS_APART = "one launch of rotations turns NEOX pairs by the base's own frequencies"
 
 
 class CudaShim(Protocol):
@@ -124,6 +128,9 @@ def _leaf(leaf: Op) -> str | None:
         return "the lane links no soft-capped tensor"
     if isinstance(spec, GatedDelta) and spec.gate is GateAct.SIGMOID:
         return "the lane's gated delta gates by SiLU, not a sigmoid"
+    if isinstance(spec, Matmul) and spec.k % kernels.QBLOCK:
+        # quantized rows are whole blocks by their format; only a float matrix can be ragged
+        return f"the lane's products take rows of whole {kernels.QBLOCK}-value blocks, not {spec.k} values"
     unit = leaf.dst.unit
     if unit is not None:
         written = unit_output(leaf)
@@ -263,6 +270,8 @@ def _rope_qk_one_launch(shim: CudaShim, op: Op, members: Sequence[Op], g: Tensor
     sides = [rope(m) for m in members]
     if any(s is None for s in sides):
         return "a launch of rotations takes rotations"
+    if any(_table_rotation(leaf.sym) for m in members for leaf in leaves(m) if isinstance(leaf.sym, Rope)):
+        return TABLE_ROTATIONS_APART
     normed = {s.norm is not None for s in sides if s is not None}
     one = (
         len(sides) <= kernels.ROPE_SIDES
@@ -272,6 +281,11 @@ def _rope_qk_one_launch(shim: CudaShim, op: Op, members: Sequence[Op], g: Tensor
     if one:
         return None
     return "one launch rotates at most a query and a key of a step's one row, both normed or neither"
+
+
+def _table_rotation(spec: Rope) -> bool:
+    """A rotation of DeepSeek's pairs or by YaRN's frequencies: the table kernel's (`triton.mla.parts`) alone."""
+    return not spec.half or spec.yarn is not None
 
 
 def _attn_output_gate(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:

@@ -6,10 +6,12 @@ of a weight row is unpacked to int8 codes in registers, multiplied on the int8 t
 scaled in f32. The plan side (shim, rules) and the kernel read the same facts from here, so a product the
 shim sends to the int8 GEMM is one the kernel takes. No torch or Triton here.
 
-The tiles are a first choice for an H200 (sm_90), to be tuned there: 128 x 128 output tiles keep the int8
-MMA fed (a Hopper wgmma's N runs at full rate from 64 up) while the f32 accumulator (64 registers a thread at
-eight warps) and the unpacked codes stay in registers; 3 stages put the next runs' weight and activation
-loads in flight behind the current run's MMA.
+The tiles are the H200's (sm_90) measured best of the kernel that unrolled a super-block (benchmarks/RESULTS.md,
+2026-12-01): 64 activation rows x 128 weight rows at 4 warps (128 x 128 at 8 warps spilled), and 32 x 128
+for the formats of two MMAs a run (Q6_K's figure). The kernel now keeps one run live and pipelines its loads
+(`triton/gemm_q8.py`); `benchmarks/gemm_q8_sweep.py` times the candidates of `SWEEP` (tiles and stages) on the
+GPU in one call, and its best go here. At these, every format compiles for sm_90 (Triton 3.6) without a spill
+(`benchmarks/gemm_q8_registers.py`).
 """
 
 from __future__ import annotations
@@ -44,13 +46,20 @@ SPLIT_FORMATS = frozenset({Format.Q2_K, Format.Q3_K, Format.Q6_K})
 # ...and these add a minimum (an offset) a run: the activation's block sums carry it (one FMA a run, two split).
 MIN_FORMATS = frozenset({Format.Q2_K, Format.Q4_K, Format.Q5_K, Format.Q4_1, Format.Q5_1})
 
-DEFAULT_TILE = GemmTile(block_m=128, block_n=128, warps=8, stages=3)
-# A format of two MMAs a run holds two int32 tiles at once: 64 activation rows leave it its registers.
-_SPLIT_TILE = GemmTile(block_m=64, block_n=128, warps=8, stages=3)
+DEFAULT_TILE = GemmTile(block_m=64, block_n=128, warps=4, stages=3)
+# A format of two MMAs a run holds two int32 tiles at once: 32 activation rows leave it its registers.
+_SPLIT_TILE = GemmTile(block_m=32, block_n=128, warps=4, stages=3)
 TILES: dict[Format, GemmTile] = {fmt: _SPLIT_TILE for fmt in SPLIT_FORMATS}
-# 32-value blocks a step of the K loop takes in a 32-value format: four (128 values, the K formats' half a
-# super-block) give the pipeliner a body as long as a K format's; fewer where a row has fewer.
-BLOCKS_A_STEP = 4
+# The candidates a GPU sweep times (`benchmarks/gemm_q8_sweep.py`): activation rows, weight rows (the MMA's
+# rows: 64 a warp group), warps and pipeline stages, every combination (36).
+SWEEP_M, SWEEP_N, SWEEP_WARPS, SWEEP_STAGES = (32, 64, 128), (64, 128), (4, 8), (2, 3, 4)
+SWEEP = tuple(
+    GemmTile(bm, bn, warps, stages)
+    for bm in SWEEP_M
+    for bn in SWEEP_N
+    for warps in SWEEP_WARPS
+    for stages in SWEEP_STAGES
+)
 
 
 def tile(fmt: Format) -> GemmTile:
@@ -61,15 +70,6 @@ def tile(fmt: Format) -> GemmTile:
 def block_values(fmt: Format) -> int:
     """Values of one of the format's blocks: a super-block's 256 or a block's 32."""
     return QK_K if fmt in SUPER_BLOCK_FORMATS else QK
-
-
-def blocks_a_step(fmt: Format, k: int) -> int:
-    """Blocks a step of the K loop takes: one super-block, or up to `BLOCKS_A_STEP` 32-value blocks that
-    divide the row."""
-    if fmt in SUPER_BLOCK_FORMATS:
-        return 1
-    blocks = k // QK
-    return next(b for b in (BLOCKS_A_STEP, 2, 1) if blocks % b == 0)
 
 
 def int8_gemm(fmt: Format, m: int, k: int) -> bool:

@@ -19,15 +19,16 @@ from dataclasses import dataclass
 
 from fuselane.fuse.rewriter import Missed, Rewriter
 from fuselane.fuse.shim import SupportKind
-from fuselane.fuse.views import slice_view
+from fuselane.fuse.views import parts, slice_view
 from fuselane.gguf.formats import LAYOUTS, Format
 from fuselane.graph.classes import ClassId as C
-from fuselane.graph.ir import WHOLE, Op, Rows
+from fuselane.graph.ir import WHOLE, Op, Rows, TensorGraph
 from fuselane.graph.ops import Attention, HeadMatmul, Join, Rope
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.knobs import Activations
 
 RULE = "latent_expanded"
+LAUNCHES = 3  # `latent_launches`: the key half, the value half, the attention
 # The tensor cores' tile: 16 rows by 16 outputs (an f16 or int8 MMA's M and N); a head's widths are whole tiles.
 MMA_TILE = 16
 # Cached rows a block of the expanded attention holds in shared memory at a time, keys and values both: the
@@ -88,12 +89,12 @@ class HeadHalf:
     shared: bool = True
 
     def in_tiles(self, activations: Activations) -> bool:
-        """Whether it runs on the tensor cores in tiles: the latent whole 32-value blocks (its int8 form), the
-        outputs whole MMA tiles, the checkpoint rows whole blocks of their format."""
+        """Whether it runs on the tensor cores in tiles (`triton.mla.expand`): the latent whole 32-value blocks,
+        the outputs whole MMA tiles, the checkpoint rows whole blocks of a format the tiles decode."""
         row = self.a if self.rows_out else self.b
         quantized = activations is not Activations.DEQUANT
-        return quantized and self.a % kernels.QBLOCK == 0 and self.b % MMA_TILE == 0 and row % LAYOUTS[
-            self.format].values == 0  # fmt: skip
+        decoded = self.format in kernels.ROWS_GEMV_FORMATS and row % LAYOUTS[self.format].values == 0
+        return quantized and self.a % kernels.QBLOCK == 0 and self.b % MMA_TILE == 0 and decoded
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +260,7 @@ def latent_expanded(shim, r: Rewriter) -> None:
             r.events.append(Missed(RULE, C.MLA, covers, "fits", why))
         else:
             ins = _outside_inputs(r, members)
-            r.fuse(RULE, C.MLA, i, others, ins, expand.out, expand.dst)
+            r.fuse(RULE, C.MLA, i, others, ins, expand.out, expand.dst, launches=LAUNCHES)
 
 
 def _outside_inputs(r: Rewriter, members: list[int]):
@@ -272,3 +273,22 @@ def _outside_inputs(r: Rewriter, members: list[int]):
             if name not in made and name not in seen:
                 seen[name] = access
     return list(seen.items())
+
+
+def unfused(op: Op, g: TensorGraph) -> Latent:
+    """The latent attention an `Mla` op stands for, read back from its parts (what its binder launches)."""
+    members = parts(op)
+    a = next(p for p in members if isinstance(p.sym, Attention))
+    q, kc, _, pos = a.ins
+    join = next(p for p in members if p.out == q)
+    absorb = next(p for p in members if p.out == join.ins[0])
+    query = slice_view(next(p for p in members if p.out == absorb.ins[0]))
+    expand = next(p for p in members if isinstance(p.sym, HeadMatmul) and p.ins[0] == a.out)
+    spec: Attention = a.sym  # type: ignore[assignment]
+    m: HeadMatmul = absorb.sym  # type: ignore[assignment]
+    c: HeadMatmul = expand.sym  # type: ignore[assignment]
+    kstore, vstore = g.tensors[absorb.ins[1]].storage, g.tensors[expand.ins[1]].storage
+    assert query is not None and isinstance(kstore, Rows) and isinstance(vstore, Rows)
+    return Latent(query.x, join.ins[1], kc, pos, spec.heads, spec.hd, spec.value_width, m.a, spec.len, spec.rows,
+                  spec.scale, absorb.ins[1], kstore.format, not kstore.transposed, expand.ins[1], vstore.format, c.b,
+                  expand.out)  # fmt: skip

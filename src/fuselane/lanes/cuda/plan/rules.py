@@ -1,5 +1,6 @@
 """The cuda lane's own rules: every choice of its kernels that changes what launches is a rewrite of the plan,
-so the schedule `explain` prints is, op for op, what the lane binds (one launch an op, none for a view).
+so the schedule `explain` prints is, op for op, what the lane binds (one launch an op, none for a view, `Mla`
+the three its rule sizes).
 
 In the order they link into the shared table (`CudaShim.rules`):
 

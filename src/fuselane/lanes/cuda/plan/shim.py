@@ -22,8 +22,9 @@ specified classes it has no kernel for yet run as their parts (`NO_KERNEL_CLASSE
 (`rules`) link in around the shared table: `gemv_parts` before `merged_projections`, and after the last
 shared rule the settling passes that make the plan exactly what the lane launches. The lane rule
 `latent_expanded` (before `add_norm`, `latent.py`) takes a wide chunk's latent attention whole as `Mla` where
-its expanded launches fit; the lane has no expanded kernels yet, so it answers `Mla` as its parts: the
-absorbed form's launches (`triton.mla`), which run every latent attention, a decode step's and a chunk's.
+its expanded launches fit, run as its three launches (`triton.mla.expand`, `triton.mla.expanded_attention`);
+the absorbed form's launches (`triton.mla`) run every other latent attention (a decode step's, a batch's, a
+narrow chunk's, and any under the dequantized numerics).
 
 `held` names lane rules held back (`gemv_parts`) and the kernel choice `rows_a_warp` (every product a row
 a warp), for ablation. The optimizer holds rules by its own `held` argument: build the shim with the same
@@ -43,10 +44,10 @@ from fuselane.fuse.views import GemvForm, class_of, gemv, leaves, moe, parts, ro
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Op, QuantFormat, Rows, TensorGraph
 from fuselane.graph.ops import Attention, ExpertMatmul, Moe
-from fuselane.lanes.cuda.plan import gemm_tiles, kernels, latent
+from fuselane.lanes.cuda.plan import gdn, gemm_tiles, kernels, latent
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, ROWS_A_WARP
 from fuselane.lanes.cuda.plan.fits import fits as lane_fits
-from fuselane.lanes.cuda.plan.gdn import GDN_NATIVE, NOT_YET
+from fuselane.lanes.cuda.plan.gdn import GDN_NATIVE
 from fuselane.lanes.cuda.plan.knobs import Activations, CachePrecision, CudaKnobs, PrefillWeights, StatePrecision
 from fuselane.lanes.cuda.plan.rules import (
     PRODUCTS_APART,
@@ -79,8 +80,8 @@ MOE_CLASSES = frozenset(
 )
 MOE_DECOMPOSED = frozenset({C.MASKED_EXPERT_ACTIVATION, C.MOE_GATHER_IN_OPERAND})
 
-# Classes a kernel of the lane runs in one launch: each has its binder in `launch.BINDERS`, which a test holds
-# this set to.
+# Classes a kernel of the lane runs in one launch (`Mla` in the three its rule sizes): each has its binder in
+# `launch.BINDERS`, which a test holds this set to.
 NATIVE_CLASSES = frozenset(
     {
         *(C.NORM_WEIGHT, C.ADD_NORM, C.EMBED_NORM, C.GEMV_NORM_EPILOGUE),
@@ -89,6 +90,7 @@ NATIVE_CLASSES = frozenset(
         *(C.GLU_ACT_MUL, C.GEMV_GATE_UP_GLU, C.GEMM_BIAS, C.MERGED_QKV, C.ROW_WRITE),
         *(MOE_CLASSES - MOE_DECOMPOSED),
         *GDN_NATIVE,
+        C.MLA,  # a wide chunk's latent attention expanded: its three launches (`latent.latent_launches`)
     }
 )
 
@@ -110,8 +112,6 @@ NO_KERNEL_CLASSES = frozenset(
         *(C.MERGED_GATE_UP, C.GEMM_DEQUANT_INKERNEL, C.FUSED_SAMPLING, C.CUDA_GRAPHS),
         *(C.STRIDED_READ, C.JOIN_IN_PLACE, C.STRIDED_VALUES),
         C.ROW_WRITE_QUANT,
-        C.MLA,  # a wide chunk's latent attention runs absorbed, as its parts (`triton.mla`), not expanded
-        *NOT_YET,  # two of the gated delta rule's classes (`plan.gdn`)
     }
 )
 _NO_KERNEL = Support(SupportKind.DECOMPOSE, "the lane has no kernel for it yet: its parts run apart")
@@ -242,7 +242,7 @@ class CudaShim:
         product of rows of whole 32-value blocks; a decode step's projection whose last program norms its row,
         and gated pair (a batch's only at one row), where they read their own activation in int8 and write
         whole 32-value blocks; the decode attention (a batch's too), and a chunk's of heads of whole 32-value
-        blocks."""
+        blocks; the gated norm of heads of whole 32-value blocks."""
         cls = class_of(producer)
         if cls is C.ADD_NORM or cls is C.FLASH_DECODE:
             return True
@@ -251,6 +251,8 @@ class CudaShim:
         if isinstance(producer.sym, Attention) or cls in (C.FLASH_PREFILL, C.ATTN_OUTPUT_GATE):
             spec = leaves(producer)[0].sym  # the attention: a chunk's quantizes heads of whole 32-value blocks
             return spec.rows == 1 or spec.hd % kernels.QBLOCK == 0  # type: ignore[union-attr]
+        if cls is C.GATED_NORM:  # a program a head: heads of whole 32-value blocks quantize in its store
+            return gdn.gated_norm_quantizes(producer)
         if cls in (C.GEMV_NORM_EPILOGUE, C.GEMV_GATE_UP_GLU):
             # the one-row int8 GEMV's epilogues; a batch's rows past one are quantized by a launch of their own
             p = gemv(parts(producer)[0], g)
@@ -429,8 +431,13 @@ class CudaShim:
 
     def gemv_mergeable(self, p: GemvForm) -> bool:
         """Whether a product is one the GEMV takes in parts: within the GEMV's rows (or a batch's), landing
-        whole, its outputs whole warps of rows."""
-        return (p.m <= kernels.GEMV_ROWS or self.knobs.batch) and self.lands_whole(p) and p.n % self.per_warp(p) == 0
+        whole, its outputs whole warps of rows, its rows whole 32-value blocks (only a float matrix is ragged)."""
+        return (
+            (p.m <= kernels.GEMV_ROWS or self.knobs.batch)
+            and self.lands_whole(p)
+            and p.n % self.per_warp(p) == 0
+            and p.k % kernels.QBLOCK == 0
+        )
 
     def gemv_in_parts(self, members: Sequence[Op], g: TensorGraph) -> bool:
         """Whether every member of a GEMV in parts is one the GEMV takes together: at most four, one

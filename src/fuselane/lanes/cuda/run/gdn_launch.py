@@ -4,10 +4,13 @@ zeroed when a sequence starts, `lane.CudaLane`).
 
 - ConvBiasSilu, ConvSiluL2norm, and the bare CausalConv and ConvShift: `conv.conv`, which moves the
   convolution's state in the same launch where the plan fused the shift in;
-- GdnGating: `gates.gates` (beta and the decay for every row and value head);
+- ConvParts: `conv_parts.conv_parts`, each member's convolution a part of one launch;
+- GdnGating: `gates.gates` (beta and the decay for every row and value head); GdnGateProjections:
+  `gates.projected`, the `ssm_ba` product in the same launch (its matrix as f32 on the device, made once);
 - GdnStep, and the bare GatedDelta and DeltaState: `delta.delta` for a decode step's row, `chunked.chunked`
   for a chunk's rows (the output, the state, or both);
-- GatedNorm: `norm.gated_norm`; a bare L2Norm: `norm.l2_norm`;
+- GatedNorm: `norm.gated_norm`, which writes its int8 form in its store under GdnOutputQuant; a bare L2Norm:
+  `norm.l2_norm`;
 - Slice: a strided view of its input (no launch), which the kernels above and the rotations read in place.
 """
 
@@ -25,6 +28,7 @@ from fuselane.graph.ops import (
     Elementwise,
     GatedDelta,
     L2Norm,
+    Matmul,
     RmsNorm,
     Slice,
     Unary,
@@ -80,6 +84,23 @@ def _normed(op: Op, b) -> Any:
     return Normed(b.bufs[q_norm.out], b.bufs[k_norm.out], key_width, spec.cols, spec.eps)
 
 
+def conv_parts(op: Op, b) -> list:
+    """ConvParts: every member's convolution (its SiLU, its heads' norms, its state's shift) in one launch."""
+    from fuselane.lanes.cuda.triton.gdn import conv_parts as kernel
+
+    parts, specs = [], []
+    for member in op.sym.parts:  # type: ignore[union-attr]
+        cv, shift, silu = _one(member, CausalConv), _one(member, ConvShift), _one(member, Unary)
+        if cv is None or silu is None:
+            raise PlanMismatch(f"{op.out}: a launch of convolutions takes convolutions through the SiLU")
+        spec: CausalConv = cv.sym  # type: ignore[assignment]
+        x, state, w = b.bufs[cv.ins[0]], b.bufs[cv.ins[1]], _taps(b, cv.ins[2], spec)
+        parts.append(kernel.Part(x, state, w, b.bufs[silu.out], spec.chan, shift is not None, _normed(member, b)))
+        specs.append(spec)
+    rows, taps = specs[0].rows, specs[0].taps
+    return [lambda: kernel.conv_parts(parts, rows=rows, taps=taps)]
+
+
 def conv(op: Op, b) -> list:
     """ConvBiasSilu, ConvSiluL2norm, CausalConv or ConvShift: one `conv` launch."""
     from fuselane.lanes.cuda.triton.gdn import conv as kernel
@@ -113,6 +134,39 @@ def gating(op: Op, b) -> list:
     return [lambda: kernel.gates(bv, av, dt, decay, beta, g, **shape)]
 
 
+def _gate_matrix(b, name: str, shape: tuple[int, int]) -> Any:
+    """The `ssm_ba` matrix as f32 on the device, made once from the file's F32, F16 or BF16 bytes."""
+    import torch
+
+    key = f"gate-matrix:{name}"
+    if key not in b.scratch:
+        raw, fmt = b.raw[name]
+        dtypes = {Format.F32: torch.float32, Format.F16: torch.float16, Format.BF16: torch.bfloat16}
+        if fmt not in dtypes:
+            raise PlanMismatch(f"{name}: the gates' projection takes its matrix as values, not {fmt.name}")
+        b.scratch[key] = raw.view(dtypes[fmt]).float().view(shape).contiguous()
+    return b.scratch[key]
+
+
+def gate_projections(op: Op, b) -> list:
+    """GdnGateProjections: the `ssm_ba` product and the gates, one `projected` launch."""
+    from fuselane.lanes.cuda.triton.gdn import gates as kernel
+
+    product = _one(op, Matmul)
+    assert product is not None
+    mm: Matmul = product.sym  # type: ignore[assignment]
+    sig = next(u for u in _all(op, Unary) if u.sym.op is UnaryOp.SIGMOID)  # type: ignore[union-attr]
+    add, mul = _all(op, Elementwise)
+    spec: Unary = sig.sym  # type: ignore[assignment]
+    x, w = b.bufs[product.ins[0]], _gate_matrix(b, product.ins[1], (mm.n, mm.k))
+    dt, decay = b.vec[add.ins[1]], b.vec[mul.ins[1]]
+    beta, g = b.bufs[sig.out], b.bufs[mul.out]
+    # b's slice: a group of each row's values a key head
+    cut: Slice = _all(op, Slice)[0].sym  # type: ignore[assignment]
+    shape = dict(rows=spec.rows, heads=spec.cols, key_heads=cut.groups // spec.rows, k=mm.k)
+    return [lambda: kernel.projected(x, w, dt, decay, beta, g, **shape)]
+
+
 def step(op: Op, b) -> list:
     """GdnStep (output and state), or the bare GatedDelta (output) or DeltaState (state): one `delta` launch."""
     from fuselane.lanes.cuda.triton.gdn import chunked, delta
@@ -132,8 +186,9 @@ def step(op: Op, b) -> list:
     return [lambda: run(q, k, v, g, beta, state, out, scale=spec.scale, write_state=write, **shape)]
 
 
-def gated_norm(op: Op, b) -> list:
-    """GatedNorm: norm(o) * w * silu(z), one `gated_norm` launch."""
+def gated_norm(op: Op, b, out_q8: Any = None) -> list:
+    """GatedNorm: norm(o) * w * silu(z), one `gated_norm` launch; with `out_q8` (GdnOutputQuant) the launch
+    writes the result's int8 form too."""
     from fuselane.lanes.cuda.triton.gdn import norm as kernel
 
     n_op = _one(op, RmsNorm)
@@ -142,7 +197,8 @@ def gated_norm(op: Op, b) -> list:
     assert n_op is not None and silu is not None
     spec: RmsNorm = n_op.sym  # type: ignore[assignment]
     x, w, z, out = b.bufs[n_op.ins[0]], b.vec[weight.ins[1]], b.bufs[silu.ins[0]], b.bufs[gated.out]
-    return [lambda: kernel.gated_norm(x, w, z, out, units=spec.rows, d=spec.cols, eps=spec.eps)]
+    shape = dict(units=spec.rows, d=spec.cols, eps=spec.eps)
+    return [lambda: kernel.gated_norm(x, w, z, out, out_q8=out_q8, **shape)]
 
 
 def l2_norm(op: Op, b) -> list:

@@ -284,7 +284,7 @@ class _Step:
                     q8[name] = int8_form(t.shape, lane.device)
         bufs[IDS] = torch.zeros(g.rows, dtype=torch.int32, device=lane.device)
         bufs[POS] = torch.zeros(1, dtype=torch.int32, device=lane.device)
-        self.bufs = bufs
+        self.bufs, self.q8 = bufs, q8  # the int8 forms too: a test reads what a launch wrote there
         in_place = lane.shim.knobs.prefill_weights is not PrefillWeights.F16_COPY
         bound = Bound(
             g, bufs, lane.raw, lane.vec, lane.dense,

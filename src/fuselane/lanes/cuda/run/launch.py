@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fuselane.fuse.optimizer import VIEWS
+from fuselane.fuse.optimizer import launches_of
 from fuselane.fuse.views import class_of, leaves, parts
 from fuselane.gguf.formats import Format
 from fuselane.graph.classes import ClassId as C
@@ -109,9 +109,10 @@ def binder_of(op: Op) -> Binder:
 
 
 def bind(op: Op, b: Bound) -> list[Launch]:
-    """The launches of one op of the plan: exactly one, none for a view."""
+    """The launches of one op of the plan: as many as the plan counts (`launches_of`: one, none for a view,
+    a fused op's own count)."""
     launches = binder_of(op)(op, b)
-    expected = 0 if isinstance(op.sym, VIEWS) else 1
+    expected = launches_of(op)
     if len(launches) != expected:
         raise PlanMismatch(f"{op.out} bound to {len(launches)} launches, the plan says {expected}")
     return launches
@@ -711,9 +712,12 @@ BINDERS: dict[C | type, Binder] = {
     C.CONV_BIAS_SILU: gdn_launch.conv,
     C.CONV_SILU_L2NORM: gdn_launch.conv,
     C.GDN_GATING: gdn_launch.gating,
+    C.GDN_GATE_PROJECTIONS: gdn_launch.gate_projections,
+    C.CONV_PARTS: gdn_launch.conv_parts,
     C.GDN_STEP: gdn_launch.step,
     C.GATED_NORM: gdn_launch.gated_norm,
     C.ATTN_OUTPUT_GATE: _attn_output_gate,
+    C.MLA: mla_launch.mla,
     **{cls: _quantizing for cls in QUANT_EPILOGUES},
 }
 # Native classes that launch only as a part of another class's launch: a projection turns its heads in its
@@ -729,6 +733,7 @@ _QUANT_EPILOGUE: dict[C | type, Callable[[Op, Bound, Any], list[Launch]]] = {
     C.FLASH_PREFILL: _flash,
     Attention: _attention,
     C.ATTN_OUTPUT_GATE: _attn_output_gate,
+    C.GATED_NORM: gdn_launch.gated_norm,
     C.MOE_GATE_UP_ACT: moe_launch.gate_up_act,
     C.MOE_DEFERRED_FINALIZE: moe_launch.down_combine,
 }

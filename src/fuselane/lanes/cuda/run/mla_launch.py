@@ -1,15 +1,19 @@
-"""Binders of the absorbed latent attention's ops (`triton.mla`): the per-head products, the join of a head's
+"""Binders of the latent attention's ops (`triton.mla`). Absorbed: the per-head products, the join of a head's
 two parts, the rotation of DeepSeek's pairs (YaRN's frequencies where the file has them), the attention over
 the latent cache with the latents as values, and the slices the others read in place (views, no launch).
+Expanded (`Mla`, a wide chunk's): the key half and the value half of the latent's expansion over the cached
+rows, then each head's attention over its own expanded keys and values.
 
-Each binds one launch (a slice none), as `launch.bind` checks; the position is read on the device, so the
-decode step's launches are captured in the CUDA graph with the rest.
+Each binds the launches the plan counts (`launch.bind` checks: one, a slice none, `Mla` its three); the
+position is read on the device and nothing waits on the host, so the launches are captured in a CUDA graph
+with the rest.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Op
 from fuselane.graph.ops import Attention, HeadMatmul, Join, Rope
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
@@ -104,3 +108,45 @@ def splits(rows: int, span: int, device: Any) -> int:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else INTERPRETED_SMS
     return kernels.attn_splits(rows, span, sms)
+
+
+def mla(op: Op, b) -> list:
+    """Mla: the key half and the value half over every cached row up to the chunk's last, then the attention of
+    each head's query over its own expanded keys (the shared rotated key read in place from the cache) and
+    values, its output where the absorbed form's value half writes. The expanded keys and values are a scratch
+    every layer's `Mla` shares, f16 where the chunk's attention multiplies in f16."""
+    import torch
+
+    from fuselane.lanes.cuda.plan.latent import unfused
+    from fuselane.lanes.cuda.triton.mla import expand, expanded_attention
+
+    lt = unfused(op, b.g)
+    rope, qk = lt.kw - lt.lora, lt.nope + lt.kw - lt.lora
+    q, qpp, out, pos = b.bufs[lt.qr], b.bufs[lt.qpp], b.bufs[lt.ct], b.bufs["pos"]
+    kc = b.bufs[lt.kc]
+    kc = kc.view(-1, lt.kw) if kc.is_contiguous() else kc
+    if not (q.is_contiguous() and qpp.is_contiguous()):
+        raise PlanMismatch(f"{op.out}: the expanded attention reads whole query rows")
+    dtype = torch.float16 if b.attention_f16 else torch.float32
+    keys = _scratch(b, "keys", (lt.len, lt.heads * lt.nope), dtype, q.device)
+    values = _scratch(b, "values", (lt.len, lt.heads * lt.vd), dtype, q.device)
+    wk, fk = b.raw[lt.wkb]
+    wv, fv = b.raw[lt.wvb]
+    halves = dict(heads=lt.heads, a=lt.lora, rows=lt.rows)
+    shape = dict(rows=lt.rows, heads=lt.heads, nope=lt.nope, rope=rope, vd=lt.vd, lora=lt.lora, scale=lt.scale,
+                 f16_ops=b.attention_f16)  # fmt: skip
+    return [
+        lambda: expand.expand(kc, wk, Format(fk), pos, keys, b=lt.nope, rows_out=not lt.kro, **halves),
+        lambda: expand.expand(kc, wv, Format(fv), pos, values, b=lt.vd, rows_out=True, **halves),
+        lambda: expanded_attention.expanded_attention(q, lt.heads * qk, qk, qpp, keys, values, kc, pos, out, **shape),
+    ]
+
+
+def _scratch(b, what: str, shape: tuple[int, int], dtype, device):
+    """A buffer every `Mla` of the step shares (the layers run one after another), made once when bound."""
+    import torch
+
+    key = f"mla-{what}:{shape}:{dtype}"
+    if key not in b.scratch:
+        b.scratch[key] = torch.empty(shape, dtype=dtype, device=device)
+    return b.scratch[key]

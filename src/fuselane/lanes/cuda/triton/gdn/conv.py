@@ -23,13 +23,12 @@ BLOCK = 128  # channels a program convolves where no head norm sets the block
 
 
 @triton.jit
-def _conv_kernel(
-    x_ptr, x_pitch, state_ptr, w_ptr, out_ptr, out_pitch, q_ptr, k_ptr, qk_pitch, rows, chan, eps,
+def _conv_block(
+    blk, x_ptr, x_pitch, state_ptr, w_ptr, out_ptr, out_pitch, q_ptr, k_ptr, qk_pitch, rows, chan, eps,
     TAPS: tl.constexpr, BLOCK: tl.constexpr, SILU: tl.constexpr, WRITE_OUT: tl.constexpr, SHIFT: tl.constexpr,
-    NORMED: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr,
+    NORMED: tl.constexpr, KW: tl.constexpr,
 ):  # fmt: skip
-    pdl.begin(PDL)
-    blk = tl.program_id(0)
+    """Block `blk` of a convolution's channels over the step's rows, then its state's shift (see the module)."""
     c = blk * BLOCK + tl.arange(0, BLOCK)
     cm = c < chan
     if WRITE_OUT:
@@ -59,6 +58,19 @@ def _conv_kernel(
             old = tl.load(state_ptr + (TAPS - 1 + u) * chan + c, mask=cm & (u < 0), other=0.0)
             new = tl.load(x_ptr + u * x_pitch + c, mask=cm & (u >= 0), other=0.0)
             tl.store(state_ptr + i * chan + c, old + new, mask=cm)
+
+
+@triton.jit
+def _conv_kernel(
+    x_ptr, x_pitch, state_ptr, w_ptr, out_ptr, out_pitch, q_ptr, k_ptr, qk_pitch, rows, chan, eps,
+    TAPS: tl.constexpr, BLOCK: tl.constexpr, SILU: tl.constexpr, WRITE_OUT: tl.constexpr, SHIFT: tl.constexpr,
+    NORMED: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.begin(PDL)
+    _conv_block(
+        tl.program_id(0), x_ptr, x_pitch, state_ptr, w_ptr, out_ptr, out_pitch, q_ptr, k_ptr, qk_pitch, rows,
+        chan, eps, TAPS, BLOCK, SILU, WRITE_OUT, SHIFT, NORMED, KW,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

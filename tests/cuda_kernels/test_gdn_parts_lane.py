@@ -1,0 +1,121 @@
+"""The cuda lane on Qwen3-Next with the launches that take what ran apart, every launch under Triton's
+interpreter, against the cpu lane in f64 within the lane's numerics contract (`logits_tolerance`), on a tiny
+hybrid (one gated delta-rule layer, one gated full-attention layer): a prompt of a few rows and a decode step,
+or under int8 activations (whose interpreted products are slow) two decode steps.
+
+- A file holding its matrices in F16 holds `ssm_ba` as values: the gates take their projection in their own
+  launch (GdnGateProjections), under both `state` precisions.
+- Under int8 activations, heads of 32 values (whole blocks): the gated norm writes `ssm_out`'s int8 form in its
+  store (GdnOutputQuant), no Quantize launch after it. Interpreted, the decode step's own launch on inputs of
+  its own (its output within the gated norm's bound, its int8 form bit for bit `quant.quantize_reference`'s:
+  the interpreted int8 products of a whole step take minutes); compiled (`-m cuda`), the whole lane.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
+pytest.importorskip("triton")
+
+from kernel_checks import gamma, norm_rel  # noqa: E402
+
+from fuselane.fuse.views import class_of, leaves  # noqa: E402
+from fuselane.gguf.synth import SHAPES, write_synthetic  # noqa: E402
+from fuselane.graph.classes import ClassId as C  # noqa: E402
+from fuselane.graph.ops import Quantize, RmsNorm  # noqa: E402
+from fuselane.lanes.cuda.triton.quant import quantize_reference  # noqa: E402
+from fuselane.runtime.model import load  # noqa: E402
+
+PROMPT = [5, 60, 7]
+SILU_ROUNDINGS = 8  # the sigmoid's exponential (approximate on a GPU: 4u), its add and division, the product
+TINY = replace(SHAPES["tiny-qwen3next"], n_layers=2, vocab=260, ssm_dim=32)
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _same_as_the_cpu_lane(gpu, ref, prompt: list[int]) -> None:
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    sg, sr = gpu.session(), ref.session()
+    steps = [("prompt", sg.feed(prompt), sr.feed(prompt)), ("decode", sg.extend([9]), sr.extend([9]))]
+    for what, a, b in steps:
+        assert np.isfinite(a).all(), what
+        assert rel(a, b) <= tol, f"{what}: {rel(a, b):.2e} > {tol:.2e}"
+
+
+@pytest.mark.parametrize("state", ["f32", "bf16"])
+def test_the_gates_take_their_projection_in_their_launch(tmp_path, state):
+    path = write_synthetic(tmp_path / "m.gguf", TINY, "f16", seed=4)
+    gpu = load(path, lane="cuda", ctx=16, knobs=[f"state={state}", "activations=dequant"])
+    ref = load(path, lane="cpu", ctx=16, dtype=np.float64)
+    for rows in (1, len(PROMPT)):
+        assert C.GDN_GATE_PROJECTIONS in {class_of(op) for op, _ in gpu.lane.step(rows).bound}
+    _same_as_the_cpu_lane(gpu, ref, PROMPT)
+
+
+def _int8_lane(tmp_path):
+    path = write_synthetic(tmp_path / "m.gguf", TINY, "q8_0", seed=5)
+    return path, load(path, lane="cuda", ctx=16, knobs=["state=f32", "activations=int8"])
+
+
+def test_the_gated_norms_launch_writes_the_int8_form_ssm_out_reads(tmp_path):
+    # the decode step's own launch, on inputs of its own: the interpreted int8 products of a whole step take
+    # minutes (the compiled test below runs the whole lane)
+    _, gpu = _int8_lane(tmp_path)
+    step = gpu.lane.step(1)
+    ((op, (launch,)),) = [(op, ls) for op, ls in step.bound if class_of(op) is C.GDN_OUTPUT_QUANT]
+    assert not [o for o, _ in step.bound if isinstance(o.sym, Quantize) and o.out == op.out]
+    norm_op, w_op, silu_op, _ = leaves(op)
+    spec: RmsNorm = norm_op.sym  # type: ignore[assignment]
+    rng = np.random.default_rng(6)
+    x, z = (rng.standard_normal(step.bufs[n].shape) for n in (norm_op.ins[0], silu_op.ins[0]))
+    step.bufs[norm_op.ins[0]].copy_(torch.from_numpy(x)), step.bufs[silu_op.ins[0]].copy_(torch.from_numpy(z))
+    launch()
+    w = gpu.lane.vec[w_op.ins[1]].double().numpy()
+    xs, zs = x.reshape(spec.rows, spec.cols), z.reshape(spec.rows, spec.cols)
+    want = xs / np.sqrt(np.mean(xs * xs, axis=-1, keepdims=True) + spec.eps) * w * zs / (1 + np.exp(-zs))
+    got = step.bufs[op.out].double().numpy().reshape(want.shape)
+    assert rel(got, want) <= norm_rel(spec.cols) + gamma(SILU_ROUNDINGS)
+    codes, scales, sums = quantize_reference(step.bufs[op.out].numpy().reshape(1, -1))
+    q8 = step.q8[op.out]
+    assert np.array_equal(q8.q.numpy(), codes) and np.array_equal(q8.d.numpy(), scales)
+    assert np.array_equal(q8.s.numpy(), sums)
+
+
+@pytest.mark.cuda
+def test_the_lane_with_the_gated_norms_int8_form_equals_the_cpu_lane(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    path, gpu = _int8_lane(tmp_path)
+    assert C.GDN_OUTPUT_QUANT in {class_of(op) for op, _ in gpu.lane.step(1).bound}
+    _same_as_the_cpu_lane(gpu, load(path, lane="cpu", ctx=16, dtype=np.float64), PROMPT)
+
+
+REAL = replace(SHAPES["qwen3-next-80b-a3b"], n_layers=4, vocab=512, experts=16)
+DECODES = 4  # the third decode step is captured as a CUDA graph, the fourth replayed
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("state", ["f32", "bf16"])
+def test_the_real_shape_in_f16_takes_the_gates_projection_in_the_graph(tmp_path, state):
+    """Four layers of the real shape with every matrix F16: the gates with their projection in the captured
+    decode step, its logits within the contract of the cpu lane's in f64."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    path = write_synthetic(tmp_path / "m.gguf", REAL, "f16", seed=6)
+    gpu = load(path, lane="cuda", ctx=32, knobs=[f"state={state}"])
+    assert C.GDN_GATE_PROJECTIONS in {class_of(op) for op, _ in gpu.lane.step(1).bound}
+    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    sg, sr = gpu.session(), ref.session()
+    pairs = [(sg.feed(PROMPT), sr.feed(PROMPT))] + [(sg.extend([t]), sr.extend([t])) for t in range(11, 11 + DECODES)]
+    for i, (a, b) in enumerate(pairs):
+        assert rel(a, b) <= tol, f"step {i}: {rel(a, b):.2e} > {tol:.2e}"
