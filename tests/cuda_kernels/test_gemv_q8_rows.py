@@ -83,7 +83,9 @@ def test_rows_equal_each_row_alone(fmt: Format, k: int, m: int, tile: dict) -> N
     _same(out, want, gamma(k + ROUNDINGS) * _reference(acts, raw, fmt, N, k)[1])
 
 
-@pytest.mark.parametrize(("fmt", "k", "m", "tile"), CASES[:1] + [(Format.Q8_0, 64, 2, {})], ids=str)
+@pytest.mark.parametrize(
+    ("fmt", "k", "m", "tile"), CASES[:1] + [(Format.Q8_0, 64, 2, {})], ids=lambda v: getattr(v, "name", str(v))
+)
 def test_gate_up_glu_rows_equal_each_row_alone(fmt: Format, k: int, m: int, tile: dict) -> None:
     rng = np.random.default_rng(int(fmt) + 7)
     raw_g, raw_u = raw_weights(fmt, N, k, rng), raw_weights(fmt, N, k, rng)
