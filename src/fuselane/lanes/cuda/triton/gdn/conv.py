@@ -23,7 +23,7 @@ BLOCK = 128  # channels a program convolves where no head norm sets the block
 
 
 @triton.jit
-def _conv_block(
+def conv_block(
     blk, x_ptr, x_pitch, state_ptr, w_ptr, out_ptr, out_pitch, q_ptr, k_ptr, qk_pitch, rows, chan, eps,
     TAPS: tl.constexpr, BLOCK: tl.constexpr, SILU: tl.constexpr, WRITE_OUT: tl.constexpr, SHIFT: tl.constexpr,
     NORMED: tl.constexpr, KW: tl.constexpr,
@@ -67,7 +67,7 @@ def _conv_kernel(
     NORMED: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
-    _conv_block(
+    conv_block(
         tl.program_id(0), x_ptr, x_pitch, state_ptr, w_ptr, out_ptr, out_pitch, q_ptr, k_ptr, qk_pitch, rows,
         chan, eps, TAPS, BLOCK, SILU, WRITE_OUT, SHIFT, NORMED, KW,
     )  # fmt: skip

@@ -2,7 +2,7 @@
 taps and output, all of one length of taps, through the SiLU, the normed ones over heads of one width.
 
 The launch's grid is (blocks of the widest part, parts): program (blk, p) runs block blk of part p exactly as
-the convolution's own launch would (`conv._conv_block`: the rows, the SiLU, its heads' L2 norm where the part
+the convolution's own launch would (`conv.conv_block`: the rows, the SiLU, its heads' L2 norm where the part
 norms them, the state's shift), so each part computes what it computes alone; a block past a narrower part's
 channels does nothing (every load and store is masked by the part's channels). The block is one head where a
 part norms its heads (every normed part one width: `plan/fits.py`), else `conv.BLOCK`.
@@ -19,7 +19,7 @@ import triton.language as tl
 
 from fuselane.lanes.cuda.plan.kernels import CONV_PARTS
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gdn.conv import BLOCK, Normed, _conv_block
+from fuselane.lanes.cuda.triton.gdn.conv import BLOCK, Normed, conv_block
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +41,7 @@ def _part(
     blk, x_ptr, x_pitch, state_ptr, w_ptr, out_ptr, out_pitch, q_ptr, k_ptr, qk_pitch, rows, chan, eps,
     TAPS: tl.constexpr, BLOCK: tl.constexpr, SHIFT: tl.constexpr, NORMED: tl.constexpr, KW: tl.constexpr,
 ):  # fmt: skip
-    _conv_block(
+    conv_block(
         blk, x_ptr, x_pitch, state_ptr, w_ptr, out_ptr, out_pitch, q_ptr, k_ptr, qk_pitch, rows, chan, eps,
         TAPS, BLOCK, True, True, SHIFT, NORMED, KW,
     )  # fmt: skip
