@@ -19,6 +19,7 @@ torch's up-cast, its bias and residual adds and the copy into place before).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from fuselane.lanes.cuda.triton.gemm import F16_SAFE, store_tile
 MANTISSA_BITS = tl.constexpr(23)
 MANTISSA_MASK = tl.constexpr((1 << 23) - 1)
 EXPONENT_BIAS = tl.constexpr(127)
-SAFE_EXPONENT = tl.constexpr(14)  # F16_SAFE = 2^14
+SAFE_EXPONENT = tl.constexpr(int(math.log2(F16_SAFE.value)))  # 14: the in-kernel GEMM's bound, 2^14
 # A program rounds one row, a block of its values at a time.
 ROW_BLOCK = 1024
 ROW_WARPS = 4
@@ -97,9 +98,10 @@ def _scaled_store_kernel(
     store_tile(acc, xm, rows, m, n, bias, res, res_pitch, out, out_pitch, pos, HAS_BIAS, HAS_RES, AT_ROW)
 
 
-def to_f16(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
+def to_f16(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, *, block: int = ROW_BLOCK) -> None:
     """out (m, k) f16 = x (m, k, f32 or f16) / s, scales (m,) f32 = s: s = 1 for a row whose |values| are at most 2^14,
-    else the least power of two that brings them under. Rows at any pitch, unit column stride."""
+    else the least power of two that brings them under. Rows at any pitch, unit column stride. `block`, the
+    values a step of the kernel takes, is a parameter only so tests reach several steps."""
     m, k = x.shape
     if x.dtype not in (torch.float32, torch.float16) or x.stride(1) != 1:
         raise ValueError(f"x must be an f32 or f16 (m, {k}) tensor with unit column stride")
@@ -107,7 +109,7 @@ def to_f16(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
         raise ValueError(f"out must be an f16 ({m}, {k}) tensor with unit column stride")
     if scales.dtype != torch.float32 or scales.numel() != m or not scales.is_contiguous():
         raise ValueError(f"scales must be a contiguous f32 ({m},) tensor")
-    block = min(ROW_BLOCK, triton.next_power_of_2(k))
+    block = min(block, triton.next_power_of_2(k))
     _to_f16_kernel[(m,)](
         x, x.stride(0), out, out.stride(0), scales, K=k, BLOCK=block, num_warps=ROW_WARPS, **pdl.options()
     )
