@@ -10,8 +10,9 @@ scales exactly, so a scaled row keeps f16's relative rounding (only a value the 
 normals, 2^-14, rounds more: within 2^-25 s), and a row that fits is multiplied exactly as before: the same f16
 operand, the same cuBLAS call, the same f32 adds in the same order.
 
-The bound leaves the f16 product 4x of room too: cuBLAS rounds its result to f16, and a row of values under 2^14
-times a matrix row of unit norm stays far below 65504.
+The bound, 2^14 rather than 65504, leaves room to the product too, which cuBLAS rounds to f16: a scaled row's
+product is at most 2^14 times the sum of a matrix row's |weights|, and far less where their signs mix. (A product
+past 65504 all the same is not held: its f16 result is not finite, and the lane reports the op that made it.)
 
 Launches a product: the rounding (which the cast to f16 took before), cuBLAS, and the epilogue (which took
 torch's up-cast, its bias and residual adds and the copy into place before).
