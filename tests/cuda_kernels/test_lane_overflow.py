@@ -1,8 +1,9 @@
 """Activations past f16's range: a checkpoint whose feed-forward activations reach about 1e6 gives finite logits
 on the cpu lane and on the cuda lane (under the interpreter), in prefill and decode, within the contract, under
-`prefill=int8` and `prefill=in-place` (whose kernel scales a row past f16's range first); the default
-`prefill=f16-copy` still rounds the activation to f16 as it is (a known gap, held by a strict xfail); and a
-value that does leave the finite range is reported as the lane's, with the layer and op that made it.
+`prefill=int8`, `prefill=in-place` (whose kernel scales a row past f16's range first) and the default
+`prefill=f16-copy` (whose rounding launch scales such a row and whose epilogue scales the product back, while an
+ordinary model's logits keep the bits of the unscaled product); and a value that does leave the finite range is
+reported as the lane's, with the layer and op that made it.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from fuselane.gguf.formats import Format  # noqa: E402
-from fuselane.gguf.synth import SHAPES, tensor_shapes, write_weights  # noqa: E402
+from fuselane.gguf.synth import SHAPES, tensor_shapes, write_synthetic, write_weights  # noqa: E402
 from fuselane.lanes.cuda.run.finite import NonFinite  # noqa: E402
+from fuselane.lanes.cuda.triton import f16_scale  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 
 PROMPT = [5, 60, 7, 300, 8, 1, 2, 3, 4, 5, 6]  # past the GEMV's rows: the int8 GEMM runs
@@ -83,13 +85,37 @@ def test_the_in_kernel_f16_prefill_scales_rows_past_f16(loud):
     _within_contract(loud, [], ["prefill=in-place"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="prefill=f16-copy (the default) rounds the activation to f16 as it is: scaling it with torch ops "
-    "halved pp512 on the H200 (benchmarks/RESULTS.md, 2026-12-01); a fused scale is still to be written",
-)
-def test_the_f16_copies_overflow_past_f16(loud):
+def test_the_f16_copies_scale_rows_past_f16(loud):
+    # the default: the launch that rounds the activation to f16 scales a row past 2^14 by a power of two, and
+    # the product's epilogue scales it back in f32 (`triton/f16_scale.py`)
     _within_contract(loud, [], ["prefill=f16-copy"])
+
+
+def _unscaled(x, dense, out, *, bias=None, residual=None, out_row=None):
+    """The f16 copies' product as it was before its rows were scaled: the activation cast to f16 as it is,
+    the product up-cast, the bias and the residual added, the rows copied into place."""
+    y = (x.to(dense.dtype) @ dense.T).float()
+    if bias is not None:
+        y += bias
+    if residual is not None:
+        y += residual
+    if out_row is None:
+        out.copy_(y)
+    else:
+        out.index_copy_(0, out_row[0].long() + torch.arange(y.shape[0], device=out.device), y.to(out.dtype))
+    return out
+
+
+def test_the_f16_copies_give_an_ordinary_model_the_bits_of_the_unscaled_product(tmp_path, monkeypatch):
+    # every row of an ordinary model fits under 2^14: its scale is 1 and the logits are those of the product
+    # before the scale, bit for bit
+    path = write_synthetic(tmp_path / "m.gguf", SHAPE, "q8_0", seed=4)
+    scaled = load(path, lane="cuda", ctx=32).session().feed(PROMPT)
+    calls: list[int] = []
+    monkeypatch.setattr(f16_scale, "product", lambda x, *a, **k: calls.append(x.shape[0]) or _unscaled(x, *a, **k))
+    unscaled = load(path, lane="cuda", ctx=32).session().feed(PROMPT)
+    assert calls, "no prefill product took the f16 copies"
+    np.testing.assert_array_equal(scaled, unscaled)
 
 
 def test_a_non_finite_value_names_the_lane_layer_and_op(tmp_path):

@@ -112,8 +112,9 @@ class CudaKnobs:
       the GEMV, which was never slower (benchmarks/RESULTS.md). `on` turns them in every layer
       whose tile divides a head, `off` in none.
     - `prefill=f16-copy`: a chunk's products multiply f16 copies of the matrices with cuBLAS (made on first
-      use; 3.6x a Q4_K matrix's bytes more memory), a row of the activation past f16's range scaled first so
-      it does not overflow. Measured on the H200 (benchmarks/RESULTS.md, 2026-12-01), the int8 tensor-core
+      use; 3.6x a Q4_K matrix's bytes more memory), a row of the activation past 2^14 rounded to f16 under a
+      power-of-two scale that the product's epilogue multiplies back (`triton/f16_scale.py`), so it does not
+      overflow. Measured on the H200 (benchmarks/RESULTS.md, 2026-12-01), the int8 tensor-core
       GEMM from the checkpoint's bytes (`prefill=int8`: `triton/gemm_q8.py`, the formats of `gemm_tiles`;
       no copy, nothing rounded to f16) is still 6-20x slower than cuBLAS at its best tile (7B pp512 1,042
       against 23,639 tok/s), so it stays a knob until it is faster. `in-place` takes the f16 GEMM that

@@ -328,7 +328,8 @@ class CudaShim:
         prints): the int8 tensor cores, the f16 ones decoding the weights in the kernel, or f16 copies."""
         k = self.knobs
         if k.prefill_weights is PrefillWeights.F16_COPY:
-            return "multiply f16 copies of the matrices (prefill=f16-copy)"
+            scaled = "each activation row past 2^14 under a power-of-two scale"
+            return f"multiply f16 copies of the matrices, {scaled} (prefill=f16-copy)"
         in_kernel = "decode the checkpoint's bytes to f16 in the kernel"
         if k.prefill_weights is PrefillWeights.INT8 and k.activations is Activations.INT8:
             formats = ", ".join(sorted(f.name for f in gemm_tiles.INT8_GEMM_FORMATS))

@@ -157,31 +157,22 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
     if spec.m <= kernels.GEMV_ROWS or b.paged is not None:  # a batch's products: GEMVs over its rows
         kernel = _gemv_kernels(fmt, spec.m, out)
         return [lambda: kernel(x, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)]
-    from fuselane.lanes.cuda.triton import gemm
+    from fuselane.lanes.cuda.triton import f16_scale, gemm
 
+    x2 = x.view(spec.m, spec.k)
+    res2 = res_t.view(spec.m, spec.n) if res_t is not None else None
+    out2 = out if row is not None else out.view(spec.m, spec.n)
     if b.in_place and gemm.supports(fmt, spec.k) and out.dtype in _store_types():
         # the weights decoded to f16 in the kernel: no f16 copy of the matrix
-        x2 = x.view(spec.m, spec.k)
-        res2 = res_t.view(spec.m, spec.n) if res_t is not None else None
-        out2 = out if row is not None else out.view(spec.m, spec.n)
         return [lambda: gemm.gemm(x2, w, fmt, spec.n, spec.k, out2, bias=bias_t, residual=res2, out_row=row)]
     matrix = op.ins[1]
 
-    def gemm() -> None:
-        dense = b.dense(matrix)  # the f16 copy, made by the first run (a kernel): binding launches nothing
-        # the activation is rounded to f16 as it is: scaling rows past f16's range with torch ops first (five
-        # launches a product) halved pp512 on the H200, so only prefill=int8 and in-place are overflow-safe
-        y = (x.to(dense.dtype) @ dense.T).float()
-        if bias_t is not None:
-            y += bias_t
-        if res_t is not None:
-            y += res_t
-        if row is None:
-            out.copy_(y.view(out.shape))
-        else:
-            out.index_copy_(0, row[0].long() + _arange(y.shape[0], out.device), y.to(out.dtype))
+    def f16_copy() -> None:
+        # the f16 copy, made by the first run (a kernel): binding launches nothing. A row past f16's range is
+        # rounded under a power-of-two scale that the epilogue multiplies back (`f16_scale`), so it stays finite
+        f16_scale.product(x2, b.dense(matrix), out2, bias=bias_t, residual=res2, out_row=row)
 
-    return [gemm]
+    return [f16_copy]
 
 
 def _fast(fmt: Format, m: int, *outs: Any):
@@ -231,12 +222,6 @@ def _gemv_kernels(fmt: Format, m: int, out: Any):
         return fast.gemv_fast
     gemv, *_ = _t()
     return gemv.gemv
-
-
-def _arange(n: int, device: Any):
-    import torch
-
-    return torch.arange(n, device=device)
 
 
 def _rms_norm(op: Op, b: Bound):

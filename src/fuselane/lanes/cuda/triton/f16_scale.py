@@ -1,0 +1,160 @@
+"""A prefill chunk's products over f16 copies of the matrices (`prefill=f16-copy`), safe past f16's range.
+
+cuBLAS multiplies f16 operands, and f16 holds no value past 65504, while a model's feed-forward activations
+can reach 1e5-1e6 (llama.cpp's q8_1 form, an f32 scale a 32-value block, holds any of them). So the launch that
+rounds the f32 activation to f16 (`to_f16`) also takes each row's largest |value|: a row past `gemm.F16_SAFE`
+(2^14) is multiplied by the power of two 1/s that brings it under, and s (f32, one a row; 1 for a row that
+fits) is written beside the f16 rows. The product's epilogue (`scaled_store`) multiplies each row by its s in
+f32 before the bias and the residual (`gemm.store_tile`, the other prefill GEMMs' epilogue). A power of two
+scales exactly, so a scaled row keeps f16's relative rounding (only a value the scale pushes below f16's
+normals, 2^-14, rounds more: within 2^-25 s), and a row that fits is multiplied exactly as before: the same f16
+operand, the same cuBLAS call, the same f32 adds in the same order.
+
+The bound, 2^14 rather than 65504, leaves room to the product too, which cuBLAS rounds to f16: a scaled row's
+product is at most 2^14 times the sum of a matrix row's |weights|, and far less where their signs mix. (A product
+past 65504 all the same is not held: its f16 result is not finite, and the lane reports the op that made it.)
+
+Launches a product: the rounding (which the cast to f16 took before), cuBLAS, and the epilogue (which took
+torch's up-cast, its bias and residual adds and the copy into place before).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton.gemm import F16_SAFE, store_tile
+
+# The f32 bit fields a power of two is built from: 2^e has the bits (e + BIAS) << MANTISSA_BITS.
+MANTISSA_BITS = tl.constexpr(23)
+MANTISSA_MASK = tl.constexpr((1 << 23) - 1)
+EXPONENT_BIAS = tl.constexpr(127)
+SAFE_EXPONENT = tl.constexpr(int(math.log2(F16_SAFE.value)))  # 14: the in-kernel GEMM's bound, 2^14
+# A program rounds one row, a block of its values at a time.
+ROW_BLOCK = 1024
+ROW_WARPS = 4
+# The epilogue's tile: elementwise, rows of a few hundred bytes a program.
+STORE_M = 16
+STORE_N = 128
+STORE_WARPS = 4
+
+
+@triton.jit
+def _row_exponent(amax):
+    """e >= 0, the least with amax / 2^e <= 2^14 (0 for a row that fits), from amax's f32 bits: integer steps
+    only, so the compiled kernel and the interpreter agree exactly (no approximate log2 or exp2)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    # ceil(log2(amax)) of a normal f32: its exponent, one more where any mantissa bit is set
+    ceil_log2 = ((bits + MANTISSA_MASK) >> MANTISSA_BITS) - EXPONENT_BIAS
+    return tl.maximum(ceil_log2 - SAFE_EXPONENT, 0)
+
+
+@triton.jit
+def _power_of_two(e):
+    """2^e as f32, built from its bits (exact)."""
+    return ((e + EXPONENT_BIAS) << MANTISSA_BITS).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_f16_kernel(x, x_pitch, out, out_pitch, scales, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    src, dst = x + row * x_pitch, out + row * out_pitch
+    cols = tl.arange(0, BLOCK)
+    # one pass rounds the row as it is (a row that fits, nearly every row, is read once) and finds its largest
+    amax = tl.zeros([BLOCK], tl.float32)
+    for c0 in range(0, K, BLOCK):
+        c = c0 + cols
+        v = tl.load(src + c, mask=c < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+        tl.store(dst + c, v.to(tl.float16), mask=c < K)
+    e = _row_exponent(tl.max(amax, 0))
+    if e > 0:  # a row past 2^14: written again, times 2^-e (exact), over what the first pass wrote
+        tl.debug_barrier()
+        inv = _power_of_two(-e)
+        for c0 in range(0, K, BLOCK):
+            c = c0 + cols
+            v = tl.load(src + c, mask=c < K, other=0.0).to(tl.float32)
+            tl.store(dst + c, (v * inv).to(tl.float16), mask=c < K)
+    tl.store(scales + row, _power_of_two(e))
+
+
+@triton.jit
+def _scaled_store_kernel(
+    y, y_pitch, scales, m, n, bias, res, res_pitch, out, out_pitch, pos,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, AT_ROW: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.begin(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    xm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    keep = (xm < m)[:, None] & (rows < n)[None, :]
+    acc = tl.load(y + xm[:, None].to(tl.int64) * y_pitch + rows[None, :], mask=keep, other=0.0).to(tl.float32)
+    acc = acc * tl.load(scales + xm, mask=xm < m, other=1.0)[:, None]
+    store_tile(acc, xm, rows, m, n, bias, res, res_pitch, out, out_pitch, pos, HAS_BIAS, HAS_RES, AT_ROW)
+
+
+def to_f16(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, *, block: int = ROW_BLOCK) -> None:
+    """out (m, k) f16 = x (m, k, f32 or f16) / s, scales (m,) f32 = s: s = 1 for a row whose |values| are at most 2^14,
+    else the least power of two that brings them under. Rows at any pitch, unit column stride. `block`, the
+    values a step of the kernel takes, is a parameter only so tests reach several steps."""
+    m, k = x.shape
+    if x.dtype not in (torch.float32, torch.float16) or x.stride(1) != 1:
+        raise ValueError(f"x must be an f32 or f16 (m, {k}) tensor with unit column stride")
+    if out.dtype != torch.float16 or tuple(out.shape) != (m, k) or out.stride(1) != 1:
+        raise ValueError(f"out must be an f16 ({m}, {k}) tensor with unit column stride")
+    if scales.dtype != torch.float32 or scales.numel() != m or not scales.is_contiguous():
+        raise ValueError(f"scales must be a contiguous f32 ({m},) tensor")
+    block = min(block, triton.next_power_of_2(k))
+    _to_f16_kernel[(m,)](
+        x, x.stride(0), out, out.stride(0), scales, K=k, BLOCK=block, num_warps=ROW_WARPS, **pdl.options()
+    )
+
+
+def scaled_store(
+    y: torch.Tensor,
+    scales: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    out_row: tuple[torch.Tensor, int] | None = None,
+) -> None:
+    """out (m, n) = y (m, n, f16) * s (one a row) (+ bias) (+ residual), in f32, stored in out's type; with
+    `out_row` = (pos, pitch) the rows land from row pos[0] of the table `out`, as `gemm.gemm`'s do."""
+    m, n = y.shape
+    if y.stride(1) != 1 or out.stride(1) != 1 or (out_row is None and tuple(out.shape) != (m, n)):
+        raise ValueError(f"y and out must be ({m}, {n}) tensors with unit column stride")
+    if residual is not None and (tuple(residual.shape) != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"residual must be ({m}, {n}) with unit column stride")
+    if bias is not None and (bias.numel() != n or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous ({n},) tensor")
+    pos, pitch = out_row if out_row is not None else (scales, out.stride(0))
+    grid = (triton.cdiv(n, STORE_N), triton.cdiv(m, STORE_M))
+    _scaled_store_kernel[grid](
+        y, y.stride(0), scales, m, n,
+        y if bias is None else bias,
+        y if residual is None else residual,
+        out.stride(0) if residual is None else residual.stride(0),
+        out, pitch, pos,
+        BLOCK_M=STORE_M, BLOCK_N=STORE_N,
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, AT_ROW=out_row is not None,
+        num_warps=STORE_WARPS, **pdl.options(),
+    )  # fmt: skip
+
+
+def product(x: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, **epilogue: Any) -> torch.Tensor:
+    """out (m, n) = x (m, k, f32) @ dense^T (dense the (n, k) f16 copy of a matrix) with `scaled_store`'s
+    `epilogue` (bias, residual, out_row): x rounded to f16 under its rows' scales, multiplied by cuBLAS,
+    scaled back in f32; returns `out`."""
+    m, k = x.shape
+    x16 = torch.empty((m, k), dtype=torch.float16, device=x.device)
+    scales = torch.empty(m, dtype=torch.float32, device=x.device)
+    to_f16(x, x16, scales)
+    scaled_store(x16 @ dense.T, scales, out, **epilogue)
+    return out

@@ -1,0 +1,134 @@
+"""`prefill=f16-copy`'s product (`triton/f16_scale.py`) against NumPy and against the product it replaced.
+
+- The rounding launch: a row whose |values| are at most 2^14 is rounded to f16 as it is, under a scale of
+  exactly 1; a row past it is multiplied by the least power of two 2^-e that brings it under (exact in f32),
+  then rounded, and 2^e written as its scale.
+- The epilogue: each row of the f16 product times its scale, plus the bias, plus the residual, in f32 in that
+  order: the same numbers, bit for bit, as the f32 arithmetic NumPy does.
+- The whole product: a chunk of ordinary rows gives the same bits as the product it replaced (the activation cast
+  to f16, the same matrix product, up-cast, bias and residual added, copied into place); rows of ~1e6 next to
+  them stay finite, within the bound of `test_gemm`'s scaled rows (f32 sums within gamma_k * sum |w x|; the
+  activation's and the product's f16 roundings 2^-11 each, relative; a value the scale leaves below f16's
+  normals within 2^-25 of its row's scale), of the f64 product.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
+pytest.importorskip("triton")
+
+from kernel_checks import DEVICE, U16, U32, check, dev, gamma  # noqa: E402
+
+from fuselane.lanes.cuda.triton import f16_scale as S  # noqa: E402
+
+SAFE = 2.0**14  # gemm.F16_SAFE: the largest |value| a row keeps a scale of 1 at
+SUBNORMAL_STEP = 2.0**-25  # half the spacing of f16's subnormals: a scaled value below 2^-14 rounds within it
+M, N, K = 20, 24, 160
+BLOCK = 128  # the rounding launch's block: a row of K takes a whole one and a partial one
+
+
+def _activations(rng: np.random.Generator) -> np.ndarray:
+    """Rows of ~1, rows at and just past 2^14, rows of ~1e6 and one of ~1e30 (f16 holds 65504)."""
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    x[1, 5] = SAFE  # exactly 2^14: fits
+    x[2, 7] = -np.nextafter(np.float32(SAFE), np.float32(np.inf))  # just past: a scale of 2
+    x[3::4] *= np.float32(1e6)
+    x[5, 3] = np.float32(1e30)
+    return x
+
+
+def _scales(x: np.ndarray) -> np.ndarray:
+    """Each row's scale: 1 where its largest |value| is at most 2^14, else the least power of two past
+    largest / 2^14."""
+    amax = np.abs(x.astype(np.float64)).max(axis=1)
+    return np.where(amax <= SAFE, 1.0, 2.0 ** np.ceil(np.log2(amax / SAFE)))
+
+
+def test_rounding_scales_only_rows_past_2_14_by_a_power_of_two():
+    x = _activations(np.random.default_rng(1))
+    x16, scales = torch.empty((M, K), dtype=torch.float16, device=DEVICE), torch.empty(M, device=DEVICE)
+    S.to_f16(dev(x), x16, scales, block=BLOCK)
+    want_s = _scales(x)
+    assert want_s[0] == 1.0 and want_s[1] == 1.0 and want_s[2] == 2.0 and want_s[5] == 2.0**86  # 1e30 / 2^14 is 2^85.7
+    np.testing.assert_array_equal(scales.cpu().numpy(), want_s)
+    want = (x / want_s[:, None].astype(np.float32)).astype(np.float16)
+    np.testing.assert_array_equal(x16.cpu().numpy().view(np.uint16), want.view(np.uint16))
+    assert np.isfinite(x16.cpu().numpy()).all()
+
+
+def test_rounding_leaves_rows_that_fit_as_a_cast_does():
+    x = np.random.default_rng(2).standard_normal((M, K)).astype(np.float32) * np.float32(4000)
+    x16, scales = torch.empty((M, K), dtype=torch.float16, device=DEVICE), torch.empty(M, device=DEVICE)
+    S.to_f16(dev(x), x16, scales, block=BLOCK)
+    assert torch.equal(scales, torch.ones(M, device=DEVICE))
+    assert torch.equal(x16.view(torch.int16), dev(x).to(torch.float16).view(torch.int16))
+
+
+def test_epilogue_scales_before_the_bias_and_residual():
+    rng = np.random.default_rng(3)
+    y = (rng.standard_normal((M, N)) * 100).astype(np.float16)
+    s = (2.0 ** rng.integers(0, 40, M)).astype(np.float32)
+    bias, res = rng.standard_normal(N).astype(np.float32), rng.standard_normal((M, N)).astype(np.float32)
+    out = dev(res.copy())
+    S.scaled_store(dev(y), dev(s), out, bias=dev(bias), residual=out)
+    want = y.astype(np.float32) * s[:, None] + bias + res
+    np.testing.assert_array_equal(out.cpu().numpy(), want)
+
+
+def _replaced(x, dense, bias, res):
+    """The product `prefill=f16-copy` ran before its rows were scaled: cast, multiply, up-cast, add."""
+    y = (x.to(dense.dtype) @ dense.T).float()
+    y += bias
+    y += res
+    return y
+
+
+def _problem(seed: int):
+    rng = np.random.default_rng(seed)
+    w16 = (rng.standard_normal((N, K)) * 0.05).astype(np.float16)
+    bias, res = rng.standard_normal(N).astype(np.float32), rng.standard_normal((M, N)).astype(np.float32)
+    return w16, bias, res
+
+
+def test_rows_that_fit_give_the_bits_they_gave_before():
+    w16, bias, res = _problem(4)
+    x = dev(np.random.default_rng(5).standard_normal((M, K)).astype(np.float32) * np.float32(100))
+    before = _replaced(x, dev(w16), dev(bias), dev(res))
+    out = dev(res.copy())
+    S.product(x, dev(w16), out, bias=dev(bias), residual=out)
+    assert torch.equal(out, before)
+
+
+def test_rows_past_f16_stay_finite_within_f16_roundoff_of_f64():
+    w16, bias, res = _problem(6)
+    x = _activations(np.random.default_rng(7))
+    x[5, 3] = np.float32(3e9)  # a product row of ~1e8: f16's rounding of it still within the bound's terms
+    xd, w = x.astype(np.float64), w16.astype(np.float64)
+    assert np.isinf(x.astype(np.float16)).any()  # as it is, the activation does not fit f16
+    out = dev(res.copy())
+    S.product(dev(x), dev(w16), out, bias=dev(bias), residual=out)
+    want = xd @ w.T + bias + res
+    mag = np.abs(xd) @ np.abs(w).T
+    tiny = _scales(x)[:, None] * SUBNORMAL_STEP * np.abs(w).sum(axis=1)[None, :]
+    bound = (gamma(K) + 2 * U16) * (1 + 2 * U16) * mag + tiny + 2 * U32 * (np.abs(want) + np.abs(bias) + np.abs(res))
+    assert np.isfinite(out.cpu().numpy()).all()
+    check(out, want, bound)
+
+
+def test_rows_land_at_a_table_row_in_f16():
+    # a cache row's write: the rows land from row pos[0] of an f16 table, as before
+    w16, bias, _ = _problem(8)
+    x = dev(np.random.default_rng(9).standard_normal((M, K)).astype(np.float32))
+    table = torch.zeros((M + 6, N), dtype=torch.float16, device=DEVICE)
+    pos = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+    S.product(x, dev(w16), table, bias=dev(bias), out_row=(pos, table.stride(0)))
+    before = (x.to(torch.float16) @ dev(w16).T).float() + dev(bias)
+    assert torch.equal(table[4 : 4 + M], before.to(torch.float16))
+    assert not table[:4].any() and not table[4 + M :].any()
