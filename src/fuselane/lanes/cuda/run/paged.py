@@ -29,8 +29,10 @@ from typing import Any
 import numpy as np
 
 from fuselane.errors import FuselaneError
-from fuselane.fuse.optimizer import optimize
+from fuselane.fuse.optimizer import Plan, optimize
+from fuselane.fuse.views import leaves
 from fuselane.graph.ir import Form, QuantizedActs, Role
+from fuselane.graph.ops import Attention
 from fuselane.lanes.cuda.plan.knobs import RopeEpilogue
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run.buffers import pooled_buffers
@@ -43,6 +45,18 @@ from fuselane.runtime.sampling import SamplingParams, nan_logits
 ID, POSITION, SLOT, LENGTH = range(4)
 COLUMNS = 4
 NO_SLOT = -1  # a row that draws nothing: greedy, or padding
+
+
+def cache_read_in_place(plan: Plan) -> str | None:
+    """Why the paged form cannot run `plan`, where an op other than an attention reads a cache: a sequence's rows
+    sit in blocks of a pool that only the paged attention walks (a latent cache's values are read as a slice)."""
+    caches = {name for name, t in plan.graph.tensors.items() if t.role is Role.CACHE}
+    for op in plan.ops:
+        for leaf in leaves(op):
+            read = sorted(set(leaf.ins) & caches)
+            if read and not isinstance(leaf.sym, Attention):
+                return f"{leaf.out} reads the cache {read[0]} in place; a batch's caches are blocks attention reads"
+    return None
 
 
 class BatchStep:
@@ -62,6 +76,9 @@ class BatchStep:
         raw = recognizer(lane.cfg).recognize(lane.cfg, lane.tensors, Form.BATCH, rows=rows, ctx=lane.ctx)
         self.plan = optimize(raw, CudaShim(knobs, held=lane.held), held=held)
         g = self.plan.graph
+        why = cache_read_in_place(self.plan)
+        if why is not None:
+            raise NotImplementedError(why)
 
         def f32(shape: tuple[int, ...]) -> Any:
             return torch.zeros(shape, dtype=torch.float32, device=device)

@@ -1,0 +1,181 @@
+"""Compile every kernel a model's steps launch on the cuda lane for a GPU architecture, on a machine without one.
+
+Triton's interpreter (how CI runs the kernels) takes code its compiler refuses: a global read that is not a
+`tl.constexpr`, a layout the backend cannot lower, a tile that overflows shared memory. This check runs a
+model's steps on the cuda lane with host tensors and each launch replaced by Triton's compile of that very launch
+(the same arguments, so the same specializations and constexprs) for the target, through PTX to a cubin: a
+kernel that does not compile fails here as it would on the GPU. Nothing is computed, so the step's numbers are
+meaningless; what it proves is that every launch of the plan compiles (the cubin's registers and spills are
+for `benchmarks/gemm_q8_registers.py` and the GPU's profiler).
+
+The steps: a wide prompt chunk (past the GEMV's rows), a narrow one, a sampled decode loop, and, where the
+model takes it, a batch of two sequences on the paged form. It must run in a process where no fuselane kernel
+was decorated under the interpreter (Triton decides at decoration): `python -m fuselane.lanes.cuda.compile_check`.
+
+    python -m fuselane.lanes.cuda.compile_check MODEL [--knob K=V ...] [--mix MIX] [--arch 90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import pkgutil
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+INTERPRET = "TRITON_INTERPRET"
+WIDE_PROMPT = 20  # tokens of the wide chunk: past the GEMV's rows, so the chunk's GEMMs run
+NARROW_PROMPT = 3  # ...and of the narrow one, within them
+DECODE_TOKENS = 3  # decode steps of the sampled loop
+CTX = 64  # cache rows: the steps above and a batch's blocks fit
+
+
+@dataclass(slots=True)
+class Report:
+    """What compiled: launches seen, each kernel's launches, the steps run, and the first failure (the kernel's
+    name, Triton's message)."""
+
+    launches: int = 0
+    kernels: dict[str, int] = field(default_factory=dict)  # kernel name -> launches compiled
+    failure: tuple[str, str] | None = None
+    steps: list[str] = field(default_factory=list)
+
+    def render(self) -> str:
+        lines = [f"{self.launches} launches of {len(self.kernels)} kernels compiled ({'; '.join(self.steps)})"]
+        lines += [f"  {name:40s} {count:4d} launches" for name, count in sorted(self.kernels.items())]
+        if self.failure is not None:
+            lines.append(f"FAILED {self.failure[0]}: {self.failure[1]}")
+        return "\n".join(lines)
+
+
+class _Target:
+    """The driver Triton asks for the device: one of `arch`, no stream (launches never happen)."""
+
+    def __init__(self, arch: int) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+
+def _kernel_modules() -> None:
+    """Import every kernel module now, compiled mode: the lane imports some lazily."""
+    import fuselane.lanes.cuda.triton as kernels
+
+    for module in pkgutil.walk_packages(kernels.__path__, kernels.__name__ + "."):
+        importlib.import_module(module.name)
+
+
+@contextlib.contextmanager
+def compiling(arch: int, report: Report) -> Iterator[None]:
+    """Every Triton launch inside compiles for `arch` instead of running, recorded in `report`."""
+    if os.environ.get(INTERPRET) == "1" or any(m.startswith("fuselane.lanes.cuda.triton") for m in sys.modules):
+        raise RuntimeError("compile_check needs a process whose kernels were not decorated under the interpreter")
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    driver.set_active(_Target(arch))
+    _kernel_modules()
+    launch = JITFunction.run
+
+    def compile_instead(self, *args, grid, warmup, **kwargs):
+        try:
+            kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        except Exception as e:
+            report.failure = (self.fn.__name__, " ".join(str(e).split())[-600:])
+            raise
+        report.launches += 1
+        report.kernels[self.fn.__name__] = report.kernels.get(self.fn.__name__, 0) + 1
+        return kernel
+
+    JITFunction.run = compile_instead
+    try:
+        yield
+    finally:
+        JITFunction.run = launch
+
+
+@contextlib.contextmanager
+def _host_lane() -> Iterator[None]:
+    """The lane built on host tensors, without CUDA graphs (what it does under the interpreter)."""
+    os.environ[INTERPRET] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(INTERPRET, None)
+
+
+def check(path: str, knobs: Sequence[str] = (), *, arch: int = 90, report: Report | None = None) -> Report:
+    """Compile every launch of the steps of the model at `path` under `knobs` for sm_`arch` (see the module);
+    a kernel that does not compile raises, named in `report`."""
+    from fuselane.errors import FuselaneError
+    from fuselane.runtime.model import load
+    from fuselane.runtime.sampling import SamplingParams
+
+    report = report if report is not None else Report()
+    with compiling(arch, report):
+        with _host_lane():
+            model = load(path, lane="cuda", ctx=CTX, knobs=list(knobs))
+        vocab = model.cfg.vocab
+        ids = [i % vocab for i in range(5, 5 + WIDE_PROMPT)]
+        model.session().feed(ids)
+        report.steps.append("a wide chunk")
+        sampled = SamplingParams(temperature=0.8, top_k=4, top_p=0.9, seed=1)
+        narrow = ids[:NARROW_PROMPT]
+        list(model.generate_ids(model.session(), narrow, max_tokens=DECODE_TOKENS, sampling=sampled))
+        report.steps.append("a narrow chunk and sampled decode steps")
+        try:
+            model.generate_batch(["ab", "cd"], max_tokens=2, sampling=[sampled, SamplingParams(temperature=0)])
+            report.steps.append("a batch of two")
+        except FuselaneError as e:  # a model the batch form does not take (a recurrent state is one sequence's)
+            report.steps.append(f"no batch: {e}")
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fuselane.lanes.cuda.compile_check", description=__doc__.split("\n")[0])
+    ap.add_argument("model", help="a .gguf path or a synthetic shape name (written to a temporary file)")
+    ap.add_argument("--knob", action="append", default=[], metavar="K=V", help="a cuda lane knob (repeatable)")
+    ap.add_argument("--mix", default="q8_0", help="the quantization mix of a synthetic shape (default q8_0)")
+    ap.add_argument("--arch", type=int, default=90, help="the compute capability, e.g. 90 for an H200 (default)")
+    a = ap.parse_args(argv)
+    started = time.monotonic()
+    path = a.model
+    if not os.path.exists(path):
+        import tempfile
+
+        from fuselane.gguf.synth import write_synthetic
+
+        path = str(write_synthetic(os.path.join(tempfile.mkdtemp(), "m.gguf"), a.model, a.mix, seed=1))
+    report = Report()
+    try:
+        check(path, a.knob, arch=a.arch, report=report)
+    except Exception as e:  # the report names a kernel that failed; anything else is the step's own error
+        print(report.render(), file=sys.stderr)
+        if report.failure is None:
+            print(f"compile_check: {type(e).__name__}: {' '.join(str(e).split())[:600]}", file=sys.stderr)
+        return 1
+    print(report.render())
+    print(f"({time.monotonic() - started:.1f} s)")
+    return 0 if report.failure is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
