@@ -1,0 +1,63 @@
+"""Every launch of a model's steps on the cuda lane compiles for an H200 (sm_90), checked on a host without a GPU
+(`fuselane.lanes.cuda.compile_check`): Triton's interpreter, which the other kernel tests run under, takes code its
+compiler refuses (a global that is not a constexpr, a layout the backend cannot lower), so this compiles each
+launch as the lane makes it, through PTX to a cubin. Each architecture's steps in the mix the GPU benchmarks use,
+and the knobs that switch a chunk's products to other kernels. A subprocess each: the check needs kernels that
+were never decorated under the interpreter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+TIMEOUT = 600  # seconds: a cold compile of every kernel of a tiny model takes seconds to a minute
+
+CASES = [
+    ("tiny-qwen3", "q4_k_m", []),
+    ("tiny-qwen2", "q8_0", ["activations=dequant"]),
+    ("tiny-qwen2moe", "q4_k_m", ["prefill=int8"]),
+    ("tiny-qwen3moe", "q8_0", ["prefill=in-place"]),
+    ("tiny-qwen3next", "q4_k_m", []),
+    ("tiny-deepseek2", "q4_k_m", []),
+]
+
+
+@pytest.mark.parametrize(("shape", "mix", "knobs"), CASES, ids=[f"{s}-{m}-{'-'.join(k)}" for s, m, k in CASES])
+def test_every_launch_compiles_for_sm90(shape, mix, knobs):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    argv = [sys.executable, "-m", "fuselane.lanes.cuda.compile_check", shape, "--mix", mix]
+    argv += [a for k in knobs for a in ("--knob", k)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    first = done.stdout.splitlines()[0]
+    assert "a wide chunk; a narrow chunk and sampled decode steps" in first, first
+    launches = int(first.split()[0])
+    assert launches > 0
+
+
+def test_a_kernel_the_compiler_refuses_fails_the_check(tmp_path):
+    """Not vacuous: a kernel reading a plain global (which the interpreter takes) fails, named."""
+    script = tmp_path / "bad.py"
+    script.write_text(
+        "import triton, triton.language as tl, torch\n"
+        "from fuselane.lanes.cuda.compile_check import Report, compiling\n"
+        "LIMIT = 2.0\n"
+        "@triton.jit\n"
+        "def plain_global(x):\n"
+        "    tl.store(x, tl.load(x) * LIMIT)\n"
+        "report = Report()\n"
+        "try:\n"
+        "    with compiling(90, report):\n"
+        "        plain_global[(1,)](torch.zeros(4))\n"
+        "except Exception:\n"
+        "    print(report.failure[0])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.stdout.strip() == "plain_global", done.stdout + done.stderr
