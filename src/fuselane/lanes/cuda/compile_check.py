@@ -5,14 +5,15 @@ Triton's interpreter (how CI runs the kernels) takes code its compiler refuses: 
 model's steps on the cuda lane with host tensors and each launch replaced by Triton's compile of that very launch
 (the same arguments, so the same specializations and constexprs) for the target, through PTX to a cubin: a
 kernel that does not compile fails here as it would on the GPU. Nothing is computed, so the step's numbers are
-meaningless; what it proves is that every launch of the plan compiles (the cubin's registers and spills are
-for `benchmarks/gemm_q8_registers.py` and the GPU's profiler).
+meaningless; what it proves is that every launch of the plan compiles, and (`--usage`) what each kernel takes
+in registers and stack bytes a thread (spills, local arrays), read from the cubin by the `cuobjdump` Triton
+ships: a spill is a kernel slower than its design, seen before any GPU runs it.
 
 The steps: a wide prompt chunk (past the GEMV's rows), a narrow one, a sampled decode loop, and, where the
 model takes it, a batch of two sequences on the paged form. It must run in a process where no fuselane kernel
 was decorated under the interpreter (Triton decides at decoration): `python -m fuselane.lanes.cuda.compile_check`.
 
-    python -m fuselane.lanes.cuda.compile_check MODEL [--knob K=V ...] [--mix MIX] [--arch 90]
+    python -m fuselane.lanes.cuda.compile_check MODEL [--knob K=V ...] [--mix MIX] [--arch 90] [--usage]
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ import contextlib
 import importlib
 import os
 import pkgutil
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -43,10 +47,14 @@ class Report:
     kernels: dict[str, int] = field(default_factory=dict)  # kernel name -> launches compiled
     failure: tuple[str, str] | None = None
     steps: list[str] = field(default_factory=list)
+    usage: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> most (registers, stack bytes)
 
     def render(self) -> str:
         lines = [f"{self.launches} launches of {len(self.kernels)} kernels compiled ({'; '.join(self.steps)})"]
-        lines += [f"  {name:40s} {count:4d} launches" for name, count in sorted(self.kernels.items())]
+        for name, count in sorted(self.kernels.items()):
+            regs, spilled = self.usage.get(name, (None, None))
+            said = "" if regs is None else f"  {regs:3d} registers  {spilled:5d} stack bytes a thread"
+            lines.append(f"  {name:40s} {count:4d} launches{said}")
         if self.failure is not None:
             lines.append(f"FAILED {self.failure[0]}: {self.failure[1]}")
         return "\n".join(lines)
@@ -83,9 +91,24 @@ def _kernel_modules() -> None:
         importlib.import_module(module.name)
 
 
+def resources(cubin: bytes) -> tuple[int, int]:
+    """(registers a thread, stack bytes a thread) of a compiled kernel, from its cubin."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        said = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+)", said), re.search(r"STACK:(\d+)", said)
+    return (int(regs.group(1)) if regs else 0), (int(stack.group(1)) if stack else 0)
+
+
 @contextlib.contextmanager
-def compiling(arch: int, report: Report) -> Iterator[None]:
-    """Every Triton launch inside compiles for `arch` instead of running, recorded in `report`."""
+def compiling(arch: int, report: Report, *, usage: bool = False) -> Iterator[None]:
+    """Every Triton launch inside compiles for `arch` instead of running, recorded in `report` (with each
+    kernel's registers and spills where `usage`)."""
     if os.environ.get(INTERPRET) == "1" or any(m.startswith("fuselane.lanes.cuda.triton") for m in sys.modules):
         raise RuntimeError("compile_check needs a process whose kernels were not decorated under the interpreter")
     from triton.runtime import driver
@@ -94,6 +117,7 @@ def compiling(arch: int, report: Report) -> Iterator[None]:
     driver.set_active(_Target(arch))
     _kernel_modules()
     launch = JITFunction.run
+    measured: set[int] = set()  # compiled kernels already read (a launch of a cached specialization is the same)
 
     def compile_instead(self, *args, grid, warmup, **kwargs):
         try:
@@ -101,8 +125,14 @@ def compiling(arch: int, report: Report) -> Iterator[None]:
         except Exception as e:
             report.failure = (self.fn.__name__, " ".join(str(e).split())[-600:])
             raise
+        name = self.fn.__name__
         report.launches += 1
-        report.kernels[self.fn.__name__] = report.kernels.get(self.fn.__name__, 0) + 1
+        report.kernels[name] = report.kernels.get(name, 0) + 1
+        if usage and id(kernel) not in measured:
+            measured.add(id(kernel))
+            regs, stack = resources(kernel.asm["cubin"])
+            most = report.usage.get(name, (0, 0))
+            report.usage[name] = (max(most[0], regs), max(most[1], stack))
         return kernel
 
     JITFunction.run = compile_instead
@@ -122,7 +152,9 @@ def _host_lane() -> Iterator[None]:
         os.environ.pop(INTERPRET, None)
 
 
-def check(path: str, knobs: Sequence[str] = (), *, arch: int = 90, report: Report | None = None) -> Report:
+def check(
+    path: str, knobs: Sequence[str] = (), *, arch: int = 90, report: Report | None = None, usage: bool = False
+) -> Report:
     """Compile every launch of the steps of the model at `path` under `knobs` for sm_`arch` (see the module);
     a kernel that does not compile raises, named in `report`."""
     from fuselane.errors import FuselaneError
@@ -130,7 +162,7 @@ def check(path: str, knobs: Sequence[str] = (), *, arch: int = 90, report: Repor
     from fuselane.runtime.sampling import SamplingParams
 
     report = report if report is not None else Report()
-    with compiling(arch, report):
+    with compiling(arch, report, usage=usage):
         with _host_lane():
             model = load(path, lane="cuda", ctx=CTX, knobs=list(knobs))
         vocab = model.cfg.vocab
@@ -155,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--knob", action="append", default=[], metavar="K=V", help="a cuda lane knob (repeatable)")
     ap.add_argument("--mix", default="q8_0", help="the quantization mix of a synthetic shape (default q8_0)")
     ap.add_argument("--arch", type=int, default=90, help="the compute capability, e.g. 90 for an H200 (default)")
+    ap.add_argument("--usage", action="store_true", help="each kernel's registers and spills, from its cubin")
     a = ap.parse_args(argv)
     started = time.monotonic()
     path = a.model
@@ -166,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = str(write_synthetic(os.path.join(tempfile.mkdtemp(), "m.gguf"), a.model, a.mix, seed=1))
     report = Report()
     try:
-        check(path, a.knob, arch=a.arch, report=report)
+        check(path, a.knob, arch=a.arch, report=report, usage=a.usage)
     except Exception as e:  # the report names a kernel that failed; anything else is the step's own error
         print(report.render(), file=sys.stderr)
         if report.failure is None:
