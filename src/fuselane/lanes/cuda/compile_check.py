@@ -36,6 +36,7 @@ WIDE_PROMPT = 20  # tokens of the wide chunk: past the GEMV's rows, so the chunk
 NARROW_PROMPT = 3  # ...and of the narrow one, within them
 DECODE_TOKENS = 3  # decode steps of the sampled loop
 CTX = 64  # cache rows: the steps above and a batch's blocks fit
+BATCH = 2  # sequences of the batch (`--seqs`: its bucket's rows are the kernels' tile of rows)
 
 
 @dataclass(slots=True)
@@ -153,7 +154,13 @@ def _host_lane() -> Iterator[None]:
 
 
 def check(
-    path: str, knobs: Sequence[str] = (), *, arch: int = 90, report: Report | None = None, usage: bool = False
+    path: str,
+    knobs: Sequence[str] = (),
+    *,
+    arch: int = 90,
+    report: Report | None = None,
+    usage: bool = False,
+    seqs: int = BATCH,
 ) -> Report:
     """Compile every launch of the steps of the model at `path` under `knobs` for sm_`arch` (see the module);
     a kernel that does not compile raises, named in `report`."""
@@ -174,8 +181,9 @@ def check(
         list(model.generate_ids(model.session(), narrow, max_tokens=DECODE_TOKENS, sampling=sampled))
         report.steps.append("a narrow chunk and sampled decode steps")
         try:
-            model.generate_batch(["ab", "cd"], max_tokens=2, sampling=[sampled, SamplingParams(temperature=0)])
-            report.steps.append("a batch of two")
+            settings = [sampled, SamplingParams(temperature=0)] * seqs
+            model.generate_batch(["ab"] * seqs, max_tokens=2, sampling=settings[:seqs])
+            report.steps.append(f"a batch of {seqs}")
         except FuselaneError as e:  # a model the batch form does not take (a recurrent state is one sequence's)
             report.steps.append(f"no batch: {e}")
     return report
@@ -188,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--mix", default="q8_0", help="the quantization mix of a synthetic shape (default q8_0)")
     ap.add_argument("--arch", type=int, default=90, help="the compute capability, e.g. 90 for an H200 (default)")
     ap.add_argument("--usage", action="store_true", help="each kernel's registers and spills, from its cubin")
+    ap.add_argument("--seqs", type=int, default=BATCH, help=f"sequences of the batch step (default {BATCH})")
     a = ap.parse_args(argv)
     started = time.monotonic()
     path = a.model
@@ -199,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = str(write_synthetic(os.path.join(tempfile.mkdtemp(), "m.gguf"), a.model, a.mix, seed=1))
     report = Report()
     try:
-        check(path, a.knob, arch=a.arch, report=report, usage=a.usage)
+        check(path, a.knob, arch=a.arch, report=report, usage=a.usage, seqs=a.seqs)
     except Exception as e:  # the report names a kernel that failed; anything else is the step's own error
         print(report.render(), file=sys.stderr)
         if report.failure is None:
