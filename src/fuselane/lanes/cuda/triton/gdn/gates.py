@@ -15,7 +15,9 @@ import triton.language as tl
 from fuselane.lanes.cuda.triton import pdl
 
 BK = 64  # input values a step of the projection's dot products reads (a power of two: tl.arange)
-SOFTPLUS_LINEAR = tl.constexpr(20.0)  # past it softplus(x) = x to f32's rounding (the exponential would overflow sooner)
+# past it softplus(x) = x to f32's rounding (the exponential would overflow sooner); a constexpr: the compiler
+# reads no plain global in a kernel
+SOFTPLUS_LINEAR = tl.constexpr(20.0)
 
 
 @triton.jit
