@@ -13,7 +13,11 @@ The steps: a wide prompt chunk (past the GEMV's rows), a narrow one, a sampled d
 model takes it, a batch of two sequences on the paged form. It must run in a process where no fuselane kernel
 was decorated under the interpreter (Triton decides at decoration): `python -m fuselane.lanes.cuda.compile_check`.
 
-    python -m fuselane.lanes.cuda.compile_check MODEL [--knob K=V ...] [--mix MIX] [--arch 90] [--usage]
+    python -m fuselane.lanes.cuda.compile_check MODEL [--knob K=V ...] [--mix MIX] [--layers N] [--vocab N]
+        [--arch 90] [--usage] [--seqs N]
+
+A synthetic shape's name is written to a temporary file first; `--layers` and `--vocab` cut it (a layer's
+kernels are its widths', so a layer or two of a real shape compile what every layer of it launches).
 """
 
 from __future__ import annotations
@@ -189,31 +193,45 @@ def check(
     return report
 
 
+def _shape(a: argparse.Namespace):
+    """The synthetic shape named, cut to `--layers` and `--vocab` where given."""
+    from dataclasses import replace
+
+    from fuselane.gguf.synth import SHAPES
+
+    shape = SHAPES.get(a.model)
+    if shape is None:
+        return a.model  # `write_synthetic` names the shapes it knows
+    cuts = {"n_layers": a.layers, "vocab": a.vocab}
+    return replace(shape, **{k: v for k, v in cuts.items() if v is not None})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fuselane.lanes.cuda.compile_check", description=__doc__.split("\n")[0])
     ap.add_argument("model", help="a .gguf path or a synthetic shape name (written to a temporary file)")
     ap.add_argument("--knob", action="append", default=[], metavar="K=V", help="a cuda lane knob (repeatable)")
     ap.add_argument("--mix", default="q8_0", help="the quantization mix of a synthetic shape (default q8_0)")
+    ap.add_argument("--layers", type=int, default=None, help="a synthetic shape's layers (default: its own)")
+    ap.add_argument("--vocab", type=int, default=None, help="a synthetic shape's vocabulary (default: its own)")
     ap.add_argument("--arch", type=int, default=90, help="the compute capability, e.g. 90 for an H200 (default)")
     ap.add_argument("--usage", action="store_true", help="each kernel's registers and spills, from its cubin")
     ap.add_argument("--seqs", type=int, default=BATCH, help=f"sequences of the batch step (default {BATCH})")
     a = ap.parse_args(argv)
     started = time.monotonic()
-    path = a.model
-    if not os.path.exists(path):
-        import tempfile
+    with tempfile.TemporaryDirectory() as folder:  # a synthetic file goes with it
+        path = a.model
+        if not os.path.exists(path):
+            from fuselane.gguf.synth import write_synthetic
 
-        from fuselane.gguf.synth import write_synthetic
-
-        path = str(write_synthetic(os.path.join(tempfile.mkdtemp(), "m.gguf"), a.model, a.mix, seed=1))
-    report = Report()
-    try:
-        check(path, a.knob, arch=a.arch, report=report, usage=a.usage, seqs=a.seqs)
-    except Exception as e:  # the report names a kernel that failed; anything else is the step's own error
-        print(report.render(), file=sys.stderr)
-        if report.failure is None:
-            print(f"compile_check: {type(e).__name__}: {' '.join(str(e).split())[:600]}", file=sys.stderr)
-        return 1
+            path = str(write_synthetic(os.path.join(folder, "m.gguf"), _shape(a), a.mix, seed=1))
+        report = Report()
+        try:
+            check(path, a.knob, arch=a.arch, report=report, usage=a.usage, seqs=a.seqs)
+        except Exception as e:  # the report names a kernel that failed; anything else is the step's own error
+            print(report.render(), file=sys.stderr)
+            if report.failure is None:
+                print(f"compile_check: {type(e).__name__}: {' '.join(str(e).split())[:600]}", file=sys.stderr)
+            return 1
     print(report.render())
     print(f"({time.monotonic() - started:.1f} s)")
     return 0 if report.failure is None else 1
