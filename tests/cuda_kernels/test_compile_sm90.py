@@ -26,14 +26,15 @@ CASES = [
     ("tiny-qwen3next", "q4_k_m", []),
     ("tiny-deepseek2", "q4_k_m", []),
 ]
-# The real widths, a layer or two and a small vocabulary (a layer's kernels and tiles are its widths'): the shapes
-# of ANCHORS.md and the mixtures' and latent attention's published ones. Qwen3-Next's 512 experts make a file of
-# gigabytes a layer; its widths are left to the GPU run.
+# The real widths, a layer or two, a small vocabulary and, for the hybrid, 16 of its 512 experts (a layer's kernels
+# and tiles are its widths', not its counts): the shapes of ANCHORS.md and the mixtures', hybrid's and latent
+# attention's published ones. Qwen3-Next takes four layers: its fourth is full attention.
 REAL = [
-    ("qwen2.5-7b", "q4_k_m", 1),
-    ("qwen3-0.6b", "q8_0", 1),
-    ("qwen3-30b-a3b", "q4_k_m", 1),
-    ("deepseek-v2-lite", "q4_k_m", 2),
+    ("qwen2.5-7b", "q4_k_m", ["--layers", "1"]),
+    ("qwen3-0.6b", "q8_0", ["--layers", "1"]),
+    ("qwen3-30b-a3b", "q4_k_m", ["--layers", "1"]),
+    ("deepseek-v2-lite", "q4_k_m", ["--layers", "2"]),
+    ("qwen3-next-80b-a3b", "q4_k_m", ["--layers", "4", "--experts", "16"]),
 ]
 SMALL_VOCAB = "2048"
 
@@ -51,11 +52,11 @@ def test_every_launch_compiles_for_sm90(shape, mix, knobs):
     assert launches > 0
 
 
-@pytest.mark.parametrize(("shape", "mix", "layers"), REAL, ids=[f"{s}-{m}" for s, m, _ in REAL])
-def test_every_launch_compiles_at_the_real_widths(shape, mix, layers):
+@pytest.mark.parametrize(("shape", "mix", "cuts"), REAL, ids=[f"{s}-{m}" for s, m, _ in REAL])
+def test_every_launch_compiles_at_the_real_widths(shape, mix, cuts):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     argv = [sys.executable, "-m", "fuselane.lanes.cuda.compile_check", shape, "--mix", mix]
-    argv += ["--layers", str(layers), "--vocab", SMALL_VOCAB]
+    argv += [*cuts, "--vocab", SMALL_VOCAB]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "a narrow chunk and sampled decode steps" in done.stdout.splitlines()[0]

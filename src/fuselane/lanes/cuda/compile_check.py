@@ -14,10 +14,11 @@ model takes it, a batch of two sequences on the paged form. It must run in a pro
 was decorated under the interpreter (Triton decides at decoration): `python -m fuselane.lanes.cuda.compile_check`.
 
     python -m fuselane.lanes.cuda.compile_check MODEL [--knob K=V ...] [--mix MIX] [--layers N] [--vocab N]
-        [--arch 90] [--usage] [--seqs N]
+        [--experts N] [--arch 90] [--usage] [--seqs N]
 
-A synthetic shape's name is written to a temporary file first; `--layers` and `--vocab` cut it (a layer's
-kernels are its widths', so a layer or two of a real shape compile what every layer of it launches).
+A synthetic shape's name is written to a temporary file first; `--layers`, `--vocab` and `--experts` cut it (a
+layer's kernels are its widths', so a layer or two of a real shape, with fewer experts of the same width,
+compile what every layer of it launches).
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def _shape(a: argparse.Namespace):
     shape = SHAPES.get(a.model)
     if shape is None:
         return a.model  # `write_synthetic` names the shapes it knows
-    cuts = {"n_layers": a.layers, "vocab": a.vocab}
+    cuts = {"n_layers": a.layers, "vocab": a.vocab, "experts": a.experts}
     return replace(shape, **{k: v for k, v in cuts.items() if v is not None})
 
 
@@ -213,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--mix", default="q8_0", help="the quantization mix of a synthetic shape (default q8_0)")
     ap.add_argument("--layers", type=int, default=None, help="a synthetic shape's layers (default: its own)")
     ap.add_argument("--vocab", type=int, default=None, help="a synthetic shape's vocabulary (default: its own)")
+    ap.add_argument("--experts", type=int, default=None, help="a synthetic mixture's experts (default: its own)")
     ap.add_argument("--arch", type=int, default=90, help="the compute capability, e.g. 90 for an H200 (default)")
     ap.add_argument("--usage", action="store_true", help="each kernel's registers and spills, from its cubin")
     ap.add_argument("--seqs", type=int, default=BATCH, help=f"sequences of the batch step (default {BATCH})")
