@@ -41,6 +41,19 @@ DOT_MIN = 16
 
 
 @triton.jit
+def softmax_fold(s, n, qpos, run_max, run_sum, CAUSAL: tl.constexpr):
+    """A tile's base-2 scores `s` (query rows x keys `n`) folded into the rows' running maximum and sum: (the new
+    maximum, the factor on what was summed before, the tile's weights, the new sum). CAUSAL masks keys past each
+    query's position `qpos`."""
+    if CAUSAL:
+        s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))
+    new_max = tl.maximum(run_max, tl.max(s, axis=1))
+    alpha = tl.exp2(run_max - new_max)
+    p = tl.exp2(s - new_max[:, None])
+    return new_max, alpha, p, run_sum * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _prefill_tile(
     q,
     run_max,
@@ -75,13 +88,7 @@ def _prefill_tile(
         s = tl.dot(q, tl.trans(k.to(tl.float16)))
     else:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=F32_PRECISION)
-    s = s * scale_log2e
-    if CAUSAL:
-        s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))
-    new_max = tl.maximum(run_max, tl.max(s, axis=1))
-    alpha = tl.exp2(run_max - new_max)
-    p = tl.exp2(s - new_max[:, None])
-    run_sum = run_sum * alpha + tl.sum(p, axis=1)
+    new_max, alpha, p, run_sum = softmax_fold(s * scale_log2e, n, qpos, run_max, run_sum, CAUSAL)
     if F16_OPS:
         pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
     else:

@@ -27,6 +27,15 @@ def softplus(x):
 
 
 @triton.jit
+def _store_gates(b, a, dt_ptr, decay_ptr, beta_row, g_row, h, m):
+    """A row's gates from its b and a values, heads `h`: beta = sigmoid(b), g = decay * softplus(a + dt)."""
+    dt = tl.load(dt_ptr + h, mask=m, other=0.0)
+    coef = tl.load(decay_ptr + h, mask=m, other=0.0)
+    tl.store(beta_row + h, tl.sigmoid(b), mask=m)
+    tl.store(g_row + h, coef * softplus(a + dt), mask=m)
+
+
+@triton.jit
 def _gates_kernel(
     b_ptr, a_ptr, group_pitch, dt_ptr, decay_ptr, beta_out, g_out,
     HEADS: tl.constexpr, PER: tl.constexpr, KEY_HEADS: tl.constexpr, H_P2: tl.constexpr, PDL: tl.constexpr,
@@ -38,10 +47,7 @@ def _gates_kernel(
     at = (t * KEY_HEADS + h // PER) * group_pitch + h % PER
     b = tl.load(b_ptr + at, mask=m, other=0.0)
     a = tl.load(a_ptr + at, mask=m, other=0.0)
-    dt = tl.load(dt_ptr + h, mask=m, other=0.0)
-    coef = tl.load(decay_ptr + h, mask=m, other=0.0)
-    tl.store(beta_out + t * HEADS + h, tl.sigmoid(b), mask=m)
-    tl.store(g_out + t * HEADS + h, coef * softplus(a + dt), mask=m)
+    _store_gates(b, a, dt_ptr, decay_ptr, beta_out + t * HEADS, g_out + t * HEADS, h, m)
 
 
 def gates(
@@ -82,10 +88,7 @@ def _projected_kernel(
         acc_b += tl.sum(wb * x[None, :], axis=1)
         acc_a += tl.sum(wa * x[None, :], axis=1)
         k0 += BK
-    dt = tl.load(dt_ptr + h, mask=m, other=0.0)
-    coef = tl.load(decay_ptr + h, mask=m, other=0.0)
-    tl.store(beta_out + t * HEADS + h, tl.sigmoid(acc_b), mask=m)
-    tl.store(g_out + t * HEADS + h, coef * softplus(acc_a + dt), mask=m)
+    _store_gates(acc_b, acc_a, dt_ptr, decay_ptr, beta_out + t * HEADS, g_out + t * HEADS, h, m)
 
 
 def projected(

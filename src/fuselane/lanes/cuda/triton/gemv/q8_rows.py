@@ -50,7 +50,7 @@ from fuselane.lanes.cuda.triton.gemv.q8 import (
     raw_chunk,
     tile_plan,
 )
-from fuselane.lanes.cuda.triton.gemv.rows import store_rows
+from fuselane.lanes.cuda.triton.gemv.rows import store_glu, store_part
 from fuselane.lanes.cuda.triton.quant import HALF, Q8Acts, check_acts
 
 QK_C = tl.constexpr(QK)
@@ -120,14 +120,7 @@ def _rows_parts_kernel(
     m0 = tl.program_id(1) * BLOCK_M
     mi = m0 + tl.arange(0, BLOCK_M)
     y, _ = rows_dots(w_rows, w_rows, xq, xd, xs, m0, m, K, FMT, N_UNITS, BLOCK_M, BLOCK_N, CHUNK, G, False)
-    p = parts.items
-    if part == 0:
-        store_rows(y, rows, n, mi, m, p[0].out, p[0].pitch, p[0].bias, p[0].pos, res, res_pitch, BIAS & 1,
-                   AT_ROW & 1, HAS_RES)  # fmt: skip
-    for i in tl.static_range(1, PARTS):
-        if part == i:
-            store_rows(y, rows, n, mi, m, p[i].out, p[i].pitch, p[i].bias, p[i].pos, res, 0, (BIAS >> i) & 1,
-                       (AT_ROW >> i) & 1, False)  # fmt: skip
+    store_part(y, part, rows, n, mi, m, parts.items, res, res_pitch, PARTS, BIAS, AT_ROW, HAS_RES)
 
 
 @triton.jit
@@ -143,8 +136,7 @@ def _rows_glu_kernel(
     mi = m0 + tl.arange(0, BLOCK_M)
     gate, up = rows_dots(w_gate + row_off, w_up + row_off, xq, xd, xs, m0, m, K, FMT, N_UNITS, BLOCK_M, BLOCK_N,
                          CHUNK, G, True)  # fmt: skip
-    mask = (mi < m)[:, None] & (rows < n)[None, :]
-    tl.store(out + mi.to(tl.int64)[:, None] * pitch + rows[None, :], gate / (1.0 + tl.exp(-gate)) * up, mask=mask)
+    store_glu(gate, up, rows, n, mi, m, out, pitch)
 
 
 # --- launchers ---------------------------------------------------------------------------------------------------

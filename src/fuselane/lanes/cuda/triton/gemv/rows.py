@@ -115,6 +115,35 @@ def store_rows(
 
 
 @triton.jit
+def store_glu(gate, up, rows, n, mi, m, out, pitch):
+    """SwiGLU of a gated pair's [BLOCK_M, BLOCK_N] sums stored at row mi of `out`; rows past m or n dropped."""
+    # SiLU(g) = g / (1 + e^-g): for a very negative g, e^-g is inf and the quotient a signed zero, as it should
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    mask = (mi < m)[:, None] & (rows < n)[None, :]
+    tl.store(out + mi.to(tl.int64)[:, None] * pitch + rows[None, :], y, mask=mask)
+
+
+@triton.jit
+def store_part(
+    y, part, rows, n, mi, m, p, res, res_pitch,
+    PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    """`store_rows` into the output of the part `part` of `p` (a `parts.PartsArgs`' items): BIAS and AT_ROW hold
+    a bit a part; the residual is part 0's."""
+    if PARTS == 1:
+        store_rows(y, rows, n, mi, m, p[0].out, p[0].pitch, p[0].bias, p[0].pos, res, res_pitch, BIAS & 1, AT_ROW & 1,
+                   HAS_RES)  # fmt: skip
+    else:
+        if part == 0:
+            store_rows(y, rows, n, mi, m, p[0].out, p[0].pitch, p[0].bias, p[0].pos, res, res_pitch, BIAS & 1,
+                       AT_ROW & 1, HAS_RES)  # fmt: skip
+        for i in tl.static_range(1, PARTS):
+            if part == i:
+                store_rows(y, rows, n, mi, m, p[i].out, p[i].pitch, p[i].bias, p[i].pos, res, 0, (BIAS >> i) & 1,
+                           (AT_ROW >> i) & 1, 0)  # fmt: skip
+
+
+@triton.jit
 def _gemv_parts_kernel(
     x, x_pitch, m, parts, res, res_pitch,
     FMT: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr,
@@ -140,17 +169,7 @@ def _gemv_parts_kernel(
     mi = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     x_rows = x + tl.minimum(mi, m - 1) * x_pitch
     y = dot_rows(w_rows, x_rows, FMT, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES)
-    if PARTS == 1:
-        store_rows(y, rows, n, mi, m, p[0].out, p[0].pitch, p[0].bias, p[0].pos, res, res_pitch, BIAS & 1, AT_ROW & 1,
-                   HAS_RES)  # fmt: skip
-    else:
-        if part == 0:
-            store_rows(y, rows, n, mi, m, p[0].out, p[0].pitch, p[0].bias, p[0].pos, res, res_pitch, BIAS & 1,
-                       AT_ROW & 1, HAS_RES)  # fmt: skip
-        for i in tl.static_range(1, PARTS):
-            if part == i:
-                store_rows(y, rows, n, mi, m, p[i].out, p[i].pitch, p[i].bias, p[i].pos, res, 0, (BIAS >> i) & 1,
-                           (AT_ROW >> i) & 1, 0)  # fmt: skip
+    store_part(y, part, rows, n, mi, m, p, res, res_pitch, PARTS, BIAS, AT_ROW, HAS_RES)
 
 
 @triton.jit
@@ -180,10 +199,7 @@ def _gemv_glu_kernel(
     x_rows = x + tl.minimum(mi, m - 1) * x_pitch
     gate = dot_rows(w_gate + row_off, x_rows, FMT, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES)
     up = dot_rows(w_up + row_off, x_rows, FMT, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES)
-    # SiLU(g) = g / (1 + e^-g): for a very negative g, e^-g is inf and the quotient a signed zero, as it should
-    y = gate / (1.0 + tl.exp(-gate)) * up
-    mask = (mi < m)[:, None] & (rows < n)[None, :]
-    tl.store(out + mi.to(tl.int64)[:, None] * pitch + rows[None, :], y, mask=mask)
+    store_glu(gate, up, rows, n, mi, m, out, pitch)
 
 
 # --- launch facts ------------------------------------------------------------------------------------------------

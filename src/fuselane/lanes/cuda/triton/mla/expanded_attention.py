@@ -23,7 +23,7 @@ import triton.language as tl
 
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.attention.decode import LOG2E, interpreted
-from fuselane.lanes.cuda.triton.attention.prefill import F32_PRECISION
+from fuselane.lanes.cuda.triton.attention.prefill import F32_PRECISION, softmax_fold
 
 # Query rows a program takes (a warpgroup MMA's M), and cached rows a tile: f16 operands take 64, f32's
 # three-pass products 32 (as the chunk attention's tiles).
@@ -57,12 +57,7 @@ def _tile(qn, qr, run_max, run_sum, acc, keys, k_pitch, kc, kc_pitch, values, v_
     kr = tl.load(kc + rows * kc_pitch + LORA + dr[None, :], mask=live & (dr < ROPE)[None, :], other=0.0)
     v = tl.load(values + rows * v_pitch + h * VD + dv[None, :], mask=live & (dv < VD)[None, :], other=0.0)
     s = (_dot(qn, tl.trans(kn), F16_OPS) + _dot(qr, tl.trans(kr), F16_OPS)) * scale_log2e
-    if CAUSAL:
-        s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))
-    new_max = tl.maximum(run_max, tl.max(s, axis=1))
-    alpha = tl.exp2(run_max - new_max)
-    p = tl.exp2(s - new_max[:, None])
-    run_sum = run_sum * alpha + tl.sum(p, axis=1)
+    new_max, alpha, p, run_sum = softmax_fold(s, n, qpos, run_max, run_sum, CAUSAL)
     return new_max, run_sum, acc * alpha[:, None] + _dot(p, v, F16_OPS)
 
 
