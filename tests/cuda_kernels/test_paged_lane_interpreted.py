@@ -60,6 +60,17 @@ def test_paged_cuda_lane_equals_cpu_alone(tmp_path):
         assert got == list(ref.generate_ids(ref.session(), prompt, max_tokens=n, sampling=GREEDY))
     assert {1, 2} <= set(recorder.rows)  # batches of two rows and of one
     assert engine.pool.used == 0 and sorted(engine.lane.lane.steps) == [1, 2]
+    # the prompts' chunks (3, 3, 6 and 1 rows: a prompt's last token is a decode row) ran padded to powers of two
+    assert sorted(engine.lane.lane.single._steps) == [(1, False), (4, False), (8, False)]
+
+
+def test_a_chunk_pads_to_a_power_of_two_unless_the_context_or_a_recurrent_state_forbids():
+    from fuselane.engine.cuda import _chunk_rows
+
+    assert [_chunk_rows(n, 0, 64, False) for n in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
+    assert _chunk_rows(5, 58, 64, False) == 5  # 8 rows from 58 would pass the context of 64
+    assert _chunk_rows(5, 56, 64, False) == 8
+    assert _chunk_rows(5, 0, 64, True) == 5  # a recurrent state would sum the padding
 
 
 def test_a_steps_inputs_pad_the_bucket_with_the_spare_block():

@@ -11,7 +11,8 @@ takes the greedy pick of the graph or, when its sequence samples, a draw of the 
 settings and seed, drawn inside the graph too.
 
 Prefill chunks run through the lane's own single-sequence path (its prefill GEMMs and attention, over a
-contiguous cache of `ctx` rows): the sequence's rows are gathered from its blocks into that scratch cache
+contiguous cache of `ctx` rows), each padded to a power of two of rows so ragged prompts share a few captured
+steps (`_chunk_rows`): the sequence's rows are gathered from its blocks into that scratch cache
 first (unless it holds them already, from this sequence's last chunk), and the rows the chunk writes are
 scattered back into its blocks after. The scratch is a second lane over the same weights on the device, so
 the model's own sessions keep their caches.
@@ -36,6 +37,15 @@ if TYPE_CHECKING:  # the lane imports its kernels' modules: only where the cuda 
 def _bucket(rows: int) -> int:
     """The batch size a step of `rows` decode rows runs at: the next power of two."""
     return 1 << (rows - 1).bit_length()
+
+
+def _chunk_rows(rows: int, pos: int, ctx: int, recurrent: bool) -> int:
+    """The rows a prefill chunk of `rows` at `pos` runs at: the next power of two, so the chunks of a server's
+    ragged prompts share a few steps (each size met is a plan bound, warmed and captured, and holds its buffers
+    while the engine lives), unless the padding would pass the context, or the model's recurrent state would
+    sum the padding rows; a single row stays one (the decode step)."""
+    padded = _bucket(rows)
+    return rows if rows == 1 or recurrent or pos + padded > ctx else padded
 
 
 class CudaPaged:
@@ -128,9 +138,20 @@ class CudaPaged:
             for name, scratch in self.scratch.items():
                 torch.index_select(self.pools[name], 0, held, out=scratch[: w.pos])
         end = w.pos + len(w.ids)
-        logits = self.single.forward(np.asarray(w.ids), w.pos)
+        logits = self._forward_padded(w)
         fresh = torch.from_numpy(w.table.rows(w.pos, end, bs)).to(self.lane.device)
         for name, scratch in self.scratch.items():
             self.pools[name].index_copy_(0, fresh, scratch[w.pos : end])
         self.resident = (w.seq, end)
         return w.sampler(logits[-1]) if w.sampler is not None else None
+
+    def _forward_padded(self, w: Work) -> np.ndarray:
+        """The chunk run at its bucket's rows (`_chunk_rows`): token 0 fills the rows past its own, whose keys
+        and values land in the scratch cache past the chunk's end (never copied back, and overwritten by the
+        sequence's next chunk before anything reads them). A chunk that samples runs at its own rows: the
+        logits it needs are its last row's."""
+        n = len(w.ids)
+        rows = n if w.sampler is not None else _chunk_rows(n, w.pos, self.lane.ctx, self.lane.recurrent)
+        ids = np.zeros(rows, dtype=np.int32)
+        ids[:n] = w.ids
+        return self.single.forward(ids, w.pos)
