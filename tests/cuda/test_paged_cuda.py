@@ -154,3 +154,15 @@ def test_generate_batch_runs_on_the_gpu(path):
     ref = load(path, lane="cpu", ctx=CTX, dtype=np.float64)
     prompts = ["hello", "a longer prompt than the first", "x"]
     assert gpu.generate_batch(prompts, max_tokens=6, raw=True) == ref.generate_batch(prompts, max_tokens=6, raw=True)
+
+
+def test_the_pool_is_sized_after_the_first_chunks_copies(path):
+    """Asking the device's memory (what `fuselane serve` sizes the pool from) runs one chunk first, so the f16
+    copies a chunk's products make are already made then: the paged form's chunks afterwards make none."""
+    model = load(path, lane="cuda", ctx=CTX)
+    assert not model.lane._dense
+    memory = CudaPaged.device_memory(model.lane)
+    made = set(model.lane._dense)
+    assert made and memory.used <= memory.total
+    run(model, PROMPTS[:3], MAX_TOKENS[:3], GREEDY, max_seqs=2, chunk=CTX)
+    assert set(model.lane._dense) == made

@@ -29,6 +29,7 @@ from fuselane.engine.lane import DeviceMemory, Work
 from fuselane.errors import FuselaneError
 from fuselane.graph.ir import Role
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
+from fuselane.runtime.session import DEFAULT_CHUNK
 
 if TYPE_CHECKING:  # the lane imports its kernels' modules: only where the cuda lane runs
     from fuselane.lanes.cuda.run.lane import CudaLane
@@ -37,6 +38,16 @@ if TYPE_CHECKING:  # the lane imports its kernels' modules: only where the cuda 
 def _bucket(rows: int) -> int:
     """The batch size a step of `rows` decode rows runs at: the next power of two."""
     return 1 << (rows - 1).bit_length()
+
+
+def _warm_chunk(lane: CudaLane) -> None:
+    """One prefill chunk of the sessions' rows through a sibling of `lane`, as vLLM profiles a run before sizing
+    its cache: the f16 copies a chunk's products make on their first run, its buffers (left in torch's cache
+    for the paged form's own chunks) and its kernels' compiles happen now, so the free memory the pool is sized
+    from is what serving leaves, and the first request does not wait for the compiles."""
+    rows = min(DEFAULT_CHUNK, lane.ctx - 1)
+    if rows > 1:
+        lane.sibling().forward(np.zeros(rows, dtype=np.int32), 0)
 
 
 def _chunk_rows(rows: int, pos: int, ctx: int, recurrent: bool) -> int:
@@ -82,6 +93,7 @@ class CudaPaged:
     def device_memory(lane: CudaLane) -> DeviceMemory | None:
         if lane.device.type != "cuda":  # interpreted: the pool is host memory, sized in blocks
             return None
+        _warm_chunk(lane)
         free, total = lane.torch.cuda.mem_get_info(lane.device)
         return DeviceMemory(total=total, used=total - free)
 

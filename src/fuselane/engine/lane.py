@@ -42,7 +42,8 @@ class Work:
 
 @dataclass(frozen=True, slots=True)
 class DeviceMemory:
-    """Bytes of the accelerator's memory in all, and in use before the pool is allocated."""
+    """Bytes of the accelerator's memory in all, and in use before the pool is allocated (a lane that makes
+    buffers or copies on its first prefill has made them by then)."""
 
     total: int
     used: int
