@@ -142,6 +142,20 @@ def bench_depths(
     return [bench(model, lane=lane, prompt=prompt, generated=generated, depth=d, knobs=knobs) for d in depths]
 
 
+def _warm_then_fill(m: Any, tokens: np.ndarray, depth: int, prompt: int, step: Any) -> Any:
+    """A recurrent model's warm-up: its state sums every position and cannot go back to the depth, so the
+    warm-up chunks run from position 0 in sessions of their own, and the session timed fills the depth after."""
+    step("prefill warm-up")
+    for _ in range(PREFILL_WARM):
+        warm = m.session()
+        warm.extend(tokens[: min(prompt, warm.chunk)].tolist())
+        step(advance=1)
+    session = m.session()
+    if depth:
+        session.extend(tokens[:depth].tolist())
+    return session
+
+
 def bench(
     model: str | None,
     *,
@@ -161,15 +175,18 @@ def bench(
         tokens = rng.integers(0, min(m.cfg.vocab, m.tokenizer.vocab_size), size=depth + prompt + generated)
         session = m.session()
         step("filling the cache to the depth", total=PREFILL_WARM + 1 + generated + 1)
-        if depth:
-            session.extend(tokens[:depth].tolist())
-        # first runs of a whole chunk compile the kernels, make what prefill uses and let a lane capture the
-        # chunk as a graph; their cache rows are rewritten
-        step("prefill warm-up")
-        for _ in range(PREFILL_WARM):
-            session.extend(tokens[depth : depth + min(prompt, session.chunk)].tolist())
-            session.tokens = session.tokens[:depth]
-            step(advance=1)
+        if getattr(m.lane, "recurrent", False):
+            session = _warm_then_fill(m, tokens, depth, prompt, step)
+        else:
+            if depth:
+                session.extend(tokens[:depth].tolist())
+            # first runs of a whole chunk compile the kernels, make what prefill uses and let a lane capture the
+            # chunk as a graph; their cache rows are rewritten
+            step("prefill warm-up")
+            for _ in range(PREFILL_WARM):
+                session.extend(tokens[depth : depth + min(prompt, session.chunk)].tolist())
+                session.tokens = session.tokens[:depth]
+                step(advance=1)
         step(f"pp{prompt}")
         _sync(m.lane)
         start = time.perf_counter()

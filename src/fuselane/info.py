@@ -126,7 +126,11 @@ def cache_line(cfg: Any) -> str:
         what = f"kv_lora_rank {cfg.latent.kv_lora} + rope {cfg.latent.rope}"
     else:
         what = f"keys and values of {cfg.n_kv_heads} kv heads of {cfg.head_dim}"
-    return f"{per_layer:,} values a token a layer ({what}), {per_layer * cfg.n_layers:,} over {cfg.n_layers} layers"
+    # a hybrid's gated delta-rule layers keep a fixed-size state, not a row a token
+    cached = cfg.n_layers if cfg.linear is None else cfg.linear.layers.count(False)
+    if not cached:
+        return "no rows a token: every layer keeps a fixed-size recurrent state"
+    return f"{per_layer:,} values a token a layer ({what}), {per_layer * cached:,} over {cached} layers"
 
 
 def _latent(cfg: Any) -> dict[str, Any] | None:
