@@ -162,6 +162,24 @@ def argmax_of(x: np.ndarray, **feed) -> tuple[int, int]:
 CHUNK = misc.ARGMAX_CHUNK
 
 
+def test_argmax_rows_picks_each_rows_token_in_one_launch_and_rearms():
+    """A batch's greedy picks: rows of ragged maxima, a tie (the lowest index), a NaN row (flagged, token 0),
+    each row's own counter back at zero after the launch, twice over the same scratch."""
+    cols, rows = 3 * CHUNK - 5, 4
+    rng = np.random.default_rng(7)
+    scratch = torch.zeros((rows, S.argmax_scratch_size(cols)), dtype=torch.float32, device=DEVICE)
+    picked = torch.zeros((rows, S.PICKED_VALUES), dtype=S.PICKED_DTYPE, device=DEVICE)
+    for _ in range(2):
+        x = rng.standard_normal((rows, cols)).astype(np.float32)
+        x[1, [5, 2 * CHUNK + 1]] = 50.0  # a tie across chunks
+        x[2, CHUNK + 3] = np.nan
+        S.argmax_rows(dev(x), picked, scratch)
+        want = [[int(np.argmax(x[0])), 0], [5, 0], [0, 1], [int(np.argmax(x[3])), 0]]
+        assert picked.tolist() == want
+        counters = scratch[:, 3 * S.argmax_splits(cols)].contiguous().view(torch.int32)
+        assert not counters.any(), "a row's merge left its counter armed"
+
+
 @pytest.mark.parametrize("cols", [1, 7, CHUNK, CHUNK + 1, 3 * CHUNK - 5, QWEN_VOCAB])
 def test_argmax_equals_numpy(cols):
     rng = np.random.default_rng(cols)

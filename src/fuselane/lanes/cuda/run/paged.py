@@ -103,11 +103,8 @@ class BatchStep:
         self.logits = bufs[LOGITS].view(rows, -1)
         self.picked = torch.zeros((rows, sample.PICKED_VALUES), dtype=sample.PICKED_DTYPE, device=device)
         vocab = self.logits.shape[1]
-        scratch = [sample.argmax_scratch(vocab, device) for _ in range(rows)]
-        self.greedy = [
-            (lambda i=i: sample.argmax_token(self.logits[i], self.picked[i], scratch[i]))  # noqa: B023
-            for i in range(rows)
-        ]
+        scratch = torch.zeros((rows, sample.argmax_scratch_size(vocab)), dtype=torch.float32, device=device)
+        self.greedy = [lambda: sample.argmax_rows(self.logits, self.picked, scratch)]  # every row's, one launch
         self.draws = draws
         self.slots = torch.full((rows,), NO_SLOT, dtype=torch.int32, device=device)  # each row's sequence's draws
         self.sorted: tuple[Any, Any] | None = None  # the rows sorted for their draws: made by the first that samples

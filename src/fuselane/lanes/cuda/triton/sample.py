@@ -117,6 +117,9 @@ def _argmax_kernel(
     nan_ptr,
     count_ptr,
     cols,
+    x_pitch,
+    out_pitch,
+    scratch_pitch,
     CHUNK: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
@@ -125,6 +128,13 @@ def _argmax_kernel(
 ):
     pdl.begin(PDL)
     split = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)  # a batch's rows, each with its scratch and counter (`argmax_rows`)
+    x_ptr += row * x_pitch
+    out_ptr += row * out_pitch
+    val_ptr += row * scratch_pitch
+    idx_ptr += row * scratch_pitch
+    nan_ptr += row * scratch_pitch
+    count_ptr += row * scratch_pitch
     idx = split * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(x_ptr + idx, mask=idx < cols, other=float("-inf")).to(tl.float32)
     nan = tl.max((x != x).to(tl.int32), axis=0)
@@ -320,32 +330,40 @@ def argmax_token(
     """
     x = _row(logits)
     cols = x.numel()
-    splits = argmax_splits(cols)
     need = argmax_scratch_size(cols)
     if scratch.dtype != torch.float32 or scratch.numel() < need:
         raise ValueError(f"argmax_token needs an f32 scratch of {need} values")
     ids_t, pos_t, feed = _feed_args(picked, ids, pos)
+    _launch_argmax(x, picked, ids_t, pos_t, scratch, cols, 1, (0, 0, 0), feed)
+
+
+def argmax_rows(logits: torch.Tensor, picked: torch.Tensor, scratch: torch.Tensor) -> None:
+    """`argmax_token` for each row of `logits` (rows, cols) into the same row of `picked` (rows,
+    PICKED_VALUES), one launch for them all: a batch's greedy picks. `scratch` is `argmax_scratch(cols)` a
+    row, (rows, `argmax_scratch_size(cols)`) f32."""
+    rows, cols = logits.shape
+    need = argmax_scratch_size(cols)
+    if logits.stride(1) != 1 or picked.shape != (rows, PICKED_VALUES) or picked.dtype != PICKED_DTYPE:
+        raise ValueError(f"argmax_rows: unit-stride logits and ({rows}, {PICKED_VALUES}) int32 picks")
+    if scratch.dtype != torch.float32 or scratch.dim() != 2 or scratch.shape[0] < rows or scratch.shape[1] < need:
+        raise ValueError(f"argmax_rows needs an f32 scratch of {need} values a row")
+    pitches = (logits.stride(0), picked.stride(0), scratch.stride(0))
+    _launch_argmax(logits, picked, picked, picked, scratch[0], cols, rows, pitches, False)
+
+
+def _launch_argmax(x, picked, ids, pos, scratch, cols: int, rows: int, pitches: tuple[int, int, int], feed: bool):
+    """The arg-max's launch over `rows` rows `pitches` apart (logits, picks, scratch; a row's scratch laid out
+    as `argmax_scratch_size` says)."""
+    splits = argmax_splits(cols)
     vals = scratch[:splits]
     idxs = scratch[splits : 2 * splits].view(torch.int32)
     nans = scratch[2 * splits : 3 * splits].view(torch.int32)
-    count = scratch[3 * splits : need].view(torch.int32)
-    _argmax_kernel[(splits,)](
-        x,
-        picked,
-        ids_t,
-        pos_t,
-        vals,
-        idxs,
-        nans,
-        count,
-        cols,
-        CHUNK=ARGMAX_CHUNK,
-        SPLITS=splits,
-        SPLITS_P2=triton.next_power_of_2(splits),
-        FEED=feed,
-        num_warps=ARGMAX_WARPS,
-        **pdl.options(),
-    )
+    count = scratch[3 * splits : 3 * splits + 1].view(torch.int32)
+    _argmax_kernel[(splits, rows)](
+        x, picked, ids, pos, vals, idxs, nans, count, cols, *pitches,
+        CHUNK=ARGMAX_CHUNK, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), FEED=feed,
+        num_warps=ARGMAX_WARPS, **pdl.options(),
+    )  # fmt: skip
 
 
 def candidates(logits: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor) -> None:
