@@ -7,15 +7,23 @@ and tables):
 - `store_kv`: row i's new key and value (the step's staging rows, where the plan's products and rotations
   wrote them) into the pool at slot[i] (= table[pos // block] * block + pos % block, computed on the host
   with the table), rounded to the pool's f16 or f32 there;
-- `paged_decode`: row i's query heads over pool rows of its blocks 0 .. len[i] - 1, a block of cache rows a
-  tile. A program takes one key/value group of one row, its query heads one warp each, with the running
-  softmax of FlashDecode (`decode.fold_tile`: the same tile fold, the same 2^(s * scale * log2 e - max)
-  weights); the output is f32, and where the plan wants it also int8 activations (`decode.store_out`).
+- `paged_decode`: row i's query heads over pool rows of its blocks 0 .. len[i] - 1. A program takes
+  `kernels.attn_heads_a_block` query heads of one key/value group (one: the one-row decode's measured fact),
+  a warp a head, with the running softmax of FlashDecode (`decode.fold_tile`: the same tile fold, the same
+  2^(s * scale * log2 e - max) weights). A loop step reads a tile of `kernels.ATTN_PAGED_TILE_ROWS` cache
+  rows, each through its block's id in the row's table, so a step folds several blocks. Where the batch's
+  rows and head blocks leave the chip's SMs idle (`paged_plan`: `shim.chunks_apart`), each row's span is cut
+  into up to `splits` chunks of whole tiles (`kernels.attn_splits` of the batch's head blocks; none under
+  `kernels.ATTN_MIN_CHUNK` rows, so a short row takes fewer and the programs past its chunks exit at once):
+  each program of a cut row writes its partial (running max, sum of weights, weighted values) to scratch and
+  ticks its row's head-block counter, and the last to finish merges them (`decode.merge_partials`, the
+  log-sum-exp combine) and re-arms the counter, as the one-row decode does. One launch of (rows, head blocks,
+  splits) programs; the splits are fixed when the launch is bound (rows, heads, the tables' width and the
+  chip's SMs), never from the lengths, which are device values a captured graph replays with. The output is
+  f32, and where the plan wants it also int8 activations (`decode.store_out`).
 
 Tables are int32 (rows, width), padded past a sequence's blocks with any valid block id (never read: a row
-reads only the blocks its length reaches). There is no split of a long span over several programs: a row's
-group walks its whole span, so a long context at a small batch leaves SMs idle (the decode step of one
-sequence, `decode.flash_decode`, splits; the batch's rows and groups fill the chip as the batch grows).
+reads only the blocks its length reaches).
 """
 
 from __future__ import annotations
