@@ -36,7 +36,7 @@ from test_norm_rope_attention import (  # noqa: E402
 
 from fuselane.graph.ops import Attention, Rope  # noqa: E402
 from fuselane.lanes.cpu import kernels as ref  # noqa: E402
-from fuselane.lanes.cuda.triton import quant, rope  # noqa: E402
+from fuselane.lanes.cuda.triton import pdl, quant, rope  # noqa: E402
 from fuselane.lanes.cuda.triton.attention import paged  # noqa: E402
 
 BLOCK = 4
@@ -128,10 +128,12 @@ def _gathered_ref(q, k_pool, v_pool, lens, tables, hd, scale, stored, what):
         yield want, attention_bound(q[i : i + 1], k, v, 1, n, hd, scale, stored)[:, None], f"{what} row {i}"
 
 
-def test_paged_decode_splits_ragged_rows_and_replays():
+@pytest.mark.parametrize("dependent", [False, True], ids=["plain", "dependent"])
+def test_paged_decode_splits_ragged_rows_and_replays(dependent):
     """A row's span split over four programs, each taking whole tiles of two blocks gathered by their ids, the
     last to finish merging: every row within the contract's attention bound of the cpu lane in f64 (f16 pool),
-    the rows' counters back at zero after each launch, the second launch right at its own lengths."""
+    the rows' counters back at zero after each launch, the second launch right at its own lengths. Also as a
+    dependent launch, whose programs read their first tile before the wait and the row's last row after it."""
     rng = np.random.default_rng(11)
     hd, rows = 32, len(SPLIT_LENS[0])
     scale, width = hd**-0.5, 16
@@ -145,10 +147,11 @@ def test_paged_decode_splits_ragged_rows_and_replays():
     for step, lens in enumerate(SPLIT_LENS):
         q, tables = f32(rng, rows, HEADS * hd), _disjoint_tables(rng, lens)
         lens_d = torch.tensor(lens, dtype=torch.int32, device=q_device())
-        paged.paged_decode(
-            dev(q), kd, vd, _padded(tables, width), lens_d, out, heads=HEADS, kv_heads=KV, hd=hd, scale=scale,
-            block_size=BLOCK, scratch=scratch, **SPLIT_SHAPE,
-        )  # fmt: skip
+        with pdl.dependent_launches(dependent):
+            paged.paged_decode(
+                dev(q), kd, vd, _padded(tables, width), lens_d, out, heads=HEADS, kv_heads=KV, hd=hd, scale=scale,
+                block_size=BLOCK, scratch=scratch, **SPLIT_SHAPE,
+            )  # fmt: skip
         got = host(out)
         for i, (want, bound, what) in enumerate(_gathered_ref(q, k_pool, v_pool, lens, tables, hd, scale, U16, step)):
             within(got[i : i + 1], want, bound, f"launch {what}")

@@ -19,8 +19,10 @@ and tables):
   ticks its row's head-block counter, and the last to finish merges them (`decode.merge_partials`, the
   log-sum-exp combine) and re-arms the counter, as the one-row decode does. One launch of (rows, head blocks,
   splits) programs; the splits are fixed when the launch is bound (rows, heads, the tables' width and the
-  chip's SMs), never from the lengths, which are device values a captured graph replays with. The output is
-  f32, and where the plan wants it also int8 activations (`decode.store_out`).
+  chip's SMs), never from the lengths, which are device values a captured graph replays with. As a dependent
+  launch a program reads its first tile (the rows before the row's last: the step's inputs, `pdl`'s contract)
+  before its wait and the row's last, which `store_kv` just stored, after it. The output is f32, and where the
+  plan wants it also int8 activations (`decode.store_out`).
 
 Tables are int32 (rows, width), padded past a sequence's blocks with any valid block id (never read: a row
 reads only the blocks its length reaches).
@@ -117,20 +119,35 @@ def paged_scratch_size(plan: PagedPlan, rows: int, heads: int, hd: int) -> int:
 
 
 @triton.jit
-def _pool_tile(k_ptr, v_ptr, table, start, hi, kvh, k_pitch, v_pitch, HD: tl.constexpr, D: tl.constexpr,
-               BS: tl.constexpr, TILE: tl.constexpr, G: tl.constexpr):  # fmt: skip
-    """The keys and values [G, TILE, D] of logical rows `start` .. `start + TILE` of a row's span, each read
-    through its pool block's id in the row's `table` (rows at or past `hi` and the padding past HD zero): a
-    tile of several blocks, one loop step."""
+def _pool_at(table, start, hi, kvh, k_pitch, v_pitch, HD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+             TILE: tl.constexpr, G: tl.constexpr):  # fmt: skip
+    """Where logical rows `start` .. `start + TILE` of a row's span lie in the pool, each through its block's id
+    in the row's `table` (rows at or past `hi` at block 0's, never read): the keys' and values' offsets
+    [G, TILE, D] (each warp reads its own copy of the tile), the logical rows [1, TILE, 1], the columns [G, 1, D]."""
     j = start + tl.arange(0, TILE)
-    live = j < hi
-    block = tl.load(table + j // BS, mask=live, other=0)  # a tile's rows share a few ids: the loads hit L1
+    block = tl.load(table + j // BS, mask=j < hi, other=0)  # a tile's rows share a few ids: the loads hit L1
     r = (block.to(tl.int64) * BS + j % BS)[None, :, None]
     col = tl.arange(0, D)[None, None, :] + 0 * tl.arange(0, G)[:, None, None]
-    mask = live[None, :, None] & (col < HD)
-    k = tl.load(k_ptr + r * k_pitch + kvh * HD + col, mask=mask, other=0.0)
-    v = tl.load(v_ptr + r * v_pitch + kvh * HD + col, mask=mask, other=0.0)
-    return k, v
+    return r * k_pitch + kvh * HD + col, r * v_pitch + kvh * HD + col, j[None, :, None], col
+
+
+@triton.jit
+def _pool_tile(k_ptr, v_ptr, table, start, below, hi, kvh, k_pitch, v_pitch, HD: tl.constexpr, D: tl.constexpr,
+               BS: tl.constexpr, TILE: tl.constexpr, G: tl.constexpr):  # fmt: skip
+    """A tile's keys and values [G, TILE, D] from logical row `start` (rows at or past `below` and the padding
+    past HD zero): a tile of several pool blocks, one loop step."""
+    k_at, v_at, j, col = _pool_at(table, start, hi, kvh, k_pitch, v_pitch, HD, D, BS, TILE, G)
+    mask = (j < below) & (col < HD)
+    return tl.load(k_ptr + k_at, mask=mask, other=0.0), tl.load(v_ptr + v_at, mask=mask, other=0.0)
+
+
+@triton.jit
+def _with_pool_row(k, v, k_ptr, v_ptr, table, start, row, hi, kvh, k_pitch, v_pitch, HD: tl.constexpr,
+                   BS: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+    """`_pool_tile`'s tile from `start` with logical row `row` read into it: the row the launch before stored."""
+    k_at, v_at, j, col = _pool_at(table, start, hi, kvh, k_pitch, v_pitch, HD, k.shape[2], BS, TILE, k.shape[0])
+    mask = (j == row) & (col < HD)
+    return tl.load(k_ptr + k_at, mask=mask, other=k), tl.load(v_ptr + v_at, mask=mask, other=v)
 
 
 @triton.jit
@@ -142,12 +159,15 @@ def _paged_kernel(
     MERGE_BATCH: tl.constexpr, MIN_CHUNK: tl.constexpr, Q8OUT: tl.constexpr, INTERPRETED: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl.begin(PDL)
+    pdl.release(PDL)
     row = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
     kvh = hb * HB // GROUP
+    # the row's length, table and cache rows before its last are the step's inputs, read before the wait
+    # (`pdl`'s contract); its last row, which the launch before stored, after it
     hi = tl.load(len_ptr + row)
+    table = table_ptr + row.to(tl.int64) * table_pitch
     # this split's share of the row's span: equal shares of whole tiles, none under MIN_CHUNK rows, so a short
     # row runs as fewer splits (one: no merge) and the splits past its share exit at once
     chunk = tl.cdiv(tl.maximum(tl.cdiv(hi, SPLITS), MIN_CHUNK), TILE) * TILE
@@ -155,6 +175,16 @@ def _paged_kernel(
     if split < active:
         lo = split * chunk
         top = tl.minimum(lo + chunk, hi)
+        if PDL:  # the first tile in flight while the launch before finishes, as `decode._decode_kernel` does
+            k0, v0 = _pool_tile(k_ptr, v_ptr, table, lo, tl.minimum(top, hi - 1), hi, kvh, k_pitch, v_pitch, HD, D,
+                                BS, TILE, G_P2)  # fmt: skip
+            if hi > 0:  # always; a wait behind a branch is not hoisted above the loads (ptxas hoists a plain one)
+                pdl.wait(PDL)
+            if (lo <= hi - 1) & (hi - 1 < lo + TILE):
+                k0, v0 = _with_pool_row(k0, v0, k_ptr, v_ptr, table, lo, hi - 1, hi, kvh, k_pitch, v_pitch, HD, BS,
+                                        TILE)  # fmt: skip
+        else:
+            k0, v0 = _pool_tile(k_ptr, v_ptr, table, lo, top, hi, kvh, k_pitch, v_pitch, HD, D, BS, TILE, G_P2)
         g = tl.arange(0, G_P2)
         heads_mask = g < HB
         head = hb * HB + tl.minimum(g, HB - 1)  # padded heads reread the block's last: finite, never stored
@@ -165,16 +195,16 @@ def _paged_kernel(
         run_max = tl.full([G_P2], float("-inf"), tl.float32)
         run_sum = tl.zeros([G_P2], tl.float32)
         acc = tl.zeros([G_P2, D], tl.float32)
-        table = table_ptr + row.to(tl.int64) * table_pitch
+        run_max, run_sum, acc = fold_tile(q, run_max, run_sum, acc, k0, v0, lo, top, scale_log2e, TILE)
         if INTERPRETED:  # a loop whose bound is a device value runs as a while loop (see `decode.interpreted`)
-            start = lo
+            start = lo + TILE
             while start < top:
-                k, v = _pool_tile(k_ptr, v_ptr, table, start, top, kvh, k_pitch, v_pitch, HD, D, BS, TILE, G_P2)
+                k, v = _pool_tile(k_ptr, v_ptr, table, start, top, hi, kvh, k_pitch, v_pitch, HD, D, BS, TILE, G_P2)
                 run_max, run_sum, acc = fold_tile(q, run_max, run_sum, acc, k, v, start, top, scale_log2e, TILE)
                 start += TILE
         else:
-            for start in range(lo, top, TILE):
-                k, v = _pool_tile(k_ptr, v_ptr, table, start, top, kvh, k_pitch, v_pitch, HD, D, BS, TILE, G_P2)
+            for start in range(lo + TILE, top, TILE):
+                k, v = _pool_tile(k_ptr, v_ptr, table, start, top, hi, kvh, k_pitch, v_pitch, HD, D, BS, TILE, G_P2)
                 run_max, run_sum, acc = fold_tile(q, run_max, run_sum, acc, k, v, start, top, scale_log2e, TILE)
         width: tl.constexpr = HEADS * HD
         o_row = row.to(tl.int64) * width
