@@ -36,7 +36,7 @@ from test_norm_rope_attention import (  # noqa: E402
 
 from fuselane.graph.ops import Attention, Rope  # noqa: E402
 from fuselane.lanes.cpu import kernels as ref  # noqa: E402
-from fuselane.lanes.cuda.triton import quant, rope  # noqa: E402
+from fuselane.lanes.cuda.triton import pdl, quant, rope  # noqa: E402
 from fuselane.lanes.cuda.triton.attention import paged  # noqa: E402
 
 BLOCK = 4
@@ -99,6 +99,93 @@ def test_paged_decode_writes_int8_form():
     got, back = host(out), host(quant.dequantize(q8))
     step = np.abs(got).reshape(rows, -1, 32).max(axis=2, keepdims=True) / 127
     assert np.all(np.abs(back - got).reshape(rows, -1, 32) <= step / 2 * (1 + 1e-5) + 1e-30)
+
+
+# Several splits of short spans: tiles of two blocks, chunks of at least a tile, four splits a row (merged two at
+# a time). Lengths: one row, a block's end, several blocks (two splits, the second part of a tile), and one much
+# longer row whose span takes all four splits, its last one short; then the same launch again at other lengths
+# over other tables (three splits; two, the second of one row), as a captured graph replays it.
+SPLIT_LENS = ([1, BLOCK, 13, 61], [6, 33, 8, 2 * BLOCK + 1])
+SPLIT_POOL = 24  # blocks: the widest step's 1 + 1 + 4 + 16 and one spare
+SPLIT_SHAPE = dict(splits=4, tile_rows=2 * BLOCK, min_chunk=2 * BLOCK, merge_batch=2)
+
+
+def _disjoint_tables(rng: np.random.Generator, lens: list[int]) -> list[list[int]]:
+    ids, out, at = rng.permutation(SPLIT_POOL), [], 0
+    for n in lens:
+        need = -(-n // BLOCK)
+        out.append([int(b) for b in ids[at : at + need]])
+        at += need
+    return out
+
+
+def _gathered_ref(q, k_pool, v_pool, lens, tables, hd, scale, stored, what):
+    """Each row's output from the cpu lane's attention over its blocks gathered in order, and its bound."""
+    for i, (n, table) in enumerate(zip(lens, tables, strict=True)):
+        at = np.concatenate([np.arange(b * BLOCK, (b + 1) * BLOCK) for b in table])[:n]
+        k, v = k_pool[at], v_pool[at]
+        want = ref.attention(Attention(1, HEADS, KV, hd, n, scale), [q[i : i + 1], k, v], n - 1)
+        yield want, attention_bound(q[i : i + 1], k, v, 1, n, hd, scale, stored)[:, None], f"{what} row {i}"
+
+
+@pytest.mark.parametrize("dependent", [False, True], ids=["plain", "dependent"])
+def test_paged_decode_splits_ragged_rows_and_replays(dependent):
+    """A row's span split over four programs, each taking whole tiles of two blocks gathered by their ids, the
+    last to finish merging: every row within the contract's attention bound of the cpu lane in f64 (f16 pool),
+    the rows' counters back at zero after each launch, the second launch right at its own lengths. Also as a
+    dependent launch, whose programs read their first tile before the wait and the row's last row after it."""
+    rng = np.random.default_rng(11)
+    hd, rows = 32, len(SPLIT_LENS[0])
+    scale, width = hd**-0.5, 16
+    k_pool, v_pool = f32(rng, SPLIT_POOL * BLOCK, KV * hd), f32(rng, SPLIT_POOL * BLOCK, KV * hd)
+    v_pool[:, hd:] += 4.0  # the kv heads far apart: a query reading the wrong head is caught
+    kd, vd = dev(k_pool, torch.float16), dev(v_pool, torch.float16)
+    plan = paged.paged_plan(rows, HEADS, KV, width * BLOCK, sms=1, splits=4)
+    scratch = torch.zeros(paged.paged_scratch_size(plan, rows, HEADS, hd), device=q_device())
+    counters = scratch[-rows * plan.head_blocks :].view(torch.int32)
+    out = torch.zeros(rows, HEADS * hd, device=q_device())
+    for step, lens in enumerate(SPLIT_LENS):
+        q, tables = f32(rng, rows, HEADS * hd), _disjoint_tables(rng, lens)
+        lens_d = torch.tensor(lens, dtype=torch.int32, device=q_device())
+        with pdl.dependent_launches(dependent):
+            paged.paged_decode(
+                dev(q), kd, vd, _padded(tables, width), lens_d, out, heads=HEADS, kv_heads=KV, hd=hd, scale=scale,
+                block_size=BLOCK, scratch=scratch, **SPLIT_SHAPE,
+            )  # fmt: skip
+        got = host(out)
+        for i, (want, bound, what) in enumerate(_gathered_ref(q, k_pool, v_pool, lens, tables, hd, scale, U16, step)):
+            within(got[i : i + 1], want, bound, f"launch {what}")
+        assert not host(counters).any(), f"launch {step} left a row's counter armed"
+
+
+def test_paged_decode_merged_rows_write_int8_form():
+    """A merged row's output is written as int8 activations too: within half a code of its f32 output."""
+    rng = np.random.default_rng(12)
+    hd, lens = 32, SPLIT_LENS[0]
+    rows, width = len(lens), 16
+    k_pool, v_pool = f32(rng, SPLIT_POOL * BLOCK, KV * hd), f32(rng, SPLIT_POOL * BLOCK, KV * hd)
+    plan = paged.paged_plan(rows, HEADS, KV, width * BLOCK, sms=1, splits=4)
+    scratch = torch.zeros(paged.paged_scratch_size(plan, rows, HEADS, hd), device=q_device())
+    out = torch.zeros(rows, HEADS * hd, device=q_device())
+    q8 = quant.empty_q8(rows, HEADS * hd, q_device())
+    paged.paged_decode(
+        dev(f32(rng, rows, HEADS * hd)), dev(k_pool), dev(v_pool), _padded(_disjoint_tables(rng, lens), width),
+        torch.tensor(lens, dtype=torch.int32, device=q_device()), out, heads=HEADS, kv_heads=KV, hd=hd,
+        scale=0.25, block_size=BLOCK, out_q8=q8, scratch=scratch, **SPLIT_SHAPE,
+    )  # fmt: skip
+    got, back = host(out), host(quant.dequantize(q8))
+    step = np.abs(got).reshape(rows, -1, 32).max(axis=2, keepdims=True) / 127
+    assert np.all(np.abs(back - got).reshape(rows, -1, 32) <= step / 2 * (1 + 1e-5) + 1e-30)
+
+
+def test_paged_plan_splits_only_where_the_rows_leave_the_chip_idle():
+    """The splits follow the rows, heads and SMs (never the lengths): a small batch of a long table splits, a
+    batch whose head blocks fill the chip does not, a short table's span is not cut under the fewest rows."""
+    small = paged.paged_plan(8, 14, 2, 1024, sms=132)  # Qwen2.5-0.5B's heads, eight rows
+    assert small.head_blocks == 14 and small.splits > 1
+    assert paged.paged_plan(64, 32, 8, 1024, sms=132).splits == 1  # 2,048 head blocks on 132 SMs
+    assert paged.paged_plan(8, 14, 2, 32, sms=132).splits == 1  # one tile's rows
+    assert paged.paged_plan(8, 14, 2, 1024, sms=132, splits=3).splits == 3
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])

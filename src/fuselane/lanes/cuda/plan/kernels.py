@@ -136,6 +136,12 @@ ATTN_WAVES = 8
 # caps their number (33 splits of ~124 rows for the 8B's 32 heads at 4,096 rows).
 ATTN_MIN_CHUNK = 32
 
+# Cached rows a paged decode program (`triton/attention/paged.py`) reads at a time: the decode tile's rows,
+# gathered from as many of the row's pool blocks as they span (two of the engine's 16-row blocks), each row
+# found through its block's id. A pool row is one load segment wherever its block lies, so a tile over
+# blocks reads as a contiguous tile of the cache does, and a loop step folds several blocks at once.
+ATTN_PAGED_TILE_ROWS = ATTN_DECODE_TILE_ROWS
+
 # --- convolutions and mixtures ---------------------------------------------------------------------------
 
 # One launch of convolutions takes at most four: a hybrid layer's q, k, v and gate channels.

@@ -71,6 +71,7 @@ class PagedRows:
     lens: Any  # int32 (rows,)
     pools: dict[str, Any]  # cache name -> (rows of every block, width) in the cache's precision
     block_size: int
+    sms: int  # the chip's SMs: how many splits of each row's span the attention takes (`paged.paged_plan`)
 
 
 @dataclass(slots=True)
@@ -365,10 +366,16 @@ def _paged_attention(op: Op, b: Bound, spec: Attention, out_q8: Any) -> Launch:
     k_new, v_new = b.bufs[k_name], b.bufs[v_name]
     k_pool, v_pool = p.pools[k_name], p.pools[v_name]
     shape = dict(heads=spec.heads, kv_heads=spec.kv_heads, hd=spec.hd, scale=spec.scale, block_size=p.block_size)
+    plan = attention_paged.paged_plan(rows, spec.heads, spec.kv_heads, p.tables.shape[1] * p.block_size, sms=p.sms)
+    need = attention_paged.paged_scratch_size(plan, rows, spec.heads, spec.hd)
+    # one scratch for every layer's attention of a size: the launches run in turn, each leaving its counters at 0
+    scratch = b.scratch.setdefault(f"paged {need}", q.new_zeros(need)) if plan.splits > 1 else None
 
     def attend() -> None:
         attention_paged.store_kv(k_new, v_new, k_pool, v_pool, p.slots)
-        attention_paged.paged_decode(q, k_pool, v_pool, p.tables, p.lens, out, out_q8=out_q8, **shape)
+        attention_paged.paged_decode(
+            q, k_pool, v_pool, p.tables, p.lens, out, out_q8=out_q8, scratch=scratch, sms=p.sms, **shape
+        )
 
     return attend
 

@@ -96,7 +96,8 @@ class BatchStep:
         bufs[IDS] = columns[ID]
         bufs[POS] = torch.zeros(1, dtype=torch.int32, device=device)  # staging rows start at row 0
         tables = self.inputs[rows * COLUMNS :].view(rows, width)
-        paged = PagedRows(columns[POSITION], columns[SLOT], tables, columns[LENGTH], pools, block_size)
+        sms = lane.shim.knobs.chip.sms
+        paged = PagedRows(columns[POSITION], columns[SLOT], tables, columns[LENGTH], pools, block_size, sms)
         self.bufs = bufs
         bound = Bound(g, bufs, lane.raw, lane.vec, lane.dense, q8=q8, paged=paged)
         self.launch_list = [launch for op in self.plan.ops for launch in bind(op, bound)]

@@ -21,15 +21,17 @@ after weight loads):
   writes. As every kernel waits before it ends, a grid's completion implies all earlier grids'.
 - A kernel launched without the attribute (torch's own, cuBLAS) starts after the one before it has ended, as
   always, and its successor's `wait` then waits for it.
-- One kernel reads a step's inputs before its wait: the decode attention (`attention.decode._decode_kernel`) reads
-  the position and its first tile's cache rows before the position, then waits, then reads the query and the
-  row at the position (which the launch just before appends). Those inputs were written before the step's
+- Two kernels read a step's inputs before their wait. The decode attention (`attention.decode._decode_kernel`)
+  reads the position and its first tile's cache rows before the position, then waits, then reads the query and
+  the row at the position (which the launch just before appends). Those inputs were written before the step's
   first kernel began: the position by the host's fill (a kernel launched without the attribute) or by the
   last step's sampler, the rows by earlier steps and prefills; and between two steps there is always a graph
   replay's end or the copy of the sampled token, each of which waits for everything before it. Its blocks
   then have their first tile in flight while the launch before finishes (H200, bench tg128: 8B 392 -> 406
   tok/s, 0.6B 1,213 -> 1,277). A plain `wait` after those loads would be hoisted above them, so it sits
-  behind a branch on the loaded position.
+  behind a branch on the loaded position. The batch's paged attention (`attention.paged._paged_kernel`) does
+  the same with each row's length, block table and its first tile's rows before the row's last, which the
+  store launch just before writes: every other pool row was stored by an earlier step.
 
 The lane turns it on for the launches it makes inside `dependent_launches(True)`; each launcher passes
 `options()` to its kernel: the `PDL` constexpr (so a kernel compiled without it carries no griddepcontrol

@@ -203,6 +203,54 @@ def store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD: tl
 
 
 @triton.jit
+def park_partial(acc, run_max, run_sum, acc_ptr, max_ptr, sum_ptr, count_ptr, part, col, store_mask, heads_mask,
+                 HD: tl.constexpr):  # fmt: skip
+    """A split's partial (its heads' running max, sum of weights and unnormalized weighted values) into scratch
+    at `part` (one a head), then one tick of its group's counter: returns the ticks before it, so the block that
+    reads the group's splits less one merges them."""
+    tl.store(acc_ptr + part[:, None] * HD + col, acc, mask=store_mask)
+    tl.store(max_ptr + part, run_max, mask=heads_mask)
+    tl.store(sum_ptr + part, run_sum, mask=heads_mask)
+    # every thread's partial is stored before one thread's release: the block's barrier, then the counter's
+    # acq_rel atomic (CUTLASS's semaphore pattern); the last block's acquire sees them all
+    tl.debug_barrier()
+    return tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
+def merge_partials(acc_ptr, max_ptr, sum_ptr, head, heads_mask, col, col_mask, active, SPLITS: tl.constexpr,
+                   S_P2: tl.constexpr, MERGE_BATCH: tl.constexpr, HD: tl.constexpr):  # fmt: skip
+    """The heads' outputs [G, D] from their `active` splits' partials (head h's split s at h * SPLITS + s): the
+    log-sum-exp combine, normalized."""
+    # partials are other SMs' writes: read them from L2 (.cg), past this SM's L1
+    s_ = tl.arange(0, S_P2)[None, :]
+    parts = head[:, None] * SPLITS + s_  # [G, S_P2]
+    here = (s_ < active) & heads_mask[:, None]
+    maxes = tl.load(max_ptr + parts, mask=here, other=float("-inf"), cache_modifier=".cg")
+    sums = tl.load(sum_ptr + parts, mask=here, other=0.0, cache_modifier=".cg")
+    top = tl.max(maxes, axis=1)  # [G]
+    top = tl.where(heads_mask, top, 0.0)
+    total = tl.sum(tl.exp2(maxes - top[:, None]) * sums, axis=1)
+    # the partials in batches of MERGE_BATCH splits, each batch's loads in flight together
+    merged = tl.zeros([head.shape[0], col.shape[1]], tl.float32)
+    i = active * 0  # a while loop: its bound is a device value (see `interpreted`)
+    while i < active:
+        b = i + tl.arange(0, MERGE_BATCH)[None, :]  # [1, B]
+        batch = head[:, None] * SPLITS + b  # [G, B]
+        in_batch = (b < active) & heads_mask[:, None]
+        m_b = tl.load(max_ptr + batch, mask=in_batch, other=float("-inf"), cache_modifier=".cg")
+        a_b = tl.load(
+            acc_ptr + batch[:, :, None] * HD + col[:, None, :],
+            mask=in_batch[:, :, None] & col_mask[:, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )  # [G, B, D]
+        merged += tl.sum(tl.exp2(m_b - top[:, None])[:, :, None] * a_b, axis=1)
+        i += MERGE_BATCH
+    return merged / total[:, None]
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -291,40 +339,12 @@ def _decode_kernel(
             store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT)
         else:
             part = head * SPLITS + split
-            tl.store(acc_ptr + part[:, None] * HD + col, acc, mask=store_mask)
-            tl.store(max_ptr + part, run_max, mask=heads_mask)
-            tl.store(sum_ptr + part, run_sum, mask=heads_mask)
-            # every thread's partial is stored before one thread's release: the block's barrier, then the
-            # counter's acq_rel atomic (CUTLASS's semaphore pattern); the last block's acquire sees them all
-            tl.debug_barrier()
-            done = tl.atomic_add(count_ptr + hb, 1, sem="acq_rel", scope="gpu")
+            done = park_partial(acc, run_max, run_sum, acc_ptr, max_ptr, sum_ptr, count_ptr + hb, part, col,
+                                store_mask, heads_mask, HD)  # fmt: skip
             if done == active - 1:
-                # partials are other SMs' writes: read them from L2 (.cg), past this SM's L1
-                s_ = tl.arange(0, S_P2)[None, :]
-                parts = head[:, None] * SPLITS + s_  # [G, S_P2]
-                here = (s_ < active) & heads_mask[:, None]
-                maxes = tl.load(max_ptr + parts, mask=here, other=float("-inf"), cache_modifier=".cg")
-                sums = tl.load(sum_ptr + parts, mask=here, other=0.0, cache_modifier=".cg")
-                top = tl.max(maxes, axis=1)  # [G]
-                top = tl.where(heads_mask, top, 0.0)
-                total = tl.sum(tl.exp2(maxes - top[:, None]) * sums, axis=1)
-                # the partials in batches of MERGE_BATCH splits, each batch's loads in flight together
-                merged = tl.zeros([G_P2, D], tl.float32)
-                i = split * 0  # a while loop: its bound is a device value (see INTERPRETED)
-                while i < active:
-                    b = i + tl.arange(0, MERGE_BATCH)[None, :]  # [1, B]
-                    batch = head[:, None] * SPLITS + b  # [G, B]
-                    in_batch = (b < active) & heads_mask[:, None]
-                    m_b = tl.load(max_ptr + batch, mask=in_batch, other=float("-inf"), cache_modifier=".cg")
-                    a_b = tl.load(
-                        acc_ptr + batch[:, :, None] * HD + col[:, None, :],
-                        mask=in_batch[:, :, None] & col_mask[:, None, :],
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )  # [G, B, D]
-                    merged += tl.sum(tl.exp2(m_b - top[:, None])[:, :, None] * a_b, axis=1)
-                    i += MERGE_BATCH
-                merged = _gate(merged / total[:, None], gate_ptr, head, col, store_mask, GATE_HP, GATED)
+                merged = merge_partials(acc_ptr, max_ptr, sum_ptr, head, heads_mask, col, col_mask, active, SPLITS,
+                                        S_P2, MERGE_BATCH, HD)  # fmt: skip
+                merged = _gate(merged, gate_ptr, head, col, store_mask, GATE_HP, GATED)
                 store_out(merged, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT)
                 tl.atomic_xchg(count_ptr + hb, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
 
