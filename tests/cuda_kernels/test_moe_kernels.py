@@ -123,17 +123,19 @@ def _shared(rng, d: int, sdff: int, fmt: Format):
 
 
 @pytest.mark.parametrize(
-    ("fmt", "int8", "rows", "shared", "dff"),
-    [(Format.Q8_0, True, 1, True, 256), (Format.Q6_K, True, 1, False, 256), (Format.Q8_0, False, 2, False, 256),
-     (Format.Q5_0, False, 1, True, 256), (Format.Q4_K, True, 1, False, 768)],
+    ("fmt", "int8", "rows", "shared", "dff", "slots"),
+    [(Format.Q8_0, True, 1, True, 256, 2), (Format.Q6_K, True, 1, False, 256, 2),
+     (Format.Q8_0, False, 2, False, 256, 2), (Format.Q5_0, False, 1, True, 256, 2),
+     (Format.Q4_K, True, 1, False, 768, 2), (Format.Q4_K, True, 1, False, 256, 3)],
 )  # fmt: skip
-def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff):
-    # 768 values: Q4_K's three super-blocks, a partial chunk of the int8 GEMV's tile (Qwen3-30B-A3B's experts)
+def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff, slots):
+    # 768 values: Q4_K's three super-blocks (Qwen3-30B-A3B's experts); three kept experts: the int8 tile's
+    # slots are four, the last one padding that must count 0
     rng = np.random.default_rng(3)
-    experts, d, slots = 5, 32, 2
+    experts, d = 5, 32
     rd, wd = _matrices(fmt, experts, d, dff, rng)
     h = rng.standard_normal((rows * slots, dff)).astype(np.float32)
-    ids_np = np.array([[4, 2], [2, 0]][:rows], dtype=np.int32)
+    ids_np = np.array([[4, 2, 1], [2, 0, 3]], dtype=np.int32)[:rows, :slots]
     wts = rng.uniform(0.1, 0.6, (rows, slots)).astype(np.float32)
     res = rng.standard_normal((rows, d)).astype(np.float32)
     norm_w = rng.uniform(0.5, 1.5, d).astype(np.float32)

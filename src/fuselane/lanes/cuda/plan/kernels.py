@@ -166,6 +166,39 @@ MOE_GEMM_STAGES = 1
 MOE_NORM_CHUNK = 128
 
 
+# --- a decode step's mixture (`triton/moe/down.py`, `route.py`) ---------------------------------------------
+
+# The down launch's program under int8 activations takes MOE_DOWN_ROWS rows of the model's width, and every
+# kept expert's same rows, as one int8 product tile of slots x MOE_DOWN_ROWS weight rows (slot-major; the
+# slots the kept experts rounded up to a power of two, the ones past them reading the last expert's rows
+# again from cache and summed as 0). So a program's loads of all its experts are in flight at once, not one
+# expert's after another's (each behind its id's load), and the row's k loop is the GEMV's own. Four rows at
+# Qwen3-30B-A3B's widths (2,048 x 768 Q4_K, eight experts): a tile of 32 rows, a (row, 16-value group) a
+# thread of eight warps (`gemv.q8.tile_plan`: one Q4_K super-block a chunk, three chunks, two in flight), 512
+# programs for 132 SMs, ~9 KB in flight each.
+MOE_DOWN_ROWS = 4
+MOE_DOWN_WARPS = 8
+MOE_DOWN_PER_THREAD = 1
+
+# A decode step's routing program takes this many of the router's rows (experts): the router is a few
+# thousand values by a hundred or so experts, and the GEMV's own tile (eight rows a block of eight warps) left
+# Qwen3-30B-A3B's 128 x 2,048 router 16 programs for 132 SMs, each streaming 64 KB. One row a program
+# (eight warps, one step of the row's 2,048 values) puts the whole router in flight at once. A chunk's
+# programs keep the GEMV's tile: each reads its block's rows of x (up to GEMV_ROWS) for its router rows.
+MOE_ROUTE_ONE_ROW_EXPERTS = 1
+MOE_ROUTE_ONE_ROW_WARPS = 8
+
+
+def moe_down_slots(k: int) -> int:
+    """Slots of a decode down program's product tile for `k` kept experts: `k` rounded up to a power of two."""
+    return _pow2_at_least(k)
+
+
+def moe_route_tile(rows: int) -> tuple[int, int] | None:
+    """(router rows a program, warps) of a routing launch of `rows` rows; None where it takes the GEMV's tile."""
+    return (MOE_ROUTE_ONE_ROW_EXPERTS, MOE_ROUTE_ONE_ROW_WARPS) if rows == 1 else None
+
+
 def moe_grouped(rows: int) -> bool:
     """Whether a mixture of `rows` rows multiplies its experts as the grouped GEMM: past the GEMV's rows."""
     return rows > GEMV_ROWS
