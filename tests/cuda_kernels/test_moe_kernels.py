@@ -44,11 +44,13 @@ def _softmax_topk(scores: np.ndarray, k: int, renorm: bool):
     return ids, kept / kept.sum(-1, keepdims=True) if renorm else kept
 
 
-@pytest.mark.parametrize("renorm", [True, False])
-@pytest.mark.parametrize("rows", [1, 3])
-def test_route_ranks_the_experts_and_sorts_the_pairs(renorm, rows):
+@pytest.mark.parametrize(
+    ("renorm", "rows", "experts"), [(True, 1, 12), (False, 1, 12), (True, 3, 12), (False, 3, 12), (True, 1, 160)]
+)
+def test_route_ranks_the_experts_and_sorts_the_pairs(renorm, rows, experts):
+    # up to kernels.MOE_RANK_BY_COUNT_EXPERTS a row's experts are ranked by counting, past it by arg-max passes
     rng = np.random.default_rng(1)
-    experts, d, k = 12, 64, 3
+    d, k = 64, 3
     w = rng.standard_normal((experts, d)).astype(np.float32)
     x = rng.standard_normal((rows, d)).astype(np.float32)
     ids, weights = torch.zeros((rows, k), dtype=torch.int32), torch.zeros((rows, k))
@@ -66,6 +68,23 @@ def test_route_ranks_the_experts_and_sorts_the_pairs(renorm, rows):
     if order is not None:
         assert np.array_equal(order.numpy(), np.argsort(want_ids.reshape(-1), kind="stable"))
     assert not counter.any()
+
+
+@pytest.mark.parametrize("experts", [12, 160])
+def test_route_keeps_the_lower_index_first_on_a_tie(experts):
+    """Two equal router rows score the same bits: the lower index takes the earlier slot (a stable sort), by
+    counting (12 experts) as by arg-max passes (160)."""
+    rng = np.random.default_rng(4)
+    d, k = 64, 3
+    x = rng.standard_normal((1, d)).astype(np.float32)
+    w = (rng.standard_normal((experts, d)) * 0.01).astype(np.float32)
+    w[9] = x[0] / np.linalg.norm(x[0])  # the top score, then 2 and 7 equal
+    w[7] = w[2] = w[9] * 0.5
+    ids, weights = torch.zeros((1, k), dtype=torch.int32), torch.zeros((1, k))
+    scores, counter = torch.zeros((1, experts)), route.counters(DEVICE, 1)
+    route.route(dev(x), dev(w.view(np.uint8)), Format.F32, experts, k, True, ids, weights, scores, counter)
+    assert ids.numpy().tolist() == [[9, 2, 7]]
+    assert weights[0, 1] == weights[0, 2]
 
 
 def _q8(x: np.ndarray):

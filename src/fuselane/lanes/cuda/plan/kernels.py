@@ -189,6 +189,16 @@ MOE_ROUTE_ONE_ROW_EXPERTS = 1
 MOE_ROUTE_ONE_ROW_WARPS = 8
 
 
+# The most experts (a power of two) a routing row ranks by counting, for each expert, those ahead of it in one
+# experts x experts comparison (a reduction; 64 comparisons a thread of eight warps at 128), instead of the
+# top-k's k arg-max passes, each two block reductions (an arg-max and the kept probability's pick) that the
+# one program ranking a row walks one after another: Qwen3-30B-A3B's 8 of 128, 16 reductions -> 1. Past it
+# the comparison grows as the square (512 experts: 1,024 a thread) and the passes stay. A decode step's row
+# only (a block of one row): a block of a chunk's rows keeps the passes, whose launch holds its products'
+# sums for eight rows and spilled more with the comparison (ptxas sm_90, Qwen3-30B-A3B: 16 -> 56 stack bytes).
+MOE_RANK_BY_COUNT_EXPERTS = 128
+
+
 def moe_down_slots(k: int) -> int:
     """Slots of a decode down program's product tile for `k` kept experts: `k` rounded up to a power of two."""
     return _pow2_at_least(k)
