@@ -168,15 +168,16 @@ MOE_NORM_CHUNK = 128
 
 # --- a decode step's mixture (`triton/moe/down.py`, `route.py`) ---------------------------------------------
 
-# The down launch's program under int8 activations takes MOE_DOWN_ROWS rows of the model's width, and every
-# kept expert's same rows, as one int8 product tile of slots x MOE_DOWN_ROWS weight rows (slot-major; the
-# slots the kept experts rounded up to a power of two, the ones past them reading the last expert's rows
-# again from cache and summed as 0). So a program's loads of all its experts are in flight at once, not one
-# expert's after another's (each behind its id's load), and the row's k loop is the GEMV's own. Four rows at
-# Qwen3-30B-A3B's widths (2,048 x 768 Q4_K, eight experts): a tile of 32 rows, a (row, 16-value group) a
-# thread of eight warps (`gemv.q8.tile_plan`: one Q4_K super-block a chunk, three chunks, two in flight), 512
-# programs for 132 SMs, ~9 KB in flight each.
-MOE_DOWN_ROWS = 4
+# The down launch's program under int8 activations takes a few rows of the model's width, and every kept
+# expert's same rows, as one int8 product tile of MOE_DOWN_TILE weight rows: slots x rows (slot-major; the
+# slots the kept experts rounded up to a power of two, the ones past them reading the last expert's rows again
+# from cache and summed as 0; `moe_down_rows`). So a program's loads of all its experts are in flight at once,
+# not one expert's after another's (each behind its id's load), and the row's k loop is the GEMV's own. 32
+# rows at eight warps are a (row, 16-value group) a thread for the K formats' eight groups a super-block
+# (`gemv.q8.tile_plan`); Qwen3-30B-A3B (2,048 x 768 Q4_K, eight experts): four rows of each, 512 programs for
+# 132 SMs, three super-blocks a row. A tile of 64 rows (Qwen3-Next's ten experts, four rows) took 186
+# registers a thread against 48, one block a SM.
+MOE_DOWN_TILE = 32
 MOE_DOWN_WARPS = 8
 MOE_DOWN_PER_THREAD = 1
 
@@ -202,6 +203,11 @@ MOE_RANK_BY_COUNT_EXPERTS = 128
 def moe_down_slots(k: int) -> int:
     """Slots of a decode down program's product tile for `k` kept experts: `k` rounded up to a power of two."""
     return _pow2_at_least(k)
+
+
+def moe_down_rows(k: int) -> int:
+    """Rows of the model's width a decode down program takes for `k` kept experts: its tile's over the slots."""
+    return max(1, MOE_DOWN_TILE // moe_down_slots(k))
 
 
 def moe_route_tile(rows: int) -> tuple[int, int] | None:

@@ -11,7 +11,7 @@ resident before any program waits on them: no deadlock whatever order the blocks
 row; the other programs wait on the count of those done, then add sigmoid * (its down rows . that row).
 Every counter re-arms itself, so the launch replays in a CUDA graph.
 
-Under int8 activations a program's product tile is every kept expert's rows at once (`kernels.MOE_DOWN_ROWS`
+Under int8 activations a program's product tile is every kept expert's rows at once (`kernels.moe_down_rows`
 rows of each, slot-major, each row with its own slot's activation), so the experts' weights stream in
 together; with f32 activations the slots are summed one after another.
 """
@@ -148,7 +148,7 @@ def _kept_q8(hq, hd, hs, w, ids, weights, row, tile, D: tl.constexpr, DFF: tl.co
              DEPTH: tl.constexpr):  # fmt: skip
     """[BLOCK_N] f32: the weighted sum of row `row`'s kept experts' down products at tile `tile` of the width,
     every expert's rows in one int8 product tile of SLOTS x BLOCK_N rows (slot-major), each with its own
-    pair's activation, so all their loads stream together (`kernels.MOE_DOWN_ROWS`). Slots past K read the
+    pair's activation, so all their loads stream together (`kernels.MOE_DOWN_TILE`). Slots past K read the
     last expert's rows again and count 0."""
     i = tl.arange(0, SLOTS * BLOCK_N)
     slot = i // BLOCK_N
@@ -246,7 +246,7 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
     if q8in:
         check_acts(h, dff, rows * k)
         gemv_q8.check_aligned([w], fmt)
-        block_n = kernels.MOE_DOWN_ROWS
+        block_n = kernels.moe_down_rows(k)
         consts = gemv_q8.tile_plan(fmt, dff, slots * block_n, kernels.MOE_DOWN_WARPS, kernels.MOE_DOWN_PER_THREAD)
         warps = consts.pop("num_warps")
         consts |= dict(BLOCK_N=block_n, STEPS=1, UNITS=1, SPLIT=1, STAGES=1)
