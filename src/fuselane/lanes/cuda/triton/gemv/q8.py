@@ -177,7 +177,6 @@ def _run(xq, xd, xs, first, BLOCK_N: tl.constexpr, live):
     """The 16 activations from value `first` ([1, G], a multiple of 16): 4 words [N, G, 4], their block's
     scale and their 16-value sum d * codes, [1, G] each ([N, G] where xq, xd and xs are [N, 1] pointers, a
     row's own activation each); 0 where not live."""
-    # xq is one row's pointer, or [N, 1] pointers, a row's own activation each (a mixture's kept experts)
     words = (xq.to(tl.pointer_type(tl.int32)) + first // WORD_VALUES)[:, :, None] + tl.arange(0, QUAD)[None, None, :]
     words += tl.zeros([BLOCK_N, 1, 1], tl.int32)  # the weights' layout: the rows' loads are one broadcast
     a = tl.load(words, mask=live[:, :, None], other=0)

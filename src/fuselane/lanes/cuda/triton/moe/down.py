@@ -166,9 +166,8 @@ def _kept_q8(hq, hd, hs, w, ids, weights, row, tile, D: tl.constexpr, DFF: tl.co
 def _down_rows(
     h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, tile,
     D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr, SLOTS: tl.constexpr, ROWS: tl.constexpr,
-    EXPERT_BYTES: tl.constexpr,
-    Q8IN: tl.constexpr, ADDS: tl.constexpr, SHARED: tl.constexpr, SDFF: tl.constexpr, NA: tl.constexpr,
-    NB: tl.constexpr, FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    EXPERT_BYTES: tl.constexpr, Q8IN: tl.constexpr, ADDS: tl.constexpr, SHARED: tl.constexpr, SDFF: tl.constexpr,
+    NA: tl.constexpr, NB: tl.constexpr, FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
     STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
     SD_FMT: tl.constexpr, SD_STEPS: tl.constexpr, SD_UNITS: tl.constexpr, SD_SPLIT: tl.constexpr,
