@@ -24,7 +24,9 @@ from kernel_checks import DEVICE, dev, gamma, norm_rel, raw_weights  # noqa: E40
 
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import Format  # noqa: E402
+from fuselane.lanes.cuda.plan import kernels  # noqa: E402
 from fuselane.lanes.cuda.triton import quant  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8  # noqa: E402
 from fuselane.lanes.cuda.triton.moe import down, gate_up, route  # noqa: E402
 
 ROUNDINGS = 8
@@ -183,3 +185,15 @@ def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff, slots):
     if int8:
         codes, dq, _ = quant.quantize_reference(out.numpy())
         assert np.array_equal(out_q8.q.numpy(), codes)
+
+
+@pytest.mark.parametrize(("k", "dff"), [(8, 768), (10, 512)])  # Qwen3-30B-A3B's and Qwen3-Next's experts
+def test_the_decode_down_tile_gives_each_thread_one_group_in_whole_chunks(k, dff):
+    """The int8 down tile (`kernels.MOE_DOWN_TILE`): every kept expert a slot, one (row, 16-value group) a
+    thread, and the row's super-blocks whole chunks (no masked chunk re-reading a unit)."""
+    slots, rows = kernels.moe_down_slots(k), kernels.moe_down_rows(k)
+    assert slots >= k and slots * rows == kernels.MOE_DOWN_TILE
+    plan = gemv_q8.tile_plan(Format.Q4_K, dff, slots * rows, kernels.MOE_DOWN_WARPS, kernels.MOE_DOWN_PER_THREAD)
+    groups = slots * rows * plan["CHUNK"] * gemv_q8.GROUPS[Format.Q4_K]
+    assert groups == plan["num_warps"] * kernels.WARP * kernels.MOE_DOWN_PER_THREAD
+    assert plan["N_UNITS"] % plan["CHUNK"] == 0
