@@ -24,7 +24,9 @@ from kernel_checks import DEVICE, dev, gamma, norm_rel, raw_weights  # noqa: E40
 
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import Format  # noqa: E402
+from fuselane.lanes.cuda.plan import kernels  # noqa: E402
 from fuselane.lanes.cuda.triton import quant  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8  # noqa: E402
 from fuselane.lanes.cuda.triton.moe import down, gate_up, route  # noqa: E402
 
 ROUNDINGS = 8
@@ -44,11 +46,13 @@ def _softmax_topk(scores: np.ndarray, k: int, renorm: bool):
     return ids, kept / kept.sum(-1, keepdims=True) if renorm else kept
 
 
-@pytest.mark.parametrize("renorm", [True, False])
-@pytest.mark.parametrize("rows", [1, 3])
-def test_route_ranks_the_experts_and_sorts_the_pairs(renorm, rows):
+@pytest.mark.parametrize(
+    ("renorm", "rows", "experts"), [(True, 1, 12), (False, 1, 12), (True, 3, 12), (False, 3, 12), (True, 1, 160)]
+)
+def test_route_ranks_the_experts_and_sorts_the_pairs(renorm, rows, experts):
+    # up to kernels.MOE_RANK_BY_COUNT_EXPERTS a row's experts are ranked by counting, past it by arg-max passes
     rng = np.random.default_rng(1)
-    experts, d, k = 12, 64, 3
+    d, k = 64, 3
     w = rng.standard_normal((experts, d)).astype(np.float32)
     x = rng.standard_normal((rows, d)).astype(np.float32)
     ids, weights = torch.zeros((rows, k), dtype=torch.int32), torch.zeros((rows, k))
@@ -66,6 +70,23 @@ def test_route_ranks_the_experts_and_sorts_the_pairs(renorm, rows):
     if order is not None:
         assert np.array_equal(order.numpy(), np.argsort(want_ids.reshape(-1), kind="stable"))
     assert not counter.any()
+
+
+@pytest.mark.parametrize("experts", [12, 160])
+def test_route_keeps_the_lower_index_first_on_a_tie(experts):
+    """Two equal router rows score the same bits: the lower index takes the earlier slot (a stable sort), by
+    counting (12 experts) as by arg-max passes (160)."""
+    rng = np.random.default_rng(4)
+    d, k = 64, 3
+    x = rng.standard_normal((1, d)).astype(np.float32)
+    w = (rng.standard_normal((experts, d)) * 0.01).astype(np.float32)
+    w[9] = x[0] / np.linalg.norm(x[0])  # the top score, then 2 and 7 equal
+    w[7] = w[2] = w[9] * 0.5
+    ids, weights = torch.zeros((1, k), dtype=torch.int32), torch.zeros((1, k))
+    scores, counter = torch.zeros((1, experts)), route.counters(DEVICE, 1)
+    route.route(dev(x), dev(w.view(np.uint8)), Format.F32, experts, k, True, ids, weights, scores, counter)
+    assert ids.numpy().tolist() == [[9, 2, 7]]
+    assert weights[0, 1] == weights[0, 2]
 
 
 def _q8(x: np.ndarray):
@@ -123,17 +144,19 @@ def _shared(rng, d: int, sdff: int, fmt: Format):
 
 
 @pytest.mark.parametrize(
-    ("fmt", "int8", "rows", "shared", "dff"),
-    [(Format.Q8_0, True, 1, True, 256), (Format.Q6_K, True, 1, False, 256), (Format.Q8_0, False, 2, False, 256),
-     (Format.Q5_0, False, 1, True, 256), (Format.Q4_K, True, 1, False, 768)],
+    ("fmt", "int8", "rows", "shared", "dff", "slots"),
+    [(Format.Q8_0, True, 1, True, 256, 2), (Format.Q6_K, True, 1, False, 256, 2),
+     (Format.Q8_0, False, 2, False, 256, 2), (Format.Q5_0, False, 1, True, 256, 2),
+     (Format.Q4_K, True, 1, False, 768, 2), (Format.Q4_K, True, 1, False, 256, 3)],
 )  # fmt: skip
-def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff):
-    # 768 values: Q4_K's three super-blocks, a partial chunk of the int8 GEMV's tile (Qwen3-30B-A3B's experts)
+def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff, slots):
+    # 768 values: Q4_K's three super-blocks (Qwen3-30B-A3B's experts); three kept experts: the int8 tile's
+    # slots are four, the last one padding that must count 0
     rng = np.random.default_rng(3)
-    experts, d, slots = 5, 32, 2
+    experts, d = 5, 32
     rd, wd = _matrices(fmt, experts, d, dff, rng)
     h = rng.standard_normal((rows * slots, dff)).astype(np.float32)
-    ids_np = np.array([[4, 2], [2, 0]][:rows], dtype=np.int32)
+    ids_np = np.array([[4, 2, 1], [2, 0, 3]], dtype=np.int32)[:rows, :slots]
     wts = rng.uniform(0.1, 0.6, (rows, slots)).astype(np.float32)
     res = rng.standard_normal((rows, d)).astype(np.float32)
     norm_w = rng.uniform(0.5, 1.5, d).astype(np.float32)
@@ -162,3 +185,15 @@ def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff):
     if int8:
         codes, dq, _ = quant.quantize_reference(out.numpy())
         assert np.array_equal(out_q8.q.numpy(), codes)
+
+
+@pytest.mark.parametrize(("k", "dff"), [(8, 768), (10, 512)])  # Qwen3-30B-A3B's and Qwen3-Next's experts
+def test_the_decode_down_tile_gives_each_thread_one_group_in_whole_chunks(k, dff):
+    """The int8 down tile (`kernels.MOE_DOWN_TILE`): every kept expert a slot, one (row, 16-value group) a
+    thread, and the row's super-blocks whole chunks (no masked chunk re-reading a unit)."""
+    slots, rows = kernels.moe_down_slots(k), kernels.moe_down_rows(k)
+    assert slots >= k and slots * rows == kernels.MOE_DOWN_TILE
+    plan = gemv_q8.tile_plan(Format.Q4_K, dff, slots * rows, kernels.MOE_DOWN_WARPS, kernels.MOE_DOWN_PER_THREAD)
+    groups = slots * rows * plan["CHUNK"] * gemv_q8.GROUPS[Format.Q4_K]
+    assert groups == plan["num_warps"] * kernels.WARP * kernels.MOE_DOWN_PER_THREAD
+    assert plan["N_UNITS"] % plan["CHUNK"] == 0

@@ -172,6 +172,55 @@ MOE_GEMM_STAGES = 1
 MOE_NORM_CHUNK = 128
 
 
+# --- a decode step's mixture (`triton/moe/down.py`, `route.py`) ---------------------------------------------
+
+# The down launch's program under int8 activations takes a few rows of the model's width, and every kept
+# expert's same rows, as one int8 product tile of MOE_DOWN_TILE weight rows: slots x rows (slot-major; the
+# slots the kept experts rounded up to a power of two, the ones past them reading the last expert's rows again
+# from cache and summed as 0; `moe_down_rows`). So a program's loads of all its experts are in flight at once,
+# not one expert's after another's (each behind its id's load), and the row's k loop is the GEMV's own. 32
+# rows at eight warps are a (row, 16-value group) a thread for the K formats' eight groups a super-block
+# (`gemv.q8.tile_plan`); Qwen3-30B-A3B (2,048 x 768 Q4_K, eight experts): four rows of each, 512 programs for
+# 132 SMs, three super-blocks a row. A tile of 64 rows (Qwen3-Next's ten experts, four rows) took 186
+# registers a thread against 48, one block a SM.
+MOE_DOWN_TILE = 32
+MOE_DOWN_WARPS = 8
+MOE_DOWN_PER_THREAD = 1
+
+# A decode step's routing program takes this many of the router's rows (experts): the router is a few
+# thousand values by a hundred or so experts, and the GEMV's own tile (eight rows a block of eight warps) left
+# Qwen3-30B-A3B's 128 x 2,048 router 16 programs for 132 SMs, each streaming 64 KB. One row a program
+# (eight warps, one step of the row's 2,048 values) puts the whole router in flight at once. A chunk's
+# programs keep the GEMV's tile: each reads its block's rows of x (up to GEMV_ROWS) for its router rows.
+MOE_ROUTE_ONE_ROW_EXPERTS = 1
+MOE_ROUTE_ONE_ROW_WARPS = 8
+
+
+# The most experts (a power of two) a routing row ranks by counting, for each expert, those ahead of it in one
+# experts x experts comparison (a reduction; 64 comparisons a thread of eight warps at 128), instead of the
+# top-k's k arg-max passes, each two block reductions (an arg-max and the kept probability's pick) that the
+# one program ranking a row walks one after another: Qwen3-30B-A3B's 8 of 128, 16 reductions -> 1. Past it
+# the comparison grows as the square (512 experts: 1,024 a thread) and the passes stay. A decode step's row
+# only (a block of one row): a block of a chunk's rows keeps the passes, whose launch holds its products'
+# sums for eight rows and spilled more with the comparison (ptxas sm_90, Qwen3-30B-A3B: 16 -> 56 stack bytes).
+MOE_RANK_BY_COUNT_EXPERTS = 128
+
+
+def moe_down_slots(k: int) -> int:
+    """Slots of a decode down program's product tile for `k` kept experts: `k` rounded up to a power of two."""
+    return _pow2_at_least(k)
+
+
+def moe_down_rows(k: int) -> int:
+    """Rows of the model's width a decode down program takes for `k` kept experts: its tile's over the slots."""
+    return max(1, MOE_DOWN_TILE // moe_down_slots(k))
+
+
+def moe_route_tile(rows: int) -> tuple[int, int] | None:
+    """(router rows a program, warps) of a routing launch of `rows` rows; None where it takes the GEMV's tile."""
+    return (MOE_ROUTE_ONE_ROW_EXPERTS, MOE_ROUTE_ONE_ROW_WARPS) if rows == 1 else None
+
+
 def moe_grouped(rows: int) -> bool:
     """Whether a mixture of `rows` rows multiplies its experts as the grouped GEMM: past the GEMV's rows."""
     return rows > GEMV_ROWS

@@ -175,8 +175,9 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
 @triton.jit
 def _run(xq, xd, xs, first, BLOCK_N: tl.constexpr, live):
     """The 16 activations from value `first` ([1, G], a multiple of 16): 4 words [N, G, 4], their block's
-    scale and their 16-value sum d * codes, [1, G] each; 0 where not live."""
-    words = xq.to(tl.pointer_type(tl.int32)) + (first // WORD_VALUES)[:, :, None] + tl.arange(0, QUAD)[None, None, :]
+    scale and their 16-value sum d * codes, [1, G] each ([N, G] where xq, xd and xs are [N, 1] pointers, a
+    row's own activation each); 0 where not live."""
+    words = (xq.to(tl.pointer_type(tl.int32)) + first // WORD_VALUES)[:, :, None] + tl.arange(0, QUAD)[None, None, :]
     words += tl.zeros([BLOCK_N, 1, 1], tl.int32)  # the weights' layout: the rows' loads are one broadcast
     a = tl.load(words, mask=live[:, :, None], other=0)
     return a, tl.load(xd + first // QK_C, mask=live, other=0.0), tl.load(xs + first // HALF_QK_C, mask=live, other=0.0)
@@ -340,7 +341,8 @@ def chunk_sums(raw, acts, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: t
 def row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_UNITS: tl.constexpr,
               CHUNK: tl.constexpr, FENCE: tl.constexpr, TWO: tl.constexpr, DEPTH: tl.constexpr,
               PDL: tl.constexpr):  # fmt: skip
-    """x . row for the tile's rows of `w_a` (and `w_b` where TWO), [N] f32 each; the loop of
+    """x . row for the tile's rows of `w_a` (and `w_b` where TWO), [N] f32 each (x one row's pointers, or [N, 1]
+    pointers: each row of the tile its own activation row); the loop of
     `fast.row_dots`: each iteration loads the weights DEPTH chunks ahead (1 or 2), then sums this
     chunk's with its activations (`chunk_acts`, read once for both matrices where TWO). The first DEPTH chunks'
     loads are written before the wait for the kernel that wrote x (`pdl`)."""

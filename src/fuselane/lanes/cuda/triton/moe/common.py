@@ -19,10 +19,11 @@ def row_dot(w_rows, x_row, FMT: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.con
     return tl.reshape(y, [BLOCK_N])
 
 
-def f32_plan(fmt: Format, n: int, k: int, prefix: str = "", m: int = 1) -> tuple[dict, int]:
+def f32_plan(fmt: Format, n: int, k: int, prefix: str = "", m: int = 1,
+             tile: tuple[int, int] | None = None) -> tuple[dict, int]:  # fmt: skip
     """The constants of `row_dot` (or `dot_rows` over `m` rows) for an (n, k) product in `fmt` (the GEMV's own
-    tile), and its warps."""
-    block_n, warps = gemv_rows.tile(fmt, n, k, m)
+    tile, or `tile`: (rows a program, warps)), and its warps."""
+    block_n, warps = tile if tile is not None else gemv_rows.tile(fmt, n, k, m)
     steps, units, split = gemv_rows.plan(fmt, k, block_n, warps, m)
     consts = dict(FMT=int(fmt), STEPS=steps, UNITS=units, SPLIT=split, BLOCK_N=block_n,
                   STAGES=gemv_rows.stages(fmt), ROW_BYTES=row_bytes(fmt, k))  # fmt: skip

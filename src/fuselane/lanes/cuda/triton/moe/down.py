@@ -10,6 +10,10 @@ its gate's score are computed by the launch's first programs, in tickets taken f
 resident before any program waits on them: no deadlock whatever order the blocks start in), into a scratch
 row; the other programs wait on the count of those done, then add sigmoid * (its down rows . that row).
 Every counter re-arms itself, so the launch replays in a CUDA graph.
+
+Under int8 activations a program's product tile is every kept expert's rows at once (`kernels.moe_down_rows`
+rows of each, slot-major, each row with its own slot's activation), so the experts' weights stream in
+together; with f32 activations the slots are summed one after another.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import QK, Format, row_bytes
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import fast_norm
 from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
@@ -96,10 +101,10 @@ def _wait_shared(counters, ROWS: tl.constexpr, NA: tl.constexpr, NB: tl.constexp
 def _down_kernel(
     h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, norm_w, out, oq, od, os_, counters, eps,
     x, w_sg, w_su, w_sd, w_sc, sh,
-    D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, EXPERT_BYTES: tl.constexpr,
-    Q8IN: tl.constexpr, ADDS: tl.constexpr, NORM: tl.constexpr, Q8OUT: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    NORM_STEPS: tl.constexpr, SHARED: tl.constexpr, SDFF: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr,
-    FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr, SLOTS: tl.constexpr, ROWS: tl.constexpr,
+    EXPERT_BYTES: tl.constexpr, Q8IN: tl.constexpr, ADDS: tl.constexpr, NORM: tl.constexpr, Q8OUT: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, SHARED: tl.constexpr, SDFF: tl.constexpr, NA: tl.constexpr,
+    NB: tl.constexpr, FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
     STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
     SG_FMT: tl.constexpr, SG_STEPS: tl.constexpr, SG_UNITS: tl.constexpr, SG_SPLIT: tl.constexpr,
@@ -123,12 +128,12 @@ def _down_kernel(
             tl.atomic_add(counters + ROWS + 1, 1, sem="acq_rel", scope="gpu")
         else:
             _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, ticket - NA,
-                       D, DFF, K, ROWS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, NA, NB, FMT, ROW_BYTES, BLOCK_N,
+                       D, DFF, K, SLOTS, ROWS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, NA, NB, FMT, ROW_BYTES, BLOCK_N,
                        N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
                        SD_SPLIT, SD_STAGES, SD_ROW_BYTES)  # fmt: skip
     else:
         _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, tl.program_id(0),
-                   D, DFF, K, ROWS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, NA, NB, FMT, ROW_BYTES, BLOCK_N,
+                   D, DFF, K, SLOTS, ROWS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, NA, NB, FMT, ROW_BYTES, BLOCK_N,
                    N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
                    SD_SPLIT, SD_STAGES, SD_ROW_BYTES)  # fmt: skip
     if NORM:
@@ -137,11 +142,32 @@ def _down_kernel(
 
 
 @triton.jit
+def _kept_q8(hq, hd, hs, w, ids, weights, row, tile, D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr,
+             SLOTS: tl.constexpr, EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr, ROW_BYTES: tl.constexpr,
+             BLOCK_N: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr,
+             DEPTH: tl.constexpr):  # fmt: skip
+    """[BLOCK_N] f32: the weighted sum of row `row`'s kept experts' down products at tile `tile` of the width,
+    every expert's rows in one int8 product tile of SLOTS x BLOCK_N rows (slot-major), each with its own
+    pair's activation, so all their loads stream together (`kernels.MOE_DOWN_TILE`). Slots past K read the
+    last expert's rows again and count 0."""
+    i = tl.arange(0, SLOTS * BLOCK_N)
+    slot = i // BLOCK_N
+    pair = row * K + tl.minimum(slot, K - 1)
+    rc = tl.minimum(tile * BLOCK_N + i % BLOCK_N, D - 1).to(tl.int64)
+    off = tl.load(ids + pair).to(tl.int64) * EXPERT_BYTES + rc * ROW_BYTES
+    p = pair.to(tl.int64)[:, None]
+    y, _ = row_dots(w + off, w + off, hq + p * DFF, hd + p * (DFF // 32), hs + p * (DFF // 16), FMT, SLOTS * BLOCK_N,
+                    N_UNITS, CHUNK, FENCE, False, DEPTH, False)  # fmt: skip
+    wy = tl.where(slot < K, tl.load(weights + pair) * y, 0.0)
+    return tl.sum(tl.reshape(wy, [SLOTS, BLOCK_N]), 0)
+
+
+@triton.jit
 def _down_rows(
     h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, tile,
-    D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, EXPERT_BYTES: tl.constexpr,
-    Q8IN: tl.constexpr, ADDS: tl.constexpr, SHARED: tl.constexpr, SDFF: tl.constexpr, NA: tl.constexpr,
-    NB: tl.constexpr, FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr, SLOTS: tl.constexpr, ROWS: tl.constexpr,
+    EXPERT_BYTES: tl.constexpr, Q8IN: tl.constexpr, ADDS: tl.constexpr, SHARED: tl.constexpr, SDFF: tl.constexpr,
+    NA: tl.constexpr, NB: tl.constexpr, FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
     STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
     SD_FMT: tl.constexpr, SD_STEPS: tl.constexpr, SD_UNITS: tl.constexpr, SD_SPLIT: tl.constexpr,
@@ -151,16 +177,16 @@ def _down_rows(
     programs are done), the arrays added in; stored to sum_out."""
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rc = tl.minimum(rows, D - 1).to(tl.int64)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for j in tl.static_range(K):
-        pair = row * K + j
-        off = tl.load(ids + pair).to(tl.int64) * EXPERT_BYTES + rc * ROW_BYTES
-        if Q8IN:
-            y, _ = row_dots(w + off, w + off, hq + pair * DFF, hd + pair * (DFF // 32), hs + pair * (DFF // 16),
-                            FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, False)  # fmt: skip
-        else:
+    if Q8IN:
+        acc = _kept_q8(hq, hd, hs, w, ids, weights, row, tile, D, DFF, K, SLOTS, EXPERT_BYTES, FMT, ROW_BYTES,
+                       BLOCK_N, N_UNITS, CHUNK, FENCE, DEPTH)  # fmt: skip
+    else:
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for j in tl.static_range(K):
+            pair = row * K + j
+            off = tl.load(ids + pair).to(tl.int64) * EXPERT_BYTES + rc * ROW_BYTES
             y = row_dot(w + off, h + pair * DFF, FMT, STEPS, UNITS, SPLIT, BLOCK_N, STAGES)
-        acc += tl.load(weights + pair) * y
+            acc += tl.load(weights + pair) * y
     if SHARED:
         _wait_shared(counters, ROWS, NA, NB)
         ys = row_dot(w_sd + rc * SD_ROW_BYTES, sh, SD_FMT, SD_STEPS, SD_UNITS, SD_SPLIT, BLOCK_N, SD_STAGES)
@@ -215,18 +241,20 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
     if shared is not None and rows != 1:
         raise ValueError("a shared expert folds into a decode step's one row")
     q8in = isinstance(h, Q8Acts)
+    slots = kernels.moe_down_slots(k)
     if q8in:
         check_acts(h, dff, rows * k)
         gemv_q8.check_aligned([w], fmt)
-        consts = gemv_q8.tile_plan(fmt, dff, None, None, None)
+        block_n = kernels.moe_down_rows(k)
+        consts = gemv_q8.tile_plan(fmt, dff, slots * block_n, kernels.MOE_DOWN_WARPS, kernels.MOE_DOWN_PER_THREAD)
         warps = consts.pop("num_warps")
-        consts |= dict(STEPS=1, UNITS=1, SPLIT=1, STAGES=1)
+        consts |= dict(BLOCK_N=block_n, STEPS=1, UNITS=1, SPLIT=1, STAGES=1)
         hargs = (h.q, *h)
     else:
         consts, warps = f32_plan(fmt, d, dff)
         consts |= dict(N_UNITS=1, CHUNK=1, FENCE=False, DEPTH=1)
         hargs = (h, h, h, h)
-    block_n = consts["BLOCK_N"]
+        block_n = consts["BLOCK_N"]
     sconsts, na = _shared_consts(shared, d, block_n, warps)
     nb = tiles(d, block_n)
     chunk = max(min(triton.next_power_of_2(d), fast_norm.NORM_CHUNK), QK)
@@ -238,8 +266,8 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
     _down_kernel[(na + nb, rows)](
         *hargs, w, ids, weights, *padded, sum_out,
         norm.w if norm else sum_out, norm.out if norm else sum_out, *oq, counter, float(norm.eps if norm else 0.0),
-        *sargs, D=d, DFF=dff, K=k, ROWS=rows, EXPERT_BYTES=d * row_bytes(fmt, dff), Q8IN=q8in, ADDS=len(adds),
-        NORM=norm is not None, Q8OUT=q8out, NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk),
+        *sargs, D=d, DFF=dff, K=k, SLOTS=slots, ROWS=rows, EXPERT_BYTES=d * row_bytes(fmt, dff), Q8IN=q8in,
+        ADDS=len(adds), NORM=norm is not None, Q8OUT=q8out, NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk),
         SHARED=s is not None, NA=na, NB=nb, **consts, **sconsts, num_warps=warps, **pdl.options(),
     )  # fmt: skip
     return sum_out

@@ -6,12 +6,16 @@ grouped GEMM cuts into tiles, `grouped.py`), in one launch.
 Gating: the softmax over every expert, or (DeepSeek-V3) each score's sigmoid with the experts ranked by their
 probabilities plus a per-expert correction bias; the kept weights scaled by the model's factor.
 
-Programs take tiles of experts of a block of rows (up to the GEMV's 8, which read the router's rows once)
-and store the scores; a block's last program to finish (a self-resetting counter a block,
-`fast_norm.norm_last`'s memory ordering) ranks its rows, so a chunk's blocks are ranked in parallel, and in
-a chunk the last block ranked (another counter) sorts the pairs. Ranking: k arg-max passes (the lower index
-first on a tie, as the cpu lane's stable sort); sorting: the stable counting sort of the pairs by expert id
-(P * (E + 128) comparisons for P pairs and E experts). Ids are int32 and never leave the device.
+Programs take tiles of experts of a block of rows (up to the GEMV's 8, which read the router's rows once;
+a decode step's one row takes an expert a program, `kernels.moe_route_tile`) and store the scores; a
+block's last program to finish (a self-resetting counter a block, `fast_norm.norm_last`'s memory ordering)
+ranks its rows, so a chunk's blocks are ranked in parallel, and in a chunk the last block ranked (another
+counter) sorts the pairs. Ranking: a decode step's row of up to `kernels.MOE_RANK_BY_COUNT_EXPERTS`
+experts places each expert by the count of those ahead of it (one comparison of every pair, one
+reduction); more experts, or a block of a chunk's rows, take k arg-max passes;
+both put the lower index first on a tie, as the cpu lane's stable sort. Sorting: the stable counting sort
+of the pairs by expert id (P * (E + 128) comparisons for P pairs and E experts). Ids are int32 and never
+leave the device.
 """
 
 from __future__ import annotations
@@ -32,11 +36,14 @@ from fuselane.lanes.cuda.triton.moe.common import f32_plan, tiles
 # 128 a pass keep the launch within the registers its products take (ptxas, sm_90: 4 bytes spilled, 256
 # spilled 464).
 PAIRS_A_PASS = 128
+RANK_BY_COUNT = tl.constexpr(kernels.MOE_RANK_BY_COUNT_EXPERTS)  # a kernel reads a constexpr global only
 
 
 @triton.jit
 def _rank_row(scores, ids, weights, bias, scale, r, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr,
-              K_BLOCK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
+              K_BLOCK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
+              ONE_ROW: tl.constexpr):  # fmt: skip
+    """Row r's kept experts and weights from its scores (ONE_ROW: a block of one row, which may rank by count)."""
     ex = tl.arange(0, E_BLOCK)
     live = ex < E
     s = tl.load(scores + r * E + ex, mask=live, other=float("-inf"), cache_modifier=".cg")
@@ -53,6 +60,31 @@ def _rank_row(scores, ids, weights, bias, scale, r, E: tl.constexpr, E_BLOCK: tl
     if BIAS:
         c = p + tl.load(bias + ex, mask=live, other=0.0)
     c = tl.where(live, c, float("-inf"))
+    if E_BLOCK <= RANK_BY_COUNT and ONE_ROW:
+        _keep_by_count(ids, weights, scale, r, c, p, ex, live, K, RENORM)
+    else:
+        _keep_by_passes(ids, weights, scale, r, c, p, ex, K, K_BLOCK, RENORM)
+
+
+@triton.jit
+def _keep_by_count(ids, weights, scale, r, c, p, ex, live, K: tl.constexpr, RENORM: tl.constexpr):
+    """Row r's kept experts by each one's place: the experts ahead of it (a higher choice score, or an equal
+    one at a lower index: the arg-max passes' order), counted in one E x E comparison; the first K write
+    their id and weight at their place."""
+    ahead = (c[None, :] > c[:, None]) | ((c[None, :] == c[:, None]) & (ex[None, :] < ex[:, None]))
+    place = tl.sum(ahead.to(tl.int32), 1)
+    kept = live & (place < K)
+    w = tl.where(kept, p, 0.0)
+    if RENORM:
+        w = w / tl.sum(w, 0)
+    tl.store(ids + r * K + place, ex, mask=kept)
+    tl.store(weights + r * K + place, w * scale, mask=kept)
+
+
+@triton.jit
+def _keep_by_passes(ids, weights, scale, r, c, p, ex, K: tl.constexpr, K_BLOCK: tl.constexpr,
+                    RENORM: tl.constexpr):  # fmt: skip
+    """Row r's kept experts by K arg-max passes over the choice scores `c` (the lower index first on a tie)."""
     slot = tl.arange(0, K_BLOCK)
     kept_ids = tl.zeros([K_BLOCK], tl.int32)
     kept = tl.zeros([K_BLOCK], tl.float32)
@@ -127,7 +159,7 @@ def _route_kernel(
         for i in range(0, ROW_BLOCK):
             if block * ROW_BLOCK + i < ROWS:
                 _rank_row(scores, ids, weights, bias, scale, block * ROW_BLOCK + i, E, E_BLOCK, K, K_BLOCK, RENORM,
-                          SIGMOID, BIAS)  # fmt: skip
+                          SIGMOID, BIAS, ROW_BLOCK == 1)  # fmt: skip
         if SORT:
             tl.debug_barrier()
             ranked = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -164,7 +196,7 @@ def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool,
     if bias is not None and (bias.dtype != torch.float32 or bias.numel() != experts):
         raise ValueError(f"the correction bias must be f32 ({experts},)")
     row_block = triton.next_power_of_2(min(rows, kernels.GEMV_ROWS))
-    plan, warps = f32_plan(Format(fmt), experts, d, m=row_block)
+    plan, warps = f32_plan(Format(fmt), experts, d, m=row_block, tile=kernels.moe_route_tile(rows))
     sort = order is not None
     _route_kernel[(tiles(experts, plan["BLOCK_N"]), triton.cdiv(rows, row_block))](
         x, w, scores, ids, weights, order if sort else ids, ids if counts is None else counts, counter,
