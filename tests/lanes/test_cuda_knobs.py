@@ -17,6 +17,7 @@ from fuselane.lanes.cuda.plan.knobs import (
     PrefillWeights,
     RopeEpilogue,
     StatePrecision,
+    WeightLoads,
 )
 from fuselane.lanes.cuda.plan.shim import CudaShim, chunks_apart
 
@@ -68,6 +69,11 @@ def test_knobs_parse() -> None:
     ]
     with pytest.raises(FuselaneError, match="rope_epilogue' takes one of auto, on, off"):
         CudaKnobs.parse(["rope_epilogue=true"])
+    assert CudaKnobs().weight_loads is WeightLoads.AS_WRITTEN  # not yet timed on the GPU (knobs.py)
+    assert CudaKnobs.parse(["weight_loads=ahead"]).weight_loads is WeightLoads.AHEAD
+    assert CudaKnobs.parse(["weight_loads=AS-WRITTEN"]).weight_loads is WeightLoads.AS_WRITTEN
+    with pytest.raises(FuselaneError, match="knob 'weight_loads' takes one of as-written, ahead, not 'early'"):
+        CudaKnobs.parse(["weight_loads=early"])
 
 
 @pytest.mark.parametrize(

@@ -68,6 +68,14 @@ class RopeEpilogue(enum.Enum):
     OFF = "off"  # a launch of their own after the GEMV
 
 
+class WeightLoads(enum.Enum):
+    """How the int8 decode GEMVs issue a chunk's weight loads ahead of the sums before it
+    (`triton/gemv/weight_loads.py`)."""
+
+    AS_WRITTEN = "as-written"  # read-only loads (ld.global.nc), placed where ptxas puts them
+    AHEAD = "ahead"  # coherent loads held ahead by the prefetch's bar.sync; the same numbers
+
+
 class CachePrecision(enum.Enum):
     F32 = "f32"
     F16 = "f16"
@@ -111,6 +119,10 @@ class CudaKnobs:
       format, takes a launch of its own: a Q4_K_M layer's Q6_K attn_v). Elsewhere they keep a launch after
       the GEMV, which was never slower (benchmarks/RESULTS.md). `on` turns them in every layer
       whose tile divides a head, `off` in none.
+    - `weight_loads=as-written`: the int8 GEMVs read their weights on the read-only path, where ptxas sinks a
+      prefetched chunk's loads to its sums (`triton/gemv/weight_loads.py`); `ahead` takes the coherent path,
+      which the prefetch's barrier holds ahead. Results are the same either way; not yet timed on the GPU, so
+      the default is the old schedule.
     - `prefill=f16-copy`: a chunk's products multiply f16 copies of the matrices with cuBLAS (made on first
       use; 3.6x a Q4_K matrix's bytes more memory), a row of the activation past 2^14 rounded to f16 under a
       power-of-two scale that the product's epilogue multiplies back (`triton/f16_scale.py`), so it does not
@@ -131,6 +143,7 @@ class CudaKnobs:
     dependent_launch: bool = True
     norm_launch: bool = True
     rope_epilogue: RopeEpilogue = RopeEpilogue.AUTO
+    weight_loads: WeightLoads = WeightLoads.AS_WRITTEN
 
     @classmethod
     def parse(cls, settings: Iterable[str], base: CudaKnobs | None = None) -> CudaKnobs:
@@ -190,4 +203,5 @@ _SETTERS = {
     "pdl": lambda k, v: replace(k, dependent_launch=_flag("pdl", v)),
     "norm_launch": lambda k, v: replace(k, norm_launch=_flag("norm_launch", v)),
     "rope_epilogue": lambda k, v: replace(k, rope_epilogue=_choice("rope_epilogue", RopeEpilogue, v)),
+    "weight_loads": lambda k, v: replace(k, weight_loads=_choice("weight_loads", WeightLoads, v)),
 }

@@ -14,6 +14,7 @@ weights to f16 in the kernel (`triton/gemm.py`), neither making a copy.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -95,6 +96,16 @@ class CudaLane:
         self.state_dtype = torch.bfloat16 if knobs.recurrent_state is StatePrecision.BF16 else torch.float32
         self._steps: dict[tuple[int, bool], _Step] = {}
         self._sampler: DeviceSampler | None = None
+
+    @contextlib.contextmanager
+    def launching(self) -> Iterator[None]:
+        """The lane's launches are made inside: each a dependent of the last where the lane launches so (`pdl`),
+        the int8 GEMVs loading their weights as the `weight_loads` knob says (`gemv/weight_loads.py`)."""
+        from fuselane.lanes.cuda.triton import pdl
+        from fuselane.lanes.cuda.triton.gemv.weight_loads import weight_loads
+
+        with pdl.dependent_launches(self.dependent_launch), weight_loads(self.shim.knobs.weight_loads):
+            yield
 
     def sibling(self) -> CudaLane:
         """A lane over the same weights on the same device (nothing uploaded again, the f16 copies shared),
@@ -258,10 +269,9 @@ class _Step:
 
     def __init__(self, lane: CudaLane, plan: Plan) -> None:
         from fuselane.lanes.cuda.run.launch import Bound, bind
-        from fuselane.lanes.cuda.triton import pdl
 
         torch = lane.torch
-        self.lane, self.plan, self.torch, self.pdl = lane, plan, torch, pdl
+        self.lane, self.plan, self.torch = lane, plan, torch
         g: TensorGraph = plan.graph
         if lane.shim.activation_format is not None and lane.shim.activation_format is not QuantFormat.ONE_WORD:
             raise FuselaneError("activations=int8x2 waits for its two-word kernels; use int8 or dequant")
@@ -300,7 +310,7 @@ class _Step:
     def eager(self, tail: Tail | None = None) -> None:
         """Launch the step (and its tail) one launch at a time, each a dependent of the last where the lane
         launches so."""
-        with self.pdl.dependent_launches(self.lane.dependent_launch):
+        with self.lane.launching():
             for launch in self.launch_list:
                 launch()
             for launch in tail.launches if tail is not None else ():

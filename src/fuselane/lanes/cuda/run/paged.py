@@ -67,10 +67,10 @@ class BatchStep:
         self, lane: CudaLane, rows: int, pools: dict[str, Any], block_size: int, width: int, draws: Draws
     ) -> None:
         from fuselane.lanes.cuda.run.launch import Bound, PagedRows, bind
-        from fuselane.lanes.cuda.triton import pdl, sample
+        from fuselane.lanes.cuda.triton import sample
 
         torch, device = lane.torch, lane.device
-        self.lane, self.torch, self.pdl, self.sample, self.rows, self.width = lane, torch, pdl, sample, rows, width
+        self.lane, self.torch, self.sample, self.rows, self.width = lane, torch, sample, rows, width
         knobs = replace(lane.shim.knobs, batch=True, rope_epilogue=RopeEpilogue.OFF)
         held = [h for h in lane.held if h != "rows_a_warp"]
         raw = recognizer(lane.cfg).recognize(lane.cfg, lane.tensors, Form.BATCH, rows=rows, ctx=lane.ctx)
@@ -137,7 +137,7 @@ class BatchStep:
 
     def _eager(self, sampling: bool) -> None:
         tail = [self._draw] if sampling else []
-        with self.pdl.dependent_launches(self.lane.dependent_launch):
+        with self.lane.launching():
             for launch in (*self.launch_list, *self.greedy, *tail):
                 launch()
 

@@ -79,15 +79,21 @@ def words(v):
 
 
 @triton.jit
-def ld4(ptr, WEIGHTS: tl.constexpr):
+def ld4(ptr, WEIGHTS: tl.constexpr, PINNED: tl.constexpr = False):
     """The 16 bytes at each 16-byte aligned address of `ptr` ([N, G]) as four int32 tensors, one 128-bit load
     a thread: the words stay in the thread that loaded them, where a [N, G, 4] load would hand them to four
     lanes and `dot16` would gather them back through shared memory (a barrier each). Weights take the
     read-only path and leave L1 first; activations (written by the kernel before) the coherent one, and
-    the asm is not pure, so it stays behind `pdl.wait`."""
+    the asm is not pure, so it stays behind `pdl.wait`. PINNED weights take the coherent path too (see
+    `weight_loads`: a `bar.sync` after them keeps ptxas from sinking them to their sums)."""
     if INTERPRETED:
         p = ptr.to(tl.pointer_type(tl.int32))
         return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
+    elif WEIGHTS and PINNED:
+        return tl.inline_asm_elementwise(
+            "ld.global.L1::evict_first.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1,
+        )  # fmt: skip
     elif WEIGHTS:
         return tl.inline_asm_elementwise(
             "ld.global.nc.L1::evict_first.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
@@ -107,11 +113,19 @@ def dot16_of(w0, w1, w2, w3, a0, a1, a2, a3, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def _ld5(ptr, last):
+def _ld5(ptr, last, PINNED: tl.constexpr):
     """The four 32-bit words from each 4-byte aligned address of `ptr` ([N, G] int32 pointers) and the word at
-    `last`, weights' loads (read-only path, out of L1 first), each word in the thread that loaded it."""
+    `last`, weights' loads (read-only path, or the coherent one where PINNED; out of L1 first), each word in
+    the thread that loaded it."""
     if INTERPRETED:
         return tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3), tl.load(last)
+    elif PINNED:
+        return tl.inline_asm_elementwise(
+            "ld.global.L1::evict_first.b32 $0, [$5];\n\tld.global.L1::evict_first.b32 $1, [$5+4];\n\t"
+            "ld.global.L1::evict_first.b32 $2, [$5+8];\n\tld.global.L1::evict_first.b32 $3, [$5+12];\n\t"
+            "ld.global.L1::evict_first.b32 $4, [$6];", "=r,=r,=r,=r,=r,l,l", [ptr, last],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1,
+        )  # fmt: skip
     else:
         return tl.inline_asm_elementwise(
             "ld.global.nc.L1::evict_first.b32 $0, [$5];\n\tld.global.nc.L1::evict_first.b32 $1, [$5+4];\n\t"
@@ -122,14 +136,20 @@ def _ld5(ptr, last):
 
 
 @triton.jit
-def ld_words(ptr):
+def ld_words(ptr, PINNED: tl.constexpr = False):
     """The 16 bytes at each 4-byte aligned address of `ptr` ([N, G] byte pointers) as four int32 words in the
-    thread: four aligned 32-bit weight loads (read-only path, out of L1 first), where `ld_run` would read a
-    fifth and shift (the runs of Q4_1's 20-byte, Q5_1's 24-byte, IQ4_XS's 136-byte and Q2_K's 84-byte blocks
-    all start on a word)."""
+    thread: four aligned 32-bit weight loads (read-only path, or the coherent one where PINNED; out of L1
+    first), where `ld_run` would read a fifth and shift (the runs of Q4_1's 20-byte, Q5_1's 24-byte, IQ4_XS's
+    136-byte and Q2_K's 84-byte blocks all start on a word)."""
     p = ptr.to(tl.pointer_type(tl.int32))
     if INTERPRETED:
         return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
+    elif PINNED:
+        return tl.inline_asm_elementwise(
+            "ld.global.L1::evict_first.b32 $0, [$4];\n\tld.global.L1::evict_first.b32 $1, [$4+4];\n\t"
+            "ld.global.L1::evict_first.b32 $2, [$4+8];\n\tld.global.L1::evict_first.b32 $3, [$4+12];",
+            "=r,=r,=r,=r,l", [p], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1,
+        )  # fmt: skip
     else:
         return tl.inline_asm_elementwise(
             "ld.global.nc.L1::evict_first.b32 $0, [$4];\n\tld.global.nc.L1::evict_first.b32 $1, [$4+4];\n\t"
@@ -183,17 +203,17 @@ def _word_at(lo, hi, shift):
 
 
 @triton.jit
-def ld_run(ptr):
+def ld_run(ptr, PINNED: tl.constexpr = False):
     """The 16 bytes at each 2-byte aligned address of `ptr` ([N, G] byte pointers) as four int32 words in the
     thread: five aligned words read (four where the run is on a word), then shifted into place (Q6_K's
     210-byte blocks leave every other block's runs 2 bytes past a word). A run 2 bytes past a word reads
-    the 2 bytes after it too."""
+    the 2 bytes after it too. PINNED: the coherent path (`ld4`)."""
     at = ptr.to(tl.int64)
     shift = ((at & (WORD_BYTES - 1)) * BYTE_BITS).to(tl.int32)
     first = (at & WORD_START).to(tl.pointer_type(tl.int32))
     # a run on a word needs only four: the fifth is read again from the fourth's, so no load passes the run
     # (a run at a block's end, as Q4_0's and Q8_0's, would otherwise read 4 bytes past its tensor)
-    w0, w1, w2, w3, w4 = _ld5(first, first + tl.where(shift == 0, 3, 4))
+    w0, w1, w2, w3, w4 = _ld5(first, first + tl.where(shift == 0, 3, 4), PINNED)
     return _word_at(w0, w1, shift), _word_at(w1, w2, shift), _word_at(w2, w3, shift), _word_at(w3, w4, shift)
 
 

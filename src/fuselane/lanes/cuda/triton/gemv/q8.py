@@ -76,6 +76,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     const,
 )
 from fuselane.lanes.cuda.triton.gemv.parts import Part, check_glu_out, check_rows, part_rows, parts_args, store_parts
+from fuselane.lanes.cuda.triton.gemv.weight_loads import PINNED, fence
 from fuselane.lanes.cuda.triton.quant import CODES_ALIGN, Q8Acts, check_acts
 
 LOW_NIBBLES = const(0x0F0F0F0F)  # the low nibble of each byte of a word
@@ -87,6 +88,7 @@ Q6_CRUMB_STEP, Q6_HIGH_CRUMB = const(2), const(4)  # Q6_K: crumbs of run r at bi
 Q6_BIAS, Q5_BIAS = const(32.0), const(16.0)
 QK_C, QK_K_C, HALF_QK_C = const(QK), const(QK_K), const(QK // 2)
 WORD_VALUES = const(4)  # int8 codes a 32-bit word
+PINNED_C = const(PINNED)  # `FENCE`'s value under weight_loads=ahead
 # Each format's groups a unit (a thread's share of a chunk: see `chunk_acts`) and values a unit; `q8_bodies` holds
 # the formats after the first four
 GROUPS = {Format.Q4_K: K_RUNS.value, Format.Q6_K: Q6_RUNS.value, Format.Q8_0: 1, Format.Q5_0: 1} | q8_bodies.GROUPS
@@ -127,7 +129,7 @@ LOAD_BYTES = CODES_ALIGN  # `ld4`'s load: Q4_K rows and the activation codes mus
 
 
 @triton.jit
-def _raw_q4_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
+def _raw_q4_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr, PINNED: tl.constexpr):
     """Q4_K's raw chunk as `fast.load_chunk` reads it (each group's 16-byte header and 16-byte run of qs), but
     as eight [N, G] words, each group's in one thread (`ld4`)."""
     g = tl.arange(0, CHUNK * K_RUNS)
@@ -136,13 +138,13 @@ def _raw_q4_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.
         unit = tl.minimum(unit, N_UNITS - 1)
     blk = w_rows[:, None] + (unit * Q4_K_BYTES)[None, :]
     run = blk + ((g % K_RUNS) * RUN_BYTES + Q4_K_QS)[None, :]
-    h0, h1, h2, h3 = ld4(blk.to(tl.pointer_type(tl.int32)), True)
-    q0, q1, q2, q3 = ld4(run.to(tl.pointer_type(tl.int32)), True)
+    h0, h1, h2, h3 = ld4(blk.to(tl.pointer_type(tl.int32)), True, PINNED)
+    q0, q1, q2, q3 = ld4(run.to(tl.pointer_type(tl.int32)), True, PINNED)
     return h0, h1, h2, h3, q0, q1, q2, q3
 
 
 @triton.jit
-def _raw_q6_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
+def _raw_q6_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr, PINNED: tl.constexpr):
     """Q6_K's raw chunk: each group's (a ql run's) d, its two scales, and its 16 ql bytes and the 16 qh bytes
     of their crumbs as four [N, G] words each, in one thread (`ld_run`)."""
     unit, half, r = q6_k_runs(u0, CHUNK)
@@ -150,21 +152,22 @@ def _raw_q6_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.
         unit = tl.minimum(unit, N_UNITS - 1)
     blk = w_rows[:, None] + (unit * Q6_K_BYTES)[None, :]
     sc = (blk + (half * Q6_SUBS_HALF + r + Q6_K_SCALES)[None, :]).to(tl.pointer_type(tl.int8))
-    ql = ld_run(blk + (half * Q6_QL_HALF + r * Q6_RUN + Q6_K_QL)[None, :])
-    qh = ld_run(blk + (half * Q6_QH_HALF + (r % Q6_QH_RUNS) * Q6_RUN + Q6_K_QH)[None, :])
+    ql = ld_run(blk + (half * Q6_QL_HALF + r * Q6_RUN + Q6_K_QL)[None, :], PINNED)
+    qh = ld_run(blk + (half * Q6_QH_HALF + (r % Q6_QH_RUNS) * Q6_RUN + Q6_K_QH)[None, :], PINNED)
     return (ld16(blk + Q6_K_D, True), ld_once(sc), ld_once(sc + Q6_HIGH_SUBS)) + ql + qh
 
 
 @triton.jit
-def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr):
+def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr,
+              PINNED: tl.constexpr = False):  # fmt: skip
     """A chunk's weight bytes: Q4_K's and Q6_K's held apart a group a thread (`_raw_q4_k`, `_raw_q6_k`), the
-    others' as `load_chunk`."""
+    others' as `load_chunk`. PINNED: the runs' loads take the coherent path (`weight_loads`)."""
     if FMT == FMT_Q4_K:
-        return _raw_q4_k(w_rows, u0, N_UNITS, CHUNK, CLAMP)
+        return _raw_q4_k(w_rows, u0, N_UNITS, CHUNK, CLAMP, PINNED)
     elif FMT == FMT_Q6_K:
-        return _raw_q6_k(w_rows, u0, N_UNITS, CHUNK, CLAMP)
+        return _raw_q6_k(w_rows, u0, N_UNITS, CHUNK, CLAMP, PINNED)
     elif NEW_BODIES_C[FMT]:
-        return q8_bodies.raw_chunk(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP, GROUPS_C[FMT])
+        return q8_bodies.raw_chunk(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP, GROUPS_C[FMT], PINNED)
     else:
         return load_chunk(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP)
 
@@ -345,32 +348,39 @@ def row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_U
     pointers: each row of the tile its own activation row); the loop of
     `fast.row_dots`: each iteration loads the weights DEPTH chunks ahead (1 or 2), then sums this
     chunk's with its activations (`chunk_acts`, read once for both matrices where TWO). The first DEPTH chunks'
-    loads are written before the wait for the kernel that wrote x (`pdl`)."""
+    loads are written before the wait for the kernel that wrote x (`pdl`). FENCE (`weight_loads`): a barrier
+    between each prefetch and the sums after it; PINNED, the weights on the coherent path, which the barrier
+    holds ahead, and one after the first chunks' loads too."""
     CHUNKS: tl.constexpr = (N_UNITS + CHUNK - 1) // CHUNK
+    PIN: tl.constexpr = FENCE == PINNED_C
     PARTIAL: tl.constexpr = N_UNITS % CHUNK != 0
     DEEP: tl.constexpr = DEPTH == 2 and CHUNKS >= 2
     G: tl.constexpr = CHUNK * GROUPS_C[FMT]
-    raw_a = raw_chunk(w_a, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
+    raw_a = raw_chunk(w_a, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1, PIN)
     raw_b = raw_a
     acc_a = tl.zeros([BLOCK_N, G], tl.float32)
     acc_b = tl.zeros([1], tl.float32)  # a placeholder where not TWO
     if TWO:
-        raw_b = raw_chunk(w_b, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1)
+        raw_b = raw_chunk(w_b, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1, PIN)
         acc_b = tl.zeros([BLOCK_N, G], tl.float32)
     if DEEP:  # the second chunk, in flight with the first
-        mid_a = raw_chunk(w_a, CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 2)
+        mid_a = raw_chunk(w_a, CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 2, PIN)
         mid_b = mid_a
         if TWO:
-            mid_b = raw_chunk(w_b, CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 2)
+            mid_b = raw_chunk(w_b, CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 2, PIN)
     pdl.wait(PDL)
+    if PIN:  # the first chunks' loads issued before any sum (a kernel of one or two chunks has no loop)
+        tl.debug_barrier()
     AHEAD: tl.constexpr = 2 * CHUNK if DEEP else CHUNK
     for c in range(0, CHUNKS - 2 if DEEP else CHUNKS - 1):
         u0 = c * CHUNK
-        next_a = raw_chunk(w_a, u0 + AHEAD, FMT, N_UNITS, CHUNK, PARTIAL)
+        next_a = raw_chunk(w_a, u0 + AHEAD, FMT, N_UNITS, CHUNK, PARTIAL, PIN)
         if TWO:
-            next_b = raw_chunk(w_b, u0 + AHEAD, FMT, N_UNITS, CHUNK, PARTIAL)
+            next_b = raw_chunk(w_b, u0 + AHEAD, FMT, N_UNITS, CHUNK, PARTIAL, PIN)
+        if PIN:  # before the activations' loads too, so the sums that wait on them cannot pull ahead of it
+            tl.debug_barrier()
         acts = chunk_acts(xq, xd, xs, u0, FMT, N_UNITS, BLOCK_N, CHUNK)
-        if FENCE:  # see fast.PREFETCH_FENCE
+        if FENCE and not PIN:  # see fast.PREFETCH_FENCE (it holds only coherent loads: `weight_loads`)
             tl.debug_barrier()
         acc_a = _chunk_sum(acc_a, raw_a, acts, u0, FMT, N_UNITS, CHUNK, False)
         if TWO:
@@ -481,7 +491,7 @@ def tile_plan(
     n_units = k // unit
     chunk = min(max(1, warps * LANES * per_thread // (block_n * GROUPS[fmt])), triton.next_power_of_2(n_units))
     consts = dict(FMT=int(fmt), N_UNITS=n_units, CHUNK=chunk, ROW_BYTES=row_bytes(fmt, k), BLOCK_N=block_n)
-    return consts | {"FENCE": fast.PREFETCH_FENCE, "num_warps": warps, "DEPTH": PREFETCH_DEPTH}
+    return consts | {"FENCE": fence(fast.PREFETCH_FENCE), "num_warps": warps, "DEPTH": PREFETCH_DEPTH}
 
 
 def gemv_q8_parts(x: Q8Acts, parts: Sequence[Part | tuple], fmt: Format, *, residual: Tensor | None = None,

@@ -149,9 +149,10 @@ def _half(ptr):
 
 @triton.jit
 def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr,
-              GROUPS_A_UNIT: tl.constexpr):  # fmt: skip
+              GROUPS_A_UNIT: tl.constexpr, PINNED: tl.constexpr = False):  # fmt: skip
     """The chunk at unit u0 of each row (`w_rows`: [N] uint8 pointers) as a tuple of [N, G] tensors, a group's
-    bytes in one thread; with CLAMP (a partial last chunk) units past the row read its last unit."""
+    bytes in one thread; with CLAMP (a partial last chunk) units past the row read its last unit. PINNED: the
+    runs' loads take the coherent path (`weight_loads`; the scalar fields stay on the read-only one)."""
     g = tl.arange(0, CHUNK * GROUPS_A_UNIT)
     unit = g // GROUPS_A_UNIT + u0
     if CLAMP:
@@ -159,24 +160,24 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
     r = (g % GROUPS_A_UNIT)[None, :]
     if FMT == FMT_Q5_K:  # the 16-byte header, a 16-byte run of qs and the 16 qh bytes of its fifth bits
         blk = w_rows[:, None] + (unit * Q5_K_BYTES)[None, :]
-        head, qs = ld4(_i32(blk), True), ld4(_i32(blk + r * RUN_BYTES + Q5_K_QS), True)
-        return head + qs + ld4(_i32(blk + (r % 2) * RUN_BYTES + Q5_K_QH), True)
+        head, qs = ld4(_i32(blk), True, PINNED), ld4(_i32(blk + r * RUN_BYTES + Q5_K_QS), True, PINNED)
+        return head + qs + ld4(_i32(blk + (r % 2) * RUN_BYTES + Q5_K_QH), True, PINNED)
     elif FMT == FMT_Q4_0:
         blk = w_rows[:, None] + (unit * Q4_0_BYTES)[None, :]
-        return (_half(blk + Q4_0_D),) + ld_run(blk + Q4_0_QS)
+        return (_half(blk + Q4_0_D),) + ld_run(blk + Q4_0_QS, PINNED)
     elif FMT == FMT_IQ4_NL:
         blk = w_rows[:, None] + (unit * IQ4_NL_BYTES)[None, :]
-        return (_half(blk + IQ4_NL_D),) + ld_run(blk + IQ4_NL_QS)
+        return (_half(blk + IQ4_NL_D),) + ld_run(blk + IQ4_NL_QS, PINNED)
     elif FMT == FMT_Q4_1:
         blk = w_rows[:, None] + (unit * Q4_1_BYTES)[None, :]
-        return (_half(blk + Q4_1_D), _half(blk + Q4_1_M)) + ld_words(blk + Q4_1_QS)
+        return (_half(blk + Q4_1_D), _half(blk + Q4_1_M)) + ld_words(blk + Q4_1_QS, PINNED)
     elif FMT == FMT_Q5_1:
         blk = w_rows[:, None] + (unit * Q5_1_BYTES)[None, :]
-        return (_half(blk + Q5_1_D), _half(blk + Q5_1_M), _word(blk + Q5_1_QH)) + ld_words(blk + Q5_1_QS)
+        return (_half(blk + Q5_1_D), _half(blk + Q5_1_M), _word(blk + Q5_1_QH)) + ld_words(blk + Q5_1_QS, PINNED)
     elif FMT == FMT_IQ4_XS:  # d and scales_h as one word, scales_l as the next; the sub-block's 16 qs bytes
         blk = w_rows[:, None] + (unit * IQ4_XS_BYTES)[None, :]
         head = _word(blk + IQ4_XS_D), _word(blk + IQ4_XS_SCALES_L)
-        return head + ld_words(blk + r * RUN_BYTES + IQ4_XS_QS)
+        return head + ld_words(blk + r * RUN_BYTES + IQ4_XS_QS, PINNED)
     elif FMT == FMT_Q3_K:  # d, the bytes of the lo and hi sub-blocks' scales, the qs run, the hmask run
         blk = w_rows[:, None] + (unit * Q3_K_BYTES)[None, :]
         pair, t = r // 2, r % 2
@@ -186,8 +187,8 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
             _byte(sc + i_lo % Q3_HIGH_SCALES), _byte(sc + Q3_HIGH_SCALES + i_lo % Q3_SCALE_ROWS),
             _byte(sc + (i_lo + 2) % Q3_HIGH_SCALES), _byte(sc + Q3_HIGH_SCALES + (i_lo + 2) % Q3_SCALE_ROWS),
         )  # fmt: skip
-        qs = ld_run(blk + (pair // HALF_RUNS) * HALF_QS + t * RUN_BYTES + Q3_K_QS)
-        return (_half(blk + Q3_K_D),) + scales + qs + ld_run(blk + t * RUN_BYTES + Q3_K_HMASK)
+        qs = ld_run(blk + (pair // HALF_RUNS) * HALF_QS + t * RUN_BYTES + Q3_K_QS, PINNED)
+        return (_half(blk + Q3_K_D),) + scales + qs + ld_run(blk + t * RUN_BYTES + Q3_K_HMASK, PINNED)
     else:
         tl.static_assert(FMT == FMT_Q2_K, "no int8 GEMV body for this format")
         blk = w_rows[:, None] + (unit * Q2_K_BYTES)[None, :]
@@ -195,7 +196,7 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
         i_lo = pair * Q3_SCALE_ROWS + t
         sc = blk + Q2_K_SCALES
         head = _word(blk + Q2_K_D), _byte(sc + i_lo), _byte(sc + i_lo + 2)
-        return head + ld_words(blk + (pair // HALF_RUNS) * HALF_QS + t * RUN_BYTES + Q2_K_QS)
+        return head + ld_words(blk + (pair // HALF_RUNS) * HALF_QS + t * RUN_BYTES + Q2_K_QS, PINNED)
 
 
 # --- the sums a group --------------------------------------------------------------------------------------------
