@@ -101,6 +101,14 @@ def test_dependent_launches_change_no_bit(pair):
     np.testing.assert_array_equal(_run(gpu, PROMPT, STEPS), _run(plain, PROMPT, STEPS))
 
 
+def test_weight_loads_ahead_change_no_bit(pair):
+    """The int8 GEMVs' weights on the coherent path, held ahead by the prefetch's barrier (`weight_loads=ahead`),
+    are the same bytes summed in the same order: the logits are the default's, bit for bit."""
+    path, gpu, _ = pair
+    ahead = load(path, lane="cuda", ctx=128, knobs=[*_knobs(gpu), "weight_loads=ahead"])
+    np.testing.assert_array_equal(_run(gpu, PROMPT, STEPS), _run(ahead, PROMPT, STEPS))
+
+
 def test_greedy_tokens_match_cpu(pair):
     """At the dequantized numerics: int8's bound (5.0e-2 relative) makes most steps of these random-weight
     models near-ties of the reference, so the comparison would test little (`test_anchor_shapes` says more)."""
