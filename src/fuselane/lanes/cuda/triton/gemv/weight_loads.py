@@ -5,8 +5,8 @@ Why: `q8.row_dots` writes each chunk's weight loads a chunk or two before its dp
 weights are read on the read-only path (`ld.global.nc`, `int8_words.ld4` / `ld_run` / `ld_words`), and a
 barrier does not order read-only loads, so ptxas is free to move them down to their first use: in the sm_90
 SASS of the 7B's 3,584-wide Q4_K product (two chunks, no loop) the second chunk's 128-bit loads sit after the
-first chunk's IDP.4A, and in the 18,944-wide Q4_K down product's loop the next chunk's loads sit after this
-chunk's IDP.4A (see `docs/cuda-lane.md#weight-loads`).
+first chunk's IDP.4A, and in the 18,944-wide Q4_K down product's loop the loads of the chunk two ahead sit
+after this chunk's IDP.4A (`docs/cuda-lane.md#weight-loads` has the SASS).
 
 - `as-written` (`AS_WRITTEN`, the default until it is timed on the GPU): the read-only loads, where ptxas
   puts them.
