@@ -91,18 +91,21 @@ def _code_f16(q):
 @triton.jit
 def _q4k(blk, BLOCK_N: tl.constexpr):
     """The super-block at byte pointers `blk` [BLOCK_N] of each row: sc * q [BLOCK_N, 256] f16 (exact), d and
-    dmin [BLOCK_N] f32, the minima mn [BLOCK_N, 8] f16 (exact). Value 64p + 32h + l is nibble h of code byte
+    dmin [BLOCK_N] f32, the minima twice over mn [BLOCK_N, 16] f16 (exact). Value 64p + 32h + l is nibble h of code byte
     32p + l, in sub-block j = 2p + h."""
     p = tl.arange(0, 4)[None, :, None, None]
     h = tl.arange(0, 2)[None, None, :, None]
     lane = tl.arange(0, SUB)[None, None, None, :]
     at = blk[:, None, None, None]
     byte = tl.load(at + Q4K_CODES + SUB * p + lane).to(tl.int32)  # [BLOCK_N, 4, 1, 32], each byte once
-    sc, mn = _q4k_scale_min(at + Q4K_SCALES, 2 * p + h)  # [BLOCK_N, 4, 2, 1]
+    sc, _ = _q4k_scale_min(at + Q4K_SCALES, 2 * p + h)  # [BLOCK_N, 4, 2, 1]
     w = (_code_f16((byte >> (4 * h)) & 15) - ONE_K) * sc.to(tl.float16)
     d = tl.load(blk.to(tl.pointer_type(tl.float16))).to(tl.float32)
     dmin = tl.load((blk + Q4K_DMIN).to(tl.pointer_type(tl.float16))).to(tl.float32)
-    return tl.reshape(w, [BLOCK_N, SB]), d, dmin, tl.reshape(mn, [BLOCK_N, 8]).to(tl.float16)
+    # the minima twice over, [BLOCK_N, 16] (column 2j + t: mn_j), the minimum MMA's B, read straight into its
+    # shape (a join and reshape before the MMA is a shared layout Triton 3.6 cannot lower)
+    _, mn = _q4k_scale_min(blk[:, None] + Q4K_SCALES, tl.arange(0, 16)[None, :] // 2)
+    return tl.reshape(w, [BLOCK_N, SB]), d, dmin, mn.to(tl.float16)
 
 
 @triton.jit
@@ -127,13 +130,13 @@ def _q6k(blk, BLOCK_N: tl.constexpr):
 @triton.jit
 def _minimum_dot(a, mn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """sum_j mn_j * (activation's sum over sub-block j) / 32, [BLOCK_M, BLOCK_N] f32, on the tensor cores: each
-    sub-block sum split in an f16 head and tail, K = 16 (head and tail of the 8 sub-blocks, each mn twice)."""
+    sub-block sum split in an f16 head and tail, K = 16 (head and tail of the 8 sub-blocks), `mn` the minima
+    twice over [BLOCK_N, 16]."""
     sums = tl.sum(tl.reshape(a.to(tl.float32), [BLOCK_M, 8, SUB]), axis=2) / SUB_SHIFT  # exact: a power of two
     head = sums.to(tl.float16)
     tail = (sums - head.to(tl.float32)).to(tl.float16)
-    xa = tl.reshape(tl.join(head, tail), [BLOCK_M, 16])
-    mb = tl.reshape(tl.join(mn, mn), [BLOCK_N, 16])
-    return tl.dot(xa, tl.trans(mb))
+    xa = tl.reshape(tl.join(head, tail), [BLOCK_M, 16])  # column 2j + t: sub-block j's head (t = 0) or tail
+    return tl.dot(xa, tl.trans(mn))
 
 
 @triton.jit
