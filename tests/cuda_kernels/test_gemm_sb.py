@@ -32,7 +32,7 @@ from gguf.constants import GGMLQuantizationType as QT  # noqa: E402
 from kernel_checks import CUDA, DEVICE, U16, U32, check, dev, gamma, raw_weights  # noqa: E402
 
 from fuselane.gguf.formats import Format, row_bytes  # noqa: E402
-from fuselane.lanes.cuda.triton import f16_scale  # noqa: E402
+from fuselane.lanes.cuda.triton import f16_scale, f16_sums  # noqa: E402
 from fuselane.lanes.cuda.triton import gemm_sb as G  # noqa: E402
 
 SUPER = G.SUPER
@@ -78,10 +78,22 @@ def _x16(x: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
     return x16, s, x16.double().cpu().numpy() * s.double().cpu().numpy()[:, None]
 
 
+def _sums(x: np.ndarray) -> torch.Tensor:
+    """The activation's sub-block sums as `f16_sums` writes them (its f16 rows checked against `to_f16`'s)."""
+    m, k = x.shape
+    x16, s, sums = (torch.empty(x.shape, dtype=torch.float16, device=DEVICE), torch.empty(m, device=DEVICE),
+                    torch.empty((m, k // 16), dtype=torch.float16, device=DEVICE))  # fmt: skip
+    f16_sums.f16_sums(dev(x), x16, s, sums)
+    want16, want_s, _ = _x16(x)
+    assert torch.equal(x16, want16) and torch.equal(s, want_s), "f16_sums rounds the rows unlike to_f16"
+    return sums
+
+
 def _run(fmt: Format, x: np.ndarray, raw: np.ndarray, n: int, k: int, **kw) -> torch.Tensor:
     out = torch.empty((x.shape[0], n), device=DEVICE)
     x16, s, _ = _x16(x)
-    return G.gemm_sb(x16, s, dev(raw), fmt, n, k, out, **TILE, **kw)
+    sums = _sums(x) if fmt is Format.Q4_K else None
+    return G.gemm_sb(x16, s, sums, dev(raw), fmt, n, k, out, **TILE, **kw)
 
 
 def _q4k_bound(xd: np.ndarray, main: np.ndarray, low: np.ndarray, k: int) -> np.ndarray:
@@ -138,12 +150,12 @@ def test_bias_residual_and_rows_of_a_table():
     x16, s, xd = _x16(x)
     want, mag = xd @ w.T, np.abs(xd) @ np.abs(w).T
     out = dev(res.copy())
-    G.gemm_sb(x16, s, dev(raw), fmt, n, k, out, bias=dev(bias), residual=out, **TILE)
+    G.gemm_sb(x16, s, None, dev(raw), fmt, n, k, out, bias=dev(bias), residual=out, **TILE)
     total = want + bias + res
     check(out, total, (gamma(k) + 3 * U32) * mag + 2 * U32 * (np.abs(total) + np.abs(bias) + np.abs(res)))
     table = torch.zeros((m + 12, n + 8), dtype=torch.float16, device=DEVICE)
     pos = torch.tensor([5], dtype=torch.int32, device=DEVICE)
-    G.gemm_sb(x16, s, dev(raw), fmt, n, k, table, out_row=(pos, n + 8), **TILE)
+    G.gemm_sb(x16, s, None, dev(raw), fmt, n, k, table, out_row=(pos, n + 8), **TILE)
     got = table.double().cpu().numpy()
     assert not got[:5].any() and not got[5 + m :].any() and not got[:, n:].any(), "rows outside were written"
     assert np.all(np.abs(got[5 : 5 + m, :n] - want) <= (gamma(k) + 3 * U32) * mag + U16 * np.abs(want) + 2.0**-24)
@@ -155,11 +167,14 @@ def test_supports_and_refusals():
     raw = dev(raw_weights(Format.Q4_K, 8, SUPER, np.random.default_rng(0)))
     x16, s = torch.zeros((4, SUPER), dtype=torch.float16, device=DEVICE), torch.ones(4, device=DEVICE)
     with pytest.raises(ValueError, match="no super-block GEMM"):
-        G.gemm_sb(x16, s, raw, Format.Q5_K, 8, SUPER, torch.empty((4, 8), device=DEVICE))
+        G.gemm_sb(x16, s, None, raw, Format.Q5_K, 8, SUPER, torch.empty((4, 8), device=DEVICE))
     with pytest.raises(ValueError, match="x16 must be"):
-        G.gemm_sb(x16.float(), s, raw, Format.Q4_K, 8, SUPER, torch.empty((4, 8), device=DEVICE))
+        G.gemm_sb(x16.float(), s, None, raw, Format.Q4_K, 8, SUPER, torch.empty((4, 8), device=DEVICE))
+    with pytest.raises(ValueError, match="sub-block sums"):
+        G.gemm_sb(x16, s, None, raw, Format.Q4_K, 8, SUPER, torch.empty((4, 8), device=DEVICE))
+    sums = torch.zeros((4, SUPER // 16), dtype=torch.float16, device=DEVICE)
     with pytest.raises(ValueError, match="out must be"):
-        G.gemm_sb(x16, s, raw, Format.Q4_K, 8, SUPER, torch.empty((4, 9), device=DEVICE))
+        G.gemm_sb(x16, s, sums, raw, Format.Q4_K, 8, SUPER, torch.empty((4, 9), device=DEVICE))
 
 
 @pytest.mark.cuda

@@ -13,14 +13,15 @@ accumulator every 32 values (int32 to f32, the product of two scales, an add: 4-
   is an integer f16 holds exactly; Q6_K's sc * (q - 32) (up to 128 x 32) is rounded to f16 once, as an f16 copy
   rounds its weights. A code becomes an f16 without a convert: its bits or'ed under those of 1024.0 (0x6400)
   are the f16 1024 + q, and 1024 taken off leaves q exactly (integer operations, one f16 subtract, one multiply);
-- the activation comes in f16 already (`f16_scale.to_f16`, one launch a product: the default path's operand,
-  rows past 2^14 under a power-of-two scale that the epilogue multiplies back);
+- the activation comes in f16 already (one launch a product before the GEMM: the default path's operand, rows
+  past 2^14 under a power-of-two scale that the epilogue multiplies back; for Q4_K with its sub-block sums,
+  `f16_sums`), so no program converts it and its tile goes to shared memory for the MMA as loaded;
 - one MMA a super-block (K = 256, f32 sums), and its f32 result times the row's d: one FMA an output element a
   256 values;
 - Q4_K's minimum, dmin * sum_j mn_j * (the sum of the activation over sub-block j), is a second, K = 16 MMA a
-  super-block: the eight sub-block sums (f32, divided by 32 so that they fit f16) split into an f16 head and
-  an f16 tail (head + tail holds the sum to ~2^-22), times the integer mn_j twice over, f32 sums; its result
-  times 32 * dmin is one more FMA an output element.
+  super-block: the eight sub-block sums / 32 as f16 heads and tails (head + tail holds a sum within ~2^-22,
+  `f16_sums`) times the integer minima twice over, f32 sums; its result times 32 * dmin is one more FMA an
+  output element.
 
 So the product is that of the f16-rounded activation and the checkpoint's weights with d and dmin applied in
 f32 (Q4_K: no weight is rounded at all; Q6_K: sc * (q - 32) once to f16, relative 2^-11), up to f32 sums.
@@ -40,6 +41,7 @@ import triton.language as tl
 
 from fuselane.gguf.formats import QK, Format, row_bytes
 from fuselane.lanes.cuda.triton import f16_scale, pdl
+from fuselane.lanes.cuda.triton.f16_sums import HEAD_TAIL, f16_sums
 from fuselane.lanes.cuda.triton.gemm import store_tile
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 
@@ -59,7 +61,8 @@ F16_ONE_K_BITS = tl.constexpr(0x6400)  # the f16 1024.0: a code < 1024 or'ed int
 ONE_K = tl.constexpr(1024.0)
 Q6K_ZERO = tl.constexpr(1024.0 + 32.0)  # 1024 and Q6_K's code bias, taken off in one exact subtract
 SUB = tl.constexpr(QK)  # Q4_K's sub-block: the values a minimum covers
-SUB_SHIFT = tl.constexpr(float(QK))  # a sub-block sum / 32 fits f16 (at most 32 x 2^14 before)
+SUB_SHIFT = tl.constexpr(float(QK))  # the activation's sub-block sums are stored / 32 (`f16_sums`)
+MIN_K = tl.constexpr(SUPER // QK * HEAD_TAIL)  # the minimum MMA's K: a super-block's 8 sums, head and tail
 
 # The tile (activation rows x weight rows) and its warps; each step's loads issued STAGES - 1 steps ahead.
 BLOCK_M = 128
@@ -128,20 +131,8 @@ def _q6k(blk, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _minimum_dot(a, mn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """sum_j mn_j * (activation's sum over sub-block j) / 32, [BLOCK_M, BLOCK_N] f32, on the tensor cores: each
-    sub-block sum split in an f16 head and tail, K = 16 (head and tail of the 8 sub-blocks), `mn` the minima
-    twice over [BLOCK_N, 16]."""
-    sums = tl.sum(tl.reshape(a.to(tl.float32), [BLOCK_M, 8, SUB]), axis=2) / SUB_SHIFT  # exact: a power of two
-    head = sums.to(tl.float16)
-    tail = (sums - head.to(tl.float32)).to(tl.float16)
-    xa = tl.reshape(tl.join(head, tail), [BLOCK_M, 16])  # column 2j + t: sub-block j's head (t = 0) or tail
-    return tl.dot(xa, tl.trans(mn))
-
-
-@triton.jit
 def _gemm_sb_kernel(
-    x, scales, w, out, bias, res, pos, m, n, x_pitch, out_pitch, res_pitch,
+    x, scales, sums, w, out, bias, res, pos, m, n, x_pitch, sums_pitch, out_pitch, res_pitch,
     FMT: tl.constexpr, SB_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, AT_ROW: tl.constexpr, PDL: tl.constexpr,
@@ -151,7 +142,9 @@ def _gemm_sb_kernel(
     xm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
     x_rows = x + tl.minimum(xm, m - 1).to(tl.int64) * x_pitch
+    sum_rows = sums + tl.minimum(xm, m - 1).to(tl.int64) * sums_pitch
     cols = tl.arange(0, SB)
+    halves = tl.arange(0, MIN_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for s in tl.range(0, STEPS, num_stages=STAGES):
         a = tl.load(x_rows[:, None] + s * SB + cols[None, :])  # [BLOCK_M, 256] f16
@@ -159,7 +152,9 @@ def _gemm_sb_kernel(
         if FMT == Q4_K:
             wt, d, dmin, mn = _q4k(blk, BLOCK_N)
             acc += tl.dot(a, tl.trans(wt)) * d[None, :]
-            acc -= _minimum_dot(a, mn, BLOCK_M, BLOCK_N) * (dmin * SUB_SHIFT)[None, :]
+            # sum_j mn_j * (sub-block j's activation sum / 32): heads and tails [BLOCK_M, 16] by the minima twice over
+            xa = tl.load(sum_rows[:, None] + s * MIN_K + halves[None, :])
+            acc -= tl.dot(xa, tl.trans(mn)) * (dmin * SUB_SHIFT)[None, :]
         else:
             wt, d = _q6k(blk, BLOCK_N)
             acc += tl.dot(a, tl.trans(wt)) * d[None, :]
@@ -175,6 +170,7 @@ def supports(fmt: Format, k: int) -> bool:
 def gemm_sb(
     x16: torch.Tensor,
     scales: torch.Tensor,
+    sums: torch.Tensor | None,
     w: torch.Tensor,
     fmt: Format,
     n: int,
@@ -188,7 +184,8 @@ def gemm_sb(
     block_n: int = BLOCK_N,
 ) -> torch.Tensor:
     """out (m, n) = (x16 (m, k) @ W^T) * scales[:, None] (+ bias) (+ residual), x16 an f16 activation and
-    `scales` (m,) f32 its rows' powers of two (`f16_scale.to_f16`), W the n x k checkpoint rows `w` in `fmt`;
+    `scales` (m,) f32 its rows' powers of two, `sums` (m, k / 16) f16 its sub-block sums (`f16_sums.f16_sums`;
+    Q4_K's minimum reads them, None for Q6_K), W the n x k checkpoint rows `w` in `fmt`;
     returns `out`. `out_row` = (pos, pitch) lands the rows from row pos[0] of the table `out`. `block_m` and
     `block_n` are the tile, parameters so tests reach several tiles."""
     fmt = Format(fmt)
@@ -200,14 +197,16 @@ def gemm_sb(
         raise ValueError(f"x16 must be an f16 (m, {k}) tensor with unit column stride")
     if scales.dtype != torch.float32 or scales.numel() != m or not scales.is_contiguous():
         raise ValueError(f"scales must be a contiguous f32 ({m},) tensor")
+    if fmt is Format.Q4_K and (sums is None or tuple(sums.shape) != (m, k // QK * HEAD_TAIL) or sums.stride(1) != 1):
+        raise ValueError(f"Q4_K takes the activation's sub-block sums, an f16 ({m}, {k // QK * HEAD_TAIL}) tensor")
     _check_out(out, m, n, out_row, residual, bias)
     pos, pitch = out_row if out_row is not None else (scales, out.stride(0))
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _gemm_sb_kernel[grid](
-        x16, scales, w, out,
+        x16, scales, x16 if sums is None else sums, w, out,
         scales if bias is None else bias,
         scales if residual is None else residual,
-        pos, m, n, x16.stride(0), pitch,
+        pos, m, n, x16.stride(0), 0 if sums is None else sums.stride(0), pitch,
         out.stride(0) if residual is None else residual.stride(0),
         FMT=int(fmt), SB_BYTES=row_bytes(fmt, SUPER), ROW_BYTES=row_bytes(fmt, k), STEPS=k // SUPER,
         BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES,
@@ -230,9 +229,15 @@ def _check_out(out: torch.Tensor, m: int, n: int, out_row, residual, bias) -> No
 
 def product(x: torch.Tensor, w: torch.Tensor, fmt: Format, n: int, k: int, out: torch.Tensor, **epilogue: Any):
     """out (m, n) = x (m, k, f32 or f16) @ W^T with `gemm_sb`'s epilogue (bias, residual, out_row): x rounded to
-    f16 under its rows' power-of-two scales (one launch), then the super-block GEMM; returns `out`."""
+    f16 under its rows' power-of-two scales (with Q4_K's sub-block sums: one launch), then the super-block
+    GEMM; returns `out`."""
     m = x.shape[0]
     x16 = torch.empty((m, k), dtype=torch.float16, device=x.device)
     scales = torch.empty(m, dtype=torch.float32, device=x.device)
-    f16_scale.to_f16(x, x16, scales)
-    return gemm_sb(x16, scales, w, fmt, n, k, out, **epilogue)
+    sums = None
+    if Format(fmt) is Format.Q4_K:
+        sums = torch.empty((m, k // QK * HEAD_TAIL), dtype=torch.float16, device=x.device)
+        f16_sums(x, x16, scales, sums)
+    else:
+        f16_scale.to_f16(x, x16, scales)
+    return gemm_sb(x16, scales, sums, w, fmt, n, k, out, **epilogue)
