@@ -49,6 +49,7 @@ SUPER = 256  # values a super-block: a step's K
 FORMATS = (Format.Q4_K, Format.Q6_K)
 Q4_K = tl.constexpr(int(Format.Q4_K))
 SB = tl.constexpr(SUPER)
+HALF_SB = tl.constexpr(SUPER // 2)
 # Q4_K's super-block (144 bytes): d (f16), dmin (f16), 12 bytes of 6-bit sub-scales and minima, 128 of codes.
 Q4K_DMIN = tl.constexpr(2)
 Q4K_SCALES = tl.constexpr(4)
@@ -92,42 +93,61 @@ def _code_f16(q):
 
 
 @triton.jit
-def _q4k(blk, BLOCK_N: tl.constexpr):
-    """The super-block at byte pointers `blk` [BLOCK_N] of each row: sc * q [BLOCK_N, 256] f16 (exact), d and
-    dmin [BLOCK_N] f32, the minima twice over mn [BLOCK_N, 16] f16 (exact). Value 64p + 32h + l is nibble h of code byte
-    32p + l, in sub-block j = 2p + h."""
-    p = tl.arange(0, 4)[None, :, None, None]
+def _q4k_half(blk, part):
+    """Half `part` (0, 1) of the super-block at byte pointers `blk` [BLOCK_N] of each row: sc * q
+    [BLOCK_N, 128] f16 (exact). Value 64p + 32h + l is nibble h of code byte 32p + l, in sub-block j = 2p + h."""
+    p = 2 * part + tl.arange(0, 2)[None, :, None, None]
     h = tl.arange(0, 2)[None, None, :, None]
     lane = tl.arange(0, SUB)[None, None, None, :]
     at = blk[:, None, None, None]
-    byte = tl.load(at + Q4K_CODES + SUB * p + lane).to(tl.int32)  # [BLOCK_N, 4, 1, 32], each byte once
-    sc, _ = _q4k_scale_min(at + Q4K_SCALES, 2 * p + h)  # [BLOCK_N, 4, 2, 1]
+    byte = tl.load(at + Q4K_CODES + SUB * p + lane).to(tl.int32)  # [BLOCK_N, 2, 1, 32], each byte once
+    sc, _ = _q4k_scale_min(at + Q4K_SCALES, 2 * p + h)  # [BLOCK_N, 2, 2, 1]
     w = (_code_f16((byte >> (4 * h)) & 15) - ONE_K) * sc.to(tl.float16)
-    d = tl.load(blk.to(tl.pointer_type(tl.float16))).to(tl.float32)
-    dmin = tl.load((blk + Q4K_DMIN).to(tl.pointer_type(tl.float16))).to(tl.float32)
-    # the minima twice over, [BLOCK_N, 16] (column 2j + t: mn_j), the minimum MMA's B, read straight into its
-    # shape (a join and reshape before the MMA is a shared layout Triton 3.6 cannot lower)
-    _, mn = _q4k_scale_min(blk[:, None] + Q4K_SCALES, tl.arange(0, 16)[None, :] // 2)
-    return tl.reshape(w, [BLOCK_N, SB]), d, dmin, mn.to(tl.float16)
+    return tl.reshape(w, [blk.shape[0], HALF_SB])
 
 
 @triton.jit
-def _q6k(blk, BLOCK_N: tl.constexpr):
-    """The super-block at `blk` [BLOCK_N]: sc * (q - 32) [BLOCK_N, 256] rounded to f16 once, d [BLOCK_N] f32.
-    Value 128h + 32g + 16t + l (chunk c = 4h + g) takes the nibble g >> 1 of low byte 64h + 32(g & 1) + 16t + l,
-    the bit pair g of high byte 32h + 16t + l and sub-scale 2c + t."""
-    c = tl.arange(0, 8)[None, :, None, None]
+def _q4k_scales(blk):
+    """The super-block's d and dmin [BLOCK_N] f32 and its minima twice over [BLOCK_N, 16] f16 (column 2j + t:
+    mn_j), the minimum MMA's operand, read straight into its shape (a join and reshape before the MMA is a
+    shared layout Triton 3.6 cannot lower)."""
+    d = tl.load(blk.to(tl.pointer_type(tl.float16))).to(tl.float32)
+    dmin = tl.load((blk + Q4K_DMIN).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    _, mn = _q4k_scale_min(blk[:, None] + Q4K_SCALES, tl.arange(0, MIN_K)[None, :] // 2)
+    return d, dmin, mn.to(tl.float16)
+
+
+@triton.jit
+def _q6k_half(blk, part):
+    """Half `part` of the super-block at `blk` [BLOCK_N]: sc * (q - 32) [BLOCK_N, 128] rounded to f16 once.
+    Value 128 part + 32g + 16t + l takes the nibble g >> 1 of low byte 64 part + 32(g & 1) + 16t + l, the bit
+    pair g of high byte 32 part + 16t + l and sub-scale 8 part + 2g + t."""
+    g = tl.arange(0, 4)[None, :, None, None]
     t = tl.arange(0, 2)[None, None, :, None]
     lane = tl.arange(0, 16)[None, None, None, :]
     at = blk[:, None, None, None]
-    half, g = c // 4, c % 4
-    lo = tl.load(at + 64 * half + 32 * (g & 1) + 16 * t + lane).to(tl.int32)  # [BLOCK_N, 8, 2, 16]
-    hi = tl.load(at + Q6K_HIGH + 32 * half + 16 * t + lane).to(tl.int32)
+    lo = tl.load(at + 64 * part + 32 * (g & 1) + 16 * t + lane).to(tl.int32)  # [BLOCK_N, 4, 2, 16]
+    hi = tl.load(at + Q6K_HIGH + 32 * part + 16 * t + lane).to(tl.int32)
     q = ((lo >> (4 * (g >> 1))) & 15) | (((hi >> (2 * g)) & 3) << 4)
-    sc = tl.load((at + Q6K_SCALES + 2 * c + t).to(tl.pointer_type(tl.int8))).to(tl.float16)  # [BLOCK_N, 8, 2, 1]
+    sc = tl.load((at + Q6K_SCALES + 8 * part + 2 * g + t).to(tl.pointer_type(tl.int8))).to(tl.float16)
     w = (_code_f16(q) - Q6K_ZERO) * sc
-    d = tl.load((blk + Q6K_D).to(tl.pointer_type(tl.float16))).to(tl.float32)
-    return tl.reshape(w, [BLOCK_N, SB]), d
+    return tl.reshape(w, [blk.shape[0], HALF_SB])
+
+
+@triton.jit
+def _super_block(acc, x_at, blk, FMT: tl.constexpr):
+    """The super-block's product without its d: the two halves' MMAs (K = 128 each, so one half's decoded
+    weights are live at a time) into one fresh f32 tile [BLOCK_N, BLOCK_M]."""
+    cols = tl.arange(0, HALF_SB)
+    part = tl.zeros_like(acc)
+    for half in tl.static_range(2):
+        a = tl.load(x_at[:, None] + half * HALF_SB + cols[None, :])  # [BLOCK_M, 128] f16
+        if FMT == Q4_K:
+            wt = _q4k_half(blk, half)
+        else:
+            wt = _q6k_half(blk, half)
+        part = tl.dot(wt, tl.trans(a), part)
+    return part
 
 
 @triton.jit
@@ -143,22 +163,20 @@ def _gemm_sb_kernel(
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
     x_rows = x + tl.minimum(xm, m - 1).to(tl.int64) * x_pitch
     sum_rows = sums + tl.minimum(xm, m - 1).to(tl.int64) * sums_pitch
-    cols = tl.arange(0, SB)
     halves = tl.arange(0, MIN_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # transposed: the decoded weights are the MMA's register A
     for s in tl.range(0, STEPS, num_stages=STAGES):
-        a = tl.load(x_rows[:, None] + s * SB + cols[None, :])  # [BLOCK_M, 256] f16
         blk = w_rows + s * SB_BYTES
+        part = _super_block(acc, x_rows + s * SB, blk, FMT)
         if FMT == Q4_K:
-            wt, d, dmin, mn = _q4k(blk, BLOCK_N)
-            acc += tl.dot(a, tl.trans(wt)) * d[None, :]
-            # sum_j mn_j * (sub-block j's activation sum / 32): heads and tails [BLOCK_M, 16] by the minima twice over
-            xa = tl.load(sum_rows[:, None] + s * MIN_K + halves[None, :])
-            acc -= tl.dot(xa, tl.trans(mn)) * (dmin * SUB_SHIFT)[None, :]
+            d, dmin, mn = _q4k_scales(blk)
+            # sum_j mn_j * (sub-block j's activation sum / 32): the minima twice over by heads and tails
+            xa = tl.load(sum_rows[:, None] + s * MIN_K + halves[None, :])  # [BLOCK_M, 16] f16
+            acc += part * d[:, None] - tl.dot(mn, tl.trans(xa)) * (dmin * SUB_SHIFT)[:, None]
         else:
-            wt, d = _q6k(blk, BLOCK_N)
-            acc += tl.dot(a, tl.trans(wt)) * d[None, :]
-    acc = acc * tl.load(scales + tl.minimum(xm, m - 1))[:, None]  # each row's power-of-two scale back
+            d = tl.load((blk + Q6K_D).to(tl.pointer_type(tl.float16))).to(tl.float32)
+            acc += part * d[:, None]
+    acc = tl.trans(acc) * tl.load(scales + tl.minimum(xm, m - 1))[:, None]  # each row's power-of-two scale back
     store_tile(acc, xm, rows, m, n, bias, res, res_pitch, out, out_pitch, pos, HAS_BIAS, HAS_RES, AT_ROW)
 
 
