@@ -67,7 +67,7 @@ MIN_K = tl.constexpr(SUPER // QK * HEAD_TAIL)  # the minimum MMA's K: a super-bl
 
 # The tile (activation rows x weight rows) and its warps; each step's loads issued STAGES - 1 steps ahead.
 BLOCK_M = 128
-BLOCK_N = 64
+BLOCK_N = 128
 WARPS = 8
 STAGES = 2
 
