@@ -177,6 +177,13 @@ def test_supports_and_refusals():
         G.gemm_sb(x16, s, sums, raw, Format.Q4_K, 8, SUPER, torch.empty((4, 9), device=DEVICE))
 
 
+def test_narrow_tiles_where_the_wide_grid_leaves_sms_idle():
+    # a 7B's 256-row chunk on an H200's 132 SMs: q/o (3584 rows: 28 programs), k/v (512) and down take 64 weight
+    # rows a program; gate/up (18944 rows: 148 programs) the full 128
+    assert [G.weight_rows(256, n, 132) for n in (3584, 512, 18944)] == [G.NARROW_N, G.NARROW_N, G.BLOCK_N]
+    assert G.weight_rows(4096, 3584, 132) == G.BLOCK_N  # 28 x 32 programs fill it
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("fmt, n, k", [(Format.Q4_K, 18944, 3584), (Format.Q6_K, 3584, 18944)])

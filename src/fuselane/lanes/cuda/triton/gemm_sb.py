@@ -65,11 +65,15 @@ SUB = tl.constexpr(QK)  # Q4_K's sub-block: the values a minimum covers
 SUB_SHIFT = tl.constexpr(float(QK))  # the activation's sub-block sums are stored / 32 (`f16_sums`)
 MIN_K = tl.constexpr(SUPER // QK * HEAD_TAIL)  # the minimum MMA's K: a super-block's 8 sums, head and tail
 
-# The tile (activation rows x weight rows) and its warps; each step's loads issued STAGES - 1 steps ahead.
+# The tile (activation rows x weight rows) and its warps; each step's loads issued STAGES - 1 steps ahead. At
+# 8 warps, 2 stages, sm_90: 128 x 128 takes 255 (Q4_K) / 241 (Q6_K) registers, 128 x 64 223 / 218, no spills;
+# 256 activation rows spill (benchmarks/gemm_sb_registers.py).
 BLOCK_M = 128
 BLOCK_N = 128
+NARROW_N = 64  # the weight rows a program where BLOCK_N's grid leaves SMs idle
 WARPS = 8
 STAGES = 2
+H200_SMS = 132  # the chip a host tensor's launch stands for (the compile check, the interpreter)
 
 
 @triton.jit
@@ -199,13 +203,13 @@ def gemm_sb(
     residual: torch.Tensor | None = None,
     out_row: tuple[torch.Tensor, int] | None = None,
     block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """out (m, n) = (x16 (m, k) @ W^T) * scales[:, None] (+ bias) (+ residual), x16 an f16 activation and
     `scales` (m,) f32 its rows' powers of two, `sums` (m, k / 16) f16 its sub-block sums (`f16_sums.f16_sums`;
     Q4_K's minimum reads them, None for Q6_K), W the n x k checkpoint rows `w` in `fmt`;
     returns `out`. `out_row` = (pos, pitch) lands the rows from row pos[0] of the table `out`. `block_m` and
-    `block_n` are the tile, parameters so tests reach several tiles."""
+    `block_n` are the tile (`block_n` by default `weight_rows`), parameters so tests reach several tiles."""
     fmt = Format(fmt)
     if not supports(fmt, k):
         raise ValueError(f"no super-block GEMM for {fmt.name} rows of {k} values")
@@ -219,6 +223,7 @@ def gemm_sb(
         raise ValueError(f"Q4_K takes the activation's sub-block sums, an f16 ({m}, {k // QK * HEAD_TAIL}) tensor")
     _check_out(out, m, n, out_row, residual, bias)
     pos, pitch = out_row if out_row is not None else (scales, out.stride(0))
+    block_n = block_n or weight_rows(m, n, _sms(out.device))
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _gemm_sb_kernel[grid](
         x16, scales, x16 if sums is None else sums, w, out,
@@ -232,6 +237,19 @@ def gemm_sb(
         num_warps=WARPS, num_stages=STAGES, **pdl.options(),
     )  # fmt: skip
     return out
+
+
+def weight_rows(m: int, n: int, sms: int) -> int:
+    """A program's weight rows: BLOCK_N where its grid fills the chip's `sms`, else NARROW_N. A program's time is
+    its decode, which grows with its weight rows (each decoded once for BLOCK_M activation rows), so where the
+    grid is under one program an SM (a 7B's q, k, v, o and down products at a 256-row chunk) twice the programs
+    of half the rows finish in about half the time; where it fills the chip the wider tile reads each
+    activation tile for twice the weight rows."""
+    return BLOCK_N if triton.cdiv(n, BLOCK_N) * triton.cdiv(m, BLOCK_M) >= sms else NARROW_N
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H200_SMS
 
 
 def _check_out(out: torch.Tensor, m: int, n: int, out_row, residual, bias) -> None:
