@@ -3,11 +3,11 @@ y (m, n) = x (m, k) @ W^T for Q4_K and Q6_K rows (`prefill=in-place`; other form
 
 Why a step is a whole super-block (256 values). A K-quant weight is d * (sc * q) - dmin * mn: d and dmin are
 f16 scales of the super-block, sc and mn small integers of a sub-block (32 values for Q4_K, 16 for Q6_K), q
-the code. `gemm.gemm` decodes every weight to f32 (an int-to-float convert), then to f16 (a second convert),
-and rounds the f32 activation to f16 in every program again: two to three quarter-rate converts a value, a
-step's MMA waiting on them. `gemm_q8` keeps the codes integer, but scales its [BLOCK_N, BLOCK_M] f32
-accumulator every 32 values (int32 to f32, the product of two scales, an add: 4-5 ALU operations an output a
-32-value run), which bounds it on the ALU, not on the tensor cores. Here:
+the code. `gemm.gemm` decodes every weight to its f32 value, then rounds it to f16, and every program
+takes its f32 activation tile's largest value and rounds the tile to f16 again each step: its instructions
+issue for ~10-17x the time of its MMA (docs/cuda-lane.md counts them). `gemm_q8` keeps the codes integer, but
+scales its [BLOCK_N, BLOCK_M] f32 accumulator every 32 values (int32 to f32, the product of two scales, an add:
+4-5 instructions an output a 32-value run), ~15x its int8 MMA's time. Here:
 
 - the weights are decoded to f16 with their integer sub-scale folded in: Q4_K's sc * q (0..63 x 0..15 <= 945)
   is an integer f16 holds exactly; Q6_K's sc * (q - 32) (up to 128 x 32) is rounded to f16 once, as an f16 copy
@@ -26,7 +26,10 @@ accumulator every 32 values (int32 to f32, the product of two scales, an add: 4-
 So the product is that of the f16-rounded activation and the checkpoint's weights with d and dmin applied in
 f32 (Q4_K: no weight is rounded at all; Q6_K: sc * (q - 32) once to f16, relative 2^-11), up to f32 sums.
 
-A program takes BLOCK_M activation rows by BLOCK_N weight rows; rows past m or n read the last row (no masked
+A program takes BLOCK_M activation rows by BLOCK_N weight rows (`weight_rows`) and computes the transposed
+tile, weight rows down: the decoded weights are the MMA's register operand, the activation tile its
+shared-memory one (asynchronous copies, STAGES deep), and a step decodes its super-block in two halves of 128
+values so that one half is live at a time. Rows past m or n read the last row (no masked
 loads in the loop) and the store drops them. The epilogue (`gemm.store_tile`) adds a bias and a residual and
 lands the rows at row pos[0] of a table where asked (a cache row write).
 """
