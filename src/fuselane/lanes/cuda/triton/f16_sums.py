@@ -21,7 +21,7 @@ import triton.language as tl
 
 from fuselane.gguf.formats import QK
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.f16_scale import _power_of_two, _row_exponent
+from fuselane.lanes.cuda.triton.f16_scale import power_of_two, row_exponent
 
 SUB = tl.constexpr(QK)
 SUM_SHIFT = tl.constexpr(float(QK))  # the sums / 32 fit f16
@@ -54,12 +54,12 @@ def _f16_sums_kernel(x, x_pitch, out, out_pitch, scales, sums, sums_pitch, K: tl
     for c0 in range(0, K, BLOCK):  # one pass rounds the row as it is (nearly every row) and finds its largest
         amax = tl.maximum(amax, tl.abs(tl.load(src + c0 + tl.arange(0, BLOCK)).to(tl.float32)))
         _round_and_sum(src, dst, srow, c0, 1.0, BLOCK)
-    e = _row_exponent(tl.max(amax, 0))
+    e = row_exponent(tl.max(amax, 0))
     if e > 0:  # a row past 2^14: written again, times 2^-e (exact), over what the first pass wrote
         tl.debug_barrier()
         for c0 in range(0, K, BLOCK):
-            _round_and_sum(src, dst, srow, c0, _power_of_two(-e), BLOCK)
-    tl.store(scales + row, _power_of_two(e))
+            _round_and_sum(src, dst, srow, c0, power_of_two(-e), BLOCK)
+    tl.store(scales + row, power_of_two(e))
 
 
 def f16_sums(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, sums: torch.Tensor) -> None:
