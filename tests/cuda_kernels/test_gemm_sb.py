@@ -96,6 +96,22 @@ def _run(fmt: Format, x: np.ndarray, raw: np.ndarray, n: int, k: int, **kw) -> t
     return G.gemm_sb(x16, s, sums, dev(raw), fmt, n, k, out, **TILE, **kw)
 
 
+def test_sub_block_sums_are_head_and_tail_of_the_f16_rows_sums():
+    # each 32 values' sum of the f16 rows (scaled rows included) / 32: head + tail within 2^-22 of it relative
+    # (the f32 sum of 32 f16 values within gamma_31, the tail's rounding 2^-22) and 2^-25 absolute (a tail
+    # under f16's normals); the rows are to_f16's, bit for bit (`_sums`)
+    m, k = 6, 3 * SUPER
+    rng = np.random.default_rng(15)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[::2] *= np.float32(1e6)
+    got = _sums(x).double().cpu().numpy().reshape(m, k // 32, 2).sum(axis=2)
+    x16, _, _ = _x16(x)
+    groups = x16.double().cpu().numpy().reshape(m, k // 32, 32)
+    want, mag = groups.sum(axis=2) / 32, np.abs(groups).sum(axis=2) / 32
+    bound = (gamma(31) + 2.0**-22) * mag + SUBNORMAL_HALF_STEP
+    assert np.all(np.abs(got - want) <= bound)
+
+
 def _q4k_bound(xd: np.ndarray, main: np.ndarray, low: np.ndarray, k: int) -> np.ndarray:
     terms = np.abs(xd) @ (main + low).T
     return (gamma(k + SUPER) + U16 * U16 * 4 + 6 * U32) * terms + SUBNORMAL_HALF_STEP * low.sum(axis=1)[None, :]
