@@ -62,6 +62,20 @@ def test_every_launch_compiles_at_the_real_widths(shape, mix, cuts):
     assert "a narrow chunk and sampled decode steps" in done.stdout.splitlines()[0]
 
 
+def test_the_super_block_prefill_compiles_without_spills_at_the_7b_widths():
+    # prefill=in-place on a Q4_K_M 7B layer: every product takes the super-block GEMM (Q4_K, Q6_K) after its
+    # activation's f16 launch, and neither spills (a spill is a kernel slower than its design)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    argv = [sys.executable, "-m", "fuselane.lanes.cuda.compile_check", "qwen2.5-7b", "--mix", "q4_k_m"]
+    argv += ["--layers", "1", "--vocab", SMALL_VOCAB, "--knob", "prefill=in-place", "--usage"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    usage = {line.split()[0]: line for line in done.stdout.splitlines()[1:] if line.startswith("  _")}
+    for kernel in ("_gemm_sb_kernel", "_f16_sums_kernel"):
+        assert kernel in usage, done.stdout
+        assert " 0 stack bytes" in usage[kernel], usage[kernel]
+
+
 def test_a_kernel_the_compiler_refuses_fails_the_check(tmp_path):
     """Not vacuous: a kernel reading a plain global (which the interpreter takes) fails, named."""
     script = tmp_path / "bad.py"

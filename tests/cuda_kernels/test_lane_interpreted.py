@@ -186,3 +186,22 @@ def test_prefill_multiplies_on_the_int8_tensor_cores(tmp_path, monkeypatch):
     assert np.isfinite(a).all() and rel(a, b) <= tol
     assert formats == {12, 14}, formats  # Q4_K, Q6_K
     assert not gpu.lane._dense, "a product made an f16 copy"
+
+
+def test_prefill_in_place_reads_k_quants_a_super_block_a_step(tmp_path, monkeypatch):
+    # a Q4_K_M checkpoint under prefill=in-place: every chunk product (Q4_K and Q6_K rows) takes the super-block
+    # f16 GEMM (`gemm_sb`), no f16 copy is made, and the logits keep the contract against the cpu lane in f64
+    from fuselane.gguf.synth import Shape
+    from fuselane.lanes.cuda.triton import gemm_sb
+
+    formats: set[int] = set()
+    real = gemm_sb.product
+    monkeypatch.setattr(gemm_sb, "product", lambda *a, **k: formats.add(int(a[2])) or real(*a, **k))
+    path = write_synthetic(tmp_path / "m.gguf", Shape(*INT8_SHAPES["qwen3"][0], context=4096), "q4_k_m", seed=7)
+    gpu = load(path, lane="cuda", ctx=32, knobs=["prefill=in-place"])
+    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    a, b = gpu.session().feed(PROMPT), ref.session().feed(PROMPT)
+    assert np.isfinite(a).all() and rel(a, b) <= tol, f"{rel(a, b):.2e} > {tol:.2e}"
+    assert formats == {12, 14}, formats  # Q4_K, Q6_K
+    assert not gpu.lane._dense, "a product made an f16 copy"

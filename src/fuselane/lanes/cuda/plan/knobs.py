@@ -57,7 +57,7 @@ class PrefillWeights(enum.Enum):
 
     INT8 = "int8"  # the int8 tensor-core GEMM on the checkpoint's bytes and the activation's int8 form; no copy
     F16_COPY = "f16-copy"  # cuBLAS on an f16 copy of each matrix, made on first use (3.6x a Q4_K matrix's bytes)
-    IN_PLACE = "in-place"  # the tensor-core GEMM that decodes the checkpoint's bytes in the kernel; no copy
+    IN_PLACE = "in-place"  # the f16 tensor-core GEMMs that decode the checkpoint's bytes in the kernel; no copy
 
 
 class RopeEpilogue(enum.Enum):
@@ -129,8 +129,10 @@ class CudaKnobs:
       overflow. Measured on the H200 (benchmarks/RESULTS.md, 2026-12-01), the int8 tensor-core
       GEMM from the checkpoint's bytes (`prefill=int8`: `triton/gemm_q8.py`, the formats of `gemm_tiles`;
       no copy, nothing rounded to f16) is still 6-20x slower than cuBLAS at its best tile (7B pp512 1,042
-      against 23,639 tok/s), so it stays a knob until it is faster. `in-place` takes the f16 GEMM that
-      decodes the weights in its kernel for every product (no copy, slower).
+      against 23,639 tok/s), so it stays a knob until it is faster. `in-place` takes the f16 GEMMs that
+      decode the weights in the kernel for every product (no copy): Q4_K and Q6_K a super-block a step with the
+      sub-scales folded into the f16 weights (`triton/gemm_sb.py`, not yet timed), other formats `triton/gemm.py`
+      (slower than the copies).
     """
 
     chip: Chip = H200

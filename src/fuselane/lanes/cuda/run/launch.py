@@ -158,11 +158,15 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
     if spec.m <= kernels.GEMV_ROWS or b.paged is not None:  # a batch's products: GEMVs over its rows
         kernel = _gemv_kernels(fmt, spec.m, out)
         return [lambda: kernel(x, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)]
-    from fuselane.lanes.cuda.triton import f16_scale, gemm
+    from fuselane.lanes.cuda.triton import f16_scale, gemm, gemm_sb
 
     x2 = x.view(spec.m, spec.k)
     res2 = res_t.view(spec.m, spec.n) if res_t is not None else None
     out2 = out if row is not None else out.view(spec.m, spec.n)
+    if b.in_place and gemm_sb.supports(fmt, spec.k) and out.dtype in _store_types():
+        # Q4_K / Q6_K: a super-block a step, the sub-scales folded into the f16 weights (`gemm_sb`); no copy
+        n, k = spec.n, spec.k
+        return [lambda: gemm_sb.product(x2, w, fmt, n, k, out2, bias=bias_t, residual=res2, out_row=row)]
     if b.in_place and gemm.supports(fmt, spec.k) and out.dtype in _store_types():
         # the weights decoded to f16 in the kernel: no f16 copy of the matrix
         return [lambda: gemm.gemm(x2, w, fmt, spec.n, spec.k, out2, bias=bias_t, residual=res2, out_row=row)]

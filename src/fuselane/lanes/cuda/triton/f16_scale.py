@@ -45,7 +45,7 @@ STORE_WARPS = 4
 
 
 @triton.jit
-def _row_exponent(amax):
+def row_exponent(amax):
     """e >= 0, the least with amax / 2^e <= 2^14 (0 for a row that fits), from amax's f32 bits: integer steps
     only, so the compiled kernel and the interpreter agree exactly (no approximate log2 or exp2)."""
     bits = amax.to(tl.int32, bitcast=True)
@@ -55,7 +55,7 @@ def _row_exponent(amax):
 
 
 @triton.jit
-def _power_of_two(e):
+def power_of_two(e):
     """2^e as f32, built from its bits (exact)."""
     return ((e + EXPONENT_BIAS) << MANTISSA_BITS).to(tl.float32, bitcast=True)
 
@@ -73,15 +73,15 @@ def _to_f16_kernel(x, x_pitch, out, out_pitch, scales, K: tl.constexpr, BLOCK: t
         v = tl.load(src + c, mask=c < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
         tl.store(dst + c, v.to(tl.float16), mask=c < K)
-    e = _row_exponent(tl.max(amax, 0))
+    e = row_exponent(tl.max(amax, 0))
     if e > 0:  # a row past 2^14: written again, times 2^-e (exact), over what the first pass wrote
         tl.debug_barrier()
-        inv = _power_of_two(-e)
+        inv = power_of_two(-e)
         for c0 in range(0, K, BLOCK):
             c = c0 + cols
             v = tl.load(src + c, mask=c < K, other=0.0).to(tl.float32)
             tl.store(dst + c, (v * inv).to(tl.float16), mask=c < K)
-    tl.store(scales + row, _power_of_two(e))
+    tl.store(scales + row, power_of_two(e))
 
 
 @triton.jit
