@@ -9,11 +9,11 @@ import pytest
 
 # `pytest -m cuda tests` (the GPU run) spreads over this many pytest-xdist workers where xdist is installed and no
 # `-n` was given: its time is host work (Triton compiling each kernel once, the f64 references), which one
-# process does serially while the GPU waits. On a fresh host (Triton's cache empty) compiling is most of it: four
-# workers took 385 s on a 16-core H200 host, the longest groups (a shape's 4,096-token references, the hybrid's
-# lane tests) each a minute or two. Eight halve the compiling's share and keep the memory within bounds (two groups
-# hold an 8B-width f64 reference, 10 GB each). Tests sharing a costly module fixture (a reference model) carry an
-# `xdist_group` mark so one worker builds it once (`--dist loadgroup`).
+# process does serially while the GPU waits. On a fresh 16-core H200 host (Triton's cache empty) four workers took
+# 385 s whole; eight ran 185 of the 207 tests in 262 s, the rest being the longest groups (a shape's 4,096-token
+# references, the hybrid's lane tests), which each run serially on one worker (RESULTS.md). Eight keep the memory
+# within bounds (two groups hold an 8B-width f64 reference, 10 GB each). Tests sharing a costly module fixture (a
+# reference model) carry an `xdist_group` mark so one worker builds it once (`--dist loadgroup`).
 CUDA_WORKERS = 8
 # Each worker's BLAS and OpenMP pools take the host's cores over the workers: one pool of every core a worker
 # ran the host out of threads.
