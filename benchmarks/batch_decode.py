@@ -8,6 +8,10 @@ Usage: python benchmarks/batch_decode.py MODEL [--lane cuda] [--seqs 1 8 32 64] 
 
 Prompts are random token ids; greedy sampling. A sequence ending early at an end token (random weights can pick
 one) leaves the batch: the tokens counted are those generated, and the rows each step ran are reported too.
+
+One engine serves every level (its pool sized for the largest), and each level runs once untimed first, so the
+steps of its batch sizes are built, compiled and captured before the timed run; a batch size met for the first
+time inside the timed run (sequences leaving early) is reported as `buckets_built_while_timed`.
 """
 
 from __future__ import annotations
@@ -24,11 +28,9 @@ from fuselane.engine.sequence import Request
 from fuselane.runtime.model import load
 
 
-def measure(model, seqs: int, prompt: int, gen: int, seed: int) -> dict:
+def measure(engine, vocab: int, seqs: int, prompt: int, gen: int, seed: int) -> dict:
     """One level: the decode throughput of `seqs` sequences (see the module's docstring)."""
     rng = np.random.default_rng(seed)
-    per_seq = blocks_for(prompt + gen + 1, DEFAULT_BLOCK_SIZE)
-    engine = engine_for(model, blocks=per_seq * seqs, max_seqs=seqs, max_queue=seqs)
     first: set[int] = set()
     counted = [0]
     timing = [False]
@@ -40,11 +42,12 @@ def measure(model, seqs: int, prompt: int, gen: int, seed: int) -> dict:
                 counted[0] += len(event.tokens)
 
     for _ in range(seqs):
-        ids = tuple(int(t) for t in rng.integers(1, model.cfg.vocab - 1, prompt))
+        ids = tuple(int(t) for t in rng.integers(1, vocab - 1, prompt))
         engine.submit(Request(ids, gen), sink)
     while len(first) < seqs and engine.step():
         pass
     steps_before = engine.stats.steps
+    buckets_before = _buckets(engine)
     timing[0] = True
     start = time.perf_counter()
     while engine.step():
@@ -60,7 +63,13 @@ def measure(model, seqs: int, prompt: int, gen: int, seed: int) -> dict:
         "seconds": round(seconds, 4),
         "aggregate_tok_s": round(counted[0] / seconds, 1) if seconds else None,
         "blocks_in_use_after": engine.pool.used,
+        "buckets_built_while_timed": sorted(_buckets(engine) - buckets_before),
     }
+
+
+def _buckets(engine) -> set[int]:
+    """The batch sizes whose steps the engine's lane has built (a lane without buckets: none)."""
+    return set(getattr(engine.lane, "steps", {}))
 
 
 def main() -> None:
@@ -73,9 +82,14 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     model = load(args.model, lane=args.lane)
+    most = max(args.seqs)
+    per_seq = blocks_for(args.prompt + args.gen + 1, DEFAULT_BLOCK_SIZE)
+    engine = engine_for(model, blocks=per_seq * most, max_seqs=most, max_queue=most)
+    vocab = model.cfg.vocab
     for seqs in args.seqs:
-        measure(model, seqs, args.prompt, 8, seed=99)  # warm: compiles, captures the graphs of the level's buckets
-        r = measure(model, seqs, args.prompt, args.gen, seed=seqs)
+        # untimed first: builds, compiles and captures the steps of the level's batch sizes
+        measure(engine, vocab, seqs, args.prompt, args.gen, seed=99)
+        r = measure(engine, vocab, seqs, args.prompt, args.gen, seed=seqs)
         line = (
             json.dumps(r)
             if args.json
