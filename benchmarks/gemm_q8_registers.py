@@ -13,10 +13,6 @@ Usage: python benchmarks/gemm_q8_registers.py [--formats Q4_K,Q6_K] [--k 3584] [
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import subprocess
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -24,6 +20,7 @@ from triton.compiler import ASTSource
 
 from benchmarks.gemm_q8_sweep import _label, _tile
 from fuselane.gguf.formats import QK, Format, row_bytes
+from fuselane.lanes.cuda.compile_check import resources
 from fuselane.lanes.cuda.plan import gemm_tiles
 from fuselane.lanes.cuda.plan.gemm_tiles import GemmTile
 from fuselane.lanes.cuda.triton import gemm_q8 as G
@@ -48,19 +45,17 @@ def _consts(fmt: Format, k: int, t: GemmTile) -> dict:
 
 def usage(fmt: Format, k: int, t: GemmTile) -> tuple[int, int]:
     """(registers a thread, stack bytes a thread) of the kernel for `fmt`, rows of `k`, tile `t`, on sm_90a."""
-    kernel = G._gemm_q8_kernel
-    consts = _consts(fmt, k, t)
-    sig = {a: "constexpr" if a in consts else ARGS[a] for a in kernel.arg_names}
-    attrs = {(i,): ALIGNED for i, a in enumerate(kernel.arg_names) if a not in consts}
+    return kernel_usage(G._gemm_q8_kernel, ARGS, _consts(fmt, k, t), t)
+
+
+def kernel_usage(kernel, args: dict[str, str], consts: dict, t: GemmTile, unaligned: tuple[str, ...] = ()):
+    """(registers, stack bytes) a thread of `kernel` compiled for sm_90a as a launch specializes it: `args` the
+    runtime arguments' types, `consts` its constexprs, every runtime argument 16-aligned but `unaligned`."""
+    sig = {a: "constexpr" if a in consts else args[a] for a in kernel.arg_names}
+    attrs = {(i,): ALIGNED for i, a in enumerate(kernel.arg_names) if a not in consts and a not in unaligned}
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     done = triton.compile(src, target=SM90, options=dict(num_warps=t.warps, num_stages=t.stages))
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(done.asm["cubin"])
-        said = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
-    return int(re.search(r"REG:(\d+)", said).group(1)), int(re.search(r"STACK:(\d+)", said).group(1))
+    return resources(done.asm["cubin"])
 
 
 def main() -> None:

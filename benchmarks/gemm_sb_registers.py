@@ -8,47 +8,27 @@ Usage: python benchmarks/gemm_sb_registers.py [--formats Q4_K,Q6_K] [--k 3584] [
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import subprocess
-import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
+from benchmarks.gemm_q8_registers import kernel_usage
 from benchmarks.gemm_q8_sweep import _label, _tile
 from fuselane.gguf.formats import Format, row_bytes
 from fuselane.lanes.cuda.plan.gemm_tiles import GemmTile
 from fuselane.lanes.cuda.triton import gemm_sb as G
 
-SM90 = GPUTarget("cuda", 90, 32)
 ARGS = {  # the kernel's runtime arguments and their types (f32 output, no bias or residual)
     **dict(x="*fp16", scales="*fp32", sums="*fp16", w="*u8", out="*fp32", bias="*fp32", res="*fp32", pos="*i32"),
     **dict(m="i32", n="i32", x_pitch="i32", sums_pitch="i32", out_pitch="i32", res_pitch="i32"),
 }
-ALIGNED = [["tt.divisibility", 16]]  # what the JIT's specialization says of an aligned pointer or int
 DEFAULT = GemmTile(G.BLOCK_M, G.BLOCK_N, G.WARPS, G.STAGES)
 
 
 def usage(fmt: Format, k: int, t: GemmTile) -> tuple[int, int]:
     """(registers a thread, stack bytes a thread) of the kernel for `fmt`, rows of `k`, tile `t`, on sm_90a."""
-    kernel = G._gemm_sb_kernel
     consts = dict(
         FMT=int(fmt), SB_BYTES=row_bytes(fmt, G.SUPER), ROW_BYTES=row_bytes(fmt, k), STEPS=k // G.SUPER,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.stages, HAS_BIAS=False, HAS_RES=False, AT_ROW=False, PDL=True,
     )  # fmt: skip
-    sig = {a: "constexpr" if a in consts else ARGS[a] for a in kernel.arg_names}
-    attrs = {(i,): ALIGNED for i, a in enumerate(kernel.arg_names) if a not in consts and a != "m"}
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    done = triton.compile(src, target=SM90, options=dict(num_warps=t.warps, num_stages=t.stages))
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(done.asm["cubin"])
-        said = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
-    return int(re.search(r"REG:(\d+)", said).group(1)), int(re.search(r"STACK:(\d+)", said).group(1))
+    return kernel_usage(G._gemm_sb_kernel, ARGS, consts, t, unaligned=("m",))
 
 
 def main() -> None:

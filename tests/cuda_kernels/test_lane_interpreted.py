@@ -169,36 +169,25 @@ def test_int8_products_quantize_what_their_producer_did_not(tmp_path):
     assert reading and step.launches == plain.lane.step(1).launches + len(reading)
 
 
-def test_prefill_multiplies_on_the_int8_tensor_cores(tmp_path, monkeypatch):
-    # prefill=int8: every product of a chunk multiplies the activation's int8 form by the checkpoint's
-    # Q4_K and Q6_K bytes (`gemm_q8`), no f16 copy of any matrix is made, and the logits keep the int8 contract
+@pytest.mark.parametrize(
+    ("knob", "module", "launcher", "seed"),
+    [("int8", "gemm_q8", "gemm_q8", 6), ("in-place", "gemm_sb", "product", 7)],
+    ids=["int8-tensor-cores", "in-place-super-blocks"],
+)
+def test_prefill_from_the_files_bytes(tmp_path, monkeypatch, knob, module, launcher, seed):
+    # a Q4_K_M checkpoint under prefill=int8 (the activation's int8 form times the checkpoint's bytes, `gemm_q8`)
+    # or prefill=in-place (the super-block f16 GEMM, `gemm_sb`): every chunk product (Q4_K and Q6_K rows) takes
+    # that kernel, no f16 copy of any matrix is made, and the logits keep the contract against the cpu lane in f64
+    import importlib
+
     from fuselane.gguf.synth import Shape
-    from fuselane.lanes.cuda.triton import gemm_q8
 
+    kernels = importlib.import_module(f"fuselane.lanes.cuda.triton.{module}")
     formats: set[int] = set()
-    real = gemm_q8.gemm_q8
-    monkeypatch.setattr(gemm_q8, "gemm_q8", lambda *a, **k: formats.add(int(a[2])) or real(*a, **k))
-    path = write_synthetic(tmp_path / "m.gguf", Shape(*INT8_SHAPES["qwen3"][0], context=4096), "q4_k_m", seed=6)
-    gpu = load(path, lane="cuda", ctx=32, knobs=["prefill=int8"])
-    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
-    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
-    a, b = gpu.session().feed(PROMPT), ref.session().feed(PROMPT)
-    assert np.isfinite(a).all() and rel(a, b) <= tol
-    assert formats == {12, 14}, formats  # Q4_K, Q6_K
-    assert not gpu.lane._dense, "a product made an f16 copy"
-
-
-def test_prefill_in_place_reads_k_quants_a_super_block_a_step(tmp_path, monkeypatch):
-    # a Q4_K_M checkpoint under prefill=in-place: every chunk product (Q4_K and Q6_K rows) takes the super-block
-    # f16 GEMM (`gemm_sb`), no f16 copy is made, and the logits keep the contract against the cpu lane in f64
-    from fuselane.gguf.synth import Shape
-    from fuselane.lanes.cuda.triton import gemm_sb
-
-    formats: set[int] = set()
-    real = gemm_sb.product
-    monkeypatch.setattr(gemm_sb, "product", lambda *a, **k: formats.add(int(a[2])) or real(*a, **k))
-    path = write_synthetic(tmp_path / "m.gguf", Shape(*INT8_SHAPES["qwen3"][0], context=4096), "q4_k_m", seed=7)
-    gpu = load(path, lane="cuda", ctx=32, knobs=["prefill=in-place"])
+    real = getattr(kernels, launcher)
+    monkeypatch.setattr(kernels, launcher, lambda *a, **k: formats.add(int(a[2])) or real(*a, **k))
+    path = write_synthetic(tmp_path / "m.gguf", Shape(*INT8_SHAPES["qwen3"][0], context=4096), "q4_k_m", seed=seed)
+    gpu = load(path, lane="cuda", ctx=32, knobs=[f"prefill={knob}"])
     ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     a, b = gpu.session().feed(PROMPT), ref.session().feed(PROMPT)

@@ -52,6 +52,7 @@ from fuselane.graph.ops import (
     UnaryOp,
 )
 from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.knobs import H200
 from fuselane.lanes.cuda.plan.shim import QUANT_EPILOGUES
 from fuselane.lanes.cuda.run import gdn_launch, mla_launch, moe_launch
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
@@ -71,7 +72,6 @@ class PagedRows:
     lens: Any  # int32 (rows,)
     pools: dict[str, Any]  # cache name -> (rows of every block, width) in the cache's precision
     block_size: int
-    sms: int  # the chip's SMs: how many splits of each row's span the attention takes (`paged.paged_plan`)
 
 
 @dataclass(slots=True)
@@ -88,6 +88,9 @@ class Bound:
     q8: dict[str, Any] = field(default_factory=dict)  # name -> quant.Q8Acts: the int8 forms the plan writes
     attention_f16: bool = False  # a chunk's attention multiplies on the f16 tensor cores (`CudaShim.attention`)
     paged: PagedRows | None = None  # a batch's step over a paged KV pool (see the module)
+    # the chip's multiprocessors (`Chip.sms`), which kernels size their grids by: the super-block GEMM's tile,
+    # the paged attention's splits of each row's span (`paged.paged_plan`)
+    sms: int = H200.sms
 
 
 def _t():
@@ -166,7 +169,8 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
     if b.in_place and gemm_sb.supports(fmt, spec.k) and out.dtype in _store_types():
         # Q4_K / Q6_K: a super-block a step, the sub-scales folded into the f16 weights (`gemm_sb`); no copy
         n, k = spec.n, spec.k
-        return [lambda: gemm_sb.product(x2, w, fmt, n, k, out2, bias=bias_t, residual=res2, out_row=row)]
+        epilogue = dict(bias=bias_t, residual=res2, out_row=row, sms=b.sms)
+        return [lambda: gemm_sb.product(x2, w, fmt, n, k, out2, **epilogue)]
     if b.in_place and gemm.supports(fmt, spec.k) and out.dtype in _store_types():
         # the weights decoded to f16 in the kernel: no f16 copy of the matrix
         return [lambda: gemm.gemm(x2, w, fmt, spec.n, spec.k, out2, bias=bias_t, residual=res2, out_row=row)]
@@ -370,7 +374,7 @@ def _paged_attention(op: Op, b: Bound, spec: Attention, out_q8: Any) -> Launch:
     k_new, v_new = b.bufs[k_name], b.bufs[v_name]
     k_pool, v_pool = p.pools[k_name], p.pools[v_name]
     shape = dict(heads=spec.heads, kv_heads=spec.kv_heads, hd=spec.hd, scale=spec.scale, block_size=p.block_size)
-    plan = attention_paged.paged_plan(rows, spec.heads, spec.kv_heads, p.tables.shape[1] * p.block_size, sms=p.sms)
+    plan = attention_paged.paged_plan(rows, spec.heads, spec.kv_heads, p.tables.shape[1] * p.block_size, sms=b.sms)
     need = attention_paged.paged_scratch_size(plan, rows, spec.heads, spec.hd)
     # one scratch for every layer's attention of a size: the launches run in turn, each leaving its counters at 0
     scratch = b.scratch.setdefault(f"paged {need}", q.new_zeros(need)) if plan.splits > 1 else None
@@ -378,7 +382,7 @@ def _paged_attention(op: Op, b: Bound, spec: Attention, out_q8: Any) -> Launch:
     def attend() -> None:
         attention_paged.store_kv(k_new, v_new, k_pool, v_pool, p.slots)
         attention_paged.paged_decode(
-            q, k_pool, v_pool, p.tables, p.lens, out, out_q8=out_q8, scratch=scratch, sms=p.sms, **shape
+            q, k_pool, v_pool, p.tables, p.lens, out, out_q8=out_q8, scratch=scratch, sms=b.sms, **shape
         )
 
     return attend

@@ -96,10 +96,9 @@ class BatchStep:
         bufs[IDS] = columns[ID]
         bufs[POS] = torch.zeros(1, dtype=torch.int32, device=device)  # staging rows start at row 0
         tables = self.inputs[rows * COLUMNS :].view(rows, width)
-        sms = lane.shim.knobs.chip.sms
-        paged = PagedRows(columns[POSITION], columns[SLOT], tables, columns[LENGTH], pools, block_size, sms)
+        paged = PagedRows(columns[POSITION], columns[SLOT], tables, columns[LENGTH], pools, block_size)
         self.bufs = bufs
-        bound = Bound(g, bufs, lane.raw, lane.vec, lane.dense, q8=q8, paged=paged)
+        bound = Bound(g, bufs, lane.raw, lane.vec, lane.dense, q8=q8, paged=paged, sms=lane.shim.knobs.chip.sms)
         self.launch_list = [launch for op in self.plan.ops for launch in bind(op, bound)]
         self.logits = bufs[LOGITS].view(rows, -1)
         self.picked = torch.zeros((rows, sample.PICKED_VALUES), dtype=sample.PICKED_DTYPE, device=device)

@@ -134,15 +134,8 @@ def gemm(
     m = x.shape[0]
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in DEQUANT_OUT:
         raise ValueError(f"x must be an f32 or f16 (m, {k}) tensor with unit column stride")
-    if out.dim() != 2 or out.stride(1) != 1 or out.dtype not in DEQUANT_OUT:
-        raise ValueError("out must be a 2-D f32 or f16 tensor with unit column stride")
-    if out_row is None and tuple(out.shape) != (m, n):
-        raise ValueError(f"out must be ({m}, {n}), got {tuple(out.shape)}")
+    check_out(out, m, n, out_row, residual, bias)
     pos, pitch = out_row if out_row is not None else (x, out.stride(0))
-    if residual is not None and (tuple(residual.shape) != (m, n) or residual.stride(1) != 1):
-        raise ValueError(f"residual must be ({m}, {n}) with unit column stride")
-    if bias is not None and (bias.dim() != 1 or bias.numel() != n or not bias.is_contiguous()):
-        raise ValueError(f"bias must be a contiguous ({n},) tensor")
     values = decode_unit(fmt, k)
     units = step_units(fmt, k)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
@@ -174,3 +167,16 @@ def gemm(
         **pdl.options(),
     )
     return out
+
+
+def check_out(out: torch.Tensor, m: int, n: int, out_row, residual, bias) -> None:
+    """Raise unless `out`, `residual` and `bias` fit a prefill product's (m, n) result and `store_tile`'s
+    epilogue (with `out_row` the rows land in a table, whatever its shape)."""
+    if out.dim() != 2 or out.stride(1) != 1 or out.dtype not in DEQUANT_OUT:
+        raise ValueError("out must be a 2-D f32 or f16 tensor with unit column stride")
+    if out_row is None and tuple(out.shape) != (m, n):
+        raise ValueError(f"out must be ({m}, {n}), got {tuple(out.shape)}")
+    if residual is not None and (tuple(residual.shape) != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"residual must be ({m}, {n}) with unit column stride")
+    if bias is not None and (bias.dim() != 1 or bias.numel() != n or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous ({n},) tensor")

@@ -48,7 +48,7 @@ from fuselane.gguf.formats import IQ4_NL_VALUES, QK, Format, row_bytes
 from fuselane.lanes.cuda.plan import gemm_tiles
 from fuselane.lanes.cuda.plan.gemm_tiles import GemmTile
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemm import store_tile
+from fuselane.lanes.cuda.triton.gemm import check_out, store_tile
 from fuselane.lanes.cuda.triton.gemm_q8_runs import run
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 from fuselane.lanes.cuda.triton.quant import HALF, Q8Acts, check_acts
@@ -139,17 +139,6 @@ def supports(fmt: Format, m: int, k: int) -> bool:
     return gemm_tiles.int8_gemm(Format(fmt), m, k)
 
 
-def _check_out(out: torch.Tensor, m: int, n: int, out_row, residual, bias) -> None:
-    if out.dim() != 2 or out.stride(1) != 1 or out.dtype not in (torch.float32, torch.float16):
-        raise ValueError("out must be a 2-D f32 or f16 tensor with unit column stride")
-    if out_row is None and tuple(out.shape) != (m, n):
-        raise ValueError(f"out must be ({m}, {n}), got {tuple(out.shape)}")
-    if residual is not None and (tuple(residual.shape) != (m, n) or residual.stride(1) != 1):
-        raise ValueError(f"residual must be ({m}, {n}) with unit column stride")
-    if bias is not None and (bias.dim() != 1 or bias.numel() != n or not bias.is_contiguous()):
-        raise ValueError(f"bias must be a contiguous ({n},) tensor")
-
-
 def gemm_q8(
     x: Q8Acts,
     w: torch.Tensor,
@@ -176,7 +165,7 @@ def gemm_q8(
         raise ValueError(f"no int8 GEMM for {m} rows of {fmt.name} rows of {k} values")
     check_rows(w, fmt, n, k)
     check_acts(x, k, m)
-    _check_out(out, m, n, out_row, residual, bias)
+    check_out(out, m, n, out_row, residual, bias)
     pos, pitch = out_row if out_row is not None else (x.d, out.stride(0))
     t = tile or gemm_tiles.tile(fmt)
     values = gemm_tiles.block_values(fmt)

@@ -43,9 +43,10 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import QK, Format, row_bytes
+from fuselane.lanes.cuda.plan.knobs import H200
 from fuselane.lanes.cuda.triton import f16_scale, pdl
 from fuselane.lanes.cuda.triton.f16_sums import HEAD_TAIL, f16_sums
-from fuselane.lanes.cuda.triton.gemm import store_tile
+from fuselane.lanes.cuda.triton.gemm import check_out, store_tile
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 
 SUPER = 256  # values a super-block: a step's K
@@ -76,7 +77,6 @@ BLOCK_N = 128
 NARROW_N = 64  # the weight rows a program where BLOCK_N's grid leaves SMs idle
 WARPS = 8
 STAGES = 2
-H200_SMS = 132  # the chip a host tensor's launch stands for (the compile check, the interpreter)
 
 
 @triton.jit
@@ -207,12 +207,14 @@ def gemm_sb(
     out_row: tuple[torch.Tensor, int] | None = None,
     block_m: int = BLOCK_M,
     block_n: int | None = None,
+    sms: int = H200.sms,
 ) -> torch.Tensor:
     """out (m, n) = (x16 (m, k) @ W^T) * scales[:, None] (+ bias) (+ residual), x16 an f16 activation and
     `scales` (m,) f32 its rows' powers of two, `sums` (m, k / 16) f16 its sub-block sums (`f16_sums.f16_sums`;
     Q4_K's minimum reads them, None for Q6_K), W the n x k checkpoint rows `w` in `fmt`;
     returns `out`. `out_row` = (pos, pitch) lands the rows from row pos[0] of the table `out`. `block_m` and
-    `block_n` are the tile (`block_n` by default `weight_rows`), parameters so tests reach several tiles."""
+    `block_n` are the tile (`block_n` by default `weight_rows` on a chip of `sms` multiprocessors, the lane's
+    `Chip`), parameters so tests reach several tiles."""
     fmt = Format(fmt)
     if not supports(fmt, k):
         raise ValueError(f"no super-block GEMM for {fmt.name} rows of {k} values")
@@ -224,9 +226,9 @@ def gemm_sb(
         raise ValueError(f"scales must be a contiguous f32 ({m},) tensor")
     if fmt is Format.Q4_K and (sums is None or tuple(sums.shape) != (m, k // QK * HEAD_TAIL) or sums.stride(1) != 1):
         raise ValueError(f"Q4_K takes the activation's sub-block sums, an f16 ({m}, {k // QK * HEAD_TAIL}) tensor")
-    _check_out(out, m, n, out_row, residual, bias)
+    check_out(out, m, n, out_row, residual, bias)
     pos, pitch = out_row if out_row is not None else (scales, out.stride(0))
-    block_n = block_n or weight_rows(m, n, _sms(out.device))
+    block_n = block_n or weight_rows(m, n, sms)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _gemm_sb_kernel[grid](
         x16, scales, x16 if sums is None else sums, w, out,
@@ -249,21 +251,6 @@ def weight_rows(m: int, n: int, sms: int) -> int:
     of half the rows finish in about half the time; where it fills the chip the wider tile reads each
     activation tile for twice the weight rows."""
     return BLOCK_N if triton.cdiv(n, BLOCK_N) * triton.cdiv(m, BLOCK_M) >= sms else NARROW_N
-
-
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H200_SMS
-
-
-def _check_out(out: torch.Tensor, m: int, n: int, out_row, residual, bias) -> None:
-    if out.dim() != 2 or out.stride(1) != 1 or out.dtype not in (torch.float32, torch.float16):
-        raise ValueError("out must be a 2-D f32 or f16 tensor with unit column stride")
-    if out_row is None and tuple(out.shape) != (m, n):
-        raise ValueError(f"out must be ({m}, {n}), got {tuple(out.shape)}")
-    if residual is not None and (tuple(residual.shape) != (m, n) or residual.stride(1) != 1):
-        raise ValueError(f"residual must be ({m}, {n}) with unit column stride")
-    if bias is not None and (bias.dim() != 1 or bias.numel() != n or not bias.is_contiguous()):
-        raise ValueError(f"bias must be a contiguous ({n},) tensor")
 
 
 def product(x: torch.Tensor, w: torch.Tensor, fmt: Format, n: int, k: int, out: torch.Tensor, **epilogue: Any):
