@@ -83,20 +83,21 @@ def test_batch_equals_single(path, max_seqs):
 
 @pytest.mark.parametrize("knobs", [[], ["activations=dequant"]], ids=["int8", "dequant"])
 def test_batch_logits_within_contract(path, knobs):
-    """One decode step of five sequences (a bucket of 8) and of one: each row's logits within the lane's contract
-    of the cpu lane's alone. Under int8 activations both read int8 rows where the single-sequence step does (the
-    bucket of 8 through the int8 GEMV over its rows, `q8_rows`, after its `Quantize` launches)."""
+    """One decode step of five sequences (a bucket of 8), of one, and of twelve (a bucket of 16): each row's
+    logits within the lane's contract of the cpu lane's alone. Under int8 activations the first two read int8
+    rows where the single-sequence step does (the bucket of 8 through the int8 GEMV over its rows, `q8_rows`,
+    after its `Quantize` launches); the bucket of 16 multiplies as a chunk does, on the f16 tensor cores."""
     gpu = load(path, lane="cuda", ctx=CTX, knobs=knobs)
     ref = load(path, lane="cpu", ctx=CTX, dtype=np.float64)
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     paged, pool = CudaPaged(gpu.lane, 64, 16), BlockPool(64, 16)
-    prompts = PROMPTS[1:6]
+    prompts = PROMPTS[1:6] + [[40 + i, 7 * i + 1, 3] for i in range(7)]
     tables = [BlockTable() for _ in prompts]
     for seq, (p, t) in enumerate(zip(prompts, tables, strict=True)):
         assert pool.grow(t, len(p))
         if len(p) > 1:
             paged.step([Work(seq, tuple(p[:-1]), 0, t, None)])
-    for rows in (prompts, prompts[:1]):
+    for rows in (prompts[:5], prompts[:1], prompts):
         works = [Work(s, (p[-1],), len(p) - 1, tables[s], Sampler(GREEDY)) for s, p in enumerate(rows)]
         tokens = paged.step(works)
         logits = paged.steps[1 << (len(rows) - 1).bit_length()].logits[: len(rows)].float().cpu().numpy()
@@ -106,6 +107,7 @@ def test_batch_logits_within_contract(path, knobs):
             assert tokens[i] == int(np.argmax(logits[i]))
     quantized = any(isinstance(op.sym, Quantize) for op in paged.steps[8].plan.ops)
     assert quantized is (not knobs)  # the dequantized numerics quantize nothing
+    assert not any(isinstance(op.sym, Quantize) for op in paged.steps[16].plan.ops)  # its products read f32
 
 
 def test_draws_inside_the_graph_are_the_one_row_samplers(path):

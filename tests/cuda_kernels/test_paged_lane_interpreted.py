@@ -84,3 +84,39 @@ def test_a_steps_inputs_pad_the_bucket_with_the_spare_block():
     columns, tables = values[: 4 * COLUMNS].reshape(COLUMNS, 4), values[4 * COLUMNS :].reshape(4, 3)
     assert columns.tolist() == [[11, 12, 0, 0], [5, 0, 0, 0], [9, 24, 28, 28], [6, 1, 1, 1]]
     assert tables.tolist() == [[3, 2, 7], [6, 7, 7], [7, 7, 7], [7, 7, 7]]
+
+
+def test_a_wide_bucket_multiplies_as_a_chunk_within_the_contract(tmp_path):
+    """Nine decode rows (a bucket of 16, past the GEMV's 8 rows): the batch's products take the chunk's GEMMs
+    (the f16 copies, reading each matrix once for every row), so its gated pair runs as its two products and its
+    GLU, where a bucket of 8 keeps the one GEMV launch; each row's logits are within the lane's contract of the
+    cpu lane's in f64 for that sequence alone, and its greedy pick is the arg-max of its row."""
+    from fuselane.engine.blocks import BlockPool, BlockTable
+    from fuselane.engine.cuda import CudaPaged
+    from fuselane.engine.lane import Work
+    from fuselane.fuse.views import class_of
+    from fuselane.graph.classes import ClassId as C
+    from fuselane.runtime.sampling import Sampler
+
+    path = write_synthetic(tmp_path / "m.gguf", "tiny-qwen3", "f16", seed=5)
+    gpu = load(path, lane="cuda", ctx=CTX)
+    ref = load(path, lane="cpu", ctx=CTX, dtype=np.float64)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    prompts = [[5 + i, 11 * i % 50 + 1][: 1 + i % 2] for i in range(9)]  # some at position 1 over a prefilled row
+    paged, pool = CudaPaged(gpu.lane, 12, 4), BlockPool(12, 4)
+    tables = [BlockTable() for _ in prompts]
+    for seq, (p, t) in enumerate(zip(prompts, tables, strict=True)):
+        assert pool.grow(t, len(p))
+        if len(p) > 1:
+            paged.step([Work(seq, tuple(p[:-1]), 0, t, None)])
+    works = [Work(s, (p[-1],), len(p) - 1, tables[s], Sampler(GREEDY)) for s, p in enumerate(prompts)]
+    tokens = paged.step(works)
+    step = paged.steps[16]
+    classes = [class_of(op) for op in step.plan.ops]
+    assert C.GEMV_GATE_UP_GLU not in classes and classes.count(C.GLU_ACT_MUL) == gpu.cfg.n_layers
+    logits = step.logits[: len(prompts)].float().cpu().numpy()
+    for i, p in enumerate(prompts):
+        want = ref.session().feed(p)
+        err = float(np.max(np.abs(logits[i] - want)) / np.max(np.abs(want)))
+        assert err <= tol, f"row {i}: {err:.2e} > {tol:.2e}"
+        assert tokens[i] == int(np.argmax(logits[i]))

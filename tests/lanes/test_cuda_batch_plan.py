@@ -45,7 +45,7 @@ def test_a_batchs_products_read_int8():
     # the embedding's norm; each layer's attention output (heads of 16 values: no whole blocks) and gated pair
     assert _count(plan, Quantize) == 1 + 2 * 2
     assert _count(plan, C.ADD_NORM_QUANT) == 2 * 2 and _count(plan, C.GLU_ACT_MUL_QUANT) == 0
-    assert "a batch's products read int8 rows in the int8 GEMV's formats" in plan[0].contract.point
+    assert "a batch's products up to 8 rows read int8 rows in the int8 GEMV's formats" in plan[0].contract.point
 
 
 def test_a_batch_of_one_row_keeps_the_one_row_epilogues():
@@ -61,7 +61,7 @@ def test_other_formats_and_the_dequantized_numerics_read_f32(model, knobs):
     plan = _plan(model, *knobs)
     assert not _reads_int8(plan) and not _count(plan, Quantize)
     if knobs:
-        assert plan[0].contract.point.endswith("a batch's products read f32 rows")
+        assert "a batch's products up to 8 rows read f32 rows; past them" in plan[0].contract.point
 
 
 def test_a_mixtures_kept_experts_read_f32_its_shared_expert_int8():
@@ -71,3 +71,17 @@ def test_a_mixtures_kept_experts_read_f32_its_shared_expert_int8():
     assert not _reads_int8(found, ExpertMatmul)
     shared = [name for name in _reads_int8(found) if "sh_" in name]
     assert len(shared) == 2 * 2  # each layer's shared gated pair and down product
+
+
+@pytest.mark.parametrize("knobs", [(), ("activations=dequant",), ("prefill=in-place",), ("prefill=int8",)])
+def test_a_batch_past_the_gemvs_rows_multiplies_as_a_chunk(knobs):
+    """Past the GEMV's 8 rows a batch's products run as a chunk's: the f16 tensor cores (never the int8 GEMM,
+    whatever the `prefill` knob), reading f32 rows, so nothing quantizes; the gated pair splits as a chunk's."""
+    found = _plan("synth:tiny-qwen2", *knobs, rows=16)
+    plan, shim = found
+    assert not _reads_int8(found) and not _count(found, Quantize)
+    assert _count(found, C.GEMV_GATE_UP_GLU) == 0 and _count(found, C.GLU_ACT_MUL) == 2
+    assert not any(shim.int8_gemm(p) for op in plan.ops if (p := shim.rows_product(op, plan.graph)) is not None)
+    assert "past them" in plan.contract.point
+    narrow = _plan("synth:tiny-qwen2", *knobs, rows=8)
+    assert _count(narrow, C.GEMV_GATE_UP_GLU) == 2  # within the GEMV's rows: the gated pair is one launch

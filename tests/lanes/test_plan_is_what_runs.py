@@ -34,6 +34,7 @@ CTX = 32
 PREFILL_ROWS = 11  # past the GEMV's rows: the GEMMs, the chunk attention and the last row's view run
 SHORT_ROWS = 4  # within the GEMV's rows
 BATCH_ROWS = 3
+WIDE_BATCH_ROWS = 16  # past the GEMV's rows: a batch's products take the chunk's GEMMs
 
 # Shapes the lane's int8 kernels take (rows of whole 32-value blocks; Q8_0, and Q4_K / Q6_K rows of 256), and
 # one they do not (f16 rows): qwen3's Q4_K_M has a Q6_K attn_v in one layer, which the QKV GEMV leaves out.
@@ -170,15 +171,17 @@ def test_cuda_binds_what_explain_prints_with_each_rule_held(paths, model: str) -
     _check_step(paths[model], lane.step(1), "decode", 1, (), everything)
 
 
+@pytest.mark.parametrize("rows", [BATCH_ROWS, WIDE_BATCH_ROWS])
 @pytest.mark.parametrize("model", list(MODELS))
-def test_cuda_binds_a_batch_plan_as_explain_prints_it(paths, model: str) -> None:
-    # the lane's runner steps one sequence; a batch's plan binds op for op all the same
+def test_cuda_binds_a_batch_plan_as_explain_prints_it(paths, model: str, rows: int) -> None:
+    # the lane's runner steps one sequence; a batch's plan binds op for op all the same, within the GEMV's rows
+    # and past them (the chunk's GEMMs)
     knobs = ("batch=true",)
     model_ = load(paths[model], lane="cuda", ctx=CTX, knobs=list(knobs))
     lane = model_.lane
-    g = recognizer(lane.cfg).recognize(lane.cfg, lane.tensors, Form.BATCH, rows=BATCH_ROWS, ctx=CTX)
+    g = recognizer(lane.cfg).recognize(lane.cfg, lane.tensors, Form.BATCH, rows=rows, ctx=CTX)
     step = _Step(lane, optimize(g, lane.shim))
-    _check_step(paths[model], step, "batch", BATCH_ROWS, knobs, ())
+    _check_step(paths[model], step, "batch", rows, knobs, ())
 
 
 # a gated delta-rule layer (heads the convolution's epilogue norms) and a gated full-attention layer

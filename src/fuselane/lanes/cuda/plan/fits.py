@@ -321,7 +321,7 @@ def _gemv_gate_up_glu(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGr
     gate, up = products[0], products[1]
     if not (isinstance(gate.weights, Rows) and isinstance(up.weights, Rows)):
         return "the lane pairs a gate and an up product only over checkpoint rows"
-    gemv_rows = gate.m <= kernels.GEMV_ROWS or shim.knobs.activations is Activations.DEQUANT or shim.knobs.batch
+    gemv_rows = gate.m <= kernels.GEMV_ROWS or shim.knobs.activations is Activations.DEQUANT
     paired = not gemv_rows and gate.weights == up.weights and gate.n % kernels.GEMM_PAIR_TILE_N == 0
     if gemv_rows or paired:
         return None

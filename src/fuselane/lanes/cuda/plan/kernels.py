@@ -239,9 +239,10 @@ def decodes(fmt: Format) -> bool:
 
 def int8_gemv(fmt: Format, m: int, k: int, batch: bool = False) -> bool:
     """Whether the int8 GEMV takes a product of `m` rows of `k` values in `fmt`: one row, or a batch's rows
-    (each its own sequence's decode row: `triton/gemv/q8_rows.py`, tiles of GEMV_ROWS rows that read a chunk
-    of weights once for all of theirs), in one of its formats, whole blocks of the format."""
-    rows = m == 1 or (batch and m >= 1)
+    up to the GEMV's (each its own sequence's decode row: `triton/gemv/q8_rows.py`, which reads a chunk of
+    weights once for all of them), in one of its formats, whole blocks of the format. A batch's rows past the
+    GEMV's multiply as a chunk's do, on the tensor cores."""
+    rows = m == 1 or (batch and m <= GEMV_ROWS)
     return rows and fmt in INT8_GEMV_FORMATS and k % (QK_K if fmt in SUPER_BLOCK_FORMATS else QK) == 0
 
 

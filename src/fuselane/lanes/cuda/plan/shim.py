@@ -157,6 +157,7 @@ _ACTIVATION_FORMATS: dict[Activations, QuantFormat | None] = {
     Activations.INT8: QuantFormat.ONE_WORD,
     Activations.INT8X2: QuantFormat.TWO_WORDS,
 }
+_IN_KERNEL = "decode the checkpoint's bytes to f16 in the kernel"  # the f16 GEMMs' words for `explain`
 _CACHE_KEEP = {CachePrecision.F32: Keep.F32, CachePrecision.F16: Keep.F16}
 _STATE_KEEP = {StatePrecision.F32: Keep.F32, StatePrecision.BF16: Keep.BF16}
 
@@ -230,9 +231,12 @@ class CudaShim:
 
     def int8_gemm(self, p: GemvForm) -> bool:
         """Whether a chunk's product multiplies on the int8 tensor cores (`gemm_tiles.int8_gemm`): past the
-        GEMV's rows, under int8 activations and `prefill=int8`, by checkpoint rows in one of its formats."""
+        GEMV's rows, under int8 activations and `prefill=int8`, by checkpoint rows in one of its formats. Not a
+        batch's: its rows past the GEMV's take the f16 tensor cores whatever the `prefill` knob (the int8 GEMM
+        is the slower by far, kept for a chunk's memory)."""
         return (
-            self.on_tensor_cores(p)
+            not self.knobs.batch
+            and self.on_tensor_cores(p)
             and self.knobs.prefill_weights is PrefillWeights.INT8
             and gemm_tiles.int8_gemm(p.weights.format, p.m, p.k)  # type: ignore[union-attr]
         )
@@ -327,22 +331,30 @@ class CudaShim:
         """How a chunk's products past the GEMV's rows multiply, under the `prefill` knob (what `explain`
         prints): the int8 tensor cores, the f16 ones decoding the weights in the kernel, or f16 copies."""
         k = self.knobs
-        if k.prefill_weights is PrefillWeights.F16_COPY:
-            scaled = "each activation row past 2^14 under a power-of-two scale"
-            return f"multiply f16 copies of the matrices, {scaled} (prefill=f16-copy)"
-        in_kernel = "decode the checkpoint's bytes to f16 in the kernel"
         if k.prefill_weights is PrefillWeights.INT8 and k.activations is Activations.INT8:
             formats = ", ".join(sorted(f.name for f in gemm_tiles.INT8_GEMM_FORMATS))
-            return f"run on the int8 tensor cores from the checkpoint's bytes in {formats}; other formats {in_kernel}"
-        return in_kernel
+            return f"run on the int8 tensor cores from the checkpoint's bytes in {formats}; other formats {_IN_KERNEL}"
+        return self._f16_products
+
+    @property
+    def _f16_products(self) -> str:
+        """How products past the GEMV's rows multiply on the f16 tensor cores, under the `prefill` knob."""
+        if self.knobs.prefill_weights is PrefillWeights.F16_COPY:
+            scaled = "each activation row past 2^14 under a power-of-two scale"
+            return f"multiply f16 copies of the matrices, {scaled} (prefill=f16-copy)"
+        return _IN_KERNEL
 
     @property
     def batch_products(self) -> str:
-        """How a batch's products multiply under the `batch` knob (what `explain` prints): past one row, the
-        int8 GEMV over the batch's rows in its formats, the f32 GEMV in the others and for a mixture's experts."""
-        if self.knobs.activations is Activations.DEQUANT:
-            return "read f32 rows"
-        return "read int8 rows in the int8 GEMV's formats, f32 rows in other formats and a mixture's kept experts"
+        """How a batch's products multiply under the `batch` knob (what `explain` prints): up to the GEMV's rows,
+        the int8 GEMV over the batch's rows in its formats, the f32 GEMV in the others and for a mixture's
+        experts; past them, as a chunk's (its f16 products, whatever the `prefill` knob)."""
+        gemv = (
+            "read f32 rows"
+            if self.knobs.activations is Activations.DEQUANT
+            else ("read int8 rows in the int8 GEMV's formats, f32 rows in other formats and a mixture's kept experts")
+        )
+        return f"up to {kernels.GEMV_ROWS} rows {gemv}; past them {self._f16_products}"
 
     @property
     def activation_format(self) -> QuantFormat | None:
@@ -385,11 +397,10 @@ class CudaShim:
         return 1
 
     def on_tensor_cores(self, p: GemvForm) -> bool:
-        """Whether a product multiplies on the int8 tensor cores: past the GEMV's rows, not a batch's, under
-        the quantized numerics, by checkpoint rows."""
+        """Whether a product multiplies on the int8 tensor cores: past the GEMV's rows (a chunk's or a
+        batch's), under the quantized numerics, by checkpoint rows."""
         return (
             p.m > kernels.GEMV_ROWS
-            and not self.knobs.batch
             and self.knobs.activations is not Activations.DEQUANT
             and isinstance(p.weights, Rows)
         )
@@ -431,10 +442,10 @@ class CudaShim:
         return len(keys) <= 1
 
     def gemv_mergeable(self, p: GemvForm) -> bool:
-        """Whether a product is one the GEMV takes in parts: within the GEMV's rows (or a batch's), landing
-        whole, its outputs whole warps of rows, its rows whole 32-value blocks (only a float matrix is ragged)."""
+        """Whether a product is one the GEMV takes in parts: within the GEMV's rows, landing whole, its
+        outputs whole warps of rows, its rows whole 32-value blocks (only a float matrix is ragged)."""
         return (
-            (p.m <= kernels.GEMV_ROWS or self.knobs.batch)
+            p.m <= kernels.GEMV_ROWS
             and self.lands_whole(p)
             and p.n % self.per_warp(p) == 0
             and p.k % kernels.QBLOCK == 0

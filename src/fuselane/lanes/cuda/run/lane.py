@@ -258,6 +258,12 @@ def int8_form(shape: tuple[int, ...], device: Any) -> Any:
     return empty_q8(math.prod(shape[:-1]), shape[-1], device)
 
 
+def decodes_in_kernel(knobs: CudaKnobs) -> bool:
+    """Whether the products past the GEMV's rows that the int8 GEMM does not take decode the checkpoint's bytes
+    to f16 in their kernel (`prefill=in-place` or `int8`), rather than multiply f16 copies of the matrices."""
+    return knobs.prefill_weights is not PrefillWeights.F16_COPY
+
+
 def _attention_in_f16(knobs: CudaKnobs) -> bool:
     """Whether the numerics let a chunk's attention take its operands in f16 (the int8 numerics do)."""
     numerics = CudaShim.attention(knobs.activations)
@@ -295,7 +301,7 @@ class _Step:
         bufs[IDS] = torch.zeros(g.rows, dtype=torch.int32, device=lane.device)
         bufs[POS] = torch.zeros(1, dtype=torch.int32, device=lane.device)
         self.bufs, self.q8 = bufs, q8  # the int8 forms too: a test reads what a launch wrote there
-        in_place = lane.shim.knobs.prefill_weights is not PrefillWeights.F16_COPY
+        in_place = decodes_in_kernel(lane.shim.knobs)
         bound = Bound(
             g, bufs, lane.raw, lane.vec, lane.dense,
             in_place=in_place, q8=q8, attention_f16=_attention_in_f16(lane.shim.knobs), sms=lane.shim.knobs.chip.sms,

@@ -11,9 +11,9 @@ position.
 A batch's step over a paged KV pool (`Bound.paged`, `fuselane.engine.cuda`) binds the same plan ops with three
 differences: its rotations turn each row at its own position; the rows its plan writes "into the cache" land in
 the step's staging rows (the cache buffers it is given, at row 0 + i), which its attention stores into each
-row's block before attending over the row's blocks (`attention/paged.py`); and its products run as GEMVs over
-all the batch's rows, in tiles of the GEMV's rows past them (the int8 GEMV over the rows, `q8_rows`, where the
-plan quantized them; never the chunk's GEMMs).
+row's block before attending over the row's blocks (`attention/paged.py`); and up to the GEMV's rows its
+products run as GEMVs over all the batch's rows (the int8 GEMV over the rows, `q8_rows`, where the plan
+quantized them), past them as a chunk's GEMMs (never the int8 GEMM: `CudaShim.int8_gemm`).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
         gemv_q8, acts = q8
         n, k = spec.n, spec.k
         return [lambda: gemv_q8.gemv_q8(acts, w, fmt, n, k, out, bias=bias_t, residual=res_t, out_row=row)]
-    if spec.m <= kernels.GEMV_ROWS or b.paged is not None:  # a batch's products: GEMVs over its rows
+    if spec.m <= kernels.GEMV_ROWS:  # a step's rows, a batch's up to the GEMV's: GEMVs over them
         kernel = _gemv_kernels(fmt, spec.m, out)
         return [lambda: kernel(x, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)]
     from fuselane.lanes.cuda.triton import f16_scale, gemm, gemm_sb
@@ -521,8 +521,8 @@ def _gate_up(op: Op, b: Bound, out_q8: Any = None):
     gemv, *_ = _t()
     gate, up = (p for p in leaves(op) if isinstance(p.sym, Matmul))
     spec: Matmul = gate.sym  # type: ignore[assignment]
-    # a chunk's: the GEMV would read every matrix once a row, far slower than the GEMMs (a batch's run as GEMVs)
-    if spec.m > kernels.GEMV_ROWS and b.paged is None:
+    # a chunk's or a batch's past the GEMV's rows: the GEMV would read every matrix once a tile of rows
+    if spec.m > kernels.GEMV_ROWS:
         raise PlanMismatch(f"{op.out}: a gated pair of {spec.m} rows, past the GEMV's {kernels.GEMV_ROWS}, not split")
     x, out = b.bufs[gate.ins[0]], b.bufs[op.out]
     (wg, fmt), (wu, _) = b.raw[gate.ins[1]], b.raw[up.ins[1]]

@@ -1,10 +1,12 @@
 """The cuda lane's batch form over a paged KV pool: one decode step for `rows` sequences, each at its own
 position over its own blocks, as one launch sequence (captured as one CUDA graph per batch size).
 
-The plan is the lane's own, compiled for `Form.BATCH` under the `batch` knob (`CudaShim`: a batch's products
-are GEMVs over its rows, in parts where one activation feeds several; under int8 activations they read each
-row's int8 form, as the single-sequence step reads its one row's, in the int8 GEMV's formats: past one row
-the int8 GEMV over the rows, `triton/gemv/q8_rows.py`) with `rope_epilogue=off`, so every
+The plan is the lane's own, compiled for `Form.BATCH` under the `batch` knob (`CudaShim`: up to the GEMV's rows
+a batch's products are GEMVs over its rows, in parts where one activation feeds several; under int8
+activations they read each row's int8 form, as the single-sequence step reads its one row's, in the int8
+GEMV's formats: past one row the int8 GEMV over the rows, `triton/gemv/q8_rows.py`; past the GEMV's rows they
+multiply as a chunk's do, on the f16 tensor cores, reading each matrix once for every row) with
+`rope_epilogue=off`, so every
 rotation is a launch of its own that turns each row at its own position. The plan's cache writes land in
 staging rows (one row a sequence); each layer's attention stores them into the rows' blocks and attends over
 each row's blocks (`launch.PagedRows`, `triton/attention/paged.py`).
@@ -36,7 +38,7 @@ from fuselane.graph.ops import Attention
 from fuselane.lanes.cuda.plan.knobs import RopeEpilogue
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run.buffers import pooled_buffers
-from fuselane.lanes.cuda.run.lane import WARMUP_RUNS, CudaLane, int8_form
+from fuselane.lanes.cuda.run.lane import WARMUP_RUNS, CudaLane, decodes_in_kernel, int8_form
 from fuselane.models import recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
 from fuselane.runtime.sampling import SamplingParams, nan_logits
@@ -98,7 +100,10 @@ class BatchStep:
         tables = self.inputs[rows * COLUMNS :].view(rows, width)
         paged = PagedRows(columns[POSITION], columns[SLOT], tables, columns[LENGTH], pools, block_size)
         self.bufs = bufs
-        bound = Bound(g, bufs, lane.raw, lane.vec, lane.dense, q8=q8, paged=paged, sms=lane.shim.knobs.chip.sms)
+        bound = Bound(
+            g, bufs, lane.raw, lane.vec, lane.dense,
+            in_place=decodes_in_kernel(lane.shim.knobs), q8=q8, paged=paged, sms=lane.shim.knobs.chip.sms,
+        )  # fmt: skip
         self.launch_list = [launch for op in self.plan.ops for launch in bind(op, bound)]
         self.logits = bufs[LOGITS].view(rows, -1)
         self.picked = torch.zeros((rows, sample.PICKED_VALUES), dtype=sample.PICKED_DTYPE, device=device)
