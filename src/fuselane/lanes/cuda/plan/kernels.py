@@ -136,6 +136,25 @@ ATTN_WAVES = 8
 # caps their number (33 splits of ~124 rows for the 8B's 32 heads at 4,096 rows).
 ATTN_MIN_CHUNK = 32
 
+# The absorbed latent attention's decode program (`triton/mla/attention.py`): a query row's heads share one
+# cached latent row, so a program takes MLA_HEADS_A_PROGRAM heads of a row, the whole value width, over
+# MLA_TILE_ROWS cached rows at a time, in MLA_WARPS warps. Its scores are summed MLA_SCORE_CHUNK query values
+# at a time: Triton's f32 tile product (on the CUDA cores) holds each thread's rows of both operands over the
+# whole summed width, so one 576-wide product held 16 heads' queries a thread and spilled (sm_90: 128 registers
+# and 1,856 stack bytes a thread at 16 heads, 17,744 at 128); 32 at a time, 8 heads a program in 4 warps, it
+# takes 128 registers and no stack at either width, and each thread's share of the products (16 x 8 x 1,088 /
+# 128 threads a tile) is its whole work: no product is made twice (`benchmarks/mla_registers.py`). The value
+# width is not cut across programs (MLA_VALUE_SLICES): each slice would make its tile's 576-wide scores again
+# (4 slices of 128: 1,410 products a thread a tile for 4 heads' less work than 1,089 makes here).
+MLA_HEADS_A_PROGRAM = 8
+MLA_TILE_ROWS = 16
+MLA_SCORE_CHUNK = 32
+MLA_WARPS = 4
+MLA_VALUE_SLICES = 1
+# The fewest cached rows a share of the span takes: one tile. A decode step at a short span is a few tiles a
+# head block, and its time is one program's chain of tiles, so each share takes one (64 rows: four shares).
+MLA_MIN_CHUNK = MLA_TILE_ROWS
+
 # Cached rows a paged decode program (`triton/attention/paged.py`) reads at a time: the decode tile's rows,
 # gathered from as many of the row's pool blocks as they span (two of the engine's 16-row blocks), each row
 # found through its block's id. A pool row is one load segment wherever its block lies, so a tile over
@@ -335,11 +354,11 @@ def attn_heads_a_block(group: int) -> int:
     return max(h for h in range(1, min(group, ATTN_HEADS_A_BLOCK_MOST) + 1) if group % h == 0)
 
 
-def attn_splits(head_blocks: int, span: int, sms: int) -> int:
+def attn_splits(head_blocks: int, span: int, sms: int, min_chunk: int = ATTN_MIN_CHUNK) -> int:
     """Chunks an attention cuts its span into: enough that its blocks fill the chip `ATTN_WAVES` times over,
-    no chunk under `ATTN_MIN_CHUNK` rows."""
+    no chunk under `min_chunk` rows."""
     wanted = math.ceil(ATTN_WAVES * sms / max(1, head_blocks))
-    most = math.ceil(max(1, span) / ATTN_MIN_CHUNK)
+    most = math.ceil(max(1, span) / min_chunk)
     return max(1, min(wanted, most))
 
 

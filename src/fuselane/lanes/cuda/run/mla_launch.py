@@ -89,7 +89,7 @@ def latent_attention(op: Op, b, out_q8: Any = None) -> list:
         raise PlanMismatch(f"{op.out}: the latent attention writes f32 rows, one kv head")
     q, kc, vc = (b.bufs[n] for n in op.ins[:3])
     out, pos = b.bufs[op.out], b.bufs["pos"]
-    shares = splits(spec.rows, spec.len, q.device)
+    shares = splits(spec.rows, attention.groups(spec.heads, spec.value_width), spec.len, q.device)
     work = attention.scratch(spec.rows, spec.heads, spec.value_width, shares, q.device) if shares > 1 else None
     shape = dict(rows=spec.rows, heads=spec.heads, kw=spec.hd, vd=spec.value_width, scale=spec.scale,
                  seq_rows=spec.len if spec.batched else 0, splits=shares, work=work)  # fmt: skip
@@ -97,9 +97,10 @@ def latent_attention(op: Op, b, out_q8: Any = None) -> list:
     return [lambda: attention.latent_attention(q, kc2, vc, pos, out, **shape)]
 
 
-def splits(rows: int, span: int, device: Any) -> int:
-    """Shares of a row's span: enough programs to fill the chip (`kernels.attn_splits`, a program a row a
-    share) for a decode step's or a batch's few rows; a chunk's rows fill it alone."""
+def splits(rows: int, blocks: int, span: int, device: Any) -> int:
+    """Shares of a row's span: enough programs to fill the chip (`kernels.attn_splits`, a program a row's
+    block of heads a share, `blocks` of them, a share at least one tile) for a decode step's or a batch's
+    few rows; a chunk's rows fill it alone."""
     import torch
 
     from fuselane.lanes.cuda.plan import kernels
@@ -107,7 +108,7 @@ def splits(rows: int, span: int, device: Any) -> int:
     if rows > kernels.GEMV_ROWS:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else INTERPRETED_SMS
-    return kernels.attn_splits(rows, span, sms)
+    return kernels.attn_splits(rows * blocks, span, sms, kernels.MLA_MIN_CHUNK)
 
 
 def mla(op: Op, b) -> list:
