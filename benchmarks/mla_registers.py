@@ -35,6 +35,7 @@ ARGS = {  # the kernel's runtime arguments and their types (an f32 query, the ca
     **dict(k_pitch="i32", v_pitch="i32", scale="fp32"),
 }
 ALIGNED = [["tt.divisibility", 16]]
+OPCODE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")  # an opcode, past its predicate
 COUNTED = ("FFMA", "LDS", "LDG", "LDGSTS", "STS", "SHFL", "BAR", "LDL", "STL")  # SASS opcodes, any width
 
 
@@ -54,7 +55,7 @@ def sass(cubin: bytes) -> dict[str, int]:
         with open(path, "wb") as f:
             f.write(cubin)
         said = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
-    ops = collections.Counter(o.split(".")[0] for o in re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", said))
+    ops = collections.Counter(op.split(".")[0] for op in OPCODE.findall(said))
     return {name: ops[name] for name in COUNTED}
 
 
@@ -71,7 +72,8 @@ def old(module, heads: int, splits: int):
     """The kernel as `--old` had it: a program a row's heads (at least 16), the whole width of each."""
     p2 = module._p2
     consts = dict(HEADS=heads, LORA=LORA, ROPE=ROPE, VD=LORA, H_P2=p2(heads), L_P2=p2(LORA), R_P2=p2(ROPE),
-                  V_P2=p2(LORA), BLOCK_N=module.BLOCK_N, SPLITS=splits, INTERPRETED=False, SEQ_ROWS=0, PDL=True)  # fmt: skip
+                  V_P2=p2(LORA), BLOCK_N=module.BLOCK_N, SPLITS=splits, INTERPRETED=False, SEQ_ROWS=0,
+                  PDL=True)  # fmt: skip
     return _compile(module._latent_attention_kernel, consts, module.WARPS)
 
 
