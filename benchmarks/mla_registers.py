@@ -6,7 +6,8 @@ launch specializes it (16-aligned pointers and pitches), for one share and for a
 `--old COMMIT` compiles the kernel as that commit had it (one program a query row's heads, one 576-wide
 product a tile) beside the current one: its source is read from the repository with git.
 
-Usage: python benchmarks/mla_registers.py [--old 49158d3] [--heads 16,128] [--splits 1,4]
+Usage: python benchmarks/mla_registers.py [--old 49158d3] [--heads 16,128] [--splits 1,4] [--heads-a-program 8]
+       [--value-slices 1] [--score-chunk 32] [--warps 4]
 """
 
 from __future__ import annotations
@@ -59,13 +60,13 @@ def sass(cubin: bytes) -> dict[str, int]:
     return {name: ops[name] for name in COUNTED}
 
 
-def current(heads: int, splits: int):
-    """The kernel as this tree has it, at its plan's blocks."""
-    hb, vb, g = attention.blocks(heads, LORA, kernels.MLA_HEADS_A_PROGRAM, kernels.MLA_VALUE_SLICES)
-    consts = dict(HEADS=heads, KW=LORA + ROPE, VD=LORA, HB=hb, VB=vb, SLICES=kernels.MLA_VALUE_SLICES, GROUPS=g,
-                  KC=kernels.MLA_SCORE_CHUNK, BLOCK_N=kernels.MLA_TILE_ROWS, SPLITS=splits, INTERPRETED=False,
+def current(heads: int, splits: int, a: argparse.Namespace):
+    """The kernel as this tree has it, at its plan's blocks or those asked."""
+    hb, vb, g = attention.blocks(heads, LORA, a.heads_a_program, a.value_slices)
+    consts = dict(HEADS=heads, KW=LORA + ROPE, VD=LORA, HB=hb, VB=vb, SLICES=a.value_slices, GROUPS=g,
+                  KC=a.score_chunk, BLOCK_N=kernels.MLA_TILE_ROWS, SPLITS=splits, INTERPRETED=False,
                   SEQ_ROWS=0, PDL=True)  # fmt: skip
-    return _compile(attention._latent_attention_kernel, consts, kernels.MLA_WARPS)
+    return _compile(attention._latent_attention_kernel, consts, a.warps)
 
 
 def old(module, heads: int, splits: int):
@@ -102,6 +103,10 @@ def main() -> None:
     ap.add_argument("--old", default="", help="a commit whose kernel to compile beside this one (e.g. 49158d3)")
     ap.add_argument("--heads", default="16,128")
     ap.add_argument("--splits", default="1,4")
+    ap.add_argument("--heads-a-program", type=int, default=kernels.MLA_HEADS_A_PROGRAM)
+    ap.add_argument("--value-slices", type=int, default=kernels.MLA_VALUE_SLICES)
+    ap.add_argument("--score-chunk", type=int, default=kernels.MLA_SCORE_CHUNK)
+    ap.add_argument("--warps", type=int, default=kernels.MLA_WARPS)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         before = load_old(a.old, folder) if a.old else None
@@ -109,7 +114,7 @@ def main() -> None:
             for splits in (int(s) for s in a.splits.split(",")):
                 if before is not None:
                     print(_line("old", heads, splits, old(before, heads, splits)), flush=True)
-                print(_line("new", heads, splits, current(heads, splits)), flush=True)
+                print(_line("new", heads, splits, current(heads, splits, a)), flush=True)
 
 
 if __name__ == "__main__":

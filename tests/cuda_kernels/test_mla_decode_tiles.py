@@ -55,6 +55,7 @@ def run(q, cache, pos, *, heads, rows, splits, heads_a_program, value_slices, se
     kc = dev(cache.reshape(-1, KW))
     tiles = dict(value_slices=value_slices, heads_a_program=heads_a_program)
     work = attention.scratch(rows, heads, LORA, splits, DEVICE, **tiles)
+    work[0].fill_(float("nan"))  # a share that holds no rows writes no partial, and none is read
     for _ in range(2):  # the counters re-arm: a second launch runs the same
         attention.latent_attention(dev(q), kc, kc[:, :LORA], dev(pos), out, rows=rows, heads=heads, kw=KW, vd=LORA,
                                    scale=0.2, seq_rows=seq_rows, splits=splits, work=work, **tiles)  # fmt: skip

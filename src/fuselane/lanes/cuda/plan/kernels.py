@@ -140,12 +140,14 @@ ATTN_MIN_CHUNK = 32
 # cached latent row, so a program takes MLA_HEADS_A_PROGRAM heads of a row, the whole value width, over
 # MLA_TILE_ROWS cached rows at a time, in MLA_WARPS warps. Its scores are summed MLA_SCORE_CHUNK query values
 # at a time: Triton's f32 tile product (on the CUDA cores) holds each thread's rows of both operands over the
-# whole summed width, so one 576-wide product held 16 heads' queries a thread and spilled (sm_90: 128 registers
-# and 1,856 stack bytes a thread at 16 heads, 17,744 at 128); 32 at a time, 8 heads a program in 4 warps, it
-# takes 128 registers and no stack at either width, and each thread's share of the products (16 x 8 x 1,088 /
-# 128 threads a tile) is its whole work: no product is made twice (`benchmarks/mla_registers.py`). The value
-# width is not cut across programs (MLA_VALUE_SLICES): each slice would make its tile's 576-wide scores again
-# (4 slices of 128: 1,410 products a thread a tile for 4 heads' less work than 1,089 makes here).
+# whole summed width, so one 576-wide product held a thread's query rows whole and spilled (sm_90, the kernel
+# before, one program a row's heads: 128 registers and 1,856 stack bytes a thread at 16 heads, 17,744 at 128).
+# 32 at a time, 8 heads a program in 4 warps: 128 registers and no stack at either width, 1,089 products a
+# thread a tile (8 heads x 16 rows x 1,088 / 128 threads: no product made twice). 16 heads in 8 warps compile
+# the same (128 registers, 1,122 products with the merge's); 16 heads in 4 warps double the products a thread
+# (2,178) and 64 values at a time take 168 registers. Cutting the value width across programs
+# (MLA_VALUE_SLICES) makes each slice's tile of scores again: 4 slices of 128 for 16 heads, 1,478 products a
+# thread a tile for a quarter of the values (`benchmarks/mla_registers.py`), so the width stays whole.
 MLA_HEADS_A_PROGRAM = 8
 MLA_TILE_ROWS = 16
 MLA_SCORE_CHUNK = 32
@@ -153,7 +155,14 @@ MLA_WARPS = 4
 MLA_VALUE_SLICES = 1
 # The fewest cached rows a share of the span takes: one tile. A decode step at a short span is a few tiles a
 # head block, and its time is one program's chain of tiles, so each share takes one (64 rows: four shares).
+# The shares are fixed at the cache's length; a step's shares past its position hold no rows and are skipped.
 MLA_MIN_CHUNK = MLA_TILE_ROWS
+# A share's partial is its block's weighted latents in f32 (8 heads x 512: 16 KB) and one program, the block's
+# last, reads every share's to merge them: about what a program spends attending this many cached rows (a
+# tile of 16 rows is 18 KB of cache and ~1,100 products a thread; a partial, 16 KB read and one product a
+# value: about a tenth of it). A span of n rows in S shares takes about n / S rows' time plus S partials',
+# least at S = sqrt(n / MLA_MERGE_ROWS): more shares than that make the merge the longer part.
+MLA_MERGE_ROWS = 2
 
 # Cached rows a paged decode program (`triton/attention/paged.py`) reads at a time: the decode tile's rows,
 # gathered from as many of the row's pool blocks as they span (two of the engine's 16-row blocks), each row
@@ -360,6 +369,14 @@ def attn_splits(head_blocks: int, span: int, sms: int, min_chunk: int = ATTN_MIN
     wanted = math.ceil(ATTN_WAVES * sms / max(1, head_blocks))
     most = math.ceil(max(1, span) / min_chunk)
     return max(1, min(wanted, most))
+
+
+def mla_splits(head_blocks: int, span: int, sms: int) -> int:
+    """Shares the latent attention cuts a span of `span` cached rows into for `head_blocks` programs a share:
+    `attn_splits`' (the chip filled, a tile a share at least), no more than the merge's balance
+    (`MLA_MERGE_ROWS`) allows."""
+    balance = max(1, math.isqrt(max(1, span) // MLA_MERGE_ROWS))
+    return min(attn_splits(head_blocks, span, sms, MLA_MIN_CHUNK), balance)
 
 
 # --- a projection's add + norm ---------------------------------------------------------------------------------

@@ -98,9 +98,9 @@ def latent_attention(op: Op, b, out_q8: Any = None) -> list:
 
 
 def splits(rows: int, blocks: int, span: int, device: Any) -> int:
-    """Shares of a row's span: enough programs to fill the chip (`kernels.attn_splits`, a program a row's
-    block of heads a share, `blocks` of them, a share at least one tile) for a decode step's or a batch's
-    few rows; a chunk's rows fill it alone."""
+    """Shares of a row's span (`kernels.mla_splits`: enough programs to fill the chip, a program a row's block
+    of heads a share, `blocks` of them, as many as the merge's balance allows) for a decode step's or a
+    batch's few rows; a chunk's rows fill it alone."""
     import torch
 
     from fuselane.lanes.cuda.plan import kernels
@@ -108,7 +108,7 @@ def splits(rows: int, blocks: int, span: int, device: Any) -> int:
     if rows > kernels.GEMV_ROWS:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else INTERPRETED_SMS
-    return kernels.attn_splits(rows * blocks, span, sms, kernels.MLA_MIN_CHUNK)
+    return kernels.mla_splits(rows * blocks, span, sms)
 
 
 def mla(op: Op, b) -> list:

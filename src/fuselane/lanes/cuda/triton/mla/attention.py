@@ -66,39 +66,31 @@ def _tile(qh, live, m_i, l_i, acc, kc, k_pitch, vc, v_pitch, dv, start, hi, scal
 
 
 @triton.jit
-def _merge(part, r, g, o, keep, hh, dv, GROUPS: tl.constexpr, HB: tl.constexpr, VB: tl.constexpr,
-           SPLITS: tl.constexpr):  # fmt: skip
-    """The row's block's shares (their maxima, sums and weighted latents, `part`) merged into its output."""
-    first = part + (((r.to(tl.int64) * GROUPS + g) * SPLITS) * HB + tl.arange(0, HB)) * (VB + 2)
+def _merge(part, first, shares, o, keep, HB: tl.constexpr, VB: tl.constexpr, SPLITS: tl.constexpr):
+    """The row's block's `shares` partials (their maxima, sums and weighted latents, from `first`) merged into
+    its output; the launch's shares past them held no rows and wrote none."""
     big = tl.full([HB], float("-inf"), tl.float32)
-    for s in range(SPLITS):
-        big = tl.maximum(big, tl.load(first + s * HB * (VB + 2), cache_modifier=".cg"))
+    for s in range(SPLITS):  # a masked load reads nothing: the loop bound stays a constant (the interpreter's)
+        big = tl.maximum(big, tl.load(first + s * HB * (VB + 2), mask=s < shares, other=float("-inf"),
+                                      cache_modifier=".cg"))  # fmt: skip
     total = tl.zeros([HB], tl.float32)
     merged = tl.zeros([HB, VB], tl.float32)
     for s in range(SPLITS):
         at = first + s * HB * (VB + 2)
-        w = tl.exp(tl.load(at, cache_modifier=".cg") - big)  # an empty share weighs 0
-        total += w * tl.load(at + 1, cache_modifier=".cg")
-        merged += w[:, None] * tl.load(at[:, None] + 2 + tl.arange(0, VB)[None, :], cache_modifier=".cg")
+        w = tl.exp(tl.load(at, mask=s < shares, other=float("-inf"), cache_modifier=".cg") - big)
+        total += w * tl.load(at + 1, mask=s < shares, other=0.0, cache_modifier=".cg")
+        merged += w[:, None] * tl.load(at[:, None] + 2 + tl.arange(0, VB)[None, :], mask=s < shares, other=0.0,
+                                       cache_modifier=".cg")  # fmt: skip
     tl.store(o, merged / total[:, None], mask=keep)
 
 
 @triton.jit
-def _latent_attention_kernel(
-    q, kc, k_pitch, vc, v_pitch, pos, out, part, counter, scale,
-    HEADS: tl.constexpr, KW: tl.constexpr, VD: tl.constexpr, HB: tl.constexpr, VB: tl.constexpr,
-    SLICES: tl.constexpr, GROUPS: tl.constexpr, KC: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    INTERPRETED: tl.constexpr, SEQ_ROWS: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    pdl.begin(PDL)
-    r, sp, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if SEQ_ROWS > 0:  # a batch: row r is sequence r's query at pos[r], over its own block of the cache
-        end = tl.load(pos + r) + 1
-        kc += r.to(tl.int64) * SEQ_ROWS * k_pitch
-        vc += r.to(tl.int64) * SEQ_ROWS * v_pitch
-    else:
-        end = tl.load(pos) + r + 1
-    chunk = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N
+def _attend(q, kc, k_pitch, vc, v_pitch, out, part, counter, scale, r, sp, g, end, chunk, shares,
+            HEADS: tl.constexpr, KW: tl.constexpr, VD: tl.constexpr, HB: tl.constexpr, VB: tl.constexpr,
+            SLICES: tl.constexpr, GROUPS: tl.constexpr, KC: tl.constexpr, BLOCK_N: tl.constexpr,
+            SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    """Share `sp` (rows `sp * chunk` onwards, up to `end`) of row `r`'s block `g` of heads and values: its
+    output where it is the row's only share, else its partial, and the merge where it is the last to end."""
     lo = sp * chunk
     hi = tl.minimum(lo + chunk, end)
     hh = (g // SLICES) * HB + tl.arange(0, HB)
@@ -123,16 +115,41 @@ def _latent_attention_kernel(
     if SPLITS == 1:
         tl.store(o, acc / l_i[:, None], mask=keep)
     else:
-        # this share's sums: the maximum and sum a head (an empty share: -inf and 0), then its weighted latents
-        base = part + ((((r.to(tl.int64) * GROUPS + g) * SPLITS + sp) * HB) + tl.arange(0, HB)) * (VB + 2)
+        # this share's sums: the maximum and sum a head, then its weighted latents
+        first = part + (((r.to(tl.int64) * GROUPS + g) * SPLITS) * HB + tl.arange(0, HB)) * (VB + 2)
+        base = first + sp * HB * (VB + 2)
         tl.store(base, m_i)
         tl.store(base + 1, l_i)
         tl.store(base[:, None] + 2 + tl.arange(0, VB)[None, :], acc)
         tl.debug_barrier()
         done = tl.atomic_add(counter + r * GROUPS + g, 1, sem="acq_rel", scope="gpu")
-        if done == SPLITS - 1:  # the block's last share merges them all
+        if done == shares - 1:  # the block's last share merges them all
             tl.atomic_xchg(counter + r * GROUPS + g, 0, sem="relaxed", scope="gpu")
-            _merge(part, r, g, o, keep, hh, dv, GROUPS, HB, VB, SPLITS)
+            _merge(part, first, shares, o, keep, HB, VB, SPLITS)
+
+
+@triton.jit
+def _latent_attention_kernel(
+    q, kc, k_pitch, vc, v_pitch, pos, out, part, counter, scale,
+    HEADS: tl.constexpr, KW: tl.constexpr, VD: tl.constexpr, HB: tl.constexpr, VB: tl.constexpr,
+    SLICES: tl.constexpr, GROUPS: tl.constexpr, KC: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    INTERPRETED: tl.constexpr, SEQ_ROWS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.begin(PDL)
+    r, sp, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if SEQ_ROWS > 0:  # a batch: row r is sequence r's query at pos[r], over its own block of the cache
+        end = tl.load(pos + r) + 1
+        kc += r.to(tl.int64) * SEQ_ROWS * k_pitch
+        vc += r.to(tl.int64) * SEQ_ROWS * v_pitch
+    else:
+        end = tl.load(pos) + r + 1
+    chunk = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N
+    # the shares that hold rows: a short span's tiles fill the first few, and the others neither write a
+    # partial nor count, so the merge reads only these (a decode step's shares are fixed at the cache's length)
+    shares = tl.cdiv(end, chunk)
+    if sp < shares:
+        _attend(q, kc, k_pitch, vc, v_pitch, out, part, counter, scale, r, sp, g, end, chunk, shares, HEADS, KW, VD,
+                HB, VB, SLICES, GROUPS, KC, BLOCK_N, SPLITS, INTERPRETED)  # fmt: skip
 
 
 def blocks(heads: int, vd: int, heads_a_program: int, value_slices: int) -> tuple[int, int, int]:
