@@ -7,7 +7,7 @@ launch specializes it (16-aligned pointers and pitches), for one share and for a
 product a tile) beside the current one: its source is read from the repository with git.
 
 Usage: python benchmarks/mla_registers.py [--old 49158d3] [--heads 16,128] [--splits 1,4] [--heads-a-program 8]
-       [--value-slices 1] [--score-chunk 32] [--warps 4]
+       [--value-slices 1] [--score-chunk 32] [--warps 4] [--merge-batch 4]
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ def current(heads: int, splits: int, a: argparse.Namespace):
     """The kernel as this tree has it, at its plan's blocks or those asked."""
     hb, vb, g = attention.blocks(heads, LORA, a.heads_a_program, a.value_slices)
     consts = dict(HEADS=heads, KW=LORA + ROPE, VD=LORA, HB=hb, VB=vb, SLICES=a.value_slices, GROUPS=g,
-                  KC=a.score_chunk, BLOCK_N=kernels.MLA_TILE_ROWS, SPLITS=splits, INTERPRETED=False,
-                  SEQ_ROWS=0, PDL=True)  # fmt: skip
+                  KC=a.score_chunk, BLOCK_N=kernels.MLA_TILE_ROWS, SPLITS=splits, S_P2=triton.next_power_of_2(splits),
+                  MERGE_BATCH=min(a.merge_batch, triton.next_power_of_2(splits)), INTERPRETED=False, SEQ_ROWS=0,
+                  PDL=True)  # fmt: skip
     return _compile(attention._latent_attention_kernel, consts, a.warps)
 
 
@@ -107,6 +108,7 @@ def main() -> None:
     ap.add_argument("--value-slices", type=int, default=kernels.MLA_VALUE_SLICES)
     ap.add_argument("--score-chunk", type=int, default=kernels.MLA_SCORE_CHUNK)
     ap.add_argument("--warps", type=int, default=kernels.MLA_WARPS)
+    ap.add_argument("--merge-batch", type=int, default=kernels.MLA_MERGE_BATCH)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         before = load_old(a.old, folder) if a.old else None

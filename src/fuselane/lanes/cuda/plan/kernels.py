@@ -163,6 +163,10 @@ MLA_MIN_CHUNK = MLA_TILE_ROWS
 # value: about a tenth of it). A span of n rows in S shares takes about n / S rows' time plus S partials',
 # least at S = sqrt(n / MLA_MERGE_ROWS): more shares than that make the merge the longer part.
 MLA_MERGE_ROWS = 2
+# Shares a merge reads at a time: their weighted latents' loads in flight together (2 x 8 heads x 512 values:
+# 64 a thread), where one share a step waited out an L2 round trip for each (and the shares' maxima and sums,
+# one load each, before the first). 4 at a time spilled (24-40 stack bytes a thread, sm_90).
+MLA_MERGE_BATCH = 2
 
 # Cached rows a paged decode program (`triton/attention/paged.py`) reads at a time: the decode tile's rows,
 # gathered from as many of the row's pool blocks as they span (two of the engine's 16-row blocks), each row

@@ -66,21 +66,29 @@ def _tile(qh, live, m_i, l_i, acc, kc, k_pitch, vc, v_pitch, dv, start, hi, scal
 
 
 @triton.jit
-def _merge(part, first, shares, o, keep, HB: tl.constexpr, VB: tl.constexpr, SPLITS: tl.constexpr):
-    """The row's block's `shares` partials (their maxima, sums and weighted latents, from `first`) merged into
-    its output; the launch's shares past them held no rows and wrote none."""
-    big = tl.full([HB], float("-inf"), tl.float32)
-    for s in range(SPLITS):  # a masked load reads nothing: the loop bound stays a constant (the interpreter's)
-        big = tl.maximum(big, tl.load(first + s * HB * (VB + 2), mask=s < shares, other=float("-inf"),
-                                      cache_modifier=".cg"))  # fmt: skip
-    total = tl.zeros([HB], tl.float32)
+def _merge(region, shares, o, keep, HB: tl.constexpr, VB: tl.constexpr, SPLITS: tl.constexpr,
+           S_P2: tl.constexpr, MERGE_BATCH: tl.constexpr):  # fmt: skip
+    """The row's block's `shares` partials (`region`: every share's maxima, then their sums, then their
+    weighted latents) merged into its output; the launch's shares past them held no rows and wrote none.
+    The partials are other SMs' writes: read from L2 (.cg), past this SM's L1."""
+    h = tl.arange(0, HB)
+    s_ = tl.arange(0, S_P2)[None, :]
+    at = s_ * HB + h[:, None]  # [HB, S_P2]
+    maxes = tl.load(region + at, mask=s_ < shares, other=float("-inf"), cache_modifier=".cg")
+    sums = tl.load(region + SPLITS * HB + at, mask=s_ < shares, other=0.0, cache_modifier=".cg")
+    top = tl.max(maxes, axis=1)  # a block's first share holds rows: finite
+    total = tl.sum(tl.exp(maxes - top[:, None]) * sums, axis=1)
+    # the weighted latents in batches of MERGE_BATCH shares, each batch's loads in flight together
+    latents = region + 2 * SPLITS * HB
     merged = tl.zeros([HB, VB], tl.float32)
-    for s in range(SPLITS):
-        at = first + s * HB * (VB + 2)
-        w = tl.exp(tl.load(at, mask=s < shares, other=float("-inf"), cache_modifier=".cg") - big)
-        total += w * tl.load(at + 1, mask=s < shares, other=0.0, cache_modifier=".cg")
-        merged += w[:, None] * tl.load(at[:, None] + 2 + tl.arange(0, VB)[None, :], mask=s < shares, other=0.0,
-                                       cache_modifier=".cg")  # fmt: skip
+    i = shares * 0  # a while loop: its bound is a device value (`attention.decode.interpreted`)
+    while i < shares:
+        for j in tl.static_range(MERGE_BATCH):
+            m_s = tl.load(region + (i + j) * HB + h, mask=i + j < shares, other=float("-inf"), cache_modifier=".cg")
+            rows = ((i + j) * HB + h)[:, None] * VB + tl.arange(0, VB)[None, :]
+            a_s = tl.load(latents + rows, mask=i + j < shares, other=0.0, cache_modifier=".cg")
+            merged += tl.exp(m_s - top)[:, None] * a_s
+        i += MERGE_BATCH
     tl.store(o, merged / total[:, None], mask=keep)
 
 
@@ -88,7 +96,8 @@ def _merge(part, first, shares, o, keep, HB: tl.constexpr, VB: tl.constexpr, SPL
 def _attend(q, kc, k_pitch, vc, v_pitch, out, part, counter, scale, r, sp, g, end, chunk, shares,
             HEADS: tl.constexpr, KW: tl.constexpr, VD: tl.constexpr, HB: tl.constexpr, VB: tl.constexpr,
             SLICES: tl.constexpr, GROUPS: tl.constexpr, KC: tl.constexpr, BLOCK_N: tl.constexpr,
-            SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+            SPLITS: tl.constexpr, S_P2: tl.constexpr, MERGE_BATCH: tl.constexpr,
+            INTERPRETED: tl.constexpr):  # fmt: skip
     """Share `sp` (rows `sp * chunk` onwards, up to `end`) of row `r`'s block `g` of heads and values: its
     output where it is the row's only share, else its partial, and the merge where it is the last to end."""
     lo = sp * chunk
@@ -115,17 +124,17 @@ def _attend(q, kc, k_pitch, vc, v_pitch, out, part, counter, scale, r, sp, g, en
     if SPLITS == 1:
         tl.store(o, acc / l_i[:, None], mask=keep)
     else:
-        # this share's sums: the maximum and sum a head, then its weighted latents
-        first = part + (((r.to(tl.int64) * GROUPS + g) * SPLITS) * HB + tl.arange(0, HB)) * (VB + 2)
-        base = first + sp * HB * (VB + 2)
-        tl.store(base, m_i)
-        tl.store(base + 1, l_i)
-        tl.store(base[:, None] + 2 + tl.arange(0, VB)[None, :], acc)
+        # this share's sums, in the row's block's region: the maximum and the sum a head, its weighted latents
+        region = part + (r.to(tl.int64) * GROUPS + g) * SPLITS * HB * (VB + 2)
+        h = sp * HB + tl.arange(0, HB)
+        tl.store(region + h, m_i)
+        tl.store(region + SPLITS * HB + h, l_i)
+        tl.store(region + 2 * SPLITS * HB + h[:, None] * VB + tl.arange(0, VB)[None, :], acc)
         tl.debug_barrier()
         done = tl.atomic_add(counter + r * GROUPS + g, 1, sem="acq_rel", scope="gpu")
         if done == shares - 1:  # the block's last share merges them all
             tl.atomic_xchg(counter + r * GROUPS + g, 0, sem="relaxed", scope="gpu")
-            _merge(part, first, shares, o, keep, HB, VB, SPLITS)
+            _merge(region, shares, o, keep, HB, VB, SPLITS, S_P2, MERGE_BATCH)
 
 
 @triton.jit
@@ -133,7 +142,8 @@ def _latent_attention_kernel(
     q, kc, k_pitch, vc, v_pitch, pos, out, part, counter, scale,
     HEADS: tl.constexpr, KW: tl.constexpr, VD: tl.constexpr, HB: tl.constexpr, VB: tl.constexpr,
     SLICES: tl.constexpr, GROUPS: tl.constexpr, KC: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    INTERPRETED: tl.constexpr, SEQ_ROWS: tl.constexpr, PDL: tl.constexpr,
+    S_P2: tl.constexpr, MERGE_BATCH: tl.constexpr, INTERPRETED: tl.constexpr, SEQ_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
     r, sp, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -149,7 +159,7 @@ def _latent_attention_kernel(
     shares = tl.cdiv(end, chunk)
     if sp < shares:
         _attend(q, kc, k_pitch, vc, v_pitch, out, part, counter, scale, r, sp, g, end, chunk, shares, HEADS, KW, VD,
-                HB, VB, SLICES, GROUPS, KC, BLOCK_N, SPLITS, INTERPRETED)  # fmt: skip
+                HB, VB, SLICES, GROUPS, KC, BLOCK_N, SPLITS, S_P2, MERGE_BATCH, INTERPRETED)  # fmt: skip
 
 
 def blocks(heads: int, vd: int, heads_a_program: int, value_slices: int) -> tuple[int, int, int]:
@@ -197,6 +207,7 @@ def latent_attention(
     part, counter = work if work is not None else (out, out)  # one share: never read
     _latent_attention_kernel[(rows, splits, g)](
         q, kc, kc.stride(0), vc, vc.stride(0), pos, out, part, counter, scale, heads, kw, vd, hb, vb, value_slices, g,
-        kernels.MLA_SCORE_CHUNK, kernels.MLA_TILE_ROWS, splits, interpreted(), seq_rows,
+        kernels.MLA_SCORE_CHUNK, kernels.MLA_TILE_ROWS, splits, triton.next_power_of_2(splits),
+        min(kernels.MLA_MERGE_BATCH, triton.next_power_of_2(splits)), interpreted(), seq_rows,
         num_warps=kernels.MLA_WARPS, **pdl.options(),
     )  # fmt: skip
