@@ -90,11 +90,23 @@ def latent_attention(op: Op, b, out_q8: Any = None) -> list:
     q, kc, vc = (b.bufs[n] for n in op.ins[:3])
     out, pos = b.bufs[op.out], b.bufs["pos"]
     shares = splits(spec.rows, attention.groups(spec.heads, spec.value_width), spec.len, q.device)
-    work = attention.scratch(spec.rows, spec.heads, spec.value_width, shares, q.device) if shares > 1 else None
+    work = _shares_scratch(b, spec, shares, q.device) if shares > 1 else None
     shape = dict(rows=spec.rows, heads=spec.heads, kw=spec.hd, vd=spec.value_width, scale=spec.scale,
                  seq_rows=spec.len if spec.batched else 0, splits=shares, work=work)  # fmt: skip
     kc2 = kc.view(-1, spec.hd) if kc.is_contiguous() else kc
     return [lambda: attention.latent_attention(q, kc2, vc, pos, out, **shape)]
+
+
+def _shares_scratch(b, spec: Attention, shares: int, device: Any):
+    """The shares' partials and counters (`attention.scratch`), one a shape that every layer's latent attention
+    of the step shares: the layers run one after another, each waiting for the launch before it (`pdl`), and
+    each leaves the counters at zero."""
+    from fuselane.lanes.cuda.triton.mla import attention
+
+    key = f"mla-shares:{spec.rows}:{spec.heads}:{spec.value_width}:{shares}"
+    if key not in b.scratch:
+        b.scratch[key] = attention.scratch(spec.rows, spec.heads, spec.value_width, shares, device)
+    return b.scratch[key]
 
 
 def splits(rows: int, blocks: int, span: int, device: Any) -> int:
