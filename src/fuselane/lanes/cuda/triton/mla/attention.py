@@ -191,14 +191,15 @@ def latent_attention(
     q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, *,
     rows: int, heads: int, kw: int, vd: int, scale: float, seq_rows: int = 0, splits: int = 1,
     work: tuple[torch.Tensor, torch.Tensor] | None = None, value_slices: int = kernels.MLA_VALUE_SLICES,
-    heads_a_program: int = kernels.MLA_HEADS_A_PROGRAM,
+    heads_a_program: int = kernels.MLA_HEADS_A_PROGRAM, warps: int = kernels.MLA_WARPS,
 ) -> None:  # fmt: skip
     """out (rows, heads * vd) = softmax(q . keys * scale) @ values, row i of `q` (rows, heads * kw) at
     position pos[0] + i over cached rows 0..pos[0] + i; `kc` the cache (rows `kc.stride(0)` apart, `kw`
     values each: the first `vd` the latent, the rest the rotated key), `vc` its values (`vd` of a row, at
     `vc.stride(0)`), both read in place. A batch (`seq_rows` > 0): row i is its own sequence's query at
     pos[i], over cached rows i * seq_rows onwards. `splits` > 1 cuts each row's span into that many shares,
-    merged through `work` (`scratch`, made for the same `value_slices` and `heads_a_program`)."""
+    merged through `work` (`scratch`, made for the same `value_slices` and `heads_a_program`). The blocks and
+    `warps` default to the plan's (`kernels.MLA_*`)."""
     if kc.stride(-1) != 1 or vc.stride(-1) != 1 or q.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("latent_attention: every row must be unit-stride")
     if splits > 1 and work is None:
@@ -209,5 +210,5 @@ def latent_attention(
         q, kc, kc.stride(0), vc, vc.stride(0), pos, out, part, counter, scale, heads, kw, vd, hb, vb, value_slices, g,
         kernels.MLA_SCORE_CHUNK, kernels.MLA_TILE_ROWS, splits, triton.next_power_of_2(splits),
         min(kernels.MLA_MERGE_BATCH, triton.next_power_of_2(splits)), interpreted(), seq_rows,
-        num_warps=kernels.MLA_WARPS, **pdl.options(),
+        num_warps=warps, **pdl.options(),
     )  # fmt: skip
