@@ -63,10 +63,11 @@ def sass(cubin: bytes) -> dict[str, int]:
 def current(heads: int, splits: int, a: argparse.Namespace):
     """The kernel as this tree has it, at its plan's blocks or those asked."""
     hb, vb, g = attention.blocks(heads, LORA, a.heads_a_program, a.value_slices)
+    cluster, count, slots = attention.clusters(splits)
     consts = dict(HEADS=heads, KW=LORA + ROPE, VD=LORA, HB=hb, VB=vb, SLICES=a.value_slices, GROUPS=g,
-                  KC=a.score_chunk, BLOCK_N=kernels.MLA_TILE_ROWS, SPLITS=splits, S_P2=triton.next_power_of_2(splits),
-                  MERGE_BATCH=min(a.merge_batch, triton.next_power_of_2(splits)), INTERPRETED=False, SEQ_ROWS=0,
-                  PDL=True)  # fmt: skip
+                  KC=a.score_chunk, BLOCK_N=kernels.MLA_TILE_ROWS, SPLITS=splits, CLUSTER=cluster, CLUSTERS=count,
+                  SLOTS=slots, MERGE_BATCH=a.merge_batch,
+                  INTERPRETED=False, SEQ_ROWS=0, PDL=True)  # fmt: skip
     return _compile(attention._latent_attention_kernel, consts, a.warps)
 
 

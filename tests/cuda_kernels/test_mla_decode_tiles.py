@@ -65,11 +65,12 @@ def run(q, cache, pos, *, heads, rows, splits, heads_a_program, value_slices, se
 
 @pytest.mark.parametrize(
     ("rows", "pos", "splits", "heads_a_program", "value_slices"),
-    [(1, 40, 3, 2, 2), (2, 21, 1, 4, 1), (1, 0, 2, 8, 4), (3, 33, 4, 4, 2)],
+    [(1, 40, 3, 2, 2), (2, 21, 1, 4, 1), (1, 0, 2, 8, 4), (3, 33, 4, 4, 2), (1, 100, 8, 2, 2), (2, 90, 6, 4, 1)],
 )  # fmt: skip
 def test_blocks_of_heads_and_value_slices_attend_as_one(rows, pos, splits, heads_a_program, value_slices):
+    # past `kernels.MLA_MERGE_BATCH` shares that hold rows, the merge takes two levels (`attention.clusters`)
     rng = np.random.default_rng(11)
-    heads, ctx = 6, 48  # 6 heads: a row's last block is partly past them
+    heads, ctx = 6, 128  # 6 heads: a row's last block is partly past them
     cache = rng.standard_normal((ctx, KW)).astype(np.float16)
     q = rng.standard_normal((rows, heads * KW)).astype(np.float32)
     out = run(q, cache, np.array([pos], np.int32), heads=heads, rows=rows, splits=splits,
@@ -82,11 +83,11 @@ def test_blocks_of_heads_and_value_slices_attend_as_one(rows, pos, splits, heads
 
 def test_a_batchs_rows_attend_their_own_blocks_in_blocks_of_heads():
     rng = np.random.default_rng(12)
-    seqs, heads, block = 3, 5, 40
+    seqs, heads, block = 3, 5, 100
     cache = rng.standard_normal((seqs, block, KW)).astype(np.float16)
     q = rng.standard_normal((seqs, heads * KW)).astype(np.float32)
-    pos = np.array([0, 17, 39], np.int32)
-    out = run(q, cache, pos, heads=heads, rows=seqs, splits=3, heads_a_program=2, value_slices=2, seq_rows=block)
+    pos = np.array([0, 17, 99], np.int32)  # one share, two, and seven (a merge in two levels)
+    out = run(q, cache, pos, heads=heads, rows=seqs, splits=7, heads_a_program=2, value_slices=2, seq_rows=block)
     c = cache.astype(np.float64)
     want = attend(q.astype(np.float64), list(c), pos + 1, heads, 0.2)
     assert np.max(np.abs(out.double().numpy() - want)) <= bound(q, c, heads, 0.2, block)

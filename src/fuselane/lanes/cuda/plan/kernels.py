@@ -157,16 +157,16 @@ MLA_VALUE_SLICES = 1
 # head block, and its time is one program's chain of tiles, so each share takes one (64 rows: four shares).
 # The shares are fixed at the cache's length; a step's shares past its position hold no rows and are skipped.
 MLA_MIN_CHUNK = MLA_TILE_ROWS
-# A share's partial is its block's weighted latents in f32 (8 heads x 512: 16 KB) and one program, the block's
-# last, reads every share's to merge them: about what a program spends attending this many cached rows (a
-# tile of 16 rows is 18 KB of cache and ~1,100 products a thread; a partial, 16 KB read and one product a
-# value: about a tenth of it). A span of n rows in S shares takes about n / S rows' time plus S partials',
-# least at S = sqrt(n / MLA_MERGE_ROWS): more shares than that make the merge the longer part.
+# A share's partial is its block's weighted latents in f32 (8 heads x 512: 16 KB), merged in two levels
+# (`attention.clusters`: the last of each cluster of about sqrt(S) shares combines its cluster's, the last
+# cluster the clusters'), each level by one program reading MLA_MERGE_BATCH partials an L2 round trip: a
+# partial costs about what a program spends attending MLA_MERGE_ROWS cached rows (a round trip, ~0.3 us, for
+# a few partials, against ~1-2 us a tile of 16 rows). A span of n rows in S shares then takes about n / S rows'
+# time plus 2 sqrt(S) partials', least at S = (n / MLA_MERGE_ROWS)^(2/3): 161 shares at 4,096 rows.
 MLA_MERGE_ROWS = 2
-# Shares a merge reads at a time: their weighted latents' loads in flight together (2 x 8 heads x 512 values:
-# 64 a thread), where one share a step waited out an L2 round trip for each (and the shares' maxima and sums,
-# one load each, before the first). 4 at a time spilled (24-40 stack bytes a thread, sm_90).
-MLA_MERGE_BATCH = 2
+# Partials a merge step reads (their maxima, sums and weighted latents: 4 x 32 values a thread), their loads in
+# flight together: a round trip for four. The merging program holds them in 135-148 registers, no stack (sm_90).
+MLA_MERGE_BATCH = 4
 
 # Cached rows a paged decode program (`triton/attention/paged.py`) reads at a time: the decode tile's rows,
 # gathered from as many of the row's pool blocks as they span (two of the engine's 16-row blocks), each row
@@ -379,7 +379,7 @@ def mla_splits(head_blocks: int, span: int, sms: int) -> int:
     """Shares the latent attention cuts a span of `span` cached rows into for `head_blocks` programs a share:
     `attn_splits`' (the chip filled, a tile a share at least), no more than the merge's balance
     (`MLA_MERGE_ROWS`) allows."""
-    balance = max(1, math.isqrt(max(1, span) // MLA_MERGE_ROWS))
+    balance = max(1, round((max(1, span) / MLA_MERGE_ROWS) ** (2 / 3)))
     return min(attn_splits(head_blocks, span, sms, MLA_MIN_CHUNK), balance)
 
 

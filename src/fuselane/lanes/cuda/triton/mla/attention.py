@@ -22,6 +22,8 @@ side. One launch. A batch's row attends its own sequence's block of the cache at
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -66,40 +68,91 @@ def _tile(qh, live, m_i, l_i, acc, kc, k_pitch, vc, v_pitch, dv, start, hi, scal
 
 
 @triton.jit
-def _merge(region, shares, o, keep, HB: tl.constexpr, VB: tl.constexpr, SPLITS: tl.constexpr,
-           S_P2: tl.constexpr, MERGE_BATCH: tl.constexpr):  # fmt: skip
-    """The row's block's `shares` partials (`region`: every share's maxima, then their sums, then their
-    weighted latents) merged into its output; the launch's shares past them held no rows and wrote none.
-    The partials are other SMs' writes: read from L2 (.cg), past this SM's L1."""
+def _combine(region, first, count, HB: tl.constexpr, VB: tl.constexpr, SLOTS: tl.constexpr,
+             MERGE_BATCH: tl.constexpr):  # fmt: skip
+    """(maximum, sum, weighted latents) of `count` partials from slot `first` of a row's block's `region` (every
+    slot's maxima, then their sums, then their weighted latents), combined by a running maximum as the online
+    softmax does. The partials are other SMs' writes: read from L2 (.cg), past this SM's L1."""
     h = tl.arange(0, HB)
-    s_ = tl.arange(0, S_P2)[None, :]
-    at = s_ * HB + h[:, None]  # [HB, S_P2]
-    maxes = tl.load(region + at, mask=s_ < shares, other=float("-inf"), cache_modifier=".cg")
-    sums = tl.load(region + SPLITS * HB + at, mask=s_ < shares, other=0.0, cache_modifier=".cg")
-    top = tl.max(maxes, axis=1)  # a block's first share holds rows: finite
-    total = tl.sum(tl.exp(maxes - top[:, None]) * sums, axis=1)
-    # the weighted latents in batches of MERGE_BATCH shares, each batch's loads in flight together
-    latents = region + 2 * SPLITS * HB
+    latents = region + 2 * SLOTS * HB
+    top = tl.full([HB], float("-inf"), tl.float32)
+    total = tl.zeros([HB], tl.float32)
     merged = tl.zeros([HB, VB], tl.float32)
-    i = shares * 0  # a while loop: its bound is a device value (`attention.decode.interpreted`)
-    while i < shares:
+    i = count * 0  # a while loop: its bound is a device value (`attention.decode.interpreted`)
+    while i < count:  # MERGE_BATCH partials a step, their loads in flight together
         for j in tl.static_range(MERGE_BATCH):
-            m_s = tl.load(region + (i + j) * HB + h, mask=i + j < shares, other=float("-inf"), cache_modifier=".cg")
-            rows = ((i + j) * HB + h)[:, None] * VB + tl.arange(0, VB)[None, :]
-            a_s = tl.load(latents + rows, mask=i + j < shares, other=0.0, cache_modifier=".cg")
-            merged += tl.exp(m_s - top)[:, None] * a_s
+            slot, here = first + i + j, i + j < count
+            m_s = tl.load(region + slot * HB + h, mask=here, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(region + (SLOTS + slot) * HB + h, mask=here, other=0.0, cache_modifier=".cg")
+            rows = (slot * HB + h)[:, None] * VB + tl.arange(0, VB)[None, :]
+            a_s = tl.load(latents + rows, mask=here, other=0.0, cache_modifier=".cg")
+            new = tl.maximum(top, m_s)  # the first slot holds rows: finite from the first step on
+            kept, w = tl.exp(top - new), tl.exp(m_s - new)
+            total = total * kept + w * l_s
+            merged = merged * kept[:, None] + w[:, None] * a_s
+            top = new
         i += MERGE_BATCH
-    tl.store(o, merged / total[:, None], mask=keep)
+    return top, total, merged
+
+
+@triton.jit
+def _out(out, r, hh, dv, merged, total, HEADS: tl.constexpr, VD: tl.constexpr):
+    """Row `r`'s heads `hh`, values `dv`: the weighted latents over their sum (the pointers made here, not
+    held in registers through a merge)."""
+    o = out + (r.to(tl.int64) * HEADS + hh)[:, None] * VD + dv[None, :]
+    tl.store(o, merged / total[:, None], mask=(hh < HEADS)[:, None] & (dv < VD)[None, :])
+
+
+@triton.jit
+def _put(region, slot, top, total, acc, HB: tl.constexpr, VB: tl.constexpr, SLOTS: tl.constexpr):
+    """A partial (the maximum and the sum a head, its weighted latents) into `slot` of `region`."""
+    h = slot * HB + tl.arange(0, HB)
+    tl.store(region + h, top)
+    tl.store(region + SLOTS * HB + h, total)
+    tl.store(region + 2 * SLOTS * HB + h[:, None] * VB + tl.arange(0, VB)[None, :], acc)
+
+
+@triton.jit
+def _arrive(count):
+    """This program's partial, written, counted at `count`: the partials before the gpu-scope acq_rel atomic
+    (CUTLASS's semaphore pattern), so the last to arrive sees every one. Returns the programs before it."""
+    tl.debug_barrier()
+    return tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
+def _share_out(region, counts, sp, shares, m_i, l_i, acc, out, r, hh, dv, HEADS: tl.constexpr, VD: tl.constexpr,
+               HB: tl.constexpr, VB: tl.constexpr, SPLITS: tl.constexpr, CLUSTER: tl.constexpr,
+               CLUSTERS: tl.constexpr, SLOTS: tl.constexpr, MERGE_BATCH: tl.constexpr):  # fmt: skip
+    """A share's partial into the block's `region`, merged in two levels: the last of each cluster of
+    `CLUSTER` shares to arrive combines the cluster's into a slot past the shares', and the last cluster to
+    arrive combines those into the output (one cluster: straight into it). Each level's counter (`counts`:
+    a cluster's, then the clusters') is left at zero by its last program."""
+    _put(region, sp, m_i, l_i, acc, HB, VB, SLOTS)
+    k = sp // CLUSTER
+    members = tl.minimum(CLUSTER, shares - k * CLUSTER)
+    if _arrive(counts + k) == members - 1:
+        tl.atomic_xchg(counts + k, 0, sem="relaxed", scope="gpu")
+        top, total, merged = _combine(region, k * CLUSTER, members, HB, VB, SLOTS, MERGE_BATCH)
+        clusters = tl.cdiv(shares, CLUSTER)
+        if clusters == 1:
+            _out(out, r, hh, dv, merged, total, HEADS, VD)
+        else:
+            _put(region, SPLITS + k, top, total, merged, HB, VB, SLOTS)
+            if _arrive(counts + CLUSTERS) == clusters - 1:
+                tl.atomic_xchg(counts + CLUSTERS, 0, sem="relaxed", scope="gpu")
+                top, total, merged = _combine(region, SPLITS, clusters, HB, VB, SLOTS, MERGE_BATCH)
+                _out(out, r, hh, dv, merged, total, HEADS, VD)
 
 
 @triton.jit
 def _attend(q, kc, k_pitch, vc, v_pitch, out, part, counter, scale, r, sp, g, end, chunk, shares,
             HEADS: tl.constexpr, KW: tl.constexpr, VD: tl.constexpr, HB: tl.constexpr, VB: tl.constexpr,
             SLICES: tl.constexpr, GROUPS: tl.constexpr, KC: tl.constexpr, BLOCK_N: tl.constexpr,
-            SPLITS: tl.constexpr, S_P2: tl.constexpr, MERGE_BATCH: tl.constexpr,
-            INTERPRETED: tl.constexpr):  # fmt: skip
+            SPLITS: tl.constexpr, CLUSTER: tl.constexpr, CLUSTERS: tl.constexpr, SLOTS: tl.constexpr,
+            MERGE_BATCH: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     """Share `sp` (rows `sp * chunk` onwards, up to `end`) of row `r`'s block `g` of heads and values: its
-    output where it is the row's only share, else its partial, and the merge where it is the last to end."""
+    output where it is the row's only share, else its partial, and a merge where it is the last to end."""
     lo = sp * chunk
     hi = tl.minimum(lo + chunk, end)
     hh = (g // SLICES) * HB + tl.arange(0, HB)
@@ -119,22 +172,12 @@ def _attend(q, kc, k_pitch, vc, v_pitch, out, part, counter, scale, r, sp, g, en
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _tile(qh, live, m_i, l_i, acc, kc, k_pitch, vc, v_pitch, dv, start, hi, scale, KW, VD,
                                   KC, HB, BLOCK_N)  # fmt: skip
-    o = out + (r.to(tl.int64) * HEADS + hh)[:, None] * VD + dv[None, :]
-    keep = live[:, None] & (dv < VD)[None, :]
     if SPLITS == 1:
-        tl.store(o, acc / l_i[:, None], mask=keep)
+        _out(out, r, hh, dv, acc, l_i, HEADS, VD)
     else:
-        # this share's sums, in the row's block's region: the maximum and the sum a head, its weighted latents
-        region = part + (r.to(tl.int64) * GROUPS + g) * SPLITS * HB * (VB + 2)
-        h = sp * HB + tl.arange(0, HB)
-        tl.store(region + h, m_i)
-        tl.store(region + SPLITS * HB + h, l_i)
-        tl.store(region + 2 * SPLITS * HB + h[:, None] * VB + tl.arange(0, VB)[None, :], acc)
-        tl.debug_barrier()
-        done = tl.atomic_add(counter + r * GROUPS + g, 1, sem="acq_rel", scope="gpu")
-        if done == shares - 1:  # the block's last share merges them all
-            tl.atomic_xchg(counter + r * GROUPS + g, 0, sem="relaxed", scope="gpu")
-            _merge(region, shares, o, keep, HB, VB, SPLITS, S_P2, MERGE_BATCH)
+        block = r.to(tl.int64) * GROUPS + g
+        _share_out(part + block * SLOTS * HB * (VB + 2), counter + block * (CLUSTERS + 1), sp, shares, m_i, l_i,
+                   acc, out, r, hh, dv, HEADS, VD, HB, VB, SPLITS, CLUSTER, CLUSTERS, SLOTS, MERGE_BATCH)  # fmt: skip
 
 
 @triton.jit
@@ -142,8 +185,8 @@ def _latent_attention_kernel(
     q, kc, k_pitch, vc, v_pitch, pos, out, part, counter, scale,
     HEADS: tl.constexpr, KW: tl.constexpr, VD: tl.constexpr, HB: tl.constexpr, VB: tl.constexpr,
     SLICES: tl.constexpr, GROUPS: tl.constexpr, KC: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    S_P2: tl.constexpr, MERGE_BATCH: tl.constexpr, INTERPRETED: tl.constexpr, SEQ_ROWS: tl.constexpr,
-    PDL: tl.constexpr,
+    CLUSTER: tl.constexpr, CLUSTERS: tl.constexpr, SLOTS: tl.constexpr, MERGE_BATCH: tl.constexpr,
+    INTERPRETED: tl.constexpr, SEQ_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
     r, sp, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -159,7 +202,17 @@ def _latent_attention_kernel(
     shares = tl.cdiv(end, chunk)
     if sp < shares:
         _attend(q, kc, k_pitch, vc, v_pitch, out, part, counter, scale, r, sp, g, end, chunk, shares, HEADS, KW, VD,
-                HB, VB, SLICES, GROUPS, KC, BLOCK_N, SPLITS, S_P2, MERGE_BATCH, INTERPRETED)  # fmt: skip
+                HB, VB, SLICES, GROUPS, KC, BLOCK_N, SPLITS, CLUSTER, CLUSTERS, SLOTS, MERGE_BATCH,
+                INTERPRETED)  # fmt: skip
+
+
+def clusters(splits: int) -> tuple[int, int, int]:
+    """(shares a cluster, clusters, partial slots) of a launch of `splits` shares: about sqrt(splits) clusters
+    of as many shares, so each level of the merge reads about sqrt(splits) partials; one cluster (no second
+    level) up to `kernels.MLA_MERGE_BATCH` shares."""
+    cluster = max(kernels.MLA_MERGE_BATCH, math.isqrt(splits - 1) + 1) if splits > 1 else 1
+    count = triton.cdiv(splits, cluster)
+    return cluster, count, splits + (count if count > 1 else 0)
 
 
 def blocks(heads: int, vd: int, heads_a_program: int, value_slices: int) -> tuple[int, int, int]:
@@ -183,8 +236,9 @@ def scratch(rows: int, heads: int, vd: int, splits: int, device, *, value_slices
     """(the shares' sums, the counters a row and block) a launch of `splits` shares takes; each launch leaves
     the counters at zero."""
     hb, vb, g = blocks(heads, vd, heads_a_program, value_slices)
-    part = torch.empty(max(1, rows * g * splits * hb * (vb + 2)), dtype=torch.float32, device=device)
-    return part, torch.zeros(rows * g, dtype=torch.int32, device=device)
+    _, count, slots = clusters(splits)
+    part = torch.empty(max(1, rows * g * slots * hb * (vb + 2)), dtype=torch.float32, device=device)
+    return part, torch.zeros(rows * g * (count + 1), dtype=torch.int32, device=device)
 
 
 def latent_attention(
@@ -205,10 +259,11 @@ def latent_attention(
     if splits > 1 and work is None:
         raise ValueError("a split attention merges its shares through a scratch")
     hb, vb, g = blocks(heads, vd, heads_a_program, value_slices)
+    cluster, count, slots = clusters(splits)
     part, counter = work if work is not None else (out, out)  # one share: never read
     _latent_attention_kernel[(rows, splits, g)](
         q, kc, kc.stride(0), vc, vc.stride(0), pos, out, part, counter, scale, heads, kw, vd, hb, vb, value_slices, g,
-        kernels.MLA_SCORE_CHUNK, kernels.MLA_TILE_ROWS, splits, triton.next_power_of_2(splits),
-        min(kernels.MLA_MERGE_BATCH, triton.next_power_of_2(splits)), interpreted(), seq_rows,
+        kernels.MLA_SCORE_CHUNK, kernels.MLA_TILE_ROWS, splits, cluster, count, slots, kernels.MLA_MERGE_BATCH,
+        interpreted(), seq_rows,
         num_warps=warps, **pdl.options(),
     )  # fmt: skip
