@@ -142,12 +142,12 @@ ATTN_MIN_CHUNK = 32
 # at a time: Triton's f32 tile product (on the CUDA cores) holds each thread's rows of both operands over the
 # whole summed width, so one 576-wide product held a thread's query rows whole and spilled (sm_90, the kernel
 # before, one program a row's heads: 128 registers and 1,856 stack bytes a thread at 16 heads, 17,744 at 128).
-# 32 at a time, 8 heads a program in 4 warps: 128 registers and no stack at either width, 1,089 products a
-# thread a tile (8 heads x 16 rows x 1,088 / 128 threads: no product made twice). 16 heads in 8 warps compile
-# the same (128 registers, 1,122 products with the merge's); 16 heads in 4 warps double the products a thread
-# (2,178) and 64 values at a time take 168 registers. Cutting the value width across programs
-# (MLA_VALUE_SLICES) makes each slice's tile of scores again: 4 slices of 128 for 16 heads, 1,478 products a
-# thread a tile for a quarter of the values (`benchmarks/mla_registers.py`), so the width stays whole.
+# Here (sm_90, `benchmarks/mla_registers.py`): 127-148 registers and no stack at 16 and at 128 heads, at any
+# shares; a tile is 1,914 instructions a warp, 1,089 of them products (8 heads x 16 rows x 1,088 / 128 threads:
+# none made twice). 16 heads in 8 warps take 247 registers (two programs a SM where 8 in 4 fit three); 16 in 4
+# warps, 2,178 products a tile and 88 stack bytes. Cutting the value width across programs
+# (MLA_VALUE_SLICES) makes each slice's tile of scores again: 4 slices for 16 heads, 1,410 products a thread a
+# tile for a quarter of the values, so the width stays whole.
 MLA_HEADS_A_PROGRAM = 8
 MLA_TILE_ROWS = 16
 MLA_SCORE_CHUNK = 32

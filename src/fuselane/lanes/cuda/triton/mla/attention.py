@@ -7,17 +7,21 @@ Every head reads the same cached rows (one kv head), so a program takes a query 
 (`kernels.MLA_HEADS_A_PROGRAM`) and a slice of the value width (`kernels.MLA_VALUE_SLICES`: the whole of it):
 a tile of `MLA_TILE_ROWS` cached rows is loaded once and scored for every head of the block at once. The
 scores are a sum of tile products (`tl.dot`, f32 with IEEE products, on the CUDA cores) over
-`MLA_SCORE_CHUNK` query values at a time, each chunk of the query read again from L1 a tile: Triton's f32
+`MLA_SCORE_CHUNK` query values at a time, each chunk of the query read again a tile (from L1 or L2): Triton's f32
 product keeps each thread's rows of both operands over the whole summed width in registers, so one product
 over the 576 values held a thread's whole query rows and spilled them. The weighted latents are one more
 product, the running maximum, sum and weighted latents (the online softmax) kept in f32.
 
 A row's span (up to its own position, read on the device, so a chunk is causal and a captured graph replays
-at any position) is cut into `splits` equal shares of whole tiles, a program a share and head block
-(flash-decoding): each writes its share's maximum, sum and weighted latents to a scratch, and the last of a
-row's head block's programs to finish (a self-resetting counter a row and block, the routing launch's memory
-ordering) merges that block's shares into the row's output, so the merges of a row's blocks run side by
-side. One launch. A batch's row attends its own sequence's block of the cache at its own position.
+at any position) is cut into `splits` equal shares of whole tiles, a program a share and block (flash-decoding):
+each writes its share's maximum, sum and weighted latents (a partial) to a scratch. The shares are fixed when
+the step is built, at the cache's length; a step's shares past its position hold no rows and exit at once,
+neither writing nor counting. The partials merge in two levels (`clusters`): the last of each cluster of about
+sqrt(splits) shares to finish (a self-resetting counter a cluster, the routing launch's memory ordering)
+combines its cluster's into one more partial, and the last cluster to finish combines those into the row's
+output (a single cluster: straight into it). A merge reads `kernels.MLA_MERGE_BATCH` partials a round trip,
+combined by a running maximum. One launch. A batch's row attends its own sequence's block of the cache at its
+own position.
 """
 
 from __future__ import annotations
