@@ -230,7 +230,7 @@ def blocks(heads: int, vd: int, heads_a_program: int, value_slices: int) -> tupl
 
 def groups(heads: int, vd: int, value_slices: int = kernels.MLA_VALUE_SLICES,
            heads_a_program: int = kernels.MLA_HEADS_A_PROGRAM) -> int:  # fmt: skip
-    """Programs a row and share: its blocks of heads times its value slices (`kernels.attn_splits` takes
+    """Programs a row and share: its blocks of heads times its value slices (`kernels.mla_splits` takes
     them as the launch's head blocks)."""
     return blocks(heads, vd, heads_a_program, value_slices)[2]
 
