@@ -144,7 +144,7 @@ ATTN_MIN_CHUNK = 32
 # before, one program a row's heads: 128 registers and 1,856 stack bytes a thread at 16 heads, 17,744 at 128).
 # Here (sm_90, `benchmarks/mla_registers.py`): 127-148 registers and no stack at 16 and at 128 heads, at any
 # shares; a tile is 1,914 instructions a warp, 1,089 of them products (8 heads x 16 rows x 1,088 / 128 threads:
-# none made twice). 16 heads in 8 warps take 247 registers (two programs a SM where 8 in 4 fit three); 16 in 4
+# none made twice). 16 heads in 8 warps take 247 registers (one program a SM where 8 in 4 fit three); 16 in 4
 # warps, 2,178 products a tile and 88 stack bytes. Cutting the value width across programs
 # (MLA_VALUE_SLICES) makes each slice's tile of scores again: 4 slices for 16 heads, 1,410 products a thread a
 # tile for a quarter of the values, so the width stays whole.
