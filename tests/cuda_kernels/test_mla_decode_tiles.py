@@ -1,7 +1,8 @@
 """The latent attention's decode kernel (`triton.mla.attention`) with its tiling exercised at a tiny shape,
 under the interpreter on a CPU, against softmax attention computed here in f64: several blocks of heads a
-row (the last one partly past the heads), several value slices, several shares of the span merged, a chunk's
-rows at their own positions, and a batch of sequences each over its own block of the cache (`seq_rows`).
+row (the last one partly past the heads), several value slices, several shares of the span merged in one level
+and in two, shares past the position that must write and be read nowhere (the scratch starts as NaN), a
+chunk's rows at their own positions, and a batch of sequences each over its own block of the cache (`seq_rows`).
 And at the real widths (DeepSeek-V2-Lite's 16 heads, V3's 128) the kernel compiles for an H200 without spills.
 
 Bound (as test_mla_kernels.py): a score is an f32 sum of `kw` exact products (the query and the f16 cache
