@@ -32,7 +32,7 @@ from fuselane.runtime.model import load  # noqa: E402
 
 PROMPT = [5, 60, 7, 100, 8, 1, 2, 3, 4]  # past the GEMV's rows
 VOCAB = 260  # a small head: the interpreter's time goes to the products
-CTX = 64  # cache rows: a decode step cuts its span in two shares (`mla_launch.splits`)
+CTX = 64  # cache rows: a decode step cuts its span in shares (`mla_launch.splits`)
 SHAPES = {
     "v2": dataclasses.replace(LATENT_SHAPES["tiny-deepseek2"], vocab=VOCAB),
     # q LoRA whole 32-value blocks (the GEMV's rows); one group: the lane routes by one top-k
@@ -54,7 +54,7 @@ def test_cuda_lane_runs_latent_attention_as_the_cpu_lane(tmp_path, name):
     bound = [op for op, _ in step.bound]
     assert {HeadMatmul, Join, Rope} <= {type(op.sym) for op in bound}
     assert C.ROUTER_TOPK in {class_of(op) for op in bound}  # the gating runs in the routing launch
-    assert splits(1, CTX, torch.device("cpu")) > 1  # the decode step's shares are merged
+    assert splits(1, 1, CTX, torch.device("cpu")) > 1  # the decode step's shares are merged
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     sg, sr = gpu.session(), ref.session()
     for what, a, b in (("prefill", sg.feed(PROMPT), sr.feed(PROMPT)), ("decode", sg.extend([9]), sr.extend([9]))):

@@ -42,6 +42,10 @@ def test_kernel_facts() -> None:
     assert kernels.attn_splits(head_blocks=256, span=4096, sms=132) == 5
     assert kernels.attn_splits(head_blocks=8, span=300, sms=132) == 10
     assert kernels.attn_splits(head_blocks=4096, span=4096, sms=132) == 1
+    assert kernels.mla_splits(head_blocks=2, span=64, sms=132) == 4  # V2-Lite's two blocks: a tile a share
+    assert kernels.mla_splits(head_blocks=2, span=4096, sms=132) == 161  # the merge's balance, (4096 / 2)^(2/3)
+    assert kernels.mla_splits(head_blocks=16, span=4096, sms=132) == 66  # V3's 16 blocks: the chip filled 8 times
+    assert kernels.mla_splits(head_blocks=128, span=4096, sms=132) == 9  # and 8 rows of them
     assert kernels.attn_heads_a_block(7) == 1
     assert chunks_apart(splits=4, rows=1, head_blocks=8, sms=132)
     assert not chunks_apart(splits=4, rows=64, head_blocks=64, sms=132)

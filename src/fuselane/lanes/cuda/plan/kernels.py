@@ -136,6 +136,38 @@ ATTN_WAVES = 8
 # caps their number (33 splits of ~124 rows for the 8B's 32 heads at 4,096 rows).
 ATTN_MIN_CHUNK = 32
 
+# The absorbed latent attention's decode program (`triton/mla/attention.py`): a query row's heads share one
+# cached latent row, so a program takes MLA_HEADS_A_PROGRAM heads of a row, the whole value width, over
+# MLA_TILE_ROWS cached rows at a time, in MLA_WARPS warps. Its scores are summed MLA_SCORE_CHUNK query values
+# at a time: Triton's f32 tile product (on the CUDA cores) holds each thread's rows of both operands over the
+# whole summed width, so one 576-wide product held a thread's query rows whole and spilled (sm_90, the kernel
+# before, one program a row's heads: 128 registers and 1,856 stack bytes a thread at 16 heads, 17,744 at 128).
+# Here (sm_90, `benchmarks/mla_registers.py`): 127-148 registers and no stack at 16 and at 128 heads, at any
+# shares; a tile is 1,914 instructions a warp, 1,089 of them products (8 heads x 16 rows x 1,088 / 128 threads:
+# none made twice). 16 heads in 8 warps take 247 registers (one program a SM where 8 in 4 fit three); 16 in 4
+# warps, 2,178 products a tile and 88 stack bytes. Cutting the value width across programs
+# (MLA_VALUE_SLICES) makes each slice's tile of scores again: 4 slices for 16 heads, 1,410 products a thread a
+# tile for a quarter of the values, so the width stays whole.
+MLA_HEADS_A_PROGRAM = 8
+MLA_TILE_ROWS = 16
+MLA_SCORE_CHUNK = 32
+MLA_WARPS = 4
+MLA_VALUE_SLICES = 1
+# The fewest cached rows a share of the span takes: one tile. A decode step at a short span is a few tiles a
+# head block, and its time is one program's chain of tiles, so each share takes one (64 rows: four shares).
+# The shares are fixed at the cache's length; a step's shares past its position hold no rows and are skipped.
+MLA_MIN_CHUNK = MLA_TILE_ROWS
+# A share's partial is its block's weighted latents in f32 (8 heads x 512: 16 KB), merged in two levels
+# (`attention.clusters`: the last of each cluster of about sqrt(S) shares combines its cluster's, the last
+# cluster the clusters'), each level by one program reading MLA_MERGE_BATCH partials an L2 round trip: a
+# partial costs about what a program spends attending MLA_MERGE_ROWS cached rows (a round trip, ~0.3 us, for
+# a few partials, against ~1-2 us a tile of 16 rows). A span of n rows in S shares then takes about n / S rows'
+# time plus 2 sqrt(S) partials', least at S = (n / MLA_MERGE_ROWS)^(2/3): 161 shares at 4,096 rows.
+MLA_MERGE_ROWS = 2
+# Partials a merge step reads (their maxima, sums and weighted latents: 4 x 32 values a thread), their loads in
+# flight together: a round trip for four. The merging program holds them in 135-148 registers, no stack (sm_90).
+MLA_MERGE_BATCH = 4
+
 # Cached rows a paged decode program (`triton/attention/paged.py`) reads at a time: the decode tile's rows,
 # gathered from as many of the row's pool blocks as they span (two of the engine's 16-row blocks), each row
 # found through its block's id. A pool row is one load segment wherever its block lies, so a tile over
@@ -336,12 +368,20 @@ def attn_heads_a_block(group: int) -> int:
     return max(h for h in range(1, min(group, ATTN_HEADS_A_BLOCK_MOST) + 1) if group % h == 0)
 
 
-def attn_splits(head_blocks: int, span: int, sms: int) -> int:
+def attn_splits(head_blocks: int, span: int, sms: int, min_chunk: int = ATTN_MIN_CHUNK) -> int:
     """Chunks an attention cuts its span into: enough that its blocks fill the chip `ATTN_WAVES` times over,
-    no chunk under `ATTN_MIN_CHUNK` rows."""
+    no chunk under `min_chunk` rows."""
     wanted = math.ceil(ATTN_WAVES * sms / max(1, head_blocks))
-    most = math.ceil(max(1, span) / ATTN_MIN_CHUNK)
+    most = math.ceil(max(1, span) / min_chunk)
     return max(1, min(wanted, most))
+
+
+def mla_splits(head_blocks: int, span: int, sms: int) -> int:
+    """Shares the latent attention cuts a span of `span` cached rows into for `head_blocks` programs a share:
+    `attn_splits`' (the chip filled, a tile a share at least), no more than the merge's balance
+    (`MLA_MERGE_ROWS`) allows."""
+    balance = max(1, round((max(1, span) / MLA_MERGE_ROWS) ** (2 / 3)))
+    return min(attn_splits(head_blocks, span, sms, MLA_MIN_CHUNK), balance)
 
 
 # --- a projection's add + norm ---------------------------------------------------------------------------------

@@ -89,17 +89,30 @@ def latent_attention(op: Op, b, out_q8: Any = None) -> list:
         raise PlanMismatch(f"{op.out}: the latent attention writes f32 rows, one kv head")
     q, kc, vc = (b.bufs[n] for n in op.ins[:3])
     out, pos = b.bufs[op.out], b.bufs["pos"]
-    shares = splits(spec.rows, spec.len, q.device)
-    work = attention.scratch(spec.rows, spec.heads, spec.value_width, shares, q.device) if shares > 1 else None
+    shares = splits(spec.rows, attention.groups(spec.heads, spec.value_width), spec.len, q.device)
+    work = _shares_scratch(b, spec, shares, q.device) if shares > 1 else None
     shape = dict(rows=spec.rows, heads=spec.heads, kw=spec.hd, vd=spec.value_width, scale=spec.scale,
                  seq_rows=spec.len if spec.batched else 0, splits=shares, work=work)  # fmt: skip
     kc2 = kc.view(-1, spec.hd) if kc.is_contiguous() else kc
     return [lambda: attention.latent_attention(q, kc2, vc, pos, out, **shape)]
 
 
-def splits(rows: int, span: int, device: Any) -> int:
-    """Shares of a row's span: enough programs to fill the chip (`kernels.attn_splits`, a program a row a
-    share) for a decode step's or a batch's few rows; a chunk's rows fill it alone."""
+def _shares_scratch(b, spec: Attention, shares: int, device: Any):
+    """The shares' partials and counters (`attention.scratch`), one a shape that every layer's latent attention
+    of the step shares: the layers run one after another, each waiting for the launch before it (`pdl`), and
+    each leaves the counters at zero."""
+    from fuselane.lanes.cuda.triton.mla import attention
+
+    key = f"mla-shares:{spec.rows}:{spec.heads}:{spec.value_width}:{shares}"
+    if key not in b.scratch:
+        b.scratch[key] = attention.scratch(spec.rows, spec.heads, spec.value_width, shares, device)
+    return b.scratch[key]
+
+
+def splits(rows: int, blocks: int, span: int, device: Any) -> int:
+    """Shares of a row's span (`kernels.mla_splits`: enough programs to fill the chip, a program a row's block
+    of heads a share, `blocks` of them, as many as the merge's balance allows) for a decode step's or a
+    batch's few rows; a chunk's rows fill it alone."""
     import torch
 
     from fuselane.lanes.cuda.plan import kernels
@@ -107,7 +120,7 @@ def splits(rows: int, span: int, device: Any) -> int:
     if rows > kernels.GEMV_ROWS:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else INTERPRETED_SMS
-    return kernels.attn_splits(rows, span, sms)
+    return kernels.mla_splits(rows * blocks, span, sms)
 
 
 def mla(op: Op, b) -> list:
