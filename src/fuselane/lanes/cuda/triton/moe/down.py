@@ -13,7 +13,12 @@ Every counter re-arms itself, so the launch replays in a CUDA graph.
 
 Under int8 activations a program's product tile is every kept expert's rows at once (`kernels.moe_down_rows`
 rows of each, slot-major, each row with its own slot's activation), so the experts' weights stream in
-together; with f32 activations the slots are summed one after another.
+together; with f32 activations the slots are summed one after another. Those weights always take the coherent path
+with a barrier after them (`weight_loads.PINNED`, whatever the lane's `weight_loads` knob): a decode row of
+an expert is a few chunks (Qwen3-30B-A3B's 768 values, three Q4_K super-blocks), and on the read-only path
+ptxas sinks each chunk's loads below the last chunk's dp4a (sm_90 SASS: chunk 1's 128-bit loads after chunk
+0's IDP.4A, chunk 2's after chunk 1's), so a program made one DRAM round trip a chunk; pinned, all of them
+are issued before the first sum at the same registers for Q4_K (`kernels.MOE_DOWN_TILE`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 from fuselane.lanes.cuda.triton.gemv import rows as gemv_rows
 from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
 from fuselane.lanes.cuda.triton.gemv.q8 import row_dots
+from fuselane.lanes.cuda.triton.gemv.weight_loads import PINNED
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts
 
@@ -248,7 +254,7 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
         block_n = kernels.moe_down_rows(k)
         consts = gemv_q8.tile_plan(fmt, dff, slots * block_n, kernels.MOE_DOWN_WARPS, kernels.MOE_DOWN_PER_THREAD)
         warps = consts.pop("num_warps")
-        consts |= dict(BLOCK_N=block_n, STEPS=1, UNITS=1, SPLIT=1, STAGES=1)
+        consts |= dict(BLOCK_N=block_n, STEPS=1, UNITS=1, SPLIT=1, STAGES=1, FENCE=PINNED)
         hargs = (h.q, *h)
     else:
         consts, warps = f32_plan(fmt, d, dff)
