@@ -86,8 +86,9 @@ def _decode(fmts: list[Format], sass: str | None) -> None:
                                     empty_q8(TOP, DFF, "cpu"))  # fmt: skip
                     wd = torch.zeros(EXPERTS * D * row_bytes(fmt, DFF), dtype=torch.uint8)
                     norm = down.Norm(torch.zeros(D), 1e-6, torch.zeros(1, D), empty_q8(1, D, "cpu"))
-                    down.down_combine(empty_q8(TOP, DFF, "cpu"), wd, fmt, ids, weights, D, DFF, torch.zeros(1, D),
-                                      adds=(torch.zeros(1, D),), norm=norm, counter=down.counters(1, "cpu"))  # fmt: skip
+                    h, out = empty_q8(TOP, DFF, "cpu"), torch.zeros(1, D)
+                    down.down_combine(h, wd, fmt, ids, weights, D, DFF, out, adds=(torch.zeros(1, D),), norm=norm,
+                                      counter=down.counters(1, "cpu"))  # fmt: skip
         finally:
             JITFunction.run = compile_only
     for name, grid, kernel in seen:
@@ -121,7 +122,8 @@ def main() -> None:
     if a.decode:
         _decode([Format[f] for f in a.fmt], a.sass)
         return
-    from fuselane.lanes.cuda.triton.moe import grouped as G  # noqa: N812 (here: --decode compiles in a fresh state)
+    from fuselane.lanes.cuda.triton.moe import grouped as G  # here: --decode compiles in a process of its own
+
     common = dict(SLOTS=TOP, E=EXPERTS, E_BLOCK=triton.next_power_of_2(EXPERTS), BLOCK_M=a.block_m, PDL=True)
     for fmt in (Format[f] for f in a.fmt):
         bn = a.block_n or kernels.MOE_GATE_UP_BLOCK_N
