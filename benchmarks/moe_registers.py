@@ -102,6 +102,7 @@ def _decode(fmts: list[Format], sass: str | None) -> None:
 
 
 def _write_sass(cubin: bytes, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
