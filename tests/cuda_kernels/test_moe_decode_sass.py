@@ -1,8 +1,9 @@
 """The decode mixture's launches as compiled for sm_90 without a GPU (read from the SASS, through their own
 launchers at Qwen3-30B-A3B's widths): the down launch issues every kept expert's weight loads, all of a row's
 chunks, before its first dp4a (`moe/down.py`: pinned ahead, not sunk one chunk at a time below the last
-chunk's sums), and the routing launch of one row issues its router row's loads before it waits for the
-launch before (`moe/route.py`, `_router_row`). Neither spills."""
+chunk's sums), and its ids and first chunks before it waits for the launch before; the gate/up launch waits
+before it releases the next (what makes the down's early ids safe); the routing launch of one row issues its
+router row's loads before its wait (`moe/route.py`, `_router_row`). None spills."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ pytest.importorskip("triton")
 from kernel_checks import CUDA  # noqa: E402
 
 # Prints, a launch a line: its name, format, stack bytes and the SASS order of weight loads (W: the
-# evict-first loads the int8 GEMV gives weights), other loads (a), IDP.4A (d), BAR.SYNC (|) and the wait
-# for the launch before (w: ACQBULK).
+# evict-first loads the int8 GEMV gives weights), other loads (a), IDP.4A (d), BAR.SYNC (|), the wait for
+# the launch before (w: ACQBULK) and the release of the next (r: PREEXIT).
 _COMPILE = """
 import os, re, subprocess, tempfile
 import torch, triton
@@ -33,7 +34,7 @@ D, DFF, EXPERTS, TOP = 2048, 768, 128, 8
 def kind(op):
     if op.startswith("LDG"):
         return "W" if ".EF" in op else "a"
-    return {"IDP": "d", "BAR": "|", "ACQ": "w"}.get(op[:3], "")
+    return {"IDP": "d", "BAR": "|", "ACQ": "w", "PRE": "r"}.get(op[:3], "")
 
 def order(cubin):
     with tempfile.TemporaryDirectory() as folder:
@@ -46,7 +47,7 @@ def order(cubin):
 seen = []
 with compiling(90, Report()):
     from fuselane.lanes.cuda.triton import pdl
-    from fuselane.lanes.cuda.triton.moe import down, route
+    from fuselane.lanes.cuda.triton.moe import down, gate_up, route
     from fuselane.lanes.cuda.triton.quant import empty_q8
 
     launch = JITFunction.run
@@ -62,6 +63,9 @@ with compiling(90, Report()):
         router = torch.zeros(EXPERTS * D * 4, dtype=torch.uint8)
         route.route(torch.zeros(1, D), router, Format.F32, EXPERTS, TOP, True, ids, weights,
                     torch.zeros(1, EXPERTS), route.counters("cpu"))
+        wg = torch.zeros(EXPERTS * DFF * row_bytes(Format.Q4_K, D), dtype=torch.uint8)
+        gate_up.gate_up(empty_q8(1, D, "cpu"), wg, wg, Format.Q4_K, ids, DFF, D, torch.zeros(TOP, DFF),
+                        empty_q8(TOP, DFF, "cpu"))
         for fmt in (Format.Q4_K, Format.Q6_K):
             w = torch.zeros(EXPERTS * D * row_bytes(fmt, DFF), dtype=torch.uint8)
             norm = down.Norm(torch.zeros(D), 1e-6, torch.zeros(1, D), empty_q8(1, D, "cpu"))
@@ -79,10 +83,15 @@ def test_the_decode_mixture_issues_its_weights_ahead() -> None:
     run = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = {(name, fmt): (int(stack), sass) for name, fmt, stack, sass in map(str.split, run.stdout.splitlines())}
-    assert set(rows) == {("_route_kernel", "F32"), ("_down_kernel", "Q4_K"), ("_down_kernel", "Q6_K")}, run.stdout
+    kernels = {("_route_kernel", "F32"), ("_gate_up_kernel", "Q4_K"), ("_down_kernel", "Q4_K")}
+    kernels.add(("_down_kernel", "Q6_K"))
+    assert set(rows) == kernels, run.stdout
     for (name, fmt), (stack, sass) in rows.items():
         assert stack == 0, f"{name} {fmt}: {stack} stack bytes"
-        if name == "_down_kernel":  # a row's three chunks of every expert's weights, then the sums
+        if name == "_down_kernel":  # the ids and the first chunks, the wait, then every chunk before the sums
             assert sass.count("W") >= 3 and sass.rfind("W") < sass.find("d"), f"{fmt}: {sass}"
+            assert sass.find("r") < sass.find("a") < sass.find("W") < sass.find("w"), f"{fmt}: {sass}"
+        elif name == "_gate_up_kernel":  # the wait, then the release
+            assert sass.find("w") < sass.find("r") < sass.find("a"), sass
         else:  # the router row's loads, a barrier, then the wait
-            assert sass[: sass.find("w")].replace("|", "").startswith("a"), sass
+            assert sass[: sass.find("w")].replace("|", "").replace("r", "").startswith("a"), sass

@@ -40,7 +40,11 @@ def _gate_up_kernel(
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
     STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl.begin(PDL)  # the expert ids are the last launch's
+    # The expert ids are the last launch's, so the wait comes first; the next launch is released only after it,
+    # so a launch after this one starts once the routing has ended and may read its ids before its own wait
+    # (`down._kept_q8`).
+    pdl.wait(PDL)
+    pdl.release(PDL)
     pair = tl.program_id(1)
     e = tl.load(ids + pair).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
