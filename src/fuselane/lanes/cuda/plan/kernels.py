@@ -186,6 +186,11 @@ MOE_NORM_CHUNK = 128
 MOE_DOWN_TILE = 32
 MOE_DOWN_WARPS = 8
 MOE_DOWN_PER_THREAD = 1
+# Its weights are read on the coherent path with a barrier after them (`weight_loads.PINNED`), so all of a
+# row's chunks are in flight before the first sum (`triton/moe/down.py`), except in these formats, where that
+# tile passes 64 registers a thread (ptxas sm_90, Qwen3-30B-A3B's widths: Q5_K 54 -> 72) and four blocks of
+# eight warps no longer fit a SM's registers: 396 of the 512 programs resident at once, not all.
+MOE_DOWN_UNPINNED = frozenset({Format.Q5_K})
 
 # A decode step's routing program takes this many of the router's rows (experts): the router is a few
 # thousand values by a hundred or so experts, and the GEMV's own tile (eight rows a block of eight warps) left

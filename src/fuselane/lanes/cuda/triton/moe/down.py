@@ -18,7 +18,7 @@ with a barrier after them (`weight_loads.PINNED`, whatever the lane's `weight_lo
 an expert is a few chunks (Qwen3-30B-A3B's 768 values, three Q4_K super-blocks), and on the read-only path
 ptxas sinks each chunk's loads below the last chunk's dp4a (sm_90 SASS: chunk 1's 128-bit loads after chunk
 0's IDP.4A, chunk 2's after chunk 1's), so a program made one DRAM round trip a chunk; pinned, all of them
-are issued before the first sum at the same registers for Q4_K (`kernels.MOE_DOWN_TILE`). A launch of
+are issued before the first sum at the same registers for Q4_K (`kernels.MOE_DOWN_UNPINNED` says where not). A launch of
 them without a shared expert reads the ids and the first chunks' weights before its wait for the gate/up
 launch (`_kept_q8`), so a program's round trips to them run under that launch's end.
 """
@@ -265,7 +265,9 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
         block_n = kernels.moe_down_rows(k)
         consts = gemv_q8.tile_plan(fmt, dff, slots * block_n, kernels.MOE_DOWN_WARPS, kernels.MOE_DOWN_PER_THREAD)
         warps = consts.pop("num_warps")
-        consts |= dict(BLOCK_N=block_n, STEPS=1, UNITS=1, SPLIT=1, STAGES=1, FENCE=PINNED)
+        consts |= dict(BLOCK_N=block_n, STEPS=1, UNITS=1, SPLIT=1, STAGES=1)
+        if fmt not in kernels.MOE_DOWN_UNPINNED:
+            consts["FENCE"] = PINNED
         hargs = (h.q, *h)
     else:
         consts, warps = f32_plan(fmt, d, dff)
