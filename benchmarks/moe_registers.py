@@ -1,7 +1,11 @@
 """The grouped expert GEMM's kernels (`triton.moe.grouped`) as compiled for an H200 (sm_90a), without a GPU:
 each kernel's registers a thread and spills, from ptxas -v (the ptxas Triton ships), at Qwen3-30B-A3B's widths.
+With `--decode`, the decode step's mixture launches instead (routing, gate/up, down under int8 activations and
+dependent launches, each compiled through its own launcher): each one's grid, warps, registers and stack bytes
+(`compile_check.resources`), and with `--sass DIR` its SASS, to read where the loads sit against the dp4a.
 
 Usage: python benchmarks/moe_registers.py [--fmt Q4_K Q6_K ...] [--block-m 32] [--block-n 64] [--warps 8]
+       python benchmarks/moe_registers.py --decode [--fmt Q4_K Q6_K] [--sass DIR]
 
 What the tile table (`plan/kernels.py`, MOE_GEMM_*) says of spills is what this prints; a tile that spills
 moves its values through local memory each step, which the timing (`benchmarks/moe_prefill.py`) then shows.
@@ -20,7 +24,6 @@ from triton.compiler import ASTSource
 
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.triton.moe import grouped as G
 
 D, DFF, EXPERTS, TOP, ROWS = 2048, 768, 128, 8, 512
 SM90 = GPUTarget("cuda", 90, 32)
@@ -49,13 +52,79 @@ def _compile(kernel, consts: dict, warps: int) -> str:
     return _ptxas(compiled.asm["ptx"])
 
 
+def _decode(fmts: list[Format], sass: str | None) -> None:
+    """Compile the decode launches at Qwen3-30B-A3B's widths (a fresh process: not under the interpreter)."""
+    import torch
+    from triton.runtime.jit import JITFunction
+
+    from fuselane.gguf.formats import row_bytes
+    from fuselane.lanes.cuda.compile_check import Report, compiling, resources
+
+    seen: list[tuple[str, object, object]] = []
+    with compiling(90, Report()):
+        from fuselane.lanes.cuda.triton import pdl
+        from fuselane.lanes.cuda.triton.moe import down, gate_up, route
+        from fuselane.lanes.cuda.triton.quant import empty_q8
+
+        compile_only = JITFunction.run
+
+        def noted(self, *args, grid, warmup, **kwargs):
+            kernel = compile_only(self, *args, grid=grid, warmup=warmup, **kwargs)
+            seen.append((f"{self.fn.__name__} {Format(kwargs.get('FMT', 0)).name}", grid, kernel))
+            return kernel
+
+        JITFunction.run = noted
+        try:
+            with pdl.dependent_launches(True):
+                ids, weights = torch.zeros(1, TOP, dtype=torch.int32), torch.zeros(1, TOP)
+                wr = torch.zeros(EXPERTS * D * 4, dtype=torch.uint8)  # the router in f32
+                route.route(torch.zeros(1, D), wr, Format.F32, EXPERTS, TOP, True, ids, weights,
+                            torch.zeros(1, EXPERTS), route.counters("cpu"))  # fmt: skip
+                for fmt in fmts:
+                    wg = torch.zeros(EXPERTS * DFF * row_bytes(fmt, D), dtype=torch.uint8)
+                    gate_up.gate_up(empty_q8(1, D, "cpu"), wg, wg, fmt, ids, DFF, D, torch.zeros(TOP, DFF),
+                                    empty_q8(TOP, DFF, "cpu"))  # fmt: skip
+                    wd = torch.zeros(EXPERTS * D * row_bytes(fmt, DFF), dtype=torch.uint8)
+                    norm = down.Norm(torch.zeros(D), 1e-6, torch.zeros(1, D), empty_q8(1, D, "cpu"))
+                    h, out = empty_q8(TOP, DFF, "cpu"), torch.zeros(1, D)
+                    down.down_combine(h, wd, fmt, ids, weights, D, DFF, out, adds=(torch.zeros(1, D),), norm=norm,
+                                      counter=down.counters(1, "cpu"))  # fmt: skip
+        finally:
+            JITFunction.run = compile_only
+    for name, grid, kernel in seen:
+        regs, stack = resources(kernel.asm["cubin"])
+        programs = grid[0] * (grid[1] if len(grid) > 1 else 1)
+        warps = kernel.metadata.num_warps
+        print(f"{name:24s} grid {str(tuple(grid)):10s} {programs:5d} programs x {warps:2d} warps  {regs:3d} registers"
+              f"  {stack:4d} stack bytes")  # fmt: skip
+        if sass:
+            _write_sass(kernel.asm["cubin"], os.path.join(sass, name.replace(" ", "_") + ".sass"))
+
+
+def _write_sass(cubin: bytes, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    with open(path, "w") as out:
+        out.write(subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout)
+    os.unlink(f.name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fmt", nargs="+", default=["Q4_K", "Q6_K"])
     ap.add_argument("--block-m", type=int, default=kernels.MOE_GEMM_BLOCK_M)
     ap.add_argument("--block-n", type=int, default=None, help="both kernels' (default: the table's)")
     ap.add_argument("--warps", type=int, default=kernels.MOE_GEMM_WARPS)
+    ap.add_argument("--decode", action="store_true", help="the decode step's routing, gate/up and down launches")
+    ap.add_argument("--sass", default=None, help="with --decode: write each kernel's SASS to this folder")
     a = ap.parse_args()
+    if a.decode:
+        _decode([Format[f] for f in a.fmt], a.sass)
+        return
+    from fuselane.lanes.cuda.triton.moe import grouped as G  # here: --decode compiles in a process of its own
+
     common = dict(SLOTS=TOP, E=EXPERTS, E_BLOCK=triton.next_power_of_2(EXPERTS), BLOCK_M=a.block_m, PDL=True)
     for fmt in (Format[f] for f in a.fmt):
         bn = a.block_n or kernels.MOE_GATE_UP_BLOCK_N

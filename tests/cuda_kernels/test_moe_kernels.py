@@ -72,6 +72,23 @@ def test_route_ranks_the_experts_and_sorts_the_pairs(renorm, rows, experts):
     assert not counter.any()
 
 
+def test_a_decode_row_scores_each_expert_over_a_width_past_a_power_of_two():
+    # the one-row routing path (an expert a program, its f32 router row read before the wait) masks the
+    # columns past the width: 96 values in a block of 128
+    rng = np.random.default_rng(3)
+    experts, d, k = 12, 96, 2
+    w = rng.standard_normal((experts, d)).astype(np.float32)
+    x = rng.standard_normal((1, d)).astype(np.float32)
+    ids, weights = torch.zeros((1, k), dtype=torch.int32), torch.zeros((1, k))
+    scores = torch.zeros((1, experts))
+    route.route(dev(x), dev(w.view(np.uint8)), Format.F32, experts, k, True, ids, weights, scores,
+                route.counters(DEVICE, 1))  # fmt: skip
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    bound = gamma(d) * (np.abs(x).astype(np.float64) @ np.abs(w.T).astype(np.float64))
+    assert np.all(np.abs(scores.numpy() - exact) <= bound)
+    assert np.array_equal(ids.numpy(), _softmax_topk(exact, k, True)[0])
+
+
 @pytest.mark.parametrize("experts", [12, 160])
 def test_route_keeps_the_lower_index_first_on_a_tie(experts):
     """Two equal router rows score the same bits: the lower index takes the earlier slot (a stable sort), by

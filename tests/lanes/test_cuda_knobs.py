@@ -33,8 +33,10 @@ def test_kernel_facts() -> None:
     assert CudaShim().per_warp(wide) == 4 and CudaShim(held=("rows_a_warp",)).per_warp(wide) == 1
     assert kernels.norm_threads(1024) == 128 and kernels.norm_threads(10) == kernels.WARP
     assert kernels.norm_threads(1 << 20) == kernels.MAX_BLOCK_THREADS
-    assert kernels.moe_down_launch(2048, 768, 8, 0) == (2048, 256)
-    assert kernels.moe_down_launch(2048, 1024, 8, 1024) == (512, 288)
+    # four rows of the width for each of eight kept experts a program, eight warps (the kernel's tile)
+    assert kernels.moe_down_launch(2048, 768, 8, 0) == (2048 // 4, 8 * kernels.WARP)
+    assert kernels.moe_down_launch(2048, 1408, 6, 0) == (2048 // 4, 8 * kernels.WARP)  # six kept, eight slots
+    assert kernels.moe_down_launch(2048, 1024, 4, 1024) == (2048 // 8, 8 * kernels.WARP)
     for activations in Activations:
         assert kernels.accumulator(kernels.mode(activations)) == (4, 32)
     assert kernels.attn_splits(head_blocks=32, span=4096, sms=132) == 33  # eight one-warp blocks a SM

@@ -80,8 +80,8 @@ def test_the_decode_fold_reads_its_shared_expert_width_from_its_down_product():
     final = next(op.sym.parts[0] for op in plan.ops if _inner(op) is C.MOE_DEFERRED_FINALIZE)
     fold = final.sym.parts[0]
     assert class_of(fold) is C.SHARED_EXPERT_FUSION
-    # four kept experts and the shared expert a warp each; every width past the wide GEMV's: four rows a warp
-    assert CudaShim.moe_down_launch(fold, plan.graph) == (2048 // 4, 5 * 32)
+    # four kept experts a program, eight rows of each (the int8 tile of 32 weight rows), in eight warps
+    assert CudaShim.moe_down_launch(fold, plan.graph) == (2048 // 8, 8 * 32)
 
 
 @pytest.mark.parametrize(

@@ -218,6 +218,11 @@ MOE_NORM_CHUNK = 128
 MOE_DOWN_TILE = 32
 MOE_DOWN_WARPS = 8
 MOE_DOWN_PER_THREAD = 1
+# Its weights are read on the coherent path with a barrier after them (`weight_loads.PINNED`), so all of a
+# row's chunks are in flight before the first sum (`triton/moe/down.py`), except in these formats, where that
+# tile passes 64 registers a thread (ptxas sm_90, Qwen3-30B-A3B's widths: Q5_K 54 -> 72) and four blocks of
+# eight warps no longer fit a SM's registers: 396 of the 512 programs resident at once, not all.
+MOE_DOWN_UNPINNED = frozenset({Format.Q5_K})
 
 # A decode step's routing program takes this many of the router's rows (experts): the router is a few
 # thousand values by a hundred or so experts, and the GEMV's own tile (eight rows a block of eight warps) left
@@ -318,16 +323,15 @@ def block_holds_its_norm(threads: int, cols: int) -> bool:
 
 
 def moe_down_launch(d: int, dff: int, k: int, sdff: int) -> tuple[int, int]:
-    """A decode mixture's down projection: (blocks, threads a block).
-
-    A block takes a warp per kept expert (and one for a folded shared expert, `sdff` wide; 0 for none), up to
-    a block's warps, each warp looping over the experts past them; the block sums its warps' partials. A
-    warp takes four output rows where every expert's intermediate width is wide, one otherwise.
+    """A decode mixture's down launch under int8 activations (`triton/moe/down.py`): (programs, threads a
+    program). A program takes `moe_down_rows(k)` rows of the model's width for every kept expert at once, a
+    product tile of MOE_DOWN_TILE weight rows in MOE_DOWN_WARPS warps, its last program norming the row;
+    a folded shared expert (`sdff` wide; 0 for none) adds its own programs first, a tile of its gate/up rows
+    each and one for its score's sigmoid, as the GEMV by checkpoint rows tiles them (their count is its
+    format's, so it is not counted here). `dff` does not change the launch: a program walks an expert's row
+    in chunks of the int8 GEMV's plan (`gemv.q8.tile_plan`).
     """
-    warps = min(k + (1 if sdff else 0), MAX_BLOCK_WARPS)
-    wide = dff >= WIDE_K and (sdff == 0 or sdff >= WIDE_K)
-    rows = ROWS_A_WARP_WIDE if wide else 1
-    return math.ceil(d / rows), warps * WARP
+    return math.ceil(d / moe_down_rows(k)), MOE_DOWN_WARPS * WARP
 
 
 # --- arithmetic ------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ after weight loads):
   writes. As every kernel waits before it ends, a grid's completion implies all earlier grids'.
 - A kernel launched without the attribute (torch's own, cuBLAS) starts after the one before it has ended, as
   always, and its successor's `wait` then waits for it.
-- Two kernels read a step's inputs before their wait. The decode attention (`attention.decode._decode_kernel`)
+- A few kernels read inputs before their wait. The decode attention (`attention.decode._decode_kernel`)
   reads the position and its first tile's cache rows before the position, then waits, then reads the query and
   the row at the position (which the launch just before appends). Those inputs were written before the step's
   first kernel began: the position by the host's fill (a kernel launched without the attribute) or by the
@@ -32,6 +32,10 @@ after weight loads):
   behind a branch on the loaded position. The batch's paged attention (`attention.paged._paged_kernel`) does
   the same with each row's length, block table and its first tile's rows before the row's last, which the
   store launch just before writes: every other pool row was stored by an earlier step.
+- The mixture's gate/up launch (`moe.gate_up`) waits before it releases, so every launch after it starts only
+  once the routing launch before it has ended; the int8 down launch (`moe.down._kept_q8`) then reads the
+  routing's expert ids (from L2) and its first chunks of those experts' weights before its wait, and the
+  gate/up launch's activations after it.
 
 The lane turns it on for the launches it makes inside `dependent_launches(True)`; each launcher passes
 `options()` to its kernel: the `PDL` constexpr (so a kernel compiled without it carries no griddepcontrol

@@ -82,9 +82,12 @@ def norm_last(sum_out, norm_w, out, n, eps, counter, oq, od, os_, NORM_BLOCK: tl
         offs = tl.arange(0, NORM_BLOCK)
         if NORM_STEPS == 1:  # the whole row in registers: one round trip to L2, not two a chunk
             mask = offs < n
+            # the norm's weight loaded with the row, not after the sum of squares: the reduction's barriers would
+            # hold its load behind them, a second round trip (to DRAM, where the step has evicted it) in the tail
+            nw = tl.load(norm_w + offs, mask=mask, other=0.0).to(tl.float32)
             s = tl.load(sum_out + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
             r = tl.rsqrt(tl.sum(s * s, axis=0) / n + eps)
-            y_norm = s * r * tl.load(norm_w + offs, mask=mask, other=0.0).to(tl.float32)
+            y_norm = s * r * nw
             _write(y_norm, 0, n, mask, out, oq, od, os_, Q8OUT)
         else:
             # squares summed elementwise across chunks, reduced once: any order of n non-negative terms is within

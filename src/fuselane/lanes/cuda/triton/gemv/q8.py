@@ -343,14 +343,16 @@ def chunk_sums(raw, acts, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: t
 @triton.jit
 def row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_UNITS: tl.constexpr,
               CHUNK: tl.constexpr, FENCE: tl.constexpr, TWO: tl.constexpr, DEPTH: tl.constexpr,
-              PDL: tl.constexpr):  # fmt: skip
+              PDL: tl.constexpr, HOLD: tl.constexpr = False):  # fmt: skip
     """x . row for the tile's rows of `w_a` (and `w_b` where TWO), [N] f32 each (x one row's pointers, or [N, 1]
     pointers: each row of the tile its own activation row); the loop of
     `fast.row_dots`: each iteration loads the weights DEPTH chunks ahead (1 or 2), then sums this
     chunk's with its activations (`chunk_acts`, read once for both matrices where TWO). The first DEPTH chunks'
     loads are written before the wait for the kernel that wrote x (`pdl`). FENCE (`weight_loads`): a barrier
     between each prefetch and the sums after it; PINNED, the weights on the coherent path, which the barrier
-    holds ahead, and one after the first chunks' loads too."""
+    holds ahead, and one after the first chunks' loads too. HOLD: a barrier between the first chunks' loads and
+    the wait too, so ptxas issues those loads before it (`pdl`: it hoists a wait above loads it may reorder);
+    for a launch whose weights' addresses are ready before the launch before it ends (the mixture's down)."""
     CHUNKS: tl.constexpr = (N_UNITS + CHUNK - 1) // CHUNK
     PIN: tl.constexpr = FENCE == PINNED_C
     PARTIAL: tl.constexpr = N_UNITS % CHUNK != 0
@@ -368,6 +370,8 @@ def row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_U
         mid_b = mid_a
         if TWO:
             mid_b = raw_chunk(w_b, CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 2, PIN)
+    if HOLD:
+        tl.debug_barrier()
     pdl.wait(PDL)
     if PIN:  # the first chunks' loads issued before any sum (a kernel of one or two chunks has no loop)
         tl.debug_barrier()

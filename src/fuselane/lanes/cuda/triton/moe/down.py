@@ -13,7 +13,14 @@ Every counter re-arms itself, so the launch replays in a CUDA graph.
 
 Under int8 activations a program's product tile is every kept expert's rows at once (`kernels.moe_down_rows`
 rows of each, slot-major, each row with its own slot's activation), so the experts' weights stream in
-together; with f32 activations the slots are summed one after another.
+together; with f32 activations the slots are summed one after another. Those weights always take the coherent path
+with a barrier after them (`weight_loads.PINNED`, whatever the lane's `weight_loads` knob): a decode row of
+an expert is a few chunks (Qwen3-30B-A3B's 768 values, three Q4_K super-blocks), and on the read-only path
+ptxas sinks each chunk's loads below the last chunk's dp4a (sm_90 SASS: chunk 1's 128-bit loads after chunk
+0's IDP.4A, chunk 2's after chunk 1's), so a program made one DRAM round trip a chunk; pinned, all of them
+are issued before the first sum at the same registers for Q4_K (`kernels.MOE_DOWN_UNPINNED` says where not). A launch of
+them without a shared expert reads the ids and the first chunks' weights before its wait for the gate/up
+launch (`_kept_q8`), so a program's round trips to them run under that launch's end.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 from fuselane.lanes.cuda.triton.gemv import rows as gemv_rows
 from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
 from fuselane.lanes.cuda.triton.gemv.q8 import row_dots
+from fuselane.lanes.cuda.triton.gemv.weight_loads import PINNED
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts
 
@@ -112,9 +120,12 @@ def _down_kernel(
     SD_FMT: tl.constexpr, SD_STEPS: tl.constexpr, SD_UNITS: tl.constexpr, SD_SPLIT: tl.constexpr,
     SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr,
     SC_FMT: tl.constexpr, SC_STEPS: tl.constexpr, SC_UNITS: tl.constexpr, SC_SPLIT: tl.constexpr,
-    SC_STAGES: tl.constexpr, PDL: tl.constexpr,
+    SC_STAGES: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl.begin(PDL)
+    if EARLY:  # the experts' ids and weights are read before the wait (`_kept_q8`)
+        pdl.release(PDL)
+    else:
+        pdl.begin(PDL)
     row = tl.program_id(1)
     if SHARED:  # tickets, not program ids: the shared programs are the first to start
         ticket = tl.atomic_add(counters + ROWS, 1, sem="relaxed", scope="gpu")
@@ -130,12 +141,12 @@ def _down_kernel(
             _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, ticket - NA,
                        D, DFF, K, SLOTS, ROWS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, NA, NB, FMT, ROW_BYTES, BLOCK_N,
                        N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
-                       SD_SPLIT, SD_STAGES, SD_ROW_BYTES)  # fmt: skip
+                       SD_SPLIT, SD_STAGES, SD_ROW_BYTES, False, False)  # fmt: skip
     else:
         _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, tl.program_id(0),
                    D, DFF, K, SLOTS, ROWS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, NA, NB, FMT, ROW_BYTES, BLOCK_N,
                    N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
-                   SD_SPLIT, SD_STAGES, SD_ROW_BYTES)  # fmt: skip
+                   SD_SPLIT, SD_STAGES, SD_ROW_BYTES, EARLY, PDL)  # fmt: skip
     if NORM:
         norm_last(sum_out + row * D, norm_w, out + row * D, D, eps, counters + row, oq + row * D,
                   od + row * (D // 32), os_ + row * (D // 16), NORM_BLOCK, NORM_STEPS, Q8OUT)  # fmt: skip
@@ -145,19 +156,25 @@ def _down_kernel(
 def _kept_q8(hq, hd, hs, w, ids, weights, row, tile, D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr,
              SLOTS: tl.constexpr, EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr, ROW_BYTES: tl.constexpr,
              BLOCK_N: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr,
-             DEPTH: tl.constexpr):  # fmt: skip
+             DEPTH: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """[BLOCK_N] f32: the weighted sum of row `row`'s kept experts' down products at tile `tile` of the width,
     every expert's rows in one int8 product tile of SLOTS x BLOCK_N rows (slot-major), each with its own
     pair's activation, so all their loads stream together (`kernels.MOE_DOWN_TILE`). Slots past K read the
-    last expert's rows again and count 0."""
+    last expert's rows again and count 0.
+
+    EARLY (a dependent launch, `pdl`): the ids and the first chunks' weights are read before the wait for the
+    launch before, so their round trips run under its end. Safe because the ids are the routing's, two
+    launches back: the gate/up launch releases its dependents only after its own wait, which ends with the
+    routing, so every later launch starts after the routing's writes (read from L2, `.cg`, never a line
+    this SM's L1 kept from an earlier layer). The activations are the gate/up launch's: read after the wait."""
     i = tl.arange(0, SLOTS * BLOCK_N)
     slot = i // BLOCK_N
     pair = row * K + tl.minimum(slot, K - 1)
     rc = tl.minimum(tile * BLOCK_N + i % BLOCK_N, D - 1).to(tl.int64)
-    off = tl.load(ids + pair).to(tl.int64) * EXPERT_BYTES + rc * ROW_BYTES
+    off = tl.load(ids + pair, cache_modifier=".cg").to(tl.int64) * EXPERT_BYTES + rc * ROW_BYTES
     p = pair.to(tl.int64)[:, None]
     y, _ = row_dots(w + off, w + off, hq + p * DFF, hd + p * (DFF // 32), hs + p * (DFF // 16), FMT, SLOTS * BLOCK_N,
-                    N_UNITS, CHUNK, FENCE, False, DEPTH, False)  # fmt: skip
+                    N_UNITS, CHUNK, FENCE, False, DEPTH, EARLY and PDL, EARLY)  # fmt: skip
     wy = tl.where(slot < K, tl.load(weights + pair) * y, 0.0)
     return tl.sum(tl.reshape(wy, [SLOTS, BLOCK_N]), 0)
 
@@ -171,7 +188,7 @@ def _down_rows(
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
     STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
     SD_FMT: tl.constexpr, SD_STEPS: tl.constexpr, SD_UNITS: tl.constexpr, SD_SPLIT: tl.constexpr,
-    SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr,
+    SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Tile `tile` of row `row`'s sum: its kept experts' weighted down products, the shared expert's (once its
     programs are done), the arrays added in; stored to sum_out."""
@@ -179,7 +196,7 @@ def _down_rows(
     rc = tl.minimum(rows, D - 1).to(tl.int64)
     if Q8IN:
         acc = _kept_q8(hq, hd, hs, w, ids, weights, row, tile, D, DFF, K, SLOTS, EXPERT_BYTES, FMT, ROW_BYTES,
-                       BLOCK_N, N_UNITS, CHUNK, FENCE, DEPTH)  # fmt: skip
+                       BLOCK_N, N_UNITS, CHUNK, FENCE, DEPTH, EARLY, PDL)  # fmt: skip
     else:
         acc = tl.zeros([BLOCK_N], tl.float32)
         for j in tl.static_range(K):
@@ -249,6 +266,8 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
         consts = gemv_q8.tile_plan(fmt, dff, slots * block_n, kernels.MOE_DOWN_WARPS, kernels.MOE_DOWN_PER_THREAD)
         warps = consts.pop("num_warps")
         consts |= dict(BLOCK_N=block_n, STEPS=1, UNITS=1, SPLIT=1, STAGES=1)
+        if fmt not in kernels.MOE_DOWN_UNPINNED:
+            consts["FENCE"] = PINNED
         hargs = (h.q, *h)
     else:
         consts, warps = f32_plan(fmt, d, dff)
@@ -268,6 +287,7 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
         norm.w if norm else sum_out, norm.out if norm else sum_out, *oq, counter, float(norm.eps if norm else 0.0),
         *sargs, D=d, DFF=dff, K=k, SLOTS=slots, ROWS=rows, EXPERT_BYTES=d * row_bytes(fmt, dff), Q8IN=q8in,
         ADDS=len(adds), NORM=norm is not None, Q8OUT=q8out, NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk),
-        SHARED=s is not None, NA=na, NB=nb, **consts, **sconsts, num_warps=warps, **pdl.options(),
+        SHARED=s is not None, NA=na, NB=nb, EARLY=q8in and s is None, **consts, **sconsts, num_warps=warps,
+        **pdl.options(),
     )  # fmt: skip
     return sum_out

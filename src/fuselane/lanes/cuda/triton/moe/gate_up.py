@@ -22,7 +22,13 @@ from fuselane.lanes.cuda.triton.gemv.q8 import row_dots
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts, store_quantized
 
-Q8_ROWS, Q8_WARPS, Q8_PER_THREAD = QK, 4, 1  # a program's rows: one 32-value block of the output, quantized whole
+# A program's rows: one 32-value block of the output, quantized whole; a (row, group) of each chunk a thread.
+# Eight warps, not four: a decode step's launch is a few programs a SM (Qwen3-30B-A3B: 24 tiles x 8 kept
+# experts, 192 programs for 132 SMs), so its warps are all a SM has to hide the dp4a chains' and the loads'
+# latency. At four warps and two (row, group)s a thread (ptxas sm_90, Q4_K: 158 registers, Q6_K 218) a SM
+# ran one or two warps a scheduler; at eight, one a thread (86 and 126 registers), two or four, every program
+# still resident at once (two blocks a SM), the same weights in flight a program.
+Q8_ROWS, Q8_WARPS, Q8_PER_THREAD = QK, 8, 1
 
 
 @triton.jit
@@ -34,7 +40,11 @@ def _gate_up_kernel(
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
     STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl.begin(PDL)  # the expert ids are the last launch's
+    # The expert ids are the last launch's, so the wait comes first; the next launch is released only after it,
+    # so a launch after this one starts once the routing has ended and may read its ids before its own wait
+    # (`down._kept_q8`).
+    pdl.wait(PDL)
+    pdl.release(PDL)
     pair = tl.program_id(1)
     e = tl.load(ids + pair).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -7,7 +7,8 @@ Gating: the softmax over every expert, or (DeepSeek-V3) each score's sigmoid wit
 probabilities plus a per-expert correction bias; the kept weights scaled by the model's factor.
 
 Programs take tiles of experts of a block of rows (up to the GEMV's 8, which read the router's rows once;
-a decode step's one row takes an expert a program, `kernels.moe_route_tile`) and store the scores; a
+a decode step's one row takes an expert a program, `kernels.moe_route_tile`, whose f32 router row is read
+before the wait for the launch that wrote x, `_router_row`) and store the scores; a
 block's last program to finish (a self-resetting counter a block, `fast_norm.norm_last`'s memory ordering)
 ranks its rows, so a chunk's blocks are ranked in parallel, and in a chunk the last block ranked (another
 counter) sorts the pairs. Ranking: a decode step's row of up to `kernels.MOE_RANK_BY_COUNT_EXPERTS`
@@ -29,6 +30,7 @@ from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.formats import dot_rows
+from fuselane.lanes.cuda.triton.gemv.layout import FMT_F32
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, tiles
 
 # Pairs a pass of the counting sort takes: the one program that sorts walks a chunk's pairs twice (counting,
@@ -135,6 +137,20 @@ def _sort_pairs(ids, order, counts, P: tl.constexpr, PB: tl.constexpr, E: tl.con
 
 
 @triton.jit
+def _router_row(w_row, x, D: tl.constexpr, D_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """[1] f32: x . one f32 router row (a decode step's program, `kernels.moe_route_tile`). The row is a weight,
+    so it is loaded before the wait for the launch that wrote x (`pdl`): a coherent load with a barrier after
+    it, which ptxas does not sink below the barrier nor hoist the wait above, so the row's DRAM round trip
+    runs under the launch before's serial tail (its last program's norm) instead of after it."""
+    cols = tl.arange(0, D_BLOCK)
+    wr = tl.load(w_row.to(tl.pointer_type(tl.float32)) + cols, mask=cols < D, other=0.0)
+    tl.debug_barrier()
+    pdl.wait(PDL)
+    xr = tl.load(x + cols, mask=cols < D, other=0.0)
+    return tl.sum(wr * xr, 0) + tl.zeros([1], tl.float32)
+
+
+@triton.jit
 def _route_kernel(
     x, w, scores, ids, weights, order, counts, counter, bias, scale,
     D: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr, K_BLOCK: tl.constexpr,
@@ -142,15 +158,19 @@ def _route_kernel(
     SORT: tl.constexpr, COUNT: tl.constexpr,
     PB: tl.constexpr,
     FMT: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr, ROW_BYTES: tl.constexpr, PDL: tl.constexpr,
+    STAGES: tl.constexpr, ROW_BYTES: tl.constexpr, D_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl.begin(PDL)
     block = tl.program_id(1)
     rows = block * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
     e = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    x_rows = x + tl.minimum(rows, ROWS - 1).to(tl.int64) * D  # a row past the chunk reads its last
-    y = dot_rows(w + tl.minimum(e, E - 1).to(tl.int64) * ROW_BYTES, x_rows, FMT, STEPS, UNITS, SPLIT, ROW_BLOCK,
-                 BLOCK_N, STAGES)  # fmt: skip
+    if ROWS == 1 and BLOCK_N == 1 and FMT == FMT_F32:
+        pdl.release(PDL)
+        y = _router_row(w + tl.program_id(0).to(tl.int64) * ROW_BYTES, x, D, D_BLOCK, PDL)[None, :]
+    else:
+        pdl.begin(PDL)
+        x_rows = x + tl.minimum(rows, ROWS - 1).to(tl.int64) * D  # a row past the chunk reads its last
+        y = dot_rows(w + tl.minimum(e, E - 1).to(tl.int64) * ROW_BYTES, x_rows, FMT, STEPS, UNITS, SPLIT, ROW_BLOCK,
+                     BLOCK_N, STAGES)  # fmt: skip
     tl.store(scores + rows[:, None] * E + e[None, :], y, mask=(rows < ROWS)[:, None] & (e < E)[None, :])
     tl.debug_barrier()
     done = tl.atomic_add(counter + 1 + block, 1, sem="acq_rel", scope="gpu")
@@ -203,6 +223,6 @@ def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool,
         scores if bias is None else bias, float(scale),
         D=d, E=experts, E_BLOCK=triton.next_power_of_2(experts), K=k, K_BLOCK=triton.next_power_of_2(k),
         ROWS=rows, ROW_BLOCK=row_block, RENORM=renorm, SIGMOID=sigmoid, BIAS=bias is not None, SORT=sort,
-        COUNT=counts is not None, PB=PAIRS_A_PASS,
+        COUNT=counts is not None, PB=PAIRS_A_PASS, D_BLOCK=triton.next_power_of_2(d),
         num_warps=warps, **plan, **pdl.options(),
     )  # fmt: skip
