@@ -41,12 +41,18 @@ class Recorder:
     def forget(self, seq):
         self.lane.forget(seq)
 
+    def warm(self, max_seqs, chunk):
+        return self.lane.warm(max_seqs, chunk)
+
 
 def test_paged_cuda_lane_equals_cpu_alone(tmp_path):
     path = write_synthetic(tmp_path / "m.gguf", "tiny-qwen3", "f16", seed=5)
     gpu = load(path, lane="cuda", ctx=CTX)
     ref = load(path, lane="cpu", ctx=CTX, dtype=np.float64)
     engine = engine_for(gpu, blocks=6, max_seqs=2, max_queue=3, block_size=4, chunk=6)
+    # every batch size (1, 2) and chunk size (1, 2, 4, 8) made ready before the first request
+    assert engine.warm() == 2 + 4
+    warmed = (sorted(engine.lane.steps), sorted(engine.lane.single._steps))
     engine.lane = recorder = Recorder(engine.lane)
     events: dict[int, list[Event]] = {}
     ids = [
@@ -60,8 +66,10 @@ def test_paged_cuda_lane_equals_cpu_alone(tmp_path):
         assert got == list(ref.generate_ids(ref.session(), prompt, max_tokens=n, sampling=GREEDY))
     assert {1, 2} <= set(recorder.rows)  # batches of two rows and of one
     assert engine.pool.used == 0 and sorted(engine.lane.lane.steps) == [1, 2]
-    # the prompts' chunks (3, 3, 6 and 1 rows: a prompt's last token is a decode row) ran padded to powers of two
-    assert sorted(engine.lane.lane.single._steps) == [(1, False), (4, False), (8, False)]
+    # the prompts' chunks (3, 3, 6 and 1 rows: a prompt's last token is a decode row) ran padded to powers of two,
+    # at sizes the warm-up had made ready: serving built no step of its own
+    assert sorted(engine.lane.lane.single._steps) == [(1, False), (2, False), (4, False), (8, False)]
+    assert (sorted(engine.lane.lane.steps), sorted(engine.lane.lane.single._steps)) == warmed
 
 
 def test_a_chunk_pads_to_a_power_of_two_unless_the_context_or_a_recurrent_state_forbids():
@@ -120,3 +128,13 @@ def test_a_wide_bucket_multiplies_as_a_chunk_within_the_contract(tmp_path):
         err = float(np.max(np.abs(logits[i] - want)) / np.max(np.abs(want)))
         assert err <= tol, f"row {i}: {err:.2e} > {tol:.2e}"
         assert tokens[i] == int(np.argmax(logits[i]))
+
+
+def test_the_chunk_sizes_warmed_are_those_a_prompt_can_take_within_the_context():
+    from fuselane.engine.cuda import _chunk_sizes
+
+    assert _chunk_sizes(256, 4096) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert _chunk_sizes(200, 4096) == [1, 2, 4, 8, 16, 32, 64, 128, 256]  # 200 rows run padded to 256
+    assert _chunk_sizes(31, 31 + 1) == [1, 2, 4, 8, 16, 32]
+    assert _chunk_sizes(99, 100) == [1, 2, 4, 8, 16, 32, 64]  # 128 rows would pass the context: never padded to it
+    assert _chunk_sizes(1, 2) == [1]

@@ -46,6 +46,9 @@ class Recorder:
     def forget(self, seq):
         self.lane.forget(seq)
 
+    def warm(self, max_seqs, chunk):
+        return self.lane.warm(max_seqs, chunk)
+
 
 def run(model, prompts, max_tokens, sampling, *, max_seqs, blocks, chunk):
     engine = engine_for(model, blocks=blocks, max_seqs=max_seqs, max_queue=len(prompts), chunk=chunk)

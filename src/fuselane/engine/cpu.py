@@ -45,6 +45,10 @@ class CpuPaged:
     def step(self, works: Sequence[Work]) -> list[int | None]:
         return [self._run(w) for w in works]
 
+    def warm(self, max_seqs: int, chunk: int) -> int:
+        """Nothing to make ready: the cpu lane builds a step's graph in microseconds and compiles nothing."""
+        return 0
+
     def forget(self, seq: int) -> None:
         if self.resident is not None and self.resident[0] == seq:
             self.resident = None

@@ -59,6 +59,12 @@ def _chunk_rows(rows: int, pos: int, ctx: int, recurrent: bool) -> int:
     return rows if rows == 1 or recurrent or pos + padded > ctx else padded
 
 
+def _chunk_sizes(most: int, ctx: int) -> list[int]:
+    """The rows a prefill chunk of at most `most` rows can run at from position 0 (`_chunk_rows`): the powers of
+    two up to `most`'s bucket that fit the context of `ctx` rows (one row is the single lane's decode step)."""
+    return [rows for i in range(_bucket(max(1, most)).bit_length()) if (rows := 1 << i) <= ctx]
+
+
 class CudaPaged:
     """Steps of many sequences on the cuda lane over a pool of `blocks` blocks of `block_size` rows."""
 
@@ -104,6 +110,30 @@ class CudaPaged:
             if id(w) not in tokens:
                 tokens[id(w)] = self._chunk(w)
         return [tokens[id(w)] for w in works]
+
+    def warm(self, max_seqs: int, chunk: int) -> int:
+        """Build, compile and capture every decode bucket up to `max_seqs`' (greedy and sampling) and every padded
+        prefill chunk up to `chunk` rows, as vLLM captures its batch sizes at start-up: each new size is a plan
+        bound, its kernels compiled at its rows and its graph captured, seconds on a fresh host, which a request
+        would otherwise wait out. The buckets run padding rows only (the spare block), the chunks write only the
+        scratch cache: no sequence's blocks are touched."""
+        from fuselane.lanes.cuda.run.lane import WARMUP_RUNS
+        from fuselane.lanes.cuda.run.paged import layout
+
+        runs = WARMUP_RUNS + 1 if self.lane.use_graphs else 1  # the eager runs, then the capture
+        buckets = [1 << i for i in range(_bucket(max_seqs).bit_length())]
+        for rows in buckets:
+            step = self._batch(rows)
+            step.write(layout(rows, self.width, [], [], [], [], self.spare, self.block_size))
+            for sampling in (False, True):
+                for _ in range(runs):
+                    step.launch(sampling)
+        chunks = [] if self.lane.recurrent else _chunk_sizes(min(chunk, self.lane.ctx - 1), self.lane.ctx)
+        for rows in chunks:
+            for _ in range(runs):
+                self.single.forward(np.zeros(rows, dtype=np.int32), 0)
+        self.resident = None  # the scratch holds the warm-up's rows now
+        return len(buckets) + len(chunks)
 
     def forget(self, seq: int) -> None:
         self.draws.forget(seq)

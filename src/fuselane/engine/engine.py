@@ -75,6 +75,11 @@ class Engine:
 
     # --- from any thread ------------------------------------------------------------------------------------
 
+    def warm(self) -> int:
+        """Make the lane's steps ready before the first request (`PagedLane.warm`: every batch size up to
+        `max_seqs`, every prefill chunk size); how many it made ready. Call before `start`."""
+        return self.lane.warm(self.max_seqs, self.scheduler.chunk)
+
     def check(self, request: Request) -> None:
         """Raise a one-line FuselaneError unless `request` can run here."""
         n = len(request.prompt)

@@ -56,6 +56,12 @@ class PagedLane(Protocol):
 
     def step(self, works: Sequence[Work]) -> list[int | None]: ...
 
+    def warm(self, max_seqs: int, chunk: int) -> int:
+        """Make ready, before the first request, every step serving at most `max_seqs` sequences with prefill
+        chunks of at most `chunk` rows can run (a lane that builds, compiles or captures steps on their first
+        run does it now, so no request waits on it); returns how many steps it made ready."""
+        ...
+
     def forget(self, seq: int) -> None:
         """The sequence has ended: drop what the lane kept for it."""
         ...

@@ -65,7 +65,12 @@ def build(opts: Options, model: Any | None = None, say: Any = None) -> Service:
         kind(model.lane, blocks, DEFAULT_BLOCK_SIZE), model.tokenizer, pool,
         ctx=model.ctx, max_seqs=opts.max_seqs, max_queue=opts.max_queue,
     )  # fmt: skip
-    return Service(model, engine, model.path.stem, opts.api_key, int(time.time()), say or _say)
+    say = say or _say
+    began = time.perf_counter()
+    ready = engine.warm()
+    if ready:
+        say(f"fuselane: {ready} steps compiled and captured in {time.perf_counter() - began:.1f} s")
+    return Service(model, engine, model.path.stem, opts.api_key, int(time.time()), say)
 
 
 def _say(line: str) -> None:

@@ -160,14 +160,16 @@ def _route_kernel(
     FMT: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr, ROW_BYTES: tl.constexpr, D_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if ROWS == 1 and BLOCK_N == 1 and FMT == FMT_F32:  # the router row read before the wait (`_router_row`)
+        pdl.release(PDL)
+    else:
+        pdl.begin(PDL)
     block = tl.program_id(1)
     rows = block * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
     e = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if ROWS == 1 and BLOCK_N == 1 and FMT == FMT_F32:
-        pdl.release(PDL)
         y = _router_row(w + tl.program_id(0).to(tl.int64) * ROW_BYTES, x, D, D_BLOCK, PDL)[None, :]
     else:
-        pdl.begin(PDL)
         x_rows = x + tl.minimum(rows, ROWS - 1).to(tl.int64) * D  # a row past the chunk reads its last
         y = dot_rows(w + tl.minimum(e, E - 1).to(tl.int64) * ROW_BYTES, x_rows, FMT, STEPS, UNITS, SPLIT, ROW_BLOCK,
                      BLOCK_N, STAGES)  # fmt: skip
