@@ -168,3 +168,27 @@ def test_the_pool_is_sized_after_the_first_chunks_copies(path):
     assert made and memory.used <= memory.total
     run(model, PROMPTS[:3], MAX_TOKENS[:3], GREEDY, max_seqs=2, chunk=CTX)
     assert set(model.lane._dense) == made
+
+
+def test_a_warmed_engine_builds_and_captures_nothing_while_it_serves(path):
+    """After `Engine.warm` (what `fuselane serve` runs before it listens) every batch size up to max_seqs' has
+    both graphs captured and every chunk size its step, so serving the prompts builds no step and captures no
+    graph; the sequences' tokens are those of a run without the warm-up (which touched no sequence's blocks)."""
+    knobs = ["activations=dequant"]  # as test_batch_equals_single: tokens that repeat across engines
+    cold, _ = run(load(path, lane="cuda", ctx=CTX, knobs=knobs), PROMPTS, MAX_TOKENS, GREEDY, max_seqs=8)
+    gpu = load(path, lane="cuda", ctx=CTX, knobs=knobs)
+    engine = engine_for(gpu, blocks=8 * (CTX // 16), max_seqs=8, max_queue=len(PROMPTS), chunk=32)
+    assert engine.warm() == 4 + 6  # buckets 1, 2, 4, 8; chunks 1, 2, 4, 8, 16, 32
+    paged = engine.lane
+    captured = {rows: set(step.graphs) for rows, step in paged.steps.items()}
+    assert all(graphs == {False, True} for graphs in captured.values())
+    chunks = set(paged.single._steps)
+    events: dict[int, list[Event]] = {}
+    ids = [
+        engine.submit(Request(tuple(p), n, GREEDY), lambda e: events.setdefault(e.seq, []).append(e))
+        for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)
+    ]
+    engine.run_until_idle()
+    assert [[t for e in events[seq] for t in e.tokens] for seq in ids] == cold
+    assert {rows: set(step.graphs) for rows, step in paged.steps.items()} == captured
+    assert set(paged.single._steps) == chunks and engine.pool.used == 0
