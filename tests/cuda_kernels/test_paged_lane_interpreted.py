@@ -138,3 +138,12 @@ def test_the_chunk_sizes_warmed_are_those_a_prompt_can_take_within_the_context()
     assert _chunk_sizes(31, 31 + 1) == [1, 2, 4, 8, 16, 32]
     assert _chunk_sizes(99, 100) == [1, 2, 4, 8, 16, 32, 64]  # 128 rows would pass the context: never padded to it
     assert _chunk_sizes(1, 2) == [1]
+
+
+def test_the_batch_sizes_warmed_are_those_the_pool_can_run_up_to_a_bound():
+    from fuselane.engine.cuda import WARM_ROWS_MOST, _warm_buckets
+
+    assert _warm_buckets(16, 4096) == [1, 2, 4, 8, 16]
+    assert _warm_buckets(9, 4096) == [1, 2, 4, 8, 16]  # nine sequences run in a bucket of 16
+    assert _warm_buckets(64, 5) == [1, 2, 4, 8]  # five blocks run five sequences at most
+    assert _warm_buckets(65536, 1 << 20)[-1] == WARM_ROWS_MOST  # a huge --max-seqs warms no huge bucket

@@ -35,6 +35,13 @@ if TYPE_CHECKING:  # the lane imports its kernels' modules: only where the cuda 
     from fuselane.lanes.cuda.run.lane import CudaLane
 
 
+# The largest batch size made ready before serving (`CudaPaged.warm`), as vLLM captures its graphs up to a
+# bound: past it a bucket is built when first met. A bucket holds its rows' logits and, once it samples, their
+# sort (12 bytes a vocabulary entry a row: 0.47 GB at 256 rows of a 152k vocabulary), so warming every bucket
+# of a large --max-seqs would hold memory for batches the pool may never run.
+WARM_ROWS_MOST = 256
+
+
 def _bucket(rows: int) -> int:
     """The batch size a step of `rows` decode rows runs at: the next power of two."""
     return 1 << (rows - 1).bit_length()
@@ -57,6 +64,13 @@ def _chunk_rows(rows: int, pos: int, ctx: int, recurrent: bool) -> int:
     sum the padding rows; a single row stays one (the decode step)."""
     padded = _bucket(rows)
     return rows if rows == 1 or recurrent or pos + padded > ctx else padded
+
+
+def _warm_buckets(max_seqs: int, blocks: int) -> list[int]:
+    """The batch sizes made ready before serving: every bucket up to that of as many sequences as can run at once
+    (at most `max_seqs`, each holding one of the pool's `blocks` at least), at most WARM_ROWS_MOST."""
+    most = min(max_seqs, blocks, WARM_ROWS_MOST)
+    return [1 << i for i in range(_bucket(most).bit_length())]
 
 
 def _chunk_sizes(most: int, ctx: int) -> list[int]:
@@ -112,16 +126,17 @@ class CudaPaged:
         return [tokens[id(w)] for w in works]
 
     def warm(self, max_seqs: int, chunk: int) -> int:
-        """Build, compile and capture every decode bucket up to `max_seqs`' (greedy and sampling) and every padded
-        prefill chunk up to `chunk` rows, as vLLM captures its batch sizes at start-up: each new size is a plan
-        bound, its kernels compiled at its rows and its graph captured, seconds on a fresh host, which a request
-        would otherwise wait out. The buckets run padding rows only (the spare block), the chunks write only the
-        scratch cache: no sequence's blocks are touched."""
+        """Build, compile and capture every decode bucket up to `max_seqs`' (greedy and sampling; no more sequences
+        than the pool has blocks, and at most WARM_ROWS_MOST rows) and every padded prefill chunk up to `chunk`
+        rows, as vLLM captures its batch sizes at start-up: each new size is a plan bound, its kernels compiled
+        at its rows and its graph captured, seconds on a fresh host, which a request would otherwise wait out.
+        The buckets run padding rows only (the spare block), the chunks write only the scratch cache: no
+        sequence's blocks are touched."""
         from fuselane.lanes.cuda.run.lane import WARMUP_RUNS
         from fuselane.lanes.cuda.run.paged import layout
 
         runs = WARMUP_RUNS + 1 if self.lane.use_graphs else 1  # the eager runs, then the capture
-        buckets = [1 << i for i in range(_bucket(max_seqs).bit_length())]
+        buckets = _warm_buckets(max_seqs, self.spare)
         for rows in buckets:
             step = self._batch(rows)
             step.write(layout(rows, self.width, [], [], [], [], self.spare, self.block_size))
