@@ -9,15 +9,18 @@ Usage: python benchmarks/batch_decode.py MODEL [--lane cuda] [--seqs 1 8 32 64] 
 Prompts are random token ids; greedy sampling. A sequence ending early at an end token (random weights can pick
 one) leaves the batch: the tokens counted are those generated, and the rows each step ran are reported too.
 
-One engine serves every level (its pool sized for the largest), and each level runs once untimed first, so the
-steps of its batch sizes are built, compiled and captured before the timed run; a batch size met for the first
-time inside the timed run (sequences leaving early) is reported as `buckets_built_while_timed`.
+One engine serves every level (its pool sized for the largest). It first makes ready every batch size up to the
+largest level and every prefill chunk size (`Engine.warm`, as `fuselane serve` does; on a fresh host the kernels
+compile at the model's widths, which takes minutes at a 7B's: the time is printed on stderr), and each level runs
+once untimed first; a batch size met for the first time inside the timed run is reported as
+`buckets_built_while_timed`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import numpy as np
@@ -85,6 +88,9 @@ def main() -> None:
     most = max(args.seqs)
     per_seq = blocks_for(args.prompt + args.gen + 1, DEFAULT_BLOCK_SIZE)
     engine = engine_for(model, blocks=per_seq * most, max_seqs=most, max_queue=most)
+    began = time.perf_counter()
+    ready = engine.warm()  # what `fuselane serve` does before it listens: minutes of compiles on a fresh host
+    print(f"{ready} steps made ready in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
     vocab = model.cfg.vocab
     for seqs in args.seqs:
         # untimed first: builds, compiles and captures the steps of the level's batch sizes
