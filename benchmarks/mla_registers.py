@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fuselane.lanes.cuda.compile_check import resources
+from fuselane.lanes.cuda.compile_check import cuobjdump, resources
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton.mla import attention
 
@@ -50,12 +50,7 @@ def _compile(kernel, consts: dict, warps: int):
 def sass(cubin: bytes) -> dict[str, int]:
     """Each counted opcode's instructions in the kernel's SASS (the whole kernel: a tile's loop body once,
     with what the pipeliner peels around it)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        said = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    said = cuobjdump(cubin, "-sass")
     ops = collections.Counter(op.split(".")[0] for op in OPCODE.findall(said))
     return {name: ops[name] for name in COUNTED}
 

@@ -107,18 +107,16 @@ def test_the_lane_launches_its_int8_gemvs_under_the_knob(tmp_path) -> None:
 # the kinds of the 128-bit weight loads in the PTX and the SASS order of weight loads (W), other loads (a),
 # IDP.4A (d) and BAR.SYNC (|).
 _COMPILE = """
-import os, re, subprocess, sys, tempfile
+import re
 import triton
 from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fuselane.gguf.formats import Format
-from fuselane.lanes.cuda.compile_check import resources
+from fuselane.lanes.cuda.compile_check import cuobjdump, resources
 from fuselane.lanes.cuda.plan.knobs import WeightLoads
 from fuselane.lanes.cuda.triton.gemv import q8
 from fuselane.lanes.cuda.triton.gemv.weight_loads import weight_loads
-
-TOOL = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 def kind(op):
     if op.startswith("LDG"):
@@ -126,10 +124,7 @@ def kind(op):
     return {"IDP": "d", "BAR": "|"}.get(op[:3], "")
 
 def order(cubin):
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "k.cubin")
-        open(path, "wb").write(cubin)
-        sass = subprocess.run([TOOL, "-sass", path], capture_output=True, text=True).stdout
+    sass = cuobjdump(cubin, "-sass")
     ops = [m.group(1) for m in re.finditer(r"/\\*[0-9a-f]{4,}\\*/\\s+(?:@!?U?P\\w+\\s+)?([A-Z][A-Z0-9_.]*)", sass)]
     return "".join(kind(op) for op in ops)
 

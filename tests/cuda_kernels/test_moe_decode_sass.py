@@ -22,13 +22,12 @@ from kernel_checks import CUDA  # noqa: E402
 # evict-first loads the int8 GEMV gives weights), other loads (a), IDP.4A (d), BAR.SYNC (|), the wait for
 # the launch before (w: ACQBULK) and the release of the next (r: PREEXIT).
 _COMPILE = """
-import os, re, subprocess, tempfile
+import re
 import torch, triton
 from triton.runtime.jit import JITFunction
 from fuselane.gguf.formats import Format, row_bytes
-from fuselane.lanes.cuda.compile_check import Report, compiling, resources
+from fuselane.lanes.cuda.compile_check import Report, compiling, cuobjdump, resources
 
-TOOL = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 D, DFF, EXPERTS, TOP = 2048, 768, 128, 8
 
 def kind(op):
@@ -37,10 +36,7 @@ def kind(op):
     return {"IDP": "d", "BAR": "|", "ACQ": "w", "PRE": "r"}.get(op[:3], "")
 
 def order(cubin):
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "k.cubin")
-        open(path, "wb").write(cubin)
-        sass = subprocess.run([TOOL, "-sass", path], capture_output=True, text=True).stdout
+    sass = cuobjdump(cubin, "-sass")
     ops = [m.group(1) for m in re.finditer(r"/\\*[0-9a-f]{4,}\\*/\\s+(?:@!?U?P\\w+\\s+)?([A-Z][A-Z0-9_.]*)", sass)]
     return "".join(kind(op) for op in ops)
 

@@ -97,8 +97,9 @@ def _kernel_modules() -> None:
         importlib.import_module(module.name)
 
 
-def resources(cubin: bytes) -> tuple[int, int]:
-    """(registers a thread, stack bytes a thread) of a compiled kernel, from its cubin."""
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """What the cuobjdump Triton ships prints of a compiled kernel's cubin under `flag` (`-sass` for its
+    instructions, `--dump-resource-usage` for its registers and stack)."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -106,7 +107,12 @@ def resources(cubin: bytes) -> tuple[int, int]:
         path = os.path.join(folder, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        said = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, path], capture_output=True, text=True).stdout
+
+
+def resources(cubin: bytes) -> tuple[int, int]:
+    """(registers a thread, stack bytes a thread) of a compiled kernel, from its cubin."""
+    said = cuobjdump(cubin, "--dump-resource-usage")
     regs, stack = re.search(r"REG:(\d+)", said), re.search(r"STACK:(\d+)", said)
     return (int(regs.group(1)) if regs else 0), (int(stack.group(1)) if stack else 0)
 
