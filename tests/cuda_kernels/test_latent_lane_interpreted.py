@@ -27,6 +27,7 @@ from fuselane.gguf.synth import write_synthetic  # noqa: E402
 from fuselane.gguf.synth_latent import LATENT_SHAPES  # noqa: E402
 from fuselane.graph.classes import ClassId as C  # noqa: E402
 from fuselane.graph.ops import HeadMatmul, Join, Rope  # noqa: E402
+from fuselane.lanes.cuda.plan.knobs import H200  # noqa: E402
 from fuselane.lanes.cuda.run.mla_launch import splits  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 
@@ -54,7 +55,7 @@ def test_cuda_lane_runs_latent_attention_as_the_cpu_lane(tmp_path, name):
     bound = [op for op, _ in step.bound]
     assert {HeadMatmul, Join, Rope} <= {type(op.sym) for op in bound}
     assert C.ROUTER_TOPK in {class_of(op) for op in bound}  # the gating runs in the routing launch
-    assert splits(1, 1, CTX, torch.device("cpu")) > 1  # the decode step's shares are merged
+    assert splits(1, 1, CTX, H200.sms, torch.device("cpu")) > 1  # the decode step's shares are merged
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     sg, sr = gpu.session(), ref.session()
     for what, a, b in (("prefill", sg.feed(PROMPT), sr.feed(PROMPT)), ("decode", sg.extend([9]), sr.extend([9]))):

@@ -89,7 +89,7 @@ def latent_attention(op: Op, b, out_q8: Any = None) -> list:
         raise PlanMismatch(f"{op.out}: the latent attention writes f32 rows, one kv head")
     q, kc, vc = (b.bufs[n] for n in op.ins[:3])
     out, pos = b.bufs[op.out], b.bufs["pos"]
-    shares = splits(spec.rows, attention.groups(spec.heads, spec.value_width), spec.len, q.device)
+    shares = splits(spec.rows, attention.groups(spec.heads, spec.value_width), spec.len, b.sms, q.device)
     work = _shares_scratch(b, spec, shares, q.device) if shares > 1 else None
     shape = dict(rows=spec.rows, heads=spec.heads, kw=spec.hd, vd=spec.value_width, scale=spec.scale,
                  seq_rows=spec.len if spec.batched else 0, splits=shares, work=work)  # fmt: skip
@@ -109,18 +109,16 @@ def _shares_scratch(b, spec: Attention, shares: int, device: Any):
     return b.scratch[key]
 
 
-def splits(rows: int, blocks: int, span: int, device: Any) -> int:
-    """Shares of a row's span (`kernels.mla_splits`: enough programs to fill the chip, a program a row's block
-    of heads a share, `blocks` of them, as many as the merge's balance allows) for a decode step's or a
-    batch's few rows; a chunk's rows fill it alone."""
-    import torch
-
+def splits(rows: int, blocks: int, span: int, sms: int, device: Any) -> int:
+    """Shares of a row's span (`kernels.mla_splits`: enough programs to fill the chip of `sms` multiprocessors,
+    `Bound.sms`, a program a row's block of heads a share, `blocks` of them, as many as the merge's balance
+    allows) for a decode step's or a batch's few rows; a chunk's rows fill it alone. Under the interpreter the
+    chip stands for INTERPRETED_SMS."""
     from fuselane.lanes.cuda.plan import kernels
 
     if rows > kernels.GEMV_ROWS:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else INTERPRETED_SMS
-    return kernels.mla_splits(rows * blocks, span, sms)
+    return kernels.mla_splits(rows * blocks, span, sms if device.type == "cuda" else INTERPRETED_SMS)
 
 
 def mla(op: Op, b) -> list:
