@@ -6,8 +6,8 @@ excluded), so it is the decode steps' throughput at B rows.
 Usage: python benchmarks/batch_decode.py MODEL [--lane cuda] [--seqs 1 8 32 64] [--prompt 128] [--gen 128]
 [--json]
 
-Prompts are random token ids; greedy sampling. A sequence ending early at an end token (random weights can pick
-one) leaves the batch: the tokens counted are those generated, and the rows each step ran are reported too.
+Prompts are random token ids; greedy sampling. Every sequence generates exactly N tokens, as llama-batched-bench's
+do: an end token does not end it (`Request.ignore_eos`; random weights can pick one), so each step runs B rows.
 
 One engine serves every level (its pool sized for the largest). It first makes ready every batch size up to the
 largest level and every prefill chunk size (`Engine.warm`, as `fuselane serve` does; on a fresh host the kernels
@@ -46,7 +46,7 @@ def measure(engine, vocab: int, seqs: int, prompt: int, gen: int, seed: int) -> 
 
     for _ in range(seqs):
         ids = tuple(int(t) for t in rng.integers(1, vocab - 1, prompt))
-        engine.submit(Request(ids, gen), sink)
+        engine.submit(Request(ids, gen, ignore_eos=True), sink)
     while len(first) < seqs and engine.step():
         pass
     steps_before = engine.stats.steps

@@ -70,6 +70,21 @@ def test_a_stop_string_ends_the_sequence_before_it(model):
     assert seen[-1].finish is Finish.STOP and engine.pool.used == 0
 
 
+def test_ignore_eos_runs_past_the_end_tokens_to_max_tokens(model):
+    ids = model.prompt_ids("tell me", raw=True)
+    whole = list(model.generate_ids(model.session(), ids, max_tokens=12))
+    ends = []
+    for ignore in (False, True):
+        engine = engine_for(model, blocks=blocks_for(CTX, 16), max_seqs=1, max_queue=1)
+        engine.scheduler.stop_ids = frozenset({whole[2]})  # the model's third token is an end token here
+        seen = []
+        engine.submit(Request(tuple(ids), 12, ignore_eos=ignore), seen.append)
+        engine.run_until_idle()
+        ends.append((sum((e.tokens for e in seen), ()), seen[-1].finish))
+    assert ends[0] == (tuple(whole[:2]), Finish.STOP)
+    assert ends[1] == (tuple(whole), Finish.LENGTH)
+
+
 def test_cancelled_and_failed_sequences_return_their_blocks(model):
     engine = engine_for(model, blocks=2 * blocks_for(CTX, 16), max_seqs=2, max_queue=0)
     seen = []

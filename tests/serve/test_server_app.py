@@ -104,6 +104,8 @@ def test_completions_whole_streamed_and_from_ids(served, model):
     ids = model.prompt_ids("def f(x):", raw=True)
     by_ids = one(svc, "POST", "/v1/completions", {"prompt": ids, "max_tokens": 7, "temperature": 0}).json()
     assert by_ids["choices"][0]["text"] == expect
+    ignoring = {"prompt": "def f(x):", "max_tokens": 7, "temperature": 0, "ignore_eos": True}
+    assert one(svc, "POST", "/v1/completions", ignoring).json()["usage"]["completion_tokens"] == 7
     default = one(svc, "POST", "/v1/completions", {"prompt": "def f(x):", "temperature": 0}).json()
     assert default["usage"]["completion_tokens"] <= 16  # OpenAI's default max_tokens for completions
 
@@ -147,6 +149,7 @@ def test_concurrent_requests_each_get_their_own_reply(served, model):
         ("/v1/chat/completions", {"messages": [HI], "logprobs": True}, "logprobs"),
         ("/v1/chat/completions", {"messages": [HI], "max_tokens": "many"}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "seed": -1}, "seed"),
+        ("/v1/completions", {"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
         ("/v1/completions", {"prompt": {"text": "x"}}, "prompt"),
         ("/v1/completions", {"prompt": "word " * 200}, None),  # past the context of 128
         ("/v1/completions", {"prompt": [1, 2, 99999]}, None),  # past the vocabulary

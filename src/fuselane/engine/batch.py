@@ -38,6 +38,7 @@ def generate_batch(
     raw: bool,
     stop: Sequence[str],
     max_seqs: int | None,
+    ignore_eos: bool = False,
 ) -> list[str]:
     """The reply to each prompt (see `Model.generate_batch`)."""
     TOKENS.check(max_tokens)
@@ -62,7 +63,7 @@ def generate_batch(
             errors.append(event.error)
 
     order = [
-        engine.submit(Request(tuple(i), max_tokens, s, tuple(stop)), sink) for i, s in zip(ids, samplings, strict=True)
+        engine.submit(Request(tuple(i), max_tokens, s, tuple(stop), ignore_eos), sink) for i, s in zip(ids, samplings, strict=True)
     ]
     engine.run_until_idle()
     if errors:

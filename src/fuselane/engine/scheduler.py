@@ -111,7 +111,7 @@ class Scheduler:
         return events
 
     def _take(self, seq: Sequence, token: int) -> Event:
-        if token in self.stop_ids:
+        if token in self.stop_ids and not seq.request.ignore_eos:
             self.end(seq, Finish.STOP)
             return seq.event(seq.text.flush())
         seq.tokens.append(token)

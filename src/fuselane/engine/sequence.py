@@ -29,12 +29,14 @@ class Finish(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class Request:
     """What to generate: prompt tokens, at most `max_tokens` more (None: up to the context's end), how to sample
-    them, and strings that end the reply where they appear."""
+    them, and strings that end the reply where they appear. `ignore_eos` (as vLLM's): the model's end tokens do
+    not end the reply, so it runs to `max_tokens` (benchmarks that time a fixed number of tokens)."""
 
     prompt: tuple[int, ...]
     max_tokens: int | None = None
     sampling: SamplingParams = GREEDY
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True, slots=True)

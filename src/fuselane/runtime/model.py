@@ -184,15 +184,18 @@ class Model:
         raw: bool = False,
         stop: Sequence[str] = (),
         max_seqs: int | None = None,
+        ignore_eos: bool = False,
     ) -> list[str]:
         """The reply to each prompt, the prompts run together (continuous batching over a paged KV cache, at most
         `max_seqs` at a time, default all). `sampling` is one setting for all or one per prompt (each draws
-        from its own generator: a seeded prompt gives the text it gives alone); a reply ends at a stop token, a
-        string of `stop`, `max_tokens` or the context's end. The model's sessions keep their caches."""
+        from its own generator: a seeded prompt gives the text it gives alone); a reply ends at a stop token
+        (unless `ignore_eos`), a string of `stop`, `max_tokens` or the context's end. The model's sessions keep
+        their caches."""
         from fuselane.engine.batch import generate_batch
 
         return generate_batch(
-            self, prompts, max_tokens=max_tokens, sampling=sampling, raw=raw, stop=stop, max_seqs=max_seqs
+            self, prompts, max_tokens=max_tokens, sampling=sampling, raw=raw, stop=stop, max_seqs=max_seqs,
+            ignore_eos=ignore_eos,
         )
 
     def chat(self, system: str | None = None) -> Chat:

@@ -176,7 +176,8 @@ class Api:
         request.state.id, request.state.prompt = reply.id, len(ids)
         channel = _Channel()
         try:
-            seq = self.s.engine.submit(Generate(tuple(ids), ask.max_tokens, ask.sampling, ask.stop), channel.put)
+            generate = Generate(tuple(ids), ask.max_tokens, ask.sampling, ask.stop, ask.ignore_eos)
+            seq = self.s.engine.submit(generate, channel.put)
         except QueueFull as e:
             return _error(429, str(e), "rate_limit_error", code="rate_limit_exceeded")
         except FuselaneError as e:

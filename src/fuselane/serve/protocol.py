@@ -62,6 +62,7 @@ class Ask:
     max_tokens: int | None  # None: to the context's end
     sampling: SamplingParams
     stop: tuple[str, ...]
+    ignore_eos: bool  # vLLM's extension: the model's end tokens do not end the reply
     stream: bool
     include_usage: bool
 
@@ -95,8 +96,9 @@ def _ask(body: dict[str, Any], kind: Kind, **prompt: Any) -> Ask:
     prompt.setdefault("messages", None)
     prompt.setdefault("text", None)
     prompt.setdefault("ids", None)
-    return Ask(kind=kind, sampling=_sampling(body), stop=_stops(body.get("stop")), stream=stream,
-               include_usage=usage, **prompt)  # fmt: skip
+    return Ask(kind=kind, sampling=_sampling(body), stop=_stops(body.get("stop")),
+               ignore_eos=_flag(body.get("ignore_eos"), "ignore_eos"), stream=stream, include_usage=usage,
+               **prompt)  # fmt: skip
 
 
 def _object(body: Any) -> dict[str, Any]:
