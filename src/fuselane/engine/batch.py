@@ -63,7 +63,8 @@ def generate_batch(
             errors.append(event.error)
 
     order = [
-        engine.submit(Request(tuple(i), max_tokens, s, tuple(stop), ignore_eos), sink) for i, s in zip(ids, samplings, strict=True)
+        engine.submit(Request(tuple(i), max_tokens, s, tuple(stop), ignore_eos), sink)
+        for i, s in zip(ids, samplings, strict=True)
     ]
     engine.run_until_idle()
     if errors:

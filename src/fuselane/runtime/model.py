@@ -194,7 +194,13 @@ class Model:
         from fuselane.engine.batch import generate_batch
 
         return generate_batch(
-            self, prompts, max_tokens=max_tokens, sampling=sampling, raw=raw, stop=stop, max_seqs=max_seqs,
+            self,
+            prompts,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            raw=raw,
+            stop=stop,
+            max_seqs=max_seqs,
             ignore_eos=ignore_eos,
         )
 
