@@ -163,6 +163,13 @@ def _one_row(shim: CudaShim, m: int) -> bool:
     return m == 1 and not shim.knobs.batch
 
 
+def _one_row_or_batch_of_one(m: int) -> bool:
+    """A step's one row, or a batch of one sequence (its bucket of one row): the one-row GEMV's epilogues run
+    there too, so a batch of one runs the single step's launches (the batch form's rotation reads the row's own
+    position, its key lands in the step's staging row)."""
+    return m == 1
+
+
 # --- norms -----------------------------------------------------------------------------------------------
 
 
@@ -181,7 +188,7 @@ def _gemv_norm_epilogue(shim: CudaShim, op: Op, members: Sequence[Op], g: Tensor
     int8 = shim.activation(members[0], 0, g) is not None
     chunked = fmt is not None and kernels.norm_walked_in_chunks(fmt, p.m, p.k, n.cols, int8)
     by_rows = fmt is not None and (fmt in kernels.ROWS_GEMV_FORMATS or chunked)
-    one_gemv = by_rows and _one_row(shim, p.m) and p.dst.own() is not None
+    one_gemv = by_rows and _one_row_or_batch_of_one(p.m) and p.dst.own() is not None
     whole_row = n.part is None and n.rows == p.m and n.cols == p.n and members[1].dst.own() is not None
     if not (one_gemv and whole_row):
         return (
@@ -259,7 +266,7 @@ def _qkv_head_epilogue(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorG
     ro = rope(members[1]) if len(members) > 1 else None
     if p is None or ro is None:
         return "a projection's epilogue turns the heads of its result"
-    one_row = _one_row(shim, p.m) and shim.gemv_mergeable(p) and p.dst.own() is not None
+    one_row = _one_row_or_batch_of_one(p.m) and shim.gemv_mergeable(p) and p.dst.own() is not None
     its_heads = ro.part is None and ro.heads == ro.per_row and p.n == ro.heads * ro.hd and ro.hd <= kernels.ROPE_HEAD
     if one_row and its_heads:
         return None

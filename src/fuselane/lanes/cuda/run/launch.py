@@ -563,11 +563,11 @@ def _merged(op: Op, b: Bound):
     gemv, *_ = _t()
     members = op.sym.parts  # type: ignore[union-attr]
     turned = [k for k, m in enumerate(members) if class_of(m) is C.QKV_HEAD_EPILOGUE]
-    if turned and b.paged is not None:
-        raise PlanMismatch(f"{op.out}: a batch's rows turn in their own launch (plan it with rope_epilogue=off)")
     products = [_part(parts(m)[0] if k in turned else m, b) for k, m in enumerate(members)]
     first = leaves(members[0])[0]
     spec: Matmul = first.sym  # type: ignore[assignment]
+    if turned and b.paged is not None and spec.m != 1:
+        raise PlanMismatch(f"{op.out}: a batch's rows past one turn in their own launch")
     x, fmt = b.bufs[first.ins[0]], b.raw[first.ins[1]][1]
     q8 = _q8_in(first.ins[0], fmt, spec.m, spec.k, b, *(p[2] for p in products))
     if turned:
@@ -593,8 +593,9 @@ def _turned_in_gemv(turned: list[int], members, products: list, acts: Any, fmt: 
     q, kk = _side(q_op, b), _side(k_op, b)
     counters = b.scratch.setdefault(f"rope-q8:{q_op.out}", gemv_q8_rope.rope_counters(q.heads, kk.heads, acts.q.device))
     q_turn = gemv_q8_rope.Turn(qi, q.out, q.heads, None, q.norm_w)
-    k_turn = gemv_q8_rope.Turn(ki, kk.out, kk.heads, kk.pitch, kk.norm_w)
-    pos = b.bufs["pos"]
+    # a batch of one: the row turns at its own position and its key lands in the step's staging row (row 0)
+    k_turn = gemv_q8_rope.Turn(ki, kk.out, kk.heads, kk.pitch if b.paged is None else None, kk.norm_w)
+    pos = b.bufs["pos"] if b.paged is None else b.paged.positions
     return lambda: gemv_q8_rope.gemv_q8_parts_rope(
         acts, products, fmt, q_turn, k_turn, pos, counters, hd=q.hd, base=q.base, eps=q.eps
     )

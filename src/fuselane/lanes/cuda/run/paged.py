@@ -6,8 +6,9 @@ a batch's products are GEMVs over its rows, in parts where one activation feeds 
 activations they read each row's int8 form, as the single-sequence step reads its one row's, in the int8
 GEMV's formats: past one row the int8 GEMV over the rows, `triton/gemv/q8_rows.py`; past the GEMV's rows they
 multiply as a chunk's do, on the f16 tensor cores, reading each matrix once for every row) with
-`rope_epilogue=off`, so every
-rotation is a launch of its own that turns each row at its own position. The plan's cache writes land in
+`rope_epilogue=off` past one row, so every rotation is a launch of its own that turns each row at its own
+position. A batch of one row runs the single step's launches: the one-row GEMV's epilogues (the rotations in
+the QKV product's, at the row's own position; the add and norm in the output projection's last program). The plan's cache writes land in
 staging rows (one row a sequence); each layer's attention stores them into the rows' blocks and attends over
 each row's blocks (`launch.PagedRows`, `triton/attention/paged.py`).
 
@@ -73,7 +74,9 @@ class BatchStep:
 
         torch, device = lane.torch, lane.device
         self.lane, self.torch, self.sample, self.rows, self.width = lane, torch, sample, rows, width
-        knobs = replace(lane.shim.knobs, batch=True, rope_epilogue=RopeEpilogue.OFF)
+        # a batch of one keeps the lane's rotations in the QKV product's epilogue, as the single step does
+        turns = lane.shim.knobs.rope_epilogue if rows == 1 else RopeEpilogue.OFF
+        knobs = replace(lane.shim.knobs, batch=True, rope_epilogue=turns)
         held = [h for h in lane.held if h != "rows_a_warp"]
         raw = recognizer(lane.cfg).recognize(lane.cfg, lane.tensors, Form.BATCH, rows=rows, ctx=lane.ctx)
         self.plan = optimize(raw, CudaShim(knobs, held=lane.held), held=held)
