@@ -8,9 +8,9 @@ GEMV's formats: past one row the int8 GEMV over the rows, `triton/gemv/q8_rows.p
 multiply as a chunk's do, on the f16 tensor cores, reading each matrix once for every row) with
 `rope_epilogue=off` past one row, so every rotation is a launch of its own that turns each row at its own
 position. A batch of one row runs the single step's launches: the one-row GEMV's epilogues (the rotations in
-the QKV product's, at the row's own position; the add and norm in the output projection's last program). The plan's cache writes land in
-staging rows (one row a sequence); each layer's attention stores them into the rows' blocks and attends over
-each row's blocks (`launch.PagedRows`, `triton/attention/paged.py`).
+the QKV product's, at the row's own position; the add and norm in the output projection's last program). The
+plan's cache writes land in staging rows (one row a sequence); each layer's attention stores them into the rows'
+blocks and attends over each row's blocks (`launch.PagedRows`, `triton/attention/paged.py`).
 
 Inputs are one int32 device tensor written from the host before a step: the rows' token ids, positions,
 pool slots (where the new key and value go), lengths and block tables (padded to the widest a context needs).
