@@ -10,7 +10,9 @@ errors (a status other than 200, a connection failure, a stream that ends withou
 finish reason), aggregate generated tokens/s over the level's wall time (a completed stream counts its `usage`,
 a dropped one the chunks it read), time to first token and time between tokens (p50, p99, from the arrival of
 each streamed chunk), and the server's KV blocks in use once it has settled (from `/health`; 0 means every
-sequence, dropped ones included, gave its blocks back). The server's lane is read from `/health` and printed;
+sequence, dropped ones included, gave its blocks back) and its lane's device memory then (`device_bytes`, against
+the idle level read before the first request: it exits 1 if a level leaves more). The server's lane is read
+from `/health` and printed;
 `--lane cuda` refuses to measure a server that runs another (a GPU run that fell back to the cpu lane). Needs
 only the standard library.
 """
@@ -203,8 +205,13 @@ def level(t: Target, args: argparse.Namespace, clients: int) -> dict:
         "itl_p99_ms": _ms(percentile(tally.gaps, 99)),
         "kv_blocks_in_use_after": health["kv_blocks_used"],
         "kv_blocks_total": health["kv_blocks_total"],
+        "device_mb_after": _mb(health.get("device_bytes")),
         "preemptions": health.get("preemptions"),
     }
+
+
+def _mb(n: int | None) -> float | None:
+    return None if n is None else round(n / 2**20, 1)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -212,7 +219,7 @@ def _ms(seconds: float | None) -> float | None:
 
 
 HEAD = ("clients", "completed", "dropped", "errors", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-        "itl_p99_ms", "kv_blocks_in_use_after")  # fmt: skip
+        "itl_p99_ms", "kv_blocks_in_use_after", "device_mb_after")  # fmt: skip
 
 
 def render(rows: list[dict]) -> str:
@@ -254,14 +261,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"load: --max-tokens {args.max_tokens} leaves no room in the context of {card['max_model_len']}")
         return 1
     args.prompt_tokens = [min(n, room) for n in args.prompt_tokens]
+    idle = _mb(settle(t).get("device_bytes"))  # the lane's device memory before any request of this run
     rows = []
     for clients in args.clients:
         rows.append(level(t, args, clients))
         print(f"load: {clients} clients done", file=sys.stderr, flush=True)
-    result = {"url": args.url, "model": model, "lane": lane,
+    result = {"url": args.url, "model": model, "lane": lane, "device_mb_idle": idle,
               "args": {k: v for k, v in vars(args).items() if k != "api_key"}, "levels": rows}  # fmt: skip
-    print(json.dumps(result, indent=2) if args.json else f"{model} at {args.url} (lane {lane})\n{render(rows)}")
-    return 1 if any(r["errors"] or r["kv_blocks_in_use_after"] for r in rows) else 0
+    head = f"{model} at {args.url} (lane {lane}; device memory at idle {idle} MB)"
+    print(json.dumps(result, indent=2) if args.json else f"{head}\n{render(rows)}")
+    grown = idle is not None and any((r["device_mb_after"] or 0) > idle for r in rows)
+    return 1 if grown or any(r["errors"] or r["kv_blocks_in_use_after"] for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@ class Recorder:
     def forget(self, seq):
         self.lane.forget(seq)
 
+    def device_bytes(self):
+        return self.lane.device_bytes()
+
     def warm(self, max_seqs, chunk):
         return self.lane.warm(max_seqs, chunk)
 

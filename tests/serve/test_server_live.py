@@ -116,3 +116,4 @@ def test_the_load_script_runs_against_the_server(live, capsys):
     assert result["lane"] == "cpu"
     assert row["errors"] == 0 and row["completed"] + row["dropped"] > 0 and row["kv_blocks_in_use_after"] == 0
     assert row["tokens"] > 0 and row["ttft_p50_ms"] is not None
+    assert result["device_mb_idle"] == row["device_mb_after"] == 0  # the cpu lane holds no device memory

@@ -49,6 +49,9 @@ class CpuPaged:
         """Nothing to make ready: the cpu lane builds a step's graph in microseconds and compiles nothing."""
         return 0
 
+    def device_bytes(self) -> int:
+        return 0
+
     def forget(self, seq: int) -> None:
         if self.resident is not None and self.resident[0] == seq:
             self.resident = None

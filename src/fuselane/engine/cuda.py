@@ -150,6 +150,10 @@ class CudaPaged:
         self.resident = None  # the scratch holds the warm-up's rows now
         return len(buckets) + len(chunks)
 
+    def device_bytes(self) -> int:
+        lane = self.single
+        return int(lane.torch.cuda.memory_allocated(lane.device)) if lane.device.type == "cuda" else 0
+
     def forget(self, seq: int) -> None:
         self.draws.forget(seq)
         if self.resident is not None and self.resident[0] == seq:

@@ -66,6 +66,11 @@ class PagedLane(Protocol):
         """The sequence has ended: drop what the lane kept for it."""
         ...
 
+    def device_bytes(self) -> int:
+        """Bytes the lane's allocations hold on its device now (0 for a lane in host memory): what a load test
+        reads to see memory back at its idle level once every sequence has ended."""
+        ...
+
 
 class PagedLaneType(Protocol):
     """The class of a paged lane: what the pool's sizing asks before the lane exists, and how to build it."""
