@@ -1,9 +1,11 @@
 """Aggregate decode tokens/s of several sequences at once through the engine (the paged batch form), as
 `llama-batched-bench -npp P -ntg N -npl B` measures it: B sequences of P prompt tokens each generate N tokens;
-the figure is the tokens generated after every sequence has its first token, over the time that took (prefill
-excluded), so it is the decode steps' throughput at B rows.
+the figure is the tokens generated while all B decode together (from the step after the last one has its first
+token to the step where the first one ends), over the time those steps took: the decode steps' throughput at B
+rows. (Prompts are prefilled a chunk budget a step while the first ones already decode, so the sequences start
+and end staggered; the window where all B run is N minus the prefill's steps, so N should be well past them.)
 
-Usage: python benchmarks/batch_decode.py MODEL [--lane cuda] [--seqs 1 8 32 64] [--prompt 128] [--gen 128]
+Usage: python benchmarks/batch_decode.py MODEL [--lane cuda] [--seqs 1 8 32 64] [--prompt 128] [--gen 256]
 [--json]
 
 Prompts are random token ids; greedy sampling. Every sequence generates exactly N tokens, as llama-batched-bench's
@@ -37,12 +39,14 @@ def measure(engine, vocab: int, seqs: int, prompt: int, gen: int, seed: int) -> 
     first: set[int] = set()
     counted = [0]
     timing = [False]
+    ended = [False]
 
     def sink(event) -> None:
         if event.tokens:
             first.add(event.seq)
             if timing[0]:
                 counted[0] += len(event.tokens)
+        ended[0] |= event.finish is not None
 
     for _ in range(seqs):
         ids = tuple(int(t) for t in rng.integers(1, vocab - 1, prompt))
@@ -53,10 +57,13 @@ def measure(engine, vocab: int, seqs: int, prompt: int, gen: int, seed: int) -> 
     buckets_before = _buckets(engine)
     timing[0] = True
     start = time.perf_counter()
-    while engine.step():
+    while not ended[0] and engine.step():
         pass
     seconds = time.perf_counter() - start
+    timing[0] = False
     steps = engine.stats.steps - steps_before
+    while engine.step():  # the rest, untimed
+        pass
     return {
         "seqs": seqs,
         "prompt": prompt,
@@ -81,7 +88,7 @@ def main() -> None:
     ap.add_argument("--lane", default="cuda")
     ap.add_argument("--seqs", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     model = load(args.model, lane=args.lane)

@@ -43,7 +43,6 @@ class Stats:
     steps: int = 0
     generated: int = 0  # tokens sampled since the start
     preemptions: int = 0
-    device_bytes: int = 0  # what the lane's allocations hold on its device (0: a host lane)
 
 
 class Engine:
@@ -215,7 +214,7 @@ class Engine:
             self._live -= len(ended)
             self.stats = Stats(
                 len(s.running), len(s.waiting) + len(self._inbox), self.pool.used, self.pool.total,
-                self.pool.block_size, self._steps, self._generated, s.preemptions, self.lane.device_bytes(),
+                self.pool.block_size, self._steps, self._generated, s.preemptions,
             )  # fmt: skip
             sinks = [self._sinks.get(e.seq) for e in events]
             for seq_id in ended:

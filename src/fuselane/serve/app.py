@@ -108,7 +108,11 @@ class Api:
 
     async def health(self, request: Request) -> Response:
         stats = asdict(self.s.engine.stats)
-        return JSONResponse({"status": "ok", "model": self.s.name, "lane": self.s.engine.lane.name, **stats})
+        # read when asked, not at each step: the allocator gathers all its statistics for each read
+        memory = self.s.engine.lane.device_bytes()
+        return JSONResponse(
+            {"status": "ok", "model": self.s.name, "lane": self.s.engine.lane.name, **stats, "device_bytes": memory}
+        )
 
     async def models(self, request: Request) -> Response:
         return self._denied(request) or JSONResponse(
