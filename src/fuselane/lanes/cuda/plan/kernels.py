@@ -168,6 +168,19 @@ MLA_MERGE_ROWS = 2
 # flight together: a round trip for four. The merging program holds them in 135-148 registers, no stack (sm_90).
 MLA_MERGE_BATCH = 4
 
+# The short-span path (`triton/mla/whole.py`): a row whose live span (read on the device) is at most
+# MLA_SHORT_ROWS cached rows runs whole, a program a head and MLA_SHORT_VALUES values of the width (V2-Lite:
+# 16 x 8 = 128 programs), MLA_SHORT_TILE_ROWS rows at a time, its scores summed MLA_SHORT_CHUNK query values
+# at a time ([32, 64]: 16 a thread of 4 warps, the layout of the loaded rows; the values' slice as wide as the
+# chunk, so the weights need no exchange between the two), no shares and no merge. Its time grows with the
+# span (one program's chain of tiles) where the split path's is about flat, so it stops where the split path's
+# fixed phases (a tile through shared memory, a partial, a count, a merge) are paid back: 256 rows (8 tiles),
+# a guess from the instruction counts, to be set by `benchmarks/mla_decode_sweep.py`.
+MLA_SHORT_ROWS = 256
+MLA_SHORT_VALUES = 64
+MLA_SHORT_TILE_ROWS = 32
+MLA_SHORT_CHUNK = 64
+
 # Cached rows a paged decode program (`triton/attention/paged.py`) reads at a time: the decode tile's rows,
 # gathered from as many of the row's pool blocks as they span (two of the engine's 16-row blocks), each row
 # found through its block's id. A pool row is one load segment wherever its block lies, so a tile over

@@ -19,6 +19,9 @@ from fuselane.graph.ops import Attention, HeadMatmul, Join, Rope
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
 INTERPRETED_SMS = 4  # the chip the interpreter stands for: a few shares a row, so the merge runs in tests
+# the short span under the interpreter: a few rows, so a test's decode steps past it split and merge, and a
+# chunk's first rows run whole beside its later rows' shares
+INTERPRETED_SHORT_ROWS = 4
 
 
 def _pitches(x: Any, heads: int, width: int) -> tuple[int, int]:
@@ -92,7 +95,8 @@ def latent_attention(op: Op, b, out_q8: Any = None) -> list:
     shares = splits(spec.rows, attention.groups(spec.heads, spec.value_width), spec.len, b.sms, q.device)
     work = _shares_scratch(b, spec, shares, q.device) if shares > 1 else None
     shape = dict(rows=spec.rows, heads=spec.heads, kw=spec.hd, vd=spec.value_width, scale=spec.scale,
-                 seq_rows=spec.len if spec.batched else 0, splits=shares, work=work)  # fmt: skip
+                 seq_rows=spec.len if spec.batched else 0, splits=shares, work=work,
+                 short=short_path(spec.rows, q.device))  # fmt: skip
     kc2 = kc.view(-1, spec.hd) if kc.is_contiguous() else kc
     return [lambda: attention.latent_attention(q, kc2, vc, pos, out, **shape)]
 
@@ -119,6 +123,18 @@ def splits(rows: int, blocks: int, span: int, sms: int, device: Any) -> int:
     if rows > kernels.GEMV_ROWS:
         return 1
     return kernels.mla_splits(rows * blocks, span, sms if device.type == "cuda" else INTERPRETED_SMS)
+
+
+def short_path(rows: int, device: Any):
+    """The short-span path (`whole.Short`) for a launch of `rows` query rows: the plan's for a decode step's or a
+    batch's few rows (a chunk's rows past the GEMV's fill the chip with shares alone); under the interpreter,
+    spans of INTERPRETED_SHORT_ROWS."""
+    from fuselane.lanes.cuda.plan import kernels
+    from fuselane.lanes.cuda.triton.mla import whole
+
+    if rows > kernels.GEMV_ROWS:
+        return whole.NEVER
+    return whole.PLAN if device.type == "cuda" else whole.Short(rows=INTERPRETED_SHORT_ROWS)
 
 
 def mla(op: Op, b) -> list:

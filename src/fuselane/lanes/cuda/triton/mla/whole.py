@@ -1,0 +1,108 @@
+"""The latent attention's short-span path: a row's whole span in one program a head and a slice of the value
+width, no shares, no partials, no merge (`attention._latent_attention_kernel` takes it where the row's live
+span, read on the device, is at most `Short.rows`).
+
+Why: at a short span (a decode step at depth 64: 65 cached rows, 75 KB) the split path's time is its serial
+phases, not its bytes: a share's tile of products through shared memory (two barriers a score chunk), its
+partial's store, a gpu-scope count, then the last program's L2 reads of every partial. Here a program scores
+its head's query over every row of the span and sums only its slice of the latents (`Short.values` values): each
+slice's program makes the scores again, which costs nothing at a short span (the programs run side by side and
+read the span from L2) and leaves nothing to merge.
+
+One head a program keeps every product in the layout its cached rows are loaded in: a tile's scores are the
+rows' products with the query summed elementwise over the chunks of `Short.chunk` values ([tile rows, chunk] a
+thread's share of both) and reduced across the chunk once a tile; the weighted latents and the softmax's sum
+are kept a cached row each and reduced once, at the end. A tile's only exchange between warps is its maximum.
+f32 products and sums, as the split path's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from fuselane.lanes.cuda.plan import kernels
+
+
+@triton.jit
+def _scores(qh, kc, k_pitch, n, keep, KW: tl.constexpr, KC: tl.constexpr, BN: tl.constexpr):
+    """[rows]: the head's query (at `qh`) dotted with the cached rows `n`, `KC` values at a time, the chunks'
+    products summed elementwise and reduced once."""
+    s = tl.zeros([BN, KC], tl.float32)
+    dk = tl.arange(0, KC)
+    row = kc + n.to(tl.int64)[:, None] * k_pitch
+    for c in tl.static_range(0, KW, KC):
+        inside = c + dk < KW
+        qc = tl.load(qh + c + dk, mask=inside, other=0.0).to(tl.float32)
+        kt = tl.load(row + c + dk[None, :], mask=keep[:, None] & inside[None, :], other=0.0).to(tl.float32)
+        s += kt * qc[None, :]
+    return tl.sum(s, axis=1)
+
+
+@triton.jit
+def _fold(qh, m_i, l_i, acc, kc, k_pitch, vc, v_pitch, dv, vlive, start, end, scale, KW: tl.constexpr,
+          KC: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """One tile of `BN` cached rows folded into the running maximum, and the rows' sums and weighted slices of
+    latents (a row each, reduced at the end)."""
+    n = start + tl.arange(0, BN)
+    keep = n < end
+    s = tl.where(keep, _scores(qh, kc, k_pitch, n, keep, KW, KC, BN) * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new)
+    v = tl.load(vc + n.to(tl.int64)[:, None] * v_pitch + dv[None, :], mask=keep[:, None] & vlive[None, :],
+                other=0.0).to(tl.float32)  # fmt: skip
+    return m_new, l_i * alpha + p, acc * alpha + p[:, None] * v
+
+
+@triton.jit
+def whole(q, kc, k_pitch, vc, v_pitch, out, scale, r, p, end, HEADS: tl.constexpr, KW: tl.constexpr,
+          VD: tl.constexpr, VS: tl.constexpr, BN: tl.constexpr, KC: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    """Program `p` of row `r` (its head, its slice of `VS` values) over the row's cached rows 0..end - 1: the
+    softmax-weighted latents of that slice, straight into the output."""
+    slices: tl.constexpr = (VD + VS - 1) // VS
+    h = p // slices
+    dv = (p % slices) * VS + tl.arange(0, VS)
+    vlive = dv < VD
+    qh = q + (r.to(tl.int64) * HEADS + h) * KW
+    m_i = float("-inf")
+    l_i = tl.zeros([BN], tl.float32)
+    acc = tl.zeros([BN, VS], tl.float32)
+    if INTERPRETED:  # the interpreter takes no loop bound read from the device (`attention.decode.interpreted`)
+        start = end * 0
+        while start < end:
+            m_i, l_i, acc = _fold(qh, m_i, l_i, acc, kc, k_pitch, vc, v_pitch, dv, vlive, start, end, scale, KW,
+                                  KC, BN)  # fmt: skip
+            start += BN
+    else:
+        for start in range(0, end, BN):
+            m_i, l_i, acc = _fold(qh, m_i, l_i, acc, kc, k_pitch, vc, v_pitch, dv, vlive, start, end, scale, KW,
+                                  KC, BN)  # fmt: skip
+    o = out + (r.to(tl.int64) * HEADS + h) * VD + dv
+    tl.store(o, tl.sum(acc, axis=0) / tl.sum(l_i, axis=0), mask=vlive)
+
+
+@dataclass(frozen=True, slots=True)
+class Short:
+    """The short-span path's shape: spans of at most `rows` cached rows run whole (0: never), a program takes a
+    head and `values` values of the width, `tile_rows` cached rows at a time, `chunk` query values a product
+    step. The defaults are the plan's (`kernels.MLA_SHORT_*`)."""
+
+    rows: int = kernels.MLA_SHORT_ROWS
+    values: int = kernels.MLA_SHORT_VALUES
+    tile_rows: int = kernels.MLA_SHORT_TILE_ROWS
+    chunk: int = kernels.MLA_SHORT_CHUNK
+
+    def programs(self, heads: int, vd: int) -> int:
+        """Programs a row the path takes for `heads` heads of `vd` values: a head's slices of the width."""
+        return heads * triton.cdiv(vd, self.values) if self.rows > 0 else 0
+
+    def constants(self) -> tuple[int, int, int, int]:
+        """The kernel's constexprs, in its order (SHORT_ROWS, VS, BN_S, KC_S)."""
+        return self.rows, self.values, self.tile_rows, self.chunk
+
+
+PLAN = Short()  # the plan's
+NEVER = Short(rows=0)  # every span split, as a chunk's rows past the GEMV's take it
