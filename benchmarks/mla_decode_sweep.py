@@ -2,15 +2,16 @@
 rope 64; V2-Lite's 16 heads, `--heads 16 128` adds V3's) at several depths, each launch replayed from a CUDA graph
 so no host time counts. A row a depth: `split` is every span cut into the plan's shares and merged (the kernel
 before the short path), `plan` what the lane launches now (the short path, `triton.mla.whole`, up to
-`kernels.MLA_SHORT_ROWS` rows, then the shares), and `whole:V/T/C` the short path forced at every depth shown,
-`V` values a program, `T` rows a tile, `C` query values a product step: where `whole` passes `split` is where
-MLA_SHORT_ROWS belongs. The shares are `kernels.mla_splits` at the cache's length (`--ctx`, each).
+`kernels.MLA_SHORT_ROWS` rows, then the shares), and `whole:V/T/C/S` the short path forced at every depth shown,
+`V` values a program, `T` rows a tile, `C` query values a product step, `S` stages of loads in flight: where
+`whole` passes `split` is where MLA_SHORT_ROWS belongs. The shares are `kernels.mla_splits` at the cache's
+length (`--ctx`, each).
 
 Each kernel variant compiles once a cache length (a few seconds cold: 8 compiles by default); a failing one prints
 its error and the rest go on. The forced variants run at the first `--ctx` only; a later one times its
 shallowest depth and those past half its length.
 
-Usage: python benchmarks/mla_decode_sweep.py [--heads 16] [--ctx 4096 32768] [--depths 64 256 1024 4096]
+Usage: python benchmarks/mla_decode_sweep.py [--heads 16] [--ctx 4096 32768] [--depths 64 256 512 1024 4095 32767]
        (on a GPU)
 """
 
@@ -29,7 +30,8 @@ from fuselane.lanes.cuda.triton.mla import whole
 
 LORA, ROPE = 512, 64
 FORCED = 1 << 20  # a short span longer than any cache here: the short path at every depth
-WHOLE = [(64, 32, 64), (128, 32, 64), (64, 64, 64), (64, 16, 64)]  # (values, tile rows, chunk) forced whole
+# (values, tile rows, chunk, stages) forced whole
+WHOLE = [(64, 32, 64, 3), (128, 32, 64, 3), (64, 64, 64, 2), (64, 32, 64, 1)]
 WHOLE_UP_TO = 1024  # depths past this are the split path's: the forced short path is not timed there
 
 
@@ -46,7 +48,7 @@ def _variants(depth: int, forced: bool) -> list[tuple[str, whole.Short]]:
     length: each variant is a compile at each length's shares) forced whole."""
     out = [("split", whole.NEVER), ("plan", whole.Short())]
     if forced and depth <= WHOLE_UP_TO:
-        out += [(f"whole:{v}/{t}/{c}", whole.Short(FORCED, v, t, c)) for v, t, c in WHOLE]
+        out += [(f"whole:{v}/{t}/{c}/{st}", whole.Short(FORCED, v, t, c, st)) for v, t, c, st in WHOLE]
     return out
 
 
@@ -66,7 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", type=int, nargs="+", default=[16])
     ap.add_argument("--ctx", type=int, nargs="+", default=[4096, 32768], help="cache rows: the shares are fixed at it")
-    ap.add_argument("--depths", type=int, nargs="+", default=[64, 256, 512, 1024, 4096, 32767])
+    ap.add_argument("--depths", type=int, nargs="+", default=[64, 256, 512, 1024, 4095, 32767])
     a = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"short path: up to {kernels.MLA_SHORT_ROWS} rows, {whole.Short()}", flush=True)

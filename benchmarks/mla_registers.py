@@ -10,8 +10,9 @@ The short-span path (`triton.mla.whole`, `--short-rows` above 0, the plan's by d
 kernel: its registers are the kernel's, and `--short-rows 0` compiles the split path alone.
 
 Usage: python benchmarks/mla_registers.py [--old 49158d3] [--heads 16,128] [--splits 1,4] [--heads-a-program 8]
-       [--value-slices 1] [--score-chunk 32] [--warps 4] [--merge-batch 4] [--short-rows 256]
+       [--value-slices 1] [--score-chunk 32] [--warps 4] [--merge-batch 4] [--short-rows 1024]
        [--short-values 64] [--short-tile-rows 32] [--short-chunk 64]
+       [--short-stages 3]
 """
 
 from __future__ import annotations
@@ -66,14 +67,14 @@ def current(heads: int, splits: int, a: argparse.Namespace):
     consts = dict(HEADS=heads, KW=LORA + ROPE, VD=LORA, HB=hb, VB=vb, SLICES=a.value_slices, GROUPS=g,
                   KC=a.score_chunk, BLOCK_N=kernels.MLA_TILE_ROWS, SPLITS=splits, CLUSTER=cluster, CLUSTERS=count,
                   SLOTS=slots, MERGE_BATCH=a.merge_batch,
-                  **dict(zip(("SHORT_ROWS", "VS", "BN_S", "KC_S"), short(a).constants(), strict=True)),
+                  **dict(zip(("SHORT_ROWS", "VS", "BN_S", "KC_S", "STAGES_S"), short(a).constants(), strict=True)),
                   INTERPRETED=False, SEQ_ROWS=0, PDL=True)  # fmt: skip
     return _compile(attention._latent_attention_kernel, consts, a.warps)
 
 
 def short(a: argparse.Namespace) -> whole.Short:
     """The short-span path as asked."""
-    return whole.Short(a.short_rows, a.short_values, a.short_tile_rows, a.short_chunk)
+    return whole.Short(a.short_rows, a.short_values, a.short_tile_rows, a.short_chunk, a.short_stages)
 
 
 def old(module, heads: int, splits: int):
@@ -120,6 +121,7 @@ def main() -> None:
     ap.add_argument("--short-values", type=int, default=plan.values)
     ap.add_argument("--short-tile-rows", type=int, default=plan.tile_rows)
     ap.add_argument("--short-chunk", type=int, default=plan.chunk)
+    ap.add_argument("--short-stages", type=int, default=plan.stages)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         before = load_old(a.old, folder) if a.old else None

@@ -172,11 +172,16 @@ MLA_MERGE_BATCH = 4
 # MLA_SHORT_ROWS cached rows runs whole, a program a head and MLA_SHORT_VALUES values of the width (V2-Lite:
 # 16 x 8 = 128 programs), MLA_SHORT_TILE_ROWS rows at a time, its scores summed MLA_SHORT_CHUNK query values
 # at a time ([32, 64]: 16 a thread of 4 warps, the layout of the loaded rows; the values' slice as wide as the
-# chunk, so the weights need no exchange between the two), no shares and no merge. Its time grows with the
-# span (one program's chain of tiles) where the split path's is about flat, so it stops where the split path's
-# fixed phases (a tile through shared memory, a partial, a count, a merge) are paid back: 256 rows (8 tiles),
-# a guess from the instruction counts, to be set by `benchmarks/mla_decode_sweep.py`.
-MLA_SHORT_ROWS = 256
+# chunk, so the weights need no exchange between the two), the next MLA_SHORT_STAGES - 1 tiles' rows in flight
+# (cp.async through shared memory, which the split path's tiles already take: 121 KB a program either way), no
+# shares and no merge. Its time grows with the span (one program's chain of tiles) where the split path's is
+# about flat, so it stops where the split path's fixed phases (a tile through shared memory, a partial, a count,
+# a merge) are paid back: 1,024 rows (32 tiles), a guess from the instruction counts (a tile ~0.2-0.3 us in
+# flight against the split path's 17.9 us measured at depth 64), to be set by `benchmarks/mla_decode_sweep.py`.
+# `bench`'s decode runs after its prompt (512 + 128 rows), so it takes this path. Only where a row's programs
+# fit the chip in one wave (`run/mla_launch.short_path`: V2-Lite's 128, not V3's 1,024), one program a SM.
+MLA_SHORT_ROWS = 1024
+MLA_SHORT_STAGES = 3
 MLA_SHORT_VALUES = 64
 MLA_SHORT_TILE_ROWS = 32
 MLA_SHORT_CHUNK = 64

@@ -96,7 +96,7 @@ def latent_attention(op: Op, b, out_q8: Any = None) -> list:
     work = _shares_scratch(b, spec, shares, q.device) if shares > 1 else None
     shape = dict(rows=spec.rows, heads=spec.heads, kw=spec.hd, vd=spec.value_width, scale=spec.scale,
                  seq_rows=spec.len if spec.batched else 0, splits=shares, work=work,
-                 short=short_path(spec.rows, q.device))  # fmt: skip
+                 short=short_path(spec.rows, spec.heads, spec.value_width, b.sms, q.device))  # fmt: skip
     kc2 = kc.view(-1, spec.hd) if kc.is_contiguous() else kc
     return [lambda: attention.latent_attention(q, kc2, vc, pos, out, **shape)]
 
@@ -125,16 +125,17 @@ def splits(rows: int, blocks: int, span: int, sms: int, device: Any) -> int:
     return kernels.mla_splits(rows * blocks, span, sms if device.type == "cuda" else INTERPRETED_SMS)
 
 
-def short_path(rows: int, device: Any):
-    """The short-span path (`whole.Short`) for a launch of `rows` query rows: the plan's for a decode step's or a
-    batch's few rows (a chunk's rows past the GEMV's fill the chip with shares alone); under the interpreter,
-    spans of INTERPRETED_SHORT_ROWS."""
-    from fuselane.lanes.cuda.plan import kernels
+def short_path(rows: int, heads: int, vd: int, sms: int, device: Any):
+    """The short-span path (`whole.Short`) for a launch of `rows` query rows of `heads` heads of `vd` values: the
+    plan's where its programs fit the chip of `sms` multiprocessors in one wave (a program a SM: the split path's
+    shared memory is the kernel's), so a decode step's or a few batch rows' of V2-Lite's 16 heads; never past
+    that (V3's 128 heads take 1,024 programs; a chunk's rows past the GEMV's fill the chip with shares alone).
+    Under the interpreter, spans of INTERPRETED_SHORT_ROWS."""
     from fuselane.lanes.cuda.triton.mla import whole
 
-    if rows > kernels.GEMV_ROWS:
-        return whole.NEVER
-    return whole.PLAN if device.type == "cuda" else whole.Short(rows=INTERPRETED_SHORT_ROWS)
+    if device.type != "cuda":
+        return whole.Short(rows=INTERPRETED_SHORT_ROWS)
+    return whole.PLAN if rows * whole.PLAN.programs(heads, vd) <= sms else whole.NEVER
 
 
 def mla(op: Op, b) -> list:

@@ -209,7 +209,7 @@ def _latent_attention_kernel(
     HEADS: tl.constexpr, KW: tl.constexpr, VD: tl.constexpr, HB: tl.constexpr, VB: tl.constexpr,
     SLICES: tl.constexpr, GROUPS: tl.constexpr, KC: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     CLUSTER: tl.constexpr, CLUSTERS: tl.constexpr, SLOTS: tl.constexpr, MERGE_BATCH: tl.constexpr,
-    SHORT_ROWS: tl.constexpr, VS: tl.constexpr, BN_S: tl.constexpr, KC_S: tl.constexpr,
+    SHORT_ROWS: tl.constexpr, VS: tl.constexpr, BN_S: tl.constexpr, KC_S: tl.constexpr, STAGES_S: tl.constexpr,
     INTERPRETED: tl.constexpr, SEQ_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
@@ -225,7 +225,7 @@ def _latent_attention_kernel(
             p = sp * GROUPS + g
             if p < HEADS * ((VD + VS - 1) // VS):
                 whole.whole(q, kc, k_pitch, vc, v_pitch, out, scale, r, p, end, HEADS, KW, VD, VS, BN_S, KC_S,
-                            INTERPRETED)  # fmt: skip
+                            STAGES_S, INTERPRETED)  # fmt: skip
         else:
             _split(q, kc, k_pitch, vc, v_pitch, out, part, counter, scale, r, sp, g, end, HEADS, KW, VD, HB, VB,
                    SLICES, GROUPS, KC, BLOCK_N, SPLITS, CLUSTER, CLUSTERS, SLOTS, MERGE_BATCH,

@@ -59,7 +59,8 @@ def _fold(qh, m_i, l_i, acc, kc, k_pitch, vc, v_pitch, dv, vlive, start, end, sc
 
 @triton.jit
 def whole(q, kc, k_pitch, vc, v_pitch, out, scale, r, p, end, HEADS: tl.constexpr, KW: tl.constexpr,
-          VD: tl.constexpr, VS: tl.constexpr, BN: tl.constexpr, KC: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+          VD: tl.constexpr, VS: tl.constexpr, BN: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr,
+          INTERPRETED: tl.constexpr):  # fmt: skip
     """Program `p` of row `r` (its head, its slice of `VS` values) over the row's cached rows 0..end - 1: the
     softmax-weighted latents of that slice, straight into the output."""
     slices: tl.constexpr = (VD + VS - 1) // VS
@@ -77,7 +78,7 @@ def whole(q, kc, k_pitch, vc, v_pitch, out, scale, r, p, end, HEADS: tl.constexp
                                   KC, BN)  # fmt: skip
             start += BN
     else:
-        for start in range(0, end, BN):
+        for start in tl.range(0, end, BN, num_stages=STAGES):  # the next tiles' rows in flight (cp.async)
             m_i, l_i, acc = _fold(qh, m_i, l_i, acc, kc, k_pitch, vc, v_pitch, dv, vlive, start, end, scale, KW,
                                   KC, BN)  # fmt: skip
     o = out + (r.to(tl.int64) * HEADS + h) * VD + dv
@@ -88,20 +89,21 @@ def whole(q, kc, k_pitch, vc, v_pitch, out, scale, r, p, end, HEADS: tl.constexp
 class Short:
     """The short-span path's shape: spans of at most `rows` cached rows run whole (0: never), a program takes a
     head and `values` values of the width, `tile_rows` cached rows at a time, `chunk` query values a product
-    step. The defaults are the plan's (`kernels.MLA_SHORT_*`)."""
+    step, its tiles' loads `stages` deep. The defaults are the plan's (`kernels.MLA_SHORT_*`)."""
 
     rows: int = kernels.MLA_SHORT_ROWS
     values: int = kernels.MLA_SHORT_VALUES
     tile_rows: int = kernels.MLA_SHORT_TILE_ROWS
     chunk: int = kernels.MLA_SHORT_CHUNK
+    stages: int = kernels.MLA_SHORT_STAGES
 
     def programs(self, heads: int, vd: int) -> int:
         """Programs a row the path takes for `heads` heads of `vd` values: a head's slices of the width."""
         return heads * triton.cdiv(vd, self.values) if self.rows > 0 else 0
 
-    def constants(self) -> tuple[int, int, int, int]:
-        """The kernel's constexprs, in its order (SHORT_ROWS, VS, BN_S, KC_S)."""
-        return self.rows, self.values, self.tile_rows, self.chunk
+    def constants(self) -> tuple[int, int, int, int, int]:
+        """The kernel's constexprs, in its order (SHORT_ROWS, VS, BN_S, KC_S, STAGES_S)."""
+        return self.rows, self.values, self.tile_rows, self.chunk, self.stages
 
 
 PLAN = Short()  # the plan's
