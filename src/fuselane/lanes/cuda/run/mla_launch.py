@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from fuselane.fuse.views import leaves
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Op
-from fuselane.graph.ops import Attention, HeadMatmul, Join, Rope
+from fuselane.graph.ops import Attention, Elementwise, HeadMatmul, Join, RmsNorm, Rope
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
 INTERPRETED_SMS = 4  # the chip the interpreter stands for: a few shares a row, so the merge runs in tests
@@ -56,24 +57,63 @@ def join(op: Op, b) -> list:
 
 
 def rope(op: Op, b) -> list:
-    """A rotation by a table of frequencies (DeepSeek's pairs, or YaRN's stretch): one launch, the table
-    computed once in f64 here."""
+    """A rotation by a table of frequencies (DeepSeek's pairs, or YaRN's stretch): one launch."""
+    from fuselane.lanes.cuda.triton.mla import parts
+
+    spec: Rope = op.sym  # type: ignore[assignment]
+    x, out, pos = b.bufs[op.ins[0]], b.bufs[op.out], b.bufs["pos"]
+    table = _table(op, b, x.device)
+    x_row, x_head = _pitches(x, spec.heads, spec.hd)
+    shape = dict(rows=spec.rows, heads=spec.heads, hd=spec.hd, half=spec.half, batched=spec.batched)
+    return [lambda: parts.rope(x, x_row, x_head, out, pos, table, **shape)]
+
+
+def _table(op: Op, b, device: Any) -> Any:
+    """The table rotation's hd/2 frequencies, computed once in f64 when the step is bound, f32 on the device."""
     import torch
 
     from fuselane.lanes.cpu.latent_kernels import inv_freq
-    from fuselane.lanes.cuda.triton.mla import parts
 
     spec: Rope = op.sym  # type: ignore[assignment]
     if spec.rot:
         raise PlanMismatch(f"{op.out}: the table rotation turns whole heads")
-    x, out, pos = b.bufs[op.ins[0]], b.bufs[op.out], b.bufs["pos"]
     key = f"rope-table:{spec.hd}:{spec.base}:{spec.yarn}"
-    table = b.scratch.setdefault(
-        key, torch.tensor(inv_freq(spec.hd, spec.base, spec.yarn), dtype=torch.float32, device=x.device)
-    )
+    if key not in b.scratch:
+        b.scratch[key] = torch.tensor(inv_freq(spec.hd, spec.base, spec.yarn), dtype=torch.float32, device=device)
+    return b.scratch[key]
+
+
+def join_in_place(op: Op, b) -> list:
+    """JoinInPlace: a join's two parts written where the join lies, one launch: the query's (each head's product
+    by the key half, then its rotated part: `heads.head_matmul` with a `Turn`) or the cache row's (the normed
+    latent, then the rotated key: `parts.norm_rope`). The lane's `fits` admits no other pair."""
+    from fuselane.lanes.cuda.triton.mla import heads, parts
+
+    first, turned, join = join_parts(op)
+    spec: Rope = turned.sym  # type: ignore[assignment]
+    out, pos = b.bufs[join.out], b.bufs["pos"]
+    x = b.bufs[turned.ins[0]]
+    table = _table(turned, b, x.device)
     x_row, x_head = _pitches(x, spec.heads, spec.hd)
-    shape = dict(rows=spec.rows, heads=spec.heads, hd=spec.hd, half=spec.half, batched=spec.batched)
-    return [lambda: parts.rope(x, x_row, x_head, out, pos, table, **shape)]
+    if isinstance(first.sym, HeadMatmul):
+        hm: HeadMatmul = first.sym
+        q, (w, fmt) = b.bufs[first.ins[0]], b.raw[first.ins[1]]
+        q_row, q_head = _pitches(q, hm.heads, hm.a)
+        turn = heads.Turn(x, x_row, x_head, pos, table, spec.hd, spec.half, spec.batched)
+        return [lambda: heads.head_matmul(q, q_row, q_head, hm.m, w, fmt, hm.heads, hm.a, hm.b, out, turn=turn)]
+    n_op, w_op = [p for p in leaves(first) if isinstance(p.sym, RmsNorm | Elementwise)][-2:]
+    ns: RmsNorm = n_op.sym  # type: ignore[assignment]
+    latent, w = b.bufs[n_op.ins[0]].view(ns.rows, ns.cols), b.vec[w_op.ins[1]]
+    rows = out.view(ns.rows, -1)
+    shape = dict(rows=ns.rows, hd=spec.hd, half=spec.half, batched=spec.batched)
+    return [lambda: parts.norm_rope(latent, w, ns.eps, x, x_row, rows, pos, table, **shape)]
+
+
+def join_parts(op: Op) -> tuple[Op, Op, Op]:
+    """A JoinInPlace's (first part's producer, the rotation, the join), by the join's inputs."""
+    join = next(p for p in op.sym.parts if isinstance(p.sym, Join))  # type: ignore[union-attr]
+    made = {p.out: p for p in op.sym.parts}  # type: ignore[union-attr]
+    return made[join.ins[0]], made[join.ins[1]], join
 
 
 def takes_rope(spec: Rope) -> bool:
