@@ -31,7 +31,7 @@ from fuselane.lanes.cuda.triton.mla import whole
 LORA, ROPE = 512, 64
 FORCED = 1 << 20  # a short span longer than any cache here: the short path at every depth
 # (values, tile rows, chunk, stages) forced whole
-WHOLE = [(64, 32, 64, 3), (128, 32, 64, 3), (64, 64, 64, 2), (64, 32, 64, 1)]
+WHOLE = [(64, 32, 64, 3), (256, 32, 128, 3), (128, 64, 128, 2), (128, 32, 128, 1)]
 WHOLE_UP_TO = 1024  # depths past this are the split path's: the forced short path is not timed there
 
 

@@ -170,21 +170,24 @@ MLA_MERGE_BATCH = 4
 
 # The short-span path (`triton/mla/whole.py`): a row whose live span (read on the device) is at most
 # MLA_SHORT_ROWS cached rows runs whole, a program a head and MLA_SHORT_VALUES values of the width (V2-Lite:
-# 16 x 8 = 128 programs), MLA_SHORT_TILE_ROWS rows at a time, its scores summed MLA_SHORT_CHUNK query values
-# at a time ([32, 64]: 16 a thread of 4 warps, the layout of the loaded rows; the values' slice as wide as the
-# chunk, so the weights need no exchange between the two), the next MLA_SHORT_STAGES - 1 tiles' rows in flight
-# (cp.async through shared memory, which the split path's tiles already take: 121 KB a program either way), no
-# shares and no merge. Its time grows with the span (one program's chain of tiles) where the split path's is
-# about flat, so it stops where the split path's fixed phases (a tile through shared memory, a partial, a count,
-# a merge) are paid back: 1,024 rows (32 tiles), a guess from the instruction counts (a tile ~0.2-0.3 us in
-# flight against the split path's 17.9 us measured at depth 64), to be set by `benchmarks/mla_decode_sweep.py`.
-# `bench`'s decode runs after its prompt (512 + 128 rows), so it takes this path. Only where a row's programs
-# fit the chip in one wave (`run/mla_launch.short_path`: V2-Lite's 128, not V3's 1,024), one program a SM.
+# 16 x 4 = 64 programs), MLA_SHORT_TILE_ROWS rows at a time, its scores summed MLA_SHORT_CHUNK query values
+# at a time ([32, 128]: 32 a thread of 4 warps, the layout of the loaded rows; the values' slice as wide as the
+# chunk, so the weights need no exchange between the two: 168 registers, no stack, sm_90), the next
+# MLA_SHORT_STAGES - 1 tiles' rows in flight (cp.async through shared memory, which the split path's tiles
+# already take: 121 KB a program either way), no shares and no merge. Every program reads each cached row whole
+# (1,152 bytes) for its scores, so the launch reads the span from L2 once a program: 64 programs halve what 128
+# (64 values each) read, 74 MB at 1,024 rows against ~6 TB/s of L2. Its time grows with the span (one
+# program's chain of tiles) where the split path's is about flat, so it stops where the split path's fixed
+# phases (a tile through shared memory, a partial, a count, a merge; 17.9 us measured at depth 64) are paid
+# back: 1,024 rows (32 tiles), a guess from the instruction counts and those bytes, to be set by
+# `benchmarks/mla_decode_sweep.py`. `bench`'s decode runs after its prompt (512 + 128 rows), so it takes this
+# path. Only where a row's programs fit the chip in one wave (`run/mla_launch.short_path`: V2-Lite's 64, not
+# V3's 512), one program a SM.
 MLA_SHORT_ROWS = 1024
 MLA_SHORT_STAGES = 3
-MLA_SHORT_VALUES = 64
+MLA_SHORT_VALUES = 128
 MLA_SHORT_TILE_ROWS = 32
-MLA_SHORT_CHUNK = 64
+MLA_SHORT_CHUNK = 128
 
 # Cached rows a paged decode program (`triton/attention/paged.py`) reads at a time: the decode tile's rows,
 # gathered from as many of the row's pool blocks as they span (two of the engine's 16-row blocks), each row

@@ -169,7 +169,7 @@ def short_path(rows: int, heads: int, vd: int, sms: int, device: Any):
     """The short-span path (`whole.Short`) for a launch of `rows` query rows of `heads` heads of `vd` values: the
     plan's where its programs fit the chip of `sms` multiprocessors in one wave (a program a SM: the split path's
     shared memory is the kernel's), so a decode step's or a few batch rows' of V2-Lite's 16 heads; never past
-    that (V3's 128 heads take 1,024 programs; a chunk's rows past the GEMV's fill the chip with shares alone).
+    that (V3's 128 heads take 512 programs; a chunk's rows past the GEMV's fill the chip with shares alone).
     Under the interpreter, spans of INTERPRETED_SHORT_ROWS."""
     from fuselane.lanes.cuda.triton.mla import whole
 
