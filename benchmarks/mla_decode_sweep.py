@@ -2,8 +2,9 @@
 rope 64; V2-Lite's 16 heads, `--heads 16 128` adds V3's) at several depths, each launch replayed from a CUDA graph
 so no host time counts. A row a depth: `split` is every span cut into the plan's shares and merged (the kernel
 before the short path), `plan` what the lane launches now (the short path, `triton.mla.whole`, up to
-`kernels.MLA_SHORT_ROWS` rows, then the shares), and `whole:V/T/C/S` the short path forced at every depth shown,
-`V` values a program, `T` rows a tile, `C` query values a product step, `S` stages of loads in flight: where
+`kernels.MLA_SHORT_ROWS` rows, then the shares), and `whole:V/T/C/S/H` the short path forced at every depth shown,
+`V` values a program, `T` rows a tile, `C` query values a product step, `S` stages of loads in flight, `H`
+shares at most (past `kernels.MLA_SHORT_SHARE_ROWS` rows): where
 `whole` passes `split` is where MLA_SHORT_ROWS belongs. The shares are `kernels.mla_splits` at the cache's
 length (`--ctx`, each).
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import time
+from dataclasses import replace
 
 import torch
 
@@ -30,14 +32,15 @@ from fuselane.lanes.cuda.triton.mla import whole
 
 LORA, ROPE = 512, 64
 FORCED = 1 << 20  # a short span longer than any cache here: the short path at every depth
-# (values, tile rows, chunk, stages) forced whole
-WHOLE = [(64, 32, 64, 3), (256, 32, 128, 3), (128, 64, 128, 2), (128, 32, 128, 1)]
+# (values, tile rows, chunk, stages, shares) forced whole
+WHOLE = [(128, 32, 128, 3, 1), (64, 32, 64, 3, 1), (256, 32, 128, 3, 4), (128, 64, 128, 2, 2)]
+PLAN = replace(whole.PLAN, shares=2)  # the lane's on an H200 for V2-Lite's 16 heads (`mla_launch.short_path`)
 WHOLE_UP_TO = 1024  # depths past this are the split path's: the forced short path is not timed there
 
 
 def _time(q, kc, pos, out, heads: int, shares: int, short: whole.Short) -> float:
     """Seconds one launch takes with these shares and short path."""
-    work = A.scratch(1, heads, LORA, shares, q.device)
+    work = A.scratch(1, heads, LORA, shares, q.device, short=short)
     call = functools.partial(A.latent_attention, q, kc, kc[:, :LORA], pos, out, rows=1, heads=heads,
                              kw=LORA + ROPE, vd=LORA, scale=0.07, splits=shares, work=work, short=short)  # fmt: skip
     return timed(call)
@@ -46,9 +49,9 @@ def _time(q, kc, pos, out, heads: int, shares: int, short: whole.Short) -> float
 def _variants(depth: int, forced: bool) -> list[tuple[str, whole.Short]]:
     """The kernels a depth is timed with: the split path alone, the plan's, and (short depths of the first cache
     length: each variant is a compile at each length's shares) forced whole."""
-    out = [("split", whole.NEVER), ("plan", whole.Short())]
+    out = [("split", whole.NEVER), ("plan", PLAN)]
     if forced and depth <= WHOLE_UP_TO:
-        out += [(f"whole:{v}/{t}/{c}/{st}", whole.Short(FORCED, v, t, c, st)) for v, t, c, st in WHOLE]
+        out += [(f"whole:{v}/{t}/{c}/{st}/{sh}", whole.Short(FORCED, v, t, c, st, sh)) for v, t, c, st, sh in WHOLE]
     return out
 
 
@@ -71,7 +74,7 @@ def main() -> None:
     ap.add_argument("--depths", type=int, nargs="+", default=[64, 256, 512, 1024, 4095, 32767])
     a = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"short path: up to {kernels.MLA_SHORT_ROWS} rows, {whole.Short()}", flush=True)
+    print(f"short path: up to {kernels.MLA_SHORT_ROWS} rows, {PLAN}", flush=True)
     began = time.perf_counter()
     for ctx in a.ctx:
         kc = torch.randn(ctx, LORA + ROPE, device="cuda").half()

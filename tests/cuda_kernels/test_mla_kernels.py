@@ -105,16 +105,19 @@ def test_rope_turns_deepseeks_pairs_by_the_table(half, yarn, pos):
 
 NEVER_SHORT = whole.NEVER
 SLICED_SHORT = whole.Short(rows=64, values=16, tile_rows=16, chunk=16)  # two slices of the width, three chunks
+SHARED_SHORT = whole.Short(rows=64, values=16, tile_rows=8, chunk=16, shares=4, share_rows=8)  # merged in one read
 
 
 @pytest.mark.parametrize(("rows", "pos", "splits", "short"), [
     (1, 0, 1, NEVER_SHORT), (1, 20, 3, NEVER_SHORT), (5, 3, 1, NEVER_SHORT), (2, 25, 4, NEVER_SHORT),
     (1, 0, 2, NEVER_SHORT), (1, 20, 3, whole.Short()), (1, 25, 4, SLICED_SHORT), (1, 0, 2, SLICED_SHORT),
-    (5, 3, 2, whole.Short(rows=5, values=16, tile_rows=16, chunk=32)),
+    (5, 3, 2, whole.Short(rows=5, values=16, tile_rows=16, chunk=32)), (1, 25, 1, SHARED_SHORT),
+    (1, 12, 2, SHARED_SHORT), (1, 5, 1, SHARED_SHORT), (3, 20, 2, SHARED_SHORT),
 ])  # fmt: skip
 def test_latent_attention_attends_the_latents(rows, pos, splits, short):
     """Split and merged (`NEVER_SHORT`), whole (`whole.Short`: the plan's, whose one slice is wider than the
-    latent, and two slices of it), and a chunk whose first rows run whole and the rest split."""
+    latent, and two slices of it), a chunk whose first rows run whole and the rest split, and whole in shares
+    merged in one read (`SHARED_SHORT`: 26 rows in four shares, 13 in two, 6 in one)."""
     rng = np.random.default_rng(8)
     h, lora, rope_w, ctx = 4, 32, 16, 32
     kw = lora + rope_w
@@ -123,7 +126,7 @@ def test_latent_attention_attends_the_latents(rows, pos, splits, short):
     out = torch.zeros((rows, h * lora))
     kc = dev(cache)
     scale = 1 / np.sqrt(24.0)
-    work = attention.scratch(rows, h, lora, splits, DEVICE)
+    work = attention.scratch(rows, h, lora, splits, DEVICE, short=short)
     for _ in range(2):  # the counters re-arm: a second launch runs the same
         attention.latent_attention(dev(q), kc, kc[:, :lora], dev(np.array([pos], np.int32)), out, rows=rows,
                                    heads=h, kw=kw, vd=lora, scale=float(scale), splits=splits, work=work,

@@ -188,6 +188,11 @@ MLA_SHORT_STAGES = 3
 MLA_SHORT_VALUES = 128
 MLA_SHORT_TILE_ROWS = 32
 MLA_SHORT_CHUNK = 128
+# A short span past MLA_SHORT_SHARE_ROWS rows (8 tiles) is cut into shares of whole tiles, as many as the chip
+# runs at once (`run/mla_launch.short_path`: 2 for V2-Lite's 64 programs on 132 SMs), merged in one read by the
+# last share of each head and slice to end: the chain of tiles halves at `bench`'s depth (~600 rows) for a
+# partial's store, a count and one L2 round trip (~1-2 us, against ~8 tiles).
+MLA_SHORT_SHARE_ROWS = 256
 
 # Cached rows a paged decode program (`triton/attention/paged.py`) reads at a time: the decode tile's rows,
 # gathered from as many of the row's pool blocks as they span (two of the engine's 16-row blocks), each row

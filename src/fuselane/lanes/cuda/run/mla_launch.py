@@ -11,6 +11,7 @@ with the rest.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from fuselane.fuse.views import leaves
@@ -133,23 +134,23 @@ def latent_attention(op: Op, b, out_q8: Any = None) -> list:
     q, kc, vc = (b.bufs[n] for n in op.ins[:3])
     out, pos = b.bufs[op.out], b.bufs["pos"]
     shares = splits(spec.rows, attention.groups(spec.heads, spec.value_width), spec.len, b.sms, q.device)
-    work = _shares_scratch(b, spec, shares, q.device) if shares > 1 else None
+    short = short_path(spec.rows, spec.heads, spec.value_width, b.sms, q.device)
+    work = _shares_scratch(b, spec, shares, short, q.device) if shares > 1 or short.shares > 1 else None
     shape = dict(rows=spec.rows, heads=spec.heads, kw=spec.hd, vd=spec.value_width, scale=spec.scale,
-                 seq_rows=spec.len if spec.batched else 0, splits=shares, work=work,
-                 short=short_path(spec.rows, spec.heads, spec.value_width, b.sms, q.device))  # fmt: skip
+                 seq_rows=spec.len if spec.batched else 0, splits=shares, work=work, short=short)  # fmt: skip
     kc2 = kc.view(-1, spec.hd) if kc.is_contiguous() else kc
     return [lambda: attention.latent_attention(q, kc2, vc, pos, out, **shape)]
 
 
-def _shares_scratch(b, spec: Attention, shares: int, device: Any):
+def _shares_scratch(b, spec: Attention, shares: int, short: Any, device: Any):
     """The shares' partials and counters (`attention.scratch`), one a shape that every layer's latent attention
     of the step shares: the layers run one after another, each waiting for the launch before it (`pdl`), and
     each leaves the counters at zero."""
     from fuselane.lanes.cuda.triton.mla import attention
 
-    key = f"mla-shares:{spec.rows}:{spec.heads}:{spec.value_width}:{shares}"
+    key = f"mla-shares:{spec.rows}:{spec.heads}:{spec.value_width}:{shares}:{short}"
     if key not in b.scratch:
-        b.scratch[key] = attention.scratch(spec.rows, spec.heads, spec.value_width, shares, device)
+        b.scratch[key] = attention.scratch(spec.rows, spec.heads, spec.value_width, shares, device, short=short)
     return b.scratch[key]
 
 
@@ -169,13 +170,17 @@ def short_path(rows: int, heads: int, vd: int, sms: int, device: Any):
     """The short-span path (`whole.Short`) for a launch of `rows` query rows of `heads` heads of `vd` values: the
     plan's where its programs fit the chip of `sms` multiprocessors in one wave (a program a SM: the split path's
     shared memory is the kernel's), so a decode step's or a few batch rows' of V2-Lite's 16 heads; never past
-    that (V3's 128 heads take 512 programs; a chunk's rows past the GEMV's fill the chip with shares alone).
-    Under the interpreter, spans of INTERPRETED_SHORT_ROWS."""
+    that (V3's 128 heads take 512 programs; a chunk's rows past the GEMV's fill the chip with shares alone). A
+    span past `kernels.MLA_SHORT_SHARE_ROWS` is cut into as many shares as still fit that wave (a power of two).
+    Under the interpreter, spans of INTERPRETED_SHORT_ROWS in one share."""
     from fuselane.lanes.cuda.triton.mla import whole
 
     if device.type != "cuda":
         return whole.Short(rows=INTERPRETED_SHORT_ROWS)
-    return whole.PLAN if rows * whole.PLAN.programs(heads, vd) <= sms else whole.NEVER
+    units = rows * whole.PLAN.units(heads, vd)
+    if units > sms:
+        return whole.NEVER
+    return replace(whole.PLAN, shares=1 << (sms // units).bit_length() - 1)
 
 
 def mla(op: Op, b) -> list:

@@ -205,11 +205,12 @@ def _split(q, kc, k_pitch, vc, v_pitch, out, part, counter, scale, r, sp, g, end
 
 @triton.jit
 def _latent_attention_kernel(
-    q, kc, k_pitch, vc, v_pitch, pos, out, part, counter, scale,
+    q, kc, k_pitch, vc, v_pitch, pos, out, part, counter, spart, scount, scale,
     HEADS: tl.constexpr, KW: tl.constexpr, VD: tl.constexpr, HB: tl.constexpr, VB: tl.constexpr,
     SLICES: tl.constexpr, GROUPS: tl.constexpr, KC: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     CLUSTER: tl.constexpr, CLUSTERS: tl.constexpr, SLOTS: tl.constexpr, MERGE_BATCH: tl.constexpr,
     SHORT_ROWS: tl.constexpr, VS: tl.constexpr, BN_S: tl.constexpr, KC_S: tl.constexpr, STAGES_S: tl.constexpr,
+    SHARES_S: tl.constexpr, SHARE_ROWS: tl.constexpr,
     INTERPRETED: tl.constexpr, SEQ_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
@@ -223,9 +224,9 @@ def _latent_attention_kernel(
     if SHORT_ROWS > 0:  # a span of at most SHORT_ROWS rows runs whole (`whole`): its programs renumbered
         if end <= SHORT_ROWS:
             p = sp * GROUPS + g
-            if p < HEADS * ((VD + VS - 1) // VS):
-                whole.whole(q, kc, k_pitch, vc, v_pitch, out, scale, r, p, end, HEADS, KW, VD, VS, BN_S, KC_S,
-                            STAGES_S, INTERPRETED)  # fmt: skip
+            if p < HEADS * ((VD + VS - 1) // VS) * SHARES_S:
+                whole.whole(q, kc, k_pitch, vc, v_pitch, out, spart, scount, scale, r, p, end, HEADS, KW, VD, VS,
+                            BN_S, KC_S, STAGES_S, SHARES_S, SHARE_ROWS, INTERPRETED)  # fmt: skip
         else:
             _split(q, kc, k_pitch, vc, v_pitch, out, part, counter, scale, r, sp, g, end, HEADS, KW, VD, HB, VB,
                    SLICES, GROUPS, KC, BLOCK_N, SPLITS, CLUSTER, CLUSTERS, SLOTS, MERGE_BATCH,
@@ -261,13 +262,22 @@ def groups(heads: int, vd: int, value_slices: int = kernels.MLA_VALUE_SLICES,
 
 
 def scratch(rows: int, heads: int, vd: int, splits: int, device, *, value_slices: int = kernels.MLA_VALUE_SLICES,
-            heads_a_program: int = kernels.MLA_HEADS_A_PROGRAM) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(the shares' sums, the counters a row and block) a launch of `splits` shares takes; each launch leaves
-    the counters at zero."""
+            heads_a_program: int = kernels.MLA_HEADS_A_PROGRAM,
+            short: whole.Short = whole.PLAN) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(the shares' sums, the counters a row and block) a launch of `splits` shares takes, the short path's
+    shares' (`short`) after them; each launch leaves the counters at zero."""
     hb, vb, g = blocks(heads, vd, heads_a_program, value_slices)
     _, count, slots = clusters(splits)
-    part = torch.empty(max(1, rows * g * slots * hb * (vb + 2)), dtype=torch.float32, device=device)
-    return part, torch.zeros(rows * g * (count + 1), dtype=torch.int32, device=device)
+    sums, counts = short.scratch(rows, heads, vd)
+    part = torch.empty(max(1, rows * g * slots * hb * (vb + 2) + sums), dtype=torch.float32, device=device)
+    return part, torch.zeros(rows * g * (count + 1) + counts, dtype=torch.int32, device=device)
+
+
+def _short_work(work: tuple[torch.Tensor, torch.Tensor], rows: int, heads: int, vd: int, short: whole.Short):
+    """The short path's partials and counters: the scratch's last values (`scratch`)."""
+    part, counter = work
+    sums, counts = short.scratch(rows, heads, vd)
+    return part[part.numel() - sums :], counter[counter.numel() - counts :]
 
 
 def latent_attention(
@@ -282,19 +292,22 @@ def latent_attention(
     values each: the first `vd` the latent, the rest the rotated key), `vc` its values (`vd` of a row, at
     `vc.stride(0)`), both read in place. A batch (`seq_rows` > 0): row i is its own sequence's query at
     pos[i], over cached rows i * seq_rows onwards. `splits` > 1 cuts each row's span into that many shares,
-    merged through `work` (`scratch`, made for the same `value_slices` and `heads_a_program`); a row whose span
-    is at most `short.rows` runs it whole instead (`whole`: the grid widened to its programs where the shares'
-    are fewer). The blocks and `warps` default to the plan's (`kernels.MLA_*`)."""
+    merged through `work` (`scratch`, made for the same `value_slices`, `heads_a_program` and `short`); a row
+    whose span is at most `short.rows` runs it whole instead (`whole`: the grid widened to its programs where the
+    shares' are fewer), in `short.shares` shares at most (merged through the end of `work`). The blocks and
+    `warps` default to the plan's (`kernels.MLA_*`)."""
     if kc.stride(-1) != 1 or vc.stride(-1) != 1 or q.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("latent_attention: every row must be unit-stride")
-    if splits > 1 and work is None:
+    if (splits > 1 or short.shares > 1) and work is None:
         raise ValueError("a split attention merges its shares through a scratch")
     hb, vb, g = blocks(heads, vd, heads_a_program, value_slices)
     cluster, count, slots = clusters(splits)
     part, counter = work if work is not None else (out, out)  # one share: never read
+    spart, scount = _short_work(work, rows, heads, vd, short) if short.shares > 1 else (part, counter)
     wide = max(splits, triton.cdiv(short.programs(heads, vd), g))
     _latent_attention_kernel[(rows, wide, g)](
-        q, kc, kc.stride(0), vc, vc.stride(0), pos, out, part, counter, scale, heads, kw, vd, hb, vb, value_slices, g,
+        q, kc, kc.stride(0), vc, vc.stride(0), pos, out, part, counter, spart, scount, scale, heads, kw, vd, hb, vb,
+        value_slices, g,
         kernels.MLA_SCORE_CHUNK, kernels.MLA_TILE_ROWS, splits, cluster, count, slots, kernels.MLA_MERGE_BATCH,
         *short.constants(), interpreted(), seq_rows,
         num_warps=warps, **pdl.options(),
