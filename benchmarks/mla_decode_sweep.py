@@ -1,16 +1,16 @@
 """Time the absorbed latent attention's decode kernel (`triton.mla.attention`) at DeepSeek's widths (kv_lora 512,
 rope 64; V2-Lite's 16 heads, `--heads 16 128` adds V3's) at several depths, each launch replayed from a CUDA graph
 so no host time counts. A row a depth: `split` is every span cut into the plan's shares and merged (the kernel
-before the short path), `plan` what the lane launches now (the short path, `triton.mla.whole`, up to
-`kernels.MLA_SHORT_ROWS` rows, then the shares), and `whole:V/T/C/S/H` the short path forced at every depth shown,
-`V` values a program, `T` rows a tile, `C` query values a product step, `S` stages of loads in flight, `H`
-shares at most (past `kernels.MLA_SHORT_SHARE_ROWS` rows): where
-`whole` passes `split` is where MLA_SHORT_ROWS belongs. The shares are `kernels.mla_splits` at the cache's
-length (`--ctx`, each).
+before the short path), `plan` what the lane launches on an H200 (the short path, `triton.mla.whole`, up to
+`kernels.MLA_SHORT_ROWS` rows, then the shares), and `whole:V/T/C/S/H` the short path forced at every depth
+shown: `V` values a program, `T` rows a tile, `C` query values a product step, `S` stages of loads in flight, `H`
+shares at most (past `kernels.MLA_SHORT_SHARE_ROWS` rows). Where `plan` stops beating `split` is where
+MLA_SHORT_ROWS belongs. The shares are `kernels.mla_splits` at the cache's length (`--ctx`, each).
 
-Each kernel variant compiles once a cache length (a few seconds cold: 8 compiles by default); a failing one prints
-its error and the rest go on. The forced variants run at the first `--ctx` only; a later one times its
-shallowest depth and those past half its length.
+In brackets after each time, the variant's output against the first's (`split`): its largest difference over
+the largest value (f32 sums in another order: ~1e-7). Each kernel variant compiles once a cache length (a few
+seconds cold: 8 compiles by default); a failing one prints its error and the rest go on. The forced variants run
+at the first `--ctx` only; a later one times its shallowest depth and those past half its length.
 
 Usage: python benchmarks/mla_decode_sweep.py [--heads 16] [--ctx 4096 32768] [--depths 64 256 512 1024 4095 32767]
        (on a GPU)
@@ -38,12 +38,11 @@ PLAN = replace(whole.PLAN, shares=2)  # the lane's on an H200 for V2-Lite's 16 h
 WHOLE_UP_TO = 1024  # depths past this are the split path's: the forced short path is not timed there
 
 
-def _time(q, kc, pos, out, heads: int, shares: int, short: whole.Short) -> float:
-    """Seconds one launch takes with these shares and short path."""
+def _launch(q, kc, pos, out, heads: int, shares: int, short: whole.Short):
+    """One launch at these shares and short path, as a call (its scratch made once)."""
     work = A.scratch(1, heads, LORA, shares, q.device, short=short)
-    call = functools.partial(A.latent_attention, q, kc, kc[:, :LORA], pos, out, rows=1, heads=heads,
+    return functools.partial(A.latent_attention, q, kc, kc[:, :LORA], pos, out, rows=1, heads=heads,
                              kw=LORA + ROPE, vd=LORA, scale=0.07, splits=shares, work=work, short=short)  # fmt: skip
-    return timed(call)
 
 
 def _variants(depth: int, forced: bool) -> list[tuple[str, whole.Short]]:
@@ -56,12 +55,20 @@ def _variants(depth: int, forced: bool) -> list[tuple[str, whole.Short]]:
 
 
 def _row(q, kc, out, heads: int, depth: int, shares: int, forced: bool) -> str:
-    """One depth's times, each variant's error in its place where it fails."""
+    """One depth's times, each variant's output against the split path's (the largest difference relative to
+    the largest value, in brackets: the compiled kernel checked where the tests run it interpreted), each
+    variant's error in its place where it fails."""
     pos = torch.tensor([depth], dtype=torch.int32, device="cuda")
-    said = []
+    said, first = [], None
     for name, short in _variants(depth, forced):
         try:
-            said.append(f"{name} {_time(q, kc, pos, out, heads, shares, short) * 1e6:6.2f}")
+            call = _launch(q, kc, pos, out, heads, shares, short)
+            took = timed(call)
+            call()
+            got = out.clone()
+            first = got if first is None else first
+            off = float((got - first).abs().max() / first.abs().max())
+            said.append(f"{name} {took * 1e6:6.2f} ({off:.0e})")
         except Exception as e:  # noqa: BLE001 - a variant that fails to compile or run is reported, the rest go on
             said.append(f"{name} FAILED ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
     return "  ".join(said)
