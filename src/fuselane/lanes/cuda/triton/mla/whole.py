@@ -1,12 +1,13 @@
 """The latent attention's short-span path: a row's whole span in one program a head and a slice of the value
-width, no shares, no partials, no merge (`attention._latent_attention_kernel` takes it where the row's live
-span, read on the device, is at most `Short.rows`).
+width, no partials and no merge up to `Short.share_rows` rows (`attention._latent_attention_kernel` takes it
+where the row's live span, read on the device, is at most `Short.rows`); past that, a few shares of it (as many
+as the chip runs at once) merged in one read by the last to end.
 
 Why: at a short span (a decode step at depth 64: 65 cached rows, 75 KB) the split path's time is its serial
 phases, not its bytes: a share's tile of products through shared memory (two barriers a score chunk), its
 partial's store, a gpu-scope count, then the last program's L2 reads of every partial. Here a program scores
 its head's query over every row of the span and sums only its slice of the latents (`Short.values` values): each
-slice's program makes the scores again, which costs nothing at a short span (the programs run side by side and
+slice's program makes the scores again, which costs little at a short span (the programs run side by side and
 read the span from L2) and leaves nothing to merge.
 
 One head a program keeps every product in the layout its cached rows are loaded in: a tile's scores are the
