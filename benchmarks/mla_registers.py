@@ -6,8 +6,13 @@ launch specializes it (16-aligned pointers and pitches), for one share and for a
 `--old COMMIT` compiles the kernel as that commit had it (one program a query row's heads, one 576-wide
 product a tile) beside the current one: its source is read from the repository with git.
 
+The short-span path (`triton.mla.whole`, `--short-rows` above 0, the plan's by default) is compiled into the same
+kernel: its registers are the kernel's, and `--short-rows 0` compiles the split path alone.
+
 Usage: python benchmarks/mla_registers.py [--old 49158d3] [--heads 16,128] [--splits 1,4] [--heads-a-program 8]
-       [--value-slices 1] [--score-chunk 32] [--warps 4] [--merge-batch 4]
+       [--value-slices 1] [--score-chunk 32] [--warps 4] [--merge-batch 4] [--short-rows 1024]
+       [--short-values 64] [--short-tile-rows 32] [--short-chunk 64]
+       [--short-stages 3] [--short-shares 2]
 """
 
 from __future__ import annotations
@@ -27,16 +32,18 @@ from triton.compiler import ASTSource
 
 from fuselane.lanes.cuda.compile_check import cuobjdump, resources
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.triton.mla import attention
+from fuselane.lanes.cuda.triton.mla import attention, whole
 
 SM90 = GPUTarget("cuda", 90, 32)
 LORA, ROPE = 512, 64
 ARGS = {  # the kernel's runtime arguments and their types (an f32 query, the cache in f16)
     **dict(q="*fp32", kc="*fp16", vc="*fp16", pos="*i32", out="*fp32", part="*fp32", counter="*i32"),
+    **dict(spart="*fp32", scount="*i32"),
     **dict(k_pitch="i32", v_pitch="i32", scale="fp32"),
 }
 ALIGNED = [["tt.divisibility", 16]]
-OPCODE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")  # an opcode, past its predicate
+SHORT_CONSTS = ("SHORT_ROWS", "VS", "BN_S", "KC_S", "STAGES_S", "SHARES_S", "SHARE_ROWS")  # the kernel's order
+OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")  # an opcode, past its predicate
 COUNTED = ("FFMA", "LDS", "LDG", "LDGSTS", "STS", "SHFL", "BAR", "LDL", "STL")  # SASS opcodes, any width
 
 
@@ -62,8 +69,14 @@ def current(heads: int, splits: int, a: argparse.Namespace):
     consts = dict(HEADS=heads, KW=LORA + ROPE, VD=LORA, HB=hb, VB=vb, SLICES=a.value_slices, GROUPS=g,
                   KC=a.score_chunk, BLOCK_N=kernels.MLA_TILE_ROWS, SPLITS=splits, CLUSTER=cluster, CLUSTERS=count,
                   SLOTS=slots, MERGE_BATCH=a.merge_batch,
+                  **dict(zip(SHORT_CONSTS, short(a).constants(), strict=True)),
                   INTERPRETED=False, SEQ_ROWS=0, PDL=True)  # fmt: skip
     return _compile(attention._latent_attention_kernel, consts, a.warps)
+
+
+def short(a: argparse.Namespace) -> whole.Short:
+    """The short-span path as asked."""
+    return whole.Short(a.short_rows, a.short_values, a.short_tile_rows, a.short_chunk, a.short_stages, a.short_shares)
 
 
 def old(module, heads: int, splits: int):
@@ -105,6 +118,15 @@ def main() -> None:
     ap.add_argument("--score-chunk", type=int, default=kernels.MLA_SCORE_CHUNK)
     ap.add_argument("--warps", type=int, default=kernels.MLA_WARPS)
     ap.add_argument("--merge-batch", type=int, default=kernels.MLA_MERGE_BATCH)
+    plan = whole.Short()
+    ap.add_argument("--short-rows", type=int, default=plan.rows)
+    ap.add_argument("--short-values", type=int, default=plan.values)
+    ap.add_argument("--short-tile-rows", type=int, default=plan.tile_rows)
+    ap.add_argument("--short-chunk", type=int, default=plan.chunk)
+    ap.add_argument("--short-stages", type=int, default=plan.stages)
+    ap.add_argument(
+        "--short-shares", type=int, default=2, help="the short path's shares at most (V2-Lite's on an H200)"
+    )
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         before = load_old(a.old, folder) if a.old else None

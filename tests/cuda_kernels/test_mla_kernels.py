@@ -41,7 +41,7 @@ from fuselane.graph.ops import (  # noqa: E402
 from fuselane.lanes.cpu import kernels as cpu  # noqa: E402
 from fuselane.lanes.cpu.latent_kernels import expert_choice, head_matmul, inv_freq  # noqa: E402
 from fuselane.lanes.cpu.moe_kernels import route_weights  # noqa: E402
-from fuselane.lanes.cuda.triton.mla import attention, heads, parts  # noqa: E402
+from fuselane.lanes.cuda.triton.mla import attention, heads, parts, whole  # noqa: E402
 from fuselane.lanes.cuda.triton.moe import route  # noqa: E402
 
 ROUNDINGS = 8
@@ -103,8 +103,21 @@ def test_rope_turns_deepseeks_pairs_by_the_table(half, yarn, pos):
     assert np.max(np.abs(out.double().numpy() - want)) <= (2 * angle + TRIG) * U32 * pair * 4
 
 
-@pytest.mark.parametrize(("rows", "pos", "splits"), [(1, 0, 1), (1, 20, 3), (5, 3, 1), (2, 25, 4), (1, 0, 2)])
-def test_latent_attention_attends_the_latents(rows, pos, splits):
+NEVER_SHORT = whole.NEVER
+SLICED_SHORT = whole.Short(rows=64, values=16, tile_rows=16, chunk=16)  # two slices of the width, three chunks
+SHARED_SHORT = whole.Short(rows=64, values=16, tile_rows=8, chunk=16, shares=4, share_rows=8)  # merged in one read
+
+
+@pytest.mark.parametrize(("rows", "pos", "splits", "short"), [
+    (1, 0, 1, NEVER_SHORT), (1, 20, 3, NEVER_SHORT), (5, 3, 1, NEVER_SHORT), (2, 25, 4, NEVER_SHORT),
+    (1, 0, 2, NEVER_SHORT), (1, 20, 3, whole.Short()), (1, 25, 4, SLICED_SHORT), (1, 0, 2, SLICED_SHORT),
+    (5, 3, 2, whole.Short(rows=5, values=16, tile_rows=16, chunk=32)), (1, 25, 1, SHARED_SHORT),
+    (1, 12, 2, SHARED_SHORT), (1, 5, 1, SHARED_SHORT), (2, 20, 2, SHARED_SHORT),
+])  # fmt: skip
+def test_latent_attention_attends_the_latents(rows, pos, splits, short):
+    """Split and merged (`NEVER_SHORT`), whole (`whole.Short`: the plan's, whose one slice is wider than the
+    latent, and two slices of it), a chunk whose first rows run whole and the rest split, and whole in shares
+    merged in one read (`SHARED_SHORT`: 26 rows in four shares, 13 in two, 6 in one)."""
     rng = np.random.default_rng(8)
     h, lora, rope_w, ctx = 4, 32, 16, 32
     kw = lora + rope_w
@@ -113,10 +126,11 @@ def test_latent_attention_attends_the_latents(rows, pos, splits):
     out = torch.zeros((rows, h * lora))
     kc = dev(cache)
     scale = 1 / np.sqrt(24.0)
-    work = attention.scratch(rows, h, lora, splits, DEVICE)
+    work = attention.scratch(rows, h, lora, splits, DEVICE, short=short)
     for _ in range(2):  # the counters re-arm: a second launch runs the same
         attention.latent_attention(dev(q), kc, kc[:, :lora], dev(np.array([pos], np.int32)), out, rows=rows,
-                                   heads=h, kw=kw, vd=lora, scale=float(scale), splits=splits, work=work)  # fmt: skip
+                                   heads=h, kw=kw, vd=lora, scale=float(scale), splits=splits, work=work,
+                                   short=short)  # fmt: skip
     assert not work[1].any()
     c = cache.astype(np.float64)
     spec = Attention(rows, h, 1, kw, ctx, float(scale), vd=lora)
@@ -153,7 +167,9 @@ def test_route_gates_by_sigmoid_with_the_correction_bias(sigmoid, bias, renorm, 
     assert not counter.any()
 
 
-def test_a_batch_attends_and_turns_each_sequence_at_its_own_position():
+@pytest.mark.parametrize("short", [whole.Short(), whole.Short(rows=6, values=16, tile_rows=16, chunk=16)])
+def test_a_batch_attends_and_turns_each_sequence_at_its_own_position(short):
+    """Every sequence whole (the plan's short path), and the last past a short span of 6 rows, split."""
     rng = np.random.default_rng(10)
     seqs, h, lora, rope_w, block = 3, 2, 32, 16, 8
     kw = lora + rope_w
@@ -163,7 +179,7 @@ def test_a_batch_attends_and_turns_each_sequence_at_its_own_position():
     out = torch.zeros((seqs, h * lora))
     kc = dev(cache)
     attention.latent_attention(dev(q), kc, kc[:, :lora], dev(pos), out, rows=seqs, heads=h, kw=kw, vd=lora,
-                               scale=0.2, seq_rows=block, splits=2,
+                               scale=0.2, seq_rows=block, splits=2, short=short,
                                work=attention.scratch(seqs, h, lora, 2, DEVICE))  # fmt: skip
     c = cache.astype(np.float64)
     spec = Attention(seqs, h, 1, kw, block, 0.2, vd=lora, batched=True)

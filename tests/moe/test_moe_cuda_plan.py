@@ -69,8 +69,12 @@ def test_a_decode_step_mixture_is_three_launches_under_the_specified_answers(mod
 
 
 def test_a_chunk_sorts_by_expert_and_keeps_its_shared_expert_apart():
+    """The shared expert runs apart; its gated rows are summed in the mixture's last step with the residual,
+    before the next norm (MoeDeferredFinalize of the mixture, the add, the AddNorm)."""
     plan = optimize(graph("synth:tiny-qwen2moe", 5), CudaShim())
-    assert mixture_ops(plan)[:3] == ["MoeTokenSort", "MoeGateUpAct", "MoeDownCombine"]
+    assert mixture_ops(plan)[:3] == ["MoeTokenSort", "MoeGateUpAct", "MoeDeferredFinalize"]
+    final = next(op for op in plan.ops if class_of(op) is C.MOE_DEFERRED_FINALIZE)
+    assert [type(p.sym).__name__ for p in final.sym.parts[1:2]] == ["Elementwise"]
     reasons = {m.reason for m in plan.missed if m.cls is C.SHARED_EXPERT_FUSION}
     assert reasons == {SHARED_REASON}
 

@@ -158,9 +158,24 @@ def shared_expert_fusion(r: Rewriter, j: int) -> None:
 def moe_deferred_finalize(r: Rewriter, i: int) -> None:
     if op_at(r, i, *MIXTURES, C.SHARED_EXPERT_FUSION) is None or moe(r.s.get(i)) is None:
         return
+    summed = _summed(r, i)
+    if summed is not None:  # the mixture plus another array (an ungated shared expert's), then the AddNorm
+        j, k = summed
+        r.try_fuse("moe_deferred_finalize", C.MOE_DEFERRED_FINALIZE, [i, j, k], k)
+        return
     j = next_reader(r, i, C.ADD_NORM, operand=None, rule="moe_deferred_finalize")
     if j is not None:
         r.try_fuse("moe_deferred_finalize", C.MOE_DEFERRED_FINALIZE, [i, j], j)
+
+
+def _summed(r: Rewriter, i: int) -> tuple[int, int] | None:
+    """(the add, the AddNorm) where the mixture at slot i is summed with another array by an add that it alone
+    reads it into, whose sum only an AddNorm reads; else None."""
+    j = next_reader(r, i, Elementwise, operand=None)
+    if j is None or not is_add(r.s.get(j), row=False) or r.s.get(j).ins[0] == r.s.get(j).ins[1]:
+        return None
+    k = next_reader(r, j, C.ADD_NORM, operand=None)
+    return (j, k) if k is not None else None
 
 
 MOE_RULES = [
@@ -174,6 +189,6 @@ MOE_RULES = [
     Rule("moe_down_combine", (C.MOE_DOWN_COMBINE,), moe_down_combine),
     # mixture + sigmoid(x . wg) * down(GLU(x)) -> SharedExpertFusion: the shared expert in the mixture's launch
     Rule("shared_expert_fusion", (C.SHARED_EXPERT_FUSION,), shared_expert_fusion),
-    # AddNorm(r, mixture) -> MoeDeferredFinalize: the mixture adds the residual and norms in its last step
+    # AddNorm(r, mixture [+ x]) -> MoeDeferredFinalize: the mixture adds the residual (and x) and norms in its last step
     Rule("moe_deferred_finalize", (C.MOE_DEFERRED_FINALIZE,), moe_deferred_finalize),
 ]

@@ -39,6 +39,7 @@ from fuselane.graph.ops import (
     GateAct,
     GatedDelta,
     HeadMatmul,
+    Join,
     L2Norm,
     Matmul,
     MoeAct,
@@ -295,6 +296,30 @@ def _table_rotation(spec: Rope) -> bool:
     return not spec.half or spec.yarn is not None
 
 
+JOIN_IN_PLACE_PAIRS = (
+    "one launch writes a join's parts in place only as a per-head product then its heads' rotation by a table, or "
+    "a weighted norm of whole rows then a rotation by a table"
+)
+
+
+def _join_in_place(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    # the query's join (HeadMatmul by the key half, its rotated part) and the cache row's (the latent's
+    # NormWeight, the rotated key): `mla_launch.join_in_place`'s two launches
+    join = next((p for p in members if isinstance(p.sym, Join)), None)
+    made = {p.out: p for p in members}
+    first, second = (made.get(n) for n in join.ins) if join is not None and len(join.ins) == 2 else (None, None)
+    if first is None or second is None or not isinstance(second.sym, Rope):
+        return JOIN_IN_PLACE_PAIRS
+    turn: Rope = second.sym
+    spec: Join = join.sym  # type: ignore[union-attr, assignment]
+    if not _table_rotation(turn) or turn.rot or turn.heads != spec.heads or turn.hd * spec.heads != spec.wb:
+        return JOIN_IN_PLACE_PAIRS
+    if isinstance(first.sym, HeadMatmul):
+        return None if first.sym.heads == spec.heads and first.sym.b * spec.heads == spec.wa else JOIN_IN_PLACE_PAIRS
+    normed = norm(first) if class_of(first) is C.NORM_WEIGHT else None
+    return None if normed is not None and spec.heads == 1 and normed.cols == spec.wa else JOIN_IN_PLACE_PAIRS
+
+
 def _attn_output_gate(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
     # The gate rides the decode step's, a short chunk's and a batch's sequences' attention stores, a pair a
     # thread; a chunk in tiles gates apart.
@@ -485,4 +510,5 @@ _CHECKS: dict[C, Check] = {
     C.NORM_QUANT: _norm_quant,
     C.GEMV_QUANT: _gemv_quant,
     C.MERGED_QKV: _merged_qkv,
+    C.JOIN_IN_PLACE: _join_in_place,
 }

@@ -168,6 +168,32 @@ MLA_MERGE_ROWS = 2
 # flight together: a round trip for four. The merging program holds them in 135-148 registers, no stack (sm_90).
 MLA_MERGE_BATCH = 4
 
+# The short-span path (`triton/mla/whole.py`): a row whose live span (read on the device) is at most
+# MLA_SHORT_ROWS cached rows runs whole, a program a head and MLA_SHORT_VALUES values of the width (V2-Lite:
+# 16 x 4 = 64 programs), MLA_SHORT_TILE_ROWS rows at a time, its scores summed MLA_SHORT_CHUNK query values
+# at a time ([32, 128]: 32 a thread of 4 warps, the layout of the loaded rows; the values' slice as wide as the
+# chunk, so the weights need no exchange between the two: 168 registers, no stack, sm_90), the next
+# MLA_SHORT_STAGES - 1 tiles' rows in flight (cp.async through shared memory, which the split path's tiles
+# already take: 121 KB a program either way), no shares and no merge. Every program reads each cached row whole
+# (1,152 bytes) for its scores, so the launch reads the span from L2 once a program: 64 programs halve what 128
+# (64 values each) read, 74 MB at 1,024 rows against ~6 TB/s of L2. Its time grows with the span (one
+# program's chain of tiles) where the split path's is about flat, so it stops where the split path's fixed
+# phases (a tile through shared memory, a partial, a count, a merge; 17.9 us measured at depth 64) are paid
+# back: 1,024 rows (32 tiles), a guess from the instruction counts and those bytes, to be set by
+# `benchmarks/mla_decode_sweep.py`. `bench`'s decode runs after its prompt (512 + 128 rows), so it takes this
+# path. Only where a row's programs fit the chip in one wave (`run/mla_launch.short_path`: V2-Lite's 64, not
+# V3's 512), one program a SM.
+MLA_SHORT_ROWS = 1024
+MLA_SHORT_STAGES = 3
+MLA_SHORT_VALUES = 128
+MLA_SHORT_TILE_ROWS = 32
+MLA_SHORT_CHUNK = 128
+# A short span past MLA_SHORT_SHARE_ROWS rows (8 tiles) is cut into shares of whole tiles, as many as the chip
+# runs at once (`run/mla_launch.short_path`: 2 for V2-Lite's 64 programs on 132 SMs), merged in one read by the
+# last share of each head and slice to end: the chain of tiles halves at `bench`'s depth (~600 rows) for a
+# partial's store, a count and one L2 round trip (~1-2 us, against ~8 tiles).
+MLA_SHORT_SHARE_ROWS = 256
+
 # Cached rows a paged decode program (`triton/attention/paged.py`) reads at a time: the decode tile's rows,
 # gathered from as many of the row's pool blocks as they span (two of the engine's 16-row blocks), each row
 # found through its block's id. A pool row is one load segment wherever its block lies, so a tile over

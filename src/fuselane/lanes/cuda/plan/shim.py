@@ -91,6 +91,7 @@ NATIVE_CLASSES = frozenset(
         *(MOE_CLASSES - MOE_DECOMPOSED),
         *GDN_NATIVE,
         C.MLA,  # a wide chunk's latent attention expanded: its three launches (`latent.latent_launches`)
+        C.JOIN_IN_PLACE,  # the latent attention's joins: the query's and the cache row's (`fits`)
     }
 )
 
@@ -110,7 +111,7 @@ NO_KERNEL_CLASSES = frozenset(
     {
         *(C.NORM_THEN_ADD, C.EMBED_SCALE, C.ATTENTION_VARIANTS_INLINE, C.ATTN_LSE_MERGE),
         *(C.MERGED_GATE_UP, C.GEMM_DEQUANT_INKERNEL, C.FUSED_SAMPLING, C.CUDA_GRAPHS),
-        *(C.STRIDED_READ, C.JOIN_IN_PLACE, C.STRIDED_VALUES),
+        *(C.STRIDED_READ, C.STRIDED_VALUES),
         C.ROW_WRITE_QUANT,
     }
 )

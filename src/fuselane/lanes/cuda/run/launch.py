@@ -248,10 +248,21 @@ def _elementwise(op: Op, b: Bound):
     other = b.vec[op.ins[1]] if op.ins[1] in b.vec else b.bufs[op.ins[1]]
     out = b.bufs[op.out]
     fn = torch.add if spec.op is ElementwiseOp.ADD else torch.mul
+    if spec.op is ElementwiseOp.ADD and not spec.row and _whole_f32(a, other, out):
+        *_, misc = _t()
+        return [lambda: misc.add(a, other, out)]  # a dependent launch, where torch's add ends the chain
     if spec.row:
         # an input may be a slice's strided view (a gate's values): read through a copy where it is not contiguous
         return [lambda: fn(a.reshape(-1, spec.cols), other.view(1, spec.cols), out=out.view(-1, spec.cols))]
     return [lambda: fn(a, other, out=out)]
+
+
+def _whole_f32(*tensors: Any) -> bool:
+    """Whether each is a contiguous f32 tensor of as many values as the first (`misc.add` takes them)."""
+    import torch
+
+    first = tensors[0].numel()
+    return all(t.is_contiguous() and t.dtype == torch.float32 and t.numel() == first for t in tensors)
 
 
 def _unary(op: Op, b: Bound):
@@ -719,6 +730,7 @@ BINDERS: dict[C | type, Binder] = {
     C.GATED_NORM: gdn_launch.gated_norm,
     C.ATTN_OUTPUT_GATE: _attn_output_gate,
     C.MLA: mla_launch.mla,
+    C.JOIN_IN_PLACE: mla_launch.join_in_place,
     **{cls: _quantizing for cls in QUANT_EPILOGUES},
 }
 # Native classes that launch only as a part of another class's launch: a projection turns its heads in its

@@ -11,14 +11,19 @@ with the rest.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from fuselane.fuse.views import leaves
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Op
-from fuselane.graph.ops import Attention, HeadMatmul, Join, Rope
+from fuselane.graph.ops import Attention, Elementwise, HeadMatmul, Join, RmsNorm, Rope
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
 INTERPRETED_SMS = 4  # the chip the interpreter stands for: a few shares a row, so the merge runs in tests
+# the short span under the interpreter: a few rows, so a test's decode steps past it split and merge, and a
+# chunk's first rows run whole beside its later rows' shares
+INTERPRETED_SHORT_ROWS = 4
 
 
 def _pitches(x: Any, heads: int, width: int) -> tuple[int, int]:
@@ -53,24 +58,63 @@ def join(op: Op, b) -> list:
 
 
 def rope(op: Op, b) -> list:
-    """A rotation by a table of frequencies (DeepSeek's pairs, or YaRN's stretch): one launch, the table
-    computed once in f64 here."""
+    """A rotation by a table of frequencies (DeepSeek's pairs, or YaRN's stretch): one launch."""
+    from fuselane.lanes.cuda.triton.mla import parts
+
+    spec: Rope = op.sym  # type: ignore[assignment]
+    x, out, pos = b.bufs[op.ins[0]], b.bufs[op.out], b.bufs["pos"]
+    table = _table(op, b, x.device)
+    x_row, x_head = _pitches(x, spec.heads, spec.hd)
+    shape = dict(rows=spec.rows, heads=spec.heads, hd=spec.hd, half=spec.half, batched=spec.batched)
+    return [lambda: parts.rope(x, x_row, x_head, out, pos, table, **shape)]
+
+
+def _table(op: Op, b, device: Any) -> Any:
+    """The table rotation's hd/2 frequencies, computed once in f64 when the step is bound, f32 on the device."""
     import torch
 
     from fuselane.lanes.cpu.latent_kernels import inv_freq
-    from fuselane.lanes.cuda.triton.mla import parts
 
     spec: Rope = op.sym  # type: ignore[assignment]
     if spec.rot:
         raise PlanMismatch(f"{op.out}: the table rotation turns whole heads")
-    x, out, pos = b.bufs[op.ins[0]], b.bufs[op.out], b.bufs["pos"]
     key = f"rope-table:{spec.hd}:{spec.base}:{spec.yarn}"
-    table = b.scratch.setdefault(
-        key, torch.tensor(inv_freq(spec.hd, spec.base, spec.yarn), dtype=torch.float32, device=x.device)
-    )
+    if key not in b.scratch:
+        b.scratch[key] = torch.tensor(inv_freq(spec.hd, spec.base, spec.yarn), dtype=torch.float32, device=device)
+    return b.scratch[key]
+
+
+def join_in_place(op: Op, b) -> list:
+    """JoinInPlace: a join's two parts written where the join lies, one launch: the query's (each head's product
+    by the key half, then its rotated part: `heads.head_matmul` with a `Turn`) or the cache row's (the normed
+    latent, then the rotated key: `parts.norm_rope`). The lane's `fits` admits no other pair."""
+    from fuselane.lanes.cuda.triton.mla import heads, parts
+
+    first, turned, join = join_parts(op)
+    spec: Rope = turned.sym  # type: ignore[assignment]
+    out, pos = b.bufs[join.out], b.bufs["pos"]
+    x = b.bufs[turned.ins[0]]
+    table = _table(turned, b, x.device)
     x_row, x_head = _pitches(x, spec.heads, spec.hd)
-    shape = dict(rows=spec.rows, heads=spec.heads, hd=spec.hd, half=spec.half, batched=spec.batched)
-    return [lambda: parts.rope(x, x_row, x_head, out, pos, table, **shape)]
+    if isinstance(first.sym, HeadMatmul):
+        hm: HeadMatmul = first.sym
+        q, (w, fmt) = b.bufs[first.ins[0]], b.raw[first.ins[1]]
+        q_row, q_head = _pitches(q, hm.heads, hm.a)
+        turn = heads.Turn(x, x_row, x_head, pos, table, spec.hd, spec.half, spec.batched)
+        return [lambda: heads.head_matmul(q, q_row, q_head, hm.m, w, fmt, hm.heads, hm.a, hm.b, out, turn=turn)]
+    n_op, w_op = [p for p in leaves(first) if isinstance(p.sym, RmsNorm | Elementwise)][-2:]
+    ns: RmsNorm = n_op.sym  # type: ignore[assignment]
+    latent, w = b.bufs[n_op.ins[0]].view(ns.rows, ns.cols), b.vec[w_op.ins[1]]
+    rows = out.view(ns.rows, -1)
+    shape = dict(rows=ns.rows, hd=spec.hd, half=spec.half, batched=spec.batched)
+    return [lambda: parts.norm_rope(latent, w, ns.eps, x, x_row, rows, pos, table, **shape)]
+
+
+def join_parts(op: Op) -> tuple[Op, Op, Op]:
+    """A JoinInPlace's (first part's producer, the rotation, the join), by the join's inputs."""
+    join = next(p for p in op.sym.parts if isinstance(p.sym, Join))  # type: ignore[union-attr]
+    made = {p.out: p for p in op.sym.parts}  # type: ignore[union-attr]
+    return made[join.ins[0]], made[join.ins[1]], join
 
 
 def takes_rope(spec: Rope) -> bool:
@@ -90,22 +134,23 @@ def latent_attention(op: Op, b, out_q8: Any = None) -> list:
     q, kc, vc = (b.bufs[n] for n in op.ins[:3])
     out, pos = b.bufs[op.out], b.bufs["pos"]
     shares = splits(spec.rows, attention.groups(spec.heads, spec.value_width), spec.len, b.sms, q.device)
-    work = _shares_scratch(b, spec, shares, q.device) if shares > 1 else None
+    short = short_path(spec.rows, spec.heads, spec.value_width, b.sms, q.device)
+    work = _shares_scratch(b, spec, shares, short, q.device) if shares > 1 or short.shares > 1 else None
     shape = dict(rows=spec.rows, heads=spec.heads, kw=spec.hd, vd=spec.value_width, scale=spec.scale,
-                 seq_rows=spec.len if spec.batched else 0, splits=shares, work=work)  # fmt: skip
+                 seq_rows=spec.len if spec.batched else 0, splits=shares, work=work, short=short)  # fmt: skip
     kc2 = kc.view(-1, spec.hd) if kc.is_contiguous() else kc
     return [lambda: attention.latent_attention(q, kc2, vc, pos, out, **shape)]
 
 
-def _shares_scratch(b, spec: Attention, shares: int, device: Any):
+def _shares_scratch(b, spec: Attention, shares: int, short: Any, device: Any):
     """The shares' partials and counters (`attention.scratch`), one a shape that every layer's latent attention
     of the step shares: the layers run one after another, each waiting for the launch before it (`pdl`), and
     each leaves the counters at zero."""
     from fuselane.lanes.cuda.triton.mla import attention
 
-    key = f"mla-shares:{spec.rows}:{spec.heads}:{spec.value_width}:{shares}"
+    key = f"mla-shares:{spec.rows}:{spec.heads}:{spec.value_width}:{shares}:{short}"
     if key not in b.scratch:
-        b.scratch[key] = attention.scratch(spec.rows, spec.heads, spec.value_width, shares, device)
+        b.scratch[key] = attention.scratch(spec.rows, spec.heads, spec.value_width, shares, device, short=short)
     return b.scratch[key]
 
 
@@ -119,6 +164,23 @@ def splits(rows: int, blocks: int, span: int, sms: int, device: Any) -> int:
     if rows > kernels.GEMV_ROWS:
         return 1
     return kernels.mla_splits(rows * blocks, span, sms if device.type == "cuda" else INTERPRETED_SMS)
+
+
+def short_path(rows: int, heads: int, vd: int, sms: int, device: Any):
+    """The short-span path (`whole.Short`) for a launch of `rows` query rows of `heads` heads of `vd` values: the
+    plan's where its programs fit the chip of `sms` multiprocessors in one wave (a program a SM: the split path's
+    shared memory is the kernel's), so a decode step's or a few batch rows' of V2-Lite's 16 heads; never past
+    that (V3's 128 heads take 512 programs; a chunk's rows past the GEMV's fill the chip with shares alone). A
+    span past `kernels.MLA_SHORT_SHARE_ROWS` is cut into as many shares as still fit that wave (a power of two).
+    Under the interpreter, spans of INTERPRETED_SHORT_ROWS in one share."""
+    from fuselane.lanes.cuda.triton.mla import whole
+
+    if device.type != "cuda":
+        return whole.Short(rows=INTERPRETED_SHORT_ROWS)
+    units = rows * whole.PLAN.units(heads, vd)
+    if units > sms:
+        return whole.NEVER
+    return replace(whole.PLAN, shares=1 << (sms // units).bit_length() - 1)
 
 
 def mla(op: Op, b) -> list:

@@ -1,5 +1,7 @@
 """Small device kernels: SwiGLU's activation product (GluActMul, and its int8 form where a product on the int8
-tensor cores reads it: GluActMulQuant) and the greedy sampler's arg-max.
+tensor cores reads it: GluActMulQuant), the sum of two tensors (a mixture's output and its ungated shared
+expert's: a dependent launch, where torch's add would end the chain of dependent launches on both sides of
+it), and the greedy sampler's arg-max.
 
 GluActMul is silu(gate) * up, elementwise over rows that may be parts of a wider tensor (a merged gate/up
 product's halves are read in place at their row pitch). silu is computed as g / (1 + e^-g), the cpu lane's
@@ -55,6 +57,25 @@ def _glu_kernel(
     if Q8OUT:  # the row's int8 form too (whole 32-value blocks: the values past cols are zeros, dropped)
         blocks = cols // quant.QB_C
         quant.store_quantized(v, first, cols, oq + i * cols, od + i * blocks, os_ + i * 2 * blocks)
+
+
+@triton.jit
+def _add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(a_ptr + offs, mask=mask, other=0.0)
+    b = tl.load(b_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, a + b, mask=mask)
+
+
+def add(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out = a + b over contiguous f32 tensors of as many values (one f32 rounding each, as torch's add)."""
+    tensors = (a, b, out)
+    if any(not t.is_contiguous() or t.dtype != torch.float32 or t.numel() != a.numel() for t in tensors):
+        raise ValueError("add: contiguous f32 tensors of as many values")
+    n = a.numel()
+    _add_kernel[(triton.cdiv(n, GLU_BLOCK),)](a, b, out, n, BLOCK=GLU_BLOCK, num_warps=GLU_WARPS, **pdl.options())
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:

@@ -91,33 +91,13 @@ def _store(y, first, cols, out_row, q_row, d_row, s_row, mask, Q8OUT: tl.constex
 
 
 @triton.jit
-def _rms_norm_kernel(
-    x_ptr,
-    res_ptr,
-    sum_ptr,
-    w_ptr,
-    out_ptr,
-    x_pitch,
-    res_pitch,
-    sum_pitch,
-    out_pitch,
-    q_ptr,
-    d_ptr,
-    s_ptr,
-    cols,
-    eps,
-    HAS_RES: tl.constexpr,
-    HAS_W: tl.constexpr,
-    BLOCK: tl.constexpr,
-    CHUNKS: tl.constexpr,
+def rms_norm_unit(
+    x_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, x_pitch, res_pitch, sum_pitch, out_pitch, q_ptr, d_ptr, s_ptr, cols,
+    eps, row, unit, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
     Q8OUT: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # program (row, unit): a unit is `cols` values at unit * cols of the row (a head, or the whole row); an
-    # int8 form is written only for whole rows (one unit), contiguous
-    pdl.begin(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    unit = tl.program_id(1) * cols
+):  # fmt: skip
+    """Row `row`'s unit at value `unit` normed (`_rms_norm_kernel`'s program; a launch that norms beside other
+    work, `mla.parts.norm_rope`, calls it for its norm's programs, at the warps `row_tile` gives)."""
     x_row = x_ptr + row * x_pitch + unit
     res_row = res_ptr + row * res_pitch + unit
     sum_row = sum_ptr + row * sum_pitch + unit
@@ -155,6 +135,38 @@ def _rms_norm_kernel(
             if HAS_W:
                 y = y * tl.load(w_ptr + c * BLOCK + offs, mask=mask, other=0.0).to(tl.float32)
             _store(y, c * BLOCK, cols, out_row, q_row, d_row, s_row, mask, Q8OUT)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    sum_ptr,
+    w_ptr,
+    out_ptr,
+    x_pitch,
+    res_pitch,
+    sum_pitch,
+    out_pitch,
+    q_ptr,
+    d_ptr,
+    s_ptr,
+    cols,
+    eps,
+    HAS_RES: tl.constexpr,
+    HAS_W: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    Q8OUT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # program (row, unit): a unit is `cols` values at unit * cols of the row (a head, or the whole row); an
+    # int8 form is written only for whole rows (one unit), contiguous
+    pdl.begin(PDL)
+    rms_norm_unit(
+        x_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, x_pitch, res_pitch, sum_pitch, out_pitch, q_ptr, d_ptr, s_ptr, cols,
+        eps, tl.program_id(0).to(tl.int64), tl.program_id(1) * cols, HAS_RES, HAS_W, BLOCK, CHUNKS, Q8OUT,
+    )  # fmt: skip
 
 
 def _check_q8(out_q8: Q8Acts, rows: int, units: int, cols: int, tile: RowTile) -> None:

@@ -35,6 +35,7 @@ import triton.language as tl
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.attention.decode import interpreted
+from fuselane.lanes.cuda.triton.mla import whole
 
 
 @triton.jit
@@ -185,11 +186,31 @@ def _attend(q, kc, k_pitch, vc, v_pitch, out, part, counter, scale, r, sp, g, en
 
 
 @triton.jit
+def _split(q, kc, k_pitch, vc, v_pitch, out, part, counter, scale, r, sp, g, end, HEADS: tl.constexpr,
+           KW: tl.constexpr, VD: tl.constexpr, HB: tl.constexpr, VB: tl.constexpr, SLICES: tl.constexpr,
+           GROUPS: tl.constexpr, KC: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+           CLUSTER: tl.constexpr, CLUSTERS: tl.constexpr, SLOTS: tl.constexpr, MERGE_BATCH: tl.constexpr,
+           INTERPRETED: tl.constexpr):  # fmt: skip
+    """Share `sp` of row `r`'s span of `end` rows, block `g`: the span cut into `SPLITS` equal shares of whole
+    tiles, the shares that hold rows run (a short span's tiles fill the first few; the others neither write a
+    partial nor count, so the merge reads only these), a program past the last share (`sp` >= SPLITS, where the
+    grid is widened for the short path) none."""
+    chunk = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N
+    shares = tl.cdiv(end, chunk)
+    if sp < shares:
+        _attend(q, kc, k_pitch, vc, v_pitch, out, part, counter, scale, r, sp, g, end, chunk, shares, HEADS, KW, VD,
+                HB, VB, SLICES, GROUPS, KC, BLOCK_N, SPLITS, CLUSTER, CLUSTERS, SLOTS, MERGE_BATCH,
+                INTERPRETED)  # fmt: skip
+
+
+@triton.jit
 def _latent_attention_kernel(
-    q, kc, k_pitch, vc, v_pitch, pos, out, part, counter, scale,
+    q, kc, k_pitch, vc, v_pitch, pos, out, part, counter, spart, scount, scale,
     HEADS: tl.constexpr, KW: tl.constexpr, VD: tl.constexpr, HB: tl.constexpr, VB: tl.constexpr,
     SLICES: tl.constexpr, GROUPS: tl.constexpr, KC: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     CLUSTER: tl.constexpr, CLUSTERS: tl.constexpr, SLOTS: tl.constexpr, MERGE_BATCH: tl.constexpr,
+    SHORT_ROWS: tl.constexpr, VS: tl.constexpr, BN_S: tl.constexpr, KC_S: tl.constexpr, STAGES_S: tl.constexpr,
+    SHARES_S: tl.constexpr, SHARE_ROWS: tl.constexpr,
     INTERPRETED: tl.constexpr, SEQ_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
@@ -200,14 +221,19 @@ def _latent_attention_kernel(
         vc += r.to(tl.int64) * SEQ_ROWS * v_pitch
     else:
         end = tl.load(pos) + r + 1
-    chunk = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N
-    # the shares that hold rows: a short span's tiles fill the first few, and the others neither write a
-    # partial nor count, so the merge reads only these (a decode step's shares are fixed at the cache's length)
-    shares = tl.cdiv(end, chunk)
-    if sp < shares:
-        _attend(q, kc, k_pitch, vc, v_pitch, out, part, counter, scale, r, sp, g, end, chunk, shares, HEADS, KW, VD,
-                HB, VB, SLICES, GROUPS, KC, BLOCK_N, SPLITS, CLUSTER, CLUSTERS, SLOTS, MERGE_BATCH,
-                INTERPRETED)  # fmt: skip
+    if SHORT_ROWS > 0:  # a span of at most SHORT_ROWS rows runs whole (`whole`): its programs renumbered
+        if end <= SHORT_ROWS:
+            p = sp * GROUPS + g
+            if p < HEADS * ((VD + VS - 1) // VS) * SHARES_S:
+                whole.whole(q, kc, k_pitch, vc, v_pitch, out, spart, scount, scale, r, p, end, HEADS, KW, VD, VS,
+                            BN_S, KC_S, STAGES_S, SHARES_S, SHARE_ROWS, INTERPRETED)  # fmt: skip
+        else:
+            _split(q, kc, k_pitch, vc, v_pitch, out, part, counter, scale, r, sp, g, end, HEADS, KW, VD, HB, VB,
+                   SLICES, GROUPS, KC, BLOCK_N, SPLITS, CLUSTER, CLUSTERS, SLOTS, MERGE_BATCH,
+                   INTERPRETED)  # fmt: skip
+    else:
+        _split(q, kc, k_pitch, vc, v_pitch, out, part, counter, scale, r, sp, g, end, HEADS, KW, VD, HB, VB, SLICES,
+               GROUPS, KC, BLOCK_N, SPLITS, CLUSTER, CLUSTERS, SLOTS, MERGE_BATCH, INTERPRETED)  # fmt: skip
 
 
 def clusters(splits: int) -> tuple[int, int, int]:
@@ -236,13 +262,22 @@ def groups(heads: int, vd: int, value_slices: int = kernels.MLA_VALUE_SLICES,
 
 
 def scratch(rows: int, heads: int, vd: int, splits: int, device, *, value_slices: int = kernels.MLA_VALUE_SLICES,
-            heads_a_program: int = kernels.MLA_HEADS_A_PROGRAM) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(the shares' sums, the counters a row and block) a launch of `splits` shares takes; each launch leaves
-    the counters at zero."""
+            heads_a_program: int = kernels.MLA_HEADS_A_PROGRAM,
+            short: whole.Short = whole.PLAN) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(the shares' sums, the counters a row and block) a launch of `splits` shares takes, the short path's
+    shares' (`short`) after them; each launch leaves the counters at zero."""
     hb, vb, g = blocks(heads, vd, heads_a_program, value_slices)
     _, count, slots = clusters(splits)
-    part = torch.empty(max(1, rows * g * slots * hb * (vb + 2)), dtype=torch.float32, device=device)
-    return part, torch.zeros(rows * g * (count + 1), dtype=torch.int32, device=device)
+    sums, counts = short.scratch(rows, heads, vd)
+    part = torch.empty(max(1, rows * g * slots * hb * (vb + 2) + sums), dtype=torch.float32, device=device)
+    return part, torch.zeros(rows * g * (count + 1) + counts, dtype=torch.int32, device=device)
+
+
+def _short_work(work: tuple[torch.Tensor, torch.Tensor], rows: int, heads: int, vd: int, short: whole.Short):
+    """The short path's partials and counters: the scratch's last values (`scratch`)."""
+    part, counter = work
+    sums, counts = short.scratch(rows, heads, vd)
+    return part[part.numel() - sums :], counter[counter.numel() - counts :]
 
 
 def latent_attention(
@@ -250,24 +285,30 @@ def latent_attention(
     rows: int, heads: int, kw: int, vd: int, scale: float, seq_rows: int = 0, splits: int = 1,
     work: tuple[torch.Tensor, torch.Tensor] | None = None, value_slices: int = kernels.MLA_VALUE_SLICES,
     heads_a_program: int = kernels.MLA_HEADS_A_PROGRAM, warps: int = kernels.MLA_WARPS,
+    short: whole.Short = whole.PLAN,
 ) -> None:  # fmt: skip
     """out (rows, heads * vd) = softmax(q . keys * scale) @ values, row i of `q` (rows, heads * kw) at
     position pos[0] + i over cached rows 0..pos[0] + i; `kc` the cache (rows `kc.stride(0)` apart, `kw`
     values each: the first `vd` the latent, the rest the rotated key), `vc` its values (`vd` of a row, at
     `vc.stride(0)`), both read in place. A batch (`seq_rows` > 0): row i is its own sequence's query at
     pos[i], over cached rows i * seq_rows onwards. `splits` > 1 cuts each row's span into that many shares,
-    merged through `work` (`scratch`, made for the same `value_slices` and `heads_a_program`). The blocks and
+    merged through `work` (`scratch`, made for the same `value_slices`, `heads_a_program` and `short`); a row
+    whose span is at most `short.rows` runs it whole instead (`whole`: the grid widened to its programs where the
+    shares' are fewer), in `short.shares` shares at most (merged through the end of `work`). The blocks and
     `warps` default to the plan's (`kernels.MLA_*`)."""
     if kc.stride(-1) != 1 or vc.stride(-1) != 1 or q.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("latent_attention: every row must be unit-stride")
-    if splits > 1 and work is None:
+    if (splits > 1 or short.shares > 1) and work is None:
         raise ValueError("a split attention merges its shares through a scratch")
     hb, vb, g = blocks(heads, vd, heads_a_program, value_slices)
     cluster, count, slots = clusters(splits)
     part, counter = work if work is not None else (out, out)  # one share: never read
-    _latent_attention_kernel[(rows, splits, g)](
-        q, kc, kc.stride(0), vc, vc.stride(0), pos, out, part, counter, scale, heads, kw, vd, hb, vb, value_slices, g,
+    spart, scount = _short_work(work, rows, heads, vd, short) if short.shares > 1 else (part, counter)
+    wide = max(splits, triton.cdiv(short.programs(heads, vd), g))
+    _latent_attention_kernel[(rows, wide, g)](
+        q, kc, kc.stride(0), vc, vc.stride(0), pos, out, part, counter, spart, scount, scale, heads, kw, vd, hb, vb,
+        value_slices, g,
         kernels.MLA_SCORE_CHUNK, kernels.MLA_TILE_ROWS, splits, cluster, count, slots, kernels.MLA_MERGE_BATCH,
-        interpreted(), seq_rows,
+        *short.constants(), interpreted(), seq_rows,
         num_warps=warps, **pdl.options(),
     )  # fmt: skip

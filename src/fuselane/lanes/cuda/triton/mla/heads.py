@@ -7,9 +7,14 @@ and the attended latent through the value half (`attn_v_b`, (h, vdim, kv_lora)) 
 bytes in registers through the GEMV's own helpers (`gemv.formats.dot_rows`); float rows (the converter's
 f16 or f32, whatever their width) are read as floats. `x` is read in place at any pitch: a head's `a` values
 start `x_head` apart and a row's heads `x_row` apart (the query's unrotated slice is read where it lies).
+
+With a rotation (`Turn`), the launch writes the query's join in place (JoinInPlace): each head's products, then
+its rotated part, turned by one more column of programs as `parts.rope` turns it, so no join runs after.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -19,6 +24,7 @@ from fuselane.gguf.formats import Format, row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.formats import SLOTS, dot_rows
 from fuselane.lanes.cuda.triton.gemv.rows import plan, row_tiles, stages, tile
+from fuselane.lanes.cuda.triton.mla import parts
 
 FLOATS = {Format.F32: tl.float32, Format.F16: tl.float16}
 # Output rows a program of the float kernel takes.
@@ -26,13 +32,9 @@ FLOAT_BLOCK_N = 32
 
 
 @triton.jit
-def _head_rows_kernel(
-    x, x_row, x_head, m, w, out, out_row, n,
-    FMT: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
-):  # fmt: skip
-    pdl.begin(PDL)
-    h = tl.program_id(2)
+def _rows_product(x, x_row, x_head, m, w, out, out_row, out_head, n, h, FMT: tl.constexpr, ROW_BYTES: tl.constexpr,
+                  STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past the head's end read its last row (no masked loads in the k loop); the store drops them.
     w_rows = w + (h * n).to(tl.int64) * ROW_BYTES + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
@@ -40,54 +42,140 @@ def _head_rows_kernel(
     x_rows = x + tl.minimum(mi, m - 1).to(tl.int64) * x_row + h * x_head
     y = dot_rows(w_rows, x_rows, FMT, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES)
     mask = (mi < m)[:, None] & (rows < n)[None, :]
-    tl.store(out + mi.to(tl.int64)[:, None] * out_row + h * n + rows[None, :], y, mask=mask)
+    tl.store(out + mi.to(tl.int64)[:, None] * out_row + h * out_head + rows[None, :], y, mask=mask)
 
 
 @triton.jit
-def _head_floats_kernel(
-    x, x_row, x_head, w, out, out_row, n, a,
-    BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, PDL: tl.constexpr = False,
+def _turn_rows(rx, rx_row, rx_head, out, out_row, out_head, n, m, h, pos, inv, first, COUNT: tl.constexpr,
+               PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr, BATCHED: tl.constexpr):  # fmt: skip
+    """Rows first.. first + COUNT - 1 (those under `m`) of head `h`'s rotated part, after its product's `n`
+    values: the join's second part written in place."""
+    for i in tl.static_range(COUNT):
+        r = first + i
+        if r < m:
+            dst = out + r.to(tl.int64) * out_row + h * out_head + n
+            parts.rope_row(rx, rx_row, rx_head, dst, pos, inv, r, h, PAIRS, BLOCK_P, HALF, BATCHED)
+
+
+@triton.jit
+def _head_rows_kernel(
+    x, x_row, x_head, m, w, out, out_row, out_head, n, rx, rx_row, rx_head, pos, inv,
+    FMT: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr,
+    HALF: tl.constexpr, BATCHED: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    # PAIRS > 0: the grid's last column of programs turns each head's rows (`Turn`) instead of a product tile
     pdl.begin(PDL)
-    h, mi = tl.program_id(2), tl.program_id(1)
+    h = tl.program_id(2)
+    if PAIRS > 0:
+        if tl.program_id(0) == tl.num_programs(0) - 1:
+            _turn_rows(rx, rx_row, rx_head, out, out_row, out_head, n, m, h, pos, inv, tl.program_id(1) * BLOCK_M,
+                       BLOCK_M, PAIRS, BLOCK_P, HALF, BATCHED)  # fmt: skip
+        else:
+            _rows_product(x, x_row, x_head, m, w, out, out_row, out_head, n, h, FMT, ROW_BYTES, STEPS, UNITS, SPLIT,
+                          BLOCK_M, BLOCK_N, STAGES)  # fmt: skip
+    else:
+        _rows_product(x, x_row, x_head, m, w, out, out_row, out_head, n, h, FMT, ROW_BYTES, STEPS, UNITS, SPLIT,
+                      BLOCK_M, BLOCK_N, STAGES)  # fmt: skip
+
+
+@triton.jit
+def _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, BLOCK_N: tl.constexpr,
+                    BLOCK_A: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_A)
     keep = (rows < n)[:, None] & (cols < a)[None, :]
     wv = tl.load(w + (h * n + rows).to(tl.int64)[:, None] * a + cols[None, :], mask=keep, other=0.0)
     xv = tl.load(x + mi.to(tl.int64) * x_row + h * x_head + cols, mask=cols < a, other=0.0)
     y = tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
-    tl.store(out + mi.to(tl.int64) * out_row + h * n + rows, y, mask=rows < n)
+    tl.store(out + mi.to(tl.int64) * out_row + h * out_head + rows, y, mask=rows < n)
+
+
+@triton.jit
+def _head_floats_kernel(
+    x, x_row, x_head, w, out, out_row, out_head, n, a, rx, rx_row, rx_head, pos, inv,
+    BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr,
+    BATCHED: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    pdl.begin(PDL)
+    h, mi = tl.program_id(2), tl.program_id(1)
+    if PAIRS > 0:
+        if tl.program_id(0) == tl.num_programs(0) - 1:
+            dst = out + mi.to(tl.int64) * out_row + h * out_head + n
+            parts.rope_row(rx, rx_row, rx_head, dst, pos, inv, mi, h, PAIRS, BLOCK_P, HALF, BATCHED)
+        else:
+            _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, BLOCK_N, BLOCK_A)
+    else:
+        _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, BLOCK_N, BLOCK_A)
 
 
 def _floats(w: torch.Tensor, fmt: Format) -> torch.Tensor:
     return w.view(torch.float32 if fmt is Format.F32 else torch.float16)
 
 
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A rotation the product's launch writes beside each head's outputs (the query's join, JoinInPlace): each
+    head's `hd` values of `x` (a head's `x_head` apart, a row's heads `x_row` apart) turned as `parts.rope` turns
+    them, by the table `inv` at the position `pos`, into the `hd` values after the head's products."""
+
+    x: torch.Tensor
+    x_row: int
+    x_head: int
+    pos: torch.Tensor
+    inv: torch.Tensor
+    hd: int
+    half: bool
+    batched: bool = False
+
+    def args(self) -> tuple:
+        """The kernels' runtime arguments (rx, rx_row, rx_head, pos, inv)."""
+        return self.x, self.x_row, self.x_head, self.pos, self.inv
+
+    def constants(self) -> dict:
+        """The kernels' constexprs (PAIRS, BLOCK_P, HALF, BATCHED)."""
+        pairs = self.hd // 2
+        return dict(PAIRS=pairs, BLOCK_P=triton.next_power_of_2(pairs), HALF=self.half, BATCHED=self.batched)
+
+
+def _no_turn(out: torch.Tensor) -> tuple[tuple, dict]:
+    """The kernels' rotation arguments where none is written (never read)."""
+    return (out, 0, 0, out, out), dict(PAIRS=0, BLOCK_P=1, HALF=False, BATCHED=False)
+
+
 def head_matmul(
     x: torch.Tensor, x_row: int, x_head: int, m: int, w: torch.Tensor, fmt: Format, heads: int, a: int, b: int,
-    out: torch.Tensor,
+    out: torch.Tensor, turn: Turn | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """out (m, heads * b) = each head's `a` values of each of the `m` rows of `x` (at pitches `x_row`,
-    `x_head`) times its own `b` rows of `a` values of `w` (the checkpoint's bytes in `fmt`); returns `out`."""
+    `x_head`) times its own `b` rows of `a` values of `w` (the checkpoint's bytes in `fmt`); returns `out`.
+    With `turn`, out is (m, heads * (b + turn.hd)): each head's products, then its rotated part (one launch:
+    the grid's last column of programs turns)."""
     fmt = Format(fmt)
-    if out.stride(-1) != 1 or out.numel() != m * heads * b:
-        raise ValueError(f"out must hold ({m}, {heads * b}) values with unit column stride")
-    out_row = heads * b
+    width = b + (turn.hd if turn is not None else 0)
+    if out.stride(-1) != 1 or out.numel() != m * heads * width:
+        raise ValueError(f"out must hold ({m}, {heads * width}) values with unit column stride")
+    if turn is not None and (turn.hd % 2 or turn.inv.numel() != turn.hd // 2):
+        raise ValueError(f"head_matmul: a rotation of {turn.hd} values needs {turn.hd // 2} frequencies")
+    out_row = heads * width
+    rargs, rconsts = (turn.args(), turn.constants()) if turn is not None else _no_turn(out)
+    more = 1 if turn is not None else 0  # the rotation's column of programs
     if fmt in FLOATS:
-        grid = (triton.cdiv(b, FLOAT_BLOCK_N), m, heads)
+        grid = (triton.cdiv(b, FLOAT_BLOCK_N) + more, m, heads)
         block_a = triton.next_power_of_2(a)
         _head_floats_kernel[grid](
-            x, x_row, x_head, _floats(w, fmt), out, out_row, b, a, FLOAT_BLOCK_N, block_a, **pdl.options()
-        )
+            x, x_row, x_head, _floats(w, fmt), out, out_row, width, b, a, *rargs, FLOAT_BLOCK_N, block_a, **rconsts,
+            **pdl.options(),
+        )  # fmt: skip
         return out
     if fmt not in SLOTS:
         raise ValueError(f"no per-head product for {fmt.name} rows")
     block_n, warps = tile(fmt, b, a, m)
     block_m, m_tiles = row_tiles(m)
     steps, units, split = plan(fmt, a, block_n, warps, block_m)
-    _head_rows_kernel[(triton.cdiv(b, block_n), m_tiles, heads)](
-        x, x_row, x_head, m, w, out, out_row, b,
+    _head_rows_kernel[(triton.cdiv(b, block_n) + more, m_tiles, heads)](
+        x, x_row, x_head, m, w, out, out_row, width, b, *rargs,
         FMT=int(fmt), ROW_BYTES=row_bytes(fmt, a), STEPS=steps, UNITS=units, SPLIT=split, BLOCK_M=block_m,
-        BLOCK_N=block_n, STAGES=stages(fmt), num_warps=warps, **pdl.options()
+        BLOCK_N=block_n, STAGES=stages(fmt), **rconsts, num_warps=warps, **pdl.options()
     )  # fmt: skip
     return out

@@ -1,6 +1,7 @@
 """The absorbed form's small launches: the join of each head's two parts (the query's absorbed latent and its
-rotated part; the normed latent and the rotated shared key of a cache row), and the rotation of a head's
-pairs by a table of frequencies.
+rotated part; the normed latent and the rotated shared key of a cache row), the rotation of a head's pairs by
+a table of frequencies, and the cache row's join written in place (`norm_rope`: the latent's norm and the key's
+rotation in one launch, JoinInPlace; the query's is `heads.head_matmul` with a rotation).
 
 The rotation takes DeepSeek's pairs (2j, 2j + 1) or NEOX's (j, j + hd/2), and its frequencies from a table
 the binder computes once in f64 (`lanes.cpu.latent_kernels.inv_freq`: YaRN's stretch where the file has it),
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton import norm, pdl
 
 WARPS = 1
 
@@ -48,11 +49,10 @@ def join(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: int, heads: 
 
 
 @triton.jit
-def _rope_kernel(x, x_row, x_head, out, pos, inv, HEADS: tl.constexpr, PAIRS: tl.constexpr,
-                 BLOCK: tl.constexpr, HALF: tl.constexpr, BATCHED: tl.constexpr,
-                 PDL: tl.constexpr = False):  # fmt: skip
-    pdl.begin(PDL)
-    r, h = tl.program_id(0), tl.program_id(1)
+def rope_row(x, x_row, x_head, dst, pos, inv, r, h, PAIRS: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr,
+             BATCHED: tl.constexpr):  # fmt: skip
+    """Row `r`'s head `h` of `x` turned into the `2 * PAIRS` values at `dst` (`_rope_kernel`'s program; the
+    launches that write a join's two parts in place, `norm_rope` and `heads.head_matmul`'s rotation, call it)."""
     j = tl.arange(0, BLOCK)
     keep = j < PAIRS
     if BATCHED:  # each row its own sequence at its own position
@@ -70,9 +70,49 @@ def _rope_kernel(x, x_row, x_head, out, pos, inv, HEADS: tl.constexpr, PAIRS: tl
     src = x + r.to(tl.int64) * x_row + h * x_head
     a = tl.load(src + first, mask=keep).to(tl.float32)
     b = tl.load(src + second, mask=keep).to(tl.float32)
-    dst = out + (r.to(tl.int64) * HEADS + h) * (2 * PAIRS)
     tl.store(dst + first, a * c - b * s, mask=keep)
     tl.store(dst + second, a * s + b * c, mask=keep)
+
+
+@triton.jit
+def _rope_kernel(x, x_row, x_head, out, pos, inv, HEADS: tl.constexpr, PAIRS: tl.constexpr,
+                 BLOCK: tl.constexpr, HALF: tl.constexpr, BATCHED: tl.constexpr,
+                 PDL: tl.constexpr = False):  # fmt: skip
+    pdl.begin(PDL)
+    r, h = tl.program_id(0), tl.program_id(1)
+    dst = out + (r.to(tl.int64) * HEADS + h) * (2 * PAIRS)
+    rope_row(x, x_row, x_head, dst, pos, inv, r, h, PAIRS, BLOCK, HALF, BATCHED)
+
+
+@triton.jit
+def _norm_rope_kernel(x, x_row, w, k, k_row, out, out_row, pos, inv, cols, eps, BLOCK: tl.constexpr,
+                      CHUNKS: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr,
+                      BATCHED: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl.begin(PDL)
+    r = tl.program_id(0)
+    if tl.program_id(1) == 0:  # the normed latent: the row's first `cols` values
+        norm.rms_norm_unit(x, x, out, w, out, x_row, x_row, out_row, out_row, out, out, out, cols, eps,
+                           r.to(tl.int64), 0, False, True, BLOCK, CHUNKS, False)  # fmt: skip
+    else:  # the rotated key after it
+        rope_row(k, k_row, 0, out + r.to(tl.int64) * out_row + cols, pos, inv, r, 0, PAIRS, BLOCK_P, HALF, BATCHED)
+
+
+def norm_rope(
+    x: torch.Tensor, w: torch.Tensor, eps: float, k: torch.Tensor, k_row: int, out: torch.Tensor, pos: torch.Tensor,
+    inv: torch.Tensor, *, rows: int, hd: int, half: bool, batched: bool = False,
+) -> None:  # fmt: skip
+    """out (rows, cols + hd), each row: its latent `x` (rows, cols) normed by the weights `w` (as `norm.rms_norm`,
+    bit for bit: its program at its warps), then its key's `hd` values of `k` (rows `k_row` apart) turned as
+    `rope` turns them. One launch, two programs a row: the cache row's join written in place (JoinInPlace)."""
+    if out.stride(-1) != 1 or x.stride(-1) != 1 or out.shape[-1] != w.numel() + hd:
+        raise ValueError("norm_rope: unit-stride rows, the output as wide as the latent and the key")
+    if hd % 2 or inv.numel() != hd // 2:
+        raise ValueError(f"norm_rope: {hd} values need {hd // 2} frequencies, not {inv.numel()}")
+    tile = norm.row_tile(w.numel())
+    _norm_rope_kernel[(rows, 2)](
+        x, x.stride(0), w, k, k_row, out, out.stride(0), pos, inv, w.numel(), float(eps), tile.block, tile.chunks,
+        hd // 2, triton.next_power_of_2(hd // 2), half, batched, num_warps=tile.warps, **pdl.options(),
+    )  # fmt: skip
 
 
 def rope(
