@@ -212,7 +212,7 @@ def test_cuda_grouped_experts_30b_a3b(fmt_gu, fmt_d):
     res = rng.standard_normal((rows, d)).astype(np.float32)
     sum_out = dev(res.copy())
     gnorm = gc.GroupedNorm(dev(np.ones(d, np.float32)), EPS, torch.zeros((rows, d), device=DEVICE))
-    width_tiles = -(-d // grouped.kernels.MOE_DOWN_BLOCK_N)
+    width_tiles = grouped.down_width_tiles(fmt_d, d)
     c = gc.Combine(sum_out, gc.counters(rows, width_tiles, DEVICE), (sum_out,), gnorm)
     pair_out = torch.empty(pairs * d, device=DEVICE)
     grouped.down_grouped(h, dev(rd), fmt_d, experts, order, counts, dev(rw), d, dff, pair_out, c)

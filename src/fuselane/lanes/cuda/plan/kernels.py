@@ -199,6 +199,25 @@ MOE_GATE_UP_BLOCK_N = 128
 MOE_DOWN_BLOCK_N = 128
 MOE_GEMM_WARPS = 8
 MOE_GEMM_STAGES = 1
+# The formats the word decode takes (`triton/moe/words.py`: Q4_K, Q6_K) have tiles of their own, (BLOCK_M,
+# BLOCK_N, warps, stages) of the gate/up and the down launch, and take MOE_WORDS_STEP values of a super-block
+# a step (`words.STEPS`: its half or whole). Chosen from the compiler alone (ptxas sm_90,
+# `benchmarks/moe_registers.py`, Qwen3-30B-A3B's widths): a whole super-block a step took 255 registers and
+# spilled 400-1,050 bytes a thread at 64 x 64 and 64 x 128; half of one, gate/up at 32 pairs x 128 rows takes
+# 224 registers and spills nothing (64 x 64 spills 52 bytes, 64 x 128 272), and the down launch spills 72 bytes
+# at 32 x 128 (128 at 64 x 64, 528 at 64 x 128), which its combine's epilogue takes, outside the k loop. Not yet
+# timed: `benchmarks/moe_prefill.py --sweep` times every candidate.
+MOE_WORDS_GATE_UP_TILE = (32, 128, 8, 1)
+MOE_WORDS_DOWN_TILE = (32, 128, 8, 1)
+MOE_WORDS_STEP = 128
+
+
+def moe_gemm_tile(words: bool, down: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) of a grouped expert GEMM (`down`: the down launch), for a format the
+    word decode takes (`words`) or not."""
+    if words:
+        return MOE_WORDS_DOWN_TILE if down else MOE_WORDS_GATE_UP_TILE
+    return MOE_GEMM_BLOCK_M, MOE_DOWN_BLOCK_N if down else MOE_GATE_UP_BLOCK_N, MOE_GEMM_WARPS, MOE_GEMM_STAGES
 # The next norm a chunk's down launch ends with is taken in chunks of this many values of a tile's rows, so
 # a tile's 64 rows of it hold 32 f32 registers a thread of eight warps.
 MOE_NORM_CHUNK = 128

@@ -88,7 +88,12 @@ def route_topk(op: Op, b) -> list:
     args = (spec.experts, spec.k, spec.renorm, ids, weights, scores, counter, order, counts)
     choices = _of(found, ExpertChoice)  # DeepSeek's gating: the top-k ranks the choice scores
     bias = b.vec[choices[0].ins[1]] if choices and choices[0].sym.bias else None  # type: ignore[union-attr]
-    gating = dict(sigmoid=spec.gating is Gating.SIGMOID, bias=bias, scale=spec.scale)
+    # one scratch a shape: the layers' routing launches run one after another, each writing before it reads
+    scratch = None
+    if order is not None:
+        key = f"moe-sort:{spec.rows}x{spec.experts}x{spec.k}"
+        scratch = b.scratch.setdefault(key, route.sort_scratch(x.device, spec.rows, spec.experts, spec.k))
+    gating = dict(sigmoid=spec.gating is Gating.SIGMOID, bias=bias, scale=spec.scale, scratch=scratch)
     return [lambda: route.route(x, w, fmt, *args, **gating)]
 
 
@@ -234,7 +239,6 @@ def down_combine(op: Op, b, out_q8: Any = None) -> list:
 def _down_grouped(b, op: Op, p: _Parts, w, fmt, order: tuple[Any, str], weights, adds, norm, sum_out) -> list:
     """MoeDownCombine, MoeDeferredFinalize in a chunk: one launch of the grouped GEMM and its combine."""
     import torch
-    import triton
 
     from fuselane.lanes.cuda.triton.moe import grouped_combine as gc
 
@@ -245,7 +249,7 @@ def _down_grouped(b, op: Op, p: _Parts, w, fmt, order: tuple[Any, str], weights,
     counts = _counts(b, name, mix.experts, sum_out.device)
     # one scratch a shape: the layers' down launches run one after another
     pair_out = b.scratch.setdefault(f"moe-pair-out:{pairs}x{d}", torch.empty(pairs * d, device=sum_out.device))
-    width_tiles = triton.cdiv(d, kernels.MOE_DOWN_BLOCK_N)
+    width_tiles = _grouped().down_width_tiles(fmt, d)
     counter = b.scratch.setdefault(f"moe-combine:{op.out}", gc.counters(mix.rows, width_tiles, sum_out.device))
     gnorm = gc.GroupedNorm(norm.w, norm.eps, norm.out) if norm is not None else None
     c = gc.Combine(sum_out.view(mix.rows, d), counter, tuple(a.view(mix.rows, d) for a in adds), gnorm)
