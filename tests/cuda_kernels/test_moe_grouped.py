@@ -82,12 +82,18 @@ CASES = {
     "q8_0-q5_0-adds": (Format.Q8_0, Format.Q5_0, 11, 3, 6, 128, 128, dict(every=None, none=2), 2, False),
     # every pair to one expert: its tiles are the chunk's, the others' none
     "one-expert": (Format.Q4_0, Format.Q8_0, 17, 1, 4, 128, 128, dict(every=1, none=None), 1, False),
+    # the word decode a whole super-block a step (the table's is half of one); Q6_K's rows of 210 bytes put
+    # every other row's block 2 bytes past a word
+    "q6_k-q4_k-whole-steps": (Format.Q6_K, Format.Q4_K, 10, 2, 4, 256, 256, dict(every=None, none=1), 1, True),
 }
+# the values a step each case's word decode takes (the table's where not named)
+STEPS = {"q6_k-q4_k-whole-steps": 256}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_grouped_experts_match_numpy(case):
     fmt_gu, fmt_d, rows, slots, experts, d, dff, routing, adds, norm = CASES[case]
+    tile = dict(TILE, step=STEPS.get(case))
     rng = np.random.default_rng(len(case))
     rg, wg = _experts(fmt_gu, experts, dff, d, rng)
     ru, wu = _experts(fmt_gu, experts, dff, d, rng)
@@ -100,7 +106,7 @@ def test_grouped_experts_match_numpy(case):
 
     h = torch.full((pairs, dff), np.nan)
     for _ in range(2):
-        grouped.gate_up_grouped(dev(x), dev(rg), dev(ru), fmt_gu, experts, slots, order, counts, dff, d, h, **TILE)
+        grouped.gate_up_grouped(dev(x), dev(rg), dev(ru), fmt_gu, experts, slots, order, counts, dff, d, h, **tile)
     e = ids.reshape(-1)
     want_h, bound_h = _glu(wg[e], wu[e], _f16(x)[np.arange(pairs) // slots])
     within(h.double().numpy().reshape(-1), want_h.reshape(-1), bound_h.reshape(-1), "gate/up")
@@ -116,7 +122,7 @@ def test_grouped_experts_match_numpy(case):
     first = None
     for _ in range(2):
         sum_out.copy_(dev(res[-1]))
-        grouped.down_grouped(h, dev(rd), fmt_d, experts, order, counts, dev(rw), d, dff, pair_out, c, **TILE)
+        grouped.down_grouped(h, dev(rd), fmt_d, experts, order, counts, dev(rw), d, dff, pair_out, c, **tile)
         assert not c.counters.any(), "a counter was left armed"
         first = sum_out.clone() if first is None else first
     assert torch.equal(first, sum_out), "the combine's sum changed between launches"
@@ -159,6 +165,55 @@ def test_activations_past_f16_stay_finite():
     bound = (gamma(dff) + 2 * U16) * mags + tiny
     bound = bound.reshape(rows, slots, d).sum(1) + gamma(slots + 1) * np.abs(prods).reshape(rows, slots, d).sum(1)
     assert np.abs(prods).max() > np.finfo(np.float16).max
+    within(sum_out.double().numpy().reshape(-1), prods.reshape(rows, slots, d).sum(1).reshape(-1), bound.reshape(-1),
+           "down past f16")  # fmt: skip
+
+
+def test_row_scales_take_activations_past_f16():
+    # the launches as the lane binds them: the routing launch writes each row's largest |x| and zeroes the
+    # pairs' largest |h|, gate/up takes one scale a row and raises h's, down takes h's: rows of x past f16's range
+    # stay finite and within f16's rounding of each operand, as a step's scale keeps them
+    fmt, rows, slots, experts, d, dff = Format.Q4_K, 9, 2, 3, 256, 256
+    rng = np.random.default_rng(12)
+    router = rng.standard_normal((experts, d)).astype(np.float32)
+    (rg, wg), (ru, wu), (rd, wd) = (_experts(fmt, experts, n, k, rng) for n, k in ((dff, d), (dff, d), (d, dff)))
+    x = rng.standard_normal((rows, d)).astype(np.float32)
+    x[::4] *= np.float32(3e5)
+    ids, weights = torch.zeros((rows, slots), dtype=torch.int32), torch.zeros((rows, slots))
+    order, counts = torch.zeros(rows * slots, dtype=torch.int32), torch.zeros(experts, dtype=torch.int32)
+    amax = route.row_scales(DEVICE, rows, slots)
+    amax.h.fill_(-1)  # the routing launch zeroes it
+    route.route(dev(x), dev(router.view(np.uint8)), Format.F32, experts, slots, True, ids, weights,
+                torch.zeros((rows, experts)), route.counters(DEVICE, rows), order, counts, amax=amax)  # fmt: skip
+    assert np.array_equal(amax.x.numpy(), np.abs(x).max(1))
+    h = torch.zeros((rows * slots, dff))
+    grouped.gate_up_grouped(dev(x), dev(rg), dev(ru), fmt, experts, slots, order, counts, dff, d, h, amax=amax,
+                            **TILE)  # fmt: skip
+    hs = h.double().numpy()
+    assert np.isfinite(hs).all() and np.abs(hs).max() > np.finfo(np.float16).max
+    assert np.array_equal(amax.h.numpy().view(np.float32), np.abs(h.numpy()).max(1))
+    e = ids.numpy().reshape(-1)
+    xv = x.astype(np.float64)[np.arange(rows * slots) // slots]
+    scale = np.maximum(1.0, 2.0 ** np.ceil(np.log2(np.abs(xv).max(axis=1) / 2**14)))[:, None]
+    g = np.einsum("pnk,pk->pn", wg[e].astype(np.float64), xv)
+    u = np.einsum("pnk,pk->pn", wu[e].astype(np.float64), xv)
+    mg = np.einsum("pnk,pk->pn", np.abs(wg[e]).astype(np.float64), np.abs(xv))
+    mu = np.einsum("pnk,pk->pn", np.abs(wu[e]).astype(np.float64), np.abs(xv))
+    tiny_g = scale * 2.0**-25 * np.abs(wg[e]).astype(np.float64).sum(axis=2)
+    tiny_u = scale * 2.0**-25 * np.abs(wu[e]).astype(np.float64).sum(axis=2)
+    silu = g / (1 + np.exp(-g))
+    dg, du = (gamma(d) + 2 * U16) * mg + tiny_g, (gamma(d) + 2 * U16) * mu + tiny_u
+    bound = SILU_SLOPE * dg * np.abs(u) + np.abs(silu) * du + gamma(ROUNDINGS) * np.abs(silu * u) + 1e-30
+    within(hs.reshape(-1), (silu * u).reshape(-1), bound.reshape(-1), "gate/up past f16")
+    sum_out = torch.zeros((rows, d))
+    c = gc.Combine(sum_out, gc.counters(rows, -(-d // TILE["block_n"]), DEVICE))
+    grouped.down_grouped(h, dev(rd), fmt, experts, order, counts, torch.ones((rows, slots)), d, dff,
+                         torch.empty(rows * slots * d), c, h_amax=amax.h, **TILE)  # fmt: skip
+    w = np.abs(wd[e].astype(np.float64))
+    prods = np.einsum("pdk,pk->pd", wd[e].astype(np.float64), hs)
+    hscale = np.maximum(1.0, 2.0 ** np.ceil(np.log2(np.abs(hs).max(axis=1) / 2**14)))[:, None]
+    bound = (gamma(dff) + 2 * U16) * np.einsum("pdk,pk->pd", w, np.abs(hs)) + hscale * 2.0**-25 * w.sum(axis=2)
+    bound = bound.reshape(rows, slots, d).sum(1) + gamma(slots + 1) * np.abs(prods).reshape(rows, slots, d).sum(1)
     within(sum_out.double().numpy().reshape(-1), prods.reshape(rows, slots, d).sum(1).reshape(-1), bound.reshape(-1),
            "down past f16")  # fmt: skip
 

@@ -69,6 +69,11 @@ def _counts(b, order_name: str, experts: int, device) -> Any:
     return b.scratch.setdefault(f"moe-counts:{order_name}", torch.zeros(experts, dtype=torch.int32, device=device))
 
 
+def _amax_key(x_name: str, rows: int, k: int) -> str:
+    """The scratch of the row scales the routing launch of activation `x_name` writes (`route.RowScales`)."""
+    return f"moe-amax:{x_name}:{rows}x{k}"
+
+
 def route_topk(op: Op, b) -> list:
     """RouterTopk and MoeTokenSort: one `route` launch."""
     from fuselane.lanes.cuda.triton.moe import route
@@ -93,7 +98,11 @@ def route_topk(op: Op, b) -> list:
     if order is not None:
         key = f"moe-sort:{spec.rows}x{spec.experts}x{spec.k}"
         scratch = b.scratch.setdefault(key, route.sort_scratch(x.device, spec.rows, spec.experts, spec.k))
-    gating = dict(sigmoid=spec.gating is Gating.SIGMOID, bias=bias, scale=spec.scale, scratch=scratch)
+    amax = None
+    if order is not None and counts is not None:  # the grouped GEMM's: each row's f16 scale (`route.RowScales`)
+        fresh = route.row_scales(x.device, spec.rows, spec.k)
+        amax = b.scratch.setdefault(_amax_key(mm.ins[0], spec.rows, spec.k), fresh)
+    gating = dict(sigmoid=spec.gating is Gating.SIGMOID, bias=bias, scale=spec.scale, scratch=scratch, amax=amax)
     return [lambda: route.route(x, w, fmt, *args, **gating)]
 
 
@@ -114,7 +123,7 @@ def gate_up_act(op: Op, b, out_q8: Any = None) -> list:
     ids, out = _ids(b, gate.ins[2]).view(spec.rows, spec.k), b.bufs[op.out]
     order = _order(b, gate, spec.rows)
     if order is not None and out_q8 is None and _grouped().takes(fmt, spec.n, spec.kd):
-        return _gate_up_grouped(b, gate, wg, wu, fmt, spec, order, out)
+        return _gate_up_grouped(b, gate, wg, wu, fmt, spec, order, out, op.out)
     q8 = _int8(b, gate.ins[0], fmt, spec.n, spec.kd, spec.rows)
     if out_q8 is not None and q8 is None:
         raise _mismatch(f"{op.out}: the kept experts write their int8 form only from the int8 products")
@@ -135,14 +144,19 @@ def _experts(w, spec_n: int, spec_kd: int, fmt) -> int:
     return w.numel() // (spec_n * row_bytes(fmt, spec_kd))
 
 
-def _gate_up_grouped(b, gate: Op, wg, wu, fmt, spec: ExpertMatmul, order: tuple[Any, str], out) -> list:
+def _gate_up_grouped(b, gate: Op, wg, wu, fmt, spec: ExpertMatmul, order: tuple[Any, str], out, gate_out: str) -> list:
     """MoeGateUpAct in a chunk: one launch of the grouped GEMM."""
     sorted_pairs, name = order
     experts = _experts(wg, spec.n, spec.kd, fmt)
     x = b.bufs[gate.ins[0]].view(spec.rows, spec.kd)
     counts = _counts(b, name, experts, x.device)
     args = (fmt, experts, spec.k, sorted_pairs, counts, spec.n, spec.kd, out.view(spec.rows * spec.k, spec.n))
-    return [lambda: _grouped().gate_up_grouped(x, wg, wu, *args)]
+    # where the routing launch read this very activation, it wrote its rows' largest values: one f16 scale a
+    # row, and this launch leaves its own output's for the down launch (by the output's name)
+    amax = b.scratch.get(_amax_key(gate.ins[0], spec.rows, spec.k))
+    if amax is not None:
+        b.scratch[f"moe-hamax:{gate_out}"] = amax.h
+    return [lambda: _grouped().gate_up_grouped(x, wg, wu, *args, amax=amax)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +270,8 @@ def _down_grouped(b, op: Op, p: _Parts, w, fmt, order: tuple[Any, str], weights,
     h = b.bufs[p.down.ins[0]].view(pairs, dff)
     rw = weights.view(mix.rows, mix.k)
     args = (fmt, mix.experts, sorted_pairs, counts, rw, d, dff, pair_out, c)
-    return [lambda: _grouped().down_grouped(h, w, *args)]
+    h_amax = b.scratch.get(f"moe-hamax:{p.down.ins[0]}")  # where the grouped gate/up wrote h's
+    return [lambda: _grouped().down_grouped(h, w, *args, h_amax=h_amax)]
 
 
 def row_scale(op: Op, b) -> list:

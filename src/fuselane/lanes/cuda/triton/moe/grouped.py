@@ -33,6 +33,7 @@ from fuselane.lanes.cuda.triton.gemv.epilogue import decode_unit, unit_values
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 from fuselane.lanes.cuda.triton.moe import words
 from fuselane.lanes.cuda.triton.moe.grouped_combine import Combine, combine_args, combine_rows, counters_for
+from fuselane.lanes.cuda.triton.moe.route import RowScales
 from fuselane.lanes.cuda.triton.moe.words import word_tile
 
 # The word decode reads the weights as 32-bit words: their bytes must start 4-aligned.
@@ -62,6 +63,12 @@ def _f16_rows(a):
     amax = tl.max(tl.abs(a), 1)
     scale = tl.where(amax > F16_SAFE, tl.exp2(tl.ceil(tl.log2(amax / F16_SAFE))), 1.0)
     return (a * (1.0 / scale)[:, None]).to(tl.float16), scale, tl.max(amax) > F16_SAFE
+
+
+@triton.jit
+def _row_scale(amax):
+    """The power of two each row is divided by before its f16 rounding (1 for a row within F16_SAFE)."""
+    return tl.where(amax > F16_SAFE, tl.exp2(tl.ceil(tl.log2(amax / F16_SAFE))), 1.0)
 
 
 @triton.jit
@@ -107,13 +114,13 @@ def _tile_pairs(order, counts, E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: 
 
 @triton.jit
 def gate_up_kernel(
-    x, w_gate, w_up, order, counts, out,
+    x, w_gate, w_up, order, counts, out, x_amax, h_amax,
     N: tl.constexpr, KD: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr,
     EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
     ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, STEP_UNITS: tl.constexpr, STEP_VALUES: tl.constexpr,
-    WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    WORDS: tl.constexpr, ROW_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl.begin(PDL)  # the order and counts are the routing launch's
+    pdl.begin(PDL)  # the order and counts (and the rows' largest values) are the routing launch's
     e, pair, live, n_live = _tile_pairs(order, counts, E, E_BLOCK, BLOCK_M)
     if n_live > 0:
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -122,25 +129,41 @@ def gate_up_kernel(
         cols = tl.arange(0, STEP_VALUES)
         gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for s in range(0, STEPS):
-            a16, scale, big = _f16_rows(tl.load(x_rows[:, None] + s * STEP_VALUES + cols[None, :]))
-            wg = _tile(w_gate, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
-            gate = _mma(a16, scale, big, wg, gate)
-            wu = _tile(w_up, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
-            up = _mma(a16, scale, big, wu, up)
+        if ROW_SCALES:  # one scale a row for the whole product: no branch in the loop, which is pipelined
+            row_scale = _row_scale(tl.load(x_amax + pair // SLOTS))
+            inv = (1.0 / row_scale)[:, None]
+            for s in range(0, STEPS):
+                a16 = (tl.load(x_rows[:, None] + s * STEP_VALUES + cols[None, :]) * inv).to(tl.float16)
+                wg = _tile(w_gate, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                gate = tl.dot(a16, tl.trans(wg), gate)
+                wu = _tile(w_up, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                up = tl.dot(a16, tl.trans(wu), up)
+            gate *= row_scale[:, None]
+            up *= row_scale[:, None]
+        else:
+            for s in range(0, STEPS):
+                a16, scale, big = _f16_rows(tl.load(x_rows[:, None] + s * STEP_VALUES + cols[None, :]))
+                wg = _tile(w_gate, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                gate = _mma(a16, scale, big, wg, gate)
+                wu = _tile(w_up, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                up = _mma(a16, scale, big, wu, up)
         h = gate / (1.0 + tl.exp(-gate)) * up
+        keep = live[:, None] & (rows < N)[None, :]
         dst = out + pair.to(tl.int64)[:, None] * N + rows[None, :]
-        tl.store(dst, h, mask=live[:, None] & (rows < N)[None, :])
+        tl.store(dst, h, mask=keep)
+        if ROW_SCALES:  # each pair's largest |h| for the down launch's scale: non-negative floats order as bits
+            top = tl.max(tl.where(keep, tl.abs(h), 0.0), 1).to(tl.int32, bitcast=True)
+            tl.atomic_max(h_amax + pair, top, mask=live, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def down_kernel(
-    h, w, order, counts, weights, pair_out, a0, a1, sum_out, norm_w, normed, counters, eps,
+    h, w, order, counts, weights, h_amax, pair_out, a0, a1, sum_out, norm_w, normed, counters, eps,
     D: tl.constexpr, DFF: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr,
     EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
     ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, STEP_UNITS: tl.constexpr, STEP_VALUES: tl.constexpr,
     WORDS: tl.constexpr, ADDS: tl.constexpr,
-    NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, ROWS: tl.constexpr,
+    NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, ROWS: tl.constexpr, ROW_SCALES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
@@ -151,10 +174,19 @@ def down_kernel(
         h_rows = h + pair.to(tl.int64) * DFF
         vals = tl.arange(0, STEP_VALUES)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for s in range(0, STEPS):
-            a16, scale, big = _f16_rows(tl.load(h_rows[:, None] + s * STEP_VALUES + vals[None, :]))
-            wt = _tile(w, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
-            acc = _mma(a16, scale, big, wt, acc)
+        if ROW_SCALES:  # the gate/up launch's largest |h| a pair: one scale a row, no branch in the loop
+            row_scale = _row_scale(tl.load(h_amax + pair).to(tl.float32, bitcast=True))
+            inv = (1.0 / row_scale)[:, None]
+            for s in range(0, STEPS):
+                a16 = (tl.load(h_rows[:, None] + s * STEP_VALUES + vals[None, :]) * inv).to(tl.float16)
+                wt = _tile(w, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                acc = tl.dot(a16, tl.trans(wt), acc)
+            acc *= row_scale[:, None]
+        else:
+            for s in range(0, STEPS):
+                a16, scale, big = _f16_rows(tl.load(h_rows[:, None] + s * STEP_VALUES + vals[None, :]))
+                wt = _tile(w, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                acc = _mma(a16, scale, big, wt, acc)
         acc = acc * tl.load(weights + pair)[:, None]
         keep = live[:, None] & (cols_d < D)[None, :]
         tl.store(pair_out + pair.to(tl.int64)[:, None] * D + cols_d[None, :], acc, mask=keep)
@@ -209,14 +241,18 @@ def _tile_options(fmt: Format, block_m: int | None, block_n: int | None, warps: 
 def gate_up_grouped(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, experts: int, slots: int, order: Tensor,
                     counts: Tensor, n: int, k: int, out: Tensor, *, block_m: int | None = None,
                     block_n: int | None = None, warps: int | None = None, stages: int | None = None,
-                    step: int | None = None) -> Tensor:  # fmt: skip
+                    step: int | None = None, amax: RowScales | None = None) -> Tensor:  # fmt: skip
     """out[p] (n) f32 = SiLU(x[p // slots] @ Wg[e]^T) * (x[p // slots] @ Wu[e]^T) for each pair p the sorted
     `order` (int32 (pairs,)) lists, e its expert, `counts` (int32 (experts,)) the pairs of each in turn; Wg and
     Wu (experts, n, k) checkpoint rows in `fmt`, x f32 (rows, k) contiguous. One launch; the tile, its warps and
     stages, and the word decode's values a step are the table's (`kernels.moe_gemm_tile`, MOE_WORDS_STEP) unless
-    given (tests, the benchmark's sweep)."""
+    given (tests, the benchmark's sweep). With `amax` (`route.RowScales`, the routing launch's) each row takes one
+    f16 scale for the whole product, and each pair's largest |out| is raised in amax.h for the down launch."""
     fmt = Format(fmt)
     block_m, block_n, warps, stages = _tile_options(fmt, block_m, block_n, warps, stages, down=False)
+    rows = order.numel() // slots
+    if amax is not None and (amax.x.numel() != rows or amax.h.numel() != rows * slots):
+        raise ValueError(f"the row scales must be ({rows},) and ({rows * slots},)")
     _check(w_gate, fmt, experts, n, k, order, counts)
     check_rows(w_up, fmt, experts * n, k)
     pairs = order.numel()
@@ -224,10 +260,11 @@ def gate_up_grouped(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, expert
         raise ValueError(f"x must be contiguous f32 ({pairs // slots}, {k})")
     if out.numel() != pairs * n or not out.is_contiguous():
         raise ValueError(f"out must be contiguous ({pairs}, {n})")
+    scales = (amax.x, amax.h) if amax is not None else (x, order)  # stand-ins where there are none
     gate_up_kernel[_grid(n, block_n, pairs, experts, block_m)](
-        x, w_gate, w_up, order, counts, out, N=n, KD=k, SLOTS=slots, E=experts,
+        x, w_gate, w_up, order, counts, out, *scales, N=n, KD=k, SLOTS=slots, E=experts,
         E_BLOCK=triton.next_power_of_2(experts), **format_consts(fmt, n, k, w_gate, step), BLOCK_M=block_m,
-        BLOCK_N=block_n, num_warps=warps, num_stages=stages, **pdl.options(),
+        BLOCK_N=block_n, ROW_SCALES=amax is not None, num_warps=warps, num_stages=stages, **pdl.options(),
     )  # fmt: skip
     return out
 
@@ -235,12 +272,13 @@ def gate_up_grouped(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, expert
 def down_grouped(h: Tensor, w: Tensor, fmt: Format, experts: int, order: Tensor, counts: Tensor, weights: Tensor,
                  d: int, dff: int, pair_out: Tensor, c: Combine, *, block_m: int | None = None,
                  block_n: int | None = None, warps: int | None = None, stages: int | None = None,
-                 step: int | None = None) -> Tensor:  # fmt: skip
+                 step: int | None = None, h_amax: Tensor | None = None) -> Tensor:  # fmt: skip
     """c.sum_out (rows, d) = sum over each row's slots j, in order, of weights[row, j] * (h[pair] @ Wd[e]^T)
     (+ each of c.adds), e the pair's expert; with c.norm its RMS norm too. Wd (experts, d, dff) checkpoint rows
     in `fmt`, h f32 (pairs, dff), weights f32 (rows, slots), `pair_out` a (pairs, d) f32 scratch. One launch:
     the products, then each (row, tile of d) summed by the program that stores its last slot; c.counters
-    holds `counters_for(rows, width tiles)` (`down_width_tiles`)."""
+    holds `counters_for(rows, width tiles)` (`down_width_tiles`). With `h_amax` (int32 (pairs,), the bits of each
+    pair's largest |h|: `route.RowScales.h` as the gate/up launch left it) each row takes one f16 scale."""
     fmt = Format(fmt)
     block_m, block_n, warps, stages = _tile_options(fmt, block_m, block_n, warps, stages, down=True)
     _check(w, fmt, experts, d, dff, order, counts)
@@ -248,16 +286,18 @@ def down_grouped(h: Tensor, w: Tensor, fmt: Format, experts: int, order: Tensor,
     rows, slots = weights.shape
     if h.dtype != torch.float32 or h.numel() != pairs * dff or not h.is_contiguous() or rows * slots != pairs:
         raise ValueError(f"h must be contiguous f32 ({pairs}, {dff}) and weights ({pairs // max(slots, 1)}, k)")
+    if h_amax is not None and (h_amax.numel() != pairs or h_amax.dtype != torch.int32):
+        raise ValueError(f"h_amax must be int32 ({pairs},)")
     if pair_out.numel() < pairs * d:
         raise ValueError(f"pair_out must hold ({pairs}, {d})")
     grid = _grid(d, block_n, pairs, experts, block_m)
     if c.counters.numel() < counters_for(rows, grid[0]):
         raise ValueError(f"counters must hold {counters_for(rows, grid[0])}")
     down_kernel[grid](
-        h, w, order, counts, weights, pair_out, *combine_args(c, rows, d),
+        h, w, order, counts, weights, order if h_amax is None else h_amax, pair_out, *combine_args(c, rows, d),
         D=d, DFF=dff, SLOTS=slots, E=experts, E_BLOCK=triton.next_power_of_2(experts),
         **format_consts(fmt, d, dff, w, step), ADDS=len(c.adds), NORM=c.norm is not None,
-        NORM_CHUNK=kernels.MOE_NORM_CHUNK, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n,
+        NORM_CHUNK=kernels.MOE_NORM_CHUNK, ROWS=rows, ROW_SCALES=h_amax is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages, **pdl.options(),
     )  # fmt: skip
     return c.sum_out

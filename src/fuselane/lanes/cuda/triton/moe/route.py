@@ -27,6 +27,8 @@ Ids are int32 and never leave the device.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -43,6 +45,8 @@ from fuselane.lanes.cuda.triton.moe.common import f32_plan, tiles
 # thread of eight warps), and the most values of the blocks' histograms it scans at once.
 PAIRS_A_PASS = 1024
 HIST_A_PASS = 8192
+# Values of a block's rows a pass of the rows' largest |value| (`_row_amax`) reads: 8 rows, 16 values a thread.
+AMAX_CHUNK = tl.constexpr(512)
 RANK_BY_COUNT = tl.constexpr(kernels.MOE_RANK_BY_COUNT_EXPERTS)  # a kernel reads a constexpr global only
 
 
@@ -222,11 +226,30 @@ def _router_row(w_row, x, D: tl.constexpr, D_BLOCK: tl.constexpr, PDL: tl.conste
 
 
 @triton.jit
+def _row_amax(x, x_amax, h_amax, rows, ROWS: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
+              K_POW2: tl.constexpr, ROW_BLOCK: tl.constexpr):  # fmt: skip
+    """The block's rows' largest |value| into x_amax (the grouped gate/up's f16 scale of each row, `grouped`), and
+    their pairs' entries of h_amax zeroed (the largest |SiLU(gate) * up| the gate/up launch then takes)."""
+    live = rows < ROWS
+    cols = tl.arange(0, AMAX_CHUNK)
+    amax = tl.zeros([ROW_BLOCK], tl.float32)
+    for c in range(0, tl.cdiv(D, AMAX_CHUNK)):
+        at = c * AMAX_CHUNK + cols
+        m = live[:, None] & (at < D)[None, :]
+        v = tl.load(x + rows.to(tl.int64)[:, None] * D + at[None, :], mask=m, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(v), 1))
+    tl.store(x_amax + rows, amax, mask=live)
+    slot = tl.arange(0, K_POW2)[None, :]
+    tl.store(h_amax + rows[:, None] * K + slot, tl.zeros([ROW_BLOCK, K_POW2], tl.int32),
+             mask=live[:, None] & (slot < K))  # fmt: skip
+
+
+@triton.jit
 def _route_kernel(
-    x, w, scores, ids, weights, order, counts, counter, hist, rank, bias, scale,
+    x, w, scores, ids, weights, order, counts, counter, hist, rank, x_amax, h_amax, bias, scale,
     D: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr, K_BLOCK: tl.constexpr,
     ROWS: tl.constexpr, ROW_BLOCK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
-    SORT: tl.constexpr, COUNT: tl.constexpr, HB: tl.constexpr, PB: tl.constexpr,
+    SORT: tl.constexpr, COUNT: tl.constexpr, HB: tl.constexpr, PB: tl.constexpr, AMAX: tl.constexpr,
     FMT: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr, ROW_BYTES: tl.constexpr, D_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -244,6 +267,9 @@ def _route_kernel(
         y = dot_rows(w + tl.minimum(e, E - 1).to(tl.int64) * ROW_BYTES, x_rows, FMT, STEPS, UNITS, SPLIT, ROW_BLOCK,
                      BLOCK_N, STAGES)  # fmt: skip
     tl.store(scores + rows[:, None] * E + e[None, :], y, mask=(rows < ROWS)[:, None] & (e < E)[None, :])
+    if AMAX:
+        if tl.program_id(0) == 0:
+            _row_amax(x, x_amax, h_amax, rows, ROWS, D, K, K_BLOCK, ROW_BLOCK)
     tl.debug_barrier()
     done = tl.atomic_add(counter + 1 + block, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:  # a block's last tile of experts ranks its rows: the blocks in parallel
@@ -262,6 +288,21 @@ def _route_kernel(
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
                 _sort_pairs(ids, order, counts, hist, rank, ROWS * K, E, E_BLOCK, tl.cdiv(ROWS, ROW_BLOCK),
                             ROW_BLOCK * K, HB, PB, COUNT)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class RowScales:
+    """What lets the grouped GEMM round its activations to f16 with one scale a row for the whole product (no
+    branch in its k loop, which the software pipeliner then stages): x (rows,) f32, each chunk row's largest
+    |value|, written by the routing launch; h (pairs,) int32, the bits of each pair's largest |SiLU(gate) * up|
+    (non-negative floats order as their bits), zeroed by the routing launch and raised by the gate/up's."""
+
+    x: Tensor
+    h: Tensor
+
+
+def row_scales(device, rows: int, k: int) -> RowScales:
+    return RowScales(torch.zeros(rows, device=device), torch.zeros(rows * k, dtype=torch.int32, device=device))
 
 
 def sort_scratch(device, rows: int, experts: int, k: int) -> Tensor:
@@ -297,14 +338,15 @@ def counters(device, rows: int = 1) -> Tensor:
 def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool, ids: Tensor, weights: Tensor,
           scores: Tensor, counter: Tensor, order: Tensor | None = None, counts: Tensor | None = None, *,
           sigmoid: bool = False, bias: Tensor | None = None, scale: float = 1.0,
-          scratch: Tensor | None = None) -> None:  # fmt: skip
+          scratch: Tensor | None = None, amax: RowScales | None = None) -> None:  # fmt: skip
     """ids (rows, k) int32 and weights (rows, k) f32 of x's rows (rows, d) f32 routed by the router `w`
     (experts, d) checkpoint rows in `fmt`; `scores` (rows, experts) f32 scratch; with `order` (rows * k,)
     int32 also the pairs ordered by expert, and with `counts` (experts,) int32 the pairs each expert takes.
     The probabilities are the softmax over every expert, or each score's sigmoid (`sigmoid`); the experts
     are ranked by their probabilities plus `bias` (experts,) f32 where given (DeepSeek-V3's correction),
     else by their scores; the kept weights are the probabilities (renormalised over the k where `renorm`)
-    times `scale`. One launch; the sort takes `scratch` (`sort_scratch`; one is made where not given)."""
+    times `scale`. One launch; the sort takes `scratch` (`sort_scratch`; one is made where not given). With
+    `amax` it also writes each row's largest |x| and zeroes the pairs' largest |h| (`RowScales`)."""
     rows, d = x.shape
     if ids.dtype != torch.int32 or ids.numel() != rows * k or weights.numel() != rows * k:
         raise ValueError(f"ids must be int32 and ids and weights ({rows}, {k})")
@@ -323,12 +365,17 @@ def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool,
         raise ValueError("a decode step's row is not sorted")
     hist, rank = _sort_scratch(scratch if scratch is not None or not sort else sort_scratch(x.device, rows, experts, k),
                                rows, experts, k, ids)  # fmt: skip
+    if amax is not None and (not sort or amax.x.numel() != rows or amax.h.numel() != rows * k
+                             or amax.h.dtype != torch.int32):  # fmt: skip
+        raise ValueError(f"the row scales take a sorted chunk's ({rows},) f32 and ({rows * k},) int32")
+    x_amax, h_amax = (amax.x, amax.h) if amax is not None else (scores, ids)
     hb = max(1, min(triton.next_power_of_2(_blocks(rows)), HIST_A_PASS // triton.next_power_of_2(experts)))
     _route_kernel[(tiles(experts, plan["BLOCK_N"]), _blocks(rows))](
         x, w, scores, ids, weights, order if sort else ids, ids if counts is None else counts, counter, hist, rank,
-        scores if bias is None else bias, float(scale),
+        x_amax, h_amax, scores if bias is None else bias, float(scale),
         D=d, E=experts, E_BLOCK=triton.next_power_of_2(experts), K=k, K_BLOCK=triton.next_power_of_2(k),
         ROWS=rows, ROW_BLOCK=row_block, RENORM=renorm, SIGMOID=sigmoid, BIAS=bias is not None, SORT=sort,
-        COUNT=counts is not None, HB=hb, PB=PAIRS_A_PASS, D_BLOCK=triton.next_power_of_2(d),
+        COUNT=counts is not None, AMAX=amax is not None, HB=hb, PB=PAIRS_A_PASS,
+        D_BLOCK=triton.next_power_of_2(d),
         num_warps=warps, **plan, **pdl.options(),
     )  # fmt: skip
