@@ -247,14 +247,25 @@ def test_refusals():
 
 
 REAL = (512, 8, 128, 2048, 768)  # rows, kept experts, experts, n_embd, expert ffn
+V2_LITE = (512, 6, 64, 2048, 1408)  # DeepSeek-V2-Lite's: its down rows take a 32-value format
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize(("fmt_gu", "fmt_d"), [(Format.Q4_K, Format.Q4_K), (Format.Q4_K, Format.Q6_K)])
-def test_cuda_grouped_experts_30b_a3b(fmt_gu, fmt_d):
-    # a sample of rows against the f64 reference, each of their experts dequantized alone (the cost)
-    rows, slots, experts, d, dff = REAL
+@pytest.mark.parametrize(
+    ("fmt_gu", "fmt_d", "shape", "row_scales"),
+    [
+        (Format.Q4_K, Format.Q4_K, REAL, True),
+        (Format.Q4_K, Format.Q6_K, REAL, True),
+        (Format.Q4_K, Format.Q6_K, REAL, False),
+        (Format.Q4_K, Format.Q5_0, V2_LITE, True),
+        (Format.Q4_K, Format.Q8_0, V2_LITE, True),
+    ],
+)
+def test_cuda_grouped_experts_real_widths(fmt_gu, fmt_d, shape, row_scales):
+    # a sample of rows against the f64 reference, each of their experts dequantized alone (the cost); with the
+    # row scales as the routing launch leaves them, or a step's own
+    rows, slots, experts, d, dff = shape
     rng = np.random.default_rng(9)
     rg, ru, rd = (raw_weights(f, experts * n, kk, rng) for f, n, kk in ((fmt_gu, dff, d),) * 2 + ((fmt_d, d, dff),))
     x = rng.standard_normal((rows, d)).astype(np.float32)
@@ -263,14 +274,17 @@ def test_cuda_grouped_experts_30b_a3b(fmt_gu, fmt_d):
     order, counts = _sorted(ids, experts)
     pairs = rows * slots
     h = torch.empty((pairs, dff), device=DEVICE)
-    grouped.gate_up_grouped(dev(x), dev(rg), dev(ru), fmt_gu, experts, slots, order, counts, dff, d, h)
+    amax = route.RowScales(dev(np.abs(x).max(1)), torch.zeros(pairs, dtype=torch.int32, device=DEVICE))
+    grouped.gate_up_grouped(dev(x), dev(rg), dev(ru), fmt_gu, experts, slots, order, counts, dff, d, h,
+                            amax=amax if row_scales else None)  # fmt: skip
     res = rng.standard_normal((rows, d)).astype(np.float32)
     sum_out = dev(res.copy())
     gnorm = gc.GroupedNorm(dev(np.ones(d, np.float32)), EPS, torch.zeros((rows, d), device=DEVICE))
     width_tiles = grouped.down_width_tiles(fmt_d, d)
     c = gc.Combine(sum_out, gc.counters(rows, width_tiles, DEVICE), (sum_out,), gnorm)
     pair_out = torch.empty(pairs * d, device=DEVICE)
-    grouped.down_grouped(h, dev(rd), fmt_d, experts, order, counts, dev(rw), d, dff, pair_out, c)
+    grouped.down_grouped(h, dev(rd), fmt_d, experts, order, counts, dev(rw), d, dff, pair_out, c,
+                         h_amax=amax.h if row_scales else None)  # fmt: skip
     torch.cuda.synchronize()
     assert not c.counters.any()
     got, out, hs = (t.double().cpu().numpy() for t in (sum_out, gnorm.out, h))
@@ -288,6 +302,32 @@ def test_cuda_grouped_experts_30b_a3b(fmt_gu, fmt_d):
         within(got[r], want, bound, f"down + combine {r}")
         normed = got[r] / np.sqrt((got[r] * got[r]).mean() + EPS)
         within(out[r], normed, norm_rel(d) * np.abs(normed) + 1e-30, f"norm {r}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("shape", [REAL, V2_LITE], ids=["30b-a3b", "v2-lite"])
+def test_cuda_route_sorts_a_chunk(shape):
+    # a real chunk's routing: the order is the stable sort of the ids it wrote, the counts their histogram, each
+    # row's experts distinct and its weights renormalised; twice, so the counters re-arm
+    rows, k, experts, d, _ = shape
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((experts, d)).astype(np.float32)
+    x = rng.standard_normal((rows, d)).astype(np.float32)
+    ids, weights = torch.zeros((rows, k), dtype=torch.int32, device=DEVICE), torch.zeros((rows, k), device=DEVICE)
+    order, counts = torch.zeros(rows * k, dtype=torch.int32, device=DEVICE), torch.zeros(experts, dtype=torch.int32,
+                                                                                        device=DEVICE)  # fmt: skip
+    counter, amax = route.counters(DEVICE, rows), route.row_scales(DEVICE, rows, k)
+    for _ in range(2):
+        route.route(dev(x), dev(w.view(np.uint8)), Format.F32, experts, k, True, ids, weights,
+                    torch.zeros((rows, experts), device=DEVICE), counter, order, counts, amax=amax)  # fmt: skip
+        got = ids.cpu().numpy()
+        assert all(len(set(r)) == k for r in got)
+        assert np.array_equal(order.cpu().numpy(), np.argsort(got.reshape(-1), kind="stable"))
+        assert np.array_equal(counts.cpu().numpy(), np.bincount(got.reshape(-1), minlength=experts))
+        np.testing.assert_allclose(weights.sum(1).cpu().numpy(), 1.0, rtol=1e-5)
+        assert not counter.any() and not amax.h.any()
+        assert np.array_equal(amax.x.cpu().numpy(), np.abs(x).max(1))
 
 
 def _expert(raw: np.ndarray, fmt: Format, e: int, n: int, k: int) -> np.ndarray:
