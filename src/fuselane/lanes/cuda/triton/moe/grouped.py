@@ -214,6 +214,8 @@ def format_consts(fmt: Format, n: int, k: int, w: Tensor | None = None, word_ste
     units = step_units(fmt, k)
     word = words.takes(fmt) and (w is None or w.data_ptr() % WORD_ALIGN == 0)
     step = (word_step or kernels.MOE_WORDS_STEP) if word else values * units
+    if k % step:  # a 32-value format's row of whole 128-value steps, not of 256 (DeepSeek-V2-Lite's 1,408)
+        step = min(words.STEPS)
     return dict(FMT=int(fmt), VALUES=values, NBYTES=row_bytes(fmt, values), ROW_BYTES=row_bytes(fmt, k),
                 STEPS=k // step, STEP_UNITS=units, STEP_VALUES=step, WORDS=word,
                 EXPERT_BYTES=n * row_bytes(fmt, k))  # fmt: skip

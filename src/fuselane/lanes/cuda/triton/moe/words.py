@@ -26,12 +26,17 @@ import triton.language as tl
 
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.triton.gemv.layout import (
+    BIT,
+    BYTE,
     BYTE_BITS,
     CRUMB,
     F16_BITS,
     F32_TWO_23_BITS,
     FMT_Q4_K,
+    FMT_Q5_0,
     FMT_Q6_K,
+    FMT_Q8_0,
+    HALF_QK,
     HALF_WORD_BITS,
     K_LOW_SUBS,
     K_TOP_SHIFT,
@@ -39,19 +44,28 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     NIBBLE_BITS,
     Q4_K_QS,
     Q4_K_SCALES,
+    Q5_0_BYTES,
+    Q5_0_QH,
+    Q5_0_QS,
+    Q5_BIAS,
     Q6_BIAS,
     Q6_K_D,
     Q6_K_QH,
     Q6_K_QL,
     Q6_K_SCALES,
+    Q8_0_BYTES,
+    Q8_0_QS,
+    SIGN_BIT,
+    SIGNED_BYTE_BIAS,
     SIX_BITS,
     WORD,
     in_two_23,
 )
 
 # The formats this decode takes (every other keeps `unit_values`' path).
-FORMATS = frozenset({Format.Q4_K, Format.Q6_K})
-# The values a step may take: a super-block's half or whole (a Q6_K half is its natural unit).
+FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0})
+# The values a step may take: a super-block's half or whole (a Q6_K half is its natural unit), four or eight
+# 32-value blocks.
 STEPS = (128, 256)
 SIGN_SHIFT = tl.constexpr(24)  # an int8 at the top of a word: shifted back down with its sign
 BYTE_MISALIGN = tl.constexpr(3)  # a byte address's offset in its word
@@ -131,14 +145,68 @@ def _q6_k_tile(w, off, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
 
 
 @triton.jit
+def _at(w, off, F: tl.constexpr):
+    """The aligned uint32 pointers and the funnel shift (0 or 16 bits) of field F of the 2-aligned blocks at byte
+    offsets `off` of `w`."""
+    lead = (off + F) & BYTE_MISALIGN
+    return (w + off + F - lead).to(tl.pointer_type(tl.uint32)), (lead * BYTE_BITS).to(tl.uint32)
+
+
+@triton.jit
+def _f16_at(w, off):
+    """The f16 at the 2-aligned byte offsets `off` of `w`, as f32, from the aligned word holding it."""
+    p, mis = _at(w, off, 0)
+    return _f16_half((tl.load(p) >> mis).to(tl.int32, bitcast=True), 0)
+
+
+@triton.jit
+def _q8_0_tile(w, off, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """[BLOCK_N, KW] f32: values part * KW on of the Q8_0 rows at byte offsets `off`: KW // 32 blocks of 34
+    bytes, [BLOCK_N, block, 8 (word), 4 (byte)]; value = d * q, q the signed byte (through the 2^23 trick with
+    its sign bit flipped: q + 128)."""
+    blk = off[:, None, None, None] + (part * (KW // 32) + tl.arange(0, KW // 32))[None, :, None, None] * Q8_0_BYTES
+    p, mis = _at(w, blk, Q8_0_QS)
+    words = _word_at(p + tl.arange(0, 8)[None, None, :, None], mis)  # [BLOCK_N, U, 8, 1]
+    c = tl.arange(0, 4)[None, None, None, :]
+    code = (((words >> (c * BYTE_BITS).to(tl.uint32)) & BYTE) ^ SIGN_BIT) | F32_TWO_23_BITS
+    v = _f16_at(w, blk) * in_two_23(code.to(tl.int32, bitcast=True), SIGNED_BYTE_BIAS)
+    return tl.reshape(v, [BLOCK_N, KW])
+
+
+@triton.jit
+def _q5_0_tile(w, off, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """[BLOCK_N, KW] f32: values part * KW on of the Q5_0 rows at byte offsets `off`: KW // 32 blocks of 22
+    bytes, [BLOCK_N, block, 2 (nibble), 4 (word of qs), 4 (byte)] (value 16 * nibble + 4 * word + byte), the
+    fifth bit that value's bit of qh; value = d * (code - 16)."""
+    u = part * (KW // 32) + tl.arange(0, KW // 32)
+    blk = off[:, None, None, None, None] + u[None, :, None, None, None] * Q5_0_BYTES
+    nib = tl.arange(0, 2)[None, None, :, None, None]
+    i = tl.arange(0, 4)[None, None, None, :, None]
+    c = tl.arange(0, 4)[None, None, None, None, :]
+    p, mis = _at(w, blk, Q5_0_QS)
+    qs = _word_at(p + i, mis)  # [BLOCK_N, U, 1, 4, 1]
+    p, mis = _at(w, blk, Q5_0_QH)
+    qh = _word_at(p, mis)  # [BLOCK_N, U, 1, 1, 1]
+    low = (qs >> (c * BYTE_BITS + nib * NIBBLE_BITS).to(tl.uint32)) & NIBBLE
+    top = (qh >> (nib * HALF_QK + i * WORD + c).to(tl.uint32)) & BIT
+    code = (low | (top << NIBBLE_BITS) | F32_TWO_23_BITS).to(tl.int32, bitcast=True)
+    v = _f16_at(w, blk) * in_two_23(code, Q5_BIAS)
+    return tl.reshape(v, [BLOCK_N, KW])
+
+
+@triton.jit
 def word_tile(w, off, part, FMT: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr):
     """[BLOCK_N, KW] f16: values part * KW on (KW 128 or 256: `STEPS`) of the super-blocks at byte offsets `off`
     ([BLOCK_N] int64) of `w` (uint8), decoded."""
     if FMT == FMT_Q4_K:
         v = _q4_k_tile(w, off, part, BLOCK_N, KW)
-    else:
-        tl.static_assert(FMT == FMT_Q6_K, "no word decode for this format")
+    elif FMT == FMT_Q6_K:
         v = _q6_k_tile(w, off, part, BLOCK_N, KW)
+    elif FMT == FMT_Q8_0:
+        v = _q8_0_tile(w, off, part, BLOCK_N, KW)
+    else:
+        tl.static_assert(FMT == FMT_Q5_0, "no word decode for this format")
+        v = _q5_0_tile(w, off, part, BLOCK_N, KW)
     return v.to(tl.float16)
 
 
