@@ -15,6 +15,9 @@ unit. Without `--block-m` etc. each launch takes the table's tile (`kernels.moe_
 the candidate tiles of every launch (a candidate that does not compile is reported and skipped) and stops
 starting new ones past `--budget` seconds; it prints each line as it is timed.
 
+The grouped launches take the row scales the routing launch writes (`route.RowScales`, computed here on the
+device from the drawn activations), as the lane binds them; the lines marked * take a step's own scale instead.
+
 Routing is drawn uniformly (each row's top-k distinct experts), sorted and counted on the host once: the
 grouped kernels read the same order and counts a chunk's routing launch writes. Each launch is timed with CUDA
 events, the median of 20 after 3 warm-up launches. The weights are random bytes: speed does not depend on
@@ -66,17 +69,17 @@ MODELS = {
 }
 
 # (BLOCK_M, BLOCK_N, warps, stages, word step) the sweep tries for each grouped launch
-CANDIDATES = [
-    (32, 128, 8, 1, 128),
+CANDIDATES = [  # the table's first (gate/up 64 x 64, down 32 x 128), then by how likely each is to win
+    (64, 64, 8, 2, 128),
     (32, 128, 8, 2, 128),
-    (64, 64, 8, 1, 128),
-    (64, 128, 8, 1, 128),
+    (32, 64, 8, 2, 128),
     (64, 128, 8, 2, 128),
-    (32, 64, 4, 1, 128),
-    (16, 128, 4, 1, 128),
-    (32, 128, 8, 1, 256),
+    (32, 128, 8, 1, 128),
+    (64, 64, 8, 3, 128),
+    (16, 128, 8, 2, 128),
+    (32, 256, 8, 2, 128),
     (64, 128, 8, 1, 256),
-    (32, 256, 8, 1, 128),
+    (32, 64, 4, 2, 128),
 ]
 
 
@@ -131,18 +134,25 @@ class Bench:
         self.sum_out, self.normed, self.res = (torch.randn(rows, d, device=dev) for _ in range(3))
         self.pair_out = torch.empty(self.pairs * d, device=dev)
         self.ones = torch.ones(d, device=dev)
+        # the row scales as the routing launch leaves them (the lane's path), and h's as gate/up would
+        amax = self.x.abs().amax(1)
+        scale = torch.where(amax > 2.0**14, torch.exp2(torch.ceil(torch.log2(amax / 2.0**14))), 1.0)
+        x16 = (self.x / scale[:, None]).half()
+        self.amax = route.RowScales(amax, x16, torch.zeros(self.pairs, dtype=torch.int32, device=dev))
+        self.h_amax = self.h_down.abs().amax(1).view(torch.int32)
 
     def weights(self, fmt: Format, n: int, kk: int) -> torch.Tensor:
         return torch.randint(0, 256, (self.experts * n * row_bytes(fmt, kk),), dtype=torch.uint8, device=self.dev)
 
-    def gate_up(self, fmt: Format, tile: dict):
+    def gate_up(self, fmt: Format, tile: dict, step_scales: bool = False):
         wg, wu = self.weights(fmt, self.dff, self.d), self.weights(fmt, self.dff, self.d)
         args = (fmt, self.experts, self.k, self.order, self.counts, self.dff, self.d, self.h)
         flops = 2 * self.pairs * 2 * self.dff * self.d
         nbytes = 2 * self.used * self.dff * row_bytes(fmt, self.d) + self.pairs * (self.d + self.dff) * F32
-        return (lambda: grouped.gate_up_grouped(self.x, wg, wu, *args, **tile)), flops, nbytes
+        amax = None if step_scales else self.amax
+        return (lambda: grouped.gate_up_grouped(self.x, wg, wu, *args, **tile, amax=amax)), flops, nbytes
 
-    def down(self, fmt: Format, tile: dict):
+    def down(self, fmt: Format, tile: dict, step_scales: bool = False):
         wd = self.weights(fmt, self.d, self.dff)
         width_tiles = grouped.down_width_tiles(fmt, self.d, tile.get("block_n"))
         norm = gc.GroupedNorm(self.ones, EPS, self.normed)
@@ -151,7 +161,8 @@ class Bench:
         flops = 2 * self.pairs * self.d * self.dff
         nbytes = (self.used * self.d * row_bytes(fmt, self.dff) + self.pairs * self.dff * F32
                   + 2 * self.pairs * self.d * F32 + 4 * self.rows * self.d * F32)  # fmt: skip
-        return (lambda: grouped.down_grouped(self.h_down, wd, *args, **tile)), flops, nbytes
+        h_amax = None if step_scales else self.h_amax
+        return (lambda: grouped.down_grouped(self.h_down, wd, *args, **tile, h_amax=h_amax)), flops, nbytes
 
     def routing(self):
         rows, experts, k, d, dev = self.rows, self.experts, self.k, self.d, self.dev
@@ -159,10 +170,11 @@ class Bench:
         scores, order = torch.empty(rows, experts, device=dev), torch.empty(rows * k, dtype=torch.int32, device=dev)
         counts, router = torch.empty(experts, dtype=torch.int32, device=dev), torch.randn(experts, d, device=dev)
         rcount, scratch = route.counters(dev, rows), route.sort_scratch(dev, rows, experts, k)
+        amax = route.row_scales(dev, rows, k, d)
 
         def launch() -> None:
             route.route(self.x, router.view(torch.uint8).view(-1), Format.F32, experts, k, True, ids, rweights,
-                        scores, rcount, order, counts, scratch=scratch)  # fmt: skip
+                        scores, rcount, order, counts, scratch=scratch, amax=amax)  # fmt: skip
 
         launch()
         want = np.argsort(ids.cpu().numpy().reshape(-1), kind="stable")
@@ -220,6 +232,11 @@ def main() -> None:
         layer = rt_us + gu_us + statistics.mean(dn_us)  # the down formats alternate by layer
         print(f"{'a layer':14s} {'':34s} {layer:9.1f} µs; {m.layers} layers: {m.layers * layer / 1e3:.2f} ms a "
               f"{a.rows}-row chunk's mixture", flush=True)  # fmt: skip
+    for f, make in [(fgu, b.gate_up)] + [(f, b.down) for f in fds]:  # a step's own scale: the k loop's branch
+        name = ("gate/up " if make == b.gate_up else "down ") + f.name
+        _time(name + " *", f, lambda fmt, tile, make=make: make(fmt, tile, step_scales=True), _given(a))
+    print("(* a step's own f16 scale, the branch in the k loop: the path without the routing launch's row scales)",
+          flush=True)  # fmt: skip
     if not a.sweep:
         return
     print("sweep (BLOCK_M x BLOCK_N, warps, stages, values a step for Q4_K / Q6_K):", flush=True)

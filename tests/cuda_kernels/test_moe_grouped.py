@@ -181,11 +181,12 @@ def test_row_scales_take_activations_past_f16():
     x[::4] *= np.float32(3e5)
     ids, weights = torch.zeros((rows, slots), dtype=torch.int32), torch.zeros((rows, slots))
     order, counts = torch.zeros(rows * slots, dtype=torch.int32), torch.zeros(experts, dtype=torch.int32)
-    amax = route.row_scales(DEVICE, rows, slots)
+    amax = route.row_scales(DEVICE, rows, slots, d)
     amax.h.fill_(-1)  # the routing launch zeroes it
     route.route(dev(x), dev(router.view(np.uint8)), Format.F32, experts, slots, True, ids, weights,
                 torch.zeros((rows, experts)), route.counters(DEVICE, rows), order, counts, amax=amax)  # fmt: skip
     assert np.array_equal(amax.x.numpy(), np.abs(x).max(1))
+    assert np.array_equal(amax.x16.numpy(), _scaled16(x))
     h = torch.zeros((rows * slots, dff))
     grouped.gate_up_grouped(dev(x), dev(rg), dev(ru), fmt, experts, slots, order, counts, dff, d, h, amax=amax,
                             **TILE)  # fmt: skip
@@ -274,7 +275,8 @@ def test_cuda_grouped_experts_real_widths(fmt_gu, fmt_d, shape, row_scales):
     order, counts = _sorted(ids, experts)
     pairs = rows * slots
     h = torch.empty((pairs, dff), device=DEVICE)
-    amax = route.RowScales(dev(np.abs(x).max(1)), torch.zeros(pairs, dtype=torch.int32, device=DEVICE))
+    zeros = torch.zeros(pairs, dtype=torch.int32, device=DEVICE)
+    amax = route.RowScales(dev(np.abs(x).max(1)), dev(_scaled16(x)), zeros)
     grouped.gate_up_grouped(dev(x), dev(rg), dev(ru), fmt_gu, experts, slots, order, counts, dff, d, h,
                             amax=amax if row_scales else None)  # fmt: skip
     res = rng.standard_normal((rows, d)).astype(np.float32)
@@ -317,7 +319,7 @@ def test_cuda_route_sorts_a_chunk(shape):
     ids, weights = torch.zeros((rows, k), dtype=torch.int32, device=DEVICE), torch.zeros((rows, k), device=DEVICE)
     order, counts = torch.zeros(rows * k, dtype=torch.int32, device=DEVICE), torch.zeros(experts, dtype=torch.int32,
                                                                                         device=DEVICE)  # fmt: skip
-    counter, amax = route.counters(DEVICE, rows), route.row_scales(DEVICE, rows, k)
+    counter, amax = route.counters(DEVICE, rows), route.row_scales(DEVICE, rows, k, d)
     for _ in range(2):
         route.route(dev(x), dev(w.view(np.uint8)), Format.F32, experts, k, True, ids, weights,
                     torch.zeros((rows, experts), device=DEVICE), counter, order, counts, amax=amax)  # fmt: skip
@@ -328,6 +330,13 @@ def test_cuda_route_sorts_a_chunk(shape):
         np.testing.assert_allclose(weights.sum(1).cpu().numpy(), 1.0, rtol=1e-5)
         assert not counter.any() and not amax.h.any()
         assert np.array_equal(amax.x.cpu().numpy(), np.abs(x).max(1))
+        assert np.array_equal(amax.x16.cpu().numpy(), _scaled16(x))
+
+
+def _scaled16(x: np.ndarray) -> np.ndarray:
+    """Each row divided by the power of two that brings it within 2^14 (1 where it is), rounded once to f16."""
+    scale = np.maximum(1.0, 2.0 ** np.ceil(np.log2(np.abs(x).astype(np.float64).max(axis=1) / 2**14)))
+    return (x / scale[:, None].astype(np.float32)).astype(np.float16)
 
 
 def _expert(raw: np.ndarray, fmt: Format, e: int, n: int, k: int) -> np.ndarray:

@@ -33,7 +33,7 @@ from fuselane.lanes.cuda.triton.gemv.epilogue import decode_unit, unit_values
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 from fuselane.lanes.cuda.triton.moe import words
 from fuselane.lanes.cuda.triton.moe.grouped_combine import Combine, combine_args, combine_rows, counters_for
-from fuselane.lanes.cuda.triton.moe.route import RowScales
+from fuselane.lanes.cuda.triton.moe.route import RowScales, f16_row_scale
 from fuselane.lanes.cuda.triton.moe.words import word_tile
 
 # The word decode reads the weights as 32-bit words: their bytes must start 4-aligned.
@@ -63,12 +63,6 @@ def _f16_rows(a):
     amax = tl.max(tl.abs(a), 1)
     scale = tl.where(amax > F16_SAFE, tl.exp2(tl.ceil(tl.log2(amax / F16_SAFE))), 1.0)
     return (a * (1.0 / scale)[:, None]).to(tl.float16), scale, tl.max(amax) > F16_SAFE
-
-
-@triton.jit
-def _row_scale(amax):
-    """The power of two each row is divided by before its f16 rounding (1 for a row within F16_SAFE)."""
-    return tl.where(amax > F16_SAFE, tl.exp2(tl.ceil(tl.log2(amax / F16_SAFE))), 1.0)
 
 
 @triton.jit
@@ -114,7 +108,7 @@ def _tile_pairs(order, counts, E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: 
 
 @triton.jit
 def gate_up_kernel(
-    x, w_gate, w_up, order, counts, out, x_amax, h_amax,
+    x, w_gate, w_up, order, counts, out, x_amax, x16, h_amax,
     N: tl.constexpr, KD: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr,
     EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
     ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, STEP_UNITS: tl.constexpr, STEP_VALUES: tl.constexpr,
@@ -129,11 +123,11 @@ def gate_up_kernel(
         cols = tl.arange(0, STEP_VALUES)
         gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if ROW_SCALES:  # one scale a row for the whole product: no branch in the loop, which is pipelined
-            row_scale = _row_scale(tl.load(x_amax + pair // SLOTS))
-            inv = (1.0 / row_scale)[:, None]
+        if ROW_SCALES:  # the rows the routing launch scaled and rounded: no branch in the loop, which is pipelined
+            row_scale = f16_row_scale(tl.load(x_amax + pair // SLOTS))
+            x16_rows = x16 + (pair // SLOTS).to(tl.int64) * KD
             for s in range(0, STEPS):
-                a16 = (tl.load(x_rows[:, None] + s * STEP_VALUES + cols[None, :]) * inv).to(tl.float16)
+                a16 = tl.load(x16_rows[:, None] + s * STEP_VALUES + cols[None, :])
                 wg = _tile(w_gate, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
                 gate = tl.dot(a16, tl.trans(wg), gate)
                 wu = _tile(w_up, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
@@ -175,7 +169,7 @@ def down_kernel(
         vals = tl.arange(0, STEP_VALUES)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if ROW_SCALES:  # the gate/up launch's largest |h| a pair: one scale a row, no branch in the loop
-            row_scale = _row_scale(tl.load(h_amax + pair).to(tl.float32, bitcast=True))
+            row_scale = f16_row_scale(tl.load(h_amax + pair).to(tl.float32, bitcast=True))
             inv = (1.0 / row_scale)[:, None]
             for s in range(0, STEPS):
                 a16 = (tl.load(h_rows[:, None] + s * STEP_VALUES + vals[None, :]) * inv).to(tl.float16)
@@ -253,8 +247,8 @@ def gate_up_grouped(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, expert
     fmt = Format(fmt)
     block_m, block_n, warps, stages = _tile_options(fmt, block_m, block_n, warps, stages, down=False)
     rows = order.numel() // slots
-    if amax is not None and (amax.x.numel() != rows or amax.h.numel() != rows * slots):
-        raise ValueError(f"the row scales must be ({rows},) and ({rows * slots},)")
+    if amax is not None and (amax.x.numel() != rows or amax.h.numel() != rows * slots or amax.x16.numel() != rows * k):
+        raise ValueError(f"the row scales must be ({rows},), ({rows}, {k}) and ({rows * slots},)")
     _check(w_gate, fmt, experts, n, k, order, counts)
     check_rows(w_up, fmt, experts * n, k)
     pairs = order.numel()
@@ -262,7 +256,7 @@ def gate_up_grouped(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, expert
         raise ValueError(f"x must be contiguous f32 ({pairs // slots}, {k})")
     if out.numel() != pairs * n or not out.is_contiguous():
         raise ValueError(f"out must be contiguous ({pairs}, {n})")
-    scales = (amax.x, amax.h) if amax is not None else (x, order)  # stand-ins where there are none
+    scales = (amax.x, amax.x16, amax.h) if amax is not None else (x, x, order)  # stand-ins where there are none
     gate_up_kernel[_grid(n, block_n, pairs, experts, block_m)](
         x, w_gate, w_up, order, counts, out, *scales, N=n, KD=k, SLOTS=slots, E=experts,
         E_BLOCK=triton.next_power_of_2(experts), **format_consts(fmt, n, k, w_gate, step), BLOCK_M=block_m,

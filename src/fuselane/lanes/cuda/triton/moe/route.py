@@ -37,6 +37,7 @@ from torch import Tensor
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton.gemm import F16_SAFE
 from fuselane.lanes.cuda.triton.gemv.formats import dot_rows
 from fuselane.lanes.cuda.triton.gemv.layout import FMT_F32
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, tiles
@@ -226,19 +227,26 @@ def _router_row(w_row, x, D: tl.constexpr, D_BLOCK: tl.constexpr, PDL: tl.conste
 
 
 @triton.jit
-def _row_amax(x, x_amax, h_amax, rows, ROWS: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
+def _row_amax(x, x_amax, x16, h_amax, rows, ROWS: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
               K_POW2: tl.constexpr, ROW_BLOCK: tl.constexpr):  # fmt: skip
-    """The block's rows' largest |value| into x_amax (the grouped gate/up's f16 scale of each row, `grouped`), and
-    their pairs' entries of h_amax zeroed (the largest |SiLU(gate) * up| the gate/up launch then takes)."""
+    """The block's rows' largest |value| into x_amax and the rows divided by their f16 scale, rounded once, into
+    x16 (the grouped gate/up's operand, `grouped`), and their pairs' entries of h_amax zeroed (the largest
+    |SiLU(gate) * up| the gate/up launch then takes)."""
     live = rows < ROWS
     cols = tl.arange(0, AMAX_CHUNK)
+    at_row = rows.to(tl.int64)[:, None] * D
     amax = tl.zeros([ROW_BLOCK], tl.float32)
     for c in range(0, tl.cdiv(D, AMAX_CHUNK)):
         at = c * AMAX_CHUNK + cols
         m = live[:, None] & (at < D)[None, :]
-        v = tl.load(x + rows.to(tl.int64)[:, None] * D + at[None, :], mask=m, other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(v), 1))
+        amax = tl.maximum(amax, tl.max(tl.abs(tl.load(x + at_row + at[None, :], mask=m, other=0.0)), 1))
     tl.store(x_amax + rows, amax, mask=live)
+    inv = (1.0 / f16_row_scale(amax))[:, None]
+    for c in range(0, tl.cdiv(D, AMAX_CHUNK)):
+        at = c * AMAX_CHUNK + cols
+        m = live[:, None] & (at < D)[None, :]
+        v = tl.load(x + at_row + at[None, :], mask=m, other=0.0)
+        tl.store(x16 + at_row + at[None, :], (v * inv).to(tl.float16), mask=m)
     slot = tl.arange(0, K_POW2)[None, :]
     tl.store(h_amax + rows[:, None] * K + slot, tl.zeros([ROW_BLOCK, K_POW2], tl.int32),
              mask=live[:, None] & (slot < K))  # fmt: skip
@@ -246,7 +254,7 @@ def _row_amax(x, x_amax, h_amax, rows, ROWS: tl.constexpr, D: tl.constexpr, K: t
 
 @triton.jit
 def _route_kernel(
-    x, w, scores, ids, weights, order, counts, counter, hist, rank, x_amax, h_amax, bias, scale,
+    x, w, scores, ids, weights, order, counts, counter, hist, rank, x_amax, x16, h_amax, bias, scale,
     D: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr, K_BLOCK: tl.constexpr,
     ROWS: tl.constexpr, ROW_BLOCK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
     SORT: tl.constexpr, COUNT: tl.constexpr, HB: tl.constexpr, PB: tl.constexpr, AMAX: tl.constexpr,
@@ -269,7 +277,7 @@ def _route_kernel(
     tl.store(scores + rows[:, None] * E + e[None, :], y, mask=(rows < ROWS)[:, None] & (e < E)[None, :])
     if AMAX:
         if tl.program_id(0) == 0:
-            _row_amax(x, x_amax, h_amax, rows, ROWS, D, K, K_BLOCK, ROW_BLOCK)
+            _row_amax(x, x_amax, x16, h_amax, rows, ROWS, D, K, K_BLOCK, ROW_BLOCK)
     tl.debug_barrier()
     done = tl.atomic_add(counter + 1 + block, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:  # a block's last tile of experts ranks its rows: the blocks in parallel
@@ -294,15 +302,27 @@ def _route_kernel(
 class RowScales:
     """What lets the grouped GEMM round its activations to f16 with one scale a row for the whole product (no
     branch in its k loop, which the software pipeliner then stages): x (rows,) f32, each chunk row's largest
-    |value|, written by the routing launch; h (pairs,) int32, the bits of each pair's largest |SiLU(gate) * up|
-    (non-negative floats order as their bits), zeroed by the routing launch and raised by the gate/up's."""
+    |value|, and x16 (rows, d) f16, each row divided by its scale (`f16_row_scale`) and rounded once, both
+    written by the routing launch, which reads the rows anyway (the gate/up launch then reads half the bytes
+    and converts nothing); h (pairs,) int32, the bits of each pair's largest |SiLU(gate) * up| (non-negative
+    floats order as their bits), zeroed by the routing launch and raised by the gate/up launch's programs."""
 
     x: Tensor
+    x16: Tensor
     h: Tensor
 
 
-def row_scales(device, rows: int, k: int) -> RowScales:
-    return RowScales(torch.zeros(rows, device=device), torch.zeros(rows * k, dtype=torch.int32, device=device))
+def row_scales(device, rows: int, k: int, d: int) -> RowScales:
+    """Row scales for a chunk of `rows` rows of width `d` and `k` kept experts (each launch writes them)."""
+    return RowScales(torch.zeros(rows, device=device), torch.zeros(rows, d, dtype=torch.float16, device=device),
+                     torch.zeros(rows * k, dtype=torch.int32, device=device))  # fmt: skip
+
+
+@triton.jit
+def f16_row_scale(amax):
+    """The power of two a row of largest |value| `amax` is divided by before its f16 rounding (1 within
+    F16_SAFE): the prefill GEMM's (`gemm`), once a row instead of once a step."""
+    return tl.where(amax > F16_SAFE, tl.exp2(tl.ceil(tl.log2(amax / F16_SAFE))), 1.0)
 
 
 def sort_scratch(device, rows: int, experts: int, k: int) -> Tensor:
@@ -366,13 +386,14 @@ def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool,
     hist, rank = _sort_scratch(scratch if scratch is not None or not sort else sort_scratch(x.device, rows, experts, k),
                                rows, experts, k, ids)  # fmt: skip
     if amax is not None and (not sort or amax.x.numel() != rows or amax.h.numel() != rows * k
-                             or amax.h.dtype != torch.int32):  # fmt: skip
-        raise ValueError(f"the row scales take a sorted chunk's ({rows},) f32 and ({rows * k},) int32")
-    x_amax, h_amax = (amax.x, amax.h) if amax is not None else (scores, ids)
+                             or amax.h.dtype != torch.int32 or amax.x16.numel() != rows * d):  # fmt: skip
+        raise ValueError(f"the row scales take a sorted chunk's ({rows},) f32, ({rows}, {d}) f16 and ({rows * k},) "
+                         "int32")  # fmt: skip
+    x_amax, x16, h_amax = (amax.x, amax.x16, amax.h) if amax is not None else (scores, scores, ids)
     hb = max(1, min(triton.next_power_of_2(_blocks(rows)), HIST_A_PASS // triton.next_power_of_2(experts)))
     _route_kernel[(tiles(experts, plan["BLOCK_N"]), _blocks(rows))](
         x, w, scores, ids, weights, order if sort else ids, ids if counts is None else counts, counter, hist, rank,
-        x_amax, h_amax, scores if bias is None else bias, float(scale),
+        x_amax, x16, h_amax, scores if bias is None else bias, float(scale),
         D=d, E=experts, E_BLOCK=triton.next_power_of_2(experts), K=k, K_BLOCK=triton.next_power_of_2(k),
         ROWS=rows, ROW_BLOCK=row_block, RENORM=renorm, SIGMOID=sigmoid, BIAS=bias is not None, SORT=sort,
         COUNT=counts is not None, AMAX=amax is not None, HB=hb, PB=PAIRS_A_PASS,
