@@ -220,7 +220,8 @@ def test_row_scales_take_activations_past_f16():
 
 
 def test_route_sorts_and_counts_each_experts_pairs():
-    # more pairs than a pass of the counting sort takes: each expert's count carries from one pass to the next
+    # more pairs than a pass of the sort's placing takes, over many blocks of rows: each expert's first place
+    # carries from block to block, and from one pass to the next
     rng = np.random.default_rng(5)
     rows, experts, d, k = route.PAIRS_A_PASS // 2 + 10, 6, 64, 2
     w = rng.standard_normal((experts, d)).astype(np.float32)

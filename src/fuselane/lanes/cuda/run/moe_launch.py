@@ -100,8 +100,12 @@ def route_topk(op: Op, b) -> list:
         scratch = b.scratch.setdefault(key, route.sort_scratch(x.device, spec.rows, spec.experts, spec.k))
     amax = None
     if order is not None and counts is not None:  # the grouped GEMM's: each row's f16 scale (`route.RowScales`)
-        fresh = route.row_scales(x.device, spec.rows, spec.k, x.shape[1])
-        amax = b.scratch.setdefault(_amax_key(mm.ins[0], spec.rows, spec.k), fresh)
+        # one a shape (the layers' launches run one after another, each layer's routing writing them before its
+        # gate/up and down read them), found by the activation's name
+        shape = f"moe-amax:{spec.rows}x{spec.k}x{x.shape[1]}"
+        if shape not in b.scratch:
+            b.scratch[shape] = route.row_scales(x.device, spec.rows, spec.k, x.shape[1])
+        amax = b.scratch[_amax_key(mm.ins[0], spec.rows, spec.k)] = b.scratch[shape]
     gating = dict(sigmoid=spec.gating is Gating.SIGMOID, bias=bias, scale=spec.scale, scratch=scratch, amax=amax)
     return [lambda: route.route(x, w, fmt, *args, **gating)]
 
