@@ -32,7 +32,7 @@ from fuselane.lanes.cuda.plan import kernels
 D, DFF, EXPERTS, TOP, ROWS = 2048, 768, 128, 8, 512
 SM90 = GPUTarget("cuda", 90, 32)
 POINTERS = {"w": "*u8", "w_gate": "*u8", "w_up": "*u8", "order": "*i32", "counts": "*i32", "counters": "*i32",
-            "h_amax": "*i32"}  # fmt: skip
+            "h_amax": "*i32", "x16": "*fp16"}  # fmt: skip
 
 
 def _ptxas(ptx: str) -> str:

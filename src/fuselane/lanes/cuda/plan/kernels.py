@@ -199,15 +199,16 @@ MOE_GATE_UP_BLOCK_N = 128
 MOE_DOWN_BLOCK_N = 128
 MOE_GEMM_WARPS = 8
 MOE_GEMM_STAGES = 1
-# The formats the word decode takes (`triton/moe/words.py`: Q4_K, Q6_K) have tiles of their own, (BLOCK_M,
-# BLOCK_N, warps, stages) of the gate/up and the down launch, and take MOE_WORDS_STEP values of a super-block
-# a step (`words.STEPS`: its half or whole). Their loads are 32-bit words and, with the routing launch's row
-# scales (`route.RowScales`: no branch in the k loop), Triton's pipeliner stages them (cp.async) two steps
-# deep. Chosen from the compiler alone (ptxas sm_90, `benchmarks/moe_registers.py`, Qwen3-30B-A3B's widths):
-# a whole super-block a step took 255 registers and spilled 400-1,050 bytes a thread at 64 x 64 and 64 x 128;
-# half of one, two stages, gate/up at 64 pairs x 64 rows takes 244 registers and spills nothing (32 x 128
-# spills 104 bytes, 64 x 128 152), the down launch 36 bytes at 32 x 128 for Q4_K and 120 for Q6_K (220 and
-# 124 at 64 x 128 / 64 x 64). Not yet timed: `benchmarks/moe_prefill.py --sweep` times every candidate.
+# The formats the word decode takes (`triton/moe/words.py`: Q4_K, Q6_K, Q8_0, Q5_0) have tiles of their own,
+# (BLOCK_M, BLOCK_N, warps, stages) of the gate/up and the down launch, and take MOE_WORDS_STEP values a step
+# (`words.STEPS`: half a super-block, or four 32-value blocks). Their loads are 32-bit words and, with the
+# routing launch's row scales (`route.RowScales`: no branch in the k loop), Triton's pipeliner stages them
+# (cp.async) `stages` steps ahead. Chosen from the compiler alone (ptxas sm_90, `benchmarks/moe_registers.py`,
+# Qwen3-30B-A3B's widths): a whole super-block a step took 255 registers and spilled 400-1,050 bytes a thread
+# at 64 x 64 and 64 x 128; half of one, two stages, gate/up at 64 pairs x 64 rows takes 224 registers (Q6_K
+# 234) and spills nothing (64 x 128: 253, none), the down launch spills 36 bytes at 32 x 128 for Q4_K and 120
+# for Q6_K (none at 32 x 64, which reads the pairs' activations twice as often; 220 at 64 x 128). Not yet
+# timed: `benchmarks/moe_prefill.py --sweep` times every candidate.
 MOE_WORDS_GATE_UP_TILE = (64, 64, 8, 2)
 MOE_WORDS_DOWN_TILE = (32, 128, 8, 2)
 MOE_WORDS_STEP = 128
