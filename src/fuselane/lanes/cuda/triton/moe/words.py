@@ -1,11 +1,12 @@
-"""The grouped expert GEMM's weight decode from 32-bit words: a step's super-block of BLOCK_N checkpoint rows
-as one [BLOCK_N, 256] f16 tile, each value `fuselane.gguf.dequant`'s f32 rounded once to f16 (bit for bit).
+"""The grouped expert GEMM's weight decode from 32-bit words: a step's values (half a super-block or a whole
+one; four or eight 32-value blocks) of BLOCK_N checkpoint rows as one [BLOCK_N, KW] f16 tile, each value
+`fuselane.gguf.dequant`'s f32 rounded once to f16 (bit for bit).
 
 `gemv.epilogue.unit_values` decodes a unit from per-value byte pointers: a load, an index computation and a
 reshape a value or two, and byte loads, which the software pipeliner cannot stage asynchronously (cp.async
 moves 4, 8 or 16 bytes). Here each field is loaded as whole 32-bit words in a tile shaped so that the values a
 word holds are the broadcast of its shifts over the tile's trailing dimensions, and the tile's natural order
-is the values' own: the reshape to [BLOCK_N, 256] moves nothing. A value then costs a shift, a mask (with the
+is the values' own: the reshape to [BLOCK_N, KW] moves nothing. A value then costs a shift, a mask (with the
 2^23 trick's OR), a subtraction, a multiply-add and half a conversion; the scales are unpacked once a
 sub-block.
 
@@ -15,8 +16,14 @@ sub-block.
 - Q6_K (210-byte blocks, 2-aligned): half H's ql byte 4a + c (a < 16) holds value 128H + 4a + c in its low
   nibble and 64 more in its high one, qh byte 32H + 4(a % 8) + c their top bits (crumb a // 8, and 2 more),
   so [BLOCK_N, 2 (H), 2 (nibble), 16 (a), 4 (c)] is value 128H + 64 * nibble + 4a + c, scale (128H + 64 *
-  nibble + 4a) // 16. A block at an odd multiple of 2 bytes reads each word from its two aligned neighbours
-  (a funnel shift).
+  nibble + 4a) // 16.
+- Q8_0 (34 bytes): [BLOCK_N, block, 8 (word), 4 (byte)], the signed byte through the 2^23 trick with its
+  sign bit flipped; Q5_0 (22 bytes): [BLOCK_N, block, 2 (nibble), 4 (word of qs), 4 (byte)], value 16 *
+  nibble + 4 * word + byte, its fifth bit that bit of qh.
+
+A field 2 bytes past a word (the 2-aligned formats' blocks at an odd multiple of 2 bytes) is read from its
+two aligned neighbours (a funnel shift; the second word is not read where the field is aligned). A block's
+last word so read may take up to 2 bytes past the block, within the 4-aligned word of its last bytes.
 """
 
 from __future__ import annotations
