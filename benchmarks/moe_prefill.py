@@ -20,7 +20,8 @@ device from the drawn activations), as the lane binds them; the lines marked * t
 
 Routing is drawn uniformly (each row's top-k distinct experts), sorted and counted on the host once: the
 grouped kernels read the same order and counts a chunk's routing launch writes. Each launch is timed with CUDA
-events, the median of 20 after 3 warm-up launches. The weights are random bytes: speed does not depend on
+events as a CUDA graph of 10 launches replayed (the host's time to issue a launch not counted), the median of
+20 replays after 3 warm-up launches. The weights are random bytes: speed does not depend on
 their values (a block's scales may decode to NaN, which costs the arithmetic nothing). FLOPs count the
 products' 2 * pairs * n * k; bytes count the weights of the experts some pair routes to (each once), the
 activations read and the results written.
@@ -44,6 +45,7 @@ from fuselane.lanes.cuda.triton.moe import grouped, route, words
 from fuselane.lanes.cuda.triton.moe import grouped_combine as gc
 
 WARMUP, TIMED = 3, 20
+GRAPH_LAUNCHES = 10  # launches a timed CUDA graph replays
 EPS = 1e-6
 F32 = 4
 
@@ -84,20 +86,33 @@ CANDIDATES = [  # the table's first (gate/up 64 x 64, down 32 x 128), then by ho
 
 
 def _median_us(launch) -> float:
+    """The launch's median µs on the GPU: timed as replays of a CUDA graph of GRAPH_LAUNCHES launches (so the
+    host's time to issue a launch, tens of µs through Python, is not counted), or launch by launch where the
+    capture fails."""
     if not torch.cuda.is_available():  # --dry-run: the interpreter, once, by the host's clock
         t = time.perf_counter()
         launch()
         return (time.perf_counter() - t) * 1e6
     for _ in range(WARMUP):
         launch()
+    run, per = launch, 1
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(GRAPH_LAUNCHES):
+                launch()
+        graph.replay()
+        run, per = graph.replay, GRAPH_LAUNCHES
+    except RuntimeError as e:
+        print(f"  (not captured, timed launch by launch: {str(e).splitlines()[0][:80]})", flush=True)
     times = []
     for _ in range(TIMED):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        launch()
+        run()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+        times.append(start.elapsed_time(end) * 1e3 / per)
     return statistics.median(times)
 
 
