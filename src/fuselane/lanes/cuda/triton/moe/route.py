@@ -358,7 +358,8 @@ def counters(device, rows: int = 1) -> Tensor:
 def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool, ids: Tensor, weights: Tensor,
           scores: Tensor, counter: Tensor, order: Tensor | None = None, counts: Tensor | None = None, *,
           sigmoid: bool = False, bias: Tensor | None = None, scale: float = 1.0,
-          scratch: Tensor | None = None, amax: RowScales | None = None) -> None:  # fmt: skip
+          scratch: Tensor | None = None, amax: RowScales | None = None,
+          maxnreg: int | None = None) -> None:  # fmt: skip
     """ids (rows, k) int32 and weights (rows, k) f32 of x's rows (rows, d) f32 routed by the router `w`
     (experts, d) checkpoint rows in `fmt`; `scores` (rows, experts) f32 scratch; with `order` (rows * k,)
     int32 also the pairs ordered by expert, and with `counts` (experts,) int32 the pairs each expert takes.
@@ -366,7 +367,8 @@ def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool,
     are ranked by their probabilities plus `bias` (experts,) f32 where given (DeepSeek-V3's correction),
     else by their scores; the kept weights are the probabilities (renormalised over the k where `renorm`)
     times `scale`. One launch; the sort takes `scratch` (`sort_scratch`; one is made where not given). With
-    `amax` it also writes each row's largest |x| and zeroes the pairs' largest |h| (`RowScales`)."""
+    `amax` it also writes each row's largest |x| and zeroes the pairs' largest |h| (`RowScales`). `maxnreg` caps
+    a thread's registers (the benchmark's trial: 2 blocks a SM for the scores, spilling in the ranking)."""
     rows, d = x.shape
     if ids.dtype != torch.int32 or ids.numel() != rows * k or weights.numel() != rows * k:
         raise ValueError(f"ids must be int32 and ids and weights ({rows}, {k})")
@@ -398,5 +400,5 @@ def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool,
         ROWS=rows, ROW_BLOCK=row_block, RENORM=renorm, SIGMOID=sigmoid, BIAS=bias is not None, SORT=sort,
         COUNT=counts is not None, AMAX=amax is not None, HB=hb, PB=PAIRS_A_PASS,
         D_BLOCK=triton.next_power_of_2(d),
-        num_warps=warps, **plan, **pdl.options(),
+        num_warps=warps, **plan, **pdl.options(), **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )  # fmt: skip
