@@ -74,17 +74,17 @@ MODELS = {
 }
 
 # (BLOCK_M, BLOCK_N, warps, stages, word step) the sweep tries for each grouped launch
-CANDIDATES = [  # the table's first (gate/up 64 x 64, down 32 x 128), then by how likely each is to win
+CANDIDATES = [  # the table's first (gate/up 64 x 64, down 64 x 128), then by how likely each is to win
     (64, 64, 8, 2, 128),
-    (32, 128, 8, 2, 128),
-    (32, 64, 8, 2, 128),
     (64, 128, 8, 2, 128),
-    (32, 128, 8, 1, 128),
     (64, 64, 8, 3, 128),
-    (16, 128, 8, 2, 128),
-    (32, 256, 8, 2, 128),
+    (128, 64, 8, 2, 128),
+    (64, 128, 8, 3, 128),
+    (32, 128, 8, 2, 128),
+    (64, 256, 8, 2, 128),
+    (64, 64, 4, 2, 128),
     (64, 128, 8, 1, 256),
-    (32, 64, 4, 2, 128),
+    (128, 128, 8, 2, 128),
 ]
 
 

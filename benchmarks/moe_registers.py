@@ -52,7 +52,9 @@ def _compile(kernel, consts: dict, warps: int, stages: int) -> str:
         name: "constexpr" if name in consts else "fp32" if name == "eps" else POINTERS.get(name, "*fp32")
         for name in kernel.arg_names
     }
-    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=SM90,
+    # every pointer 16-byte aligned, as a launch's JIT specializes a device allocation's
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if sig[name].startswith("*")}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs), target=SM90,
                               options=dict(num_warps=warps, num_stages=stages))  # fmt: skip
     staged = "cp.async" in compiled.asm["ptx"]
     return f"{_ptxas(compiled.asm['ptx'])}; loads {'staged' if staged else 'not staged'}"

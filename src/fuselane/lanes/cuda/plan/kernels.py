@@ -203,14 +203,16 @@ MOE_GEMM_STAGES = 1
 # (BLOCK_M, BLOCK_N, warps, stages) of the gate/up and the down launch, and take MOE_WORDS_STEP values a step
 # (`words.STEPS`: half a super-block, or four 32-value blocks). Their loads are 32-bit words and, with the
 # routing launch's row scales (`route.RowScales`: no branch in the k loop), Triton's pipeliner stages them
-# (cp.async) `stages` steps ahead. Chosen from the compiler alone (ptxas sm_90, `benchmarks/moe_registers.py`,
-# Qwen3-30B-A3B's widths): a whole super-block a step took 255 registers and spilled 400-1,050 bytes a thread
-# at 64 x 64 and 64 x 128; half of one, two stages, gate/up at 64 pairs x 64 rows takes 224 registers (Q6_K
-# 234) and spills nothing (64 x 128: 253, none), the down launch spills 36 bytes at 32 x 128 for Q4_K and 120
-# for Q6_K (none at 32 x 64, which reads the pairs' activations twice as often; 220 at 64 x 128). Not yet
-# timed: `benchmarks/moe_prefill.py --sweep` times every candidate.
+# (cp.async) `stages` steps ahead. Chosen from the compiler alone (ptxas sm_90 with the launch's 16-byte
+# aligned pointers, `benchmarks/moe_registers.py`, Qwen3-30B-A3B's widths; DeepSeek-V2-Lite's 1,408-value
+# down rows for Q8_0 / Q5_0): 64 pairs, the warp group's wgmma (32 take mma.sync and 255 registers);
+# gate/up 64 weight rows, 99 registers (Q6_K 141, Q8_0 / Q5_0 128), two blocks a SM (64 x 128: 183); down
+# 128 weight rows, so each pair's activations are read by half as many programs as at 64: 200 registers
+# for Q4_K, 255 and 28-40 bytes spilled for Q6_K, Q8_0, Q5_0 (64 x 64: 141-174, none). A whole super-block
+# a step took 255 registers and spilled 400-1,050 bytes a thread. Not yet timed: `benchmarks/moe_prefill.py
+# --sweep` times every candidate.
 MOE_WORDS_GATE_UP_TILE = (64, 64, 8, 2)
-MOE_WORDS_DOWN_TILE = (32, 128, 8, 2)
+MOE_WORDS_DOWN_TILE = (64, 128, 8, 2)
 MOE_WORDS_STEP = 128
 
 
