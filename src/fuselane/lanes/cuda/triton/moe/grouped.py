@@ -7,10 +7,13 @@ returns to the host and the grid is a bound, not a count: `kernels.moe_tiles_bou
 past the chunk's ends at once) by the tiles of weight rows. The launches are thus captured as they are.
 
 A program takes one tile of one expert's pairs by BLOCK_N rows of that expert's matrix (the 3-D tensor's
-base + expert * an expert's bytes): it gathers the pairs' activation rows, decodes the weight rows' units to
-f16 as the dense prefill GEMM does (`gemv.epilogue.unit_values`, each value `fuselane.gguf.dequant`'s f32,
-rounded once), and multiplies on the tensor cores (`tl.dot`, f32 sums), a step of whole units at a time. An
-activation row past f16's range is scaled by a power of two first, as `gemm` does.
+base + expert * an expert's bytes): it gathers the pairs' activation rows, decodes the weight rows to f16
+(each value `fuselane.gguf.dequant`'s f32, rounded once: from 32-bit words for the formats `words` takes, a
+step of half a super-block or four blocks; else unit by unit as the dense prefill GEMM does,
+`gemv.epilogue.unit_values`), and multiplies on the tensor cores (`tl.dot`, f32 sums). An activation row
+past f16's range is divided by a power of two first: with the routing launch's row scales (`route.RowScales`,
+the lane's path) one a row for the whole product, so the k loop has no branch and Triton's pipeliner stages
+its loads; without them a step's own, as `gemm` does.
 
 - `gate_up_grouped` (MoeGateUpAct): both products of a tile, SiLU(gate) * up in the epilogue, stored at each
   pair's row of the output (the layout the down products read).
