@@ -100,7 +100,7 @@ def _q4_k_tile(w, off, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
     i = tl.arange(0, 8)[None, None, None, :, None]
     b = tl.arange(0, 4)[None, None, None, None, :]
     words = tl.load(p + Q4_K_QS // WORD + j * 8 + i)  # [BLOCK_N, 4, 1, 8, 1]
-    code = ((words >> (NIBBLE_BITS * h + BYTE_BITS * b)) & NIBBLE) | F32_TWO_23_BITS  # [BLOCK_N, J, 2, 8, 4]
+    code = ((words >> (h * NIBBLE_BITS + b * BYTE_BITS)) & NIBBLE) | F32_TWO_23_BITS  # [BLOCK_N, J, 2, 8, 4]
     head = tl.load(p)  # d, dmin
     sa = tl.load(p + Q4_K_SCALES // WORD)
     sb = tl.load(p + Q4_K_SCALES // WORD + 1)
@@ -144,7 +144,7 @@ def _q6_k_tile(w, off, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
     top = (qh >> (c * BYTE_BITS + (a // 8) * 2 + nib * NIBBLE_BITS).to(tl.uint32)) & CRUMB
     code = (low | (top << NIBBLE_BITS) | F32_TWO_23_BITS).to(tl.int32, bitcast=True)
     sw = _word_at(p + Q6_K_SCALES // WORD + 2 * hh + nib, mis).to(tl.int32, bitcast=True)  # [BLOCK_N, H, 2, 1, 1]
-    sc = (sw << (SIGN_SHIFT - BYTE_BITS * (a // 4))) >> SIGN_SHIFT  # [BLOCK_N, H, 2, 16, 1]: signed
+    sc = (sw << ((a // 4) * -BYTE_BITS + SIGN_SHIFT)) >> SIGN_SHIFT  # [BLOCK_N, H, 2, 16, 1]: signed
     # d's two bytes lie in one aligned word either way (the block's last 4-aligned word, or its 2 bytes on)
     d = _f16_half((tl.load(p + Q6_K_D // WORD) >> mis).to(tl.int32, bitcast=True), 0)
     v = (d * sc.to(tl.float32)) * in_two_23(code, Q6_BIAS)
