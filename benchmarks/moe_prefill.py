@@ -1,15 +1,27 @@
-"""What a prefill chunk's grouped expert GEMM (`triton.moe.grouped`) takes alone, at Qwen3-30B-A3B's widths:
-the gate/up launch (both products and the SwiGLU) and the down launch (the products times the route weights,
-the combine, the residual and the next norm), in µs, achieved TFLOPS and GB/s; and, for the whole mixture's
-three launches, the routing launch before them (router scores, top-k, the sort and the counts) on its own
-drawn routing.
+"""What a prefill chunk's mixture launches take alone: the routing launch (router scores, top-k, the sort and
+the counts), the grouped gate/up (both products and the SwiGLU) and the grouped down (the products times the
+route weights, the combine, the residual and the next norm), in µs, achieved TFLOPS and GB/s, at a model's
+widths; with `--sweep`, the grouped launches at every candidate tile, one table.
 
-Usage: python benchmarks/moe_prefill.py [--rows 512] [--experts 128] [--top 8] [--d 2048] [--dff 768]
-[--gate-up Q4_K] [--down Q4_K] [--block-m 64] [--block-n-gate-up 32] [--block-n-down 32] (on a GPU).
+Usage (on a GPU):
+    python benchmarks/moe_prefill.py [--model qwen3-30b-a3b | deepseek-v2-lite] [--rows 512] [--experts N]
+        [--top K] [--d D] [--dff F] [--gate-up Q4_K] [--down Q4_K Q6_K] [--block-m M] [--block-n N]
+        [--warps W] [--stages S] [--step 128] [--sweep] [--budget 110]
+
+A model preset gives the widths and the formats a Q4_K_M file holds: Qwen3-30B-A3B's experts are Q4_K with
+the down Q4_K or Q6_K by layer; DeepSeek-V2-Lite's down rows (1,408 values) are not whole super-blocks, so
+llama.cpp's Q4_K_M writes them Q5_0 or Q8_0 (`gguf.synth.fit_format`), which the grouped GEMM decodes unit by
+unit. Without `--block-m` etc. each launch takes the table's tile (`kernels.moe_gemm_tile`). `--sweep` times
+the candidate tiles of every launch (a candidate that does not compile is reported and skipped) and stops
+starting new ones past `--budget` seconds; it prints each line as it is timed.
+
+The grouped launches take the row scales the routing launch writes (`route.RowScales`, computed here on the
+device from the drawn activations), as the lane binds them; the lines marked * take a step's own scale instead.
 
 Routing is drawn uniformly (each row's top-k distinct experts), sorted and counted on the host once: the
-kernels read the same order and counts a chunk's routing launch writes. Each launch is timed with CUDA
-events, the median of 20 after 3 warm-up launches. The weights are random bytes: speed does not depend on
+grouped kernels read the same order and counts a chunk's routing launch writes. Each launch is timed with CUDA
+events as a CUDA graph of 10 launches replayed (the host's time to issue a launch not counted), the median of
+20 replays after 3 warm-up launches. The weights are random bytes: speed does not depend on
 their values (a block's scales may decode to NaN, which costs the arithmetic nothing). FLOPs count the
 products' 2 * pairs * n * k; bytes count the weights of the experts some pair routes to (each once), the
 activations read and the results written.
@@ -19,108 +31,255 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from fuselane.gguf.formats import Format, row_bytes
+from fuselane.gguf.synth import fit_format
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.triton.moe import grouped, route
+from fuselane.lanes.cuda.triton.moe import grouped, route, words
 from fuselane.lanes.cuda.triton.moe import grouped_combine as gc
 
 WARMUP, TIMED = 3, 20
-MODEL_LAYERS = 48  # Qwen3-30B-A3B's
+GRAPH_LAUNCHES = 10  # launches a timed CUDA graph replays
+# The routing launch's registers a thread capped (ptxas sm_90: 197 -> 128, 48 bytes spilled): two blocks a SM
+# for the scores, timed beside the uncapped launch.
+ROUTE_MAXNREG = 128
 EPS = 1e-6
 F32 = 4
 
 
+@dataclass(frozen=True, slots=True)
+class Model:
+    """A model's mixture widths, its layers, and the expert formats of its Q4_K_M file."""
+
+    experts: int
+    top: int
+    d: int
+    dff: int
+    layers: int
+    gate_up: str
+    downs: tuple[str, ...]
+
+
+MODELS = {
+    "qwen3-30b-a3b": Model(128, 8, 2048, 768, 48, "Q4_K", ("Q4_K", "Q6_K")),
+    # the down rows' Q4_K / Q6_K fall back as llama.cpp's do (1,408 is not whole super-blocks)
+    "deepseek-v2-lite": Model(64, 6, 2048, 1408, 26, "Q4_K",
+                              tuple(fit_format(Format[f], 1408).name for f in ("Q4_K", "Q6_K"))),  # fmt: skip
+}
+
+# (BLOCK_M, BLOCK_N, warps, stages, word step) the sweep tries for each grouped launch
+CANDIDATES = [  # the table's first (gate/up 64 x 64, down 64 x 128), then by how likely each is to win
+    (64, 64, 8, 2, 128),
+    (64, 128, 8, 2, 128),
+    (64, 64, 8, 3, 128),
+    (128, 64, 8, 2, 128),
+    (64, 128, 8, 3, 128),
+    (32, 128, 8, 2, 128),
+    (64, 256, 8, 2, 128),
+    (64, 64, 4, 2, 128),
+    (64, 128, 8, 1, 256),
+    (128, 128, 8, 2, 128),
+]
+
+
 def _median_us(launch) -> float:
+    """The launch's median µs on the GPU: timed as replays of a CUDA graph of GRAPH_LAUNCHES launches (so the
+    host's time to issue a launch, tens of µs through Python, is not counted), or launch by launch where the
+    capture fails."""
+    if not torch.cuda.is_available():  # --dry-run: the interpreter, once, by the host's clock
+        t = time.perf_counter()
+        launch()
+        return (time.perf_counter() - t) * 1e6
     for _ in range(WARMUP):
         launch()
+    run, per = launch, 1
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(GRAPH_LAUNCHES):
+                launch()
+        graph.replay()
+        run, per = graph.replay, GRAPH_LAUNCHES
+    except RuntimeError as e:
+        print(f"  (not captured, timed launch by launch: {str(e).splitlines()[0][:80]})", flush=True)
     times = []
     for _ in range(TIMED):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        launch()
+        run()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+        times.append(start.elapsed_time(end) * 1e3 / per)
     return statistics.median(times)
 
 
-def _report(name: str, us: float, flops: float, nbytes: float) -> None:
-    print(f"{name:8s} {us:9.1f} µs  {flops / us / 1e6:7.1f} TFLOPS  {nbytes / us / 1e3:7.1f} GB/s")
+def _line(name: str, tile: str, us: float, flops: float, nbytes: float) -> None:
+    print(f"{name:14s} {tile:34s} {us:9.1f} µs  {flops / us / 1e6:7.1f} TFLOPS  {nbytes / us / 1e3:7.1f} GB/s",
+          flush=True)  # fmt: skip
+
+
+def _tile_name(fmt: Format, tile: dict) -> str:
+    if not tile:
+        return "table"
+    if "registers" in tile:
+        return f"at most {tile['registers']} registers"
+    said = f"{tile['block_m']}x{tile['block_n']} w{tile['warps']} s{tile['stages']}"
+    return said + (f" k{tile['step']}" if words.takes(fmt) else "")
+
+
+class Bench:
+    """The chunk's tensors at the given widths, and each launch as a closure."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.dev = dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.rows, self.experts, self.k, self.d, self.dff = a.rows, a.experts, a.top, a.d, a.dff
+        rows, experts, k, d, dff = self.rows, self.experts, self.k, self.d, self.dff
+        self.pairs = rows * k
+        rng = np.random.default_rng(0)
+        ids = np.stack([rng.permutation(experts)[:k] for _ in range(rows)]).reshape(-1)
+        self.order = torch.from_numpy(np.argsort(ids, kind="stable").astype(np.int32)).to(dev)
+        counts = np.bincount(ids, minlength=experts).astype(np.int32)
+        self.counts = torch.from_numpy(counts).to(dev)
+        self.used = int((counts > 0).sum())
+        self.x = torch.randn(rows, d, device=dev)
+        self.h = torch.empty(self.pairs, dff, device=dev)
+        self.h_down = torch.randn(self.pairs, dff, device=dev)  # gate/up's output from random bytes may hold NaN
+        self.rw = torch.rand(rows, k, device=dev)
+        self.sum_out, self.normed, self.res = (torch.randn(rows, d, device=dev) for _ in range(3))
+        self.pair_out = torch.empty(self.pairs * d, device=dev)
+        self.ones = torch.ones(d, device=dev)
+        # the row scales as the routing launch leaves them (the lane's path), and h's as gate/up would
+        amax = self.x.abs().amax(1)
+        scale = torch.where(amax > 2.0**14, torch.exp2(torch.ceil(torch.log2(amax / 2.0**14))), 1.0)
+        x16 = (self.x / scale[:, None]).half()
+        self.amax = route.RowScales(amax, x16, torch.zeros(self.pairs, dtype=torch.int32, device=dev))
+        self.h_amax = self.h_down.abs().amax(1).view(torch.int32)
+
+    def weights(self, fmt: Format, n: int, kk: int) -> torch.Tensor:
+        return torch.randint(0, 256, (self.experts * n * row_bytes(fmt, kk),), dtype=torch.uint8, device=self.dev)
+
+    def gate_up(self, fmt: Format, tile: dict, step_scales: bool = False):
+        wg, wu = self.weights(fmt, self.dff, self.d), self.weights(fmt, self.dff, self.d)
+        args = (fmt, self.experts, self.k, self.order, self.counts, self.dff, self.d, self.h)
+        flops = 2 * self.pairs * 2 * self.dff * self.d
+        nbytes = 2 * self.used * self.dff * row_bytes(fmt, self.d) + self.pairs * (self.d + self.dff) * F32
+        amax = None if step_scales else self.amax
+        return (lambda: grouped.gate_up_grouped(self.x, wg, wu, *args, **tile, amax=amax)), flops, nbytes
+
+    def down(self, fmt: Format, tile: dict, step_scales: bool = False):
+        wd = self.weights(fmt, self.d, self.dff)
+        width_tiles = grouped.down_width_tiles(fmt, self.d, tile.get("block_n"))
+        norm = gc.GroupedNorm(self.ones, EPS, self.normed)
+        c = gc.Combine(self.sum_out, gc.counters(self.rows, width_tiles, self.dev), (self.res,), norm)
+        args = (fmt, self.experts, self.order, self.counts, self.rw, self.d, self.dff, self.pair_out, c)
+        flops = 2 * self.pairs * self.d * self.dff
+        nbytes = (self.used * self.d * row_bytes(fmt, self.dff) + self.pairs * self.dff * F32
+                  + 2 * self.pairs * self.d * F32 + 4 * self.rows * self.d * F32)  # fmt: skip
+        h_amax = None if step_scales else self.h_amax
+        return (lambda: grouped.down_grouped(self.h_down, wd, *args, **tile, h_amax=h_amax)), flops, nbytes
+
+    def routing(self, maxnreg: int | None = None):
+        rows, experts, k, d, dev = self.rows, self.experts, self.k, self.d, self.dev
+        ids, rweights = torch.empty(rows, k, dtype=torch.int32, device=dev), torch.empty(rows, k, device=dev)
+        scores, order = torch.empty(rows, experts, device=dev), torch.empty(rows * k, dtype=torch.int32, device=dev)
+        counts, router = torch.empty(experts, dtype=torch.int32, device=dev), torch.randn(experts, d, device=dev)
+        rcount, scratch = route.counters(dev, rows), route.sort_scratch(dev, rows, experts, k)
+        amax = route.row_scales(dev, rows, k, d)
+
+        def launch() -> None:
+            route.route(self.x, router.view(torch.uint8).view(-1), Format.F32, experts, k, True, ids, rweights,
+                        scores, rcount, order, counts, scratch=scratch, amax=amax, maxnreg=maxnreg)  # fmt: skip
+
+        launch()
+        want = np.argsort(ids.cpu().numpy().reshape(-1), kind="stable")
+        if not np.array_equal(order.cpu().numpy(), want):
+            print("route: the order is not the stable sort of the ids", flush=True)
+        return launch, 2 * rows * experts * d, router.numel() * F32 + self.x.numel() * F32
+
+
+def _time(name: str, fmt: Format, make, tile: dict) -> float | None:
+    """The launch's median µs at `tile`, printed; None (and why, one line) where it does not compile or run."""
+    try:
+        launch, flops, nbytes = make(fmt, tile)
+        us = _median_us(launch)
+    except Exception as e:  # a candidate tile that does not compile (registers, shared memory) is skipped
+        print(f"{name:14s} {_tile_name(fmt, tile):34s} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}",
+              flush=True)  # fmt: skip
+        return None
+    _line(name, _tile_name(fmt, tile), us, flops, nbytes)
+    return us
+
+
+def _given(a: argparse.Namespace) -> dict:
+    given = dict(block_m=a.block_m, block_n=a.block_n, warps=a.warps, stages=a.stages, step=a.step)
+    return {key: v for key, v in given.items() if v is not None}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
     ap.add_argument("--rows", type=int, default=512)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--top", type=int, default=8)
-    ap.add_argument("--d", type=int, default=2048)
-    ap.add_argument("--dff", type=int, default=768)
-    ap.add_argument("--gate-up", default="Q4_K")
-    ap.add_argument("--down", default="Q4_K")
-    ap.add_argument("--block-m", type=int, default=kernels.MOE_GEMM_BLOCK_M)
-    ap.add_argument("--block-n-gate-up", type=int, default=kernels.MOE_GATE_UP_BLOCK_N)
-    ap.add_argument("--block-n-down", type=int, default=kernels.MOE_DOWN_BLOCK_N)
+    for name in ("experts", "top", "d", "dff", "block-m", "block-n", "warps", "stages", "step"):
+        ap.add_argument(f"--{name}", type=int, default=None)
+    ap.add_argument("--gate-up", default=None)
+    ap.add_argument("--down", nargs="+", default=None)
+    ap.add_argument("--sweep", action="store_true", help="time every candidate tile of the grouped launches")
+    ap.add_argument("--budget", type=float, default=110.0, help="seconds after which the sweep starts no tile")
+    ap.add_argument("--dry-run", action="store_true", help="no GPU: every launch once under TRITON_INTERPRET=1")
     a = ap.parse_args()
-    dev = torch.device("cuda")
-    fgu, fd = Format[a.gate_up], Format[a.down]
-    rows, experts, k, d, dff = a.rows, a.experts, a.top, a.d, a.dff
-    pairs = rows * k
+    if not torch.cuda.is_available() and not a.dry_run:
+        print("moe_prefill: needs a GPU (or --dry-run under TRITON_INTERPRET=1)", file=sys.stderr)
+        sys.exit(1)
+    m = MODELS[a.model]
+    a.experts, a.top, a.d, a.dff = (v if v is not None else dv for v, dv in
+                                    ((a.experts, m.experts), (a.top, m.top), (a.d, m.d), (a.dff, m.dff)))  # fmt: skip
+    fgu = Format[a.gate_up or m.gate_up]
+    fds = [Format[f] for f in (a.down or m.downs)]
+    b = Bench(a)
+    print(f"{a.model}: {a.rows} rows, {a.experts} experts (top-{a.top}, {b.used} used), d {a.d}, expert ffn "
+          f"{a.dff}; gate/up {fgu.name}, down {' / '.join(f.name for f in fds)}", flush=True)  # fmt: skip
+    start = time.monotonic()
+    rt_us = _time("route", Format.F32, lambda _f, _t: b.routing(), {})
+    _time("route", Format.F32, lambda _f, _t: b.routing(ROUTE_MAXNREG), {"registers": ROUTE_MAXNREG})
+    gu_us = _time(f"gate/up {fgu.name}", fgu, b.gate_up, _given(a))
+    dn_us = [_time(f"down {f.name}", f, b.down, _given(a)) for f in fds]
+    if None not in (rt_us, gu_us, *dn_us):
+        layer = rt_us + gu_us + statistics.mean(dn_us)  # the down formats alternate by layer
+        print(f"{'a layer':14s} {'':34s} {layer:9.1f} µs; {m.layers} layers: {m.layers * layer / 1e3:.2f} ms a "
+              f"{a.rows}-row chunk's mixture", flush=True)  # fmt: skip
+    for f, make in [(fgu, b.gate_up)] + [(f, b.down) for f in fds]:  # a step's own scale: the k loop's branch
+        name = ("gate/up " if make == b.gate_up else "down ") + f.name
+        _time(name + " *", f, lambda fmt, tile, make=make: make(fmt, tile, step_scales=True), _given(a))
+    print("(* a step's own f16 scale, the branch in the k loop: the path without the routing launch's row scales)",
+          flush=True)  # fmt: skip
+    if not a.sweep:
+        return
+    print("sweep (BLOCK_M x BLOCK_N, warps, stages, values a step for Q4_K / Q6_K):", flush=True)
+    best: dict[str, tuple[float, str]] = {}
+    jobs = [(f"gate/up {fgu.name}", fgu, b.gate_up)] + [(f"down {f.name}", f, b.down) for f in fds]
+    for bm, bn, warps, stages, step in CANDIDATES:
+        for name, fmt, make in jobs:
+            if time.monotonic() - start > a.budget:
+                print(f"budget of {a.budget:.0f} s spent: the sweep stops here", flush=True)
+                return _best(best)
+            if step != kernels.MOE_WORDS_STEP and not words.takes(fmt):
+                continue  # the values a step are the word decode's: the same tile again
+            tile = dict(block_m=bm, block_n=bn, warps=warps, stages=stages, step=step)
+            us = _time(name, fmt, make, tile)
+            if us is not None and (name not in best or us < best[name][0]):
+                best[name] = (us, _tile_name(fmt, tile))
+    _best(best)
 
-    rng = np.random.default_rng(0)
-    ids = np.stack([rng.permutation(experts)[:k] for _ in range(rows)]).reshape(-1)
-    order = torch.from_numpy(np.argsort(ids, kind="stable").astype(np.int32)).to(dev)
-    counts_np = np.bincount(ids, minlength=experts).astype(np.int32)
-    counts = torch.from_numpy(counts_np).to(dev)
-    used = int((counts_np > 0).sum())
 
-    def weights(fmt: Format, n: int, kk: int) -> torch.Tensor:
-        return torch.randint(0, 256, (experts * n * row_bytes(fmt, kk),), dtype=torch.uint8, device=dev)
-
-    wg, wu, wd = weights(fgu, dff, d), weights(fgu, dff, d), weights(fd, d, dff)
-    x = torch.randn(rows, d, device=dev)
-    h = torch.empty(pairs, dff, device=dev)
-    h_down = torch.randn(pairs, dff, device=dev)  # gate/up's output from random-byte weights may hold NaN
-    rw = torch.rand(rows, k, device=dev)
-    sum_out, normed, res = (torch.randn(rows, d, device=dev) for _ in range(3))
-    width_tiles = -(-d // a.block_n_down)
-    c = gc.Combine(sum_out, gc.counters(rows, width_tiles, dev), (res,),
-                   gc.GroupedNorm(torch.ones(d, device=dev), EPS, normed))  # fmt: skip
-    pair_out = torch.empty(pairs * d, device=dev)
-
-    def gate_up() -> None:
-        grouped.gate_up_grouped(x, wg, wu, fgu, experts, k, order, counts, dff, d, h, block_m=a.block_m,
-                                block_n=a.block_n_gate_up)  # fmt: skip
-
-    def down() -> None:
-        grouped.down_grouped(h_down, wd, fd, experts, order, counts, rw, d, dff, pair_out, c, block_m=a.block_m,
-                             block_n=a.block_n_down)  # fmt: skip
-
-    print(f"{rows} rows, {experts} experts (top-{k}, {used} used), d {d}, expert ffn {dff}; gate/up {fgu.name}, "
-          f"down {fd.name}; tiles {a.block_m} pairs x {a.block_n_gate_up} / {a.block_n_down} rows")  # fmt: skip
-    gu_us, dn_us = _median_us(gate_up), _median_us(down)
-    gu_bytes = 2 * used * dff * row_bytes(fgu, d) + pairs * d * F32 + pairs * dff * F32
-    dn_bytes = used * d * row_bytes(fd, dff) + pairs * dff * F32 + 2 * pairs * d * F32 + 4 * rows * d * F32
-    _report("gate/up", gu_us, 2 * pairs * 2 * dff * d, gu_bytes)
-    _report("down", dn_us, 2 * pairs * d * dff, dn_bytes)
-    total = gu_us + dn_us
-    ids_dev, rweights = torch.empty(rows, k, dtype=torch.int32, device=dev), torch.empty(rows, k, device=dev)
-    scores, order_r = torch.empty(rows, experts, device=dev), torch.empty(pairs, dtype=torch.int32, device=dev)
-    counts_r, router = torch.empty(experts, dtype=torch.int32, device=dev), torch.randn(experts, d, device=dev)
-    rcount = route.counters(dev, rows)
-
-    def routing() -> None:
-        route.route(x, router.view(torch.uint8).view(-1), Format.F32, experts, k, True, ids_dev, rweights, scores,
-                    rcount, order_r, counts_r)  # fmt: skip
-
-    rt_us = _median_us(routing)
-    _report("route", rt_us, 2 * rows * experts * d, router.numel() * F32 + x.numel() * F32)
-    total += rt_us
-    chunk_ms = MODEL_LAYERS * total / 1e3
-    print(f"all      {total:9.1f} µs a layer; {MODEL_LAYERS} layers: {chunk_ms:.2f} ms a {rows}-row chunk")
+def _best(best: dict[str, tuple[float, str]]) -> None:
+    for name, (us, tile) in best.items():
+        print(f"best {name:9s} {tile:34s} {us:9.1f} µs", flush=True)
 
 
 if __name__ == "__main__":

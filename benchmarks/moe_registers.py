@@ -5,10 +5,14 @@ dependent launches, each compiled through its own launcher): each one's grid, wa
 (`compile_check.resources`), and with `--sass DIR` its SASS, to read where the loads sit against the dp4a.
 
 Usage: python benchmarks/moe_registers.py [--fmt Q4_K Q6_K ...] [--block-m 32] [--block-n 64] [--warps 8]
+       [--stages 2] [--step 128] [--step-scales]
        python benchmarks/moe_registers.py --decode [--fmt Q4_K Q6_K] [--sass DIR]
 
-What the tile table (`plan/kernels.py`, MOE_GEMM_*) says of spills is what this prints; a tile that spills
-moves its values through local memory each step, which the timing (`benchmarks/moe_prefill.py`) then shows.
+What the tile table (`plan/kernels.py`, `moe_gemm_tile`: MOE_GEMM_* and MOE_WORDS_*) says of spills is what
+this prints, each format at its own tile unless one is given, with the routing launch's row scales (the lane's
+path; `--step-scales`: a step's own, the branch in the k loop) and whether the pipeliner staged the loads
+(cp.async in the PTX); a tile that spills moves its values through local memory, which the timing
+(`benchmarks/moe_prefill.py`) then shows.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from fuselane.lanes.cuda.plan import kernels
 
 D, DFF, EXPERTS, TOP, ROWS = 2048, 768, 128, 8, 512
 SM90 = GPUTarget("cuda", 90, 32)
-POINTERS = {"w": "*u8", "w_gate": "*u8", "w_up": "*u8", "order": "*i32", "counts": "*i32", "counters": "*i32"}
+POINTERS = {"w": "*u8", "w_gate": "*u8", "w_up": "*u8", "order": "*i32", "counts": "*i32", "counters": "*i32",
+            "h_amax": "*i32", "x16": "*fp16"}  # fmt: skip
 
 
 def _ptxas(ptx: str) -> str:
@@ -42,14 +47,17 @@ def _ptxas(ptx: str) -> str:
     return " ".join(line for line in said if "spill" in line or "registers" in line)
 
 
-def _compile(kernel, consts: dict, warps: int) -> str:
+def _compile(kernel, consts: dict, warps: int, stages: int) -> str:
     sig = {
         name: "constexpr" if name in consts else "fp32" if name == "eps" else POINTERS.get(name, "*fp32")
         for name in kernel.arg_names
     }
-    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=SM90,
-                              options=dict(num_warps=warps, num_stages=kernels.MOE_GEMM_STAGES))  # fmt: skip
-    return _ptxas(compiled.asm["ptx"])
+    # every pointer 16-byte aligned, as a launch's JIT specializes a device allocation's
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if sig[name].startswith("*")}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs), target=SM90,
+                              options=dict(num_warps=warps, num_stages=stages))  # fmt: skip
+    staged = "cp.async" in compiled.asm["ptx"]
+    return f"{_ptxas(compiled.asm['ptx'])}; loads {'staged' if staged else 'not staged'}"
 
 
 def _decode(fmts: list[Format], sass: str | None) -> None:
@@ -114,9 +122,12 @@ def _write_sass(cubin: bytes, path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fmt", nargs="+", default=["Q4_K", "Q6_K"])
-    ap.add_argument("--block-m", type=int, default=kernels.MOE_GEMM_BLOCK_M)
+    ap.add_argument("--block-m", type=int, default=None)
     ap.add_argument("--block-n", type=int, default=None, help="both kernels' (default: the table's)")
-    ap.add_argument("--warps", type=int, default=kernels.MOE_GEMM_WARPS)
+    ap.add_argument("--warps", type=int, default=None)
+    ap.add_argument("--stages", type=int, default=None)
+    ap.add_argument("--step", type=int, default=None, help="values a step of the word decode (Q4_K, Q6_K)")
+    ap.add_argument("--step-scales", action="store_true", help="a step's own f16 scale (no routing row scales)")
     ap.add_argument("--decode", action="store_true", help="the decode step's routing, gate/up and down launches")
     ap.add_argument("--sass", default=None, help="with --decode: write each kernel's SASS to this folder")
     a = ap.parse_args()
@@ -124,18 +135,24 @@ def main() -> None:
         _decode([Format[f] for f in a.fmt], a.sass)
         return
     from fuselane.lanes.cuda.triton.moe import grouped as G  # here: --decode compiles in a process of its own
+    from fuselane.lanes.cuda.triton.moe import words
 
-    common = dict(SLOTS=TOP, E=EXPERTS, E_BLOCK=triton.next_power_of_2(EXPERTS), BLOCK_M=a.block_m, PDL=True)
+    common = dict(SLOTS=TOP, E=EXPERTS, E_BLOCK=triton.next_power_of_2(EXPERTS), ROW_SCALES=not a.step_scales,
+                  PDL=True)  # fmt: skip
     for fmt in (Format[f] for f in a.fmt):
-        bn = a.block_n or kernels.MOE_GATE_UP_BLOCK_N
-        consts = dict(N=DFF, KD=D, **G.format_consts(fmt, DFF, D), BLOCK_N=bn, **common)
-        said = _compile(G.gate_up_kernel, consts, a.warps)
-        print(f"gate/up {fmt.name:5s} {a.block_m} x {bn}, {a.warps} warps: {said}")
-        bn = a.block_n or kernels.MOE_DOWN_BLOCK_N
-        consts = dict(D=D, DFF=DFF, **G.format_consts(fmt, D, DFF), ADDS=1, NORM=True,
-                      NORM_CHUNK=kernels.MOE_NORM_CHUNK, ROWS=ROWS, BLOCK_N=bn, **common)  # fmt: skip
-        said = _compile(G.down_kernel, consts, a.warps)
-        print(f"down    {fmt.name:5s} {a.block_m} x {bn}, {a.warps} warps: {said}")
+        for down, (n, k) in ((False, (DFF, D)), (True, (D, DFF))):
+            table = kernels.moe_gemm_tile(words.takes(fmt), down)
+            bm, bn, warps, stages = (v if v is not None else t for v, t in
+                                     zip((a.block_m, a.block_n, a.warps, a.stages), table, strict=True))  # fmt: skip
+            consts = dict(**G.format_consts(fmt, n, k, word_step=a.step), BLOCK_M=bm, BLOCK_N=bn, **common)
+            if down:
+                consts.update(D=D, DFF=DFF, ADDS=1, NORM=True, NORM_CHUNK=kernels.MOE_NORM_CHUNK, ROWS=ROWS)
+            else:
+                consts.update(N=DFF, KD=D)
+            said = _compile(G.down_kernel if down else G.gate_up_kernel, consts, warps, stages)
+            name = "down" if down else "gate/up"
+            print(f"{name:7s} {fmt.name:5s} {bm} x {bn}, {warps} warps, {stages} stages, "
+                  f"{consts['STEP_VALUES']} values a step: {said}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

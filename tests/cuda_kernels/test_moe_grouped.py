@@ -82,12 +82,18 @@ CASES = {
     "q8_0-q5_0-adds": (Format.Q8_0, Format.Q5_0, 11, 3, 6, 128, 128, dict(every=None, none=2), 2, False),
     # every pair to one expert: its tiles are the chunk's, the others' none
     "one-expert": (Format.Q4_0, Format.Q8_0, 17, 1, 4, 128, 128, dict(every=1, none=None), 1, False),
+    # the word decode a whole super-block a step (the table's is half of one); Q6_K's rows of 210 bytes put
+    # every other row's block 2 bytes past a word
+    "q6_k-q4_k-whole-steps": (Format.Q6_K, Format.Q4_K, 10, 2, 4, 256, 256, dict(every=None, none=1), 1, True),
 }
+# the values a step each case's word decode takes (the table's where not named)
+STEPS = {"q6_k-q4_k-whole-steps": 256}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_grouped_experts_match_numpy(case):
     fmt_gu, fmt_d, rows, slots, experts, d, dff, routing, adds, norm = CASES[case]
+    tile = dict(TILE, step=STEPS.get(case))
     rng = np.random.default_rng(len(case))
     rg, wg = _experts(fmt_gu, experts, dff, d, rng)
     ru, wu = _experts(fmt_gu, experts, dff, d, rng)
@@ -100,7 +106,7 @@ def test_grouped_experts_match_numpy(case):
 
     h = torch.full((pairs, dff), np.nan)
     for _ in range(2):
-        grouped.gate_up_grouped(dev(x), dev(rg), dev(ru), fmt_gu, experts, slots, order, counts, dff, d, h, **TILE)
+        grouped.gate_up_grouped(dev(x), dev(rg), dev(ru), fmt_gu, experts, slots, order, counts, dff, d, h, **tile)
     e = ids.reshape(-1)
     want_h, bound_h = _glu(wg[e], wu[e], _f16(x)[np.arange(pairs) // slots])
     within(h.double().numpy().reshape(-1), want_h.reshape(-1), bound_h.reshape(-1), "gate/up")
@@ -116,7 +122,7 @@ def test_grouped_experts_match_numpy(case):
     first = None
     for _ in range(2):
         sum_out.copy_(dev(res[-1]))
-        grouped.down_grouped(h, dev(rd), fmt_d, experts, order, counts, dev(rw), d, dff, pair_out, c, **TILE)
+        grouped.down_grouped(h, dev(rd), fmt_d, experts, order, counts, dev(rw), d, dff, pair_out, c, **tile)
         assert not c.counters.any(), "a counter was left armed"
         first = sum_out.clone() if first is None else first
     assert torch.equal(first, sum_out), "the combine's sum changed between launches"
@@ -163,8 +169,62 @@ def test_activations_past_f16_stay_finite():
            "down past f16")  # fmt: skip
 
 
-def test_route_sorts_and_counts_each_experts_pairs():
-    # more pairs than a pass of the counting sort takes: each expert's count carries from one pass to the next
+def test_row_scales_take_activations_past_f16():
+    # the launches as the lane binds them: the routing launch writes each row's largest |x| and zeroes the
+    # pairs' largest |h|, gate/up takes one scale a row and raises h's, down takes h's: rows of x past f16's range
+    # stay finite and within f16's rounding of each operand, as a step's scale keeps them
+    fmt, rows, slots, experts, d, dff = Format.Q4_K, 9, 2, 3, 256, 256
+    rng = np.random.default_rng(12)
+    router = rng.standard_normal((experts, d)).astype(np.float32)
+    (rg, wg), (ru, wu), (rd, wd) = (_experts(fmt, experts, n, k, rng) for n, k in ((dff, d), (dff, d), (d, dff)))
+    x = rng.standard_normal((rows, d)).astype(np.float32)
+    x[::4] *= np.float32(3e5)
+    ids, weights = torch.zeros((rows, slots), dtype=torch.int32), torch.zeros((rows, slots))
+    order, counts = torch.zeros(rows * slots, dtype=torch.int32), torch.zeros(experts, dtype=torch.int32)
+    amax = route.row_scales(DEVICE, rows, slots, d)
+    amax.h.fill_(-1)  # the routing launch zeroes it
+    route.route(dev(x), dev(router.view(np.uint8)), Format.F32, experts, slots, True, ids, weights,
+                torch.zeros((rows, experts)), route.counters(DEVICE, rows), order, counts, amax=amax)  # fmt: skip
+    assert np.array_equal(amax.x.numpy(), np.abs(x).max(1))
+    assert np.array_equal(amax.x16.numpy(), _scaled16(x))
+    h = torch.zeros((rows * slots, dff))
+    grouped.gate_up_grouped(dev(x), dev(rg), dev(ru), fmt, experts, slots, order, counts, dff, d, h, amax=amax,
+                            **TILE)  # fmt: skip
+    hs = h.double().numpy()
+    assert np.isfinite(hs).all() and np.abs(hs).max() > np.finfo(np.float16).max
+    assert np.array_equal(amax.h.numpy().view(np.float32), np.abs(h.numpy()).max(1))
+    e = ids.numpy().reshape(-1)
+    xv = x.astype(np.float64)[np.arange(rows * slots) // slots]
+    scale = np.maximum(1.0, 2.0 ** np.ceil(np.log2(np.abs(xv).max(axis=1) / 2**14)))[:, None]
+    g = np.einsum("pnk,pk->pn", wg[e].astype(np.float64), xv)
+    u = np.einsum("pnk,pk->pn", wu[e].astype(np.float64), xv)
+    mg = np.einsum("pnk,pk->pn", np.abs(wg[e]).astype(np.float64), np.abs(xv))
+    mu = np.einsum("pnk,pk->pn", np.abs(wu[e]).astype(np.float64), np.abs(xv))
+    tiny_g = scale * 2.0**-25 * np.abs(wg[e]).astype(np.float64).sum(axis=2)
+    tiny_u = scale * 2.0**-25 * np.abs(wu[e]).astype(np.float64).sum(axis=2)
+    silu = g / (1 + np.exp(-g))
+    dg, du = (gamma(d) + 2 * U16) * mg + tiny_g, (gamma(d) + 2 * U16) * mu + tiny_u
+    bound = SILU_SLOPE * dg * np.abs(u) + np.abs(silu) * du + gamma(ROUNDINGS) * np.abs(silu * u) + 1e-30
+    within(hs.reshape(-1), (silu * u).reshape(-1), bound.reshape(-1), "gate/up past f16")
+    sum_out = torch.zeros((rows, d))
+    c = gc.Combine(sum_out, gc.counters(rows, -(-d // TILE["block_n"]), DEVICE))
+    grouped.down_grouped(h, dev(rd), fmt, experts, order, counts, torch.ones((rows, slots)), d, dff,
+                         torch.empty(rows * slots * d), c, h_amax=amax.h, **TILE)  # fmt: skip
+    w = np.abs(wd[e].astype(np.float64))
+    prods = np.einsum("pdk,pk->pd", wd[e].astype(np.float64), hs)
+    hscale = np.maximum(1.0, 2.0 ** np.ceil(np.log2(np.abs(hs).max(axis=1) / 2**14)))[:, None]
+    bound = (gamma(dff) + 2 * U16) * np.einsum("pdk,pk->pd", w, np.abs(hs)) + hscale * 2.0**-25 * w.sum(axis=2)
+    bound = bound.reshape(rows, slots, d).sum(1) + gamma(slots + 1) * np.abs(prods).reshape(rows, slots, d).sum(1)
+    within(sum_out.double().numpy().reshape(-1), prods.reshape(rows, slots, d).sum(1).reshape(-1), bound.reshape(-1),
+           "down past f16")  # fmt: skip
+
+
+@pytest.mark.parametrize("hist_a_pass", [route.HIST_A_PASS, 16], ids=["one-pass", "many-passes"])
+def test_route_sorts_and_counts_each_experts_pairs(hist_a_pass, monkeypatch):
+    # more pairs than a pass of the sort's placing takes, over many blocks of rows: each expert's first place
+    # carries from block to block, and from one pass to the next (of the placing, and of the blocks' histograms
+    # where a pass takes few of them)
+    monkeypatch.setattr(route, "HIST_A_PASS", hist_a_pass)
     rng = np.random.default_rng(5)
     rows, experts, d, k = route.PAIRS_A_PASS // 2 + 10, 6, 64, 2
     w = rng.standard_normal((experts, d)).astype(np.float32)
@@ -192,14 +252,25 @@ def test_refusals():
 
 
 REAL = (512, 8, 128, 2048, 768)  # rows, kept experts, experts, n_embd, expert ffn
+V2_LITE = (512, 6, 64, 2048, 1408)  # DeepSeek-V2-Lite's: its down rows take a 32-value format
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize(("fmt_gu", "fmt_d"), [(Format.Q4_K, Format.Q4_K), (Format.Q4_K, Format.Q6_K)])
-def test_cuda_grouped_experts_30b_a3b(fmt_gu, fmt_d):
-    # a sample of rows against the f64 reference, each of their experts dequantized alone (the cost)
-    rows, slots, experts, d, dff = REAL
+@pytest.mark.parametrize(
+    ("fmt_gu", "fmt_d", "shape", "row_scales"),
+    [
+        (Format.Q4_K, Format.Q4_K, REAL, True),
+        (Format.Q4_K, Format.Q6_K, REAL, True),
+        (Format.Q4_K, Format.Q6_K, REAL, False),
+        (Format.Q4_K, Format.Q5_0, V2_LITE, True),
+        (Format.Q4_K, Format.Q8_0, V2_LITE, True),
+    ],
+)
+def test_cuda_grouped_experts_real_widths(fmt_gu, fmt_d, shape, row_scales):
+    # a sample of rows against the f64 reference, each of their experts dequantized alone (the cost); with the
+    # row scales as the routing launch leaves them, or a step's own
+    rows, slots, experts, d, dff = shape
     rng = np.random.default_rng(9)
     rg, ru, rd = (raw_weights(f, experts * n, kk, rng) for f, n, kk in ((fmt_gu, dff, d),) * 2 + ((fmt_d, d, dff),))
     x = rng.standard_normal((rows, d)).astype(np.float32)
@@ -208,14 +279,18 @@ def test_cuda_grouped_experts_30b_a3b(fmt_gu, fmt_d):
     order, counts = _sorted(ids, experts)
     pairs = rows * slots
     h = torch.empty((pairs, dff), device=DEVICE)
-    grouped.gate_up_grouped(dev(x), dev(rg), dev(ru), fmt_gu, experts, slots, order, counts, dff, d, h)
+    zeros = torch.zeros(pairs, dtype=torch.int32, device=DEVICE)
+    amax = route.RowScales(dev(np.abs(x).max(1)), dev(_scaled16(x)), zeros)
+    grouped.gate_up_grouped(dev(x), dev(rg), dev(ru), fmt_gu, experts, slots, order, counts, dff, d, h,
+                            amax=amax if row_scales else None)  # fmt: skip
     res = rng.standard_normal((rows, d)).astype(np.float32)
     sum_out = dev(res.copy())
     gnorm = gc.GroupedNorm(dev(np.ones(d, np.float32)), EPS, torch.zeros((rows, d), device=DEVICE))
-    width_tiles = -(-d // grouped.kernels.MOE_DOWN_BLOCK_N)
+    width_tiles = grouped.down_width_tiles(fmt_d, d)
     c = gc.Combine(sum_out, gc.counters(rows, width_tiles, DEVICE), (sum_out,), gnorm)
     pair_out = torch.empty(pairs * d, device=DEVICE)
-    grouped.down_grouped(h, dev(rd), fmt_d, experts, order, counts, dev(rw), d, dff, pair_out, c)
+    grouped.down_grouped(h, dev(rd), fmt_d, experts, order, counts, dev(rw), d, dff, pair_out, c,
+                         h_amax=amax.h if row_scales else None)  # fmt: skip
     torch.cuda.synchronize()
     assert not c.counters.any()
     got, out, hs = (t.double().cpu().numpy() for t in (sum_out, gnorm.out, h))
@@ -233,6 +308,39 @@ def test_cuda_grouped_experts_30b_a3b(fmt_gu, fmt_d):
         within(got[r], want, bound, f"down + combine {r}")
         normed = got[r] / np.sqrt((got[r] * got[r]).mean() + EPS)
         within(out[r], normed, norm_rel(d) * np.abs(normed) + 1e-30, f"norm {r}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("shape", [REAL, V2_LITE], ids=["30b-a3b", "v2-lite"])
+def test_cuda_route_sorts_a_chunk(shape):
+    # a real chunk's routing: the order is the stable sort of the ids it wrote, the counts their histogram, each
+    # row's experts distinct and its weights renormalised; twice, so the counters re-arm
+    rows, k, experts, d, _ = shape
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((experts, d)).astype(np.float32)
+    x = rng.standard_normal((rows, d)).astype(np.float32)
+    ids, weights = torch.zeros((rows, k), dtype=torch.int32, device=DEVICE), torch.zeros((rows, k), device=DEVICE)
+    order, counts = torch.zeros(rows * k, dtype=torch.int32, device=DEVICE), torch.zeros(experts, dtype=torch.int32,
+                                                                                        device=DEVICE)  # fmt: skip
+    counter, amax = route.counters(DEVICE, rows), route.row_scales(DEVICE, rows, k, d)
+    for _ in range(2):
+        route.route(dev(x), dev(w.view(np.uint8)), Format.F32, experts, k, True, ids, weights,
+                    torch.zeros((rows, experts), device=DEVICE), counter, order, counts, amax=amax)  # fmt: skip
+        got = ids.cpu().numpy()
+        assert all(len(set(r)) == k for r in got)
+        assert np.array_equal(order.cpu().numpy(), np.argsort(got.reshape(-1), kind="stable"))
+        assert np.array_equal(counts.cpu().numpy(), np.bincount(got.reshape(-1), minlength=experts))
+        np.testing.assert_allclose(weights.sum(1).cpu().numpy(), 1.0, rtol=1e-5)
+        assert not counter.any() and not amax.h.any()
+        assert np.array_equal(amax.x.cpu().numpy(), np.abs(x).max(1))
+        assert np.array_equal(amax.x16.cpu().numpy(), _scaled16(x))
+
+
+def _scaled16(x: np.ndarray) -> np.ndarray:
+    """Each row divided by the power of two that brings it within 2^14 (1 where it is), rounded once to f16."""
+    scale = np.maximum(1.0, 2.0 ** np.ceil(np.log2(np.abs(x).astype(np.float64).max(axis=1) / 2**14)))
+    return (x / scale[:, None].astype(np.float32)).astype(np.float16)
 
 
 def _expert(raw: np.ndarray, fmt: Format, e: int, n: int, k: int) -> np.ndarray:

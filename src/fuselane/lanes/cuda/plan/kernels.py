@@ -225,6 +225,29 @@ MOE_GATE_UP_BLOCK_N = 128
 MOE_DOWN_BLOCK_N = 128
 MOE_GEMM_WARPS = 8
 MOE_GEMM_STAGES = 1
+# The formats the word decode takes (`triton/moe/words.py`: Q4_K, Q6_K, Q8_0, Q5_0) have tiles of their own,
+# (BLOCK_M, BLOCK_N, warps, stages) of the gate/up and the down launch, and take MOE_WORDS_STEP values a step
+# (`words.STEPS`: half a super-block, or four 32-value blocks). Their loads are 32-bit words and, with the
+# routing launch's row scales (`route.RowScales`: no branch in the k loop), Triton's pipeliner stages them
+# (cp.async) `stages` steps ahead. Chosen from the compiler alone (ptxas sm_90 with the launch's 16-byte
+# aligned pointers, `benchmarks/moe_registers.py`, Qwen3-30B-A3B's widths; DeepSeek-V2-Lite's 1,408-value
+# down rows for Q8_0 / Q5_0): 64 pairs, the warp group's wgmma (32 take mma.sync and 255 registers);
+# gate/up 64 weight rows, 99 registers (Q6_K 141, Q8_0 / Q5_0 128), two blocks a SM (64 x 128: 183); down
+# 128 weight rows, so each pair's activations are read by half as many programs as at 64: 200 registers
+# for Q4_K, 255 and 28-40 bytes spilled for Q6_K, Q8_0, Q5_0 (64 x 64: 141-174, none). A whole super-block
+# a step took 255 registers and spilled 400-1,050 bytes a thread. Not yet timed: `benchmarks/moe_prefill.py
+# --sweep` times every candidate.
+MOE_WORDS_GATE_UP_TILE = (64, 64, 8, 2)
+MOE_WORDS_DOWN_TILE = (64, 128, 8, 2)
+MOE_WORDS_STEP = 128
+
+
+def moe_gemm_tile(words: bool, down: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) of a grouped expert GEMM (`down`: the down launch), for a format the
+    word decode takes (`words`) or not."""
+    if words:
+        return MOE_WORDS_DOWN_TILE if down else MOE_WORDS_GATE_UP_TILE
+    return MOE_GEMM_BLOCK_M, MOE_DOWN_BLOCK_N if down else MOE_GATE_UP_BLOCK_N, MOE_GEMM_WARPS, MOE_GEMM_STAGES
 # The next norm a chunk's down launch ends with is taken in chunks of this many values of a tile's rows, so
 # a tile's 64 rows of it hold 32 f32 registers a thread of eight warps.
 MOE_NORM_CHUNK = 128

@@ -69,6 +69,11 @@ def _counts(b, order_name: str, experts: int, device) -> Any:
     return b.scratch.setdefault(f"moe-counts:{order_name}", torch.zeros(experts, dtype=torch.int32, device=device))
 
 
+def _amax_key(x_name: str, rows: int, k: int) -> str:
+    """The scratch of the row scales the routing launch of activation `x_name` writes (`route.RowScales`)."""
+    return f"moe-amax:{x_name}:{rows}x{k}"
+
+
 def route_topk(op: Op, b) -> list:
     """RouterTopk and MoeTokenSort: one `route` launch."""
     from fuselane.lanes.cuda.triton.moe import route
@@ -88,7 +93,20 @@ def route_topk(op: Op, b) -> list:
     args = (spec.experts, spec.k, spec.renorm, ids, weights, scores, counter, order, counts)
     choices = _of(found, ExpertChoice)  # DeepSeek's gating: the top-k ranks the choice scores
     bias = b.vec[choices[0].ins[1]] if choices and choices[0].sym.bias else None  # type: ignore[union-attr]
-    gating = dict(sigmoid=spec.gating is Gating.SIGMOID, bias=bias, scale=spec.scale)
+    # one scratch a shape: the layers' routing launches run one after another, each writing before it reads
+    scratch = None
+    if order is not None:
+        key = f"moe-sort:{spec.rows}x{spec.experts}x{spec.k}"
+        scratch = b.scratch.setdefault(key, route.sort_scratch(x.device, spec.rows, spec.experts, spec.k))
+    amax = None
+    if order is not None and counts is not None:  # the grouped GEMM's: each row's f16 scale (`route.RowScales`)
+        # one a shape (the layers' launches run one after another, each layer's routing writing them before its
+        # gate/up and down read them), found by the activation's name
+        shape = f"moe-amax:{spec.rows}x{spec.k}x{x.shape[1]}"
+        if shape not in b.scratch:
+            b.scratch[shape] = route.row_scales(x.device, spec.rows, spec.k, x.shape[1])
+        amax = b.scratch[_amax_key(mm.ins[0], spec.rows, spec.k)] = b.scratch[shape]
+    gating = dict(sigmoid=spec.gating is Gating.SIGMOID, bias=bias, scale=spec.scale, scratch=scratch, amax=amax)
     return [lambda: route.route(x, w, fmt, *args, **gating)]
 
 
@@ -109,7 +127,7 @@ def gate_up_act(op: Op, b, out_q8: Any = None) -> list:
     ids, out = _ids(b, gate.ins[2]).view(spec.rows, spec.k), b.bufs[op.out]
     order = _order(b, gate, spec.rows)
     if order is not None and out_q8 is None and _grouped().takes(fmt, spec.n, spec.kd):
-        return _gate_up_grouped(b, gate, wg, wu, fmt, spec, order, out)
+        return _gate_up_grouped(b, gate, wg, wu, fmt, spec, order, out, op.out)
     q8 = _int8(b, gate.ins[0], fmt, spec.n, spec.kd, spec.rows)
     if out_q8 is not None and q8 is None:
         raise _mismatch(f"{op.out}: the kept experts write their int8 form only from the int8 products")
@@ -130,14 +148,19 @@ def _experts(w, spec_n: int, spec_kd: int, fmt) -> int:
     return w.numel() // (spec_n * row_bytes(fmt, spec_kd))
 
 
-def _gate_up_grouped(b, gate: Op, wg, wu, fmt, spec: ExpertMatmul, order: tuple[Any, str], out) -> list:
+def _gate_up_grouped(b, gate: Op, wg, wu, fmt, spec: ExpertMatmul, order: tuple[Any, str], out, gate_out: str) -> list:
     """MoeGateUpAct in a chunk: one launch of the grouped GEMM."""
     sorted_pairs, name = order
     experts = _experts(wg, spec.n, spec.kd, fmt)
     x = b.bufs[gate.ins[0]].view(spec.rows, spec.kd)
     counts = _counts(b, name, experts, x.device)
     args = (fmt, experts, spec.k, sorted_pairs, counts, spec.n, spec.kd, out.view(spec.rows * spec.k, spec.n))
-    return [lambda: _grouped().gate_up_grouped(x, wg, wu, *args)]
+    # where the routing launch read this very activation, it wrote its rows' largest values: one f16 scale a
+    # row, and this launch leaves its own output's for the down launch (by the output's name)
+    amax = b.scratch.get(_amax_key(gate.ins[0], spec.rows, spec.k))
+    if amax is not None:
+        b.scratch[f"moe-hamax:{gate_out}"] = amax.h
+    return [lambda: _grouped().gate_up_grouped(x, wg, wu, *args, amax=amax)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +257,6 @@ def down_combine(op: Op, b, out_q8: Any = None) -> list:
 def _down_grouped(b, op: Op, p: _Parts, w, fmt, order: tuple[Any, str], weights, adds, norm, sum_out) -> list:
     """MoeDownCombine, MoeDeferredFinalize in a chunk: one launch of the grouped GEMM and its combine."""
     import torch
-    import triton
 
     from fuselane.lanes.cuda.triton.moe import grouped_combine as gc
 
@@ -245,14 +267,15 @@ def _down_grouped(b, op: Op, p: _Parts, w, fmt, order: tuple[Any, str], weights,
     counts = _counts(b, name, mix.experts, sum_out.device)
     # one scratch a shape: the layers' down launches run one after another
     pair_out = b.scratch.setdefault(f"moe-pair-out:{pairs}x{d}", torch.empty(pairs * d, device=sum_out.device))
-    width_tiles = triton.cdiv(d, kernels.MOE_DOWN_BLOCK_N)
+    width_tiles = _grouped().down_width_tiles(fmt, d)
     counter = b.scratch.setdefault(f"moe-combine:{op.out}", gc.counters(mix.rows, width_tiles, sum_out.device))
     gnorm = gc.GroupedNorm(norm.w, norm.eps, norm.out) if norm is not None else None
     c = gc.Combine(sum_out.view(mix.rows, d), counter, tuple(a.view(mix.rows, d) for a in adds), gnorm)
     h = b.bufs[p.down.ins[0]].view(pairs, dff)
     rw = weights.view(mix.rows, mix.k)
     args = (fmt, mix.experts, sorted_pairs, counts, rw, d, dff, pair_out, c)
-    return [lambda: _grouped().down_grouped(h, w, *args)]
+    h_amax = b.scratch.get(f"moe-hamax:{p.down.ins[0]}")  # where the grouped gate/up wrote h's
+    return [lambda: _grouped().down_grouped(h, w, *args, h_amax=h_amax)]
 
 
 def row_scale(op: Op, b) -> list:

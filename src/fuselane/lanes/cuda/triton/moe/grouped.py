@@ -7,10 +7,13 @@ returns to the host and the grid is a bound, not a count: `kernels.moe_tiles_bou
 past the chunk's ends at once) by the tiles of weight rows. The launches are thus captured as they are.
 
 A program takes one tile of one expert's pairs by BLOCK_N rows of that expert's matrix (the 3-D tensor's
-base + expert * an expert's bytes): it gathers the pairs' activation rows, decodes the weight rows' units to
-f16 as the dense prefill GEMM does (`gemv.epilogue.unit_values`, each value `fuselane.gguf.dequant`'s f32,
-rounded once), and multiplies on the tensor cores (`tl.dot`, f32 sums), a step of whole units at a time. An
-activation row past f16's range is scaled by a power of two first, as `gemm` does.
+base + expert * an expert's bytes): it gathers the pairs' activation rows, decodes the weight rows to f16
+(each value `fuselane.gguf.dequant`'s f32, rounded once: from 32-bit words for the formats `words` takes, a
+step of half a super-block or four blocks; else unit by unit as the dense prefill GEMM does,
+`gemv.epilogue.unit_values`), and multiplies on the tensor cores (`tl.dot`, f32 sums). An activation row
+past f16's range is divided by a power of two first: with the routing launch's row scales (`route.RowScales`,
+the lane's path) one a row for the whole product, so the k loop has no branch and Triton's pipeliner stages
+its loads; without them a step's own, as `gemm` does.
 
 - `gate_up_grouped` (MoeGateUpAct): both products of a tile, SiLU(gate) * up in the epilogue, stored at each
   pair's row of the output (the layout the down products read).
@@ -31,7 +34,13 @@ from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemm import F16_SAFE, step_units, supports
 from fuselane.lanes.cuda.triton.gemv.epilogue import decode_unit, unit_values
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
+from fuselane.lanes.cuda.triton.moe import words
 from fuselane.lanes.cuda.triton.moe.grouped_combine import Combine, combine_args, combine_rows, counters_for
+from fuselane.lanes.cuda.triton.moe.route import RowScales, f16_row_scale
+from fuselane.lanes.cuda.triton.moe.words import word_tile
+
+# The word decode reads the weights as 32-bit words: their bytes must start 4-aligned.
+WORD_ALIGN = 4
 
 
 @triton.jit
@@ -79,6 +88,19 @@ def _weights(w_rows, u0, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.con
 
 
 @triton.jit
+def _tile(w, off, s, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr, STEP_UNITS: tl.constexpr,
+          STEP_VALUES: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, STEP_VALUES] f16: step s's weights of the rows at byte offsets `off` of `w`, from words where
+    the format has that decode (`words`: a super-block or its half a step), else unit by unit."""
+    if WORDS:
+        first = s * STEP_VALUES
+        b = word_tile(w, off + (first // VALUES) * NBYTES, first % VALUES // STEP_VALUES, FMT, BLOCK_N, STEP_VALUES)
+    else:
+        b = _weights(w + off, s * STEP_UNITS, FMT, VALUES, NBYTES, STEP_UNITS, BLOCK_N)
+    return b
+
+
+@triton.jit
 def _tile_pairs(order, counts, E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
     """This program's tile: its expert, its pairs (a pair past the tile's repeats its first), which are live."""
     e, start, live = _tile_of(counts, tl.program_id(1), E, E_BLOCK, BLOCK_M)
@@ -89,38 +111,56 @@ def _tile_pairs(order, counts, E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: 
 
 @triton.jit
 def gate_up_kernel(
-    x, w_gate, w_up, order, counts, out,
+    x, w_gate, w_up, order, counts, out, x_amax, x16, h_amax,
     N: tl.constexpr, KD: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr,
     EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
-    ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, STEP_UNITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, STEP_UNITS: tl.constexpr, STEP_VALUES: tl.constexpr,
+    WORDS: tl.constexpr, ROW_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl.begin(PDL)  # the order and counts are the routing launch's
+    pdl.begin(PDL)  # the order and counts (and the rows' largest values) are the routing launch's
     e, pair, live, n_live = _tile_pairs(order, counts, E, E_BLOCK, BLOCK_M)
     if n_live > 0:
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         off = e * EXPERT_BYTES + tl.minimum(rows, N - 1).to(tl.int64) * ROW_BYTES
         x_rows = x + (pair // SLOTS).to(tl.int64) * KD
-        cols = tl.arange(0, STEP_UNITS * VALUES)
+        cols = tl.arange(0, STEP_VALUES)
         gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for s in range(0, STEPS):
-            u0 = s * STEP_UNITS
-            a16, scale, big = _f16_rows(tl.load(x_rows[:, None] + u0 * VALUES + cols[None, :]))
-            gate = _mma(a16, scale, big, _weights(w_gate + off, u0, FMT, VALUES, NBYTES, STEP_UNITS, BLOCK_N), gate)
-            up = _mma(a16, scale, big, _weights(w_up + off, u0, FMT, VALUES, NBYTES, STEP_UNITS, BLOCK_N), up)
+        if ROW_SCALES:  # the rows the routing launch scaled and rounded: no branch in the loop, which is pipelined
+            row_scale = f16_row_scale(tl.load(x_amax + pair // SLOTS))
+            x16_rows = x16 + (pair // SLOTS).to(tl.int64) * KD
+            for s in range(0, STEPS):
+                a16 = tl.load(x16_rows[:, None] + s * STEP_VALUES + cols[None, :])
+                wg = _tile(w_gate, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                gate = tl.dot(a16, tl.trans(wg), gate)
+                wu = _tile(w_up, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                up = tl.dot(a16, tl.trans(wu), up)
+            gate *= row_scale[:, None]
+            up *= row_scale[:, None]
+        else:
+            for s in range(0, STEPS):
+                a16, scale, big = _f16_rows(tl.load(x_rows[:, None] + s * STEP_VALUES + cols[None, :]))
+                wg = _tile(w_gate, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                gate = _mma(a16, scale, big, wg, gate)
+                wu = _tile(w_up, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                up = _mma(a16, scale, big, wu, up)
         h = gate / (1.0 + tl.exp(-gate)) * up
+        keep = live[:, None] & (rows < N)[None, :]
         dst = out + pair.to(tl.int64)[:, None] * N + rows[None, :]
-        tl.store(dst, h, mask=live[:, None] & (rows < N)[None, :])
+        tl.store(dst, h, mask=keep)
+        if ROW_SCALES:  # each pair's largest |h| for the down launch's scale: non-negative floats order as bits
+            top = tl.max(tl.where(keep, tl.abs(h), 0.0), 1).to(tl.int32, bitcast=True)
+            tl.atomic_max(h_amax + pair, top, mask=live, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def down_kernel(
-    h, w, order, counts, weights, pair_out, a0, a1, sum_out, norm_w, normed, counters, eps,
+    h, w, order, counts, weights, h_amax, pair_out, a0, a1, sum_out, norm_w, normed, counters, eps,
     D: tl.constexpr, DFF: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr,
     EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
-    ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, STEP_UNITS: tl.constexpr, ADDS: tl.constexpr,
-    NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, ROWS: tl.constexpr,
+    ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, STEP_UNITS: tl.constexpr, STEP_VALUES: tl.constexpr,
+    WORDS: tl.constexpr, ADDS: tl.constexpr,
+    NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, ROWS: tl.constexpr, ROW_SCALES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
@@ -129,17 +169,31 @@ def down_kernel(
         cols_d = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         off = e * EXPERT_BYTES + tl.minimum(cols_d, D - 1).to(tl.int64) * ROW_BYTES
         h_rows = h + pair.to(tl.int64) * DFF
-        vals = tl.arange(0, STEP_UNITS * VALUES)
+        vals = tl.arange(0, STEP_VALUES)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for s in range(0, STEPS):
-            u0 = s * STEP_UNITS
-            a16, scale, big = _f16_rows(tl.load(h_rows[:, None] + u0 * VALUES + vals[None, :]))
-            acc = _mma(a16, scale, big, _weights(w + off, u0, FMT, VALUES, NBYTES, STEP_UNITS, BLOCK_N), acc)
+        if ROW_SCALES:  # the gate/up launch's largest |h| a pair: one scale a row, no branch in the loop
+            row_scale = f16_row_scale(tl.load(h_amax + pair).to(tl.float32, bitcast=True))
+            inv = (1.0 / row_scale)[:, None]
+            for s in range(0, STEPS):
+                a16 = (tl.load(h_rows[:, None] + s * STEP_VALUES + vals[None, :]) * inv).to(tl.float16)
+                wt = _tile(w, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                acc = tl.dot(a16, tl.trans(wt), acc)
+            acc *= row_scale[:, None]
+        else:
+            for s in range(0, STEPS):
+                a16, scale, big = _f16_rows(tl.load(h_rows[:, None] + s * STEP_VALUES + vals[None, :]))
+                wt = _tile(w, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                acc = _mma(a16, scale, big, wt, acc)
         acc = acc * tl.load(weights + pair)[:, None]
         keep = live[:, None] & (cols_d < D)[None, :]
         tl.store(pair_out + pair.to(tl.int64)[:, None] * D + cols_d[None, :], acc, mask=keep)
         combine_rows(pair_out, a0, a1, sum_out, norm_w, normed, counters, eps, pair // SLOTS, live, cols_d,
                      D, SLOTS, ADDS, NORM, NORM_CHUNK, ROWS, BLOCK_M, BLOCK_N)  # fmt: skip
+
+
+def down_width_tiles(fmt: Format, d: int, block_n: int | None = None) -> int:
+    """Tiles of the model's width a down launch of experts in `fmt` takes (its combine's counters a row)."""
+    return triton.cdiv(d, block_n or kernels.moe_gemm_tile(words.takes(fmt), True)[1])
 
 
 def takes(fmt: Format, n: int, k: int) -> bool:
@@ -148,12 +202,19 @@ def takes(fmt: Format, n: int, k: int) -> bool:
     return n > 0 and supports(Format(fmt), k)
 
 
-def format_consts(fmt: Format, n: int, k: int) -> dict:
-    """The kernels' constants for experts of (n, k) rows in `fmt`: the decode's unit and step, an expert's bytes."""
+def format_consts(fmt: Format, n: int, k: int, w: Tensor | None = None, word_step: int | None = None) -> dict:
+    """The kernels' constants for experts of (n, k) rows in `fmt` (the bytes `w`, where given): the decode's
+    unit and step, an expert's bytes, and whether the weights are decoded from words (`words.takes`; their
+    bytes 4-aligned, as a GGUF tensor's and a device allocation's are), `word_step` values a step (the
+    table's, `kernels.MOE_WORDS_STEP`, where not given)."""
     values = decode_unit(fmt, k)
     units = step_units(fmt, k)
+    word = words.takes(fmt) and (w is None or w.data_ptr() % WORD_ALIGN == 0)
+    step = (word_step or kernels.MOE_WORDS_STEP) if word else values * units
+    if k % step:  # a 32-value format's row of whole 128-value steps, not of 256 (DeepSeek-V2-Lite's 1,408)
+        step = min(words.STEPS)
     return dict(FMT=int(fmt), VALUES=values, NBYTES=row_bytes(fmt, values), ROW_BYTES=row_bytes(fmt, k),
-                STEPS=k // (values * units), STEP_UNITS=units,
+                STEPS=k // step, STEP_UNITS=units, STEP_VALUES=step, WORDS=word,
                 EXPERT_BYTES=n * row_bytes(fmt, k))  # fmt: skip
 
 
@@ -169,13 +230,28 @@ def _grid(n: int, block_n: int, pairs: int, experts: int, block_m: int) -> tuple
     return triton.cdiv(n, block_n), kernels.moe_tiles_bound(pairs, experts, block_m)
 
 
+def _tile_options(fmt: Format, block_m: int | None, block_n: int | None, warps: int | None, stages: int | None,
+                  down: bool) -> tuple[int, int, int, int]:  # fmt: skip
+    """(BLOCK_M, BLOCK_N, warps, stages): the table's for `fmt` (`kernels.moe_gemm_tile`) where not given."""
+    table = kernels.moe_gemm_tile(words.takes(fmt), down)
+    return tuple(t if v is None else v for v, t in zip((block_m, block_n, warps, stages), table, strict=True))
+
+
 def gate_up_grouped(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, experts: int, slots: int, order: Tensor,
-                    counts: Tensor, n: int, k: int, out: Tensor, *, block_m: int = kernels.MOE_GEMM_BLOCK_M,
-                    block_n: int = kernels.MOE_GATE_UP_BLOCK_N) -> Tensor:  # fmt: skip
+                    counts: Tensor, n: int, k: int, out: Tensor, *, block_m: int | None = None,
+                    block_n: int | None = None, warps: int | None = None, stages: int | None = None,
+                    step: int | None = None, amax: RowScales | None = None) -> Tensor:  # fmt: skip
     """out[p] (n) f32 = SiLU(x[p // slots] @ Wg[e]^T) * (x[p // slots] @ Wu[e]^T) for each pair p the sorted
     `order` (int32 (pairs,)) lists, e its expert, `counts` (int32 (experts,)) the pairs of each in turn; Wg and
-    Wu (experts, n, k) checkpoint rows in `fmt`, x f32 (rows, k) contiguous. One launch."""
+    Wu (experts, n, k) checkpoint rows in `fmt`, x f32 (rows, k) contiguous. One launch; the tile, its warps and
+    stages, and the word decode's values a step are the table's (`kernels.moe_gemm_tile`, MOE_WORDS_STEP) unless
+    given (tests, the benchmark's sweep). With `amax` (`route.RowScales`, the routing launch's) each row takes one
+    f16 scale for the whole product, and each pair's largest |out| is raised in amax.h for the down launch."""
     fmt = Format(fmt)
+    block_m, block_n, warps, stages = _tile_options(fmt, block_m, block_n, warps, stages, down=False)
+    rows = order.numel() // slots
+    if amax is not None and (amax.x.numel() != rows or amax.h.numel() != rows * slots or amax.x16.numel() != rows * k):
+        raise ValueError(f"the row scales must be ({rows},), ({rows}, {k}) and ({rows * slots},)")
     _check(w_gate, fmt, experts, n, k, order, counts)
     check_rows(w_up, fmt, experts * n, k)
     pairs = order.numel()
@@ -183,37 +259,44 @@ def gate_up_grouped(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, expert
         raise ValueError(f"x must be contiguous f32 ({pairs // slots}, {k})")
     if out.numel() != pairs * n or not out.is_contiguous():
         raise ValueError(f"out must be contiguous ({pairs}, {n})")
+    scales = (amax.x, amax.x16, amax.h) if amax is not None else (x, x, order)  # stand-ins where there are none
     gate_up_kernel[_grid(n, block_n, pairs, experts, block_m)](
-        x, w_gate, w_up, order, counts, out, N=n, KD=k, SLOTS=slots, E=experts,
-        E_BLOCK=triton.next_power_of_2(experts), **format_consts(fmt, n, k), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=kernels.MOE_GEMM_WARPS, num_stages=kernels.MOE_GEMM_STAGES, **pdl.options(),
+        x, w_gate, w_up, order, counts, out, *scales, N=n, KD=k, SLOTS=slots, E=experts,
+        E_BLOCK=triton.next_power_of_2(experts), **format_consts(fmt, n, k, w_gate, step), BLOCK_M=block_m,
+        BLOCK_N=block_n, ROW_SCALES=amax is not None, num_warps=warps, num_stages=stages, **pdl.options(),
     )  # fmt: skip
     return out
 
 
 def down_grouped(h: Tensor, w: Tensor, fmt: Format, experts: int, order: Tensor, counts: Tensor, weights: Tensor,
-                 d: int, dff: int, pair_out: Tensor, c: Combine, *, block_m: int = kernels.MOE_GEMM_BLOCK_M,
-                 block_n: int = kernels.MOE_DOWN_BLOCK_N) -> Tensor:  # fmt: skip
+                 d: int, dff: int, pair_out: Tensor, c: Combine, *, block_m: int | None = None,
+                 block_n: int | None = None, warps: int | None = None, stages: int | None = None,
+                 step: int | None = None, h_amax: Tensor | None = None) -> Tensor:  # fmt: skip
     """c.sum_out (rows, d) = sum over each row's slots j, in order, of weights[row, j] * (h[pair] @ Wd[e]^T)
     (+ each of c.adds), e the pair's expert; with c.norm its RMS norm too. Wd (experts, d, dff) checkpoint rows
     in `fmt`, h f32 (pairs, dff), weights f32 (rows, slots), `pair_out` a (pairs, d) f32 scratch. One launch:
-    the products, then each (row, tile of d) summed by the program that stores its last slot."""
+    the products, then each (row, tile of d) summed by the program that stores its last slot; c.counters
+    holds `counters_for(rows, width tiles)` (`down_width_tiles`). With `h_amax` (int32 (pairs,), the bits of each
+    pair's largest |h|: `route.RowScales.h` as the gate/up launch left it) each row takes one f16 scale."""
     fmt = Format(fmt)
+    block_m, block_n, warps, stages = _tile_options(fmt, block_m, block_n, warps, stages, down=True)
     _check(w, fmt, experts, d, dff, order, counts)
     pairs = order.numel()
     rows, slots = weights.shape
     if h.dtype != torch.float32 or h.numel() != pairs * dff or not h.is_contiguous() or rows * slots != pairs:
         raise ValueError(f"h must be contiguous f32 ({pairs}, {dff}) and weights ({pairs // max(slots, 1)}, k)")
+    if h_amax is not None and (h_amax.numel() != pairs or h_amax.dtype != torch.int32):
+        raise ValueError(f"h_amax must be int32 ({pairs},)")
     if pair_out.numel() < pairs * d:
         raise ValueError(f"pair_out must hold ({pairs}, {d})")
     grid = _grid(d, block_n, pairs, experts, block_m)
     if c.counters.numel() < counters_for(rows, grid[0]):
         raise ValueError(f"counters must hold {counters_for(rows, grid[0])}")
     down_kernel[grid](
-        h, w, order, counts, weights, pair_out, *combine_args(c, rows, d),
+        h, w, order, counts, weights, order if h_amax is None else h_amax, pair_out, *combine_args(c, rows, d),
         D=d, DFF=dff, SLOTS=slots, E=experts, E_BLOCK=triton.next_power_of_2(experts),
-        **format_consts(fmt, d, dff), ADDS=len(c.adds), NORM=c.norm is not None,
-        NORM_CHUNK=kernels.MOE_NORM_CHUNK, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=kernels.MOE_GEMM_WARPS, num_stages=kernels.MOE_GEMM_STAGES, **pdl.options(),
+        **format_consts(fmt, d, dff, w, step), ADDS=len(c.adds), NORM=c.norm is not None,
+        NORM_CHUNK=kernels.MOE_NORM_CHUNK, ROWS=rows, ROW_SCALES=h_amax is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps, num_stages=stages, **pdl.options(),
     )  # fmt: skip
     return c.sum_out

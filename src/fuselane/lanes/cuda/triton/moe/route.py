@@ -10,16 +10,24 @@ Programs take tiles of experts of a block of rows (up to the GEMV's 8, which rea
 a decode step's one row takes an expert a program, `kernels.moe_route_tile`, whose f32 router row is read
 before the wait for the launch that wrote x, `_router_row`) and store the scores; a
 block's last program to finish (a self-resetting counter a block, `fast_norm.norm_last`'s memory ordering)
-ranks its rows, so a chunk's blocks are ranked in parallel, and in a chunk the last block ranked (another
-counter) sorts the pairs. Ranking: a decode step's row of up to `kernels.MOE_RANK_BY_COUNT_EXPERTS`
-experts places each expert by the count of those ahead of it (one comparison of every pair, one
-reduction); more experts, or a block of a chunk's rows, take k arg-max passes;
-both put the lower index first on a tie, as the cpu lane's stable sort. Sorting: the stable counting sort
-of the pairs by expert id (P * (E + 128) comparisons for P pairs and E experts). Ids are int32 and never
-leave the device.
+ranks its rows, so a chunk's blocks are ranked in parallel. Ranking: a decode step's row of up to
+`kernels.MOE_RANK_BY_COUNT_EXPERTS` experts places each expert by the count of those ahead of it (one
+comparison of every pair, one reduction); more experts take k arg-max passes, and a block of a chunk's
+rows takes k arg-max passes over all its rows at once; both put the lower index first on a tie, as the cpu
+lane's stable sort.
+
+Sorting (a chunk), a stable counting sort by expert id, split so no program walks the pairs one pass after
+another: each block's ranking program also counts its pairs of each expert (a histogram a block) and each
+pair's place among its block's pairs of its expert (a comparison of the block's few pairs); the last block
+ranked (another counter) turns the histograms into each (block, expert)'s first place (a running sum over
+the blocks, each expert's start the pairs of lower experts) and stores every pair at its first place plus
+its rank: a few vector passes over the pairs, none of them a comparison of every pair with every expert.
+Ids are int32 and never leave the device.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -29,15 +37,17 @@ from torch import Tensor
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton.gemm import F16_SAFE
 from fuselane.lanes.cuda.triton.gemv.formats import dot_rows
 from fuselane.lanes.cuda.triton.gemv.layout import FMT_F32
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, tiles
 
-# Pairs a pass of the counting sort takes: the one program that sorts walks a chunk's pairs twice (counting,
-# then placing), a load from L2 and a few block reductions a pass, so fewer, wider passes are shorter;
-# 128 a pass keep the launch within the registers its products take (ptxas, sm_90: 4 bytes spilled, 256
-# spilled 464).
-PAIRS_A_PASS = 128
+# Pairs the sort's last program places a pass (ids, ranks and firsts loaded, the order stored: 4 of each a
+# thread of eight warps), and the most values of the blocks' histograms it scans at once.
+PAIRS_A_PASS = 1024
+HIST_A_PASS = 8192
+# Values of a block's rows a pass of the rows' largest |value| (`_row_amax`) reads: 8 rows, 16 values a thread.
+AMAX_CHUNK = tl.constexpr(512)
 RANK_BY_COUNT = tl.constexpr(kernels.MOE_RANK_BY_COUNT_EXPERTS)  # a kernel reads a constexpr global only
 
 
@@ -102,36 +112,102 @@ def _keep_by_passes(ids, weights, scale, r, c, p, ex, K: tl.constexpr, K_BLOCK: 
 
 
 @triton.jit
-def _count_pairs(ids, P: tl.constexpr, PB: tl.constexpr, E_BLOCK: tl.constexpr):
-    """[E_BLOCK] int32: the pairs routed to each expert."""
-    ex = tl.arange(0, E_BLOCK)
-    total = tl.zeros([E_BLOCK], tl.int32)
-    for a in range(0, tl.cdiv(P, PB)):
-        pa = a * PB + tl.arange(0, PB)
-        ka = tl.load(ids + pa, mask=pa < P, other=-1, cache_modifier=".cg")
-        total += tl.sum((ka[:, None] == ex[None, :]).to(tl.int32), 0)
-    return total
+def _choice(scores, rows, live_rows, bias, ex, live, E: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr):
+    """A block's rows' routing probabilities and choice scores ([ROW_BLOCK, E_BLOCK]): `_rank_row`'s, a row
+    each."""
+    m = live_rows[:, None] & live[None, :]
+    s = tl.load(scores + rows[:, None] * E + ex[None, :], mask=m, other=0.0, cache_modifier=".cg")
+    s = tl.where(live[None, :], s, float("-inf"))  # a row past the chunk's ranks zeros, and stores nothing
+    if SIGMOID:
+        p = tl.where(live[None, :], 1.0 / (1.0 + tl.exp(-s)), 0.0)
+    else:
+        p = tl.where(live[None, :], tl.exp(s - tl.max(s, 1)[:, None]), 0.0)
+        p = p / tl.sum(p, 1)[:, None]
+    c = s
+    if SIGMOID:
+        c = p
+    if BIAS:
+        c = p + tl.load(bias + ex, mask=live, other=0.0)[None, :]
+    return p, tl.where(live[None, :], c, float("-inf"))
 
 
 @triton.jit
-def _sort_pairs(ids, order, counts, P: tl.constexpr, PB: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr,
-                COUNT: tl.constexpr):  # fmt: skip
-    """order[rank] = p, the rank of pair p its place among the pairs by (expert id, p): a stable counting sort.
-    A pair's rank is its expert's first place (the pairs of lower experts) plus the pairs of its expert before
-    it: those of earlier passes (a running count an expert) and of its own pass (a PB x PB comparison), so
-    the work is P * (E + PB), not P * P. With COUNT, counts[e] = the pairs of expert e too."""
+def _rank_block(scores, ids, weights, bias, scale, block, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr,
+                K_BLOCK: tl.constexpr, ROWS: tl.constexpr, ROW_BLOCK: tl.constexpr, RENORM: tl.constexpr,
+                SIGMOID: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
+    """The kept experts and weights of a block of a chunk's rows, all rows at once: K arg-max passes over the
+    [ROW_BLOCK, E_BLOCK] choice scores (the lower index first on a tie, `_keep_by_passes`' order). Returns the
+    kept ids ([ROW_BLOCK, K_BLOCK], -1 past the chunk's rows and past K) for the sort."""
     ex = tl.arange(0, E_BLOCK)
-    total = _count_pairs(ids, P, PB, E_BLOCK)
-    seen = tl.cumsum(total, 0) - total  # the pairs before each expert's first, then before this pass's
+    rows = block * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
+    live_rows = rows < ROWS
+    p, c = _choice(scores, rows, live_rows, bias, ex, ex < E, E, SIGMOID, BIAS)
+    slot = tl.arange(0, K_BLOCK)[None, :]
+    kept_ids = tl.full([ROW_BLOCK, K_BLOCK], -1, tl.int32)
+    kept = tl.zeros([ROW_BLOCK, K_BLOCK], tl.float32)
+    for j in tl.static_range(K):
+        best = tl.argmax(c, 1, tie_break_left=True)[:, None]  # [ROW_BLOCK, 1]
+        hit = ex[None, :] == best
+        kept_ids = tl.where(slot == j, best.to(tl.int32), kept_ids)
+        kept = tl.where(slot == j, tl.sum(tl.where(hit, p, 0.0), 1)[:, None], kept)
+        c = tl.where(hit, float("-inf"), c)
+    if RENORM:
+        kept = kept / tl.sum(kept, 1)[:, None]
+    at = rows[:, None] * K + slot
+    m = live_rows[:, None] & (slot < K)
+    tl.store(ids + at, kept_ids, mask=m)
+    tl.store(weights + at, kept * scale, mask=m)
+    return tl.where(m, kept_ids, -1)
+
+
+@triton.jit
+def _block_places(kept_ids, hist, rank, block, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr,
+                  K_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr):  # fmt: skip
+    """A block's share of the stable sort: the pairs of each expert among its rows (hist[block, e]) and each
+    pair's place among its block's pairs of its expert (rank[pair]); a row's kept experts are distinct, so the
+    pairs of its expert before it are in earlier rows of the block."""
+    PB: tl.constexpr = ROW_BLOCK * K_BLOCK
+    flat = tl.reshape(kept_ids, [PB])
     i = tl.arange(0, PB)
+    same = (flat[None, :] == flat[:, None]) & (i[None, :] < i[:, None])
+    ahead = tl.sum(same.to(tl.int32), 1)
+    pair = block * ROW_BLOCK * K + (i // K_BLOCK) * K + i % K_BLOCK
+    tl.store(rank + pair, ahead, mask=flat >= 0)
+    ex = tl.arange(0, E_BLOCK)
+    count = tl.sum((flat[:, None] == ex[None, :]).to(tl.int32), 0)
+    tl.store(hist + block * E + ex, count, mask=ex < E)
+
+
+@triton.jit
+def _sort_pairs(ids, order, counts, hist, rank, P: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr,
+                BLOCKS: tl.constexpr, BLOCK_PAIRS: tl.constexpr, HB: tl.constexpr, PB: tl.constexpr,
+                COUNT: tl.constexpr):  # fmt: skip
+    """order[place] = p for every pair p, its place the pairs of lower experts (start[e]) + those of its expert in
+    earlier blocks + its rank in its block: a stable counting sort by expert id, from the blocks' histograms
+    (`_block_places`). The blocks' histograms become, in place, each (block, expert)'s first place; every
+    load reads L2 (.cg): the other blocks' programs wrote them. With COUNT, counts[e] = the pairs of expert e."""
+    ex = tl.arange(0, E_BLOCK)
+    hb = tl.arange(0, HB)
+    total = tl.zeros([E_BLOCK], tl.int32)
+    for a in range(0, tl.cdiv(BLOCKS, HB)):
+        b = a * HB + hb
+        m = (b < BLOCKS)[:, None] & (ex < E)[None, :]
+        total += tl.sum(tl.load(hist + b[:, None] * E + ex[None, :], mask=m, other=0, cache_modifier=".cg"), 0)
+    seen = tl.cumsum(total, 0) - total  # each expert's first place, then past the blocks walked
+    for a in range(0, tl.cdiv(BLOCKS, HB)):
+        b = a * HB + hb
+        m = (b < BLOCKS)[:, None] & (ex < E)[None, :]
+        h = tl.load(hist + b[:, None] * E + ex[None, :], mask=m, other=0, cache_modifier=".cg")
+        tl.store(hist + b[:, None] * E + ex[None, :], seen[None, :] + tl.cumsum(h, 0) - h, mask=m)
+        seen += tl.sum(h, 0)
+    tl.debug_barrier()  # the firsts stored by every thread before any reads them back
     for a in range(0, tl.cdiv(P, PB)):
-        pa = a * PB + i
-        ka = tl.load(ids + pa, mask=pa < P, other=-1, cache_modifier=".cg")
-        hit = ka[:, None] == ex[None, :]
-        first = tl.sum(tl.where(hit, seen[None, :], 0), 1)
-        ahead = tl.sum(((ka[None, :] == ka[:, None]) & (i[None, :] < i[:, None])).to(tl.int32), 1)
-        tl.store(order + first + ahead, pa, mask=pa < P)
-        seen += tl.sum(hit.to(tl.int32), 0)
+        pa = a * PB + tl.arange(0, PB)
+        m = pa < P
+        e = tl.load(ids + pa, mask=m, other=0, cache_modifier=".cg")
+        first = tl.load(hist + (pa // BLOCK_PAIRS) * E + e, mask=m, other=0, cache_modifier=".cg")
+        place = first + tl.load(rank + pa, mask=m, other=0, cache_modifier=".cg")
+        tl.store(order + place, pa, mask=m)
     if COUNT:
         tl.store(counts + ex, total, mask=ex < E)
 
@@ -151,12 +227,37 @@ def _router_row(w_row, x, D: tl.constexpr, D_BLOCK: tl.constexpr, PDL: tl.conste
 
 
 @triton.jit
+def _row_amax(x, x_amax, x16, h_amax, rows, ROWS: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
+              K_POW2: tl.constexpr, ROW_BLOCK: tl.constexpr):  # fmt: skip
+    """The block's rows' largest |value| into x_amax and the rows divided by their f16 scale, rounded once, into
+    x16 (the grouped gate/up's operand, `grouped`), and their pairs' entries of h_amax zeroed (the largest
+    |SiLU(gate) * up| the gate/up launch then takes)."""
+    live = rows < ROWS
+    cols = tl.arange(0, AMAX_CHUNK)
+    at_row = rows.to(tl.int64)[:, None] * D
+    amax = tl.zeros([ROW_BLOCK], tl.float32)
+    for c in range(0, tl.cdiv(D, AMAX_CHUNK)):
+        at = c * AMAX_CHUNK + cols
+        m = live[:, None] & (at < D)[None, :]
+        amax = tl.maximum(amax, tl.max(tl.abs(tl.load(x + at_row + at[None, :], mask=m, other=0.0)), 1))
+    tl.store(x_amax + rows, amax, mask=live)
+    inv = (1.0 / f16_row_scale(amax))[:, None]
+    for c in range(0, tl.cdiv(D, AMAX_CHUNK)):
+        at = c * AMAX_CHUNK + cols
+        m = live[:, None] & (at < D)[None, :]
+        v = tl.load(x + at_row + at[None, :], mask=m, other=0.0)
+        tl.store(x16 + at_row + at[None, :], (v * inv).to(tl.float16), mask=m)
+    slot = tl.arange(0, K_POW2)[None, :]
+    tl.store(h_amax + rows[:, None] * K + slot, tl.zeros([ROW_BLOCK, K_POW2], tl.int32),
+             mask=live[:, None] & (slot < K))  # fmt: skip
+
+
+@triton.jit
 def _route_kernel(
-    x, w, scores, ids, weights, order, counts, counter, bias, scale,
+    x, w, scores, ids, weights, order, counts, counter, hist, rank, x_amax, x16, h_amax, bias, scale,
     D: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr, K_BLOCK: tl.constexpr,
     ROWS: tl.constexpr, ROW_BLOCK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
-    SORT: tl.constexpr, COUNT: tl.constexpr,
-    PB: tl.constexpr,
+    SORT: tl.constexpr, COUNT: tl.constexpr, HB: tl.constexpr, PB: tl.constexpr, AMAX: tl.constexpr,
     FMT: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr, ROW_BYTES: tl.constexpr, D_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -174,20 +275,78 @@ def _route_kernel(
         y = dot_rows(w + tl.minimum(e, E - 1).to(tl.int64) * ROW_BYTES, x_rows, FMT, STEPS, UNITS, SPLIT, ROW_BLOCK,
                      BLOCK_N, STAGES)  # fmt: skip
     tl.store(scores + rows[:, None] * E + e[None, :], y, mask=(rows < ROWS)[:, None] & (e < E)[None, :])
+    if AMAX:
+        if tl.program_id(0) == 0:
+            _row_amax(x, x_amax, x16, h_amax, rows, ROWS, D, K, K_BLOCK, ROW_BLOCK)
     tl.debug_barrier()
     done = tl.atomic_add(counter + 1 + block, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:  # a block's last tile of experts ranks its rows: the blocks in parallel
         tl.atomic_xchg(counter + 1 + block, 0, sem="relaxed", scope="gpu")
-        for i in range(0, ROW_BLOCK):
-            if block * ROW_BLOCK + i < ROWS:
-                _rank_row(scores, ids, weights, bias, scale, block * ROW_BLOCK + i, E, E_BLOCK, K, K_BLOCK, RENORM,
-                          SIGMOID, BIAS, ROW_BLOCK == 1)  # fmt: skip
+        if ROW_BLOCK == 1:  # a decode step's row (never sorted)
+            _rank_row(scores, ids, weights, bias, scale, block, E, E_BLOCK, K, K_BLOCK, RENORM, SIGMOID, BIAS, True)
+        else:
+            kept = _rank_block(scores, ids, weights, bias, scale, block, E, E_BLOCK, K, K_BLOCK, ROWS, ROW_BLOCK,
+                               RENORM, SIGMOID, BIAS)  # fmt: skip
+            if SORT:
+                _block_places(kept, hist, rank, block, E, E_BLOCK, K, K_BLOCK, ROW_BLOCK)
         if SORT:
             tl.debug_barrier()
             ranked = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ranked == tl.num_programs(1) - 1:  # the last block ranked sorts every row's pairs
+            if ranked == tl.num_programs(1) - 1:  # the last block ranked places every block's pairs
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                _sort_pairs(ids, order, counts, ROWS * K, PB, E, E_BLOCK, COUNT)
+                _sort_pairs(ids, order, counts, hist, rank, ROWS * K, E, E_BLOCK, tl.cdiv(ROWS, ROW_BLOCK),
+                            ROW_BLOCK * K, HB, PB, COUNT)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class RowScales:
+    """What lets the grouped GEMM round its activations to f16 with one scale a row for the whole product (no
+    branch in its k loop, which the software pipeliner then stages): x (rows,) f32, each chunk row's largest
+    |value|, and x16 (rows, d) f16, each row divided by its scale (`f16_row_scale`) and rounded once, both
+    written by the routing launch, which reads the rows anyway (the gate/up launch then reads half the bytes
+    and converts nothing); h (pairs,) int32, the bits of each pair's largest |SiLU(gate) * up| (non-negative
+    floats order as their bits), zeroed by the routing launch and raised by the gate/up launch's programs."""
+
+    x: Tensor
+    x16: Tensor
+    h: Tensor
+
+
+def row_scales(device, rows: int, k: int, d: int) -> RowScales:
+    """Row scales for a chunk of `rows` rows of width `d` and `k` kept experts (each launch writes them)."""
+    return RowScales(torch.zeros(rows, device=device), torch.zeros(rows, d, dtype=torch.float16, device=device),
+                     torch.zeros(rows * k, dtype=torch.int32, device=device))  # fmt: skip
+
+
+@triton.jit
+def f16_row_scale(amax):
+    """The power of two a row of largest |value| `amax` is divided by before its f16 rounding (1 within
+    F16_SAFE): the prefill GEMM's (`gemm`), once a row instead of once a step."""
+    return tl.where(amax > F16_SAFE, tl.exp2(tl.ceil(tl.log2(amax / F16_SAFE))), 1.0)
+
+
+def sort_scratch(device, rows: int, experts: int, k: int) -> Tensor:
+    """The int32 scratch a chunk's sort takes: each block of rows' pairs of each expert (then their first
+    places), and each pair's rank in its block. Written before it is read in every launch: never zeroed."""
+    return torch.empty(_blocks(rows) * experts + rows * k, dtype=torch.int32, device=device)
+
+
+def _row_block(rows: int) -> int:
+    return triton.next_power_of_2(min(rows, kernels.GEMV_ROWS))
+
+
+def _blocks(rows: int) -> int:
+    return triton.cdiv(rows, _row_block(rows))
+
+
+def _sort_scratch(scratch: Tensor | None, rows: int, experts: int, k: int, stand_in: Tensor) -> tuple[Tensor, Tensor]:
+    """The histograms' and the ranks' parts of `scratch` (stand-ins where there is no sort)."""
+    if scratch is None:
+        return stand_in, stand_in
+    size = _blocks(rows) * experts
+    if scratch.dtype != torch.int32 or scratch.numel() < size + rows * k:
+        raise ValueError(f"the sort's scratch must be int32 of {size + rows * k} (sort_scratch)")
+    return scratch[:size], scratch[size:]
 
 
 def counters(device, rows: int = 1) -> Tensor:
@@ -198,14 +357,18 @@ def counters(device, rows: int = 1) -> Tensor:
 
 def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool, ids: Tensor, weights: Tensor,
           scores: Tensor, counter: Tensor, order: Tensor | None = None, counts: Tensor | None = None, *,
-          sigmoid: bool = False, bias: Tensor | None = None, scale: float = 1.0) -> None:  # fmt: skip
+          sigmoid: bool = False, bias: Tensor | None = None, scale: float = 1.0,
+          scratch: Tensor | None = None, amax: RowScales | None = None,
+          maxnreg: int | None = None) -> None:  # fmt: skip
     """ids (rows, k) int32 and weights (rows, k) f32 of x's rows (rows, d) f32 routed by the router `w`
     (experts, d) checkpoint rows in `fmt`; `scores` (rows, experts) f32 scratch; with `order` (rows * k,)
     int32 also the pairs ordered by expert, and with `counts` (experts,) int32 the pairs each expert takes.
     The probabilities are the softmax over every expert, or each score's sigmoid (`sigmoid`); the experts
     are ranked by their probabilities plus `bias` (experts,) f32 where given (DeepSeek-V3's correction),
     else by their scores; the kept weights are the probabilities (renormalised over the k where `renorm`)
-    times `scale`. One launch."""
+    times `scale`. One launch; the sort takes `scratch` (`sort_scratch`; one is made where not given). With
+    `amax` it also writes each row's largest |x| and zeroes the pairs' largest |h| (`RowScales`). `maxnreg` caps
+    a thread's registers (the benchmark's trial: 2 blocks a SM for the scores, spilling in the ranking)."""
     rows, d = x.shape
     if ids.dtype != torch.int32 or ids.numel() != rows * k or weights.numel() != rows * k:
         raise ValueError(f"ids must be int32 and ids and weights ({rows}, {k})")
@@ -217,14 +380,25 @@ def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool,
         raise ValueError(f"counts must be int32 ({experts},), written with the order")
     if bias is not None and (bias.dtype != torch.float32 or bias.numel() != experts):
         raise ValueError(f"the correction bias must be f32 ({experts},)")
-    row_block = triton.next_power_of_2(min(rows, kernels.GEMV_ROWS))
+    row_block = _row_block(rows)
     plan, warps = f32_plan(Format(fmt), experts, d, m=row_block, tile=kernels.moe_route_tile(rows))
     sort = order is not None
-    _route_kernel[(tiles(experts, plan["BLOCK_N"]), triton.cdiv(rows, row_block))](
-        x, w, scores, ids, weights, order if sort else ids, ids if counts is None else counts, counter,
-        scores if bias is None else bias, float(scale),
+    if sort and rows == 1:
+        raise ValueError("a decode step's row is not sorted")
+    hist, rank = _sort_scratch(scratch if scratch is not None or not sort else sort_scratch(x.device, rows, experts, k),
+                               rows, experts, k, ids)  # fmt: skip
+    if amax is not None and (not sort or amax.x.numel() != rows or amax.h.numel() != rows * k
+                             or amax.h.dtype != torch.int32 or amax.x16.numel() != rows * d):  # fmt: skip
+        raise ValueError(f"the row scales take a sorted chunk's ({rows},) f32, ({rows}, {d}) f16 and ({rows * k},) "
+                         "int32")  # fmt: skip
+    x_amax, x16, h_amax = (amax.x, amax.x16, amax.h) if amax is not None else (scores, scores, ids)
+    hb = max(1, min(triton.next_power_of_2(_blocks(rows)), HIST_A_PASS // triton.next_power_of_2(experts)))
+    _route_kernel[(tiles(experts, plan["BLOCK_N"]), _blocks(rows))](
+        x, w, scores, ids, weights, order if sort else ids, ids if counts is None else counts, counter, hist, rank,
+        x_amax, x16, h_amax, scores if bias is None else bias, float(scale),
         D=d, E=experts, E_BLOCK=triton.next_power_of_2(experts), K=k, K_BLOCK=triton.next_power_of_2(k),
         ROWS=rows, ROW_BLOCK=row_block, RENORM=renorm, SIGMOID=sigmoid, BIAS=bias is not None, SORT=sort,
-        COUNT=counts is not None, PB=PAIRS_A_PASS, D_BLOCK=triton.next_power_of_2(d),
-        num_warps=warps, **plan, **pdl.options(),
+        COUNT=counts is not None, AMAX=amax is not None, HB=hb, PB=PAIRS_A_PASS,
+        D_BLOCK=triton.next_power_of_2(d),
+        num_warps=warps, **plan, **pdl.options(), **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )  # fmt: skip

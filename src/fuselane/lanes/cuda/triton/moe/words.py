@@ -1,0 +1,241 @@
+"""The grouped expert GEMM's weight decode from 32-bit words: a step's values (half a super-block or a whole
+one; four or eight 32-value blocks) of BLOCK_N checkpoint rows as one [BLOCK_N, KW] f16 tile, each value
+`fuselane.gguf.dequant`'s f32 rounded once to f16 (bit for bit).
+
+`gemv.epilogue.unit_values` decodes a unit from per-value byte pointers: a load, an index computation and a
+reshape a value or two, and byte loads, which the software pipeliner cannot stage asynchronously (cp.async
+moves 4, 8 or 16 bytes). Here each field is loaded as whole 32-bit words in a tile shaped so that the values a
+word holds are the broadcast of its shifts over the tile's trailing dimensions, and the tile's natural order
+is the values' own: the reshape to [BLOCK_N, KW] moves nothing. A value then costs a shift, a mask (with the
+2^23 trick's OR), a subtraction, a multiply-add and half a conversion; the scales are unpacked once a
+sub-block.
+
+- Q4_K (144-byte blocks, so every block is 4-aligned): qs chunk j (32 bytes) holds values 64j + l in its low
+  nibbles and 64j + 32 + l in its high ones, so words [BLOCK_N, 4 (j), 1, 8 (i), 1] shifted by 4h + 8b give
+  [BLOCK_N, 4, 2 (h), 8, 4 (b)]: value 64j + 32h + 4i + b, sub-block 2j + h.
+- Q6_K (210-byte blocks, 2-aligned): half H's ql byte 4a + c (a < 16) holds value 128H + 4a + c in its low
+  nibble and 64 more in its high one, qh byte 32H + 4(a % 8) + c their top bits (crumb a // 8, and 2 more),
+  so [BLOCK_N, 2 (H), 2 (nibble), 16 (a), 4 (c)] is value 128H + 64 * nibble + 4a + c, scale (128H + 64 *
+  nibble + 4a) // 16.
+- Q8_0 (34 bytes): [BLOCK_N, block, 8 (word), 4 (byte)], the signed byte through the 2^23 trick with its
+  sign bit flipped; Q5_0 (22 bytes): [BLOCK_N, block, 2 (nibble), 4 (word of qs), 4 (byte)], value 16 *
+  nibble + 4 * word + byte, its fifth bit that bit of qh.
+
+A field 2 bytes past a word (the 2-aligned formats' blocks at an odd multiple of 2 bytes) is read from its
+two aligned neighbours (a funnel shift; the second word is not read where the field is aligned). A block's
+last word so read may take up to 2 bytes past the block, within the 4-aligned word of its last bytes.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fuselane.gguf.formats import Format
+from fuselane.lanes.cuda.triton.gemv.layout import (
+    BIT,
+    BYTE,
+    BYTE_BITS,
+    CRUMB,
+    F16_BITS,
+    F32_TWO_23_BITS,
+    FMT_Q4_K,
+    FMT_Q5_0,
+    FMT_Q6_K,
+    FMT_Q8_0,
+    HALF_QK,
+    HALF_WORD_BITS,
+    K_LOW_SUBS,
+    K_TOP_SHIFT,
+    NIBBLE,
+    NIBBLE_BITS,
+    Q4_K_QS,
+    Q4_K_SCALES,
+    Q5_0_BYTES,
+    Q5_0_QH,
+    Q5_0_QS,
+    Q5_BIAS,
+    Q6_BIAS,
+    Q6_K_D,
+    Q6_K_QH,
+    Q6_K_QL,
+    Q6_K_SCALES,
+    Q8_0_BYTES,
+    Q8_0_QS,
+    SIGN_BIT,
+    SIGNED_BYTE_BIAS,
+    SIX_BITS,
+    WORD,
+    in_two_23,
+)
+
+# The formats this decode takes (every other keeps `unit_values`' path).
+FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0})
+# The values a step may take: a super-block's half or whole (a Q6_K half is its natural unit), four or eight
+# 32-value blocks.
+STEPS = (128, 256)
+SIGN_SHIFT = tl.constexpr(24)  # an int8 at the top of a word: shifted back down with its sign
+BYTE_MISALIGN = tl.constexpr(3)  # a byte address's offset in its word
+
+
+def takes(fmt: Format) -> bool:
+    """Whether the word decode takes `fmt` (any row length: the grouped GEMM's K steps are whole blocks)."""
+    return Format(fmt) in FORMATS
+
+
+@triton.jit
+def _f16_half(word, HIGH: tl.constexpr):
+    """The f16 in the low (or high) half of each 32-bit word, as f32."""
+    bits = (word >> (HALF_WORD_BITS * HIGH)) & F16_BITS
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _q4_k_tile(w, off, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """[BLOCK_N, KW] f32: values part * KW on of the Q4_K super-blocks at byte offsets `off` ([BLOCK_N] int64,
+    4-aligned) of `w`."""
+    p = (w + off).to(tl.pointer_type(tl.int32))[:, None, None, None, None]  # [BLOCK_N, 1, 1, 1, 1]
+    j = part * (KW // 64) + tl.arange(0, KW // 64)[None, :, None, None, None]  # the qs chunks of 64 values
+    h = tl.arange(0, 2)[None, None, :, None, None]
+    i = tl.arange(0, 8)[None, None, None, :, None]
+    b = tl.arange(0, 4)[None, None, None, None, :]
+    words = tl.load(p + Q4_K_QS // WORD + j * 8 + i)  # [BLOCK_N, 4, 1, 8, 1]
+    code = ((words >> (h * NIBBLE_BITS + b * BYTE_BITS)) & NIBBLE) | F32_TWO_23_BITS  # [BLOCK_N, J, 2, 8, 4]
+    head = tl.load(p)  # d, dmin
+    sa = tl.load(p + Q4_K_SCALES // WORD)
+    sb = tl.load(p + Q4_K_SCALES // WORD + 1)
+    sc_ = tl.load(p + Q4_K_SCALES // WORD + 2)
+    s = 2 * j + h  # [1, J, 2, 1, 1]: the sub-block
+    shift = (s % K_LOW_SUBS) * BYTE_BITS
+    low = s < K_LOW_SUBS
+    sc = tl.where(low, (sa >> shift) & SIX_BITS,
+                  ((sc_ >> shift) & NIBBLE) | (((sa >> (shift + K_TOP_SHIFT)) & CRUMB) << NIBBLE_BITS))  # fmt: skip
+    mn_high = ((sc_ >> (shift + NIBBLE_BITS)) & NIBBLE) | (((sb >> (shift + K_TOP_SHIFT)) & CRUMB) << NIBBLE_BITS)
+    mn = tl.where(low, (sb >> shift) & SIX_BITS, mn_high)
+    d_sc = _f16_half(head, 0) * sc.to(tl.float32)  # [BLOCK_N, J, 2, 1, 1]
+    dmin_mn = _f16_half(head, 1) * mn.to(tl.float32)
+    v = d_sc * in_two_23(code, 0) - dmin_mn
+    return tl.reshape(v, [BLOCK_N, KW])
+
+
+@triton.jit
+def _word_at(p, mis):
+    """The 32-bit words `mis` bits (0 or 16: where the block sits past its word) past the aligned uint32 words
+    `p`: those words themselves, or the two aligned words around each, funnel-shifted."""
+    lo = tl.load(p)
+    hi = tl.load(p + 1, mask=mis > 0, other=0)  # an aligned block reads no byte past its own
+    return (lo >> mis) | (hi << HALF_WORD_BITS)
+
+
+@triton.jit
+def _q6_k_tile(w, off, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """[BLOCK_N, KW] f32: values part * KW on of the Q6_K super-blocks at byte offsets `off` ([BLOCK_N] int64,
+    2-aligned) of `w`."""
+    lead = off & BYTE_MISALIGN
+    mis = (lead * BYTE_BITS).to(tl.uint32)[:, None, None, None, None]  # 0 or 16
+    p = (w + off - lead).to(tl.pointer_type(tl.uint32))[:, None, None, None, None]  # [BLOCK_N, 1, 1, 1, 1]
+    hh = part * (KW // 128) + tl.arange(0, KW // 128)[None, :, None, None, None]  # the halves
+    nib = tl.arange(0, 2)[None, None, :, None, None]  # the nibble
+    a = tl.arange(0, 16)[None, None, None, :, None]  # the word of the half's ql
+    c = tl.arange(0, 4)[None, None, None, None, :]  # the byte of the word
+    ql = _word_at(p + Q6_K_QL // WORD + 16 * hh + a, mis)  # [BLOCK_N, H, 1, 16, 1]
+    qh = _word_at(p + Q6_K_QH // WORD + 8 * hh + a % 8, mis)
+    low = (ql >> (c * BYTE_BITS + nib * NIBBLE_BITS).to(tl.uint32)) & NIBBLE  # [BLOCK_N, H, 2, 16, 4]
+    top = (qh >> (c * BYTE_BITS + (a // 8) * 2 + nib * NIBBLE_BITS).to(tl.uint32)) & CRUMB
+    code = (low | (top << NIBBLE_BITS) | F32_TWO_23_BITS).to(tl.int32, bitcast=True)
+    sw = _word_at(p + Q6_K_SCALES // WORD + 2 * hh + nib, mis).to(tl.int32, bitcast=True)  # [BLOCK_N, H, 2, 1, 1]
+    sc = (sw << ((a // 4) * -BYTE_BITS + SIGN_SHIFT)) >> SIGN_SHIFT  # [BLOCK_N, H, 2, 16, 1]: signed
+    # d's two bytes lie in one aligned word either way (the block's last 4-aligned word, or its 2 bytes on)
+    d = _f16_half((tl.load(p + Q6_K_D // WORD) >> mis).to(tl.int32, bitcast=True), 0)
+    v = (d * sc.to(tl.float32)) * in_two_23(code, Q6_BIAS)
+    return tl.reshape(v, [BLOCK_N, KW])
+
+
+@triton.jit
+def _at(w, off, F: tl.constexpr):
+    """The aligned uint32 pointers and the funnel shift (0 or 16 bits) of field F of the 2-aligned blocks at byte
+    offsets `off` of `w`."""
+    lead = (off + F) & BYTE_MISALIGN
+    return (w + off + F - lead).to(tl.pointer_type(tl.uint32)), (lead * BYTE_BITS).to(tl.uint32)
+
+
+@triton.jit
+def _f16_at(w, off):
+    """The f16 at the 2-aligned byte offsets `off` of `w`, as f32, from the aligned word holding it."""
+    p, mis = _at(w, off, 0)
+    return _f16_half((tl.load(p) >> mis).to(tl.int32, bitcast=True), 0)
+
+
+@triton.jit
+def _q8_0_tile(w, off, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """[BLOCK_N, KW] f32: values part * KW on of the Q8_0 rows at byte offsets `off`: KW // 32 blocks of 34
+    bytes, [BLOCK_N, block, 8 (word), 4 (byte)]; value = d * q, q the signed byte (through the 2^23 trick with
+    its sign bit flipped: q + 128)."""
+    blk = off[:, None, None, None] + (part * (KW // 32) + tl.arange(0, KW // 32))[None, :, None, None] * Q8_0_BYTES
+    p, mis = _at(w, blk, Q8_0_QS)
+    words = _word_at(p + tl.arange(0, 8)[None, None, :, None], mis)  # [BLOCK_N, U, 8, 1]
+    c = tl.arange(0, 4)[None, None, None, :]
+    code = (((words >> (c * BYTE_BITS).to(tl.uint32)) & BYTE) ^ SIGN_BIT) | F32_TWO_23_BITS
+    v = _f16_at(w, blk) * in_two_23(code.to(tl.int32, bitcast=True), SIGNED_BYTE_BIAS)
+    return tl.reshape(v, [BLOCK_N, KW])
+
+
+@triton.jit
+def _q5_0_tile(w, off, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """[BLOCK_N, KW] f32: values part * KW on of the Q5_0 rows at byte offsets `off`: KW // 32 blocks of 22
+    bytes, [BLOCK_N, block, 2 (nibble), 4 (word of qs), 4 (byte)] (value 16 * nibble + 4 * word + byte), the
+    fifth bit that value's bit of qh; value = d * (code - 16)."""
+    u = part * (KW // 32) + tl.arange(0, KW // 32)
+    blk = off[:, None, None, None, None] + u[None, :, None, None, None] * Q5_0_BYTES
+    nib = tl.arange(0, 2)[None, None, :, None, None]
+    i = tl.arange(0, 4)[None, None, None, :, None]
+    c = tl.arange(0, 4)[None, None, None, None, :]
+    p, mis = _at(w, blk, Q5_0_QS)
+    qs = _word_at(p + i, mis)  # [BLOCK_N, U, 1, 4, 1]
+    p, mis = _at(w, blk, Q5_0_QH)
+    qh = _word_at(p, mis)  # [BLOCK_N, U, 1, 1, 1]
+    low = (qs >> (c * BYTE_BITS + nib * NIBBLE_BITS).to(tl.uint32)) & NIBBLE
+    top = (qh >> (nib * HALF_QK + i * WORD + c).to(tl.uint32)) & BIT
+    code = (low | (top << NIBBLE_BITS) | F32_TWO_23_BITS).to(tl.int32, bitcast=True)
+    v = _f16_at(w, blk) * in_two_23(code, Q5_BIAS)
+    return tl.reshape(v, [BLOCK_N, KW])
+
+
+@triton.jit
+def word_tile(w, off, part, FMT: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """[BLOCK_N, KW] f16: values part * KW on (KW 128 or 256: `STEPS`) of the super-blocks at byte offsets `off`
+    ([BLOCK_N] int64) of `w` (uint8), decoded."""
+    if FMT == FMT_Q4_K:
+        v = _q4_k_tile(w, off, part, BLOCK_N, KW)
+    elif FMT == FMT_Q6_K:
+        v = _q6_k_tile(w, off, part, BLOCK_N, KW)
+    elif FMT == FMT_Q8_0:
+        v = _q8_0_tile(w, off, part, BLOCK_N, KW)
+    else:
+        tl.static_assert(FMT == FMT_Q5_0, "no word decode for this format")
+        v = _q5_0_tile(w, off, part, BLOCK_N, KW)
+    return v.to(tl.float16)
+
+
+@triton.jit
+def _decode_kernel(w, out, ROW_BYTES: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, NBYTES: tl.constexpr,
+                   BLOCK_N: tl.constexpr, KW: tl.constexpr):  # fmt: skip
+    """out[r, KW s:KW s + KW] for the tile of rows of program 0 and the step s of program 1 (tests' entry)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    s = tl.program_id(1)
+    unit, part = (s * KW) // 256, (s * KW) % 256 // KW
+    v = word_tile(w, rows.to(tl.int64) * ROW_BYTES + unit * NBYTES, part, FMT, BLOCK_N, KW)
+    cols = s * KW + tl.arange(0, KW)
+    tl.store(out + rows[:, None] * K + cols[None, :], v)
+
+
+def decode(w, fmt: Format, n: int, k: int, out, *, block_n: int = 4, step: int = 256) -> None:
+    """out (n, k) f16 = the n x k checkpoint rows `w` in `fmt` decoded as the grouped GEMM does, `step`
+    values a step (`block_n` divides n): so each format's word decode is checked against
+    `fuselane.gguf.dequant` on its own."""
+    from fuselane.gguf.formats import row_bytes
+
+    fmt = Format(fmt)
+    _decode_kernel[(triton.cdiv(n, block_n), k // step)](w, out, ROW_BYTES=row_bytes(fmt, k), K=k, FMT=int(fmt),
+                                                         NBYTES=row_bytes(fmt, 256), BLOCK_N=block_n,
+                                                         KW=step)  # fmt: skip
