@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import Format
+from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.layout import (
     BIT,
     BYTE,
@@ -219,8 +220,8 @@ def word_tile(w, off, part, FMT: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.con
 
 @triton.jit
 def _decode_kernel(w, out, ROW_BYTES: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, NBYTES: tl.constexpr,
-                   BLOCK_N: tl.constexpr, KW: tl.constexpr):  # fmt: skip
-    """out[r, KW s:KW s + KW] for the tile of rows of program 0 and the step s of program 1 (tests' entry)."""
+                   BLOCK_N: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    pdl.begin(PDL)  # out[r, KW s:KW s + KW]: program 0's tile of rows, program 1's step s (the tests' entry)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     s = tl.program_id(1)
     unit, part = (s * KW) // 256, (s * KW) % 256 // KW
@@ -238,4 +239,4 @@ def decode(w, fmt: Format, n: int, k: int, out, *, block_n: int = 4, step: int =
     fmt = Format(fmt)
     _decode_kernel[(triton.cdiv(n, block_n), k // step)](w, out, ROW_BYTES=row_bytes(fmt, k), K=k, FMT=int(fmt),
                                                          NBYTES=row_bytes(fmt, 256), BLOCK_N=block_n,
-                                                         KW=step)  # fmt: skip
+                                                         KW=step, **pdl.options())  # fmt: skip
