@@ -69,8 +69,9 @@ class Model:
 MODELS = {
     "qwen3-30b-a3b": Model(128, 8, 2048, 768, 48, "Q4_K", ("Q4_K", "Q6_K")),
     # the down rows' Q4_K / Q6_K fall back as llama.cpp's do (1,408 is not whole super-blocks)
-    "deepseek-v2-lite": Model(64, 6, 2048, 1408, 26, "Q4_K",
-                              tuple(fit_format(Format[f], 1408).name for f in ("Q4_K", "Q6_K"))),  # fmt: skip
+    "deepseek-v2-lite": Model(
+        64, 6, 2048, 1408, 26, "Q4_K", tuple(fit_format(Format[f], 1408).name for f in ("Q4_K", "Q6_K"))
+    ),  # fmt: skip
 }
 
 # (BLOCK_M, BLOCK_N, warps, stages, word step) the sweep tries for each grouped launch

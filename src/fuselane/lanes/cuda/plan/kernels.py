@@ -248,6 +248,8 @@ def moe_gemm_tile(words: bool, down: bool) -> tuple[int, int, int, int]:
     if words:
         return MOE_WORDS_DOWN_TILE if down else MOE_WORDS_GATE_UP_TILE
     return MOE_GEMM_BLOCK_M, MOE_DOWN_BLOCK_N if down else MOE_GATE_UP_BLOCK_N, MOE_GEMM_WARPS, MOE_GEMM_STAGES
+
+
 # The next norm a chunk's down launch ends with is taken in chunks of this many values of a tile's rows, so
 # a tile's 64 rows of it hold 32 f32 registers a thread of eight warps.
 MOE_NORM_CHUNK = 128
