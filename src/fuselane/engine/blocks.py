@@ -57,8 +57,6 @@ class BlockPool:
 
     def grow(self, table: BlockTable, rows: int) -> bool:
         """Give `table` the blocks it lacks for `rows` rows; False, taking nothing, when the pool has too few."""
-        if rows <= len(table.blocks) * self.block_size:  # most decode rows: their block is already held
-            return True
         lack = self.needed(table, rows)
         if lack > len(self._free):
             return False

@@ -24,8 +24,6 @@ class StopText:
         """The text that `token` makes safe to show (nothing once stopped)."""
         if self.stopped:
             return ""
-        if not self.stops:  # nothing to cut or hold back: the decoder's text as it comes (most requests)
-            return self.decoder.push(token)
         return self._scan(self.held + self.decoder.push(token), final=False)
 
     def flush(self) -> str:
