@@ -331,6 +331,25 @@ MOE_ROUTE_ONE_ROW_EXPERTS = 1
 MOE_ROUTE_ONE_ROW_WARPS = 8
 
 
+# A chunk's routing product (past the GEMV's rows, a float router) as tensor-core tiles instead: a program takes
+# MOE_ROUTE_CHUNK_ROWS rows by MOE_ROUTE_CHUNK_EXPERTS router rows, MOE_ROUTE_CHUNK_K values a step staged
+# MOE_ROUTE_CHUNK_STAGES steps ahead (cp.async), `tl.dot` in three TF32 products (`tf32x3`: each f32 operand
+# split into a TF32 and the TF32 of its rest, the rest's product dropped: about f32's own rounding, where one TF32
+# product keeps 10 bits and can swap two experts' ranks that f32 keeps apart). The GEMV's tile (eight rows by
+# eight router rows, on the CUDA cores) took Qwen3-30B-A3B's 512 rows as 1,024 programs, each a chain of L2 round
+# trips for 128 KB in one block a SM (197 registers), and re-read the 1 MB router 64 times: 86.2 us (H200,
+# `benchmarks/moe_prefill.py`). At 16 x 32 the same chunk is 128 programs, one wave of 132 SMs, each streaming
+# 384 KB (its rows and its router rows, 50 MB from L2 in all, the router 32 times) through shared memory, 0.8
+# GFLOP of TF32 products in all. Sixteen rows keep a block's ranking (its last program's arg-max passes over
+# [16, experts], `route._rank_block`) short; a block's rows' largest values are split among its programs.
+MOE_ROUTE_CHUNK_ROWS = 16
+MOE_ROUTE_CHUNK_EXPERTS = 32
+MOE_ROUTE_CHUNK_K = 64
+MOE_ROUTE_CHUNK_WARPS = 4
+MOE_ROUTE_CHUNK_STAGES = 3
+MOE_ROUTE_CHUNK_PRECISION = "tf32x3"
+MOE_ROUTE_CHUNK_FORMATS = frozenset({Format.F32, Format.F16, Format.BF16})
+
 # The most experts (a power of two) a routing row ranks by counting, for each expert, those ahead of it in one
 # experts x experts comparison (a reduction; 64 comparisons a thread of eight warps at 128), instead of the
 # top-k's k arg-max passes, each two block reductions (an arg-max and the kept probability's pick) that the
@@ -354,6 +373,12 @@ def moe_down_rows(k: int) -> int:
 def moe_route_tile(rows: int) -> tuple[int, int] | None:
     """(router rows a program, warps) of a routing launch of `rows` rows; None where it takes the GEMV's tile."""
     return (MOE_ROUTE_ONE_ROW_EXPERTS, MOE_ROUTE_ONE_ROW_WARPS) if rows == 1 else None
+
+
+def moe_route_chunk(fmt: Format, rows: int) -> bool:
+    """Whether a routing launch of `rows` rows by a router in `fmt` takes the tensor-core tile
+    (MOE_ROUTE_CHUNK_*): a chunk past the GEMV's rows, a float router."""
+    return rows > GEMV_ROWS and Format(fmt) in MOE_ROUTE_CHUNK_FORMATS
 
 
 def moe_grouped(rows: int) -> bool:
