@@ -77,22 +77,24 @@ MODELS = {
 # (BLOCK_M, BLOCK_N, warps, stages, word step) the sweep tries for each grouped launch, around the table's
 # (`kernels.MOE_WORDS_TILES`, from the first sweep: four warps won both models' Q4_K gate/up and V2-Lite's Q5_0
 # down at 64 x 64; one stage of a whole super-block won Q6_K's down, and one stage Q8_0's, at 64 x 128 and
-# eight warps; 64 x 256 Q4_K's down). Those most likely to win first: four warps at 64 x 128 and 64 x 64 with
-# 1-3 stages and 256-value steps, then eight warps at 256 values. A launch's table tile, and a candidate that
-# runs as one already timed (a 256-value step of a row not whole 256-value steps runs at 128), are not timed
-# again; the budget stops the rest (about 3 s a candidate a launch on the H200: ~8 candidates in 90 s).
+# eight warps; 64 x 256 Q4_K's down). Those most likely to win first, by the first sweep and by what ptxas
+# spills (sm_90, Qwen3's widths, bytes a thread for Q4_K gate/up, down, Q6_K gate/up, down): 64 x 64 four warps
+# three stages (0 / 28 / 0 / 40), 64 x 128 eight warps 256 a step (0 / 144 / 356 / 112), 64 x 64 four warps one
+# stage 256 a step (0 / 248 / 524 / 632), ...; 64 x 128 four warps one stage 256 a step last (132 / 528 / 4,448
+# / 2,440). A launch's table tile, and a candidate that runs as one already timed (a 256-value step of a row not
+# whole 256-value steps runs at 128), are not timed again; `--budget` stops the rest.
 CANDIDATES = [
-    (64, 128, 4, 1, 256),
-    (64, 64, 4, 1, 256),
     (64, 64, 4, 3, 128),
-    (64, 128, 4, 2, 128),
     (64, 128, 8, 2, 256),
-    (64, 64, 4, 2, 256),
+    (64, 64, 4, 1, 256),
+    (64, 128, 4, 2, 128),
     (64, 256, 8, 1, 256),
     (64, 256, 8, 2, 256),
+    (64, 64, 4, 2, 256),
     (64, 128, 4, 3, 128),
     (64, 64, 4, 1, 128),
     (64, 128, 8, 1, 128),
+    (64, 128, 4, 1, 256),
     (64, 128, 4, 2, 256),
 ]
 

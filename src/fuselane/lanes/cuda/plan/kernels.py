@@ -325,8 +325,9 @@ MOE_DOWN_UNPINNED = frozenset({Format.Q5_K})
 # A decode step's routing program takes this many of the router's rows (experts): the router is a few
 # thousand values by a hundred or so experts, and the GEMV's own tile (eight rows a block of eight warps) left
 # Qwen3-30B-A3B's 128 x 2,048 router 16 programs for 132 SMs, each streaming 64 KB. One row a program
-# (eight warps, one step of the row's 2,048 values) puts the whole router in flight at once. A chunk's
-# programs keep the GEMV's tile: each reads its block's rows of x (up to GEMV_ROWS) for its router rows.
+# (eight warps, one step of the row's 2,048 values) puts the whole router in flight at once. A few rows' programs
+# keep the GEMV's tile: each reads its block's rows of x (up to GEMV_ROWS) for its router rows; a chunk past
+# them takes the tensor-core tile (MOE_ROUTE_CHUNK_*, below) where its router is in a float format.
 MOE_ROUTE_ONE_ROW_EXPERTS = 1
 MOE_ROUTE_ONE_ROW_WARPS = 8
 

@@ -8,7 +8,9 @@ probabilities plus a per-expert correction bias; the kept weights scaled by the 
 
 Programs take tiles of experts of a block of rows (up to the GEMV's 8, which read the router's rows once;
 a decode step's one row takes an expert a program, `kernels.moe_route_tile`, whose f32 router row is read
-before the wait for the launch that wrote x, `_router_row`) and store the scores; a
+before the wait for the launch that wrote x, `_router_row`; a chunk past the GEMV's rows by a float router takes
+blocks of 16 rows by 32 router rows on the tensor cores, `_router_tile`, `kernels.moe_route_chunk`) and store
+the scores; a
 block's last program to finish (a self-resetting counter a block, `fast_norm.norm_last`'s memory ordering)
 ranks its rows, so a chunk's blocks are ranked in parallel. Ranking: a decode step's row of up to
 `kernels.MOE_RANK_BY_COUNT_EXPERTS` experts places each expert by the count of those ahead of it (one
