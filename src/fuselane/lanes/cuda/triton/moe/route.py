@@ -140,7 +140,8 @@ def _rank_block(scores, ids, weights, bias, scale, block, E: tl.constexpr, E_BLO
                 SIGMOID: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
     """The kept experts and weights of a block of a chunk's rows, all rows at once: K arg-max passes over the
     [ROW_BLOCK, E_BLOCK] choice scores (the lower index first on a tie, `_keep_by_passes`' order). Returns the
-    kept ids ([ROW_BLOCK, K_BLOCK], -1 past the chunk's rows and past K) for the sort."""
+    kept ids ([ROW_BLOCK, K_BLOCK], -1 past the chunk's rows and past K) and the experts each live row kept
+    ([ROW_BLOCK, E_BLOCK]) for the sort."""
     ex = tl.arange(0, E_BLOCK)
     rows = block * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
     live_rows = rows < ROWS
@@ -148,37 +149,39 @@ def _rank_block(scores, ids, weights, bias, scale, block, E: tl.constexpr, E_BLO
     slot = tl.arange(0, K_BLOCK)[None, :]
     kept_ids = tl.full([ROW_BLOCK, K_BLOCK], -1, tl.int32)
     kept = tl.zeros([ROW_BLOCK, K_BLOCK], tl.float32)
+    taken = tl.zeros([ROW_BLOCK, E_BLOCK], tl.int32)
     for j in tl.static_range(K):
         best = tl.argmax(c, 1, tie_break_left=True)[:, None]  # [ROW_BLOCK, 1]
         hit = ex[None, :] == best
         kept_ids = tl.where(slot == j, best.to(tl.int32), kept_ids)
         kept = tl.where(slot == j, tl.sum(tl.where(hit, p, 0.0), 1)[:, None], kept)
         c = tl.where(hit, float("-inf"), c)
+        taken = tl.where(hit & live_rows[:, None], 1, taken)
     if RENORM:
         kept = kept / tl.sum(kept, 1)[:, None]
     at = rows[:, None] * K + slot
     m = live_rows[:, None] & (slot < K)
     tl.store(ids + at, kept_ids, mask=m)
     tl.store(weights + at, kept * scale, mask=m)
-    return tl.where(m, kept_ids, -1)
+    return tl.where(m, kept_ids, -1), taken
 
 
 @triton.jit
-def _block_places(kept_ids, hist, rank, block, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr,
+def _block_places(kept_ids, taken, hist, rank, block, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr,
                   K_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr):  # fmt: skip
     """A block's share of the stable sort: the pairs of each expert among its rows (hist[block, e]) and each
-    pair's place among its block's pairs of its expert (rank[pair]); a row's kept experts are distinct, so the
-    pairs of its expert before it are in earlier rows of the block."""
-    PB: tl.constexpr = ROW_BLOCK * K_BLOCK
-    flat = tl.reshape(kept_ids, [PB])
-    i = tl.arange(0, PB)
-    same = (flat[None, :] == flat[:, None]) & (i[None, :] < i[:, None])
-    ahead = tl.sum(same.to(tl.int32), 1)
-    pair = block * ROW_BLOCK * K + (i // K_BLOCK) * K + i % K_BLOCK
-    tl.store(rank + pair, ahead, mask=flat >= 0)
+    pair's place among its block's pairs of its expert (rank[pair]). A row's kept experts are distinct, so the
+    pairs of its expert before it are the earlier rows that kept it: a running count down the rows of `taken`
+    ([ROW_BLOCK, E_BLOCK], the experts each row kept), read at each slot's expert. [ROW_BLOCK, E_BLOCK] a pass,
+    not a comparison of every pair of the block with every other (ROW_BLOCK * K squared)."""
+    ahead = tl.cumsum(taken, 0) - taken
     ex = tl.arange(0, E_BLOCK)
-    count = tl.sum((flat[:, None] == ex[None, :]).to(tl.int32), 0)
-    tl.store(hist + block * E + ex, count, mask=ex < E)
+    slot = tl.arange(0, K_BLOCK)[None, :]
+    pairs = block * ROW_BLOCK * K + tl.arange(0, ROW_BLOCK) * K
+    for j in tl.static_range(K):
+        e = tl.sum(tl.where(slot == j, kept_ids, 0), 1)  # [ROW_BLOCK]: slot j's expert, -1 past the chunk
+        tl.store(rank + pairs + j, tl.sum(tl.where(ex[None, :] == e[:, None], ahead, 0), 1), mask=e >= 0)
+    tl.store(hist + block * E + ex, tl.sum(taken, 0), mask=ex < E)
 
 
 @triton.jit
@@ -318,10 +321,10 @@ def _route_kernel(
         if ROW_BLOCK == 1:  # a decode step's row (never sorted)
             _rank_row(scores, ids, weights, bias, scale, block, E, E_BLOCK, K, K_BLOCK, RENORM, SIGMOID, BIAS, True)
         else:
-            kept = _rank_block(scores, ids, weights, bias, scale, block, E, E_BLOCK, K, K_BLOCK, ROWS, ROW_BLOCK,
-                               RENORM, SIGMOID, BIAS)  # fmt: skip
+            kept, taken = _rank_block(scores, ids, weights, bias, scale, block, E, E_BLOCK, K, K_BLOCK, ROWS,
+                                      ROW_BLOCK, RENORM, SIGMOID, BIAS)  # fmt: skip
             if SORT:
-                _block_places(kept, hist, rank, block, E, E_BLOCK, K, K_BLOCK, ROW_BLOCK)
+                _block_places(kept, taken, hist, rank, block, E, E_BLOCK, K, K_BLOCK, ROW_BLOCK)
         if SORT:
             tl.debug_barrier()
             ranked = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
