@@ -46,8 +46,9 @@ from fuselane.lanes.cuda.triton.moe import grouped_combine as gc
 
 WARMUP, TIMED = 3, 20
 GRAPH_LAUNCHES = 10  # launches a timed CUDA graph replays
-# The routing launch's registers a thread capped (ptxas sm_90: 197 -> 128, 48 bytes spilled): two blocks a SM
-# for the scores, timed beside the uncapped launch.
+# The routing launch's registers a thread capped (ptxas sm_90, the GEMV's tile: 197 -> 128, 48 bytes spilled):
+# two blocks a SM for the scores, timed beside the uncapped launch. A chunk's tensor-core tile (four warps) takes
+# at most 191 (`compile_check --usage`, a Qwen3-30B-A3B layer's routing launches), so the cap may spill more.
 ROUTE_MAXNREG = 128
 EPS = 1e-6
 F32 = 4
