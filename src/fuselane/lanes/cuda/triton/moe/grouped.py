@@ -268,7 +268,8 @@ def gate_up_grouped(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, expert
     gate_up_kernel[_grid(n, block_n, pairs, experts, block_m)](
         x, w_gate, w_up, order, counts, out, *scales, N=n, KD=k, SLOTS=slots, E=experts,
         E_BLOCK=triton.next_power_of_2(experts), **format_consts(fmt, n, k, w_gate, step, launch=GATE_UP),
-        BLOCK_M=block_m, BLOCK_N=block_n, ROW_SCALES=amax is not None, num_warps=warps, num_stages=stages, **pdl.options(),
+        BLOCK_M=block_m, BLOCK_N=block_n, ROW_SCALES=amax is not None, num_warps=warps, num_stages=stages,
+        **pdl.options(),
     )  # fmt: skip
     return out
 
