@@ -335,7 +335,9 @@ def test_cuda_grouped_experts_real_widths(fmt_gu, fmt_d, shape, row_scales):
 @pytest.mark.parametrize("shape", [REAL, V2_LITE], ids=["30b-a3b", "v2-lite"])
 def test_cuda_route_sorts_a_chunk(shape):
     # a real chunk's routing: the order is the stable sort of the ids it wrote, the counts their histogram, each
-    # row's experts distinct and its weights renormalised; twice, so the counters re-arm
+    # row's experts distinct and its weights renormalised; twice, so the counters re-arm. The scores (the
+    # tensor-core tile's three TF32 products, `kernels.moe_route_chunk`) are within f32's rounding of the f64
+    # product, and every row whose k-th and next scores are apart keeps the f64 product's experts
     rows, k, experts, d, _ = shape
     rng = np.random.default_rng(3)
     w = rng.standard_normal((experts, d)).astype(np.float32)
@@ -344,10 +346,19 @@ def test_cuda_route_sorts_a_chunk(shape):
     order, counts = torch.zeros(rows * k, dtype=torch.int32, device=DEVICE), torch.zeros(experts, dtype=torch.int32,
                                                                                         device=DEVICE)  # fmt: skip
     counter, amax = route.counters(DEVICE, rows), route.row_scales(DEVICE, rows, k, d)
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    bound = 4 * gamma(d) * (np.abs(x).astype(np.float64) @ np.abs(w.T).astype(np.float64))
+    top = np.sort(exact, -1)[:, ::-1]
+    apart = top[:, k - 1] - top[:, k] > 1e-3 * np.abs(top[:, 0])  # far past f32's rounding of the sums
+    assert apart.mean() > 0.9
     for _ in range(2):
-        route.route(dev(x), dev(w.view(np.uint8)), Format.F32, experts, k, True, ids, weights,
-                    torch.zeros((rows, experts), device=DEVICE), counter, order, counts, amax=amax)  # fmt: skip
+        scores = torch.zeros((rows, experts), device=DEVICE)
+        route.route(dev(x), dev(w.view(np.uint8)), Format.F32, experts, k, True, ids, weights, scores, counter, order,
+                    counts, amax=amax)  # fmt: skip
+        assert np.all(np.abs(scores.cpu().numpy() - exact) <= bound)
         got = ids.cpu().numpy()
+        want = np.argsort(-exact, axis=-1, kind="stable")[:, :k]
+        assert np.array_equal(np.sort(got[apart], 1), np.sort(want[apart], 1))
         assert all(len(set(r)) == k for r in got)
         assert np.array_equal(order.cpu().numpy(), np.argsort(got.reshape(-1), kind="stable"))
         assert np.array_equal(counts.cpu().numpy(), np.bincount(got.reshape(-1), minlength=experts))
