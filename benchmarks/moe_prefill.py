@@ -46,8 +46,9 @@ from fuselane.lanes.cuda.triton.moe import grouped_combine as gc
 
 WARMUP, TIMED = 3, 20
 GRAPH_LAUNCHES = 10  # launches a timed CUDA graph replays
-# The routing launch's registers a thread capped (ptxas sm_90: 197 -> 128, 48 bytes spilled): two blocks a SM
-# for the scores, timed beside the uncapped launch.
+# The routing launch's registers a thread capped (ptxas sm_90, the GEMV's tile: 197 -> 128, 48 bytes spilled):
+# two blocks a SM for the scores, timed beside the uncapped launch. A chunk's tensor-core tile (four warps) takes
+# at most 191 (`compile_check --usage`, a Qwen3-30B-A3B layer's routing launches), so the cap may spill more.
 ROUTE_MAXNREG = 128
 EPS = 1e-6
 F32 = 4
@@ -74,18 +75,28 @@ MODELS = {
     ),  # fmt: skip
 }
 
-# (BLOCK_M, BLOCK_N, warps, stages, word step) the sweep tries for each grouped launch
-CANDIDATES = [  # the table's first (gate/up 64 x 64, down 64 x 128), then by how likely each is to win
-    (64, 64, 8, 2, 128),
-    (64, 128, 8, 2, 128),
-    (64, 64, 8, 3, 128),
-    (128, 64, 8, 2, 128),
-    (64, 128, 8, 3, 128),
-    (32, 128, 8, 2, 128),
-    (64, 256, 8, 2, 128),
-    (64, 64, 4, 2, 128),
-    (64, 128, 8, 1, 256),
-    (128, 128, 8, 2, 128),
+# (BLOCK_M, BLOCK_N, warps, stages, word step) the sweep tries for each grouped launch, around the table's
+# (`kernels.MOE_WORDS_TILES`, from the first sweep: four warps won both models' Q4_K gate/up and V2-Lite's Q5_0
+# down at 64 x 64; one stage of a whole super-block won Q6_K's down, and one stage Q8_0's, at 64 x 128 and
+# eight warps; 64 x 256 Q4_K's down). Those most likely to win first, by the first sweep and by what ptxas
+# spills (sm_90, Qwen3's widths, bytes a thread for Q4_K gate/up, down, Q6_K gate/up, down): 64 x 64 four warps
+# three stages (0 / 28 / 0 / 40), 64 x 128 eight warps 256 a step (0 / 144 / 356 / 112), 64 x 64 four warps one
+# stage 256 a step (0 / 248 / 524 / 632), ...; 64 x 128 four warps one stage 256 a step last (132 / 528 / 4,448
+# / 2,440). A launch's table tile, and a candidate that runs as one already timed (a 256-value step of a row not
+# whole 256-value steps runs at 128), are not timed again; `--budget` stops the rest.
+CANDIDATES = [
+    (64, 64, 4, 3, 128),
+    (64, 128, 8, 2, 256),
+    (64, 64, 4, 1, 256),
+    (64, 128, 4, 2, 128),
+    (64, 256, 8, 1, 256),
+    (64, 256, 8, 2, 256),
+    (64, 64, 4, 2, 256),
+    (64, 128, 4, 3, 128),
+    (64, 64, 4, 1, 128),
+    (64, 128, 8, 1, 128),
+    (64, 128, 4, 1, 256),
+    (64, 128, 4, 2, 256),
 ]
 
 
@@ -131,7 +142,15 @@ def _tile_name(fmt: Format, tile: dict) -> str:
     if "registers" in tile:
         return f"at most {tile['registers']} registers"
     said = f"{tile['block_m']}x{tile['block_n']} w{tile['warps']} s{tile['stages']}"
-    return said + (f" k{tile['step']}" if words.takes(fmt) else "")
+    return said + (f" k{tile['step']}" if words.takes(fmt) and "step" in tile else "")
+
+
+def _runs_as(fmt: Format, launch: kernels.MoeLaunch, n: int, k: int, tile: dict) -> tuple:
+    """The tile a launch of (n, k) experts in `fmt` runs at for `tile` (the table's where not given), its step the
+    one `grouped.format_consts` takes (a 256-value step of a row not whole 256-value steps runs at 128)."""
+    t = grouped.tile_options(fmt, launch, *(tile.get(key) for key in ("block_m", "block_n", "warps", "stages")))
+    step = grouped.format_consts(fmt, n, k, word_step=tile.get("step"), launch=launch)["STEP_VALUES"]
+    return t.block_m, t.block_n, t.warps, t.stages, step if words.takes(fmt) else None
 
 
 class Bench:
@@ -261,17 +280,24 @@ def main() -> None:
           flush=True)  # fmt: skip
     if not a.sweep:
         return
-    print("sweep (BLOCK_M x BLOCK_N, warps, stages, values a step for Q4_K / Q6_K):", flush=True)
-    best: dict[str, tuple[float, str]] = {}
-    jobs = [(f"gate/up {fgu.name}", fgu, b.gate_up)] + [(f"down {f.name}", f, b.down) for f in fds]
+    print("sweep (BLOCK_M x BLOCK_N, warps, stages, values a step of the word decode):", flush=True)
+    table = [(f"gate/up {fgu.name}", gu_us)] + [(f"down {f.name}", us) for f, us in zip(fds, dn_us, strict=True)]
+    best = {name: (us, "table") for name, us in table if us is not None}  # the table's tile, timed above
+    gu, dn = kernels.MoeLaunch.GATE_UP, kernels.MoeLaunch.DOWN
+    jobs = [(f"gate/up {fgu.name}", fgu, b.gate_up, gu, (a.dff, a.d))]
+    jobs += [(f"down {f.name}", f, b.down, dn, (a.d, a.dff)) for f in fds]
+    timed = {name: {_runs_as(fmt, launch, *nk, _given(a))} for name, fmt, _, launch, nk in jobs}
     for bm, bn, warps, stages, step in CANDIDATES:
-        for name, fmt, make in jobs:
+        for name, fmt, make, launch, nk in jobs:
             if time.monotonic() - start > a.budget:
                 print(f"budget of {a.budget:.0f} s spent: the sweep stops here", flush=True)
                 return _best(best)
-            if step != kernels.MOE_WORDS_STEP and not words.takes(fmt):
-                continue  # the values a step are the word decode's: the same tile again
             tile = dict(block_m=bm, block_n=bn, warps=warps, stages=stages, step=step)
+            runs_as = _runs_as(fmt, launch, *nk, tile)
+            if runs_as in timed[name]:
+                continue  # the table's tile, or one timed already under another name
+            timed[name].add(runs_as)
+            tile["step"] = runs_as[-1]
             us = _time(name, fmt, make, tile)
             if us is not None and (name not in best or us < best[name][0]):
                 best[name] = (us, _tile_name(fmt, tile))

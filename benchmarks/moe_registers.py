@@ -5,10 +5,10 @@ dependent launches, each compiled through its own launcher): each one's grid, wa
 (`compile_check.resources`), and with `--sass DIR` its SASS, to read where the loads sit against the dp4a.
 
 Usage: python benchmarks/moe_registers.py [--fmt Q4_K Q6_K ...] [--block-m 32] [--block-n 64] [--warps 8]
-       [--stages 2] [--step 128] [--step-scales]
+       [--stages 2] [--step 128] [--dff 768] [--step-scales]
        python benchmarks/moe_registers.py --decode [--fmt Q4_K Q6_K] [--sass DIR]
 
-What the tile table (`plan/kernels.py`, `moe_gemm_tile`: MOE_GEMM_* and MOE_WORDS_*) says of spills is what
+What the tile table (`plan/kernels.py`, `moe_gemm_tile`: MOE_GEMM_* and MOE_WORDS_TILES) says of spills is what
 this prints, each format at its own tile unless one is given, with the routing launch's row scales (the lane's
 path; `--step-scales`: a step's own, the branch in the k loop) and whether the pipeliner staged the loads
 (cp.async in the PTX); a tile that spills moves its values through local memory, which the timing
@@ -127,6 +127,7 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=None)
     ap.add_argument("--stages", type=int, default=None)
     ap.add_argument("--step", type=int, default=None, help="values a step of the word decode (Q4_K, Q6_K)")
+    ap.add_argument("--dff", type=int, default=DFF, help="an expert's ffn width (DeepSeek-V2-Lite's: 1408)")
     ap.add_argument("--step-scales", action="store_true", help="a step's own f16 scale (no routing row scales)")
     ap.add_argument("--decode", action="store_true", help="the decode step's routing, gate/up and down launches")
     ap.add_argument("--sass", default=None, help="with --decode: write each kernel's SASS to this folder")
@@ -135,20 +136,19 @@ def main() -> None:
         _decode([Format[f] for f in a.fmt], a.sass)
         return
     from fuselane.lanes.cuda.triton.moe import grouped as G  # here: --decode compiles in a process of its own
-    from fuselane.lanes.cuda.triton.moe import words
 
     common = dict(SLOTS=TOP, E=EXPERTS, E_BLOCK=triton.next_power_of_2(EXPERTS), ROW_SCALES=not a.step_scales,
                   PDL=True)  # fmt: skip
     for fmt in (Format[f] for f in a.fmt):
-        for down, (n, k) in ((False, (DFF, D)), (True, (D, DFF))):
-            table = kernels.moe_gemm_tile(words.takes(fmt), down)
-            bm, bn, warps, stages = (v if v is not None else t for v, t in
-                                     zip((a.block_m, a.block_n, a.warps, a.stages), table, strict=True))  # fmt: skip
-            consts = dict(**G.format_consts(fmt, n, k, word_step=a.step), BLOCK_M=bm, BLOCK_N=bn, **common)
+        for down, (n, k) in ((False, (a.dff, D)), (True, (D, a.dff))):
+            launch = kernels.MoeLaunch.DOWN if down else kernels.MoeLaunch.GATE_UP
+            bm, bn, warps, stages, step = G.tile_options(fmt, launch, a.block_m, a.block_n, a.warps, a.stages, a.step)
+            consts = dict(**G.format_consts(fmt, n, k, word_step=step, launch=launch), BLOCK_M=bm, BLOCK_N=bn,
+                          **common)  # fmt: skip
             if down:
-                consts.update(D=D, DFF=DFF, ADDS=1, NORM=True, NORM_CHUNK=kernels.MOE_NORM_CHUNK, ROWS=ROWS)
+                consts.update(D=D, DFF=a.dff, ADDS=1, NORM=True, NORM_CHUNK=kernels.MOE_NORM_CHUNK, ROWS=ROWS)
             else:
-                consts.update(N=DFF, KD=D)
+                consts.update(N=a.dff, KD=D)
             said = _compile(G.down_kernel if down else G.gate_up_kernel, consts, warps, stages)
             name = "down" if down else "gate/up"
             print(f"{name:7s} {fmt.name:5s} {bm} x {bn}, {warps} warps, {stages} stages, "

@@ -90,11 +90,31 @@ CASES = {
 STEPS = {"q6_k-q4_k-whole-steps": 256}
 
 
+# Each word format at both launches' table tiles (`kernels.moe_gemm_tile`: 64 pairs, up to 256 weight rows, the
+# table's values a step; Q6_K, Q8_0 and Q5_0's gate/up the launch's default), at shapes a tile or two wide.
+TABLE_CASES = {
+    "q4_k-q4_k": (Format.Q4_K, Format.Q4_K, 4, 2, 2, 256, 256, dict(every=0, none=None), 1, True),
+    "q8_0-q6_k": (Format.Q8_0, Format.Q6_K, 4, 2, 2, 256, 256, dict(every=None, none=None), 1, False),
+    "q6_k-q5_0": (Format.Q6_K, Format.Q5_0, 4, 2, 3, 256, 128, dict(every=2, none=None), 1, False),
+    "q5_0-q8_0": (Format.Q5_0, Format.Q8_0, 4, 2, 3, 128, 128, dict(every=None, none=0), 1, True),
+}
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_grouped_experts_match_numpy(case):
-    fmt_gu, fmt_d, rows, slots, experts, d, dff, routing, adds, norm = CASES[case]
-    tile = dict(TILE, step=STEPS.get(case))
-    rng = np.random.default_rng(len(case))
+    _match_numpy(CASES[case], dict(TILE, step=STEPS.get(case)), len(case))
+
+
+@pytest.mark.parametrize("case", list(TABLE_CASES))
+def test_grouped_experts_at_the_tables_tiles(case):
+    _match_numpy(TABLE_CASES[case], {}, len(case), runs=1)
+
+
+def _match_numpy(shape: tuple, tile: dict, seed: int, runs: int = 2) -> None:
+    """Both grouped launches of `shape` (CASES') at `tile` (the table's where not given) against NumPy, each
+    launch `runs` times (twice: the counters re-arm and the sums stay the same bit for bit)."""
+    fmt_gu, fmt_d, rows, slots, experts, d, dff, routing, adds, norm = shape
+    rng = np.random.default_rng(seed)
     rg, wg = _experts(fmt_gu, experts, dff, d, rng)
     ru, wu = _experts(fmt_gu, experts, dff, d, rng)
     rd, wd = _experts(fmt_d, experts, d, dff, rng)
@@ -105,7 +125,7 @@ def test_grouped_experts_match_numpy(case):
     pairs = rows * slots
 
     h = torch.full((pairs, dff), np.nan)
-    for _ in range(2):
+    for _ in range(runs):
         grouped.gate_up_grouped(dev(x), dev(rg), dev(ru), fmt_gu, experts, slots, order, counts, dff, d, h, **tile)
     e = ids.reshape(-1)
     want_h, bound_h = _glu(wg[e], wu[e], _f16(x)[np.arange(pairs) // slots])
@@ -116,11 +136,11 @@ def test_grouped_experts_match_numpy(case):
     added = tuple(dev(r) for r in res[:-1]) + (sum_out,)
     norm_w = dev(rng.standard_normal(d).astype(np.float32))
     gnorm = gc.GroupedNorm(norm_w, EPS, torch.zeros((rows, d))) if norm else None
-    width_tiles = -(-d // TILE["block_n"])
+    width_tiles = grouped.down_width_tiles(fmt_d, d, tile.get("block_n"))
     c = gc.Combine(sum_out, gc.counters(rows, width_tiles, DEVICE), added, gnorm)
     pair_out = torch.empty(pairs * d)
     first = None
-    for _ in range(2):
+    for _ in range(runs):
         sum_out.copy_(dev(res[-1]))
         grouped.down_grouped(h, dev(rd), fmt_d, experts, order, counts, dev(rw), d, dff, pair_out, c, **tile)
         assert not c.counters.any(), "a counter was left armed"
@@ -315,7 +335,9 @@ def test_cuda_grouped_experts_real_widths(fmt_gu, fmt_d, shape, row_scales):
 @pytest.mark.parametrize("shape", [REAL, V2_LITE], ids=["30b-a3b", "v2-lite"])
 def test_cuda_route_sorts_a_chunk(shape):
     # a real chunk's routing: the order is the stable sort of the ids it wrote, the counts their histogram, each
-    # row's experts distinct and its weights renormalised; twice, so the counters re-arm
+    # row's experts distinct and its weights renormalised; twice, so the counters re-arm. The scores (the
+    # tensor-core tile's three TF32 products, `kernels.moe_route_chunk`) are within f32's rounding of the f64
+    # product, and every row whose k-th and next scores are apart keeps the f64 product's experts
     rows, k, experts, d, _ = shape
     rng = np.random.default_rng(3)
     w = rng.standard_normal((experts, d)).astype(np.float32)
@@ -324,10 +346,19 @@ def test_cuda_route_sorts_a_chunk(shape):
     order, counts = torch.zeros(rows * k, dtype=torch.int32, device=DEVICE), torch.zeros(experts, dtype=torch.int32,
                                                                                         device=DEVICE)  # fmt: skip
     counter, amax = route.counters(DEVICE, rows), route.row_scales(DEVICE, rows, k, d)
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    bound = 4 * gamma(d) * (np.abs(x).astype(np.float64) @ np.abs(w.T).astype(np.float64))
+    top = np.sort(exact, -1)[:, ::-1]
+    apart = top[:, k - 1] - top[:, k] > 1e-3 * np.abs(top[:, 0])  # far past f32's rounding of the sums
+    assert apart.mean() > 0.9
     for _ in range(2):
-        route.route(dev(x), dev(w.view(np.uint8)), Format.F32, experts, k, True, ids, weights,
-                    torch.zeros((rows, experts), device=DEVICE), counter, order, counts, amax=amax)  # fmt: skip
+        scores = torch.zeros((rows, experts), device=DEVICE)
+        route.route(dev(x), dev(w.view(np.uint8)), Format.F32, experts, k, True, ids, weights, scores, counter, order,
+                    counts, amax=amax)  # fmt: skip
+        assert np.all(np.abs(scores.cpu().numpy() - exact) <= bound)
         got = ids.cpu().numpy()
+        want = np.argsort(-exact, axis=-1, kind="stable")[:, :k]
+        assert np.array_equal(np.sort(got[apart], 1), np.sort(want[apart], 1))
         assert all(len(set(r)) == k for r in got)
         assert np.array_equal(order.cpu().numpy(), np.argsort(got.reshape(-1), kind="stable"))
         assert np.array_equal(counts.cpu().numpy(), np.bincount(got.reshape(-1), minlength=experts))

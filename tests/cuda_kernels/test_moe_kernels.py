@@ -72,6 +72,50 @@ def test_route_ranks_the_experts_and_sorts_the_pairs(renorm, rows, experts):
     assert not counter.any()
 
 
+@pytest.mark.parametrize(
+    ("fmt", "experts", "d"),
+    [(Format.F32, 12, 96), (Format.BF16, 72, 64), (Format.F16, 40, 64)],
+    ids=["f32-one-tile", "bf16-three-tiles", "f16-two-tiles"],
+)
+def test_a_chunks_routing_product_on_the_tensor_core_tile(fmt, experts, d):
+    # past the GEMV's rows a float router multiplies as tensor-core tiles (`kernels.moe_route_chunk`): blocks of
+    # 16 rows (the last partial) by 32 router rows (the last partial), a width past whole 64-value steps (96),
+    # each block's rows' largest values split among its programs; ids, weights, order, counts and row scales as
+    # the GEMV's tile gives them
+    rng = np.random.default_rng(6)
+    rows, k = 21, 3
+    assert kernels.moe_route_chunk(fmt, rows) and not kernels.moe_route_chunk(fmt, kernels.GEMV_ROWS)
+    dtype = {Format.F32: np.float32, Format.F16: np.float16, Format.BF16: np.float32}[fmt]
+    w = rng.standard_normal((experts, d)).astype(dtype)
+    if fmt is Format.BF16:  # the top half of each f32
+        w = (w.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    raw = (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8) if fmt is Format.BF16 else w.view(np.uint8)
+    x = (rng.standard_normal((rows, d)) * np.where(np.arange(rows) % 5 == 0, 1e5, 1.0)[:, None]).astype(np.float32)
+    ids, weights = torch.zeros((rows, k), dtype=torch.int32), torch.zeros((rows, k))
+    order, counts = torch.zeros(rows * k, dtype=torch.int32), torch.full((experts,), -1, dtype=torch.int32)
+    scores, counter = torch.zeros((rows, experts)), route.counters(DEVICE, rows)
+    amax = route.row_scales(DEVICE, rows, k, d)
+    amax.h.fill_(7)
+    for _ in range(2):  # the counters re-arm: a second launch runs the same
+        route.route(dev(x), dev(raw.reshape(-1)), fmt, experts, k, True, ids, weights, scores, counter, order,
+                    counts, amax=amax)  # fmt: skip
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    bound = 4 * gamma(d) * (np.abs(x).astype(np.float64) @ np.abs(w.T).astype(np.float64))
+    assert np.all(np.abs(scores.numpy() - exact) <= bound)
+    top = np.sort(exact, -1)[:, ::-1]
+    assert np.all((top[:, k - 1] - top[:, k]) / np.abs(top[:, 0]) > 1e-4), "a near-tie: pick another seed"
+    want_ids, want_w = _softmax_topk(exact, k, True)
+    assert np.array_equal(ids.numpy(), want_ids)
+    np.testing.assert_allclose(weights.numpy(), want_w, rtol=1e-5, atol=1e-7)
+    assert np.array_equal(order.numpy(), np.argsort(want_ids.reshape(-1), kind="stable"))
+    assert np.array_equal(counts.numpy(), np.bincount(want_ids.reshape(-1), minlength=experts))
+    big = np.abs(x).max(1)
+    assert np.array_equal(amax.x.numpy(), big)
+    scale = np.where(big > 2.0**14, 2.0 ** np.ceil(np.log2(big / 2.0**14)), 1.0).astype(np.float32)
+    assert np.array_equal(amax.x16.numpy(), (x / scale[:, None]).astype(np.float16))
+    assert not amax.h.any() and not counter.any()
+
+
 def test_a_decode_row_scores_each_expert_over_a_width_past_a_power_of_two():
     # the one-row routing path (an expert a program, its f32 router row read before the wait) masks the
     # columns past the width: 96 values in a block of 128

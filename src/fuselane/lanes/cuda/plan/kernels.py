@@ -225,29 +225,76 @@ MOE_GATE_UP_BLOCK_N = 128
 MOE_DOWN_BLOCK_N = 128
 MOE_GEMM_WARPS = 8
 MOE_GEMM_STAGES = 1
-# The formats the word decode takes (`triton/moe/words.py`: Q4_K, Q6_K, Q8_0, Q5_0) have tiles of their own,
-# (BLOCK_M, BLOCK_N, warps, stages) of the gate/up and the down launch, and take MOE_WORDS_STEP values a step
-# (`words.STEPS`: half a super-block, or four 32-value blocks). Their loads are 32-bit words and, with the
-# routing launch's row scales (`route.RowScales`: no branch in the k loop), Triton's pipeliner stages them
-# (cp.async) `stages` steps ahead. Chosen from the compiler alone (ptxas sm_90 with the launch's 16-byte
-# aligned pointers, `benchmarks/moe_registers.py`, Qwen3-30B-A3B's widths; DeepSeek-V2-Lite's 1,408-value
-# down rows for Q8_0 / Q5_0): 64 pairs, the warp group's wgmma (32 take mma.sync and 255 registers);
-# gate/up 64 weight rows, 99 registers (Q6_K 141, Q8_0 / Q5_0 128), two blocks a SM (64 x 128: 183); down
-# 128 weight rows, so each pair's activations are read by half as many programs as at 64: 200 registers
-# for Q4_K, 255 and 28-40 bytes spilled for Q6_K, Q8_0, Q5_0 (64 x 64: 141-174, none). A whole super-block
-# a step took 255 registers and spilled 400-1,050 bytes a thread. Not yet timed: `benchmarks/moe_prefill.py
-# --sweep` times every candidate.
-MOE_WORDS_GATE_UP_TILE = (64, 64, 8, 2)
-MOE_WORDS_DOWN_TILE = (64, 128, 8, 2)
-MOE_WORDS_STEP = 128
+# ...its step is the decode's own (a K-quant's super-block, four 32-value blocks): `MoeTile.step` only says so.
+MOE_UNIT_STEP = QK_K
 
 
-def moe_gemm_tile(words: bool, down: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages) of a grouped expert GEMM (`down`: the down launch), for a format the
-    word decode takes (`words`) or not."""
-    if words:
-        return MOE_WORDS_DOWN_TILE if down else MOE_WORDS_GATE_UP_TILE
-    return MOE_GEMM_BLOCK_M, MOE_DOWN_BLOCK_N if down else MOE_GATE_UP_BLOCK_N, MOE_GEMM_WARPS, MOE_GEMM_STAGES
+class MoeLaunch(enum.Enum):
+    """The grouped GEMM's two launches: both products and the SwiGLU, or the down products and the combine."""
+
+    GATE_UP = "gate_up"
+    DOWN = "down"
+
+
+class MoeTile(NamedTuple):
+    """A grouped expert GEMM's launch: pairs a tile, weight rows a tile, warps, the pipeliner's stages, and the
+    word decode's values a step (`words.STEPS`; a format the word decode does not take ignores it)."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    step: int
+
+
+# The formats the word decode takes (`triton/moe/words.py`): their loads are 32-bit words and, with the routing
+# launch's row scales (`route.RowScales`: no branch in the k loop), Triton's pipeliner stages them (cp.async)
+# `stages` steps ahead. Each (format, launch) has its own tile, timed on the H200 by
+# `benchmarks/moe_prefill.py --sweep` (a 512-row chunk, the launch alone, µs; the best of ten candidates, then
+# the runner-up): Qwen3-30B-A3B (128 experts top-8, d 2,048, ffn 768: gate/up 2,048-value rows, down 768) and
+# DeepSeek-V2-Lite (64 experts top-6, d 2,048, ffn 1,408: down 1,408-value rows, not whole 256-value steps,
+# so a candidate of 256 values a step ran at 128 there, `grouped.format_consts`).
+# - gate/up Q4_K, both models: 64 x 64, four warps, two stages, 128 values a step: 309.8 (Qwen3; 64 x 128
+#   eight warps one stage 256 a step 338.8) and 285.9 (V2-Lite; 64 x 64 eight warps three stages 331.0),
+#   against 362.3 / 339.8 at the tile before (64 x 64, eight warps, two stages).
+# - down Q4_K, Qwen3: 64 x 256, eight warps, two stages, 128: 301.7 (64 x 128 eight warps three stages 312.8;
+#   the tile before, 64 x 128 eight warps two stages, 368.3).
+# - down Q6_K, Qwen3: 64 x 128, eight warps, one stage, a whole super-block a step: 465.0 (64 x 64 four warps
+#   two stages 700.0; the tile before 741.9).
+# - down Q5_0, V2-Lite: 64 x 64, four warps, two stages, 128: 342.2 (64 x 128 eight warps one stage 373.4; the
+#   tile before 390.9).
+# - down Q8_0, V2-Lite: 64 x 128, eight warps, one stage, 128 (timed as "256 a step", which 1,408 values take
+#   as 128): 342.2 (64 x 64 four warps two stages 437.1; the tile before 484.9).
+# A (format, launch) not timed takes its launch's default: gate/up the tile both models' Q4_K gate/up won; down
+# 64 x 128, eight warps, one stage, 128 a step, within 16 % of the best of every down column timed (348.2,
+# 465.0, 373.4, 342.2), where every other candidate was 50 % or more over the best of some column.
+# Compiled for sm_90 (`benchmarks/moe_registers.py`, ptxas; Qwen3's widths, V2-Lite's 1,408 for Q8_0 / Q5_0):
+# gate/up 64 x 64 in four warps 168 registers (Q4_K), 245-254 (Q5_0, Q8_0, Q6_K), none spilled; down Q4_K
+# 64 x 256 255 and 312 bytes spilled a thread, Q6_K 64 x 128 one stage 255 and 260, Q8_0 28, Q5_0 20: the
+# timings above are with those spills.
+MOE_WORDS_FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0})
+MOE_WORDS_TILES = {
+    (Format.Q4_K, MoeLaunch.GATE_UP): MoeTile(64, 64, 4, 2, 128),
+    (Format.Q4_K, MoeLaunch.DOWN): MoeTile(64, 256, 8, 2, 128),
+    (Format.Q6_K, MoeLaunch.DOWN): MoeTile(64, 128, 8, 1, 256),
+    (Format.Q5_0, MoeLaunch.DOWN): MoeTile(64, 64, 4, 2, 128),
+    (Format.Q8_0, MoeLaunch.DOWN): MoeTile(64, 128, 8, 1, 128),
+}
+MOE_WORDS_DEFAULT = {
+    MoeLaunch.GATE_UP: MOE_WORDS_TILES[Format.Q4_K, MoeLaunch.GATE_UP],
+    MoeLaunch.DOWN: MoeTile(64, 128, 8, 1, 128),
+}
+
+
+def moe_gemm_tile(fmt: Format, launch: MoeLaunch) -> MoeTile:
+    """The tile of a grouped expert GEMM's `launch` of experts in `fmt`: the word decode's table (its timed tile,
+    else its launch's default) for a format it takes, else the unit decode's one tile."""
+    fmt = Format(fmt)
+    if fmt in MOE_WORDS_FORMATS:
+        return MOE_WORDS_TILES.get((fmt, launch), MOE_WORDS_DEFAULT[launch])
+    down = launch is MoeLaunch.DOWN
+    block_n = MOE_DOWN_BLOCK_N if down else MOE_GATE_UP_BLOCK_N
+    return MoeTile(MOE_GEMM_BLOCK_M, block_n, MOE_GEMM_WARPS, MOE_GEMM_STAGES, MOE_UNIT_STEP)
 
 
 # The next norm a chunk's down launch ends with is taken in chunks of this many values of a tile's rows, so
@@ -278,11 +325,34 @@ MOE_DOWN_UNPINNED = frozenset({Format.Q5_K})
 # A decode step's routing program takes this many of the router's rows (experts): the router is a few
 # thousand values by a hundred or so experts, and the GEMV's own tile (eight rows a block of eight warps) left
 # Qwen3-30B-A3B's 128 x 2,048 router 16 programs for 132 SMs, each streaming 64 KB. One row a program
-# (eight warps, one step of the row's 2,048 values) puts the whole router in flight at once. A chunk's
-# programs keep the GEMV's tile: each reads its block's rows of x (up to GEMV_ROWS) for its router rows.
+# (eight warps, one step of the row's 2,048 values) puts the whole router in flight at once. A few rows' programs
+# keep the GEMV's tile: each reads its block's rows of x (up to GEMV_ROWS) for its router rows; a chunk past
+# them takes the tensor-core tile (MOE_ROUTE_CHUNK_*, below) where its router is in a float format.
 MOE_ROUTE_ONE_ROW_EXPERTS = 1
 MOE_ROUTE_ONE_ROW_WARPS = 8
 
+
+# A chunk's routing product (past the GEMV's rows, a float router) as tensor-core tiles instead: a program takes
+# MOE_ROUTE_CHUNK_ROWS rows by MOE_ROUTE_CHUNK_EXPERTS router rows, MOE_ROUTE_CHUNK_K values a step staged
+# MOE_ROUTE_CHUNK_STAGES steps ahead (cp.async), `tl.dot` in three TF32 products (`tf32x3`: each f32 operand
+# split into a TF32 and the TF32 of its rest, the rest's product dropped: about f32's own rounding, where one TF32
+# product keeps 10 bits and can swap two experts' ranks that f32 keeps apart). The GEMV's tile (eight rows by
+# eight router rows, on the CUDA cores) took Qwen3-30B-A3B's 512 rows as 1,024 programs, each a chain of L2 round
+# trips for 128 KB in one block a SM (197 registers), and re-read the 1 MB router 64 times: 86.2 us (H200,
+# `benchmarks/moe_prefill.py`). At 16 x 32 the same chunk is 128 programs, one wave of 132 SMs, each streaming
+# 384 KB (its rows and its router rows, 50 MB from L2 in all, the router 32 times) through shared memory, 0.8
+# GFLOP of TF32 products in all. Sixteen rows keep a block's ranking (its last program's arg-max passes over
+# [16, experts], `route._rank_block`, and its sort's places, `_block_places`) short; a block's rows' largest
+# values are split among its programs. The routing launches of a Qwen3-30B-A3B layer take at most 191 registers
+# a thread and no stack (sm_90, `compile_check --usage`). Not yet timed: the estimate is ~15 us (the product
+# ~3-5 us, the blocks' ranking ~4 and the last block's sort ~6, each tail a few L2 round trips).
+MOE_ROUTE_CHUNK_ROWS = 16
+MOE_ROUTE_CHUNK_EXPERTS = 32
+MOE_ROUTE_CHUNK_K = 64
+MOE_ROUTE_CHUNK_WARPS = 4
+MOE_ROUTE_CHUNK_STAGES = 3
+MOE_ROUTE_CHUNK_PRECISION = "tf32x3"
+MOE_ROUTE_CHUNK_FORMATS = frozenset({Format.F32, Format.F16, Format.BF16})
 
 # The most experts (a power of two) a routing row ranks by counting, for each expert, those ahead of it in one
 # experts x experts comparison (a reduction; 64 comparisons a thread of eight warps at 128), instead of the
@@ -307,6 +377,12 @@ def moe_down_rows(k: int) -> int:
 def moe_route_tile(rows: int) -> tuple[int, int] | None:
     """(router rows a program, warps) of a routing launch of `rows` rows; None where it takes the GEMV's tile."""
     return (MOE_ROUTE_ONE_ROW_EXPERTS, MOE_ROUTE_ONE_ROW_WARPS) if rows == 1 else None
+
+
+def moe_route_chunk(fmt: Format, rows: int) -> bool:
+    """Whether a routing launch of `rows` rows by a router in `fmt` takes the tensor-core tile
+    (MOE_ROUTE_CHUNK_*): a chunk past the GEMV's rows, a float router."""
+    return rows > GEMV_ROWS and Format(fmt) in MOE_ROUTE_CHUNK_FORMATS
 
 
 def moe_grouped(rows: int) -> bool:

@@ -41,6 +41,7 @@ from fuselane.lanes.cuda.triton.moe.words import word_tile
 
 # The word decode reads the weights as 32-bit words: their bytes must start 4-aligned.
 WORD_ALIGN = 4
+GATE_UP, DOWN = kernels.MoeLaunch.GATE_UP, kernels.MoeLaunch.DOWN
 
 
 @triton.jit
@@ -192,8 +193,9 @@ def down_kernel(
 
 
 def down_width_tiles(fmt: Format, d: int, block_n: int | None = None) -> int:
-    """Tiles of the model's width a down launch of experts in `fmt` takes (its combine's counters a row)."""
-    return triton.cdiv(d, block_n or kernels.moe_gemm_tile(words.takes(fmt), True)[1])
+    """Tiles of the model's width a down launch of experts in `fmt` takes (its combine's counters a row): the
+    table's BLOCK_N (`kernels.moe_gemm_tile`) unless given."""
+    return triton.cdiv(d, block_n or kernels.moe_gemm_tile(fmt, DOWN).block_n)
 
 
 def takes(fmt: Format, n: int, k: int) -> bool:
@@ -202,15 +204,16 @@ def takes(fmt: Format, n: int, k: int) -> bool:
     return n > 0 and supports(Format(fmt), k)
 
 
-def format_consts(fmt: Format, n: int, k: int, w: Tensor | None = None, word_step: int | None = None) -> dict:
-    """The kernels' constants for experts of (n, k) rows in `fmt` (the bytes `w`, where given): the decode's
-    unit and step, an expert's bytes, and whether the weights are decoded from words (`words.takes`; their
-    bytes 4-aligned, as a GGUF tensor's and a device allocation's are), `word_step` values a step (the
-    table's, `kernels.MOE_WORDS_STEP`, where not given)."""
+def format_consts(fmt: Format, n: int, k: int, w: Tensor | None = None, word_step: int | None = None, *,
+                  launch: kernels.MoeLaunch) -> dict:  # fmt: skip
+    """The kernels' constants for experts of (n, k) rows in `fmt` (the bytes `w`, where given) in `launch`: the
+    decode's unit and step, an expert's bytes, and whether the weights are decoded from words (`words.takes`;
+    their bytes 4-aligned, as a GGUF tensor's and a device allocation's are), `word_step` values a step (the
+    table's, `kernels.moe_gemm_tile`, where not given)."""
     values = decode_unit(fmt, k)
     units = step_units(fmt, k)
     word = words.takes(fmt) and (w is None or w.data_ptr() % WORD_ALIGN == 0)
-    step = (word_step or kernels.MOE_WORDS_STEP) if word else values * units
+    step = (word_step or kernels.moe_gemm_tile(fmt, launch).step) if word else values * units
     if k % step:  # a 32-value format's row of whole 128-value steps, not of 256 (DeepSeek-V2-Lite's 1,408)
         step = min(words.STEPS)
     return dict(FMT=int(fmt), VALUES=values, NBYTES=row_bytes(fmt, values), ROW_BYTES=row_bytes(fmt, k),
@@ -230,11 +233,13 @@ def _grid(n: int, block_n: int, pairs: int, experts: int, block_m: int) -> tuple
     return triton.cdiv(n, block_n), kernels.moe_tiles_bound(pairs, experts, block_m)
 
 
-def _tile_options(fmt: Format, block_m: int | None, block_n: int | None, warps: int | None, stages: int | None,
-                  down: bool) -> tuple[int, int, int, int]:  # fmt: skip
-    """(BLOCK_M, BLOCK_N, warps, stages): the table's for `fmt` (`kernels.moe_gemm_tile`) where not given."""
-    table = kernels.moe_gemm_tile(words.takes(fmt), down)
-    return tuple(t if v is None else v for v, t in zip((block_m, block_n, warps, stages), table, strict=True))
+def tile_options(fmt: Format, launch: kernels.MoeLaunch, block_m: int | None = None, block_n: int | None = None,
+                 warps: int | None = None, stages: int | None = None,
+                 step: int | None = None) -> kernels.MoeTile:  # fmt: skip
+    """The tile of `launch` for experts in `fmt`: the table's (`kernels.moe_gemm_tile`) where not given."""
+    table = kernels.moe_gemm_tile(fmt, launch)
+    given = (block_m, block_n, warps, stages, step)
+    return kernels.MoeTile(*(t if v is None else v for v, t in zip(given, table, strict=True)))
 
 
 def gate_up_grouped(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, experts: int, slots: int, order: Tensor,
@@ -244,11 +249,11 @@ def gate_up_grouped(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, expert
     """out[p] (n) f32 = SiLU(x[p // slots] @ Wg[e]^T) * (x[p // slots] @ Wu[e]^T) for each pair p the sorted
     `order` (int32 (pairs,)) lists, e its expert, `counts` (int32 (experts,)) the pairs of each in turn; Wg and
     Wu (experts, n, k) checkpoint rows in `fmt`, x f32 (rows, k) contiguous. One launch; the tile, its warps and
-    stages, and the word decode's values a step are the table's (`kernels.moe_gemm_tile`, MOE_WORDS_STEP) unless
+    stages, and the word decode's values a step are the table's (`kernels.moe_gemm_tile`) unless
     given (tests, the benchmark's sweep). With `amax` (`route.RowScales`, the routing launch's) each row takes one
     f16 scale for the whole product, and each pair's largest |out| is raised in amax.h for the down launch."""
     fmt = Format(fmt)
-    block_m, block_n, warps, stages = _tile_options(fmt, block_m, block_n, warps, stages, down=False)
+    block_m, block_n, warps, stages, step = tile_options(fmt, GATE_UP, block_m, block_n, warps, stages, step)
     rows = order.numel() // slots
     if amax is not None and (amax.x.numel() != rows or amax.h.numel() != rows * slots or amax.x16.numel() != rows * k):
         raise ValueError(f"the row scales must be ({rows},), ({rows}, {k}) and ({rows * slots},)")
@@ -262,8 +267,9 @@ def gate_up_grouped(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, expert
     scales = (amax.x, amax.x16, amax.h) if amax is not None else (x, x, order)  # stand-ins where there are none
     gate_up_kernel[_grid(n, block_n, pairs, experts, block_m)](
         x, w_gate, w_up, order, counts, out, *scales, N=n, KD=k, SLOTS=slots, E=experts,
-        E_BLOCK=triton.next_power_of_2(experts), **format_consts(fmt, n, k, w_gate, step), BLOCK_M=block_m,
-        BLOCK_N=block_n, ROW_SCALES=amax is not None, num_warps=warps, num_stages=stages, **pdl.options(),
+        E_BLOCK=triton.next_power_of_2(experts), **format_consts(fmt, n, k, w_gate, step, launch=GATE_UP),
+        BLOCK_M=block_m, BLOCK_N=block_n, ROW_SCALES=amax is not None, num_warps=warps, num_stages=stages,
+        **pdl.options(),
     )  # fmt: skip
     return out
 
@@ -279,7 +285,7 @@ def down_grouped(h: Tensor, w: Tensor, fmt: Format, experts: int, order: Tensor,
     holds `counters_for(rows, width tiles)` (`down_width_tiles`). With `h_amax` (int32 (pairs,), the bits of each
     pair's largest |h|: `route.RowScales.h` as the gate/up launch left it) each row takes one f16 scale."""
     fmt = Format(fmt)
-    block_m, block_n, warps, stages = _tile_options(fmt, block_m, block_n, warps, stages, down=True)
+    block_m, block_n, warps, stages, step = tile_options(fmt, DOWN, block_m, block_n, warps, stages, step)
     _check(w, fmt, experts, d, dff, order, counts)
     pairs = order.numel()
     rows, slots = weights.shape
@@ -295,7 +301,7 @@ def down_grouped(h: Tensor, w: Tensor, fmt: Format, experts: int, order: Tensor,
     down_kernel[grid](
         h, w, order, counts, weights, order if h_amax is None else h_amax, pair_out, *combine_args(c, rows, d),
         D=d, DFF=dff, SLOTS=slots, E=experts, E_BLOCK=triton.next_power_of_2(experts),
-        **format_consts(fmt, d, dff, w, step), ADDS=len(c.adds), NORM=c.norm is not None,
+        **format_consts(fmt, d, dff, w, step, launch=DOWN), ADDS=len(c.adds), NORM=c.norm is not None,
         NORM_CHUNK=kernels.MOE_NORM_CHUNK, ROWS=rows, ROW_SCALES=h_amax is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages, **pdl.options(),
     )  # fmt: skip

@@ -8,7 +8,9 @@ probabilities plus a per-expert correction bias; the kept weights scaled by the 
 
 Programs take tiles of experts of a block of rows (up to the GEMV's 8, which read the router's rows once;
 a decode step's one row takes an expert a program, `kernels.moe_route_tile`, whose f32 router row is read
-before the wait for the launch that wrote x, `_router_row`) and store the scores; a
+before the wait for the launch that wrote x, `_router_row`; a chunk past the GEMV's rows by a float router takes
+blocks of 16 rows by 32 router rows on the tensor cores, `_router_tile`, `kernels.moe_route_chunk`) and store
+the scores; a
 block's last program to finish (a self-resetting counter a block, `fast_norm.norm_last`'s memory ordering)
 ranks its rows, so a chunk's blocks are ranked in parallel. Ranking: a decode step's row of up to
 `kernels.MOE_RANK_BY_COUNT_EXPERTS` experts places each expert by the count of those ahead of it (one
@@ -34,12 +36,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuselane.gguf.formats import Format
+from fuselane.gguf.formats import Format, row_bytes
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemm import F16_SAFE
 from fuselane.lanes.cuda.triton.gemv.formats import dot_rows
-from fuselane.lanes.cuda.triton.gemv.layout import FMT_F32
+from fuselane.lanes.cuda.triton.gemv.layout import FMT_F16, FMT_F32, HALF_WORD_BITS
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, tiles
 
 # Pairs the sort's last program places a pass (ids, ranks and firsts loaded, the order stored: 4 of each a
@@ -49,6 +51,7 @@ HIST_A_PASS = 8192
 # Values of a block's rows a pass of the rows' largest |value| (`_row_amax`) reads: 8 rows, 16 values a thread.
 AMAX_CHUNK = tl.constexpr(512)
 RANK_BY_COUNT = tl.constexpr(kernels.MOE_RANK_BY_COUNT_EXPERTS)  # a kernel reads a constexpr global only
+CHUNK_PRECISION = tl.constexpr(kernels.MOE_ROUTE_CHUNK_PRECISION)
 
 
 @triton.jit
@@ -137,7 +140,8 @@ def _rank_block(scores, ids, weights, bias, scale, block, E: tl.constexpr, E_BLO
                 SIGMOID: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
     """The kept experts and weights of a block of a chunk's rows, all rows at once: K arg-max passes over the
     [ROW_BLOCK, E_BLOCK] choice scores (the lower index first on a tie, `_keep_by_passes`' order). Returns the
-    kept ids ([ROW_BLOCK, K_BLOCK], -1 past the chunk's rows and past K) for the sort."""
+    kept ids ([ROW_BLOCK, K_BLOCK], -1 past the chunk's rows and past K) and the experts each live row kept
+    ([ROW_BLOCK, E_BLOCK]) for the sort."""
     ex = tl.arange(0, E_BLOCK)
     rows = block * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
     live_rows = rows < ROWS
@@ -145,37 +149,39 @@ def _rank_block(scores, ids, weights, bias, scale, block, E: tl.constexpr, E_BLO
     slot = tl.arange(0, K_BLOCK)[None, :]
     kept_ids = tl.full([ROW_BLOCK, K_BLOCK], -1, tl.int32)
     kept = tl.zeros([ROW_BLOCK, K_BLOCK], tl.float32)
+    taken = tl.zeros([ROW_BLOCK, E_BLOCK], tl.int32)
     for j in tl.static_range(K):
         best = tl.argmax(c, 1, tie_break_left=True)[:, None]  # [ROW_BLOCK, 1]
         hit = ex[None, :] == best
         kept_ids = tl.where(slot == j, best.to(tl.int32), kept_ids)
         kept = tl.where(slot == j, tl.sum(tl.where(hit, p, 0.0), 1)[:, None], kept)
         c = tl.where(hit, float("-inf"), c)
+        taken = tl.where(hit & live_rows[:, None], 1, taken)
     if RENORM:
         kept = kept / tl.sum(kept, 1)[:, None]
     at = rows[:, None] * K + slot
     m = live_rows[:, None] & (slot < K)
     tl.store(ids + at, kept_ids, mask=m)
     tl.store(weights + at, kept * scale, mask=m)
-    return tl.where(m, kept_ids, -1)
+    return tl.where(m, kept_ids, -1), taken
 
 
 @triton.jit
-def _block_places(kept_ids, hist, rank, block, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr,
+def _block_places(kept_ids, taken, hist, rank, block, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr,
                   K_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr):  # fmt: skip
     """A block's share of the stable sort: the pairs of each expert among its rows (hist[block, e]) and each
-    pair's place among its block's pairs of its expert (rank[pair]); a row's kept experts are distinct, so the
-    pairs of its expert before it are in earlier rows of the block."""
-    PB: tl.constexpr = ROW_BLOCK * K_BLOCK
-    flat = tl.reshape(kept_ids, [PB])
-    i = tl.arange(0, PB)
-    same = (flat[None, :] == flat[:, None]) & (i[None, :] < i[:, None])
-    ahead = tl.sum(same.to(tl.int32), 1)
-    pair = block * ROW_BLOCK * K + (i // K_BLOCK) * K + i % K_BLOCK
-    tl.store(rank + pair, ahead, mask=flat >= 0)
+    pair's place among its block's pairs of its expert (rank[pair]). A row's kept experts are distinct, so the
+    pairs of its expert before it are the earlier rows that kept it: a running count down the rows of `taken`
+    ([ROW_BLOCK, E_BLOCK], the experts each row kept), read at each slot's expert. [ROW_BLOCK, E_BLOCK] a pass,
+    not a comparison of every pair of the block with every other (ROW_BLOCK * K squared)."""
+    ahead = tl.cumsum(taken, 0) - taken
     ex = tl.arange(0, E_BLOCK)
-    count = tl.sum((flat[:, None] == ex[None, :]).to(tl.int32), 0)
-    tl.store(hist + block * E + ex, count, mask=ex < E)
+    slot = tl.arange(0, K_BLOCK)[None, :]
+    pairs = block * ROW_BLOCK * K + tl.arange(0, ROW_BLOCK) * K
+    for j in tl.static_range(K):
+        e = tl.sum(tl.where(slot == j, kept_ids, 0), 1)  # [ROW_BLOCK]: slot j's expert, -1 past the chunk
+        tl.store(rank + pairs + j, tl.sum(tl.where(ex[None, :] == e[:, None], ahead, 0), 1), mask=e >= 0)
+    tl.store(hist + block * E + ex, tl.sum(taken, 0), mask=ex < E)
 
 
 @triton.jit
@@ -227,6 +233,32 @@ def _router_row(w_row, x, D: tl.constexpr, D_BLOCK: tl.constexpr, PDL: tl.conste
 
 
 @triton.jit
+def _router_tile(w, x, rows, e, ROWS: tl.constexpr, E: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
+                 ROW_BYTES: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                 ROW_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """[ROW_BLOCK, BLOCK_N] f32: a chunk's rows `rows` of x by the float router's rows `e`, on the tensor cores
+    (`kernels.MOE_ROUTE_CHUNK_*`: three TF32 products a step, about f32's rounding), BLOCK_K values a step staged
+    STAGES ahead. A row past the chunk reads its last, a router row past the experts the last expert's."""
+    k = tl.arange(0, BLOCK_K)
+    x_rows = x + tl.minimum(rows, ROWS - 1).to(tl.int64)[:, None] * D
+    w_rows = w + tl.minimum(e, E - 1).to(tl.int64)[:, None] * ROW_BYTES
+    acc = tl.zeros([ROW_BLOCK, BLOCK_N], tl.float32)
+    for s in tl.range(0, tl.cdiv(D, BLOCK_K), num_stages=STAGES):
+        at = s * BLOCK_K + k
+        m = (at < D)[None, :]
+        a = tl.load(x_rows + at[None, :], mask=m, other=0.0)
+        if FMT == FMT_F32:
+            b = tl.load(w_rows.to(tl.pointer_type(tl.float32)) + at[None, :], mask=m, other=0.0)
+        elif FMT == FMT_F16:
+            b = tl.load(w_rows.to(tl.pointer_type(tl.float16)) + at[None, :], mask=m, other=0.0).to(tl.float32)
+        else:
+            bits = tl.load(w_rows.to(tl.pointer_type(tl.uint16)) + at[None, :], mask=m, other=0).to(tl.int32)
+            b = (bits << HALF_WORD_BITS).to(tl.float32, bitcast=True)  # BF16 is the top half of an f32
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=CHUNK_PRECISION)
+    return acc
+
+
+@triton.jit
 def _row_amax(x, x_amax, x16, h_amax, rows, ROWS: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
               K_POW2: tl.constexpr, ROW_BLOCK: tl.constexpr):  # fmt: skip
     """The block's rows' largest |value| into x_amax and the rows divided by their f16 scale, rounded once, into
@@ -259,7 +291,8 @@ def _route_kernel(
     ROWS: tl.constexpr, ROW_BLOCK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
     SORT: tl.constexpr, COUNT: tl.constexpr, HB: tl.constexpr, PB: tl.constexpr, AMAX: tl.constexpr,
     FMT: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr, ROW_BYTES: tl.constexpr, D_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    STAGES: tl.constexpr, ROW_BYTES: tl.constexpr, D_BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr, AMAX_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if ROWS == 1 and BLOCK_N == 1 and FMT == FMT_F32:  # the router row read before the wait (`_router_row`)
         pdl.release(PDL)
@@ -270,14 +303,17 @@ def _route_kernel(
     e = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if ROWS == 1 and BLOCK_N == 1 and FMT == FMT_F32:
         y = _router_row(w + tl.program_id(0).to(tl.int64) * ROW_BYTES, x, D, D_BLOCK, PDL)[None, :]
+    elif CHUNK:  # a chunk's block of rows by a tile of a float router, on the tensor cores
+        y = _router_tile(w, x, rows, e, ROWS, E, D, FMT, ROW_BYTES, BLOCK_K, STAGES, ROW_BLOCK, BLOCK_N)
     else:
         x_rows = x + tl.minimum(rows, ROWS - 1).to(tl.int64) * D  # a row past the chunk reads its last
         y = dot_rows(w + tl.minimum(e, E - 1).to(tl.int64) * ROW_BYTES, x_rows, FMT, STEPS, UNITS, SPLIT, ROW_BLOCK,
                      BLOCK_N, STAGES)  # fmt: skip
     tl.store(scores + rows[:, None] * E + e[None, :], y, mask=(rows < ROWS)[:, None] & (e < E)[None, :])
-    if AMAX:
-        if tl.program_id(0) == 0:
-            _row_amax(x, x_amax, x16, h_amax, rows, ROWS, D, K, K_BLOCK, ROW_BLOCK)
+    if AMAX:  # the block's rows' largest values, AMAX_ROWS of them a program of the block's first
+        if tl.program_id(0) * AMAX_ROWS < ROW_BLOCK:
+            mine = block * ROW_BLOCK + tl.program_id(0) * AMAX_ROWS + tl.arange(0, AMAX_ROWS)
+            _row_amax(x, x_amax, x16, h_amax, mine, ROWS, D, K, K_BLOCK, AMAX_ROWS)
     tl.debug_barrier()
     done = tl.atomic_add(counter + 1 + block, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:  # a block's last tile of experts ranks its rows: the blocks in parallel
@@ -285,10 +321,10 @@ def _route_kernel(
         if ROW_BLOCK == 1:  # a decode step's row (never sorted)
             _rank_row(scores, ids, weights, bias, scale, block, E, E_BLOCK, K, K_BLOCK, RENORM, SIGMOID, BIAS, True)
         else:
-            kept = _rank_block(scores, ids, weights, bias, scale, block, E, E_BLOCK, K, K_BLOCK, ROWS, ROW_BLOCK,
-                               RENORM, SIGMOID, BIAS)  # fmt: skip
+            kept, taken = _rank_block(scores, ids, weights, bias, scale, block, E, E_BLOCK, K, K_BLOCK, ROWS,
+                                      ROW_BLOCK, RENORM, SIGMOID, BIAS)  # fmt: skip
             if SORT:
-                _block_places(kept, hist, rank, block, E, E_BLOCK, K, K_BLOCK, ROW_BLOCK)
+                _block_places(kept, taken, hist, rank, block, E, E_BLOCK, K, K_BLOCK, ROW_BLOCK)
         if SORT:
             tl.debug_barrier()
             ranked = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -327,26 +363,36 @@ def f16_row_scale(amax):
 
 def sort_scratch(device, rows: int, experts: int, k: int) -> Tensor:
     """The int32 scratch a chunk's sort takes: each block of rows' pairs of each expert (then their first
-    places), and each pair's rank in its block. Written before it is read in every launch: never zeroed."""
-    return torch.empty(_blocks(rows) * experts + rows * k, dtype=torch.int32, device=device)
+    places), and each pair's rank in its block (sized for the GEMV's blocks of rows, the most a launch takes).
+    Written before it is read in every launch: never zeroed."""
+    return torch.empty(_blocks(rows, _row_block(rows)) * experts + rows * k, dtype=torch.int32, device=device)
 
 
-def _row_block(rows: int) -> int:
-    return triton.next_power_of_2(min(rows, kernels.GEMV_ROWS))
+def _row_block(rows: int, chunk: bool = False) -> int:
+    """A block's rows: the tensor-core tile's (`chunk`), else the GEMV's (all rows up to its 8)."""
+    return kernels.MOE_ROUTE_CHUNK_ROWS if chunk else triton.next_power_of_2(min(rows, kernels.GEMV_ROWS))
 
 
-def _blocks(rows: int) -> int:
-    return triton.cdiv(rows, _row_block(rows))
+def _blocks(rows: int, row_block: int) -> int:
+    return triton.cdiv(rows, row_block)
 
 
-def _sort_scratch(scratch: Tensor | None, rows: int, experts: int, k: int, stand_in: Tensor) -> tuple[Tensor, Tensor]:
+def _sort_scratch(scratch: Tensor | None, rows: int, experts: int, k: int, stand_in: Tensor,
+                  row_block: int) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The histograms' and the ranks' parts of `scratch` (stand-ins where there is no sort)."""
     if scratch is None:
         return stand_in, stand_in
-    size = _blocks(rows) * experts
+    size = _blocks(rows, row_block) * experts
     if scratch.dtype != torch.int32 or scratch.numel() < size + rows * k:
         raise ValueError(f"the sort's scratch must be int32 of {size + rows * k} (sort_scratch)")
     return scratch[:size], scratch[size:]
+
+
+def _chunk_plan(fmt: Format, experts: int, d: int) -> tuple[dict, int]:
+    """`f32_plan`'s constants for the tensor-core tile (`kernels.MOE_ROUTE_CHUNK_*`; the GEMV's are not read)."""
+    consts = dict(FMT=int(fmt), STEPS=0, UNITS=1, SPLIT=1, BLOCK_N=kernels.MOE_ROUTE_CHUNK_EXPERTS,
+                  STAGES=kernels.MOE_ROUTE_CHUNK_STAGES, ROW_BYTES=row_bytes(fmt, d))  # fmt: skip
+    return consts, kernels.MOE_ROUTE_CHUNK_WARPS
 
 
 def counters(device, rows: int = 1) -> Tensor:
@@ -380,25 +426,32 @@ def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool,
         raise ValueError(f"counts must be int32 ({experts},), written with the order")
     if bias is not None and (bias.dtype != torch.float32 or bias.numel() != experts):
         raise ValueError(f"the correction bias must be f32 ({experts},)")
-    row_block = _row_block(rows)
-    plan, warps = f32_plan(Format(fmt), experts, d, m=row_block, tile=kernels.moe_route_tile(rows))
+    chunk = kernels.moe_route_chunk(fmt, rows)
+    row_block, blocks = _row_block(rows, chunk), _blocks(rows, _row_block(rows, chunk))
+    if chunk:
+        plan, warps = _chunk_plan(Format(fmt), experts, d)
+    else:
+        plan, warps = f32_plan(Format(fmt), experts, d, m=row_block, tile=kernels.moe_route_tile(rows))
+    expert_tiles = tiles(experts, plan["BLOCK_N"])
+    # the block's rows' largest values split among its first programs: a power of two of rows each, all covered
+    amax_rows = triton.next_power_of_2(triton.cdiv(row_block, expert_tiles))
     sort = order is not None
     if sort and rows == 1:
         raise ValueError("a decode step's row is not sorted")
     hist, rank = _sort_scratch(scratch if scratch is not None or not sort else sort_scratch(x.device, rows, experts, k),
-                               rows, experts, k, ids)  # fmt: skip
+                               rows, experts, k, ids, row_block)  # fmt: skip
     if amax is not None and (not sort or amax.x.numel() != rows or amax.h.numel() != rows * k
                              or amax.h.dtype != torch.int32 or amax.x16.numel() != rows * d):  # fmt: skip
         raise ValueError(f"the row scales take a sorted chunk's ({rows},) f32, ({rows}, {d}) f16 and ({rows * k},) "
                          "int32")  # fmt: skip
     x_amax, x16, h_amax = (amax.x, amax.x16, amax.h) if amax is not None else (scores, scores, ids)
-    hb = max(1, min(triton.next_power_of_2(_blocks(rows)), HIST_A_PASS // triton.next_power_of_2(experts)))
-    _route_kernel[(tiles(experts, plan["BLOCK_N"]), _blocks(rows))](
+    hb = max(1, min(triton.next_power_of_2(blocks), HIST_A_PASS // triton.next_power_of_2(experts)))
+    _route_kernel[(expert_tiles, blocks)](
         x, w, scores, ids, weights, order if sort else ids, ids if counts is None else counts, counter, hist, rank,
         x_amax, x16, h_amax, scores if bias is None else bias, float(scale),
         D=d, E=experts, E_BLOCK=triton.next_power_of_2(experts), K=k, K_BLOCK=triton.next_power_of_2(k),
         ROWS=rows, ROW_BLOCK=row_block, RENORM=renorm, SIGMOID=sigmoid, BIAS=bias is not None, SORT=sort,
         COUNT=counts is not None, AMAX=amax is not None, HB=hb, PB=PAIRS_A_PASS,
-        D_BLOCK=triton.next_power_of_2(d),
+        D_BLOCK=triton.next_power_of_2(d), CHUNK=chunk, BLOCK_K=kernels.MOE_ROUTE_CHUNK_K, AMAX_ROWS=amax_rows,
         num_warps=warps, **plan, **pdl.options(), **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )  # fmt: skip

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import Format
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.layout import (
     BIT,
@@ -70,8 +71,9 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     in_two_23,
 )
 
-# The formats this decode takes (every other keeps `unit_values`' path).
-FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0})
+# The formats this decode takes (every other keeps `unit_values`' path): the tile table's (`kernels`), which
+# gives each its tiles.
+FORMATS = kernels.MOE_WORDS_FORMATS
 # The values a step may take: a super-block's half or whole (a Q6_K half is its natural unit), four or eight
 # 32-value blocks.
 STEPS = (128, 256)
