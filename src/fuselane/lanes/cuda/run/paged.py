@@ -36,6 +36,7 @@ from fuselane.fuse.optimizer import Plan, optimize
 from fuselane.fuse.views import leaves
 from fuselane.graph.ir import Form, QuantizedActs, Role
 from fuselane.graph.ops import Attention
+from fuselane.lanes.cuda.plan.kernels import BATCH_COLUMNS, BATCH_ID, BATCH_LENGTH, BATCH_POSITION, BATCH_SLOT
 from fuselane.lanes.cuda.plan.knobs import RopeEpilogue
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run.buffers import pooled_buffers
@@ -44,9 +45,9 @@ from fuselane.models import recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
 from fuselane.runtime.sampling import SamplingParams, nan_logits
 
-# The columns of the step's inputs, one int32 row each (then the tables, `width` columns a row).
-ID, POSITION, SLOT, LENGTH = range(4)
-COLUMNS = 4
+# The columns of the step's inputs, one int32 row each (then the tables, `width` columns a row): kernels.py's.
+ID, POSITION, SLOT, LENGTH = BATCH_ID, BATCH_POSITION, BATCH_SLOT, BATCH_LENGTH
+COLUMNS = BATCH_COLUMNS
 NO_SLOT = -1  # a row that draws nothing: greedy, or padding
 
 
