@@ -59,4 +59,3 @@ def advance(inputs: torch.Tensor, picked: torch.Tensor, n: int, rows: int, width
         raise ValueError(f"advance: ({rows}, {PICKED_VALUES}) picks, and at most {rows} rows to advance")
     block = triton.next_power_of_2(rows)
     _advance_kernel[(1,)](inputs, picked, n, width, block_size, ROWS=rows, BLOCK=block, **pdl.options())
-
