@@ -32,7 +32,7 @@ _PICKED_VALUES: tl.constexpr = tl.constexpr(PICKED_VALUES)
 _TOKEN: tl.constexpr = tl.constexpr(TOKEN)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # one compile a bucket, whatever rows it advances
 def _advance_kernel(inputs_ptr, picked_ptr, n, width, block_size, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                     PDL: tl.constexpr):  # fmt: skip
     # Rows 0 .. n-1 of a bucket of ROWS: the pick becomes the id, the position and length step on by one, and
