@@ -1,10 +1,10 @@
-"""The overlapped decode of the cuda lane's paged form (`engine/engine.py`: a step launched before the tokens of
-the one before are read, its inputs advanced on the device) under Triton's interpreter: every sequence's tokens
-with overlap are those without, exactly, and those of the cpu lane alone in f64.
-
-One run each way over a tiny model covers the cases at once (interpreted kernels are slow): greedy and seeded
-sequences in the same batch, of different prompt and reply lengths so they join and leave mid-run, one ended by
-a stop token, one cancelled mid-run, and a pool of one context for three sequences, so some are preempted.
+"""The overlapped decode on the cuda lane's paged form under Triton's interpreter: steps launched before the
+tokens of the one before are read, their inputs advanced on the device (`triton/advance.py`), the picks read
+from the host's copy. Interpreted steps are slow, so one short run covers it: a greedy sequence, which gives the
+cpu lane's tokens alone in f64, and two seeded twins (the same prompt and seed) of different lengths, the
+shorter ending while a step planned ahead holds its row: the longer draws the same tokens, then its own.
+Overlap on against off, seeded, and compiled: tests/cuda/test_paged_cuda.py; the engine's side of every case
+(stops, cancels, preemption): tests/engine/test_overlap.py.
 """
 
 from __future__ import annotations
@@ -25,84 +25,26 @@ from fuselane.gguf.synth import write_synthetic  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 from fuselane.runtime.sampling import GREEDY, SamplingParams  # noqa: E402
 
-CTX = 32
-BLOCK = 4
-PROMPTS = [[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17], [40, 41], [20, 21, 22]]
-MAX_TOKENS = [9, 6, 8, 7]
+CTX = 16
 SEEDED = SamplingParams(temperature=0.9, top_k=8, seed=11)
-SAMPLING = [GREEDY, SEEDED, GREEDY, SEEDED]
-CANCELLED = 3  # the fourth sequence is cancelled once it has this many tokens
-STOPPED = 0  # ...and the first ends at a stop token: its third token's (see `stop_token`)
+REQUESTS = [Request((3, 4), 3, GREEDY), Request((5,), 2, SEEDED), Request((5,), 3, SEEDED)]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    path = write_synthetic(tmp_path_factory.mktemp("overlap") / "m.gguf", "tiny-qwen3", "f16", seed=5)
-    return load(path, lane="cuda", ctx=CTX), load(path, lane="cpu", ctx=CTX, dtype=np.float64)
-
-
-def stop_token(ref) -> int:
-    """A token the first sequence greedily picks third and none of the other greedy sequences picks before its
-    own end, so it stops exactly that one."""
-    first = list(ref.generate_ids(ref.session(), PROMPTS[STOPPED], max_tokens=3, sampling=GREEDY))
-    return first[2]
-
-
-def run(gpu, *, overlap: bool, stop: int):
-    """Every sequence's events, the engine, and the rows of each step launched ahead."""
-    engine = engine_for(gpu, blocks=CTX // BLOCK, max_seqs=3, max_queue=4, block_size=BLOCK, chunk=8, overlap=overlap)
-    engine.scheduler.stop_ids = frozenset({stop})
+def test_overlapped_steps_give_the_tokens_of_the_sequences_alone(tmp_path):
+    path = write_synthetic(tmp_path / "m.gguf", "tiny-qwen3", "f16", seed=5)
+    gpu = load(path, lane="cuda", ctx=CTX)
+    ref = load(path, lane="cpu", ctx=CTX, dtype=np.float64)
+    engine = engine_for(gpu, blocks=8, max_seqs=3, max_queue=3, block_size=4, chunk=4)
+    assert engine.overlap
     ahead: list[int] = []
-    if overlap:
-        launch_next = engine.lane.launch_next
-        engine.lane.launch_next = lambda works: (ahead.append(len(works)), launch_next(works))[1]
+    launch_next = engine.lane.launch_next
+    engine.lane.launch_next = lambda works: (ahead.append(len(works)), launch_next(works))[1]
     events: dict[int, list[Event]] = {}
-    ids: list[int] = []
-
-    def sink(e: Event) -> None:
-        assert not any(x.finish for x in events.get(e.seq, [])), "an event after the sequence's end"
-        events.setdefault(e.seq, []).append(e)
-        if e.seq == ids[-1] and e.completion_tokens == CANCELLED and e.finish is None:
-            engine.cancel(e.seq)
-
-    for p, n, s in zip(PROMPTS, MAX_TOKENS, SAMPLING, strict=True):
-        ids.append(engine.submit(Request(tuple(p), n, s), sink))
+    ids = [engine.submit(r, lambda e: events.setdefault(e.seq, []).append(e)) for r in REQUESTS]
     engine.run_until_idle()
-    return [events[i] for i in ids], engine, ahead
-
-
-def tokens(evs: list[Event]) -> list[int]:
-    return [t for e in evs for t in e.tokens]
-
-
-def test_overlap_gives_the_tokens_of_no_overlap(models):
-    gpu, ref = models
-    stop = stop_token(ref)
-    plain, plain_engine, _ = run(gpu, overlap=False, stop=stop)
-    over, engine, ahead = run(gpu, overlap=True, stop=stop)
-    assert [tokens(e) for e in over] == [tokens(e) for e in plain]
-    assert [e[-1].finish for e in over] == [e[-1].finish for e in plain]
-    assert ahead and max(ahead) > 1  # steps were launched ahead, of several rows
-    assert engine.stats.preemptions > 0 and plain_engine.stats.preemptions > 0
+    got = [[t for e in events[i] for t in e.tokens] for i in ids]
+    assert got[0] == list(ref.generate_ids(ref.session(), [3, 4], max_tokens=3, sampling=GREEDY))
+    assert len(got[1]) == 2 and got[2][:2] == got[1] and len(got[2]) == 3
+    assert all(events[i][-1].finish is Finish.LENGTH for i in ids)
+    assert ahead[0] == 3  # the three rows (a bucket of four) planned ahead, until the short twin ended
     assert engine.pool.used == 0 and not engine.lane._flights
-    # the greedy sequences are the cpu lane's alone; the stopped one ends at its stop token, the cancelled one
-    # after the tokens it had
-    for i in (0, 2):
-        want = list(ref.generate_ids(ref.session(), PROMPTS[i], max_tokens=MAX_TOKENS[i], sampling=GREEDY))
-        if i == STOPPED:
-            want = want[:2]
-        assert tokens(over[i]) == want
-    assert over[STOPPED][-1].finish is Finish.STOP
-    assert over[-1][-1].finish is Finish.CANCELLED and len(tokens(over[-1])) == CANCELLED
-    # a seeded sequence's draws repeat: run alone, with overlap, it draws what it drew in the batch
-    alone, _, _ = (lambda r: r)(run_one(gpu, 1, stop))
-    assert tokens(alone) == tokens(over[1])
-
-
-def run_one(gpu, i: int, stop: int):
-    engine = engine_for(gpu, blocks=CTX // BLOCK, max_seqs=1, max_queue=1, block_size=BLOCK, chunk=8)
-    engine.scheduler.stop_ids = frozenset({stop})
-    events: list[Event] = []
-    engine.submit(Request(tuple(PROMPTS[i]), MAX_TOKENS[i], SAMPLING[i]), events.append)
-    engine.run_until_idle()
-    return events, engine, None
