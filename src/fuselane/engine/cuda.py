@@ -226,6 +226,8 @@ class CudaPaged:
         from fuselane.lanes.cuda.triton.advance import advance
 
         last, n, sampling = self._flights[-1]
+        if len(works) != n:
+            raise RuntimeError(f"a step launched ahead holds the {n} rows of the one before, not {len(works)}")
         step = last.step
         lens = [len(w.table.blocks) for w in works]
         if lens != self._lens:  # tables only grow while the rows stay: a length is all that can change
