@@ -10,6 +10,16 @@ step captured as one CUDA graph after its first runs (eager where the lane runs 
 takes the greedy pick of the graph or, when its sequence samples, a draw of the device sampler under its own
 settings and seed, drawn inside the graph too.
 
+Overlapped (`overlap`, on unless the model has a recurrent state; `fuselane.engine.engine`), a step of decode
+rows is `launch`ed with its picks copied to pinned host memory behind an event (`BatchStep.ship`), and the step
+after it is `launch_next`ed before the host reads them: the same bucket, its inputs advanced in place on the
+device from the running step's (`triton/advance.py`: each row's pick as its id, one row on), the tables copied
+up from pinned memory without waiting where one took a block; `collect` waits for the oldest step's event only.
+A sequence the tokens end keeps its row in the step launched ahead, whose token is dropped; the draws of a
+sampling row there advance only that sequence's generator, which is forgotten with it (a sequence that goes on
+has no row dropped: the engine plans ahead only where every row's sequence goes on decoding), so no generator
+of a sequence that goes on is moved.
+
 Prefill chunks run through the lane's own single-sequence path (its prefill GEMMs and attention, over a
 contiguous cache of `ctx` rows), each padded to a power of two of rows so ragged prompts share a few captured
 steps (`_chunk_rows`): the sequence's rows are gathered from its blocks into that scratch cache

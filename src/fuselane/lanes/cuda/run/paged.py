@@ -22,6 +22,9 @@ row samples, the step ends with the batch's draws too (`sample.sample_rows`: one
 launch that draws each sampling row under its own sequence's settings and Philox generator, which live on the
 device in `Draws`' tables, a row a sequence, found through the step's slot column), also inside the graph: a
 bucket keeps two graphs, one that samples and one that only picks greedily, so greedy steps sort nothing.
+
+For the overlapped decode (`engine/cuda.py`) a step's picks also go to pinned host memory behind an event
+(`ship`, `Flight`), and the next step's tables come from pinned memory without a wait (`write_tables`).
 """
 
 from __future__ import annotations
