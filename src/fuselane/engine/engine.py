@@ -16,6 +16,14 @@ tokens (a join, a prefill chunk, a preemption, a cancel), the step reads them fi
 overlap. A row of the step planned ahead whose sequence the tokens end is dropped, never reported, and the
 lane's per-sequence state is kept as if it had not run (the device sampler's draws of an ended sequence are
 forgotten with it), so every sequence's tokens are those it gets without overlap.
+
+The rows of the step planned ahead whose sequences go on are kept, not recomputed: each is the very step the
+engine would run without overlap (its token the pick, its position the next). What overlap does not hide is
+the step after a batch change: reading the tokens first leaves the GPU idle for the host's work once, as every
+step did before, and the next step is written from the host. A steady batch (the benchmark's window, where all
+B decode) pays it never; a server pays it about once a join or an end, so its gain shrinks as the batch turns
+over faster. Keeping an ended sequence's row running as padding (over the spare block) until the bucket
+shrinks would hide the ends too, at the price of the rows' remapping; not done yet.
 """
 
 from __future__ import annotations
