@@ -6,7 +6,10 @@ rows. (Prompts are prefilled a chunk budget a step while the first ones already 
 and end staggered; the window where all B run is N minus the prefill's steps, so N should be well past them.)
 
 Usage: python benchmarks/batch_decode.py MODEL [--lane cuda] [--seqs 1 8 32 64] [--prompt 128] [--gen 256]
-[--json]
+[--json] [--no-overlap]
+
+`--no-overlap` runs each decode step only after the host has read the last one's tokens (the engine's
+`overlap` off), for an A/B against the overlapped decode (the default where the lane has it: the cuda lane).
 
 Prompts are random token ids; greedy sampling. Every sequence generates exactly N tokens, as llama-batched-bench's
 do: an end token does not end it (`Request.ignore_eos`; random weights can pick one), so each step runs B rows.
@@ -74,6 +77,7 @@ def measure(engine, vocab: int, seqs: int, prompt: int, gen: int, seed: int) -> 
         "aggregate_tok_s": round(counted[0] / seconds, 1) if seconds else None,
         "blocks_in_use_after": engine.pool.used,
         "buckets_built_while_timed": sorted(_buckets(engine) - buckets_before),
+        "overlap": engine.overlap,
     }
 
 
@@ -90,14 +94,16 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-overlap", action="store_true", help="read each step's tokens before the next launches")
     args = ap.parse_args()
     model = load(args.model, lane=args.lane)
     most = max(args.seqs)
     per_seq = blocks_for(args.prompt + args.gen + 1, DEFAULT_BLOCK_SIZE)
-    engine = engine_for(model, blocks=per_seq * most, max_seqs=most, max_queue=most)
+    engine = engine_for(model, blocks=per_seq * most, max_seqs=most, max_queue=most, overlap=not args.no_overlap)
     began = time.perf_counter()
     ready = engine.warm()  # what `fuselane serve` does before it listens: minutes of compiles on a fresh host
     print(f"{ready} steps made ready in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
+    print(f"overlap: {'on' if engine.overlap else 'off'}", file=sys.stderr, flush=True)
     vocab = model.cfg.vocab
     for seqs in args.seqs:
         # untimed first: builds, compiles and captures the steps of the level's batch sizes

@@ -205,6 +205,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         Options(
             model=args.model, host=args.host, port=args.port, lane=args.lane, ctx=args.ctx, max_seqs=args.max_seqs,
             max_queue=args.max_queue, api_key=args.api_key, kv_blocks=args.kv_blocks, gpu_memory=args.gpu_memory,
+            overlap=not args.no_overlap,
         )
     )  # fmt: skip
 
@@ -237,6 +238,10 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gpu-memory", type=ranges.GPU_MEMORY, default=None,
         help=_range(ranges.GPU_MEMORY, "share of the GPU's memory to hold, weights and KV pool (default 0.9)"),
+    )  # fmt: skip
+    p.add_argument(
+        "--no-overlap", action="store_true", help="launch each decode step only after the last one's tokens are "
+        "read (default: the cuda lane launches the next step first, so the host's work overlaps the GPU's)",
     )  # fmt: skip
     _tp_flag(p)
     p.set_defaults(func=cmd_serve)

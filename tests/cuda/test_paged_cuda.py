@@ -48,9 +48,10 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def run(model, prompts, max_tokens, sampling, *, max_seqs, chunk=32, cancel_after=None):
+def run(model, prompts, max_tokens, sampling, *, max_seqs, chunk=32, cancel_after=None, overlap=True, blocks=None):
     """The engine over the model's paged lane: each sequence's tokens, and the engine after the run."""
-    engine = engine_for(model, blocks=max_seqs * (CTX // 16), max_seqs=max_seqs, max_queue=len(prompts), chunk=chunk)
+    blocks = blocks or max_seqs * (CTX // 16)
+    engine = engine_for(model, blocks=blocks, max_seqs=max_seqs, max_queue=len(prompts), chunk=chunk, overlap=overlap)
     events: dict[int, list[Event]] = {}
     ids = [
         engine.submit(Request(tuple(p), n, sampling), lambda e: events.setdefault(e.seq, []).append(e))
@@ -79,6 +80,33 @@ def test_batch_equals_single(path, max_seqs):
     steps = engine.lane.steps
     # rows ran together, in buckets no larger than max_seqs rounded up, and replayed their graphs
     assert 2 <= max(steps) <= (8 if max_seqs == 8 else 4) and any(s.graphs for s in steps.values())
+
+
+@pytest.mark.parametrize("max_seqs", [8, 3], ids=["all-at-once", "joining-and-leaving"])
+def test_overlap_gives_the_tokens_of_no_overlap(path, max_seqs):
+    """Compiled, the graphs replayed: the overlapped decode (a step launched before the tokens of the one before
+    are read, its inputs advanced on the device) gives every sequence the tokens it gets without overlap,
+    greedy and seeded, sequences joining and leaving; with a cancel mid-run; in a pool of one context, where
+    sequences are preempted. At the dequantized numerics, where each row's tokens are its own alone whatever
+    the batch (`test_batch_equals_single`), as overlap changes a step's rows where a sequence ends."""
+    gpu = load(path, lane="cuda", ctx=CTX, knobs=["activations=dequant"])
+    seeded = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=3)
+    for sampling in (GREEDY, seeded):
+        plain, _ = run(gpu, PROMPTS, MAX_TOKENS, sampling, max_seqs=max_seqs, overlap=False)
+        over, engine = run(gpu, PROMPTS, MAX_TOKENS, sampling, max_seqs=max_seqs)
+        assert over == plain and engine.pool.used == 0 and engine.lane.overlap
+    plain, _ = run(gpu, PROMPTS, MAX_TOKENS, GREEDY, max_seqs=max_seqs, overlap=False, blocks=CTX // 16)
+    over, engine = run(gpu, PROMPTS, MAX_TOKENS, GREEDY, max_seqs=max_seqs, blocks=CTX // 16)
+    assert over == plain and engine.pool.used == 0
+    assert max_seqs == 3 or engine.stats.preemptions > 0
+    # every third sequence cancelled after six steps: overlap reads a step's tokens a step or more later (a
+    # step that launches one reads none), so those have a prefix of their tokens; the others run to their ends
+    plain, _ = run(gpu, PROMPTS, MAX_TOKENS, seeded, max_seqs=max_seqs, cancel_after=6, overlap=False)
+    over, engine = run(gpu, PROMPTS, MAX_TOKENS, seeded, max_seqs=max_seqs, cancel_after=6)
+    for i, (a, b) in enumerate(zip(over, plain, strict=True)):
+        n = min(len(a), len(b))
+        assert a == b if i % 3 else a[:n] == b[:n], f"sequence {i}"
+    assert engine.pool.used == 0
 
 
 @pytest.mark.parametrize("knobs", [[], ["activations=dequant"]], ids=["int8", "dequant"])

@@ -19,11 +19,19 @@ from fuselane.runtime.sampling import SamplingParams
 
 
 def engine_for(
-    model: Any, *, blocks: int, max_seqs: int, max_queue: int, block_size: int = DEFAULT_BLOCK_SIZE, chunk: int = 0
+    model: Any,
+    *,
+    blocks: int,
+    max_seqs: int,
+    max_queue: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    chunk: int = 0,
+    overlap: bool = True,
 ) -> Engine:
     """An engine over `model`'s lane in its paged form, with a pool of `blocks` blocks (prefill chunks of `chunk`
-    rows a step; 0: the sessions' chunk)."""
-    paged = paged_type(model.lane.name)(model.lane, blocks, block_size)
+    rows a step; 0: the sessions' chunk); `overlap`: decode steps overlap the host's work where the lane can
+    (`fuselane.engine.engine`), which changes no token."""
+    paged = paged_type(model.lane.name)(model.lane, blocks, block_size, overlap=overlap)
     pool = BlockPool(blocks, block_size)
     sizes = {"chunk": chunk} if chunk else {}
     return Engine(paged, model.tokenizer, pool, ctx=model.ctx, max_seqs=max_seqs, max_queue=max_queue, **sizes)

@@ -24,8 +24,9 @@ class CpuPaged:
 
     name = "cpu"
 
-    def __init__(self, lane: CpuLane, blocks: int, block_size: int) -> None:
+    def __init__(self, lane: CpuLane, blocks: int, block_size: int, *, overlap: bool = False) -> None:
         self.lane, self.block_size = lane.sibling(), block_size
+        self.overlap = False  # a step runs on the host: there is nothing to overlap it with
         caches = {n: t.shape for n, t in self.lane.graph(1).tensors.items() if t.role is Role.CACHE}
         # per cache tensor: the scratch the graphs read (ctx rows) and the pool (rows of every block); np.zeros
         # maps pages lazily, so a pool larger than what the sequences reach costs address space, not memory

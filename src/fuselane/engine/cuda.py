@@ -10,6 +10,16 @@ step captured as one CUDA graph after its first runs (eager where the lane runs 
 takes the greedy pick of the graph or, when its sequence samples, a draw of the device sampler under its own
 settings and seed, drawn inside the graph too.
 
+Overlapped (`overlap`, on unless the model has a recurrent state; `fuselane.engine.engine`), a step of decode
+rows is `launch`ed with its picks copied to pinned host memory behind an event (`BatchStep.ship`), and the step
+after it is `launch_next`ed before the host reads them: the same bucket, its inputs advanced in place on the
+device from the running step's (`triton/advance.py`: each row's pick as its id, one row on), the tables copied
+up from pinned memory without waiting where one took a block; `collect` waits for the oldest step's event only.
+A sequence the tokens end keeps its row in the step launched ahead, whose token is dropped; the draws of a
+sampling row there advance only that sequence's generator, which is forgotten with it (a sequence that goes on
+has no row dropped: the engine plans ahead only where every row's sequence goes on decoding), so no generator
+of a sequence that goes on is moved.
+
 Prefill chunks run through the lane's own single-sequence path (its prefill GEMMs and attention, over a
 contiguous cache of `ctx` rows), each padded to a power of two of rows so ragged prompts share a few captured
 steps (`_chunk_rows`): the sequence's rows are gathered from its blocks into that scratch cache
@@ -20,6 +30,7 @@ the model's own sessions keep their caches.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +44,7 @@ from fuselane.runtime.session import DEFAULT_CHUNK
 
 if TYPE_CHECKING:  # the lane imports its kernels' modules: only where the cuda lane runs
     from fuselane.lanes.cuda.run.lane import CudaLane
+    from fuselane.lanes.cuda.run.paged import Flight
 
 
 # The largest batch size made ready before serving (`CudaPaged.warm`), as vLLM captures its graphs up to a
@@ -84,7 +96,7 @@ class CudaPaged:
 
     name = "cuda"
 
-    def __init__(self, lane: CudaLane, blocks: int, block_size: int) -> None:
+    def __init__(self, lane: CudaLane, blocks: int, block_size: int, *, overlap: bool = True) -> None:
         from fuselane.lanes.cuda.run.paged import Draws
 
         torch = lane.torch
@@ -102,6 +114,11 @@ class CudaPaged:
         # one waits at the queue's head, so no new sequence joins before it does: at most `blocks` at once
         self.draws = Draws(lane, blocks + 1)
         self.resident: tuple[int, int] | None = None  # (sequence, rows) the scratch cache holds
+        # a discarded step would have advanced a recurrent state: such a model's steps run one after another
+        self.overlap = overlap and not lane.recurrent
+        # launched steps whose tokens are not read yet: each with its rows and whether it draws
+        self._flights: deque[tuple[Flight, int, bool]] = deque()
+        self._lens: list[int] = []  # the blocks of each row's table, as the last step launched holds them
         self._batch(1)  # a model whose batch form the lane cannot run is refused here, not at the first step
 
     @staticmethod
@@ -134,6 +151,7 @@ class CudaPaged:
         sequence's blocks are touched."""
         from fuselane.lanes.cuda.run.lane import WARMUP_RUNS
         from fuselane.lanes.cuda.run.paged import layout
+        from fuselane.lanes.cuda.triton.advance import advance
 
         runs = WARMUP_RUNS + 1 if self.lane.use_graphs else 1  # the eager runs, then the capture
         buckets = _warm_buckets(max_seqs, self.spare)
@@ -143,6 +161,8 @@ class CudaPaged:
             for sampling in (False, True):
                 for _ in range(runs):
                     step.launch(sampling)
+            if self.overlap:  # the advance's compile for this bucket (it moves only the spare block's rows)
+                advance(step.inputs, step.picked, rows, rows, self.width, self.block_size)
         chunks = [] if self.lane.recurrent else _chunk_sizes(min(chunk, self.lane.ctx - 1), self.lane.ctx)
         for rows in chunks:
             for _ in range(runs):
@@ -172,10 +192,17 @@ class CudaPaged:
         return self.steps[rows]
 
     def _decode(self, works: Sequence[Work]) -> list[int]:
-        from fuselane.lanes.cuda.run.paged import NO_SLOT, layout, picks
+        from fuselane.lanes.cuda.run.paged import picks
 
         if not works:
             return []
+        step, _ = self._write_and_launch(works)
+        return picks(step, len(works))
+
+    def _write_and_launch(self, works: Sequence[Work]) -> tuple[Any, bool]:
+        """The decode rows' step: its inputs written from the host, launched; the step, and whether it draws."""
+        from fuselane.lanes.cuda.run.paged import NO_SLOT, layout
+
         step = self._batch(_bucket(len(works)))
         bs = self.block_size
         positions = [w.pos for w in works]
@@ -188,7 +215,46 @@ class CudaPaged:
         if sampling:
             step.write_slots(draws)
         step.launch(sampling)
-        return picks(step, len(works))
+        return step, sampling
+
+    # ---- the overlapped decode: a step launched before the tokens of the one before are read -----------------
+
+    def launch(self, works: Sequence[Work]) -> None:
+        """Launch a step of decode rows only (one token each, every one sampling), its inputs written from the
+        host, without reading its tokens (`collect` reads them). Only when no step is in flight."""
+        if self._flights:
+            raise RuntimeError("a decode step is launched from the host only when none is in flight")
+        step, sampling = self._write_and_launch(works)
+        self._lens = [len(w.table.blocks) for w in works]
+        self._flights.append((step.ship(), len(works), sampling))
+
+    def launch_next(self, works: Sequence[Work]) -> None:
+        """Launch the step after the last one launched, before that one's tokens are read: the same sequences in
+        the same rows (`works`: each one row on, its table holding that row), the ids being the last step's
+        picks. Its inputs are advanced on the device (`triton/advance.py`); the tables that took a block since
+        are written from pinned memory without waiting."""
+        from fuselane.lanes.cuda.triton.advance import advance
+
+        last, n, sampling = self._flights[-1]
+        if len(works) != n:
+            raise RuntimeError(f"a step launched ahead holds the {n} rows of the one before, not {len(works)}")
+        step = last.step
+        lens = [len(w.table.blocks) for w in works]
+        if lens != self._lens:  # tables only grow while the rows stay: a length is all that can change
+            step.write_tables([w.table.blocks for w in works], self.spare)
+            self._lens = lens
+        advance(step.inputs, step.picked, n, step.rows, self.width, self.block_size)
+        step.launch(sampling)
+        self._flights.append((step.ship(), n, sampling))
+
+    def collect(self) -> list[int]:
+        """The tokens of the oldest step launched and not read yet: waits for that step alone."""
+        flight, n, _ = self._flights.popleft()
+        return flight.tokens(n)
+
+    def discard(self) -> None:
+        """Forget the steps in flight (a failed step's successor, a shutdown): their tokens are never read."""
+        self._flights.clear()
 
     # ---- prefill chunks: the single-sequence path over a gathered cache ---------------------------------
 

@@ -6,6 +6,24 @@ with it (from the engine's thread; a sink must not block). Without the thread, `
 every submitted sequence has ended (the Python API's batches). `stats` is a snapshot taken after each step.
 
 The queue is bounded: past `max_seqs` running and `max_queue` waiting, `submit` raises `QueueFull`.
+
+Overlap (where the lane's `overlap` is on: the cuda lane's, by default): a step of decode rows only is
+launched and left running; the next `step` launches the step after it (`Scheduler.plan_ahead`: the same rows
+one on, its inputs made on the device from the picks) before it reads the first one's tokens, so the host's
+work on them (stop checks, detokenizing, events, the next plan) runs while the GPU computes the next step, as
+vLLM's async scheduling and SGLang's overlap scheduler do. Where the next step cannot be planned without the
+tokens (a join, a prefill chunk, a preemption, a cancel), the step reads them first and plans as without
+overlap. A row of the step planned ahead whose sequence the tokens end is dropped, never reported, and the
+lane's per-sequence state is kept as if it had not run (the device sampler's draws of an ended sequence are
+forgotten with it), so every sequence's tokens are those it gets without overlap.
+
+The rows of the step planned ahead whose sequences go on are kept, not recomputed: each is the very step the
+engine would run without overlap (its token the pick, its position the next). What overlap does not hide is
+the step after a batch change: reading the tokens first leaves the GPU idle for the host's work once, as every
+step did before, and the next step is written from the host. A steady batch (the benchmark's window, where all
+B decode) pays it never; a server pays it about once a join or an end, so its gain shrinks as the batch turns
+over faster. Keeping an ended sequence's row running as padding (over the spare block) until the bucket
+shrinks would hide the ends too, at the price of the rows' remapping; not done yet.
 """
 
 from __future__ import annotations
@@ -71,6 +89,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._steps = self._generated = 0
+        self._flight: list[Work] | None = None  # the decode rows launched and not read (overlap)
         self.stats = Stats(kv_blocks_total=pool.total, block_size=pool.block_size)
 
     # --- from any thread ------------------------------------------------------------------------------------
@@ -143,8 +162,16 @@ class Engine:
         self._intake()
         self._abandon(SHUTDOWN)
 
+    @property
+    def overlap(self) -> bool:
+        """Whether decode steps overlap the host's work (the lane's `overlap`; see the module)."""
+        return bool(getattr(self.lane, "overlap", False))
+
     def _abandon(self, message: str) -> None:
         """End every queued and running sequence with `message`."""
+        if self._flight is not None:  # its tokens are never read
+            self._flight = None
+            self.lane.discard()
         events = []
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self.scheduler.end(seq, Finish.ERROR)
@@ -161,7 +188,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._stopping or self._inbox or self._cancels or not self.scheduler.idle):
+                while not (self._stopping or self._inbox or self._cancels or self._busy):
                     self._cv.wait()
                 if self._stopping:
                     return
@@ -170,25 +197,68 @@ class Engine:
             except Exception as e:  # a bug past the lane (a token the tokenizer cannot spell): end what runs, go on
                 self._abandon(f"internal error: {type(e).__name__}: {e}")
 
+    @property
+    def _busy(self) -> bool:
+        return self._flight is not None or not self.scheduler.idle
+
     def step(self) -> bool:
-        """Take in submissions and cancels, run one step; False when there was nothing to run."""
+        """Take in submissions and cancels, run one step (overlapped: read the step in flight, having launched
+        the one after it where it can); False when there was nothing to run."""
         events = self._intake()
-        works = self.scheduler.plan()
-        if works:
-            events += self._run(works)
+        if self._flight is not None:
+            events += self._land(self._flight)
+            ran = True
+        else:
+            works = self.scheduler.plan()
+            ran = bool(works)
+            if works and self.overlap and all(w.samples and len(w.ids) == 1 for w in works):
+                events += self._launch(works)
+            elif works:
+                events += self._run(works)
         self._finish(events)
-        return bool(works) or not self.scheduler.idle
+        return ran or self._busy
 
     def _run(self, works: Seq[Work]) -> list[Event]:
         try:
             tokens = self.lane.step(works)
-        except FuselaneError as e:
-            return self.scheduler.fail(works, str(e))
-        except Exception as e:  # a lane bug must end its sequences, not the server
-            return self.scheduler.fail(works, f"internal error: {type(e).__name__}: {e}")
+        except Exception as e:
+            return self._failed(works, e)
+        return self._apply(works, tokens)
+
+    def _launch(self, works: list[Work]) -> list[Event]:
+        """Launch a step of decode rows, its tokens read by the next `step` (`_land`)."""
+        try:
+            self.lane.launch(works)
+        except Exception as e:
+            return self._failed(works, e)
+        self._flight = works
+        return []
+
+    def _land(self, flight: list[Work]) -> list[Event]:
+        """Launch the step after `flight` where it can be planned ahead, then read `flight`'s tokens."""
+        self._flight = None
+        try:
+            ahead = self.scheduler.plan_ahead(flight)
+            if ahead is not None:
+                self.lane.launch_next(ahead)
+            tokens = self.lane.collect()
+        except Exception as e:
+            self.lane.discard()
+            return self._failed(flight, e)
+        self._flight = ahead
+        return self._apply(flight, tokens)
+
+    def _apply(self, works: Seq[Work], tokens: Seq[int | None]) -> list[Event]:
         self._steps += 1
-        self._generated += sum(t is not None for t in tokens)
+        live = {s.id for s in self.scheduler.running}  # a row of a sequence ended meanwhile is dropped
+        self._generated += sum(t is not None and w.seq in live for w, t in zip(works, tokens, strict=True))
         return self.scheduler.apply(works, tokens)
+
+    def _failed(self, works: Seq[Work], e: Exception) -> list[Event]:
+        if isinstance(e, FuselaneError):
+            return self.scheduler.fail(works, str(e))
+        # a lane bug must end its sequences, not the server
+        return self.scheduler.fail(works, f"internal error: {type(e).__name__}: {e}")
 
     def _intake(self) -> list[Event]:
         with self._cv:

@@ -13,6 +13,13 @@ scheduler's `chunk` rows in all; a table already holds the blocks of every row i
 once a step; block ids are below the pool's size; after `forget(seq)` the sequence never appears again. The sampler
 carries the sequence's settings (`sampler.params`) and its host generator; a lane that samples on the device keeps
 its own generator per sequence, seeded from `params.seed`.
+
+A lane whose steps run asynchronously (a GPU's) may overlap them with the host's work: with `overlap` true it
+also takes `launch` (a step of decode rows, its tokens not read), `launch_next` (the step after the last one
+launched, over the same sequences in the same rows each one row on, fed the tokens that one picks, which the
+host has not read: their ids are `PICKED`), `collect` (the oldest launched step's tokens) and `discard`; the
+engine keeps at most two steps in flight. A lane keeps its per-sequence state right however many steps it ran
+for a sequence the engine then dropped (`forget` follows for an ended one).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from typing import Any, Protocol
 
 from fuselane.engine.blocks import BlockTable
 from fuselane.runtime.sampling import Sampler
+
+PICKED = -1  # the id of a row planned ahead: the token the step before picks, not read yet (`launch_next`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,4 +90,7 @@ class PagedLaneType(Protocol):
     @staticmethod
     def device_memory(lane: Any) -> DeviceMemory | None: ...
 
-    def __call__(self, lane: Any, blocks: int, block_size: int) -> PagedLane: ...
+    def __call__(self, lane: Any, blocks: int, block_size: int, *, overlap: bool = True) -> PagedLane:
+        """The paged form over `lane`; `overlap`: its decode steps overlap the host's work where the lane can
+        (`PagedLane`'s module: `launch`), which changes no token."""
+        ...

@@ -10,6 +10,16 @@ Each step plans, in order:
    a chunk a step and the running streams keep getting a token every step.
 Then `apply` takes the lane's sampled tokens: stop tokens, stop strings, `max_tokens` and the context's end
 finish a sequence, whose blocks go back to the pool at once.
+
+Overlapped (the engine's `overlap`): while a step of decode rows runs, `plan_ahead` plans the one after it
+before its tokens are known, where that is the same rows one on: every running sequence decodes in it, and no
+waiting one could join. Each table is grown for its sequence's next row then (a lookahead of one row); where
+the pool lacks a block, or a row would pass the context, or the batch changes, it plans nothing and the
+engine reads the step's tokens before it plans as above, so joins, prefills and preemptions are planned only
+on known tokens. A sequence the step in flight ends (a stop, its length, a cancel) gives its blocks back at
+once, though the step after it, launched already, writes its row's key and value into one of them: every
+step runs on the lane's one stream, so whatever step later holds that block runs after the write, and
+writes each row before it reads it. `apply` drops the rows of sequences no longer running.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 from fuselane.engine.blocks import BlockPool
-from fuselane.engine.lane import Work
+from fuselane.engine.lane import PICKED, Work
 from fuselane.engine.sequence import Event, Finish, Sequence
 
 
@@ -88,6 +98,29 @@ class Scheduler:
                 return False
         return True
 
+    def plan_ahead(self, works: Seq[Work]) -> list[Work] | None:
+        """The step after `works` (decode rows in flight, their tokens not read), planned before they are
+        read: the same sequences in the same order, each a row on, fed the token `works` picks (`PICKED`); None
+        where the next step must be planned on the tokens (see the module)."""
+        if len(works) != len(self.running) or self._could_admit():
+            return None
+        by_id = {s.id: s for s in self.running}
+        ahead = []
+        for w in works:
+            seq, pos = by_id.get(w.seq), w.pos + 1
+            # a row at the context's end is the last (its token ends the sequence); a dry pool preempts
+            if seq is None or pos >= self.ctx or not self.pool.grow(seq.table, pos + 1):
+                return None
+            ahead.append(Work(seq.id, (PICKED,), pos, seq.table, seq.sampler))
+        return ahead
+
+    def _could_admit(self) -> bool:
+        """Whether the queue's head would join the batch at the next plan."""
+        if not self.waiting or len(self.running) >= self.max_seqs:
+            return False
+        head = self.waiting[0]
+        return self.pool.needed(head.table, len(head.tokens)) <= self.pool.free
+
     def _prefill_chunks(self) -> list[Work]:
         works, budget = [], self.chunk
         for seq in self.running:
@@ -100,11 +133,14 @@ class Scheduler:
         return works
 
     def apply(self, works: Seq[Work], tokens: Seq[int | None]) -> list[Event]:
-        """Account for a step the lane ran: rows cached, tokens sampled; the events it makes."""
+        """Account for a step the lane ran: rows cached, tokens sampled; the events it makes. A row of a
+        sequence no longer running (ended while the overlapped step ran) is dropped."""
         by_id = {s.id: s for s in self.running}
         events = []
         for work, token in zip(works, tokens, strict=True):
-            seq = by_id[work.seq]
+            seq = by_id.get(work.seq)
+            if seq is None:
+                continue
             seq.cached += len(work.ids)
             if token is not None:
                 events.append(self._take(seq, token))

@@ -38,6 +38,7 @@ class Options:
     api_key: str | None = None
     kv_blocks: int | None = None
     gpu_memory: float | None = None
+    overlap: bool = True  # decode steps overlap the host's work where the lane can (`fuselane.engine.engine`)
 
 
 def serving_lane(lane: str) -> str:
@@ -62,7 +63,7 @@ def build(opts: Options, model: Any | None = None, say: Any = None) -> Service:
     )  # fmt: skip
     pool = BlockPool(blocks, DEFAULT_BLOCK_SIZE)
     engine = Engine(
-        kind(model.lane, blocks, DEFAULT_BLOCK_SIZE), model.tokenizer, pool,
+        kind(model.lane, blocks, DEFAULT_BLOCK_SIZE, overlap=opts.overlap), model.tokenizer, pool,
         ctx=model.ctx, max_seqs=opts.max_seqs, max_queue=opts.max_queue,
     )  # fmt: skip
     say = say or _say
@@ -114,6 +115,6 @@ def serve(opts: Options) -> None:
     service.say(
         f"serving {service.name} on http://{host}:{port}/v1 (lane {e.lane.name}, ctx {service.model.ctx}, "
         f"max-seqs {e.max_seqs}, KV pool {e.pool.total:,} blocks of {e.pool.block_size} tokens"
-        f"{', API key required' if opts.api_key else ''})"
+        f"{', decode overlapped' if e.overlap else ''}{', API key required' if opts.api_key else ''})"
     )
     server(service).run(sockets=[sock])

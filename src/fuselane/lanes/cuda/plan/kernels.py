@@ -93,6 +93,14 @@ WIDE_N = 256
 GEMV_BLOCK_WARPS_ONE_ROW = 8
 GEMV_BLOCK_WARPS_FOUR_ROWS = 4
 
+# --- a batch step's inputs (`run/paged.py`, `triton/advance.py`) ---------------------------------------------
+
+# A batch step's inputs are one int32 device tensor: these columns, `rows` values each, then the rows' block
+# tables (`width` values a row). The step reads them; the device advance (`triton/advance.py`) writes the next
+# step's from them and the step's picks, so both read the layout from here.
+BATCH_ID, BATCH_POSITION, BATCH_SLOT, BATCH_LENGTH = range(4)
+BATCH_COLUMNS = 4
+
 # --- norms -----------------------------------------------------------------------------------------------
 
 # A norm's thread loads eight f32 values of its row: two 16-byte vector loads.

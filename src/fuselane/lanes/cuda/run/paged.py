@@ -22,11 +22,14 @@ row samples, the step ends with the batch's draws too (`sample.sample_rows`: one
 launch that draws each sampling row under its own sequence's settings and Philox generator, which live on the
 device in `Draws`' tables, a row a sequence, found through the step's slot column), also inside the graph: a
 bucket keeps two graphs, one that samples and one that only picks greedily, so greedy steps sort nothing.
+
+For the overlapped decode (`engine/cuda.py`) a step's picks also go to pinned host memory behind an event
+(`ship`, `Flight`), and the next step's tables come from pinned memory without a wait (`write_tables`).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -36,6 +39,7 @@ from fuselane.fuse.optimizer import Plan, optimize
 from fuselane.fuse.views import leaves
 from fuselane.graph.ir import Form, QuantizedActs, Role
 from fuselane.graph.ops import Attention
+from fuselane.lanes.cuda.plan.kernels import BATCH_COLUMNS, BATCH_ID, BATCH_LENGTH, BATCH_POSITION, BATCH_SLOT
 from fuselane.lanes.cuda.plan.knobs import RopeEpilogue
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run.buffers import pooled_buffers
@@ -44,9 +48,9 @@ from fuselane.models import recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
 from fuselane.runtime.sampling import SamplingParams, nan_logits
 
-# The columns of the step's inputs, one int32 row each (then the tables, `width` columns a row).
-ID, POSITION, SLOT, LENGTH = range(4)
-COLUMNS = 4
+# The columns of the step's inputs, one int32 row each (then the tables, `width` columns a row): kernels.py's.
+ID, POSITION, SLOT, LENGTH = BATCH_ID, BATCH_POSITION, BATCH_SLOT, BATCH_LENGTH
+COLUMNS = BATCH_COLUMNS
 NO_SLOT = -1  # a row that draws nothing: greedy, or padding
 
 
@@ -118,10 +122,39 @@ class BatchStep:
         self.sorted: tuple[Any, Any] | None = None  # the rows sorted for their draws: made by the first that samples
         self.graphs: dict[bool, Any] = {}  # sampling or not -> its captured graph
         self.runs = {False: 0, True: 0}
+        # the overlapped decode's host side (`ship`, `write_tables`): two of each, as at most two steps are in
+        # flight, the one whose picks the host waits for and the one launched after it
+        pinned = device.type == "cuda"
+        self.host_picks = [torch.zeros(self.picked.shape, dtype=self.picked.dtype, pin_memory=pinned) for _ in "ab"]
+        self.host_tables = [torch.zeros(rows * width, dtype=torch.int32, pin_memory=pinned) for _ in "ab"]
+        self.turn = 0
 
     def write(self, values: np.ndarray) -> None:
         """The step's inputs from the host: `COLUMNS` rows of `rows` values, then the tables (`layout`)."""
         self.inputs.copy_(self.torch.from_numpy(values), non_blocking=False)
+
+    def write_tables(self, tables: list[list[int]], spare: int) -> None:
+        """The rows' block tables (padded with the `spare` block, as `layout` pads them) from pinned host memory,
+        without waiting: the overlapped decode writes them while the step before still runs. The staging is
+        one of two, taken in turn with the picks' (`ship`): the one written two steps ago, whose copy the
+        host has seen done (it waited for that step's picks, which the GPU copied after it)."""
+        grid = self.host_tables[self.turn % 2].numpy().reshape(self.rows, self.width)
+        grid[:, :] = spare
+        for i, table in enumerate(tables):
+            grid[i, : len(table)] = table
+        self.inputs[self.rows * COLUMNS :].copy_(self.host_tables[self.turn % 2], non_blocking=True)
+
+    def ship(self) -> Flight:
+        """After a launch: its picks copied to pinned host memory without waiting, and an event after the copy,
+        so the host can wait for this step alone (`Flight.tokens`) while the GPU runs the next."""
+        host = self.host_picks[self.turn % 2]
+        self.turn += 1
+        host.copy_(self.picked, non_blocking=True)
+        event = None
+        if self.picked.device.type == "cuda":
+            event = self.torch.cuda.Event()
+            event.record()
+        return Flight(self, host, event)
 
     def write_slots(self, slots: list[int]) -> None:
         """Each row's slot in the draws' tables (`NO_SLOT` for a greedy row), padding rows none."""
@@ -226,7 +259,25 @@ class Draws:
 
 def picks(step: BatchStep, n: int) -> list[int]:
     """The first `n` rows' tokens, read from the device; NaN logits in any of them is the lane's error."""
-    values = step.picked[:n].cpu().numpy()
-    if values[:, step.sample.NAN_FLAG].any():
+    return _tokens(step.sample, step.picked[:n].cpu().numpy())
+
+
+def _tokens(sample: Any, values: np.ndarray) -> list[int]:
+    if values[:, sample.NAN_FLAG].any():
         raise FuselaneError(nan_logits("cuda"))
-    return [int(t) for t in values[:, step.sample.TOKEN]]
+    return [int(t) for t in values[:, sample.TOKEN]]
+
+
+@dataclass(frozen=True, slots=True)
+class Flight:
+    """A launched step whose picks are on their way to the host (`BatchStep.ship`)."""
+
+    step: BatchStep
+    host: Any  # the pinned copy of its picks
+    event: Any  # recorded after the copy; None on the host (the copy has happened)
+
+    def tokens(self, n: int) -> list[int]:
+        """The first `n` rows' tokens: waits for this step's copy only, not for any step launched after it."""
+        if self.event is not None:
+            self.event.synchronize()
+        return _tokens(self.step.sample, self.host[:n].numpy())
