@@ -160,17 +160,24 @@ def _shared(rng, d: int, sdff: int, fmt: Format):
     return s, gate * (wd[0] @ glu), gate * bound
 
 
+NEW, OLD = kernels.MoeDown.SQUARES_AHEAD, kernels.MoeDown.SERIAL
+
+
 @pytest.mark.parametrize(
-    ("fmt", "int8", "rows", "shared", "dff", "slots"),
-    [(Format.Q8_0, True, 1, True, 256, 2), (Format.Q6_K, True, 1, False, 256, 2),
-     (Format.Q8_0, False, 2, False, 256, 2), (Format.Q5_0, False, 1, True, 256, 2),
-     (Format.Q4_K, True, 1, False, 768, 2), (Format.Q4_K, True, 1, False, 256, 3)],
+    ("fmt", "int8", "rows", "shared", "dff", "slots", "variant", "d"),
+    [(Format.Q8_0, True, 1, True, 256, 2, NEW, 32), (Format.Q6_K, True, 1, False, 256, 2, NEW, 32),
+     (Format.Q8_0, False, 2, False, 256, 2, NEW, 32), (Format.Q5_0, False, 1, True, 256, 2, NEW, 32),
+     (Format.Q4_K, True, 1, False, 768, 2, NEW, 32), (Format.Q4_K, True, 1, False, 256, 3, NEW, 32),
+     (Format.Q5_0, True, 1, True, 256, 3, NEW, 32), (Format.Q8_0, True, 1, True, 256, 2, NEW, 64),
+     (Format.Q8_0, True, 1, True, 256, 2, OLD, 64), (Format.Q5_0, True, 2, False, 256, 3, OLD, 32)],
 )  # fmt: skip
-def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff, slots):
+def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff, slots, variant, d, monkeypatch):
     # 768 values: Q4_K's three super-blocks (Qwen3-30B-A3B's experts); three kept experts: the int8 tile's
-    # slots are four, the last one padding that must count 0
+    # slots are four, the last one padding that must count 0. A width of 64 walks the norm's row in two
+    # chunks of 32 (the known sum's one pass, MoeDown.SQUARES_AHEAD); both variants sum the same terms.
+    monkeypatch.setattr(down.fast_norm, "NORM_CHUNK", 32)
     rng = np.random.default_rng(3)
-    experts, d = 5, 32
+    experts = 5
     rd, wd = _matrices(fmt, experts, d, dff, rng)
     h = rng.standard_normal((rows * slots, dff)).astype(np.float32)
     ids_np = np.array([[4, 2, 1], [2, 0, 3]], dtype=np.int32)[:rows, :slots]
@@ -184,7 +191,8 @@ def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff, slots):
     counter = down.counters(rows, DEVICE)
     for _ in range(2):  # every counter re-arms: a second launch runs the same
         down.down_combine(hin, dev(rd), fmt, dev(ids_np), dev(wts), d, dff, sum_out, adds=(dev(res),), shared=s,
-                          norm=down.Norm(dev(norm_w), 1e-6, out, out_q8), counter=counter)  # fmt: skip
+                          norm=down.Norm(dev(norm_w), 1e-6, out, out_q8), counter=counter,
+                          variant=variant)  # fmt: skip
     assert not counter.any()
     for r in range(rows):
         want = res[r].astype(np.float64) + s_want

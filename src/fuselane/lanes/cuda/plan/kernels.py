@@ -275,6 +275,22 @@ MOE_DOWN_PER_THREAD = 1
 # eight warps no longer fit a SM's registers: 396 of the 512 programs resident at once, not all.
 MOE_DOWN_UNPINNED = frozenset({Format.Q5_K})
 
+
+class MoeDown(enum.Enum):
+    """How a decode step's down launch ends its programs (`triton/moe/down.py`), timed one against the other
+    by `benchmarks/moe_decode.py --variant`."""
+
+    # the residual read after the experts' sums, and the last program reads the whole row back and sums its
+    # squares before it norms it: two dependent round trips past the products, then a block reduction alone
+    SERIAL = "old"
+    # the residual read with the products (its round trip under theirs), and each program adds its tile's sum
+    # of squares to a counter as it finishes (an f32 atomic), so the last one takes the row's sum with the row
+    # itself, in the same round trip, and norms it with no reduction of its own
+    SQUARES_AHEAD = "new"
+
+
+MOE_DOWN_VARIANT = MoeDown.SQUARES_AHEAD
+
 # A decode step's routing program takes this many of the router's rows (experts): the router is a few
 # thousand values by a hundred or so experts, and the GEMV's own tile (eight rows a block of eight warps) left
 # Qwen3-30B-A3B's 128 x 2,048 router 16 programs for 132 SMs, each streaming 64 KB. One row a program
@@ -299,9 +315,10 @@ def moe_down_slots(k: int) -> int:
     return _pow2_at_least(k)
 
 
-def moe_down_rows(k: int) -> int:
-    """Rows of the model's width a decode down program takes for `k` kept experts: its tile's over the slots."""
-    return max(1, MOE_DOWN_TILE // moe_down_slots(k))
+def moe_down_rows(k: int, tile: int = MOE_DOWN_TILE) -> int:
+    """Rows of the model's width a decode down program takes for `k` kept experts: its tile's (MOE_DOWN_TILE
+    weight rows, or `tile`: a benchmark's alternative) over the slots."""
+    return max(1, tile // moe_down_slots(k))
 
 
 def moe_route_tile(rows: int) -> tuple[int, int] | None:

@@ -39,12 +39,15 @@ from fuselane.lanes.cuda.triton.gemv import fast_norm
 from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 from fuselane.lanes.cuda.triton.gemv import rows as gemv_rows
 from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
+from fuselane.lanes.cuda.triton.gemv.layout import const
 from fuselane.lanes.cuda.triton.gemv.q8 import row_dots
 from fuselane.lanes.cuda.triton.gemv.weight_loads import PINNED
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts
 
 EXTRA_COUNTERS = 3  # past a counter a row: tickets, shared programs done, waits passed
+EXTRA_COUNTERS_C = const(EXTRA_COUNTERS)
+# past those, each row's sum of squares (an f32 in the counters' int32 words: MoeDown.SQUARES_AHEAD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,16 @@ class Norm:
     eps: float
     out: Tensor
     out_q8: Q8Acts | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Tile:
+    """The int8 down program's tile: weight rows a program (every slot's), warps, (row, group)s a thread
+    (`gemv.q8.tile_plan`); the kernels table's by default."""
+
+    rows: int = kernels.MOE_DOWN_TILE
+    warps: int = kernels.MOE_DOWN_WARPS
+    per_thread: int = kernels.MOE_DOWN_PER_THREAD
 
 
 @triton.jit
@@ -120,7 +133,7 @@ def _down_kernel(
     SD_FMT: tl.constexpr, SD_STEPS: tl.constexpr, SD_UNITS: tl.constexpr, SD_SPLIT: tl.constexpr,
     SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr,
     SC_FMT: tl.constexpr, SC_STEPS: tl.constexpr, SC_UNITS: tl.constexpr, SC_SPLIT: tl.constexpr,
-    SC_STAGES: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    SC_STAGES: tl.constexpr, SQ: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if EARLY:  # the experts' ids and weights are read before the wait (`_kept_q8`)
         pdl.release(PDL)
@@ -141,22 +154,26 @@ def _down_kernel(
             _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, ticket - NA,
                        D, DFF, K, SLOTS, ROWS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, NA, NB, FMT, ROW_BYTES, BLOCK_N,
                        N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
-                       SD_SPLIT, SD_STAGES, SD_ROW_BYTES, False, False)  # fmt: skip
+                       SD_SPLIT, SD_STAGES, SD_ROW_BYTES, NORM and SQ, SQ, False, False)  # fmt: skip
     else:
         _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, tl.program_id(0),
                    D, DFF, K, SLOTS, ROWS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, NA, NB, FMT, ROW_BYTES, BLOCK_N,
                    N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
-                   SD_SPLIT, SD_STAGES, SD_ROW_BYTES, EARLY, PDL)  # fmt: skip
-    if NORM:
+                   SD_SPLIT, SD_STAGES, SD_ROW_BYTES, NORM and SQ, SQ, EARLY, PDL)  # fmt: skip
+    if NORM and SQ:
+        _norm_last_squared(sum_out + row * D, norm_w, out + row * D, D, eps, counters + row,
+                           _squares(counters, ROWS) + row, oq + row * D, od + row * (D // 32), os_ + row * (D // 16),
+                           NORM_BLOCK, NORM_STEPS, Q8OUT)  # fmt: skip
+    elif NORM:
         norm_last(sum_out + row * D, norm_w, out + row * D, D, eps, counters + row, oq + row * D,
                   od + row * (D // 32), os_ + row * (D // 16), NORM_BLOCK, NORM_STEPS, Q8OUT)  # fmt: skip
 
 
 @triton.jit
-def _kept_q8(hq, hd, hs, w, ids, weights, row, tile, D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr,
+def _kept_q8(hq, hd, hs, w, ids, weights, a0, a1, row, tile, D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr,
              SLOTS: tl.constexpr, EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr, ROW_BYTES: tl.constexpr,
              BLOCK_N: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr,
-             DEPTH: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+             DEPTH: tl.constexpr, ADDS: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """[BLOCK_N] f32: the weighted sum of row `row`'s kept experts' down products at tile `tile` of the width,
     every expert's rows in one int8 product tile of SLOTS x BLOCK_N rows (slot-major), each with its own
     pair's activation, so all their loads stream together (`kernels.MOE_DOWN_TILE`). Slots past K read the
@@ -166,7 +183,11 @@ def _kept_q8(hq, hd, hs, w, ids, weights, row, tile, D: tl.constexpr, DFF: tl.co
     launch before, so their round trips run under its end. Safe because the ids are the routing's, two
     launches back: the gate/up launch releases its dependents only after its own wait, which ends with the
     routing, so every later launch starts after the routing's writes (read from L2, `.cg`, never a line
-    this SM's L1 kept from an earlier layer). The activations are the gate/up launch's: read after the wait."""
+    this SM's L1 kept from an earlier layer). The activations are the gate/up launch's: read after the wait.
+
+    ADDS: the arrays added in (`_adds`) are summed here, read after the products' wait but before the slots'
+    reduction, whose barriers would otherwise hold their loads behind it: their round trip runs under the last
+    chunks' sums (MoeDown.SQUARES_AHEAD; 0 for the old order, the caller adds them after)."""
     i = tl.arange(0, SLOTS * BLOCK_N)
     slot = i // BLOCK_N
     pair = row * K + tl.minimum(slot, K - 1)
@@ -175,8 +196,21 @@ def _kept_q8(hq, hd, hs, w, ids, weights, row, tile, D: tl.constexpr, DFF: tl.co
     p = pair.to(tl.int64)[:, None]
     y, _ = row_dots(w + off, w + off, hq + p * DFF, hd + p * (DFF // 32), hs + p * (DFF // 16), FMT, SLOTS * BLOCK_N,
                     N_UNITS, CHUNK, FENCE, False, DEPTH, EARLY and PDL, EARLY)  # fmt: skip
+    res = _adds(a0, a1, row, tile, D, BLOCK_N, ADDS)
     wy = tl.where(slot < K, tl.load(weights + pair) * y, 0.0)
-    return tl.sum(tl.reshape(wy, [SLOTS, BLOCK_N]), 0)
+    return tl.sum(tl.reshape(wy, [SLOTS, BLOCK_N]), 0) + res
+
+
+@triton.jit
+def _adds(a0, a1, row, tile, D: tl.constexpr, BLOCK_N: tl.constexpr, ADDS: tl.constexpr):
+    """[BLOCK_N] f32: the sum of the first ADDS arrays added in, at tile `tile` of row `row` (0 for none)."""
+    rc = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), D - 1).to(tl.int64)
+    res = tl.zeros([BLOCK_N], tl.float32)
+    if ADDS >= 1:
+        res += tl.load(a0 + row * D + rc)
+    if ADDS >= 2:
+        res += tl.load(a1 + row * D + rc)
+    return res
 
 
 @triton.jit
@@ -188,17 +222,27 @@ def _down_rows(
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
     STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
     SD_FMT: tl.constexpr, SD_STEPS: tl.constexpr, SD_UNITS: tl.constexpr, SD_SPLIT: tl.constexpr,
-    SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr, SQUARES: tl.constexpr, AHEAD: tl.constexpr,
+    EARLY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Tile `tile` of row `row`'s sum: its kept experts' weighted down products, the shared expert's (once its
-    programs are done), the arrays added in; stored to sum_out."""
+    programs are done), the arrays added in; stored to sum_out. AHEAD (MoeDown.SQUARES_AHEAD): the arrays added
+    in are read with the products (`_kept_q8`), or, where the launch has waited already (not EARLY), first of
+    all, their round trip under the products'; SQUARES: the tile's sum of squares is added to the row's."""
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rc = tl.minimum(rows, D - 1).to(tl.int64)
-    if Q8IN:
-        acc = _kept_q8(hq, hd, hs, w, ids, weights, row, tile, D, DFF, K, SLOTS, EXPERT_BYTES, FMT, ROW_BYTES,
-                       BLOCK_N, N_UNITS, CHUNK, FENCE, DEPTH, EARLY, PDL)  # fmt: skip
+    IN_PRODUCTS: tl.constexpr = AHEAD and Q8IN
+    FIRST: tl.constexpr = AHEAD and not IN_PRODUCTS and not EARLY
+    LAST: tl.constexpr = ADDS if not (IN_PRODUCTS or FIRST) else 0
+    if FIRST:
+        acc = _adds(a0, a1, row, tile, D, BLOCK_N, ADDS)
     else:
         acc = tl.zeros([BLOCK_N], tl.float32)
+    if Q8IN:
+        acc = _kept_q8(hq, hd, hs, w, ids, weights, a0, a1, row, tile, D, DFF, K, SLOTS, EXPERT_BYTES, FMT,
+                       ROW_BYTES, BLOCK_N, N_UNITS, CHUNK, FENCE, DEPTH, ADDS if IN_PRODUCTS else 0, EARLY,
+                       PDL)  # fmt: skip
+    else:
         for j in tl.static_range(K):
             pair = row * K + j
             off = tl.load(ids + pair).to(tl.int64) * EXPERT_BYTES + rc * ROW_BYTES
@@ -208,16 +252,52 @@ def _down_rows(
         _wait_shared(counters, ROWS, NA, NB)
         ys = row_dot(w_sd + rc * SD_ROW_BYTES, sh, SD_FMT, SD_STEPS, SD_UNITS, SD_SPLIT, BLOCK_N, SD_STAGES)
         acc += tl.load(sh + SDFF, cache_modifier=".cg") * ys
-    if ADDS >= 1:
-        acc += tl.load(a0 + row * D + rc)
-    if ADDS >= 2:
-        acc += tl.load(a1 + row * D + rc)
+    if LAST >= 1:
+        acc += _adds(a0, a1, row, tile, D, BLOCK_N, LAST)
     tl.store(sum_out + row * D + rows, acc, mask=rows < D)
+    if SQUARES:  # before the count `norm` takes after it, which releases it to the last program
+        tl.atomic_add(_squares(counters, ROWS) + row, tl.sum(tl.where(rows < D, acc * acc, 0.0), 0), sem="relaxed",
+                      scope="gpu")  # fmt: skip
+
+
+@triton.jit
+def _squares(counters, ROWS: tl.constexpr):
+    """The rows' sums of squares (f32), past the counters."""
+    return (counters + ROWS + EXTRA_COUNTERS_C).to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def _norm_last_squared(sum_out, norm_w, out, n, eps, counter, squares, oq, od, os_, NORM_BLOCK: tl.constexpr,
+                       NORM_STEPS: tl.constexpr, Q8OUT: tl.constexpr):  # fmt: skip
+    """`fast_norm.norm_last` where every program has added its sum of squares to `squares` before it counts
+    itself done: the last one reads that sum (and re-arms it, one exchange) with the row, in one round trip, and
+    norms the row with no reduction of its own, walking it in chunks of NORM_BLOCK where it is wider (one
+    pass: the sum is known)."""
+    # The ordering is norm_last's: the barrier orders the block's stores and its squares' atomic before the
+    # count's release; the last program's acquire sees every program's, and its read of the sum, an atomic
+    # (a read-modify-write, at L2), reads its latest value. Its loads of the row take L2 (.cg), as norm_last's do.
+    tl.debug_barrier()
+    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        total = tl.atomic_add(squares, 0.0, sem="relaxed", scope="gpu")  # L2's value, issued with the row's loads
+        offs = tl.arange(0, NORM_BLOCK)
+        for step in range(NORM_STEPS):
+            start = step * NORM_BLOCK
+            mask = start + offs < n
+            nw = tl.load(norm_w + start + offs, mask=mask, other=0.0).to(tl.float32)
+            s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            # the arithmetic of `norm.rms_norm`: r = 1 / sqrt(mean(s^2) + eps), out = (s * r) * w
+            y_norm = s * tl.rsqrt(total / n + eps) * nw
+            fast_norm.write_normed(y_norm, start, n, mask, out, oq, od, os_, Q8OUT)
+        # re-armed for the next launch (as its word: the interpreter exchanges no floats)
+        tl.atomic_xchg(squares.to(tl.pointer_type(tl.int32)), 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 def counters(rows: int, device) -> Tensor:
-    """The zeroed counters a launch of `rows` rows takes; each launch leaves them at zero."""
-    return torch.zeros(rows + EXTRA_COUNTERS, dtype=torch.int32, device=device)
+    """The zeroed counters a launch of `rows` rows takes (a count a row, the shared expert's three, then a
+    sum of squares a row); each launch leaves them at zero."""
+    return torch.zeros(2 * rows + EXTRA_COUNTERS, dtype=torch.int32, device=device)
 
 
 def _f32(fmt: Format, n: int, k: int, block_n: int, warps: int, prefix: str) -> dict:
@@ -245,11 +325,18 @@ def _shared_consts(s: Shared | None, d: int, block_n: int, warps: int) -> tuple[
 
 def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weights: Tensor, d: int, dff: int,
                  sum_out: Tensor, *, adds: tuple[Tensor, ...] = (), shared: Shared | None = None,
-                 norm: Norm | None = None, counter: Tensor) -> Tensor:  # fmt: skip
+                 norm: Norm | None = None, counter: Tensor, variant: kernels.MoeDown | None = None,
+                 tile: Tile | None = None) -> Tensor:  # fmt: skip
     """sum_out (rows, d) = sum over each row's slots j of weights[row, j] * (h[pair] @ Wd[ids[pair]]^T) (+ the
     shared expert's sigmoid-gated output) (+ each of `adds`), Wd (experts, d, dff) checkpoint rows in `fmt`,
-    h (rows * slots, dff) f32 or its int8 form; with `norm`, its RMS norm of each row too. One launch."""
+    h (rows * slots, dff) f32 or its int8 form; with `norm`, its RMS norm of each row too. One launch.
+    `variant` (default `kernels.MOE_DOWN_VARIANT`) and `tile` (default the kernels table's) are for timing
+    one against another (`benchmarks/moe_decode.py`); every choice sums the same terms."""
     fmt = Format(fmt)
+    variant = kernels.MOE_DOWN_VARIANT if variant is None else kernels.MoeDown(variant)
+    tile = tile or Tile()
+    if counter.numel() < 2 * ids.shape[0] + EXTRA_COUNTERS:
+        raise ValueError("the counters must be `counters(rows)`'s")
     rows, k = ids.shape
     if ids.dtype != torch.int32 or weights.numel() != rows * k or sum_out.numel() != rows * d:
         raise ValueError(f"ids must be int32 (rows, k), weights as many, sum_out ({rows}, {d})")
@@ -262,8 +349,8 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
     if q8in:
         check_acts(h, dff, rows * k)
         gemv_q8.check_aligned([w], fmt)
-        block_n = kernels.moe_down_rows(k)
-        consts = gemv_q8.tile_plan(fmt, dff, slots * block_n, kernels.MOE_DOWN_WARPS, kernels.MOE_DOWN_PER_THREAD)
+        block_n = kernels.moe_down_rows(k, tile.rows)
+        consts = gemv_q8.tile_plan(fmt, dff, slots * block_n, tile.warps, tile.per_thread)
         warps = consts.pop("num_warps")
         consts |= dict(BLOCK_N=block_n, STEPS=1, UNITS=1, SPLIT=1, STAGES=1)
         if fmt not in kernels.MOE_DOWN_UNPINNED:
@@ -287,7 +374,8 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
         norm.w if norm else sum_out, norm.out if norm else sum_out, *oq, counter, float(norm.eps if norm else 0.0),
         *sargs, D=d, DFF=dff, K=k, SLOTS=slots, ROWS=rows, EXPERT_BYTES=d * row_bytes(fmt, dff), Q8IN=q8in,
         ADDS=len(adds), NORM=norm is not None, Q8OUT=q8out, NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk),
-        SHARED=s is not None, NA=na, NB=nb, EARLY=q8in and s is None, **consts, **sconsts, num_warps=warps,
+        SHARED=s is not None, NA=na, NB=nb, SQ=variant is kernels.MoeDown.SQUARES_AHEAD, EARLY=q8in and s is None,
+        **consts, **sconsts, num_warps=warps,
         **pdl.options(),
     )  # fmt: skip
     return sum_out
