@@ -280,12 +280,14 @@ class MoeDown(enum.Enum):
     """How a decode step's down launch ends its programs (`triton/moe/down.py`), timed one against the other
     by `benchmarks/moe_decode.py --variant`."""
 
-    # the residual read after the experts' sums, and the last program reads the whole row back and sums its
-    # squares before it norms it: two dependent round trips past the products, then a block reduction alone
+    # the route weights and the residual read after the products' sum over their groups (sm_90 SASS: behind
+    # its barrier, one more round trip to L2 before a program's store), and the last program reads the whole
+    # row back and sums its squares (a block reduction) before it norms it
     SERIAL = "old"
-    # the residual read with the products (its round trip under theirs), and each program adds its tile's sum
-    # of squares to a counter as it finishes (an f32 atomic), so the last one takes the row's sum with the row
-    # itself, in the same round trip, and norms it with no reduction of its own
+    # the route weights read with the ids (before the wait), the residual right after the wait (`moe/down_rows`),
+    # both round trips under the products'; and each program adds its tile's sum of squares to a counter as it
+    # finishes (an f32 atomic), so the last one reads the row's sum with the row itself and norms it with no
+    # reduction of its own, in one pass of its chunks
     SQUARES_AHEAD = "new"
 
 

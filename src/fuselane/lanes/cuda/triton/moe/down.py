@@ -43,6 +43,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import const
 from fuselane.lanes.cuda.triton.gemv.q8 import row_dots
 from fuselane.lanes.cuda.triton.gemv.weight_loads import PINNED
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
+from fuselane.lanes.cuda.triton.moe.down_rows import kept_dots
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts
 
 EXTRA_COUNTERS = 3  # past a counter a row: tickets, shared programs done, waits passed
@@ -173,7 +174,8 @@ def _down_kernel(
 def _kept_q8(hq, hd, hs, w, ids, weights, a0, a1, row, tile, D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr,
              SLOTS: tl.constexpr, EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr, ROW_BYTES: tl.constexpr,
              BLOCK_N: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr,
-             DEPTH: tl.constexpr, ADDS: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+             DEPTH: tl.constexpr, ADDS: tl.constexpr, AHEAD: tl.constexpr, EARLY: tl.constexpr,
+             PDL: tl.constexpr):  # fmt: skip
     """[BLOCK_N] f32: the weighted sum of row `row`'s kept experts' down products at tile `tile` of the width,
     every expert's rows in one int8 product tile of SLOTS x BLOCK_N rows (slot-major), each with its own
     pair's activation, so all their loads stream together (`kernels.MOE_DOWN_TILE`). Slots past K read the
@@ -185,20 +187,24 @@ def _kept_q8(hq, hd, hs, w, ids, weights, a0, a1, row, tile, D: tl.constexpr, DF
     routing, so every later launch starts after the routing's writes (read from L2, `.cg`, never a line
     this SM's L1 kept from an earlier layer). The activations are the gate/up launch's: read after the wait.
 
-    ADDS: the arrays added in (`_adds`) are summed here, read after the products' wait but before the slots'
-    reduction, whose barriers would otherwise hold their loads behind it: their round trip runs under the last
-    chunks' sums (MoeDown.SQUARES_AHEAD; 0 for the old order, the caller adds them after)."""
+    AHEAD (MoeDown.SQUARES_AHEAD): the loop is `down_rows.kept_dots`, which reads the route weights with the
+    ids and the first ADDS arrays added in (summed here) right after the wait, their round trips under the
+    products'; otherwise `q8.row_dots`, the route weights read after it and the arrays added in by the caller."""
     i = tl.arange(0, SLOTS * BLOCK_N)
     slot = i // BLOCK_N
     pair = row * K + tl.minimum(slot, K - 1)
     rc = tl.minimum(tile * BLOCK_N + i % BLOCK_N, D - 1).to(tl.int64)
     off = tl.load(ids + pair, cache_modifier=".cg").to(tl.int64) * EXPERT_BYTES + rc * ROW_BYTES
     p = pair.to(tl.int64)[:, None]
-    y, _ = row_dots(w + off, w + off, hq + p * DFF, hd + p * (DFF // 32), hs + p * (DFF // 16), FMT, SLOTS * BLOCK_N,
-                    N_UNITS, CHUNK, FENCE, False, DEPTH, EARLY and PDL, EARLY)  # fmt: skip
-    res = _adds(a0, a1, row, tile, D, BLOCK_N, ADDS)
+    xq, xd, xs = hq + p * DFF, hd + p * (DFF // 32), hs + p * (DFF // 16)
+    if AHEAD:
+        wy, res = kept_dots(w + off, xq, xd, xs, weights + pair, a0, a1, row, tile, slot < K, D, FMT,
+                            SLOTS * BLOCK_N, BLOCK_N, N_UNITS, CHUNK, FENCE, DEPTH, ADDS, EARLY, PDL)  # fmt: skip
+        return tl.sum(tl.reshape(wy, [SLOTS, BLOCK_N]), 0) + res
+    y, _ = row_dots(w + off, w + off, xq, xd, xs, FMT, SLOTS * BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH,
+                    EARLY and PDL, EARLY)  # fmt: skip
     wy = tl.where(slot < K, tl.load(weights + pair) * y, 0.0)
-    return tl.sum(tl.reshape(wy, [SLOTS, BLOCK_N]), 0) + res
+    return tl.sum(tl.reshape(wy, [SLOTS, BLOCK_N]), 0)
 
 
 @triton.jit
@@ -240,8 +246,8 @@ def _down_rows(
         acc = tl.zeros([BLOCK_N], tl.float32)
     if Q8IN:
         acc = _kept_q8(hq, hd, hs, w, ids, weights, a0, a1, row, tile, D, DFF, K, SLOTS, EXPERT_BYTES, FMT,
-                       ROW_BYTES, BLOCK_N, N_UNITS, CHUNK, FENCE, DEPTH, ADDS if IN_PRODUCTS else 0, EARLY,
-                       PDL)  # fmt: skip
+                       ROW_BYTES, BLOCK_N, N_UNITS, CHUNK, FENCE, DEPTH, ADDS if IN_PRODUCTS else 0, IN_PRODUCTS,
+                       EARLY, PDL)  # fmt: skip
     else:
         for j in tl.static_range(K):
             pair = row * K + j
