@@ -14,7 +14,7 @@ ffn 768, the down Q4_K or Q6_K by layer; DeepSeek-V2-Lite's 6 of 64 experts of f
 are not whole super-blocks, so llama.cpp writes them Q5_0 or Q8_0 (`gguf.synth.fit_format`), and its two
 shared experts (ffn 2 x 1,408 = 2,816), timed folded into the down launch (gate/up in the experts' gate/up
 format, down in the same fitted to 2,816 values, and a gate score row in f32, as `down.Shared` takes them).
-`--variant` names `kernels.MoeDown` values (old: MoeDown.SERIAL, new: MoeDown.SQUARES_AHEAD); `--tile`,
+`--variant` names `kernels.MoeDown` values (old: MoeDown.SERIAL, new: MoeDown.READ_AHEAD); `--tile`,
 `--warps` and `--per-thread` the int8 down program's tile (`down.Tile`: weight rows a program over every
 slot, warps, (row, group)s a thread); each takes several values, and every combination is timed.
 

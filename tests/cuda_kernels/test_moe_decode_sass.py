@@ -3,7 +3,7 @@ launchers at Qwen3-30B-A3B's widths): the down launch issues every kept expert's
 chunks, before its first dp4a (`moe/down.py`: pinned ahead, not sunk one chunk at a time below the last
 chunk's sums), and its ids and first chunks before it waits for the launch before; the gate/up launch waits
 before it releases the next (what makes the down's early ids safe); the routing launch of one row issues its
-router row's loads before its wait (`moe/route.py`, `_router_row`). Under MoeDown.SQUARES_AHEAD (the
+router row's loads before its wait (`moe/route.py`, `_router_row`). Under MoeDown.READ_AHEAD (the
 table's) the down launch loads nothing between its last dp4a and its count (the route weights and the
 residual read ahead, `moe/down_rows.py`). None spills."""
 
@@ -91,7 +91,7 @@ def test_the_decode_mixture_issues_its_weights_ahead() -> None:
         if name == "_down_kernel":  # the ids and the first chunks, the wait, then every chunk before the sums
             assert sass.count("W") >= 3 and sass.rfind("W") < sass.find("d"), f"{fmt}: {sass}"
             assert sass.find("r") < sass.find("a") < sass.find("W") < sass.find("w"), f"{fmt}: {sass}"
-            if table.MOE_DOWN_VARIANT is table.MoeDown.SQUARES_AHEAD:  # the program's end waits on no load
+            if table.MOE_DOWN_VARIANT is table.MoeDown.READ_AHEAD:  # the program's end waits on no load
                 assert "a" not in sass[sass.rfind("d") : sass.find("c")], f"{fmt}: {sass}"
         elif name == "_gate_up_kernel":  # the wait, then the release
             assert sass.find("w") < sass.find("r") < sass.find("a"), sass

@@ -160,7 +160,7 @@ def _shared(rng, d: int, sdff: int, fmt: Format):
     return s, gate * (wd[0] @ glu), gate * bound
 
 
-NEW, OLD = kernels.MoeDown.SQUARES_AHEAD, kernels.MoeDown.SERIAL
+NEW, OLD = kernels.MoeDown.READ_AHEAD, kernels.MoeDown.SERIAL
 
 
 @pytest.mark.parametrize(
@@ -174,7 +174,7 @@ NEW, OLD = kernels.MoeDown.SQUARES_AHEAD, kernels.MoeDown.SERIAL
 def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff, slots, variant, d, monkeypatch):
     # 768 values: Q4_K's three super-blocks (Qwen3-30B-A3B's experts); three kept experts: the int8 tile's
     # slots are four, the last one padding that must count 0. A width of 64 walks the norm's row in two
-    # chunks of 32 (the known sum's one pass, MoeDown.SQUARES_AHEAD); both variants sum the same terms.
+    # chunks of 32; both variants (MoeDown) sum the same terms.
     monkeypatch.setattr(down.fast_norm, "NORM_CHUNK", 32)
     rng = np.random.default_rng(3)
     experts = 5

@@ -101,7 +101,7 @@ def test_the_gemv_loops_wait_after_their_first_weights_and_before_the_loop() -> 
 
 
 def test_the_decode_down_loop_reads_only_weights_and_the_routing_before_its_wait() -> None:
-    """`moe/down_rows.kept_dots` (MoeDown.SQUARES_AHEAD): before its wait the first chunks' weights and the
+    """`moe/down_rows.kept_dots` (MoeDown.READ_AHEAD): before its wait the first chunks' weights and the
     route weights (the routing's, which `down._kept_q8` reads early with the ids), nothing else; the wait
     comes before the loop, and the residual's read after it."""
     tree = dict(_modules())["moe/down_rows.py"]

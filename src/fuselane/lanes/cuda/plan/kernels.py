@@ -277,21 +277,22 @@ MOE_DOWN_UNPINNED = frozenset({Format.Q5_K})
 
 
 class MoeDown(enum.Enum):
-    """How a decode step's down launch ends its programs (`triton/moe/down.py`), timed one against the other
-    by `benchmarks/moe_decode.py --variant`."""
+    """Where a decode step's down launch reads what its programs' ends wait on (`triton/moe/down.py`), timed
+    one against the other by `benchmarks/moe_decode.py --variant`. Both sum the same terms in the same order
+    but one: the residual, added before the slots' sum or after it (the contract's f32 roundings either way);
+    the norm is the last program's (`fast_norm.norm_last`), whose sum of squares keeps a fixed order, so a
+    launch's bits do not depend on which program ends last."""
 
     # the route weights and the residual read after the products' sum over their groups (sm_90 SASS: behind
-    # its barrier, one more round trip to L2 before a program's store), and the last program reads the whole
-    # row back and sums its squares (a block reduction) before it norms it
+    # that reduction's barrier, one more round trip to L2 before a program's store and its count)
     SERIAL = "old"
-    # the route weights read with the ids (before the wait), the residual right after the wait (`moe/down_rows`),
-    # both round trips under the products'; and each program adds its tile's sum of squares to a counter as it
-    # finishes (an f32 atomic), so the last one reads the row's sum with the row itself and norms it with no
-    # reduction of its own, in one pass of its chunks
-    SQUARES_AHEAD = "new"
+    # the route weights read with the ids (before the wait for the launch before), the residual right after
+    # the wait (`moe/down_rows.py`): both round trips under the products', none between the last dp4a and the
+    # store (`tests/cuda_kernels/test_moe_decode_sass.py`)
+    READ_AHEAD = "new"
 
 
-MOE_DOWN_VARIANT = MoeDown.SQUARES_AHEAD
+MOE_DOWN_VARIANT = MoeDown.READ_AHEAD
 
 # A decode step's routing program takes this many of the router's rows (experts): the router is a few
 # thousand values by a hundred or so experts, and the GEMV's own tile (eight rows a block of eight warps) left

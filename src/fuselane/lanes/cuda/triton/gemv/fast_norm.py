@@ -51,7 +51,7 @@ def _fast_add_norm_kernel(
 
 
 @triton.jit
-def write_normed(y_norm, start, n, mask, out, oq, od, os_, Q8OUT: tl.constexpr):
+def _write(y_norm, start, n, mask, out, oq, od, os_, Q8OUT: tl.constexpr):
     """Values start.. of the normed row: to `out`, and where Q8OUT also as int8 activations (`quant.Q8Acts`)."""
     offs = start + tl.arange(0, y_norm.shape[0])
     tl.store(out + offs, y_norm.to(out.dtype.element_ty), mask=mask)
@@ -88,7 +88,7 @@ def norm_last(sum_out, norm_w, out, n, eps, counter, oq, od, os_, NORM_BLOCK: tl
             s = tl.load(sum_out + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
             r = tl.rsqrt(tl.sum(s * s, axis=0) / n + eps)
             y_norm = s * r * nw
-            write_normed(y_norm, 0, n, mask, out, oq, od, os_, Q8OUT)
+            _write(y_norm, 0, n, mask, out, oq, od, os_, Q8OUT)
         else:
             # squares summed elementwise across chunks, reduced once: any order of n non-negative terms is within
             # gamma_n of the exact sum, the bound the norm's tests derive
@@ -107,7 +107,7 @@ def norm_last(sum_out, norm_w, out, n, eps, counter, oq, od, os_, NORM_BLOCK: tl
                 mask = start + offs < n
                 s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
                 y_norm = s * r * tl.load(norm_w + start + offs, mask=mask, other=0.0).to(tl.float32)
-                write_normed(y_norm, start, n, mask, out, oq, od, os_, Q8OUT)
+                _write(y_norm, start, n, mask, out, oq, od, os_, Q8OUT)
             # every other program has counted already: re-armed for the next launch (a CUDA graph's replay), which
             # stream order puts after this one's end, so no ordering is asked of the store
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")

@@ -20,7 +20,9 @@ ptxas sinks each chunk's loads below the last chunk's dp4a (sm_90 SASS: chunk 1'
 0's IDP.4A, chunk 2's after chunk 1's), so a program made one DRAM round trip a chunk; pinned, all of them
 are issued before the first sum at the same registers for Q4_K (`kernels.MOE_DOWN_UNPINNED` says where not). A launch of
 them without a shared expert reads the ids and the first chunks' weights before its wait for the gate/up
-launch (`_kept_q8`), so a program's round trips to them run under that launch's end.
+launch (`_kept_q8`), so a program's round trips to them run under that launch's end. Under
+`kernels.MoeDown.READ_AHEAD` (the table's) the route weights are read with the ids and the residual right after
+the wait (`down_rows.kept_dots`), so no load sits between a program's last dp4a and its store.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from fuselane.lanes.cuda.triton.gemv import fast_norm
 from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 from fuselane.lanes.cuda.triton.gemv import rows as gemv_rows
 from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
-from fuselane.lanes.cuda.triton.gemv.layout import const
 from fuselane.lanes.cuda.triton.gemv.q8 import row_dots
 from fuselane.lanes.cuda.triton.gemv.weight_loads import PINNED
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
@@ -47,8 +48,6 @@ from fuselane.lanes.cuda.triton.moe.down_rows import kept_dots
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts
 
 EXTRA_COUNTERS = 3  # past a counter a row: tickets, shared programs done, waits passed
-EXTRA_COUNTERS_C = const(EXTRA_COUNTERS)
-# past those, each row's sum of squares (an f32 in the counters' int32 words: MoeDown.SQUARES_AHEAD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +133,7 @@ def _down_kernel(
     SD_FMT: tl.constexpr, SD_STEPS: tl.constexpr, SD_UNITS: tl.constexpr, SD_SPLIT: tl.constexpr,
     SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr,
     SC_FMT: tl.constexpr, SC_STEPS: tl.constexpr, SC_UNITS: tl.constexpr, SC_SPLIT: tl.constexpr,
-    SC_STAGES: tl.constexpr, SQ: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    SC_STAGES: tl.constexpr, AHEAD: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if EARLY:  # the experts' ids and weights are read before the wait (`_kept_q8`)
         pdl.release(PDL)
@@ -155,17 +154,13 @@ def _down_kernel(
             _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, ticket - NA,
                        D, DFF, K, SLOTS, ROWS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, NA, NB, FMT, ROW_BYTES, BLOCK_N,
                        N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
-                       SD_SPLIT, SD_STAGES, SD_ROW_BYTES, NORM and SQ, SQ, False, False)  # fmt: skip
+                       SD_SPLIT, SD_STAGES, SD_ROW_BYTES, AHEAD, False, False)  # fmt: skip
     else:
         _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, tl.program_id(0),
                    D, DFF, K, SLOTS, ROWS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, NA, NB, FMT, ROW_BYTES, BLOCK_N,
                    N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
-                   SD_SPLIT, SD_STAGES, SD_ROW_BYTES, NORM and SQ, SQ, EARLY, PDL)  # fmt: skip
-    if NORM and SQ:
-        _norm_last_squared(sum_out + row * D, norm_w, out + row * D, D, eps, counters + row,
-                           _squares(counters, ROWS) + row, oq + row * D, od + row * (D // 32), os_ + row * (D // 16),
-                           NORM_BLOCK, NORM_STEPS, Q8OUT)  # fmt: skip
-    elif NORM:
+                   SD_SPLIT, SD_STAGES, SD_ROW_BYTES, AHEAD, EARLY, PDL)  # fmt: skip
+    if NORM:
         norm_last(sum_out + row * D, norm_w, out + row * D, D, eps, counters + row, oq + row * D,
                   od + row * (D // 32), os_ + row * (D // 16), NORM_BLOCK, NORM_STEPS, Q8OUT)  # fmt: skip
 
@@ -187,7 +182,7 @@ def _kept_q8(hq, hd, hs, w, ids, weights, a0, a1, row, tile, D: tl.constexpr, DF
     routing, so every later launch starts after the routing's writes (read from L2, `.cg`, never a line
     this SM's L1 kept from an earlier layer). The activations are the gate/up launch's: read after the wait.
 
-    AHEAD (MoeDown.SQUARES_AHEAD): the loop is `down_rows.kept_dots`, which reads the route weights with the
+    AHEAD (MoeDown.READ_AHEAD): the loop is `down_rows.kept_dots`, which reads the route weights with the
     ids and the first ADDS arrays added in (summed here) right after the wait, their round trips under the
     products'; otherwise `q8.row_dots`, the route weights read after it and the arrays added in by the caller."""
     i = tl.arange(0, SLOTS * BLOCK_N)
@@ -228,13 +223,13 @@ def _down_rows(
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
     STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
     SD_FMT: tl.constexpr, SD_STEPS: tl.constexpr, SD_UNITS: tl.constexpr, SD_SPLIT: tl.constexpr,
-    SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr, SQUARES: tl.constexpr, AHEAD: tl.constexpr,
-    EARLY: tl.constexpr, PDL: tl.constexpr,
+    SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr, AHEAD: tl.constexpr, EARLY: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Tile `tile` of row `row`'s sum: its kept experts' weighted down products, the shared expert's (once its
-    programs are done), the arrays added in; stored to sum_out. AHEAD (MoeDown.SQUARES_AHEAD): the arrays added
+    programs are done), the arrays added in; stored to sum_out. AHEAD (MoeDown.READ_AHEAD): the arrays added
     in are read with the products (`_kept_q8`), or, where the launch has waited already (not EARLY), first of
-    all, their round trip under the products'; SQUARES: the tile's sum of squares is added to the row's."""
+    all, their round trip under the products'."""
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rc = tl.minimum(rows, D - 1).to(tl.int64)
     IN_PRODUCTS: tl.constexpr = AHEAD and Q8IN
@@ -261,49 +256,11 @@ def _down_rows(
     if LAST >= 1:
         acc += _adds(a0, a1, row, tile, D, BLOCK_N, LAST)
     tl.store(sum_out + row * D + rows, acc, mask=rows < D)
-    if SQUARES:  # before the count `norm` takes after it, which releases it to the last program
-        tl.atomic_add(_squares(counters, ROWS) + row, tl.sum(tl.where(rows < D, acc * acc, 0.0), 0), sem="relaxed",
-                      scope="gpu")  # fmt: skip
-
-
-@triton.jit
-def _squares(counters, ROWS: tl.constexpr):
-    """The rows' sums of squares (f32), past the counters."""
-    return (counters + ROWS + EXTRA_COUNTERS_C).to(tl.pointer_type(tl.float32))
-
-
-@triton.jit
-def _norm_last_squared(sum_out, norm_w, out, n, eps, counter, squares, oq, od, os_, NORM_BLOCK: tl.constexpr,
-                       NORM_STEPS: tl.constexpr, Q8OUT: tl.constexpr):  # fmt: skip
-    """`fast_norm.norm_last` where every program has added its sum of squares to `squares` before it counts
-    itself done: the last one reads that sum (and re-arms it, one exchange) with the row, in one round trip, and
-    norms the row with no reduction of its own, walking it in chunks of NORM_BLOCK where it is wider (one
-    pass: the sum is known)."""
-    # The ordering is norm_last's: the barrier orders the block's stores and its squares' atomic before the
-    # count's release; the last program's acquire sees every program's, and its read of the sum, an atomic
-    # (a read-modify-write, at L2), reads its latest value. Its loads of the row take L2 (.cg), as norm_last's do.
-    tl.debug_barrier()
-    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
-        total = tl.atomic_add(squares, 0.0, sem="relaxed", scope="gpu")  # L2's value, issued with the row's loads
-        offs = tl.arange(0, NORM_BLOCK)
-        for step in range(NORM_STEPS):
-            start = step * NORM_BLOCK
-            mask = start + offs < n
-            nw = tl.load(norm_w + start + offs, mask=mask, other=0.0).to(tl.float32)
-            s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            # the arithmetic of `norm.rms_norm`: r = 1 / sqrt(mean(s^2) + eps), out = (s * r) * w
-            y_norm = s * tl.rsqrt(total / n + eps) * nw
-            fast_norm.write_normed(y_norm, start, n, mask, out, oq, od, os_, Q8OUT)
-        # re-armed for the next launch (as its word: the interpreter exchanges no floats)
-        tl.atomic_xchg(squares.to(tl.pointer_type(tl.int32)), 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 def counters(rows: int, device) -> Tensor:
-    """The zeroed counters a launch of `rows` rows takes (a count a row, the shared expert's three, then a
-    sum of squares a row); each launch leaves them at zero."""
-    return torch.zeros(2 * rows + EXTRA_COUNTERS, dtype=torch.int32, device=device)
+    """The zeroed counters a launch of `rows` rows takes; each launch leaves them at zero."""
+    return torch.zeros(rows + EXTRA_COUNTERS, dtype=torch.int32, device=device)
 
 
 def _f32(fmt: Format, n: int, k: int, block_n: int, warps: int, prefix: str) -> dict:
@@ -341,8 +298,6 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
     fmt = Format(fmt)
     variant = kernels.MOE_DOWN_VARIANT if variant is None else kernels.MoeDown(variant)
     tile = tile or Tile()
-    if counter.numel() < 2 * ids.shape[0] + EXTRA_COUNTERS:
-        raise ValueError("the counters must be `counters(rows)`'s")
     rows, k = ids.shape
     if ids.dtype != torch.int32 or weights.numel() != rows * k or sum_out.numel() != rows * d:
         raise ValueError(f"ids must be int32 (rows, k), weights as many, sum_out ({rows}, {d})")
@@ -380,7 +335,7 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
         norm.w if norm else sum_out, norm.out if norm else sum_out, *oq, counter, float(norm.eps if norm else 0.0),
         *sargs, D=d, DFF=dff, K=k, SLOTS=slots, ROWS=rows, EXPERT_BYTES=d * row_bytes(fmt, dff), Q8IN=q8in,
         ADDS=len(adds), NORM=norm is not None, Q8OUT=q8out, NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk),
-        SHARED=s is not None, NA=na, NB=nb, SQ=variant is kernels.MoeDown.SQUARES_AHEAD, EARLY=q8in and s is None,
+        SHARED=s is not None, NA=na, NB=nb, AHEAD=variant is kernels.MoeDown.READ_AHEAD, EARLY=q8in and s is None,
         **consts, **sconsts, num_warps=warps,
         **pdl.options(),
     )  # fmt: skip

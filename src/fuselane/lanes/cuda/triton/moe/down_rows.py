@@ -1,4 +1,4 @@
-"""The decode down launch's product loop under MoeDown.SQUARES_AHEAD (`down._kept_q8`): `gemv.q8.row_dots`'s
+"""The decode down launch's product loop under MoeDown.READ_AHEAD (`down._kept_q8`): `gemv.q8.row_dots`'s
 loop for one matrix (its chunks, prefetch depth and pinned loads), with the reads a program's end waits on
 placed where their round trips run under the products' instead of after them.
 
@@ -26,7 +26,7 @@ def kept_dots(w_rows, xq, xd, xs, route_w, a0, a1, row, tile, live, D: tl.conste
               FENCE: tl.constexpr, DEPTH: tl.constexpr, ADDS: tl.constexpr, EARLY: tl.constexpr,
               PDL: tl.constexpr):  # fmt: skip
     """([BLOCK_N] f32, [TILE_N] f32): each tile row's x . row (`w_rows`, each with its own activation row's
-    [BLOCK_N, 1] pointers) times its route weight (`route_w` pointers, 0 where not `live`), and the sum of
+    [BLOCK_N, 1] pointers) times its route weight (`route_w` pointers; 0 where not `live`), and the sum of
     the first ADDS arrays at tile `tile` of row `row` (TILE_N values). EARLY: the first chunks' weights and
     the route weights are read before the wait for the launch before (PDL), the arrays added in after it."""
     CHUNKS: tl.constexpr = (N_UNITS + CHUNK - 1) // CHUNK
@@ -71,4 +71,4 @@ def kept_dots(w_rows, xq, xd, xs, route_w, a0, a1, row, tile, live, D: tl.conste
         raw = mid
     acts = chunk_acts(xq, xd, xs, last, FMT, N_UNITS, BLOCK_N, CHUNK)
     acc += chunk_sums(raw, acts, last, FMT, N_UNITS, CHUNK, PARTIAL)
-    return rw * tl.sum(acc, 1), res
+    return tl.where(live, rw * tl.sum(acc, 1), 0.0), res  # a padding slot counts 0, as `row_dots`' caller's
