@@ -6,7 +6,8 @@ shared expert; in µs and GB/s, each down launch at every variant and tile asked
 
 Usage (on a GPU):
     python benchmarks/moe_decode.py [--model qwen3-30b-a3b | deepseek-v2-lite] [--down Q4_K Q6_K]
-        [--variant old new] [--tile 32] [--warps 8] [--per-thread 1] [--shared 2816 | --no-shared]
+        [--variant old new] [--tile 32] [--warps 8] [--per-thread 1] [--depth 0]
+        [--shared 2816 | --no-shared]
     python benchmarks/moe_decode.py --model deepseek-v2-lite --dry-run   # no GPU: TRITON_INTERPRET=1
 
 A model preset gives the widths and the formats its Q4_K_M file holds: Qwen3-30B-A3B's 8 of 128 experts of
@@ -15,8 +16,9 @@ are not whole super-blocks, so llama.cpp writes them Q5_0 or Q8_0 (`gguf.synth.f
 shared experts (ffn 2 x 1,408 = 2,816), timed folded into the down launch (gate/up in the experts' gate/up
 format, down in the same fitted to 2,816 values, and a gate score row in f32, as `down.Shared` takes them).
 `--variant` names `kernels.MoeDown` values (old: MoeDown.SERIAL, new: MoeDown.READ_AHEAD); `--tile`,
-`--warps` and `--per-thread` the int8 down program's tile (`down.Tile`: weight rows a program over every
-slot, warps, (row, group)s a thread); each takes several values, and every combination is timed.
+`--warps`, `--per-thread` and `--depth` the int8 down program's tile (`down.Tile`: weight rows a program over
+every slot, warps, (row, group)s a thread, and the new order's chunks in flight); each takes several values,
+and every combination is timed.
 
 Each launch is timed as `moe_prefill.py` times its own: a CUDA graph of 10 launches replayed (the host's time
 to issue a launch not counted), the median of 20 replays after 3 warm-up launches, with dependent launches
@@ -205,6 +207,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tile", nargs="+", type=int, default=[kernels.MOE_DOWN_TILE])
     ap.add_argument("--warps", nargs="+", type=int, default=[kernels.MOE_DOWN_WARPS])
     ap.add_argument("--per-thread", nargs="+", type=int, default=[kernels.MOE_DOWN_PER_THREAD])
+    ap.add_argument("--depth", nargs="+", type=int, default=[0],
+                    help="the new order's chunks in flight (0: the format's, `kernels.moe_down_depth`)")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="no GPU: every launch once under TRITON_INTERPRET=1")
     return ap.parse_args(argv)
 
@@ -217,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         print("moe_decode: needs a GPU (or --dry-run)", file=sys.stderr)
         sys.exit(1)
     from fuselane.lanes.cuda.triton import pdl
+    from fuselane.lanes.cuda.triton.gemv.q8 import PREFETCH_DEPTH
     from fuselane.lanes.cuda.triton.moe.down import Tile
 
     m = MODELS[a.model]
@@ -238,10 +243,14 @@ def main(argv: list[str] | None = None) -> None:
         _time("route", "one row", b.routing)
         _time(f"gate/up {fgu.name}", "int8", lambda: b.gate_up(fgu))
         shared = [None] + ([b.shared(fgu, sdff)] if sdff else [])
-        tiles = [Tile(*t) for t in itertools.product(a.tile, a.warps, a.per_thread)]
+        tiles = [Tile(*t) for t in itertools.product(a.tile, a.warps, a.per_thread, [d or None for d in a.depth])]
         for fmt, s, tile, v in itertools.product(fds, shared, tiles, a.variant):
+            if tile.depth is not None and kernels.MoeDown(v) is not kernels.MoeDown.READ_AHEAD:
+                continue  # the old order's depth is the GEMV's
             name = f"down {fmt.name}" + (" +shared" if s is not None else "")
-            what = f"{v} {tile.rows} rows w{tile.warps} t{tile.per_thread}"
+            new = kernels.MoeDown(v) is kernels.MoeDown.READ_AHEAD
+            depth = tile.depth or (kernels.moe_down_depth(fmt) if new else PREFETCH_DEPTH)  # the old: the GEMV's
+            what = f"{v} {tile.rows} rows w{tile.warps} t{tile.per_thread} d{depth}"
             _time(name, what, lambda fmt=fmt, s=s, tile=tile, v=v: b.down(fmt, kernels.MoeDown(v), tile, s))
 
 

@@ -16,7 +16,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
 pytest.importorskip("triton")
 
+from fuselane.gguf.formats import Format  # noqa: E402
 from fuselane.lanes.cuda.plan import kernels  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv.q8 import PREFETCH_DEPTH  # noqa: E402
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_decode.py"
 
@@ -38,5 +40,6 @@ def test_the_dry_run_times_every_decode_mixture_launch(capsys):
     assert not [line for line in lines if "failed" in line]
     timed = [" ".join(line.split()).split(" µs")[0].rsplit(" ", 1)[0] for line in lines if " µs " in line]
     tile = f"{kernels.MOE_DOWN_TILE} rows w{kernels.MOE_DOWN_WARPS} t{kernels.MOE_DOWN_PER_THREAD}"
-    downs = [f"down Q5_0{s} {v.value} {tile}" for s in ("", " +shared") for v in kernels.MoeDown]
+    depth = {kernels.MoeDown.SERIAL: PREFETCH_DEPTH, kernels.MoeDown.READ_AHEAD: kernels.moe_down_depth(Format.Q5_0)}
+    downs = [f"down Q5_0{s} {v.value} {tile} d{depth[v]}" for s in ("", " +shared") for v in kernels.MoeDown]
     assert timed == ["route one row", "gate/up Q8_0 int8", *downs], lines

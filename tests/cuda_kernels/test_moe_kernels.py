@@ -222,3 +222,27 @@ def test_the_decode_down_tile_gives_each_thread_one_group_in_whole_chunks(k, dff
     groups = slots * rows * plan["CHUNK"] * gemv_q8.GROUPS[Format.Q4_K]
     assert groups == plan["num_warps"] * kernels.WARP * kernels.MOE_DOWN_PER_THREAD
     assert plan["N_UNITS"] % plan["CHUNK"] == 0
+
+
+@pytest.mark.parametrize(("fmt", "dff", "warps"), [(Format.Q5_0, 160, 2), (Format.Q4_K, 1280, 1)])
+def test_the_down_orders_and_depths_give_the_same_bits(fmt, dff, warps):
+    """MoeDown.READ_AHEAD at one, two and three chunks in flight (`down_rows.kept_dots`) sums what the old
+    order sums, in its order, without a shared expert: the same bits. One warp a 32-row tile takes a unit a
+    chunk (Q4_K's five: the loop and each tail), two warps two units (Q5_0's three chunks, the last partial)."""
+    rng = np.random.default_rng(5)
+    experts, d, slots = 4, 32, 2
+    rd, _ = _matrices(fmt, experts, d, dff, rng)
+    hin, _ = _q8(rng.standard_normal((slots, dff)).astype(np.float32))
+    ids, wts = dev(np.array([[3, 1]], dtype=np.int32)), dev(rng.uniform(0.1, 0.6, (1, slots)).astype(np.float32))
+    res, norm_w = dev(rng.standard_normal((1, d)).astype(np.float32)), dev(np.ones(d, np.float32))
+    got = []
+    for variant, depth in [(OLD, None), (NEW, 1), (NEW, 2), (NEW, 3)]:
+        sum_out, out, out_q8 = torch.zeros((1, d)), torch.zeros((1, d)), quant.empty_q8(1, d, DEVICE)
+        down.down_combine(hin, dev(rd), fmt, ids, wts, d, dff, sum_out, adds=(res,),
+                          norm=down.Norm(norm_w, 1e-6, out, out_q8), counter=down.counters(1, DEVICE), variant=variant,
+                          tile=down.Tile(kernels.MOE_DOWN_TILE, warps, 1, depth))  # fmt: skip
+        got.append([t.numpy().copy() for t in (sum_out, out, out_q8.q, out_q8.d)])
+    assert np.isfinite(got[0][0]).all()
+    for other in got[1:]:
+        for a, b in zip(got[0], other, strict=True):
+            assert np.array_equal(a, b)

@@ -80,11 +80,13 @@ class Norm:
 @dataclass(frozen=True, slots=True)
 class Tile:
     """The int8 down program's tile: weight rows a program (every slot's), warps, (row, group)s a thread
-    (`gemv.q8.tile_plan`); the kernels table's by default."""
+    (`gemv.q8.tile_plan`), and under MoeDown.READ_AHEAD the chunks in flight (`kernels.moe_down_depth`, the
+    format's where None); the kernels table's by default."""
 
     rows: int = kernels.MOE_DOWN_TILE
     warps: int = kernels.MOE_DOWN_WARPS
     per_thread: int = kernels.MOE_DOWN_PER_THREAD
+    depth: int | None = None
 
 
 @triton.jit
@@ -298,6 +300,10 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
     fmt = Format(fmt)
     variant = kernels.MOE_DOWN_VARIANT if variant is None else kernels.MoeDown(variant)
     tile = tile or Tile()
+    if tile.depth is not None and not (
+        1 <= tile.depth <= kernels.MOE_DOWN_MAX_DEPTH and variant is kernels.MoeDown.READ_AHEAD
+    ):
+        raise ValueError(f"a depth (1 to {kernels.MOE_DOWN_MAX_DEPTH}) is the new order's (MoeDown.READ_AHEAD)")
     rows, k = ids.shape
     if ids.dtype != torch.int32 or weights.numel() != rows * k or sum_out.numel() != rows * d:
         raise ValueError(f"ids must be int32 (rows, k), weights as many, sum_out ({rows}, {d})")
@@ -316,6 +322,8 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
         consts |= dict(BLOCK_N=block_n, STEPS=1, UNITS=1, SPLIT=1, STAGES=1)
         if fmt not in kernels.MOE_DOWN_UNPINNED:
             consts["FENCE"] = PINNED
+        if variant is kernels.MoeDown.READ_AHEAD:  # `down_rows.kept_dots`' own depth
+            consts["DEPTH"] = tile.depth or kernels.moe_down_depth(fmt)
         hargs = (h.q, *h)
     else:
         consts, warps = f32_plan(fmt, d, dff)

@@ -27,18 +27,24 @@ def kept_dots(w_rows, xq, xd, xs, route_w, a0, a1, row, tile, live, D: tl.conste
               PDL: tl.constexpr):  # fmt: skip
     """([BLOCK_N] f32, [TILE_N] f32): each tile row's x . row (`w_rows`, each with its own activation row's
     [BLOCK_N, 1] pointers) times its route weight (`route_w` pointers; 0 where not `live`), and the sum of
-    the first ADDS arrays at tile `tile` of row `row` (TILE_N values). EARLY: the first chunks' weights and
-    the route weights are read before the wait for the launch before (PDL), the arrays added in after it."""
+    the first ADDS arrays at tile `tile` of row `row` (TILE_N values). DEPTH chunks of weights are in flight
+    while one is summed (1 to 3; `kernels.moe_down_depth`), the first DEPTH read before the wait. EARLY: the
+    first chunks' weights and the route weights are read before the wait for the launch before (PDL), the
+    arrays added in after it."""
     CHUNKS: tl.constexpr = (N_UNITS + CHUNK - 1) // CHUNK
     PIN: tl.constexpr = FENCE == PINNED_C
     PARTIAL: tl.constexpr = N_UNITS % CHUNK != 0
-    DEEP: tl.constexpr = DEPTH == 2 and CHUNKS >= 2
+    AHEAD: tl.constexpr = DEPTH if DEPTH < CHUNKS else CHUNKS  # chunks loaded before the loop: the row's first
     G: tl.constexpr = CHUNK * GROUPS_C[FMT]
     rw = tl.load(route_w, mask=live, other=0.0, cache_modifier=".cg")
+    # the chunks ahead, held in three names (a stand-in where fewer), rotated as each is summed
     raw = raw_chunk(w_rows, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1, PIN)
-    acc = tl.zeros([BLOCK_N, G], tl.float32)
-    if DEEP:  # the second chunk, in flight with the first
+    mid, far = raw, raw
+    if AHEAD >= 2:
         mid = raw_chunk(w_rows, CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 2, PIN)
+    if AHEAD >= 3:
+        far = raw_chunk(w_rows, 2 * CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 3, PIN)
+    acc = tl.zeros([BLOCK_N, G], tl.float32)
     if EARLY:  # the loads above issued before the wait (`q8.row_dots`' HOLD)
         tl.debug_barrier()
     pdl.wait(EARLY and PDL)
@@ -50,25 +56,33 @@ def kept_dots(w_rows, xq, xd, xs, route_w, a0, a1, row, tile, live, D: tl.conste
         res += tl.load(a1 + row * D + rc)
     if PIN:  # the first chunks' loads issued before any sum
         tl.debug_barrier()
-    AHEAD: tl.constexpr = 2 * CHUNK if DEEP else CHUNK
-    for c in range(0, CHUNKS - 2 if DEEP else CHUNKS - 1):
+    for c in range(0, CHUNKS - AHEAD):  # each iteration loads the chunk AHEAD on, then sums chunk c
         u0 = c * CHUNK
-        nxt = raw_chunk(w_rows, u0 + AHEAD, FMT, N_UNITS, CHUNK, PARTIAL, PIN)
+        nxt = raw_chunk(w_rows, u0 + AHEAD * CHUNK, FMT, N_UNITS, CHUNK, PARTIAL, PIN)
         if PIN:
             tl.debug_barrier()
         acts = chunk_acts(xq, xd, xs, u0, FMT, N_UNITS, BLOCK_N, CHUNK)
         if FENCE and not PIN:
             tl.debug_barrier()
         acc += chunk_sums(raw, acts, u0, FMT, N_UNITS, CHUNK, False)
-        if DEEP:
+        if AHEAD == 3:
+            raw, mid, far = mid, far, nxt
+        elif AHEAD == 2:
             raw, mid = mid, nxt
         else:
             raw = nxt
-    last = (CHUNKS - 1) * CHUNK
-    if DEEP:  # the chunk before the last, already loaded
-        acts = chunk_acts(xq, xd, xs, last - CHUNK, FMT, N_UNITS, BLOCK_N, CHUNK)
-        acc += chunk_sums(raw, acts, last - CHUNK, FMT, N_UNITS, CHUNK, False)
+    # the last AHEAD chunks, already loaded
+    if AHEAD >= 3:
+        u3 = (CHUNKS - 3) * CHUNK
+        acc += chunk_sums(raw, chunk_acts(xq, xd, xs, u3, FMT, N_UNITS, BLOCK_N, CHUNK), u3, FMT, N_UNITS, CHUNK,
+                          False)  # fmt: skip
+        raw, mid = mid, far
+    if AHEAD >= 2:
+        u2 = (CHUNKS - 2) * CHUNK
+        acc += chunk_sums(raw, chunk_acts(xq, xd, xs, u2, FMT, N_UNITS, BLOCK_N, CHUNK), u2, FMT, N_UNITS, CHUNK,
+                          False)  # fmt: skip
         raw = mid
-    acts = chunk_acts(xq, xd, xs, last, FMT, N_UNITS, BLOCK_N, CHUNK)
-    acc += chunk_sums(raw, acts, last, FMT, N_UNITS, CHUNK, PARTIAL)
+    u1 = (CHUNKS - 1) * CHUNK
+    acc += chunk_sums(raw, chunk_acts(xq, xd, xs, u1, FMT, N_UNITS, BLOCK_N, CHUNK), u1, FMT, N_UNITS, CHUNK,
+                      PARTIAL)  # fmt: skip
     return tl.where(live, rw * tl.sum(acc, 1), 0.0), res  # a padding slot counts 0, as `row_dots`' caller's
