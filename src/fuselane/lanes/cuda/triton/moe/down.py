@@ -44,7 +44,7 @@ from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
 from fuselane.lanes.cuda.triton.gemv.q8 import row_dots
 from fuselane.lanes.cuda.triton.gemv.weight_loads import PINNED
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
-from fuselane.lanes.cuda.triton.moe.down_rows import kept_dots
+from fuselane.lanes.cuda.triton.moe.down_rows import adds, kept_dots
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts
 
 EXTRA_COUNTERS = 3  # past a counter a row: tickets, shared programs done, waits passed
@@ -185,8 +185,9 @@ def _kept_q8(hq, hd, hs, w, ids, weights, a0, a1, row, tile, D: tl.constexpr, DF
     this SM's L1 kept from an earlier layer). The activations are the gate/up launch's: read after the wait.
 
     AHEAD (MoeDown.READ_AHEAD): the loop is `down_rows.kept_dots`, which reads the route weights with the
-    ids and the first ADDS arrays added in (summed here) right after the wait, their round trips under the
-    products'; otherwise `q8.row_dots`, the route weights read after it and the arrays added in by the caller."""
+    ids and the first ADDS arrays added in (`down_rows.adds`, summed here) right after the wait, their round
+    trips under the products'; otherwise `q8.row_dots`, the route weights read after it and the arrays added
+    in by the caller."""
     i = tl.arange(0, SLOTS * BLOCK_N)
     slot = i // BLOCK_N
     pair = row * K + tl.minimum(slot, K - 1)
@@ -202,18 +203,6 @@ def _kept_q8(hq, hd, hs, w, ids, weights, a0, a1, row, tile, D: tl.constexpr, DF
                     EARLY and PDL, EARLY)  # fmt: skip
     wy = tl.where(slot < K, tl.load(weights + pair) * y, 0.0)
     return tl.sum(tl.reshape(wy, [SLOTS, BLOCK_N]), 0)
-
-
-@triton.jit
-def _adds(a0, a1, row, tile, D: tl.constexpr, BLOCK_N: tl.constexpr, ADDS: tl.constexpr):
-    """[BLOCK_N] f32: the sum of the first ADDS arrays added in, at tile `tile` of row `row` (0 for none)."""
-    rc = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), D - 1).to(tl.int64)
-    res = tl.zeros([BLOCK_N], tl.float32)
-    if ADDS >= 1:
-        res += tl.load(a0 + row * D + rc)
-    if ADDS >= 2:
-        res += tl.load(a1 + row * D + rc)
-    return res
 
 
 @triton.jit
@@ -238,7 +227,7 @@ def _down_rows(
     FIRST: tl.constexpr = AHEAD and not IN_PRODUCTS and not EARLY
     LAST: tl.constexpr = ADDS if not (IN_PRODUCTS or FIRST) else 0
     if FIRST:
-        acc = _adds(a0, a1, row, tile, D, BLOCK_N, ADDS)
+        acc = adds(a0, a1, row, tile, D, BLOCK_N, ADDS)
     else:
         acc = tl.zeros([BLOCK_N], tl.float32)
     if Q8IN:
@@ -256,7 +245,7 @@ def _down_rows(
         ys = row_dot(w_sd + rc * SD_ROW_BYTES, sh, SD_FMT, SD_STEPS, SD_UNITS, SD_SPLIT, BLOCK_N, SD_STAGES)
         acc += tl.load(sh + SDFF, cache_modifier=".cg") * ys
     if LAST >= 1:
-        acc += _adds(a0, a1, row, tile, D, BLOCK_N, LAST)
+        acc += adds(a0, a1, row, tile, D, BLOCK_N, LAST)
     tl.store(sum_out + row * D + rows, acc, mask=rows < D)
 
 

@@ -48,12 +48,7 @@ def kept_dots(w_rows, xq, xd, xs, route_w, a0, a1, row, tile, live, D: tl.conste
     if EARLY:  # the loads above issued before the wait (`q8.row_dots`' HOLD)
         tl.debug_barrier()
     pdl.wait(EARLY and PDL)
-    rc = tl.minimum(tile * TILE_N + tl.arange(0, TILE_N), D - 1).to(tl.int64)
-    res = tl.zeros([TILE_N], tl.float32)
-    if ADDS >= 1:
-        res += tl.load(a0 + row * D + rc)
-    if ADDS >= 2:
-        res += tl.load(a1 + row * D + rc)
+    res = adds(a0, a1, row, tile, D, TILE_N, ADDS)
     if PIN:  # the first chunks' loads issued before any sum
         tl.debug_barrier()
     for c in range(0, CHUNKS - AHEAD):  # each iteration loads the chunk AHEAD on, then sums chunk c
@@ -86,3 +81,16 @@ def kept_dots(w_rows, xq, xd, xs, route_w, a0, a1, row, tile, live, D: tl.conste
     acc += chunk_sums(raw, chunk_acts(xq, xd, xs, u1, FMT, N_UNITS, BLOCK_N, CHUNK), u1, FMT, N_UNITS, CHUNK,
                       PARTIAL)  # fmt: skip
     return tl.where(live, rw * tl.sum(acc, 1), 0.0), res  # a padding slot counts 0, as `row_dots`' caller's
+
+
+@triton.jit
+def adds(a0, a1, row, tile, D: tl.constexpr, TILE_N: tl.constexpr, ADDS: tl.constexpr):
+    """[TILE_N] f32: the sum of the first ADDS arrays added in (rows of D), at tile `tile` of row `row` (0 for
+    none)."""
+    rc = tl.minimum(tile * TILE_N + tl.arange(0, TILE_N), D - 1).to(tl.int64)
+    res = tl.zeros([TILE_N], tl.float32)
+    if ADDS >= 1:
+        res += tl.load(a0 + row * D + rc)
+    if ADDS >= 2:
+        res += tl.load(a1 + row * D + rc)
+    return res
