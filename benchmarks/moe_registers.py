@@ -60,7 +60,7 @@ def _compile(kernel, consts: dict, warps: int, stages: int) -> str:
     return f"{_ptxas(compiled.asm['ptx'])}; loads {'staged' if staged else 'not staged'}"
 
 
-def _decode(fmts: list[Format], sass: str | None) -> None:
+def _decode(fmts: list[Format], sass: str | None, variant: str | None = None) -> None:
     """Compile the decode launches at Qwen3-30B-A3B's widths (a fresh process: not under the interpreter)."""
     import torch
     from triton.runtime.jit import JITFunction
@@ -96,7 +96,7 @@ def _decode(fmts: list[Format], sass: str | None) -> None:
                     norm = down.Norm(torch.zeros(D), 1e-6, torch.zeros(1, D), empty_q8(1, D, "cpu"))
                     h, out = empty_q8(TOP, DFF, "cpu"), torch.zeros(1, D)
                     down.down_combine(h, wd, fmt, ids, weights, D, DFF, out, adds=(torch.zeros(1, D),), norm=norm,
-                                      counter=down.counters(1, "cpu"))  # fmt: skip
+                                      counter=down.counters(1, "cpu"), variant=variant)  # fmt: skip
         finally:
             JITFunction.run = compile_only
     for name, grid, kernel in seen:
@@ -131,9 +131,10 @@ def main() -> None:
     ap.add_argument("--step-scales", action="store_true", help="a step's own f16 scale (no routing row scales)")
     ap.add_argument("--decode", action="store_true", help="the decode step's routing, gate/up and down launches")
     ap.add_argument("--sass", default=None, help="with --decode: write each kernel's SASS to this folder")
+    ap.add_argument("--variant", default=None, help="with --decode: the down launch's (kernels.MoeDown's value)")
     a = ap.parse_args()
     if a.decode:
-        _decode([Format[f] for f in a.fmt], a.sass)
+        _decode([Format[f] for f in a.fmt], a.sass, a.variant)
         return
     from fuselane.lanes.cuda.triton.moe import grouped as G  # here: --decode compiles in a process of its own
 

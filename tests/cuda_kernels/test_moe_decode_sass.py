@@ -3,7 +3,10 @@ launchers at Qwen3-30B-A3B's widths): the down launch issues every kept expert's
 chunks, before its first dp4a (`moe/down.py`: pinned ahead, not sunk one chunk at a time below the last
 chunk's sums), and its ids and first chunks before it waits for the launch before; the gate/up launch waits
 before it releases the next (what makes the down's early ids safe); the routing launch of one row issues its
-router row's loads before its wait (`moe/route.py`, `_router_row`). None spills."""
+router row's loads before its wait (`moe/route.py`, `_router_row`). Under MoeDown.READ_AHEAD (the
+table's) the down launch loads nothing between its last dp4a and its count (the route weights and the
+residual read ahead, `moe/down_rows.py`), and at three chunks in flight all three of a row's before its wait.
+None spills."""
 
 from __future__ import annotations
 
@@ -18,9 +21,14 @@ pytest.importorskip("triton")
 
 from kernel_checks import CUDA  # noqa: E402
 
+from fuselane.gguf.formats import QK_K, Format  # noqa: E402
+from fuselane.lanes.cuda.plan import kernels as table  # noqa: E402
+
+DFF = 768  # Qwen3-30B-A3B's experts (the compile's widths): three super-blocks, a chunk each
+
 # Prints, a launch a line: its name, format, stack bytes and the SASS order of weight loads (W: the
 # evict-first loads the int8 GEMV gives weights), other loads (a), IDP.4A (d), BAR.SYNC (|), the wait for
-# the launch before (w: ACQBULK) and the release of the next (r: PREEXIT).
+# the launch before (w: ACQBULK), the release of the next (r: PREEXIT) and the count of a program done (c: ATOMG).
 _COMPILE = """
 import re
 import torch, triton
@@ -33,7 +41,7 @@ D, DFF, EXPERTS, TOP = 2048, 768, 128, 8
 def kind(op):
     if op.startswith("LDG"):
         return "W" if ".EF" in op else "a"
-    return {"IDP": "d", "BAR": "|", "ACQ": "w", "PRE": "r"}.get(op[:3], "")
+    return {"IDP": "d", "BAR": "|", "ACQ": "w", "PRE": "r", "ATO": "c"}.get(op[:3], "")
 
 def order(cubin):
     sass = cuobjdump(cubin, "-sass")
@@ -87,6 +95,10 @@ def test_the_decode_mixture_issues_its_weights_ahead() -> None:
         if name == "_down_kernel":  # the ids and the first chunks, the wait, then every chunk before the sums
             assert sass.count("W") >= 3 and sass.rfind("W") < sass.find("d"), f"{fmt}: {sass}"
             assert sass.find("r") < sass.find("a") < sass.find("W") < sass.find("w"), f"{fmt}: {sass}"
+            if table.MOE_DOWN_VARIANT is table.MoeDown.READ_AHEAD:  # the program's end waits on no load
+                assert "a" not in sass[sass.rfind("d") : sass.find("c")], f"{fmt}: {sass}"
+                if table.moe_down_depth(Format[fmt]) >= DFF // QK_K:  # the row's chunks all read before the wait
+                    assert sass.rfind("W") < sass.find("w"), f"{fmt}: {sass}"
         elif name == "_gate_up_kernel":  # the wait, then the release
             assert sass.find("w") < sass.find("r") < sass.find("a"), sass
         else:  # the router row's loads, a barrier, then the wait

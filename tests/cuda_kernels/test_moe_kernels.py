@@ -204,17 +204,24 @@ def _shared(rng, d: int, sdff: int, fmt: Format):
     return s, gate * (wd[0] @ glu), gate * bound
 
 
+NEW, OLD = kernels.MoeDown.READ_AHEAD, kernels.MoeDown.SERIAL
+
+
 @pytest.mark.parametrize(
-    ("fmt", "int8", "rows", "shared", "dff", "slots"),
-    [(Format.Q8_0, True, 1, True, 256, 2), (Format.Q6_K, True, 1, False, 256, 2),
-     (Format.Q8_0, False, 2, False, 256, 2), (Format.Q5_0, False, 1, True, 256, 2),
-     (Format.Q4_K, True, 1, False, 768, 2), (Format.Q4_K, True, 1, False, 256, 3)],
+    ("fmt", "int8", "rows", "shared", "dff", "slots", "variant", "d"),
+    [(Format.Q8_0, True, 1, True, 256, 2, NEW, 32), (Format.Q6_K, True, 1, False, 256, 2, NEW, 32),
+     (Format.Q8_0, False, 2, False, 256, 2, NEW, 32), (Format.Q5_0, False, 1, True, 256, 2, NEW, 32),
+     (Format.Q4_K, True, 1, False, 768, 2, NEW, 32), (Format.Q4_K, True, 1, False, 256, 3, NEW, 32),
+     (Format.Q5_0, True, 1, True, 256, 3, NEW, 32), (Format.Q8_0, True, 1, True, 256, 2, NEW, 64),
+     (Format.Q8_0, True, 1, True, 256, 2, OLD, 64)],
 )  # fmt: skip
-def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff, slots):
+def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff, slots, variant, d, monkeypatch):
     # 768 values: Q4_K's three super-blocks (Qwen3-30B-A3B's experts); three kept experts: the int8 tile's
-    # slots are four, the last one padding that must count 0
+    # slots are four, the last one padding that must count 0. A width of 64 walks the norm's row in two
+    # chunks of 32; both variants (MoeDown) sum the same terms.
+    monkeypatch.setattr(down.fast_norm, "NORM_CHUNK", 32)
     rng = np.random.default_rng(3)
-    experts, d = 5, 32
+    experts = 5
     rd, wd = _matrices(fmt, experts, d, dff, rng)
     h = rng.standard_normal((rows * slots, dff)).astype(np.float32)
     ids_np = np.array([[4, 2, 1], [2, 0, 3]], dtype=np.int32)[:rows, :slots]
@@ -228,7 +235,8 @@ def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff, slots):
     counter = down.counters(rows, DEVICE)
     for _ in range(2):  # every counter re-arms: a second launch runs the same
         down.down_combine(hin, dev(rd), fmt, dev(ids_np), dev(wts), d, dff, sum_out, adds=(dev(res),), shared=s,
-                          norm=down.Norm(dev(norm_w), 1e-6, out, out_q8), counter=counter)  # fmt: skip
+                          norm=down.Norm(dev(norm_w), 1e-6, out, out_q8), counter=counter,
+                          variant=variant)  # fmt: skip
     assert not counter.any()
     for r in range(rows):
         want = res[r].astype(np.float64) + s_want
@@ -258,3 +266,27 @@ def test_the_decode_down_tile_gives_each_thread_one_group_in_whole_chunks(k, dff
     groups = slots * rows * plan["CHUNK"] * gemv_q8.GROUPS[Format.Q4_K]
     assert groups == plan["num_warps"] * kernels.WARP * kernels.MOE_DOWN_PER_THREAD
     assert plan["N_UNITS"] % plan["CHUNK"] == 0
+
+
+@pytest.mark.parametrize(("fmt", "dff", "warps"), [(Format.Q5_0, 160, 2), (Format.Q4_K, 1024, 1)])
+def test_the_down_orders_and_depths_give_the_same_bits(fmt, dff, warps):
+    """MoeDown.READ_AHEAD at one, two and three chunks in flight (`down_rows.kept_dots`) sums what the old
+    order sums, in its order, without a shared expert: the same bits. One warp a 32-row tile takes a unit a
+    chunk (Q4_K's four: the loop and each tail), two warps two units (Q5_0's three chunks, the last partial)."""
+    rng = np.random.default_rng(5)
+    experts, d, slots = 4, 32, 2
+    rd, _ = _matrices(fmt, experts, d, dff, rng)
+    hin, _ = _q8(rng.standard_normal((slots, dff)).astype(np.float32))
+    ids, wts = dev(np.array([[3, 1]], dtype=np.int32)), dev(rng.uniform(0.1, 0.6, (1, slots)).astype(np.float32))
+    res, norm_w = dev(rng.standard_normal((1, d)).astype(np.float32)), dev(np.ones(d, np.float32))
+    got = []
+    for variant, depth in [(OLD, None), (NEW, 1), (NEW, 2), (NEW, 3)]:
+        sum_out, out, out_q8 = torch.zeros((1, d)), torch.zeros((1, d)), quant.empty_q8(1, d, DEVICE)
+        down.down_combine(hin, dev(rd), fmt, ids, wts, d, dff, sum_out, adds=(res,),
+                          norm=down.Norm(norm_w, 1e-6, out, out_q8), counter=down.counters(1, DEVICE), variant=variant,
+                          tile=down.Tile(kernels.MOE_DOWN_TILE, warps, 1, depth))  # fmt: skip
+        got.append([t.numpy().copy() for t in (sum_out, out, out_q8.q, out_q8.d)])
+    assert np.isfinite(got[0][0]).all()
+    for other in got[1:]:
+        for a, b in zip(got[0], other, strict=True):
+            assert np.array_equal(a, b)

@@ -100,6 +100,25 @@ def test_the_gemv_loops_wait_after_their_first_weights_and_before_the_loop() -> 
         assert called <= weights_only, f"{module}: {called - weights_only} before the wait"
 
 
+def test_the_decode_down_loop_reads_only_weights_and_the_routing_before_its_wait() -> None:
+    """`moe/down_rows.kept_dots` (MoeDown.READ_AHEAD): before its wait the first chunks' weights and the
+    route weights (the routing's, which `down._kept_q8` reads early with the ids), nothing else; the wait
+    comes before the loop, and the residual's read after it."""
+    tree = dict(_modules())["moe/down_rows.py"]
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "kept_dots")
+    at = [_pdl_call(s) for s in fn.body].index("wait")
+    loop = next(i for i, s in enumerate(fn.body) if isinstance(s, ast.For))
+    assert at < loop
+    loads = [n for s in fn.body[:at] for n in ast.walk(s) if isinstance(n, ast.Call) and _name(n) == "load"]
+    assert [ast.unparse(n.args[0]) for n in loads] == ["route_w"]
+    called = {_name(n) for s in fn.body[:at] for n in ast.walk(s) if isinstance(n, ast.Call)}
+    assert called <= {"raw_chunk", "zeros", "debug_barrier", "load"}, called
+
+
+def _name(call: ast.Call) -> str:
+    return call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", "")
+
+
 def test_the_decode_attention_reads_only_the_steps_inputs_before_its_wait() -> None:
     """The one kernel that reads before its wait: the position, and the first tile's rows before it."""
     tree = dict(_modules())["attention/decode.py"]

@@ -330,6 +330,33 @@ MOE_DOWN_PER_THREAD = 1
 # eight warps no longer fit a SM's registers: 396 of the 512 programs resident at once, not all.
 MOE_DOWN_UNPINNED = frozenset({Format.Q5_K})
 
+
+class MoeDown(enum.Enum):
+    """Where a decode step's down launch reads what its programs' ends wait on (`triton/moe/down.py`), timed
+    one against the other by `benchmarks/moe_decode.py --variant`. Both sum the same terms in the same order
+    but one: the residual, added before the slots' sum or after it (the contract's f32 roundings either way);
+    the norm is the last program's (`fast_norm.norm_last`), whose sum of squares keeps a fixed order, so a
+    launch's bits do not depend on which program ends last."""
+
+    # the route weights and the residual read after the products' sum over their groups (sm_90 SASS: behind
+    # that reduction's barrier, one more round trip to L2 before a program's store and its count)
+    SERIAL = "old"
+    # the route weights read with the ids (before the wait for the launch before), the residual right after
+    # the wait (`moe/down_rows.py`): both round trips under the products', none between the last dp4a and the
+    # store (`tests/cuda_kernels/test_moe_decode_sass.py`)
+    READ_AHEAD = "new"
+
+
+MOE_DOWN_VARIANT = MoeDown.READ_AHEAD
+# Under it, chunks of a row's weights a program has in flight while it sums one (`moe/down_rows.py`), by format:
+# three where a thread's registers stay within 64 (four blocks of eight warps a SM: all 512 programs of
+# Qwen3-30B-A3B's or DeepSeek-V2-Lite's launch resident at once; ptxas sm_90, depth 2 -> 3: Qwen3-30B-A3B's
+# Q4_K 48 -> 48, Q6_K 63 -> 63, DeepSeek-V2-Lite's Q5_0 52 -> 60, Q8_0 56 -> 70), so Qwen3-30B-A3B's three
+# chunks a row are all read before the wait for the launch before, and DeepSeek-V2-Lite's Q5_0 row of six
+# chunks waits on two round trips, not three; the GEMV's two (`gemv.q8.PREFETCH_DEPTH`) elsewhere.
+MOE_DOWN_MAX_DEPTH = 3
+MOE_DOWN_DEEP = frozenset({Format.Q4_K, Format.Q6_K, Format.Q5_0})
+
 # A decode step's routing program takes this many of the router's rows (experts): the router is a few
 # thousand values by a hundred or so experts, and the GEMV's own tile (eight rows a block of eight warps) left
 # Qwen3-30B-A3B's 128 x 2,048 router 16 programs for 132 SMs, each streaming 64 KB. One row a program
@@ -377,9 +404,16 @@ def moe_down_slots(k: int) -> int:
     return _pow2_at_least(k)
 
 
-def moe_down_rows(k: int) -> int:
-    """Rows of the model's width a decode down program takes for `k` kept experts: its tile's over the slots."""
-    return max(1, MOE_DOWN_TILE // moe_down_slots(k))
+def moe_down_rows(k: int, tile: int = MOE_DOWN_TILE) -> int:
+    """Rows of the model's width a decode down program takes for `k` kept experts: its tile's (MOE_DOWN_TILE
+    weight rows, or `tile`: a benchmark's alternative) over the slots."""
+    return max(1, tile // moe_down_slots(k))
+
+
+def moe_down_depth(fmt: Format) -> int:
+    """Chunks in flight a decode down program keeps under MoeDown.READ_AHEAD: MOE_DOWN_MAX_DEPTH in the
+    formats of MOE_DOWN_DEEP, two (the int8 GEMV's) in the others."""
+    return MOE_DOWN_MAX_DEPTH if fmt in MOE_DOWN_DEEP else 2
 
 
 def moe_route_tile(rows: int) -> tuple[int, int] | None:

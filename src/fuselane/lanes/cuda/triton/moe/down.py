@@ -20,7 +20,9 @@ ptxas sinks each chunk's loads below the last chunk's dp4a (sm_90 SASS: chunk 1'
 0's IDP.4A, chunk 2's after chunk 1's), so a program made one DRAM round trip a chunk; pinned, all of them
 are issued before the first sum at the same registers for Q4_K (`kernels.MOE_DOWN_UNPINNED` says where not). A launch of
 them without a shared expert reads the ids and the first chunks' weights before its wait for the gate/up
-launch (`_kept_q8`), so a program's round trips to them run under that launch's end.
+launch (`_kept_q8`), so a program's round trips to them run under that launch's end. Under
+`kernels.MoeDown.READ_AHEAD` (the table's) the route weights are read with the ids and the residual right after
+the wait (`down_rows.kept_dots`), so no load sits between a program's last dp4a and its store.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
 from fuselane.lanes.cuda.triton.gemv.q8 import row_dots
 from fuselane.lanes.cuda.triton.gemv.weight_loads import PINNED
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
+from fuselane.lanes.cuda.triton.moe.down_rows import adds, kept_dots
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts
 
 EXTRA_COUNTERS = 3  # past a counter a row: tickets, shared programs done, waits passed
@@ -72,6 +75,18 @@ class Norm:
     eps: float
     out: Tensor
     out_q8: Q8Acts | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Tile:
+    """The int8 down program's tile: weight rows a program (every slot's), warps, (row, group)s a thread
+    (`gemv.q8.tile_plan`), and under MoeDown.READ_AHEAD the chunks in flight (`kernels.moe_down_depth`, the
+    format's where None); the kernels table's by default."""
+
+    rows: int = kernels.MOE_DOWN_TILE
+    warps: int = kernels.MOE_DOWN_WARPS
+    per_thread: int = kernels.MOE_DOWN_PER_THREAD
+    depth: int | None = None
 
 
 @triton.jit
@@ -120,7 +135,7 @@ def _down_kernel(
     SD_FMT: tl.constexpr, SD_STEPS: tl.constexpr, SD_UNITS: tl.constexpr, SD_SPLIT: tl.constexpr,
     SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr,
     SC_FMT: tl.constexpr, SC_STEPS: tl.constexpr, SC_UNITS: tl.constexpr, SC_SPLIT: tl.constexpr,
-    SC_STAGES: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    SC_STAGES: tl.constexpr, AHEAD: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if EARLY:  # the experts' ids and weights are read before the wait (`_kept_q8`)
         pdl.release(PDL)
@@ -141,22 +156,23 @@ def _down_kernel(
             _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, ticket - NA,
                        D, DFF, K, SLOTS, ROWS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, NA, NB, FMT, ROW_BYTES, BLOCK_N,
                        N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
-                       SD_SPLIT, SD_STAGES, SD_ROW_BYTES, False, False)  # fmt: skip
+                       SD_SPLIT, SD_STAGES, SD_ROW_BYTES, AHEAD, False, False)  # fmt: skip
     else:
         _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, tl.program_id(0),
                    D, DFF, K, SLOTS, ROWS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, NA, NB, FMT, ROW_BYTES, BLOCK_N,
                    N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
-                   SD_SPLIT, SD_STAGES, SD_ROW_BYTES, EARLY, PDL)  # fmt: skip
+                   SD_SPLIT, SD_STAGES, SD_ROW_BYTES, AHEAD, EARLY, PDL)  # fmt: skip
     if NORM:
         norm_last(sum_out + row * D, norm_w, out + row * D, D, eps, counters + row, oq + row * D,
                   od + row * (D // 32), os_ + row * (D // 16), NORM_BLOCK, NORM_STEPS, Q8OUT)  # fmt: skip
 
 
 @triton.jit
-def _kept_q8(hq, hd, hs, w, ids, weights, row, tile, D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr,
+def _kept_q8(hq, hd, hs, w, ids, weights, a0, a1, row, tile, D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr,
              SLOTS: tl.constexpr, EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr, ROW_BYTES: tl.constexpr,
              BLOCK_N: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr,
-             DEPTH: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+             DEPTH: tl.constexpr, ADDS: tl.constexpr, AHEAD: tl.constexpr, EARLY: tl.constexpr,
+             PDL: tl.constexpr):  # fmt: skip
     """[BLOCK_N] f32: the weighted sum of row `row`'s kept experts' down products at tile `tile` of the width,
     every expert's rows in one int8 product tile of SLOTS x BLOCK_N rows (slot-major), each with its own
     pair's activation, so all their loads stream together (`kernels.MOE_DOWN_TILE`). Slots past K read the
@@ -166,15 +182,25 @@ def _kept_q8(hq, hd, hs, w, ids, weights, row, tile, D: tl.constexpr, DFF: tl.co
     launch before, so their round trips run under its end. Safe because the ids are the routing's, two
     launches back: the gate/up launch releases its dependents only after its own wait, which ends with the
     routing, so every later launch starts after the routing's writes (read from L2, `.cg`, never a line
-    this SM's L1 kept from an earlier layer). The activations are the gate/up launch's: read after the wait."""
+    this SM's L1 kept from an earlier layer). The activations are the gate/up launch's: read after the wait.
+
+    AHEAD (MoeDown.READ_AHEAD): the loop is `down_rows.kept_dots`, which reads the route weights with the
+    ids and the first ADDS arrays added in (`down_rows.adds`, summed here) right after the wait, their round
+    trips under the products'; otherwise `q8.row_dots`, the route weights read after it and the arrays added
+    in by the caller."""
     i = tl.arange(0, SLOTS * BLOCK_N)
     slot = i // BLOCK_N
     pair = row * K + tl.minimum(slot, K - 1)
     rc = tl.minimum(tile * BLOCK_N + i % BLOCK_N, D - 1).to(tl.int64)
     off = tl.load(ids + pair, cache_modifier=".cg").to(tl.int64) * EXPERT_BYTES + rc * ROW_BYTES
     p = pair.to(tl.int64)[:, None]
-    y, _ = row_dots(w + off, w + off, hq + p * DFF, hd + p * (DFF // 32), hs + p * (DFF // 16), FMT, SLOTS * BLOCK_N,
-                    N_UNITS, CHUNK, FENCE, False, DEPTH, EARLY and PDL, EARLY)  # fmt: skip
+    xq, xd, xs = hq + p * DFF, hd + p * (DFF // 32), hs + p * (DFF // 16)
+    if AHEAD:
+        wy, res = kept_dots(w + off, xq, xd, xs, weights + pair, a0, a1, row, tile, slot < K, D, FMT,
+                            SLOTS * BLOCK_N, BLOCK_N, N_UNITS, CHUNK, FENCE, DEPTH, ADDS, EARLY, PDL)  # fmt: skip
+        return tl.sum(tl.reshape(wy, [SLOTS, BLOCK_N]), 0) + res
+    y, _ = row_dots(w + off, w + off, xq, xd, xs, FMT, SLOTS * BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH,
+                    EARLY and PDL, EARLY)  # fmt: skip
     wy = tl.where(slot < K, tl.load(weights + pair) * y, 0.0)
     return tl.sum(tl.reshape(wy, [SLOTS, BLOCK_N]), 0)
 
@@ -188,17 +214,27 @@ def _down_rows(
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
     STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
     SD_FMT: tl.constexpr, SD_STEPS: tl.constexpr, SD_UNITS: tl.constexpr, SD_SPLIT: tl.constexpr,
-    SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr, AHEAD: tl.constexpr, EARLY: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Tile `tile` of row `row`'s sum: its kept experts' weighted down products, the shared expert's (once its
-    programs are done), the arrays added in; stored to sum_out."""
+    programs are done), the arrays added in; stored to sum_out. AHEAD (MoeDown.READ_AHEAD): the arrays added
+    in are read with the products (`_kept_q8`), or, where the launch has waited already (not EARLY), first of
+    all, their round trip under the products'."""
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rc = tl.minimum(rows, D - 1).to(tl.int64)
-    if Q8IN:
-        acc = _kept_q8(hq, hd, hs, w, ids, weights, row, tile, D, DFF, K, SLOTS, EXPERT_BYTES, FMT, ROW_BYTES,
-                       BLOCK_N, N_UNITS, CHUNK, FENCE, DEPTH, EARLY, PDL)  # fmt: skip
+    IN_PRODUCTS: tl.constexpr = AHEAD and Q8IN
+    FIRST: tl.constexpr = AHEAD and not IN_PRODUCTS and not EARLY
+    LAST: tl.constexpr = ADDS if not (IN_PRODUCTS or FIRST) else 0
+    if FIRST:
+        acc = adds(a0, a1, row, tile, D, BLOCK_N, ADDS)
     else:
         acc = tl.zeros([BLOCK_N], tl.float32)
+    if Q8IN:
+        acc = _kept_q8(hq, hd, hs, w, ids, weights, a0, a1, row, tile, D, DFF, K, SLOTS, EXPERT_BYTES, FMT,
+                       ROW_BYTES, BLOCK_N, N_UNITS, CHUNK, FENCE, DEPTH, ADDS if IN_PRODUCTS else 0, IN_PRODUCTS,
+                       EARLY, PDL)  # fmt: skip
+    else:
         for j in tl.static_range(K):
             pair = row * K + j
             off = tl.load(ids + pair).to(tl.int64) * EXPERT_BYTES + rc * ROW_BYTES
@@ -208,10 +244,8 @@ def _down_rows(
         _wait_shared(counters, ROWS, NA, NB)
         ys = row_dot(w_sd + rc * SD_ROW_BYTES, sh, SD_FMT, SD_STEPS, SD_UNITS, SD_SPLIT, BLOCK_N, SD_STAGES)
         acc += tl.load(sh + SDFF, cache_modifier=".cg") * ys
-    if ADDS >= 1:
-        acc += tl.load(a0 + row * D + rc)
-    if ADDS >= 2:
-        acc += tl.load(a1 + row * D + rc)
+    if LAST >= 1:
+        acc += adds(a0, a1, row, tile, D, BLOCK_N, LAST)
     tl.store(sum_out + row * D + rows, acc, mask=rows < D)
 
 
@@ -245,11 +279,20 @@ def _shared_consts(s: Shared | None, d: int, block_n: int, warps: int) -> tuple[
 
 def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weights: Tensor, d: int, dff: int,
                  sum_out: Tensor, *, adds: tuple[Tensor, ...] = (), shared: Shared | None = None,
-                 norm: Norm | None = None, counter: Tensor) -> Tensor:  # fmt: skip
+                 norm: Norm | None = None, counter: Tensor, variant: kernels.MoeDown | None = None,
+                 tile: Tile | None = None) -> Tensor:  # fmt: skip
     """sum_out (rows, d) = sum over each row's slots j of weights[row, j] * (h[pair] @ Wd[ids[pair]]^T) (+ the
     shared expert's sigmoid-gated output) (+ each of `adds`), Wd (experts, d, dff) checkpoint rows in `fmt`,
-    h (rows * slots, dff) f32 or its int8 form; with `norm`, its RMS norm of each row too. One launch."""
+    h (rows * slots, dff) f32 or its int8 form; with `norm`, its RMS norm of each row too. One launch.
+    `variant` (default `kernels.MOE_DOWN_VARIANT`) and `tile` (default the kernels table's) are for timing
+    one against another (`benchmarks/moe_decode.py`); every choice sums the same terms."""
     fmt = Format(fmt)
+    variant = kernels.MOE_DOWN_VARIANT if variant is None else kernels.MoeDown(variant)
+    tile = tile or Tile()
+    if tile.depth is not None and not (
+        1 <= tile.depth <= kernels.MOE_DOWN_MAX_DEPTH and variant is kernels.MoeDown.READ_AHEAD
+    ):
+        raise ValueError(f"a depth (1 to {kernels.MOE_DOWN_MAX_DEPTH}) is the new order's (MoeDown.READ_AHEAD)")
     rows, k = ids.shape
     if ids.dtype != torch.int32 or weights.numel() != rows * k or sum_out.numel() != rows * d:
         raise ValueError(f"ids must be int32 (rows, k), weights as many, sum_out ({rows}, {d})")
@@ -262,12 +305,14 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
     if q8in:
         check_acts(h, dff, rows * k)
         gemv_q8.check_aligned([w], fmt)
-        block_n = kernels.moe_down_rows(k)
-        consts = gemv_q8.tile_plan(fmt, dff, slots * block_n, kernels.MOE_DOWN_WARPS, kernels.MOE_DOWN_PER_THREAD)
+        block_n = kernels.moe_down_rows(k, tile.rows)
+        consts = gemv_q8.tile_plan(fmt, dff, slots * block_n, tile.warps, tile.per_thread)
         warps = consts.pop("num_warps")
         consts |= dict(BLOCK_N=block_n, STEPS=1, UNITS=1, SPLIT=1, STAGES=1)
         if fmt not in kernels.MOE_DOWN_UNPINNED:
             consts["FENCE"] = PINNED
+        if variant is kernels.MoeDown.READ_AHEAD:  # `down_rows.kept_dots`' own depth
+            consts["DEPTH"] = tile.depth or kernels.moe_down_depth(fmt)
         hargs = (h.q, *h)
     else:
         consts, warps = f32_plan(fmt, d, dff)
@@ -287,7 +332,8 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
         norm.w if norm else sum_out, norm.out if norm else sum_out, *oq, counter, float(norm.eps if norm else 0.0),
         *sargs, D=d, DFF=dff, K=k, SLOTS=slots, ROWS=rows, EXPERT_BYTES=d * row_bytes(fmt, dff), Q8IN=q8in,
         ADDS=len(adds), NORM=norm is not None, Q8OUT=q8out, NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk),
-        SHARED=s is not None, NA=na, NB=nb, EARLY=q8in and s is None, **consts, **sconsts, num_warps=warps,
+        SHARED=s is not None, NA=na, NB=nb, AHEAD=variant is kernels.MoeDown.READ_AHEAD, EARLY=q8in and s is None,
+        **consts, **sconsts, num_warps=warps,
         **pdl.options(),
     )  # fmt: skip
     return sum_out

@@ -1,0 +1,45 @@
+"""`benchmarks/moe_decode.py --dry-run`: the decode step's mixture launches the benchmark times (the routing,
+the gate/up, the down launch at both of its variants, with and without a folded shared expert) each run once
+under the interpreter at tiny widths, so the benchmark the GPU runs is known to build and launch them all."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
+pytest.importorskip("triton")
+
+from fuselane.gguf.formats import Format  # noqa: E402
+from fuselane.lanes.cuda.plan import kernels  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv.q8 import PREFETCH_DEPTH  # noqa: E402
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_decode.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("moe_decode_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # random bytes decode to NaN and inf scales
+def test_the_dry_run_times_every_decode_mixture_launch(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("the dry run is the interpreter's")
+    _bench().main(["--model", "deepseek-v2-lite", "--dry-run", "--down", "Q5_0"])
+    lines = capsys.readouterr().out.splitlines()
+    assert not [line for line in lines if "failed" in line]
+    timed = [" ".join(line.split()).split(" µs")[0].rsplit(" ", 1)[0] for line in lines if " µs " in line]
+    tile = f"{kernels.MOE_DOWN_TILE} rows w{kernels.MOE_DOWN_WARPS} t{kernels.MOE_DOWN_PER_THREAD}"
+    depth = {kernels.MoeDown.SERIAL: PREFETCH_DEPTH, kernels.MoeDown.READ_AHEAD: kernels.moe_down_depth(Format.Q5_0)}
+    downs = [f"down Q5_0{s} {v.value} {tile} d{depth[v]}" for s in ("", " +shared") for v in kernels.MoeDown]
+    assert timed == ["route one row", "gate/up Q8_0 int8", *downs], lines
