@@ -23,6 +23,7 @@ from fuselane.lanes.cuda.triton.gemv.q8 import gemv_q8_parts  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.q8_rope import Turn, gemv_q8_parts_rope, rope_counters  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.rows import Part  # noqa: E402
 
+GPU_ONLY = (pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"))
 HEADS, KV, HD, K, CTX, POS = 4, 2, 64, 256, 8, 5
 BASE, EPS = 1e6, 1e-6
 TILE = {"block_n": 4, "warps": 1, "per_thread": 1}  # 16 programs a head: the count decides who turns it
@@ -45,9 +46,22 @@ def _outputs():
     return raw_q, raw_k, q_out, k_cache, v_cache
 
 
-@pytest.mark.parametrize("tile", [TILE, {}], ids=["small_tile", "landed_tile"])
-@pytest.mark.parametrize("normed", [False, True], ids=["rope", "qk_norm_rope"])
-@pytest.mark.parametrize("fmt", [Format.Q4_K, Format.Q8_0], ids=lambda f: f.name)
+def _cases() -> list:
+    """Every format x (norm or not) x tile. Interpreted, a case takes 35-70 s, so CI runs the four of an
+    orthogonal array (each pair of the three choices' values met once) and the GPU run the other four."""
+    cases = []
+    for fmt in (Format.Q4_K, Format.Q8_0):
+        for normed in (False, True):
+            for tile, tile_id in ((TILE, "small_tile"), ({}, "landed_tile")):
+                # the half of even parity: every pair of two choices' values appears once in it
+                in_ci = ((fmt is Format.Q8_0) + normed + (tile_id == "small_tile")) % 2 == 0
+                marks = () if in_ci else GPU_ONLY
+                name = f"{fmt.name}-{'qk_norm_rope' if normed else 'rope'}-{tile_id}"
+                cases.append(pytest.param(fmt, normed, tile, marks=marks, id=name))
+    return cases
+
+
+@pytest.mark.parametrize(("fmt", "normed", "tile"), _cases())
 def test_turned_in_the_epilogue_as_in_a_launch_of_its_own(fmt: Format, normed: bool, tile: dict) -> None:
     rng = np.random.default_rng(int(fmt) + 10 * normed)
     (wq, wk, wv), acts, (qw, kw) = _layer(fmt, normed, rng)
