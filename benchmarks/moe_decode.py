@@ -34,20 +34,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from benchmarks.moe_prefill import _median_us
 from fuselane.gguf.formats import Format, row_bytes
 from fuselane.gguf.synth import fit_format
 from fuselane.lanes.cuda.plan import kernels
 
-WARMUP, TIMED = 3, 20
-GRAPH_LAUNCHES = 10  # launches a timed CUDA graph replays
 EPS = 1e-6
 F32 = 4
 Q8_BYTES = 1 + F32 / 32 + F32 / 16  # an int8 activation's code, its share of a block's scale and of a run's sum
@@ -77,36 +74,6 @@ MODELS = {
 # for it, and a down row of one unit of its formats (`dff` is set so): a launch is a few interpreted programs
 DRY = dict(experts=4, top=2, d=32, sdff=64)
 DRY_GATE_UP = Format.Q8_0
-
-
-def _median_us(launch) -> float:
-    """The launch's median µs on the GPU (`moe_prefill._median_us`'s method); under --dry-run the host's time
-    of one interpreted launch."""
-    if not torch.cuda.is_available():
-        t = time.perf_counter()
-        launch()
-        return (time.perf_counter() - t) * 1e6
-    for _ in range(WARMUP):
-        launch()
-    run, per = launch, 1
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(GRAPH_LAUNCHES):
-                launch()
-        graph.replay()
-        run, per = graph.replay, GRAPH_LAUNCHES
-    except RuntimeError as e:
-        print(f"  (not captured, timed launch by launch: {str(e).splitlines()[0][:80]})", flush=True)
-    times = []
-    for _ in range(TIMED):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / per)
-    return statistics.median(times)
 
 
 class Bench:
