@@ -35,12 +35,11 @@ import argparse
 import itertools
 import os
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from benchmarks.moe_prefill import _median_us
+from benchmarks.moe_prefill import MODELS, _median_us
 from fuselane.gguf.formats import Format, row_bytes
 from fuselane.gguf.synth import fit_format
 from fuselane.lanes.cuda.plan import kernels
@@ -50,26 +49,6 @@ F32 = 4
 Q8_BYTES = 1 + F32 / 32 + F32 / 16  # an int8 activation's code, its share of a block's scale and of a run's sum
 
 
-@dataclass(frozen=True, slots=True)
-class Model:
-    """A decode step's mixture widths, its layers, its expert formats, and its shared experts' width (0: none)."""
-
-    experts: int
-    top: int
-    d: int
-    dff: int
-    layers: int
-    gate_up: str
-    downs: tuple[str, ...]
-    sdff: int
-
-
-MODELS = {
-    "qwen3-30b-a3b": Model(128, 8, 2048, 768, 48, "Q4_K", ("Q4_K", "Q6_K"), 0),
-    "deepseek-v2-lite": Model(
-        64, 6, 2048, 1408, 26, "Q4_K", tuple(fit_format(Format[f], 1408).name for f in ("Q4_K", "Q6_K")), 2816
-    ),  # fmt: skip
-}
 # --dry-run's widths: a width of one 32-value block, whose gate/up (the expert's and the shared one's) are Q8_0
 # for it, and a down row of one unit of its formats (`dff` is set so): a launch is a few interpreted programs
 DRY = dict(experts=4, top=2, d=32, sdff=64)

@@ -56,7 +56,8 @@ F32 = 4
 
 @dataclass(frozen=True, slots=True)
 class Model:
-    """A model's mixture widths, its layers, and the expert formats of its Q4_K_M file."""
+    """A model's mixture widths, its layers, the expert formats of its Q4_K_M file, and its shared experts'
+    width (0: none; the decode benchmark folds them into its down launch)."""
 
     experts: int
     top: int
@@ -65,13 +66,14 @@ class Model:
     layers: int
     gate_up: str
     downs: tuple[str, ...]
+    sdff: int = 0
 
 
 MODELS = {
     "qwen3-30b-a3b": Model(128, 8, 2048, 768, 48, "Q4_K", ("Q4_K", "Q6_K")),
     # the down rows' Q4_K / Q6_K fall back as llama.cpp's do (1,408 is not whole super-blocks)
     "deepseek-v2-lite": Model(
-        64, 6, 2048, 1408, 26, "Q4_K", tuple(fit_format(Format[f], 1408).name for f in ("Q4_K", "Q6_K"))
+        64, 6, 2048, 1408, 26, "Q4_K", tuple(fit_format(Format[f], 1408).name for f in ("Q4_K", "Q6_K")), 2816
     ),  # fmt: skip
 }
 
