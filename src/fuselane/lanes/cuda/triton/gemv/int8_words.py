@@ -6,9 +6,9 @@ gathers them back through shared memory before every dp4a chain (a barrier each)
 one 128-bit load (`ld4`); a 2-byte aligned one (Q6_K's 210-byte blocks put every other block's runs 2 bytes
 past a word) is five aligned 32-bit loads funnel-shifted into four words (`ld_run`).
 
-Under Triton's interpreter (`TRITON_INTERPRET=1`, CI without a GPU) there is no inline PTX: dp4a is its four
-byte products in integer arithmetic, the loads are plain `tl.load`s and the shift is two shifts and a mask,
-so the interpreted kernels sum exactly what the PTX instructions sum.
+Under Triton's interpreter (`TRITON_INTERPRET=1`, CI without a GPU) there is no inline PTX: dp4a and the
+16-value dot are their byte products summed in NumPy (`triton/interpreted.py`), the loads are plain `tl.load`s
+and the shift is two shifts and a mask, so the interpreted kernels sum exactly what the PTX instructions sum.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import triton
 import triton.language as tl
 
+from fuselane.lanes.cuda.triton import interpreted
 from fuselane.lanes.cuda.triton.gemv.fast import PAIR
 from fuselane.lanes.cuda.triton.gemv.layout import (
     BYTE,
@@ -38,13 +39,7 @@ def dp4a(a, b, c, SIGNED: tl.constexpr):
     bytes, all int32."""
     a = a.to(tl.int32, bitcast=True)
     if INTERPRETED:
-        for i in tl.static_range(4):
-            if SIGNED:
-                ai = (a << (24 - 8 * i)) >> 24
-            else:
-                ai = (a >> (8 * i)) & BYTE
-            c += ai * ((b << (24 - 8 * i)) >> 24)
-        return c
+        return interpreted.DP4A(a, b, c, SIGNED)
     elif SIGNED:
         return tl.inline_asm_elementwise(
             "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
@@ -59,6 +54,8 @@ def dp4a(a, b, c, SIGNED: tl.constexpr):
 def dot16(w, a, SIGNED: tl.constexpr):
     """[N, G, 4] words of codes times [N, G, 4] words of int8 activations: the 16-value dot, [N, G] int32,
     as a chain of four dp4a (each adds into the last)."""
+    if INTERPRETED:
+        return interpreted.DOT16(w.to(tl.int32, bitcast=True), a, SIGNED)
     w02, w13 = tl.split(tl.reshape(w, [w.shape[0], w.shape[1], PAIR, PAIR]))
     a02, a13 = tl.split(tl.reshape(a, [a.shape[0], a.shape[1], PAIR, PAIR]))
     w0, w2 = tl.split(w02)
