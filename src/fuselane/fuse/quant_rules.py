@@ -1,5 +1,6 @@
-"""Quantizing epilogues: a producer writes its result already quantized where every op that reads it reads
-it quantized (the lane's `activation`), so no launch quantizes it apart.
+"""Quantizing epilogues: a producer writes its result's quantized form too where an op reads it quantized (the
+lane's `activation`) and every op that reads it quantized reads the same form, so no launch quantizes it apart.
+Its f32 result stays for the ops that read it so (a mixture's router reads the norm its experts read in int8).
 
 They fire only where the lane's products read quantized activations; whether the lane's kernels quantize in
 their epilogue at all (`fuse_quant`) is the lane's `supports` answer for each class.
@@ -19,7 +20,9 @@ from fuselane.graph.ops import Attention, Elementwise, Matmul, SetRow
 
 
 def wanted_format(r: Rewriter, op: Op) -> QuantFormat | None:
-    """The one quantized form in which every reader of op's result reads it, or None."""
+    """The one quantized form in which the readers of op's result that read it quantized read it, or None (none
+    reads it quantized, or they read it in two forms). Readers of its f32 form do not count: a quantizing
+    producer writes both."""
     readers = r.s.readers(op.out)
     if not readers or op.out in r.outputs:
         return None
@@ -29,6 +32,7 @@ def wanted_format(r: Rewriter, op: Op) -> QuantFormat | None:
         for k, name in enumerate(reader.ins):
             if name == op.out:
                 formats.add(r.shim.activation(reader, k, r.g))
+    formats.discard(None)
     (fmt,) = formats if len(formats) == 1 else (None,)
     return fmt
 
