@@ -3,8 +3,10 @@ the most GPU memory the model took (`torch.cuda.max_memory_allocated`, from its 
 
 Prefill (`pp`) times a prompt of random tokens run in the lane's chunks; decode (`tg`) times greedy generation
 through the lane's decode loop, as a user gets it (on the cuda lane: a graph replay a token, the sampler on the
-device, no logits copied to the host), after `depth` tokens already in the cache. The sizes are checked against
-the model's context before anything runs.
+device, no logits copied to the host). Both start from `depth` tokens already in the cache, as llama-bench's
+`pp` and `tg` tests do: decode is timed after the cache is taken back to the depth, not after the prompt (a
+recurrent model, whose state cannot go back, fills the depth again in a session of its own). The sizes are
+checked against the model's context before anything runs.
 
 The decode figure is set against the lane's limit: the tokens a second it could reach if a step did nothing but
 read every weight once. On the cuda lane the weights' bytes are set against the device's measured copy
@@ -156,6 +158,19 @@ def _warm_then_fill(m: Any, tokens: np.ndarray, depth: int, prompt: int, step: A
     return session
 
 
+def _back_to_depth(m: Any, session: Any, tokens: np.ndarray, depth: int) -> Any:
+    """The session decode starts from: `depth` tokens in the cache (llama-bench's `tg` at that depth). An
+    attention cache is taken back (rows past the depth are rewritten as decode goes); a recurrent state sums
+    every position, so a session of its own fills the depth again."""
+    if not getattr(m.lane, "recurrent", False):
+        session.tokens = session.tokens[:depth]
+        return session
+    session = m.session()
+    if depth:
+        session.extend(tokens[:depth].tolist())
+    return session
+
+
 def bench(
     model: str | None,
     *,
@@ -194,6 +209,7 @@ def bench(
         _sync(m.lane)
         prefill = prompt / (time.perf_counter() - start)
         step(f"tg{generated}", advance=1)
+        session = _back_to_depth(m, session, tokens, depth)
         steps = m.lane.decode(int(tokens[depth + prompt]), len(session.tokens), GREEDY)
         warm = min(DECODE_WARM, generated - 1)  # at least one token is timed
         for _ in range(warm):
