@@ -1,7 +1,7 @@
 """The GPU tests' grouping under pytest-xdist: the anchor-shape tests of one (shape, context depth) run on one
 worker, which builds that shape's checkpoint and f64 reference once for them. By shape alone, a worker took both
-depths of the 7B or the 8B (its long reference prefills 4,096 tokens in f64) and set the run's length; by
-(shape, depth) the 4,096-token references spread over the workers, each shape's build made twice."""
+depths of the 7B or the 8B (its long reference prefills 2,048 tokens in f64) and set the run's length; by
+(shape, depth) the long references spread over the workers, each shape's build made twice."""
 
 from __future__ import annotations
 

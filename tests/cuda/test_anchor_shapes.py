@@ -7,7 +7,7 @@ shape of the real model runs (both branches of the Q4_K_M recipe's `use_more_bit
 format of the mix is read too), and further layers only repeat them. The cpu f64 reference of the real 36 layers
 at 8B would hold 61 GB of weights and take minutes a context.
 
-At context depth 0 (a short prompt) and 4096 (a 4096-token prompt, prefilled in the session's chunks), both
+At context depth 0 (a short prompt) and 2048 (a 2048-token prompt, prefilled in the session's chunks), both
 lanes are fed the same fixed tokens for 8 decode steps, and the cuda lane's logits must be within its
 contract's `logits_tolerance` of the reference's at every step, and finite everywhere: at the default knobs
 (`activations=int8`, the numerics the benchmark's figures are measured at) and under `activations=dequant`,
@@ -47,7 +47,10 @@ ANCHORS = [
 LAYERS = 2
 SEED = 5
 SHORT_PROMPT = [11, 200, 7, 7, 90, 3, 141, 52, 9]
-LONG_DEPTH = 4096
+# the decode attention splits 2,048 rows as it does 4,096 (33-128 splits and their merge at these shapes,
+# `kernels.attn_splits`) after four chunks of prefill: 4,096 ran the same kernels with an f64 reference twice as
+# long, which set the length of the whole GPU run
+LONG_DEPTH = 2048
 DEPTHS = [0, LONG_DEPTH]
 # steps past the prompt: every decode kernel runs each step, so more only repeat them, while each step of the
 # f64 reference reads the whole lm head (4.4 GB of f64 rows at the 7B's width): 8 steps keep the file short

@@ -104,6 +104,7 @@ DECODES = 4  # the third decode step is captured as a CUDA graph, the fourth rep
 
 
 @pytest.mark.cuda
+@pytest.mark.xdist_group("qwen3next-f16")  # one worker compiles the F16 kernels once for both states
 @pytest.mark.parametrize("state", ["f32", "bf16"])
 def test_the_real_shape_in_f16_takes_the_gates_projection_in_the_graph(tmp_path, state):
     """Four layers of the real shape with every matrix F16: the gates with their projection in the captured
