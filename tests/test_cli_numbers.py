@@ -57,6 +57,7 @@ OPTIONS = [
     (("bench", "{tiny}", "--lane", "cpu"), ranges.BENCH_PROMPT, ()),
     (("bench", "{tiny}", "--lane", "cpu"), ranges.BENCH_GENERATED, ()),
     (("bench", "{tiny}", "--lane", "cpu"), ranges.BENCH_DEPTH, ()),
+    (("bench", "{tiny}", "--lane", "cpu"), ranges.BENCH_REPETITIONS, ()),
     (("explain", "synth:tiny-qwen2", "--form", "prefill"), ranges.ROWS, ()),
     (("serve", "{tiny}"), ranges.PORT, ()),  # serve's other bounds are of the same two kinds, checked alike
     (("serve", "{tiny}"), ranges.GPU_MEMORY, ()),

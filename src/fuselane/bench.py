@@ -1,7 +1,8 @@
 """`fuselane bench`: prefill and decode tokens/s of a model on a lane, llama-bench style, and on the cuda lane
 the most GPU memory the model took (`torch.cuda.max_memory_allocated`, from its load to its last token).
 
-Prefill (`pp`) times a prompt of random tokens run in the lane's chunks; decode (`tg`) times greedy generation
+Prefill (`pp`) times a prompt of random tokens run in the lane's chunks, `repetitions` times from the same depth
+(the mean of their tokens/s, as llama-bench's `-r`); decode (`tg`) times greedy generation
 through the lane's decode loop, as a user gets it (on the cuda lane: a graph replay a token, the sampler on the
 device, no logits copied to the host). Both start from `depth` tokens already in the cache, as llama-bench's
 `pp` and `tg` tests do: decode is timed after the cache is taken back to the depth, not after the prompt (a
@@ -28,6 +29,7 @@ import numpy as np
 
 from fuselane.errors import FuselaneError
 from fuselane.info import cache_line
+from fuselane.ranges import DEFAULT_BENCH_REPETITIONS
 from fuselane.runtime.model import load
 from fuselane.runtime.sampling import GREEDY
 
@@ -36,6 +38,9 @@ COPY_REPEATS = 5
 SEED = 1234
 # Tokens read before decode is timed: the decode step's first runs compile its kernels and capture its graph.
 DECODE_WARM = 3
+# Timed runs of the prompt, their tokens/s averaged (llama-bench's `-r` and its default): one run of a chunk that
+# takes tens of milliseconds is at the mercy of whatever else the host and the device did just before.
+REPETITIONS = DEFAULT_BENCH_REPETITIONS
 # Runs of a whole prefill chunk before prefill is timed: compiling, then a lane's capture of the chunk as a graph.
 PREFILL_WARM = 3
 # Passes over the cpu lane's weights when its limit is measured; the fastest counts.
@@ -52,8 +57,9 @@ class BenchResult:
     prompt: int
     generated: int
     depth: int
-    prefill_tok_s: float
+    prefill_tok_s: float  # the mean of `repetitions` timed runs of the prompt
     decode_tok_s: float
+    repetitions: int
     launches_per_token: int | None
     weight_gb_per_token: float
     bandwidth_gb_s: float
@@ -138,10 +144,14 @@ def bench_depths(
     generated: int = 128,
     depths: Sequence[int] = (0,),
     knobs: Sequence[str] = (),
+    repetitions: int = REPETITIONS,
 ) -> list[BenchResult]:
     """One bench a depth, every size checked against the model's context first."""
     check_sizes(model, prompt, generated, depths)
-    return [bench(model, lane=lane, prompt=prompt, generated=generated, depth=d, knobs=knobs) for d in depths]
+    return [
+        bench(model, lane=lane, prompt=prompt, generated=generated, depth=d, knobs=knobs, repetitions=repetitions)
+        for d in depths
+    ]
 
 
 def _warm_then_fill(m: Any, tokens: np.ndarray, depth: int, prompt: int, step: Any) -> Any:
@@ -179,6 +189,7 @@ def bench(
     generated: int = 128,
     depth: int = 0,
     knobs: Sequence[str] = (),
+    repetitions: int = REPETITIONS,
 ) -> BenchResult:
     """Measure one model on one lane under its `knobs` (see the module docstring)."""
     with _progress(f"pp{prompt} tg{generated} @ d{depth}") as step:
@@ -189,7 +200,7 @@ def bench(
         rng = np.random.default_rng(SEED)
         tokens = rng.integers(0, min(m.cfg.vocab, m.tokenizer.vocab_size), size=depth + prompt + generated)
         session = m.session()
-        step("filling the cache to the depth", total=PREFILL_WARM + 1 + generated + 1)
+        step("filling the cache to the depth", total=PREFILL_WARM + repetitions + generated + 1)
         if getattr(m.lane, "recurrent", False):
             session = _warm_then_fill(m, tokens, depth, prompt, step)
         else:
@@ -203,12 +214,18 @@ def bench(
                 session.tokens = session.tokens[:depth]
                 step(advance=1)
         step(f"pp{prompt}")
-        _sync(m.lane)
-        start = time.perf_counter()
-        session.extend(tokens[depth : depth + prompt].tolist())
-        _sync(m.lane)
-        prefill = prompt / (time.perf_counter() - start)
-        step(f"tg{generated}", advance=1)
+        rates = []
+        for rep in range(repetitions):
+            if rep:
+                session = _back_to_depth(m, session, tokens, depth)
+            _sync(m.lane)
+            start = time.perf_counter()
+            session.extend(tokens[depth : depth + prompt].tolist())
+            _sync(m.lane)
+            rates.append(prompt / (time.perf_counter() - start))
+            step(advance=1)
+        prefill = float(np.mean(rates))
+        step(f"tg{generated}")
         session = _back_to_depth(m, session, tokens, depth)
         steps = m.lane.decode(int(tokens[depth + prompt]), len(session.tokens), GREEDY)
         warm = min(DECODE_WARM, generated - 1)  # at least one token is timed
@@ -239,6 +256,7 @@ def bench(
         depth=depth,
         prefill_tok_s=round(prefill, 1),
         decode_tok_s=round(decode, 1),
+        repetitions=repetitions,
         launches_per_token=launches,
         weight_gb_per_token=round(weight_bytes / 1e9, 3),
         bandwidth_gb_s=round(bandwidth / 1e9, 1),

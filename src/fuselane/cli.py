@@ -316,8 +316,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     _split(args.model, args)
     results = bench_depths(
-        args.model, lane=args.lane, prompt=args.p, generated=args.n, depths=args.depth, knobs=args.knob
-    )
+        args.model, lane=args.lane, prompt=args.p, generated=args.n, depths=args.depth, knobs=args.knob,
+        repetitions=args.r,
+    )  # fmt: skip
     print(json.dumps(as_json(results), indent=2) if args.json else render(results))
 
 
@@ -448,6 +449,14 @@ def parser() -> argparse.ArgumentParser:
         default=[0],
         help=_range(ranges.BENCH_DEPTH, "tokens already in the cache, one bench each (default 0)")
         + "; depth + prompt + generated + 1 must fit the model's context",
+    )
+    bench.add_argument(
+        "-r",
+        "--repetitions",
+        dest="r",
+        type=ranges.BENCH_REPETITIONS,
+        default=ranges.DEFAULT_BENCH_REPETITIONS,
+        help=_range(ranges.BENCH_REPETITIONS, "timed runs of the prompt, their tokens/s averaged (default 5)"),
     )
     bench.add_argument("--json", action="store_true")
     _tp_flag(bench)

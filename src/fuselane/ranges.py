@@ -23,6 +23,8 @@ SHOWN_CHARS = 40  # a refused value is quoted up to this length: a 100,000-digit
 # checked once its file is open.
 MAX_CTX = 1 << 20
 MAX_TOP_K = (1 << 31) - 1  # llama.cpp's int32; any k at or past the vocabulary switches the filter off
+MAX_BENCH_REPETITIONS = 1000  # a bench past this many timed prompts measures nothing more
+DEFAULT_BENCH_REPETITIONS = 5  # llama-bench's `-r`
 # numpy's SeedSequence keeps 128 bits of entropy; a larger seed adds nothing a user could rely on
 MAX_SEED = (1 << 128) - 1
 MAX_TP = 1 << 10  # ranks of one split: far past any host's GPUs, low enough that a typo is refused at once
@@ -106,6 +108,7 @@ SEED = Bound("--seed", "random seed", Kind.INT, 0, MAX_SEED)
 BENCH_PROMPT = Bound("-p", "prompt tokens", Kind.INT, 1, MAX_CTX)
 BENCH_GENERATED = Bound("-n", "generated tokens", Kind.INT, 1, MAX_CTX)
 BENCH_DEPTH = Bound("--depth", "tokens already in the cache", Kind.INT, 0, MAX_CTX)
+BENCH_REPETITIONS = Bound("-r", "timed runs of the prompt", Kind.INT, 1, MAX_BENCH_REPETITIONS)
 PORT = Bound("--port", "TCP port (0: any free one)", Kind.INT, 0, 65535)
 MAX_SEQS = Bound("--max-seqs", "sequences run together", Kind.INT, 1, 1 << 16)
 MAX_QUEUE = Bound("--max-queue", "requests that may wait for a place", Kind.INT, 0, 1 << 20)

@@ -23,6 +23,28 @@ def test_decode_starts_at_the_depth_not_after_the_prompt(tmp_path, monkeypatch, 
         return m
 
     monkeypatch.setattr(bench_module, "load", spying_load)
-    result = bench(str(path), lane="cpu", prompt=8, generated=3, depth=depth)
+    result = bench(str(path), lane="cpu", prompt=8, generated=3, depth=depth, repetitions=1)
     assert starts == [depth]
     assert result.decode_tok_s > 0 and result.prefill_tok_s > 0
+
+
+@pytest.mark.parametrize("shape", ["tiny-qwen3", "tiny-qwen3next"])
+def test_the_prompt_is_timed_repetitions_times_from_the_depth(tmp_path, monkeypatch, shape):
+    # llama-bench's -r: each timed run of the prompt starts at the depth; the figure is their mean
+    path = write_synthetic(tmp_path / "m.gguf", shape, "q8_0", seed=2)
+    depth, prompt = 5, 7
+    runs: list[tuple[int, int]] = []
+    real_load = bench_module.load
+
+    def spying_load(*args, **kwargs):
+        m = real_load(*args, **kwargs)
+        forward = m.lane.forward
+        m.lane.forward = lambda ids, pos, **kw: runs.append((pos, len(ids))) or forward(ids, pos, **kw)
+        return m
+
+    monkeypatch.setattr(bench_module, "load", spying_load)
+    result = bench(str(path), lane="cpu", prompt=prompt, generated=2, depth=depth, repetitions=3)
+    assert result.repetitions == 3
+    # three timed; an attention model's warm-ups run at the depth too, a recurrent model's from position 0
+    warm = 0 if "next" in shape else bench_module.PREFILL_WARM
+    assert runs.count((depth, prompt)) == 3 + warm
