@@ -33,8 +33,10 @@ class Lane(Protocol):
 class Session:
     """One sequence over a lane's cache."""
 
-    def __init__(self, lane: Lane, *, chunk: int = DEFAULT_CHUNK) -> None:
-        self.lane, self.chunk = lane, chunk
+    def __init__(self, lane: Lane, *, chunk: int | None = None) -> None:
+        # a lane may run prompts in chunks of its own (`prefill_chunk`: the cuda lane's mixtures take 512 rows)
+        self.lane = lane
+        self.chunk = chunk or getattr(lane, "prefill_chunk", None) or DEFAULT_CHUNK
         self.tokens: list[int] = []
 
     @property

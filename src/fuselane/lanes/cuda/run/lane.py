@@ -32,7 +32,7 @@ from fuselane.gguf.dequant import dequantize
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Form, QuantFormat, QuantizedActs, Role, TensorGraph
 from fuselane.graph.ops import GatedDelta
-from fuselane.lanes.cuda.plan.kernels import QBLOCK
+from fuselane.lanes.cuda.plan.kernels import MOE_CHUNK_ROWS, QBLOCK
 from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights, StatePrecision
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run import decode as loop
@@ -183,6 +183,14 @@ class CudaLane:
             dtype = self.state_dtype if rule else self.torch.float32
             self.states[name] = self.torch.zeros(shape, dtype=dtype, device=self.device)
         return self.states[name]
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """The rows a session runs a prompt in, or None for the session's own (`kernels.MOE_CHUNK_ROWS`: a
+        mixture of plain attention on one GPU)."""
+        cfg = self.cfg
+        plain = cfg.linear is None and cfg.latent is None and cfg.shard is None
+        return MOE_CHUNK_ROWS if cfg.moe and plain else None
 
     @property
     def recurrent(self) -> bool:

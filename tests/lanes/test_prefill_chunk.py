@@ -1,0 +1,43 @@
+"""A session runs a prompt in the lane's chunks: the cuda lane takes a mixture's prompt (plain attention, one GPU)
+512 rows at a time (`kernels.MOE_CHUNK_ROWS`, where its grouped expert GEMM was measured faster than two chunks of
+256) and every other model's in the session's 256."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from fuselane.explain import model_source
+from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.run.lane import CudaLane
+from fuselane.runtime.session import DEFAULT_CHUNK, Session
+
+
+def _lane(model: str) -> SimpleNamespace:
+    _, cfg, _ = model_source(model)
+    lane = SimpleNamespace(cfg=cfg, ctx=4096)
+    lane.prefill_chunk = CudaLane.prefill_chunk.fget(lane)
+    return lane
+
+
+@pytest.mark.parametrize(
+    ("model", "rows"),
+    [
+        ("synth:qwen3-30b-a3b", kernels.MOE_CHUNK_ROWS),
+        ("synth:qwen1.5-moe-a2.7b", kernels.MOE_CHUNK_ROWS),
+        ("synth:qwen2.5-7b", DEFAULT_CHUNK),
+        ("synth:deepseek-v2-lite", DEFAULT_CHUNK),  # latent attention: not measured at 512 rows
+        ("synth:tiny-qwen3next", DEFAULT_CHUNK),  # the hybrid's chunked delta rule: not measured either
+    ],
+)
+def test_a_session_takes_the_lanes_chunk(model, rows):
+    assert Session(_lane(model)).chunk == rows
+
+
+def test_a_chunk_given_to_the_session_wins():
+    assert Session(_lane("synth:qwen3-30b-a3b"), chunk=7).chunk == 7
+
+
+def test_a_lane_without_a_chunk_of_its_own_takes_the_sessions():
+    assert Session(SimpleNamespace(ctx=64)).chunk == DEFAULT_CHUNK
