@@ -19,6 +19,7 @@ read faster than a copy through memory).
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -194,7 +195,7 @@ def bench(
     """Measure one model on one lane under its `knobs` (see the module docstring)."""
     with _progress(f"pp{prompt} tg{generated} @ d{depth}") as step:
         step("loading")
-        _reset_peak(lane)
+        before = _reset_peak(lane)
         m = load(model, lane=lane, ctx=rows_needed(prompt, generated, depth), knobs=knobs)
         on_cpu = getattr(m.lane, "name", "") == "cpu"
         rng = np.random.default_rng(SEED)
@@ -242,7 +243,7 @@ def bench(
         steps.close()
         _sync(m.lane)
         decode = (generated - warm) / elapsed
-        peak = _peak_gb(m.lane)  # before the limit's copy buffers, which are the bench's, not the model's
+        peak = _peak_gb(m.lane, before)  # before the limit's copy buffers, which are the bench's, not the model's
         step("the lane's limit", advance=0 if on_cpu else generated - warm)
         weight_bytes, bandwidth, limit = _limit(m)
         step(advance=1)
@@ -267,24 +268,31 @@ def bench(
     )
 
 
-def _reset_peak(lane: str) -> None:
-    """Start counting the GPU memory peak afresh (the memory of a model loaded before is not this one's)."""
+def _reset_peak(lane: str) -> int:
+    """Start counting the GPU memory peak afresh and return what is allocated now, which is not this model's:
+    an earlier bench's model is collected first (its lane's graphs and launches hold it in reference cycles,
+    which only the collector frees: without it a second depth's peak counted both models)."""
     if lane == "cpu":
-        return
+        return 0
     try:
         import torch
     except ImportError:
-        return
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
+        return 0
+    if not torch.cuda.is_available():
+        return 0
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
 
 
-def _peak_gb(lane: Any) -> float | None:
-    """The most GPU memory allocated since `_reset_peak` (`torch.cuda.max_memory_allocated`): the weights as
-    the file holds them, the KV cache, the activations and their int8 forms, the kernels' scratch."""
+def _peak_gb(lane: Any, before: int = 0) -> float | None:
+    """The most GPU memory allocated since `_reset_peak` (`torch.cuda.max_memory_allocated`) less what was
+    allocated `before` the load: the weights as the file holds them, the KV cache, the activations and their
+    int8 forms, the kernels' scratch."""
     if getattr(lane, "name", "") != "cuda" or not lane.torch.cuda.is_available():
         return None
-    return round(lane.torch.cuda.max_memory_allocated() / 1e9, 2)
+    return round((lane.torch.cuda.max_memory_allocated() - before) / 1e9, 2)
 
 
 def _cpu_weights(m: Any) -> list[np.ndarray]:

@@ -48,3 +48,13 @@ def test_the_prompt_is_timed_repetitions_times_from_the_depth(tmp_path, monkeypa
     # three timed; an attention model's warm-ups run at the depth too, a recurrent model's from position 0
     warm = 0 if "next" in shape else bench_module.PREFILL_WARM
     assert runs.count((depth, prompt)) == 3 + warm
+
+
+def test_the_peak_is_the_models_not_what_was_allocated_before():
+    # a second depth's bench loads the model again: what an earlier one left allocated is not counted
+    from types import SimpleNamespace
+
+    cuda = SimpleNamespace(is_available=lambda: True, max_memory_allocated=lambda: 30_000_000_000)
+    lane = SimpleNamespace(name="cuda", torch=SimpleNamespace(cuda=cuda))
+    assert bench_module._peak_gb(lane, before=12_000_000_000) == 18.0
+    assert bench_module._peak_gb(SimpleNamespace(name="cpu")) is None
