@@ -60,7 +60,6 @@ class BenchResult:
     depth: int
     prefill_tok_s: float  # the mean of `repetitions` timed runs of the prompt
     decode_tok_s: float
-    repetitions: int
     launches_per_token: int | None
     weight_gb_per_token: float
     bandwidth_gb_s: float
@@ -68,6 +67,7 @@ class BenchResult:
     percent_of_limit: float
     peak_gpu_gb: float | None  # the most GPU memory the model took, load to last token (None on the cpu lane)
     cache_values: str = ""  # what the cache holds a token a layer (`cache_line`)
+    repetitions: int = REPETITIONS  # timed runs of the prompt
 
 
 def _copy_bandwidth(lane: Any) -> float:
