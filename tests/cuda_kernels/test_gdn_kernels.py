@@ -176,9 +176,9 @@ def test_a_partial_rotary_turns_the_first_values_of_each_head(apart):
     assert rel(out, want) <= 64 * gamma(4)  # the angle's f32 product at position < 64, then cos, sin and a dot
 
 
-@pytest.mark.parametrize("keep", [Keep.F32, Keep.BF16])
+@pytest.mark.parametrize(("keep", "precision"), [(Keep.F32, "ieee"), (Keep.BF16, "ieee"), (Keep.F32, "tf32x3")])
 @pytest.mark.parametrize("rows", [5, chunked.CHUNK + 3])
-def test_the_chunked_rule_equals_the_recurrence(rows, keep):
+def test_the_chunked_rule_equals_the_recurrence(rows, keep, precision):
     rng = np.random.default_rng(20 + rows)
     q, k, v, g, beta, state = _rule_inputs(rows, rng)
     dtype = torch.float32 if keep is Keep.F32 else torch.bfloat16
@@ -188,9 +188,13 @@ def test_the_chunked_rule_equals_the_recurrence(rows, keep):
     out = torch.zeros((rows, V_HEADS * DV), device=DEVICE)
     f32 = lambda a: dev(a.astype(np.float32))  # noqa: E731
     chunked.chunked(f32(q), f32(k), f32(v), f32(g), f32(beta), st, out, rows=rows, heads=V_HEADS,
-                    key_heads=K_HEADS, dk=DK, dv=DV, scale=spec.scale, write_state=True)  # fmt: skip
-    # a chunk's products and its triangular solve (a row of the inverse a sum over the rows before it) in f32
+                    key_heads=K_HEADS, dk=DK, dv=DV, scale=spec.scale, write_state=True,
+                    precision=precision)  # fmt: skip
+    # a chunk's products and its triangular solve (a row of the inverse a sum over the rows before it) in f32;
+    # TF32x3 products round at their own unit (`chunked.TF32X3_ROUNDOFF`)
     bound = gamma(rows * (DK + STEP_ROUNDINGS) + chunked.CHUNK * (DK + DV))
+    if precision == "tf32x3":
+        bound *= chunked.TF32X3_ROUNDOFF / chunked.F32_ROUNDOFF
     assert rel(out, want_o) <= bound
     got_s = st.double().cpu().numpy()
     assert np.all(np.abs(got_s - want_s) <= keep.unit_roundoff * np.abs(want_s) + bound * np.abs(want_s).max())

@@ -11,6 +11,7 @@ clear. Bounds as in test_gdn_kernels.py and the lane's numerics contract.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import pytest
@@ -37,7 +38,9 @@ EPS = 1e-6
 
 
 @pytest.mark.parametrize("keep", [Keep.F32, Keep.BF16])
-@pytest.mark.parametrize(("rows", "form"), [(1, "delta"), (CHUNK_PAST, "delta"), (CHUNK_PAST, "chunked")])
+@pytest.mark.parametrize(
+    ("rows", "form"), [(1, "delta"), (CHUNK_PAST, "delta"), (CHUNK_PAST, "chunked"), (CHUNK_PAST, "tf32x3")]
+)
 def test_the_delta_step_at_the_real_widths(rows, form, keep):
     rng = np.random.default_rng(rows)
     q = rng.standard_normal((rows, K_HEADS * DIM))
@@ -52,13 +55,16 @@ def test_the_delta_step_at_the_real_widths(rows, form, keep):
     want_o, want_s = ref.recurrence(spec, q, k, v, g, beta, st.double().cpu().numpy())
     from fuselane.lanes.cuda.triton.gdn import chunked, delta
 
-    run = delta.delta if form == "delta" else chunked.chunked
+    # "chunked" multiplies in f32, "tf32x3" in three TF32 products a step (`CudaKnobs.delta_products`)
+    run = delta.delta if form == "delta" else partial(chunked.chunked, precision="ieee" if form == "chunked" else form)
     out = torch.zeros((rows, V_HEADS * DIM), device=DEVICE)
     f32 = lambda a: dev(a.astype(np.float32))  # noqa: E731
     run(f32(q), f32(k), f32(v), f32(g), f32(beta), st, out, rows=rows, heads=V_HEADS, key_heads=K_HEADS,
                 dk=DIM, dv=DIM, scale=spec.scale, write_state=True)  # fmt: skip
     torch.cuda.synchronize()
     bound = gamma(rows * (DIM + STEP_ROUNDINGS) + chunked.CHUNK * 2 * DIM) + gamma(DIM + 1)  # as the kernel tests
+    if form == "tf32x3":
+        bound *= chunked.TF32X3_ROUNDOFF / chunked.F32_ROUNDOFF
     assert rel(out, want_o) <= bound
     got_s = st.double().cpu().numpy()
     assert np.all(np.abs(got_s - want_s) <= keep.unit_roundoff * np.abs(want_s) + bound * np.abs(want_s).max())

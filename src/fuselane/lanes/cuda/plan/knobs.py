@@ -60,6 +60,13 @@ class PrefillWeights(enum.Enum):
     IN_PLACE = "in-place"  # the f16 tensor-core GEMMs that decode the checkpoint's bytes in the kernel; no copy
 
 
+class DeltaProducts(enum.Enum):
+    """How the chunked gated delta rule (a prefill chunk of a hybrid's linear layers) multiplies."""
+
+    IEEE = "ieee"  # f32 products as FMA loops: the recurrence's numbers within f32 roundoff
+    TF32X3 = "tf32x3"  # three TF32 tensor-core products a step (the low halves' product dropped): about f32's
+
+
 class RopeEpilogue(enum.Enum):
     """Where an int8 decode step's query and key rotations run: in the QKV GEMV's epilogue or a launch after."""
 
@@ -133,6 +140,11 @@ class CudaKnobs:
       decode the weights in the kernel for every product (no copy): Q4_K and Q6_K a super-block a step with the
       sub-scales folded into the f16 weights (`triton/gemm_sb.py`, not yet timed), other formats `triton/gemm.py`
       (slower than the copies).
+    - `delta_products=ieee`: the chunked gated delta rule's products in f32 (`triton/gdn/chunked.py`), which
+      ptxas holds at 32 registers with 14.6 KB of stack a thread at Qwen3-Next's widths (sm_90 compile,
+      benchmarks/RESULTS.md); `tf32x3` multiplies on the tensor cores in three TF32 products (about f32's
+      rounding, as the chunk's routing product does), 255 registers and 2.4 KB of stack. Not yet timed, so the
+      default keeps the exact f32 products.
     """
 
     chip: Chip = H200
@@ -146,6 +158,7 @@ class CudaKnobs:
     norm_launch: bool = True
     rope_epilogue: RopeEpilogue = RopeEpilogue.AUTO
     weight_loads: WeightLoads = WeightLoads.AS_WRITTEN
+    delta_products: DeltaProducts = DeltaProducts.IEEE
 
     @classmethod
     def parse(cls, settings: Iterable[str], base: CudaKnobs | None = None) -> CudaKnobs:
@@ -206,4 +219,5 @@ _SETTERS = {
     "norm_launch": lambda k, v: replace(k, norm_launch=_flag("norm_launch", v)),
     "rope_epilogue": lambda k, v: replace(k, rope_epilogue=_choice("rope_epilogue", RopeEpilogue, v)),
     "weight_loads": lambda k, v: replace(k, weight_loads=_choice("weight_loads", WeightLoads, v)),
+    "delta_products": lambda k, v: replace(k, delta_products=_choice("delta_products", DeltaProducts, v)),
 }

@@ -48,7 +48,14 @@ from fuselane.lanes.cuda.plan import gdn, gemm_tiles, kernels, latent
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, ROWS_A_WARP
 from fuselane.lanes.cuda.plan.fits import fits as lane_fits
 from fuselane.lanes.cuda.plan.gdn import GDN_NATIVE
-from fuselane.lanes.cuda.plan.knobs import Activations, CachePrecision, CudaKnobs, PrefillWeights, StatePrecision
+from fuselane.lanes.cuda.plan.knobs import (
+    Activations,
+    CachePrecision,
+    CudaKnobs,
+    DeltaProducts,
+    PrefillWeights,
+    StatePrecision,
+)
 from fuselane.lanes.cuda.plan.rules import (
     PRODUCTS_APART,
     QUANTIZE_APART,
@@ -159,6 +166,7 @@ _ACTIVATION_FORMATS: dict[Activations, QuantFormat | None] = {
     Activations.INT8X2: QuantFormat.TWO_WORDS,
 }
 _IN_KERNEL = "decode the checkpoint's bytes to f16 in the kernel"  # the f16 GEMMs' words for `explain`
+TF32X3_DELTA = "; the chunked delta rule multiplies in TF32x3 (three TF32 products a step)"  # delta_products=tf32x3
 _CACHE_KEEP = {CachePrecision.F32: Keep.F32, CachePrecision.F16: Keep.F16}
 _STATE_KEEP = {StatePrecision.F32: Keep.F32, StatePrecision.BF16: Keep.BF16}
 
@@ -316,6 +324,7 @@ class CudaShim:
                 f"the cuda lane: {k.activations.value} activations, {k.cache_precision.value} cache, "
                 f"{k.recurrent_state.value} state; a chunk's products {self.prefill_products}"
                 + (f"; a batch's products {self.batch_products}" if k.batch else "")
+                + (TF32X3_DELTA if k.delta_products is DeltaProducts.TF32X3 else "")
             ),
             activations=self.scheme,
             cache=_CACHE_KEEP[k.cache_precision],

@@ -182,8 +182,11 @@ def step(op: Op, b) -> list:
     shape = dict(rows=spec.rows, heads=spec.heads, key_heads=spec.k_heads or spec.heads, dk=spec.dk, dv=spec.dv)
     write = after is not None
     # a chunk's rows in the chunked form where its products take the heads; a decode step's row by the recurrence
-    run = chunked.chunked if spec.rows > 1 and chunked.takes(spec.dk) else delta.delta
-    return [lambda: run(q, k, v, g, beta, state, out, scale=spec.scale, write_state=write, **shape)]
+    if spec.rows > 1 and chunked.takes(spec.dk):
+        products = dict(precision=b.delta_products)
+        return [lambda: chunked.chunked(q, k, v, g, beta, state, out, scale=spec.scale, write_state=write,
+                                        **shape, **products)]  # fmt: skip
+    return [lambda: delta.delta(q, k, v, g, beta, state, out, scale=spec.scale, write_state=write, **shape)]
 
 
 def gated_norm(op: Op, b, out_q8: Any = None) -> list:

@@ -313,6 +313,7 @@ class _Step:
         bound = Bound(
             g, bufs, lane.raw, lane.vec, lane.dense,
             in_place=in_place, q8=q8, attention_f16=_attention_in_f16(lane.shim.knobs), sms=lane.shim.knobs.chip.sms,
+            delta_products=lane.shim.knobs.delta_products.value,
         )  # fmt: skip
         # each op of the plan and its launches (one, none for a view): what `fuselane explain` counts
         self.bound = [(op, bind(op, bound)) for op in plan.ops]

@@ -9,8 +9,9 @@ v_new = T (beta v) - T (beta k exp(cum)) S; the rows' outputs are (q exp(cum)) S
 state moves to S exp(cum_last) + (k exp(cum_last - cum))^T v_new. Rows past the chunk's end are loaded as
 zeros (k = 0, g = 0: they change nothing). A program holds one value head's state for `BV` value columns.
 
-The products run in f32 (`DOT_PRECISION`: IEEE, so the numbers are the recurrence's within f32 roundoff, as the
-lane's contract keeps its arithmetic); TF32 on the tensor cores would be a numerics choice of its own.
+The products run in f32 by default (IEEE, so the numbers are the recurrence's within f32 roundoff, as the lane's
+contract keeps its arithmetic), or in three TF32 tensor-core products a step (`CudaKnobs.delta_products=tf32x3`,
+about f32's rounding), which ptxas holds in registers where the f32 products spill.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ from fuselane.lanes.cuda.triton.gdn.delta import nearest_bf16
 CHUNK = 64  # rows a chunk (the reference's chunk size)
 BV = 64  # value columns a program
 MIN_DOT = 16  # tl.dot's least extent: heads of fewer key values run the recurrence (`delta`)
-DOT_PRECISION: tl.constexpr = tl.constexpr("ieee")
+PRECISIONS = ("ieee", "tf32x3")  # `tl.dot`'s input precisions the kernel takes (`CudaKnobs.delta_products`)
+# A TF32x3 product's relative error, bounded: each operand split into a TF32 high half and the TF32 of its rest,
+# whose own rounding and the dropped product of the two rests are each about 2^-22 of the product; 16 times
+# f32's unit roundoff, which a test scales its f32 bound by
+TF32X3_ROUNDOFF = 2.0**-20
+F32_ROUNDOFF = 2.0**-24
 WARPS = 8
 
 
@@ -33,7 +39,7 @@ WARPS = 8
 def _chunked_kernel(
     q_ptr, k_ptr, qk_pitch, v_ptr, v_pitch, g_ptr, b_ptr, gb_pitch, s_ptr, o_ptr, o_pitch, rows, scale,
     DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PER: tl.constexpr, C: tl.constexpr,
-    WRITE_O: tl.constexpr, WRITE_S: tl.constexpr, PDL: tl.constexpr,
+    WRITE_O: tl.constexpr, WRITE_S: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
     h = tl.program_id(0)
@@ -91,9 +97,12 @@ def takes(dk: int) -> bool:
 def chunked(
     q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, out: torch.Tensor | None, *, rows: int, heads: int, key_heads: int, dk: int, dv: int,
-    scale: float, write_state: bool,
+    scale: float, write_state: bool, precision: str = PRECISIONS[0],
 ) -> None:  # fmt: skip
-    """`delta.delta`'s arguments and results, the rows `CHUNK` at a time. One launch."""
+    """`delta.delta`'s arguments and results, the rows `CHUNK` at a time, the products at `precision` (one of
+    `PRECISIONS`). One launch."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"the chunked rule multiplies at one of {PRECISIONS}, not {precision!r}")
     if not takes(dk):
         raise ValueError(f"the chunked rule takes heads of a power of two of at least {MIN_DOT} key values")
     k2, v2 = k.view(rows, -1) if k.is_contiguous() else k, v.view(rows, -1) if v.is_contiguous() else v
@@ -103,5 +112,5 @@ def chunked(
     _chunked_kernel[(heads, triton.cdiv(dv, bv))](
         q2, k2, k2.stride(0), v2, v2.stride(0), g, beta, heads, state, o, o.stride(0), rows, float(scale),
         DK=dk, DV=dv, BV=bv, PER=heads // key_heads, C=CHUNK, WRITE_O=out is not None, WRITE_S=write_state,
-        num_warps=WARPS, **pdl.options(),
+        DOT_PRECISION=precision, num_warps=WARPS, **pdl.options(),
     )  # fmt: skip
