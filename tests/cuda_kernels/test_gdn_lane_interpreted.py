@@ -62,3 +62,18 @@ def test_cuda_lane_runs_qwen3next_as_the_cpu_lane(tmp_path, shape, state, activa
     assert rel(again, want) <= tol
     with pytest.raises(ValueError, match="cannot continue"):
         gpu.lane.forward(np.array([3]), 2)
+
+
+@pytest.mark.parametrize(("knobs", "precision"), [((), "ieee"), (("delta_products=tf32x3",), "tf32x3")])
+def test_a_chunks_delta_rule_multiplies_at_the_knobs_precision(tmp_path, monkeypatch, knobs, precision):
+    # binding only (no kernel runs): the chunk's GdnStep launch hands the chunked rule the knob's precision
+    from fuselane.lanes.cuda.triton.gdn import chunked
+
+    path = write_synthetic(tmp_path / "m.gguf", TINY, "q8_0", seed=3)
+    gpu = load(path, lane="cuda", ctx=16, knobs=["activations=dequant", *knobs])
+    rows = len(PROMPT)
+    (launches,) = [ls for op, ls in gpu.lane.step(rows).bound if class_of(op) is C.GDN_STEP]
+    seen: list[str] = []
+    monkeypatch.setattr(chunked, "chunked", lambda *a, **k: seen.append(k["precision"]))
+    launches[0]()
+    assert seen == [precision]
