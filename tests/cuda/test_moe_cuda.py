@@ -21,12 +21,14 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 from fuselane.explain import launches_per_layer  # noqa: E402
 from fuselane.gguf.synth import SHAPES, write_synthetic  # noqa: E402
+from fuselane.lanes.cuda.plan import kernels  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 from fuselane.runtime.sampling import GREEDY, Sampler  # noqa: E402
 
 LAYERS, VOCAB, SEED = 2, 4096, 7
 PROMPT = [11, 200, 7, 7, 90, 3, 141, 52, 9, 1000, 17, 4000]  # past the GEMV's rows: a chunk
 DECODE = [5, 6, 7]
+LONG = kernels.MOE_CHUNK_ROWS + 88  # a prompt of a whole mixture chunk and a partial one
 LAUNCH_BUDGET = 8  # a decode step's launches a layer
 SHAPE_NAMES = ["qwen3-30b-a3b", "qwen1.5-moe-a2.7b"]
 NUMERICS = {"int8": [], "dequant": ["activations=dequant"]}
@@ -101,4 +103,20 @@ def test_the_prompts_chunk_runs_the_grouped_expert_gemm(mixture, monkeypatch):
     got = gpu.session().feed(PROMPT)
     assert calls == {"gate_up_grouped": LAYERS, "down_grouped": LAYERS}, calls
     assert np.isfinite(got).all() and rel(got, want[0]) <= tol, f"{rel(got, want[0]):.2e} > {tol:.2e}"
+    gpu.close()
+
+
+def test_a_long_prompt_runs_in_the_lanes_chunks_as_the_cpu_lane(mixture):
+    # a session takes a mixture's prompt 512 rows at a time (`CudaLane.prefill_chunk`): a full chunk, then 88 rows
+    path, _ = mixture
+    tokens = np.random.default_rng(SEED).integers(0, VOCAB, LONG).tolist()
+    ref = load(path, lane="cpu", ctx=LONG + 1, dtype=np.float64)
+    want = ref.session().feed(tokens)
+    ref.close()
+    gpu = load(path, lane="cuda", ctx=LONG + 1)
+    s = gpu.session()
+    assert s.chunk == kernels.MOE_CHUNK_ROWS
+    got = s.feed(tokens)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    assert np.isfinite(got).all() and rel(got, want) <= tol, f"{rel(got, want):.2e} > {tol:.2e}"
     gpu.close()
