@@ -106,9 +106,12 @@ def test_the_prompts_chunk_runs_the_grouped_expert_gemm(mixture, monkeypatch):
     gpu.close()
 
 
-def test_a_long_prompt_runs_in_the_lanes_chunks_as_the_cpu_lane(mixture):
-    # a session takes a mixture's prompt 512 rows at a time (`CudaLane.prefill_chunk`): a full chunk, then 88 rows
-    path, _ = mixture
+def test_a_long_prompt_runs_in_the_lanes_chunks_as_the_cpu_lane(tmp_path):
+    # a session takes a mixture's prompt 512 rows at a time (`CudaLane.prefill_chunk`): a full chunk, then 88 rows;
+    # 16 of the 30B-A3B's experts, so each meets ~300 pairs (many tiles of the grouped GEMM) and the f64
+    # reference, which dequantizes every expert a chunk meets, stays short
+    shape = replace(SHAPES["qwen3-30b-a3b"], n_layers=LAYERS, vocab=VOCAB, experts=16)
+    path = write_synthetic(tmp_path / "long.gguf", shape, "q4_k_m", seed=SEED)
     tokens = np.random.default_rng(SEED).integers(0, VOCAB, LONG).tolist()
     ref = load(path, lane="cpu", ctx=LONG + 1, dtype=np.float64)
     want = ref.session().feed(tokens)
