@@ -39,9 +39,6 @@ COPY_REPEATS = 5
 SEED = 1234
 # Tokens read before decode is timed: the decode step's first runs compile its kernels and capture its graph.
 DECODE_WARM = 3
-# Timed runs of the prompt, their tokens/s averaged (llama-bench's `-r` and its default): one run of a chunk that
-# takes tens of milliseconds is at the mercy of whatever else the host and the device did just before.
-REPETITIONS = DEFAULT_BENCH_REPETITIONS
 # Runs of a whole prefill chunk before prefill is timed: compiling, then a lane's capture of the chunk as a graph.
 PREFILL_WARM = 3
 # Passes over the cpu lane's weights when its limit is measured; the fastest counts.
@@ -67,7 +64,7 @@ class BenchResult:
     percent_of_limit: float
     peak_gpu_gb: float | None  # the most GPU memory the model took, load to last token (None on the cpu lane)
     cache_values: str = ""  # what the cache holds a token a layer (`cache_line`)
-    repetitions: int = REPETITIONS  # timed runs of the prompt
+    repetitions: int = DEFAULT_BENCH_REPETITIONS  # timed runs of the prompt
 
 
 def _copy_bandwidth(lane: Any) -> float:
@@ -145,7 +142,7 @@ def bench_depths(
     generated: int = 128,
     depths: Sequence[int] = (0,),
     knobs: Sequence[str] = (),
-    repetitions: int = REPETITIONS,
+    repetitions: int = DEFAULT_BENCH_REPETITIONS,
 ) -> list[BenchResult]:
     """One bench a depth, every size checked against the model's context first."""
     check_sizes(model, prompt, generated, depths)
@@ -163,6 +160,11 @@ def _warm_then_fill(m: Any, tokens: np.ndarray, depth: int, prompt: int, step: A
         warm = m.session()
         warm.extend(tokens[: min(prompt, warm.chunk)].tolist())
         step(advance=1)
+    return _filled(m, tokens, depth)
+
+
+def _filled(m: Any, tokens: np.ndarray, depth: int) -> Any:
+    """A new session holding the first `depth` tokens."""
     session = m.session()
     if depth:
         session.extend(tokens[:depth].tolist())
@@ -176,10 +178,7 @@ def _back_to_depth(m: Any, session: Any, tokens: np.ndarray, depth: int) -> Any:
     if not getattr(m.lane, "recurrent", False):
         session.tokens = session.tokens[:depth]
         return session
-    session = m.session()
-    if depth:
-        session.extend(tokens[:depth].tolist())
-    return session
+    return _filled(m, tokens, depth)
 
 
 def bench(
@@ -190,7 +189,7 @@ def bench(
     generated: int = 128,
     depth: int = 0,
     knobs: Sequence[str] = (),
-    repetitions: int = REPETITIONS,
+    repetitions: int = DEFAULT_BENCH_REPETITIONS,
 ) -> BenchResult:
     """Measure one model on one lane under its `knobs` (see the module docstring)."""
     with _progress(f"pp{prompt} tg{generated} @ d{depth}") as step:
@@ -200,13 +199,11 @@ def bench(
         on_cpu = getattr(m.lane, "name", "") == "cpu"
         rng = np.random.default_rng(SEED)
         tokens = rng.integers(0, min(m.cfg.vocab, m.tokenizer.vocab_size), size=depth + prompt + generated)
-        session = m.session()
         step("filling the cache to the depth", total=PREFILL_WARM + repetitions + generated + 1)
         if getattr(m.lane, "recurrent", False):
             session = _warm_then_fill(m, tokens, depth, prompt, step)
         else:
-            if depth:
-                session.extend(tokens[:depth].tolist())
+            session = _filled(m, tokens, depth)
             # first runs of a whole chunk compile the kernels, make what prefill uses and let a lane capture the
             # chunk as a graph; their cache rows are rewritten
             step("prefill warm-up")

@@ -24,7 +24,9 @@ SHOWN_CHARS = 40  # a refused value is quoted up to this length: a 100,000-digit
 MAX_CTX = 1 << 20
 MAX_TOP_K = (1 << 31) - 1  # llama.cpp's int32; any k at or past the vocabulary switches the filter off
 MAX_BENCH_REPETITIONS = 1000  # a bench past this many timed prompts measures nothing more
-DEFAULT_BENCH_REPETITIONS = 5  # llama-bench's `-r`
+# timed runs of a bench's prompt, their tokens/s averaged (llama-bench's `-r` and its default): one run of a chunk
+# that takes tens of milliseconds is at the mercy of whatever the host and the device did just before
+DEFAULT_BENCH_REPETITIONS = 5
 # numpy's SeedSequence keeps 128 bits of entropy; a larger seed adds nothing a user could rely on
 MAX_SEED = (1 << 128) - 1
 MAX_TP = 1 << 10  # ranks of one split: far past any host's GPUs, low enough that a typo is refused at once

@@ -8,6 +8,7 @@ gamma_k * sum |w x| of the exact one (Higham, "Accuracy and Stability of Numeric
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from fuselane.gguf.formats import LAYOUTS, Format
@@ -15,6 +16,8 @@ from fuselane.gguf.quantize import random_blocks
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
+# the marks of a case too wide for the interpreter: it runs in the GPU run (`-m cuda`) only
+GPU_ONLY = (pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU"))
 U32 = 2.0**-24  # f32 unit roundoff
 U16 = 2.0**-11  # f16 unit roundoff: an f16 result's one rounding, relative (normal values)
 F16_TINY_STEP = 2.0**-24  # the spacing of f16's subnormals, where a rounding is within half of it, absolute

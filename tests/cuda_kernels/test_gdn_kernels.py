@@ -194,7 +194,7 @@ def test_the_chunked_rule_equals_the_recurrence(rows, keep, precision):
     # TF32x3 products round at their own unit (`chunked.TF32X3_ROUNDOFF`)
     bound = gamma(rows * (DK + STEP_ROUNDINGS) + chunked.CHUNK * (DK + DV))
     if precision == "tf32x3":
-        bound *= chunked.TF32X3_ROUNDOFF / chunked.F32_ROUNDOFF
+        bound *= chunked.TF32X3_ROUNDOFF / Keep.F32.unit_roundoff
     assert rel(out, want_o) <= bound
     got_s = st.double().cpu().numpy()
     assert np.all(np.abs(got_s - want_s) <= keep.unit_roundoff * np.abs(want_s) + bound * np.abs(want_s).max())

@@ -64,7 +64,7 @@ def test_the_delta_step_at_the_real_widths(rows, form, keep):
     torch.cuda.synchronize()
     bound = gamma(rows * (DIM + STEP_ROUNDINGS) + chunked.CHUNK * 2 * DIM) + gamma(DIM + 1)  # as the kernel tests
     if form == "tf32x3":
-        bound *= chunked.TF32X3_ROUNDOFF / chunked.F32_ROUNDOFF
+        bound *= chunked.TF32X3_ROUNDOFF / Keep.F32.unit_roundoff
     assert rel(out, want_o) <= bound
     got_s = st.double().cpu().numpy()
     assert np.all(np.abs(got_s - want_s) <= keep.unit_roundoff * np.abs(want_s) + bound * np.abs(want_s).max())

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
 pytest.importorskip("triton")
 
-from kernel_checks import DEVICE, dev, raw_weights  # noqa: E402
+from kernel_checks import DEVICE, GPU_ONLY, dev, raw_weights  # noqa: E402
 
 from fuselane.gguf.formats import Format  # noqa: E402
 from fuselane.lanes.cuda.triton import quant, rope  # noqa: E402
@@ -23,7 +23,6 @@ from fuselane.lanes.cuda.triton.gemv.q8 import gemv_q8_parts  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.q8_rope import Turn, gemv_q8_parts_rope, rope_counters  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.rows import Part  # noqa: E402
 
-GPU_ONLY = (pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"))
 HEADS, KV, HD, K, CTX, POS = 4, 2, 64, 256, 8, 5
 BASE, EPS = 1e6, 1e-6
 TILE = {"block_n": 4, "warps": 1, "per_thread": 1}  # 16 programs a head: the count decides who turns it

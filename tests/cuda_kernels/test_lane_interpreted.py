@@ -16,11 +16,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
 pytest.importorskip("triton")
 
+from kernel_checks import GPU_ONLY  # noqa: E402
+
 from fuselane.fuse.optimizer import rule_names  # noqa: E402
 from fuselane.gguf.synth import write_synthetic  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 
-GPU_ONLY = (pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"))
 PROMPT = [5, 60, 7, 300, 8, 1, 2, 3, 4, 5, 6]  # past the GEMV's rows: the prefill GEMM and flash-prefill run
 DECODE = [9, 10, 11]
 

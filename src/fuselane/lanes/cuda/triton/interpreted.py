@@ -42,26 +42,22 @@ def _bytes_of(t, signed: bool) -> np.ndarray:
     return view.reshape(data.shape + (WORD_BYTES,)).astype(np.int32)
 
 
-def _tensor(data: np.ndarray, like):
-    """An int32 tensor of `like`'s type holding `data`."""
+def _tensor(data: np.ndarray):
+    """An int32 block tensor holding `data` (the interpreter's tensors are their arrays)."""
     from triton.runtime.interpreter import TensorHandle
 
-    return tl.core.tensor(TensorHandle(data.astype(np.int32), tl.int32), like.type)
+    return tl.core.tensor(TensorHandle(data.astype(np.int32), tl.int32), tl.block_type(tl.int32, list(data.shape)))
 
 
 def _dp4a(a, b, c, signed):
     """c + the dot of a's four bytes (signed where `signed`, else unsigned) with b's four signed bytes."""
     sums = (_bytes_of(a, bool(signed)) * _bytes_of(b, True)).sum(-1, dtype=np.int64)
-    return _tensor((c.handle.data.astype(np.int64) + sums).astype(np.int32), c)
+    return _tensor(c.handle.data.astype(np.int64) + sums)
 
 
 def _dot16(w, a, signed):
     """[N, G, 4] words of codes times [N, G, 4] words of signed activations: [N, G] int32 of 16-value dots."""
-    sums = (_bytes_of(w, bool(signed)) * _bytes_of(a, True)).sum((-2, -1), dtype=np.int64).astype(np.int32)
-    from triton.runtime.interpreter import TensorHandle
-
-    shape = list(sums.shape)
-    return tl.core.tensor(TensorHandle(sums, tl.int32), tl.block_type(tl.int32, shape))
+    return _tensor((_bytes_of(w, bool(signed)) * _bytes_of(a, True)).sum((-2, -1), dtype=np.int64))
 
 
 DP4A = tl.constexpr(_Form("interpreted.dp4a", _dp4a))

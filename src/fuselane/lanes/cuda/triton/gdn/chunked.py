@@ -31,7 +31,6 @@ PRECISIONS = ("ieee", "tf32x3")  # `tl.dot`'s input precisions the kernel takes 
 # whose own rounding and the dropped product of the two rests are each about 2^-22 of the product; 16 times
 # f32's unit roundoff, which a test scales its f32 bound by
 TF32X3_ROUNDOFF = 2.0**-20
-F32_ROUNDOFF = 2.0**-24
 WARPS = 8
 
 
