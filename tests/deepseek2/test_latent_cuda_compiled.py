@@ -3,7 +3,7 @@ the lane's numerics contract: two layers (the first dense, the second a mixture 
 the 2 shared) in Q4_K_M, a small vocabulary; a prompt chunk past the GEMV's rows (its latent attention
 expanded, `Mla`: the key half Q5_0, the value half Q4_K), then decode steps replayed from the captured CUDA
 graph (the latent cache written a row a token in f16, read in place by the attention), then a second chunk at
-a later position, twice (the second replayed from its graph).
+a later position, twice (the second replayed from its graph); and a prompt of a 512-row chunk and a partial one.
 The widths are V2-Lite's: 2048 wide, 16 heads, kv_lora_rank 512, nope 128, rope 64, value 128, YaRN x40.
 """
 
@@ -60,3 +60,26 @@ def test_v2_lite_widths_run_as_the_cpu_lane(tmp_path):
         a, b = np.asarray(a), np.asarray(b)
         assert np.isfinite(a).all(), what
         assert rel(a, b) <= tol, f"{what}: {rel(a, b):.2e} > {tol:.2e}"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")
+def test_a_long_prompt_runs_in_the_lanes_chunks_as_the_cpu_lane(tmp_path):
+    # a session takes the latent mixture's prompt 512 rows at a time (`CudaLane.prefill_chunk`): a full chunk, then
+    # 88 rows, each latent attention expanded (`Mla`) over the whole cache so far; each of the 8 experts meets ~450
+    # pairs (many tiles of the grouped GEMM)
+    from fuselane.lanes.cuda.plan import kernels
+
+    long = kernels.MOE_CHUNK_ROWS + 88
+    path = write_synthetic(tmp_path / "long.gguf", SHAPE, "q4_k_m", seed=5)
+    tokens = np.random.default_rng(5).integers(0, SHAPE.vocab, long).tolist()
+    ref = load(path, lane="cpu", ctx=long + 1, dtype=np.float64)
+    want = ref.session().feed(tokens)
+    ref.close()
+    gpu = load(path, lane="cuda", ctx=long + 1)
+    s = gpu.session()
+    assert s.chunk == kernels.MOE_CHUNK_ROWS
+    got = np.asarray(s.feed(tokens))
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    assert np.isfinite(got).all() and rel(got, want) <= tol, f"{rel(got, want):.2e} > {tol:.2e}"
+    gpu.close()

@@ -38,8 +38,9 @@ QBLOCK = contract.QBLOCK
 GEMV_ROWS = 8
 # Rows of a mixture's prefill chunk in a session (llama.cpp's ubatch): its grouped expert GEMM cuts each expert's
 # (row, slot) pairs into tiles, and at the session's 256 rows Qwen3-30B-A3B's 128 experts meet 16 pairs each. One
-# chunk of 512 took 30.4 ms where two of 256 took 41.0 (H200, Q4_K_M: pp512 16,826 against 12,486 tok/s). Only
-# where measured: the dense models, the hybrid and the latent attention keep the session's chunk.
+# chunk of 512 took 30.4 ms where two of 256 took 41.0 (H200, Q4_K_M: pp512 16,826 against 12,486 tok/s);
+# DeepSeek-V2-Lite's latent mixture 24.4 ms against two of 21.1. Only where measured: the dense models and the
+# hybrid keep the session's chunk.
 MOE_CHUNK_ROWS = 512
 
 # The output tile of a tensor-core GEMM: 128 outputs wide, the N tile Triton's Hopper wgmma path runs at

@@ -187,10 +187,9 @@ class CudaLane:
     @property
     def prefill_chunk(self) -> int | None:
         """The rows a session runs a prompt in, or None for the session's own (`kernels.MOE_CHUNK_ROWS`: a
-        mixture of plain attention on one GPU)."""
+        mixture of plain or latent attention on one GPU)."""
         cfg = self.cfg
-        plain = cfg.linear is None and cfg.latent is None and cfg.shard is None
-        return MOE_CHUNK_ROWS if cfg.moe and plain else None
+        return MOE_CHUNK_ROWS if cfg.moe and cfg.linear is None and cfg.shard is None else None
 
     @property
     def recurrent(self) -> bool:
