@@ -111,8 +111,9 @@ def _sync(lane: Any) -> None:
 
 
 def rows_needed(prompt: int, generated: int, depth: int) -> int:
-    """Cache rows one bench uses: the depth, the prompt, the generated tokens and the decode loop's own row."""
-    return depth + prompt + generated + DECODE_ROW
+    """Cache rows one bench uses: the depth, the prompt, the generated tokens (or the decode warm-up's, where
+    more) and the decode loop's own row."""
+    return depth + prompt + max(generated, DECODE_WARM) + DECODE_ROW
 
 
 def check_sizes(model: str | None, prompt: int, generated: int, depths: Sequence[int]) -> None:
@@ -129,7 +130,7 @@ def check_sizes(model: str | None, prompt: int, generated: int, depths: Sequence
     need = rows_needed(prompt, generated, deepest)
     if need > context:
         raise FuselaneError(
-            f"depth {deepest} + prompt {prompt} + generated {generated} + 1 = {need:,} cache rows, "
+            f"depth {deepest} + prompt {prompt} + generated {max(generated, DECODE_WARM)} + 1 = {need:,} cache rows, "
             f"more than the model's context of {context:,} tokens"
         )
 
@@ -169,6 +170,24 @@ def _filled(m: Any, tokens: np.ndarray, depth: int) -> Any:
     if depth:
         session.extend(tokens[:depth].tolist())
     return session
+
+
+def _warm_decode(m: Any, session: Any, tokens: np.ndarray, depth: int, prompt: int, generated: int) -> tuple:
+    """The decode loop from the depth and the tokens of it already run: its first steps compile the kernels and
+    capture the step's graph, so `DECODE_WARM` of them are not timed. Where fewer tokens are asked for than that
+    and one, the warm-up runs in a loop of its own, which the cache is then taken back from."""
+    first = int(tokens[depth + prompt])
+    steps = m.lane.decode(first, len(session.tokens), GREEDY)
+    if generated > DECODE_WARM:
+        for _ in range(DECODE_WARM):
+            next(steps)
+        return steps, DECODE_WARM
+    for _ in range(DECODE_WARM):
+        next(steps)
+    steps.close()
+    _sync(m.lane)
+    session = _back_to_depth(m, session, tokens, depth)
+    return m.lane.decode(first, len(session.tokens), GREEDY), 0
 
 
 def _back_to_depth(m: Any, session: Any, tokens: np.ndarray, depth: int) -> Any:
@@ -225,11 +244,8 @@ def bench(
         prefill = float(np.mean(rates))
         step(f"tg{generated}")
         session = _back_to_depth(m, session, tokens, depth)
-        steps = m.lane.decode(int(tokens[depth + prompt]), len(session.tokens), GREEDY)
-        warm = min(DECODE_WARM, generated - 1)  # at least one token is timed
-        for _ in range(warm):
-            next(steps)
-            step(advance=1)
+        steps, warm = _warm_decode(m, session, tokens, depth, prompt, generated)
+        step(advance=warm)
         # not synchronized first: the loop keeps a step queued ahead of the token it reads, as it does for a user
         start = time.perf_counter()
         for _ in range(generated - warm):

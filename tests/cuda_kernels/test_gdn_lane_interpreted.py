@@ -64,7 +64,7 @@ def test_cuda_lane_runs_qwen3next_as_the_cpu_lane(tmp_path, shape, state, activa
         gpu.lane.forward(np.array([3]), 2)
 
 
-@pytest.mark.parametrize(("knobs", "precision"), [((), "ieee"), (("delta_products=tf32x3",), "tf32x3")])
+@pytest.mark.parametrize(("knobs", "precision"), [((), "tf32x3"), (("delta_products=ieee",), "ieee")])
 def test_a_chunks_delta_rule_multiplies_at_the_knobs_precision(tmp_path, monkeypatch, knobs, precision):
     # binding only (no kernel runs): the chunk's GdnStep launch hands the chunked rule the knob's precision
     from fuselane.lanes.cuda.triton.gdn import chunked

@@ -140,11 +140,11 @@ class CudaKnobs:
       decode the weights in the kernel for every product (no copy): Q4_K and Q6_K a super-block a step with the
       sub-scales folded into the f16 weights (`triton/gemm_sb.py`, not yet timed), other formats `triton/gemm.py`
       (slower than the copies).
-    - `delta_products=ieee`: the chunked gated delta rule's products in f32 (`triton/gdn/chunked.py`), which
-      ptxas holds at 32 registers with 14.6 KB of stack a thread at Qwen3-Next's widths (sm_90 compile,
-      benchmarks/RESULTS.md); `tf32x3` multiplies on the tensor cores in three TF32 products (about f32's
-      rounding, as the chunk's routing product does), 255 registers and 2.4 KB of stack. Not yet timed, so the
-      default keeps the exact f32 products.
+    - `delta_products=tf32x3`: the chunked gated delta rule (`triton/gdn/chunked.py`) multiplies on the tensor
+      cores in three TF32 products a step (about f32's rounding, as the chunk's routing product does; 255
+      registers and 2.4 KB of stack a thread at Qwen3-Next's widths on sm_90). `ieee` takes f32 FMA products,
+      the recurrence's numbers within f32 roundoff, which ptxas holds at 32 registers with 14.6 KB of stack:
+      the spills made the 80B-A3B's pp512 895 tok/s against 2,091 for `tf32x3` (H200, benchmarks/RESULTS.md).
     """
 
     chip: Chip = H200
@@ -158,7 +158,7 @@ class CudaKnobs:
     norm_launch: bool = True
     rope_epilogue: RopeEpilogue = RopeEpilogue.AUTO
     weight_loads: WeightLoads = WeightLoads.AS_WRITTEN
-    delta_products: DeltaProducts = DeltaProducts.IEEE
+    delta_products: DeltaProducts = DeltaProducts.TF32X3
 
     @classmethod
     def parse(cls, settings: Iterable[str], base: CudaKnobs | None = None) -> CudaKnobs:

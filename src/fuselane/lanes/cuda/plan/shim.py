@@ -166,7 +166,8 @@ _ACTIVATION_FORMATS: dict[Activations, QuantFormat | None] = {
     Activations.INT8X2: QuantFormat.TWO_WORDS,
 }
 _IN_KERNEL = "decode the checkpoint's bytes to f16 in the kernel"  # the f16 GEMMs' words for `explain`
-TF32X3_DELTA = "; the chunked delta rule multiplies in TF32x3 (three TF32 products a step)"  # delta_products=tf32x3
+# the chunked delta rule's products where they are not the default TF32x3 (`delta_products=ieee`)
+IEEE_DELTA = "; the chunked delta rule multiplies in f32 FMA products (IEEE)"
 _CACHE_KEEP = {CachePrecision.F32: Keep.F32, CachePrecision.F16: Keep.F16}
 _STATE_KEEP = {StatePrecision.F32: Keep.F32, StatePrecision.BF16: Keep.BF16}
 
@@ -324,7 +325,7 @@ class CudaShim:
                 f"the cuda lane: {k.activations.value} activations, {k.cache_precision.value} cache, "
                 f"{k.recurrent_state.value} state; a chunk's products {self.prefill_products}"
                 + (f"; a batch's products {self.batch_products}" if k.batch else "")
-                + (TF32X3_DELTA if k.delta_products is DeltaProducts.TF32X3 else "")
+                + (IEEE_DELTA if k.delta_products is DeltaProducts.IEEE else "")
             ),
             activations=self.scheme,
             cache=_CACHE_KEEP[k.cache_precision],

@@ -91,7 +91,7 @@ class Bound:
     # the chip's multiprocessors (`Chip.sms`), which kernels size their grids by: the super-block GEMM's tile,
     # the paged attention's splits of each row's span (`paged.paged_plan`)
     sms: int = H200.sms
-    delta_products: str = "ieee"  # the chunked gated delta rule's `tl.dot` precision (`CudaKnobs.delta_products`)
+    delta_products: str = "tf32x3"  # the chunked gated delta rule's `tl.dot` precision (`CudaKnobs.delta_products`)
 
 
 def _t():

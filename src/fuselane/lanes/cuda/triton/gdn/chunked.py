@@ -9,9 +9,9 @@ v_new = T (beta v) - T (beta k exp(cum)) S; the rows' outputs are (q exp(cum)) S
 state moves to S exp(cum_last) + (k exp(cum_last - cum))^T v_new. Rows past the chunk's end are loaded as
 zeros (k = 0, g = 0: they change nothing). A program holds one value head's state for `BV` value columns.
 
-The products run in f32 by default (IEEE, so the numbers are the recurrence's within f32 roundoff, as the lane's
-contract keeps its arithmetic), or in three TF32 tensor-core products a step (`CudaKnobs.delta_products=tf32x3`,
-about f32's rounding), which ptxas holds in registers where the f32 products spill.
+The products run by default in three TF32 tensor-core products a step (`CudaKnobs.delta_products=tf32x3`, about
+f32's rounding), which ptxas holds in registers, or in f32 FMA products (`ieee`: the recurrence's numbers within
+f32 roundoff), which spill: the 80B-A3B's pp512 measured 2,091 against 895 tok/s (H200).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from fuselane.lanes.cuda.triton.gdn.delta import nearest_bf16
 CHUNK = 64  # rows a chunk (the reference's chunk size)
 BV = 64  # value columns a program
 MIN_DOT = 16  # tl.dot's least extent: heads of fewer key values run the recurrence (`delta`)
-PRECISIONS = ("ieee", "tf32x3")  # `tl.dot`'s input precisions the kernel takes (`CudaKnobs.delta_products`)
+PRECISIONS = ("tf32x3", "ieee")  # `tl.dot`'s input precisions the kernel takes, the default first (`delta_products`)
 # A TF32x3 product's relative error, bounded: each operand split into a TF32 high half and the TF32 of its rest,
 # whose own rounding and the dropped product of the two rests are each about 2^-22 of the product; 16 times
 # f32's unit roundoff, which a test scales its f32 bound by
@@ -96,10 +96,11 @@ def takes(dk: int) -> bool:
 def chunked(
     q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, out: torch.Tensor | None, *, rows: int, heads: int, key_heads: int, dk: int, dv: int,
-    scale: float, write_state: bool, precision: str = PRECISIONS[0],
+    scale: float, write_state: bool, precision: str = PRECISIONS[0], bv: int = BV, warps: int = WARPS,
 ) -> None:  # fmt: skip
     """`delta.delta`'s arguments and results, the rows `CHUNK` at a time, the products at `precision` (one of
-    `PRECISIONS`). One launch."""
+    `PRECISIONS`), a program `bv` value columns at `warps` warps (`benchmarks/gdn_chunked.py` times others).
+    One launch."""
     if precision not in PRECISIONS:
         raise ValueError(f"the chunked rule multiplies at one of {PRECISIONS}, not {precision!r}")
     if not takes(dk):
@@ -107,9 +108,9 @@ def chunked(
     k2, v2 = k.view(rows, -1) if k.is_contiguous() else k, v.view(rows, -1) if v.is_contiguous() else v
     q2 = k2 if q is None else (q.view(rows, -1) if q.is_contiguous() else q)
     o = out.view(rows, -1) if out is not None else v2
-    bv = min(BV, max(MIN_DOT, triton.next_power_of_2(dv)))
+    bv = min(bv, max(MIN_DOT, triton.next_power_of_2(dv)))
     _chunked_kernel[(heads, triton.cdiv(dv, bv))](
         q2, k2, k2.stride(0), v2, v2.stride(0), g, beta, heads, state, o, o.stride(0), rows, float(scale),
         DK=dk, DV=dv, BV=bv, PER=heads // key_heads, C=CHUNK, WRITE_O=out is not None, WRITE_S=write_state,
-        DOT_PRECISION=precision, num_warps=WARPS, **pdl.options(),
+        DOT_PRECISION=precision, num_warps=warps, **pdl.options(),
     )  # fmt: skip
