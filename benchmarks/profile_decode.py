@@ -32,8 +32,10 @@ def main() -> None:
     lane = m.lane
     session = m.session()
     session.feed([100 + t % 1000 for t in range(args.depth)])
+    # each step at the next position: a recurrent model's state continues only where it stopped
+    pos = len(session.tokens)
     for t in range(3):
-        lane.forward(np.array([t]), len(session.tokens))
+        lane.forward(np.array([t]), pos + t)
     step = lane.step(1)
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -43,7 +45,7 @@ def main() -> None:
     replay = (time.perf_counter() - start) / args.steps
     start = time.perf_counter()
     for t in range(args.steps):
-        lane.forward(np.array([t]), args.depth)
+        lane.forward(np.array([t]), pos + 3 + t)
     torch.cuda.synchronize()
     whole = (time.perf_counter() - start) / args.steps
     print(f"launches a step {step.launches}; replay {replay * 1e3:.3f} ms; forward with logits {whole * 1e3:.3f} ms")

@@ -5,7 +5,8 @@ in f64; and the lane on four layers of the real shape (three gated delta-rule la
 layer; 16 experts rather than 512, a small vocabulary) against the cpu lane in f64: a prompt past one chunk,
 then decode steps (the third and later replayed as a captured CUDA graph, which must not move the states
 twice), under both `state` precisions, and the device decode loop's greedy tokens where the reference's pick is
-clear. Bounds as in test_gdn_kernels.py and the lane's numerics contract.
+clear; and a prompt of a 512-row session chunk and a partial one. Bounds as in test_gdn_kernels.py and the lane's
+numerics contract.
 """
 
 from __future__ import annotations
@@ -121,6 +122,27 @@ def test_the_lane_runs_the_real_shape_as_the_cpu_lane(model_path, reference, sta
     got = [s.feed(prompt)] + [s.extend([t]) for t in fed]
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert rel(a, b) <= tol, f"step {i}: {rel(a, b):.2e} > {tol:.2e}"
+
+
+@pytest.mark.xdist_group("qwen3next-lane")
+def test_a_long_prompt_runs_in_the_lanes_chunks_as_the_cpu_lane(model_path):
+    # a session takes the hybrid's prompt 512 rows at a time (`CudaLane.prefill_chunk`, for its mixture): a full
+    # chunk (eight of the chunked rule's 64 rows, the state carried between them in the program), then 88 rows
+    from fuselane.lanes.cuda.plan import kernels
+    from fuselane.runtime.model import load
+
+    long = kernels.MOE_CHUNK_ROWS + 88
+    tokens = np.random.default_rng(4).integers(0, SHAPE.vocab, long).tolist()
+    ref_model = load(model_path, lane="cpu", ctx=long + 1, dtype=np.float64)
+    want = ref_model.session().feed(tokens)
+    ref_model.close()
+    gpu = load(model_path, lane="cuda", ctx=long + 1)
+    s = gpu.session()
+    assert s.chunk == kernels.MOE_CHUNK_ROWS
+    got = s.feed(tokens)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    assert np.isfinite(got).all() and rel(got, want) <= tol, f"{rel(got, want):.2e} > {tol:.2e}"
+    gpu.close()
 
 
 @pytest.mark.xdist_group("qwen3next-lane")

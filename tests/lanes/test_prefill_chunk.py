@@ -1,5 +1,5 @@
-"""A session runs a prompt in the lane's chunks: the cuda lane takes a mixture's prompt (plain or latent attention,
-one GPU) 512 rows at a time (`kernels.MOE_CHUNK_ROWS`, where its grouped expert GEMM was measured faster than two
+"""A session runs a prompt in the lane's chunks: the cuda lane takes a mixture's prompt (any attention, one GPU)
+512 rows at a time (`kernels.MOE_CHUNK_ROWS`, where its grouped expert GEMM was measured faster than two
 chunks of 256) and every other model's in the session's 256."""
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def _lane(model: str) -> SimpleNamespace:
         ("synth:qwen1.5-moe-a2.7b", kernels.MOE_CHUNK_ROWS),
         ("synth:qwen2.5-7b", DEFAULT_CHUNK),
         ("synth:deepseek-v2-lite", kernels.MOE_CHUNK_ROWS),
-        ("synth:tiny-qwen3next", DEFAULT_CHUNK),  # the hybrid's chunked delta rule: not measured either
+        ("synth:tiny-qwen3next", kernels.MOE_CHUNK_ROWS),  # the hybrid's mixture
+        ("synth:tiny-qwen3", DEFAULT_CHUNK),
     ],
 )
 def test_a_session_takes_the_lanes_chunk(model, rows):

@@ -39,8 +39,9 @@ GEMV_ROWS = 8
 # Rows of a mixture's prefill chunk in a session (llama.cpp's ubatch): its grouped expert GEMM cuts each expert's
 # (row, slot) pairs into tiles, and at the session's 256 rows Qwen3-30B-A3B's 128 experts meet 16 pairs each. One
 # chunk of 512 took 30.4 ms where two of 256 took 41.0 (H200, Q4_K_M: pp512 16,826 against 12,486 tok/s);
-# DeepSeek-V2-Lite's latent mixture 24.4 ms against two of 21.1. Only where measured: the dense models and the
-# hybrid keep the session's chunk.
+# DeepSeek-V2-Lite's latent mixture 24.4 ms against two of 21.1; Qwen3-Next-80B-A3B's 512 experts meet ~5 pairs
+# each in 256 rows, and two chunks decoded every expert's weights twice (pp512 2,085). The dense models keep the
+# session's chunk: their GEMMs take 256 rows well.
 MOE_CHUNK_ROWS = 512
 
 # The output tile of a tensor-core GEMM: 128 outputs wide, the N tile Triton's Hopper wgmma path runs at

@@ -187,9 +187,8 @@ class CudaLane:
     @property
     def prefill_chunk(self) -> int | None:
         """The rows a session runs a prompt in, or None for the session's own (`kernels.MOE_CHUNK_ROWS`: a
-        mixture of plain or latent attention on one GPU)."""
-        cfg = self.cfg
-        return MOE_CHUNK_ROWS if cfg.moe and cfg.linear is None and cfg.shard is None else None
+        mixture on one GPU, whatever its attention)."""
+        return MOE_CHUNK_ROWS if self.cfg.moe and self.cfg.shard is None else None
 
     @property
     def recurrent(self) -> bool:
