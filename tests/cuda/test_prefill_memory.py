@@ -6,7 +6,8 @@ A Qwen2.5-7B-shaped Q4_K_M checkpoint (all 28 layers: the workspace is one chunk
 at any depth, set against the whole model's bytes) prefills a 512-token prompt in the session's chunks and
 decodes 8 tokens; `torch.cuda.max_memory_allocated` over that, less what the process held before the load
 (other tests' models in the same worker), must stay within 5 % of the weights and caches the lane holds.
-Before the int8 prefill the f16 copies of the matrices alone were 3.6x the Q4_K bytes.
+Before the int8 prefill the f16 copies of the matrices alone were 3.6x the Q4_K bytes. Under `prefill=f16-scratch`
+no copy is kept either, and the prompt's logits are the copies' within the contract.
 """
 
 from __future__ import annotations
@@ -25,13 +26,19 @@ pytestmark = [
 from fuselane.gguf.synth import write_synthetic  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 from fuselane.runtime.sampling import GREEDY  # noqa: E402
+from fuselane.runtime.session import Session  # noqa: E402
 
 PROMPT, GENERATED, CTX = 512, 8, 1024
 WORKSPACE = 0.05  # of the weights and caches
 
 
-def test_memory_is_the_file_the_cache_and_a_small_workspace(tmp_path):
-    path = write_synthetic(tmp_path / "7b.gguf", "qwen2.5-7b", "q4_k_m", seed=3)
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_synthetic(tmp_path_factory.mktemp("7b") / "7b.gguf", "qwen2.5-7b", "q4_k_m", seed=3)
+
+
+@pytest.mark.xdist_group("prefill-7b")
+def test_memory_is_the_file_the_cache_and_a_small_workspace(path):
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -51,3 +58,20 @@ def test_memory_is_the_file_the_cache_and_a_small_workspace(tmp_path):
     assert not lane._dense, "a product made an f16 copy"
     peak = torch.cuda.max_memory_allocated() - before
     assert peak <= held * (1 + WORKSPACE), f"peak {peak / 1e9:.2f} GB over {held / 1e9:.2f} GB + 5 %"
+
+
+@pytest.mark.xdist_group("prefill-7b")
+def test_the_f16_scratch_keeps_no_copy_and_multiplies_as_the_copies(path):
+    # `prefill=f16-scratch`: the same f16 values and cuBLAS products as the copies, each matrix decoded into one
+    # scratch just before its product; the prompt's logits within the contract of the copies' at one chunk
+    tokens = np.random.default_rng(1).integers(0, 151936, size=PROMPT).tolist()
+    logits = {}
+    for knob in ("prefill=f16-copy", "prefill=f16-scratch"):
+        model = load(path, lane="cuda", ctx=CTX, knobs=[knob])
+        logits[knob] = Session(model.lane, chunk=PROMPT).feed(tokens)
+        copies, scratch = bool(model.lane._dense), model.lane.f16_scratch()
+        tol = model.lane.shim.numerics().logits_tolerance(model.cfg.n_layers)
+        model.close()
+    assert not copies and scratch is not None
+    a, b = logits["prefill=f16-scratch"], logits["prefill=f16-copy"]
+    assert np.isfinite(a).all() and np.max(np.abs(a - b)) <= tol * np.max(np.abs(b))

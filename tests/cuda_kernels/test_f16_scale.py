@@ -1,4 +1,6 @@
-"""`prefill=f16-copy`'s product (`triton/f16_scale.py`) against NumPy and against the product it replaced.
+"""`prefill=f16-copy`'s product (`triton/f16_scale.py`) against NumPy and against the product it replaced, and
+`prefill=f16-scratch`'s (the matrix decoded from its checkpoint rows into a scratch, in slabs where it does not
+fit) against the copy's.
 
 - The rounding launch: a row whose |values| are at most 2^14 is rounded to f16 as it is, under a scale of
   exactly 1; a row past it is multiplied by the least power of two 2^-e that brings it under (exact in f32),
@@ -132,3 +134,43 @@ def test_rows_land_at_a_table_row_in_f16():
     before = (x.to(torch.float16) @ dev(w16).T).float() + dev(bias)
     assert torch.equal(table[4 : 4 + M], before.to(torch.float16))
     assert not table[:4].any() and not table[4 + M :].any()
+
+
+def _checkpoint_rows(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """An N x K matrix as Q8_0 checkpoint rows (the GGUF's bytes) and its values in f16, as an f16 copy holds
+    them."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = (np.random.default_rng(seed).standard_normal((N, K)) * 0.05).astype(np.float32)
+    raw = quants.quantize(w, GGMLQuantizationType.Q8_0)
+    return raw.reshape(-1), quants.dequantize(raw, GGMLQuantizationType.Q8_0).astype(np.float16)
+
+
+@pytest.mark.parametrize("scratch_rows", [N, 7])  # the whole matrix at once; slabs of 7 rows (7, 7, 7, 3)
+def test_the_scratch_product_gives_the_bits_of_the_copys(scratch_rows):
+    # `prefill=f16-scratch`: the matrix decoded into the scratch (a slab at a time where it does not fit) and
+    # multiplied as its f16 copy would be, the bias and residual taken column slab by column slab
+    from fuselane.gguf.formats import Format
+
+    raw, w16 = _checkpoint_rows(10)
+    _, bias, res = _problem(11)
+    x = _activations(np.random.default_rng(12))
+    want = dev(res.copy())
+    S.product(dev(x), dev(w16), want, bias=dev(bias), residual=want)
+    out = dev(res.copy())
+    scratch = torch.empty(scratch_rows * K, dtype=torch.float16, device=DEVICE)
+    S.product_from_bytes(dev(x), dev(raw), Format.Q8_0, N, K, scratch, out, bias=dev(bias), residual=out)
+    assert torch.equal(out, want)
+
+
+def test_the_scratch_products_rows_land_at_a_table_row():
+    from fuselane.gguf.formats import Format
+
+    raw, w16 = _checkpoint_rows(13)
+    x = dev(np.random.default_rng(14).standard_normal((M, K)).astype(np.float32))
+    pos = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+    tables = [torch.zeros((M + 6, N), dtype=torch.float16, device=DEVICE) for _ in range(2)]
+    S.product(x, dev(w16), tables[0], out_row=(pos, tables[0].stride(0)))
+    scratch = torch.empty(5 * K, dtype=torch.float16, device=DEVICE)  # slabs of 5 rows
+    S.product_from_bytes(x, dev(raw), Format.Q8_0, N, K, scratch, tables[1], out_row=(pos, tables[1].stride(0)))
+    assert torch.equal(tables[1], tables[0])

@@ -2,7 +2,8 @@
 on the cpu lane and on the cuda lane (under the interpreter), in prefill and decode, within the contract, under
 `prefill=int8`, `prefill=in-place` (whose kernel scales a row past f16's range first) and the default
 `prefill=f16-copy` (whose rounding launch scales such a row and whose epilogue scales the product back, while an
-ordinary model's logits keep the bits of the unscaled product); and a value that does leave the finite range is
+ordinary model's logits keep the bits of the unscaled product) and `prefill=f16-scratch` (the same product, each
+matrix decoded into a scratch just before it); and a value that does leave the finite range is
 reported as the lane's, with the layer and op that made it.
 """
 
@@ -89,6 +90,15 @@ def test_the_f16_copies_scale_rows_past_f16(loud):
     # the default: the launch that rounds the activation to f16 scales a row past 2^14 by a power of two, and
     # the product's epilogue scales it back in f32 (`triton/f16_scale.py`)
     _within_contract(loud, [], ["prefill=f16-copy"])
+
+
+def test_the_f16_scratch_scales_rows_past_f16_and_keeps_no_copy(loud):
+    # `prefill=f16-scratch`: each product decodes its matrix into the scratch and multiplies it as the copies
+    # do (the same rounding launch and epilogue); no f16 copy of a matrix is kept
+    _within_contract(loud, [], ["prefill=f16-scratch"])
+    gpu = load(loud, lane="cuda", ctx=32, knobs=["prefill=f16-scratch"])
+    gpu.session().feed(PROMPT)
+    assert not gpu.lane._dense and gpu.lane.f16_scratch() is not None
 
 
 def _unscaled(x, dense, out, *, bias=None, residual=None, out_row=None):

@@ -1,6 +1,6 @@
 """A session runs a prompt in the lane's chunks: the cuda lane takes a mixture's prompt (any attention, one GPU)
 512 rows at a time (`kernels.MOE_CHUNK_ROWS`, where its grouped expert GEMM was measured faster than two
-chunks of 256) and every other model's in the session's 256."""
+chunks of 256), a dense model's under `prefill=f16-scratch` too, and every other model's in the session's 256."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import pytest
 
 from fuselane.explain import model_source
 from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.knobs import CudaKnobs
 from fuselane.lanes.cuda.run.lane import CudaLane
 from fuselane.runtime.session import DEFAULT_CHUNK, Session
 
 
-def _lane(model: str) -> SimpleNamespace:
+def _lane(model: str, *knobs: str) -> SimpleNamespace:
     _, cfg, _ = model_source(model)
-    lane = SimpleNamespace(cfg=cfg, ctx=4096)
+    lane = SimpleNamespace(cfg=cfg, ctx=4096, shim=SimpleNamespace(knobs=CudaKnobs.parse(knobs)))
     lane.prefill_chunk = CudaLane.prefill_chunk.fget(lane)
     return lane
 
@@ -34,6 +35,12 @@ def _lane(model: str) -> SimpleNamespace:
 )
 def test_a_session_takes_the_lanes_chunk(model, rows):
     assert Session(_lane(model)).chunk == rows
+
+
+def test_a_dense_model_takes_512_rows_under_the_f16_scratch():
+    # each chunk decodes every matrix into the scratch again: one chunk of a 512-token prompt decodes them once
+    lane = _lane("synth:qwen2.5-7b", "prefill=f16-scratch")
+    assert Session(lane).chunk == kernels.SCRATCH_CHUNK_ROWS
 
 
 def test_a_chunk_given_to_the_session_wins():

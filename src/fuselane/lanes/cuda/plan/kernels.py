@@ -43,6 +43,9 @@ GEMV_ROWS = 8
 # each in 256 rows, and two chunks decoded every expert's weights twice (pp512 2,085). The dense models keep the
 # session's chunk: their GEMMs take 256 rows well.
 MOE_CHUNK_ROWS = 512
+# Rows of a prefill chunk in a session under `prefill=f16-scratch`: each chunk decodes every matrix to f16 again,
+# so a 512-token prompt (llama.cpp's ubatch) in one chunk decodes them once rather than twice.
+SCRATCH_CHUNK_ROWS = 512
 
 # The output tile of a tensor-core GEMM: 128 outputs wide, the N tile Triton's Hopper wgmma path runs at
 # full rate for int8 and f16 operands.

@@ -58,6 +58,8 @@ class PrefillWeights(enum.Enum):
     INT8 = "int8"  # the int8 tensor-core GEMM on the checkpoint's bytes and the activation's int8 form; no copy
     F16_COPY = "f16-copy"  # cuBLAS on an f16 copy of each matrix, made on first use (3.6x a Q4_K matrix's bytes)
     IN_PLACE = "in-place"  # the f16 tensor-core GEMMs that decode the checkpoint's bytes in the kernel; no copy
+    # cuBLAS on each matrix decoded to f16 just before its product, into one scratch the size of the largest
+    F16_SCRATCH = "f16-scratch"
 
 
 class DeltaProducts(enum.Enum):
@@ -139,7 +141,11 @@ class CudaKnobs:
       against 23,639 tok/s), so it stays a knob until it is faster. `in-place` takes the f16 GEMMs that
       decode the weights in the kernel for every product (no copy): Q4_K and Q6_K a super-block a step with the
       sub-scales folded into the f16 weights (`triton/gemm_sb.py`, not yet timed), other formats `triton/gemm.py`
-      (slower than the copies).
+      (slower than the copies). `f16-scratch` keeps no copy either: each product decodes its matrix to f16
+      (the copies' values) into one scratch the size of the largest matrix and lets cuBLAS take it, one launch
+      and the decode's traffic more a product (the largest 7B matrix is 136 MB in f16, 2.9 % of its Q4_K_M
+      file); a prompt then runs in 512-row chunks (`kernels.SCRATCH_CHUNK_ROWS`), so a 512-token prompt decodes
+      each matrix once.
     - `delta_products=tf32x3`: the chunked gated delta rule (`triton/gdn/chunked.py`) multiplies on the tensor
       cores in three TF32 products a step (about f32's rounding, as the chunk's routing product does; 255
       registers and 2.4 KB of stack a thread at Qwen3-Next's widths on sm_90). `ieee` takes f32 FMA products,

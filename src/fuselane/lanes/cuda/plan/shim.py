@@ -350,9 +350,12 @@ class CudaShim:
     @property
     def _f16_products(self) -> str:
         """How products past the GEMV's rows multiply on the f16 tensor cores, under the `prefill` knob."""
+        scaled = "each activation row past 2^14 under a power-of-two scale"
         if self.knobs.prefill_weights is PrefillWeights.F16_COPY:
-            scaled = "each activation row past 2^14 under a power-of-two scale"
             return f"multiply f16 copies of the matrices, {scaled} (prefill=f16-copy)"
+        if self.knobs.prefill_weights is PrefillWeights.F16_SCRATCH:
+            decoded = "decode each matrix to f16 into one scratch just before cuBLAS multiplies it, no copy kept"
+            return f"{decoded}, {scaled} (prefill=f16-scratch)"
         return _IN_KERNEL
 
     @property

@@ -32,7 +32,7 @@ from fuselane.gguf.dequant import dequantize
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Form, QuantFormat, QuantizedActs, Role, TensorGraph
 from fuselane.graph.ops import GatedDelta
-from fuselane.lanes.cuda.plan.kernels import MOE_CHUNK_ROWS, QBLOCK
+from fuselane.lanes.cuda.plan.kernels import MOE_CHUNK_ROWS, QBLOCK, SCRATCH_CHUNK_ROWS
 from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights, StatePrecision
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run import decode as loop
@@ -89,6 +89,7 @@ class CudaLane:
         self.raw: dict[str, tuple[Any, Any]] = {}
         self.vec: dict[str, Any] = {}
         self._dense: dict[str, Any] = {}
+        self._scratch: Any = None  # `f16_scratch`
         self._upload()
         self.caches: dict[str, Any] = {}
         self.states: dict[str, Any] = {}  # a hybrid model's recurrent states, the sequence's (zeroed at position 0)
@@ -144,6 +145,19 @@ class CudaLane:
             self._dense[name] = device_dequantize(raw, fmt, n, k, out)
         return self._dense[name]
 
+    def f16_scratch(self) -> Any:
+        """Under `prefill=f16-scratch`, the one f16 buffer every chunk product decodes its matrix into (made
+        once): the size of the largest matrix but those of the vocabulary's rows, which go in slabs of it.
+        None under the other knobs."""
+        if self.shim.knobs.prefill_weights is not PrefillWeights.F16_SCRATCH:
+            return None
+        if self._scratch is None:
+            matrices = [t.shape for t in self.tensors.values() if len(t.shape) == 2]
+            inner = [n * k for n, k in matrices if self.cfg.vocab not in (n, k)]
+            widest = max(k for _, k in matrices)  # at least a row of every matrix
+            self._scratch = self.torch.empty(max(inner + [widest]), dtype=self.torch.float16, device=self.device)
+        return self._scratch
+
     def weight_bytes(self) -> int:
         """Bytes a decode step reads: every matrix once, but the embedding table (one row is gathered) and a
         mixture's expert tensors (only the kept experts' matrices are read: k of them a layer)."""
@@ -187,8 +201,10 @@ class CudaLane:
     @property
     def prefill_chunk(self) -> int | None:
         """The rows a session runs a prompt in, or None for the session's own (`kernels.MOE_CHUNK_ROWS`: a
-        mixture on one GPU, whatever its attention)."""
-        return MOE_CHUNK_ROWS if self.cfg.moe and self.cfg.shard is None else None
+        mixture on one GPU, whatever its attention; `kernels.SCRATCH_CHUNK_ROWS` under `prefill=f16-scratch`)."""
+        if self.cfg.moe and self.cfg.shard is None:
+            return MOE_CHUNK_ROWS
+        return SCRATCH_CHUNK_ROWS if self.shim.knobs.prefill_weights is PrefillWeights.F16_SCRATCH else None
 
     @property
     def recurrent(self) -> bool:
@@ -266,8 +282,9 @@ def int8_form(shape: tuple[int, ...], device: Any) -> Any:
 
 def decodes_in_kernel(knobs: CudaKnobs) -> bool:
     """Whether the products past the GEMV's rows that the int8 GEMM does not take decode the checkpoint's bytes
-    to f16 in their kernel (`prefill=in-place` or `int8`), rather than multiply f16 copies of the matrices."""
-    return knobs.prefill_weights is not PrefillWeights.F16_COPY
+    to f16 in their kernel (`prefill=in-place` or `int8`), rather than multiply f16 matrices with cuBLAS
+    (copies, or decoded into a scratch a product)."""
+    return knobs.prefill_weights in (PrefillWeights.INT8, PrefillWeights.IN_PLACE)
 
 
 def _attention_in_f16(knobs: CudaKnobs) -> bool:
@@ -311,7 +328,7 @@ class _Step:
         bound = Bound(
             g, bufs, lane.raw, lane.vec, lane.dense,
             in_place=in_place, q8=q8, attention_f16=_attention_in_f16(lane.shim.knobs), sms=lane.shim.knobs.chip.sms,
-            delta_products=lane.shim.knobs.delta_products.value,
+            delta_products=lane.shim.knobs.delta_products.value, f16_scratch=lane.f16_scratch(),
         )  # fmt: skip
         # each op of the plan and its launches (one, none for a view): what `fuselane explain` counts
         self.bound = [(op, bind(op, bound)) for op in plan.ops]

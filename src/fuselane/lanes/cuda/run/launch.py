@@ -91,6 +91,7 @@ class Bound:
     # the chip's multiprocessors (`Chip.sms`), which kernels size their grids by: the super-block GEMM's tile,
     # the paged attention's splits of each row's span (`paged.paged_plan`)
     sms: int = H200.sms
+    f16_scratch: Any = None  # under `prefill=f16-scratch`: the f16 buffer a chunk product decodes its matrix into
     delta_products: str = "tf32x3"  # the chunked gated delta rule's `tl.dot` precision (`CudaKnobs.delta_products`)
 
 
@@ -176,6 +177,10 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
         # the weights decoded to f16 in the kernel: no f16 copy of the matrix
         return [lambda: gemm.gemm(x2, w, fmt, spec.n, spec.k, out2, bias=bias_t, residual=res2, out_row=row)]
     matrix = op.ins[1]
+    if b.f16_scratch is not None:  # the matrix decoded to f16 just before cuBLAS takes it: no copy kept
+        n, k, scratch = spec.n, spec.k, b.f16_scratch
+        epilogue = dict(bias=bias_t, residual=res2, out_row=row)
+        return [lambda: f16_scale.product_from_bytes(x2, w, fmt, n, k, scratch, out2, **epilogue)]
 
     def f16_copy() -> None:
         # the f16 copy, made by the first run (a kernel): binding launches nothing. A row past f16's range is

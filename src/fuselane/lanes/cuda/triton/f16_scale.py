@@ -15,7 +15,9 @@ product is at most 2^14 times the sum of a matrix row's |weights|, and far less 
 past 65504 all the same is not held: its f16 result is not finite, and the lane reports the op that made it.)
 
 Launches a product: the rounding (which the cast to f16 took before), cuBLAS, and the epilogue (which took
-torch's up-cast, its bias and residual adds and the copy into place before).
+torch's up-cast, its bias and residual adds and the copy into place before). Under `prefill=f16-scratch`
+(`product_from_bytes`) no copy is kept: each product first decodes its matrix into one f16 scratch the size of
+the largest matrix, one launch more.
 """
 
 from __future__ import annotations
@@ -146,6 +148,37 @@ def scaled_store(
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, AT_ROW=out_row is not None,
         num_warps=STORE_WARPS, **pdl.options(),
     )  # fmt: skip
+
+
+def product_from_bytes(
+    x: torch.Tensor, w: torch.Tensor, fmt: Any, n: int, k: int, scratch: torch.Tensor, out: torch.Tensor,
+    **epilogue: Any,
+) -> torch.Tensor:  # fmt: skip
+    """`product` of x (m, k, f32) and the n x k checkpoint rows `w` (1-D uint8, in `fmt`), the matrix decoded to
+    f16 into `scratch` (1-D f16, shared by every product: `prefill=f16-scratch`) just before cuBLAS takes it,
+    rather than kept as a copy. A matrix past the scratch (a vocabulary's output rows) goes in slabs of its
+    rows, each multiplied into its columns of `out`. Returns `out`."""
+    from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize
+
+    m = x.shape[0]
+    x16 = torch.empty((m, k), dtype=torch.float16, device=x.device)
+    scales = torch.empty(m, dtype=torch.float32, device=x.device)
+    to_f16(x, x16, scales)
+    rows = min(n, scratch.numel() // k)
+    if rows < 1:
+        raise ValueError(f"a scratch of {scratch.numel()} values holds no row of {k}")
+    row_bytes = w.numel() // n
+    bias, residual, out_row = (epilogue.get(e) for e in ("bias", "residual", "out_row"))
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        dense = dequantize(w[n0 * row_bytes : n1 * row_bytes], fmt, n1 - n0, k, scratch[: (n1 - n0) * k].view(-1, k))
+        scaled_store(
+            x16 @ dense.T, scales, out[:, n0:n1],
+            bias=None if bias is None else bias[n0:n1],
+            residual=None if residual is None else residual[:, n0:n1],
+            out_row=out_row,
+        )  # fmt: skip
+    return out
 
 
 def product(x: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, **epilogue: Any) -> torch.Tensor:
