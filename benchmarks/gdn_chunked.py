@@ -1,9 +1,10 @@
 """What the chunked gated delta rule (`triton/gdn/chunked.py`, a hybrid's prefill chunk) takes alone at a model's
-widths, in µs a launch, for each product precision, value columns a program and warps: one table.
+widths, in µs a launch, for each product precision, solve of the chunk's system, value columns a program and
+warps: one table.
 
 Usage (on a GPU):
     python benchmarks/gdn_chunked.py [--rows 512] [--heads 32] [--key-heads 16] [--dk 128] [--dv 128]
-        [--bv 32 64 128] [--warps 4 8] [--precision tf32x3 ieee]
+        [--bv 32 64 128] [--warps 4 8] [--precision tf32x3 ieee] [--solve rows blocks]
 
 The defaults are Qwen3-Next-80B-A3B's linear layers (16 key heads, 32 value heads of 128) over a 512-row chunk.
 Each candidate is timed with CUDA events, the median of 20 launches after 3 warm-up ones, on inputs drawn as a
@@ -14,6 +15,7 @@ reported and skipped. The figure to compare with a model's chunk: `benchmarks/pr
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 
 import torch
@@ -59,26 +61,27 @@ def main() -> None:
     ap.add_argument("--bv", type=int, nargs="+", default=[32, 64, 128])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--precision", nargs="+", default=list(chunked.PRECISIONS))
+    ap.add_argument("--solve", nargs="+", default=list(chunked.SOLVES))
     a = ap.parse_args()
     x = _inputs(a.rows, a.heads, a.key_heads, a.dk, a.dv)
     shape = dict(rows=a.rows, heads=a.heads, key_heads=a.key_heads, dk=a.dk, dv=a.dv, scale=a.dk**-0.5)
     print(f"chunked delta rule: {a.rows} rows, {a.heads} value heads ({a.key_heads} key heads), dk {a.dk}, dv {a.dv}")
-    print("| precision | value columns a program | warps | µs a launch |")
-    print("|---|---:|---:|---:|")
-    for precision in a.precision:
-        for bv in a.bv:
-            for warps in a.warps:
+    print("| precision | solve | value columns a program | warps | µs a launch |")
+    print("|---|---|---:|---:|---:|")
+    for precision, solve, bv, warps in itertools.product(a.precision, a.solve, a.bv, a.warps):
+        run = dict(precision=precision, solve=solve, bv=bv, warps=warps)
+        row = f"| {precision} | {solve} | {bv} | {warps} |"
 
-                def launch(precision=precision, bv=bv, warps=warps):
-                    chunked.chunked(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], x["out"],
-                                    write_state=True, precision=precision, bv=bv, warps=warps, **shape)  # fmt: skip
+        def launch(run=run):
+            chunked.chunked(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], x["out"], write_state=True,
+                            **run, **shape)  # fmt: skip
 
-                try:
-                    us = _median_us(launch)
-                except Exception as e:  # noqa: BLE001 - a candidate that does not compile is reported, not fatal
-                    print(f"| {precision} | {bv} | {warps} | failed: {type(e).__name__}: {str(e)[:80]} |", flush=True)
-                    continue
-                print(f"| {precision} | {bv} | {warps} | {us:,.1f} |", flush=True)
+        try:
+            us = _median_us(launch)
+        except Exception as e:  # noqa: BLE001 - a candidate that does not compile is reported, not fatal
+            print(f"{row} failed: {type(e).__name__}: {str(e)[:80]} |", flush=True)
+            continue
+        print(f"{row} {us:,.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ from fuselane.lanes.cuda.triton.gdn import chunked, conv, delta, gates, norm  # 
 from fuselane.numerics.contract import Keep  # noqa: E402
 
 SILU_ROUNDINGS = 8  # the sigmoid's exponential (approximate on a GPU: 4u), its add and division, the product
+# the blocked solve's products past the forward substitution: N = D a_o, the series' powers, the series times D
+BLOCK_SOLVE_PRODUCTS = chunked.CHUNK // chunked.SOLVE_BLOCK + 1
 STEP_ROUNDINGS = 8  # a row's decay (exponential and product), the difference, beta's product, the update's add
 K_HEADS, V_HEADS, DK, DV, TAPS = 2, 4, 16, 48, 4  # DV past one block of `delta.BV` columns: a partial block too
 EPS = 1e-6
@@ -176,9 +178,13 @@ def test_a_partial_rotary_turns_the_first_values_of_each_head(apart):
     assert rel(out, want) <= 64 * gamma(4)  # the angle's f32 product at position < 64, then cos, sin and a dot
 
 
-@pytest.mark.parametrize(("keep", "precision"), [(Keep.F32, "ieee"), (Keep.BF16, "ieee"), (Keep.F32, "tf32x3")])
+@pytest.mark.parametrize(
+    ("keep", "precision", "solve"),
+    [(Keep.F32, "ieee", "rows"), (Keep.BF16, "ieee", "rows"), (Keep.F32, "tf32x3", "rows"),
+     (Keep.F32, "ieee", "blocks"), (Keep.F32, "tf32x3", "blocks")],
+)  # fmt: skip
 @pytest.mark.parametrize("rows", [5, chunked.CHUNK + 3])
-def test_the_chunked_rule_equals_the_recurrence(rows, keep, precision):
+def test_the_chunked_rule_equals_the_recurrence(rows, keep, precision, solve):
     rng = np.random.default_rng(20 + rows)
     q, k, v, g, beta, state = _rule_inputs(rows, rng)
     dtype = torch.float32 if keep is Keep.F32 else torch.bfloat16
@@ -189,10 +195,12 @@ def test_the_chunked_rule_equals_the_recurrence(rows, keep, precision):
     f32 = lambda a: dev(a.astype(np.float32))  # noqa: E731
     chunked.chunked(f32(q), f32(k), f32(v), f32(g), f32(beta), st, out, rows=rows, heads=V_HEADS,
                     key_heads=K_HEADS, dk=DK, dv=DV, scale=spec.scale, write_state=True,
-                    precision=precision)  # fmt: skip
+                    precision=precision, solve=solve)  # fmt: skip
     # a chunk's products and its triangular solve (a row of the inverse a sum over the rows before it) in f32;
-    # TF32x3 products round at their own unit (`chunked.TF32X3_ROUNDOFF`)
-    bound = gamma(rows * (DK + STEP_ROUNDINGS) + chunked.CHUNK * (DK + DV))
+    # the solve in blocks takes products of the chunk's width more (`BLOCK_SOLVE_PRODUCTS`); TF32x3 products
+    # round at their own unit (`chunked.TF32X3_ROUNDOFF`)
+    solve_terms = BLOCK_SOLVE_PRODUCTS * chunked.CHUNK if solve == "blocks" else 0
+    bound = gamma(rows * (DK + STEP_ROUNDINGS) + chunked.CHUNK * (DK + DV) + solve_terms)
     if precision == "tf32x3":
         bound *= chunked.TF32X3_ROUNDOFF / Keep.F32.unit_roundoff
     assert rel(out, want_o) <= bound

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from kernel_checks import CUDA, DEVICE, dev, gamma, norm_rel  # noqa: E402
-from test_gdn_kernels import SILU_ROUNDINGS, STEP_ROUNDINGS, rel, silu  # noqa: E402
+from test_gdn_kernels import BLOCK_SOLVE_PRODUCTS, SILU_ROUNDINGS, STEP_ROUNDINGS, rel, silu  # noqa: E402
 
 from fuselane.gguf.synth import SHAPES, write_synthetic  # noqa: E402
 from fuselane.graph.ops import CausalConv, ConvShift, GatedDelta, L2Norm  # noqa: E402
@@ -40,7 +40,8 @@ EPS = 1e-6
 
 @pytest.mark.parametrize("keep", [Keep.F32, Keep.BF16])
 @pytest.mark.parametrize(
-    ("rows", "form"), [(1, "delta"), (CHUNK_PAST, "delta"), (CHUNK_PAST, "chunked"), (CHUNK_PAST, "tf32x3")]
+    ("rows", "form"),
+    [(1, "delta"), (CHUNK_PAST, "delta"), (CHUNK_PAST, "chunked"), (CHUNK_PAST, "tf32x3"), (CHUNK_PAST, "blocks")],
 )
 def test_the_delta_step_at_the_real_widths(rows, form, keep):
     rng = np.random.default_rng(rows)
@@ -56,15 +57,20 @@ def test_the_delta_step_at_the_real_widths(rows, form, keep):
     want_o, want_s = ref.recurrence(spec, q, k, v, g, beta, st.double().cpu().numpy())
     from fuselane.lanes.cuda.triton.gdn import chunked, delta
 
-    # "chunked" multiplies in f32, "tf32x3" in three TF32 products a step (`CudaKnobs.delta_products`)
-    run = delta.delta if form == "delta" else partial(chunked.chunked, precision="ieee" if form == "chunked" else form)
+    # "chunked" multiplies in f32, "tf32x3" in three TF32 products a step (`CudaKnobs.delta_products`), "blocks"
+    # too, its system solved in blocks (`chunked.SOLVES`)
+    precision = {"chunked": "ieee", "tf32x3": "tf32x3", "blocks": "tf32x3"}.get(form)
+    solve = "blocks" if form == "blocks" else "rows"
+    run = delta.delta if form == "delta" else partial(chunked.chunked, precision=precision, solve=solve)
     out = torch.zeros((rows, V_HEADS * DIM), device=DEVICE)
     f32 = lambda a: dev(a.astype(np.float32))  # noqa: E731
     run(f32(q), f32(k), f32(v), f32(g), f32(beta), st, out, rows=rows, heads=V_HEADS, key_heads=K_HEADS,
                 dk=DIM, dv=DIM, scale=spec.scale, write_state=True)  # fmt: skip
     torch.cuda.synchronize()
-    bound = gamma(rows * (DIM + STEP_ROUNDINGS) + chunked.CHUNK * 2 * DIM) + gamma(DIM + 1)  # as the kernel tests
-    if form == "tf32x3":
+    solve_terms = BLOCK_SOLVE_PRODUCTS * chunked.CHUNK if form == "blocks" else 0
+    # as the kernel tests
+    bound = gamma(rows * (DIM + STEP_ROUNDINGS) + chunked.CHUNK * 2 * DIM + solve_terms) + gamma(DIM + 1)
+    if form in ("tf32x3", "blocks"):
         bound *= chunked.TF32X3_ROUNDOFF / Keep.F32.unit_roundoff
     assert rel(out, want_o) <= bound
     got_s = st.double().cpu().numpy()

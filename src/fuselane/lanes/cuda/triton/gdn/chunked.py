@@ -24,6 +24,11 @@ from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gdn.delta import nearest_bf16
 
 CHUNK = 64  # rows a chunk (the reference's chunk size)
+# How the chunk's unit-lower-triangular system is inverted: a row a step (63 dependent steps of two reductions
+# over the chunk's rows), or in blocks of `SOLVE_BLOCK` rows (15 dependent products, then four more);
+# `benchmarks/gdn_chunked.py` times both
+SOLVES = ("rows", "blocks")
+SOLVE_BLOCK = 16
 BV = 64  # value columns a program
 MIN_DOT = 16  # tl.dot's least extent: heads of fewer key values run the recurrence (`delta`)
 PRECISIONS = ("tf32x3", "ieee")  # `tl.dot`'s input precisions the kernel takes, the default first (`delta_products`)
@@ -35,10 +40,30 @@ WARPS = 8
 
 
 @triton.jit
+def _block_solve(a, eye, cr, C: tl.constexpr, SB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """(I + a)^-1 for a strictly lower C x C `a`, in blocks of SB rows: the diagonal blocks' inverse D by forward
+    substitution, row s of every block in one step (a product: a row's terms lie in its own block, its rows
+    before s already final); then, with N = D a_o (a_o the part below the diagonal blocks, so N is strictly
+    block-lower and N^(C/SB) = 0), (I + a)^-1 = (I + N)^-1 D = (I - N + N^2 - ...) D."""
+    blk = cr // SB
+    a_d = tl.where(blk[:, None] == blk[None, :], a, 0.0)
+    d = eye
+    for s in tl.static_range(1, SB):
+        d = tl.where((cr % SB == s)[:, None], eye - tl.dot(a_d, d, input_precision=DOT_PRECISION), d)
+    n = tl.dot(d, a - a_d, input_precision=DOT_PRECISION)
+    series = eye
+    power = eye
+    for _ in tl.static_range(1, C // SB):
+        power = -tl.dot(power, n, input_precision=DOT_PRECISION)
+        series += power
+    return tl.dot(series, d, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _chunked_kernel(
     q_ptr, k_ptr, qk_pitch, v_ptr, v_pitch, g_ptr, b_ptr, gb_pitch, s_ptr, o_ptr, o_pitch, rows, scale,
     DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PER: tl.constexpr, C: tl.constexpr,
-    WRITE_O: tl.constexpr, WRITE_S: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    WRITE_O: tl.constexpr, WRITE_S: tl.constexpr, DOT_PRECISION: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
     h = tl.program_id(0)
@@ -63,12 +88,16 @@ def _chunked_kernel(
         decay = tl.where(upto, tl.exp(tl.where(upto, cum[:, None] - cum[None, :], 0.0)), 0.0)
         kb = k * beta[:, None]
         a = tl.where(before, tl.dot(kb, tl.trans(k), input_precision=DOT_PRECISION) * decay, 0.0)
-        t = tl.where(cr[:, None] == cr[None, :], 1.0, 0.0)  # (I + a)^-1, a row a step: T_i = e_i - a_i T
-        i = 1
-        while i < C:
-            a_i = tl.sum(tl.where(cr[:, None] == i, a, 0.0), 0)
-            t = tl.where(cr[:, None] == i, t - tl.sum(a_i[:, None] * t, 0)[None, :], t)
-            i += 1
+        eye = tl.where(cr[:, None] == cr[None, :], 1.0, 0.0)
+        if SB == 0:  # (I + a)^-1, a row a step: T_i = e_i - a_i T
+            t = eye
+            i = 1
+            while i < C:
+                a_i = tl.sum(tl.where(cr[:, None] == i, a, 0.0), 0)
+                t = tl.where(cr[:, None] == i, t - tl.sum(a_i[:, None] * t, 0)[None, :], t)
+                i += 1
+        else:
+            t = _block_solve(a, eye, cr, C, SB, DOT_PRECISION)
         new_v = tl.dot(t, v * beta[:, None], input_precision=DOT_PRECISION)
         k_decayed = tl.dot(t, kb * tl.exp(cum)[:, None], input_precision=DOT_PRECISION)
         v_new = new_v - tl.dot(k_decayed, s, input_precision=DOT_PRECISION)
@@ -97,12 +126,15 @@ def chunked(
     q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, out: torch.Tensor | None, *, rows: int, heads: int, key_heads: int, dk: int, dv: int,
     scale: float, write_state: bool, precision: str = PRECISIONS[0], bv: int = BV, warps: int = WARPS,
+    solve: str = SOLVES[0],
 ) -> None:  # fmt: skip
     """`delta.delta`'s arguments and results, the rows `CHUNK` at a time, the products at `precision` (one of
-    `PRECISIONS`), a program `bv` value columns at `warps` warps (`benchmarks/gdn_chunked.py` times others).
-    One launch."""
+    `PRECISIONS`), the system solved as `solve` says (one of `SOLVES`), a program `bv` value columns at `warps`
+    warps (`benchmarks/gdn_chunked.py` times others). One launch."""
     if precision not in PRECISIONS:
         raise ValueError(f"the chunked rule multiplies at one of {PRECISIONS}, not {precision!r}")
+    if solve not in SOLVES:
+        raise ValueError(f"the chunked rule solves its system as one of {SOLVES}, not {solve!r}")
     if not takes(dk):
         raise ValueError(f"the chunked rule takes heads of a power of two of at least {MIN_DOT} key values")
     k2, v2 = k.view(rows, -1) if k.is_contiguous() else k, v.view(rows, -1) if v.is_contiguous() else v
@@ -112,5 +144,5 @@ def chunked(
     _chunked_kernel[(heads, triton.cdiv(dv, bv))](
         q2, k2, k2.stride(0), v2, v2.stride(0), g, beta, heads, state, o, o.stride(0), rows, float(scale),
         DK=dk, DV=dv, BV=bv, PER=heads // key_heads, C=CHUNK, WRITE_O=out is not None, WRITE_S=write_state,
-        DOT_PRECISION=precision, num_warps=warps, **pdl.options(),
+        DOT_PRECISION=precision, SB=SOLVE_BLOCK if solve == "blocks" else 0, num_warps=warps, **pdl.options(),
     )  # fmt: skip
