@@ -97,7 +97,7 @@ def test_knobs_parse() -> None:
         ("fuse_quant=maybe", "knob 'fuse_quant' takes on or off, not 'maybe'"),
         ("sms=-3", "knob 'sms' takes a positive whole number, not '-3'"),
         ("chip=tpu", "knob 'chip' takes one of h200"),
-        ("prefill=int4", "knob 'prefill' takes one of int8, f16-copy, in-place, not 'int4'"),
+        ("prefill=int4", "knob 'prefill' takes one of int8, f16-copy, in-place, f16-scratch, not 'int4'"),
         ("pdl=later", "knob 'pdl' takes on or off, not 'later'"),
     ],
 )
