@@ -24,6 +24,7 @@ from fuselane.gguf.synth import SHAPES, write_synthetic  # noqa: E402
 from fuselane.lanes.cuda.plan import kernels  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 from fuselane.runtime.sampling import GREEDY, Sampler  # noqa: E402
+from tests.long_prompt import feed_both  # noqa: E402
 
 LAYERS, VOCAB, SEED = 2, 4096, 7
 PROMPT = [11, 200, 7, 7, 90, 3, 141, 52, 9, 1000, 17, 4000]  # past the GEMV's rows: a chunk
@@ -113,13 +114,6 @@ def test_a_long_prompt_runs_in_the_lanes_chunks_as_the_cpu_lane(tmp_path):
     shape = replace(SHAPES["qwen3-30b-a3b"], n_layers=LAYERS, vocab=VOCAB, experts=16)
     path = write_synthetic(tmp_path / "long.gguf", shape, "q4_k_m", seed=SEED)
     tokens = np.random.default_rng(SEED).integers(0, VOCAB, LONG).tolist()
-    ref = load(path, lane="cpu", ctx=LONG + 1, dtype=np.float64)
-    want = ref.session().feed(tokens)
-    ref.close()
-    gpu = load(path, lane="cuda", ctx=LONG + 1)
-    s = gpu.session()
-    assert s.chunk == kernels.MOE_CHUNK_ROWS
-    got = s.feed(tokens)
-    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    got, want, tol, chunk = feed_both(path, tokens)
+    assert chunk == kernels.MOE_CHUNK_ROWS
     assert np.isfinite(got).all() and rel(got, want) <= tol, f"{rel(got, want):.2e} > {tol:.2e}"
-    gpu.close()

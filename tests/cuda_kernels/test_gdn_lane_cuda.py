@@ -135,20 +135,13 @@ def test_a_long_prompt_runs_in_the_lanes_chunks_as_the_cpu_lane(model_path):
     # a session takes the hybrid's prompt 512 rows at a time (`CudaLane.prefill_chunk`, for its mixture): a full
     # chunk (eight of the chunked rule's 64 rows, the state carried between them in the program), then 88 rows
     from fuselane.lanes.cuda.plan import kernels
-    from fuselane.runtime.model import load
+    from tests.long_prompt import feed_both
 
     long = kernels.MOE_CHUNK_ROWS + 88
     tokens = np.random.default_rng(4).integers(0, SHAPE.vocab, long).tolist()
-    ref_model = load(model_path, lane="cpu", ctx=long + 1, dtype=np.float64)
-    want = ref_model.session().feed(tokens)
-    ref_model.close()
-    gpu = load(model_path, lane="cuda", ctx=long + 1)
-    s = gpu.session()
-    assert s.chunk == kernels.MOE_CHUNK_ROWS
-    got = s.feed(tokens)
-    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    got, want, tol, chunk = feed_both(model_path, tokens)
+    assert chunk == kernels.MOE_CHUNK_ROWS
     assert np.isfinite(got).all() and rel(got, want) <= tol, f"{rel(got, want):.2e} > {tol:.2e}"
-    gpu.close()
 
 
 @pytest.mark.xdist_group("qwen3next-lane")

@@ -69,17 +69,11 @@ def test_a_long_prompt_runs_in_the_lanes_chunks_as_the_cpu_lane(tmp_path):
     # 88 rows, each latent attention expanded (`Mla`) over the whole cache so far; each of the 8 experts meets ~450
     # pairs (many tiles of the grouped GEMM)
     from fuselane.lanes.cuda.plan import kernels
+    from tests.long_prompt import feed_both
 
     long = kernels.MOE_CHUNK_ROWS + 88
     path = write_synthetic(tmp_path / "long.gguf", SHAPE, "q4_k_m", seed=5)
     tokens = np.random.default_rng(5).integers(0, SHAPE.vocab, long).tolist()
-    ref = load(path, lane="cpu", ctx=long + 1, dtype=np.float64)
-    want = ref.session().feed(tokens)
-    ref.close()
-    gpu = load(path, lane="cuda", ctx=long + 1)
-    s = gpu.session()
-    assert s.chunk == kernels.MOE_CHUNK_ROWS
-    got = np.asarray(s.feed(tokens))
-    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    got, want, tol, chunk = feed_both(path, tokens)
+    assert chunk == kernels.MOE_CHUNK_ROWS
     assert np.isfinite(got).all() and rel(got, want) <= tol, f"{rel(got, want):.2e} > {tol:.2e}"
-    gpu.close()
