@@ -174,3 +174,73 @@ def test_the_scratch_products_rows_land_at_a_table_row():
     scratch = torch.empty(5 * K, dtype=torch.float16, device=DEVICE)  # slabs of 5 rows
     S.product_from_bytes(x, dev(raw), Format.Q8_0, N, K, scratch, tables[1], out_row=(pos, tables[1].stride(0)))
     assert torch.equal(tables[1], tables[0])
+
+
+def _pair(seed: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """A gated pair as checkpoint rows in two formats (the gate Q8_0, the up Q4_0), each (bytes, f16 values)."""
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(seed)
+    found = []
+    for kind in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0):
+        w = (rng.standard_normal((N, K)) * 0.05).astype(np.float32)
+        raw = quants.quantize(w, kind)
+        found.append((raw.reshape(-1), quants.dequantize(raw, kind).astype(np.float16)))
+    return found[0], found[1]
+
+
+def _pair_activations(seed: int) -> np.ndarray:
+    """`_activations` with its 1e30 value at 3e6: the GLU of a 1e30 row (its square) is past f32's range."""
+    x = _activations(np.random.default_rng(seed))
+    x[5, 3] = np.float32(3e6)
+    return x
+
+
+def _apart(x, g16, u16):
+    """What the pair ran as before: each product on its own (`product`, f32 stores), then `glu_act_mul`."""
+    from fuselane.lanes.cuda.triton import misc
+
+    gate, up, out = (torch.empty((M, N), device=DEVICE) for _ in range(3))
+    S.product(x, g16, gate)
+    S.product(x, u16, up)
+    misc.glu_act_mul(gate, up, out)
+    return out
+
+
+def test_the_pair_gives_the_bits_of_its_products_then_its_glu():
+    # the gated pair in one rounding and one epilogue: the bits its two products and the GLU launch gave,
+    # rows past 2^14 included (their scale multiplies each product back before the GLU)
+    (_, g16), (_, u16) = _pair(15)
+    x = dev(_pair_activations(16))
+    out = torch.empty((M, N), device=DEVICE)
+    S.gate_up_glu(x, dev(g16), dev(u16), out)
+    want = _apart(x, dev(g16), dev(u16))
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("scratch_rows", [N, 7])  # the whole pair at once; slabs of 7 rows of each (7, 7, 7, 3)
+def test_the_scratch_pair_gives_the_bits_of_the_copies(scratch_rows):
+    from fuselane.gguf.formats import Format
+
+    (graw, g16), (uraw, u16) = _pair(17)
+    x = dev(_pair_activations(18))
+    want = torch.empty((M, N), device=DEVICE)
+    S.gate_up_glu(x, dev(g16), dev(u16), want)
+    scratch = torch.empty(2 * scratch_rows * K, dtype=torch.float16, device=DEVICE)
+    out = torch.empty((M, N), device=DEVICE)
+    gate, up = (dev(graw), Format.Q8_0), (dev(uraw), Format.Q4_0)
+    S.gate_up_glu_from_bytes(x, gate, up, N, K, scratch, out)
+    assert torch.equal(out, want)
+
+
+def test_a_scratch_without_a_pair_of_rows_is_refused():
+    from fuselane.gguf.formats import Format
+
+    (graw, _), (uraw, _) = _pair(19)
+    scratch = torch.empty(2 * K - 1, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="no pair of rows"):
+        S.gate_up_glu_from_bytes(
+            dev(np.zeros((M, K), np.float32)), (dev(graw), Format.Q8_0), (dev(uraw), Format.Q4_0), N, K, scratch,
+            torch.empty((M, N), device=DEVICE),
+        )  # fmt: skip

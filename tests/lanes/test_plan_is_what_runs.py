@@ -312,13 +312,25 @@ def test_the_fast_gemv_facts_are_the_kernels() -> None:
 
 
 @pytest.mark.parametrize("shape", ["qwen2.5-0.5b:q4_k_m_05b", "qwen2.5-7b:q4_k_m", "qwen3-8b:q4_k_m"])
-def test_a_wide_chunk_splits_every_layers_gated_pair(shape: str) -> None:
+@pytest.mark.parametrize("prefill", ["in-place", "int8"])
+def test_a_wide_chunk_splits_every_layers_gated_pair(shape: str, prefill: str) -> None:
     # the settling pass runs over a schedule that grows as it splits: every layer's pair, the last ones too, must
     # reach the GEMMs (the binder refuses a pair past the GEMV's rows rather than run it a row at a time)
     from fuselane.lanes.cuda.plan import kernels
 
-    _, cfg, plan = build_plan(f"synth:{shape}", lane="cuda", form="prefill", rows=256)
+    knobs = (f"prefill={prefill}",)
+    _, cfg, plan = build_plan(f"synth:{shape}", lane="cuda", form="prefill", rows=256, knobs=knobs)
     pairs = [op for op in plan.ops if class_of(op) is C.GEMV_GATE_UP_GLU]
     assert not pairs, [op.out for op in pairs]
     glus = [op for op in plan.ops if class_of(op) is C.GLU_ACT_MUL or class_of(op) is C.GLU_ACT_MUL_QUANT]
     assert len(glus) == cfg.n_layers and kernels.GEMV_ROWS < 256
+
+
+@pytest.mark.parametrize("prefill", ["f16-copy", "f16-scratch"])
+def test_a_wide_chunk_keeps_its_pairs_whole_on_cublas(prefill: str) -> None:
+    # the f16 knobs multiply a chunk's pair on cuBLAS: one rounding of the activation and the GLU in the
+    # products' epilogue, so no layer's pair splits (a batch's still does: `test_cuda_batch_plan`)
+    _, cfg, plan = build_plan("synth:qwen2.5-7b:q4_k_m", lane="cuda", form="prefill", rows=256, knobs=(f"prefill={prefill}",))
+    pairs = [op for op in plan.ops if class_of(op) is C.GEMV_GATE_UP_GLU]
+    assert len(pairs) == cfg.n_layers
+    assert not [op for op in plan.ops if class_of(op) in (C.GLU_ACT_MUL, C.GLU_ACT_MUL_QUANT)]

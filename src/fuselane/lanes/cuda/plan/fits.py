@@ -97,6 +97,8 @@ class CudaShim(Protocol):
 
     def gemm_parts(self, members: Sequence[Op], g: TensorGraph) -> bool: ...
 
+    def pairs_on_cublas(self, g: TensorGraph) -> bool: ...
+
     def moe_down_launch(self, op: Op, g: TensorGraph) -> tuple[int, int] | None: ...
 
 
@@ -355,7 +357,7 @@ def _gemv_gate_up_glu(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGr
         return "the lane pairs a gate and an up product only over checkpoint rows"
     gemv_rows = gate.m <= kernels.GEMV_ROWS or shim.knobs.activations is Activations.DEQUANT
     paired = not gemv_rows and gate.weights == up.weights and gate.n % kernels.GEMM_PAIR_TILE_N == 0
-    if gemv_rows or paired:
+    if gemv_rows or paired or shim.pairs_on_cublas(g):
         return None
     return "a gated pair on the tensor cores pairs tiles of one format, the hidden width whole pair tiles"
 

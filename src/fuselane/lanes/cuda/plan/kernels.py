@@ -46,6 +46,10 @@ MOE_CHUNK_ROWS = 512
 # Rows of a prefill chunk in a session under `prefill=f16-scratch`: each chunk decodes every matrix to f16 again,
 # so a 512-token prompt (llama.cpp's ubatch) in one chunk decodes them once rather than twice.
 SCRATCH_CHUNK_ROWS = 512
+# Values (f16) of that scratch: a matrix past it is decoded and multiplied a slab of its rows at a time (a gated
+# pair, a slab of each side by side). Smaller than a 7B's 136 MB gate matrix, so the scratch stays a few percent
+# of the file; a slab of this size also stays within the H200's 50 MB L2 between its decode and cuBLAS's read.
+F16_SCRATCH_VALUES = 16 * 2**20
 
 # The output tile of a tensor-core GEMM: 128 outputs wide, the N tile Triton's Hopper wgmma path runs at
 # full rate for int8 and f16 operands.

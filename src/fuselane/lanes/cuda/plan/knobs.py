@@ -61,6 +61,12 @@ class PrefillWeights(enum.Enum):
     # cuBLAS on each matrix decoded to f16 just before its product, into one scratch the size of the largest
     F16_SCRATCH = "f16-scratch"
 
+    @property
+    def cublas(self) -> bool:
+        """Whether a chunk's products multiply f16 matrices with cuBLAS (copies, or decoded into the scratch)
+        rather than decode the checkpoint's bytes in their own kernel."""
+        return self in (PrefillWeights.F16_COPY, PrefillWeights.F16_SCRATCH)
+
 
 class DeltaProducts(enum.Enum):
     """How the chunked gated delta rule (a prefill chunk of a hybrid's linear layers) multiplies."""

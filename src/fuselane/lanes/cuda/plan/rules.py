@@ -10,7 +10,9 @@ In the order they link into the shared table (`CudaShim.rules`):
   for it; elsewhere the rotations run after the product, a query's and a key's in one launch.
 - `products_apart` (settling, after the shared table): a gated pair past the GEMV's rows runs as its two
   products and its GLU (whose int8 form, where the down product reads one, a `Quantize` launch writes): the
-  lane has no paired GEMM yet.
+  lane has no paired GEMM on the checkpoint's bytes yet. A prefill chunk's pair that multiplies on cuBLAS
+  (`prefill=f16-copy` or `f16-scratch`) stays whole: one rounding of its activation, the GLU in the
+  products' epilogue.
 - `quantize_apart` (settling, last): a quantizing fold whose producer has no int8 epilogue here runs as the
   producer then a `Quantize` launch; every activation a product reads in int8 that its producer wrote in f32
   only is quantized by one `Quantize` launch before its first such reader.
@@ -205,7 +207,7 @@ def products_apart(shim: CudaShim, r: Rewriter) -> None:
         if op is not None and class_of(op) in QUANTIZING and _wide_pair(parts(op)[0], r.g):
             r.split(PRODUCTS_APART, i, parts(op)[:1], NO_PAIRED_GEMM)
             continue  # the bare pair, now at slot i, splits next round
-        if op is not None and _wide_pair(op, r.g):
+        if op is not None and _wide_pair(op, r.g) and not shim.pairs_on_cublas(r.g):
             members = parts(op)
             r.split(PRODUCTS_APART, i, members, NO_PAIRED_GEMM)
             i += len(members) - 1

@@ -42,7 +42,7 @@ from fuselane.fuse.rules import SHARED_RULES
 from fuselane.fuse.shim import DECOMPOSE, NATIVE, After, Before, LaneRule, Position, Support, SupportKind, refuse
 from fuselane.fuse.views import GemvForm, class_of, gemv, leaves, moe, parts, rope
 from fuselane.graph.classes import ClassId as C
-from fuselane.graph.ir import Op, QuantFormat, Rows, TensorGraph
+from fuselane.graph.ir import Form, Op, QuantFormat, Rows, TensorGraph
 from fuselane.graph.ops import Attention, ExpertMatmul, Moe
 from fuselane.lanes.cuda.plan import gdn, gemm_tiles, kernels, latent
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, ROWS_A_WARP
@@ -485,6 +485,11 @@ class CudaShim:
                 if p is not None
             )
         )
+
+    def pairs_on_cublas(self, g: TensorGraph) -> bool:
+        """Whether a prefill chunk's gated pair runs whole on cuBLAS (the `prefill` knob's f16 copies or
+        scratch): the activation rounded once, the GLU in the products' epilogue."""
+        return g.form is Form.PREFILL and self.knobs.prefill_weights.cublas
 
     def gemm_parts(self, members: Sequence[Op], g: TensorGraph) -> bool:
         """Whether every member of a GEMM in parts is one the tensor cores take together: at most four, one

@@ -32,6 +32,7 @@ from fuselane.gguf.dequant import dequantize
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Form, QuantFormat, QuantizedActs, Role, TensorGraph
 from fuselane.graph.ops import GatedDelta
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.kernels import MOE_CHUNK_ROWS, QBLOCK, SCRATCH_CHUNK_ROWS
 from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights, StatePrecision
 from fuselane.lanes.cuda.plan.shim import CudaShim
@@ -147,15 +148,17 @@ class CudaLane:
 
     def f16_scratch(self) -> Any:
         """Under `prefill=f16-scratch`, the one f16 buffer every chunk product decodes its matrix into (made
-        once): the size of the largest matrix but those of the vocabulary's rows, which go in slabs of it.
-        None under the other knobs."""
+        once): the largest matrix, or `kernels.F16_SCRATCH_VALUES` where that is less (a matrix past it goes in
+        slabs of its rows), and at least two rows of the widest (a gated pair's slab). None under the other
+        knobs."""
         if self.shim.knobs.prefill_weights is not PrefillWeights.F16_SCRATCH:
             return None
         if self._scratch is None:
             matrices = [t.shape for t in self.tensors.values() if len(t.shape) == 2]
-            inner = [n * k for n, k in matrices if self.cfg.vocab not in (n, k)]
-            widest = max(k for _, k in matrices)  # at least a row of every matrix
-            self._scratch = self.torch.empty(max(inner + [widest]), dtype=self.torch.float16, device=self.device)
+            largest = max(n * k for n, k in matrices)
+            widest = max(k for _, k in matrices)
+            values = max(min(largest, kernels.F16_SCRATCH_VALUES), 2 * widest)
+            self._scratch = self.torch.empty(values, dtype=self.torch.float16, device=self.device)
         return self._scratch
 
     def weight_bytes(self) -> int:
@@ -284,7 +287,7 @@ def decodes_in_kernel(knobs: CudaKnobs) -> bool:
     """Whether the products past the GEMV's rows that the int8 GEMM does not take decode the checkpoint's bytes
     to f16 in their kernel (`prefill=in-place` or `int8`), rather than multiply f16 matrices with cuBLAS
     (copies, or decoded into a scratch a product)."""
-    return knobs.prefill_weights in (PrefillWeights.INT8, PrefillWeights.IN_PLACE)
+    return not knobs.prefill_weights.cublas
 
 
 def _attention_in_f16(knobs: CudaKnobs) -> bool:

@@ -538,10 +538,11 @@ def _gate_up(op: Op, b: Bound, out_q8: Any = None):
     gemv, *_ = _t()
     gate, up = (p for p in leaves(op) if isinstance(p.sym, Matmul))
     spec: Matmul = gate.sym  # type: ignore[assignment]
-    # a chunk's or a batch's past the GEMV's rows: the GEMV would read every matrix once a tile of rows
-    if spec.m > kernels.GEMV_ROWS:
-        raise PlanMismatch(f"{op.out}: a gated pair of {spec.m} rows, past the GEMV's {kernels.GEMV_ROWS}, not split")
     x, out = b.bufs[gate.ins[0]], b.bufs[op.out]
+    if spec.m > kernels.GEMV_ROWS:
+        if b.in_place or out_q8 is not None:  # the GEMV would read every matrix once a tile of rows
+            raise PlanMismatch(f"{op.out}: a gated pair of {spec.m} rows, past the GEMV's {kernels.GEMV_ROWS}, not split")
+        return [_f16_pair(gate, up, spec, b, x.view(spec.m, spec.k), out.view(spec.m, spec.n))]
     (wg, fmt), (wu, _) = b.raw[gate.ins[1]], b.raw[up.ins[1]]
     n, k = spec.n, spec.k
     q8 = _q8_in(gate.ins[0], fmt, spec.m, k, b, out)
@@ -561,6 +562,18 @@ def _gate_up(op: Op, b: Bound, out_q8: Any = None):
     if fast is not None:
         return [lambda: fast.gemv_fast_gate_up_glu(x, wg, wu, fmt, n, k, out)]
     return [lambda: gemv.gemv_gate_up_glu(x, wg, wu, fmt, n, k, out)]
+
+
+def _f16_pair(gate: Op, up: Op, spec: Matmul, b: Bound, x: Any, out: Any):
+    """A chunk's gated pair on cuBLAS: the activation rounded once, the GLU in the products' epilogue
+    (`f16_scale.gate_up_glu`), over the matrices' f16 copies or decoded into the scratch a slab at a time."""
+    from fuselane.lanes.cuda.triton import f16_scale
+
+    if b.f16_scratch is not None:
+        pair, scratch = (b.raw[gate.ins[1]], b.raw[up.ins[1]]), b.f16_scratch
+        return lambda: f16_scale.gate_up_glu_from_bytes(x, *pair, spec.n, spec.k, scratch, out)
+    # the f16 copies, made by the first run as `_product`'s are
+    return lambda: f16_scale.gate_up_glu(x, b.dense(gate.ins[1]), b.dense(up.ins[1]), out)
 
 
 def _part(member: Op, b: Bound) -> tuple:

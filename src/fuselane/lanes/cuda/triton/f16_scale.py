@@ -101,6 +101,24 @@ def _scaled_store_kernel(
     store_tile(acc, xm, rows, m, n, bias, res, res_pitch, out, out_pitch, pos, HAS_BIAS, HAS_RES, AT_ROW)
 
 
+@triton.jit
+def _scaled_glu_kernel(
+    g, g_pitch, u, u_pitch, scales, m, n, out, out_pitch,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.begin(PDL)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    xm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    keep = (xm < m)[:, None] & (cols < n)[None, :]
+    s = tl.load(scales + xm, mask=xm < m, other=1.0)[:, None]
+    at = xm[:, None].to(tl.int64)
+    gate = tl.load(g + at * g_pitch + cols[None, :], mask=keep, other=0.0).to(tl.float32) * s
+    up = tl.load(u + at * u_pitch + cols[None, :], mask=keep, other=0.0).to(tl.float32) * s
+    # the GLU as `misc.glu_act_mul` takes it from the two products' f32 stores: the same bits, one launch
+    silu = gate / (1.0 + tl.exp(-gate))
+    tl.store(out + at * out_pitch + cols[None, :], silu * up, mask=keep)
+
+
 def to_f16(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, *, block: int = ROW_BLOCK) -> None:
     """out (m, k) f16 = x (m, k, f32 or f16) / s, scales (m,) f32 = s: s = 1 for a row whose |values| are at most 2^14,
     else the least power of two that brings them under. Rows at any pitch, unit column stride. `block`, the
@@ -150,6 +168,63 @@ def scaled_store(
     )  # fmt: skip
 
 
+def glu_store(gate: torch.Tensor, up: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """out (m, n, f32) = silu(gate * s) * (up * s), s one a row: a gated pair's two f16 products (cuBLAS's,
+    of the rows `to_f16` scaled) scaled back and joined in f32, so neither product is ever stored in f32."""
+    m, n = gate.shape
+    for name, t in (("gate", gate), ("up", up), ("out", out)):
+        if tuple(t.shape) != (m, n) or t.stride(1) != 1:
+            raise ValueError(f"{name} must be an ({m}, {n}) tensor with unit column stride")
+    if out.dtype != torch.float32:
+        raise ValueError("out must be f32")
+    grid = (triton.cdiv(n, STORE_N), triton.cdiv(m, STORE_M))
+    _scaled_glu_kernel[grid](
+        gate, gate.stride(0), up, up.stride(0), scales, m, n, out, out.stride(0),
+        BLOCK_M=STORE_M, BLOCK_N=STORE_N, num_warps=STORE_WARPS, **pdl.options(),
+    )  # fmt: skip
+
+
+def gate_up_glu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (m, n, f32) = silu(x @ gate^T) * (x @ up^T), gate and up the (n, k) f16 copies of a gated pair: x
+    rounded once for both products, the GLU in the products' epilogue (`glu_store`). Returns `out`."""
+    x16, scales = _rounded(x)
+    glu_store(x16 @ gate.T, x16 @ up.T, scales, out)
+    return out
+
+
+def gate_up_glu_from_bytes(
+    x: torch.Tensor, gate: tuple[torch.Tensor, Any], up: tuple[torch.Tensor, Any], n: int, k: int,
+    scratch: torch.Tensor, out: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """`gate_up_glu` with the pair's matrices as checkpoint rows, each (bytes, format): a slab of the gate's rows
+    and the same slab of the up's decoded side by side into `scratch` (`prefill=f16-scratch`), one cuBLAS
+    product over both, the GLU in its epilogue into those columns of `out`. Returns `out`."""
+    from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize
+
+    x16, scales = _rounded(x)
+    rows = min(n, scratch.numel() // (2 * k))
+    if rows < 1:
+        raise ValueError(f"a scratch of {scratch.numel()} values holds no pair of rows of {k}")
+    for n0 in range(0, n, rows):
+        s = min(n, n0 + rows) - n0
+        pair = scratch[: 2 * s * k].view(2 * s, k)
+        for half, (w, fmt) in enumerate((gate, up)):
+            row_bytes = w.numel() // n
+            dequantize(w[n0 * row_bytes : (n0 + s) * row_bytes], fmt, s, k, pair[half * s : (half + 1) * s])
+        both = x16 @ pair.T
+        glu_store(both[:, :s], both[:, s:], scales, out[:, n0 : n0 + s])
+    return out
+
+
+def _rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x rounded to f16 under its rows' scales, the scales): `to_f16` into fresh buffers."""
+    m, k = x.shape
+    x16 = torch.empty((m, k), dtype=torch.float16, device=x.device)
+    scales = torch.empty(m, dtype=torch.float32, device=x.device)
+    to_f16(x, x16, scales)
+    return x16, scales
+
+
 def product_from_bytes(
     x: torch.Tensor, w: torch.Tensor, fmt: Any, n: int, k: int, scratch: torch.Tensor, out: torch.Tensor,
     **epilogue: Any,
@@ -160,10 +235,7 @@ def product_from_bytes(
     rows, each multiplied into its columns of `out`. Returns `out`."""
     from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize
 
-    m = x.shape[0]
-    x16 = torch.empty((m, k), dtype=torch.float16, device=x.device)
-    scales = torch.empty(m, dtype=torch.float32, device=x.device)
-    to_f16(x, x16, scales)
+    x16, scales = _rounded(x)
     rows = min(n, scratch.numel() // k)
     if rows < 1:
         raise ValueError(f"a scratch of {scratch.numel()} values holds no row of {k}")
@@ -185,9 +257,6 @@ def product(x: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, **epilogue:
     """out (m, n) = x (m, k, f32) @ dense^T (dense the (n, k) f16 copy of a matrix) with `scaled_store`'s
     `epilogue` (bias, residual, out_row): x rounded to f16 under its rows' scales, multiplied by cuBLAS,
     scaled back in f32; returns `out`."""
-    m, k = x.shape
-    x16 = torch.empty((m, k), dtype=torch.float16, device=x.device)
-    scales = torch.empty(m, dtype=torch.float32, device=x.device)
-    to_f16(x, x16, scales)
+    x16, scales = _rounded(x)
     scaled_store(x16 @ dense.T, scales, out, **epilogue)
     return out
