@@ -1,4 +1,4 @@
-"""What a model takes on the GPU through a prefill and decode under `prefill=int8` (not yet the default): the
+"""What a model takes on the GPU through a prefill and decode under `prefill=int8` and `f16-scratch`: the
 file's matrices as stored, its norms and biases, its KV cache, and a workspace of at most 5 % more (`pytest -m
 cuda`; skipped without a GPU).
 
@@ -38,12 +38,13 @@ def path(tmp_path_factory):
 
 
 @pytest.mark.xdist_group("prefill-7b")
-def test_memory_is_the_file_the_cache_and_a_small_workspace(path):
+@pytest.mark.parametrize("knob", ["prefill=int8", "prefill=f16-scratch"])
+def test_memory_is_the_file_the_cache_and_a_small_workspace(path, knob):
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    model = load(path, lane="cuda", ctx=CTX, knobs=["prefill=int8"])
+    model = load(path, lane="cuda", ctx=CTX, knobs=[knob])
     session = model.session()
     tokens = np.random.default_rng(0).integers(0, model.cfg.vocab, size=PROMPT).tolist()
     session.feed(tokens)
