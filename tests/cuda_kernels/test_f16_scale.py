@@ -244,3 +244,14 @@ def test_a_scratch_without_a_pair_of_rows_is_refused():
             dev(np.zeros((M, K), np.float32)), (dev(graw), Format.Q8_0), (dev(uraw), Format.Q4_0), N, K, scratch,
             torch.empty((M, N), device=DEVICE),
         )  # fmt: skip
+
+
+def test_a_slab_takes_whole_steps_of_rows_where_the_matrix_does_not_fit():
+    # cuBLAS's fast f16 kernels want an output pitch of whole 8-value steps: a slab of 885 rows of a 7B's down
+    # product took twice as long as one of 768
+    from fuselane.lanes.cuda.plan.kernels import F16_SLAB_STEP
+
+    assert S._slab_rows(18944, 2340) == 2340 // F16_SLAB_STEP * F16_SLAB_STEP
+    assert S._slab_rows(3584, 885) % 8 == 0
+    assert S._slab_rows(24, 30) == 24  # the whole matrix fits
+    assert S._slab_rows(24, 7) == 7  # a scratch of fewer rows than a step: all it holds (the tests' slabs)

@@ -330,7 +330,9 @@ def test_a_wide_chunk_splits_every_layers_gated_pair(shape: str, prefill: str) -
 def test_a_wide_chunk_keeps_its_pairs_whole_on_cublas(prefill: str) -> None:
     # the f16 knobs multiply a chunk's pair on cuBLAS: one rounding of the activation and the GLU in the
     # products' epilogue, so no layer's pair splits (a batch's still does: `test_cuda_batch_plan`)
-    _, cfg, plan = build_plan("synth:qwen2.5-7b:q4_k_m", lane="cuda", form="prefill", rows=256, knobs=(f"prefill={prefill}",))
+    _, cfg, plan = build_plan(
+        "synth:qwen2.5-7b:q4_k_m", lane="cuda", form="prefill", rows=256, knobs=(f"prefill={prefill}",)
+    )
     pairs = [op for op in plan.ops if class_of(op) is C.GEMV_GATE_UP_GLU]
     assert len(pairs) == cfg.n_layers
     assert not [op for op in plan.ops if class_of(op) in (C.GLU_ACT_MUL, C.GLU_ACT_MUL_QUANT)]

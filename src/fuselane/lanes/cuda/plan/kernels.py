@@ -50,6 +50,9 @@ SCRATCH_CHUNK_ROWS = 512
 # pair, a slab of each side by side). Smaller than a 7B's 136 MB gate matrix, so the scratch stays a few percent
 # of the file; a slab of this size also stays within the H200's 50 MB L2 between its decode and cuBLAS's read.
 F16_SCRATCH_VALUES = 16 * 2**20
+# A slab's rows, in whole steps of this many: cuBLAS's f16 kernels take an output whose row pitch is a multiple
+# of 8 values, and fall to slower ones otherwise (a 7B's down product in slabs of 885 rows took twice as long).
+F16_SLAB_STEP = 128
 
 # The output tile of a tensor-core GEMM: 128 outputs wide, the N tile Triton's Hopper wgmma path runs at
 # full rate for int8 and f16 operands.

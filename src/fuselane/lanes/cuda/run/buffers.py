@@ -52,7 +52,8 @@ def pooled_buffers(
     """(buffers, int8 forms) by name for the plan's activations, shared where their lives do not overlap.
     `make(shape)` allocates an f32 buffer, `make_q8(shape)` an int8 form."""
     g = plan.graph
-    pooled = {name for name, t in g.tensors.items() if t.role is Role.ACTIVATION}
+    inside = _inside(plan)
+    pooled = {name for name, t in g.tensors.items() if t.role is Role.ACTIVATION} - inside
     span = lives(plan, pooled)
     starts: dict[int, list[str]] = defaultdict(list)
     ends: dict[int, list[str]] = defaultdict(list)
@@ -82,9 +83,22 @@ def pooled_buffers(
             for key, buf in taken.pop(name):
                 free[key].append(buf)
     views = {op.out for op in plan.ops if isinstance(op.sym, VIEWS)}  # bound to their input's buffer
-    for name in pooled - set(span) - views:  # never touched by an op: a buffer of its own all the same
+    for name in pooled - set(span) - views - inside:  # never touched by an op: a buffer of its own all the same
         bufs[name] = make(g.tensors[name].shape)
     return bufs, q8
+
+
+def _inside(plan: Plan) -> set[str]:
+    """Activations that live and die inside one fused op: written by one of its parts, read only by its
+    other parts, never its output. Its launch keeps them in registers (a chunk's gated pair on cuBLAS, its
+    products' f16 tiles), so they take no buffer."""
+    outer: set[str] = set()
+    touched: dict[str, set[int]] = defaultdict(set)
+    for i, op in enumerate(plan.ops):
+        outer |= set(op.ins) | {op.out, op.dst.buf}
+        for name in _names(op):
+            touched[name].add(i)
+    return {name for name, ops in touched.items() if len(ops) == 1 and name not in outer}
 
 
 def _numel(shape: tuple[int, ...]) -> int:

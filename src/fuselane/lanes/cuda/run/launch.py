@@ -541,7 +541,9 @@ def _gate_up(op: Op, b: Bound, out_q8: Any = None):
     x, out = b.bufs[gate.ins[0]], b.bufs[op.out]
     if spec.m > kernels.GEMV_ROWS:
         if b.in_place or out_q8 is not None:  # the GEMV would read every matrix once a tile of rows
-            raise PlanMismatch(f"{op.out}: a gated pair of {spec.m} rows, past the GEMV's {kernels.GEMV_ROWS}, not split")
+            raise PlanMismatch(
+                f"{op.out}: a gated pair of {spec.m} rows, past the GEMV's {kernels.GEMV_ROWS}, not split"
+            )
         return [_f16_pair(gate, up, spec, b, x.view(spec.m, spec.k), out.view(spec.m, spec.n))]
     (wg, fmt), (wu, _) = b.raw[gate.ins[1]], b.raw[up.ins[1]]
     n, k = spec.n, spec.k

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselane.lanes.cuda.plan.kernels import F16_SLAB_STEP
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemm import F16_SAFE, store_tile
 
@@ -202,7 +203,7 @@ def gate_up_glu_from_bytes(
     from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize
 
     x16, scales = _rounded(x)
-    rows = min(n, scratch.numel() // (2 * k))
+    rows = _slab_rows(n, scratch.numel() // (2 * k))
     if rows < 1:
         raise ValueError(f"a scratch of {scratch.numel()} values holds no pair of rows of {k}")
     for n0 in range(0, n, rows):
@@ -214,6 +215,14 @@ def gate_up_glu_from_bytes(
         both = x16 @ pair.T
         glu_store(both[:, :s], both[:, s:], scales, out[:, n0 : n0 + s])
     return out
+
+
+def _slab_rows(n: int, fits: int) -> int:
+    """The rows of a matrix a slab takes: all n where they fit, else whole `kernels.F16_SLAB_STEP`s of the
+    `fits` the scratch holds (only a scratch of fewer rows than a step takes them all)."""
+    if fits >= n:
+        return n
+    return fits // F16_SLAB_STEP * F16_SLAB_STEP or fits
 
 
 def _rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,7 +245,7 @@ def product_from_bytes(
     from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize
 
     x16, scales = _rounded(x)
-    rows = min(n, scratch.numel() // k)
+    rows = _slab_rows(n, scratch.numel() // k)
     if rows < 1:
         raise ValueError(f"a scratch of {scratch.numel()} values holds no row of {k}")
     row_bytes = w.numel() // n
