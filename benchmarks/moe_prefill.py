@@ -75,6 +75,8 @@ MODELS = {
     "deepseek-v2-lite": Model(
         64, 6, 2048, 1408, 26, "Q4_K", tuple(fit_format(Format[f], 1408).name for f in ("Q4_K", "Q6_K")), 2816
     ),  # fmt: skip
+    # 10 of 512 experts of ffn 512 and a shared expert of 512 (its Q4_K_M file's down rows Q4_K or Q6_K by layer)
+    "qwen3-next-80b-a3b": Model(512, 10, 2048, 512, 48, "Q4_K", ("Q4_K", "Q6_K"), 512),
 }
 
 # (BLOCK_M, BLOCK_N, warps, stages, word step) the sweep tries for each grouped launch, around the table's

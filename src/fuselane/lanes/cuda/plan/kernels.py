@@ -47,9 +47,10 @@ MOE_CHUNK_ROWS = 512
 # so a 512-token prompt (llama.cpp's ubatch) in one chunk decodes them once rather than twice.
 SCRATCH_CHUNK_ROWS = 512
 # Values (f16) of that scratch: a matrix past it is decoded and multiplied a slab of its rows at a time (a gated
-# pair, a slab of each side by side). Smaller than a 7B's 136 MB gate matrix, so the scratch stays a few percent
-# of the file; a slab of this size also stays within the H200's 50 MB L2 between its decode and cuBLAS's read.
-F16_SCRATCH_VALUES = 16 * 2**20
+# pair, a slab of each side by side). Measured on a 7B Q4_K_M's 512-row chunk (H200): every matrix whole (1.09 GB,
+# the output's rows) 20.3 ms; 64 MiB 22.2 ms at 4.4 % over the file and cache; 32 MiB 22.9 ms at 3.6 %; 16 MiB
+# 26.7 ms (each slab's launches start to cost more than its product).
+F16_SCRATCH_VALUES = 32 * 2**20
 # A slab's rows, in whole steps of this many: cuBLAS's f16 kernels take an output whose row pitch is a multiple
 # of 8 values, and fall to slower ones otherwise (a 7B's down product in slabs of 885 rows took twice as long).
 F16_SLAB_STEP = 128

@@ -18,7 +18,8 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from fuselane.fuse.optimizer import VIEWS, Plan
-from fuselane.fuse.views import leaves
+from fuselane.fuse.views import class_of, leaves
+from fuselane.graph.classes import ClassId
 from fuselane.graph.ir import Op, QuantizedActs, Role
 
 
@@ -52,7 +53,7 @@ def pooled_buffers(
     """(buffers, int8 forms) by name for the plan's activations, shared where their lives do not overlap.
     `make(shape)` allocates an f32 buffer, `make_q8(shape)` an int8 form."""
     g = plan.graph
-    inside = _inside(plan)
+    inside = unstored(plan)
     pooled = {name for name, t in g.tensors.items() if t.role is Role.ACTIVATION} - inside
     span = lives(plan, pooled)
     starts: dict[int, list[str]] = defaultdict(list)
@@ -88,17 +89,21 @@ def pooled_buffers(
     return bufs, q8
 
 
-def _inside(plan: Plan) -> set[str]:
-    """Activations that live and die inside one fused op: written by one of its parts, read only by its
-    other parts, never its output. Its launch keeps them in registers (a chunk's gated pair on cuBLAS, its
-    products' f16 tiles), so they take no buffer."""
+def unstored(plan: Plan) -> set[str]:
+    """Activations that live and die inside one gated pair (GemvGateUpGlu): its gate and up products and the
+    gate's SiLU, which its launches never store (the GEMV keeps them in registers; a chunk's pair on cuBLAS
+    joins the products' f16 tiles in its epilogue), so they take no buffer. Other fused ops' parts may store
+    theirs (a GEMV in parts writes each member's output), so only the pair's are left out."""
     outer: set[str] = set()
     touched: dict[str, set[int]] = defaultdict(set)
+    pairs: set[int] = set()
     for i, op in enumerate(plan.ops):
         outer |= set(op.ins) | {op.out, op.dst.buf}
+        if class_of(op) is ClassId.GEMV_GATE_UP_GLU:
+            pairs.add(i)
         for name in _names(op):
             touched[name].add(i)
-    return {name for name, ops in touched.items() if len(ops) == 1 and name not in outer}
+    return {name for name, ops in touched.items() if len(ops) == 1 and ops <= pairs and name not in outer}
 
 
 def _numel(shape: tuple[int, ...]) -> int:
