@@ -9,9 +9,9 @@ torch = pytest.importorskip("torch")
 
 from fuselane.explain import build_plan  # noqa: E402
 from fuselane.fuse.optimizer import VIEWS  # noqa: E402
-from fuselane.graph.ir import QuantizedActs, Role  # noqa: E402
 from fuselane.fuse.views import class_of, leaves  # noqa: E402
 from fuselane.graph.classes import ClassId as C  # noqa: E402
+from fuselane.graph.ir import QuantizedActs, Role  # noqa: E402
 from fuselane.lanes.cuda.run.buffers import lives, pooled_buffers, unstored  # noqa: E402
 
 
