@@ -1,6 +1,7 @@
 """Where a cuda-lane decode step's time goes: graph replay alone, the host's share, and each kernel's.
 
 Usage: python benchmarks/profile_decode.py MODEL.gguf [--steps 100] [--ctx 1024] [--depth 64] [--knob K=V ...]
+    [--hold RULE ...]
 Prints the replay time of the captured step at `--depth` tokens of context (no host copy of logits), the time
 of a whole `forward` (with the copy), and the kernels of one eager step by total GPU time (torch.profiler).
 Under dependent launches (`pdl`, on by default on Hopper) a kernel starts while the one before it runs and its
@@ -27,8 +28,9 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=64, help="tokens in the cache before the timed step")
     ap.add_argument("--knob", action="append", default=[], help="a lane knob, K=V (repeatable)")
+    ap.add_argument("--hold", action="append", default=[], help="hold a rule back, as `explain --hold` (repeatable)")
     args = ap.parse_args()
-    m = load(args.model, lane="cuda", ctx=args.ctx, knobs=args.knob)
+    m = load(args.model, lane="cuda", ctx=args.ctx, knobs=args.knob, held=args.hold)
     lane = m.lane
     session = m.session()
     session.feed([100 + t % 1000 for t in range(args.depth)])
