@@ -60,6 +60,12 @@ ROWS_A_WARP = "rows_a_warp"  # the held name that runs every product a row a war
 TABLE_ROTATIONS_APART = "one launch of rotations turns NEOX pairs by the base's own frequencies"
 
 
+SHARED_APART = (
+    "a gated shared expert runs in launches of its own (knob shared_fold=off): folded into the down launch it "
+    "measured slower"
+)
+
+
 class CudaShim(Protocol):
     """What the checks read of the cuda shim (`shim.CudaShim`, which calls `fits`): its knobs, what it holds,
     its numerics and its answers about products. A protocol, so this module does not import the shim back."""
@@ -459,6 +465,8 @@ def _gdn_gate_projections(shim: CudaShim, op: Op, members: Sequence[Op], g: Tens
 
 
 def _shared_expert_fusion(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    if not shim.knobs.shared_fold:
+        return SHARED_APART
     found = leaves(op)
     # A SwiGLU is, in the graphs, the SiLU of the gate times the up product.
     silu = any(isinstance(x.sym, Unary) and x.sym.op is UnaryOp.SILU for x in found)

@@ -148,15 +148,21 @@ class CudaKnobs:
       decode the weights in the kernel for every product (no copy): Q4_K and Q6_K a super-block a step with the
       sub-scales folded into the f16 weights (`triton/gemm_sb.py`, not yet timed), other formats `triton/gemm.py`
       (slower than the copies). `f16-scratch` keeps no copy either: each product decodes its matrix to f16
-      (the copies' values) into one scratch the size of the largest matrix and lets cuBLAS take it, one launch
-      and the decode's traffic more a product (the largest 7B matrix is 136 MB in f16, 2.9 % of its Q4_K_M
-      file); a prompt then runs in 512-row chunks (`kernels.SCRATCH_CHUNK_ROWS`), so a 512-token prompt decodes
-      each matrix once.
+      (the copies' values) into one 64 MiB scratch (`kernels.F16_SCRATCH_VALUES`), a slab of rows at a time
+      where it does not fit, and lets cuBLAS take it, one launch and the decode's traffic more a slab; a
+      prompt then runs in 512-row chunks (`kernels.SCRATCH_CHUNK_ROWS`), so a 512-token prompt decodes each
+      matrix once. Under either f16 knob a chunk's gated pair rounds its activation once and joins its two
+      products in their epilogue (`f16_scale.gate_up_glu`): neither product is stored in f32.
     - `delta_products=tf32x3`: the chunked gated delta rule (`triton/gdn/chunked.py`) multiplies on the tensor
       cores in three TF32 products a step (about f32's rounding, as the chunk's routing product does; 255
       registers and 2.4 KB of stack a thread at Qwen3-Next's widths on sm_90). `ieee` takes f32 FMA products,
       the recurrence's numbers within f32 roundoff, which ptxas holds at 32 registers with 14.6 KB of stack:
       the spills made the 80B-A3B's pp512 895 tok/s against 2,091 for `tf32x3` (H200, benchmarks/RESULTS.md).
+    - `shared_fold=off`: a decode step's gated shared expert runs in launches of its own (its gate/up GEMV, its
+      down GEMV, its gate's score) and the mixture's down launch adds its result. `on` folds it into that down
+      launch (SharedExpertFusion: its gate/up on the launch's first programs while the rest wait), which
+      measured slower on the H200: Qwen1.5-MoE-A2.7B 2.74 against 1.72 ms a step, Qwen3-Next-80B-A3B 5.06
+      against 3.99 (benchmarks/RESULTS.md, 2026-12-02).
     """
 
     chip: Chip = H200
@@ -171,6 +177,7 @@ class CudaKnobs:
     rope_epilogue: RopeEpilogue = RopeEpilogue.AUTO
     weight_loads: WeightLoads = WeightLoads.AS_WRITTEN
     delta_products: DeltaProducts = DeltaProducts.TF32X3
+    shared_fold: bool = True
 
     @classmethod
     def parse(cls, settings: Iterable[str], base: CudaKnobs | None = None) -> CudaKnobs:
@@ -232,4 +239,5 @@ _SETTERS = {
     "rope_epilogue": lambda k, v: replace(k, rope_epilogue=_choice("rope_epilogue", RopeEpilogue, v)),
     "weight_loads": lambda k, v: replace(k, weight_loads=_choice("weight_loads", WeightLoads, v)),
     "delta_products": lambda k, v: replace(k, delta_products=_choice("delta_products", DeltaProducts, v)),
+    "shared_fold": lambda k, v: replace(k, shared_fold=_flag("shared_fold", v)),
 }
