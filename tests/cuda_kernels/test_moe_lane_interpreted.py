@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
 pytest.importorskip("triton")
 
-from fuselane.fuse.views import class_of  # noqa: E402
+from fuselane.fuse.views import class_of, parts  # noqa: E402
 from fuselane.gguf.synth import Shape, write_synthetic  # noqa: E402
 from fuselane.graph.classes import ClassId as C  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
@@ -40,6 +40,11 @@ SHAPES = {
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _holds(op, cls) -> bool:
+    """Whether `op` is of class `cls` or holds a part of it, at any depth."""
+    return class_of(op) is cls or any(_holds(p, cls) for p in parts(op))
 
 
 def _record_routing(monkeypatch) -> list:
@@ -60,19 +65,23 @@ def _record_routing(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize(
-    ("shape", "activations", "decode_classes"),
+    ("shape", "activations", "decode_classes", "fold"),
     [
-        ("qwen3moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT}),
-        ("qwen2moe", "dequant", {C.ROUTER_TOPK, C.MOE_GATE_UP_ACT, C.MOE_DEFERRED_FINALIZE}),
-        ("qwen2moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT}),  # the fold's int8 experts
+        ("qwen3moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT}, "on"),
+        ("qwen2moe", "dequant", {C.ROUTER_TOPK, C.MOE_GATE_UP_ACT, C.MOE_DEFERRED_FINALIZE}, "on"),
+        ("qwen2moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT}, "on"),  # the fold's int8 experts
+        # the shared expert in launches of its own, its result added in by the down launch
+        ("qwen2moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT, None}, "off"),
     ],
 )
-def test_cuda_lane_runs_a_mixture_as_the_cpu_lane(tmp_path, monkeypatch, shape, activations, decode_classes):
+def test_cuda_lane_runs_a_mixture_as_the_cpu_lane(tmp_path, monkeypatch, shape, activations, decode_classes, fold):
     path = write_synthetic(tmp_path / "m.gguf", SHAPES[shape], "q8_0", seed=4)
-    gpu = load(path, lane="cuda", ctx=16, knobs=[f"activations={activations}"])
+    gpu = load(path, lane="cuda", ctx=16, knobs=[f"activations={activations}", f"shared_fold={fold}"])
     ref = load(path, lane="cpu", ctx=16, dtype=np.float64)
     step = gpu.lane.step(1)
     assert decode_classes <= {class_of(op) for op, _ in step.bound}
+    folded = any(_holds(op, C.SHARED_EXPERT_FUSION) for op, _ in step.bound)
+    assert folded is (shape == "qwen2moe" and fold == "on")
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     routed = _record_routing(monkeypatch)
     sg, sr = gpu.session(), ref.session()

@@ -137,3 +137,18 @@ def test_every_mix_of_the_real_mixtures_is_within_the_budget(name, mix):
     g = recognizer(cfg).recognize(cfg, tensors, Form.DECODE, ctx=4096)
     per_layer = stub_launches(g, optimize(g, CudaShim()))
     assert max(per_layer.values()) <= 8, per_layer
+
+
+def test_shared_fold_off_runs_the_shared_expert_apart_and_says_why():
+    # the knob keeps the gated shared expert out of the down launch: every layer's fold refused with the
+    # knob's reason, its gate/up a gated pair of its own; on (the default) every layer folds it
+    from fuselane.lanes.cuda.plan.fits import SHARED_APART
+
+    on = optimize(graph("synth:qwen1.5-moe-a2.7b", 1), CudaShim())
+    off = optimize(graph("synth:qwen1.5-moe-a2.7b", 1), CudaShim(CudaKnobs.parse(["shared_fold=off"])))
+    layers = 24  # Qwen1.5-MoE-A2.7B's
+    assert not any(m.cls is C.SHARED_EXPERT_FUSION for m in on.missed)
+    refused = [m for m in off.missed if m.cls is C.SHARED_EXPERT_FUSION]
+    assert len(refused) == layers and {m.reason for m in refused} == {SHARED_APART}
+    shared_pairs = [op for op in off.ops if "sh_glu" in op.out]
+    assert len(shared_pairs) == layers
