@@ -343,7 +343,7 @@ MOE_DOWN_TILE = 32
 # Nanoseconds a down program that waits for a folded shared expert sleeps between looks at the count of its
 # programs done (`moe/down.py`); 0 polls with atomics and no sleep. Polling that way, a thousand waiting
 # programs kept the shared programs' own loads and their done count queued behind theirs.
-MOE_SHARED_WAIT_NS = 200
+MOE_SHARED_WAIT_NS = 0
 MOE_DOWN_WARPS = 8
 MOE_DOWN_PER_THREAD = 1
 # Its weights are read on the coherent path with a barrier after them (`weight_loads.PINNED`), so all of a
