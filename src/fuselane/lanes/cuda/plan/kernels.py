@@ -340,10 +340,6 @@ MOE_NORM_CHUNK = 128
 # 132 SMs, three super-blocks a row. A tile of 64 rows (Qwen3-Next's ten experts, four rows) took 186
 # registers a thread against 48, one block a SM.
 MOE_DOWN_TILE = 32
-# Nanoseconds a down program that waits for a folded shared expert sleeps between looks at the count of its
-# programs done (`moe/down.py`); 0 polls with atomics and no sleep. Polling that way, a thousand waiting
-# programs kept the shared programs' own loads and their done count queued behind theirs.
-MOE_SHARED_WAIT_NS = 0
 MOE_DOWN_WARPS = 8
 MOE_DOWN_PER_THREAD = 1
 # Its weights are read on the coherent path with a barrier after them (`weight_loads.PINNED`), so all of a

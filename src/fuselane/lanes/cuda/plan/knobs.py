@@ -158,11 +158,12 @@ class CudaKnobs:
       registers and 2.4 KB of stack a thread at Qwen3-Next's widths on sm_90). `ieee` takes f32 FMA products,
       the recurrence's numbers within f32 roundoff, which ptxas holds at 32 registers with 14.6 KB of stack:
       the spills made the 80B-A3B's pp512 895 tok/s against 2,091 for `tf32x3` (H200, benchmarks/RESULTS.md).
-    - `shared_fold=off`: a decode step's gated shared expert runs in launches of its own (its gate/up GEMV, its
-      down GEMV, its gate's score) and the mixture's down launch adds its result. `on` folds it into that down
-      launch (SharedExpertFusion: its gate/up on the launch's first programs while the rest wait), which
-      measured slower on the H200: Qwen1.5-MoE-A2.7B 2.74 against 1.72 ms a step, Qwen3-Next-80B-A3B 5.06
-      against 3.99 (benchmarks/RESULTS.md, 2026-12-02).
+    - `shared_fold=on`: a decode step's gated shared expert folds into the mixture's down launch
+      (SharedExpertFusion: its gate/up on the launch's first programs while the rest wait), which keeps a
+      layer within the launch budget. `off` runs it in launches of its own (its gate/up GEMV, its down GEMV,
+      its gate's score, the sigmoid and the row scale; the down launch adds the result): more launches, but
+      measured faster on the H200 (replayed step: Qwen1.5-MoE-A2.7B 1.72 against 2.74 ms, Qwen3-Next-80B-A3B
+      3.99 against 5.06; benchmarks/RESULTS.md, 2026-12-02): the fold's shared programs are the step's slowest.
     """
 
     chip: Chip = H200

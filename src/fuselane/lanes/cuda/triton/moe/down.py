@@ -41,7 +41,6 @@ from fuselane.lanes.cuda.triton.gemv import fast_norm
 from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 from fuselane.lanes.cuda.triton.gemv import rows as gemv_rows
 from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
-from fuselane.lanes.cuda.triton.gemv.int8_words import INTERPRETED
 from fuselane.lanes.cuda.triton.gemv.q8 import row_dots
 from fuselane.lanes.cuda.triton.gemv.weight_loads import PINNED
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
@@ -110,25 +109,8 @@ def _shared_phase(x, w_sg, w_su, w_sc, sh, ticket, D: tl.constexpr, SDFF: tl.con
 
 
 @triton.jit
-def _pause(ns):
-    """Sleep about `ns` nanoseconds (an int32 [1] tensor), so a waiting program leaves the memory system to
-    the programs it waits for; nothing under the interpreter."""
-    if not INTERPRETED:
-        tl.inline_asm_elementwise("nanosleep.u32 $1;\n mov.u32 $0, $1;", "=r,r", [ns], dtype=tl.int32,
-                                  is_pure=False, pack=1)  # fmt: skip
-
-
-@triton.jit
-def _wait_shared(counters, ROWS: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr, WAIT_NS: tl.constexpr):
-    """Wait until the NA shared programs are done; the last program past the wait re-arms both counters.
-    Under WAIT_NS > 0 a program looks at the count with plain loads through L2, sleeping between looks, and
-    orders its later reads after the shared programs' writes with one acquiring atomic once it has seen them
-    all; at 0 every look is an acquiring atomic."""
-    if WAIT_NS > 0:
-        seen = tl.load(counters + ROWS + 1, volatile=True, cache_modifier=".cg")
-        while seen < NA:
-            _pause(tl.full([1], WAIT_NS, tl.int32))
-            seen = tl.load(counters + ROWS + 1, volatile=True, cache_modifier=".cg")
+def _wait_shared(counters, ROWS: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr):
+    """Wait until the NA shared programs are done; the last program past the wait re-arms both counters."""
     seen = tl.atomic_add(counters + ROWS + 1, 0, sem="acquire", scope="gpu")
     while seen < NA:
         seen = tl.atomic_add(counters + ROWS + 1, 0, sem="acquire", scope="gpu")
@@ -153,7 +135,7 @@ def _down_kernel(
     SD_FMT: tl.constexpr, SD_STEPS: tl.constexpr, SD_UNITS: tl.constexpr, SD_SPLIT: tl.constexpr,
     SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr,
     SC_FMT: tl.constexpr, SC_STEPS: tl.constexpr, SC_UNITS: tl.constexpr, SC_SPLIT: tl.constexpr,
-    SC_STAGES: tl.constexpr, AHEAD: tl.constexpr, EARLY: tl.constexpr, WAIT_NS: tl.constexpr, PDL: tl.constexpr,
+    SC_STAGES: tl.constexpr, AHEAD: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if EARLY:  # the experts' ids and weights are read before the wait (`_kept_q8`)
         pdl.release(PDL)
@@ -174,12 +156,12 @@ def _down_kernel(
             _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, ticket - NA,
                        D, DFF, K, SLOTS, ROWS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, NA, NB, FMT, ROW_BYTES, BLOCK_N,
                        N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
-                       SD_SPLIT, SD_STAGES, SD_ROW_BYTES, AHEAD, False, WAIT_NS, False)  # fmt: skip
+                       SD_SPLIT, SD_STAGES, SD_ROW_BYTES, AHEAD, False, False)  # fmt: skip
     else:
         _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, tl.program_id(0),
                    D, DFF, K, SLOTS, ROWS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, NA, NB, FMT, ROW_BYTES, BLOCK_N,
                    N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
-                   SD_SPLIT, SD_STAGES, SD_ROW_BYTES, AHEAD, EARLY, WAIT_NS, PDL)  # fmt: skip
+                   SD_SPLIT, SD_STAGES, SD_ROW_BYTES, AHEAD, EARLY, PDL)  # fmt: skip
     if NORM:
         norm_last(sum_out + row * D, norm_w, out + row * D, D, eps, counters + row, oq + row * D,
                   od + row * (D // 32), os_ + row * (D // 16), NORM_BLOCK, NORM_STEPS, Q8OUT)  # fmt: skip
@@ -233,7 +215,7 @@ def _down_rows(
     STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
     SD_FMT: tl.constexpr, SD_STEPS: tl.constexpr, SD_UNITS: tl.constexpr, SD_SPLIT: tl.constexpr,
     SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr, AHEAD: tl.constexpr, EARLY: tl.constexpr,
-    WAIT_NS: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Tile `tile` of row `row`'s sum: its kept experts' weighted down products, the shared expert's (once its
     programs are done), the arrays added in; stored to sum_out. AHEAD (MoeDown.READ_AHEAD): the arrays added
@@ -259,7 +241,7 @@ def _down_rows(
             y = row_dot(w + off, h + pair * DFF, FMT, STEPS, UNITS, SPLIT, BLOCK_N, STAGES)
             acc += tl.load(weights + pair) * y
     if SHARED:
-        _wait_shared(counters, ROWS, NA, NB, WAIT_NS)
+        _wait_shared(counters, ROWS, NA, NB)
         ys = row_dot(w_sd + rc * SD_ROW_BYTES, sh, SD_FMT, SD_STEPS, SD_UNITS, SD_SPLIT, BLOCK_N, SD_STAGES)
         acc += tl.load(sh + SDFF, cache_modifier=".cg") * ys
     if LAST >= 1:
@@ -351,7 +333,6 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
         *sargs, D=d, DFF=dff, K=k, SLOTS=slots, ROWS=rows, EXPERT_BYTES=d * row_bytes(fmt, dff), Q8IN=q8in,
         ADDS=len(adds), NORM=norm is not None, Q8OUT=q8out, NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk),
         SHARED=s is not None, NA=na, NB=nb, AHEAD=variant is kernels.MoeDown.READ_AHEAD, EARLY=q8in and s is None,
-        WAIT_NS=kernels.MOE_SHARED_WAIT_NS,
         **consts, **sconsts, num_warps=warps,
         **pdl.options(),
     )  # fmt: skip
