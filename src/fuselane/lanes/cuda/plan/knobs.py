@@ -58,7 +58,7 @@ class PrefillWeights(enum.Enum):
     INT8 = "int8"  # the int8 tensor-core GEMM on the checkpoint's bytes and the activation's int8 form; no copy
     F16_COPY = "f16-copy"  # cuBLAS on an f16 copy of each matrix, made on first use (3.6x a Q4_K matrix's bytes)
     IN_PLACE = "in-place"  # the f16 tensor-core GEMMs that decode the checkpoint's bytes in the kernel; no copy
-    # cuBLAS on each matrix decoded to f16 just before its product, into one scratch the size of the largest
+    # cuBLAS on each matrix decoded to f16 just before its product, into one scratch (`kernels.F16_SCRATCH_VALUES`)
     F16_SCRATCH = "f16-scratch"
 
     @property

@@ -16,8 +16,11 @@ past 65504 all the same is not held: its f16 result is not finite, and the lane 
 
 Launches a product: the rounding (which the cast to f16 took before), cuBLAS, and the epilogue (which took
 torch's up-cast, its bias and residual adds and the copy into place before). Under `prefill=f16-scratch`
-(`product_from_bytes`) no copy is kept: each product first decodes its matrix into one f16 scratch the size of
-the largest matrix, one launch more.
+(`product_from_bytes`) no copy is kept: each product first decodes its matrix into one f16 scratch, a slab of
+its rows at a time where it does not fit, one launch more a slab.
+
+A gated pair (`gate_up_glu`, `gate_up_glu_from_bytes`) rounds its activation once for both products, and its
+epilogue (`glu_store`) scales both back and joins them in the SwiGLU, so neither product is stored in f32.
 """
 
 from __future__ import annotations
