@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fuselane.errors import GgufError
@@ -224,6 +224,7 @@ def test_random_blocks_have_the_intended_size(fmt: Format, scale: float) -> None
 @pytest.mark.parametrize("fmt", QUANTIZABLE, ids=lambda f: f.name)
 @FEW
 @given(rows=st.integers(1, 4), blocks_per_row=st.integers(1, 3), seed=st.integers(0, 2**16))
+@example(rows=2, blocks_per_row=3, seed=536)  # a Q5_0 block whose clipped code misses by a step and d's rounding
 def test_quantize_matches_gguf_and_round_trips(fmt: Format, rows: int, blocks_per_row: int, seed: int) -> None:
     lay = LAYOUTS[fmt]
     shape = (rows, blocks_per_row * 32)  # 32: whole blocks of every quantizable format
@@ -243,8 +244,9 @@ def test_quantize_matches_gguf_and_round_trips(fmt: Format, rows: int, blocks_pe
     else:
         d = np.abs(raw.reshape(-1, lay.nbytes)[:, :2].view("<f2").astype(np.float32))
         # Q8_0 rounds to the nearest code: half a step, plus up to 127 codes times the f16 rounding of d;
-        # the 4/5-bit formats truncate x/d + 0.5 and clip the top code, so they may miss by a whole step
-        bound = d * (0.5 + 127 * 2.0**-11) if fmt is Format.Q8_0 else d * (1 + 2.0**-10)
+        # the 4/5-bit formats truncate x/d + 0.5 and clip the top code, so they may miss by a whole step,
+        # plus up to 16 codes times that rounding
+        bound = d * (0.5 + 127 * 2.0**-11) if fmt is Format.Q8_0 else d * (1 + 16 * 2.0**-11)
         assert (err <= bound * (1 + 1e-6)).all()
 
 
