@@ -19,11 +19,12 @@ HEADS = [  # (name, heads, kv_heads, head dim)
     ("0.6b", 16, 8, 128),
     ("7b", 28, 4, 128),
     ("8b", 32, 8, 128),
+    ("next", 16, 2, 256),  # Qwen3-Next-80B-A3B's full-attention layers
 ]
 CACHE = 8192
 SPANS = [64, 512, 4096]
 SPLITS = [None, 4, 16, 64, 128]
-TILES = [8, 32]
+TILES = [8, 16, 32]
 MIN_CHUNKS = [32, 128]  # beside the plan's kernels.ATTN_MIN_CHUNK
 
 
@@ -39,7 +40,8 @@ def main() -> None:
         kc = torch.randn(CACHE, kv * hd, device="cuda").half()
         vc = torch.randn(CACHE, kv * hd, device="cuda").half()
         out = torch.empty(1, heads * hd, device="cuda")
-        scratch = A.decode_scratch(heads, hd, CACHE, "cuda", splits=max(s or 0 for s in SPLITS))
+        most = max(*(s or 0 for s in SPLITS), A.decode_plan(heads, kv, hd, CACHE, heads_per_block=1).splits)
+        scratch = A.decode_scratch(heads, hd, CACHE, "cuda", splits=most)
         group = heads // kv
         blocks = sorted({h for h in (1, 2, group) if group % h == 0})
         for span in args.spans:

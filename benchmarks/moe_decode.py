@@ -2,7 +2,8 @@
 row: the router's scores and the top-k), the kept experts' gate/up (both products and the SwiGLU, written as
 int8 activations), and the down launch (`triton/moe/down.py`: the kept experts' down products, the weighted
 combine, the residual and the next norm in its last program, written as int8 too), with and without a folded
-shared expert; in µs and GB/s, each down launch at every variant and tile asked for, so one GPU call can A/B.
+shared expert (its SwiGLU and score in the gate/up launch, its down rows in the down launch); in µs and GB/s,
+each down launch at every variant and tile asked for, so one GPU call can A/B.
 
 Usage (on a GPU):
     python benchmarks/moe_decode.py [--model qwen3-30b-a3b | deepseek-v2-lite] [--down Q4_K Q6_K]
@@ -13,8 +14,8 @@ Usage (on a GPU):
 A model preset gives the widths and the formats its Q4_K_M file holds: Qwen3-30B-A3B's 8 of 128 experts of
 ffn 768, the down Q4_K or Q6_K by layer; DeepSeek-V2-Lite's 6 of 64 experts of ffn 1,408, whose down rows
 are not whole super-blocks, so llama.cpp writes them Q5_0 or Q8_0 (`gguf.synth.fit_format`), and its two
-shared experts (ffn 2 x 1,408 = 2,816), timed folded into the down launch (gate/up in the experts' gate/up
-format, down in the same fitted to 2,816 values, and a gate score row in f32, as `down.Shared` takes them).
+shared experts (ffn 2 x 1,408 = 2,816), timed folded into both launches (gate/up in the experts' gate/up
+format, down in the same fitted to 2,816 values, and a gate score row in f32, as `shared.Shared` takes them).
 `--variant` names `kernels.MoeDown` values (old: MoeDown.SERIAL, new: MoeDown.READ_AHEAD); `--tile`,
 `--warps`, `--per-thread` and `--depth` the int8 down program's tile (`down.Tile`: weight rows a program over
 every slot, warps, (row, group)s a thread, and the new order's chunks in flight); each takes several values,
@@ -87,28 +88,30 @@ class Bench:
         w = router.view(torch.uint8).view(-1)
         return (lambda: route.route(self.x, w, Format.F32, e, k, True, ids, rw, scores, counter)), router.numel() * F32
 
-    def gate_up(self, fmt: Format):
+    def gate_up(self, fmt: Format, shared=None):
         from fuselane.lanes.cuda.triton.moe import gate_up
 
         wg, wu = self.weights(fmt, self.dff, self.d), self.weights(fmt, self.dff, self.d)
         out_q8 = type(self.hq)(*(torch.empty_like(t) for t in self.hq))
         nbytes = 2 * self.k * self.dff * row_bytes(fmt, self.d) + self.k * self.dff * (F32 + Q8_BYTES)
+        s, sbytes = shared if shared is not None else (None, 0)
 
         def launch() -> None:
-            gate_up.gate_up(self.xq, wg, wu, fmt, self.ids, self.dff, self.d, self.h, out_q8)
+            gate_up.gate_up(self.xq, wg, wu, fmt, self.ids, self.dff, self.d, self.h, out_q8, s)
 
-        return launch, nbytes
+        return launch, nbytes + sbytes
 
     def shared(self, gfmt: Format, sdff: int):
-        """A folded shared expert of `sdff` values (`down.Shared`) and the bytes it reads."""
-        from fuselane.lanes.cuda.triton.moe import down
+        """A folded shared expert of `sdff` values (`shared.Shared`) and the bytes each of its launches reads:
+        its gate/up and score (the gate/up launch's), its down (the down launch's)."""
+        from fuselane.lanes.cuda.triton.moe import shared
 
         dfmt = fit_format(gfmt, sdff)
         wg, wu = self.weights(gfmt, sdff, self.d, 1), self.weights(gfmt, sdff, self.d, 1)
         wd, score = self.weights(dfmt, self.d, sdff, 1), torch.randn(1, self.d, device=self.dev) * 0.01
-        s = down.Shared(self.x, wg, wu, wd, score.view(torch.uint8).view(-1), gfmt, dfmt, Format.F32, sdff,
-                        torch.zeros(sdff + 1, device=self.dev))  # fmt: skip
-        return s, wg.numel() + wu.numel() + wd.numel() + score.numel() * F32
+        s = shared.Shared(self.x, wg, wu, wd, score.view(torch.uint8).view(-1), gfmt, dfmt, Format.F32, sdff,
+                          torch.zeros(sdff + 1, device=self.dev))  # fmt: skip
+        return (s, wg.numel() + wu.numel() + score.numel() * F32), (s, wd.numel())
 
     def down(self, fmt: Format, variant: kernels.MoeDown, tile, shared=None):
         from fuselane.lanes.cuda.triton.moe import down
@@ -188,7 +191,10 @@ def main(argv: list[str] | None = None) -> None:
     with pdl.dependent_launches(True):
         _time("route", "one row", b.routing)
         _time(f"gate/up {fgu.name}", "int8", lambda: b.gate_up(fgu))
-        shared = [None] + ([b.shared(fgu, sdff)] if sdff else [])
+        folded = b.shared(fgu, sdff) if sdff else None  # (the gate/up launch's part, the down launch's)
+        if folded is not None:
+            _time(f"gate/up {fgu.name} +shared", "int8", lambda: b.gate_up(fgu, folded[0]))
+        shared = [None] + ([folded[1]] if folded is not None else [])
         tiles = [Tile(*t) for t in itertools.product(a.tile, a.warps, a.per_thread, [d or None for d in a.depth])]
         for fmt, s, tile, v in itertools.product(fds, shared, tiles, a.variant):
             if tile.depth is not None and kernels.MoeDown(v) is not kernels.MoeDown.READ_AHEAD:

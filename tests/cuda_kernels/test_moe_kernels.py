@@ -27,7 +27,7 @@ from fuselane.gguf.formats import Format  # noqa: E402
 from fuselane.lanes.cuda.plan import kernels  # noqa: E402
 from fuselane.lanes.cuda.triton import quant  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8  # noqa: E402
-from fuselane.lanes.cuda.triton.moe import down, gate_up, route  # noqa: E402
+from fuselane.lanes.cuda.triton.moe import down, gate_up, route, shared  # noqa: E402
 
 ROUNDINGS = 8
 SILU_SLOPE = 1.1  # |d/dg SiLU(g)| <= 1.1
@@ -189,19 +189,54 @@ def test_gate_up_reads_only_the_kept_experts(fmt, int8, rows):
 
 
 def _shared(rng, d: int, sdff: int, fmt: Format):
+    """A folded shared expert of `sdff` values, its scratch holding its SwiGLU and sigmoid as the gate/up
+    launch would write them (rounded from f64), and its term of the down's sum with that term's bound."""
+    s, glu, gate, glu_bound = _shared_expert(rng, d, sdff, fmt)
+    s.scratch.copy_(torch.from_numpy(np.append(glu, gate).astype(np.float32)))
+    wd = dequantize(s.down.numpy(), fmt, (d, sdff)).astype(np.float64)
+    bound = gamma(d + ROUNDINGS) * (np.abs(wd) @ (np.abs(glu) + glu_bound))
+    return s, gate * (wd @ glu), gate * bound
+
+
+def _shared_expert(rng, d: int, sdff: int, fmt: Format):
+    """A shared expert (`shared.Shared`, gate/up/down in `fmt`, an f32 score row) and, in f64, its SwiGLU, its
+    gate's sigmoid and the SwiGLU's bound."""
     rg, wg = _matrices(fmt, 1, sdff, d, rng)
     ru, wu = _matrices(fmt, 1, sdff, d, rng)
-    rd, wd = _matrices(fmt, 1, d, sdff, rng)
+    rd, _ = _matrices(fmt, 1, d, sdff, rng)
     sc = (rng.standard_normal((1, d)) * 0.1).astype(np.float32)
     x = rng.standard_normal((1, d)).astype(np.float32)
-    s = down.Shared(dev(x), dev(rg), dev(ru), dev(rd), dev(sc.view(np.uint8)), fmt, fmt, Format.F32, sdff,
-                    torch.zeros(sdff + 1))  # fmt: skip
+    s = shared.Shared(dev(x), dev(rg), dev(ru), dev(rd), dev(sc.view(np.uint8)), fmt, fmt, Format.F32, sdff,
+                      torch.zeros(sdff + 1))  # fmt: skip
     xv = x[0].astype(np.float64)
     g, u = wg[0] @ xv, wu[0] @ xv
-    glu = g / (1 + np.exp(-g)) * u
     gate = 1 / (1 + np.exp(-(sc[0].astype(np.float64) @ xv)))
-    bound = gamma(d + ROUNDINGS) * (np.abs(wd[0]) @ (np.abs(glu) + _glu_bound(wg[0], wu[0], xv, g, u)))
-    return s, gate * (wd[0] @ glu), gate * bound
+    return s, g / (1 + np.exp(-g)) * u, gate, _glu_bound(wg[0], wu[0], xv, g, u)
+
+
+@pytest.mark.parametrize(("fmt", "int8", "sdff"), [(Format.Q8_0, True, 96), (Format.Q4_K, True, 256),
+                                                   (Format.Q5_0, False, 64)])  # fmt: skip
+def test_a_folded_shared_expert_rides_the_gate_up_launch(fmt, int8, sdff):
+    # its SwiGLU and sigmoid land in its scratch row beside the kept experts' products, which stay as they
+    # were; a width of 96 is more tiles than the kept experts' 64 rows take
+    rng = np.random.default_rng(6)
+    experts, n, k, slots = 4, 64, 256, 2
+    rg, _ = _matrices(fmt, experts, n, k, rng)
+    ru, _ = _matrices(fmt, experts, n, k, rng)
+    s, glu, gate, glu_bound = _shared_expert(rng, k, sdff, fmt)
+    x = s.x.numpy()
+    xin = _q8(x)[0] if int8 else dev(x)
+    ids = dev(np.array([[3, 1]], dtype=np.int32))
+    alone, beside = torch.zeros((slots, n)), torch.zeros((slots, n))
+    gate_up.gate_up(xin, dev(rg), dev(ru), fmt, ids, n, k, alone)
+    gate_up.gate_up(xin, dev(rg), dev(ru), fmt, ids, n, k, beside, shared=s)
+    assert torch.equal(alone, beside)
+    got = s.scratch.double().numpy()
+    assert np.all(np.abs(got[:sdff] - glu) <= glu_bound)
+    score = s.score.numpy().view(np.float32).astype(np.float64)
+    # the sigmoid's slope is at most 1/4: the score's product bound, then the sigmoid's own roundings
+    bound = 0.25 * gamma(k + ROUNDINGS) * (np.abs(score) @ np.abs(x[0].astype(np.float64))) + gamma(4) * gate
+    assert abs(got[sdff] - gate) <= bound
 
 
 NEW, OLD = kernels.MoeDown.READ_AHEAD, kernels.MoeDown.SERIAL

@@ -5,7 +5,8 @@
 - MoeGateUpAct (and its GluActMulQuant): `gate_up`, int8 where the plan quantized its activation and the
   int8 GEMV takes the format, writing its own int8 form where the plan asks;
 - MoeDownCombine, SharedExpertFusion, MoeDeferredFinalize (and its NormQuant): `down_combine`, with the
-  arrays the fused op adds in, the folded shared expert, and the next norm.
+  arrays the fused op adds in, the folded shared expert's down rows, and the next norm; the folded expert's
+  gate/up SwiGLU and gate score ride the kept experts' gate/up launch (`triton/moe/shared.py`).
 
 A chunk past the GEMV's rows (`kernels.moe_grouped`) whose experts the grouped GEMM takes multiplies them on
 the tensor cores instead (`grouped`): the routing launch also counts each expert's pairs (a buffer the
@@ -37,6 +38,9 @@ from fuselane.graph.ops import (
 )
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
+
+# b.scratch's key of the folded shared experts by the expert ids their mixture reads (`gate_up_act`)
+_RIDERS = "moe-shared-riders"
 
 
 def _mismatch(message: str) -> Exception:
@@ -132,7 +136,10 @@ def gate_up_act(op: Op, b, out_q8: Any = None) -> list:
     if out_q8 is not None and q8 is None:
         raise _mismatch(f"{op.out}: the kept experts write their int8 form only from the int8 products")
     x = q8 if q8 is not None else b.bufs[gate.ins[0]].view(spec.rows, spec.kd)
-    return [lambda: gate_up.gate_up(x, wg, wu, fmt, ids, spec.n, spec.kd, out, out_q8)]
+    # a folded shared expert rides this launch: the down op's binder, bound after this one, names it by the
+    # ids both read; the launch looks it up when it runs (every op is bound before the first launch)
+    riders = b.scratch.setdefault(_RIDERS, {})
+    return [lambda: gate_up.gate_up(x, wg, wu, fmt, ids, spec.n, spec.kd, out, out_q8, riders.get(gate.ins[2]))]
 
 
 def _grouped() -> Any:
@@ -210,7 +217,7 @@ def _parts(op: Op) -> _Parts:
 def _shared(b, s: dict[str, Op], op: Op) -> Any:
     import torch
 
-    from fuselane.lanes.cuda.triton.moe.down import Shared
+    from fuselane.lanes.cuda.triton.moe.shared import Shared
 
     (wg, fmt), (wu, _), (wd, dfmt), (wsc, sfmt) = (b.raw[s[r].ins[1]] for r in ("gate", "up", "down", "score"))
     sdff = s["down"].sym.k  # type: ignore[union-attr]
@@ -234,6 +241,8 @@ def down_combine(op: Op, b, out_q8: Any = None) -> list:
     h = q8 if q8 is not None else b.bufs[p.down.ins[0]].view(mix.rows * mix.k, spec.kd)
     adds = tuple(b.bufs[name] for name in p.adds)
     shared = _shared(b, p.shared, op) if p.shared else None
+    if shared is not None:  # its SwiGLU and sigmoid ride the kept experts' gate/up launch (`moe/shared.py`)
+        b.scratch.setdefault(_RIDERS, {})[p.down.ins[2]] = shared
     norm = None
     sum_name = op.out
     if p.norm is not None and p.norm_w is not None:

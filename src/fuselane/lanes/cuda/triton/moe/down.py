@@ -5,24 +5,23 @@ the plan sums in (the residual; a shared expert computed apart) and, where the p
 the mixture (MoeDeferredFinalize), the last program norms the row (`fast_norm.norm_last`), writing its int8
 form too under int8 activations.
 
-A folded shared expert (SharedExpertFusion, a decode step's one row): its gate/up SwiGLU and the sigmoid of
-its gate's score are computed by the launch's first programs, in tickets taken from a counter (so they are
-resident before any program waits on them: no deadlock whatever order the blocks start in), into a scratch
-row; the other programs wait on the count of those done, then add sigmoid * (its down rows . that row).
-Every counter re-arms itself, so the launch replays in a CUDA graph.
+A folded shared expert (SharedExpertFusion, a decode step's one row): the gate/up launch before this one has
+written its SwiGLU and its gate's sigmoid into a scratch row (`shared.py`); each program adds sigmoid * (its
+down rows . that row), read after its wait like the kept experts' activations.
 
 Under int8 activations a program's product tile is every kept expert's rows at once (`kernels.moe_down_rows`
 rows of each, slot-major, each row with its own slot's activation), so the experts' weights stream in
-together; with f32 activations the slots are summed one after another. Those weights always take the coherent path
-with a barrier after them (`weight_loads.PINNED`, whatever the lane's `weight_loads` knob): a decode row of
-an expert is a few chunks (Qwen3-30B-A3B's 768 values, three Q4_K super-blocks), and on the read-only path
-ptxas sinks each chunk's loads below the last chunk's dp4a (sm_90 SASS: chunk 1's 128-bit loads after chunk
-0's IDP.4A, chunk 2's after chunk 1's), so a program made one DRAM round trip a chunk; pinned, all of them
-are issued before the first sum at the same registers for Q4_K (`kernels.MOE_DOWN_UNPINNED` says where not). A launch of
-them without a shared expert reads the ids and the first chunks' weights before its wait for the gate/up
-launch (`_kept_q8`), so a program's round trips to them run under that launch's end. Under
-`kernels.MoeDown.READ_AHEAD` (the table's) the route weights are read with the ids and the residual right after
-the wait (`down_rows.kept_dots`), so no load sits between a program's last dp4a and its store.
+together; with f32 activations the slots are summed one after another.
+Those weights always take the coherent path with a barrier after them (`weight_loads.PINNED`, whatever the
+lane's `weight_loads` knob): a decode row of an expert is a few chunks (Qwen3-30B-A3B's 768 values, three Q4_K
+super-blocks), and on the read-only path ptxas sinks each chunk's loads below the last chunk's dp4a (sm_90
+SASS: chunk 1's 128-bit loads after chunk 0's IDP.4A, chunk 2's after chunk 1's), so a program made one DRAM
+round trip a chunk; pinned, all of them are issued before the first sum at the same registers for Q4_K
+(`kernels.MOE_DOWN_UNPINNED` says where not). The int8 launch reads the ids and the first chunks' weights
+before its wait for the gate/up launch (`_kept_q8`), so a program's round trips to them run under that
+launch's end. Under `kernels.MoeDown.READ_AHEAD` (the table's) the route weights are read with the ids and the
+residual right after the wait (`down_rows.kept_dots`), so no load sits between a program's last dp4a and its
+store.
 """
 
 from __future__ import annotations
@@ -39,32 +38,13 @@ from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import fast_norm
 from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
-from fuselane.lanes.cuda.triton.gemv import rows as gemv_rows
 from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
 from fuselane.lanes.cuda.triton.gemv.q8 import row_dots
 from fuselane.lanes.cuda.triton.gemv.weight_loads import PINNED
+from fuselane.lanes.cuda.triton.moe import shared as shared_mod
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
 from fuselane.lanes.cuda.triton.moe.down_rows import adds, kept_dots
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts
-
-EXTRA_COUNTERS = 3  # past a counter a row: tickets, shared programs done, waits passed
-
-
-@dataclass(frozen=True, slots=True)
-class Shared:
-    """A folded shared expert: x f32 (1, d), its gate/up (sdff, d), down (d, sdff) and gate score (1, d)
-    checkpoint rows with their formats, and a scratch row of sdff + 1 f32 (its SwiGLU, then its sigmoid)."""
-
-    x: Tensor
-    gate: Tensor
-    up: Tensor
-    down: Tensor
-    score: Tensor
-    fmt: Format  # the gate's and the up's
-    down_fmt: Format
-    score_fmt: Format
-    sdff: int
-    scratch: Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,78 +70,27 @@ class Tile:
 
 
 @triton.jit
-def _shared_phase(x, w_sg, w_su, w_sc, sh, ticket, D: tl.constexpr, SDFF: tl.constexpr, NA: tl.constexpr,
-                  SG_FMT: tl.constexpr, SG_STEPS: tl.constexpr, SG_UNITS: tl.constexpr, SG_SPLIT: tl.constexpr,
-                  SG_BLOCK_N: tl.constexpr, SG_STAGES: tl.constexpr, SG_ROW_BYTES: tl.constexpr,
-                  SC_FMT: tl.constexpr, SC_STEPS: tl.constexpr, SC_UNITS: tl.constexpr, SC_SPLIT: tl.constexpr,
-                  SC_STAGES: tl.constexpr):  # fmt: skip
-    """A shared-expert program: tile `ticket` of its SwiGLU, or (the last ticket) the sigmoid of its score."""
-    lane = tl.arange(0, SG_BLOCK_N)
-    rows = ticket * SG_BLOCK_N + lane
-    if ticket == NA - 1:  # every lane the score's one row; the first stores it
-        y = row_dot(w_sc + lane * 0, x, SC_FMT, SC_STEPS, SC_UNITS, SC_SPLIT, SG_BLOCK_N, SC_STAGES)
-        tl.store(sh + SDFF + lane, 1.0 / (1.0 + tl.exp(-y)), mask=lane == 0)
-    else:
-        off = tl.minimum(rows, SDFF - 1).to(tl.int64) * SG_ROW_BYTES
-        g = row_dot(w_sg + off, x, SG_FMT, SG_STEPS, SG_UNITS, SG_SPLIT, SG_BLOCK_N, SG_STAGES)
-        u = row_dot(w_su + off, x, SG_FMT, SG_STEPS, SG_UNITS, SG_SPLIT, SG_BLOCK_N, SG_STAGES)
-        tl.store(sh + rows, g / (1.0 + tl.exp(-g)) * u, mask=rows < SDFF)
-
-
-@triton.jit
-def _wait_shared(counters, ROWS: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr):
-    """Wait until the NA shared programs are done; the last program past the wait re-arms both counters."""
-    seen = tl.atomic_add(counters + ROWS + 1, 0, sem="acquire", scope="gpu")
-    while seen < NA:
-        seen = tl.atomic_add(counters + ROWS + 1, 0, sem="acquire", scope="gpu")
-    passed = tl.atomic_add(counters + ROWS + 2, 1, sem="acq_rel", scope="gpu")
-    if passed == NB - 1:
-        tl.atomic_xchg(counters + ROWS + 1, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(counters + ROWS + 2, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _down_kernel(
-    h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, norm_w, out, oq, od, os_, counters, eps,
-    x, w_sg, w_su, w_sd, w_sc, sh,
-    D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr, SLOTS: tl.constexpr, ROWS: tl.constexpr,
+    h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, norm_w, out, oq, od, os_, counters, eps, w_sd, sh,
+    D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr, SLOTS: tl.constexpr,
     EXPERT_BYTES: tl.constexpr, Q8IN: tl.constexpr, ADDS: tl.constexpr, NORM: tl.constexpr, Q8OUT: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, SHARED: tl.constexpr, SDFF: tl.constexpr, NA: tl.constexpr,
-    NB: tl.constexpr, FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, SHARED: tl.constexpr, SDFF: tl.constexpr,
+    FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
     STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
-    SG_FMT: tl.constexpr, SG_STEPS: tl.constexpr, SG_UNITS: tl.constexpr, SG_SPLIT: tl.constexpr,
-    SG_BLOCK_N: tl.constexpr, SG_STAGES: tl.constexpr, SG_ROW_BYTES: tl.constexpr,
     SD_FMT: tl.constexpr, SD_STEPS: tl.constexpr, SD_UNITS: tl.constexpr, SD_SPLIT: tl.constexpr,
-    SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr,
-    SC_FMT: tl.constexpr, SC_STEPS: tl.constexpr, SC_UNITS: tl.constexpr, SC_SPLIT: tl.constexpr,
-    SC_STAGES: tl.constexpr, AHEAD: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr, AHEAD: tl.constexpr, EARLY: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     if EARLY:  # the experts' ids and weights are read before the wait (`_kept_q8`)
         pdl.release(PDL)
     else:
         pdl.begin(PDL)
     row = tl.program_id(1)
-    if SHARED:  # tickets, not program ids: the shared programs are the first to start
-        ticket = tl.atomic_add(counters + ROWS, 1, sem="relaxed", scope="gpu")
-        if ticket == NA + NB - 1:  # every ticket is taken
-            tl.atomic_xchg(counters + ROWS, 0, sem="relaxed", scope="gpu")
-        if ticket < NA:
-            _shared_phase(x, w_sg, w_su, w_sc, sh, ticket, D, SDFF, NA, SG_FMT, SG_STEPS, SG_UNITS, SG_SPLIT,
-                          SG_BLOCK_N, SG_STAGES, SG_ROW_BYTES, SC_FMT, SC_STEPS, SC_UNITS, SC_SPLIT,
-                          SC_STAGES)  # fmt: skip
-            tl.debug_barrier()
-            tl.atomic_add(counters + ROWS + 1, 1, sem="acq_rel", scope="gpu")
-        else:
-            _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, ticket - NA,
-                       D, DFF, K, SLOTS, ROWS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, NA, NB, FMT, ROW_BYTES, BLOCK_N,
-                       N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
-                       SD_SPLIT, SD_STAGES, SD_ROW_BYTES, AHEAD, False, False)  # fmt: skip
-    else:
-        _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, tl.program_id(0),
-                   D, DFF, K, SLOTS, ROWS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, NA, NB, FMT, ROW_BYTES, BLOCK_N,
-                   N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
-                   SD_SPLIT, SD_STAGES, SD_ROW_BYTES, AHEAD, EARLY, PDL)  # fmt: skip
+    _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, w_sd, sh, row, tl.program_id(0),
+               D, DFF, K, SLOTS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, FMT, ROW_BYTES, BLOCK_N,
+               N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
+               SD_SPLIT, SD_STAGES, SD_ROW_BYTES, AHEAD, EARLY, PDL)  # fmt: skip
     if NORM:
         norm_last(sum_out + row * D, norm_w, out + row * D, D, eps, counters + row, oq + row * D,
                   od + row * (D // 32), os_ + row * (D // 16), NORM_BLOCK, NORM_STEPS, Q8OUT)  # fmt: skip
@@ -207,18 +136,18 @@ def _kept_q8(hq, hd, hs, w, ids, weights, a0, a1, row, tile, D: tl.constexpr, DF
 
 @triton.jit
 def _down_rows(
-    h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, counters, w_sd, sh, row, tile,
-    D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr, SLOTS: tl.constexpr, ROWS: tl.constexpr,
+    h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, w_sd, sh, row, tile,
+    D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr, SLOTS: tl.constexpr,
     EXPERT_BYTES: tl.constexpr, Q8IN: tl.constexpr, ADDS: tl.constexpr, SHARED: tl.constexpr, SDFF: tl.constexpr,
-    NA: tl.constexpr, NB: tl.constexpr, FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
     STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
     SD_FMT: tl.constexpr, SD_STEPS: tl.constexpr, SD_UNITS: tl.constexpr, SD_SPLIT: tl.constexpr,
     SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr, AHEAD: tl.constexpr, EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    """Tile `tile` of row `row`'s sum: its kept experts' weighted down products, the shared expert's (once its
-    programs are done), the arrays added in; stored to sum_out. AHEAD (MoeDown.READ_AHEAD): the arrays added
+    """Tile `tile` of row `row`'s sum: its kept experts' weighted down products, the shared expert's (its row
+    written by the gate/up launch), the arrays added in; stored to sum_out. AHEAD (MoeDown.READ_AHEAD): the arrays added
     in are read with the products (`_kept_q8`), or, where the launch has waited already (not EARLY), first of
     all, their round trip under the products'."""
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -240,8 +169,7 @@ def _down_rows(
             off = tl.load(ids + pair).to(tl.int64) * EXPERT_BYTES + rc * ROW_BYTES
             y = row_dot(w + off, h + pair * DFF, FMT, STEPS, UNITS, SPLIT, BLOCK_N, STAGES)
             acc += tl.load(weights + pair) * y
-    if SHARED:
-        _wait_shared(counters, ROWS, NA, NB)
+    if SHARED:  # after the products, so after the wait: the row is the launch before's
         ys = row_dot(w_sd + rc * SD_ROW_BYTES, sh, SD_FMT, SD_STEPS, SD_UNITS, SD_SPLIT, BLOCK_N, SD_STAGES)
         acc += tl.load(sh + SDFF, cache_modifier=".cg") * ys
     if LAST >= 1:
@@ -251,34 +179,11 @@ def _down_rows(
 
 def counters(rows: int, device) -> Tensor:
     """The zeroed counters a launch of `rows` rows takes; each launch leaves them at zero."""
-    return torch.zeros(rows + EXTRA_COUNTERS, dtype=torch.int32, device=device)
-
-
-def _f32(fmt: Format, n: int, k: int, block_n: int, warps: int, prefix: str) -> dict:
-    steps, units, split = gemv_rows.plan(fmt, k, block_n, warps, 1)
-    consts = dict(FMT=int(fmt), STEPS=steps, UNITS=units, SPLIT=split, STAGES=gemv_rows.stages(fmt),
-                  ROW_BYTES=row_bytes(fmt, k))  # fmt: skip
-    return {prefix + name: v for name, v in consts.items()}
-
-
-def _shared_consts(s: Shared | None, d: int, block_n: int, warps: int) -> tuple[dict, int]:
-    """The shared expert's constants (stand-ins where there is none) and its programs."""
-    if s is None:
-        none = _f32(Format.F32, 1, QK, block_n, warps, "SG_") | {"SG_BLOCK_N": block_n}
-        none |= {k.replace("SG_", "SD_"): v for k, v in none.items() if k not in ("SG_BLOCK_N",)}
-        none |= {k.replace("SG_", "SC_"): v for k, v in none.items() if k.startswith("SG_") and "ROW" not in k
-                 and "BLOCK" not in k}  # fmt: skip
-        return none | dict(SDFF=1), 0
-    sb, _ = gemv_rows.tile(s.fmt, s.sdff, d, 1)
-    consts = _f32(s.fmt, s.sdff, d, sb, warps, "SG_") | {"SG_BLOCK_N": sb}
-    consts |= _f32(s.down_fmt, d, s.sdff, block_n, warps, "SD_")
-    sc = _f32(s.score_fmt, 1, d, sb, warps, "SC_")
-    consts |= {k: v for k, v in sc.items() if k != "SC_ROW_BYTES"}
-    return consts | dict(SDFF=s.sdff), tiles(s.sdff, sb) + 1
+    return torch.zeros(rows, dtype=torch.int32, device=device)
 
 
 def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weights: Tensor, d: int, dff: int,
-                 sum_out: Tensor, *, adds: tuple[Tensor, ...] = (), shared: Shared | None = None,
+                 sum_out: Tensor, *, adds: tuple[Tensor, ...] = (), shared: shared_mod.Shared | None = None,
                  norm: Norm | None = None, counter: Tensor, variant: kernels.MoeDown | None = None,
                  tile: Tile | None = None) -> Tensor:  # fmt: skip
     """sum_out (rows, d) = sum over each row's slots j of weights[row, j] * (h[pair] @ Wd[ids[pair]]^T) (+ the
@@ -319,20 +224,20 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
         consts |= dict(N_UNITS=1, CHUNK=1, FENCE=False, DEPTH=1)
         hargs = (h, h, h, h)
         block_n = consts["BLOCK_N"]
-    sconsts, na = _shared_consts(shared, d, block_n, warps)
+    sconsts = shared_mod.down_consts(shared, d, block_n, warps)
     nb = tiles(d, block_n)
     chunk = max(min(triton.next_power_of_2(d), fast_norm.NORM_CHUNK), QK)
     q8out = norm is not None and norm.out_q8 is not None
     oq = norm.out_q8 if q8out else (sum_out, sum_out, sum_out)  # type: ignore[union-attr]
     s = shared
-    sargs = (s.x, s.gate, s.up, s.down, s.score, s.scratch) if s is not None else (sum_out,) * 6
+    sargs = (s.down, s.scratch) if s is not None else (sum_out,) * 2
     padded = (*adds, sum_out, sum_out)[:2]
-    _down_kernel[(na + nb, rows)](
+    _down_kernel[(nb, rows)](
         *hargs, w, ids, weights, *padded, sum_out,
         norm.w if norm else sum_out, norm.out if norm else sum_out, *oq, counter, float(norm.eps if norm else 0.0),
-        *sargs, D=d, DFF=dff, K=k, SLOTS=slots, ROWS=rows, EXPERT_BYTES=d * row_bytes(fmt, dff), Q8IN=q8in,
+        *sargs, D=d, DFF=dff, K=k, SLOTS=slots, EXPERT_BYTES=d * row_bytes(fmt, dff), Q8IN=q8in,
         ADDS=len(adds), NORM=norm is not None, Q8OUT=q8out, NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk),
-        SHARED=s is not None, NA=na, NB=nb, AHEAD=variant is kernels.MoeDown.READ_AHEAD, EARLY=q8in and s is None,
+        SHARED=s is not None, AHEAD=variant is kernels.MoeDown.READ_AHEAD, EARLY=q8in,
         **consts, **sconsts, num_warps=warps,
         **pdl.options(),
     )  # fmt: skip

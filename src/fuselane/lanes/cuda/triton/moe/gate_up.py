@@ -6,6 +6,9 @@ The activation is the int8 GEMV's (`gemv.q8.row_dots`, a decode step's one row w
 or f32 rows (`gemv.formats.dot_rows`, every format: a chunk's rows, the dequantized numerics). Under int8 a
 program's tile is whole 32-value blocks, so it writes its result's int8 form (`quant.store_quantized`) for
 the down products too, with no launch of its own.
+
+A decode step's folded shared expert (SharedExpertFusion, `shared.py`) takes one more column of programs: its
+SwiGLU's tiles and its gate's sigmoid, into the scratch row the down launch reads.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 from fuselane.lanes.cuda.triton.gemv.q8 import row_dots
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
+from fuselane.lanes.cuda.triton.moe.shared import Shared, phase_consts, shared_phase
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts, store_quantized
 
 # A program's rows: one 32-value block of the output, quantized whole; a (row, group) of each chunk a thread.
@@ -33,12 +37,17 @@ Q8_ROWS, Q8_WARPS, Q8_PER_THREAD = QK, 8, 1
 
 @triton.jit
 def _gate_up_kernel(
-    x, xq, xd, xs, w_gate, w_up, ids, out, oq, od, os_,
+    x, xq, xd, xs, w_gate, w_up, ids, out, oq, od, os_, sx, w_sg, w_su, w_sc, sh, pairs,
     N: tl.constexpr, KD: tl.constexpr, SLOTS: tl.constexpr, EXPERT_BYTES: tl.constexpr,
     Q8IN: tl.constexpr, Q8OUT: tl.constexpr,
-    FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
-    STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+    STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+    SHARED: tl.constexpr, SDFF: tl.constexpr, NA: tl.constexpr,
+    SG_FMT: tl.constexpr, SG_STEPS: tl.constexpr, SG_UNITS: tl.constexpr, SG_SPLIT: tl.constexpr,
+    SG_BLOCK_N: tl.constexpr, SG_STAGES: tl.constexpr, SG_ROW_BYTES: tl.constexpr,
+    SC_FMT: tl.constexpr, SC_STEPS: tl.constexpr, SC_UNITS: tl.constexpr, SC_SPLIT: tl.constexpr,
+    SC_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # The expert ids are the last launch's, so the wait comes first; the next launch is released only after it,
     # so a launch after this one starts once the routing has ended and may read its ids before its own wait
@@ -46,6 +55,27 @@ def _gate_up_kernel(
     pdl.wait(PDL)
     pdl.release(PDL)
     pair = tl.program_id(1)
+    if SHARED and pair == pairs:  # the shared expert's column: NA programs, the rest of the column idle
+        if tl.program_id(0) < NA:
+            shared_phase(sx, w_sg, w_su, w_sc, sh, tl.program_id(0), SDFF, NA, SG_FMT, SG_STEPS, SG_UNITS,
+                         SG_SPLIT, SG_BLOCK_N, SG_STAGES, SG_ROW_BYTES, SC_FMT, SC_STEPS, SC_UNITS, SC_SPLIT,
+                         SC_STAGES)  # fmt: skip
+    elif tl.program_id(0) < TILES:
+        _kept_pair(x, xq, xd, xs, w_gate, w_up, ids, out, oq, od, os_, pair, N, KD, SLOTS, EXPERT_BYTES, Q8IN,
+                   Q8OUT, FMT, ROW_BYTES, BLOCK_N, N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT,
+                   STAGES)  # fmt: skip
+
+
+@triton.jit
+def _kept_pair(
+    x, xq, xd, xs, w_gate, w_up, ids, out, oq, od, os_, pair,
+    N: tl.constexpr, KD: tl.constexpr, SLOTS: tl.constexpr, EXPERT_BYTES: tl.constexpr,
+    Q8IN: tl.constexpr, Q8OUT: tl.constexpr,
+    FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
+    STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """Tile program_id(0) of a kept expert's (row, slot) pair: its SwiGLU, and its int8 form under Q8OUT."""
     e = tl.load(ids + pair).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     off = e * EXPERT_BYTES + tl.minimum(rows, N - 1).to(tl.int64) * ROW_BYTES
@@ -68,10 +98,11 @@ def int8_takes(fmt: Format, n: int, k: int) -> bool:
 
 
 def gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: Tensor, n: int, k: int,
-            out: Tensor, out_q8: Q8Acts | None = None) -> Tensor:  # fmt: skip
+            out: Tensor, out_q8: Q8Acts | None = None, shared: Shared | None = None) -> Tensor:  # fmt: skip
     """out (pairs, n) f32 = SiLU(x[row] @ Wg[e]^T) * (x[row] @ Wu[e]^T) for each (row, slot) pair, e = ids[pair]
     (int32, (rows, slots)), Wg and Wu (experts, n, k) checkpoint rows in `fmt`; x f32 (rows, k), or one row's
-    int8 form (a Q8Acts), with `out_q8` the result's int8 form too. One launch."""
+    int8 form (a Q8Acts), with `out_q8` the result's int8 form too. With `shared` (a decode step's one row),
+    its SwiGLU and its gate's sigmoid into its scratch row too. One launch."""
     fmt = Format(fmt)
     pairs = ids.numel()
     if ids.dtype != torch.int32 or tuple(out.shape[-1:]) != (n,) or out.numel() != pairs * n:
@@ -94,8 +125,15 @@ def gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: 
         consts, warps = f32_plan(fmt, n, k)
         consts |= dict(N_UNITS=1, CHUNK=1, FENCE=False, DEPTH=1)
         args = (x, x, x, x)
+    if shared is not None and pairs != ids.shape[-1]:
+        raise ValueError("a shared expert folds into a decode step's one row")
     oq = out_q8 if out_q8 is not None else (out, out, out)
-    _gate_up_kernel[(tiles(n, consts["BLOCK_N"]), pairs)](
-        *args, w_gate, w_up, ids, out, *oq, **common, **consts, num_warps=warps, **pdl.options()
-    )
+    sconsts, na = phase_consts(shared, k, warps)
+    s = shared
+    sargs = (s.x, s.gate, s.up, s.score, s.scratch) if s is not None else (out,) * 5
+    n_tiles = tiles(n, consts["BLOCK_N"])
+    _gate_up_kernel[(max(n_tiles, na), pairs + (s is not None))](
+        *args, w_gate, w_up, ids, out, *oq, *sargs, pairs, **common, **consts, **sconsts, TILES=n_tiles,
+        SHARED=s is not None, NA=na, num_warps=warps, **pdl.options(),
+    )  # fmt: skip
     return out
