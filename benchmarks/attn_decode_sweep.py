@@ -40,9 +40,10 @@ def main() -> None:
         kc = torch.randn(CACHE, kv * hd, device="cuda").half()
         vc = torch.randn(CACHE, kv * hd, device="cuda").half()
         out = torch.empty(1, heads * hd, device="cuda")
-        most = max(*(s or 0 for s in SPLITS), A.decode_plan(heads, kv, hd, CACHE, heads_per_block=1).splits)
-        scratch = A.decode_scratch(heads, hd, CACHE, "cuda", splits=most)
         group = heads // kv
+        # the most splits: the plan's at the fewest blocks (a whole group a block), or the largest asked
+        most = max(*(s or 0 for s in SPLITS), A.decode_plan(heads, kv, hd, CACHE, heads_per_block=group).splits)
+        scratch = A.decode_scratch(heads, hd, CACHE, "cuda", splits=most)
         blocks = sorted({h for h in (1, 2, group) if group % h == 0})
         for span in args.spans:
             pos = torch.tensor([span - 1], dtype=torch.int32, device="cuda")
