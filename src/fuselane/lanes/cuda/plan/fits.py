@@ -60,10 +60,7 @@ ROWS_A_WARP = "rows_a_warp"  # the held name that runs every product a row a war
 TABLE_ROTATIONS_APART = "one launch of rotations turns NEOX pairs by the base's own frequencies"
 
 
-SHARED_APART = (
-    "a gated shared expert runs in launches of its own (knob shared_fold=off), faster than the fold on the H200 "
-    "though more launches a layer"
-)
+SHARED_APART = "a gated shared expert runs in launches of its own (knob shared_fold=off): five launches more a layer"
 
 
 class CudaShim(Protocol):

@@ -513,9 +513,9 @@ def moe_down_launch(d: int, dff: int, k: int, sdff: int) -> tuple[int, int]:
     """A decode mixture's down launch under int8 activations (`triton/moe/down.py`): (programs, threads a
     program). A program takes `moe_down_rows(k)` rows of the model's width for every kept expert at once, a
     product tile of MOE_DOWN_TILE weight rows in MOE_DOWN_WARPS warps, its last program norming the row;
-    a folded shared expert (`sdff` wide; 0 for none) adds its own programs first, a tile of its gate/up rows
-    each and one for its score's sigmoid, as the GEMV by checkpoint rows tiles them (their count is its
-    format's, so it is not counted here). `dff` does not change the launch: a program walks an expert's row
+    a folded shared expert (`sdff` wide; 0 for none) adds no program: each adds its down rows' product,
+    the expert's SwiGLU and sigmoid having been written by the gate/up launch (`triton/moe/shared.py`), so
+    `sdff` does not change the launch either. `dff` does not change the launch: a program walks an expert's row
     in chunks of the int8 GEMV's plan (`gemv.q8.tile_plan`).
     """
     return math.ceil(d / moe_down_rows(k)), MOE_DOWN_WARPS * WARP

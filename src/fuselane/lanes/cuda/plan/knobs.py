@@ -158,12 +158,13 @@ class CudaKnobs:
       registers and 2.4 KB of stack a thread at Qwen3-Next's widths on sm_90). `ieee` takes f32 FMA products,
       the recurrence's numbers within f32 roundoff, which ptxas holds at 32 registers with 14.6 KB of stack:
       the spills made the 80B-A3B's pp512 895 tok/s against 2,091 for `tf32x3` (H200, benchmarks/RESULTS.md).
-    - `shared_fold=on`: a decode step's gated shared expert folds into the mixture's down launch
-      (SharedExpertFusion: its gate/up on the launch's first programs while the rest wait), which keeps a
-      layer within the launch budget. `off` runs it in launches of its own (its gate/up GEMV, its down GEMV,
-      its gate's score, the sigmoid and the row scale; the down launch adds the result): more launches, but
-      measured faster on the H200 (replayed step: Qwen1.5-MoE-A2.7B 1.72 against 2.74 ms, Qwen3-Next-80B-A3B
-      3.99 against 5.06; benchmarks/RESULTS.md, 2026-12-02): the fold's shared programs are the step's slowest.
+    - `shared_fold=on` (the default): a decode step's gated shared expert folds into the mixture's launches
+      (SharedExpertFusion): its gate/up SwiGLU and its gate's sigmoid on programs of their own in the kept
+      experts' gate/up launch, its down rows in each program of the down launch, so a layer stays within
+      the launch budget. `off` runs it in launches of its own (its gate/up GEMV, its down GEMV, its gate's
+      score, the sigmoid and the row scale; the down launch adds the result). H200, Qwen3-Next-80B-A3B's
+      replayed step: 3.90 ms folded, 3.98 apart (benchmarks/RESULTS.md, 2026-12-03); folded into the down
+      launch alone, where its programs made the rest wait, it took 5.02.
     """
 
     chip: Chip = H200
