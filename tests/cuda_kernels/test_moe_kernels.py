@@ -198,9 +198,9 @@ def _shared(rng, d: int, sdff: int, fmt: Format):
     return s, gate * (wd @ glu), gate * bound
 
 
-def _shared_expert(rng, d: int, sdff: int, fmt: Format):
-    """A shared expert (`shared.Shared`, gate/up/down in `fmt`, an f32 score row) and, in f64, its SwiGLU, its
-    gate's sigmoid and the SwiGLU's bound."""
+def _shared_expert(rng, d: int, sdff: int, fmt: Format, int8: bool = False):
+    """A shared expert (`shared.Shared`, gate/up/down in `fmt`, an f32 score row) and, in f64, its SwiGLU (from
+    the input's int8 form where `int8`), its gate's sigmoid and the SwiGLU's bound."""
     rg, wg = _matrices(fmt, 1, sdff, d, rng)
     ru, wu = _matrices(fmt, 1, sdff, d, rng)
     rd, _ = _matrices(fmt, 1, d, sdff, rng)
@@ -209,21 +209,26 @@ def _shared_expert(rng, d: int, sdff: int, fmt: Format):
     s = shared.Shared(dev(x), dev(rg), dev(ru), dev(rd), dev(sc.view(np.uint8)), fmt, fmt, Format.F32, sdff,
                       torch.zeros(sdff + 1))  # fmt: skip
     xv = x[0].astype(np.float64)
+    gate = 1 / (1 + np.exp(-(sc[0].astype(np.float64) @ xv)))  # the score always reads the f32 input
+    if int8:
+        xv = _q8(x)[1][0]
     g, u = wg[0] @ xv, wu[0] @ xv
-    gate = 1 / (1 + np.exp(-(sc[0].astype(np.float64) @ xv)))
     return s, g / (1 + np.exp(-g)) * u, gate, _glu_bound(wg[0], wu[0], xv, g, u)
 
 
 @pytest.mark.parametrize(("fmt", "int8", "sdff"), [(Format.Q8_0, True, 96), (Format.Q4_K, True, 256),
                                                    (Format.Q5_0, False, 64)])  # fmt: skip
-def test_a_folded_shared_expert_rides_the_gate_up_launch(fmt, int8, sdff):
+@pytest.mark.parametrize("shared_int8", [True, False])
+def test_a_folded_shared_expert_rides_the_gate_up_launch(fmt, int8, sdff, shared_int8, monkeypatch):
     # its SwiGLU and sigmoid land in its scratch row beside the kept experts' products, which stay as they
-    # were; a width of 96 is more tiles than the kept experts' 64 rows take
+    # were; a width of 96 is more tiles than the kept experts' 64 rows take. Under int8 activations its
+    # SwiGLU takes the kept experts' int8 tiles (kernels.MOE_SHARED_INT8) or the f32 products.
+    monkeypatch.setattr(gate_up.kernels, "MOE_SHARED_INT8", shared_int8)
     rng = np.random.default_rng(6)
     experts, n, k, slots = 4, 64, 256, 2
     rg, _ = _matrices(fmt, experts, n, k, rng)
     ru, _ = _matrices(fmt, experts, n, k, rng)
-    s, glu, gate, glu_bound = _shared_expert(rng, k, sdff, fmt)
+    s, glu, gate, glu_bound = _shared_expert(rng, k, sdff, fmt, int8 and shared_int8)
     x = s.x.numpy()
     xin = _q8(x)[0] if int8 else dev(x)
     ids = dev(np.array([[3, 1]], dtype=np.int32))

@@ -19,6 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import QK, Format, row_bytes
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 from fuselane.lanes.cuda.triton.gemv.q8 import row_dots
@@ -43,7 +44,7 @@ def _gate_up_kernel(
     FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
     STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
-    SHARED: tl.constexpr, SDFF: tl.constexpr, NA: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_Q8: tl.constexpr, SDFF: tl.constexpr, NA: tl.constexpr,
     SG_FMT: tl.constexpr, SG_STEPS: tl.constexpr, SG_UNITS: tl.constexpr, SG_SPLIT: tl.constexpr,
     SG_BLOCK_N: tl.constexpr, SG_STAGES: tl.constexpr, SG_ROW_BYTES: tl.constexpr,
     SC_FMT: tl.constexpr, SC_STEPS: tl.constexpr, SC_UNITS: tl.constexpr, SC_SPLIT: tl.constexpr,
@@ -56,8 +57,15 @@ def _gate_up_kernel(
     pdl.release(PDL)
     pair = tl.program_id(1)
     if SHARED and pair == pairs:  # the shared expert's column: NA programs, the rest of the column idle
-        if tl.program_id(0) < NA:
-            shared_phase(sx, w_sg, w_su, w_sc, sh, tl.program_id(0), SDFF, NA, SG_FMT, SG_STEPS, SG_UNITS,
+        ticket = tl.program_id(0)
+        if SHARED_Q8 and ticket < NA - 1:  # its SwiGLU's tiles as a kept expert's, from the int8 activation
+            rows = ticket * BLOCK_N + tl.arange(0, BLOCK_N)
+            off = tl.minimum(rows, SDFF - 1).to(tl.int64) * ROW_BYTES
+            gate, up = row_dots(w_sg + off, w_su + off, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True,
+                                DEPTH, False)  # fmt: skip
+            tl.store(sh + rows, gate / (1.0 + tl.exp(-gate)) * up, mask=rows < SDFF)
+        elif ticket < NA:
+            shared_phase(sx, w_sg, w_su, w_sc, sh, ticket, SDFF, NA, SG_FMT, SG_STEPS, SG_UNITS,
                          SG_SPLIT, SG_BLOCK_N, SG_STAGES, SG_ROW_BYTES, SC_FMT, SC_STEPS, SC_UNITS, SC_SPLIT,
                          SC_STAGES)  # fmt: skip
     elif tl.program_id(0) < TILES:
@@ -128,12 +136,16 @@ def gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: 
     if shared is not None and pairs != ids.shape[-1]:
         raise ValueError("a shared expert folds into a decode step's one row")
     oq = out_q8 if out_q8 is not None else (out, out, out)
-    sconsts, na = phase_consts(shared, k, warps)
+    # the shared expert's SwiGLU as the kept experts' int8 tiles where it is their format (the f32 path's
+    # registers would be the whole launch's: 146 a thread against 86 for Q4_K on sm_90)
+    shared_q8 = kernels.MOE_SHARED_INT8 and shared is not None and q8in and shared.fmt is fmt
+    shared_q8 = shared_q8 and int8_takes(fmt, shared.sdff, k)  # type: ignore[union-attr]
+    sconsts, na = phase_consts(shared, k, warps, consts["BLOCK_N"] if shared_q8 else None)
     s = shared
     sargs = (s.x, s.gate, s.up, s.score, s.scratch) if s is not None else (out,) * 5
     n_tiles = tiles(n, consts["BLOCK_N"])
     _gate_up_kernel[(max(n_tiles, na), pairs + (s is not None))](
         *args, w_gate, w_up, ids, out, *oq, *sargs, pairs, **common, **consts, **sconsts, TILES=n_tiles,
-        SHARED=s is not None, NA=na, num_warps=warps, **pdl.options(),
+        SHARED=s is not None, SHARED_Q8=shared_q8, NA=na, num_warps=warps, **pdl.options(),
     )  # fmt: skip
     return out

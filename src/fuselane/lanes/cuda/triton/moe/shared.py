@@ -65,12 +65,17 @@ def _f32(fmt: Format, k: int, block_n: int, warps: int, prefix: str) -> dict:
     return {prefix + name: v for name, v in consts.items()}
 
 
-def phase_consts(s: Shared | None, d: int, warps: int) -> tuple[dict, int]:
+def phase_consts(s: Shared | None, d: int, warps: int, q8_rows: int | None = None) -> tuple[dict, int]:
     """The gate/up launch's shared-expert constants (stand-ins where there is none, so the kernel compiles the
-    same) and its programs: the SwiGLU's tiles, then the score's one."""
+    same) and its programs: the SwiGLU's tiles, then the score's one. `q8_rows`: the SwiGLU's tiles are the
+    kept experts' int8 tiles of that many rows (`gate_up`, SHARED_Q8), so only the score takes f32 constants."""
     if s is None:
         consts = _f32(Format.F32, QK, 1, warps, "SG_") | _f32(Format.F32, QK, 1, warps, "SC_")
         return {k: v for k, v in consts.items() if k != "SC_ROW_BYTES"} | dict(SG_BLOCK_N=1, SDFF=1), 0
+    if q8_rows is not None:
+        consts = _f32(Format.F32, QK, q8_rows, warps, "SG_") | _f32(s.score_fmt, d, q8_rows, warps, "SC_")
+        consts = {k: v for k, v in consts.items() if k != "SC_ROW_BYTES"}
+        return consts | dict(SG_BLOCK_N=q8_rows, SDFF=s.sdff), tiles(s.sdff, q8_rows) + 1
     sb, _ = gemv_rows.tile(s.fmt, s.sdff, d, 1)
     consts = _f32(s.fmt, d, sb, warps, "SG_") | _f32(s.score_fmt, d, sb, warps, "SC_")
     consts = {k: v for k, v in consts.items() if k != "SC_ROW_BYTES"}
