@@ -6,7 +6,7 @@ dependent launches, each compiled through its own launcher): each one's grid, wa
 
 Usage: python benchmarks/moe_registers.py [--fmt Q4_K Q6_K ...] [--block-m 32] [--block-n 64] [--warps 8]
        [--stages 2] [--step 128] [--dff 768] [--step-scales]
-       python benchmarks/moe_registers.py --decode [--fmt Q4_K Q6_K] [--sass DIR]
+       python benchmarks/moe_registers.py --decode [--fmt Q4_K Q6_K] [--sass DIR] [--shared 512]
 
 What the tile table (`plan/kernels.py`, `moe_gemm_tile`: MOE_GEMM_* and MOE_WORDS_TILES) says of spills is what
 this prints, each format at its own tile unless one is given, with the routing launch's row scales (the lane's
@@ -18,6 +18,7 @@ path; `--step-scales`: a step's own, the branch in the k loop) and whether the p
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import subprocess
 import tempfile
@@ -60,8 +61,10 @@ def _compile(kernel, consts: dict, warps: int, stages: int) -> str:
     return f"{_ptxas(compiled.asm['ptx'])}; loads {'staged' if staged else 'not staged'}"
 
 
-def _decode(fmts: list[Format], sass: str | None, variant: str | None = None) -> None:
-    """Compile the decode launches at Qwen3-30B-A3B's widths (a fresh process: not under the interpreter)."""
+def _decode(fmts: list[Format], sass: str | None, variant: str | None = None, sdff: int = 0) -> None:
+    """Compile the decode launches at Qwen3-30B-A3B's widths (a fresh process: not under the interpreter); with
+    `sdff`, the gate/up and down launches again with a folded shared expert of that width (its SwiGLU in f32
+    products, then in the kept experts' int8 tiles: `kernels.MOE_SHARED_INT8`)."""
     import torch
     from triton.runtime.jit import JITFunction
 
@@ -71,14 +74,15 @@ def _decode(fmts: list[Format], sass: str | None, variant: str | None = None) ->
     seen: list[tuple[str, object, object]] = []
     with compiling(90, Report()):
         from fuselane.lanes.cuda.triton import pdl
-        from fuselane.lanes.cuda.triton.moe import down, gate_up, route
+        from fuselane.lanes.cuda.triton.moe import down, gate_up, route, shared
         from fuselane.lanes.cuda.triton.quant import empty_q8
 
         compile_only = JITFunction.run
 
         def noted(self, *args, grid, warmup, **kwargs):
             kernel = compile_only(self, *args, grid=grid, warmup=warmup, **kwargs)
-            seen.append((f"{self.fn.__name__} {Format(kwargs.get('FMT', 0)).name}", grid, kernel))
+            folded = "" if not kwargs.get("SHARED") else " +shared int8" if kwargs.get("SHARED_Q8") else " +shared"
+            seen.append((f"{self.fn.__name__} {Format(kwargs.get('FMT', 0)).name}{folded}", grid, kernel))
             return kernel
 
         JITFunction.run = noted
@@ -88,15 +92,21 @@ def _decode(fmts: list[Format], sass: str | None, variant: str | None = None) ->
                 wr = torch.zeros(EXPERTS * D * 4, dtype=torch.uint8)  # the router in f32
                 route.route(torch.zeros(1, D), wr, Format.F32, EXPERTS, TOP, True, ids, weights,
                             torch.zeros(1, EXPERTS), route.counters("cpu"))  # fmt: skip
-                for fmt in fmts:
+                for fmt, folded, q8 in itertools.product(fmts, [False, True] if sdff else [False], [False, True]):
+                    if q8 and not folded:
+                        continue
+                    kernels.MOE_SHARED_INT8 = q8
+                    s = _shared(shared, fmt, sdff) if folded else None
                     wg = torch.zeros(EXPERTS * DFF * row_bytes(fmt, D), dtype=torch.uint8)
                     gate_up.gate_up(empty_q8(1, D, "cpu"), wg, wg, fmt, ids, DFF, D, torch.zeros(TOP, DFF),
-                                    empty_q8(TOP, DFF, "cpu"))  # fmt: skip
+                                    empty_q8(TOP, DFF, "cpu"), s)  # fmt: skip
+                    if q8:
+                        continue  # the down launch is the same either way
                     wd = torch.zeros(EXPERTS * D * row_bytes(fmt, DFF), dtype=torch.uint8)
                     norm = down.Norm(torch.zeros(D), 1e-6, torch.zeros(1, D), empty_q8(1, D, "cpu"))
                     h, out = empty_q8(TOP, DFF, "cpu"), torch.zeros(1, D)
                     down.down_combine(h, wd, fmt, ids, weights, D, DFF, out, adds=(torch.zeros(1, D),), norm=norm,
-                                      counter=down.counters(1, "cpu"), variant=variant)  # fmt: skip
+                                      counter=down.counters(1, "cpu"), variant=variant, shared=s)  # fmt: skip
         finally:
             JITFunction.run = compile_only
     for name, grid, kernel in seen:
@@ -107,6 +117,19 @@ def _decode(fmts: list[Format], sass: str | None, variant: str | None = None) ->
               f"  {stack:4d} stack bytes")  # fmt: skip
         if sass:
             _write_sass(kernel.asm["cubin"], os.path.join(sass, name.replace(" ", "_") + ".sass"))
+
+
+def _shared(shared, fmt: Format, sdff: int):
+    """A folded shared expert of `sdff` values in `fmt`, its score row in f32, on the host."""
+    import torch
+
+    from fuselane.gguf.formats import row_bytes
+
+    gate_up_rows = torch.zeros(sdff * row_bytes(fmt, D), dtype=torch.uint8)
+    return shared.Shared(torch.zeros(1, D), gate_up_rows, gate_up_rows,
+                         torch.zeros(D * row_bytes(fmt, sdff), dtype=torch.uint8),
+                         torch.zeros(D * 4, dtype=torch.uint8), fmt, fmt, Format.F32, sdff,
+                         torch.zeros(sdff + 1))  # fmt: skip
 
 
 def _write_sass(cubin: bytes, path: str) -> None:
@@ -132,9 +155,10 @@ def main() -> None:
     ap.add_argument("--decode", action="store_true", help="the decode step's routing, gate/up and down launches")
     ap.add_argument("--sass", default=None, help="with --decode: write each kernel's SASS to this folder")
     ap.add_argument("--variant", default=None, help="with --decode: the down launch's (kernels.MoeDown's value)")
+    ap.add_argument("--shared", type=int, default=0, help="with --decode: a folded shared expert's width too")
     a = ap.parse_args()
     if a.decode:
-        _decode([Format[f] for f in a.fmt], a.sass, a.variant)
+        _decode([Format[f] for f in a.fmt], a.sass, a.variant, a.shared)
         return
     from fuselane.lanes.cuda.triton.moe import grouped as G  # here: --decode compiles in a process of its own
 

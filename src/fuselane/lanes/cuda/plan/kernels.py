@@ -347,11 +347,14 @@ MOE_DOWN_PER_THREAD = 1
 # tile passes 64 registers a thread (ptxas sm_90, Qwen3-30B-A3B's widths: Q5_K 54 -> 72) and four blocks of
 # eight warps no longer fit a SM's registers: 396 of the 512 programs resident at once, not all.
 MOE_DOWN_UNPINNED = frozenset({Format.Q5_K})
-# A folded shared expert's SwiGLU in the kept experts' gate/up launch (`triton/moe/shared.py`): where its
-# gate/up are the kept experts' format and the activation is int8, as the kept experts' own int8 tiles (the
-# f32 products' registers were the whole launch's, 146 a thread against 86 for Q4_K on sm_90, and its
-# Qwen3-Next-80B-A3B launch took 21.2 µs against 8.5 without the expert); otherwise in f32 products.
-MOE_SHARED_INT8 = True
+# A folded shared expert's SwiGLU in the kept experts' gate/up launch (`triton/moe/shared.py`): in f32
+# products (False), or, where its gate/up are the kept experts' format and the activation is int8, as the
+# kept experts' own int8 tiles (True). The f32 products' registers are the whole launch's (sm_90, Q4_K over a
+# 2,048-wide input: 146 a thread against 86 without the expert, 88 with it in int8 tiles, from the cubin by
+# `benchmarks/moe_registers.py --decode --shared 512`), and Qwen3-Next-80B-A3B's launch took 21.2 µs against
+# 8.5 without the expert (H200). The int8 tiles pass the interpreted tests and compile, but have not been timed on a GPU
+# yet, so the timed f32 products stay the default.
+MOE_SHARED_INT8 = False
 
 
 class MoeDown(enum.Enum):
