@@ -70,11 +70,17 @@ def _record_routing(monkeypatch) -> list:
         ("qwen3moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT}, "on"),
         ("qwen2moe", "dequant", {C.ROUTER_TOPK, C.MOE_GATE_UP_ACT, C.MOE_DEFERRED_FINALIZE}, "on"),
         ("qwen2moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT}, "on"),  # the fold's int8 experts
+        # the folded expert's SwiGLU as the kept experts' int8 tiles (kernels.MOE_SHARED_INT8)
+        ("qwen2moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT}, "on-int8"),
         # the shared expert in launches of its own, its result added in by the down launch
         ("qwen2moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT, None}, "off"),
     ],
 )
 def test_cuda_lane_runs_a_mixture_as_the_cpu_lane(tmp_path, monkeypatch, shape, activations, decode_classes, fold):
+    from fuselane.lanes.cuda.plan import kernels
+
+    fold, _, int8 = fold.partition("-")
+    monkeypatch.setattr(kernels, "MOE_SHARED_INT8", int8 == "int8")
     path = write_synthetic(tmp_path / "m.gguf", SHAPES[shape], "q8_0", seed=4)
     gpu = load(path, lane="cuda", ctx=16, knobs=[f"activations={activations}", f"shared_fold={fold}"])
     ref = load(path, lane="cpu", ctx=16, dtype=np.float64)
