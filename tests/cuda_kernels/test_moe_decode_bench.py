@@ -1,5 +1,5 @@
 """`benchmarks/moe_decode.py --dry-run`: the decode step's mixture launches the benchmark times (the routing,
-the gate/up, the down launch at both of its variants, with and without a folded shared expert) each run once
+the gate/up and the down launch at both of its variants, each with and without a folded shared expert) each run once
 under the interpreter at tiny widths, so the benchmark the GPU runs is known to build and launch them all."""
 
 from __future__ import annotations
@@ -42,4 +42,4 @@ def test_the_dry_run_times_every_decode_mixture_launch(capsys):
     tile = f"{kernels.MOE_DOWN_TILE} rows w{kernels.MOE_DOWN_WARPS} t{kernels.MOE_DOWN_PER_THREAD}"
     depth = {kernels.MoeDown.SERIAL: PREFETCH_DEPTH, kernels.MoeDown.READ_AHEAD: kernels.moe_down_depth(Format.Q5_0)}
     downs = [f"down Q5_0{s} {v.value} {tile} d{depth[v]}" for s in ("", " +shared") for v in kernels.MoeDown]
-    assert timed == ["route one row", "gate/up Q8_0 int8", *downs], lines
+    assert timed == ["route one row", "gate/up Q8_0 int8", "gate/up Q8_0 +shared int8", *downs], lines
