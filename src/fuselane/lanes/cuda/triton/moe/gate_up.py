@@ -136,10 +136,13 @@ def gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: 
     if shared is not None and pairs != ids.shape[-1]:
         raise ValueError("a shared expert folds into a decode step's one row")
     oq = out_q8 if out_q8 is not None else (out, out, out)
-    # the shared expert's SwiGLU as the kept experts' int8 tiles where it is their format (the f32 path's
-    # registers would be the whole launch's: 146 a thread against 86 for Q4_K on sm_90)
+    # the shared expert's SwiGLU as the kept experts' int8 tiles (kernels.MOE_SHARED_INT8) where its rows are
+    # their format, whole blocks, and start where the int8 loads need them to
     shared_q8 = kernels.MOE_SHARED_INT8 and shared is not None and q8in and shared.fmt is fmt
-    shared_q8 = shared_q8 and int8_takes(fmt, shared.sdff, k)  # type: ignore[union-attr]
+    if shared_q8:
+        align = gemv_q8.ALIGN.get(fmt, 1)
+        shared_q8 = int8_takes(fmt, shared.sdff, k) and not (shared.gate.data_ptr() % align or
+                                                             shared.up.data_ptr() % align)  # fmt: skip
     sconsts, na = phase_consts(shared, k, warps, consts["BLOCK_N"] if shared_q8 else None)
     s = shared
     sargs = (s.x, s.gate, s.up, s.score, s.scratch) if s is not None else (out,) * 5
