@@ -2,7 +2,8 @@
 row: the router's scores and the top-k), the kept experts' gate/up (both products and the SwiGLU, written as
 int8 activations), and the down launch (`triton/moe/down.py`: the kept experts' down products, the weighted
 combine, the residual and the next norm in its last program, written as int8 too), with and without a folded
-shared expert (its SwiGLU and score in the gate/up launch, its down rows in the down launch); in µs and GB/s,
+shared expert (its SwiGLU and score in the gate/up launch, the SwiGLU in f32 products and in the kept experts'
+int8 tiles, `kernels.MOE_SHARED_INT8`; its down rows in the down launch); in µs and GB/s,
 each down launch at every variant and tile asked for, so one GPU call can A/B.
 
 Usage (on a GPU):
@@ -192,8 +193,14 @@ def main(argv: list[str] | None = None) -> None:
         _time("route", "one row", b.routing)
         _time(f"gate/up {fgu.name}", "int8", lambda: b.gate_up(fgu))
         folded = b.shared(fgu, sdff) if sdff else None  # (the gate/up launch's part, the down launch's)
-        if folded is not None:
-            _time(f"gate/up {fgu.name} +shared", "int8", lambda: b.gate_up(fgu, folded[0]))
+        for tiles_q8 in (False, True) if folded is not None else ():
+            # the shared expert's SwiGLU in f32 products, then as the kept experts' int8 tiles (where they take it)
+            saved, kernels.MOE_SHARED_INT8 = kernels.MOE_SHARED_INT8, tiles_q8
+            try:
+                what = f"int8 shared-{'int8' if tiles_q8 else 'f32'}"
+                _time(f"gate/up {fgu.name} +shared", what, lambda: b.gate_up(fgu, folded[0]))
+            finally:
+                kernels.MOE_SHARED_INT8 = saved
         shared = [None] + ([folded[1]] if folded is not None else [])
         tiles = [Tile(*t) for t in itertools.product(a.tile, a.warps, a.per_thread, [d or None for d in a.depth])]
         for fmt, s, tile, v in itertools.product(fds, shared, tiles, a.variant):

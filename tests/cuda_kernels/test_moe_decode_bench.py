@@ -42,4 +42,5 @@ def test_the_dry_run_times_every_decode_mixture_launch(capsys):
     tile = f"{kernels.MOE_DOWN_TILE} rows w{kernels.MOE_DOWN_WARPS} t{kernels.MOE_DOWN_PER_THREAD}"
     depth = {kernels.MoeDown.SERIAL: PREFETCH_DEPTH, kernels.MoeDown.READ_AHEAD: kernels.moe_down_depth(Format.Q5_0)}
     downs = [f"down Q5_0{s} {v.value} {tile} d{depth[v]}" for s in ("", " +shared") for v in kernels.MoeDown]
-    assert timed == ["route one row", "gate/up Q8_0 int8", "gate/up Q8_0 +shared int8", *downs], lines
+    folded = [f"gate/up Q8_0 +shared int8 shared-{form}" for form in ("f32", "int8")]
+    assert timed == ["route one row", "gate/up Q8_0 int8", *folded, *downs], lines
