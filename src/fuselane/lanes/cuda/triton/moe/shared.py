@@ -1,6 +1,8 @@
 """A decode step's folded shared expert (SharedExpertFusion): its gate/up SwiGLU and its gate's sigmoid ride the
 kept experts' gate/up launch as programs of their own (`gate_up.gate_up`), into a scratch row; the down launch
-(`down.down_combine`) then adds sigmoid * (its down rows . that row) in each of its programs.
+(`down.down_combine`) then adds sigmoid * (its down rows . that row) in each of its programs. The SwiGLU is
+f32 products (`shared_phase`), or, under `kernels.MOE_SHARED_INT8` where the expert's gate/up are the kept
+experts' format, their own int8 tiles (`gate_up`); the score is always an f32 product.
 
 Why there: the shared expert reads the mixture's input, as the kept experts' gate/up does, so its products run
 beside theirs with nothing to wait for, and the down launch reads the row as it reads the kept experts'
