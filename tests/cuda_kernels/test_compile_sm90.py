@@ -96,3 +96,17 @@ def test_a_kernel_the_compiler_refuses_fails_the_check(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.stdout.strip() == "plain_global", done.stdout + done.stderr
+
+
+def test_the_usage_shows_the_range_of_a_kernels_registers():
+    # a launch whose specialization takes more registers (Qwen3-Next's gate/up with a folded shared expert in
+    # f32 products: 146 against 86) holds fewer blocks a SM, which the most alone does not show
+    from fuselane.lanes.cuda.compile_check import Report
+
+    report = Report(kernels={"_gate_up_kernel": 2, "_down_kernel": 1})
+    report.note_usage("_gate_up_kernel", 86, 0)
+    report.note_usage("_gate_up_kernel", 146, 0)
+    report.note_usage("_down_kernel", 60, 16)
+    lines = {line.split()[0]: line for line in report.render().splitlines()[1:]}
+    assert "86-146 registers" in lines["_gate_up_kernel"] and " 0 stack bytes" in lines["_gate_up_kernel"]
+    assert " 60 registers" in lines["_down_kernel"] and " 16 stack bytes" in lines["_down_kernel"]

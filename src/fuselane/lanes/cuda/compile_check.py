@@ -6,8 +6,9 @@ model's steps on the cuda lane with host tensors and each launch replaced by Tri
 (the same arguments, so the same specializations and constexprs) for the target, through PTX to a cubin: a
 kernel that does not compile fails here as it would on the GPU. Nothing is computed, so the step's numbers are
 meaningless; what it proves is that every launch of the plan compiles, and (`--usage`) what each kernel takes
-in registers and stack bytes a thread (spills, local arrays), read from the cubin by the `cuobjdump` Triton
-ships: a spill is a kernel slower than its design, seen before any GPU runs it.
+in registers (the range over its specializations) and stack bytes a thread (spills, local arrays), read from
+the cubin by the `cuobjdump` Triton ships: a spill is a kernel slower than its design, and a wide range of
+registers a launch holding fewer blocks a SM than the kernel's others, seen before any GPU runs it.
 
 The steps: a wide prompt chunk (past the GEMV's rows), a narrow one, a sampled decode loop, and, where the
 model takes it, a batch of two sequences on the paged form. It must run in a process where no fuselane kernel
@@ -53,13 +54,23 @@ class Report:
     kernels: dict[str, int] = field(default_factory=dict)  # kernel name -> launches compiled
     failure: tuple[str, str] | None = None
     steps: list[str] = field(default_factory=list)
-    usage: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> most (registers, stack bytes)
+    # name -> (fewest registers, most registers, most stack bytes) a thread over its specializations: a
+    # kernel whose registers spread widely takes fewer blocks a SM in some launches than in others
+    usage: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+
+    def note_usage(self, name: str, regs: int, stack: int) -> None:
+        """One compiled specialization of kernel `name`: its registers and stack bytes a thread."""
+        low, high, most = self.usage.get(name, (regs, regs, stack))
+        self.usage[name] = (min(low, regs), max(high, regs), max(most, stack))
 
     def render(self) -> str:
         lines = [f"{self.launches} launches of {len(self.kernels)} kernels compiled ({'; '.join(self.steps)})"]
         for name, count in sorted(self.kernels.items()):
-            regs, spilled = self.usage.get(name, (None, None))
-            said = "" if regs is None else f"  {regs:3d} registers  {spilled:5d} stack bytes a thread"
+            said = ""
+            if name in self.usage:
+                low, high, spilled = self.usage[name]
+                regs = f"{high:3d}" if low == high else f"{low}-{high}"
+                said = f"  {regs:>7s} registers  {spilled:5d} stack bytes a thread"
             lines.append(f"  {name:40s} {count:4d} launches{said}")
         if self.failure is not None:
             lines.append(f"FAILED {self.failure[0]}: {self.failure[1]}")
@@ -142,9 +153,7 @@ def compiling(arch: int, report: Report, *, usage: bool = False) -> Iterator[Non
         report.kernels[name] = report.kernels.get(name, 0) + 1
         if usage and id(kernel) not in measured:
             measured.add(id(kernel))
-            regs, stack = resources(kernel.asm["cubin"])
-            most = report.usage.get(name, (0, 0))
-            report.usage[name] = (max(most[0], regs), max(most[1], stack))
+            report.note_usage(name, *resources(kernel.asm["cubin"]))
         return kernel
 
     JITFunction.run = compile_instead
