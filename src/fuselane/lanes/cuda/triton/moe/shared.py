@@ -19,9 +19,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuselane.gguf.formats import QK, Format, row_bytes
+from fuselane.gguf.formats import QK, Format
 from fuselane.lanes.cuda.triton.gemv import rows as gemv_rows
-from fuselane.lanes.cuda.triton.moe.common import row_dot, tiles
+from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,32 +60,26 @@ def shared_phase(x, w_sg, w_su, w_sc, sh, ticket, SDFF: tl.constexpr, NA: tl.con
         tl.store(sh + rows, g / (1.0 + tl.exp(-g)) * u, mask=rows < SDFF)
 
 
-def _f32(fmt: Format, k: int, block_n: int, warps: int, prefix: str) -> dict:
-    steps, units, split = gemv_rows.plan(fmt, k, block_n, warps, 1)
-    consts = dict(FMT=int(fmt), STEPS=steps, UNITS=units, SPLIT=split, STAGES=gemv_rows.stages(fmt),
-                  ROW_BYTES=row_bytes(fmt, k))  # fmt: skip
-    return {prefix + name: v for name, v in consts.items()}
+def _phase(gate_fmt: Format, score_fmt: Format, d: int, rows: int, warps: int) -> dict:
+    """`row_dot`'s constants (`common.f32_plan`) for the SwiGLU's f32 products in tiles of `rows` (SG_, with
+    SG_BLOCK_N) and for the score's one row, which those tiles' lanes all compute (SC_)."""
+    sg, _ = f32_plan(gate_fmt, rows, d, "SG_", tile=(rows, warps))
+    sc, _ = f32_plan(score_fmt, 1, d, "SC_", tile=(rows, warps))
+    return sg | {k: v for k, v in sc.items() if k not in ("SC_BLOCK_N", "SC_ROW_BYTES")}
 
 
 def phase_consts(s: Shared | None, d: int, warps: int, q8_rows: int | None = None) -> tuple[dict, int]:
     """The gate/up launch's shared-expert constants (stand-ins where there is none, so the kernel compiles the
     same) and its programs: the SwiGLU's tiles, then the score's one. `q8_rows`: the SwiGLU's tiles are the
-    kept experts' int8 tiles of that many rows (`gate_up`, SHARED_Q8), so only the score takes f32 constants."""
+    kept experts' int8 tiles of that many rows (`gate_up`, SHARED_Q8), its f32 constants unused."""
     if s is None:
-        consts = _f32(Format.F32, QK, 1, warps, "SG_") | _f32(Format.F32, QK, 1, warps, "SC_")
-        return {k: v for k, v in consts.items() if k != "SC_ROW_BYTES"} | dict(SG_BLOCK_N=1, SDFF=1), 0
-    if q8_rows is not None:
-        consts = _f32(Format.F32, QK, q8_rows, warps, "SG_") | _f32(s.score_fmt, d, q8_rows, warps, "SC_")
-        consts = {k: v for k, v in consts.items() if k != "SC_ROW_BYTES"}
-        return consts | dict(SG_BLOCK_N=q8_rows, SDFF=s.sdff), tiles(s.sdff, q8_rows) + 1
-    sb, _ = gemv_rows.tile(s.fmt, s.sdff, d, 1)
-    consts = _f32(s.fmt, d, sb, warps, "SG_") | _f32(s.score_fmt, d, sb, warps, "SC_")
-    consts = {k: v for k, v in consts.items() if k != "SC_ROW_BYTES"}
-    return consts | dict(SG_BLOCK_N=sb, SDFF=s.sdff), tiles(s.sdff, sb) + 1
+        return _phase(Format.F32, Format.F32, QK, 1, warps) | dict(SDFF=1), 0
+    rows = q8_rows if q8_rows is not None else gemv_rows.tile(s.fmt, s.sdff, d, 1)[0]
+    return _phase(s.fmt, s.score_fmt, d, rows, warps) | dict(SDFF=s.sdff), tiles(s.sdff, rows) + 1
 
 
 def down_consts(s: Shared | None, d: int, block_n: int, warps: int) -> dict:
     """The down launch's constants for the shared expert's down rows (stand-ins where there is none)."""
-    if s is None:
-        return _f32(Format.F32, QK, block_n, warps, "SD_") | dict(SDFF=1)
-    return _f32(s.down_fmt, s.sdff, block_n, warps, "SD_") | dict(SDFF=s.sdff)
+    fmt, k, sdff = (Format.F32, QK, 1) if s is None else (s.down_fmt, s.sdff, s.sdff)
+    consts, _ = f32_plan(fmt, d, k, "SD_", tile=(block_n, warps))
+    return {k: v for k, v in consts.items() if k != "SD_BLOCK_N"} | dict(SDFF=sdff)
