@@ -4,7 +4,7 @@ warps: one table.
 
 Usage (on a GPU):
     python benchmarks/gdn_chunked.py [--rows 512] [--heads 32] [--key-heads 16] [--dk 128] [--dv 128]
-        [--bv 32 64 128] [--warps 4 8] [--precision tf32x3 ieee] [--solve rows blocks]
+        [--bv 32 64 128] [--warps 4 8] [--precision tf32x3 ieee] [--solve rows blocks] [--form split whole]
 
 The defaults are Qwen3-Next-80B-A3B's linear layers (16 key heads, 32 value heads of 128) over a 512-row chunk.
 Each candidate is timed with CUDA events, the median of 20 launches after 3 warm-up ones, on inputs drawn as a
@@ -34,6 +34,7 @@ def _inputs(rows: int, heads: int, key_heads: int, dk: int, dv: int) -> dict:
     return dict(
         q=q, k=k, v=draw(rows, heads * dv), g=-torch.exp(draw(rows, heads)), beta=torch.sigmoid(draw(rows, heads)),
         state=torch.zeros((heads, dk, dv), device="cuda"), out=torch.empty((rows, heads * dv), device="cuda"),
+        scratch=torch.empty(chunked.split_values(rows, heads, dk, dv), device="cuda"),
     )  # fmt: skip
 
 
@@ -62,19 +63,20 @@ def main() -> None:
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--precision", nargs="+", default=list(chunked.PRECISIONS))
     ap.add_argument("--solve", nargs="+", default=list(chunked.SOLVES))
+    ap.add_argument("--form", nargs="+", default=list(chunked.FORMS))
     a = ap.parse_args()
     x = _inputs(a.rows, a.heads, a.key_heads, a.dk, a.dv)
     shape = dict(rows=a.rows, heads=a.heads, key_heads=a.key_heads, dk=a.dk, dv=a.dv, scale=a.dk**-0.5)
     print(f"chunked delta rule: {a.rows} rows, {a.heads} value heads ({a.key_heads} key heads), dk {a.dk}, dv {a.dv}")
-    print("| precision | solve | value columns a program | warps | µs a launch |")
-    print("|---|---|---:|---:|---:|")
-    for precision, solve, bv, warps in itertools.product(a.precision, a.solve, a.bv, a.warps):
-        run = dict(precision=precision, solve=solve, bv=bv, warps=warps)
-        row = f"| {precision} | {solve} | {bv} | {warps} |"
+    print("| form | precision | solve | value columns a program | warps | µs a launch |")
+    print("|---|---|---|---:|---:|---:|")
+    for form, precision, solve, bv, warps in itertools.product(a.form, a.precision, a.solve, a.bv, a.warps):
+        run = dict(form=form, precision=precision, solve=solve, bv=bv, warps=warps)
+        row = f"| {form} | {precision} | {solve} | {bv} | {warps} |"
 
         def launch(run=run):
             chunked.chunked(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], x["out"], write_state=True,
-                            **run, **shape)  # fmt: skip
+                            scratch=x["scratch"], **run, **shape)  # fmt: skip
 
         try:
             us = _median_us(launch)

@@ -86,9 +86,17 @@ MODELS = {
 # spills (sm_90, Qwen3's widths, bytes a thread for Q4_K gate/up, down, Q6_K gate/up, down): 64 x 64 four warps
 # three stages (0 / 28 / 0 / 40), 64 x 128 eight warps 256 a step (0 / 144 / 356 / 112), 64 x 64 four warps one
 # stage 256 a step (0 / 248 / 524 / 632), ...; 64 x 128 four warps one stage 256 a step last (132 / 528 / 4,448
-# / 2,440). A launch's table tile, and a candidate that runs as one already timed (a 256-value step of a row not
-# whole 256-value steps runs at 128), are not timed again; `--budget` stops the rest.
+# / 2,440). Tiles of 16 and 32 pairs come first: a model of many experts and few kept (Qwen3-Next-80B-A3B:
+# 512, top-10) gives each expert ~10 of a 512-row chunk's pairs, so most of a 64-pair tile is padding. A
+# launch's table tile, and a candidate that runs as one already timed (a 256-value step of a row not whole
+# 256-value steps runs at 128), are not timed again; `--budget` stops the rest.
 CANDIDATES = [
+    (16, 128, 4, 2, 128),
+    (16, 64, 4, 2, 128),
+    (32, 64, 4, 2, 128),
+    (16, 256, 8, 2, 128),
+    (32, 128, 8, 2, 128),
+    (16, 128, 8, 1, 256),
     (64, 64, 4, 3, 128),
     (64, 128, 8, 2, 256),
     (64, 64, 4, 1, 256),

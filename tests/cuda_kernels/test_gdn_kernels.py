@@ -179,12 +179,13 @@ def test_a_partial_rotary_turns_the_first_values_of_each_head(apart):
 
 
 @pytest.mark.parametrize(
-    ("keep", "precision", "solve"),
-    [(Keep.F32, "ieee", "rows"), (Keep.BF16, "ieee", "rows"), (Keep.F32, "tf32x3", "rows"),
-     (Keep.F32, "ieee", "blocks"), (Keep.F32, "tf32x3", "blocks")],
+    ("keep", "precision", "solve", "form"),
+    [(Keep.F32, "ieee", "rows", "split"), (Keep.BF16, "ieee", "rows", "split"), (Keep.F32, "tf32x3", "rows", "split"),
+     (Keep.F32, "ieee", "blocks", "split"), (Keep.F32, "tf32x3", "blocks", "split"),
+     (Keep.F32, "ieee", "rows", "whole"), (Keep.BF16, "tf32x3", "blocks", "whole")],
 )  # fmt: skip
 @pytest.mark.parametrize("rows", [5, chunked.CHUNK + 3])
-def test_the_chunked_rule_equals_the_recurrence(rows, keep, precision, solve):
+def test_the_chunked_rule_equals_the_recurrence(rows, keep, precision, solve, form):
     rng = np.random.default_rng(20 + rows)
     q, k, v, g, beta, state = _rule_inputs(rows, rng)
     dtype = torch.float32 if keep is Keep.F32 else torch.bfloat16
@@ -195,7 +196,7 @@ def test_the_chunked_rule_equals_the_recurrence(rows, keep, precision, solve):
     f32 = lambda a: dev(a.astype(np.float32))  # noqa: E731
     chunked.chunked(f32(q), f32(k), f32(v), f32(g), f32(beta), st, out, rows=rows, heads=V_HEADS,
                     key_heads=K_HEADS, dk=DK, dv=DV, scale=spec.scale, write_state=True,
-                    precision=precision, solve=solve)  # fmt: skip
+                    precision=precision, solve=solve, form=form)  # fmt: skip
     # a chunk's products and its triangular solve (a row of the inverse a sum over the rows before it) in f32;
     # the solve in blocks takes products of the chunk's width more (`BLOCK_SOLVE_PRODUCTS`); TF32x3 products
     # round at their own unit (`chunked.TF32X3_ROUNDOFF`)

@@ -167,6 +167,20 @@ def gate_projections(op: Op, b) -> list:
     return [lambda: kernel.projected(x, w, dt, decay, beta, g, **shape)]
 
 
+def _chunked_scratch(b, spec: GatedDelta, device) -> Any:
+    """The chunked rule's split-form scratch for a chunk of the rule's rows, one for every layer of that shape
+    (they run in turn)."""
+    import torch
+
+    from fuselane.lanes.cuda.triton.gdn import chunked
+
+    values = chunked.split_values(spec.rows, spec.heads, spec.dk, spec.dv)
+    key = f"gdn-chunked:{values}"
+    if key not in b.scratch:
+        b.scratch[key] = torch.empty(values, dtype=torch.float32, device=device)
+    return b.scratch[key]
+
+
 def step(op: Op, b) -> list:
     """GdnStep (output and state), or the bare GatedDelta (output) or DeltaState (state): one `delta` launch."""
     from fuselane.lanes.cuda.triton.gdn import chunked, delta
@@ -183,7 +197,7 @@ def step(op: Op, b) -> list:
     write = after is not None
     # a chunk's rows in the chunked form where its products take the heads; a decode step's row by the recurrence
     if spec.rows > 1 and chunked.takes(spec.dk):
-        products = dict(precision=b.delta_products)
+        products = dict(precision=b.delta_products, scratch=_chunked_scratch(b, spec, k.device))
         return [lambda: chunked.chunked(q, k, v, g, beta, state, out, scale=spec.scale, write_state=write,
                                         **shape, **products)]  # fmt: skip
     return [lambda: delta.delta(q, k, v, g, beta, state, out, scale=spec.scale, write_state=write, **shape)]

@@ -29,6 +29,10 @@ CHUNK = 64  # rows a chunk (the reference's chunk size)
 # `benchmarks/gdn_chunked.py` times both
 SOLVES = ("rows", "blocks")
 SOLVE_BLOCK = 16
+# The forms of a launch (`chunked`): each chunk's system solved in a launch of its own, every chunk at once,
+# then the state across the chunks; or both in one launch, a chunk after another (64 programs for the 80B-A3B's
+# 32 value heads, each solving its head's chunks in turn)
+FORMS = ("split", "whole")
 BV = 64  # value columns a program
 MIN_DOT = 16  # tl.dot's least extent: heads of fewer key values run the recurrence (`delta`)
 PRECISIONS = ("tf32x3", "ieee")  # `tl.dot`'s input precisions the kernel takes, the default first (`delta_products`)
@@ -60,11 +64,50 @@ def _block_solve(a, eye, cr, C: tl.constexpr, SB: tl.constexpr, DOT_PRECISION: t
 
 
 @triton.jit
+def _system(k, g, beta, cr, C: tl.constexpr, SB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """A chunk's running decays `cum`, its rows' decays (i sees j <= i), beta k, and the inverse T of its
+    unit-lower-triangular system."""
+    upto = cr[:, None] >= cr[None, :]  # row i sees rows j <= i
+    before = cr[:, None] > cr[None, :]
+    cum = tl.cumsum(g, 0)
+    decay = tl.where(upto, tl.exp(tl.where(upto, cum[:, None] - cum[None, :], 0.0)), 0.0)
+    kb = k * beta[:, None]
+    a = tl.where(before, tl.dot(kb, tl.trans(k), input_precision=DOT_PRECISION) * decay, 0.0)
+    eye = tl.where(cr[:, None] == cr[None, :], 1.0, 0.0)
+    if SB == 0:  # (I + a)^-1, a row a step: T_i = e_i - a_i T
+        t = eye
+        i = 1
+        while i < C:
+            a_i = tl.sum(tl.where(cr[:, None] == i, a, 0.0), 0)
+            t = tl.where(cr[:, None] == i, t - tl.sum(a_i[:, None] * t, 0)[None, :], t)
+            i += 1
+    else:
+        t = _block_solve(a, eye, cr, C, SB, DOT_PRECISION)
+    return cum, decay, kb, t
+
+
+@triton.jit
+def _advance(s, k, cum, v_new, cr, C: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The state after the chunk: S exp(cum_last) + (k exp(cum_last - cum))^T v_new."""
+    last = tl.sum(tl.where(cr == C - 1, cum, 0.0), 0)  # the padded rows' g = 0: the last real row's
+    to_end = k * tl.exp(last - cum)[:, None]
+    return s * tl.exp(last) + tl.dot(tl.trans(to_end), v_new, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _store_state(s, s_at, vm):
+    if s_at.dtype.element_ty == tl.bfloat16:
+        s = nearest_bf16(s)
+    tl.store(s_at, s.to(s_at.dtype.element_ty), mask=vm[None, :])
+
+
+@triton.jit
 def _chunked_kernel(
     q_ptr, k_ptr, qk_pitch, v_ptr, v_pitch, g_ptr, b_ptr, gb_pitch, s_ptr, o_ptr, o_pitch, rows, scale,
     DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PER: tl.constexpr, C: tl.constexpr,
     WRITE_O: tl.constexpr, WRITE_S: tl.constexpr, DOT_PRECISION: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    """The whole form: a program solves each chunk's system in turn, then moves its state across it."""
     pdl.begin(PDL)
     h = tl.program_id(0)
     kh = h // PER
@@ -74,8 +117,6 @@ def _chunked_kernel(
     cr = tl.arange(0, C)
     s_at = s_ptr + h.to(tl.int64) * DK * DV + kk[:, None] * DV + vv[None, :]
     s = tl.load(s_at, mask=vm[None, :], other=0.0).to(tl.float32)
-    upto = cr[:, None] >= cr[None, :]  # row i sees rows j <= i
-    before = cr[:, None] > cr[None, :]
     c0 = 0
     while c0 < rows:  # a while loop: the interpreter cannot range over a runtime bound
         r = c0 + cr
@@ -84,20 +125,7 @@ def _chunked_kernel(
         v = tl.load(v_ptr + r[:, None] * v_pitch + h * DV + vv[None, :], mask=rm[:, None] & vm[None, :], other=0.0)
         g = tl.load(g_ptr + r * gb_pitch + h, mask=rm, other=0.0)
         beta = tl.load(b_ptr + r * gb_pitch + h, mask=rm, other=0.0)
-        cum = tl.cumsum(g, 0)
-        decay = tl.where(upto, tl.exp(tl.where(upto, cum[:, None] - cum[None, :], 0.0)), 0.0)
-        kb = k * beta[:, None]
-        a = tl.where(before, tl.dot(kb, tl.trans(k), input_precision=DOT_PRECISION) * decay, 0.0)
-        eye = tl.where(cr[:, None] == cr[None, :], 1.0, 0.0)
-        if SB == 0:  # (I + a)^-1, a row a step: T_i = e_i - a_i T
-            t = eye
-            i = 1
-            while i < C:
-                a_i = tl.sum(tl.where(cr[:, None] == i, a, 0.0), 0)
-                t = tl.where(cr[:, None] == i, t - tl.sum(a_i[:, None] * t, 0)[None, :], t)
-                i += 1
-        else:
-            t = _block_solve(a, eye, cr, C, SB, DOT_PRECISION)
+        cum, decay, kb, t = _system(k, g, beta, cr, C, SB, DOT_PRECISION)
         new_v = tl.dot(t, v * beta[:, None], input_precision=DOT_PRECISION)
         k_decayed = tl.dot(t, kb * tl.exp(cum)[:, None], input_precision=DOT_PRECISION)
         v_new = new_v - tl.dot(k_decayed, s, input_precision=DOT_PRECISION)
@@ -107,14 +135,84 @@ def _chunked_kernel(
             o = tl.dot(q * tl.exp(cum)[:, None], s, input_precision=DOT_PRECISION)
             o += tl.dot(inner, v_new, input_precision=DOT_PRECISION)
             tl.store(o_ptr + r[:, None] * o_pitch + h * DV + vv[None, :], o, mask=rm[:, None] & vm[None, :])
-        last = tl.sum(tl.where(cr == C - 1, cum, 0.0), 0)  # the padded rows' g = 0: the last real row's
-        to_end = k * tl.exp(last - cum)[:, None]
-        s = s * tl.exp(last) + tl.dot(tl.trans(to_end), v_new, input_precision=DOT_PRECISION)
+        s = _advance(s, k, cum, v_new, cr, C, DOT_PRECISION)
         c0 += C
     if WRITE_S:
-        if s_ptr.dtype.element_ty == tl.bfloat16:
-            s = nearest_bf16(s)
-        tl.store(s_at, s.to(s_ptr.dtype.element_ty), mask=vm[None, :])
+        _store_state(s, s_at, vm)
+
+
+@triton.jit
+def _prepare_kernel(
+    q_ptr, k_ptr, qk_pitch, v_ptr, v_pitch, g_ptr, b_ptr, gb_pitch, u_ptr, w_ptr, in_ptr, rows, scale,
+    HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DVB: tl.constexpr, PER: tl.constexpr, C: tl.constexpr,
+    WRITE_O: tl.constexpr, DOT_PRECISION: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """The split form's first launch, a program a (head, chunk), all at once: what of a chunk does not depend on
+    the state. u = T (beta v) and w = T (beta k exp(cum)) at the chunk's rows of (rows, heads, dv|dk) scratch,
+    and (WRITE_O) the rows' scaled, decayed q k^T as the chunk's (C, C) block."""
+    pdl.begin(PDL)
+    h = tl.program_id(0)
+    c = tl.program_id(1)
+    kh = h // PER
+    kk = tl.arange(0, DK)
+    vv = tl.arange(0, DVB)
+    vm = vv < DV
+    cr = tl.arange(0, C)
+    r = c * C + cr
+    rm = r < rows
+    k = tl.load(k_ptr + r[:, None] * qk_pitch + kh * DK + kk[None, :], mask=rm[:, None], other=0.0)
+    v = tl.load(v_ptr + r[:, None] * v_pitch + h * DV + vv[None, :], mask=rm[:, None] & vm[None, :], other=0.0)
+    g = tl.load(g_ptr + r * gb_pitch + h, mask=rm, other=0.0)
+    beta = tl.load(b_ptr + r * gb_pitch + h, mask=rm, other=0.0)
+    cum, decay, kb, t = _system(k, g, beta, cr, C, SB, DOT_PRECISION)
+    u = tl.dot(t, v * beta[:, None], input_precision=DOT_PRECISION)
+    tl.store(u_ptr + (r[:, None] * HEADS + h) * DV + vv[None, :], u, mask=rm[:, None] & vm[None, :])
+    w = tl.dot(t, kb * tl.exp(cum)[:, None], input_precision=DOT_PRECISION)
+    tl.store(w_ptr + (r[:, None] * HEADS + h) * DK + kk[None, :], w, mask=rm[:, None])
+    if WRITE_O:
+        q = tl.load(q_ptr + r[:, None] * qk_pitch + kh * DK + kk[None, :], mask=rm[:, None], other=0.0) * scale
+        inner = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay
+        block = in_ptr + ((c * HEADS + h) * C).to(tl.int64) * C
+        tl.store(block + cr[:, None] * C + cr[None, :], inner)
+
+
+@triton.jit
+def _recur_kernel(
+    q_ptr, k_ptr, qk_pitch, g_ptr, gb_pitch, u_ptr, w_ptr, in_ptr, s_ptr, o_ptr, o_pitch, rows, scale,
+    HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PER: tl.constexpr, C: tl.constexpr,
+    WRITE_O: tl.constexpr, WRITE_S: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """The split form's second launch, a program a (head, value columns): the state across the chunks in turn,
+    each chunk's correction v_new = u - w S, its rows' outputs (q exp(cum)) S + inner v_new."""
+    pdl.begin(PDL)
+    h = tl.program_id(0)
+    kh = h // PER
+    kk = tl.arange(0, DK)
+    vv = tl.program_id(1) * BV + tl.arange(0, BV)
+    vm = vv < DV
+    cr = tl.arange(0, C)
+    s_at = s_ptr + h.to(tl.int64) * DK * DV + kk[:, None] * DV + vv[None, :]
+    s = tl.load(s_at, mask=vm[None, :], other=0.0).to(tl.float32)
+    c0 = 0
+    while c0 < rows:
+        r = c0 + cr
+        rm = r < rows
+        w = tl.load(w_ptr + (r[:, None] * HEADS + h) * DK + kk[None, :], mask=rm[:, None], other=0.0)
+        u = tl.load(u_ptr + (r[:, None] * HEADS + h) * DV + vv[None, :], mask=rm[:, None] & vm[None, :], other=0.0)
+        k = tl.load(k_ptr + r[:, None] * qk_pitch + kh * DK + kk[None, :], mask=rm[:, None], other=0.0)
+        cum = tl.cumsum(tl.load(g_ptr + r * gb_pitch + h, mask=rm, other=0.0), 0)
+        v_new = u - tl.dot(w, s, input_precision=DOT_PRECISION)
+        if WRITE_O:
+            q = tl.load(q_ptr + r[:, None] * qk_pitch + kh * DK + kk[None, :], mask=rm[:, None], other=0.0) * scale
+            block = in_ptr + ((c0 // C * HEADS + h) * C).to(tl.int64) * C
+            inner = tl.load(block + cr[:, None] * C + cr[None, :])
+            o = tl.dot(q * tl.exp(cum)[:, None], s, input_precision=DOT_PRECISION)
+            o += tl.dot(inner, v_new, input_precision=DOT_PRECISION)
+            tl.store(o_ptr + r[:, None] * o_pitch + h * DV + vv[None, :], o, mask=rm[:, None] & vm[None, :])
+        s = _advance(s, k, cum, v_new, cr, C, DOT_PRECISION)
+        c0 += C
+    if WRITE_S:
+        _store_state(s, s_at, vm)
 
 
 def takes(dk: int) -> bool:
@@ -122,27 +220,57 @@ def takes(dk: int) -> bool:
     return dk >= MIN_DOT and dk & (dk - 1) == 0
 
 
+def split_values(rows: int, heads: int, dk: int, dv: int) -> int:
+    """f32 values of the split form's scratch for a chunk of `rows`: u and w at each row and head, and each
+    (chunk, head)'s (C, C) block of q k^T."""
+    return rows * heads * (dk + dv) + triton.cdiv(rows, CHUNK) * heads * CHUNK * CHUNK
+
+
 def chunked(
     q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, out: torch.Tensor | None, *, rows: int, heads: int, key_heads: int, dk: int, dv: int,
     scale: float, write_state: bool, precision: str = PRECISIONS[0], bv: int = BV, warps: int = WARPS,
-    solve: str = SOLVES[0],
+    solve: str = SOLVES[0], form: str = FORMS[0], scratch: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """`delta.delta`'s arguments and results, the rows `CHUNK` at a time, the products at `precision` (one of
     `PRECISIONS`), the system solved as `solve` says (one of `SOLVES`), a program `bv` value columns at `warps`
-    warps (`benchmarks/gdn_chunked.py` times others). One launch."""
+    warps (`benchmarks/gdn_chunked.py` times others). `form` (one of `FORMS`): "split" solves every chunk's
+    system at once in a launch of its own, into `scratch` (`split_values` f32; allocated here where not
+    given), then moves the state across the chunks in a second; "whole" does both in one launch, a chunk
+    after another."""
     if precision not in PRECISIONS:
         raise ValueError(f"the chunked rule multiplies at one of {PRECISIONS}, not {precision!r}")
     if solve not in SOLVES:
         raise ValueError(f"the chunked rule solves its system as one of {SOLVES}, not {solve!r}")
+    if form not in FORMS:
+        raise ValueError(f"the chunked rule runs in one of the forms {FORMS}, not {form!r}")
     if not takes(dk):
         raise ValueError(f"the chunked rule takes heads of a power of two of at least {MIN_DOT} key values")
     k2, v2 = k.view(rows, -1) if k.is_contiguous() else k, v.view(rows, -1) if v.is_contiguous() else v
     q2 = k2 if q is None else (q.view(rows, -1) if q.is_contiguous() else q)
     o = out.view(rows, -1) if out is not None else v2
     bv = min(bv, max(MIN_DOT, triton.next_power_of_2(dv)))
-    _chunked_kernel[(heads, triton.cdiv(dv, bv))](
-        q2, k2, k2.stride(0), v2, v2.stride(0), g, beta, heads, state, o, o.stride(0), rows, float(scale),
-        DK=dk, DV=dv, BV=bv, PER=heads // key_heads, C=CHUNK, WRITE_O=out is not None, WRITE_S=write_state,
-        DOT_PRECISION=precision, SB=SOLVE_BLOCK if solve == "blocks" else 0, num_warps=warps, **pdl.options(),
+    sb = SOLVE_BLOCK if solve == "blocks" else 0
+    common = dict(DK=dk, DV=dv, PER=heads // key_heads, C=CHUNK, WRITE_O=out is not None, DOT_PRECISION=precision,
+                  num_warps=warps, **pdl.options())  # fmt: skip
+    if form == "whole":
+        _chunked_kernel[(heads, triton.cdiv(dv, bv))](
+            q2, k2, k2.stride(0), v2, v2.stride(0), g, beta, heads, state, o, o.stride(0), rows, float(scale),
+            BV=bv, WRITE_S=write_state, SB=sb, **common,
+        )  # fmt: skip
+        return
+    need = split_values(rows, heads, dk, dv)
+    if scratch is None:
+        scratch = torch.empty(need, dtype=torch.float32, device=k.device)
+    if scratch.dtype != torch.float32 or scratch.numel() < need or not scratch.is_contiguous():
+        raise ValueError(f"the split form's scratch must be {need} contiguous f32 values")
+    u, w, inner = scratch.narrow(0, 0, rows * heads * dv), scratch.narrow(0, rows * heads * dv, rows * heads * dk), \
+        scratch.narrow(0, rows * heads * (dk + dv), need - rows * heads * (dk + dv))  # fmt: skip
+    _prepare_kernel[(heads, triton.cdiv(rows, CHUNK))](
+        q2, k2, k2.stride(0), v2, v2.stride(0), g, beta, heads, u, w, inner, rows, float(scale),
+        HEADS=heads, DVB=max(MIN_DOT, triton.next_power_of_2(dv)), SB=sb, **common,
+    )  # fmt: skip
+    _recur_kernel[(heads, triton.cdiv(dv, bv))](
+        q2, k2, k2.stride(0), g, heads, u, w, inner, state, o, o.stride(0), rows, float(scale),
+        HEADS=heads, BV=bv, WRITE_S=write_state, **common,
     )  # fmt: skip
