@@ -47,7 +47,7 @@ def silu(x):
     return x / (1 + np.exp(-x))
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 2, 5, conv.ROW_TILE + 3])  # fewer rows than the state's; past a row block
 @pytest.mark.parametrize("normed", [True, False])
 def test_conv_silu_l2norm_and_the_state_shift_in_one_launch(rows, normed):
     rng = np.random.default_rng(rows)

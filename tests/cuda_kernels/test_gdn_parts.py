@@ -54,7 +54,7 @@ def _conv_want(x, state, w, rows):
     return out, ref.conv_shift(ConvShift(rows, chan, TAPS - 1), [x, state], 0)
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, conv.ROW_TILE + 3])  # past a row block: several programs
 def test_a_launch_of_convolutions_convolves_each_part_as_alone(rows):
     rng = np.random.default_rng(30 + rows)
     # a q-and-k part normed in its epilogue (heads of DK), a wider plain part, a narrow part past no whole block

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from fuselane.lanes.cuda.plan.kernels import CONV_PARTS
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gdn.conv import BLOCK, Normed, conv_block
+from fuselane.lanes.cuda.triton.gdn.conv import BLOCK, Normed, conv_block, row_tile
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,12 +38,13 @@ class Part:
 
 @triton.jit
 def _part(
-    blk, x_ptr, x_pitch, state_ptr, w_ptr, out_ptr, out_pitch, q_ptr, k_ptr, qk_pitch, rows, chan, eps,
-    TAPS: tl.constexpr, BLOCK: tl.constexpr, SHIFT: tl.constexpr, NORMED: tl.constexpr, KW: tl.constexpr,
+    blk, rb, x_ptr, x_pitch, state_ptr, w_ptr, out_ptr, out_pitch, q_ptr, k_ptr, qk_pitch, rows, chan, eps,
+    TAPS: tl.constexpr, BLOCK: tl.constexpr, RT: tl.constexpr, SHIFT: tl.constexpr, NORMED: tl.constexpr,
+    KW: tl.constexpr,
 ):  # fmt: skip
     conv_block(
-        blk, x_ptr, x_pitch, state_ptr, w_ptr, out_ptr, out_pitch, q_ptr, k_ptr, qk_pitch, rows, chan, eps,
-        TAPS, BLOCK, True, True, SHIFT, NORMED, KW,
+        blk, rb, x_ptr, x_pitch, state_ptr, w_ptr, out_ptr, out_pitch, q_ptr, k_ptr, qk_pitch, rows, chan, eps,
+        TAPS, BLOCK, RT, True, True, SHIFT, NORMED, KW,
     )  # fmt: skip
 
 
@@ -53,7 +54,7 @@ def _conv_parts_kernel(
     x1, xp1, s1, w1, o1, op1, q1, k1, qp1, c1, e1,
     x2, xp2, s2, w2, o2, op2, q2, k2, qp2, c2, e2,
     x3, xp3, s3, w3, o3, op3, q3, k3, qp3, c3, e3,
-    rows, TAPS: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
+    rows, TAPS: tl.constexpr, BLOCK: tl.constexpr, RT: tl.constexpr, PARTS: tl.constexpr,
     SH0: tl.constexpr, N0: tl.constexpr, KW0: tl.constexpr, SH1: tl.constexpr, N1: tl.constexpr, KW1: tl.constexpr,
     SH2: tl.constexpr, N2: tl.constexpr, KW2: tl.constexpr, SH3: tl.constexpr, N3: tl.constexpr, KW3: tl.constexpr,
     PDL: tl.constexpr,
@@ -61,17 +62,18 @@ def _conv_parts_kernel(
     pdl.begin(PDL)
     blk = tl.program_id(0)
     p = tl.program_id(1)
+    rb = tl.program_id(2)
     if p == 0:
-        _part(blk, x0, xp0, s0, w0, o0, op0, q0, k0, qp0, rows, c0, e0, TAPS, BLOCK, SH0, N0, KW0)
+        _part(blk, rb, x0, xp0, s0, w0, o0, op0, q0, k0, qp0, rows, c0, e0, TAPS, BLOCK, RT, SH0, N0, KW0)
     if PARTS > 1:
         if p == 1:
-            _part(blk, x1, xp1, s1, w1, o1, op1, q1, k1, qp1, rows, c1, e1, TAPS, BLOCK, SH1, N1, KW1)
+            _part(blk, rb, x1, xp1, s1, w1, o1, op1, q1, k1, qp1, rows, c1, e1, TAPS, BLOCK, RT, SH1, N1, KW1)
     if PARTS > 2:
         if p == 2:
-            _part(blk, x2, xp2, s2, w2, o2, op2, q2, k2, qp2, rows, c2, e2, TAPS, BLOCK, SH2, N2, KW2)
+            _part(blk, rb, x2, xp2, s2, w2, o2, op2, q2, k2, qp2, rows, c2, e2, TAPS, BLOCK, RT, SH2, N2, KW2)
     if PARTS > 3:
         if p == 3:
-            _part(blk, x3, xp3, s3, w3, o3, op3, q3, k3, qp3, rows, c3, e3, TAPS, BLOCK, SH3, N3, KW3)
+            _part(blk, rb, x3, xp3, s3, w3, o3, op3, q3, k3, qp3, rows, c3, e3, TAPS, BLOCK, RT, SH3, N3, KW3)
 
 
 def _block(parts: Sequence[Part]) -> int:
@@ -107,5 +109,7 @@ def conv_parts(parts: Sequence[Part], *, rows: int, taps: int) -> None:
         args, (shift, normed, kw) = _args(parts[min(i, len(parts) - 1)], rows)  # unused slots repeat the last
         runtime += args
         consts |= {f"SH{i}": shift, f"N{i}": normed, f"KW{i}": kw}
-    grid = (max(triton.cdiv(p.chan, block) for p in parts), len(parts))
-    _conv_parts_kernel[grid](*runtime, rows, TAPS=taps, BLOCK=block, PARTS=len(parts), **consts, **pdl.options())
+    rt = row_tile(rows, taps)
+    grid = (max(triton.cdiv(p.chan, block) for p in parts), len(parts), triton.cdiv(rows, rt))
+    _conv_parts_kernel[grid](*runtime, rows, TAPS=taps, BLOCK=block, RT=rt, PARTS=len(parts), **consts,
+                             **pdl.options())  # fmt: skip
