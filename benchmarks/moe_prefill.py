@@ -157,11 +157,13 @@ def _tile_name(fmt: Format, tile: dict) -> str:
     return said + (f" k{tile['step']}" if words.takes(fmt) and "step" in tile else "")
 
 
-def _runs_as(fmt: Format, launch: kernels.MoeLaunch, n: int, k: int, tile: dict) -> tuple:
-    """The tile a launch of (n, k) experts in `fmt` runs at for `tile` (the table's where not given), its step the
-    one `grouped.format_consts` takes (a 256-value step of a row not whole 256-value steps runs at 128)."""
-    t = grouped.tile_options(fmt, launch, *(tile.get(key) for key in ("block_m", "block_n", "warps", "stages")))
-    step = grouped.format_consts(fmt, n, k, word_step=tile.get("step"), launch=launch)["STEP_VALUES"]
+def _runs_as(fmt: Format, launch: kernels.MoeLaunch, n: int, k: int, tile: dict, per: float) -> tuple:
+    """The tile a launch of (n, k) experts in `fmt`, `per` pairs an expert, runs at for `tile` (the table's where
+    not given), its step the one `grouped.format_consts` takes (a 256-value step of a row not whole 256-value
+    steps runs at 128)."""
+    given = (tile.get(key) for key in ("block_m", "block_n", "warps", "stages", "step"))
+    t = grouped.tile_options(fmt, launch, *given, pairs_an_expert=per)
+    step = grouped.format_consts(fmt, n, k, word_step=t.step, launch=launch)["STEP_VALUES"]
     return t.block_m, t.block_n, t.warps, t.stages, step if words.takes(fmt) else None
 
 
@@ -206,7 +208,7 @@ class Bench:
 
     def down(self, fmt: Format, tile: dict, step_scales: bool = False):
         wd = self.weights(fmt, self.d, self.dff)
-        width_tiles = grouped.down_width_tiles(fmt, self.d, tile.get("block_n"))
+        width_tiles = grouped.down_width_tiles(fmt, self.d, tile.get("block_n"), self.pairs / self.experts)
         norm = gc.GroupedNorm(self.ones, EPS, self.normed)
         c = gc.Combine(self.sum_out, gc.counters(self.rows, width_tiles, self.dev), (self.res,), norm)
         args = (fmt, self.experts, self.order, self.counts, self.rw, self.d, self.dff, self.pair_out, c)
@@ -298,14 +300,15 @@ def main() -> None:
     gu, dn = kernels.MoeLaunch.GATE_UP, kernels.MoeLaunch.DOWN
     jobs = [(f"gate/up {fgu.name}", fgu, b.gate_up, gu, (a.dff, a.d))]
     jobs += [(f"down {f.name}", f, b.down, dn, (a.d, a.dff)) for f in fds]
-    timed = {name: {_runs_as(fmt, launch, *nk, _given(a))} for name, fmt, _, launch, nk in jobs}
+    per = b.pairs / b.experts
+    timed = {name: {_runs_as(fmt, launch, *nk, _given(a), per)} for name, fmt, _, launch, nk in jobs}
     for bm, bn, warps, stages, step in CANDIDATES:
         for name, fmt, make, launch, nk in jobs:
             if time.monotonic() - start > a.budget:
                 print(f"budget of {a.budget:.0f} s spent: the sweep stops here", flush=True)
                 return _best(best)
             tile = dict(block_m=bm, block_n=bn, warps=warps, stages=stages, step=step)
-            runs_as = _runs_as(fmt, launch, *nk, tile)
+            runs_as = _runs_as(fmt, launch, *nk, tile, per)
             if runs_as in timed[name]:
                 continue  # the table's tile, or one timed already under another name
             timed[name].add(runs_as)

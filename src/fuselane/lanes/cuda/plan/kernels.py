@@ -312,10 +312,28 @@ MOE_WORDS_DEFAULT = {
 }
 
 
-def moe_gemm_tile(fmt: Format, launch: MoeLaunch) -> MoeTile:
+# A chunk whose experts take few pairs each (at most MOE_FEW_PAIRS on average) mostly fills a 64-pair tile with
+# padding: Qwen3-Next-80B-A3B's 512 experts, top-10, meet ~10 of a 512-row chunk's pairs each. Its tiles, timed
+# on the H200 at those widths (`benchmarks/moe_prefill.py --model qwen3-next-80b-a3b --sweep`, µs a launch,
+# against the table's above): gate/up Q4_K 16 x 64, four warps, two stages 643.9 (799.1); down Q4_K 16 x 128,
+# four warps, two stages 444.6 (762.8); down Q6_K 64 x 64, four warps, one stage, 128 a step 1,015.5 (1,349.5;
+# its 16-pair tiles 1,199-1,796).
+MOE_FEW_PAIRS = 16
+MOE_FEW_PAIRS_TILES = {
+    (Format.Q4_K, MoeLaunch.GATE_UP): MoeTile(16, 64, 4, 2, 128),
+    (Format.Q4_K, MoeLaunch.DOWN): MoeTile(16, 128, 4, 2, 128),
+    (Format.Q6_K, MoeLaunch.DOWN): MoeTile(64, 64, 4, 1, 128),
+}
+
+
+def moe_gemm_tile(fmt: Format, launch: MoeLaunch, pairs_an_expert: float | None = None) -> MoeTile:
     """The tile of a grouped expert GEMM's `launch` of experts in `fmt`: the word decode's table (its timed tile,
-    else its launch's default) for a format it takes, else the unit decode's one tile."""
+    else its launch's default; with at most MOE_FEW_PAIRS pairs an expert on average, the few pairs' tile where
+    one was timed) for a format it takes, else the unit decode's one tile."""
     fmt = Format(fmt)
+    few = pairs_an_expert is not None and pairs_an_expert <= MOE_FEW_PAIRS
+    if few and (fmt, launch) in MOE_FEW_PAIRS_TILES:
+        return MOE_FEW_PAIRS_TILES[fmt, launch]
     if fmt in MOE_WORDS_FORMATS:
         return MOE_WORDS_TILES.get((fmt, launch), MOE_WORDS_DEFAULT[launch])
     down = launch is MoeLaunch.DOWN
@@ -351,10 +369,10 @@ MOE_DOWN_UNPINNED = frozenset({Format.Q5_K})
 # products (False), or, where its gate/up are the kept experts' format and the activation is int8, as the
 # kept experts' own int8 tiles (True). The f32 products' registers are the whole launch's (sm_90, Q4_K over a
 # 2,048-wide input: 146 a thread against 86 without the expert, 88 with it in int8 tiles, from the cubin by
-# `benchmarks/moe_registers.py --decode --shared 512`), and Qwen3-Next-80B-A3B's launch took 21.2 µs against
-# 8.5 without the expert (H200). The int8 tiles pass the interpreted tests and compile, but have not been timed on a GPU
-# yet, so the timed f32 products stay the default.
-MOE_SHARED_INT8 = False
+# `benchmarks/moe_registers.py --decode --shared 512`). Qwen3-Next-80B-A3B on the H200, with the score's
+# row still a 32-lane tile: the launch alone 21.4 µs in f32 products, 17.7 in int8 tiles (8.3 without the
+# expert); the replayed decode step 3.864 ms against 3.671 (`benchmarks/profile_decode.py`).
+MOE_SHARED_INT8 = True
 
 
 class MoeDown(enum.Enum):

@@ -276,7 +276,7 @@ def _down_grouped(b, op: Op, p: _Parts, w, fmt, order: tuple[Any, str], weights,
     counts = _counts(b, name, mix.experts, sum_out.device)
     # one scratch a shape: the layers' down launches run one after another
     pair_out = b.scratch.setdefault(f"moe-pair-out:{pairs}x{d}", torch.empty(pairs * d, device=sum_out.device))
-    width_tiles = _grouped().down_width_tiles(fmt, d)
+    width_tiles = _grouped().down_width_tiles(fmt, d, pairs_an_expert=pairs / mix.experts)
     counter = b.scratch.setdefault(f"moe-combine:{op.out}", gc.counters(mix.rows, width_tiles, sum_out.device))
     gnorm = gc.GroupedNorm(norm.w, norm.eps, norm.out) if norm is not None else None
     c = gc.Combine(sum_out.view(mix.rows, d), counter, tuple(a.view(mix.rows, d) for a in adds), gnorm)

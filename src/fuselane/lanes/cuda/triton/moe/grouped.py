@@ -192,10 +192,10 @@ def down_kernel(
                      D, SLOTS, ADDS, NORM, NORM_CHUNK, ROWS, BLOCK_M, BLOCK_N)  # fmt: skip
 
 
-def down_width_tiles(fmt: Format, d: int, block_n: int | None = None) -> int:
+def down_width_tiles(fmt: Format, d: int, block_n: int | None = None, pairs_an_expert: float | None = None) -> int:
     """Tiles of the model's width a down launch of experts in `fmt` takes (its combine's counters a row): the
-    table's BLOCK_N (`kernels.moe_gemm_tile`) unless given."""
-    return triton.cdiv(d, block_n or kernels.moe_gemm_tile(fmt, DOWN).block_n)
+    table's BLOCK_N (`kernels.moe_gemm_tile`, for `pairs_an_expert`) unless given."""
+    return triton.cdiv(d, block_n or kernels.moe_gemm_tile(fmt, DOWN, pairs_an_expert).block_n)
 
 
 def takes(fmt: Format, n: int, k: int) -> bool:
@@ -234,10 +234,11 @@ def _grid(n: int, block_n: int, pairs: int, experts: int, block_m: int) -> tuple
 
 
 def tile_options(fmt: Format, launch: kernels.MoeLaunch, block_m: int | None = None, block_n: int | None = None,
-                 warps: int | None = None, stages: int | None = None,
-                 step: int | None = None) -> kernels.MoeTile:  # fmt: skip
-    """The tile of `launch` for experts in `fmt`: the table's (`kernels.moe_gemm_tile`) where not given."""
-    table = kernels.moe_gemm_tile(fmt, launch)
+                 warps: int | None = None, stages: int | None = None, step: int | None = None,
+                 pairs_an_expert: float | None = None) -> kernels.MoeTile:  # fmt: skip
+    """The tile of `launch` for experts in `fmt`: the table's (`kernels.moe_gemm_tile`, for `pairs_an_expert`)
+    where not given."""
+    table = kernels.moe_gemm_tile(fmt, launch, pairs_an_expert)
     given = (block_m, block_n, warps, stages, step)
     return kernels.MoeTile(*(t if v is None else v for v, t in zip(given, table, strict=True)))
 
@@ -253,7 +254,8 @@ def gate_up_grouped(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, expert
     given (tests, the benchmark's sweep). With `amax` (`route.RowScales`, the routing launch's) each row takes one
     f16 scale for the whole product, and each pair's largest |out| is raised in amax.h for the down launch."""
     fmt = Format(fmt)
-    block_m, block_n, warps, stages, step = tile_options(fmt, GATE_UP, block_m, block_n, warps, stages, step)
+    per = order.numel() / experts
+    block_m, block_n, warps, stages, step = tile_options(fmt, GATE_UP, block_m, block_n, warps, stages, step, per)
     rows = order.numel() // slots
     if amax is not None and (amax.x.numel() != rows or amax.h.numel() != rows * slots or amax.x16.numel() != rows * k):
         raise ValueError(f"the row scales must be ({rows},), ({rows}, {k}) and ({rows * slots},)")
@@ -285,7 +287,8 @@ def down_grouped(h: Tensor, w: Tensor, fmt: Format, experts: int, order: Tensor,
     holds `counters_for(rows, width tiles)` (`down_width_tiles`). With `h_amax` (int32 (pairs,), the bits of each
     pair's largest |h|: `route.RowScales.h` as the gate/up launch left it) each row takes one f16 scale."""
     fmt = Format(fmt)
-    block_m, block_n, warps, stages, step = tile_options(fmt, DOWN, block_m, block_n, warps, stages, step)
+    per = order.numel() / experts
+    block_m, block_n, warps, stages, step = tile_options(fmt, DOWN, block_m, block_n, warps, stages, step, per)
     _check(w, fmt, experts, d, dff, order, counts)
     pairs = order.numel()
     rows, slots = weights.shape
