@@ -146,7 +146,8 @@ def compiling(arch: int, report: Report, *, usage: bool = False) -> Iterator[Non
         try:
             kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
         except Exception as e:
-            report.failure = (self.fn.__name__, " ".join(str(e).split())[-600:])
+            cause = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ is not None else ""
+            report.failure = (self.fn.__name__, " ".join((str(e) + cause).split())[-600:])
             raise
         name = self.fn.__name__
         report.launches += 1

@@ -61,10 +61,10 @@ def conv_block(
     if SHIFT:
         if rb == 0:  # the only program that read the old state (`row_tile`), after its reads
             for i in tl.static_range(TAPS - 1):
-                u = rows - (TAPS - 1) + i  # the old state's rows read here are past every row written before
-                old = tl.load(state_ptr + (TAPS - 1 + u) * chan + c, mask=cm & (u < 0), other=0.0)
-                new = tl.load(x_ptr + u * x_pitch + c, mask=cm & (u >= 0), other=0.0)
-                tl.store(state_ptr + i * chan + c, old + new, mask=cm)
+                src = rows - (TAPS - 1) + i  # the old state's rows read here are past every row written before
+                kept = tl.load(state_ptr + (TAPS - 1 + src) * chan + c, mask=cm & (src < 0), other=0.0)
+                fed = tl.load(x_ptr + src * x_pitch + c, mask=cm & (src >= 0), other=0.0)
+                tl.store(state_ptr + i * chan + c, kept + fed, mask=cm)
 
 
 def row_tile(rows: int, taps: int) -> int:
