@@ -28,6 +28,7 @@ from kernel_checks import CUDA, DEVICE, U16, dev, gamma, norm_rel, raw_weights, 
 
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import Format, row_bytes  # noqa: E402
+from fuselane.lanes.cuda.plan import kernels  # noqa: E402
 from fuselane.lanes.cuda.triton.moe import grouped, route  # noqa: E402
 from fuselane.lanes.cuda.triton.moe import grouped_combine as gc  # noqa: E402
 
@@ -91,10 +92,14 @@ STEPS = {"q6_k-q4_k-whole-steps": 256}
 
 
 # Each word format at both launches' table tiles (`kernels.moe_gemm_tile`: 64 pairs, up to 256 weight rows, the
-# table's values a step; Q6_K, Q8_0 and Q5_0's gate/up the launch's default), at shapes a tile or two wide.
+# table's values a step; Q6_K, Q8_0 and Q5_0's gate/up the launch's default), at shapes a tile or two wide. A
+# few pairs an expert (at most `kernels.MOE_FEW_PAIRS`) take the few pairs' tiles where the table has them
+# (Q4_K's 16-pair tiles, Q6_K's down); "-many" cases give each expert more.
 TABLE_CASES = {
     "q4_k-q4_k": (Format.Q4_K, Format.Q4_K, 4, 2, 2, 256, 256, dict(every=0, none=None), 1, True),
+    "q4_k-q4_k-many": (Format.Q4_K, Format.Q4_K, 18, 2, 2, 256, 256, dict(every=None, none=None), 1, False),
     "q8_0-q6_k": (Format.Q8_0, Format.Q6_K, 4, 2, 2, 256, 256, dict(every=None, none=None), 1, False),
+    "q8_0-q6_k-many": (Format.Q8_0, Format.Q6_K, 18, 2, 2, 256, 256, dict(every=0, none=None), 1, True),
     "q6_k-q5_0": (Format.Q6_K, Format.Q5_0, 4, 2, 3, 256, 128, dict(every=2, none=None), 1, False),
     "q5_0-q8_0": (Format.Q5_0, Format.Q8_0, 4, 2, 3, 128, 128, dict(every=None, none=0), 1, True),
 }
@@ -136,7 +141,7 @@ def _match_numpy(shape: tuple, tile: dict, seed: int, runs: int = 2) -> None:
     added = tuple(dev(r) for r in res[:-1]) + (sum_out,)
     norm_w = dev(rng.standard_normal(d).astype(np.float32))
     gnorm = gc.GroupedNorm(norm_w, EPS, torch.zeros((rows, d))) if norm else None
-    width_tiles = grouped.down_width_tiles(fmt_d, d, tile.get("block_n"))
+    width_tiles = grouped.down_width_tiles(fmt_d, d, tile.get("block_n"), pairs / experts)
     c = gc.Combine(sum_out, gc.counters(rows, width_tiles, DEVICE), added, gnorm)
     pair_out = torch.empty(pairs * d)
     first = None
@@ -378,3 +383,21 @@ def _expert(raw: np.ndarray, fmt: Format, e: int, n: int, k: int) -> np.ndarray:
     """Expert e's (n, k) values of a 3-D expert tensor's bytes, rounded to f16."""
     size = n * row_bytes(fmt, k)
     return dequantize(raw[e * size : (e + 1) * size], fmt, (n, k), dtype=np.float32).astype(np.float16)
+
+
+def test_a_chunk_of_few_pairs_an_expert_takes_the_few_pairs_tiles():
+    """At most MOE_FEW_PAIRS pairs an expert on average (the 80B-A3B's ~10 of a 512-row chunk's) take the timed
+    few-pairs tiles; more, or a format without one, the word decode's table."""
+    few, many = kernels.MOE_FEW_PAIRS, kernels.MOE_FEW_PAIRS + 1
+    for (fmt, launch), tile in kernels.MOE_FEW_PAIRS_TILES.items():
+        assert kernels.moe_gemm_tile(fmt, launch, few) == tile
+        assert kernels.moe_gemm_tile(fmt, launch, many) == kernels.MOE_WORDS_TILES.get(
+            (fmt, launch), kernels.MOE_WORDS_DEFAULT[launch]
+        )
+    assert (
+        kernels.moe_gemm_tile(Format.Q8_0, kernels.MoeLaunch.DOWN, 1)
+        == kernels.MOE_WORDS_TILES[Format.Q8_0, kernels.MoeLaunch.DOWN]
+    )
+    d = 2048
+    assert grouped.down_width_tiles(Format.Q4_K, d, pairs_an_expert=few) == d // 128
+    assert grouped.down_width_tiles(Format.Q4_K, d, pairs_an_expert=many) == d // 256
