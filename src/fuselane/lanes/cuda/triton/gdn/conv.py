@@ -68,9 +68,12 @@ def conv_block(
 
 
 def row_tile(rows: int, taps: int) -> int:
-    """Rows a program convolves (RT): all of a step's few rows, else ROW_TILE, never fewer than the state's
-    taps - 1 rows, so only the first row block reads the old state and may move it."""
-    return max(min(triton.next_power_of_2(rows), ROW_TILE), triton.next_power_of_2(max(taps - 1, 1)))
+    """Rows a program convolves (RT): all of a step's few rows (a decode step's one) in one block, else ROW_TILE
+    but never fewer than the state's taps - 1 rows, so only the first row block reads the old state and may
+    move it."""
+    if rows <= ROW_TILE:
+        return triton.next_power_of_2(rows)
+    return max(ROW_TILE, triton.next_power_of_2(taps - 1))
 
 
 @triton.jit
