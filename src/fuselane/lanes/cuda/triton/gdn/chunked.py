@@ -95,28 +95,34 @@ def _advance(s, k, cum, v_new, cr, C: tl.constexpr, DOT_PRECISION: tl.constexpr)
 
 
 @triton.jit
+def _state_block(s_ptr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PER: tl.constexpr):
+    """A (value head, value columns) program's head, its key head, its key and value indices, and its block of
+    the head's state in f32 with the block's pointers."""
+    h = tl.program_id(0)
+    kk = tl.arange(0, DK)
+    vv = tl.program_id(1) * BV + tl.arange(0, BV)
+    vm = vv < DV
+    s_at = s_ptr + h.to(tl.int64) * DK * DV + kk[:, None] * DV + vv[None, :]
+    return h, h // PER, kk, vv, vm, s_at, tl.load(s_at, mask=vm[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _store_state(s, s_at, vm):
     if s_at.dtype.element_ty == tl.bfloat16:
         s = nearest_bf16(s)
     tl.store(s_at, s.to(s_at.dtype.element_ty), mask=vm[None, :])
 
 
+# The whole form: a program solves each chunk's system in turn, then moves its state across it.
 @triton.jit
 def _chunked_kernel(
     q_ptr, k_ptr, qk_pitch, v_ptr, v_pitch, g_ptr, b_ptr, gb_pitch, s_ptr, o_ptr, o_pitch, rows, scale,
     DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PER: tl.constexpr, C: tl.constexpr,
     WRITE_O: tl.constexpr, WRITE_S: tl.constexpr, DOT_PRECISION: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """The whole form: a program solves each chunk's system in turn, then moves its state across it."""
     pdl.begin(PDL)
-    h = tl.program_id(0)
-    kh = h // PER
-    kk = tl.arange(0, DK)
-    vv = tl.program_id(1) * BV + tl.arange(0, BV)
-    vm = vv < DV
+    h, kh, kk, vv, vm, s_at, s = _state_block(s_ptr, DK, DV, BV, PER)
     cr = tl.arange(0, C)
-    s_at = s_ptr + h.to(tl.int64) * DK * DV + kk[:, None] * DV + vv[None, :]
-    s = tl.load(s_at, mask=vm[None, :], other=0.0).to(tl.float32)
     c0 = 0
     while c0 < rows:  # a while loop: the interpreter cannot range over a runtime bound
         r = c0 + cr
@@ -141,15 +147,15 @@ def _chunked_kernel(
         _store_state(s, s_at, vm)
 
 
+# The split form's first launch, a program a (head, chunk), all at once: what of a chunk does not depend on the
+# state. u = T (beta v) and w = T (beta k exp(cum)) at the chunk's rows of (rows, heads, dv|dk) scratch, and
+# (WRITE_O) the rows' scaled, decayed q k^T as the chunk's (C, C) block.
 @triton.jit
 def _prepare_kernel(
     q_ptr, k_ptr, qk_pitch, v_ptr, v_pitch, g_ptr, b_ptr, gb_pitch, u_ptr, w_ptr, in_ptr, rows, scale,
     HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DVB: tl.constexpr, PER: tl.constexpr, C: tl.constexpr,
     WRITE_O: tl.constexpr, DOT_PRECISION: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """The split form's first launch, a program a (head, chunk), all at once: what of a chunk does not depend on
-    the state. u = T (beta v) and w = T (beta k exp(cum)) at the chunk's rows of (rows, heads, dv|dk) scratch,
-    and (WRITE_O) the rows' scaled, decayed q k^T as the chunk's (C, C) block."""
     pdl.begin(PDL)
     h = tl.program_id(0)
     c = tl.program_id(1)
@@ -176,23 +182,17 @@ def _prepare_kernel(
         tl.store(block + cr[:, None] * C + cr[None, :], inner)
 
 
+# The split form's second launch, a program a (head, value columns): the state across the chunks in turn, each
+# chunk's correction v_new = u - w S, its rows' outputs (q exp(cum)) S + inner v_new.
 @triton.jit
 def _recur_kernel(
     q_ptr, k_ptr, qk_pitch, g_ptr, gb_pitch, u_ptr, w_ptr, in_ptr, s_ptr, o_ptr, o_pitch, rows, scale,
     HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PER: tl.constexpr, C: tl.constexpr,
     WRITE_O: tl.constexpr, WRITE_S: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """The split form's second launch, a program a (head, value columns): the state across the chunks in turn,
-    each chunk's correction v_new = u - w S, its rows' outputs (q exp(cum)) S + inner v_new."""
     pdl.begin(PDL)
-    h = tl.program_id(0)
-    kh = h // PER
-    kk = tl.arange(0, DK)
-    vv = tl.program_id(1) * BV + tl.arange(0, BV)
-    vm = vv < DV
+    h, kh, kk, vv, vm, s_at, s = _state_block(s_ptr, DK, DV, BV, PER)
     cr = tl.arange(0, C)
-    s_at = s_ptr + h.to(tl.int64) * DK * DV + kk[:, None] * DV + vv[None, :]
-    s = tl.load(s_at, mask=vm[None, :], other=0.0).to(tl.float32)
     c0 = 0
     while c0 < rows:
         r = c0 + cr
@@ -252,11 +252,11 @@ def chunked(
     bv = min(bv, max(MIN_DOT, triton.next_power_of_2(dv)))
     sb = SOLVE_BLOCK if solve == "blocks" else 0
     common = dict(DK=dk, DV=dv, PER=heads // key_heads, C=CHUNK, WRITE_O=out is not None, DOT_PRECISION=precision,
-                  num_warps=warps, **pdl.options())  # fmt: skip
+                  num_warps=warps)  # fmt: skip
     if form == "whole":
         _chunked_kernel[(heads, triton.cdiv(dv, bv))](
             q2, k2, k2.stride(0), v2, v2.stride(0), g, beta, heads, state, o, o.stride(0), rows, float(scale),
-            BV=bv, WRITE_S=write_state, SB=sb, **common,
+            BV=bv, WRITE_S=write_state, SB=sb, **common, **pdl.options(),
         )  # fmt: skip
         return
     need = split_values(rows, heads, dk, dv)
@@ -268,9 +268,9 @@ def chunked(
         scratch.narrow(0, rows * heads * (dk + dv), need - rows * heads * (dk + dv))  # fmt: skip
     _prepare_kernel[(heads, triton.cdiv(rows, CHUNK))](
         q2, k2, k2.stride(0), v2, v2.stride(0), g, beta, heads, u, w, inner, rows, float(scale),
-        HEADS=heads, DVB=max(MIN_DOT, triton.next_power_of_2(dv)), SB=sb, **common,
+        HEADS=heads, DVB=max(MIN_DOT, triton.next_power_of_2(dv)), SB=sb, **common, **pdl.options(),
     )  # fmt: skip
     _recur_kernel[(heads, triton.cdiv(dv, bv))](
         q2, k2, k2.stride(0), g, heads, u, w, inner, state, o, o.stride(0), rows, float(scale),
-        HEADS=heads, BV=bv, WRITE_S=write_state, **common,
+        HEADS=heads, BV=bv, WRITE_S=write_state, **common, **pdl.options(),
     )  # fmt: skip
