@@ -8,7 +8,7 @@ each down launch at every variant and tile asked for, so one GPU call can A/B.
 
 Usage (on a GPU):
     python benchmarks/moe_decode.py [--model qwen3-30b-a3b | deepseek-v2-lite] [--down Q4_K Q6_K]
-        [--variant old new] [--tile 32] [--warps 8] [--per-thread 1] [--depth 0]
+        [--variant old new] [--tile 32] [--warps 8] [--per-thread 1] [--depth 0] [--packed no yes]
         [--shared 2816 | --no-shared]
     python benchmarks/moe_decode.py --model deepseek-v2-lite --dry-run   # no GPU: TRITON_INTERPRET=1
 
@@ -19,8 +19,9 @@ shared experts (ffn 2 x 1,408 = 2,816), timed folded into both launches (gate/up
 format, down in the same fitted to 2,816 values, and a gate score row in f32, as `shared.Shared` takes them).
 `--variant` names `kernels.MoeDown` values (old: MoeDown.SERIAL, new: MoeDown.READ_AHEAD); `--tile`,
 `--warps`, `--per-thread` and `--depth` the int8 down program's tile (`down.Tile`: weight rows a program over
-every slot, warps, (row, group)s a thread, and the new order's chunks in flight); each takes several values,
-and every combination is timed.
+every slot, warps, (row, group)s a thread, and the new order's chunks in flight), `--packed` whether the
+tile's rows are over the experts themselves, not their slots (`kernels.MOE_DOWN_PACKED`; the same tile where
+the kept experts are a power of two in number); each takes several values, and every combination is timed.
 
 Each launch is timed as `moe_prefill.py` times its own: a CUDA graph of 10 launches replayed (the host's time
 to issue a launch not counted), the median of 20 replays after 3 warm-up launches, with dependent launches
@@ -157,6 +158,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tile", nargs="+", type=int, default=[kernels.MOE_DOWN_TILE])
     ap.add_argument("--warps", nargs="+", type=int, default=[kernels.MOE_DOWN_WARPS])
     ap.add_argument("--per-thread", nargs="+", type=int, default=[kernels.MOE_DOWN_PER_THREAD])
+    ap.add_argument("--packed", nargs="+", choices=["no", "yes"], default=["no", "yes"],
+                    help="the down tile's rows over the kept experts, not their slots (kernels.MOE_DOWN_PACKED)")
     ap.add_argument("--depth", nargs="+", type=int, default=[0],
                     help="the new order's chunks in flight (0: the format's, `kernels.moe_down_depth`)")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="no GPU: every launch once under TRITON_INTERPRET=1")
@@ -202,14 +205,16 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 kernels.MOE_SHARED_INT8 = saved
         shared = [None] + ([folded[1]] if folded is not None else [])
-        tiles = [Tile(*t) for t in itertools.product(a.tile, a.warps, a.per_thread, [d or None for d in a.depth])]
+        packs = sorted({p == "yes" for p in a.packed} if top & (top - 1) else {False})  # packing changes no tile of 2^n
+        grid = itertools.product(a.tile, a.warps, a.per_thread, [d or None for d in a.depth], packs)
+        tiles = [Tile(*t) for t in grid]
         for fmt, s, tile, v in itertools.product(fds, shared, tiles, a.variant):
             if tile.depth is not None and kernels.MoeDown(v) is not kernels.MoeDown.READ_AHEAD:
                 continue  # the old order's depth is the GEMV's
             name = f"down {fmt.name}" + (" +shared" if s is not None else "")
             new = kernels.MoeDown(v) is kernels.MoeDown.READ_AHEAD
             depth = tile.depth or (kernels.moe_down_depth(fmt) if new else PREFETCH_DEPTH)  # the old: the GEMV's
-            what = f"{v} {tile.rows} rows w{tile.warps} t{tile.per_thread} d{depth}"
+            what = f"{v} {tile.rows} rows w{tile.warps} t{tile.per_thread} d{depth}{' packed' if tile.packed else ''}"
             _time(name, what, lambda fmt=fmt, s=s, tile=tile, v=v: b.down(fmt, kernels.MoeDown(v), tile, s))
 
 

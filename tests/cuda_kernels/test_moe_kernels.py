@@ -248,17 +248,19 @@ NEW, OLD = kernels.MoeDown.READ_AHEAD, kernels.MoeDown.SERIAL
 
 
 @pytest.mark.parametrize(
-    ("fmt", "int8", "rows", "shared", "dff", "slots", "variant", "d"),
-    [(Format.Q8_0, True, 1, True, 256, 2, NEW, 32), (Format.Q6_K, True, 1, False, 256, 2, NEW, 32),
-     (Format.Q8_0, False, 2, False, 256, 2, NEW, 32), (Format.Q5_0, False, 1, True, 256, 2, NEW, 32),
-     (Format.Q4_K, True, 1, False, 768, 2, NEW, 32), (Format.Q4_K, True, 1, False, 256, 3, NEW, 32),
-     (Format.Q5_0, True, 1, True, 256, 3, NEW, 32), (Format.Q8_0, True, 1, True, 256, 2, NEW, 64),
-     (Format.Q8_0, True, 1, True, 256, 2, OLD, 64)],
+    ("fmt", "int8", "rows", "shared", "dff", "slots", "variant", "d", "packed"),
+    [(Format.Q8_0, True, 1, True, 256, 2, NEW, 32, False), (Format.Q6_K, True, 1, False, 256, 2, NEW, 32, False),
+     (Format.Q8_0, False, 2, False, 256, 2, NEW, 32, False), (Format.Q5_0, False, 1, True, 256, 2, NEW, 32, False),
+     (Format.Q4_K, True, 1, False, 768, 2, NEW, 32, False), (Format.Q4_K, True, 1, False, 256, 3, NEW, 32, False),
+     (Format.Q5_0, True, 1, True, 256, 3, NEW, 32, False), (Format.Q8_0, True, 1, True, 256, 2, NEW, 64, False),
+     (Format.Q8_0, True, 1, True, 256, 2, OLD, 64, False), (Format.Q5_0, True, 1, True, 256, 3, NEW, 64, True),
+     (Format.Q4_K, True, 1, False, 256, 3, OLD, 32, True), (Format.Q8_0, True, 1, True, 256, 2, NEW, 32, True)],
 )  # fmt: skip
-def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff, slots, variant, d, monkeypatch):
+def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff, slots, variant, d, packed, monkeypatch):
     # 768 values: Q4_K's three super-blocks (Qwen3-30B-A3B's experts); three kept experts: the int8 tile's
-    # slots are four, the last one padding that must count 0. A width of 64 walks the norm's row in two
-    # chunks of 32; both variants (MoeDown) sum the same terms.
+    # slots are four, the last one padding that must count 0; packed (kernels.MOE_DOWN_PACKED), ten rows a
+    # program of three experts, 30 of 32 entries, the last program's two rows past the width. A width of 64
+    # walks the norm's row in two chunks of 32; both variants (MoeDown) sum the same terms.
     monkeypatch.setattr(down.fast_norm, "NORM_CHUNK", 32)
     rng = np.random.default_rng(3)
     experts = 5
@@ -276,7 +278,7 @@ def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff, slots, varia
     for _ in range(2):  # every counter re-arms: a second launch runs the same
         down.down_combine(hin, dev(rd), fmt, dev(ids_np), dev(wts), d, dff, sum_out, adds=(dev(res),), shared=s,
                           norm=down.Norm(dev(norm_w), 1e-6, out, out_q8), counter=counter,
-                          variant=variant)  # fmt: skip
+                          variant=variant, tile=down.Tile(packed=packed))  # fmt: skip
     assert not counter.any()
     for r in range(rows):
         want = res[r].astype(np.float64) + s_want
@@ -296,14 +298,22 @@ def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff, slots, varia
         assert np.array_equal(out_q8.q.numpy(), codes)
 
 
-@pytest.mark.parametrize(("k", "dff"), [(8, 768), (10, 512)])  # Qwen3-30B-A3B's and Qwen3-Next's experts
-def test_the_decode_down_tile_gives_each_thread_one_group_in_whole_chunks(k, dff):
-    """The int8 down tile (`kernels.MOE_DOWN_TILE`): every kept expert a slot, one (row, 16-value group) a
-    thread, and the row's super-blocks whole chunks (no masked chunk re-reading a unit)."""
-    slots, rows = kernels.moe_down_slots(k), kernels.moe_down_rows(k)
-    assert slots >= k and slots * rows == kernels.MOE_DOWN_TILE
-    plan = gemv_q8.tile_plan(Format.Q4_K, dff, slots * rows, kernels.MOE_DOWN_WARPS, kernels.MOE_DOWN_PER_THREAD)
-    groups = slots * rows * plan["CHUNK"] * gemv_q8.GROUPS[Format.Q4_K]
+# Qwen3-30B-A3B's and Qwen3-Next's experts, and six kept (DeepSeek-V2's count) of whole super-blocks
+@pytest.mark.parametrize(("k", "dff"), [(8, 768), (10, 512), (6, 1536)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_decode_down_tile_gives_each_thread_one_group_in_whole_chunks(k, dff, packed):
+    """The int8 down tile (`kernels.MOE_DOWN_TILE`): every kept expert a slot, or packed every (row, expert) an
+    entry, one (row, 16-value group) a thread, and the row's super-blocks whole chunks (no masked chunk
+    re-reading a unit)."""
+    rows = kernels.moe_down_rows(k, packed=packed)
+    entries = kernels.moe_down_entries(k, rows)
+    assert entries == kernels.MOE_DOWN_TILE and rows * k <= entries
+    if packed:
+        assert entries - rows * k < k  # no whole row more would fit
+    else:
+        assert rows * kernels.moe_down_slots(k) == entries
+    plan = gemv_q8.tile_plan(Format.Q4_K, dff, entries, kernels.MOE_DOWN_WARPS, kernels.MOE_DOWN_PER_THREAD)
+    groups = entries * plan["CHUNK"] * gemv_q8.GROUPS[Format.Q4_K]
     assert groups == plan["num_warps"] * kernels.WARP * kernels.MOE_DOWN_PER_THREAD
     assert plan["N_UNITS"] % plan["CHUNK"] == 0
 

@@ -35,6 +35,10 @@ SHAPES = {
     "qwen2moe": Shape(
         "qwen2moe", 64, 1, 4, 2, 16, 128, 260, context=4096, experts=8, experts_used=2, expert_ff=32, shared_ff=64
     ),
+    # three kept: the decode down tile's slots round up to four, or pack ten rows of three (kernels.MOE_DOWN_PACKED)
+    "qwen2moe-3": Shape(
+        "qwen2moe", 64, 1, 4, 2, 16, 128, 260, context=4096, experts=8, experts_used=3, expert_ff=32, shared_ff=64
+    ),
 }
 
 
@@ -74,20 +78,23 @@ def _record_routing(monkeypatch) -> list:
         ("qwen2moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT}, "on-int8"),
         # the shared expert in launches of its own, its result added in by the down launch
         ("qwen2moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT, None}, "off"),
+        # a packed down tile of rows not a power of two, the folded expert's rows added in each program
+        ("qwen2moe-3", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT}, "on-int8-packed"),
     ],
 )
 def test_cuda_lane_runs_a_mixture_as_the_cpu_lane(tmp_path, monkeypatch, shape, activations, decode_classes, fold):
     from fuselane.lanes.cuda.plan import kernels
 
-    fold, _, int8 = fold.partition("-")
-    monkeypatch.setattr(kernels, "MOE_SHARED_INT8", int8 == "int8")
+    fold, *how = fold.split("-")
+    monkeypatch.setattr(kernels, "MOE_SHARED_INT8", "int8" in how)
+    monkeypatch.setattr(kernels, "MOE_DOWN_PACKED", "packed" in how)
     path = write_synthetic(tmp_path / "m.gguf", SHAPES[shape], "q8_0", seed=4)
     gpu = load(path, lane="cuda", ctx=16, knobs=[f"activations={activations}", f"shared_fold={fold}"])
     ref = load(path, lane="cpu", ctx=16, dtype=np.float64)
     step = gpu.lane.step(1)
     assert decode_classes <= {class_of(op) for op, _ in step.bound}
     folded = any(_holds(op, C.SHARED_EXPERT_FUSION) for op, _ in step.bound)
-    assert folded is (shape == "qwen2moe" and fold == "on")
+    assert folded is (shape.startswith("qwen2moe") and fold == "on")
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     routed = _record_routing(monkeypatch)
     sg, sr = gpu.session(), ref.session()

@@ -448,10 +448,27 @@ def moe_down_slots(k: int) -> int:
     return _pow2_at_least(k)
 
 
-def moe_down_rows(k: int, tile: int = MOE_DOWN_TILE) -> int:
+# Kept experts not a power of two in number (Qwen3-Next's ten, DeepSeek-V2's six) leave part of each tile to
+# the slots past them: 6 of 16 at ten, each re-reading the last expert's rows. Packed, a program takes
+# MOE_DOWN_TILE // k rows instead, each (row, expert) an entry of the tile and only the tile's last few idle:
+# at ten, three rows (30 of 32 entries) where the slots take two, 683 programs for a 2,048-wide row against
+# 1,024; at six, five rows against four. The same kernel either way (`moe_down_entries`); not yet timed on a GPU,
+# so off.
+MOE_DOWN_PACKED = False
+
+
+def moe_down_rows(k: int, tile: int = MOE_DOWN_TILE, packed: bool | None = None) -> int:
     """Rows of the model's width a decode down program takes for `k` kept experts: its tile's (MOE_DOWN_TILE
-    weight rows, or `tile`: a benchmark's alternative) over the slots."""
-    return max(1, tile // moe_down_slots(k))
+    weight rows, or `tile`: a benchmark's alternative) over the slots, or over the experts themselves where
+    `packed` (MOE_DOWN_PACKED where not given)."""
+    packed = MOE_DOWN_PACKED if packed is None else packed
+    return max(1, tile // (k if packed else moe_down_slots(k)))
+
+
+def moe_down_entries(k: int, rows: int) -> int:
+    """(row, expert) entries of a decode down program's product tile of `rows` rows a program: every row's `k`
+    experts, rounded up to a power of two (the tile itself where the slots are)."""
+    return _pow2_at_least(rows * k)
 
 
 def moe_down_depth(fmt: Format) -> int:

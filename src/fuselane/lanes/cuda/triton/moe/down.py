@@ -60,19 +60,21 @@ class Norm:
 @dataclass(frozen=True, slots=True)
 class Tile:
     """The int8 down program's tile: weight rows a program (every slot's), warps, (row, group)s a thread
-    (`gemv.q8.tile_plan`), and under MoeDown.READ_AHEAD the chunks in flight (`kernels.moe_down_depth`, the
-    format's where None); the kernels table's by default."""
+    (`gemv.q8.tile_plan`), under MoeDown.READ_AHEAD the chunks in flight (`kernels.moe_down_depth`, the
+    format's where None), and whether the tile is packed (`kernels.moe_down_rows`); the kernels table's by
+    default."""
 
     rows: int = kernels.MOE_DOWN_TILE
     warps: int = kernels.MOE_DOWN_WARPS
     per_thread: int = kernels.MOE_DOWN_PER_THREAD
     depth: int | None = None
+    packed: bool | None = None  # rows a program over the experts, not their slots (kernels.MOE_DOWN_PACKED)
 
 
 @triton.jit
 def _down_kernel(
     h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, norm_w, out, oq, od, os_, counters, eps, w_sd, sh,
-    D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr, SLOTS: tl.constexpr,
+    D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, ENTRIES: tl.constexpr,
     EXPERT_BYTES: tl.constexpr, Q8IN: tl.constexpr, ADDS: tl.constexpr, NORM: tl.constexpr, Q8OUT: tl.constexpr,
     NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, SHARED: tl.constexpr, SDFF: tl.constexpr,
     FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -88,7 +90,7 @@ def _down_kernel(
         pdl.begin(PDL)
     row = tl.program_id(1)
     _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, w_sd, sh, row, tl.program_id(0),
-               D, DFF, K, SLOTS, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, FMT, ROW_BYTES, BLOCK_N,
+               D, DFF, K, ROWS, ENTRIES, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, FMT, ROW_BYTES, BLOCK_N,
                N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
                SD_SPLIT, SD_STAGES, SD_ROW_BYTES, AHEAD, EARLY, PDL)  # fmt: skip
     if NORM:
@@ -98,14 +100,16 @@ def _down_kernel(
 
 @triton.jit
 def _kept_q8(hq, hd, hs, w, ids, weights, a0, a1, row, tile, D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr,
-             SLOTS: tl.constexpr, EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr, ROW_BYTES: tl.constexpr,
+             ROWS: tl.constexpr, ENTRIES: tl.constexpr, EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr,
+             ROW_BYTES: tl.constexpr,
              BLOCK_N: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr,
              DEPTH: tl.constexpr, ADDS: tl.constexpr, AHEAD: tl.constexpr, EARLY: tl.constexpr,
              PDL: tl.constexpr):  # fmt: skip
-    """[BLOCK_N] f32: the weighted sum of row `row`'s kept experts' down products at tile `tile` of the width,
-    every expert's rows in one int8 product tile of SLOTS x BLOCK_N rows (slot-major), each with its own
-    pair's activation, so all their loads stream together (`kernels.MOE_DOWN_TILE`). Slots past K read the
-    last expert's rows again and count 0.
+    """[BLOCK_N] f32: the weighted sum of row `row`'s kept experts' down products at tile `tile` of the width
+    (its ROWS rows, the rest of BLOCK_N past them), every expert's rows in one int8 product tile of ENTRIES
+    weight rows (expert-major: entry i is expert i // ROWS's row i % ROWS), each with its own pair's activation,
+    so all their loads stream together (`kernels.MOE_DOWN_TILE`). Entries past K experts read the last
+    expert's rows again and count 0.
 
     EARLY (a dependent launch, `pdl`): the ids and the first chunks' weights are read before the wait for the
     launch before, so their round trips run under its end. Safe because the ids are the routing's, two
@@ -117,27 +121,38 @@ def _kept_q8(hq, hd, hs, w, ids, weights, a0, a1, row, tile, D: tl.constexpr, DF
     ids and the first ADDS arrays added in (`down_rows.adds`, summed here) right after the wait, their round
     trips under the products'; otherwise `q8.row_dots`, the route weights read after it and the arrays added
     in by the caller."""
-    i = tl.arange(0, SLOTS * BLOCK_N)
-    slot = i // BLOCK_N
+    i = tl.arange(0, ENTRIES)
+    slot = i // ROWS
     pair = row * K + tl.minimum(slot, K - 1)
-    rc = tl.minimum(tile * BLOCK_N + i % BLOCK_N, D - 1).to(tl.int64)
+    rc = tl.minimum(tile * ROWS + i % ROWS, D - 1).to(tl.int64)
     off = tl.load(ids + pair, cache_modifier=".cg").to(tl.int64) * EXPERT_BYTES + rc * ROW_BYTES
     p = pair.to(tl.int64)[:, None]
     xq, xd, xs = hq + p * DFF, hd + p * (DFF // 32), hs + p * (DFF // 16)
     if AHEAD:
-        wy, res = kept_dots(w + off, xq, xd, xs, weights + pair, a0, a1, row, tile, slot < K, D, FMT,
-                            SLOTS * BLOCK_N, BLOCK_N, N_UNITS, CHUNK, FENCE, DEPTH, ADDS, EARLY, PDL)  # fmt: skip
-        return tl.sum(tl.reshape(wy, [SLOTS, BLOCK_N]), 0) + res
-    y, _ = row_dots(w + off, w + off, xq, xd, xs, FMT, SLOTS * BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH,
+        wy, res = kept_dots(w + off, xq, xd, xs, weights + pair, a0, a1, row, tile * ROWS, slot < K, D, FMT,
+                            ENTRIES, BLOCK_N, N_UNITS, CHUNK, FENCE, DEPTH, ADDS, EARLY, PDL)  # fmt: skip
+        return _by_row(wy, i, ROWS, ENTRIES, BLOCK_N) + res
+    y, _ = row_dots(w + off, w + off, xq, xd, xs, FMT, ENTRIES, N_UNITS, CHUNK, FENCE, False, DEPTH,
                     EARLY and PDL, EARLY)  # fmt: skip
     wy = tl.where(slot < K, tl.load(weights + pair) * y, 0.0)
-    return tl.sum(tl.reshape(wy, [SLOTS, BLOCK_N]), 0)
+    return _by_row(wy, i, ROWS, ENTRIES, BLOCK_N)
+
+
+@triton.jit
+def _by_row(wy, i, ROWS: tl.constexpr, ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] f32: each of the program's rows' sum of its entries of `wy` (entry i is row i % ROWS), slot by
+    slot: a reshape where the rows are a power of two, else each row's entries picked out of the tile."""
+    if ROWS == BLOCK_N:
+        y = tl.sum(tl.reshape(wy, [ENTRIES // ROWS, ROWS]), 0)
+    else:
+        y = tl.sum(tl.where((i % ROWS)[:, None] == tl.arange(0, BLOCK_N)[None, :], wy[:, None], 0.0), 0)
+    return y
 
 
 @triton.jit
 def _down_rows(
     h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, w_sd, sh, row, tile,
-    D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr, SLOTS: tl.constexpr,
+    D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, ENTRIES: tl.constexpr,
     EXPERT_BYTES: tl.constexpr, Q8IN: tl.constexpr, ADDS: tl.constexpr, SHARED: tl.constexpr, SDFF: tl.constexpr,
     FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
@@ -150,17 +165,18 @@ def _down_rows(
     written by the gate/up launch), the arrays added in; stored to sum_out. AHEAD (MoeDown.READ_AHEAD): the arrays added
     in are read with the products (`_kept_q8`), or, where the launch has waited already (not EARLY), first of
     all, their round trip under the products'."""
-    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    lane = tl.arange(0, BLOCK_N)
+    rows = tile * ROWS + lane  # ROWS of them the program's (BLOCK_N where the rows are a power of two)
     rc = tl.minimum(rows, D - 1).to(tl.int64)
     IN_PRODUCTS: tl.constexpr = AHEAD and Q8IN
     FIRST: tl.constexpr = AHEAD and not IN_PRODUCTS and not EARLY
     LAST: tl.constexpr = ADDS if not (IN_PRODUCTS or FIRST) else 0
     if FIRST:
-        acc = adds(a0, a1, row, tile, D, BLOCK_N, ADDS)
+        acc = adds(a0, a1, row, tile * ROWS, D, BLOCK_N, ADDS)
     else:
         acc = tl.zeros([BLOCK_N], tl.float32)
     if Q8IN:
-        acc = _kept_q8(hq, hd, hs, w, ids, weights, a0, a1, row, tile, D, DFF, K, SLOTS, EXPERT_BYTES, FMT,
+        acc = _kept_q8(hq, hd, hs, w, ids, weights, a0, a1, row, tile, D, DFF, K, ROWS, ENTRIES, EXPERT_BYTES, FMT,
                        ROW_BYTES, BLOCK_N, N_UNITS, CHUNK, FENCE, DEPTH, ADDS if IN_PRODUCTS else 0, IN_PRODUCTS,
                        EARLY, PDL)  # fmt: skip
     else:
@@ -173,8 +189,8 @@ def _down_rows(
         ys = row_dot(w_sd + rc * SD_ROW_BYTES, sh, SD_FMT, SD_STEPS, SD_UNITS, SD_SPLIT, BLOCK_N, SD_STAGES)
         acc += tl.load(sh + SDFF, cache_modifier=".cg") * ys
     if LAST >= 1:
-        acc += adds(a0, a1, row, tile, D, BLOCK_N, LAST)
-    tl.store(sum_out + row * D + rows, acc, mask=rows < D)
+        acc += adds(a0, a1, row, tile * ROWS, D, BLOCK_N, LAST)
+    tl.store(sum_out + row * D + rows, acc, mask=(lane < ROWS) & (rows < D))
 
 
 def counters(rows: int, device) -> Tensor:
@@ -206,14 +222,15 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
     if shared is not None and rows != 1:
         raise ValueError("a shared expert folds into a decode step's one row")
     q8in = isinstance(h, Q8Acts)
-    slots = kernels.moe_down_slots(k)
     if q8in:
         check_acts(h, dff, rows * k)
         gemv_q8.check_aligned([w], fmt)
-        block_n = kernels.moe_down_rows(k, tile.rows)
-        consts = gemv_q8.tile_plan(fmt, dff, slots * block_n, tile.warps, tile.per_thread)
+        per = kernels.moe_down_rows(k, tile.rows, tile.packed)
+        entries = kernels.moe_down_entries(k, per)
+        block_n = triton.next_power_of_2(per)
+        consts = gemv_q8.tile_plan(fmt, dff, entries, tile.warps, tile.per_thread)
         warps = consts.pop("num_warps")
-        consts |= dict(BLOCK_N=block_n, STEPS=1, UNITS=1, SPLIT=1, STAGES=1)
+        consts |= dict(BLOCK_N=block_n, ROWS=per, ENTRIES=entries, STEPS=1, UNITS=1, SPLIT=1, STAGES=1)
         if fmt not in kernels.MOE_DOWN_UNPINNED:
             consts["FENCE"] = PINNED
         if variant is kernels.MoeDown.READ_AHEAD:  # `down_rows.kept_dots`' own depth
@@ -221,11 +238,11 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
         hargs = (h.q, *h)
     else:
         consts, warps = f32_plan(fmt, d, dff)
-        consts |= dict(N_UNITS=1, CHUNK=1, FENCE=False, DEPTH=1)
+        block_n = per = consts["BLOCK_N"]
+        consts |= dict(N_UNITS=1, CHUNK=1, FENCE=False, DEPTH=1, ROWS=per, ENTRIES=per)
         hargs = (h, h, h, h)
-        block_n = consts["BLOCK_N"]
     sconsts = shared_mod.down_consts(shared, d, block_n, warps)
-    nb = tiles(d, block_n)
+    nb = tiles(d, per)
     chunk = max(min(triton.next_power_of_2(d), fast_norm.NORM_CHUNK), QK)
     q8out = norm is not None and norm.out_q8 is not None
     oq = norm.out_q8 if q8out else (sum_out, sum_out, sum_out)  # type: ignore[union-attr]
@@ -235,7 +252,7 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
     _down_kernel[(nb, rows)](
         *hargs, w, ids, weights, *padded, sum_out,
         norm.w if norm else sum_out, norm.out if norm else sum_out, *oq, counter, float(norm.eps if norm else 0.0),
-        *sargs, D=d, DFF=dff, K=k, SLOTS=slots, EXPERT_BYTES=d * row_bytes(fmt, dff), Q8IN=q8in,
+        *sargs, D=d, DFF=dff, K=k, EXPERT_BYTES=d * row_bytes(fmt, dff), Q8IN=q8in,
         ADDS=len(adds), NORM=norm is not None, Q8OUT=q8out, NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk),
         SHARED=s is not None, AHEAD=variant is kernels.MoeDown.READ_AHEAD, EARLY=q8in,
         **consts, **sconsts, num_warps=warps,

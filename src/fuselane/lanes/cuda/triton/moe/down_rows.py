@@ -21,13 +21,13 @@ from fuselane.lanes.cuda.triton.gemv.q8 import GROUPS_C, PINNED_C, chunk_acts, c
 
 
 @triton.jit
-def kept_dots(w_rows, xq, xd, xs, route_w, a0, a1, row, tile, live, D: tl.constexpr, FMT: tl.constexpr,
+def kept_dots(w_rows, xq, xd, xs, route_w, a0, a1, row, first, live, D: tl.constexpr, FMT: tl.constexpr,
               BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr,
               FENCE: tl.constexpr, DEPTH: tl.constexpr, ADDS: tl.constexpr, EARLY: tl.constexpr,
               PDL: tl.constexpr):  # fmt: skip
     """([BLOCK_N] f32, [TILE_N] f32): each tile row's x . row (`w_rows`, each with its own activation row's
     [BLOCK_N, 1] pointers) times its route weight (`route_w` pointers; 0 where not `live`), and the sum of
-    the first ADDS arrays at tile `tile` of row `row` (TILE_N values). DEPTH chunks of weights are in flight
+    the first ADDS arrays at TILE_N values of row `row` from value `first`. DEPTH chunks of weights are in flight
     while one is summed (1 to 3; `kernels.moe_down_depth`), the first DEPTH read before the wait. EARLY: the
     first chunks' weights and the route weights are read before the wait for the launch before (PDL), the
     arrays added in after it."""
@@ -48,7 +48,7 @@ def kept_dots(w_rows, xq, xd, xs, route_w, a0, a1, row, tile, live, D: tl.conste
     if EARLY:  # the loads above issued before the wait (`q8.row_dots`' HOLD)
         tl.debug_barrier()
     pdl.wait(EARLY and PDL)
-    res = adds(a0, a1, row, tile, D, TILE_N, ADDS)
+    res = adds(a0, a1, row, first, D, TILE_N, ADDS)
     if PIN:  # the first chunks' loads issued before any sum
         tl.debug_barrier()
     for c in range(0, CHUNKS - AHEAD):  # each iteration loads the chunk AHEAD on, then sums chunk c
@@ -84,10 +84,10 @@ def kept_dots(w_rows, xq, xd, xs, route_w, a0, a1, row, tile, live, D: tl.conste
 
 
 @triton.jit
-def adds(a0, a1, row, tile, D: tl.constexpr, TILE_N: tl.constexpr, ADDS: tl.constexpr):
-    """[TILE_N] f32: the sum of the first ADDS arrays added in (rows of D), at tile `tile` of row `row` (0 for
-    none)."""
-    rc = tl.minimum(tile * TILE_N + tl.arange(0, TILE_N), D - 1).to(tl.int64)
+def adds(a0, a1, row, first, D: tl.constexpr, TILE_N: tl.constexpr, ADDS: tl.constexpr):
+    """[TILE_N] f32: the sum of the first ADDS arrays added in (rows of D), at TILE_N values of row `row` from
+    value `first` (0 for none)."""
+    rc = tl.minimum(first + tl.arange(0, TILE_N), D - 1).to(tl.int64)
     res = tl.zeros([TILE_N], tl.float32)
     if ADDS >= 1:
         res += tl.load(a0 + row * D + rc)
