@@ -10,7 +10,8 @@ written its SwiGLU and its gate's sigmoid into a scratch row (`shared.py`); each
 down rows . that row), read after its wait like the kept experts' activations.
 
 Under int8 activations a program's product tile is every kept expert's rows at once (`kernels.moe_down_rows`
-rows of each, slot-major, each row with its own slot's activation), so the experts' weights stream in
+rows of each, expert-major, each row with its own slot's activation; the experts' slots a power of two, or
+packed, `kernels.MOE_DOWN_PACKED`, a number of rows that need not be), so the experts' weights stream in
 together; with f32 activations the slots are summed one after another.
 Those weights always take the coherent path with a barrier after them (`weight_loads.PINNED`, whatever the
 lane's `weight_loads` knob): a decode row of an expert is a few chunks (Qwen3-30B-A3B's 768 values, three Q4_K
