@@ -5,6 +5,7 @@ warps: one table.
 Usage (on a GPU):
     python benchmarks/gdn_chunked.py [--rows 512] [--heads 32] [--key-heads 16] [--dk 128] [--dv 128]
         [--bv 32 64 128] [--warps 4 8] [--precision tf32x3 ieee] [--solve rows blocks] [--form split whole]
+        [--kernels]
 
 The defaults are Qwen3-Next-80B-A3B's linear layers (16 key heads, 32 value heads of 128) over a 512-row chunk.
 Each candidate is timed with CUDA events, the median of 20 launches after 3 warm-up ones, on inputs drawn as a
@@ -19,6 +20,7 @@ import itertools
 import statistics
 
 import torch
+from replay import print_kernel_times
 
 from fuselane.lanes.cuda.triton.gdn import chunked
 
@@ -64,6 +66,7 @@ def main() -> None:
     ap.add_argument("--precision", nargs="+", default=list(chunked.PRECISIONS))
     ap.add_argument("--solve", nargs="+", default=list(chunked.SOLVES))
     ap.add_argument("--form", nargs="+", default=list(chunked.FORMS))
+    ap.add_argument("--kernels", action="store_true", help="each candidate's kernels' GPU time too (torch.profiler)")
     a = ap.parse_args()
     x = _inputs(a.rows, a.heads, a.key_heads, a.dk, a.dv)
     shape = dict(rows=a.rows, heads=a.heads, key_heads=a.key_heads, dk=a.dk, dv=a.dv, scale=a.dk**-0.5)
@@ -84,6 +87,8 @@ def main() -> None:
             print(f"{row} failed: {type(e).__name__}: {str(e)[:80]} |", flush=True)
             continue
         print(f"{row} {us:,.1f} |", flush=True)
+        if a.kernels:  # the split form's two launches apart
+            print_kernel_times(launch)
 
 
 if __name__ == "__main__":
