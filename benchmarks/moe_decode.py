@@ -150,7 +150,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("experts", "top", "d", "dff"):
         ap.add_argument(f"--{name}", type=int, default=None)
     ap.add_argument("--shared", type=int, default=None, help="a folded shared expert's width (the model's)")
-    ap.add_argument("--no-shared", action="store_true", help="no down launch with a folded shared expert")
+    ap.add_argument("--no-shared", action="store_true", help="no launch with a folded shared expert (gate/up or down)")
     ap.add_argument("--gate-up", default=None)
     ap.add_argument("--down", nargs="+", default=None)
     ap.add_argument("--variant", nargs="+", default=[v.value for v in kernels.MoeDown],
