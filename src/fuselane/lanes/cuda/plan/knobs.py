@@ -163,7 +163,8 @@ class CudaKnobs:
       experts' gate/up launch, its down rows in each program of the down launch, so a layer stays within
       the launch budget. `off` runs it in launches of its own (its gate/up GEMV, its down GEMV, its gate's
       score, the sigmoid and the row scale; the down launch adds the result). H200, Qwen3-Next-80B-A3B's
-      replayed step: 3.90 ms folded, 3.98 apart (benchmarks/RESULTS.md, 2026-12-03); folded into the down
+      replayed step: 3.67 ms folded (its SwiGLU as the kept experts' int8 tiles, `kernels.MOE_SHARED_INT8`),
+      3.90 folded in f32 products, 3.98 apart (benchmarks/RESULTS.md, 2026-12-03); folded into the down
       launch alone, where its programs made the rest wait, it took 5.02.
     """
 

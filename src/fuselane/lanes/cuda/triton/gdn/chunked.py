@@ -264,8 +264,7 @@ def chunked(
         scratch = torch.empty(need, dtype=torch.float32, device=k.device)
     if scratch.dtype != torch.float32 or scratch.numel() < need or not scratch.is_contiguous():
         raise ValueError(f"the split form's scratch must be {need} contiguous f32 values")
-    u, w, inner = scratch.narrow(0, 0, rows * heads * dv), scratch.narrow(0, rows * heads * dv, rows * heads * dk), \
-        scratch.narrow(0, rows * heads * (dk + dv), need - rows * heads * (dk + dv))  # fmt: skip
+    u, w, inner = scratch[:need].split([rows * heads * dv, rows * heads * dk, need - rows * heads * (dk + dv)])
     _prepare_kernel[(heads, triton.cdiv(rows, CHUNK))](
         q2, k2, k2.stride(0), v2, v2.stride(0), g, beta, heads, u, w, inner, rows, float(scale),
         HEADS=heads, DVB=max(MIN_DOT, triton.next_power_of_2(dv)), SB=sb, **common, **pdl.options(),
