@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import atheris
 
+from fuzz.libfuzzer import fuzz
+
 # jinja2 is instrumented too: its parser and sandbox are most of the code a template reaches.
 with atheris.instrument_imports(include=["fuselane", "jinja2"]):
     from fuselane.errors import FuselaneError
@@ -60,8 +62,7 @@ def test_one_input(data: bytes) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Fuzz with libFuzzer's command line (`-atheris_runs=N`, `-max_total_time=S`, corpus directories)."""
-    atheris.Setup(list(sys.argv if argv is None else argv), test_one_input)
-    atheris.Fuzz()
+    fuzz(sys.argv if argv is None else argv, test_one_input)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import atheris
 
+from fuzz.libfuzzer import fuzz
+
 # fuzz.stages is instrumented with the package so that coverage counts the stage wrapper's branches too.
 with atheris.instrument_imports(include=["fuselane", "fuzz"]):
     from fuzz.stages import read_like_fuselane
@@ -31,8 +33,7 @@ def test_one_input(data: bytes) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Fuzz with libFuzzer's command line (`-atheris_runs=N`, `-max_total_time=S`, corpus directories)."""
-    atheris.Setup(list(sys.argv if argv is None else argv), test_one_input)
-    atheris.Fuzz()
+    fuzz(sys.argv if argv is None else argv, test_one_input)
 
 
 if __name__ == "__main__":

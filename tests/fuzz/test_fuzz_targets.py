@@ -73,3 +73,24 @@ def test_every_seed_is_accepted_by_its_target(target):
 
         for path in (CORPUS / target).iterdir():
             assert ChatTemplate(path.read_text()).source
+
+
+SLOW_EXIT = """
+import sys
+from fuzz.libfuzzer import fuzz
+
+heap = [{"row": [i]} for i in range(3_000_000)]  # freeing this at exit outlasts a one-second timer tick
+fuzz(sys.argv, lambda data: None)
+"""
+
+
+def test_a_finished_run_is_not_killed_by_the_timeout_timer_at_exit(tmp_path):
+    # -timeout=1 ticks SIGALRM every second; a run whose exit takes longer must still exit 0.
+    done = subprocess.run(
+        [sys.executable, "-c", SLOW_EXIT, "-atheris_runs=10", "-timeout=1", f"-artifact_prefix={tmp_path}/"],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=TIMEOUT,
+        env=os.environ | ONE_THREAD,
+    )
+    assert done.returncode == 0, done.stderr.decode("utf-8", "replace")[-2000:]
