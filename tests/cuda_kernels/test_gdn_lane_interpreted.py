@@ -39,18 +39,20 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize(
-    ("shape", "state", "activations", "conv_class"),
+    ("shape", "state", "activations", "conv_class", "held"),
     [
-        (TINY, "bf16", "dequant", C.CONV_BIAS_SILU),
-        (WIDE, "f32", "dequant", C.CONV_SILU_L2NORM),
+        (TINY, "bf16", "dequant", C.CONV_BIAS_SILU, ()),
+        (WIDE, "f32", "dequant", C.CONV_SILU_L2NORM, ()),
+        # the step's rule held: the chunk's bare GatedDelta and DeltaState each in the chunked form's one launch
+        (WIDE, "f32", "dequant", C.CONV_SILU_L2NORM, ("gdn_step",)),
     ],
 )
-def test_cuda_lane_runs_qwen3next_as_the_cpu_lane(tmp_path, shape, state, activations, conv_class):
+def test_cuda_lane_runs_qwen3next_as_the_cpu_lane(tmp_path, shape, state, activations, conv_class, held):
     path = write_synthetic(tmp_path / "m.gguf", shape, "q8_0", seed=3)
-    gpu = load(path, lane="cuda", ctx=16, knobs=[f"state={state}", f"activations={activations}"])
+    gpu = load(path, lane="cuda", ctx=16, knobs=[f"state={state}", f"activations={activations}"], held=held)
     ref = load(path, lane="cpu", ctx=16, dtype=np.float64)
     classes = {class_of(op) for op, _ in gpu.lane.step(1).bound}
-    assert (STEP - {C.CONV_BIAS_SILU}) | {conv_class} <= classes
+    assert (STEP - {C.CONV_BIAS_SILU} - ({C.GDN_STEP} if held else set())) | {conv_class} <= classes
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     sg, sr = gpu.session(), ref.session()
     steps = [("prefill", sg.feed(PROMPT), sr.feed(PROMPT))]
@@ -66,14 +68,16 @@ def test_cuda_lane_runs_qwen3next_as_the_cpu_lane(tmp_path, shape, state, activa
 
 @pytest.mark.parametrize(("knobs", "precision"), [((), "tf32x3"), (("delta_products=ieee",), "ieee")])
 def test_a_chunks_delta_rule_multiplies_at_the_knobs_precision(tmp_path, monkeypatch, knobs, precision):
-    # binding only (no kernel runs): the chunk's GdnStep launch hands the chunked rule the knob's precision
+    # binding only (no kernel runs): the chunk's GdnStep launches hand the chunked rule the knob's precision
     from fuselane.lanes.cuda.triton.gdn import chunked
 
     path = write_synthetic(tmp_path / "m.gguf", TINY, "q8_0", seed=3)
     gpu = load(path, lane="cuda", ctx=16, knobs=["activations=dequant", *knobs])
     rows = len(PROMPT)
     (launches,) = [ls for op, ls in gpu.lane.step(rows).bound if class_of(op) is C.GDN_STEP]
-    seen: list[str] = []
-    monkeypatch.setattr(chunked, "chunked", lambda *a, **k: seen.append(k["precision"]))
-    launches[0]()
-    assert seen == [precision]
+    seen: list[tuple[str, str]] = []
+    for name in ("prepare", "recur"):
+        monkeypatch.setattr(chunked, name, lambda *a, name=name, **k: seen.append((name, k["precision"])))
+    for launch in launches:
+        launch()
+    assert seen == [("prepare", precision), ("recur", precision)]

@@ -625,6 +625,7 @@ def test_name_and_rules() -> None:
         (After(SHARED_RULES[-1].name), "rope_epilogue", False),
         (After("rope_epilogue"), "products_apart", False),
         (After("products_apart"), "quantize_apart", False),
+        (After("quantize_apart"), "chunked_delta", False),
     ]
     assert [rule.builds for _, rule in shim.rules()[:2]] == [(C.MLA,), (C.MERGED_QKV,)]
 

@@ -25,6 +25,7 @@ from fuselane.gguf.synth_latent import LATENT_SHAPES
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form
 from fuselane.graph.ops import Quantize
+from fuselane.lanes.cuda.plan.gdn import DELTA_FORM_LAUNCHES, DELTA_SPLIT
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
 from fuselane.lanes.cuda.plan.shim import NATIVE_CLASSES, QUANT_EPILOGUES, CudaShim
 from fuselane.lanes.cuda.run.launch import BINDERS, PARTS_ONLY
@@ -145,7 +146,8 @@ def _check_step(path: str, step, form: str, rows: int, knobs: tuple[str, ...], h
     bound = [(op, len(launches)) for op, launches in step.bound]
     for op, n in bound:
         assert n == launches_of(op), f"{op.out} launched {n} times"
-        assert n == (0 if isinstance(op.sym, VIEWS) else 1) or class_of(op) is C.MLA  # Mla: its three launches
+        # one launch an op but for the lane rules' sizes: Mla's three, a chunk's GdnStep two
+        assert n == (0 if isinstance(op.sym, VIEWS) else 1) or class_of(op) in (C.MLA, C.GDN_STEP)
     _, _, told = build_plan(path, lane="cuda", form=form, rows=rows, knobs=knobs, held=held)
     assert step.launches == sum(n for _, n in bound) == told.launches()
     assert per_layer(bound) == launches_per_layer(told)
@@ -213,6 +215,16 @@ def test_cuda_binds_a_qwen3next_plan_as_explain_prints_it(tmp_path, mix, knobs, 
     classes = {class_of(op) for op, _ in lane.step(1).bound}
     if not held and not knobs:  # the classes this plan is here for are in it
         assert (C.GDN_GATE_PROJECTIONS if mix == "f16" else C.GDN_OUTPUT_QUANT) in classes
+    # a decode step's delta rule is one launch (the recurrence); a chunk's GdnStep the chunked form's two, and
+    # a bare rule's (its class held) one each (the whole form)
+    steps = {
+        rows: [len(n) for op, n in lane.step(rows).bound if class_of(op) is C.GDN_STEP] for rows in (1, PREFILL_ROWS)
+    }
+    if "gdn_step" in held:
+        assert steps == {1: [], PREFILL_ROWS: []}
+    else:
+        layers = QWEN3NEXT_SHAPE.n_layers - QWEN3NEXT_SHAPE.n_layers // QWEN3NEXT_SHAPE.full_every
+        assert steps == {1: [1] * layers, PREFILL_ROWS: [DELTA_FORM_LAUNCHES[DELTA_SPLIT]] * layers}
 
 
 def test_rope_epilogue_folds_the_rotations_only_where_the_gemv_turns_them(paths) -> None:

@@ -14,15 +14,21 @@ writing its int8 form in its store where its heads are whole 32-value blocks (Gd
 quantize in a launch after it, the lane rule `quantize_apart`). The gated attention (AttnOutputGate)
 multiplies by its gate's sigmoid in the attention's store (the decode and the chunk attention kernels; `fits`
 keeps it to a step's and a short chunk's), writing its int8 form there too under `fuse_quant`.
+
+A chunk's delta step (GdnStep over more than one row) runs the chunked form (`triton/gdn/chunked.py`) in two
+launches, every block's triangular system first, then the state across the blocks: the settling pass
+`chunked_delta` sizes the fused op so, and its binder returns the two. The facts both read are here.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fuselane.fuse.shim import DECOMPOSE, NATIVE, Support
-from fuselane.fuse.views import leaves
+from fuselane.fuse.views import class_of, leaves
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Op
-from fuselane.graph.ops import RmsNorm
+from fuselane.graph.ops import DeltaState, GatedDelta, RmsNorm
 from fuselane.lanes.cuda.plan import kernels
 
 # The specification's answer for each class (EPILOGUE: native under `fuse_quant`, else decomposed).
@@ -56,3 +62,45 @@ def gated_norm_quantizes(op: Op) -> bool:
     whole 32-value blocks of the row (`triton/gdn/norm.py`)."""
     n = next((x.sym for x in leaves(op) if isinstance(x.sym, RmsNorm)), None)
     return n is not None and n.cols % kernels.QBLOCK == 0
+
+
+# --- the chunked delta rule over a chunk's rows (`triton/gdn/chunked.py`) ------------------------------------
+
+DELTA_CHUNK = 64  # rows a block of the chunked form (the reference's chunk size)
+DELTA_MIN_DOT = 16  # tl.dot's least extent: heads of fewer key values run the recurrence, a row a step
+# The chunked form's launches: every block's system solved at once in a launch of its own, then the state
+# across the blocks in a second ("split", the default: 352 against 1,034-1,180 us on a 512-row chunk at the
+# 80B-A3B's widths, H200); or both in one launch, a head's blocks in turn ("whole", taken by a bare
+# GatedDelta or DeltaState, which the plan counts as one launch each).
+DELTA_FORMS = ("split", "whole")
+DELTA_FORM_LAUNCHES = {"split": 2, "whole": 1}
+DELTA_SPLIT, DELTA_WHOLE = DELTA_FORMS
+CHUNKED_DELTA = "chunked_delta"  # the settling pass's name
+
+
+def delta_chunked(rows: int, dk: int) -> bool:
+    """Whether a delta rule over `rows` rows of heads of `dk` key values runs the chunked form (tensor-core
+    products, a power of two of at least `DELTA_MIN_DOT` key values) rather than the recurrence."""
+    return rows > 1 and dk >= DELTA_MIN_DOT and dk & (dk - 1) == 0
+
+
+def delta_rule(op: Op) -> GatedDelta | None:
+    """The delta rule a GdnStep, a bare GatedDelta or a bare DeltaState runs."""
+    for x in leaves(op):
+        if isinstance(x.sym, GatedDelta):
+            return x.sym
+        if isinstance(x.sym, DeltaState):
+            return x.sym.rule
+    return None
+
+
+def chunked_delta(r) -> None:
+    """A chunk's GdnStep as the chunked form's two launches (`DELTA_SPLIT`): the plan counts what its binder
+    returns."""
+    for i in range(len(r.s)):
+        op = r.s.slot(i)
+        if op is None or class_of(op) is not C.GDN_STEP:
+            continue
+        rule = delta_rule(op)
+        if rule is not None and delta_chunked(rule.rows, rule.dk):
+            r.s.ops[i] = replace(op, sym=replace(op.sym, launches=DELTA_FORM_LAUNCHES[DELTA_SPLIT]))

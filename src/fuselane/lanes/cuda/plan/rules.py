@@ -1,6 +1,6 @@
 """The cuda lane's own rules: every choice of its kernels that changes what launches is a rewrite of the plan,
 so the schedule `explain` prints is, op for op, what the lane binds (one launch an op, none for a view, `Mla`
-the three its rule sizes).
+the three its rule sizes, a chunk's GdnStep two).
 
 In the order they link into the shared table (`CudaShim.rules`):
 
@@ -16,6 +16,8 @@ In the order they link into the shared table (`CudaShim.rules`):
 - `quantize_apart` (settling, last): a quantizing fold whose producer has no int8 epilogue here runs as the
   producer then a `Quantize` launch; every activation a product reads in int8 that its producer wrote in f32
   only is quantized by one `Quantize` launch before its first such reader.
+- `chunked_delta` (settling, after `quantize_apart`; in `gdn.py`): a chunk's GdnStep counts the chunked form's
+  two launches.
 
 The settling passes cannot be held (`LaneRule.holdable`): without them the plan is not what the lane runs.
 """

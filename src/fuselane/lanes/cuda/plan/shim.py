@@ -24,7 +24,8 @@ shared rule the settling passes that make the plan exactly what the lane launche
 `latent_expanded` (before `add_norm`, `latent.py`) takes a wide chunk's latent attention whole as `Mla` where
 its expanded launches fit, run as its three launches (`triton.mla.expand`, `triton.mla.expanded_attention`);
 the absorbed form's launches (`triton.mla`) run every other latent attention (a decode step's, a batch's, a
-narrow chunk's, and any under the dequantized numerics).
+narrow chunk's, and any under the dequantized numerics). The last settling pass, `chunked_delta` (`gdn.py`),
+counts a chunk's delta step as the chunked form's two launches.
 
 `held` names lane rules held back (`gemv_parts`) and the kernel choice `rows_a_warp` (every product a row
 a warp), for ablation. The optimizer holds rules by its own `held` argument: build the shim with the same
@@ -315,6 +316,7 @@ class CudaShim:
             ),
             (After(ROPE_EPILOGUE), LaneRule(PRODUCTS_APART, (), partial(products_apart, self), holdable=False)),
             (After(PRODUCTS_APART), LaneRule(QUANTIZE_APART, (), partial(quantize_apart, self), holdable=False)),
+            (After(QUANTIZE_APART), LaneRule(gdn.CHUNKED_DELTA, (), gdn.chunked_delta, holdable=False)),
         ]
 
     def numerics(self) -> Contract:

@@ -1,14 +1,15 @@
 """The binders of a gated delta-rule layer's classes and primitives (`launch.BINDERS`): each is one launch of
-the `triton.gdn` kernels over the lane's buffers, the recurrent states being the lane's own (kept across steps,
-zeroed when a sequence starts, `lane.CudaLane`).
+the `triton.gdn` kernels (a chunk's GdnStep two) over the lane's buffers, the recurrent states being the lane's
+own (kept across steps, zeroed when a sequence starts, `lane.CudaLane`).
 
 - ConvBiasSilu, ConvSiluL2norm, and the bare CausalConv and ConvShift: `conv.conv`, which moves the
   convolution's state in the same launch where the plan fused the shift in;
 - ConvParts: `conv_parts.conv_parts`, each member's convolution a part of one launch;
 - GdnGating: `gates.gates` (beta and the decay for every row and value head); GdnGateProjections:
   `gates.projected`, the `ssm_ba` product in the same launch (its matrix as f32 on the device, made once);
-- GdnStep, and the bare GatedDelta and DeltaState: `delta.delta` for a decode step's row, `chunked.chunked`
-  for a chunk's rows (the output, the state, or both);
+- GdnStep, and the bare GatedDelta and DeltaState: `delta.delta` for a decode step's row; a chunk's rows in
+  the chunked form, a GdnStep's in its two launches (`chunked.prepare`, `chunked.recur`), a bare primitive's
+  in one (`chunked.chunked`, the whole form);
 - GatedNorm: `norm.gated_norm`, which writes its int8 form in its store under GdnOutputQuant; a bare L2Norm:
   `norm.l2_norm`;
 - Slice: a strided view of its input (no launch), which the kernels above and the rotations read in place.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fuselane.fuse.optimizer import launches_of
 from fuselane.fuse.views import leaves
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Op
@@ -34,6 +36,7 @@ from fuselane.graph.ops import (
     Unary,
     UnaryOp,
 )
+from fuselane.lanes.cuda.plan.gdn import DELTA_FORM_LAUNCHES, DELTA_SPLIT, DELTA_WHOLE, delta_chunked
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
 
@@ -182,7 +185,10 @@ def _chunked_scratch(b, spec: GatedDelta, device) -> Any:
 
 
 def step(op: Op, b) -> list:
-    """GdnStep (output and state), or the bare GatedDelta (output) or DeltaState (state): one `delta` launch."""
+    """GdnStep (output and state), or the bare GatedDelta (output) or DeltaState (state): a decode step's row
+    by the recurrence (`delta`, one launch); a chunk's rows by the chunked form, in the launches the plan
+    counts (`plan.gdn.chunked_delta`): a GdnStep's two (`chunked.prepare`, then `chunked.recur`), a bare
+    primitive's one (the whole form)."""
     from fuselane.lanes.cuda.triton.gdn import chunked, delta
 
     rule, after = _one(op, GatedDelta), _one(op, DeltaState)
@@ -195,12 +201,16 @@ def step(op: Op, b) -> list:
         (k, v, g, beta, state), q, out = (b.bufs[n] for n in after.ins), None, None
     shape = dict(rows=spec.rows, heads=spec.heads, key_heads=spec.k_heads or spec.heads, dk=spec.dk, dv=spec.dv)
     write = after is not None
-    # a chunk's rows in the chunked form where its products take the heads; a decode step's row by the recurrence
-    if spec.rows > 1 and chunked.takes(spec.dk):
-        products = dict(precision=b.delta_products, scratch=_chunked_scratch(b, spec, k.device))
-        return [lambda: chunked.chunked(q, k, v, g, beta, state, out, scale=spec.scale, write_state=write,
-                                        **shape, **products)]  # fmt: skip
-    return [lambda: delta.delta(q, k, v, g, beta, state, out, scale=spec.scale, write_state=write, **shape)]
+    if not delta_chunked(spec.rows, spec.dk):
+        return [lambda: delta.delta(q, k, v, g, beta, state, out, scale=spec.scale, write_state=write, **shape)]
+    products = dict(scale=spec.scale, precision=b.delta_products, **shape)
+    if launches_of(op) == DELTA_FORM_LAUNCHES[DELTA_SPLIT]:
+        scratch = _chunked_scratch(b, spec, k.device)
+        return [
+            lambda: chunked.prepare(q, k, v, g, beta, scratch, write_output=out is not None, **products),
+            lambda: chunked.recur(q, k, g, state, out, scratch, write_state=write, **products),
+        ]
+    return [lambda: chunked.chunked(q, k, v, g, beta, state, out, write_state=write, form=DELTA_WHOLE, **products)]
 
 
 def gated_norm(op: Op, b, out_q8: Any = None) -> list:

@@ -20,21 +20,22 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselane.lanes.cuda.plan import gdn as facts
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gdn.delta import nearest_bf16
 
-CHUNK = 64  # rows a chunk (the reference's chunk size)
+CHUNK = facts.DELTA_CHUNK  # rows a chunk (the reference's chunk size)
 # How the chunk's unit-lower-triangular system is inverted: a row a step (63 dependent steps of two reductions
 # over the chunk's rows), or in blocks of `SOLVE_BLOCK` rows (15 dependent products, then four more);
 # `benchmarks/gdn_chunked.py` times both
 SOLVES = ("rows", "blocks")
 SOLVE_BLOCK = 16
-# The forms of a launch (`chunked`): each chunk's system solved in a launch of its own, every chunk at once,
-# then the state across the chunks; or both in one launch, a chunk after another (64 programs for the 80B-A3B's
-# 32 value heads, each solving its head's chunks in turn)
-FORMS = ("split", "whole")
+# The forms of a launch (`chunked`): each chunk's system solved in a launch of its own (`prepare`), every chunk
+# at once, then the state across the chunks (`recur`); or both in one launch, a chunk after another (64 programs
+# for the 80B-A3B's 32 value heads, each solving its head's chunks in turn)
+FORMS = facts.DELTA_FORMS
 BV = 64  # value columns a program
-MIN_DOT = 16  # tl.dot's least extent: heads of fewer key values run the recurrence (`delta`)
+MIN_DOT = facts.DELTA_MIN_DOT  # tl.dot's least extent: heads of fewer key values run the recurrence (`delta`)
 PRECISIONS = ("tf32x3", "ieee")  # `tl.dot`'s input precisions the kernel takes, the default first (`delta_products`)
 # A TF32x3 product's relative error, bounded: each operand split into a TF32 high half and the TF32 of its rest,
 # whose own rounding and the dropped product of the two rests are each about 2^-22 of the product; 16 times
@@ -217,13 +218,75 @@ def _recur_kernel(
 
 def takes(dk: int) -> bool:
     """Whether the chunked kernel takes heads of `dk` key values (a power of two, at least tl.dot's extent)."""
-    return dk >= MIN_DOT and dk & (dk - 1) == 0
+    return facts.delta_chunked(2, dk)
 
 
 def split_values(rows: int, heads: int, dk: int, dv: int) -> int:
     """f32 values of the split form's scratch for a chunk of `rows`: u and w at each row and head, and each
     (chunk, head)'s (C, C) block of q k^T."""
     return rows * heads * (dk + dv) + triton.cdiv(rows, CHUNK) * heads * CHUNK * CHUNK
+
+
+def _checked(precision: str, solve: str, dk: int) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"the chunked rule multiplies at one of {PRECISIONS}, not {precision!r}")
+    if solve not in SOLVES:
+        raise ValueError(f"the chunked rule solves its system as one of {SOLVES}, not {solve!r}")
+    if not takes(dk):
+        raise ValueError(f"the chunked rule takes heads of a power of two of at least {MIN_DOT} key values")
+
+
+def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """A (rows, width) view of an operand, or the strided view it is where it is not contiguous."""
+    return x.view(rows, -1) if x.is_contiguous() else x
+
+
+def _split_scratch(scratch: torch.Tensor, rows: int, heads: int, dk: int, dv: int) -> list[torch.Tensor]:
+    """The split form's scratch cut into u, w and the blocks' q k^T."""
+    need = split_values(rows, heads, dk, dv)
+    if scratch.dtype != torch.float32 or scratch.numel() < need or not scratch.is_contiguous():
+        raise ValueError(f"the split form's scratch must be {need} contiguous f32 values")
+    return list(scratch[:need].split([rows * heads * dv, rows * heads * dk, need - rows * heads * (dk + dv)]))
+
+
+def prepare(
+    q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    scratch: torch.Tensor, *, rows: int, heads: int, key_heads: int, dk: int, dv: int, scale: float,
+    write_output: bool, precision: str = PRECISIONS[0], warps: int = WARPS, solve: str = SOLVES[0],
+) -> None:  # fmt: skip
+    """The split form's first launch: every (value head, block)'s system solved at once, u = T (beta v),
+    w = T (beta k e^cum) and the block's decayed q k^T stored in `scratch` (`split_values` f32)."""
+    _checked(precision, solve, dk)
+    k2 = _rows(k, rows)
+    q2 = k2 if q is None else _rows(q, rows)
+    v2 = _rows(v, rows)
+    u, w, inner = _split_scratch(scratch, rows, heads, dk, dv)
+    _prepare_kernel[(heads, triton.cdiv(rows, CHUNK))](
+        q2, k2, k2.stride(0), v2, v2.stride(0), g, beta, heads, u, w, inner, rows, float(scale),
+        HEADS=heads, DVB=max(MIN_DOT, triton.next_power_of_2(dv)), SB=SOLVE_BLOCK if solve == "blocks" else 0,
+        DK=dk, DV=dv, PER=heads // key_heads, C=CHUNK, WRITE_O=write_output, DOT_PRECISION=precision,
+        num_warps=warps, **pdl.options(),
+    )  # fmt: skip
+
+
+def recur(
+    q: torch.Tensor | None, k: torch.Tensor, g: torch.Tensor, state: torch.Tensor, out: torch.Tensor | None,
+    scratch: torch.Tensor, *, rows: int, heads: int, key_heads: int, dk: int, dv: int, scale: float,
+    write_state: bool, precision: str = PRECISIONS[0], bv: int = BV, warps: int = WARPS,
+) -> None:  # fmt: skip
+    """The split form's second launch: the state across the blocks from `prepare`'s scratch, the rows'
+    outputs into `out` (where given) and the state written back where `write_state`."""
+    _checked(precision, SOLVES[0], dk)
+    k2 = _rows(k, rows)
+    q2 = k2 if q is None else _rows(q, rows)
+    o = out.view(rows, -1) if out is not None else k2
+    bv = min(bv, max(MIN_DOT, triton.next_power_of_2(dv)))
+    u, w, inner = _split_scratch(scratch, rows, heads, dk, dv)
+    _recur_kernel[(heads, triton.cdiv(dv, bv))](
+        q2, k2, k2.stride(0), g, heads, u, w, inner, state, o, o.stride(0), rows, float(scale),
+        HEADS=heads, BV=bv, WRITE_S=write_state, DK=dk, DV=dv, PER=heads // key_heads, C=CHUNK,
+        WRITE_O=out is not None, DOT_PRECISION=precision, num_warps=warps, **pdl.options(),
+    )  # fmt: skip
 
 
 def chunked(
@@ -238,38 +301,24 @@ def chunked(
     system at once in a launch of its own, into `scratch` (`split_values` f32; allocated here where not
     given), then moves the state across the chunks in a second; "whole" does both in one launch, a chunk
     after another."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"the chunked rule multiplies at one of {PRECISIONS}, not {precision!r}")
-    if solve not in SOLVES:
-        raise ValueError(f"the chunked rule solves its system as one of {SOLVES}, not {solve!r}")
     if form not in FORMS:
         raise ValueError(f"the chunked rule runs in one of the forms {FORMS}, not {form!r}")
-    if not takes(dk):
-        raise ValueError(f"the chunked rule takes heads of a power of two of at least {MIN_DOT} key values")
-    k2, v2 = k.view(rows, -1) if k.is_contiguous() else k, v.view(rows, -1) if v.is_contiguous() else v
-    q2 = k2 if q is None else (q.view(rows, -1) if q.is_contiguous() else q)
+    shape = dict(rows=rows, heads=heads, key_heads=key_heads, dk=dk, dv=dv, scale=scale, precision=precision,
+                 warps=warps)  # fmt: skip
+    if form == facts.DELTA_SPLIT:
+        if scratch is None:
+            scratch = torch.empty(split_values(rows, heads, dk, dv), dtype=torch.float32, device=k.device)
+        prepare(q, k, v, g, beta, scratch, write_output=out is not None, solve=solve, **shape)
+        recur(q, k, g, state, out, scratch, write_state=write_state, bv=bv, **shape)
+        return
+    _checked(precision, solve, dk)
+    k2, v2 = _rows(k, rows), _rows(v, rows)
+    q2 = k2 if q is None else _rows(q, rows)
     o = out.view(rows, -1) if out is not None else v2
     bv = min(bv, max(MIN_DOT, triton.next_power_of_2(dv)))
-    sb = SOLVE_BLOCK if solve == "blocks" else 0
-    common = dict(DK=dk, DV=dv, PER=heads // key_heads, C=CHUNK, WRITE_O=out is not None, DOT_PRECISION=precision,
-                  num_warps=warps)  # fmt: skip
-    if form == "whole":
-        _chunked_kernel[(heads, triton.cdiv(dv, bv))](
-            q2, k2, k2.stride(0), v2, v2.stride(0), g, beta, heads, state, o, o.stride(0), rows, float(scale),
-            BV=bv, WRITE_S=write_state, SB=sb, **common, **pdl.options(),
-        )  # fmt: skip
-        return
-    need = split_values(rows, heads, dk, dv)
-    if scratch is None:
-        scratch = torch.empty(need, dtype=torch.float32, device=k.device)
-    if scratch.dtype != torch.float32 or scratch.numel() < need or not scratch.is_contiguous():
-        raise ValueError(f"the split form's scratch must be {need} contiguous f32 values")
-    u, w, inner = scratch[:need].split([rows * heads * dv, rows * heads * dk, need - rows * heads * (dk + dv)])
-    _prepare_kernel[(heads, triton.cdiv(rows, CHUNK))](
-        q2, k2, k2.stride(0), v2, v2.stride(0), g, beta, heads, u, w, inner, rows, float(scale),
-        HEADS=heads, DVB=max(MIN_DOT, triton.next_power_of_2(dv)), SB=sb, **common, **pdl.options(),
-    )  # fmt: skip
-    _recur_kernel[(heads, triton.cdiv(dv, bv))](
-        q2, k2, k2.stride(0), g, heads, u, w, inner, state, o, o.stride(0), rows, float(scale),
-        HEADS=heads, BV=bv, WRITE_S=write_state, **common, **pdl.options(),
+    _chunked_kernel[(heads, triton.cdiv(dv, bv))](
+        q2, k2, k2.stride(0), v2, v2.stride(0), g, beta, heads, state, o, o.stride(0), rows, float(scale),
+        BV=bv, WRITE_S=write_state, SB=SOLVE_BLOCK if solve == "blocks" else 0, DK=dk, DV=dv,
+        PER=heads // key_heads, C=CHUNK, WRITE_O=out is not None, DOT_PRECISION=precision, num_warps=warps,
+        **pdl.options(),
     )  # fmt: skip
