@@ -251,7 +251,15 @@ def test_a_slab_takes_whole_steps_of_rows_where_the_matrix_does_not_fit():
     # product took twice as long as one of 768
     from fuselane.lanes.cuda.plan.kernels import F16_SLAB_STEP
 
-    assert S._slab_rows(18944, 2340) == 2340 // F16_SLAB_STEP * F16_SLAB_STEP
+    assert S._slab_rows(18944, 2340) % F16_SLAB_STEP == 0
     assert S._slab_rows(3584, 885) % 8 == 0
+    # as few slabs as the scratch allows, as even as whole steps make them: no narrow last slab
+    for n, fits in ((3584, 1771), (18944, 4681), (152064, 9362), (18944, 2340), (3584, 885), (1000, 130)):
+        rows, most = S._slab_rows(n, fits), fits // F16_SLAB_STEP * F16_SLAB_STEP
+        assert rows % F16_SLAB_STEP == 0 and rows <= most
+        slabs = -(-n // rows)
+        assert slabs == -(-n // most)
+        assert n - (slabs - 1) * rows > rows - F16_SLAB_STEP * slabs
+    assert S._slab_rows(3584, 1771) == 1280  # a 7B's down in 32 Mi values: 1,280, 1,280, 1,024 (not ..., 256)
     assert S._slab_rows(24, 30) == 24  # the whole matrix fits
     assert S._slab_rows(24, 7) == 7  # a scratch of fewer rows than a step: all it holds (the tests' slabs)

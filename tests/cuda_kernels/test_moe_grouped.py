@@ -244,12 +244,12 @@ def test_row_scales_take_activations_past_f16():
            "down past f16")  # fmt: skip
 
 
-@pytest.mark.parametrize("hist_a_pass", [route.HIST_A_PASS, 16], ids=["one-pass", "many-passes"])
-def test_route_sorts_and_counts_each_experts_pairs(hist_a_pass, monkeypatch):
+@pytest.mark.parametrize("hist_a_thread", [route.HIST_A_THREAD, 0], ids=["one-pass", "many-passes"])
+def test_route_sorts_and_counts_each_experts_pairs(hist_a_thread, monkeypatch):
     # more pairs than a pass of the sort's placing takes, over many blocks of rows: each expert's first place
     # carries from block to block, and from one pass to the next (of the placing, and of the blocks' histograms
-    # where a pass takes few of them)
-    monkeypatch.setattr(route, "HIST_A_PASS", hist_a_pass)
+    # where a pass takes few of them: at 0 values a thread, one block's histogram a pass, the least)
+    monkeypatch.setattr(route, "HIST_A_THREAD", hist_a_thread)
     rng = np.random.default_rng(5)
     rows, experts, d, k = route.PAIRS_A_PASS // 2 + 10, 6, 64, 2
     w = rng.standard_normal((experts, d)).astype(np.float32)

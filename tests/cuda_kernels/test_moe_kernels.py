@@ -74,17 +74,22 @@ def test_route_ranks_the_experts_and_sorts_the_pairs(renorm, rows, experts):
 
 @pytest.mark.parametrize(
     ("fmt", "experts", "d"),
-    [(Format.F32, 12, 96), (Format.BF16, 72, 64), (Format.F16, 40, 64)],
-    ids=["f32-one-tile", "bf16-three-tiles", "f16-two-tiles"],
+    [(Format.F32, 12, 96), (Format.BF16, 72, 64), (Format.F16, 40, 64), (Format.F32, 300, 64)],
+    ids=["f32-one-tile", "bf16-three-tiles", "f16-two-tiles", "f32-ranked-in-groups-of-rows"],
 )
 def test_a_chunks_routing_product_on_the_tensor_core_tile(fmt, experts, d):
     # past the GEMV's rows a float router multiplies as tensor-core tiles (`kernels.moe_route_chunk`): blocks of
     # 16 rows (the last partial) by 32 router rows (the last partial), a width past whole 64-value steps (96),
     # each block's rows' largest values split among its programs; ids, weights, order, counts and row scales as
-    # the GEMV's tile gives them
+    # the GEMV's tile gives them. 300 experts: a block is ranked a group of its rows at a time
+    # (`kernels.moe_rank_rows`), the sort's places carried across the groups, the last block's groups partly
+    # or wholly past the chunk
     rng = np.random.default_rng(6)
     rows, k = 21, 3
     assert kernels.moe_route_chunk(fmt, rows) and not kernels.moe_route_chunk(fmt, kernels.GEMV_ROWS)
+    block, warps = kernels.MOE_ROUTE_CHUNK_ROWS, kernels.MOE_ROUTE_CHUNK_WARPS
+    groups = block // kernels.moe_rank_rows(block, 1 << (experts - 1).bit_length(), warps)
+    assert (groups > 2) == (experts > 256)
     dtype = {Format.F32: np.float32, Format.F16: np.float16, Format.BF16: np.float32}[fmt]
     w = rng.standard_normal((experts, d)).astype(dtype)
     if fmt is Format.BF16:  # the top half of each f32

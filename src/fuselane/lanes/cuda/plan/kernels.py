@@ -441,6 +441,18 @@ MOE_ROUTE_CHUNK_FORMATS = frozenset({Format.F32, Format.F16, Format.BF16})
 # only (a block of one row): a block of a chunk's rows keeps the passes, whose launch holds its products'
 # sums for eight rows and spilled more with the comparison (ptxas sm_90, Qwen3-30B-A3B: 16 -> 56 stack bytes).
 MOE_RANK_BY_COUNT_EXPERTS = 128
+# The most values of a [rows, experts] tile a thread of a block's ranking holds (`route._rank_block`): the block
+# walks its rows as many at a time as keep it there (`moe_rank_rows`), the places of its sort carried from one
+# group of rows to the next. A Qwen3-30B-A3B block (16 rows of 128 experts over four warps: 16 values) takes 98-128
+# registers and no stack; Qwen3-Next-80B-A3B's 512 experts, 16 rows at once (64 values), took 255 registers and
+# 704 stack bytes a thread (sm_90, `compile_check --usage`), in the launch whose product programs share them.
+MOE_RANK_VALUES = 16
+
+
+def moe_rank_rows(row_block: int, experts_block: int, warps: int) -> int:
+    """Rows of a block the ranking takes at a time: as many as hold `MOE_RANK_VALUES` of the [rows, experts]
+    tile a thread (powers of two, so a whole number of groups), one at least."""
+    return max(1, min(row_block, MOE_RANK_VALUES * warps * WARP // experts_block))
 
 
 def moe_down_slots(k: int) -> int:

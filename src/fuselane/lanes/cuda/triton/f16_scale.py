@@ -221,11 +221,20 @@ def gate_up_glu_from_bytes(
 
 
 def _slab_rows(n: int, fits: int) -> int:
-    """The rows of a matrix a slab takes: all n where they fit, else whole `kernels.F16_SLAB_STEP`s of the
-    `fits` the scratch holds (only a scratch of fewer rows than a step takes them all)."""
+    """The rows of a matrix a slab takes: all n where they fit, else as few slabs as whole
+    `kernels.F16_SLAB_STEP`s of the `fits` the scratch holds allow, their rows as even as whole steps make them
+    (only a scratch of fewer rows than a step takes all it holds).
+
+    Why even: a last slab of the leftover rows made a narrow product (a 7B's down in slabs of 1,664, 1,664 and
+    256 rows), which cuBLAS runs on a few of the chip's SMs for the whole of its long k; 1,280, 1,280 and 1,024
+    are the same three slabs, each wide enough to fill it."""
     if fits >= n:
         return n
-    return fits // F16_SLAB_STEP * F16_SLAB_STEP or fits
+    most = fits // F16_SLAB_STEP * F16_SLAB_STEP
+    if most == 0:
+        return fits
+    slabs = math.ceil(n / most)
+    return math.ceil(n / slabs / F16_SLAB_STEP) * F16_SLAB_STEP
 
 
 def _rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,8 @@ block's last program to finish (a self-resetting counter a block, `fast_norm.nor
 ranks its rows, so a chunk's blocks are ranked in parallel. Ranking: a decode step's row of up to
 `kernels.MOE_RANK_BY_COUNT_EXPERTS` experts places each expert by the count of those ahead of it (one
 comparison of every pair, one reduction); more experts take k arg-max passes, and a block of a chunk's
-rows takes k arg-max passes over all its rows at once; both put the lower index first on a tie, as the cpu
+rows takes k arg-max passes over as many of its rows at once as keep a thread's share of the scores bounded
+(`kernels.moe_rank_rows`); both put the lower index first on a tie, as the cpu
 lane's stable sort.
 
 Sorting (a chunk), a stable counting sort by expert id, split so no program walks the pairs one pass after
@@ -45,9 +46,10 @@ from fuselane.lanes.cuda.triton.gemv.layout import FMT_F16, FMT_F32, HALF_WORD_B
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, tiles
 
 # Pairs the sort's last program places a pass (ids, ranks and firsts loaded, the order stored: 4 of each a
-# thread of eight warps), and the most values of the blocks' histograms it scans at once.
+# thread of eight warps), and the most values of the blocks' histograms a thread holds in a pass of its scan
+# (8,192 values a pass at eight warps; 512 experts at once over four warps' threads held 64 and spilled).
 PAIRS_A_PASS = 1024
-HIST_A_PASS = 8192
+HIST_A_THREAD = 32
 # Values of a block's rows a pass of the rows' largest |value| (`_row_amax`) reads: 8 rows, 16 values a thread.
 AMAX_CHUNK = tl.constexpr(512)
 RANK_BY_COUNT = tl.constexpr(kernels.MOE_RANK_BY_COUNT_EXPERTS)  # a kernel reads a constexpr global only
@@ -135,23 +137,23 @@ def _choice(scores, rows, live_rows, bias, ex, live, E: tl.constexpr, SIGMOID: t
 
 
 @triton.jit
-def _rank_block(scores, ids, weights, bias, scale, block, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr,
-                K_BLOCK: tl.constexpr, ROWS: tl.constexpr, ROW_BLOCK: tl.constexpr, RENORM: tl.constexpr,
-                SIGMOID: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
-    """The kept experts and weights of a block of a chunk's rows, all rows at once: K arg-max passes over the
-    [ROW_BLOCK, E_BLOCK] choice scores (the lower index first on a tie, `_keep_by_passes`' order). Returns the
-    kept ids ([ROW_BLOCK, K_BLOCK], -1 past the chunk's rows and past K) and the experts each live row kept
-    ([ROW_BLOCK, E_BLOCK]) for the sort."""
+def _rank_rows(scores, ids, weights, bias, scale, first, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr,
+               K_BLOCK: tl.constexpr, ROWS: tl.constexpr, RANK_ROWS: tl.constexpr, RENORM: tl.constexpr,
+               SIGMOID: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
+    """The kept experts and weights of RANK_ROWS of a chunk's rows from `first`, all at once: K arg-max passes
+    over the [RANK_ROWS, E_BLOCK] choice scores (the lower index first on a tie, `_keep_by_passes`' order).
+    Returns the kept ids ([RANK_ROWS, K_BLOCK], -1 past the chunk's rows and past K) and the experts each live
+    row kept ([RANK_ROWS, E_BLOCK]) for the sort."""
     ex = tl.arange(0, E_BLOCK)
-    rows = block * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
+    rows = first + tl.arange(0, RANK_ROWS)
     live_rows = rows < ROWS
     p, c = _choice(scores, rows, live_rows, bias, ex, ex < E, E, SIGMOID, BIAS)
     slot = tl.arange(0, K_BLOCK)[None, :]
-    kept_ids = tl.full([ROW_BLOCK, K_BLOCK], -1, tl.int32)
-    kept = tl.zeros([ROW_BLOCK, K_BLOCK], tl.float32)
-    taken = tl.zeros([ROW_BLOCK, E_BLOCK], tl.int32)
+    kept_ids = tl.full([RANK_ROWS, K_BLOCK], -1, tl.int32)
+    kept = tl.zeros([RANK_ROWS, K_BLOCK], tl.float32)
+    taken = tl.zeros([RANK_ROWS, E_BLOCK], tl.int32)
     for j in tl.static_range(K):
-        best = tl.argmax(c, 1, tie_break_left=True)[:, None]  # [ROW_BLOCK, 1]
+        best = tl.argmax(c, 1, tie_break_left=True)[:, None]  # [RANK_ROWS, 1]
         hit = ex[None, :] == best
         kept_ids = tl.where(slot == j, best.to(tl.int32), kept_ids)
         kept = tl.where(slot == j, tl.sum(tl.where(hit, p, 0.0), 1)[:, None], kept)
@@ -167,21 +169,43 @@ def _rank_block(scores, ids, weights, bias, scale, block, E: tl.constexpr, E_BLO
 
 
 @triton.jit
-def _block_places(kept_ids, taken, hist, rank, block, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr,
-                  K_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr):  # fmt: skip
-    """A block's share of the stable sort: the pairs of each expert among its rows (hist[block, e]) and each
-    pair's place among its block's pairs of its expert (rank[pair]). A row's kept experts are distinct, so the
+def _rank_block(scores, ids, weights, bias, scale, hist, rank, block, E: tl.constexpr, E_BLOCK: tl.constexpr,
+                K: tl.constexpr, K_BLOCK: tl.constexpr, ROWS: tl.constexpr, ROW_BLOCK: tl.constexpr,
+                RANK_ROWS: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
+                SORT: tl.constexpr):  # fmt: skip
+    """A block of a chunk's rows ranked RANK_ROWS at a time (`_rank_rows`, `kernels.moe_rank_rows`: a thread
+    holds a bounded share of the [rows, experts] tile whatever the experts); with SORT, the block's share of
+    the sort too (`_block_places`), the pairs of each expert in the rows already ranked carried from one group
+    to the next, and the block's histogram stored at the end."""
+    ex = tl.arange(0, E_BLOCK)
+    before = tl.zeros([E_BLOCK], tl.int32)  # the pairs of each expert among the block's rows ranked so far
+    for g in range(0, ROW_BLOCK // RANK_ROWS):
+        first = block * ROW_BLOCK + g * RANK_ROWS
+        kept, taken = _rank_rows(scores, ids, weights, bias, scale, first, E, E_BLOCK, K, K_BLOCK, ROWS, RANK_ROWS,
+                                 RENORM, SIGMOID, BIAS)  # fmt: skip
+        if SORT:
+            before = _block_places(kept, taken, before, rank, first, E_BLOCK, K, K_BLOCK, RANK_ROWS)
+    if SORT:
+        tl.store(hist + block * E + ex, before, mask=ex < E)
+
+
+@triton.jit
+def _block_places(kept_ids, taken, before, rank, first, E_BLOCK: tl.constexpr, K: tl.constexpr,
+                  K_BLOCK: tl.constexpr, RANK_ROWS: tl.constexpr):  # fmt: skip
+    """A group of a block's rows' share of the stable sort: each pair's place among its block's pairs of its
+    expert (rank[pair]), `before` ([E_BLOCK]) those of the block's earlier rows; returns `before` past these
+    rows (the block's histogram hist[block, e] after its last group). A row's kept experts are distinct, so the
     pairs of its expert before it are the earlier rows that kept it: a running count down the rows of `taken`
-    ([ROW_BLOCK, E_BLOCK], the experts each row kept), read at each slot's expert. [ROW_BLOCK, E_BLOCK] a pass,
-    not a comparison of every pair of the block with every other (ROW_BLOCK * K squared)."""
-    ahead = tl.cumsum(taken, 0) - taken
+    ([RANK_ROWS, E_BLOCK], the experts each row kept), read at each slot's expert. [RANK_ROWS, E_BLOCK] a pass,
+    not a comparison of every pair of the block with every other (rows * K squared)."""
+    ahead = tl.cumsum(taken, 0) - taken + before[None, :]
     ex = tl.arange(0, E_BLOCK)
     slot = tl.arange(0, K_BLOCK)[None, :]
-    pairs = block * ROW_BLOCK * K + tl.arange(0, ROW_BLOCK) * K
+    pairs = first * K + tl.arange(0, RANK_ROWS) * K
     for j in tl.static_range(K):
-        e = tl.sum(tl.where(slot == j, kept_ids, 0), 1)  # [ROW_BLOCK]: slot j's expert, -1 past the chunk
+        e = tl.sum(tl.where(slot == j, kept_ids, 0), 1)  # [RANK_ROWS]: slot j's expert, -1 past the chunk
         tl.store(rank + pairs + j, tl.sum(tl.where(ex[None, :] == e[:, None], ahead, 0), 1), mask=e >= 0)
-    tl.store(hist + block * E + ex, tl.sum(taken, 0), mask=ex < E)
+    return before + tl.sum(taken, 0)
 
 
 @triton.jit
@@ -292,7 +316,7 @@ def _route_kernel(
     SORT: tl.constexpr, COUNT: tl.constexpr, HB: tl.constexpr, PB: tl.constexpr, AMAX: tl.constexpr,
     FMT: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr, ROW_BYTES: tl.constexpr, D_BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_K: tl.constexpr, AMAX_ROWS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, AMAX_ROWS: tl.constexpr, RANK_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if ROWS == 1 and BLOCK_N == 1 and FMT == FMT_F32:  # the router row read before the wait (`_router_row`)
         pdl.release(PDL)
@@ -321,10 +345,8 @@ def _route_kernel(
         if ROW_BLOCK == 1:  # a decode step's row (never sorted)
             _rank_row(scores, ids, weights, bias, scale, block, E, E_BLOCK, K, K_BLOCK, RENORM, SIGMOID, BIAS, True)
         else:
-            kept, taken = _rank_block(scores, ids, weights, bias, scale, block, E, E_BLOCK, K, K_BLOCK, ROWS,
-                                      ROW_BLOCK, RENORM, SIGMOID, BIAS)  # fmt: skip
-            if SORT:
-                _block_places(kept, taken, hist, rank, block, E, E_BLOCK, K, K_BLOCK, ROW_BLOCK)
+            _rank_block(scores, ids, weights, bias, scale, hist, rank, block, E, E_BLOCK, K, K_BLOCK, ROWS,
+                        ROW_BLOCK, RANK_ROWS, RENORM, SIGMOID, BIAS, SORT)  # fmt: skip
         if SORT:
             tl.debug_barrier()
             ranked = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -445,7 +467,9 @@ def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool,
         raise ValueError(f"the row scales take a sorted chunk's ({rows},) f32, ({rows}, {d}) f16 and ({rows * k},) "
                          "int32")  # fmt: skip
     x_amax, x16, h_amax = (amax.x, amax.x16, amax.h) if amax is not None else (scores, scores, ids)
-    hb = max(1, min(triton.next_power_of_2(blocks), HIST_A_PASS // triton.next_power_of_2(experts)))
+    hb = max(
+        1, min(triton.next_power_of_2(blocks), HIST_A_THREAD * warps * kernels.WARP // triton.next_power_of_2(experts))
+    )
     _route_kernel[(expert_tiles, blocks)](
         x, w, scores, ids, weights, order if sort else ids, ids if counts is None else counts, counter, hist, rank,
         x_amax, x16, h_amax, scores if bias is None else bias, float(scale),
@@ -453,5 +477,6 @@ def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool,
         ROWS=rows, ROW_BLOCK=row_block, RENORM=renorm, SIGMOID=sigmoid, BIAS=bias is not None, SORT=sort,
         COUNT=counts is not None, AMAX=amax is not None, HB=hb, PB=PAIRS_A_PASS,
         D_BLOCK=triton.next_power_of_2(d), CHUNK=chunk, BLOCK_K=kernels.MOE_ROUTE_CHUNK_K, AMAX_ROWS=amax_rows,
+        RANK_ROWS=kernels.moe_rank_rows(row_block, triton.next_power_of_2(experts), warps),
         num_warps=warps, **plan, **pdl.options(), **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )  # fmt: skip
