@@ -63,3 +63,27 @@ def test_tied_embeddings(tmp_path):
     with_tied = load(path, lane="cpu", ctx=32)
     assert with_tied.cfg.tied
     assert rel_err(with_tied.logits(PROMPT), hf_logits(hf, PROMPT)) <= REL_TOL
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_yarn_matches_transformers(arch, tmp_path):
+    # `rope.scaling.type` yarn: the frequencies stretched by the ramp between the betas over the original
+    # context (a short one, so the tiny heads' frequencies fall on both sides of it), and the rotation's cos and
+    # sin scaled by 1 + 0.1 ln(factor), as Hugging Face's yarn rope and llama.cpp read it; prefill then decode
+    hf = tiny_hf(arch, seed=5, yarn=(4.0, 64))
+    path = write_weights(tmp_path / "yarn.gguf", shape_of(hf, arch), gguf_weights(hf))
+    model = load(path, lane="cpu", ctx=64)
+    assert model.cfg.yarn is not None and model.cfg.yarn.factor == 4.0 and model.cfg.score_scale > 1
+    session = model.session()
+    ids = list(PROMPT)
+    ours = [session.feed(ids)]
+    for _ in range(DECODE_STEPS):
+        ids.append(int(np.argmax(ours[-1])))
+        ours.append(session.extend(ids[-1:]))
+    ref = hf_logits(hf, ids)[len(PROMPT) - 1 :]
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        assert rel_err(a, b) <= REL_TOL, f"{arch} step {step}"
+    # the same weights read without the stretch are another model: the test sees the difference
+    plain = load(write_weights(tmp_path / "plain.gguf", shape_of(tiny_hf(arch, seed=5), arch), gguf_weights(hf)),
+                 lane="cpu", ctx=64)  # fmt: skip
+    assert rel_err(plain.logits(PROMPT), hf_logits(hf, PROMPT)) > 100 * REL_TOL

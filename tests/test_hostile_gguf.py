@@ -158,7 +158,30 @@ TYPES: dict[str, Case] = {
         {f"{ARCH}.rope.freq_base": Typed("1e6", VT.STRING)}, ("freq_base", "number", "STRING"), ModelError
     ),
 }
-CASES = COUNTS | TYPES
+_YARN = {f"{ARCH}.rope.scaling.type": Typed("yarn", VT.STRING)}
+SCALING: dict[str, Case] = {
+    "linear rope scaling": Case(
+        {f"{ARCH}.rope.scaling.type": Typed("linear", VT.STRING)}, ("rope.scaling.type", "none or yarn"), ModelError
+    ),
+    "yarn without a factor": Case(_YARN, ("rope.scaling.factor",), ModelError),
+    "yarn that shrinks": Case(
+        _YARN | {f"{ARCH}.rope.scaling.factor": Typed(0.5, VT.FLOAT32)}, ("rope.scaling", "no stretch"), ModelError
+    ),
+    "yarn of NaN factor": Case(
+        _YARN | {f"{ARCH}.rope.scaling.factor": Typed(math.nan, VT.FLOAT32)}, ("rope.scaling.factor",), ModelError
+    ),
+    "yarn betas crossed": Case(
+        _YARN
+        | {
+            f"{ARCH}.rope.scaling.factor": Typed(4.0, VT.FLOAT32),
+            f"{ARCH}.rope.scaling.yarn_beta_fast": Typed(1.0, VT.FLOAT32),
+            f"{ARCH}.rope.scaling.yarn_beta_slow": Typed(32.0, VT.FLOAT32),
+        },
+        ("no stretch", "betas"),
+        ModelError,
+    ),
+}
+CASES = COUNTS | TYPES | SCALING
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,7 @@ def summarize(f: GgufFile) -> dict[str, Any]:
             "vocab": cfg.vocab,
             "context": cfg.context,
             "rope_base": cfg.rope_base,
+            "yarn": None if cfg.yarn is None else {"factor": cfg.yarn.factor, "original_context": cfg.yarn.original},
             "rms_eps": cfg.rms_eps,
             "tied_embeddings": cfg.tied,
             "qkv_bias": cfg.qkv_bias,
@@ -195,6 +196,11 @@ def _token(tokens: list[str], idx: Any) -> str | None:
     return tokens[idx] if isinstance(idx, int) and 0 <= idx < len(tokens) else None
 
 
+def _yarn_text(yarn: dict | None) -> str:
+    """", YaRN x4 over 32768" where the file stretches its rotary frequencies."""
+    return "" if yarn is None else f", YaRN x{yarn['factor']:g} over {yarn['original_context']}"
+
+
 def render(info: dict[str, Any]) -> str:
     """A human-readable report of `describe`'s facts."""
     s, t, q = info["shape"], info["tokenizer"], info["quant"]
@@ -205,7 +211,8 @@ def render(info: dict[str, Any]) -> str:
         f"GGUF v{info['gguf_version']}, {info['tensors']} tensors",
         f"  shape         n_embd {s['n_embd']}, {s['layers']} layers, {s['heads']} heads / {s['kv_heads']} kv, "
         f"head_dim {s['head_dim']}, ffn {s['ffn']}, vocab {s['vocab']}",
-        f"  context       {s['context']} tokens, rope base {s['rope_base']:g}, rms eps {s['rms_eps']:g}",
+        f"  context       {s['context']} tokens, rope base {s['rope_base']:g}{_yarn_text(s.get('yarn'))}, "
+        f"rms eps {s['rms_eps']:g}",
         f"  features      qkv bias {s['qkv_bias']}, q/k norm {s['qk_norm']}, tied embeddings {s['tied_embeddings']}",
         *_linear_line(info.get("linear"), s["layers"]),
         *_experts_line(info.get("experts"), gated=info.get("latent") is None),

@@ -209,3 +209,26 @@ def test_prefill_from_the_files_bytes(tmp_path, monkeypatch, knob, module, launc
     assert np.isfinite(a).all() and rel(a, b) <= tol, f"{rel(a, b):.2e} > {tol:.2e}"
     assert formats == {12, 14}, formats  # Q4_K, Q6_K
     assert not gpu.lane._dense, "a product made an f16 copy"
+
+
+@pytest.mark.parametrize("shape", ["tiny-qwen2", "tiny-qwen3"])
+def test_a_yarn_model_runs_as_the_cpu_lane(tmp_path, shape):
+    # `rope.scaling.type` yarn: the rotations turn by the table kernel's stretched frequencies (the fused NEOX
+    # rotations take the base's own only, so the plan runs them apart) and the scores take YaRN's scale
+    from dataclasses import replace
+
+    from fuselane.fuse.views import class_of
+    from fuselane.gguf.synth import SHAPES
+    from fuselane.graph.classes import ClassId as C
+
+    yarn = replace(SHAPES[shape], yarn_factor=4.0, yarn_original=16)
+    path = write_synthetic(tmp_path / "m.gguf", yarn, "f16", seed=4)
+    gpu = load(path, lane="cuda", ctx=32, knobs=["activations=dequant"])
+    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
+    assert gpu.cfg.yarn is not None
+    fused = {C.QK_NORM_ROPE, C.QK_NORM_ROPE_KV_APPEND, C.ROPE_KV_APPEND, C.ROPE_QK_ONE_LAUNCH}
+    assert not fused & {class_of(op) for op, _ in gpu.lane.step(1).bound}
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    for step, (a, b) in enumerate(zip(_steps(gpu), _steps(ref), strict=True)):
+        assert np.isfinite(a).all()
+        assert rel(a, b) <= tol, f"step {step}: {rel(a, b):.2e} > {tol:.2e}"

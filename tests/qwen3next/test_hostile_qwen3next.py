@@ -2,7 +2,8 @@
 
 Each file is the tiny Qwen3-Next (float weights, the synthetic tokenizer) with one claim wrong: a convolution of
 no taps, a full-attention interval of 0, a missing recurrent tensor, value heads that do not group over the key
-heads, an inner size the heads do not make, layer flags short of the layers, a partial rotary past the head.
+heads, an inner size the heads do not make, layer flags short of the layers, a partial rotary past the head,
+YaRN on a partly rotated head.
 Each must end in one error line naming what is wrong: through `run` (exit code 1, quickly) and `info`'s API.
 """
 
@@ -33,6 +34,13 @@ CASES = {
         Q3N, {P + "attention.recurrent_layers": [True, False]}, {}, ("recurrent_layers", "2 layers", "4 layers")
     ),
     "a rotary past the head": Case(Q3N, {P + "rope.dimension_count": 18}, {}, ("rope.dimension_count", "18")),
+    # YaRN scales the rotation's cos and sin; a partly rotated head's other values would not carry the scale
+    "YaRN on a partly rotated head": Case(
+        Q3N,
+        {P + "rope.scaling.type": "yarn", P + "rope.scaling.factor": 4.0},
+        {},
+        ("YaRN", "whole heads"),
+    ),
     "a quantized norm of the rule": Case(
         Q3N, {}, {"blk.0.ssm_norm.weight": np.zeros((3, 16), np.float32)}, ("blk.0.ssm_norm.weight", "(3, 16)")
     ),

@@ -31,9 +31,13 @@ LAYER_TO_GGUF = {
 }
 
 
-def tiny_hf(arch: str, *, seed: int = 0, layers: int = 2, tied: bool = False):
-    """A random tiny model of `arch` whose norms and biases are random too (HF starts them at 1 and 0)."""
+def tiny_hf(arch: str, *, seed: int = 0, layers: int = 2, tied: bool = False, yarn: tuple[float, int] | None = None):
+    """A random tiny model of `arch` whose norms and biases are random too (HF starts them at 1 and 0); `yarn`
+    (factor, original context) stretches its rotary frequencies by YaRN."""
     torch.manual_seed(seed)
+    rope: dict = {"rope_theta": 1e6}
+    if yarn is not None:
+        rope |= {"rope_type": "yarn", "factor": yarn[0], "original_max_position_embeddings": yarn[1]}
     common = dict(
         vocab_size=384,
         hidden_size=64,
@@ -43,7 +47,7 @@ def tiny_hf(arch: str, *, seed: int = 0, layers: int = 2, tied: bool = False):
         num_key_value_heads=2,
         rms_norm_eps=1e-6,
         max_position_embeddings=512,
-        rope_theta=1e6,
+        rope_parameters=rope,
         tie_word_embeddings=tied,
     )
     if arch == "qwen2":
@@ -76,6 +80,9 @@ def shape_of(model, arch: str, **fields) -> Shape:
     """The synthetic writer's Shape of a tiny Hugging Face model; `fields` adds what the config's dense reading
     leaves out (a mixture's experts)."""
     c = model.config
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "yarn":
+        fields = dict(yarn_factor=rope["factor"], yarn_original=rope["original_max_position_embeddings"]) | fields
     return Shape(
         arch=arch,
         n_embd=c.hidden_size,

@@ -82,6 +82,9 @@ class Shape:
     ssm_dim: int = 0
     conv: int = 0
     rope_dim: int = 0
+    # YaRN (`rope.scaling.type` yarn) where `yarn_factor` is above 1, over an original context of `yarn_original`
+    yarn_factor: float = 1.0
+    yarn_original: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -527,6 +530,12 @@ def model_metadata(shape: Shape, name: str, file_type: int) -> dict[str, Any]:
     if isinstance(shape, Shape) and (shape.family == "qwen3" or shape.n_heads * shape.head_dim != shape.n_embd):
         meta[f"{a}.attention.key_length"] = shape.head_dim
         meta[f"{a}.attention.value_length"] = shape.head_dim
+    if isinstance(shape, Shape) and shape.yarn_factor > 1:
+        meta |= {
+            f"{a}.rope.scaling.type": "yarn",
+            f"{a}.rope.scaling.factor": float(shape.yarn_factor),
+            f"{a}.rope.scaling.original_context_length": shape.yarn_original or shape.context,
+        }
     meta |= {
         f"{a}.rope.freq_base": float(shape.rope_base),
         f"{a}.attention.layer_norm_rms_epsilon": float(shape.rms_eps),

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fuselane.errors import ModelError
+from fuselane.graph.ops import Yarn
 
 DEFAULT_RMS_EPS = 1e-6
 DEFAULT_ROPE_BASE = 10_000.0
@@ -26,6 +27,11 @@ _LAYER_NAME = re.compile(r"blk\.(\d+)\.")
 # Whether a mixture renormalises its top-k routing probabilities over the k kept: the file does not say, so
 # this follows llama.cpp, which hardcodes it per architecture (and Hugging Face's configs, which agree).
 RENORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "qwen3next": True}
+# YaRN as llama.cpp reads it for the Qwen family: betas where the file states none, and the rotation's cos and sin
+# scaled by 1 + YARN_MSCALE_LOG * ln(factor) (ggml's rope_yarn; Hugging Face's default `attention_factor`).
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
+YARN_MSCALE_LOG = 0.1
+ROPE_SCALINGS = ("none", "yarn")
 # Where the mixture's shared expert is: qwen2moe and qwen3next have one, gated by a sigmoid; qwen3moe has none.
 SHARED_EXPERT = {"qwen2moe": True, "qwen3moe": False, "qwen3next": True}
 
@@ -80,6 +86,10 @@ class ModelConfig:
     rope_dim: int = 0  # values of a head that rope turns (0: all of head_dim)
     linear: LinearAttention | None = None  # a hybrid's gated delta-rule layers (qwen3next)
     latent: Any = None  # deepseek2's latent attention and routing (`models.latent_config.LatentConfig`)
+    yarn: Yarn | None = None  # YaRN's stretch of the rotary frequencies (`rope.scaling.type` yarn)
+    # what the attention's scores are multiplied by beyond 1/sqrt(head_dim): YaRN's cos and sin scale, squared
+    # (a query's and a key's rotation each carry it; every value of a head turns)
+    score_scale: float = 1.0
     shard: Any = None  # tensor parallel: which rank of how many, its rows and experts (`parallel.shard.Shard`)
 
     @property
@@ -237,6 +247,7 @@ def read_config(
     experts = read_experts(meta, tensors, arch)
     if extra is not None:
         experts |= extra(meta, tensors, p, n_layers, head_dim)
+    yarn, mscale = read_yarn(meta, p, head_dim, experts.get("rope_dim", 0), context)
     # a mixture's files state the dense width too (unused); one that omits it needs none
     n_ff = get_key(meta, p + "feed_forward_length", int, experts.get("expert_ff"))
     rms_eps = get_key(meta, p + "attention.layer_norm_rms_epsilon", float, DEFAULT_RMS_EPS)
@@ -258,5 +269,40 @@ def read_config(
         qkv_bias="blk.0.attn_q.bias" in tensors,
         # qwen3next's full-attention layers always norm q and k (its layer 0 is usually a linear one)
         qk_norm=arch == "qwen3next" or "blk.0.attn_q_norm.weight" in tensors,
+        yarn=yarn,
+        score_scale=mscale * mscale,
         **experts,
     )
+
+
+def read_yarn(meta: Mapping[str, Any], p: str, head_dim: int, rope_dim: int, context: int) -> tuple[Yarn | None, float]:
+    """YaRN's stretch where `rope.scaling.type` asks for it (None otherwise), and the scale of the rotation's cos
+    and sin: llama.cpp's and Hugging Face's reading of a Qwen file's `rope.scaling.*` keys. The original context
+    defaults to the model's (llama.cpp's default)."""
+    kind = meta.get(p + "rope.scaling.type", "none")
+    if kind not in ROPE_SCALINGS:
+        raise ModelError(f"metadata key '{p}rope.scaling.type' is {found(kind)}; fuselane runs none or yarn")
+    if kind == "none":
+        return None, 1.0
+    s = p + "rope.scaling."
+    factor = get_key(meta, s + "factor", float)
+    yarn = Yarn(
+        factor=factor,
+        original=get_key(meta, s + "original_context_length", int, context),
+        beta_fast=get_key(meta, s + "yarn_beta_fast", float, YARN_BETA_FAST),
+        beta_slow=get_key(meta, s + "yarn_beta_slow", float, YARN_BETA_SLOW),
+    )
+    if not math.isfinite(factor) or factor < 1 or yarn.original < 1 or not yarn.beta_fast > yarn.beta_slow:
+        raise ModelError(
+            f"metadata keys '{s}*' describe no stretch: factor {factor}, original context {yarn.original:,}, "
+            f"betas {yarn.beta_fast}, {yarn.beta_slow}"
+        )
+    if rope_dim and rope_dim != head_dim:
+        raise ModelError(
+            f"YaRN scales a rotation's cos and sin, and rope turns {rope_dim} of a head's {head_dim} values: "
+            "fuselane runs YaRN on whole heads only"
+        )
+    attn_factor = get_key(meta, s + "attn_factor", float, 1.0)
+    if not math.isfinite(attn_factor) or attn_factor <= 0:
+        raise ModelError(f"metadata key '{s}attn_factor' should be positive, not {attn_factor}")
+    return yarn, attn_factor * (1.0 + YARN_MSCALE_LOG * math.log(factor))

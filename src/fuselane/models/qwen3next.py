@@ -162,13 +162,14 @@ class _HybridBuilder(Builder):
         q = self.norm(q, b + "attn_q_norm.weight", l_ + "q_normed", hd, rows * heads)
         k = self.norm(k, b + "attn_k_norm.weight", l_ + "k_normed", hd, rows * kv)
         rot = cfg.rope_dim
-        qr = self.emit_to(Rope(rows, heads, hd, cfg.rope_base, rot=rot), (q, POS), l_ + "q_rot", cfg.q_width)
-        kr = self.emit_to(Rope(rows, kv, hd, cfg.rope_base, rot=rot), (k, POS), l_ + "k_rot", cfg.kv_width)
+        turn = dict(rot=rot, yarn=cfg.yarn)
+        qr = self.emit_to(Rope(rows, heads, hd, cfg.rope_base, **turn), (q, POS), l_ + "q_rot", cfg.q_width)
+        kr = self.emit_to(Rope(rows, kv, hd, cfg.rope_base, **turn), (k, POS), l_ + "k_rot", cfg.kv_width)
         kc = self.act(b + "k_cache", cfg.kv_width, self.ctx, Role.CACHE)
         vc = self.act(b + "v_cache", cfg.kv_width, self.ctx, Role.CACHE)
         self.g.emit(SetRow(rows, cfg.kv_width), (kr, POS), kc, Dst(kc, row=RowAt(POS, cfg.kv_width)))
         self.g.emit(SetRow(rows, cfg.kv_width), (v, POS), vc, Dst(vc, row=RowAt(POS, cfg.kv_width)))
-        att = Attention(rows, heads, kv, hd, self.ctx, 1.0 / math.sqrt(hd))
+        att = Attention(rows, heads, kv, hd, self.ctx, cfg.score_scale / math.sqrt(hd))
         o = self.emit_to(att, (qr, kc, vc, POS), l_ + "attn", cfg.q_width)
         sig = self.emit_to(Unary(UnaryOp.SIGMOID, rows, cfg.q_width), (gate,), l_ + "gate_sig", cfg.q_width)
         gated = self.emit_to(

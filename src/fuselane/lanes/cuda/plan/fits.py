@@ -57,7 +57,15 @@ from fuselane.numerics.contract import Scheme, holds_accumulator
 GEMV_PARTS = "gemv_parts"  # the lane rule's name, which `--hold` takes
 ROWS_A_WARP = "rows_a_warp"  # the held name that runs every product a row a warp
 # A latent attention's query and key rotations, side by side once `Mla` holds what lay between them.
-TABLE_ROTATIONS_APART = "one launch of rotations turns NEOX pairs by the base's own frequencies"
+TABLE_ROTATIONS_APART = (
+    "the fused rotations turn NEOX pairs by the base's own frequencies: DeepSeek's pairs and YaRN's stretched "
+    "frequencies turn in the table kernel's launch"
+)
+# Fused classes whose launch turns heads by the NEOX kernels' own frequencies (`triton/rope.py`, the QKV GEMV's
+# epilogue), never by a table.
+NEOX_ROTATIONS = frozenset(
+    {C.QK_NORM_ROPE, C.QK_NORM_ROPE_KV_APPEND, C.ROPE_KV_APPEND, C.QKV_HEAD_EPILOGUE, C.ROPE_QK_ONE_LAUNCH}
+)
 
 
 SHARED_APART = "a gated shared expert runs in launches of its own (knob shared_fold=off): five launches more a layer"
@@ -121,6 +129,8 @@ def fits(shim: CudaShim, op: Op, g: TensorGraph) -> str | None:
         return "a mixture writes its result at a fixed row, never at one a parameter names"
     if not isinstance(op.sym, Fused):
         return None
+    if op.sym.cls in NEOX_ROTATIONS and any(_table_rotation(x.sym) for x in leaves(op) if isinstance(x.sym, Rope)):
+        return TABLE_ROTATIONS_APART
     check = _CHECKS.get(op.sym.cls)
     return None if check is None else check(shim, op, op.sym.parts, g)
 
@@ -283,8 +293,6 @@ def _rope_qk_one_launch(shim: CudaShim, op: Op, members: Sequence[Op], g: Tensor
     sides = [rope(m) for m in members]
     if any(s is None for s in sides):
         return "a launch of rotations takes rotations"
-    if any(_table_rotation(leaf.sym) for m in members for leaf in leaves(m) if isinstance(leaf.sym, Rope)):
-        return TABLE_ROTATIONS_APART
     normed = {s.norm is not None for s in sides if s is not None}
     one = (
         len(sides) <= kernels.ROPE_SIDES
