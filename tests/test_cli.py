@@ -286,3 +286,31 @@ def test_run_without_a_model_uses_the_default_model(real_reply):
     # greedy decoding is a prefix of itself: 12 tokens of the default model open the named model's 24
     short = ok("run", "--temp", "0", "-n", "12", REAL_PROMPT).removesuffix("\n")
     assert short and real_reply.startswith(short)
+
+
+def test_the_gpu_running_out_of_memory_is_one_line(monkeypatch, capsys):
+    # torch.cuda.OutOfMemoryError (a RuntimeError) from anywhere in a command: one line, exit code 1
+    from fuselane import cli
+
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    said = (
+        "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 139.8 GiB of which 1.2 GiB\n"
+        "is free. Including non-PyTorch memory, this process has 138.5 GiB memory in use. If reserved but unallocated"
+    )
+
+    def hog(_args):
+        raise OutOfMemoryError(said)
+
+    monkeypatch.setattr(cli, "cmd_tokenize", hog)
+    assert cli.main(["tokenize", "m.gguf", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err == "fuselane: error: out of GPU memory: CUDA out of memory. Tried to allocate 20.00 GiB.\n"
+
+    def bug(_args):
+        raise RuntimeError("a bug, not the GPU's memory")
+
+    monkeypatch.setattr(cli, "cmd_tokenize", bug)
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["tokenize", "m.gguf", "hi"])

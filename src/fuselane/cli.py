@@ -41,6 +41,17 @@ def _say_error(message: str) -> None:
     _say(f"fuselane: error: {text}")
 
 
+# torch.cuda.OutOfMemoryError (a RuntimeError), named rather than imported: the cpu lane never imports torch
+GPU_OOM = "OutOfMemoryError"
+OOM_SENTENCES = 2  # torch's message: what it tried to allocate and how much the GPU has free; then advice
+
+
+def _first_sentences(text: str) -> str:
+    """The first `OOM_SENTENCES` sentences of a message, on one line."""
+    sentences = " ".join(text.split()).split(". ")
+    return ". ".join(sentences[:OOM_SENTENCES]).rstrip(".") + "."
+
+
 def _os_error(e: OSError) -> str:
     """An OS error as one line naming its path: "/root/.cache/fuselane/models: Permission denied"."""
     what = e.strerror or str(e) or type(e).__name__
@@ -512,6 +523,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     except MemoryError as e:
         _say_error(f"out of memory{f': {e}' if str(e) else ''}")
+        return EXIT_ERROR
+    except RuntimeError as e:
+        if type(e).__name__ != GPU_OOM:
+            raise
+        _say_error(f"out of GPU memory: {_first_sentences(str(e))}")
         return EXIT_ERROR
     except KeyboardInterrupt:
         _say("")

@@ -197,7 +197,7 @@ def _token(tokens: list[str], idx: Any) -> str | None:
 
 
 def _yarn_text(yarn: dict | None) -> str:
-    """", YaRN x4 over 32768" where the file stretches its rotary frequencies."""
+    """ ", YaRN x4 over 32768" where the file stretches its rotary frequencies."""
     return "" if yarn is None else f", YaRN x{yarn['factor']:g} over {yarn['original_context']}"
 
 

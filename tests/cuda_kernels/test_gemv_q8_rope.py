@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from kernel_checks import DEVICE, GPU_ONLY, dev, raw_weights  # noqa: E402
 
 from fuselane.gguf.formats import Format  # noqa: E402
+from fuselane.graph.ops import Yarn  # noqa: E402
 from fuselane.lanes.cuda.triton import quant, rope  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.q8 import gemv_q8_parts  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.q8_rope import Turn, gemv_q8_parts_rope, rope_counters  # noqa: E402
@@ -26,6 +27,7 @@ from fuselane.lanes.cuda.triton.gemv.rows import Part  # noqa: E402
 HEADS, KV, HD, K, CTX, POS = 4, 2, 64, 256, 8, 5
 BASE, EPS = 1e6, 1e-6
 TILE = {"block_n": 4, "warps": 1, "per_thread": 1}  # 16 programs a head: the count decides who turns it
+YARN = Yarn(factor=4.0, original=4096, beta_fast=32.0, beta_slow=1.0)  # the ramp falls inside a head of 64
 
 
 def _layer(fmt: Format, normed: bool, rng: np.random.Generator):
@@ -56,12 +58,14 @@ def _cases() -> list:
                 in_ci = ((fmt is Format.Q8_0) + normed + (tile_id == "small_tile")) % 2 == 0
                 marks = () if in_ci else GPU_ONLY
                 name = f"{fmt.name}-{'qk_norm_rope' if normed else 'rope'}-{tile_id}"
-                cases.append(pytest.param(fmt, normed, tile, marks=marks, id=name))
+                cases.append(pytest.param(fmt, normed, tile, None, marks=marks, id=name))
+    # YaRN's stretched frequencies, turned in the epilogue as in the rotations' own launch
+    cases.append(pytest.param(Format.Q4_K, True, TILE, YARN, id="Q4_K-qk_norm_rope-small_tile-yarn"))
     return cases
 
 
-@pytest.mark.parametrize(("fmt", "normed", "tile"), _cases())
-def test_turned_in_the_epilogue_as_in_a_launch_of_its_own(fmt: Format, normed: bool, tile: dict) -> None:
+@pytest.mark.parametrize(("fmt", "normed", "tile", "yarn"), _cases())
+def test_turned_in_the_epilogue_as_in_a_launch_of_its_own(fmt: Format, normed: bool, tile: dict, yarn) -> None:
     rng = np.random.default_rng(int(fmt) + 10 * normed)
     (wq, wk, wv), acts, (qw, kw) = _layer(fmt, normed, rng)
     pos = torch.tensor([POS], dtype=torch.int32, device=DEVICE)
@@ -71,13 +75,13 @@ def test_turned_in_the_epilogue_as_in_a_launch_of_its_own(fmt: Format, normed: b
     parts = [Part(wq, HEADS * HD, raw_q), Part(wk, KV * HD, raw_k), Part(wv, KV * HD, v_cache, None, (pos, pitch))]
     gemv_q8_parts(acts, parts, fmt, **tile)
     rope.rope_q_k(raw_q, raw_k, q_out, k_cache, pos, heads=HEADS, kv_heads=KV, hd=HD, base=BASE,
-                  q_norm_w=qw, k_norm_w=kw, eps=EPS, k_cache_row_pitch=pitch)  # fmt: skip
+                  q_norm_w=qw, k_norm_w=kw, eps=EPS, k_cache_row_pitch=pitch, yarn=yarn)  # fmt: skip
 
     raw_q, raw_k, q_out, k_cache, v_cache = got = _outputs()
     parts = [Part(wq, HEADS * HD, raw_q), Part(wk, KV * HD, raw_k), Part(wv, KV * HD, v_cache, None, (pos, pitch))]
     counters = rope_counters(HEADS, KV, DEVICE)
     q, k = Turn(0, q_out, HEADS, None, qw), Turn(1, k_cache, KV, pitch, kw)
-    gemv_q8_parts_rope(acts, parts, fmt, q, k, pos, counters, hd=HD, base=BASE, eps=EPS, **tile)
+    gemv_q8_parts_rope(acts, parts, fmt, q, k, pos, counters, hd=HD, base=BASE, eps=EPS, yarn=yarn, **tile)
 
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())

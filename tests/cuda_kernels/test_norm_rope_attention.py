@@ -27,7 +27,7 @@ pytest.importorskip("triton")
 from fuselane.gguf.dequant import dequantize_rows  # noqa: E402
 from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
 from fuselane.gguf.quantize import random_blocks  # noqa: E402
-from fuselane.graph.ops import ArgMax, Attention, RmsNorm, Rope, Unary, UnaryOp  # noqa: E402
+from fuselane.graph.ops import ArgMax, Attention, RmsNorm, Rope, Unary, UnaryOp, Yarn  # noqa: E402
 from fuselane.lanes.cpu import kernels as ref  # noqa: E402
 from fuselane.lanes.cuda.triton import misc, norm, pdl, quant, rope  # noqa: E402
 from fuselane.lanes.cuda.triton.attention import decode as attention  # noqa: E402
@@ -198,14 +198,19 @@ def test_embed_norm_wide_row_decodes_twice():
 # --- rotations -------------------------------------------------------------------------------------------
 
 
-def rope_ref(x: np.ndarray, heads: int, hd: int, p: int, w: np.ndarray | None) -> np.ndarray:
+def rope_ref(x: np.ndarray, heads: int, hd: int, p: int, w: np.ndarray | None, yarn: Yarn | None = None) -> np.ndarray:
     rows = x.shape[0]
     if w is not None:
         x = weighted_norm(x, w, hd)
-    return ref.rope(Rope(rows, heads, hd, QWEN_BASE), [x], p)
+    return ref.rope(Rope(rows, heads, hd, QWEN_BASE, yarn=yarn), [x], p)
 
 
-def rope_bound(want: np.ndarray, hd: int, last_pos: int, normed: bool) -> np.ndarray:
+# YaRN's stretch of inv_j in f32: its three constants rounded, then (j - low) * 1/width, ramp * cut, 1 - that,
+# and inv_j times it, each one rounding: at most seven u more of inv_j, relative (inv_j <= 1).
+YARN_ROUNDINGS = 7
+
+
+def rope_bound(want: np.ndarray, hd: int, last_pos: int, normed: bool, yarn: bool = False) -> np.ndarray:
     """Error bound of a rotated pair (a, b) -> (a cos - b sin, b cos + a sin), per value.
 
     The angle p * inv_j: inv_j = 2^(j * e), e = -2 log2(base) / hd rounded to f32 and multiplied by j (two
@@ -215,7 +220,7 @@ def rope_bound(want: np.ndarray, hd: int, last_pos: int, normed: bool) -> np.nda
     most (|a| + |b|) (|d angle| + pi u + APPROX u) plus its two products and a sum (3u), plus the norm's
     relative error where normed. |a| + |b| <= sqrt(2) * |rotated pair|, which rotation preserves.
     """
-    d_angle = last_pos * (2 * math.log(2) * math.log2(QWEN_BASE) + APPROX + 1) * U
+    d_angle = last_pos * (2 * math.log(2) * math.log2(QWEN_BASE) + APPROX + 1 + (YARN_ROUNDINGS if yarn else 0)) * U
     per = d_angle + (math.pi + APPROX + 3) * U + (norm_rel(hd) if normed else 0.0)
     heads = want.reshape(want.shape[0], -1, 2, hd // 2)
     pair = np.sqrt(2 * (heads[:, :, 0] ** 2 + heads[:, :, 1] ** 2))
@@ -236,6 +241,32 @@ def test_qk_norm_rope_matches_cpu(hd, p, normed):
     rope.qk_norm_rope(x, out, pos_of(p), heads=HEADS, hd=hd, base=QWEN_BASE, **kw)
     want = rope_ref(merged[:, : HEADS * hd], HEADS, hd, p, w)
     within(host(out), want, rope_bound(want, hd, p + rows, normed), "rope")
+
+
+@pytest.mark.parametrize("normed", [False, True])
+def test_yarn_stretches_the_frequencies_as_the_cpu_lane(normed):
+    # a head of 64 values whose 32 frequencies fall on both sides of the ramp (original context 4,096: pairs 0-6
+    # keep theirs, 7-15 mix, the rest are divided by the factor), at a position where the stretch shows
+    yarn = Yarn(factor=4.0, original=4096, beta_fast=32.0, beta_slow=1.0)
+    low, width = yarn.ramp(64, QWEN_BASE)
+    assert 0 < low < low + width < 31
+    rng = np.random.default_rng(23)
+    rows, hd, p = 3, 64, 200
+    x, w = f32(rng, rows, HEADS * hd), (f32(rng, hd) if normed else None)
+    out = torch.empty(rows, HEADS * hd, device=DEVICE)
+    kw = dict(norm_w=dev(w), eps=EPS) if normed else {}
+    rope.qk_norm_rope(dev(x), out, pos_of(p), heads=HEADS, hd=hd, base=QWEN_BASE, yarn=yarn, **kw)
+    want = rope_ref(x, HEADS, hd, p, w, yarn)
+    within(host(out), want, rope_bound(want, hd, p + rows, normed, yarn=True), "yarn")
+    plain = rope_ref(x, HEADS, hd, p, w)
+    assert np.max(np.abs(plain - want)) > 100 * np.max(rope_bound(want, hd, p + rows, normed, yarn=True))
+    # one launch of a query and a key turns them alike
+    q_out, k_out = torch.empty(rows, HEADS * hd, device=DEVICE), torch.empty(rows, KV * hd, device=DEVICE)
+    k = f32(rng, rows, KV * hd)
+    rope.rope_q_k(dev(x), dev(k), q_out, k_out, pos_of(p), heads=HEADS, kv_heads=KV, hd=hd, base=QWEN_BASE,
+                  yarn=yarn)  # fmt: skip
+    want_k = rope_ref(k, KV, hd, p, None, yarn)
+    within(host(k_out), want_k, rope_bound(want_k, hd, p + rows, False, yarn=True), "yarn k")
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])

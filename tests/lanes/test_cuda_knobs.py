@@ -63,7 +63,8 @@ def test_knobs_parse() -> None:
     assert CudaKnobs.parse([]) == CudaKnobs()
     chip = CudaKnobs.parse(["chip=A100", "sms=100", "smem=160"]).chip
     assert (chip.name, chip.sms, chip.smem_kib_per_block) == ("A100", 100, 160)
-    assert CudaKnobs().prefill_weights is PrefillWeights.F16_COPY  # int8 measured slower (knobs.py)
+    assert CudaKnobs().prefill_weights is PrefillWeights.AUTO  # the copies where they fit (int8 measured slower)
+    assert CudaKnobs.parse(["prefill=f16-copy"]).prefill_weights is PrefillWeights.F16_COPY
     assert CudaKnobs.parse(["prefill=int8"]).prefill_weights is PrefillWeights.INT8
     assert CudaKnobs.parse(["prefill=in-place"]).prefill_weights is PrefillWeights.IN_PLACE
     assert CudaKnobs().dependent_launch and not CudaKnobs.parse(["pdl=off"]).dependent_launch
@@ -97,7 +98,7 @@ def test_knobs_parse() -> None:
         ("fuse_quant=maybe", "knob 'fuse_quant' takes on or off, not 'maybe'"),
         ("sms=-3", "knob 'sms' takes a positive whole number, not '-3'"),
         ("chip=tpu", "knob 'chip' takes one of h200"),
-        ("prefill=int4", "knob 'prefill' takes one of int8, f16-copy, in-place, f16-scratch, not 'int4'"),
+        ("prefill=int4", "knob 'prefill' takes one of int8, f16-copy, in-place, f16-scratch, auto, not 'int4'"),
         ("pdl=later", "knob 'pdl' takes on or off, not 'later'"),
     ],
 )
@@ -105,3 +106,34 @@ def test_knobs_parse_errors(setting: str, message: str) -> None:
     with pytest.raises(FuselaneError) as e:
         CudaKnobs.parse([setting])
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_prefill_auto_takes_the_copies_only_where_they_fit() -> None:
+    # `prefill=auto`: the f16 copies where the file's bytes, the copies, the cache and the workspace fit in the
+    # GPU's free memory, else the scratch; any other value is the user's
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from fuselane.lanes.cuda.run.lane import PREFILL_HEADROOM_MIN_BYTES, copies_fit, prefill_for
+
+    class Tensor:
+        def __init__(self, shape: tuple[int, ...], nbytes: int) -> None:
+            self.shape, self.data = shape, np.zeros(nbytes, np.uint8)
+
+    # a matrix of 4,096 x 1,024 in 0.5625 bytes a value, a norm, and an expert stack (never copied)
+    tensors = {"w": Tensor((4096, 1024), 2_359_296), "n": Tensor((1024,), 4096), "e": Tensor((8, 64, 1024), 294_912)}
+    weights, copies = 2_359_296 + 4096 + 294_912, 2 * 4096 * 1024
+    total = 2**30  # a workspace of 5 % is less than the least, so the least counts
+    need = weights + copies + 1000 + PREFILL_HEADROOM_MIN_BYTES
+    assert copies_fit(tensors, 1000, need, total) and not copies_fit(tensors, 1000, need - 1, total)
+    cfg = SimpleNamespace(n_layers=2, cache_values=256)
+    cache = 16 * 2 * 256 * 2  # ctx 16, two layers, f16
+    # 2 GiB to spare on a GPU of 128 GiB, whose workspace is 5 %: 6.4 GiB
+    gpu = SimpleNamespace(cuda=SimpleNamespace(mem_get_info=lambda: (weights + copies + cache + 2**31, 2**37)))
+    auto = CudaKnobs()
+    assert prefill_for(auto, cfg, tensors, 16, gpu) is PrefillWeights.F16_SCRATCH
+    roomy = SimpleNamespace(cuda=SimpleNamespace(mem_get_info=lambda: (2**36, 2**37)))
+    assert prefill_for(auto, cfg, tensors, 16, roomy) is PrefillWeights.F16_COPY
+    copy = CudaKnobs.parse(["prefill=f16-copy"])
+    assert prefill_for(copy, cfg, tensors, 16, gpu) is PrefillWeights.F16_COPY

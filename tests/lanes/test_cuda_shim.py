@@ -398,7 +398,7 @@ CASES = [
         "one launch of rotations",
         lambda: fused(C.ROPE_QK_ONE_LAUNCH, rotation(), rotation(8, out="krot")),
         lambda: fused(C.ROPE_QK_ONE_LAUNCH, rotation(normed=True), rotation(8, out="krot")),
-        "one launch rotates at most a query and a key of a step's one row, both normed or neither",
+        "one launch rotates at most a query and a key of a step's one row, alike, both normed or neither",
     ),
     Case(
         "attention output gate",

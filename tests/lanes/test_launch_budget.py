@@ -57,3 +57,16 @@ def test_a_decode_step_takes_at_most_the_budget_a_layer(name: str, mix: Mix) -> 
     per_layer = launches_per_layer(g, plan)
     worst = max(per_layer, key=per_layer.__getitem__)
     assert per_layer[worst] <= LAUNCH_BUDGET, f"layer {worst} takes {per_layer[worst]} launches"
+
+
+@pytest.mark.parametrize("mix", [Mix.Q4_K_M, Mix.Q8_0])
+@pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen3-8b"])
+def test_a_yarn_file_keeps_the_budget(name: str, mix: Mix) -> None:
+    # YaRN's stretched frequencies turn in the same fused rotations (and the QKV GEMV's epilogue) as the base's
+    shape = replace(PUBLISHED[name], n_layers=LAYERS, yarn_factor=4.0, yarn_original=32768)
+    formats = tensor_formats(shape, mix)
+    tensors = {n: Stub(dims, formats[n]) for n, dims in tensor_shapes(shape).items()}
+    cfg = config_of(model_metadata(shape, name, 0) | {"general.architecture": shape.arch}, tensors)
+    assert cfg.yarn is not None
+    g = qwen.recognize(cfg, tensors, Form.DECODE, ctx=4096)
+    assert max(launches_per_layer(g, optimize(g, CudaShim(CudaKnobs()))).values()) <= LAUNCH_BUDGET

@@ -24,6 +24,7 @@ from fuselane.graph.ops import (
     Slice,
     Unary,
     UnaryOp,
+    Yarn,
 )
 
 Weights = Rows | Values
@@ -58,7 +59,8 @@ class NormForm:
 @dataclass(frozen=True, slots=True)
 class RopeForm:
     """A rotation of `heads` heads of `hd` values in each of `rows` rows that hold `per_row` heads, at the
-    position `pos`, by frequencies of `base`; `norm` when the heads are normed first."""
+    position `pos`, by frequencies of `base` (stretched by `yarn` where given); `norm` when the heads are normed
+    first."""
 
     x: str
     pos: str
@@ -70,6 +72,7 @@ class RopeForm:
     base: float
     norm: NormForm | None
     part: Strided | None
+    yarn: Yarn | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +198,7 @@ def rope(op: Op) -> RopeForm | None:
     per_row = (width or spec.heads * spec.hd) // spec.hd
     normed = _norm_leaf(op, False) if isinstance(op.sym, Fused) else None
     return RopeForm(
-        leaf.ins[0], leaf.ins[1], spec.rows, spec.heads, per_row, spec.hd, spec.half, spec.base, normed, part
+        leaf.ins[0], leaf.ins[1], spec.rows, spec.heads, per_row, spec.hd, spec.half, spec.base, normed, part, spec.yarn
     )
 
 

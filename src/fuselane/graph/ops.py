@@ -8,6 +8,7 @@ graph's form (a decode step is one row, a prefill chunk `rows` rows). Convention
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 
@@ -67,6 +68,9 @@ class Matmul:
     k: int
 
 
+YARN_MIN_RAMP = 1e-3  # ggml's floor on YaRN's ramp width, where both ends fall on one frequency
+
+
 @dataclass(frozen=True, slots=True)
 class Yarn:
     """YaRN's stretch of the rotary frequencies: each frequency is interpolated by `factor`, extrapolated, or a
@@ -77,6 +81,19 @@ class Yarn:
     original: int
     beta_fast: float
     beta_slow: float
+
+    def ramp(self, hd: int, base: float) -> tuple[int, float]:
+        """(low, width) of the ramp over a head of `hd` values' hd/2 frequencies: frequency j keeps its value
+        below `low`, is divided by the factor past low + width, and mixes the two by (j - low) / width between
+        (the pair index whose frequency turns `beta_fast` times over the original context, floored, and the
+        one turning `beta_slow` times, ceiled; ggml's floor on the width where both fall on one frequency)."""
+
+        def dim_of(turns: float) -> float:
+            return hd * math.log(self.original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(dim_of(self.beta_fast)), 0)
+        high = min(math.ceil(dim_of(self.beta_slow)), hd - 1)
+        return low, max(YARN_MIN_RAMP, high - low)
 
 
 @dataclass(frozen=True, slots=True)

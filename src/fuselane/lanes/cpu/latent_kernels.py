@@ -8,7 +8,6 @@ Ties keep the lower index first (a stable sort), as the mixture's plain top-k do
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np
@@ -16,7 +15,6 @@ import numpy as np
 from fuselane.graph.ops import ExpertChoice, Gating, GroupedTopK, HeadMatmul, Yarn
 
 GROUP_BEST = 2  # a group's score: the sum of its two best experts' choice scores (V3)
-_MIN_RAMP = 1e-3  # ggml's floor on the ramp's width, where both ends fall on one frequency
 
 
 def head_matmul(spec: HeadMatmul, args: list[np.ndarray], pos: int) -> np.ndarray:
@@ -59,13 +57,8 @@ def inv_freq(hd: int, base: float, yarn: Yarn | None) -> np.ndarray:
     extrapolated = base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
     if yarn is None:
         return extrapolated
-
-    def dim_of(turns: float) -> float:  # the pair index whose frequency turns `turns` times over the context
-        return hd * math.log(yarn.original / (turns * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(dim_of(yarn.beta_fast)), 0)
-    high = min(math.ceil(dim_of(yarn.beta_slow)), hd - 1)
-    ramp = np.clip((np.arange(hd // 2) - low) / max(_MIN_RAMP, high - low), 0.0, 1.0)
+    low, width = yarn.ramp(hd, base)
+    ramp = np.clip((np.arange(hd // 2) - low) / width, 0.0, 1.0)
     return extrapolated / yarn.factor * ramp + extrapolated * (1 - ramp)
 
 

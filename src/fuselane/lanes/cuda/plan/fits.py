@@ -57,10 +57,7 @@ from fuselane.numerics.contract import Scheme, holds_accumulator
 GEMV_PARTS = "gemv_parts"  # the lane rule's name, which `--hold` takes
 ROWS_A_WARP = "rows_a_warp"  # the held name that runs every product a row a warp
 # A latent attention's query and key rotations, side by side once `Mla` holds what lay between them.
-TABLE_ROTATIONS_APART = (
-    "the fused rotations turn NEOX pairs by the base's own frequencies: DeepSeek's pairs and YaRN's stretched "
-    "frequencies turn in the table kernel's launch"
-)
+TABLE_ROTATIONS_APART = "the fused rotations turn NEOX pairs: DeepSeek's pairs turn in the table kernel's launch"
 # Fused classes whose launch turns heads by the NEOX kernels' own frequencies (`triton/rope.py`, the QKV GEMV's
 # epilogue), never by a table.
 NEOX_ROTATIONS = frozenset(
@@ -294,19 +291,22 @@ def _rope_qk_one_launch(shim: CudaShim, op: Op, members: Sequence[Op], g: Tensor
     if any(s is None for s in sides):
         return "a launch of rotations takes rotations"
     normed = {s.norm is not None for s in sides if s is not None}
+    turns = {(s.hd, s.base, s.yarn) for s in sides if s is not None}
     one = (
         len(sides) <= kernels.ROPE_SIDES
         and all(s.heads == s.per_row for s in sides if s is not None)
         and len(normed) <= 1
+        and len(turns) <= 1
     )
     if one:
         return None
-    return "one launch rotates at most a query and a key of a step's one row, both normed or neither"
+    return "one launch rotates at most a query and a key of a step's one row, alike, both normed or neither"
 
 
 def _table_rotation(spec: Rope) -> bool:
-    """A rotation of DeepSeek's pairs or by YaRN's frequencies: the table kernel's (`triton.mla.parts`) alone."""
-    return not spec.half or spec.yarn is not None
+    """A rotation of DeepSeek's pairs: the table kernel's (`triton.mla.parts`) alone (the NEOX kernels turn
+    YaRN's stretched frequencies too)."""
+    return not spec.half
 
 
 JOIN_IN_PLACE_PAIRS = (

@@ -60,12 +60,15 @@ class PrefillWeights(enum.Enum):
     IN_PLACE = "in-place"  # the f16 tensor-core GEMMs that decode the checkpoint's bytes in the kernel; no copy
     # cuBLAS on each matrix decoded to f16 just before its product, into one scratch (`kernels.F16_SCRATCH_VALUES`)
     F16_SCRATCH = "f16-scratch"
+    # f16-copy where the copies fit in the GPU's free memory beside the weights, the cache and a workspace, else
+    # f16-scratch: the lane decides when it loads (`run/lane.prefill_for`)
+    AUTO = "auto"
 
     @property
     def cublas(self) -> bool:
         """Whether a chunk's products multiply f16 matrices with cuBLAS (copies, or decoded into the scratch)
         rather than decode the checkpoint's bytes in their own kernel."""
-        return self in (PrefillWeights.F16_COPY, PrefillWeights.F16_SCRATCH)
+        return self in (PrefillWeights.F16_COPY, PrefillWeights.F16_SCRATCH, PrefillWeights.AUTO)
 
 
 class DeltaProducts(enum.Enum):
@@ -138,6 +141,9 @@ class CudaKnobs:
       prefetched chunk's loads to its sums (`triton/gemv/weight_loads.py`); `ahead` takes the coherent path,
       which the prefetch's barrier holds ahead. Results are the same either way; on the 7B `ahead` decoded
       0.7 % faster, within what a run varies, so the default is the old schedule.
+    - `prefill=auto` (the default): `f16-copy` where the copies fit in the GPU's free memory beside the
+      weights, the cache and a workspace (every shape of ANCHORS.md on the H200), else `f16-scratch` (a 14B on
+      a 24 GB card, a 72B on the H200), decided by the lane when it loads (`run/lane.prefill_for`).
     - `prefill=f16-copy`: a chunk's products multiply f16 copies of the matrices with cuBLAS (made on first
       use; 3.6x a Q4_K matrix's bytes more memory), a row of the activation past 2^14 rounded to f16 under a
       power-of-two scale that the product's epilogue multiplies back (`triton/f16_scale.py`), so it does not
@@ -174,7 +180,7 @@ class CudaKnobs:
     recurrent_state: StatePrecision = StatePrecision.F32
     fuse_quant: bool = True
     batch: bool = False
-    prefill_weights: PrefillWeights = PrefillWeights.F16_COPY
+    prefill_weights: PrefillWeights = PrefillWeights.AUTO
     dependent_launch: bool = True
     norm_launch: bool = True
     rope_epilogue: RopeEpilogue = RopeEpilogue.AUTO

@@ -58,7 +58,7 @@ KNOB_OFF = "the knob rope_epilogue keeps the query's and key's rotations in a la
 AUTO_SKIPS = "rope_epilogue=auto turns them in the GEMV only where the query and key are its only parts"
 NOT_INT8 = "the query and key turn in the GEMV's epilogue only in the int8 GEMV"
 NOT_A_QUERY_AND_KEY = "the GEMV's epilogue turns a query (into a buffer of its own) and a key, in the int8 formats"
-NOT_ALIKE = "the GEMV's epilogue turns a query and a key alike (one head width and table), a head whole programs"
+NOT_ALIKE = "the GEMV's epilogue turns a query and a key alike (one head width and frequencies), a head whole programs"
 NO_PAIRED_GEMM = "the lane has no paired GEMM yet: a gated pair past the GEMV's rows runs as its products and its GLU"
 NO_INT8_EPILOGUE = "the producer's kernel writes no int8 form here: a launch of its own quantizes its result"
 
@@ -174,9 +174,11 @@ def _why_not_turned(shim: CudaShim, op: Op, g: TensorGraph) -> str | None:
 
 
 def _alike(a: RopeForm, b: RopeForm) -> bool:
-    """Whether two rotations turn alike in one epilogue: one head width, one table, both normed or neither."""
+    """Whether two rotations turn alike in one epilogue: one head width, one set of frequencies, both normed or
+    neither."""
     eps_a, eps_b = (a.norm.eps if a.norm else 0.0), (b.norm.eps if b.norm else 0.0)
-    return (a.hd, a.base, a.pos, a.half, eps_a, a.norm is None) == (b.hd, b.base, b.pos, b.half, eps_b, b.norm is None)
+    turn_a, turn_b = (a.hd, a.base, a.yarn, a.pos, a.half), (b.hd, b.base, b.yarn, b.pos, b.half)
+    return (*turn_a, eps_a, a.norm is None) == (*turn_b, eps_b, b.norm is None)
 
 
 def _turns_apart(r: Rewriter, i: int, why: str) -> int:

@@ -355,9 +355,12 @@ class CudaShim:
         scaled = "each activation row past 2^14 under a power-of-two scale"
         if self.knobs.prefill_weights is PrefillWeights.F16_COPY:
             return f"multiply f16 copies of the matrices, {scaled} (prefill=f16-copy)"
+        decoded = "decode each matrix to f16 into one scratch just before cuBLAS multiplies it, no copy kept"
         if self.knobs.prefill_weights is PrefillWeights.F16_SCRATCH:
-            decoded = "decode each matrix to f16 into one scratch just before cuBLAS multiplies it, no copy kept"
             return f"{decoded}, {scaled} (prefill=f16-scratch)"
+        if self.knobs.prefill_weights is PrefillWeights.AUTO:
+            copies = "multiply f16 copies of the matrices where they fit in the GPU's free memory, else"
+            return f"{copies} {decoded}, {scaled} (prefill=auto)"
         return _IN_KERNEL
 
     @property

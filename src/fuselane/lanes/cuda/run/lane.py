@@ -80,6 +80,9 @@ class CudaLane:
             smem = getattr(props, "shared_memory_per_block_optin", 0) // 1024 or knobs.chip.smem_kib_per_block
             chip = replace(knobs.chip, name=props.name, sms=props.multi_processor_count, smem_kib_per_block=smem)
             knobs = replace(knobs, chip=chip)
+            knobs = replace(knobs, prefill_weights=prefill_for(knobs, cfg, tensors, ctx, torch))
+        elif knobs.prefill_weights is PrefillWeights.AUTO:  # the host: the copies, as the GPU takes them
+            knobs = replace(knobs, prefill_weights=PrefillWeights.F16_COPY)
         self.shim = CudaShim(knobs, held=held)
         # programmatic dependent launch needs compute capability 9.0; the interpreter runs launches in turn
         self.dependent_launch = (
@@ -281,6 +284,35 @@ def int8_form(shape: tuple[int, ...], device: Any) -> Any:
     if shape[-1] % QBLOCK:
         raise FuselaneError(f"int8 activations take rows of whole {QBLOCK}-value blocks, not {shape[-1]}")
     return empty_q8(math.prod(shape[:-1]), shape[-1], device)
+
+
+# `prefill=auto`: the f16 copies where they fit in the GPU's free memory beside the file's weights and the cache,
+# with a workspace of PREFILL_HEADROOM of the GPU's memory, at least PREFILL_HEADROOM_MIN_BYTES, kept for a chunk's
+# activations and logits and cuBLAS's own (a 7B's 512-row chunk takes ~70 MB of activations and 311 MB of f32
+# logits); else the f16 scratch, whose workspace is within 5 % of the weights and cache.
+PREFILL_HEADROOM = 0.05
+PREFILL_HEADROOM_MIN_BYTES = 2 * 2**30
+F16_BYTES = 2
+
+
+def prefill_for(knobs: CudaKnobs, cfg: ModelConfig, tensors: Mapping[str, Any], ctx: int, torch: Any) -> PrefillWeights:
+    """The `prefill` knob as the lane runs it: `auto` becomes `f16-copy` where `copies_fit`, else
+    `f16-scratch`; any other value stays."""
+    if knobs.prefill_weights is not PrefillWeights.AUTO:
+        return knobs.prefill_weights
+    free, total = torch.cuda.mem_get_info()
+    cache = ctx * cfg.n_layers * cfg.cache_values * (F16_BYTES if knobs.cache_precision is CachePrecision.F16 else 4)
+    fits = copies_fit(tensors, cache, free, total)
+    return PrefillWeights.F16_COPY if fits else PrefillWeights.F16_SCRATCH
+
+
+def copies_fit(tensors: Mapping[str, Any], cache: int, free: int, total: int) -> bool:
+    """Whether the f16 copies of the matrices (every 2-D tensor a chunk's products or gather may read) fit in
+    `free` bytes beside the tensors' own bytes, `cache` bytes of cache and the workspace."""
+    weights = sum(int(np.asarray(t.data).nbytes) for t in tensors.values())
+    copies = sum(F16_BYTES * math.prod(t.shape) for t in tensors.values() if len(t.shape) == 2)
+    headroom = max(PREFILL_HEADROOM * total, PREFILL_HEADROOM_MIN_BYTES)
+    return weights + copies + cache + headroom <= free
 
 
 def decodes_in_kernel(knobs: CudaKnobs) -> bool:

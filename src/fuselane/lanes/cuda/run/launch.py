@@ -50,6 +50,7 @@ from fuselane.graph.ops import (
     TakeRows,
     Unary,
     UnaryOp,
+    Yarn,
 )
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.knobs import H200
@@ -293,11 +294,11 @@ def _positions(b: Bound) -> tuple[Any, bool]:
 def _rope(op: Op, b: Bound):
     _, _, rope, *_ = _t()
     spec: Rope = op.sym  # type: ignore[assignment]
-    if mla_launch.takes_rope(spec):  # DeepSeek's pairs or YaRN's frequencies: the table rotation
+    if mla_launch.takes_rope(spec):  # DeepSeek's pairs: the table rotation
         return mla_launch.rope(op, b)
     x, out = _heads_of(b.bufs[op.ins[0]], spec), b.bufs[op.out]
     pos, per_row = _positions(b)
-    args = dict(heads=spec.heads, hd=spec.hd, base=spec.base, rot=spec.rot, per_row=per_row)
+    args = dict(heads=spec.heads, hd=spec.hd, base=spec.base, rot=spec.rot, per_row=per_row, yarn=spec.yarn)
     return [lambda: rope.qk_norm_rope(x, out, pos, **args)]
 
 
@@ -466,14 +467,15 @@ class _Side:
     eps: float
     pitch: int | None
     rot: int
+    yarn: Yarn | None
 
 
 def _side(op: Op, b: Bound) -> _Side:
     found = leaves(op)
     r_op = next(p for p in found if isinstance(p.sym, Rope))
     spec: Rope = r_op.sym  # type: ignore[assignment]
-    if mla_launch.takes_rope(spec):  # the fused rotations turn NEOX pairs by the base's own frequencies
-        raise PlanMismatch(f"{op.out}: a fused rotation of DeepSeek's pairs or YaRN's frequencies has no launch")
+    if mla_launch.takes_rope(spec):  # the fused rotations turn NEOX pairs
+        raise PlanMismatch(f"{op.out}: a fused rotation of DeepSeek's pairs has no launch")
     n_op = next((p for p in found if isinstance(p.sym, RmsNorm)), None)
     w_op = next((p for p in found if isinstance(p.sym, Elementwise)), None)
     appended = op.dst.row is not None
@@ -487,6 +489,7 @@ def _side(op: Op, b: Bound) -> _Side:
         eps=n_op.sym.eps if n_op is not None else 0.0,  # type: ignore[union-attr]
         pitch=op.dst.row.pitch if appended else None,  # type: ignore[union-attr]
         rot=spec.rot,
+        yarn=spec.yarn,
     )
 
 
@@ -494,7 +497,7 @@ def _rope_class(op: Op, b: Bound):
     _, _, rope, *_ = _t()
     s, (pos, per_row) = _side(op, b), _positions(b)
     args = dict(heads=s.heads, hd=s.hd, base=s.base, norm_w=s.norm_w, eps=s.eps, cache_row_pitch=s.pitch, rot=s.rot)
-    args |= dict(per_row=per_row)
+    args |= dict(per_row=per_row, yarn=s.yarn)
     return [lambda: rope.qk_norm_rope(s.x, s.out, pos, **args)]
 
 
@@ -516,6 +519,7 @@ def _rope_qk(op: Op, b: Bound):
         eps=q.eps,
         k_cache_row_pitch=k.pitch,
         rot=q.rot,
+        yarn=q.yarn,
     )
     return [lambda: rope.rope_q_k(q.x, k.x, q.out, k.out, pos, **args)]
 
@@ -629,7 +633,7 @@ def _turned_in_gemv(turned: list[int], members, products: list, acts: Any, fmt: 
     k_turn = gemv_q8_rope.Turn(ki, kk.out, kk.heads, kk.pitch if b.paged is None else None, kk.norm_w)
     pos = b.bufs["pos"] if b.paged is None else b.paged.positions
     return lambda: gemv_q8_rope.gemv_q8_parts_rope(
-        acts, products, fmt, q_turn, k_turn, pos, counters, hd=q.hd, base=q.base, eps=q.eps
+        acts, products, fmt, q_turn, k_turn, pos, counters, hd=q.hd, base=q.base, eps=q.eps, yarn=q.yarn
     )
 
 

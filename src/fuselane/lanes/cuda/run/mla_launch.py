@@ -118,9 +118,9 @@ def join_parts(op: Op) -> tuple[Op, Op, Op]:
 
 
 def takes_rope(spec: Rope) -> bool:
-    """Whether a rotation is the table kernel's (DeepSeek's pairs, or YaRN's frequencies) rather than the
-    lane's NEOX rotation."""
-    return not spec.half or spec.yarn is not None
+    """Whether a rotation is the table kernel's (DeepSeek's pairs, by the base's or YaRN's frequencies) rather
+    than the lane's NEOX rotation (which turns YaRN's too)."""
+    return not spec.half
 
 
 def latent_attention(op: Op, b, out_q8: Any = None) -> list:

@@ -13,7 +13,9 @@ replays the same launches at the next step's position without being captured aga
 Angles: inv_freq_j = base^(-2j/hd) = 2^(j * (-2 log2(base) / hd)), the exponent's factor computed once on the
 host in f64; angle = p * inv_freq_j in f32 (as Hugging Face and llama.cpp compute it). The angle is reduced
 to [-pi, pi] with a two-part 2*pi before cos and sin, so an approximate GPU sine stays accurate at any
-position; the reduction adds nothing to the f32 product's own rounding, p * inv_freq_j * 2^-24.
+position; the reduction adds nothing to the f32 product's own rounding, p * inv_freq_j * 2^-24. YaRN's stretch
+(`frequencies`, a Qwen file's `rope.scaling.type` yarn) multiplies inv_freq_j by 1 - ramp_j (1 - 1/factor) in f32
+first, ramp_j = clamp((j - low) / width, 0, 1) from `Yarn.ramp`: one rounding more.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselane.graph.ops import Yarn
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 
@@ -44,6 +47,16 @@ def freq_exponent(base: float, hd: int) -> float:
     return -2.0 * math.log2(base) / hd
 
 
+def frequencies(base: float, hd: int, yarn: Yarn | None) -> dict:
+    """The rotation kernels' frequency arguments for heads turning `hd` values: the base's exponent
+    (`freq_exponent`), and YaRN's ramp (its low end, the reciprocal of its width, and 1 - 1/factor) where given."""
+    if yarn is None:
+        return dict(freq_exp=freq_exponent(base, hd), yarn_low=0.0, yarn_inv=0.0, yarn_cut=0.0, YARN=False)
+    low, width = yarn.ramp(hd, base)
+    return dict(freq_exp=freq_exponent(base, hd), yarn_low=float(low), yarn_inv=1.0 / width,
+                yarn_cut=1.0 - 1.0 / yarn.factor, YARN=True)  # fmt: skip
+
+
 def rope_warps(hd: int) -> int:
     """Warps of a rotation's block: a pair a thread, whole warps, at most `kernels.ROPE_THREADS` threads."""
     pairs = triton.next_power_of_2(max(1, hd // 2))
@@ -51,21 +64,29 @@ def rope_warps(hd: int) -> int:
 
 
 @triton.jit
-def rotate_head(src, dst, w_ptr, p, eps, freq_exp, HD: tl.constexpr, HALF_P2: tl.constexpr, NORM: tl.constexpr,
-                 FROM_L2: tl.constexpr = False, ROT: tl.constexpr = 0):  # fmt: skip
+def rotate_head(src, dst, w_ptr, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD: tl.constexpr,
+                HALF_P2: tl.constexpr, NORM: tl.constexpr, FROM_L2: tl.constexpr = False, ROT: tl.constexpr = 0,
+                YARN: tl.constexpr = False):  # fmt: skip
     """Norm (with NORM) and rotate the head of `HD` values at `src` to position `p`, writing it at `dst`. With
     FROM_L2 the head is read past this SM's L1 (`.cg`): other programs of the same launch wrote it. With ROT
-    (0 < ROT < HD) only the first ROT values turn (partial rotary; `freq_exp` then of ROT), the rest pass."""
+    (0 < ROT < HD) only the first ROT values turn (partial rotary; `freq_exp` then of ROT), the rest pass. With
+    YARN the frequencies are stretched (`frequencies`' yarn_* arguments)."""
     if ROT != 0 and ROT != HD:
-        _rotate_part(src, dst, w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM, ROT)
+        _rotate_part(src, dst, w_ptr, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD, HALF_P2, NORM, ROT, YARN)
     else:
-        _rotate_whole(src, dst, w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM, FROM_L2)
+        _rotate_whole(src, dst, w_ptr, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD, HALF_P2, NORM, FROM_L2,
+                      YARN)  # fmt: skip
 
 
 @triton.jit
-def _angles(p, j, freq_exp):
-    """cos and sin of position p times inv_freq_j, the angle reduced to [-pi, pi] first."""
-    angle = p.to(tl.float32) * tl.exp2(j.to(tl.float32) * freq_exp)
+def _angles(p, j, freq_exp, yarn_low, yarn_inv, yarn_cut, YARN: tl.constexpr):
+    """cos and sin of position p times inv_freq_j (stretched by YaRN's ramp with YARN), the angle reduced to
+    [-pi, pi] first."""
+    inv_freq = tl.exp2(j.to(tl.float32) * freq_exp)
+    if YARN:
+        ramp = tl.minimum(tl.maximum((j.to(tl.float32) - yarn_low) * yarn_inv, 0.0), 1.0)
+        inv_freq = inv_freq * (1.0 - ramp * yarn_cut)
+    angle = p.to(tl.float32) * inv_freq
     turns = tl.floor(angle * INV_TWO_PI + 0.5)
     angle = tl.fma(turns, -TWO_PI_HI, angle)
     angle = tl.fma(turns, -TWO_PI_LO, angle)
@@ -73,8 +94,8 @@ def _angles(p, j, freq_exp):
 
 
 @triton.jit
-def _rotate_part(src, dst, w_ptr, p, eps, freq_exp, HD: tl.constexpr, HALF_P2: tl.constexpr, NORM: tl.constexpr,
-                 ROT: tl.constexpr):  # fmt: skip
+def _rotate_part(src, dst, w_ptr, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD: tl.constexpr,
+                 HALF_P2: tl.constexpr, NORM: tl.constexpr, ROT: tl.constexpr, YARN: tl.constexpr):  # fmt: skip
     """The first ROT values in NEOX pairs (j, j + ROT/2); the HD - ROT after them only normed."""
     RH: tl.constexpr = ROT // 2
     j = tl.arange(0, HALF_P2)
@@ -89,7 +110,7 @@ def _rotate_part(src, dst, w_ptr, p, eps, freq_exp, HD: tl.constexpr, HALF_P2: t
         a = a * r * tl.load(w_ptr + j, mask=mask, other=0.0).to(tl.float32)
         b = b * r * tl.load(w_ptr + RH + j, mask=mask, other=0.0).to(tl.float32)
         c = c * r * tl.load(w_ptr + ROT + rest, mask=rmask, other=0.0).to(tl.float32)
-    cos, sin = _angles(p, j, freq_exp)
+    cos, sin = _angles(p, j, freq_exp, yarn_low, yarn_inv, yarn_cut, YARN)
     ty = dst.dtype.element_ty
     tl.store(dst + j, (a * cos - b * sin).to(ty), mask=mask)
     tl.store(dst + RH + j, (b * cos + a * sin).to(ty), mask=mask)
@@ -97,8 +118,8 @@ def _rotate_part(src, dst, w_ptr, p, eps, freq_exp, HD: tl.constexpr, HALF_P2: t
 
 
 @triton.jit
-def _rotate_whole(src, dst, w_ptr, p, eps, freq_exp, HD: tl.constexpr, HALF_P2: tl.constexpr, NORM: tl.constexpr,
-                  FROM_L2: tl.constexpr):  # fmt: skip
+def _rotate_whole(src, dst, w_ptr, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD: tl.constexpr,
+                  HALF_P2: tl.constexpr, NORM: tl.constexpr, FROM_L2: tl.constexpr, YARN: tl.constexpr):  # fmt: skip
     HALF: tl.constexpr = HD // 2
     CACHE: tl.constexpr = ".cg" if FROM_L2 else ""
     j = tl.arange(0, HALF_P2)
@@ -109,7 +130,7 @@ def _rotate_whole(src, dst, w_ptr, p, eps, freq_exp, HD: tl.constexpr, HALF_P2: 
         r = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / HD + eps)
         a = a * r * tl.load(w_ptr + j, mask=mask, other=0.0).to(tl.float32)
         b = b * r * tl.load(w_ptr + HALF + j, mask=mask, other=0.0).to(tl.float32)
-    cos, sin = _angles(p, j, freq_exp)
+    cos, sin = _angles(p, j, freq_exp, yarn_low, yarn_inv, yarn_cut, YARN)
     ty = dst.dtype.element_ty
     tl.store(dst + j, (a * cos - b * sin).to(ty), mask=mask)
     tl.store(dst + HALF + j, (b * cos + a * sin).to(ty), mask=mask)
@@ -135,6 +156,9 @@ def _rope_kernel(
     out_pitch,
     eps,
     freq_exp,
+    yarn_low,
+    yarn_inv,
+    yarn_cut,
     HD: tl.constexpr,
     HALF_P2: tl.constexpr,
     NORM: tl.constexpr,
@@ -142,6 +166,7 @@ def _rope_kernel(
     PER_ROW: tl.constexpr,
     HEAD_PITCH: tl.constexpr,
     ROT: tl.constexpr = 0,
+    YARN: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl.begin(PDL)
@@ -151,7 +176,7 @@ def _rope_kernel(
     dst_row = p if AT_POS else i  # the cache's row pos + i, or the output's own row i
     src = x_ptr + i.to(tl.int64) * x_pitch + head * HEAD_PITCH
     dst = out_ptr + dst_row.to(tl.int64) * out_pitch + head * HD
-    rotate_head(src, dst, w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM, False, ROT)
+    rotate_head(src, dst, w_ptr, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD, HALF_P2, NORM, False, ROT, YARN)
 
 
 def check_head(hd: int) -> None:
@@ -195,6 +220,7 @@ def qk_norm_rope(
     cache_row_pitch: int | None = None,
     per_row: bool = False,
     rot: int = 0,
+    yarn: Yarn | None = None,
 ) -> None:
     """Rotate each of `heads` heads of `hd` values of each row of `x` (rows, >= heads * hd, any row pitch) to
     position pos[0] + i (NEOX halves), after an RMS norm with weight `norm_w` (hd,) per head where given.
@@ -204,7 +230,7 @@ def qk_norm_rope(
     `per_row`: row i is a batch's sequence i, at its own position pos[i], and lands at row i of `out` either
     way (a cache row's staging: the paged attention stores it into its block). One launch, a block a head of
     a row. `x` may be rows x heads x hd, its heads apart (a slice's); `rot`
-    (partial rotary) turns only each head's first `rot` values.
+    (partial rotary) turns only each head's first `rot` values; `yarn` stretches the frequencies.
     """
     check_head(hd)
     rows, x_pitch, head_pitch = _in_pitches(x, hd)
@@ -217,7 +243,7 @@ def qk_norm_rope(
         x_pitch,
         _out_pitch(out, cache_row_pitch),
         float(eps),
-        freq_exponent(base, rot or hd),
+        **frequencies(base, rot or hd, yarn),
         HD=hd,
         HALF_P2=triton.next_power_of_2(hd // 2),
         NORM=norm_w is not None,
@@ -245,6 +271,9 @@ def _rope_qk_kernel(
     k_out_pitch,
     eps,
     freq_exp,
+    yarn_low,
+    yarn_inv,
+    yarn_cut,
     HEADS: tl.constexpr,
     HD: tl.constexpr,
     HALF_P2: tl.constexpr,
@@ -254,6 +283,7 @@ def _rope_qk_kernel(
     Q_HEAD_PITCH: tl.constexpr,
     K_HEAD_PITCH: tl.constexpr,
     ROT: tl.constexpr = 0,
+    YARN: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     # blocks 0 .. HEADS-1 of a row take the query's heads, the rest the key's
@@ -265,13 +295,15 @@ def _rope_qk_kernel(
     if head < HEADS:
         q_src = q_ptr + i.to(tl.int64) * q_pitch + head * Q_HEAD_PITCH
         q_dst = q_out_ptr + i.to(tl.int64) * q_out_pitch + head * HD
-        rotate_head(q_src, q_dst, q_w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM, False, ROT)
+        rotate_head(q_src, q_dst, q_w_ptr, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD, HALF_P2,
+                    NORM, False, ROT, YARN)  # fmt: skip
     else:
         kh = head - HEADS
         k_row = p if K_AT_POS else i
         k_src = k_ptr + i.to(tl.int64) * k_pitch + kh * K_HEAD_PITCH
         k_dst = k_out_ptr + k_row.to(tl.int64) * k_out_pitch + kh * HD
-        rotate_head(k_src, k_dst, k_w_ptr, p, eps, freq_exp, HD, HALF_P2, NORM, False, ROT)
+        rotate_head(k_src, k_dst, k_w_ptr, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD, HALF_P2,
+                    NORM, False, ROT, YARN)  # fmt: skip
 
 
 def rope_q_k(
@@ -291,10 +323,11 @@ def rope_q_k(
     k_cache_row_pitch: int | None = None,
     per_row: bool = False,
     rot: int = 0,
+    yarn: Yarn | None = None,
 ) -> None:
     """RopeQkOneLaunch: `qk_norm_rope` of a layer's query (`heads` heads) and key (`kv_heads` heads) in one
     launch, at one position and head width, both normed or neither. With `k_cache_row_pitch` the key's row i
-    lands in the cache `k_out` at row pos[0] + i (the key's KV append). `per_row`: as `qk_norm_rope`'s."""
+    lands in the cache `k_out` at row pos[0] + i (the key's KV append). `per_row`, `yarn`: as `qk_norm_rope`'s."""
     check_head(hd)
     if (q_norm_w is None) != (k_norm_w is None):
         raise ValueError("one launch rotates a query and a key both normed or neither")
@@ -314,7 +347,7 @@ def rope_q_k(
         _out_pitch(q_out, None),
         _out_pitch(k_out, k_cache_row_pitch),
         float(eps),
-        freq_exponent(base, rot or hd),
+        **frequencies(base, rot or hd, yarn),
         HEADS=heads,
         HD=hd,
         HALF_P2=triton.next_power_of_2(hd // 2),

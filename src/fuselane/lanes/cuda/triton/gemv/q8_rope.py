@@ -25,10 +25,11 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import Format
+from fuselane.graph.ops import Yarn
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.parts import Part, first_tile
 from fuselane.lanes.cuda.triton.gemv.q8 import Q8Acts, parts_launch, parts_product
-from fuselane.lanes.cuda.triton.rope import check_head, freq_exponent, rotate_head
+from fuselane.lanes.cuda.triton.rope import check_head, frequencies, rotate_head
 
 COUNTER_DTYPE = torch.int32
 
@@ -48,11 +49,11 @@ class Turn(NamedTuple):
 @triton.jit
 def _parts_rope_kernel(
     xq, xd, xs, parts, res,
-    q_out, k_out, k_pitch, q_w, k_w, pos, counters, eps, freq_exp,
+    q_out, k_out, k_pitch, q_w, k_w, pos, counters, eps, freq_exp, yarn_low, yarn_inv, yarn_cut,
     FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     FENCE: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
     DEPTH: tl.constexpr, Q_PART: tl.constexpr, K_PART: tl.constexpr, Q_HEADS: tl.constexpr, HD: tl.constexpr,
-    HALF_P2: tl.constexpr, NORM: tl.constexpr, K_AT_POS: tl.constexpr, PDL: tl.constexpr,
+    HALF_P2: tl.constexpr, NORM: tl.constexpr, K_AT_POS: tl.constexpr, YARN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.release(PDL)
     part = parts_product(
@@ -68,11 +69,13 @@ def _parts_rope_kernel(
             # each side names its own pointers: a name assigned in both branches would have to be one type
             if part == Q_PART:
                 q_src = parts.items[Q_PART].out + head * HD
-                rotate_head(q_src, q_out + head * HD, q_w, p, eps, freq_exp, HD, HALF_P2, NORM, True)
+                rotate_head(q_src, q_out + head * HD, q_w, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD, HALF_P2,
+                            NORM, True, 0, YARN)  # fmt: skip
             else:
                 k_row = p.to(tl.int64) * k_pitch if K_AT_POS else 0
                 k_src = parts.items[K_PART].out + head * HD
-                rotate_head(k_src, k_out + k_row + head * HD, k_w, p, eps, freq_exp, HD, HALF_P2, NORM, True)
+                rotate_head(k_src, k_out + k_row + head * HD, k_w, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD,
+                            HALF_P2, NORM, True, 0, YARN)  # fmt: skip
             tl.atomic_xchg(counters + slot, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
 
 
@@ -91,12 +94,13 @@ def check_tile(block_n: int, hd: int) -> None:
 def gemv_q8_parts_rope(
     x: Q8Acts, parts: Sequence[Part | tuple], fmt: Format, q: Turn, k: Turn, pos: Tensor, counters: Tensor, *,
     hd: int, base: float, eps: float = 0.0, block_n: int | None = None, warps: int | None = None,
-    per_thread: int | None = None,
+    per_thread: int | None = None, yarn: Yarn | None = None,
 ) -> None:  # fmt: skip
     """`gemv_q8.gemv_q8_parts` whose parts `q.part` and `k.part` (a query's and a key's raw heads, written to
     their parts' outputs as before) are then turned in the epilogue as `rope.rope_q_k` turns them: normed
     where `norm_w` is given (both or neither), rotated to position pos[0], landing in `q.out` and in `k.out`
-    (at row pos[0] where `cache_row_pitch` is given). `counters` are `rope_counters(q.heads, k.heads)`'s."""
+    (at row pos[0] where `cache_row_pitch` is given), by `yarn`'s stretched frequencies where given. `counters`
+    are `rope_counters(q.heads, k.heads)`'s."""
     parts = [Part(*p) for p in parts]
     check_head(hd)
     if q.part == k.part or not (0 <= q.part < len(parts) and 0 <= k.part < len(parts)):
@@ -116,8 +120,8 @@ def gemv_q8_parts_rope(
     _parts_rope_kernel[(tiles,)](
         x.q, x.d, x.s, *args,
         q.out, k.out, k_pitch, q.out if q.norm_w is None else q.norm_w, k.out if k.norm_w is None else k.norm_w,
-        pos, counters, float(eps), freq_exponent(base, hd),
+        pos, counters, float(eps),
         **flags, **plan, Q_PART=q.part, K_PART=k.part, Q_HEADS=q.heads, HD=hd,
         HALF_P2=triton.next_power_of_2(hd // 2), NORM=q.norm_w is not None, K_AT_POS=k.cache_row_pitch is not None,
-        **pdl.options(),
+        **frequencies(base, hd, yarn), **pdl.options(),
     )  # fmt: skip
