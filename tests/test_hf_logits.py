@@ -36,8 +36,8 @@ def test_prefill_logits_match_transformers(pair):
     assert rel_err(model.logits(PROMPT), hf_logits(hf, PROMPT)) <= REL_TOL
 
 
-def test_decode_steps_match_transformers(pair):
-    arch, hf, model = pair
+def decode_matches(model, hf, arch: str) -> None:
+    """The prompt, then DECODE_STEPS greedy steps, each step's logits against Hugging Face's on the same ids."""
     session = model.session()
     ids = list(PROMPT)
     ours = [session.feed(ids)]
@@ -47,6 +47,11 @@ def test_decode_steps_match_transformers(pair):
     ref = hf_logits(hf, ids)[len(PROMPT) - 1 :]
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
         assert rel_err(a, b) <= REL_TOL, f"{arch} step {step}"
+
+
+def test_decode_steps_match_transformers(pair):
+    arch, hf, model = pair
+    decode_matches(model, hf, arch)
 
 
 def test_chunked_prefill_equals_whole(pair, tmp_path):
@@ -74,15 +79,7 @@ def test_yarn_matches_transformers(arch, tmp_path):
     path = write_weights(tmp_path / "yarn.gguf", shape_of(hf, arch), gguf_weights(hf))
     model = load(path, lane="cpu", ctx=64)
     assert model.cfg.yarn is not None and model.cfg.yarn.factor == 4.0 and model.cfg.score_scale > 1
-    session = model.session()
-    ids = list(PROMPT)
-    ours = [session.feed(ids)]
-    for _ in range(DECODE_STEPS):
-        ids.append(int(np.argmax(ours[-1])))
-        ours.append(session.extend(ids[-1:]))
-    ref = hf_logits(hf, ids)[len(PROMPT) - 1 :]
-    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
-        assert rel_err(a, b) <= REL_TOL, f"{arch} step {step}"
+    decode_matches(model, hf, arch)
     # the same weights read without the stretch are another model: the test sees the difference
     plain = load(write_weights(tmp_path / "plain.gguf", shape_of(tiny_hf(arch, seed=5), arch), gguf_weights(hf)),
                  lane="cpu", ctx=64)  # fmt: skip

@@ -78,10 +78,16 @@ DELTA_SPLIT, DELTA_WHOLE = DELTA_FORMS
 CHUNKED_DELTA = "chunked_delta"  # the settling pass's name
 
 
+def delta_dot_heads(dk: int) -> bool:
+    """Whether the chunked form's products take heads of `dk` key values: a power of two of at least
+    `DELTA_MIN_DOT`."""
+    return dk >= DELTA_MIN_DOT and dk & (dk - 1) == 0
+
+
 def delta_chunked(rows: int, dk: int) -> bool:
-    """Whether a delta rule over `rows` rows of heads of `dk` key values runs the chunked form (tensor-core
-    products, a power of two of at least `DELTA_MIN_DOT` key values) rather than the recurrence."""
-    return rows > 1 and dk >= DELTA_MIN_DOT and dk & (dk - 1) == 0
+    """Whether a delta rule over `rows` rows of heads of `dk` key values runs the chunked form (a chunk's rows,
+    heads its products take) rather than the recurrence, a row a step."""
+    return rows > 1 and delta_dot_heads(dk)
 
 
 def delta_rule(op: Op) -> GatedDelta | None:

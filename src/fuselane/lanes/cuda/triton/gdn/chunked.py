@@ -218,7 +218,7 @@ def _recur_kernel(
 
 def takes(dk: int) -> bool:
     """Whether the chunked kernel takes heads of `dk` key values (a power of two, at least tl.dot's extent)."""
-    return facts.delta_chunked(2, dk)
+    return facts.delta_dot_heads(dk)
 
 
 def split_values(rows: int, heads: int, dk: int, dv: int) -> int:
