@@ -64,11 +64,11 @@ def _rank_row(scores, ids, weights, bias, scale, r, E: tl.constexpr, E_BLOCK: tl
     ex = tl.arange(0, E_BLOCK)
     live = ex < E
     s = tl.load(scores + r * E + ex, mask=live, other=float("-inf"), cache_modifier=".cg")
-    if SIGMOID:  # each score's own probability; e^-s overflows to inf for s << 0: the right 0
-        p = tl.where(live, 1.0 / (1.0 + tl.exp(-s)), 0.0)
-    else:
-        p = tl.where(live, tl.exp(s - tl.max(s, 0)), 0.0)
-        p = p / tl.sum(p, 0)
+    top, total = 0.0, 1.0
+    if not SIGMOID:
+        top = tl.max(s, 0)
+        total = tl.sum(tl.where(live, tl.exp(s - top), 0.0), 0)
+    p = tl.where(live, _probability(s, top, total, SIGMOID), 0.0)
     # the choice scores: the probabilities (plus the correction bias) where the model ranks by them; a
     # softmax without a bias ranks as its scores do
     c = s
@@ -80,7 +80,17 @@ def _rank_row(scores, ids, weights, bias, scale, r, E: tl.constexpr, E_BLOCK: tl
     if E_BLOCK <= RANK_BY_COUNT and ONE_ROW:
         _keep_by_count(ids, weights, scale, r, c, p, ex, live, K, RENORM)
     else:
-        _keep_by_passes(ids, weights, scale, r, c, p, ex, K, K_BLOCK, RENORM)
+        _keep_by_passes(ids, weights, scale, scores, r, c, top, total, ex, E, K, K_BLOCK, RENORM, SIGMOID)
+
+
+@triton.jit
+def _probability(s, top, total, SIGMOID: tl.constexpr):
+    """A score's routing probability: its sigmoid (e^-s overflows to inf for s << 0: the right 0), or its share
+    of the softmax whose largest score is `top` and whose sum of e^(s - top) is `total`. One expression for every
+    expert of a row and for the kept ones read back, so both give the same bits."""
+    if SIGMOID:
+        return 1.0 / (1.0 + tl.exp(-s))
+    return tl.exp(s - top) / total
 
 
 @triton.jit
@@ -99,17 +109,19 @@ def _keep_by_count(ids, weights, scale, r, c, p, ex, live, K: tl.constexpr, RENO
 
 
 @triton.jit
-def _keep_by_passes(ids, weights, scale, r, c, p, ex, K: tl.constexpr, K_BLOCK: tl.constexpr,
-                    RENORM: tl.constexpr):  # fmt: skip
-    """Row r's kept experts by K arg-max passes over the choice scores `c` (the lower index first on a tie)."""
+def _keep_by_passes(ids, weights, scale, scores, r, c, top, total, ex, E: tl.constexpr, K: tl.constexpr,
+                    K_BLOCK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr):  # fmt: skip
+    """Row r's kept experts by K arg-max passes over the choice scores `c` (the lower index first on a tie); their
+    probabilities from their scores read back after the passes (`_probability`), one load instead of a reduction
+    a pass."""
     slot = tl.arange(0, K_BLOCK)
     kept_ids = tl.zeros([K_BLOCK], tl.int32)
-    kept = tl.zeros([K_BLOCK], tl.float32)
     for j in tl.static_range(K):
         best = tl.argmax(c, 0, tie_break_left=True)
         kept_ids = tl.where(slot == j, best.to(tl.int32), kept_ids)
-        kept = tl.where(slot == j, tl.sum(tl.where(ex == best, p, 0.0), 0), kept)
         c = tl.where(ex == best, float("-inf"), c)
+    chosen = tl.load(scores + r * E + kept_ids, mask=slot < K, other=0.0, cache_modifier=".cg")
+    kept = tl.where(slot < K, _probability(chosen, top, total, SIGMOID), 0.0)
     if RENORM:
         kept = kept / tl.sum(kept, 0)
     tl.store(ids + r * K + slot, kept_ids, mask=slot < K)
@@ -118,22 +130,23 @@ def _keep_by_passes(ids, weights, scale, r, c, p, ex, K: tl.constexpr, K_BLOCK: 
 
 @triton.jit
 def _choice(scores, rows, live_rows, bias, ex, live, E: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr):
-    """A block's rows' routing probabilities and choice scores ([ROW_BLOCK, E_BLOCK]): `_rank_row`'s, a row
-    each."""
+    """A block's rows' choice scores ([rows, E_BLOCK]) and each row's softmax top score and sum (`_probability`'s;
+    0 and 1 under SIGMOID): `_rank_row`'s, a row each."""
     m = live_rows[:, None] & live[None, :]
     s = tl.load(scores + rows[:, None] * E + ex[None, :], mask=m, other=0.0, cache_modifier=".cg")
     s = tl.where(live[None, :], s, float("-inf"))  # a row past the chunk's ranks zeros, and stores nothing
-    if SIGMOID:
-        p = tl.where(live[None, :], 1.0 / (1.0 + tl.exp(-s)), 0.0)
-    else:
-        p = tl.where(live[None, :], tl.exp(s - tl.max(s, 1)[:, None]), 0.0)
-        p = p / tl.sum(p, 1)[:, None]
+    top = tl.zeros_like(rows).to(tl.float32)
+    total = top + 1.0
+    if not SIGMOID:
+        top = tl.max(s, 1)
+        total = tl.sum(tl.where(live[None, :], tl.exp(s - top[:, None]), 0.0), 1)
+    p = tl.where(live[None, :], _probability(s, top[:, None], total[:, None], SIGMOID), 0.0)
     c = s
     if SIGMOID:
         c = p
     if BIAS:
         c = p + tl.load(bias + ex, mask=live, other=0.0)[None, :]
-    return p, tl.where(live[None, :], c, float("-inf"))
+    return tl.where(live[None, :], c, float("-inf")), top, total
 
 
 @triton.jit
@@ -147,22 +160,23 @@ def _rank_rows(scores, ids, weights, bias, scale, first, E: tl.constexpr, E_BLOC
     ex = tl.arange(0, E_BLOCK)
     rows = first + tl.arange(0, RANK_ROWS)
     live_rows = rows < ROWS
-    p, c = _choice(scores, rows, live_rows, bias, ex, ex < E, E, SIGMOID, BIAS)
+    c, top, total = _choice(scores, rows, live_rows, bias, ex, ex < E, E, SIGMOID, BIAS)
     slot = tl.arange(0, K_BLOCK)[None, :]
     kept_ids = tl.full([RANK_ROWS, K_BLOCK], -1, tl.int32)
-    kept = tl.zeros([RANK_ROWS, K_BLOCK], tl.float32)
     taken = tl.zeros([RANK_ROWS, E_BLOCK], tl.int32)
     for j in tl.static_range(K):
         best = tl.argmax(c, 1, tie_break_left=True)[:, None]  # [RANK_ROWS, 1]
         hit = ex[None, :] == best
         kept_ids = tl.where(slot == j, best.to(tl.int32), kept_ids)
-        kept = tl.where(slot == j, tl.sum(tl.where(hit, p, 0.0), 1)[:, None], kept)
         c = tl.where(hit, float("-inf"), c)
         taken = tl.where(hit & live_rows[:, None], 1, taken)
-    if RENORM:
-        kept = kept / tl.sum(kept, 1)[:, None]
     at = rows[:, None] * K + slot
     m = live_rows[:, None] & (slot < K)
+    # the kept experts' probabilities from their scores read back (`_keep_by_passes`' way)
+    chosen = tl.load(scores + rows[:, None] * E + kept_ids, mask=m, other=0.0, cache_modifier=".cg")
+    kept = tl.where(m, _probability(chosen, top[:, None], total[:, None], SIGMOID), 0.0)
+    if RENORM:
+        kept = kept / tl.sum(kept, 1)[:, None]  # a row past the chunk sums to 0: not stored
     tl.store(ids + at, kept_ids, mask=m)
     tl.store(weights + at, kept * scale, mask=m)
     return tl.where(m, kept_ids, -1), taken
