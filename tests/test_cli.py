@@ -211,7 +211,7 @@ def test_bench_measures_the_cpu_lane(tiny):
     for r in rows:
         assert r["lane"] == "cpu:float32" and r["prompt"] == 8 and r["generated"] == 4
         assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and 0 < r["percent_of_limit"]
-        assert r["peak_gpu_gb"] is None  # the cpu lane takes no GPU memory
+        assert r["peak_gpu_gb"] is None and r["prefill"] == ""  # the cpu lane takes no GPU memory
     table, err, code = fuselane("bench", tiny["qwen2"], "--lane", "cpu", "-p", "8", "-n", "4")
     assert code == 0 and "| cpu:float32 | pp8 |" in table and "| tg4 |" in table, err
 
@@ -314,3 +314,13 @@ def test_the_gpu_running_out_of_memory_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_tokenize", bug)
     with pytest.raises(RuntimeError, match="a bug"):
         cli.main(["tokenize", "m.gguf", "hi"])
+
+
+def test_bench_says_which_prefill_path_its_peak_took():
+    # the cuda lane's peak depends on `prefill=auto`'s choice, which the table and the JSON name
+    from fuselane.bench import BenchResult, as_json, render
+
+    result = BenchResult("m.gguf", "cuda:H200:int8", 4.7, 512, 128, 0, 1.0, 1.0, 200, 4.7, 4800.0, 1000.0, 50.0, 17.98,
+                         prefill="f16-copy")  # fmt: skip
+    assert "| 17.98 GB (f16-copy) |" in render([result])
+    assert as_json([result])[0]["prefill"] == "f16-copy"

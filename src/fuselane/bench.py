@@ -65,6 +65,9 @@ class BenchResult:
     peak_gpu_gb: float | None  # the most GPU memory the model took, load to last token (None on the cpu lane)
     cache_values: str = ""  # what the cache holds a token a layer (`cache_line`)
     repetitions: int = DEFAULT_BENCH_REPETITIONS  # timed runs of the prompt
+    # how the cuda lane's prefill products read the weights, as it runs them (`prefill=auto` taken: f16-copy or
+    # f16-scratch), which the peak depends on; empty on the cpu lane
+    prefill: str = ""
 
 
 def _copy_bandwidth(lane: Any) -> float:
@@ -278,7 +281,15 @@ def bench(
         percent_of_limit=round(100 * decode / limit, 1),
         peak_gpu_gb=peak,
         cache_values=cache_line(m.cfg),
+        prefill=_prefill(m.lane),
     )
+
+
+def _prefill(lane: Any) -> str:
+    """The cuda lane's `prefill` knob as it runs (`auto` resolved when it loaded); empty for the cpu lane."""
+    knobs = getattr(lane.shim, "knobs", None)
+    weights = getattr(knobs, "prefill_weights", None)
+    return weights.value if weights is not None else ""
 
 
 def _reset_peak(lane: str) -> int:
@@ -349,6 +360,7 @@ def render(results: list[BenchResult]) -> str:
     for r in results:
         at = f" @ d{r.depth}" if r.depth else ""
         peak = f"{r.peak_gpu_gb} GB" if r.peak_gpu_gb is not None else ""
+        peak += f" ({r.prefill})" if peak and r.prefill else ""
         lines.append(
             f"| {r.model} | {r.size_gb} GB | {r.lane} | pp{r.prompt}{at} | {r.prefill_tok_s:,.1f} | | | {peak} |"
         )
