@@ -158,8 +158,13 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tile", nargs="+", type=int, default=[kernels.MOE_DOWN_TILE])
     ap.add_argument("--warps", nargs="+", type=int, default=[kernels.MOE_DOWN_WARPS])
     ap.add_argument("--per-thread", nargs="+", type=int, default=[kernels.MOE_DOWN_PER_THREAD])
-    ap.add_argument("--packed", nargs="+", choices=["no", "yes"], default=["no", "yes"],
-                    help="the down tile's rows over the kept experts, not their slots (kernels.MOE_DOWN_PACKED)")
+    ap.add_argument(
+        "--packed",
+        nargs="+",
+        choices=["no", "yes"],
+        default=["no", "yes"],
+        help="the down tile's rows over the kept experts, not their slots (kernels.MOE_DOWN_PACKED)",
+    )
     ap.add_argument("--depth", nargs="+", type=int, default=[0],
                     help="the new order's chunks in flight (0: the format's, `kernels.moe_down_depth`)")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="no GPU: every launch once under TRITON_INTERPRET=1")
