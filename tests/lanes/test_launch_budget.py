@@ -44,14 +44,18 @@ PUBLISHED = {
 }
 
 
-@pytest.mark.parametrize("mix", [m for m in Mix if m is not Mix.Q4_K_M_05B])
-@pytest.mark.parametrize("name", PUBLISHED)
-def test_a_decode_step_takes_at_most_the_budget_a_layer(name: str, mix: Mix) -> None:
-    shape = replace(PUBLISHED[name], n_layers=LAYERS)
+def _decode_graph(shape: Shape, name: str, mix: Mix):
+    """A decode step's graph of `shape` in `mix`, from tensor stubs, and its config."""
     formats = tensor_formats(shape, mix)
     tensors = {n: Stub(dims, formats[n]) for n, dims in tensor_shapes(shape).items()}
     cfg = config_of(model_metadata(shape, name, 0) | {"general.architecture": shape.arch}, tensors)
-    g = qwen.recognize(cfg, tensors, Form.DECODE, ctx=4096)
+    return qwen.recognize(cfg, tensors, Form.DECODE, ctx=4096), cfg
+
+
+@pytest.mark.parametrize("mix", [m for m in Mix if m is not Mix.Q4_K_M_05B])
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_a_decode_step_takes_at_most_the_budget_a_layer(name: str, mix: Mix) -> None:
+    g, _ = _decode_graph(replace(PUBLISHED[name], n_layers=LAYERS), name, mix)
     plan = optimize(g, CudaShim(CudaKnobs()))
     assert sorted(covered(plan)) == list(range(len(g.ops)))
     per_layer = launches_per_layer(g, plan)
@@ -63,10 +67,6 @@ def test_a_decode_step_takes_at_most_the_budget_a_layer(name: str, mix: Mix) -> 
 @pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen3-8b"])
 def test_a_yarn_file_keeps_the_budget(name: str, mix: Mix) -> None:
     # YaRN's stretched frequencies turn in the same fused rotations (and the QKV GEMV's epilogue) as the base's
-    shape = replace(PUBLISHED[name], n_layers=LAYERS, yarn_factor=4.0, yarn_original=32768)
-    formats = tensor_formats(shape, mix)
-    tensors = {n: Stub(dims, formats[n]) for n, dims in tensor_shapes(shape).items()}
-    cfg = config_of(model_metadata(shape, name, 0) | {"general.architecture": shape.arch}, tensors)
+    g, cfg = _decode_graph(replace(PUBLISHED[name], n_layers=LAYERS, yarn_factor=4.0, yarn_original=32768), name, mix)
     assert cfg.yarn is not None
-    g = qwen.recognize(cfg, tensors, Form.DECODE, ctx=4096)
     assert max(launches_per_layer(g, optimize(g, CudaShim(CudaKnobs()))).values()) <= LAUNCH_BUDGET

@@ -285,24 +285,30 @@ def read_yarn(meta: Mapping[str, Any], p: str, head_dim: int, rope_dim: int, con
     if kind == "none":
         return None, 1.0
     s = p + "rope.scaling."
-    factor = get_key(meta, s + "factor", float)
-    yarn = Yarn(
-        factor=factor,
-        original=get_key(meta, s + "original_context_length", int, context),
-        beta_fast=get_key(meta, s + "yarn_beta_fast", float, YARN_BETA_FAST),
-        beta_slow=get_key(meta, s + "yarn_beta_slow", float, YARN_BETA_SLOW),
-    )
-    if not math.isfinite(factor) or factor < 1 or yarn.original < 1 or not yarn.beta_fast > yarn.beta_slow:
-        raise ModelError(
-            f"metadata keys '{s}*' describe no stretch: factor {factor}, original context {yarn.original:,}, "
-            f"betas {yarn.beta_fast}, {yarn.beta_slow}"
-        )
+    yarn = read_stretch(meta, s, context)
     if rope_dim and rope_dim != head_dim:
         raise ModelError(
             f"YaRN scales a rotation's cos and sin, and rope turns {rope_dim} of a head's {head_dim} values: "
             "fuselane runs YaRN on whole heads only"
         )
-    attn_factor = get_key(meta, s + "attn_factor", float, 1.0)
-    if not math.isfinite(attn_factor) or attn_factor <= 0:
+    attn_factor = get_key(meta, s + "attn_factor", float, 1.0)  # finite: `get_key`'s check
+    if attn_factor <= 0:
         raise ModelError(f"metadata key '{s}attn_factor' should be positive, not {attn_factor}")
-    return yarn, attn_factor * (1.0 + YARN_MSCALE_LOG * math.log(factor))
+    return yarn, attn_factor * (1.0 + YARN_MSCALE_LOG * math.log(yarn.factor))
+
+
+def read_stretch(meta: Mapping[str, Any], s: str, original: int | None) -> Yarn:
+    """YaRN's stretch from the `rope.scaling.` keys under `s` (every architecture's): the factor, the original
+    context (`original` where the file states none; required where that is None) and the betas (llama.cpp's
+    defaults where absent); a factor below 1 or betas that cross describe no stretch and are refused."""
+    yarn = Yarn(
+        factor=get_key(meta, s + "factor", float),
+        original=get_key(meta, s + "original_context_length", int, original),
+        beta_fast=get_key(meta, s + "yarn_beta_fast", float, YARN_BETA_FAST),
+        beta_slow=get_key(meta, s + "yarn_beta_slow", float, YARN_BETA_SLOW),
+    )
+    if yarn.factor < 1 or yarn.beta_fast <= yarn.beta_slow:
+        raise ModelError(
+            f"metadata keys '{s}*' describe no stretch: factor {yarn.factor}, betas {yarn.beta_fast}, {yarn.beta_slow}"
+        )
+    return yarn

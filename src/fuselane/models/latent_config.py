@@ -26,6 +26,7 @@ from fuselane.models.config import (
     found,
     get_key,
     layers_present,
+    read_stretch,
 )
 
 ARCH = "deepseek2"
@@ -39,7 +40,6 @@ class GatingFunc(enum.IntEnum):
 
 
 GATINGS = {GatingFunc.SOFTMAX: Gating.SOFTMAX, GatingFunc.SIGMOID: Gating.SIGMOID}
-YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # llama.cpp's defaults where the file states none
 GROUP_BEST = 2  # a group scores its two best experts, so a group has at least two
 
 
@@ -116,19 +116,9 @@ def _yarn(meta: Mapping[str, Any], p: str, qk: int) -> tuple[Yarn | None, float]
     if kind != "yarn":
         raise ModelError(f"metadata key '{p}rope.scaling.type' is {found(kind)}; deepseek2 runs none or yarn")
     s = p + "rope.scaling."
-    factor = get_key(meta, s + "factor", float)
-    yarn = Yarn(
-        factor=factor,
-        original=get_key(meta, s + "original_context_length", int),
-        beta_fast=_opt(meta, s + "yarn_beta_fast", float, YARN_BETA_FAST),
-        beta_slow=_opt(meta, s + "yarn_beta_slow", float, YARN_BETA_SLOW),
-    )
-    if factor < 1 or yarn.beta_fast <= yarn.beta_slow:
-        raise ModelError(
-            f"metadata keys '{s}*' describe no stretch: factor {factor}, betas {yarn.beta_fast}, {yarn.beta_slow}"
-        )
+    yarn = read_stretch(meta, s, None)
     log_mul = _opt(meta, s + "yarn_log_multiplier", float, 0.0)
-    mscale = 1.0 + log_mul * math.log(factor)
+    mscale = 1.0 + log_mul * math.log(yarn.factor)
     return yarn, mscale * mscale / math.sqrt(qk)
 
 

@@ -293,6 +293,7 @@ def int8_form(shape: tuple[int, ...], device: Any) -> Any:
 PREFILL_HEADROOM = 0.05
 PREFILL_HEADROOM_MIN_BYTES = 2 * 2**30
 F16_BYTES = 2
+CACHE_BYTES = {CachePrecision.F16: F16_BYTES, CachePrecision.F32: 4}  # a cached value's bytes, by the `cache` knob
 
 
 def prefill_for(knobs: CudaKnobs, cfg: ModelConfig, tensors: Mapping[str, Any], ctx: int, torch: Any) -> PrefillWeights:
@@ -301,7 +302,7 @@ def prefill_for(knobs: CudaKnobs, cfg: ModelConfig, tensors: Mapping[str, Any], 
     if knobs.prefill_weights is not PrefillWeights.AUTO:
         return knobs.prefill_weights
     free, total = torch.cuda.mem_get_info()
-    cache = ctx * cfg.n_layers * cfg.cache_values * (F16_BYTES if knobs.cache_precision is CachePrecision.F16 else 4)
+    cache = ctx * cfg.n_layers * cfg.cache_values * CACHE_BYTES[knobs.cache_precision]
     fits = copies_fit(tensors, cache, free, total)
     return PrefillWeights.F16_COPY if fits else PrefillWeights.F16_SCRATCH
 
