@@ -1,4 +1,5 @@
-"""Every llama.cpp mix on the cuda lane's decode GEMVs (int8 for the quantized formats, the f32 row for BF16),
+"""Every llama.cpp mix on the cuda lane's decode GEMVs (int8 for the quantized formats, the f32 row for BF16) and
+its prefill (a chunk on cuBLAS, a chunk of a few rows, then decode steps),
 on a GPU (`pytest -m cuda`; skipped where there is none): a small model whose rows are whole super-blocks
 (so the K formats and IQ4_XS are really written), decoded a token at a time, against the cpu lane in f64
 within the lane's contract. Under Triton's interpreter the same run takes minutes a mix, so CI checks the
@@ -38,5 +39,25 @@ def test_decode_matches_cpu_f64(tmp_path, mix: str) -> None:
     a, b = gpu.session(), ref.session()
     steps = [(a.feed(TOKENS[:1]), b.feed(TOKENS[:1]))]
     steps += [(a.extend([t]), b.extend([t])) for t in TOKENS[1:]]
+    for step, (x, y) in enumerate(steps):
+        assert np.isfinite(x).all() and rel(x, y) <= tol, f"step {step}: {rel(x, y):.2e} > {tol:.2e}"
+
+
+PROMPT = [5, 60, 7, 300, 8, 1, 2, 3, 4, 5, 6, 17, 18, 19, 20, 21, 22, 23, 24, 25]  # a chunk on cuBLAS
+SHORT = [12, 13, 14]  # a chunk within the GEMV's rows
+# every mix over the f16 copies (prefill=auto on a GPU that holds them); the formats only the int8 GEMV
+# multiplies in a step over the f16 scratch too
+PREFILLS = [(mix, "auto") for mix in MIXES] + [(mix, "f16-scratch") for mix in ("iq4_xs", "q3_k_m", "q2_k")]
+
+
+@pytest.mark.parametrize(("mix", "prefill"), PREFILLS)
+def test_prefill_matches_cpu_f64(tmp_path, mix: str, prefill: str) -> None:
+    path = write_synthetic(tmp_path / "m.gguf", SHAPE, mix, seed=5)
+    gpu = load(path, lane="cuda", ctx=64, knobs=[f"prefill={prefill}"])
+    ref = load(path, lane="cpu", ctx=64, dtype=np.float64)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    a, b = gpu.session(), ref.session()
+    steps = [(a.feed(PROMPT), b.feed(PROMPT)), (a.extend(SHORT), b.extend(SHORT))]
+    steps += [(a.extend([t]), b.extend([t])) for t in TOKENS[:2]]
     for step, (x, y) in enumerate(steps):
         assert np.isfinite(x).all() and rel(x, y) <= tol, f"step {step}: {rel(x, y):.2e} > {tol:.2e}"

@@ -86,8 +86,8 @@ WEIGHTS = {
 }
 
 
-def graph() -> TensorGraph:
-    g = TensorGraph(Form.DECODE, 1)
+def graph(rows: int = 1) -> TensorGraph:
+    g = TensorGraph(Form.DECODE if rows == 1 else Form.PREFILL, rows)
     for name, storage in WEIGHTS.items():
         g.add(Tensor(name, (1, 1), storage, Role.WEIGHT))
     return g
@@ -186,6 +186,7 @@ class Case:
     refused: Callable[[], Op]
     reason: str
     knobs: CudaKnobs = DEFAULT
+    rows: int = 1  # the graph's: a step's one row, or a chunk's
 
 
 def gne(n: int, m: int = 1, first: Op | None = None) -> Op:
@@ -363,6 +364,14 @@ CASES = [
         INT8,
     ),
     Case(
+        "gated pair of a short chunk",
+        lambda: gate_up_glu(m=4),
+        # Q2_K's products multiply on the int8 GEMV in a step, on cuBLAS in a chunk: no f32 GEMV decodes it
+        lambda: gate_up_glu(m=4, gate="q2k", up="q2k"),
+        "a chunk's few rows pair a gate and an up product only in the formats the f32 GEMVs decode",
+        rows=4,
+    ),
+    Case(
         "convolution parts",
         lambda: fused(C.CONV_PARTS, conv(), conv()),
         lambda: fused(C.CONV_PARTS, conv(), unary()),
@@ -470,9 +479,22 @@ def test_the_int8_gemvs_epilogue_norms_any_width_and_format() -> None:
     assert refused is not None and refused.startswith("a projection norms in its last block the one row")
 
 
+def test_a_short_chunk_takes_products_in_parts_only_in_the_f32_gemvs_formats() -> None:
+    # a step's Q2_K products read int8 (the int8 GEMV in parts); a chunk's few rows read f32, which no GEMV
+    # decodes Q2_K from, so they multiply apart, on cuBLAS
+    def products(m: int, w: str) -> list[Op]:
+        return [matmul(m, 512, 4096, w, out="q"), matmul(m, 512, 4096, w, out="k")]
+
+    shim = CudaShim(DEFAULT)
+    assert shim.gemv_in_parts(products(4, "q4k"), graph(4))
+    assert not shim.gemv_in_parts(products(4, "q2k"), graph(4))
+    assert shim.gemv_in_parts(products(1, "q2k"), graph())
+    assert not CudaShim(CudaKnobs(activations=Activations.DEQUANT)).gemv_in_parts(products(1, "q2k"), graph())
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_fits_refuses_with_the_specified_reason(case: Case) -> None:
-    shim, g = CudaShim(case.knobs), graph()
+    shim, g = CudaShim(case.knobs), graph(case.rows)
     assert shim.fits(case.fits(), g) is None
     assert shim.fits(case.refused(), g) == case.reason
 

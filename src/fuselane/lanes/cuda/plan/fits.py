@@ -366,6 +366,8 @@ def _gemv_gate_up_glu(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGr
     gate, up = products[0], products[1]
     if not (isinstance(gate.weights, Rows) and isinstance(up.weights, Rows)):
         return "the lane pairs a gate and an up product only over checkpoint rows"
+    if gate.m <= kernels.GEMV_ROWS and not shim.gemv_takes(gate, g):
+        return "a chunk's few rows pair a gate and an up product only in the formats the f32 GEMVs decode"
     gemv_rows = gate.m <= kernels.GEMV_ROWS or shim.knobs.activations is Activations.DEQUANT
     paired = not gemv_rows and gate.weights == up.weights and gate.n % kernels.GEMM_PAIR_TILE_N == 0
     if gemv_rows or paired or shim.pairs_on_cublas(g):

@@ -91,6 +91,9 @@ ROWS_GEMV_FORMATS = frozenset({
     Format.Q4_K, Format.Q5_K, Format.Q6_K, Format.Q8_0, Format.Q4_0, Format.Q4_1, Format.Q5_0, Format.Q5_1,
     Format.F32, Format.F16, Format.BF16,
 })  # fmt: skip
+# The formats the whole-matrix decode on the device (`gemv/epilogue.dequantize`) takes: the prefill products'
+# f16 copies and scratch come from it, so a checkpoint in any of them prefills on cuBLAS.
+DEQUANT_FORMATS = ROWS_GEMV_FORMATS | frozenset({Format.Q2_K, Format.Q3_K, Format.IQ4_NL, Format.IQ4_XS})
 # The one-row f32 GEMV's formats (`triton/gemv/fast.py`, its `GROUPS`): its add + norm epilogue, like the
 # int8 GEMV's, has the last program walk the norm's row in chunks re-read from L2, so it norms any width; only
 # the GEMV by checkpoint rows (`triton/gemv/rows.py`) holds the row in its block's registers.
@@ -464,9 +467,9 @@ def moe_down_slots(k: int) -> int:
 # the slots past them: 6 of 16 at ten, each re-reading the last expert's rows. Packed, a program takes
 # MOE_DOWN_TILE // k rows instead, each (row, expert) an entry of the tile and only the tile's last few idle:
 # at ten, three rows (30 of 32 entries) where the slots take two, 683 programs for a 2,048-wide row against
-# 1,024; at six, five rows against four. The same kernel either way (`moe_down_entries`); not yet timed on a GPU,
-# so off.
-MOE_DOWN_PACKED = False
+# 1,024; at six, five rows against four. The same kernel either way (`moe_down_entries`). Timed at the 80B-A3B's
+# widths (benchmarks/RESULTS.md, 2026-12-03): Q4_K 12.00 -> 10.42 us, Q6_K 22.14 -> 17.47.
+MOE_DOWN_PACKED = True
 
 
 def moe_down_rows(k: int, tile: int = MOE_DOWN_TILE, packed: bool | None = None) -> int:

@@ -470,6 +470,16 @@ class CudaShim:
             and p.k % kernels.QBLOCK == 0
         )
 
+    def gemv_takes(self, p: GemvForm, g: TensorGraph) -> bool:
+        """Whether a GEMV multiplies a product of at most the GEMV's rows: the f32 GEMVs by checkpoint rows in
+        their formats (`kernels.ROWS_GEMV_FORMATS`), the int8 GEMV in the others where the plan quantizes the
+        activation for it (a step's one row, a batch's rows). A chunk of a few rows in another format (Q2_K,
+        Q3_K, IQ4_NL, IQ4_XS) multiplies as a longer chunk does, on cuBLAS."""
+        if not isinstance(p.weights, Rows) or p.weights.format in kernels.ROWS_GEMV_FORMATS:
+            return True
+        batch = self.knobs.batch and g.rows != 1
+        return self.activation_format is not None and (g.rows == 1 or batch) and self.int8_gemv(p, batch=batch)
+
     def gemv_in_parts(self, members: Sequence[Op], g: TensorGraph) -> bool:
         """Whether every member of a GEMV in parts is one the GEMV takes together: at most four, one
         activation, one format, one number of rows a warp."""
@@ -483,6 +493,7 @@ class CudaShim:
             and self.turned_alike(members)
             and all(
                 self.gemv_mergeable(p)
+                and self.gemv_takes(p, g)
                 and p.weights == first.weights
                 and (p.x, p.k, p.m) == (first.x, first.k, first.m)
                 and self.per_warp(p) == self.per_warp(first)

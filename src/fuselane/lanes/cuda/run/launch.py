@@ -161,7 +161,8 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
         gemv_q8, acts = q8
         n, k = spec.n, spec.k
         return [lambda: gemv_q8.gemv_q8(acts, w, fmt, n, k, out, bias=bias_t, residual=res_t, out_row=row)]
-    if spec.m <= kernels.GEMV_ROWS:  # a step's rows, a batch's up to the GEMV's: GEMVs over them
+    if spec.m <= kernels.GEMV_ROWS and fmt in kernels.ROWS_GEMV_FORMATS:  # a step's or a batch's rows: GEMVs
+        # (a format only the int8 GEMV decodes, in a chunk of a few rows, multiplies as a longer chunk's: below)
         kernel = _gemv_kernels(fmt, spec.m, out)
         return [lambda: kernel(x, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)]
     from fuselane.lanes.cuda.triton import f16_scale, gemm, gemm_sb

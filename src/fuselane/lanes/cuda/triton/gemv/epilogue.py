@@ -27,7 +27,7 @@ import triton.language as tl
 from fuselane.gguf.formats import LAYOUTS, QK, Format, row_bytes
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv.formats import SLOTS, dot_rows
+from fuselane.lanes.cuda.triton.gemv.formats import dot_rows
 from fuselane.lanes.cuda.triton.gemv.layout import (
     BIT,
     CRUMB,
@@ -35,6 +35,10 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     FMT_BF16,
     FMT_F16,
     FMT_F32,
+    FMT_IQ4_NL,
+    FMT_IQ4_XS,
+    FMT_Q2_K,
+    FMT_Q3_K,
     FMT_Q4_0,
     FMT_Q4_1,
     FMT_Q4_K,
@@ -88,6 +92,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     k_scale_min,
     load_f16,
 )
+from fuselane.lanes.cuda.triton.gemv.low_bits import iq4_nl_values, iq4_xs_values, q2_k_values, q3_k_values
 from fuselane.lanes.cuda.triton.gemv.rows import (
     check_rows,
     check_x,
@@ -340,6 +345,14 @@ def _flat_values(blk, t, FMT: tl.constexpr):
         v = _nibble_values(blk, t, Q5_0_D, NO_FIELD, Q5_0_QH, Q5_0_QS, Q5_BIAS)
     elif FMT == FMT_Q5_1:
         v = _nibble_values(blk, t, Q5_1_D, Q5_1_M, Q5_1_QH, Q5_1_QS, 0)
+    elif FMT == FMT_Q2_K:
+        v = q2_k_values(blk, t)
+    elif FMT == FMT_Q3_K:
+        v = q3_k_values(blk, t)
+    elif FMT == FMT_IQ4_NL:
+        v = iq4_nl_values(blk, t)
+    elif FMT == FMT_IQ4_XS:
+        v = iq4_xs_values(blk, t)
     elif FMT == FMT_F32:
         v = tl.load(blk.to(tl.pointer_type(tl.float32)) + t[None, :])
     elif FMT == FMT_F16:
@@ -412,7 +425,7 @@ def dequantize(w: torch.Tensor, fmt: Format, n: int, k: int, out: torch.Tensor) 
     One launch, any format `gemv` takes.
     """
     fmt = Format(fmt)
-    if fmt not in SLOTS:
+    if fmt not in kernels.DEQUANT_FORMATS:
         raise ValueError(f"no device decode for {fmt.name}")
     check_rows(w, fmt, n, k)
     if out.dtype not in DEQUANT_OUT or out.dim() != 2 or tuple(out.shape) != (n, k) or out.stride(1) != 1:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format
+from fuselane.gguf.formats import IQ4_NL_VALUES, LAYOUTS, QK, QK_K, Format
 
 # --- layout facts, as constexprs the kernels can read --------------------------------------------------------
 
@@ -102,6 +102,24 @@ BYTE_BITS = const(8)
 BYTE = const(0xFF)  # a byte's bits
 F16_BITS = const(0xFFFF)
 HALF_WORD_BITS = const(16)
+
+# Q2_K / Q3_K: two halves of 128 values, each 32 qs bytes of four crumbs (value 32j + l of a half is crumb j of
+# its byte l); a sub-block of 16 values a scale (Q2_K: the scale's low nibble, the min's high one).
+HALF_QS = const(32)  # qs bytes of a half
+K_SUB = const(16)  # values under one scale
+# Q3_K: hmask byte l holds the third bit of value l of each of the eight runs of 32 (bit 4 * half + run); its 16
+# six-bit scales are stored + 32: the low 4 bits of scale i as nibble i // 8 of byte i % 8, the top 2 bits as
+# crumb i // 4 of byte 8 + i % 4.
+SIGNED_SCALE = const(32)  # Q3_K's and IQ4_XS's 6-bit scales are stored + 32
+Q3_HIGH_SCALES, Q3_SCALE_ROWS = const(8), const(4)
+Q3_LOW_SCALES = const(8)  # bytes of the scales' low nibbles
+Q3_BIAS_CODE = const(4)  # a clear hmask bit makes the code 4 lower
+# IQ4_NL / IQ4_XS: the 16 values a code stands for as four little-endian int32 words (bytes 4w..4w + 3)
+_IQ4_BYTES = bytes(v & 0xFF for v in IQ4_NL_VALUES)
+IQ4_T0, IQ4_T1, IQ4_T2, IQ4_T3 = (
+    const(int.from_bytes(_IQ4_BYTES[4 * w : 4 * w + 4], "little", signed=True)) for w in range(4)
+)
+IQ4_XS_SUB = const(32)  # IQ4_XS: values under one of its eight scales
 
 # The 2^23 trick: 0x4B000000 are the bits of 2.0**23; OR-ing an integer u < 2^23 into them gives the float
 # 2^23 + u exactly.

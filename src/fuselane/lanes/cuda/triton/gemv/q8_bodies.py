@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import IQ4_NL_VALUES, QK, QK_K, Format
+from fuselane.gguf.formats import QK, QK_K, Format
 from fuselane.lanes.cuda.triton.gemv.fast import K_RUNS, RUN_BYTES, q4_k_scales_of
 from fuselane.lanes.cuda.triton.gemv.int8_words import dot16_of, ld4, ld_run, ld_scalar, ld_words, prmt
 from fuselane.lanes.cuda.triton.gemv.layout import (
@@ -46,10 +46,15 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     FMT_Q4_1,
     FMT_Q5_1,
     FMT_Q5_K,
+    HALF_QS,
     HALF_WORD_BITS,
     IQ4_NL_BYTES,
     IQ4_NL_D,
     IQ4_NL_QS,
+    IQ4_T0,
+    IQ4_T1,
+    IQ4_T2,
+    IQ4_T3,
     IQ4_XS_BYTES,
     IQ4_XS_D,
     IQ4_XS_QS,
@@ -60,11 +65,13 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q2_K_D,
     Q2_K_QS,
     Q2_K_SCALES,
+    Q3_HIGH_SCALES,
     Q3_K_BYTES,
     Q3_K_D,
     Q3_K_HMASK,
     Q3_K_QS,
     Q3_K_SCALES,
+    Q3_SCALE_ROWS,
     Q4_0_BYTES,
     Q4_0_D,
     Q4_0_QS,
@@ -81,6 +88,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q5_K_BYTES,
     Q5_K_QH,
     Q5_K_QS,
+    SIGNED_SCALE,
     const,
 )
 
@@ -95,15 +103,7 @@ WORD_VALUES = const(4)  # codes a 32-bit word of a run
 CRUMB_BITS = const(2)
 Q3_BIAS = const(4.0)  # Q3_K: value = d * (scale - 32) * (code - 4), code = low 2 bits | hmask bit << 2
 HBIT_SHIFT = const(2)  # Q3_K: where the hmask bit goes over the 2 low bits
-SIGNED_SCALE = const(32)  # Q3_K's and IQ4_XS's 6-bit scales are stored + 32
-Q3_HIGH_SCALES, Q3_SCALE_ROWS = const(8), const(4)  # Q3_K: scale i's top bits in byte 8 + i % 4, crumb i // 4
 HALF_RUNS = const(2)  # Q3_K / Q2_K: a half of 128 values is two pairs of runs
-HALF_QS = const(32)  # Q3_K / Q2_K: qs bytes of a half (128 values, four crumbs a byte)
-# IQ4_NL / IQ4_XS: the 16 values a code stands for as four little-endian int32 words (bytes 4w..4w + 3)
-_IQ4_BYTES = bytes(v & 0xFF for v in IQ4_NL_VALUES)
-IQ4_T0, IQ4_T1, IQ4_T2, IQ4_T3 = (
-    const(int.from_bytes(_IQ4_BYTES[4 * w : 4 * w + 4], "little", signed=True)) for w in range(4)
-)
 PICK_LOW3, PICK_BIT3 = const(0x7777), const(0x8888)  # a selector's per-nibble byte index, and its table half
 IN_ORDER = const(0x3210)  # a selector taking bytes 0-3 in order; + 4 a nibble takes the second word's byte
 LOW_BYTE, SECOND_BYTE = const(0xFF), const(0xFF00)

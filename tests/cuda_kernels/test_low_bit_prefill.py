@@ -1,0 +1,49 @@
+"""Checkpoints in the formats only the int8 GEMV multiplies in a decode step (Q2_K, Q3_K, IQ4_NL, IQ4_XS) prefill
+on the cuda lane: a prompt's chunk on cuBLAS over f16 copies or the f16 scratch (the device decode,
+`gemv/low_bits.py`), then a chunk of a few rows the same way (no f32 GEMV decodes them), against the cpu lane
+in f64 within the lane's contract. Interpreted where there is no GPU, one knob a mix (the decode steps of these
+mixes are `tests/cuda/test_cuda_mixes.py`'s, on a GPU, and their kernels' `test_gemv_q8.py`'s)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
+pytest.importorskip("triton")
+
+from fuselane.gguf.formats import Format  # noqa: E402
+from fuselane.gguf.synth import Shape, tensor_formats, write_synthetic  # noqa: E402
+from fuselane.runtime.model import load  # noqa: E402
+
+# rows of whole super-blocks (so the K formats and IQ4_XS are written as such); 4 query heads a kv head, so the
+# mixes' gqa rules show; one layer keeps the interpreter's time short
+SHAPE = Shape("qwen2", 256, 1, 4, 1, 64, 512, 512, context=64)
+PROMPT = [5, 60, 7, 300, 8, 1, 2, 3, 4, 5, 6]  # past the GEMV's rows: a chunk on cuBLAS
+SHORT = [12, 13, 14]  # within the GEMV's rows: a chunk of a few rows
+LOW_BITS = {Format.Q2_K, Format.Q3_K, Format.IQ4_NL, Format.IQ4_XS}
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _steps(model) -> list[np.ndarray]:
+    s = model.session()
+    return [s.feed(PROMPT), s.extend(SHORT)]
+
+
+@pytest.mark.parametrize(("mix", "prefill"), [("q3_k_m", "auto"), ("q2_k", "f16-scratch"), ("iq4_xs", "auto")])
+def test_low_bit_mixes_prefill_as_the_cpu_lane(tmp_path, mix: str, prefill: str) -> None:
+    assert LOW_BITS & set(tensor_formats(SHAPE, mix).values()), f"{mix} writes none of the formats under test"
+    path = write_synthetic(tmp_path / "m.gguf", SHAPE, mix, seed=7)
+    gpu = load(path, lane="cuda", ctx=32, knobs=[f"prefill={prefill}"])
+    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    for step, (a, b) in enumerate(zip(_steps(gpu), _steps(ref), strict=True)):
+        assert np.isfinite(a).all()
+        assert rel(a, b) <= tol, f"step {step}: {rel(a, b):.2e} > {tol:.2e}"
