@@ -2,7 +2,9 @@
 on the cuda lane: a prompt's chunk on cuBLAS over f16 copies or the f16 scratch (the device decode,
 `gemv/low_bits.py`), then a chunk of a few rows the same way (no f32 GEMV decodes them), against the cpu lane
 in f64 within the lane's contract. Interpreted where there is no GPU, one knob a mix (the decode steps of these
-mixes are `tests/cuda/test_cuda_mixes.py`'s, on a GPU, and their kernels' `test_gemv_q8.py`'s)."""
+mixes are `tests/cuda/test_cuda_mixes.py`'s, on a GPU, and their kernels' `test_gemv_q8.py`'s). A mixture whose
+experts are in them multiplies a chunk of any rows past one on the grouped GEMM (no f32 GEMV decodes them), a
+step's one row on the int8 GEMV."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from fuselane.runtime.model import load  # noqa: E402
 SHAPE = Shape("qwen2", 256, 1, 4, 1, 64, 512, 512, context=64)
 PROMPT = [5, 60, 7, 300, 8, 1, 2, 3, 4, 5, 6]  # past the GEMV's rows: a chunk on cuBLAS
 SHORT = [12, 13, 14]  # within the GEMV's rows: a chunk of a few rows
+# a mixture of the same widths: 8 experts of 256, two kept
+MOE = Shape("qwen3moe", 256, 1, 4, 1, 64, 512, 512, context=64, experts=8, experts_used=2, expert_ff=256)
 LOW_BITS = {Format.Q2_K, Format.Q3_K, Format.IQ4_NL, Format.IQ4_XS}
 
 
@@ -47,3 +51,17 @@ def test_low_bit_mixes_prefill_as_the_cpu_lane(tmp_path, mix: str, prefill: str)
     for step, (a, b) in enumerate(zip(_steps(gpu), _steps(ref), strict=True)):
         assert np.isfinite(a).all()
         assert rel(a, b) <= tol, f"step {step}: {rel(a, b):.2e} > {tol:.2e}"
+
+
+def test_a_mixture_in_q2_k_and_q3_k_runs_as_the_cpu_lane(tmp_path) -> None:
+    experts = {n: f for n, f in tensor_formats(MOE, "q2_k").items() if "_exps" in n}
+    assert {Format.Q2_K, Format.Q3_K} <= set(experts.values())
+    path = write_synthetic(tmp_path / "m.gguf", MOE, "q2_k", seed=3)
+    gpu = load(path, lane="cuda", ctx=32)
+    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    a, b = gpu.session(), ref.session()
+    steps = [(a.feed(PROMPT), b.feed(PROMPT)), (a.extend(SHORT), b.extend(SHORT)), (a.extend([9]), b.extend([9]))]
+    for step, (x, y) in enumerate(steps):
+        assert np.isfinite(x).all()
+        assert rel(x, y) <= tol, f"step {step}: {rel(x, y):.2e} > {tol:.2e}"

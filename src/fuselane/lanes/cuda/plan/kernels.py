@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from fuselane.gguf.formats import QK, QK_K, Format
@@ -503,9 +504,11 @@ def moe_route_chunk(fmt: Format, rows: int) -> bool:
     return rows > GEMV_ROWS and Format(fmt) in MOE_ROUTE_CHUNK_FORMATS
 
 
-def moe_grouped(rows: int) -> bool:
-    """Whether a mixture of `rows` rows multiplies its experts as the grouped GEMM: past the GEMV's rows."""
-    return rows > GEMV_ROWS
+def moe_grouped(rows: int, formats: Iterable[Format] = ()) -> bool:
+    """Whether a mixture of `rows` rows multiplies its experts (in `formats`) as the grouped GEMM: past the
+    GEMV's rows, or a chunk's or a batch's fewer rows where no f32 GEMV decodes an expert matrix's format
+    (Q2_K, Q3_K, IQ4_NL, IQ4_XS: a step's one row multiplies them on the int8 GEMV)."""
+    return rows > GEMV_ROWS or (rows > 1 and any(Format(f) not in ROWS_GEMV_FORMATS for f in formats))
 
 
 def moe_tiles_bound(pairs: int, experts: int, block_m: int) -> int:

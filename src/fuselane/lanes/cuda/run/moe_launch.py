@@ -61,9 +61,20 @@ def _of(found: list[Op], kind: type) -> list[Op]:
 def _order(b, found: Op, rows: int) -> tuple[Any, str] | None:
     """A chunk's sorted pairs (int32) and the order's name, where the expert product `found` reads them and
     the chunk is the grouped GEMM's."""
-    if len(found.ins) < 4 or not kernels.moe_grouped(rows):
+    if len(found.ins) < 4 or not kernels.moe_grouped(rows, _expert_formats(b, found.ins[3])):
         return None
     return _ids(b, found.ins[3]), found.ins[3]
+
+
+def _expert_formats(b, order_name: str) -> set:
+    """The formats of the expert matrices whose products read the sorted pairs `order_name`: the routing launch
+    that sorts them and the products that read them decide the grouped GEMM alike (`kernels.moe_grouped`)."""
+    return {
+        b.raw[p.ins[1]][1]
+        for op in b.g.ops
+        for p in leaves(op)
+        if isinstance(p.sym, ExpertMatmul) and order_name in p.ins and p.ins[1] in b.raw
+    }
 
 
 def _counts(b, order_name: str, experts: int, device) -> Any:
@@ -92,7 +103,8 @@ def route_topk(op: Op, b) -> list:
     w, fmt = b.raw[mm.ins[1]]
     ids, weights, scores = _ids(b, top.out), b.bufs[rw.out], b.bufs[mm.out]
     order = _ids(b, sorts[0].out) if sorts else None
-    counts = _counts(b, sorts[0].out, spec.experts, x.device) if sorts and kernels.moe_grouped(spec.rows) else None
+    grouped = sorts and kernels.moe_grouped(spec.rows, _expert_formats(b, sorts[0].out))
+    counts = _counts(b, sorts[0].out, spec.experts, x.device) if grouped else None
     counter = b.scratch.setdefault(f"moe-route:{op.out}", route.counters(x.device, spec.rows))
     args = (spec.experts, spec.k, spec.renorm, ids, weights, scores, counter, order, counts)
     choices = _of(found, ExpertChoice)  # DeepSeek's gating: the top-k ranks the choice scores

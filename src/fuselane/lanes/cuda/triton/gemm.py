@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import Format, row_bytes
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.epilogue import DEQUANT_OUT, decode_unit, unit_values
-from fuselane.lanes.cuda.triton.gemv.formats import SLOTS
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 
 # The tile, as compiled for sm_90 (ptxas -v): 64 activation rows by 32 weight rows, eight warps, the loads of
@@ -94,7 +94,7 @@ def _gemm_kernel(
 def supports(fmt: Format, k: int) -> bool:
     """Whether `gemm` takes n x k rows in `fmt`: a format the device decodes, rows of whole steps."""
     fmt = Format(fmt)
-    return fmt in SLOTS and k % decode_unit(fmt, k) == 0 and step_units(fmt, k) > 0
+    return fmt in kernels.DEQUANT_FORMATS and k % decode_unit(fmt, k) == 0 and step_units(fmt, k) > 0
 
 
 def step_units(fmt: Format, k: int) -> int:
