@@ -27,6 +27,8 @@ from fuselane.gguf.formats import Format  # noqa: E402
 from fuselane.lanes.cuda.triton import gemm as G  # noqa: E402
 
 FORMATS = [Format.Q4_K, Format.Q5_K, Format.Q6_K, Format.Q8_0, Format.Q5_0, Format.Q4_0, Format.F16]
+# ...and the formats only the device values of `gemv/low_bits.py` decode
+LOW_BITS = [Format.Q2_K, Format.Q3_K, Format.IQ4_NL, Format.IQ4_XS]
 # Small tiles, so a few rows reach several tiles and a partial one of each kind.
 TILE = dict(block_m=16, block_n=16)
 
@@ -40,7 +42,7 @@ def _case(fmt: Format, m: int, n: int, k: int, seed: int):
     return raw, x, x16 @ w16.T, np.abs(x16) @ np.abs(w16).T
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + LOW_BITS)
 def test_gemm_matches_numpy(fmt):
     m, n, k = 20, 40, 512
     raw, x, want, mag = _case(fmt, m, n, k, int(fmt))
@@ -91,7 +93,7 @@ def test_gemm_bias_residual_and_rows_of_a_table():
 def test_supports_and_refusals():
     assert G.supports(Format.Q4_K, 4096) and G.supports(Format.Q5_0, 896) and G.supports(Format.Q8_0, 4864)
     assert not G.supports(Format.Q8_0, 96)  # three blocks: no step of at least 128 values
-    assert not G.supports(Format.IQ4_XS, 4096)
+    assert G.supports(Format.IQ4_XS, 4096) and not G.supports(Format.MXFP4, 4096)  # no device decode of MXFP4
     raw = dev(raw_weights(Format.Q8_0, 8, 256, np.random.default_rng(0)))
     with pytest.raises(ValueError, match="no prefill GEMM"):
         G.gemm(torch.zeros((4, 96), device=DEVICE), raw, Format.Q8_0, 8, 96, torch.empty((4, 8), device=DEVICE))
