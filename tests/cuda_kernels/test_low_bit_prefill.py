@@ -4,10 +4,12 @@ on the cuda lane: a prompt's chunk on cuBLAS over f16 copies or the f16 scratch 
 in f64 within the lane's contract. Interpreted where there is no GPU, one knob a mix (the decode steps of these
 mixes are `tests/cuda/test_cuda_mixes.py`'s, on a GPU, and their kernels' `test_gemv_q8.py`'s). A mixture whose
 experts are in them multiplies a chunk of any rows past one on the grouped GEMM (no f32 GEMV decodes them), a
-step's one row on the int8 GEMV."""
+step's one row on the int8 GEMV. A latent attention's per-head products in them read the matrix's f32 values,
+decoded once on the device."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -19,7 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from fuselane.gguf.formats import Format  # noqa: E402
-from fuselane.gguf.synth import Shape, tensor_formats, write_synthetic  # noqa: E402
+from fuselane.gguf.synth import SHAPES, Shape, tensor_formats, write_synthetic  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 
 # rows of whole super-blocks (so the K formats and IQ4_XS are written as such); 4 query heads a kv head, so the
@@ -57,6 +59,21 @@ def test_a_mixture_in_q2_k_and_q3_k_runs_as_the_cpu_lane(tmp_path) -> None:
     experts = {n: f for n, f in tensor_formats(MOE, "q2_k").items() if "_exps" in n}
     assert {Format.Q2_K, Format.Q3_K} <= set(experts.values())
     path = write_synthetic(tmp_path / "m.gguf", MOE, "q2_k", seed=3)
+    gpu = load(path, lane="cuda", ctx=32)
+    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    a, b = gpu.session(), ref.session()
+    steps = [(a.feed(PROMPT), b.feed(PROMPT)), (a.extend(SHORT), b.extend(SHORT)), (a.extend([9]), b.extend([9]))]
+    for step, (x, y) in enumerate(steps):
+        assert np.isfinite(x).all()
+        assert rel(x, y) <= tol, f"step {step}: {rel(x, y):.2e} > {tol:.2e}"
+
+
+def test_a_latent_attention_in_q3_k_runs_as_the_cpu_lane(tmp_path) -> None:
+    # one dense layer of DeepSeek's latent attention at widths of whole super-blocks: attn_v_b in Q3_K
+    shape = dataclasses.replace(SHAPES["tiny-deepseek2"], n_embd=256, n_ff=512, kv_lora=256, n_layers=1)
+    assert tensor_formats(shape, "q3_k_m")["blk.0.attn_v_b.weight"] is Format.Q3_K
+    path = write_synthetic(tmp_path / "m.gguf", shape, "q3_k_m", seed=3)
     gpu = load(path, lane="cuda", ctx=32)
     ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)

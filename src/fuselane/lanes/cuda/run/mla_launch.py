@@ -36,13 +36,37 @@ def _pitches(x: Any, heads: int, width: int) -> tuple[int, int]:
 
 def head_matmul(op: Op, b) -> list:
     """HeadMatmul: one launch of every head's GEMV over its own rows of the file's bytes."""
+    from fuselane.lanes.cuda.plan import kernels
     from fuselane.lanes.cuda.triton.mla import heads
 
     spec: HeadMatmul = op.sym  # type: ignore[assignment]
     x, out = b.bufs[op.ins[0]], b.bufs[op.out]
     w, fmt = b.raw[op.ins[1]]
     x_row, x_head = _pitches(x, spec.heads, spec.a)
-    return [lambda: heads.head_matmul(x, x_row, x_head, spec.m, w, fmt, spec.heads, spec.a, spec.b, out)]
+    if fmt in kernels.ROWS_GEMV_FORMATS:
+        return [lambda: heads.head_matmul(x, x_row, x_head, spec.m, w, fmt, spec.heads, spec.a, spec.b, out)]
+    # no per-head kernel decodes these rows (Q2_K, Q3_K, IQ4_NL, IQ4_XS: a DeepSeek file's low-bit mixes): their
+    # f32 values, decoded once on the device by the first run (binding launches nothing), exactly dequant's
+    values = _f32_values(b, op.ins[1], spec.heads * spec.b, spec.a)
+    return [lambda: heads.head_matmul(x, x_row, x_head, spec.m, values(), Format.F32, spec.heads, spec.a, spec.b, out)]
+
+
+def _f32_values(b, name: str, n: int, k: int):
+    """A callable giving matrix `name`'s (n, k) f32 values on the device, decoded from its bytes on first call
+    and kept (in the bound plan's scratch, one a matrix)."""
+    from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize
+
+    def values() -> Any:
+        held = b.scratch.get(f"values:{name}")
+        if held is None:
+            import torch
+
+            w, fmt = b.raw[name]
+            out = torch.empty((n, k), dtype=torch.float32, device=w.device)
+            held = b.scratch[f"values:{name}"] = dequantize(w, fmt, n, k, out)
+        return held
+
+    return values
 
 
 def join(op: Op, b) -> list:
