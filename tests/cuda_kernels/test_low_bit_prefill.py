@@ -38,35 +38,32 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def _steps(model) -> list[np.ndarray]:
-    s = model.session()
-    return [s.feed(PROMPT), s.extend(SHORT)]
+def _runs_as_the_cpu_lane(path, decode: list[int], knobs: list[str] | None = None) -> None:
+    """The prompt's chunk, the short chunk and `decode`'s steps on the cuda lane, each within the contract of the
+    cpu lane's in f64, and finite."""
+    gpu = load(path, lane="cuda", ctx=32, knobs=knobs or [])
+    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    a, b = gpu.session(), ref.session()
+    steps = [(a.feed(PROMPT), b.feed(PROMPT)), (a.extend(SHORT), b.extend(SHORT))]
+    steps += [(a.extend([t]), b.extend([t])) for t in decode]
+    for step, (x, y) in enumerate(steps):
+        assert np.isfinite(x).all()
+        assert rel(x, y) <= tol, f"step {step}: {rel(x, y):.2e} > {tol:.2e}"
 
 
 @pytest.mark.parametrize(("mix", "prefill"), [("q3_k_m", "auto"), ("q2_k", "f16-scratch"), ("iq4_xs", "auto")])
 def test_low_bit_mixes_prefill_as_the_cpu_lane(tmp_path, mix: str, prefill: str) -> None:
     assert LOW_BITS & set(tensor_formats(SHAPE, mix).values()), f"{mix} writes none of the formats under test"
     path = write_synthetic(tmp_path / "m.gguf", SHAPE, mix, seed=7)
-    gpu = load(path, lane="cuda", ctx=32, knobs=[f"prefill={prefill}"])
-    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
-    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
-    for step, (a, b) in enumerate(zip(_steps(gpu), _steps(ref), strict=True)):
-        assert np.isfinite(a).all()
-        assert rel(a, b) <= tol, f"step {step}: {rel(a, b):.2e} > {tol:.2e}"
+    _runs_as_the_cpu_lane(path, [], [f"prefill={prefill}"])
 
 
 def test_a_mixture_in_q2_k_and_q3_k_runs_as_the_cpu_lane(tmp_path) -> None:
     experts = {n: f for n, f in tensor_formats(MOE, "q2_k").items() if "_exps" in n}
     assert {Format.Q2_K, Format.Q3_K} <= set(experts.values())
     path = write_synthetic(tmp_path / "m.gguf", MOE, "q2_k", seed=3)
-    gpu = load(path, lane="cuda", ctx=32)
-    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
-    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
-    a, b = gpu.session(), ref.session()
-    steps = [(a.feed(PROMPT), b.feed(PROMPT)), (a.extend(SHORT), b.extend(SHORT)), (a.extend([9]), b.extend([9]))]
-    for step, (x, y) in enumerate(steps):
-        assert np.isfinite(x).all()
-        assert rel(x, y) <= tol, f"step {step}: {rel(x, y):.2e} > {tol:.2e}"
+    _runs_as_the_cpu_lane(path, [9])
 
 
 def test_a_latent_attention_in_q3_k_runs_as_the_cpu_lane(tmp_path) -> None:
@@ -74,11 +71,4 @@ def test_a_latent_attention_in_q3_k_runs_as_the_cpu_lane(tmp_path) -> None:
     shape = dataclasses.replace(SHAPES["tiny-deepseek2"], n_embd=256, n_ff=512, kv_lora=256, n_layers=1)
     assert tensor_formats(shape, "q3_k_m")["blk.0.attn_v_b.weight"] is Format.Q3_K
     path = write_synthetic(tmp_path / "m.gguf", shape, "q3_k_m", seed=3)
-    gpu = load(path, lane="cuda", ctx=32)
-    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
-    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
-    a, b = gpu.session(), ref.session()
-    steps = [(a.feed(PROMPT), b.feed(PROMPT)), (a.extend(SHORT), b.extend(SHORT)), (a.extend([9]), b.extend([9]))]
-    for step, (x, y) in enumerate(steps):
-        assert np.isfinite(x).all()
-        assert rel(x, y) <= tol, f"step {step}: {rel(x, y):.2e} > {tol:.2e}"
+    _runs_as_the_cpu_lane(path, [9])

@@ -58,6 +58,9 @@ def _of(found: list[Op], kind: type) -> list[Op]:
     return [x for x in found if isinstance(x.sym, kind)]
 
 
+_FORMATS_BY_ORDER = "moe-formats-by-order"  # the scratch key of `_expert_formats`' map
+
+
 def _order(b, found: Op, rows: int) -> tuple[Any, str] | None:
     """A chunk's sorted pairs (int32) and the order's name, where the expert product `found` reads them and
     the chunk is the grouped GEMM's."""
@@ -68,13 +71,15 @@ def _order(b, found: Op, rows: int) -> tuple[Any, str] | None:
 
 def _expert_formats(b, order_name: str) -> set:
     """The formats of the expert matrices whose products read the sorted pairs `order_name`: the routing launch
-    that sorts them and the products that read them decide the grouped GEMM alike (`kernels.moe_grouped`)."""
-    return {
-        b.raw[p.ins[1]][1]
-        for op in b.g.ops
-        for p in leaves(op)
-        if isinstance(p.sym, ExpertMatmul) and order_name in p.ins and p.ins[1] in b.raw
-    }
+    that sorts them and the products that read them decide the grouped GEMM alike (`kernels.moe_grouped`). The
+    graph is walked once a bound plan (kept in its scratch), not once a launch."""
+    by_order = b.scratch.get(_FORMATS_BY_ORDER)
+    if by_order is None:
+        by_order = b.scratch[_FORMATS_BY_ORDER] = {}
+        for p in (p for op in b.g.ops for p in leaves(op) if isinstance(p.sym, ExpertMatmul) and len(p.ins) > 3):
+            if p.ins[1] in b.raw:
+                by_order.setdefault(p.ins[3], set()).add(b.raw[p.ins[1]][1])
+    return by_order.get(order_name, set())
 
 
 def _counts(b, order_name: str, experts: int, device) -> Any:
