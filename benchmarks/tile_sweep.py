@@ -3,6 +3,8 @@
 Usage:
   python benchmarks/tile_sweep.py MODEL.gguf --table TALL_TILES --fmt Q4_K --tile 2,8,1 --tile 4,4,2 \
       [--depth 1 2] [--steps 300] [--knob K=V ...]
+  python benchmarks/tile_sweep.py MODEL.gguf --entry GLU_TILES:Q3_K --entry TILES:Q3_K --tile 4,8,1 ...
+      (each entry swept over the same tiles in turn, the model loaded once)
 
 Each candidate (a tile of `gemv_q8`'s table for one format, times each prefetch depth) is set in the module,
 the step is run eagerly (compiling its kernels) and captured again, and its replay is timed: the whole step,
@@ -38,7 +40,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--table", choices=TABLES, default="TILES")
-    ap.add_argument("--fmt", default="Q4_K", help="the format whose entry is swept (Q4_K, Q6_K, Q8_0, Q5_0)")
+    ap.add_argument("--fmt", default="Q4_K", help="the format whose entry is swept (Q4_K, Q6_K, Q8_0, Q5_0, ...)")
+    ap.add_argument("--entry", action="append", default=[], help="TABLE:FMT, swept in turn (repeatable)")
     ap.add_argument("--tile", action="append", default=[], help="rows,warps,per_thread (repeatable)")
     ap.add_argument("--depth", type=int, nargs="+", default=[gemv_q8.PREFETCH_DEPTH], choices=(1, 2))
     ap.add_argument("--steps", type=int, default=300)
@@ -48,17 +51,22 @@ def main() -> None:
     m = load(args.model, lane="cuda", ctx=args.ctx, knobs=["activations=int8", *args.knob])
     m.session().feed(list(range(100, 100 + PROMPT)))
     step = m.lane.step(1)
-    table: dict = getattr(gemv_q8, args.table)
-    fmt = Format[args.fmt]
+    entries = [e.split(":") for e in args.entry] or [(args.table, args.fmt)]
+    for table_name, fmt_name in entries:
+        sweep(m.lane, step, args, getattr(gemv_q8, table_name), table_name, Format[fmt_name])
+
+
+def sweep(lane, step, args, table: dict, table_name: str, fmt: Format) -> None:
+    """Time the step at each tile of `args.tile` (and prefetch depth) set as `table[fmt]`, then restore it."""
     landed, landed_depth = table[fmt], gemv_q8.PREFETCH_DEPTH
     tiles = [tuple(int(v) for v in t.split(",")) for t in args.tile] or [landed]
-    print(f"{args.model}: {args.table}[{fmt.name}] (landed {landed}, depth {landed_depth})")
+    print(f"{args.model}: {table_name}[{fmt.name}] (landed {landed}, depth {landed_depth})")
     try:
         for tile in tiles:
             for depth in args.depth:
                 table[fmt], gemv_q8.PREFETCH_DEPTH = tile, depth
                 try:
-                    print(f"  tile {tile} depth {depth}: {replay_ms(m.lane, step, args.steps):.3f} ms", flush=True)
+                    print(f"  tile {tile} depth {depth}: {replay_ms(lane, step, args.steps):.3f} ms", flush=True)
                 except Exception as e:  # a tile the plan or the compiler refuses: say so, go on
                     print(f"  tile {tile} depth {depth}: refused ({type(e).__name__}: {str(e)[:80]})", flush=True)
     finally:

@@ -27,7 +27,7 @@ from kernel_checks import CUDA, DEVICE, check, dev, gamma, raw_weights  # noqa: 
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
 from fuselane.lanes.cuda.triton import quant  # noqa: E402
-from fuselane.lanes.cuda.triton.gemv import int8_words  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv import int8_words, q8_bodies  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv import q8 as q8_module  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.q8 import gemv_q8, gemv_q8_gate_up_glu, gemv_q8_parts, supports  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.rows import Part  # noqa: E402
@@ -101,6 +101,7 @@ def test_products(fmt: Format) -> None:
 # k and a small tile (4 rows, one warp, one (row, group) a thread) that walk each row in several chunks, the
 # last partial where the format's units allow
 CHUNKED_K = {f: 1024 for f in SUPER} | {f: 800 for f in BLOCKS} | {f: 768 for f in NEWER if f in SUPER}
+CHUNKED_K |= {f: 1792 for f in (Format.Q3_K, Format.Q2_K)}  # four groups a unit: two units a chunk, 3.5 chunks
 SMALL_TILE = {"block_n": 4, "warps": 1, "per_thread": 1}
 # the newer formats at the default depth and a program and a bit of rows (the loop at depth 1 is the same
 # code for every format, and runs the first four)
@@ -213,7 +214,7 @@ def test_supports() -> None:
 
 
 def test_iq4_values_are_the_table() -> None:
-    # every code 0..15 in every byte of a word, through the three byte permutes
+    # every code 0..15 in every byte of a word, through the byte permutes
     from fuselane.gguf.formats import IQ4_NL_VALUES
 
     codes = np.array([[c, (c + 5) % 16, (c + 9) % 16, 15 - c] for c in range(16)], dtype=np.uint8)
@@ -226,8 +227,6 @@ def test_iq4_values_are_the_table() -> None:
 
 @triton.jit
 def _iq4_kernel(words, out, N: tl.constexpr):
-    from fuselane.lanes.cuda.triton.gemv import q8_bodies
-
     i = tl.arange(0, N)
     tl.store(out + i, q8_bodies.iq4_values(tl.load(words + i)))
 

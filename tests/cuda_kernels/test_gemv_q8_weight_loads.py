@@ -30,7 +30,7 @@ from fuselane.lanes.cuda.triton.gemv.weight_loads import FENCED, PINNED, weight_
 N = 5  # rows: two tiles of the small tile below, the second partial
 SMALL_TILE = {"block_n": 4, "warps": 1, "per_thread": 1}  # several chunks a row at these widths
 # a format for each kind of load the knob switches: `ld4` (Q4_K, Q5_K), `ld_run` (Q6_K, Q4_0), `ld_words` (Q2_K)
-FORMATS = {Format.Q4_K: 768, Format.Q6_K: 768, Format.Q5_K: 768, Format.Q2_K: 768, Format.Q4_0: 800}
+FORMATS = {Format.Q4_K: 768, Format.Q6_K: 768, Format.Q5_K: 768, Format.Q2_K: 1792, Format.Q4_0: 800}
 
 
 def test_the_fence_follows_the_mode() -> None:

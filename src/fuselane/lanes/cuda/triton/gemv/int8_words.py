@@ -156,6 +156,27 @@ def ld_words(ptr, PINNED: tl.constexpr = False):
 
 
 @triton.jit
+def ld2(ptr, PINNED: tl.constexpr = False):
+    """The 8 bytes at each 8-byte aligned address of `ptr` ([N, G] byte pointers) as two int32 words in the
+    thread, one 64-bit weight load (read-only path, or the coherent one where PINNED; out of L1 first): half
+    the instructions of `ld_words` where a format's blocks keep their runs on 8 bytes (IQ4_XS's 136-byte
+    blocks)."""
+    p = ptr.to(tl.pointer_type(tl.int32))
+    if INTERPRETED:
+        return tl.load(p), tl.load(p + 1)
+    elif PINNED:
+        return tl.inline_asm_elementwise(
+            "ld.global.L1::evict_first.v2.b32 {$0, $1}, [$2];", "=r,=r,l", [p],
+            dtype=(tl.int32, tl.int32), is_pure=False, pack=1,
+        )  # fmt: skip
+    else:
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.L1::evict_first.v2.b32 {$0, $1}, [$2];", "=r,=r,l", [p],
+            dtype=(tl.int32, tl.int32), is_pure=True, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
 def ld_scalar(ptr, BYTES: tl.constexpr):
     """The unsigned BYTES-byte (1, 2 or 4) weight field at each naturally aligned address of `ptr` ([N, G] byte
     pointers), as int32, loaded by inline asm as the runs are (`ld4`, `ld_words`, `ld_run`): a `tl.load`

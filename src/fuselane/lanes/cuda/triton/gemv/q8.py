@@ -98,6 +98,9 @@ FORMATS = frozenset(GROUPS)
 # formats whose group r of a unit meets values 64 (r // 2) + 16 (r % 2) + 0..15 and the 16 from 32 on
 # (as a constexpr map of every format to a flag: compiled Triton indexes a constexpr dict, but has no `in`)
 K_PAIRS_C = const({int(f): f in {Format.Q4_K} | q8_bodies.K_PAIR_FORMATS for f in Format})
+# formats whose group r of (four) meets values 128 (r // 2) + 16 (r % 2) + 32 j + 0..15, j = 0..3 (`q8_bodies`)
+K_QUADS_C = const({int(f): f in q8_bodies.K_QUAD_FORMATS for f in Format})
+QUAD_GROUPS = q8_bodies.QUAD
 NEW_BODIES_C = const({int(f): f in q8_bodies.FORMATS for f in Format})  # the formats of `q8_bodies`
 # Tiles (rows a program, warps, (row, group)s a thread), chosen by timing the whole decode step's graph
 # replay on the H200 over a sweep of each (`activations=int8`, `benchmarks/tile_sweep.py`): Q4_K at 4 rows
@@ -107,17 +110,24 @@ NEW_BODIES_C = const({int(f): f in q8_bodies.FORMATS for f in Format})  # the fo
 # (8B 2.728 -> 2.583 ms, 7B 2.356 -> 2.266 ms against the earlier 2 rows / 4 warps and 4 rows / 2 warps);
 # Q5_0 stays at 4 rows (2 rows: 0.5B 0.597 -> 0.634 ms). The kernel figures of `gemv_compare.py --q8`
 # pointed elsewhere: it re-reads one matrix from L2.
-# The formats of `q8_bodies` take the tile of the format whose loads theirs follow (not yet swept): the
-# super-block formats with eight 16-byte groups a unit Q4_K's, the 32-value block formats Q5_0's.
+# The formats of `q8_bodies` take the tile of the format whose loads theirs follow: the super-block formats
+# Q4_K's, the 32-value block formats Q5_0's, except where a sweep of the 7B's step in its llama.cpp mix
+# chose (2026-12-03): the Q3_K gate/up GLU at 4 rows (Q3_K_M 2.594 -> 2.384 ms against 8 rows; 8 rows
+# take 255 registers), IQ4_XS's at 8 rows and 4 warps, one (row, group) a thread (IQ4_XS 2.385 -> 2.247 ms),
+# and Q3_K's tall rows (Q2_K's ffn_down) at 2 rows and 4 warps (Q2_K 2.360 -> 2.179 ms). Q2_K's tall rows,
+# never written by llama.cpp's recipes, follow Q3_K's (the same groups); no other tile of the sweep beat
+# Q3_K's or IQ4_XS's 4-row tile, nor Q2_K's 8-row GLU (`benchmarks/RESULTS.md`).
 TILES = {Format.Q4_K: (4, 8, 1), Format.Q6_K: (2, 8, 1), Format.Q8_0: (2, 2, 2), Format.Q5_0: (4, 2, 2)}
 TILES |= {f: TILES[Format.Q4_K] if GROUPS[f] > 1 else TILES[Format.Q5_0] for f in q8_bodies.FORMATS}
-GLU_TILES = TILES | {f: (8, 2, 2) for f in (Format.Q4_K, Format.Q5_K, Format.IQ4_XS, Format.Q3_K, Format.Q2_K)}
+GLU_TILES = TILES | {f: (8, 2, 2) for f in (Format.Q4_K, Format.Q5_K, Format.Q2_K)}
+GLU_TILES |= {Format.Q3_K: (4, 2, 2), Format.IQ4_XS: (8, 4, 1)}
 # Rows of at least TALL_K values (a down projection's: the 7B's 18,944, the 8B's 12,288) leave few rows a
 # program for the SMs' streams: Q6_K's at two rows and eight warps a program (7B 2.829 -> 2.692 ms, 8B
 # 3.312 -> 3.145 ms at the earlier tiles), Q4_K's at four rows and two warps, two (row, group)s a thread
 # (8B 2.578 -> 2.545 ms, 7B 2.264 -> 2.252 ms against two rows and eight warps).
 TALL_K = 8192
-TALL_TILES = TILES | {f: (4, 2, 2) for f in (Format.Q4_K, Format.Q5_K, Format.IQ4_XS, Format.Q3_K, Format.Q2_K)}
+TALL_TILES = TILES | {f: (4, 2, 2) for f in (Format.Q4_K, Format.Q5_K, Format.IQ4_XS)}
+TALL_TILES |= {f: (2, 4, 2) for f in q8_bodies.K_QUAD_FORMATS}
 TALL_TILES[Format.Q6_K] = (2, 8, 1)
 # Chunks of weights a program has in flight while it sums one (1 or 2). Two chunks: 0.6B 0.912 -> 0.826 ms,
 # 0.5B 0.621 -> 0.597 ms a step, where a row is a few chunks; no change on the 8B (2.868 / 2.866 ms), whose
@@ -217,6 +227,10 @@ def _first_values(u0, FMT: tl.constexpr, CHUNK: tl.constexpr):
         g = tl.arange(0, CHUNK * K_RUNS)
         r = g % K_RUNS
         first = (g // K_RUNS + u0) * QK_K_C + (r // PAIR_RUNS) * (2 * QK_C) + (r % PAIR_RUNS) * HALF_QK_C
+    elif K_QUADS_C[FMT]:  # group g: r = g % 4, half r // 2, run r % 2 of its first 32 values
+        g = tl.arange(0, CHUNK * QUAD_GROUPS)
+        r = g % QUAD_GROUPS
+        first = (g // QUAD_GROUPS + u0) * QK_K_C + (r // PAIR_RUNS) * (4 * QK_C) + (r % PAIR_RUNS) * HALF_QK_C
     elif FMT == FMT_Q6_K:  # group g: ql run r of half h
         unit, half, r = q6_k_runs(u0, CHUNK)
         first = unit * QK_K_C + half * (4 * QK_C) + r * HALF_QK_C
@@ -228,11 +242,16 @@ def _first_values(u0, FMT: tl.constexpr, CHUNK: tl.constexpr):
 @triton.jit
 def chunk_acts(xq, xd, xs, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     """The activations the chunk at unit u0 meets, as a tuple `_chunk_sum` takes: each group's low run and
-    the run its other codes meet (Q4_K's high nibbles 32 on, Q6_K's 64 on, Q8_0's and Q5_0's 16 on)."""
+    the run its other codes meet (Q4_K's high nibbles 32 on, Q6_K's 64 on, Q8_0's and Q5_0's 16 on), or the
+    four runs a Q3_K / Q2_K group's crumbs meet (32 apart)."""
     live = _live(u0, FMT, N_UNITS, CHUNK)
     first = _first_values(u0, FMT, CHUNK)
     if K_PAIRS_C[FMT]:
         return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + QK_C, BLOCK_N, live)
+    elif K_QUADS_C[FMT]:  # a run of each of the four 32-value blocks of a half
+        lo = _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + QK_C, BLOCK_N, live)
+        hi = _run_of(xq, xd, xs, first + 2 * QK_C, BLOCK_N, live) + _run_of(xq, xd, xs, first + 3 * QK_C, BLOCK_N, live)
+        return lo + hi
     elif FMT == FMT_Q6_K:
         return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + 2 * QK_C, BLOCK_N, live)
     elif NEW_BODIES_C[FMT]:  # a block's two halves, held apart

@@ -1,29 +1,34 @@
 """The int8 GEMV's (`q8`) per-format pieces for Q5_K, Q4_0, Q4_1, Q5_1, IQ4_NL, IQ4_XS, Q3_K and Q2_K: how a
-chunk's bytes are loaded (`raw_chunk`) and how a group's codes meet its two runs of 16 int8 activations in
+chunk's bytes are loaded (`raw_chunk`) and how a group's codes meet their runs of 16 int8 activations in
 dp4a (`chunk_sum`). `q8.row_dots` and every launch built on it (alone, in parts, with epilogues, the gate/up
 GLU) call these through `q8.raw_chunk` and `q8.chunk_sums`, so a format here is a format of all of them.
 
-A group is what one thread owns a chunk: two 16-value runs of codes, each summed by a chain of four dp4a into
-an int32, then scaled once in f32. The groups follow the formats' packing so a group's bytes are one or two
-16-byte runs:
-- the K formats with 32-value sub-blocks in nibble pairs (Q5_K, as Q4_K) and those with 16-value sub-blocks in
-  crumbs (Q3_K, Q2_K): eight groups a super-block; group r meets values 64 (r // 2) + 16 (r % 2) + 0..15
-  ("lo") and the 16 from 32 on ("hi"), Q4_K's activation pattern. Q5_K's group is a 16-byte run of qs and the
-  16 qh bytes of its fifth bits; Q3_K's and Q2_K's a 16-byte run of qs (bytes 32 n + 16 t of half n) whose
-  crumbs 2 j' and 2 j' + 1 (j' = (r // 2) % 2) are its lo and hi sub-blocks, and for Q3_K the 16 hmask bytes of
-  their third bits;
+A group is what one thread owns a chunk: 16-value runs of codes, each summed by a chain of four dp4a into an
+int32, then scaled once in f32. The groups follow the formats' packing so a group's codes are one 16-byte
+run (or two):
+- Q5_K (32-value sub-blocks in nibble pairs, as Q4_K): eight groups a super-block; group r meets values
+  64 (r // 2) + 16 (r % 2) + 0..15 ("lo") and the 16 from 32 on ("hi"), Q4_K's activation pattern: a 16-byte
+  run of qs and the 16 qh bytes of its fifth bits.
+- Q3_K and Q2_K (16-value sub-blocks in crumbs): four groups a super-block; group r is the 16-byte qs run
+  32 n + 16 t (half n = r // 2, t = r % 2) whole, its crumb j run j (values 128 n + 32 j + 16 t + 0..15),
+  and for Q3_K the hmask run 16 t of their third bits (bit 4 n + j). A group of one crumb pair (eight a
+  super-block) loaded each qs byte twice and Q3_K's hmask bytes four times (the 7B's step in Q3_K_M: 2.654
+  ms then, 2.594 with these groups, 2.384 with its GLU's tile).
 - the 32-value formats (Q4_0, Q4_1, Q5_1, IQ4_NL) and IQ4_XS's 32-value sub-blocks: a group a block, lo its
   low nibbles (values 0-15), hi its high ones (16-31).
-Every group's codes are 4 words held in the thread (`int8_words.ld4` where a run is 16-byte aligned: Q5_K's
-176-byte blocks; `ld_words` where it is 4-byte aligned: Q4_1, Q5_1, IQ4_XS, Q2_K; `ld_run` where it is only
-2-byte aligned: Q4_0, IQ4_NL, Q3_K), as `q8` holds Q4_K's and Q6_K's: no shared-memory exchange before a
-dp4a chain.
+Every group's codes are words held in the thread (`int8_words.ld4` where a run is 16-byte aligned: Q5_K's
+176-byte blocks; `ld2` where it is 8-byte aligned: IQ4_XS's 136-byte blocks, header and runs; `ld_words`
+where it is 4-byte aligned: Q4_1, Q5_1, Q2_K; `ld_run` where it is only 2-byte aligned: Q4_0, IQ4_NL,
+Q3_K), as `q8` holds Q4_K's and Q6_K's: no shared-memory exchange before a dp4a chain.
 
 Codes enter dp4a as stored (unsigned) and the format's offset is applied once a run from the activation's
 16-value sum s: Q4_0's 8 and Q3_K's 4 as a bias, Q4_1's and Q5_1's minimum m and Q2_K's dmin * min as an
-added term. IQ4_NL / IQ4_XS codes index a table of 16 signed values: the table is four words in registers
-and a word of four codes becomes four signed bytes in three `prmt` byte permutes (`iq4_values`), then a
-signed dp4a.
+added term. A crumb is masked in place (4^j times its code, the run's sum shifted back: one instruction a
+word, not two), and Q3_K's third bits are a second dp4a chain on the hmask bytes masked in place. IQ4_NL /
+IQ4_XS codes index a table of 16 signed values: the table is four words in registers and a word of eight
+codes becomes two words of four signed bytes in seven `prmt` byte permutes (`iq4_pair`), then signed dp4a
+(the 7B's step in IQ4_XS: 2.898 ms with three permutes a four-code word and 32-bit loads, 2.385 with
+these, 2.247 with its GLU's tile).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import triton.language as tl
 
 from fuselane.gguf.formats import QK, QK_K, Format
 from fuselane.lanes.cuda.triton.gemv.fast import K_RUNS, RUN_BYTES, q4_k_scales_of
-from fuselane.lanes.cuda.triton.gemv.int8_words import dot16_of, ld4, ld_run, ld_scalar, ld_words, prmt
+from fuselane.lanes.cuda.triton.gemv.int8_words import dot16_of, ld2, ld4, ld_run, ld_scalar, ld_words, prmt
 from fuselane.lanes.cuda.triton.gemv.layout import (
     BYTE,
     BYTE_BITS,
@@ -46,7 +51,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     FMT_Q4_1,
     FMT_Q5_1,
     FMT_Q5_K,
-    HALF_QS,
     HALF_WORD_BITS,
     IQ4_NL_BYTES,
     IQ4_NL_D,
@@ -65,13 +69,12 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q2_K_D,
     Q2_K_QS,
     Q2_K_SCALES,
-    Q3_HIGH_SCALES,
     Q3_K_BYTES,
     Q3_K_D,
     Q3_K_HMASK,
     Q3_K_QS,
     Q3_K_SCALES,
-    Q3_SCALE_ROWS,
+    Q3_LOW_SCALES,
     Q4_0_BYTES,
     Q4_0_D,
     Q4_0_QS,
@@ -93,7 +96,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
 )
 
 LOW_NIBBLES = const(0x0F0F0F0F)  # the low nibble of each byte of a word
-CRUMBS = const(0x03030303)  # the low 2 bits of each byte
 LOW_BITS = const(0x01010101)  # bit 0 of each byte
 FIFTH_BITS = const(0x10101010)  # bit 4 of each byte
 # x * SPREAD puts bit i (0..3) of x at bit 8i + 4 (shifts 4, 11, 18, 25; the other products miss the mask)
@@ -103,24 +105,33 @@ WORD_VALUES = const(4)  # codes a 32-bit word of a run
 CRUMB_BITS = const(2)
 Q3_BIAS = const(4.0)  # Q3_K: value = d * (scale - 32) * (code - 4), code = low 2 bits | hmask bit << 2
 HBIT_SHIFT = const(2)  # Q3_K: where the hmask bit goes over the 2 low bits
-HALF_RUNS = const(2)  # Q3_K / Q2_K: a half of 128 values is two pairs of runs
-PICK_LOW3, PICK_BIT3 = const(0x7777), const(0x8888)  # a selector's per-nibble byte index, and its table half
-IN_ORDER = const(0x3210)  # a selector taking bytes 0-3 in order; + 4 a nibble takes the second word's byte
-LOW_BYTE, SECOND_BYTE = const(0xFF), const(0xFF00)
+HIGH_SCALE_STEP = const(2)  # Q3_K: the top bits of a group's odd runs' scales are two bytes on from its even ones'
+# crumb j of each byte in place (4^j times its code), as int32 words: a run's codes are one mask, not a shift
+# and a mask, and the run's code sum is shifted back once (exactly: every term is a multiple of 4^j)
+CRUMB_0, CRUMB_1, CRUMB_2, CRUMB_3 = (const((0x03030303 << 2 * j) - ((1 << 32) if j == 3 else 0)) for j in range(4))
+# IQ4_NL / IQ4_XS through `prmt` (whose selector nibbles are byte indices, bit 3 a sign mode left clear):
+PICK_LOW3 = const(0x77777777)  # each code's byte in its half of the table
+TABLE_HALF = const(0x44444444)  # bit 3 of each code moved to bit 2: the second word's byte (the table's 8-15)
+IN_ORDER = const(0x32103210)  # bytes 0-3 in order, for each 16-bit half of a selector
+EVEN_BYTES, ODD_BYTES = const(0x6420), const(0x7531)  # the low nibbles' values, the high nibbles'
+QUAD = const(4)  # Q3_K / Q2_K: groups a super-block, each four runs of 16
 
 # Groups a unit (a block or super-block), and values a unit, of each format here
 GROUPS = {
-    Format.Q5_K: K_RUNS.value, Format.Q3_K: K_RUNS.value, Format.Q2_K: K_RUNS.value, Format.IQ4_XS: QK_K // QK,
+    Format.Q5_K: K_RUNS.value, Format.Q3_K: QUAD.value, Format.Q2_K: QUAD.value, Format.IQ4_XS: QK_K // QK,
     Format.Q4_0: 1, Format.Q4_1: 1, Format.Q5_1: 1, Format.IQ4_NL: 1,
 }  # fmt: skip
 UNIT_VALUES = {f: QK_K if f in (Format.Q5_K, Format.Q3_K, Format.Q2_K, Format.IQ4_XS) else QK for f in GROUPS}
 FORMATS = frozenset(GROUPS)
 # formats whose group r meets Q4_K's runs (64 (r // 2) + 16 (r % 2), and 32 on); the rest meet a 32-value block
-K_PAIR_FORMATS = frozenset({Format.Q5_K, Format.Q3_K, Format.Q2_K})
-# the alignment each format's loads need of its rows' start: Q5_K's 128-bit loads (`ld4`), the 32-bit words
-# of Q4_1's, Q5_1's, IQ4_XS's and Q2_K's runs (`ld_words`) and of Q5_1's qh, IQ4_XS's header and Q2_K's d and
-# dmin
-ALIGN = {Format.Q5_K: 16, Format.Q4_1: 4, Format.Q5_1: 4, Format.IQ4_XS: 4, Format.Q2_K: 4}
+K_PAIR_FORMATS = frozenset({Format.Q5_K})
+# formats whose group r (of four) meets the runs 128 (r // 2) + 16 (r % 2) + 32 j, j = 0..3: a 16-byte run of
+# crumbs, whole
+K_QUAD_FORMATS = frozenset({Format.Q3_K, Format.Q2_K})
+# the alignment each format's loads need of its rows' start: Q5_K's 128-bit loads (`ld4`), IQ4_XS's 64-bit
+# ones (`ld2`), the 32-bit words of Q4_1's, Q5_1's and Q2_K's runs (`ld_words`) and of Q5_1's qh and Q2_K's
+# header and scales
+ALIGN = {Format.Q5_K: 16, Format.Q4_1: 4, Format.Q5_1: 4, Format.IQ4_XS: 8, Format.Q2_K: 4}
 
 
 # --- loads ---------------------------------------------------------------------------------------------------
@@ -174,29 +185,25 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
     elif FMT == FMT_Q5_1:
         blk = w_rows[:, None] + (unit * Q5_1_BYTES)[None, :]
         return (_half(blk + Q5_1_D), _half(blk + Q5_1_M), _word(blk + Q5_1_QH)) + ld_words(blk + Q5_1_QS, PINNED)
-    elif FMT == FMT_IQ4_XS:  # d and scales_h as one word, scales_l as the next; the sub-block's 16 qs bytes
+    elif FMT == FMT_IQ4_XS:  # d and scales_h as one word, scales_l the next; the sub-block's 16 qs bytes
+        tl.static_assert(IQ4_XS_SCALES_L == IQ4_XS_D + 4, "IQ4_XS's header is one 8-byte load")
         blk = w_rows[:, None] + (unit * IQ4_XS_BYTES)[None, :]
-        head = _word(blk + IQ4_XS_D), _word(blk + IQ4_XS_SCALES_L)
-        return head + ld_words(blk + r * RUN_BYTES + IQ4_XS_QS, PINNED)
-    elif FMT == FMT_Q3_K:  # d, the bytes of the lo and hi sub-blocks' scales, the qs run, the hmask run
+        run = blk + r * RUN_BYTES + IQ4_XS_QS
+        return ld2(blk + IQ4_XS_D) + ld2(run, PINNED) + ld2(run + 8, PINNED)
+    elif FMT == FMT_Q3_K:  # d, its four sub-blocks' scale bytes (low nibbles, then top crumbs), qs and hmask runs
         blk = w_rows[:, None] + (unit * Q3_K_BYTES)[None, :]
-        pair, t = r // 2, r % 2
-        i_lo = pair * Q3_SCALE_ROWS + t
-        sc = blk + Q3_K_SCALES
-        scales = (
-            _byte(sc + i_lo % Q3_HIGH_SCALES), _byte(sc + Q3_HIGH_SCALES + i_lo % Q3_SCALE_ROWS),
-            _byte(sc + (i_lo + 2) % Q3_HIGH_SCALES), _byte(sc + Q3_HIGH_SCALES + (i_lo + 2) % Q3_SCALE_ROWS),
-        )  # fmt: skip
-        qs = ld_run(blk + (pair // HALF_RUNS) * HALF_QS + t * RUN_BYTES + Q3_K_QS, PINNED)
+        t = r % 2
+        sc = blk + Q3_K_SCALES + t
+        hi = sc + Q3_LOW_SCALES
+        scales = _byte(sc), _byte(sc + 2), _byte(sc + 4), _byte(sc + 6), _byte(hi), _byte(hi + HIGH_SCALE_STEP)
+        qs = ld_run(blk + r * RUN_BYTES + Q3_K_QS, PINNED)
         return (_half(blk + Q3_K_D),) + scales + qs + ld_run(blk + t * RUN_BYTES + Q3_K_HMASK, PINNED)
     else:
         tl.static_assert(FMT == FMT_Q2_K, "no int8 GEMV body for this format")
         blk = w_rows[:, None] + (unit * Q2_K_BYTES)[None, :]
-        pair, t = r // 2, r % 2
-        i_lo = pair * Q3_SCALE_ROWS + t
-        sc = blk + Q2_K_SCALES
-        head = _word(blk + Q2_K_D), _byte(sc + i_lo), _byte(sc + i_lo + 2)
-        return head + ld_words(blk + (pair // HALF_RUNS) * HALF_QS + t * RUN_BYTES + Q2_K_QS, PINNED)
+        sc = blk + Q2_K_SCALES + (r // 2) * Q3_LOW_SCALES  # the half's eight scale bytes
+        head = _word(blk + Q2_K_D), _word(sc), _word(sc + 4)
+        return head + ld_words(blk + r * RUN_BYTES + Q2_K_QS, PINNED)
 
 
 # --- the sums a group --------------------------------------------------------------------------------------------
@@ -294,28 +301,38 @@ def _q5_1(raw, acts):
 
 
 @triton.jit
+def iq4_pair(q):
+    """A word of eight codes (byte i: one value's code in its low nibble, the value 16 on's in its high one)
+    -> the word of the low nibbles' four signed table values and the word of the high ones'. Each 16-bit
+    half of the word is a selector of four nibbles: its codes pick their bytes from the table's low half
+    (codes 0-7) and its high half (8-15), and bit 3 of each picks between the two; then two permutes part
+    the low nibbles' values from the high ones'. Seven `prmt` a word (eight values)."""
+    sel = q & PICK_LOW3
+    side = ((q >> 1) & TABLE_HALF) | IN_ORDER
+    zero = tl.zeros_like(q)
+    t0, t1, t2, t3 = zero + IQ4_T0, zero + IQ4_T1, zero + IQ4_T2, zero + IQ4_T3
+    first = prmt(prmt(t0, t1, sel), prmt(t2, t3, sel), side)
+    up, up_side = sel >> HALF_WORD_BITS, side >> HALF_WORD_BITS
+    second = prmt(prmt(t0, t1, up), prmt(t2, t3, up), up_side)
+    return prmt(first, second, zero + EVEN_BYTES), prmt(first, second, zero + ODD_BYTES)
+
+
+@triton.jit
 def iq4_values(codes):
-    """A word of four codes (0..15, a byte each) -> the word of their four signed table values: the codes as
-    a selector's nibbles, each picks its byte of the table's low half (codes 0-7) and its high half (8-15),
-    then bit 3 picks between the two."""
-    packed = codes | (codes >> NIBBLE_BITS)  # byte 0: codes 0 and 1 as nibbles; byte 2: codes 2 and 3
-    sel = (packed & LOW_BYTE) | ((packed >> BYTE_BITS) & SECOND_BYTE)
-    t0 = tl.zeros_like(codes) + IQ4_T0
-    low = prmt(t0, t0 * 0 + IQ4_T1, sel & PICK_LOW3)
-    high = prmt(t0 * 0 + IQ4_T2, t0 * 0 + IQ4_T3, sel & PICK_LOW3)
-    return prmt(low, high, ((sel & PICK_BIT3) >> 1) | IN_ORDER)
+    """A word of four codes (0..15, a byte each) -> the word of their four signed table values."""
+    values, _ = iq4_pair(codes)
+    return values
 
 
 @triton.jit
 def _iq4_runs(q0, q1, q2, q3, acts):
     """IQ4_NL / IQ4_XS: a block's low nibbles' table values with its first 16 activations, its high ones'
     with the next 16, as signed dp4a."""
-    return _runs(
-        iq4_values(q0 & LOW_NIBBLES), iq4_values(q1 & LOW_NIBBLES),
-        iq4_values(q2 & LOW_NIBBLES), iq4_values(q3 & LOW_NIBBLES),
-        iq4_values((q0 >> NIBBLE_BITS) & LOW_NIBBLES), iq4_values((q1 >> NIBBLE_BITS) & LOW_NIBBLES),
-        iq4_values((q2 >> NIBBLE_BITS) & LOW_NIBBLES), iq4_values((q3 >> NIBBLE_BITS) & LOW_NIBBLES), acts, True,
-    )  # fmt: skip
+    lo0, hi0 = iq4_pair(q0)
+    lo1, hi1 = iq4_pair(q1)
+    lo2, hi2 = iq4_pair(q2)
+    lo3, hi3 = iq4_pair(q3)
+    return _runs(lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, acts, True)
 
 
 @triton.jit
@@ -339,60 +356,69 @@ def _iq4_xs(raw, acts, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _crumb_codes(q, shift):
-    """Four 2-bit codes a word: the crumbs at `shift` of `q`'s bytes."""
-    return (q >> shift) & CRUMBS
+def _quad_runs(CHUNK: tl.constexpr):
+    """[1, G]: each group's index r in its super-block (Q3_K / Q2_K: half r // 2, run of 16 r % 2)."""
+    return (tl.arange(0, CHUNK * QUAD) % QUAD)[None, :]
 
 
 @triton.jit
-def _q3_codes(q, hm, shift, bit):
-    """Four 3-bit codes a word: the crumbs at `shift` of `q`'s bytes under bit `bit` of `hm`'s."""
-    return _crumb_codes(q, shift) | (((hm >> bit) & LOW_BITS) << HBIT_SHIFT)
+def _crumb_sum(q, a0, a1, a2, a3, J: tl.constexpr, MASK: tl.constexpr):
+    """A run's code sum: crumb J of the group's 16 qs bytes (`q`, four words) times its 16 activations, the
+    crumbs masked in place and the sum shifted back."""
+    q0, q1, q2, q3 = q
+    return dot16_of(q0 & MASK, q1 & MASK, q2 & MASK, q3 & MASK, a0, a1, a2, a3, False) >> J * CRUMB_BITS
 
 
 @triton.jit
-def _q3_scale(low_byte, high_byte, n, pair):
-    """Q3_K: a sub-block's scale - 32, its low 4 bits nibble n (the half) of one byte, its top 2 bits crumb
-    `pair` of another."""
-    six = ((low_byte >> n * NIBBLE_BITS) & NIBBLE) | (((high_byte >> pair * CRUMB_BITS) & CRUMB) << NIBBLE_BITS)
-    return (six - SIGNED_SCALE).to(tl.float32)
+def _q3_run(q, m, a0, a1, a2, a3, da, s, low, high, n, hbits, J: tl.constexpr, MASK: tl.constexpr):
+    """Q3_K: run J of a group of half n, times its scale - 32: the codes crumb J of its qs bytes, + 4 where
+    bit 4n + J of its hmask bytes is set (the bits summed apart, masked in place), - 4 (from the run's sum
+    s); the scale's low 4 bits nibble n of `low`, its top 2 bits crumb 2n + J // 2 of `high`."""
+    m0, m1, m2, m3 = m
+    hb = hbits << J
+    h = dot16_of(m0 & hb, m1 & hb, m2 & hb, m3 & hb, a0, a1, a2, a3, False)
+    dot = _crumb_sum(q, a0, a1, a2, a3, J, MASK) + ((h >> (n * WORD_VALUES + J)) << HBIT_SHIFT)
+    six = ((low >> n * NIBBLE_BITS) & NIBBLE) | (((high >> (n * 2 + J // 2) * CRUMB_BITS) & CRUMB) << NIBBLE_BITS)
+    return (six - SIGNED_SCALE).to(tl.float32) * (dot.to(tl.float32) * da - s * Q3_BIAS)
 
 
 @triton.jit
 def _q3_k(raw, acts, CHUNK: tl.constexpr):
-    """Q3_K: value = d * (scale - 32) * (code - 4) in 16-value sub-blocks. Group r: pair P = r // 2 of runs,
-    half n = P // 2, crumbs j = 2 (P % 2) (lo) and j + 1 (hi) of its qs run, hmask bits 4n + j."""
-    d, sl_lo, sh_lo, sl_hi, sh_hi, q0, q1, q2, q3, m0, m1, m2, m3 = raw
-    da_lo, s_lo, da_hi, s_hi = acts[4], acts[5], acts[10], acts[11]
-    pair = ((tl.arange(0, CHUNK * K_RUNS) % K_RUNS) // 2)[None, :]
-    n, j = pair // HALF_RUNS, (pair % HALF_RUNS) * 2
-    sh, bit = j * CRUMB_BITS, n * WORD_VALUES + j
-    lo, hi = _runs(
-        _q3_codes(q0, m0, sh, bit), _q3_codes(q1, m1, sh, bit), _q3_codes(q2, m2, sh, bit), _q3_codes(q3, m3, sh, bit),
-        _q3_codes(q0, m0, sh + CRUMB_BITS, bit + 1), _q3_codes(q1, m1, sh + CRUMB_BITS, bit + 1),
-        _q3_codes(q2, m2, sh + CRUMB_BITS, bit + 1), _q3_codes(q3, m3, sh + CRUMB_BITS, bit + 1), acts, False,
-    )  # fmt: skip
-    y = _q3_scale(sl_lo, sh_lo, n, pair) * (lo.to(tl.float32) * da_lo - Q3_BIAS * s_lo)
-    y += _q3_scale(sl_hi, sh_hi, n, pair) * (hi.to(tl.float32) * da_hi - Q3_BIAS * s_hi)
+    """Q3_K: value = d * (scale - 32) * (code - 4) in 16-value sub-blocks. Group r: half n = r // 2, its qs
+    bytes 32n + 16 (r % 2) + 0..15 whose crumb j is run j (values 128n + 32j + 16 (r % 2) + 0..15, sub-block
+    8n + 2j + r % 2), the hmask bytes 16 (r % 2) + 0..15 their third bits."""
+    d, l0, l1, l2, l3, h0, h1, q0, q1, q2, q3, m0, m1, m2, m3 = raw
+    n = _quad_runs(CHUNK) // 2
+    hbits = (tl.zeros_like(q0) + LOW_BITS) << n * WORD_VALUES
+    q, m, a = (q0, q1, q2, q3), (m0, m1, m2, m3), acts
+    y = _q3_run(q, m, a[0], a[1], a[2], a[3], a[4], a[5], l0, h0, n, hbits, 0, CRUMB_0)
+    y += _q3_run(q, m, a[6], a[7], a[8], a[9], a[10], a[11], l1, h1, n, hbits, 1, CRUMB_1)
+    y += _q3_run(q, m, a[12], a[13], a[14], a[15], a[16], a[17], l2, h0, n, hbits, 2, CRUMB_2)
+    y += _q3_run(q, m, a[18], a[19], a[20], a[21], a[22], a[23], l3, h1, n, hbits, 3, CRUMB_3)
     return d * y
 
 
 @triton.jit
+def _q2_run(q, a0, a1, a2, a3, da, s, word, t, J: tl.constexpr, MASK: tl.constexpr):
+    """Q2_K: run J of a group, as (its code sum times its scale, its min times the run's sum s); its scale
+    byte is byte 2 (J % 2) + t of `word` (the scale's low nibble, the min's high one)."""
+    sc = (word >> (t * BYTE_BITS + (J % 2) * HALF_WORD_BITS)) & BYTE
+    c = _crumb_sum(q, a0, a1, a2, a3, J, MASK)
+    return c.to(tl.float32) * ((sc & NIBBLE).to(tl.float32) * da), (sc >> NIBBLE_BITS).to(tl.float32) * s
+
+
+@triton.jit
 def _q2_k(raw, acts, CHUNK: tl.constexpr):
-    """Q2_K: value = d * (sc & 15) * code - dmin * (sc >> 4) in 16-value sub-blocks; group r's codes are
-    crumbs j = 2 ((r // 2) % 2) (lo) and j + 1 (hi) of its qs run."""
-    dd, sc_lo, sc_hi, q0, q1, q2, q3 = raw
-    da_lo, s_lo, da_hi, s_hi = acts[4], acts[5], acts[10], acts[11]
-    sh = (((tl.arange(0, CHUNK * K_RUNS) % K_RUNS) // 2 % HALF_RUNS) * 2 * CRUMB_BITS)[None, :]
-    up = sh + CRUMB_BITS
-    lo, hi = _runs(
-        _crumb_codes(q0, sh), _crumb_codes(q1, sh), _crumb_codes(q2, sh), _crumb_codes(q3, sh),
-        _crumb_codes(q0, up), _crumb_codes(q1, up), _crumb_codes(q2, up), _crumb_codes(q3, up), acts, False,
-    )  # fmt: skip
-    d, dmin = _f16(dd), _f16(dd >> HALF_WORD_BITS)
-    y = lo.to(tl.float32) * (d * (sc_lo & NIBBLE).to(tl.float32) * da_lo)
-    y += hi.to(tl.float32) * (d * (sc_hi & NIBBLE).to(tl.float32) * da_hi)
-    return y - dmin * ((sc_lo >> NIBBLE_BITS).to(tl.float32) * s_lo + (sc_hi >> NIBBLE_BITS).to(tl.float32) * s_hi)
+    """Q2_K: value = d * (sc & 15) * code - dmin * (sc >> 4) in 16-value sub-blocks; group r's runs as
+    Q3_K's, run j's scale byte 8 (r // 2) + 2j + r % 2 (`w0` the half's bytes 0-3, `w1` 4-7)."""
+    dd, w0, w1, q0, q1, q2, q3 = raw
+    t = _quad_runs(CHUNK) % 2
+    q, a = (q0, q1, q2, q3), acts
+    y0, m0 = _q2_run(q, a[0], a[1], a[2], a[3], a[4], a[5], w0, t, 0, CRUMB_0)
+    y1, m1 = _q2_run(q, a[6], a[7], a[8], a[9], a[10], a[11], w0, t, 1, CRUMB_1)
+    y2, m2 = _q2_run(q, a[12], a[13], a[14], a[15], a[16], a[17], w1, t, 2, CRUMB_2)
+    y3, m3 = _q2_run(q, a[18], a[19], a[20], a[21], a[22], a[23], w1, t, 3, CRUMB_3)
+    return _f16(dd) * ((y0 + y1) + (y2 + y3)) - _f16(dd >> HALF_WORD_BITS) * ((m0 + m1) + (m2 + m3))
 
 
 @triton.jit
