@@ -54,8 +54,6 @@ from fuselane.lanes.cuda.triton.gemv.fast import (
 )
 from fuselane.lanes.cuda.triton.gemv.int8_words import dot16, dot16_of, ld4, ld_run, words
 from fuselane.lanes.cuda.triton.gemv.layout import (
-    BYTE,
-    BYTE_BITS,
     FMT_Q4_K,
     FMT_Q5_0,
     FMT_Q6_K,
@@ -206,6 +204,34 @@ def _run_of(xq, xd, xs, first, BLOCK_N: tl.constexpr, live):
     return a0, a1, a2, a3, d, tl.load(xs + first // HALF_QK_C, mask=live, other=0.0)
 
 
+@triton.jit
+def _quad_runs_of(xq, xd, xs, first, BLOCK_N: tl.constexpr, live):
+    """The four runs a Q3_K / Q2_K group meets (values `first` + 32 j, j = 0..3, `first` run t = (first // 16)
+    % 2 of its block) as four `_run_of`s: each run's words (`ld4`), but the four blocks' scales in one 128-bit
+    load and their sums in two (sum 2 j + t of the eight from the first block's), where four runs of `_run_of`
+    take eight 32-bit loads. Where not live they are read at value 0; the caller drops those groups' sums."""
+    at = tl.where(live, first, 0) + tl.zeros([BLOCK_N, 1], tl.int32)
+    q = xq.to(tl.pointer_type(tl.int32)) + at // WORD_VALUES
+    d0, d1, d2, d3 = ld4(xd.to(tl.pointer_type(tl.int32)) + at // QK_C, False)
+    sub = at // HALF_QK_C
+    odd = (sub % 2) == 1
+    sums = xs.to(tl.pointer_type(tl.int32)) + (sub - sub % 2)
+    e0, e1, e2, e3 = ld4(sums, False)
+    f0, f1, f2, f3 = ld4(sums + WORD_VALUES, False)
+    s0, s1 = _f32(tl.where(odd, e1, e0)), _f32(tl.where(odd, e3, e2))
+    s2, s3 = _f32(tl.where(odd, f1, f0)), _f32(tl.where(odd, f3, f2))
+    step = QK_C // WORD_VALUES  # words from one block's codes to the next's
+    run0 = ld4(q, False) + (_f32(d0), s0)
+    run1 = ld4(q + step, False) + (_f32(d1), s1)
+    run2 = ld4(q + 2 * step, False) + (_f32(d2), s2)
+    return run0 + run1 + run2 + ld4(q + 3 * step, False) + (_f32(d3), s3)
+
+
+@triton.jit
+def _f32(bits):
+    return bits.to(tl.float32, bitcast=True)
+
+
 # --- per format: a chunk's activations, then its sum a group ([N, G] f32) ------------------------------------
 
 
@@ -249,9 +275,7 @@ def chunk_acts(xq, xd, xs, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, BLOCK_N
     if K_PAIRS_C[FMT]:
         return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + QK_C, BLOCK_N, live)
     elif K_QUADS_C[FMT]:  # a run of each of the four 32-value blocks of a half
-        lo = _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + QK_C, BLOCK_N, live)
-        hi = _run_of(xq, xd, xs, first + 2 * QK_C, BLOCK_N, live) + _run_of(xq, xd, xs, first + 3 * QK_C, BLOCK_N, live)
-        return lo + hi
+        return _quad_runs_of(xq, xd, xs, first, BLOCK_N, live)
     elif FMT == FMT_Q6_K:
         return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + 2 * QK_C, BLOCK_N, live)
     elif NEW_BODIES_C[FMT]:  # a block's two halves, held apart
@@ -272,12 +296,7 @@ def _q4_k(raw, acts, CHUNK: tl.constexpr):
         (q0 >> NIBBLE_BITS) & LOW_NIBBLES, (q1 >> NIBBLE_BITS) & LOW_NIBBLES,
         (q2 >> NIBBLE_BITS) & LOW_NIBBLES, (q3 >> NIBBLE_BITS) & LOW_NIBBLES, b0, b1, b2, b3, False,
     )  # fmt: skip
-    y = lo.to(tl.float32) * (d * (scales & BYTE).to(tl.float32) * da_lo) - (dmin * (mins & BYTE).to(tl.float32)) * s_lo
-    y += (
-        hi.to(tl.float32) * (d * (scales >> BYTE_BITS).to(tl.float32) * da_hi)
-        - (dmin * (mins >> BYTE_BITS).to(tl.float32)) * s_hi
-    )
-    return y
+    return q8_bodies.k_pair_sums(lo, hi, d, dmin, scales, mins, da_lo, s_lo, da_hi, s_hi)
 
 
 @triton.jit

@@ -240,6 +240,16 @@ def _q5_k_codes(q, qh, bit):
 
 
 @triton.jit
+def k_pair_sums(lo, hi, d, dmin, scales, mins, da_lo, s_lo, da_hi, s_hi):
+    """Q4_K's and Q5_K's sum of a group from its two runs' code sums (`lo`, `hi`): d * scale * sum * da -
+    dmin * min * s each. The code sum times the 6-bit scale is an exact integer (under 2^24, so exact in f32
+    too): one conversion a run for both, where a conversion each costs a quarter-rate instruction more."""
+    y = (lo * (scales & BYTE)).to(tl.float32) * (d * da_lo) - (dmin * (mins & BYTE).to(tl.float32)) * s_lo
+    y += (hi * (scales >> BYTE_BITS)).to(tl.float32) * (d * da_hi) - (dmin * (mins >> BYTE_BITS).to(tl.float32)) * s_hi
+    return y
+
+
+@triton.jit
 def _q5_k(raw, acts, CHUNK: tl.constexpr):
     """Q5_K: as Q4_K (value = d * scale * code - dmin * min), each code's fifth bit bit 2j (lo) or 2j + 1 (hi)
     of its qh byte, j = r // 2 the group's pair of sub-blocks."""
@@ -252,12 +262,7 @@ def _q5_k(raw, acts, CHUNK: tl.constexpr):
         _q5_k_codes(q0 >> NIBBLE_BITS, e0, b + 1), _q5_k_codes(q1 >> NIBBLE_BITS, e1, b + 1),
         _q5_k_codes(q2 >> NIBBLE_BITS, e2, b + 1), _q5_k_codes(q3 >> NIBBLE_BITS, e3, b + 1), acts, False,
     )  # fmt: skip
-    y = lo.to(tl.float32) * (d * (scales & BYTE).to(tl.float32) * da_lo) - (dmin * (mins & BYTE).to(tl.float32)) * s_lo
-    y += (
-        hi.to(tl.float32) * (d * (scales >> BYTE_BITS).to(tl.float32) * da_hi)
-        - (dmin * (mins >> BYTE_BITS).to(tl.float32)) * s_hi
-    )
-    return y
+    return k_pair_sums(lo, hi, d, dmin, scales, mins, da_lo, s_lo, da_hi, s_hi)
 
 
 @triton.jit
@@ -403,8 +408,8 @@ def _q2_run(q, a0, a1, a2, a3, da, s, word, t, J: tl.constexpr, MASK: tl.constex
     """Q2_K: run J of a group, as (its code sum times its scale, its min times the run's sum s); its scale
     byte is byte 2 (J % 2) + t of `word` (the scale's low nibble, the min's high one)."""
     sc = (word >> (t * BYTE_BITS + (J % 2) * HALF_WORD_BITS)) & BYTE
-    c = _crumb_sum(q, a0, a1, a2, a3, J, MASK)
-    return c.to(tl.float32) * ((sc & NIBBLE).to(tl.float32) * da), (sc >> NIBBLE_BITS).to(tl.float32) * s
+    c = _crumb_sum(q, a0, a1, a2, a3, J, MASK) * (sc & NIBBLE)  # exact: under 2^17
+    return c.to(tl.float32) * da, (sc >> NIBBLE_BITS).to(tl.float32) * s
 
 
 @triton.jit
