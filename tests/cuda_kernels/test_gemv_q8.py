@@ -164,7 +164,7 @@ def test_gate_up_glu(fmt: Format) -> None:
     check(out, silu * u, bound + GLU_ULPS * 2.0**-24 * np.abs(silu * u))
 
 
-def test_q4_k_rows_and_codes_must_be_16_byte_aligned() -> None:
+def test_q4_k_rows_and_activations_must_be_16_byte_aligned() -> None:
     # Q4_K's header, its runs of codes and the activation's codes are read 16 bytes a load (`_ld4`)
     rng = np.random.default_rng(3)
     k = 256
@@ -178,6 +178,10 @@ def test_q4_k_rows_and_codes_must_be_16_byte_aligned() -> None:
     codes = torch.zeros(k + 4, dtype=torch.int8, device=DEVICE)[4:].view(1, k)
     with pytest.raises(ValueError, match="16-byte aligned"):
         gemv_q8(quant.Q8Acts(codes, acts.d, acts.s), raw, Format.Q4_K, 2, k, out)
+    # the block scales and sums too: a Q3_K / Q2_K group reads four blocks' scales in one 128-bit load
+    scales = torch.zeros(k // 32 + 1, device=DEVICE)[1:]
+    with pytest.raises(ValueError, match="scales and sums must start 16-byte aligned"):
+        gemv_q8(quant.Q8Acts(acts.q, scales, acts.s), raw, Format.Q4_K, 2, k, out)
 
 
 @triton.jit

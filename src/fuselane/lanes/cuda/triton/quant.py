@@ -50,6 +50,8 @@ def check_acts(x: Q8Acts, k: int, m: int = 1) -> None:
     for t, n in ((d, m * k // QK), (s, m * k // (QK // 2))):
         if t.dtype != torch.float32 or t.numel() != n or not t.is_contiguous():
             raise ValueError(f"the activation scales and sums must be contiguous f32 tensors of {n} values")
+        if t.data_ptr() % CODES_ALIGN:  # a Q3_K / Q2_K group reads four blocks' scales in one 128-bit load
+            raise ValueError(f"the activation scales and sums must start {CODES_ALIGN}-byte aligned")
 
 
 @triton.jit
