@@ -67,8 +67,10 @@ def test_a_mixture_in_q2_k_and_q3_k_runs_as_the_cpu_lane(tmp_path) -> None:
 
 
 def test_a_latent_attention_in_q3_k_runs_as_the_cpu_lane(tmp_path) -> None:
-    # one dense layer of DeepSeek's latent attention at widths of whole super-blocks: attn_v_b in Q3_K
-    shape = dataclasses.replace(SHAPES["tiny-deepseek2"], n_embd=256, n_ff=512, kv_lora=256, n_layers=1)
-    assert tensor_formats(shape, "q3_k_m")["blk.0.attn_v_b.weight"] is Format.Q3_K
+    # one dense layer of DeepSeek's latent attention at widths of whole super-blocks: attn_v_b in Q3_K, and
+    # attn_k_b (rows of 32 values) in IQ4_NL, its product joined with the query's rotated part in one launch
+    shape = dataclasses.replace(SHAPES["tiny-deepseek2"], n_embd=256, n_ff=512, kv_lora=256, nope=32, n_layers=1)
+    formats = tensor_formats(shape, "q3_k_m")
+    assert formats["blk.0.attn_v_b.weight"] is Format.Q3_K and formats["blk.0.attn_k_b.weight"] is Format.IQ4_NL
     path = write_synthetic(tmp_path / "m.gguf", shape, "q3_k_m", seed=3)
     _runs_as_the_cpu_lane(path, [9])

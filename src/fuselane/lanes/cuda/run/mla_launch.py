@@ -36,19 +36,26 @@ def _pitches(x: Any, heads: int, width: int) -> tuple[int, int]:
 
 def head_matmul(op: Op, b) -> list:
     """HeadMatmul: one launch of every head's GEMV over its own rows of the file's bytes."""
-    from fuselane.lanes.cuda.plan import kernels
     from fuselane.lanes.cuda.triton.mla import heads
 
     spec: HeadMatmul = op.sym  # type: ignore[assignment]
     x, out = b.bufs[op.ins[0]], b.bufs[op.out]
-    w, fmt = b.raw[op.ins[1]]
+    weights = _head_weights(b, op.ins[1], spec)
     x_row, x_head = _pitches(x, spec.heads, spec.a)
+    return [lambda: heads.head_matmul(x, x_row, x_head, spec.m, *weights(), spec.heads, spec.a, spec.b, out)]
+
+
+def _head_weights(b, name: str, spec: HeadMatmul):
+    """A callable giving a per-head product's (weights, format): the file's bytes where a per-head kernel decodes
+    its rows; else (Q2_K, Q3_K, IQ4_NL, IQ4_XS: a DeepSeek file's low-bit mixes) their f32 values, decoded once
+    on the device by the first run (binding launches nothing), exactly dequant's."""
+    from fuselane.lanes.cuda.plan import kernels
+
+    w, fmt = b.raw[name]
     if fmt in kernels.ROWS_GEMV_FORMATS:
-        return [lambda: heads.head_matmul(x, x_row, x_head, spec.m, w, fmt, spec.heads, spec.a, spec.b, out)]
-    # no per-head kernel decodes these rows (Q2_K, Q3_K, IQ4_NL, IQ4_XS: a DeepSeek file's low-bit mixes): their
-    # f32 values, decoded once on the device by the first run (binding launches nothing), exactly dequant's
-    values = _f32_values(b, op.ins[1], spec.heads * spec.b, spec.a)
-    return [lambda: heads.head_matmul(x, x_row, x_head, spec.m, values(), Format.F32, spec.heads, spec.a, spec.b, out)]
+        return lambda: (w, fmt)
+    values = _f32_values(b, name, spec.heads * spec.b, spec.a)
+    return lambda: (values(), Format.F32)
 
 
 def _f32_values(b, name: str, n: int, k: int):
@@ -122,10 +129,10 @@ def join_in_place(op: Op, b) -> list:
     x_row, x_head = _pitches(x, spec.heads, spec.hd)
     if isinstance(first.sym, HeadMatmul):
         hm: HeadMatmul = first.sym
-        q, (w, fmt) = b.bufs[first.ins[0]], b.raw[first.ins[1]]
+        q, weights = b.bufs[first.ins[0]], _head_weights(b, first.ins[1], hm)
         q_row, q_head = _pitches(q, hm.heads, hm.a)
         turn = heads.Turn(x, x_row, x_head, pos, table, spec.hd, spec.half, spec.batched)
-        return [lambda: heads.head_matmul(q, q_row, q_head, hm.m, w, fmt, hm.heads, hm.a, hm.b, out, turn=turn)]
+        return [lambda: heads.head_matmul(q, q_row, q_head, hm.m, *weights(), hm.heads, hm.a, hm.b, out, turn=turn)]
     n_op, w_op = [p for p in leaves(first) if isinstance(p.sym, RmsNorm | Elementwise)][-2:]
     ns: RmsNorm = n_op.sym  # type: ignore[assignment]
     latent, w = b.bufs[n_op.ins[0]].view(ns.rows, ns.cols), b.vec[w_op.ins[1]]
