@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,7 +16,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 from fuselane.gguf.formats import Format  # noqa: E402
 from fuselane.gguf.synth import SHAPES, tensor_formats, write_synthetic  # noqa: E402
-from fuselane.runtime.model import load  # noqa: E402
+from tests.lane_steps import runs_as_the_cpu_lane  # noqa: E402
 
 PROMPT = [11, 200, 7, 7, 90, 3, 141, 52, 9, 1000, 17, 4000, 5, 8]  # past the GEMV's rows: a chunk
 SHORT = [12, 13, 14]  # a chunk within the GEMV's rows
@@ -26,22 +25,9 @@ LOW_BITS = {Format.Q2_K, Format.Q3_K, Format.IQ4_NL}
 CASES = [("qwen3-30b-a3b", "q3_k_m"), ("qwen3-30b-a3b", "q2_k"), ("deepseek-v2-lite", "q3_k_m")]
 
 
-def rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
 @pytest.mark.parametrize(("name", "mix"), CASES)
 def test_low_bit_model_runs_as_the_cpu_lane(tmp_path, name: str, mix: str) -> None:
     shape = replace(SHAPES[name], n_layers=2, vocab=4096, experts=16)
     assert LOW_BITS & set(tensor_formats(shape, mix).values()), f"{mix} writes none of the formats under test"
     path = write_synthetic(tmp_path / "m.gguf", shape, mix, seed=13)
-    gpu = load(path, lane="cuda", ctx=64)
-    ref = load(path, lane="cpu", ctx=64, dtype=np.float64)
-    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
-    a, b = gpu.session(), ref.session()
-    steps = [(a.feed(PROMPT), b.feed(PROMPT)), (a.extend(SHORT), b.extend(SHORT))]
-    steps += [(a.extend([t]), b.extend([t])) for t in DECODE]
-    for step, (x, y) in enumerate(steps):
-        assert np.isfinite(x).all() and rel(x, y) <= tol, f"step {step}: {rel(x, y):.2e} > {tol:.2e}"
-    gpu.close()
-    ref.close()
+    runs_as_the_cpu_lane(path, PROMPT, SHORT, DECODE, ctx=64)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -22,7 +21,7 @@ pytest.importorskip("triton")
 
 from fuselane.gguf.formats import Format  # noqa: E402
 from fuselane.gguf.synth import SHAPES, Shape, tensor_formats, write_synthetic  # noqa: E402
-from fuselane.runtime.model import load  # noqa: E402
+from tests.lane_steps import runs_as_the_cpu_lane  # noqa: E402
 
 # rows of whole super-blocks (so the K formats and IQ4_XS are written as such); 4 query heads a kv head, so the
 # mixes' gqa rules show; one layer keeps the interpreter's time short
@@ -34,22 +33,8 @@ MOE = Shape("qwen3moe", 256, 1, 4, 1, 64, 512, 512, context=64, experts=8, exper
 LOW_BITS = {Format.Q2_K, Format.Q3_K, Format.IQ4_NL, Format.IQ4_XS}
 
 
-def rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
 def _runs_as_the_cpu_lane(path, decode: list[int], knobs: list[str] | None = None) -> None:
-    """The prompt's chunk, the short chunk and `decode`'s steps on the cuda lane, each within the contract of the
-    cpu lane's in f64, and finite."""
-    gpu = load(path, lane="cuda", ctx=32, knobs=knobs or [])
-    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
-    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
-    a, b = gpu.session(), ref.session()
-    steps = [(a.feed(PROMPT), b.feed(PROMPT)), (a.extend(SHORT), b.extend(SHORT))]
-    steps += [(a.extend([t]), b.extend([t])) for t in decode]
-    for step, (x, y) in enumerate(steps):
-        assert np.isfinite(x).all()
-        assert rel(x, y) <= tol, f"step {step}: {rel(x, y):.2e} > {tol:.2e}"
+    runs_as_the_cpu_lane(path, PROMPT, SHORT, decode, ctx=32, knobs=knobs)
 
 
 @pytest.mark.parametrize(("mix", "prefill"), [("q3_k_m", "auto"), ("q2_k", "f16-scratch"), ("iq4_xs", "auto")])

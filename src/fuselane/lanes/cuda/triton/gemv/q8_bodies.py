@@ -12,8 +12,8 @@ run (or two):
 - Q3_K and Q2_K (16-value sub-blocks in crumbs): four groups a super-block; group r is the 16-byte qs run
   32 n + 16 t (half n = r // 2, t = r % 2) whole, its crumb j run j (values 128 n + 32 j + 16 t + 0..15),
   and for Q3_K the hmask run 16 t of their third bits (bit 4 n + j). A group of one crumb pair (eight a
-  super-block) loaded each qs byte twice and Q3_K's hmask bytes four times (the 7B's step in Q3_K_M: 2.654
-  ms then, 2.594 with these groups, 2.384 with its GLU's tile).
+  super-block) loaded each qs byte twice and Q3_K's hmask bytes four times (the 7B in Q3_K_M: 386.8 -> 422.1
+  tok/s decoding, with its GLU's tile).
 - the 32-value formats (Q4_0, Q4_1, Q5_1, IQ4_NL) and IQ4_XS's 32-value sub-blocks: a group a block, lo its
   low nibbles (values 0-15), hi its high ones (16-31).
 Every group's codes are words held in the thread (`int8_words.ld4` where a run is 16-byte aligned: Q5_K's
@@ -27,8 +27,8 @@ added term. A crumb is masked in place (4^j times its code, the run's sum shifte
 word, not two), and Q3_K's third bits are a second dp4a chain on the hmask bytes masked in place. IQ4_NL /
 IQ4_XS codes index a table of 16 signed values: the table is four words in registers and a word of eight
 codes becomes two words of four signed bytes in seven `prmt` byte permutes (`iq4_pair`), then signed dp4a
-(the 7B's step in IQ4_XS: 2.898 ms with three permutes a four-code word and 32-bit loads, 2.385 with
-these, 2.247 with its GLU's tile).
+(the 7B in IQ4_XS: 335.1 -> 447.3 tok/s decoding, with its GLU's tile, from three permutes a four-code word
+and 32-bit loads).
 """
 
 from __future__ import annotations
