@@ -3,8 +3,9 @@ loads that keep a run's 32-bit words in the thread that loaded them.
 
 Why in the thread: loaded as [N, G, 4] tensors, Triton spreads a run's four words over four lanes and
 gathers them back through shared memory before every dp4a chain (a barrier each). A 16-byte aligned run is
-one 128-bit load (`ld4`); a 2-byte aligned one (Q6_K's 210-byte blocks put every other block's runs 2 bytes
-past a word) is five aligned 32-bit loads funnel-shifted into four words (`ld_run`).
+one 128-bit load (`ld4`), an 8-byte aligned one two 64-bit loads (`ld2`), a 4-byte aligned one four 32-bit
+loads (`ld_words`); a 2-byte aligned one (Q6_K's 210-byte blocks put every other block's runs 2 bytes past a
+word) is five aligned 32-bit loads funnel-shifted into four words (`ld_run`).
 
 Under Triton's interpreter (`TRITON_INTERPRET=1`, CI without a GPU) there is no inline PTX: dp4a and the
 16-value dot are their byte products summed in NumPy (`triton/interpreted.py`), the loads are plain `tl.load`s

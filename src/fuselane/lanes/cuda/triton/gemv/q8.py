@@ -229,6 +229,7 @@ def _quad_runs_of(xq, xd, xs, first, BLOCK_N: tl.constexpr, live):
 
 @triton.jit
 def _f32(bits):
+    """The f32 whose bits `bits` (int32, as `ld4` returns them) are."""
     return bits.to(tl.float32, bitcast=True)
 
 
