@@ -232,7 +232,8 @@ def test_iq4_values_are_the_table() -> None:
 @triton.jit
 def _iq4_kernel(words, out, N: tl.constexpr):
     i = tl.arange(0, N)
-    tl.store(out + i, q8_bodies.iq4_values(tl.load(words + i)))
+    values, _ = q8_bodies.iq4_pair(tl.load(words + i))  # the low nibbles' values: the codes' own
+    tl.store(out + i, values)
 
 
 # The new formats at real widths, compiled: the 7B's q (3584 x 3584) and down (3584 x 18944, the tall tile),

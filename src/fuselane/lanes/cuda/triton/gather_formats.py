@@ -19,7 +19,7 @@ import triton.language as tl
 
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.triton.gemv.layout import IQ4_XS_SCALES_H, const
-from fuselane.lanes.cuda.triton.gemv.q8_bodies import iq4_values
+from fuselane.lanes.cuda.triton.gemv.low_bits import iq4_value
 
 Q5_K = const(int(Format.Q5_K))
 Q4_0 = const(int(Format.Q4_0))
@@ -41,7 +41,6 @@ SCALES_FIELD = {Format.IQ4_XS: "scales_l"}
 
 HALF_BLOCK, SUB, HALF, NIBBLE_BITS = const(16), const(32), const(128), const(4)
 Q4_ZERO, Q3_ZERO, SCALE_ZERO = const(8), const(4), const(32)  # Q4_0's code bias, Q3_K's, and the signed scales'
-SIGN_SHIFT = const(24)  # a byte at the bottom of a word, moved to the top and back: its sign extended
 
 
 @triton.jit
@@ -65,12 +64,6 @@ def _nibble(blk, OFF_QS: tl.constexpr, t, mask):
 def _fifth(blk, OFF_QH: tl.constexpr, t, mask):
     """Q5_0 / Q5_1: bit t of the 32-bit qh, at bit 4."""
     return ((_byte(blk + OFF_QH + t // 8, mask) >> (t % 8)) & 1) << NIBBLE_BITS
-
-
-@triton.jit
-def _iq4(code):
-    """The IQ4 table's value of each code (0..15), as f32."""
-    return ((iq4_values(code) << SIGN_SHIFT) >> SIGN_SHIFT).to(tl.float32)
 
 
 @triton.jit
@@ -103,13 +96,13 @@ def decode(blk, t, mask, FMT: tl.constexpr, OFF_D: tl.constexpr, OFF_DMIN: tl.co
         code = _nibble(blk, OFF_QS, t, mask) | _fifth(blk, OFF_QH, t, mask)
         v = code.to(tl.float32) * _f16(blk + OFF_D, mask) + _f16(blk + OFF_DMIN, mask)
     elif FMT == IQ4_NL:
-        v = _f16(blk + OFF_D, mask) * _iq4(_nibble(blk, OFF_QS, t, mask))
+        v = _f16(blk + OFF_D, mask) * iq4_value(_nibble(blk, OFF_QS, t, mask))
     elif FMT == IQ4_XS:  # sub-block ib's scale: nibble ib % 2 of scales_l[ib // 2] under crumb ib of scales_h
         ib = t // SUB
         high = _byte(blk + IQ4_XS_SCALES_H + ib // 4, mask) >> ((ib % 4) * 2) & 0x3
         ls = ((_byte(blk + OFF_SCALES + ib // 2, mask) >> ((ib % 2) * NIBBLE_BITS)) & 0xF) | (high << NIBBLE_BITS)
         code = _nibble(blk + ib * HALF_BLOCK, OFF_QS, t % SUB, mask)
-        v = (_f16(blk + OFF_D, mask) * (ls - SCALE_ZERO).to(tl.float32)) * _iq4(code)
+        v = (_f16(blk + OFF_D, mask) * (ls - SCALE_ZERO).to(tl.float32)) * iq4_value(code)
     elif FMT == Q3_K:  # value t: half n, crumb j of qs[32n + b] and bit 4n + j of hmask[b] (b = t % 32)
         n, j, b = t // HALF, (t % HALF) // SUB, t % SUB
         i = t // HALF_BLOCK  # its scale: nibble i // 8 of scales[i % 8] under crumb i // 4 of scales[8 + i % 4]

@@ -323,13 +323,6 @@ def iq4_pair(q):
 
 
 @triton.jit
-def iq4_values(codes):
-    """A word of four codes (0..15, a byte each) -> the word of their four signed table values."""
-    values, _ = iq4_pair(codes)
-    return values
-
-
-@triton.jit
 def _iq4_runs(q0, q1, q2, q3, acts):
     """IQ4_NL / IQ4_XS: a block's low nibbles' table values with its first 16 activations, its high ones'
     with the next 16, as signed dp4a."""
