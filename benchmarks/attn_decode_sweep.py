@@ -1,5 +1,11 @@
-"""Time the decode attention (FlashDecode) on the reference shapes' heads at several spans, heads a block and
-splits, each launch replayed from a CUDA graph so no host time counts.
+"""Time the decode attention (FlashDecode) on the reference shapes' heads at several spans: the head-a-block
+kernel on the CUDA cores (`attention/decode.py`) and the packed one on the f16 tensor cores
+(`attention/group_decode.py`), by splits and tile rows, each launch replayed from a CUDA graph so no host time
+counts.
+
+A step reads a layer's cache once, cold (the layer's weights went through L2 since): the launches replayed here
+read one of `COPIES` caches each in turn, together past the H200's 50 MB L2, so a launch's rows come from
+memory as in a step. Each line also gives the packed kernel's largest difference from the head-a-block one.
 
 Usage: python benchmarks/attn_decode_sweep.py [--spans 64 512 4096] [--shapes 7b 8b]   (on a GPU)
 """
@@ -8,24 +14,60 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 
 import torch
 
-from benchmarks.gemv_compare import timed
 from fuselane.lanes.cuda.triton.attention import decode as A
+from fuselane.lanes.cuda.triton.attention import group_decode as G
 
 HEADS = [  # (name, heads, kv_heads, head dim)
     ("0.5b", 14, 2, 64),
     ("0.6b", 16, 8, 128),
     ("7b", 28, 4, 128),
     ("8b", 32, 8, 128),
+    ("32b", 40, 8, 128),
     ("next", 16, 2, 256),  # Qwen3-Next-80B-A3B's full-attention layers
 ]
-CACHE = 8192
 SPANS = [64, 512, 4096]
-SPLITS = [None, 4, 16, 64, 128]
-TILES = [8, 16, 32]
-MIN_CHUNKS = [32, 128]  # beside the plan's kernels.ATTN_MIN_CHUNK
+SPLITS = [None, 16, 32]
+TILES = [64]
+WARPS = [None, 4, 8]
+STAGES = [2]
+COPIES = 12  # caches a graph cycles through: 12 x 8.4 MB at the 7B's 4,096 rows
+REPS = 24
+
+
+def timed(calls) -> float:
+    """Seconds a launch takes: `calls` (one a cache copy) replayed in turn from one CUDA graph."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(REPS):
+            calls[i % len(calls)]()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / REPS / 1e3
+
+
+def launches(case, pos, out, **kw):
+    """One launch a cache copy of `case` (heads, kv heads, head dim, the copies, their scratches), the scratches
+    zeroed: a launch of other splits finds its counters where another left partials."""
+    heads, kv, hd, q, kvs, scratches = case
+    for s in scratches:
+        s.zero_()
+    return [
+        functools.partial(
+            A.flash_decode, q, kc, vc, pos, out, heads=heads, kv_heads=kv, hd=hd, scale=hd**-0.5, scratch=s, **kw
+        )  # fmt: skip
+        for (kc, vc), s in zip(kvs, scratches, strict=True)
+    ]
 
 
 def main() -> None:
@@ -33,35 +75,30 @@ def main() -> None:
     ap.add_argument("--spans", type=int, nargs="+", default=SPANS)
     ap.add_argument("--shapes", nargs="+", default=[h[0] for h in HEADS], choices=[h[0] for h in HEADS])
     args = ap.parse_args()
+    cache = max(args.spans)
     for name, heads, kv, hd in HEADS:
         if name not in args.shapes:
             continue
-        q = torch.randn(1, heads * hd, device="cuda")
-        kc = torch.randn(CACHE, kv * hd, device="cuda").half()
-        vc = torch.randn(CACHE, kv * hd, device="cuda").half()
-        out = torch.empty(1, heads * hd, device="cuda")
-        group = heads // kv
-        # the most splits: the plan's at the fewest blocks (a whole group a block), or the largest asked
-        most = max(*(s or 0 for s in SPLITS), A.decode_plan(heads, kv, hd, CACHE, heads_per_block=group).splits)
-        scratch = A.decode_scratch(heads, hd, CACHE, "cuda", splits=most)
-        blocks = sorted({h for h in (1, 2, group) if group % h == 0})
+        kvs = [
+            (torch.randn(cache, kv * hd, device="cuda").half(), torch.randn(cache, kv * hd, device="cuda").half())
+            for _ in range(COPIES)
+        ]
+        scratches = [A.decode_scratch(heads, hd, cache, "cuda") for _ in range(COPIES)]
+        case = (heads, kv, hd, torch.randn(1, heads * hd, device="cuda"), kvs, scratches)
+        outs = [torch.empty(1, heads * hd, device="cuda") for _ in range(2)]
         for span in args.spans:
             pos = torch.tensor([span - 1], dtype=torch.int32, device="cuda")
-            call = functools.partial(A.flash_decode, q, kc, vc, pos, out, heads=heads, kv_heads=kv, hd=hd,
-                                     scale=hd**-0.5, scratch=scratch)  # fmt: skip
-            row = []
-            for hb in blocks:
-                for s in SPLITS:
-                    took = timed(functools.partial(call, splits=s, heads_per_block=hb))
-                    row.append(f"{hb}h/{'plan' if s is None else s}:{took * 1e6:5.1f}")
-                for t in TILES:
-                    took = timed(functools.partial(call, heads_per_block=hb, tile_rows=t))
-                    row.append(f"{hb}h/t{t}:{took * 1e6:5.1f}")
-                for c in MIN_CHUNKS:
-                    took = timed(functools.partial(call, heads_per_block=hb, min_chunk=c))
-                    row.append(f"{hb}h/c{c}:{took * 1e6:5.1f}")
-            plan = tuple(A.decode_plan(heads, kv, hd, CACHE))
-            print(f"{name:5} span {span:5} plan {plan} us: " + " ".join(row), flush=True)
+            row = [f"cores:{timed(launches(case, pos, outs[0])) * 1e6:5.1f}"]
+            for s, t, w, st in itertools.product(SPLITS, TILES, WARPS, STAGES):
+                if t * hd > 128 * 128 and st > 2:  # past the shared memory
+                    continue
+                took = timed(launches(case, pos, outs[0], f16_ops=True, splits=s, tile_rows=t, warps=w, stages=st))
+                row.append(f"{'plan' if s is None else s}/t{t}w{w or 'plan'}s{st}:{took * 1e6:5.1f}")
+            launches(case, pos, outs[0])[0]()
+            launches(case, pos, outs[1], f16_ops=True)[0]()
+            diff = (outs[0] - outs[1]).abs().max().item()
+            plan = tuple(G.group_plan(heads, kv, cache, 132))
+            print(f"{name:5} span {span:5} plan {plan} diff {diff:.1e} us: " + " ".join(row), flush=True)
 
 
 if __name__ == "__main__":

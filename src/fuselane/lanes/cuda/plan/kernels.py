@@ -166,6 +166,28 @@ ATTN_WAVES = 8
 # caps their number (33 splits of ~124 rows for the 8B's 32 heads at 4,096 rows).
 ATTN_MIN_CHUNK = 32
 
+# The packed decode attention (`triton/attention/group_decode.py`, AttnGqaRowPacking: a key/value group's
+# query heads the rows of f16 tensor-core products, under the int8 numerics). Cached rows a tile (keys and
+# values, two pipeline stages, copied in while the tile before multiplies), warps a block, and blocks a SM
+# its splits aim at: one block a group and split, each cached row read once a step. H200, caches read cold
+# (`benchmarks/attn_decode_sweep.py`, 2026-12-03): 64-row tiles in two stages were within noise of the best
+# of 64/128 rows x 2/3 stages at spans 1,024 and 4,096 on the 0.5B, 7B, 8B and Qwen3-Next heads.
+ATTN_GROUP_TILE_ROWS = 64
+ATTN_GROUP_STAGES = 2
+ATTN_GROUP_WAVES = 1
+# The fewest cached rows a packed split takes: one tile (at a 1,024-row span 16 splits of a tile ran 5.3 us
+# on the 7B's heads and 6.1 on the 8B's, against 5.8 and 6.5 for 8 splits of two).
+ATTN_GROUP_MIN_CHUNK = ATTN_GROUP_TILE_ROWS
+# Warps a packed block: four, or eight where its merge holds a group's heads of GROUP_WIDE_MERGE values or more
+# (the 7B's seven heads of 128 at 4,096 rows: 9.1 us against 9.6; Qwen3-Next's 2 x 8 of 256: 13.2 against 14.0;
+# the 0.5B's 7 x 64 and the 8B's 4 x 128 ran slower in eight: 6.2 against 5.4, 13.1 against 12.2).
+ATTN_GROUP_WARPS = 4
+ATTN_GROUP_WIDE_WARPS = 8
+GROUP_WIDE_MERGE = 1024
+# f32 values a thread of a packed block's merge holds at a time (its heads x splits x the head's values over
+# the block's threads): where every split's partial fits, the merge loads them all at once.
+ATTN_GROUP_MERGE_HELD = 128
+
 # The absorbed latent attention's decode program (`triton/mla/attention.py`): a query row's heads share one
 # cached latent row, so a program takes MLA_HEADS_A_PROGRAM heads of a row, the whole value width, over
 # MLA_TILE_ROWS cached rows at a time, in MLA_WARPS warps. Its scores are summed MLA_SCORE_CHUNK query values
@@ -626,6 +648,21 @@ def attn_splits(head_blocks: int, span: int, sms: int, min_chunk: int = ATTN_MIN
     wanted = math.ceil(ATTN_WAVES * sms / max(1, head_blocks))
     most = math.ceil(max(1, span) / min_chunk)
     return max(1, min(wanted, most))
+
+
+def attn_group_splits(kv_heads: int, span: int, sms: int, min_chunk: int = ATTN_GROUP_MIN_CHUNK) -> int:
+    """Chunks the packed decode attention cuts its span into: a power of two (the merge's tile of splits has no
+    padding), as many as keep its groups' blocks within `ATTN_GROUP_WAVES` of the chip, no chunk under
+    `min_chunk` rows."""
+    wanted = max(1, ATTN_GROUP_WAVES * sms // max(1, kv_heads))
+    most = math.ceil(max(1, span) / min_chunk)
+    return 1 << (min(wanted, most).bit_length() - 1)
+
+
+def attn_group_warps(group: int, hd: int) -> int:
+    """Warps a packed decode block takes: more where its merge holds a wide group (`GROUP_WIDE_MERGE`)."""
+    wide = (1 << (group - 1).bit_length()) * hd >= GROUP_WIDE_MERGE
+    return ATTN_GROUP_WIDE_WARPS if wide else ATTN_GROUP_WARPS
 
 
 def mla_splits(head_blocks: int, span: int, sms: int) -> int:

@@ -368,7 +368,12 @@ def _attention(op: Op, b: Bound, out_q8: Any = None, gate: Any = None, out: Any 
     if spec.rows == 1:
         scratch = b.scratch.setdefault("attn", attention.decode_scratch(spec.heads, spec.hd, spec.len, q.device))
         g1 = gate.view(spec.heads, -1) if gate is not None else None  # one row: a head's gate a row
-        return [lambda: attention.flash_decode(q, kc, vc, pos, out, scratch=scratch, out_q8=out_q8, gate=g1, **shape)]
+        f16 = b.attention_f16
+        return [
+            lambda: attention.flash_decode(
+                q, kc, vc, pos, out, scratch=scratch, out_q8=out_q8, gate=g1, f16_ops=f16, **shape
+            )
+        ]
     from fuselane.lanes.cuda.triton.attention import prefill as attention_prefill
 
     f16 = b.attention_f16

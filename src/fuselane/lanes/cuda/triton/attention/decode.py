@@ -369,12 +369,14 @@ def flash_decode(
     scratch: torch.Tensor | None,
     splits: int | None = None,
     chip: Chip = H200,
-    tile_rows: int = kernels.ATTN_DECODE_TILE_ROWS,
+    tile_rows: int | None = None,
     min_chunk: int = kernels.ATTN_MIN_CHUNK,
-    merge_batch: int = DECODE_MERGE_BATCH,
+    merge_batch: int | None = None,
     heads_per_block: int | None = None,
     out_q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     gate: torch.Tensor | None = None,
+    f16_ops: bool = False,
+    **packed_facts: int,
 ) -> None:
     """FlashDecode: out (1, heads * hd) f32 = causal GQA of the one query row `q` (1, heads * hd) at position
     pos[0] over cache rows 0..pos[0]; query head h reads key/value head h // (heads // kv_heads).
@@ -385,11 +387,23 @@ def flash_decode(
     several splits (and several batches of them in the merge) of a short cache. `out_q8`, a
     `quant.Q8Acts` of the output's width, also gets the output as int8 activations (hd a multiple of 32).
     `gate` (heads, >= hd: each head's gate, rows any pitch; AttnOutputGate) multiplies the output by its
-    sigmoid in the store.
+    sigmoid in the store. `f16_ops` (the int8 numerics' attention, `CudaShim.attention`): a group's heads
+    multiply as the rows of f16 tensor-core products (`group_decode.py`), where the head's width allows it;
+    `heads_per_block` and `min_chunk` are the other kernel's, `packed_facts` (warps, stages) this one's.
     """
     if out_q8 is not None and hd % QK:
         raise ValueError(f"a quantized attention output takes heads of whole {QK}-value blocks")
-    plan = decode_plan(heads, kv_heads, hd, k_cache.shape[0], chip=chip, splits=splits, heads_per_block=heads_per_block)
+    from fuselane.lanes.cuda.triton.attention import group_decode  # it builds on this module's parts
+
+    packed = f16_ops and group_decode.rows_packed(hd)
+    if packed:
+        plan = group_decode.group_plan(heads, kv_heads, k_cache.shape[0], chip.sms, splits)
+        tile_rows = tile_rows or kernels.ATTN_GROUP_TILE_ROWS
+    else:
+        tile_rows = tile_rows or kernels.ATTN_DECODE_TILE_ROWS
+        plan = decode_plan(
+            heads, kv_heads, hd, k_cache.shape[0], chip=chip, splits=splits, heads_per_block=heads_per_block
+        )
     if plan.splits > 1:
         need = decode_scratch_size(plan, heads, hd)
         if scratch is None or scratch.dtype != torch.float32 or scratch.numel() < need:
@@ -401,6 +415,12 @@ def flash_decode(
         count = scratch[parts * (hd + 2) : need].view(torch.int32)
     else:
         acc = top = total = count = out  # never read: the one split writes its result directly
+    if packed:
+        group_decode.group_decode(
+            q, k_cache, v_cache, pos, out, plan=plan, hd=hd, scale=scale, parts=(acc, top, total, count),
+            tile_rows=tile_rows, merge_batch=merge_batch, out_q8=out_q8, gate=gate, **packed_facts,
+        )  # fmt: skip
+        return
     group_p2 = triton.next_power_of_2(plan.heads_per_block)
     _decode_kernel[(plan.head_blocks, plan.splits)](
         q,
@@ -426,7 +446,7 @@ def flash_decode(
         TILE=tile_rows,
         SPLITS=plan.splits,
         S_P2=triton.next_power_of_2(plan.splits),
-        MERGE_BATCH=min(merge_batch, triton.next_power_of_2(plan.splits)),
+        MERGE_BATCH=min(merge_batch or DECODE_MERGE_BATCH, triton.next_power_of_2(plan.splits)),
         MIN_CHUNK=min_chunk,
         INTERPRETED=interpreted(),
         GATED=gate is not None,
