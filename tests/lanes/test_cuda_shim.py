@@ -547,20 +547,38 @@ def test_the_gated_delta_rules_native_classes_each_have_a_kernel() -> None:
         assert shim.supports(cls) == NATIVE and cls not in NO_KERNEL_CLASSES
 
 
+# the numerics under which the decode attention runs a head's dots on the CUDA cores, as the specification's does
+CORES = CudaKnobs(activations=Activations.DEQUANT)
+
+
 def test_supports_answers_every_class_once() -> None:
     groups = [NATIVE_CLASSES, QUANT_EPILOGUES, DECOMPOSED_CLASSES, frozenset(REFUSED_CLASSES)]
     assert sum(len(x) for x in groups) == len(C)
     assert frozenset().union(*groups) == frozenset(C)
-    shim = CudaShim(DEFAULT)
+    shim = CudaShim(CORES)
     for cls in C:
         answer = shim.supports(cls)
         assert (answer.kind is SupportKind.REFUSE) == (cls in REFUSED_CLASSES), cls
 
 
 def test_supports_refusals_are_the_specified_reasons() -> None:
-    shim = CudaShim(DEFAULT)
+    shim = CudaShim(CORES)
     refused = {cls: shim.supports(cls).reason for cls in C if shim.supports(cls).kind is SupportKind.REFUSE}
     assert refused == SPECIFIED_REFUSALS
+
+
+@pytest.mark.parametrize("activations", list(Activations))
+def test_gqa_row_packing_follows_the_attention_numerics(activations: Activations) -> None:
+    """Where a step's attention takes f16 operands (the int8 numerics) the decode attention packs a group's
+    heads into tensor-core rows; elsewhere the class is refused with the specification's reason, and every other
+    refusal stands under every numerics."""
+    shim = CudaShim(CudaKnobs(activations=activations))
+    packs = activations is Activations.INT8
+    assert shim.packs_gqa_rows == packs
+    answer = shim.supports(C.ATTN_GQA_ROW_PACKING)
+    assert answer == NATIVE if packs else answer.reason == SPECIFIED_REFUSALS[C.ATTN_GQA_ROW_PACKING]
+    refused = {cls for cls in C if shim.supports(cls).kind is SupportKind.REFUSE}
+    assert refused == set(SPECIFIED_REFUSALS) - ({C.ATTN_GQA_ROW_PACKING} if packs else set())
 
 
 @pytest.mark.parametrize("fuse_quant", [True, False])

@@ -174,13 +174,19 @@ ATTN_MIN_CHUNK = 32
 # of 64/128 rows x 2/3 stages at spans 1,024 and 4,096 on the 0.5B, 7B, 8B and Qwen3-Next heads.
 ATTN_GROUP_TILE_ROWS = 64
 ATTN_GROUP_STAGES = 2
-ATTN_GROUP_WAVES = 1
+# Blocks a SM the splits aim at, and the most splits: at 4,096 rows 32 splits ran 10.4 us on the 8B's heads
+# against 12.2 for 16 (0.6B 10.8 against 12.2; 32B 11.6 against 12.0), and 64 no faster on the 7B's or
+# Qwen3-Next's (9.2 against 9.1; 14.3 against 13.1): past 32 the merge's partials cost more than the splits
+# gain.
+ATTN_GROUP_WAVES = 2
+ATTN_GROUP_MOST_SPLITS = 32
 # The fewest cached rows a packed split takes: one tile (at a 1,024-row span 16 splits of a tile ran 5.3 us
 # on the 7B's heads and 6.1 on the 8B's, against 5.8 and 6.5 for 8 splits of two).
 ATTN_GROUP_MIN_CHUNK = ATTN_GROUP_TILE_ROWS
-# Warps a packed block: four, or eight where its merge holds a group's heads of GROUP_WIDE_MERGE values or more
-# (the 7B's seven heads of 128 at 4,096 rows: 9.1 us against 9.6; Qwen3-Next's 2 x 8 of 256: 13.2 against 14.0;
-# the 0.5B's 7 x 64 and the 8B's 4 x 128 ran slower in eight: 6.2 against 5.4, 13.1 against 12.2).
+# Warps a packed block: four, or eight where its blocks leave SMs without a second block and its merge holds a
+# group's heads of GROUP_WIDE_MERGE values or more (at 4,096 rows the 7B's seven heads of 128 in 128 blocks:
+# 9.1 us against 9.6; Qwen3-Next's 2 x 8 of 256 in 64 blocks: 13.1 against 14.0). Eight ran slower for the
+# 0.5B's 7 x 64 (6.7 against 5.8), and for the 32B's 8 x 5 of 128 in 256 blocks (14.9 against 11.6).
 ATTN_GROUP_WARPS = 4
 ATTN_GROUP_WIDE_WARPS = 8
 GROUP_WIDE_MERGE = 1024
@@ -652,17 +658,18 @@ def attn_splits(head_blocks: int, span: int, sms: int, min_chunk: int = ATTN_MIN
 
 def attn_group_splits(kv_heads: int, span: int, sms: int, min_chunk: int = ATTN_GROUP_MIN_CHUNK) -> int:
     """Chunks the packed decode attention cuts its span into: a power of two (the merge's tile of splits has no
-    padding), as many as keep its groups' blocks within `ATTN_GROUP_WAVES` of the chip, no chunk under
-    `min_chunk` rows."""
+    padding), as many as keep its groups' blocks within `ATTN_GROUP_WAVES` a SM, at most
+    `ATTN_GROUP_MOST_SPLITS`, no chunk under `min_chunk` rows."""
     wanted = max(1, ATTN_GROUP_WAVES * sms // max(1, kv_heads))
     most = math.ceil(max(1, span) / min_chunk)
-    return 1 << (min(wanted, most).bit_length() - 1)
+    return 1 << (min(wanted, most, ATTN_GROUP_MOST_SPLITS).bit_length() - 1)
 
 
-def attn_group_warps(group: int, hd: int) -> int:
-    """Warps a packed decode block takes: more where its merge holds a wide group (`GROUP_WIDE_MERGE`)."""
+def attn_group_warps(group: int, hd: int, blocks: int, sms: int) -> int:
+    """Warps a packed decode block takes: more where `blocks` leave SMs without a second one and its merge holds
+    a wide group (`GROUP_WIDE_MERGE`)."""
     wide = (1 << (group - 1).bit_length()) * hd >= GROUP_WIDE_MERGE
-    return ATTN_GROUP_WIDE_WARPS if wide else ATTN_GROUP_WARPS
+    return ATTN_GROUP_WIDE_WARPS if wide and blocks <= sms else ATTN_GROUP_WARPS
 
 
 def mla_splits(head_blocks: int, span: int, sms: int) -> int:

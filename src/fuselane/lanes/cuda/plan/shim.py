@@ -200,7 +200,18 @@ class CudaShim:
             return _NO_KERNEL
         if cls in DECOMPOSED_CLASSES:
             return DECOMPOSE
+        if cls is C.ATTN_GQA_ROW_PACKING and self.packs_gqa_rows:
+            return NATIVE
         return refuse(REFUSED_CLASSES[cls])
+
+    @property
+    def packs_gqa_rows(self) -> bool:
+        """Whether a decode step's attention takes a key/value group's query heads as the rows of f16
+        tensor-core products (`triton/attention/group_decode.py`): under the numerics whose attention takes f16
+        operands (the int8 ones); under the others its heads' dots run on the CUDA cores, as the specification's
+        lane does."""
+        numerics = self.attention(self.knobs.activations)
+        return numerics is not None and numerics.queries == Kept(Keep.F16)
 
     def fits(self, op: Op, g: TensorGraph) -> str | None:
         """Why the lane's kernels have no launch for `op`, or None when one does (see `fits`)."""

@@ -41,7 +41,6 @@ from fuselane.lanes.cuda.run.buffers import pooled_buffers
 from fuselane.lanes.cuda.run.decode import DeviceSampler, Tail
 from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
-from fuselane.numerics.contract import Keep, Kept
 from fuselane.runtime.sampling import GREEDY, SamplingParams
 
 WARMUP_RUNS = 2  # runs before capture: Triton compiles each kernel on its first launch
@@ -324,9 +323,9 @@ def decodes_in_kernel(knobs: CudaKnobs) -> bool:
 
 
 def _attention_in_f16(knobs: CudaKnobs) -> bool:
-    """Whether the numerics let a chunk's attention take its operands in f16 (the int8 numerics do)."""
-    numerics = CudaShim.attention(knobs.activations)
-    return numerics is not None and numerics.queries == Kept(Keep.F16)
+    """Whether the numerics let an attention take its operands in f16 (the int8 numerics do): a chunk's on the
+    f16 tensor cores, a decode step's with its groups' heads packed (`CudaShim.packs_gqa_rows`)."""
+    return CudaShim(knobs).packs_gqa_rows
 
 
 class _Step:

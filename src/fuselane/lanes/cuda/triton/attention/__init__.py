@@ -1,2 +1,3 @@
 """The attention family: `decode` (flash-decoding over the KV cache, one query row a sequence, split over the
-cache's length) and `prefill` (a chunk's rows against the cache, causal, on the f16 tensor cores)."""
+cache's length; `group_decode` its form with a key/value group's heads packed into tensor-core rows) and
+`prefill` (a chunk's rows against the cache, causal, on the f16 tensor cores)."""

@@ -418,7 +418,8 @@ def flash_decode(
     if packed:
         group_decode.group_decode(
             q, k_cache, v_cache, pos, out, plan=plan, hd=hd, scale=scale, parts=(acc, top, total, count),
-            tile_rows=tile_rows, merge_batch=merge_batch, out_q8=out_q8, gate=gate, **packed_facts,
+            tile_rows=tile_rows, merge_batch=merge_batch, out_q8=out_q8, gate=gate, sms=chip.sms,
+            **packed_facts,
         )  # fmt: skip
         return
     group_p2 = triton.next_power_of_2(plan.heads_per_block)

@@ -213,6 +213,7 @@ def group_decode(
     merge_batch: int | None,
     out_q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     gate: torch.Tensor | None,
+    sms: int,
     warps: int | None = None,
     stages: int = kernels.ATTN_GROUP_STAGES,
 ) -> None:
@@ -221,7 +222,7 @@ def group_decode(
     facts, parameters for the sweep."""
     group = plan.heads_per_block
     group_p2 = triton.next_power_of_2(group)
-    warps = warps or kernels.attn_group_warps(group, hd)
+    warps = warps or kernels.attn_group_warps(group, hd, plan.head_blocks * plan.splits, sms)
     # each merge batch holds G_P2 x batch x HD f32 values over the block's threads
     held = kernels.ATTN_GROUP_MERGE_HELD * warps * kernels.WARP // (group_p2 * hd)
     batch = max(1, min(merge_batch or held, held, triton.next_power_of_2(plan.splits)))
