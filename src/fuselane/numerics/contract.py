@@ -89,7 +89,7 @@ Taken = Kept | Quantized
 
 @dataclass(frozen=True, slots=True)
 class AttentionNumerics:
-    """How a wide chunk's attention takes its operands."""
+    """How a wide chunk's attention takes its operands (and, where the lane says so, a decode step's)."""
 
     queries: Taken
     keys_values: Taken

@@ -112,7 +112,9 @@ class CudaKnobs:
     - `activations=int8`: a decode step's products multiply int8 codes of their activation with dp4a, as
       llama.cpp's do (q8_1). With f32 activations a 4-bit weight costs ~6.8 instructions, which holds the
       GEMVs to 1-2 TB/s; dp4a cuts that to about one (H200 decode 1.28-1.75x faster, `benchmarks/RESULTS.md`).
-      A chunk's attention multiplies on the f16 tensor cores (`CudaShim.attention`); its products multiply
+      A chunk's attention multiplies on the f16 tensor cores (`CudaShim.attention`), and so does a decode
+      step's, a key/value group's heads packed into one product's rows (`CudaShim.packs_gqa_rows`: a long
+      context's cache read once a step); its products multiply
       f16 copies of the matrices by default (`prefill`, below). The contract's tolerance is wider: `dequant`
       keeps the lane's numbers closest to the cpu reference (the tightest contract), at the slower decode.
       `int8x2` has no kernels here.

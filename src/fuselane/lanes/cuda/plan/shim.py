@@ -403,7 +403,8 @@ class CudaShim:
     @staticmethod
     def attention(activations: Activations) -> AttentionNumerics | None:
         """How a wide chunk's attention takes its operands: on the f16 tensor cores under one word (queries,
-        keys, values and weights rounded to f16); on the int8 tensor cores under two (each query, key and
+        keys, values and weights rounded to f16; a decode step's too, its groups' heads packed:
+        `packs_gqa_rows`); on the int8 tensor cores under two (each query, key and
         value row in two words under its largest over 127, each weight times its value row's scale in three
         under the largest of its row in the tile); in f32 under the dequantized numerics."""
         if activations is Activations.DEQUANT:

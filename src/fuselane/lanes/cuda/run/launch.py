@@ -766,7 +766,9 @@ BINDERS: dict[C | type, Binder] = {
 }
 # Native classes that launch only as a part of another class's launch: a projection turns its heads in its
 # epilogue in the int8 QKV GEMV in parts (the lane rule `rope_epilogue` runs every other one as its parts).
-PARTS_ONLY: dict[C, C] = {C.QKV_HEAD_EPILOGUE: C.MERGED_QKV}
+# A decode step's attention packs a key/value group's heads in tensor-core rows inside FlashDecode's launch
+# (under the int8 numerics, `CudaShim.packs_gqa_rows`).
+PARTS_ONLY: dict[C, C] = {C.QKV_HEAD_EPILOGUE: C.MERGED_QKV, C.ATTN_GQA_ROW_PACKING: C.FLASH_DECODE}
 # Producers whose kernel writes its result's int8 form in its own epilogue (`CudaShim.quantizes_in_epilogue`).
 _QUANT_EPILOGUE: dict[C | type, Callable[[Op, Bound, Any], list[Launch]]] = {
     C.ADD_NORM: _add_norm,

@@ -1,13 +1,14 @@
-"""Causal grouped-query attention on the device: FlashDecode (one query row), and what FlashPrefill shares.
+"""Causal grouped-query attention of one query row on the device (FlashDecode), and its launcher.
 
-Both read the KV cache (f16 or f32, one row of kv_heads * hd values a position, any row pitch) up to the
+It reads the KV cache (f16 or f32, one row of kv_heads * hd values a position, any row pitch) up to the
 rows the position in the 1-element int32 device tensor `pos` reaches, so a captured CUDA graph replays at a
 new position with no re-capture: every loop bound, every split's share of the span, is computed in the
 kernel from `pos`.
 
 FlashDecode. The span (cache rows 0..pos) is cut into up to `splits` chunks of at least `min_chunk` rows; a
 block takes one chunk for `kernels.attn_heads_a_block` query heads of one key/value group (one: see the
-fact), one warp a head, on the CUDA cores (the shim refuses packing heads into tensor-core rows). Its tensors
+fact), one warp a head, on the CUDA cores in f32 (under the dequantized numerics; under the int8 ones
+`flash_decode` launches `group_decode.py`'s kernel, a key/value group's heads packed into tensor-core rows). Its tensors
 are laid out [heads, rows, hd] with a head's values last and contiguous: Triton gives each thread runs of
 neighbouring values (vector loads) and the lanes the rest, so a row's dot is summed mostly in the thread and
 then over a few lanes by shuffles, with no shared-memory round trip in the loop. (Laid out [heads, rows,
@@ -23,15 +24,11 @@ splits is fixed when the plan is built (`decode_plan`: `kernels.attn_splits` at 
 `shim.chunks_apart` says the head blocks alone leave the chip idle), and blocks past the chunks a short span
 needs exit at once.
 
-FlashPrefill (a chunk's rows, on the tensor cores) is `attention/prefill.py`.
-
-Softmax weights are computed as 2^(s * scale * log2 e - max): the scale folds into one multiply.
+The launch's shape, the partials' park and merge and the store are `splits.py`'s, shared with the packed and
+the paged kernels. FlashPrefill (a chunk's rows, on the tensor cores) is `attention/prefill.py`.
 """
 
 from __future__ import annotations
-
-import math
-from typing import NamedTuple
 
 import torch
 import triton
@@ -42,35 +39,22 @@ from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.knobs import H200, Chip
 from fuselane.lanes.cuda.plan.shim import chunks_apart
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.quant import quantize_block
+from fuselane.lanes.cuda.triton.attention import group_decode
+from fuselane.lanes.cuda.triton.attention.splits import (
+    LOG2E,
+    DecodePlan,
+    cache_pitch,
+    gate_heads,
+    interpreted,
+    merge_partials,
+    park_partial,
+    store_out,
+)
 
-LOG2E = math.log2(math.e)
-
-QB = tl.constexpr(QK)  # values a block of the int8 output
 # Tiles of the cache a decode loop keeps in flight.
 DECODE_STAGES = 3
 # Splits' partials the merging block loads at a time (a [heads, 16, hd] tile: 16 values a thread at hd 128).
 DECODE_MERGE_BATCH = 16
-
-
-def interpreted() -> bool:
-    """Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1).
-
-    Triton 3.6's interpreter runs `for i in range(lo, hi, step)` as Python's range, taking int() of the
-    bounds' 1-element arrays, which NumPy 2 refuses. Interpreted, a loop whose bounds come from device memory
-    (the position) runs as a while loop over the same tiles in the same order; compiled, it stays a for
-    loop, which Triton's pipeliner overlaps with the loads of the next tile.
-    """
-    return bool(triton.knobs.runtime.interpret)
-
-
-class DecodePlan(NamedTuple):
-    """A decode attention's launch: query heads a block (a key/value group's), blocks (the groups), and the
-    most chunks of the span."""
-
-    heads_per_block: int
-    head_blocks: int
-    splits: int
 
 
 def decode_plan(
@@ -175,82 +159,6 @@ def _decode_tile(
 
 
 @triton.jit
-def _gate(o, gate_ptr, head, col, mask, GATE_HP: tl.constexpr, GATED: tl.constexpr):
-    """o times sigmoid of each head's gate (AttnOutputGate), the gate's head `GATE_HP` values apart."""
-    if GATED:
-        z = tl.load(gate_ptr + head[:, None] * GATE_HP + col, mask=mask, other=0.0).to(tl.float32)
-        o = o * tl.sigmoid(z)
-    return o
-
-
-@triton.jit
-def store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD: tl.constexpr, Q8OUT: tl.constexpr):
-    """A block's heads' outputs o [G, D] at `offs`: f32, and where Q8OUT also as int8 activations
-    (`quant.Q8Acts`): each head's values in 32-value blocks (HD a multiple of 32)."""
-    tl.store(out_ptr + offs, o, mask=store_mask)
-    if Q8OUT:
-        G: tl.constexpr = o.shape[0]
-        D: tl.constexpr = o.shape[1]
-        NB: tl.constexpr = D // QB
-        codes, d, sums = quantize_block(tl.reshape(o, [G * NB, QB]), QB)
-        tl.store(oq_ptr + offs, tl.reshape(codes, [G, D]), mask=store_mask)
-        j = tl.arange(0, NB)[None, :]
-        blk = head[:, None] * (HD // QB) + j  # [G, NB]
-        live = (j < HD // QB) & (tl.max(store_mask.to(tl.int32), 1) > 0)[:, None]
-        tl.store(od_ptr + blk, tl.reshape(d, [G, NB]), mask=live)
-        two = tl.arange(0, 2)[None, None, :]
-        tl.store(os_ptr + blk[:, :, None] * 2 + two, tl.reshape(sums, [G, NB, 2]), mask=live[:, :, None])
-
-
-@triton.jit
-def park_partial(acc, run_max, run_sum, acc_ptr, max_ptr, sum_ptr, count_ptr, part, col, store_mask, heads_mask,
-                 HD: tl.constexpr):  # fmt: skip
-    """A split's partial (its heads' running max, sum of weights and unnormalized weighted values) into scratch
-    at `part` (one a head), then one tick of its group's counter: returns the ticks before it, so the block that
-    reads the group's splits less one merges them."""
-    tl.store(acc_ptr + part[:, None] * HD + col, acc, mask=store_mask)
-    tl.store(max_ptr + part, run_max, mask=heads_mask)
-    tl.store(sum_ptr + part, run_sum, mask=heads_mask)
-    # every thread's partial is stored before one thread's release: the block's barrier, then the counter's
-    # acq_rel atomic (CUTLASS's semaphore pattern); the last block's acquire sees them all
-    tl.debug_barrier()
-    return tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-
-
-@triton.jit
-def merge_partials(acc_ptr, max_ptr, sum_ptr, head, heads_mask, col, col_mask, active, SPLITS: tl.constexpr,
-                   S_P2: tl.constexpr, MERGE_BATCH: tl.constexpr, HD: tl.constexpr):  # fmt: skip
-    """The heads' outputs [G, D] from their `active` splits' partials (head h's split s at h * SPLITS + s): the
-    log-sum-exp combine, normalized."""
-    # partials are other SMs' writes: read them from L2 (.cg), past this SM's L1
-    s_ = tl.arange(0, S_P2)[None, :]
-    parts = head[:, None] * SPLITS + s_  # [G, S_P2]
-    here = (s_ < active) & heads_mask[:, None]
-    maxes = tl.load(max_ptr + parts, mask=here, other=float("-inf"), cache_modifier=".cg")
-    sums = tl.load(sum_ptr + parts, mask=here, other=0.0, cache_modifier=".cg")
-    top = tl.max(maxes, axis=1)  # [G]
-    top = tl.where(heads_mask, top, 0.0)
-    total = tl.sum(tl.exp2(maxes - top[:, None]) * sums, axis=1)
-    # the partials in batches of MERGE_BATCH splits, each batch's loads in flight together
-    merged = tl.zeros([head.shape[0], col.shape[1]], tl.float32)
-    i = active * 0  # a while loop: its bound is a device value (see `interpreted`)
-    while i < active:
-        b = i + tl.arange(0, MERGE_BATCH)[None, :]  # [1, B]
-        batch = head[:, None] * SPLITS + b  # [G, B]
-        in_batch = (b < active) & heads_mask[:, None]
-        m_b = tl.load(max_ptr + batch, mask=in_batch, other=float("-inf"), cache_modifier=".cg")
-        a_b = tl.load(
-            acc_ptr + batch[:, :, None] * HD + col[:, None, :],
-            mask=in_batch[:, :, None] & col_mask[:, None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )  # [G, B, D]
-        merged += tl.sum(tl.exp2(m_b - top[:, None])[:, :, None] * a_b, axis=1)
-        i += MERGE_BATCH
-    return merged / total[:, None]
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -335,7 +243,7 @@ def _decode_kernel(
                 )  # fmt: skip
         store_mask = heads_mask[:, None] & col_mask
         if active == 1:
-            o = _gate(acc / run_sum[:, None], gate_ptr, head, col, store_mask, GATE_HP, GATED)
+            o = gate_heads(acc / run_sum[:, None], gate_ptr, head, col, store_mask, GATE_HP, GATED)
             store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT)
         else:
             part = head * SPLITS + split
@@ -344,15 +252,9 @@ def _decode_kernel(
             if done == active - 1:
                 merged = merge_partials(acc_ptr, max_ptr, sum_ptr, head, heads_mask, col, col_mask, active, SPLITS,
                                         S_P2, MERGE_BATCH, HD)  # fmt: skip
-                merged = _gate(merged, gate_ptr, head, col, store_mask, GATE_HP, GATED)
+                merged = gate_heads(merged, gate_ptr, head, col, store_mask, GATE_HP, GATED)
                 store_out(merged, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT)
                 tl.atomic_xchg(count_ptr + hb, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
-
-
-def cache_pitch(cache: torch.Tensor, kv_heads: int, hd: int, name: str) -> int:
-    if cache.dim() != 2 or cache.stride(1) != 1 or cache.shape[1] < kv_heads * hd:
-        raise ValueError(f"{name}: a 2-D cache of unit-stride rows of at least {kv_heads * hd} values")
-    return cache.stride(0)
 
 
 def flash_decode(
@@ -393,8 +295,6 @@ def flash_decode(
     """
     if out_q8 is not None and hd % QK:
         raise ValueError(f"a quantized attention output takes heads of whole {QK}-value blocks")
-    from fuselane.lanes.cuda.triton.attention import group_decode  # it builds on this module's parts
-
     packed = f16_ops and group_decode.rows_packed(hd)
     if packed:
         plan = group_decode.group_plan(heads, kv_heads, k_cache.shape[0], chip.sms, splits)

@@ -24,17 +24,17 @@ import triton.language as tl
 
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.attention.decode import (
+from fuselane.lanes.cuda.triton.attention.prefill import DOT_MIN, softmax_fold
+from fuselane.lanes.cuda.triton.attention.splits import (
     LOG2E,
     DecodePlan,
-    _gate,
     cache_pitch,
+    gate_heads,
     interpreted,
     merge_partials,
     park_partial,
     store_out,
 )
-from fuselane.lanes.cuda.triton.attention.prefill import DOT_MIN, softmax_fold
 
 
 def rows_packed(hd: int) -> bool:
@@ -88,7 +88,7 @@ def _fold(q, run_max, run_sum, acc, k, v, start, last, TILE: tl.constexpr):
 @triton.jit
 def _merge_at_once(acc_ptr, max_ptr, sum_ptr, head, live, col, active, SPLITS: tl.constexpr, S_P2: tl.constexpr,
                    HD: tl.constexpr):  # fmt: skip
-    """`decode.merge_partials`' combine with every split's partial loaded at once: the maxima, sums and
+    """`splits.merge_partials`' combine with every split's partial loaded at once: the maxima, sums and
     values in one round trip to L2, where the batched merge takes one for the maxima and one a batch."""
     s_ = tl.arange(0, S_P2)[None, :]
     parts = head[:, None] * SPLITS + s_  # [G, S_P2]
@@ -163,7 +163,7 @@ def _group_decode_kernel(
         run_sum = tl.zeros([R], tl.float32)
         acc = tl.zeros([R, HD], tl.float32)
         run_max, run_sum, acc = _fold(q, run_max, run_sum, acc, k0, v0, lo, hi - 1, TILE)
-        if INTERPRETED:  # the same tiles in the same order (`decode.interpreted`)
+        if INTERPRETED:  # the same tiles in the same order (`splits.interpreted`)
             start = lo + TILE
             while start < hi:
                 k, v = _rows_kv(k_ptr, v_ptr, start, hi, kvh, k_pitch, v_pitch, HD, TILE)
@@ -176,7 +176,7 @@ def _group_decode_kernel(
         live = g < GROUP
         store_mask = live[:, None] & (col < HD)
         if active == 1:
-            o = _gate(acc / run_sum[:, None], gate_ptr, head, col, store_mask, GATE_HP, GATED)
+            o = gate_heads(acc / run_sum[:, None], gate_ptr, head, col, store_mask, GATE_HP, GATED)
             store_out(o, head[:, None] * HD + col, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT)
         else:
             done = park_partial(acc, run_max, run_sum, acc_ptr, max_ptr, sum_ptr, count_ptr + kvh,
@@ -192,7 +192,7 @@ def _group_decode_kernel(
                 else:
                     merged = merge_partials(acc_ptr, max_ptr, sum_ptr, m_head, m_live, col, col < HD, active, SPLITS,
                                             S_P2, MERGE_BATCH, HD)  # fmt: skip
-                merged = _gate(merged, gate_ptr, m_head, col, m_mask, GATE_HP, GATED)
+                merged = gate_heads(merged, gate_ptr, m_head, col, m_mask, GATE_HP, GATED)
                 store_out(merged, m_head[:, None] * HD + col, m_mask, m_head, out_ptr, oq_ptr, od_ptr, os_ptr, HD,
                           Q8OUT)  # fmt: skip
                 tl.atomic_xchg(count_ptr + kvh, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch

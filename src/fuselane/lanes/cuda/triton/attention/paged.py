@@ -16,13 +16,13 @@ and tables):
   into up to `splits` chunks of whole tiles (`kernels.attn_splits` of the batch's head blocks; none under
   `kernels.ATTN_MIN_CHUNK` rows, so a short row takes fewer and the programs past its chunks exit at once):
   each program of a cut row writes its partial (running max, sum of weights, weighted values) to scratch and
-  ticks its row's head-block counter, and the last to finish merges them (`decode.merge_partials`, the
+  ticks its row's head-block counter, and the last to finish merges them (`splits.merge_partials`, the
   log-sum-exp combine) and re-arms the counter, as the one-row decode does. One launch of (rows, head blocks,
   splits) programs; the splits are fixed when the launch is bound (rows, heads, the tables' width and the
   chip's SMs), never from the lengths, which are device values a captured graph replays with. As a dependent
   launch a program reads its first tile (the rows before the row's last: the step's inputs, `pdl`'s contract)
   before its wait and the row's last, which `store_kv` just stored, after it. The output is f32, and where the
-  plan wants it also int8 activations (`decode.store_out`).
+  plan wants it also int8 activations (`splits.store_out`).
 
 Tables are int32 (rows, width), padded past a sequence's blocks with any valid block id (never read: a row
 reads only the blocks its length reaches).
@@ -41,15 +41,8 @@ from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.knobs import H200
 from fuselane.lanes.cuda.plan.shim import chunks_apart
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.attention.decode import (
-    DECODE_MERGE_BATCH,
-    DECODE_STAGES,
-    fold_tile,
-    interpreted,
-    merge_partials,
-    park_partial,
-    store_out,
-)
+from fuselane.lanes.cuda.triton.attention.decode import DECODE_MERGE_BATCH, DECODE_STAGES, fold_tile
+from fuselane.lanes.cuda.triton.attention.splits import interpreted, merge_partials, park_partial, store_out
 from fuselane.lanes.cuda.triton.quant import Q8Acts
 
 LOG2E = math.log2(math.e)
@@ -196,7 +189,7 @@ def _paged_kernel(
         run_sum = tl.zeros([G_P2], tl.float32)
         acc = tl.zeros([G_P2, D], tl.float32)
         run_max, run_sum, acc = fold_tile(q, run_max, run_sum, acc, k0, v0, lo, top, scale_log2e, TILE)
-        if INTERPRETED:  # a loop whose bound is a device value runs as a while loop (see `decode.interpreted`)
+        if INTERPRETED:  # a loop whose bound is a device value runs as a while loop (see `splits.interpreted`)
             start = lo + TILE
             while start < top:
                 k, v = _pool_tile(k_ptr, v_ptr, table, start, top, hi, kvh, k_pitch, v_pitch, HD, D, BS, TILE, G_P2)

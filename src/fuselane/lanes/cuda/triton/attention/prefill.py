@@ -8,8 +8,8 @@ cores: queries, keys, values and weights rounded to f16 in the kernel) and f32 o
 round to 2^-11; the dequantized numerics keep attention in f32). Key tiles wholly below a tile's first row's
 position run unmasked; only those crossing the diagonal apply the causal mask.
 
-Softmax weights are computed as 2^(s * scale * log2 e - max), as in `attention.py`'s FlashDecode, which
-also has what both read of the cache (`cache_pitch`) and of the interpreter (`interpreted`).
+Softmax weights are computed as 2^(s * scale * log2 e - max), as in the decode kernels; `splits.py` has what they
+read of the cache (`cache_pitch`) and of the interpreter (`interpreted`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import triton.language as tl
 
 from fuselane.gguf.formats import QK
 from fuselane.lanes.cuda.triton import pdl, quant
-from fuselane.lanes.cuda.triton.attention.decode import LOG2E, cache_pitch, interpreted
+from fuselane.lanes.cuda.triton.attention.splits import LOG2E, cache_pitch, interpreted
 
 # Prefill tiles, by operand type, as compiled for sm_90 without spilling (f16) or nearly (f32):
 # - f16: 64 query rows (a warpgroup MMA's M: four warps) by 64 keys, two stages: 168 registers, the next

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.attention.decode import interpreted
+from fuselane.lanes.cuda.triton.attention.splits import interpreted
 from fuselane.lanes.cuda.triton.mla import whole
 
 
@@ -83,7 +83,7 @@ def _combine(region, first, count, HB: tl.constexpr, VB: tl.constexpr, SLOTS: tl
     top = tl.full([HB], float("-inf"), tl.float32)
     total = tl.zeros([HB], tl.float32)
     merged = tl.zeros([HB, VB], tl.float32)
-    i = count * 0  # a while loop: its bound is a device value (`attention.decode.interpreted`)
+    i = count * 0  # a while loop: its bound is a device value (`attention.splits.interpreted`)
     while i < count:  # MERGE_BATCH partials a step, their loads in flight together
         for j in tl.static_range(MERGE_BATCH):
             slot, here = first + i + j, i + j < count
@@ -167,7 +167,7 @@ def _attend(q, kc, k_pitch, vc, v_pitch, out, part, counter, scale, r, sp, g, en
     m_i = tl.full([HB], float("-inf"), tl.float32)
     l_i = tl.zeros([HB], tl.float32)
     acc = tl.zeros([HB, VB], tl.float32)
-    if INTERPRETED:  # the interpreter takes no loop bound read from the device (`attention.decode.interpreted`)
+    if INTERPRETED:  # the interpreter takes no loop bound read from the device (`attention.splits.interpreted`)
         start = lo
         while start < hi:
             m_i, l_i, acc = _tile(qh, live, m_i, l_i, acc, kc, k_pitch, vc, v_pitch, dv, start, hi, scale, KW, VD,

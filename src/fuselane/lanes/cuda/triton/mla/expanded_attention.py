@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.attention.decode import LOG2E, interpreted
 from fuselane.lanes.cuda.triton.attention.prefill import F32_PRECISION, softmax_fold
+from fuselane.lanes.cuda.triton.attention.splits import LOG2E, interpreted
 
 # Query rows a program takes (a warpgroup MMA's M), and cached rows a tile: f16 operands take 64, f32's
 # three-pass products 32 (as the chunk attention's tiles).
@@ -88,7 +88,7 @@ def _expanded_kernel(
     run_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     run_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, V_P2], tl.float32)
-    if INTERPRETED:  # the interpreter takes no loop bound read from the device (`attention.decode.interpreted`)
+    if INTERPRETED:  # the interpreter takes no loop bound read from the device (`attention.splits.interpreted`)
         n0 = full * 0
         while n0 < full:
             run_max, run_sum, acc = _tile(

@@ -65,7 +65,7 @@ def _span(qh, kc, k_pitch, vc, v_pitch, dv, vlive, lo, hi, scale, KW: tl.constex
     m_i = float("-inf")
     l_i = tl.zeros([BN], tl.float32)
     acc = tl.zeros([BN, VS], tl.float32)
-    if INTERPRETED:  # the interpreter takes no loop bound read from the device (`attention.decode.interpreted`)
+    if INTERPRETED:  # the interpreter takes no loop bound read from the device (`attention.splits.interpreted`)
         start = lo
         while start < hi:
             m_i, l_i, acc = _fold(qh, m_i, l_i, acc, kc, k_pitch, vc, v_pitch, dv, vlive, start, hi, scale, KW,
