@@ -18,6 +18,7 @@ import itertools
 
 import torch
 
+from benchmarks.gemv_compare import timed_in_turn
 from fuselane.lanes.cuda.triton.attention import decode as A
 from fuselane.lanes.cuda.triton.attention import group_decode as G
 
@@ -40,20 +41,7 @@ REPS = 24
 
 def timed(calls) -> float:
     """Seconds a launch takes: `calls` (one a cache copy) replayed in turn from one CUDA graph."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(REPS):
-            calls[i % len(calls)]()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / REPS / 1e3
+    return timed_in_turn(calls, REPS)
 
 
 def launches(case, pos, out, **kw):

@@ -43,19 +43,25 @@ REPS = 20
 
 def timed(fn) -> float:
     """Seconds a launch takes, replayed REPS times from one CUDA graph."""
-    fn()
+    return timed_in_turn([fn], REPS)
+
+
+def timed_in_turn(calls, reps: int) -> float:
+    """Seconds a launch takes: `calls` replayed in turn, `reps` launches in all, from one CUDA graph."""
+    for c in calls:
+        c()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(REPS):
-            fn()
+        for i in range(reps):
+            calls[i % len(calls)]()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
     start.record()
     graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / REPS / 1e3
+    return start.elapsed_time(end) / reps / 1e3
 
 
 def cases():
