@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import struct
 import time
-import tracemalloc
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuselane.gguf.scan import scan_header
 from fuzz.stages import read_like_fuselane
+from tests.gguf.traced import peak_of, tracing  # noqa: F401  (the module's fixture)
+
+pytestmark = pytest.mark.usefixtures("tracing")
 
 SEED = Path(__file__).resolve().parents[2] / "fuzz" / "corpus" / "gguf_reader" / "micro-qwen3-f16.bin"
 U64 = struct.Struct("<Q")
@@ -47,14 +50,9 @@ def mutated(draw) -> bytes:
 @given(mutated())
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_hostile_numbers_in_a_header_are_refused_or_read(data):
-    tracemalloc.start()
     started = time.perf_counter()
-    try:
-        outcome = read_like_fuselane(data)  # anything but a FuselaneError escapes and fails the test
-        seconds = time.perf_counter() - started
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    outcome, peak = peak_of(lambda: read_like_fuselane(data))  # anything but a FuselaneError fails the test
+    seconds = time.perf_counter() - started
     assert set(outcome.values()) <= {"ok", "refused"}
     assert seconds < SECONDS, f"{seconds:.2f} s for {outcome}"
     assert peak < PEAK_BYTES, f"{peak:,} bytes for {outcome}"

@@ -13,7 +13,6 @@ import struct
 import tempfile
 import threading
 import time
-import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,9 @@ from fuselane.errors import GgufError
 from fuselane.gguf.formats import LAYOUTS, Format
 from fuselane.gguf.reader import GgufFile, TensorInfo, open_gguf
 from fuselane.gguf.scan import GGML_MAX_DIMS, MAX_ARRAY_DEPTH
+from tests.gguf.traced import peak_of, tracing  # noqa: F401  (the module's fixture)
+
+pytestmark = pytest.mark.usefixtures("tracing")
 
 GUARD_SECONDS = 1.0  # a hostile open takes microseconds; a second means it is looping on a claimed count
 PEAK_BYTES = 4 * 2**20  # a hostile open may allocate a little, never in proportion to a claimed size
@@ -98,7 +100,8 @@ def f32_tensor(name: str = "w", rows: int = 2, cols: int = 8, offset: int = 0) -
 
 
 def guarded(fn: Callable[[], Any], timeout: float = GUARD_SECONDS) -> tuple[Any, BaseException | None, int]:
-    """Run `fn` in a thread under tracemalloc: (result, exception, peak bytes).
+    """Run `fn` in a thread under tracemalloc (on for the module: `traced.tracing`): (result, exception, peak
+    bytes it held beyond what was live before).
 
     Fails the test if `fn` outlives `timeout` (the thread is left behind as a daemon).
     """
@@ -110,15 +113,13 @@ def guarded(fn: Callable[[], Any], timeout: float = GUARD_SECONDS) -> tuple[Any,
         except BaseException as e:  # noqa: BLE001 - handed back to the test to judge
             box["error"] = e
 
-    tracemalloc.start()
-    tracemalloc.reset_peak()
-    try:
+    def run() -> threading.Thread:
         th = threading.Thread(target=target, daemon=True)
         th.start()
         th.join(timeout)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+        return th
+
+    th, peak = peak_of(run)
     assert not th.is_alive(), f"open did not finish within {timeout} s"
     return box.get("result"), box.get("error"), peak
 
