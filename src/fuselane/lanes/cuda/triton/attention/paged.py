@@ -30,7 +30,6 @@ reads only the blocks its length reaches).
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -42,10 +41,9 @@ from fuselane.lanes.cuda.plan.knobs import H200
 from fuselane.lanes.cuda.plan.shim import chunks_apart
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.attention.decode import DECODE_MERGE_BATCH, DECODE_STAGES, fold_tile
-from fuselane.lanes.cuda.triton.attention.splits import interpreted, merge_partials, park_partial, store_out
+from fuselane.lanes.cuda.triton.attention.splits import LOG2E, interpreted, merge_partials, park_partial, store_out
 from fuselane.lanes.cuda.triton.quant import Q8Acts
 
-LOG2E = math.log2(math.e)
 STORE_WARPS = 4
 STORE_BLOCK = 512  # values of a row a store program copies
 
