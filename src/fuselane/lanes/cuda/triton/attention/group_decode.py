@@ -92,23 +92,6 @@ def _fold(q, run_max, run_sum, acc, k, v, start, last, TILE: tl.constexpr):
 
 
 @triton.jit
-def _merge_at_once(acc_ptr, max_ptr, sum_ptr, head, live, col, active, SPLITS: tl.constexpr, S_P2: tl.constexpr,
-                   HD: tl.constexpr):  # fmt: skip
-    """`splits.merge_partials`' combine with every split's partial loaded at once: the maxima, sums and
-    values in one round trip to L2, where the batched merge takes one for the maxima and one a batch."""
-    s_ = tl.arange(0, S_P2)[None, :]
-    parts = head[:, None] * SPLITS + s_  # [G, S_P2]
-    here = (s_ < active) & live[:, None]
-    maxes = tl.load(max_ptr + parts, mask=here, other=float("-inf"), cache_modifier=".cg")
-    sums = tl.load(sum_ptr + parts, mask=here, other=0.0, cache_modifier=".cg")
-    values = tl.load(acc_ptr + parts[:, :, None] * HD + col[:, None, :], mask=here[:, :, None], other=0.0,
-                     cache_modifier=".cg")  # fmt: skip
-    top = tl.where(live, tl.max(maxes, axis=1), 0.0)
-    w = tl.exp2(maxes - top[:, None])  # [G, S_P2]
-    return tl.sum(w[:, :, None] * values, axis=1) / tl.sum(w * sums, axis=1)[:, None]
-
-
-@triton.jit
 def _group_decode_kernel(
     q_ptr,
     k_ptr,
@@ -193,11 +176,8 @@ def _group_decode_kernel(
                 m_live = h < GROUP
                 m_head = kvh * GROUP + tl.minimum(h, GROUP - 1)
                 m_mask = m_live[:, None] & (col < HD)
-                if MERGE_BATCH >= S_P2:
-                    merged = _merge_at_once(acc_ptr, max_ptr, sum_ptr, m_head, m_live, col, active, SPLITS, S_P2, HD)
-                else:
-                    merged = merge_partials(acc_ptr, max_ptr, sum_ptr, m_head, m_live, col, col < HD, active, SPLITS,
-                                            S_P2, MERGE_BATCH, HD)  # fmt: skip
+                merged = merge_partials(acc_ptr, max_ptr, sum_ptr, m_head, m_live, col, col < HD, active, SPLITS,
+                                        S_P2, MERGE_BATCH, HD)  # fmt: skip
                 merged = gate_heads(merged, gate_ptr, m_head, col, m_mask, GATE_HP, GATED)
                 store_out(merged, m_head[:, None] * HD + col, m_mask, m_head, out_ptr, oq_ptr, od_ptr, os_ptr, HD,
                           Q8OUT)  # fmt: skip

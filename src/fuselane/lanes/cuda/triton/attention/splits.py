@@ -95,30 +95,41 @@ def park_partial(acc, run_max, run_sum, acc_ptr, max_ptr, sum_ptr, count_ptr, pa
 def merge_partials(acc_ptr, max_ptr, sum_ptr, head, heads_mask, col, col_mask, active, SPLITS: tl.constexpr,
                    S_P2: tl.constexpr, MERGE_BATCH: tl.constexpr, HD: tl.constexpr):  # fmt: skip
     """The heads' outputs [G, D] from their `active` splits' partials (head h's split s at h * SPLITS + s): the
-    log-sum-exp combine, normalized."""
+    log-sum-exp combine, normalized. Where one batch takes every split (MERGE_BATCH >= S_P2) the values are
+    loaded with the maxima and sums, one round trip to L2; otherwise in batches after them."""
     # partials are other SMs' writes: read them from L2 (.cg), past this SM's L1
     s_ = tl.arange(0, S_P2)[None, :]
     parts = head[:, None] * SPLITS + s_  # [G, S_P2]
     here = (s_ < active) & heads_mask[:, None]
     maxes = tl.load(max_ptr + parts, mask=here, other=float("-inf"), cache_modifier=".cg")
     sums = tl.load(sum_ptr + parts, mask=here, other=0.0, cache_modifier=".cg")
+    if MERGE_BATCH >= S_P2:
+        values = tl.load(
+            acc_ptr + parts[:, :, None] * HD + col[:, None, :],
+            mask=here[:, :, None] & col_mask[:, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )  # [G, S_P2, D]
     top = tl.max(maxes, axis=1)  # [G]
     top = tl.where(heads_mask, top, 0.0)
     total = tl.sum(tl.exp2(maxes - top[:, None]) * sums, axis=1)
-    # the partials in batches of MERGE_BATCH splits, each batch's loads in flight together
-    merged = tl.zeros([head.shape[0], col.shape[1]], tl.float32)
-    i = active * 0  # a while loop: its bound is a device value (see `interpreted`)
-    while i < active:
-        b = i + tl.arange(0, MERGE_BATCH)[None, :]  # [1, B]
-        batch = head[:, None] * SPLITS + b  # [G, B]
-        in_batch = (b < active) & heads_mask[:, None]
-        m_b = tl.load(max_ptr + batch, mask=in_batch, other=float("-inf"), cache_modifier=".cg")
-        a_b = tl.load(
-            acc_ptr + batch[:, :, None] * HD + col[:, None, :],
-            mask=in_batch[:, :, None] & col_mask[:, None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )  # [G, B, D]
-        merged += tl.sum(tl.exp2(m_b - top[:, None])[:, :, None] * a_b, axis=1)
-        i += MERGE_BATCH
+    if MERGE_BATCH >= S_P2:
+        merged = tl.sum(tl.exp2(maxes - top[:, None])[:, :, None] * values, axis=1)
+    else:
+        # the partials in batches of MERGE_BATCH splits, each batch's loads in flight together
+        merged = tl.zeros([head.shape[0], col.shape[1]], tl.float32)
+        i = active * 0  # a while loop: its bound is a device value (see `interpreted`)
+        while i < active:
+            b = i + tl.arange(0, MERGE_BATCH)[None, :]  # [1, B]
+            batch = head[:, None] * SPLITS + b  # [G, B]
+            in_batch = (b < active) & heads_mask[:, None]
+            m_b = tl.load(max_ptr + batch, mask=in_batch, other=float("-inf"), cache_modifier=".cg")
+            a_b = tl.load(
+                acc_ptr + batch[:, :, None] * HD + col[:, None, :],
+                mask=in_batch[:, :, None] & col_mask[:, None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )  # [G, B, D]
+            merged += tl.sum(tl.exp2(m_b - top[:, None])[:, :, None] * a_b, axis=1)
+            i += MERGE_BATCH
     return merged / total[:, None]
