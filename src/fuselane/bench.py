@@ -65,8 +65,8 @@ class BenchResult:
     peak_gpu_gb: float | None  # the most GPU memory the model took, load to last token (None on the cpu lane)
     cache_values: str = ""  # what the cache holds a token a layer (`cache_line`)
     repetitions: int = DEFAULT_BENCH_REPETITIONS  # timed runs of the prompt
-    # how the cuda lane's prefill products read the weights, as it runs them (`prefill=auto` taken: f16-copy or
-    # f16-scratch), which the peak depends on; empty on the cpu lane
+    # how the cuda lane's prefill products read the weights, as it runs them (`prefill=auto` taken: f16-scratch
+    # unless a knob says otherwise), which the peak depends on; empty on the cpu lane
     prefill: str = ""
 
 

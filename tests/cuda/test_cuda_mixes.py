@@ -45,9 +45,9 @@ def test_decode_matches_cpu_f64(tmp_path, mix: str) -> None:
 
 PROMPT = [5, 60, 7, 300, 8, 1, 2, 3, 4, 5, 6, 17, 18, 19, 20, 21, 22, 23, 24, 25]  # a chunk on cuBLAS
 SHORT = [12, 13, 14]  # a chunk within the GEMV's rows
-# every mix over the f16 copies (prefill=auto on a GPU that holds them); the formats only the int8 GEMV
-# multiplies in a step over the f16 scratch too
-PREFILLS = [(mix, "auto") for mix in MIXES] + [(mix, "f16-scratch") for mix in ("iq4_xs", "q3_k_m", "q2_k")]
+# every mix over the f16 scratch (prefill=auto); the formats only the int8 GEMV multiplies in a step over the
+# f16 copies too
+PREFILLS = [(mix, "auto") for mix in MIXES] + [(mix, "f16-copy") for mix in ("iq4_xs", "q3_k_m", "q2_k")]
 
 
 @pytest.mark.parametrize(("mix", "prefill"), PREFILLS)

@@ -180,23 +180,26 @@ def test_norm_tile_is_the_block_the_shim_fuses_by(fmt: Format) -> None:
 
 def test_every_format_the_lane_decodes_is_tested() -> None:
     assert set(DECODED) == kernels.DEQUANT_FORMATS
+    assert set(kernels.DEQUANT_TILES) <= kernels.DEQUANT_FORMATS
 
 
+@pytest.mark.parametrize("values_warps", [None, (1024, 2)], ids=["plan", "small"])
 @pytest.mark.parametrize("fmt", DECODED, ids=lambda f: f.name)
-def test_dequantize_is_the_reference(fmt: Format) -> None:
+def test_dequantize_is_the_reference(fmt: Format, values_warps: tuple[int, int] | None) -> None:
+    # at the format's tile (`kernels.dequant_tile`) and at a smaller one, as the sweep runs it
     n = 36  # not a whole program's units: the last program's units past the end are dropped
     raw = raw_weights(fmt, n, K, np.random.default_rng(100 + int(fmt)))
     want = reference_dequantize(raw, fmt, (n, K))
     w = dev(raw)
 
     out = torch.full((n, K), float("nan"), device=DEVICE)
-    assert dequantize(w, fmt, n, K, out) is out
+    assert dequantize(w, fmt, n, K, out, values_warps=values_warps) is out
     got = out.cpu().numpy()
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), "f32 values differ from dequant's"
 
     # f16: the same values rounded once to nearest even (NumPy's astype rounds so too), in a wider table
     table = torch.zeros((n, K + 64), device=DEVICE, dtype=torch.float16)
-    dequantize(w, fmt, n, K, table[:, :K])
+    dequantize(w, fmt, n, K, table[:, :K], values_warps=values_warps)
     half = table.cpu().numpy()
     assert np.array_equal(half[:, :K].view(np.uint16), want.astype(np.float16).view(np.uint16))
     assert not half[:, K:].any(), "wrote past the rows' k values"

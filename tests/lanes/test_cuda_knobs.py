@@ -67,7 +67,7 @@ def test_knobs_parse() -> None:
     assert CudaKnobs.parse([]) == CudaKnobs()
     chip = CudaKnobs.parse(["chip=A100", "sms=100", "smem=160"]).chip
     assert (chip.name, chip.sms, chip.smem_kib_per_block) == ("A100", 100, 160)
-    assert CudaKnobs().prefill_weights is PrefillWeights.AUTO  # the copies where they fit (int8 measured slower)
+    assert CudaKnobs().prefill_weights is PrefillWeights.AUTO  # the scratch; a batch's copies where they fit
     assert CudaKnobs.parse(["prefill=f16-copy"]).prefill_weights is PrefillWeights.F16_COPY
     assert CudaKnobs.parse(["prefill=int8"]).prefill_weights is PrefillWeights.INT8
     assert CudaKnobs.parse(["prefill=in-place"]).prefill_weights is PrefillWeights.IN_PLACE
@@ -112,9 +112,10 @@ def test_knobs_parse_errors(setting: str, message: str) -> None:
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_prefill_auto_takes_the_copies_only_where_they_fit() -> None:
-    # `prefill=auto`: the f16 copies where the file's bytes, the copies, the cache and the workspace fit in the
-    # GPU's free memory, else the scratch; any other value is the user's
+def test_prefill_auto_takes_the_scratch_and_a_batch_the_copies_only_where_they_fit() -> None:
+    # `prefill=auto`: a sequence's chunks decode into the scratch; a batch's steps multiply the f16 copies where
+    # the file's bytes, the copies, the cache and the workspace fit in the GPU's free memory, else the scratch;
+    # any other value is the user's
     from types import SimpleNamespace
 
     import numpy as np
@@ -136,8 +137,34 @@ def test_prefill_auto_takes_the_copies_only_where_they_fit() -> None:
     # 2 GiB to spare on a GPU of 128 GiB, whose workspace is 5 %: 6.4 GiB
     gpu = SimpleNamespace(cuda=SimpleNamespace(mem_get_info=lambda: (weights + copies + cache + 2**31, 2**37)))
     auto = CudaKnobs()
-    assert prefill_for(auto, cfg, tensors, 16, gpu) is PrefillWeights.F16_SCRATCH
+    assert prefill_for(auto, cfg, tensors, 16, gpu, batch=True) is PrefillWeights.F16_SCRATCH
     roomy = SimpleNamespace(cuda=SimpleNamespace(mem_get_info=lambda: (2**36, 2**37)))
-    assert prefill_for(auto, cfg, tensors, 16, roomy) is PrefillWeights.F16_COPY
+    assert prefill_for(auto, cfg, tensors, 16, roomy, batch=True) is PrefillWeights.F16_COPY
+    assert prefill_for(auto, cfg, tensors, 16, None, batch=True) is PrefillWeights.F16_COPY  # the interpreter
+    for where in (gpu, roomy, None):
+        assert prefill_for(auto, cfg, tensors, 16, where) is PrefillWeights.F16_SCRATCH
     copy = CudaKnobs.parse(["prefill=f16-copy"])
     assert prefill_for(copy, cfg, tensors, 16, gpu) is PrefillWeights.F16_COPY
+    assert prefill_for(copy, cfg, tensors, 16, gpu, batch=True) is PrefillWeights.F16_COPY
+
+
+def test_scratch_holds_a_layers_largest_product() -> None:
+    # a layer's gated pair side by side, not the output's vocabulary rows (a chunk for every row's logits takes
+    # those in slabs), and no more than `kernels.F16_SCRATCH_VALUES`; at least a pair's two rows of the widest
+    from fuselane.lanes.cuda.plan import kernels
+    from fuselane.lanes.cuda.run.lane import scratch_values
+
+    small = {
+        "token_embd.weight": (151936, 896),
+        "output.weight": (151936, 896),
+        "blk.0.attn_q.weight": (896, 896),
+        "blk.0.ffn_gate.weight": (4864, 896),
+        "blk.0.ffn_up.weight": (4864, 896),
+        "blk.0.ffn_down.weight": (896, 4864),
+        "blk.0.attn_norm.weight": (896,),
+    }
+    assert scratch_values(small) == 2 * 4864 * 896
+    wide = {"blk.0.ffn_gate.weight": (18944, 3584), "blk.0.ffn_down.weight": (3584, 18944)}
+    assert scratch_values(wide) == kernels.F16_SCRATCH_VALUES
+    assert scratch_values({"blk.0.attn_q.weight": (2, 4096)}) == 2 * 4096
+    assert scratch_values({"output.weight": (64, 32)}) == 64 * 32  # no layer: the matrices there are

@@ -50,8 +50,34 @@ SCRATCH_CHUNK_ROWS = 512
 # Values (f16) of that scratch: a matrix past it is decoded and multiplied a slab of its rows at a time (a gated
 # pair, a slab of each side by side). Measured on a 7B Q4_K_M's 512-row chunk (H200): every matrix whole (1.09 GB,
 # the output's rows) 20.3 ms; 64 MiB 22.2 ms at 4.4 % over the file and cache; 32 MiB 22.9 ms at 3.6 %; 16 MiB
-# 26.7 ms (each slab's launches start to cost more than its product).
+# 26.7 ms (each slab's launches start to cost more than its product). With the decode's tiles below
+# (`DEQUANT_TILES`, 2026-12-03): 64 MiB 19.4 ms at 4.5 %, 32 MiB 21.1 ms at 3.8 %. A model whose layers'
+# largest product (a gated pair) is less takes that (`run/lane.scratch_values`).
 F16_SCRATCH_VALUES = 32 * 2**20
+# The whole-matrix decode's tile (`gemv/epilogue.dequantize`: values a program, warps), by format, and the tile
+# of a format not named. A thread's share of the tile pays its program's index arithmetic once: at 8 values a
+# thread (2,048 values, 8 warps, the old tile of every format) a Q4_K value took 35 instructions (sm_90), and
+# the decode ran on the issue rate, not on HBM. Measured on an 18,944 x 3,584 matrix to f16 (H200,
+# `benchmarks/dequant_sweep.py`, RESULTS.md 2026-12-03), bytes read and written a second at the old tile ->
+# this one: Q4_K 2.60 -> 3.76 TB/s, Q5_K 2.16 -> 3.60, Q6_K 2.14 -> 3.02 (its runs' tile, `_q6_k_tile`),
+# Q8_0 3.85 -> 3.81, Q4_0 2.85 -> 3.14, Q2_K 2.10 -> 2.83, Q3_K 1.91 -> 2.62, IQ4_XS 1.36 -> 2.16; the
+# floats are copies, best at the old tile (4.17 TB/s for F16).
+DEQUANT_TILE = (4096, 4)
+DEQUANT_TILES: dict[Format, tuple[int, int]] = {
+    Format.Q4_K: (8192, 4),
+    Format.Q5_K: (8192, 4),
+    Format.Q6_K: (8192, 4),
+    Format.F32: (2048, 8),
+    Format.F16: (2048, 8),
+    Format.BF16: (2048, 8),
+}
+
+
+def dequant_tile(fmt: Format) -> tuple[int, int]:
+    """(values a program, warps) of `fmt`'s whole-matrix decode."""
+    return DEQUANT_TILES.get(fmt, DEQUANT_TILE)
+
+
 # A slab's rows, in whole steps of this many: cuBLAS's f16 kernels take an output whose row pitch is a multiple
 # of 8 values, and fall to slower ones otherwise (a 7B's down product in slabs of 885 rows took twice as long).
 F16_SLAB_STEP = 128

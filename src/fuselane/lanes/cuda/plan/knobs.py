@@ -60,8 +60,8 @@ class PrefillWeights(enum.Enum):
     IN_PLACE = "in-place"  # the f16 tensor-core GEMMs that decode the checkpoint's bytes in the kernel; no copy
     # cuBLAS on each matrix decoded to f16 just before its product, into one scratch (`kernels.F16_SCRATCH_VALUES`)
     F16_SCRATCH = "f16-scratch"
-    # f16-copy where the copies fit in the GPU's free memory beside the weights, the cache and a workspace, else
-    # f16-scratch: the lane decides when it loads (`run/lane.prefill_for`)
+    # f16-scratch for a sequence's chunks; for a batch's steps f16-copy where the copies fit in the GPU's free
+    # memory beside the weights, the cache and a workspace, else f16-scratch (`run/lane.prefill_for`)
     AUTO = "auto"
 
     @property
@@ -143,9 +143,12 @@ class CudaKnobs:
       prefetched chunk's loads to its sums (`triton/gemv/weight_loads.py`); `ahead` takes the coherent path,
       which the prefetch's barrier holds ahead. Results are the same either way; on the 7B `ahead` decoded
       0.7 % faster, within what a run varies, so the default is the old schedule.
-    - `prefill=auto` (the default): `f16-copy` where the copies fit in the GPU's free memory beside the
-      weights, the cache and a workspace (every shape of ANCHORS.md on the H200), else `f16-scratch` (a 14B on
-      a 24 GB card, a 72B on the H200), decided by the lane when it loads (`run/lane.prefill_for`).
+    - `prefill=auto` (the default): `f16-scratch` for a sequence's prompt, so a model takes its file, its
+      cache and a workspace of at most 5 % more (a 7B Q4_K_M: 26,378 tok/s at pp512 against the copies'
+      31,106, at 4.95 GB against 18.0; benchmarks/RESULTS.md, 2026-12-03). The batch form (the server), whose
+      every decode step of more sequences than the GEMV's rows multiplies as a chunk, takes `f16-copy` where
+      the copies fit in the GPU's free memory beside the weights, the cache and a workspace, else
+      `f16-scratch`; the lane decides when it loads (`run/lane.prefill_for`).
     - `prefill=f16-copy`: a chunk's products multiply f16 copies of the matrices with cuBLAS (made on first
       use; 3.6x a Q4_K matrix's bytes more memory), a row of the activation past 2^14 rounded to f16 under a
       power-of-two scale that the product's epilogue multiplies back (`triton/f16_scale.py`), so it does not

@@ -369,9 +369,12 @@ class CudaShim:
         decoded = "decode each matrix to f16 into one scratch just before cuBLAS multiplies it, no copy kept"
         if self.knobs.prefill_weights is PrefillWeights.F16_SCRATCH:
             return f"{decoded}, {scaled} (prefill=f16-scratch)"
-        if self.knobs.prefill_weights is PrefillWeights.AUTO:
+        if self.knobs.prefill_weights is PrefillWeights.AUTO and self.knobs.batch:
             copies = "multiply f16 copies of the matrices where they fit in the GPU's free memory, else"
             return f"{copies} {decoded}, {scaled} (prefill=auto)"
+        if self.knobs.prefill_weights is PrefillWeights.AUTO:
+            faster = "prefill=f16-copy keeps f16 copies instead: faster, at 3.6x a Q4_K matrix's bytes"
+            return f"{decoded}, {scaled} (prefill=auto; {faster})"
         return _IN_KERNEL
 
     @property

@@ -79,9 +79,10 @@ class CudaLane:
             smem = getattr(props, "shared_memory_per_block_optin", 0) // 1024 or knobs.chip.smem_kib_per_block
             chip = replace(knobs.chip, name=props.name, sms=props.multi_processor_count, smem_kib_per_block=smem)
             knobs = replace(knobs, chip=chip)
-            knobs = replace(knobs, prefill_weights=prefill_for(knobs, cfg, tensors, ctx, torch))
-        elif knobs.prefill_weights is PrefillWeights.AUTO:  # the host: the copies, as the GPU takes them
-            knobs = replace(knobs, prefill_weights=PrefillWeights.F16_COPY)
+        # a batch of sequences (the paged form) multiplies every decode step past the GEMV's rows as a chunk
+        gpu = None if interpreted else torch
+        self.batch_prefill = prefill_for(knobs, cfg, tensors, ctx, gpu, batch=True)
+        knobs = replace(knobs, prefill_weights=prefill_for(knobs, cfg, tensors, ctx, gpu))
         self.shim = CudaShim(knobs, held=held)
         # programmatic dependent launch needs compute capability 9.0; the interpreter runs launches in turn
         self.dependent_launch = (
@@ -150,16 +151,11 @@ class CudaLane:
 
     def f16_scratch(self) -> Any:
         """Under `prefill=f16-scratch`, the one f16 buffer every chunk product decodes its matrix into (made
-        once): the largest matrix, or `kernels.F16_SCRATCH_VALUES` where that is less (a matrix past it goes in
-        slabs of its rows), and at least two rows of the widest (a gated pair's slab). None under the other
-        knobs."""
+        once, `scratch_values` long). None under the other knobs."""
         if self.shim.knobs.prefill_weights is not PrefillWeights.F16_SCRATCH:
             return None
         if self._scratch is None:
-            matrices = [t.shape for t in self.tensors.values() if len(t.shape) == 2]
-            largest = max(n * k for n, k in matrices)
-            widest = max(k for _, k in matrices)
-            values = max(min(largest, kernels.F16_SCRATCH_VALUES), 2 * widest)
+            values = scratch_values({n: t.shape for n, t in self.tensors.items()})
             self._scratch = self.torch.empty(values, dtype=self.torch.float16, device=self.device)
         return self._scratch
 
@@ -292,18 +288,43 @@ def int8_form(shape: tuple[int, ...], device: Any) -> Any:
 PREFILL_HEADROOM = 0.05
 PREFILL_HEADROOM_MIN_BYTES = 2 * 2**30
 F16_BYTES = 2
+LAYER_PREFIX = "blk."  # a GGUF layer's tensors; the embedding and output tables are named without it
+GATE_SUFFIX = "ffn_gate.weight"  # the gated pair's gate: its slab is decoded beside the up's
+GATED_PAIR = 2
 CACHE_BYTES = {CachePrecision.F16: F16_BYTES, CachePrecision.F32: 4}  # a cached value's bytes, by the `cache` knob
 
 
-def prefill_for(knobs: CudaKnobs, cfg: ModelConfig, tensors: Mapping[str, Any], ctx: int, torch: Any) -> PrefillWeights:
-    """The `prefill` knob as the lane runs it: `auto` becomes `f16-copy` where `copies_fit`, else
-    `f16-scratch`; any other value stays."""
+def prefill_for(
+    knobs: CudaKnobs, cfg: ModelConfig, tensors: Mapping[str, Any], ctx: int, torch: Any, *, batch: bool = False
+) -> PrefillWeights:
+    """The `prefill` knob as the lane runs it: any value but `auto` stays. `auto` is `f16-scratch` for one
+    sequence's chunks, which decode each matrix once a chunk of up to `kernels.SCRATCH_CHUNK_ROWS` (no copy
+    kept: the model takes its file, its cache and a workspace). For a `batch` of sequences, whose every decode
+    step past the GEMV's rows multiplies as a chunk does, it is `f16-copy` where `copies_fit` (a step would
+    otherwise decode every matrix), else `f16-scratch`. `torch` None: the host's interpreter, where the copies
+    stand for a GPU with room."""
     if knobs.prefill_weights is not PrefillWeights.AUTO:
         return knobs.prefill_weights
+    if not batch:
+        return PrefillWeights.F16_SCRATCH
+    if torch is None:
+        return PrefillWeights.F16_COPY
     free, total = torch.cuda.mem_get_info()
     cache = ctx * cfg.n_layers * cfg.cache_values * CACHE_BYTES[knobs.cache_precision]
     fits = copies_fit(tensors, cache, free, total)
     return PrefillWeights.F16_COPY if fits else PrefillWeights.F16_SCRATCH
+
+
+def scratch_values(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """The f16 scratch's values: a layer's largest product (a gated pair's two matrices side by side), or
+    `kernels.F16_SCRATCH_VALUES` where that is less, and at least two rows of the widest matrix (a pair's
+    slab). A matrix past it goes in slabs of its rows: the output's, which only a chunk asked for every row's
+    logits multiplies, so a small model's scratch is a layer's size, not its vocabulary's."""
+    matrices = {n: s for n, s in shapes.items() if len(s) == 2}
+    layers = {n: s for n, s in matrices.items() if n.startswith(LAYER_PREFIX)} or matrices
+    largest = max(n * k * (GATED_PAIR if name.endswith(GATE_SUFFIX) else 1) for name, (n, k) in layers.items())
+    widest = max(k for _, k in matrices.values())
+    return max(min(largest, kernels.F16_SCRATCH_VALUES), GATED_PAIR * widest)
 
 
 def copies_fit(tensors: Mapping[str, Any], cache: int, free: int, total: int) -> bool:

@@ -5,7 +5,8 @@ The plan is the lane's own, compiled for `Form.BATCH` under the `batch` knob (`C
 a batch's products are GEMVs over its rows, in parts where one activation feeds several; under int8
 activations they read each row's int8 form, as the single-sequence step reads its one row's, in the int8
 GEMV's formats: past one row the int8 GEMV over the rows, `triton/gemv/q8_rows.py`; past the GEMV's rows they
-multiply as a chunk's do, on the f16 tensor cores, reading each matrix once for every row) with
+multiply as a chunk's do, on the f16 tensor cores, reading each matrix once for every row: under
+`prefill=auto` its f16 copies where they fit, else each decoded into the lane's scratch, `CudaLane.batch_prefill`) with
 `rope_epilogue=off` past one row, so every rotation is a launch of its own that turns each row at its own
 position. A batch of one row runs the single step's launches: the one-row GEMV's epilogues (the rotations in
 the QKV product's, at the row's own position; the add and norm in the output projection's last program). The
@@ -40,7 +41,7 @@ from fuselane.fuse.views import leaves
 from fuselane.graph.ir import Form, QuantizedActs, Role
 from fuselane.graph.ops import Attention
 from fuselane.lanes.cuda.plan.kernels import BATCH_COLUMNS, BATCH_ID, BATCH_LENGTH, BATCH_POSITION, BATCH_SLOT
-from fuselane.lanes.cuda.plan.knobs import RopeEpilogue
+from fuselane.lanes.cuda.plan.knobs import PrefillWeights, RopeEpilogue
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run.buffers import pooled_buffers
 from fuselane.lanes.cuda.run.lane import WARMUP_RUNS, CudaLane, decodes_in_kernel, int8_form
@@ -80,7 +81,7 @@ class BatchStep:
         self.lane, self.torch, self.sample, self.rows, self.width = lane, torch, sample, rows, width
         # a batch of one keeps the lane's rotations in the QKV product's epilogue, as the single step does
         turns = lane.shim.knobs.rope_epilogue if rows == 1 else RopeEpilogue.OFF
-        knobs = replace(lane.shim.knobs, batch=True, rope_epilogue=turns)
+        knobs = replace(lane.shim.knobs, batch=True, rope_epilogue=turns, prefill_weights=lane.batch_prefill)
         held = [h for h in lane.held if h != "rows_a_warp"]
         raw = recognizer(lane.cfg).recognize(lane.cfg, lane.tensors, Form.BATCH, rows=rows, ctx=lane.ctx)
         self.plan = optimize(raw, CudaShim(knobs, held=lane.held), held=held)
@@ -109,7 +110,8 @@ class BatchStep:
         self.bufs = bufs
         bound = Bound(
             g, bufs, lane.raw, lane.vec, lane.dense,
-            in_place=decodes_in_kernel(lane.shim.knobs), q8=q8, paged=paged, sms=lane.shim.knobs.chip.sms,
+            in_place=decodes_in_kernel(knobs), q8=q8, paged=paged, sms=lane.shim.knobs.chip.sms,
+            f16_scratch=lane.f16_scratch() if lane.batch_prefill is PrefillWeights.F16_SCRATCH else None,
         )  # fmt: skip
         self.launch_list = [launch for op in self.plan.ops for launch in bind(op, bound)]
         self.logits = bufs[LOGITS].view(rows, -1)

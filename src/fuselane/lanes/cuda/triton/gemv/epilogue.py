@@ -78,12 +78,14 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q5_K_SCALES,
     Q6_BIAS,
     Q6_HALF,
+    Q6_HALF_RUNS,
     Q6_K_D,
     Q6_K_QH,
     Q6_K_QL,
     Q6_K_SCALES,
     Q6_QH_HALF,
     Q6_QL_HALF,
+    Q6_RUNS,
     Q6_SUB,
     Q8_0_D,
     Q8_0_QS,
@@ -103,12 +105,6 @@ from fuselane.lanes.cuda.triton.gemv.rows import (
     tile,
 )
 
-# Values one program of `dequantize` writes: 8 KB of f32 a program, 8 values a thread of DEQUANT_WARPS warps.
-# Compiled for sm_90 that takes 32-92 registers a thread, no spills; twice the values a program takes 120-206
-# for the 32-value formats and the floats (a thread then holds more units' pointers and scales), leaving a SM
-# too few warps to keep its stores in flight.
-DEQUANT_VALUES = 2048
-DEQUANT_WARPS = 8
 # Result types of `dequantize`: the prefill GEMMs' f16 operands, or f32 (the reference's own values).
 DEQUANT_OUT = (torch.float16, torch.float32)
 # The done-counter of `gemv_add_norm`: a 32-bit atomic, far past any launch's programs.
@@ -320,6 +316,29 @@ def _q6_k_values(blk, t):
 
 
 @triton.jit
+def _q6_runs():
+    """([8, 1, 1] run of 32 values, [1, 2, 16] value of the run): the axes of `_q6_k_tile`."""
+    s = tl.arange(0, Q6_RUNS)[:, None, None]
+    return s, tl.arange(0, 2)[None, :, None] * Q6_SUB + tl.arange(0, Q6_SUB)[None, None, :]
+
+
+@triton.jit
+def _q6_k_tile(blk):
+    """Q6_K units as their [U, run of 32, half of it, value of that] tile: `_q6_k_values`' values, each run s
+    (values 32s ..) under crumb s % 4 of qh and nibble (s % 4) // 2 of ql, each half a run under one scale, so a
+    thread unpacks a scale once for its 16 values, not once a value."""
+    s, i = _q6_runs()
+    h, q = s // Q6_HALF_RUNS, s % Q6_HALF_RUNS
+    at = blk[:, :, None, None]
+    ql = tl.load(at + Q6_K_QL + (h * Q6_QL_HALF + (q % 2) * QK_C + i)[None]).to(tl.int32)
+    qh = tl.load(at + Q6_K_QH + (h * Q6_QH_HALF + i)[None]).to(tl.int32)
+    code = ((ql >> ((q // 2) * NIBBLE_BITS)[None]) & NIBBLE) | (((qh >> (2 * q)[None]) & CRUMB) << NIBBLE_BITS)
+    runs = (2 * s + tl.arange(0, 2)[None, :, None])[None]  # [1, 8, 2, 1]: each half-run's scale
+    sc = tl.load((at + Q6_K_SCALES + runs).to(tl.pointer_type(tl.int8))).to(tl.float32)
+    return (load_f16(blk + Q6_K_D)[:, :, None, None] * sc) * in_two_23(code | F32_TWO_23_BITS, Q6_BIAS)
+
+
+@triton.jit
 def _k_pair_tile(blk, FMT: tl.constexpr):
     """Q4_K / Q5_K units as their [U, sub-block, value of it] tile (see `_k_pair_values`)."""
     if FMT == FMT_Q4_K:
@@ -390,6 +409,11 @@ def _dequant_kernel(
         v3 = _k_pair_tile(blk, FMT)
         at = tl.arange(0, 2 * K_PAIRS)[None, :, None] * QK_C + tl.arange(0, QK_C)[None, None, :]
         tl.store(first[:, None, None] + at, v3.to(out.dtype.element_ty), mask=keep[:, None, None])
+    elif FMT == FMT_Q6_K:
+        v4 = _q6_k_tile(blk)
+        s, i = _q6_runs()
+        at = (s * QK_C + i)[None]
+        tl.store(first[:, None, None, None] + at, v4.to(out.dtype.element_ty), mask=keep[:, None, None, None])
     else:
         v = _flat_values(blk, t, FMT)
         # an f16 result is the f32 value rounded once, to nearest even (as NumPy's astype rounds)
@@ -416,13 +440,16 @@ def decode_unit(fmt: Format, k: int) -> int:
     return largest_pow2_dividing(k, QK)
 
 
-def dequantize(w: torch.Tensor, fmt: Format, n: int, k: int, out: torch.Tensor) -> torch.Tensor:
+def dequantize(
+    w: torch.Tensor, fmt: Format, n: int, k: int, out: torch.Tensor, *, values_warps: tuple[int, int] | None = None
+) -> torch.Tensor:
     """out (n, k) = the values of the n x k checkpoint rows `w` (1-D uint8, the GGUF tensor's bytes) in `fmt`,
     decoded on the device; returns `out`.
 
     `out` is an f16 or f32 2-D tensor of unit column stride, rows at any pitch. Every value is the f32
     `fuselane.gguf.dequant.dequantize` gives, bit for bit; an f16 `out` holds it rounded to nearest even.
-    One launch, any format `gemv` takes.
+    One launch, any format `gemv` takes, in the format's tile (`kernels.dequant_tile`: values a program,
+    warps); `values_warps` overrides it only for the sweep that measures them (`benchmarks/dequant_sweep.py`).
     """
     fmt = Format(fmt)
     if fmt not in kernels.DEQUANT_FORMATS:
@@ -435,7 +462,8 @@ def dequantize(w: torch.Tensor, fmt: Format, n: int, k: int, out: torch.Tensor) 
     units = n * units_a_row
     if units == 0:
         return out
-    per_program = max(1, DEQUANT_VALUES // values)
+    program_values, warps = values_warps or kernels.dequant_tile(fmt)
+    per_program = max(1, program_values // values)
     _dequant_kernel[(triton.cdiv(units, per_program),)](
         w,
         out,
@@ -446,7 +474,7 @@ def dequantize(w: torch.Tensor, fmt: Format, n: int, k: int, out: torch.Tensor) 
         VALUES=values,
         NBYTES=row_bytes(fmt, values),
         UNITS=per_program,
-        num_warps=DEQUANT_WARPS,
+        num_warps=warps,
         **pdl.options(),
     )
     return out
