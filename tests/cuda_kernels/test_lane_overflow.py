@@ -120,10 +120,11 @@ def test_the_f16_copies_give_an_ordinary_model_the_bits_of_the_unscaled_product(
     # every row of an ordinary model fits under 2^14: its scale is 1 and the logits are those of the product
     # before the scale, bit for bit
     path = write_synthetic(tmp_path / "m.gguf", SHAPE, "q8_0", seed=4)
-    scaled = load(path, lane="cuda", ctx=32).session().feed(PROMPT)
+    copies = ["prefill=f16-copy"]
+    scaled = load(path, lane="cuda", ctx=32, knobs=copies).session().feed(PROMPT)
     calls: list[int] = []
     monkeypatch.setattr(f16_scale, "product", lambda x, *a, **k: calls.append(x.shape[0]) or _unscaled(x, *a, **k))
-    unscaled = load(path, lane="cuda", ctx=32).session().feed(PROMPT)
+    unscaled = load(path, lane="cuda", ctx=32, knobs=copies).session().feed(PROMPT)
     assert calls, "no prefill product took the f16 copies"
     np.testing.assert_array_equal(scaled, unscaled)
 

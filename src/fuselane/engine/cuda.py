@@ -60,13 +60,14 @@ def _bucket(rows: int) -> int:
 
 
 def _warm_chunk(lane: CudaLane) -> None:
-    """One prefill chunk of the sessions' rows through a sibling of `lane`, as vLLM profiles a run before sizing
-    its cache: the f16 copies a chunk's products make on their first run, its buffers (left in torch's cache
+    """One prefill chunk of the sessions' rows through a sibling of `lane` that reads the weights as the paged
+    form does (`batch_prefill`), as vLLM profiles a run before sizing its cache: the f16 copies a chunk's
+    products make on their first run (where the batch form takes them), its buffers (left in torch's cache
     for the paged form's own chunks) and its kernels' compiles happen now, so the free memory the pool is sized
     from is what serving leaves, and the first request does not wait for the compiles."""
     rows = min(DEFAULT_CHUNK, lane.ctx - 1)
     if rows > 1:
-        lane.sibling().forward(np.zeros(rows, dtype=np.int32), 0)
+        lane.sibling(lane.batch_prefill).forward(np.zeros(rows, dtype=np.int32), 0)
 
 
 def _chunk_rows(rows: int, pos: int, ctx: int, recurrent: bool) -> int:
@@ -102,7 +103,7 @@ class CudaPaged:
         torch = lane.torch
         self.lane, self.torch, self.block_size, self.spare = lane, torch, block_size, blocks
         self.width = -(-lane.ctx // block_size)  # a table's blocks: as many as one context needs
-        self.single = lane.sibling()
+        self.single = lane.sibling(lane.batch_prefill)  # the prompts' chunks read the weights as the steps do
         caches = {n: t.shape for n, t in self.single.plan(1).graph.tensors.items() if t.role is Role.CACHE}
         rows = (blocks + 1) * block_size
         self.pools = {

@@ -94,6 +94,7 @@ class CudaLane:
         self.vec: dict[str, Any] = {}
         self._dense: dict[str, Any] = {}
         self._scratch: Any = None  # `f16_scratch`
+        self._capture_stream: list[Any] = [None]  # `capture_stream`: a holder its siblings share
         self._upload()
         self.caches: dict[str, Any] = {}
         self.states: dict[str, Any] = {}  # a hybrid model's recurrent states, the sequence's (zeroed at position 0)
@@ -101,6 +102,14 @@ class CudaLane:
         self.state_dtype = torch.bfloat16 if knobs.recurrent_state is StatePrecision.BF16 else torch.float32
         self._steps: dict[tuple[int, bool], _Step] = {}
         self._sampler: DeviceSampler | None = None
+
+    def capture_stream(self) -> Any:
+        """The one stream every graph of the lane (and of its siblings made after) is warmed and captured on.
+        cuBLAS takes a workspace (32 MiB on Hopper) for each stream it runs on and keeps it while the process
+        lives, so a fresh stream a capture held one more each time a step was captured."""
+        if self._capture_stream[0] is None:
+            self._capture_stream[0] = self.torch.cuda.Stream(self.device)
+        return self._capture_stream[0]
 
     @contextlib.contextmanager
     def launching(self) -> Iterator[None]:
@@ -112,12 +121,15 @@ class CudaLane:
         with pdl.dependent_launches(self.dependent_launch), weight_loads(self.shim.knobs.weight_loads):
             yield
 
-    def sibling(self) -> CudaLane:
+    def sibling(self, prefill: PrefillWeights | None = None) -> CudaLane:
         """A lane over the same weights on the same device (nothing uploaded again, the f16 copies shared),
         with caches, steps and a sampler of its own: the paged form's prefill runs on one, so the model's
-        sessions keep theirs."""
+        sessions keep theirs. Its chunks read the weights as `prefill` says where given (the paged form's
+        take `batch_prefill`, as its steps do)."""
         other = copy.copy(self)
         other.caches, other._steps, other._sampler = {}, {}, None
+        if prefill is not None and prefill is not self.shim.knobs.prefill_weights:
+            other.shim = CudaShim(replace(self.shim.knobs, prefill_weights=prefill), held=self.held)
         return other
 
     # ---- weights ----------------------------------------------------------------------------------------
@@ -440,14 +452,14 @@ class _Step:
         state = (*(tail.state if tail is not None else ()), *self.lane.states.values())
         saved = [t.clone() for t in state]
         graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
+        stream = self.lane.capture_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self.eager(tail)
             for t, value in zip(state, saved, strict=True):
                 t.copy_(value)
         torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=stream):
             self.eager(tail)
         self.graphs[key] = graph
         return graph

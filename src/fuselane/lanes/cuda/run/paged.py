@@ -195,12 +195,12 @@ class BatchStep:
         torch = self.torch
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
+        stream = self.lane.capture_stream()  # one for all: cuBLAS keeps a workspace a stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self._eager(False)  # a run on the capture stream first, as torch advises (nothing it advances is kept)
         torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=stream):
             self._eager(sampling)
         return graph
 
