@@ -178,3 +178,20 @@ def _classes_in(op):
     yield class_of(op)
     for part in getattr(op.sym, "parts", ()):
         yield from _classes_in(part)
+
+
+def test_a_sequence_prefills_from_the_scratch_and_the_paged_form_as_its_steps_multiply(tmp_path):
+    # `prefill=auto`: a session's chunks decode into the scratch; the batch form's steps (and so the paged
+    # form's chunks, its warm-up's among them) take `batch_prefill` (the copies, as a GPU with room would),
+    # on a sibling that shares the lane's copies
+    from fuselane.lanes.cuda.plan.knobs import PrefillWeights
+
+    path = write_synthetic(tmp_path / "m.gguf", "tiny-qwen3", "q4_k_m", seed=7)
+    lane = load(path, lane="cuda", ctx=32).lane
+    assert lane.shim.knobs.prefill_weights is PrefillWeights.F16_SCRATCH and lane.f16_scratch() is not None
+    assert lane.batch_prefill is PrefillWeights.F16_COPY
+    paged = lane.sibling(lane.batch_prefill)
+    assert paged.shim.knobs.prefill_weights is PrefillWeights.F16_COPY and paged.f16_scratch() is None
+    assert paged._dense is lane._dense
+    paged.forward(np.zeros(12, dtype=np.int32), 0)  # past the GEMV's rows: the products make their copies
+    assert lane._dense and lane.shim.knobs.prefill_weights is PrefillWeights.F16_SCRATCH

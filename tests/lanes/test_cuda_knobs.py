@@ -168,3 +168,14 @@ def test_scratch_holds_a_layers_largest_product() -> None:
     assert scratch_values(wide) == kernels.F16_SCRATCH_VALUES
     assert scratch_values({"blk.0.attn_q.weight": (2, 4096)}) == 2 * 4096
     assert scratch_values({"output.weight": (64, 32)}) == 64 * 32  # no layer: the matrices there are
+
+
+def test_explain_says_what_prefill_auto_takes_and_what_the_copies_would() -> None:
+    from fuselane.lanes.cuda.plan.shim import CudaShim
+
+    single = CudaShim(CudaKnobs()).prefill_products
+    assert "into one scratch" in single and "prefill=f16-copy keeps f16 copies instead: faster" in single
+    batch = CudaShim(CudaKnobs.parse(["batch=true"])).prefill_products
+    assert batch.startswith("multiply f16 copies of the matrices where they fit")
+    copies = CudaShim(CudaKnobs.parse(["prefill=f16-copy"])).prefill_products
+    assert copies.startswith("multiply f16 copies") and "scratch" not in copies
