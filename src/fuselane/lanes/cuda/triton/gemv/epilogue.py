@@ -85,6 +85,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q6_K_SCALES,
     Q6_QH_HALF,
     Q6_QL_HALF,
+    Q6_RUN_SCALES,
     Q6_RUNS,
     Q6_SUB,
     Q8_0_D,
@@ -319,7 +320,7 @@ def _q6_k_values(blk, t):
 def _q6_runs():
     """([8, 1, 1] run of 32 values, [1, 2, 16] value of the run): the axes of `_q6_k_tile`."""
     s = tl.arange(0, Q6_RUNS)[:, None, None]
-    return s, tl.arange(0, 2)[None, :, None] * Q6_SUB + tl.arange(0, Q6_SUB)[None, None, :]
+    return s, tl.arange(0, Q6_RUN_SCALES)[None, :, None] * Q6_SUB + tl.arange(0, Q6_SUB)[None, None, :]
 
 
 @triton.jit
@@ -333,7 +334,7 @@ def _q6_k_tile(blk):
     ql = tl.load(at + Q6_K_QL + (h * Q6_QL_HALF + (q % 2) * QK_C + i)[None]).to(tl.int32)
     qh = tl.load(at + Q6_K_QH + (h * Q6_QH_HALF + i)[None]).to(tl.int32)
     code = ((ql >> ((q // 2) * NIBBLE_BITS)[None]) & NIBBLE) | (((qh >> (2 * q)[None]) & CRUMB) << NIBBLE_BITS)
-    runs = (2 * s + tl.arange(0, 2)[None, :, None])[None]  # [1, 8, 2, 1]: each half-run's scale
+    runs = (s * Q6_RUN_SCALES + tl.arange(0, Q6_RUN_SCALES)[None, :, None])[None]  # [1, 8, 2, 1]: a half-run's scale
     sc = tl.load((at + Q6_K_SCALES + runs).to(tl.pointer_type(tl.int8))).to(tl.float32)
     return (load_f16(blk + Q6_K_D)[:, :, None, None] * sc) * in_two_23(code | F32_TWO_23_BITS, Q6_BIAS)
 

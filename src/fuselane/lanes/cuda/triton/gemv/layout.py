@@ -94,6 +94,7 @@ Q6_HALF_SLOTS = const(4)  # ... a half has
 Q6_HALF = const(128)  # values of a half
 Q6_RUNS = const(8)  # runs of 32 values a super-block has (a run: one crumb of qh, one nibble of ql)
 Q6_HALF_RUNS = const(4)  # ... a half has
+Q6_RUN_SCALES = const(2)  # scales a run has: one a 16 values (Q6_SUB)
 Q6_QL_HALF = const(64)  # ql bytes of a half
 Q6_QH_HALF = const(32)  # qh bytes of a half
 Q6_HIGH_SUBS = const(4)  # the high nibbles' sub-block is four on from the low nibbles'
