@@ -1,6 +1,6 @@
-"""What a model takes on the GPU through a prefill and decode under `prefill=int8` and `f16-scratch`: the
-file's matrices as stored, its norms and biases, its KV cache, and a workspace of at most 5 % more (`pytest -m
-cuda`; skipped without a GPU).
+"""What a model takes on the GPU through a prefill and decode under `prefill=int8` and `auto` (the default,
+which takes `f16-scratch` for a sequence's prompt): the file's matrices as stored, its norms and biases, its KV
+cache, and a workspace of at most 5 % more (`pytest -m cuda`; skipped without a GPU).
 
 A Qwen2.5-7B-shaped Q4_K_M checkpoint (all 28 layers: the workspace is one chunk's live activations, the same
 at any depth, set against the whole model's bytes) prefills a 512-token prompt in the session's chunks and
@@ -38,7 +38,7 @@ def path(tmp_path_factory):
 
 
 @pytest.mark.xdist_group("prefill-7b")
-@pytest.mark.parametrize("knob", ["prefill=int8", "prefill=f16-scratch"])
+@pytest.mark.parametrize("knob", ["prefill=int8", "prefill=auto"])
 def test_memory_is_the_file_the_cache_and_a_small_workspace(path, knob):
     gc.collect()
     torch.cuda.empty_cache()
