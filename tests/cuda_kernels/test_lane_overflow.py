@@ -87,14 +87,15 @@ def test_the_in_kernel_f16_prefill_scales_rows_past_f16(loud):
 
 
 def test_the_f16_copies_scale_rows_past_f16(loud):
-    # the default: the launch that rounds the activation to f16 scales a row past 2^14 by a power of two, and
+    # the copies: the launch that rounds the activation to f16 scales a row past 2^14 by a power of two, and
     # the product's epilogue scales it back in f32 (`triton/f16_scale.py`)
     _within_contract(loud, [], ["prefill=f16-copy"])
 
 
 def test_the_f16_scratch_scales_rows_past_f16_and_keeps_no_copy(loud):
-    # `prefill=f16-scratch`: each product decodes its matrix into the scratch and multiplies it as the copies
-    # do (the same rounding launch and epilogue); no f16 copy of a matrix is kept
+    # `prefill=f16-scratch` (what `auto`, the default, takes for a sequence's prompt): each product decodes its
+    # matrix into the scratch and multiplies it as the copies do (the same rounding launch and epilogue); no
+    # f16 copy of a matrix is kept
     _within_contract(loud, [], ["prefill=f16-scratch"])
     gpu = load(loud, lane="cuda", ctx=32, knobs=["prefill=f16-scratch"])
     gpu.session().feed(PROMPT)
