@@ -167,6 +167,8 @@ def test_scratch_holds_a_layers_largest_product() -> None:
     wide = {"blk.0.ffn_gate.weight": (18944, 3584), "blk.0.ffn_down.weight": (3584, 18944)}
     assert scratch_values(wide) == kernels.F16_SCRATCH_VALUES
     assert scratch_values({"blk.0.attn_q.weight": (2, 4096)}) == 2 * 4096
+    shared = {"blk.0.attn_q.weight": (2048, 2048), "blk.0.ffn_gate_shexp.weight": (1408, 2048)}
+    assert scratch_values(shared) == 2 * 1408 * 2048  # a shared expert's pair, side by side
     assert scratch_values({"output.weight": (64, 32)}) == 64 * 32  # no layer: the matrices there are
 
 

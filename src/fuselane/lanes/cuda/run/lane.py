@@ -301,7 +301,8 @@ PREFILL_HEADROOM = 0.05
 PREFILL_HEADROOM_MIN_BYTES = 2 * 2**30
 F16_BYTES = 2
 LAYER_PREFIX = "blk."  # a GGUF layer's tensors; the embedding and output tables are named without it
-GATE_SUFFIX = "ffn_gate.weight"  # the gated pair's gate: its slab is decoded beside the up's
+GATE_SUFFIXES = ("ffn_gate.weight", "ffn_gate_shexp.weight")  # a gated pair's gate (a shared expert's too): its
+# slab is decoded beside the up's
 GATED_PAIR = 2
 CACHE_BYTES = {CachePrecision.F16: F16_BYTES, CachePrecision.F32: 4}  # a cached value's bytes, by the `cache` knob
 
@@ -334,7 +335,7 @@ def scratch_values(shapes: Mapping[str, tuple[int, ...]]) -> int:
     logits multiplies, so a small model's scratch is a layer's size, not its vocabulary's."""
     matrices = {n: s for n, s in shapes.items() if len(s) == 2}
     layers = {n: s for n, s in matrices.items() if n.startswith(LAYER_PREFIX)} or matrices
-    largest = max(n * k * (GATED_PAIR if name.endswith(GATE_SUFFIX) else 1) for name, (n, k) in layers.items())
+    largest = max(n * k * (GATED_PAIR if name.endswith(GATE_SUFFIXES) else 1) for name, (n, k) in layers.items())
     widest = max(k for _, k in matrices.values())
     return max(min(largest, kernels.F16_SCRATCH_VALUES), GATED_PAIR * widest)
 
