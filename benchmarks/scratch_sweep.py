@@ -1,7 +1,9 @@
 """A 512-token prompt's time and GPU memory under `prefill=f16-copy` and under `prefill=f16-scratch` at several
 scratch sizes (`kernels.F16_SCRATCH_VALUES`), on a GPU.
 
-Usage: python benchmarks/scratch_sweep.py MODEL.gguf [--mib 0 64 32 16]   (0: every matrix whole)
+Usage: python benchmarks/scratch_sweep.py MODEL.gguf [--mib 0 64 32 16] [--chunk 512]   (0: every matrix whole)
+`--chunk` runs every setting's prompt in chunks of that many rows (default: each knob's own, 256 rows for the
+copies and `kernels.SCRATCH_CHUNK_ROWS` for the scratch), so the two knobs can be set side by side at one chunk.
 Each setting loads the model afresh, feeds the prompt twice to warm it, then times five feeds (the best is
 printed) and prints the peak GPU memory over what the lane holds (matrices as stored, norms, KV cache), the
 figure the 5 % bound of `tests/cuda/test_prefill_memory.py` is on.
@@ -18,6 +20,7 @@ import torch
 
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.runtime.model import load
+from fuselane.runtime.session import Session
 
 PROMPT, FEEDS, WARM = 512, 5, 2
 EVERY_MATRIX = 2**40  # f16 values past any matrix: each multiplied whole
@@ -28,7 +31,7 @@ def _held(lane) -> int:
     return held + sum(c.numel() * c.element_size() for c in lane.caches.values())
 
 
-def run(path: str, knob: str, values: int | None) -> None:
+def run(path: str, knob: str, values: int | None, chunk: int | None = None) -> None:
     if values is not None:
         kernels.F16_SCRATCH_VALUES = values
     gc.collect()
@@ -38,10 +41,10 @@ def run(path: str, knob: str, values: int | None) -> None:
     m = load(path, lane="cuda", ctx=1024, knobs=[knob])
     tokens = np.random.default_rng(0).integers(0, m.cfg.vocab, size=PROMPT).tolist()
     for _ in range(WARM):
-        m.session().feed(tokens)
+        Session(m.lane, chunk=chunk).feed(tokens)
     best = float("inf")
     for _ in range(FEEDS):
-        session = m.session()
+        session = Session(m.lane, chunk=chunk)
         torch.cuda.synchronize()
         start = time.perf_counter()
         session.feed(tokens)
@@ -51,7 +54,8 @@ def run(path: str, knob: str, values: int | None) -> None:
     scratch = m.lane._scratch.numel() * 2 / 1e6 if m.lane._scratch is not None else 0.0
     rate = f"{best * 1e3:.2f} ms = {PROMPT / best:,.0f} tok/s"
     memory = f"peak {peak / 1e9:.3f} GB, held {held / 1e9:.3f} GB, over {100 * (peak / held - 1):.2f} %"
-    print(f"{knob} scratch {scratch:.1f} MB: {rate}; {memory}", flush=True)
+    rows = Session(m.lane, chunk=chunk).chunk
+    print(f"{knob} scratch {scratch:.1f} MB, {rows}-row chunks: {rate}; {memory}", flush=True)
     m.close()
 
 
@@ -59,10 +63,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--mib", nargs="+", type=int, default=[0, 64, 32, 16], help="scratch sizes (0: every matrix whole)")
+    ap.add_argument("--chunk", type=int, default=None, help="a prompt's chunk rows (default: each knob's own)")
     args = ap.parse_args()
-    run(args.model, "prefill=f16-copy", None)
+    run(args.model, "prefill=f16-copy", None, args.chunk)
     for mib in args.mib:
-        run(args.model, "prefill=f16-scratch", mib * 2**20 // 2 if mib else EVERY_MATRIX)
+        run(args.model, "prefill=f16-scratch", mib * 2**20 // 2 if mib else EVERY_MATRIX, args.chunk)
 
 
 if __name__ == "__main__":
