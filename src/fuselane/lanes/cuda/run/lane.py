@@ -94,7 +94,8 @@ class CudaLane:
         self.vec: dict[str, Any] = {}
         self._dense: dict[str, Any] = {}
         self._scratch: Any = None  # `f16_scratch`
-        self._capture_stream: list[Any] = [None]  # `capture_stream`: a holder its siblings share
+        # `capture_stream`: made with the lane, so its siblings (shallow copies) share it; none where no graph is
+        self._capture_stream = torch.cuda.Stream(self.device) if graphs else None
         self._upload()
         self.caches: dict[str, Any] = {}
         self.states: dict[str, Any] = {}  # a hybrid model's recurrent states, the sequence's (zeroed at position 0)
@@ -104,12 +105,10 @@ class CudaLane:
         self._sampler: DeviceSampler | None = None
 
     def capture_stream(self) -> Any:
-        """The one stream every graph of the lane (and of its siblings made after) is warmed and captured on.
-        cuBLAS takes a workspace (32 MiB on Hopper) for each stream it runs on and keeps it while the process
-        lives, so a fresh stream a capture held one more each time a step was captured."""
-        if self._capture_stream[0] is None:
-            self._capture_stream[0] = self.torch.cuda.Stream(self.device)
-        return self._capture_stream[0]
+        """The one stream every graph of the lane and of its siblings is warmed and captured on. cuBLAS takes a
+        workspace (32 MiB on Hopper) for each stream it runs on and keeps it while the process lives, so a
+        fresh stream a capture held one more each time a step was captured."""
+        return self._capture_stream
 
     @contextlib.contextmanager
     def launching(self) -> Iterator[None]:
