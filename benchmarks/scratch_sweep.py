@@ -1,7 +1,8 @@
 """A 512-token prompt's time and GPU memory under `prefill=f16-copy` and under `prefill=f16-scratch` at several
 scratch sizes (`kernels.F16_SCRATCH_VALUES`), on a GPU.
 
-Usage: python benchmarks/scratch_sweep.py MODEL.gguf [--mib 0 64 32 16] [--chunk 512]   (0: every matrix whole)
+Usage: python benchmarks/scratch_sweep.py MODEL.gguf [--mib 0 64 32 16] [--chunk 512] [--no-copies]   (0: every matrix
+whole)
 `--chunk` runs every setting's prompt in chunks of that many rows (default: each knob's own, 256 rows for the
 copies and `kernels.SCRATCH_CHUNK_ROWS` for the scratch), so the two knobs can be set side by side at one chunk.
 Each setting loads the model afresh, feeds the prompt twice to warm it, then times five feeds (the best is
@@ -64,8 +65,10 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--mib", nargs="+", type=int, default=[0, 64, 32, 16], help="scratch sizes (0: every matrix whole)")
     ap.add_argument("--chunk", type=int, default=None, help="a prompt's chunk rows (default: each knob's own)")
+    ap.add_argument("--no-copies", action="store_true", help="the scratch's sizes only, not prefill=f16-copy first")
     args = ap.parse_args()
-    run(args.model, "prefill=f16-copy", None, args.chunk)
+    if not args.no_copies:
+        run(args.model, "prefill=f16-copy", None, args.chunk)
     for mib in args.mib:
         run(args.model, "prefill=f16-scratch", mib * 2**20 // 2 if mib else EVERY_MATRIX, args.chunk)
 

@@ -109,6 +109,20 @@ def test_weight_loads_ahead_change_no_bit(pair):
     np.testing.assert_array_equal(_run(gpu, PROMPT, STEPS), _run(ahead, PROMPT, STEPS))
 
 
+def test_every_launch_runs_on_the_lanes_one_stream(pair):
+    # cuBLAS keeps a workspace for every stream it ran on: the eager runs take the stream the graphs are
+    # captured on, ordered after the caller's stream's work, and hand the caller its stream back
+    _, gpu, _ = pair
+    lane, caller = gpu.lane, torch.cuda.current_stream()
+    with lane.launching():
+        inside = torch.cuda.current_stream()
+        with lane.launching():  # a capture's run, already on the lane's stream, stays there
+            nested = torch.cuda.current_stream()
+    assert inside == nested == lane.capture_stream()
+    assert inside != caller
+    assert torch.cuda.current_stream() == caller
+
+
 def test_greedy_tokens_match_cpu(pair):
     """At the dequantized numerics: int8's bound (5.0e-2 relative) makes most steps of these random-weight
     models near-ties of the reference, so the comparison would test little (`test_anchor_shapes` says more)."""

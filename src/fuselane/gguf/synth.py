@@ -130,6 +130,14 @@ SHAPES: dict[str, Shape | LatentShape] = {
     "qwen2.5-7b": Shape("qwen2", 3584, 28, 28, 4, 128, 18944, 151936),
     "qwen3-8b": Shape("qwen3", 4096, 36, 32, 8, 128, 12288, 151936, context=40960),
     "qwen2.5-32b": Shape("qwen2", 5120, 64, 40, 8, 128, 27648, 151936),
+    # the other dense sizes of the two families (their config.json widths; vocabularies as above, untied)
+    "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 12, 2, 128, 8960, 151936),
+    "qwen2.5-3b": Shape("qwen2", 2048, 36, 16, 2, 128, 11008, 151936),
+    "qwen2.5-14b": Shape("qwen2", 5120, 48, 40, 8, 128, 13824, 151936),
+    "qwen3-1.7b": Shape("qwen3", 2048, 28, 16, 8, 128, 6144, 151936, context=40960),
+    "qwen3-4b": Shape("qwen3", 2560, 36, 32, 8, 128, 9728, 151936, context=40960),
+    "qwen3-14b": Shape("qwen3", 5120, 40, 40, 8, 128, 17408, 151936, context=40960),
+    "qwen3-32b": Shape("qwen3", 5120, 64, 64, 8, 128, 25600, 151936, context=40960),
     "tiny-qwen2": Shape("qwen2", 64, 2, 4, 2, 16, 128, 512, context=4096),
     "tiny-qwen3": Shape("qwen3", 64, 2, 4, 2, 16, 128, 512, context=4096),
     # Mixtures: n_ff is the dense width the real files state (unused by the mixture layers).

@@ -105,20 +105,37 @@ class CudaLane:
         self._sampler: DeviceSampler | None = None
 
     def capture_stream(self) -> Any:
-        """The one stream every graph of the lane and of its siblings is warmed and captured on. cuBLAS takes a
-        workspace (32 MiB on Hopper) for each stream it runs on and keeps it while the process lives, so a
-        fresh stream a capture held one more each time a step was captured."""
+        """The one stream every launch of the lane and of its siblings is made on, eager or captured. cuBLAS
+        takes a workspace (32 MiB on Hopper) for each stream it runs on and keeps it while the process lives,
+        so a fresh stream a capture held one more each time a step was captured, and eager runs on the
+        caller's stream one more beside it."""
         return self._capture_stream
 
     @contextlib.contextmanager
     def launching(self) -> Iterator[None]:
-        """The lane's launches are made inside: each a dependent of the last where the lane launches so (`pdl`),
-        the int8 GEMVs loading their weights as the `weight_loads` knob says (`gemv/weight_loads.py`)."""
+        """The lane's launches are made inside: on its one stream (`capture_stream`; after the caller's
+        stream's work, which waits for them in turn), each a dependent of the last where the lane launches so
+        (`pdl`), the int8 GEMVs loading their weights as the `weight_loads` knob says (`gemv/weight_loads.py`)."""
         from fuselane.lanes.cuda.triton import pdl
         from fuselane.lanes.cuda.triton.gemv.weight_loads import weight_loads
 
-        with pdl.dependent_launches(self.dependent_launch), weight_loads(self.shim.knobs.weight_loads):
+        with self._on_lane_stream(), pdl.dependent_launches(self.dependent_launch):
+            with weight_loads(self.shim.knobs.weight_loads):
+                yield
+
+    @contextlib.contextmanager
+    def _on_lane_stream(self) -> Iterator[None]:
+        """Inside, the current stream is the lane's (where it has one, and unless it is already: a capture
+        runs there), ordered after what the caller's stream has queued; the caller's waits for it after."""
+        stream, torch = self._capture_stream, self.torch
+        caller = torch.cuda.current_stream() if stream is not None else None
+        if caller is None or caller == stream:
             yield
+            return
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            yield
+        caller.wait_stream(stream)
 
     def sibling(self, prefill: PrefillWeights | None = None) -> CudaLane:
         """A lane over the same weights on the same device (nothing uploaded again, the f16 copies shared),
