@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 
 from fuselane.fuse.optimizer import covered, optimize
-from fuselane.gguf.synth import Mix, Shape, model_metadata, tensor_formats, tensor_shapes
+from fuselane.gguf.synth import SHAPES, Mix, Shape, model_metadata, tensor_formats, tensor_shapes
 from fuselane.graph.ir import Form
 from fuselane.lanes.cuda.plan.knobs import CudaKnobs
 from fuselane.lanes.cuda.plan.shim import CudaShim
@@ -25,23 +25,11 @@ from tests.lanes.test_cuda_launches import Stub, launches_per_layer
 LAUNCH_BUDGET = 7  # a decode step's launches a layer
 LAYERS = 8
 
-# The published configs (hidden size, layers, heads, kv heads, head dim, ffn, vocab); the ones of ANCHORS.md
-# are in `synth.SHAPES`. Qwen2.5's 14B, 32B and 72B are where a norm wider than a block first appears.
-PUBLISHED = {
-    "qwen2.5-0.5b": Shape("qwen2", 896, 24, 14, 2, 64, 4864, 151936),
-    "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 12, 2, 128, 8960, 151936),
-    "qwen2.5-3b": Shape("qwen2", 2048, 36, 16, 2, 128, 11008, 151936),
-    "qwen2.5-7b": Shape("qwen2", 3584, 28, 28, 4, 128, 18944, 152064),
-    "qwen2.5-14b": Shape("qwen2", 5120, 48, 40, 8, 128, 13824, 152064),
-    "qwen2.5-32b": Shape("qwen2", 5120, 64, 40, 8, 128, 27648, 152064),
-    "qwen2.5-72b": Shape("qwen2", 8192, 80, 64, 8, 128, 29568, 152064),
-    "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 151936),
-    "qwen3-1.7b": Shape("qwen3", 2048, 28, 16, 8, 128, 6144, 151936),
-    "qwen3-4b": Shape("qwen3", 2560, 36, 32, 8, 128, 9728, 151936),
-    "qwen3-8b": Shape("qwen3", 4096, 36, 32, 8, 128, 12288, 151936),
-    "qwen3-14b": Shape("qwen3", 5120, 40, 40, 8, 128, 17408, 151936),
-    "qwen3-32b": Shape("qwen3", 5120, 64, 64, 8, 128, 25600, 151936),
-}
+# The published dense configs: the synthetic writer's shapes (their vocabularies one size, which a layer's
+# launches do not see) and Qwen2.5-72B. Qwen2.5's 14B, 32B and 72B are where a norm wider than a block first
+# appears.
+PUBLISHED = {name: shape for name, shape in SHAPES.items() if shape.arch in ("qwen2", "qwen3") and "tiny" not in name}
+PUBLISHED["qwen2.5-72b"] = Shape("qwen2", 8192, 80, 64, 8, 128, 29568, 152064)
 
 
 def _decode_graph(shape: Shape, name: str, mix: Mix):
