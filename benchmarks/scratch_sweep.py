@@ -55,8 +55,7 @@ def run(path: str, knob: str, values: int | None, chunk: int | None = None) -> N
     scratch = m.lane._scratch.numel() * 2 / 1e6 if m.lane._scratch is not None else 0.0
     rate = f"{best * 1e3:.2f} ms = {PROMPT / best:,.0f} tok/s"
     memory = f"peak {peak / 1e9:.3f} GB, held {held / 1e9:.3f} GB, over {100 * (peak / held - 1):.2f} %"
-    rows = Session(m.lane, chunk=chunk).chunk
-    print(f"{knob} scratch {scratch:.1f} MB, {rows}-row chunks: {rate}; {memory}", flush=True)
+    print(f"{knob} scratch {scratch:.1f} MB, {session.chunk}-row chunks: {rate}; {memory}", flush=True)
     m.close()
 
 

@@ -469,14 +469,10 @@ class _Step:
         state = (*(tail.state if tail is not None else ()), *self.lane.states.values())
         saved = [t.clone() for t in state]
         graph = torch.cuda.CUDAGraph()
-        stream = self.lane.capture_stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.eager(tail)
-            for t, value in zip(state, saved, strict=True):
-                t.copy_(value)
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph, stream=stream):
+        self.eager(tail)  # on the lane's stream (`launching`), the one the graph is captured on
+        for t, value in zip(state, saved, strict=True):
+            t.copy_(value)  # on the caller's stream, which waits for the run
+        with torch.cuda.graph(graph, stream=self.lane.capture_stream()):
             self.eager(tail)
         self.graphs[key] = graph
         return graph

@@ -195,12 +195,10 @@ class BatchStep:
         torch = self.torch
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        stream = self.lane.capture_stream()  # one for all: cuBLAS keeps a workspace a stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._eager(False)  # a run on the capture stream first, as torch advises (nothing it advances is kept)
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph, stream=stream):
+        # a run on the capture stream first, as torch advises (an eager run is on the lane's stream, which the
+        # graph is captured on; nothing it advances is kept)
+        self._eager(False)
+        with torch.cuda.graph(graph, stream=self.lane.capture_stream()):
             self._eager(sampling)
         return graph
 
