@@ -6,10 +6,11 @@ Weights stay in the checkpoint's own bytes on the device (the GEMVs decode them 
 session and shared with the activations whose lives do not overlap its own (`buffers`); the token ids and the
 position are device values, written from the host before a `forward` run and by the device sampler in the
 decode loop (`decode`, `fuselane.lanes.cuda.run.decode`), whose graphs end with the sampler's launches.
-Products of more rows than the GEMV takes (prefill chunks) multiply dequantized f16 copies of the matrices,
-made on first use (`prefill=f16-copy`, the default); `prefill=int8` multiplies the activation's int8 form by
-the checkpoint's bytes on the int8 tensor cores (`triton/gemm_q8.py`), and `prefill=in-place` decodes the
-weights to f16 in the kernel (`triton/gemm.py`), neither making a copy.
+Products of more rows than the GEMV takes (prefill chunks) decode each matrix into one f16 scratch before
+cuBLAS multiplies it (`prefill=f16-scratch`, what `auto` takes for a sequence's prompt); `prefill=f16-copy`
+keeps dequantized f16 copies, made on first use; `prefill=int8` multiplies the activation's int8 form by the
+checkpoint's bytes on the int8 tensor cores (`triton/gemm_q8.py`), and `prefill=in-place` decodes the weights
+to f16 in the kernel (`triton/gemm.py`), neither making a copy.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from fuselane.runtime.sampling import GREEDY, SamplingParams
 
 WARMUP_RUNS = 2  # runs before capture: Triton compiles each kernel on its first launch
 PDL_MAJOR = 9  # the compute capability (major) from which a kernel may launch as a dependent (Hopper)
+WEIGHT_ALIGN = 512  # bytes between uploaded tensors: the caching allocator's block alignment, kept for the kernels
 
 
 class CudaLane:
@@ -151,18 +153,33 @@ class CudaLane:
     # ---- weights ----------------------------------------------------------------------------------------
 
     def _upload(self) -> None:
+        """Every tensor's bytes into one device buffer (`WEIGHT_ALIGN` apart), each name a view of its part:
+        the caching allocator rounds each block it hands out, so a block a tensor took ~120 MB more than the
+        file on an 8B checkpoint (254 matrices), where one buffer takes the file's bytes."""
         torch = self.torch
+        host: dict[str, Any] = {}
         for name, t in self.tensors.items():
-            if len(t.shape) == 1:
-                values = dequantize(t.data, t.format, t.shape, dtype=np.float32)
-                self.vec[name] = torch.from_numpy(values).to(self.device)
-                # a vector a product multiplies by (a shared expert's gate, one row): its f32 bytes as a matrix's
-                self.raw[name] = (self.vec[name].view(torch.uint8), Format.F32)
+            if len(t.shape) == 1:  # vectors as f32 values
+                host[name] = torch.from_numpy(dequantize(t.data, t.format, t.shape, dtype=np.float32))
             else:
                 with warnings.catch_warnings():  # the mapped file is read-only; the kernels only read weights
                     warnings.simplefilter("ignore", UserWarning)
-                    raw = torch.from_numpy(np.asarray(t.data))
-                self.raw[name] = (raw.to(self.device), t.format)
+                    host[name] = torch.from_numpy(np.asarray(t.data))
+        at, offsets = 0, {}
+        for name, h in host.items():
+            offsets[name] = at
+            at += -(-h.numel() * h.element_size() // WEIGHT_ALIGN) * WEIGHT_ALIGN
+        arena = torch.empty(at, dtype=torch.uint8, device=self.device)
+        for name, h in host.items():
+            part = arena[offsets[name] : offsets[name] + h.numel() * h.element_size()]
+            part.copy_(h.contiguous().reshape(-1).view(torch.uint8))
+            on_device = part.view(h.dtype).view(h.shape)
+            if len(self.tensors[name].shape) == 1:
+                self.vec[name] = on_device
+                # a vector a product multiplies by (a shared expert's gate, one row): its f32 bytes as a matrix's
+                self.raw[name] = (part, Format.F32)
+            else:
+                self.raw[name] = (on_device, self.tensors[name].format)
 
     def dense(self, name: str) -> Any:
         """A matrix dequantized to f16 on the device, for products past the GEMV's rows (made once, by a
