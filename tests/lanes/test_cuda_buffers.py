@@ -3,6 +3,8 @@ deep plan's activations take far fewer buffers than it has activations."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -12,7 +14,13 @@ from fuselane.fuse.optimizer import VIEWS  # noqa: E402
 from fuselane.fuse.views import class_of, leaves  # noqa: E402
 from fuselane.graph.classes import ClassId as C  # noqa: E402
 from fuselane.graph.ir import QuantizedActs, Role  # noqa: E402
-from fuselane.lanes.cuda.run.buffers import lives, pooled_buffers, unstored  # noqa: E402
+from fuselane.lanes.cuda.run.buffers import ALIGN_VALUES, arena_layout, lives, pooled_buffers, unstored  # noqa: E402
+
+
+def _span(t):
+    """The bytes [start, end) a buffer holds."""
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
 
 
 @pytest.mark.parametrize("form", ["prefill", "decode"])
@@ -25,14 +33,43 @@ def test_overlapping_lives_never_share_a_buffer(form):
     assert set(bufs) == acts and all(tuple(bufs[n].shape) == g.tensors[n].shape for n in acts)
     assert {n for n in acts if isinstance(g.tensors[n].storage, QuantizedActs)} == set(q8)
     span = lives(plan, acts)
-    storage = {n: bufs[n].untyped_storage().data_ptr() for n in acts}
+    shared = 0
     for a in acts:
         for b in acts - {a}:
             (a0, a1), (b0, b1) = span[a], span[b]
+            (x0, x1), (y0, y1) = _span(bufs[a]), _span(bufs[b])
             if a0 <= b1 and b0 <= a1:
-                assert storage[a] != storage[b], (a, b)
+                assert x1 <= y0 or y1 <= x0, (a, b)
                 assert a not in q8 or b not in q8 or q8[a] is not q8[b], (a, b)
-    assert len(set(storage.values())) < len(acts) // 2
+            shared += x0 < y1 and y0 < x1
+    assert shared, "no two activations share bytes"
+    assert len({bufs[n].untyped_storage().data_ptr() for n in acts}) == 1  # one arena
+
+
+@pytest.mark.parametrize("shape", ["qwen2.5-0.5b", "qwen3-8b"])
+def test_the_arena_holds_about_the_most_alive_at_once(shape):
+    # the arena's length against the most values alive at one op: a chunk's workspace is what it holds at once
+    _, _, plan = build_plan(f"synth:{shape}", lane="cuda", form="prefill", rows=512)
+    g = plan.graph
+    acts = {n for n, t in g.tensors.items() if t.role is Role.ACTIVATION} - unstored(plan)
+    span = lives(plan, acts)
+    items = {n: (span[n], math.prod(g.tensors[n].shape)) for n in span}
+    offsets, total = arena_layout(items)
+    most = max(sum(v for (a, z), v in items.values() if a <= i <= z) for i in range(len(plan.ops)))
+    every = sum(v for _, v in items.values())
+    assert most <= total <= 1.1 * most + ALIGN_VALUES * len(items) < every / 10
+
+
+def test_the_arena_layout_packs_spans_by_their_lives():
+    # largest first: b (ops 1-2) at 0; a (0-1) meets b at op 1, above it; c (2-3) meets b only, above it too
+    offsets, total = arena_layout({"a": ((0, 1), 100), "b": ((1, 2), 300), "c": ((2, 3), 120)})
+    assert offsets == {"b": 0, "a": 384, "c": 384} and total == 384 + 128
+    # c dies at op 1, so d (ops 2-3) takes its span; b and e, alive with both, go above them
+    offsets, total = arena_layout({"b": ((0, 5), 128), "c": ((0, 1), 256), "e": ((0, 5), 128), "d": ((2, 3), 256)})
+    assert offsets == {"c": 0, "d": 0, "b": 256, "e": 384} and total == 512
+    # a gap below a live span is taken when it fits: z (ops 2-9) under y, where x was
+    offsets, total = arena_layout({"x": ((0, 1), 256), "y": ((0, 9), 256), "z": ((2, 9), 200)})
+    assert offsets == {"x": 0, "y": 256, "z": 0} and total == 512
 
 
 def test_a_chunks_gated_pair_stores_only_its_glu():

@@ -1,14 +1,15 @@
-"""A step's activation buffers, shared by activations whose lives do not overlap, so a chunk's workspace is the
-most it holds at once (a few of a layer's activations) rather than every layer's.
+"""A step's activation buffers: parts of one f32 arena, laid out by the activations' lives, so a chunk's workspace
+is about the most it holds at once (a few of a layer's activations) rather than every layer's.
 
 An activation lives from the first op of the plan that touches it (reads or writes it, in any part of a fused
-op) to the last, a view's readers counting as its input's. Walking the ops in order, an activation takes a free
-buffer of exactly its size (f32 values; its int8 form, where the plan writes one, a free form of its shape)
-when its life begins, and gives it back once the op where its life ends has taken what it needs: an op never
-gets an input's buffer for its own output. Every op writes its outputs whole before anything reads them
-within a step, so a buffer's stale values from another activation are never read. The step's output (the
-logits), the caches, the ids and the position keep buffers of their own; a view's output (a chunk's last
-rows) is bound to its input's buffer by its binder.
+op) to the last, a view's readers counting as its input's. Walking the ops in order, an activation takes the
+lowest span of the arena that no live activation holds when its life begins (its int8 form, where the plan
+writes one, a free form of its shape), and gives it back once the op where its life ends has taken what it
+needs: an op never gets an input's span for its own output. Every op writes its outputs whole before anything
+reads them within a step, so stale values from another activation are never read. One arena, not a buffer an
+activation: the caching allocator rounds each block it hands out, and spans of different sizes pack where
+exact-size buffers could not be shared. The step's output (the logits), the caches, the ids and the position
+keep buffers of their own; a view's output (a chunk's last rows) is bound to its input's buffer by its binder.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from fuselane.fuse.optimizer import VIEWS, Plan
 from fuselane.fuse.views import class_of, leaves
 from fuselane.graph.classes import ClassId
 from fuselane.graph.ir import Op, QuantizedActs, Role
+
+ALIGN_VALUES = 128  # an activation's span starts on 512 bytes, the alignment a block of its own had
 
 
 def _names(op: Op) -> set[str]:
@@ -50,43 +53,68 @@ def lives(plan: Plan, pooled: set[str]) -> dict[str, tuple[int, int]]:
 def pooled_buffers(
     plan: Plan, make: Callable[[tuple[int, ...]], Any], make_q8: Callable[[tuple[int, ...]], Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(buffers, int8 forms) by name for the plan's activations, shared where their lives do not overlap.
-    `make(shape)` allocates an f32 buffer, `make_q8(shape)` an int8 form."""
+    """(buffers, int8 forms) by name for the plan's activations: each buffer a part of one arena, shared where
+    their lives do not overlap. `make(shape)` allocates an f32 buffer, `make_q8(shape)` an int8 form."""
     g = plan.graph
     inside = unstored(plan)
     pooled = {name for name, t in g.tensors.items() if t.role is Role.ACTIVATION} - inside
     span = lives(plan, pooled)
-    starts: dict[int, list[str]] = defaultdict(list)
-    ends: dict[int, list[str]] = defaultdict(list)
-    for name, (a, z) in span.items():
-        starts[a].append(name)
-        ends[z].append(name)
-    free: dict[Hashable, list[Any]] = defaultdict(list)
-    taken: dict[str, list[tuple[Hashable, Any]]] = defaultdict(list)
-
-    def take(key: Hashable, build: Callable[[], Any]) -> Any:
-        return free[key].pop() if free[key] else build()
-
-    bufs: dict[str, Any] = {}
-    q8: dict[str, Any] = {}
-    for i in range(len(plan.ops)):
-        for name in starts[i]:
-            shape = g.tensors[name].shape
-            numel = _numel(shape)
-            flat = take(("f32", numel), lambda n=numel: make((n,)))  # noqa: B023 (bound by default)
-            taken[name].append((("f32", numel), flat))
-            bufs[name] = flat.view(shape)
-            if isinstance(g.tensors[name].storage, QuantizedActs):
-                form = take(("q8", shape), lambda s=shape: make_q8(s))  # noqa: B023
-                taken[name].append((("q8", shape), form))
-                q8[name] = form
-        for name in ends[i]:
-            for key, buf in taken.pop(name):
-                free[key].append(buf)
+    offsets, total = arena_layout({name: (span[name], _numel(g.tensors[name].shape)) for name in span})
+    arena = make((total,))
+    bufs = {
+        name: arena[at : at + _numel(g.tensors[name].shape)].view(g.tensors[name].shape) for name, at in offsets.items()
+    }
+    q8 = _int8_forms(plan, span, make_q8)
     views = {op.out for op in plan.ops if isinstance(op.sym, VIEWS)}  # bound to their input's buffer
     for name in pooled - set(span) - views - inside:  # never touched by an op: a buffer of its own all the same
         bufs[name] = make(g.tensors[name].shape)
     return bufs, q8
+
+
+def arena_layout(items: dict[str, tuple[tuple[int, int], int]]) -> tuple[dict[str, int], int]:
+    """(offset by name, arena length) in values for `items` (name: ((first op, last op), values)), greedy by
+    size: the largest first, each taking the tightest gap, `ALIGN_VALUES` aligned, between the spans of the
+    items already placed whose lives meet its own (an item whose life ends at an op still holds its span
+    there), or the end of them. Largest first packs a layer's wide products and narrow rows together,
+    where the order lives begin in leaves gaps no later item fits."""
+    placed: list[tuple[int, int, int, int]] = []  # (offset, end offset, first op, last op)
+    offsets: dict[str, int] = {}
+    total = 0
+    for name, ((first, last), numel) in sorted(items.items(), key=lambda kv: (-kv[1][1], kv[1][0], kv[0])):
+        size = -(-numel // ALIGN_VALUES) * ALIGN_VALUES
+        best, best_gap, at = None, None, 0
+        for lo, hi, _, _ in sorted(p for p in placed if p[2] <= last and first <= p[3]):
+            if lo - at >= size and (best_gap is None or lo - at < best_gap):
+                best, best_gap = at, lo - at
+            at = max(at, hi)
+        offset = at if best is None else best
+        placed.append((offset, offset + size, first, last))
+        offsets[name] = offset
+        total = max(total, offset + size)
+    return offsets, total
+
+
+def _int8_forms(
+    plan: Plan, span: dict[str, tuple[int, int]], make_q8: Callable[[tuple[int, ...]], Any]
+) -> dict[str, Any]:
+    """An int8 form for each activation the plan writes one of, shared by exact shape where lives do not
+    overlap."""
+    g = plan.graph
+    starts: dict[int, list[str]] = defaultdict(list)
+    ends: dict[int, list[str]] = defaultdict(list)
+    for name, (a, z) in span.items():
+        if isinstance(g.tensors[name].storage, QuantizedActs):
+            starts[a].append(name)
+            ends[z].append(name)
+    free: dict[Hashable, list[Any]] = defaultdict(list)
+    q8: dict[str, Any] = {}
+    for i in range(len(plan.ops)):
+        for name in starts[i]:
+            shape = g.tensors[name].shape
+            q8[name] = free[shape].pop() if free[shape] else make_q8(shape)
+        for name in ends[i]:
+            free[g.tensors[name].shape].append(q8[name])
+    return q8
 
 
 def unstored(plan: Plan) -> set[str]:
