@@ -232,3 +232,27 @@ def test_a_yarn_model_runs_as_the_cpu_lane(tmp_path, shape):
     for step, (a, b) in enumerate(zip(_steps(gpu), _steps(ref), strict=True)):
         assert np.isfinite(a).all()
         assert rel(a, b) <= tol, f"step {step}: {rel(a, b):.2e} > {tol:.2e}"
+
+
+def test_the_weights_are_parts_of_one_upload_holding_the_files_bytes(tmp_path):
+    # one device buffer for every tensor (a block each took what the caching allocator rounds it to): each
+    # matrix its file bytes at an aligned offset, each vector its f32 values, no two overlapping
+    from fuselane.gguf.dequant import dequantize
+    from fuselane.lanes.cuda.run.lane import WEIGHT_ALIGN
+
+    path = write_synthetic(tmp_path / "m.gguf", "tiny-qwen3", "q4_k_m", seed=4)
+    lane = load(path, lane="cuda", ctx=32).lane
+    base = next(iter(lane.raw.values()))[0].untyped_storage().data_ptr()
+    spans = []
+    for name, (raw, _) in lane.raw.items():
+        t = lane.tensors[name]
+        assert raw.untyped_storage().data_ptr() == base, name
+        start = raw.data_ptr() - base
+        assert start % WEIGHT_ALIGN == 0, name
+        spans.append((start, start + raw.numel() * raw.element_size()))
+        if len(t.shape) == 1:
+            assert np.array_equal(lane.vec[name].cpu().numpy(), dequantize(t.data, t.format, t.shape, dtype=np.float32))
+        else:
+            assert np.array_equal(raw.cpu().numpy().reshape(-1), np.asarray(t.data).reshape(-1)), name
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
