@@ -1,9 +1,9 @@
 """The cuda lane: the plan the cuda shim accepts, run as Triton launches over buffers allocated once, a decode
 step (and a prefill chunk of a row count seen before) captured as a CUDA graph and replayed at every position.
 
-Weights stay in the checkpoint's own bytes on the device (the GEMVs decode them in the kernel); vectors
-(norm weights, biases) are uploaded as f32. Every activation of a plan has its buffer, allocated once per
-session and shared with the activations whose lives do not overlap its own (`buffers`); the token ids and the
+Weights stay in the checkpoint's own bytes on the device, in one buffer (the GEMVs decode them in the kernel);
+vectors (norm weights, biases) are uploaded as f32. Every activation of a plan has its span of one arena,
+allocated once a step and shared with the activations whose lives do not overlap its own (`buffers`); the token ids and the
 position are device values, written from the host before a `forward` run and by the device sampler in the
 decode loop (`decode`, `fuselane.lanes.cuda.run.decode`), whose graphs end with the sampler's launches.
 Products of more rows than the GEMV takes (prefill chunks) decode each matrix into one f16 scratch before
@@ -410,8 +410,8 @@ class _Step:
         def f32(shape: tuple[int, ...]) -> Any:
             return torch.zeros(shape, dtype=torch.float32, device=lane.device)
 
-        # activations share buffers where their lives do not overlap (`buffers`): a chunk's workspace is what
-        # it holds at once, not every layer's
+        # activations share the arena's bytes where their lives do not overlap (`buffers`): a chunk's workspace
+        # is what it holds at once, not every layer's
         bufs, q8 = pooled_buffers(plan, f32, lambda shape: int8_form(shape, lane.device))
         rules = {leaf.ins[-1] for op in plan.ops for leaf in leaves(op) if isinstance(leaf.sym, GatedDelta)}
         for name, t in g.tensors.items():
