@@ -3,9 +3,9 @@ step (and a prefill chunk of a row count seen before) captured as a CUDA graph a
 
 Weights stay in the checkpoint's own bytes on the device, in one buffer (the GEMVs decode them in the kernel);
 vectors (norm weights, biases) are uploaded as f32. Every activation of a plan has its span of one arena,
-allocated once a step and shared with the activations whose lives do not overlap its own (`buffers`); the token ids and the
-position are device values, written from the host before a `forward` run and by the device sampler in the
-decode loop (`decode`, `fuselane.lanes.cuda.run.decode`), whose graphs end with the sampler's launches.
+allocated once a step and shared with the activations whose lives do not overlap its own (`buffers`); the
+token ids and the position are device values, written from the host before a `forward` run and by the device
+sampler in the decode loop (`decode`, `fuselane.lanes.cuda.run.decode`), whose graphs end with the sampler's launches.
 Products of more rows than the GEMV takes (prefill chunks) decode each matrix into one f16 scratch before
 cuBLAS multiplies it (`prefill=f16-scratch`, what `auto` takes for a sequence's prompt); `prefill=f16-copy`
 keeps dequantized f16 copies, made on first use; `prefill=int8` multiplies the activation's int8 form by the
