@@ -256,3 +256,30 @@ def test_the_weights_are_parts_of_one_upload_holding_the_files_bytes(tmp_path):
             assert np.array_equal(raw.cpu().numpy().reshape(-1), np.asarray(t.data).reshape(-1)), name
     spans.sort()
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+
+
+def test_every_step_lays_its_activations_out_in_the_lanes_one_arena(tmp_path):
+    from fuselane.graph.ir import Role
+
+    # a step is made for each row count a prompt's last chunk has: they share one arena, so memory does not grow
+    # with every prompt length met; a step needing more replaces it (at least twice the size) and drops the
+    # steps laid out in the old one, whose numbers stay the cpu lane's when made again
+    path = write_synthetic(tmp_path / "m.gguf", "tiny-qwen3", "f16", seed=4)
+    gpu = load(path, lane="cuda", ctx=64, knobs=["activations=dequant"])
+    ref = load(path, lane="cpu", ctx=64, dtype=np.float64)
+    lane = gpu.lane
+    tol = lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    a, b = gpu.session(), ref.session()
+    sizes = []
+    for piece in ([5, 60, 7, 300, 8, 1, 2, 3], [4, 5, 6], [9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]):
+        x, y = a.extend(piece), b.extend(piece)
+        assert np.isfinite(x).all() and rel(x, y) <= tol, f"{len(piece)} rows: {rel(x, y):.2e} > {tol:.2e}"
+        sizes.append(lane._arena.numel())
+        arena = lane._arena.untyped_storage().data_ptr()
+        for step in lane._steps.values():
+            g = step.plan.graph
+            acts = [n for n, t in step.bufs.items() if n in g.tensors and g.tensors[n].role is Role.ACTIVATION]
+            assert acts and all(step.bufs[n].untyped_storage().data_ptr() == arena for n in acts)
+    assert sizes[0] == sizes[1] == sizes[2] < sizes[3], sizes  # 3 and 1 rows fit the 8-row step's arena
+    assert sizes[3] >= 2 * sizes[0]
+    assert set(lane._steps) == {(12, False)}, "the steps laid out in the old arena were kept"

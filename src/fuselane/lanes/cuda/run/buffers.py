@@ -51,19 +51,22 @@ def lives(plan: Plan, pooled: set[str]) -> dict[str, tuple[int, int]]:
 
 
 def pooled_buffers(
-    plan: Plan, make: Callable[[tuple[int, ...]], Any], make_q8: Callable[[tuple[int, ...]], Any]
+    plan: Plan,
+    make: Callable[[tuple[int, ...]], Any],
+    make_q8: Callable[[tuple[int, ...]], Any],
+    arena: Callable[[int], Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(buffers, int8 forms) by name for the plan's activations: each buffer a part of one arena, shared where
-    their lives do not overlap. `make(shape)` allocates an f32 buffer, `make_q8(shape)` an int8 form."""
+    their lives do not overlap. `make(shape)` allocates an f32 buffer, `make_q8(shape)` an int8 form; `arena(n)`
+    gives the arena's n f32 values where steps share one (`CudaLane.activation_arena`), else `make` takes it."""
     g = plan.graph
     inside = unstored(plan)
     pooled = {name for name, t in g.tensors.items() if t.role is Role.ACTIVATION} - inside
     span = lives(plan, pooled)
     offsets, total = arena_layout({name: (span[name], _numel(g.tensors[name].shape)) for name in span})
-    arena = make((total,))
-    bufs = {
-        name: arena[at : at + _numel(g.tensors[name].shape)].view(g.tensors[name].shape) for name, at in offsets.items()
-    }
+    arena_values = make((total,)) if arena is None else arena(total)
+    shapes = {name: g.tensors[name].shape for name in offsets}
+    bufs = {n: arena_values[at : at + _numel(shapes[n])].view(shapes[n]) for n, at in offsets.items()}
     q8 = _int8_forms(plan, span, make_q8)
     views = {op.out for op in plan.ops if isinstance(op.sym, VIEWS)}  # bound to their input's buffer
     for name in pooled - set(span) - views - inside:  # never touched by an op: a buffer of its own all the same

@@ -46,6 +46,7 @@ from fuselane.runtime.sampling import GREEDY, SamplingParams
 
 WARMUP_RUNS = 2  # runs before capture: Triton compiles each kernel on its first launch
 PDL_MAJOR = 9  # the compute capability (major) from which a kernel may launch as a dependent (Hopper)
+ARENA_GROWTH = 2  # a replaced activation arena's least size, in its old size: a lane's steps are dropped rarely
 WEIGHT_ALIGN = 512  # bytes between uploaded tensors: the caching allocator's block alignment, kept for the kernels
 
 
@@ -104,6 +105,7 @@ class CudaLane:
         self._fed = 0  # positions the recurrent states have summed
         self.state_dtype = torch.bfloat16 if knobs.recurrent_state is StatePrecision.BF16 else torch.float32
         self._steps: dict[tuple[int, bool], _Step] = {}
+        self._arena: Any = None  # `activation_arena`
         self._sampler: DeviceSampler | None = None
 
     def capture_stream(self) -> Any:
@@ -145,7 +147,7 @@ class CudaLane:
         sessions keep theirs. Its chunks read the weights as `prefill` says where given (the paged form's
         take `batch_prefill`, as its steps do)."""
         other = copy.copy(self)
-        other.caches, other._steps, other._sampler = {}, {}, None
+        other.caches, other._steps, other._sampler, other._arena = {}, {}, None, None
         if prefill is not None and prefill is not self.shim.knobs.prefill_weights:
             other.shim = CudaShim(replace(self.shim.knobs, prefill_weights=prefill), held=self.held)
         return other
@@ -230,6 +232,24 @@ class CudaLane:
         if key not in self._steps:
             self._steps[key] = _Step(self, self.plan(rows, all_logits=all_logits))
         return self._steps[key]
+
+    def activation_arena(self, values: int) -> Any:
+        """The first `values` f32 values of the lane's one activation arena, which every step of the lane lays
+        its activations out in (`buffers`): its steps run one at a time on its one stream and an activation
+        lives inside its step, so a step's spans may hold another's dead values. One arena, not one a step: a
+        step is made for each row count a prompt's last chunk has, and an arena each grew with every prompt
+        length met. Where a step needs more than the arena holds, a fresh one takes the place of the old, at
+        least twice its size (so it is replaced a few times in a lane's life, not at each longer prompt), and
+        the steps laid out in the old are dropped, to be made again on their next use."""
+        if self._arena is None or self._arena.numel() < values:
+            if self._arena is not None:
+                if self.device.type == "cuda":  # no replay of a dropped step's graph may still be running
+                    self.torch.cuda.synchronize(self.device)
+                self._steps.clear()
+                values = max(values, ARENA_GROWTH * self._arena.numel())
+            self._arena = None  # the old one freed before the new one is taken
+            self._arena = self.torch.zeros(values, dtype=self.torch.float32, device=self.device)
+        return self._arena[:values]
 
     def cache(self, name: str, shape: tuple[int, ...]) -> Any:
         if name not in self.caches:
@@ -412,7 +432,7 @@ class _Step:
 
         # activations share the arena's bytes where their lives do not overlap (`buffers`): a chunk's workspace
         # is what it holds at once, not every layer's
-        bufs, q8 = pooled_buffers(plan, f32, lambda shape: int8_form(shape, lane.device))
+        bufs, q8 = pooled_buffers(plan, f32, lambda shape: int8_form(shape, lane.device), lane.activation_arena)
         rules = {leaf.ins[-1] for op in plan.ops for leaf in leaves(op) if isinstance(leaf.sym, GatedDelta)}
         for name, t in g.tensors.items():
             if t.role is Role.CACHE:
