@@ -262,24 +262,28 @@ def test_every_step_lays_its_activations_out_in_the_lanes_one_arena(tmp_path):
     from fuselane.graph.ir import Role
 
     # a step is made for each row count a prompt's last chunk has: they share one arena, so memory does not grow
-    # with every prompt length met; a step needing more replaces it (at least twice the size) and drops the
-    # steps laid out in the old one, whose numbers stay the cpu lane's when made again
+    # with every prompt length met; a step needing more replaces it (at least twice the size) for the steps
+    # made after, the steps made before keep theirs, and every one keeps the cpu lane's numbers
     path = write_synthetic(tmp_path / "m.gguf", "tiny-qwen3", "f16", seed=4)
     gpu = load(path, lane="cuda", ctx=64, knobs=["activations=dequant"])
     ref = load(path, lane="cpu", ctx=64, dtype=np.float64)
     lane = gpu.lane
     tol = lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+
+    def arena_of(rows: int) -> int:
+        step = lane._steps[(rows, False)]
+        g = step.plan.graph
+        acts = [n for n, t in step.bufs.items() if n in g.tensors and g.tensors[n].role is Role.ACTIVATION]
+        assert acts and len({step.bufs[n].untyped_storage().data_ptr() for n in acts}) == 1
+        return step.bufs[acts[0]].untyped_storage().data_ptr()
+
     a, b = gpu.session(), ref.session()
     sizes = []
-    for piece in ([5, 60, 7, 300, 8, 1, 2, 3], [4, 5, 6], [9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]):
+    pieces = [[5, 60, 7, 300, 8, 1, 2, 3], [4, 5, 6], [9], list(range(10, 22)), [1, 2, 3]]
+    for piece in pieces:
         x, y = a.extend(piece), b.extend(piece)
         assert np.isfinite(x).all() and rel(x, y) <= tol, f"{len(piece)} rows: {rel(x, y):.2e} > {tol:.2e}"
         sizes.append(lane._arena.numel())
-        arena = lane._arena.untyped_storage().data_ptr()
-        for step in lane._steps.values():
-            g = step.plan.graph
-            acts = [n for n, t in step.bufs.items() if n in g.tensors and g.tensors[n].role is Role.ACTIVATION]
-            assert acts and all(step.bufs[n].untyped_storage().data_ptr() == arena for n in acts)
-    assert sizes[0] == sizes[1] == sizes[2] < sizes[3], sizes  # 3 and 1 rows fit the 8-row step's arena
+    assert sizes[0] == sizes[1] == sizes[2] < sizes[3] == sizes[4], sizes  # 3 and 1 rows fit the 8 rows' arena
     assert sizes[3] >= 2 * sizes[0]
-    assert set(lane._steps) == {(12, False)}, "the steps laid out in the old arena were kept"
+    assert arena_of(8) == arena_of(3) == arena_of(1) != arena_of(12) == lane._arena.untyped_storage().data_ptr()

@@ -46,7 +46,7 @@ from fuselane.runtime.sampling import GREEDY, SamplingParams
 
 WARMUP_RUNS = 2  # runs before capture: Triton compiles each kernel on its first launch
 PDL_MAJOR = 9  # the compute capability (major) from which a kernel may launch as a dependent (Hopper)
-ARENA_GROWTH = 2  # a replaced activation arena's least size, in its old size: a lane's steps are dropped rarely
+ARENA_GROWTH = 2  # a replaced activation arena's least size, in its old size: the old ones sum to less than it
 WEIGHT_ALIGN = 512  # bytes between uploaded tensors: the caching allocator's block alignment, kept for the kernels
 
 
@@ -234,21 +234,16 @@ class CudaLane:
         return self._steps[key]
 
     def activation_arena(self, values: int) -> Any:
-        """The first `values` f32 values of the lane's one activation arena, which every step of the lane lays
+        """The first `values` f32 values of the lane's activation arena, which each new step of the lane lays
         its activations out in (`buffers`): its steps run one at a time on its one stream and an activation
         lives inside its step, so a step's spans may hold another's dead values. One arena, not one a step: a
         step is made for each row count a prompt's last chunk has, and an arena each grew with every prompt
-        length met. Where a step needs more than the arena holds, a fresh one takes the place of the old, at
-        least twice its size (so it is replaced a few times in a lane's life, not at each longer prompt), and
-        the steps laid out in the old are dropped, to be made again on their next use."""
+        length met. Where a step needs more than the arena holds, a fresh one of at least twice its size takes
+        its place for the steps made after; the steps made before keep theirs (and their captured graphs), so
+        the arenas a lane holds are at most twice its largest."""
         if self._arena is None or self._arena.numel() < values:
-            if self._arena is not None:
-                if self.device.type == "cuda":  # no replay of a dropped step's graph may still be running
-                    self.torch.cuda.synchronize(self.device)
-                self._steps.clear()
-                values = max(values, ARENA_GROWTH * self._arena.numel())
-            self._arena = None  # the old one freed before the new one is taken
-            self._arena = self.torch.zeros(values, dtype=self.torch.float32, device=self.device)
+            least = 0 if self._arena is None else ARENA_GROWTH * self._arena.numel()
+            self._arena = self.torch.zeros(max(values, least), dtype=self.torch.float32, device=self.device)
         return self._arena[:values]
 
     def cache(self, name: str, shape: tuple[int, ...]) -> Any:
