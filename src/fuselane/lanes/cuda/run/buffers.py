@@ -2,13 +2,14 @@
 is about the most it holds at once (a few of a layer's activations) rather than every layer's.
 
 An activation lives from the first op of the plan that touches it (reads or writes it, in any part of a fused
-op) to the last, a view's readers counting as its input's. Walking the ops in order, an activation takes the
-lowest span of the arena that no live activation holds when its life begins (its int8 form, where the plan
-writes one, a free form of its shape), and gives it back once the op where its life ends has taken what it
-needs: an op never gets an input's span for its own output. Every op writes its outputs whole before anything
-reads them within a step, so stale values from another activation are never read. One arena, not a buffer an
-activation: the caching allocator rounds each block it hands out, and spans of different sizes pack where
-exact-size buffers could not be shared. The step's output (the logits), the caches, the ids and the position
+op) to the last, a view's readers counting as its input's. Two activations whose lives meet (one ending at the
+op where the other begins counts: an op never gets an input's span for its own output) never share bytes;
+`arena_layout` places the largest first, each in the tightest gap the spans of those alive with it leave, which
+on every dense shape measured makes the arena exactly the most a chunk holds at once. An int8 form, where the
+plan writes one, takes a free form of its shape. Every op writes its outputs whole before anything reads them
+within a step, so stale values from another activation are never read. One arena, not a buffer an activation:
+the caching allocator rounds each block it hands out, and spans of different sizes pack where exact-size
+buffers could not be shared. The step's output (the logits), the caches, the ids and the position
 keep buffers of their own; a view's output (a chunk's last rows) is bound to its input's buffer by its binder.
 """
 
