@@ -259,15 +259,11 @@ def test_the_weights_are_parts_of_one_upload_holding_the_files_bytes(tmp_path):
 
 
 def test_every_step_lays_its_activations_out_in_the_lanes_one_arena(tmp_path):
-    import math
-
     from fuselane.graph.ir import Role
-    from fuselane.lanes.cuda.run.buffers import arena_layout, lives, unstored
 
     # a step is made for each row count a prompt's last chunk has: they share one arena, so memory does not grow
-    # with every prompt length met. A decode step first takes what it needs; the first chunk replaces that with
-    # an arena for a whole chunk's rows (the context's 64 here), which every later prompt fits; the decode step
-    # keeps its own, and every step keeps the cpu lane's numbers
+    # with every prompt length met. A step needing more replaces it (at least twice the size) for the steps
+    # made after; the steps made before keep theirs, and every step keeps the cpu lane's numbers
     path = write_synthetic(tmp_path / "m.gguf", "tiny-qwen3", "f16", seed=4)
     gpu = load(path, lane="cuda", ctx=64, knobs=["activations=dequant"])
     ref = load(path, lane="cpu", ctx=64, dtype=np.float64)
@@ -283,14 +279,10 @@ def test_every_step_lays_its_activations_out_in_the_lanes_one_arena(tmp_path):
 
     a, b = gpu.session(), ref.session()
     sizes = []
-    for piece in [[9], [5, 60, 7, 300, 8, 1, 2, 3], [4, 5, 6], list(range(10, 31)), [1, 2, 3]]:
+    for piece in [[5, 60, 7, 300, 8, 1, 2, 3], [4, 5, 6], [9], list(range(10, 31)), [1, 2, 3]]:
         x, y = a.extend(piece), b.extend(piece)
         assert np.isfinite(x).all() and rel(x, y) <= tol, f"{len(piece)} rows: {rel(x, y):.2e} > {tol:.2e}"
         sizes.append(lane._arena.numel())
-    assert sizes[0] < sizes[1] == sizes[2] == sizes[3] == sizes[4], sizes
-    plan = lane._steps[(8, False)].plan
-    acts = {n for n, t in plan.graph.tensors.items() if t.role is Role.ACTIVATION} - unstored(plan)
-    span = lives(plan, acts)
-    _, need = arena_layout({n: (span[n], math.prod(plan.graph.tensors[n].shape)) for n in span})
-    assert sizes[1] == -(-need // 8) * 64  # the 8-row step's values a row, for the chunk's 64 rows
-    assert arena_of(1) != arena_of(8) == arena_of(3) == arena_of(21) == lane._arena.untyped_storage().data_ptr()
+    assert sizes[0] == sizes[1] == sizes[2] < sizes[3] == sizes[4], sizes  # 3 and 1 rows fit the 8 rows' arena
+    assert sizes[3] >= 2 * sizes[0]
+    assert arena_of(8) == arena_of(3) == arena_of(1) != arena_of(21) == lane._arena.untyped_storage().data_ptr()

@@ -43,7 +43,6 @@ from fuselane.lanes.cuda.run.decode import DeviceSampler, Tail
 from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
 from fuselane.runtime.sampling import GREEDY, SamplingParams
-from fuselane.runtime.session import DEFAULT_CHUNK
 
 WARMUP_RUNS = 2  # runs before capture: Triton compiles each kernel on its first launch
 PDL_MAJOR = 9  # the compute capability (major) from which a kernel may launch as a dependent (Hopper)
@@ -234,24 +233,21 @@ class CudaLane:
             self._steps[key] = _Step(self, self.plan(rows, all_logits=all_logits))
         return self._steps[key]
 
-    def activation_arena(self, values: int, rows: int) -> Any:
-        """The first `values` f32 values of the lane's activation arena, which each new step of the lane (of
-        `rows` rows) lays its activations out in (`buffers`): its steps run one at a time on its one stream and
-        an activation lives inside its step, so a step's spans may hold another's dead values. One arena, not
-        one a step: a step is made for each row count a prompt's last chunk has, and an arena each grew with
-        every prompt length met.
+    def activation_arena(self, values: int) -> Any:
+        """The first `values` f32 values of the lane's activation arena, which each new step of the lane lays
+        its activations out in (`buffers`): its steps run one at a time on its one stream and an activation
+        lives inside its step, so a step's spans may hold another's dead values. One arena, not one a step: a
+        step is made for each row count a prompt's last chunk has, and an arena each grew with every prompt
+        length met.
 
-        The first chunk's arena is taken for a whole chunk's rows (`prefill_chunk`, or a session's), scaled
-        from its own values a row, so the shorter and longer prompts after it fit. Where a step needs more all
-        the same, a fresh arena of at least twice the size takes the old one's place for the steps made after;
-        the steps made before keep theirs and their captured graphs, so what a lane's arenas hold stays within
-        twice its largest."""
+        Where a step needs more than the arena holds, a fresh one of at least twice the size takes its place
+        for the steps made after; the steps made before keep theirs and their captured graphs. So the arenas a
+        lane holds sum to less than twice its last, which is less than twice the most a step of it needed. Not
+        sized ahead from a step's values a row: a latent attention's chunk holds values that grow with the
+        context, not the rows."""
         if self._arena is None or self._arena.numel() < values:
-            chunk = min(self.prefill_chunk or DEFAULT_CHUNK, self.ctx)
-            whole_chunk = -(-values // rows) * chunk if 1 < rows < chunk else 0
             least = 0 if self._arena is None else ARENA_GROWTH * self._arena.numel()
-            size = max(values, whole_chunk, least)
-            self._arena = self.torch.zeros(size, dtype=self.torch.float32, device=self.device)
+            self._arena = self.torch.zeros(max(values, least), dtype=self.torch.float32, device=self.device)
         return self._arena[:values]
 
     def cache(self, name: str, shape: tuple[int, ...]) -> Any:
@@ -435,10 +431,7 @@ class _Step:
 
         # activations share the arena's bytes where their lives do not overlap (`buffers`): a chunk's workspace
         # is what it holds at once, not every layer's
-        def arena(values: int) -> Any:
-            return lane.activation_arena(values, g.rows)
-
-        bufs, q8 = pooled_buffers(plan, f32, lambda shape: int8_form(shape, lane.device), arena)
+        bufs, q8 = pooled_buffers(plan, f32, lambda shape: int8_form(shape, lane.device), lane.activation_arena)
         rules = {leaf.ins[-1] for op in plan.ops for leaf in leaves(op) if isinstance(leaf.sym, GatedDelta)}
         for name, t in g.tensors.items():
             if t.role is Role.CACHE:
