@@ -189,14 +189,19 @@ def merged_gate_up(r: Rewriter, j: int) -> None:
         r.try_fuse("merged_gate_up", C.MERGED_GATE_UP, list(pair), pair[0], out=gate.out, dst=gate.dst)
 
 
-def _product_of(r: Rewriter, i: int):
-    """A product merged_projections may group: not a gate or up product, which the GLU rules pair."""
+def _product_of(r: Rewriter, i: int, x: str | None = None):
+    """A product merged_projections may group (of activation `x`, where given): not a gate or up product, which
+    the GLU rules pair. The activation is compared before the product's readers are looked for, which scans
+    the schedule: a group's scans over every slot would otherwise look for every product's readers."""
     if op_at(r, i, *PRODUCTS, C.ROW_WRITE) is None:
+        return None
+    product = gemv(r.s.get(i), r.g)
+    if product is None or (x is not None and product.x != x):
         return None
     reader = r.sole_reader(r.s.get(i).out)
     if reader is not None and op_at(r, reader, C.GLU_ACT_MUL, C.GEMV_GATE_UP_GLU) is not None:
         return None
-    return gemv(r.s.get(i), r.g)
+    return product
 
 
 def merged_projections(r: Rewriter, i: int) -> None:
@@ -204,12 +209,11 @@ def merged_projections(r: Rewriter, i: int) -> None:
     if first is None:
         return
     # a group starts at the first product of its activation, so the lane is asked once per group
-    if any((p := _product_of(r, k)) is not None and p.x == first.x for k in range(i)):
+    if any(_product_of(r, k, first.x) is not None for k in range(i)):
         return
     group = [i]
     for j in range(i + 1, len(r.s)):
-        p = _product_of(r, j)
-        if p is None or p.x != first.x:
+        if _product_of(r, j, first.x) is None:
             continue
         crossing = r.crossing([j], i)
         if crossing is None:
