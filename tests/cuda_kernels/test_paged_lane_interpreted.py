@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 from fuselane.engine.batch import engine_for  # noqa: E402
 from fuselane.engine.sequence import Event, Request  # noqa: E402
 from fuselane.gguf.synth import write_synthetic  # noqa: E402
+from fuselane.graph.ir import Role  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 from fuselane.runtime.sampling import GREEDY  # noqa: E402
 
@@ -56,6 +57,15 @@ def test_paged_cuda_lane_equals_cpu_alone(tmp_path):
     # every batch size (1, 2) and chunk size (1, 2, 4, 8) made ready before the first request
     assert engine.warm() == 2 + 4
     warmed = (sorted(engine.lane.steps), sorted(engine.lane.single._steps))
+    # the largest chunk warmed first: every chunk's activations lie in the one arena it took
+    single = engine.lane.single
+    arenas = {
+        buf.untyped_storage().data_ptr()
+        for step in single._steps.values()
+        for name, buf in step.bufs.items()
+        if name in step.plan.graph.tensors and step.plan.graph.tensors[name].role is Role.ACTIVATION
+    }
+    assert arenas == {single._arena.untyped_storage().data_ptr()}
     engine.lane = recorder = Recorder(engine.lane)
     events: dict[int, list[Event]] = {}
     ids = [

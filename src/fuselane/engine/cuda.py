@@ -165,7 +165,9 @@ class CudaPaged:
             if self.overlap:  # the advance's compile for this bucket (it moves only the spare block's rows)
                 advance(step.inputs, step.picked, rows, rows, self.width, self.block_size)
         chunks = [] if self.lane.recurrent else _chunk_sizes(min(chunk, self.lane.ctx - 1), self.lane.ctx)
-        for rows in chunks:
+        # the largest first: its activations take the lane's arena, which every smaller chunk then fits
+        # (`CudaLane.activation_arena`), where from the smallest up each size took a fresh arena twice the last
+        for rows in sorted(chunks, reverse=True):
             for _ in range(runs):
                 self.single.forward(np.zeros(rows, dtype=np.int32), 0)
         self.resident = None  # the scratch holds the warm-up's rows now
