@@ -238,7 +238,7 @@ def test_the_weights_are_parts_of_one_upload_holding_the_files_bytes(tmp_path):
     # one device buffer for every tensor (a block each took what the caching allocator rounds it to): each
     # matrix its file bytes at an aligned offset, each vector its f32 values, no two overlapping
     from fuselane.gguf.dequant import dequantize
-    from fuselane.lanes.cuda.run.lane import WEIGHT_ALIGN
+    from fuselane.lanes.cuda.plan.kernels import PART_ALIGN_BYTES
 
     path = write_synthetic(tmp_path / "m.gguf", "tiny-qwen3", "q4_k_m", seed=4)
     lane = load(path, lane="cuda", ctx=32).lane
@@ -248,7 +248,7 @@ def test_the_weights_are_parts_of_one_upload_holding_the_files_bytes(tmp_path):
         t = lane.tensors[name]
         assert raw.untyped_storage().data_ptr() == base, name
         start = raw.data_ptr() - base
-        assert start % WEIGHT_ALIGN == 0, name
+        assert start % PART_ALIGN_BYTES == 0, name
         spans.append((start, start + raw.numel() * raw.element_size()))
         if len(t.shape) == 1:
             assert np.array_equal(lane.vec[name].cpu().numpy(), dequantize(t.data, t.format, t.shape, dtype=np.float32))

@@ -47,6 +47,10 @@ MOE_CHUNK_ROWS = 512
 # Rows of a prefill chunk in a session under `prefill=f16-scratch`: each chunk decodes every matrix to f16 again,
 # so a 512-token prompt (llama.cpp's ubatch) in one chunk decodes them once rather than twice.
 SCRATCH_CHUNK_ROWS = 512
+
+# Where a buffer the lane carves into parts starts each part (the weights' upload, a step's activation arena):
+# at the caching allocator's block alignment, which every kernel's pointers had when each tensor was a block.
+PART_ALIGN_BYTES = 512
 # Values (f16) of that scratch: a matrix past it is decoded and multiplied a slab of its rows at a time (a gated
 # pair, a slab of each side by side). Measured on a 7B Q4_K_M's 512-row chunk (H200): every matrix whole (1.09 GB,
 # the output's rows) 20.3 ms; 64 MiB 22.2 ms at 4.4 % over the file and cache; 32 MiB 22.9 ms at 3.6 %; 16 MiB

@@ -23,8 +23,11 @@ from fuselane.fuse.optimizer import VIEWS, Plan
 from fuselane.fuse.views import class_of, leaves
 from fuselane.graph.classes import ClassId
 from fuselane.graph.ir import Op, QuantizedActs, Role
+from fuselane.lanes.cuda.plan.kernels import PART_ALIGN_BYTES
 
-ALIGN_VALUES = 128  # an activation's span starts on 512 bytes, the alignment a block of its own had
+F32_BYTES = 4
+
+ALIGN_VALUES = PART_ALIGN_BYTES // F32_BYTES  # an activation's span starts where a block of its own did
 
 
 def _names(op: Op) -> set[str]:

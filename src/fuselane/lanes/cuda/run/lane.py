@@ -34,7 +34,7 @@ from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Form, QuantFormat, QuantizedActs, Role, TensorGraph
 from fuselane.graph.ops import GatedDelta
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.plan.kernels import MOE_CHUNK_ROWS, QBLOCK, SCRATCH_CHUNK_ROWS
+from fuselane.lanes.cuda.plan.kernels import MOE_CHUNK_ROWS, PART_ALIGN_BYTES, QBLOCK, SCRATCH_CHUNK_ROWS
 from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights, StatePrecision
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run import decode as loop
@@ -47,7 +47,6 @@ from fuselane.runtime.sampling import GREEDY, SamplingParams
 WARMUP_RUNS = 2  # runs before capture: Triton compiles each kernel on its first launch
 PDL_MAJOR = 9  # the compute capability (major) from which a kernel may launch as a dependent (Hopper)
 ARENA_GROWTH = 2  # a replaced activation arena's least size, in its old size: the old ones sum to less than it
-WEIGHT_ALIGN = 512  # bytes between uploaded tensors: the caching allocator's block alignment, kept for the kernels
 
 
 class CudaLane:
@@ -155,7 +154,7 @@ class CudaLane:
     # ---- weights ----------------------------------------------------------------------------------------
 
     def _upload(self) -> None:
-        """Every tensor's bytes into one device buffer (`WEIGHT_ALIGN` apart), each name a view of its part:
+        """Every tensor's bytes into one device buffer (`kernels.PART_ALIGN_BYTES` apart), each name a view of its part:
         the caching allocator rounds each block it hands out, so a block a tensor took ~120 MB more than the
         file on an 8B checkpoint (254 matrices), where one buffer takes the file's bytes."""
         torch = self.torch
@@ -170,7 +169,7 @@ class CudaLane:
         at, offsets = 0, {}
         for name, h in host.items():
             offsets[name] = at
-            at += -(-h.numel() * h.element_size() // WEIGHT_ALIGN) * WEIGHT_ALIGN
+            at += -(-h.numel() * h.element_size() // PART_ALIGN_BYTES) * PART_ALIGN_BYTES
         arena = torch.empty(at, dtype=torch.uint8, device=self.device)
         for name, h in host.items():
             part = arena[offsets[name] : offsets[name] + h.numel() * h.element_size()]
