@@ -286,3 +286,25 @@ def test_every_step_lays_its_activations_out_in_the_lanes_one_arena(tmp_path):
     assert sizes[0] == sizes[1] == sizes[2] < sizes[3] == sizes[4], sizes  # 3 and 1 rows fit the 8 rows' arena
     assert sizes[3] >= 2 * sizes[0]
     assert arena_of(8) == arena_of(3) == arena_of(1) != arena_of(21) == lane._arena.untyped_storage().data_ptr()
+
+
+def test_the_scratch_is_sized_against_the_lanes_own_weights_and_caches(tmp_path):
+    # `run/workspace` takes the weights the lane uploaded, the caches a chunk binds and that chunk's arena and
+    # logits: the same bytes the lane then holds, so the share it sizes the scratch to is the model's
+    from fuselane.graph.ir import Role
+    from fuselane.lanes.cuda.plan.kernels import WORKSPACE_SHARE
+    from fuselane.lanes.cuda.run.buffers import arena_values
+
+    path = write_synthetic(tmp_path / "m.gguf", "tiny-qwen3", "q8_0", seed=4)
+    gpu = load(path, lane="cuda", ctx=32, knobs=["activations=dequant", "prefill=f16-scratch"])
+    gpu.session().feed(PROMPT)
+    lane = gpu.lane
+    ws = lane.workspace
+    caches = sum(c.numel() * c.element_size() for c in lane.caches.values())
+    assert lane.weights_bytes == lane.raw["token_embd.weight"][0].untyped_storage().nbytes()
+    assert ws.share_bytes == int(WORKSPACE_SHARE * (lane.weights_bytes + caches))
+    step = lane._steps[(len(PROMPT), False)]
+    logits = sum(b.numel() * 4 for n, b in step.bufs.items() if step.plan.graph.tensors[n].role is Role.OUTPUT)
+    chunk = lane.plan(min(512, lane.ctx))
+    assert ws.held_bytes == max(4 * arena_values(chunk), lane._arena.numel() * 4) + logits
+    assert lane.f16_scratch().numel() == ws.scratch_values

@@ -148,30 +148,6 @@ def test_prefill_auto_takes_the_scratch_and_a_batch_the_copies_only_where_they_f
     assert prefill_for(copy, cfg, tensors, 16, gpu, batch=True) is PrefillWeights.F16_COPY
 
 
-def test_scratch_holds_a_layers_largest_product() -> None:
-    # a layer's gated pair side by side, not the output's vocabulary rows (a chunk for every row's logits takes
-    # those in slabs), and no more than `kernels.F16_SCRATCH_VALUES`; at least a pair's two rows of the widest
-    from fuselane.lanes.cuda.plan import kernels
-    from fuselane.lanes.cuda.run.lane import scratch_values
-
-    small = {
-        "token_embd.weight": (151936, 896),
-        "output.weight": (151936, 896),
-        "blk.0.attn_q.weight": (896, 896),
-        "blk.0.ffn_gate.weight": (4864, 896),
-        "blk.0.ffn_up.weight": (4864, 896),
-        "blk.0.ffn_down.weight": (896, 4864),
-        "blk.0.attn_norm.weight": (896,),
-    }
-    assert scratch_values(small) == 2 * 4864 * 896
-    wide = {"blk.0.ffn_gate.weight": (18944, 3584), "blk.0.ffn_down.weight": (3584, 18944)}
-    assert scratch_values(wide) == kernels.F16_SCRATCH_VALUES
-    assert scratch_values({"blk.0.attn_q.weight": (2, 4096)}) == 2 * 4096
-    shared = {"blk.0.attn_q.weight": (2048, 2048), "blk.0.ffn_gate_shexp.weight": (1408, 2048)}
-    assert scratch_values(shared) == 2 * 1408 * 2048  # a shared expert's pair, side by side
-    assert scratch_values({"output.weight": (64, 32)}) == 64 * 32  # no layer: the matrices there are
-
-
 def test_explain_says_what_prefill_auto_takes_and_what_the_copies_would() -> None:
     from fuselane.lanes.cuda.plan.shim import CudaShim
 

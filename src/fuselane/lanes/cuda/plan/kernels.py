@@ -56,8 +56,21 @@ PART_ALIGN_BYTES = 512
 # the output's rows) 20.3 ms; 64 MiB 22.2 ms at 4.4 % over the file and cache; 32 MiB 22.9 ms at 3.6 %; 16 MiB
 # 26.7 ms (each slab's launches start to cost more than its product). With the decode's tiles below
 # (`DEQUANT_TILES`, 2026-12-03): 64 MiB 19.4 ms at 4.5 %, 32 MiB 21.1 ms at 3.8 %. A model whose layers'
-# largest product (a gated pair) is less takes that (`run/lane.scratch_values`).
+# largest product (a gated pair) is less takes that, and a model whose share below does not hold it less
+# (`run/workspace`).
 F16_SCRATCH_VALUES = 32 * 2**20
+# What a model may take on the GPU beyond its weights and its caches, as a share of them: the arena, the outputs,
+# cuBLAS's workspace, the scratch and a product's f16 operands of a chunk (`run/workspace` sizes the scratch to it).
+WORKSPACE_SHARE = 0.05
+# The fewest slabs a layer's largest product is never cut past to meet that share: a 0.5B's gated pair whole
+# 163,820 tok/s, in two slabs 128,730, in four 115,156 (H200, pp512). Where four do not fit, the share cannot
+# hold at the chunk's rows and the scratch keeps the product whole.
+SCRATCH_MOST_SLABS = 4
+# cuBLAS's workspace as torch takes it on Hopper (CUBLAS_WORKSPACE_CONFIG unset), and the one the lane asks for
+# where that leaves the scratch short of its most: 4 MiB, at which the small shapes' prompts measured the same
+# (0.5B pp512 161,132 against 156,704) and the 7B's 3.8 % slower, which is why it is not asked for always.
+CUBLAS_DEFAULT_WORKSPACE_BYTES = 32 * 2**20
+CUBLAS_LEAN_WORKSPACE = ":4096:1"
 # The whole-matrix decode's tile (`gemv/epilogue.dequantize`: values a program, warps), by format, and the tile
 # of a format not named. A thread's share of the tile pays its program's index arithmetic once: at 8 values a
 # thread (2,048 values, 8 warps, the old tile of every format) a Q4_K value took 35 instructions (sm_90), and

@@ -159,7 +159,8 @@ class CudaKnobs:
       decode the weights in the kernel for every product (no copy): Q4_K and Q6_K a super-block a step with the
       sub-scales folded into the f16 weights (`triton/gemm_sb.py`, not yet timed), other formats `triton/gemm.py`
       (slower than the copies). `f16-scratch` keeps no copy either: each product decodes its matrix to f16
-      (the copies' values) into one 64 MiB scratch (`kernels.F16_SCRATCH_VALUES`), a slab of rows at a time
+      (the copies' values) into one scratch (a layer's largest product, at most 64 MiB, less where a small
+      model's workspace share does not hold it: `run/workspace`), a slab of rows at a time
       where it does not fit, and lets cuBLAS take it, one launch and the decode's traffic more a slab; a
       prompt then runs in 512-row chunks (`kernels.SCRATCH_CHUNK_ROWS`), so a 512-token prompt decodes each
       matrix once. Under either f16 knob a chunk's gated pair rounds its activation once and joins its two

@@ -65,9 +65,7 @@ def pooled_buffers(
     gives the arena's n f32 values where steps share one (`CudaLane.activation_arena`), else `make` takes it."""
     g = plan.graph
     inside = unstored(plan)
-    pooled = {name for name, t in g.tensors.items() if t.role is Role.ACTIVATION} - inside
-    span = lives(plan, pooled)
-    offsets, total = arena_layout({name: (span[name], _numel(g.tensors[name].shape)) for name in span})
+    pooled, span, (offsets, total) = _layout(plan)
     arena_values = make((total,)) if arena is None else arena(total)
     shapes = {name: g.tensors[name].shape for name in offsets}
     bufs = {n: arena_values[at : at + _numel(shapes[n])].view(shapes[n]) for n, at in offsets.items()}
@@ -76,6 +74,19 @@ def pooled_buffers(
     for name in pooled - set(span) - views - inside:  # never touched by an op: a buffer of its own all the same
         bufs[name] = make(g.tensors[name].shape)
     return bufs, q8
+
+
+def arena_values(plan: Plan) -> int:
+    """The values of the arena `pooled_buffers` lays the plan's activations out in, none allocated."""
+    return _layout(plan)[2][1]
+
+
+def _layout(plan: Plan) -> tuple[set[str], dict[str, tuple[int, int]], tuple[dict[str, int], int]]:
+    """(the pooled activations, their lives, their arena layout) of a plan."""
+    g = plan.graph
+    pooled = {name for name, t in g.tensors.items() if t.role is Role.ACTIVATION} - unstored(plan)
+    span = lives(plan, pooled)
+    return pooled, span, arena_layout({name: (span[name], _numel(g.tensors[name].shape)) for name in span})
 
 
 def arena_layout(items: dict[str, tuple[tuple[int, int], int]]) -> tuple[dict[str, int], int]:

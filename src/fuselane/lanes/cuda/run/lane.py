@@ -33,12 +33,12 @@ from fuselane.gguf.dequant import dequantize
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Form, QuantFormat, QuantizedActs, Role, TensorGraph
 from fuselane.graph.ops import GatedDelta
-from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.kernels import MOE_CHUNK_ROWS, PART_ALIGN_BYTES, QBLOCK, SCRATCH_CHUNK_ROWS
 from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights, StatePrecision
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run import decode as loop
-from fuselane.lanes.cuda.run.buffers import pooled_buffers
+from fuselane.lanes.cuda.run import workspace
+from fuselane.lanes.cuda.run.buffers import F32_BYTES, arena_values, pooled_buffers
 from fuselane.lanes.cuda.run.decode import DeviceSampler, Tail
 from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
@@ -96,6 +96,7 @@ class CudaLane:
         self.vec: dict[str, Any] = {}
         self._dense: dict[str, Any] = {}
         self._scratch: Any = None  # `f16_scratch`
+        self.workspace: workspace.Workspace | None = None  # how the scratch was sized (`run/workspace`)
         # `capture_stream`: made with the lane, so its siblings (shallow copies) share it; none where no graph is
         self._capture_stream = torch.cuda.Stream(self.device) if graphs else None
         self._upload()
@@ -171,6 +172,7 @@ class CudaLane:
             offsets[name] = at
             at += -(-h.numel() * h.element_size() // PART_ALIGN_BYTES) * PART_ALIGN_BYTES
         arena = torch.empty(at, dtype=torch.uint8, device=self.device)
+        self.weights_bytes = at
         for name, h in host.items():
             part = arena[offsets[name] : offsets[name] + h.numel() * h.element_size()]
             part.copy_(h.contiguous().reshape(-1).view(torch.uint8))
@@ -195,15 +197,43 @@ class CudaLane:
             self._dense[name] = device_dequantize(raw, fmt, n, k, out)
         return self._dense[name]
 
-    def f16_scratch(self) -> Any:
+    def f16_scratch(self, plan: Plan | None = None) -> Any:
         """Under `prefill=f16-scratch`, the one f16 buffer every chunk product decodes its matrix into (made
-        once, `scratch_values` long). None under the other knobs."""
+        once, as `workspace` sizes it; `plan`, the step asking, saves planning its chunk again where it is one).
+        None under the other knobs."""
         if self.shim.knobs.prefill_weights is not PrefillWeights.F16_SCRATCH:
             return None
         if self._scratch is None:
-            values = scratch_values({n: t.shape for n, t in self.tensors.items()})
+            self.workspace = self._size_workspace(plan)
+            if self.workspace.cublas_config is not None and self.device.type == "cuda":
+                # torch reads it at the process's first product: the lane's, unless the process multiplied before
+                os.environ.setdefault(workspace.CUBLAS_CONFIG, self.workspace.cublas_config)
+            values = self.workspace.scratch_values
             self._scratch = self.torch.empty(values, dtype=self.torch.float16, device=self.device)
         return self._scratch
+
+    def _size_workspace(self, plan: Plan | None) -> workspace.Workspace:
+        """The scratch and cuBLAS workspace for this lane's chunks (`run/workspace`): against the weights and
+        the caches and states a chunk of `kernels.SCRATCH_CHUNK_ROWS` (or the context, where less) binds, beside
+        that chunk's arena and outputs."""
+        rows = min(SCRATCH_CHUNK_ROWS, self.ctx)
+        chunk = plan if plan is not None and plan.graph.rows == rows else self.plan(rows)
+        g = chunk.graph
+        rules = delta_rule_states(chunk)
+        base = self.weights_bytes
+        held = F32_BYTES * arena_values(chunk)
+        if self._arena is not None:  # a step made before holds an arena of its own size
+            held = max(held, self._arena.numel() * self._arena.element_size())
+        for name, t in g.tensors.items():
+            if t.role is Role.CACHE:
+                base += math.prod(t.shape) * CACHE_BYTES[self.shim.knobs.cache_precision]
+            elif t.role is Role.STATE:
+                state = self.state_dtype.itemsize if name in rules else F32_BYTES
+                base += math.prod(t.shape) * state
+            elif t.role is Role.OUTPUT:
+                held += F32_BYTES * math.prod(t.shape)
+        shapes = {n: t.shape for n, t in self.tensors.items()}
+        return workspace.size(shapes, rows, base, held, os.environ.get(workspace.CUBLAS_CONFIG))
 
     def weight_bytes(self) -> int:
         """Bytes a decode step reads: every matrix once, but the embedding table (one row is gathered) and a
@@ -351,10 +381,6 @@ def int8_form(shape: tuple[int, ...], device: Any) -> Any:
 PREFILL_HEADROOM = 0.05
 PREFILL_HEADROOM_MIN_BYTES = 2 * 2**30
 F16_BYTES = 2
-LAYER_PREFIX = "blk."  # a GGUF layer's tensors; the embedding and output tables are named without it
-GATE_SUFFIXES = ("ffn_gate.weight", "ffn_gate_shexp.weight")  # a gated pair's gate (a shared expert's too): its
-# slab is decoded beside the up's
-GATED_PAIR = 2
 CACHE_BYTES = {CachePrecision.F16: F16_BYTES, CachePrecision.F32: 4}  # a cached value's bytes, by the `cache` knob
 
 
@@ -379,16 +405,10 @@ def prefill_for(
     return PrefillWeights.F16_COPY if fits else PrefillWeights.F16_SCRATCH
 
 
-def scratch_values(shapes: Mapping[str, tuple[int, ...]]) -> int:
-    """The f16 scratch's values: a layer's largest product (a gated pair's two matrices side by side), or
-    `kernels.F16_SCRATCH_VALUES` where that is less, and at least two rows of the widest matrix (a pair's
-    slab). A matrix past it goes in slabs of its rows: the output's, which only a chunk asked for every row's
-    logits multiplies, so a small model's scratch is a layer's size, not its vocabulary's."""
-    matrices = {n: s for n, s in shapes.items() if len(s) == 2}
-    layers = {n: s for n, s in matrices.items() if n.startswith(LAYER_PREFIX)} or matrices
-    largest = max(n * k * (GATED_PAIR if name.endswith(GATE_SUFFIXES) else 1) for name, (n, k) in layers.items())
-    widest = max(k for _, k in matrices.values())
-    return max(min(largest, kernels.F16_SCRATCH_VALUES), GATED_PAIR * widest)
+def delta_rule_states(plan: Plan) -> set[str]:
+    """The states a gated delta rule of the plan sums into (kept in the `state` knob's precision; a
+    convolution's states stay f32)."""
+    return {leaf.ins[-1] for op in plan.ops for leaf in leaves(op) if isinstance(leaf.sym, GatedDelta)}
 
 
 def copies_fit(tensors: Mapping[str, Any], cache: int, free: int, total: int) -> bool:
@@ -431,7 +451,7 @@ class _Step:
         # activations share the arena's bytes where their lives do not overlap (`buffers`): a chunk's workspace
         # is what it holds at once, not every layer's
         bufs, q8 = pooled_buffers(plan, f32, lambda shape: int8_form(shape, lane.device), lane.activation_arena)
-        rules = {leaf.ins[-1] for op in plan.ops for leaf in leaves(op) if isinstance(leaf.sym, GatedDelta)}
+        rules = delta_rule_states(plan)
         for name, t in g.tensors.items():
             if t.role is Role.CACHE:
                 bufs[name] = lane.cache(name, t.shape)
@@ -448,7 +468,7 @@ class _Step:
         bound = Bound(
             g, bufs, lane.raw, lane.vec, lane.dense,
             in_place=in_place, q8=q8, attention_f16=_attention_in_f16(lane.shim.knobs), sms=lane.shim.knobs.chip.sms,
-            delta_products=lane.shim.knobs.delta_products.value, f16_scratch=lane.f16_scratch(),
+            delta_products=lane.shim.knobs.delta_products.value, f16_scratch=lane.f16_scratch(plan),
         )  # fmt: skip
         # each op of the plan and its launches (one, none for a view): what `fuselane explain` counts
         self.bound = [(op, bind(op, bound)) for op in plan.ops]

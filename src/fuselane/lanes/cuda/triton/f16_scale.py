@@ -217,6 +217,7 @@ def gate_up_glu_from_bytes(
             dequantize(w[n0 * row_bytes : (n0 + s) * row_bytes], fmt, s, k, pair[half * s : (half + 1) * s])
         both = x16 @ pair.T
         glu_store(both[:, :s], both[:, s:], scales, out[:, n0 : n0 + s])
+        del both  # else the next slab's product is allocated while this one is still held: two at once
     return out
 
 

@@ -1,0 +1,135 @@
+"""A prefill chunk's workspace under `prefill=f16-scratch`: how many values the f16 scratch holds and which cuBLAS
+workspace the lane asks for, so that what a chunk holds beyond the weights and the caches stays within
+`kernels.WORKSPACE_SHARE` of them.
+
+Beyond the weights and the caches a chunk holds its activation arena (`buffers`) and outputs, cuBLAS's
+workspace, the scratch every product decodes its matrix into, and the operands of the product that runs: its
+activation rounded to f16 and its f16 product, a slab's columns of it (`triton/f16_scale`). The arena and the
+outputs are set by the model and the chunk's rows; the scratch takes what is left, the most of a layer's
+largest product (up to `kernels.F16_SCRATCH_VALUES`) for which every product stays within the share. A smaller
+scratch multiplies a matrix in more slabs, each a decode and a cuBLAS call of its own: on a 0.5B at 512 rows,
+the gated pair whole 163,820 tok/s, in two slabs 128,730, in four 115,156 (H200, RESULTS.md 2026-12-04). So
+the scratch never takes less than a layer's largest product in `kernels.SCRATCH_MOST_SLABS` slabs: where even
+that does not fit, the share cannot hold at the chunk's rows, and the scratch keeps the whole product (the
+speed) rather than pay for a bar it misses all the same.
+
+cuBLAS takes a workspace of its own, 32 MiB on Hopper unless `CUBLAS_WORKSPACE_CONFIG` says otherwise, which
+torch reads once a process, when it first multiplies. Where that workspace leaves the whole scratch no room,
+the lane asks for 4 MiB (`kernels.CUBLAS_LEAN_WORKSPACE`) before its first product: the small shapes' prompts
+measured the same (0.5B 161,132 against 156,704 tok/s), where the 7B's lost 3.8 %, so the large shapes keep the
+default. A value the user set stays and is counted as set.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from fuselane.lanes.cuda.plan import kernels
+
+F16_BYTES = 2
+F32_BYTES = 4
+LAYER_PREFIX = "blk."
+GATE_SUFFIXES = ("ffn_gate.weight", "ffn_gate_shexp.weight")  # a gated pair's gate (a shared expert's too): its
+# slab is decoded beside the up's
+GATED_PAIR = 2
+KIB = 1024
+CUBLAS_CONFIG = "CUBLAS_WORKSPACE_CONFIG"  # torch's ":KiB:count" pairs, read once a process
+_CONFIG_PAIR = re.compile(r":(\d+):(\d+)")
+
+
+@dataclass(frozen=True, slots=True)
+class Workspace:
+    """What the lane takes for a chunk's products, and the bytes it was sized against."""
+
+    scratch_values: int  # the f16 scratch's values
+    cublas_config: str | None  # the CUBLAS_WORKSPACE_CONFIG the lane asks for; None: torch's default or the user's
+    cublas_bytes: int  # cuBLAS's workspace as counted
+    share_bytes: int  # kernels.WORKSPACE_SHARE of the weights and the caches
+    held_bytes: int  # the chunk's arena and outputs
+    within: bool  # whether the scratch, the products' operands, cuBLAS's and the held bytes fit the share
+
+
+def cublas_bytes(config: str | None) -> int:
+    """cuBLAS's workspace, in bytes, under a CUBLAS_WORKSPACE_CONFIG value (":4096:8" is 8 of 4,096 KiB); torch's
+    Hopper default where there is none or it names no size."""
+    pairs = _CONFIG_PAIR.findall(config or "")
+    return sum(int(kib) * KIB * int(count) for kib, count in pairs) or kernels.CUBLAS_DEFAULT_WORKSPACE_BYTES
+
+
+def layer_products(shapes: Mapping[str, tuple[int, ...]]) -> dict[int, int]:
+    """The largest product's values (a gated pair's two matrices side by side) by the width k it multiplies,
+    over a layer's matrices (every matrix where the names have no layers): a vocabulary's output rows, which
+    only a chunk asked for every row's logits multiplies, go in slabs of whatever the scratch holds."""
+    matrices = {n: s for n, s in shapes.items() if len(s) == 2}
+    layers = {n: s for n, s in matrices.items() if n.startswith(LAYER_PREFIX)} or matrices
+    by_width: dict[int, int] = {}
+    for name, (n, k) in layers.items():
+        values = n * k * (GATED_PAIR if name.endswith(GATE_SUFFIXES) else 1)
+        by_width[k] = max(by_width.get(k, 0), values)
+    return by_width
+
+
+def operand_bytes(products: Mapping[int, int], rows: int, values: int) -> int:
+    """The most one product's transient operands take at `rows` rows with a scratch of `values`: its activation
+    rounded to f16 and its rows' scales, and its f16 product, a slab's columns (as many as the scratch holds)."""
+    return max(
+        F16_BYTES * rows * k + F32_BYTES * rows + F16_BYTES * rows * (min(values, most) // k)
+        for k, most in products.items()
+    )
+
+
+def scratch_bounds(shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
+    """(the least, the most) values the scratch takes: the most is a layer's largest product, up to
+    `kernels.F16_SCRATCH_VALUES`; the least that product in `kernels.SCRATCH_MOST_SLABS` slabs. Both hold at
+    least two rows of the widest matrix (a gated pair's slab)."""
+    matrices = [s for s in shapes.values() if len(s) == 2]
+    pair_row = GATED_PAIR * max(k for _, k in matrices)
+    largest = max(layer_products(shapes).values())
+    most = min(largest, kernels.F16_SCRATCH_VALUES)
+    least = min(most, math.ceil(largest / kernels.SCRATCH_MOST_SLABS))
+    return max(least, pair_row), max(most, pair_row)
+
+
+def fit(shapes: Mapping[str, tuple[int, ...]], rows: int, room: int) -> int | None:
+    """The most scratch values within `scratch_bounds` for which the scratch and any product's operands take at
+    most `room` bytes; None where not even the least does."""
+    products = layer_products(shapes)
+    least, most = scratch_bounds(shapes)
+
+    def fits(values: int) -> bool:
+        return F16_BYTES * values + operand_bytes(products, rows, values) <= room
+
+    if not fits(least):
+        return None
+    lo, hi = least, most  # fits(lo) holds; the bytes grow with the values
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def size(
+    shapes: Mapping[str, tuple[int, ...]], rows: int, base_bytes: int, held_bytes: int, config: str | None
+) -> Workspace:
+    """The scratch and cuBLAS workspace for chunks of `rows` rows of a model whose weights and caches take
+    `base_bytes`, a chunk's arena and outputs `held_bytes`, under the process's CUBLAS_WORKSPACE_CONFIG
+    `config` (None: unset, so the lane may ask for the lean one)."""
+    share = int(kernels.WORKSPACE_SHARE * base_bytes)
+    _, most = scratch_bounds(shapes)
+    asks = [None] if config is not None else [None, kernels.CUBLAS_LEAN_WORKSPACE]
+    for ask in asks:
+        counted = cublas_bytes(config if ask is None else ask)
+        values = fit(shapes, rows, share - held_bytes - counted)
+        if values == most or ask is asks[-1]:
+            break
+    return Workspace(
+        scratch_values=most if values is None else values,
+        cublas_config=ask,
+        cublas_bytes=counted,
+        share_bytes=share,
+        held_bytes=held_bytes,
+        within=values is not None,
+    )

@@ -1,0 +1,104 @@
+"""How the cuda lane sizes a chunk's f16 scratch and asks for cuBLAS's workspace (`run/workspace`): within
+`kernels.WORKSPACE_SHARE` of the weights and caches where a layer's largest product in at most
+`kernels.SCRATCH_MOST_SLABS` slabs fits, else the whole product; pure arithmetic, no GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.run import workspace
+from fuselane.lanes.cuda.run.workspace import cublas_bytes, fit, operand_bytes, scratch_bounds, size
+
+MIB = 2**20
+# Qwen2.5-0.5B's matrices (one layer) and its vocabulary's tables
+SMALL = {
+    "token_embd.weight": (151936, 896),
+    "output.weight": (151936, 896),
+    "blk.0.attn_q.weight": (896, 896),
+    "blk.0.attn_k.weight": (128, 896),
+    "blk.0.ffn_gate.weight": (4864, 896),
+    "blk.0.ffn_up.weight": (4864, 896),
+    "blk.0.ffn_down.weight": (896, 4864),
+    "blk.0.attn_norm.weight": (896,),
+}
+PAIR = 2 * 4864 * 896  # the 0.5B's gated pair, side by side: its largest product
+WIDE = {"blk.0.ffn_gate.weight": (18944, 3584), "blk.0.ffn_down.weight": (3584, 18944)}  # a 7B's
+
+
+def test_the_scratch_holds_a_layers_largest_product_at_most():
+    # a layer's gated pair side by side, not the output's vocabulary rows (a chunk for every row's logits takes
+    # those in slabs), and no more than `kernels.F16_SCRATCH_VALUES`; at least a pair's two rows of the widest
+    assert scratch_bounds(SMALL) == (-(-PAIR // kernels.SCRATCH_MOST_SLABS), PAIR)
+    assert scratch_bounds(WIDE)[1] == kernels.F16_SCRATCH_VALUES
+    assert scratch_bounds(WIDE)[0] == kernels.F16_SCRATCH_VALUES  # past the cap in four slabs already
+    assert scratch_bounds({"blk.0.attn_q.weight": (2, 4096)}) == (2 * 4096, 2 * 4096)
+    shared = {"blk.0.attn_q.weight": (2048, 2048), "blk.0.ffn_gate_shexp.weight": (1408, 2048)}
+    assert scratch_bounds(shared)[1] == 2 * 1408 * 2048  # a shared expert's pair, side by side
+    assert scratch_bounds({"output.weight": (64, 32)})[1] == 64 * 32  # no layer: the matrices there are
+
+
+@pytest.mark.parametrize(
+    ("config", "mib"), [(None, 32), ("", 32), (":4096:1", 4), (":4096:8", 32), (":4096:2:16:8", 8.125), ("x", 32)]
+)
+def test_cublas_workspace_is_read_as_torch_reads_it(config, mib):
+    assert cublas_bytes(config) == mib * MIB
+
+
+def test_a_products_operands_by_hand():
+    # 512 rows of the gate/up pair (k 896) with a scratch of the whole pair: the rounded activation, its scales
+    # and the f16 product of both halves; the down (k 4,864) rounds a wider activation into fewer columns
+    products = workspace.layer_products(SMALL)
+    assert products == {896: PAIR, 4864: 896 * 4864}
+    pair = 2 * 512 * 896 + 4 * 512 + 2 * 512 * (PAIR // 896)
+    down = 2 * 512 * 4864 + 4 * 512 + 2 * 512 * 896
+    assert operand_bytes(products, 512, PAIR) == max(pair, down) == pair
+    assert operand_bytes(products, 512, 896 * 4864) == max(2 * 512 * 896 + 4 * 512 + 2 * 512 * 4864, down)
+
+
+def test_the_scratch_is_the_most_that_fits_its_room():
+    products = workspace.layer_products(SMALL)
+    least, most = scratch_bounds(SMALL)
+    for room in (12 * MIB, 16 * MIB, 24 * MIB):
+        values = fit(SMALL, 512, room)
+        assert values is not None and least <= values < most
+        assert (
+            2 * values + operand_bytes(products, 512, values)
+            <= room
+            < 2 * (values + 1) + operand_bytes(products, 512, values + 1)
+        )
+    assert fit(SMALL, 512, 64 * MIB) == most
+    assert fit(SMALL, 512, 4 * MIB) is None  # not even the pair in four slabs
+
+
+def test_a_large_model_keeps_the_whole_scratch_and_cublass_default():
+    # a 7B's file and cache: the 64 MiB scratch and cuBLAS's 32 MiB fit its 5 %
+    ws = size(WIDE, 512, 4_700_000_000, 60_000_000, None)
+    assert ws.within and ws.cublas_config is None and ws.scratch_values == kernels.F16_SCRATCH_VALUES
+    assert ws.cublas_bytes == kernels.CUBLAS_DEFAULT_WORKSPACE_BYTES
+
+
+def test_a_small_model_asks_for_the_lean_cublas_workspace_and_a_scratch_within_the_share():
+    base, held = 1_100_000_000, 25_000_000
+    ws = size(SMALL, 512, base, held, None)
+    assert ws.cublas_config == kernels.CUBLAS_LEAN_WORKSPACE and ws.cublas_bytes == 4 * MIB
+    assert ws.within and ws.scratch_values < PAIR
+    total = held + ws.cublas_bytes + 2 * ws.scratch_values
+    total += operand_bytes(workspace.layer_products(SMALL), 512, ws.scratch_values)
+    assert total <= kernels.WORKSPACE_SHARE * base == ws.share_bytes
+
+
+def test_where_the_share_cannot_hold_the_scratch_keeps_the_whole_product():
+    # a 0.5B's file and cache leave ~25 MB, and a chunk's arena takes half of it: four slabs of the pair do
+    # not fit beside a 512-row down's operand, so the speed is kept and the miss said
+    ws = size(SMALL, 512, 493_000_000, 14_000_000, None)
+    assert not ws.within and ws.scratch_values == PAIR and ws.cublas_config == kernels.CUBLAS_LEAN_WORKSPACE
+
+
+def test_a_workspace_the_user_set_is_kept_and_counted():
+    # the lane asks for nothing where the process says: 32 MiB leaves this share no room for four slabs
+    ws = size(SMALL, 512, 1_100_000_000, 25_000_000, ":4096:8")
+    assert ws.cublas_config is None and ws.cublas_bytes == 32 * MIB
+    assert not ws.within and ws.scratch_values == PAIR
+    lean = size(SMALL, 512, 1_100_000_000, 25_000_000, ":4096:1")
+    assert lean.cublas_config is None and lean.within and lean.scratch_values < PAIR
