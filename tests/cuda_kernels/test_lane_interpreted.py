@@ -306,5 +306,6 @@ def test_the_scratch_is_sized_against_the_lanes_own_weights_and_caches(tmp_path)
     step = lane._steps[(len(PROMPT), False)]
     logits = sum(b.numel() * 4 for n, b in step.bufs.items() if step.plan.graph.tensors[n].role is Role.OUTPUT)
     chunk = lane.plan(min(512, lane.ctx))
-    assert ws.held_bytes == max(4 * arena_values(chunk), lane._arena.numel() * 4) + logits
+    decode = 4 * gpu.cfg.vocab + gpu.cfg.vocab * (4 + 8)  # a decode step's logits, a sampled draw's candidates
+    assert ws.held_bytes == max(4 * arena_values(chunk), lane._arena.numel() * 4) + logits + decode
     assert lane.f16_scratch().numel() == ws.scratch_values

@@ -215,7 +215,7 @@ class CudaLane:
     def _size_workspace(self, plan: Plan | None) -> workspace.Workspace:
         """The scratch and cuBLAS workspace for this lane's chunks (`run/workspace`): against the weights and
         the caches and states a chunk of `kernels.SCRATCH_CHUNK_ROWS` (or the context, where less) binds, beside
-        that chunk's arena and outputs."""
+        that chunk's arena and outputs, a decode step's logits and a sampled draw's candidates."""
         rows = min(SCRATCH_CHUNK_ROWS, self.ctx)
         chunk = plan if plan is not None and plan.graph.rows == rows else self.plan(rows)
         g = chunk.graph
@@ -232,6 +232,8 @@ class CudaLane:
                 base += math.prod(t.shape) * state
             elif t.role is Role.OUTPUT:
                 held += F32_BYTES * math.prod(t.shape)
+        # a decode step writes a row of logits of its own, and a sampled draw holds its candidates
+        held += F32_BYTES * self.cfg.vocab + self.cfg.vocab * loop.CANDIDATE_BYTES
         shapes = {n: t.shape for n, t in self.tensors.items()}
         return workspace.size(shapes, rows, base, held, os.environ.get(workspace.CUBLAS_CONFIG))
 
