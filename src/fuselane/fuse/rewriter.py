@@ -12,6 +12,7 @@ patterns hand over the reason as a callable, so it is only built when asked.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -51,10 +52,15 @@ class Unmatched(NamedTuple):
 
 
 class Schedule:
-    """Ops in order, each slot live or emptied by a fusion."""
+    """Ops in order, each slot live or emptied by a fusion, with an index of which slots read and write each
+    tensor: the rules ask for a value's readers and producer thousands of times a plan (an 8B's), and a scan of
+    every slot each time was most of what planning took. The index follows a slot set in place and is built
+    again, on the next question, after slots are spliced in (which moves the slots after them)."""
 
     def __init__(self, ops: Sequence[Op]) -> None:
         self.ops: list[Op | None] = list(ops)
+        self._reads: dict[str, list[int]] | None = None  # by tensor, the slots that read it, ascending
+        self._writes: dict[str, list[int]] | None = None  # by tensor, the slots that write it, ascending
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -71,15 +77,56 @@ class Schedule:
     def live(self) -> list[Op]:
         return [op for op in self.ops if op is not None]
 
+    def set(self, i: int, op: Op | None) -> None:
+        """Put `op` at slot `i` (None empties it), keeping the index."""
+        if self._reads is not None and self._writes is not None:
+            old = self.ops[i]
+            if old is not None:
+                _unindex(self._reads, facts.reads(old), i)
+                _unindex(self._writes, facts.writes(old), i)
+            if op is not None:
+                _index(self._reads, facts.reads(op), i)
+                _index(self._writes, facts.writes(op), i)
+        self.ops[i] = op
+
+    def splice(self, at: int, ops: Sequence[Op]) -> None:
+        """Put `ops` in place of slot `at`, moving the slots after along."""
+        self.ops[at : at + 1] = list(ops)
+        self._reads = self._writes = None
+
+    def insert(self, at: int, op: Op) -> None:
+        """Put `op` in a new slot before slot `at`."""
+        self.ops.insert(at, op)
+        self._reads = self._writes = None
+
     def producer(self, name: str, before: int | None = None) -> int | None:
         """The last live op that writes `name` (before slot `before`: the value an op there reads)."""
-        end = len(self.ops) if before is None else before
-        found = [i for i, op in enumerate(self.ops[:end]) if op is not None and name in facts.writes(op)]
-        return found[-1] if found else None
+        found = self._index()[1].get(name, [])
+        end = len(found) if before is None else bisect.bisect_left(found, before)
+        return found[end - 1] if end else None
 
     def readers(self, name: str) -> list[int]:
         """The live ops that read `name`."""
-        return [i for i, op in enumerate(self.ops) if op is not None and name in facts.reads(op)]
+        return list(self._index()[0].get(name, ()))
+
+    def _index(self) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        if self._reads is None or self._writes is None:
+            self._reads, self._writes = {}, {}
+            for i, op in enumerate(self.ops):
+                if op is not None:
+                    _index(self._reads, facts.reads(op), i)
+                    _index(self._writes, facts.writes(op), i)
+        return self._reads, self._writes
+
+
+def _index(index: dict[str, list[int]], names: Sequence[str], i: int) -> None:
+    for name in dict.fromkeys(names):
+        bisect.insort(index.setdefault(name, []), i)
+
+
+def _unindex(index: dict[str, list[int]], names: Sequence[str], i: int) -> None:
+    for name in dict.fromkeys(names):
+        index[name].remove(i)
 
 
 @dataclass(slots=True)
@@ -189,8 +236,8 @@ class Rewriter:
     def place(self, rule: str, op: Op, members: Sequence[int], at: int) -> None:
         """Put `op` at slot `at` and empty the other members' slots."""
         for m in members:
-            self.s.ops[m] = None
-        self.s.ops[at] = op
+            self.s.set(m, None)
+        self.s.set(at, op)
         assert isinstance(op.sym, Fused)
         self.events.append(Fired(rule, op.sym.cls, op.covers))
 
@@ -200,7 +247,7 @@ class Rewriter:
         (`undone`; by default the op itself) is recorded as a miss for `fits`: the lane has no launch for it
         here."""
         op = self.s.get(at)
-        self.s.ops[at : at + 1] = list(ops)
+        self.s.splice(at, ops)
         for gone in undone or (op,):
             assert isinstance(gone.sym, Fused)
             self.events.append(Missed(rule, gone.sym.cls, gone.covers, "fits", reason))
@@ -208,7 +255,7 @@ class Rewriter:
     def insert(self, at: int, op: Op) -> None:
         """Put a lane's own op (one no model emits, covering none of the graph's) at slot `at`, before what is
         there."""
-        self.s.ops.insert(at, op)
+        self.s.insert(at, op)
 
     def fuse(
         self, rule: str, cls: ClassId, at: int, others: Sequence[int], ins, out: str, dst: Dst, launches: int = 1

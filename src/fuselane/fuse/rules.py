@@ -191,8 +191,7 @@ def merged_gate_up(r: Rewriter, j: int) -> None:
 
 def _product_of(r: Rewriter, i: int, x: str | None = None):
     """A product merged_projections may group (of activation `x`, where given): not a gate or up product, which
-    the GLU rules pair. The activation is compared before the product's readers are looked for, which scans
-    the schedule: a group's scans over every slot would otherwise look for every product's readers."""
+    the GLU rules pair. The activation is compared before the product's readers are looked for."""
     if op_at(r, i, *PRODUCTS, C.ROW_WRITE) is None:
         return None
     product = gemv(r.s.get(i), r.g)
@@ -208,11 +207,13 @@ def merged_projections(r: Rewriter, i: int) -> None:
     first = _product_of(r, i)
     if first is None:
         return
-    # a group starts at the first product of its activation, so the lane is asked once per group
-    if any(_product_of(r, k, first.x) is not None for k in range(i)):
+    # only a reader of the activation can be a product of it; a group starts at the first, so the lane is asked
+    # once per group
+    others = [k for k in r.s.readers(first.x) if k != i]
+    if any(_product_of(r, k, first.x) is not None for k in others if k < i):
         return
     group = [i]
-    for j in range(i + 1, len(r.s)):
+    for j in (k for k in others if k > i):
         if _product_of(r, j, first.x) is None:
             continue
         crossing = r.crossing([j], i)

@@ -109,4 +109,4 @@ def chunked_delta(r) -> None:
             continue
         rule = delta_rule(op)
         if rule is not None and delta_chunked(rule.rows, rule.dk):
-            r.s.ops[i] = replace(op, sym=replace(op.sym, launches=DELTA_FORM_LAUNCHES[DELTA_SPLIT]))
+            r.s.set(i, replace(op, sym=replace(op.sym, launches=DELTA_FORM_LAUNCHES[DELTA_SPLIT])))
