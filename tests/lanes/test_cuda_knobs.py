@@ -153,6 +153,7 @@ def test_explain_says_what_prefill_auto_takes_and_what_the_copies_would() -> Non
 
     single = CudaShim(CudaKnobs()).prefill_products
     assert "into one scratch" in single and "prefill=f16-copy keeps f16 copies instead: faster" in single
+    assert "prefill=int8 multiplies on the int8 tensor cores" in single and "a tenth of the speed" in single
     batch = CudaShim(CudaKnobs.parse(["batch=true"])).prefill_products
     assert batch.startswith("multiply f16 copies of the matrices where they fit")
     copies = CudaShim(CudaKnobs.parse(["prefill=f16-copy"])).prefill_products

@@ -167,6 +167,12 @@ _ACTIVATION_FORMATS: dict[Activations, QuantFormat | None] = {
     Activations.INT8X2: QuantFormat.TWO_WORDS,
 }
 _IN_KERNEL = "decode the checkpoint's bytes to f16 in the kernel"  # the f16 GEMMs' words for `explain`
+# why `auto` does not take the int8 tensor-core GEMM: H200 pp512, 7B Q4_K_M 2,220 against 26,915 tok/s, 0.5B
+# 15,275 against 147,308, 1.5B 7,723 against 83,961 (benchmarks/RESULTS.md, 2026-12-02 and 2026-12-04)
+_INT8_SLOWER = (
+    "prefill=int8 multiplies on the int8 tensor cores from the checkpoint's bytes, rounding nothing to f16, "
+    "at about a tenth of the speed (H200)"
+)
 # the chunked delta rule's products where they are not the default TF32x3 (`delta_products=ieee`)
 IEEE_DELTA = "; the chunked delta rule multiplies in f32 FMA products (IEEE)"
 _CACHE_KEEP = {CachePrecision.F32: Keep.F32, CachePrecision.F16: Keep.F16}
@@ -374,7 +380,7 @@ class CudaShim:
             return f"{copies} {decoded}, {scaled} (prefill=auto)"
         if self.knobs.prefill_weights is PrefillWeights.AUTO:
             faster = "prefill=f16-copy keeps f16 copies instead: faster, at 3.6x a Q4_K matrix's bytes"
-            return f"{decoded}, {scaled} (prefill=auto; {faster})"
+            return f"{decoded}, {scaled} (prefill=auto; {faster}; {_INT8_SLOWER})"
         return _IN_KERNEL
 
     @property
