@@ -206,7 +206,7 @@ class CudaLane:
         if self._scratch is None:
             self.workspace = self._size_workspace(plan)
             if self.workspace.cublas_config is not None and self.device.type == "cuda":
-                # torch reads it at the process's first product: the lane's, unless the process multiplied before
+                # read when torch makes the lane's stream's workspace (some versions: at the process's first product)
                 os.environ.setdefault(workspace.CUBLAS_CONFIG, self.workspace.cublas_config)
             values = self.workspace.scratch_values
             self._scratch = self.torch.empty(values, dtype=self.torch.float16, device=self.device)

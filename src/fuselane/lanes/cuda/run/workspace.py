@@ -14,10 +14,10 @@ that does not fit, the share cannot hold at the chunk's rows, and the scratch ke
 speed) rather than pay for a bar it misses all the same.
 
 cuBLAS takes a workspace of its own, 32 MiB on Hopper unless `CUBLAS_WORKSPACE_CONFIG` says otherwise, which
-torch reads once a process, when it first multiplies. Where that workspace leaves the whole scratch no room,
-the lane asks for 4 MiB (`kernels.CUBLAS_LEAN_WORKSPACE`) before its first product: the small shapes' prompts
-measured the same (0.5B 161,132 against 156,704 tok/s), where the 7B's lost 3.8 %, so the large shapes keep the
-default. A value the user set stays and is counted as set.
+torch reads when it makes a stream's workspace (once a process, in some of its versions). Where that workspace
+leaves the scratch short of its most, the lane asks for 4 MiB (`kernels.CUBLAS_LEAN_WORKSPACE`) before its first
+product: the small shapes' prompts measured the same (0.5B 161,132 against 156,704 tok/s), where the 7B's lost
+3.8 %, so the large shapes keep the default. A value the user set stays and is counted as set.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ GATE_SUFFIXES = ("ffn_gate.weight", "ffn_gate_shexp.weight")  # a gated pair's g
 # slab is decoded beside the up's
 GATED_PAIR = 2
 KIB = 1024
-CUBLAS_CONFIG = "CUBLAS_WORKSPACE_CONFIG"  # torch's ":KiB:count" pairs, read once a process
+CUBLAS_CONFIG = "CUBLAS_WORKSPACE_CONFIG"  # torch's ":KiB:count" pairs
 _CONFIG_PAIR = re.compile(r":(\d+):(\d+)")
 
 
