@@ -72,13 +72,24 @@ def test_the_arena_layout_packs_spans_by_their_lives():
     assert offsets == {"x": 0, "y": 256, "z": 0} and total == 512
 
 
-def test_a_chunks_gated_pair_stores_only_its_glu():
+def _inner(plan, cls: C) -> tuple[list, set[str]]:
+    """The ops of `cls` and the values only their parts write."""
+    ops = [op for op in plan.ops if class_of(op) is cls]
+    return ops, {leaf.out for op in ops for leaf in leaves(op)} - {op.out for op in ops}
+
+
+def test_a_chunks_gated_pair_and_rotations_store_only_their_results():
     # on cuBLAS a chunk's pair joins its products' f16 tiles in its epilogue: its gate, up and SiLU take no
-    # buffer; every other fused op's parts keep theirs (a GEMV in parts writes each member's output)
+    # buffer; the query/key norms and rotations keep their normed and rotated parts in registers, storing the
+    # rotated query (the attention reads it) and the key's cache row. Every other fused op's parts keep theirs
+    # (a GEMV in parts writes each member's output)
     _, cfg, plan = build_plan("synth:tiny-qwen3", lane="cuda", form="prefill", rows=16)
-    pairs = [op for op in plan.ops if class_of(op) is C.GEMV_GATE_UP_GLU]
-    inner = {leaf.out for op in pairs for leaf in leaves(op)} - {op.out for op in pairs}
-    assert len(pairs) == cfg.n_layers and len(inner) == 3 * cfg.n_layers  # gate, up, the gate's SiLU
-    assert unstored(plan) == inner
+    pairs, in_pairs = _inner(plan, C.GEMV_GATE_UP_GLU)
+    turns, in_turns = _inner(plan, C.ROPE_QK_ONE_LAUNCH)
+    assert len(pairs) == cfg.n_layers and len(in_pairs) == 3 * cfg.n_layers  # gate, up, the gate's SiLU
+    read_later = {n for op in plan.ops for n in op.ins}
+    rotated_q = in_turns & read_later
+    assert len(turns) == cfg.n_layers and len(rotated_q) == cfg.n_layers
+    assert unstored(plan) == in_pairs | (in_turns - rotated_q)
     bufs, _ = pooled_buffers(plan, lambda s: torch.zeros(s), lambda s: torch.zeros(s, dtype=torch.int8))
-    assert not inner & set(bufs) and {op.out for op in pairs} <= set(bufs)
+    assert not unstored(plan) & set(bufs) and {op.out for op in pairs} | rotated_q <= set(bufs)

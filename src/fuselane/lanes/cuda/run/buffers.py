@@ -135,21 +135,36 @@ def _int8_forms(
     return q8
 
 
+# Fused classes whose launch keeps every value inside it in registers, reading only the op's inputs and writing
+# only its results (`launch` binds no buffer to a part's own output): a gated pair (the GEMV, or on cuBLAS the
+# products' f16 tiles joined in their epilogue) and the query/key norms and rotations (`_rope_class`, `_rope_qk`:
+# a 512-row chunk of Qwen3-0.6B held 14.7 of its 29.4 MB arena in their normed and rotated parts). Other fused
+# ops' parts may store theirs: a GEMV in parts writes each member's output.
+IN_REGISTERS = frozenset(
+    {
+        ClassId.GEMV_GATE_UP_GLU,
+        ClassId.QK_NORM_ROPE,
+        ClassId.QK_NORM_ROPE_KV_APPEND,
+        ClassId.ROPE_KV_APPEND,
+        ClassId.ROPE_QK_ONE_LAUNCH,
+    }
+)
+
+
 def unstored(plan: Plan) -> set[str]:
-    """Activations that live and die inside one gated pair (GemvGateUpGlu): its gate and up products and the
-    gate's SiLU, which its launches never store (the GEMV keeps them in registers; a chunk's pair on cuBLAS
-    joins the products' f16 tiles in its epilogue), so they take no buffer. Other fused ops' parts may store
-    theirs (a GEMV in parts writes each member's output), so only the pair's are left out."""
+    """Activations that live and die inside one op of an `IN_REGISTERS` class (a gated pair's gate and up
+    products and the gate's SiLU; a query's or key's normed and rotated values on their way to its result or
+    its cache row), which its launches never store, so they take no buffer."""
     outer: set[str] = set()
     touched: dict[str, set[int]] = defaultdict(set)
-    pairs: set[int] = set()
+    kept: set[int] = set()
     for i, op in enumerate(plan.ops):
         outer |= set(op.ins) | {op.out, op.dst.buf}
-        if class_of(op) is ClassId.GEMV_GATE_UP_GLU:
-            pairs.add(i)
+        if class_of(op) in IN_REGISTERS:
+            kept.add(i)
         for name in _names(op):
             touched[name].add(i)
-    return {name for name, ops in touched.items() if len(ops) == 1 and ops <= pairs and name not in outer}
+    return {name for name, ops in touched.items() if len(ops) == 1 and ops <= kept and name not in outer}
 
 
 def _numel(shape: tuple[int, ...]) -> int:
