@@ -23,6 +23,7 @@ from fuselane.fuse.optimizer import VIEWS, Plan
 from fuselane.fuse.views import class_of, leaves
 from fuselane.graph.classes import ClassId
 from fuselane.graph.ir import Op, QuantizedActs, Role
+from fuselane.graph.ops import RmsNorm
 from fuselane.lanes.cuda.plan.kernels import PART_ALIGN_BYTES
 
 F32_BYTES = 4
@@ -89,16 +90,36 @@ def _layout(plan: Plan) -> tuple[set[str], dict[str, tuple[int, int]], tuple[dic
     return pooled, span, arena_layout({name: (span[name], _numel(g.tensors[name].shape)) for name in span})
 
 
+Item = tuple[str, tuple[tuple[int, int], int]]  # name, ((first op, last op), values)
+
+# The orders the greedy layout places items in; the layout keeps the smallest arena any of them gives (the first
+# on a tie). Largest first packs a layer's wide products and narrow rows together, where the order lives begin
+# leaves gaps no later item fits; the largest life x size first reached the most alive at once on every dense
+# shape where largest first missed the Qwen3-4B's by 41 % (43.0 MB for 30.4) and the 32B's by 17 %; earliest
+# first did best on DeepSeek-V2-Lite's latent chunk (86.0 MB for largest first's 94.4).
+LAYOUT_ORDERS: tuple[Callable[[Item], Any], ...] = (
+    lambda kv: (-kv[1][1], kv[1][0], kv[0]),
+    lambda kv: (-(kv[1][0][1] - kv[1][0][0] + 1) * kv[1][1], kv[0]),
+    lambda kv: (kv[1][0][0], -kv[1][1], kv[0]),
+    lambda kv: (kv[1][0][0] - kv[1][0][1], -kv[1][1], kv[0]),
+)
+
+
 def arena_layout(items: dict[str, tuple[tuple[int, int], int]]) -> tuple[dict[str, int], int]:
-    """(offset by name, arena length) in values for `items` (name: ((first op, last op), values)), greedy by
-    size: the largest first, each taking the tightest gap, `ALIGN_VALUES` aligned, between the spans of the
-    items already placed whose lives meet its own (an item whose life ends at an op still holds its span
-    there), or the end of them. Largest first packs a layer's wide products and narrow rows together,
-    where the order lives begin in leaves gaps no later item fits."""
+    """(offset by name, arena length) in values for `items` (name: ((first op, last op), values)): the smallest
+    of the greedy layouts in `LAYOUT_ORDERS`."""
+    layouts = [_greedy(items, order) for order in LAYOUT_ORDERS]
+    return min(layouts, key=lambda layout: layout[1])
+
+
+def _greedy(items: dict[str, tuple[tuple[int, int], int]], order: Callable[[Item], Any]) -> tuple[dict[str, int], int]:
+    """Place `items` in `order`, each in the tightest gap, `ALIGN_VALUES` aligned, between the spans of the items
+    already placed whose lives meet its own (an item whose life ends at an op still holds its span there), or
+    above them all."""
     placed: list[tuple[int, int, int, int]] = []  # (offset, end offset, first op, last op)
     offsets: dict[str, int] = {}
     total = 0
-    for name, ((first, last), numel) in sorted(items.items(), key=lambda kv: (-kv[1][1], kv[1][0], kv[0])):
+    for name, ((first, last), numel) in sorted(items.items(), key=order):
         size = -(-numel // ALIGN_VALUES) * ALIGN_VALUES
         best, best_gap, at = None, None, 0
         for lo, hi, _, _ in sorted(p for p in placed if p[2] <= last and first <= p[3]):
@@ -135,36 +156,42 @@ def _int8_forms(
     return q8
 
 
-# Fused classes whose launch keeps every value inside it in registers, reading only the op's inputs and writing
-# only its results (`launch` binds no buffer to a part's own output): a gated pair (the GEMV, or on cuBLAS the
-# products' f16 tiles joined in their epilogue) and the query/key norms and rotations (`_rope_class`, `_rope_qk`:
-# a 512-row chunk of Qwen3-0.6B held 14.7 of its 29.4 MB arena in their normed and rotated parts). Other fused
-# ops' parts may store theirs: a GEMV in parts writes each member's output.
-IN_REGISTERS = frozenset(
-    {
-        ClassId.GEMV_GATE_UP_GLU,
-        ClassId.QK_NORM_ROPE,
-        ClassId.QK_NORM_ROPE_KV_APPEND,
-        ClassId.ROPE_KV_APPEND,
-        ClassId.ROPE_QK_ONE_LAUNCH,
-    }
-)
+# Fused classes whose launch keeps values inside it in registers, and which of its parts' results those are (None:
+# every part's). `launch` binds no buffer to them: a gated pair's products and SiLU (the GEMV, or on cuBLAS the
+# products' f16 tiles joined in their epilogue); the query/key norms and rotations' normed, weighted and rotated
+# values (`_rope_class`, `_rope_qk`: they read the op's inputs and write the rotated query or the key's cache row;
+# a 512-row chunk of Qwen3-0.6B held 14.7 of its 29.4 MB arena in them); a norm's value before its weight
+# (`_norm_weight`, `_add_norm`, `_embed_norm` write the weighted norm, and the sum or the gathered rows). Other
+# fused ops' parts may store theirs: a GEMV in parts writes each member's output.
+IN_REGISTERS: dict[ClassId, tuple[type, ...] | None] = {
+    ClassId.GEMV_GATE_UP_GLU: None,
+    ClassId.QK_NORM_ROPE: None,
+    ClassId.QK_NORM_ROPE_KV_APPEND: None,
+    ClassId.ROPE_KV_APPEND: None,
+    ClassId.ROPE_QK_ONE_LAUNCH: None,
+    ClassId.NORM_WEIGHT: (RmsNorm,),
+    ClassId.ADD_NORM: (RmsNorm,),
+    ClassId.EMBED_NORM: (RmsNorm,),
+}
 
 
 def unstored(plan: Plan) -> set[str]:
-    """Activations that live and die inside one op of an `IN_REGISTERS` class (a gated pair's gate and up
-    products and the gate's SiLU; a query's or key's normed and rotated values on their way to its result or
-    its cache row), which its launches never store, so they take no buffer."""
+    """Activations that live and die inside one op of an `IN_REGISTERS` class, as results of the parts it keeps
+    in registers (a gated pair's gate and up products and the gate's SiLU; a query's or key's normed and rotated
+    values on their way to its result or its cache row; a norm before its weight), which its launch never
+    stores, so they take no buffer."""
     outer: set[str] = set()
     touched: dict[str, set[int]] = defaultdict(set)
-    kept: set[int] = set()
+    kept: dict[str, int] = {}
     for i, op in enumerate(plan.ops):
         outer |= set(op.ins) | {op.out, op.dst.buf}
-        if class_of(op) in IN_REGISTERS:
-            kept.add(i)
+        cls = class_of(op)
+        if cls in IN_REGISTERS:
+            kinds = IN_REGISTERS[cls]
+            kept |= {leaf.out: i for leaf in leaves(op) if kinds is None or isinstance(leaf.sym, kinds)}
         for name in _names(op):
             touched[name].add(i)
-    return {name for name, ops in touched.items() if len(ops) == 1 and ops <= kept and name not in outer}
+    return {name for name, i in kept.items() if touched[name] == {i} and name not in outer}
 
 
 def _numel(shape: tuple[int, ...]) -> int:
