@@ -286,6 +286,8 @@ def test_every_step_lays_its_activations_out_in_the_lanes_one_arena(tmp_path):
     assert sizes[0] == sizes[1] == sizes[2] < sizes[3] == sizes[4], sizes  # 3 and 1 rows fit the 8 rows' arena
     assert sizes[3] >= 2 * sizes[0]
     assert arena_of(8) == arena_of(3) == arena_of(1) != arena_of(21) == lane._arena.untyped_storage().data_ptr()
+    # and one logits buffer: each step's logits are read before the next step runs
+    assert len({step.bufs["logits"].data_ptr() for step in lane._steps.values()}) == 1
 
 
 def test_the_scratch_is_sized_against_the_lanes_own_weights_and_caches(tmp_path):
@@ -306,6 +308,6 @@ def test_the_scratch_is_sized_against_the_lanes_own_weights_and_caches(tmp_path)
     step = lane._steps[(len(PROMPT), False)]
     logits = sum(b.numel() * 4 for n, b in step.bufs.items() if step.plan.graph.tensors[n].role is Role.OUTPUT)
     chunk = lane.plan(min(512, lane.ctx))
-    decode = 4 * gpu.cfg.vocab + gpu.cfg.vocab * (4 + 8)  # a decode step's logits, a sampled draw's candidates
-    assert ws.held_bytes == max(4 * arena_values(chunk), lane._arena.numel() * 4) + logits + decode
+    candidates = gpu.cfg.vocab * (4 + 8)  # a sampled draw's values and indices
+    assert ws.held_bytes == max(4 * arena_values(chunk), lane._arena.numel() * 4) + logits + candidates
     assert lane.f16_scratch().numel() == ws.scratch_values

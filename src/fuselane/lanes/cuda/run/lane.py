@@ -106,6 +106,7 @@ class CudaLane:
         self.state_dtype = torch.bfloat16 if knobs.recurrent_state is StatePrecision.BF16 else torch.float32
         self._steps: dict[tuple[int, bool], _Step] = {}
         self._arena: Any = None  # `activation_arena`
+        self._outputs: dict[tuple[str, tuple[int, ...]], Any] = {}  # `output`
         self._sampler: DeviceSampler | None = None
 
     def capture_stream(self) -> Any:
@@ -147,7 +148,7 @@ class CudaLane:
         sessions keep theirs. Its chunks read the weights as `prefill` says where given (the paged form's
         take `batch_prefill`, as its steps do)."""
         other = copy.copy(self)
-        other.caches, other._steps, other._sampler, other._arena = {}, {}, None, None
+        other.caches, other._steps, other._sampler, other._arena, other._outputs = {}, {}, None, None, {}
         if prefill is not None and prefill is not self.shim.knobs.prefill_weights:
             other.shim = CudaShim(replace(self.shim.knobs, prefill_weights=prefill), held=self.held)
         return other
@@ -215,7 +216,7 @@ class CudaLane:
     def _size_workspace(self, plan: Plan | None) -> workspace.Workspace:
         """The scratch and cuBLAS workspace for this lane's chunks (`run/workspace`): against the weights and
         the caches and states a chunk of `kernels.SCRATCH_CHUNK_ROWS` (or the context, where less) binds, beside
-        that chunk's arena and outputs, a decode step's logits and a sampled draw's candidates."""
+        that chunk's arena and outputs and a sampled draw's candidates."""
         rows = min(SCRATCH_CHUNK_ROWS, self.ctx)
         chunk = plan if plan is not None and plan.graph.rows == rows else self.plan(rows)
         g = chunk.graph
@@ -232,8 +233,8 @@ class CudaLane:
                 base += math.prod(t.shape) * state
             elif t.role is Role.OUTPUT:
                 held += F32_BYTES * math.prod(t.shape)
-        # a decode step writes a row of logits of its own, and a sampled draw holds its candidates
-        held += F32_BYTES * self.cfg.vocab + self.cfg.vocab * loop.CANDIDATE_BYTES
+        # a sampled draw holds its candidates (a decode step writes its logits in the chunk's buffer: `output`)
+        held += self.cfg.vocab * loop.CANDIDATE_BYTES
         shapes = {n: t.shape for n, t in self.tensors.items()}
         return workspace.size(shapes, rows, base, held, os.environ.get(workspace.CUBLAS_CONFIG))
 
@@ -280,6 +281,16 @@ class CudaLane:
             least = 0 if self._arena is None else ARENA_GROWTH * self._arena.numel()
             self._arena = self.torch.zeros(max(values, least), dtype=self.torch.float32, device=self.device)
         return self._arena[:values]
+
+    def output(self, name: str, shape: tuple[int, ...]) -> Any:
+        """A step's output buffer (its logits), one a name and shape for all the lane's steps: they run one at a
+        time on its one stream, and a step's logits are read (copied to the host by `forward`, or sampled inside
+        the decode step's own graph) before the next step writes them. One a step grew with every prompt length
+        a chat met (a Qwen step's f32 logits are 0.6 MB)."""
+        key = (name, tuple(shape))
+        if key not in self._outputs:
+            self._outputs[key] = self.torch.zeros(shape, dtype=self.torch.float32, device=self.device)
+        return self._outputs[key]
 
     def cache(self, name: str, shape: tuple[int, ...]) -> Any:
         if name not in self.caches:
@@ -460,7 +471,7 @@ class _Step:
             elif t.role is Role.STATE:
                 bufs[name] = lane.state(name, t.shape, name in rules)
             elif t.role is Role.OUTPUT:
-                bufs[name] = f32(t.shape)
+                bufs[name] = lane.output(name, t.shape)
                 if isinstance(t.storage, QuantizedActs):  # the plan writes its int8 form
                     q8[name] = int8_form(t.shape, lane.device)
         bufs[IDS] = torch.zeros(g.rows, dtype=torch.int32, device=lane.device)
