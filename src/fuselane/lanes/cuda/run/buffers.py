@@ -4,13 +4,15 @@ is about the most it holds at once (a few of a layer's activations) rather than 
 An activation lives from the first op of the plan that touches it (reads or writes it, in any part of a fused
 op) to the last, a view's readers counting as its input's. Two activations whose lives meet (one ending at the
 op where the other begins counts: an op never gets an input's span for its own output) never share bytes;
-`arena_layout` places the largest first, each in the tightest gap the spans of those alive with it leave, which
-on every dense shape measured makes the arena exactly the most a chunk holds at once. An int8 form, where the
+`arena_layout` places each in the tightest gap the spans of those alive with it leave, in the best of a few
+orders, which on every dense shape measured makes the arena exactly the most a chunk holds at once. A value a
+fused launch keeps in registers takes no span (`unstored`). An int8 form, where the
 plan writes one, takes a free form of its shape. Every op writes its outputs whole before anything reads them
 within a step, so stale values from another activation are never read. One arena, not a buffer an activation:
 the caching allocator rounds each block it hands out, and spans of different sizes pack where exact-size
-buffers could not be shared. The step's output (the logits), the caches, the ids and the position
-keep buffers of their own; a view's output (a chunk's last rows) is bound to its input's buffer by its binder.
+buffers could not be shared. The step's output (the logits: one buffer for all a lane's steps,
+`CudaLane.output`), the caches, the ids and the position keep buffers of their own; a view's output (a chunk's
+last rows) is bound to its input's buffer by its binder.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from fuselane.graph.ops import RmsNorm
 from fuselane.lanes.cuda.plan.kernels import PART_ALIGN_BYTES
 
 F32_BYTES = 4
+F16_BYTES = 2
 
 ALIGN_VALUES = PART_ALIGN_BYTES // F32_BYTES  # an activation's span starts where a block of its own did
 
@@ -65,14 +68,13 @@ def pooled_buffers(
     their lives do not overlap. `make(shape)` allocates an f32 buffer, `make_q8(shape)` an int8 form; `arena(n)`
     gives the arena's n f32 values where steps share one (`CudaLane.activation_arena`), else `make` takes it."""
     g = plan.graph
-    inside = unstored(plan)
     pooled, span, (offsets, total) = _layout(plan)
     arena_values = make((total,)) if arena is None else arena(total)
     shapes = {name: g.tensors[name].shape for name in offsets}
     bufs = {n: arena_values[at : at + _numel(shapes[n])].view(shapes[n]) for n, at in offsets.items()}
     q8 = _int8_forms(plan, span, make_q8)
     views = {op.out for op in plan.ops if isinstance(op.sym, VIEWS)}  # bound to their input's buffer
-    for name in pooled - set(span) - views - inside:  # never touched by an op: a buffer of its own all the same
+    for name in pooled - set(span) - views:  # never touched by an op: a buffer of its own all the same
         bufs[name] = make(g.tensors[name].shape)
     return bufs, q8
 

@@ -38,7 +38,7 @@ from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWei
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run import decode as loop
 from fuselane.lanes.cuda.run import workspace
-from fuselane.lanes.cuda.run.buffers import F32_BYTES, arena_values, pooled_buffers
+from fuselane.lanes.cuda.run.buffers import F16_BYTES, F32_BYTES, arena_values, pooled_buffers
 from fuselane.lanes.cuda.run.decode import DeviceSampler, Tail
 from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
@@ -222,8 +222,9 @@ class CudaLane:
         g = chunk.graph
         rules = delta_rule_states(chunk)
         base = self.weights_bytes
-        held = F32_BYTES * arena_values(chunk)
-        if self._arena is not None:  # a step made before holds an arena of its own size
+        # the asking step laid its arena out already; a step made before holds one of its own size
+        held = 0 if chunk is plan else F32_BYTES * arena_values(chunk)
+        if self._arena is not None:
             held = max(held, self._arena.numel() * self._arena.element_size())
         for name, t in g.tensors.items():
             if t.role is Role.CACHE:
@@ -393,8 +394,8 @@ def int8_form(shape: tuple[int, ...], device: Any) -> Any:
 # logits); else the f16 scratch, whose workspace is within 5 % of the weights and cache.
 PREFILL_HEADROOM = 0.05
 PREFILL_HEADROOM_MIN_BYTES = 2 * 2**30
-F16_BYTES = 2
-CACHE_BYTES = {CachePrecision.F16: F16_BYTES, CachePrecision.F32: 4}  # a cached value's bytes, by the `cache` knob
+# a cached value's bytes, by the `cache` knob
+CACHE_BYTES = {CachePrecision.F16: F16_BYTES, CachePrecision.F32: F32_BYTES}
 
 
 def prefill_for(

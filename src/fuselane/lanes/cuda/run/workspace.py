@@ -28,9 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.run.buffers import F16_BYTES, F32_BYTES
 
-F16_BYTES = 2
-F32_BYTES = 4
 LAYER_PREFIX = "blk."
 GATE_SUFFIXES = ("ffn_gate.weight", "ffn_gate_shexp.weight")  # a gated pair's gate (a shared expert's too): its
 # slab is decoded beside the up's
