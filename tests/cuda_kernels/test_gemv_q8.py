@@ -266,6 +266,33 @@ def test_real_widths(fmt: Format) -> None:
     check(out, silu * u, bound + GLU_ULPS * 2.0**-24 * np.abs(silu * u))
 
 
+# Rows under SHORT_K at real widths, compiled: the 1.5B's width (its rows a program's count and two more, so the
+# last program's rows are masked) and the 4B's
+SHORT_REAL = ((1538, 1536), (2560, 2560))
+
+
+def test_a_rows_length_picks_its_tile() -> None:
+    for k, table in ((q8_module.SHORT_K - 256, q8_module.SHORT_TILES), (q8_module.SHORT_K, q8_module.TILES)):
+        plan = q8_module.tile_plan(Format.Q6_K, k, None, None, None)
+        assert (plan["BLOCK_N"], plan["num_warps"]) == table[Format.Q6_K][:2], k
+    assert q8_module.SHORT_TILES[Format.Q6_K] != q8_module.TILES[Format.Q6_K]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("fmt", (Format.Q6_K, Format.Q4_K), ids=lambda f: f.name)
+def test_short_real_widths(fmt: Format) -> None:
+    rng = np.random.default_rng(int(fmt) + 7)
+    for n, k in SHORT_REAL:
+        raw = raw_weights(fmt, n, k, rng)
+        _, acts = _quantized(k, rng)
+        out = torch.full((1, n), float("nan"), device=DEVICE)
+        gemv_q8(acts, dev(raw), fmt, n, k, out)
+        torch.cuda.synchronize()
+        want, scale = _reference(acts, raw, fmt, n, k)
+        check(out, want, gamma(k + ROUNDINGS) * scale)
+
+
 def _same_codes(q8, values: torch.Tensor) -> None:
     codes, d, s = quant.quantize_reference(values.detach().cpu().numpy().reshape(1, -1))
     assert np.array_equal(q8.q.cpu().numpy().reshape(1, -1), codes)

@@ -118,11 +118,12 @@ GEMM_PARTS = 4
 DECODED_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q5_0, Format.Q5_1, Format.Q4_K, Format.Q5_K, Format.Q6_K})
 
 # The formats the int8 GEMV (dp4a over the activation's int8 codes, `triton/gemv/q8.py`) multiplies, and the
-# rows of weights a program of it takes in each (its tile's BLOCK_N; a tall row's tile takes these or a
+# most rows of weights a program of it takes in each (its tiles' BLOCK_N, by a row's length, are these or a
 # divisor of them): the QKV GEMV that turns the query and key in its epilogue turns a head in whole tiles, so
-# a head is whole rows of programs. A product in any other format reads the f32 activation.
+# a head of a multiple of these rows is whole rows of programs at any width. A product in any other format
+# reads the f32 activation.
 INT8_GEMV_TILE_ROWS = {
-    Format.Q4_K: 4, Format.Q6_K: 2, Format.Q8_0: 2, Format.Q5_0: 4, Format.Q5_K: 4, Format.Q4_0: 4, Format.Q4_1: 4,
+    Format.Q4_K: 4, Format.Q6_K: 4, Format.Q8_0: 2, Format.Q5_0: 4, Format.Q5_K: 4, Format.Q4_0: 4, Format.Q4_1: 4,
     Format.Q5_1: 4, Format.IQ4_NL: 4, Format.IQ4_XS: 4, Format.Q3_K: 4, Format.Q2_K: 4,
 }  # fmt: skip
 INT8_GEMV_FORMATS = frozenset(INT8_GEMV_TILE_ROWS)

@@ -127,6 +127,14 @@ TALL_K = 8192
 TALL_TILES = TILES | {f: (4, 2, 2) for f in (Format.Q4_K, Format.Q5_K, Format.IQ4_XS)}
 TALL_TILES |= {f: (2, 4, 2) for f in q8_bodies.K_QUAD_FORMATS}
 TALL_TILES[Format.Q6_K] = (2, 8, 1)
+# Rows of fewer than SHORT_K values (a 1.5B's to a 4B's width: 6-10 super-blocks) leave most of an eight-warp
+# program's threads without a group (Q6_K's two rows of six super-blocks: 96 (row, group)s for 256 threads):
+# Q6_K's take four rows and two warps, two (row, group)s a thread, the output head's most of all (the whole
+# step, 2026-12-04: Qwen2.5-1.5B 1.103 -> 0.979 ms, 3B 1.525 -> 1.463, Qwen3-4B 1.813 -> 1.770). The sweep
+# gave the other formats' entries no such gain (Q4_K's, and its gated pair's, were within 1 % or lost on one
+# of the three), so they keep TILES'.
+SHORT_K = 3072
+SHORT_TILES = TILES | {Format.Q6_K: (4, 2, 2)}
 # Chunks of weights a program has in flight while it sums one (1 or 2). Two chunks: 0.6B 0.912 -> 0.826 ms,
 # 0.5B 0.621 -> 0.597 ms a step, where a row is a few chunks; no change on the 8B (2.868 / 2.866 ms), whose
 # programs are not short of loads in flight.
@@ -516,17 +524,17 @@ def check_aligned(weights: Sequence[Tensor], fmt: Format) -> None:
 def tile_plan(
     fmt: Format, k: int, block_n: int | None, warps: int | None, per_thread: int | None, *, glu: bool = False
 ) -> dict:
-    """The launch's constexprs and warps at this module's tile for `fmt` (a tall row's, from TALL_K values, or
-    the GLU's), or at the tile given (each of its three a power of two; one left None takes the format's). A
-    chunk is as many units as give each thread `per_thread` (row, group)s, at most the row's units rounded up
-    to a power of two, as in `fast.launch_plan`."""
+    """The launch's constexprs and warps at this module's tile for `fmt` (a tall row's, from TALL_K values, a
+    short row's, under SHORT_K, or the GLU's), or at the tile given (each of its three a power of two; one left
+    None takes the format's). A chunk is as many units as give each thread `per_thread` (row, group)s, at most
+    the row's units rounded up to a power of two, as in `fast.launch_plan`."""
     fmt = Format(fmt)
     if fmt not in FORMATS:
         raise ValueError(f"no int8 GEMV for {fmt.name}")
     unit = UNIT_VALUES[fmt]
     if k < 1 or k % unit:
         raise ValueError(f"the int8 {fmt.name} GEMV takes rows of whole {unit}-value units, not {k} values")
-    tile = (GLU_TILES if glu else TALL_TILES if k >= TALL_K else TILES)[fmt]
+    tile = (GLU_TILES if glu else TALL_TILES if k >= TALL_K else SHORT_TILES if k < SHORT_K else TILES)[fmt]
     block_n, warps, per_thread = (given or t for given, t in zip((block_n, warps, per_thread), tile, strict=True))
     for name, v in (("block_n", block_n), ("warps", warps), ("per_thread", per_thread)):
         if v < 1 or v & (v - 1):
