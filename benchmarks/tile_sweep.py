@@ -23,7 +23,7 @@ from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 from fuselane.runtime.model import load
 
-TABLES = ("TILES", "TALL_TILES", "SHORT_TILES", "GLU_TILES")
+TABLES = ("TILES", "TALL_TILES", "SHORT_TILES", "NARROW_TALL_TILES", "GLU_TILES")
 PROMPT = 64
 
 

@@ -269,6 +269,8 @@ def test_real_widths(fmt: Format) -> None:
 # Rows under SHORT_K at real widths, compiled: the 1.5B's width (its rows a program's count and two more, so the
 # last program's rows are masked) and the 4B's
 SHORT_REAL = ((1538, 1536), (2560, 2560))
+# a narrow model's down (the 1.5B's: 1,536 rows of 8,960), at NARROW_TALL_TILES
+NARROW_TALL_REAL = (1536, 8960)
 
 
 def test_a_rows_length_picks_its_tile() -> None:
@@ -276,6 +278,15 @@ def test_a_rows_length_picks_its_tile() -> None:
         plan = q8_module.tile_plan(Format.Q6_K, k, None, None, None)
         assert (plan["BLOCK_N"], plan["num_warps"]) == table[Format.Q6_K][:2], k
     assert q8_module.SHORT_TILES[Format.Q6_K] != q8_module.TILES[Format.Q6_K]
+    # a tall row's tile by its launch's rows: a narrow model's down, a wide one's, and rows not said
+    tall = q8_module.TALL_K
+    for n, table in (
+        (2048, q8_module.NARROW_TALL_TILES),
+        (q8_module.SHORT_K, q8_module.TALL_TILES),
+        (None, q8_module.TALL_TILES),
+    ):
+        assert q8_module.tile_of(Format.Q4_K, tall, n) == table[Format.Q4_K], n
+    assert q8_module.NARROW_TALL_TILES[Format.Q4_K] != q8_module.TALL_TILES[Format.Q4_K]
 
 
 @pytest.mark.cuda
@@ -283,7 +294,7 @@ def test_a_rows_length_picks_its_tile() -> None:
 @pytest.mark.parametrize("fmt", (Format.Q6_K, Format.Q4_K), ids=lambda f: f.name)
 def test_short_real_widths(fmt: Format) -> None:
     rng = np.random.default_rng(int(fmt) + 7)
-    for n, k in SHORT_REAL:
+    for n, k in (*SHORT_REAL, NARROW_TALL_REAL):
         raw = raw_weights(fmt, n, k, rng)
         _, acts = _quantized(k, rng)
         out = torch.full((1, n), float("nan"), device=DEVICE)

@@ -306,7 +306,7 @@ def test_the_int8_gemv_facts_are_the_kernels() -> None:
     assert q8.FORMATS == kernels.INT8_GEMV_FORMATS
     for fmt in q8.FORMATS:
         rows = kernels.INT8_GEMV_TILE_ROWS[fmt]
-        tables = (q8.TILES, q8.TALL_TILES, q8.SHORT_TILES)
+        tables = (q8.TILES, q8.TALL_TILES, q8.SHORT_TILES, q8.NARROW_TALL_TILES)
         assert max(t[fmt][0] for t in tables) == rows and all(rows % t[fmt][0] == 0 for t in tables), fmt
         for k in (256, 512, 4096, 12288):
             assert q8.supports(fmt, 1, k) == kernels.int8_gemv(fmt, 1, k)

@@ -127,6 +127,10 @@ TALL_K = 8192
 TALL_TILES = TILES | {f: (4, 2, 2) for f in (Format.Q4_K, Format.Q5_K, Format.IQ4_XS)}
 TALL_TILES |= {f: (2, 4, 2) for f in q8_bodies.K_QUAD_FORMATS}
 TALL_TILES[Format.Q6_K] = (2, 8, 1)
+# ...and a tall launch of fewer than SHORT_K rows (a narrow model's down projection: its width) has few programs
+# at four rows each: Q4_K's take two (the whole step, 2026-12-04: Qwen2.5-3B 1.527 -> 1.477 ms, Qwen3-4B
+# 1.815 -> 1.791, the 1.5B 1.103 -> 1.098); Q6_K's gained nowhere (within 0.3 % or lost on the 3B and 4B).
+NARROW_TALL_TILES = TALL_TILES | {Format.Q4_K: (2, 2, 2)}
 # Rows of fewer than SHORT_K values (a 1.5B's to a 4B's width: 6-10 super-blocks) leave most of an eight-warp
 # program's threads without a group (Q6_K's two rows of six super-blocks: 96 (row, group)s for 256 threads):
 # Q6_K's take four rows and two warps, two (row, group)s a thread, the output head's most of all (the whole
@@ -521,20 +525,32 @@ def check_aligned(weights: Sequence[Tensor], fmt: Format) -> None:
         raise ValueError(f"{Format(fmt).name} weights must start {align}-byte aligned (`ld4`)")
 
 
+def tile_of(fmt: Format, k: int, n: int | None = None, *, glu: bool = False) -> tuple[int, int, int]:
+    """The tile (rows a program, warps, (row, group)s a thread) this module takes for `n` rows of `k` values in
+    `fmt`: the GLU's; a tall row's, from TALL_K values (a narrow one's under SHORT_K rows, where `n` is known);
+    a short row's, under SHORT_K values; else TILES'."""
+    if glu:
+        return GLU_TILES[fmt]
+    if k >= TALL_K:
+        return (NARROW_TALL_TILES if n is not None and n < SHORT_K else TALL_TILES)[fmt]
+    return (SHORT_TILES if k < SHORT_K else TILES)[fmt]
+
+
 def tile_plan(
-    fmt: Format, k: int, block_n: int | None, warps: int | None, per_thread: int | None, *, glu: bool = False
-) -> dict:
-    """The launch's constexprs and warps at this module's tile for `fmt` (a tall row's, from TALL_K values, a
-    short row's, under SHORT_K, or the GLU's), or at the tile given (each of its three a power of two; one left
-    None takes the format's). A chunk is as many units as give each thread `per_thread` (row, group)s, at most
-    the row's units rounded up to a power of two, as in `fast.launch_plan`."""
+    fmt: Format, k: int, block_n: int | None, warps: int | None, per_thread: int | None, *, glu: bool = False,
+    n: int | None = None,
+) -> dict:  # fmt: skip
+    """The launch's constexprs and warps at this module's tile for `n` rows of `k` values in `fmt` (`tile_of`),
+    or at the tile given (each of its three a power of two; one left None takes the format's). A chunk is as
+    many units as give each thread `per_thread` (row, group)s, at most the row's units rounded up to a power of
+    two, as in `fast.launch_plan`."""
     fmt = Format(fmt)
     if fmt not in FORMATS:
         raise ValueError(f"no int8 GEMV for {fmt.name}")
     unit = UNIT_VALUES[fmt]
     if k < 1 or k % unit:
         raise ValueError(f"the int8 {fmt.name} GEMV takes rows of whole {unit}-value units, not {k} values")
-    tile = (GLU_TILES if glu else TALL_TILES if k >= TALL_K else SHORT_TILES if k < SHORT_K else TILES)[fmt]
+    tile = tile_of(fmt, k, n, glu=glu)
     block_n, warps, per_thread = (given or t for given, t in zip((block_n, warps, per_thread), tile, strict=True))
     for name, v in (("block_n", block_n), ("warps", warps), ("per_thread", per_thread)):
         if v < 1 or v & (v - 1):
@@ -564,7 +580,7 @@ def parts_launch(
     k = x.q.shape[-1]
     check_acts(x, k)
     check_aligned([Part(*p).w for p in parts], fmt)
-    plan = tile_plan(fmt, k, block_n, warps, per_thread)
+    plan = tile_plan(fmt, k, block_n, warps, per_thread, n=sum(Part(*p).n for p in parts))
     return plan, *parts_args(parts, fmt, k, plan["BLOCK_N"], x.d, residual)
 
 

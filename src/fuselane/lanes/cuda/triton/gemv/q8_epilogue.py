@@ -91,7 +91,7 @@ def gemv_q8_add_norm(
     check_aligned([w], fmt)
     check_add_norm(residual, sum_out, norm_w, out, counter, n, x.q.device)
     _check_q8_out(out_q8, n)
-    plan = tile_plan(fmt, k, block_n, warps, per_thread)
+    plan = tile_plan(fmt, k, block_n, warps, per_thread, n=n)
     chunk = max(min(triton.next_power_of_2(n), fast_norm.NORM_CHUNK), QK)
     _q8_add_norm_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](
         *x, w, n, residual, sum_out, norm_w, out, *out_q8, counter, float(eps),

@@ -154,12 +154,12 @@ def row_tiles(m: int) -> tuple[int, int]:
     return block_m, triton.cdiv(m, block_m)
 
 
-def _plan(x: Q8Acts, fmt: Format, tile: dict, *, glu: bool = False) -> tuple[dict, int, int]:
-    """The launch's constexprs (the one-row kernel's tile for `fmt`, or the `tile` given as `q8.tile_plan`
-    takes it, so the sums are its own), its m, and the tiles of its rows."""
+def _plan(x: Q8Acts, fmt: Format, tile: dict, n: int, *, glu: bool = False) -> tuple[dict, int, int]:
+    """The launch's constexprs (the one-row kernel's tile for `fmt` and `n` weight rows, or the `tile` given as
+    `q8.tile_plan` takes it, so the sums are its own), its m, and the tiles of its rows."""
     m, k = x.q.shape
     check_acts(x, k, m)
-    plan = tile_plan(fmt, k, tile.get("block_n"), tile.get("warps"), tile.get("per_thread"), glu=glu)
+    plan = tile_plan(fmt, k, tile.get("block_n"), tile.get("warps"), tile.get("per_thread"), glu=glu, n=n)
     groups = plan["CHUNK"] * GROUPS[Format(fmt)]  # the groups a chunk: the accumulators' second axis
     block_m, m_tiles = row_tiles(m)
     consts = {key: plan[key] for key in ("FMT", "N_UNITS", "CHUNK", "ROW_BYTES", "BLOCK_N", "num_warps")}
@@ -175,7 +175,7 @@ def gemv_q8_rows_parts(x: Q8Acts, parts: Sequence[Part | tuple], fmt: Format, *,
     parts = [Part(*p) for p in parts]
     if not 1 <= len(parts) <= PARTS_MOST:
         raise ValueError(f"a launch in parts takes 1..{PARTS_MOST} parts, not {len(parts)}")
-    plan, m, m_tiles = _plan(x, fmt, tile)
+    plan, m, m_tiles = _plan(x, fmt, tile, sum(p.n for p in parts))
     check_aligned([p.w for p in parts], fmt)
     entries: list[PartArgs] = []
     bias_bits = row_bits = 0
@@ -213,7 +213,7 @@ def gemv_q8_rows_gate_up_glu(x: Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Forma
     """out (m, n) = SiLU(x @ Wg^T) * (x @ Wu^T) in one launch for the quantized rows `x` (m, k), at the one-row
     GLU's tile."""
     fmt = Format(fmt)
-    plan, m, m_tiles = _plan(x, fmt, tile, glu=True)
+    plan, m, m_tiles = _plan(x, fmt, tile, n, glu=True)
     if plan["K"] != k:
         raise ValueError(f"x has {plan['K']} columns, the weights' rows {k}")
     check_rows(w_gate, fmt, n, k)
