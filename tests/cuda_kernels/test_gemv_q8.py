@@ -271,6 +271,7 @@ def test_real_widths(fmt: Format) -> None:
 SHORT_REAL = ((1538, 1536), (2560, 2560))
 # a narrow model's down (the 1.5B's: 1,536 rows of 8,960), at NARROW_TALL_TILES
 NARROW_TALL_REAL = (1536, 8960)
+SHORT_GLU_REAL = (8960, 1536)  # the 1.5B's gated pair
 
 
 def test_a_rows_length_picks_its_tile() -> None:
@@ -302,6 +303,15 @@ def test_short_real_widths(fmt: Format) -> None:
         torch.cuda.synchronize()
         want, scale = _reference(acts, raw, fmt, n, k)
         check(out, want, gamma(k + ROUNDINGS) * scale)
+    n, k = SHORT_GLU_REAL  # the gated pair's tile, compiled
+    wg, wu = raw_weights(fmt, n, k, rng), raw_weights(fmt, n, k, rng)
+    _, acts = _quantized(k, rng)
+    out = torch.full((1, n), float("nan"), device=DEVICE)
+    gemv_q8_gate_up_glu(acts, dev(wg), dev(wu), fmt, n, k, out)
+    (g, g_scale), (u, u_scale) = _reference(acts, wg, fmt, n, k), _reference(acts, wu, fmt, n, k)
+    silu = g / (1 + np.exp(-g))
+    bound = gamma(k + ROUNDINGS) * (SILU_SLOPE * g_scale * np.abs(u) + np.abs(silu) * u_scale)
+    check(out, silu * u, bound + GLU_ULPS * 2.0**-24 * np.abs(silu * u))
 
 
 def _same_codes(q8, values: torch.Tensor) -> None:

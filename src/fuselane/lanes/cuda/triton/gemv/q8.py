@@ -119,6 +119,10 @@ TILES = {Format.Q4_K: (4, 8, 1), Format.Q6_K: (2, 8, 1), Format.Q8_0: (2, 2, 2),
 TILES |= {f: TILES[Format.Q4_K] if GROUPS[f] > 1 else TILES[Format.Q5_0] for f in q8_bodies.FORMATS}
 GLU_TILES = TILES | {f: (8, 2, 2) for f in (Format.Q4_K, Format.Q5_K, Format.Q2_K)}
 GLU_TILES |= {Format.Q3_K: (4, 2, 2), Format.IQ4_XS: (8, 4, 1)}
+# A Q6_K gated pair (llama.cpp's Q6_K mix) at four rows and two warps, two (row, group)s a thread, not Q6_K's
+# two rows and eight warps: the whole step, 2026-12-04, Qwen2.5-1.5B in Q6_K 1.362 -> 1.063 ms, the 7B 3.191
+# -> 3.045 (four warps, one (row, group) a thread: 1.073 and 3.028).
+GLU_TILES[Format.Q6_K] = (4, 2, 2)
 # Rows of at least TALL_K values (a down projection's: the 7B's 18,944, the 8B's 12,288) leave few rows a
 # program for the SMs' streams: Q6_K's at two rows and eight warps a program (7B 2.829 -> 2.692 ms, 8B
 # 3.312 -> 3.145 ms at the earlier tiles), Q4_K's at four rows and two warps, two (row, group)s a thread
