@@ -152,13 +152,26 @@ def test_parts_bias_residual_and_row(fmt: Format) -> None:
 
 @pytest.mark.parametrize("fmt", (Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_K, Format.Q2_K), ids=lambda f: f.name)
 def test_gate_up_glu(fmt: Format) -> None:
-    k = 768 if fmt in SUPER else 320
-    rng = np.random.default_rng(int(fmt) + 7)
-    wg, wu = raw_weights(fmt, N, k, rng), raw_weights(fmt, N, k, rng)
+    check_glu(fmt, N, 768 if fmt in SUPER else 320, np.random.default_rng(int(fmt) + 7))
+
+
+def check_product(fmt: Format, n: int, k: int, rng: np.random.Generator) -> None:
+    """`gemv_q8` of n random rows of k values in `fmt` at the module's tile, against the reference."""
+    raw = raw_weights(fmt, n, k, rng)
     _, acts = _quantized(k, rng)
-    out = torch.full((1, N), float("nan"), device=DEVICE)
-    gemv_q8_gate_up_glu(acts, dev(wg), dev(wu), fmt, N, k, out)
-    (g, g_scale), (u, u_scale) = _reference(acts, wg, fmt, N, k), _reference(acts, wu, fmt, N, k)
+    out = torch.full((1, n), float("nan"), device=DEVICE)
+    gemv_q8(acts, dev(raw), fmt, n, k, out)
+    want, scale = _reference(acts, raw, fmt, n, k)
+    check(out, want, gamma(k + ROUNDINGS) * scale)
+
+
+def check_glu(fmt: Format, n: int, k: int, rng: np.random.Generator) -> None:
+    """`gemv_q8_gate_up_glu` of a random pair of n rows of k values in `fmt`, against the reference."""
+    wg, wu = raw_weights(fmt, n, k, rng), raw_weights(fmt, n, k, rng)
+    _, acts = _quantized(k, rng)
+    out = torch.full((1, n), float("nan"), device=DEVICE)
+    gemv_q8_gate_up_glu(acts, dev(wg), dev(wu), fmt, n, k, out)
+    (g, g_scale), (u, u_scale) = _reference(acts, wg, fmt, n, k), _reference(acts, wu, fmt, n, k)
     silu = g / (1 + np.exp(-g))
     bound = gamma(k + ROUNDINGS) * (SILU_SLOPE * g_scale * np.abs(u) + np.abs(silu) * u_scale)
     check(out, silu * u, bound + GLU_ULPS * 2.0**-24 * np.abs(silu * u))
@@ -248,22 +261,8 @@ NEW = (Format.Q5_K, Format.IQ4_XS, Format.Q3_K, Format.Q2_K, Format.Q4_0, Format
 def test_real_widths(fmt: Format) -> None:
     rng = np.random.default_rng(int(fmt) + 99)
     for n, k in REAL:
-        raw = raw_weights(fmt, n, k, rng)
-        _, acts = _quantized(k, rng)
-        out = torch.full((1, n), float("nan"), device=DEVICE)
-        gemv_q8(acts, dev(raw), fmt, n, k, out)
-        torch.cuda.synchronize()
-        want, scale = _reference(acts, raw, fmt, n, k)
-        check(out, want, gamma(k + ROUNDINGS) * scale)
-    n, k = 12288, 4096
-    wg, wu = raw_weights(fmt, n, k, rng), raw_weights(fmt, n, k, rng)
-    _, acts = _quantized(k, rng)
-    out = torch.full((1, n), float("nan"), device=DEVICE)
-    gemv_q8_gate_up_glu(acts, dev(wg), dev(wu), fmt, n, k, out)
-    (g, g_scale), (u, u_scale) = _reference(acts, wg, fmt, n, k), _reference(acts, wu, fmt, n, k)
-    silu = g / (1 + np.exp(-g))
-    bound = gamma(k + ROUNDINGS) * (SILU_SLOPE * g_scale * np.abs(u) + np.abs(silu) * u_scale)
-    check(out, silu * u, bound + GLU_ULPS * 2.0**-24 * np.abs(silu * u))
+        check_product(fmt, n, k, rng)
+    check_glu(fmt, 12288, 4096, rng)
 
 
 # Rows under SHORT_K at real widths, compiled: the 1.5B's width (its rows a program's count and two more, so the
@@ -296,22 +295,8 @@ def test_a_rows_length_picks_its_tile() -> None:
 def test_short_real_widths(fmt: Format) -> None:
     rng = np.random.default_rng(int(fmt) + 7)
     for n, k in (*SHORT_REAL, NARROW_TALL_REAL):
-        raw = raw_weights(fmt, n, k, rng)
-        _, acts = _quantized(k, rng)
-        out = torch.full((1, n), float("nan"), device=DEVICE)
-        gemv_q8(acts, dev(raw), fmt, n, k, out)
-        torch.cuda.synchronize()
-        want, scale = _reference(acts, raw, fmt, n, k)
-        check(out, want, gamma(k + ROUNDINGS) * scale)
-    n, k = SHORT_GLU_REAL  # the gated pair's tile, compiled
-    wg, wu = raw_weights(fmt, n, k, rng), raw_weights(fmt, n, k, rng)
-    _, acts = _quantized(k, rng)
-    out = torch.full((1, n), float("nan"), device=DEVICE)
-    gemv_q8_gate_up_glu(acts, dev(wg), dev(wu), fmt, n, k, out)
-    (g, g_scale), (u, u_scale) = _reference(acts, wg, fmt, n, k), _reference(acts, wu, fmt, n, k)
-    silu = g / (1 + np.exp(-g))
-    bound = gamma(k + ROUNDINGS) * (SILU_SLOPE * g_scale * np.abs(u) + np.abs(silu) * u_scale)
-    check(out, silu * u, bound + GLU_ULPS * 2.0**-24 * np.abs(silu * u))
+        check_product(fmt, n, k, rng)
+    check_glu(fmt, *SHORT_GLU_REAL, rng)
 
 
 def _same_codes(q8, values: torch.Tensor) -> None:
