@@ -211,7 +211,7 @@ def test_bench_measures_the_cpu_lane(tiny):
     for r in rows:
         assert r["lane"] == "cpu:float32" and r["prompt"] == 8 and r["generated"] == 4
         assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and 0 < r["percent_of_limit"]
-        assert r["peak_gpu_gb"] is None and r["prefill"] == ""  # the cpu lane takes no GPU memory
+        assert r["peak_gpu_gb"] is None and r["peak_over_pct"] is None and r["prefill"] == ""  # no GPU memory
     table, err, code = fuselane("bench", tiny["qwen2"], "--lane", "cpu", "-p", "8", "-n", "4")
     assert code == 0 and "| cpu:float32 | pp8 |" in table and "| tg4 |" in table, err
 
@@ -324,3 +324,8 @@ def test_bench_says_which_prefill_path_its_peak_took():
                          prefill="f16-copy")  # fmt: skip
     assert "| 17.98 GB (f16-copy) |" in render([result])
     assert as_json([result])[0]["prefill"] == "f16-copy"
+    # and how far the peak is over the weights and cache, where the lane measured one
+    over = BenchResult("m.gguf", "cuda:H200:int8", 0.49, 512, 128, 0, 1.0, 1.0, 172, 0.4, 4800.0, 1000.0, 50.0, 0.543,
+                       prefill="f16-scratch", peak_over_pct=9.4)  # fmt: skip
+    assert "| 0.543 GB (+9.4 %) (f16-scratch) |" in render([over])
+    assert as_json([over])[0]["peak_over_pct"] == 9.4

@@ -37,6 +37,7 @@ from fuselane.runtime.sampling import GREEDY
 COPY_BYTES = 1 << 30  # bytes moved to measure the memory bandwidth
 COPY_REPEATS = 5
 SEED = 1234
+PEAK_DIGITS = 3  # the peak in GB to the MB: a 0.5B's 5 % share is ~25 MB, too fine for tens of MB
 # Tokens read before decode is timed: the decode step's first runs compile its kernels and capture its graph.
 DECODE_WARM = 3
 # Runs of a whole prefill chunk before prefill is timed: compiling, then a lane's capture of the chunk as a graph.
@@ -68,6 +69,9 @@ class BenchResult:
     # how the cuda lane's prefill products read the weights, as it runs them (`prefill=auto` taken: f16-scratch
     # unless a knob says otherwise), which the peak depends on; empty on the cpu lane
     prefill: str = ""
+    # the peak over what the model holds beside its workspace (its weights, caches and states at the bench's
+    # context), in %: the workspace's share, which the cuda lane keeps within 5 % where it can; None on the cpu lane
+    peak_over_pct: float | None = None
 
 
 def _copy_bandwidth(lane: Any) -> float:
@@ -259,7 +263,7 @@ def bench(
         steps.close()
         _sync(m.lane)
         decode = (generated - warm) / elapsed
-        peak = _peak_gb(m.lane, before)  # before the limit's copy buffers, which are the bench's, not the model's
+        peak = _peak_bytes(m.lane, before)  # before the limit's copy buffers, which are the bench's, not the model's
         step("the lane's limit", advance=0 if on_cpu else generated - warm)
         weight_bytes, bandwidth, limit = _limit(m)
         step(advance=1)
@@ -279,9 +283,10 @@ def bench(
         bandwidth_gb_s=round(bandwidth / 1e9, 1),
         limit_tok_s=round(limit, 1),
         percent_of_limit=round(100 * decode / limit, 1),
-        peak_gpu_gb=peak,
+        peak_gpu_gb=None if peak is None else round(peak / 1e9, PEAK_DIGITS),
         cache_values=cache_line(m.cfg),
         prefill=_prefill(m.lane),
+        peak_over_pct=None if peak is None else round(100 * (peak / m.lane.model_bytes() - 1), 1),
     )
 
 
@@ -310,13 +315,13 @@ def _reset_peak(lane: str) -> int:
     return torch.cuda.memory_allocated()
 
 
-def _peak_gb(lane: Any, before: int = 0) -> float | None:
+def _peak_bytes(lane: Any, before: int = 0) -> int | None:
     """The most GPU memory allocated since `_reset_peak` (`torch.cuda.max_memory_allocated`) less what was
     allocated `before` the load: the weights as the file holds them, the KV cache, the activations and their
     int8 forms, the kernels' scratch."""
     if getattr(lane, "name", "") != "cuda" or not lane.torch.cuda.is_available():
         return None
-    return round((lane.torch.cuda.max_memory_allocated() - before) / 1e9, 2)
+    return lane.torch.cuda.max_memory_allocated() - before
 
 
 def _cpu_weights(m: Any) -> list[np.ndarray]:
@@ -360,6 +365,7 @@ def render(results: list[BenchResult]) -> str:
     for r in results:
         at = f" @ d{r.depth}" if r.depth else ""
         peak = f"{r.peak_gpu_gb} GB" if r.peak_gpu_gb is not None else ""
+        peak += f" (+{r.peak_over_pct} %)" if peak and r.peak_over_pct is not None else ""
         peak += f" ({r.prefill})" if peak and r.prefill else ""
         lines.append(
             f"| {r.model} | {r.size_gb} GB | {r.lane} | pp{r.prompt}{at} | {r.prefill_tok_s:,.1f} | | | {peak} |"

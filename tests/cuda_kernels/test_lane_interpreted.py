@@ -305,6 +305,7 @@ def test_the_scratch_is_sized_against_the_lanes_own_weights_and_caches(tmp_path)
     caches = sum(c.numel() * c.element_size() for c in lane.caches.values())
     assert lane.weights_bytes == lane.raw["token_embd.weight"][0].untyped_storage().nbytes()
     assert ws.share_bytes == int(WORKSPACE_SHARE * (lane.weights_bytes + caches))
+    assert lane.model_bytes() == lane.weights_bytes + caches  # what `bench` puts the peak over
     step = lane._steps[(len(PROMPT), False)]
     logits = sum(b.numel() * 4 for n, b in step.bufs.items() if step.plan.graph.tensors[n].role is Role.OUTPUT)
     chunk = lane.plan(min(512, lane.ctx))

@@ -239,6 +239,12 @@ class CudaLane:
         shapes = {n: t.shape for n, t in self.tensors.items()}
         return workspace.size(shapes, rows, base, held, os.environ.get(workspace.CUBLAS_CONFIG))
 
+    def model_bytes(self) -> int:
+        """What the model holds on the device beside its workspace: the weights as uploaded and the caches and
+        recurrent states made for the lane's context (the bytes the workspace's share is of)."""
+        held = (*self.caches.values(), *self.states.values())
+        return self.weights_bytes + sum(t.numel() * t.element_size() for t in held)
+
     def weight_bytes(self) -> int:
         """Bytes a decode step reads: every matrix once, but the embedding table (one row is gathered) and a
         mixture's expert tensors (only the kept experts' matrices are read: k of them a layer)."""
