@@ -6,7 +6,7 @@ Usage:
   python benchmarks/tile_sweep.py MODEL.gguf --entry GLU_TILES:Q3_K --entry TILES:Q3_K --tile 4,8,1 ...
       (each entry swept over the same tiles in turn, the model loaded once)
 
-Each candidate (a tile of `gemv_q8`'s table for one format, times each prefetch depth) is set in the module,
+Each candidate (a tile of a `q8_tiles` table for one format, times each prefetch depth) is set in the module,
 the step is run eagerly (compiling its kernels) and captured again, and its replay is timed: the whole step,
 because a GEMV's kernel time alone misleads (`gemv_compare.py` re-reads one matrix from L2, and a kernel's
 tail overlaps the next under dependent launches). The best of three batches of `--steps` replays is printed.
@@ -21,6 +21,7 @@ from replay import best_replay
 
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
+from fuselane.lanes.cuda.triton.gemv import q8_tiles
 from fuselane.runtime.model import load
 
 TABLES = ("TILES", "TALL_TILES", "SHORT_TILES", "NARROW_TALL_TILES", "GLU_TILES")
@@ -53,7 +54,7 @@ def main() -> None:
     step = m.lane.step(1)
     entries = [e.split(":") for e in args.entry] or [(args.table, args.fmt)]
     for table_name, fmt_name in entries:
-        sweep(m.lane, step, args, getattr(gemv_q8, table_name), table_name, Format[fmt_name])
+        sweep(m.lane, step, args, getattr(q8_tiles, table_name), table_name, Format[fmt_name])
 
 
 def sweep(lane, step, args, table: dict, table_name: str, fmt: Format) -> None:

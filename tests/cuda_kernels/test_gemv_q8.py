@@ -27,7 +27,7 @@ from kernel_checks import CUDA, DEVICE, check, dev, gamma, raw_weights  # noqa: 
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
 from fuselane.lanes.cuda.triton import quant  # noqa: E402
-from fuselane.lanes.cuda.triton.gemv import int8_words, q8_bodies  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv import int8_words, q8_bodies, q8_tiles  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv import q8 as q8_module  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.q8 import gemv_q8, gemv_q8_gate_up_glu, gemv_q8_parts, supports  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.rows import Part  # noqa: E402
@@ -274,19 +274,19 @@ SHORT_GLU_REAL = (8960, 1536)  # the 1.5B's gated pair
 
 
 def test_a_rows_length_picks_its_tile() -> None:
-    for k, table in ((q8_module.SHORT_K - 256, q8_module.SHORT_TILES), (q8_module.SHORT_K, q8_module.TILES)):
+    for k, table in ((q8_tiles.SHORT_K - 256, q8_tiles.SHORT_TILES), (q8_tiles.SHORT_K, q8_tiles.TILES)):
         plan = q8_module.tile_plan(Format.Q6_K, k, None, None, None)
         assert (plan["BLOCK_N"], plan["num_warps"]) == table[Format.Q6_K][:2], k
-    assert q8_module.SHORT_TILES[Format.Q6_K] != q8_module.TILES[Format.Q6_K]
+    assert q8_tiles.SHORT_TILES[Format.Q6_K] != q8_tiles.TILES[Format.Q6_K]
     # a tall row's tile by its launch's rows: a narrow model's down, a wide one's, and rows not said
-    tall = q8_module.TALL_K
+    tall = q8_tiles.TALL_K
     for n, table in (
-        (2048, q8_module.NARROW_TALL_TILES),
-        (q8_module.SHORT_K, q8_module.TALL_TILES),
-        (None, q8_module.TALL_TILES),
+        (2048, q8_tiles.NARROW_TALL_TILES),
+        (q8_tiles.SHORT_K, q8_tiles.TALL_TILES),
+        (None, q8_tiles.TALL_TILES),
     ):
-        assert q8_module.tile_of(Format.Q4_K, tall, n) == table[Format.Q4_K], n
-    assert q8_module.NARROW_TALL_TILES[Format.Q4_K] != q8_module.TALL_TILES[Format.Q4_K]
+        assert q8_tiles.tile_of(Format.Q4_K, tall, n) == table[Format.Q4_K], n
+    assert q8_tiles.NARROW_TALL_TILES[Format.Q4_K] != q8_tiles.TALL_TILES[Format.Q4_K]
 
 
 @pytest.mark.cuda

@@ -301,12 +301,12 @@ def quantizes(plan) -> int:
 def test_the_int8_gemv_facts_are_the_kernels() -> None:
     # the plan side decides from `kernels` what the int8 GEMV takes and how many rows a program of it turns
     from fuselane.lanes.cuda.plan import kernels
-    from fuselane.lanes.cuda.triton.gemv import q8
+    from fuselane.lanes.cuda.triton.gemv import q8, q8_tiles
 
     assert q8.FORMATS == kernels.INT8_GEMV_FORMATS
     for fmt in q8.FORMATS:
         rows = kernels.INT8_GEMV_TILE_ROWS[fmt]
-        tables = (q8.TILES, q8.TALL_TILES, q8.SHORT_TILES, q8.NARROW_TALL_TILES)
+        tables = (q8_tiles.TILES, q8_tiles.TALL_TILES, q8_tiles.SHORT_TILES, q8_tiles.NARROW_TALL_TILES)
         assert max(t[fmt][0] for t in tables) == rows and all(rows % t[fmt][0] == 0 for t in tables), fmt
         for k in (256, 512, 4096, 12288):
             assert q8.supports(fmt, 1, k) == kernels.int8_gemv(fmt, 1, k)
