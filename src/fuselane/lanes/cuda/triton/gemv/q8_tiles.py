@@ -47,9 +47,9 @@ TALL_TILES[Format.Q6_K] = (2, 8, 1)
 # at four rows each: Q4_K's take two (the whole step, 2026-12-04: Qwen2.5-3B 1.527 -> 1.477 ms, Qwen3-4B
 # 1.815 -> 1.791, the 1.5B 1.103 -> 1.098); Q6_K's gained nowhere (within 0.3 % or lost on the 3B and 4B).
 NARROW_TALL_TILES = TALL_TILES | {Format.Q4_K: (2, 2, 2)}
-# Rows of fewer than SHORT_K values (a 1.5B's to a 4B's width: 6-10 super-blocks) leave most of an eight-warp
+# Rows of fewer than SHORT_K values (a 1.5B's to a 4B's width: 6-10 super-blocks) leave many of an eight-warp
 # program's threads without a group (Q6_K's two rows of six super-blocks: 96 (row, group)s for 256 threads):
-# Q6_K's take four rows and two warps, two (row, group)s a thread, the output head's most of all (the whole
+# Q6_K's take four rows and two warps, two (row, group)s a thread, the output head's among them (the whole
 # step, 2026-12-04: Qwen2.5-1.5B 1.103 -> 0.979 ms, 3B 1.525 -> 1.463, Qwen3-4B 1.813 -> 1.770). The sweep
 # gave the other formats' entries no such gain (Q4_K's, and its gated pair's, were within 1 % or lost on one
 # of the three), so they keep TILES'.
