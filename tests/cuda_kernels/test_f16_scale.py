@@ -263,3 +263,53 @@ def test_a_slab_takes_whole_steps_of_rows_where_the_matrix_does_not_fit():
     assert S._slab_rows(3584, 1771) == 1280  # a 7B's down in 32 Mi values: 1,280, 1,280, 1,024 (not ..., 256)
     assert S._slab_rows(24, 30) == 24  # the whole matrix fits
     assert S._slab_rows(24, 7) == 7  # a scratch of fewer rows than a step: all it holds (the tests' slabs)
+
+
+def test_rounding_in_place_gives_the_copys_bits_and_scales():
+    # a dying activation rounded into its own bytes: each row's f16 values in the first half of its span, at a
+    # pitch past its width, rows that fit and rows past 2^14 alike, a block and a partial one a row
+    x = _activations(np.random.default_rng(21))
+    x16, scales = torch.empty((M, K), dtype=torch.float16, device=DEVICE), torch.empty(M, device=DEVICE)
+    S.to_f16(dev(x), x16, scales, block=BLOCK)
+    wide = torch.full((M, K + 32), float("nan"), device=DEVICE)  # a pitch of K + 32 values
+    wide[:, :K] = dev(x)
+    in_place_scales = torch.empty(M, device=DEVICE)
+    got = S.to_f16_in_place(wide[:, :K], in_place_scales, block=BLOCK)
+    assert got.data_ptr() == wide.data_ptr() and got.stride() == (2 * (K + 32), 1)
+    assert torch.equal(got.view(torch.int16), x16.view(torch.int16))
+    assert torch.equal(in_place_scales, scales)
+
+
+@pytest.mark.parametrize("scratch_rows", [N, 7])
+def test_products_rounding_in_place_give_the_bits_of_the_copies(scratch_rows):
+    # the scratch product and the gated pair over an activation they may overwrite (each a copy of its own: on
+    # the CPU `dev` shares the array's memory): the bits they give over a rounded copy, bias and residual as before
+    from fuselane.gguf.formats import Format
+
+    raw, w16 = _checkpoint_rows(22)
+    _, bias, res = _problem(23)
+    x = _activations(np.random.default_rng(24))
+    want = dev(res.copy())
+    S.product(dev(x), dev(w16), want, bias=dev(bias), residual=want)
+    out, scratch = dev(res.copy()), torch.empty(2 * scratch_rows * K, dtype=torch.float16, device=DEVICE)
+    xt = dev(x.copy())
+    S.product_from_bytes(xt, dev(raw), Format.Q8_0, N, K, scratch, out, bias=dev(bias), residual=out, in_place=True)
+    assert torch.equal(out, want)
+    assert not torch.equal(xt, dev(x))  # its bytes hold the f16 rows now
+    copy_out = torch.empty((M, N), device=DEVICE)
+    S.product(dev(x), dev(w16), copy_out)
+    dense_out = torch.empty((M, N), device=DEVICE)
+    S.product(dev(x.copy()), dev(w16), dense_out, in_place=True)
+    assert torch.equal(dense_out, copy_out)
+    (graw, g16), (uraw, u16) = _pair(25)
+    xp = _pair_activations(26)
+    pair_want = torch.empty((M, N), device=DEVICE)
+    S.gate_up_glu(dev(xp), dev(g16), dev(u16), pair_want)
+    pair_out = torch.empty((M, N), device=DEVICE)
+    gate, up = (dev(graw), Format.Q8_0), (dev(uraw), Format.Q4_0)
+    xt = dev(xp.copy())
+    S.gate_up_glu_from_bytes(xt, gate, up, N, K, scratch, pair_out, in_place=True)
+    assert torch.equal(pair_out, pair_want)
+    assert not torch.equal(xt, dev(xp))
+    S.gate_up_glu(dev(xp.copy()), dev(g16), dev(u16), pair_out, in_place=True)
+    assert torch.equal(pair_out, pair_want)

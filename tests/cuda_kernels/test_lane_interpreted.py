@@ -312,3 +312,19 @@ def test_the_scratch_is_sized_against_the_lanes_own_weights_and_caches(tmp_path)
     candidates = gpu.cfg.vocab * (4 + 8)  # a sampled draw's values and indices
     assert ws.held_bytes == max(4 * arena_values(chunk), lane._arena.numel() * 4) + logits + candidates
     assert lane.f16_scratch().numel() == ws.scratch_values
+
+
+@pytest.mark.parametrize("prefill", ["f16-scratch", "f16-copy"])
+def test_rounding_dying_activations_in_place_gives_the_same_logits(tmp_path, prefill):
+    # `round_in_place=on`: a chunk's products round the activations that die at them (the down's SwiGLU output,
+    # the pair's normed input) into their own bytes, to the bits the copies give
+    path = write_synthetic(tmp_path / "m.gguf", "tiny-qwen2", "q8_0", seed=4)
+    runs = {}
+    for rounding in ("off", "on"):
+        knobs = ["activations=dequant", f"prefill={prefill}", f"round_in_place={rounding}"]
+        gpu = load(path, lane="cuda", ctx=32, knobs=knobs)
+        runs[rounding] = (_steps(gpu), gpu.lane._steps[(len(PROMPT), False)])
+    (copied, copies_step), (rounded, rounding_step) = runs["off"], runs["on"]
+    assert rounding_step.rounds_in_place and not copies_step.rounds_in_place
+    for a, b in zip(copied, rounded, strict=True):
+        assert np.array_equal(a, b)

@@ -15,7 +15,15 @@ from fuselane.fuse.views import class_of, leaves  # noqa: E402
 from fuselane.graph.classes import ClassId as C  # noqa: E402
 from fuselane.graph.ir import QuantizedActs, Role  # noqa: E402
 from fuselane.graph.ops import RmsNorm  # noqa: E402
-from fuselane.lanes.cuda.run.buffers import ALIGN_VALUES, arena_layout, lives, pooled_buffers, unstored  # noqa: E402
+from fuselane.lanes.cuda.run.buffers import (  # noqa: E402
+    ALIGN_VALUES,
+    arena_layout,
+    dying_reads,
+    dying_widths,
+    lives,
+    pooled_buffers,
+    unstored,
+)
 
 
 def _span(t):
@@ -101,3 +109,19 @@ def test_a_chunks_fused_ops_store_only_what_their_launches_write():
     bufs, _ = pooled_buffers(plan, lambda s: torch.zeros(s), lambda s: torch.zeros(s, dtype=torch.int8))
     assert not unstored(plan) & set(bufs)
     assert {op.out for op in pairs + norms} | rotated_q | sums <= set(bufs)
+
+
+def test_an_activation_dies_at_its_last_reader_only():
+    # the down's SwiGLU output and the pair's normed input die at their products, which may round them in place;
+    # the attention's input, which the key's and value's products read after the query's, dies at none of those
+    _, _, plan = build_plan("synth:qwen2.5-0.5b", lane="cuda", form="prefill", rows=512)
+    reads = dying_reads(plan)
+    ops = {op.out: op for op in plan.ops}
+    down, pair, query = ops["l0.ffn_out"], ops["l0.glu"], ops["l0.q"]
+    assert (id(down), "l0.glu") in reads
+    assert class_of(pair) is C.GEMV_GATE_UP_GLU and (id(pair), "l0.ffn_in") in reads
+    gate = next(p for p in leaves(pair) if p.ins[0] == "l0.ffn_in")
+    assert (id(gate), "l0.ffn_in") not in reads  # both products read it: the pair's launch rounds it once
+    assert not any(name == "l0.attn_in" for op_id, name in reads if op_id in {id(query), *map(id, leaves(query))})
+    assert dying_widths(plan, reads) == {4864}  # the down's; the model's width is read by the query's too
+    assert dying_widths(plan, frozenset()) == frozenset()

@@ -102,3 +102,41 @@ def test_a_workspace_the_user_set_is_kept_and_counted():
     assert not ws.within and ws.scratch_values == PAIR
     lean = size(SMALL, 512, 1_100_000_000, 25_000_000, ":4096:1")
     assert lean.cublas_config is None and lean.within and lean.scratch_values < PAIR
+
+
+def test_a_width_rounding_in_place_takes_no_copy():
+    # the down (k 4,864) rounding its dying activation in its own bytes: its rows' scales and its product only
+    products = workspace.layer_products(SMALL)
+    down = 4 * 512 + 2 * 512 * 896
+    pair = 2 * 512 * 896 + 4 * 512 + 2 * 512 * (PAIR // 896)
+    assert operand_bytes(products, 512, PAIR, frozenset({4864})) == max(pair, down)
+    assert operand_bytes(products, 512, 896 * 4864, frozenset({896, 4864})) == 4 * 512 + 2 * 512 * 4864
+
+
+def test_a_short_scratch_rounds_dying_activations_in_place_where_that_gives_it_more():
+    # ~11 MB of room: the down's 5 MB copy, not the pair's, sets the scratch, so rounding the down's activation
+    # in place gives the scratch more; ~9 MB: only in place does the pair in four slabs fit at all
+    base, dying = 1_100_000_000, frozenset({4864})
+    for held in (39_800_000, 41_800_000):
+        copies = size(SMALL, 512, base, held, None)
+        rounded = size(SMALL, 512, base, held, None, dying)
+        assert not copies.rounds_in_place and rounded.rounds_in_place and rounded.within
+        assert copies.scratch_values < rounded.scratch_values or not copies.within
+        total = held + rounded.cublas_bytes + 2 * rounded.scratch_values
+        total += operand_bytes(workspace.layer_products(SMALL), 512, rounded.scratch_values, dying)
+        assert total <= rounded.share_bytes
+    assert copies.scratch_values == PAIR and not copies.within  # the second: the copies miss the share
+    # where the pair's operands set the scratch (25 MB held), the down's copy gone gives it nothing: no second read
+    assert not size(SMALL, 512, base, 25_000_000, None, dying).rounds_in_place
+    # a large model's whole scratch fits with the copies
+    assert not size(WIDE, 512, 4_700_000_000, 60_000_000, None, frozenset({18944})).rounds_in_place
+    # and a share missed all the same keeps its copies (and the whole product)
+    missed = size(SMALL, 512, 493_000_000, 14_000_000, None, dying)
+    assert not missed.within and not missed.rounds_in_place and missed.scratch_values == PAIR
+
+
+def test_round_in_place_on_rounds_whatever_the_scratch():
+    # the knob `round_in_place=on`: the dying widths round in place even where the copies hold the whole scratch
+    ws = size(WIDE, 512, 4_700_000_000, 60_000_000, None, frozenset({18944}), always=True)
+    assert ws.rounds_in_place and ws.within and ws.scratch_values == kernels.F16_SCRATCH_VALUES
+    assert not size(WIDE, 512, 4_700_000_000, 60_000_000, None, frozenset(), always=True).rounds_in_place

@@ -104,6 +104,14 @@ class StatePrecision(enum.Enum):
     BF16 = "bf16"
 
 
+class RoundInPlace(enum.Enum):
+    """Whether a chunk's product rounds an activation no later op reads into its own bytes (`f16_scale`)."""
+
+    AUTO = "auto"  # where the workspace share wants the room (`run/workspace`)
+    ON = "on"
+    OFF = "off"
+
+
 @dataclass(frozen=True, slots=True)
 class CudaKnobs:
     """The lane's knobs.
@@ -170,6 +178,13 @@ class CudaKnobs:
       registers and 2.4 KB of stack a thread at Qwen3-Next's widths on sm_90). `ieee` takes f32 FMA products,
       the recurrence's numbers within f32 roundoff, which ptxas holds at 32 registers with 14.6 KB of stack:
       the spills made the 80B-A3B's pp512 895 tok/s against 2,091 for `tf32x3` (H200, benchmarks/RESULTS.md).
+    - `round_in_place=auto`: under an f16 prefill a chunk's product rounds its f32 activation to f16 into a
+      fresh buffer; where the activation dies there (no later op reads it: a down product's SwiGLU output, a
+      gated pair's normed input) it may round it into the activation's own bytes instead, saving the copy (a
+      512-row chunk's down: 9.2 MB on a 1.5B, 19.4 MB on a 7B) for a second read of each row (the rounding
+      first finds the row's largest value, which it would otherwise overwrite). `auto` does so where the
+      workspace share (`run/workspace`) would leave the scratch short of its most with the copies; `on`
+      always, `off` never. The numbers are the same bits either way.
     - `shared_fold=on` (the default): a decode step's gated shared expert folds into the mixture's launches
       (SharedExpertFusion): its gate/up SwiGLU and its gate's sigmoid on programs of their own in the kept
       experts' gate/up launch, its down rows in each program of the down launch, so a layer stays within
@@ -193,6 +208,7 @@ class CudaKnobs:
     weight_loads: WeightLoads = WeightLoads.AS_WRITTEN
     delta_products: DeltaProducts = DeltaProducts.TF32X3
     shared_fold: bool = True
+    round_in_place: RoundInPlace = RoundInPlace.AUTO
 
     @classmethod
     def parse(cls, settings: Iterable[str], base: CudaKnobs | None = None) -> CudaKnobs:
@@ -255,4 +271,5 @@ _SETTERS = {
     "weight_loads": lambda k, v: replace(k, weight_loads=_choice("weight_loads", WeightLoads, v)),
     "delta_products": lambda k, v: replace(k, delta_products=_choice("delta_products", DeltaProducts, v)),
     "shared_fold": lambda k, v: replace(k, shared_fold=_flag("shared_fold", v)),
+    "round_in_place": lambda k, v: replace(k, round_in_place=_choice("round_in_place", RoundInPlace, v)),
 }

@@ -25,7 +25,7 @@ from fuselane.fuse.optimizer import VIEWS, Plan
 from fuselane.fuse.views import class_of, leaves
 from fuselane.graph.classes import ClassId
 from fuselane.graph.ir import Op, QuantizedActs, Role
-from fuselane.graph.ops import RmsNorm
+from fuselane.graph.ops import Matmul, RmsNorm
 from fuselane.lanes.cuda.plan.kernels import PART_ALIGN_BYTES
 
 F32_BYTES = 4
@@ -194,6 +194,49 @@ def unstored(plan: Plan) -> set[str]:
         for name in _names(op):
             touched[name].add(i)
     return {name for name, i in kept.items() if touched[name] == {i} and name not in outer}
+
+
+def dying_reads(plan: Plan) -> frozenset[tuple[int, str]]:
+    """(id of an op, or of a part of it, name) for each arena activation whose life ends at that op without the
+    op writing it: a part is named where it alone of the op's parts reads the value, the op where its parts
+    all do (a gated pair's launch rounds its activation once for both products). Those bytes are free for the
+    launch to overwrite as it reads them (a product rounding its activation to f16 in place)."""
+    g = plan.graph
+    pooled = {name for name, t in g.tensors.items() if t.role is Role.ACTIVATION} - unstored(plan)
+    span = lives(plan, pooled)
+    views = {op.out for op in plan.ops if isinstance(op.sym, VIEWS)}
+    found: set[tuple[int, str]] = set()
+    for i, op in enumerate(plan.ops):
+        written = {op.out, op.dst.buf} | {part.out for part in leaves(op)} | {part.dst.buf for part in leaves(op)}
+        for name in set(op.ins) - written - views:
+            if span.get(name, (i, -1))[1] != i:
+                continue
+            found.add((id(op), name))
+            readers = [part for part in leaves(op) if name in part.ins]
+            if len(readers) == 1:
+                found.add((id(readers[0]), name))
+    return frozenset(found)
+
+
+# The classes whose chunk launches round their products' activations to f16 (`launch._product`, `_f16_pair`), so
+# may round a dying one in its own bytes; a lone product too
+ROUNDING_CLASSES = frozenset({ClassId.GEMM_BIAS, ClassId.ROW_WRITE, ClassId.GEMV_GATE_UP_GLU})
+
+
+def dying_widths(plan: Plan, reads: frozenset[tuple[int, str]]) -> frozenset[int]:
+    """The widths k whose every matrix product in the plan rounds an activation that dies there (`reads`, from
+    `dying_reads`), so takes no f16 copy of it where the lane rounds in place; a width any other product
+    multiplies keeps its copy counted."""
+    dies: dict[int, bool] = {}
+    for op in plan.ops:
+        cls = class_of(op)
+        for part in leaves(op):
+            if not isinstance(part.sym, Matmul):
+                continue
+            owner = op if cls is ClassId.GEMV_GATE_UP_GLU else part  # a pair rounds once for both products
+            rounds = (cls is None or cls in ROUNDING_CLASSES) and (id(owner), part.ins[0]) in reads
+            dies[part.sym.k] = dies.get(part.sym.k, True) and rounds
+    return frozenset(k for k, all_die in dies.items() if all_die)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

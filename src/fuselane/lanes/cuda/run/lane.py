@@ -34,11 +34,18 @@ from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Form, QuantFormat, QuantizedActs, Role, TensorGraph
 from fuselane.graph.ops import GatedDelta
 from fuselane.lanes.cuda.plan.kernels import MOE_CHUNK_ROWS, PART_ALIGN_BYTES, QBLOCK, SCRATCH_CHUNK_ROWS
-from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights, StatePrecision
+from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights, RoundInPlace, StatePrecision
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run import decode as loop
 from fuselane.lanes.cuda.run import workspace
-from fuselane.lanes.cuda.run.buffers import F16_BYTES, F32_BYTES, arena_values, pooled_buffers
+from fuselane.lanes.cuda.run.buffers import (
+    F16_BYTES,
+    F32_BYTES,
+    arena_values,
+    dying_reads,
+    dying_widths,
+    pooled_buffers,
+)
 from fuselane.lanes.cuda.run.decode import DeviceSampler, Tail
 from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
@@ -237,7 +244,10 @@ class CudaLane:
         # a sampled draw holds its candidates (a decode step writes its logits in the chunk's buffer: `output`)
         held += self.cfg.vocab * loop.CANDIDATE_BYTES
         shapes = {n: t.shape for n, t in self.tensors.items()}
-        return workspace.size(shapes, rows, base, held, os.environ.get(workspace.CUBLAS_CONFIG))
+        rounding = self.shim.knobs.round_in_place
+        dying = frozenset() if rounding is RoundInPlace.OFF else dying_widths(chunk, dying_reads(chunk))
+        config = os.environ.get(workspace.CUBLAS_CONFIG)
+        return workspace.size(shapes, rows, base, held, config, dying, always=rounding is RoundInPlace.ON)
 
     def model_bytes(self) -> int:
         """What the model holds on the device beside its workspace: the weights as uploaded and the caches and
@@ -485,10 +495,16 @@ class _Step:
         bufs[POS] = torch.zeros(1, dtype=torch.int32, device=lane.device)
         self.bufs, self.q8 = bufs, q8  # the int8 forms too: a test reads what a launch wrote there
         in_place = decodes_in_kernel(lane.shim.knobs)
+        scratch = lane.f16_scratch(plan)  # sizes the lane's workspace on its first chunk
+        rounding = lane.shim.knobs.round_in_place
+        sized = lane.workspace is not None and lane.workspace.rounds_in_place
+        rounds = rounding is RoundInPlace.ON or (rounding is RoundInPlace.AUTO and sized)
+        self.rounds_in_place = rounds  # a chunk's products round their dying activations in their own bytes
         bound = Bound(
             g, bufs, lane.raw, lane.vec, lane.dense,
             in_place=in_place, q8=q8, attention_f16=_attention_in_f16(lane.shim.knobs), sms=lane.shim.knobs.chip.sms,
-            delta_products=lane.shim.knobs.delta_products.value, f16_scratch=lane.f16_scratch(plan),
+            delta_products=lane.shim.knobs.delta_products.value, f16_scratch=scratch,
+            dying=dying_reads(plan) if rounds else frozenset(),
         )  # fmt: skip
         # each op of the plan and its launches (one, none for a view): what `fuselane explain` counts
         self.bound = [(op, bind(op, bound)) for op in plan.ops]

@@ -13,6 +13,11 @@ the scratch never takes less than a layer's largest product in `kernels.SCRATCH_
 that does not fit, the share cannot hold at the chunk's rows, and the scratch keeps the whole product (the
 speed) rather than pay for a bar it misses all the same.
 
+Where the scratch is short of its most all the same, a product whose f32 activation no later op reads rounds it
+into the activation's own bytes (`f16_scale.to_f16_in_place`) rather than a fresh f16 copy: on a 1.5B the down
+product's copy is 9.2 MB of a 56.5 MB share. It reads each row twice where the copy reads it once, so the lane
+does so only where the room it gives is wanted.
+
 cuBLAS takes a workspace of its own, 32 MiB on Hopper unless `CUBLAS_WORKSPACE_CONFIG` says otherwise, which
 torch reads when it makes a stream's workspace (once a process, in some of its versions). Where that workspace
 leaves the scratch short of its most, the lane asks for 4 MiB (`kernels.CUBLAS_LEAN_WORKSPACE`) before its first
@@ -49,6 +54,9 @@ class Workspace:
     share_bytes: int  # kernels.WORKSPACE_SHARE of the weights and the caches
     held_bytes: int  # the chunk's arena and outputs
     within: bool  # whether the scratch, the products' operands, cuBLAS's and the held bytes fit the share
+    # whether a product whose activation dies at it rounds it into its own bytes (`f16_scale.to_f16_in_place`):
+    # only where the scratch would be short of its most with the rounded copies, as each row is read twice
+    rounds_in_place: bool = False
 
 
 def cublas_bytes(config: str | None) -> int:
@@ -71,11 +79,12 @@ def layer_products(shapes: Mapping[str, tuple[int, ...]]) -> dict[int, int]:
     return by_width
 
 
-def operand_bytes(products: Mapping[int, int], rows: int, values: int) -> int:
+def operand_bytes(products: Mapping[int, int], rows: int, values: int, in_place: frozenset[int] = frozenset()) -> int:
     """The most one product's transient operands take at `rows` rows with a scratch of `values`: its activation
-    rounded to f16 and its rows' scales, and its f16 product, a slab's columns (as many as the scratch holds)."""
+    rounded to f16 (none for a width in `in_place`, whose products round a dying activation into its own bytes)
+    and its rows' scales, and its f16 product, a slab's columns (as many as the scratch holds)."""
     return max(
-        F16_BYTES * rows * k + F32_BYTES * rows + F16_BYTES * rows * (min(values, most) // k)
+        F16_BYTES * rows * k * (k not in in_place) + F32_BYTES * rows + F16_BYTES * rows * (min(values, most) // k)
         for k, most in products.items()
     )
 
@@ -92,14 +101,17 @@ def scratch_bounds(shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
     return max(least, pair_row), max(most, pair_row)
 
 
-def fit(shapes: Mapping[str, tuple[int, ...]], rows: int, room: int) -> int | None:
-    """The most scratch values within `scratch_bounds` for which the scratch and any product's operands take at
-    most `room` bytes; None where not even the least does."""
+def fit(
+    shapes: Mapping[str, tuple[int, ...]], rows: int, room: int, in_place: frozenset[int] = frozenset()
+) -> int | None:
+    """The most scratch values within `scratch_bounds` for which the scratch and any product's operands (the
+    widths `in_place` rounding into their activations' own bytes) take at most `room` bytes; None where not even
+    the least does."""
     products = layer_products(shapes)
     least, most = scratch_bounds(shapes)
 
     def fits(values: int) -> bool:
-        return F16_BYTES * values + operand_bytes(products, rows, values) <= room
+        return F16_BYTES * values + operand_bytes(products, rows, values, in_place) <= room
 
     if not fits(least):
         return None
@@ -111,19 +123,29 @@ def fit(shapes: Mapping[str, tuple[int, ...]], rows: int, room: int) -> int | No
 
 
 def size(
-    shapes: Mapping[str, tuple[int, ...]], rows: int, base_bytes: int, held_bytes: int, config: str | None
-) -> Workspace:
+    shapes: Mapping[str, tuple[int, ...]], rows: int, base_bytes: int, held_bytes: int, config: str | None,
+    dying: frozenset[int] = frozenset(), *, always: bool = False,
+) -> Workspace:  # fmt: skip
     """The scratch and cuBLAS workspace for chunks of `rows` rows of a model whose weights and caches take
     `base_bytes`, a chunk's arena and outputs `held_bytes`, under the process's CUBLAS_WORKSPACE_CONFIG
-    `config` (None: unset, so the lane may ask for the lean one)."""
+    `config` (None: unset, so the lane may ask for the lean one). `dying`: the widths whose every product's
+    activation dies at it, which may round it in place where the scratch is short of its most otherwise (with
+    `always`, as the knob `round_in_place=on` has them: whatever the scratch)."""
     share = int(kernels.WORKSPACE_SHARE * base_bytes)
     _, most = scratch_bounds(shapes)
     asks = [None] if config is not None else [None, kernels.CUBLAS_LEAN_WORKSPACE]
-    for ask in asks:
-        counted = cublas_bytes(config if ask is None else ask)
-        values = fit(shapes, rows, share - held_bytes - counted)
-        if values == most or ask is asks[-1]:
-            break
+    short: list[tuple[int | None, str | None, int, frozenset[int]]] = []  # each way's most, where none is whole
+    for in_place in (dying,) if always else (frozenset(), dying):
+        for ask in asks:
+            counted = cublas_bytes(config if ask is None else ask)
+            values = fit(shapes, rows, share - held_bytes - counted, in_place)
+            if values == most:
+                return Workspace(most, ask, counted, share, held_bytes, True, bool(in_place))
+        short.append((values, ask, counted, in_place))
+    copied, rounded = short[0], short[-1]
+    # rounding in place reads each row twice: where asked, or for a scratch it makes larger or a share it makes hold
+    gains = rounded[0] is not None and (copied[0] is None or rounded[0] > copied[0])
+    values, ask, counted, in_place = rounded if always or gains else copied
     return Workspace(
         scratch_values=most if values is None else values,
         cublas_config=ask,
@@ -131,4 +153,5 @@ def size(
         share_bytes=share,
         held_bytes=held_bytes,
         within=values is not None,
+        rounds_in_place=bool(in_place),
     )

@@ -91,6 +91,29 @@ def _to_f16_kernel(x, x_pitch, out, out_pitch, scales, K: tl.constexpr, BLOCK: t
 
 
 @triton.jit
+def _to_f16_in_place_kernel(x, pitch, scales, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    src = x + row * pitch
+    dst = src.to(tl.pointer_type(tl.float16), bitcast=True)  # the row's own bytes: value c at byte 2c
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for c0 in range(0, K, BLOCK):  # the largest first: the rounding overwrites the values it would re-read
+        c = c0 + cols
+        amax = tl.maximum(amax, tl.abs(tl.load(src + c, mask=c < K, other=0.0)))
+    e = row_exponent(tl.max(amax, 0))
+    inv = power_of_two(-e)  # 1 for a row that fits: the cast's bits
+    for c0 in range(0, K, BLOCK):
+        c = c0 + cols
+        v = tl.load(src + c, mask=c < K, other=0.0)
+        # a block's f16 values land on f32 values of the same block or before it, which other warps may still
+        # be loading: every load of the block first
+        tl.debug_barrier()
+        tl.store(dst + c, (v * inv).to(tl.float16), mask=c < K)
+    tl.store(scales + row, power_of_two(e))
+
+
+@triton.jit
 def _scaled_store_kernel(
     y, y_pitch, scales, m, n, bias, res, res_pitch, out, out_pitch, pos,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -138,6 +161,21 @@ def to_f16(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, *, block: i
     _to_f16_kernel[(m,)](
         x, x.stride(0), out, out.stride(0), scales, K=k, BLOCK=block, num_warps=ROW_WARPS, **pdl.options()
     )
+
+
+def to_f16_in_place(x: torch.Tensor, scales: torch.Tensor, *, block: int = ROW_BLOCK) -> torch.Tensor:
+    """`to_f16` of the f32 rows `x` (m, k, any pitch, unit column stride) into their own bytes, for an activation
+    no later launch reads: row r's f16 values take the first 2k bytes of its span. Returns them as an (m, k) f16
+    view (pitch twice x's). Each row is read twice (its largest |value| first), where `to_f16` reads a row that
+    fits once: it saves the f16 copy's bytes, not time."""
+    m, k = x.shape
+    if x.dtype != torch.float32 or x.stride(1) != 1:
+        raise ValueError(f"x must be an f32 (m, {k}) tensor with unit column stride")
+    if scales.dtype != torch.float32 or scales.numel() != m or not scales.is_contiguous():
+        raise ValueError(f"scales must be a contiguous f32 ({m},) tensor")
+    block = min(block, triton.next_power_of_2(k))
+    _to_f16_in_place_kernel[(m,)](x, x.stride(0), scales, K=k, BLOCK=block, num_warps=ROW_WARPS, **pdl.options())
+    return torch.as_strided(x.view(torch.float16), (m, k), (2 * x.stride(0), 1))
 
 
 def scaled_store(
@@ -188,24 +226,27 @@ def glu_store(gate: torch.Tensor, up: torch.Tensor, scales: torch.Tensor, out: t
     )  # fmt: skip
 
 
-def gate_up_glu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def gate_up_glu(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, *, in_place: bool = False
+) -> torch.Tensor:
     """out (m, n, f32) = silu(x @ gate^T) * (x @ up^T), gate and up the (n, k) f16 copies of a gated pair: x
-    rounded once for both products, the GLU in the products' epilogue (`glu_store`). Returns `out`."""
-    x16, scales = _rounded(x)
+    rounded once for both products (into its own bytes with `in_place`, where x dies here), the GLU in the
+    products' epilogue (`glu_store`). Returns `out`."""
+    x16, scales = _rounded(x, in_place)
     glu_store(x16 @ gate.T, x16 @ up.T, scales, out)
     return out
 
 
 def gate_up_glu_from_bytes(
     x: torch.Tensor, gate: tuple[torch.Tensor, Any], up: tuple[torch.Tensor, Any], n: int, k: int,
-    scratch: torch.Tensor, out: torch.Tensor,
+    scratch: torch.Tensor, out: torch.Tensor, *, in_place: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """`gate_up_glu` with the pair's matrices as checkpoint rows, each (bytes, format): a slab of the gate's rows
     and the same slab of the up's decoded side by side into `scratch` (`prefill=f16-scratch`), one cuBLAS
     product over both, the GLU in its epilogue into those columns of `out`. Returns `out`."""
     from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize
 
-    x16, scales = _rounded(x)
+    x16, scales = _rounded(x, in_place)
     rows = _slab_rows(n, scratch.numel() // (2 * k))
     if rows < 1:
         raise ValueError(f"a scratch of {scratch.numel()} values holds no pair of rows of {k}")
@@ -238,18 +279,21 @@ def _slab_rows(n: int, fits: int) -> int:
     return math.ceil(n / slabs / F16_SLAB_STEP) * F16_SLAB_STEP
 
 
-def _rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x rounded to f16 under its rows' scales, the scales): `to_f16` into fresh buffers."""
+def _rounded(x: torch.Tensor, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x rounded to f16 under its rows' scales, the scales): `to_f16` into a fresh buffer, or with `in_place`
+    (x dies at this product) `to_f16_in_place` into x's own bytes."""
     m, k = x.shape
-    x16 = torch.empty((m, k), dtype=torch.float16, device=x.device)
     scales = torch.empty(m, dtype=torch.float32, device=x.device)
+    if in_place:
+        return to_f16_in_place(x, scales), scales
+    x16 = torch.empty((m, k), dtype=torch.float16, device=x.device)
     to_f16(x, x16, scales)
     return x16, scales
 
 
 def product_from_bytes(
     x: torch.Tensor, w: torch.Tensor, fmt: Any, n: int, k: int, scratch: torch.Tensor, out: torch.Tensor,
-    **epilogue: Any,
+    *, in_place: bool = False, **epilogue: Any,
 ) -> torch.Tensor:  # fmt: skip
     """`product` of x (m, k, f32) and the n x k checkpoint rows `w` (1-D uint8, in `fmt`), the matrix decoded to
     f16 into `scratch` (1-D f16, shared by every product: `prefill=f16-scratch`) just before cuBLAS takes it,
@@ -257,7 +301,7 @@ def product_from_bytes(
     rows, each multiplied into its columns of `out`. Returns `out`."""
     from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize
 
-    x16, scales = _rounded(x)
+    x16, scales = _rounded(x, in_place)
     rows = _slab_rows(n, scratch.numel() // k)
     if rows < 1:
         raise ValueError(f"a scratch of {scratch.numel()} values holds no row of {k}")
@@ -275,10 +319,12 @@ def product_from_bytes(
     return out
 
 
-def product(x: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, **epilogue: Any) -> torch.Tensor:
+def product(
+    x: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, *, in_place: bool = False, **epilogue: Any
+) -> torch.Tensor:
     """out (m, n) = x (m, k, f32) @ dense^T (dense the (n, k) f16 copy of a matrix) with `scaled_store`'s
-    `epilogue` (bias, residual, out_row): x rounded to f16 under its rows' scales, multiplied by cuBLAS,
-    scaled back in f32; returns `out`."""
-    x16, scales = _rounded(x)
+    `epilogue` (bias, residual, out_row): x rounded to f16 under its rows' scales (into its own bytes with
+    `in_place`, where x dies at this product), multiplied by cuBLAS, scaled back in f32; returns `out`."""
+    x16, scales = _rounded(x, in_place)
     scaled_store(x16 @ dense.T, scales, out, **epilogue)
     return out
