@@ -21,6 +21,11 @@ its rows at a time where it does not fit, one launch more a slab.
 
 A gated pair (`gate_up_glu`, `gate_up_glu_from_bytes`) rounds its activation once for both products, and its
 epilogue (`glu_store`) scales both back and joins them in the SwiGLU, so neither product is stored in f32.
+
+An activation no later launch reads may be rounded into its own bytes (`to_f16_in_place`, each product's
+`in_place`): row r's f16 values over the first half of its span, the same bits as the copy, without the copy's
+buffer; the row is read twice (its largest value first), so the lane does so where memory asks
+(`run/workspace`, the knob `round_in_place`).
 """
 
 from __future__ import annotations
@@ -298,7 +303,8 @@ def product_from_bytes(
     """`product` of x (m, k, f32) and the n x k checkpoint rows `w` (1-D uint8, in `fmt`), the matrix decoded to
     f16 into `scratch` (1-D f16, shared by every product: `prefill=f16-scratch`) just before cuBLAS takes it,
     rather than kept as a copy. A matrix past the scratch (a vocabulary's output rows) goes in slabs of its
-    rows, each multiplied into its columns of `out`. Returns `out`."""
+    rows, each multiplied into its columns of `out`. With `in_place` x (dying here) is rounded in its own
+    bytes. Returns `out`."""
     from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize
 
     x16, scales = _rounded(x, in_place)
