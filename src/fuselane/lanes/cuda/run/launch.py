@@ -183,16 +183,16 @@ def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None 
         return [lambda: gemm.gemm(x2, w, fmt, spec.n, spec.k, out2, bias=bias_t, residual=res2, out_row=row)]
     matrix = op.ins[1]
     # an activation no later op reads is rounded into its own bytes, where the workspace asks (`Bound.dying`)
-    in_place = (id(op), op.ins[0]) in b.dying and residual != op.ins[0]
+    rounds = (id(op), op.ins[0]) in b.dying and residual != op.ins[0]
     if b.f16_scratch is not None:  # the matrix decoded to f16 just before cuBLAS takes it: no copy kept
         n, k, scratch = spec.n, spec.k, b.f16_scratch
-        epilogue = dict(bias=bias_t, residual=res2, out_row=row, in_place=in_place)
+        epilogue = dict(bias=bias_t, residual=res2, out_row=row, in_place=rounds)
         return [lambda: f16_scale.product_from_bytes(x2, w, fmt, n, k, scratch, out2, **epilogue)]
 
     def f16_copy() -> None:
         # the f16 copy, made by the first run (a kernel): binding launches nothing. A row past f16's range is
         # rounded under a power-of-two scale that the epilogue multiplies back (`f16_scale`), so it stays finite
-        f16_scale.product(x2, b.dense(matrix), out2, bias=bias_t, residual=res2, out_row=row, in_place=in_place)
+        f16_scale.product(x2, b.dense(matrix), out2, bias=bias_t, residual=res2, out_row=row, in_place=rounds)
 
     return [f16_copy]
 
@@ -559,8 +559,8 @@ def _gate_up(op: Op, b: Bound, out_q8: Any = None):
             raise PlanMismatch(
                 f"{op.out}: a gated pair of {spec.m} rows, past the GEMV's {kernels.GEMV_ROWS}, not split"
             )
-        in_place = (id(op), gate.ins[0]) in b.dying
-        return [_f16_pair(gate, up, spec, b, x.view(spec.m, spec.k), out.view(spec.m, spec.n), in_place)]
+        rounds = (id(op), gate.ins[0]) in b.dying
+        return [_f16_pair(gate, up, spec, b, x.view(spec.m, spec.k), out.view(spec.m, spec.n), rounds)]
     (wg, fmt), (wu, _) = b.raw[gate.ins[1]], b.raw[up.ins[1]]
     n, k = spec.n, spec.k
     q8 = _q8_in(gate.ins[0], fmt, spec.m, k, b, out)
@@ -582,17 +582,17 @@ def _gate_up(op: Op, b: Bound, out_q8: Any = None):
     return [lambda: gemv.gemv_gate_up_glu(x, wg, wu, fmt, n, k, out)]
 
 
-def _f16_pair(gate: Op, up: Op, spec: Matmul, b: Bound, x: Any, out: Any, in_place: bool):
-    """A chunk's gated pair on cuBLAS: the activation rounded once (in its own bytes with `in_place`), the GLU in
-    the products' epilogue (`f16_scale.gate_up_glu`), over the matrices' f16 copies or decoded into the scratch a
-    slab at a time."""
+def _f16_pair(gate: Op, up: Op, spec: Matmul, b: Bound, x: Any, out: Any, rounds: bool):
+    """A chunk's gated pair on cuBLAS: the activation rounded once (in its own bytes where it `rounds` there, as
+    it dies), the GLU in the products' epilogue (`f16_scale.gate_up_glu`), over the matrices' f16 copies or
+    decoded into the scratch a slab at a time."""
     from fuselane.lanes.cuda.triton import f16_scale
 
     if b.f16_scratch is not None:
         pair, scratch = (b.raw[gate.ins[1]], b.raw[up.ins[1]]), b.f16_scratch
-        return lambda: f16_scale.gate_up_glu_from_bytes(x, *pair, spec.n, spec.k, scratch, out, in_place=in_place)
+        return lambda: f16_scale.gate_up_glu_from_bytes(x, *pair, spec.n, spec.k, scratch, out, in_place=rounds)
     # the f16 copies, made by the first run as `_product`'s are
-    return lambda: f16_scale.gate_up_glu(x, b.dense(gate.ins[1]), b.dense(up.ins[1]), out, in_place=in_place)
+    return lambda: f16_scale.gate_up_glu(x, b.dense(gate.ins[1]), b.dense(up.ins[1]), out, in_place=rounds)
 
 
 def _part(member: Op, b: Bound) -> tuple:
