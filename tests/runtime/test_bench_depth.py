@@ -59,5 +59,5 @@ def test_the_peak_is_the_models_not_what_was_allocated_before():
 
     cuda = SimpleNamespace(is_available=lambda: True, max_memory_allocated=lambda: 30_000_000_000)
     lane = SimpleNamespace(name="cuda", torch=SimpleNamespace(cuda=cuda))
-    assert bench_module._peak_gb(lane, before=12_000_000_000) == 18.0
-    assert bench_module._peak_gb(SimpleNamespace(name="cpu")) is None
+    assert bench_module._peak_bytes(lane, before=12_000_000_000) == 18_000_000_000
+    assert bench_module._peak_bytes(SimpleNamespace(name="cpu")) is None
