@@ -146,8 +146,9 @@ def _checkpoint_rows(seed: int) -> tuple[np.ndarray, np.ndarray]:
     return raw.reshape(-1), quants.dequantize(raw, GGMLQuantizationType.Q8_0).astype(np.float16)
 
 
+@pytest.mark.parametrize("in_place", [False, True])  # the activation rounded into a copy, or into its own bytes
 @pytest.mark.parametrize("scratch_rows", [N, 7])  # the whole matrix at once; slabs of 7 rows (7, 7, 7, 3)
-def test_the_scratch_product_gives_the_bits_of_the_copys(scratch_rows):
+def test_the_scratch_product_gives_the_bits_of_the_copys(scratch_rows, in_place):
     # `prefill=f16-scratch`: the matrix decoded into the scratch (a slab at a time where it does not fit) and
     # multiplied as its f16 copy would be, the bias and residual taken column slab by column slab
     from fuselane.gguf.formats import Format
@@ -159,8 +160,10 @@ def test_the_scratch_product_gives_the_bits_of_the_copys(scratch_rows):
     S.product(dev(x), dev(w16), want, bias=dev(bias), residual=want)
     out = dev(res.copy())
     scratch = torch.empty(scratch_rows * K, dtype=torch.float16, device=DEVICE)
-    S.product_from_bytes(dev(x), dev(raw), Format.Q8_0, N, K, scratch, out, bias=dev(bias), residual=out)
+    xt = dev(x.copy())  # on the CPU `dev` shares the array's memory, which rounding in place overwrites
+    S.product_from_bytes(xt, dev(raw), Format.Q8_0, N, K, scratch, out, bias=dev(bias), residual=out, in_place=in_place)
     assert torch.equal(out, want)
+    assert torch.equal(xt, dev(x)) != in_place  # rounded in place, its bytes hold the f16 rows
 
 
 def test_the_scratch_products_rows_land_at_a_table_row():
@@ -282,25 +285,17 @@ def test_rounding_in_place_gives_the_copys_bits_and_scales():
 
 @pytest.mark.parametrize("scratch_rows", [N, 7])
 def test_products_rounding_in_place_give_the_bits_of_the_copies(scratch_rows):
-    # the scratch product and the gated pair over an activation they may overwrite (each a copy of its own: on
-    # the CPU `dev` shares the array's memory): the bits they give over a rounded copy, bias and residual as before
+    # the copy's product and the gated pair over an activation they may overwrite (each a copy of its own: on the
+    # CPU `dev` shares the array's memory): the bits they give over a rounded copy
     from fuselane.gguf.formats import Format
 
-    raw, w16 = _checkpoint_rows(22)
-    _, bias, res = _problem(23)
+    _, w16 = _checkpoint_rows(22)
     x = _activations(np.random.default_rng(24))
-    want = dev(res.copy())
-    S.product(dev(x), dev(w16), want, bias=dev(bias), residual=want)
-    out, scratch = dev(res.copy()), torch.empty(2 * scratch_rows * K, dtype=torch.float16, device=DEVICE)
-    xt = dev(x.copy())
-    S.product_from_bytes(xt, dev(raw), Format.Q8_0, N, K, scratch, out, bias=dev(bias), residual=out, in_place=True)
-    assert torch.equal(out, want)
-    assert not torch.equal(xt, dev(x))  # its bytes hold the f16 rows now
-    copy_out = torch.empty((M, N), device=DEVICE)
+    copy_out, dense_out = (torch.empty((M, N), device=DEVICE) for _ in range(2))
     S.product(dev(x), dev(w16), copy_out)
-    dense_out = torch.empty((M, N), device=DEVICE)
     S.product(dev(x.copy()), dev(w16), dense_out, in_place=True)
     assert torch.equal(dense_out, copy_out)
+    scratch = torch.empty(2 * scratch_rows * K, dtype=torch.float16, device=DEVICE)
     (graw, g16), (uraw, u16) = _pair(25)
     xp = _pair_activations(26)
     pair_want = torch.empty((M, N), device=DEVICE)
