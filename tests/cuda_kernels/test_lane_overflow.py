@@ -102,9 +102,10 @@ def test_the_f16_scratch_scales_rows_past_f16_and_keeps_no_copy(loud):
     assert not gpu.lane._dense and gpu.lane.f16_scratch() is not None
 
 
-def _unscaled(x, dense, out, *, bias=None, residual=None, out_row=None):
+def _unscaled(x, dense, out, *, bias=None, residual=None, out_row=None, in_place=False):
     """The f16 copies' product as it was before its rows were scaled: the activation cast to f16 as it is,
-    the product up-cast, the bias and the residual added, the rows copied into place."""
+    the product up-cast, the bias and the residual added, the rows copied into place. (`in_place`, whether the
+    activation may be overwritten, changes none of that: a cast of it is taken.)"""
     y = (x.to(dense.dtype) @ dense.T).float()
     if bias is not None:
         y += bias
