@@ -87,9 +87,14 @@ def arena_values(plan: Plan) -> int:
 def _layout(plan: Plan) -> tuple[set[str], dict[str, tuple[int, int]], tuple[dict[str, int], int]]:
     """(the pooled activations, their lives, their arena layout) of a plan."""
     g = plan.graph
-    pooled = {name for name, t in g.tensors.items() if t.role is Role.ACTIVATION} - unstored(plan)
+    pooled = _pooled(plan)
     span = lives(plan, pooled)
     return pooled, span, arena_layout({name: (span[name], _numel(g.tensors[name].shape)) for name in span})
+
+
+def _pooled(plan: Plan) -> set[str]:
+    """The activations the arena holds: every one but those a fused launch keeps in registers."""
+    return {name for name, t in plan.graph.tensors.items() if t.role is Role.ACTIVATION} - unstored(plan)
 
 
 Item = tuple[str, tuple[tuple[int, int], int]]  # name, ((first op, last op), values)
@@ -201,9 +206,7 @@ def dying_reads(plan: Plan) -> frozenset[tuple[int, str]]:
     op writing it: a part is named where it alone of the op's parts reads the value, the op where its parts
     all do (a gated pair's launch rounds its activation once for both products). Those bytes are free for the
     launch to overwrite as it reads them (a product rounding its activation to f16 in place)."""
-    g = plan.graph
-    pooled = {name for name, t in g.tensors.items() if t.role is Role.ACTIVATION} - unstored(plan)
-    span = lives(plan, pooled)
+    span = lives(plan, _pooled(plan))
     views = {op.out for op in plan.ops if isinstance(op.sym, VIEWS)}
     found: set[tuple[int, str]] = set()
     for i, op in enumerate(plan.ops):
