@@ -329,3 +329,18 @@ def test_bench_says_which_prefill_path_its_peak_took():
                        prefill="f16-scratch", peak_over_pct=9.4)  # fmt: skip
     assert "| 0.543 GB (+9.4 %) (f16-scratch) |" in render([over])
     assert as_json([over])[0]["peak_over_pct"] == 9.4
+
+
+def test_bench_names_the_chunk_rows_where_the_prompt_took_more_than_one():
+    # a small model in a low-bit mix runs its prompt in 256-row chunks to hold the workspace share: the pp line
+    # says so (llama-bench's ubatch), the tg line and a prompt of one chunk do not
+    from fuselane.bench import BenchResult, as_json, render
+
+    cut = BenchResult("m.gguf", "cuda:H200:int8", 0.41, 512, 128, 0, 1.0, 1.0, 172, 0.4, 4800.0, 1000.0, 50.0, 0.43,
+                      prefill="f16-scratch", peak_over_pct=4.4, chunk_rows=256)  # fmt: skip
+    lines = render([cut]).splitlines()
+    assert "| pp512 (ub 256) |" in lines[2] and "| tg128 |" in lines[3]
+    assert as_json([cut])[0]["chunk_rows"] == 256
+    whole = BenchResult("m.gguf", "cuda:H200:int8", 0.41, 512, 128, 0, 1.0, 1.0, 172, 0.4, 4800.0, 1000.0, 50.0, 0.43,
+                        chunk_rows=512)  # fmt: skip
+    assert "| pp512 |" in render([whole])

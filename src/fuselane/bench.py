@@ -72,6 +72,7 @@ class BenchResult:
     # the peak over what the model holds beside its workspace (its weights, caches and states at the bench's
     # context), in %: the workspace's share, which the cuda lane keeps within 5 % where it can; None on the cpu lane
     peak_over_pct: float | None = None
+    chunk_rows: int = 0  # the rows the prompt ran in a chunk at (llama-bench's ubatch)
 
 
 def _copy_bandwidth(lane: Any) -> float:
@@ -287,6 +288,7 @@ def bench(
         cache_values=cache_line(m.cfg),
         prefill=_prefill(m.lane),
         peak_over_pct=None if peak is None else round(100 * (peak / m.lane.model_bytes() - 1), 1),
+        chunk_rows=session.chunk,
     )
 
 
@@ -367,8 +369,10 @@ def render(results: list[BenchResult]) -> str:
         peak = f"{r.peak_gpu_gb} GB" if r.peak_gpu_gb is not None else ""
         peak += f" (+{r.peak_over_pct} %)" if peak and r.peak_over_pct is not None else ""
         peak += f" ({r.prefill})" if peak and r.prefill else ""
+        # the prompt's chunk rows, where it took more than one (llama-bench's ubatch)
+        ub = f" (ub {r.chunk_rows})" if 0 < r.chunk_rows < r.prompt else ""
         lines.append(
-            f"| {r.model} | {r.size_gb} GB | {r.lane} | pp{r.prompt}{at} | {r.prefill_tok_s:,.1f} | | | {peak} |"
+            f"| {r.model} | {r.size_gb} GB | {r.lane} | pp{r.prompt}{at}{ub} | {r.prefill_tok_s:,.1f} | | | {peak} |"
         )
         lines.append(
             f"| {r.model} | {r.size_gb} GB | {r.lane} | tg{r.generated}{at} | {r.decode_tok_s:,.1f} | "

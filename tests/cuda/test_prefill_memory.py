@@ -78,11 +78,21 @@ def test_the_f16_scratch_keeps_no_copy_and_multiplies_as_the_copies(path):
     assert np.isfinite(a).all() and np.max(np.abs(a - b)) <= tol * np.max(np.abs(b))
 
 
-@pytest.mark.parametrize(("shape", "mix"), [("qwen3-0.6b", "q8_0"), ("qwen2.5-1.5b", "q4_k_m")])
-def test_a_small_models_scratch_keeps_its_workspace_within_the_share(tmp_path, shape, mix):
-    # a small model's fixed workspace (the chunk's arena, cuBLAS's, a layer's gated pair in f16) was 10-12 % of
-    # its file: the lane sizes its scratch to the share that is left (`run/workspace`), and the whole model,
-    # its prompt in one chunk and its decode steps, stays within it
+@pytest.mark.parametrize(
+    ("shape", "mix", "rows"),
+    [
+        ("qwen3-0.6b", "q8_0", 512),
+        ("qwen2.5-1.5b", "q4_k_m", 512),
+        ("qwen2.5-0.5b", "q4_k_m_05b", 512),  # the pair in slabs, no cuBLAS workspace
+        ("qwen2.5-0.5b", "q2_k", 256),  # a 512-row chunk's arena leaves the share too little
+        ("qwen2.5-1.5b", "q2_k", 256),
+    ],
+)
+def test_a_small_models_scratch_keeps_its_workspace_within_the_share(tmp_path, shape, mix, rows):
+    # a small model's fixed workspace (the chunk's arena, cuBLAS's, a layer's gated pair in f16) was 10-14 % of
+    # its file: the lane sizes its scratch to the share that is left (`run/workspace`), in chunks of fewer rows
+    # where a 512-row chunk's arena leaves too little, and the whole model, its prompt in the session's chunks
+    # and its decode steps, stays within it
     path = write_synthetic(tmp_path / "m.gguf", shape, mix, seed=3)
     gc.collect()
     torch.cuda.empty_cache()
@@ -99,6 +109,6 @@ def test_a_small_models_scratch_keeps_its_workspace_within_the_share(tmp_path, s
     lane = model.lane
     held = lane.weights_bytes + sum(c.numel() * c.element_size() for c in lane.caches.values())
     peak = torch.cuda.max_memory_allocated() - before
-    assert lane.workspace is not None and lane.workspace.within
+    assert lane.workspace is not None and lane.workspace.within and lane.workspace.rows == session.chunk == rows
     assert peak <= held * (1 + WORKSPACE), f"peak {peak / 1e9:.3f} GB over {held / 1e9:.3f} GB + 5 %"
     model.close()

@@ -90,6 +90,8 @@ def test_knobs_parse() -> None:
     assert CudaKnobs.parse(["weight_loads=AS-WRITTEN"]).weight_loads is WeightLoads.AS_WRITTEN
     with pytest.raises(FuselaneError, match="knob 'weight_loads' takes one of as-written, ahead, not 'early'"):
         CudaKnobs.parse(["weight_loads=early"])
+    assert CudaKnobs().chunk_rows is None and CudaKnobs.parse(["chunk_rows=auto"]).chunk_rows is None
+    assert CudaKnobs.parse(["chunk_rows=256"]).chunk_rows == 256
 
 
 @pytest.mark.parametrize(
@@ -104,6 +106,8 @@ def test_knobs_parse() -> None:
         ("chip=tpu", "knob 'chip' takes one of h200"),
         ("prefill=int4", "knob 'prefill' takes one of int8, f16-copy, in-place, f16-scratch, auto, not 'int4'"),
         ("pdl=later", "knob 'pdl' takes on or off, not 'later'"),
+        ("chunk_rows=0", "knob 'chunk_rows' takes auto or a positive whole number, not '0'"),
+        ("chunk_rows=half", "knob 'chunk_rows' takes auto or a positive whole number, not 'half'"),
     ],
 )
 def test_knobs_parse_errors(setting: str, message: str) -> None:

@@ -78,21 +78,36 @@ def test_a_large_model_keeps_the_whole_scratch_and_cublass_default():
     assert ws.cublas_bytes == kernels.CUBLAS_DEFAULT_WORKSPACE_BYTES
 
 
+def _total(ws, held, dying=frozenset()):
+    """What a chunk holds beyond the weights and caches under `ws`: the held bytes, cuBLAS's, the scratch and the
+    largest product's operands."""
+    operands = operand_bytes(workspace.layer_products(SMALL), ws.rows, ws.scratch_values, dying)
+    return held + ws.cublas_bytes + 2 * ws.scratch_values + operands
+
+
 def test_a_small_model_asks_for_the_lean_cublas_workspace_and_a_scratch_within_the_share():
-    base, held = 1_100_000_000, 25_000_000
+    base, held = 1_100_000_000, 30_000_000
     ws = size(SMALL, 512, base, held, None)
     assert ws.cublas_config == kernels.CUBLAS_LEAN_WORKSPACE and ws.cublas_bytes == 4 * MIB
-    assert ws.within and ws.scratch_values < PAIR
-    total = held + ws.cublas_bytes + 2 * ws.scratch_values
-    total += operand_bytes(workspace.layer_products(SMALL), 512, ws.scratch_values)
-    assert total <= kernels.WORKSPACE_SHARE * base == ws.share_bytes
+    assert ws.within and ws.scratch_values < PAIR and ws.rows == 512
+    assert _total(ws, held) <= kernels.WORKSPACE_SHARE * base == ws.share_bytes
+
+
+def test_no_cublas_workspace_where_only_that_takes_fewer_slabs():
+    # 25 MB held: the lean 4 MiB leaves the pair two slabs, none leaves it whole
+    base, held = 1_100_000_000, 25_000_000
+    ws = size(SMALL, 512, base, held, None)
+    assert ws.cublas_config == kernels.CUBLAS_NO_WORKSPACE and ws.cublas_bytes == 0
+    assert ws.within and ws.scratch_values == PAIR and _total(ws, held) <= ws.share_bytes
+    assert cublas_bytes(kernels.CUBLAS_NO_WORKSPACE) == 0
 
 
 def test_where_the_share_cannot_hold_the_scratch_keeps_the_whole_product():
-    # a 0.5B's file and cache leave ~25 MB, and a chunk's arena takes half of it: four slabs of the pair do
-    # not fit beside a 512-row down's operand, so the speed is kept and the miss said
-    ws = size(SMALL, 512, 493_000_000, 14_000_000, None)
+    # a 0.5B's file and cache leave ~25 MB: with 20 MB held, four slabs of the pair do not fit even with no
+    # cuBLAS workspace, so the speed is kept (and the lean workspace) and the miss said
+    ws = size(SMALL, 512, 493_000_000, 20_000_000, None, frozenset({4864}))
     assert not ws.within and ws.scratch_values == PAIR and ws.cublas_config == kernels.CUBLAS_LEAN_WORKSPACE
+    assert not ws.rounds_in_place
 
 
 def test_a_workspace_the_user_set_is_kept_and_counted():
@@ -113,26 +128,29 @@ def test_a_width_rounding_in_place_takes_no_copy():
     assert operand_bytes(products, 512, 896 * 4864, frozenset({896, 4864})) == 4 * 512 + 2 * 512 * 4864
 
 
-def test_a_short_scratch_rounds_dying_activations_in_place_where_that_gives_it_more():
-    # ~11 MB of room: the down's 5 MB copy, not the pair's, sets the scratch, so rounding the down's activation
-    # in place gives the scratch more; ~9 MB: only in place does the pair in four slabs fit at all
-    base, dying = 1_100_000_000, frozenset({4864})
-    for held in (39_800_000, 41_800_000):
-        copies = size(SMALL, 512, base, held, None)
-        rounded = size(SMALL, 512, base, held, None, dying)
-        assert not copies.rounds_in_place and rounded.rounds_in_place and rounded.within
-        assert copies.scratch_values < rounded.scratch_values or not copies.within
-        total = held + rounded.cublas_bytes + 2 * rounded.scratch_values
-        total += operand_bytes(workspace.layer_products(SMALL), 512, rounded.scratch_values, dying)
-        assert total <= rounded.share_bytes
-    assert copies.scratch_values == PAIR and not copies.within  # the second: the copies miss the share
-    # where the pair's operands set the scratch (25 MB held), the down's copy gone gives it nothing: no second read
-    assert not size(SMALL, 512, base, 25_000_000, None, dying).rounds_in_place
+def test_a_short_scratch_rounds_dying_activations_in_place_where_that_takes_fewer_slabs():
+    # the 0.5B's own figures (14 MB held): the copies leave the pair four slabs, rounding the down's activation
+    # in place three; no cuBLAS workspace either way, as the lean one leaves no room for four
+    base, held, dying = 493_000_000, 14_000_000, frozenset({4864})
+    copies, rounded = size(SMALL, 512, base, held, None), size(SMALL, 512, base, held, None, dying)
+    assert copies.within and not copies.rounds_in_place and -(-PAIR // copies.scratch_values) == 4
+    assert rounded.within and rounded.rounds_in_place and -(-PAIR // rounded.scratch_values) == 3
+    assert rounded.cublas_config == copies.cublas_config == kernels.CUBLAS_NO_WORKSPACE
+    # that scratch fits beside the down's activation rounded in place, not beside its copy
+    assert _total(rounded, held, dying) <= rounded.share_bytes < _total(rounded, held)
+    # where the copies take as few slabs, they are kept: no second read of each row
+    assert not size(SMALL, 512, 1_100_000_000, 39_800_000, None, dying).rounds_in_place
     # a large model's whole scratch fits with the copies
     assert not size(WIDE, 512, 4_700_000_000, 60_000_000, None, frozenset({18944})).rounds_in_place
-    # and a share missed all the same keeps its copies (and the whole product)
-    missed = size(SMALL, 512, 493_000_000, 14_000_000, None, dying)
-    assert not missed.within and not missed.rounds_in_place and missed.scratch_values == PAIR
+
+
+def test_the_rows_a_chunk_is_sized_at():
+    # the lane's chunk first, then fewer rows down to the least, each a power of two
+    least = kernels.SCRATCH_LEAST_ROWS
+    assert workspace.chunk_rows(least) == [least]
+    assert workspace.chunk_rows(least + 3) == [least + 3, least]
+    assert workspace.chunk_rows(least - 1) == [least - 1]
+    assert workspace.chunk_rows(4 * least) == [4 * least, 2 * least, least]
 
 
 def test_round_in_place_on_rounds_whatever_the_scratch():

@@ -1,6 +1,7 @@
 """A session runs a prompt in the lane's chunks: the cuda lane takes a mixture's prompt (any attention, one GPU)
 512 rows at a time (`kernels.MOE_CHUNK_ROWS`, where its grouped expert GEMM was measured faster than two
-chunks of 256), a dense model's under `prefill=f16-scratch` too, and every other model's in the session's 256."""
+chunks of 256), a dense model's under `prefill=f16-scratch` in the rows its workspace is sized at, every other
+model's in the session's 256, and any in the knob `chunk_rows`."""
 
 from __future__ import annotations
 
@@ -37,10 +38,11 @@ def test_a_session_takes_the_lanes_chunk(model, rows):
     assert Session(_lane(model)).chunk == rows
 
 
-def test_a_dense_model_takes_512_rows_under_the_f16_scratch():
-    # each chunk decodes every matrix into the scratch again: one chunk of a 512-token prompt decodes them once
-    lane = _lane("synth:qwen2.5-7b", "prefill=f16-scratch")
-    assert Session(lane).chunk == kernels.SCRATCH_CHUNK_ROWS
+def test_the_chunk_rows_knob_sets_the_lanes_chunk():
+    # llama.cpp's ubatch: a mixture's and a dense model's alike (under `f16-scratch` the workspace is sized at
+    # them: tests/cuda_kernels/test_chunk_rows.py)
+    assert Session(_lane("synth:qwen3-30b-a3b", "chunk_rows=128")).chunk == 128
+    assert Session(_lane("synth:qwen2.5-7b", "prefill=f16-copy", "chunk_rows=1024")).chunk == 1024
 
 
 def test_a_chunk_given_to_the_session_wins():

@@ -47,6 +47,12 @@ MOE_CHUNK_ROWS = 512
 # Rows of a prefill chunk in a session under `prefill=f16-scratch`: each chunk decodes every matrix to f16 again,
 # so a 512-token prompt (llama.cpp's ubatch) in one chunk decodes them once rather than twice.
 SCRATCH_CHUNK_ROWS = 512
+# The fewest rows a chunk is cut to where the workspace share cannot hold a 512-row chunk's arena beside the
+# scratch (`run/workspace.chunk_rows`): a chunk's time on a small model is its launches and its matrices' decode,
+# nearly whatever its rows, so two chunks take about twice one. Qwen2.5-0.5B Q4_K_M (H200, pp512): 512 rows and
+# the pair in four slabs 113,915 tok/s; 256 rows whole 94,476, in two slabs 88,914, in four 65,030, which is still
+# 1.5x llama.cpp's 42,900; 128 rows would fall under it.
+SCRATCH_LEAST_ROWS = 256
 
 # Where a buffer the lane carves into parts starts each part (the weights' upload, a step's activation arena):
 # at the caching allocator's block alignment, which every kernel's pointers had when each tensor was a block.
@@ -62,15 +68,19 @@ F16_SCRATCH_VALUES = 32 * 2**20
 # What a model may take on the GPU beyond its weights and its caches, as a share of them: the arena, the outputs,
 # cuBLAS's workspace, the scratch and a product's f16 operands of a chunk (`run/workspace` sizes the scratch to it).
 WORKSPACE_SHARE = 0.05
-# The fewest slabs a layer's largest product is never cut past to meet that share: a 0.5B's gated pair whole
-# 163,820 tok/s, in two slabs 128,730, in four 115,156 (H200, pp512). Where four do not fit, the share cannot
-# hold at the chunk's rows and the scratch keeps the product whole.
+# The fewest slabs a layer's largest product is never cut past to meet that share at a chunk's rows: a 0.5B's
+# gated pair whole 160,218 tok/s, in two slabs 155,402, in four 113,915 (H200, pp512, 2026-12-04). Where four do
+# not fit, the lane tries fewer rows (`SCRATCH_LEAST_ROWS`), and where nothing fits the scratch keeps the product
+# whole.
 SCRATCH_MOST_SLABS = 4
-# cuBLAS's workspace as torch takes it on Hopper (CUBLAS_WORKSPACE_CONFIG unset), and the one the lane asks for
+# cuBLAS's workspace as torch takes it on Hopper (CUBLAS_WORKSPACE_CONFIG unset), and the ones the lane asks for
 # where that leaves the scratch short of its most: 4 MiB, at which the small shapes' prompts measured the same
-# (0.5B pp512 161,132 against 156,704) and the 7B's 3.8 % slower, which is why it is not asked for always.
+# (0.5B pp512 161,132 against 156,704) and the 7B's 3.8 % slower, which is why it is not asked for always; then
+# none, where only that lets the scratch take fewer slabs: the 0.5B's pair whole lost 5.7 % with none (151,946
+# against 161,069), in four slabs nothing (113,609 against 113,915), the 1.5B Q2_K's in four nothing.
 CUBLAS_DEFAULT_WORKSPACE_BYTES = 32 * 2**20
 CUBLAS_LEAN_WORKSPACE = ":4096:1"
+CUBLAS_NO_WORKSPACE = ":0:0"
 # The whole-matrix decode's tile (`gemv/epilogue.dequantize`: values a program, warps), by format, and the tile
 # of a format not named. A thread's share of the tile pays its program's index arithmetic once: at 8 values a
 # thread (2,048 values, 8 warps, the old tile of every format) a Q4_K value took 35 instructions (sm_90), and

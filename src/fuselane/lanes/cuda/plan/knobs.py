@@ -185,6 +185,11 @@ class CudaKnobs:
       first finds the row's largest value, which it would otherwise overwrite). `auto` does so where the
       workspace share (`run/workspace`) would leave the scratch short of its most with the copies; `on`
       always, `off` never. The numbers are the same bits either way.
+    - `chunk_rows=auto`: a session runs a prompt in chunks of the lane's rows (llama.cpp's ubatch): a
+      mixture's 512 (`kernels.MOE_CHUNK_ROWS`); under `f16-scratch` 512 (`kernels.SCRATCH_CHUNK_ROWS`), or
+      256 where the workspace share cannot hold a 512-row chunk's arena beside the scratch and can a
+      256-row one's (`run/workspace.chunk_rows`: a small model in a low-bit mix, at about half the prompt's
+      speed); else the session's. A number sets the rows (and sizes the workspace at them alone).
     - `shared_fold=on` (the default): a decode step's gated shared expert folds into the mixture's launches
       (SharedExpertFusion): its gate/up SwiGLU and its gate's sigmoid on programs of their own in the kept
       experts' gate/up launch, its down rows in each program of the down launch, so a layer stays within
@@ -209,6 +214,7 @@ class CudaKnobs:
     delta_products: DeltaProducts = DeltaProducts.TF32X3
     shared_fold: bool = True
     round_in_place: RoundInPlace = RoundInPlace.AUTO
+    chunk_rows: int | None = None  # None: the lane's own (`auto`)
 
     @classmethod
     def parse(cls, settings: Iterable[str], base: CudaKnobs | None = None) -> CudaKnobs:
@@ -224,6 +230,9 @@ class CudaKnobs:
                 raise FuselaneError(f"unknown knob '{key}' (knobs: {', '.join(_SETTERS)})")
             knobs = _SETTERS[key](knobs, value)
         return knobs
+
+
+AUTO = "auto"  # a counted knob's value for the lane's own choice
 
 
 def _choice(key: str, kind: type[enum.Enum], value: str) -> enum.Enum:
@@ -246,6 +255,15 @@ def _flag(key: str, value: str) -> bool:
 def _count(key: str, value: str) -> int:
     if not value.isdigit() or int(value) <= 0:
         raise FuselaneError(f"knob '{key}' takes a positive whole number, not '{value}'")
+    return int(value)
+
+
+def _rows(key: str, value: str) -> int | None:
+    """A count of rows, or None for `auto` (the lane's own)."""
+    if value.lower() == AUTO:
+        return None
+    if not value.isdecimal() or int(value) <= 0:
+        raise FuselaneError(f"knob '{key}' takes auto or a positive whole number, not '{value}'")
     return int(value)
 
 
@@ -272,4 +290,5 @@ _SETTERS = {
     "delta_products": lambda k, v: replace(k, delta_products=_choice("delta_products", DeltaProducts, v)),
     "shared_fold": lambda k, v: replace(k, shared_fold=_flag("shared_fold", v)),
     "round_in_place": lambda k, v: replace(k, round_in_place=_choice("round_in_place", RoundInPlace, v)),
+    "chunk_rows": lambda k, v: replace(k, chunk_rows=_rows("chunk_rows", v)),
 }

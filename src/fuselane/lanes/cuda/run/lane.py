@@ -212,19 +212,33 @@ class CudaLane:
         if self.shim.knobs.prefill_weights is not PrefillWeights.F16_SCRATCH:
             return None
         if self._scratch is None:
-            self.workspace = self._size_workspace(plan)
-            if self.workspace.cublas_config is not None and self.device.type == "cuda":
+            sized = self.sized_workspace(plan)
+            if sized.cublas_config is not None and self.device.type == "cuda":
                 # read when torch makes the lane's stream's workspace (some versions: at the process's first product)
-                os.environ.setdefault(workspace.CUBLAS_CONFIG, self.workspace.cublas_config)
-            values = self.workspace.scratch_values
-            self._scratch = self.torch.empty(values, dtype=self.torch.float16, device=self.device)
+                os.environ.setdefault(workspace.CUBLAS_CONFIG, sized.cublas_config)
+            self._scratch = self.torch.empty(sized.scratch_values, dtype=self.torch.float16, device=self.device)
         return self._scratch
 
-    def _size_workspace(self, plan: Plan | None) -> workspace.Workspace:
-        """The scratch and cuBLAS workspace for this lane's chunks (`run/workspace`): against the weights and
-        the caches and states a chunk of `kernels.SCRATCH_CHUNK_ROWS` (or the context, where less) binds, beside
-        that chunk's arena and outputs and a sampled draw's candidates."""
-        rows = min(SCRATCH_CHUNK_ROWS, self.ctx)
+    def sized_workspace(self, plan: Plan | None = None) -> workspace.Workspace:
+        """How the lane's chunks hold the workspace share (`run/workspace`), sized once: at the first of
+        `workspace.chunk_rows` (the knob `chunk_rows` alone where set) whose scratch holds it, else at the
+        first rows with the whole scratch."""
+        if self.workspace is None:
+            wanted = self.shim.knobs.chunk_rows
+            most = min(wanted or SCRATCH_CHUNK_ROWS, self.ctx)
+            tried = [most] if wanted else workspace.chunk_rows(most)
+            sizes = []
+            for rows in tried:
+                sizes.append(self._size_workspace(rows, plan))
+                if sizes[-1].within:
+                    break
+            self.workspace = sizes[-1] if sizes[-1].within else sizes[0]
+        return self.workspace
+
+    def _size_workspace(self, rows: int, plan: Plan | None) -> workspace.Workspace:
+        """The scratch and cuBLAS workspace for this lane's chunks of `rows` rows (`run/workspace`): against the
+        weights and the caches and states such a chunk binds, beside its arena and outputs and a sampled
+        draw's candidates."""
         chunk = plan if plan is not None and plan.graph.rows == rows else self.plan(rows)
         g = chunk.graph
         rules = delta_rule_states(chunk)
@@ -309,6 +323,22 @@ class CudaLane:
             self._outputs[key] = self.torch.zeros(shape, dtype=self.torch.float32, device=self.device)
         return self._outputs[key]
 
+    def make_caches(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """The caches of `shapes` not yet made, as parts of one zeroed device buffer
+        (`kernels.PART_ALIGN_BYTES` apart, as the weights are): each its own block took up to ~0.9 MB more where
+        the caching allocator handed a 1.1 MB cache a 2 MB block it would not split (Qwen3-0.6B, two of 56)."""
+        new = {n: s for n, s in shapes.items() if n not in self.caches}
+        if not new:
+            return
+        itemsize = self.torch.empty(0, dtype=self.cache_dtype).element_size()
+        sizes = {n: -(-math.prod(s) * itemsize // PART_ALIGN_BYTES) * PART_ALIGN_BYTES for n, s in new.items()}
+        buffer = self.torch.zeros(sum(sizes.values()), dtype=self.torch.uint8, device=self.device)
+        at = 0
+        for name, shape in new.items():
+            part = buffer[at : at + math.prod(shape) * itemsize]
+            self.caches[name] = part.view(self.cache_dtype).view(shape)
+            at += sizes[name]
+
     def cache(self, name: str, shape: tuple[int, ...]) -> Any:
         if name not in self.caches:
             self.caches[name] = self.torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
@@ -326,9 +356,12 @@ class CudaLane:
     def prefill_chunk(self) -> int | None:
         """The rows a session runs a prompt in, or None for the session's own (`kernels.MOE_CHUNK_ROWS`: a
         mixture on one GPU, whatever its attention; `kernels.SCRATCH_CHUNK_ROWS` under `prefill=f16-scratch`)."""
+        wanted = self.shim.knobs.chunk_rows
         if self.cfg.moe and self.cfg.shard is None:
-            return MOE_CHUNK_ROWS
-        return SCRATCH_CHUNK_ROWS if self.shim.knobs.prefill_weights is PrefillWeights.F16_SCRATCH else None
+            return wanted or MOE_CHUNK_ROWS
+        if self.shim.knobs.prefill_weights is PrefillWeights.F16_SCRATCH:
+            return self.sized_workspace().rows
+        return wanted
 
     @property
     def recurrent(self) -> bool:
@@ -482,6 +515,7 @@ class _Step:
         # is what it holds at once, not every layer's
         bufs, q8 = pooled_buffers(plan, f32, lambda shape: int8_form(shape, lane.device), lane.activation_arena)
         rules = delta_rule_states(plan)
+        lane.make_caches({name: t.shape for name, t in g.tensors.items() if t.role is Role.CACHE})
         for name, t in g.tensors.items():
             if t.role is Role.CACHE:
                 bufs[name] = lane.cache(name, t.shape)

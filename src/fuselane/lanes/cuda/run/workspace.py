@@ -48,6 +48,7 @@ _CONFIG_PAIR = re.compile(r":(\d+):(\d+)")
 class Workspace:
     """What the lane takes for a chunk's products, and the bytes it was sized against."""
 
+    rows: int  # the rows of the chunks it was sized for: a session's prompt runs in chunks of as many
     scratch_values: int  # the f16 scratch's values
     cublas_config: str | None  # the CUBLAS_WORKSPACE_CONFIG the lane asks for; None: torch's default or the user's
     cublas_bytes: int  # cuBLAS's workspace as counted
@@ -63,7 +64,17 @@ def cublas_bytes(config: str | None) -> int:
     """cuBLAS's workspace, in bytes, under a CUBLAS_WORKSPACE_CONFIG value (":4096:8" is 8 of 4,096 KiB); torch's
     Hopper default where there is none or it names no size."""
     pairs = _CONFIG_PAIR.findall(config or "")
-    return sum(int(kib) * KIB * int(count) for kib, count in pairs) or kernels.CUBLAS_DEFAULT_WORKSPACE_BYTES
+    if not pairs:
+        return kernels.CUBLAS_DEFAULT_WORKSPACE_BYTES
+    return sum(int(kib) * KIB * int(count) for kib, count in pairs)
+
+
+def chunk_rows(most: int) -> list[int]:
+    """The rows a chunk is sized at, in the order tried: `most` (the lane's chunk, or its context where less),
+    then the powers of two under it down to `kernels.SCRATCH_LEAST_ROWS`: a chunk's arena and operands shrink
+    with its rows where the scratch does not."""
+    fewer = [1 << i for i in range(most.bit_length() - 1, -1, -1) if kernels.SCRATCH_LEAST_ROWS <= 1 << i < most]
+    return [most, *fewer]
 
 
 def layer_products(shapes: Mapping[str, tuple[int, ...]]) -> dict[int, int]:
@@ -122,36 +133,48 @@ def fit(
     return lo
 
 
+def _ways(config: str | None, dying: frozenset[int], always: bool) -> list[tuple[frozenset[int], str | None]]:
+    """(the widths rounding in place, the cuBLAS workspace asked for) of each way `size` tries, cheapest first:
+    a lean cuBLAS workspace and rounding in place cost the large shapes a few percent, none the small ones'
+    whole scratch 5.7 % (`kernels.CUBLAS_NO_WORKSPACE`). A workspace the process set is never asked over."""
+    roundings = [dying] if always else [frozenset(), dying]
+    if config is not None:
+        return [(r, None) for r in roundings]
+    lean = [(r, ask) for ask in (None, kernels.CUBLAS_LEAN_WORKSPACE) for r in roundings]
+    return lean + [(r, kernels.CUBLAS_NO_WORKSPACE) for r in roundings]
+
+
 def size(
     shapes: Mapping[str, tuple[int, ...]], rows: int, base_bytes: int, held_bytes: int, config: str | None,
     dying: frozenset[int] = frozenset(), *, always: bool = False,
 ) -> Workspace:  # fmt: skip
     """The scratch and cuBLAS workspace for chunks of `rows` rows of a model whose weights and caches take
     `base_bytes`, a chunk's arena and outputs `held_bytes`, under the process's CUBLAS_WORKSPACE_CONFIG
-    `config` (None: unset, so the lane may ask for the lean one). `dying`: the widths whose every product's
+    `config` (None: unset, so the lane may ask for a leaner one). `dying`: the widths whose every product's
     activation dies at it, which may round it in place where the scratch is short of its most otherwise (with
-    `always`, as the knob `round_in_place=on` has them: whatever the scratch)."""
+    `always`, as the knob `round_in_place=on` has them: whatever the scratch).
+
+    The ways are tried cheapest first (`_ways`): the copies before rounding in place (which reads each row
+    twice), cuBLAS's workspace as it is, then lean; none last. The first that holds the whole scratch is taken;
+    else the one whose scratch takes the fewest slabs of the largest product (the first of those), as a slab
+    costs its launches."""
     share = int(kernels.WORKSPACE_SHARE * base_bytes)
     _, most = scratch_bounds(shapes)
-    asks = [None] if config is not None else [None, kernels.CUBLAS_LEAN_WORKSPACE]
-    short: list[tuple[int | None, str | None, int, frozenset[int]]] = []  # each way's most, where none is whole
-    for in_place in (dying,) if always else (frozenset(), dying):
-        for ask in asks:
-            counted = cublas_bytes(config if ask is None else ask)
-            values = fit(shapes, rows, share - held_bytes - counted, in_place)
-            if values == most:
-                return Workspace(most, ask, counted, share, held_bytes, True, bool(in_place))
-        short.append((values, ask, counted, in_place))
-    copied, rounded = short[0], short[-1]
-    # rounding in place reads each row twice: where asked, or for a scratch it makes larger or a share it makes hold
-    gains = rounded[0] is not None and (copied[0] is None or rounded[0] > copied[0])
-    values, ask, counted, in_place = rounded if always or gains else copied
-    return Workspace(
-        scratch_values=most if values is None else values,
-        cublas_config=ask,
-        cublas_bytes=counted,
-        share_bytes=share,
-        held_bytes=held_bytes,
-        within=values is not None,
-        rounds_in_place=bool(in_place),
-    )
+    largest = max(layer_products(shapes).values())
+    best: tuple[int, int, str | None, int, frozenset[int]] | None = None  # (slabs, values, ask, counted, in_place)
+    for in_place, ask in _ways(config, dying, always):
+        counted = cublas_bytes(config if ask is None else ask)
+        values = fit(shapes, rows, share - held_bytes - counted, in_place)
+        if values is None:
+            continue
+        slabs = math.ceil(largest / values)
+        if best is None or slabs < best[0]:
+            best = (slabs, values, ask, counted, in_place)
+        if values == most:
+            break
+    if best is None:  # the share cannot hold even the least scratch: keep the speed, and the lean workspace
+        ask = None if config is not None else kernels.CUBLAS_LEAN_WORKSPACE
+        counted = cublas_bytes(config if ask is None else ask)
+        return Workspace(rows, most, ask, counted, share, held_bytes, False, bool(dying) and always)
+    _, values, ask, counted, in_place = best
+    return Workspace(rows, values, ask, counted, share, held_bytes, True, bool(in_place))

@@ -1,0 +1,64 @@
+"""The rows a cuda lane's session runs a prompt in under `prefill=f16-scratch` (`CudaLane.sized_workspace`): 512
+where a 512-row chunk's workspace holds the share (`run/workspace`), 256 where only a 256-row one's does (a small
+model in a low-bit mix), else 512 with the whole scratch; the knob `chunk_rows` sets them. Sized from the real
+plans of a Qwen2.5-0.5B-shaped checkpoint, on the host (nothing runs)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the lane on host tensors
+pytest.importorskip("triton")
+
+from fuselane.gguf.synth import write_synthetic  # noqa: E402
+from fuselane.lanes.cuda.plan import kernels  # noqa: E402
+from fuselane.lanes.cuda.run import workspace  # noqa: E402
+from fuselane.runtime.model import load  # noqa: E402
+
+CTX = 641  # bench's context at -p 512 -n 128
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("small")
+    return {mix: write_synthetic(folder / f"{mix}.gguf", "qwen2.5-0.5b", mix, seed=4) for mix in ("q4_k_m", "q2_k")}
+
+
+def _sized(path, *knobs):
+    model = load(path, lane="cuda", ctx=CTX, knobs=list(knobs))
+    return model, model.lane.sized_workspace()
+
+
+def _within(ws) -> bool:
+    """Recount the share from the workspace's own figures: the scratch and the largest product's operands beside
+    the held bytes and cuBLAS's."""
+    return ws.within and ws.held_bytes + ws.cublas_bytes + 2 * ws.scratch_values <= ws.share_bytes
+
+
+def test_a_small_q4_k_m_holds_its_share_in_512_row_chunks(checkpoints):
+    model, ws = _sized(checkpoints["q4_k_m"])
+    assert ws.rows == kernels.SCRATCH_CHUNK_ROWS and _within(ws)
+    assert model.session().chunk == ws.rows
+    largest = 2 * 4864 * 896  # the gated pair
+    assert 1 < -(-largest // ws.scratch_values) <= kernels.SCRATCH_MOST_SLABS
+
+
+def test_a_small_q2_k_takes_256_row_chunks_where_512_cannot_hold_the_share(checkpoints):
+    model, ws = _sized(checkpoints["q2_k"])
+    assert ws.rows == workspace.chunk_rows(kernels.SCRATCH_CHUNK_ROWS)[1] and _within(ws)
+    assert model.session().chunk == ws.rows
+    # at 512 rows the arena alone leaves too little: the whole scratch, the share missed
+    _, whole = _sized(checkpoints["q2_k"], "chunk_rows=512")
+    assert whole.rows == 512 and not whole.within and whole.held_bytes > ws.held_bytes
+
+
+def test_the_knob_sets_the_rows_and_the_session_takes_them(checkpoints):
+    model, ws = _sized(checkpoints["q4_k_m"], "chunk_rows=128")
+    assert ws.rows == 128 and model.session().chunk == 128
+    # a context shorter than the chunk sizes at the context
+    short = load(checkpoints["q4_k_m"], lane="cuda", ctx=100)
+    assert short.lane.sized_workspace().rows == 100 and short.session().chunk == 100
