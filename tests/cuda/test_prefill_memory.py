@@ -13,6 +13,7 @@ no copy is kept either, and the prompt's logits are the copies' within the contr
 from __future__ import annotations
 
 import gc
+import os
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ pytestmark = [
 ]
 
 from fuselane.gguf.synth import write_synthetic  # noqa: E402
+from fuselane.lanes.cuda.run.workspace import CUBLAS_CONFIG  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 from fuselane.runtime.sampling import GREEDY  # noqa: E402
 from fuselane.runtime.session import Session  # noqa: E402
@@ -98,6 +100,7 @@ def test_a_small_models_scratch_keeps_its_workspace_within_the_share(tmp_path, s
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
+    preset = os.environ.get(CUBLAS_CONFIG)
     model = load(path, lane="cuda", ctx=PROMPT + 2 * GENERATED)
     session = model.session()
     session.feed(np.random.default_rng(0).integers(0, model.cfg.vocab, size=PROMPT).tolist())
@@ -109,6 +112,8 @@ def test_a_small_models_scratch_keeps_its_workspace_within_the_share(tmp_path, s
     lane = model.lane
     held = lane.weights_bytes + sum(c.numel() * c.element_size() for c in lane.caches.values())
     peak = torch.cuda.max_memory_allocated() - before
-    assert lane.workspace is not None and lane.workspace.within and lane.workspace.rows == session.chunk == rows
+    assert lane.workspace is not None and lane.workspace.within and lane.workspace.rows == session.chunk
+    if not preset:  # a process that set cuBLAS's workspace (an earlier lane did) leaves the lane no leaner one
+        assert lane.workspace.rows == rows
     assert peak <= held * (1 + WORKSPACE), f"peak {peak / 1e9:.3f} GB over {held / 1e9:.3f} GB + 5 %"
     model.close()
