@@ -107,7 +107,7 @@ class StatePrecision(enum.Enum):
 class RoundInPlace(enum.Enum):
     """Whether a chunk's product rounds an activation no later op reads into its own bytes (`f16_scale`)."""
 
-    AUTO = "auto"  # where the workspace share wants the room (`run/workspace`)
+    AUTO = "auto"  # where the workspace share takes fewer slabs for it (`run/workspace`)
     ON = "on"
     OFF = "off"
 
@@ -182,8 +182,8 @@ class CudaKnobs:
       fresh buffer; where the activation dies there (no later op reads it: a down product's SwiGLU output, a
       gated pair's normed input) it may round it into the activation's own bytes instead, saving the copy (a
       512-row chunk's down: 9.2 MB on a 1.5B, 19.4 MB on a 7B) for a second read of each row (the rounding
-      first finds the row's largest value, which it would otherwise overwrite). `auto` does so where the
-      workspace share (`run/workspace`) would leave the scratch short of its most with the copies; `on`
+      first finds the row's largest value, which it would otherwise overwrite). `auto` does so where that
+      lets the workspace share (`run/workspace`) hold the scratch in fewer slabs than the copies do; `on`
       always, `off` never. The numbers are the same bits either way.
     - `chunk_rows=auto`: a session runs a prompt in chunks of the lane's rows (llama.cpp's ubatch): a
       mixture's 512 (`kernels.MOE_CHUNK_ROWS`); under `f16-scratch` 512 (`kernels.SCRATCH_CHUNK_ROWS`), or

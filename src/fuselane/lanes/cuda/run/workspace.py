@@ -16,13 +16,18 @@ speed) rather than pay for a bar it misses all the same.
 Where the scratch is short of its most all the same, a product whose f32 activation no later op reads rounds it
 into the activation's own bytes (`f16_scale.to_f16_in_place`) rather than a fresh f16 copy: on a 1.5B the down
 product's copy is 9.2 MB of a 56.5 MB share. It reads each row twice where the copy reads it once, so the lane
-does so only where the room it gives is wanted.
+does so only where it takes the scratch fewer slabs.
+
+Where no way holds a chunk's rows, fewer rows may (`chunk_rows`): the arena and the operands shrink with them,
+the scratch does not. The lane tries 512, then 256 (`kernels.SCRATCH_LEAST_ROWS`), and a session runs its prompts
+in chunks of the rows that held.
 
 cuBLAS takes a workspace of its own, 32 MiB on Hopper unless `CUBLAS_WORKSPACE_CONFIG` says otherwise, which
 torch reads when it makes a stream's workspace (once a process, in some of its versions). Where that workspace
 leaves the scratch short of its most, the lane asks for 4 MiB (`kernels.CUBLAS_LEAN_WORKSPACE`) before its first
 product: the small shapes' prompts measured the same (0.5B 161,132 against 156,704 tok/s), where the 7B's lost
-3.8 %, so the large shapes keep the default. A value the user set stays and is counted as set.
+3.8 %, so the large shapes keep the default; none (`kernels.CUBLAS_NO_WORKSPACE`) last, where only that takes
+the scratch fewer slabs. A value the process set (the user, or an earlier lane) stays and is counted as set.
 """
 
 from __future__ import annotations
