@@ -25,6 +25,7 @@ PLAN_SIDE = (
     "fuselane.lanes.cuda.plan.knobs",
     "fuselane.lanes.cuda.plan.kernels",
     "fuselane.lanes.cuda.plan.rules",
+    "fuselane.lanes.cuda.explain_workspace",
 )
 HEAVY = ("torch", "triton")
 
@@ -87,6 +88,8 @@ def test_the_plan_side_imports_neither_torch_nor_triton() -> None:
         f"for name in {PLAN_SIDE!r}: __import__(name)\n"
         "from fuselane.explain import build_plan\n"
         "build_plan('synth:tiny-qwen3:q4_k_m', lane='cuda')\n"
+        "from fuselane.explain import prefill_workspace\n"
+        "prefill_workspace('synth:tiny-qwen3:q4_k_m')\n"
         f"print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)

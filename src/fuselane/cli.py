@@ -305,7 +305,7 @@ def cmd_explain(args: argparse.Namespace) -> None:
         return
     if args.model is None:
         raise FuselaneError("explain needs a MODEL (or --classes, the table of fused classes)")
-    from fuselane.explain import build_plan, render, to_json
+    from fuselane.explain import build_plan, prefill_workspace, render, to_json
 
     if args.tp > 1:
         from fuselane.parallel import explain as tp_explain
@@ -318,7 +318,10 @@ def cmd_explain(args: argparse.Namespace) -> None:
     name, cfg, plan = build_plan(
         args.model, lane=args.lane, form=args.form, rows=args.rows, knobs=args.knob, held=args.hold
     )
-    data = to_json(name, cfg, plan, args.form)
+    ws = None
+    if args.lane == "cuda" and args.form == "prefill" and plan.cannot_run is None:
+        ws = prefill_workspace(args.model, knobs=args.knob, held=args.hold)
+    data = to_json(name, cfg, plan, args.form, ws)
     print(json.dumps(data, indent=2) if args.json else render(data))
 
 

@@ -179,8 +179,11 @@ def numerics_json(c: Contract | None) -> dict[str, Any] | None:
     }
 
 
-def to_json(name: str, cfg: ModelConfig, plan: Plan, form: str) -> dict[str, Any]:
-    """The plan as plain data: the stable JSON form (see the README for the schema)."""
+def to_json(
+    name: str, cfg: ModelConfig, plan: Plan, form: str, workspace: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The plan as plain data: the stable JSON form (see the README for the schema); `workspace`, the cuda lane's
+    chunk workspace where it keeps one (`prefill_workspace`)."""
     per_layer = launches_per_layer(plan)
     data = {
         "version": JSON_VERSION,
@@ -215,7 +218,18 @@ def to_json(name: str, cfg: ModelConfig, plan: Plan, form: str) -> dict[str, Any
     }
     if plan.cannot_run is not None:  # only where the lane refuses a class the model needs
         data["cannot_run"] = plan.cannot_run
+    if workspace is not None:
+        data["workspace"] = workspace
     return data
+
+
+def prefill_workspace(model: str, *, knobs: Sequence[str] = (), held: Sequence[str] = ()) -> dict[str, Any] | None:
+    """The cuda lane's chunk workspace for `model` under `knobs` at the default context (what a loaded lane sizes:
+    `lanes/cuda/explain_workspace`), or None where its chunks keep none."""
+    from fuselane.lanes.cuda.explain_workspace import prefill_workspace as sized
+
+    _, cfg, tensors = model_source(model)
+    return sized(cfg, tensors, make_shim("cuda", knobs, held, "prefill"), held, DEFAULT_CTX)
 
 
 def render(data: dict[str, Any]) -> str:
@@ -255,4 +269,8 @@ def render(data: dict[str, Any]) -> str:
     n = data["numerics"]
     if n is not None:
         lines += ["", "numerics:"] + [f"  {k}: {v}" for k, v in n.items()]
+    if data.get("workspace"):
+        from fuselane.lanes.cuda.explain_workspace import render_workspace
+
+        lines += ["", *render_workspace(data["workspace"])]
     return "\n".join(lines)

@@ -62,3 +62,20 @@ def test_the_knob_sets_the_rows_and_the_session_takes_them(checkpoints):
     # a context shorter than the chunk sizes at the context
     short = load(checkpoints["q4_k_m"], lane="cuda", ctx=100)
     assert short.lane.sized_workspace().rows == 100 and short.session().chunk == 100
+
+
+@pytest.mark.parametrize("mix", ["q4_k_m", "q2_k"])
+def test_explain_says_what_the_lane_sizes(checkpoints, monkeypatch, mix):
+    # `fuselane explain --form prefill` works the workspace out from the file's tensors, the lane from its upload
+    # and its plans: the same figures at the default context
+    from fuselane.explain import DEFAULT_CTX, prefill_workspace
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    said = prefill_workspace(str(checkpoints[mix]))
+    ws = load(checkpoints[mix], lane="cuda", ctx=DEFAULT_CTX).lane.sized_workspace()
+    assert (said["rows"], said["scratch_bytes"], said["cublas_config"], said["within"]) == (
+        ws.rows, 2 * ws.scratch_values, ws.cublas_config, ws.within,
+    )  # fmt: skip
+    assert (said["share_bytes"], said["held_bytes"], said["rounds_in_place"]) == (
+        ws.share_bytes, ws.held_bytes, ws.rounds_in_place,
+    )  # fmt: skip

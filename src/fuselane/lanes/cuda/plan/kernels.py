@@ -53,6 +53,9 @@ SCRATCH_CHUNK_ROWS = 512
 # the pair in four slabs 113,915 tok/s; 256 rows whole 94,476, in two slabs 88,914, in four 65,030, which is still
 # 1.5x llama.cpp's 42,900; 128 rows would fall under it.
 SCRATCH_LEAST_ROWS = 256
+# A sampled draw's candidate on the device: its f32 value and its int64 index (`decode.DeviceSampler._sampling`);
+# a vocabulary's worth is held beside a chunk's workspace
+CANDIDATE_BYTES = 4 + 8
 
 # Where a buffer the lane carves into parts starts each part (the weights' upload, a step's activation arena):
 # at the caching allocator's block alignment, which every kernel's pointers had when each tensor was a block.

@@ -25,7 +25,7 @@ from fuselane.fuse.optimizer import VIEWS, Plan
 from fuselane.fuse.views import class_of, leaves
 from fuselane.graph.classes import ClassId
 from fuselane.graph.ir import Op, QuantizedActs, Role
-from fuselane.graph.ops import Matmul, RmsNorm
+from fuselane.graph.ops import GatedDelta, Matmul, RmsNorm
 from fuselane.lanes.cuda.plan.kernels import PART_ALIGN_BYTES
 
 F32_BYTES = 4
@@ -240,6 +240,12 @@ def dying_widths(plan: Plan, reads: frozenset[tuple[int, str]]) -> frozenset[int
             rounds = (cls is None or cls in ROUNDING_CLASSES) and (id(owner), part.ins[0]) in reads
             dies[part.sym.k] = dies.get(part.sym.k, True) and rounds
     return frozenset(k for k, all_die in dies.items() if all_die)
+
+
+def delta_rule_states(plan: Plan) -> set[str]:
+    """The states a gated delta rule of the plan sums into (kept in the `state` knob's precision; a
+    convolution's states stay f32)."""
+    return {leaf.ins[-1] for op in plan.ops for leaf in leaves(op) if isinstance(leaf.sym, GatedDelta)}
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -78,9 +78,6 @@ class Tail:
     state: tuple[Any, ...]  # device values the launches advance: put back after a capture's warm-up run
 
 
-CANDIDATE_BYTES = 4 + 8  # a sampled draw's candidate: its f32 value and its int64 index (`DeviceSampler._sampling`)
-
-
 class DeviceSampler:
     """The sampler's device buffers, bound to the decode step's logits, input id and position, and the pinned
     host slots its picks are read from."""

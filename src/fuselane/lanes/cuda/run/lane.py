@@ -28,24 +28,15 @@ import numpy as np
 
 from fuselane.errors import FuselaneError
 from fuselane.fuse.optimizer import Plan, optimize
-from fuselane.fuse.views import leaves
 from fuselane.gguf.dequant import dequantize
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Form, QuantFormat, QuantizedActs, Role, TensorGraph
-from fuselane.graph.ops import GatedDelta
 from fuselane.lanes.cuda.plan.kernels import MOE_CHUNK_ROWS, PART_ALIGN_BYTES, QBLOCK, SCRATCH_CHUNK_ROWS
 from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights, RoundInPlace, StatePrecision
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run import decode as loop
 from fuselane.lanes.cuda.run import workspace
-from fuselane.lanes.cuda.run.buffers import (
-    F16_BYTES,
-    F32_BYTES,
-    arena_values,
-    dying_reads,
-    dying_widths,
-    pooled_buffers,
-)
+from fuselane.lanes.cuda.run.buffers import F16_BYTES, delta_rule_states, dying_reads, pooled_buffers
 from fuselane.lanes.cuda.run.decode import DeviceSampler, Tail
 from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
@@ -220,48 +211,22 @@ class CudaLane:
         return self._scratch
 
     def sized_workspace(self, plan: Plan | None = None) -> workspace.Workspace:
-        """How the lane's chunks hold the workspace share (`run/workspace`), sized once: at the first of
-        `workspace.chunk_rows` (the knob `chunk_rows` alone where set) whose scratch holds it, else at the
-        first rows with the whole scratch."""
+        """How the lane's chunks hold the workspace share (`run/workspace.sized`), sized once, against the
+        weights as uploaded and the lane's arena where a step made it already; `plan`, a step's, saves
+        planning its rows again."""
         if self.workspace is None:
-            wanted = self.shim.knobs.chunk_rows
-            most = min(wanted or SCRATCH_CHUNK_ROWS, self.ctx)
-            tried = [most] if wanted else workspace.chunk_rows(most)
-            sizes = []
-            for rows in tried:
-                sizes.append(self._size_workspace(rows, plan))
-                if sizes[-1].within:
-                    break
-            self.workspace = sizes[-1] if sizes[-1].within else sizes[0]
-        return self.workspace
+            most = min(self.shim.knobs.chunk_rows or SCRATCH_CHUNK_ROWS, self.ctx)
+            arena = 0 if self._arena is None else self._arena.numel() * self._arena.element_size()
 
-    def _size_workspace(self, rows: int, plan: Plan | None) -> workspace.Workspace:
-        """The scratch and cuBLAS workspace for this lane's chunks of `rows` rows (`run/workspace`): against the
-        weights and the caches and states such a chunk binds, beside its arena and outputs and a sampled
-        draw's candidates."""
-        chunk = plan if plan is not None and plan.graph.rows == rows else self.plan(rows)
-        g = chunk.graph
-        rules = delta_rule_states(chunk)
-        base = self.weights_bytes
-        # the asking step laid its arena out already; a step made before holds one of its own size
-        held = 0 if chunk is plan else F32_BYTES * arena_values(chunk)
-        if self._arena is not None:
-            held = max(held, self._arena.numel() * self._arena.element_size())
-        for name, t in g.tensors.items():
-            if t.role is Role.CACHE:
-                base += math.prod(t.shape) * CACHE_BYTES[self.shim.knobs.cache_precision]
-            elif t.role is Role.STATE:
-                state = self.state_dtype.itemsize if name in rules else F32_BYTES
-                base += math.prod(t.shape) * state
-            elif t.role is Role.OUTPUT:
-                held += F32_BYTES * math.prod(t.shape)
-        # a sampled draw holds its candidates (a decode step writes its logits in the chunk's buffer: `output`)
-        held += self.cfg.vocab * loop.CANDIDATE_BYTES
-        shapes = {n: t.shape for n, t in self.tensors.items()}
-        rounding = self.shim.knobs.round_in_place
-        dying = frozenset() if rounding is RoundInPlace.OFF else dying_widths(chunk, dying_reads(chunk))
-        config = os.environ.get(workspace.CUBLAS_CONFIG)
-        return workspace.size(shapes, rows, base, held, config, dying, always=rounding is RoundInPlace.ON)
+            def plan_at(rows: int) -> Plan:
+                return plan if plan is not None and plan.graph.rows == rows else self.plan(rows)
+
+            shapes = {n: t.shape for n, t in self.tensors.items()}
+            config = os.environ.get(workspace.CUBLAS_CONFIG)
+            self.workspace = workspace.sized(
+                plan_at, most, shapes, self.weights_bytes, self.shim.knobs, self.cfg.vocab, config, arena
+            )
+        return self.workspace
 
     def model_bytes(self) -> int:
         """What the model holds on the device beside its workspace: the weights as uploaded and the caches and
@@ -444,7 +409,6 @@ def int8_form(shape: tuple[int, ...], device: Any) -> Any:
 PREFILL_HEADROOM = 0.05
 PREFILL_HEADROOM_MIN_BYTES = 2 * 2**30
 # a cached value's bytes, by the `cache` knob
-CACHE_BYTES = {CachePrecision.F16: F16_BYTES, CachePrecision.F32: F32_BYTES}
 
 
 def prefill_for(
@@ -463,15 +427,9 @@ def prefill_for(
     if torch is None:
         return PrefillWeights.F16_COPY
     free, total = torch.cuda.mem_get_info()
-    cache = ctx * cfg.n_layers * cfg.cache_values * CACHE_BYTES[knobs.cache_precision]
+    cache = ctx * cfg.n_layers * cfg.cache_values * workspace.CACHE_BYTES[knobs.cache_precision]
     fits = copies_fit(tensors, cache, free, total)
     return PrefillWeights.F16_COPY if fits else PrefillWeights.F16_SCRATCH
-
-
-def delta_rule_states(plan: Plan) -> set[str]:
-    """The states a gated delta rule of the plan sums into (kept in the `state` knob's precision; a
-    convolution's states stay f32)."""
-    return {leaf.ins[-1] for op in plan.ops for leaf in leaves(op) if isinstance(leaf.sym, GatedDelta)}
 
 
 def copies_fit(tensors: Mapping[str, Any], cache: int, free: int, total: int) -> bool:

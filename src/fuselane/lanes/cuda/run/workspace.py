@@ -34,11 +34,21 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from fuselane.fuse.optimizer import Plan
+from fuselane.graph.ir import Role
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.run.buffers import F16_BYTES, F32_BYTES
+from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, RoundInPlace, StatePrecision
+from fuselane.lanes.cuda.run.buffers import (
+    F16_BYTES,
+    F32_BYTES,
+    arena_values,
+    delta_rule_states,
+    dying_reads,
+    dying_widths,
+)
 
 LAYER_PREFIX = "blk."
 GATE_SUFFIXES = ("ffn_gate.weight", "ffn_gate_shexp.weight")  # a gated pair's gate (a shared expert's too): its
@@ -47,6 +57,8 @@ GATED_PAIR = 2
 KIB = 1024
 CUBLAS_CONFIG = "CUBLAS_WORKSPACE_CONFIG"  # torch's ":KiB:count" pairs
 _CONFIG_PAIR = re.compile(r":(\d+):(\d+)")
+CACHE_BYTES = {CachePrecision.F16: F16_BYTES, CachePrecision.F32: F32_BYTES}
+STATE_BYTES = {StatePrecision.F32: F32_BYTES, StatePrecision.BF16: F16_BYTES}
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,3 +195,56 @@ def size(
         return Workspace(rows, most, ask, counted, share, held_bytes, False, bool(dying) and always)
     _, values, ask, counted, in_place = best
     return Workspace(rows, values, ask, counted, share, held_bytes, True, bool(in_place))
+
+
+@dataclass(frozen=True, slots=True)
+class Counted:
+    """What a chunk's plan holds beside the scratch and its products' operands, as `size` takes it."""
+
+    base_bytes: int  # the weights as uploaded, the caches and the recurrent states the chunk binds
+    held_bytes: int  # its arena (or the lane's, where larger), its outputs and a sampled draw's candidates
+    dying: frozenset[int]  # the widths whose products may round their activations in place (`dying_widths`)
+
+
+def upload_bytes(sizes: list[int]) -> int:
+    """The bytes of tensors of `sizes` bytes uploaded into one buffer, each part `kernels.PART_ALIGN_BYTES`
+    aligned (`CudaLane._upload`)."""
+    return sum(-(-n // kernels.PART_ALIGN_BYTES) * kernels.PART_ALIGN_BYTES for n in sizes)
+
+
+def counted(chunk: Plan, weights_bytes: int, knobs: CudaKnobs, vocab: int, arena_bytes: int = 0) -> Counted:
+    """The bytes `size` sizes a chunk of `chunk`'s rows against, on a lane of `knobs` whose weights took
+    `weights_bytes` and whose arena already holds `arena_bytes` (its steps share it)."""
+    g = chunk.graph
+    rules = delta_rule_states(chunk)
+    base, held = weights_bytes, max(F32_BYTES * arena_values(chunk), arena_bytes)
+    for name, t in g.tensors.items():
+        if t.role is Role.CACHE:
+            base += math.prod(t.shape) * CACHE_BYTES[knobs.cache_precision]
+        elif t.role is Role.STATE:
+            base += math.prod(t.shape) * (STATE_BYTES[knobs.recurrent_state] if name in rules else F32_BYTES)
+        elif t.role is Role.OUTPUT:
+            held += F32_BYTES * math.prod(t.shape)
+    held += vocab * kernels.CANDIDATE_BYTES  # a decode step writes its logits in the chunk's buffer (`output`)
+    off = knobs.round_in_place is RoundInPlace.OFF
+    return Counted(base, held, frozenset() if off else dying_widths(chunk, dying_reads(chunk)))
+
+
+def sized(
+    plan_at: Callable[[int], Plan], most: int, shapes: Mapping[str, tuple[int, ...]], weights_bytes: int,
+    knobs: CudaKnobs, vocab: int, config: str | None, arena_bytes: int = 0,
+) -> Workspace:  # fmt: skip
+    """The workspace of chunks of at most `most` rows (`plan_at(rows)` plans one): at the first of `chunk_rows`
+    (`most` alone under the knob `chunk_rows`) whose scratch holds the share, else at `most` with the whole
+    scratch (`size`)."""
+    tried = [most] if knobs.chunk_rows else chunk_rows(most)
+    first = None
+    for rows in tried:
+        c = counted(plan_at(rows), weights_bytes, knobs, vocab, arena_bytes)
+        always = knobs.round_in_place is RoundInPlace.ON
+        ws = size(shapes, rows, c.base_bytes, c.held_bytes, config, c.dying, always=always)
+        if ws.within:
+            return ws
+        first = first or ws
+    assert first is not None  # chunk_rows gives `most` at least
+    return first

@@ -1,0 +1,78 @@
+"""What `fuselane explain --lane cuda --form prefill` says of a chunk's workspace: the rows a session runs a prompt
+in, the f16 scratch, cuBLAS's workspace and the share they are held to (`run/workspace`), worked out from the
+file's tensors and the chunk's plans as the lane does when it loads, without a GPU (neither torch nor Triton)."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fuselane.fuse.optimizer import Plan, optimize
+from fuselane.gguf.formats import tensor_bytes
+from fuselane.graph.ir import Form
+from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.knobs import PrefillWeights
+from fuselane.lanes.cuda.plan.shim import CudaShim
+from fuselane.lanes.cuda.run import workspace
+from fuselane.lanes.cuda.run.buffers import F32_BYTES
+from fuselane.models import ModelConfig, recognizer
+
+MB = 1e6
+
+
+def prefill_workspace(
+    cfg: ModelConfig, tensors: Mapping[str, Any], shim: CudaShim, held: Sequence[str], ctx: int
+) -> dict[str, Any] | None:
+    """The workspace a lane of `shim` at a context of `ctx` rows sizes for its chunks, as plain data; None
+    where its chunks keep none (a knob other than `f16-scratch` and the default, the batch form, a mixture's
+    chunks, which multiply in their own kernels)."""
+    knobs = shim.knobs
+    if knobs.batch or knobs.prefill_weights not in (PrefillWeights.AUTO, PrefillWeights.F16_SCRATCH) or cfg.moe:
+        return None
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    weights = workspace.upload_bytes([_uploaded(t) for t in tensors.values()])
+
+    def plan_at(rows: int) -> Plan:
+        graph = recognizer(cfg).recognize(cfg, tensors, Form.PREFILL, rows=rows, ctx=ctx)
+        return optimize(graph, shim, held=held, check=False)
+
+    most = min(knobs.chunk_rows or kernels.SCRATCH_CHUNK_ROWS, ctx)
+    config = os.environ.get(workspace.CUBLAS_CONFIG)
+    ws = workspace.sized(plan_at, most, shapes, weights, knobs, cfg.vocab, config)
+    largest = max(workspace.layer_products(shapes).values())
+    return {
+        "ctx": ctx,
+        "rows": ws.rows,
+        "scratch_bytes": 2 * ws.scratch_values,
+        "slabs": -(-largest // ws.scratch_values),
+        "cublas_config": ws.cublas_config,
+        "cublas_bytes": ws.cublas_bytes,
+        "held_bytes": ws.held_bytes,
+        "share_bytes": ws.share_bytes,
+        "within": ws.within,
+        "rounds_in_place": ws.rounds_in_place,
+    }
+
+
+def _uploaded(t: Any) -> int:
+    """A tensor's bytes as the lane uploads it (`CudaLane._upload`): a vector as f32 values, a matrix as stored."""
+    return F32_BYTES * math.prod(t.shape) if len(t.shape) == 1 else tensor_bytes(t.format, tuple(t.shape))
+
+
+def render_workspace(w: dict[str, Any]) -> list[str]:
+    """`prefill_workspace`'s data for a terminal."""
+    config = "as the process has it" if w["cublas_config"] is None else f"CUBLAS_WORKSPACE_CONFIG={w['cublas_config']}"
+    cublas = f"{w['cublas_bytes'] / MB:.1f} MB" if w["cublas_bytes"] else "none"
+    slabs = "whole" if w["slabs"] == 1 else f"in {w['slabs']} slabs"
+    held = f"{w['share_bytes'] / MB:.1f} MB share of the weights and caches"
+    verdict = "held" if w["within"] else "not held: the scratch keeps the largest product whole, for its speed"
+    return [
+        f"workspace (prefill=f16-scratch, a context of {w['ctx']:,} rows):",
+        f"  prompts in chunks of {w['rows']} rows; their activations and outputs {w['held_bytes'] / MB:.1f} MB",
+        f"  f16 scratch {w['scratch_bytes'] / MB:.1f} MB (a layer's largest product {slabs}); cuBLAS's workspace "
+        f"{cublas} ({config})",
+        f"  dying activations rounded to f16 in place: {'yes' if w['rounds_in_place'] else 'no'}",
+        f"  the {held} ({round(100 * kernels.WORKSPACE_SHARE)} %): {verdict}",
+    ]

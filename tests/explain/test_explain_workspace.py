@@ -1,0 +1,51 @@
+"""`fuselane explain --lane cuda --form prefill` says how a chunk's workspace holds the share: the rows a prompt
+runs in, the scratch, cuBLAS's workspace (`lanes/cuda/explain_workspace`), worked out on the host as the lane does
+when it loads (tests/cuda_kernels/test_chunk_rows.py holds the two to the same figures on a written file)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fuselane import cli
+from fuselane.explain import prefill_workspace
+from fuselane.lanes.cuda.plan import kernels
+
+
+@pytest.fixture(autouse=True)
+def _no_cublas_config(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+
+
+def test_a_small_low_bit_file_runs_its_prompts_in_fewer_rows():
+    ws = prefill_workspace("synth:qwen2.5-0.5b:q2_k")
+    assert ws["rows"] == kernels.SCRATCH_LEAST_ROWS and ws["within"]
+    assert ws["held_bytes"] + ws["cublas_bytes"] + ws["scratch_bytes"] <= ws["share_bytes"]
+
+
+def test_a_small_q4_k_m_keeps_512_rows_with_its_pair_in_slabs_and_a_large_model_its_whole_scratch():
+    small = prefill_workspace("synth:qwen2.5-0.5b:q4_k_m")
+    assert small["rows"] == kernels.SCRATCH_CHUNK_ROWS and small["within"]
+    assert 1 < small["slabs"] <= kernels.SCRATCH_MOST_SLABS and small["cublas_config"] is not None
+    large = prefill_workspace("synth:qwen2.5-7b:q4_k_m")
+    assert large["rows"] == kernels.SCRATCH_CHUNK_ROWS and large["within"] and large["cublas_config"] is None
+    assert large["scratch_bytes"] == 2 * kernels.F16_SCRATCH_VALUES
+
+
+def test_the_knob_sets_the_rows_and_other_prefills_keep_no_workspace():
+    assert prefill_workspace("synth:qwen2.5-0.5b:q2_k", knobs=["chunk_rows=512"])["rows"] == 512
+    assert not prefill_workspace("synth:qwen2.5-0.5b:q2_k", knobs=["chunk_rows=512"])["within"]
+    assert prefill_workspace("synth:qwen2.5-0.5b:q2_k", knobs=["prefill=f16-copy"]) is None
+    assert prefill_workspace("synth:qwen2.5-0.5b:q2_k", knobs=["batch=on"]) is None
+    assert prefill_workspace("synth:qwen3-30b-a3b") is None  # a mixture's chunks multiply in its own kernels
+
+
+def test_explain_prints_and_writes_it(capsys):
+    cli.main(["explain", "synth:qwen2.5-0.5b:q2_k", "--lane", "cuda", "--form", "prefill"])
+    text = capsys.readouterr().out
+    assert "prompts in chunks of 256 rows" in text and "share of the weights and caches (5 %): held" in text
+    cli.main(["explain", "synth:qwen2.5-0.5b:q2_k", "--lane", "cuda", "--form", "prefill", "--json"])
+    assert json.loads(capsys.readouterr().out)["workspace"]["rows"] == 256
+    cli.main(["explain", "synth:qwen2.5-0.5b:q2_k", "--lane", "cuda", "--json"])  # a decode step keeps none
+    assert "workspace" not in json.loads(capsys.readouterr().out)
