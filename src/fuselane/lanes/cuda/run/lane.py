@@ -319,8 +319,9 @@ class CudaLane:
 
     @property
     def prefill_chunk(self) -> int | None:
-        """The rows a session runs a prompt in, or None for the session's own (`kernels.MOE_CHUNK_ROWS`: a
-        mixture on one GPU, whatever its attention; `kernels.SCRATCH_CHUNK_ROWS` under `prefill=f16-scratch`)."""
+        """The rows a session runs a prompt in, or None for the session's own: the knob `chunk_rows` where set;
+        `kernels.MOE_CHUNK_ROWS` for a mixture on one GPU, whatever its attention; under `prefill=f16-scratch`
+        the rows the workspace holds its share at (`sized_workspace`: 512, or 256 on a small low-bit file)."""
         wanted = self.shim.knobs.chunk_rows
         if self.cfg.moe and self.cfg.shard is None:
             return wanted or MOE_CHUNK_ROWS
