@@ -409,7 +409,6 @@ def int8_form(shape: tuple[int, ...], device: Any) -> Any:
 # logits); else the f16 scratch, whose workspace is within 5 % of the weights and cache.
 PREFILL_HEADROOM = 0.05
 PREFILL_HEADROOM_MIN_BYTES = 2 * 2**30
-# a cached value's bytes, by the `cache` knob
 
 
 def prefill_for(
