@@ -109,6 +109,7 @@ class CudaPaged:
         self.pools = {
             n: torch.zeros((rows, s[-1]), dtype=lane.cache_dtype, device=lane.device) for n, s in caches.items()
         }
+        self.single.make_caches(caches)  # one buffer, as a single lane's caches are
         self.scratch = {n: self.single.cache(n, s) for n, s in caches.items()}
         self.steps: dict[int, Any] = {}
         # a row of draws a sequence that has drawn, until it ends: a running one holds a block, and a preempted

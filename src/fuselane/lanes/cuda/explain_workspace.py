@@ -16,7 +16,7 @@ from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.knobs import PrefillWeights
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run import workspace
-from fuselane.lanes.cuda.run.buffers import F32_BYTES
+from fuselane.lanes.cuda.run.buffers import F32_BYTES, parts
 from fuselane.models import ModelConfig, recognizer
 
 MB = 1e6
@@ -32,7 +32,7 @@ def prefill_workspace(
     if knobs.batch or knobs.prefill_weights not in (PrefillWeights.AUTO, PrefillWeights.F16_SCRATCH) or cfg.moe:
         return None
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}
-    weights = workspace.upload_bytes([_uploaded(t) for t in tensors.values()])
+    _, weights = parts({n: _uploaded(t) for n, t in tensors.items()})  # as `CudaLane._upload` lays them out
 
     def plan_at(rows: int) -> Plan:
         graph = recognizer(cfg).recognize(cfg, tensors, Form.PREFILL, rows=rows, ctx=ctx)

@@ -79,6 +79,16 @@ def pooled_buffers(
     return bufs, q8
 
 
+def parts(sizes: dict[str, int]) -> tuple[dict[str, int], int]:
+    """(offset by name, total bytes) of parts of `sizes` bytes laid one after another in one buffer, each starting
+    `kernels.PART_ALIGN_BYTES` aligned, where a block of its own did (the weights' upload, the caches)."""
+    offsets, at = {}, 0
+    for name, n in sizes.items():
+        offsets[name] = at
+        at += -(-n // PART_ALIGN_BYTES) * PART_ALIGN_BYTES
+    return offsets, at
+
+
 def arena_values(plan: Plan) -> int:
     """The values of the arena `pooled_buffers` lays the plan's activations out in, none allocated."""
     return _layout(plan)[2][1]

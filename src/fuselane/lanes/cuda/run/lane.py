@@ -31,12 +31,12 @@ from fuselane.fuse.optimizer import Plan, optimize
 from fuselane.gguf.dequant import dequantize
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Form, QuantFormat, QuantizedActs, Role, TensorGraph
-from fuselane.lanes.cuda.plan.kernels import MOE_CHUNK_ROWS, PART_ALIGN_BYTES, QBLOCK, SCRATCH_CHUNK_ROWS
+from fuselane.lanes.cuda.plan.kernels import MOE_CHUNK_ROWS, QBLOCK, SCRATCH_CHUNK_ROWS
 from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights, RoundInPlace, StatePrecision
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run import decode as loop
 from fuselane.lanes.cuda.run import workspace
-from fuselane.lanes.cuda.run.buffers import F16_BYTES, delta_rule_states, dying_reads, pooled_buffers
+from fuselane.lanes.cuda.run.buffers import F16_BYTES, delta_rule_states, dying_reads, parts, pooled_buffers
 from fuselane.lanes.cuda.run.decode import DeviceSampler, Tail
 from fuselane.models import ModelConfig, recognizer
 from fuselane.models.qwen import IDS, LOGITS, POS
@@ -166,10 +166,7 @@ class CudaLane:
                 with warnings.catch_warnings():  # the mapped file is read-only; the kernels only read weights
                     warnings.simplefilter("ignore", UserWarning)
                     host[name] = torch.from_numpy(np.asarray(t.data))
-        at, offsets = 0, {}
-        for name, h in host.items():
-            offsets[name] = at
-            at += -(-h.numel() * h.element_size() // PART_ALIGN_BYTES) * PART_ALIGN_BYTES
+        offsets, at = parts({name: h.numel() * h.element_size() for name, h in host.items()})
         arena = torch.empty(at, dtype=torch.uint8, device=self.device)
         self.weights_bytes = at
         for name, h in host.items():
@@ -296,17 +293,14 @@ class CudaLane:
         if not new:
             return
         itemsize = self.torch.empty(0, dtype=self.cache_dtype).element_size()
-        sizes = {n: -(-math.prod(s) * itemsize // PART_ALIGN_BYTES) * PART_ALIGN_BYTES for n, s in new.items()}
-        buffer = self.torch.zeros(sum(sizes.values()), dtype=self.torch.uint8, device=self.device)
-        at = 0
+        offsets, total = parts({n: math.prod(s) * itemsize for n, s in new.items()})
+        buffer = self.torch.zeros(total, dtype=self.torch.uint8, device=self.device)
         for name, shape in new.items():
-            part = buffer[at : at + math.prod(shape) * itemsize]
+            part = buffer[offsets[name] : offsets[name] + math.prod(shape) * itemsize]
             self.caches[name] = part.view(self.cache_dtype).view(shape)
-            at += sizes[name]
 
     def cache(self, name: str, shape: tuple[int, ...]) -> Any:
-        if name not in self.caches:
-            self.caches[name] = self.torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+        self.make_caches({name: shape})
         return self.caches[name]
 
     def state(self, name: str, shape: tuple[int, ...], rule: bool) -> Any:

@@ -206,12 +206,6 @@ class Counted:
     dying: frozenset[int]  # the widths whose products may round their activations in place (`dying_widths`)
 
 
-def upload_bytes(sizes: list[int]) -> int:
-    """The bytes of tensors of `sizes` bytes uploaded into one buffer, each part `kernels.PART_ALIGN_BYTES`
-    aligned (`CudaLane._upload`)."""
-    return sum(-(-n // kernels.PART_ALIGN_BYTES) * kernels.PART_ALIGN_BYTES for n in sizes)
-
-
 def counted(chunk: Plan, weights_bytes: int, knobs: CudaKnobs, vocab: int, arena_bytes: int = 0) -> Counted:
     """The bytes `size` sizes a chunk of `chunk`'s rows against, on a lane of `knobs` whose weights took
     `weights_bytes` and whose arena already holds `arena_bytes` (its steps share it)."""
@@ -238,10 +232,10 @@ def sized(
     (`most` alone under the knob `chunk_rows`) whose scratch holds the share, else at `most` with the whole
     scratch (`size`)."""
     tried = [most] if knobs.chunk_rows else chunk_rows(most)
+    always = knobs.round_in_place is RoundInPlace.ON
     first = None
     for rows in tried:
         c = counted(plan_at(rows), weights_bytes, knobs, vocab, arena_bytes)
-        always = knobs.round_in_place is RoundInPlace.ON
         ws = size(shapes, rows, c.base_bytes, c.held_bytes, config, c.dying, always=always)
         if ws.within:
             return ws
