@@ -311,6 +311,35 @@ def test_rope_q_k_one_launch(normed):
                       q_norm_w=dev(f32(rng, hd)))  # fmt: skip
 
 
+@pytest.mark.parametrize("per_row", [False, True])
+def test_a_program_turns_several_rows_and_the_last_is_partial(per_row):
+    # Qwen2.5-0.5B's heads (14 over 2 of 64 values): a program takes two rows of every head, so five rows
+    # leave the last program one row past the launch's, which must write nothing
+    heads, kv, hd, rows, p = 14, 2, 64, 5, 9
+    tile_rows, _ = rope.rope_tile(heads, hd, hd, rows)
+    assert tile_rows > 1 and rows % tile_rows
+    rng = np.random.default_rng(31)
+    q, k, qw, kw = f32(rng, rows, heads * hd), f32(rng, rows, kv * hd), f32(rng, hd), f32(rng, hd)
+    q_out = torch.full((rows + 1, heads * hd), 3.0, device=DEVICE)
+    k_out = torch.full((CACHE, kv * hd), 3.0, device=DEVICE)
+    positions = np.arange(p, p + rows, dtype=np.int32)[::-1].copy() if per_row else np.array([p], np.int32)
+    rope.rope_q_k(
+        dev(q), dev(k), q_out, k_out, dev(positions, torch.int32), heads=heads, kv_heads=kv, hd=hd,
+        base=QWEN_BASE, q_norm_w=dev(qw), k_norm_w=dev(kw), eps=EPS, k_cache_row_pitch=kv * hd, per_row=per_row,
+    )  # fmt: skip
+    got_q, got_k = host(q_out), host(k_out)
+    for i in range(rows):
+        at = int(positions[i]) if per_row else p + i
+        want_q = rope_ref(q[i : i + 1], heads, hd, at, qw)
+        want_k = rope_ref(k[i : i + 1], kv, hd, at, kw)
+        within(got_q[i : i + 1], want_q, rope_bound(want_q, hd, at + 1, True), f"q row {i}")
+        k_row = i if per_row else at  # a batch's rows land at their own row: the paged attention stores them
+        within(got_k[k_row : k_row + 1], want_k, rope_bound(want_k, hd, at + 1, True), f"k row {i}")
+    assert np.all(got_q[rows:] == 3.0), "a row past the launch's was written"
+    written = set(range(rows)) if per_row else set(range(p, p + rows))
+    assert all(np.all(got_k[r] == 3.0) for r in range(CACHE) if r not in written)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_set_rows_writes_at_pos_rounding_to_the_cache(cache_dtype):
     rng = np.random.default_rng(2)

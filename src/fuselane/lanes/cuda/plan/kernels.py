@@ -191,9 +191,14 @@ NORM_HELD_A_THREAD = 32
 
 # --- rotations and attention -----------------------------------------------------------------------------
 
-# A rotation's block takes a head, a pair of values a thread, in four warps: the largest head it rotates.
-ROPE_THREADS = 4 * WARP
-ROPE_HEAD = 2 * ROPE_THREADS  # 256
+# A rotation launch's program takes a few rows and every head of both sides, so a row's angles are computed
+# once for all its heads: about ROPE_VALUES values a program, ROPE_VALUES_A_THREAD a thread, in at most
+# ROPE_WARPS warps (`triton/rope.rope_tile`).
+ROPE_VALUES = 2048
+ROPE_VALUES_A_THREAD = 16
+ROPE_WARPS = 8
+# The largest head a rotation turns: the QKV GEMV's rotation epilogue keeps a head in a program's registers.
+ROPE_HEAD = 256
 # One launch of rotations takes a layer's query and its key.
 ROPE_SIDES = 2
 

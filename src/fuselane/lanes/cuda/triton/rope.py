@@ -1,11 +1,13 @@
 """Rotary position embedding on the device: QkNormRope, QkNormRopeKvAppend, RopeKvAppend, RopeQkOneLaunch,
 and the plain KV-cache row write (SetRows).
 
-A block takes one head of one row, a pair of values (j, j + hd/2) a thread: NEOX order, as Qwen rotates.
-The head is optionally RMS-normed with its weight first (Qwen3's q_norm / k_norm), then rotated by the angle
-of position pos + i, computed in the kernel from the frequency base (no cos/sin table to keep in step with
-the cache length). The rotated head lands in its own buffer, or (the KV-append forms) in the cache at row
-pos + i, rounded to the cache's f16 or f32 there.
+A program takes a few rows and every head of them (the query's and the key's in one launch), pairs of values
+(j, j + hd/2) in NEOX order, as Qwen rotates: a row's angles are computed once for all its heads, and a
+512-row prompt chunk takes a few hundred programs, not a one-warp block for each of its thousands of heads
+(`rope_tile`). A head is optionally RMS-normed with its weight first (Qwen3's q_norm / k_norm), then
+rotated by the angle of position pos + i, computed in the kernel from the frequency base (no cos/sin table to
+keep in step with the cache length). The rotated head lands in its own buffer, or (the KV-append forms) in
+the cache at row pos + i, rounded to the cache's f16 or f32 there.
 
 The position is read from a 1-element int32 device tensor, never passed as a number: a captured CUDA graph
 replays the same launches at the next step's position without being captured again.
@@ -57,25 +59,20 @@ def frequencies(base: float, hd: int, yarn: Yarn | None) -> dict:
                 yarn_cut=1.0 - 1.0 / yarn.factor, YARN=True)  # fmt: skip
 
 
-def rope_warps(hd: int) -> int:
-    """Warps of a rotation's block: a pair a thread, whole warps, at most `kernels.ROPE_THREADS` threads."""
-    pairs = triton.next_power_of_2(max(1, hd // 2))
-    return max(1, min(kernels.ROPE_THREADS, pairs) // kernels.WARP)
+def _widths(hd: int, turned: int) -> tuple[int, int]:
+    """(RH_P2, REST_P2): the pairs' tile and the unturned values' tile of a head."""
+    return triton.next_power_of_2(turned // 2), triton.next_power_of_2(max(1, hd - turned))
 
 
-@triton.jit
-def rotate_head(src, dst, w_ptr, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD: tl.constexpr,
-                HALF_P2: tl.constexpr, NORM: tl.constexpr, FROM_L2: tl.constexpr = False, ROT: tl.constexpr = 0,
-                YARN: tl.constexpr = False):  # fmt: skip
-    """Norm (with NORM) and rotate the head of `HD` values at `src` to position `p`, writing it at `dst`. With
-    FROM_L2 the head is read past this SM's L1 (`.cg`): other programs of the same launch wrote it. With ROT
-    (0 < ROT < HD) only the first ROT values turn (partial rotary; `freq_exp` then of ROT), the rest pass. With
-    YARN the frequencies are stretched (`frequencies`' yarn_* arguments)."""
-    if ROT != 0 and ROT != HD:
-        _rotate_part(src, dst, w_ptr, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD, HALF_P2, NORM, ROT, YARN)
-    else:
-        _rotate_whole(src, dst, w_ptr, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD, HALF_P2, NORM, FROM_L2,
-                      YARN)  # fmt: skip
+def rope_tile(heads: int, hd: int, turned: int, rows: int) -> tuple[int, int]:
+    """(rows a program, warps) of a rotation launch whose wider side has `heads` heads of `hd` values, `turned`
+    of them turning: as many rows as keep a program near `kernels.ROPE_VALUES` values (at most the launch's
+    rows), `kernels.ROPE_VALUES_A_THREAD` a thread."""
+    pairs, rest = _widths(hd, turned)
+    values = triton.next_power_of_2(heads) * (2 * pairs + (rest if turned < hd else 0))
+    tile_rows = max(1, min(triton.next_power_of_2(max(1, rows)), kernels.ROPE_VALUES // values))
+    warps = tile_rows * values // (kernels.ROPE_VALUES_A_THREAD * kernels.WARP)
+    return tile_rows, max(1, min(kernels.ROPE_WARPS, warps))
 
 
 @triton.jit
@@ -94,53 +91,52 @@ def _angles(p, j, freq_exp, yarn_low, yarn_inv, yarn_cut, YARN: tl.constexpr):
 
 
 @triton.jit
-def _rotate_part(src, dst, w_ptr, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD: tl.constexpr,
-                 HALF_P2: tl.constexpr, NORM: tl.constexpr, ROT: tl.constexpr, YARN: tl.constexpr):  # fmt: skip
-    """The first ROT values in NEOX pairs (j, j + ROT/2); the HD - ROT after them only normed."""
-    RH: tl.constexpr = ROT // 2
-    j = tl.arange(0, HALF_P2)
-    mask = j < RH
-    rest = tl.arange(0, 2 * HALF_P2)
-    rmask = rest < HD - ROT
-    a = tl.load(src + j, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(src + RH + j, mask=mask, other=0.0).to(tl.float32)
-    c = tl.load(src + ROT + rest, mask=rmask, other=0.0).to(tl.float32)
-    if NORM:
-        r = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0) + tl.sum(c * c, axis=0)) / HD + eps)
-        a = a * r * tl.load(w_ptr + j, mask=mask, other=0.0).to(tl.float32)
-        b = b * r * tl.load(w_ptr + RH + j, mask=mask, other=0.0).to(tl.float32)
-        c = c * r * tl.load(w_ptr + ROT + rest, mask=rmask, other=0.0).to(tl.float32)
-    cos, sin = _angles(p, j, freq_exp, yarn_low, yarn_inv, yarn_cut, YARN)
-    ty = dst.dtype.element_ty
-    tl.store(dst + j, (a * cos - b * sin).to(ty), mask=mask)
-    tl.store(dst + RH + j, (b * cos + a * sin).to(ty), mask=mask)
-    tl.store(dst + ROT + rest, c.to(ty), mask=rmask)
-
-
-@triton.jit
-def _rotate_whole(src, dst, w_ptr, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD: tl.constexpr,
-                  HALF_P2: tl.constexpr, NORM: tl.constexpr, FROM_L2: tl.constexpr, YARN: tl.constexpr):  # fmt: skip
-    HALF: tl.constexpr = HD // 2
+def _turn_rows(src, dst, w_ptr, cos, sin, valid, eps, H: tl.constexpr, H_P2: tl.constexpr,
+               HEAD_PITCH: tl.constexpr, HD: tl.constexpr, RH: tl.constexpr, RH_P2: tl.constexpr,
+               REST_P2: tl.constexpr, NORM: tl.constexpr, FROM_L2: tl.constexpr = False):  # fmt: skip
+    """Norm (with NORM) and turn the H heads of HD values of each row ([R] pointers `src`, heads HEAD_PITCH
+    apart) into `dst` (heads HD apart): pairs (j, j + RH) by the row's `cos` and `sin` ([R, RH_P2]), the
+    HD - 2 RH values after them (partial rotary) only normed. With FROM_L2 the heads are read past this SM's
+    L1 (`.cg`): other programs of the same launch wrote them."""
     CACHE: tl.constexpr = ".cg" if FROM_L2 else ""
-    j = tl.arange(0, HALF_P2)
-    mask = j < HALF
-    a = tl.load(src + j, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
-    b = tl.load(src + HALF + j, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    h = tl.arange(0, H_P2)[None, :, None]
+    j = tl.arange(0, RH_P2)[None, None, :]
+    rest = tl.arange(0, REST_P2)[None, None, :]  # all masked off where the whole head turns
+    heads = valid[:, None, None] & (h < H)
+    mask, rmask = heads & (j < RH), heads & (rest < HD - 2 * RH)
+    at = src[:, None, None] + h * HEAD_PITCH
+    to = dst[:, None, None] + h * HD
+    a = tl.load(at + j, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    b = tl.load(at + RH + j, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    c = tl.load(at + 2 * RH + rest, mask=rmask, other=0.0, cache_modifier=CACHE).to(tl.float32)
     if NORM:
-        r = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / HD + eps)
-        a = a * r * tl.load(w_ptr + j, mask=mask, other=0.0).to(tl.float32)
-        b = b * r * tl.load(w_ptr + HALF + j, mask=mask, other=0.0).to(tl.float32)
-    cos, sin = _angles(p, j, freq_exp, yarn_low, yarn_inv, yarn_cut, YARN)
+        r = tl.rsqrt((tl.sum(a * a, axis=2) + tl.sum(b * b, axis=2) + tl.sum(c * c, axis=2)) / HD + eps)[:, :, None]
+        a = a * r * tl.load(w_ptr + j, mask=j < RH, other=0.0).to(tl.float32)
+        b = b * r * tl.load(w_ptr + RH + j, mask=j < RH, other=0.0).to(tl.float32)
+        c = c * r * tl.load(w_ptr + 2 * RH + rest, mask=rest < HD - 2 * RH, other=0.0).to(tl.float32)
+    cos, sin = cos[:, None, :], sin[:, None, :]
     ty = dst.dtype.element_ty
-    tl.store(dst + j, (a * cos - b * sin).to(ty), mask=mask)
-    tl.store(dst + HALF + j, (b * cos + a * sin).to(ty), mask=mask)
+    tl.store(to + j, (a * cos - b * sin).to(ty), mask=mask)
+    tl.store(to + RH + j, (b * cos + a * sin).to(ty), mask=mask)
+    tl.store(to + 2 * RH + rest, c.to(ty), mask=rmask)
 
 
 @triton.jit
-def _position(pos_ptr, i, PER_ROW: tl.constexpr):
-    """Row i's position: pos[0] + i (a sequence's rows), or pos[i] (a batch's rows, each its own sequence)."""
+def rotate_head(src, dst, w_ptr, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD: tl.constexpr,
+                HALF_P2: tl.constexpr, NORM: tl.constexpr, FROM_L2: tl.constexpr = False,
+                YARN: tl.constexpr = False):  # fmt: skip
+    """Norm (with NORM) and turn the one head of `HD` values at `src` to position `p`, writing it at `dst`, as a
+    launch turns its rows' heads (the QKV GEMV's rotation epilogue: the last program of a head turns it)."""
+    at = tl.zeros([1], dtype=tl.int32)
+    cos, sin = _angles(p, tl.arange(0, HALF_P2)[None, :], freq_exp, yarn_low, yarn_inv, yarn_cut, YARN)
+    _turn_rows(src + at, dst + at, w_ptr, cos, sin, at == 0, eps, 1, 1, HD, HD, HD // 2, HALF_P2, 1, NORM, FROM_L2)
+
+
+@triton.jit
+def _positions(pos_ptr, i, valid, PER_ROW: tl.constexpr):
+    """Rows i's positions: pos[0] + i (a sequence's rows), or pos[i] (a batch's rows, each its own sequence)."""
     if PER_ROW:
-        p = tl.load(pos_ptr + i)
+        p = tl.load(pos_ptr + i, mask=valid, other=0)
     else:
         p = tl.load(pos_ptr) + i
     return p
@@ -148,35 +144,55 @@ def _position(pos_ptr, i, PER_ROW: tl.constexpr):
 
 @triton.jit
 def _rope_kernel(
-    x_ptr,
-    out_ptr,
-    w_ptr,
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    q_w_ptr,
+    k_w_ptr,
     pos_ptr,
-    x_pitch,
-    out_pitch,
+    rows,
+    q_pitch,
+    k_pitch,
+    q_out_pitch,
+    k_out_pitch,
     eps,
     freq_exp,
     yarn_low,
     yarn_inv,
     yarn_cut,
+    HEADS: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    KV_P2: tl.constexpr,
     HD: tl.constexpr,
-    HALF_P2: tl.constexpr,
+    RH: tl.constexpr,
+    RH_P2: tl.constexpr,
+    REST_P2: tl.constexpr,
     NORM: tl.constexpr,
-    AT_POS: tl.constexpr,
+    Q_AT_POS: tl.constexpr,
+    K_AT_POS: tl.constexpr,
     PER_ROW: tl.constexpr,
-    HEAD_PITCH: tl.constexpr,
-    ROT: tl.constexpr = 0,
+    Q_HEAD_PITCH: tl.constexpr,
+    K_HEAD_PITCH: tl.constexpr,
+    ROWS: tl.constexpr,
     YARN: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
+    # a program takes ROWS rows, every head of both sides: a row's angles are computed once for all its heads
     pdl.begin(PDL)
-    i = tl.program_id(0)
-    head = tl.program_id(1)
-    p = _position(pos_ptr, i, PER_ROW)
-    dst_row = p if AT_POS else i  # the cache's row pos + i, or the output's own row i
-    src = x_ptr + i.to(tl.int64) * x_pitch + head * HEAD_PITCH
-    dst = out_ptr + dst_row.to(tl.int64) * out_pitch + head * HD
-    rotate_head(src, dst, w_ptr, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD, HALF_P2, NORM, False, ROT, YARN)
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    valid = i < rows
+    p = _positions(pos_ptr, i, valid, PER_ROW)
+    cos, sin = _angles(p[:, None], tl.arange(0, RH_P2)[None, :], freq_exp, yarn_low, yarn_inv, yarn_cut, YARN)
+    row = i.to(tl.int64)
+    q_row = (p if Q_AT_POS else i).to(tl.int64)  # the cache's row pos + i, or the output's own row i
+    _turn_rows(q_ptr + row * q_pitch, q_out_ptr + q_row * q_out_pitch, q_w_ptr, cos, sin, valid, eps, HEADS,
+               HEADS_P2, Q_HEAD_PITCH, HD, RH, RH_P2, REST_P2, NORM)  # fmt: skip
+    if KV_HEADS > 0:
+        k_row = (p if K_AT_POS else i).to(tl.int64)
+        _turn_rows(k_ptr + row * k_pitch, k_out_ptr + k_row * k_out_pitch, k_w_ptr, cos, sin, valid, eps,
+                   KV_HEADS, KV_P2, K_HEAD_PITCH, HD, RH, RH_P2, REST_P2, NORM)  # fmt: skip
 
 
 def check_head(hd: int) -> None:
@@ -195,16 +211,38 @@ def _in_pitches(x: torch.Tensor, hd: int) -> tuple[int, int, int]:
 
 
 def _turned(hd: int, rot: int) -> int:
-    """The values a head turns (0: all), checked even and within the head."""
+    """The values a head turns, checked even and within the head (0: all)."""
     if rot % 2 or rot > hd:
         raise ValueError(f"a head of {hd} values turns an even number of them, not {rot}")
-    return 0 if rot == hd else rot
+    return rot or hd
 
 
 def _out_pitch(out: torch.Tensor, cache_row_pitch: int | None) -> int:
     if out.stride(-1) != 1:
         raise ValueError("rope: the output's values must be unit-stride")
     return out.stride(0) if cache_row_pitch is None else int(cache_row_pitch)
+
+
+def _launch(q, k, q_out, k_out, weights, pos, pitches, *, heads, kv_heads, hd, base, eps, rot, yarn, at_pos,
+            per_row) -> None:  # fmt: skip
+    """One rotation launch of `heads` query heads and `kv_heads` key heads (0: the query's side alone), normed
+    by `weights` (the query's and the key's norm weights) where given."""
+    check_head(hd)
+    rows, q_pitch, q_head_pitch = _in_pitches(q, hd)
+    _, k_pitch, k_head_pitch = _in_pitches(k, hd)
+    turned = _turned(hd, rot)
+    tile_rows, warps = rope_tile(max(heads, kv_heads), hd, turned, rows)
+    pairs, rest = _widths(hd, turned)
+    _rope_kernel[(triton.cdiv(rows, tile_rows),)](
+        q, k, q_out, k_out, *(weights or (q, k)), pos, rows, q_pitch, k_pitch, *pitches, float(eps),
+        **frequencies(base, turned, yarn),
+        HEADS=heads, HEADS_P2=triton.next_power_of_2(heads), KV_HEADS=kv_heads,
+        KV_P2=triton.next_power_of_2(max(1, kv_heads)), HD=hd, RH=turned // 2,
+        RH_P2=pairs, REST_P2=rest,
+        NORM=weights is not None, Q_AT_POS=at_pos[0] and not per_row, K_AT_POS=at_pos[1] and not per_row,
+        PER_ROW=per_row, Q_HEAD_PITCH=q_head_pitch, K_HEAD_PITCH=k_head_pitch, ROWS=tile_rows,
+        num_warps=warps, **pdl.options(),
+    )  # fmt: skip
 
 
 def qk_norm_rope(
@@ -228,82 +266,14 @@ def qk_norm_rope(
     Without `cache_row_pitch`, row i lands in row i of `out`; with it, `out` is the cache (2-D, f16 or f32) and
     row i lands at cache row pos[0] + i, `cache_row_pitch` values apart (RopeKvAppend / QkNormRopeKvAppend).
     `per_row`: row i is a batch's sequence i, at its own position pos[i], and lands at row i of `out` either
-    way (a cache row's staging: the paged attention stores it into its block). One launch, a block a head of
-    a row. `x` may be rows x heads x hd, its heads apart (a slice's); `rot`
-    (partial rotary) turns only each head's first `rot` values; `yarn` stretches the frequencies.
+    way (a cache row's staging: the paged attention stores it into its block). One launch, a program a few
+    rows (`rope_tile`). `x` may be rows x heads x hd, its heads apart (a slice's); `rot` (partial rotary) turns
+    only each head's first `rot` values; `yarn` stretches the frequencies.
     """
-    check_head(hd)
-    rows, x_pitch, head_pitch = _in_pitches(x, hd)
-    rot = _turned(hd, rot)
-    _rope_kernel[(rows, heads)](
-        x,
-        out,
-        norm_w if norm_w is not None else x,
-        pos,
-        x_pitch,
-        _out_pitch(out, cache_row_pitch),
-        float(eps),
-        **frequencies(base, rot or hd, yarn),
-        HD=hd,
-        HALF_P2=triton.next_power_of_2(hd // 2),
-        NORM=norm_w is not None,
-        AT_POS=cache_row_pitch is not None and not per_row,  # a batch's rows land at their own row
-        PER_ROW=per_row,
-        HEAD_PITCH=head_pitch,
-        ROT=rot,
-        num_warps=rope_warps(hd),
-        **pdl.options(),
-    )
-
-
-@triton.jit
-def _rope_qk_kernel(
-    q_ptr,
-    k_ptr,
-    q_out_ptr,
-    k_out_ptr,
-    q_w_ptr,
-    k_w_ptr,
-    pos_ptr,
-    q_pitch,
-    k_pitch,
-    q_out_pitch,
-    k_out_pitch,
-    eps,
-    freq_exp,
-    yarn_low,
-    yarn_inv,
-    yarn_cut,
-    HEADS: tl.constexpr,
-    HD: tl.constexpr,
-    HALF_P2: tl.constexpr,
-    NORM: tl.constexpr,
-    K_AT_POS: tl.constexpr,
-    PER_ROW: tl.constexpr,
-    Q_HEAD_PITCH: tl.constexpr,
-    K_HEAD_PITCH: tl.constexpr,
-    ROT: tl.constexpr = 0,
-    YARN: tl.constexpr = False,
-    PDL: tl.constexpr = False,
-):
-    # blocks 0 .. HEADS-1 of a row take the query's heads, the rest the key's
-    pdl.begin(PDL)
-    i = tl.program_id(0)
-    head = tl.program_id(1)
-    p = _position(pos_ptr, i, PER_ROW)
-    # each side names its own pointers: a name assigned in both branches would have to be one type
-    if head < HEADS:
-        q_src = q_ptr + i.to(tl.int64) * q_pitch + head * Q_HEAD_PITCH
-        q_dst = q_out_ptr + i.to(tl.int64) * q_out_pitch + head * HD
-        rotate_head(q_src, q_dst, q_w_ptr, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD, HALF_P2,
-                    NORM, False, ROT, YARN)  # fmt: skip
-    else:
-        kh = head - HEADS
-        k_row = p if K_AT_POS else i
-        k_src = k_ptr + i.to(tl.int64) * k_pitch + kh * K_HEAD_PITCH
-        k_dst = k_out_ptr + k_row.to(tl.int64) * k_out_pitch + kh * HD
-        rotate_head(k_src, k_dst, k_w_ptr, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD, HALF_P2,
-                    NORM, False, ROT, YARN)  # fmt: skip
+    weights = None if norm_w is None else (norm_w, norm_w)
+    _launch(x, x, out, out, weights, pos, (_out_pitch(out, cache_row_pitch), 0),
+            heads=heads, kv_heads=0, hd=hd, base=base, eps=eps, rot=rot, yarn=yarn,
+            at_pos=(cache_row_pitch is not None, False), per_row=per_row)  # fmt: skip
 
 
 def rope_q_k(
@@ -328,38 +298,13 @@ def rope_q_k(
     """RopeQkOneLaunch: `qk_norm_rope` of a layer's query (`heads` heads) and key (`kv_heads` heads) in one
     launch, at one position and head width, both normed or neither. With `k_cache_row_pitch` the key's row i
     lands in the cache `k_out` at row pos[0] + i (the key's KV append). `per_row`, `yarn`: as `qk_norm_rope`'s."""
-    check_head(hd)
     if (q_norm_w is None) != (k_norm_w is None):
         raise ValueError("one launch rotates a query and a key both normed or neither")
-    rows, q_pitch, q_head_pitch = _in_pitches(q, hd)
-    _, k_pitch, k_head_pitch = _in_pitches(k, hd)
-    rot = _turned(hd, rot)
-    _rope_qk_kernel[(rows, heads + kv_heads)](
-        q,
-        k,
-        q_out,
-        k_out,
-        q_norm_w if q_norm_w is not None else q,
-        k_norm_w if k_norm_w is not None else k,
-        pos,
-        q_pitch,
-        k_pitch,
-        _out_pitch(q_out, None),
-        _out_pitch(k_out, k_cache_row_pitch),
-        float(eps),
-        **frequencies(base, rot or hd, yarn),
-        HEADS=heads,
-        HD=hd,
-        HALF_P2=triton.next_power_of_2(hd // 2),
-        NORM=q_norm_w is not None,
-        K_AT_POS=k_cache_row_pitch is not None and not per_row,
-        PER_ROW=per_row,
-        Q_HEAD_PITCH=q_head_pitch,
-        K_HEAD_PITCH=k_head_pitch,
-        ROT=rot,
-        num_warps=rope_warps(hd),
-        **pdl.options(),
-    )
+    pitches = (_out_pitch(q_out, None), _out_pitch(k_out, k_cache_row_pitch))
+    weights = None if q_norm_w is None else (q_norm_w, k_norm_w)
+    _launch(q, k, q_out, k_out, weights, pos, pitches, heads=heads,
+            kv_heads=kv_heads, hd=hd, base=base, eps=eps, rot=rot, yarn=yarn,
+            at_pos=(False, k_cache_row_pitch is not None), per_row=per_row)  # fmt: skip
 
 
 # --- the cache's plain row write -------------------------------------------------------------------------

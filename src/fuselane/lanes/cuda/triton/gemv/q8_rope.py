@@ -70,12 +70,12 @@ def _parts_rope_kernel(
             if part == Q_PART:
                 q_src = parts.items[Q_PART].out + head * HD
                 rotate_head(q_src, q_out + head * HD, q_w, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD, HALF_P2,
-                            NORM, True, 0, YARN)  # fmt: skip
+                            NORM, True, YARN)  # fmt: skip
             else:
                 k_row = p.to(tl.int64) * k_pitch if K_AT_POS else 0
                 k_src = parts.items[K_PART].out + head * HD
                 rotate_head(k_src, k_out + k_row + head * HD, k_w, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, HD,
-                            HALF_P2, NORM, True, 0, YARN)  # fmt: skip
+                            HALF_P2, NORM, True, YARN)  # fmt: skip
             tl.atomic_xchg(counters + slot, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
 
 
