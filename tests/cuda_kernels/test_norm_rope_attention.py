@@ -313,11 +313,12 @@ def test_rope_q_k_one_launch(normed):
 
 @pytest.mark.parametrize("per_row", [False, True])
 def test_a_program_turns_several_rows_and_the_last_is_partial(per_row):
-    # Qwen2.5-0.5B's heads (14 over 2 of 64 values): a program takes two rows of every head, so five rows
-    # leave the last program one row past the launch's, which must write nothing
+    # Qwen2.5-0.5B's heads (14 over 2 of 64 values): a program takes a few rows of a few heads, so five rows
+    # leave the last row tile rows past the launch's and the last head tiles heads past each side's, which
+    # must write nothing
     heads, kv, hd, rows, p = 14, 2, 64, 5, 9
-    tile_rows, _ = rope.rope_tile(heads, hd, hd, rows)
-    assert tile_rows > 1 and rows % tile_rows
+    tile_rows, tile_heads, _ = rope.rope_tile(heads, hd, hd, rows)
+    assert 1 < tile_rows < rows and rows % tile_rows and heads % tile_heads and kv < tile_heads
     rng = np.random.default_rng(31)
     q, k, qw, kw = f32(rng, rows, heads * hd), f32(rng, rows, kv * hd), f32(rng, hd), f32(rng, hd)
     q_out = torch.full((rows + 1, heads * hd), 3.0, device=DEVICE)

@@ -1,13 +1,14 @@
 """Rotary position embedding on the device: QkNormRope, QkNormRopeKvAppend, RopeKvAppend, RopeQkOneLaunch,
 and the plain KV-cache row write (SetRows).
 
-A program takes a few rows and every head of them (the query's and the key's in one launch), pairs of values
-(j, j + hd/2) in NEOX order, as Qwen rotates: a row's angles are computed once for all its heads, and a
-512-row prompt chunk takes a few hundred programs, not a one-warp block for each of its thousands of heads
-(`rope_tile`). A head is optionally RMS-normed with its weight first (Qwen3's q_norm / k_norm), then
-rotated by the angle of position pos + i, computed in the kernel from the frequency base (no cos/sin table to
-keep in step with the cache length). The rotated head lands in its own buffer, or (the KV-append forms) in
-the cache at row pos + i, rounded to the cache's f16 or f32 there.
+A program takes a few rows of a few heads of one side (the query's and the key's tiles in one launch), pairs
+of values (j, j + hd/2) in NEOX order, as Qwen rotates: its rows' angles are computed once for its heads, and
+a 512-row prompt chunk takes a few hundred programs, not a one-warp block for each of its thousands of heads,
+while a decode step's one row still spreads over a program every few heads (`rope_tile`). A head is optionally
+RMS-normed with its weight first (Qwen3's q_norm / k_norm), then rotated by the angle of position pos + i,
+computed in the kernel from the frequency base (no cos/sin table to keep in step with the cache length). The
+rotated head lands in its own buffer, or (the KV-append forms) in the cache at row pos + i, rounded to the
+cache's f16 or f32 there.
 
 The position is read from a 1-element int32 device tensor, never passed as a number: a captured CUDA graph
 replays the same launches at the next step's position without being captured again.
@@ -64,15 +65,18 @@ def _widths(hd: int, turned: int) -> tuple[int, int]:
     return triton.next_power_of_2(turned // 2), triton.next_power_of_2(max(1, hd - turned))
 
 
-def rope_tile(heads: int, hd: int, turned: int, rows: int) -> tuple[int, int]:
-    """(rows a program, warps) of a rotation launch whose wider side has `heads` heads of `hd` values, `turned`
-    of them turning: as many rows as keep a program near `kernels.ROPE_VALUES` values (at most the launch's
-    rows), `kernels.ROPE_VALUES_A_THREAD` a thread."""
+def rope_tile(heads: int, hd: int, turned: int, rows: int) -> tuple[int, int, int]:
+    """(rows, heads, warps) of a rotation launch's program, for heads of `hd` values, `turned` of them turning:
+    a few heads (about `kernels.ROPE_HEAD_VALUES` values of a row, at most `heads`, the wider side's), and as
+    many rows of them as keep a program near `kernels.ROPE_VALUES` values (at most the launch's rows),
+    `kernels.ROPE_VALUES_A_THREAD` a thread. A decode step's row spreads over a program a few heads; a prompt
+    chunk's take a few rows a program."""
     pairs, rest = _widths(hd, turned)
-    values = triton.next_power_of_2(heads) * (2 * pairs + (rest if turned < hd else 0))
-    tile_rows = max(1, min(triton.next_power_of_2(max(1, rows)), kernels.ROPE_VALUES // values))
-    warps = tile_rows * values // (kernels.ROPE_VALUES_A_THREAD * kernels.WARP)
-    return tile_rows, max(1, min(kernels.ROPE_WARPS, warps))
+    per_head = 2 * pairs + (rest if turned < hd else 0)
+    tile_heads = max(1, min(triton.next_power_of_2(heads), kernels.ROPE_HEAD_VALUES // per_head))
+    tile_rows = max(1, min(triton.next_power_of_2(max(1, rows)), kernels.ROPE_VALUES // (tile_heads * per_head)))
+    warps = tile_rows * tile_heads * per_head // (kernels.ROPE_VALUES_A_THREAD * kernels.WARP)
+    return tile_rows, tile_heads, max(1, min(kernels.ROPE_WARPS, warps))
 
 
 @triton.jit
@@ -91,15 +95,15 @@ def _angles(p, j, freq_exp, yarn_low, yarn_inv, yarn_cut, YARN: tl.constexpr):
 
 
 @triton.jit
-def _turn_rows(src, dst, w_ptr, cos, sin, valid, eps, H: tl.constexpr, H_P2: tl.constexpr,
+def _turn_rows(src, dst, w_ptr, cos, sin, valid, eps, h0, H: tl.constexpr, H_TILE: tl.constexpr,
                HEAD_PITCH: tl.constexpr, HD: tl.constexpr, RH: tl.constexpr, RH_P2: tl.constexpr,
                REST_P2: tl.constexpr, NORM: tl.constexpr, FROM_L2: tl.constexpr = False):  # fmt: skip
-    """Norm (with NORM) and turn the H heads of HD values of each row ([R] pointers `src`, heads HEAD_PITCH
-    apart) into `dst` (heads HD apart): pairs (j, j + RH) by the row's `cos` and `sin` ([R, RH_P2]), the
-    HD - 2 RH values after them (partial rotary) only normed. With FROM_L2 the heads are read past this SM's
-    L1 (`.cg`): other programs of the same launch wrote them."""
+    """Norm (with NORM) and turn heads h0 .. h0 + H_TILE - 1 (of H) of HD values of each row ([R] pointers
+    `src`, heads HEAD_PITCH apart) into `dst` (heads HD apart): pairs (j, j + RH) by the row's `cos` and `sin`
+    ([R, RH_P2]), the HD - 2 RH values after them (partial rotary) only normed. With FROM_L2 the heads are read
+    past this SM's L1 (`.cg`): other programs of the same launch wrote them."""
     CACHE: tl.constexpr = ".cg" if FROM_L2 else ""
-    h = tl.arange(0, H_P2)[None, :, None]
+    h = h0 + tl.arange(0, H_TILE)[None, :, None]
     j = tl.arange(0, RH_P2)[None, None, :]
     rest = tl.arange(0, REST_P2)[None, None, :]  # all masked off where the whole head turns
     heads = valid[:, None, None] & (h < H)
@@ -129,7 +133,8 @@ def rotate_head(src, dst, w_ptr, p, eps, freq_exp, yarn_low, yarn_inv, yarn_cut,
     launch turns its rows' heads (the QKV GEMV's rotation epilogue: the last program of a head turns it)."""
     at = tl.zeros([1], dtype=tl.int32)
     cos, sin = _angles(p, tl.arange(0, HALF_P2)[None, :], freq_exp, yarn_low, yarn_inv, yarn_cut, YARN)
-    _turn_rows(src + at, dst + at, w_ptr, cos, sin, at == 0, eps, 1, 1, HD, HD, HD // 2, HALF_P2, 1, NORM, FROM_L2)
+    _turn_rows(src + at, dst + at, w_ptr, cos, sin, at == 0, eps, 0, 1, 1, HD, HD, HD // 2, HALF_P2, 1, NORM,
+               FROM_L2)  # fmt: skip
 
 
 @triton.jit
@@ -162,9 +167,8 @@ def _rope_kernel(
     yarn_inv,
     yarn_cut,
     HEADS: tl.constexpr,
-    HEADS_P2: tl.constexpr,
     KV_HEADS: tl.constexpr,
-    KV_P2: tl.constexpr,
+    H_TILE: tl.constexpr,
     HD: tl.constexpr,
     RH: tl.constexpr,
     RH_P2: tl.constexpr,
@@ -179,20 +183,25 @@ def _rope_kernel(
     YARN: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
-    # a program takes ROWS rows, every head of both sides: a row's angles are computed once for all its heads
+    # a program takes ROWS rows of H_TILE heads of one side (the query's tiles first, then the key's): its rows'
+    # angles are computed once for all its heads
     pdl.begin(PDL)
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    tile = tl.program_id(1)
+    Q_TILES: tl.constexpr = (HEADS + H_TILE - 1) // H_TILE
     valid = i < rows
     p = _positions(pos_ptr, i, valid, PER_ROW)
     cos, sin = _angles(p[:, None], tl.arange(0, RH_P2)[None, :], freq_exp, yarn_low, yarn_inv, yarn_cut, YARN)
     row = i.to(tl.int64)
-    q_row = (p if Q_AT_POS else i).to(tl.int64)  # the cache's row pos + i, or the output's own row i
-    _turn_rows(q_ptr + row * q_pitch, q_out_ptr + q_row * q_out_pitch, q_w_ptr, cos, sin, valid, eps, HEADS,
-               HEADS_P2, Q_HEAD_PITCH, HD, RH, RH_P2, REST_P2, NORM)  # fmt: skip
-    if KV_HEADS > 0:
+    # each side names its own pointers: a name assigned in both branches would have to be one type
+    if tile < Q_TILES:
+        q_row = (p if Q_AT_POS else i).to(tl.int64)  # the cache's row pos + i, or the output's own row i
+        _turn_rows(q_ptr + row * q_pitch, q_out_ptr + q_row * q_out_pitch, q_w_ptr, cos, sin, valid, eps,
+                   tile * H_TILE, HEADS, H_TILE, Q_HEAD_PITCH, HD, RH, RH_P2, REST_P2, NORM)  # fmt: skip
+    else:
         k_row = (p if K_AT_POS else i).to(tl.int64)
         _turn_rows(k_ptr + row * k_pitch, k_out_ptr + k_row * k_out_pitch, k_w_ptr, cos, sin, valid, eps,
-                   KV_HEADS, KV_P2, K_HEAD_PITCH, HD, RH, RH_P2, REST_P2, NORM)  # fmt: skip
+                   (tile - Q_TILES) * H_TILE, KV_HEADS, H_TILE, K_HEAD_PITCH, HD, RH, RH_P2, REST_P2, NORM)  # fmt: skip
 
 
 def check_head(hd: int) -> None:
@@ -231,13 +240,13 @@ def _launch(q, k, q_out, k_out, weights, pos, pitches, *, heads, kv_heads, hd, b
     rows, q_pitch, q_head_pitch = _in_pitches(q, hd)
     _, k_pitch, k_head_pitch = _in_pitches(k, hd)
     turned = _turned(hd, rot)
-    tile_rows, warps = rope_tile(max(heads, kv_heads), hd, turned, rows)
+    tile_rows, tile_heads, warps = rope_tile(max(heads, kv_heads), hd, turned, rows)
     pairs, rest = _widths(hd, turned)
-    _rope_kernel[(triton.cdiv(rows, tile_rows),)](
+    tiles = triton.cdiv(heads, tile_heads) + triton.cdiv(kv_heads, tile_heads)
+    _rope_kernel[(triton.cdiv(rows, tile_rows), tiles)](
         q, k, q_out, k_out, *(weights or (q, k)), pos, rows, q_pitch, k_pitch, *pitches, float(eps),
         **frequencies(base, turned, yarn),
-        HEADS=heads, HEADS_P2=triton.next_power_of_2(heads), KV_HEADS=kv_heads,
-        KV_P2=triton.next_power_of_2(max(1, kv_heads)), HD=hd, RH=turned // 2,
+        HEADS=heads, KV_HEADS=kv_heads, H_TILE=tile_heads, HD=hd, RH=turned // 2,
         RH_P2=pairs, REST_P2=rest,
         NORM=weights is not None, Q_AT_POS=at_pos[0] and not per_row, K_AT_POS=at_pos[1] and not per_row,
         PER_ROW=per_row, Q_HEAD_PITCH=q_head_pitch, K_HEAD_PITCH=k_head_pitch, ROWS=tile_rows,
