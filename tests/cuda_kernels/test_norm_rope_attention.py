@@ -313,16 +313,18 @@ def test_rope_q_k_one_launch(normed):
 
 @pytest.mark.parametrize("per_row", [False, True])
 def test_a_program_turns_several_rows_and_the_last_is_partial(per_row):
-    # Qwen2.5-0.5B's heads (14 over 2 of 64 values): a program takes a few rows of a few heads, so five rows
-    # leave the last row tile rows past the launch's and the last head tiles heads past each side's, which
-    # must write nothing
-    heads, kv, hd, rows, p = 14, 2, 64, 5, 9
+    # Qwen2.5-0.5B's heads (14 over 2 of 64 values): past a decode step's rows a program takes a few rows of a
+    # few heads, so 65 rows leave the last row tile rows past the launch's and the last head tiles heads past
+    # each side's, which must write nothing
+    heads, kv, hd, rows, p = 14, 2, 64, 65, 9
     tile_rows, tile_heads, _ = rope.rope_tile(heads, hd, hd, rows)
     assert 1 < tile_rows < rows and rows % tile_rows and heads % tile_heads and kv < tile_heads
+    assert rope.rope_tile(heads, hd, hd, 1)[:2] == (1, 1)  # a decode step: a program a head
     rng = np.random.default_rng(31)
     q, k, qw, kw = f32(rng, rows, heads * hd), f32(rng, rows, kv * hd), f32(rng, hd), f32(rng, hd)
     q_out = torch.full((rows + 1, heads * hd), 3.0, device=DEVICE)
-    k_out = torch.full((CACHE, kv * hd), 3.0, device=DEVICE)
+    cache = p + rows + 3
+    k_out = torch.full((cache, kv * hd), 3.0, device=DEVICE)
     positions = np.arange(p, p + rows, dtype=np.int32)[::-1].copy() if per_row else np.array([p], np.int32)
     rope.rope_q_k(
         dev(q), dev(k), q_out, k_out, dev(positions, torch.int32), heads=heads, kv_heads=kv, hd=hd,
@@ -338,7 +340,7 @@ def test_a_program_turns_several_rows_and_the_last_is_partial(per_row):
         within(got_k[k_row : k_row + 1], want_k, rope_bound(want_k, hd, at + 1, True), f"k row {i}")
     assert np.all(got_q[rows:] == 3.0), "a row past the launch's was written"
     written = set(range(rows)) if per_row else set(range(p, p + rows))
-    assert all(np.all(got_k[r] == 3.0) for r in range(CACHE) if r not in written)
+    assert all(np.all(got_k[r] == 3.0) for r in range(cache) if r not in written)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])

@@ -191,11 +191,13 @@ NORM_HELD_A_THREAD = 32
 
 # --- rotations and attention -----------------------------------------------------------------------------
 
-# A rotation launch's program takes a few heads of one side (about ROPE_HEAD_VALUES values of a row) and a few
-# rows of them, so a row's angles are computed once for its heads: about ROPE_VALUES values a program,
-# ROPE_VALUES_A_THREAD a thread, in at most ROPE_WARPS warps (`triton/rope.rope_tile`). A decode step's row
-# spreads over a program every few heads (one program for every head of Qwen3-0.6B's row took its decode
-# 5 % slower than a block a head); a 512-row prompt chunk's over a few hundred programs.
+# A rotation launch of up to ROPE_ONE_HEAD_ROWS rows (a decode step, a batch's step) takes a program a head of
+# a row, a pair of values a thread: it waits on its latency (eight heads a program, 16 values a thread, took
+# Qwen2.5-0.5B's decode 5 % slower). Past that a program takes a few heads of one side (about
+# ROPE_HEAD_VALUES values of a row) and a few rows of them, so a row's angles are computed once for its heads:
+# about ROPE_VALUES values a program, ROPE_VALUES_A_THREAD a thread, in at most ROPE_WARPS warps
+# (`triton/rope.rope_tile`); a 512-row prompt chunk's rotations take a few hundred programs.
+ROPE_ONE_HEAD_ROWS = 64
 ROPE_HEAD_VALUES = 512
 ROPE_VALUES = 2048
 ROPE_VALUES_A_THREAD = 16

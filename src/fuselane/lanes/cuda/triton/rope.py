@@ -4,7 +4,7 @@ and the plain KV-cache row write (SetRows).
 A program takes a few rows of a few heads of one side (the query's and the key's tiles in one launch), pairs
 of values (j, j + hd/2) in NEOX order, as Qwen rotates: its rows' angles are computed once for its heads, and
 a 512-row prompt chunk takes a few hundred programs, not a one-warp block for each of its thousands of heads,
-while a decode step's one row still spreads over a program every few heads (`rope_tile`). A head is optionally
+while a decode step's row still takes a program a head, a pair of values a thread (`rope_tile`). A head is optionally
 RMS-normed with its weight first (Qwen3's q_norm / k_norm), then rotated by the angle of position pos + i,
 computed in the kernel from the frequency base (no cos/sin table to keep in step with the cache length). The
 rotated head lands in its own buffer, or (the KV-append forms) in the cache at row pos + i, rounded to the
@@ -66,15 +66,17 @@ def _widths(hd: int, turned: int) -> tuple[int, int]:
 
 
 def rope_tile(heads: int, hd: int, turned: int, rows: int) -> tuple[int, int, int]:
-    """(rows, heads, warps) of a rotation launch's program, for heads of `hd` values, `turned` of them turning:
-    a few heads (about `kernels.ROPE_HEAD_VALUES` values of a row, at most `heads`, the wider side's), and as
-    many rows of them as keep a program near `kernels.ROPE_VALUES` values (at most the launch's rows),
-    `kernels.ROPE_VALUES_A_THREAD` a thread. A decode step's row spreads over a program a few heads; a prompt
-    chunk's take a few rows a program."""
+    """(rows, heads, warps) of a rotation launch's program, for heads of `hd` values, `turned` of them turning.
+    Up to `kernels.ROPE_ONE_HEAD_ROWS` rows (a decode step, a batch's step, a short chunk) a program takes one
+    head of one row, a pair of values a thread: such a launch waits on its latency, not its work. Past that, a
+    few heads (about `kernels.ROPE_HEAD_VALUES` values of a row, at most `heads`, the wider side's) and as many
+    rows of them as keep a program near `kernels.ROPE_VALUES` values, `kernels.ROPE_VALUES_A_THREAD` a thread."""
     pairs, rest = _widths(hd, turned)
+    if rows <= kernels.ROPE_ONE_HEAD_ROWS:
+        return 1, 1, max(1, min(kernels.ROPE_WARPS, pairs // kernels.WARP))
     per_head = 2 * pairs + (rest if turned < hd else 0)
     tile_heads = max(1, min(triton.next_power_of_2(heads), kernels.ROPE_HEAD_VALUES // per_head))
-    tile_rows = max(1, min(triton.next_power_of_2(max(1, rows)), kernels.ROPE_VALUES // (tile_heads * per_head)))
+    tile_rows = max(1, min(triton.next_power_of_2(rows), kernels.ROPE_VALUES // (tile_heads * per_head)))
     warps = tile_rows * tile_heads * per_head // (kernels.ROPE_VALUES_A_THREAD * kernels.WARP)
     return tile_rows, tile_heads, max(1, min(kernels.ROPE_WARPS, warps))
 
