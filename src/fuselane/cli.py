@@ -311,16 +311,23 @@ def cmd_explain(args: argparse.Namespace) -> None:
         from fuselane.parallel import explain as tp_explain
 
         ranks = tp_explain.rank_plans(
-            args.model, args.tp, lane=args.lane, form=args.form, rows=args.rows, knobs=args.knob, held=args.hold
+            args.model,
+            args.tp,
+            lane=args.lane,
+            form=args.form,
+            rows=args.rows,
+            knobs=args.knob,
+            held=args.hold,
+            ctx=args.ctx,
         )
         print(json.dumps(ranks, indent=2) if args.json else tp_explain.render(ranks))
         return
     name, cfg, plan = build_plan(
-        args.model, lane=args.lane, form=args.form, rows=args.rows, knobs=args.knob, held=args.hold
+        args.model, lane=args.lane, form=args.form, rows=args.rows, knobs=args.knob, held=args.hold, ctx=args.ctx
     )
     ws = None
     if args.lane == "cuda" and args.form == "prefill" and plan.cannot_run is None:
-        ws = prefill_workspace(args.model, knobs=args.knob, held=args.hold)
+        ws = prefill_workspace(args.model, knobs=args.knob, held=args.hold, ctx=args.ctx)
     data = to_json(name, cfg, plan, args.form, ws)
     print(json.dumps(data, indent=2) if args.json else render(data))
 
@@ -435,6 +442,12 @@ def parser() -> argparse.ArgumentParser:
         type=ranges.ROWS,
         default=None,
         help="rows of a prefill chunk (default 512) or sequences of a batch (default 8)",
+    )
+    explain.add_argument(
+        "--ctx",
+        type=ranges.CTX,
+        default=None,
+        help=_range(ranges.CTX, "cache rows the plan and the cuda lane's workspace are sized at (default 4096)"),
     )
     explain.add_argument("--knob", action="append", default=[], metavar="K=V", help="a lane knob (repeatable)")
     explain.add_argument("--hold", action="append", default=[], metavar="RULE", help="hold a rule back (repeatable)")

@@ -94,19 +94,41 @@ def build_plan(
     rows: int | None = None,
     knobs: Sequence[str] = (),
     held: Sequence[str] = (),
+    ctx: int | None = None,
 ) -> tuple[str, ModelConfig, Plan]:
-    """The plan `fuselane explain` shows."""
+    """The plan `fuselane explain` shows, at a context of `ctx` rows (`context_of`)."""
     if form not in FORMS:
         raise FuselaneError(f"unknown form '{form}' (choose from {', '.join(FORMS)})")
     name, cfg, tensors = model_source(model)
     shim = make_shim(lane, knobs, held, form)
-    default = DEFAULT_PREFILL_ROWS if form == "prefill" else DEFAULT_BATCH
+    n = rows_of(form, rows, ctx)
+    graph = recognizer(cfg).recognize(cfg, tensors, Form(form), rows=n, ctx=context_of(cfg, ctx, n, form))
+    return name, cfg, optimize(graph, shim, held=held, check=False)
+
+
+def rows_of(form: str, rows: int | None, ctx: int | None) -> int:
+    """A form's step rows as `explain` shows it: one for decode; `rows` where given; else `DEFAULT_PREFILL_ROWS`
+    for a prefill chunk (at most the context asked: a lane of a shorter context runs its prompts in chunks of
+    at most that) and `DEFAULT_BATCH` sequences for a batch."""
+    default = min(DEFAULT_PREFILL_ROWS, ctx or DEFAULT_PREFILL_ROWS) if form == "prefill" else DEFAULT_BATCH
     n = 1 if form == "decode" else (rows if rows is not None else default)
     if n < 1:
         raise FuselaneError(f"a {form} step has at least one row, not {n}")
-    ctx = max(DEFAULT_CTX, n) if form != "batch" else DEFAULT_CTX
-    graph = recognizer(cfg).recognize(cfg, tensors, Form(form), rows=n, ctx=ctx)
-    return name, cfg, optimize(graph, shim, held=held, check=False)
+    return n
+
+
+def context_of(cfg: ModelConfig, ctx: int | None, rows: int, form: str) -> int:
+    """The cache rows a plan is shown at: `ctx` where given (the model's context at most, and a prefill chunk's
+    rows at least), else what a lane loads with (`DEFAULT_CTX`, or the model's context where shorter) and at
+    least a chunk's rows (a batch's rows are sequences, each with a context of its own)."""
+    if ctx is None:
+        loaded = min(cfg.context, DEFAULT_CTX)
+        return max(loaded, rows) if form == "prefill" else loaded
+    if not 1 <= ctx <= cfg.context:
+        raise FuselaneError(f"the context (--ctx) must be 1 to {cfg.context:,} tokens, the model's, not {ctx:,}")
+    if form == "prefill" and ctx < rows:
+        raise FuselaneError(f"a prefill chunk of {rows:,} rows does not fit a context of {ctx:,} (--rows, --ctx)")
+    return ctx
 
 
 def op_name(op: Op) -> str:
@@ -223,13 +245,16 @@ def to_json(
     return data
 
 
-def prefill_workspace(model: str, *, knobs: Sequence[str] = (), held: Sequence[str] = ()) -> dict[str, Any] | None:
-    """The cuda lane's chunk workspace for `model` under `knobs` at the default context (what a loaded lane sizes:
-    `lanes/cuda/explain_workspace`), or None where its chunks keep none."""
+def prefill_workspace(
+    model: str, *, knobs: Sequence[str] = (), held: Sequence[str] = (), ctx: int | None = None
+) -> dict[str, Any] | None:
+    """The cuda lane's chunk workspace for `model` under `knobs` at a context of `ctx` rows (`context_of`): what a
+    lane loaded with that context sizes (`lanes/cuda/explain_workspace`), or None where its chunks keep none."""
     from fuselane.lanes.cuda.explain_workspace import prefill_workspace as sized
 
     _, cfg, tensors = model_source(model)
-    return sized(cfg, tensors, make_shim("cuda", knobs, held, "prefill"), held, DEFAULT_CTX)
+    rows = context_of(cfg, ctx, 1, "decode")
+    return sized(cfg, tensors, make_shim("cuda", knobs, held, "prefill"), held, rows)
 
 
 def render(data: dict[str, Any]) -> str:

@@ -49,3 +49,29 @@ def test_explain_prints_and_writes_it(capsys):
     assert json.loads(capsys.readouterr().out)["workspace"]["rows"] == 256
     cli.main(["explain", "synth:qwen2.5-0.5b:q2_k", "--lane", "cuda", "--json"])  # a decode step keeps none
     assert "workspace" not in json.loads(capsys.readouterr().out)
+
+
+def test_the_workspace_is_sized_at_the_context_asked():
+    # the share grows with the cache: at 32k rows the 0.5B's Q2_K file keeps 512-row chunks and its Q4_K_M the
+    # whole pair; at bench's 641 rows fewer slabs than at the default 4,096 would not hold
+    default = prefill_workspace("synth:qwen2.5-0.5b:q2_k")
+    long = prefill_workspace("synth:qwen2.5-0.5b:q2_k", ctx=32768)
+    assert default["ctx"] == 4096 and long["ctx"] == 32768 and long["share_bytes"] > default["share_bytes"]
+    assert default["rows"] == kernels.SCRATCH_LEAST_ROWS and long["rows"] == kernels.SCRATCH_CHUNK_ROWS
+    assert prefill_workspace("synth:qwen2.5-0.5b:q4_k_m", ctx=32768)["slabs"] == 1
+    short = prefill_workspace("synth:qwen2.5-0.5b:q4_k_m", ctx=641)
+    assert short["within"] and short["slabs"] > prefill_workspace("synth:qwen2.5-0.5b:q4_k_m")["slabs"]
+
+
+def test_explain_takes_a_context(capsys):
+    cli.main(["explain", "synth:qwen2.5-0.5b:q2_k", "--lane", "cuda", "--form", "prefill", "--ctx", "100", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["rows"] == 100 and data["workspace"]["ctx"] == 100 and data["workspace"]["rows"] == 100
+    for args, said in (
+        (["--rows", "200"], "a prefill chunk of 200 rows does not fit a context of 100"),
+        (["--rows", "8", "--ctx", "40000"], "must be 1 to 32,768 tokens"),
+    ):
+        ctx = [] if "--ctx" in args else ["--ctx", "100"]
+        rc = cli.main(["explain", "synth:qwen2.5-0.5b:q2_k", "--lane", "cuda", "--form", "prefill", *ctx, *args])
+        out, err = capsys.readouterr()
+        assert rc == 1 and out == "" and said in err and len(err.strip().splitlines()) == 1

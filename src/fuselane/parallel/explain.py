@@ -13,12 +13,11 @@ from typing import Any
 import numpy as np
 
 from fuselane.explain import (
-    DEFAULT_BATCH,
-    DEFAULT_CTX,
-    DEFAULT_PREFILL_ROWS,
+    context_of,
     make_shim,
     model_source,
     op_name,
+    rows_of,
     to_json,
 )
 from fuselane.explain import render as render_one
@@ -46,13 +45,14 @@ def rank_plans(
     rows: int | None = None,
     knobs: Sequence[str] = (),
     held: Sequence[str] = (),
+    ctx: int | None = None,
 ) -> dict[str, Any]:
-    """Every rank's plan as `explain`'s JSON, each with the collectives its schedule runs."""
+    """Every rank's plan as `explain`'s JSON at a context of `ctx` rows (`explain.context_of`), each with the
+    collectives its schedule runs."""
     name, cfg, tensors = model_source(model)
     shim = RankShim(np.dtype(np.float32), tuple(held)) if lane == "cpu" else make_shim(lane, knobs, held, form)
-    default = DEFAULT_PREFILL_ROWS if form == "prefill" else DEFAULT_BATCH
-    n = 1 if form == "decode" else (rows if rows is not None else default)
-    ctx = max(DEFAULT_CTX, n) if form != "batch" else DEFAULT_CTX
+    n = rows_of(form, rows, ctx)
+    ctx = context_of(cfg, ctx, n, form)
     ranks = []
     for rank in range(tp):
         rc = rank_config(cfg, tp, rank)
