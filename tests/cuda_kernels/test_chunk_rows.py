@@ -25,7 +25,9 @@ CTX = 641  # bench's context at -p 512 -n 128
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     folder = tmp_path_factory.mktemp("small")
-    return {mix: write_synthetic(folder / f"{mix}.gguf", "qwen2.5-0.5b", mix, seed=4) for mix in ("q4_k_m", "q2_k")}
+    files = {mix: write_synthetic(folder / f"{mix}.gguf", "qwen2.5-0.5b", mix, seed=4) for mix in ("q4_k_m", "q2_k")}
+    files["mixture"] = write_synthetic(folder / "mixture.gguf", "tiny-qwen3moe", "q8_0", seed=4)
+    return files
 
 
 def _sized(path, *knobs):
@@ -64,7 +66,7 @@ def test_the_knob_sets_the_rows_and_the_session_takes_them(checkpoints):
     assert short.lane.sized_workspace().rows == 100 and short.session().chunk == 100
 
 
-@pytest.mark.parametrize("mix", ["q4_k_m", "q2_k"])
+@pytest.mark.parametrize("mix", ["q4_k_m", "q2_k", "mixture"])
 def test_explain_says_what_the_lane_sizes(checkpoints, monkeypatch, mix):
     # `fuselane explain --form prefill` works the workspace out from the file's tensors, the lane from its upload
     # and its plans: the same figures at the default context
@@ -79,6 +81,13 @@ def test_explain_says_what_the_lane_sizes(checkpoints, monkeypatch, mix):
     assert (said["share_bytes"], said["held_bytes"], said["rounds_in_place"]) == (
         ws.share_bytes, ws.held_bytes, ws.rounds_in_place,
     )  # fmt: skip
+
+
+def test_a_mixture_sizes_its_scratch_at_its_own_chunk(checkpoints):
+    # a mixture's chunks take the routing's rows whatever the share holds, and its attention products the
+    # scratch: the workspace is sized at those rows alone, so what it counts is what a chunk holds
+    model, ws = _sized(checkpoints["mixture"])
+    assert ws.rows == min(kernels.MOE_CHUNK_ROWS, CTX) and model.session().chunk == ws.rows
 
 
 def test_the_caches_are_parts_of_one_buffer(checkpoints):

@@ -38,7 +38,9 @@ def test_the_knob_sets_the_rows_and_other_prefills_keep_no_workspace():
     assert not prefill_workspace("synth:qwen2.5-0.5b:q2_k", knobs=["chunk_rows=512"])["within"]
     assert prefill_workspace("synth:qwen2.5-0.5b:q2_k", knobs=["prefill=f16-copy"]) is None
     assert prefill_workspace("synth:qwen2.5-0.5b:q2_k", knobs=["batch=on"]) is None
-    assert prefill_workspace("synth:qwen3-30b-a3b") is None  # a mixture's chunks multiply in its own kernels
+    # a mixture's attention products take the scratch too, its chunks at the routing's own rows
+    mixture = prefill_workspace("synth:qwen3-30b-a3b")
+    assert mixture["rows"] == kernels.MOE_CHUNK_ROWS and mixture["within"]
 
 
 def test_explain_prints_and_writes_it(capsys):

@@ -13,7 +13,6 @@ from fuselane.fuse.optimizer import Plan, optimize
 from fuselane.gguf.formats import tensor_bytes
 from fuselane.graph.ir import Form
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.plan.knobs import PrefillWeights
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run import workspace
 from fuselane.lanes.cuda.run.buffers import F32_BYTES, parts
@@ -26,10 +25,10 @@ def prefill_workspace(
     cfg: ModelConfig, tensors: Mapping[str, Any], shim: CudaShim, held: Sequence[str], ctx: int
 ) -> dict[str, Any] | None:
     """The workspace a lane of `shim` at a context of `ctx` rows sizes for its chunks, as plain data; None
-    where its chunks keep none (a knob other than `f16-scratch` and the default, the batch form, a mixture's
-    chunks, which multiply in their own kernels)."""
+    where its chunks keep none (`workspace.keeps_scratch`: a knob other than `f16-scratch` and the default)
+    and for the batch form, whose steps keep one or not by the GPU's free memory (`run/lane.prefill_for`)."""
     knobs = shim.knobs
-    if knobs.batch or knobs.prefill_weights not in (PrefillWeights.AUTO, PrefillWeights.F16_SCRATCH) or cfg.moe:
+    if knobs.batch or not workspace.keeps_scratch(knobs):
         return None
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}
     _, weights = parts({n: _uploaded(t) for n, t in tensors.items()})  # as `CudaLane._upload` lays them out
@@ -38,9 +37,8 @@ def prefill_workspace(
         graph = recognizer(cfg).recognize(cfg, tensors, Form.PREFILL, rows=rows, ctx=ctx)
         return optimize(graph, shim, held=held, check=False)
 
-    most = min(knobs.chunk_rows or kernels.SCRATCH_CHUNK_ROWS, ctx)
     config = os.environ.get(workspace.CUBLAS_CONFIG)
-    ws = workspace.sized(plan_at, most, shapes, weights, knobs, cfg.vocab, config)
+    ws = workspace.sized(plan_at, ctx, workspace.one_gpu_mixture(cfg), shapes, weights, knobs, cfg.vocab, config)
     largest = max(workspace.layer_products(shapes).values())
     return {
         "ctx": ctx,

@@ -31,7 +31,7 @@ from fuselane.fuse.optimizer import Plan, optimize
 from fuselane.gguf.dequant import dequantize
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Form, QuantFormat, QuantizedActs, Role, TensorGraph
-from fuselane.lanes.cuda.plan.kernels import MOE_CHUNK_ROWS, QBLOCK, SCRATCH_CHUNK_ROWS
+from fuselane.lanes.cuda.plan.kernels import QBLOCK
 from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights, RoundInPlace, StatePrecision
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run import decode as loop
@@ -212,7 +212,6 @@ class CudaLane:
         weights as uploaded and the lane's arena where a step made it already; `plan`, a step's, saves
         planning its rows again."""
         if self.workspace is None:
-            most = min(self.shim.knobs.chunk_rows or SCRATCH_CHUNK_ROWS, self.ctx)
             arena = 0 if self._arena is None else self._arena.numel() * self._arena.element_size()
 
             def plan_at(rows: int) -> Plan:
@@ -220,8 +219,9 @@ class CudaLane:
 
             shapes = {n: t.shape for n, t in self.tensors.items()}
             config = os.environ.get(workspace.CUBLAS_CONFIG)
+            moe, knobs = workspace.one_gpu_mixture(self.cfg), self.shim.knobs
             self.workspace = workspace.sized(
-                plan_at, most, shapes, self.weights_bytes, self.shim.knobs, self.cfg.vocab, config, arena
+                plan_at, self.ctx, moe, shapes, self.weights_bytes, knobs, self.cfg.vocab, config, arena
             )
         return self.workspace
 
@@ -313,15 +313,12 @@ class CudaLane:
 
     @property
     def prefill_chunk(self) -> int | None:
-        """The rows a session runs a prompt in, or None for the session's own: the knob `chunk_rows` where set;
-        `kernels.MOE_CHUNK_ROWS` for a mixture on one GPU, whatever its attention; under `prefill=f16-scratch`
-        the rows the workspace holds its share at (`sized_workspace`: 512, or 256 on a small low-bit file)."""
-        wanted = self.shim.knobs.chunk_rows
-        if self.cfg.moe and self.cfg.shard is None:
-            return wanted or MOE_CHUNK_ROWS
-        if self.shim.knobs.prefill_weights is PrefillWeights.F16_SCRATCH:
+        """The rows a session runs a prompt in, or None for the session's own: under `prefill=f16-scratch` the
+        rows the workspace is sized at (`sized_workspace`: the knob `chunk_rows` or a mixture's chunk where fixed,
+        else 512, or 256 on a small low-bit file); otherwise those fixed rows (`workspace.fixed_rows`)."""
+        if workspace.keeps_scratch(self.shim.knobs):
             return self.sized_workspace().rows
-        return wanted
+        return workspace.fixed_rows(self.shim.knobs, workspace.one_gpu_mixture(self.cfg))
 
     @property
     def recurrent(self) -> bool:
@@ -414,10 +411,8 @@ def prefill_for(
     step past the GEMV's rows multiplies as a chunk does, it is `f16-copy` where `copies_fit` (a step would
     otherwise decode every matrix), else `f16-scratch`. `torch` None: the host's interpreter, where the copies
     stand for a GPU with room."""
-    if knobs.prefill_weights is not PrefillWeights.AUTO:
-        return knobs.prefill_weights
-    if not batch:
-        return PrefillWeights.F16_SCRATCH
+    if knobs.prefill_weights is not PrefillWeights.AUTO or not batch:
+        return workspace.sequence_prefill(knobs)
     if torch is None:
         return PrefillWeights.F16_COPY
     free, total = torch.cuda.mem_get_info()

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from fuselane.fuse.optimizer import Plan
 from fuselane.graph.ir import Role
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, RoundInPlace, StatePrecision
+from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights, RoundInPlace, StatePrecision
 from fuselane.lanes.cuda.run.buffers import (
     F16_BYTES,
     F32_BYTES,
@@ -49,6 +49,7 @@ from fuselane.lanes.cuda.run.buffers import (
     dying_reads,
     dying_widths,
 )
+from fuselane.models import ModelConfig
 
 LAYER_PREFIX = "blk."
 GATE_SUFFIXES = ("ffn_gate.weight", "ffn_gate_shexp.weight")  # a gated pair's gate (a shared expert's too): its
@@ -84,6 +85,31 @@ def cublas_bytes(config: str | None) -> int:
     if not pairs:
         return kernels.CUBLAS_DEFAULT_WORKSPACE_BYTES
     return sum(int(kib) * KIB * int(count) for kib, count in pairs)
+
+
+def sequence_prefill(knobs: CudaKnobs) -> PrefillWeights:
+    """How one sequence's chunks read the weights: the `prefill` knob, `auto` being `f16-scratch` (no copy kept;
+    a batch's steps resolve `auto` apart, by the GPU's free memory: `run/lane.prefill_for`)."""
+    auto = knobs.prefill_weights is PrefillWeights.AUTO
+    return PrefillWeights.F16_SCRATCH if auto else knobs.prefill_weights
+
+
+def keeps_scratch(knobs: CudaKnobs) -> bool:
+    """Whether a lane's chunks of one sequence decode each matrix into the f16 scratch, and so size this
+    workspace, whatever the model: a mixture's attention and shared products take the scratch as a dense
+    model's products do."""
+    return sequence_prefill(knobs) is PrefillWeights.F16_SCRATCH
+
+
+def one_gpu_mixture(cfg: ModelConfig) -> bool:
+    """A mixture of experts on one GPU, whose chunks take the routing's own rows (`kernels.MOE_CHUNK_ROWS`)."""
+    return bool(cfg.moe) and cfg.shard is None
+
+
+def fixed_rows(knobs: CudaKnobs, moe: bool) -> int | None:
+    """The rows a session's chunks take whatever the workspace holds: the knob `chunk_rows`, else a mixture's own
+    chunk on one GPU (`kernels.MOE_CHUNK_ROWS`, its routing's tiles); None: the rows the workspace holds."""
+    return knobs.chunk_rows or (kernels.MOE_CHUNK_ROWS if moe else None)
 
 
 def chunk_rows(most: int) -> list[int]:
@@ -225,13 +251,16 @@ def counted(chunk: Plan, weights_bytes: int, knobs: CudaKnobs, vocab: int, arena
 
 
 def sized(
-    plan_at: Callable[[int], Plan], most: int, shapes: Mapping[str, tuple[int, ...]], weights_bytes: int,
+    plan_at: Callable[[int], Plan], ctx: int, moe: bool, shapes: Mapping[str, tuple[int, ...]], weights_bytes: int,
     knobs: CudaKnobs, vocab: int, config: str | None, arena_bytes: int = 0,
 ) -> Workspace:  # fmt: skip
-    """The workspace of chunks of at most `most` rows (`plan_at(rows)` plans one): at the first of `chunk_rows`
-    (`most` alone under the knob `chunk_rows`) whose scratch holds the share, else at `most` with the whole
-    scratch (`size`)."""
-    tried = [most] if knobs.chunk_rows else chunk_rows(most)
+    """The workspace of a lane of `ctx` rows of context (a mixture's where `moe`), its chunks planned by
+    `plan_at(rows)`: at the rows its chunks take (`fixed_rows`, or the context where shorter) where they are
+    fixed, else at the first of `chunk_rows` (from `kernels.SCRATCH_CHUNK_ROWS`) whose scratch holds the share;
+    where none does, at the first with the whole scratch (`size`)."""
+    fixed = fixed_rows(knobs, moe)
+    most = min(fixed or kernels.SCRATCH_CHUNK_ROWS, ctx)
+    tried = [most] if fixed else chunk_rows(most)
     always = knobs.round_in_place is RoundInPlace.ON
     first = None
     for rows in tried:
