@@ -4,11 +4,11 @@ and the plain KV-cache row write (SetRows).
 A program takes a few rows of a few heads of one side (the query's and the key's tiles in one launch), pairs
 of values (j, j + hd/2) in NEOX order, as Qwen rotates: its rows' angles are computed once for its heads, and
 a 512-row prompt chunk takes a few hundred programs, not a one-warp block for each of its thousands of heads,
-while a decode step's row still takes a program a head, a pair of values a thread (`rope_tile`). A head is optionally
-RMS-normed with its weight first (Qwen3's q_norm / k_norm), then rotated by the angle of position pos + i,
-computed in the kernel from the frequency base (no cos/sin table to keep in step with the cache length). The
-rotated head lands in its own buffer, or (the KV-append forms) in the cache at row pos + i, rounded to the
-cache's f16 or f32 there.
+while a decode step's row still takes a program a head, a pair of values a thread (`rope_tile`). A head is
+optionally RMS-normed with its weight first (Qwen3's q_norm / k_norm), then rotated by the angle of position
+pos + i, computed in the kernel from the frequency base (no cos/sin table to keep in step with the cache
+length). The rotated head lands in its own buffer, or (the KV-append forms) in the cache at row pos + i,
+rounded to the cache's f16 or f32 there.
 
 The position is read from a 1-element int32 device tensor, never passed as a number: a captured CUDA graph
 replays the same launches at the next step's position without being captured again.
@@ -71,9 +71,9 @@ def rope_tile(heads: int, hd: int, turned: int, rows: int) -> tuple[int, int, in
     head of one row, a pair of values a thread: such a launch waits on its latency, not its work. Past that, a
     few heads (about `kernels.ROPE_HEAD_VALUES` values of a row, at most `heads`, the wider side's) and as many
     rows of them as keep a program near `kernels.ROPE_VALUES` values, `kernels.ROPE_VALUES_A_THREAD` a thread."""
+    if rows <= kernels.ROPE_ONE_HEAD_ROWS:  # a thread a pair of the head's values, turned or not
+        return 1, 1, max(1, min(kernels.ROPE_WARPS, triton.next_power_of_2(hd // 2) // kernels.WARP))
     pairs, rest = _widths(hd, turned)
-    if rows <= kernels.ROPE_ONE_HEAD_ROWS:
-        return 1, 1, max(1, min(kernels.ROPE_WARPS, pairs // kernels.WARP))
     per_head = 2 * pairs + (rest if turned < hd else 0)
     tile_heads = max(1, min(triton.next_power_of_2(heads), kernels.ROPE_HEAD_VALUES // per_head))
     tile_rows = max(1, min(triton.next_power_of_2(rows), kernels.ROPE_VALUES // (tile_heads * per_head)))
