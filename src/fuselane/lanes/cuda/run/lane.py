@@ -316,7 +316,7 @@ class CudaLane:
         """The rows a session runs a prompt in, or None for the session's own: under `prefill=f16-scratch` the
         rows the workspace is sized at (`sized_workspace`: the knob `chunk_rows` or a mixture's chunk where fixed,
         else 512, or 256 on a small low-bit file); otherwise those fixed rows (`workspace.fixed_rows`)."""
-        if workspace.keeps_scratch(self.shim.knobs):
+        if self.shim.knobs.prefill_weights is PrefillWeights.F16_SCRATCH:  # as `prefill_for` resolved `auto`
             return self.sized_workspace().rows
         return workspace.fixed_rows(self.shim.knobs, workspace.one_gpu_mixture(self.cfg))
 

@@ -95,7 +95,8 @@ def sequence_prefill(knobs: CudaKnobs) -> PrefillWeights:
 
 
 def keeps_scratch(knobs: CudaKnobs) -> bool:
-    """Whether a lane's chunks of one sequence decode each matrix into the f16 scratch, and so size this
+    """Whether a lane of `knobs` (as given: a loaded lane's own are resolved by `run/lane.prefill_for` through
+    `sequence_prefill`) decodes each matrix of a sequence's chunks into the f16 scratch, and so sizes this
     workspace, whatever the model: a mixture's attention and shared products take the scratch as a dense
     model's products do."""
     return sequence_prefill(knobs) is PrefillWeights.F16_SCRATCH
