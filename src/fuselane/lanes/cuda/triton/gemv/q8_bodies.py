@@ -160,10 +160,11 @@ def _half(ptr):
 
 @triton.jit
 def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr,
-              GROUPS_A_UNIT: tl.constexpr, PINNED: tl.constexpr = False):  # fmt: skip
+              GROUPS_A_UNIT: tl.constexpr, PINNED: tl.constexpr = False, VECTOR: tl.constexpr = False):  # fmt: skip
     """The chunk at unit u0 of each row (`w_rows`: [N] uint8 pointers) as a tuple of [N, G] tensors, a group's
     bytes in one thread; with CLAMP (a partial last chunk) units past the row read its last unit. PINNED: the
-    runs' loads take the coherent path (`weight_loads`; the scalar fields stay on the read-only one)."""
+    runs' loads take the coherent path (`weight_loads`; the scalar fields stay on the read-only one). VECTOR:
+    a run that `ld_run` or `ld_words` reads is two 128-bit loads (`int8_words.ld_run_vector`)."""
     g = tl.arange(0, CHUNK * GROUPS_A_UNIT)
     unit = g // GROUPS_A_UNIT + u0
     if CLAMP:
@@ -175,16 +176,17 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
         return head + qs + ld4(_i32(blk + (r % 2) * RUN_BYTES + Q5_K_QH), True, PINNED)
     elif FMT == FMT_Q4_0:
         blk = w_rows[:, None] + (unit * Q4_0_BYTES)[None, :]
-        return (_half(blk + Q4_0_D),) + ld_run(blk + Q4_0_QS, PINNED)
+        return (_half(blk + Q4_0_D),) + ld_run(blk + Q4_0_QS, PINNED, VECTOR)
     elif FMT == FMT_IQ4_NL:
         blk = w_rows[:, None] + (unit * IQ4_NL_BYTES)[None, :]
-        return (_half(blk + IQ4_NL_D),) + ld_run(blk + IQ4_NL_QS, PINNED)
+        return (_half(blk + IQ4_NL_D),) + ld_run(blk + IQ4_NL_QS, PINNED, VECTOR)
     elif FMT == FMT_Q4_1:
         blk = w_rows[:, None] + (unit * Q4_1_BYTES)[None, :]
-        return (_half(blk + Q4_1_D), _half(blk + Q4_1_M)) + ld_words(blk + Q4_1_QS, PINNED)
+        return (_half(blk + Q4_1_D), _half(blk + Q4_1_M)) + ld_words(blk + Q4_1_QS, PINNED, VECTOR)
     elif FMT == FMT_Q5_1:
         blk = w_rows[:, None] + (unit * Q5_1_BYTES)[None, :]
-        return (_half(blk + Q5_1_D), _half(blk + Q5_1_M), _word(blk + Q5_1_QH)) + ld_words(blk + Q5_1_QS, PINNED)
+        head = _half(blk + Q5_1_D), _half(blk + Q5_1_M), _word(blk + Q5_1_QH)
+        return head + ld_words(blk + Q5_1_QS, PINNED, VECTOR)
     elif FMT == FMT_IQ4_XS:  # d and scales_h as one word, scales_l the next; the sub-block's 16 qs bytes
         tl.static_assert(IQ4_XS_SCALES_L == IQ4_XS_D + 4, "IQ4_XS's header is one 8-byte load")
         blk = w_rows[:, None] + (unit * IQ4_XS_BYTES)[None, :]
@@ -196,14 +198,14 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
         sc = blk + Q3_K_SCALES + t
         hi = sc + Q3_LOW_SCALES
         scales = _byte(sc), _byte(sc + 2), _byte(sc + 4), _byte(sc + 6), _byte(hi), _byte(hi + HIGH_SCALE_STEP)
-        qs = ld_run(blk + r * RUN_BYTES + Q3_K_QS, PINNED)
-        return (_half(blk + Q3_K_D),) + scales + qs + ld_run(blk + t * RUN_BYTES + Q3_K_HMASK, PINNED)
+        qs = ld_run(blk + r * RUN_BYTES + Q3_K_QS, PINNED, VECTOR)
+        return (_half(blk + Q3_K_D),) + scales + qs + ld_run(blk + t * RUN_BYTES + Q3_K_HMASK, PINNED, VECTOR)
     else:
         tl.static_assert(FMT == FMT_Q2_K, "no int8 GEMV body for this format")
         blk = w_rows[:, None] + (unit * Q2_K_BYTES)[None, :]
         sc = blk + Q2_K_SCALES + (r // 2) * Q3_LOW_SCALES  # the half's eight scale bytes
         head = _word(blk + Q2_K_D), _word(sc), _word(sc + 4)
-        return head + ld_words(blk + r * RUN_BYTES + Q2_K_QS, PINNED)
+        return head + ld_words(blk + r * RUN_BYTES + Q2_K_QS, PINNED, VECTOR)
 
 
 # --- the sums a group --------------------------------------------------------------------------------------------
