@@ -71,6 +71,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q2_K_SCALES,
     Q3_K_BYTES,
     Q3_K_D,
+    Q3_K_HEAD,
     Q3_K_HMASK,
     Q3_K_QS,
     Q3_K_SCALES,
@@ -195,6 +196,10 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
     elif FMT == FMT_Q3_K:  # d, its four sub-blocks' scale bytes (low nibbles, then top crumbs), qs and hmask runs
         blk = w_rows[:, None] + (unit * Q3_K_BYTES)[None, :]
         t = r % 2
+        if VECTOR:  # the header too as one run
+            head = _q3_k_head(ld_run(blk + Q3_K_HEAD, PINNED, VECTOR), t)
+            qs = ld_run(blk + r * RUN_BYTES + Q3_K_QS, PINNED, VECTOR)
+            return head + qs + ld_run(blk + t * RUN_BYTES + Q3_K_HMASK, PINNED, VECTOR)
         sc = blk + Q3_K_SCALES + t
         hi = sc + Q3_LOW_SCALES
         scales = _byte(sc), _byte(sc + 2), _byte(sc + 4), _byte(sc + 6), _byte(hi), _byte(hi + HIGH_SCALE_STEP)
@@ -206,6 +211,17 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
         sc = blk + Q2_K_SCALES + (r // 2) * Q3_LOW_SCALES  # the half's eight scale bytes
         head = _word(blk + Q2_K_D), _word(sc), _word(sc + 4)
         return head + ld_words(blk + r * RUN_BYTES + Q2_K_QS, PINNED, VECTOR)
+
+
+@triton.jit
+def _q3_k_head(run, t):
+    """Q3_K's d and a group's six scale bytes (`t` = r % 2: bytes t + 2j, then 8 + t and 10 + t) from its header
+    read as one run (`Q3_K_HEAD`: scale byte i at bit 8 (i + 2) of it), each byte shifted to the bottom with the
+    bits above it left (the sums mask what they take), as `raw_chunk` gives them from one load each."""
+    v0, v1, v2, v3 = run
+    s = t * BYTE_BITS
+    hs = s + HALF_WORD_BITS
+    return _f16(v3 >> HALF_WORD_BITS), v0 >> hs, v1 >> s, v1 >> hs, v2 >> s, v2 >> hs, v3 >> s
 
 
 # --- the sums a group --------------------------------------------------------------------------------------------
