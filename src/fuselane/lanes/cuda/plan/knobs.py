@@ -162,9 +162,10 @@ class CudaKnobs:
     - `run_loads=words`: a run of codes 2 or 4 bytes past a 16-byte boundary (Q6_K's, Q3_K's, Q4_0's and
       IQ4_NL's runs, Q2_K's, Q4_1's, Q5_1's) is read as aligned 32-bit words, five (or four) loads each
       (`triton/gemv/int8_words.ld_run`); `vector` reads the run's two 16-byte blocks in two 128-bit loads and
-      picks its words from them (Q3_K's header, its scale bytes and d, as one such run too). A warp's 32-bit loads of runs 110 or 210 bytes apart touch a dozen cache
-      lines for 128 bytes (the low-bit GLUs read 1.6-2.5 TB/s where Q4_K's 128-bit loads read 2.9); the
-      same words either way, so the same numbers. Not yet timed on a GPU: `words` stays the default.
+      picks its words from them (Q3_K's header, its scale bytes and d, as one such run too). A warp's 32-bit
+      loads of runs 110 or 210 bytes apart touch a dozen cache lines for 128 bytes (the low-bit GLUs read
+      1.6-2.5 TB/s where Q4_K's 128-bit loads read 2.9); the same words either way, so the same numbers. Not
+      yet timed on a GPU: `words` stays the default.
     - `prefill=auto` (the default): `f16-scratch` for a sequence's prompt, so a model takes its file, its
       cache and a workspace of at most 5 % more (a 7B Q4_K_M: 26,378 tok/s at pp512 against the copies'
       31,106, at 4.95 GB against 18.0; benchmarks/RESULTS.md, 2026-12-03). The batch form (the server), whose
