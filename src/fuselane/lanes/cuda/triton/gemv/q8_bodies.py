@@ -196,8 +196,9 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
     elif FMT == FMT_Q3_K:  # d, its four sub-blocks' scale bytes (low nibbles, then top crumbs), qs and hmask runs
         blk = w_rows[:, None] + (unit * Q3_K_BYTES)[None, :]
         t = r % 2
-        # two branches, not one with the header chosen: `words` keeps the loads in the order it compiled to before
-        # the knob (the same SASS; an earlier header reordered them and ptxas gave the GLU 18 registers fewer)
+        # two branches, not one with the header chosen: `words` keeps its loads in the order they compiled in
+        # before the knob, the SASS that was timed (two reorderings moved ptxas's registers: the GLU 114 -> 96,
+        # the down product 103 -> 114)
         if VECTOR:  # the header too as one run
             head = _q3_k_head(ld_run(blk + Q3_K_HEAD, PINNED, VECTOR), t)
             qs = ld_run(blk + r * RUN_BYTES + Q3_K_QS, PINNED, VECTOR)
