@@ -74,11 +74,16 @@ def rope_tile(heads: int, hd: int, turned: int, rows: int) -> tuple[int, int, in
     if rows <= kernels.ROPE_ONE_HEAD_ROWS:  # a thread a pair of the head's values, turned or not
         return 1, 1, max(1, min(kernels.ROPE_WARPS, triton.next_power_of_2(hd // 2) // kernels.WARP))
     pairs, rest = _widths(hd, turned)
-    per_head = 2 * pairs + (rest if turned < hd else 0)
-    tile_heads = max(1, min(triton.next_power_of_2(heads), kernels.ROPE_HEAD_VALUES // per_head))
-    tile_rows = max(1, min(triton.next_power_of_2(rows), kernels.ROPE_VALUES // (tile_heads * per_head)))
+    per_head = 2 * pairs + (rest if turned < hd else 0)  # a partial rotary's head is no power of two
+    tile_heads = _floor_pow2(min(triton.next_power_of_2(heads), kernels.ROPE_HEAD_VALUES // per_head))
+    tile_rows = _floor_pow2(min(triton.next_power_of_2(rows), kernels.ROPE_VALUES // (tile_heads * per_head)))
     warps = tile_rows * tile_heads * per_head // (kernels.ROPE_VALUES_A_THREAD * kernels.WARP)
-    return tile_rows, tile_heads, max(1, min(kernels.ROPE_WARPS, warps))
+    return tile_rows, tile_heads, _floor_pow2(min(kernels.ROPE_WARPS, warps))
+
+
+def _floor_pow2(n: int) -> int:
+    """The largest power of two at most n, and 1 below 1: a tile's sides and a launch's warps are powers of two."""
+    return 1 << max(0, n.bit_length() - 1)
 
 
 @triton.jit
