@@ -11,7 +11,7 @@ The launches are compiled through their own launchers at the widths asked (`comp
 same arguments, specializations and tiles as a decode step's), so a tile table's entry for those widths is
 what is counted. Run it in a process of its own, without `TRITON_INTERPRET`.
 
-Usage: python benchmarks/gemv_sass.py [--formats Q3_K,Q2_K,Q4_K] [--n 18944] [--k 3584] [--runs words|vector]
+Usage: python benchmarks/gemv_sass.py [--formats Q3_K,Q2_K,Q4_K] [--n 18944] [--k 3584]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from triton.runtime.jit import JITFunction
 
 from fuselane.gguf.formats import Format, row_bytes
 from fuselane.lanes.cuda.compile_check import Report, compiling, cuobjdump, resources
-from fuselane.lanes.cuda.plan.knobs import RunLoads, WeightLoads
+from fuselane.lanes.cuda.plan.knobs import WeightLoads
 
 ARCH = 90
 # an instruction of the SASS: its address comment, an optional predicate, then its name
@@ -39,9 +39,8 @@ def counts(cubin: bytes) -> collections.Counter:
     return collections.Counter(m.group(1).split(".")[0] for m in _INSTRUCTION.finditer(sass))
 
 
-def compiled(formats: list[Format], n: int, k: int, runs: RunLoads) -> list[tuple[str, Format, bytes]]:
-    """(kernel, format, cubin) of each format's GLU over n x k and its down product over k x n, their runs read
-    as `runs` says (the `run_loads` knob)."""
+def compiled(formats: list[Format], n: int, k: int) -> list[tuple[str, Format, bytes]]:
+    """(kernel, format, cubin) of each format's GLU over n x k and its down product over k x n."""
     seen: list[tuple[str, Format, bytes]] = []
     with compiling(ARCH, Report()):
         from fuselane.lanes.cuda.triton import pdl
@@ -58,7 +57,7 @@ def compiled(formats: list[Format], n: int, k: int, runs: RunLoads) -> list[tupl
 
         JITFunction.run = noted
         try:
-            with pdl.dependent_launches(True), weight_loads(WeightLoads.AS_WRITTEN, runs):
+            with pdl.dependent_launches(True), weight_loads(WeightLoads.AS_WRITTEN):
                 for fmt in formats:
                     pair = torch.zeros(n * row_bytes(fmt, k), dtype=torch.uint8)
                     q8_epilogue.gemv_q8_gate_up_glu_q8(
@@ -84,12 +83,11 @@ def main() -> None:
     ap.add_argument("--formats", default="Q3_K,Q2_K,IQ4_XS,Q4_K", help="comma-separated formats")
     ap.add_argument("--n", type=int, default=18944, help="the gated pair's rows, the down product's width")
     ap.add_argument("--k", type=int, default=3584, help="the model's width")
-    ap.add_argument("--runs", choices=[r.value for r in RunLoads], default=RunLoads.WORDS.value, help="run_loads")
     args = ap.parse_args()
     formats = [Format[f] for f in args.formats.split(",")]
     print(f"{'kernel':20} {'fmt':7} {'regs':>4} {'stack':>5} {'instr':>6} {'LDG':>5} {'IDP':>5} {'a dp4a':>6}", end="")
     print("".join(f" {name:>5}" for name in SHOWN))
-    for name, fmt, cubin in compiled(formats, args.n, args.k, RunLoads(args.runs)):
+    for name, fmt, cubin in compiled(formats, args.n, args.k):
         c = counts(cubin)
         regs, stack = resources(cubin)
         total, loads, dp4a = sum(c.values()), sum(v for op, v in c.items() if op.startswith("LDG")), c["IDP"]

@@ -1,6 +1,5 @@
 """The int8 GEMVs' `weight_loads` knob (`triton/gemv/weight_loads.py`): `ahead` sums the same bytes in the same
-order as `as-written`, so every product is the default's bit for bit (interpreted here, compiled on a GPU), as
-does `run_loads=vector`, whose runs' words come from two 128-bit loads (`int8_words.ld_run_vector`);
+order as `as-written`, so every product is the default's bit for bit (interpreted here, compiled on a GPU);
 the knob reaches the kernels' `FENCE` constexpr, from a launcher and from the lane; and, compiled for sm_90
 without a GPU, `ahead`'s weight loads are the coherent ones and ptxas issues each chunk's ahead of the sums
 before it (read from the SASS), where `as-written`'s are the read-only ones."""
@@ -21,14 +20,12 @@ pytest.importorskip("triton")
 
 from kernel_checks import CUDA, DEVICE, dev, raw_weights  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from fuselane.gguf.formats import Format  # noqa: E402
 from fuselane.gguf.synth import write_synthetic  # noqa: E402
-from fuselane.lanes.cuda.plan.knobs import RunLoads, WeightLoads  # noqa: E402
+from fuselane.lanes.cuda.plan.knobs import WeightLoads  # noqa: E402
 from fuselane.lanes.cuda.triton import quant  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.q8 import gemv_q8, gemv_q8_gate_up_glu, tile_plan  # noqa: E402
-from fuselane.lanes.cuda.triton.gemv.weight_loads import FENCED, PINNED, VECTOR_RUNS, weight_loads  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv.weight_loads import FENCED, PINNED, weight_loads  # noqa: E402
 
 N = 5  # rows: two tiles of the small tile below, the second partial
 SMALL_TILE = {"block_n": 4, "warps": 1, "per_thread": 1}  # several chunks a row at these widths
@@ -43,10 +40,6 @@ def test_the_fence_follows_the_mode() -> None:
         with weight_loads(WeightLoads.AS_WRITTEN):
             assert tile_plan(Format.Q6_K, 1024, None, None, None, glu=True)["FENCE"] == FENCED
     assert tile_plan(Format.Q6_K, 1024, None, None, None)["FENCE"] == FENCED
-    with weight_loads(WeightLoads.AHEAD, RunLoads.VECTOR):
-        assert tile_plan(Format.Q6_K, 1024, None, None, None)["FENCE"] == PINNED + VECTOR_RUNS
-    with weight_loads(WeightLoads.AS_WRITTEN, RunLoads.VECTOR):
-        assert tile_plan(Format.Q3_K, 1024, None, None, None)["FENCE"] == FENCED + VECTOR_RUNS
 
 
 def _products(fmt: Format, k: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,28 +61,6 @@ def test_ahead_sums_are_the_defaults_bit_for_bit(fmt: Format) -> None:
     with weight_loads(WeightLoads.AHEAD):
         ahead = _products(fmt, k, np.random.default_rng(int(fmt)))
     for a, b in zip(plain, ahead, strict=True):
-        assert torch.isfinite(a).all()
-        assert torch.equal(a, b)
-
-
-# every format whose runs `ld_run` or `ld_words` reads, the knob switches; their blocks (210, 110, 18, 84, 20,
-# 24 bytes) put a row's runs at every even offset of a 16-byte block, the last rows' last runs at the tensor's end
-VECTOR_FORMATS = {
-    Format.Q6_K: 768, Format.Q3_K: 1792, Format.Q4_0: 800, Format.Q2_K: 1792, Format.IQ4_NL: 800,
-    Format.Q4_1: 800, Format.Q5_1: 800,
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("ahead", [False, True], ids=["as-written", "ahead"])
-@pytest.mark.parametrize("fmt", VECTOR_FORMATS, ids=lambda f: f.name)
-def test_vector_runs_sum_the_defaults_bit_for_bit(fmt: Format, ahead: bool) -> None:
-    k = VECTOR_FORMATS[fmt]
-    plain = _products(fmt, k, np.random.default_rng(int(fmt)))
-    mode = WeightLoads.AHEAD if ahead else WeightLoads.AS_WRITTEN
-    with weight_loads(mode, RunLoads.VECTOR):
-        assert tile_plan(fmt, k, **SMALL_TILE)["FENCE"] >= VECTOR_RUNS
-        vector = _products(fmt, k, np.random.default_rng(int(fmt)))
-    for a, b in zip(plain, vector, strict=True):
         assert torch.isfinite(a).all()
         assert torch.equal(a, b)
 
@@ -128,28 +99,6 @@ def test_the_lane_launches_its_int8_gemvs_under_the_knob(tmp_path) -> None:
     # the decode step's int8 products: alone or in parts, the gate/up GLU and the norm's producer
     assert {"q8._parts_kernel", "q8_epilogue._q8_glu_q8_kernel"} <= {n.split("gemv.")[1] for n in int8}, seen
     assert all(fences == {PINNED} for fences in int8.values()), seen
-
-
-@pytest.mark.skipif(CUDA, reason="on a GPU tests/cuda/test_cuda_lane.py runs the lane")
-def test_the_lane_reads_its_runs_in_vectors_under_the_knob(tmp_path) -> None:
-    # every launch of the lane's steps compiles with the runs' vector loads (a Q4_K_M file: Q6_K runs 2 bytes
-    # past a word in every other block), and its Q6_K product issues fewer loads than with words
-    path = write_synthetic(tmp_path / "m.gguf", "tiny-qwen3", "q4_k_m", seed=3)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _LANE, str(path), "run_loads=vector"], env=env, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    seen = dict((line.split()[0], {int(v) for v in line.split()[1:]}) for line in run.stdout.splitlines())
-    int8 = {name: fences for name, fences in seen.items() if ".gemv.q8" in name}
-    assert int8 and all(fences == {FENCED + VECTOR_RUNS} for fences in int8.values()), seen
-    loads = {}
-    for runs in RunLoads:
-        argv = [sys.executable, "benchmarks/gemv_sass.py", "--formats", "Q6_K", "--runs", runs.value]
-        said = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-        assert said.returncode == 0, said.stderr[-2000:]
-        rows = [line.split() for line in said.stdout.splitlines()[1:]]
-        loads[runs] = {row[0]: int(row[5]) for row in rows}  # each kernel's LDG
-    assert all(loads[RunLoads.VECTOR][k] < loads[RunLoads.WORDS][k] for k in loads[RunLoads.WORDS]), loads
 
 
 # Compiled for sm_90 without a GPU: the gate/up GLU at the 7B's width (3,584) at its own tile (a loop over 7

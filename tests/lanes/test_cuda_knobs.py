@@ -17,7 +17,6 @@ from fuselane.lanes.cuda.plan.knobs import (
     DeltaProducts,
     PrefillWeights,
     RopeEpilogue,
-    RunLoads,
     StatePrecision,
     WeightLoads,
 )
@@ -91,10 +90,6 @@ def test_knobs_parse() -> None:
     assert CudaKnobs.parse(["weight_loads=AS-WRITTEN"]).weight_loads is WeightLoads.AS_WRITTEN
     with pytest.raises(FuselaneError, match="knob 'weight_loads' takes one of as-written, ahead, not 'early'"):
         CudaKnobs.parse(["weight_loads=early"])
-    assert CudaKnobs().run_loads is RunLoads.WORDS  # `vector` not yet timed on the GPU (knobs.py)
-    assert CudaKnobs.parse(["run_loads=vector"]).run_loads is RunLoads.VECTOR
-    with pytest.raises(FuselaneError, match="knob 'run_loads' takes one of words, vector, not 'wide'"):
-        CudaKnobs.parse(["run_loads=wide"])
     assert CudaKnobs().chunk_rows is None and CudaKnobs.parse(["chunk_rows=auto"]).chunk_rows is None
     assert CudaKnobs.parse(["chunk_rows=256"]).chunk_rows == 256
 

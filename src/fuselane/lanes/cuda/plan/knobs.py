@@ -94,14 +94,6 @@ class WeightLoads(enum.Enum):
     AHEAD = "ahead"  # coherent loads held ahead by the prefetch's bar.sync; the same numbers
 
 
-class RunLoads(enum.Enum):
-    """How the int8 decode GEMVs read a 16-byte run of codes that starts off a 16-byte boundary
-    (`triton/gemv/int8_words.py`)."""
-
-    WORDS = "words"  # aligned 32-bit loads (five where the run is 2 bytes past a word), shifted into place
-    VECTOR = "vector"  # the run's two 16-byte blocks in two 128-bit loads, its words picked from them
-
-
 class CachePrecision(enum.Enum):
     F32 = "f32"
     F16 = "f16"
@@ -159,13 +151,6 @@ class CudaKnobs:
       prefetched chunk's loads to its sums (`triton/gemv/weight_loads.py`); `ahead` takes the coherent path,
       which the prefetch's barrier holds ahead. Results are the same either way; on the 7B `ahead` decoded
       0.7 % faster, within what a run varies, so the default is the old schedule.
-    - `run_loads=words`: a run of codes 2 or 4 bytes past a 16-byte boundary (Q6_K's, Q3_K's, Q4_0's and
-      IQ4_NL's runs, Q2_K's, Q4_1's, Q5_1's) is read as aligned 32-bit words, five (or four) loads each
-      (`triton/gemv/int8_words.ld_run`); `vector` reads the run's two 16-byte blocks in two 128-bit loads and
-      picks its words from them (Q3_K's header, its scale bytes and d, as one such run too). A warp's 32-bit
-      loads of runs 110 or 210 bytes apart touch a dozen cache lines for 128 bytes (the low-bit GLUs read
-      1.6-2.5 TB/s where Q4_K's 128-bit loads read 2.9); the same words either way, so the same numbers. Not
-      yet timed on a GPU: `words` stays the default.
     - `prefill=auto` (the default): `f16-scratch` for a sequence's prompt, so a model takes its file, its
       cache and a workspace of at most 5 % more (a 7B Q4_K_M: 26,378 tok/s at pp512 against the copies'
       31,106, at 4.95 GB against 18.0; benchmarks/RESULTS.md, 2026-12-03). The batch form (the server), whose
@@ -226,7 +211,6 @@ class CudaKnobs:
     norm_launch: bool = True
     rope_epilogue: RopeEpilogue = RopeEpilogue.AUTO
     weight_loads: WeightLoads = WeightLoads.AS_WRITTEN
-    run_loads: RunLoads = RunLoads.WORDS
     delta_products: DeltaProducts = DeltaProducts.TF32X3
     shared_fold: bool = True
     round_in_place: RoundInPlace = RoundInPlace.AUTO
@@ -303,7 +287,6 @@ _SETTERS = {
     "norm_launch": lambda k, v: replace(k, norm_launch=_flag("norm_launch", v)),
     "rope_epilogue": lambda k, v: replace(k, rope_epilogue=_choice("rope_epilogue", RopeEpilogue, v)),
     "weight_loads": lambda k, v: replace(k, weight_loads=_choice("weight_loads", WeightLoads, v)),
-    "run_loads": lambda k, v: replace(k, run_loads=_choice("run_loads", RunLoads, v)),
     "delta_products": lambda k, v: replace(k, delta_products=_choice("delta_products", DeltaProducts, v)),
     "shared_fold": lambda k, v: replace(k, shared_fold=_flag("shared_fold", v)),
     "round_in_place": lambda k, v: replace(k, round_in_place=_choice("round_in_place", RoundInPlace, v)),

@@ -123,7 +123,7 @@ class CudaLane:
         from fuselane.lanes.cuda.triton.gemv.weight_loads import weight_loads
 
         with self._on_lane_stream(), pdl.dependent_launches(self.dependent_launch):
-            with weight_loads(self.shim.knobs.weight_loads, self.shim.knobs.run_loads):
+            with weight_loads(self.shim.knobs.weight_loads):
                 yield
 
     @contextlib.contextmanager

@@ -29,8 +29,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # no inline PTX under the interpreter
 WORD_BYTES = tl.constexpr(4)
-VECTOR_BYTES = tl.constexpr(16)  # a 128-bit load's
-VECTOR_WORDS = tl.constexpr(4)
 PRMT_PICK = tl.constexpr(0x7)  # the bits of a `prmt` selector nibble that pick one of 8 bytes
 WORD_START = tl.constexpr(-4)  # the mask that rounds an address down to its word
 HALF_WORD = tl.constexpr(0xFFFF)
@@ -136,13 +134,11 @@ def _ld5(ptr, last, PINNED: tl.constexpr):
 
 
 @triton.jit
-def ld_words(ptr, PINNED: tl.constexpr = False, VECTOR: tl.constexpr = False):
+def ld_words(ptr, PINNED: tl.constexpr = False):
     """The 16 bytes at each 4-byte aligned address of `ptr` ([N, G] byte pointers) as four int32 words in the
     thread: four aligned 32-bit weight loads (read-only path, or the coherent one where PINNED; out of L1
     first), where `ld_run` would read a fifth and shift (the runs of Q4_1's 20-byte, Q5_1's 24-byte, IQ4_XS's
-    136-byte and Q2_K's 84-byte blocks all start on a word). VECTOR: `ld_run_vector`'s two loads."""
-    if VECTOR:
-        return ld_run_vector(ptr, PINNED)
+    136-byte and Q2_K's 84-byte blocks all start on a word)."""
     p = ptr.to(tl.pointer_type(tl.int32))
     if INTERPRETED:
         return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
@@ -226,36 +222,11 @@ def _word_at(lo, hi, shift):
 
 
 @triton.jit
-def _pick(k, x0, x1, x2, x3):
-    """x_k for k in 0..3 ([N, G] each): two selects deep."""
-    return tl.where(k < 2, tl.where(k == 0, x0, x1), tl.where(k == 2, x2, x3))
-
-
-@triton.jit
-def ld_run_vector(ptr, PINNED: tl.constexpr = False):
-    """`ld_run` in two 128-bit loads: the 16-byte aligned blocks holding the run (one, read twice, where the run
-    is on one), its four words picked from their eight and shifted into place. A warp's 32-bit loads of runs
-    a block apart (110 bytes for Q3_K, 210 for Q6_K) each touch a dozen cache lines for 128 bytes; its 128-bit
-    ones, as many for 512. Reads no byte past the 16-byte block that holds the run's last."""
-    at = ptr.to(tl.int64)
-    off = (at & (VECTOR_BYTES - 1)).to(tl.int32)
-    first = (at - off).to(tl.pointer_type(tl.int32))
-    a0, a1, a2, a3 = ld4(first, True, PINNED)
-    b0, b1, b2, b3 = ld4(first + tl.where(off == 0, 0, VECTOR_WORDS), True, PINNED)
-    k, shift = off // WORD_BYTES, (off % WORD_BYTES) * BYTE_BITS
-    c0, c1, c2 = _pick(k, a0, a1, a2, a3), _pick(k, a1, a2, a3, b0), _pick(k, a2, a3, b0, b1)
-    c3, c4 = _pick(k, a3, b0, b1, b2), _pick(k, b0, b1, b2, b3)
-    return _word_at(c0, c1, shift), _word_at(c1, c2, shift), _word_at(c2, c3, shift), _word_at(c3, c4, shift)
-
-
-@triton.jit
-def ld_run(ptr, PINNED: tl.constexpr = False, VECTOR: tl.constexpr = False):
+def ld_run(ptr, PINNED: tl.constexpr = False):
     """The 16 bytes at each 2-byte aligned address of `ptr` ([N, G] byte pointers) as four int32 words in the
     thread: five aligned words read (four where the run is on a word), then shifted into place (Q6_K's
     210-byte blocks leave every other block's runs 2 bytes past a word). A run 2 bytes past a word reads
-    the 2 bytes after it too. PINNED: the coherent path (`ld4`). VECTOR: `ld_run_vector`'s two loads."""
-    if VECTOR:
-        return ld_run_vector(ptr, PINNED)
+    the 2 bytes after it too. PINNED: the coherent path (`ld4`)."""
     at = ptr.to(tl.int64)
     shift = ((at & (WORD_BYTES - 1)) * BYTE_BITS).to(tl.int32)
     first = (at & WORD_START).to(tl.pointer_type(tl.int32))

@@ -61,8 +61,6 @@ Q2_K_BYTES, Q2_K_SCALES, Q2_K_QS = nbytes(Format.Q2_K), offset(Format.Q2_K, "sca
 Q2_K_D, Q2_K_DMIN = offset(Format.Q2_K, "d"), offset(Format.Q2_K, "dmin")
 Q3_K_BYTES, Q3_K_HMASK, Q3_K_QS = nbytes(Format.Q3_K), offset(Format.Q3_K, "hmask"), offset(Format.Q3_K, "qs")
 Q3_K_SCALES, Q3_K_D = offset(Format.Q3_K, "scales"), offset(Format.Q3_K, "d")
-# Q3_K's header as one 16-byte run ending with d: qs's last 2 bytes, the 12 scale bytes, d (bytes 94-109)
-Q3_K_HEAD = const(Q3_K_D + 2 - 16)
 IQ4_NL_BYTES, IQ4_NL_D, IQ4_NL_QS = nbytes(Format.IQ4_NL), offset(Format.IQ4_NL, "d"), offset(Format.IQ4_NL, "qs")
 IQ4_XS_BYTES, IQ4_XS_D, IQ4_XS_QS = nbytes(Format.IQ4_XS), offset(Format.IQ4_XS, "d"), offset(Format.IQ4_XS, "qs")
 IQ4_XS_SCALES_H, IQ4_XS_SCALES_L = offset(Format.IQ4_XS, "scales_h"), offset(Format.IQ4_XS, "scales_l")

@@ -75,7 +75,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
 )
 from fuselane.lanes.cuda.triton.gemv.parts import Part, check_glu_out, check_rows, part_rows, parts_args, store_parts
 from fuselane.lanes.cuda.triton.gemv.q8_tiles import tile_of
-from fuselane.lanes.cuda.triton.gemv.weight_loads import PINNED, VECTOR_RUNS, fence
+from fuselane.lanes.cuda.triton.gemv.weight_loads import PINNED, fence
 from fuselane.lanes.cuda.triton.quant import CODES_ALIGN, Q8Acts, check_acts
 
 LOW_NIBBLES = const(0x0F0F0F0F)  # the low nibble of each byte of a word
@@ -88,7 +88,6 @@ Q6_BIAS, Q5_BIAS = const(32.0), const(16.0)
 QK_C, QK_K_C, HALF_QK_C = const(QK), const(QK_K), const(QK // 2)
 WORD_VALUES = const(4)  # int8 codes a 32-bit word
 PINNED_C = const(PINNED)  # `FENCE`'s value under weight_loads=ahead
-VECTOR_RUNS_C = const(VECTOR_RUNS)  # added to `FENCE` under run_loads=vector
 # Each format's groups a unit (a thread's share of a chunk: see `chunk_acts`) and values a unit; `q8_bodies` holds
 # the formats after the first four
 GROUPS = {Format.Q4_K: K_RUNS.value, Format.Q6_K: Q6_RUNS.value, Format.Q8_0: 1, Format.Q5_0: 1} | q8_bodies.GROUPS
@@ -127,8 +126,7 @@ def _raw_q4_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.
 
 
 @triton.jit
-def _raw_q6_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr, PINNED: tl.constexpr,
-              VECTOR: tl.constexpr):  # fmt: skip
+def _raw_q6_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr, PINNED: tl.constexpr):
     """Q6_K's raw chunk: each group's (a ql run's) d, its two scales, and its 16 ql bytes and the 16 qh bytes
     of their crumbs as four [N, G] words each, in one thread (`ld_run`)."""
     unit, half, r = q6_k_runs(u0, CHUNK)
@@ -136,23 +134,22 @@ def _raw_q6_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.
         unit = tl.minimum(unit, N_UNITS - 1)
     blk = w_rows[:, None] + (unit * Q6_K_BYTES)[None, :]
     sc = (blk + (half * Q6_SUBS_HALF + r + Q6_K_SCALES)[None, :]).to(tl.pointer_type(tl.int8))
-    ql = ld_run(blk + (half * Q6_QL_HALF + r * Q6_RUN + Q6_K_QL)[None, :], PINNED, VECTOR)
-    qh = ld_run(blk + (half * Q6_QH_HALF + (r % Q6_QH_RUNS) * Q6_RUN + Q6_K_QH)[None, :], PINNED, VECTOR)
+    ql = ld_run(blk + (half * Q6_QL_HALF + r * Q6_RUN + Q6_K_QL)[None, :], PINNED)
+    qh = ld_run(blk + (half * Q6_QH_HALF + (r % Q6_QH_RUNS) * Q6_RUN + Q6_K_QH)[None, :], PINNED)
     return (ld16(blk + Q6_K_D, True), ld_once(sc), ld_once(sc + Q6_HIGH_SUBS)) + ql + qh
 
 
 @triton.jit
 def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr,
-              PINNED: tl.constexpr = False, VECTOR: tl.constexpr = False):  # fmt: skip
+              PINNED: tl.constexpr = False):  # fmt: skip
     """A chunk's weight bytes: Q4_K's and Q6_K's held apart a group a thread (`_raw_q4_k`, `_raw_q6_k`), the
-    others' as `load_chunk`. PINNED: the runs' loads take the coherent path (`weight_loads`); VECTOR: a run off
-    a 16-byte boundary is two 128-bit loads (`int8_words.ld_run_vector`, the `run_loads` knob)."""
+    others' as `load_chunk`. PINNED: the runs' loads take the coherent path (`weight_loads`)."""
     if FMT == FMT_Q4_K:
         return _raw_q4_k(w_rows, u0, N_UNITS, CHUNK, CLAMP, PINNED)
     elif FMT == FMT_Q6_K:
-        return _raw_q6_k(w_rows, u0, N_UNITS, CHUNK, CLAMP, PINNED, VECTOR)
+        return _raw_q6_k(w_rows, u0, N_UNITS, CHUNK, CLAMP, PINNED)
     elif NEW_BODIES_C[FMT]:
-        return q8_bodies.raw_chunk(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP, GROUPS_C[FMT], PINNED, VECTOR)
+        return q8_bodies.raw_chunk(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP, GROUPS_C[FMT], PINNED)
     else:
         return load_chunk(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP)
 
@@ -370,24 +367,22 @@ def row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_U
     the wait too, so ptxas issues those loads before it (`pdl`: it hoists a wait above loads it may reorder);
     for a launch whose weights' addresses are ready before the launch before it ends (the mixture's down)."""
     CHUNKS: tl.constexpr = (N_UNITS + CHUNK - 1) // CHUNK
-    VEC: tl.constexpr = FENCE >= VECTOR_RUNS_C  # run_loads=vector
-    BASE: tl.constexpr = FENCE - VEC * VECTOR_RUNS_C  # NO_FENCE, FENCED or PINNED
-    PIN: tl.constexpr = BASE == PINNED_C
+    PIN: tl.constexpr = FENCE == PINNED_C
     PARTIAL: tl.constexpr = N_UNITS % CHUNK != 0
     DEEP: tl.constexpr = DEPTH == 2 and CHUNKS >= 2
     G: tl.constexpr = CHUNK * GROUPS_C[FMT]
-    raw_a = raw_chunk(w_a, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1, PIN, VEC)
+    raw_a = raw_chunk(w_a, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1, PIN)
     raw_b = raw_a
     acc_a = tl.zeros([BLOCK_N, G], tl.float32)
     acc_b = tl.zeros([1], tl.float32)  # a placeholder where not TWO
     if TWO:
-        raw_b = raw_chunk(w_b, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1, PIN, VEC)
+        raw_b = raw_chunk(w_b, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1, PIN)
         acc_b = tl.zeros([BLOCK_N, G], tl.float32)
     if DEEP:  # the second chunk, in flight with the first
-        mid_a = raw_chunk(w_a, CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 2, PIN, VEC)
+        mid_a = raw_chunk(w_a, CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 2, PIN)
         mid_b = mid_a
         if TWO:
-            mid_b = raw_chunk(w_b, CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 2, PIN, VEC)
+            mid_b = raw_chunk(w_b, CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 2, PIN)
     if HOLD:
         tl.debug_barrier()
     pdl.wait(PDL)
@@ -396,13 +391,13 @@ def row_dots(w_a, w_b, xq, xd, xs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, N_U
     AHEAD: tl.constexpr = 2 * CHUNK if DEEP else CHUNK
     for c in range(0, CHUNKS - 2 if DEEP else CHUNKS - 1):
         u0 = c * CHUNK
-        next_a = raw_chunk(w_a, u0 + AHEAD, FMT, N_UNITS, CHUNK, PARTIAL, PIN, VEC)
+        next_a = raw_chunk(w_a, u0 + AHEAD, FMT, N_UNITS, CHUNK, PARTIAL, PIN)
         if TWO:
-            next_b = raw_chunk(w_b, u0 + AHEAD, FMT, N_UNITS, CHUNK, PARTIAL, PIN, VEC)
+            next_b = raw_chunk(w_b, u0 + AHEAD, FMT, N_UNITS, CHUNK, PARTIAL, PIN)
         if PIN:  # before the activations' loads too, so the sums that wait on them cannot pull ahead of it
             tl.debug_barrier()
         acts = chunk_acts(xq, xd, xs, u0, FMT, N_UNITS, BLOCK_N, CHUNK)
-        if BASE and not PIN:  # see fast.PREFETCH_FENCE (it holds only coherent loads: `weight_loads`)
+        if FENCE and not PIN:  # see fast.PREFETCH_FENCE (it holds only coherent loads: `weight_loads`)
             tl.debug_barrier()
         acc_a = _chunk_sum(acc_a, raw_a, acts, u0, FMT, N_UNITS, CHUNK, False)
         if TWO:

@@ -71,7 +71,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q2_K_SCALES,
     Q3_K_BYTES,
     Q3_K_D,
-    Q3_K_HEAD,
     Q3_K_HMASK,
     Q3_K_QS,
     Q3_K_SCALES,
@@ -161,11 +160,10 @@ def _half(ptr):
 
 @triton.jit
 def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr,
-              GROUPS_A_UNIT: tl.constexpr, PINNED: tl.constexpr = False, VECTOR: tl.constexpr = False):  # fmt: skip
+              GROUPS_A_UNIT: tl.constexpr, PINNED: tl.constexpr = False):  # fmt: skip
     """The chunk at unit u0 of each row (`w_rows`: [N] uint8 pointers) as a tuple of [N, G] tensors, a group's
     bytes in one thread; with CLAMP (a partial last chunk) units past the row read its last unit. PINNED: the
-    runs' loads take the coherent path (`weight_loads`; the scalar fields stay on the read-only one). VECTOR:
-    a run that `ld_run` or `ld_words` reads is two 128-bit loads (`int8_words.ld_run_vector`)."""
+    runs' loads take the coherent path (`weight_loads`; the scalar fields stay on the read-only one)."""
     g = tl.arange(0, CHUNK * GROUPS_A_UNIT)
     unit = g // GROUPS_A_UNIT + u0
     if CLAMP:
@@ -177,17 +175,16 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
         return head + qs + ld4(_i32(blk + (r % 2) * RUN_BYTES + Q5_K_QH), True, PINNED)
     elif FMT == FMT_Q4_0:
         blk = w_rows[:, None] + (unit * Q4_0_BYTES)[None, :]
-        return (_half(blk + Q4_0_D),) + ld_run(blk + Q4_0_QS, PINNED, VECTOR)
+        return (_half(blk + Q4_0_D),) + ld_run(blk + Q4_0_QS, PINNED)
     elif FMT == FMT_IQ4_NL:
         blk = w_rows[:, None] + (unit * IQ4_NL_BYTES)[None, :]
-        return (_half(blk + IQ4_NL_D),) + ld_run(blk + IQ4_NL_QS, PINNED, VECTOR)
+        return (_half(blk + IQ4_NL_D),) + ld_run(blk + IQ4_NL_QS, PINNED)
     elif FMT == FMT_Q4_1:
         blk = w_rows[:, None] + (unit * Q4_1_BYTES)[None, :]
-        return (_half(blk + Q4_1_D), _half(blk + Q4_1_M)) + ld_words(blk + Q4_1_QS, PINNED, VECTOR)
+        return (_half(blk + Q4_1_D), _half(blk + Q4_1_M)) + ld_words(blk + Q4_1_QS, PINNED)
     elif FMT == FMT_Q5_1:
         blk = w_rows[:, None] + (unit * Q5_1_BYTES)[None, :]
-        head = _half(blk + Q5_1_D), _half(blk + Q5_1_M), _word(blk + Q5_1_QH)
-        return head + ld_words(blk + Q5_1_QS, PINNED, VECTOR)
+        return (_half(blk + Q5_1_D), _half(blk + Q5_1_M), _word(blk + Q5_1_QH)) + ld_words(blk + Q5_1_QS, PINNED)
     elif FMT == FMT_IQ4_XS:  # d and scales_h as one word, scales_l the next; the sub-block's 16 qs bytes
         tl.static_assert(IQ4_XS_SCALES_L == IQ4_XS_D + 4, "IQ4_XS's header is one 8-byte load")
         blk = w_rows[:, None] + (unit * IQ4_XS_BYTES)[None, :]
@@ -196,35 +193,17 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
     elif FMT == FMT_Q3_K:  # d, its four sub-blocks' scale bytes (low nibbles, then top crumbs), qs and hmask runs
         blk = w_rows[:, None] + (unit * Q3_K_BYTES)[None, :]
         t = r % 2
-        # two branches, not one with the header chosen: `words` keeps its loads in the order they compiled in
-        # before the knob, the SASS that was timed (two reorderings moved ptxas's registers: the GLU 114 -> 96,
-        # the down product 103 -> 114)
-        if VECTOR:  # the header too as one run
-            head = _q3_k_head(ld_run(blk + Q3_K_HEAD, PINNED, VECTOR), t)
-            qs = ld_run(blk + r * RUN_BYTES + Q3_K_QS, PINNED, VECTOR)
-            return head + qs + ld_run(blk + t * RUN_BYTES + Q3_K_HMASK, PINNED, VECTOR)
         sc = blk + Q3_K_SCALES + t
         hi = sc + Q3_LOW_SCALES
         scales = _byte(sc), _byte(sc + 2), _byte(sc + 4), _byte(sc + 6), _byte(hi), _byte(hi + HIGH_SCALE_STEP)
-        qs = ld_run(blk + r * RUN_BYTES + Q3_K_QS, PINNED, VECTOR)
-        return (_half(blk + Q3_K_D),) + scales + qs + ld_run(blk + t * RUN_BYTES + Q3_K_HMASK, PINNED, VECTOR)
+        qs = ld_run(blk + r * RUN_BYTES + Q3_K_QS, PINNED)
+        return (_half(blk + Q3_K_D),) + scales + qs + ld_run(blk + t * RUN_BYTES + Q3_K_HMASK, PINNED)
     else:
         tl.static_assert(FMT == FMT_Q2_K, "no int8 GEMV body for this format")
         blk = w_rows[:, None] + (unit * Q2_K_BYTES)[None, :]
         sc = blk + Q2_K_SCALES + (r // 2) * Q3_LOW_SCALES  # the half's eight scale bytes
         head = _word(blk + Q2_K_D), _word(sc), _word(sc + 4)
-        return head + ld_words(blk + r * RUN_BYTES + Q2_K_QS, PINNED, VECTOR)
-
-
-@triton.jit
-def _q3_k_head(run, t):
-    """Q3_K's d and a group's six scale bytes (`t` = r % 2: bytes t + 2j, then 8 + t and 10 + t) from its header
-    read as one run (`Q3_K_HEAD`: scale byte i at bit 8 (i + 2) of it), each byte shifted to the bottom with the
-    bits above it left (the sums mask what they take), as `raw_chunk` gives them from one load each."""
-    v0, v1, v2, v3 = run
-    s = t * BYTE_BITS
-    hs = s + HALF_WORD_BITS
-    return _f16(v3 >> HALF_WORD_BITS), v0 >> hs, v1 >> s, v1 >> hs, v2 >> s, v2 >> hs, v3 >> s
+        return head + ld_words(blk + r * RUN_BYTES + Q2_K_QS, PINNED)
 
 
 # --- the sums a group --------------------------------------------------------------------------------------------

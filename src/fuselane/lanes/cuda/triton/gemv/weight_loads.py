@@ -15,10 +15,9 @@ after this chunk's IDP.4A (`docs/cuda-lane.md#weight-loads` has the SASS).
   kernels of one or two chunks have no loop barrier). The same bytes are summed in the same order, so the
   numbers are bit for bit the same.
 
-The lane makes its launches inside `weight_loads(mode, runs)`; each int8 GEMV launcher reads `fence()` into the
+The lane makes its launches inside `weight_loads(mode)`; each int8 GEMV launcher reads `fence()` into the
 kernels' `FENCE` constexpr: `NO_FENCE`, `FENCED` (a barrier in the loop) or `PINNED` (coherent loads, a
-barrier after the prologue's and after each prefetch), plus `VECTOR_RUNS` where the `run_loads` knob asks for
-a run's words from two 128-bit loads (`int8_words.ld_run_vector`).
+barrier after the prologue's and after each prefetch).
 """
 
 from __future__ import annotations
@@ -27,17 +26,16 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 
-from fuselane.lanes.cuda.plan.knobs import RunLoads, WeightLoads
+from fuselane.lanes.cuda.plan.knobs import WeightLoads
 
 NO_FENCE, FENCED, PINNED = 0, 1, 2  # the `FENCE` constexpr's values (False and True are the first two)
-VECTOR_RUNS = 4  # added to them under `run_loads=vector`: the kernels read `FENCE % VECTOR_RUNS` for the above
-_MODE = contextvars.ContextVar("fuselane_weight_loads", default=(WeightLoads.AS_WRITTEN, RunLoads.WORDS))
+_MODE = contextvars.ContextVar("fuselane_weight_loads", default=WeightLoads.AS_WRITTEN)
 
 
 @contextlib.contextmanager
-def weight_loads(mode: WeightLoads, runs: RunLoads = RunLoads.WORDS) -> Iterator[None]:
-    """The int8 GEMVs launched inside load their weights as `mode` says, and their runs as `runs` says."""
-    token = _MODE.set((WeightLoads(mode), RunLoads(runs)))
+def weight_loads(mode: WeightLoads) -> Iterator[None]:
+    """The int8 GEMVs launched inside load their weights as `mode` says."""
+    token = _MODE.set(WeightLoads(mode))
     try:
         yield
     finally:
@@ -46,7 +44,7 @@ def weight_loads(mode: WeightLoads, runs: RunLoads = RunLoads.WORDS) -> Iterator
 
 def fence(prefetch_fence: bool) -> int:
     """The `FENCE` constexpr of an int8 GEMV launched now: PINNED under `ahead`, else FENCED or NO_FENCE as
-    `prefetch_fence` (`fast.PREFETCH_FENCE`) says; plus VECTOR_RUNS under `run_loads=vector`."""
-    mode, runs = _MODE.get()
-    base = PINNED if mode is WeightLoads.AHEAD else (FENCED if prefetch_fence else NO_FENCE)
-    return base + (VECTOR_RUNS if runs is RunLoads.VECTOR else 0)
+    `prefetch_fence` (`fast.PREFETCH_FENCE`) says."""
+    if _MODE.get() is WeightLoads.AHEAD:
+        return PINNED
+    return FENCED if prefetch_fence else NO_FENCE

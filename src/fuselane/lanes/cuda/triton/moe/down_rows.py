@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv.q8 import GROUPS_C, PINNED_C, VECTOR_RUNS_C, chunk_acts, chunk_sums, raw_chunk
+from fuselane.lanes.cuda.triton.gemv.q8 import GROUPS_C, PINNED_C, chunk_acts, chunk_sums, raw_chunk
 
 
 @triton.jit
@@ -32,20 +32,18 @@ def kept_dots(w_rows, xq, xd, xs, route_w, a0, a1, row, first, live, D: tl.const
     first chunks' weights and the route weights are read before the wait for the launch before (PDL), the
     arrays added in after it."""
     CHUNKS: tl.constexpr = (N_UNITS + CHUNK - 1) // CHUNK
-    VEC: tl.constexpr = FENCE >= VECTOR_RUNS_C  # run_loads=vector
-    BASE: tl.constexpr = FENCE - VEC * VECTOR_RUNS_C  # NO_FENCE, FENCED or PINNED
-    PIN: tl.constexpr = BASE == PINNED_C
+    PIN: tl.constexpr = FENCE == PINNED_C
     PARTIAL: tl.constexpr = N_UNITS % CHUNK != 0
     AHEAD: tl.constexpr = DEPTH if DEPTH < CHUNKS else CHUNKS  # chunks loaded before the loop: the row's first
     G: tl.constexpr = CHUNK * GROUPS_C[FMT]
     rw = tl.load(route_w, mask=live, other=0.0, cache_modifier=".cg")
     # the chunks ahead, held in three names (a stand-in where fewer), rotated as each is summed
-    raw = raw_chunk(w_rows, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1, PIN, VEC)
+    raw = raw_chunk(w_rows, 0, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 1, PIN)
     mid, far = raw, raw
     if AHEAD >= 2:
-        mid = raw_chunk(w_rows, CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 2, PIN, VEC)
+        mid = raw_chunk(w_rows, CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 2, PIN)
     if AHEAD >= 3:
-        far = raw_chunk(w_rows, 2 * CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 3, PIN, VEC)
+        far = raw_chunk(w_rows, 2 * CHUNK, FMT, N_UNITS, CHUNK, PARTIAL and CHUNKS == 3, PIN)
     acc = tl.zeros([BLOCK_N, G], tl.float32)
     if EARLY:  # the loads above issued before the wait (`q8.row_dots`' HOLD)
         tl.debug_barrier()
@@ -55,11 +53,11 @@ def kept_dots(w_rows, xq, xd, xs, route_w, a0, a1, row, first, live, D: tl.const
         tl.debug_barrier()
     for c in range(0, CHUNKS - AHEAD):  # each iteration loads the chunk AHEAD on, then sums chunk c
         u0 = c * CHUNK
-        nxt = raw_chunk(w_rows, u0 + AHEAD * CHUNK, FMT, N_UNITS, CHUNK, PARTIAL, PIN, VEC)
+        nxt = raw_chunk(w_rows, u0 + AHEAD * CHUNK, FMT, N_UNITS, CHUNK, PARTIAL, PIN)
         if PIN:
             tl.debug_barrier()
         acts = chunk_acts(xq, xd, xs, u0, FMT, N_UNITS, BLOCK_N, CHUNK)
-        if BASE and not PIN:
+        if FENCE and not PIN:
             tl.debug_barrier()
         acc += chunk_sums(raw, acts, u0, FMT, N_UNITS, CHUNK, False)
         if AHEAD == 3:
