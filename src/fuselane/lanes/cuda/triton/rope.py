@@ -110,26 +110,36 @@ def _turn_rows(src, dst, w_ptr, cos, sin, valid, eps, h0, H: tl.constexpr, H_TIL
     ([R, RH_P2]), the HD - 2 RH values after them (partial rotary) only normed. With FROM_L2 the heads are read
     past this SM's L1 (`.cg`): other programs of the same launch wrote them."""
     CACHE: tl.constexpr = ".cg" if FROM_L2 else ""
+    PART: tl.constexpr = 2 * RH < HD  # a partial rotary: values after the pairs pass, only normed
     h = h0 + tl.arange(0, H_TILE)[None, :, None]
     j = tl.arange(0, RH_P2)[None, None, :]
-    rest = tl.arange(0, REST_P2)[None, None, :]  # all masked off where the whole head turns
     heads = valid[:, None, None] & (h < H)
-    mask, rmask = heads & (j < RH), heads & (rest < HD - 2 * RH)
+    mask = heads & (j < RH)
     at = src[:, None, None] + h * HEAD_PITCH
     to = dst[:, None, None] + h * HD
     a = tl.load(at + j, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
     b = tl.load(at + RH + j, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
-    c = tl.load(at + 2 * RH + rest, mask=rmask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    if PART:
+        rest = tl.arange(0, REST_P2)[None, None, :]
+        rmask = heads & (rest < HD - 2 * RH)
+        c = tl.load(at + 2 * RH + rest, mask=rmask, other=0.0, cache_modifier=CACHE).to(tl.float32)
     if NORM:
-        r = tl.rsqrt((tl.sum(a * a, axis=2) + tl.sum(b * b, axis=2) + tl.sum(c * c, axis=2)) / HD + eps)[:, :, None]
+        # one reduction over the pairs: each is a pass through shared memory and a barrier where a head
+        # spreads over warps, which a decode step's launch of a program a head waits on
+        squares = tl.sum(a * a + b * b, axis=2)
+        if PART:
+            squares += tl.sum(c * c, axis=2)
+        r = tl.rsqrt(squares / HD + eps)[:, :, None]
         a = a * r * tl.load(w_ptr + j, mask=j < RH, other=0.0).to(tl.float32)
         b = b * r * tl.load(w_ptr + RH + j, mask=j < RH, other=0.0).to(tl.float32)
-        c = c * r * tl.load(w_ptr + 2 * RH + rest, mask=rest < HD - 2 * RH, other=0.0).to(tl.float32)
+        if PART:
+            c = c * r * tl.load(w_ptr + 2 * RH + rest, mask=rest < HD - 2 * RH, other=0.0).to(tl.float32)
     cos, sin = cos[:, None, :], sin[:, None, :]
     ty = dst.dtype.element_ty
     tl.store(to + j, (a * cos - b * sin).to(ty), mask=mask)
     tl.store(to + RH + j, (b * cos + a * sin).to(ty), mask=mask)
-    tl.store(to + 2 * RH + rest, c.to(ty), mask=rmask)
+    if PART:
+        tl.store(to + 2 * RH + rest, c.to(ty), mask=rmask)
 
 
 @triton.jit
