@@ -29,6 +29,11 @@ from fuselane.lanes.cuda.triton.gemv import q8_bodies
 # Q3_K's or IQ4_XS's 4-row tile, nor Q2_K's 8-row GLU (`benchmarks/RESULTS.md`).
 TILES = {Format.Q4_K: (4, 8, 1), Format.Q6_K: (2, 8, 1), Format.Q8_0: (2, 2, 2), Format.Q5_0: (4, 2, 2)}
 TILES |= {f: TILES[Format.Q4_K] if q8_bodies.GROUPS[f] > 1 else TILES[Format.Q5_0] for f in q8_bodies.FORMATS}
+# Q3_K's and Q2_K's rows at two rows and two warps, two (row, group)s a thread, where Q4_K's eight warps left
+# a program one pass over its rows (the whole step, 2026-12-04: the 7B in Q3_K_M 2.398 -> 2.363 ms, in Q2_K
+# 2.199 -> 2.163, (4, 2, 2) within 0.5 % of it; Qwen2.5-1.5B's, through SHORT_TILES, 1.067 -> 1.035 and 1.014
+# -> 1.002). IQ4_XS's lost at every other tile of the same sweep.
+TILES |= {f: (2, 2, 2) for f in q8_bodies.K_QUAD_FORMATS}
 GLU_TILES = TILES | {f: (8, 2, 2) for f in (Format.Q4_K, Format.Q5_K, Format.Q2_K)}
 GLU_TILES |= {Format.Q3_K: (4, 2, 2), Format.IQ4_XS: (8, 4, 1)}
 # A Q6_K gated pair (llama.cpp's Q6_K mix) at four rows and two warps, two (row, group)s a thread, not Q6_K's
