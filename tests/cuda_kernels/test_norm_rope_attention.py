@@ -18,6 +18,8 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
@@ -29,6 +31,7 @@ from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
 from fuselane.gguf.quantize import random_blocks  # noqa: E402
 from fuselane.graph.ops import ArgMax, Attention, RmsNorm, Rope, Unary, UnaryOp, Yarn  # noqa: E402
 from fuselane.lanes.cpu import kernels as ref  # noqa: E402
+from fuselane.lanes.cuda.plan import kernels  # noqa: E402
 from fuselane.lanes.cuda.triton import misc, norm, pdl, quant, rope  # noqa: E402
 from fuselane.lanes.cuda.triton.attention import decode as attention  # noqa: E402
 from fuselane.lanes.cuda.triton.attention import prefill as attention_prefill  # noqa: E402
@@ -309,6 +312,19 @@ def test_rope_q_k_one_launch(normed):
     with pytest.raises(ValueError, match="both normed or neither"):
         rope.rope_q_k(dev(q), dev(k), q_out, k_cache, pos_of(p), heads=HEADS, kv_heads=KV, hd=hd, base=1e4,
                       q_norm_w=dev(f32(rng, hd)))  # fmt: skip
+
+
+@given(
+    heads=st.integers(1, 128), half=st.integers(1, kernels.ROPE_HEAD // 2), turned_half=st.integers(0, 128),
+    rows=st.integers(1, 1 << 14),
+)  # fmt: skip
+def test_a_rotation_tile_is_whole_powers_of_two(heads, half, turned_half, rows):
+    # Triton takes a tile's sides and a launch's warps only as powers of two; a partial rotary's head (turned
+    # pairs and the values after them, each side a power-of-two tile) is no power of two wide
+    hd, turned = 2 * half, 2 * min(turned_half, half) or 2 * half
+    tile_rows, tile_heads, warps = rope.rope_tile(heads, hd, turned, rows)
+    assert all(v >= 1 and v & (v - 1) == 0 for v in (tile_rows, tile_heads, warps))
+    assert warps <= kernels.ROPE_WARPS and tile_heads < 2 * heads and tile_rows < 2 * rows
 
 
 @pytest.mark.parametrize("per_row", [False, True])
