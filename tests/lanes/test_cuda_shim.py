@@ -146,10 +146,10 @@ def mixture(k: int = 8, d: int = 2048, dst: Dst | None = None) -> Op:
     return prim(Moe(1, d, 768, 128, k), ("x", "router"), "moe", dst)
 
 
-def shared_expert(k: int = 8, bias: bool = False, down: bool = True) -> Op:
-    gate, up = matmul(1, 512, 2048, out="sg"), matmul(1, 512, 2048, out="up")
+def shared_expert(k: int = 8, bias: bool = False, down: bool = True, down_w: str = "q4k", gate_w: str = "q4k") -> Op:
+    gate, up = matmul(1, 512, 2048, gate_w, out="sg"), matmul(1, 512, 2048, gate_w, out="up")
     glu = fused(C.GEMV_GATE_UP_GLU, gate, up, fused(C.GLU_ACT_MUL, unary(512, "sg"), mul(512)))
-    tail = [matmul(1, 2048, 512, x="glu", out="shared")] if down else []
+    tail = [matmul(1, 2048, 512, down_w, x="glu", out="shared")] if down else []
     if bias:
         tail.append(prim(Elementwise(ElementwiseOp.ADD, 1, 2048, row=True), ("shared", "norm"), "biased"))
     return fused(C.SHARED_EXPERT_FUSION, mixture(k), glu, *tail)
@@ -396,6 +396,14 @@ CASES = [
         lambda: shared_expert(bias=True),
         "a mixture folds its unbiased SwiGLU shared expert, a step's one row of checkpoint rows, into at most 32 "
         "warps of kept experts",
+    ),
+    Case(
+        # its down product reads the f32 SwiGLU by rows, which the GEMV by rows decodes in its formats only
+        "shared expert's formats",
+        lambda: shared_expert(down_w="q6k"),
+        lambda: shared_expert(down_w="q2k"),
+        "a folded shared expert's down and score products read f32 activations, in the formats the GEMV by rows "
+        "decodes; its gate and up those or the kept experts' int8 format",
     ),
     Case(
         "rotations",

@@ -36,6 +36,7 @@ from fuselane.graph.ops import (
     CausalConv,
     Elementwise,
     ElementwiseOp,
+    ExpertMatmul,
     GateAct,
     GatedDelta,
     HeadMatmul,
@@ -483,7 +484,7 @@ def _shared_expert_fusion(shim: CudaShim, op: Op, members: Sequence[Op], g: Tens
     by_rows = all(isinstance(p.weights, Rows) and p.m == 1 for p in products)
     m = moe(op)
     # Kept experts take a warp each and the shared expert one more, in one block of at most 32 warps.
-    if (
+    if not (
         m is not None
         and m.k < kernels.MAX_BLOCK_WARPS
         and m.rows == 1
@@ -493,11 +494,40 @@ def _shared_expert_fusion(shim: CudaShim, op: Op, members: Sequence[Op], g: Tens
         and not biased
         and by_rows
     ):
+        return (
+            "a mixture folds its unbiased SwiGLU shared expert, a step's one row of checkpoint rows, into at most "
+            "32 warps of kept experts"
+        )
+    made = {x.out for x in found}
+    int8 = _kept_int8_format(shim, [p.x for p in products if p.x not in made], g)
+    if all(_shared_product_read(p, made, int8) for p in products):
         return None
     return (
-        "a mixture folds its unbiased SwiGLU shared expert, a step's one row of checkpoint rows, into at most 32 "
-        "warps of kept experts"
+        "a folded shared expert's down and score products read f32 activations, in the formats the GEMV by rows "
+        "decodes; its gate and up those or the kept experts' int8 format"
     )
+
+
+def _shared_product_read(p: GemvForm, made: set[str], int8: Format | None) -> bool:
+    """Whether a folded shared expert's product has a kernel: the f32 GEMV by rows (`moe/shared.py`'s
+    `row_dot`) in its formats, or, for its gate and up (n rows, reading the mixture's input), the kept experts'
+    int8 tiles where they read their input in int8 and the expert's rows are their format, whole blocks."""
+    fmt = p.weights.format if isinstance(p.weights, Rows) else None
+    if fmt in kernels.ROWS_GEMV_FORMATS:
+        return True
+    gate_or_up = p.x not in made and p.n > 1 and p.n % kernels.QBLOCK == 0
+    return kernels.MOE_SHARED_INT8 and gate_or_up and fmt is not None and fmt is int8
+
+
+def _kept_int8_format(shim: CudaShim, inputs: list[str], g: TensorGraph) -> Format | None:
+    """The format of the kept experts' gate/up products that read one of `inputs` (the mixture's input) in
+    int8, or None where they read it in f32 (or none is found)."""
+    for top in g.ops:
+        found = [x for x in leaves(top) if isinstance(x.sym, ExpertMatmul) and not x.sym.slotted]
+        if found and found[0].ins[0] in inputs and shim.activation(top, 0, g) is not None:
+            storage = g.tensors[found[0].ins[1]].storage
+            return storage.format if isinstance(storage, Rows) else None
+    return None
 
 
 def _row_write_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:

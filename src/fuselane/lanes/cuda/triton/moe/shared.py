@@ -78,12 +78,24 @@ def phase_consts(s: Shared | None, d: int, warps: int, q8_rows: int | None = Non
     kept experts' int8 tiles of that many rows (`gate_up`, SHARED_Q8), its f32 constants unused."""
     if s is None:
         return _phase(Format.F32, Format.F32, QK, 1, warps) | dict(SDFF=1), 0
+    _check_f32_reads(s.score_fmt, "score")
+    if q8_rows is None:
+        _check_f32_reads(s.fmt, "gate and up")
     rows = q8_rows if q8_rows is not None else gemv_rows.tile(s.fmt, s.sdff, d, 1)[0]
-    return _phase(s.fmt, s.score_fmt, d, rows, warps) | dict(SDFF=s.sdff), tiles(s.sdff, rows) + 1
+    # under the int8 tiles the f32 SwiGLU is compiled, never run: its constants stand in for f32 rows (the
+    # expert's own format may be one the GEMV by rows does not decode)
+    gate_fmt = s.fmt if q8_rows is None else Format.F32
+    return _phase(gate_fmt, s.score_fmt, d, rows, warps) | dict(SDFF=s.sdff), tiles(s.sdff, rows) + 1
+
+
+def _check_f32_reads(fmt: Format, what: str) -> None:
+    if fmt not in gemv_rows.SLOTS:
+        raise ValueError(f"a folded shared expert's {what} rows are f32 products: not in {Format(fmt).name}")
 
 
 def down_consts(s: Shared | None, d: int, block_n: int, warps: int) -> dict:
     """The down launch's constants for the shared expert's down rows (stand-ins where there is none)."""
     fmt, k, sdff = (Format.F32, QK, 1) if s is None else (s.down_fmt, s.sdff, s.sdff)
+    _check_f32_reads(fmt, "down")
     consts, _ = f32_plan(fmt, d, k, "SD_", tile=(block_n, warps))
     return {k: v for k, v in consts.items() if k != "SD_BLOCK_N"} | dict(SDFF=sdff)
