@@ -127,3 +127,13 @@ def test_cuda_lane_runs_a_mixture_as_the_cpu_lane(tmp_path, monkeypatch, shape, 
         assert np.array_equal(np.sort(got, -1), np.sort(want, -1)), f"{what}: other experts kept (lead {lead:.2e})"
         assert np.isfinite(a).all()
         assert rel(a, b) <= tol, f"{what}: {rel(a, b):.2e} > {tol:.2e}"
+
+
+def test_low_bit_experts_under_dequant_activations_say_why(tmp_path):
+    # a decode step's f32 expert products decode the GEMV by rows' formats: Q2_K experts take int8 activations
+    from fuselane.errors import FuselaneError
+
+    path = write_synthetic(tmp_path / "m.gguf", SHAPES["qwen2moe-q2k"], MIXES["qwen2moe-q2k"], seed=4)
+    gpu = load(path, lane="cuda", ctx=16, knobs=["activations=dequant"])
+    with pytest.raises(FuselaneError, match="experts in Q2_K take a decode step from int8 activations only"):
+        gpu.lane.step(1)  # the decode step's launches, bound

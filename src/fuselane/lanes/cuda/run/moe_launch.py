@@ -18,7 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fuselane.errors import FuselaneError
 from fuselane.fuse.views import leaves
+from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Op
 from fuselane.graph.ops import (
     Elementwise,
@@ -131,6 +133,16 @@ def route_topk(op: Op, b) -> list:
     return [lambda: route.route(x, w, fmt, *args, **gating)]
 
 
+def _check_f32_experts(fmt) -> None:
+    """The kept experts' f32 products (a decode step's under activations=dequant) decode their rows as the GEMV
+    by rows does: its formats only (`kernels.ROWS_GEMV_FORMATS`)."""
+    if fmt not in kernels.ROWS_GEMV_FORMATS:
+        raise FuselaneError(
+            f"a mixture's experts in {Format(fmt).name} take a decode step from int8 activations only: "
+            "use activations=int8 (the default), not dequant"
+        )
+
+
 def _int8(b, name: str, fmt, n: int, k: int, rows: int) -> Any:
     """The int8 form of activation `name` where the plan wrote one and the int8 expert products take it."""
     from fuselane.lanes.cuda.triton.moe.gate_up import int8_takes
@@ -150,6 +162,8 @@ def gate_up_act(op: Op, b, out_q8: Any = None) -> list:
     if order is not None and out_q8 is None and _grouped().takes(fmt, spec.n, spec.kd):
         return _gate_up_grouped(b, gate, wg, wu, fmt, spec, order, out, op.out)
     q8 = _int8(b, gate.ins[0], fmt, spec.n, spec.kd, spec.rows)
+    if q8 is None:
+        _check_f32_experts(fmt)
     if out_q8 is not None and q8 is None:
         raise _mismatch(f"{op.out}: the kept experts write their int8 form only from the int8 products")
     x = q8 if q8 is not None else b.bufs[gate.ins[0]].view(spec.rows, spec.kd)
@@ -271,6 +285,8 @@ def down_combine(op: Op, b, out_q8: Any = None) -> list:
     order = _order(b, p.down, mix.rows)
     if order is not None and shared is None and out_q8 is None and _grouped().takes(fmt, mix.d, spec.kd):
         return _down_grouped(b, op, p, w, fmt, order, weights, adds, norm, sum_out)
+    if q8 is None:
+        _check_f32_experts(fmt)
     counter = b.scratch.setdefault(f"moe-down:{op.out}", down.counters(mix.rows, sum_out.device))
     d, dff = mix.d, spec.kd
     return [
