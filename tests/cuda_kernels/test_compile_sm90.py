@@ -36,6 +36,8 @@ REAL = [
     ("qwen3-30b-a3b", "q4_k_m", ["--layers", "1"]),
     ("deepseek-v2-lite", "q4_k_m", ["--layers", "2"]),
     ("qwen3-next-80b-a3b", "q4_k_m", ["--layers", "4", "--experts", "16"]),
+    # llama.cpp's Q2_K recipe: the shared expert's down in Q3_K, which no f32 product decodes (it runs apart)
+    ("qwen3-next-80b-a3b", "q2_k", ["--layers", "4", "--experts", "16"]),
 ]
 SMALL_VOCAB = "2048"
 
@@ -111,3 +113,13 @@ def test_the_usage_shows_the_range_of_a_kernels_registers():
     lines = {line.split()[0]: line for line in report.render().splitlines()[1:]}
     assert "86-146 registers" in lines["_gate_up_kernel"] and " 0 stack bytes" in lines["_gate_up_kernel"]
     assert " 60 registers" in lines["_down_kernel"] and " 16 stack bytes" in lines["_down_kernel"]
+
+
+def test_the_wide_chunk_is_past_the_rows_where_a_launch_changes_form():
+    # a chunk's products leave the GEMV past its rows, and a rotation launch takes tiles of rows and heads past
+    # its one-head rows: the check's wide chunk must compile both
+    from fuselane.lanes.cuda import compile_check
+    from fuselane.lanes.cuda.plan import kernels
+
+    assert compile_check.WIDE_PROMPT > max(kernels.GEMV_ROWS, kernels.ROPE_ONE_HEAD_ROWS)
+    assert compile_check.CTX > compile_check.WIDE_PROMPT + compile_check.DECODE_TOKENS

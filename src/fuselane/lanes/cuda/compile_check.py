@@ -38,10 +38,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 INTERPRET = "TRITON_INTERPRET"
-WIDE_PROMPT = 20  # tokens of the wide chunk: past the GEMV's rows, so the chunk's GEMMs run
+# tokens of the wide chunk: past the GEMV's rows, so the chunk's GEMMs run, and past the rows a rotation launch
+# takes a head a program (`kernels.ROPE_ONE_HEAD_ROWS`), so its tiles of rows and heads compile too
+WIDE_PROMPT = 80
 NARROW_PROMPT = 3  # ...and of the narrow one, within them
 DECODE_TOKENS = 3  # decode steps of the sampled loop
-CTX = 64  # cache rows: the steps above and a batch's blocks fit
+CTX = 128  # cache rows: the steps above and a batch's blocks fit
 BATCH = 2  # sequences of the batch (`--seqs`: its bucket's rows are the kernels' tile of rows)
 
 
