@@ -36,7 +36,7 @@ REAL = [
     ("qwen3-30b-a3b", "q4_k_m", ["--layers", "1"]),
     ("deepseek-v2-lite", "q4_k_m", ["--layers", "2"]),
     ("qwen3-next-80b-a3b", "q4_k_m", ["--layers", "4", "--experts", "16"]),
-    # llama.cpp's Q2_K recipe: the shared expert's down in Q3_K, which no f32 product decodes (it runs apart)
+    # llama.cpp's Q2_K recipe: the shared expert's down in Q3_K, an int8 product after its gate/up's int8 tiles
     ("qwen3-next-80b-a3b", "q2_k", ["--layers", "4", "--experts", "16"]),
 ]
 SMALL_VOCAB = "2048"

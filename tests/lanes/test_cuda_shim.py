@@ -398,12 +398,13 @@ CASES = [
         "warps of kept experts",
     ),
     Case(
-        # its down product reads the f32 SwiGLU by rows, which the GEMV by rows decodes in its formats only
+        # without the kept experts' int8 tiles (none here) its down reads the f32 SwiGLU by rows, which the GEMV
+        # by rows decodes in its formats only
         "shared expert's formats",
         lambda: shared_expert(down_w="q6k"),
         lambda: shared_expert(down_w="q2k"),
-        "a folded shared expert's down and score products read f32 activations, in the formats the GEMV by rows "
-        "decodes; its gate and up those or the kept experts' int8 format",
+        "a folded shared expert's score reads f32 activations, in the formats the GEMV by rows decodes; its gate, "
+        "up and down those, or the kept experts' int8 tiles and an int8 down product",
     ),
     Case(
         "rotations",

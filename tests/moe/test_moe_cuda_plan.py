@@ -126,24 +126,9 @@ def test_the_norm_the_router_reads_in_f32_writes_the_experts_int8_form(model):
     assert not quantized_apart & {router.ins[0] for router in routers}
 
 
-# Qwen1.5-MoE's shared expert in llama.cpp's Q2_K and IQ4_XS recipes: its down (Q3_K, IQ4_XS) is no format of
-# the f32 GEMV by rows the fold reads it with, so it runs apart (`test_the_fold_takes_...`): five launches more
-_SHARED_APART = pytest.mark.xfail(strict=True, reason="a shared down in Q3_K / IQ4_XS keeps the expert apart")
-_MIXES = [pytest.param(m, marks=_SHARED_APART) if m in (Mix.Q2_K, Mix.IQ4_XS) else m for m in Mix]
-
-
 @pytest.mark.parametrize("mix", [m for m in Mix if m is not Mix.Q4_K_M_05B])
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b"])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen1.5-moe-a2.7b"])
 def test_every_mix_of_the_real_mixtures_is_within_the_budget(name, mix):
-    _within_the_budget(name, mix)
-
-
-@pytest.mark.parametrize("mix", [m for m in _MIXES if m is not Mix.Q4_K_M_05B])
-def test_every_mix_of_a_shared_expert_mixture_is_within_the_budget(mix):
-    _within_the_budget("qwen1.5-moe-a2.7b", mix)
-
-
-def _within_the_budget(name, mix):
     # eight layers hold every combination of formats the recipes give a layer (tests/lanes/test_launch_budget.py)
     shape = replace(SHAPES[name], n_layers=8)
     formats = tensor_formats(shape, mix)
@@ -157,9 +142,10 @@ def _within_the_budget(name, mix):
 @pytest.mark.parametrize("int8", [True, False])
 @pytest.mark.parametrize("mix", [m for m in Mix if m is not Mix.Q4_K_M_05B])
 def test_the_fold_takes_a_shared_expert_whose_products_have_kernels(mix, int8):
-    # the folded expert's down reads its f32 SwiGLU by rows (the GEMV by rows' formats), its gate and up the
-    # mixture's input by rows or as the kept experts' int8 tiles: llama.cpp's Q2_K recipe gives Qwen1.5-MoE's
-    # shared down Q3_K and IQ4_XS's IQ4_XS, which only the int8 GEMV reads, so those layers keep it apart
+    # the folded expert's gate and up read the mixture's input by rows or as the kept experts' int8 tiles, its
+    # down its SwiGLU by rows or, after those tiles, as an int8 product: llama.cpp's Q2_K recipe gives
+    # Qwen1.5-MoE's shared down Q3_K and IQ4_XS's IQ4_XS, which only the int8 GEMV reads; under dequant
+    # activations those layers keep it apart
     from fuselane.lanes.cuda.plan import kernels
 
     shape = replace(SHAPES["qwen1.5-moe-a2.7b"], n_layers=8)
@@ -172,14 +158,15 @@ def test_the_fold_takes_a_shared_expert_whose_products_have_kernels(mix, int8):
     def readable(i: int) -> bool:
         at = f"blk.{i}.ffn_%s.weight"
         gate, down, kept = formats[at % "gate_shexp"], formats[at % "down_shexp"], formats[at % "gate_exps"]
-        return down in rows and (gate in rows or (int8 and gate == kept and gate in kernels.INT8_GEMV_FORMATS))
+        tiles = int8 and gate == kept and gate in kernels.INT8_GEMV_FORMATS
+        return (gate in rows or tiles) and (down in rows or (tiles and down in kernels.INT8_GEMV_FORMATS))
 
     plan = optimize(g, CudaShim(CudaKnobs.parse([] if int8 else ["activations=dequant"])))
     refused = [m for m in plan.missed if m.cls is C.SHARED_EXPERT_FUSION]
     assert len(refused) == sum(not readable(i) for i in range(shape.n_layers))
     assert {m.reason for m in refused} <= {
-        "a folded shared expert's down and score products read f32 activations, in the formats the GEMV by rows "
-        "decodes; its gate and up those or the kept experts' int8 format"
+        "a folded shared expert's score reads f32 activations, in the formats the GEMV by rows decodes; its gate, "
+        "up and down those, or the kept experts' int8 tiles and an int8 down product"
     }
 
 

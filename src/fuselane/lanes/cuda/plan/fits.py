@@ -500,23 +500,30 @@ def _shared_expert_fusion(shim: CudaShim, op: Op, members: Sequence[Op], g: Tens
         )
     made = {x.out for x in found}
     int8 = _kept_int8_format(shim, [p.x for p in products if p.x not in made], g)
-    if all(_shared_product_read(p, made, int8) for p in products):
+    gate_up = [p for p in products if p.x not in made and p.n > 1]
+    tiles = kernels.MOE_SHARED_INT8 and int8 is not None and all(_in_tiles(p, int8) for p in gate_up)
+    if all(_shared_product_read(p, made, tiles) for p in products):
         return None
     return (
-        "a folded shared expert's down and score products read f32 activations, in the formats the GEMV by rows "
-        "decodes; its gate and up those or the kept experts' int8 format"
+        "a folded shared expert's score reads f32 activations, in the formats the GEMV by rows decodes; its "
+        "gate, up and down those, or the kept experts' int8 tiles and an int8 down product"
     )
 
 
-def _shared_product_read(p: GemvForm, made: set[str], int8: Format | None) -> bool:
+def _in_tiles(p: GemvForm, int8: Format) -> bool:
+    """Whether a shared gate or up product runs as the kept experts' int8 tiles: their format, whole blocks."""
+    return isinstance(p.weights, Rows) and p.weights.format is int8 and p.n % kernels.QBLOCK == 0
+
+
+def _shared_product_read(p: GemvForm, made: set[str], tiles: bool) -> bool:
     """Whether a folded shared expert's product has a kernel: the f32 GEMV by rows (`moe/shared.py`'s
-    `row_dot`) in its formats, or, for its gate and up (n rows, reading the mixture's input), the kept experts'
-    int8 tiles where they read their input in int8 and the expert's rows are their format, whole blocks."""
+    `row_dot`) in its formats; or, where its gate and up run as the kept experts' int8 tiles (`tiles`), those
+    and its down (reading their SwiGLU's int8 form) as an int8 product in the int8 GEMV's formats."""
     fmt = p.weights.format if isinstance(p.weights, Rows) else None
     if fmt in kernels.ROWS_GEMV_FORMATS:
         return True
-    gate_or_up = p.x not in made and p.n > 1 and p.n % kernels.QBLOCK == 0
-    return kernels.MOE_SHARED_INT8 and gate_or_up and fmt is not None and fmt is int8
+    score = p.n == 1 and p.x not in made
+    return tiles and not score and fmt is not None and kernels.int8_gemv(fmt, p.m, p.k)
 
 
 def _kept_int8_format(shim: CudaShim, inputs: list[str], g: TensorGraph) -> Format | None:

@@ -254,7 +254,12 @@ def _shared(b, s: dict[str, Op], op: Op) -> Any:
     sdff = s["down"].sym.k  # type: ignore[union-attr]
     x = b.bufs[s["gate"].ins[0]].view(1, -1)
     scratch = b.scratch.setdefault(f"moe-shared:{op.out}", torch.zeros(sdff + 1, device=x.device))
-    return Shared(x, wg, wu, wd, wsc, fmt, dfmt, sfmt, sdff, scratch)
+    q8 = None
+    if Format(dfmt) not in kernels.ROWS_GEMV_FORMATS:  # an int8 down product reads the SwiGLU's int8 form
+        from fuselane.lanes.cuda.triton.quant import empty_q8
+
+        q8 = b.scratch.setdefault(f"moe-shared-q8:{op.out}", empty_q8(1, sdff, x.device))
+    return Shared(x, wg, wu, wd, wsc, fmt, dfmt, sfmt, sdff, scratch, q8)
 
 
 def down_combine(op: Op, b, out_q8: Any = None) -> list:

@@ -74,26 +74,28 @@ class Tile:
 
 @triton.jit
 def _down_kernel(
-    h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, norm_w, out, oq, od, os_, counters, eps, w_sd, sh,
-    D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, ENTRIES: tl.constexpr,
+    h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, norm_w, out, oq, od, os_, counters, eps, w_sd, sh, shq, shd,
+    shs, D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, ENTRIES: tl.constexpr,
     EXPERT_BYTES: tl.constexpr, Q8IN: tl.constexpr, ADDS: tl.constexpr, NORM: tl.constexpr, Q8OUT: tl.constexpr,
     NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, SHARED: tl.constexpr, SDFF: tl.constexpr,
     FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
     STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
     SD_FMT: tl.constexpr, SD_STEPS: tl.constexpr, SD_UNITS: tl.constexpr, SD_SPLIT: tl.constexpr,
-    SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr, AHEAD: tl.constexpr, EARLY: tl.constexpr,
-    PDL: tl.constexpr,
+    SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr, SD_Q8: tl.constexpr, SD_FMT_Q8: tl.constexpr,
+    SD_N_UNITS: tl.constexpr, SD_CHUNK: tl.constexpr, SD_FENCE: tl.constexpr, SD_DEPTH: tl.constexpr,
+    AHEAD: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if EARLY:  # the experts' ids and weights are read before the wait (`_kept_q8`)
         pdl.release(PDL)
     else:
         pdl.begin(PDL)
     row = tl.program_id(1)
-    _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, w_sd, sh, row, tl.program_id(0),
+    _down_rows(h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, w_sd, sh, shq, shd, shs, row, tl.program_id(0),
                D, DFF, K, ROWS, ENTRIES, EXPERT_BYTES, Q8IN, ADDS, SHARED, SDFF, FMT, ROW_BYTES, BLOCK_N,
                N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT, STAGES, SD_FMT, SD_STEPS, SD_UNITS,
-               SD_SPLIT, SD_STAGES, SD_ROW_BYTES, AHEAD, EARLY, PDL)  # fmt: skip
+               SD_SPLIT, SD_STAGES, SD_ROW_BYTES, SD_Q8, SD_FMT_Q8, SD_N_UNITS, SD_CHUNK, SD_FENCE, SD_DEPTH,
+               AHEAD, EARLY, PDL)  # fmt: skip
     if NORM:
         norm_last(sum_out + row * D, norm_w, out + row * D, D, eps, counters + row, oq + row * D,
                   od + row * (D // 32), os_ + row * (D // 16), NORM_BLOCK, NORM_STEPS, Q8OUT)  # fmt: skip
@@ -152,15 +154,16 @@ def _by_row(wy, i, ROWS: tl.constexpr, ENTRIES: tl.constexpr, BLOCK_N: tl.conste
 
 @triton.jit
 def _down_rows(
-    h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, w_sd, sh, row, tile,
+    h, hq, hd, hs, w, ids, weights, a0, a1, sum_out, w_sd, sh, shq, shd, shs, row, tile,
     D: tl.constexpr, DFF: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, ENTRIES: tl.constexpr,
     EXPERT_BYTES: tl.constexpr, Q8IN: tl.constexpr, ADDS: tl.constexpr, SHARED: tl.constexpr, SDFF: tl.constexpr,
     FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
     STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
     SD_FMT: tl.constexpr, SD_STEPS: tl.constexpr, SD_UNITS: tl.constexpr, SD_SPLIT: tl.constexpr,
-    SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr, AHEAD: tl.constexpr, EARLY: tl.constexpr,
-    PDL: tl.constexpr,
+    SD_STAGES: tl.constexpr, SD_ROW_BYTES: tl.constexpr, SD_Q8: tl.constexpr, SD_FMT_Q8: tl.constexpr,
+    SD_N_UNITS: tl.constexpr, SD_CHUNK: tl.constexpr, SD_FENCE: tl.constexpr, SD_DEPTH: tl.constexpr,
+    AHEAD: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Tile `tile` of row `row`'s sum: its kept experts' weighted down products, the shared expert's (its row
     written by the gate/up launch), the arrays added in; stored to sum_out. AHEAD (MoeDown.READ_AHEAD): the arrays added
@@ -186,7 +189,12 @@ def _down_rows(
             off = tl.load(ids + pair).to(tl.int64) * EXPERT_BYTES + rc * ROW_BYTES
             y = row_dot(w + off, h + pair * DFF, FMT, STEPS, UNITS, SPLIT, BLOCK_N, STAGES)
             acc += tl.load(weights + pair) * y
-    if SHARED:  # after the products, so after the wait: the row is the launch before's
+    if SHARED and SD_Q8:  # after the products, so after the wait: the row's int8 form is the launch before's
+        sd = w_sd + rc * SD_ROW_BYTES
+        ys, _ = row_dots(sd, sd, shq, shd, shs, SD_FMT_Q8, BLOCK_N, SD_N_UNITS, SD_CHUNK, SD_FENCE, False,
+                         SD_DEPTH, False)  # fmt: skip
+        acc += tl.load(sh + SDFF, cache_modifier=".cg") * ys
+    elif SHARED:  # after the products, so after the wait: the row is the launch before's
         ys = row_dot(w_sd + rc * SD_ROW_BYTES, sh, SD_FMT, SD_STEPS, SD_UNITS, SD_SPLIT, BLOCK_N, SD_STAGES)
         acc += tl.load(sh + SDFF, cache_modifier=".cg") * ys
     if LAST >= 1:
@@ -248,7 +256,8 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
     q8out = norm is not None and norm.out_q8 is not None
     oq = norm.out_q8 if q8out else (sum_out, sum_out, sum_out)  # type: ignore[union-attr]
     s = shared
-    sargs = (s.down, s.scratch) if s is not None else (sum_out,) * 2
+    sq8 = s.scratch_q8 if s is not None and s.scratch_q8 is not None else (sum_out,) * 3
+    sargs = (s.down, s.scratch, *sq8) if s is not None else (sum_out,) * 5
     padded = (*adds, sum_out, sum_out)[:2]
     _down_kernel[(nb, rows)](
         *hargs, w, ids, weights, *padded, sum_out,

@@ -38,13 +38,14 @@ Q8_ROWS, Q8_WARPS, Q8_PER_THREAD = QK, 8, 1
 
 @triton.jit
 def _gate_up_kernel(
-    x, xq, xd, xs, w_gate, w_up, ids, out, oq, od, os_, sx, w_sg, w_su, w_sc, sh, pairs,
+    x, xq, xd, xs, w_gate, w_up, ids, out, oq, od, os_, sx, w_sg, w_su, w_sc, sh, shq, shd, shs, pairs,
     N: tl.constexpr, KD: tl.constexpr, SLOTS: tl.constexpr, EXPERT_BYTES: tl.constexpr,
     Q8IN: tl.constexpr, Q8OUT: tl.constexpr,
     FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
     STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
-    SHARED: tl.constexpr, SHARED_Q8: tl.constexpr, SDFF: tl.constexpr, NA: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_Q8: tl.constexpr, SHARED_Q8OUT: tl.constexpr, SDFF: tl.constexpr,
+    NA: tl.constexpr,
     SG_FMT: tl.constexpr, SG_STEPS: tl.constexpr, SG_UNITS: tl.constexpr, SG_SPLIT: tl.constexpr,
     SG_BLOCK_N: tl.constexpr, SG_STAGES: tl.constexpr, SG_ROW_BYTES: tl.constexpr,
     SC_FMT: tl.constexpr, SC_STEPS: tl.constexpr, SC_UNITS: tl.constexpr, SC_SPLIT: tl.constexpr,
@@ -63,7 +64,10 @@ def _gate_up_kernel(
             off = tl.minimum(rows, SDFF - 1).to(tl.int64) * ROW_BYTES
             gate, up = row_dots(w_sg + off, w_su + off, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True,
                                 DEPTH, False)  # fmt: skip
-            tl.store(sh + rows, gate / (1.0 + tl.exp(-gate)) * up, mask=rows < SDFF)
+            glu = gate / (1.0 + tl.exp(-gate)) * up
+            tl.store(sh + rows, glu, mask=rows < SDFF)
+            if SHARED_Q8OUT:  # its int8 form, a block a tile, for the down launch's int8 product
+                store_quantized(glu, ticket * BLOCK_N, SDFF, shq, shd, shs)
         elif ticket < NA:
             shared_phase(sx, w_sg, w_su, w_sc, sh, ticket, SDFF, NA, SG_FMT, SG_STEPS, SG_UNITS,
                          SG_SPLIT, SG_BLOCK_N, SG_STAGES, SG_ROW_BYTES, SC_FMT, SC_STEPS, SC_UNITS, SC_SPLIT,
@@ -143,12 +147,16 @@ def gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: 
         align = gemv_q8.ALIGN.get(fmt, 1)
         shared_q8 = int8_takes(fmt, shared.sdff, k) and not (shared.gate.data_ptr() % align or
                                                              shared.up.data_ptr() % align)  # fmt: skip
+    if shared is not None and shared.down_int8 and not shared_q8:
+        raise ValueError("a folded shared expert's int8 down reads the int8 form its SwiGLU's int8 tiles write")
     sconsts, na = phase_consts(shared, k, warps, consts["BLOCK_N"] if shared_q8 else None)
     s = shared
-    sargs = (s.x, s.gate, s.up, s.score, s.scratch) if s is not None else (out,) * 5
+    q8out = s is not None and s.down_int8
+    sq8 = s.scratch_q8 if q8out and s.scratch_q8 is not None else (out,) * 3
+    sargs = (s.x, s.gate, s.up, s.score, s.scratch, *sq8) if s is not None else (out,) * 8
     n_tiles = tiles(n, consts["BLOCK_N"])
     _gate_up_kernel[(max(n_tiles, na), pairs + (s is not None))](
         *args, w_gate, w_up, ids, out, *oq, *sargs, pairs, **common, **consts, **sconsts, TILES=n_tiles,
-        SHARED=s is not None, SHARED_Q8=shared_q8, NA=na, num_warps=warps, **pdl.options(),
+        SHARED=s is not None, SHARED_Q8=shared_q8, SHARED_Q8OUT=q8out, NA=na, num_warps=warps, **pdl.options(),
     )  # fmt: skip
     return out

@@ -2,7 +2,9 @@
 kept experts' gate/up launch as programs of their own (`gate_up.gate_up`), into a scratch row; the down launch
 (`down.down_combine`) then adds sigmoid * (its down rows . that row) in each of its programs. The SwiGLU is
 f32 products (`shared_phase`), or, under `kernels.MOE_SHARED_INT8` where the expert's gate/up are the kept
-experts' format, their own int8 tiles (`gate_up`); the score is always an f32 product.
+experts' format, their own int8 tiles (`gate_up`); the score is always an f32 product. The down rows are an f32
+product too, or, in a format only the int8 GEMV decodes (`Shared.down_int8`: Q2_K, Q3_K, IQ4_NL, IQ4_XS), an int8
+product of the SwiGLU's int8 form, which the int8 tiles write a block each (`scratch_q8`).
 
 Why there: the shared expert reads the mixture's input, as the kept experts' gate/up does, so its products run
 beside theirs with nothing to wait for, and the down launch reads the row as it reads the kept experts'
@@ -20,8 +22,10 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import QK, Format
+from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 from fuselane.lanes.cuda.triton.gemv import rows as gemv_rows
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
+from fuselane.lanes.cuda.triton.quant import Q8Acts
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +43,14 @@ class Shared:
     score_fmt: Format
     sdff: int
     scratch: Tensor
+    # the SwiGLU row's int8 form, where the down rows are in a format only the int8 GEMV decodes (`down_int8`):
+    # the gate/up launch's int8 tiles write it a block each, the down launch's int8 product reads it
+    scratch_q8: Q8Acts | None = None
+
+    @property
+    def down_int8(self) -> bool:
+        """Whether the down rows are an int8 product: a format the f32 GEMV by rows does not decode."""
+        return self.down_fmt not in gemv_rows.SLOTS
 
 
 @triton.jit
@@ -94,8 +106,21 @@ def _check_f32_reads(fmt: Format, what: str) -> None:
 
 
 def down_consts(s: Shared | None, d: int, block_n: int, warps: int) -> dict:
-    """The down launch's constants for the shared expert's down rows (stand-ins where there is none)."""
-    fmt, k, sdff = (Format.F32, QK, 1) if s is None else (s.down_fmt, s.sdff, s.sdff)
+    """The down launch's constants for the shared expert's down rows (stand-ins where there is none): an f32
+    product's (SD_, `row_dot`), or, where `s.down_int8`, an int8 product's at the launch's tile (SD_Q8:
+    `q8.row_dots` over the SwiGLU's int8 form, its f32 constants stand-ins)."""
+    int8 = s is not None and s.down_int8
+    fmt, k, sdff = (Format.F32, QK, 1) if s is None or int8 else (s.down_fmt, s.sdff, s.sdff)
     _check_f32_reads(fmt, "down")
     consts, _ = f32_plan(fmt, d, k, "SD_", tile=(block_n, warps))
-    return {k: v for k, v in consts.items() if k != "SD_BLOCK_N"} | dict(SDFF=sdff)
+    consts = {k: v for k, v in consts.items() if k != "SD_BLOCK_N"} | dict(SDFF=s.sdff if s else sdff)
+    q8 = dict(SD_Q8=int8, SD_FMT_Q8=int(Format.Q8_0), SD_N_UNITS=1, SD_CHUNK=1, SD_FENCE=0, SD_DEPTH=1)
+    if int8:
+        assert s is not None
+        if s.scratch_q8 is None:
+            raise ValueError("a folded shared expert's int8 down reads its SwiGLU's int8 form: scratch_q8")
+        plan = gemv_q8.tile_plan(s.down_fmt, s.sdff, block_n, warps, None)
+        consts["SD_ROW_BYTES"] = plan["ROW_BYTES"]
+        q8 |= dict(SD_FMT_Q8=plan["FMT"], SD_N_UNITS=plan["N_UNITS"], SD_CHUNK=plan["CHUNK"],
+                   SD_FENCE=plan["FENCE"], SD_DEPTH=plan["DEPTH"])  # fmt: skip
+    return consts | q8
