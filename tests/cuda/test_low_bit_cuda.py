@@ -1,9 +1,10 @@
 """The low-bit mixes on the compiled kernels at real widths, on a GPU (`pytest -m cuda`; skipped where there is
 none): a mixture whose experts are Q3_K / Q2_K (the grouped GEMM for a chunk, the int8 GEMV bodies for a
-step) and DeepSeek's latent attention with `attn_k_b` in IQ4_NL and `attn_v_b` in Q3_K (the per-head products
-on the matrices' f32 values), each against the cpu lane in f64 within the lane's contract: a prompt's chunk,
-a chunk of three rows, then decode steps. Two layers, 16 experts and a small vocabulary keep the reference
-short. CI checks the same paths interpreted at small widths (`tests/cuda_kernels/test_low_bit_prefill.py`)."""
+step; Qwen1.5-MoE's folded shared expert with its Q3_K down) and DeepSeek's latent attention with `attn_k_b`
+in IQ4_NL and `attn_v_b` in Q3_K (the per-head products on the matrices' f32 values), each against the cpu
+lane in f64 within the lane's contract: a prompt's chunk, a chunk of three rows, then decode steps. Two
+layers, 16 experts and a small vocabulary keep the reference short. CI checks the same paths interpreted at
+small widths (`tests/cuda_kernels/test_low_bit_prefill.py`)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,12 @@ PROMPT = [11, 200, 7, 7, 90, 3, 141, 52, 9, 1000, 17, 4000, 5, 8]  # past the GE
 SHORT = [12, 13, 14]  # a chunk within the GEMV's rows
 DECODE = [5, 6, 7]
 LOW_BITS = {Format.Q2_K, Format.Q3_K, Format.IQ4_NL}
-CASES = [("qwen3-30b-a3b", "q3_k_m"), ("qwen3-30b-a3b", "q2_k"), ("deepseek-v2-lite", "q3_k_m")]
+# Qwen1.5-MoE's Q2_K recipe: its folded shared expert's gate/up Q2_K (the kept experts' int8 tiles) and its down
+# Q3_K, an int8 product of the SwiGLU's int8 form in the down launch
+CASES = [
+    ("qwen3-30b-a3b", "q3_k_m"), ("qwen3-30b-a3b", "q2_k"), ("deepseek-v2-lite", "q3_k_m"),
+    ("qwen1.5-moe-a2.7b", "q2_k"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "mix"), CASES)
