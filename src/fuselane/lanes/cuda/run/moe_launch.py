@@ -248,14 +248,14 @@ def _parts(op: Op) -> _Parts:
 def _shared(b, s: dict[str, Op], op: Op) -> Any:
     import torch
 
-    from fuselane.lanes.cuda.triton.moe.shared import Shared
+    from fuselane.lanes.cuda.triton.moe.shared import Shared, int8_down
 
     (wg, fmt), (wu, _), (wd, dfmt), (wsc, sfmt) = (b.raw[s[r].ins[1]] for r in ("gate", "up", "down", "score"))
     sdff = s["down"].sym.k  # type: ignore[union-attr]
     x = b.bufs[s["gate"].ins[0]].view(1, -1)
     scratch = b.scratch.setdefault(f"moe-shared:{op.out}", torch.zeros(sdff + 1, device=x.device))
     q8 = None
-    if Format(dfmt) not in kernels.ROWS_GEMV_FORMATS:  # an int8 down product reads the SwiGLU's int8 form
+    if int8_down(dfmt):  # an int8 down product reads the SwiGLU's int8 form
         from fuselane.lanes.cuda.triton.quant import empty_q8
 
         q8 = b.scratch.setdefault(f"moe-shared-q8:{op.out}", empty_q8(1, sdff, x.device))

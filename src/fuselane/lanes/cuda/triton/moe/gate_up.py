@@ -152,7 +152,7 @@ def gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: 
     sconsts, na = phase_consts(shared, k, warps, consts["BLOCK_N"] if shared_q8 else None)
     s = shared
     q8out = s is not None and s.down_int8
-    sq8 = s.scratch_q8 if q8out and s.scratch_q8 is not None else (out,) * 3
+    sq8 = s.scratch_q8 if s is not None and s.scratch_q8 is not None else (out,) * 3
     sargs = (s.x, s.gate, s.up, s.score, s.scratch, *sq8) if s is not None else (out,) * 8
     n_tiles = tiles(n, consts["BLOCK_N"])
     _gate_up_kernel[(max(n_tiles, na), pairs + (s is not None))](

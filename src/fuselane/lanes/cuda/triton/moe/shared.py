@@ -47,10 +47,20 @@ class Shared:
     # the gate/up launch's int8 tiles write it a block each, the down launch's int8 product reads it
     scratch_q8: Q8Acts | None = None
 
+    def __post_init__(self) -> None:
+        if self.down_int8 and self.scratch_q8 is None:
+            raise ValueError(f"a folded shared expert's {Format(self.down_fmt).name} down reads a scratch_q8")
+
     @property
     def down_int8(self) -> bool:
-        """Whether the down rows are an int8 product: a format the f32 GEMV by rows does not decode."""
-        return self.down_fmt not in gemv_rows.SLOTS
+        """Whether the down rows are an int8 product (`int8_down`)."""
+        return int8_down(self.down_fmt)
+
+
+def int8_down(fmt: Format) -> bool:
+    """Whether a folded shared expert's down rows in `fmt` are an int8 product: a format the f32 GEMV by rows
+    does not decode."""
+    return fmt not in gemv_rows.SLOTS
 
 
 @triton.jit
@@ -110,15 +120,12 @@ def down_consts(s: Shared | None, d: int, block_n: int, warps: int) -> dict:
     product's (SD_, `row_dot`), or, where `s.down_int8`, an int8 product's at the launch's tile (SD_Q8:
     `q8.row_dots` over the SwiGLU's int8 form, its f32 constants stand-ins)."""
     int8 = s is not None and s.down_int8
-    fmt, k, sdff = (Format.F32, QK, 1) if s is None or int8 else (s.down_fmt, s.sdff, s.sdff)
+    fmt, k = (Format.F32, QK) if s is None or int8 else (s.down_fmt, s.sdff)
     _check_f32_reads(fmt, "down")
     consts, _ = f32_plan(fmt, d, k, "SD_", tile=(block_n, warps))
-    consts = {k: v for k, v in consts.items() if k != "SD_BLOCK_N"} | dict(SDFF=s.sdff if s else sdff)
+    consts = {k: v for k, v in consts.items() if k != "SD_BLOCK_N"} | dict(SDFF=s.sdff if s else 1)
     q8 = dict(SD_Q8=int8, SD_FMT_Q8=int(Format.Q8_0), SD_N_UNITS=1, SD_CHUNK=1, SD_FENCE=0, SD_DEPTH=1)
-    if int8:
-        assert s is not None
-        if s.scratch_q8 is None:
-            raise ValueError("a folded shared expert's int8 down reads its SwiGLU's int8 form: scratch_q8")
+    if s is not None and int8:
         plan = gemv_q8.tile_plan(s.down_fmt, s.sdff, block_n, warps, None)
         consts["SD_ROW_BYTES"] = plan["ROW_BYTES"]
         q8 |= dict(SD_FMT_Q8=plan["FMT"], SD_N_UNITS=plan["N_UNITS"], SD_CHUNK=plan["CHUNK"],
