@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from fuselane.fuse.optimizer import covered, optimize
 from fuselane.gguf.synth import SHAPES, Mix, Shape, model_metadata, tensor_formats, tensor_shapes
@@ -30,6 +32,28 @@ LAYERS = 8
 # appears.
 PUBLISHED = {name: shape for name, shape in SHAPES.items() if shape.arch in ("qwen2", "qwen3") and "tiny" not in name}
 PUBLISHED["qwen2.5-72b"] = Shape("qwen2", 8192, 80, 64, 8, 128, 29568, 152064)
+
+# A dense Qwen-like shape of the checkpoints people train and convert: heads of a width Qwen uses, any number of
+# key/value heads and of query heads a key head, the queries' width within half and twice the hidden width, the
+# hidden width whole 64-value blocks, the FFN two to six times as wide.
+HEAD_DIMS = (64, 128, 256)
+KV_HEADS = (1, 2, 4, 8)
+QUERY_GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
+EMBD_UNIT = 64
+FFN_RATIOS = (2, 6)
+SHAPE_EXAMPLES = 150
+
+
+@st.composite
+def qwen_like(draw) -> Shape:
+    hd, kv = draw(st.sampled_from(HEAD_DIMS)), draw(st.sampled_from(KV_HEADS))
+    heads = kv * draw(st.sampled_from(QUERY_GROUPS))
+    q = heads * hd
+    units = draw(st.integers(max(8, -(-q // 2) // EMBD_UNIT), max(8, 2 * q // EMBD_UNIT)))
+    embd = units * EMBD_UNIT
+    ff = EMBD_UNIT * draw(st.integers(FFN_RATIOS[0] * units, FFN_RATIOS[1] * units))
+    arch = draw(st.sampled_from(("qwen2", "qwen3")))
+    return Shape(arch, embd, LAYERS, heads, kv, hd, ff, 1024, tied=draw(st.booleans()))
 
 
 def _decode_graph(shape: Shape, name: str, mix: Mix):
@@ -49,6 +73,18 @@ def test_a_decode_step_takes_at_most_the_budget_a_layer(name: str, mix: Mix) -> 
     per_layer = launches_per_layer(g, plan)
     worst = max(per_layer, key=per_layer.__getitem__)
     assert per_layer[worst] <= LAUNCH_BUDGET, f"layer {worst} takes {per_layer[worst]} launches"
+
+
+@settings(max_examples=SHAPE_EXAMPLES, deadline=None)
+@given(shape=qwen_like(), mix=st.sampled_from([m for m in Mix if m is not Mix.Q4_K_M_05B]))
+@example(shape=Shape("qwen2", 1024, LAYERS, 8, 1, 128, 2752, 1024), mix=Mix.Q5_0)
+def test_any_qwen_like_shape_keeps_the_budget(shape: Shape, mix: Mix) -> None:
+    # whatever the widths: a narrow key and value beside a wide query (one key head of 128) share the QKV
+    # launch, which the GEMV by rows' tiles of four rows a warp had kept apart
+    g, _ = _decode_graph(shape, "qwen-like", mix)
+    plan = optimize(g, CudaShim(CudaKnobs()))
+    assert sorted(covered(plan)) == list(range(len(g.ops)))
+    assert max(launches_per_layer(g, plan).values()) <= LAUNCH_BUDGET
 
 
 @pytest.mark.parametrize("mix", [Mix.Q4_K_M, Mix.Q8_0])

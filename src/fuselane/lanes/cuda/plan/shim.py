@@ -498,12 +498,19 @@ class CudaShim:
         Q3_K, IQ4_NL, IQ4_XS) multiplies as a longer chunk does, on cuBLAS."""
         if not isinstance(p.weights, Rows) or p.weights.format in kernels.ROWS_GEMV_FORMATS:
             return True
+        return self.reads_int8(p, g)
+
+    def reads_int8(self, p: GemvForm, g: TensorGraph) -> bool:
+        """Whether a product within the GEMV's rows runs on the int8 GEMV, reading its activation's int8 form:
+        a step's one row or a batch's rows, in the int8 GEMV's formats, under int8 activations."""
         batch = self.knobs.batch and g.rows != 1
         return self.activation_format is not None and (g.rows == 1 or batch) and self.int8_gemv(p, batch=batch)
 
     def gemv_in_parts(self, members: Sequence[Op], g: TensorGraph) -> bool:
         """Whether every member of a GEMV in parts is one the GEMV takes together: at most four, one
-        activation, one format, one number of rows a warp."""
+        activation, one format, and on the GEMV by rows of f32 activations one number of rows a warp (its
+        tile is the first part's; the int8 GEMV's tile is its format's, whatever the parts' widths, so a wide
+        query and a narrow key and value share a launch there)."""
         products = [self.part_product(m, g) for m in members]
         if not products or any(p is None for p in products):
             return False
@@ -517,7 +524,7 @@ class CudaShim:
                 and self.gemv_takes(p, g)
                 and p.weights == first.weights
                 and (p.x, p.k, p.m) == (first.x, first.k, first.m)
-                and self.per_warp(p) == self.per_warp(first)
+                and (self.reads_int8(first, g) or self.per_warp(p) == self.per_warp(first))
                 for p in products
                 if p is not None
             )
