@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fuselane.explain import build_plan, launches_per_layer, model_source
 from fuselane.fuse.optimizer import optimize
@@ -130,13 +132,42 @@ def test_the_norm_the_router_reads_in_f32_writes_the_experts_int8_form(model):
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen1.5-moe-a2.7b"])
 def test_every_mix_of_the_real_mixtures_is_within_the_budget(name, mix):
     # eight layers hold every combination of formats the recipes give a layer (tests/lanes/test_launch_budget.py)
-    shape = replace(SHAPES[name], n_layers=8)
+    _assert_within_the_budget(replace(SHAPES[name], n_layers=8), name, mix)
+
+
+MOST_UNITS = 128  # 64-value units of a mixture's hidden width
+
+
+@st.composite
+def _mixture_like(draw):
+    """A qwen2moe or qwen3moe of other widths: attention's (queries within half and twice the hidden width, a
+    hidden width up to 8,192, past every published mixture's: the decode down launch's last block norms a row
+    it holds, `kernels.block_holds_its_norm`), the experts' number, kept experts and width, and a qwen2moe's
+    shared expert's."""
+    base = SHAPES[draw(st.sampled_from(["qwen3-30b-a3b", "qwen1.5-moe-a2.7b"]))]
+    hd, kv = draw(st.sampled_from([64, 128])), draw(st.sampled_from([1, 2, 4, 8]))
+    heads = kv * draw(st.sampled_from([1, 2, 4, 8]))
+    units = draw(st.integers(max(8, heads * hd // 128), min(MOST_UNITS, max(8, heads * hd // 32))))  # 64 values
+    experts = draw(st.sampled_from([8, 16, 60, 64, 128]))
+    shared = 64 * draw(st.integers(4, 90)) if base.shared_ff else 0
+    return replace(base, n_embd=64 * units, n_layers=8, n_heads=heads, n_kv_heads=kv, head_dim=hd,
+                   experts=experts, experts_used=min(experts, draw(st.sampled_from([1, 2, 4, 8]))),
+                   expert_ff=64 * draw(st.integers(4, 40)), shared_ff=shared, vocab=1024)  # fmt: skip
+
+
+@settings(max_examples=100, deadline=None)
+@given(shape=_mixture_like(), mix=st.sampled_from([m for m in Mix if m is not Mix.Q4_K_M_05B]))
+def test_a_mixture_of_any_widths_is_within_the_budget(shape, mix):
+    _assert_within_the_budget(shape, "mixture-like", mix)
+
+
+def _assert_within_the_budget(shape, name, mix):
     formats = tensor_formats(shape, mix)
     tensors = {n: Stub(dims, formats[n]) for n, dims in tensor_shapes(shape).items()}
     cfg = config_of(model_metadata(shape, name, 0) | {"general.architecture": shape.arch}, tensors)
     g = recognizer(cfg).recognize(cfg, tensors, Form.DECODE, ctx=4096)
     per_layer = stub_launches(g, optimize(g, CudaShim()))
-    assert max(per_layer.values()) <= 8, per_layer
+    assert max(per_layer.values()) <= 7, per_layer
 
 
 @pytest.mark.parametrize("int8", [True, False])
