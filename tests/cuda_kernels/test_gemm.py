@@ -51,6 +51,17 @@ def test_gemm_matches_numpy(fmt):
     check(out, want, gamma(k) * mag + 1e-30)
 
 
+@pytest.mark.parametrize("fmt, k", [(Format.Q8_0, 160), (Format.IQ4_NL, 96), (Format.Q5_0, 1472), (Format.F16, 48)])
+def test_rows_not_whole_128_value_steps(fmt, k):
+    # a 32-value format's row of 5, 3 or 46 blocks: steps of the most blocks that divide it (one, one, two)
+    assert G.step_units(fmt, k) * k > 0
+    m, n = 10, 24
+    raw, x, want, mag = _case(fmt, m, n, k, k)
+    out = torch.empty((m, n), device=DEVICE)
+    G.gemm(dev(x), dev(raw), fmt, n, k, out, **TILE)
+    check(out, want, gamma(k) * mag + 1e-30)
+
+
 def test_activations_past_f16_stay_finite():
     # rows of ~1e6 (f16 holds 65504) next to rows of ~1: each step's large rows are divided by a power of two
     # before their f16 rounding and scaled back, so the operands keep f16's relative rounding, 2^-11 each (a
@@ -92,11 +103,11 @@ def test_gemm_bias_residual_and_rows_of_a_table():
 
 def test_supports_and_refusals():
     assert G.supports(Format.Q4_K, 4096) and G.supports(Format.Q5_0, 896) and G.supports(Format.Q8_0, 4864)
-    assert not G.supports(Format.Q8_0, 96)  # three blocks: no step of at least 128 values
+    assert G.supports(Format.Q8_0, 96) and G.step_units(Format.Q8_0, 96) == 1  # three blocks: a block a step
     assert G.supports(Format.IQ4_XS, 4096) and not G.supports(Format.MXFP4, 4096)  # no device decode of MXFP4
     raw = dev(raw_weights(Format.Q8_0, 8, 256, np.random.default_rng(0)))
     with pytest.raises(ValueError, match="no prefill GEMM"):
-        G.gemm(torch.zeros((4, 96), device=DEVICE), raw, Format.Q8_0, 8, 96, torch.empty((4, 8), device=DEVICE))
+        G.gemm(torch.zeros((4, 256), device=DEVICE), raw, Format.MXFP4, 8, 256, torch.empty((4, 8), device=DEVICE))
     with pytest.raises(ValueError, match="out must be"):
         G.gemm(torch.zeros((4, 256), device=DEVICE), raw, Format.Q8_0, 8, 256, torch.empty((4, 9), device=DEVICE))
 

@@ -86,6 +86,9 @@ CASES = {
     # the word decode a whole super-block a step (the table's is half of one); Q6_K's rows of 210 bytes put
     # every other row's block 2 bytes past a word
     "q6_k-q4_k-whole-steps": (Format.Q6_K, Format.Q4_K, 10, 2, 4, 256, 256, dict(every=None, none=1), 1, True),
+    # rows the word decode's 128-value steps do not divide (160 and 96 values: IQ4_NL, llama.cpp's fallback for a
+    # low-bit recipe's rows that are not whole super-blocks): the unit decode, a block a step
+    "iq4_nl-q8_0-odd-rows": (Format.IQ4_NL, Format.Q8_0, 9, 2, 4, 160, 96, dict(every=None, none=1), 1, True),
 }
 # the values a step each case's word decode takes (the table's where not named)
 STEPS = {"q6_k-q4_k-whole-steps": 256}
@@ -267,9 +270,10 @@ def test_route_sorts_and_counts_each_experts_pairs(hist_a_thread, monkeypatch):
 def test_refusals():
     raw = dev(raw_weights(Format.Q8_0, 2 * 8, 96, np.random.default_rng(0)))
     order, counts = torch.zeros(4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
-    assert not grouped.takes(Format.Q8_0, 8, 96) and grouped.takes(Format.Q4_K, 8, 256)
+    assert not grouped.takes(Format.MXFP4, 8, 96) and grouped.takes(Format.Q4_K, 8, 256)
+    assert grouped.takes(Format.Q8_0, 8, 96)  # three blocks: a block a step
     with pytest.raises(ValueError, match="no grouped GEMM"):
-        grouped.gate_up_grouped(torch.zeros((2, 96)), raw, raw, Format.Q8_0, 2, 2, order, counts, 8, 96,
+        grouped.gate_up_grouped(torch.zeros((2, 96)), raw, raw, Format.MXFP4, 2, 2, order, counts, 8, 96,
                                 torch.zeros((4, 8)))  # fmt: skip
 
 

@@ -98,12 +98,16 @@ def supports(fmt: Format, k: int) -> bool:
 
 
 def step_units(fmt: Format, k: int) -> int:
-    """Units a step: one K-quant super-block, or BLOCK_STEP_VALUES of a 32-value format where they divide the
-    row; 0 where they do not."""
+    """Units a step: one K-quant super-block, or the most of a 32-value format's blocks, up to
+    BLOCK_STEP_VALUES and a power of two, whose values divide the row (a row of 46 blocks, 1,472 values, takes
+    steps of two: a tensor-core K of four 16-value slices); 0 where the row is not whole units."""
     values = decode_unit(fmt, k)
-    if values >= BLOCK_STEP_VALUES:
-        return 1
-    return BLOCK_STEP_VALUES // values if k % BLOCK_STEP_VALUES == 0 else 0
+    if k % values:
+        return 0
+    units = max(1, BLOCK_STEP_VALUES // values)
+    while k % (units * values):
+        units //= 2
+    return units
 
 
 def gemm(

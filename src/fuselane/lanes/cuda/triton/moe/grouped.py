@@ -212,7 +212,9 @@ def format_consts(fmt: Format, n: int, k: int, w: Tensor | None = None, word_ste
     table's, `kernels.moe_gemm_tile`, where not given)."""
     values = decode_unit(fmt, k)
     units = step_units(fmt, k)
-    word = words.takes(fmt) and (w is None or w.data_ptr() % WORD_ALIGN == 0)
+    # the word decode's steps are 128 or 256 values: a row of neither (a 32-value format's of 1,472 values)
+    # takes the unit decode's steps
+    word = words.takes(fmt) and (w is None or w.data_ptr() % WORD_ALIGN == 0) and k % min(words.STEPS) == 0
     step = (word_step or kernels.moe_gemm_tile(fmt, launch).step) if word else values * units
     if k % step:  # a 32-value format's row of whole 128-value steps, not of 256 (DeepSeek-V2-Lite's 1,408)
         step = min(words.STEPS)
