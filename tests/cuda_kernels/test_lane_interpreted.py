@@ -234,6 +234,17 @@ def test_a_yarn_model_runs_as_the_cpu_lane(tmp_path, shape):
         assert rel(a, b) <= tol, f"step {step}: {rel(a, b):.2e} > {tol:.2e}"
 
 
+def test_heads_of_no_power_of_two_run_as_the_cpu_lane(tmp_path):
+    # heads of 48 values: the prefill attention pads a head to a power of two in its tile, the decode's
+    # too; their output is no whole 32-value blocks a head, so its int8 form takes a Quantize launch
+    from fuselane.gguf.synth import Shape
+    from tests.lane_steps import runs_as_the_cpu_lane
+
+    shape = Shape("qwen3", 160, 1, 4, 2, 48, 256, 512, context=4096)
+    path = write_synthetic(tmp_path / "m.gguf", shape, "q8_0", seed=4)
+    runs_as_the_cpu_lane(path, PROMPT, [12, 13], DECODE, ctx=32)
+
+
 def test_the_weights_are_parts_of_one_upload_holding_the_files_bytes(tmp_path):
     # one device buffer for every tensor (a block each took what the caching allocator rounds it to): each
     # matrix its file bytes at an aligned offset, each vector its f32 values, no two overlapping

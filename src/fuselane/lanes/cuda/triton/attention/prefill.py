@@ -69,21 +69,26 @@ def _prefill_tile(
     v_pitch,
     scale_log2e,
     HD: tl.constexpr,
+    D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     F16_OPS: tl.constexpr,
     CAUSAL: tl.constexpr,
 ):
-    """One key/value tile of the online softmax; CAUSAL masks keys past each query's position."""
+    """One key/value tile of the online softmax; CAUSAL masks keys past each query's position. A head of HD
+    values is a tile of D (a power of two), its padding zero."""
     n = n0 + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, HD)
+    d = tl.arange(0, D)
     k_addr = k_ptr + n[:, None].to(tl.int64) * k_pitch + kvh * HD + d[None, :]
     v_addr = v_ptr + n[:, None].to(tl.int64) * v_pitch + kvh * HD + d[None, :]
     if CAUSAL:
-        k = tl.load(k_addr, mask=(n < end)[:, None], other=0.0)
-        v = tl.load(v_addr, mask=(n < end)[:, None], other=0.0)
-    else:
+        k = tl.load(k_addr, mask=(n < end)[:, None] & (d < HD)[None, :], other=0.0)
+        v = tl.load(v_addr, mask=(n < end)[:, None] & (d < HD)[None, :], other=0.0)
+    elif D == HD:
         k = tl.load(k_addr)
         v = tl.load(v_addr)
+    else:
+        k = tl.load(k_addr, mask=(d < HD)[None, :], other=0.0)
+        v = tl.load(v_addr, mask=(d < HD)[None, :], other=0.0)
     if F16_OPS:
         s = tl.dot(q, tl.trans(k.to(tl.float16)))
     else:
@@ -117,6 +122,7 @@ def _prefill_kernel(
     gate_pitch,
     GROUP: tl.constexpr,
     HD: tl.constexpr,
+    D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     F16_OPS: tl.constexpr,
@@ -136,8 +142,9 @@ def _prefill_kernel(
     valid = mi < rows * GROUP
     row = tl.minimum(mi // GROUP, rows - 1)
     head = kvh * GROUP + mi % GROUP
-    d = tl.arange(0, HD)
-    q = tl.load(q_ptr + row[:, None].to(tl.int64) * q_pitch + head[:, None] * HD + d[None, :])
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + row[:, None].to(tl.int64) * q_pitch + head[:, None] * HD + d[None, :],
+                mask=(d < HD)[None, :], other=0.0)  # fmt: skip
     q = q.to(tl.float16) if F16_OPS else q.to(tl.float32)
     qpos = pos + row
     first = tl.minimum(mt * BLOCK_M // GROUP, rows - 1)
@@ -147,50 +154,55 @@ def _prefill_kernel(
     end = pos + last + 1
     run_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     run_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HD], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
     if INTERPRETED:  # the same tiles in the same order (see INTERPRETED)
         n0 = full * 0
         while n0 < full:
             run_max, run_sum, acc = _prefill_tile(
                 q, run_max, run_sum, acc, k_ptr, v_ptr, kvh, n0, end, qpos, k_pitch, v_pitch, scale_log2e,
-                HD, BLOCK_N, F16_OPS, False,
+                HD, D, BLOCK_N, F16_OPS, False,
             )  # fmt: skip
             n0 += BLOCK_N
         while n0 < end:
             run_max, run_sum, acc = _prefill_tile(
                 q, run_max, run_sum, acc, k_ptr, v_ptr, kvh, n0, end, qpos, k_pitch, v_pitch, scale_log2e,
-                HD, BLOCK_N, F16_OPS, True,
+                HD, D, BLOCK_N, F16_OPS, True,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
         for n0 in range(0, full, BLOCK_N):
             run_max, run_sum, acc = _prefill_tile(
                 q, run_max, run_sum, acc, k_ptr, v_ptr, kvh, n0, end, qpos, k_pitch, v_pitch, scale_log2e,
-                HD, BLOCK_N, F16_OPS, False,
+                HD, D, BLOCK_N, F16_OPS, False,
             )  # fmt: skip
         for n0 in range(full, end, BLOCK_N):
             run_max, run_sum, acc = _prefill_tile(
                 q, run_max, run_sum, acc, k_ptr, v_ptr, kvh, n0, end, qpos, k_pitch, v_pitch, scale_log2e,
-                HD, BLOCK_N, F16_OPS, True,
+                HD, D, BLOCK_N, F16_OPS, True,
             )  # fmt: skip
     out = acc / run_sum[:, None]
     if GATED:  # AttnOutputGate: each head's output times the sigmoid of its gate
-        z = tl.load(gate_ptr + row[:, None].to(tl.int64) * gate_pitch + head[:, None] * GATE_HP + d[None, :])
+        z = tl.load(gate_ptr + row[:, None].to(tl.int64) * gate_pitch + head[:, None] * GATE_HP + d[None, :],
+                    mask=(d < HD)[None, :], other=0.0)  # fmt: skip
         out = out * tl.sigmoid(z.to(tl.float32))
     dst = out_ptr + row[:, None].to(tl.int64) * out_pitch + head[:, None] * HD + d[None, :]
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (d < HD)[None, :])
     if Q8OUT:  # the output's int8 form too: a head's values are whole 32-value blocks of its row
-        _store_q8(out, row, head, valid, oq, od, os_, q8_cols, HD, BLOCK_M)
+        _store_q8(out, row, head, valid, oq, od, os_, q8_cols, HD, D, BLOCK_M)
 
 
 @triton.jit
-def _store_q8(out, row, head, valid, oq, od, os_, q8_cols, HD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Quantize each tile row's head (HD values, HD / 32 blocks) into the Q8Acts of rows of q8_cols values."""
+def _store_q8(out, row, head, valid, oq, od, os_, q8_cols, HD: tl.constexpr, D: tl.constexpr,
+              BLOCK_M: tl.constexpr):  # fmt: skip
+    """Quantize each tile row's head (HD values, HD / 32 blocks, in a tile of D: the padding's blocks are not
+    stored) into the Q8Acts of rows of q8_cols values."""
     NB: tl.constexpr = HD // quant.QB_C
-    codes, d, sums = quant.quantize_block(tl.reshape(out, [BLOCK_M * NB, quant.QB_C]), quant.QB_C)
-    blk = tl.reshape(row[:, None].to(tl.int64) * (q8_cols // quant.QB_C) + head[:, None] * NB
-                     + tl.arange(0, NB)[None, :], [BLOCK_M * NB])  # fmt: skip
-    live = tl.reshape(tl.broadcast_to(valid[:, None], [BLOCK_M, NB]), [BLOCK_M * NB])
+    NB_P: tl.constexpr = D // quant.QB_C
+    codes, d, sums = quant.quantize_block(tl.reshape(out, [BLOCK_M * NB_P, quant.QB_C]), quant.QB_C)
+    at = tl.arange(0, NB_P)[None, :]
+    blk = tl.reshape(row[:, None].to(tl.int64) * (q8_cols // quant.QB_C) + head[:, None] * NB + at,
+                     [BLOCK_M * NB_P])  # fmt: skip
+    live = tl.reshape(valid[:, None] & (at < NB), [BLOCK_M * NB_P])
     tl.store(oq + blk[:, None] * quant.QB_C + tl.arange(0, quant.QB_C)[None, :], codes, mask=live[:, None])
     tl.store(od + blk, d, mask=live)
     tl.store(os_ + blk[:, None] * 2 + tl.arange(0, 2)[None, :], sums, mask=live[:, None])
@@ -219,16 +231,15 @@ def flash_prefill(
 
     One launch of (query tiles, kv_heads) blocks; each tile packs `block_m` (row, head-of-group) pairs.
     `f16_ops`: multiply on the f16 tensor cores, the operands rounded to f16 in the kernel (the int8 numerics'
-    attention, `CudaShim.attention`); 3xTF32 dots otherwise; None: f16 where `q` is. `hd` a power of two of at least
-    16 (tl.dot's smallest side); `block_m` and `block_n` are kernel facts, parameters only for tests. With
+    attention, `CudaShim.attention`); 3xTF32 dots otherwise; None: f16 where `q` is. A head of `hd` values (any
+    even width) is a tile of the power of two at least as wide and at least 16 (tl.dot's smallest side), its
+    padding zero; `block_m` and `block_n` are kernel facts, parameters only for tests. With
     `out_q8` (AttnOutputQuant: heads of whole 32-value blocks) the launch also writes `out` quantized, as
     `quant.quantize` would, for a product on the int8 tensor cores. `gate` (rows, heads, >= hd; AttnOutputGate)
     multiplies each head's output by its sigmoid in the store.
     """
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not share {kv_heads} key/value heads evenly")
-    if hd < DOT_MIN or hd & (hd - 1):
-        raise ValueError(f"flash_prefill multiplies heads of a power of two >= {DOT_MIN} values, not {hd}")
     if q.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("flash_prefill: the query's and the output's values must be unit-stride")
     group = heads // kv_heads
@@ -260,6 +271,7 @@ def flash_prefill(
         gate.stride(0) if gate is not None else 0,
         GROUP=group,
         HD=hd,
+        D=max(DOT_MIN, triton.next_power_of_2(hd)),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         F16_OPS=f16_ops,
