@@ -10,8 +10,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
+
+from fuselane.gguf.synth import SHAPES, Shape, write_synthetic
 
 pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -60,6 +63,28 @@ def test_every_launch_compiles_at_the_real_widths(shape, mix, cuts):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     argv = [sys.executable, "-m", "fuselane.lanes.cuda.compile_check", shape, "--mix", mix]
     argv += [*cuts, "--vocab", SMALL_VOCAB]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "a narrow chunk and sampled decode steps" in done.stdout.splitlines()[0]
+
+
+# Widths no published shape has (`fuzz/lane_shapes.py` draws such): heads of 80 values, padded to a power of two
+# in the prefill attention's tile; rows of 1,472 and 704 values, which the in-kernel and grouped GEMMs step two
+# blocks at a time (the Q3_K_M recipe's experts fall back to IQ4_NL there).
+ODD = {
+    "heads-of-80": (Shape("qwen2", 1472, 1, 8, 2, 80, 4160, 512), "q8_0", ["prefill=in-place"]),
+    "experts-of-704": (replace(SHAPES["qwen1.5-moe-a2.7b"], n_embd=704, n_layers=1, n_heads=8, n_kv_heads=1,
+                                experts=8, expert_ff=448, shared_ff=1984, vocab=512), "q3_k_m", []),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(ODD))
+def test_every_launch_compiles_at_widths_no_published_shape_has(case, tmp_path):
+    shape, mix, knobs = ODD[case]
+    path = write_synthetic(tmp_path / "m.gguf", shape, mix, seed=1)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    argv = [sys.executable, "-m", "fuselane.lanes.cuda.compile_check", str(path)]
+    argv += [a for k in knobs for a in ("--knob", k)]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "a narrow chunk and sampled decode steps" in done.stdout.splitlines()[0]
