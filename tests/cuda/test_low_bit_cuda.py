@@ -37,3 +37,21 @@ def test_low_bit_model_runs_as_the_cpu_lane(tmp_path, name: str, mix: str) -> No
     assert LOW_BITS & set(tensor_formats(shape, mix).values()), f"{mix} writes none of the formats under test"
     path = write_synthetic(tmp_path / "m.gguf", shape, mix, seed=13)
     runs_as_the_cpu_lane(path, PROMPT, SHORT, DECODE, ctx=64)
+
+
+# Widths no published shape has (`fuzz/lane_shapes.py`): a mixture's IQ4_NL experts (the Q3_K_M recipe's fallback)
+# at a hidden width of 1,472, which the grouped GEMM steps two blocks at a time; heads of 80 values, padded to a
+# power of two in the prefill attention's tile, and rows of 1,472 values in the in-kernel GEMM
+ODD_WIDTHS = {
+    "experts-of-1472": (replace(SHAPES["qwen3-30b-a3b"], n_embd=1472, n_layers=2, n_heads=6, n_kv_heads=1,
+                                vocab=4096, experts=16, expert_ff=1280), "q3_k_m", []),
+    "heads-of-80": (replace(SHAPES["qwen2.5-1.5b"], n_embd=1472, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=80,
+                            n_ff=4160, vocab=4096), "q8_0", ["prefill=in-place"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(ODD_WIDTHS))
+def test_a_model_of_odd_widths_runs_as_the_cpu_lane(tmp_path, case: str) -> None:
+    shape, mix, knobs = ODD_WIDTHS[case]
+    path = write_synthetic(tmp_path / "m.gguf", shape, mix, seed=13)
+    runs_as_the_cpu_lane(path, PROMPT, SHORT, DECODE, ctx=64, knobs=knobs)
