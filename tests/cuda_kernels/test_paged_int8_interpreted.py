@@ -28,7 +28,7 @@ from fuselane.engine.cuda import CudaPaged  # noqa: E402
 from fuselane.engine.lane import Work  # noqa: E402
 from fuselane.gguf.synth import Shape, write_synthetic  # noqa: E402
 from fuselane.graph.ops import Quantize  # noqa: E402
-from fuselane.lanes.cuda.run import launch  # noqa: E402
+from fuselane.lanes.cuda.run import product_launch  # noqa: E402
 from fuselane.lanes.cuda.triton import sample  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 from fuselane.runtime.sampling import GREEDY, Sampler, SamplingParams  # noqa: E402
@@ -63,7 +63,7 @@ def test_a_batchs_rows_read_int8_and_equal_each_sequence_alone(tmp_path, monkeyp
     gpu = load(path, lane="cuda", ctx=CTX)
     ref = load(path, lane="cpu", ctx=CTX, dtype=np.float64)
     picked: list[tuple[str, int]] = []
-    real = launch._q8_in
+    real = product_launch.q8_in
 
     def spy(name, fmt, m, k, b, *outs):
         found = real(name, fmt, m, k, b, *outs)
@@ -71,7 +71,7 @@ def test_a_batchs_rows_read_int8_and_equal_each_sequence_alone(tmp_path, monkeyp
             picked.append((found[0].__name__.rsplit(".", 1)[-1], m))
         return found
 
-    monkeypatch.setattr(launch, "_q8_in", spy)
+    monkeypatch.setattr(product_launch, "q8_in", spy)
     paged, pool = CudaPaged(gpu.lane, blocks=2, block_size=BLOCK_SIZE), BlockPool(2, BLOCK_SIZE)
     tables = [BlockTable() for _ in TOKENS]
     assert all(pool.grow(t, 1) for t in tables)

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fuselane.fuse.optimizer import launches_of
-from fuselane.fuse.views import class_of, leaves, parts
+from fuselane.fuse.views import class_of, leaves
 from fuselane.gguf.formats import Format
 from fuselane.graph.classes import ClassId as C
-from fuselane.graph.ir import Form, Op, TensorGraph
+from fuselane.graph.ir import Op, TensorGraph
 from fuselane.graph.ops import (
     ArgMax,
     Attention,
@@ -50,12 +50,10 @@ from fuselane.graph.ops import (
     TakeRows,
     Unary,
     UnaryOp,
-    Yarn,
 )
-from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.knobs import H200
 from fuselane.lanes.cuda.plan.shim import QUANT_EPILOGUES
-from fuselane.lanes.cuda.run import gdn_launch, mla_launch, moe_launch
+from fuselane.lanes.cuda.run import gdn_launch, mla_launch, moe_launch, product_launch, rope_launch
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
 Launch = Callable[[], None]
@@ -137,115 +135,6 @@ def _one(op: Op, b: Bound) -> Launch:
 # ---- primitives -------------------------------------------------------------------------------------------
 
 
-def _rows_view(b: Bound, op: Op):
-    """The destination a product or row write lands in: (buffer, (pos, pitch) or None)."""
-    if op.dst.row is not None:
-        return b.bufs[op.dst.buf], (b.bufs["pos"], op.dst.row.pitch)
-    return b.bufs[op.dst.buf], None
-
-
-def _product(op: Op, b: Bound, *, bias: str | None = None, residual: str | None = None, dst: Op | None = None):
-    gemv, *_ = _t()
-    spec: Matmul = op.sym  # type: ignore[assignment]
-    x = b.bufs[op.ins[0]]
-    out, row = _rows_view(b, dst or op)
-    bias_t = b.vec[bias] if bias else None
-    res_t = b.bufs[residual] if residual else None
-    w, fmt = b.raw[op.ins[1]]
-    chunk = _q8_gemm(op.ins[0], fmt, spec.m, spec.k, b, out)
-    if chunk is not None:  # the plan quantized a chunk's activation: the int8 tensor cores, no copy
-        gemm_q8, acts = chunk
-        res2 = res_t.view(spec.m, spec.n) if res_t is not None else None
-        out2 = out if row is not None else out.view(spec.m, spec.n)
-        n, k = spec.n, spec.k
-        return [lambda: gemm_q8.gemm_q8(acts, w, fmt, n, k, out2, bias=bias_t, residual=res2, out_row=row)]
-    q8 = _q8_in(op.ins[0], fmt, spec.m, spec.k, b, out)
-    if q8 is not None:
-        gemv_q8, acts = q8
-        n, k = spec.n, spec.k
-        return [lambda: gemv_q8.gemv_q8(acts, w, fmt, n, k, out, bias=bias_t, residual=res_t, out_row=row)]
-    if spec.m <= kernels.GEMV_ROWS and fmt in kernels.ROWS_GEMV_FORMATS:  # a step's or a batch's rows: GEMVs
-        # (a format only the int8 GEMV decodes, in a chunk of a few rows, multiplies as a longer chunk's: below)
-        kernel = _gemv_kernels(fmt, spec.m, out)
-        return [lambda: kernel(x, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)]
-    from fuselane.lanes.cuda.triton import f16_scale, gemm, gemm_sb
-
-    x2 = x.view(spec.m, spec.k)
-    res2 = res_t.view(spec.m, spec.n) if res_t is not None else None
-    out2 = out if row is not None else out.view(spec.m, spec.n)
-    if b.in_place and gemm_sb.supports(fmt, spec.k) and out.dtype in _store_types():
-        # Q4_K / Q6_K: a super-block a step, the sub-scales folded into the f16 weights (`gemm_sb`); no copy
-        n, k = spec.n, spec.k
-        epilogue = dict(bias=bias_t, residual=res2, out_row=row, sms=b.sms)
-        return [lambda: gemm_sb.product(x2, w, fmt, n, k, out2, **epilogue)]
-    if b.in_place and gemm.supports(fmt, spec.k) and out.dtype in _store_types():
-        # the weights decoded to f16 in the kernel: no f16 copy of the matrix
-        return [lambda: gemm.gemm(x2, w, fmt, spec.n, spec.k, out2, bias=bias_t, residual=res2, out_row=row)]
-    matrix = op.ins[1]
-    # an activation no later op reads is rounded into its own bytes, where the workspace asks (`Bound.dying`)
-    rounds = (id(op), op.ins[0]) in b.dying and residual != op.ins[0]
-    if b.f16_scratch is not None:  # the matrix decoded to f16 just before cuBLAS takes it: no copy kept
-        n, k, scratch = spec.n, spec.k, b.f16_scratch
-        epilogue = dict(bias=bias_t, residual=res2, out_row=row, in_place=rounds)
-        return [lambda: f16_scale.product_from_bytes(x2, w, fmt, n, k, scratch, out2, **epilogue)]
-
-    def f16_copy() -> None:
-        # the f16 copy, made by the first run (a kernel): binding launches nothing. A row past f16's range is
-        # rounded under a power-of-two scale that the epilogue multiplies back (`f16_scale`), so it stays finite
-        f16_scale.product(x2, b.dense(matrix), out2, bias=bias_t, residual=res2, out_row=row, in_place=rounds)
-
-    return [f16_copy]
-
-
-def _fast(fmt: Format, m: int, *outs: Any):
-    """The tile-streaming GEMV kernels where they take this product (one row, their formats, f32 outputs or
-    f16 cache rows), else None."""
-    from fuselane.lanes.cuda.triton.gemv import fast as gemv_fast
-
-    f32 = all(out.dtype in _store_types() for out in outs)
-    return gemv_fast if f32 and gemv_fast.supports_fast(fmt, m) else None
-
-
-def _q8_gemm(name: str, fmt: Format, m: int, k: int, b: Bound, out: Any):
-    """(the int8 GEMM module, the activation's Q8Acts) where the plan wrote a chunk's activation `name` in int8
-    for a product the int8 GEMM takes (`CudaShim.int8_gemm`); None otherwise."""
-    from fuselane.lanes.cuda.triton import gemm_q8
-
-    batch = b.g.form is Form.BATCH  # a batch's rows are each a decode row: the int8 GEMV over them
-    if batch or name not in b.q8 or not gemm_q8.supports(fmt, m, k) or out.dtype not in _store_types():
-        return None
-    return gemm_q8, b.q8[name]
-
-
-def _q8_in(name: str, fmt: Format, m: int, k: int, b: Bound, *outs: Any):
-    """(the int8 GEMV module, the activation's Q8Acts) where the plan wrote `name`'s int8 form (its producer's
-    epilogue, or a `Quantize` launch) and the int8 kernels take the product; None where it reads the f32 row.
-    A batch's rows past one take the module over many rows (`q8_rows`), whose launchers the one-row
-    module's names call alike."""
-    from fuselane.lanes.cuda.triton.gemv import q8, q8_rows
-
-    gemv_q8 = q8 if m == 1 else q8_rows if b.g.form is Form.BATCH else None  # a chunk's: the GEMMs, or f32
-    if gemv_q8 is None or name not in b.q8 or not gemv_q8.supports(fmt, m, k):
-        return None
-    if any(out.dtype not in _store_types() for out in outs):
-        return None
-    return gemv_q8, b.q8[name]
-
-
-def _store_types():
-    import torch
-
-    return (torch.float32, torch.float16)
-
-
-def _gemv_kernels(fmt: Format, m: int, out: Any):
-    fast = _fast(fmt, m, out)
-    if fast is not None:
-        return fast.gemv_fast
-    gemv, *_ = _t()
-    return gemv.gemv
-
-
 def _rms_norm(op: Op, b: Bound):
     _, norm, *_ = _t()
     spec: RmsNorm = op.sym  # type: ignore[assignment]
@@ -289,28 +178,6 @@ def _unary(op: Op, b: Bound):
     if kind is UnaryOp.SOFTPLUS:
         return [lambda: out.copy_(torch.nn.functional.softplus(x))]
     return [lambda: torch.mul(torch.sigmoid(x), x, out=out)]
-
-
-def _positions(b: Bound) -> tuple[Any, bool]:
-    """What a rotation reads its positions from: the step's position (row i at pos + i), or a batch's own
-    position a row."""
-    return (b.paged.positions, True) if b.paged is not None else (b.bufs["pos"], False)
-
-
-def _rope(op: Op, b: Bound):
-    _, _, rope, *_ = _t()
-    spec: Rope = op.sym  # type: ignore[assignment]
-    if mla_launch.takes_rope(spec):  # DeepSeek's pairs: the table rotation
-        return mla_launch.rope(op, b)
-    x, out = _heads_of(b.bufs[op.ins[0]], spec), b.bufs[op.out]
-    pos, per_row = _positions(b)
-    args = dict(heads=spec.heads, hd=spec.hd, base=spec.base, rot=spec.rot, per_row=per_row, yarn=spec.yarn)
-    return [lambda: rope.qk_norm_rope(x, out, pos, **args)]
-
-
-def _heads_of(x: Any, spec: Rope) -> Any:
-    """A rotation's input as the rope kernels take it: a slice's view of heads apart as rows x heads x hd."""
-    return x if x.is_contiguous() else x.view(spec.rows, spec.heads, spec.hd)
 
 
 def _set_row(op: Op, b: Bound):
@@ -464,227 +331,6 @@ def _embed_norm(op: Op, b: Bound):
     return [lambda: norm.embed_norm(table, fmt, ids, w, rows_out, out, spec.eps)]
 
 
-@dataclass(frozen=True, slots=True)
-class _Side:
-    """One rotation as the rope kernels take it: input, output (a buffer, or the cache at the position), its
-    shape, and the per-head norm it may take first."""
-
-    x: Any
-    out: Any
-    heads: int
-    hd: int
-    base: float
-    norm_w: Any
-    eps: float
-    pitch: int | None
-    rot: int
-    yarn: Yarn | None
-
-
-def _side(op: Op, b: Bound) -> _Side:
-    found = leaves(op)
-    r_op = next(p for p in found if isinstance(p.sym, Rope))
-    spec: Rope = r_op.sym  # type: ignore[assignment]
-    if mla_launch.takes_rope(spec):  # the fused rotations turn NEOX pairs
-        raise PlanMismatch(f"{op.out}: a fused rotation of DeepSeek's pairs has no launch")
-    n_op = next((p for p in found if isinstance(p.sym, RmsNorm)), None)
-    w_op = next((p for p in found if isinstance(p.sym, Elementwise)), None)
-    appended = op.dst.row is not None
-    return _Side(
-        x=_heads_of(b.bufs[(n_op or r_op).ins[0]], spec),
-        out=b.bufs[op.dst.buf] if appended else b.bufs[r_op.out],
-        heads=spec.heads,
-        hd=spec.hd,
-        base=spec.base,
-        norm_w=b.vec[w_op.ins[1]] if w_op is not None else None,
-        eps=n_op.sym.eps if n_op is not None else 0.0,  # type: ignore[union-attr]
-        pitch=op.dst.row.pitch if appended else None,  # type: ignore[union-attr]
-        rot=spec.rot,
-        yarn=spec.yarn,
-    )
-
-
-def _rope_class(op: Op, b: Bound):
-    _, _, rope, *_ = _t()
-    s, (pos, per_row) = _side(op, b), _positions(b)
-    args = dict(heads=s.heads, hd=s.hd, base=s.base, norm_w=s.norm_w, eps=s.eps, cache_row_pitch=s.pitch, rot=s.rot)
-    args |= dict(per_row=per_row, yarn=s.yarn)
-    return [lambda: rope.qk_norm_rope(s.x, s.out, pos, **args)]
-
-
-def _rope_qk(op: Op, b: Bound):
-    """A layer's query and key rotations in one launch (the key appended to its cache where it is)."""
-    _, _, rope, *_ = _t()
-    q_op, k_op = op.sym.parts  # type: ignore[union-attr]
-    if _side(q_op, b).pitch is not None:
-        q_op, k_op = k_op, q_op
-    q, k, (pos, per_row) = _side(q_op, b), _side(k_op, b), _positions(b)
-    args = dict(
-        per_row=per_row,
-        heads=q.heads,
-        kv_heads=k.heads,
-        hd=q.hd,
-        base=q.base,
-        q_norm_w=q.norm_w,
-        k_norm_w=k.norm_w,
-        eps=q.eps,
-        k_cache_row_pitch=k.pitch,
-        rot=q.rot,
-        yarn=q.yarn,
-    )
-    return [lambda: rope.rope_q_k(q.x, k.x, q.out, k.out, pos, **args)]
-
-
-def _gemm_bias(op: Op, b: Bound):
-    mm, add = leaves(op)
-    return _product(mm, b, bias=add.ins[1], dst=add)
-
-
-def _row_write(op: Op, b: Bound):
-    found = leaves(op)
-    mm = found[0]
-    bias = found[1].ins[1] if len(found) == 3 else None
-    return _product(mm, b, bias=bias, dst=found[-1])
-
-
-def _gate_up(op: Op, b: Bound, out_q8: Any = None):
-    """The gated pair in one GEMV launch (the lane rule `products_apart` keeps it within the GEMV's rows); with
-    `out_q8` (GluActMulQuant) the int8 GEMV writes the GLU's int8 form too."""
-    gemv, *_ = _t()
-    gate, up = (p for p in leaves(op) if isinstance(p.sym, Matmul))
-    spec: Matmul = gate.sym  # type: ignore[assignment]
-    x, out = b.bufs[gate.ins[0]], b.bufs[op.out]
-    if spec.m > kernels.GEMV_ROWS:
-        if b.in_place or out_q8 is not None:  # the GEMV would read every matrix once a tile of rows
-            raise PlanMismatch(
-                f"{op.out}: a gated pair of {spec.m} rows, past the GEMV's {kernels.GEMV_ROWS}, not split"
-            )
-        rounds = (id(op), gate.ins[0]) in b.dying
-        return [_f16_pair(gate, up, spec, b, x.view(spec.m, spec.k), out.view(spec.m, spec.n), rounds)]
-    (wg, fmt), (wu, _) = b.raw[gate.ins[1]], b.raw[up.ins[1]]
-    n, k = spec.n, spec.k
-    q8 = _q8_in(gate.ins[0], fmt, spec.m, k, b, out)
-    if q8 is not None:
-        gemv_q8, acts = q8
-        if out_q8 is None:
-            return [lambda: gemv_q8.gemv_q8_gate_up_glu(acts, wg, wu, fmt, n, k, out)]
-        if spec.m > 1:
-            raise PlanMismatch(f"{op.out}: the gated pair writes its int8 form from the one-row int8 GEMV only")
-        from fuselane.lanes.cuda.triton.gemv import q8_epilogue as qe
-
-        counters = b.scratch.setdefault(f"glu-q8:{op.out}", qe.q8_counters(n, out.device))
-        return [lambda: qe.gemv_q8_gate_up_glu_q8(acts, wg, wu, fmt, n, k, out, out_q8, counters)]
-    if out_q8 is not None:
-        raise PlanMismatch(f"{op.out}: the gated pair writes its int8 form only from the int8 GEMV")
-    fast = _fast(fmt, spec.m, out)
-    if fast is not None:
-        return [lambda: fast.gemv_fast_gate_up_glu(x, wg, wu, fmt, n, k, out)]
-    return [lambda: gemv.gemv_gate_up_glu(x, wg, wu, fmt, n, k, out)]
-
-
-def _f16_pair(gate: Op, up: Op, spec: Matmul, b: Bound, x: Any, out: Any, rounds: bool):
-    """A chunk's gated pair on cuBLAS: the activation rounded once (in its own bytes where it `rounds` there, as
-    it dies), the GLU in the products' epilogue (`f16_scale.gate_up_glu`), over the matrices' f16 copies or
-    decoded into the scratch a slab at a time."""
-    from fuselane.lanes.cuda.triton import f16_scale
-
-    if b.f16_scratch is not None:
-        pair, scratch = (b.raw[gate.ins[1]], b.raw[up.ins[1]]), b.f16_scratch
-        return lambda: f16_scale.gate_up_glu_from_bytes(x, *pair, spec.n, spec.k, scratch, out, in_place=rounds)
-    # the f16 copies, made by the first run as `_product`'s are
-    return lambda: f16_scale.gate_up_glu(x, b.dense(gate.ins[1]), b.dense(up.ins[1]), out, in_place=rounds)
-
-
-def _part(member: Op, b: Bound) -> tuple:
-    """A member of a GEMV in parts as the kernels take it: (weights, outputs, output buffer, bias, row)."""
-    found = leaves(member)
-    mm = found[0]
-    spec: Matmul = mm.sym  # type: ignore[assignment]
-    bias = next((p.ins[1] for p in found if isinstance(p.sym, Elementwise) and p.ins[0] == mm.out), None)
-    landing = found[-1] if class_of(member) is C.ROW_WRITE else (found[1] if bias else mm)
-    out, row = _rows_view(b, landing)
-    return (b.raw[mm.ins[1]][0], spec.n, out, b.vec[bias] if bias else None, row)
-
-
-def _merged(op: Op, b: Bound):
-    """Products of one activation in parts, one GEMV launch; where the plan folded the query's and key's
-    rotations into it (the lane rule `rope_epilogue`), the int8 GEMV that turns them in its epilogue."""
-    gemv, *_ = _t()
-    members = op.sym.parts  # type: ignore[union-attr]
-    turned = [k for k, m in enumerate(members) if class_of(m) is C.QKV_HEAD_EPILOGUE]
-    products = [_part(parts(m)[0] if k in turned else m, b) for k, m in enumerate(members)]
-    first = leaves(members[0])[0]
-    spec: Matmul = first.sym  # type: ignore[assignment]
-    if turned and b.paged is not None and spec.m != 1:
-        raise PlanMismatch(f"{op.out}: a batch's rows past one turn in their own launch")
-    x, fmt = b.bufs[first.ins[0]], b.raw[first.ins[1]][1]
-    q8 = _q8_in(first.ins[0], fmt, spec.m, spec.k, b, *(p[2] for p in products))
-    if turned:
-        if q8 is None:
-            raise PlanMismatch(f"{op.out}: the query and key turn in the GEMV's epilogue only in the int8 GEMV")
-        return [_turned_in_gemv(turned, members, products, q8[1], fmt, spec.k, b)]
-    if q8 is not None:
-        gemv_q8, acts = q8
-        return [lambda: gemv_q8.gemv_q8_parts(acts, products, fmt)]
-    fast = _fast(fmt, spec.m, *(p[2] for p in products))
-    if fast is not None:
-        return [lambda: fast.gemv_fast_parts(x, products, fmt)]
-    return [lambda: gemv.gemv_parts(x, products, fmt)]
-
-
-def _turned_in_gemv(turned: list[int], members, products: list, acts: Any, fmt: Format, k: int, b: Bound):
-    """The int8 GEMV in parts that turns a query's and a key's heads in its epilogue (`q8_rope`): the query
-    lands in a buffer of its own, the key where its rotation writes it (its cache row)."""
-    from fuselane.lanes.cuda.triton.gemv import q8_rope as gemv_q8_rope
-
-    qi, ki = turned if members[turned[0]].dst.row is None else turned[::-1]
-    q_op, k_op = (parts(members[i])[1] for i in (qi, ki))
-    q, kk = _side(q_op, b), _side(k_op, b)
-    counters = b.scratch.setdefault(f"rope-q8:{q_op.out}", gemv_q8_rope.rope_counters(q.heads, kk.heads, acts.q.device))
-    q_turn = gemv_q8_rope.Turn(qi, q.out, q.heads, None, q.norm_w)
-    # a batch of one: the row turns at its own position and its key lands in the step's staging row (row 0)
-    k_turn = gemv_q8_rope.Turn(ki, kk.out, kk.heads, kk.pitch if b.paged is None else None, kk.norm_w)
-    pos = b.bufs["pos"] if b.paged is None else b.paged.positions
-    return lambda: gemv_q8_rope.gemv_q8_parts_rope(
-        acts, products, fmt, q_turn, k_turn, pos, counters, hd=q.hd, base=q.base, eps=q.eps, yarn=q.yarn
-    )
-
-
-def _norm_epilogue(op: Op, b: Bound, out_q8: Any = None):
-    """A step's projection with its residual add and norm in one launch, whose last program norms the sum. In
-    the int8 GEMV (where the plan quantized its activation) the last program writes the norm's int8 form too:
-    into `out_q8` (NormQuant), else into a scratch no product reads."""
-    mm = op.sym.parts[0]  # type: ignore[union-attr]
-    add_norm = op.sym.parts[1]  # type: ignore[union-attr]
-    add, n_op, w_op = leaves(add_norm)
-    residual = add.ins[0] if add.ins[1] == mm.out else add.ins[1]
-    spec: RmsNorm = n_op.sym  # type: ignore[assignment]
-    s, w, out = b.bufs[add.out], b.vec[w_op.ins[1]], b.bufs[w_op.out]
-    product: Matmul = mm.sym  # type: ignore[assignment]
-    wt, fmt = b.raw[mm.ins[1]]
-    from fuselane.lanes.cuda.triton.gemv import epilogue as gemv_epilogue
-    from fuselane.lanes.cuda.triton.gemv import fast_norm as gemv_fast_norm
-
-    x, r = b.bufs[mm.ins[0]], b.bufs[residual]
-    counter = gemv_epilogue.gemv_add_norm_counter(x.device)  # its own: launches on one stream in turn
-    n, k = product.n, product.k
-    q8 = _q8_in(mm.ins[0], fmt, product.m, k, b, out)
-    if product.m > 1:
-        raise PlanMismatch(f"{op.out}: a projection norms in its last program the one row of a decode step only")
-    if q8 is not None and n % kernels.QBLOCK == 0:
-        from fuselane.lanes.cuda.triton.gemv import q8_epilogue as qe
-        from fuselane.lanes.cuda.triton.quant import empty_q8
-
-        _, acts = q8
-        oq = out_q8 if out_q8 is not None else b.scratch.setdefault(f"q8-drop:{n}", empty_q8(1, n, x.device))
-        return [lambda: qe.gemv_q8_add_norm(acts, wt, fmt, n, k, r, s, w, spec.eps, out, oq, counter)]
-    if out_q8 is not None:
-        raise PlanMismatch(f"{op.out}: a projection's norm writes its int8 form only from the int8 GEMV")
-    if gemv_fast_norm.supports_fast_add_norm(fmt, n):
-        return [lambda: gemv_fast_norm.gemv_fast_add_norm(x, wt, fmt, n, k, r, s, w, spec.eps, out, counter)]
-    return [lambda: gemv_epilogue.gemv_add_norm(x, wt, fmt, n, k, r, s, w, spec.eps, out, counter)]
-
-
 def _glu(op: Op, b: Bound, out_q8: Any = None):
     """SwiGLU's product in one launch; with `out_q8` (GluActMulQuant: a chunk's, for the down product on the
     int8 tensor cores) the launch also writes its int8 form."""
@@ -718,11 +364,11 @@ Binder = Callable[[Op, Bound], list[Launch]]
 # The one table: every class the shim runs natively, and every primitive, to its binder (a test holds the
 # classes to the shim's `NATIVE_CLASSES` and `QUANT_EPILOGUES`).
 BINDERS: dict[C | type, Binder] = {
-    Matmul: _product,
+    Matmul: product_launch.product,
     RmsNorm: _rms_norm,
     Elementwise: _elementwise,
     Unary: _unary,
-    Rope: _rope,
+    Rope: rope_launch.rope,
     SetRow: _set_row,
     Attention: _attention,
     TakeRows: _take_rows,
@@ -741,15 +387,15 @@ BINDERS: dict[C | type, Binder] = {
     C.NORM_WEIGHT: _norm_weight,
     C.ADD_NORM: _add_norm,
     C.EMBED_NORM: _embed_norm,
-    C.QK_NORM_ROPE: _rope_class,
-    C.QK_NORM_ROPE_KV_APPEND: _rope_class,
-    C.ROPE_KV_APPEND: _rope_class,
-    C.ROPE_QK_ONE_LAUNCH: _rope_qk,
-    C.GEMM_BIAS: _gemm_bias,
-    C.ROW_WRITE: _row_write,
-    C.GEMV_GATE_UP_GLU: _gate_up,
-    C.MERGED_QKV: _merged,
-    C.GEMV_NORM_EPILOGUE: _norm_epilogue,
+    C.QK_NORM_ROPE: rope_launch.rope_class,
+    C.QK_NORM_ROPE_KV_APPEND: rope_launch.rope_class,
+    C.ROPE_KV_APPEND: rope_launch.rope_class,
+    C.ROPE_QK_ONE_LAUNCH: rope_launch.rope_qk,
+    C.GEMM_BIAS: product_launch.gemm_bias,
+    C.ROW_WRITE: product_launch.row_write,
+    C.GEMV_GATE_UP_GLU: product_launch.gate_up,
+    C.MERGED_QKV: product_launch.merged,
+    C.GEMV_NORM_EPILOGUE: product_launch.norm_epilogue,
     C.GLU_ACT_MUL: _glu,
     C.FLASH_DECODE: _flash,
     C.FLASH_PREFILL: _flash,
@@ -779,8 +425,8 @@ PARTS_ONLY: dict[C, C] = {C.QKV_HEAD_EPILOGUE: C.MERGED_QKV, C.ATTN_GQA_ROW_PACK
 # Producers whose kernel writes its result's int8 form in its own epilogue (`CudaShim.quantizes_in_epilogue`).
 _QUANT_EPILOGUE: dict[C | type, Callable[[Op, Bound, Any], list[Launch]]] = {
     C.ADD_NORM: _add_norm,
-    C.GEMV_NORM_EPILOGUE: _norm_epilogue,
-    C.GEMV_GATE_UP_GLU: _gate_up,
+    C.GEMV_NORM_EPILOGUE: product_launch.norm_epilogue,
+    C.GEMV_GATE_UP_GLU: product_launch.gate_up,
     C.GLU_ACT_MUL: _glu,
     C.FLASH_DECODE: _flash,
     C.FLASH_PREFILL: _flash,

@@ -227,5 +227,5 @@ def gemv_q8_rows_gate_up_glu(x: Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Forma
     return out
 
 
-# The one-row module's launcher names, so a binder calls either module alike (`launch._q8_in`).
+# The one-row module's launcher names, so a binder calls either module alike (`product_launch.q8_in`).
 gemv_q8, gemv_q8_parts, gemv_q8_gate_up_glu = gemv_q8_rows, gemv_q8_rows_parts, gemv_q8_rows_gate_up_glu
