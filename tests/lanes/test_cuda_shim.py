@@ -281,13 +281,6 @@ CASES = [
         "checkpoint rows",
     ),
     Case(
-        "projection epilogue block",  # the GEMV by rows' block; the fast and int8 GEMVs walk the row in chunks
-        lambda: gne(5120),  # the fast GEMV's Q4_K: its last program walks the row in chunks, any width
-        lambda: gne(5120, first=matmul(1, 5120, 5120, "q5k")),  # the GEMV by rows holds the row in its block
-        "a projection norms in its last block only where its block is at least the norm's width",
-        CudaKnobs(activations=Activations.DEQUANT),
-    ),
-    Case(
         "projection epilogue down norm launch",
         lambda: gne(4096),  # the attention output projection's keeps its epilogue
         lambda: fused(C.GEMV_NORM_EPILOGUE, matmul(1, 4096, 12288), add_norm(1, 4096)),

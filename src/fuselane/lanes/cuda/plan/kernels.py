@@ -628,11 +628,13 @@ def int8_gemv(fmt: Format, m: int, k: int, batch: bool = False) -> bool:
 
 def norm_walked_in_chunks(fmt: Format, m: int, k: int, n: int, int8: bool) -> bool:
     """Whether a projection's add + norm epilogue walks the norm's `n`-wide row in chunks (any width): a step's
-    one row in the fast GEMV's formats, or in the int8 GEMV's (`int8`: its activation is read as int8) where
-    the norm's row is whole 32-value blocks (it writes their int8 form too)."""
+    one row in the f32 GEMVs' formats (the fast GEMV's and the GEMV by rows', past the row its block holds), or
+    in the int8 GEMV's (`int8`: its activation is read as int8) where the norm's row is whole 32-value blocks
+    (it writes their int8 form too)."""
     if m != 1:
         return False
-    return fmt in FAST_GEMV_FORMATS or (int8 and int8_gemv(fmt, m, k) and n % QBLOCK == 0)
+    f32 = fmt in FAST_GEMV_FORMATS or fmt in ROWS_GEMV_FORMATS
+    return f32 or (int8 and int8_gemv(fmt, m, k) and n % QBLOCK == 0)
 
 
 def rows_a_warp(fmt: Format, n: int, k: int, m: int) -> int:

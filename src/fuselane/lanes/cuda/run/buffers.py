@@ -176,8 +176,8 @@ def _int8_forms(
 # Fused classes whose launch keeps values inside it in registers, and which of its parts' results those are (None:
 # every part's). `launch` binds no buffer to them: a gated pair's products and SiLU (the GEMV, or on cuBLAS the
 # products' f16 tiles joined in their epilogue); the query/key norms and rotations' normed, weighted and rotated
-# values (`rope_launch.rope_class`, `rope_qk`: they read the op's inputs and write the rotated query or the key's cache row;
-# a 512-row chunk of Qwen3-0.6B held 14.7 of its 29.4 MB arena in them); a norm's value before its weight
+# values (`rope_launch.rope_class`, `rope_qk`: they read the op's inputs and write the rotated query or the key's
+# cache row; a 512-row chunk of Qwen3-0.6B held 14.7 of its 29.4 MB arena in them); a norm's value before its weight
 # (`_norm_weight`, `_add_norm`, `_embed_norm` write the weighted norm, and the sum or the gathered rows). Other
 # fused ops' parts may store theirs: a GEMV in parts writes each member's output.
 IN_REGISTERS: dict[ClassId, tuple[type, ...] | None] = {

@@ -5,9 +5,10 @@ come from.
 `gemv_add_norm` is one launch where the plain path takes two (`gemv` with a residual, then `norm.rms_norm`):
 every program writes its tile of sum_out = x @ W^T + residual exactly as `gemv` does, then counts itself
 done on a device counter; the program that finds itself last reads the whole sum_out row back, which every
-other program has finished writing, and norms it. The norm's row is held in the block's registers, at most
-`kernels.NORM_HELD_A_THREAD` values a thread, so the launch takes only a norm its block holds
-(`kernels.block_holds_its_norm`), the very fact the shim fuses by (`fits._gemv_norm_epilogue`).
+other program has finished writing, and norms it. A row the block holds (at most `kernels.NORM_HELD_A_THREAD`
+values a thread, `kernels.block_holds_its_norm`) stays in its registers between the sum of squares and the
+scaling; a wider one (a 14B's 5,120 values in four warps) is walked in chunks of that size twice, read back
+from L2 each time, as `fast_norm`'s and the int8 GEMV's last programs do (`kernels.norm_walked_in_chunks`).
 
 `dequantize` decodes an (n, k) matrix of checkpoint bytes into f16 or f32 values on the device, each value
 the f32 `fuselane.gguf.dequant` gives, bit for bit (rounded once to f16 for an f16 result), with the bit
@@ -134,6 +135,7 @@ def _gemv_add_norm_kernel(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
+    NORM_CHUNKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.begin(PDL)
@@ -160,12 +162,25 @@ def _gemv_add_norm_kernel(
     done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
         offs = tl.arange(0, NORM_BLOCK)
-        mask = offs < n
-        s = tl.load(sum_out + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        # the arithmetic of `norm.rms_norm`: r = 1 / sqrt(mean(s^2) + eps), out = (s * r) * w
-        r = tl.rsqrt(tl.sum(s * s, axis=0) / n + eps)
-        y_norm = s * r * tl.load(norm_w + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out + offs, y_norm.to(out.dtype.element_ty), mask=mask)
+        if NORM_CHUNKS == 1:  # the row held in registers
+            mask = offs < n
+            s = tl.load(sum_out + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            # the arithmetic of `norm.rms_norm`: r = 1 / sqrt(mean(s^2) + eps), out = (s * r) * w
+            r = tl.rsqrt(tl.sum(s * s, axis=0) / n + eps)
+            y_norm = s * r * tl.load(norm_w + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out + offs, y_norm.to(out.dtype.element_ty), mask=mask)
+        else:  # walked in chunks: the squares summed a chunk at a time, then each chunk read again and scaled
+            squares = tl.zeros([NORM_BLOCK], tl.float32)
+            for c in range(NORM_CHUNKS):
+                at = c * NORM_BLOCK + offs
+                s = tl.load(sum_out + at, mask=at < n, other=0.0, cache_modifier=".cg").to(tl.float32)
+                squares += s * s
+            r = tl.rsqrt(tl.sum(squares, axis=0) / n + eps)
+            for c in range(NORM_CHUNKS):
+                at = c * NORM_BLOCK + offs
+                s = tl.load(sum_out + at, mask=at < n, other=0.0, cache_modifier=".cg").to(tl.float32)
+                y_norm = s * r * tl.load(norm_w + at, mask=at < n, other=0.0).to(tl.float32)
+                tl.store(out + at, y_norm.to(out.dtype.element_ty), mask=at < n)
         # every other program has counted already: re-armed for the next launch (a CUDA graph's replay), which
         # stream order puts after this one's end, so no ordering is asked of the store
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
@@ -214,6 +229,8 @@ def gemv_add_norm(
     eps: float,
     out: torch.Tensor,
     counter: torch.Tensor,
+    *,
+    norm_chunk: int | None = None,
 ) -> torch.Tensor:
     """One launch for a decode step's row: sum_out = x @ W^T + residual, then out = sum_out / sqrt(mean(sum_out^2)
     + eps) * norm_w, the norm done by the launch's last program over the sum_out it reads back; returns `out`.
@@ -221,7 +238,8 @@ def gemv_add_norm(
     `x` is (1, k) or (k,), W the n x k checkpoint rows `w` in `fmt`; `residual`, `sum_out`, `norm_w` and `out`
     hold n values each, contiguous. `sum_out` may be `residual` (the residual stream updated in place);
     `out` and `x` must not overlap either. `counter` is `gemv_add_norm_counter`'s, at zero, and left at zero.
-    Raises ValueError where the block does not hold the norm's width (`kernels.block_holds_its_norm`).
+    A norm wider than the block holds (`kernels.block_holds_its_norm`) is walked in chunks of the most it holds
+    (`norm_chunk`, a power of two, sets the chunk: tests).
     """
     fmt = Format(fmt)
     x2 = x.view(1, -1) if x.dim() == 1 else x
@@ -230,12 +248,8 @@ def gemv_add_norm(
     check_rows(w, fmt, n, k)
     check_add_norm(residual, sum_out, norm_w, out, counter, n, x.device)
     block_n, warps = norm_tile(fmt, n, k)
-    threads = warps * kernels.WARP
-    if not kernels.block_holds_its_norm(threads, n):
-        raise ValueError(
-            f"a {fmt.name} GEMV's block of {threads} threads holds a norm of at most "
-            f"{threads * kernels.NORM_HELD_A_THREAD} values, not {n}"
-        )
+    held = warps * kernels.WARP * kernels.NORM_HELD_A_THREAD  # a power of two: the threads are
+    chunk = min(triton.next_power_of_2(n), norm_chunk or held)
     steps, units, split = plan(fmt, k, block_n, warps, 1)
     _gemv_add_norm_kernel[(triton.cdiv(n, block_n),)](
         x2,
@@ -254,8 +268,8 @@ def gemv_add_norm(
         SPLIT=split,
         BLOCK_N=block_n,
         STAGES=stages(fmt),
-        # threads are a power of two, so a held row's power of two is at most NORM_HELD_A_THREAD a thread
-        NORM_BLOCK=triton.next_power_of_2(n),
+        NORM_BLOCK=chunk,
+        NORM_CHUNKS=triton.cdiv(n, chunk),
         num_warps=warps,
         **pdl.options(),
     )
