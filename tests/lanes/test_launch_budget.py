@@ -38,7 +38,7 @@ PUBLISHED["qwen2.5-72b"] = Shape("qwen2", 8192, 80, 64, 8, 128, 29568, 152064)
 # hidden width whole 64-value blocks, the FFN two to six times as wide.
 HEAD_DIMS = (64, 128, 256)
 KV_HEADS = (1, 2, 4, 8)
-QUERY_GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
+QUERY_GROUPS = (1, 2, 3, 4, 5, 6, 7, 8, 16)  # 16: Qwen3-235B-A22B's 64 over 4
 EMBD_UNIT = 64
 FFN_RATIOS = (2, 6)
 SHAPE_EXAMPLES = 150

@@ -146,7 +146,7 @@ def _mixture_like(draw):
     shared expert's."""
     base = SHAPES[draw(st.sampled_from(["qwen3-30b-a3b", "qwen1.5-moe-a2.7b"]))]
     hd, kv = draw(st.sampled_from([64, 128])), draw(st.sampled_from([1, 2, 4, 8]))
-    heads = kv * draw(st.sampled_from([1, 2, 4, 8]))
+    heads = kv * draw(st.sampled_from([1, 2, 4, 8, 16]))  # 16: Qwen3-235B-A22B's 64 query heads over 4
     units = draw(st.integers(max(8, heads * hd // 128), min(MOST_UNITS, max(8, heads * hd // 32))))  # 64 values
     experts = draw(st.sampled_from([8, 16, 60, 64, 128]))
     shared = 64 * draw(st.integers(4, 90)) if base.shared_ff else 0
