@@ -409,7 +409,7 @@ def caches(rng, hd: int, dtype):
     return k, v, dev(k, dtype), dev(v, dtype)
 
 
-@pytest.mark.parametrize("hd", [16, 32, 64])
+@pytest.mark.parametrize("hd", [16, 32, 64, 80])  # 80: two heads a block (whole 32-value blocks together)
 @pytest.mark.parametrize("p", [0, 17, CACHE - 1])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("splits, merge_batch, per_block", [(1, 16, None), (4, 16, None), (4, 2, None), (4, 2, 1)])
@@ -683,7 +683,7 @@ def test_cuda_norms_rope_glu_argmax_real_shapes():
     assert int(top.item()) == 77_000
 
 
-@pytest.mark.parametrize("hd", [32, 64])
+@pytest.mark.parametrize("hd", [32, 64, 80])  # 80: a block's two heads are five whole blocks, quantized together
 @pytest.mark.parametrize("splits", [1, 4])
 def test_flash_decode_writes_its_output_quantized(hd, splits):
     # with out_q8 the output is the same f32 row, and its int8 form is quant.quantize_reference's, bit for bit,

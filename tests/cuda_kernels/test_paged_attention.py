@@ -84,10 +84,11 @@ def test_paged_decode_matches_cpu(hd, cache_dtype):
         within(host(out)[i : i + 1], want, bound, f"row {i}")
 
 
-def test_paged_decode_writes_int8_form():
+@pytest.mark.parametrize("hd", [32, 80])  # 80: a block's two heads are five whole blocks, quantized together
+def test_paged_decode_writes_int8_form(hd):
     """With `out_q8` each row's output is also written as int8 activations: within half a code of it."""
     rng = np.random.default_rng(5)
-    hd, rows = 32, len(LENS)
+    rows = len(LENS)
     k_pool, v_pool = f32(rng, POOL_BLOCKS * BLOCK, KV * hd), f32(rng, POOL_BLOCKS * BLOCK, KV * hd)
     out = torch.zeros(rows, HEADS * hd, device=q_device())
     q8 = quant.empty_q8(rows, HEADS * hd, q_device())
@@ -158,10 +159,11 @@ def test_paged_decode_splits_ragged_rows_and_replays(dependent):
         assert not host(counters).any(), f"launch {step} left a row's counter armed"
 
 
-def test_paged_decode_merged_rows_write_int8_form():
+@pytest.mark.parametrize("hd", [32, 80])
+def test_paged_decode_merged_rows_write_int8_form(hd):
     """A merged row's output is written as int8 activations too: within half a code of its f32 output."""
     rng = np.random.default_rng(12)
-    hd, lens = 32, SPLIT_LENS[0]
+    lens = SPLIT_LENS[0]
     rows, width = len(lens), 16
     k_pool, v_pool = f32(rng, SPLIT_POOL * BLOCK, KV * hd), f32(rng, SPLIT_POOL * BLOCK, KV * hd)
     plan = paged.paged_plan(rows, HEADS, KV, width * BLOCK, sms=1, splits=4)

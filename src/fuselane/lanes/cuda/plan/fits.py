@@ -343,11 +343,20 @@ def _attn_output_gate(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGr
 def _attn_output_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
     # The decode step's attention stores its output a pair a thread, each 32-value group in one half-warp's
     # sixteen lanes; a chunk's (`attention/prefill.py`) quantizes each tile row's head in its epilogue: both
-    # take heads of whole 32-value groups.
+    # take heads of whole 32-value groups. A step's (or a batch's) heads of no power of two that are not
+    # whole groups (48, 80) run in blocks of the heads that are whole groups together
+    # (`kernels.attn_heads_a_block`), which read their stored span back and quantize it.
     a = _attention(members[0])
     if a is not None and a.value_width % kernels.QBLOCK == 0:
         return None
-    return "an attention quantizes its output only where its heads are whole 32-value groups"
+    if a is not None and (a.rows == 1 or a.batched) and a.hd == a.value_width and a.hd & (a.hd - 1):
+        per_block = kernels.attn_heads_a_block(a.heads // a.kv_heads, a.hd)
+        if per_block * a.hd % kernels.QBLOCK == 0:
+            return None
+    return (
+        "an attention quantizes its output only where its heads are whole 32-value groups, or a decode step's "
+        "block of heads is"
+    )
 
 
 # --- products --------------------------------------------------------------------------------------------

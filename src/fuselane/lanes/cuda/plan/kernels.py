@@ -711,10 +711,16 @@ def accumulator(m: Mode) -> Accumulator:
     return Accumulator(ACCUMULATOR_BYTES, ACCUMULATOR_BITS)
 
 
-def attn_heads_a_block(group: int) -> int:
+def attn_heads_a_block(group: int, hd: int = 0) -> int:
     """Query heads of one key/value group a decode attention block takes: the most, up to
-    `ATTN_HEADS_A_BLOCK_MOST`, that divide the group (a warp a head; the tile is read once for them all)."""
-    return max(h for h in range(1, min(group, ATTN_HEADS_A_BLOCK_MOST) + 1) if group % h == 0)
+    `ATTN_HEADS_A_BLOCK_MOST`, that divide the group (a warp a head; the tile is read once for them all). Heads of
+    `hd` values that are not whole 32-value blocks (48, 80) take the fewest more that divide the group and are
+    whole blocks together (two heads of 80: five), so the block writes its output's int8 form; the most where
+    none are."""
+    most = max(h for h in range(1, min(group, ATTN_HEADS_A_BLOCK_MOST) + 1) if group % h == 0)
+    if not hd or most * hd % QBLOCK == 0:
+        return most
+    return next((h for h in range(most, group + 1) if group % h == 0 and h * hd % QBLOCK == 0), most)
 
 
 def attn_splits(head_blocks: int, span: int, sms: int, min_chunk: int = ATTN_MIN_CHUNK) -> int:

@@ -48,6 +48,7 @@ from fuselane.lanes.cuda.triton.attention.splits import (
     interpreted,
     merge_partials,
     park_partial,
+    spans_whole_blocks,
     store_out,
 )
 
@@ -73,7 +74,7 @@ def decode_plan(
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not share {kv_heads} key/value heads evenly")
     group = heads // kv_heads
-    per_block = kernels.attn_heads_a_block(group) if heads_per_block is None else heads_per_block
+    per_block = kernels.attn_heads_a_block(group, hd) if heads_per_block is None else heads_per_block
     if per_block < 1 or group % per_block:
         raise ValueError(f"a block takes a divisor of the group's {group} heads, not {per_block}")
     blocks = heads // per_block
@@ -244,7 +245,7 @@ def _decode_kernel(
         store_mask = heads_mask[:, None] & col_mask
         if active == 1:
             o = gate_heads(acc / run_sum[:, None], gate_ptr, head, col, store_mask, GATE_HP, GATED)
-            store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT)
+            store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT, hb * HB, HB)
         else:
             part = head * SPLITS + split
             done = park_partial(acc, run_max, run_sum, acc_ptr, max_ptr, sum_ptr, count_ptr + hb, part, col,
@@ -253,8 +254,13 @@ def _decode_kernel(
                 merged = merge_partials(acc_ptr, max_ptr, sum_ptr, head, heads_mask, col, col_mask, active, SPLITS,
                                         S_P2, MERGE_BATCH, HD)  # fmt: skip
                 merged = gate_heads(merged, gate_ptr, head, col, store_mask, GATE_HP, GATED)
-                store_out(merged, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT)
+                store_out(merged, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT, hb * HB, HB)
                 tl.atomic_xchg(count_ptr + hb, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
+
+
+def _heads_a_block(heads: int, kv_heads: int, hd: int, given: int | None) -> int:
+    """The query heads a block of `decode_plan` takes: `given`, or `kernels.attn_heads_a_block`'s."""
+    return given if given is not None else kernels.attn_heads_a_block(heads // max(1, kv_heads), hd)
 
 
 def flash_decode(
@@ -287,15 +293,20 @@ def flash_decode(
     `decode_scratch(heads, hd, cache_len, ...)`, kept for the plan's life; None only where the plan has one
     split. `tile_rows`, `min_chunk` and `merge_batch` are the kernel's facts, parameters only so tests reach
     several splits (and several batches of them in the merge) of a short cache. `out_q8`, a
-    `quant.Q8Acts` of the output's width, also gets the output as int8 activations (hd a multiple of 32).
+    `quant.Q8Acts` of the output's width, also gets the output as int8 activations (hd a multiple of 32, or a
+    block's heads whole 32-value blocks together: `splits.spans_whole_blocks`).
     `gate` (heads, >= hd: each head's gate, rows any pitch; AttnOutputGate) multiplies the output by its
     sigmoid in the store. `f16_ops` (the int8 numerics' attention, `CudaShim.attention`): a group's heads
     multiply as the rows of f16 tensor-core products (`group_decode.py`), where the head's width allows it;
     `heads_per_block` and `min_chunk` are the other kernel's, `packed_facts` (warps, stages) this one's.
     """
-    if out_q8 is not None and hd % QK:
-        raise ValueError(f"a quantized attention output takes heads of whole {QK}-value blocks")
     packed = f16_ops and group_decode.rows_packed(hd)
+    if (
+        out_q8 is not None
+        and hd % QK
+        and (packed or not spans_whole_blocks(hd, _heads_a_block(heads, kv_heads, hd, heads_per_block)))
+    ):
+        raise ValueError(f"a quantized attention output takes a block's heads in whole {QK}-value blocks")
     if packed:
         plan = group_decode.group_plan(heads, kv_heads, k_cache.shape[0], chip.sms, splits)
         tile_rows = tile_rows or kernels.ATTN_GROUP_TILE_ROWS

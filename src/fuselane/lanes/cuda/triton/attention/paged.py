@@ -41,7 +41,14 @@ from fuselane.lanes.cuda.plan.knobs import H200
 from fuselane.lanes.cuda.plan.shim import chunks_apart
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.attention.decode import DECODE_MERGE_BATCH, DECODE_STAGES, fold_tile
-from fuselane.lanes.cuda.triton.attention.splits import LOG2E, interpreted, merge_partials, park_partial, store_out
+from fuselane.lanes.cuda.triton.attention.splits import (
+    LOG2E,
+    interpreted,
+    merge_partials,
+    park_partial,
+    spans_whole_blocks,
+    store_out,
+)
 from fuselane.lanes.cuda.triton.quant import Q8Acts
 
 STORE_WARPS = 4
@@ -86,7 +93,8 @@ class PagedPlan(NamedTuple):
     splits: int
 
 
-def paged_plan(rows: int, heads: int, kv_heads: int, span: int, *, sms: int, splits: int | None = None) -> PagedPlan:
+def paged_plan(rows: int, heads: int, kv_heads: int, span: int, *, sms: int, splits: int | None = None,
+               hd: int = 0) -> PagedPlan:  # fmt: skip
     """The launch of a paged decode attention of `rows` rows over spans of at most `span` cache rows (the tables'
     width in rows) on a chip of `sms` SMs: `kernels.attn_heads_a_block` heads of a group a program, as the one-row
     decode; its span cut in `kernels.attn_splits` of the batch's head blocks where `shim.chunks_apart` says the
@@ -94,7 +102,7 @@ def paged_plan(rows: int, heads: int, kv_heads: int, span: int, *, sms: int, spl
     are device values, and a captured graph replays one launch for any of them."""
     if heads % kv_heads:
         raise ValueError(f"paged_decode: {heads} query heads do not share {kv_heads} key/value heads evenly")
-    per_block = kernels.attn_heads_a_block(heads // kv_heads)
+    per_block = kernels.attn_heads_a_block(heads // kv_heads, hd)
     blocks = heads // per_block
     if splits is None:
         splits = kernels.attn_splits(rows * blocks, span, sms)
@@ -203,7 +211,7 @@ def _paged_kernel(
         store_mask = heads_mask[:, None] & col_mask
         if active == 1:
             store_out(acc / run_sum[:, None], offs, store_mask, head, out_ptr + o_row, oq_ptr + o_row,
-                      od_ptr + nb_row, os_ptr + 2 * nb_row, HD, Q8OUT)  # fmt: skip
+                      od_ptr + nb_row, os_ptr + 2 * nb_row, HD, Q8OUT, hb * HB, HB)  # fmt: skip
         else:
             # the row's partials: head h's split s at (row * HEADS + h) * SPLITS + s; a counter a row's head block
             base = row.to(tl.int64) * HEADS * SPLITS
@@ -214,7 +222,7 @@ def _paged_kernel(
                 merged = merge_partials(acc_ptr + base * HD, max_ptr + base, sum_ptr + base, head, heads_mask, col,
                                         col_mask, active, SPLITS, S_P2, MERGE_BATCH, HD)  # fmt: skip
                 store_out(merged, offs, store_mask, head, out_ptr + o_row, oq_ptr + o_row, od_ptr + nb_row,
-                          os_ptr + 2 * nb_row, HD, Q8OUT)  # fmt: skip
+                          os_ptr + 2 * nb_row, HD, Q8OUT, hb * HB, HB)  # fmt: skip
                 tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
 
 
@@ -254,9 +262,9 @@ def paged_decode(
     rows = q.shape[0] if q.dim() == 2 else 1
     if tables.dtype != torch.int32 or lens.dtype != torch.int32 or tables.shape[0] < rows or lens.numel() < rows:
         raise ValueError("paged_decode: int32 tables (rows, width) and lengths (rows)")
-    if out_q8 is not None and hd % 32:
-        raise ValueError(f"paged_decode writes int8 heads of whole 32-value blocks, not {hd}")
-    plan = paged_plan(rows, heads, kv_heads, tables.shape[1] * block_size, sms=sms, splits=splits)
+    plan = paged_plan(rows, heads, kv_heads, tables.shape[1] * block_size, sms=sms, splits=splits, hd=hd)
+    if out_q8 is not None and not spans_whole_blocks(hd, plan.heads_per_block):
+        raise ValueError(f"paged_decode writes the int8 form of a block's heads in whole 32-value blocks, not {hd}")
     acc, top, total, count = _partials(plan, rows, heads, hd, scratch, out)
     group_p2 = triton.next_power_of_2(plan.heads_per_block)
     oq, od, os_ = out_q8 if out_q8 is not None else (out, out, out)

@@ -58,22 +58,52 @@ def gate_heads(o, gate_ptr, head, col, mask, GATE_HP: tl.constexpr, GATED: tl.co
 
 
 @triton.jit
-def store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD: tl.constexpr, Q8OUT: tl.constexpr):
+def store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD: tl.constexpr, Q8OUT: tl.constexpr,
+              first=0, HB: tl.constexpr = 1):  # fmt: skip
     """A block's heads' outputs o [G, D] at `offs`: f32, and where Q8OUT also as int8 activations
-    (`quant.Q8Acts`): each head's values in 32-value blocks (HD a multiple of 32)."""
+    (`quant.Q8Acts`): each head's values in 32-value blocks where HD is a multiple of 32; otherwise the block's
+    HB heads from head `first` on, whose HB * HD values are whole blocks of the row (`spans_whole_blocks`),
+    read back after the block's barrier and quantized a block at a time."""
     tl.store(out_ptr + offs, o, mask=store_mask)
     if Q8OUT:
-        G: tl.constexpr = o.shape[0]
-        D: tl.constexpr = o.shape[1]
-        NB: tl.constexpr = D // QB
-        codes, d, sums = quantize_block(tl.reshape(o, [G * NB, QB]), QB)
-        tl.store(oq_ptr + offs, tl.reshape(codes, [G, D]), mask=store_mask)
-        j = tl.arange(0, NB)[None, :]
-        blk = head[:, None] * (HD // QB) + j  # [G, NB]
-        live = (j < HD // QB) & (tl.max(store_mask.to(tl.int32), 1) > 0)[:, None]
-        tl.store(od_ptr + blk, tl.reshape(d, [G, NB]), mask=live)
-        two = tl.arange(0, 2)[None, None, :]
-        tl.store(os_ptr + blk[:, :, None] * 2 + two, tl.reshape(sums, [G, NB, 2]), mask=live[:, :, None])
+        if (HD // QB) * QB == HD:  # heads of whole blocks
+            G: tl.constexpr = o.shape[0]
+            D: tl.constexpr = o.shape[1]
+            NB: tl.constexpr = D // QB
+            codes, d, sums = quantize_block(tl.reshape(o, [G * NB, QB]), QB)
+            tl.store(oq_ptr + offs, tl.reshape(codes, [G, D]), mask=store_mask)
+            j = tl.arange(0, NB)[None, :]
+            blk = head[:, None] * (HD // QB) + j  # [G, NB]
+            live = (j < HD // QB) & (tl.max(store_mask.to(tl.int32), 1) > 0)[:, None]
+            tl.store(od_ptr + blk, tl.reshape(d, [G, NB]), mask=live)
+            two = tl.arange(0, 2)[None, None, :]
+            tl.store(os_ptr + blk[:, :, None] * 2 + two, tl.reshape(sums, [G, NB, 2]), mask=live[:, :, None])
+        else:
+            _store_span_q8(out_ptr, oq_ptr, od_ptr, os_ptr, first * HD, HB * HD // QB)
+
+
+@triton.jit
+def _store_span_q8(out_ptr, oq_ptr, od_ptr, os_ptr, start, BLOCKS: tl.constexpr):
+    """The int8 form of the row's BLOCKS 32-value blocks from value `start` (a block's first), which this
+    block's threads have just stored: its barrier makes their stores visible to all of them (a block's global
+    writes, as `__syncthreads` orders them), then each block is read back and quantized."""
+    tl.debug_barrier()
+    BP: tl.constexpr = triton.next_power_of_2(BLOCKS)
+    b = tl.arange(0, BP)
+    live = b < BLOCKS
+    at = start + b[:, None] * QB + tl.arange(0, QB)[None, :]  # [BP, QB]
+    v = tl.load(out_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
+    codes, d, sums = quantize_block(v, QB)
+    blk = start // QB + b
+    tl.store(oq_ptr + at, codes, mask=live[:, None])
+    tl.store(od_ptr + blk, d, mask=live)
+    tl.store(os_ptr + blk[:, None] * 2 + tl.arange(0, 2)[None, :], sums, mask=live[:, None])
+
+
+def spans_whole_blocks(hd: int, heads_per_block: int) -> bool:
+    """Whether a decode attention block's output is whole 32-value blocks of the row, so the block writes its
+    int8 form: heads of whole blocks, or a block's heads together (two heads of 80 values: five blocks)."""
+    return hd % QK == 0 or (heads_per_block * hd) % QK == 0
 
 
 @triton.jit
