@@ -435,7 +435,8 @@ CASES = [
         "attention output quant",
         lambda: fused(C.ATTN_OUTPUT_QUANT, fused(C.FLASH_DECODE, attention())),
         lambda: fused(C.ATTN_OUTPUT_QUANT, fused(C.FLASH_DECODE, attention(hd=16))),
-        "an attention quantizes its output only where its heads are whole 32-value groups",
+        "an attention quantizes its output only where its heads are whole 32-value groups, or a decode step's "
+        "block of heads is",
     ),
     Case(
         "norm quant",

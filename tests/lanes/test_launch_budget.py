@@ -40,6 +40,9 @@ HEAD_DIMS = (64, 128, 256)
 KV_HEADS = (1, 2, 4, 8)
 QUERY_GROUPS = (1, 2, 3, 4, 5, 6, 7, 8, 16)  # 16: Qwen3-235B-A22B's 64 over 4
 EMBD_UNIT = 64
+# ...up to 16,384 values (twice Qwen2.5-72B's): the FFN's rows, six times that, stay within the int8 products'
+# 32-bit sums (`holds_accumulator`: 2^31 / 127^2 terms), which the lane refuses past
+MOST_UNITS = 256
 FFN_RATIOS = (2, 6)
 SHAPE_EXAMPLES = 150
 
@@ -49,7 +52,7 @@ def qwen_like(draw) -> Shape:
     hd, kv = draw(st.sampled_from(HEAD_DIMS)), draw(st.sampled_from(KV_HEADS))
     heads = kv * draw(st.sampled_from(QUERY_GROUPS))
     q = heads * hd
-    units = draw(st.integers(max(8, -(-q // 2) // EMBD_UNIT), max(8, 2 * q // EMBD_UNIT)))
+    units = draw(st.integers(max(8, -(-q // 2) // EMBD_UNIT), min(MOST_UNITS, max(8, 2 * q // EMBD_UNIT))))
     embd = units * EMBD_UNIT
     ff = EMBD_UNIT * draw(st.integers(FFN_RATIOS[0] * units, FFN_RATIOS[1] * units))
     arch = draw(st.sampled_from(("qwen2", "qwen3")))
