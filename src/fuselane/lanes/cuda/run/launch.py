@@ -101,9 +101,8 @@ def _t():
     """The Triton kernel modules, imported on first bind: the lane loads torch and Triton only when used."""
     from fuselane.lanes.cuda.triton import misc, norm, rope
     from fuselane.lanes.cuda.triton.attention import decode as attention
-    from fuselane.lanes.cuda.triton.gemv import rows as gemv
 
-    return gemv, norm, rope, attention, misc
+    return norm, rope, attention, misc
 
 
 def binder_of(op: Op) -> Binder:
@@ -136,7 +135,7 @@ def _one(op: Op, b: Bound) -> Launch:
 
 
 def _rms_norm(op: Op, b: Bound):
-    _, norm, *_ = _t()
+    norm, *_ = _t()
     spec: RmsNorm = op.sym  # type: ignore[assignment]
     x, out = b.bufs[op.ins[0]], b.bufs[op.out]
     return [lambda: norm.rms_norm_plain(x.view(spec.rows, spec.cols), out.view(spec.rows, spec.cols), spec.eps)]
@@ -181,7 +180,7 @@ def _unary(op: Op, b: Bound):
 
 
 def _set_row(op: Op, b: Bound):
-    _, _, rope, *_ = _t()
+    _, rope, *_ = _t()
     spec: SetRow = op.sym  # type: ignore[assignment]
     x, cache, pos = b.bufs[op.ins[0]], b.bufs[op.dst.buf], b.bufs["pos"]
     return [lambda: rope.set_rows(x.view(spec.rows, spec.cols), cache, pos)]
@@ -228,7 +227,7 @@ def _quantize(op: Op, b: Bound):
 
 def _attention(op: Op, b: Bound, out_q8: Any = None, gate: Any = None, out: Any = None):
     """An attention's launch; with `gate` (AttnOutputGate) its output times sigmoid(gate) lands in `out`."""
-    _, _, _, attention, _ = _t()
+    _, _, attention, _ = _t()
     spec: Attention = op.sym  # type: ignore[assignment]
     if spec.value_width != spec.hd:  # the latent cache: values its rows' first part
         return mla_launch.latent_attention(op, b, out_q8)
@@ -299,7 +298,7 @@ def _attn_output_gate(op: Op, b: Bound, out_q8: Any = None):
 
 
 def _norm_weight(op: Op, b: Bound):
-    _, norm, *_ = _t()
+    norm, *_ = _t()
     n_op, w_op = [p for p in leaves(op) if isinstance(p.sym, RmsNorm | Elementwise)][-2:]
     spec: RmsNorm = n_op.sym  # type: ignore[assignment]
     x, w, out = b.bufs[n_op.ins[0]], b.vec[w_op.ins[1]], b.bufs[w_op.out]
@@ -309,7 +308,7 @@ def _norm_weight(op: Op, b: Bound):
 def _add_norm(op: Op, b: Bound, out_q8: Any = None):
     """AddNorm in one launch; with `out_q8` (AddNormQuant under int8 activations: a down projection's add and
     norm, `kernels.norm_in_own_launch`) the launch also writes the norm quantized."""
-    _, norm, *_ = _t()
+    norm, *_ = _t()
     add, n_op, w_op = leaves(op)[-3:]
     spec: RmsNorm = n_op.sym  # type: ignore[assignment]
     a, r, s = b.bufs[add.ins[0]], b.bufs[add.ins[1]], b.bufs[add.out]
@@ -323,7 +322,7 @@ def _add_norm(op: Op, b: Bound, out_q8: Any = None):
 
 
 def _embed_norm(op: Op, b: Bound):
-    _, norm, *_ = _t()
+    norm, *_ = _t()
     gather, n_op, w_op = leaves(op)
     spec: RmsNorm = n_op.sym  # type: ignore[assignment]
     table, fmt = b.raw[gather.ins[0]]
