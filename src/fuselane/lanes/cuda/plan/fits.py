@@ -350,8 +350,7 @@ def _attn_output_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorG
     if a is not None and a.value_width % kernels.QBLOCK == 0:
         return None
     if a is not None and (a.rows == 1 or a.batched) and a.hd == a.value_width and a.hd & (a.hd - 1):
-        per_block = kernels.attn_heads_a_block(a.heads // a.kv_heads, a.hd)
-        if per_block * a.hd % kernels.QBLOCK == 0:
+        if kernels.attn_block_whole_blocks(a.hd, kernels.attn_heads_a_block(a.heads // a.kv_heads, a.hd)):
             return None
     return (
         "an attention quantizes its output only where its heads are whole 32-value groups, or a decode step's "

@@ -718,9 +718,15 @@ def attn_heads_a_block(group: int, hd: int = 0) -> int:
     whole blocks together (two heads of 80: five), so the block writes its output's int8 form; the most where
     none are."""
     most = max(h for h in range(1, min(group, ATTN_HEADS_A_BLOCK_MOST) + 1) if group % h == 0)
-    if not hd or most * hd % QBLOCK == 0:
+    if not hd or attn_block_whole_blocks(hd, most):
         return most
-    return next((h for h in range(most, group + 1) if group % h == 0 and h * hd % QBLOCK == 0), most)
+    return next((h for h in range(most, group + 1) if group % h == 0 and attn_block_whole_blocks(hd, h)), most)
+
+
+def attn_block_whole_blocks(hd: int, heads_per_block: int) -> bool:
+    """Whether a decode attention block's output is whole 32-value blocks of the row, so the block writes its
+    int8 form: heads of whole blocks, or a block's heads together (two heads of 80 values: five blocks)."""
+    return hd % QBLOCK == 0 or heads_per_block * hd % QBLOCK == 0
 
 
 def attn_splits(head_blocks: int, span: int, sms: int, min_chunk: int = ATTN_MIN_CHUNK) -> int:

@@ -48,7 +48,6 @@ from fuselane.lanes.cuda.triton.attention.splits import (
     interpreted,
     merge_partials,
     park_partial,
-    spans_whole_blocks,
     store_out,
 )
 
@@ -258,11 +257,6 @@ def _decode_kernel(
                 tl.atomic_xchg(count_ptr + hb, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
 
 
-def _heads_a_block(heads: int, kv_heads: int, hd: int, given: int | None) -> int:
-    """The query heads a block of `decode_plan` takes: `given`, or `kernels.attn_heads_a_block`'s."""
-    return given if given is not None else kernels.attn_heads_a_block(heads // max(1, kv_heads), hd)
-
-
 def flash_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -294,19 +288,13 @@ def flash_decode(
     split. `tile_rows`, `min_chunk` and `merge_batch` are the kernel's facts, parameters only so tests reach
     several splits (and several batches of them in the merge) of a short cache. `out_q8`, a
     `quant.Q8Acts` of the output's width, also gets the output as int8 activations (hd a multiple of 32, or a
-    block's heads whole 32-value blocks together: `splits.spans_whole_blocks`).
+    block's heads whole 32-value blocks together: `kernels.attn_block_whole_blocks`).
     `gate` (heads, >= hd: each head's gate, rows any pitch; AttnOutputGate) multiplies the output by its
     sigmoid in the store. `f16_ops` (the int8 numerics' attention, `CudaShim.attention`): a group's heads
     multiply as the rows of f16 tensor-core products (`group_decode.py`), where the head's width allows it;
     `heads_per_block` and `min_chunk` are the other kernel's, `packed_facts` (warps, stages) this one's.
     """
     packed = f16_ops and group_decode.rows_packed(hd)
-    if (
-        out_q8 is not None
-        and hd % QK
-        and (packed or not spans_whole_blocks(hd, _heads_a_block(heads, kv_heads, hd, heads_per_block)))
-    ):
-        raise ValueError(f"a quantized attention output takes a block's heads in whole {QK}-value blocks")
     if packed:
         plan = group_decode.group_plan(heads, kv_heads, k_cache.shape[0], chip.sms, splits)
         tile_rows = tile_rows or kernels.ATTN_GROUP_TILE_ROWS
@@ -315,6 +303,9 @@ def flash_decode(
         plan = decode_plan(
             heads, kv_heads, hd, k_cache.shape[0], chip=chip, splits=splits, heads_per_block=heads_per_block
         )
+    # the packed kernel quantizes a head's own blocks only; this one a block's heads together too
+    if out_q8 is not None and hd % QK and (packed or not kernels.attn_block_whole_blocks(hd, plan.heads_per_block)):
+        raise ValueError(f"a quantized attention output takes a block's heads in whole {QK}-value blocks")
     if plan.splits > 1:
         need = decode_scratch_size(plan, heads, hd)
         if scratch is None or scratch.dtype != torch.float32 or scratch.numel() < need:

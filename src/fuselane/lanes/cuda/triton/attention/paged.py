@@ -46,7 +46,6 @@ from fuselane.lanes.cuda.triton.attention.splits import (
     interpreted,
     merge_partials,
     park_partial,
-    spans_whole_blocks,
     store_out,
 )
 from fuselane.lanes.cuda.triton.quant import Q8Acts
@@ -263,7 +262,7 @@ def paged_decode(
     if tables.dtype != torch.int32 or lens.dtype != torch.int32 or tables.shape[0] < rows or lens.numel() < rows:
         raise ValueError("paged_decode: int32 tables (rows, width) and lengths (rows)")
     plan = paged_plan(rows, heads, kv_heads, tables.shape[1] * block_size, sms=sms, splits=splits, hd=hd)
-    if out_q8 is not None and not spans_whole_blocks(hd, plan.heads_per_block):
+    if out_q8 is not None and not kernels.attn_block_whole_blocks(hd, plan.heads_per_block):
         raise ValueError(f"paged_decode writes the int8 form of a block's heads in whole 32-value blocks, not {hd}")
     acc, top, total, count = _partials(plan, rows, heads, hd, scratch, out)
     group_p2 = triton.next_power_of_2(plan.heads_per_block)

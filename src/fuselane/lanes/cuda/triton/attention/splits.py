@@ -62,7 +62,8 @@ def store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD: tl
               first=0, HB: tl.constexpr = 1):  # fmt: skip
     """A block's heads' outputs o [G, D] at `offs`: f32, and where Q8OUT also as int8 activations
     (`quant.Q8Acts`): each head's values in 32-value blocks where HD is a multiple of 32; otherwise the block's
-    HB heads from head `first` on, whose HB * HD values are whole blocks of the row (`spans_whole_blocks`),
+    HB heads from head `first` on, whose HB * HD values are whole blocks of the row
+    (`kernels.attn_block_whole_blocks`),
     read back after the block's barrier and quantized a block at a time."""
     tl.store(out_ptr + offs, o, mask=store_mask)
     if Q8OUT:
@@ -98,12 +99,6 @@ def _store_span_q8(out_ptr, oq_ptr, od_ptr, os_ptr, start, BLOCKS: tl.constexpr)
     tl.store(oq_ptr + at, codes, mask=live[:, None])
     tl.store(od_ptr + blk, d, mask=live)
     tl.store(os_ptr + blk[:, None] * 2 + tl.arange(0, 2)[None, :], sums, mask=live[:, None])
-
-
-def spans_whole_blocks(hd: int, heads_per_block: int) -> bool:
-    """Whether a decode attention block's output is whole 32-value blocks of the row, so the block writes its
-    int8 form: heads of whole blocks, or a block's heads together (two heads of 80 values: five blocks)."""
-    return hd % QK == 0 or (heads_per_block * hd) % QK == 0
 
 
 @triton.jit
