@@ -47,6 +47,9 @@ ODD_WIDTHS = {
                                 vocab=4096, experts=16, expert_ff=1280), "q3_k_m", []),
     "heads-of-80": (replace(SHAPES["qwen2.5-1.5b"], n_embd=1472, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=80,
                             n_ff=4160, vocab=4096), "q8_0", ["prefill=in-place"]),
+    # a head a decode block, each 32-value block two heads share quantized by the later block (a seam counter)
+    "heads-of-48-in-threes": (replace(SHAPES["qwen3-0.6b"], n_embd=1536, n_layers=2, n_heads=12, n_kv_heads=4,
+                                      head_dim=48, n_ff=4096, vocab=4096), "q4_k_m", []),
 }  # fmt: skip
 
 

@@ -73,6 +73,8 @@ def test_every_launch_compiles_at_the_real_widths(shape, mix, cuts):
 # blocks at a time (the Q3_K_M recipe's experts fall back to IQ4_NL there).
 ODD = {
     "heads-of-80": (Shape("qwen2", 1472, 1, 8, 2, 80, 4160, 512), "q8_0", ["prefill=in-place"]),
+    # heads of 48 in groups of three: the decode attention's seam counters (atomics) in the int8 store
+    "heads-of-48-in-threes": (Shape("qwen3", 512, 1, 6, 2, 48, 1536, 512), "q8_0", []),
     "experts-of-704": (replace(SHAPES["qwen1.5-moe-a2.7b"], n_embd=704, n_layers=1, n_heads=8, n_kv_heads=1,
                                 experts=8, expert_ff=448, shared_ff=1984, vocab=512), "q3_k_m", []),
 }  # fmt: skip

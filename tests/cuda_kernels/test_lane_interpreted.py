@@ -234,16 +234,18 @@ def test_a_yarn_model_runs_as_the_cpu_lane(tmp_path, shape):
         assert rel(a, b) <= tol, f"step {step}: {rel(a, b):.2e} > {tol:.2e}"
 
 
-def test_heads_of_no_power_of_two_run_as_the_cpu_lane(tmp_path):
+@pytest.mark.parametrize("heads", [4, 6], ids=["group-of-2", "group-of-3"])
+def test_heads_of_no_power_of_two_run_as_the_cpu_lane(tmp_path, heads):
     # heads of 48 values: the prefill attention pads a head to a power of two in its tile, the decode's
-    # too; a head is no whole 32-value blocks, so a decode block takes two heads (three blocks) and writes
-    # their int8 form (AttnOutputQuant); a chunk's attention leaves its int8 form to a Quantize launch
+    # too; a head is no whole 32-value blocks, so a decode block writes the blocks it holds whole and the
+    # later of two blocks the one they share (AttnOutputQuant), in an even group or an odd one; a chunk's
+    # attention leaves its int8 form to a Quantize launch
     from fuselane.fuse.views import class_of
     from fuselane.gguf.synth import Shape
     from fuselane.graph.classes import ClassId as C
     from tests.lane_steps import runs_as_the_cpu_lane
 
-    shape = Shape("qwen3", 160, 1, 4, 2, 48, 256, 512, context=4096)
+    shape = Shape("qwen3", 160, 1, heads, 2, 48, 256, 512, context=4096)
     path = write_synthetic(tmp_path / "m.gguf", shape, "q8_0", seed=4)
     step = load(path, lane="cuda", ctx=32).lane.step(1)
     assert C.ATTN_OUTPUT_QUANT in {class_of(op) for op, _ in step.bound}

@@ -683,23 +683,31 @@ def test_cuda_norms_rope_glu_argmax_real_shapes():
     assert int(top.item()) == 77_000
 
 
-@pytest.mark.parametrize("hd", [32, 64, 80])  # 80: a block's two heads are five whole blocks, quantized together
+# 48, 80: a head a block, a 32-value block two blocks share (a seam) quantized by the later; two heads a block
+# of 80 are five whole blocks, quantized by the block alone
+@pytest.mark.parametrize("hd, per_block", [(32, None), (64, None), (48, None), (80, None), (80, 2)])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_flash_decode_writes_its_output_quantized(hd, splits):
+def test_flash_decode_writes_its_output_quantized(hd, per_block, splits):
     # with out_q8 the output is the same f32 row, and its int8 form is quant.quantize_reference's, bit for bit,
-    # from the one split's store and from the merge's
+    # from the one split's store and from the merge's; the launch leaves its counters at zero, so the next
+    # (a replayed graph's) gives the same
     from fuselane.lanes.cuda.triton import quant
 
     rng = np.random.default_rng(hd + splits)
     q = f32(rng, 1, HEADS * hd)
     _, _, kc, vc = caches(rng, hd, torch.float16)
     shape = dict(heads=HEADS, kv_heads=KV, hd=hd, scale=hd**-0.5, splits=splits, tile_rows=8, min_chunk=8)
+    shape |= dict(heads_per_block=per_block)
     plain, out = torch.empty(1, HEADS * hd, device=DEVICE), torch.empty(1, HEADS * hd, device=DEVICE)
     out_q8 = quant.empty_q8(1, HEADS * hd, DEVICE)
-    for o, q8 in ((plain, None), (out, out_q8)):
-        scratch = attention.decode_scratch(HEADS, hd, CACHE, DEVICE, splits=splits)
-        attention.flash_decode(dev(q), kc, vc, pos_of(CACHE - 1), o, scratch=scratch, out_q8=q8, **shape)
-    assert torch.equal(out, plain)
-    codes, d, s = quant.quantize_reference(out.cpu().numpy())
-    assert np.array_equal(out_q8.q.cpu().numpy(), codes)
-    assert np.array_equal(out_q8.d.cpu().numpy(), d) and np.array_equal(out_q8.s.cpu().numpy(), s)
+    attention.flash_decode(dev(q), kc, vc, pos_of(CACHE - 1), plain, scratch=None if splits == 1 else
+                           attention.decode_scratch(HEADS, hd, CACHE, DEVICE, splits=splits), **shape)  # fmt: skip
+    scratch = attention.decode_scratch(HEADS, hd, CACHE, DEVICE, splits=splits)
+    for _ in range(2):
+        attention.flash_decode(dev(q), kc, vc, pos_of(CACHE - 1), out, scratch=scratch, out_q8=out_q8, **shape)
+        assert torch.equal(out, plain)
+        codes, d, s = quant.quantize_reference(out.cpu().numpy())
+        assert np.array_equal(out_q8.q.cpu().numpy(), codes)
+        assert np.array_equal(out_q8.d.cpu().numpy(), d) and np.array_equal(out_q8.s.cpu().numpy(), s)
+        counters = scratch[HEADS * splits * (hd + 2) :].view(torch.int32)
+        assert not host(counters).any(), "the launch left a counter armed"

@@ -84,22 +84,33 @@ def test_paged_decode_matches_cpu(hd, cache_dtype):
         within(host(out)[i : i + 1], want, bound, f"row {i}")
 
 
-@pytest.mark.parametrize("hd", [32, 80])  # 80: a block's two heads are five whole blocks, quantized together
-def test_paged_decode_writes_int8_form(hd):
-    """With `out_q8` each row's output is also written as int8 activations: within half a code of it."""
-    rng = np.random.default_rng(5)
+@pytest.mark.parametrize("hd", [32, 48, 80])  # 48, 80: a 32-value block two programs share, quantized by the later
+@pytest.mark.parametrize("splits", [1, 4])
+def test_paged_decode_writes_int8_form(hd, splits):
+    """With `out_q8` each row's output is also written as int8 activations, `quant.quantize_reference`'s bit for
+    bit, from one split's store and from the merge's; a launch leaves its seam counters at zero, so a second
+    gives the same."""
+    rng = np.random.default_rng(5 + hd)
     rows = len(LENS)
     k_pool, v_pool = f32(rng, POOL_BLOCKS * BLOCK, KV * hd), f32(rng, POOL_BLOCKS * BLOCK, KV * hd)
     out = torch.zeros(rows, HEADS * hd, device=q_device())
     q8 = quant.empty_q8(rows, HEADS * hd, q_device())
     lens = torch.tensor(LENS, dtype=torch.int32, device=q_device())
-    paged.paged_decode(
-        dev(f32(rng, rows, HEADS * hd)), dev(k_pool), dev(v_pool), _padded(_tables(rng), 5), lens, out,
-        heads=HEADS, kv_heads=KV, hd=hd, scale=0.25, block_size=BLOCK, out_q8=q8,
-    )  # fmt: skip
-    got, back = host(out), host(quant.dequantize(q8))
-    step = np.abs(got).reshape(rows, -1, 32).max(axis=2, keepdims=True) / 127
-    assert np.all(np.abs(back - got).reshape(rows, -1, 32) <= step / 2 * (1 + 1e-5) + 1e-30)
+    shape = dict(heads=HEADS, kv_heads=KV, hd=hd, scale=0.25, block_size=BLOCK, out_q8=q8)
+    if splits > 1:
+        shape |= dict(SPLIT_SHAPE, splits=splits)
+    plan = paged.paged_plan(rows, HEADS, KV, 5 * BLOCK, sms=1, splits=splits)
+    need = paged.paged_scratch_size(plan, rows, HEADS, hd, quantized=True)
+    assert bool(need) == (splits > 1 or hd % 32 != 0)
+    scratch = torch.zeros(max(1, need), device=q_device())
+    q, tables = dev(f32(rng, rows, HEADS * hd)), _padded(_tables(rng), 5)
+    for _ in range(2):
+        paged.paged_decode(q, dev(k_pool), dev(v_pool), tables, lens, out, scratch=scratch, **shape)
+        codes, d, s = quant.quantize_reference(out.cpu().numpy())
+        assert np.array_equal(q8.q.cpu().numpy(), codes)
+        assert np.array_equal(q8.d.cpu().numpy(), d) and np.array_equal(q8.s.cpu().numpy(), s)
+        counters = scratch[rows * HEADS * plan.splits * (hd + 2) : need].view(torch.int32)
+        assert not host(counters).any(), "a launch left a counter armed"
 
 
 # Several splits of short spans: tiles of two blocks, chunks of at least a tile, four splits a row (merged two at
@@ -159,15 +170,16 @@ def test_paged_decode_splits_ragged_rows_and_replays(dependent):
         assert not host(counters).any(), f"launch {step} left a row's counter armed"
 
 
-@pytest.mark.parametrize("hd", [32, 80])
+@pytest.mark.parametrize("hd", [32, 48, 80])
 def test_paged_decode_merged_rows_write_int8_form(hd):
-    """A merged row's output is written as int8 activations too: within half a code of its f32 output."""
+    """A merged row's output is written as int8 activations too: within half a code of its f32 output (the
+    seams between heads of 48 and 80 too)."""
     rng = np.random.default_rng(12)
     lens = SPLIT_LENS[0]
     rows, width = len(lens), 16
     k_pool, v_pool = f32(rng, SPLIT_POOL * BLOCK, KV * hd), f32(rng, SPLIT_POOL * BLOCK, KV * hd)
     plan = paged.paged_plan(rows, HEADS, KV, width * BLOCK, sms=1, splits=4)
-    scratch = torch.zeros(paged.paged_scratch_size(plan, rows, HEADS, hd), device=q_device())
+    scratch = torch.zeros(paged.paged_scratch_size(plan, rows, HEADS, hd, quantized=True), device=q_device())
     out = torch.zeros(rows, HEADS * hd, device=q_device())
     q8 = quant.empty_q8(rows, HEADS * hd, q_device())
     paged.paged_decode(

@@ -307,13 +307,6 @@ CASES = [
         "a decode mixture's down projection reads its experts' widths from its parts",
     ),
     Case(
-        "mixture finalize block",
-        lambda: mdf(mixture(k=8)),
-        # a down program is eight warps whatever the experts kept: a row past what they hold is not normed there
-        lambda: mdf(mixture(k=8, d=16384), cols=16384),
-        "a decode mixture norms in its last down block only where the block is at least the norm's width",
-    ),
-    Case(
         "embedding norm",
         lambda: fused(C.EMBED_NORM, prim(RowsGather(1, 64), ("table", "ids"), "s"), norm_weight(1, 64)),
         lambda: fused(C.EMBED_NORM, unary(64, out="s"), norm_weight(1, 64)),
@@ -436,7 +429,7 @@ CASES = [
         lambda: fused(C.ATTN_OUTPUT_QUANT, fused(C.FLASH_DECODE, attention())),
         lambda: fused(C.ATTN_OUTPUT_QUANT, fused(C.FLASH_DECODE, attention(hd=16))),
         "an attention quantizes its output only where its heads are whole 32-value groups, or a decode step's "
-        "block of heads is",
+        "heads together are",
     ),
     Case(
         "norm quant",

@@ -13,12 +13,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from fuselane.fuse.optimizer import covered, optimize
 from fuselane.gguf.synth import SHAPES, Mix, Shape, model_metadata, tensor_formats, tensor_shapes
 from fuselane.graph.ir import Form
+from fuselane.lanes.cuda.plan.kernels import QBLOCK
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.models import config_of, qwen
@@ -36,7 +37,7 @@ PUBLISHED["qwen2.5-72b"] = Shape("qwen2", 8192, 80, 64, 8, 128, 29568, 152064)
 # A dense Qwen-like shape of the checkpoints people train and convert: heads of a width Qwen uses, any number of
 # key/value heads and of query heads a key head, the queries' width within half and twice the hidden width, the
 # hidden width whole 64-value blocks, the FFN two to six times as wide.
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (48, 64, 80, 96, 128, 256)  # 48, 80: heads that are not whole 32-value blocks
 KV_HEADS = (1, 2, 4, 8)
 QUERY_GROUPS = (1, 2, 3, 4, 5, 6, 7, 8, 16)  # 16: Qwen3-235B-A22B's 64 over 4
 EMBD_UNIT = 64
@@ -52,6 +53,7 @@ def qwen_like(draw) -> Shape:
     hd, kv = draw(st.sampled_from(HEAD_DIMS)), draw(st.sampled_from(KV_HEADS))
     heads = kv * draw(st.sampled_from(QUERY_GROUPS))
     q = heads * hd
+    assume(q % QBLOCK == 0)  # a quantized file's rows are whole blocks: an odd count of heads of 48 is not
     units = draw(st.integers(max(8, -(-q // 2) // EMBD_UNIT), min(MOST_UNITS, max(8, 2 * q // EMBD_UNIT))))
     embd = units * EMBD_UNIT
     ff = EMBD_UNIT * draw(st.integers(FFN_RATIOS[0] * units, FFN_RATIOS[1] * units))

@@ -230,15 +230,10 @@ def _moe_deferred_finalize(shim: CudaShim, op: Op, members: Sequence[Op], g: Ten
     whole_rows = n.part is None and n.rows == m.rows and n.cols == m.d and n.own and m.dst.own() is not None
     if not (summed and whole_rows):
         return "a mixture, alone or summed with another array, adds and norms in its last step the whole rows it writes"
-    # The decode step's last down block norms the row; a chunk's or a batch's combine takes a block of the
-    # norm's threads a row.
-    if _one_row(shim, m.rows):
-        launch = shim.moe_down_launch(members[0], g)
-        if launch is None:
-            return "a decode mixture's down projection reads its experts' widths from its parts"
-        _, threads = launch
-        if not kernels.block_holds_its_norm(threads, m.d):
-            return "a decode mixture norms in its last down block only where the block is at least the norm's width"
+    # The decode step's last down block norms the row, walking a row wider than it holds in chunks
+    # (`fast_norm.norm_last`); a chunk's or a batch's combine takes a block of the norm's threads a row.
+    if _one_row(shim, m.rows) and shim.moe_down_launch(members[0], g) is None:
+        return "a decode mixture's down projection reads its experts' widths from its parts"
     return None
 
 
@@ -344,17 +339,17 @@ def _attn_output_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorG
     # The decode step's attention stores its output a pair a thread, each 32-value group in one half-warp's
     # sixteen lanes; a chunk's (`attention/prefill.py`) quantizes each tile row's head in its epilogue: both
     # take heads of whole 32-value groups. A step's (or a batch's) heads of no power of two that are not
-    # whole groups (48, 80) run in blocks of the heads that are whole groups together
-    # (`kernels.attn_heads_a_block`), which read their stored span back and quantize it.
+    # whole groups (48, 80) are read back where stored, each group shared by two blocks by the later of them
+    # (`attention.splits.seam_counters`): the row must be whole groups.
     a = _attention(members[0])
     if a is not None and a.value_width % kernels.QBLOCK == 0:
         return None
     if a is not None and (a.rows == 1 or a.batched) and a.hd == a.value_width and a.hd & (a.hd - 1):
-        if kernels.attn_block_whole_blocks(a.hd, kernels.attn_heads_a_block(a.heads // a.kv_heads, a.hd)):
+        if a.heads * a.hd % kernels.QBLOCK == 0:
             return None
     return (
         "an attention quantizes its output only where its heads are whole 32-value groups, or a decode step's "
-        "block of heads is"
+        "heads together are"
     )
 
 

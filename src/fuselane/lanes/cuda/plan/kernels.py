@@ -711,21 +711,17 @@ def accumulator(m: Mode) -> Accumulator:
     return Accumulator(ACCUMULATOR_BYTES, ACCUMULATOR_BITS)
 
 
-def attn_heads_a_block(group: int, hd: int = 0) -> int:
+def attn_heads_a_block(group: int) -> int:
     """Query heads of one key/value group a decode attention block takes: the most, up to
-    `ATTN_HEADS_A_BLOCK_MOST`, that divide the group (a warp a head; the tile is read once for them all). Heads of
-    `hd` values that are not whole 32-value blocks (48, 80) take the fewest more that divide the group and are
-    whole blocks together (two heads of 80: five), so the block writes its output's int8 form; the most where
-    none are."""
-    most = max(h for h in range(1, min(group, ATTN_HEADS_A_BLOCK_MOST) + 1) if group % h == 0)
-    if not hd or attn_block_whole_blocks(hd, most):
-        return most
-    return next((h for h in range(most, group + 1) if group % h == 0 and attn_block_whole_blocks(hd, h)), most)
+    `ATTN_HEADS_A_BLOCK_MOST`, that divide the group (a warp a head; the tile is read once for them all)."""
+    return max(h for h in range(1, min(group, ATTN_HEADS_A_BLOCK_MOST) + 1) if group % h == 0)
 
 
 def attn_block_whole_blocks(hd: int, heads_per_block: int) -> bool:
     """Whether a decode attention block's output is whole 32-value blocks of the row, so the block writes its
-    int8 form: heads of whole blocks, or a block's heads together (two heads of 80 values: five blocks)."""
+    int8 form alone: heads of whole blocks, or a block's heads together (two heads of 80 values: five blocks).
+    Otherwise neighbouring blocks share a 32-value block (a seam), and the last of them to store quantizes it
+    (`attention.splits.seam_counters`)."""
     return hd % QBLOCK == 0 or heads_per_block * hd % QBLOCK == 0
 
 

@@ -48,6 +48,7 @@ from fuselane.lanes.cuda.triton.attention.splits import (
     interpreted,
     merge_partials,
     park_partial,
+    seam_counters,
     store_out,
 )
 
@@ -73,7 +74,7 @@ def decode_plan(
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not share {kv_heads} key/value heads evenly")
     group = heads // kv_heads
-    per_block = kernels.attn_heads_a_block(group, hd) if heads_per_block is None else heads_per_block
+    per_block = kernels.attn_heads_a_block(group) if heads_per_block is None else heads_per_block
     if per_block < 1 or group % per_block:
         raise ValueError(f"a block takes a divisor of the group's {group} heads, not {per_block}")
     blocks = heads // per_block
@@ -86,8 +87,8 @@ def decode_plan(
 
 def decode_scratch_size(plan: DecodePlan, heads: int, hd: int) -> int:
     """f32 values of a decode attention's scratch: each head's partial a split (hd weighted values, a max,
-    a sum), then a counter a group."""
-    return heads * plan.splits * (hd + 2) + plan.head_blocks
+    a sum), then a counter a group, then the output's seam counters (`splits.seam_counters`)."""
+    return heads * plan.splits * (hd + 2) + plan.head_blocks + seam_counters(heads * hd, hd, plan.heads_per_block)
 
 
 def decode_scratch(
@@ -95,9 +96,10 @@ def decode_scratch(
 ) -> torch.Tensor:
     """A decode attention's scratch, allocated once with the plan and kept (its counters start at zero; the
     kernel leaves them at zero). Sized for any grouping of `heads`: the most splits `kernels.attn_splits`
-    gives (at one group) and a counter a head; pass `splits` where the launch names its own."""
+    gives (at one group), a counter a head and a seam counter a 32-value block of the output; pass `splits`
+    where the launch names its own."""
     most = splits or kernels.attn_splits(1, cache_len, chip.sms)
-    return torch.zeros(heads * most * (hd + 2) + heads, dtype=torch.float32, device=device)
+    return torch.zeros(heads * most * (hd + 2) + heads + heads * hd // QK, dtype=torch.float32, device=device)
 
 
 @triton.jit
@@ -169,6 +171,7 @@ def _decode_kernel(
     max_ptr,
     sum_ptr,
     count_ptr,
+    seam_ptr,
     oq_ptr,
     od_ptr,
     os_ptr,
@@ -177,6 +180,7 @@ def _decode_kernel(
     v_pitch,
     scale_log2e,
     Q8OUT: tl.constexpr,
+    WIDTH: tl.constexpr,
     GROUP: tl.constexpr,
     HB: tl.constexpr,
     G_P2: tl.constexpr,
@@ -244,7 +248,8 @@ def _decode_kernel(
         store_mask = heads_mask[:, None] & col_mask
         if active == 1:
             o = gate_heads(acc / run_sum[:, None], gate_ptr, head, col, store_mask, GATE_HP, GATED)
-            store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT, hb * HB, HB)
+            store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT, hb * HB, HB, seam_ptr,
+                      WIDTH)  # fmt: skip
         else:
             part = head * SPLITS + split
             done = park_partial(acc, run_max, run_sum, acc_ptr, max_ptr, sum_ptr, count_ptr + hb, part, col,
@@ -253,7 +258,8 @@ def _decode_kernel(
                 merged = merge_partials(acc_ptr, max_ptr, sum_ptr, head, heads_mask, col, col_mask, active, SPLITS,
                                         S_P2, MERGE_BATCH, HD)  # fmt: skip
                 merged = gate_heads(merged, gate_ptr, head, col, store_mask, GATE_HP, GATED)
-                store_out(merged, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT, hb * HB, HB)
+                store_out(merged, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT, hb * HB, HB,
+                          seam_ptr, WIDTH)  # fmt: skip
                 tl.atomic_xchg(count_ptr + hb, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
 
 
@@ -285,10 +291,11 @@ def flash_decode(
 
     One launch of (groups, splits) blocks (`decode_plan`; `splits` overrides the plan's). `scratch` is
     `decode_scratch(heads, hd, cache_len, ...)`, kept for the plan's life; None only where the plan has one
-    split. `tile_rows`, `min_chunk` and `merge_batch` are the kernel's facts, parameters only so tests reach
-    several splits (and several batches of them in the merge) of a short cache. `out_q8`, a
-    `quant.Q8Acts` of the output's width, also gets the output as int8 activations (hd a multiple of 32, or a
-    block's heads whole 32-value blocks together: `kernels.attn_block_whole_blocks`).
+    split and the output's int8 form (if any) needs no seam counters (`splits.seam_counters`). `tile_rows`,
+    `min_chunk` and `merge_batch` are the kernel's facts, parameters only so tests reach several splits (and
+    several batches of them in the merge) of a short cache. `out_q8`, a `quant.Q8Acts` of the output's width,
+    also gets the output as int8 activations (the row whole 32-value blocks; a block shared by two blocks'
+    heads, a seam, quantized by the later: `splits.store_out`).
     `gate` (heads, >= hd: each head's gate, rows any pitch; AttnOutputGate) multiplies the output by its
     sigmoid in the store. `f16_ops` (the int8 numerics' attention, `CudaShim.attention`): a group's heads
     multiply as the rows of f16 tensor-core products (`group_decode.py`), where the head's width allows it;
@@ -303,20 +310,22 @@ def flash_decode(
         plan = decode_plan(
             heads, kv_heads, hd, k_cache.shape[0], chip=chip, splits=splits, heads_per_block=heads_per_block
         )
-    # the packed kernel quantizes a head's own blocks only; this one a block's heads together too
-    if out_q8 is not None and hd % QK and (packed or not kernels.attn_block_whole_blocks(hd, plan.heads_per_block)):
-        raise ValueError(f"a quantized attention output takes a block's heads in whole {QK}-value blocks")
-    if plan.splits > 1:
+    # the packed kernel quantizes a head's own blocks only; this one a block's heads, sharing seams between blocks
+    if out_q8 is not None and (heads * hd % QK or (packed and hd % QK)):
+        raise ValueError(f"a quantized attention output takes heads of whole {QK}-value blocks, or a row of them")
+    seams = seam_counters(heads * hd, hd, plan.heads_per_block) if out_q8 is not None and not packed else 0
+    acc = top = total = count = seam = out  # never read: one split writes its result directly, whole blocks alone
+    if plan.splits > 1 or seams:
         need = decode_scratch_size(plan, heads, hd)
         if scratch is None or scratch.dtype != torch.float32 or scratch.numel() < need:
-            raise ValueError(f"flash_decode over {plan.splits} splits needs an f32 scratch of {need} values")
+            raise ValueError(f"flash_decode over {plan.splits} splits ({seams} seams) needs an f32 scratch of {need} "
+                             "values")  # fmt: skip
         parts = heads * plan.splits
         acc = scratch[: parts * hd]
         top = scratch[parts * hd : parts * (hd + 1)]
         total = scratch[parts * (hd + 1) : parts * (hd + 2)]
-        count = scratch[parts * (hd + 2) : need].view(torch.int32)
-    else:
-        acc = top = total = count = out  # never read: the one split writes its result directly
+        count = scratch[parts * (hd + 2) : parts * (hd + 2) + plan.head_blocks].view(torch.int32)
+        seam = scratch[need - seams : need].view(torch.int32) if seams else out
     if packed:
         group_decode.group_decode(
             q, k_cache, v_cache, pos, out, plan=plan, hd=hd, scale=scale, parts=(acc, top, total, count),
@@ -335,12 +344,14 @@ def flash_decode(
         top,
         total,
         count,
+        seam,
         *(out_q8 if out_q8 is not None else (out, out, out)),
         gate if gate is not None else out,
         cache_pitch(k_cache, kv_heads, hd, "k_cache"),
         cache_pitch(v_cache, kv_heads, hd, "v_cache"),
         scale * LOG2E,
         Q8OUT=out_q8 is not None,
+        WIDTH=heads * hd,
         GROUP=heads // kv_heads,
         HB=plan.heads_per_block,
         G_P2=group_p2,

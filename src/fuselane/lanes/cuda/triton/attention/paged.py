@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselane.gguf.formats import QK
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.knobs import H200
 from fuselane.lanes.cuda.plan.shim import chunks_apart
@@ -46,6 +47,7 @@ from fuselane.lanes.cuda.triton.attention.splits import (
     interpreted,
     merge_partials,
     park_partial,
+    seam_counters,
     store_out,
 )
 from fuselane.lanes.cuda.triton.quant import Q8Acts
@@ -92,8 +94,7 @@ class PagedPlan(NamedTuple):
     splits: int
 
 
-def paged_plan(rows: int, heads: int, kv_heads: int, span: int, *, sms: int, splits: int | None = None,
-               hd: int = 0) -> PagedPlan:  # fmt: skip
+def paged_plan(rows: int, heads: int, kv_heads: int, span: int, *, sms: int, splits: int | None = None) -> PagedPlan:
     """The launch of a paged decode attention of `rows` rows over spans of at most `span` cache rows (the tables'
     width in rows) on a chip of `sms` SMs: `kernels.attn_heads_a_block` heads of a group a program, as the one-row
     decode; its span cut in `kernels.attn_splits` of the batch's head blocks where `shim.chunks_apart` says the
@@ -101,7 +102,7 @@ def paged_plan(rows: int, heads: int, kv_heads: int, span: int, *, sms: int, spl
     are device values, and a captured graph replays one launch for any of them."""
     if heads % kv_heads:
         raise ValueError(f"paged_decode: {heads} query heads do not share {kv_heads} key/value heads evenly")
-    per_block = kernels.attn_heads_a_block(heads // kv_heads, hd)
+    per_block = kernels.attn_heads_a_block(heads // kv_heads)
     blocks = heads // per_block
     if splits is None:
         splits = kernels.attn_splits(rows * blocks, span, sms)
@@ -110,10 +111,15 @@ def paged_plan(rows: int, heads: int, kv_heads: int, span: int, *, sms: int, spl
     return PagedPlan(per_block, blocks, max(1, splits))
 
 
-def paged_scratch_size(plan: PagedPlan, rows: int, heads: int, hd: int) -> int:
+def paged_scratch_size(plan: PagedPlan, rows: int, heads: int, hd: int, *, quantized: bool = False) -> int:
     """f32 values of a paged attention's scratch: each row's heads' partials a split (hd weighted values, a max,
-    a sum), then a counter a row's head block (int32, starting at zero; the kernel leaves them at zero)."""
-    return rows * heads * plan.splits * (hd + 2) + rows * plan.head_blocks
+    a sum), then a counter a row's head block, then, for an int8 output (`quantized`), each row's seam counters
+    (`splits.seam_counters`; int32, starting at zero; the kernel leaves them at zero). Zero where one split
+    writes its result directly and the int8 form needs no seams."""
+    seams = rows * seam_counters(heads * hd, hd, plan.heads_per_block) if quantized else 0
+    if plan.splits == 1 and not seams:
+        return 0
+    return rows * heads * plan.splits * (hd + 2) + rows * plan.head_blocks + seams
 
 
 @triton.jit
@@ -151,6 +157,7 @@ def _with_pool_row(k, v, k_ptr, v_ptr, table, start, row, hi, kvh, k_pitch, v_pi
 @triton.jit
 def _paged_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, out_ptr, oq_ptr, od_ptr, os_ptr, acc_ptr, max_ptr, sum_ptr, count_ptr,
+    seam_ptr,
     q_pitch, k_pitch, v_pitch, table_pitch, scale_log2e,
     HEADS: tl.constexpr, GROUP: tl.constexpr, HB: tl.constexpr, G_P2: tl.constexpr, HD: tl.constexpr,
     D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, S_P2: tl.constexpr,
@@ -207,10 +214,11 @@ def _paged_kernel(
         width: tl.constexpr = HEADS * HD
         o_row = row.to(tl.int64) * width
         nb_row = row.to(tl.int64) * (width // 32)  # the row's first 32-value block (read only with Q8OUT)
+        seams = seam_ptr + nb_row  # the row's seam counters, a 32-value block each (read only at seams)
         store_mask = heads_mask[:, None] & col_mask
         if active == 1:
             store_out(acc / run_sum[:, None], offs, store_mask, head, out_ptr + o_row, oq_ptr + o_row,
-                      od_ptr + nb_row, os_ptr + 2 * nb_row, HD, Q8OUT, hb * HB, HB)  # fmt: skip
+                      od_ptr + nb_row, os_ptr + 2 * nb_row, HD, Q8OUT, hb * HB, HB, seams, width)  # fmt: skip
         else:
             # the row's partials: head h's split s at (row * HEADS + h) * SPLITS + s; a counter a row's head block
             base = row.to(tl.int64) * HEADS * SPLITS
@@ -221,7 +229,7 @@ def _paged_kernel(
                 merged = merge_partials(acc_ptr + base * HD, max_ptr + base, sum_ptr + base, head, heads_mask, col,
                                         col_mask, active, SPLITS, S_P2, MERGE_BATCH, HD)  # fmt: skip
                 store_out(merged, offs, store_mask, head, out_ptr + o_row, oq_ptr + o_row, od_ptr + nb_row,
-                          os_ptr + 2 * nb_row, HD, Q8OUT, hb * HB, HB)  # fmt: skip
+                          os_ptr + 2 * nb_row, HD, Q8OUT, hb * HB, HB, seams, width)  # fmt: skip
                 tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
 
 
@@ -249,26 +257,27 @@ def paged_decode(
     """out[i] = attention of row i's `heads` query heads (q: rows x heads * hd, f32) over its first lens[i]
     cache rows, row r of them at pool row tables[i, r // block_size] * block_size + r % block_size (pools:
     2-D, kv_heads * hd values a row, f16 or f32). Query head h reads key/value head h // (heads // kv_heads).
-    `out` (rows, heads * hd) f32; with `out_q8` its int8 form too (hd a multiple of 32). One launch.
+    `out` (rows, heads * hd) f32; with `out_q8` its int8 form too (a row whole 32-value blocks). One launch.
 
     Its launch is `paged_plan`'s for a chip of `sms` SMs (`splits` overrides its splits); where that splits a
-    row's span, `scratch` is an f32 tensor of at least `paged_scratch_size` values, zero when first given and
-    kept for the launch's life (the kernel leaves its counters at zero). `tile_rows`, `min_chunk` and
-    `merge_batch` are the kernel's facts, parameters only so tests reach several splits of short spans."""
+    row's span or the int8 form has seams, `scratch` is an f32 tensor of at least `paged_scratch_size` values
+    (`quantized=out_q8 is not None`), zero when first given and kept for the launch's life (the kernel leaves
+    its counters at zero). `tile_rows`, `min_chunk` and `merge_batch` are the kernel's facts, parameters only
+    so tests reach several splits of short spans."""
     if heads % kv_heads or block_size & (block_size - 1) or tile_rows & (tile_rows - 1):
         raise ValueError(f"paged_decode: {heads} heads over {kv_heads} groups, blocks of {block_size} and tiles of "
                          f"{tile_rows} rows (powers of 2)")  # fmt: skip
     rows = q.shape[0] if q.dim() == 2 else 1
     if tables.dtype != torch.int32 or lens.dtype != torch.int32 or tables.shape[0] < rows or lens.numel() < rows:
         raise ValueError("paged_decode: int32 tables (rows, width) and lengths (rows)")
-    plan = paged_plan(rows, heads, kv_heads, tables.shape[1] * block_size, sms=sms, splits=splits, hd=hd)
-    if out_q8 is not None and not kernels.attn_block_whole_blocks(hd, plan.heads_per_block):
-        raise ValueError(f"paged_decode writes the int8 form of a block's heads in whole 32-value blocks, not {hd}")
-    acc, top, total, count = _partials(plan, rows, heads, hd, scratch, out)
+    plan = paged_plan(rows, heads, kv_heads, tables.shape[1] * block_size, sms=sms, splits=splits)
+    if out_q8 is not None and heads * hd % QK:
+        raise ValueError(f"paged_decode writes the int8 form of rows of whole {QK}-value blocks, not {heads} x {hd}")
+    acc, top, total, count, seams = _partials(plan, rows, heads, hd, scratch, out, out_q8 is not None)
     group_p2 = triton.next_power_of_2(plan.heads_per_block)
     oq, od, os_ = out_q8 if out_q8 is not None else (out, out, out)
     _paged_kernel[(rows, plan.head_blocks, plan.splits)](
-        q, k_pool, v_pool, tables, lens, out, oq, od, os_, acc, top, total, count,
+        q, k_pool, v_pool, tables, lens, out, oq, od, os_, acc, top, total, count, seams,
         q.stride(0) if q.dim() == 2 else 0, k_pool.stride(0), v_pool.stride(0), tables.stride(0), scale * LOG2E,
         HEADS=heads, GROUP=heads // kv_heads, HB=plan.heads_per_block, G_P2=group_p2, HD=hd,
         D=triton.next_power_of_2(hd), BS=block_size, TILE=tile_rows, SPLITS=plan.splits,
@@ -278,18 +287,22 @@ def paged_decode(
     )  # fmt: skip
 
 
-def _partials(plan: PagedPlan, rows: int, heads: int, hd: int, scratch: torch.Tensor | None, out: torch.Tensor):
-    """The scratch's parts (weighted values, maxes, sums, int32 counters); `out` for each where one split writes
-    its result directly and reads none."""
-    if plan.splits == 1:
-        return out, out, out, out
-    need = paged_scratch_size(plan, rows, heads, hd)
+def _partials(plan: PagedPlan, rows: int, heads: int, hd: int, scratch: torch.Tensor | None, out: torch.Tensor,
+              quantized: bool):  # fmt: skip
+    """The scratch's parts (weighted values, maxes, sums, int32 counters, int32 seam counters); `out` for each
+    the launch never reads (one split writes its result directly; a block's heads whole blocks need no seams)."""
+    need = paged_scratch_size(plan, rows, heads, hd, quantized=quantized)
+    if not need:
+        return out, out, out, out, out
     if scratch is None or scratch.dtype != torch.float32 or scratch.numel() < need:
         raise ValueError(f"paged_decode over {plan.splits} splits needs an f32 scratch of {need} values")
     parts = rows * heads * plan.splits
+    counters = parts * (hd + 2) + rows * plan.head_blocks
+    seams = scratch[counters:need].view(torch.int32) if need > counters else out
     return (
         scratch[: parts * hd],
         scratch[parts * hd : parts * (hd + 1)],
         scratch[parts * (hd + 1) : parts * (hd + 2)],
-        scratch[parts * (hd + 2) : need].view(torch.int32),
+        scratch[parts * (hd + 2) : counters].view(torch.int32),
+        seams,
     )

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import QK
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton.quant import quantize_block
 
 LOG2E = math.log2(math.e)
@@ -59,12 +60,12 @@ def gate_heads(o, gate_ptr, head, col, mask, GATE_HP: tl.constexpr, GATED: tl.co
 
 @triton.jit
 def store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD: tl.constexpr, Q8OUT: tl.constexpr,
-              first=0, HB: tl.constexpr = 1):  # fmt: skip
+              first=0, HB: tl.constexpr = 1, seam_ptr=0, WIDTH: tl.constexpr = 0):  # fmt: skip
     """A block's heads' outputs o [G, D] at `offs`: f32, and where Q8OUT also as int8 activations
-    (`quant.Q8Acts`): each head's values in 32-value blocks where HD is a multiple of 32; otherwise the block's
-    HB heads from head `first` on, whose HB * HD values are whole blocks of the row
-    (`kernels.attn_block_whole_blocks`),
-    read back after the block's barrier and quantized a block at a time."""
+    (`quant.Q8Acts`): each head's values in 32-value blocks where HD is a multiple of 32; otherwise the 32-value
+    blocks of the row (WIDTH values) that the block's HB heads from head `first` on touch, read back after the
+    block's barrier, each by the last block to store into it (`_store_span_q8`; `seam_ptr`: the row's seam
+    counters, `seam_counters`)."""
     tl.store(out_ptr + offs, o, mask=store_mask)
     if Q8OUT:
         if (HD // QB) * QB == HD:  # heads of whole blocks
@@ -80,25 +81,46 @@ def store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD: tl
             two = tl.arange(0, 2)[None, None, :]
             tl.store(os_ptr + blk[:, :, None] * 2 + two, tl.reshape(sums, [G, NB, 2]), mask=live[:, :, None])
         else:
-            _store_span_q8(out_ptr, oq_ptr, od_ptr, os_ptr, first * HD, HB * HD // QB)
+            _store_span_q8(out_ptr, oq_ptr, od_ptr, os_ptr, seam_ptr, first * HD, HB * HD, WIDTH)
+
+
+def seam_counters(width: int, hd: int, heads_per_block: int) -> int:
+    """Counters a row's output needs for its int8 form: one a 32-value block where a block's heads are not
+    whole 32-value blocks together (`kernels.attn_block_whole_blocks`), so neighbouring blocks share one (a
+    seam); none otherwise. int32, zero when first given; the kernels leave them at zero."""
+    return 0 if kernels.attn_block_whole_blocks(hd, heads_per_block) else width // QK
 
 
 @triton.jit
-def _store_span_q8(out_ptr, oq_ptr, od_ptr, os_ptr, start, BLOCKS: tl.constexpr):
-    """The int8 form of the row's BLOCKS 32-value blocks from value `start` (a block's first), which this
-    block's threads have just stored: its barrier makes their stores visible to all of them (a block's global
-    writes, as `__syncthreads` orders them), then each block is read back and quantized."""
+def _store_span_q8(out_ptr, oq_ptr, od_ptr, os_ptr, seam_ptr, start, SPAN: tl.constexpr, WIDTH: tl.constexpr):
+    """The int8 form of the row's 32-value blocks that the SPAN values from `start`, which this block's threads
+    have just stored, touch. A 32-value block the span holds whole is this block's to quantize; one it shares
+    with a neighbouring block's span (a seam) is the last sharer's: each sharer ticks the seam's counter after
+    its stores, and the one whose tick completes the count reads the block back, quantizes it and re-arms the
+    counter. The order is `park_partial`'s: the block's barrier, the counters' acq_rel atomics, a barrier, then
+    reads from L2 (.cg), past this SM's L1, where other SMs' stores are."""
     tl.debug_barrier()
-    BP: tl.constexpr = triton.next_power_of_2(BLOCKS)
-    b = tl.arange(0, BP)
-    live = b < BLOCKS
-    at = start + b[:, None] * QB + tl.arange(0, QB)[None, :]  # [BP, QB]
-    v = tl.load(out_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
+    BP: tl.constexpr = triton.next_power_of_2(triton.cdiv(SPAN, QB) + 1)  # the most blocks a span touches
+    blk = start // QB + tl.arange(0, BP)
+    lo = blk * QB
+    live = (lo < start + SPAN) & (blk < WIDTH // QB)
+    if (SPAN // QB) * QB == SPAN:  # spans of whole blocks (two heads of 80): no seams, every block this one's
+        mine = live
+    else:
+        # the spans [k * SPAN, (k + 1) * SPAN) that share a block: from its first value's to its last's
+        sharers = (tl.minimum(lo + QB, WIDTH) - 1) // SPAN - lo // SPAN + 1
+        seam = live & (sharers > 1)
+        ticks = tl.atomic_add(seam_ptr + blk, tl.full([BP], 1, tl.int32), mask=seam, sem="acq_rel", scope="gpu")
+        mine = live & ((sharers == 1) | (tl.where(seam, ticks, 0) == sharers - 1))
+        tl.debug_barrier()
+    at = lo[:, None] + tl.arange(0, QB)[None, :]  # [BP, QB]
+    v = tl.load(out_ptr + at, mask=mine[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
     codes, d, sums = quantize_block(v, QB)
-    blk = start // QB + b
-    tl.store(oq_ptr + at, codes, mask=live[:, None])
-    tl.store(od_ptr + blk, d, mask=live)
-    tl.store(os_ptr + blk[:, None] * 2 + tl.arange(0, 2)[None, :], sums, mask=live[:, None])
+    tl.store(oq_ptr + at, codes, mask=mine[:, None])
+    tl.store(od_ptr + blk, d, mask=mine)
+    tl.store(os_ptr + blk[:, None] * 2 + tl.arange(0, 2)[None, :], sums, mask=mine[:, None])
+    if (SPAN // QB) * QB != SPAN:
+        tl.atomic_xchg(seam_ptr + blk, tl.zeros([BP], tl.int32), mask=seam & mine, sem="relaxed", scope="gpu")
 
 
 @triton.jit
