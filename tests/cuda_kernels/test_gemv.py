@@ -58,6 +58,11 @@ ALL = (
     Format.Q4_K,
     Format.Q5_K,
     Format.Q6_K,
+    # each value decoded alone (`formats._dot_values`): the f32 activations' path for the int8 GEMV's formats
+    Format.Q2_K,
+    Format.Q3_K,
+    Format.IQ4_NL,
+    Format.IQ4_XS,
 )
 QUANTIZABLE = (Format.F32, Format.F16, Format.BF16, Format.Q8_0, Format.Q4_0, Format.Q4_1, Format.Q5_0, Format.Q5_1)
 K = 512  # two K super-blocks, sixteen 32-value blocks: every format's loop takes more than one step

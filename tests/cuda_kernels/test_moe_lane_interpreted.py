@@ -131,14 +131,13 @@ def test_cuda_lane_runs_a_mixture_as_the_cpu_lane(tmp_path, monkeypatch, shape, 
         assert rel(a, b) <= tol, f"{what}: {rel(a, b):.2e} > {tol:.2e}"
 
 
-def test_low_bit_experts_under_dequant_activations_say_why(tmp_path):
-    # a decode step's f32 expert products decode the GEMV by rows' formats: Q2_K experts take int8 activations
-    from fuselane.errors import FuselaneError
+def test_low_bit_experts_under_dequant_activations_run_as_the_cpu_lane(tmp_path):
+    # a decode step's f32 expert products (and the shared expert's, the dense products') decode Q2_K and Q3_K
+    # rows a value at a time (`gemv.formats._dot_values`), where they had refused activations=dequant
+    from tests.lane_steps import runs_as_the_cpu_lane
 
     path = write_synthetic(tmp_path / "m.gguf", SHAPES["qwen2moe-q2k"], MIXES["qwen2moe-q2k"], seed=4)
-    gpu = load(path, lane="cuda", ctx=16, knobs=["activations=dequant"])
-    with pytest.raises(FuselaneError, match="experts in Q2_K take a decode step from int8 activations only"):
-        gpu.lane.step(1)  # the decode step's launches, bound
+    runs_as_the_cpu_lane(path, PROMPT, [9, 10], [11], ctx=16, knobs=["activations=dequant"])
 
 
 def test_experts_of_rows_not_whole_128_value_steps_run_a_prompt(tmp_path):

@@ -201,7 +201,7 @@ def _gemv_norm_epilogue(shim: CudaShim, op: Op, members: Sequence[Op], g: Tensor
     fmt = p.weights.format if isinstance(p.weights, Rows) else None
     int8 = shim.activation(members[0], 0, g) is not None
     chunked = fmt is not None and kernels.norm_walked_in_chunks(fmt, p.m, p.k, n.cols, int8)
-    by_rows = fmt is not None and (fmt in kernels.ROWS_GEMV_FORMATS or chunked)
+    by_rows = fmt is not None and (kernels.rows_gemv(fmt, p.m) or chunked)
     one_gemv = by_rows and _one_row_or_batch_of_one(p.m) and p.dst.own() is not None
     whole_row = n.part is None and n.rows == p.m and n.cols == p.n and members[1].dst.own() is not None
     if not (one_gemv and whole_row):

@@ -149,9 +149,13 @@ ROWS_GEMV_FORMATS = frozenset({
     Format.Q4_K, Format.Q5_K, Format.Q6_K, Format.Q8_0, Format.Q4_0, Format.Q4_1, Format.Q5_0, Format.Q5_1,
     Format.F32, Format.F16, Format.BF16,
 })  # fmt: skip
+# ...and these, a value at a time (`formats._dot_values`): slower than their int8 GEMV, so taken only for a
+# step's one row that reads f32 (activations=dequant), where a chunk's decode and cuBLAS took two launches a
+# product and an f16 copy of the matrix (`rows_gemv`).
+VALUE_GEMV_FORMATS = frozenset({Format.Q2_K, Format.Q3_K, Format.IQ4_NL, Format.IQ4_XS})
 # The formats the whole-matrix decode on the device (`gemv/epilogue.dequantize`) takes: the prefill products'
 # f16 copies and scratch come from it, so a checkpoint in any of them prefills on cuBLAS.
-DEQUANT_FORMATS = ROWS_GEMV_FORMATS | frozenset({Format.Q2_K, Format.Q3_K, Format.IQ4_NL, Format.IQ4_XS})
+DEQUANT_FORMATS = ROWS_GEMV_FORMATS | VALUE_GEMV_FORMATS
 # The one-row f32 GEMV's formats (`triton/gemv/fast.py`, its `GROUPS`): its add + norm epilogue, like the
 # int8 GEMV's, has the last program walk the norm's row in chunks re-read from L2, so it norms any width; only
 # the GEMV by checkpoint rows (`triton/gemv/rows.py`) holds the row in its block's registers.
@@ -612,6 +616,12 @@ def moe_tiles_bound(pairs: int, experts: int, block_m: int) -> int:
     return math.ceil(pairs / block_m) + experts
 
 
+def rows_gemv(fmt: Format, m: int) -> bool:
+    """Whether the f32 GEMV by checkpoint rows takes a product of `m` rows (at most the GEMV's) in `fmt`: its
+    formats at any rows, the ones it decodes a value at a time (`VALUE_GEMV_FORMATS`) at a step's one row."""
+    return fmt in ROWS_GEMV_FORMATS or (m == 1 and fmt in VALUE_GEMV_FORMATS)
+
+
 def decodes(fmt: Format) -> bool:
     """Whether the GEMV decodes checkpoint rows of `fmt` in its kernel, block by block."""
     return fmt in DECODED_FORMATS
@@ -633,7 +643,7 @@ def norm_walked_in_chunks(fmt: Format, m: int, k: int, n: int, int8: bool) -> bo
     (it writes their int8 form too)."""
     if m != 1:
         return False
-    f32 = fmt in FAST_GEMV_FORMATS or fmt in ROWS_GEMV_FORMATS
+    f32 = fmt in FAST_GEMV_FORMATS or rows_gemv(fmt, m)
     return f32 or (int8 and int8_gemv(fmt, m, k) and n % QBLOCK == 0)
 
 

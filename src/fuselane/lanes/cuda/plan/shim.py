@@ -493,10 +493,10 @@ class CudaShim:
 
     def gemv_takes(self, p: GemvForm, g: TensorGraph) -> bool:
         """Whether a GEMV multiplies a product of at most the GEMV's rows: the f32 GEMVs by checkpoint rows in
-        their formats (`kernels.ROWS_GEMV_FORMATS`), the int8 GEMV in the others where the plan quantizes the
-        activation for it (a step's one row, a batch's rows). A chunk of a few rows in another format (Q2_K,
-        Q3_K, IQ4_NL, IQ4_XS) multiplies as a longer chunk does, on cuBLAS."""
-        if not isinstance(p.weights, Rows) or p.weights.format in kernels.ROWS_GEMV_FORMATS:
+        their formats (`kernels.rows_gemv`: Q2_K, Q3_K, IQ4_NL and IQ4_XS at a step's one row only), the int8
+        GEMV in the others where the plan quantizes the activation for it (a step's one row, a batch's rows).
+        A chunk of a few rows in those four formats multiplies as a longer chunk does, on cuBLAS."""
+        if not isinstance(p.weights, Rows) or kernels.rows_gemv(p.weights.format, p.m):
             return True
         return self.reads_int8(p, g)
 

@@ -133,10 +133,10 @@ def route_topk(op: Op, b) -> list:
     return [lambda: route.route(x, w, fmt, *args, **gating)]
 
 
-def _check_f32_experts(fmt) -> None:
+def _check_f32_experts(fmt, rows: int) -> None:
     """The kept experts' f32 products (a decode step's under activations=dequant) decode their rows as the GEMV
-    by rows does: its formats only (`kernels.ROWS_GEMV_FORMATS`)."""
-    if fmt not in kernels.ROWS_GEMV_FORMATS:
+    by rows does: its formats only (`kernels.rows_gemv`)."""
+    if not kernels.rows_gemv(fmt, rows):
         raise FuselaneError(
             f"a mixture's experts in {Format(fmt).name} take a decode step from int8 activations only: "
             "use activations=int8 (the default), not dequant"
@@ -163,7 +163,7 @@ def gate_up_act(op: Op, b, out_q8: Any = None) -> list:
         return _gate_up_grouped(b, gate, wg, wu, fmt, spec, order, out, op.out)
     q8 = _int8(b, gate.ins[0], fmt, spec.n, spec.kd, spec.rows)
     if q8 is None:
-        _check_f32_experts(fmt)
+        _check_f32_experts(fmt, spec.rows)
     if out_q8 is not None and q8 is None:
         raise _mismatch(f"{op.out}: the kept experts write their int8 form only from the int8 products")
     x = q8 if q8 is not None else b.bufs[gate.ins[0]].view(spec.rows, spec.kd)
@@ -291,7 +291,7 @@ def down_combine(op: Op, b, out_q8: Any = None) -> list:
     if order is not None and shared is None and out_q8 is None and _grouped().takes(fmt, mix.d, spec.kd):
         return _down_grouped(b, op, p, w, fmt, order, weights, adds, norm, sum_out)
     if q8 is None:
-        _check_f32_experts(fmt)
+        _check_f32_experts(fmt, mix.rows)
     counter = b.scratch.setdefault(f"moe-down:{op.out}", down.counters(mix.rows, sum_out.device))
     d, dff = mix.d, spec.kd
     return [

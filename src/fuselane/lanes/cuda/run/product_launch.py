@@ -54,8 +54,8 @@ def product(op: Op, b: Any, *, bias: str | None = None, residual: str | None = N
         gemv_q8, acts = q8
         n, k = spec.n, spec.k
         return [lambda: gemv_q8.gemv_q8(acts, w, fmt, n, k, out, bias=bias_t, residual=res_t, out_row=row)]
-    if spec.m <= kernels.GEMV_ROWS and fmt in kernels.ROWS_GEMV_FORMATS:  # a step's or a batch's rows: GEMVs
-        # (a format only the int8 GEMV decodes, in a chunk of a few rows, multiplies as a longer chunk's: below)
+    if spec.m <= kernels.GEMV_ROWS and kernels.rows_gemv(fmt, spec.m):  # a step's or a batch's rows: GEMVs
+        # (Q2_K, Q3_K, IQ4_NL or IQ4_XS in a chunk of a few rows multiplies as a longer chunk's: below)
         kernel = _gemv_kernels(fmt, spec.m, out)
         return [lambda: kernel(x, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)]
     from fuselane.lanes.cuda.triton import f16_scale, gemm, gemm_sb

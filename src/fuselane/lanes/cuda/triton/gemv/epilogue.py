@@ -380,13 +380,13 @@ def _flat_values(blk, t, FMT: tl.constexpr):
     elif FMT == FMT_Q5_1:
         v = _nibble_values(blk, t, Q5_1_D, Q5_1_M, Q5_1_QH, Q5_1_QS, 0)
     elif FMT == FMT_Q2_K:
-        v = q2_k_values(blk, t)
+        v = q2_k_values(blk, t[None, :])
     elif FMT == FMT_Q3_K:
-        v = q3_k_values(blk, t)
+        v = q3_k_values(blk, t[None, :])
     elif FMT == FMT_IQ4_NL:
-        v = iq4_nl_values(blk, t)
+        v = iq4_nl_values(blk, t[None, :])
     elif FMT == FMT_IQ4_XS:
-        v = iq4_xs_values(blk, t)
+        v = iq4_xs_values(blk, t[None, :])
     elif FMT == FMT_F32:
         v = tl.load(blk.to(tl.pointer_type(tl.float32)) + t[None, :])
     elif FMT == FMT_F16:

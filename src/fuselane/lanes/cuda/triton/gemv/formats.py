@@ -50,6 +50,10 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     FMT_BF16,
     FMT_F16,
     FMT_F32,
+    FMT_IQ4_NL,
+    FMT_IQ4_XS,
+    FMT_Q2_K,
+    FMT_Q3_K,
     FMT_Q4_0,
     FMT_Q4_1,
     FMT_Q4_K,
@@ -63,10 +67,14 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     HIGH_NIBBLE,
     HIGH_STEP,
     HIGH_WEIGHT,
+    IQ4_NL_BYTES,
+    IQ4_XS_BYTES,
     K_PAIRS,
     NIBBLE,
     NIBBLE_BITS,
     NO_FIELD,
+    Q2_K_BYTES,
+    Q3_K_BYTES,
     Q4_0_BYTES,
     Q4_0_D,
     Q4_0_QS,
@@ -122,6 +130,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     k_scale_min,
     load_f16,
 )
+from fuselane.lanes.cuda.triton.gemv.low_bits import iq4_nl_values, iq4_xs_values, q2_k_values, q3_k_values
 
 # --- decoding helpers -------------------------------------------------------------------------------------------
 
@@ -318,6 +327,57 @@ def _dot_nibbles(
     return tl.sum(tl.sum(acc, axis=1), axis=2)
 
 
+# --- formats only the int8 GEMV decodes fast -------------------------------------------------------------------
+
+
+@triton.jit
+def _low_bit_values(blk, t, FMT: tl.constexpr):
+    """Values t of the units at `blk` (broadcasting together) of Q2_K, Q3_K, IQ4_NL or IQ4_XS, f32."""
+    if FMT == FMT_Q2_K:
+        v = q2_k_values(blk, t)
+    elif FMT == FMT_Q3_K:
+        v = q3_k_values(blk, t)
+    elif FMT == FMT_IQ4_NL:
+        v = iq4_nl_values(blk, t)
+    else:
+        tl.static_assert(FMT == FMT_IQ4_XS, "no value decode for this format")
+        v = iq4_xs_values(blk, t)
+    return v
+
+
+@triton.jit
+def _dot_values(
+    w_rows,
+    x_rows,
+    STEPS: tl.constexpr,
+    UNITS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
+    FMT: tl.constexpr,
+    UNIT: tl.constexpr,
+    NBYTES: tl.constexpr,
+):
+    """Q2_K / Q3_K / IQ4_NL / IQ4_XS: a slot is (part of) a run of 32 values of a unit, each value decoded
+    alone by the whole-matrix decode's helpers (`low_bits`), its fields' bytes read again for each value
+    (from L1). These formats' fast path is the int8 GEMV; this one is the f32 activations' (a step's one row
+    under activations=dequant), one launch where a chunk's decode and cuBLAS took two and wrote an f16 copy."""
+    RUNS: tl.constexpr = UNIT // QK_C
+    B: tl.constexpr = UNITS * RUNS * SPLIT
+    A: tl.constexpr = QK_C // SPLIT
+    slot = tl.arange(0, B)
+    unit = slot // (RUNS * SPLIT)
+    t = (slot % (RUNS * SPLIT))[None, :] * A + tl.arange(0, A)[:, None]  # [A, B]: the value of the unit
+    val = unit[None, :] * UNIT + t
+    acc = tl.zeros([BLOCK_M, A, BLOCK_N, B], tl.float32)
+    for step in tl.range(0, STEPS, num_stages=STAGES):
+        blk = _units(w_rows, step, unit, UNITS, NBYTES)
+        w = _low_bit_values(blk[None], t[:, None, :], FMT)  # [A, N, B]
+        acc = _acc_dot(acc, w, x_rows[:, None, None] + (val + step * (UNITS * UNIT))[None])
+    return tl.sum(tl.sum(acc, axis=1), axis=2)
+
+
 # --- floats ------------------------------------------------------------------------------------------------------
 
 
@@ -403,6 +463,14 @@ def dot_rows(
             w_rows, x_rows, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES,
             Q5_1_BYTES, Q5_1_D, Q5_1_M, Q5_1_QH, Q5_1_QS, 0,
         )  # fmt: skip
+    elif FMT == FMT_Q2_K:
+        y = _dot_values(w_rows, x_rows, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES, FMT, QK_K_C, Q2_K_BYTES)
+    elif FMT == FMT_Q3_K:
+        y = _dot_values(w_rows, x_rows, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES, FMT, QK_K_C, Q3_K_BYTES)
+    elif FMT == FMT_IQ4_XS:
+        y = _dot_values(w_rows, x_rows, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES, FMT, QK_K_C, IQ4_XS_BYTES)
+    elif FMT == FMT_IQ4_NL:
+        y = _dot_values(w_rows, x_rows, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES, FMT, QK_C, IQ4_NL_BYTES)
     else:
         tl.static_assert((FMT == FMT_F32) | (FMT == FMT_F16) | (FMT == FMT_BF16), "no GEMV for this format")
         y = _dot_float(w_rows, x_rows, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES, FMT)
@@ -436,6 +504,11 @@ SLOTS: dict[Format, Slots] = {
     Format.Q4_1: _NIBBLE_SLOTS,
     Format.Q5_0: _NIBBLE_SLOTS,
     Format.Q5_1: _NIBBLE_SLOTS,
+    # a slot a 32-value run, each value decoded alone (`_dot_values`)
+    Format.Q2_K: Slots(QK_K, QK_K // QK, QK),
+    Format.Q3_K: Slots(QK_K, QK_K // QK, QK),
+    Format.IQ4_XS: Slots(QK_K, QK_K // QK, QK),
+    Format.IQ4_NL: Slots(QK, 1, QK),
     Format.F32: Slots(QK, 1, QK),
     Format.F16: Slots(QK, 1, QK),
     Format.BF16: Slots(QK, 1, QK),

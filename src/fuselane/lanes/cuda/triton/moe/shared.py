@@ -22,6 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import QK, Format
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 from fuselane.lanes.cuda.triton.gemv import rows as gemv_rows
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
@@ -59,8 +60,9 @@ class Shared:
 
 def int8_down(fmt: Format) -> bool:
     """Whether a folded shared expert's down rows in `fmt` are an int8 product: a format the f32 GEMV by rows
-    does not decode."""
-    return fmt not in gemv_rows.SLOTS
+    does not decode at its speed (`kernels.ROWS_GEMV_FORMATS`; the ones it decodes a value at a time are
+    faster as the int8 product)."""
+    return fmt not in kernels.ROWS_GEMV_FORMATS
 
 
 @triton.jit
