@@ -132,12 +132,15 @@ def test_cuda_lane_runs_a_mixture_as_the_cpu_lane(tmp_path, monkeypatch, shape, 
 
 
 def test_low_bit_experts_under_dequant_activations_run_as_the_cpu_lane(tmp_path):
-    # a decode step's f32 expert products (and the shared expert's, the dense products') decode Q2_K and Q3_K
-    # rows a value at a time (`gemv.formats._dot_values`), where they had refused activations=dequant
+    # a decode step's f32 expert products (and the folded shared expert's, the dense products') decode Q2_K and
+    # Q3_K rows a value at a time (`gemv.formats._dot_values`), where they had refused activations=dequant
     from tests.lane_steps import runs_as_the_cpu_lane
 
     path = write_synthetic(tmp_path / "m.gguf", SHAPES["qwen2moe-q2k"], MIXES["qwen2moe-q2k"], seed=4)
-    runs_as_the_cpu_lane(path, PROMPT, [9, 10], [11], ctx=16, knobs=["activations=dequant"])
+    knobs = ["activations=dequant"]
+    step = load(path, lane="cuda", ctx=16, knobs=knobs).lane.step(1)
+    assert any(_holds(op, C.SHARED_EXPERT_FUSION) for op, _ in step.bound)
+    runs_as_the_cpu_lane(path, PROMPT, [9, 10], [11], ctx=16, knobs=knobs)
 
 
 def test_experts_of_rows_not_whole_128_value_steps_run_a_prompt(tmp_path):

@@ -498,7 +498,7 @@ def _shared_expert_fusion(shim: CudaShim, op: Op, members: Sequence[Op], g: Tens
     int8 = _kept_int8_format(shim, [p.x for p in products if p.x not in made], g)
     gate_up = [p for p in products if p.x not in made and p.n > 1]
     tiles = kernels.MOE_SHARED_INT8 and int8 is not None and all(_in_tiles(p, int8) for p in gate_up)
-    if all(_shared_product_read(p, made, tiles) for p in products):
+    if all(_shared_product_read(p, made, tiles, int8 is None) for p in products):
         return None
     return (
         "a folded shared expert's score reads f32 activations, in the formats the GEMV by rows decodes; its "
@@ -511,12 +511,14 @@ def _in_tiles(p: GemvForm, int8: Format) -> bool:
     return isinstance(p.weights, Rows) and p.weights.format is int8 and p.n % kernels.QBLOCK == 0
 
 
-def _shared_product_read(p: GemvForm, made: set[str], tiles: bool) -> bool:
+def _shared_product_read(p: GemvForm, made: set[str], tiles: bool, f32: bool) -> bool:
     """Whether a folded shared expert's product has a kernel: the f32 GEMV by rows (`moe/shared.py`'s
-    `row_dot`) in its formats; or, where its gate and up run as the kept experts' int8 tiles (`tiles`), those
-    and its down (reading their SwiGLU's int8 form) as an int8 product in the int8 GEMV's formats."""
+    `row_dot`) in its formats, and in those it decodes a value at a time where the kept experts read f32 (`f32`:
+    activations=dequant, `shared.int8_down`); or, where its gate and up run as the kept experts' int8 tiles
+    (`tiles`), those and its down (reading their SwiGLU's int8 form) as an int8 product in the int8 GEMV's
+    formats."""
     fmt = p.weights.format if isinstance(p.weights, Rows) else None
-    if fmt in kernels.ROWS_GEMV_FORMATS:
+    if fmt in kernels.ROWS_GEMV_FORMATS or (f32 and fmt is not None and kernels.rows_gemv(fmt, p.m)):
         return True
     score = p.n == 1 and p.x not in made
     return tiles and not score and fmt is not None and kernels.int8_gemv(fmt, p.m, p.k)

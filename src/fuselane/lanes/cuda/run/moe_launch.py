@@ -245,7 +245,8 @@ def _parts(op: Op) -> _Parts:
     return _Parts(downs[0], mix, norm, norm_w, _shared_products(found), external)
 
 
-def _shared(b, s: dict[str, Op], op: Op) -> Any:
+def _shared(b, s: dict[str, Op], op: Op, f32: bool) -> Any:
+    """The folded shared expert's launch arguments; `f32`: the kept experts read f32 (activations=dequant)."""
     import torch
 
     from fuselane.lanes.cuda.triton.moe.shared import Shared, int8_down
@@ -255,11 +256,11 @@ def _shared(b, s: dict[str, Op], op: Op) -> Any:
     x = b.bufs[s["gate"].ins[0]].view(1, -1)
     scratch = b.scratch.setdefault(f"moe-shared:{op.out}", torch.zeros(sdff + 1, device=x.device))
     q8 = None
-    if int8_down(dfmt):  # an int8 down product reads the SwiGLU's int8 form
+    if int8_down(dfmt, f32):  # an int8 down product reads the SwiGLU's int8 form
         from fuselane.lanes.cuda.triton.quant import empty_q8
 
         q8 = b.scratch.setdefault(f"moe-shared-q8:{op.out}", empty_q8(1, sdff, x.device))
-    return Shared(x, wg, wu, wd, wsc, fmt, dfmt, sfmt, sdff, scratch, q8)
+    return Shared(x, wg, wu, wd, wsc, fmt, dfmt, sfmt, sdff, scratch, q8, f32)
 
 
 def down_combine(op: Op, b, out_q8: Any = None) -> list:
@@ -276,7 +277,7 @@ def down_combine(op: Op, b, out_q8: Any = None) -> list:
     q8 = _int8(b, p.down.ins[0], fmt, spec.n, spec.kd, mix.rows)
     h = q8 if q8 is not None else b.bufs[p.down.ins[0]].view(mix.rows * mix.k, spec.kd)
     adds = tuple(b.bufs[name] for name in p.adds)
-    shared = _shared(b, p.shared, op) if p.shared else None
+    shared = _shared(b, p.shared, op, q8 is None) if p.shared else None
     if shared is not None:  # its SwiGLU and sigmoid ride the kept experts' gate/up launch (`moe/shared.py`)
         b.scratch.setdefault(_RIDERS, {})[p.down.ins[2]] = shared
     norm = None

@@ -3,8 +3,9 @@ kept experts' gate/up launch as programs of their own (`gate_up.gate_up`), into 
 (`down.down_combine`) then adds sigmoid * (its down rows . that row) in each of its programs. The SwiGLU is
 f32 products (`shared_phase`), or, under `kernels.MOE_SHARED_INT8` where the expert's gate/up are the kept
 experts' format, their own int8 tiles (`gate_up`); the score is always an f32 product. The down rows are an f32
-product too, or, in a format only the int8 GEMV decodes (`Shared.down_int8`: Q2_K, Q3_K, IQ4_NL, IQ4_XS), an int8
-product of the SwiGLU's int8 form, which the int8 tiles write a block each (`scratch_q8`).
+product too, or, in a format only the int8 GEMV decodes at speed (`Shared.down_int8`: Q2_K, Q3_K, IQ4_NL, IQ4_XS),
+an int8 product of the SwiGLU's int8 form, which the int8 tiles write a block each (`scratch_q8`); under
+activations=dequant (`f32`: the kept experts read f32) those four are f32 products decoded a value at a time.
 
 Why there: the shared expert reads the mixture's input, as the kept experts' gate/up does, so its products run
 beside theirs with nothing to wait for, and the down launch reads the row as it reads the kept experts'
@@ -47,6 +48,7 @@ class Shared:
     # the SwiGLU row's int8 form, where the down rows are in a format only the int8 GEMV decodes (`down_int8`):
     # the gate/up launch's int8 tiles write it a block each, the down launch's int8 product reads it
     scratch_q8: Q8Acts | None = None
+    f32: bool = False  # the kept experts read f32 activations (activations=dequant): every product an f32 one
 
     def __post_init__(self) -> None:
         if self.down_int8 and self.scratch_q8 is None:
@@ -55,14 +57,15 @@ class Shared:
     @property
     def down_int8(self) -> bool:
         """Whether the down rows are an int8 product (`int8_down`)."""
-        return int8_down(self.down_fmt)
+        return int8_down(self.down_fmt, self.f32)
 
 
-def int8_down(fmt: Format) -> bool:
+def int8_down(fmt: Format, f32: bool = False) -> bool:
     """Whether a folded shared expert's down rows in `fmt` are an int8 product: a format the f32 GEMV by rows
     does not decode at its speed (`kernels.ROWS_GEMV_FORMATS`; the ones it decodes a value at a time are
-    faster as the int8 product)."""
-    return fmt not in kernels.ROWS_GEMV_FORMATS
+    faster as the int8 product), except where the kept experts read f32 (`f32`: activations=dequant), whose
+    numerics have no int8 product (`kernels.rows_gemv`)."""
+    return not kernels.rows_gemv(fmt, 1) if f32 else fmt not in kernels.ROWS_GEMV_FORMATS
 
 
 @triton.jit
