@@ -81,15 +81,19 @@ WEIGHTS = {
     "q8": Rows(Format.Q8_0),
     "q5k": Rows(Format.Q5_K),
     "q2k": Rows(Format.Q2_K),
+    "mxfp4": Rows(Format.MXFP4),  # a format no GEMV of f32 activations decodes
     "f32": Values("f32"),
     "norm": Values("f32"),
 }
 
 
 def graph(rows: int = 1) -> TensorGraph:
+    """The weights, and a gated pair's SwiGLU writing "glu" (what a down projection reads)."""
     g = TensorGraph(Form.DECODE if rows == 1 else Form.PREFILL, rows)
     for name, storage in WEIGHTS.items():
         g.add(Tensor(name, (1, 1), storage, Role.WEIGHT))
+    g.emit(Unary(UnaryOp.SILU, rows, 12288), ("gate",), "silu")
+    g.emit(Elementwise(ElementwiseOp.MUL, rows, 12288), ("silu", "up"), "glu")
     return g
 
 
@@ -282,10 +286,12 @@ CASES = [
     ),
     Case(
         "projection epilogue down norm launch",
-        lambda: gne(4096),  # the attention output projection's keeps its epilogue
+        # an attention output projection keeps its epilogue, its rows however long (a query past twice the
+        # hidden width); a gated pair's down projection longer than twice the norm's width leaves it
         lambda: fused(C.GEMV_NORM_EPILOGUE, matmul(1, 4096, 12288), add_norm(1, 4096)),
-        "under int8 activations and norm_launch=on a projection longer than the norm is wide leaves its add "
-        "and norm to a launch of their own: the last block's serial tail costs more than a launch",
+        lambda: fused(C.GEMV_NORM_EPILOGUE, matmul(1, 4096, 12288, x="glu"), add_norm(1, 4096)),
+        "under int8 activations and norm_launch=on a down projection longer than the norm is wide leaves its "
+        "add and norm to a launch of their own: the last block's serial tail costs more than a launch",
         CudaKnobs(activations=Activations.INT8, norm_launch=True),
     ),
     Case(
@@ -385,10 +391,10 @@ CASES = [
     ),
     Case(
         # without the kept experts' int8 tiles (none here) its down reads the f32 SwiGLU by rows, which the GEMV
-        # by rows decodes in its formats only
+        # by rows decodes in its formats only (Q2_K a value at a time, the kept experts reading f32 here)
         "shared expert's formats",
-        lambda: shared_expert(down_w="q6k"),
         lambda: shared_expert(down_w="q2k"),
+        lambda: shared_expert(down_w="mxfp4"),
         "a folded shared expert's score reads f32 activations, in the formats the GEMV by rows decodes; its gate, "
         "up and down those, or the kept experts' int8 tiles and an int8 down product",
     ),
@@ -467,17 +473,21 @@ CASES = [
 
 
 def test_the_int8_gemvs_epilogue_norms_any_width_and_format() -> None:
-    # its last program walks the row in chunks, and it takes formats the f32 GEMV has no body for (Q2_K)
+    # its last program walks the row in chunks, in every int8 GEMV format; under dequant the f32 GEMV by rows
+    # takes Q2_K a value at a time, and no GEMV a format it has no body for (MXFP4)
     g = graph()
     q2k = gne(4096, first=matmul(1, 4096, 4096, "q2k"))
     assert CudaShim(INT8).fits(gne(5120), g) is None and CudaShim(INT8).fits(q2k, g) is None
-    refused = CudaShim(CudaKnobs(activations=Activations.DEQUANT)).fits(q2k, g)
+    dequant = CudaShim(CudaKnobs(activations=Activations.DEQUANT))
+    assert dequant.fits(q2k, g) is None
+    refused = dequant.fits(gne(4096, first=matmul(1, 4096, 4096, "mxfp4")), g)
     assert refused is not None and refused.startswith("a projection norms in its last block the one row")
 
 
 def test_a_short_chunk_takes_products_in_parts_only_in_the_f32_gemvs_formats() -> None:
-    # a step's Q2_K products read int8 (the int8 GEMV in parts); a chunk's few rows read f32, which no GEMV
-    # decodes Q2_K from, so they multiply apart, on cuBLAS
+    # a step's Q2_K products read int8 (the int8 GEMV in parts), or under dequant f32 (the GEMV by rows, a value
+    # at a time); a chunk's few rows read f32, which the GEMV by rows decodes Q2_K from only for a step's one
+    # row, so they multiply apart, on cuBLAS
     def products(m: int, w: str) -> list[Op]:
         return [matmul(m, 512, 4096, w, out="q"), matmul(m, 512, 4096, w, out="k")]
 
@@ -485,7 +495,9 @@ def test_a_short_chunk_takes_products_in_parts_only_in_the_f32_gemvs_formats() -
     assert shim.gemv_in_parts(products(4, "q4k"), graph(4))
     assert not shim.gemv_in_parts(products(4, "q2k"), graph(4))
     assert shim.gemv_in_parts(products(1, "q2k"), graph())
-    assert not CudaShim(CudaKnobs(activations=Activations.DEQUANT)).gemv_in_parts(products(1, "q2k"), graph())
+    dequant = CudaShim(CudaKnobs(activations=Activations.DEQUANT))
+    assert dequant.gemv_in_parts(products(1, "q2k"), graph())
+    assert not dequant.gemv_in_parts(products(1, "mxfp4"), graph())
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -319,7 +319,8 @@ def test_the_fast_gemv_facts_are_the_kernels() -> None:
     from fuselane.lanes.cuda.triton.gemv import fast, fast_norm, formats
 
     assert set(fast.GROUPS) == kernels.FAST_GEMV_FORMATS
-    assert set(formats.SLOTS) == kernels.ROWS_GEMV_FORMATS
+    assert set(formats.SLOTS) == kernels.ROWS_GEMV_FORMATS | kernels.VALUE_GEMV_FORMATS
+    assert not kernels.ROWS_GEMV_FORMATS & kernels.VALUE_GEMV_FORMATS
     for fmt in kernels.FAST_GEMV_FORMATS:
         assert fast_norm.supports_fast_add_norm(fmt, 5120) and kernels.norm_walked_in_chunks(fmt, 1, 5120, 5120, False)
 

@@ -175,8 +175,8 @@ def _assert_within_the_budget(shape, name, mix):
 def test_the_fold_takes_a_shared_expert_whose_products_have_kernels(mix, int8):
     # the folded expert's gate and up read the mixture's input by rows or as the kept experts' int8 tiles, its
     # down its SwiGLU by rows or, after those tiles, as an int8 product: llama.cpp's Q2_K recipe gives
-    # Qwen1.5-MoE's shared down Q3_K and IQ4_XS's IQ4_XS, which only the int8 GEMV reads; under dequant
-    # activations those layers keep it apart
+    # Qwen1.5-MoE's shared down Q3_K and IQ4_XS's IQ4_XS, which the int8 GEMV reads at speed; under dequant
+    # activations the GEMV by rows reads them a value at a time, so every layer folds
     from fuselane.lanes.cuda.plan import kernels
 
     shape = replace(SHAPES["qwen1.5-moe-a2.7b"], n_layers=8)
@@ -184,7 +184,7 @@ def test_the_fold_takes_a_shared_expert_whose_products_have_kernels(mix, int8):
     tensors = {n: Stub(dims, formats[n]) for n, dims in tensor_shapes(shape).items()}
     cfg = config_of(model_metadata(shape, "qwen1.5-moe-a2.7b", 0) | {"general.architecture": shape.arch}, tensors)
     g = recognizer(cfg).recognize(cfg, tensors, Form.DECODE, ctx=4096)
-    rows = kernels.ROWS_GEMV_FORMATS
+    rows = kernels.ROWS_GEMV_FORMATS if int8 else kernels.ROWS_GEMV_FORMATS | kernels.VALUE_GEMV_FORMATS
 
     def readable(i: int) -> bool:
         at = f"blk.{i}.ffn_%s.weight"

@@ -211,13 +211,24 @@ def _gemv_norm_epilogue(shim: CudaShim, op: Op, members: Sequence[Op], g: Tensor
         )
     # every GEMV's last program walks a norm wider than its block holds in chunks, so any width is taken
     # the int8 GEMV's tail was measured slower than a launch; a product that reads f32 keeps its epilogue
+    # only a gated pair's down projection: a layer's attention output projection keeps its epilogue however
+    # long its rows (a query more than twice the hidden width), so the layer keeps its 7 launches
     mode = kernels.mode(shim.knobs.activations) if int8 else kernels.Mode.FLOAT
-    if shim.knobs.norm_launch and kernels.norm_in_own_launch(mode, p.k, p.n):
+    if shim.knobs.norm_launch and kernels.norm_in_own_launch(mode, p.k, p.n) and _reads_gated_pair(p.x, g):
         return (
-            "under int8 activations and norm_launch=on a projection longer than the norm is wide leaves its add "
-            "and norm to a launch of their own: the last block's serial tail costs more than a launch"
+            "under int8 activations and norm_launch=on a down projection longer than the norm is wide leaves its "
+            "add and norm to a launch of their own: the last block's serial tail costs more than a launch"
         )
     return None
+
+
+def _reads_gated_pair(x: str, g: TensorGraph) -> bool:
+    """Whether activation `x` is a gated pair's output, SiLU(gate) * up: what a down projection reads."""
+    made = {leaf.out: leaf for top in g.ops for leaf in leaves(top)}
+    mul = made.get(x)
+    if mul is None or not (isinstance(mul.sym, Elementwise) and mul.sym.op is ElementwiseOp.MUL):
+        return False
+    return any(isinstance(u.sym, Unary) and u.sym.op is UnaryOp.SILU for name in mul.ins if (u := made.get(name)))
 
 
 def _moe_deferred_finalize(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:

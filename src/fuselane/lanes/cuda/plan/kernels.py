@@ -772,7 +772,9 @@ def mla_splits(head_blocks: int, span: int, sms: int) -> int:
 # How many times longer than the norm is wide a product's rows must be for its add + norm to take a launch of
 # its own (`norm_in_own_launch`): a Qwen down projection's rows are 2.7-5.4 times the hidden width, an
 # attention output projection's at most twice (Qwen3-0.6B's 16 heads of 128 over 1024), so only the down
-# projection's norm leaves its epilogue and a layer takes one launch more.
+# projection's norm leaves its epilogue and a layer takes one launch more. The plan asks only of a gated pair's
+# down projection (`fits._gemv_norm_epilogue`): a query more than twice the hidden width keeps the attention
+# output's norm in its epilogue, or the layer would take 8 launches.
 NORM_OWN_LAUNCH_RATIO = 2
 
 
