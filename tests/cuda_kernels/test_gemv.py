@@ -219,6 +219,20 @@ def test_parts_in_one_launch(fmt: Format, m: int, monkeypatch: pytest.MonkeyPatc
         check(got, want + b, gamma(k + EPILOGUE_ROUNDINGS) * (scale + np.abs(b)))
 
 
+def test_parts_of_a_wide_and_a_narrow_product() -> None:
+    # a query wide enough for four rows a warp beside a key of one: the launch takes the narrow part's tile
+    rng = np.random.default_rng(44)
+    fmt, k, widths = Format.Q4_K, kernels.WIDE_K, (kernels.WIDE_N, 32)
+    assert kernels.rows_a_warp(fmt, widths[0], k, 1) != kernels.rows_a_warp(fmt, widths[1], k, 1)
+    x = _x(1, k, rng)
+    raws = [raw_weights(fmt, n, k, rng) for n in widths]
+    outs = [torch.empty((1, n), device=DEVICE) for n in widths]
+    gemv_parts(dev(x), [Part(dev(r), n, o) for r, n, o in zip(raws, widths, outs, strict=True)], fmt)
+    for raw, n, got in zip(raws, widths, outs, strict=True):
+        want, scale = _reference(x, raw, fmt, n, k)
+        check(got, want, gamma(k) * scale)
+
+
 def test_parts_take_at_most_gemm_parts() -> None:
     rng = np.random.default_rng(50)
     raw, x = dev(raw_weights(Format.Q8_0, 8, 64, rng)), dev(_x(1, 64, rng))

@@ -467,7 +467,7 @@ CASES = [
         lambda: fused(C.MERGED_QKV, matmul(1, 4096, 4096), matmul(1, 1024, 4096, out="k")),
         lambda: fused(C.MERGED_QKV, matmul(1, 4096, 4096), matmul(1, 1024, 4096, "q6k", out="k")),
         "products of one activation are one launch in parts: at most four, one format — on the tensor cores "
-        "whole 128-output tiles, in the GEMV one number of rows a warp",
+        "whole 128-output tiles",
     ),
 ]
 

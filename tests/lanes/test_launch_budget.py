@@ -81,13 +81,21 @@ def test_a_decode_step_takes_at_most_the_budget_a_layer(name: str, mix: Mix) -> 
 
 
 @settings(max_examples=SHAPE_EXAMPLES, deadline=None)
-@given(shape=qwen_like(), mix=st.sampled_from([m for m in Mix if m is not Mix.Q4_K_M_05B]))
-@example(shape=Shape("qwen2", 1024, LAYERS, 8, 1, 128, 2752, 1024), mix=Mix.Q5_0)
-def test_any_qwen_like_shape_keeps_the_budget(shape: Shape, mix: Mix) -> None:
+@given(
+    shape=qwen_like(),
+    mix=st.sampled_from([m for m in Mix if m is not Mix.Q4_K_M_05B]),
+    activations=st.sampled_from([Activations.INT8, Activations.DEQUANT]),
+)
+@example(shape=Shape("qwen2", 1024, LAYERS, 8, 1, 128, 2752, 1024), mix=Mix.Q5_0, activations=Activations.INT8)
+# a query past twice the hidden width: only the down projection's norm leaves its epilogue (8 before)
+@example(shape=Shape("qwen2", 640, LAYERS, 14, 2, 96, 1344, 1024), mix=Mix.Q8_0, activations=Activations.INT8)
+# heads of 48 under dequant: a wide query and a narrow key share the GEMV by rows' launch (8 before)
+@example(shape=Shape("qwen2", 1024, LAYERS, 12, 4, 48, 2048, 1024), mix=Mix.Q6_K, activations=Activations.DEQUANT)
+def test_any_qwen_like_shape_keeps_the_budget(shape: Shape, mix: Mix, activations: Activations) -> None:
     # whatever the widths: a narrow key and value beside a wide query (one key head of 128) share the QKV
     # launch, which the GEMV by rows' tiles of four rows a warp had kept apart
     g, _ = _decode_graph(shape, "qwen-like", mix)
-    plan = optimize(g, CudaShim(CudaKnobs()))
+    plan = optimize(g, CudaShim(CudaKnobs(activations=activations)))
     assert sorted(covered(plan)) == list(range(len(g.ops)))
     assert max(launches_per_layer(g, plan).values()) <= LAUNCH_BUDGET
 

@@ -431,7 +431,7 @@ def _merged_qkv(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -
         return "the lane has no GEMM in parts yet: a chunk's products of one activation run apart"
     return (
         "products of one activation are one launch in parts: at most four, one format — on the tensor cores "
-        "whole 128-output tiles, in the GEMV one number of rows a warp"
+        "whole 128-output tiles"
     )
 
 

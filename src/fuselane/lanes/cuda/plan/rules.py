@@ -67,7 +67,7 @@ NO_INT8_EPILOGUE = "the producer's kernel writes no int8 form here: a launch of 
 
 
 def gemv_parts(shim: CudaShim, r: Rewriter) -> None:
-    """A step's products of one activation's rows within one GEMV's (one format, one number of rows a warp,
+    """A step's products of one activation's rows within one GEMV's (one format, any widths,
     each into a buffer of its own or a table's rows its width wide, none quantizing its result) as one GEMV
     over their outputs side by side, at the first one's place: the short ones ride with the wide. Nothing
     between them may write the activation or what a later member reads, or touch what it writes."""

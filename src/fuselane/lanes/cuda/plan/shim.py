@@ -508,9 +508,9 @@ class CudaShim:
 
     def gemv_in_parts(self, members: Sequence[Op], g: TensorGraph) -> bool:
         """Whether every member of a GEMV in parts is one the GEMV takes together: at most four, one
-        activation, one format, and on the GEMV by rows of f32 activations one number of rows a warp (its
-        tile is the first part's; the int8 GEMV's tile is its format's, whatever the parts' widths, so a wide
-        query and a narrow key and value share a launch there)."""
+        activation, one format. Any widths: the int8 GEMV's and the fast GEMV's tiles are their format's, and
+        the GEMV by rows takes its narrowest part's tile (one row a warp where any part's is), so a wide query
+        and a narrow key and value share a launch."""
         products = [self.part_product(m, g) for m in members]
         if not products or any(p is None for p in products):
             return False
@@ -524,7 +524,6 @@ class CudaShim:
                 and self.gemv_takes(p, g)
                 and p.weights == first.weights
                 and (p.x, p.k, p.m) == (first.x, first.k, first.m)
-                and (self.reads_int8(first, g) or self.per_warp(p) == self.per_warp(first))
                 for p in products
                 if p is not None
             )

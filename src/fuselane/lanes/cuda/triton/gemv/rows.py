@@ -267,8 +267,8 @@ def gemv_parts(
 
     Each part is a `Part` (or a tuple in its order: w, n, out, bias|None, out_row|None): its `out` gets
     x @ W^T (+ bias), (m, n) or rows of a table at a position read on the device. `residual` (m, n0), if
-    given, is added to part 0 (it may be part 0's `out`). The tile shape is the first part's rows a warp
-    (the shim merges only parts that share it); any shape computes the same numbers.
+    given, is added to part 0 (it may be part 0's `out`). The tile shape is the narrowest part's (one row a
+    warp where any part's is: a narrow key beside a wide query); any shape computes the same numbers.
     """
     fmt = Format(fmt)
     parts = [Part(*p) for p in parts]
@@ -276,7 +276,7 @@ def gemv_parts(
         raise ValueError(f"a launch in parts takes 1..{kernels.GEMM_PARTS} parts, not {len(parts)}")
     k = x.shape[1]
     m = check_x(x, k)
-    block_n, warps = tile(fmt, parts[0].n, k, m)
+    block_n, warps = tile(fmt, min(p.n for p in parts), k, m)
     block_m, m_tiles = row_tiles(m)
     steps, units, split = plan(fmt, k, block_n, warps, block_m)
     entries: list[PartArgs] = []
