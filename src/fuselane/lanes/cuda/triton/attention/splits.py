@@ -95,32 +95,63 @@ def seam_counters(width: int, hd: int, heads_per_block: int) -> int:
 def _store_span_q8(out_ptr, oq_ptr, od_ptr, os_ptr, seam_ptr, start, SPAN: tl.constexpr, WIDTH: tl.constexpr):
     """The int8 form of the row's 32-value blocks that the SPAN values from `start`, which this block's threads
     have just stored, touch. A 32-value block the span holds whole is this block's to quantize; one it shares
-    with a neighbouring block's span (a seam) is the last sharer's: each sharer ticks the seam's counter after
-    its stores, and the one whose tick completes the count reads the block back, quantizes it and re-arms the
-    counter. The order is `park_partial`'s: the block's barrier, the counters' acq_rel atomics, a barrier, then
-    reads from L2 (.cg), past this SM's L1, where other SMs' stores are."""
+    with a neighbouring block's span (a seam: only the span's first and last blocks can be) is the last
+    sharer's: each sharer ticks the seam's counter after its stores, and the one whose tick completes the count
+    reads the block back, quantizes it and re-arms the counter. The order is `park_partial`'s: the block's
+    barrier, the counter's acq_rel atomic (a scalar's: one thread's, its result broadcast to the block), a
+    barrier, then reads from L2 (.cg), past this SM's L1, where other SMs' stores are."""
     tl.debug_barrier()
     BP: tl.constexpr = triton.next_power_of_2(triton.cdiv(SPAN, QB) + 1)  # the most blocks a span touches
     blk = start // QB + tl.arange(0, BP)
-    lo = blk * QB
-    live = (lo < start + SPAN) & (blk < WIDTH // QB)
+    live = (blk * QB < start + SPAN) & (blk < WIDTH // QB)
     if (SPAN // QB) * QB == SPAN:  # spans of whole blocks (two heads of 80): no seams, every block this one's
-        mine = live
+        _quantize_blocks(out_ptr, oq_ptr, od_ptr, os_ptr, blk, live)
     else:
-        # the spans [k * SPAN, (k + 1) * SPAN) that share a block: from its first value's to its last's
-        sharers = (tl.minimum(lo + QB, WIDTH) - 1) // SPAN - lo // SPAN + 1
-        seam = live & (sharers > 1)
-        ticks = tl.atomic_add(seam_ptr + blk, tl.full([BP], 1, tl.int32), mask=seam, sem="acq_rel", scope="gpu")
-        mine = live & ((sharers == 1) | (tl.where(seam, ticks, 0) == sharers - 1))
+        first, last = start // QB, (start + SPAN - 1) // QB
+        first_mine = _seam_tick(seam_ptr, first, SPAN, WIDTH)
+        last_mine = first_mine
+        if last != first:
+            last_mine = _seam_tick(seam_ptr, last, SPAN, WIDTH)
         tl.debug_barrier()
-    at = lo[:, None] + tl.arange(0, QB)[None, :]  # [BP, QB]
+        inner = (blk != first) & (blk != last)
+        mine = live & (inner | ((blk == first) & first_mine) | ((blk == last) & last_mine))
+        _quantize_blocks(out_ptr, oq_ptr, od_ptr, os_ptr, blk, mine)
+        # re-armed by the sharer that completed it, after its reads: the next launch (a replayed graph's) comes
+        # after this one's end in stream order
+        if first_mine & (_seam_sharers(first, SPAN, WIDTH) > 1):
+            tl.atomic_xchg(seam_ptr + first, 0, sem="relaxed", scope="gpu")
+        if (last != first) & last_mine & (_seam_sharers(last, SPAN, WIDTH) > 1):
+            tl.atomic_xchg(seam_ptr + last, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _quantize_blocks(out_ptr, oq_ptr, od_ptr, os_ptr, blk, mine):
+    """The int8 form of the row's 32-value blocks `blk` that `mine` masks, read from L2 (.cg)."""
+    at = blk[:, None] * QB + tl.arange(0, QB)[None, :]  # [BP, QB]
     v = tl.load(out_ptr + at, mask=mine[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
     codes, d, sums = quantize_block(v, QB)
     tl.store(oq_ptr + at, codes, mask=mine[:, None])
     tl.store(od_ptr + blk, d, mask=mine)
     tl.store(os_ptr + blk[:, None] * 2 + tl.arange(0, 2)[None, :], sums, mask=mine[:, None])
-    if (SPAN // QB) * QB != SPAN:
-        tl.atomic_xchg(seam_ptr + blk, tl.zeros([BP], tl.int32), mask=seam & mine, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _seam_sharers(b, SPAN: tl.constexpr, WIDTH: tl.constexpr):
+    """How many spans [k * SPAN, (k + 1) * SPAN) of the row share 32-value block b: from its first value's
+    span to its last's."""
+    lo = b * QB
+    return (tl.minimum(lo + QB, WIDTH) - 1) // SPAN - lo // SPAN + 1
+
+
+@triton.jit
+def _seam_tick(seam_ptr, b, SPAN: tl.constexpr, WIDTH: tl.constexpr):
+    """Whether this block quantizes 32-value block b: it is the only span's, or this block's tick on its
+    counter is the sharers' last."""
+    sharers = _seam_sharers(b, SPAN, WIDTH)
+    mine = sharers == 1
+    if sharers > 1:
+        mine = tl.atomic_add(seam_ptr + b, 1, sem="acq_rel", scope="gpu") == sharers - 1
+    return mine
 
 
 @triton.jit
