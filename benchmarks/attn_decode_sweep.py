@@ -7,7 +7,12 @@ A step reads a layer's cache once, cold (the layer's weights went through L2 sin
 read one of `COPIES` caches each in turn, together past the H200's 50 MB L2, so a launch's rows come from
 memory as in a step. Each line also gives the packed kernel's largest difference from the head-a-block one.
 
-Usage: python benchmarks/attn_decode_sweep.py [--spans 64 512 4096] [--shapes 7b 8b]   (on a GPU)
+With `--seams`, heads that are not whole 32-value blocks (48, 80 values) writing their int8 form: a head a
+block sharing its seams through counters (the plan's), two heads a block (whole blocks together, an even
+group), and a head a block without the int8 form followed by a `Quantize` launch (what an odd group took
+before the seams), each a launch (or two) replayed as above.
+
+Usage: python benchmarks/attn_decode_sweep.py [--spans 64 512 4096] [--shapes 7b 8b] [--seams]   (on a GPU)
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ SPLITS = [None, 16, 32]
 TILES = [64]
 WARPS = [None, 4, 8]
 STAGES = [2]
+# (name, heads, kv_heads, head dim): heads not whole 32-value blocks, in even groups so two heads a block are
+SEAM_HEADS = [("h80", 32, 8, 80), ("h48", 32, 8, 48)]
 COPIES = 12  # caches a graph cycles through: 12 x 8.4 MB at the 7B's 4,096 rows
 REPS = 24
 
@@ -58,21 +65,53 @@ def launches(case, pos, out, **kw):
     ]
 
 
+def _case(heads: int, kv: int, hd: int, cache: int):
+    kvs = [
+        (torch.randn(cache, kv * hd, device="cuda").half(), torch.randn(cache, kv * hd, device="cuda").half())
+        for _ in range(COPIES)
+    ]
+    scratches = [A.decode_scratch(heads, hd, cache, "cuda") for _ in range(COPIES)]
+    return (heads, kv, hd, torch.randn(1, heads * hd, device="cuda"), kvs, scratches)
+
+
+def _then_quantize(call, out, q8) -> None:
+    from fuselane.lanes.cuda.triton import quant
+
+    call()
+    quant.quantize(out, q8)
+
+
+def seams(spans: list[int]) -> None:
+    """A head a block with its seams' counters, two heads a block, and a head a block then a `Quantize`."""
+    from fuselane.lanes.cuda.triton import quant
+
+    cache = max(spans)
+    for name, heads, kv, hd in SEAM_HEADS:
+        case = _case(heads, kv, hd, cache)
+        out, q8 = torch.empty(1, heads * hd, device="cuda"), quant.empty_q8(1, heads * hd, "cuda")
+        for span in spans:
+            pos = torch.tensor([span - 1], dtype=torch.int32, device="cuda")
+            one = timed(launches(case, pos, out, out_q8=q8, heads_per_block=1))
+            two = timed(launches(case, pos, out, out_q8=q8, heads_per_block=2))
+            apart = [functools.partial(_then_quantize, c, out, q8) for c in launches(case, pos, out, heads_per_block=1)]
+            print(f"{name:4} span {span:5} us: seams {one * 1e6:5.1f}  two heads a block {two * 1e6:5.1f}  "
+                  f"then a Quantize {timed(apart) * 1e6:5.1f}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--spans", type=int, nargs="+", default=SPANS)
     ap.add_argument("--shapes", nargs="+", default=[h[0] for h in HEADS], choices=[h[0] for h in HEADS])
+    ap.add_argument("--seams", action="store_true", help="heads of 48 and 80 values writing their int8 form")
     args = ap.parse_args()
+    if args.seams:
+        seams(args.spans)
+        return
     cache = max(args.spans)
     for name, heads, kv, hd in HEADS:
         if name not in args.shapes:
             continue
-        kvs = [
-            (torch.randn(cache, kv * hd, device="cuda").half(), torch.randn(cache, kv * hd, device="cuda").half())
-            for _ in range(COPIES)
-        ]
-        scratches = [A.decode_scratch(heads, hd, cache, "cuda") for _ in range(COPIES)]
-        case = (heads, kv, hd, torch.randn(1, heads * hd, device="cuda"), kvs, scratches)
+        case = _case(heads, kv, hd, cache)
         outs = [torch.empty(1, heads * hd, device="cuda") for _ in range(2)]
         for span in args.spans:
             pos = torch.tensor([span - 1], dtype=torch.int32, device="cuda")
