@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from fuselane.explain import build_plan, launches_per_layer, model_source
@@ -20,6 +20,7 @@ from fuselane.fuse.views import class_of
 from fuselane.gguf.synth import SHAPES, Mix, model_metadata, tensor_formats, tensor_shapes
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form, QuantFormat
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
 from fuselane.lanes.cuda.plan.shim import MOE_CLASSES, QUANT_EPILOGUES, CudaShim
 from fuselane.models import config_of, recognizer
@@ -145,8 +146,9 @@ def _mixture_like(draw):
     norm wider than it holds in chunks), the experts' number, kept experts and width, and a qwen2moe's shared
     expert's."""
     base = SHAPES[draw(st.sampled_from(["qwen3-30b-a3b", "qwen1.5-moe-a2.7b"]))]
-    hd, kv = draw(st.sampled_from([64, 128])), draw(st.sampled_from([1, 2, 4, 8]))
-    heads = kv * draw(st.sampled_from([1, 2, 4, 8, 16]))  # 16: Qwen3-235B-A22B's 64 query heads over 4
+    hd, kv = draw(st.sampled_from([48, 64, 80, 96, 128, 256])), draw(st.sampled_from([1, 2, 4, 8]))
+    heads = kv * draw(st.sampled_from([1, 2, 3, 4, 5, 8, 16]))  # 16: Qwen3-235B-A22B's 64 query heads over 4
+    assume(heads * hd % kernels.QBLOCK == 0)  # a quantized file's rows are whole blocks
     units = draw(st.integers(max(8, heads * hd // 128), min(MOST_UNITS, max(8, heads * hd // 32))))  # 64 values
     experts = draw(st.sampled_from([8, 16, 60, 64, 128]))
     shared = 64 * draw(st.integers(4, 90)) if base.shared_ff else 0
