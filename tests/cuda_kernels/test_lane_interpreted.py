@@ -237,9 +237,9 @@ def test_a_yarn_model_runs_as_the_cpu_lane(tmp_path, shape):
 @pytest.mark.parametrize("heads", [4, 6], ids=["group-of-2", "group-of-3"])
 def test_heads_of_no_power_of_two_run_as_the_cpu_lane(tmp_path, heads):
     # heads of 48 values: the prefill attention pads a head to a power of two in its tile, the decode's
-    # too; a head is no whole 32-value blocks, so a decode block writes the blocks it holds whole and the
-    # later of two blocks the one they share (AttnOutputQuant), in an even group or an odd one; a chunk's
-    # attention leaves its int8 form to a Quantize launch
+    # too; a head is no whole 32-value blocks, so a decode block of an even group takes two heads (three
+    # blocks) and one of an odd group one head, writing the blocks it holds whole, the later of two blocks the
+    # one they share (AttnOutputQuant); a chunk's attention leaves its int8 form to a Quantize launch
     from fuselane.fuse.views import class_of
     from fuselane.gguf.synth import Shape
     from fuselane.graph.classes import ClassId as C

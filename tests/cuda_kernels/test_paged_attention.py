@@ -84,32 +84,35 @@ def test_paged_decode_matches_cpu(hd, cache_dtype):
         within(host(out)[i : i + 1], want, bound, f"row {i}")
 
 
-@pytest.mark.parametrize("hd", [32, 48, 80])  # 48, 80: a 32-value block two programs share, quantized by the later
+# heads of 48 and 80 in a group of two: two heads a program, whole 32-value blocks together; in a group of three:
+# a head a program, a 32-value block two programs share (a seam) quantized by the later
+@pytest.mark.parametrize("hd, heads", [(32, HEADS), (48, HEADS), (80, HEADS), (48, 3 * KV), (80, 3 * KV)])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_paged_decode_writes_int8_form(hd, splits):
+def test_paged_decode_writes_int8_form(hd, heads, splits):
     """With `out_q8` each row's output is also written as int8 activations, `quant.quantize_reference`'s bit for
     bit, from one split's store and from the merge's; a launch leaves its seam counters at zero, so a second
     gives the same."""
     rng = np.random.default_rng(5 + hd)
     rows = len(LENS)
     k_pool, v_pool = f32(rng, POOL_BLOCKS * BLOCK, KV * hd), f32(rng, POOL_BLOCKS * BLOCK, KV * hd)
-    out = torch.zeros(rows, HEADS * hd, device=q_device())
-    q8 = quant.empty_q8(rows, HEADS * hd, q_device())
+    out = torch.zeros(rows, heads * hd, device=q_device())
+    q8 = quant.empty_q8(rows, heads * hd, q_device())
     lens = torch.tensor(LENS, dtype=torch.int32, device=q_device())
-    shape = dict(heads=HEADS, kv_heads=KV, hd=hd, scale=0.25, block_size=BLOCK, out_q8=q8)
+    shape = dict(heads=heads, kv_heads=KV, hd=hd, scale=0.25, block_size=BLOCK, out_q8=q8)
     if splits > 1:
         shape |= dict(SPLIT_SHAPE, splits=splits)
-    plan = paged.paged_plan(rows, HEADS, KV, 5 * BLOCK, sms=1, splits=splits)
-    need = paged.paged_scratch_size(plan, rows, HEADS, hd, quantized=True)
-    assert bool(need) == (splits > 1 or hd % 32 != 0)
+    plan = paged.paged_plan(rows, heads, KV, 5 * BLOCK, sms=1, splits=splits, hd=hd)
+    assert (plan.heads_per_block == 1) is (hd % 32 == 0 or heads // KV == 3)
+    need = paged.paged_scratch_size(plan, rows, heads, hd, quantized=True)
+    assert bool(need) == (splits > 1 or plan.heads_per_block * hd % 32 != 0)
     scratch = torch.zeros(max(1, need), device=q_device())
-    q, tables = dev(f32(rng, rows, HEADS * hd)), _padded(_tables(rng), 5)
+    q, tables = dev(f32(rng, rows, heads * hd)), _padded(_tables(rng), 5)
     for _ in range(2):
         paged.paged_decode(q, dev(k_pool), dev(v_pool), tables, lens, out, scratch=scratch, **shape)
         codes, d, s = quant.quantize_reference(out.cpu().numpy())
         assert np.array_equal(q8.q.cpu().numpy(), codes)
         assert np.array_equal(q8.d.cpu().numpy(), d) and np.array_equal(q8.s.cpu().numpy(), s)
-        counters = scratch[rows * HEADS * plan.splits * (hd + 2) : need].view(torch.int32)
+        counters = scratch[rows * heads * plan.splits * (hd + 2) : need].view(torch.int32)
         assert not host(counters).any(), "a launch left a counter armed"
 
 
@@ -178,7 +181,7 @@ def test_paged_decode_merged_rows_write_int8_form(hd):
     lens = SPLIT_LENS[0]
     rows, width = len(lens), 16
     k_pool, v_pool = f32(rng, SPLIT_POOL * BLOCK, KV * hd), f32(rng, SPLIT_POOL * BLOCK, KV * hd)
-    plan = paged.paged_plan(rows, HEADS, KV, width * BLOCK, sms=1, splits=4)
+    plan = paged.paged_plan(rows, HEADS, KV, width * BLOCK, sms=1, splits=4, hd=hd)
     scratch = torch.zeros(paged.paged_scratch_size(plan, rows, HEADS, hd, quantized=True), device=q_device())
     out = torch.zeros(rows, HEADS * hd, device=q_device())
     q8 = quant.empty_q8(rows, HEADS * hd, q_device())

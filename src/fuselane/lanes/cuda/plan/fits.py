@@ -350,7 +350,8 @@ def _attn_output_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorG
     # The decode step's attention stores its output a pair a thread, each 32-value group in one half-warp's
     # sixteen lanes; a chunk's (`attention/prefill.py`) quantizes each tile row's head in its epilogue: both
     # take heads of whole 32-value groups. A step's (or a batch's) heads of no power of two that are not
-    # whole groups (48, 80) are read back where stored, each group shared by two blocks by the later of them
+    # whole groups (48, 80) run two heads a block in an even group (`kernels.attn_heads_a_block`), and in an
+    # odd one are read back where stored, each group two blocks share by the later of them
     # (`attention.splits.seam_counters`): the row must be whole groups.
     a = _attention(members[0])
     if a is not None and a.value_width % kernels.QBLOCK == 0:

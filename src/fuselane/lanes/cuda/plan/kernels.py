@@ -721,10 +721,21 @@ def accumulator(m: Mode) -> Accumulator:
     return Accumulator(ACCUMULATOR_BYTES, ACCUMULATOR_BITS)
 
 
-def attn_heads_a_block(group: int) -> int:
+def attn_heads_a_block(group: int, hd: int = 0) -> int:
     """Query heads of one key/value group a decode attention block takes: the most, up to
-    `ATTN_HEADS_A_BLOCK_MOST`, that divide the group (a warp a head; the tile is read once for them all)."""
-    return max(h for h in range(1, min(group, ATTN_HEADS_A_BLOCK_MOST) + 1) if group % h == 0)
+    `ATTN_HEADS_A_BLOCK_MOST`, that divide the group (a warp a head; the tile is read once for them all). Heads of
+    `hd` values that are not whole 32-value blocks (48, 80) take the fewest more that divide the group and are
+    whole blocks together (two heads of 80: five), so the block writes its output's int8 form alone; the most
+    where none are (an odd group: its blocks share their seams, `attention.splits.seam_counters`).
+
+    Measured (H200, `benchmarks/attn_decode_sweep.py --seams`, 32 query heads over 8, µs a launch at spans 64 /
+    1,024 / 4,096): heads of 80, a head a block with seams 6.5 / 10.1 / 39.7, two heads a block 5.9 / 10.0 /
+    26.7; heads of 48, 5.3 / 7.0 / 13.6 against 5.5 / 7.4 / 13.9. The seams cost nothing measurable (a head a
+    block then a `Quantize` launch: 6.0 / 10.1 / 39.6 and 5.4 / 7.0 / 13.9)."""
+    most = max(h for h in range(1, min(group, ATTN_HEADS_A_BLOCK_MOST) + 1) if group % h == 0)
+    if not hd or attn_block_whole_blocks(hd, most):
+        return most
+    return next((h for h in range(most, group + 1) if group % h == 0 and attn_block_whole_blocks(hd, h)), most)
 
 
 def attn_block_whole_blocks(hd: int, heads_per_block: int) -> bool:

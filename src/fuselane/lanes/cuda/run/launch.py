@@ -270,7 +270,7 @@ def _paged_attention(op: Op, b: Bound, spec: Attention, out_q8: Any) -> Launch:
     k_pool, v_pool = p.pools[k_name], p.pools[v_name]
     shape = dict(heads=spec.heads, kv_heads=spec.kv_heads, hd=spec.hd, scale=spec.scale, block_size=p.block_size)
     span = p.tables.shape[1] * p.block_size
-    plan = attention_paged.paged_plan(rows, spec.heads, spec.kv_heads, span, sms=b.sms)
+    plan = attention_paged.paged_plan(rows, spec.heads, spec.kv_heads, span, sms=b.sms, hd=spec.hd)
     need = attention_paged.paged_scratch_size(plan, rows, spec.heads, spec.hd, quantized=out_q8 is not None)
     # one scratch for every layer's attention of a size: the launches run in turn, each leaving its counters at 0
     scratch = b.scratch.setdefault(f"paged {need}", q.new_zeros(need)) if need else None

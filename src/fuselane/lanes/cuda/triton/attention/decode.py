@@ -74,7 +74,7 @@ def decode_plan(
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not share {kv_heads} key/value heads evenly")
     group = heads // kv_heads
-    per_block = kernels.attn_heads_a_block(group) if heads_per_block is None else heads_per_block
+    per_block = kernels.attn_heads_a_block(group, hd) if heads_per_block is None else heads_per_block
     if per_block < 1 or group % per_block:
         raise ValueError(f"a block takes a divisor of the group's {group} heads, not {per_block}")
     blocks = heads // per_block

@@ -94,7 +94,8 @@ class PagedPlan(NamedTuple):
     splits: int
 
 
-def paged_plan(rows: int, heads: int, kv_heads: int, span: int, *, sms: int, splits: int | None = None) -> PagedPlan:
+def paged_plan(rows: int, heads: int, kv_heads: int, span: int, *, sms: int, splits: int | None = None,
+               hd: int = 0) -> PagedPlan:  # fmt: skip
     """The launch of a paged decode attention of `rows` rows over spans of at most `span` cache rows (the tables'
     width in rows) on a chip of `sms` SMs: `kernels.attn_heads_a_block` heads of a group a program, as the one-row
     decode; its span cut in `kernels.attn_splits` of the batch's head blocks where `shim.chunks_apart` says the
@@ -102,7 +103,7 @@ def paged_plan(rows: int, heads: int, kv_heads: int, span: int, *, sms: int, spl
     are device values, and a captured graph replays one launch for any of them."""
     if heads % kv_heads:
         raise ValueError(f"paged_decode: {heads} query heads do not share {kv_heads} key/value heads evenly")
-    per_block = kernels.attn_heads_a_block(heads // kv_heads)
+    per_block = kernels.attn_heads_a_block(heads // kv_heads, hd)
     blocks = heads // per_block
     if splits is None:
         splits = kernels.attn_splits(rows * blocks, span, sms)
@@ -270,7 +271,7 @@ def paged_decode(
     rows = q.shape[0] if q.dim() == 2 else 1
     if tables.dtype != torch.int32 or lens.dtype != torch.int32 or tables.shape[0] < rows or lens.numel() < rows:
         raise ValueError("paged_decode: int32 tables (rows, width) and lengths (rows)")
-    plan = paged_plan(rows, heads, kv_heads, tables.shape[1] * block_size, sms=sms, splits=splits)
+    plan = paged_plan(rows, heads, kv_heads, tables.shape[1] * block_size, sms=sms, splits=splits, hd=hd)
     if out_q8 is not None and heads * hd % QK:
         raise ValueError(f"paged_decode writes the int8 form of rows of whole {QK}-value blocks, not {heads} x {hd}")
     acc, top, total, count, seams = _partials(plan, rows, heads, hd, scratch, out, out_q8 is not None)
