@@ -101,8 +101,7 @@ def test_products(fmt: Format) -> None:
 # k and a small tile (4 rows, one warp, one (row, group) a thread) that walk each row in several chunks, the
 # last partial where the format's units allow
 CHUNKED_K = {f: 1024 for f in SUPER} | {f: 800 for f in BLOCKS} | {f: 768 for f in NEWER if f in SUPER}
-CHUNKED_K[Format.Q2_K] = 1792  # four groups a unit: two units a chunk, 3.5 chunks
-CHUNKED_K[Format.Q3_K] = 3328  # two groups a unit: four units a chunk, 3.25 chunks
+CHUNKED_K |= {f: 1792 for f in (Format.Q3_K, Format.Q2_K)}  # four groups a unit: two units a chunk, 3.5 chunks
 SMALL_TILE = {"block_n": 4, "warps": 1, "per_thread": 1}
 # the newer formats at the default depth and a program and a bit of rows (the loop at depth 1 is the same
 # code for every format, and runs the first four)

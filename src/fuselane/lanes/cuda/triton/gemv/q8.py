@@ -100,9 +100,6 @@ K_PAIRS_C = const({int(f): f in {Format.Q4_K} | q8_bodies.K_PAIR_FORMATS for f i
 # formats whose group r of (four) meets values 128 (r // 2) + 16 (r % 2) + 32 j + 0..15, j = 0..3 (`q8_bodies`)
 K_QUADS_C = const({int(f): f in q8_bodies.K_QUAD_FORMATS for f in Format})
 QUAD_GROUPS = q8_bodies.QUAD
-# formats whose group t of (two) meets values 128 n + 16 t + 32 j + 0..15, n = 0..1, j = 0..3 (`q8_bodies`)
-K_SPANS_C = const({int(f): f in q8_bodies.K_SPAN_FORMATS for f in Format})
-SPAN_GROUPS = q8_bodies.SPAN
 NEW_BODIES_C = const({int(f): f in q8_bodies.FORMATS for f in Format})  # the formats of `q8_bodies`
 # Chunks of weights a program has in flight while it sums one (1 or 2). Two chunks: 0.6B 0.912 -> 0.826 ms,
 # 0.5B 0.621 -> 0.597 ms a step, where a row is a few chunks; no change on the 8B (2.868 / 2.866 ms), whose
@@ -183,11 +180,10 @@ def _run_of(xq, xd, xs, first, BLOCK_N: tl.constexpr, live):
 
 @triton.jit
 def _quad_runs_of(xq, xd, xs, first, BLOCK_N: tl.constexpr, live):
-    """The four runs a Q2_K group (or a half of a Q3_K group) meets (values `first` + 32 j, j = 0..3, `first`
-    run t = (first // 16) % 2 of its block) as four `_run_of`s: each run's words (`ld4`), but the four blocks'
-    scales in one 128-bit load and their sums in two (sum 2 j + t of the eight from the first block's), where
-    four runs of `_run_of` take eight 32-bit loads. Where not live they are read at value 0; the caller drops
-    those groups' sums."""
+    """The four runs a Q3_K / Q2_K group meets (values `first` + 32 j, j = 0..3, `first` run t = (first // 16)
+    % 2 of its block) as four `_run_of`s: each run's words (`ld4`), but the four blocks' scales in one 128-bit
+    load and their sums in two (sum 2 j + t of the eight from the first block's), where four runs of `_run_of`
+    take eight 32-bit loads. Where not live they are read at value 0; the caller drops those groups' sums."""
     at = tl.where(live, first, 0) + tl.zeros([BLOCK_N, 1], tl.int32)
     q = xq.to(tl.pointer_type(tl.int32)) + at // WORD_VALUES
     d0, d1, d2, d3 = ld4(xd.to(tl.pointer_type(tl.int32)) + at // QK_C, False)
@@ -236,9 +232,6 @@ def _first_values(u0, FMT: tl.constexpr, CHUNK: tl.constexpr):
         g = tl.arange(0, CHUNK * QUAD_GROUPS)
         r = g % QUAD_GROUPS
         first = (g // QUAD_GROUPS + u0) * QK_K_C + (r // PAIR_RUNS) * (4 * QK_C) + (r % PAIR_RUNS) * HALF_QK_C
-    elif K_SPANS_C[FMT]:  # group g: run t = g % 2 of its unit's first 32 values (and of each 32 after)
-        g = tl.arange(0, CHUNK * SPAN_GROUPS)
-        first = (g // SPAN_GROUPS + u0) * QK_K_C + (g % SPAN_GROUPS) * HALF_QK_C
     elif FMT == FMT_Q6_K:  # group g: ql run r of half h
         unit, half, r = q6_k_runs(u0, CHUNK)
         first = unit * QK_K_C + half * (4 * QK_C) + r * HALF_QK_C
@@ -251,16 +244,13 @@ def _first_values(u0, FMT: tl.constexpr, CHUNK: tl.constexpr):
 def chunk_acts(xq, xd, xs, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     """The activations the chunk at unit u0 meets, as a tuple `_chunk_sum` takes: each group's low run and
     the run its other codes meet (Q4_K's high nibbles 32 on, Q6_K's 64 on, Q8_0's and Q5_0's 16 on), or the
-    four runs a Q2_K group's crumbs meet (32 apart), or the eight a Q3_K group's meet (four in each half)."""
+    four runs a Q3_K / Q2_K group's crumbs meet (32 apart)."""
     live = _live(u0, FMT, N_UNITS, CHUNK)
     first = _first_values(u0, FMT, CHUNK)
     if K_PAIRS_C[FMT]:
         return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + QK_C, BLOCK_N, live)
     elif K_QUADS_C[FMT]:  # a run of each of the four 32-value blocks of a half
         return _quad_runs_of(xq, xd, xs, first, BLOCK_N, live)
-    elif K_SPANS_C[FMT]:  # ... of each half
-        low = _quad_runs_of(xq, xd, xs, first, BLOCK_N, live)
-        return low + _quad_runs_of(xq, xd, xs, first + 4 * QK_C, BLOCK_N, live)
     elif FMT == FMT_Q6_K:
         return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + 2 * QK_C, BLOCK_N, live)
     elif NEW_BODIES_C[FMT]:  # a block's two halves, held apart

@@ -9,15 +9,11 @@ run (or two):
 - Q5_K (32-value sub-blocks in nibble pairs, as Q4_K): eight groups a super-block; group r meets values
   64 (r // 2) + 16 (r % 2) + 0..15 ("lo") and the 16 from 32 on ("hi"), Q4_K's activation pattern: a 16-byte
   run of qs and the 16 qh bytes of its fifth bits.
-- Q2_K (16-value sub-blocks in crumbs): four groups a super-block; group r is the 16-byte qs run 32 n + 16 t
-  (half n = r // 2, t = r % 2) whole, its crumb j run j (values 128 n + 32 j + 16 t + 0..15). A group of one
-  crumb pair (eight a super-block) loaded each qs byte twice.
-- Q3_K (as Q2_K, and a third bit a value in hmask): two groups a super-block; group t takes both halves' qs
-  runs 32 n + 16 t (n = 0, 1), the hmask run 16 t of their third bits (bit 4 n + j) and the six scale bytes
-  both halves share (low nibble n, top crumb 2 n + j // 2): 22 loads a group of 128 values, where a group of a
-  half's run (four a super-block) loaded the hmask run and the scale bytes twice (34 loads), and its half's
-  shifts are constants. A group of one crumb pair (eight a super-block) loaded its hmask bytes four times (the
-  7B in Q3_K_M: 386.8 -> 422.1 tok/s decoding, with its GLU's tile).
+- Q3_K and Q2_K (16-value sub-blocks in crumbs): four groups a super-block; group r is the 16-byte qs run
+  32 n + 16 t (half n = r // 2, t = r % 2) whole, its crumb j run j (values 128 n + 32 j + 16 t + 0..15),
+  and for Q3_K the hmask run 16 t of their third bits (bit 4 n + j). A group of one crumb pair (eight a
+  super-block) loaded each qs byte twice and Q3_K's hmask bytes four times (the 7B in Q3_K_M: 386.8 -> 422.1
+  tok/s decoding, with its GLU's tile).
 - the 32-value formats (Q4_0, Q4_1, Q5_1, IQ4_NL) and IQ4_XS's 32-value sub-blocks: a group a block, lo its
   low nibbles (values 0-15), hi its high ones (16-31).
 Every group's codes are words held in the thread (`int8_words.ld4` where a run is 16-byte aligned: Q5_K's
@@ -55,7 +51,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     FMT_Q4_1,
     FMT_Q5_1,
     FMT_Q5_K,
-    HALF_QS,
     HALF_WORD_BITS,
     IQ4_NL_BYTES,
     IQ4_NL_D,
@@ -119,12 +114,11 @@ PICK_LOW3 = const(0x77777777)  # each code's byte in its half of the table
 TABLE_HALF = const(0x44444444)  # bit 3 of each code moved to bit 2: the second word's byte (the table's 8-15)
 IN_ORDER = const(0x32103210)  # bytes 0-3 in order, for each 16-bit half of a selector
 EVEN_BYTES, ODD_BYTES = const(0x6420), const(0x7531)  # the low nibbles' values, the high nibbles'
-QUAD = const(4)  # Q2_K: groups a super-block, each four runs of 16
-SPAN = const(2)  # Q3_K: groups a super-block, each four runs of 16 in each half
+QUAD = const(4)  # Q3_K / Q2_K: groups a super-block, each four runs of 16
 
 # Groups a unit (a block or super-block), and values a unit, of each format here
 GROUPS = {
-    Format.Q5_K: K_RUNS.value, Format.Q3_K: SPAN.value, Format.Q2_K: QUAD.value, Format.IQ4_XS: QK_K // QK,
+    Format.Q5_K: K_RUNS.value, Format.Q3_K: QUAD.value, Format.Q2_K: QUAD.value, Format.IQ4_XS: QK_K // QK,
     Format.Q4_0: 1, Format.Q4_1: 1, Format.Q5_1: 1, Format.IQ4_NL: 1,
 }  # fmt: skip
 UNIT_VALUES = {f: QK_K if f in (Format.Q5_K, Format.Q3_K, Format.Q2_K, Format.IQ4_XS) else QK for f in GROUPS}
@@ -133,9 +127,7 @@ FORMATS = frozenset(GROUPS)
 K_PAIR_FORMATS = frozenset({Format.Q5_K})
 # formats whose group r (of four) meets the runs 128 (r // 2) + 16 (r % 2) + 32 j, j = 0..3: a 16-byte run of
 # crumbs, whole
-K_QUAD_FORMATS = frozenset({Format.Q2_K})
-# formats whose group t (of two) meets the runs 128 n + 16 t + 32 j, n = 0..1, j = 0..3: a crumb run of each half
-K_SPAN_FORMATS = frozenset({Format.Q3_K})
+K_QUAD_FORMATS = frozenset({Format.Q3_K, Format.Q2_K})
 # the alignment each format's loads need of its rows' start: Q5_K's 128-bit loads (`ld4`), IQ4_XS's 64-bit
 # ones (`ld2`), the 32-bit words of Q4_1's, Q5_1's and Q2_K's runs (`ld_words`) and of Q5_1's qh and Q2_K's
 # header and scales
@@ -198,15 +190,14 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
         blk = w_rows[:, None] + (unit * IQ4_XS_BYTES)[None, :]
         run = blk + r * RUN_BYTES + IQ4_XS_QS
         return ld2(blk + IQ4_XS_D) + ld2(run, PINNED) + ld2(run + 8, PINNED)
-    elif FMT == FMT_Q3_K:  # d, the four sub-blocks' scale bytes of run t (low nibbles, then top crumbs), both
-        # halves' qs runs t and the hmask run t
+    elif FMT == FMT_Q3_K:  # d, its four sub-blocks' scale bytes (low nibbles, then top crumbs), qs and hmask runs
         blk = w_rows[:, None] + (unit * Q3_K_BYTES)[None, :]
-        sc = blk + Q3_K_SCALES + r
+        t = r % 2
+        sc = blk + Q3_K_SCALES + t
         hi = sc + Q3_LOW_SCALES
         scales = _byte(sc), _byte(sc + 2), _byte(sc + 4), _byte(sc + 6), _byte(hi), _byte(hi + HIGH_SCALE_STEP)
-        run = blk + r * RUN_BYTES
-        qs = ld_run(run + Q3_K_QS, PINNED) + ld_run(run + HALF_QS + Q3_K_QS, PINNED)
-        return (_half(blk + Q3_K_D),) + scales + qs + ld_run(run + Q3_K_HMASK, PINNED)
+        qs = ld_run(blk + r * RUN_BYTES + Q3_K_QS, PINNED)
+        return (_half(blk + Q3_K_D),) + scales + qs + ld_run(blk + t * RUN_BYTES + Q3_K_HMASK, PINNED)
     else:
         tl.static_assert(FMT == FMT_Q2_K, "no int8 GEMV body for this format")
         blk = w_rows[:, None] + (unit * Q2_K_BYTES)[None, :]
@@ -377,38 +368,31 @@ def _crumb_sum(q, a0, a1, a2, a3, J: tl.constexpr, MASK: tl.constexpr):
 
 
 @triton.jit
-def _q3_run(q, m, a0, a1, a2, a3, da, s, low, high, N: tl.constexpr, J: tl.constexpr, MASK: tl.constexpr):
-    """Q3_K: run J of half N of a group, times its scale - 32: the codes crumb J of the half's qs bytes (`q`),
-    + 4 where bit 4N + J of the group's hmask bytes (`m`) is set (the bits summed apart, masked in place), - 4
-    (from the run's sum s); the scale's low 4 bits nibble N of `low`, its top 2 bits crumb 2N + J // 2 of
-    `high`."""
+def _q3_run(q, m, a0, a1, a2, a3, da, s, low, high, n, hbits, J: tl.constexpr, MASK: tl.constexpr):
+    """Q3_K: run J of a group of half n, times its scale - 32: the codes crumb J of its qs bytes, + 4 where
+    bit 4n + J of its hmask bytes is set (the bits summed apart, masked in place), - 4 (from the run's sum
+    s); the scale's low 4 bits nibble n of `low`, its top 2 bits crumb 2n + J // 2 of `high`."""
     m0, m1, m2, m3 = m
-    BIT: tl.constexpr = N * WORD_VALUES + J
-    hb = (tl.zeros_like(m0) + LOW_BITS) << BIT  # a tensor: bit 7 of each byte is past an int32 constant
+    hb = hbits << J
     h = dot16_of(m0 & hb, m1 & hb, m2 & hb, m3 & hb, a0, a1, a2, a3, False)
-    dot = _crumb_sum(q, a0, a1, a2, a3, J, MASK) + ((h >> BIT) << HBIT_SHIFT)
-    six = ((low >> N * NIBBLE_BITS) & NIBBLE) | (((high >> (N * 2 + J // 2) * CRUMB_BITS) & CRUMB) << NIBBLE_BITS)
+    dot = _crumb_sum(q, a0, a1, a2, a3, J, MASK) + ((h >> (n * WORD_VALUES + J)) << HBIT_SHIFT)
+    six = ((low >> n * NIBBLE_BITS) & NIBBLE) | (((high >> (n * 2 + J // 2) * CRUMB_BITS) & CRUMB) << NIBBLE_BITS)
     return (six - SIGNED_SCALE).to(tl.float32) * (dot.to(tl.float32) * da - s * Q3_BIAS)
 
 
 @triton.jit
-def _q3_half(q, m, a, l0, l1, l2, l3, h0, h1, N: tl.constexpr):
-    """Q3_K: the four runs of half N of a group (`a`: their 24 activation fields, as `q8._quad_runs_of`)."""
-    y = _q3_run(q, m, a[0], a[1], a[2], a[3], a[4], a[5], l0, h0, N, 0, CRUMB_0)
-    y += _q3_run(q, m, a[6], a[7], a[8], a[9], a[10], a[11], l1, h1, N, 1, CRUMB_1)
-    y += _q3_run(q, m, a[12], a[13], a[14], a[15], a[16], a[17], l2, h0, N, 2, CRUMB_2)
-    return y + _q3_run(q, m, a[18], a[19], a[20], a[21], a[22], a[23], l3, h1, N, 3, CRUMB_3)
-
-
-@triton.jit
-def _q3_k(raw, acts):
-    """Q3_K: value = d * (scale - 32) * (code - 4) in 16-value sub-blocks. Group t: in half n, its qs bytes
-    32n + 16t + 0..15 whose crumb j is run j (values 128n + 32j + 16t + 0..15, sub-block 8n + 2j + t), the
-    hmask bytes 16t + 0..15 their third bits (bit 4n + j); `acts` half 0's four runs, then half 1's."""
-    d, l0, l1, l2, l3, h0, h1, q0, q1, q2, q3, p0, p1, p2, p3, m0, m1, m2, m3 = raw
-    m = (m0, m1, m2, m3)
-    y = _q3_half((q0, q1, q2, q3), m, acts[:24], l0, l1, l2, l3, h0, h1, 0)
-    y += _q3_half((p0, p1, p2, p3), m, acts[24:], l0, l1, l2, l3, h0, h1, 1)
+def _q3_k(raw, acts, CHUNK: tl.constexpr):
+    """Q3_K: value = d * (scale - 32) * (code - 4) in 16-value sub-blocks. Group r: half n = r // 2, its qs
+    bytes 32n + 16 (r % 2) + 0..15 whose crumb j is run j (values 128n + 32j + 16 (r % 2) + 0..15, sub-block
+    8n + 2j + r % 2), the hmask bytes 16 (r % 2) + 0..15 their third bits."""
+    d, l0, l1, l2, l3, h0, h1, q0, q1, q2, q3, m0, m1, m2, m3 = raw
+    n = _quad_runs(CHUNK) // 2
+    hbits = (tl.zeros_like(q0) + LOW_BITS) << n * WORD_VALUES
+    q, m, a = (q0, q1, q2, q3), (m0, m1, m2, m3), acts
+    y = _q3_run(q, m, a[0], a[1], a[2], a[3], a[4], a[5], l0, h0, n, hbits, 0, CRUMB_0)
+    y += _q3_run(q, m, a[6], a[7], a[8], a[9], a[10], a[11], l1, h1, n, hbits, 1, CRUMB_1)
+    y += _q3_run(q, m, a[12], a[13], a[14], a[15], a[16], a[17], l2, h0, n, hbits, 2, CRUMB_2)
+    y += _q3_run(q, m, a[18], a[19], a[20], a[21], a[22], a[23], l3, h1, n, hbits, 3, CRUMB_3)
     return d * y
 
 
@@ -451,7 +435,7 @@ def group_sums(raw, acts, FMT: tl.constexpr, CHUNK: tl.constexpr):
     elif FMT == FMT_IQ4_XS:
         return _iq4_xs(raw, acts, CHUNK)
     elif FMT == FMT_Q3_K:
-        return _q3_k(raw, acts)
+        return _q3_k(raw, acts, CHUNK)
     else:
         tl.static_assert(FMT == FMT_Q2_K, "no int8 GEMV body for this format")
         return _q2_k(raw, acts, CHUNK)

@@ -48,9 +48,6 @@ TALL_K = 8192
 TALL_TILES = TILES | {f: (4, 2, 2) for f in (Format.Q4_K, Format.Q5_K, Format.IQ4_XS)}
 TALL_TILES |= {f: (2, 4, 2) for f in q8_bodies.K_QUAD_FORMATS}
 TALL_TILES[Format.Q6_K] = (2, 8, 1)
-# Q3_K's groups take both halves' runs (two a super-block, where four took one half's): one (row, group) a
-# thread keeps the values a thread sums a chunk, and the rows and warps, of the four-group tiles above
-TILES[Format.Q3_K], GLU_TILES[Format.Q3_K], TALL_TILES[Format.Q3_K] = (2, 2, 1), (4, 2, 1), (2, 4, 1)
 # ...and a tall launch of fewer than SHORT_K rows (a narrow model's down projection: its width) has few programs
 # at four rows each: Q4_K's take two (the whole step, 2026-12-04: Qwen2.5-3B 1.527 -> 1.477 ms, Qwen3-4B
 # 1.815 -> 1.791, the 1.5B 1.103 -> 1.098); Q6_K's gained nowhere (within 0.3 % or lost on the 3B and 4B).
