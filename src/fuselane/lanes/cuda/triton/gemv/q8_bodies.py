@@ -13,7 +13,9 @@ run (or two):
   32 n + 16 t (half n = r // 2, t = r % 2) whole, its crumb j run j (values 128 n + 32 j + 16 t + 0..15),
   and for Q3_K the hmask run 16 t of their third bits (bit 4 n + j). A group of one crumb pair (eight a
   super-block) loaded each qs byte twice and Q3_K's hmask bytes four times (the 7B in Q3_K_M: 386.8 -> 422.1
-  tok/s decoding, with its GLU's tile).
+  tok/s decoding, with its GLU's tile). A Q3_K group of run t of both halves (two a super-block: the hmask run
+  and the scale bytes loaded once for 128 values, 22 loads where these take 34) decoded 9 % slower at every
+  tile swept (benchmarks/RESULTS.md, 2026-12-05).
 - the 32-value formats (Q4_0, Q4_1, Q5_1, IQ4_NL) and IQ4_XS's 32-value sub-blocks: a group a block, lo its
   low nibbles (values 0-15), hi its high ones (16-31).
 Every group's codes are words held in the thread (`int8_words.ld4` where a run is 16-byte aligned: Q5_K's
