@@ -4,10 +4,7 @@ under the interpreter at tiny widths, so the benchmark the GPU runs is known to 
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -19,23 +16,14 @@ pytest.importorskip("triton")
 from fuselane.gguf.formats import Format  # noqa: E402
 from fuselane.lanes.cuda.plan import kernels  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.q8 import PREFETCH_DEPTH  # noqa: E402
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_decode.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("moe_decode_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_script import load_script  # noqa: E402
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # random bytes decode to NaN and inf scales
 def test_the_dry_run_times_every_decode_mixture_launch(capsys):
     if torch.cuda.is_available():
         pytest.skip("the dry run is the interpreter's")
-    _bench().main(["--model", "deepseek-v2-lite", "--dry-run", "--down", "Q5_0"])
+    load_script("moe_decode").main(["--model", "deepseek-v2-lite", "--dry-run", "--down", "Q5_0"])
     lines = capsys.readouterr().out.splitlines()
     assert not [line for line in lines if "failed" in line]
     timed = [" ".join(line.split()).split(" µs")[0].rsplit(" ", 1)[0] for line in lines if " µs " in line]

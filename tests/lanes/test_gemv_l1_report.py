@@ -4,13 +4,9 @@ microseconds, and the L1 bytes a DRAM byte that RESULTS.md quotes."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "benchmarks" / "gemv_l1.py"
+from tests.benchmark_script import load_script
 
 REPORT = """\
 ==PROF== Profiling "_q8_glu_q8_kernel": 0%....50%....100% - 7 passes
@@ -42,11 +38,7 @@ REPORT = """\
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("gemv_l1_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gemv_l1")
 
 
 def test_each_launch_reads_its_metrics_in_bytes_and_microseconds(tool) -> None:
