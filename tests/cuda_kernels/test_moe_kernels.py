@@ -203,18 +203,18 @@ def _shared(rng, d: int, sdff: int, fmt: Format):
     return s, gate * (wd @ glu), gate * bound
 
 
-def _shared_expert(rng, d: int, sdff: int, fmt: Format, int8: bool = False):
-    """A shared expert (`shared.Shared`, gate/up/down in `fmt`, an f32 score row) and, in f64, its SwiGLU (from
-    the input's int8 form where `int8`), its gate's sigmoid and the SwiGLU's bound."""
+def _shared_expert(rng, d: int, sdff: int, fmt: Format, int8: bool = False, gated: bool = True):
+    """A shared expert (`shared.Shared`, gate/up/down in `fmt`, an f32 score row where `gated`) and, in f64, its
+    SwiGLU (from the input's int8 form where `int8`), its gate's sigmoid (1 ungated) and the SwiGLU's bound."""
     rg, wg = _matrices(fmt, 1, sdff, d, rng)
     ru, wu = _matrices(fmt, 1, sdff, d, rng)
     rd, _ = _matrices(fmt, 1, d, sdff, rng)
     sc = (rng.standard_normal((1, d)) * 0.1).astype(np.float32)
     x = rng.standard_normal((1, d)).astype(np.float32)
-    s = shared.Shared(dev(x), dev(rg), dev(ru), dev(rd), dev(sc.view(np.uint8)), fmt, fmt, Format.F32, sdff,
-                      torch.zeros(sdff + 1))  # fmt: skip
+    score, score_fmt = (dev(sc.view(np.uint8)), Format.F32) if gated else (None, None)
+    s = shared.Shared(dev(x), dev(rg), dev(ru), dev(rd), score, fmt, fmt, score_fmt, sdff, torch.zeros(sdff + 1))
     xv = x[0].astype(np.float64)
-    gate = 1 / (1 + np.exp(-(sc[0].astype(np.float64) @ xv)))  # the score always reads the f32 input
+    gate = 1 / (1 + np.exp(-(sc[0].astype(np.float64) @ xv))) if gated else 1.0  # the score reads the f32 input
     if int8:
         xv = _q8(x)[1][0]
     g, u = wg[0] @ xv, wu[0] @ xv
@@ -224,16 +224,18 @@ def _shared_expert(rng, d: int, sdff: int, fmt: Format, int8: bool = False):
 @pytest.mark.parametrize(("fmt", "int8", "sdff"), [(Format.Q8_0, True, 96), (Format.Q4_K, True, 256),
                                                    (Format.Q5_0, False, 64)])  # fmt: skip
 @pytest.mark.parametrize("shared_int8", [True, False])
-def test_a_folded_shared_expert_rides_the_gate_up_launch(fmt, int8, sdff, shared_int8, monkeypatch):
+@pytest.mark.parametrize("gated", [True, False])
+def test_a_folded_shared_expert_rides_the_gate_up_launch(fmt, int8, sdff, shared_int8, gated, monkeypatch):
     # its SwiGLU and sigmoid land in its scratch row beside the kept experts' products, which stay as they
     # were; a width of 96 is more tiles than the kept experts' 64 rows take. Under int8 activations its
-    # SwiGLU takes the kept experts' int8 tiles (kernels.MOE_SHARED_INT8) or the f32 products.
+    # SwiGLU takes the kept experts' int8 tiles (kernels.MOE_SHARED_INT8) or the f32 products. An ungated
+    # expert (DeepSeek's) has no score program: 1 where the sigmoid goes, its SwiGLU tiles all the same.
     monkeypatch.setattr(gate_up.kernels, "MOE_SHARED_INT8", shared_int8)
     rng = np.random.default_rng(6)
     experts, n, k, slots = 4, 64, 256, 2
     rg, _ = _matrices(fmt, experts, n, k, rng)
     ru, _ = _matrices(fmt, experts, n, k, rng)
-    s, glu, gate, glu_bound = _shared_expert(rng, k, sdff, fmt, int8 and shared_int8)
+    s, glu, gate, glu_bound = _shared_expert(rng, k, sdff, fmt, int8 and shared_int8, gated)
     x = s.x.numpy()
     xin = _q8(x)[0] if int8 else dev(x)
     ids = dev(np.array([[3, 1]], dtype=np.int32))
@@ -243,6 +245,9 @@ def test_a_folded_shared_expert_rides_the_gate_up_launch(fmt, int8, sdff, shared
     assert torch.equal(alone, beside)
     got = s.scratch.double().numpy()
     assert np.all(np.abs(got[:sdff] - glu) <= glu_bound)
+    if not gated:
+        assert got[sdff] == 1.0
+        return
     score = s.score.numpy().view(np.float32).astype(np.float64)
     # the sigmoid's slope is at most 1/4: the score's product bound, then the sigmoid's own roundings
     bound = 0.25 * gamma(k + ROUNDINGS) * (np.abs(score) @ np.abs(x[0].astype(np.float64))) + gamma(4) * gate

@@ -213,3 +213,17 @@ def test_explain_says_why_the_cuda_lane_cannot_run_it(files, capsys):
     assert "one top-k over every expert" in why and "latent" not in why
     assert main(["explain", files["v3"], "--lane", "cpu", "--json"]) == 0
     assert "cannot_run" not in json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("knobs", [(), ("activations=dequant",)])
+def test_a_decode_step_folds_the_shared_experts_into_the_mixtures_launches(files, knobs):
+    # DeepSeek's shared experts add to the mixture ungated: their SwiGLU rides the kept experts' gate/up launch
+    # and their down rows the down launch, as a gated one's do (`moe/shared.py`): two launches a mixture layer
+    # fewer than apart (`shared_fold=off`)
+    from tests.lanes.test_cuda_launches import folded
+
+    _, _, plan = build_plan(files["v2"], lane="cuda", form="decode", knobs=knobs)
+    _, _, apart = build_plan(files["v2"], lane="cuda", form="decode", knobs=(*knobs, "shared_fold=off"))
+    assert folded(plan, C.SHARED_EXPERT_FUSION) == 1 and folded(apart, C.SHARED_EXPERT_FUSION) == 0
+    assert not {"l1.sh_glu", "l1.sh_down"} & {op.out for op in plan.ops}
+    assert apart.launches() - plan.launches() == 2  # the file's one mixture layer

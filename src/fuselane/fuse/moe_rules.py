@@ -3,8 +3,8 @@
 A mixture's primitives (`models.moe`) fuse into the classes a lane runs in few launches: the router product
 with its top-k and routing weights (`RouterTopk`), a chunk's sort of its pairs by expert with them
 (`MoeTokenSort`), the kept experts' gate and up products with their SwiGLU (`MoeGateUpAct`), their down
-products with the weighted combine (`MoeDownCombine`), the shared expert and its sigmoid gate folded into the
-mixture (`SharedExpertFusion`), and the residual add and next norm in the mixture's last step
+products with the weighted combine (`MoeDownCombine`), the shared expert (and its sigmoid gate, where it has one)
+folded into the mixture (`SharedExpertFusion`), and the residual add and next norm in the mixture's last step
 (`MoeDeferredFinalize`). Each swallows an intermediate only where nothing outside the fusion reads it.
 """
 
@@ -120,37 +120,47 @@ def producer_of(r: Rewriter, name: str, before: int, *kinds) -> int | None:
     return i if i is not None and op_at(r, i, *kinds) is not None else None
 
 
-def _shared_members(r: Rewriter, scaled: int) -> list[int] | None:
-    """The shared expert whose gated output the RowScale at slot `scaled` writes: its SwiGLU (and the gate and
-    up products it reads, where they are apart), its down product, and its gate's product and sigmoid."""
-    rs = r.s.get(scaled)
-    down = producer_of(r, rs.ins[0], scaled, Matmul)
-    sig = producer_of(r, rs.ins[1], scaled, Unary)
-    if down is None or sig is None or r.s.get(sig).sym.op is not U.SIGMOID:  # type: ignore[union-attr]
-        return None
-    score = producer_of(r, r.s.get(sig).ins[0], sig, Matmul)
-    glu = producer_of(r, r.s.get(down).ins[0], down, *GLUS)
-    if score is None or glu is None:
+def _shared_members(r: Rewriter, shared: str, before: int) -> list[int] | None:
+    """The shared expert whose output `shared` is (read by the op at slot `before`): its SwiGLU (and the gate and
+    up products it reads, where they are apart) and its down product; where it is gated (a RowScale of the down
+    product by a sigmoid, Qwen2-MoE's), that RowScale and its gate's product and sigmoid too. An ungated one
+    (DeepSeek's) is its down product itself."""
+    gating: list[int] = []
+    scaled = producer_of(r, shared, before, RowScale)
+    if scaled is not None:
+        rs = r.s.get(scaled)
+        sig = producer_of(r, rs.ins[1], scaled, Unary)
+        if sig is None or r.s.get(sig).sym.op is not U.SIGMOID:  # type: ignore[union-attr]
+            return None
+        score = producer_of(r, r.s.get(sig).ins[0], sig, Matmul)
+        if score is None:
+            return None
+        gating = [score, sig, scaled]
+        shared, before = rs.ins[0], scaled
+    down = producer_of(r, shared, before, Matmul)
+    glu = producer_of(r, r.s.get(down).ins[0], down, *GLUS) if down is not None else None
+    if glu is None:
         return None
     products = []
     if class_of(r.s.get(glu)) is C.GLU_ACT_MUL:
         products = [producer_of(r, name, glu, Matmul) for name in r.s.get(glu).ins]
         if None in products:
             return None
-    return sorted([*products, glu, down, score, sig, scaled])  # type: ignore[list-item]
+    return sorted([*products, glu, down, *gating])  # type: ignore[list-item]
 
 
 def shared_expert_fusion(r: Rewriter, j: int) -> None:
     add = op_at(r, j, Elementwise)
-    if add is None or not is_add(add, row=False):
+    if add is None or not is_add(add, row=False) or add.ins[0] == add.ins[1]:
         return
-    found = [(producer_of(r, n, j, *MIXTURES), producer_of(r, n, j, RowScale)) for n in add.ins]
-    mixture = next((m for m, _ in found if m is not None), None)
-    scaled = next((s for _, s in found if s is not None), None)
-    shared = _shared_members(r, scaled) if mixture is not None and scaled is not None else None
+    mixtures = [producer_of(r, n, j, *MIXTURES) for n in add.ins]
+    if mixtures.count(None) != 1:
+        return
+    mixture = next(m for m in mixtures if m is not None)
+    shared = _shared_members(r, add.ins[mixtures.index(None)], j)
     if shared is None:
         return
-    members = sorted([mixture, *shared, j])  # type: ignore[list-item]
+    members = sorted([mixture, *shared, j])
     if internal(r, "shared_expert_fusion", members, [m for m in members if m != j]):
         r.try_fuse("shared_expert_fusion", C.SHARED_EXPERT_FUSION, members, j)
 
@@ -187,7 +197,7 @@ MOE_RULES = [
     Rule("moe_gate_up_act", (C.MOE_GATE_UP_ACT,), moe_gate_up_act),
     # Moe(experts(h, Wd), weights) -> MoeDownCombine: each down product lands weighted in its row's sum
     Rule("moe_down_combine", (C.MOE_DOWN_COMBINE,), moe_down_combine),
-    # mixture + sigmoid(x . wg) * down(GLU(x)) -> SharedExpertFusion: the shared expert in the mixture's launch
+    # mixture + [sigmoid(x . wg) *] down(GLU(x)) -> SharedExpertFusion: the shared expert in the mixture's launch
     Rule("shared_expert_fusion", (C.SHARED_EXPERT_FUSION,), shared_expert_fusion),
     # AddNorm(r, mixture [+ x]) -> MoeDeferredFinalize: the mixture adds the residual (and x) and norms in its last step
     Rule("moe_deferred_finalize", (C.MOE_DEFERRED_FINALIZE,), moe_deferred_finalize),

@@ -66,7 +66,10 @@ NEOX_ROTATIONS = frozenset(
 )
 
 
-SHARED_APART = "a gated shared expert runs in launches of its own (knob shared_fold=off): five launches more a layer"
+SHARED_APART = (
+    "a shared expert runs in launches of its own (knob shared_fold=off): five launches more a layer where it is gated, "
+    "two where not"
+)
 
 
 class CudaShim(Protocol):

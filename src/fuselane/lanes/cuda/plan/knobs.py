@@ -190,11 +190,12 @@ class CudaKnobs:
       256 where the workspace share cannot hold a 512-row chunk's arena beside the scratch and can a
       256-row one's (`run/workspace.chunk_rows`: a small model in a low-bit mix, at about half the prompt's
       speed); else the session's. A number sets the rows (and sizes the workspace at them alone).
-    - `shared_fold=on` (the default): a decode step's gated shared expert folds into the mixture's launches
-      (SharedExpertFusion): its gate/up SwiGLU and its gate's sigmoid on programs of their own in the kept
-      experts' gate/up launch, its down rows in each program of the down launch, so a layer stays within
-      the launch budget. `off` runs it in launches of its own (its gate/up GEMV, its down GEMV, its gate's
-      score, the sigmoid and the row scale; the down launch adds the result). H200, Qwen3-Next-80B-A3B's
+    - `shared_fold=on` (the default): a decode step's shared expert folds into the mixture's launches
+      (SharedExpertFusion): its gate/up SwiGLU and, where it is gated (Qwen2-MoE's, not DeepSeek's), its
+      gate's sigmoid on programs of their own in the kept experts' gate/up launch, its down rows in each
+      program of the down launch, so a layer stays within the launch budget. `off` runs it in launches of its
+      own (its gate/up GEMV, its down GEMV, and where gated its gate's score, the sigmoid and the row scale;
+      the down launch adds the result). H200, Qwen3-Next-80B-A3B's
       replayed step: 3.67 ms folded (its SwiGLU as the kept experts' int8 tiles, `kernels.MOE_SHARED_INT8`),
       3.90 folded in f32 products, 3.98 apart (benchmarks/RESULTS.md, 2026-12-03); folded into the down
       launch alone, where its programs made the rest wait, it took 5.02.

@@ -214,19 +214,18 @@ class _Parts:
 
 
 def _shared_products(found: list[Op]) -> dict[str, Op]:
-    """The folded shared expert's products, by what reads them: gate (a SiLU), score (a sigmoid), down (the
-    RowScale), up (the other)."""
+    """The folded shared expert's products, by what they read and what reads them: down (it reads the SwiGLU,
+    made inside the fold), gate (a SiLU reads it), score (a sigmoid: a gated expert's only), up (the other)."""
     mms = _of(found, Matmul)
-    if not mms:
-        return {}
-    readers = {x.ins[0]: x for x in found if isinstance(x.sym, Unary | RowScale)}
+    made = {x.out for x in found}
+    readers = {x.ins[0]: x for x in found if isinstance(x.sym, Unary)}
 
     def role(mm: Op) -> str:
+        if mm.ins[0] in made:
+            return "down"
         r = readers.get(mm.out)
         if r is None:
             return "up"
-        if isinstance(r.sym, RowScale):
-            return "down"
         return "gate" if r.sym.op is UnaryOp.SILU else "score"  # type: ignore[union-attr]
 
     return {role(mm): mm for mm in mms}
@@ -251,7 +250,8 @@ def _shared(b, s: dict[str, Op], op: Op, f32: bool) -> Any:
 
     from fuselane.lanes.cuda.triton.moe.shared import Shared, int8_down
 
-    (wg, fmt), (wu, _), (wd, dfmt), (wsc, sfmt) = (b.raw[s[r].ins[1]] for r in ("gate", "up", "down", "score"))
+    (wg, fmt), (wu, _), (wd, dfmt) = (b.raw[s[r].ins[1]] for r in ("gate", "up", "down"))
+    wsc, sfmt = b.raw[s["score"].ins[1]] if "score" in s else (None, None)  # an ungated expert has no score
     sdff = s["down"].sym.k  # type: ignore[union-attr]
     x = b.bufs[s["gate"].ins[0]].view(1, -1)
     scratch = b.scratch.setdefault(f"moe-shared:{op.out}", torch.zeros(sdff + 1, device=x.device))

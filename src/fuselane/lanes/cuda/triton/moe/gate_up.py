@@ -45,7 +45,7 @@ def _gate_up_kernel(
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
     STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
     SHARED: tl.constexpr, SHARED_Q8: tl.constexpr, SHARED_Q8OUT: tl.constexpr, SDFF: tl.constexpr,
-    NA: tl.constexpr,
+    NA: tl.constexpr, SCORED: tl.constexpr,
     SG_FMT: tl.constexpr, SG_STEPS: tl.constexpr, SG_UNITS: tl.constexpr, SG_SPLIT: tl.constexpr,
     SG_BLOCK_N: tl.constexpr, SG_STAGES: tl.constexpr, SG_ROW_BYTES: tl.constexpr,
     SC_FMT: tl.constexpr, SC_STEPS: tl.constexpr, SC_UNITS: tl.constexpr, SC_SPLIT: tl.constexpr,
@@ -59,7 +59,9 @@ def _gate_up_kernel(
     pair = tl.program_id(1)
     if SHARED and pair == pairs:  # the shared expert's column: NA programs, the rest of the column idle
         ticket = tl.program_id(0)
-        if SHARED_Q8 and ticket < NA - 1:  # its SwiGLU's tiles as a kept expert's, from the int8 activation
+        if not SCORED and ticket == 0:  # an ungated expert: its scale is 1 where a gated one's sigmoid goes
+            tl.store(sh + SDFF, 1.0)
+        if SHARED_Q8 and ticket < NA - SCORED:  # its SwiGLU's tiles as a kept expert's, from the int8 activation
             rows = ticket * BLOCK_N + tl.arange(0, BLOCK_N)
             off = tl.minimum(rows, SDFF - 1).to(tl.int64) * ROW_BYTES
             gate, up = row_dots(w_sg + off, w_su + off, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True,
@@ -69,7 +71,7 @@ def _gate_up_kernel(
             if SHARED_Q8OUT:  # its int8 form, a block a tile, for the down launch's int8 product
                 store_quantized(glu, ticket * BLOCK_N, SDFF, shq, shd, shs)
         elif ticket < NA:
-            shared_phase(sx, w_sg, w_su, w_sc, sh, ticket, SDFF, NA, SG_FMT, SG_STEPS, SG_UNITS,
+            shared_phase(sx, w_sg, w_su, w_sc, sh, ticket, SDFF, NA, SCORED, SG_FMT, SG_STEPS, SG_UNITS,
                          SG_SPLIT, SG_BLOCK_N, SG_STAGES, SG_ROW_BYTES, SC_FMT, SC_STEPS, SC_UNITS, SC_SPLIT,
                          SC_STAGES)  # fmt: skip
     elif tl.program_id(0) < TILES:
@@ -153,7 +155,8 @@ def gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: 
     s = shared
     q8out = s is not None and s.down_int8
     sq8 = s.scratch_q8 if s is not None and s.scratch_q8 is not None else (out,) * 3
-    sargs = (s.x, s.gate, s.up, s.score, s.scratch, *sq8) if s is not None else (out,) * 8
+    score = s.score if s is not None and s.score is not None else out  # an ungated expert's: a stand-in
+    sargs = (s.x, s.gate, s.up, score, s.scratch, *sq8) if s is not None else (out,) * 8
     n_tiles = tiles(n, consts["BLOCK_N"])
     _gate_up_kernel[(max(n_tiles, na), pairs + (s is not None))](
         *args, w_gate, w_up, ids, out, *oq, *sargs, pairs, **common, **consts, **sconsts, TILES=n_tiles,

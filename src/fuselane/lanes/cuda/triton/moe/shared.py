@@ -1,6 +1,7 @@
 """A decode step's folded shared expert (SharedExpertFusion): its gate/up SwiGLU and its gate's sigmoid ride the
 kept experts' gate/up launch as programs of their own (`gate_up.gate_up`), into a scratch row; the down launch
-(`down.down_combine`) then adds sigmoid * (its down rows . that row) in each of its programs. The SwiGLU is
+(`down.down_combine`) then adds sigmoid * (its down rows . that row) in each of its programs. An ungated shared
+expert (DeepSeek's) has no score: its gate/up launch writes 1 where the sigmoid would go. The SwiGLU is
 f32 products (`shared_phase`), or, under `kernels.MOE_SHARED_INT8` where the expert's gate/up are the kept
 experts' format, their own int8 tiles (`gate_up`); the score is always an f32 product. The down rows are an f32
 product too, or, in a format only the int8 GEMV decodes at speed (`Shared.down_int8`: Q2_K, Q3_K, IQ4_NL, IQ4_XS),
@@ -32,17 +33,18 @@ from fuselane.lanes.cuda.triton.quant import Q8Acts
 
 @dataclass(frozen=True, slots=True)
 class Shared:
-    """A folded shared expert: x f32 (1, d), its gate/up (sdff, d), down (d, sdff) and gate score (1, d)
-    checkpoint rows with their formats, and a scratch row of sdff + 1 f32 (its SwiGLU, then its sigmoid)."""
+    """A folded shared expert: x f32 (1, d), its gate/up (sdff, d), down (d, sdff) and gate score (1, d; None
+    where it is ungated) checkpoint rows with their formats, and a scratch row of sdff + 1 f32 (its SwiGLU, then
+    its sigmoid, or 1 where ungated)."""
 
     x: Tensor
     gate: Tensor
     up: Tensor
     down: Tensor
-    score: Tensor
+    score: Tensor | None
     fmt: Format  # the gate's and the up's
     down_fmt: Format
-    score_fmt: Format
+    score_fmt: Format | None
     sdff: int
     scratch: Tensor
     # the SwiGLU row's int8 form, where the down rows are in a format only the int8 GEMV decodes (`down_int8`):
@@ -53,6 +55,11 @@ class Shared:
     def __post_init__(self) -> None:
         if self.down_int8 and self.scratch_q8 is None:
             raise ValueError(f"a folded shared expert's {Format(self.down_fmt).name} down reads a scratch_q8")
+
+    @property
+    def scored(self) -> bool:
+        """Whether a sigmoid of its gate's product scales the expert (Qwen2-MoE's; DeepSeek's is ungated)."""
+        return self.score is not None
 
     @property
     def down_int8(self) -> bool:
@@ -69,15 +76,16 @@ def int8_down(fmt: Format, f32: bool = False) -> bool:
 
 
 @triton.jit
-def shared_phase(x, w_sg, w_su, w_sc, sh, ticket, SDFF: tl.constexpr, NA: tl.constexpr,
+def shared_phase(x, w_sg, w_su, w_sc, sh, ticket, SDFF: tl.constexpr, NA: tl.constexpr, SCORED: tl.constexpr,
                  SG_FMT: tl.constexpr, SG_STEPS: tl.constexpr, SG_UNITS: tl.constexpr, SG_SPLIT: tl.constexpr,
                  SG_BLOCK_N: tl.constexpr, SG_STAGES: tl.constexpr, SG_ROW_BYTES: tl.constexpr,
                  SC_FMT: tl.constexpr, SC_STEPS: tl.constexpr, SC_UNITS: tl.constexpr, SC_SPLIT: tl.constexpr,
                  SC_STAGES: tl.constexpr):  # fmt: skip
-    """A shared-expert program: tile `ticket` of its SwiGLU, or (the last ticket) the sigmoid of its score."""
+    """A shared-expert program: tile `ticket` of its SwiGLU, or (the last ticket, SCORED) the sigmoid of its
+    score."""
     lane = tl.arange(0, SG_BLOCK_N)
     rows = ticket * SG_BLOCK_N + lane
-    if ticket == NA - 1:  # the score's one row, every thread a share of it
+    if SCORED and ticket == NA - 1:  # the score's one row, every thread a share of it
         one = tl.arange(0, 1)
         y = row_dot(w_sc + one * 0, x, SC_FMT, SC_STEPS, SC_UNITS, SC_SPLIT, 1, SC_STAGES)
         tl.store(sh + SDFF + one, 1.0 / (1.0 + tl.exp(-y)))
@@ -101,18 +109,21 @@ def _phase(gate_fmt: Format, score_fmt: Format, d: int, rows: int, warps: int) -
 
 def phase_consts(s: Shared | None, d: int, warps: int, q8_rows: int | None = None) -> tuple[dict, int]:
     """The gate/up launch's shared-expert constants (stand-ins where there is none, so the kernel compiles the
-    same) and its programs: the SwiGLU's tiles, then the score's one. `q8_rows`: the SwiGLU's tiles are the
-    kept experts' int8 tiles of that many rows (`gate_up`, SHARED_Q8), its f32 constants unused."""
+    same) and its programs: the SwiGLU's tiles, then the score's one where the expert is gated (SCORED).
+    `q8_rows`: the SwiGLU's tiles are the kept experts' int8 tiles of that many rows (`gate_up`, SHARED_Q8),
+    its f32 constants unused."""
     if s is None:
-        return _phase(Format.F32, Format.F32, QK, 1, warps) | dict(SDFF=1), 0
-    _check_f32_reads(s.score_fmt, "score")
+        return _phase(Format.F32, Format.F32, QK, 1, warps) | dict(SDFF=1, SCORED=False), 0
+    score_fmt = Format.F32 if s.score_fmt is None else s.score_fmt  # an ungated expert's: a stand-in
+    _check_f32_reads(score_fmt, "score")
     if q8_rows is None:
         _check_f32_reads(s.fmt, "gate and up")
     rows = q8_rows if q8_rows is not None else gemv_rows.tile(s.fmt, s.sdff, d, 1)[0]
     # under the int8 tiles the f32 SwiGLU is compiled, never run: its constants stand in for f32 rows (the
     # expert's own format may be one the GEMV by rows does not decode)
     gate_fmt = s.fmt if q8_rows is None else Format.F32
-    return _phase(gate_fmt, s.score_fmt, d, rows, warps) | dict(SDFF=s.sdff), tiles(s.sdff, rows) + 1
+    consts = _phase(gate_fmt, score_fmt, d, rows, warps) | dict(SDFF=s.sdff, SCORED=s.scored)
+    return consts, tiles(s.sdff, rows) + s.scored
 
 
 def _check_f32_reads(fmt: Format, what: str) -> None:
