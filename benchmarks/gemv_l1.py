@@ -31,6 +31,9 @@ METRICS = {
     "sectors": "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum",
     "requests": "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum",
     "pipe": "l1tex__data_pipe_lsu_wavefronts.avg.pct_of_peak_sustained_active",
+    # the L1 data pipe's unit of work (a sector count does not tell a load that touched four sectors of one line
+    # from one that touched four lines): the measure `run_loads=vector`'s loss (fewer sectors, slower) points to
+    "wavefronts": "l1tex__data_pipe_lsu_wavefronts.sum",
     "warps": "sm__warps_active.avg.pct_of_peak_sustained_active",
     "instructions": "smsp__inst_executed.sum",
 }
@@ -67,13 +70,16 @@ def parse(report: str) -> list[Launch]:
 
 
 def table(launches: list[Launch]) -> str:
-    """One line a launch: time, DRAM read, L1 sectors and their bytes a DRAM byte, pipe and warps busy."""
-    rows = [f"{'kernel':24} {'us':>7} {'DRAM MB':>8} {'L1 sectors':>11} {'L1/DRAM':>7} {'pipe %':>6} {'warps %':>7}"]
+    """One line a launch: time, DRAM read, L1 sectors and their bytes a DRAM byte, the L1 data pipe's wavefronts
+    ('-' where ncu gave none), pipe and warps busy."""
+    head = f"{'kernel':24} {'us':>7} {'DRAM MB':>8} {'L1 sectors':>11} {'L1/DRAM':>7} {'wavefronts':>11} "
+    rows = [head + f"{'pipe %':>6} {'warps %':>7}"]
     for launch in launches:
         v = launch.values
+        waves = f"{v['wavefronts']:11,.0f}" if "wavefronts" in v else f"{'-':>11}"
         rows.append(
             f"{launch.kernel:24} {v['time']:7.2f} {v['dram'] / 1e6:8.2f} {v['sectors']:11,.0f} "
-            f"{launch.l1_per_dram_byte:7.1f} {v['pipe']:6.1f} {v['warps']:7.1f}"
+            f"{launch.l1_per_dram_byte:7.1f} {waves} {v['pipe']:6.1f} {v['warps']:7.1f}"
         )
     return "\n".join(rows)
 

@@ -29,6 +29,7 @@ REPORT = """\
     dram__bytes_read.sum                                                   Kbyte       512.00
     gpu__time_duration.sum                                                    ns       900.00
     l1tex__data_pipe_lsu_wavefronts.avg.pct_of_peak_sustained_active           %        10.00
+    l1tex__data_pipe_lsu_wavefronts.sum                                                12,345
     l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum                                     1,000
     l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum                        sector       32,000
     sm__warps_active.avg.pct_of_peak_sustained_active                          %        50.00
@@ -49,6 +50,7 @@ def test_each_launch_reads_its_metrics_in_bytes_and_microseconds(tool) -> None:
         "warps": 23.69, "instructions": 14_740_800,
     }  # fmt: skip
     assert parts.values["dram"] == 512e3 and parts.values["time"] == pytest.approx(0.9)
+    assert parts.values["wavefronts"] == 12_345  # the measured report predates the metric: absent there
 
 
 def test_the_l1_bytes_a_dram_byte(tool) -> None:
@@ -57,6 +59,7 @@ def test_the_l1_bytes_a_dram_byte(tool) -> None:
     assert parts.l1_per_dram_byte == pytest.approx(2.0)
     lines = tool.table([glu, parts]).splitlines()
     assert len(lines) == 3 and lines[1].split()[:2] == ["_q8_glu_q8_kernel", "37.57"] and "8.8" in lines[1].split()
+    assert "-" in lines[1].split() and "12,345" in lines[2].split()
 
 
 def test_a_report_without_the_kernel_gives_no_launch(tool) -> None:
