@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 
@@ -84,3 +86,35 @@ def test_yarn_matches_transformers(arch, tmp_path):
     plain = load(write_weights(tmp_path / "plain.gguf", shape_of(tiny_hf(arch, seed=5), arch), gguf_weights(hf)),
                  lane="cpu", ctx=64)  # fmt: skip
     assert rel_err(plain.logits(PROMPT), hf_logits(hf, PROMPT)) > 100 * REL_TOL
+
+
+@st.composite
+def hf_shapes(draw) -> dict:
+    """A tiny Qwen2 or Qwen3 config of widths no other test names: one to eight key/value heads, one to four
+    query heads each, heads of 8 to 96 values (Qwen2's the hidden width over the heads), an FFN of any width,
+    one to three layers, tied or not, another rotary base and norm epsilon."""
+    arch = draw(st.sampled_from(["qwen2", "qwen3"]))
+    kv = draw(st.integers(1, 8))
+    heads = kv * draw(st.integers(1, 4))
+    hd = 2 * draw(st.integers(4, 48))  # even: the rotation turns pairs
+    hidden = heads * hd if arch == "qwen2" else 16 * draw(st.integers(2, 12))
+    return dict(
+        arch=arch, layers=draw(st.integers(1, 3)), tied=draw(st.booleans()), hidden=hidden, heads=heads,
+        kv_heads=kv, head_dim=hd, ff=8 * draw(st.integers(2, 40)), rope_theta=draw(st.sampled_from([1e4, 1e6, 5e6])),
+        eps=draw(st.sampled_from([1e-6, 1e-5])), seed=draw(st.integers(0, 2**16)),
+    )  # fmt: skip
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(config=hf_shapes())
+def test_any_qwen_shape_matches_transformers(config, tmp_path):
+    """Shapes past the fixed tiny ones (a head as wide as the hidden width, a lone key/value head, an odd FFN,
+    one layer, a tied head): the prompt's logits and greedy steps against Hugging Face's classes."""
+    arch = config.pop("arch")
+    hf = tiny_hf(arch, **config)
+    path = write_weights(tmp_path / f"{arch}-{config['seed']}.gguf", shape_of(hf, arch), gguf_weights(hf))
+    model = load(path, lane="cpu", ctx=64)
+    try:
+        decode_matches(model, hf, arch)
+    finally:
+        model.close()

@@ -31,21 +31,24 @@ LAYER_TO_GGUF = {
 }
 
 
-def tiny_hf(arch: str, *, seed: int = 0, layers: int = 2, tied: bool = False, yarn: tuple[float, int] | None = None):
+def tiny_hf(arch: str, *, seed: int = 0, layers: int = 2, tied: bool = False, yarn: tuple[float, int] | None = None,
+            hidden: int = 64, ff: int = 96, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
+            rope_theta: float = 1e6, eps: float = 1e-6):  # fmt: skip
     """A random tiny model of `arch` whose norms and biases are random too (HF starts them at 1 and 0); `yarn`
-    (factor, original context) stretches its rotary frequencies by YaRN."""
+    (factor, original context) stretches its rotary frequencies by YaRN. Qwen2's heads are `hidden / heads`
+    wide (its config has no head width); Qwen3's `head_dim`."""
     torch.manual_seed(seed)
-    rope: dict = {"rope_theta": 1e6}
+    rope: dict = {"rope_theta": rope_theta}
     if yarn is not None:
         rope |= {"rope_type": "yarn", "factor": yarn[0], "original_max_position_embeddings": yarn[1]}
     common = dict(
         vocab_size=384,
-        hidden_size=64,
-        intermediate_size=96,
+        hidden_size=hidden,
+        intermediate_size=ff,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-6,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=eps,
         max_position_embeddings=512,
         rope_parameters=rope,
         tie_word_embeddings=tied,
@@ -53,7 +56,7 @@ def tiny_hf(arch: str, *, seed: int = 0, layers: int = 2, tied: bool = False, ya
     if arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     else:
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, **common))
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=head_dim, **common))
     return randomize(model)
 
 

@@ -1,0 +1,106 @@
+"""Random tiny models, quantization mixes and knobs through the whole cuda lane under Triton's interpreter,
+against the cpu lane in f64: a kernel that computes the wrong numbers at a width, a group or a mix no test
+names shows up here as a step outside the lane's numerics contract (or not finite).
+
+    python -m fuzz.lane_numbers [--seed N] [--count N] [--log FILE]
+
+`fuzz.lane_shapes` compiles the launches of real widths; this runs tiny widths' launches and checks their
+numbers. Each draw is a dense Qwen-like model (qwen2 or qwen3: heads of 16 to 96 values, one to four key
+heads, one to four query heads each, one or two layers, tied or not) or a tiny mixture (qwen2moe with a shared
+expert, qwen3moe; four or eight experts, one or two kept), a mix from `synth.Mix`, and one knob setting or
+none. A prompt past the GEMV's rows, a short chunk and two decode steps run on both lanes
+(`tests.lane_steps.runs_as_the_cpu_lane`); a line a draw goes to the log: OK, FAIL with the first step out of
+the contract, or the error. 5-100 s a draw on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import replace
+
+from fuselane.gguf.synth import SHAPES, Mix, Shape, write_synthetic
+
+KNOBS = (
+    (), (), (), ("activations=dequant",), ("rope_epilogue=on",), ("prefill=in-place",), ("prefill=int8",),
+    ("norm_launch=off",), ("fuse_quant=off",), ("cache=f32",), ("shared_fold=off",),
+)  # fmt: skip
+HEAD_DIMS = (16, 32, 48, 64, 80, 96)
+QBLOCK = 32  # a quantized row's block: a model's rows are whole blocks
+PROMPT = [5, 60, 7, 300, 8, 1, 2, 3, 4, 5, 6]  # past the GEMV's rows: the prefill's products and attention
+SHORT, DECODE = [12, 13], [9, 4]
+CTX = 32
+
+
+def _draw(rng: random.Random) -> Shape | None:
+    """A tiny dense or mixture shape, or None where its query or hidden width is not whole 32-value blocks."""
+    hd, kv = rng.choice(HEAD_DIMS), rng.choice((1, 2, 4))
+    heads = kv * rng.choice((1, 2, 3, 4))
+    embd = QBLOCK * rng.randint(2, 10)
+    if heads * hd % QBLOCK:
+        return None
+    if rng.random() < 2 / 3:
+        arch, ff = rng.choice(("qwen2", "qwen3")), QBLOCK * rng.randint(2, 12)
+        return Shape(arch, embd, rng.choice((1, 2)), heads, kv, hd, ff, 512, context=4096, tied=rng.random() < 0.3)
+    base = SHAPES[rng.choice(("tiny-qwen3moe", "tiny-qwen2moe"))]
+    shared = QBLOCK * rng.randint(1, 6) if base.shared_ff else 0
+    return replace(base, n_embd=embd, n_layers=1, n_heads=heads, n_kv_heads=kv, head_dim=hd, vocab=512,
+                   experts=rng.choice((4, 8)), experts_used=rng.choice((1, 2)), expert_ff=QBLOCK * rng.randint(1, 4),
+                   shared_ff=shared)  # fmt: skip
+
+
+def said(shape: Shape) -> str:
+    """A draw's shape in a few words: arch, hidden width, layers, heads (query/key x width), FFN, experts."""
+    out = f"{shape.arch} d={shape.n_embd} L={shape.n_layers} h={shape.n_heads}/{shape.n_kv_heads}x{shape.head_dim}"
+    out += f" ff={shape.n_ff}" + (" tied" if shape.tied else "")
+    if shape.experts:
+        out += f" experts={shape.experts}/{shape.experts_used}x{shape.expert_ff} shared={shape.shared_ff}"
+    return out
+
+
+def _run(path: str, knobs: tuple[str, ...]) -> tuple[str, str]:
+    """OK, or FAIL with why: a step out of the contract, or the error a lane raised."""
+    from tests.lane_steps import runs_as_the_cpu_lane
+
+    try:
+        runs_as_the_cpu_lane(path, PROMPT, SHORT, DECODE, ctx=CTX, knobs=list(knobs))
+    except AssertionError as e:
+        return "FAIL", str(e)
+    except Exception as e:  # a lane's error is a finding too: report it and go on
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        return "FAIL", f"{type(e).__name__}: {' '.join(str(e).split())[:300]} ({where.filename}:{where.lineno})"
+    return "OK", ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fuzz.lane_numbers", description=__doc__.split("\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--count", type=int, default=20, help="draws to run (default 20)")
+    ap.add_argument("--log", default="-", help="where a line a draw goes (default: standard output)")
+    a = ap.parse_args(argv)
+    # before Triton is first imported (the lanes load it lazily): without a GPU every launch runs on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    rng = random.Random(a.seed)
+    failed = 0
+    with open(a.log, "a") if a.log != "-" else sys.stdout as log, tempfile.TemporaryDirectory() as folder:
+        for i in range(a.count):
+            shape, mix, knobs = _draw(rng), rng.choice([m.value for m in Mix]), rng.choice(KNOBS)
+            if shape is None:
+                continue
+            path = str(write_synthetic(os.path.join(folder, f"{i}.gguf"), shape, mix, seed=i))
+            started = time.monotonic()
+            status, why = _run(path, knobs)
+            failed += status != "OK"
+            line = f"{status} {time.monotonic() - started:.0f}s {said(shape)} mix={mix} knobs={','.join(knobs) or '-'}"
+            print(f"{line} {why}".rstrip(), file=log, flush=True)
+            os.remove(path)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
