@@ -124,6 +124,31 @@ def test_packed_decode_gates_and_quantizes_its_output():
         assert np.array_equal(q8.s.cpu().numpy(), s)
 
 
+@pytest.mark.parametrize("heads, kv", [(2, 2), (4, 2), (6, 2)], ids=["g1", "g2", "g3"])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_packed_decode_quantizes_heads_narrower_than_a_block(heads, kv, splits):
+    """Heads of 16 values: a group of two is whole 32-value blocks, quantized by its block alone; a group of one
+    or three shares a block with the next group's (a seam), quantized by the later of the two to store. The
+    int8 form is `quant.quantize`'s of the output, bit for bit, and the launch leaves its counters at zero, so
+    a second (a replayed graph's) gives the same."""
+    rng = np.random.default_rng(heads * 10 + splits)
+    hd = 16
+    q, _, _, kc, vc = case(rng, heads, kv, hd, torch.float16)
+    plain, out = (torch.empty(1, heads * hd, device=DEVICE) for _ in range(2))
+    packed(q, kc, vc, CACHE - 1, plain, heads, kv, hd, hd**-0.5, splits=splits, tile_rows=TILE)
+    q8 = quant.empty_q8(1, heads * hd, DEVICE)
+    scratch = attention.decode_scratch(heads, hd, kc.shape[0], DEVICE, splits=splits)
+    shape = dict(heads=heads, kv_heads=kv, hd=hd, scale=hd**-0.5, scratch=scratch, f16_ops=True, splits=splits)
+    for _ in range(2):
+        attention.flash_decode(dev(q), kc, vc, pos_of(CACHE - 1), out, tile_rows=TILE, out_q8=(q8.q, q8.d, q8.s),
+                               **shape)  # fmt: skip
+        assert torch.equal(out, plain)
+        codes, d, s = quant.quantize_reference(out.cpu().numpy())
+        assert np.array_equal(q8.q.cpu().numpy(), codes) and np.array_equal(q8.d.cpu().numpy(), d)
+        assert np.array_equal(q8.s.cpu().numpy(), s)
+        assert not host(scratch[heads * splits * (hd + 2) :].view(torch.int32)).any(), "a counter left armed"
+
+
 def test_a_query_past_f16s_range_stays_finite():
     """The query is scaled by the softmax's scale (and log2 e) before its rounding to f16: values up to 2e5,
     past f16's 65504, give the reference's output within the bound, not an overflow."""

@@ -684,8 +684,11 @@ def test_cuda_norms_rope_glu_argmax_real_shapes():
 
 
 # 48, 80: a head a block (an odd group's), a 32-value block two blocks share (a seam) quantized by the later;
-# two heads a block (the plan's in an even group) are whole blocks, quantized by the block alone
-@pytest.mark.parametrize("hd, per_block", [(32, None), (64, None), (48, 1), (80, 1), (48, None), (80, None)])
+# two heads a block (the plan's in an even group) are whole blocks, quantized by the block alone. Heads of 8 or
+# 16 a block: a 32-value block four or two blocks share
+@pytest.mark.parametrize(
+    "hd, per_block", [(32, None), (64, None), (48, 1), (80, 1), (48, None), (80, None), (8, 1), (16, 1), (16, None)]
+)
 @pytest.mark.parametrize("splits", [1, 4])
 def test_flash_decode_writes_its_output_quantized(hd, per_block, splits):
     # with out_q8 the output is the same f32 row, and its int8 form is quant.quantize_reference's, bit for bit,

@@ -85,8 +85,11 @@ def test_paged_decode_matches_cpu(hd, cache_dtype):
 
 
 # heads of 48 and 80 in a group of two: two heads a program, whole 32-value blocks together; in a group of three:
-# a head a program, a 32-value block two programs share (a seam) quantized by the later
-@pytest.mark.parametrize("hd, heads", [(32, HEADS), (48, HEADS), (80, HEADS), (48, 3 * KV), (80, 3 * KV)])
+# a head a program, a 32-value block two programs share (a seam) quantized by the later; heads of 16 two a
+# program, heads of 8 a head a program, four programs to a block
+@pytest.mark.parametrize(
+    "hd, heads", [(32, HEADS), (48, HEADS), (80, HEADS), (48, 3 * KV), (80, 3 * KV), (16, HEADS), (8, HEADS)]
+)
 @pytest.mark.parametrize("splits", [1, 4])
 def test_paged_decode_writes_int8_form(hd, heads, splits):
     """With `out_q8` each row's output is also written as int8 activations, `quant.quantize_reference`'s bit for
@@ -102,7 +105,8 @@ def test_paged_decode_writes_int8_form(hd, heads, splits):
     if splits > 1:
         shape |= dict(SPLIT_SHAPE, splits=splits)
     plan = paged.paged_plan(rows, heads, KV, 5 * BLOCK, sms=1, splits=splits, hd=hd)
-    assert (plan.heads_per_block == 1) is (hd % 32 == 0 or heads // KV == 3)
+    # a head a program where heads are whole blocks, or where no count of a group's heads is (three; two of 8)
+    assert (plan.heads_per_block == 1) is (hd % 32 == 0 or heads // KV == 3 or heads // KV * hd % 32 != 0)
     need = paged.paged_scratch_size(plan, rows, heads, hd, quantized=True)
     assert bool(need) == (splits > 1 or plan.heads_per_block * hd % 32 != 0)
     scratch = torch.zeros(max(1, need), device=q_device())

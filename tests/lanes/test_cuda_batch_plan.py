@@ -42,8 +42,9 @@ def test_a_batchs_products_read_int8():
     plan = _plan()
     # each layer's q/k/v in parts, o, the gated pair, down; and the head: 4 a layer and one
     assert len(_reads_int8(plan)) == 2 * 4 + 1
-    # the embedding's norm; each layer's attention output (heads of 16 values: no whole blocks) and gated pair
-    assert _count(plan, Quantize) == 1 + 2 * 2
+    # the embedding's norm and each layer's gated pair; the attention writes its output's int8 form itself (heads
+    # of 16 values, two a block: whole 32-value blocks together)
+    assert _count(plan, Quantize) == 1 + 2
     assert _count(plan, C.ADD_NORM_QUANT) == 2 * 2 and _count(plan, C.GLU_ACT_MUL_QUANT) == 0
     assert "a batch's products up to 8 rows read int8 rows in the int8 GEMV's formats" in plan[0].contract.point
 

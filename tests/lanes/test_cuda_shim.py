@@ -433,7 +433,7 @@ CASES = [
     Case(
         "attention output quant",
         lambda: fused(C.ATTN_OUTPUT_QUANT, fused(C.FLASH_DECODE, attention())),
-        lambda: fused(C.ATTN_OUTPUT_QUANT, fused(C.FLASH_DECODE, attention(hd=16))),
+        lambda: fused(C.ATTN_OUTPUT_QUANT, fused(C.FLASH_PREFILL, attention(rows=4, hd=16))),
         "an attention quantizes its output only where its heads are whole 32-value groups, or a decode step's "
         "heads together are",
     ),

@@ -37,7 +37,7 @@ PUBLISHED["qwen2.5-72b"] = Shape("qwen2", 8192, 80, 64, 8, 128, 29568, 152064)
 # A dense Qwen-like shape of the checkpoints people train and convert: heads of a width Qwen uses, any number of
 # key/value heads and of query heads a key head, the queries' width within half and twice the hidden width, the
 # hidden width whole 64-value blocks, the FFN two to six times as wide.
-HEAD_DIMS = (48, 64, 80, 96, 128, 256)  # 48, 80: heads that are not whole 32-value blocks
+HEAD_DIMS = (8, 16, 48, 64, 80, 96, 128, 256)  # 8, 16, 48, 80: heads that are not whole 32-value blocks
 KV_HEADS = (1, 2, 4, 8)
 QUERY_GROUPS = (1, 2, 3, 4, 5, 6, 7, 8, 16)  # 16: Qwen3-235B-A22B's 64 over 4
 EMBD_UNIT = 64
@@ -91,6 +91,10 @@ def test_a_decode_step_takes_at_most_the_budget_a_layer(name: str, mix: Mix) -> 
 @example(shape=Shape("qwen2", 640, LAYERS, 14, 2, 96, 1344, 1024), mix=Mix.Q8_0, activations=Activations.INT8)
 # heads of 48 under dequant: a wide query and a narrow key share the GEMV by rows' launch (8 before)
 @example(shape=Shape("qwen2", 1024, LAYERS, 12, 4, 48, 2048, 1024), mix=Mix.Q6_K, activations=Activations.DEQUANT)
+# heads of 16 in groups of three (a packed group's output shares a 32-value block with the next group's) and of
+# 8 (a CUDA-core block's): the attention writes its int8 form through seams (a Quantize launch, 8, before)
+@example(shape=Shape("qwen3", 512, LAYERS, 48, 16, 16, 1536, 1024), mix=Mix.Q4_K_M, activations=Activations.INT8)
+@example(shape=Shape("qwen2", 512, LAYERS, 64, 8, 8, 1536, 1024), mix=Mix.Q8_0, activations=Activations.INT8)
 def test_any_qwen_like_shape_keeps_the_budget(shape: Shape, mix: Mix, activations: Activations) -> None:
     # whatever the widths: a narrow key and value beside a wide query (one key head of 128) share the QKV
     # launch, which the GEMV by rows' tiles of four rows a warp had kept apart

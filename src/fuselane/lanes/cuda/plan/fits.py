@@ -352,14 +352,14 @@ def _attn_output_gate(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGr
 def _attn_output_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
     # The decode step's attention stores its output a pair a thread, each 32-value group in one half-warp's
     # sixteen lanes; a chunk's (`attention/prefill.py`) quantizes each tile row's head in its epilogue: both
-    # take heads of whole 32-value groups. A step's (or a batch's) heads of no power of two that are not
-    # whole groups (48, 80) run two heads a block in an even group (`kernels.attn_heads_a_block`), and in an
-    # odd one are read back where stored, each group two blocks share by the later of them
-    # (`attention.splits.seam_counters`): the row must be whole groups.
+    # take heads of whole 32-value groups. A step's (or a batch's) heads that are not whole groups (8, 16,
+    # 48, 80) run heads whole groups together a block where the group allows it (`kernels.attn_heads_a_block`;
+    # the packed kernel's block is a key/value group), and otherwise are read back where stored, each group
+    # two blocks share by the later of them (`attention.splits.seam_counters`): the row must be whole groups.
     a = _attention(members[0])
     if a is not None and a.value_width % kernels.QBLOCK == 0:
         return None
-    if a is not None and (a.rows == 1 or a.batched) and a.hd == a.value_width and a.hd & (a.hd - 1):
+    if a is not None and (a.rows == 1 or a.batched) and a.hd == a.value_width:
         if a.heads * a.hd % kernels.QBLOCK == 0:
             return None
     return (

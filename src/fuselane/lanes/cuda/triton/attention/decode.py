@@ -310,10 +310,10 @@ def flash_decode(
         plan = decode_plan(
             heads, kv_heads, hd, k_cache.shape[0], chip=chip, splits=splits, heads_per_block=heads_per_block
         )
-    # the packed kernel quantizes a head's own blocks only; this one a block's heads, sharing seams between blocks
-    if out_q8 is not None and (heads * hd % QK or (packed and hd % QK)):
+    # either kernel quantizes the blocks a block's heads hold whole, and shares the others (seams) between blocks
+    if out_q8 is not None and heads * hd % QK:
         raise ValueError(f"a quantized attention output takes heads of whole {QK}-value blocks, or a row of them")
-    seams = seam_counters(heads * hd, hd, plan.heads_per_block) if out_q8 is not None and not packed else 0
+    seams = seam_counters(heads * hd, hd, plan.heads_per_block) if out_q8 is not None else 0
     acc = top = total = count = seam = out  # never read: one split writes its result directly, whole blocks alone
     if plan.splits > 1 or seams:
         need = decode_scratch_size(plan, heads, hd)
@@ -328,7 +328,7 @@ def flash_decode(
         seam = scratch[need - seams : need].view(torch.int32) if seams else out
     if packed:
         group_decode.group_decode(
-            q, k_cache, v_cache, pos, out, plan=plan, hd=hd, scale=scale, parts=(acc, top, total, count),
+            q, k_cache, v_cache, pos, out, plan=plan, hd=hd, scale=scale, parts=(acc, top, total, count, seam),
             tile_rows=tile_rows, merge_batch=merge_batch, out_q8=out_q8, gate=gate, sms=chip.sms,
             **packed_facts,
         )  # fmt: skip

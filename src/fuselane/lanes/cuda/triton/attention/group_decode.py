@@ -102,6 +102,7 @@ def _group_decode_kernel(
     max_ptr,
     sum_ptr,
     count_ptr,
+    seam_ptr,
     oq_ptr,
     od_ptr,
     os_ptr,
@@ -110,6 +111,7 @@ def _group_decode_kernel(
     v_pitch,
     scale_log2e,
     Q8OUT: tl.constexpr,
+    WIDTH: tl.constexpr,
     GROUP: tl.constexpr,
     G_P2: tl.constexpr,
     R: tl.constexpr,
@@ -166,7 +168,8 @@ def _group_decode_kernel(
         store_mask = live[:, None] & (col < HD)
         if active == 1:
             o = gate_heads(acc / run_sum[:, None], gate_ptr, head, col, store_mask, GATE_HP, GATED)
-            store_out(o, head[:, None] * HD + col, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT)
+            store_out(o, head[:, None] * HD + col, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD, Q8OUT,
+                      kvh * GROUP, GROUP, seam_ptr, WIDTH)  # fmt: skip
         else:
             done = park_partial(acc, run_max, run_sum, acc_ptr, max_ptr, sum_ptr, count_ptr + kvh,
                                 head * SPLITS + split, col, store_mask, live, HD)  # fmt: skip
@@ -180,7 +183,7 @@ def _group_decode_kernel(
                                         S_P2, MERGE_BATCH, HD)  # fmt: skip
                 merged = gate_heads(merged, gate_ptr, m_head, col, m_mask, GATE_HP, GATED)
                 store_out(merged, m_head[:, None] * HD + col, m_mask, m_head, out_ptr, oq_ptr, od_ptr, os_ptr, HD,
-                          Q8OUT)  # fmt: skip
+                          Q8OUT, kvh * GROUP, GROUP, seam_ptr, WIDTH)  # fmt: skip
                 tl.atomic_xchg(count_ptr + kvh, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
 
 
@@ -194,7 +197,7 @@ def group_decode(
     plan: DecodePlan,
     hd: int,
     scale: float,
-    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     tile_rows: int,
     merge_batch: int | None,
     out_q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
@@ -204,8 +207,9 @@ def group_decode(
     stages: int = kernels.ATTN_GROUP_STAGES,
 ) -> None:
     """The packed launch of `decode.flash_decode` (which checks its arguments and cuts its scratch into
-    `parts`: the partials' values, maxima, sums and the groups' counters). `warps` and `stages` are kernel
-    facts, parameters for the sweep."""
+    `parts`: the partials' values, maxima, sums, the groups' counters and the output's seam counters, where a
+    group's heads are not whole 32-value blocks together). `warps` and `stages` are kernel facts, parameters
+    for the sweep."""
     group = plan.heads_per_block
     group_p2 = triton.next_power_of_2(group)
     warps = warps or kernels.attn_group_warps(group, hd, plan.head_blocks * plan.splits, sms)
@@ -225,6 +229,7 @@ def group_decode(
         cache_pitch(v_cache, plan.head_blocks, hd, "v_cache"),
         scale * LOG2E,
         Q8OUT=out_q8 is not None,
+        WIDTH=plan.head_blocks * group * hd,
         GROUP=group,
         G_P2=group_p2,
         R=max(DOT_MIN, group_p2),
