@@ -6,11 +6,12 @@ names shows up here as a step outside the lane's numerics contract (or not finit
 
 `fuzz.lane_shapes` compiles the launches of real widths; this runs tiny widths' launches and checks their
 numbers. Each draw is a dense Qwen-like model (qwen2 or qwen3: heads of 16 to 96 values, one to four key
-heads, one to four query heads each, one or two layers, tied or not) or a tiny mixture (qwen2moe with a shared
-expert, qwen3moe; four or eight experts, one or two kept), a mix from `synth.Mix`, and one knob setting or
-none. A prompt past the GEMV's rows, a short chunk and two decode steps run on both lanes
-(`tests.lane_steps.runs_as_the_cpu_lane`); a line a draw goes to the log: OK, FAIL with the first step out of
-the contract, or the error. 5-100 s a draw on one core.
+heads, one to four query heads each, one or two layers, tied or not), a tiny mixture (qwen2moe with a shared
+expert, qwen3moe; four or eight experts, one or two kept) or a tiny DeepSeek (V2's routing or V3's ungrouped,
+none to two shared experts), a mix from `synth.Mix`, and one knob setting or none. A prompt past the GEMV's
+rows, a short chunk and two decode steps run on both lanes (`tests.lane_steps.runs_as_the_cpu_lane`); a line
+a draw goes to the log: OK, FAIL with the first step out of the contract, or the error. 5-100 s a draw on one
+core.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import traceback
 from dataclasses import replace
 
 from fuselane.gguf.synth import SHAPES, Mix, Shape, write_synthetic
+from fuselane.gguf.synth_latent import LatentShape
 
 KNOBS = (
     (), (), (), ("activations=dequant",), ("rope_epilogue=on",), ("prefill=in-place",), ("prefill=int8",),
@@ -37,8 +39,20 @@ SHORT, DECODE = [12, 13], [9, 4]
 CTX = 32
 
 
-def _draw(rng: random.Random) -> Shape | None:
-    """A tiny dense or mixture shape, or None where its query or hidden width is not whole 32-value blocks."""
+def _latent(rng: random.Random) -> LatentShape:
+    """A tiny DeepSeek: V2's routing or V3's ungrouped (sigmoid scores, weights renormalised and scaled), a
+    dense first layer, then a mixture with none to two shared experts (added ungated)."""
+    v3 = replace(SHAPES["tiny-deepseek3"], groups=1, groups_used=1)  # the lane routes by one top-k
+    base = SHAPES["tiny-deepseek2"] if rng.random() < 0.5 else v3
+    return replace(base, n_heads=rng.choice((2, 4, 8)), experts=rng.choice((4, 8)), experts_used=rng.choice((1, 2)),
+                   expert_ff=QBLOCK * rng.randint(1, 3), shared_experts=rng.choice((0, 1, 2)), vocab=512)  # fmt: skip
+
+
+def _draw(rng: random.Random) -> Shape | LatentShape | None:
+    """A tiny dense, mixture or DeepSeek shape, or None where its query or hidden width is not whole 32-value
+    blocks."""
+    if rng.random() < 0.15:
+        return _latent(rng)
     hd, kv = rng.choice(HEAD_DIMS), rng.choice((1, 2, 4))
     heads = kv * rng.choice((1, 2, 3, 4))
     embd = QBLOCK * rng.randint(2, 10)
@@ -54,8 +68,12 @@ def _draw(rng: random.Random) -> Shape | None:
                    shared_ff=shared)  # fmt: skip
 
 
-def said(shape: Shape) -> str:
+def said(shape: Shape | LatentShape) -> str:
     """A draw's shape in a few words: arch, hidden width, layers, heads (query/key x width), FFN, experts."""
+    if isinstance(shape, LatentShape):
+        routing = "sigmoid" if shape.sigmoid else "softmax"
+        experts = f"experts={shape.experts}/{shape.experts_used}x{shape.expert_ff} shared={shape.shared_experts}"
+        return f"{shape.arch} d={shape.n_embd} L={shape.n_layers} h={shape.n_heads} {routing} {experts}"
     out = f"{shape.arch} d={shape.n_embd} L={shape.n_layers} h={shape.n_heads}/{shape.n_kv_heads}x{shape.head_dim}"
     out += f" ff={shape.n_ff}" + (" tied" if shape.tied else "")
     if shape.experts:
