@@ -110,8 +110,8 @@ def hf_shapes(draw) -> dict:
 def test_any_qwen_shape_matches_transformers(config, tmp_path):
     """Shapes past the fixed tiny ones (a head as wide as the hidden width, a lone key/value head, an odd FFN,
     one layer, a tied head): the prompt's logits and greedy steps against Hugging Face's classes."""
-    arch = config.pop("arch")
-    hf = tiny_hf(arch, **config)
+    arch = config["arch"]
+    hf = tiny_hf(arch, **{k: v for k, v in config.items() if k != "arch"})
     path = write_weights(tmp_path / f"{arch}-{config['seed']}.gguf", shape_of(hf, arch), gguf_weights(hf))
     model = load(path, lane="cpu", ctx=64)
     try:
