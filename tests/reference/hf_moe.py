@@ -26,26 +26,28 @@ MOE_TO_GGUF = {
 }
 
 
-def tiny_moe(arch: str, *, seed: int = 0, layers: int = 2):
-    """A random tiny mixture of `arch` (qwen2moe: shared expert, top-k not renormalised; qwen3moe: renormalised)."""
+def tiny_moe(arch: str, *, seed: int = 0, layers: int = 2, experts: int = EXPERTS, kept: int = KEPT,
+             expert_ff: int = EXPERT_FF, shared_ff: int = SHARED_FF, heads: int = 4, kv_heads: int = 2):  # fmt: skip
+    """A random tiny mixture of `arch` (qwen2moe: a shared expert of `shared_ff`, top-k not renormalised;
+    qwen3moe: renormalised, no shared expert)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=384,
         hidden_size=64,
         intermediate_size=96,
-        moe_intermediate_size=EXPERT_FF,
+        moe_intermediate_size=expert_ff,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=EXPERTS,
-        num_experts_per_tok=KEPT,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        num_experts=experts,
+        num_experts_per_tok=kept,
         rms_norm_eps=1e-6,
         max_position_embeddings=512,
         rope_theta=1e6,
         tie_word_embeddings=False,
     )
     if arch == "qwen2moe":
-        config = Qwen2MoeConfig(shared_expert_intermediate_size=SHARED_FF, norm_topk_prob=False, **common)
+        config = Qwen2MoeConfig(shared_expert_intermediate_size=shared_ff, norm_topk_prob=False, **common)
         model = Qwen2MoeForCausalLM(config)
     else:
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=32, norm_topk_prob=True, **common))
@@ -54,8 +56,10 @@ def tiny_moe(arch: str, *, seed: int = 0, layers: int = 2):
 
 def moe_shape(model, arch: str) -> Shape:
     """The synthetic writer's Shape of a tiny mixture: the dense reading and the experts' widths."""
-    shared = SHARED_FF if arch == "qwen2moe" else 0
-    return shape_of(model, arch, experts=EXPERTS, experts_used=KEPT, expert_ff=EXPERT_FF, shared_ff=shared)
+    c = model.config
+    shared = c.shared_expert_intermediate_size if arch == "qwen2moe" else 0
+    return shape_of(model, arch, experts=c.num_experts, experts_used=c.num_experts_per_tok,
+                    expert_ff=c.moe_intermediate_size, shared_ff=shared)  # fmt: skip
 
 
 def moe_weights(model) -> dict[str, np.ndarray]:
