@@ -42,7 +42,8 @@ CTX = 32
 def _latent(rng: random.Random) -> LatentShape:
     """A tiny DeepSeek: V2's routing or V3's ungrouped (sigmoid scores, weights renormalised and scaled), a
     dense first layer, then a mixture with none to two shared experts (added ungated)."""
-    v3 = replace(SHAPES["tiny-deepseek3"], groups=1, groups_used=1)  # the lane routes by one top-k
+    # the lane routes by one top-k, and its products take rows of whole 32-value blocks (the tiny V3's q LoRA is 48)
+    v3 = replace(SHAPES["tiny-deepseek3"], groups=1, groups_used=1, q_lora=2 * QBLOCK)
     base = SHAPES["tiny-deepseek2"] if rng.random() < 0.5 else v3
     return replace(base, n_heads=rng.choice((2, 4, 8)), experts=rng.choice((4, 8)), experts_used=rng.choice((1, 2)),
                    expert_ff=QBLOCK * rng.randint(1, 3), shared_experts=rng.choice((0, 1, 2)), vocab=512)  # fmt: skip
