@@ -45,28 +45,33 @@ LAYER_TO_GGUF = {
 }
 
 
-def tiny_deepseek(version: int, *, q_lora: bool, seed: int = 0, layers: int = 3):
+def tiny_deepseek(version: int, *, q_lora: bool | int, seed: int = 0, layers: int = 3, **widths):
     """A random tiny DeepSeek-V2 (softmax routing, its weights scaled, not renormalised) or V3 (sigmoid routing
-    with a correction bias, grouped top-k, renormalised and scaled, YaRN), with or without q LoRA."""
+    with a correction bias, grouped top-k, renormalised and scaled, YaRN), with or without q LoRA (`q_lora`: a
+    rank, or True for the default's). `widths` overrides the config's other fields (heads, the latent's and the
+    heads' widths, the experts, the groups)."""
     torch.manual_seed(seed)
+    rank = Q_LORA if q_lora is True else (q_lora or None)
     common = dict(
         vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=EXPERT_FF,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=EXPERTS,
-        n_shared_experts=1, num_experts_per_tok=KEPT, q_lora_rank=Q_LORA if q_lora else None,
+        n_shared_experts=1, num_experts_per_tok=KEPT, q_lora_rank=rank,
         kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=VDIM,
         first_k_dense_replace=1, rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=False,
-    )  # fmt: skip
+        routed_scaling_factor=SCALE,
+    ) | widths  # fmt: skip
+    common["num_key_value_heads"] = common["num_attention_heads"]
     if version == 2:
-        model = DeepseekV2ForCausalLM(DeepseekV2Config(routed_scaling_factor=SCALE, **common))
+        model = DeepseekV2ForCausalLM(DeepseekV2Config(**common))
     else:
-        config = DeepseekV3Config(n_group=GROUPS, topk_group=GROUPS_USED, norm_topk_prob=True,
-                                  routed_scaling_factor=SCALE, rope_scaling=dict(YARN), **common)  # fmt: skip
-        model = DeepseekV3ForCausalLM(config)
+        grouping = {"n_group": GROUPS, "topk_group": GROUPS_USED} | common
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(norm_topk_prob=True, rope_scaling=dict(YARN), **grouping))
     model = randomize(model, {"mlp.gate.weight": ROUTER_SCALE})
     with torch.no_grad():
-        for layer in model.model.layers[1:]:
-            if hasattr(layer.mlp.gate, "e_score_correction_bias"):
-                layer.mlp.gate.e_score_correction_bias.copy_(BIAS_SCALE * torch.randn(EXPERTS))
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate") and hasattr(layer.mlp.gate, "e_score_correction_bias"):
+                bias = layer.mlp.gate.e_score_correction_bias
+                bias.copy_(BIAS_SCALE * torch.randn(bias.shape))
     return model
 
 
@@ -77,11 +82,12 @@ def latent_shape(model, version: int) -> LatentShape:
     return LatentShape(
         c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.intermediate_size, c.vocab_size,
         kv_lora=c.kv_lora_rank, nope=c.qk_nope_head_dim, rope=c.qk_rope_head_dim, vdim=c.v_head_dim,
-        q_lora=c.q_lora_rank or 0, dense_layers=c.first_k_dense_replace, experts=EXPERTS, experts_used=KEPT,
-        expert_ff=EXPERT_FF, shared_experts=c.n_shared_experts, weights_scale=c.routed_scaling_factor,
-        weights_norm=v3, sigmoid=v3, groups=GROUPS if v3 else 1, groups_used=GROUPS_USED if v3 else 1,
-        yarn_factor=YARN["factor"] if v3 else 1.0, yarn_original=YARN["original_max_position_embeddings"],
-        context=c.max_position_embeddings, rope_base=c.rope_parameters["rope_theta"], rms_eps=c.rms_norm_eps,
+        q_lora=c.q_lora_rank or 0, dense_layers=c.first_k_dense_replace, experts=c.n_routed_experts,
+        experts_used=c.num_experts_per_tok, expert_ff=c.moe_intermediate_size, shared_experts=c.n_shared_experts or 0,
+        weights_scale=c.routed_scaling_factor, weights_norm=v3, sigmoid=v3, groups=c.n_group if v3 else 1,
+        groups_used=c.topk_group if v3 else 1, yarn_factor=YARN["factor"] if v3 else 1.0,
+        yarn_original=YARN["original_max_position_embeddings"], context=c.max_position_embeddings,
+        rope_base=c.rope_parameters["rope_theta"], rms_eps=c.rms_norm_eps,
     )  # fmt: skip
 
 
@@ -124,7 +130,7 @@ def choice_margins(model, ids: list[int]) -> float:
         left = choice.scatter(1, kept, -torch.inf)
         margins.append(float((ranked - _best_in_kept_groups(gate, choice, left)).min()))
 
-    hooks = [layer.mlp.gate.register_forward_hook(seen) for layer in model.model.layers[1:]]
+    hooks = [layer.mlp.gate.register_forward_hook(seen) for layer in model.model.layers if hasattr(layer.mlp, "gate")]
     try:
         with torch.no_grad():
             model(torch.tensor([ids]))
