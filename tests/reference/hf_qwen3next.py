@@ -50,70 +50,61 @@ LAYER_NAMES = {
 }
 
 
-def tiny_qwen3next(*, seed: int = 0):
-    """A random four-layer Qwen3-Next: linear, full, linear, full; four experts, two kept, a shared expert."""
+def tiny_qwen3next(*, seed: int = 0, full_every: int = 2, layers: int = len(LAYER_TYPES), head_dim: int = HEAD_DIM,
+                   k_heads: int = K_HEADS, v_heads: int = V_HEADS, ssm_dim: int = SSM_DIM,
+                   rope_part: float = ROPE_PART, **widths):  # fmt: skip
+    """A random Qwen3-Next, four layers by default: linear, full, linear, full; four experts, two kept, a shared
+    expert. `full_every`: every this-many-th layer is a full attention's (llama.cpp's interval); `widths`
+    overrides the config's other fields (heads, the convolution's taps, the experts)."""
     torch.manual_seed(seed)
-    config = Qwen3NextConfig(
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=len(LAYER_TYPES),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=HEAD_DIM,
-        linear_num_key_heads=K_HEADS,
-        linear_num_value_heads=V_HEADS,
-        linear_key_head_dim=SSM_DIM,
-        linear_value_head_dim=SSM_DIM,
-        linear_conv_kernel_dim=CONV,
-        num_experts=EXPERTS,
-        num_experts_per_tok=KEPT,
-        moe_intermediate_size=EXPERT_FF,
-        shared_expert_intermediate_size=SHARED_FF,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        layer_types=LAYER_TYPES,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": ROPE_PART},
+    types = ["full_attention" if (i + 1) % full_every == 0 else "linear_attention" for i in range(layers)]
+    fields = dict(
+        vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=head_dim, linear_num_key_heads=k_heads, linear_num_value_heads=v_heads,
+        linear_key_head_dim=ssm_dim, linear_value_head_dim=ssm_dim, linear_conv_kernel_dim=CONV,
+        num_experts=EXPERTS, num_experts_per_tok=KEPT, moe_intermediate_size=EXPERT_FF,
+        shared_expert_intermediate_size=SHARED_FF, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        layer_types=types, rms_norm_eps=1e-6, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": rope_part},
         tie_word_embeddings=False,
-    )
-    return randomize(Qwen3NextForCausalLM(config), SPREADS)
+    ) | widths  # fmt: skip
+    return randomize(Qwen3NextForCausalLM(Qwen3NextConfig(**fields)), SPREADS)
 
 
 def shape_of(model) -> Shape:
     c = model.config
+    full_every = c.layer_types.index("full_attention") + 1 if "full_attention" in c.layer_types else 0
     return Shape(
         "qwen3next",
         c.hidden_size,
         c.num_hidden_layers,
         c.num_attention_heads,
         c.num_key_value_heads,
-        HEAD_DIM,
+        c.head_dim,
         c.intermediate_size,
         c.vocab_size,
         context=c.max_position_embeddings,
-        rope_base=1e6,
+        rope_base=c.rope_parameters["rope_theta"],
         rms_eps=c.rms_norm_eps,
-        experts=EXPERTS,
-        experts_used=KEPT,
-        expert_ff=EXPERT_FF,
-        shared_ff=SHARED_FF,
-        full_every=2,
-        ssm_k_heads=K_HEADS,
-        ssm_v_heads=V_HEADS,
-        ssm_dim=SSM_DIM,
-        conv=CONV,
-        rope_dim=int(HEAD_DIM * ROPE_PART),
+        experts=c.num_experts,
+        experts_used=c.num_experts_per_tok,
+        expert_ff=c.moe_intermediate_size,
+        shared_ff=c.shared_expert_intermediate_size,
+        full_every=full_every,
+        ssm_k_heads=c.linear_num_key_heads,
+        ssm_v_heads=c.linear_num_value_heads,
+        ssm_dim=c.linear_key_head_dim,
+        conv=c.linear_conv_kernel_dim,
+        rope_dim=int(c.head_dim * c.rope_parameters["partial_rotary_factor"]),
     )
 
 
-def _split_qkvz(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _split_qkvz(w: np.ndarray, c) -> tuple[np.ndarray, np.ndarray]:
     """in_proj_qkvz's rows, grouped per key head, as attn_qkv's (queries, keys, values) and attn_gate's (z)."""
-    per = V_HEADS // K_HEADS * SSM_DIM
-    groups = w.reshape(K_HEADS, 2 * SSM_DIM + 2 * per, -1)
-    q, k, v, z = np.split(groups, np.cumsum([SSM_DIM, SSM_DIM, per]), axis=1)
+    kh, dk = c.linear_num_key_heads, c.linear_key_head_dim
+    per = c.linear_num_value_heads // kh * c.linear_value_head_dim
+    groups = w.reshape(kh, 2 * dk + 2 * per, -1)
+    q, k, v, z = np.split(groups, np.cumsum([dk, dk, per]), axis=1)
     d = w.shape[-1]
     return np.concatenate([q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)]), z.reshape(-1, d)
 
@@ -131,7 +122,7 @@ def gguf_weights(model) -> dict[str, np.ndarray]:
         layer, rest = name.split(".", 3)[2], name.split(".", 3)[3]
         b = f"blk.{layer}."
         if rest == "linear_attn.in_proj_qkvz.weight":
-            out[b + "attn_qkv.weight"], out[b + "attn_gate.weight"] = _split_qkvz(value)
+            out[b + "attn_qkv.weight"], out[b + "attn_gate.weight"] = _split_qkvz(value, model.config)
         elif rest == "linear_attn.A_log":
             out[b + "ssm_a"] = -np.exp(value)
         elif rest == "linear_attn.conv1d.weight":
