@@ -5,7 +5,7 @@ names shows up here as a step outside the lane's numerics contract (or not finit
     python -m fuzz.lane_numbers [--seed N] [--count N] [--log FILE]
 
 `fuzz.lane_shapes` compiles the launches of real widths; this runs tiny widths' launches and checks their
-numbers. Each draw is a dense Qwen-like model (qwen2 or qwen3: heads of 16 to 96 values, one to four key
+numbers. Each draw is a dense Qwen-like model (qwen2 or qwen3: heads of 8 to 96 values, one to four key
 heads, one to four query heads each, one or two layers, tied or not), a tiny mixture (qwen2moe with a shared
 expert, qwen3moe; four or eight experts, one or two kept) or a tiny DeepSeek (V2's routing or V3's ungrouped,
 none to two shared experts), a mix from `synth.Mix`, and one knob setting or none. A prompt past the GEMV's
@@ -32,7 +32,7 @@ KNOBS = (
     (), (), (), ("activations=dequant",), ("rope_epilogue=on",), ("prefill=in-place",), ("prefill=int8",),
     ("norm_launch=off",), ("fuse_quant=off",), ("cache=f32",), ("shared_fold=off",),
 )  # fmt: skip
-HEAD_DIMS = (16, 32, 48, 64, 80, 96)
+HEAD_DIMS = (8, 16, 32, 48, 64, 80, 96)
 QBLOCK = 32  # a quantized row's block: a model's rows are whole blocks
 PROMPT = [5, 60, 7, 300, 8, 1, 2, 3, 4, 5, 6]  # past the GEMV's rows: the prefill's products and attention
 SHORT, DECODE = [12, 13], [9, 4]
