@@ -52,10 +52,12 @@ TRIG = 4  # roundings of cos, sin, the two products and their sum, in units of u
     ("fmt", "m", "a", "b", "strided"),
     [(Format.Q8_0, 1, 32, 16, True), (Format.Q4_K, 1, 256, 8, False), (Format.Q5_0, 2, 64, 16, True),
      (Format.F16, 3, 16, 32, True),
-     (Format.F32, 2, 24, 8, False), (Format.Q8_0, 10, 32, 16, True)],
+     (Format.F32, 2, 24, 8, False), (Format.Q8_0, 10, 32, 16, True),
+     (Format.BF16, 2, 16, 32, True), (Format.BF16, 1, 64, 16, False)],
 )  # fmt: skip
 def test_head_matmul_is_each_heads_product(fmt, m, a, b, strided):
-    # V2-Lite's Q4_K_M: the key half Q5_0 rows of 128 read at the query's pitch, the value half Q4_K of 512
+    # V2-Lite's Q4_K_M: the key half Q5_0 rows of 128 read at the query's pitch, the value half Q4_K of 512;
+    # BF16 rows of 16 values (a tiny model's key half: the float kernel) and of 64 (the block formats' GEMV)
     rng = np.random.default_rng(5)
     h = 3
     raw = raw_weights(fmt, h * b, a, rng)

@@ -5,8 +5,9 @@ The query's unrotated part through the key half of the latent's expansion (`attn
 and the attended latent through the value half (`attn_v_b`, (h, vdim, kv_lora)) are both stored as a head's
 `b` checkpoint rows of `a` values, so a head is a GEMV over its own rows. A block format decodes the file's
 bytes in registers through the GEMV's own helpers (`gemv.formats.dot_rows`); float rows (the converter's
-f16 or f32, whatever their width) are read as floats. `x` is read in place at any pitch: a head's `a` values
-start `x_head` apart and a row's heads `x_row` apart (the query's unrotated slice is read where it lies).
+f16 or f32, whatever their width; bf16 of a width that GEMV does not take) are read as floats. `x` is read in
+place at any pitch: a head's `a` values start `x_head` apart and a row's heads `x_row` apart (the query's
+unrotated slice is read where it lies).
 
 With a rotation (`Turn`), the launch writes the query's join in place (JoinInPlace): each head's products, then
 its rotated part, turned by one more column of programs as `parts.rope` turns it, so no join runs after.
@@ -26,7 +27,11 @@ from fuselane.lanes.cuda.triton.gemv.formats import SLOTS, dot_rows
 from fuselane.lanes.cuda.triton.gemv.rows import plan, row_tiles, stages, tile
 from fuselane.lanes.cuda.triton.mla import parts
 
-FLOATS = {Format.F32: tl.float32, Format.F16: tl.float16}
+# Float rows the float kernel reads, by the torch dtype it views them as: BF16's as their 16 bits, widened in
+# the kernel (the interpreter has no bfloat16), and only where the block formats' GEMV cannot take the rows
+# (a width that is not whole 32-value units, as a tiny model's 16-value key half)
+FLOATS = {Format.F32: torch.float32, Format.F16: torch.float16, Format.BF16: torch.int16}
+BF16_SHIFT = tl.constexpr(16)  # a bf16's bits are an f32's upper half
 # Output rows a program of the float kernel takes.
 FLOAT_BLOCK_N = 32
 
@@ -81,11 +86,13 @@ def _head_rows_kernel(
 
 @triton.jit
 def _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, BLOCK_N: tl.constexpr,
-                    BLOCK_A: tl.constexpr):  # fmt: skip
+                    BLOCK_A: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_A)
     keep = (rows < n)[:, None] & (cols < a)[None, :]
-    wv = tl.load(w + (h * n + rows).to(tl.int64)[:, None] * a + cols[None, :], mask=keep, other=0.0)
+    wv = tl.load(w + (h * n + rows).to(tl.int64)[:, None] * a + cols[None, :], mask=keep, other=0)
+    if BF16:
+        wv = ((wv.to(tl.int32) & 0xFFFF) << BF16_SHIFT).to(tl.float32, bitcast=True)
     xv = tl.load(x + mi.to(tl.int64) * x_row + h * x_head + cols, mask=cols < a, other=0.0)
     y = tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
     tl.store(out + mi.to(tl.int64) * out_row + h * out_head + rows, y, mask=rows < n)
@@ -95,7 +102,7 @@ def _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, BL
 def _head_floats_kernel(
     x, x_row, x_head, w, out, out_row, out_head, n, a, rx, rx_row, rx_head, pos, inv,
     BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr,
-    BATCHED: tl.constexpr, PDL: tl.constexpr = False,
+    BATCHED: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl.begin(PDL)
     h, mi = tl.program_id(2), tl.program_id(1)
@@ -104,13 +111,15 @@ def _head_floats_kernel(
             dst = out + mi.to(tl.int64) * out_row + h * out_head + n
             parts.rope_row(rx, rx_row, rx_head, dst, pos, inv, mi, h, PAIRS, BLOCK_P, HALF, BATCHED)
         else:
-            _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, BLOCK_N, BLOCK_A)
+            _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, BLOCK_N, BLOCK_A, BF16)
     else:
-        _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, BLOCK_N, BLOCK_A)
+        _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, BLOCK_N, BLOCK_A, BF16)
 
 
-def _floats(w: torch.Tensor, fmt: Format) -> torch.Tensor:
-    return w.view(torch.float32 if fmt is Format.F32 else torch.float16)
+def reads_floats(fmt: Format, a: int) -> bool:
+    """Whether a head's `a`-value rows in `fmt` take the float kernel: F32 and F16 always, BF16 where its row is
+    not whole units of the block formats' GEMV (which reads BF16 at its speed otherwise)."""
+    return fmt in (Format.F32, Format.F16) or (fmt is Format.BF16 and a % SLOTS[fmt].unit != 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,12 +169,12 @@ def head_matmul(
     out_row = heads * width
     rargs, rconsts = (turn.args(), turn.constants()) if turn is not None else _no_turn(out)
     more = 1 if turn is not None else 0  # the rotation's column of programs
-    if fmt in FLOATS:
+    if reads_floats(fmt, a):
         grid = (triton.cdiv(b, FLOAT_BLOCK_N) + more, m, heads)
         block_a = triton.next_power_of_2(a)
         _head_floats_kernel[grid](
-            x, x_row, x_head, _floats(w, fmt), out, out_row, width, b, a, *rargs, FLOAT_BLOCK_N, block_a, **rconsts,
-            **pdl.options(),
+            x, x_row, x_head, w.view(FLOATS[fmt]), out, out_row, width, b, a, *rargs, FLOAT_BLOCK_N, block_a,
+            **rconsts, BF16=fmt is Format.BF16, **pdl.options(),
         )  # fmt: skip
         return out
     if fmt not in SLOTS:
