@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 from fuselane.gguf.synth import write_weights  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
-from tests.reference.hf_tiny import gguf_weights, hf_logits, shape_of, tiny_hf  # noqa: E402
+from tests.reference.hf_tiny import gguf_weights, greedy, hf_logits, shape_of, tiny_hf  # noqa: E402
 
 # f32 on both sides; the two sum in different orders, so logits agree to a few f32 ulps times the depth.
 REL_TOL = 1e-4
@@ -40,12 +40,7 @@ def test_prefill_logits_match_transformers(pair):
 
 def decode_matches(model, hf, arch: str) -> None:
     """The prompt, then DECODE_STEPS greedy steps, each step's logits against Hugging Face's on the same ids."""
-    session = model.session()
-    ids = list(PROMPT)
-    ours = [session.feed(ids)]
-    for _ in range(DECODE_STEPS):
-        ids.append(int(np.argmax(ours[-1])))
-        ours.append(session.extend(ids[-1:]))
+    ids, ours = greedy(model, PROMPT, DECODE_STEPS)
     ref = hf_logits(hf, ids)[len(PROMPT) - 1 :]
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
         assert rel_err(a, b) <= REL_TOL, f"{arch} step {step}"

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 from fuselane.gguf.synth import write_weights  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 from tests.reference.hf_deepseek import choice_margins, latent_shape, latent_weights, tiny_deepseek  # noqa: E402
-from tests.reference.hf_tiny import hf_logits  # noqa: E402
+from tests.reference.hf_tiny import greedy, hf_logits  # noqa: E402
 
 REL_TOL = 1e-4  # f32 on both sides, summed in different orders: the dense comparison's bound
 MIN_GAP = 1e-4
@@ -65,12 +65,7 @@ def test_prefill_logits_match_transformers(pair):
 
 def test_decode_steps_match_transformers(pair):
     name, hf, model = pair
-    session = model.session()
-    ids = list(PROMPT)
-    ours = [session.feed(ids)]
-    for _ in range(DECODE_STEPS):
-        ids.append(int(np.argmax(ours[-1])))
-        ours.append(session.extend(ids[-1:]))
+    ids, ours = greedy(model, PROMPT, DECODE_STEPS)
     assert choice_margins(hf, ids) >= MIN_GAP
     ref = hf_logits(hf, ids)[len(PROMPT) - 1 :]
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
@@ -120,12 +115,7 @@ def test_any_latent_model_matches_transformers(config, tmp_path):
     path = write_weights(tmp_path / f"m-{config['seed']}.gguf", latent_shape(hf, version), latent_weights(hf))
     model = load(path, lane="cpu", ctx=64)
     try:
-        session = model.session()
-        ids = list(PROMPT)
-        ours = [session.feed(ids)]
-        for _ in range(DECODE_STEPS):
-            ids.append(int(np.argmax(ours[-1])))
-            ours.append(session.extend(ids[-1:]))
+        ids, ours = greedy(model, PROMPT, DECODE_STEPS)
     finally:
         model.close()
     assume(choice_margins(hf, ids) >= MIN_GAP)

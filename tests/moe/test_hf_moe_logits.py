@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 from fuselane.gguf.synth import write_weights  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 from tests.reference.hf_moe import moe_shape, moe_weights, router_gaps, tiny_moe  # noqa: E402
-from tests.reference.hf_tiny import hf_logits  # noqa: E402
+from tests.reference.hf_tiny import greedy, hf_logits  # noqa: E402
 
 # f32 on both sides, summed in different orders: the dense comparison's bound (tests/test_hf_logits.py).
 REL_TOL = 1e-4
@@ -61,20 +61,9 @@ def test_prefill_logits_match_transformers(pair):
     assert rel_err(model.logits(PROMPT), hf_logits(hf, PROMPT)) <= REL_TOL
 
 
-def greedy(model) -> tuple[list[int], list[np.ndarray]]:
-    """PROMPT, then DECODE_STEPS greedy steps: the ids and each step's logits."""
-    session = model.session()
-    ids = list(PROMPT)
-    ours = [session.feed(ids)]
-    for _ in range(DECODE_STEPS):
-        ids.append(int(np.argmax(ours[-1])))
-        ours.append(session.extend(ids[-1:]))
-    return ids, ours
-
-
 def test_decode_steps_match_transformers(pair):
     arch, hf, model = pair
-    ids, ours = greedy(model)
+    ids, ours = greedy(model, PROMPT, DECODE_STEPS)
     assert router_gaps(hf, ids) >= MIN_GAP
     ref = hf_logits(hf, ids)[len(PROMPT) - 1 :]
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
@@ -104,7 +93,7 @@ def test_any_mixture_matches_transformers(config, tmp_path):
     path = write_weights(tmp_path / f"{arch}-{config['seed']}.gguf", moe_shape(hf, arch), moe_weights(hf))
     model = load(path, lane="cpu", ctx=64)
     try:
-        ids, ours = greedy(model)
+        ids, ours = greedy(model, PROMPT, DECODE_STEPS)
     finally:
         model.close()
     kept_all = config["kept"] == config["experts"]  # nothing dropped: no tie can change what is kept

@@ -121,3 +121,15 @@ def gguf_weights(model) -> dict[str, np.ndarray]:
 def hf_logits(model, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].double().numpy()
+
+
+def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """`prompt` on one of our models' sessions, then `steps` greedy steps: the ids (the prompt and the picks)
+    and each step's logits, for a reference's pass over the same ids."""
+    session = model.session()
+    ids = list(prompt)
+    ours = [session.feed(ids)]
+    for _ in range(steps):
+        ids.append(int(np.argmax(ours[-1])))
+        ours.append(session.extend(ids[-1:]))
+    return ids, ours
