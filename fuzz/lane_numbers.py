@@ -25,6 +25,7 @@ import time
 import traceback
 from dataclasses import replace
 
+from fuselane.gguf.formats import QK  # a quantized row's block: a model's rows are whole blocks
 from fuselane.gguf.synth import SHAPES, Mix, Shape, write_synthetic
 from fuselane.gguf.synth_latent import LatentShape
 
@@ -33,7 +34,6 @@ KNOBS = (
     ("norm_launch=off",), ("fuse_quant=off",), ("cache=f32",), ("shared_fold=off",),
 )  # fmt: skip
 HEAD_DIMS = (8, 16, 32, 48, 64, 80, 96)
-QBLOCK = 32  # a quantized row's block: a model's rows are whole blocks
 PROMPT = [5, 60, 7, 300, 8, 1, 2, 3, 4, 5, 6]  # past the GEMV's rows: the prefill's products and attention
 SHORT, DECODE = [12, 13], [9, 4]
 CTX = 32
@@ -43,10 +43,10 @@ def _latent(rng: random.Random) -> LatentShape:
     """A tiny DeepSeek: V2's routing or V3's ungrouped (sigmoid scores, weights renormalised and scaled), a
     dense first layer, then a mixture with none to two shared experts (added ungated)."""
     # the lane routes by one top-k, and its products take rows of whole 32-value blocks (the tiny V3's q LoRA is 48)
-    v3 = replace(SHAPES["tiny-deepseek3"], groups=1, groups_used=1, q_lora=2 * QBLOCK)
+    v3 = replace(SHAPES["tiny-deepseek3"], groups=1, groups_used=1, q_lora=2 * QK)
     base = SHAPES["tiny-deepseek2"] if rng.random() < 0.5 else v3
     return replace(base, n_heads=rng.choice((2, 4, 8)), experts=rng.choice((4, 8)), experts_used=rng.choice((1, 2)),
-                   expert_ff=QBLOCK * rng.randint(1, 3), shared_experts=rng.choice((0, 1, 2)), vocab=512)  # fmt: skip
+                   expert_ff=QK * rng.randint(1, 3), shared_experts=rng.choice((0, 1, 2)), vocab=512)  # fmt: skip
 
 
 def _draw(rng: random.Random) -> Shape | LatentShape | None:
@@ -56,16 +56,16 @@ def _draw(rng: random.Random) -> Shape | LatentShape | None:
         return _latent(rng)
     hd, kv = rng.choice(HEAD_DIMS), rng.choice((1, 2, 4))
     heads = kv * rng.choice((1, 2, 3, 4))
-    embd = QBLOCK * rng.randint(2, 10)
-    if heads * hd % QBLOCK:
+    embd = QK * rng.randint(2, 10)
+    if heads * hd % QK:
         return None
     if rng.random() < 2 / 3:
-        arch, ff = rng.choice(("qwen2", "qwen3")), QBLOCK * rng.randint(2, 12)
+        arch, ff = rng.choice(("qwen2", "qwen3")), QK * rng.randint(2, 12)
         return Shape(arch, embd, rng.choice((1, 2)), heads, kv, hd, ff, 512, context=4096, tied=rng.random() < 0.3)
     base = SHAPES[rng.choice(("tiny-qwen3moe", "tiny-qwen2moe"))]
-    shared = QBLOCK * rng.randint(1, 6) if base.shared_ff else 0
+    shared = QK * rng.randint(1, 6) if base.shared_ff else 0
     return replace(base, n_embd=embd, n_layers=1, n_heads=heads, n_kv_heads=kv, head_dim=hd, vocab=512,
-                   experts=rng.choice((4, 8)), experts_used=rng.choice((1, 2)), expert_ff=QBLOCK * rng.randint(1, 4),
+                   experts=rng.choice((4, 8)), experts_used=rng.choice((1, 2)), expert_ff=QK * rng.randint(1, 4),
                    shared_ff=shared)  # fmt: skip
 
 

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 from fuselane.gguf.synth import write_weights  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 from tests.reference.hf_deepseek import choice_margins, latent_shape, latent_weights, tiny_deepseek  # noqa: E402
-from tests.reference.hf_tiny import greedy, hf_logits  # noqa: E402
+from tests.reference.hf_tiny import greedy, greedy_from, hf_logits  # noqa: E402
 
 REL_TOL = 1e-4  # f32 on both sides, summed in different orders: the dense comparison's bound
 MIN_GAP = 1e-4
@@ -113,11 +113,7 @@ def test_any_latent_model_matches_transformers(config, tmp_path):
     hf = tiny_deepseek(version, q_lora=config["q_lora"], seed=config["seed"], layers=config["layers"],
                        **config["widths"])  # fmt: skip
     path = write_weights(tmp_path / f"m-{config['seed']}.gguf", latent_shape(hf, version), latent_weights(hf))
-    model = load(path, lane="cpu", ctx=64)
-    try:
-        ids, ours = greedy(model, PROMPT, DECODE_STEPS)
-    finally:
-        model.close()
+    ids, ours = greedy_from(path, PROMPT, DECODE_STEPS)
     assume(choice_margins(hf, ids) >= MIN_GAP)
     ref = hf_logits(hf, ids)[len(PROMPT) - 1 :]
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):

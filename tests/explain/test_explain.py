@@ -17,7 +17,7 @@ import pytest
 from fuselane.cli import main
 from fuselane.explain import JSON_VERSION, build_plan, make_shim, to_json
 from fuselane.fuse.optimizer import rule_names
-from fuselane.fuse.views import parts
+from fuselane.fuse.views import class_of, parts
 from fuselane.graph.ir import Op
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -94,9 +94,7 @@ def leaves_and_folds(op: Op) -> list[Op]:
 
 def folds(plan) -> list[tuple[str, tuple[int, ...]]]:
     """Every op of a plan and every fold inside it, by class and the original ops it covers."""
-    return [
-        (getattr(op.sym, "cls", type(op.sym).__name__), op.covers) for top in plan.ops for op in leaves_and_folds(top)
-    ]
+    return [(class_of(op) or type(op.sym).__name__, op.covers) for top in plan.ops for op in leaves_and_folds(top)]
 
 
 @pytest.mark.parametrize("lane", ["cpu", "cuda"])

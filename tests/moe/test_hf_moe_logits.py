@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 from fuselane.gguf.synth import write_weights  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 from tests.reference.hf_moe import moe_shape, moe_weights, router_gaps, tiny_moe  # noqa: E402
-from tests.reference.hf_tiny import greedy, hf_logits  # noqa: E402
+from tests.reference.hf_tiny import greedy, greedy_from, hf_logits  # noqa: E402
 
 # f32 on both sides, summed in different orders: the dense comparison's bound (tests/test_hf_logits.py).
 REL_TOL = 1e-4
@@ -91,11 +91,7 @@ def test_any_mixture_matches_transformers(config, tmp_path):
     arch = config["arch"]
     hf = tiny_moe(arch, **{k: v for k, v in config.items() if k != "arch"})
     path = write_weights(tmp_path / f"{arch}-{config['seed']}.gguf", moe_shape(hf, arch), moe_weights(hf))
-    model = load(path, lane="cpu", ctx=64)
-    try:
-        ids, ours = greedy(model, PROMPT, DECODE_STEPS)
-    finally:
-        model.close()
+    ids, ours = greedy_from(path, PROMPT, DECODE_STEPS)
     kept_all = config["kept"] == config["experts"]  # nothing dropped: no tie can change what is kept
     assume(kept_all or router_gaps(hf, ids) >= MIN_GAP)
     ref = hf_logits(hf, ids)[len(PROMPT) - 1 :]

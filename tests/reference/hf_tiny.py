@@ -133,3 +133,14 @@ def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[np.nda
         ids.append(int(np.argmax(ours[-1])))
         ours.append(session.extend(ids[-1:]))
     return ids, ours
+
+
+def greedy_from(path, prompt: list[int], steps: int, ctx: int = 64) -> tuple[list[int], list[np.ndarray]]:
+    """`greedy` on the cpu lane's model of the file at `path`, loaded for it and closed after."""
+    from fuselane.runtime.model import load
+
+    model = load(path, lane="cpu", ctx=ctx)
+    try:
+        return greedy(model, prompt, steps)
+    finally:
+        model.close()

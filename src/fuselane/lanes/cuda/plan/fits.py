@@ -359,9 +359,9 @@ def _attn_output_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorG
     a = _attention(members[0])
     if a is not None and a.value_width % kernels.QBLOCK == 0:
         return None
-    if a is not None and (a.rows == 1 or a.batched) and a.hd == a.value_width:
-        if a.heads * a.hd % kernels.QBLOCK == 0:
-            return None
+    step = a is not None and (a.rows == 1 or a.batched) and a.hd == a.value_width
+    if step and a.heads * a.hd % kernels.QBLOCK == 0:  # type: ignore[union-attr]
+        return None
     return (
         "an attention quantizes its output only where its heads are whole 32-value groups, or a decode step's "
         "heads together are"
