@@ -10,6 +10,7 @@ adds; the norm within `norm_rel` more.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -230,7 +231,7 @@ def test_a_folded_shared_expert_rides_the_gate_up_launch(fmt, int8, sdff, shared
     # were; a width of 96 is more tiles than the kept experts' 64 rows take. Under int8 activations its
     # SwiGLU takes the kept experts' int8 tiles (kernels.MOE_SHARED_INT8) or the f32 products. An ungated
     # expert (DeepSeek's) has no score program: 1 where the sigmoid goes, its SwiGLU tiles all the same.
-    monkeypatch.setattr(gate_up.kernels, "MOE_SHARED_INT8", shared_int8)
+    monkeypatch.setattr(shared.kernels, "MOE_SHARED_INT8", shared_int8)
     rng = np.random.default_rng(6)
     experts, n, k, slots = 4, 64, 256, 2
     rg, _ = _matrices(fmt, experts, n, k, rng)
@@ -350,3 +351,49 @@ def test_the_down_orders_and_depths_give_the_same_bits(fmt, dff, warps):
     for other in got[1:]:
         for a, b in zip(got[0], other, strict=True):
             assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", [Format.Q4_K, Format.Q8_0])
+@pytest.mark.parametrize("gated", [True, False])
+def test_a_shared_expert_in_int8_tiles_takes_an_int8_down_product(fmt, gated):
+    # where its SwiGLU runs as the kept experts' int8 tiles (`shared.swiglu_tiles`), the gate/up launch writes
+    # that row's int8 form, bit for bit the quantizer's, and the down launch's product reads it: in Q4_K and
+    # Q8_0 too, not only in the formats the f32 GEMV by rows does not decode at speed
+    rng = np.random.default_rng(8)
+    experts, n, k, slots, sdff = 4, 256, 256, 2, 256
+    rg, _ = _matrices(fmt, experts, n, k, rng)
+    ru, _ = _matrices(fmt, experts, n, k, rng)
+    s, _, gate, _ = _shared_expert(rng, k, sdff, fmt, True, gated)
+    tiles = shared.swiglu_tiles(fmt, s.fmt, sdff, k, s.gate, s.up)
+    assert tiles and shared.int8_down(fmt, False, tiles)
+    s = dataclasses.replace(s, scratch_q8=quant.empty_q8(1, sdff, DEVICE), tiles=True)
+    assert s.down_int8
+    ids = dev(np.array([[3, 1]], dtype=np.int32))
+    h = torch.zeros((slots, n))
+    gate_up.gate_up(_q8(s.x.numpy())[0], dev(rg), dev(ru), fmt, ids, n, k, h, shared=s)
+    codes, dq, _ = quant.quantize_reference(s.scratch[:sdff].view(1, sdff).numpy())
+    assert np.array_equal(s.scratch_q8.q.numpy(), codes) and np.array_equal(s.scratch_q8.d.numpy(), dq)
+    glu_q = quant.dequantize(s.scratch_q8).double().numpy()[0]
+    rd, wd = _matrices(fmt, experts, k, n, rng)
+    hin, hv = _q8(h.numpy())
+    wts = rng.uniform(0.1, 0.6, (1, slots)).astype(np.float32)
+    sum_out = torch.zeros((1, k))
+    down.down_combine(hin, dev(rd), fmt, ids, dev(wts), k, n, sum_out, shared=s, counter=down.counters(1, DEVICE))
+    sd = dequantize(s.down.numpy(), fmt, (k, sdff)).astype(np.float64)
+    got_gate = float(s.scratch[sdff])
+    want = got_gate * (sd @ glu_q)
+    bound = got_gate * gamma(sdff + ROUNDINGS) * (np.abs(sd) @ np.abs(glu_q)) + gamma(slots + 2) * np.abs(want)
+    for j, e in enumerate((3, 1)):
+        y = wd[e] @ hv[j]
+        want = want + wts[0, j] * y
+        bound = (
+            bound
+            + wts[0, j] * gamma(n + ROUNDINGS) * (np.abs(wd[e]) @ np.abs(hv[j]))
+            + gamma(slots + 2) * np.abs(wts[0, j] * y)
+        )
+    assert np.all(np.abs(sum_out[0].double().numpy() - want) <= bound + 1e-30)
+    if not gated:
+        assert got_gate == 1.0
+        return
+    score, x = s.score.numpy().view(np.float32).astype(np.float64), s.x.double().numpy()[0]
+    assert abs(got_gate - gate) <= 0.25 * gamma(k + ROUNDINGS) * (np.abs(score) @ np.abs(x)) + gamma(4) * gate

@@ -244,23 +244,35 @@ def _parts(op: Op) -> _Parts:
     return _Parts(downs[0], mix, norm, norm_w, _shared_products(found), external)
 
 
-def _shared(b, s: dict[str, Op], op: Op, f32: bool) -> Any:
-    """The folded shared expert's launch arguments; `f32`: the kept experts read f32 (activations=dequant)."""
+def _shared(b, s: dict[str, Op], op: Op, ids: str, f32: bool) -> Any:
+    """The folded shared expert's launch arguments; `ids`: the expert ids its mixture reads, `f32`: the kept
+    experts read f32 (activations=dequant)."""
     import torch
 
-    from fuselane.lanes.cuda.triton.moe.shared import Shared, int8_down
+    from fuselane.lanes.cuda.triton.moe.shared import Shared, int8_down, swiglu_tiles
 
     (wg, fmt), (wu, _), (wd, dfmt) = (b.raw[s[r].ins[1]] for r in ("gate", "up", "down"))
     wsc, sfmt = b.raw[s["score"].ins[1]] if "score" in s else (None, None)  # an ungated expert has no score
     sdff = s["down"].sym.k  # type: ignore[union-attr]
     x = b.bufs[s["gate"].ins[0]].view(1, -1)
     scratch = b.scratch.setdefault(f"moe-shared:{op.out}", torch.zeros(sdff + 1, device=x.device))
+    tiles = not f32 and swiglu_tiles(_kept_int8_format(b, ids), fmt, sdff, x.shape[-1], wg, wu)
     q8 = None
-    if int8_down(dfmt, f32):  # an int8 down product reads the SwiGLU's int8 form
+    if int8_down(dfmt, f32, tiles):  # an int8 down product reads the SwiGLU's int8 form
         from fuselane.lanes.cuda.triton.quant import empty_q8
 
         q8 = b.scratch.setdefault(f"moe-shared-q8:{op.out}", empty_q8(1, sdff, x.device))
-    return Shared(x, wg, wu, wd, wsc, fmt, dfmt, sfmt, sdff, scratch, q8, f32)
+    return Shared(x, wg, wu, wd, wsc, fmt, dfmt, sfmt, sdff, scratch, q8, f32, tiles)
+
+
+def _kept_int8_format(b, ids: str) -> Format | None:
+    """The format of the kept experts' gate/up that read `ids`, where they read their input's int8 form (the
+    plan quantized it), else None."""
+    for x in (x for top in b.g.ops for x in leaves(top) if isinstance(x.sym, ExpertMatmul)):
+        if not x.sym.slotted and x.ins[2] == ids:
+            fmt = b.raw[x.ins[1]][1]
+            return fmt if _int8(b, x.ins[0], fmt, x.sym.n, x.sym.kd, x.sym.rows) is not None else None
+    return None
 
 
 def down_combine(op: Op, b, out_q8: Any = None) -> list:
@@ -277,7 +289,7 @@ def down_combine(op: Op, b, out_q8: Any = None) -> list:
     q8 = _int8(b, p.down.ins[0], fmt, spec.n, spec.kd, mix.rows)
     h = q8 if q8 is not None else b.bufs[p.down.ins[0]].view(mix.rows * mix.k, spec.kd)
     adds = tuple(b.bufs[name] for name in p.adds)
-    shared = _shared(b, p.shared, op, q8 is None) if p.shared else None
+    shared = _shared(b, p.shared, op, p.down.ins[2], q8 is None) if p.shared else None
     if shared is not None:  # its SwiGLU and sigmoid ride the kept experts' gate/up launch (`moe/shared.py`)
         b.scratch.setdefault(_RIDERS, {})[p.down.ins[2]] = shared
     norm = None

@@ -19,12 +19,11 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import QK, Format, row_bytes
-from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 from fuselane.lanes.cuda.triton.gemv.q8 import row_dots
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
-from fuselane.lanes.cuda.triton.moe.shared import Shared, phase_consts, shared_phase
+from fuselane.lanes.cuda.triton.moe.shared import Shared, int8_takes, phase_consts, shared_phase, swiglu_tiles
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts, store_quantized
 
 # A program's rows: one 32-value block of the output, quantized whole; a (row, group) of each chunk a thread.
@@ -106,11 +105,6 @@ def _kept_pair(
         store_quantized(h, tl.program_id(0) * BLOCK_N, N, oq + pair * N, od + pair * (N // 32), os_ + pair * (N // 16))
 
 
-def int8_takes(fmt: Format, n: int, k: int) -> bool:
-    """Whether the int8 kernel takes experts of (n, k) rows in `fmt` (and writes its int8 form: whole blocks)."""
-    return gemv_q8.supports(fmt, 1, k) and n % QK == 0
-
-
 def gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: Tensor, n: int, k: int,
             out: Tensor, out_q8: Q8Acts | None = None, shared: Shared | None = None) -> Tensor:  # fmt: skip
     """out (pairs, n) f32 = SiLU(x[row] @ Wg[e]^T) * (x[row] @ Wu[e]^T) for each (row, slot) pair, e = ids[pair]
@@ -142,14 +136,10 @@ def gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: 
     if shared is not None and pairs != ids.shape[-1]:
         raise ValueError("a shared expert folds into a decode step's one row")
     oq = out_q8 if out_q8 is not None else (out, out, out)
-    # the shared expert's SwiGLU as the kept experts' int8 tiles (kernels.MOE_SHARED_INT8) where its rows are
-    # their format, whole blocks, and start where the int8 loads need them to
-    shared_q8 = kernels.MOE_SHARED_INT8 and shared is not None and q8in and shared.fmt is fmt
-    if shared_q8:
-        align = gemv_q8.ALIGN.get(fmt, 1)
-        shared_q8 = int8_takes(fmt, shared.sdff, k) and not (shared.gate.data_ptr() % align or
-                                                             shared.up.data_ptr() % align)  # fmt: skip
-    if shared is not None and shared.down_int8 and not shared_q8:
+    # the shared expert's SwiGLU as the kept experts' int8 tiles where it can (`shared.swiglu_tiles`)
+    shared_q8 = shared is not None and swiglu_tiles(fmt if q8in else None, shared.fmt, shared.sdff, k,
+                                                    shared.gate, shared.up)  # fmt: skip
+    if shared is not None and (shared.down_int8 or shared.tiles) and not shared_q8:
         raise ValueError("a folded shared expert's int8 down reads the int8 form its SwiGLU's int8 tiles write")
     sconsts, na = phase_consts(shared, k, warps, consts["BLOCK_N"] if shared_q8 else None)
     s = shared

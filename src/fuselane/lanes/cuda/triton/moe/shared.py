@@ -3,10 +3,16 @@ kept experts' gate/up launch as programs of their own (`gate_up.gate_up`), into 
 (`down.down_combine`) then adds sigmoid * (its down rows . that row) in each of its programs. An ungated shared
 expert (DeepSeek's) has no score: its gate/up launch writes 1 where the sigmoid would go. The SwiGLU is
 f32 products (`shared_phase`), or, under `kernels.MOE_SHARED_INT8` where the expert's gate/up are the kept
-experts' format, their own int8 tiles (`gate_up`); the score is always an f32 product. The down rows are an f32
-product too, or, in a format only the int8 GEMV decodes at speed (`Shared.down_int8`: Q2_K, Q3_K, IQ4_NL, IQ4_XS),
-an int8 product of the SwiGLU's int8 form, which the int8 tiles write a block each (`scratch_q8`); under
-activations=dequant (`f32`: the kept experts read f32) those four are f32 products decoded a value at a time.
+experts' format, their own int8 tiles (`gate_up`, `Shared.tiles`); the score is always an f32 product. Where the
+SwiGLU runs as int8 tiles, the down rows are an int8 product of its int8 form, which the tiles write a block each
+(`scratch_q8`), in every format the int8 GEMV takes (`Shared.down_int8`); otherwise an f32 product, in the
+formats the f32 GEMV by rows decodes at speed. Under activations=dequant (`f32`: the kept experts read f32)
+every product is f32, Q2_K, Q3_K, IQ4_NL and IQ4_XS decoded a value at a time.
+
+Why the int8 down: an f32 product re-reads the whole f32 SwiGLU row in every down program, beside that program's
+few rows of weights, and decodes them a value at a time in f32 (H100, replayed decode step at depth 64, Q4_K_M:
+DeepSeek-V2-Lite 2.579 ms with an f32 down of its two shared experts, 2.146 with the int8 one; Qwen1.5-MoE-A2.7B
+2.324 against 1.813; benchmarks/RESULTS.md, 2026-12-05).
 
 Why there: the shared expert reads the mixture's input, as the kept experts' gate/up does, so its products run
 beside theirs with nothing to wait for, and the down launch reads the row as it reads the kept experts'
@@ -51,6 +57,7 @@ class Shared:
     # the gate/up launch's int8 tiles write it a block each, the down launch's int8 product reads it
     scratch_q8: Q8Acts | None = None
     f32: bool = False  # the kept experts read f32 activations (activations=dequant): every product an f32 one
+    tiles: bool = False  # its SwiGLU runs as the kept experts' int8 tiles (`swiglu_tiles`)
 
     def __post_init__(self) -> None:
         if self.down_int8 and self.scratch_q8 is None:
@@ -64,15 +71,32 @@ class Shared:
     @property
     def down_int8(self) -> bool:
         """Whether the down rows are an int8 product (`int8_down`)."""
-        return int8_down(self.down_fmt, self.f32)
+        return int8_down(self.down_fmt, self.f32, self.tiles and gemv_q8.supports(self.down_fmt, 1, self.sdff))
 
 
-def int8_down(fmt: Format, f32: bool = False) -> bool:
-    """Whether a folded shared expert's down rows in `fmt` are an int8 product: a format the f32 GEMV by rows
-    does not decode at its speed (`kernels.ROWS_GEMV_FORMATS`; the ones it decodes a value at a time are
-    faster as the int8 product), except where the kept experts read f32 (`f32`: activations=dequant), whose
-    numerics have no int8 product (`kernels.rows_gemv`)."""
-    return not kernels.rows_gemv(fmt, 1) if f32 else fmt not in kernels.ROWS_GEMV_FORMATS
+def int8_down(fmt: Format, f32: bool = False, tiles: bool = False) -> bool:
+    """Whether a folded shared expert's down rows in `fmt` are an int8 product: wherever its SwiGLU runs as
+    int8 tiles (`tiles`, which write its int8 form) and the int8 GEMV takes the rows, and in a format the f32
+    GEMV by rows does not decode at its speed (`kernels.ROWS_GEMV_FORMATS`); never where the kept experts read
+    f32 (`f32`: activations=dequant), whose numerics have no int8 product (`kernels.rows_gemv`)."""
+    if f32:
+        return not kernels.rows_gemv(fmt, 1)
+    return tiles or fmt not in kernels.ROWS_GEMV_FORMATS
+
+
+def int8_takes(fmt: Format, n: int, k: int) -> bool:
+    """Whether the int8 kernel takes experts of (n, k) rows in `fmt` (and writes its int8 form: whole blocks)."""
+    return gemv_q8.supports(fmt, 1, k) and n % QK == 0
+
+
+def swiglu_tiles(kept_fmt: Format | None, fmt: Format, sdff: int, d: int, gate: Tensor, up: Tensor) -> bool:
+    """Whether a folded shared expert's SwiGLU runs as the kept experts' int8 tiles (`kernels.MOE_SHARED_INT8`):
+    the kept experts read the int8 form of the input (their format `kept_fmt`, None where they read f32), the
+    expert's gate and up are that format, whole blocks, and start where the int8 loads need them to."""
+    if not kernels.MOE_SHARED_INT8 or kept_fmt is None or Format(fmt) is not Format(kept_fmt):
+        return False
+    align = gemv_q8.ALIGN.get(Format(fmt), 1)
+    return int8_takes(fmt, sdff, d) and not (gate.data_ptr() % align or up.data_ptr() % align)
 
 
 @triton.jit
