@@ -198,7 +198,9 @@ class CudaKnobs:
       the down launch adds the result). H200, Qwen3-Next-80B-A3B's
       replayed step: 3.67 ms folded (its SwiGLU as the kept experts' int8 tiles, `kernels.MOE_SHARED_INT8`),
       3.90 folded in f32 products, 3.98 apart (benchmarks/RESULTS.md, 2026-12-03); folded into the down
-      launch alone, where its programs made the rest wait, it took 5.02.
+      launch alone, where its programs made the rest wait, it took 5.02. H100, Q4_K_M, its down an int8
+      product: DeepSeek-V2-Lite 2.146 folded, 2.239 apart; Qwen1.5-MoE-A2.7B, whose shared expert is as wide
+      as its kept experts together, 1.813 folded, 1.761 apart (docs/moe.md).
     """
 
     chip: Chip = H200
