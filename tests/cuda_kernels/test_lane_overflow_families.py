@@ -2,8 +2,8 @@
 (Qwen3-MoE; Qwen2-MoE with its gated shared expert folded), DeepSeek-V2's latent attention with its ungated
 shared experts, and Qwen3-Next's hybrid of delta-rule and attention layers. Their feed-forward norm is 100, so
 the experts' SwiGLU reaches ~1e6 a value and the residual stream ~1e5; the cuda lane (interpreted) gives finite
-logits within its contract of the cpu lane's in f64 for a prompt past the GEMV's rows and two decode steps,
-under int8 activations and, for the hybrid, f32 ones (activations=dequant).
+logits within its contract of the cpu lane's in f64 for a prompt past the GEMV's rows, a chunk of two and two
+decode steps, under int8 activations and, for the hybrid, f32 ones (activations=dequant).
 
 The routers' rows are drawn wider than the other matrices (ROUTER_STD): with the ordinary spread, the loud
 model's router put a kept expert within rounding of one left out at a decode step, and a choice that flips
@@ -26,9 +26,10 @@ pytest.importorskip("triton")
 from fuselane.gguf import synth_qwen3next as hybrid  # noqa: E402
 from fuselane.gguf.formats import QK, Format  # noqa: E402
 from fuselane.gguf.synth import SHAPES, tensor_shapes, write_weights  # noqa: E402
-from fuselane.runtime.model import load  # noqa: E402
+from tests.lane_steps import runs_as_the_cpu_lane  # noqa: E402
 
 PROMPT = [5, 60, 7, 300, 8, 1, 2, 3, 4, 5, 6]  # past the GEMV's rows: the prefill's products run
+SHORT = [11, 12]  # a chunk of two after the prompt
 DECODE = [9, 10]
 # The feed-forward's norm weight (Qwen3-Next names it post_attention_norm) and the spreads: gate and up
 # products ~400 a value, as in test_lane_overflow.py; the routers' scores far apart (see above).
@@ -75,13 +76,4 @@ def _loud(path, shape: str):
     ],
 )
 def test_activations_of_1e6_stay_finite_in_every_family(tmp_path, shape, knobs):
-    path = _loud(tmp_path / "loud.gguf", shape)
-    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
-    gpu = load(path, lane="cuda", ctx=32, knobs=list(knobs))
-    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
-    sessions = gpu.session(), ref.session()
-    steps = [[s.feed(PROMPT) for s in sessions]] + [[s.extend([t]) for s in sessions] for t in DECODE]
-    for step, (a, b) in enumerate(steps):
-        assert np.isfinite(b).all() and np.isfinite(a).all(), f"step {step}"
-        err = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-        assert err <= tol, f"step {step}: {err:.2e} > {tol:.2e}"
+    runs_as_the_cpu_lane(_loud(tmp_path / "loud.gguf", shape), PROMPT, SHORT, DECODE, ctx=32, knobs=list(knobs))
