@@ -24,7 +24,10 @@ export PYTHONPATH=$root/src:$root:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 models=${FUSELANE_MODELS:-/tmp/fuselane-models}
 mkdir -p "$models"
 specs=("$@")
-[ ${#specs[@]} -gt 0 ] || specs=(qwen2.5-0.5b:q4_k_m_05b qwen3-0.6b:q8_0 qwen2.5-7b:q4_k_m qwen3-8b:q4_k_m)
+# ANCHORS.md's four shapes, and a mixture with shared experts and latent attention, whose decode launches
+# (the kept and the folded shared experts' products) no dense shape runs
+[ ${#specs[@]} -gt 0 ] || specs=(qwen2.5-0.5b:q4_k_m_05b qwen3-0.6b:q8_0 qwen2.5-7b:q4_k_m qwen3-8b:q4_k_m
+  deepseek-v2-lite:q4_k_m)
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
 if [ -n "${FUSELANE_COMMIT:-}" ]; then
