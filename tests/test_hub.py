@@ -104,8 +104,16 @@ def _cli_with_tiny(model: hub.KnownModel, env: dict[str, str], *argv: str) -> su
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
         env=os.environ | ONE_THREAD | env,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT)),
+        preexec_fn=_child_limits,
     )
+
+
+def _child_limits() -> None:
+    """The CLI's address space bounded, and Ctrl-C's default restored: a shell starting the tests in the
+    background (`pytest ... &`) ignores SIGINT, the ignore passes down to every process started, and Python
+    then installs no KeyboardInterrupt for it, so the interrupted-pull test's SIGINT would do nothing."""
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _leftovers(models: Path) -> list[str]:
