@@ -10,7 +10,6 @@ adds; the norm within `norm_rel` more.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import numpy as np
@@ -213,7 +212,10 @@ def _shared_expert(rng, d: int, sdff: int, fmt: Format, int8: bool = False, gate
     sc = (rng.standard_normal((1, d)) * 0.1).astype(np.float32)
     x = rng.standard_normal((1, d)).astype(np.float32)
     score, score_fmt = (dev(sc.view(np.uint8)), Format.F32) if gated else (None, None)
-    s = shared.Shared(dev(x), dev(rg), dev(ru), dev(rd), score, fmt, fmt, score_fmt, sdff, torch.zeros(sdff + 1))
+    g, u = dev(rg), dev(ru)
+    tiles = int8 and shared.swiglu_tiles(fmt, fmt, sdff, d, g, u)  # as the binding decides it
+    q8 = quant.empty_q8(1, sdff, DEVICE) if shared.int8_down(fmt, sdff, False, tiles) else None
+    s = shared.Shared(dev(x), g, u, dev(rd), score, fmt, fmt, score_fmt, sdff, torch.zeros(sdff + 1), q8, tiles=tiles)
     xv = x[0].astype(np.float64)
     gate = 1 / (1 + np.exp(-(sc[0].astype(np.float64) @ xv))) if gated else 1.0  # the score reads the f32 input
     if int8:
@@ -364,10 +366,7 @@ def test_a_shared_expert_in_int8_tiles_takes_an_int8_down_product(fmt, gated):
     rg, _ = _matrices(fmt, experts, n, k, rng)
     ru, _ = _matrices(fmt, experts, n, k, rng)
     s, _, gate, _ = _shared_expert(rng, k, sdff, fmt, True, gated)
-    tiles = shared.swiglu_tiles(fmt, s.fmt, sdff, k, s.gate, s.up)
-    assert tiles and shared.int8_down(fmt, False, tiles)
-    s = dataclasses.replace(s, scratch_q8=quant.empty_q8(1, sdff, DEVICE), tiles=True)
-    assert s.down_int8
+    assert s.tiles and s.down_int8
     ids = dev(np.array([[3, 1]], dtype=np.int32))
     h = torch.zeros((slots, n))
     gate_up.gate_up(_q8(s.x.numpy())[0], dev(rg), dev(ru), fmt, ids, n, k, h, shared=s)

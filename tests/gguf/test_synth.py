@@ -19,10 +19,10 @@ from fuselane.gguf.synth import (
     main,
     tensor_formats,
     tensor_shapes,
-    use_more_bits,
     write_synthetic,
     write_weights,
 )
+from fuselane.gguf.synth_recipes import use_more_bits
 from fuselane.gguf.synth_vocab import SPECIAL_TOKENS, byte_symbols, synthetic_tokenizer
 
 TINY = ("tiny-qwen2", "tiny-qwen3")

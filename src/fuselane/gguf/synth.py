@@ -47,9 +47,6 @@ from fuselane.gguf.synth_recipes import (  # re-exported: the mixes and their ru
     fit_format,
     layer_ranks,
 )
-from fuselane.gguf.synth_recipes import (
-    use_more_bits as use_more_bits,
-)
 from fuselane.gguf.synth_vocab import synthetic_tokenizer
 
 ARCHS = ("qwen2", "qwen3", "qwen2moe", "qwen3moe", "qwen3next")

@@ -43,6 +43,8 @@ from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
 # b.scratch's key of the folded shared experts by the expert ids their mixture reads (`gate_up_act`)
 _RIDERS = "moe-shared-riders"
+# b.scratch's key of the kept experts' gate/up format by those ids, where they read int8 (else None)
+_KEPT_INT8 = "moe-kept-int8"
 
 
 def _mismatch(message: str) -> Exception:
@@ -170,6 +172,7 @@ def gate_up_act(op: Op, b, out_q8: Any = None) -> list:
     # a folded shared expert rides this launch: the down op's binder, bound after this one, names it by the
     # ids both read; the launch looks it up when it runs (every op is bound before the first launch)
     riders = b.scratch.setdefault(_RIDERS, {})
+    b.scratch.setdefault(_KEPT_INT8, {})[gate.ins[2]] = fmt if q8 is not None else None
     return [lambda: gate_up.gate_up(x, wg, wu, fmt, ids, spec.n, spec.kd, out, out_q8, riders.get(gate.ins[2]))]
 
 
@@ -256,23 +259,14 @@ def _shared(b, s: dict[str, Op], op: Op, ids: str, f32: bool) -> Any:
     sdff = s["down"].sym.k  # type: ignore[union-attr]
     x = b.bufs[s["gate"].ins[0]].view(1, -1)
     scratch = b.scratch.setdefault(f"moe-shared:{op.out}", torch.zeros(sdff + 1, device=x.device))
-    tiles = not f32 and swiglu_tiles(_kept_int8_format(b, ids), fmt, sdff, x.shape[-1], wg, wu)
+    kept = b.scratch.get(_KEPT_INT8, {}).get(ids)  # written by the kept experts' gate/up binder, bound first
+    tiles = not f32 and swiglu_tiles(kept, fmt, sdff, x.shape[-1], wg, wu)
     q8 = None
-    if int8_down(dfmt, f32, tiles):  # an int8 down product reads the SwiGLU's int8 form
+    if int8_down(dfmt, sdff, f32, tiles):  # an int8 down product reads the SwiGLU's int8 form
         from fuselane.lanes.cuda.triton.quant import empty_q8
 
         q8 = b.scratch.setdefault(f"moe-shared-q8:{op.out}", empty_q8(1, sdff, x.device))
     return Shared(x, wg, wu, wd, wsc, fmt, dfmt, sfmt, sdff, scratch, q8, f32, tiles)
-
-
-def _kept_int8_format(b, ids: str) -> Format | None:
-    """The format of the kept experts' gate/up that read `ids`, where they read their input's int8 form (the
-    plan quantized it), else None."""
-    for x in (x for top in b.g.ops for x in leaves(top) if isinstance(x.sym, ExpertMatmul)):
-        if not x.sym.slotted and x.ins[2] == ids:
-            fmt = b.raw[x.ins[1]][1]
-            return fmt if _int8(b, x.ins[0], fmt, x.sym.n, x.sym.kd, x.sym.rows) is not None else None
-    return None
 
 
 def down_combine(op: Op, b, out_q8: Any = None) -> list:

@@ -23,7 +23,7 @@ from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 from fuselane.lanes.cuda.triton.gemv.q8 import row_dots
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
-from fuselane.lanes.cuda.triton.moe.shared import Shared, int8_takes, phase_consts, shared_phase, swiglu_tiles
+from fuselane.lanes.cuda.triton.moe.shared import Shared, int8_takes, phase_consts, shared_phase
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts, store_quantized
 
 # A program's rows: one 32-value block of the output, quantized whole; a (row, group) of each chunk a thread.
@@ -136,10 +136,11 @@ def gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: 
     if shared is not None and pairs != ids.shape[-1]:
         raise ValueError("a shared expert folds into a decode step's one row")
     oq = out_q8 if out_q8 is not None else (out, out, out)
-    # the shared expert's SwiGLU as the kept experts' int8 tiles where it can (`shared.swiglu_tiles`)
-    shared_q8 = shared is not None and swiglu_tiles(fmt if q8in else None, shared.fmt, shared.sdff, k,
-                                                    shared.gate, shared.up)  # fmt: skip
-    if shared is not None and (shared.down_int8 or shared.tiles) and not shared_q8:
+    # the shared expert's SwiGLU as the kept experts' int8 tiles where its binding said so (`shared.swiglu_tiles`)
+    shared_q8 = shared is not None and shared.tiles
+    if shared_q8 and not (q8in and shared.fmt is fmt):
+        raise ValueError("a folded shared expert's int8 tiles are the kept experts': their format, int8 activations")
+    if shared is not None and shared.down_int8 and not shared_q8:
         raise ValueError("a folded shared expert's int8 down reads the int8 form its SwiGLU's int8 tiles write")
     sconsts, na = phase_consts(shared, k, warps, consts["BLOCK_N"] if shared_q8 else None)
     s = shared

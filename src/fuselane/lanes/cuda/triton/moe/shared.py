@@ -71,17 +71,18 @@ class Shared:
     @property
     def down_int8(self) -> bool:
         """Whether the down rows are an int8 product (`int8_down`)."""
-        return int8_down(self.down_fmt, self.f32, self.tiles and gemv_q8.supports(self.down_fmt, 1, self.sdff))
+        return int8_down(self.down_fmt, self.sdff, self.f32, self.tiles)
 
 
-def int8_down(fmt: Format, f32: bool = False, tiles: bool = False) -> bool:
-    """Whether a folded shared expert's down rows in `fmt` are an int8 product: wherever its SwiGLU runs as
-    int8 tiles (`tiles`, which write its int8 form) and the int8 GEMV takes the rows, and in a format the f32
-    GEMV by rows does not decode at its speed (`kernels.ROWS_GEMV_FORMATS`); never where the kept experts read
-    f32 (`f32`: activations=dequant), whose numerics have no int8 product (`kernels.rows_gemv`)."""
+def int8_down(fmt: Format, sdff: int, f32: bool = False, tiles: bool = False) -> bool:
+    """Whether a folded shared expert's down rows in `fmt` (rows of `sdff` values) are an int8 product: wherever
+    its SwiGLU runs as int8 tiles (`tiles`, which write its int8 form) and the int8 GEMV takes the rows, and in
+    a format the f32 GEMV by rows does not decode at its speed (`kernels.ROWS_GEMV_FORMATS`); never where the
+    kept experts read f32 (`f32`: activations=dequant), whose numerics have no int8 product
+    (`kernels.rows_gemv`)."""
     if f32:
         return not kernels.rows_gemv(fmt, 1)
-    return tiles or fmt not in kernels.ROWS_GEMV_FORMATS
+    return (tiles and gemv_q8.supports(fmt, 1, sdff)) or fmt not in kernels.ROWS_GEMV_FORMATS
 
 
 def int8_takes(fmt: Format, n: int, k: int) -> bool:
