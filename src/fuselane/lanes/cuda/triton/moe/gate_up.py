@@ -1,17 +1,14 @@
-"""The kept experts' gate and up products with their SwiGLU, one launch over only their rows: a program a tile of
-an expert's rows of a (row, slot) pair (the pairs' tiles one after another in a 1-D grid), each reading its
-pair's expert id on the device and that expert's rows of the 3-D tensors (base + id * an expert's bytes).
+"""The kept experts' gate and up products with their SwiGLU, one launch over only their rows: a grid of (tiles
+of the expert's rows, (row, slot) pairs), each program reading its pair's expert id on the device and that
+expert's rows of the 3-D tensors (base + id * an expert's bytes).
 
 The activation is the int8 GEMV's (`gemv.q8.row_dots`, a decode step's one row where the plan quantized it)
 or f32 rows (`gemv.formats.dot_rows`, every format: a chunk's rows, the dequantized numerics). Under int8 a
 program's tile is whole 32-value blocks, so it writes its result's int8 form (`quant.store_quantized`) for
 the down products too, with no launch of its own.
 
-A decode step's folded shared expert (SharedExpertFusion, `shared.py`) takes the programs after the pairs': its
-SwiGLU's tiles and its gate's sigmoid, into the scratch row the down launch reads. The grid is 1-D, not a column
-of the shared tiles beside a column a pair: where the shared expert is wider than a kept one (Qwen1.5-MoE's
-5,632 rows against 1,408) a pair's column held as many programs as the shared one, most of them idle (532 of
-Qwen1.5-MoE's 885 a layer).
+A decode step's folded shared expert (SharedExpertFusion, `shared.py`) takes one more column of programs: its
+SwiGLU's tiles and its gate's sigmoid, into the scratch row the down launch reads.
 """
 
 from __future__ import annotations
@@ -58,9 +55,9 @@ def _gate_up_kernel(
     # (`down._kept_q8`).
     pdl.wait(PDL)
     pdl.release(PDL)
-    pid = tl.program_id(0)
-    if SHARED and pid >= pairs * TILES:  # the shared expert's programs, after every pair's tiles
-        ticket = pid - pairs * TILES
+    pair = tl.program_id(1)
+    if SHARED and pair == pairs:  # the shared expert's column: NA programs, the rest of the column idle
+        ticket = tl.program_id(0)
         if not SCORED and ticket == 0:  # an ungated expert: its scale is 1 where a gated one's sigmoid goes
             tl.store(sh + SDFF, 1.0)
         if SHARED_Q8 and ticket < NA - SCORED:  # its SwiGLU's tiles as a kept expert's, from the int8 activation
@@ -76,24 +73,24 @@ def _gate_up_kernel(
             shared_phase(sx, w_sg, w_su, w_sc, sh, ticket, SDFF, NA, SCORED, SG_FMT, SG_STEPS, SG_UNITS,
                          SG_SPLIT, SG_BLOCK_N, SG_STAGES, SG_ROW_BYTES, SC_FMT, SC_STEPS, SC_UNITS, SC_SPLIT,
                          SC_STAGES)  # fmt: skip
-    else:
-        _kept_pair(x, xq, xd, xs, w_gate, w_up, ids, out, oq, od, os_, pid // TILES, pid % TILES, N, KD, SLOTS,
-                   EXPERT_BYTES, Q8IN, Q8OUT, FMT, ROW_BYTES, BLOCK_N, N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS,
-                   SPLIT, STAGES)  # fmt: skip
+    elif tl.program_id(0) < TILES:
+        _kept_pair(x, xq, xd, xs, w_gate, w_up, ids, out, oq, od, os_, pair, N, KD, SLOTS, EXPERT_BYTES, Q8IN,
+                   Q8OUT, FMT, ROW_BYTES, BLOCK_N, N_UNITS, CHUNK, FENCE, DEPTH, STEPS, UNITS, SPLIT,
+                   STAGES)  # fmt: skip
 
 
 @triton.jit
 def _kept_pair(
-    x, xq, xd, xs, w_gate, w_up, ids, out, oq, od, os_, pair, tile,
+    x, xq, xd, xs, w_gate, w_up, ids, out, oq, od, os_, pair,
     N: tl.constexpr, KD: tl.constexpr, SLOTS: tl.constexpr, EXPERT_BYTES: tl.constexpr,
     Q8IN: tl.constexpr, Q8OUT: tl.constexpr,
     FMT: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     N_UNITS: tl.constexpr, CHUNK: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
     STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    """Tile `tile` of a kept expert's (row, slot) pair `pair`: its SwiGLU, and its int8 form under Q8OUT."""
+    """Tile program_id(0) of a kept expert's (row, slot) pair: its SwiGLU, and its int8 form under Q8OUT."""
     e = tl.load(ids + pair).to(tl.int64)
-    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     off = e * EXPERT_BYTES + tl.minimum(rows, N - 1).to(tl.int64) * ROW_BYTES
     if Q8IN:
         gate, up = row_dots(w_gate + off, w_up + off, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True, DEPTH,
@@ -105,7 +102,7 @@ def _kept_pair(
     h = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out + pair * N + rows, h, mask=rows < N)
     if Q8OUT:
-        store_quantized(h, tile * BLOCK_N, N, oq + pair * N, od + pair * (N // 32), os_ + pair * (N // 16))
+        store_quantized(h, tl.program_id(0) * BLOCK_N, N, oq + pair * N, od + pair * (N // 32), os_ + pair * (N // 16))
 
 
 def gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: Tensor, n: int, k: int,
@@ -152,7 +149,7 @@ def gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: 
     score = s.score if s is not None and s.score is not None else out  # an ungated expert's: a stand-in
     sargs = (s.x, s.gate, s.up, score, s.scratch, *sq8) if s is not None else (out,) * 8
     n_tiles = tiles(n, consts["BLOCK_N"])
-    _gate_up_kernel[(pairs * n_tiles + na,)](
+    _gate_up_kernel[(max(n_tiles, na), pairs + (s is not None))](
         *args, w_gate, w_up, ids, out, *oq, *sargs, pairs, **common, **consts, **sconsts, TILES=n_tiles,
         SHARED=s is not None, SHARED_Q8=shared_q8, SHARED_Q8OUT=q8out, NA=na, num_warps=warps, **pdl.options(),
     )  # fmt: skip
