@@ -13,6 +13,7 @@ import torch
 
 from fuselane.gguf.formats import LAYOUTS, Format
 from fuselane.gguf.quantize import random_blocks
+from fuselane.lanes.cuda.run.stored import stored_bytes
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -36,12 +37,34 @@ def norm_rel(n: int) -> float:
     return gamma(n + NORM_ROUNDINGS) / 2 + (APPROX + 2 + SECOND_ORDER) * U32
 
 
-def raw_weights(fmt: Format, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+class FileBlocks(np.ndarray):
+    """A matrix's bytes as the file has them, tagged with their format (kept by slices and reshapes): `dev` puts
+    them on the device as the lane keeps them (`run/stored.py`: Q3_K's blocks in 112 bytes), while a reference
+    reads them as they are."""
+
+    fmt: Format | None = None
+
+    def __array_finalize__(self, obj) -> None:
+        self.fmt = getattr(obj, "fmt", None)
+
+
+def file_blocks(fmt: Format, data: np.ndarray) -> FileBlocks:
+    """`data`, a matrix's bytes in `fmt` as the file has them, tagged for `dev`."""
+    tagged = np.asarray(data).view(FileBlocks)
+    tagged.fmt = Format(fmt)
+    return tagged
+
+
+def raw_weights(fmt: Format, n: int, k: int, rng: np.random.Generator) -> FileBlocks:
     """n rows of k values of random blocks in `fmt`, as the 1-D bytes a GGUF tensor is."""
-    return random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng).reshape(-1)
+    return file_blocks(fmt, random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng).reshape(-1))
 
 
 def dev(a: np.ndarray) -> torch.Tensor:
+    """`a` on the device; a matrix's file bytes (`FileBlocks`) as the lane stores them."""
+    fmt = getattr(a, "fmt", None)
+    if fmt is not None:
+        a = stored_bytes(fmt, np.asarray(a))
     return torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)
 
 

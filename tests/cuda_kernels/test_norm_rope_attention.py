@@ -32,6 +32,7 @@ from fuselane.gguf.quantize import random_blocks  # noqa: E402
 from fuselane.graph.ops import ArgMax, Attention, RmsNorm, Rope, Unary, UnaryOp, Yarn  # noqa: E402
 from fuselane.lanes.cpu import kernels as ref  # noqa: E402
 from fuselane.lanes.cuda.plan import kernels  # noqa: E402
+from fuselane.lanes.cuda.run.stored import stored_bytes  # noqa: E402
 from fuselane.lanes.cuda.triton import misc, norm, pdl, quant, rope  # noqa: E402
 from fuselane.lanes.cuda.triton.attention import decode as attention  # noqa: E402
 from fuselane.lanes.cuda.triton.attention import prefill as attention_prefill  # noqa: E402
@@ -174,7 +175,7 @@ def test_embed_norm_gathers_dequantized_rows(fmt):
     w = f32(rng, cols)
     rows_out = torch.empty(len(ids), cols, device=DEVICE)
     out = torch.empty(len(ids), cols, device=DEVICE)
-    table = torch.from_numpy(raw).to(DEVICE)
+    table = torch.from_numpy(stored_bytes(fmt, raw)).to(DEVICE)  # as the lane keeps it (Q3_K's 112-byte blocks)
     norm.embed_norm(table, fmt, dev(ids, torch.int32), dev(w), rows_out, out, EPS)
     gathered = dequantize_rows(raw, fmt, (vocab, cols), ids, dtype=np.float64)
     # the decode is exact: every scale-times-code product is exact in f32, and the one rounding (a K format's

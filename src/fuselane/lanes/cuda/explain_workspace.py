@@ -14,7 +14,7 @@ from fuselane.gguf.formats import tensor_bytes
 from fuselane.graph.ir import Form
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.shim import CudaShim
-from fuselane.lanes.cuda.run import workspace
+from fuselane.lanes.cuda.run import stored, workspace
 from fuselane.lanes.cuda.run.buffers import F32_BYTES, parts
 from fuselane.models import ModelConfig, recognizer
 
@@ -32,13 +32,16 @@ def prefill_workspace(
         return None
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}
     _, weights = parts({n: _uploaded(t) for n, t in tensors.items()})  # as `CudaLane._upload` lays them out
+    surplus = sum(stored.surplus(t.format, tensor_bytes(t.format, tuple(t.shape))) for t in tensors.values()
+                  if len(t.shape) > 1)  # fmt: skip
 
     def plan_at(rows: int) -> Plan:
         graph = recognizer(cfg).recognize(cfg, tensors, Form.PREFILL, rows=rows, ctx=ctx)
         return optimize(graph, shim, held=held, check=False)
 
     config = os.environ.get(workspace.CUBLAS_CONFIG)
-    ws = workspace.sized(plan_at, ctx, workspace.one_gpu_mixture(cfg), shapes, weights, knobs, cfg.vocab, config)
+    moe = workspace.one_gpu_mixture(cfg)
+    ws = workspace.sized(plan_at, ctx, moe, shapes, weights, knobs, cfg.vocab, config, surplus_bytes=surplus)
     largest = max(workspace.layer_products(shapes).values())
     return {
         "ctx": ctx,
@@ -56,7 +59,10 @@ def prefill_workspace(
 
 def _uploaded(t: Any) -> int:
     """A tensor's bytes as the lane uploads it (`CudaLane._upload`): a vector as f32 values, a matrix as stored."""
-    return F32_BYTES * math.prod(t.shape) if len(t.shape) == 1 else tensor_bytes(t.format, tuple(t.shape))
+    if len(t.shape) == 1:
+        return F32_BYTES * math.prod(t.shape)
+    nbytes = tensor_bytes(t.format, tuple(t.shape))
+    return nbytes + stored.surplus(t.format, nbytes)
 
 
 def render_workspace(w: dict[str, Any]) -> list[str]:

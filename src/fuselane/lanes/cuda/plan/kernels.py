@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from fuselane.gguf.formats import QK, QK_K, Format
+from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format
 from fuselane.lanes.cuda.plan.knobs import Activations
 from fuselane.numerics import contract
 
@@ -30,6 +30,32 @@ MAX_BLOCK_WARPS = MAX_BLOCK_THREADS // WARP  # 32
 # says, and a 32-value block is one warp's 32 lanes, one value a lane, so a block's largest |value| is one
 # warp reduction.
 QBLOCK = contract.QBLOCK
+
+# --- the weights' layout on the device --------------------------------------------------------------------
+
+# Bytes a block of these formats takes on the device, where the file's block is not whole 16-byte units: the
+# lane copies each block to the start of a block of this size (the rest zero), so every block, and every field
+# and 16-byte run at a 16-byte offset in it, starts on 16 bytes. A Q3_K block (110 bytes: hmask 32, qs 64,
+# scales 12, d 2) takes 112: its int8 GEMV reads a group's scales and d, its qs run and its hmask run as three
+# 128-bit loads, where the file's layout (every other block 2 bytes past a word) took 17 loads of 1-4 bytes.
+# H200, the 7B's widths (benchmarks/RESULTS.md, 2026-12-05): the gate/up GLU 28.7 -> 20.2 us, the down product
+# 22.9 -> 16.3 us, for 1.8 % more bytes of Q3_K matrices. Q6_K (210 bytes) is left as the file has it: at 224
+# bytes (6.7 % more) its down product measured 16 % faster and its GLU level; at 212, 10 % and 17 % slower.
+STORED_BLOCK_BYTES = {Format.Q3_K: 112}
+
+
+def stored_block_bytes(fmt: Format) -> int:
+    """Bytes a block of `fmt` takes on the device (`STORED_BLOCK_BYTES`, else the file's)."""
+    return STORED_BLOCK_BYTES.get(Format(fmt), LAYOUTS[Format(fmt)].nbytes)
+
+
+def stored_row_bytes(fmt: Format, n_values: int) -> int:
+    """Bytes a row of `n_values` values in `fmt` takes on the device: whole blocks of `stored_block_bytes`."""
+    values = LAYOUTS[Format(fmt)].values
+    if n_values % values:
+        raise ValueError(f"{Format(fmt).name} rows are whole blocks of {values} values, not {n_values}")
+    return n_values // values * stored_block_bytes(fmt)
+
 
 # --- products --------------------------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from fuselane.lanes.cuda.plan.kernels import QBLOCK
 from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights, RoundInPlace, StatePrecision
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run import decode as loop
-from fuselane.lanes.cuda.run import workspace
+from fuselane.lanes.cuda.run import stored, workspace
 from fuselane.lanes.cuda.run.buffers import F16_BYTES, delta_rule_states, dying_reads, parts, pooled_buffers
 from fuselane.lanes.cuda.run.decode import DeviceSampler, Tail
 from fuselane.models import ModelConfig, recognizer
@@ -156,7 +156,8 @@ class CudaLane:
     def _upload(self) -> None:
         """Every tensor's bytes into one device buffer (`kernels.PART_ALIGN_BYTES` apart), each name a view of its part:
         the caching allocator rounds each block it hands out, so a block a tensor took ~120 MB more than the
-        file on an 8B checkpoint (254 matrices), where one buffer takes the file's bytes."""
+        file on an 8B checkpoint (254 matrices), where one buffer takes the file's bytes. A matrix's blocks are
+        laid out as the kernels read them (`run/stored.py`: Q3_K's in 112 bytes), one matrix at a time."""
         torch = self.torch
         host: dict[str, Any] = {}
         for name, t in self.tensors.items():
@@ -166,11 +167,18 @@ class CudaLane:
                 with warnings.catch_warnings():  # the mapped file is read-only; the kernels only read weights
                     warnings.simplefilter("ignore", UserWarning)
                     host[name] = torch.from_numpy(np.asarray(t.data))
-        offsets, at = parts({name: h.numel() * h.element_size() for name, h in host.items()})
+        sizes = {name: h.numel() * h.element_size() for name, h in host.items()}
+        surplus = {name: stored.surplus(self.tensors[name].format, n) if host[name].dtype == torch.uint8 else 0
+                   for name, n in sizes.items()}  # fmt: skip
+        offsets, at = parts({name: n + surplus[name] for name, n in sizes.items()})
         arena = torch.empty(at, dtype=torch.uint8, device=self.device)
-        self.weights_bytes = at
+        self.weights_bytes, self.stored_surplus = at, sum(surplus.values())
         for name, h in host.items():
-            part = arena[offsets[name] : offsets[name] + h.numel() * h.element_size()]
+            part = arena[offsets[name] : offsets[name] + sizes[name] + surplus[name]]
+            if surplus[name]:  # rows of the stored blocks, as the file's rows were
+                part.copy_(torch.from_numpy(stored.stored_bytes(self.tensors[name].format, h.numpy())))
+                self.raw[name] = (part.view(*h.shape[:-1], -1), self.tensors[name].format)
+                continue
             part.copy_(h.contiguous().reshape(-1).view(torch.uint8))
             on_device = part.view(h.dtype).view(h.shape)
             if len(self.tensors[name].shape) == 1:
@@ -221,15 +229,17 @@ class CudaLane:
             config = os.environ.get(workspace.CUBLAS_CONFIG)
             moe, knobs = workspace.one_gpu_mixture(self.cfg), self.shim.knobs
             self.workspace = workspace.sized(
-                plan_at, self.ctx, moe, shapes, self.weights_bytes, knobs, self.cfg.vocab, config, arena
+                plan_at, self.ctx, moe, shapes, self.weights_bytes, knobs, self.cfg.vocab, config, arena,
+                self.stored_surplus,
             )
         return self.workspace
 
     def model_bytes(self) -> int:
-        """What the model holds on the device beside its workspace: the weights as uploaded and the caches and
+        """What the model holds on the device beside its workspace: the weights as uploaded but for what their
+        stored layout adds to the file's bytes (`stored_surplus`, counted in the workspace) and the caches and
         recurrent states made for the lane's context (the bytes the workspace's share is of)."""
         held = (*self.caches.values(), *self.states.values())
-        return self.weights_bytes + sum(t.numel() * t.element_size() for t in held)
+        return self.weights_bytes - self.stored_surplus + sum(t.numel() * t.element_size() for t in held)
 
     def weight_bytes(self) -> int:
         """Bytes a decode step reads: every matrix once, but the embedding table (one row is gathered) and a

@@ -39,6 +39,7 @@ from fuselane.graph.ops import (
     UnaryOp,
 )
 from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
 # b.scratch's key of the folded shared experts by the expert ids their mixture reads (`gate_up_act`)
@@ -184,9 +185,7 @@ def _grouped() -> Any:
 
 def _experts(w, spec_n: int, spec_kd: int, fmt) -> int:
     """The experts of a 3-D expert tensor's bytes `w`: its bytes over one expert's."""
-    from fuselane.gguf.formats import row_bytes
-
-    return w.numel() // (spec_n * row_bytes(fmt, spec_kd))
+    return w.numel() // (spec_n * stored_row_bytes(fmt, spec_kd))
 
 
 def _gate_up_grouped(b, gate: Op, wg, wu, fmt, spec: ExpertMatmul, order: tuple[Any, str], out, gate_out: str) -> list:

@@ -233,12 +233,15 @@ class Counted:
     dying: frozenset[int]  # the widths whose products may round their activations in place (`dying_widths`)
 
 
-def counted(chunk: Plan, weights_bytes: int, knobs: CudaKnobs, vocab: int, arena_bytes: int = 0) -> Counted:
+def counted(chunk: Plan, weights_bytes: int, knobs: CudaKnobs, vocab: int, arena_bytes: int = 0,
+            surplus_bytes: int = 0) -> Counted:  # fmt: skip
     """The bytes `size` sizes a chunk of `chunk`'s rows against, on a lane of `knobs` whose weights took
-    `weights_bytes` and whose arena already holds `arena_bytes` (its steps share it)."""
+    `weights_bytes`, `surplus_bytes` of them what their stored layout adds to the file's (`run/stored.py`: held
+    within the share, not a base of it), and whose arena already holds `arena_bytes` (its steps share it)."""
     g = chunk.graph
     rules = delta_rule_states(chunk)
-    base, held = weights_bytes, max(F32_BYTES * arena_values(chunk), arena_bytes)
+    base = weights_bytes - surplus_bytes
+    held = max(F32_BYTES * arena_values(chunk), arena_bytes) + surplus_bytes
     for name, t in g.tensors.items():
         if t.role is Role.CACHE:
             base += math.prod(t.shape) * CACHE_BYTES[knobs.cache_precision]
@@ -253,9 +256,10 @@ def counted(chunk: Plan, weights_bytes: int, knobs: CudaKnobs, vocab: int, arena
 
 def sized(
     plan_at: Callable[[int], Plan], ctx: int, moe: bool, shapes: Mapping[str, tuple[int, ...]], weights_bytes: int,
-    knobs: CudaKnobs, vocab: int, config: str | None, arena_bytes: int = 0,
+    knobs: CudaKnobs, vocab: int, config: str | None, arena_bytes: int = 0, surplus_bytes: int = 0,
 ) -> Workspace:  # fmt: skip
-    """The workspace of a lane of `ctx` rows of context (a mixture's where `moe`), its chunks planned by
+    """The workspace of a lane of `ctx` rows of context (a mixture's where `moe`; `surplus_bytes` of its
+    `weights_bytes` its stored layout's, as `counted` takes them), its chunks planned by
     `plan_at(rows)`: at the rows its chunks take (`fixed_rows`, or the context where shorter) where they are
     fixed, else at the first of `chunk_rows` (from `kernels.SCRATCH_CHUNK_ROWS`) whose scratch holds the share;
     where none does, at the first with the whole scratch (`size`)."""
@@ -265,7 +269,7 @@ def sized(
     always = knobs.round_in_place is RoundInPlace.ON
     first = None
     for rows in tried:
-        c = counted(plan_at(rows), weights_bytes, knobs, vocab, arena_bytes)
+        c = counted(plan_at(rows), weights_bytes, knobs, vocab, arena_bytes, surplus_bytes)
         ws = size(shapes, rows, c.base_bytes, c.held_bytes, config, c.dying, always=always)
         if ws.within:
             return ws

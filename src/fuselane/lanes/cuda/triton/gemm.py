@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import Format, row_bytes
+from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.epilogue import DEQUANT_OUT, decode_unit, unit_values
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
@@ -157,8 +158,8 @@ def gemm(
         out.stride(0) if residual is None else residual.stride(0),
         FMT=int(fmt),
         VALUES=values,
-        NBYTES=row_bytes(fmt, values),
-        ROW_BYTES=row_bytes(fmt, k),
+        NBYTES=stored_row_bytes(fmt, values),
+        ROW_BYTES=stored_row_bytes(fmt, k),
         STEPS=k // (values * units),
         STEP_UNITS=units,
         BLOCK_M=block_m,

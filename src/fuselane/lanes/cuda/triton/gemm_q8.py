@@ -44,9 +44,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import IQ4_NL_VALUES, QK, Format, row_bytes
+from fuselane.gguf.formats import IQ4_NL_VALUES, QK, Format
 from fuselane.lanes.cuda.plan import gemm_tiles
 from fuselane.lanes.cuda.plan.gemm_tiles import GemmTile
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemm import check_out, store_tile
 from fuselane.lanes.cuda.triton.gemm_q8_runs import run
@@ -176,7 +177,7 @@ def gemm_q8(
         x.d if residual is None else residual,
         pos, m, n, pitch,
         out.stride(0) if residual is None else residual.stride(0),
-        FMT=int(fmt), K=k, ROW_BYTES=row_bytes(fmt, k), BLOCK_BYTES=row_bytes(fmt, values),
+        FMT=int(fmt), K=k, ROW_BYTES=stored_row_bytes(fmt, k), BLOCK_BYTES=stored_row_bytes(fmt, values),
         RUNS=values // QK, SPLIT=fmt in gemm_tiles.SPLIT_FORMATS, HAS_MIN=fmt in gemm_tiles.MIN_FORMATS,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.stages,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, AT_ROW=out_row is not None,

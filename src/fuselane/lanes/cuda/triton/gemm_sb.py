@@ -42,7 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import QK, Format, row_bytes
+from fuselane.gguf.formats import QK, Format
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.plan.knobs import H200
 from fuselane.lanes.cuda.triton import f16_scale, pdl
 from fuselane.lanes.cuda.triton.f16_sums import HEAD_TAIL, f16_sums
@@ -236,7 +237,7 @@ def gemm_sb(
         scales if residual is None else residual,
         pos, m, n, x16.stride(0), 0 if sums is None else sums.stride(0), pitch,
         out.stride(0) if residual is None else residual.stride(0),
-        FMT=int(fmt), SB_BYTES=row_bytes(fmt, SUPER), ROW_BYTES=row_bytes(fmt, k), STEPS=k // SUPER,
+        FMT=int(fmt), SB_BYTES=stored_row_bytes(fmt, SUPER), ROW_BYTES=stored_row_bytes(fmt, k), STEPS=k // SUPER,
         BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, AT_ROW=out_row is not None,
         num_warps=WARPS, num_stages=STAGES, **pdl.options(),

@@ -26,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import LAYOUTS, QK, Format, row_bytes
+from fuselane.gguf.formats import LAYOUTS, QK, Format
 from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.kernels import stored_block_bytes, stored_row_bytes
 from fuselane.lanes.cuda.triton import gather_formats, pdl
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts, store_quantized
 
@@ -444,10 +445,10 @@ def embed_norm(
         out.stride(0),
         cols,
         float(eps),
-        ROW_BYTES=row_bytes(fmt, cols),
+        ROW_BYTES=stored_row_bytes(fmt, cols),
         FMT=int(fmt),
         VALUES=lay.values,
-        NBYTES=lay.nbytes,
+        NBYTES=stored_block_bytes(fmt),
         OFF_D=_offset(fmt, "d"),
         OFF_DMIN=_offset(fmt, gather_formats.MIN_FIELD.get(fmt, "dmin")),
         OFF_SCALES=_offset(fmt, gather_formats.SCALES_FIELD.get(fmt, "scales")),

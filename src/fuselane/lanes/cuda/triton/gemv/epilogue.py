@@ -25,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import LAYOUTS, QK, Format, row_bytes
+from fuselane.gguf.formats import LAYOUTS, QK, Format
 from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.formats import dot_rows
 from fuselane.lanes.cuda.triton.gemv.layout import (
@@ -262,7 +263,7 @@ def gemv_add_norm(
         counter,
         float(eps),
         FMT=int(fmt),
-        ROW_BYTES=row_bytes(fmt, k),
+        ROW_BYTES=stored_row_bytes(fmt, k),
         STEPS=steps,
         UNITS=units,
         SPLIT=split,
@@ -487,7 +488,7 @@ def dequantize(
         out.stride(0),
         FMT=int(fmt),
         VALUES=values,
-        NBYTES=row_bytes(fmt, values),
+        NBYTES=stored_row_bytes(fmt, values),
         UNITS=per_program,
         num_warps=warps,
         **pdl.options(),

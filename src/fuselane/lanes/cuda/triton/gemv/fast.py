@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format, row_bytes
+from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.layout import (
     BYTE,
@@ -516,7 +517,7 @@ def launch_plan(
             raise ValueError(f"{name} must be a power of two, not {v}")
     n_units = k // unit
     chunk = _chunk(fmt, k, block_n, warps, per_thread)
-    consts = dict(FMT=int(fmt), N_UNITS=n_units, CHUNK=chunk, ROW_BYTES=row_bytes(fmt, k), BLOCK_N=block_n)
+    consts = dict(FMT=int(fmt), N_UNITS=n_units, CHUNK=chunk, ROW_BYTES=stored_row_bytes(fmt, k), BLOCK_N=block_n)
     return consts | {"FENCE": PREFETCH_FENCE, "num_warps": warps}
 
 

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import IQ4_NL_VALUES, LAYOUTS, QK, QK_K, Format
+from fuselane.lanes.cuda.plan.kernels import stored_block_bytes
 
 # --- layout facts, as constexprs the kernels can read --------------------------------------------------------
 
@@ -27,8 +28,8 @@ def offset(fmt: Format, field: str) -> tl.constexpr:
 
 
 def nbytes(fmt: Format) -> tl.constexpr:
-    """The bytes of a block of `fmt`, as a constexpr."""
-    return const(LAYOUTS[fmt].nbytes)
+    """The bytes of a block of `fmt` as the device keeps it (`kernels.stored_block_bytes`), as a constexpr."""
+    return const(stored_block_bytes(fmt))
 
 
 FMT_F32, FMT_F16, FMT_BF16 = const(Format.F32.value), const(Format.F16.value), const(Format.BF16.value)
@@ -136,6 +137,11 @@ def check_layouts() -> None:
         lay = LAYOUTS[fmt]
         if lay.nbytes % WORD.value or lay.field("scales").offset % WORD.value:
             raise RuntimeError(f"{fmt.name}: the GEMV loads its header as 32-bit words; the layout moved")
+    q3 = LAYOUTS[Format.Q3_K]
+    scales, d = q3.field("scales"), q3.field("d")
+    stored_runs = (stored_block_bytes(Format.Q3_K), q3.field("qs").offset, q3.field("hmask").offset, scales.offset)
+    if any(v % 16 for v in stored_runs) or d.offset != scales.offset + scales.count:
+        raise RuntimeError("Q3_K: the int8 GEMV loads its scales and d, qs and hmask runs as 16-byte words; moved")
     for fmt in (Format.Q5_0, Format.Q5_1):
         lay = LAYOUTS[fmt]
         if lay.nbytes % 2 or lay.field("qh").offset % 2:

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuselane.gguf.formats import Format, row_bytes
+from fuselane.gguf.formats import Format
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 
 PARTS_MOST = 4  # products one `gemv_fast_parts` launch takes
 
@@ -75,7 +76,7 @@ def pack_parts(entries: Sequence[PartArgs], block_n: int, absent: PartArgs) -> t
 
 def check_rows(w: torch.Tensor, fmt: Format, n: int, k: int) -> None:
     """`w` must hold n >= 1 checkpoint rows of k values in `fmt`, as a contiguous 1-D uint8 tensor."""
-    want = n * row_bytes(fmt, k)
+    want = n * stored_row_bytes(fmt, k)
     if n < 1 or w.dtype != torch.uint8 or w.dim() != 1 or not w.is_contiguous() or w.numel() != want:
         raise ValueError(f"{fmt.name} weights of {n} rows of {k} must be a contiguous 1-D uint8 tensor of {want} bytes")
 

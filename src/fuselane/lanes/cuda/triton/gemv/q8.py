@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuselane.gguf.formats import QK, QK_K, Format, row_bytes
+from fuselane.gguf.formats import QK, QK_K, Format
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import fast, q8_bodies
 from fuselane.lanes.cuda.triton.gemv.fast import (
@@ -508,7 +509,7 @@ def tile_plan(
             raise ValueError(f"{name} must be a power of two, not {v}")
     n_units = k // unit
     chunk = min(max(1, warps * LANES * per_thread // (block_n * GROUPS[fmt])), triton.next_power_of_2(n_units))
-    consts = dict(FMT=int(fmt), N_UNITS=n_units, CHUNK=chunk, ROW_BYTES=row_bytes(fmt, k), BLOCK_N=block_n)
+    consts = dict(FMT=int(fmt), N_UNITS=n_units, CHUNK=chunk, ROW_BYTES=stored_row_bytes(fmt, k), BLOCK_N=block_n)
     return consts | {"FENCE": fence(fast.PREFETCH_FENCE), "num_warps": warps, "DEPTH": PREFETCH_DEPTH}
 
 

@@ -15,13 +15,15 @@ run (or two):
   super-block) loaded each qs byte twice and Q3_K's hmask bytes four times (the 7B in Q3_K_M: 386.8 -> 422.1
   tok/s decoding, with its GLU's tile). A Q3_K group of run t of both halves (two a super-block: the hmask run
   and the scale bytes loaded once for 128 values, 22 loads where these take 34) decoded 9 % slower at every
-  tile swept (benchmarks/RESULTS.md, 2026-12-05).
+  tile swept (benchmarks/RESULTS.md, 2026-12-05). Q3_K's blocks are the lane's stored ones (112 bytes,
+  `kernels.STORED_BLOCK_BYTES`): a group's 12 scale bytes and d are one 128-bit load, its qs and hmask runs one
+  each, where the file's 110-byte blocks took 17 loads of 1-4 bytes (the 7B's GLU 28.7 -> 20.2 us, H200).
 - the 32-value formats (Q4_0, Q4_1, Q5_1, IQ4_NL) and IQ4_XS's 32-value sub-blocks: a group a block, lo its
   low nibbles (values 0-15), hi its high ones (16-31).
 Every group's codes are words held in the thread (`int8_words.ld4` where a run is 16-byte aligned: Q5_K's
-176-byte blocks; `ld2` where it is 8-byte aligned: IQ4_XS's 136-byte blocks, header and runs; `ld_words`
-where it is 4-byte aligned: Q4_1, Q5_1, Q2_K; `ld_run` where it is only 2-byte aligned: Q4_0, IQ4_NL,
-Q3_K), as `q8` holds Q4_K's and Q6_K's: no shared-memory exchange before a dp4a chain.
+176-byte blocks and Q3_K's stored 112-byte ones; `ld2` where it is 8-byte aligned: IQ4_XS's 136-byte blocks,
+header and runs; `ld_words` where it is 4-byte aligned: Q4_1, Q5_1, Q2_K; `ld_run` where it is only 2-byte
+aligned: Q4_0, IQ4_NL), as `q8` holds Q4_K's and Q6_K's: no shared-memory exchange before a dp4a chain.
 
 Codes enter dp4a as stored (unsigned) and the format's offset is applied once a run from the activation's
 16-value sum s: Q4_0's 8 and Q3_K's 4 as a bias, Q4_1's and Q5_1's minimum m and Q2_K's dmin * min as an
@@ -72,7 +74,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q2_K_QS,
     Q2_K_SCALES,
     Q3_K_BYTES,
-    Q3_K_D,
     Q3_K_HMASK,
     Q3_K_QS,
     Q3_K_SCALES,
@@ -107,7 +108,6 @@ WORD_VALUES = const(4)  # codes a 32-bit word of a run
 CRUMB_BITS = const(2)
 Q3_BIAS = const(4.0)  # Q3_K: value = d * (scale - 32) * (code - 4), code = low 2 bits | hmask bit << 2
 HBIT_SHIFT = const(2)  # Q3_K: where the hmask bit goes over the 2 low bits
-HIGH_SCALE_STEP = const(2)  # Q3_K: the top bits of a group's odd runs' scales are two bytes on from its even ones'
 # crumb j of each byte in place (4^j times its code), as int32 words: a run's codes are one mask, not a shift
 # and a mask, and the run's code sum is shifted back once (exactly: every term is a multiple of 4^j)
 CRUMB_0, CRUMB_1, CRUMB_2, CRUMB_3 = (const((0x03030303 << 2 * j) - ((1 << 32) if j == 3 else 0)) for j in range(4))
@@ -130,10 +130,10 @@ K_PAIR_FORMATS = frozenset({Format.Q5_K})
 # formats whose group r (of four) meets the runs 128 (r // 2) + 16 (r % 2) + 32 j, j = 0..3: a 16-byte run of
 # crumbs, whole
 K_QUAD_FORMATS = frozenset({Format.Q3_K, Format.Q2_K})
-# the alignment each format's loads need of its rows' start: Q5_K's 128-bit loads (`ld4`), IQ4_XS's 64-bit
-# ones (`ld2`), the 32-bit words of Q4_1's, Q5_1's and Q2_K's runs (`ld_words`) and of Q5_1's qh and Q2_K's
-# header and scales
-ALIGN = {Format.Q5_K: 16, Format.Q4_1: 4, Format.Q5_1: 4, Format.IQ4_XS: 8, Format.Q2_K: 4}
+# the alignment each format's loads need of its rows' start: Q5_K's and Q3_K's (its stored 112-byte blocks)
+# 128-bit loads (`ld4`), IQ4_XS's 64-bit ones (`ld2`), the 32-bit words of Q4_1's, Q5_1's and Q2_K's runs
+# (`ld_words`) and of Q5_1's qh and Q2_K's header and scales
+ALIGN = {Format.Q5_K: 16, Format.Q3_K: 16, Format.Q4_1: 4, Format.Q5_1: 4, Format.IQ4_XS: 8, Format.Q2_K: 4}
 
 
 # --- loads ---------------------------------------------------------------------------------------------------
@@ -142,11 +142,6 @@ ALIGN = {Format.Q5_K: 16, Format.Q4_1: 4, Format.Q5_1: 4, Format.IQ4_XS: 8, Form
 @triton.jit
 def _i32(ptr):
     return ptr.to(tl.pointer_type(tl.int32))
-
-
-@triton.jit
-def _byte(ptr):
-    return ld_scalar(ptr, 1)
 
 
 @triton.jit
@@ -192,14 +187,17 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
         blk = w_rows[:, None] + (unit * IQ4_XS_BYTES)[None, :]
         run = blk + r * RUN_BYTES + IQ4_XS_QS
         return ld2(blk + IQ4_XS_D) + ld2(run, PINNED) + ld2(run + 8, PINNED)
-    elif FMT == FMT_Q3_K:  # d, its four sub-blocks' scale bytes (low nibbles, then top crumbs), qs and hmask runs
+    elif FMT == FMT_Q3_K:  # the 12 scale bytes and d as one 16-byte load (a stored block's), qs and hmask runs
         blk = w_rows[:, None] + (unit * Q3_K_BYTES)[None, :]
         t = r % 2
-        sc = blk + Q3_K_SCALES + t
-        hi = sc + Q3_LOW_SCALES
-        scales = _byte(sc), _byte(sc + 2), _byte(sc + 4), _byte(sc + 6), _byte(hi), _byte(hi + HIGH_SCALE_STEP)
-        qs = ld_run(blk + r * RUN_BYTES + Q3_K_QS, PINNED)
-        return (_half(blk + Q3_K_D),) + scales + qs + ld_run(blk + t * RUN_BYTES + Q3_K_HMASK, PINNED)
+        s0, s1, s2, dw = ld4(_i32(blk + Q3_K_SCALES), True, PINNED)
+        # the group's four scale bytes t, t + 2, t + 4, t + 6 (low nibbles) and 8 + t, 10 + t (top crumbs): byte
+        # t of each word and of its upper half, read by `_q3_run` from bit 0 (it masks what it reads)
+        shift = t * BYTE_BITS
+        lo, mid, hi = s0 >> shift, s1 >> shift, s2 >> shift
+        scales = lo, lo >> HALF_WORD_BITS, mid, mid >> HALF_WORD_BITS, hi, hi >> HALF_WORD_BITS
+        qs = ld4(_i32(blk + r * RUN_BYTES + Q3_K_QS), True, PINNED)
+        return (_f16(dw),) + scales + qs + ld4(_i32(blk + t * RUN_BYTES + Q3_K_HMASK), True, PINNED)
     else:
         tl.static_assert(FMT == FMT_Q2_K, "no int8 GEMV body for this format")
         blk = w_rows[:, None] + (unit * Q2_K_BYTES)[None, :]

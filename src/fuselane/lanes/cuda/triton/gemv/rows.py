@@ -39,8 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import Format, row_bytes
+from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.formats import SLOTS, dot_rows
 from fuselane.lanes.cuda.triton.gemv.parts import Part, PartArgs, check_bias, check_rows, pack_parts, part_out
@@ -64,7 +65,7 @@ ASYNC_ALIGN = 16
 
 def stages(fmt: Format) -> int:
     """Pipeline stages of a format's k loop: GEMV_STAGES where every unit starts 16-byte aligned, else 1."""
-    unit_bytes = row_bytes(fmt, SLOTS[fmt].unit)
+    unit_bytes = stored_row_bytes(fmt, SLOTS[fmt].unit)
     return GEMV_STAGES if unit_bytes % ASYNC_ALIGN == 0 else 1
 
 
@@ -300,7 +301,7 @@ def gemv_parts(
         x if residual is None else residual,
         0 if residual is None else residual.stride(0),
         FMT=int(fmt),
-        ROW_BYTES=row_bytes(fmt, k),
+        ROW_BYTES=stored_row_bytes(fmt, k),
         STEPS=steps,
         UNITS=units,
         SPLIT=split,
@@ -370,7 +371,7 @@ def gemv_gate_up_glu(
         out,
         out.stride(0),
         FMT=int(fmt),
-        ROW_BYTES=row_bytes(fmt, k),
+        ROW_BYTES=stored_row_bytes(fmt, k),
         STEPS=steps,
         UNITS=units,
         SPLIT=split,

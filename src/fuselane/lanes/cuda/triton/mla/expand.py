@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import Format, row_bytes
+from fuselane.gguf.formats import Format
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.epilogue import decode_unit, unit_values
 from fuselane.lanes.cuda.triton.gemv.formats import SLOTS
@@ -125,7 +126,8 @@ def expand(
     grid = (triton.cdiv(b, block_n), triton.cdiv(length, BLOCK_M), heads)
     _half_kernel[grid](
         x, x.stride(0), w, out, pos, rows,
-        FMT=int(fmt), VALUES=values, NBYTES=row_bytes(fmt, values), ROW_BYTES=row_bytes(fmt, row), A=a, B=b,
+        FMT=int(fmt), VALUES=values, NBYTES=stored_row_bytes(fmt, values), ROW_BYTES=stored_row_bytes(fmt, row),
+        A=a, B=b,
         ROWS_OUT=rows_out, UNITS=units, STEPS=steps, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         HEADS=heads, num_warps=WARPS, **pdl.options(),
     )  # fmt: skip

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import Format, row_bytes
+from fuselane.gguf.formats import Format
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.formats import SLOTS, dot_rows
 from fuselane.lanes.cuda.triton.gemv.rows import plan, row_tiles, stages, tile
@@ -184,7 +185,7 @@ def head_matmul(
     steps, units, split = plan(fmt, a, block_n, warps, block_m)
     _head_rows_kernel[(triton.cdiv(b, block_n) + more, m_tiles, heads)](
         x, x_row, x_head, m, w, out, out_row, width, b, *rargs,
-        FMT=int(fmt), ROW_BYTES=row_bytes(fmt, a), STEPS=steps, UNITS=units, SPLIT=split, BLOCK_M=block_m,
+        FMT=int(fmt), ROW_BYTES=stored_row_bytes(fmt, a), STEPS=steps, UNITS=units, SPLIT=split, BLOCK_M=block_m,
         BLOCK_N=block_n, STAGES=stages(fmt), **rconsts, num_warps=warps, **pdl.options()
     )  # fmt: skip
     return out

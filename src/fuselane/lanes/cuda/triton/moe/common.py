@@ -6,7 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import Format, row_bytes
+from fuselane.gguf.formats import Format
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton.gemv import rows as gemv_rows
 from fuselane.lanes.cuda.triton.gemv.formats import dot_rows
 
@@ -26,7 +27,7 @@ def f32_plan(fmt: Format, n: int, k: int, prefix: str = "", m: int = 1,
     block_n, warps = tile if tile is not None else gemv_rows.tile(fmt, n, k, m)
     steps, units, split = gemv_rows.plan(fmt, k, block_n, warps, m)
     consts = dict(FMT=int(fmt), STEPS=steps, UNITS=units, SPLIT=split, BLOCK_N=block_n,
-                  STAGES=gemv_rows.stages(fmt), ROW_BYTES=row_bytes(fmt, k))  # fmt: skip
+                  STAGES=gemv_rows.stages(fmt), ROW_BYTES=stored_row_bytes(fmt, k))  # fmt: skip
     return {prefix + name: v for name, v in consts.items()}, warps
 
 

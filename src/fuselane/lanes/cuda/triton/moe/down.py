@@ -34,8 +34,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuselane.gguf.formats import QK, Format, row_bytes
+from fuselane.gguf.formats import QK, Format
 from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import fast_norm
 from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
@@ -262,7 +263,7 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
     _down_kernel[(nb, rows)](
         *hargs, w, ids, weights, *padded, sum_out,
         norm.w if norm else sum_out, norm.out if norm else sum_out, *oq, counter, float(norm.eps if norm else 0.0),
-        *sargs, D=d, DFF=dff, K=k, EXPERT_BYTES=d * row_bytes(fmt, dff), Q8IN=q8in,
+        *sargs, D=d, DFF=dff, K=k, EXPERT_BYTES=d * stored_row_bytes(fmt, dff), Q8IN=q8in,
         ADDS=len(adds), NORM=norm is not None, Q8OUT=q8out, NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk),
         SHARED=s is not None, AHEAD=variant is kernels.MoeDown.READ_AHEAD, EARLY=q8in,
         **consts, **sconsts, num_warps=warps,

@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuselane.gguf.formats import QK, Format, row_bytes
+from fuselane.gguf.formats import QK, Format
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 from fuselane.lanes.cuda.triton.gemv.q8 import row_dots
@@ -116,7 +117,7 @@ def gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: 
     if ids.dtype != torch.int32 or tuple(out.shape[-1:]) != (n,) or out.numel() != pairs * n:
         raise ValueError(f"ids must be int32 and out ({pairs}, {n})")
     q8in = isinstance(x, Q8Acts)
-    common = dict(N=n, KD=k, SLOTS=ids.shape[-1], EXPERT_BYTES=n * row_bytes(fmt, k), Q8IN=q8in,
+    common = dict(N=n, KD=k, SLOTS=ids.shape[-1], EXPERT_BYTES=n * stored_row_bytes(fmt, k), Q8IN=q8in,
                   Q8OUT=out_q8 is not None)  # fmt: skip
     if q8in:
         check_acts(x, k)

@@ -28,8 +28,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuselane.gguf.formats import Format, row_bytes
+from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemm import F16_SAFE, step_units, supports
 from fuselane.lanes.cuda.triton.gemv.epilogue import decode_unit, unit_values
@@ -218,9 +219,9 @@ def format_consts(fmt: Format, n: int, k: int, w: Tensor | None = None, word_ste
     step = (word_step or kernels.moe_gemm_tile(fmt, launch).step) if word else values * units
     if k % step:  # a 32-value format's row of whole 128-value steps, not of 256 (DeepSeek-V2-Lite's 1,408)
         step = min(words.STEPS)
-    return dict(FMT=int(fmt), VALUES=values, NBYTES=row_bytes(fmt, values), ROW_BYTES=row_bytes(fmt, k),
+    return dict(FMT=int(fmt), VALUES=values, NBYTES=stored_row_bytes(fmt, values), ROW_BYTES=stored_row_bytes(fmt, k),
                 STEPS=k // step, STEP_UNITS=units, STEP_VALUES=step, WORDS=word,
-                EXPERT_BYTES=n * row_bytes(fmt, k))  # fmt: skip
+                EXPERT_BYTES=n * stored_row_bytes(fmt, k))  # fmt: skip
 
 
 def _check(w: Tensor, fmt: Format, experts: int, n: int, k: int, order: Tensor, counts: Tensor) -> None:

@@ -37,8 +37,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuselane.gguf.formats import Format, row_bytes
+from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemm import F16_SAFE
 from fuselane.lanes.cuda.triton.gemv.formats import dot_rows
@@ -427,7 +428,7 @@ def _sort_scratch(scratch: Tensor | None, rows: int, experts: int, k: int, stand
 def _chunk_plan(fmt: Format, experts: int, d: int) -> tuple[dict, int]:
     """`f32_plan`'s constants for the tensor-core tile (`kernels.MOE_ROUTE_CHUNK_*`; the GEMV's are not read)."""
     consts = dict(FMT=int(fmt), STEPS=0, UNITS=1, SPLIT=1, BLOCK_N=kernels.MOE_ROUTE_CHUNK_EXPERTS,
-                  STAGES=kernels.MOE_ROUTE_CHUNK_STAGES, ROW_BYTES=row_bytes(fmt, d))  # fmt: skip
+                  STAGES=kernels.MOE_ROUTE_CHUNK_STAGES, ROW_BYTES=stored_row_bytes(fmt, d))  # fmt: skip
     return consts, kernels.MOE_ROUTE_CHUNK_WARPS
 
 

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.layout import (
     BIT,
@@ -236,9 +237,8 @@ def decode(w, fmt: Format, n: int, k: int, out, *, block_n: int = 4, step: int =
     """out (n, k) f16 = the n x k checkpoint rows `w` in `fmt` decoded as the grouped GEMM does, `step`
     values a step (`block_n` divides n): so each format's word decode is checked against
     `fuselane.gguf.dequant` on its own."""
-    from fuselane.gguf.formats import row_bytes
-
     fmt = Format(fmt)
-    _decode_kernel[(triton.cdiv(n, block_n), k // step)](w, out, ROW_BYTES=row_bytes(fmt, k), K=k, FMT=int(fmt),
-                                                         NBYTES=row_bytes(fmt, 256), BLOCK_N=block_n,
-                                                         KW=step, **pdl.options())  # fmt: skip
+    _decode_kernel[(triton.cdiv(n, block_n), k // step)](
+        w, out, ROW_BYTES=stored_row_bytes(fmt, k), K=k, FMT=int(fmt), NBYTES=stored_row_bytes(fmt, 256),
+        BLOCK_N=block_n, KW=step, **pdl.options(),
+    )  # fmt: skip
