@@ -146,8 +146,10 @@ def test_int8_activations_multiply_with_dp4a(tmp_path, monkeypatch, arch):
     # launch of its own
     own = kernels.norm_in_own_launch(kernels.Mode.INT8, shape.n_ff, shape.n_embd)
     assert bool(calls.get("norm_q8")) == own, calls
-    plain = load(path, lane="cuda", ctx=32, knobs=["activations=dequant"])
-    assert gpu.lane.step(1).launches == plain.lane.step(1).launches + 1 + own * shape.n_layers - shape.n_layers
+    # against the f32 GEMVs turning the same heads in their epilogue (`f32_rope`): the int8 step's one launch more
+    # is the embedding's norm quantizing, and under norm_launch a down projection's add + norm
+    plain = load(path, lane="cuda", ctx=32, knobs=["activations=dequant", "rope_epilogue=on"])
+    assert gpu.lane.step(1).launches == plain.lane.step(1).launches + 1 + own * shape.n_layers
 
 
 def test_rope_epilogue_auto_turns_only_the_layers_that_need_it(tmp_path):
@@ -168,6 +170,28 @@ def test_rope_epilogue_auto_turns_only_the_layers_that_need_it(tmp_path):
     assert CudaKnobs().rope_epilogue is RopeEpilogue.AUTO and launches() == auto
     # without norm_launch no layer takes 8: auto turns none
     assert launches("norm_launch=off") == launches("norm_launch=off", "rope_epilogue=off")
+
+
+def test_dequant_turns_the_query_and_key_in_the_f32_gemvs_epilogue(tmp_path, monkeypatch):
+    # activations=dequant: layer 1's query and key (its Q6_K attn_v a launch of its own) turn in the f32 QKV
+    # GEMV's epilogue (`f32_rope`) under rope_epilogue=auto, every layer's under on; within the f32 contract
+    from fuselane.gguf.synth import Shape
+    from fuselane.lanes.cuda.triton.gemv import f32_rope
+
+    shape = Shape("qwen3", 256, 2, 4, 2, 64, 768, 512, context=4096)
+    path = write_synthetic(tmp_path / "m.gguf", shape, "q4_k_m", seed=8)
+    calls: list[int] = []
+    real = f32_rope.gemv_f32_parts_rope
+    monkeypatch.setattr(f32_rope, "gemv_f32_parts_rope", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def launches(*knobs: str) -> int:
+        return load(path, lane="cuda", ctx=32, knobs=["activations=dequant", *knobs]).lane.step(1).launches
+
+    off, auto, on = (launches(f"rope_epilogue={v}") for v in ("off", "auto", "on"))
+    assert (auto, on) == (off - 1, off - 2)
+    calls.clear()
+    _int8_within_contract(path, ["activations=dequant", "rope_epilogue=on"], steps=1)
+    assert calls  # the step's two layers turned their heads in the f32 GEMV
 
 
 def test_int8_products_quantize_what_their_producer_did_not(tmp_path):

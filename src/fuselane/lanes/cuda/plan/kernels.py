@@ -201,6 +201,11 @@ WIDE_N = 256
 # hold four rows' partial sums and decoded weights, so fewer of them fit the register file.
 GEMV_BLOCK_WARPS_ONE_ROW = 8
 GEMV_BLOCK_WARPS_FOUR_ROWS = 4
+# The most rows an f32 decode GEMV's tile takes: the GEMV by rows' four a warp over four warps (a row a warp over
+# eight: 8); the tile-streaming GEMV's are at most 8 (`triton/gemv/fast.py` checks at import). All are powers of
+# two, so a head whose width is a multiple of this is whole tiles, which the f32 QKV GEMV that turns its query
+# and key in its epilogue needs (`triton/gemv/f32_rope.py`).
+F32_GEMV_MOST_TILE_ROWS = ROWS_A_WARP_WIDE * GEMV_BLOCK_WARPS_FOUR_ROWS
 
 # --- a batch step's inputs (`run/paged.py`, `triton/advance.py`) ---------------------------------------------
 

@@ -6,8 +6,9 @@ In the order they link into the shared table (`CudaShim.rules`):
 
 - `gemv_parts` (before `merged_projections`): a decode step's products of one activation as one GEMV in parts.
 - `rope_epilogue` (settling, after the shared table): a projection keeps its query's or key's rotation in its
-  epilogue only in the int8 QKV GEMV in parts (`triton/gemv/q8_rope.py`) and where the knob of that name asks
-  for it; elsewhere the rotations run after the product, a query's and a key's in one launch.
+  epilogue only in a QKV GEMV in parts that turns heads (`triton/gemv/q8_rope.py`, the int8 one; `f32_rope.py`,
+  a step's one row in f32) and where the knob of that name asks for it; elsewhere the rotations run after the
+  product, a query's and a key's in one launch.
 - `products_apart` (settling, after the shared table): a gated pair past the GEMV's rows runs as its two
   products and its GLU (whose int8 form, where the down product reads one, a `Quantize` launch writes): the
   lane has no paired GEMM on the checkpoint's bytes yet. A prefill chunk's pair that multiplies on cuBLAS
@@ -53,10 +54,12 @@ QUANTIZING = frozenset(
     }
 )
 
-LONE_TURN = "a projection turns its heads in its epilogue only as a part of the int8 GEMV in parts"
+LONE_TURN = "a projection turns its heads in its epilogue only as a part of a GEMV in parts"
 KNOB_OFF = "the knob rope_epilogue keeps the query's and key's rotations in a launch after the GEMV"
 AUTO_SKIPS = "rope_epilogue=auto turns them in the GEMV only where the query and key are its only parts"
-NOT_INT8 = "the query and key turn in the GEMV's epilogue only in the int8 GEMV"
+NOT_TURNED_HERE = (
+    "the query and key turn in the GEMV's epilogue in the int8 GEMV's formats, or a step's one row in the f32 GEMVs'"
+)
 NOT_A_QUERY_AND_KEY = "the GEMV's epilogue turns a query (into a buffer of its own) and a key, in the int8 formats"
 NOT_ALIKE = "the GEMV's epilogue turns a query and a key alike (one head width and frequencies), a head whole programs"
 NO_PAIRED_GEMM = "the lane has no paired GEMM yet: a gated pair past the GEMV's rows runs as its products and its GLU"
@@ -128,10 +131,10 @@ def crossed(r: Rewriter, op: Op, group: Sequence[int], i: int, j: int) -> bool:
 
 def rope_epilogue(shim: CudaShim, r: Rewriter) -> None:
     """Projections that turn their heads in their epilogue (`QkvHeadEpilogue`) where the lane's kernel does:
-    the int8 QKV GEMV in parts, where the `rope_epilogue` knob asks for it (`on` wherever the kernel takes
-    them, `auto` under `norm_launch` only where the query and key are its only parts, `off` nowhere). Every
-    other one runs as its product then its rotation: a GEMV in parts as its products in one launch, then its
-    query's and key's rotations in one more (`RopeQkOneLaunch`, where it takes them)."""
+    the int8 QKV GEMV in parts or a step's f32 one, where the `rope_epilogue` knob asks for it (`on` wherever
+    the kernel takes them, `auto` under `norm_launch` only where the query and key are its only parts, `off`
+    nowhere). Every other one runs as its product then its rotation: a GEMV in parts as its products in one
+    launch, then its query's and key's rotations in one more (`RopeQkOneLaunch`, where it takes them)."""
     i = 0
     while i < len(r.s):
         op = r.s.slot(i)
@@ -159,18 +162,30 @@ def _why_not_turned(shim: CudaShim, op: Op, g: TensorGraph) -> str | None:
     if knob is RopeEpilogue.AUTO and len(turned) != len(members):
         return AUTO_SKIPS
     product = gemv(parts(turned[0])[0], g)
-    if shim.activation(op, 0, g) is not QuantFormat.ONE_WORD or product is None:
-        return NOT_INT8
+    if product is None or not isinstance(product.weights, Rows):
+        return NOT_A_QUERY_AND_KEY
+    rows = _tile_rows(shim.activation(op, 0, g), product.weights.format, product.m)
+    if rows is None:
+        return NOT_TURNED_HERE
     sides = sorted(turned, key=lambda m: m.dst.row is not None)  # the query (in a buffer of its own) first
     forms = [rope(parts(m)[1]) for m in sides]
-    rows = kernels.INT8_GEMV_TILE_ROWS.get(product.weights.format) if isinstance(product.weights, Rows) else None
-    if len(sides) != kernels.ROPE_SIDES or sides[0].dst.row is not None or None in forms or rows is None:
+    if len(sides) != kernels.ROPE_SIDES or sides[0].dst.row is not None or None in forms:
         return NOT_A_QUERY_AND_KEY
     q, k = forms
     assert q is not None and k is not None
     if not _alike(q, k) or q.hd % rows:
         return NOT_ALIKE
     return None
+
+
+def _tile_rows(act: QuantFormat | None, fmt, m: int) -> int | None:
+    """The most rows a tile of the GEMV that turns the heads takes (a head must be whole tiles), or None where no
+    GEMV turns them: the int8 GEMV's in its formats, or an f32 GEMV's (a step's one row read in f32, in a
+    format the tile-streaming GEMV or the GEMV by rows decodes: `triton/gemv/f32_rope.py`)."""
+    if act is QuantFormat.ONE_WORD:
+        return kernels.INT8_GEMV_TILE_ROWS.get(fmt)
+    f32 = act is None and m == 1 and (fmt in kernels.FAST_GEMV_FORMATS or kernels.rows_gemv(fmt, m))
+    return kernels.F32_GEMV_MOST_TILE_ROWS if f32 else None
 
 
 def _alike(a: RopeForm, b: RopeForm) -> bool:

@@ -229,7 +229,15 @@ class CudaLane:
             config = os.environ.get(workspace.CUBLAS_CONFIG)
             moe, knobs = workspace.one_gpu_mixture(self.cfg), self.shim.knobs
             self.workspace = workspace.sized(
-                plan_at, self.ctx, moe, shapes, self.weights_bytes, knobs, self.cfg.vocab, config, arena,
+                plan_at,
+                self.ctx,
+                moe,
+                shapes,
+                self.weights_bytes,
+                knobs,
+                self.cfg.vocab,
+                config,
+                arena,
                 self.stored_surplus,
             )
         return self.workspace

@@ -209,7 +209,7 @@ def _part(member: Op, b: Any) -> tuple:
 
 def merged(op: Op, b: Any):
     """Products of one activation in parts, one GEMV launch; where the plan folded the query's and key's
-    rotations into it (the lane rule `rope_epilogue`), the int8 GEMV that turns them in its epilogue."""
+    rotations into it (the lane rule `rope_epilogue`), the GEMV that turns them in its epilogue."""
     gemv = _rows_gemv()
     members = op.sym.parts  # type: ignore[union-attr]
     turned = [k for k, m in enumerate(members) if class_of(m) is C.QKV_HEAD_EPILOGUE]
@@ -221,9 +221,7 @@ def merged(op: Op, b: Any):
     x, fmt = b.bufs[first.ins[0]], b.raw[first.ins[1]][1]
     q8 = q8_in(first.ins[0], fmt, spec.m, spec.k, b, *(p[2] for p in products))
     if turned:
-        if q8 is None:
-            raise PlanMismatch(f"{op.out}: the query and key turn in the GEMV's epilogue only in the int8 GEMV")
-        return [_turned_in_gemv(turned, members, products, q8[1], fmt, spec.k, b)]
+        return [_turned_in_gemv(turned, members, products, q8[1] if q8 is not None else x, q8 is not None, fmt, b)]
     if q8 is not None:
         gemv_q8, acts = q8
         return [lambda: gemv_q8.gemv_q8_parts(acts, products, fmt)]
@@ -233,22 +231,23 @@ def merged(op: Op, b: Any):
     return [lambda: gemv.gemv_parts(x, products, fmt)]
 
 
-def _turned_in_gemv(turned: list[int], members, products: list, acts: Any, fmt: Format, k: int, b: Any):
-    """The int8 GEMV in parts that turns a query's and a key's heads in its epilogue (`q8_rope`): the query
-    lands in a buffer of its own, the key where its rotation writes it (its cache row)."""
-    from fuselane.lanes.cuda.triton.gemv import q8_rope as gemv_q8_rope
+def _turned_in_gemv(turned: list[int], members, products: list, acts: Any, int8: bool, fmt: Format, b: Any):
+    """The GEMV in parts that turns a query's and a key's heads in its epilogue: the int8 one (`q8_rope`) where
+    `acts` is the activation's int8 form (`int8`), else the f32 one (`f32_rope`, a step's one row). The query lands in a
+    buffer of its own, the key where its rotation writes it (its cache row)."""
+    from fuselane.lanes.cuda.triton.gemv import f32_rope, q8_rope, turn
 
     qi, ki = turned if members[turned[0]].dst.row is None else turned[::-1]
     q_op, k_op = (parts(members[i])[1] for i in (qi, ki))
     q, kk = rope_launch.side(q_op, b), rope_launch.side(k_op, b)
-    counters = b.scratch.setdefault(f"rope-q8:{q_op.out}", gemv_q8_rope.rope_counters(q.heads, kk.heads, acts.q.device))
-    q_turn = gemv_q8_rope.Turn(qi, q.out, q.heads, None, q.norm_w)
+    counters = b.scratch.setdefault(f"rope-turn:{q_op.out}", turn.rope_counters(q.heads, kk.heads, q.out.device))
+    q_turn = turn.Turn(qi, q.out, q.heads, None, q.norm_w)
     # a batch of one: the row turns at its own position and its key lands in the step's staging row (row 0)
-    k_turn = gemv_q8_rope.Turn(ki, kk.out, kk.heads, kk.pitch if b.paged is None else None, kk.norm_w)
+    k_turn = turn.Turn(ki, kk.out, kk.heads, kk.pitch if b.paged is None else None, kk.norm_w)
     pos = b.bufs["pos"] if b.paged is None else b.paged.positions
-    return lambda: gemv_q8_rope.gemv_q8_parts_rope(
-        acts, products, fmt, q_turn, k_turn, pos, counters, hd=q.hd, base=q.base, eps=q.eps, yarn=q.yarn
-    )
+    launch = q8_rope.gemv_q8_parts_rope if int8 else f32_rope.gemv_f32_parts_rope
+    return lambda: launch(acts, products, fmt, q_turn, k_turn, pos, counters, hd=q.hd, base=q.base, eps=q.eps,
+                          yarn=q.yarn)  # fmt: skip
 
 
 def norm_epilogue(op: Op, b: Any, out_q8: Any = None):

@@ -39,6 +39,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.layout import (
@@ -109,6 +110,10 @@ GLU_TILES = TILES | {Format.Q4_K: (2, 2), Format.Q8_0: (4, 2)}
 # A row whose units do not fill whole chunks of a format's tile (the 7B's 14 and 74 super-blocks) takes the
 # default tile, whose 2-unit chunk they fill: a partial last chunk cost the 7B's gate/up 17 % (1,766 -> 1,459).
 DEFAULT_TILE = (8, 1)
+if any(
+    r > kernels.F32_GEMV_MOST_TILE_ROWS or r & (r - 1) for r, _ in (*TILES.values(), *GLU_TILES.values(), DEFAULT_TILE)
+):
+    raise RuntimeError("a fast GEMV tile's rows must be a power of two within kernels.F32_GEMV_MOST_TILE_ROWS")
 # A CTA barrier after each iteration's prefetch: without it ptxas (Triton 3.6, sm_90) sinks the next chunk's
 # loads to the loop's end, so a warp waits out each chunk's latency; with it they issue first and a chunk's
 # decode covers the next one's latency, for ~3 % more instructions and 60-96 registers. Read at launch:

@@ -151,9 +151,21 @@ def _gemv_parts_kernel(
     PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    # `parts`: a `parts.PartsArgs`. Part p owns tiles [t_p, t_{p+1}); BIAS and AT_ROW hold a bit a part; the
-    # residual is part 0's.
     pdl.begin(PDL)
+    parts_body(x, x_pitch, m, parts, res, res_pitch, FMT, ROW_BYTES, STEPS, UNITS, SPLIT, PARTS, BIAS, AT_ROW, HAS_RES,
+               BLOCK_M, BLOCK_N, STAGES)  # fmt: skip
+
+
+@triton.jit
+def parts_body(
+    x, x_pitch, m, parts, res, res_pitch,
+    FMT: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr,
+    PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """A launch in parts' program (`parts`: a `parts.PartsArgs`; part p owns tiles [t_p, t_{p+1}); BIAS and AT_ROW
+    hold a bit a part; the residual is part 0's): its part's rows summed and stored. Returns the part and the
+    program's tile in it, for an epilogue of a kernel's own after it (`f32_rope`)."""
     p, t = parts.items, parts.first
     pid = tl.program_id(0)
     part = (pid >= t[0]).to(tl.int32)
@@ -171,6 +183,7 @@ def _gemv_parts_kernel(
     x_rows = x + tl.minimum(mi, m - 1) * x_pitch
     y = dot_rows(w_rows, x_rows, FMT, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES)
     store_part(y, part, rows, n, mi, m, p, res, res_pitch, PARTS, BIAS, AT_ROW, HAS_RES)
+    return part, pid - first
 
 
 @triton.jit
@@ -257,20 +270,10 @@ def row_tiles(m: int) -> tuple[int, int]:
 # --- launchers ---------------------------------------------------------------------------------------------------
 
 
-def gemv_parts(
-    x: torch.Tensor,
-    parts: Sequence[Part | tuple],
-    fmt: Format,
-    *,
-    residual: torch.Tensor | None = None,
-) -> None:
-    """One launch of up to `kernels.GEMM_PARTS` products of one format reading the same `x` (m, k).
-
-    Each part is a `Part` (or a tuple in its order: w, n, out, bias|None, out_row|None): its `out` gets
-    x @ W^T (+ bias), (m, n) or rows of a table at a position read on the device. `residual` (m, n0), if
-    given, is added to part 0 (it may be part 0's `out`). The tile shape is the narrowest part's (one row a
-    warp where any part's is: a narrow key beside a wide query); any shape computes the same numbers.
-    """
+def parts_launch(x: torch.Tensor, parts: Sequence[Part | tuple], fmt: Format,
+                 residual: torch.Tensor | None) -> tuple[tuple[int, int], list, dict]:  # fmt: skip
+    """A launch in parts on `x`, checked: its grid, its arguments (the activation's first) and its constants
+    (`num_warps` among them)."""
     fmt = Format(fmt)
     parts = [Part(*p) for p in parts]
     if not 1 <= len(parts) <= kernels.GEMM_PARTS:
@@ -293,28 +296,36 @@ def gemv_parts(
     packed, tiles = pack_parts(entries, block_n, PartArgs(x, 1, x, 0, x, x))
     if residual is not None and (tuple(residual.shape) != (m, parts[0].n) or residual.stride(1) != 1):
         raise ValueError(f"residual must be ({m}, {parts[0].n}) with unit column stride")
-    _gemv_parts_kernel[(tiles, m_tiles)](
+    args = [
         x,
         x.stride(0),
         m,
         packed,
         x if residual is None else residual,
         0 if residual is None else residual.stride(0),
-        FMT=int(fmt),
-        ROW_BYTES=stored_row_bytes(fmt, k),
-        STEPS=steps,
-        UNITS=units,
-        SPLIT=split,
-        PARTS=len(parts),
-        BIAS=bias_bits,
-        AT_ROW=row_bits,
-        HAS_RES=residual is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        STAGES=stages(fmt),
-        num_warps=warps,
-        **pdl.options(),
-    )
+    ]
+    consts = dict(FMT=int(fmt), ROW_BYTES=stored_row_bytes(fmt, k), STEPS=steps, UNITS=units, SPLIT=split,
+                  PARTS=len(parts), BIAS=bias_bits, AT_ROW=row_bits, HAS_RES=residual is not None, BLOCK_M=block_m,
+                  BLOCK_N=block_n, STAGES=stages(fmt), num_warps=warps)  # fmt: skip
+    return (tiles, m_tiles), args, consts
+
+
+def gemv_parts(
+    x: torch.Tensor,
+    parts: Sequence[Part | tuple],
+    fmt: Format,
+    *,
+    residual: torch.Tensor | None = None,
+) -> None:
+    """One launch of up to `kernels.GEMM_PARTS` products of one format reading the same `x` (m, k).
+
+    Each part is a `Part` (or a tuple in its order: w, n, out, bias|None, out_row|None): its `out` gets
+    x @ W^T (+ bias), (m, n) or rows of a table at a position read on the device. `residual` (m, n0), if
+    given, is added to part 0 (it may be part 0's `out`). The tile shape is the narrowest part's (one row a
+    warp where any part's is: a narrow key beside a wide query); any shape computes the same numbers.
+    """
+    grid, args, consts = parts_launch(x, parts, fmt, residual)
+    _gemv_parts_kernel[grid](*args, **consts, **pdl.options())
 
 
 def gemv(
