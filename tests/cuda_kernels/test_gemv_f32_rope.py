@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kernel_checks import DEVICE, GPU_ONLY, dev, raw_weights  # noqa: E402
-from test_gemv_q8_rope import BASE, CTX, EPS, HD, HEADS, KV, POS, _outputs, _within_the_sums_order  # noqa: E402
+from test_gemv_q8_rope import BASE, EPS, HD, HEADS, KV, POS, _outputs, assert_turned_alike  # noqa: E402
 
 from fuselane.gguf.formats import Format  # noqa: E402
 from fuselane.lanes.cuda.triton import rope  # noqa: E402
@@ -67,15 +67,7 @@ def test_turned_in_the_epilogue_as_in_a_launch_of_its_own(fmt: Format, normed: b
     q, k = Turn(0, q_out, HEADS, None, qw), Turn(1, k_cache, KV, pitch, kw)
     f32_rope.gemv_f32_parts_rope(x, parts, fmt, q, k, pos, counters, hd=HD, base=BASE, eps=EPS)
 
-    for a, b, turned in zip(want, got, (False, False, True, True, False), strict=True):
-        assert torch.equal(a.isnan(), b.isnan())
-        if turned and normed:
-            _within_the_sums_order(a.nan_to_num(), b.nan_to_num())
-        else:
-            assert torch.equal(a.nan_to_num(), b.nan_to_num())
-    assert not k_cache[POS].isnan().any() and not q_out.isnan().any()
-    assert not counters.any()  # re-armed for the next launch
-    assert k_cache.shape[0] == CTX
+    assert_turned_alike(want, got, normed, counters)
 
 
 def test_the_f32_turns_take_one_row_in_a_format_they_decode() -> None:

@@ -88,14 +88,22 @@ def test_turned_in_the_epilogue_as_in_a_launch_of_its_own(fmt: Format, normed: b
     q, k = Turn(0, q_out, HEADS, None, qw), Turn(1, k_cache, KV, pitch, kw)
     gemv_q8_parts_rope(acts, parts, fmt, q, k, pos, counters, hd=HD, base=BASE, eps=EPS, yarn=yarn, **tile)
 
+    assert_turned_alike(want, got, normed, counters)
+
+
+def assert_turned_alike(want, got, normed: bool, counters) -> None:
+    """`_outputs()` of the two launches against those of the one: the raw heads and the value row bit for bit, the
+    turned heads too where not normed (else within the sums' order), every turned value written, the counters
+    re-armed for the next launch."""
     for a, b, turned in zip(want, got, (False, False, True, True, False), strict=True):
         assert torch.equal(a.isnan(), b.isnan())
         if turned and normed:
             _within_the_sums_order(a.nan_to_num(), b.nan_to_num())
         else:
             assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    _, _, q_out, k_cache, _ = got
     assert not k_cache[POS].isnan().any() and not q_out.isnan().any()
-    assert not counters.any()  # re-armed for the next launch
+    assert not counters.any()
 
 
 def _within_the_sums_order(a, b) -> None:
