@@ -77,3 +77,17 @@ def test_explain_takes_a_context(capsys):
         rc = cli.main(["explain", "synth:qwen2.5-0.5b:q2_k", "--lane", "cuda", "--form", "prefill", *ctx, *args])
         out, err = capsys.readouterr()
         assert rc == 1 and out == "" and said in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_stored_layouts_bytes_are_held_in_the_share_and_said():
+    # a Q2_K recipe's down and attention output are Q3_K, whose blocks the lane keeps in 112 bytes: the 1.8 % is
+    # held within the share, and `explain` says how much; a Q4_K_M 0.5B (no Q3_K) has none
+    from fuselane.gguf.formats import LAYOUTS, Format
+    from fuselane.lanes.cuda.explain_workspace import render_workspace
+
+    ws = prefill_workspace("synth:qwen2.5-1.5b:q2_k")
+    down = 28 * 1536 * 8960 // 256 * LAYOUTS[Format.Q3_K].nbytes  # the 1.5B's 28 ffn_down in Q3_K
+    assert down * 2 / 110 < ws["stored_surplus_bytes"] < down * 2 / 110 * 1.5  # and the attention outputs
+    assert ws["held_bytes"] >= ws["stored_surplus_bytes"] and ws["within"]
+    assert any("stored 16-byte aligned" in line for line in render_workspace(ws))
+    assert prefill_workspace("synth:qwen2.5-0.5b:q4_k_m")["stored_surplus_bytes"] == 0

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fuselane.fuse.optimizer import Plan, optimize
-from fuselane.gguf.formats import tensor_bytes
+from fuselane.gguf.formats import LAYOUTS, tensor_bytes
 from fuselane.graph.ir import Form
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.shim import CudaShim
@@ -54,6 +54,7 @@ def prefill_workspace(
         "share_bytes": ws.share_bytes,
         "within": ws.within,
         "rounds_in_place": ws.rounds_in_place,
+        "stored_surplus_bytes": surplus,
     }
 
 
@@ -78,5 +79,14 @@ def render_workspace(w: dict[str, Any]) -> list[str]:
         f"  f16 scratch {w['scratch_bytes'] / MB:.1f} MB (a layer's largest product {slabs}); cuBLAS's workspace "
         f"{cublas} ({config})",
         f"  dying activations rounded to f16 in place: {'yes' if w['rounds_in_place'] else 'no'}",
+        *_stored(w.get("stored_surplus_bytes", 0)),
         f"  the {held} ({round(100 * kernels.WORKSPACE_SHARE)} %): {verdict}",
     ]
+
+
+def _stored(surplus: int) -> list[str]:
+    """The line on the weights' stored layout, where it adds to the file's bytes (`run/stored.py`)."""
+    if not surplus:
+        return []
+    blocks = ", ".join(f"{f.name}'s {LAYOUTS[f].nbytes} bytes in {b}" for f, b in kernels.STORED_BLOCK_BYTES.items())
+    return [f"  blocks stored 16-byte aligned ({blocks}): {surplus / MB:.1f} MB over the file, held in the share"]
