@@ -229,17 +229,9 @@ class CudaLane:
             config = os.environ.get(workspace.CUBLAS_CONFIG)
             moe, knobs = workspace.one_gpu_mixture(self.cfg), self.shim.knobs
             self.workspace = workspace.sized(
-                plan_at,
-                self.ctx,
-                moe,
-                shapes,
-                self.weights_bytes,
-                knobs,
-                self.cfg.vocab,
-                config,
-                arena,
-                self.stored_surplus,
-            )
+                plan_at, self.ctx, moe, shapes, self.weights_bytes, knobs, self.cfg.vocab, config, arena,
+                surplus_bytes=self.stored_surplus,
+            )  # fmt: skip
         return self.workspace
 
     def model_bytes(self) -> int:
