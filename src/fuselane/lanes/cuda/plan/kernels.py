@@ -39,8 +39,9 @@ QBLOCK = contract.QBLOCK
 # scales 12, d 2) takes 112: its int8 GEMV reads a group's scales and d, its qs run and its hmask run as three
 # 128-bit loads, where the file's layout (every other block 2 bytes past a word) took 17 loads of 1-4 bytes.
 # H200, the 7B's widths (benchmarks/RESULTS.md, 2026-12-05): the gate/up GLU 28.7 -> 20.2 us, the down product
-# 22.9 -> 16.3 us, for 1.8 % more bytes of Q3_K matrices. Q6_K (210 bytes) is left as the file has it: at 224
-# bytes (6.7 % more) its down product measured 16 % faster and its GLU level; at 212, 10 % and 17 % slower.
+# 22.9 -> 16.3 us, for 1.8 % more bytes of Q3_K matrices. Q6_K (210 bytes) is left as the file has it: in 224
+# bytes its down product ran 16 % faster and its GLU level, but every Q6_K matrix would take 6.7 % more memory
+# (past the workspace's 5 % share on a Q6_K file); in 212 its down ran 10 % faster and its GLU 17 % slower.
 STORED_BLOCK_BYTES = {Format.Q3_K: 112}
 
 
