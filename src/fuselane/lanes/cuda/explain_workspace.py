@@ -31,9 +31,9 @@ def prefill_workspace(
     if knobs.batch or not workspace.keeps_scratch(knobs):
         return None
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}
-    _, weights = parts({n: _uploaded(t) for n, t in tensors.items()})  # as `CudaLane._upload` lays them out
-    surplus = sum(stored.surplus(t.format, tensor_bytes(t.format, tuple(t.shape))) for t in tensors.values()
-                  if len(t.shape) > 1)  # fmt: skip
+    uploaded = {n: _uploaded(t) for n, t in tensors.items()}  # as `CudaLane._upload` lays them out
+    _, weights = parts({n: nbytes + extra for n, (nbytes, extra) in uploaded.items()})
+    surplus = sum(extra for _, extra in uploaded.values())
 
     def plan_at(rows: int) -> Plan:
         graph = recognizer(cfg).recognize(cfg, tensors, Form.PREFILL, rows=rows, ctx=ctx)
@@ -58,12 +58,13 @@ def prefill_workspace(
     }
 
 
-def _uploaded(t: Any) -> int:
-    """A tensor's bytes as the lane uploads it (`CudaLane._upload`): a vector as f32 values, a matrix as stored."""
+def _uploaded(t: Any) -> tuple[int, int]:
+    """A tensor's bytes as the lane uploads it (`CudaLane._upload`), and what its stored layout adds to them: a
+    vector as f32 values, a matrix as the file's bytes and its blocks' padding (`run/stored.py`)."""
     if len(t.shape) == 1:
-        return F32_BYTES * math.prod(t.shape)
+        return F32_BYTES * math.prod(t.shape), 0
     nbytes = tensor_bytes(t.format, tuple(t.shape))
-    return nbytes + stored.surplus(t.format, nbytes)
+    return nbytes, stored.surplus(t.format, nbytes)
 
 
 def render_workspace(w: dict[str, Any]) -> list[str]:

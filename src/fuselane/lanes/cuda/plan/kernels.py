@@ -208,6 +208,17 @@ GEMV_BLOCK_WARPS_FOUR_ROWS = 4
 # and key in its epilogue needs (`triton/gemv/f32_rope.py`).
 F32_GEMV_MOST_TILE_ROWS = ROWS_A_WARP_WIDE * GEMV_BLOCK_WARPS_FOUR_ROWS
 
+
+def f32_turning_gemv(fmt: Format, m: int) -> str | None:
+    """Which f32 GEMV multiplies a QKV product of `m` rows in `fmt` and can turn its heads in its epilogue: the
+    tile-streaming one (`"fast"`) or the GEMV by rows (`"rows"`) for a step's one row, else None."""
+    if m != 1:
+        return None
+    if fmt in FAST_GEMV_FORMATS:
+        return "fast"
+    return "rows" if rows_gemv(fmt, m) else None
+
+
 # --- a batch step's inputs (`run/paged.py`, `triton/advance.py`) ---------------------------------------------
 
 # A batch step's inputs are one int32 device tensor: these columns, `rows` values each, then the rows' block

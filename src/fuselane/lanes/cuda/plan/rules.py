@@ -184,7 +184,7 @@ def _tile_rows(act: QuantFormat | None, fmt, m: int) -> int | None:
     format the tile-streaming GEMV or the GEMV by rows decodes: `triton/gemv/f32_rope.py`)."""
     if act is QuantFormat.ONE_WORD:
         return kernels.INT8_GEMV_TILE_ROWS.get(fmt)
-    f32 = act is None and m == 1 and (fmt in kernels.FAST_GEMV_FORMATS or kernels.rows_gemv(fmt, m))
+    f32 = act is None and kernels.f32_turning_gemv(fmt, m) is not None
     return kernels.F32_GEMV_MOST_TILE_ROWS if f32 else None
 
 

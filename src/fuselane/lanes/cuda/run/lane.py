@@ -168,8 +168,8 @@ class CudaLane:
                     warnings.simplefilter("ignore", UserWarning)
                     host[name] = torch.from_numpy(np.asarray(t.data))
         sizes = {name: h.numel() * h.element_size() for name, h in host.items()}
-        surplus = {name: stored.surplus(self.tensors[name].format, n) if host[name].dtype == torch.uint8 else 0
-                   for name, n in sizes.items()}  # fmt: skip
+        surplus = {name: stored.surplus(t.format, sizes[name]) if len(t.shape) > 1 else 0
+                   for name, t in self.tensors.items()}  # fmt: skip
         offsets, at = parts({name: n + surplus[name] for name, n in sizes.items()})
         arena = torch.empty(at, dtype=torch.uint8, device=self.device)
         self.weights_bytes, self.stored_surplus = at, sum(surplus.values())

@@ -62,10 +62,8 @@ def _rows_parts_rope_kernel(
 
 
 def takes(fmt: Format) -> str | None:
-    """Which f32 GEMV turns a step's query and key in `fmt` ('fast' or 'rows'), or None."""
-    if fmt in fast.GROUPS:
-        return "fast"
-    return "rows" if kernels.rows_gemv(Format(fmt), 1) else None
+    """Which f32 GEMV turns a step's query and key in `fmt` ('fast' or 'rows'), or None: the plan's fact."""
+    return kernels.f32_turning_gemv(Format(fmt), 1)
 
 
 def gemv_f32_parts_rope(

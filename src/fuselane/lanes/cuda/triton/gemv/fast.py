@@ -110,6 +110,8 @@ GLU_TILES = TILES | {Format.Q4_K: (2, 2), Format.Q8_0: (4, 2)}
 # A row whose units do not fill whole chunks of a format's tile (the 7B's 14 and 74 super-blocks) takes the
 # default tile, whose 2-unit chunk they fill: a partial last chunk cost the 7B's gate/up 17 % (1,766 -> 1,459).
 DEFAULT_TILE = (8, 1)
+if frozenset(GROUPS) != kernels.FAST_GEMV_FORMATS:
+    raise RuntimeError("kernels.FAST_GEMV_FORMATS must name this GEMV's formats (`GROUPS`)")
 if any(
     r > kernels.F32_GEMV_MOST_TILE_ROWS or r & (r - 1) for r, _ in (*TILES.values(), *GLU_TILES.values(), DEFAULT_TILE)
 ):
