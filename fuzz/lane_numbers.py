@@ -31,7 +31,7 @@ from fuselane.gguf.synth_latent import LatentShape
 
 KNOBS = (
     (), (), (), ("activations=dequant",), ("rope_epilogue=on",), ("prefill=in-place",), ("prefill=int8",),
-    ("norm_launch=off",), ("fuse_quant=off",), ("cache=f32",), ("shared_fold=off",),
+    ("norm_launch=off",), ("fuse_quant=off",), ("cache=f32",), ("shared_fold=off",), ("latent_decode=packed",),
 )  # fmt: skip
 HEAD_DIMS = (8, 16, 32, 48, 64, 80, 96)
 PROMPT = [5, 60, 7, 300, 8, 1, 2, 3, 4, 5, 6]  # past the GEMV's rows: the prefill's products and attention

@@ -30,6 +30,7 @@ KNOBS = (
     (), (), ("activations=dequant",), ("cache=f32",), ("prefill=f16-copy",), ("prefill=in-place",),
     ("rope_epilogue=on",), ("rope_epilogue=off",), ("norm_launch=off",), ("fuse_quant=off",), ("pdl=off",),
     ("weight_loads=ahead",), ("shared_fold=off",), ("chunk_rows=64",), ("round_in_place=on",),
+    ("latent_decode=packed",),
 )  # fmt: skip
 HEAD_DIMS = (48, 64, 80, 96, 128, 128, 256)
 UNITS = (32, 64, 128)  # a hidden width's unit

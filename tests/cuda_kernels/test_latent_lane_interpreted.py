@@ -63,3 +63,24 @@ def test_cuda_lane_runs_latent_attention_as_the_cpu_lane(tmp_path, name):
         a, b = np.asarray(a), np.asarray(b)
         assert np.isfinite(a).all()
         assert rel(a, b) <= tol, f"{what}: {rel(a, b):.2e} > {tol:.2e}"
+
+
+def test_the_packed_latent_decode_runs_as_the_cpu_lane(tmp_path, monkeypatch):
+    """`latent_decode=packed` under the int8 numerics: a decode step's latent attention takes the packed f16
+    kernel (`triton/mla/packed.py`, counted as it runs), and the lane's logits stay within the contract."""
+    from fuselane.lanes.cuda.triton.mla import packed
+
+    ran = []
+    real = packed.latent_attention
+    monkeypatch.setattr(packed, "latent_attention", lambda *a, **k: ran.append(k["splits"]) or real(*a, **k))
+    path = write_synthetic(tmp_path / "m.gguf", SHAPES["v2"], "q8_0", seed=4)
+    gpu = load(path, lane="cuda", ctx=CTX, knobs=["latent_decode=packed"])
+    ref = load(path, lane="cpu", ctx=CTX, dtype=np.float64)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    sg, sr = gpu.session(), ref.session()
+    long = PROMPT * 5  # 45 rows: the step's span is past one of the packed kernel's 32-row tiles, in shares
+    for what, a, b in (("prefill", sg.feed(long), sr.feed(long)), ("decode", sg.extend([9]), sr.extend([9]))):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.isfinite(a).all()
+        assert rel(a, b) <= tol, f"{what}: {rel(a, b):.2e} > {tol:.2e}"
+    assert ran and max(ran) > 1  # each layer's decode attention, its span merged from shares

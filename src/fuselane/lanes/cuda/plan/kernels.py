@@ -305,7 +305,10 @@ ATTN_GROUP_WARPS = 4
 ATTN_GROUP_WIDE_WARPS = 8
 GROUP_WIDE_MERGE = 1024
 # f32 values a thread of a packed block's merge holds at a time (its heads x splits x the head's values over
-# the block's threads): where every split's partial fits, the merge loads them all at once.
+# the block's threads): where every split's partial fits, the merge loads them all at once. Measured slower
+# (H100, 4,096 rows, RESULTS.md 2026-12-05 (sixth)): the partials normalized and kept in f16 (half the merge's
+# bytes; 7B 9.7 -> 11.0 us a launch) and a split's later tiles asked of L2 before its wait (7B 9.8 -> 10.2, 8B
+# 11.3 -> 13.0).
 ATTN_GROUP_MERGE_HELD = 128
 
 # The absorbed latent attention's decode program (`triton/mla/attention.py`): a query row's heads share one
@@ -339,6 +342,19 @@ MLA_MERGE_ROWS = 2
 # Partials a merge step reads (their maxima, sums and weighted latents: 4 x 32 values a thread), their loads in
 # flight together: a round trip for four. The merging program holds them in 135-148 registers, no stack (sm_90).
 MLA_MERGE_BATCH = 4
+
+# The packed latent attention (`triton/mla/packed.py`, under the int8 numerics' f16 attention): a row's heads
+# (at most MLA_PACKED_MOST_HEADS, padded to 16) the rows of f16 tensor-core products, MLA_PACKED_TILE_ROWS
+# cached rows a tile (the latents and rotated keys, 36 KB in f16 at 576 values) in MLA_PACKED_STAGES stages, the
+# value width in MLA_PACKED_VALUE_SLICES slices a program each (a slice's merge reads 16 heads x 128 values a
+# split), MLA_PACKED_WARPS warps. The splits are `attn_group_splits`' over a row's slices. Compiled for sm_90
+# (H200/H100) at V2-Lite's widths: 191 registers, no stack, 63 KB of shared memory; one slice (the whole 512
+# values a program) spills 3 KB, 32 heads 384 bytes, so 16 heads at most (V3's 128 take `attention.py`).
+MLA_PACKED_MOST_HEADS = 16
+MLA_PACKED_TILE_ROWS = 32
+MLA_PACKED_STAGES = 2
+MLA_PACKED_VALUE_SLICES = 4
+MLA_PACKED_WARPS = 4
 
 # The short-span path (`triton/mla/whole.py`): a row whose live span (read on the device) is at most
 # MLA_SHORT_ROWS cached rows runs whole, a program a head and MLA_SHORT_VALUES values of the width (V2-Lite:

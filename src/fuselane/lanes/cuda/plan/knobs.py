@@ -112,6 +112,13 @@ class RoundInPlace(enum.Enum):
     OFF = "off"
 
 
+class LatentDecode(enum.Enum):
+    """Which kernel a decode step's absorbed latent attention (DeepSeek's) runs on."""
+
+    CORES = "cores"  # f32 products on the CUDA cores (`triton/mla/attention.py`), under any numerics
+    PACKED = "packed"  # under int8 a row's heads the rows of f16 tensor-core products (`triton/mla/packed.py`)
+
+
 @dataclass(frozen=True, slots=True)
 class CudaKnobs:
     """The lane's knobs.
@@ -204,6 +211,11 @@ class CudaKnobs:
       launch alone, where its programs made the rest wait, it took 5.02. H100, Q4_K_M, its down an int8
       product: DeepSeek-V2-Lite 2.146 folded, 2.239 apart; Qwen1.5-MoE-A2.7B, whose shared expert is as wide
       as its kept experts together, 1.813 folded, 1.761 apart (docs/moe.md).
+    - `latent_decode=cores`: a decode step's latent attention scores on the CUDA cores in f32, whatever the
+      numerics. `packed` (under int8, heads of at most `kernels.MLA_PACKED_MOST_HEADS`: V2-Lite's 16) takes
+      the int8 numerics' f16 attention on the tensor cores, a row's heads the rows of one product
+      (`triton/mla/packed.py`); not yet timed on a GPU, so not the default: the cores' split path took 66.9 us
+      at 4,096 rows on V2-Lite's heads (H200), some 40 barriers a tile of 16 rows.
     """
 
     chip: Chip = H200
@@ -220,6 +232,7 @@ class CudaKnobs:
     delta_products: DeltaProducts = DeltaProducts.TF32X3
     shared_fold: bool = True
     round_in_place: RoundInPlace = RoundInPlace.AUTO
+    latent_decode: LatentDecode = LatentDecode.CORES
     chunk_rows: int | None = None  # None: the lane's own (`auto`)
 
     @classmethod
@@ -297,4 +310,5 @@ _SETTERS = {
     "shared_fold": lambda k, v: replace(k, shared_fold=_flag("shared_fold", v)),
     "round_in_place": lambda k, v: replace(k, round_in_place=_choice("round_in_place", RoundInPlace, v)),
     "chunk_rows": lambda k, v: replace(k, chunk_rows=_rows("chunk_rows", v)),
+    "latent_decode": lambda k, v: replace(k, latent_decode=_choice("latent_decode", LatentDecode, v)),
 }

@@ -32,7 +32,14 @@ from fuselane.gguf.dequant import dequantize
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Form, QuantFormat, QuantizedActs, Role, TensorGraph
 from fuselane.lanes.cuda.plan.kernels import QBLOCK
-from fuselane.lanes.cuda.plan.knobs import CachePrecision, CudaKnobs, PrefillWeights, RoundInPlace, StatePrecision
+from fuselane.lanes.cuda.plan.knobs import (
+    CachePrecision,
+    CudaKnobs,
+    LatentDecode,
+    PrefillWeights,
+    RoundInPlace,
+    StatePrecision,
+)
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run import decode as loop
 from fuselane.lanes.cuda.run import stored, workspace
@@ -453,6 +460,12 @@ def _attention_in_f16(knobs: CudaKnobs) -> bool:
     return CudaShim(knobs).packs_gqa_rows
 
 
+def _latent_packed(knobs: CudaKnobs) -> bool:
+    """Whether a decode step's latent attention takes the packed f16 kernel: asked for (`latent_decode`), under
+    numerics whose attention takes f16 operands."""
+    return knobs.latent_decode is LatentDecode.PACKED and _attention_in_f16(knobs)
+
+
 class _Step:
     """A plan bound to buffers: its launches, and (for a decode step) the CUDA graph that replays them."""
 
@@ -494,6 +507,7 @@ class _Step:
         bound = Bound(
             g, bufs, lane.raw, lane.vec, lane.dense,
             in_place=in_place, q8=q8, attention_f16=_attention_in_f16(lane.shim.knobs), sms=lane.shim.knobs.chip.sms,
+            latent_packed=_latent_packed(lane.shim.knobs),
             delta_products=lane.shim.knobs.delta_products.value, f16_scratch=scratch,
             dying=dying_reads(plan) if rounds else frozenset(),
         )  # fmt: skip

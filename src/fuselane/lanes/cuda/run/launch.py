@@ -86,6 +86,7 @@ class Bound:
     in_place: bool = False  # a chunk's products the int8 GEMM does not take decode the weights to f16 in the kernel
     q8: dict[str, Any] = field(default_factory=dict)  # name -> quant.Q8Acts: the int8 forms the plan writes
     attention_f16: bool = False  # a chunk's attention multiplies on the f16 tensor cores (`CudaShim.attention`)
+    latent_packed: bool = False  # a decode step's latent attention takes `triton/mla/packed.py` (`latent_decode`)
     paged: PagedRows | None = None  # a batch's step over a paged KV pool (see the module)
     # the chip's multiprocessors (`Chip.sms`), which kernels size their grids by: the super-block GEMM's tile,
     # the paged attention's splits of each row's span (`paged.paged_plan`)

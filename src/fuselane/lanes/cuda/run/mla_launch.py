@@ -164,13 +164,42 @@ def latent_attention(op: Op, b, out_q8: Any = None) -> list:
         raise PlanMismatch(f"{op.out}: the latent attention writes f32 rows, one kv head")
     q, kc, vc = (b.bufs[n] for n in op.ins[:3])
     out, pos = b.bufs[op.out], b.bufs["pos"]
+    kc2 = kc.view(-1, spec.hd) if kc.is_contiguous() else kc
+    if _packs(b, spec, kc2, vc):
+        return _packed(b, spec, q, kc2, pos, out)
     shares = splits(spec.rows, attention.groups(spec.heads, spec.value_width), spec.len, b.sms, q.device)
     short = short_path(spec.rows, spec.heads, spec.value_width, b.sms, q.device)
     work = _shares_scratch(b, spec, shares, short, q.device) if shares > 1 or short.shares > 1 else None
     shape = dict(rows=spec.rows, heads=spec.heads, kw=spec.hd, vd=spec.value_width, scale=spec.scale,
                  seq_rows=spec.len if spec.batched else 0, splits=shares, work=work, short=short)  # fmt: skip
-    kc2 = kc.view(-1, spec.hd) if kc.is_contiguous() else kc
     return [lambda: attention.latent_attention(q, kc2, vc, pos, out, **shape)]
+
+
+def _packs(b, spec: Attention, kc: Any, vc: Any) -> bool:
+    """Whether the latent attention takes the packed f16 kernel (`triton/mla/packed.py`): asked for under the int8
+    numerics (`Bound.latent_packed`), a decode step's or a batch's few rows, heads it holds, and the values the
+    first part of the cache's rows (the latents, read in place)."""
+    from fuselane.lanes.cuda.plan import kernels
+    from fuselane.lanes.cuda.triton.mla import packed
+
+    in_place = vc.data_ptr() == kc.data_ptr() and vc.stride(0) == kc.stride(0)
+    few = spec.rows <= kernels.GEMV_ROWS
+    return b.latent_packed and few and in_place and packed.takes(spec.heads, spec.hd, spec.value_width)
+
+
+def _packed(b, spec: Attention, q: Any, kc: Any, pos: Any, out: Any) -> list:
+    """The packed latent attention's launch, its splits' scratch one a shape that every layer shares (as
+    `_shares_scratch`'s)."""
+    from fuselane.lanes.cuda.triton.mla import packed
+
+    sms = b.sms if q.device.type == "cuda" else INTERPRETED_SMS
+    shares = packed.splits(spec.rows, spec.value_width, spec.len, sms)
+    key = f"mla-packed:{spec.rows}:{spec.heads}:{spec.value_width}:{shares}"
+    if shares > 1 and key not in b.scratch:
+        b.scratch[key] = packed.scratch(spec.rows, spec.heads, spec.value_width, shares, q.device)
+    shape = dict(rows=spec.rows, heads=spec.heads, kw=spec.hd, vd=spec.value_width, scale=spec.scale,
+                 splits=shares, work=b.scratch.get(key), seq_rows=spec.len if spec.batched else 0)  # fmt: skip
+    return [lambda: packed.latent_attention(q, kc, pos, out, **shape)]
 
 
 def _shares_scratch(b, spec: Attention, shares: int, short: Any, device: Any):
