@@ -3,7 +3,7 @@ values the cached rows' latents) against the cpu lane in f64.
 
 Without a GPU the kernel runs in Triton's interpreter at small widths (latents of 32 and 64 values in 2 and 4
 slices, a rotated part of 16, 3-16 heads, a 100-row cache in tiles of the plan's 32 rows); the `cuda` test runs
-DeepSeek-V2-Lite's heads over 4,096 rows against the lane's CUDA-core kernel. Tolerances are
+DeepSeek-V2-Lite's heads over 4,096 rows at the plan's splits. Tolerances are
 `test_norm_rope_attention.attention_bound`'s with f16 operands (the scaled query, the cached rows and the
 weights rounded to 2^-11 each), the cache f16 as stored.
 """
@@ -24,7 +24,6 @@ from fuselane.graph.ops import Attention  # noqa: E402
 from fuselane.lanes.cpu import kernels as ref  # noqa: E402
 from fuselane.lanes.cuda.plan import kernels  # noqa: E402
 from fuselane.lanes.cuda.triton import pdl  # noqa: E402
-from fuselane.lanes.cuda.triton.mla import attention as cores  # noqa: E402
 from fuselane.lanes.cuda.triton.mla import packed  # noqa: E402
 from tests.cuda_kernels.test_norm_rope_attention import (  # noqa: E402
     DEVICE,
@@ -141,4 +140,3 @@ def test_cuda_packed_latent_attention_at_v2_lite_heads(p):
     out, _ = run(q, kc, p, heads, kw, vd, scale, splits)
     want = reference(q, k, heads, kw, vd, p, scale)
     within(out, want, bound(q, k, p, kw, vd, scale), "packed latent attention")
-    assert cores.groups(heads, vd) >= 1  # the lane's other kernel takes the same shapes
