@@ -2,7 +2,9 @@
 rope 64; V2-Lite's 16 heads, `--heads 16 128` adds V3's) at several depths, each launch replayed from a CUDA graph
 so no host time counts. A row a depth: `split` is every span cut into the plan's shares and merged (the kernel
 before the short path), `plan` what the lane launches on an H200 (the short path, `triton.mla.whole`, up to
-`kernels.MLA_SHORT_ROWS` rows, then the shares), and `whole:V/T/C/S/H` the short path forced at every depth
+`kernels.MLA_SHORT_ROWS` rows, then the shares), `packed` the f16 tensor-core kernel `--knob latent_decode=packed`
+takes (`triton.mla.packed`, its splits `packed.splits` at the cache's length; its difference from `split` is the
+f16 operands', ~1e-3), and `whole:V/T/C/S/H` the short path forced at every depth
 shown: `V` values a program, `T` rows a tile, `C` query values a product step, `S` stages of loads in flight, `H`
 shares at most (past `kernels.MLA_SHORT_SHARE_ROWS` rows). Where `plan` stops beating `split` is where
 MLA_SHORT_ROWS belongs. The shares are `kernels.mla_splits` at the cache's length (`--ctx`, each).
@@ -28,6 +30,7 @@ import torch
 from benchmarks.gemv_compare import timed
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton.mla import attention as A
+from fuselane.lanes.cuda.triton.mla import packed as P
 from fuselane.lanes.cuda.triton.mla import whole
 
 LORA, ROPE = 512, 64
@@ -45,10 +48,18 @@ def _launch(q, kc, pos, out, heads: int, shares: int, short: whole.Short):
                              kw=LORA + ROPE, vd=LORA, scale=0.07, splits=shares, work=work, short=short)  # fmt: skip
 
 
-def _variants(depth: int, forced: bool) -> list[tuple[str, whole.Short]]:
-    """The kernels a depth is timed with: the split path alone, the plan's, and (short depths of the first cache
-    length: each variant is a compile at each length's shares) forced whole."""
-    out = [("split", whole.NEVER), ("plan", PLAN)]
+def _packed(q, kc, pos, out, heads: int):
+    """The packed kernel's launch at the plan's splits for the cache's length, as a call (its scratch made once)."""
+    splits = P.splits(1, LORA, kc.shape[0], torch.cuda.get_device_properties(0).multi_processor_count)
+    work = P.scratch(1, heads, LORA, splits, q.device) if splits > 1 else None
+    return functools.partial(P.latent_attention, q, kc, pos, out, rows=1, heads=heads, kw=LORA + ROPE, vd=LORA,
+                             scale=0.07, splits=splits, work=work)  # fmt: skip
+
+
+def _variants(depth: int, forced: bool) -> list[tuple[str, whole.Short | None]]:
+    """The kernels a depth is timed with: the split path alone, the plan's, the packed one (None), and (short
+    depths of the first cache length: each variant is a compile at each length's shares) forced whole."""
+    out = [("split", whole.NEVER), ("plan", PLAN), ("packed", None)]
     if forced and depth <= WHOLE_UP_TO:
         out += [(f"whole:{v}/{t}/{c}/{st}/{sh}", whole.Short(FORCED, v, t, c, st, sh)) for v, t, c, st, sh in WHOLE]
     return out
@@ -61,8 +72,10 @@ def _row(q, kc, out, heads: int, depth: int, shares: int, forced: bool) -> str:
     pos = torch.tensor([depth], dtype=torch.int32, device="cuda")
     said, first = [], None
     for name, short in _variants(depth, forced):
+        if short is None and not P.takes(heads, LORA + ROPE, LORA):
+            continue  # more heads than a packed program holds (V3's 128)
         try:
-            call = _launch(q, kc, pos, out, heads, shares, short)
+            call = _packed(q, kc, pos, out, heads) if short is None else _launch(q, kc, pos, out, heads, shares, short)
             took = timed(call)
             call()
             got = out.clone()
