@@ -79,7 +79,9 @@ def test_the_packed_latent_decode_runs_as_the_cpu_lane(tmp_path, monkeypatch):
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     sg, sr = gpu.session(), ref.session()
     long = PROMPT * 5  # 45 rows: the step's span is past one of the packed kernel's 32-row tiles, in shares
-    for what, a, b in (("prefill", sg.feed(long), sr.feed(long)), ("decode", sg.extend([9]), sr.extend([9]))):
+    steps = [("prefill", sg.feed(long), sr.feed(long)), ("decode", sg.extend([9]), sr.extend([9]))]
+    steps.append(("a narrow chunk", sg.extend([3, 4, 5]), sr.extend([3, 4, 5])))  # rows at their own positions
+    for what, a, b in steps:
         a, b = np.asarray(a), np.asarray(b)
         assert np.isfinite(a).all()
         assert rel(a, b) <= tol, f"{what}: {rel(a, b):.2e} > {tol:.2e}"
