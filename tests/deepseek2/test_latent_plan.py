@@ -227,3 +227,29 @@ def test_a_decode_step_folds_the_shared_experts_into_the_mixtures_launches(files
     assert folded(plan, C.SHARED_EXPERT_FUSION) == 1 and folded(apart, C.SHARED_EXPERT_FUSION) == 0
     assert not {"l1.sh_glu", "l1.sh_down"} & {op.out for op in plan.ops}
     assert apart.launches() - plan.launches() == 2  # the file's one mixture layer
+
+
+@pytest.mark.parametrize("form, rows", [("decode", 1), ("prefill", 8), ("prefill", int(WIDE))])
+def test_the_cache_rows_join_is_written_in_the_cache(files, form, rows):
+    # `join_row_write`: the cache row's join (the normed latent, the rotated key) lands in the latent cache at the
+    # position, so no row write follows it: a launch a layer less; the query's join keeps its buffer
+    from fuselane.graph.ops import SetRow
+
+    _, _, plan = build_plan(files["v2"], lane="cuda", form=form, rows=rows)
+    _, _, held = build_plan(files["v2"], lane="cuda", form=form, rows=rows, held=("join_row_write",))
+    joins = [op for op in plan.ops if class_of(op) is C.JOIN_IN_PLACE]
+    in_cache = [op for op in joins if op.dst.row is not None]
+    assert len(in_cache) == 2 and {op.dst.buf for op in in_cache} == {"blk.0.latent_cache", "blk.1.latent_cache"}
+    assert all(isinstance(op.sym.parts[-1].sym, SetRow) for op in in_cache)
+    assert [f.rule for f in plan.fired].count("join_row_write") == 2
+    assert not any(isinstance(op.sym, SetRow) and op.dst.buf.endswith("latent_cache") for op in plan.ops)
+    assert held.launches() - plan.launches() == 2  # one a layer
+
+
+def test_a_batchs_cache_rows_keep_their_row_write(files):
+    # a batch's rows land at their own positions (`SetRow.batched`): the join keeps its buffer, the lane says why
+    from fuselane.lanes.cuda.plan.fits import JOIN_ROW_WRITE_FORM
+
+    _, _, plan = build_plan(files["v2"], lane="cuda", form="batch", rows=4)
+    assert "join_row_write" not in {f.rule for f in plan.fired}
+    assert {(m.kind, m.reason) for m in plan.missed if m.rule == "join_row_write"} == {("fits", JOIN_ROW_WRITE_FORM)}

@@ -41,6 +41,7 @@ from fuselane.graph.ir import (
     QuantFormat,
     QuantizedActs,
     Role,
+    RowAt,
     Strided,
     Tensor,
     TensorGraph,
@@ -55,6 +56,7 @@ from fuselane.graph.ops import (
     PrimSpec,
     RmsNorm,
     RowsGather,
+    SetRow,
     Slice,
     Unary,
     UnaryOp,
@@ -378,6 +380,19 @@ def hand_join(same: bool = False) -> Hand:
     return h
 
 
+def hand_join_row() -> Hand:
+    """hand_join's two products joined, the join written as a cache's rows at the position; the cache read."""
+    h = Hand()
+    x = h.embed(16)
+    h.op(Matmul(3, 6, 16), (x, h.weight("wa", 6, 16)), "a", 6)
+    h.op(Matmul(3, 10, 16), (x, h.weight("wb", 10, 16)), "b", 10)
+    h.op(Join(3, 2, 6, 10), ("a", "b"), "j", 16)
+    h.g.add(Tensor("kc", (CTX, 16), Values("f32"), Role.CACHE))
+    h.g.emit(SetRow(3, 16), ("j", POS), "kc", Dst("kc", row=RowAt(POS, 16)))
+    h.op(RmsNorm(CTX, 16, 1e-6), ("kc",), LOGITS, 16, rows=CTX)
+    return h
+
+
 @dataclass(frozen=True)
 class HandCase:
     rule: str
@@ -394,6 +409,7 @@ HAND = [
     HandCase("fused_sampling", hand_sampling, "scores", "scores", ("scores", "x"), take_all=True),
     HandCase("strided_read", hand_strided, "s", "s", ("s", "x")),
     HandCase("join_in_place", hand_join, "a", "a", ("b", "x"), take_all=True, held=("merged_projections",)),
+    HandCase("join_row_write", hand_join_row, "j", "j", ("j", "x"), take_all=True, held=("merged_projections",)),
 ]
 
 

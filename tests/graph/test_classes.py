@@ -36,6 +36,7 @@ NOT_IN_DENSE_GRAPHS = {
     "norm_then_add": "a dense layer adds a product's output to the residual, never a norm's",
     "strided_read": "the dense graphs slice nothing",
     "join_in_place": "the dense graphs join nothing",
+    "join_row_write": "the dense graphs join nothing (tests/deepseek2/test_latent_plan.py)",
     "fused_sampling": "the plans end in the logits; the next token is picked after the graph",
     "elementwise_quant": "no product reads an elementwise result that add_norm has not taken",
     "gemv_quant": "no product reads another product's output",

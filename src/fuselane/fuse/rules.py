@@ -269,6 +269,14 @@ def join_in_place(r: Rewriter, j: int) -> None:
     r.try_fuse("join_in_place", C.JOIN_IN_PLACE, [*producers, j], j, dst=dst)  # type: ignore[list-item]
 
 
+def join_row_write(r: Rewriter, i: int) -> None:
+    if op_at(r, i, C.JOIN_IN_PLACE) is None:
+        return
+    j = next_reader(r, i, SetRow, rule="join_row_write")
+    if j is not None:
+        r.try_fuse("join_row_write", C.JOIN_IN_PLACE, [i, j], j)
+
+
 def _other_readers(r: Rewriter, name: str) -> str:
     readers = r.s.readers(name)
     return r.other_readers(name, readers[0]) if readers else f"{name} is the graph's output"
@@ -323,6 +331,7 @@ PRODUCT_RULES = [
 LAYOUT_RULES = [
     Rule("strided_read", (C.STRIDED_READ,), strided_read),  # f(slice(x)) -> f reads x strided, in place
     Rule("join_in_place", (C.JOIN_IN_PLACE,), join_in_place),  # join(f(a), g(b)) -> f, g write unit parts
+    Rule("join_row_write", (C.JOIN_IN_PLACE,), join_row_write),  # set_row(cache, pos, JoinInPlace) -> in the row
     Rule("fused_sampling", (C.FUSED_SAMPLING,), fused_sampling),  # argmax(x @ W^T) -> FusedSampling
 ]
 

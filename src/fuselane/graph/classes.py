@@ -180,7 +180,7 @@ STANDING: dict[ClassId, Standing] = {
     ClassId.FUSED_SAMPLING: _built("fused_sampling"),
     ClassId.STRIDED_READ: _built("strided_read"),
     ClassId.ROW_WRITE: _built("row_write"),
-    ClassId.JOIN_IN_PLACE: _built("join_in_place"),
+    ClassId.JOIN_IN_PLACE: _built("join_in_place", "join_row_write"),
     ClassId.STRIDED_VALUES: _MLA,  # an attention reading its values in place from the expanded latent
     ClassId.CUDA_GRAPHS: _LANE,  # the cuda lane's runner captures a step's launches and replays them
     ClassId.NORM_QUANT: _built("norm_quant"),

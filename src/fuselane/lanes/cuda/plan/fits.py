@@ -318,9 +318,20 @@ JOIN_IN_PLACE_PAIRS = (
 )
 
 
+JOIN_ROW_WRITE_FORM = "one launch writes a join in a cache row only as the cache row's norm and rotation, at pos"
+
+
 def _join_in_place(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
     # the query's join (HeadMatmul by the key half, its rotated part) and the cache row's (the latent's
-    # NormWeight, the rotated key): `mla_launch.join_in_place`'s two launches
+    # NormWeight, the rotated key): `mla_launch.join_in_place`'s two launches; the cache row's written
+    # straight into the cache at the position where its row write follows it (`join_row_write`)
+    if len(members) == 2 and isinstance(members[1].sym, SetRow):
+        inner, row = members
+        if class_of(inner) is not C.JOIN_IN_PLACE or row.sym.batched:  # type: ignore[union-attr]
+            return JOIN_ROW_WRITE_FORM
+        why = _join_in_place(shim, inner, parts(inner), g)
+        cache_row = not any(isinstance(p.sym, HeadMatmul) for p in parts(inner))
+        return why if why is not None else (None if cache_row else JOIN_ROW_WRITE_FORM)
     join = next((p for p in members if isinstance(p.sym, Join)), None)
     made = {p.out: p for p in members}
     first, second = (made.get(n) for n in join.ins) if join is not None and len(join.ins) == 2 else (None, None)

@@ -17,7 +17,7 @@ from typing import Any
 from fuselane.fuse.views import leaves
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Op
-from fuselane.graph.ops import Attention, Elementwise, HeadMatmul, Join, RmsNorm, Rope
+from fuselane.graph.ops import Attention, Elementwise, HeadMatmul, Join, RmsNorm, Rope, SetRow
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
 INTERPRETED_SMS = 4  # the chip the interpreter stands for: a few shares a row, so the merge runs in tests
@@ -121,6 +121,9 @@ def join_in_place(op: Op, b) -> list:
     latent, then the rotated key: `parts.norm_rope`). The lane's `fits` admits no other pair."""
     from fuselane.lanes.cuda.triton.mla import heads, parts
 
+    row = _row_write(op)
+    if row is not None:  # the cache row's join, written straight into the cache at the position
+        op = op.sym.parts[0]  # type: ignore[union-attr]
     first, turned, join = join_parts(op)
     spec: Rope = turned.sym  # type: ignore[assignment]
     out, pos = b.bufs[join.out], b.bufs["pos"]
@@ -136,9 +139,21 @@ def join_in_place(op: Op, b) -> list:
     n_op, w_op = [p for p in leaves(first) if isinstance(p.sym, RmsNorm | Elementwise)][-2:]
     ns: RmsNorm = n_op.sym  # type: ignore[assignment]
     latent, w = b.bufs[n_op.ins[0]].view(ns.rows, ns.cols), b.vec[w_op.ins[1]]
-    rows = out.view(ns.rows, -1)
-    shape = dict(rows=ns.rows, hd=spec.hd, half=spec.half, batched=spec.batched)
+    at_pos = row is not None
+    rows = _cache_rows(b.bufs[row.dst.buf], row.sym.cols) if at_pos else out.view(ns.rows, -1)  # type: ignore[union-attr]
+    shape = dict(rows=ns.rows, hd=spec.hd, half=spec.half, batched=spec.batched, at_pos=at_pos)
     return [lambda: parts.norm_rope(latent, w, ns.eps, x, x_row, rows, pos, table, **shape)]
+
+
+def _row_write(op: Op) -> Op | None:
+    """A JoinInPlace's row write, where the join is written in a cache row (`join_row_write`): its SetRow."""
+    last = op.sym.parts[-1]  # type: ignore[union-attr]
+    return last if isinstance(last.sym, SetRow) else None
+
+
+def _cache_rows(cache: Any, cols: int) -> Any:
+    """A cache as rows of `cols` values (a layer's cache is one contiguous block)."""
+    return cache.view(-1, cols) if cache.is_contiguous() else cache
 
 
 def join_parts(op: Op) -> tuple[Op, Op, Op]:

@@ -70,8 +70,9 @@ def rope_row(x, x_row, x_head, dst, pos, inv, r, h, PAIRS: tl.constexpr, BLOCK: 
     src = x + r.to(tl.int64) * x_row + h * x_head
     a = tl.load(src + first, mask=keep).to(tl.float32)
     b = tl.load(src + second, mask=keep).to(tl.float32)
-    tl.store(dst + first, a * c - b * s, mask=keep)
-    tl.store(dst + second, a * s + b * c, mask=keep)
+    # in `dst`'s precision (a cache row's f16, to nearest: `rope.set_rows`' rounding)
+    tl.store(dst + first, (a * c - b * s).to(dst.dtype.element_ty), mask=keep)
+    tl.store(dst + second, (a * s + b * c).to(dst.dtype.element_ty), mask=keep)
 
 
 @triton.jit
@@ -87,9 +88,11 @@ def _rope_kernel(x, x_row, x_head, out, pos, inv, HEADS: tl.constexpr, PAIRS: tl
 @triton.jit
 def _norm_rope_kernel(x, x_row, w, k, k_row, out, out_row, pos, inv, cols, eps, BLOCK: tl.constexpr,
                       CHUNKS: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr,
-                      BATCHED: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                      BATCHED: tl.constexpr, AT_POS: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     pdl.begin(PDL)
     r = tl.program_id(0)
+    if AT_POS:  # row r lands at the cache's row pos[0] + r, rounded to the cache's precision in the store
+        out += tl.load(pos).to(tl.int64) * out_row
     if tl.program_id(1) == 0:  # the normed latent: the row's first `cols` values
         norm.rms_norm_unit(x, x, out, w, out, x_row, x_row, out_row, out_row, out, out, out, cols, eps,
                            r.to(tl.int64), 0, False, True, BLOCK, CHUNKS, False)  # fmt: skip
@@ -99,19 +102,23 @@ def _norm_rope_kernel(x, x_row, w, k, k_row, out, out_row, pos, inv, cols, eps, 
 
 def norm_rope(
     x: torch.Tensor, w: torch.Tensor, eps: float, k: torch.Tensor, k_row: int, out: torch.Tensor, pos: torch.Tensor,
-    inv: torch.Tensor, *, rows: int, hd: int, half: bool, batched: bool = False,
+    inv: torch.Tensor, *, rows: int, hd: int, half: bool, batched: bool = False, at_pos: bool = False,
 ) -> None:  # fmt: skip
     """out (rows, cols + hd), each row: its latent `x` (rows, cols) normed by the weights `w` (as `norm.rms_norm`,
     bit for bit: its program at its warps), then its key's `hd` values of `k` (rows `k_row` apart) turned as
-    `rope` turns them. One launch, two programs a row: the cache row's join written in place (JoinInPlace)."""
+    `rope` turns them. One launch, two programs a row: the cache row's join written in place (JoinInPlace).
+    `at_pos`: `out` is the cache, row i written at its row pos[0] + i in its precision (as `rope.set_rows`
+    rounds: to nearest, ties to even), so no row write follows."""
     if out.stride(-1) != 1 or x.stride(-1) != 1 or out.shape[-1] != w.numel() + hd:
         raise ValueError("norm_rope: unit-stride rows, the output as wide as the latent and the key")
+    if at_pos and batched:
+        raise ValueError("norm_rope: a batch's rows are written at their own positions by a row write")
     if hd % 2 or inv.numel() != hd // 2:
         raise ValueError(f"norm_rope: {hd} values need {hd // 2} frequencies, not {inv.numel()}")
     tile = norm.row_tile(w.numel())
     _norm_rope_kernel[(rows, 2)](
         x, x.stride(0), w, k, k_row, out, out.stride(0), pos, inv, w.numel(), float(eps), tile.block, tile.chunks,
-        hd // 2, triton.next_power_of_2(hd // 2), half, batched, num_warps=tile.warps, **pdl.options(),
+        hd // 2, triton.next_power_of_2(hd // 2), half, batched, at_pos, num_warps=tile.warps, **pdl.options(),
     )  # fmt: skip
 
 
