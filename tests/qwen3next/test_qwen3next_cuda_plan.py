@@ -156,3 +156,19 @@ def test_a_gated_norm_read_elsewhere_in_f32_still_quantizes_in_its_launch():
     assert name in quantized and len(quantized) == LAYERS - 1
     assert not [op for op in plan.ops if isinstance(op.sym, Quantize) and op.out == name]
     assert any(op.out == "probe" and name in op.ins for op in plan.ops), "the f32 reader still reads it"
+
+
+@pytest.mark.parametrize("knobs", [(), ("activations=dequant",)])
+def test_a_full_attention_layers_key_and_gated_query_turn_in_one_launch(knobs):
+    # the key's rotation comes out of the QKV GEMV (its query's product is gated, so the GEMV does not turn it)
+    # and pairs with the query's, which reads a slice of that product: one launch for both, its key appended
+    from fuselane.fuse.views import parts
+    from fuselane.lanes.cuda.plan.rules import ROPE_EPILOGUE
+
+    shim = CudaShim(CudaKnobs.parse(list(knobs)))
+    plan = optimize(graph("qwen3-next-80b-a3b", 1), shim)
+    (pair,) = [op for op in plan.ops if class_of(op) is C.ROPE_QK_ONE_LAUNCH]
+    sides = {class_of(p) for p in parts(pair)}
+    assert sides == {C.QK_NORM_ROPE, C.QK_NORM_ROPE_KV_APPEND}
+    assert not [op for op in plan.ops if class_of(op) in (C.QK_NORM_ROPE, C.QK_NORM_ROPE_KV_APPEND)]
+    assert any(e.rule == ROPE_EPILOGUE and e.cls is C.ROPE_QK_ONE_LAUNCH for e in plan.fired)

@@ -30,11 +30,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from fuselane.fuse.rewriter import Rewriter
-from fuselane.fuse.views import RopeForm, class_of, gemv, parts, rope
+from fuselane.fuse.views import RopeForm, class_of, gemv, leaves, parts, rope
 from fuselane.graph import facts
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import WHOLE, Access, Dst, Fused, Op, QuantFormat, QuantizedActs, Rows, TensorGraph
-from fuselane.graph.ops import Quantize
+from fuselane.graph.ops import Attention, Quantize
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, CudaShim
 from fuselane.lanes.cuda.plan.knobs import RopeEpilogue
@@ -210,7 +210,27 @@ def _turns_apart(r: Rewriter, i: int, why: str) -> int:
     r.split(ROPE_EPILOGUE, i, [merged, *rotations], why, undone=[m for m in members if _turns(m)])
     if len(rotations) == kernels.ROPE_SIDES:
         r.try_fuse(ROPE_EPILOGUE, PAIR, [i + 1, i + 2], i + 2)
+    elif len(rotations) == 1:
+        _pair_with_a_later_turn(r, i + 1)
     return i + len(rotations)
+
+
+def _pair_with_a_later_turn(r: Rewriter, at: int) -> None:
+    """The lone rotation at slot `at` (a key's, whose query turns after a slice of its product: a gated query's,
+    Qwen3-Next's) with the layer's next rotation, at the same position, in one launch where the lane takes them
+    so; none past the layer's attention."""
+    mine = rope(r.s.get(at))
+    for j in range(at + 1, len(r.s)):
+        op = r.s.slot(j)
+        if op is None:
+            continue
+        if any(isinstance(x.sym, Attention) for x in leaves(op)):
+            return
+        if class_of(op) in ROTATIONS:
+            other = rope(op)
+            if mine is not None and other is not None and mine.pos == other.pos:
+                r.try_fuse(ROPE_EPILOGUE, PAIR, [at, j], j)
+            return
 
 
 # --- settling: products_apart ----------------------------------------------------------------------------
