@@ -16,7 +16,8 @@ slice (each scores the tile again, from L2 after the first), so a row's merge re
 the width's. The span is cut into splits computed in the kernel from the position (a graph replays at any
 position), each split's partial parked and merged by the slice's last program (`attention.splits`).
 
-A decode step's one row, or a batch's rows each over its own block of the cache (`seq_rows`).
+A decode step's row, a narrow chunk's rows (row r at pos[0] + r), or a batch's rows each over its own block of
+the cache (`seq_rows`).
 """
 
 from __future__ import annotations
