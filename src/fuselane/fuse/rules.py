@@ -16,7 +16,7 @@ from fuselane.fuse.quant_rules import QUANT_RULES
 from fuselane.fuse.rewriter import Rewriter
 from fuselane.fuse.routing_rules import ROUTING_RULES
 from fuselane.fuse.rule import Pattern, Rule
-from fuselane.fuse.views import gemv, rope, slice_view
+from fuselane.fuse.views import gemv, leaves, rope, slice_view
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Dst, Role, Strided, UnitPart
 from fuselane.graph.ops import (
@@ -123,19 +123,28 @@ def qkv_head_epilogue(r: Rewriter, i: int) -> None:
         r.try_fuse("qkv_head_epilogue", C.QKV_HEAD_EPILOGUE, [i, j], j)
 
 
-def rope_q_k_one_launch(r: Rewriter, i: int) -> None:
-    first = op_at(r, i, *ROPES)
-    if first is None:
-        return
+def turn_partner(r: Rewriter, i: int, kinds: tuple[type | C, ...]) -> int | None:
+    """The slot of the rotation (one of `kinds`) that turns beside the one at slot i: the layer's next, before
+    its attention (a later one is the next layer's), at the same position (the same step's query and key)."""
+    mine = rope(r.s.get(i))
     for j in range(i + 1, len(r.s)):
-        if op_at(r, j, Attention, C.FLASH_DECODE, C.FLASH_PREFILL) is not None:
-            return  # past the layer's attention: a later rotation is the next layer's
-        other = op_at(r, j, *ROPES)
-        if other is not None:
-            a, b = rope(first), rope(other)
-            if a is not None and b is not None and a.pos == b.pos:  # the same step's query and key
-                r.try_fuse("rope_q_k_one_launch", C.ROPE_QK_ONE_LAUNCH, [i, j], j)
-            return
+        op = r.s.slot(j)
+        if op is None:
+            continue
+        if any(isinstance(x.sym, Attention) for x in leaves(op)):
+            return None
+        if op_at(r, j, *kinds) is not None:
+            other = rope(op)
+            return j if mine is not None and other is not None and mine.pos == other.pos else None
+    return None
+
+
+def rope_q_k_one_launch(r: Rewriter, i: int) -> None:
+    if op_at(r, i, *ROPES) is None:
+        return
+    j = turn_partner(r, i, ROPES)
+    if j is not None:
+        r.try_fuse("rope_q_k_one_launch", C.ROPE_QK_ONE_LAUNCH, [i, j], j)
 
 
 def _attention(name: str, builds: C, decode: bool) -> Pattern:

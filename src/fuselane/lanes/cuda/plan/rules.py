@@ -30,11 +30,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from fuselane.fuse.rewriter import Rewriter
-from fuselane.fuse.views import RopeForm, class_of, gemv, leaves, parts, rope
+from fuselane.fuse.rules import turn_partner
+from fuselane.fuse.views import RopeForm, class_of, gemv, parts, rope
 from fuselane.graph import facts
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import WHOLE, Access, Dst, Fused, Op, QuantFormat, QuantizedActs, Rows, TensorGraph
-from fuselane.graph.ops import Attention, Quantize
+from fuselane.graph.ops import Quantize
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, CudaShim
 from fuselane.lanes.cuda.plan.knobs import RopeEpilogue
@@ -217,20 +218,11 @@ def _turns_apart(r: Rewriter, i: int, why: str) -> int:
 
 def _pair_with_a_later_turn(r: Rewriter, at: int) -> None:
     """The lone rotation at slot `at` (a key's, whose query turns after a slice of its product: a gated query's,
-    Qwen3-Next's) with the layer's next rotation, at the same position, in one launch where the lane takes them
-    so; none past the layer's attention."""
-    mine = rope(r.s.get(at))
-    for j in range(at + 1, len(r.s)):
-        op = r.s.slot(j)
-        if op is None:
-            continue
-        if any(isinstance(x.sym, Attention) for x in leaves(op)):
-            return
-        if class_of(op) in ROTATIONS:
-            other = rope(op)
-            if mine is not None and other is not None and mine.pos == other.pos:
-                r.try_fuse(ROPE_EPILOGUE, PAIR, [at, j], j)
-            return
+    Qwen3-Next's) with the layer's next rotation at its position (`turn_partner`), in one launch where the lane
+    takes them so."""
+    j = turn_partner(r, at, ROTATIONS)
+    if j is not None:
+        r.try_fuse(ROPE_EPILOGUE, PAIR, [at, j], j)
 
 
 # --- settling: products_apart ----------------------------------------------------------------------------

@@ -179,7 +179,7 @@ def latent_attention(op: Op, b, out_q8: Any = None) -> list:
         raise PlanMismatch(f"{op.out}: the latent attention writes f32 rows, one kv head")
     q, kc, vc = (b.bufs[n] for n in op.ins[:3])
     out, pos = b.bufs[op.out], b.bufs["pos"]
-    kc2 = kc.view(-1, spec.hd) if kc.is_contiguous() else kc
+    kc2 = _cache_rows(kc, spec.hd)
     if _packs(b, spec, kc2, vc):
         return _packed(b, spec, q, kc2, pos, out)
     shares = splits(spec.rows, attention.groups(spec.heads, spec.value_width), spec.len, b.sms, q.device)

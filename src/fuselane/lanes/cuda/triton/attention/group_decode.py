@@ -38,6 +38,7 @@ from fuselane.lanes.cuda.triton.attention.splits import (
     gate_heads,
     interpreted,
     merge_partials,
+    merge_round,
     park_partial,
     store_out,
 )
@@ -214,8 +215,7 @@ def group_decode(
     group_p2 = triton.next_power_of_2(group)
     warps = warps or kernels.attn_group_warps(group, hd, plan.head_blocks * plan.splits, sms)
     # each merge batch holds G_P2 x batch x HD f32 values over the block's threads
-    held = kernels.ATTN_GROUP_MERGE_HELD * warps * kernels.WARP // (group_p2 * hd)
-    batch = max(1, min(merge_batch or held, held, triton.next_power_of_2(plan.splits)))
+    batch = merge_round(group_p2, hd, warps, plan.splits, merge_batch)
     _group_decode_kernel[(plan.head_blocks, plan.splits)](
         q,
         k_cache,
@@ -237,7 +237,7 @@ def group_decode(
         TILE=tile_rows,
         SPLITS=plan.splits,
         S_P2=triton.next_power_of_2(plan.splits),
-        MERGE_BATCH=1 << (batch.bit_length() - 1),  # a power of two (a tl.arange)
+        MERGE_BATCH=batch,
         INTERPRETED=interpreted(),
         GATED=gate is not None,
         GATE_HP=gate.stride(0) if gate is not None else 0,

@@ -43,6 +43,15 @@ class DecodePlan(NamedTuple):
     splits: int
 
 
+def merge_round(rows: int, width: int, warps: int, splits: int, asked: int | None = None) -> int:
+    """Splits a packed merge reads a round trip (a power of two, a tl.arange): as many as keep a block's `rows`
+    rows of `width` f32 values a split within `kernels.ATTN_GROUP_MERGE_HELD` values a thread, no more than the
+    splits (rounded up to a power of two) or `asked`."""
+    held = kernels.ATTN_GROUP_MERGE_HELD * warps * kernels.WARP // (rows * width)
+    batch = max(1, min(asked or held, held, triton.next_power_of_2(splits)))
+    return 1 << (batch.bit_length() - 1)
+
+
 def cache_pitch(cache: torch.Tensor, kv_heads: int, hd: int, name: str) -> int:
     if cache.dim() != 2 or cache.stride(1) != 1 or cache.shape[1] < kv_heads * hd:
         raise ValueError(f"{name}: a 2-D cache of unit-stride rows of at least {kv_heads * hd} values")

@@ -29,7 +29,13 @@ import triton.language as tl
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.attention.prefill import DOT_MIN, softmax_fold
-from fuselane.lanes.cuda.triton.attention.splits import LOG2E, interpreted, merge_partials, park_partial
+from fuselane.lanes.cuda.triton.attention.splits import (
+    LOG2E,
+    interpreted,
+    merge_partials,
+    merge_round,
+    park_partial,
+)
 
 
 @triton.jit
@@ -159,12 +165,10 @@ def latent_attention(q: torch.Tensor, kc: torch.Tensor, pos: torch.Tensor, out: 
     acc, top, total = part[: parts * vd], part[parts * vd : parts * (vd + slices)], part[parts * (vd + slices) :]
     r = max(DOT_MIN, triton.next_power_of_2(heads))
     warps = kernels.MLA_PACKED_WARPS
-    held = kernels.ATTN_GROUP_MERGE_HELD * warps * kernels.WARP // (r * vb)
-    batch = max(1, min(held, triton.next_power_of_2(splits)))
     _packed_kernel[(slices, splits, rows)](
         q, kc, kc.stride(0), pos, out, acc, top if splits > 1 else out, total if splits > 1 else out, counter,
         scale * LOG2E, HEADS=heads, R=r, LORA=vd, ROT=kw - vd, VB=vb, SLICES=slices, TILE=kernels.MLA_PACKED_TILE_ROWS,
-        SPLITS=splits, S_P2=triton.next_power_of_2(splits), MERGE_BATCH=1 << (batch.bit_length() - 1),
+        SPLITS=splits, S_P2=triton.next_power_of_2(splits), MERGE_BATCH=merge_round(r, vb, warps, splits),
         SEQ_ROWS=seq_rows, INTERPRETED=interpreted(), num_warps=warps, num_stages=kernels.MLA_PACKED_STAGES,
         **pdl.options(),
     )  # fmt: skip
