@@ -66,15 +66,16 @@ def test_cuda_lane_runs_latent_attention_as_the_cpu_lane(tmp_path, name):
 
 
 def test_the_packed_latent_decode_runs_as_the_cpu_lane(tmp_path, monkeypatch):
-    """`latent_decode=packed` under the int8 numerics: a decode step's latent attention takes the packed f16
-    kernel (`triton/mla/packed.py`, counted as it runs), and the lane's logits stay within the contract."""
+    """The default `latent_decode=packed` under the int8 numerics: a decode step's latent attention takes the
+    packed f16 kernel (`triton/mla/packed.py`, counted as it runs), and the lane's logits stay within the
+    contract. (`cores` is the kernel the dequantized test above runs.)"""
     from fuselane.lanes.cuda.triton.mla import packed
 
     ran = []
     real = packed.latent_attention
     monkeypatch.setattr(packed, "latent_attention", lambda *a, **k: ran.append(k["splits"]) or real(*a, **k))
     path = write_synthetic(tmp_path / "m.gguf", SHAPES["v2"], "q8_0", seed=4)
-    gpu = load(path, lane="cuda", ctx=CTX, knobs=["latent_decode=packed"])
+    gpu = load(path, lane="cuda", ctx=CTX)
     ref = load(path, lane="cpu", ctx=CTX, dtype=np.float64)
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     sg, sr = gpu.session(), ref.session()

@@ -211,11 +211,11 @@ class CudaKnobs:
       launch alone, where its programs made the rest wait, it took 5.02. H100, Q4_K_M, its down an int8
       product: DeepSeek-V2-Lite 2.146 folded, 2.239 apart; Qwen1.5-MoE-A2.7B, whose shared expert is as wide
       as its kept experts together, 1.813 folded, 1.761 apart (docs/moe.md).
-    - `latent_decode=cores`: a decode step's latent attention scores on the CUDA cores in f32, whatever the
-      numerics. `packed` (under int8, heads of at most `kernels.MLA_PACKED_MOST_HEADS`: V2-Lite's 16) takes
-      the int8 numerics' f16 attention on the tensor cores, a row's heads the rows of one product
-      (`triton/mla/packed.py`); not yet timed on a GPU, so not the default: the cores' split path took 66.9 us
-      at 4,096 rows on V2-Lite's heads (H200), some 40 barriers a tile of 16 rows.
+    - `latent_decode=packed`: under int8, a decode step's latent attention (heads of at most
+      `kernels.MLA_PACKED_MOST_HEADS`: V2-Lite's 16) takes the int8 numerics' f16 attention on the tensor cores,
+      a row's heads the rows of one product (`triton/mla/packed.py`); V3's 128 heads, and every head under
+      `dequant`, keep the CUDA cores' f32 products (`cores`, the knob's other value). H100, V2-Lite's heads:
+      13.3 us at 4,096 rows against the cores' 66.5; the model's tg128 at depth 4,096 412 against 258 tok/s.
     """
 
     chip: Chip = H200
@@ -232,7 +232,7 @@ class CudaKnobs:
     delta_products: DeltaProducts = DeltaProducts.TF32X3
     shared_fold: bool = True
     round_in_place: RoundInPlace = RoundInPlace.AUTO
-    latent_decode: LatentDecode = LatentDecode.CORES
+    latent_decode: LatentDecode = LatentDecode.PACKED
     chunk_rows: int | None = None  # None: the lane's own (`auto`)
 
     @classmethod
