@@ -148,6 +148,30 @@ def test_the_gates_read_b_and_a_out_of_the_projection():
     assert rel(g, a_coef * np.logaddexp(0, a + dt)) <= gamma(SILU_ROUNDINGS)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_step_makes_its_gates_from_b_and_a_as_the_gates_launch_does(rows):
+    # `gates_in_step`: the step's programs make beta and g from the projection's b and a themselves; the same
+    # f32 operations as the gates launch, so the output and the state are those of the two launches, bit for bit
+    rng = np.random.default_rng(20 + rows)
+    per = V_HEADS // K_HEADS
+    q, k, v, _, _, state = _rule_inputs(rows, rng)
+    flat = dev((rng.standard_normal((rows * K_HEADS, 2 * per)) * 4).astype(np.float32)).reshape(-1)
+    b_view = flat.as_strided((rows * K_HEADS, per), (2 * per, 1))
+    a_view = flat[per:].as_strided((rows * K_HEADS, per), (2 * per, 1))
+    dt, coef = (
+        dev(x.astype(np.float32)) for x in (rng.standard_normal(V_HEADS), -np.exp(rng.standard_normal(V_HEADS)))
+    )
+    f32 = lambda a: dev(a.astype(np.float32))  # noqa: E731
+    shape = dict(rows=rows, heads=V_HEADS, key_heads=K_HEADS, dk=DK, dv=DV, scale=DK**-0.5, write_state=True)
+    beta, g = torch.zeros((rows, V_HEADS), device=DEVICE), torch.zeros((rows, V_HEADS), device=DEVICE)
+    gates.gates(b_view, a_view, dt, coef, beta, g, rows=rows, heads=V_HEADS, key_heads=K_HEADS)
+    apart_s, apart_o = f32(state), torch.zeros((rows, V_HEADS * DV), device=DEVICE)
+    delta.delta(f32(q), f32(k), f32(v), g, beta, apart_s, apart_o, **shape)
+    made_s, made_o = f32(state), torch.zeros((rows, V_HEADS * DV), device=DEVICE)
+    delta.delta(f32(q), f32(k), f32(v), delta.Raw(b_view, a_view, dt, coef), None, made_s, made_o, **shape)
+    assert torch.equal(made_o, apart_o) and torch.equal(made_s, apart_s)
+
+
 def test_the_gated_norm_and_a_strided_l2_norm():
     rng = np.random.default_rng(6)
     units, d = 6, DV

@@ -58,7 +58,7 @@ NOT_IN_DENSE_GRAPHS |= dict.fromkeys(MIXTURE_RULES, "the dense graphs route to n
 # Likewise the gated delta rule's and the gated attention's (tests/qwen3next/test_qwen3next_rules.py).
 HYBRID_RULES = (
     *("conv_silu", "conv_silu_l2norm", "conv_parts", "gdn_gating", "gdn_gate_projections", "gdn_step"),
-    "gated_norm",
+    *("gates_in_step", "gated_norm"),
     *("attn_output_gate", "gdn_output_quant"),
 )
 NOT_IN_DENSE_GRAPHS |= dict.fromkeys(HYBRID_RULES, "the dense graphs have no gated delta-rule or gated attention")

@@ -23,6 +23,7 @@ from fuselane.fuse.shim import DECOMPOSE, NATIVE, SupportKind
 from fuselane.fuse.views import class_of
 from fuselane.gguf.formats import Format
 from fuselane.gguf.synth import SHAPES, model_metadata, tensor_formats, tensor_shapes
+from fuselane.graph import facts
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import WHOLE, Dst, Form, Op, Role, Tensor, Values
 from fuselane.graph.ops import Elementwise, ElementwiseOp, GateAct, GatedDelta, Quantize
@@ -84,8 +85,12 @@ def test_the_lane_answers_as_specified(fuse_quant):
 def test_a_qwen3next_file_runs_on_the_lane(name, linear):
     check_runs(graph(name, 1), CudaShim())
     plan = optimize(graph(name, 1), CudaShim())
-    fused = Counter(e.cls.value for e in plan.fired if e.cls in GDN_NATIVE)
-    assert fused["GdnStep"] == fused["GdnGating"] == fused["GatedNorm"] == linear
+    fused = Counter((e.rule, e.cls.value) for e in plan.fired if e.cls in GDN_NATIVE)
+    # a decode step's gates are made in its step's launch (`gates_in_step`): no GdnGating launch is left
+    for rule, cls in (("gdn_step", "GdnStep"), ("gdn_gating", "GdnGating"), ("gated_norm", "GatedNorm")):
+        assert fused[rule, cls] == linear
+    assert fused["gates_in_step", "GdnStep"] == linear
+    assert not [op for op in plan.graph.ops if class_of(op) is C.GDN_GATING]
 
 
 @pytest.mark.parametrize("rows", [1, 5])
@@ -172,3 +177,27 @@ def test_a_full_attention_layers_key_and_gated_query_turn_in_one_launch(knobs):
     assert sides == {C.QK_NORM_ROPE, C.QK_NORM_ROPE_KV_APPEND}
     assert not [op for op in plan.ops if class_of(op) in (C.QK_NORM_ROPE, C.QK_NORM_ROPE_KV_APPEND)]
     assert any(e.rule == ROPE_EPILOGUE and e.cls is C.ROPE_QK_ONE_LAUNCH for e in plan.fired)
+
+
+def test_a_chunks_gates_run_in_a_launch_of_their_own():
+    # the chunked form's two launches read the gates made: the fold is declined with the lane's reason
+    from fuselane.lanes.cuda.plan.gdn import GATES_IN_STEP_FORM
+
+    plan = optimize(graph("qwen3-next-80b-a3b", 5), CudaShim())
+    assert {m.reason for m in plan.missed if m.rule == "gates_in_step"} == {GATES_IN_STEP_FORM}
+    assert sum(class_of(op) is C.GDN_GATING for op in plan.ops) == LAYERS - 1
+
+
+@pytest.mark.parametrize("name", ["l0.decay", "l0.beta"])
+def test_a_gate_read_elsewhere_keeps_the_gating_apart(name):
+    # a gate another op reads stays a tensor of its own: `gates_in_step` lets go of that layer's, and says who
+    g = graph("qwen3-next-80b-a3b", 1)
+    rows, cols = g.tensors[name].shape
+    g.add(Tensor("probe", (rows, cols), Values("f32"), Role.ACTIVATION))
+    g.ops.append(Op(Elementwise(ElementwiseOp.ADD, rows, cols), (name, name), (WHOLE, WHOLE), "probe", Dst("probe"),
+                    (len(g.ops),)))  # fmt: skip
+    plan = optimize(g, CudaShim(), explain=True)
+    (apart,) = [op for op in plan.ops if class_of(op) is C.GDN_GATING]
+    assert name in facts.writes(apart)
+    assert sum(e.rule == "gates_in_step" for e in plan.fired) == LAYERS - 2
+    assert any(u.rule == "gates_in_step" and f"{name} is also read by" in u.reason for u in plan.unmatched)

@@ -5,18 +5,19 @@ causal convolution with its state's shift and its SiLU (`ConvBiasSilu`), that wi
 the queries and keys it feeds (`ConvSiluL2norm`), a step's convolutions that do not feed one another in one
 launch (`ConvParts`), the gates beta = sigmoid(b) and g = A * softplus(a + dt)
 (`GdnGating`), with the product that reads them off the layer's input (`GdnGateProjections`), the rule's
-output with its state's update (`GdnStep`), and the gated norm of its output, norm(o) * w * silu(z)
+output with its state's update (`GdnStep`), that with the gates it alone reads (`gates_in_step`, a GdnStep
+that makes its gates from b and a itself), and the gated norm of its output, norm(o) * w * silu(z)
 (`GatedNorm`). A full-attention layer's output times sigmoid(gate) rides the attention (`AttnOutputGate`).
 Each swallows an intermediate only where nothing outside the fusion reads it.
 """
 
 from __future__ import annotations
 
-from fuselane.fuse.moe_rules import internal, producer_of
+from fuselane.fuse.moe_rules import internal, producer_of, read_only_by, read_outside
 from fuselane.fuse.patterns import is_add, is_mul, next_reader, op_at
 from fuselane.fuse.rewriter import Rewriter
 from fuselane.fuse.rule import Rule
-from fuselane.fuse.views import class_of
+from fuselane.fuse.views import class_of, leaves
 from fuselane.graph import facts
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ops import (
@@ -148,6 +149,25 @@ def gdn_step(r: Rewriter, i: int) -> None:
         r.try_fuse("gdn_step", C.GDN_STEP, [i, j], j, out=delta.out, dst=delta.dst)
 
 
+def gates_in_step(r: Rewriter, j: int) -> None:
+    """At a GdnStep: the GdnGating that makes both its gates, where nothing else reads them, into its launch."""
+    if op_at(r, j, C.GDN_STEP) is None:
+        return
+    rule = next((x for x in leaves(r.s.get(j)) if isinstance(x.sym, GatedDelta | DeltaState)), None)
+    if rule is None:
+        return
+    g, beta = rule.ins[-3:-1]  # the rule's (.., g, beta, state) and the state update's
+    i = producer_of(r, g, j, C.GDN_GATING)
+    if i is None or producer_of(r, beta, j, C.GDN_GATING) != i:
+        return
+    outside = [n for n in facts.writes(r.s.get(i)) if not read_only_by(r, n, [i, j])]
+    if outside:
+        r.no_match("gates_in_step", [i, j], lambda: read_outside(r, outside[0], [i, j]))
+        return
+    step = r.s.get(j)
+    r.try_fuse("gates_in_step", C.GDN_STEP, [i, j], j, out=step.out, dst=step.dst)
+
+
 def gated_norm(r: Rewriter, i: int) -> None:
     if op_at(r, i, C.NORM_WEIGHT) is None:
         return
@@ -185,6 +205,8 @@ GDN_RULES = [
     Rule("gdn_gate_projections", (C.GDN_GATE_PROJECTIONS,), gdn_gate_projections),
     # delta(q, k, v, g, beta, S); S = state(k, v, g, beta, S) -> GdnStep: output and state in one pass
     Rule("gdn_step", (C.GDN_STEP,), gdn_step),
+    # GdnGating(b, a) -> g, beta; GdnStep(.., g, beta, S) -> GdnStep(.., b, a, S): the gates in the step's launch
+    Rule("gates_in_step", (C.GDN_STEP,), gates_in_step),
     # NormWeight(o) * silu(z) -> GatedNorm
     Rule("gated_norm", (C.GATED_NORM,), gated_norm),
 ]

@@ -35,7 +35,7 @@ MIXTURES = (Moe, C.MOE_DOWN_COMBINE)  # an op whose result is the routed experts
 GLUS = (C.GLU_ACT_MUL, C.GEMV_GATE_UP_GLU)
 
 
-def _read_only_by(r: Rewriter, name: str, group: Sequence[int]) -> bool:
+def read_only_by(r: Rewriter, name: str, group: Sequence[int]) -> bool:
     """Whether every reader of `name` is in `group` (and it is not the graph's output)."""
     return name not in r.outputs and set(r.s.readers(name)) <= set(group)
 
@@ -45,13 +45,13 @@ def internal(r: Rewriter, rule: str, members: Sequence[int], swallowed: Sequence
     them to itself); records the first that is not, for `explain`."""
     for m in swallowed:
         name = r.s.get(m).out
-        if not _read_only_by(r, name, members):
-            r.no_match(rule, m, lambda name=name: _read_outside(r, name, members))
+        if not read_only_by(r, name, members):
+            r.no_match(rule, m, lambda name=name: read_outside(r, name, members))
             return False
     return True
 
 
-def _read_outside(r: Rewriter, name: str, members: Sequence[int]) -> str:
+def read_outside(r: Rewriter, name: str, members: Sequence[int]) -> str:
     """Who outside the group reads `name` (a failed match's reason)."""
     found = [f"op {k} ({r.s.get(k).out})" for k in r.s.readers(name) if k not in members]
     if name in r.outputs:

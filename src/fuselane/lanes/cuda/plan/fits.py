@@ -51,7 +51,7 @@ from fuselane.graph.ops import (
     Unary,
     UnaryOp,
 )
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import gdn, kernels
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
 from fuselane.numerics.contract import Scheme, holds_accumulator
 
@@ -494,6 +494,10 @@ def _gdn_gate_projections(shim: CudaShim, op: Op, members: Sequence[Op], g: Tens
     return "the lane takes a delta rule's gates from its activation only by matrices it holds as values"
 
 
+def _gdn_step(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    return gdn.gates_in_step(op)
+
+
 def _shared_expert_fusion(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
     if not shim.knobs.shared_fold:
         return SHARED_APART
@@ -579,6 +583,7 @@ _CHECKS: dict[C, Check] = {
     C.GEMV_GATE_UP_GLU: _gemv_gate_up_glu,
     C.CONV_PARTS: _conv_parts,
     C.GDN_GATE_PROJECTIONS: _gdn_gate_projections,
+    C.GDN_STEP: _gdn_step,
     C.SHARED_EXPERT_FUSION: _shared_expert_fusion,
     C.ROPE_QK_ONE_LAUNCH: _rope_qk_one_launch,
     C.ATTN_OUTPUT_GATE: _attn_output_gate,

@@ -57,6 +57,21 @@ GDN_NATIVE = frozenset(
 )
 
 
+GATES_IN_STEP_FORM = (
+    "the delta rule makes its gates from b and a in its launch only in the recurrence (a decode step's rows); "
+    "the chunked form reads them made"
+)
+
+
+def gates_in_step(op: Op) -> str | None:
+    """Why a GdnStep that makes its own gates (`gates_in_step`) has no launch here, or None where the recurrence
+    (`triton/gdn/delta.py`) runs it: the chunked form's two launches read the gates a launch before made."""
+    if not any(class_of(m) is C.GDN_GATING for m in op.sym.parts):  # type: ignore[union-attr]
+        return None
+    rule = delta_rule(op)
+    return None if rule is not None and not delta_chunked(rule.rows, rule.dk) else GATES_IN_STEP_FORM
+
+
 def gated_norm_quantizes(op: Op) -> bool:
     """Whether a gated norm writes its int8 form in its own store: a program norms a head, so its heads must be
     whole 32-value blocks of the row (`triton/gdn/norm.py`)."""

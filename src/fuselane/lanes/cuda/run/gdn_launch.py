@@ -7,7 +7,8 @@ own (kept across steps, zeroed when a sequence starts, `lane.CudaLane`).
 - ConvParts: `conv_parts.conv_parts`, each member's convolution a part of one launch;
 - GdnGating: `gates.gates` (beta and the decay for every row and value head); GdnGateProjections:
   `gates.projected`, the `ssm_ba` product in the same launch (its matrix as f32 on the device, made once);
-- GdnStep, and the bare GatedDelta and DeltaState: `delta.delta` for a decode step's row; a chunk's rows in
+- GdnStep, and the bare GatedDelta and DeltaState: `delta.delta` for a decode step's row (making its gates from
+  b and a where the plan put the gating in its launch, `gates_in_step`); a chunk's rows in
   the chunked form, a GdnStep's in its two launches (`chunked.prepare`, `chunked.recur`), a bare primitive's
   in one (`chunked.chunked`, the whole form);
 - GatedNorm: `norm.gated_norm`, which writes its int8 form in its store under GdnOutputQuant; a bare L2Norm:
@@ -137,6 +138,18 @@ def gating(op: Op, b) -> list:
     return [lambda: kernel.gates(bv, av, dt, decay, beta, g, **shape)]
 
 
+def _raw_gates(op: Op, b) -> Any:
+    """A GdnStep's gating (`gates_in_step`) as the inputs the step makes its gates from, or None where its gates
+    come in made."""
+    from fuselane.lanes.cuda.triton.gdn.delta import Raw
+
+    sig = next((u for u in _all(op, Unary) if u.sym.op is UnaryOp.SIGMOID), None)  # type: ignore[union-attr]
+    if sig is None:
+        return None
+    add, mul = _all(op, Elementwise)
+    return Raw(b.bufs[sig.ins[0]], b.bufs[add.ins[0]], b.vec[add.ins[1]], b.vec[mul.ins[1]])
+
+
 def _gate_matrix(b, name: str, shape: tuple[int, int]) -> Any:
     """The `ssm_ba` matrix as f32 on the device, made once from the file's F32, F16 or BF16 bytes."""
     import torch
@@ -193,16 +206,21 @@ def step(op: Op, b) -> list:
 
     rule, after = _one(op, GatedDelta), _one(op, DeltaState)
     spec: GatedDelta = rule.sym if rule is not None else after.sym.rule  # type: ignore[union-attr,assignment]
+    raw = _raw_gates(op, b)
     if rule is not None:
-        q, k, v, g, beta, state = (b.bufs[n] for n in rule.ins)
-        out = b.bufs[rule.out]
+        q, k, v = (b.bufs[n] for n in rule.ins[:3])
+        state, out = b.bufs[rule.ins[5]], b.bufs[rule.out]
     else:
         assert after is not None
-        (k, v, g, beta, state), q, out = (b.bufs[n] for n in after.ins), None, None
+        (k, v), state, q, out = (b.bufs[n] for n in after.ins[:2]), b.bufs[after.ins[4]], None, None
+    made = rule if rule is not None else after
+    g, beta = (raw, None) if raw is not None else (b.bufs[n] for n in made.ins[-3:-1])  # type: ignore[union-attr]
     shape = dict(rows=spec.rows, heads=spec.heads, key_heads=spec.k_heads or spec.heads, dk=spec.dk, dv=spec.dv)
     write = after is not None
     if not delta_chunked(spec.rows, spec.dk):
         return [lambda: delta.delta(q, k, v, g, beta, state, out, scale=spec.scale, write_state=write, **shape)]
+    if raw is not None:
+        raise PlanMismatch(f"{op.out}: the chunked delta rule reads its gates made (`plan.gdn.gates_in_step`)")
     products = dict(scale=spec.scale, precision=b.delta_products, **shape)
     if launches_of(op) == DELTA_FORM_LAUNCHES[DELTA_SPLIT]:
         scratch = _chunked_scratch(b, spec, k.device)

@@ -5,16 +5,22 @@ S = S exp(g); S += k (beta (v - S^T k))^T; o = S^T q, q scaled by 1/sqrt(dk). A 
 for a block of `BV` value columns in f32 registers (the columns are independent: each reads all of k and q),
 reads it once, runs the step's rows (a decode step's one; a chunk's rows in turn, where `chunked` does not take
 the heads), and writes it back once, rounded to the state's dtype (f32 or bf16).
-The gates come in already made (GdnGating, `gates`): beta and g a row and value head.
+The gates come in already made (GdnGating, `gates`): beta and g a row and value head; or, where the step makes
+them itself (`Raw`: the plan's `gates_in_step`), as b and a where the `ssm_ba` product wrote them, each program
+making its head's beta = sigmoid(b) and g = A softplus(a + dt) as `gates` does, the same numbers.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton.gdn.gates import softplus
 
 BV = 32  # value columns of a program: with dk = 128, a state block of 4096 f32 over four warps' registers
 
@@ -28,11 +34,37 @@ def nearest_bf16(x):
     return bits.to(tl.float32, bitcast=True)
 
 
+@dataclass(frozen=True, slots=True)
+class Raw:
+    """The gates' inputs where the step makes them: b and a as (rows * key heads, value heads a key head) views
+    of one product's groups (`gates.gates`' layout), dt and A (the file's `ssm_a`) a value head each."""
+
+    b: Any
+    a: Any
+    dt: Any
+    decay: Any
+
+
+@triton.jit
+def _gates(g_ptr, b_ptr, gb_pitch, dt_ptr, coef_ptr, t, h, HEADS: tl.constexpr, PER: tl.constexpr,
+           RAW: tl.constexpr):  # fmt: skip
+    """Row t's decay and beta of value head h: loaded, or made from its a and b (`RAW`) as `gates.gates` makes
+    them."""
+    if RAW:
+        at = (t * (HEADS // PER) + h // PER) * gb_pitch + h % PER
+        g = tl.load(coef_ptr + h) * softplus(tl.load(g_ptr + at) + tl.load(dt_ptr + h))
+        beta = tl.sigmoid(tl.load(b_ptr + at))
+    else:
+        g = tl.load(g_ptr + t * gb_pitch + h)
+        beta = tl.load(b_ptr + t * gb_pitch + h)
+    return g, beta
+
+
 @triton.jit
 def _delta_kernel(
-    q_ptr, k_ptr, qk_pitch, v_ptr, v_pitch, g_ptr, b_ptr, gb_pitch, s_ptr, o_ptr, o_pitch, rows, scale,
-    DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PER: tl.constexpr, DK_P2: tl.constexpr,
-    WRITE_O: tl.constexpr, WRITE_S: tl.constexpr, PDL: tl.constexpr,
+    q_ptr, k_ptr, qk_pitch, v_ptr, v_pitch, g_ptr, b_ptr, gb_pitch, dt_ptr, coef_ptr, s_ptr, o_ptr, o_pitch, rows,
+    scale, HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PER: tl.constexpr,
+    DK_P2: tl.constexpr, RAW: tl.constexpr, WRITE_O: tl.constexpr, WRITE_S: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
     h = tl.program_id(0)
@@ -47,8 +79,7 @@ def _delta_kernel(
     while t < rows:  # a while loop: the interpreter cannot range over a runtime bound
         k = tl.load(k_ptr + t * qk_pitch + kh * DK + kk, mask=km, other=0.0)
         v = tl.load(v_ptr + t * v_pitch + h * DV + vv, mask=vm, other=0.0)
-        g = tl.load(g_ptr + t * gb_pitch + h)
-        beta = tl.load(b_ptr + t * gb_pitch + h)
+        g, beta = _gates(g_ptr, b_ptr, gb_pitch, dt_ptr, coef_ptr, t, h, HEADS, PER, RAW)
         s = s * tl.exp(g)
         remembered = tl.sum(s * k[:, None], axis=0)
         s += k[:, None] * ((v - remembered) * beta)[None, :]
@@ -63,20 +94,25 @@ def _delta_kernel(
 
 
 def delta(
-    q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | Raw, beta: torch.Tensor | None,
     state: torch.Tensor, out: torch.Tensor | None, *, rows: int, heads: int, key_heads: int, dk: int, dv: int,
     scale: float, write_state: bool,
 ) -> None:  # fmt: skip
     """Run the rule over `rows` rows: q, k (rows x key_heads * dk, any row pitch), v (rows x heads * dv, any row
-    pitch), g and beta (rows x heads), `state` (heads, dk, dv; f32 or bf16). Writes the output `out` (rows x
-    heads * dv) where given (GatedDelta) and the state where `write_state` (DeltaState; both: GdnStep)."""
+    pitch), g and beta (rows x heads), or `Raw` gates in g (beta None), `state` (heads, dk, dv; f32 or bf16).
+    Writes the output `out` (rows x heads * dv) where given (GatedDelta) and the state where `write_state`
+    (DeltaState; both: GdnStep)."""
     k2, v2 = k.view(rows, -1) if k.is_contiguous() else k, v.view(rows, -1) if v.is_contiguous() else v
     q2 = k2 if q is None else (q.view(rows, -1) if q.is_contiguous() else q)
     if q2.stride(0) != k2.stride(0):
         raise ValueError("the rule reads its queries and keys at one row pitch")
     o = out.view(rows, -1) if out is not None else v2
+    raw = isinstance(g, Raw)
+    if raw and g.b.stride(0) != g.a.stride(0):
+        raise ValueError("the step makes its gates from b and a out of one product's groups")
+    gates = (g.a, g.b, g.b.stride(0), g.dt, g.decay) if raw else (g, beta, heads, g, g)
     _delta_kernel[(heads, triton.cdiv(dv, BV))](
-        q2, k2, k2.stride(0), v2, v2.stride(0), g, beta, heads, state, o, o.stride(0), rows, float(scale),
-        DK=dk, DV=dv, BV=BV, PER=heads // key_heads, DK_P2=triton.next_power_of_2(dk),
+        q2, k2, k2.stride(0), v2, v2.stride(0), *gates, state, o, o.stride(0), rows, float(scale),
+        HEADS=heads, DK=dk, DV=dv, BV=BV, PER=heads // key_heads, DK_P2=triton.next_power_of_2(dk), RAW=raw,
         WRITE_O=out is not None, WRITE_S=write_state, **pdl.options(),
     )  # fmt: skip
