@@ -87,3 +87,24 @@ def test_the_packed_latent_decode_runs_as_the_cpu_lane(tmp_path, monkeypatch):
         assert np.isfinite(a).all()
         assert rel(a, b) <= tol, f"{what}: {rel(a, b):.2e} > {tol:.2e}"
     assert ran and max(ran) > 1  # each layer's decode attention, its span merged from shares
+
+
+def test_the_value_half_writes_its_int8_form_in_its_launch(tmp_path):
+    """Under int8, heads of 32 values: the value half's per-head product writes the int8 form `attn_output`
+    reads (GemvQuant), so no Quantize launch runs after it, and the logits stay within the contract."""
+    from fuselane.graph.ops import Quantize
+
+    shape = dataclasses.replace(SHAPES["v2"], vdim=32)
+    path = write_synthetic(tmp_path / "m.gguf", shape, "q8_0", seed=5)
+    gpu = load(path, lane="cuda", ctx=CTX)
+    ref = load(path, lane="cpu", ctx=CTX, dtype=np.float64)
+    bound = [op for op, _ in gpu.lane.step(1).bound]
+    folded = [op for op in bound if class_of(op) is C.GEMV_QUANT and isinstance(op.sym.parts[0].sym, HeadMatmul)]
+    assert len(folded) == shape.n_layers
+    assert not [op for op in bound if isinstance(op.sym, Quantize) and op.out in {f.out for f in folded}]
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    sg, sr = gpu.session(), ref.session()
+    for what, a, b in (("prefill", sg.feed(PROMPT), sr.feed(PROMPT)), ("decode", sg.extend([9]), sr.extend([9]))):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.isfinite(a).all()
+        assert rel(a, b) <= tol, f"{what}: {rel(a, b):.2e} > {tol:.2e}"

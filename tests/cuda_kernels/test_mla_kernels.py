@@ -72,6 +72,32 @@ def test_head_matmul_is_each_heads_product(fmt, m, a, b, strided):
     assert np.all(np.abs(out.double().numpy() - want) <= bound + 1e-30)
 
 
+@pytest.mark.parametrize(
+    ("fmt", "m", "a"),
+    [(Format.Q4_K, 1, 256), (Format.Q8_0, 3, 32), (Format.F16, 2, 16), (Format.Q5_0, 10, 64)],
+)  # fmt: skip
+def test_head_matmul_writes_the_int8_form_the_quantize_launch_would(fmt, m, a):
+    # the value half's product under GemvQuant: heads of 64 outputs (two blocks: a program a block), the codes,
+    # scales and sums of what the same launch wrote in f32, bit for bit (the product still within its bound)
+    from fuselane.lanes.cuda.triton import quant
+
+    rng = np.random.default_rng(8)
+    h, b = 3, 64
+    raw = raw_weights(fmt, h * b, a, rng)
+    w = dequantize(raw, fmt, (h, b, a), dtype=np.float64)
+    x = rng.standard_normal((m * h, a)).astype(np.float32)
+    out, q8 = torch.zeros((m, h * b)), quant.empty_q8(m, h * b, DEVICE)
+    heads.head_matmul(dev(x), h * a, a, m, dev(raw), fmt, h, a, b, out, out_q8=q8)
+    want = head_matmul(HeadMatmul(m, h, a, b), [x.astype(np.float64).reshape(m, -1), w], 0)
+    bound = gamma(a + ROUNDINGS) * head_matmul(HeadMatmul(m, h, a, b), [np.abs(x).reshape(m, -1), np.abs(w)], 0)
+    assert np.all(np.abs(out.double().numpy() - want) <= bound + 1e-30)
+    again = quant.quantize(out.to(DEVICE), quant.empty_q8(m, h * b, DEVICE))
+    for got, expected in zip(q8, again, strict=True):
+        assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="whole 32-value blocks"):
+        heads.head_matmul(dev(x), h * a, a, m, dev(raw), fmt, h, a, 16, torch.zeros((m, h * 16)), out_q8=q8)
+
+
 def test_join_places_each_heads_parts():
     rng = np.random.default_rng(6)
     rows, h, wa, wb = 3, 4, 8, 6

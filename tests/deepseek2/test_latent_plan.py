@@ -253,3 +253,21 @@ def test_a_batchs_cache_rows_keep_their_row_write(files):
     _, _, plan = build_plan(files["v2"], lane="cuda", form="batch", rows=4)
     assert "join_row_write" not in {f.rule for f in plan.fired}
     assert {(m.kind, m.reason) for m in plan.missed if m.rule == "join_row_write"} == {("fits", JOIN_ROW_WRITE_FORM)}
+
+
+@pytest.mark.parametrize(("vdim", "folded"), [(32, True), (16, False)])
+def test_the_value_half_writes_the_int8_form_attn_output_reads(tmp_path, vdim, folded):
+    # `gemv_quant` on the per-head product: heads of whole 32-value blocks write their int8 form in its programs
+    # (a launch a layer less than a Quantize after it); narrower heads keep the Quantize, and the lane says why
+    from fuselane.graph.ops import HeadMatmul, Quantize
+    from fuselane.lanes.cuda.plan.fits import HEADS_IN_BLOCKS
+
+    path = str(write_synthetic(tmp_path / "m.gguf", replace(SHAPES["tiny-deepseek2"], vdim=vdim), "q8_0"))
+    _, _, plan = build_plan(path, lane="cuda", form="decode")
+    _, _, held = build_plan(path, lane="cuda", form="decode", held=("gemv_quant",))
+    values = [op for op in plan.ops if class_of(op) is C.GEMV_QUANT and isinstance(op.sym.parts[0].sym, HeadMatmul)]
+    apart = [op for op in plan.ops if isinstance(op.sym, Quantize) and op.out.endswith(".attn")]
+    assert (len(values), len(apart)) == ((2, 0) if folded else (0, 2))
+    assert held.launches() - plan.launches() == (2 if folded else 0)
+    misses = [m for m in plan.missed if m.rule == "gemv_quant" and (m.kind, m.reason) == ("fits", HEADS_IN_BLOCKS)]
+    assert len(misses) == (0 if folded else 2)

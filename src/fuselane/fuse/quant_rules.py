@@ -16,7 +16,7 @@ from fuselane.fuse.rewriter import Rewriter
 from fuselane.fuse.rule import Rule
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Op, QuantFormat, QuantizedActs
-from fuselane.graph.ops import Attention, Elementwise, Matmul, SetRow
+from fuselane.graph.ops import Attention, Elementwise, HeadMatmul, Matmul, SetRow
 
 
 def wanted_format(r: Rewriter, op: Op) -> QuantFormat | None:
@@ -62,7 +62,7 @@ QUANT_RULES = [
     _rule("glu_quant", C.GLU_ACT_MUL_QUANT, C.GLU_ACT_MUL, C.GEMV_GATE_UP_GLU, C.MOE_GATE_UP_ACT, C.ATTN_OUTPUT_GATE),
     _rule("gdn_output_quant", C.GDN_OUTPUT_QUANT, C.GATED_NORM),  # norm(o) * w * silu(z) -> int8
     _rule("elementwise_quant", C.ELEMENTWISE_QUANT, Elementwise),  # a (op) b -> int8
-    _rule("gemv_quant", C.GEMV_QUANT, Matmul, C.GEMM_BIAS),  # x @ W^T -> int8 outputs
+    _rule("gemv_quant", C.GEMV_QUANT, Matmul, HeadMatmul, C.GEMM_BIAS),  # x @ W^T (or each head's) -> int8 outputs
     # attention(q, k, v) -> writes its output as int8
     _rule("attention_output_quant", C.ATTN_OUTPUT_QUANT, Attention, C.FLASH_DECODE, C.FLASH_PREFILL),
     _rule("row_write_quant", C.ROW_WRITE_QUANT, SetRow),  # set_row -> the row and its int8 form

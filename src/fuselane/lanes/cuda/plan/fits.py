@@ -318,6 +318,7 @@ JOIN_IN_PLACE_PAIRS = (
 )
 
 
+HEADS_IN_BLOCKS = "a per-head product quantizes its outputs only where each head's are whole 32-value blocks"
 JOIN_ROW_WRITE_FORM = "one launch writes a join in a cache row only as the cache row's norm and rotation, at pos"
 
 
@@ -399,6 +400,8 @@ def _gemv_gate_up_glu(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGr
 
 
 def _gemv_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    if isinstance(members[0].sym, HeadMatmul):  # DeepSeek's value half: a program a block of a head's outputs
+        return None if kernels.head_product_quantizes(members[0].sym.b) else HEADS_IN_BLOCKS
     p = gemv(members[0], g)
     if (
         p is not None

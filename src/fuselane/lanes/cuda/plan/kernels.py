@@ -356,6 +356,18 @@ MLA_PACKED_STAGES = 2
 MLA_PACKED_VALUE_SLICES = 4
 MLA_PACKED_WARPS = 4
 
+# A per-head product (`triton/mla/heads.py`: DeepSeek's value half, which `attn_output` reads in int8) writes
+# its int8 form in its programs (GemvQuant) where a program holds whole 32-value blocks of a head's outputs:
+# HEAD_QUANT_ROWS outputs a program (the float kernel's are as many), HEAD_QUANT_WARPS warps, four rows a warp.
+HEAD_QUANT_ROWS = QBLOCK
+HEAD_QUANT_WARPS = 8
+
+
+def head_product_quantizes(b: int) -> bool:
+    """Whether a per-head product of `b` outputs a head writes their int8 form in its programs."""
+    return b % HEAD_QUANT_ROWS == 0
+
+
 # The short-span path (`triton/mla/whole.py`): a row whose live span (read on the device) is at most
 # MLA_SHORT_ROWS cached rows runs whole, a program a head and MLA_SHORT_VALUES values of the width (V2-Lite:
 # 16 x 4 = 64 programs), MLA_SHORT_TILE_ROWS rows at a time, its scores summed MLA_SHORT_CHUNK query values

@@ -44,7 +44,7 @@ from fuselane.fuse.shim import DECOMPOSE, NATIVE, After, Before, LaneRule, Posit
 from fuselane.fuse.views import GemvForm, class_of, gemv, leaves, moe, parts, rope
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form, Op, QuantFormat, Rows, TensorGraph
-from fuselane.graph.ops import Attention, ExpertMatmul, Moe
+from fuselane.graph.ops import Attention, ExpertMatmul, HeadMatmul, Moe
 from fuselane.lanes.cuda.plan import gdn, gemm_tiles, kernels, latent
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, ROWS_A_WARP
 from fuselane.lanes.cuda.plan.fits import fits as lane_fits
@@ -274,7 +274,8 @@ class CudaShim:
         product of rows of whole 32-value blocks; a decode step's projection whose last program norms its row,
         and gated pair (a batch's only at one row), where they read their own activation in int8 and write
         whole 32-value blocks; the decode attention (a batch's too), and a chunk's of heads of whole 32-value
-        blocks; the gated norm of heads of whole 32-value blocks."""
+        blocks; the gated norm, and a per-head product (DeepSeek's value half), of heads of whole 32-value
+        blocks."""
         cls = class_of(producer)
         if cls is C.ADD_NORM or cls is C.FLASH_DECODE:
             return True
@@ -285,6 +286,8 @@ class CudaShim:
             return spec.rows == 1 or spec.hd % kernels.QBLOCK == 0  # type: ignore[union-attr]
         if cls is C.GATED_NORM:  # a program a head: heads of whole 32-value blocks quantize in its store
             return gdn.gated_norm_quantizes(producer)
+        if isinstance(producer.sym, HeadMatmul):  # a program a block of a head's outputs
+            return kernels.head_product_quantizes(producer.sym.b)
         if cls in (C.GEMV_NORM_EPILOGUE, C.GEMV_GATE_UP_GLU):
             # the one-row int8 GEMV's epilogues; a batch's rows past one are quantized by a launch of their own
             p = gemv(parts(producer)[0], g)

@@ -436,4 +436,5 @@ _QUANT_EPILOGUE: dict[C | type, Callable[[Op, Bound, Any], list[Launch]]] = {
     C.GATED_NORM: gdn_launch.gated_norm,
     C.MOE_GATE_UP_ACT: moe_launch.gate_up_act,
     C.MOE_DEFERRED_FINALIZE: moe_launch.down_combine,
+    HeadMatmul: mla_launch.head_matmul,
 }

@@ -34,15 +34,17 @@ def _pitches(x: Any, heads: int, width: int) -> tuple[int, int]:
     return heads * width, width
 
 
-def head_matmul(op: Op, b) -> list:
-    """HeadMatmul: one launch of every head's GEMV over its own rows of the file's bytes."""
+def head_matmul(op: Op, b, out_q8: Any = None) -> list:
+    """HeadMatmul: one launch of every head's GEMV over its own rows of the file's bytes; with `out_q8`
+    (GemvQuant: the value half, which `attn_output` reads in int8) writing the result's int8 form too."""
     from fuselane.lanes.cuda.triton.mla import heads
 
     spec: HeadMatmul = op.sym  # type: ignore[assignment]
     x, out = b.bufs[op.ins[0]], b.bufs[op.out]
     weights = _head_weights(b, op.ins[1], spec)
     x_row, x_head = _pitches(x, spec.heads, spec.a)
-    return [lambda: heads.head_matmul(x, x_row, x_head, spec.m, *weights(), spec.heads, spec.a, spec.b, out)]
+    shape = (spec.heads, spec.a, spec.b, out)
+    return [lambda: heads.head_matmul(x, x_row, x_head, spec.m, *weights(), *shape, out_q8=out_q8)]
 
 
 def _head_weights(b, name: str, spec: HeadMatmul):

@@ -11,6 +11,10 @@ unrotated slice is read where it lies).
 
 With a rotation (`Turn`), the launch writes the query's join in place (JoinInPlace): each head's products, then
 its rotated part, turned by one more column of programs as `parts.rope` turns it, so no join runs after.
+
+With `out_q8` (GemvQuant: the value half's product, which `attn_output` reads in int8), each program also
+writes its tile's int8 form, whole 32-value blocks of a head's outputs (`quant.quantize_block`, the codes the
+`Quantize` launch would write): a program takes `kernels.HEAD_QUANT_ROWS` rows, so no block spans two programs.
 """
 
 from __future__ import annotations
@@ -22,25 +26,43 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import Format
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.formats import SLOTS, dot_rows
 from fuselane.lanes.cuda.triton.gemv.rows import plan, row_tiles, stages, tile
 from fuselane.lanes.cuda.triton.mla import parts
+from fuselane.lanes.cuda.triton.quant import QB_C, Q8Acts, quantize_block
 
 # Float rows the float kernel reads, by the torch dtype it views them as: BF16's as their 16 bits, widened in
 # the kernel (the interpreter has no bfloat16), and only where the block formats' GEMV cannot take the rows
 # (a width that is not whole 32-value units, as a tiny model's 16-value key half)
 FLOATS = {Format.F32: torch.float32, Format.F16: torch.float16, Format.BF16: torch.int16}
 BF16_SHIFT = tl.constexpr(16)  # a bf16's bits are an f32's upper half
-# Output rows a program of the float kernel takes.
-FLOAT_BLOCK_N = 32
+# Output rows a program of the float kernel takes: a 32-value block, so it writes an int8 form too.
+FLOAT_BLOCK_N = kernels.HEAD_QUANT_ROWS
 
 
 @triton.jit
-def _rows_product(x, x_row, x_head, m, w, out, out_row, out_head, n, h, FMT: tl.constexpr, ROW_BYTES: tl.constexpr,
-                  STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+def _store_q8(y, mi, m, first, k, oq, od, os_):
+    """The tile y [BLOCK_M, BLOCK_N] (rows mi of m, values first.. of each k-value row; BLOCK_N and first whole
+    32-value blocks) as its int8 form: codes, block scales and 16-value sums (`quant.Q8Acts`)."""
+    BM: tl.constexpr = y.shape[0]
+    B: tl.constexpr = y.shape[1] // QB_C
+    codes, d, sums = quantize_block(tl.reshape(y, [BM * B, QB_C]), QB_C)
+    row = tl.reshape(tl.broadcast_to(mi.to(tl.int64)[:, None], [BM, B]), [BM * B])
+    blk = tl.reshape(tl.broadcast_to((first // QB_C + tl.arange(0, B))[None, :], [BM, B]), [BM * B])
+    live = row < m
+    at = row * (k // QB_C) + blk
+    tl.store(oq + at[:, None] * QB_C + tl.arange(0, QB_C)[None, :], codes, mask=live[:, None])
+    tl.store(od + at, d, mask=live)
+    tl.store(os_ + at[:, None] * 2 + tl.arange(0, 2)[None, :], sums, mask=live[:, None])
+
+
+@triton.jit
+def _rows_product(x, x_row, x_head, m, w, out, out_row, out_head, n, h, oq, od, os_, FMT: tl.constexpr,
+                  ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past the head's end read its last row (no masked loads in the k loop); the store drops them.
     w_rows = w + (h * n).to(tl.int64) * ROW_BYTES + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
@@ -49,6 +71,8 @@ def _rows_product(x, x_row, x_head, m, w, out, out_row, out_head, n, h, FMT: tl.
     y = dot_rows(w_rows, x_rows, FMT, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES)
     mask = (mi < m)[:, None] & (rows < n)[None, :]
     tl.store(out + mi.to(tl.int64)[:, None] * out_row + h * out_head + rows[None, :], y, mask=mask)
+    if QUANT:  # heads of whole blocks, no rotation: a row's values are its heads' outputs, out_row of them
+        _store_q8(y, mi, m, h * out_head + tl.program_id(0) * BLOCK_N, out_row, oq, od, os_)
 
 
 @triton.jit
@@ -65,10 +89,10 @@ def _turn_rows(rx, rx_row, rx_head, out, out_row, out_head, n, m, h, pos, inv, f
 
 @triton.jit
 def _head_rows_kernel(
-    x, x_row, x_head, m, w, out, out_row, out_head, n, rx, rx_row, rx_head, pos, inv,
+    x, x_row, x_head, m, w, out, out_row, out_head, n, rx, rx_row, rx_head, pos, inv, oq, od, os_,
     FMT: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr,
-    HALF: tl.constexpr, BATCHED: tl.constexpr, PDL: tl.constexpr = False,
+    HALF: tl.constexpr, BATCHED: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     # PAIRS > 0: the grid's last column of programs turns each head's rows (`Turn`) instead of a product tile
     pdl.begin(PDL)
@@ -78,16 +102,16 @@ def _head_rows_kernel(
             _turn_rows(rx, rx_row, rx_head, out, out_row, out_head, n, m, h, pos, inv, tl.program_id(1) * BLOCK_M,
                        BLOCK_M, PAIRS, BLOCK_P, HALF, BATCHED)  # fmt: skip
         else:
-            _rows_product(x, x_row, x_head, m, w, out, out_row, out_head, n, h, FMT, ROW_BYTES, STEPS, UNITS, SPLIT,
-                          BLOCK_M, BLOCK_N, STAGES)  # fmt: skip
+            _rows_product(x, x_row, x_head, m, w, out, out_row, out_head, n, h, oq, od, os_, FMT, ROW_BYTES, STEPS,
+                          UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES, False)  # fmt: skip
     else:
-        _rows_product(x, x_row, x_head, m, w, out, out_row, out_head, n, h, FMT, ROW_BYTES, STEPS, UNITS, SPLIT,
-                      BLOCK_M, BLOCK_N, STAGES)  # fmt: skip
+        _rows_product(x, x_row, x_head, m, w, out, out_row, out_head, n, h, oq, od, os_, FMT, ROW_BYTES, STEPS,
+                      UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES, QUANT)  # fmt: skip
 
 
 @triton.jit
-def _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, BLOCK_N: tl.constexpr,
-                    BLOCK_A: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+def _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, oq, od, os_, BLOCK_N: tl.constexpr,
+                    BLOCK_A: tl.constexpr, BF16: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_A)
     keep = (rows < n)[:, None] & (cols < a)[None, :]
@@ -97,13 +121,16 @@ def _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, BL
     xv = tl.load(x + mi.to(tl.int64) * x_row + h * x_head + cols, mask=cols < a, other=0.0)
     y = tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
     tl.store(out + mi.to(tl.int64) * out_row + h * out_head + rows, y, mask=rows < n)
+    if QUANT:  # one row's tile: a [1, BLOCK_N] tile of row mi of one
+        _store_q8(tl.reshape(y, [1, BLOCK_N]), mi + tl.zeros([1], tl.int32), 1 + mi,
+                  h * out_head + tl.program_id(0) * BLOCK_N, out_row, oq, od, os_)  # fmt: skip
 
 
 @triton.jit
 def _head_floats_kernel(
-    x, x_row, x_head, w, out, out_row, out_head, n, a, rx, rx_row, rx_head, pos, inv,
+    x, x_row, x_head, w, out, out_row, out_head, n, a, rx, rx_row, rx_head, pos, inv, oq, od, os_,
     BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr,
-    BATCHED: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr = False,
+    BATCHED: tl.constexpr, BF16: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl.begin(PDL)
     h, mi = tl.program_id(2), tl.program_id(1)
@@ -112,9 +139,11 @@ def _head_floats_kernel(
             dst = out + mi.to(tl.int64) * out_row + h * out_head + n
             parts.rope_row(rx, rx_row, rx_head, dst, pos, inv, mi, h, PAIRS, BLOCK_P, HALF, BATCHED)
         else:
-            _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, BLOCK_N, BLOCK_A, BF16)
+            _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, oq, od, os_, BLOCK_N, BLOCK_A,
+                            BF16, False)  # fmt: skip
     else:
-        _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, BLOCK_N, BLOCK_A, BF16)
+        _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, oq, od, os_, BLOCK_N, BLOCK_A, BF16,
+                        QUANT)  # fmt: skip
 
 
 def reads_floats(fmt: Format, a: int) -> bool:
@@ -155,16 +184,21 @@ def _no_turn(out: torch.Tensor) -> tuple[tuple, dict]:
 
 def head_matmul(
     x: torch.Tensor, x_row: int, x_head: int, m: int, w: torch.Tensor, fmt: Format, heads: int, a: int, b: int,
-    out: torch.Tensor, turn: Turn | None = None,
+    out: torch.Tensor, turn: Turn | None = None, out_q8: Q8Acts | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """out (m, heads * b) = each head's `a` values of each of the `m` rows of `x` (at pitches `x_row`,
     `x_head`) times its own `b` rows of `a` values of `w` (the checkpoint's bytes in `fmt`); returns `out`.
     With `turn`, out is (m, heads * (b + turn.hd)): each head's products, then its rotated part (one launch:
-    the grid's last column of programs turns)."""
+    the grid's last column of programs turns). With `out_q8` (m rows of heads * b), the launch writes out's
+    int8 form too (heads of whole blocks, `kernels.head_product_quantizes`, and no `turn`)."""
     fmt = Format(fmt)
     width = b + (turn.hd if turn is not None else 0)
     if out.stride(-1) != 1 or out.numel() != m * heads * width:
         raise ValueError(f"out must hold ({m}, {heads * width}) values with unit column stride")
+    whole = turn is None and kernels.head_product_quantizes(b)
+    if out_q8 is not None and (not whole or tuple(out_q8.q.shape) != (m, heads * b)):
+        raise ValueError(f"an int8 form is written for heads of whole 32-value blocks into ({m}, {heads * b}) codes")
+    q8 = tuple(out_q8) if out_q8 is not None else (out, out, out)
     if turn is not None and (turn.hd % 2 or turn.inv.numel() != turn.hd // 2):
         raise ValueError(f"head_matmul: a rotation of {turn.hd} values needs {turn.hd // 2} frequencies")
     out_row = heads * width
@@ -174,18 +208,18 @@ def head_matmul(
         grid = (triton.cdiv(b, FLOAT_BLOCK_N) + more, m, heads)
         block_a = triton.next_power_of_2(a)
         _head_floats_kernel[grid](
-            x, x_row, x_head, w.view(FLOATS[fmt]), out, out_row, width, b, a, *rargs, FLOAT_BLOCK_N, block_a,
-            **rconsts, BF16=fmt is Format.BF16, **pdl.options(),
+            x, x_row, x_head, w.view(FLOATS[fmt]), out, out_row, width, b, a, *rargs, *q8, FLOAT_BLOCK_N, block_a,
+            **rconsts, BF16=fmt is Format.BF16, QUANT=out_q8 is not None, **pdl.options(),
         )  # fmt: skip
         return out
     if fmt not in SLOTS:
         raise ValueError(f"no per-head product for {fmt.name} rows")
-    block_n, warps = tile(fmt, b, a, m)
+    block_n, warps = tile(fmt, b, a, m) if out_q8 is None else (kernels.HEAD_QUANT_ROWS, kernels.HEAD_QUANT_WARPS)
     block_m, m_tiles = row_tiles(m)
     steps, units, split = plan(fmt, a, block_n, warps, block_m)
     _head_rows_kernel[(triton.cdiv(b, block_n) + more, m_tiles, heads)](
-        x, x_row, x_head, m, w, out, out_row, width, b, *rargs,
+        x, x_row, x_head, m, w, out, out_row, width, b, *rargs, *q8,
         FMT=int(fmt), ROW_BYTES=stored_row_bytes(fmt, a), STEPS=steps, UNITS=units, SPLIT=split, BLOCK_M=block_m,
-        BLOCK_N=block_n, STAGES=stages(fmt), **rconsts, num_warps=warps, **pdl.options()
+        BLOCK_N=block_n, STAGES=stages(fmt), **rconsts, QUANT=out_q8 is not None, num_warps=warps, **pdl.options()
     )  # fmt: skip
     return out
