@@ -46,6 +46,15 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
+def within(gpu, steps) -> None:
+    """Each (what, the cuda lane's logits, the cpu lane's) finite and within the lane's contract."""
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    for what, a, b in steps:
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.isfinite(a).all(), what
+        assert rel(a, b) <= tol, f"{what}: {rel(a, b):.2e} > {tol:.2e}"
+
+
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_cuda_lane_runs_latent_attention_as_the_cpu_lane(tmp_path, name):
     path = write_synthetic(tmp_path / "m.gguf", SHAPES[name], "q8_0", seed=3)
@@ -57,12 +66,8 @@ def test_cuda_lane_runs_latent_attention_as_the_cpu_lane(tmp_path, name):
     assert C.JOIN_IN_PLACE in {class_of(op) for op in bound}  # each join written in place by one launch
     assert C.ROUTER_TOPK in {class_of(op) for op in bound}  # the gating runs in the routing launch
     assert splits(1, 1, CTX, H200.sms, torch.device("cpu")) > 1  # the decode step's shares are merged
-    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     sg, sr = gpu.session(), ref.session()
-    for what, a, b in (("prefill", sg.feed(PROMPT), sr.feed(PROMPT)), ("decode", sg.extend([9]), sr.extend([9]))):
-        a, b = np.asarray(a), np.asarray(b)
-        assert np.isfinite(a).all()
-        assert rel(a, b) <= tol, f"{what}: {rel(a, b):.2e} > {tol:.2e}"
+    within(gpu, [("prefill", sg.feed(PROMPT), sr.feed(PROMPT)), ("decode", sg.extend([9]), sr.extend([9]))])
 
 
 def test_the_packed_latent_decode_runs_as_the_cpu_lane(tmp_path, monkeypatch):
@@ -77,15 +82,11 @@ def test_the_packed_latent_decode_runs_as_the_cpu_lane(tmp_path, monkeypatch):
     path = write_synthetic(tmp_path / "m.gguf", SHAPES["v2"], "q8_0", seed=4)
     gpu = load(path, lane="cuda", ctx=CTX)
     ref = load(path, lane="cpu", ctx=CTX, dtype=np.float64)
-    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     sg, sr = gpu.session(), ref.session()
     long = PROMPT * 5  # 45 rows: the step's span is past one of the packed kernel's 32-row tiles, in shares
     steps = [("prefill", sg.feed(long), sr.feed(long)), ("decode", sg.extend([9]), sr.extend([9]))]
     steps.append(("a narrow chunk", sg.extend([3, 4, 5]), sr.extend([3, 4, 5])))  # rows at their own positions
-    for what, a, b in steps:
-        a, b = np.asarray(a), np.asarray(b)
-        assert np.isfinite(a).all()
-        assert rel(a, b) <= tol, f"{what}: {rel(a, b):.2e} > {tol:.2e}"
+    within(gpu, steps)
     assert ran and max(ran) > 1  # each layer's decode attention, its span merged from shares
 
 
@@ -102,9 +103,5 @@ def test_the_value_half_writes_its_int8_form_in_its_launch(tmp_path):
     folded = [op for op in bound if class_of(op) is C.GEMV_QUANT and isinstance(op.sym.parts[0].sym, HeadMatmul)]
     assert len(folded) == shape.n_layers
     assert not [op for op in bound if isinstance(op.sym, Quantize) and op.out in {f.out for f in folded}]
-    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     sg, sr = gpu.session(), ref.session()
-    for what, a, b in (("prefill", sg.feed(PROMPT), sr.feed(PROMPT)), ("decode", sg.extend([9]), sr.extend([9]))):
-        a, b = np.asarray(a), np.asarray(b)
-        assert np.isfinite(a).all()
-        assert rel(a, b) <= tol, f"{what}: {rel(a, b):.2e} > {tol:.2e}"
+    within(gpu, [("prefill", sg.feed(PROMPT), sr.feed(PROMPT)), ("decode", sg.extend([9]), sr.extend([9]))])
