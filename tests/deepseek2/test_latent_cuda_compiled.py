@@ -20,7 +20,7 @@ if not torch.cuda.is_available():  # skipped, but Triton is imported once a sess
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from fuselane.fuse.views import class_of  # noqa: E402
+from fuselane.fuse.views import class_of, leaves  # noqa: E402
 from fuselane.gguf.synth import write_synthetic  # noqa: E402
 from fuselane.gguf.synth_latent import LATENT_SHAPES  # noqa: E402
 from fuselane.graph.classes import ClassId as C  # noqa: E402
@@ -44,7 +44,9 @@ def test_v2_lite_widths_run_as_the_cpu_lane(tmp_path):
     gpu = load(path, lane="cuda", ctx=CTX)  # the lane's defaults: int8 activations, f16 cache, graphs
     ref = load(path, lane="cpu", ctx=CTX, dtype=np.float64)
     step = gpu.lane.step(1)
-    assert HeadMatmul in {type(op.sym) for op, _ in step.bound} and gpu.lane.use_graphs
+    # the value half (its int8 form written in its programs, GemvQuant); the query's is in its join
+    assert HeadMatmul in {type(x.sym) for op, _ in step.bound for x in leaves(op)} and gpu.lane.use_graphs
+    assert C.GEMV_QUANT in {class_of(op) for op, _ in step.bound}
     assert C.ROUTER_TOPK in {class_of(op) for op, _ in step.bound}
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     sg, sr = gpu.session(), ref.session()
