@@ -7,8 +7,9 @@ names shows up here as a step outside the lane's numerics contract (or not finit
 `fuzz.lane_shapes` compiles the launches of real widths; this runs tiny widths' launches and checks their
 numbers. Each draw is a dense Qwen-like model (qwen2 or qwen3: heads of 8 to 96 values, one to four key
 heads, one to four query heads each, one or two layers, tied or not), a tiny mixture (qwen2moe with a shared
-expert, qwen3moe; four or eight experts, one or two kept) or a tiny DeepSeek (V2's routing or V3's ungrouped,
-none to two shared experts), a mix from `synth.Mix`, and one knob setting or none. A prompt past the GEMV's
+expert, qwen3moe; four or eight experts, one or two kept), a tiny Qwen3-Next (a linear and a full-attention
+layer, delta-rule heads of 16 or 32 values) or a tiny DeepSeek (V2's routing or V3's ungrouped, none to two
+shared experts, value heads of 16 or 32), a mix from `synth.Mix`, and one knob setting or none. A prompt past the GEMV's
 rows, a short chunk and two decode steps run on both lanes (`tests.lane_steps.runs_as_the_cpu_lane`); a line
 a draw goes to the log: OK, FAIL with the first step out of the contract, or the error. 5-100 s a draw on one
 core.
@@ -45,15 +46,28 @@ def _latent(rng: random.Random) -> LatentShape:
     # the lane routes by one top-k, and its products take rows of whole 32-value blocks (the tiny V3's q LoRA is 48)
     v3 = replace(SHAPES["tiny-deepseek3"], groups=1, groups_used=1, q_lora=2 * QK)
     base = SHAPES["tiny-deepseek2"] if rng.random() < 0.5 else v3
+    # values a head of 32: the value half writes the int8 form `attn_output` reads in its own programs
     return replace(base, n_heads=rng.choice((2, 4, 8)), experts=rng.choice((4, 8)), experts_used=rng.choice((1, 2)),
-                   expert_ff=QK * rng.randint(1, 3), shared_experts=rng.choice((0, 1, 2)), vocab=512)  # fmt: skip
+                   expert_ff=QK * rng.randint(1, 3), shared_experts=rng.choice((0, 1, 2)), vocab=512,
+                   vdim=rng.choice((16, QK)))  # fmt: skip
+
+
+def _hybrid(rng: random.Random) -> Shape:
+    """A tiny Qwen3-Next: a linear and a full-attention layer, the delta rule's heads 16 or 32 values wide (32:
+    normed in the convolution's epilogue) in groups of one or two value heads a key head."""
+    k_heads, dim = rng.choice((1, 2)), rng.choice((16, QK))
+    return replace(SHAPES["tiny-qwen3next"], n_layers=2, ssm_k_heads=k_heads, ssm_v_heads=k_heads * rng.choice((2, 4)),
+                   ssm_dim=dim, experts=rng.choice((4, 8)), experts_used=rng.choice((1, 2)))  # fmt: skip
 
 
 def _draw(rng: random.Random) -> Shape | LatentShape | None:
-    """A tiny dense, mixture or DeepSeek shape, or None where its query or hidden width is not whole 32-value
-    blocks."""
-    if rng.random() < 0.15:
+    """A tiny dense, mixture, Qwen3-Next or DeepSeek shape, or None where its query or hidden width is not whole
+    32-value blocks."""
+    family = rng.random()
+    if family < 0.15:
         return _latent(rng)
+    if family < 0.25:
+        return _hybrid(rng)
     hd, kv = rng.choice(HEAD_DIMS), rng.choice((1, 2, 4))
     heads = kv * rng.choice((1, 2, 3, 4))
     embd = QK * rng.randint(2, 10)
