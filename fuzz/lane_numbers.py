@@ -88,9 +88,12 @@ def said(shape: Shape | LatentShape) -> str:
     if isinstance(shape, LatentShape):
         routing = "sigmoid" if shape.sigmoid else "softmax"
         experts = f"experts={shape.experts}/{shape.experts_used}x{shape.expert_ff} shared={shape.shared_experts}"
-        return f"{shape.arch} d={shape.n_embd} L={shape.n_layers} h={shape.n_heads} {routing} {experts}"
+        heads = f"h={shape.n_heads}x{shape.vdim}"
+        return f"{shape.arch} d={shape.n_embd} L={shape.n_layers} {heads} {routing} {experts}"
     out = f"{shape.arch} d={shape.n_embd} L={shape.n_layers} h={shape.n_heads}/{shape.n_kv_heads}x{shape.head_dim}"
     out += f" ff={shape.n_ff}" + (" tied" if shape.tied else "")
+    if shape.ssm_dim:
+        out += f" delta={shape.ssm_v_heads}/{shape.ssm_k_heads}x{shape.ssm_dim}"
     if shape.experts:
         out += f" experts={shape.experts}/{shape.experts_used}x{shape.expert_ff} shared={shape.shared_ff}"
     return out
