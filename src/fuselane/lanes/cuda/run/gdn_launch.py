@@ -124,12 +124,19 @@ def conv(op: Op, b) -> list:
     return [lambda: kernel.conv(x, state, w, out, normed=normed, **args)]
 
 
+def _gating(op: Op) -> tuple[Op, Op, Op]:
+    """A gating's beta = sigmoid(b), its a + dt and its product by A, wherever it sits (GdnGating, with its
+    projection, inside a GdnStep)."""
+    sig = next(u for u in _all(op, Unary) if u.sym.op is UnaryOp.SIGMOID)  # type: ignore[union-attr]
+    add, mul = _all(op, Elementwise)
+    return sig, add, mul
+
+
 def gating(op: Op, b) -> list:
     """GdnGating: beta = sigmoid(b), g = A * softplus(a + dt), one `gates` launch."""
     from fuselane.lanes.cuda.triton.gdn import gates as kernel
 
-    sig = next(u for u in _all(op, Unary) if u.sym.op is UnaryOp.SIGMOID)  # type: ignore[union-attr]
-    add, mul = _all(op, Elementwise)
+    sig, add, mul = _gating(op)
     spec: Unary = sig.sym  # type: ignore[assignment]
     bv, av = b.bufs[sig.ins[0]], b.bufs[add.ins[0]]
     dt, decay = b.vec[add.ins[1]], b.vec[mul.ins[1]]
@@ -143,10 +150,9 @@ def _raw_gates(op: Op, b) -> Any:
     come in made."""
     from fuselane.lanes.cuda.triton.gdn.delta import Raw
 
-    sig = next((u for u in _all(op, Unary) if u.sym.op is UnaryOp.SIGMOID), None)  # type: ignore[union-attr]
-    if sig is None:
+    if not any(u.sym.op is UnaryOp.SIGMOID for u in _all(op, Unary)):  # type: ignore[union-attr]
         return None
-    add, mul = _all(op, Elementwise)
+    sig, add, mul = _gating(op)
     return Raw(b.bufs[sig.ins[0]], b.bufs[add.ins[0]], b.vec[add.ins[1]], b.vec[mul.ins[1]])
 
 
@@ -171,8 +177,7 @@ def gate_projections(op: Op, b) -> list:
     product = _one(op, Matmul)
     assert product is not None
     mm: Matmul = product.sym  # type: ignore[assignment]
-    sig = next(u for u in _all(op, Unary) if u.sym.op is UnaryOp.SIGMOID)  # type: ignore[union-attr]
-    add, mul = _all(op, Elementwise)
+    sig, add, mul = _gating(op)
     spec: Unary = sig.sym  # type: ignore[assignment]
     x, w = b.bufs[product.ins[0]], _gate_matrix(b, product.ins[1], (mm.n, mm.k))
     dt, decay = b.vec[add.ins[1]], b.vec[mul.ins[1]]

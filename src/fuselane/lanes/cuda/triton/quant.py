@@ -81,6 +81,22 @@ def store_quantized(v, first, n, oq, od, os_):
 
 
 @triton.jit
+def store_quantized_rows(v, rows, m, first, k, oq, od, os_):
+    """Quantize the tile v [R, B * 32] of rows `rows` [R] (those under m stored) of k-value rows, its values
+    starting at value `first` (a multiple of 32) of each, and store them as a Q8Acts' codes, scales and sums."""
+    R: tl.constexpr = v.shape[0]
+    B: tl.constexpr = v.shape[1] // QB_C
+    codes, d, sums = quantize_block(tl.reshape(v, [R * B, QB_C]), QB_C)
+    row = tl.reshape(tl.broadcast_to(rows.to(tl.int64)[:, None], [R, B]), [R * B])
+    blk = tl.reshape(tl.broadcast_to((first // QB_C + tl.arange(0, B))[None, :], [R, B]), [R * B])
+    live = row < m
+    at = row * (k // QB_C) + blk
+    tl.store(oq + at[:, None] * QB_C + tl.arange(0, QB_C)[None, :], codes, mask=live[:, None])
+    tl.store(od + at, d, mask=live)
+    tl.store(os_ + at[:, None] * 2 + tl.arange(0, 2)[None, :], sums, mask=live[:, None])
+
+
+@triton.jit
 def _quantize_kernel(x, q, d, s, n_blocks, QB: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr):
     pdl.begin(PDL)
     row = tl.program_id(1).to(tl.int64)

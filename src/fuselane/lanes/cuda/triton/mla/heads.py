@@ -13,8 +13,9 @@ With a rotation (`Turn`), the launch writes the query's join in place (JoinInPla
 its rotated part, turned by one more column of programs as `parts.rope` turns it, so no join runs after.
 
 With `out_q8` (GemvQuant: the value half's product, which `attn_output` reads in int8), each program also
-writes its tile's int8 form, whole 32-value blocks of a head's outputs (`quant.quantize_block`, the codes the
-`Quantize` launch would write): a program takes `kernels.HEAD_QUANT_ROWS` rows, so no block spans two programs.
+writes its tile's int8 form, whole 32-value blocks of a head's outputs (the codes the `Quantize` launch would
+write, `quant.store_quantized_rows`): a program takes `kernels.HEAD_QUANT_ROWS` rows, so no block spans two
+programs.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.formats import SLOTS, dot_rows
 from fuselane.lanes.cuda.triton.gemv.rows import plan, row_tiles, stages, tile
 from fuselane.lanes.cuda.triton.mla import parts
-from fuselane.lanes.cuda.triton.quant import QB_C, Q8Acts, quantize_block
+from fuselane.lanes.cuda.triton.quant import QB_C, Q8Acts, store_quantized, store_quantized_rows
 
 # Float rows the float kernel reads, by the torch dtype it views them as: BF16's as their 16 bits, widened in
 # the kernel (the interpreter has no bfloat16), and only where the block formats' GEMV cannot take the rows
@@ -41,22 +42,6 @@ FLOATS = {Format.F32: torch.float32, Format.F16: torch.float16, Format.BF16: tor
 BF16_SHIFT = tl.constexpr(16)  # a bf16's bits are an f32's upper half
 # Output rows a program of the float kernel takes: a 32-value block, so it writes an int8 form too.
 FLOAT_BLOCK_N = kernels.HEAD_QUANT_ROWS
-
-
-@triton.jit
-def _store_q8(y, mi, m, first, k, oq, od, os_):
-    """The tile y [BLOCK_M, BLOCK_N] (rows mi of m, values first.. of each k-value row; BLOCK_N and first whole
-    32-value blocks) as its int8 form: codes, block scales and 16-value sums (`quant.Q8Acts`)."""
-    BM: tl.constexpr = y.shape[0]
-    B: tl.constexpr = y.shape[1] // QB_C
-    codes, d, sums = quantize_block(tl.reshape(y, [BM * B, QB_C]), QB_C)
-    row = tl.reshape(tl.broadcast_to(mi.to(tl.int64)[:, None], [BM, B]), [BM * B])
-    blk = tl.reshape(tl.broadcast_to((first // QB_C + tl.arange(0, B))[None, :], [BM, B]), [BM * B])
-    live = row < m
-    at = row * (k // QB_C) + blk
-    tl.store(oq + at[:, None] * QB_C + tl.arange(0, QB_C)[None, :], codes, mask=live[:, None])
-    tl.store(od + at, d, mask=live)
-    tl.store(os_ + at[:, None] * 2 + tl.arange(0, 2)[None, :], sums, mask=live[:, None])
 
 
 @triton.jit
@@ -72,7 +57,7 @@ def _rows_product(x, x_row, x_head, m, w, out, out_row, out_head, n, h, oq, od, 
     mask = (mi < m)[:, None] & (rows < n)[None, :]
     tl.store(out + mi.to(tl.int64)[:, None] * out_row + h * out_head + rows[None, :], y, mask=mask)
     if QUANT:  # heads of whole blocks, no rotation: a row's values are its heads' outputs, out_row of them
-        _store_q8(y, mi, m, h * out_head + tl.program_id(0) * BLOCK_N, out_row, oq, od, os_)
+        store_quantized_rows(y, mi, m, h * out_head + tl.program_id(0) * BLOCK_N, out_row, oq, od, os_)
 
 
 @triton.jit
@@ -121,9 +106,10 @@ def _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, oq
     xv = tl.load(x + mi.to(tl.int64) * x_row + h * x_head + cols, mask=cols < a, other=0.0)
     y = tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
     tl.store(out + mi.to(tl.int64) * out_row + h * out_head + rows, y, mask=rows < n)
-    if QUANT:  # one row's tile: a [1, BLOCK_N] tile of row mi of one
-        _store_q8(tl.reshape(y, [1, BLOCK_N]), mi + tl.zeros([1], tl.int32), 1 + mi,
-                  h * out_head + tl.program_id(0) * BLOCK_N, out_row, oq, od, os_)  # fmt: skip
+    if QUANT:  # row mi's blocks of a row of out_row values
+        row = mi.to(tl.int64)
+        store_quantized(y, h * out_head + tl.program_id(0) * BLOCK_N, out_row, oq + row * out_row,
+                        od + row * (out_row // QB_C), os_ + row * (out_row // QB_C * 2))  # fmt: skip
 
 
 @triton.jit
