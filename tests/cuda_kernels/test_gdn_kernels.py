@@ -172,6 +172,42 @@ def test_the_step_makes_its_gates_from_b_and_a_as_the_gates_launch_does(rows):
     assert torch.equal(made_o, apart_o) and torch.equal(made_s, apart_s)
 
 
+@pytest.mark.parametrize(("rows", "dv"), [(1, 64), (3, 64), (1, 48)])  # 48: not whole blocks, no int8 form
+def test_the_step_norms_its_output_as_the_norms_launch_does(rows, dv):
+    # `norm_in_step`: a program holds a head's whole value width and writes norm(o) * w * silu(z) (and its int8
+    # form) in its store; the numbers of the step then the gated norm's launch, within the rule's and the norm's
+    # bounds of the f64 reference (bit for bit under the interpreter, whose sums do not depend on the tiling)
+    from fuselane.lanes.cuda.triton import quant
+
+    rng = np.random.default_rng(30 + rows + dv)
+    q, k, _, g, beta, _ = _rule_inputs(rows, rng)
+    v, state = rng.standard_normal((rows, V_HEADS * dv)), rng.standard_normal((V_HEADS, DK, dv)) * 0.1
+    z, w = rng.standard_normal((rows, V_HEADS * dv)), rng.standard_normal(dv)
+    f32 = lambda a: dev(a.astype(np.float32))  # noqa: E731
+    shape = dict(rows=rows, heads=V_HEADS, key_heads=K_HEADS, dk=DK, dv=dv, scale=DK**-0.5, write_state=True)
+    q8 = [quant.empty_q8(rows, V_HEADS * dv, DEVICE) if dv % quant.QK == 0 else None for _ in range(2)]
+    apart_s, o, apart_y = f32(state), *(torch.zeros((rows, V_HEADS * dv), device=DEVICE) for _ in range(2))
+    delta.delta(f32(q), f32(k), f32(v), f32(g), f32(beta), apart_s, o, **shape)
+    norm.gated_norm(o, f32(w), f32(z), apart_y, units=rows * V_HEADS, d=dv, eps=EPS, out_q8=q8[0])
+    made_s, made_y = f32(state), torch.zeros((rows, V_HEADS * dv), device=DEVICE)
+    normed = delta.Normed(f32(w), f32(z), EPS, q8[1])
+    delta.delta(f32(q), f32(k), f32(v), f32(g), f32(beta), made_s, made_y, normed=normed, **shape)
+    spec = GatedDelta(rows, V_HEADS, DK, dv, k_heads=K_HEADS, scale=DK**-0.5)
+    want_o, want_s = ref.recurrence(spec, q, k, v, g, beta, state)
+    wo, zs = want_o.reshape(rows * V_HEADS, dv), z.reshape(rows * V_HEADS, dv)
+    want = wo / np.sqrt(np.mean(wo * wo, axis=-1, keepdims=True) + EPS) * w * silu(zs)
+    bound = gamma(rows * (DK + STEP_ROUNDINGS))
+    assert rel(made_s, want_s) <= bound
+    assert rel(made_y.reshape(want.shape), want) <= bound + gamma(DK + 1) + norm_rel(dv) + gamma(SILU_ROUNDINGS)
+    if DEVICE == "cpu":
+        assert torch.equal(made_s, apart_s) and torch.equal(made_y, apart_y)
+        if q8[0] is not None:
+            assert all(torch.equal(getattr(q8[0], f), getattr(q8[1], f)) for f in ("q", "d", "s"))
+    with pytest.raises(ValueError, match="at most"):
+        wide = dict(shape, dv=2 * kernels.GDN_NORM_MOST_DV)
+        delta.delta(f32(q), f32(k), f32(v), f32(g), f32(beta), made_s, made_y, normed=normed, **wide)
+
+
 def test_the_gated_norm_and_a_strided_l2_norm():
     rng = np.random.default_rng(6)
     units, d = 6, DV

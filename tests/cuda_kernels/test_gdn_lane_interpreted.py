@@ -31,7 +31,7 @@ PROMPT = [5, 60, 7]
 # one linear and one full-attention layer, a small vocabulary: the interpreter's time goes to the lm head
 TINY = replace(SHAPES["tiny-qwen3next"], n_layers=2, vocab=260)
 WIDE = replace(TINY, ssm_dim=32)  # heads of whole warps: normed in the convolution's epilogue
-STEP = {C.CONV_BIAS_SILU, C.GDN_STEP, C.GATED_NORM, C.ATTN_OUTPUT_GATE}  # the gates made in the GdnStep
+STEP = {C.CONV_BIAS_SILU, C.GDN_STEP, C.ATTN_OUTPUT_GATE}  # the gates made, and the output normed, in the GdnStep
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -47,6 +47,8 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
         (WIDE, "f32", "dequant", C.CONV_SILU_L2NORM, ("gdn_step",)),
         # the gates in a launch of their own before the step's
         (TINY, "f32", "dequant", C.CONV_BIAS_SILU, ("gates_in_step",)),
+        # the gated norm in a launch of its own after the step's
+        (TINY, "f32", "dequant", C.CONV_BIAS_SILU, ("norm_in_step",)),
     ],
 )
 def test_cuda_lane_runs_qwen3next_as_the_cpu_lane(tmp_path, shape, state, activations, conv_class, held):
@@ -55,7 +57,9 @@ def test_cuda_lane_runs_qwen3next_as_the_cpu_lane(tmp_path, shape, state, activa
     ref = load(path, lane="cpu", ctx=16, dtype=np.float64)
     classes = {class_of(op) for op, _ in gpu.lane.step(1).bound}
     assert (STEP - {C.CONV_BIAS_SILU} - ({C.GDN_STEP} if "gdn_step" in held else set())) | {conv_class} <= classes
-    assert (C.GDN_GATING in classes) is bool(held)  # apart only where the step or the gates' fold is held
+    gates_apart = bool({"gdn_step", "gates_in_step"} & set(held))
+    assert (C.GDN_GATING in classes) is gates_apart  # apart only where the step or the gates' fold is held
+    assert (C.GATED_NORM in classes) is bool({"gdn_step", "norm_in_step"} & set(held))
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     sg, sr = gpu.session(), ref.session()
     steps = [("prefill", sg.feed(PROMPT), sr.feed(PROMPT))]

@@ -6,9 +6,11 @@ or under int8 activations (whose interpreted products are slow) two decode steps
 - A file holding its matrices in F16 holds `ssm_ba` as values: the gates take their projection in their own
   launch (GdnGateProjections), under both `state` precisions.
 - Under int8 activations, heads of 32 values (whole blocks): the gated norm writes `ssm_out`'s int8 form in its
-  store (GdnOutputQuant), no Quantize launch after it. Interpreted, the decode step's own launch on inputs of
-  its own (its output within the gated norm's bound, its int8 form bit for bit `quant.quantize_reference`'s:
-  the interpreted int8 products of a whole step take minutes); compiled (`-m cuda`), the whole lane.
+  store (GdnOutputQuant), no Quantize launch after it; in a decode step the delta rule's launch does
+  (`norm_in_step`). Interpreted, the decode step's own launches on inputs of their own (the norm's output
+  within the gated norm's bound, its int8 form bit for bit `quant.quantize_reference`'s; the step's launch
+  bit for bit the step's and the norm's launches: the interpreted int8 products of a whole step take
+  minutes); compiled (`-m cuda`), the whole lane, with the rule and without.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from fuselane.fuse.views import class_of, leaves  # noqa: E402
 from fuselane.gguf.synth import SHAPES, write_synthetic  # noqa: E402
 from fuselane.graph.classes import ClassId as C  # noqa: E402
 from fuselane.graph.ops import Quantize, RmsNorm  # noqa: E402
+from fuselane.lanes.cuda.plan.gdn import step_writes_int8  # noqa: E402
 from fuselane.lanes.cuda.triton.quant import quantize_reference  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 
@@ -61,15 +64,15 @@ def test_the_gates_take_their_projection_in_their_launch(tmp_path, state):
     _same_as_the_cpu_lane(gpu, ref, PROMPT)
 
 
-def _int8_lane(tmp_path):
+def _int8_lane(tmp_path, held=()):
     path = write_synthetic(tmp_path / "m.gguf", TINY, "q8_0", seed=5)
-    return path, load(path, lane="cuda", ctx=16, knobs=["state=f32", "activations=int8"])
+    return path, load(path, lane="cuda", ctx=16, knobs=["state=f32", "activations=int8"], held=held)
 
 
 def test_the_gated_norms_launch_writes_the_int8_form_ssm_out_reads(tmp_path):
-    # the decode step's own launch, on inputs of its own: the interpreted int8 products of a whole step take
-    # minutes (the compiled test below runs the whole lane)
-    _, gpu = _int8_lane(tmp_path)
+    # the decode step's own launch (the norm apart from the step's: `norm_in_step` held), on inputs of its own:
+    # the interpreted int8 products of a whole step take minutes (the compiled test below runs the whole lane)
+    _, gpu = _int8_lane(tmp_path, held=("norm_in_step",))
     step = gpu.lane.step(1)
     ((op, (launch,)),) = [(op, ls) for op, ls in step.bound if class_of(op) is C.GDN_OUTPUT_QUANT]
     assert not [o for o, _ in step.bound if isinstance(o.sym, Quantize) and o.out == op.out]
@@ -90,12 +93,44 @@ def test_the_gated_norms_launch_writes_the_int8_form_ssm_out_reads(tmp_path):
     assert np.array_equal(q8.s.numpy(), sums)
 
 
+def _fill(step, names, seed: int) -> None:
+    """The same random values, name by name in order, into those of `names` the step holds as f32 buffers."""
+    rng = np.random.default_rng(seed)
+    for n in names:
+        buf = step.bufs.get(n)
+        if buf is not None and buf.dtype == torch.float32:
+            buf.copy_(torch.from_numpy(rng.standard_normal(buf.shape) * 0.5))
+
+
+def test_the_steps_launch_norms_its_output_as_the_norms_own_launch(tmp_path):
+    # `norm_in_step`: the decode step's GdnStep writes the gated norm's output and its int8 form; on the same
+    # inputs, the step then the gated norm's launch (the rule held) write the same numbers and state
+    _, fused = _int8_lane(tmp_path)
+    _, apart = _int8_lane(tmp_path, held=("norm_in_step",))
+    one, two = fused.lane.step(1), apart.lane.step(1)
+    ((op, (launch,)),) = [(op, ls) for op, ls in one.bound if step_writes_int8(op)]
+    (step_launch,) = next(ls for o, ls in two.bound if class_of(o) is C.GDN_STEP)
+    (norm_launch,) = next(ls for o, ls in two.bound if class_of(o) is C.GDN_OUTPUT_QUANT)
+    assert not [o for o, _ in one.bound if class_of(o) in (C.GATED_NORM, C.GDN_OUTPUT_QUANT)]
+    names = sorted(n for n in op.ins)
+    _fill(one, names, 7), _fill(two, names, 7)
+    launch()
+    step_launch(), norm_launch()
+    state = next(n for n in op.ins if n.endswith("delta_state"))
+    assert np.array_equal(one.bufs[state].numpy(), two.bufs[state].numpy())
+    assert np.array_equal(one.bufs[op.out].numpy(), two.bufs[op.out].numpy())
+    for part in ("q", "d", "s"):
+        assert np.array_equal(getattr(one.q8[op.out], part).numpy(), getattr(two.q8[op.out], part).numpy())
+
+
 @pytest.mark.cuda
-def test_the_lane_with_the_gated_norms_int8_form_equals_the_cpu_lane(tmp_path):
+@pytest.mark.parametrize("held", [(), ("norm_in_step",)])
+def test_the_lane_with_the_gated_norms_int8_form_equals_the_cpu_lane(tmp_path, held):
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
-    path, gpu = _int8_lane(tmp_path)
-    assert C.GDN_OUTPUT_QUANT in {class_of(op) for op, _ in gpu.lane.step(1).bound}
+    path, gpu = _int8_lane(tmp_path, held)
+    bound = [op for op, _ in gpu.lane.step(1).bound]
+    assert any(class_of(op) is C.GDN_OUTPUT_QUANT or step_writes_int8(op) for op in bound)
     _same_as_the_cpu_lane(gpu, load(path, lane="cpu", ctx=16, dtype=np.float64), PROMPT)
 
 

@@ -59,7 +59,7 @@ NOT_IN_DENSE_GRAPHS |= dict.fromkeys(MIXTURE_RULES, "the dense graphs route to n
 HYBRID_RULES = (
     *("conv_silu", "conv_silu_l2norm", "conv_parts", "gdn_gating", "gdn_gate_projections", "gdn_step"),
     *("gates_in_step", "gated_norm"),
-    *("attn_output_gate", "gdn_output_quant"),
+    *("attn_output_gate", "gdn_output_quant", "norm_in_step"),
 )
 NOT_IN_DENSE_GRAPHS |= dict.fromkeys(HYBRID_RULES, "the dense graphs have no gated delta-rule or gated attention")
 

@@ -25,7 +25,7 @@ from fuselane.gguf.synth_latent import LATENT_SHAPES
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form
 from fuselane.graph.ops import Quantize
-from fuselane.lanes.cuda.plan.gdn import DELTA_FORM_LAUNCHES, DELTA_SPLIT
+from fuselane.lanes.cuda.plan.gdn import DELTA_FORM_LAUNCHES, DELTA_SPLIT, step_writes_int8
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
 from fuselane.lanes.cuda.plan.shim import NATIVE_CLASSES, QUANT_EPILOGUES, CudaShim
 from fuselane.lanes.cuda.run.launch import BINDERS, PARTS_ONLY
@@ -194,7 +194,7 @@ QWEN3NEXT_SHAPE = Shape(
 )
 GDN_RULES = (
     *("conv_silu", "conv_silu_l2norm", "gdn_gating", "gdn_gate_projections", "gdn_step", "gated_norm"),
-    *("attn_output_gate", "gdn_output_quant"),
+    *("attn_output_gate", "gdn_output_quant", "norm_in_step"),
 )
 
 
@@ -214,7 +214,9 @@ def test_cuda_binds_a_qwen3next_plan_as_explain_prints_it(tmp_path, mix, knobs, 
         _check_step(path, lane.step(rows), form, rows, knobs, held)
     classes = {class_of(op) for op, _ in lane.step(1).bound}
     if not held and not knobs:  # the classes this plan is here for are in it
-        assert (C.GDN_GATE_PROJECTIONS if mix == "f16" else C.GDN_OUTPUT_QUANT) in classes
+        assert mix != "f16" or C.GDN_GATE_PROJECTIONS in classes
+        # the gated norm's int8 form written in the decode step's store (`norm_in_step`)
+        assert mix == "f16" or any(step_writes_int8(op) for op, _ in lane.step(1).bound)
     # a decode step's delta rule is one launch (the recurrence); a chunk's GdnStep the chunked form's two, and
     # a bare rule's (its class held) one each (the whole form)
     steps = {

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import pytest
 
-from fuselane.fuse.optimizer import check_runs, needs, optimize
+from fuselane.fuse.optimizer import check_runs, launches_of, needs, optimize
 from fuselane.fuse.shim import DECOMPOSE, NATIVE, SupportKind
 from fuselane.fuse.views import class_of
 from fuselane.gguf.formats import Format
@@ -27,7 +27,15 @@ from fuselane.graph import facts
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import WHOLE, Dst, Form, Op, Role, Tensor, Values
 from fuselane.graph.ops import Elementwise, ElementwiseOp, GateAct, GatedDelta, Quantize
-from fuselane.lanes.cuda.plan.gdn import EPILOGUE, GDN_NATIVE, SPECIFIED
+from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.gdn import (
+    EPILOGUE,
+    GDN_NATIVE,
+    NORM_IN_STEP_FORM,
+    NORM_IN_STEP_WIDTH,
+    SPECIFIED,
+    step_writes_int8,
+)
 from fuselane.lanes.cuda.plan.knobs import CudaKnobs
 from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.models import config_of, recognizer
@@ -52,8 +60,8 @@ class Specified(CudaShim):
         return spec
 
 
-def graph(name: str, rows: int, *, float_ba: bool = False):
-    shape = replace(SHAPES[name], n_layers=LAYERS)
+def graph(name: str, rows: int, *, float_ba: bool = False, **widths: int):
+    shape = replace(SHAPES[name], n_layers=LAYERS, **widths)
     formats = tensor_formats(shape, "q4_k_m")
     if float_ba:  # the gates' projection kept in F32, as the converter writes it before quantizing
         formats |= {n: Format.F32 for n in formats if n.endswith("ssm_ba.weight")}
@@ -114,12 +122,52 @@ def test_the_lane_takes_the_gates_with_their_projection_from_a_matrix_of_floats(
     assert {m.reason for m in rows_ba.missed if m.cls is C.GDN_GATE_PROJECTIONS} == {GATES_BY_VALUES}
 
 
-def test_the_lanes_gated_norm_writes_its_int8_form_in_its_store():
-    # heads of 128: whole 32-value blocks, so no Quantize launch follows the gated norm
-    plan = optimize(graph("qwen3-next-80b-a3b", 1), CudaShim())
-    quantized = [op for op in plan.ops if class_of(op) is C.GDN_OUTPUT_QUANT]
+@pytest.mark.parametrize("held", [(), ("norm_in_step",)])
+def test_the_lanes_gated_norm_writes_its_int8_form_in_its_store(held):
+    # heads of 128: whole 32-value blocks, so no Quantize launch follows the gated norm, in the step's launch
+    # (`norm_in_step`) or in its own
+    plan = optimize(graph("qwen3-next-80b-a3b", 1), CudaShim(), held=held)
+    quantized = [op for op in plan.ops if class_of(op) is C.GDN_OUTPUT_QUANT or step_writes_int8(op)]
     assert len(quantized) == LAYERS - 1
+    assert all(class_of(op) is (C.GDN_OUTPUT_QUANT if held else C.GDN_STEP) for op in quantized)
     assert not [op for op in plan.ops if isinstance(op.sym, Quantize) and op.out.endswith("o_gated")]
+
+
+def test_a_decode_steps_delta_rule_norms_its_output_in_its_launch():
+    # the gated norm (with its int8 form) in the step's launch: a linear layer is 7 launches, as a dense one
+    plan = optimize(graph("qwen3-next-80b-a3b", 1), CudaShim())
+    steps = [op for op in plan.ops if class_of(op) is C.GDN_STEP]
+    assert len(steps) == LAYERS - 1 and all(step_writes_int8(op) for op in steps)
+    assert sum(e.rule == "norm_in_step" for e in plan.fired) == LAYERS - 1
+    assert not [op for op in plan.ops if class_of(op) in (C.GATED_NORM, C.GDN_OUTPUT_QUANT)]
+    start, end = (next(i for i, op in enumerate(plan.ops) if op.out == f"l{n}.qkv") for n in (1, 2))
+    assert sum(launches_of(op) for op in plan.ops[start:end]) == 7  # layer 1's, its down launch norming layer 2's
+
+
+def test_a_chunks_delta_rule_writes_its_output_for_the_norms_launch():
+    plan = optimize(graph("qwen3-next-80b-a3b", 5), CudaShim())
+    assert {m.reason for m in plan.missed if m.rule == "norm_in_step"} == {NORM_IN_STEP_FORM}
+    assert sum(class_of(op) is C.GDN_OUTPUT_QUANT or class_of(op) is C.GATED_NORM for op in plan.ops) == LAYERS - 1
+
+
+def test_a_step_output_read_elsewhere_keeps_the_norm_apart():
+    # the rule's output another op reads stays a tensor of its own: `norm_in_step` lets go of that layer's
+    g = graph("qwen3-next-80b-a3b", 1)
+    name = "l0.delta"
+    rows, cols = g.tensors[name].shape
+    g.add(Tensor("probe", (rows, cols), Values("f32"), Role.ACTIVATION))
+    g.ops.append(Op(Elementwise(ElementwiseOp.ADD, rows, cols), (name, name), (WHOLE, WHOLE), "probe", Dst("probe"),
+                    (len(g.ops),)))  # fmt: skip
+    plan = optimize(g, CudaShim(), explain=True)
+    assert sum(e.rule == "norm_in_step" for e in plan.fired) == LAYERS - 2
+    assert any(u.rule == "norm_in_step" and f"{name} is also read by" in u.reason for u in plan.unmatched)
+    (apart,) = [op for op in plan.ops if class_of(op) is C.GDN_OUTPUT_QUANT]
+    assert name in apart.ins
+
+
+def test_heads_wider_than_a_program_holds_keep_the_norm_apart():
+    plan = optimize(graph("qwen3-next-80b-a3b", 1, ssm_dim=2 * kernels.GDN_NORM_MOST_DV), CudaShim())
+    assert {m.reason for m in plan.missed if m.rule == "norm_in_step"} == {NORM_IN_STEP_WIDTH}
 
 
 def test_under_int8_the_gated_norm_and_the_gated_attention_quantize_their_output():
@@ -157,7 +205,7 @@ def test_a_gated_norm_read_elsewhere_in_f32_still_quantizes_in_its_launch():
     g.ops.append(Op(Elementwise(ElementwiseOp.ADD, rows, cols), (name, name), (WHOLE, WHOLE), "probe", Dst("probe"),
                     (len(g.ops),)))  # fmt: skip
     plan = optimize(g, CudaShim())
-    quantized = {op.out for op in plan.ops if class_of(op) is C.GDN_OUTPUT_QUANT}
+    quantized = {op.out for op in plan.ops if step_writes_int8(op)}
     assert name in quantized and len(quantized) == LAYERS - 1
     assert not [op for op in plan.ops if isinstance(op.sym, Quantize) and op.out == name]
     assert any(op.out == "probe" and name in op.ins for op in plan.ops), "the f32 reader still reads it"

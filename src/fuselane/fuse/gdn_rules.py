@@ -1,14 +1,14 @@
 """The gated delta-rule and gated-attention rules: Qwen3-Next's linear-attention layers and gated attention.
 
-A linear layer's primitives (`models.qwen3next`) fuse into the classes a lane runs in few launches: the
-causal convolution with its state's shift and its SiLU (`ConvBiasSilu`), that with the per-head L2 norms of
-the queries and keys it feeds (`ConvSiluL2norm`), a step's convolutions that do not feed one another in one
-launch (`ConvParts`), the gates beta = sigmoid(b) and g = A * softplus(a + dt)
-(`GdnGating`), with the product that reads them off the layer's input (`GdnGateProjections`), the rule's
-output with its state's update (`GdnStep`), that with the gates it alone reads (`gates_in_step`, a GdnStep
-that makes its gates from b and a itself), and the gated norm of its output, norm(o) * w * silu(z)
-(`GatedNorm`). A full-attention layer's output times sigmoid(gate) rides the attention (`AttnOutputGate`).
-Each swallows an intermediate only where nothing outside the fusion reads it.
+A linear layer's primitives (`models.qwen3next`) fuse into the classes a lane runs in few launches: the causal
+convolution with its state's shift and its SiLU (`ConvBiasSilu`), that with the per-head L2 norms of the queries
+and keys it feeds (`ConvSiluL2norm`), a step's convolutions that do not feed one another in one launch
+(`ConvParts`), the gates beta = sigmoid(b) and g = A * softplus(a + dt) (`GdnGating`), with the product that reads
+them off the layer's input (`GdnGateProjections`), the rule's output with its state's update (`GdnStep`), that with
+the gates it alone reads (`gates_in_step`, a GdnStep that makes its gates from b and a itself), the gated norm of
+its output, norm(o) * w * silu(z) (`GatedNorm`), and that norm, with its int8 form, in the step (`norm_in_step`). A
+full-attention layer's output times sigmoid(gate) rides the attention (`AttnOutputGate`). Each swallows an
+intermediate only where nothing outside the fusion reads it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from fuselane.graph.ops import (
     GatedDelta,
     L2Norm,
     Matmul,
+    RmsNorm,
     Slice,
     Unary,
     UnaryOp,
@@ -168,6 +169,22 @@ def gates_in_step(r: Rewriter, j: int) -> None:
     r.try_fuse("gates_in_step", C.GDN_STEP, [i, j], j, out=step.out, dst=step.dst)
 
 
+def norm_in_step(r: Rewriter, j: int) -> None:
+    """At a gated norm (or its int8 form's GdnOutputQuant): the GdnStep whose output it alone reads, the norm
+    into the step's launch."""
+    norm = op_at(r, j, C.GATED_NORM, C.GDN_OUTPUT_QUANT)
+    if norm is None:
+        return
+    x = next((n.ins[0] for n in leaves(norm) if isinstance(n.sym, RmsNorm)), None)
+    i = producer_of(r, x, j, C.GDN_STEP) if x is not None else None
+    if i is None:
+        return
+    if not read_only_by(r, x, [i, j]):
+        r.no_match("norm_in_step", [i, j], lambda: read_outside(r, x, [i, j]))
+        return
+    r.try_fuse("norm_in_step", C.GDN_STEP, [i, j], j, out=norm.out, dst=norm.dst)
+
+
 def gated_norm(r: Rewriter, i: int) -> None:
     if op_at(r, i, C.NORM_WEIGHT) is None:
         return
@@ -209,6 +226,11 @@ GDN_RULES = [
     Rule("gates_in_step", (C.GDN_STEP,), gates_in_step),
     # NormWeight(o) * silu(z) -> GatedNorm
     Rule("gated_norm", (C.GATED_NORM,), gated_norm),
+]
+# after the quant rules: the step takes the norm with its int8 form
+STEP_NORM_RULES = [
+    # GdnStep(..) -> o; GdnOutputQuant(o, w, z) -> GdnStep(..) -> norm(o) * w * silu(z): the norm in the step
+    Rule("norm_in_step", (C.GDN_STEP,), norm_in_step),
 ]
 GATED_ATTENTION_RULES = [
     # attention(q, K, V) * sigmoid(gate) -> AttnOutputGate: the gate rides the attention's store

@@ -171,7 +171,7 @@ STANDING: dict[ClassId, Standing] = {
     ClassId.MOE_GATE_UP_ACT: _built("moe_gate_up_act"),
     ClassId.MOE_DOWN_COMBINE: _built("moe_down_combine"),
     ClassId.SHARED_EXPERT_FUSION: _built("shared_expert_fusion"),
-    ClassId.GDN_STEP: _built("gdn_step", "gates_in_step"),
+    ClassId.GDN_STEP: _built("gdn_step", "gates_in_step", "norm_in_step"),
     ClassId.CONV_BIAS_SILU: _built("conv_silu"),
     ClassId.CONV_PARTS: _built("conv_parts"),  # a step's convolutions feeding none of the others, one launch
     ClassId.CONV_SILU_L2NORM: _built("conv_silu_l2norm"),

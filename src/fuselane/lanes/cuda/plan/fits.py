@@ -498,7 +498,7 @@ def _gdn_gate_projections(shim: CudaShim, op: Op, members: Sequence[Op], g: Tens
 
 
 def _gdn_step(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
-    return gdn.gates_in_step(op)
+    return gdn.gates_in_step(op) or gdn.norm_in_step(op)
 
 
 def _shared_expert_fusion(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:

@@ -1,19 +1,21 @@
 """The cuda lane's answers for the gated delta rule's and the gated attention's classes (Qwen3-Next).
 
-The specification (the cuda lane's shim, credited in docs/design.md) runs the convolution with its SiLU and
-its heads' L2 norm, several convolutions in one launch, the gates, the gates with their projection, the delta
-step, the gated norm and the gated attention each in one launch (`SPECIFIED`), quantizes the gated norm's
-output in its epilogue under `fuse_quant`, runs the three regroupings of a layer's fused ops as their parts,
-and refuses a delta rule gated by a sigmoid (`fits`).
+The specification (the cuda lane's shim, credited in docs/design.md) runs the convolution with its SiLU and its
+heads' L2 norm, several convolutions in one launch, the gates, the gates with their projection, the delta step, the
+gated norm and the gated attention each in one launch (`SPECIFIED`), quantizes the gated norm's output in its
+epilogue under `fuse_quant`, runs the three regroupings of a layer's fused ops as their parts, and refuses a delta
+rule gated by a sigmoid (`fits`).
 
-This lane runs every one of them as specified (`triton/gdn`, bound in `run/gdn_launch.py`): the convolution
-(with its state's shift, SiLU and heads' L2 norm) and up to four of them a launch (ConvParts, each part its
-own input, state, taps and output); the gates, and the gates with the `ssm_ba` product that feeds them
-(GdnGateProjections, where the lane holds that matrix as values: `fits`); the delta step; the gated norm,
-writing its int8 form in its store where its heads are whole 32-value blocks (GdnOutputQuant; narrower heads
-quantize in a launch after it, the lane rule `quantize_apart`). The gated attention (AttnOutputGate)
-multiplies by its gate's sigmoid in the attention's store (the decode and the chunk attention kernels; `fits`
-keeps it to a step's and a short chunk's), writing its int8 form there too under `fuse_quant`.
+This lane runs every one of them as specified (`triton/gdn`, bound in `run/gdn_launch.py`): the convolution (with
+its state's shift, SiLU and heads' L2 norm) and up to four of them a launch (ConvParts, each part its own input,
+state, taps and output); the gates, and the gates with the `ssm_ba` product that feeds them (GdnGateProjections,
+where the lane holds that matrix as values: `fits`); the delta step; the gated norm, writing its int8 form in its
+store where its heads are whole 32-value blocks (GdnOutputQuant; narrower heads quantize in a launch after it, the
+lane rule `quantize_apart`). The shared rules' regroupings of the step's launch run there too, in the recurrence
+only: the step making its gates (`gates_in_step`) and norming its output with the norm's int8 form (`norm_in_step`,
+a program a head's whole value width). The gated attention (AttnOutputGate) multiplies by its gate's sigmoid in the
+attention's store (the decode and the chunk attention kernels; `fits` keeps it to a step's and a short chunk's),
+writing its int8 form there too under `fuse_quant`.
 
 A chunk's delta step (GdnStep over more than one row) runs the chunked form (`triton/gdn/chunked.py`) in two
 launches, every block's triangular system first, then the state across the blocks: the settling pass
@@ -70,6 +72,45 @@ def gates_in_step(op: Op) -> str | None:
         return None
     rule = delta_rule(op)
     return None if rule is not None and not delta_chunked(rule.rows, rule.dk) else GATES_IN_STEP_FORM
+
+
+NORM_IN_STEP_FORM = (
+    "the delta rule norms its output in its launch only in the recurrence (a decode step's rows), a program a "
+    "head; the chunked form's programs hold parts of a head's values"
+)
+NORM_IN_STEP_WIDTH = (
+    f"the delta rule norms its output in its launch in heads of at most {kernels.GDN_NORM_MOST_DV} values, "
+    "a head's state a program"
+)
+NORM_IN_STEP_BLOCKS = "the delta rule quantizes its normed output in its store in heads of whole 32-value blocks"
+
+
+def step_norm(op: Op) -> Op | None:
+    """The gated norm (GatedNorm, or its GdnOutputQuant) a GdnStep applies to its output (`norm_in_step`)."""
+    parts = op.sym.parts if class_of(op) is C.GDN_STEP else ()  # type: ignore[union-attr]
+    return next((m for m in parts if class_of(m) in (C.GATED_NORM, C.GDN_OUTPUT_QUANT)), None)
+
+
+def step_writes_int8(op: Op) -> bool:
+    """Whether a GdnStep writes its normed output's int8 form in its store (its norm a GdnOutputQuant)."""
+    norm = step_norm(op)
+    return norm is not None and class_of(norm) is C.GDN_OUTPUT_QUANT
+
+
+def norm_in_step(op: Op) -> str | None:
+    """Why a GdnStep that norms its output (`norm_in_step`) has no launch here, or None where the recurrence
+    (`triton/gdn/delta.py`, a program a head's whole value width) runs it."""
+    norm = step_norm(op)
+    if norm is None:
+        return None
+    rule = delta_rule(op)
+    if rule is None or delta_chunked(rule.rows, rule.dk):
+        return NORM_IN_STEP_FORM
+    if rule.dv > kernels.GDN_NORM_MOST_DV:
+        return NORM_IN_STEP_WIDTH
+    if class_of(norm) is C.GDN_OUTPUT_QUANT and not gated_norm_quantizes(norm):
+        return NORM_IN_STEP_BLOCKS
+    return None
 
 
 def gated_norm_quantizes(op: Op) -> bool:

@@ -311,6 +311,14 @@ GROUP_WIDE_MERGE = 1024
 # 11.3 -> 13.0).
 ATTN_GROUP_MERGE_HELD = 128
 
+# The delta rule's step with its output's gated norm (`norm_in_step`): a program holds a head's whole value
+# width (the state's dk x dv in f32) in four warps, as the step's programs of 32 columns do. At the 80B-A3B's
+# heads of 128 x 128 (sm_90) that is 225 registers and no stack; the step and the norm's launch took 5.41 /
+# 5.47 us a layer against 5.41 / 5.51 for the step norming its output (H200, 12 states replayed in turn;
+# eight warps: 174 registers, 5.80 us). Past GDN_NORM_MOST_DV values a thread's share of the state would
+# spill, and the norm keeps its own launch.
+GDN_NORM_MOST_DV = 128
+
 # The absorbed latent attention's decode program (`triton/mla/attention.py`): a query row's heads share one
 # cached latent row, so a program takes MLA_HEADS_A_PROGRAM heads of a row, the whole value width, over
 # MLA_TILE_ROWS cached rows at a time, in MLA_WARPS warps. Its scores are summed MLA_SCORE_CHUNK query values

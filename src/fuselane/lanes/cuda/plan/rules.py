@@ -36,7 +36,7 @@ from fuselane.graph import facts
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import WHOLE, Access, Dst, Fused, Op, QuantFormat, QuantizedActs, Rows, TensorGraph
 from fuselane.graph.ops import Quantize
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import gdn, kernels
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, CudaShim
 from fuselane.lanes.cuda.plan.knobs import RopeEpilogue
 
@@ -282,9 +282,12 @@ def quantize_apart(shim: CudaShim, r: Rewriter) -> None:
 
 
 def _writes_int8(r: Rewriter, at: int | None) -> bool:
-    """Whether the op at slot `at` writes its result's int8 form: a quantizing fold, or a `Quantize`."""
+    """Whether the op at slot `at` writes its result's int8 form: a quantizing fold (a step's norm among them),
+    or a `Quantize`."""
     op = r.s.slot(at) if at is not None else None
-    return op is not None and (class_of(op) in QUANTIZING or isinstance(op.sym, Quantize))
+    if op is None:
+        return False
+    return class_of(op) in QUANTIZING or isinstance(op.sym, Quantize) or gdn.step_writes_int8(op)
 
 
 def quantize(g: TensorGraph, x: str, fmt: QuantFormat) -> Op:

@@ -8,7 +8,8 @@ own (kept across steps, zeroed when a sequence starts, `lane.CudaLane`).
 - GdnGating: `gates.gates` (beta and the decay for every row and value head); GdnGateProjections:
   `gates.projected`, the `ssm_ba` product in the same launch (its matrix as f32 on the device, made once);
 - GdnStep, and the bare GatedDelta and DeltaState: `delta.delta` for a decode step's row (making its gates from
-  b and a where the plan put the gating in its launch, `gates_in_step`); a chunk's rows in
+  b and a where the plan put the gating in its launch, `gates_in_step`, and norming its output with the norm's
+  int8 form where it put the gated norm there, `norm_in_step`); a chunk's rows in
   the chunked form, a GdnStep's in its two launches (`chunked.prepare`, `chunked.recur`), a bare primitive's
   in one (`chunked.chunked`, the whole form);
 - GatedNorm: `norm.gated_norm`, which writes its int8 form in its store under GdnOutputQuant; a bare L2Norm:
@@ -127,9 +128,19 @@ def conv(op: Op, b) -> list:
 def _gating(op: Op) -> tuple[Op, Op, Op]:
     """A gating's beta = sigmoid(b), its a + dt and its product by A, wherever it sits (GdnGating, with its
     projection, inside a GdnStep)."""
-    sig = next(u for u in _all(op, Unary) if u.sym.op is UnaryOp.SIGMOID)  # type: ignore[union-attr]
-    add, mul = _all(op, Elementwise)
+    sig, soft = (_unary(op, kind) for kind in (UnaryOp.SIGMOID, UnaryOp.SOFTPLUS))
+    add = _reading(op, lambda e: e.out == soft.ins[0])
+    mul = _reading(op, lambda e: e.ins[0] == soft.out)
     return sig, add, mul
+
+
+def _unary(op: Op, kind: UnaryOp) -> Op:
+    return next(u for u in _all(op, Unary) if u.sym.op is kind)  # type: ignore[union-attr]
+
+
+def _reading(op: Op, which) -> Op:
+    """The elementwise op inside `op` that `which` picks (a step holds its gating's and its norm's)."""
+    return next(e for e in _all(op, Elementwise) if which(e))
 
 
 def gating(op: Op, b) -> list:
@@ -212,9 +223,11 @@ def step(op: Op, b) -> list:
     rule, after = _one(op, GatedDelta), _one(op, DeltaState)
     spec: GatedDelta = rule.sym if rule is not None else after.sym.rule  # type: ignore[union-attr,assignment]
     raw = _raw_gates(op, b)
+    normed, normed_out = _step_norm(op, b)
     if rule is not None:
         q, k, v = (b.bufs[n] for n in rule.ins[:3])
-        state, out = b.bufs[rule.ins[5]], b.bufs[rule.out]
+        # a normed step writes the norm's output; its own stays in registers
+        state, out = b.bufs[rule.ins[5]], normed_out if normed is not None else b.bufs[rule.out]
     else:
         assert after is not None
         (k, v), state, q, out = (b.bufs[n] for n in after.ins[:2]), b.bufs[after.ins[4]], None, None
@@ -223,9 +236,11 @@ def step(op: Op, b) -> list:
     shape = dict(rows=spec.rows, heads=spec.heads, key_heads=spec.k_heads or spec.heads, dk=spec.dk, dv=spec.dv)
     write = after is not None
     if not delta_chunked(spec.rows, spec.dk):
-        return [lambda: delta.delta(q, k, v, g, beta, state, out, scale=spec.scale, write_state=write, **shape)]
-    if raw is not None:
-        raise PlanMismatch(f"{op.out}: the chunked delta rule reads its gates made (`plan.gdn.gates_in_step`)")
+        return [lambda: delta.delta(q, k, v, g, beta, state, out, scale=spec.scale, write_state=write,
+                                    normed=normed, **shape)]  # fmt: skip
+    if raw is not None or normed is not None:
+        raise PlanMismatch(f"{op.out}: the chunked delta rule reads its gates made and writes its output as it is "
+                           "(`plan.gdn.gates_in_step`, `plan.gdn.norm_in_step`)")  # fmt: skip
     products = dict(scale=spec.scale, precision=b.delta_products, **shape)
     if launches_of(op) == DELTA_FORM_LAUNCHES[DELTA_SPLIT]:
         scratch = _chunked_scratch(b, spec, k.device)
@@ -236,19 +251,36 @@ def step(op: Op, b) -> list:
     return [lambda: chunked.chunked(q, k, v, g, beta, state, out, write_state=write, form=DELTA_WHOLE, **products)]
 
 
+def _gated(op: Op, b) -> tuple[RmsNorm, Any, Any, Any]:
+    """A gated norm's parts, wherever it sits (GatedNorm, GdnOutputQuant, inside a GdnStep): its norm, and
+    the weight w, the gate's z and the output's buffer."""
+    n_op, silu = _one(op, RmsNorm), _unary(op, UnaryOp.SILU)
+    assert n_op is not None
+    weight = _reading(op, lambda e: e.ins[0] == n_op.out)
+    gated = _reading(op, lambda e: silu.out in e.ins)
+    return n_op.sym, b.vec[weight.ins[1]], b.bufs[silu.ins[0]], b.bufs[gated.out]  # type: ignore[return-value]
+
+
 def gated_norm(op: Op, b, out_q8: Any = None) -> list:
     """GatedNorm: norm(o) * w * silu(z), one `gated_norm` launch; with `out_q8` (GdnOutputQuant) the launch
     writes the result's int8 form too."""
     from fuselane.lanes.cuda.triton.gdn import norm as kernel
 
-    n_op = _one(op, RmsNorm)
-    weight, gated = _all(op, Elementwise)
-    silu = _one(op, Unary)
-    assert n_op is not None and silu is not None
-    spec: RmsNorm = n_op.sym  # type: ignore[assignment]
-    x, w, z, out = b.bufs[n_op.ins[0]], b.vec[weight.ins[1]], b.bufs[silu.ins[0]], b.bufs[gated.out]
+    spec, w, z, out = _gated(op, b)
+    x = b.bufs[_one(op, RmsNorm).ins[0]]  # type: ignore[union-attr]
     shape = dict(units=spec.rows, d=spec.cols, eps=spec.eps)
     return [lambda: kernel.gated_norm(x, w, z, out, out_q8=out_q8, **shape)]
+
+
+def _step_norm(op: Op, b) -> tuple[Any, Any]:
+    """A GdnStep's gated norm of its output (`norm_in_step`) as the step's `Normed` and the normed output's
+    buffer, or (None, None) where the step writes its output as it is."""
+    from fuselane.lanes.cuda.triton.gdn.delta import Normed
+
+    if _one(op, RmsNorm) is None:
+        return None, None
+    spec, w, z, out = _gated(op, b)
+    return Normed(w, z, spec.eps, b.q8.get(op.out)), out
 
 
 def l2_norm(op: Op, b) -> list:

@@ -17,7 +17,7 @@ from fuselane.lanes.cuda.triton.quant import QB_C, Q8Acts, check_acts, quantize_
 
 
 @triton.jit
-def _store_head_q8(v, u, oq, od, os_, D: tl.constexpr):
+def store_head_q8(v, u, oq, od, os_, D: tl.constexpr):
     """Quantize head u's values v [D_P2] (its first D live, D whole 32-value blocks) into a Q8Acts' codes,
     scales and sums, the head's blocks at u * D / 32 of the flat rows; the blocks past D dropped."""
     B: tl.constexpr = v.shape[0] // QB_C
@@ -31,6 +31,16 @@ def _store_head_q8(v, u, oq, od, os_, D: tl.constexpr):
 
 
 @triton.jit
+def gate_normed(x, j, m, w_ptr, z_ptr, eps, D: tl.constexpr):
+    """A head's values x [D_P2] (those at `j` under `m` live, the rest zero) normed and gated: x / sqrt(mean(x^2)
+    + eps) * w * silu(z), z the head's gate values at z_ptr."""
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    z = tl.load(z_ptr + j, mask=m, other=0.0)
+    w = tl.load(w_ptr + j, mask=m, other=0.0)
+    return x * r * w * (z * tl.sigmoid(z))
+
+
+@triton.jit
 def _gated_norm_kernel(
     x_ptr, w_ptr, z_ptr, out_ptr, oq, od, os_, eps,
     D: tl.constexpr, D_P2: tl.constexpr, Q8OUT: tl.constexpr, PDL: tl.constexpr,
@@ -40,13 +50,10 @@ def _gated_norm_kernel(
     j = tl.arange(0, D_P2)
     m = j < D
     x = tl.load(x_ptr + u * D + j, mask=m, other=0.0)
-    r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    z = tl.load(z_ptr + u * D + j, mask=m, other=0.0)
-    w = tl.load(w_ptr + j, mask=m, other=0.0)
-    y = x * r * w * (z * tl.sigmoid(z))
+    y = gate_normed(x, j, m, w_ptr, z_ptr + u * D, eps, D)
     tl.store(out_ptr + u * D + j, y, mask=m)
     if Q8OUT:
-        _store_head_q8(y, u, oq, od, os_, D)
+        store_head_q8(y, u, oq, od, os_, D)
 
 
 def gated_norm(
