@@ -71,6 +71,14 @@ def graph(name: str, rows: int, *, float_ba: bool = False, **widths: int):
     return recognizer(cfg).recognize(cfg, tensors, form, rows=rows, ctx=4096)
 
 
+def probe(g, name: str) -> None:
+    """An op more at the graph's end that reads `name` in f32 (a reader outside any fusion)."""
+    rows, cols = g.tensors[name].shape
+    g.add(Tensor("probe", (rows, cols), Values("f32"), Role.ACTIVATION))
+    g.ops.append(Op(Elementwise(ElementwiseOp.ADD, rows, cols), (name, name), (WHOLE, WHOLE), "probe", Dst("probe"),
+                    (len(g.ops),)))  # fmt: skip
+
+
 def ours(events) -> Counter:
     return Counter(e.cls.value for e in events if e.rule in (*HYBRID_RULES, "attn_output_gate"))
 
@@ -154,10 +162,7 @@ def test_a_step_output_read_elsewhere_keeps_the_norm_apart():
     # the rule's output another op reads stays a tensor of its own: `norm_in_step` lets go of that layer's
     g = graph("qwen3-next-80b-a3b", 1)
     name = "l0.delta"
-    rows, cols = g.tensors[name].shape
-    g.add(Tensor("probe", (rows, cols), Values("f32"), Role.ACTIVATION))
-    g.ops.append(Op(Elementwise(ElementwiseOp.ADD, rows, cols), (name, name), (WHOLE, WHOLE), "probe", Dst("probe"),
-                    (len(g.ops),)))  # fmt: skip
+    probe(g, name)
     plan = optimize(g, CudaShim(), explain=True)
     assert sum(e.rule == "norm_in_step" for e in plan.fired) == LAYERS - 2
     assert any(u.rule == "norm_in_step" and f"{name} is also read by" in u.reason for u in plan.unmatched)
@@ -200,10 +205,7 @@ def test_a_gated_norm_read_elsewhere_in_f32_still_quantizes_in_its_launch():
     # a reader of the f32 result does not stop the int8 epilogue: the launch writes both forms, no Quantize
     g = graph("qwen3-next-80b-a3b", 1)
     name = "l0.o_gated"
-    rows, cols = g.tensors[name].shape
-    g.add(Tensor("probe", (rows, cols), Values("f32"), Role.ACTIVATION))
-    g.ops.append(Op(Elementwise(ElementwiseOp.ADD, rows, cols), (name, name), (WHOLE, WHOLE), "probe", Dst("probe"),
-                    (len(g.ops),)))  # fmt: skip
+    probe(g, name)
     plan = optimize(g, CudaShim())
     quantized = {op.out for op in plan.ops if step_writes_int8(op)}
     assert name in quantized and len(quantized) == LAYERS - 1
@@ -240,10 +242,7 @@ def test_a_chunks_gates_run_in_a_launch_of_their_own():
 def test_a_gate_read_elsewhere_keeps_the_gating_apart(name):
     # a gate another op reads stays a tensor of its own: `gates_in_step` lets go of that layer's, and says who
     g = graph("qwen3-next-80b-a3b", 1)
-    rows, cols = g.tensors[name].shape
-    g.add(Tensor("probe", (rows, cols), Values("f32"), Role.ACTIVATION))
-    g.ops.append(Op(Elementwise(ElementwiseOp.ADD, rows, cols), (name, name), (WHOLE, WHOLE), "probe", Dst("probe"),
-                    (len(g.ops),)))  # fmt: skip
+    probe(g, name)
     plan = optimize(g, CudaShim(), explain=True)
     (apart,) = [op for op in plan.ops if class_of(op) is C.GDN_GATING]
     assert name in facts.writes(apart)
