@@ -300,7 +300,8 @@ ATTN_GROUP_MIN_CHUNK = ATTN_GROUP_TILE_ROWS
 # Warps a packed block: four, or eight where its blocks leave SMs without a second block and its merge holds a
 # group's heads of GROUP_WIDE_MERGE values or more (at 4,096 rows the 7B's seven heads of 128 in 128 blocks:
 # 9.1 us against 9.6; Qwen3-Next's 2 x 8 of 256 in 64 blocks: 13.1 against 14.0). Eight ran slower for the
-# 0.5B's 7 x 64 (6.7 against 5.8), and for the 32B's 8 x 5 of 128 in 256 blocks (14.9 against 11.6).
+# 0.5B's 7 x 64 (6.7 against 5.8), and for the 32B's 8 x 5 of 128 in 256 blocks (14.9 against 11.6). In the
+# model too: the 7B's tg128 at depth 4,096 381.9 with eight, 377.1 with four (H100, RESULTS.md 2026-12-05, eighth).
 ATTN_GROUP_WARPS = 4
 ATTN_GROUP_WIDE_WARPS = 8
 GROUP_WIDE_MERGE = 1024
@@ -308,7 +309,9 @@ GROUP_WIDE_MERGE = 1024
 # the block's threads): where every split's partial fits, the merge loads them all at once. Measured slower
 # (H100, 4,096 rows, RESULTS.md 2026-12-05 (sixth)): the partials normalized and kept in f16 (half the merge's
 # bytes; 7B 9.7 -> 11.0 us a launch) and a split's later tiles asked of L2 before its wait (7B 9.8 -> 10.2, 8B
-# 11.3 -> 13.0).
+# 11.3 -> 13.0); a split's second tile read before the wait with its first (the launch alone 9.8 -> 9.6 us, but
+# the 7B's tg128 at depth 4,096 382 -> 368: a block holding both tiles before its wait takes the overlap with
+# the GEMV launched before it; RESULTS.md 2026-12-05, eighth).
 ATTN_GROUP_MERGE_HELD = 128
 
 # The delta rule's step with its output's gated norm (`norm_in_step`): a program holds a head's whole value
