@@ -251,14 +251,14 @@ def step(op: Op, b) -> list:
     return [lambda: chunked.chunked(q, k, v, g, beta, state, out, write_state=write, form=DELTA_WHOLE, **products)]
 
 
-def _gated(op: Op, b) -> tuple[RmsNorm, Any, Any, Any]:
-    """A gated norm's parts, wherever it sits (GatedNorm, GdnOutputQuant, inside a GdnStep): its norm, and
+def _gated(op: Op, b) -> tuple[Op, Any, Any, Any]:
+    """A gated norm's parts, wherever it sits (GatedNorm, GdnOutputQuant, inside a GdnStep): its RmsNorm op, and
     the weight w, the gate's z and the output's buffer."""
     n_op, silu = _one(op, RmsNorm), _unary(op, UnaryOp.SILU)
     assert n_op is not None
     weight = _reading(op, lambda e: e.ins[0] == n_op.out)
     gated = _reading(op, lambda e: silu.out in e.ins)
-    return n_op.sym, b.vec[weight.ins[1]], b.bufs[silu.ins[0]], b.bufs[gated.out]  # type: ignore[return-value]
+    return n_op, b.vec[weight.ins[1]], b.bufs[silu.ins[0]], b.bufs[gated.out]
 
 
 def gated_norm(op: Op, b, out_q8: Any = None) -> list:
@@ -266,8 +266,9 @@ def gated_norm(op: Op, b, out_q8: Any = None) -> list:
     writes the result's int8 form too."""
     from fuselane.lanes.cuda.triton.gdn import norm as kernel
 
-    spec, w, z, out = _gated(op, b)
-    x = b.bufs[_one(op, RmsNorm).ins[0]]  # type: ignore[union-attr]
+    n_op, w, z, out = _gated(op, b)
+    spec: RmsNorm = n_op.sym  # type: ignore[assignment]
+    x = b.bufs[n_op.ins[0]]
     shape = dict(units=spec.rows, d=spec.cols, eps=spec.eps)
     return [lambda: kernel.gated_norm(x, w, z, out, out_q8=out_q8, **shape)]
 
@@ -279,8 +280,8 @@ def _step_norm(op: Op, b) -> tuple[Any, Any]:
 
     if _one(op, RmsNorm) is None:
         return None, None
-    spec, w, z, out = _gated(op, b)
-    return Normed(w, z, spec.eps, b.q8.get(op.out)), out
+    n_op, w, z, out = _gated(op, b)
+    return Normed(w, z, n_op.sym.eps, b.q8.get(op.out)), out  # type: ignore[union-attr]
 
 
 def l2_norm(op: Op, b) -> list:

@@ -23,12 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import QK
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gdn.gates import softplus
-from fuselane.lanes.cuda.triton.gdn.norm import gate_normed, store_head_q8
-from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts
+from fuselane.lanes.cuda.triton.gdn.norm import check_head_q8, gate_normed, store_head_q8
+from fuselane.lanes.cuda.triton.quant import Q8Acts
 
 BV = 32  # value columns of a program: with dk = 128, a state block of 4096 f32 over four warps' registers
 
@@ -157,10 +156,5 @@ def _norm_args(normed: Normed | None, out: torch.Tensor | None, rows: int, heads
         raise ValueError(f"the step norms its output in heads of at most {kernels.GDN_NORM_MOST_DV} values")
     z = normed.z.view(rows, -1) if normed.z.is_contiguous() else normed.z
     q8 = normed.out_q8
-    if q8 is not None:
-        if dv % QK:
-            raise ValueError(f"the step quantizes its output in heads of whole {QK}-value blocks, not {dv}")
-        check_acts(q8, q8.q.shape[1], q8.q.shape[0])
-        if q8.q.numel() != rows * heads * dv:
-            raise ValueError("the step's int8 form holds its output's values")
+    check_head_q8(q8, rows * heads, dv)
     return (normed.w, z, z.stride(0), *(q8 if q8 is not None else (out, out, out)), float(normed.eps))

@@ -56,6 +56,18 @@ def _gated_norm_kernel(
         store_head_q8(y, u, oq, od, os_, D)
 
 
+def check_head_q8(out_q8: Q8Acts | None, units: int, d: int) -> None:
+    """Refuse an int8 form (where given) that `store_head_q8` cannot write for `units` heads of `d` values:
+    heads not whole 32-value blocks, or a form not of their values."""
+    if out_q8 is None:
+        return
+    if d % QK:
+        raise ValueError(f"the gated norm quantizes heads of whole {QK}-value blocks, not {d}")
+    check_acts(out_q8, out_q8.q.shape[1], out_q8.q.shape[0])
+    if out_q8.q.numel() != units * d:
+        raise ValueError("the gated norm's int8 form holds its output's values")
+
+
 def gated_norm(
     x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, out: torch.Tensor, *, units: int, d: int, eps: float,
     out_q8: Q8Acts | None = None,
@@ -63,12 +75,7 @@ def gated_norm(
     """out = x / sqrt(mean(x^2) + eps) * w * silu(z), each of `units` heads of `d` values (x, z, out contiguous,
     units x d; w: (d,)). With `out_q8` (GdnOutputQuant: heads of whole 32-value blocks, the Q8Acts of the
     output's rows) the launch writes the result's int8 form too."""
-    if out_q8 is not None:
-        if d % QK:
-            raise ValueError(f"the gated norm quantizes heads of whole {QK}-value blocks, not {d}")
-        check_acts(out_q8, out_q8.q.shape[1], out_q8.q.shape[0])
-        if out_q8.q.numel() != units * d:
-            raise ValueError("the gated norm's int8 form holds its output's values")
+    check_head_q8(out_q8, units, d)
     q = out_q8 if out_q8 is not None else (out, out, out)
     _gated_norm_kernel[(units,)](
         x, w, z, out, *q, float(eps),
