@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
 from fuselane.gguf.quantize import random_blocks  # noqa: E402
 from fuselane.lanes.cuda.plan import kernels  # noqa: E402
+from fuselane.lanes.cuda.run.stored import stored_bytes  # noqa: E402
 from fuselane.lanes.cuda.triton import pdl, quant  # noqa: E402
 from fuselane.lanes.cuda.triton.moe import down  # noqa: E402
 
@@ -31,7 +32,8 @@ def test_the_new_down_order_gives_the_old_bits(fmt, experts, top, dff):
     rng = np.random.default_rng(11)
     dev = torch.device("cuda")
     blocks = experts * D * dff // LAYOUTS[fmt].values
-    w = torch.from_numpy(random_blocks(fmt, blocks, rng).reshape(-1)).to(dev)
+    raw = random_blocks(fmt, blocks, rng).reshape(-1)
+    w = torch.from_numpy(stored_bytes(fmt, raw, dff // LAYOUTS[fmt].values * LAYOUTS[fmt].nbytes)).to(dev)
     ids = torch.from_numpy(rng.permutation(experts)[:top].astype(np.int32)).view(1, top).to(dev)
     rw = torch.rand(1, top, device=dev)
     h = quant.quantize(torch.randn(top, dff, device=dev), quant.empty_q8(top, dff, dev))

@@ -38,33 +38,38 @@ def norm_rel(n: int) -> float:
 
 
 class FileBlocks(np.ndarray):
-    """A matrix's bytes as the file has them, tagged with their format (kept by slices and reshapes): `dev` puts
-    them on the device as the lane keeps them (`run/stored.py`: Q3_K's blocks in 112 bytes), while a reference
-    reads them as they are."""
+    """A matrix's bytes as the file has them, tagged with their format and a row's bytes (kept by slices and
+    reshapes): `dev` puts them on the device as the lane keeps them (`run/stored.py`: Q3_K's blocks in 112
+    bytes, Q6_K's d's after a row's blocks), while a reference reads them as they are."""
 
     fmt: Format | None = None
+    row_bytes: int | None = None
 
     def __array_finalize__(self, obj) -> None:
         self.fmt = getattr(obj, "fmt", None)
+        self.row_bytes = getattr(obj, "row_bytes", None)
 
 
-def file_blocks(fmt: Format, data: np.ndarray) -> FileBlocks:
-    """`data`, a matrix's bytes in `fmt` as the file has them, tagged for `dev`."""
+def file_blocks(fmt: Format, data: np.ndarray, k: int | None = None) -> FileBlocks:
+    """`data`, a matrix's bytes in `fmt` as the file has them (rows of `k` values, else its last axis's bytes),
+    tagged for `dev`."""
     tagged = np.asarray(data).view(FileBlocks)
     tagged.fmt = Format(fmt)
+    if k is not None:
+        tagged.row_bytes = k // LAYOUTS[tagged.fmt].values * LAYOUTS[tagged.fmt].nbytes
     return tagged
 
 
 def raw_weights(fmt: Format, n: int, k: int, rng: np.random.Generator) -> FileBlocks:
     """n rows of k values of random blocks in `fmt`, as the 1-D bytes a GGUF tensor is."""
-    return file_blocks(fmt, random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng).reshape(-1))
+    return file_blocks(fmt, random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng).reshape(-1), k)
 
 
 def dev(a: np.ndarray) -> torch.Tensor:
     """`a` on the device; a matrix's file bytes (`FileBlocks`) as the lane stores them."""
     fmt = getattr(a, "fmt", None)
     if fmt is not None:
-        a = stored_bytes(fmt, np.asarray(a))
+        a = stored_bytes(fmt, np.asarray(a), a.row_bytes)
     return torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)
 
 

@@ -101,4 +101,5 @@ def test_the_caches_are_parts_of_one_buffer(checkpoints):
     base = caches[0].untyped_storage().data_ptr()  # the buffer's own start: a host one need not be aligned
     assert all((start - base) % kernels.PART_ALIGN_BYTES == 0 for start, _ in spans)
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
-    assert lane.model_bytes() == lane.weights_bytes + sum(c.numel() * c.element_size() for c in caches)
+    held = sum(c.numel() * c.element_size() for c in caches)
+    assert lane.model_bytes() == lane.weights_bytes - lane.stored_surplus + held  # the layout's bytes: the share's

@@ -37,6 +37,7 @@ from kernel_checks import (  # noqa: E402
     U16,
     CountLaunches,
     dev,
+    file_blocks,
     gamma,
     host,
     norm_rel,
@@ -62,7 +63,7 @@ class _Case:
     def __init__(self, fmt: Format, n: int, k: int, seed: int) -> None:
         rng = np.random.default_rng(seed)
         self.fmt, self.n, self.k = fmt, n, k
-        self.raw = random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng).reshape(-1)
+        self.raw = file_blocks(fmt, random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng).reshape(-1), k)
         self.x = rng.standard_normal((1, k)).astype(np.float32)
         self.res = rng.standard_normal(n).astype(np.float32)
         self.norm_w = rng.standard_normal(n).astype(np.float32)

@@ -175,7 +175,8 @@ def test_embed_norm_gathers_dequantized_rows(fmt):
     w = f32(rng, cols)
     rows_out = torch.empty(len(ids), cols, device=DEVICE)
     out = torch.empty(len(ids), cols, device=DEVICE)
-    table = torch.from_numpy(stored_bytes(fmt, raw)).to(DEVICE)  # as the lane keeps it (Q3_K's 112-byte blocks)
+    row_bytes = cols // LAYOUTS[fmt].values * LAYOUTS[fmt].nbytes
+    table = torch.from_numpy(stored_bytes(fmt, raw, row_bytes)).to(DEVICE)  # as the lane keeps it (`run/stored.py`)
     norm.embed_norm(table, fmt, dev(ids, torch.int32), dev(w), rows_out, out, EPS)
     gathered = dequantize_rows(raw, fmt, (vocab, cols), ids, dtype=np.float64)
     # the decode is exact: every scale-times-code product is exact in f32, and the one rounding (a K format's

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fuselane.fuse.optimizer import Plan, optimize
-from fuselane.gguf.formats import LAYOUTS, tensor_bytes
+from fuselane.gguf.formats import tensor_bytes
 from fuselane.graph.ir import Form
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.shim import CudaShim
@@ -64,7 +64,7 @@ def _uploaded(t: Any) -> tuple[int, int]:
     if len(t.shape) == 1:
         return F32_BYTES * math.prod(t.shape), 0
     nbytes = tensor_bytes(t.format, tuple(t.shape))
-    return nbytes, stored.surplus(t.format, nbytes)
+    return nbytes, stored.surplus(t.format, nbytes, stored.file_row_bytes(t.format, tuple(t.shape)))
 
 
 def render_workspace(w: dict[str, Any]) -> list[str]:
@@ -89,5 +89,5 @@ def _stored(surplus: int) -> list[str]:
     """The line on the weights' stored layout, where it adds to the file's bytes (`run/stored.py`)."""
     if not surplus:
         return []
-    blocks = ", ".join(f"{f.name}'s {LAYOUTS[f].nbytes} bytes in {b}" for f, b in kernels.STORED_BLOCK_BYTES.items())
-    return [f"  blocks stored 16-byte aligned ({blocks}): {surplus / MB:.1f} MB over the file, held in the share"]
+    over = f"{surplus / MB:.1f} MB over the file, held in the share"
+    return [f"  blocks stored 16-byte aligned ({stored.describe()}): {over}"]

@@ -39,22 +39,41 @@ QBLOCK = contract.QBLOCK
 # scales 12, d 2) takes 112: its int8 GEMV reads a group's scales and d, its qs run and its hmask run as three
 # 128-bit loads, where the file's layout (every other block 2 bytes past a word) took 17 loads of 1-4 bytes.
 # H200, the 7B's widths (benchmarks/RESULTS.md, 2026-12-05): the gate/up GLU 28.7 -> 20.2 us, the down product
-# 22.9 -> 16.3 us, for 1.8 % more bytes of Q3_K matrices. Q6_K (210 bytes) is left as the file has it: in 224
-# bytes its down product ran 16 % faster and its GLU level, but every Q6_K matrix would take 6.7 % more memory
-# (past the workspace's 5 % share on a Q6_K file); in 212 its down ran 10 % faster and its GLU 17 % slower.
-STORED_BLOCK_BYTES = {Format.Q3_K: 112}
+# 22.9 -> 16.3 us, for 1.8 % more bytes of Q3_K matrices.
+# A Q6_K block (210 bytes: ql 128, qh 64, scales 16, d 2) is split instead (`ROW_TAIL_D`): a row keeps its
+# blocks' first 208 bytes one after another, then its blocks' d's, 2 bytes each, then zeros to a 16-byte end, so
+# every run of ql and qh is 16-aligned at no cost but that padding (4-12 bytes a row at the Qwen widths). In whole
+# 224-byte blocks its down product ran 16 % faster (H200, 7B widths) but every Q6_K matrix took 6.7 % more memory,
+# past the workspace's 5 % share on a Q6_K file.
+STORED_BLOCK_BYTES = {Format.Q3_K: 112, Format.Q6_K: 208}
+# Formats whose blocks' f16 scale d is kept after a row's blocks (bytes a block), not in each block
+ROW_TAIL_D = {Format.Q6_K: 2}
+ROW_ALIGN_BYTES = 16  # a row of a ROW_TAIL_D format ends on this, so the next row's runs start aligned
 
 
 def stored_block_bytes(fmt: Format) -> int:
-    """Bytes a block of `fmt` takes on the device (`STORED_BLOCK_BYTES`, else the file's)."""
+    """Bytes from one block of `fmt` to the next on the device (`STORED_BLOCK_BYTES`, else the file's)."""
     return STORED_BLOCK_BYTES.get(Format(fmt), LAYOUTS[Format(fmt)].nbytes)
 
 
 def stored_row_bytes(fmt: Format, n_values: int) -> int:
-    """Bytes a row of `n_values` values in `fmt` takes on the device: whole blocks of `stored_block_bytes`."""
+    """Bytes a row of `n_values` values in `fmt` takes on the device: whole blocks of `stored_block_bytes`, and
+    for a `ROW_TAIL_D` format the row's d's after them and the row padded to `ROW_ALIGN_BYTES`."""
     values = LAYOUTS[Format(fmt)].values
     if n_values % values:
         raise ValueError(f"{Format(fmt).name} rows are whole blocks of {values} values, not {n_values}")
+    blocks = n_values // values
+    tail = ROW_TAIL_D.get(Format(fmt))
+    if tail is None:
+        return blocks * stored_block_bytes(fmt)
+    return -(-blocks * (stored_block_bytes(fmt) + tail) // ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
+
+
+def stored_span_bytes(fmt: Format, n_values: int) -> int:
+    """Bytes from a block of `fmt` to the one `n_values` values on in its row (a span of whole blocks)."""
+    values = LAYOUTS[Format(fmt)].values
+    if n_values % values:
+        raise ValueError(f"{Format(fmt).name} spans are whole blocks of {values} values, not {n_values}")
     return n_values // values * stored_block_bytes(fmt)
 
 

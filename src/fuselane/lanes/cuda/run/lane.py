@@ -164,7 +164,8 @@ class CudaLane:
         """Every tensor's bytes into one device buffer (`kernels.PART_ALIGN_BYTES` apart), each name a view of its part:
         the caching allocator rounds each block it hands out, so a block a tensor took ~120 MB more than the
         file on an 8B checkpoint (254 matrices), where one buffer takes the file's bytes. A matrix's blocks are
-        laid out as the kernels read them (`run/stored.py`: Q3_K's in 112 bytes), one matrix at a time."""
+        laid out as the kernels read them (`run/stored.py`: Q3_K's in 112 bytes, Q6_K's d's after a row's blocks),
+        one matrix at a time."""
         torch = self.torch
         host: dict[str, Any] = {}
         for name, t in self.tensors.items():
@@ -175,15 +176,19 @@ class CudaLane:
                     warnings.simplefilter("ignore", UserWarning)
                     host[name] = torch.from_numpy(np.asarray(t.data))
         sizes = {name: h.numel() * h.element_size() for name, h in host.items()}
-        surplus = {name: stored.surplus(t.format, sizes[name]) if len(t.shape) > 1 else 0
-                   for name, t in self.tensors.items()}  # fmt: skip
+        relaid = {name for name, t in self.tensors.items() if len(t.shape) > 1 and stored.relaid(t.format)}
+        rows = {name: stored.file_row_bytes(self.tensors[name].format, tuple(self.tensors[name].shape))
+                for name in relaid}  # fmt: skip
+        surplus = {name: stored.surplus(self.tensors[name].format, sizes[name], rows[name]) if name in relaid else 0
+                   for name in host}  # fmt: skip
         offsets, at = parts({name: n + surplus[name] for name, n in sizes.items()})
         arena = torch.empty(at, dtype=torch.uint8, device=self.device)
         self.weights_bytes, self.stored_surplus = at, sum(surplus.values())
         for name, h in host.items():
             part = arena[offsets[name] : offsets[name] + sizes[name] + surplus[name]]
-            if surplus[name]:  # rows of the stored blocks, as the file's rows were
-                part.copy_(torch.from_numpy(stored.stored_bytes(self.tensors[name].format, h.numpy())))
+            if name in relaid:  # rows of the stored blocks, as the file's rows were
+                fmt = self.tensors[name].format
+                part.copy_(torch.from_numpy(stored.stored_bytes(fmt, h.numpy(), rows[name])))
                 self.raw[name] = (part.view(*h.shape[:-1], -1), self.tensors[name].format)
                 continue
             part.copy_(h.contiguous().reshape(-1).view(torch.uint8))

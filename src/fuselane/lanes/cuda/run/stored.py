@@ -1,6 +1,11 @@
-"""A matrix's bytes as the cuda lane keeps them on the device: the file's blocks, each at the start of a block of
-`kernels.stored_block_bytes` (Q3_K's 110 bytes in 112, so every block starts on 16 bytes), the rest zero. The
-upload (`lane.CudaLane`) writes them so; tests hand the kernels the same."""
+"""A matrix's bytes as the cuda lane keeps them on the device (`kernels.STORED_BLOCK_BYTES`, `ROW_TAIL_D`):
+
+- Q3_K's 110-byte blocks each at the start of 112 bytes, the rest zero, so every block starts on 16 bytes;
+- Q6_K's rows split: each block's first 208 bytes (ql, qh, scales) one after another, then the row's blocks' f16
+  d's, then zeros to a 16-byte end, so every run of ql and qh starts on 16 bytes;
+- every other format as the file has it.
+
+The upload (`lane.CudaLane`) writes them so; tests hand the kernels the same."""
 
 from __future__ import annotations
 
@@ -10,27 +15,79 @@ from fuselane.gguf.formats import LAYOUTS, Format
 from fuselane.lanes.cuda.plan import kernels
 
 
-def padded(fmt: Format) -> bool:
-    """Whether the device's blocks of `fmt` are larger than the file's."""
-    return kernels.stored_block_bytes(fmt) != LAYOUTS[Format(fmt)].nbytes
+def relaid(fmt: Format) -> bool:
+    """Whether the device keeps `fmt`'s bytes otherwise than the file."""
+    fmt = Format(fmt)
+    return kernels.stored_block_bytes(fmt) != LAYOUTS[fmt].nbytes or fmt in kernels.ROW_TAIL_D
 
 
-def stored_bytes(fmt: Format, data: np.ndarray) -> np.ndarray:
-    """`data` (a tensor's bytes as the file has them, any shape of whole blocks) as the device keeps them: flat
-    uint8, each block at the start of its stored block. The file's bytes themselves where the layouts agree."""
-    raw = np.asarray(data).reshape(-1).view(np.uint8)
-    if not padded(fmt):
-        return raw
-    file_block, block = LAYOUTS[Format(fmt)].nbytes, kernels.stored_block_bytes(fmt)
+def file_row_bytes(fmt: Format, shape: tuple[int, ...]) -> int:
+    """Bytes of a row of a matrix of numpy-order `shape` (its last axis a row's values) as the file has them."""
+    lay = LAYOUTS[Format(fmt)]
+    return shape[-1] // lay.values * lay.nbytes
+
+
+def _rows(fmt: Format, raw: np.ndarray, row_bytes: int | None) -> np.ndarray:
+    """`raw` (flat file bytes) as rows of `row_bytes` (whole blocks); a format whose blocks move apart within a
+    row cannot be laid out without knowing its rows."""
+    file_block = LAYOUTS[fmt].nbytes
     if raw.size % file_block:
-        raise ValueError(f"{Format(fmt).name} bytes are whole blocks of {file_block}, not {raw.size}")
-    out = np.zeros((raw.size // file_block, block), dtype=np.uint8)
-    out[:, :file_block] = raw.reshape(-1, file_block)
+        raise ValueError(f"{fmt.name} bytes are whole blocks of {file_block}, not {raw.size}")
+    if row_bytes is None:
+        if fmt in kernels.ROW_TAIL_D:
+            raise ValueError(f"{fmt.name} bytes are laid out by rows: give a row's length")
+        row_bytes = file_block
+    if row_bytes % file_block or raw.size % row_bytes:
+        raise ValueError(f"{fmt.name} rows of {row_bytes} bytes do not divide {raw.size} bytes of whole blocks")
+    return raw.reshape(-1, row_bytes // file_block, file_block)
+
+
+def stored_bytes(fmt: Format, data: np.ndarray, row_bytes: int | None = None) -> np.ndarray:
+    """`data` (a tensor's bytes as the file has them, any shape of whole blocks; its rows `row_bytes` long, else
+    its last axis's bytes where it has two or more) as the device keeps them: flat uint8. The file's bytes
+    themselves where the layouts agree."""
+    fmt = Format(fmt)
+    arr = np.asarray(data)
+    raw = arr.reshape(-1).view(np.uint8)
+    if not relaid(fmt):
+        return raw
+    if row_bytes is None and arr.ndim > 1:
+        row_bytes = arr.shape[-1] * arr.dtype.itemsize
+    blocks = _rows(fmt, raw, row_bytes)  # [rows, blocks a row, file block]
+    rows, per_row, file_block = blocks.shape
+    stride = kernels.stored_block_bytes(fmt)
+    out = np.zeros((rows, kernels.stored_row_bytes(fmt, per_row * LAYOUTS[fmt].values)), dtype=np.uint8)
+    tail = kernels.ROW_TAIL_D.get(fmt)
+    if tail is None:
+        out[:, : per_row * stride].reshape(rows, per_row, stride)[:, :, :file_block] = blocks
+        return out.reshape(-1)
+    d_at = LAYOUTS[fmt].field("d").offset
+    out[:, : per_row * stride] = blocks[:, :, :stride].reshape(rows, -1)
+    out[:, per_row * stride : per_row * (stride + tail)] = blocks[:, :, d_at : d_at + tail].reshape(rows, -1)
     return out.reshape(-1)
 
 
-def surplus(fmt: Format, nbytes: int) -> int:
-    """Bytes the device's layout adds to a tensor of `nbytes` bytes in `fmt` (as the file has them)."""
-    if not padded(fmt):
+def surplus(fmt: Format, nbytes: int, row_bytes: int | None = None) -> int:
+    """Bytes the device's layout adds to a tensor of `nbytes` bytes in `fmt` (as the file has them) whose rows are
+    `row_bytes` long (a block where not given: the formats laid out by rows need it)."""
+    fmt = Format(fmt)
+    if not relaid(fmt):
         return 0
-    return nbytes // LAYOUTS[Format(fmt)].nbytes * kernels.stored_block_bytes(fmt) - nbytes
+    file_block = LAYOUTS[fmt].nbytes
+    if row_bytes is None:
+        if fmt in kernels.ROW_TAIL_D:
+            raise ValueError(f"{fmt.name} bytes are laid out by rows: give a row's length")
+        row_bytes = file_block
+    per_row = row_bytes // file_block
+    return nbytes // row_bytes * kernels.stored_row_bytes(fmt, per_row * LAYOUTS[fmt].values) - nbytes
+
+
+def describe() -> str:
+    """The stored layouts in a few words, for `explain`."""
+    parts = []
+    for fmt, block in kernels.STORED_BLOCK_BYTES.items():
+        if fmt in kernels.ROW_TAIL_D:
+            parts.append(f"{fmt.name}'s d's after a row's {block}-byte blocks, rows to {kernels.ROW_ALIGN_BYTES} bytes")
+        else:
+            parts.append(f"{fmt.name}'s {LAYOUTS[fmt].nbytes} bytes in {block}")
+    return ", ".join(parts)

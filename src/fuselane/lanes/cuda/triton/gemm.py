@@ -23,9 +23,10 @@ import triton.language as tl
 
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes, stored_span_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.epilogue import DEQUANT_OUT, decode_unit, unit_values
+from fuselane.lanes.cuda.triton.gemv.layout import block_d
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 
 # The tile, as compiled for sm_90 (ptxas -v): 64 activation rows by 32 weight rows, eight warps, the loads of
@@ -81,7 +82,8 @@ def _gemm_kernel(
         a = tl.load(x_rows[:, None] + u0 * VALUES + cols[None, :]).to(tl.float32)
         # [BLOCK_N * STEP_UNITS, 1] unit pointers, row-major, so the decoded [.., VALUES] reshapes to the rows'
         blk = tl.reshape(w_rows[:, None] + (u0 + units)[None, :] * NBYTES, [BLOCK_N * STEP_UNITS, 1])
-        b = tl.reshape(unit_values(blk, FMT, VALUES), [BLOCK_N, STEP_UNITS * VALUES]).to(tl.float16)
+        qd = tl.reshape(block_d(w_rows[:, None], (u0 + units)[None, :], FMT, ROW_BYTES), [BLOCK_N * STEP_UNITS, 1])
+        b = tl.reshape(unit_values(blk, qd, FMT, VALUES), [BLOCK_N, STEP_UNITS * VALUES]).to(tl.float16)
         amax = tl.max(tl.abs(a), 1)
         if tl.max(amax) > F16_SAFE:  # a row past f16's range: scaled down by a power of two, exactly
             scale = tl.where(amax > F16_SAFE, tl.exp2(tl.ceil(tl.log2(amax / F16_SAFE))), 1.0)
@@ -158,7 +160,7 @@ def gemm(
         out.stride(0) if residual is None else residual.stride(0),
         FMT=int(fmt),
         VALUES=values,
-        NBYTES=stored_row_bytes(fmt, values),
+        NBYTES=stored_span_bytes(fmt, values),
         ROW_BYTES=stored_row_bytes(fmt, k),
         STEPS=k // (values * units),
         STEP_UNITS=units,

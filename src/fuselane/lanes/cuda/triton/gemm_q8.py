@@ -21,7 +21,7 @@ loop, so the body is one run's work whatever the format, and only one run's code
 The loop is a `tl.range` with `num_stages`: Triton's pipeliner issues the next stages' loads as asynchronous
 copies into shared memory while the current run multiplies. A load is staged only if a thread's part of it is
 4 bytes or more, so every weight byte is read in 32-bit words (`gemm_q8_runs`): the blocks that are whole
-words directly, the 2-aligned ones (Q8_0, Q4_0, Q5_0, IQ4_NL, Q3_K, Q6_K) from the word boundary at or below
+words directly, the 2-aligned ones (Q8_0, Q4_0, Q5_0, IQ4_NL, Q3_K, and Q6_K's d) from the word boundary at or below
 (a run's bytes rebuilt from two words where it starts mid-word). What stays in the trip is the IQ4 formats'
 16-value table lookup (32 byte loads a thread a run, L1-resident). Weight rows are the MMA's rows because a
 run's per-row scales are then a few values a thread (four at 128 rows and 4 warps); as its columns each
@@ -47,10 +47,11 @@ import triton.language as tl
 from fuselane.gguf.formats import IQ4_NL_VALUES, QK, Format
 from fuselane.lanes.cuda.plan import gemm_tiles
 from fuselane.lanes.cuda.plan.gemm_tiles import GemmTile
-from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes, stored_span_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemm import check_out, store_tile
 from fuselane.lanes.cuda.triton.gemm_q8_runs import run
+from fuselane.lanes.cuda.triton.gemv.layout import block_d
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 from fuselane.lanes.cuda.triton.quant import HALF, Q8Acts, check_acts
 
@@ -112,7 +113,8 @@ def _gemm_q8_kernel(
         # the run in its block as an int32 scalar in the interpreter too (where r is a Python int, which the
         # formats' constexpr operands do not all take on the right of an operator)
         j = tl.zeros([], tl.int32) + r % RUNS
-        codes, s0, s1, m0, m1 = run(w, w_rows + (r // RUNS) * BLOCK_BYTES, j, FMT, lut)
+        unit = r // RUNS
+        codes, s0, s1, m0, m1 = run(w, w_rows + unit * BLOCK_BYTES, block_d(w_rows, unit, FMT, ROW_BYTES), j, FMT, lut)
         acc = _run_product(acc, codes, xt, ad, s0, s1, SPLIT)
         if HAS_MIN:
             # a format's minimum: the run's scaled code sums (one a 16 values) times the offset
@@ -177,7 +179,7 @@ def gemm_q8(
         x.d if residual is None else residual,
         pos, m, n, pitch,
         out.stride(0) if residual is None else residual.stride(0),
-        FMT=int(fmt), K=k, ROW_BYTES=stored_row_bytes(fmt, k), BLOCK_BYTES=stored_row_bytes(fmt, values),
+        FMT=int(fmt), K=k, ROW_BYTES=stored_row_bytes(fmt, k), BLOCK_BYTES=stored_span_bytes(fmt, values),
         RUNS=values // QK, SPLIT=fmt in gemm_tiles.SPLIT_FORMATS, HAS_MIN=fmt in gemm_tiles.MIN_FORMATS,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.stages,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, AT_ROW=out_row is not None,

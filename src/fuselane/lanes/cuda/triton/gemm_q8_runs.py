@@ -20,11 +20,12 @@ load is BLOCK_N rows of 16-32 contiguous bytes. Every byte is read as part of a 
 with shifts: a load of 4 bytes or more a thread is one the software pipeliner can issue ahead as an
 asynchronous copy, a 1- or 2-byte load is not (it would wait in every run). Where a format's block is a whole
 number of words (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K, IQ4_XS) its fields are read at their own word offsets (`blk`
-pointers). The other blocks (Q4_0 and IQ4_NL 18 bytes, Q5_0 22, Q8_0 34, Q3_K 110, Q6_K 210) are only
-2-aligned, so those bodies take the blocks' byte offsets (`at`) and read the word at or below each field
-(`_word_below`); a run of 16 or 32 bytes that starts 2 past a word boundary is rebuilt from the words there
-and the words one on (`_run_bytes`). Every offset into a block is even, so a field never straddles more than
-two words, and every word read holds a byte of the matrix (no read past its end).
+pointers). The other blocks (Q4_0 and IQ4_NL 18 bytes, Q5_0 22, Q8_0 34, Q3_K 110; Q6_K's 208 as the lane
+keeps them, whose d lies after the row's blocks) are read as only 2-aligned, so those bodies take the blocks'
+byte offsets (`at`) and read the word at or below each field (`_word_below`); a run of 16 or 32 bytes that
+starts 2 past a word boundary is rebuilt from the words there and the words one on (`_run_bytes`). Every
+offset into a block is even, so a field never straddles more than two words, and every word read holds a byte
+of the matrix (no read past its end).
 """
 
 from __future__ import annotations
@@ -70,7 +71,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q5_K_SCALES,
     Q6_BIAS,
     Q6_HALF_SLOTS,
-    Q6_K_D,
     Q6_K_QH,
     Q6_K_QL,
     Q6_K_SCALES,
@@ -264,13 +264,14 @@ def _k_run(blk, j, D: tl.constexpr, SCALES: tl.constexpr, QS: tl.constexpr):
 
 
 @triton.jit
-def run(w, at, j, FMT: tl.constexpr, lut):
+def run(w, at, dat, j, FMT: tl.constexpr, lut):
     """(codes int8 [BLOCK_N, 32], s0, s1, m0, m1 [BLOCK_N] f32) of run j of each row's block (see the module),
-    the blocks at byte offsets `at` ([BLOCK_N] int64) of the matrix `w`. `lut` points at the 16 int8 values of
+    the blocks at byte offsets `at` ([BLOCK_N] int64) of the matrix `w`, their d's at `dat` where the format keeps
+    them after a row's blocks (Q6_K: `layout.block_d`). `lut` points at the 16 int8 values of
     `IQ4_NL_VALUES` (read by the IQ4 formats only)."""
     blk = w + at
     if FMT == FMT_Q6_K:
-        codes, s0, s1, m0, m1 = _q6_k_run(w, at, j)
+        codes, s0, s1, m0, m1 = _q6_k_run(w, at, dat, j)
     elif FMT == FMT_Q2_K:
         codes, s0, s1, m0, m1 = _q2_k_run(blk, j)
     elif FMT == FMT_Q3_K:
@@ -329,16 +330,16 @@ def _one_scale_run(w, at, j, FMT: tl.constexpr):
 
 
 @triton.jit
-def _q6_k_run(w, at, j):
+def _q6_k_run(w, at, dat, j):
     """Q6_K run j: half j // 4, quarter q = j % 4 of it. Its low nibbles are ql bytes (q % 2) * 32 + i of the
     half (low nibbles for q < 2, high after), its top 2 bits crumb q of qh byte i of the half; two int8
-    sub-block scales (bytes 2j, 2j + 1) times d. The 210-byte blocks are 2-aligned: read as words."""
+    sub-block scales (bytes 2j, 2j + 1) times d (at `dat`, after the row's blocks)."""
     half = j // Q6_HALF_SLOTS
     q = j % Q6_HALF_SLOTS
     low = _run_bytes(w, at + Q6_K_QL + half * Q6_QL_HALF + (q % 2) * QK_C, QK_C) >> (NIBBLE_BITS * (q // 2))
     top = (_run_bytes(w, at + Q6_K_QH + half * Q6_QH_HALF, QK_C) >> (2 * q)) & CRUMB
     codes = ((low & NIBBLE) | (top << NIBBLE_BITS)) - Q6_BIAS
-    d = _f16_at(w, at + Q6_K_D)
+    d = _f16_at(w, dat)
     sc0, sc1 = _i8_pair_at(w, at + Q6_K_SCALES + SUBS_A_RUN * j)
     zero = tl.zeros(at.shape, tl.float32)
     return codes.to(tl.int8), d * sc0, d * sc1, zero, zero

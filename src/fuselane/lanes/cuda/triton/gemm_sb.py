@@ -43,11 +43,12 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import QK, Format
-from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes, stored_span_bytes
 from fuselane.lanes.cuda.plan.knobs import H200
 from fuselane.lanes.cuda.triton import f16_scale, pdl
 from fuselane.lanes.cuda.triton.f16_sums import HEAD_TAIL, f16_sums
 from fuselane.lanes.cuda.triton.gemm import check_out, store_tile
+from fuselane.lanes.cuda.triton.gemv.layout import q6_k_d
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 
 SUPER = 256  # values a super-block: a step's K
@@ -59,10 +60,10 @@ HALF_SB = tl.constexpr(SUPER // 2)
 Q4K_DMIN = tl.constexpr(2)
 Q4K_SCALES = tl.constexpr(4)
 Q4K_CODES = tl.constexpr(16)
-# Q6_K's (210 bytes): 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 sub-scales, d (f16).
+# Q6_K's (208 bytes as the device keeps it, `run/stored.py`): 128 bytes of low nibbles, 64 of high bit pairs, 16
+# int8 sub-scales; d (f16) after the row's blocks (`layout.q6_k_d`).
 Q6K_HIGH = tl.constexpr(128)
 Q6K_SCALES = tl.constexpr(192)
-Q6K_D = tl.constexpr(208)
 F16_ONE_K_BITS = tl.constexpr(0x6400)  # the f16 1024.0: a code < 1024 or'ed into its mantissa reads 1024 + q
 ONE_K = tl.constexpr(1024.0)
 Q6K_ZERO = tl.constexpr(1024.0 + 32.0)  # 1024 and Q6_K's code bias, taken off in one exact subtract
@@ -182,7 +183,7 @@ def _gemm_sb_kernel(
             xa = tl.load(sum_rows[:, None] + s * MIN_K + halves[None, :])  # [BLOCK_M, 16] f16
             acc += part * d[:, None] - tl.dot(mn, tl.trans(xa)) * (dmin * SUB_SHIFT)[:, None]
         else:
-            d = tl.load((blk + Q6K_D).to(tl.pointer_type(tl.float16))).to(tl.float32)
+            d = tl.load(q6_k_d(w_rows, s, STEPS).to(tl.pointer_type(tl.float16))).to(tl.float32)
             acc += part * d[:, None]
     acc = tl.trans(acc) * tl.load(scales + tl.minimum(xm, m - 1))[:, None]  # each row's power-of-two scale back
     store_tile(acc, xm, rows, m, n, bias, res, res_pitch, out, out_pitch, pos, HAS_BIAS, HAS_RES, AT_ROW)
@@ -237,7 +238,7 @@ def gemm_sb(
         scales if residual is None else residual,
         pos, m, n, x16.stride(0), 0 if sums is None else sums.stride(0), pitch,
         out.stride(0) if residual is None else residual.stride(0),
-        FMT=int(fmt), SB_BYTES=stored_row_bytes(fmt, SUPER), ROW_BYTES=stored_row_bytes(fmt, k), STEPS=k // SUPER,
+        FMT=int(fmt), SB_BYTES=stored_span_bytes(fmt, SUPER), ROW_BYTES=stored_row_bytes(fmt, k), STEPS=k // SUPER,
         BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, AT_ROW=out_row is not None,
         num_warps=WARPS, num_stages=STAGES, **pdl.options(),

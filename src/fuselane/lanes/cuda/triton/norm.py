@@ -14,7 +14,8 @@ does, so the product that reads them needs no launch of its own to quantize.
 The embedding gather dequantizes its rows in the kernel from the checkpoint's own blocks, reading each
 field at the byte offset `formats.LAYOUTS` gives: the table stays in its quantized form on the device, and
 a token's row costs a few hundred bytes instead of a dequantized copy of the table. Fields are read a byte at
-a time and assembled, so a block of any byte size (34 for Q8_0, 210 for Q6_K) needs no alignment; a step
+a time and assembled, so a block of any byte size (34 for Q8_0) needs no alignment (a Q6_K block's d sits
+after its row's blocks on the device: `layout.q6_k_d`); a step
 gathers one row, so the extra loads cost nothing that matters.
 """
 
@@ -30,6 +31,7 @@ from fuselane.gguf.formats import LAYOUTS, QK, Format
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.kernels import stored_block_bytes, stored_row_bytes
 from fuselane.lanes.cuda.triton import gather_formats, pdl
+from fuselane.lanes.cuda.triton.gemv.layout import Q6_K_FILE_BYTES, q6_k_d
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts, store_quantized
 
 QB = tl.constexpr(QK)  # values an int8 block's scale covers
@@ -283,14 +285,16 @@ def _decode(
     FMT: tl.constexpr,
     VALUES: tl.constexpr,
     NBYTES: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
     OFF_D: tl.constexpr,
     OFF_DMIN: tl.constexpr,
     OFF_SCALES: tl.constexpr,
     OFF_QS: tl.constexpr,
     OFF_QH: tl.constexpr,
 ):
-    """Values j of a checkpoint row at byte address `row`, as f32, exactly as `dequant` decodes them (each
-    product of a scale and a code is exact in f32, so only a minimum's subtraction rounds, as it does there)."""
+    """Values j of a checkpoint row at byte address `row` (ROW_BYTES as the device keeps it), as f32, exactly
+    as `dequant` decodes them (each product of a scale and a code is exact in f32, so only a minimum's
+    subtraction rounds, as it does there)."""
     blk = row + (j // VALUES) * NBYTES
     t = j % VALUES
     if FMT == F32:
@@ -338,7 +342,8 @@ def _decode(
         nib = (_byte(blk + OFF_QS + h * 64 + r % 64, mask) >> ((r // 64) * 4)) & 0xF
         top = (_byte(blk + OFF_QH + h * 32 + r % 32, mask) >> ((r // 32) * 2)) & 0x3
         code = (nib | (top << 4)).to(tl.int32) - Q6_K_ZERO
-        d = _f16_at(blk + OFF_D, mask) * _i8_at(blk + OFF_SCALES + t // 16, mask)
+        d = _f16_at(q6_k_d(row, j // VALUES, ROW_BYTES // Q6_K_FILE_BYTES), mask)
+        d *= _i8_at(blk + OFF_SCALES + t // 16, mask)
         v = d * code.to(tl.float32)
     return v
 
@@ -376,7 +381,7 @@ def _embed_norm_kernel(
     offs = tl.arange(0, BLOCK)
     if CHUNKS == 1:  # the row fits the block's registers: decode it once
         mask = offs < cols
-        v = _decode(row, offs, mask, FMT, VALUES, NBYTES, OFF_D, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH)
+        v = _decode(row, offs, mask, FMT, VALUES, NBYTES, ROW_BYTES, OFF_D, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH)
         v = tl.where(mask, v, 0.0)
         tl.store(rows_row + offs, v.to(rows_ptr.dtype.element_ty), mask=mask)
         r = tl.rsqrt(tl.sum(v * v, axis=0) / cols + eps)
@@ -387,7 +392,7 @@ def _embed_norm_kernel(
         for c in tl.static_range(CHUNKS):
             j = c * BLOCK + offs
             mask = j < cols
-            v = _decode(row, j, mask, FMT, VALUES, NBYTES, OFF_D, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH)
+            v = _decode(row, j, mask, FMT, VALUES, NBYTES, ROW_BYTES, OFF_D, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH)
             v = tl.where(mask, v, 0.0)
             tl.store(rows_row + j, v.to(rows_ptr.dtype.element_ty), mask=mask)
             squares += v * v
@@ -397,7 +402,7 @@ def _embed_norm_kernel(
             # first pass, and no read of a value another thread of the block may not have stored yet
             j = c * BLOCK + offs
             mask = j < cols
-            v = _decode(row, j, mask, FMT, VALUES, NBYTES, OFF_D, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH)
+            v = _decode(row, j, mask, FMT, VALUES, NBYTES, ROW_BYTES, OFF_D, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH)
             w = tl.load(w_ptr + j, mask=mask, other=0.0).to(tl.float32)
             tl.store(out_row + j, (v * r * w).to(out_ptr.dtype.element_ty), mask=mask)
 

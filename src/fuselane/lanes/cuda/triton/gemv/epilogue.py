@@ -27,7 +27,7 @@ import triton.language as tl
 
 from fuselane.gguf.formats import LAYOUTS, QK, Format
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes, stored_span_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.formats import dot_rows
 from fuselane.lanes.cuda.triton.gemv.layout import (
@@ -81,7 +81,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q6_BIAS,
     Q6_HALF,
     Q6_HALF_RUNS,
-    Q6_K_D,
     Q6_K_QH,
     Q6_K_QL,
     Q6_K_SCALES,
@@ -96,6 +95,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     in_two_23,
     k_scale_min,
     load_f16,
+    q6_k_d,
 )
 from fuselane.lanes.cuda.triton.gemv.low_bits import iq4_nl_values, iq4_xs_values, q2_k_values, q3_k_values
 from fuselane.lanes.cuda.triton.gemv.rows import (
@@ -318,9 +318,10 @@ def _k_pair_values(blk, D: tl.constexpr, DMIN: tl.constexpr, SCALES: tl.constexp
 
 
 @triton.jit
-def _q6_k_values(blk, t):
+def _q6_k_values(blk, qd, t):
     """Q6_K: value r of half h (t = 128h + r) is nibble r // 64 of ql byte 64h + r % 64 under crumb r // 32 of
-    qh byte 32h + r % 32; a signed 8-bit scale a sub-block of 16. value = (d * scale) * (code - 32)."""
+    qh byte 32h + r % 32; a signed 8-bit scale a sub-block of 16. value = (d * scale) * (code - 32), d at `qd`
+    (after the row's blocks: `layout.block_d`)."""
     h, r = t // Q6_HALF, t % Q6_HALF
     ql = tl.load(blk + Q6_K_QL + (h * Q6_QL_HALF + r % Q6_QL_HALF)[None, :]).to(tl.int32)
     qh = tl.load(blk + Q6_K_QH + (h * Q6_QH_HALF + r % Q6_QH_HALF)[None, :]).to(tl.int32)
@@ -328,7 +329,7 @@ def _q6_k_values(blk, t):
         ((qh >> (2 * (r // Q6_QH_HALF))[None, :]) & CRUMB) << NIBBLE_BITS
     )
     sc = tl.load((blk + Q6_K_SCALES + (t // Q6_SUB)[None, :]).to(tl.pointer_type(tl.int8))).to(tl.float32)
-    return (load_f16(blk + Q6_K_D) * sc) * in_two_23(code | F32_TWO_23_BITS, Q6_BIAS)
+    return (load_f16(qd) * sc) * in_two_23(code | F32_TWO_23_BITS, Q6_BIAS)
 
 
 @triton.jit
@@ -339,7 +340,7 @@ def _q6_runs():
 
 
 @triton.jit
-def _q6_k_tile(blk):
+def _q6_k_tile(blk, qd):
     """Q6_K units as their [U, run of 32, half of it, value of that] tile: `_q6_k_values`' values, each run s
     (values 32s ..) under crumb s % 4 of qh and nibble (s % 4) // 2 of ql, each half a run under one scale, so a
     thread unpacks a scale once for its 16 values, not once a value."""
@@ -351,7 +352,7 @@ def _q6_k_tile(blk):
     code = ((ql >> ((q // 2) * NIBBLE_BITS)[None]) & NIBBLE) | (((qh >> (2 * q)[None]) & CRUMB) << NIBBLE_BITS)
     runs = (s * Q6_RUN_SCALES + tl.arange(0, Q6_RUN_SCALES)[None, :, None])[None]  # [1, 8, 2, 1]: a half-run's scale
     sc = tl.load((at + Q6_K_SCALES + runs).to(tl.pointer_type(tl.int8))).to(tl.float32)
-    return (load_f16(blk + Q6_K_D)[:, :, None, None] * sc) * in_two_23(code | F32_TWO_23_BITS, Q6_BIAS)
+    return (load_f16(qd)[:, :, None, None] * sc) * in_two_23(code | F32_TWO_23_BITS, Q6_BIAS)
 
 
 @triton.jit
@@ -365,10 +366,11 @@ def _k_pair_tile(blk, FMT: tl.constexpr):
 
 
 @triton.jit
-def _flat_values(blk, t, FMT: tl.constexpr):
-    """[U, len(t)] f32 values t of the units `blk` of any other format: bit for bit gguf's."""
+def _flat_values(blk, qd, t, FMT: tl.constexpr):
+    """[U, len(t)] f32 values t of the units `blk` of any other format (`qd`: Q6_K's d's, `layout.block_d`): bit for bit
+    gguf's."""
     if FMT == FMT_Q6_K:
-        v = _q6_k_values(blk, t)
+        v = _q6_k_values(blk, qd, t)
     elif FMT == FMT_Q8_0:
         q = tl.load((blk + Q8_0_QS + t[None, :]).to(tl.pointer_type(tl.int8))).to(tl.float32)
         v = load_f16(blk + Q8_0_D) * q
@@ -410,6 +412,7 @@ def _dequant_kernel(
     FMT: tl.constexpr,
     VALUES: tl.constexpr,
     NBYTES: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
     UNITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -418,7 +421,9 @@ def _dequant_kernel(
     u = tl.program_id(0).to(tl.int64) * UNITS + tl.arange(0, UNITS)
     keep = u < units
     # units past the end decode the last one (no masked loads); the store drops them
-    blk = (w + tl.minimum(u, units - 1) * NBYTES)[:, None]
+    last = tl.minimum(u, units - 1)
+    row, unit = (w + (last // units_a_row) * ROW_BYTES)[:, None], (last % units_a_row)[:, None]
+    blk = row + unit * NBYTES
     t = tl.arange(0, VALUES)
     first = out + (u // units_a_row) * pitch + (u % units_a_row) * VALUES  # [U]: each unit's first value
     if (FMT == FMT_Q4_K) | (FMT == FMT_Q5_K):
@@ -426,25 +431,26 @@ def _dequant_kernel(
         at = tl.arange(0, 2 * K_PAIRS)[None, :, None] * QK_C + tl.arange(0, QK_C)[None, None, :]
         tl.store(first[:, None, None] + at, v3.to(out.dtype.element_ty), mask=keep[:, None, None])
     elif FMT == FMT_Q6_K:
-        v4 = _q6_k_tile(blk)
+        v4 = _q6_k_tile(blk, q6_k_d(row, unit, units_a_row))
         s, i = _q6_runs()
         at = (s * QK_C + i)[None]
         tl.store(first[:, None, None, None] + at, v4.to(out.dtype.element_ty), mask=keep[:, None, None, None])
     else:
-        v = _flat_values(blk, t, FMT)
+        v = _flat_values(blk, blk, t, FMT)
         # an f16 result is the f32 value rounded once, to nearest even (as NumPy's astype rounds)
         tl.store(first[:, None] + t[None, :], v.to(out.dtype.element_ty), mask=keep[:, None])
 
 
 @triton.jit
-def unit_values(blk, FMT: tl.constexpr, VALUES: tl.constexpr):
-    """[U, VALUES] f32: the values of the U units `blk` ([U, 1] pointers to each unit's first byte) in `FMT`,
-    each the f32 `fuselane.gguf.dequant` gives, bit for bit (for the prefill GEMM's tiles; a K-quant's
-    [U, 8, 32] tile is reshaped here, where the GEMM stages it through shared memory anyway)."""
+def unit_values(blk, qd, FMT: tl.constexpr, VALUES: tl.constexpr):
+    """[U, VALUES] f32: the values of the U units `blk` ([U, 1] pointers to each unit's first byte; `qd` their
+    d's where the format keeps them apart, `layout.block_d`) in `FMT`, each the f32 `fuselane.gguf.dequant`
+    gives, bit for bit (for the prefill GEMM's tiles; a K-quant's [U, 8, 32] tile is reshaped here, where the
+    GEMM stages it through shared memory anyway)."""
     if (FMT == FMT_Q4_K) | (FMT == FMT_Q5_K):
         v = tl.reshape(_k_pair_tile(blk, FMT), [blk.shape[0], VALUES])
     else:
-        v = _flat_values(blk, tl.arange(0, VALUES), FMT)
+        v = _flat_values(blk, qd, tl.arange(0, VALUES), FMT)
     return v
 
 
@@ -488,7 +494,8 @@ def dequantize(
         out.stride(0),
         FMT=int(fmt),
         VALUES=values,
-        NBYTES=stored_row_bytes(fmt, values),
+        NBYTES=stored_span_bytes(fmt, values),
+        ROW_BYTES=stored_row_bytes(fmt, k),
         UNITS=per_program,
         num_warps=warps,
         **pdl.options(),

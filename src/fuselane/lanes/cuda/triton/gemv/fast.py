@@ -69,7 +69,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q6_HALF,
     Q6_HIGH_SUBS,
     Q6_K_BYTES,
-    Q6_K_D,
     Q6_K_QH,
     Q6_K_QL,
     Q6_K_SCALES,
@@ -83,6 +82,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     WORD,
     const,
     in_two_23,
+    q6_k_d,
 )
 from fuselane.lanes.cuda.triton.gemv.parts import Part, check_glu_out, check_rows, part_rows, parts_args, store_parts
 
@@ -355,7 +355,7 @@ def load_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.c
         ql = (blk + (half * Q6_QL_HALF + r * Q6_RUN + Q6_K_QL)[None, :])[:, :, None, None] + _quads_of(PAIR, PAIR)
         qh = (blk + (half * Q6_QH_HALF + (r % Q6_QH_RUNS) * Q6_RUN + Q6_K_QH)[None, :])[:, :, None, None]
         raw = (
-            ld16(blk + Q6_K_D, True),
+            ld16(q6_k_d(w_rows[:, None], unit[None, :], N_UNITS), True),
             ld_once(sc),
             ld_once(sc + Q6_HIGH_SUBS),
             ld16(ql),

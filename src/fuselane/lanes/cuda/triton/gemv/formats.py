@@ -110,7 +110,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q6_HIGH_CRUMBS,
     Q6_HIGH_SUBS,
     Q6_K_BYTES,
-    Q6_K_D,
     Q6_K_QH,
     Q6_K_QL,
     Q6_K_SCALES,
@@ -129,6 +128,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     in_two_23,
     k_scale_min,
     load_f16,
+    q6_k_d,
 )
 from fuselane.lanes.cuda.triton.gemv.low_bits import iq4_nl_values, iq4_xs_values, q2_k_values, q3_k_values
 
@@ -228,7 +228,7 @@ def _dot_q6_k(
     acc = tl.zeros([BLOCK_M, A, BLOCK_N, B], tl.float32)
     for step in tl.range(0, STEPS, num_stages=STAGES):
         blk = _units(w_rows, step, unit, UNITS, Q6_K_BYTES)
-        d = load_f16(blk + Q6_K_D)
+        d = load_f16(q6_k_d(w_rows[:, None], (unit + step * UNITS)[None, :], STEPS * UNITS))
         scales = (blk + Q6_K_SCALES + sub[None, :]).to(tl.pointer_type(tl.int8))
         sc_lo = tl.load(scales).to(tl.float32)
         sc_hi = tl.load(scales + Q6_HIGH_SUBS).to(tl.float32)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import IQ4_NL_VALUES, LAYOUTS, QK, QK_K, Format
-from fuselane.lanes.cuda.plan.kernels import stored_block_bytes
+from fuselane.lanes.cuda.plan.kernels import ROW_TAIL_D, stored_block_bytes
 
 # --- layout facts, as constexprs the kernels can read --------------------------------------------------------
 
@@ -56,7 +56,10 @@ Q4_K_BYTES, Q4_K_D, Q4_K_DMIN = nbytes(Format.Q4_K), offset(Format.Q4_K, "d"), o
 Q4_K_SCALES, Q4_K_QS = offset(Format.Q4_K, "scales"), offset(Format.Q4_K, "qs")
 Q5_K_BYTES, Q5_K_D, Q5_K_DMIN = nbytes(Format.Q5_K), offset(Format.Q5_K, "d"), offset(Format.Q5_K, "dmin")
 Q5_K_SCALES, Q5_K_QH, Q5_K_QS = offset(Format.Q5_K, "scales"), offset(Format.Q5_K, "qh"), offset(Format.Q5_K, "qs")
-Q6_K_BYTES, Q6_K_D, Q6_K_SCALES = nbytes(Format.Q6_K), offset(Format.Q6_K, "d"), offset(Format.Q6_K, "scales")
+# Q6_K on the device (`run/stored.py`): a block's ql, qh and scales Q6_K_BYTES (208) apart, its d after the row's
+# blocks (`q6_k_d`); Q6_K_FILE_BYTES is the file's block, by which a row's stored bytes give its blocks
+Q6_K_BYTES, Q6_K_SCALES = nbytes(Format.Q6_K), offset(Format.Q6_K, "scales")
+Q6_K_FILE_BYTES, Q6_K_D_BYTES = const(LAYOUTS[Format.Q6_K].nbytes), const(ROW_TAIL_D[Format.Q6_K])
 Q6_K_QL, Q6_K_QH = offset(Format.Q6_K, "ql"), offset(Format.Q6_K, "qh")
 Q2_K_BYTES, Q2_K_SCALES, Q2_K_QS = nbytes(Format.Q2_K), offset(Format.Q2_K, "scales"), offset(Format.Q2_K, "qs")
 Q2_K_D, Q2_K_DMIN = offset(Format.Q2_K, "d"), offset(Format.Q2_K, "dmin")
@@ -142,6 +145,10 @@ def check_layouts() -> None:
     stored_runs = (stored_block_bytes(Format.Q3_K), q3.field("qs").offset, q3.field("hmask").offset, scales.offset)
     if any(v % 16 for v in stored_runs) or d.offset != scales.offset + scales.count:
         raise RuntimeError("Q3_K: the int8 GEMV loads its scales and d, qs and hmask runs as 16-byte words; moved")
+    q6 = LAYOUTS[Format.Q6_K]
+    q6_runs = (stored_block_bytes(Format.Q6_K), q6.field("ql").offset, q6.field("qh").offset, q6.field("scales").offset)
+    if any(v % 16 for v in q6_runs) or q6.field("d").offset != stored_block_bytes(Format.Q6_K):
+        raise RuntimeError("Q6_K: the GEMVs load ql and qh runs as 16-byte words, d after the row; the layout moved")
     for fmt in (Format.Q5_0, Format.Q5_1):
         lay = LAYOUTS[fmt]
         if lay.nbytes % 2 or lay.field("qh").offset % 2:
@@ -165,6 +172,25 @@ def in_two_23(bits, bias):
 
 
 # --- reading a block's fields ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def q6_k_d(row, unit, N_UNITS):
+    """Pointers to the f16 d of block `unit` of the Q6_K rows at `row` (byte pointers to rows of N_UNITS blocks as
+    the device keeps them: the d's follow the row's blocks, `run/stored.py`). A row's stored bytes give N_UNITS as
+    ROW_BYTES // Q6_K_FILE_BYTES (its padding is under a block)."""
+    return row + N_UNITS * Q6_K_BYTES + unit * Q6_K_D_BYTES
+
+
+@triton.jit
+def block_d(row, unit, FMT: tl.constexpr, ROW_BYTES: tl.constexpr):
+    """Where the f16 d of block `unit` of the rows at `row` (byte pointers or offsets of rows of ROW_BYTES stored
+    bytes; broadcasting) lies, for a format that keeps a row's d's after its blocks (Q6_K: `q6_k_d`); for any other
+    format `row` itself (broadcast), which no decode reads."""
+    if FMT == FMT_Q6_K:
+        return q6_k_d(row, unit, ROW_BYTES // Q6_K_FILE_BYTES)
+    else:
+        return row + unit * 0
 
 
 @triton.jit

@@ -9,11 +9,10 @@ reads them (its `load_chunk`, tiles, chunks and register prefetch), but Q4_K's 1
 and the activation's 16 codes they meet, are each one 128-bit load whose four words stay in the thread
 (`int8_words.ld4`): loaded as [N, G, 4] tensors, Triton spread the words over four lanes and gathered them
 back through shared memory before every dp4a chain (sm_90 SASS of the 8B's down projection: 35 barriers -> 5, 72
-registers -> 32; H200 7B decode 382 -> 395 tok/s, 8B 347 -> 343). Q6_K's 210-byte blocks put every other
-block's runs 2 bytes past a word: each 16-byte run is five aligned 32-bit loads funnel-shifted into four
-words, and its activations are `ld4`'s, all in the thread (`ld_run`; 8B decode step 2.557 -> 2.477 ms,
-7B 2.252 -> 2.214 ms, where `load_chunk`'s eight 2-byte loads a run and [N, G, 4] activations went through shared
-memory). Q8_0 and Q5_0 keep `load_chunk`'s loads.
+registers -> 32; H200 7B decode 382 -> 395 tok/s, 8B 347 -> 343). Q6_K's runs are 16-aligned as the
+device keeps its blocks (`run/stored.py`: a row's 208-byte blocks, then their d's), so each 16-byte run of ql and
+qh is one 128-bit load too; in the file's 210-byte blocks every other block's runs sat 2 bytes past a word, five
+aligned 32-bit loads funnel-shifted into four words (`int8_words.ld_run`). Q8_0 and Q5_0 keep `load_chunk`'s loads.
 
 The activation (`Q8Acts`): `q` int8 (k,) codes, `d` f32 (k / 32,) scales (largest |x| of the block / 127, a
 code is round(x / d)), and `s` f32 (k / 16,) each 16 values' d * (sum of codes). A format with a minimum or a
@@ -66,13 +65,13 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q4_K_QS,
     Q6_HIGH_SUBS,
     Q6_K_BYTES,
-    Q6_K_D,
     Q6_K_QH,
     Q6_K_QL,
     Q6_K_SCALES,
     Q6_QH_HALF,
     Q6_QL_HALF,
     const,
+    q6_k_d,
 )
 from fuselane.lanes.cuda.triton.gemv.parts import Part, check_glu_out, check_rows, part_rows, parts_args, store_parts
 from fuselane.lanes.cuda.triton.gemv.q8_tiles import tile_of
@@ -108,7 +107,7 @@ NEW_BODIES_C = const({int(f): f in q8_bodies.FORMATS for f in Format})  # the fo
 PREFETCH_DEPTH = 2
 
 
-LOAD_BYTES = CODES_ALIGN  # `ld4`'s load: Q4_K rows and the activation codes must start at a multiple
+LOAD_BYTES = CODES_ALIGN  # `ld4`'s load: Q4_K and Q6_K rows and the activation codes must start at a multiple
 
 
 @triton.jit
@@ -129,15 +128,21 @@ def _raw_q4_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.
 @triton.jit
 def _raw_q6_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr, PINNED: tl.constexpr):
     """Q6_K's raw chunk: each group's (a ql run's) d, its two scales, and its 16 ql bytes and the 16 qh bytes
-    of their crumbs as four [N, G] words each, in one thread (`ld_run`)."""
+    of their crumbs as four [N, G] words each, in one thread: the device's blocks keep every run on 16 bytes
+    (`run/stored.py`), so each run is one 128-bit load (`ld4`)."""
     unit, half, r = q6_k_runs(u0, CHUNK)
     if CLAMP:
         unit = tl.minimum(unit, N_UNITS - 1)
     blk = w_rows[:, None] + (unit * Q6_K_BYTES)[None, :]
     sc = (blk + (half * Q6_SUBS_HALF + r + Q6_K_SCALES)[None, :]).to(tl.pointer_type(tl.int8))
-    ql = ld_run(blk + (half * Q6_QL_HALF + r * Q6_RUN + Q6_K_QL)[None, :], PINNED)
-    qh = ld_run(blk + (half * Q6_QH_HALF + (r % Q6_QH_RUNS) * Q6_RUN + Q6_K_QH)[None, :], PINNED)
-    return (ld16(blk + Q6_K_D, True), ld_once(sc), ld_once(sc + Q6_HIGH_SUBS)) + ql + qh
+    ql = blk + (half * Q6_QL_HALF + r * Q6_RUN + Q6_K_QL)[None, :]
+    qh = blk + (half * Q6_QH_HALF + (r % Q6_QH_RUNS) * Q6_RUN + Q6_K_QH)[None, :]
+    if PINNED:  # `weight_loads=ahead`: its word loads, which ptxas keeps ahead of the barrier (`ld_run`)
+        ql, qh = ld_run(ql, PINNED), ld_run(qh, PINNED)
+    else:
+        ql, qh = ld4(ql.to(tl.pointer_type(tl.int32)), True), ld4(qh.to(tl.pointer_type(tl.int32)), True)
+    d = ld16(q6_k_d(w_rows[:, None], unit[None, :], N_UNITS), True)
+    return (d, ld_once(sc), ld_once(sc + Q6_HIGH_SUBS)) + ql + qh
 
 
 @triton.jit
@@ -478,8 +483,9 @@ def supports(fmt: Format | int, m: int, k: int) -> bool:
     return m == 1 and fmt in FORMATS and k % UNIT_VALUES[Format(fmt)] == 0
 
 
-# the alignment each format's loads need of its rows' start (Q4_K's header, runs and activations: `ld4`)
-ALIGN = {Format.Q4_K: LOAD_BYTES} | q8_bodies.ALIGN
+# the alignment each format's loads need of its rows' start (Q4_K's header, runs and activations, Q6_K's runs as
+# the lane stores them: `ld4`)
+ALIGN = {Format.Q4_K: LOAD_BYTES, Format.Q6_K: LOAD_BYTES} | q8_bodies.ALIGN
 
 
 def check_aligned(weights: Sequence[Tensor], fmt: Format) -> None:

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes, stored_span_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.formats import SLOTS, dot_rows
 from fuselane.lanes.cuda.triton.gemv.parts import Part, PartArgs, check_bias, check_rows, pack_parts, part_out
@@ -57,15 +57,16 @@ ACC_VALUES = 64
 # step of a 16-row tile is 4.6 KB, and a 4096-row product has ~2 programs a SM.
 GEMV_STAGES = 3
 # cp.async moves 4, 8 or 16 bytes from an address so aligned: a format whose units are whole 16-byte lines
-# (Q4_K, Q5_K, the floats) pipelines; the others' 2-byte-aligned blocks (Q8_0's 34 bytes, Q6_K's 210, ...)
-# cannot, and run one step at a time, their latency covered by occupancy (sm_90 SASS of Q8_0 and Q6_K has ~5 %
-# fewer instructions a value unpipelined: the pipeliner's shared-memory staging buys them nothing).
+# (Q4_K, Q5_K, the floats; Q3_K and Q6_K as the lane stores them, `run/stored.py`) pipelines; the others'
+# 2-byte-aligned blocks (Q8_0's 34 bytes, ...) cannot, and run one step at a time, their latency covered by
+# occupancy (sm_90 SASS of Q8_0, and of Q6_K in the file's 210-byte blocks, had ~5 % fewer instructions a value
+# unpipelined: the pipeliner's shared-memory staging bought them nothing).
 ASYNC_ALIGN = 16
 
 
 def stages(fmt: Format) -> int:
     """Pipeline stages of a format's k loop: GEMV_STAGES where every unit starts 16-byte aligned, else 1."""
-    unit_bytes = stored_row_bytes(fmt, SLOTS[fmt].unit)
+    unit_bytes = stored_span_bytes(fmt, SLOTS[fmt].unit)
     return GEMV_STAGES if unit_bytes % ASYNC_ALIGN == 0 else 1
 
 

@@ -19,10 +19,11 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import Format
-from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes, stored_span_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.epilogue import decode_unit, unit_values
 from fuselane.lanes.cuda.triton.gemv.formats import SLOTS
+from fuselane.lanes.cuda.triton.gemv.layout import block_d
 from fuselane.lanes.cuda.triton.gemv.rows import largest_pow2_dividing
 
 # Cached rows a program expands: a warpgroup MMA's M.
@@ -65,8 +66,10 @@ def _half_kernel(
         if ROWS_OUT:  # a head's B rows of A values: the outputs' rows; a step is UNITS units of each
             w_rows = w + (h * B + tl.minimum(n, B - 1)).to(tl.int64) * ROW_BYTES
             for s in range(STEPS):
-                blk = tl.reshape(w_rows[:, None] + (s * UNITS + units)[None, :] * NBYTES, [BLOCK_N * UNITS, 1])
-                b = tl.reshape(unit_values(blk, FMT, VALUES), [BLOCK_N, UNITS * VALUES]).to(tl.float16)
+                at = (s * UNITS + units)[None, :]
+                blk = tl.reshape(w_rows[:, None] + at * NBYTES, [BLOCK_N * UNITS, 1])
+                qd = tl.reshape(block_d(w_rows[:, None], at, FMT, ROW_BYTES), [BLOCK_N * UNITS, 1])
+                b = tl.reshape(unit_values(blk, qd, FMT, VALUES), [BLOCK_N, UNITS * VALUES]).to(tl.float16)
                 a = _latents(x, x_pitch, m, end, s * UNITS * VALUES, UNITS * VALUES)
                 acc = tl.dot(a, tl.trans(b), acc)
         else:  # a head's A rows of B values: the inputs' rows; a step is BLOCK_K rows, UNITS units of each
@@ -76,7 +79,8 @@ def _half_kernel(
                 k = s * BLOCK_K + tl.arange(0, BLOCK_K)
                 w_rows = w + (h * A + k).to(tl.int64) * ROW_BYTES
                 blk = tl.reshape(w_rows[:, None] + u[None, :] * NBYTES, [BLOCK_K * UNITS, 1])
-                b = tl.reshape(unit_values(blk, FMT, VALUES), [BLOCK_K, BLOCK_N]).to(tl.float16)
+                qd = tl.reshape(block_d(w_rows[:, None], u[None, :], FMT, ROW_BYTES), [BLOCK_K * UNITS, 1])
+                b = tl.reshape(unit_values(blk, qd, FMT, VALUES), [BLOCK_K, BLOCK_N]).to(tl.float16)
                 acc = tl.dot(_latents(x, x_pitch, m, end, s * BLOCK_K, BLOCK_K), b, acc)
         keep = (m < end)[:, None] & (n < B)[None, :]
         dst = out + m.to(tl.int64)[:, None] * (HEADS * B) + h * B + n[None, :]
@@ -126,7 +130,7 @@ def expand(
     grid = (triton.cdiv(b, block_n), triton.cdiv(length, BLOCK_M), heads)
     _half_kernel[grid](
         x, x.stride(0), w, out, pos, rows,
-        FMT=int(fmt), VALUES=values, NBYTES=stored_row_bytes(fmt, values), ROW_BYTES=stored_row_bytes(fmt, row),
+        FMT=int(fmt), VALUES=values, NBYTES=stored_span_bytes(fmt, values), ROW_BYTES=stored_row_bytes(fmt, row),
         A=a, B=b,
         ROWS_OUT=rows_out, UNITS=units, STEPS=steps, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         HEADS=heads, num_warps=WARPS, **pdl.options(),

@@ -30,10 +30,11 @@ from torch import Tensor
 
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes, stored_span_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemm import F16_SAFE, step_units, supports
 from fuselane.lanes.cuda.triton.gemv.epilogue import decode_unit, unit_values
+from fuselane.lanes.cuda.triton.gemv.layout import block_d
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 from fuselane.lanes.cuda.triton.moe import words
 from fuselane.lanes.cuda.triton.moe.grouped_combine import Combine, combine_args, combine_rows, counters_for
@@ -81,24 +82,27 @@ def _mma(a16, scale, big, b, acc):
 
 
 @triton.jit
-def _weights(w_rows, u0, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
+def _weights(w_rows, u0, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
              STEP_UNITS: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """[BLOCK_N, STEP_UNITS * VALUES] f16: a step's units of the tile's weight rows, decoded."""
     units = tl.arange(0, STEP_UNITS)
     blk = tl.reshape(w_rows[:, None] + (u0 + units)[None, :] * NBYTES, [BLOCK_N * STEP_UNITS, 1])
-    return tl.reshape(unit_values(blk, FMT, VALUES), [BLOCK_N, STEP_UNITS * VALUES]).to(tl.float16)
+    qd = tl.reshape(block_d(w_rows[:, None], (u0 + units)[None, :], FMT, ROW_BYTES), [BLOCK_N * STEP_UNITS, 1])
+    return tl.reshape(unit_values(blk, qd, FMT, VALUES), [BLOCK_N, STEP_UNITS * VALUES]).to(tl.float16)
 
 
 @triton.jit
-def _tile(w, off, s, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr, STEP_UNITS: tl.constexpr,
-          STEP_VALUES: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
+def _tile(w, off, s, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
+          STEP_UNITS: tl.constexpr, STEP_VALUES: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
     """[BLOCK_N, STEP_VALUES] f16: step s's weights of the rows at byte offsets `off` of `w`, from words where
     the format has that decode (`words`: a super-block or its half a step), else unit by unit."""
     if WORDS:
         first = s * STEP_VALUES
-        b = word_tile(w, off + (first // VALUES) * NBYTES, first % VALUES // STEP_VALUES, FMT, BLOCK_N, STEP_VALUES)
+        unit = first // VALUES
+        b = word_tile(w, off + unit * NBYTES, block_d(off, unit, FMT, ROW_BYTES), first % VALUES // STEP_VALUES, FMT,
+                      BLOCK_N, STEP_VALUES)  # fmt: skip
     else:
-        b = _weights(w + off, s * STEP_UNITS, FMT, VALUES, NBYTES, STEP_UNITS, BLOCK_N)
+        b = _weights(w + off, s * STEP_UNITS, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, BLOCK_N)
     return b
 
 
@@ -133,18 +137,18 @@ def gate_up_kernel(
             x16_rows = x16 + (pair // SLOTS).to(tl.int64) * KD
             for s in range(0, STEPS):
                 a16 = tl.load(x16_rows[:, None] + s * STEP_VALUES + cols[None, :])
-                wg = _tile(w_gate, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                wg = _tile(w_gate, off, s, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
                 gate = tl.dot(a16, tl.trans(wg), gate)
-                wu = _tile(w_up, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                wu = _tile(w_up, off, s, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
                 up = tl.dot(a16, tl.trans(wu), up)
             gate *= row_scale[:, None]
             up *= row_scale[:, None]
         else:
             for s in range(0, STEPS):
                 a16, scale, big = _f16_rows(tl.load(x_rows[:, None] + s * STEP_VALUES + cols[None, :]))
-                wg = _tile(w_gate, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                wg = _tile(w_gate, off, s, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
                 gate = _mma(a16, scale, big, wg, gate)
-                wu = _tile(w_up, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                wu = _tile(w_up, off, s, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
                 up = _mma(a16, scale, big, wu, up)
         h = gate / (1.0 + tl.exp(-gate)) * up
         keep = live[:, None] & (rows < N)[None, :]
@@ -178,13 +182,13 @@ def down_kernel(
             inv = (1.0 / row_scale)[:, None]
             for s in range(0, STEPS):
                 a16 = (tl.load(h_rows[:, None] + s * STEP_VALUES + vals[None, :]) * inv).to(tl.float16)
-                wt = _tile(w, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                wt = _tile(w, off, s, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
                 acc = tl.dot(a16, tl.trans(wt), acc)
             acc *= row_scale[:, None]
         else:
             for s in range(0, STEPS):
                 a16, scale, big = _f16_rows(tl.load(h_rows[:, None] + s * STEP_VALUES + vals[None, :]))
-                wt = _tile(w, off, s, FMT, VALUES, NBYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                wt = _tile(w, off, s, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
                 acc = _mma(a16, scale, big, wt, acc)
         acc = acc * tl.load(weights + pair)[:, None]
         keep = live[:, None] & (cols_d < D)[None, :]
@@ -219,7 +223,7 @@ def format_consts(fmt: Format, n: int, k: int, w: Tensor | None = None, word_ste
     step = (word_step or kernels.moe_gemm_tile(fmt, launch).step) if word else values * units
     if k % step:  # a 32-value format's row of whole 128-value steps, not of 256 (DeepSeek-V2-Lite's 1,408)
         step = min(words.STEPS)
-    return dict(FMT=int(fmt), VALUES=values, NBYTES=stored_row_bytes(fmt, values), ROW_BYTES=stored_row_bytes(fmt, k),
+    return dict(FMT=int(fmt), VALUES=values, NBYTES=stored_span_bytes(fmt, values), ROW_BYTES=stored_row_bytes(fmt, k),
                 STEPS=k // step, STEP_UNITS=units, STEP_VALUES=step, WORDS=word,
                 EXPERT_BYTES=n * stored_row_bytes(fmt, k))  # fmt: skip
 

@@ -13,10 +13,10 @@ sub-block.
 - Q4_K (144-byte blocks, so every block is 4-aligned): qs chunk j (32 bytes) holds values 64j + l in its low
   nibbles and 64j + 32 + l in its high ones, so words [BLOCK_N, 4 (j), 1, 8 (i), 1] shifted by 4h + 8b give
   [BLOCK_N, 4, 2 (h), 8, 4 (b)]: value 64j + 32h + 4i + b, sub-block 2j + h.
-- Q6_K (210-byte blocks, 2-aligned): half H's ql byte 4a + c (a < 16) holds value 128H + 4a + c in its low
-  nibble and 64 more in its high one, qh byte 32H + 4(a % 8) + c their top bits (crumb a // 8, and 2 more),
-  so [BLOCK_N, 2 (H), 2 (nibble), 16 (a), 4 (c)] is value 128H + 64 * nibble + 4a + c, scale (128H + 64 *
-  nibble + 4a) // 16.
+- Q6_K (208-byte blocks as the lane keeps them, their d's after the row's: `run/stored.py`): half H's ql
+  byte 4a + c (a < 16) holds value 128H + 4a + c in its low nibble and 64 more in its high one, qh byte
+  32H + 4(a % 8) + c their top bits (crumb a // 8, and 2 more), so [BLOCK_N, 2 (H), 2 (nibble), 16 (a), 4 (c)]
+  is value 128H + 64 * nibble + 4a + c, scale (128H + 64 * nibble + 4a) // 16.
 - Q8_0 (34 bytes): [BLOCK_N, block, 8 (word), 4 (byte)], the signed byte through the 2^23 trick with its
   sign bit flipped; Q5_0 (22 bytes): [BLOCK_N, block, 2 (nibble), 4 (word of qs), 4 (byte)], value 16 *
   nibble + 4 * word + byte, its fifth bit that bit of qh.
@@ -33,7 +33,7 @@ import triton.language as tl
 
 from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes, stored_span_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.layout import (
     BIT,
@@ -59,7 +59,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q5_0_QS,
     Q5_BIAS,
     Q6_BIAS,
-    Q6_K_D,
     Q6_K_QH,
     Q6_K_QL,
     Q6_K_SCALES,
@@ -69,6 +68,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     SIGNED_BYTE_BIAS,
     SIX_BITS,
     WORD,
+    block_d,
     in_two_23,
 )
 
@@ -132,9 +132,9 @@ def _word_at(p, mis):
 
 
 @triton.jit
-def _q6_k_tile(w, off, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+def _q6_k_tile(w, off, doff, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
     """[BLOCK_N, KW] f32: values part * KW on of the Q6_K super-blocks at byte offsets `off` ([BLOCK_N] int64,
-    2-aligned) of `w`."""
+    2-aligned) of `w`, their d's at `doff` (after their rows' blocks, `block_d`)."""
     lead = off & BYTE_MISALIGN
     mis = (lead * BYTE_BITS).to(tl.uint32)[:, None, None, None, None]  # 0 or 16
     p = (w + off - lead).to(tl.pointer_type(tl.uint32))[:, None, None, None, None]  # [BLOCK_N, 1, 1, 1, 1]
@@ -149,8 +149,7 @@ def _q6_k_tile(w, off, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
     code = (low | (top << NIBBLE_BITS) | F32_TWO_23_BITS).to(tl.int32, bitcast=True)
     sw = _word_at(p + Q6_K_SCALES // WORD + 2 * hh + nib, mis).to(tl.int32, bitcast=True)  # [BLOCK_N, H, 2, 1, 1]
     sc = (sw << ((a // 4) * -BYTE_BITS + SIGN_SHIFT)) >> SIGN_SHIFT  # [BLOCK_N, H, 2, 16, 1]: signed
-    # d's two bytes lie in one aligned word either way (the block's last 4-aligned word, or its 2 bytes on)
-    d = _f16_half((tl.load(p + Q6_K_D // WORD) >> mis).to(tl.int32, bitcast=True), 0)
+    d = _f16_at(w, doff)[:, None, None, None, None]
     v = (d * sc.to(tl.float32)) * in_two_23(code, Q6_BIAS)
     return tl.reshape(v, [BLOCK_N, KW])
 
@@ -206,13 +205,13 @@ def _q5_0_tile(w, off, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
 
 
 @triton.jit
-def word_tile(w, off, part, FMT: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+def word_tile(w, off, doff, part, FMT: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr):
     """[BLOCK_N, KW] f16: values part * KW on (KW 128 or 256: `STEPS`) of the super-blocks at byte offsets `off`
-    ([BLOCK_N] int64) of `w` (uint8), decoded."""
+    ([BLOCK_N] int64) of `w` (uint8), decoded; `doff` their d's where the format keeps them apart (`block_d`)."""
     if FMT == FMT_Q4_K:
         v = _q4_k_tile(w, off, part, BLOCK_N, KW)
     elif FMT == FMT_Q6_K:
-        v = _q6_k_tile(w, off, part, BLOCK_N, KW)
+        v = _q6_k_tile(w, off, doff, part, BLOCK_N, KW)
     elif FMT == FMT_Q8_0:
         v = _q8_0_tile(w, off, part, BLOCK_N, KW)
     else:
@@ -228,7 +227,8 @@ def _decode_kernel(w, out, ROW_BYTES: tl.constexpr, K: tl.constexpr, FMT: tl.con
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     s = tl.program_id(1)
     unit, part = (s * KW) // 256, (s * KW) % 256 // KW
-    v = word_tile(w, rows.to(tl.int64) * ROW_BYTES + unit * NBYTES, part, FMT, BLOCK_N, KW)
+    row = rows.to(tl.int64) * ROW_BYTES
+    v = word_tile(w, row + unit * NBYTES, block_d(row, unit, FMT, ROW_BYTES), part, FMT, BLOCK_N, KW)
     cols = s * KW + tl.arange(0, KW)
     tl.store(out + rows[:, None] * K + cols[None, :], v)
 
@@ -239,6 +239,6 @@ def decode(w, fmt: Format, n: int, k: int, out, *, block_n: int = 4, step: int =
     `fuselane.gguf.dequant` on its own."""
     fmt = Format(fmt)
     _decode_kernel[(triton.cdiv(n, block_n), k // step)](
-        w, out, ROW_BYTES=stored_row_bytes(fmt, k), K=k, FMT=int(fmt), NBYTES=stored_row_bytes(fmt, 256),
+        w, out, ROW_BYTES=stored_row_bytes(fmt, k), K=k, FMT=int(fmt), NBYTES=stored_span_bytes(fmt, 256),
         BLOCK_N=block_n, KW=step, **pdl.options(),
     )  # fmt: skip
