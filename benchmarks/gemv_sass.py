@@ -23,8 +23,9 @@ import re
 import torch
 from triton.runtime.jit import JITFunction
 
-from fuselane.gguf.formats import Format, row_bytes
+from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.compile_check import Report, compiling, cuobjdump, resources
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.plan.knobs import WeightLoads
 
 ARCH = 90
@@ -59,7 +60,7 @@ def compiled(formats: list[Format], n: int, k: int) -> list[tuple[str, Format, b
         try:
             with pdl.dependent_launches(True), weight_loads(WeightLoads.AS_WRITTEN):
                 for fmt in formats:
-                    pair = torch.zeros(n * row_bytes(fmt, k), dtype=torch.uint8)
+                    pair = torch.zeros(n * stored_row_bytes(fmt, k), dtype=torch.uint8)  # as the lane stores it
                     q8_epilogue.gemv_q8_gate_up_glu_q8(
                         empty_q8(1, k, "cpu"),
                         pair,
@@ -71,7 +72,7 @@ def compiled(formats: list[Format], n: int, k: int) -> list[tuple[str, Format, b
                         empty_q8(1, n, "cpu"),
                         q8_epilogue.q8_counters(n, "cpu"),
                     )
-                    down = torch.zeros(k * row_bytes(fmt, n), dtype=torch.uint8)
+                    down = torch.zeros(k * stored_row_bytes(fmt, n), dtype=torch.uint8)
                     q8.gemv_q8(empty_q8(1, n, "cpu"), down, fmt, k, n, torch.zeros(1, k))
         finally:
             JITFunction.run = launch
