@@ -27,16 +27,22 @@ def file_row_bytes(fmt: Format, shape: tuple[int, ...]) -> int:
     return shape[-1] // lay.values * lay.nbytes
 
 
+def _row(fmt: Format, row_bytes: int | None) -> int:
+    """A row's file bytes: `row_bytes`, or a block where the layout does not go by rows (a format whose blocks
+    move apart within a row cannot be laid out without knowing its rows)."""
+    if row_bytes is not None:
+        return row_bytes
+    if fmt in kernels.ROW_TAIL_D:
+        raise ValueError(f"{fmt.name} bytes are laid out by rows: give a row's length")
+    return LAYOUTS[fmt].nbytes
+
+
 def _rows(fmt: Format, raw: np.ndarray, row_bytes: int | None) -> np.ndarray:
-    """`raw` (flat file bytes) as rows of `row_bytes` (whole blocks); a format whose blocks move apart within a
-    row cannot be laid out without knowing its rows."""
+    """`raw` (flat file bytes) as [rows, blocks a row, file block]."""
     file_block = LAYOUTS[fmt].nbytes
     if raw.size % file_block:
         raise ValueError(f"{fmt.name} bytes are whole blocks of {file_block}, not {raw.size}")
-    if row_bytes is None:
-        if fmt in kernels.ROW_TAIL_D:
-            raise ValueError(f"{fmt.name} bytes are laid out by rows: give a row's length")
-        row_bytes = file_block
+    row_bytes = _row(fmt, row_bytes)
     if row_bytes % file_block or raw.size % row_bytes:
         raise ValueError(f"{fmt.name} rows of {row_bytes} bytes do not divide {raw.size} bytes of whole blocks")
     return raw.reshape(-1, row_bytes // file_block, file_block)
@@ -73,12 +79,8 @@ def surplus(fmt: Format, nbytes: int, row_bytes: int | None = None) -> int:
     fmt = Format(fmt)
     if not relaid(fmt):
         return 0
-    file_block = LAYOUTS[fmt].nbytes
-    if row_bytes is None:
-        if fmt in kernels.ROW_TAIL_D:
-            raise ValueError(f"{fmt.name} bytes are laid out by rows: give a row's length")
-        row_bytes = file_block
-    per_row = row_bytes // file_block
+    row_bytes = _row(fmt, row_bytes)
+    per_row = row_bytes // LAYOUTS[fmt].nbytes
     return nbytes // row_bytes * kernels.stored_row_bytes(fmt, per_row * LAYOUTS[fmt].values) - nbytes
 
 
