@@ -4,8 +4,8 @@ loads that keep a run's 32-bit words in the thread that loaded them.
 Why in the thread: loaded as [N, G, 4] tensors, Triton spreads a run's four words over four lanes and
 gathers them back through shared memory before every dp4a chain (a barrier each). A 16-byte aligned run is
 one 128-bit load (`ld4`), an 8-byte aligned one two 64-bit loads (`ld2`), a 4-byte aligned one four 32-bit
-loads (`ld_words`); a 2-byte aligned one (Q6_K's 210-byte blocks put every other block's runs 2 bytes past a
-word) is five aligned 32-bit loads funnel-shifted into four words (`ld_run`).
+loads (`ld_words`); a 2-byte aligned one (Q4_0's and IQ4_NL's 18-byte blocks put every other block's runs 2
+bytes past a word) is five aligned 32-bit loads funnel-shifted into four words (`ld_run`).
 
 Under Triton's interpreter (`TRITON_INTERPRET=1`, CI without a GPU) there is no inline PTX: dp4a and the
 16-value dot are their byte products summed in NumPy (`triton/interpreted.py`), the loads are plain `tl.load`s
@@ -224,9 +224,9 @@ def _word_at(lo, hi, shift):
 @triton.jit
 def ld_run(ptr, PINNED: tl.constexpr = False):
     """The 16 bytes at each 2-byte aligned address of `ptr` ([N, G] byte pointers) as four int32 words in the
-    thread: five aligned words read (four where the run is on a word), then shifted into place (Q6_K's
-    210-byte blocks leave every other block's runs 2 bytes past a word). A run 2 bytes past a word reads
-    the 2 bytes after it too. PINNED: the coherent path (`ld4`)."""
+    thread: five aligned words read (four where the run is on a word), then shifted into place (Q4_0's and
+    IQ4_NL's 18-byte blocks leave every other block's runs 2 bytes past a word). A run 2 bytes past a word
+    reads the 2 bytes after it too. PINNED: the coherent path (`ld4`)."""
     at = ptr.to(tl.int64)
     shift = ((at & (WORD_BYTES - 1)) * BYTE_BITS).to(tl.int32)
     first = (at & WORD_START).to(tl.pointer_type(tl.int32))
