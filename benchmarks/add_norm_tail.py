@@ -20,7 +20,8 @@ import argparse
 import torch
 from replay import best_replay
 
-from fuselane.gguf.formats import Format, row_bytes
+from fuselane.gguf.formats import Format
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import norm, pdl, quant
 from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 from fuselane.lanes.cuda.triton.gemv import q8_epilogue as gemv_q8_epilogue
@@ -52,7 +53,7 @@ def main() -> None:
     ap.add_argument("--pdl", choices=("on", "off"), default="on")
     args = ap.parse_args()
     fmt, n, k, dev = Format[args.fmt], args.n, args.k, torch.device("cuda")
-    nbytes = row_bytes(fmt, k) * n
+    nbytes = stored_row_bytes(fmt, k) * n  # as the lane stores the rows
     weights = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev) for _ in range(args.launches)]
     x = quant.quantize(torch.randn(1, k, device=dev), quant.empty_q8(1, k, dev))
     res, sum_out, out = (torch.randn(1, n, device=dev) for _ in range(3))

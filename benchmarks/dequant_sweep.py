@@ -14,8 +14,9 @@ import argparse
 import torch
 from gemv_compare import timed_in_turn
 
-from fuselane.gguf.formats import Format, row_bytes
+from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize
 
 TILES = ((2048, 8), (4096, 4), (8192, 4), (8192, 8), (16384, 4), (16384, 8))
@@ -23,7 +24,7 @@ COPIES, REPS = 4, 40
 
 
 def sweep(fmt: Format, n: int, k: int) -> None:
-    size = n * row_bytes(fmt, k)
+    size = n * stored_row_bytes(fmt, k)  # as the lane stores the rows
     ws = [torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda") for _ in range(COPIES)]
     outs = [torch.empty((n, k), dtype=torch.float16, device="cuda") for _ in range(COPIES)]
     moved = size + 2 * n * k

@@ -15,6 +15,7 @@ import torch
 from benchmarks.gemv_compare import timed
 from fuselane.gguf.formats import LAYOUTS, Format
 from fuselane.gguf.quantize import random_blocks
+from fuselane.lanes.cuda.run.stored import stored_bytes
 from fuselane.lanes.cuda.triton import gemm as G
 from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize
 
@@ -33,7 +34,8 @@ TILES = [(64, 32), (32, 64), (64, 64), (128, 32), (32, 32)]
 def main() -> None:
     rng = np.random.default_rng(0)
     for name, fmt, n, k in SHAPES:
-        w = torch.from_numpy(random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng).reshape(-1)).cuda()
+        raw = random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng)
+        w = torch.from_numpy(stored_bytes(fmt, raw, k // LAYOUTS[fmt].values * LAYOUTS[fmt].nbytes)).cuda()
         x = torch.randn(ROWS, k, device="cuda")
         dense = dequantize(w, fmt, n, k, torch.empty((n, k), dtype=torch.float16, device="cuda"))
         want = (x.half() @ dense.T).float()

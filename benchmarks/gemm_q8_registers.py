@@ -19,10 +19,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from benchmarks.gemm_q8_sweep import _label, _tile
-from fuselane.gguf.formats import QK, Format, row_bytes
+from fuselane.gguf.formats import QK, Format
 from fuselane.lanes.cuda.compile_check import resources
 from fuselane.lanes.cuda.plan import gemm_tiles
 from fuselane.lanes.cuda.plan.gemm_tiles import GemmTile
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes, stored_span_bytes
 from fuselane.lanes.cuda.triton import gemm_q8 as G
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -36,7 +37,8 @@ ALIGNED = [["tt.divisibility", 16]]  # what the JIT's specialization says of an 
 def _consts(fmt: Format, k: int, t: GemmTile) -> dict:
     values = gemm_tiles.block_values(fmt)
     return dict(
-        FMT=int(fmt), K=k, ROW_BYTES=row_bytes(fmt, k), BLOCK_BYTES=row_bytes(fmt, values), RUNS=values // QK,
+        FMT=int(fmt), K=k, ROW_BYTES=stored_row_bytes(fmt, k), BLOCK_BYTES=stored_span_bytes(fmt, values),
+        RUNS=values // QK,
         SPLIT=fmt in gemm_tiles.SPLIT_FORMATS, HAS_MIN=fmt in gemm_tiles.MIN_FORMATS,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.stages,
         HAS_BIAS=False, HAS_RES=False, AT_ROW=False, PDL=True,

@@ -31,6 +31,8 @@ from fuselane.gguf.formats import LAYOUTS, Format, row_bytes
 from fuselane.gguf.quantize import random_blocks
 from fuselane.lanes.cuda.plan import gemm_tiles
 from fuselane.lanes.cuda.plan.gemm_tiles import GemmTile
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
+from fuselane.lanes.cuda.run.stored import stored_bytes
 from fuselane.lanes.cuda.triton import gemm_q8 as G
 from fuselane.lanes.cuda.triton import quant
 from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize
@@ -66,7 +68,7 @@ def _compile(job: tuple[Format, int, int, int, GemmTile]) -> str:
     """Launch one (shape, tile) once on zeros (in a worker process), so its kernel lands in Triton's cache."""
     fmt, m, n, k, t = job
     try:
-        w = torch.zeros(n * row_bytes(fmt, k), dtype=torch.uint8, device="cuda")
+        w = torch.zeros(n * stored_row_bytes(fmt, k), dtype=torch.uint8, device="cuda")
         acts = quant.quantize(torch.zeros(m, k, device="cuda"), quant.empty_q8(m, k, "cuda"))
         G.gemm_q8(acts, w, fmt, n, k, torch.empty((m, n), device="cuda"), tile=t)
         torch.cuda.synchronize()
@@ -84,7 +86,8 @@ def _precompile(jobs: list, workers: int) -> None:
 
 
 def _sweep(name: str, fmt: Format, m: int, n: int, k: int, tiles: list[GemmTile], rng) -> None:
-    w = torch.from_numpy(random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng).reshape(-1)).cuda()
+    raw = random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng)
+    w = torch.from_numpy(stored_bytes(fmt, raw, row_bytes(fmt, k))).cuda()  # as the lane stores the rows
     x = torch.randn(m, k, device="cuda")
     acts = quant.quantize(x, quant.empty_q8(m, k, "cuda"))
     dense = dequantize(w, fmt, n, k, torch.empty((n, k), dtype=torch.float16, device="cuda"))

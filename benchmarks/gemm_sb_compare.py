@@ -17,6 +17,7 @@ import torch
 from benchmarks.gemv_compare import timed
 from fuselane.gguf.formats import LAYOUTS, QK, Format
 from fuselane.gguf.quantize import random_blocks
+from fuselane.lanes.cuda.run.stored import stored_bytes
 from fuselane.lanes.cuda.triton import f16_scale, f16_sums
 from fuselane.lanes.cuda.triton import gemm as G
 from fuselane.lanes.cuda.triton import gemm_sb as SB
@@ -58,7 +59,8 @@ def main() -> None:
     rows = ap.parse_args().rows
     rng = np.random.default_rng(0)
     for name, fmt, n, k in SHAPES:
-        w = torch.from_numpy(random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng).reshape(-1)).cuda()
+        raw = random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng)
+        w = torch.from_numpy(stored_bytes(fmt, raw, k // LAYOUTS[fmt].values * LAYOUTS[fmt].nbytes)).cuda()
         x = torch.randn(rows, k, device="cuda")
         dense = dequantize(w, fmt, n, k, torch.empty((n, k), dtype=torch.float16, device="cuda"))
         out, want = torch.empty((rows, n), device="cuda"), torch.empty((rows, n), device="cuda")

@@ -11,8 +11,9 @@ import argparse
 
 from benchmarks.gemm_q8_registers import kernel_usage
 from benchmarks.gemm_q8_sweep import _label, _tile
-from fuselane.gguf.formats import Format, row_bytes
+from fuselane.gguf.formats import Format
 from fuselane.lanes.cuda.plan.gemm_tiles import GemmTile
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes, stored_span_bytes
 from fuselane.lanes.cuda.triton import gemm_sb as G
 
 ARGS = {  # the kernel's runtime arguments and their types (f32 output, no bias or residual)
@@ -25,7 +26,7 @@ DEFAULT = GemmTile(G.BLOCK_M, G.BLOCK_N, G.WARPS, G.STAGES)
 def usage(fmt: Format, k: int, t: GemmTile) -> tuple[int, int]:
     """(registers a thread, stack bytes a thread) of the kernel for `fmt`, rows of `k`, tile `t`, on sm_90a."""
     consts = dict(
-        FMT=int(fmt), SB_BYTES=row_bytes(fmt, G.SUPER), ROW_BYTES=row_bytes(fmt, k), STEPS=k // G.SUPER,
+        FMT=int(fmt), SB_BYTES=stored_span_bytes(fmt, G.SUPER), ROW_BYTES=stored_row_bytes(fmt, k), STEPS=k // G.SUPER,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.stages, HAS_BIAS=False, HAS_RES=False, AT_ROW=False, PDL=True,
     )  # fmt: skip
     return kernel_usage(G._gemm_sb_kernel, ARGS, consts, t, unaligned=("m",))

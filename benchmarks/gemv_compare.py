@@ -21,6 +21,8 @@ import torch
 
 from fuselane.gguf.formats import LAYOUTS, Format, row_bytes
 from fuselane.gguf.quantize import random_blocks
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
+from fuselane.lanes.cuda.run.stored import stored_bytes
 from fuselane.lanes.cuda.triton import quant
 from fuselane.lanes.cuda.triton.gemv import fast as F
 from fuselane.lanes.cuda.triton.gemv import q8 as Q
@@ -68,9 +70,10 @@ def cases():
     """Each shape of SHAPES with random weights in its format on the device, a random row and two outputs."""
     rng = np.random.default_rng(0)
     for name, fmt, n, k in SHAPES:
-        w = torch.from_numpy(random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng).reshape(-1)).cuda()
+        raw = random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng)
+        w = torch.from_numpy(stored_bytes(fmt, raw, row_bytes(fmt, k))).cuda()  # as the lane stores the rows
         outs = torch.empty(1, n, device="cuda"), torch.empty(1, n, device="cuda")
-        yield name, fmt, n, k, n * row_bytes(fmt, k), w, torch.randn(1, k, device="cuda"), outs
+        yield name, fmt, n, k, n * stored_row_bytes(fmt, k), w, torch.randn(1, k, device="cuda"), outs
 
 
 def main() -> None:

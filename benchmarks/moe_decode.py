@@ -46,6 +46,7 @@ from benchmarks.moe_prefill import MODELS, _median_us
 from fuselane.gguf.formats import Format, row_bytes
 from fuselane.gguf.synth import fit_format
 from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 
 EPS = 1e-6
 F32 = 4
@@ -79,7 +80,7 @@ class Bench:
 
     def weights(self, fmt: Format, n: int, kk: int, experts: int | None = None) -> torch.Tensor:
         count = self.experts if experts is None else experts
-        return torch.randint(0, 256, (count * n * row_bytes(fmt, kk),), dtype=torch.uint8, device=self.dev)
+        return torch.randint(0, 256, (count * n * stored_row_bytes(fmt, kk),), dtype=torch.uint8, device=self.dev)
 
     def routing(self):
         from fuselane.lanes.cuda.triton.moe import route

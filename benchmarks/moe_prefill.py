@@ -41,6 +41,7 @@ import torch
 from fuselane.gguf.formats import Format, row_bytes
 from fuselane.gguf.synth import fit_format
 from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton.moe import grouped, route, words
 from fuselane.lanes.cuda.triton.moe import grouped_combine as gc
 
@@ -196,7 +197,8 @@ class Bench:
         self.h_amax = self.h_down.abs().amax(1).view(torch.int32)
 
     def weights(self, fmt: Format, n: int, kk: int) -> torch.Tensor:
-        return torch.randint(0, 256, (self.experts * n * row_bytes(fmt, kk),), dtype=torch.uint8, device=self.dev)
+        size = self.experts * n * stored_row_bytes(fmt, kk)  # as the lane stores the rows
+        return torch.randint(0, 256, (size,), dtype=torch.uint8, device=self.dev)
 
     def gate_up(self, fmt: Format, tile: dict, step_scales: bool = False):
         wg, wu = self.weights(fmt, self.dff, self.d), self.weights(fmt, self.dff, self.d)

@@ -68,8 +68,8 @@ def _decode(fmts: list[Format], sass: str | None, variant: str | None = None, sd
     import torch
     from triton.runtime.jit import JITFunction
 
-    from fuselane.gguf.formats import row_bytes
     from fuselane.lanes.cuda.compile_check import Report, compiling, resources
+    from fuselane.lanes.cuda.plan.kernels import stored_row_bytes as row_bytes  # the rows as the lane stores them
 
     seen: list[tuple[str, object, object]] = []
     with compiling(90, Report()):
@@ -123,7 +123,7 @@ def _shared(shared, fmt: Format, sdff: int):
     """A folded shared expert of `sdff` values in `fmt`, its score row in f32, on the host."""
     import torch
 
-    from fuselane.gguf.formats import row_bytes
+    from fuselane.lanes.cuda.plan.kernels import stored_row_bytes as row_bytes  # the rows as the lane stores them
 
     gate_up_rows = torch.zeros(sdff * row_bytes(fmt, D), dtype=torch.uint8)
     return shared.Shared(torch.zeros(1, D), gate_up_rows, gate_up_rows,
