@@ -188,7 +188,7 @@ class CudaLane:
             part = arena[offsets[name] : offsets[name] + sizes[name] + surplus[name]]
             if name in relaid:  # rows of the stored blocks, as the file's rows were
                 fmt = self.tensors[name].format
-                part.copy_(torch.from_numpy(stored.stored_bytes(fmt, h.numpy(), rows[name])))
+                part.copy_(stored.stored_tensor(fmt, h, rows[name]))
                 self.raw[name] = (part.view(*h.shape[:-1], -1), self.tensors[name].format)
                 continue
             part.copy_(h.contiguous().reshape(-1).view(torch.uint8))

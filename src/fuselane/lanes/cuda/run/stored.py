@@ -9,6 +9,8 @@ The upload (`lane.CudaLane`) writes them so; tests hand the kernels the same."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from fuselane.gguf.formats import LAYOUTS, Format
@@ -37,40 +39,54 @@ def _row(fmt: Format, row_bytes: int | None) -> int:
     return LAYOUTS[fmt].nbytes
 
 
-def _rows(fmt: Format, raw: np.ndarray, row_bytes: int | None) -> np.ndarray:
-    """`raw` (flat file bytes) as [rows, blocks a row, file block]."""
+def _rows(fmt: Format, size: int, row_bytes: int | None) -> tuple[int, int, int]:
+    """(rows, blocks a row, file block) of `size` file bytes in rows of `row_bytes` (whole blocks)."""
     file_block = LAYOUTS[fmt].nbytes
-    if raw.size % file_block:
-        raise ValueError(f"{fmt.name} bytes are whole blocks of {file_block}, not {raw.size}")
+    if size % file_block:
+        raise ValueError(f"{fmt.name} bytes are whole blocks of {file_block}, not {size}")
     row_bytes = _row(fmt, row_bytes)
-    if row_bytes % file_block or raw.size % row_bytes:
-        raise ValueError(f"{fmt.name} rows of {row_bytes} bytes do not divide {raw.size} bytes of whole blocks")
-    return raw.reshape(-1, row_bytes // file_block, file_block)
+    if row_bytes % file_block or size % row_bytes:
+        raise ValueError(f"{fmt.name} rows of {row_bytes} bytes do not divide {size} bytes of whole blocks")
+    return size // row_bytes, row_bytes // file_block, file_block
+
+
+def stored_tensor(fmt: Format, raw: Any, row_bytes: int | None = None) -> Any:
+    """`raw` (a host torch uint8 tensor: a tensor's bytes as the file has them, its rows `row_bytes` long) as the
+    device keeps them: a flat uint8 tensor, `raw` itself where the layouts agree. torch's strided copies, where
+    NumPy's took ~13x longer (2.0 s against 0.15 s for a 7B's Q6_K head on two cores): the upload's cost."""
+    import torch
+
+    fmt = Format(fmt)
+    if not relaid(fmt):
+        return raw.reshape(-1)
+    rows, per_row, file_block = _rows(fmt, raw.numel(), row_bytes)
+    blocks = raw.reshape(rows, per_row, file_block)
+    stride = kernels.stored_block_bytes(fmt)
+    out = torch.zeros((rows, kernels.stored_row_bytes(fmt, per_row * LAYOUTS[fmt].values)), dtype=torch.uint8)
+    runs = out[:, : per_row * stride].view(rows, per_row, stride)
+    tail = kernels.ROW_TAIL_D.get(fmt)
+    if tail is None:
+        runs[:, :, :file_block].copy_(blocks)
+    else:
+        d_at = LAYOUTS[fmt].field("d").offset
+        runs.copy_(blocks[:, :, :stride])
+        out[:, per_row * stride : per_row * (stride + tail)].view(rows, per_row, tail).copy_(blocks[:, :, d_at:])
+    return out.view(-1)
 
 
 def stored_bytes(fmt: Format, data: np.ndarray, row_bytes: int | None = None) -> np.ndarray:
     """`data` (a tensor's bytes as the file has them, any shape of whole blocks; its rows `row_bytes` long, else
-    its last axis's bytes where it has two or more) as the device keeps them: flat uint8. The file's bytes
-    themselves where the layouts agree."""
-    fmt = Format(fmt)
+    its last axis's bytes where it has two or more) as the device keeps them (`stored_tensor`): flat uint8. The
+    file's bytes themselves where the layouts agree."""
+    import torch
+
     arr = np.asarray(data)
     raw = arr.reshape(-1).view(np.uint8)
     if not relaid(fmt):
         return raw
     if row_bytes is None and arr.ndim > 1:
         row_bytes = arr.shape[-1] * arr.dtype.itemsize
-    blocks = _rows(fmt, raw, row_bytes)  # [rows, blocks a row, file block]
-    rows, per_row, file_block = blocks.shape
-    stride = kernels.stored_block_bytes(fmt)
-    out = np.zeros((rows, kernels.stored_row_bytes(fmt, per_row * LAYOUTS[fmt].values)), dtype=np.uint8)
-    tail = kernels.ROW_TAIL_D.get(fmt)
-    if tail is None:
-        out[:, : per_row * stride].reshape(rows, per_row, stride)[:, :, :file_block] = blocks
-        return out.reshape(-1)
-    d_at = LAYOUTS[fmt].field("d").offset
-    out[:, : per_row * stride] = blocks[:, :, :stride].reshape(rows, -1)
-    out[:, per_row * stride : per_row * (stride + tail)] = blocks[:, :, d_at : d_at + tail].reshape(rows, -1)
-    return out.reshape(-1)
+    return stored_tensor(fmt, torch.from_numpy(np.array(raw)), row_bytes).numpy()
 
 
 def surplus(fmt: Format, nbytes: int, row_bytes: int | None = None) -> int:
