@@ -13,7 +13,8 @@ import torch
 
 from fuselane.gguf.formats import LAYOUTS, Format
 from fuselane.gguf.quantize import random_blocks
-from fuselane.lanes.cuda.run.stored import stored_bytes
+from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.run.stored import relaid, stored_bytes
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -40,7 +41,7 @@ def norm_rel(n: int) -> float:
 class FileBlocks(np.ndarray):
     """A matrix's bytes as the file has them, tagged with their format and a row's bytes (kept by slices and
     reshapes): `dev` puts them on the device as the lane keeps them (`run/stored.py`: Q3_K's blocks in 112
-    bytes, Q6_K's d's after a row's blocks), while a reference reads them as they are."""
+    bytes, Q6_K's and Q8_0's d's after a row's blocks), while a reference reads them as they are."""
 
     fmt: Format | None = None
     row_bytes: int | None = None
@@ -58,6 +59,24 @@ def file_blocks(fmt: Format, data: np.ndarray, k: int | None = None) -> FileBloc
     if k is not None:
         tagged.row_bytes = k // LAYOUTS[tagged.fmt].values * LAYOUTS[tagged.fmt].nbytes
     return tagged
+
+
+def file_bytes_of(fmt: Format, stored, k: int) -> np.ndarray:
+    """The file's bytes of the matrix of rows of `k` values whose bytes as the lane keeps them are `stored` (a
+    tensor or array): `stored_bytes` undone, so a reference can read what a kernel was handed."""
+    fmt, lay = Format(fmt), LAYOUTS[Format(fmt)]
+    flat = np.asarray(stored.cpu().numpy() if isinstance(stored, torch.Tensor) else stored).reshape(-1)
+    if not relaid(fmt):
+        return flat
+    blocks, stride = k // lay.values, kernels.stored_block_bytes(fmt)
+    rows = flat.reshape(-1, kernels.stored_row_bytes(fmt, k))
+    runs = rows[:, : blocks * stride].reshape(-1, blocks, stride)
+    tail = kernels.ROW_TAIL_D.get(fmt)
+    if tail is None:
+        return np.ascontiguousarray(runs[:, :, : lay.nbytes]).reshape(-1)
+    d_at = lay.field("d").offset
+    ds = rows[:, blocks * stride : blocks * (stride + tail)].reshape(-1, blocks, tail)
+    return np.concatenate([runs[:, :, :d_at], ds, runs[:, :, d_at:]], axis=2).reshape(-1)
 
 
 def raw_weights(fmt: Format, n: int, k: int, rng: np.random.Generator) -> FileBlocks:

@@ -26,8 +26,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
 pytest.importorskip("triton")
 
-from kernel_checks import DEVICE, U16, U32, check, dev, gamma  # noqa: E402
+from kernel_checks import DEVICE, U16, U32, check, dev, file_blocks, gamma  # noqa: E402
 
+from fuselane.gguf.formats import Format  # noqa: E402
 from fuselane.lanes.cuda.triton import f16_scale as S  # noqa: E402
 
 SAFE = 2.0**14  # gemm.F16_SAFE: the largest |value| a row keeps a scale of 1 at
@@ -143,7 +144,8 @@ def _checkpoint_rows(seed: int) -> tuple[np.ndarray, np.ndarray]:
 
     w = (np.random.default_rng(seed).standard_normal((N, K)) * 0.05).astype(np.float32)
     raw = quants.quantize(w, GGMLQuantizationType.Q8_0)
-    return raw.reshape(-1), quants.dequantize(raw, GGMLQuantizationType.Q8_0).astype(np.float16)
+    values = quants.dequantize(raw, GGMLQuantizationType.Q8_0).astype(np.float16)
+    return file_blocks(Format.Q8_0, raw.reshape(-1), K), values
 
 
 @pytest.mark.parametrize("in_place", [False, True])  # the activation rounded into a copy, or into its own bytes
@@ -188,7 +190,8 @@ def _pair(seed: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, n
     for kind in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0):
         w = (rng.standard_normal((N, K)) * 0.05).astype(np.float32)
         raw = quants.quantize(w, kind)
-        found.append((raw.reshape(-1), quants.dequantize(raw, kind).astype(np.float16)))
+        fmt = Format.Q8_0 if kind == GGMLQuantizationType.Q8_0 else Format.Q4_0
+        found.append((file_blocks(fmt, raw.reshape(-1), K), quants.dequantize(raw, kind).astype(np.float16)))
     return found[0], found[1]
 
 

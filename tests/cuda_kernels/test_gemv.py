@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
 pytest.importorskip("triton")
 
-from kernel_checks import CUDA, DEVICE, U32, CountLaunches, check, dev, gamma, raw_weights  # noqa: E402
+from kernel_checks import CUDA, DEVICE, U32, CountLaunches, check, dev, file_blocks, gamma, raw_weights  # noqa: E402
 
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import Format  # noqa: E402
@@ -99,7 +99,7 @@ def test_random_blocks(fmt: Format, m: int) -> None:
 def test_quantized_values(fmt: Format) -> None:
     # weight-like values through llama.cpp's own rounding (gguf.quants): the scales a real file holds
     rng = np.random.default_rng(int(fmt))
-    raw = quantize((rng.standard_normal((N, K)) * 0.02).astype(np.float32), fmt)
+    raw = file_blocks(fmt, quantize((rng.standard_normal((N, K)) * 0.02).astype(np.float32), fmt), K)
     _gemv_case(fmt, raw, 1, N, K, rng)
 
 

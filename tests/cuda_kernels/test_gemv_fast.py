@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
 pytest.importorskip("triton")
 
-from kernel_checks import CUDA, DEVICE, U32, CountLaunches, check, dev, gamma, raw_weights  # noqa: E402
+from kernel_checks import CUDA, DEVICE, U32, CountLaunches, check, dev, file_blocks, gamma, raw_weights  # noqa: E402
 
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import Format  # noqa: E402
@@ -93,7 +93,7 @@ def test_rows_of_odd_blocks(fmt: Format, k: int) -> None:
 def test_quantized_values(fmt: Format) -> None:
     # weight-like values through llama.cpp's own rounding (gguf.quants): the scales a real file holds
     rng = np.random.default_rng(int(fmt))
-    raw = quantize((rng.standard_normal((N, K_SHORT)) * 0.02).astype(np.float32), fmt)
+    raw = file_blocks(fmt, quantize((rng.standard_normal((N, K_SHORT)) * 0.02).astype(np.float32), fmt), K_SHORT)
     _case(fmt, raw, N, K_SHORT, rng)
 
 

@@ -47,6 +47,7 @@ from kernel_checks import (  # noqa: E402
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
 from fuselane.gguf.quantize import random_blocks  # noqa: E402
+from fuselane.lanes.cuda.plan import kernels  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv import fast_norm as fnorm  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.epilogue import gemv_add_norm_counter  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.fast_norm import gemv_fast_add_norm, supports_fast_add_norm  # noqa: E402
@@ -156,7 +157,7 @@ def test_supports_and_refusals() -> None:
     assert not supports_fast_add_norm(Format.Q5_K, 4096)
     assert not supports_fast_add_norm(Format.Q4_0, 4096)
     row = torch.zeros(8, device=DEVICE)
-    w = torch.zeros(8 * 34, dtype=torch.uint8, device=DEVICE)  # 8 Q8_0 rows of one block
+    w = torch.zeros(8 * kernels.stored_row_bytes(Format.Q8_0, 32), dtype=torch.uint8, device=DEVICE)  # 8 rows
     args = (torch.zeros(1, 32, device=DEVICE), w, Format.Q8_0, 8, 32, row, row, row, EPS, row.clone())
     with pytest.raises(ValueError, match="counter"):
         gemv_fast_add_norm(*args, torch.zeros(1, dtype=torch.int64, device=DEVICE))

@@ -20,6 +20,7 @@ from kernel_checks import GPU_ONLY  # noqa: E402
 
 from fuselane.fuse.optimizer import rule_names  # noqa: E402
 from fuselane.gguf.synth import write_synthetic  # noqa: E402
+from fuselane.lanes.cuda.run import stored  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 
 PROMPT = [5, 60, 7, 300, 8, 1, 2, 3, 4, 5, 6]  # past the GEMV's rows: the prefill GEMM and flash-prefill run
@@ -295,7 +296,8 @@ def test_the_weights_are_parts_of_one_upload_holding_the_files_bytes(tmp_path):
         if len(t.shape) == 1:
             assert np.array_equal(lane.vec[name].cpu().numpy(), dequantize(t.data, t.format, t.shape, dtype=np.float32))
         else:
-            assert np.array_equal(raw.cpu().numpy().reshape(-1), np.asarray(t.data).reshape(-1)), name
+            want = stored.stored_bytes(t.format, np.asarray(t.data), stored.file_row_bytes(t.format, tuple(t.shape)))
+            assert np.array_equal(raw.cpu().numpy().reshape(-1), want), name
     spans.sort()
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
 
@@ -346,13 +348,15 @@ def test_the_scratch_is_sized_against_the_lanes_own_weights_and_caches(tmp_path)
     ws = lane.workspace
     caches = sum(c.numel() * c.element_size() for c in lane.caches.values())
     assert lane.weights_bytes == lane.raw["token_embd.weight"][0].untyped_storage().nbytes()
-    assert ws.share_bytes == int(WORKSPACE_SHARE * (lane.weights_bytes + caches))
-    assert lane.model_bytes() == lane.weights_bytes + caches  # what `bench` puts the peak over
+    file_bytes = lane.weights_bytes - lane.stored_surplus  # the stored layout's rows padded: held in the share
+    assert ws.share_bytes == int(WORKSPACE_SHARE * (file_bytes + caches))
+    assert lane.model_bytes() == file_bytes + caches  # what `bench` puts the peak over
     step = lane._steps[(len(PROMPT), False)]
     logits = sum(b.numel() * 4 for n, b in step.bufs.items() if step.plan.graph.tensors[n].role is Role.OUTPUT)
     chunk = lane.plan(min(512, lane.ctx))
     candidates = gpu.cfg.vocab * (4 + 8)  # a sampled draw's values and indices
-    assert ws.held_bytes == max(4 * arena_values(chunk), lane._arena.numel() * 4) + logits + candidates
+    held = max(4 * arena_values(chunk), lane._arena.numel() * 4) + logits + candidates + lane.stored_surplus
+    assert ws.held_bytes == held
     assert lane.f16_scratch().numel() == ws.scratch_values
 
 

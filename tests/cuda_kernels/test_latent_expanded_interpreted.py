@@ -22,6 +22,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
 pytest.importorskip("triton")
 
+from kernel_checks import file_bytes_of  # noqa: E402
+
 from fuselane.fuse.views import class_of  # noqa: E402
 from fuselane.gguf.synth import write_synthetic  # noqa: E402
 from fuselane.gguf.synth_latent import LATENT_SHAPES  # noqa: E402
@@ -98,8 +100,11 @@ def test_mla_is_the_absorbed_attention_where_the_scores_are_peaked(tmp_path):
     got = step.bufs[lt.ct].double().cpu().numpy().reshape(rows, h, lt.vd)
 
     # the halves multiply the checkpoint's values rounded to f16 (`expand`): the reference takes those operands
-    wk, wv = (f16(dequantize(lane.raw[w][0].cpu().numpy(), lane.raw[w][1], shape, np.float64))
-              for w, shape in ((lt.wkb, (h, lt.lora, lt.nope)), (lt.wvb, (h, lt.vd, lt.lora))))  # fmt: skip
+    def values(w, shape):
+        raw, fmt = lane.raw[w]
+        return f16(dequantize(file_bytes_of(fmt, raw, shape[-1]), fmt, shape, np.float64))
+
+    wk, wv = values(lt.wkb, (h, lt.lora, lt.nope)), values(lt.wvb, (h, lt.vd, lt.lora))
     qn = qr.reshape(rows, h, qk)[..., : lt.nope]
     q = np.concatenate([np.einsum("hij,rhj->rhi", wk, qn), qpp.reshape(rows, h, rope)], -1)
     spec = Attention(rows, h, 1, lt.kw, CTX, lt.scale, vd=lt.lora)

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
 pytest.importorskip("triton")
 
-from kernel_checks import DEVICE, dev, gamma, norm_rel, raw_weights  # noqa: E402
+from kernel_checks import DEVICE, dev, file_bytes_of, gamma, norm_rel, raw_weights  # noqa: E402
 
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import Format  # noqa: E402
@@ -198,7 +198,7 @@ def _shared(rng, d: int, sdff: int, fmt: Format):
     launch would write them (rounded from f64), and its term of the down's sum with that term's bound."""
     s, glu, gate, glu_bound = _shared_expert(rng, d, sdff, fmt)
     s.scratch.copy_(torch.from_numpy(np.append(glu, gate).astype(np.float32)))
-    wd = dequantize(s.down.numpy(), fmt, (d, sdff)).astype(np.float64)
+    wd = dequantize(file_bytes_of(fmt, s.down, sdff), fmt, (d, sdff)).astype(np.float64)
     bound = gamma(d + ROUNDINGS) * (np.abs(wd) @ (np.abs(glu) + glu_bound))
     return s, gate * (wd @ glu), gate * bound
 
@@ -378,7 +378,7 @@ def test_a_shared_expert_in_int8_tiles_takes_an_int8_down_product(fmt, gated):
     wts = rng.uniform(0.1, 0.6, (1, slots)).astype(np.float32)
     sum_out = torch.zeros((1, k))
     down.down_combine(hin, dev(rd), fmt, ids, dev(wts), k, n, sum_out, shared=s, counter=down.counters(1, DEVICE))
-    sd = dequantize(s.down.numpy(), fmt, (k, sdff)).astype(np.float64)
+    sd = dequantize(file_bytes_of(fmt, s.down, sdff), fmt, (k, sdff)).astype(np.float64)
     got_gate = float(s.scratch[sdff])
     want = got_gate * (sd @ glu_q)
     bound = got_gate * gamma(sdff + ROUNDINGS) * (np.abs(sd) @ np.abs(glu_q)) + gamma(slots + 2) * np.abs(want)

@@ -1,7 +1,8 @@
 """The weights' layout on the cuda lane's device (`run/stored.py`, `kernels.STORED_BLOCK_BYTES`, `ROW_TAIL_D`):
-Q3_K's blocks padded to 112 bytes, Q6_K's rows split into their blocks' first 208 bytes, then the blocks' d's,
-then zeros to a 16-byte end; the bytes each adds, and the device decode reading them back as `gguf.dequant`
-does. Host-only but for the last case, which runs the decode kernel (interpreted without a GPU)."""
+Q3_K's blocks padded to 112 bytes; Q6_K's and Q8_0's rows split into their blocks' bytes but d (Q6_K's first
+208, Q8_0's 32 codes), then the blocks' d's, then zeros to a 16-byte end; the bytes each adds, and the device
+decode reading them back as `gguf.dequant` does. Host-only but for the last cases, which run the decode kernel
+(interpreted without a GPU)."""
 
 from __future__ import annotations
 
@@ -15,27 +16,48 @@ from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.run import stored
 
 Q6 = LAYOUTS[Format.Q6_K]
+SPLIT = sorted(kernels.ROW_TAIL_D, key=int)  # the formats whose rows keep their d's after their blocks
+
+
+def _rows(fmt: Format, rows: int, blocks: int, seed: int = 0) -> np.ndarray:
+    return random_blocks(fmt, rows * blocks, np.random.default_rng(seed)).reshape(-1)
 
 
 def _q6_k_rows(rows: int, blocks: int, seed: int = 0) -> np.ndarray:
-    return random_blocks(Format.Q6_K, rows * blocks, np.random.default_rng(seed)).reshape(-1)
+    return _rows(Format.Q6_K, rows, blocks, seed)
 
 
-@pytest.mark.parametrize("blocks", [1, 7, 8, 14, 74])
-def test_a_q6_k_row_keeps_its_runs_then_its_ds_then_zeros_to_16_bytes(blocks):
-    rows, row_bytes = 3, blocks * Q6.nbytes
-    raw = _q6_k_rows(rows, blocks)
-    out = stored.stored_bytes(Format.Q6_K, raw, row_bytes).reshape(rows, -1)
-    width = kernels.stored_row_bytes(Format.Q6_K, blocks * Q6.values)
-    assert out.shape[1] == width and width % kernels.ROW_ALIGN_BYTES == 0 and width - row_bytes < 16
-    file = raw.reshape(rows, blocks, Q6.nbytes)
-    d_at, stride = Q6.field("d").offset, kernels.stored_block_bytes(Format.Q6_K)
+def test_q6_k_and_q8_0_rows_are_split():
+    assert {Format.Q6_K, Format.Q8_0} <= set(SPLIT)
+
+
+@pytest.mark.parametrize("fmt", SPLIT, ids=lambda f: f.name)
+@pytest.mark.parametrize("blocks", [1, 7, 8, 14, 74, 112])
+def test_a_split_row_keeps_its_blocks_then_its_ds_then_zeros_to_16_bytes(fmt, blocks):
+    lay = LAYOUTS[fmt]
+    rows, row_bytes = 3, blocks * lay.nbytes
+    raw = _rows(fmt, rows, blocks)
+    out = stored.stored_bytes(fmt, raw, row_bytes).reshape(rows, -1)
+    width = kernels.stored_row_bytes(fmt, blocks * lay.values)
+    assert out.shape[1] == width and width % kernels.ROW_ALIGN_BYTES[fmt] == 0 and width - row_bytes < 16
+    file = raw.reshape(rows, blocks, lay.nbytes)
+    d_at, stride = lay.field("d").offset, kernels.stored_block_bytes(fmt)
+    assert stride == lay.nbytes - 2 and stride % 16 == 0  # every block's runs start on 16 bytes
     for r in range(rows):
         for b in range(blocks):
-            assert (out[r, b * stride : (b + 1) * stride] == file[r, b, :d_at]).all()
-            assert (out[r, blocks * stride + 2 * b : blocks * stride + 2 * b + 2] == file[r, b, d_at:]).all()
+            block = np.concatenate([file[r, b, :d_at], file[r, b, d_at + 2 :]])
+            assert (out[r, b * stride : (b + 1) * stride] == block).all()
+            assert (out[r, blocks * stride + 2 * b : blocks * stride + 2 * b + 2] == file[r, b, d_at : d_at + 2]).all()
         assert not out[r, row_bytes:].any()  # the row's padding
-    assert stored.surplus(Format.Q6_K, raw.size, row_bytes) == rows * (width - row_bytes)
+    assert stored.surplus(fmt, raw.size, row_bytes) == rows * (width - row_bytes)
+
+
+def test_a_stored_offset_moves_past_a_d_kept_after_the_row():
+    assert kernels.stored_offset(Format.Q8_0, "qs") == 0
+    assert kernels.stored_offset(Format.Q6_K, "scales") == Q6.field("scales").offset
+    assert kernels.stored_offset(Format.Q4_K, "qs") == LAYOUTS[Format.Q4_K].field("qs").offset
+    with pytest.raises(ValueError, match="after its row"):
+        kernels.stored_offset(Format.Q8_0, "d")
 
 
 def test_a_matrix_with_rows_takes_its_row_from_its_last_axis():
@@ -65,16 +87,18 @@ def test_q3_k_pads_each_block_and_the_other_formats_keep_the_files_bytes():
     assert not stored.relaid(Format.Q4_K) and stored.relaid(Format.Q6_K) and stored.relaid(Format.Q3_K)
 
 
-def test_the_device_decode_reads_the_split_rows_as_dequant_does():
+@pytest.mark.parametrize(("fmt", "blocks"), [(Format.Q6_K, 3), (Format.Q8_0, 5)], ids=["Q6_K", "Q8_0"])
+def test_the_device_decode_reads_the_split_rows_as_dequant_does(fmt, blocks):
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
     from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize as device_dequantize
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows, blocks = 5, 3  # 630-byte rows: 640 on the device, so each row's start moves by its padding
-    raw = _q6_k_rows(rows, blocks, seed=4)
-    w = torch.from_numpy(stored.stored_bytes(Format.Q6_K, raw, blocks * Q6.nbytes)).to(device)
-    out = torch.empty(rows, blocks * Q6.values, dtype=torch.float32, device=device)
-    device_dequantize(w, Format.Q6_K, rows, blocks * Q6.values, out)
-    want = dequantize(raw, Format.Q6_K, (rows, blocks * Q6.values))
+    lay, rows = LAYOUTS[fmt], 5  # rows of 630 (170) bytes: 640 (176) on the device, each row's start moved
+    raw = _rows(fmt, rows, blocks, seed=4)
+    assert kernels.stored_row_bytes(fmt, blocks * lay.values) != blocks * lay.nbytes
+    w = torch.from_numpy(stored.stored_bytes(fmt, raw, blocks * lay.nbytes)).to(device)
+    out = torch.empty(rows, blocks * lay.values, dtype=torch.float32, device=device)
+    device_dequantize(w, fmt, rows, blocks * lay.values, out)
+    want = dequantize(raw, fmt, (rows, blocks * lay.values))
     np.testing.assert_array_equal(out.cpu().numpy(), want)

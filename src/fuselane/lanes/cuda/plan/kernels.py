@@ -45,15 +45,36 @@ QBLOCK = contract.QBLOCK
 # every run of ql and qh is 16-aligned at no cost but that padding (4-12 bytes a row at the Qwen widths). In whole
 # 224-byte blocks its down product ran 16 % faster (H200, 7B widths) but every Q6_K matrix took 6.7 % more memory,
 # past the workspace's 5 % share on a Q6_K file.
-STORED_BLOCK_BYTES = {Format.Q3_K: 112, Format.Q6_K: 208}
+# A Q8_0 block (34 bytes: d 2, qs 32) is split the same way: a row keeps its blocks' 32 codes one after another,
+# then their d's, so each block's codes are two 128-bit loads where the file's layout took sixteen 2-byte ones
+# (sm_90 SASS at the 7B's widths, `benchmarks/gemv_sass.py`: the down product 12.2 -> 3.5 instructions and 2.9 ->
+# 0.56 global loads a dp4a; the gate/up GLU 163 -> 47 loads, 784 -> 624 instructions, 96 -> 48 registers; H100,
+# the 7B Q8_0's decode +14 %). Its rows end on 8 bytes, not 16: a row of a multiple of 128 values then needs no
+# padding (Qwen2.5-0.5B's 896 would take 8 bytes a row on 16, 1.2 MB on its head, which cost the model's 512-row
+# prompt chunks their share), and the int8 GEMV reads rows that do not end on 16 as four 64-bit loads a block.
+STORED_BLOCK_BYTES = {Format.Q3_K: 112, Format.Q6_K: 208, Format.Q8_0: 32}
 # Formats whose blocks' f16 scale d is kept after a row's blocks (bytes a block), not in each block
-ROW_TAIL_D = {Format.Q6_K: 2}
-ROW_ALIGN_BYTES = 16  # a row of a ROW_TAIL_D format ends on this, so the next row's runs start aligned
+ROW_TAIL_D = {Format.Q6_K: 2, Format.Q8_0: 2}
+# A row of a ROW_TAIL_D format ends on this many bytes, so the next row's runs start aligned for its loads
+ROW_ALIGN_BYTES = {Format.Q6_K: 16, Format.Q8_0: 8}
 
 
 def stored_block_bytes(fmt: Format) -> int:
     """Bytes from one block of `fmt` to the next on the device (`STORED_BLOCK_BYTES`, else the file's)."""
     return STORED_BLOCK_BYTES.get(Format(fmt), LAYOUTS[Format(fmt)].nbytes)
+
+
+def stored_offset(fmt: Format, field: str) -> int:
+    """The byte offset of `field` in a block of `fmt` as the device keeps it: the file's, less the d's bytes where a
+    `ROW_TAIL_D` format's d, kept after the row, came before it (Q8_0's codes start a stored block)."""
+    lay = LAYOUTS[Format(fmt)]
+    at = lay.field(field).offset
+    tail = ROW_TAIL_D.get(Format(fmt))
+    if tail is None:
+        return at
+    if field == "d":
+        raise ValueError(f"{Format(fmt).name}'s d is kept after its row's blocks, not in a block")
+    return at - tail if lay.field("d").offset < at else at
 
 
 def stored_row_bytes(fmt: Format, n_values: int) -> int:
@@ -66,7 +87,8 @@ def stored_row_bytes(fmt: Format, n_values: int) -> int:
     tail = ROW_TAIL_D.get(Format(fmt))
     if tail is None:
         return blocks * stored_block_bytes(fmt)
-    return -(-blocks * (stored_block_bytes(fmt) + tail) // ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
+    align = ROW_ALIGN_BYTES[Format(fmt)]
+    return -(-blocks * (stored_block_bytes(fmt) + tail) // align) * align
 
 
 def stored_span_bytes(fmt: Format, n_values: int) -> int:

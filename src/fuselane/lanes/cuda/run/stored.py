@@ -1,8 +1,9 @@
 """A matrix's bytes as the cuda lane keeps them on the device (`kernels.STORED_BLOCK_BYTES`, `ROW_TAIL_D`):
 
 - Q3_K's 110-byte blocks each at the start of 112 bytes, the rest zero, so every block starts on 16 bytes;
-- Q6_K's rows split: each block's first 208 bytes (ql, qh, scales) one after another, then the row's blocks' f16
-  d's, then zeros to a 16-byte end, so every run of ql and qh starts on 16 bytes;
+- Q6_K's and Q8_0's rows split: each block's bytes but its f16 d (Q6_K's ql, qh and scales, 208 bytes; Q8_0's 32
+  codes) one after another, then the row's blocks' d's, then zeros to a 16-byte end (Q8_0: 8), so every run of
+  codes starts on 16 bytes (Q8_0's on 8 where a row's blocks are not a multiple of 8);
 - every other format as the file has it.
 
 The upload (`lane.CudaLane`) writes them so; tests hand the kernels the same."""
@@ -69,8 +70,10 @@ def stored_tensor(fmt: Format, raw: Any, row_bytes: int | None = None) -> Any:
         runs[:, :, :file_block].copy_(blocks)
     else:
         d_at = LAYOUTS[fmt].field("d").offset
-        runs.copy_(blocks[:, :, :stride])
-        out[:, per_row * stride : per_row * (stride + tail)].view(rows, per_row, tail).copy_(blocks[:, :, d_at:])
+        runs[:, :, :d_at].copy_(blocks[:, :, :d_at])
+        runs[:, :, d_at:].copy_(blocks[:, :, d_at + tail :])
+        ds = out[:, per_row * stride : per_row * (stride + tail)].view(rows, per_row, tail)
+        ds.copy_(blocks[:, :, d_at : d_at + tail])
     return out.view(-1)
 
 
@@ -105,7 +108,8 @@ def describe() -> str:
     parts = []
     for fmt, block in kernels.STORED_BLOCK_BYTES.items():
         if fmt in kernels.ROW_TAIL_D:
-            parts.append(f"{fmt.name}'s d's after a row's {block}-byte blocks, rows to {kernels.ROW_ALIGN_BYTES} bytes")
+            align = kernels.ROW_ALIGN_BYTES[fmt]
+            parts.append(f"{fmt.name}'s d's after a row's {block}-byte blocks, rows to {align} bytes")
         else:
             parts.append(f"{fmt.name}'s {LAYOUTS[fmt].nbytes} bytes in {block}")
     return ", ".join(parts)

@@ -20,8 +20,8 @@ load is BLOCK_N rows of 16-32 contiguous bytes. Every byte is read as part of a 
 with shifts: a load of 4 bytes or more a thread is one the software pipeliner can issue ahead as an
 asynchronous copy, a 1- or 2-byte load is not (it would wait in every run). Where a format's block is a whole
 number of words (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K, IQ4_XS) its fields are read at their own word offsets (`blk`
-pointers). The other blocks (Q4_0 and IQ4_NL 18 bytes, Q5_0 22, Q8_0 34, Q3_K 110; Q6_K's 208 as the lane
-keeps them, whose d lies after the row's blocks) are read as only 2-aligned, so those bodies take the blocks'
+pointers). The other blocks (Q4_0 and IQ4_NL 18 bytes, Q5_0 22, Q3_K 110; Q6_K's 208 and Q8_0's 32 as the
+lane keeps them, whose d lies after the row's blocks) are read as only 2-aligned, so those bodies take the blocks'
 byte offsets (`at`) and read the word at or below each field (`_word_below`); a run of 16 or 32 bytes that
 starts 2 past a word boundary is rebuilt from the words there and the words one on (`_run_bytes`). Every
 offset into a block is even, so a field never straddles more than two words, and every word read holds a byte
@@ -76,7 +76,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q6_K_SCALES,
     Q6_QH_HALF,
     Q6_QL_HALF,
-    Q8_0_D,
     Q8_0_QS,
     QK_C,
     SIX_BITS,
@@ -267,7 +266,7 @@ def _k_run(blk, j, D: tl.constexpr, SCALES: tl.constexpr, QS: tl.constexpr):
 def run(w, at, dat, j, FMT: tl.constexpr, lut):
     """(codes int8 [BLOCK_N, 32], s0, s1, m0, m1 [BLOCK_N] f32) of run j of each row's block (see the module),
     the blocks at byte offsets `at` ([BLOCK_N] int64) of the matrix `w`, their d's at `dat` where the format keeps
-    them after a row's blocks (Q6_K: `layout.block_d`). `lut` points at the 16 int8 values of
+    them after a row's blocks (Q6_K, Q8_0: `layout.block_d`). `lut` points at the 16 int8 values of
     `IQ4_NL_VALUES` (read by the IQ4 formats only)."""
     blk = w + at
     if FMT == FMT_Q6_K:
@@ -284,18 +283,18 @@ def run(w, at, dat, j, FMT: tl.constexpr, lut):
     elif FMT == FMT_IQ4_XS:
         codes, s0, s1, m0, m1 = _iq4_xs_run(blk, j, lut)
     else:
-        codes, s0, s1, m0, m1 = _one_scale_run(w, at, j, FMT)
+        codes, s0, s1, m0, m1 = _one_scale_run(w, at, dat, j, FMT)
     return codes, s0, s1, m0, m1
 
 
 @triton.jit
-def _one_scale_run(w, at, j, FMT: tl.constexpr):
-    """A run under one scale and one offset (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K)."""
+def _one_scale_run(w, at, dat, j, FMT: tl.constexpr):
+    """A run under one scale and one offset (Q8_0, whose d is at `dat`, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K)."""
     blk = w + at
     zero = tl.zeros(blk.shape, tl.float32)
     if FMT == FMT_Q8_0:
         codes = _run_bytes(w, at + Q8_0_QS, QK_C)  # unsigned bytes: the int8 cast below gives the signed codes back
-        s = _f16_at(w, at + Q8_0_D)
+        s = _f16_at(w, dat)
         m = zero
     elif FMT == FMT_Q4_0:
         codes = _halves(*_nibbles_at(w, at + Q4_0_QS)) - Q4_BIAS

@@ -12,11 +12,11 @@ its rows quantized (`out_q8`, the plan's NormQuant / AddNormQuant), a 32-value b
 does, so the product that reads them needs no launch of its own to quantize.
 
 The embedding gather dequantizes its rows in the kernel from the checkpoint's own blocks, reading each
-field at the byte offset `formats.LAYOUTS` gives: the table stays in its quantized form on the device, and
-a token's row costs a few hundred bytes instead of a dequantized copy of the table. Fields are read a byte at
-a time and assembled, so a block of any byte size (34 for Q8_0) needs no alignment (a Q6_K block's d sits
-after its row's blocks on the device: `layout.q6_k_d`); a step
-gathers one row, so the extra loads cost nothing that matters.
+field at its byte offset in the block as the device keeps it (`kernels.stored_offset`): the table stays in its
+quantized form on the device, and a token's row costs a few hundred bytes instead of a dequantized copy of the
+table. Fields are read a byte at a time and assembled, so a block of any byte size (22 for Q5_0) needs no
+alignment (a Q6_K or Q8_0 block's d sits after its row's blocks on the device: `layout.q6_k_d`,
+`layout.q8_0_d`); a step gathers one row, so the extra loads cost nothing that matters.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import triton.language as tl
 
 from fuselane.gguf.formats import LAYOUTS, QK, Format
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.plan.kernels import stored_block_bytes, stored_row_bytes
+from fuselane.lanes.cuda.plan.kernels import ROW_TAIL_D, stored_block_bytes, stored_offset, stored_row_bytes
 from fuselane.lanes.cuda.triton import gather_formats, pdl
-from fuselane.lanes.cuda.triton.gemv.layout import Q6_K_FILE_BYTES, q6_k_d
+from fuselane.lanes.cuda.triton.gemv.layout import Q6_K_FILE_BYTES, Q8_0_FILE_BYTES, q6_k_d, q8_0_d
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts, store_quantized
 
 QB = tl.constexpr(QK)  # values an int8 block's scale covers
@@ -309,7 +309,7 @@ def _decode(
         bits = (_byte(row + 2 * j, mask) | (_byte(row + 2 * j + 1, mask) << 8)) << 16
         v = bits.to(tl.float32, bitcast=True)
     elif FMT == Q8_0:
-        v = _i8_at(blk + OFF_QS + t, mask) * _f16_at(blk + OFF_D, mask)
+        v = _i8_at(blk + OFF_QS + t, mask) * _f16_at(q8_0_d(row, j // VALUES, ROW_BYTES // Q8_0_FILE_BYTES), mask)
     elif FMT == Q5_0:
         # value t: its low four bits are nibble (t // 16) of qs[t % 16]; its fifth is bit t of qh (a u32)
         nib = (_byte(blk + OFF_QS + t % 16, mask) >> ((t // 16) * 4)) & 0xF
@@ -408,8 +408,12 @@ def _embed_norm_kernel(
 
 
 def _offset(fmt: Format, name: str) -> int:
-    lay = LAYOUTS[fmt]
-    return next((f.offset for f in lay.fields if f.name == name), 0)
+    """Field `name`'s offset in a block of `fmt` as the device keeps it; 0 where the block has no such field (a d
+    kept after the row's blocks: `q8_0_d`, `q6_k_d`), which the decode then does not read."""
+    names = {f.name for f in LAYOUTS[fmt].fields}
+    if name not in names or (name == "d" and fmt in ROW_TAIL_D):
+        return 0
+    return stored_offset(fmt, name)
 
 
 def embed_norm(

@@ -89,9 +89,9 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q6_RUN_SCALES,
     Q6_RUNS,
     Q6_SUB,
-    Q8_0_D,
     Q8_0_QS,
     QK_C,
+    block_d,
     in_two_23,
     k_scale_min,
     load_f16,
@@ -367,13 +367,13 @@ def _k_pair_tile(blk, FMT: tl.constexpr):
 
 @triton.jit
 def _flat_values(blk, qd, t, FMT: tl.constexpr):
-    """[U, len(t)] f32 values t of the units `blk` of any other format (`qd`: Q6_K's d's, `layout.block_d`): bit for bit
-    gguf's."""
+    """[U, len(t)] f32 values t of the units `blk` of any other format (`qd`: Q6_K's and Q8_0's d's, kept after
+    their row's blocks, `layout.block_d`): bit for bit gguf's."""
     if FMT == FMT_Q6_K:
         v = _q6_k_values(blk, qd, t)
     elif FMT == FMT_Q8_0:
         q = tl.load((blk + Q8_0_QS + t[None, :]).to(tl.pointer_type(tl.int8))).to(tl.float32)
-        v = load_f16(blk + Q8_0_D) * q
+        v = load_f16(qd) * q
     elif FMT == FMT_Q4_0:
         v = _nibble_values(blk, t, Q4_0_D, NO_FIELD, NO_FIELD, Q4_0_QS, Q4_BIAS)
     elif FMT == FMT_Q4_1:
@@ -436,7 +436,7 @@ def _dequant_kernel(
         at = (s * QK_C + i)[None]
         tl.store(first[:, None, None, None] + at, v4.to(out.dtype.element_ty), mask=keep[:, None, None, None])
     else:
-        v = _flat_values(blk, blk, t, FMT)
+        v = _flat_values(blk, block_d(row, unit, FMT, ROW_BYTES), t, FMT)
         # an f16 result is the f32 value rounded once, to nearest even (as NumPy's astype rounds)
         tl.store(first[:, None] + t[None, :], v.to(out.dtype.element_ty), mask=keep[:, None])
 

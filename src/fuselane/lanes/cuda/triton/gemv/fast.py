@@ -75,7 +75,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q6_QH_HALF,
     Q6_QL_HALF,
     Q8_0_BYTES,
-    Q8_0_D,
     Q8_0_QS,
     QK_C,
     QK_K_C,
@@ -83,6 +82,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     const,
     in_two_23,
     q6_k_d,
+    q8_0_d,
 )
 from fuselane.lanes.cuda.triton.gemv.parts import Part, check_glu_out, check_rows, part_rows, parts_args, store_parts
 
@@ -361,10 +361,10 @@ def load_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.c
             ld16(ql),
             ld16(qh + _quads_of(PAIR, PAIR)),
         )
-    elif FMT == FMT_Q8_0:  # d and the block's two 16-byte halves
+    elif FMT == FMT_Q8_0:  # d (after the row's blocks) and the block's two 16-byte halves
         blk = w_rows[:, None] + (unit * Q8_0_BYTES)[None, :]
         qs = blk[:, :, None, None] + Q8_0_QS + _quads_of(PAIR, PAIR)
-        raw = ld16(blk + Q8_0_D, True), ld16(qs), ld16(qs + HALF_BLOCK)
+        raw = ld16(q8_0_d(w_rows[:, None], unit[None, :], N_UNITS), True), ld16(qs), ld16(qs + HALF_BLOCK)
     elif FMT == FMT_Q5_0:  # d, qh as little-endian 32 bits, the 16 qs bytes
         blk = w_rows[:, None] + (unit * Q5_0_BYTES)[None, :]
         qh = ld16(blk + Q5_0_QH) | (ld16(blk + Q5_0_QH + PAIR) << HALF_WORD_BITS)

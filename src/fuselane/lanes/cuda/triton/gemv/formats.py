@@ -118,7 +118,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q6_SLOTS,
     Q6_SUB,
     Q8_0_BYTES,
-    Q8_0_D,
     Q8_0_QS,
     QK_C,
     QK_K_C,
@@ -129,6 +128,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     k_scale_min,
     load_f16,
     q6_k_d,
+    q8_0_d,
 )
 from fuselane.lanes.cuda.triton.gemv.low_bits import iq4_nl_values, iq4_xs_values, q2_k_values, q3_k_values
 
@@ -270,7 +270,7 @@ def _dot_q8_0(
     acc = tl.zeros([BLOCK_M, A, BLOCK_N, B], tl.float32)
     for step in tl.range(0, STEPS, num_stages=STAGES):
         blk = _units(w_rows, step, unit, UNITS, Q8_0_BYTES)
-        d = load_f16(blk + Q8_0_D)
+        d = load_f16(q8_0_d(w_rows[:, None], (unit + step * UNITS)[None, :], STEPS * UNITS))
         u = tl.load(blk[None] + (i + Q8_0_QS)[:, None, :]).to(tl.int32)
         # one XOR flips the sign bit (q + 128, unsigned) and sets 2^23's bits, which the byte does not touch
         w = d[None] * in_two_23(u ^ (F32_TWO_23_BITS | SIGN_BIT), SIGNED_BYTE_BIAS)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import IQ4_NL_VALUES, LAYOUTS, QK, QK_K, Format
-from fuselane.lanes.cuda.plan.kernels import ROW_TAIL_D, stored_block_bytes
+from fuselane.lanes.cuda.plan.kernels import ROW_TAIL_D, stored_block_bytes, stored_offset
 
 # --- layout facts, as constexprs the kernels can read --------------------------------------------------------
 
@@ -23,8 +23,9 @@ def const(value: int | float) -> tl.constexpr:
 
 
 def offset(fmt: Format, field: str) -> tl.constexpr:
-    """The byte offset of `field` in a block of `fmt` (`formats.LAYOUTS`), as a constexpr."""
-    return const(LAYOUTS[fmt].field(field).offset)
+    """The byte offset of `field` in a block of `fmt` as the device keeps it (`kernels.stored_offset`), as a
+    constexpr."""
+    return const(stored_offset(fmt, field))
 
 
 def nbytes(fmt: Format) -> tl.constexpr:
@@ -44,7 +45,10 @@ HALF_QK = const(QK // 2)  # a 32-value 4-bit block's bytes: low nibbles are valu
 QK_K_C = const(QK_K)  # values of a K super-block
 NO_FIELD = const(-1)  # a field offset a format does not have
 
-Q8_0_BYTES, Q8_0_D, Q8_0_QS = nbytes(Format.Q8_0), offset(Format.Q8_0, "d"), offset(Format.Q8_0, "qs")
+# Q8_0 on the device (`run/stored.py`): a block's 32 codes Q8_0_BYTES (32) apart, its d after the row's blocks
+# (`q8_0_d`); Q8_0_FILE_BYTES is the file's block, by which a row's stored bytes give its blocks
+Q8_0_BYTES, Q8_0_QS = nbytes(Format.Q8_0), offset(Format.Q8_0, "qs")
+Q8_0_FILE_BYTES, Q8_0_D_BYTES = const(LAYOUTS[Format.Q8_0].nbytes), const(ROW_TAIL_D[Format.Q8_0])
 Q4_0_BYTES, Q4_0_D, Q4_0_QS = nbytes(Format.Q4_0), offset(Format.Q4_0, "d"), offset(Format.Q4_0, "qs")
 Q4_1_BYTES, Q4_1_D, Q4_1_QS = nbytes(Format.Q4_1), offset(Format.Q4_1, "d"), offset(Format.Q4_1, "qs")
 Q4_1_M = offset(Format.Q4_1, "m")
@@ -145,6 +149,8 @@ def check_layouts() -> None:
     stored_runs = (stored_block_bytes(Format.Q3_K), q3.field("qs").offset, q3.field("hmask").offset, scales.offset)
     if any(v % 16 for v in stored_runs) or d.offset != scales.offset + scales.count:
         raise RuntimeError("Q3_K: the int8 GEMV loads its scales and d, qs and hmask runs as 16-byte words; moved")
+    if stored_block_bytes(Format.Q8_0) % 16 or stored_offset(Format.Q8_0, "qs"):
+        raise RuntimeError("Q8_0: the GEMVs load a block's codes as two 16-byte words, d after the row; moved")
     q6 = LAYOUTS[Format.Q6_K]
     q6_runs = (stored_block_bytes(Format.Q6_K), q6.field("ql").offset, q6.field("qh").offset, q6.field("scales").offset)
     if any(v % 16 for v in q6_runs) or q6.field("d").offset != stored_block_bytes(Format.Q6_K):
@@ -183,12 +189,21 @@ def q6_k_d(row, unit, N_UNITS):
 
 
 @triton.jit
+def q8_0_d(row, unit, N_UNITS):
+    """Pointers to the f16 d of block `unit` of the Q8_0 rows at `row` (as `q6_k_d`: the d's follow the row's
+    N_UNITS blocks of 32 codes, `run/stored.py`; a row's stored bytes give N_UNITS as ROW_BYTES // Q8_0_FILE_BYTES)."""
+    return row + N_UNITS * Q8_0_BYTES + unit * Q8_0_D_BYTES
+
+
+@triton.jit
 def block_d(row, unit, FMT: tl.constexpr, ROW_BYTES: tl.constexpr):
     """Where the f16 d of block `unit` of the rows at `row` (byte pointers or offsets of rows of ROW_BYTES stored
-    bytes; broadcasting) lies, for a format that keeps a row's d's after its blocks (Q6_K: `q6_k_d`); for any other
-    format `row` itself (broadcast), which no decode reads."""
+    bytes; broadcasting) lies, for a format that keeps a row's d's after its blocks (Q6_K: `q6_k_d`, Q8_0:
+    `q8_0_d`); for any other format `row` itself (broadcast), which no decode reads."""
     if FMT == FMT_Q6_K:
         return q6_k_d(row, unit, ROW_BYTES // Q6_K_FILE_BYTES)
+    elif FMT == FMT_Q8_0:
+        return q8_0_d(row, unit, ROW_BYTES // Q8_0_FILE_BYTES)
     else:
         return row + unit * 0
 

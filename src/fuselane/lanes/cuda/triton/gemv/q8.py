@@ -12,7 +12,8 @@ back through shared memory before every dp4a chain (sm_90 SASS of the 8B's down 
 registers -> 32; H200 7B decode 382 -> 395 tok/s, 8B 347 -> 343). Q6_K's runs are 16-aligned as the
 device keeps its blocks (`run/stored.py`: a row's 208-byte blocks, then their d's), so each 16-byte run of ql and
 qh is one 128-bit load too; in the file's 210-byte blocks every other block's runs sat 2 bytes past a word, five
-aligned 32-bit loads funnel-shifted into four words (`int8_words.ld_run`). Q8_0 and Q5_0 keep `load_chunk`'s loads.
+aligned 32-bit loads funnel-shifted into four words (`int8_words.ld_run`). Q8_0's codes are kept apart from their
+d's (`run/stored.py`), each half of a block one 128-bit load too. Q5_0 keeps `load_chunk`'s loads.
 
 The activation (`Q8Acts`): `q` int8 (k,) codes, `d` f32 (k / 32,) scales (largest |x| of the block / 127, a
 code is round(x / d)), and `s` f32 (k / 16,) each 16 values' d * (sum of codes). A format with a minimum or a
@@ -52,7 +53,7 @@ from fuselane.lanes.cuda.triton.gemv.fast import (
     q4_k_scales_of,
     q6_k_runs,
 )
-from fuselane.lanes.cuda.triton.gemv.int8_words import dot16, dot16_of, ld4, ld_run, words
+from fuselane.lanes.cuda.triton.gemv.int8_words import dot16, dot16_of, ld2, ld4, ld_run, words
 from fuselane.lanes.cuda.triton.gemv.layout import (
     FMT_Q4_K,
     FMT_Q5_0,
@@ -70,8 +71,11 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q6_K_SCALES,
     Q6_QH_HALF,
     Q6_QL_HALF,
+    Q8_0_BYTES,
+    Q8_0_QS,
     const,
     q6_k_d,
+    q8_0_d,
 )
 from fuselane.lanes.cuda.triton.gemv.parts import Part, check_glu_out, check_rows, part_rows, parts_args, store_parts
 from fuselane.lanes.cuda.triton.gemv.q8_tiles import tile_of
@@ -88,6 +92,7 @@ Q6_BIAS, Q5_BIAS = const(32.0), const(16.0)
 QK_C, QK_K_C, HALF_QK_C = const(QK), const(QK_K), const(QK // 2)
 WORD_VALUES = const(4)  # int8 codes a 32-bit word
 PINNED_C = const(PINNED)  # `FENCE`'s value under weight_loads=ahead
+Q8_0_WIDE_ROW = const(8)  # Q8_0 rows of a multiple of this many blocks end on 16 bytes (`kernels.ROW_ALIGN_BYTES`)
 # Each format's groups a unit (a thread's share of a chunk: see `chunk_acts`) and values a unit; `q8_bodies` holds
 # the formats after the first four
 GROUPS = {Format.Q4_K: K_RUNS.value, Format.Q6_K: Q6_RUNS.value, Format.Q8_0: 1, Format.Q5_0: 1} | q8_bodies.GROUPS
@@ -146,6 +151,25 @@ def _raw_q6_k(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.
 
 
 @triton.jit
+def _raw_q8_0(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr, PINNED: tl.constexpr):
+    """Q8_0's raw chunk: each group's (a block's) d and its 32 codes as eight [N, G] words, in one thread: the
+    device keeps a row's codes 32 bytes a block and its d's after them (`run/stored.py`), so each half of a block
+    is one 128-bit load (`ld4`; two 64-bit ones where a row's blocks are not a multiple of 8 and rows end on 8
+    bytes), where the file's 34-byte blocks took sixteen 2-byte loads."""
+    unit = tl.arange(0, CHUNK) + u0
+    if CLAMP:
+        unit = tl.minimum(unit, N_UNITS - 1)
+    blk = w_rows[:, None] + (unit * Q8_0_BYTES + Q8_0_QS)[None, :]
+    if N_UNITS // Q8_0_WIDE_ROW * Q8_0_WIDE_ROW == N_UNITS:  # rows of whole 16-byte units: codes on 16 bytes
+        lo = ld4(blk.to(tl.pointer_type(tl.int32)), True, PINNED)
+        hi = ld4((blk + HALF_QK_C).to(tl.pointer_type(tl.int32)), True, PINNED)
+    else:  # rows end on 8 bytes (`kernels.ROW_ALIGN_BYTES`): a block's codes as four 64-bit loads
+        lo = ld2(blk, PINNED) + ld2(blk + 8, PINNED)
+        hi = ld2(blk + HALF_QK_C, PINNED) + ld2(blk + HALF_QK_C + 8, PINNED)
+    return (q8_bodies.half_at(q8_0_d(w_rows[:, None], unit[None, :], N_UNITS)),) + lo + hi
+
+
+@triton.jit
 def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.constexpr,
               PINNED: tl.constexpr = False):  # fmt: skip
     """A chunk's weight bytes: Q4_K's and Q6_K's held apart a group a thread (`_raw_q4_k`, `_raw_q6_k`), the
@@ -154,6 +178,8 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
         return _raw_q4_k(w_rows, u0, N_UNITS, CHUNK, CLAMP, PINNED)
     elif FMT == FMT_Q6_K:
         return _raw_q6_k(w_rows, u0, N_UNITS, CHUNK, CLAMP, PINNED)
+    elif FMT == FMT_Q8_0:
+        return _raw_q8_0(w_rows, u0, N_UNITS, CHUNK, CLAMP, PINNED)
     elif NEW_BODIES_C[FMT]:
         return q8_bodies.raw_chunk(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP, GROUPS_C[FMT], PINNED)
     else:
@@ -259,7 +285,7 @@ def chunk_acts(xq, xd, xs, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, BLOCK_N
         return _quad_runs_of(xq, xd, xs, first, BLOCK_N, live)
     elif FMT == FMT_Q6_K:
         return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + 2 * QK_C, BLOCK_N, live)
-    elif NEW_BODIES_C[FMT]:  # a block's two halves, held apart
+    elif NEW_BODIES_C[FMT] or FMT == FMT_Q8_0:  # a block's two halves, held apart
         return _run_of(xq, xd, xs, first, BLOCK_N, live) + _run_of(xq, xd, xs, first + HALF_QK_C, BLOCK_N, live)
     else:
         return _run(xq, xd, xs, first, BLOCK_N, live) + _run(xq, xd, xs, first + HALF_QK_C, BLOCK_N, live)
@@ -310,10 +336,10 @@ def _q6_codes(ql, qh, shift):
 
 @triton.jit
 def _q8_0(raw, acts):
-    """Q8_0: group g is block u0 + g, its bytes 0-15 and 16-31 signed codes."""
-    d, qa, qb = raw
-    a_lo, da, _, a_hi, _, _ = acts
-    sumi = dot16(words(qa), a_lo, True) + dot16(words(qb), a_hi, True)
+    """Q8_0: group g is block u0 + g, its bytes 0-15 and 16-31 signed codes (four words each)."""
+    d, w0, w1, w2, w3, v0, v1, v2, v3 = raw
+    a0, a1, a2, a3, da, _, b0, b1, b2, b3, _, _ = acts
+    sumi = dot16_of(w0, w1, w2, w3, a0, a1, a2, a3, True) + dot16_of(v0, v1, v2, v3, b0, b1, b2, b3, True)
     return d * da * sumi.to(tl.float32)
 
 
@@ -483,9 +509,9 @@ def supports(fmt: Format | int, m: int, k: int) -> bool:
     return m == 1 and fmt in FORMATS and k % UNIT_VALUES[Format(fmt)] == 0
 
 
-# the alignment each format's loads need of its rows' start (Q4_K's header, runs and activations, Q6_K's runs as
-# the lane stores them: `ld4`)
-ALIGN = {Format.Q4_K: LOAD_BYTES, Format.Q6_K: LOAD_BYTES} | q8_bodies.ALIGN
+# the alignment each format's loads need of its rows' start (Q4_K's header, runs and activations, Q6_K's runs and
+# Q8_0's codes as the lane stores them: `ld4`)
+ALIGN = {Format.Q4_K: LOAD_BYTES, Format.Q6_K: LOAD_BYTES, Format.Q8_0: LOAD_BYTES} | q8_bodies.ALIGN
 
 
 def check_aligned(weights: Sequence[Tensor], fmt: Format) -> None:

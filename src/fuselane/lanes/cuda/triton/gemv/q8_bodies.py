@@ -150,7 +150,7 @@ def _word(ptr):
 
 
 @triton.jit
-def _half(ptr):
+def half_at(ptr):
     """The f16 at each 2-aligned byte address, as f32."""
     return _f16(ld_scalar(ptr, 2))
 
@@ -172,16 +172,16 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
         return head + qs + ld4(_i32(blk + (r % 2) * RUN_BYTES + Q5_K_QH), True, PINNED)
     elif FMT == FMT_Q4_0:
         blk = w_rows[:, None] + (unit * Q4_0_BYTES)[None, :]
-        return (_half(blk + Q4_0_D),) + ld_run(blk + Q4_0_QS, PINNED)
+        return (half_at(blk + Q4_0_D),) + ld_run(blk + Q4_0_QS, PINNED)
     elif FMT == FMT_IQ4_NL:
         blk = w_rows[:, None] + (unit * IQ4_NL_BYTES)[None, :]
-        return (_half(blk + IQ4_NL_D),) + ld_run(blk + IQ4_NL_QS, PINNED)
+        return (half_at(blk + IQ4_NL_D),) + ld_run(blk + IQ4_NL_QS, PINNED)
     elif FMT == FMT_Q4_1:
         blk = w_rows[:, None] + (unit * Q4_1_BYTES)[None, :]
-        return (_half(blk + Q4_1_D), _half(blk + Q4_1_M)) + ld_words(blk + Q4_1_QS, PINNED)
+        return (half_at(blk + Q4_1_D), half_at(blk + Q4_1_M)) + ld_words(blk + Q4_1_QS, PINNED)
     elif FMT == FMT_Q5_1:
         blk = w_rows[:, None] + (unit * Q5_1_BYTES)[None, :]
-        return (_half(blk + Q5_1_D), _half(blk + Q5_1_M), _word(blk + Q5_1_QH)) + ld_words(blk + Q5_1_QS, PINNED)
+        return (half_at(blk + Q5_1_D), half_at(blk + Q5_1_M), _word(blk + Q5_1_QH)) + ld_words(blk + Q5_1_QS, PINNED)
     elif FMT == FMT_IQ4_XS:  # d and scales_h as one word, scales_l the next; the sub-block's 16 qs bytes
         tl.static_assert(IQ4_XS_SCALES_L == IQ4_XS_D + 4, "IQ4_XS's header is one 8-byte load")
         blk = w_rows[:, None] + (unit * IQ4_XS_BYTES)[None, :]

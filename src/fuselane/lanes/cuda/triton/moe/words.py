@@ -17,9 +17,10 @@ sub-block.
   byte 4a + c (a < 16) holds value 128H + 4a + c in its low nibble and 64 more in its high one, qh byte
   32H + 4(a % 8) + c their top bits (crumb a // 8, and 2 more), so [BLOCK_N, 2 (H), 2 (nibble), 16 (a), 4 (c)]
   is value 128H + 64 * nibble + 4a + c, scale (128H + 64 * nibble + 4a) // 16.
-- Q8_0 (34 bytes): [BLOCK_N, block, 8 (word), 4 (byte)], the signed byte through the 2^23 trick with its
-  sign bit flipped; Q5_0 (22 bytes): [BLOCK_N, block, 2 (nibble), 4 (word of qs), 4 (byte)], value 16 *
-  nibble + 4 * word + byte, its fifth bit that bit of qh.
+- Q8_0 (32 code bytes a block as the lane keeps them, their d's after the row's): [BLOCK_N, block, 8 (word),
+  4 (byte)], the signed byte through the 2^23 trick with its sign bit flipped; Q5_0 (22 bytes): [BLOCK_N,
+  block, 2 (nibble), 4 (word of qs), 4 (byte)], value 16 * nibble + 4 * word + byte, its fifth bit that bit of
+  qh.
 
 A field 2 bytes past a word (the 2-aligned formats' blocks at an odd multiple of 2 bytes) is read from its
 two aligned neighbours (a funnel shift; the second word is not read where the field is aligned). A block's
@@ -31,9 +32,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import Format
+from fuselane.gguf.formats import LAYOUTS, Format
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.plan.kernels import stored_row_bytes, stored_span_bytes
+from fuselane.lanes.cuda.plan.kernels import stored_block_bytes, stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.layout import (
     BIT,
@@ -63,6 +64,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q6_K_QL,
     Q6_K_SCALES,
     Q8_0_BYTES,
+    Q8_0_D_BYTES,
     Q8_0_QS,
     SIGN_BIT,
     SIGNED_BYTE_BIAS,
@@ -170,16 +172,18 @@ def _f16_at(w, off):
 
 
 @triton.jit
-def _q8_0_tile(w, off, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
-    """[BLOCK_N, KW] f32: values part * KW on of the Q8_0 rows at byte offsets `off`: KW // 32 blocks of 34
-    bytes, [BLOCK_N, block, 8 (word), 4 (byte)]; value = d * q, q the signed byte (through the 2^23 trick with
-    its sign bit flipped: q + 128)."""
-    blk = off[:, None, None, None] + (part * (KW // 32) + tl.arange(0, KW // 32))[None, :, None, None] * Q8_0_BYTES
+def _q8_0_tile(w, off, doff, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """[BLOCK_N, KW] f32: values part * KW on of the Q8_0 rows at byte offsets `off`: KW // 32 blocks of 32 codes
+    as the device keeps them (their d's from `doff` on, after the row's blocks: `block_d`), [BLOCK_N, block, 8
+    (word), 4 (byte)]; value = d * q, q the signed byte (through the 2^23 trick with its sign bit flipped: q + 128)."""
+    u = (part * (KW // 32) + tl.arange(0, KW // 32))[None, :, None, None]
+    blk = off[:, None, None, None] + u * Q8_0_BYTES
     p, mis = _at(w, blk, Q8_0_QS)
     words = _word_at(p + tl.arange(0, 8)[None, None, :, None], mis)  # [BLOCK_N, U, 8, 1]
     c = tl.arange(0, 4)[None, None, None, :]
     code = (((words >> (c * BYTE_BITS).to(tl.uint32)) & BYTE) ^ SIGN_BIT) | F32_TWO_23_BITS
-    v = _f16_at(w, blk) * in_two_23(code.to(tl.int32, bitcast=True), SIGNED_BYTE_BIAS)
+    d = _f16_at(w, doff[:, None, None, None] + u * Q8_0_D_BYTES)
+    v = d * in_two_23(code.to(tl.int32, bitcast=True), SIGNED_BYTE_BIAS)
     return tl.reshape(v, [BLOCK_N, KW])
 
 
@@ -213,7 +217,7 @@ def word_tile(w, off, doff, part, FMT: tl.constexpr, BLOCK_N: tl.constexpr, KW: 
     elif FMT == FMT_Q6_K:
         v = _q6_k_tile(w, off, doff, part, BLOCK_N, KW)
     elif FMT == FMT_Q8_0:
-        v = _q8_0_tile(w, off, part, BLOCK_N, KW)
+        v = _q8_0_tile(w, off, doff, part, BLOCK_N, KW)
     else:
         tl.static_assert(FMT == FMT_Q5_0, "no word decode for this format")
         v = _q5_0_tile(w, off, part, BLOCK_N, KW)
@@ -221,12 +225,12 @@ def word_tile(w, off, doff, part, FMT: tl.constexpr, BLOCK_N: tl.constexpr, KW: 
 
 
 @triton.jit
-def _decode_kernel(w, out, ROW_BYTES: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, NBYTES: tl.constexpr,
-                   BLOCK_N: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def _decode_kernel(w, out, ROW_BYTES: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, VALUES: tl.constexpr,
+                   NBYTES: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     pdl.begin(PDL)  # out[r, KW s:KW s + KW]: program 0's tile of rows, program 1's step s (the tests' entry)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     s = tl.program_id(1)
-    unit, part = (s * KW) // 256, (s * KW) % 256 // KW
+    unit, part = (s * KW) // VALUES, (s * KW) % VALUES // KW  # the step's first block, and its part of it
     row = rows.to(tl.int64) * ROW_BYTES
     v = word_tile(w, row + unit * NBYTES, block_d(row, unit, FMT, ROW_BYTES), part, FMT, BLOCK_N, KW)
     cols = s * KW + tl.arange(0, KW)
@@ -239,6 +243,6 @@ def decode(w, fmt: Format, n: int, k: int, out, *, block_n: int = 4, step: int =
     `fuselane.gguf.dequant` on its own."""
     fmt = Format(fmt)
     _decode_kernel[(triton.cdiv(n, block_n), k // step)](
-        w, out, ROW_BYTES=stored_row_bytes(fmt, k), K=k, FMT=int(fmt), NBYTES=stored_span_bytes(fmt, 256),
-        BLOCK_N=block_n, KW=step, **pdl.options(),
+        w, out, ROW_BYTES=stored_row_bytes(fmt, k), K=k, FMT=int(fmt), VALUES=LAYOUTS[fmt].values,
+        NBYTES=stored_block_bytes(fmt), BLOCK_N=block_n, KW=step, **pdl.options(),
     )  # fmt: skip
