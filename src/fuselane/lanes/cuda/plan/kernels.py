@@ -204,7 +204,7 @@ DECODED_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q5_0, Format.Q5_1,
 # a head of a multiple of these rows is whole rows of programs at any width. A product in any other format
 # reads the f32 activation.
 INT8_GEMV_TILE_ROWS = {
-    Format.Q4_K: 4, Format.Q6_K: 4, Format.Q8_0: 2, Format.Q5_0: 4, Format.Q5_K: 4, Format.Q4_0: 4, Format.Q4_1: 4,
+    Format.Q4_K: 4, Format.Q6_K: 4, Format.Q8_0: 4, Format.Q5_0: 4, Format.Q5_K: 4, Format.Q4_0: 4, Format.Q4_1: 4,
     Format.Q5_1: 4, Format.IQ4_NL: 4, Format.IQ4_XS: 4, Format.Q3_K: 2, Format.Q2_K: 2,
 }  # fmt: skip
 INT8_GEMV_FORMATS = frozenset(INT8_GEMV_TILE_ROWS)

@@ -60,6 +60,12 @@ NARROW_TALL_TILES = TALL_TILES | {Format.Q4_K: (2, 2, 2)}
 # of the three), so they keep TILES'.
 SHORT_K = 3072
 SHORT_TILES = TILES | {Format.Q6_K: (4, 2, 2)}
+# Q8_0 as the lane keeps it (a block's codes two 128-bit loads, `run/stored.py`; set after the tables above took
+# (2, 2, 2) from TILES): the whole step of Qwen3-0.6B (H100, 2026-12-06) at (2, 2, 2) everywhere 0.766 ms; its
+# short rows (k 1,024) at four rows and four warps 0.708, its 3,072-value down at two rows and eight warps 0.737;
+# its gated pair within 1 % at every tile (`benchmarks/RESULTS.md`).
+SHORT_TILES[Format.Q8_0] = (4, 4, 1)
+TILES[Format.Q8_0] = (2, 8, 1)
 
 
 def tile_of(fmt: Format, k: int, n: int | None = None, *, glu: bool = False) -> tuple[int, int, int]:
