@@ -29,8 +29,10 @@ from fuselane.lanes.cuda.triton.gemv.weight_loads import FENCED, PINNED, weight_
 
 N = 5  # rows: two tiles of the small tile below, the second partial
 SMALL_TILE = {"block_n": 4, "warps": 1, "per_thread": 1}  # several chunks a row at these widths
-# a format for each kind of load the knob switches: `ld4` (Q4_K, Q5_K), `ld_run` (Q6_K, Q4_0), `ld_words` (Q2_K)
-FORMATS = {Format.Q4_K: 768, Format.Q6_K: 768, Format.Q5_K: 768, Format.Q2_K: 1792, Format.Q4_0: 800}
+# a format for each kind of load the knob switches: `ld4` (Q4_K, Q5_K, Q8_0's rows of whole 16-byte units), `ld_run`
+# (Q6_K, Q4_0), `ld_words` (Q2_K), `ld2` (Q8_0's rows that end on 8 bytes: 800 values)
+FORMATS = {Format.Q4_K: 768, Format.Q6_K: 768, Format.Q5_K: 768, Format.Q2_K: 1792, Format.Q4_0: 800, Format.Q8_0: 1024}
+LD2_ROWS = {Format.Q8_0: 800}
 
 
 def test_the_fence_follows_the_mode() -> None:
@@ -54,9 +56,11 @@ def _products(fmt: Format, k: int, rng: np.random.Generator) -> tuple[torch.Tens
     return out, glu
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_ahead_sums_are_the_defaults_bit_for_bit(fmt: Format) -> None:
-    k = FORMATS[fmt]
+CASES = [(f, k) for f, k in FORMATS.items()] + [(f, k) for f, k in LD2_ROWS.items()]
+
+
+@pytest.mark.parametrize(("fmt", "k"), CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_ahead_sums_are_the_defaults_bit_for_bit(fmt: Format, k: int) -> None:
     plain = _products(fmt, k, np.random.default_rng(int(fmt)))
     with weight_loads(WeightLoads.AHEAD):
         ahead = _products(fmt, k, np.random.default_rng(int(fmt)))
