@@ -26,13 +26,14 @@ Under Triton's interpreter (`TRITON_INTERPRET=1`, CI without a GPU) the word-lev
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuselane.gguf.formats import QK, QK_K, Format
+from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format
 from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import fast, q8_bodies
@@ -92,7 +93,9 @@ Q6_BIAS, Q5_BIAS = const(32.0), const(16.0)
 QK_C, QK_K_C, HALF_QK_C = const(QK), const(QK_K), const(QK // 2)
 WORD_VALUES = const(4)  # int8 codes a 32-bit word
 PINNED_C = const(PINNED)  # `FENCE`'s value under weight_loads=ahead
-Q8_0_WIDE_ROW = const(8)  # Q8_0 rows of a multiple of this many blocks end on 16 bytes (`kernels.ROW_ALIGN_BYTES`)
+# Q8_0 rows of a multiple of this many blocks (8 of 34 bytes) end on 16 bytes, so every block's codes start on 16
+Q8_0_WIDE_ROW = const(CODES_ALIGN // math.gcd(LAYOUTS[Format.Q8_0].nbytes, CODES_ALIGN))
+DWORD_BYTES = const(8)  # an `ld2` load
 # Each format's groups a unit (a thread's share of a chunk: see `chunk_acts`) and values a unit; `q8_bodies` holds
 # the formats after the first four
 GROUPS = {Format.Q4_K: K_RUNS.value, Format.Q6_K: Q6_RUNS.value, Format.Q8_0: 1, Format.Q5_0: 1} | q8_bodies.GROUPS
@@ -164,8 +167,8 @@ def _raw_q8_0(w_rows, u0, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, CLAMP: tl.
         lo = ld4(blk.to(tl.pointer_type(tl.int32)), True, PINNED)
         hi = ld4((blk + HALF_QK_C).to(tl.pointer_type(tl.int32)), True, PINNED)
     else:  # rows end on 8 bytes (`kernels.ROW_ALIGN_BYTES`): a block's codes as four 64-bit loads
-        lo = ld2(blk, PINNED) + ld2(blk + 8, PINNED)
-        hi = ld2(blk + HALF_QK_C, PINNED) + ld2(blk + HALF_QK_C + 8, PINNED)
+        lo = ld2(blk, PINNED) + ld2(blk + DWORD_BYTES, PINNED)
+        hi = ld2(blk + HALF_QK_C, PINNED) + ld2(blk + HALF_QK_C + DWORD_BYTES, PINNED)
     return (q8_bodies.half_at(q8_0_d(w_rows[:, None], unit[None, :], N_UNITS)),) + lo + hi
 
 
