@@ -15,8 +15,8 @@ The embedding gather dequantizes its rows in the kernel from the checkpoint's ow
 field at its byte offset in the block as the device keeps it (`kernels.stored_offset`): the table stays in its
 quantized form on the device, and a token's row costs a few hundred bytes instead of a dequantized copy of the
 table. Fields are read a byte at a time and assembled, so a block of any byte size (22 for Q5_0) needs no
-alignment (a Q6_K or Q8_0 block's d sits after its row's blocks on the device: `layout.q6_k_d`,
-`layout.q8_0_d`); a step gathers one row, so the extra loads cost nothing that matters.
+alignment (a Q6_K or Q8_0 block's d sits after its row's blocks on the device: `layout.block_d`); a step
+gathers one row, so the extra loads cost nothing that matters.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from fuselane.gguf.formats import LAYOUTS, QK, Format
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.kernels import ROW_TAIL_D, stored_block_bytes, stored_offset, stored_row_bytes
 from fuselane.lanes.cuda.triton import gather_formats, pdl
-from fuselane.lanes.cuda.triton.gemv.layout import Q6_K_FILE_BYTES, Q8_0_FILE_BYTES, q6_k_d, q8_0_d
+from fuselane.lanes.cuda.triton.gemv.layout import block_d
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts, store_quantized
 
 QB = tl.constexpr(QK)  # values an int8 block's scale covers
@@ -309,7 +309,7 @@ def _decode(
         bits = (_byte(row + 2 * j, mask) | (_byte(row + 2 * j + 1, mask) << 8)) << 16
         v = bits.to(tl.float32, bitcast=True)
     elif FMT == Q8_0:
-        v = _i8_at(blk + OFF_QS + t, mask) * _f16_at(q8_0_d(row, j // VALUES, ROW_BYTES // Q8_0_FILE_BYTES), mask)
+        v = _i8_at(blk + OFF_QS + t, mask) * _f16_at(block_d(row, j // VALUES, FMT, ROW_BYTES), mask)
     elif FMT == Q5_0:
         # value t: its low four bits are nibble (t // 16) of qs[t % 16]; its fifth is bit t of qh (a u32)
         nib = (_byte(blk + OFF_QS + t % 16, mask) >> ((t // 16) * 4)) & 0xF
@@ -342,7 +342,7 @@ def _decode(
         nib = (_byte(blk + OFF_QS + h * 64 + r % 64, mask) >> ((r // 64) * 4)) & 0xF
         top = (_byte(blk + OFF_QH + h * 32 + r % 32, mask) >> ((r // 32) * 2)) & 0x3
         code = (nib | (top << 4)).to(tl.int32) - Q6_K_ZERO
-        d = _f16_at(q6_k_d(row, j // VALUES, ROW_BYTES // Q6_K_FILE_BYTES), mask)
+        d = _f16_at(block_d(row, j // VALUES, FMT, ROW_BYTES), mask)
         d *= _i8_at(blk + OFF_SCALES + t // 16, mask)
         v = d * code.to(tl.float32)
     return v
@@ -409,7 +409,7 @@ def _embed_norm_kernel(
 
 def _offset(fmt: Format, name: str) -> int:
     """Field `name`'s offset in a block of `fmt` as the device keeps it; 0 where the block has no such field (a d
-    kept after the row's blocks: `q8_0_d`, `q6_k_d`), which the decode then does not read."""
+    kept after the row's blocks: `layout.block_d`), which the decode then does not read."""
     names = {f.name for f in LAYOUTS[fmt].fields}
     if name not in names or (name == "d" and fmt in ROW_TAIL_D):
         return 0
