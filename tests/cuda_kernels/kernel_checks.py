@@ -41,7 +41,7 @@ def norm_rel(n: int) -> float:
 class FileBlocks(np.ndarray):
     """A matrix's bytes as the file has them, tagged with their format and a row's bytes (kept by slices and
     reshapes): `dev` puts them on the device as the lane keeps them (`run/stored.py`: Q3_K's blocks in 112
-    bytes, Q6_K's and Q8_0's d's after a row's blocks), while a reference reads them as they are."""
+    bytes, Q6_K's, Q8_0's and Q2_K's d's after a row's blocks), while a reference reads them as they are."""
 
     fmt: Format | None = None
     row_bytes: int | None = None

@@ -1,8 +1,8 @@
 """The weights' layout on the cuda lane's device (`run/stored.py`, `kernels.STORED_BLOCK_BYTES`, `ROW_TAIL_D`):
-Q3_K's blocks padded to 112 bytes; Q6_K's and Q8_0's rows split into their blocks' bytes but d (Q6_K's first
-208, Q8_0's 32 codes), then the blocks' d's, then zeros to a 16-byte end; the bytes each adds, and the device
-decode reading them back as `gguf.dequant` does. Host-only but for the last cases, which run the decode kernel
-(interpreted without a GPU)."""
+Q3_K's blocks padded to 112 bytes; Q6_K's, Q8_0's and Q2_K's rows split into their blocks' bytes but d (Q6_K's
+first 208, Q8_0's 32 codes, Q2_K's scales and qs, its dmin kept with its d), then the blocks' d's, then zeros to
+a 16-byte end (Q8_0: 8); the bytes each adds, and the device decode reading them back as `gguf.dequant` does.
+Host-only but for the last cases, which run the decode kernel (interpreted without a GPU)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def _q6_k_rows(rows: int, blocks: int, seed: int = 0) -> np.ndarray:
     return _rows(Format.Q6_K, rows, blocks, seed)
 
 
-def test_q6_k_and_q8_0_rows_are_split():
-    assert {Format.Q6_K, Format.Q8_0} <= set(SPLIT)
+def test_q6_k_q8_0_and_q2_k_rows_are_split():
+    assert {Format.Q6_K, Format.Q8_0, Format.Q2_K} <= set(SPLIT)
 
 
 @pytest.mark.parametrize("fmt", SPLIT, ids=lambda f: f.name)
@@ -41,13 +41,14 @@ def test_a_split_row_keeps_its_blocks_then_its_ds_then_zeros_to_16_bytes(fmt, bl
     width = kernels.stored_row_bytes(fmt, blocks * lay.values)
     assert out.shape[1] == width and width % kernels.ROW_ALIGN_BYTES[fmt] == 0 and width - row_bytes < 16
     file = raw.reshape(rows, blocks, lay.nbytes)
-    d_at, stride = lay.field("d").offset, kernels.stored_block_bytes(fmt)
-    assert stride == lay.nbytes - 2 and stride % 16 == 0  # every block's runs start on 16 bytes
+    d_at, stride, tail = lay.field("d").offset, kernels.stored_block_bytes(fmt), kernels.ROW_TAIL_D[fmt]
+    assert stride == lay.nbytes - tail and stride % 16 == 0  # every block's runs start on 16 bytes
     for r in range(rows):
         for b in range(blocks):
-            block = np.concatenate([file[r, b, :d_at], file[r, b, d_at + 2 :]])
+            block = np.concatenate([file[r, b, :d_at], file[r, b, d_at + tail :]])
             assert (out[r, b * stride : (b + 1) * stride] == block).all()
-            assert (out[r, blocks * stride + 2 * b : blocks * stride + 2 * b + 2] == file[r, b, d_at : d_at + 2]).all()
+            ds = out[r, blocks * stride + tail * b : blocks * stride + tail * (b + 1)]
+            assert (ds == file[r, b, d_at : d_at + tail]).all()
         assert not out[r, row_bytes:].any()  # the row's padding
     assert stored.surplus(fmt, raw.size, row_bytes) == rows * (width - row_bytes)
 
@@ -56,8 +57,13 @@ def test_a_stored_offset_moves_past_a_d_kept_after_the_row():
     assert kernels.stored_offset(Format.Q8_0, "qs") == 0
     assert kernels.stored_offset(Format.Q6_K, "scales") == Q6.field("scales").offset
     assert kernels.stored_offset(Format.Q4_K, "qs") == LAYOUTS[Format.Q4_K].field("qs").offset
+    assert kernels.stored_offset(Format.Q2_K, "qs") == LAYOUTS[Format.Q2_K].field("qs").offset
     with pytest.raises(ValueError, match="after its row"):
         kernels.stored_offset(Format.Q8_0, "d")
+    with pytest.raises(ValueError, match="dmin is kept after its row"):
+        kernels.stored_offset(Format.Q2_K, "dmin")
+    assert kernels.kept_after_row(Format.Q2_K, "dmin") and not kernels.kept_after_row(Format.Q2_K, "scales")
+    assert not kernels.kept_after_row(Format.Q4_K, "dmin")
 
 
 def test_a_matrix_with_rows_takes_its_row_from_its_last_axis():
@@ -87,14 +93,16 @@ def test_q3_k_pads_each_block_and_the_other_formats_keep_the_files_bytes():
     assert not stored.relaid(Format.Q4_K) and stored.relaid(Format.Q6_K) and stored.relaid(Format.Q3_K)
 
 
-@pytest.mark.parametrize(("fmt", "blocks"), [(Format.Q6_K, 3), (Format.Q8_0, 5)], ids=["Q6_K", "Q8_0"])
+@pytest.mark.parametrize(
+    ("fmt", "blocks"), [(Format.Q6_K, 3), (Format.Q8_0, 5), (Format.Q2_K, 3)], ids=["Q6_K", "Q8_0", "Q2_K"]
+)
 def test_the_device_decode_reads_the_split_rows_as_dequant_does(fmt, blocks):
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
     from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize as device_dequantize
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    lay, rows = LAYOUTS[fmt], 5  # rows of 630 (170) bytes: 640 (176) on the device, each row's start moved
+    lay, rows = LAYOUTS[fmt], 5  # rows of 630 (170, 252) bytes: 640 (176, 256) on the device, each row moved
     raw = _rows(fmt, rows, blocks, seed=4)
     assert kernels.stored_row_bytes(fmt, blocks * lay.values) != blocks * lay.nbytes
     w = torch.from_numpy(stored.stored_bytes(fmt, raw, blocks * lay.nbytes)).to(device)

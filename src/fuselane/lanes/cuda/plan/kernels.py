@@ -52,11 +52,15 @@ QBLOCK = contract.QBLOCK
 # the 7B Q8_0's decode +14 %). Its rows end on 8 bytes, not 16: a row of a multiple of 128 values then needs no
 # padding (Qwen2.5-0.5B's 896 would take 8 bytes a row on 16, 1.2 MB on its head, which cost the model's 512-row
 # prompt chunks their share), and the int8 GEMV reads rows that do not end on 16 as four 64-bit loads a block.
-STORED_BLOCK_BYTES = {Format.Q3_K: 112, Format.Q6_K: 208, Format.Q8_0: 32}
-# Formats whose blocks' f16 scale d is kept after a row's blocks (bytes a block), not in each block
-ROW_TAIL_D = {Format.Q6_K: 2, Format.Q8_0: 2}
+# A Q2_K block (84 bytes: scales 16, qs 64, d 2, dmin 2) is split too, its d and dmin (one 32-bit word) after the
+# row: the 80 bytes left are five 16-byte runs, so a group of the int8 GEMV reads its half's scales in one 64-bit
+# load and its qs run in one 128-bit load where the file's 84-byte blocks (4-byte aligned) took six 32-bit loads.
+STORED_BLOCK_BYTES = {Format.Q2_K: 80, Format.Q3_K: 112, Format.Q6_K: 208, Format.Q8_0: 32}
+# Formats whose blocks' f16 scale d (and Q2_K's dmin after it) is kept after a row's blocks (bytes a block), not in
+# each block
+ROW_TAIL_D = {Format.Q2_K: 4, Format.Q6_K: 2, Format.Q8_0: 2}
 # A row of a ROW_TAIL_D format ends on this many bytes, so the next row's runs start aligned for its loads
-ROW_ALIGN_BYTES = {Format.Q6_K: 16, Format.Q8_0: 8}
+ROW_ALIGN_BYTES = {Format.Q2_K: 16, Format.Q6_K: 16, Format.Q8_0: 8}
 
 
 def stored_block_bytes(fmt: Format) -> int:
@@ -72,9 +76,20 @@ def stored_offset(fmt: Format, field: str) -> int:
     tail = ROW_TAIL_D.get(Format(fmt))
     if tail is None:
         return at
-    if field == "d":
-        raise ValueError(f"{Format(fmt).name}'s d is kept after its row's blocks, not in a block")
+    if kept_after_row(fmt, field):
+        raise ValueError(f"{Format(fmt).name}'s {field} is kept after its row's blocks, not in a block")
     return at - tail if lay.field("d").offset < at else at
+
+
+def kept_after_row(fmt: Format, field: str) -> bool:
+    """Whether `field` of a block of `fmt` is kept after its row's blocks on the device (a `ROW_TAIL_D` format's
+    d, and Q2_K's dmin with it), not in the block."""
+    tail = ROW_TAIL_D.get(Format(fmt))
+    if tail is None:
+        return False
+    lay = LAYOUTS[Format(fmt)]
+    d_at = lay.field("d").offset
+    return d_at <= lay.field(field).offset < d_at + tail
 
 
 def stored_row_bytes(fmt: Format, n_values: int) -> int:

@@ -7,9 +7,10 @@ file's Q2_K), so every format a matrix may be stored in needs a decoder here; a 
 so these favour plainness over speed. Exactness: a scale product (f16 times a code or a sub-block scale of
 at most 8 bits) is exact in f32, and a minimum is added or subtracted with one rounding, as dequant does.
 
-`norm._decode` hands these formats to `decode`; the offsets it passes are the layout's fields under the
-gather's names: OFF_DMIN a minimum (dmin, or Q4_1's / Q5_1's m), OFF_SCALES the packed scales (IQ4_XS's
-scales_l), OFF_QH the high bits (qh, or Q3_K's hmask).
+`norm._decode` hands these formats to `decode` with the address of a block's d (Q2_K's, with its dmin, after its
+row's blocks on the device); the offsets it passes are the layout's fields under the gather's names: OFF_DMIN a
+minimum (dmin, or Q4_1's / Q5_1's m), OFF_SCALES the packed scales (IQ4_XS's scales_l), OFF_QH the high bits (qh,
+or Q3_K's hmask).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import Format
-from fuselane.lanes.cuda.triton.gemv.layout import IQ4_XS_SCALES_H, const
+from fuselane.lanes.cuda.triton.gemv.layout import IQ4_XS_SCALES_H, Q2_K_DMIN_AFTER_D, const
 from fuselane.lanes.cuda.triton.gemv.low_bits import iq4_value
 
 Q5_K = const(int(Format.Q5_K))
@@ -79,30 +80,31 @@ def _k_scale_min(blk, OFF_SCALES: tl.constexpr, sb, mask):
 
 
 @triton.jit
-def decode(blk, t, mask, FMT: tl.constexpr, OFF_D: tl.constexpr, OFF_DMIN: tl.constexpr, OFF_SCALES: tl.constexpr,
+def decode(blk, dp, t, mask, FMT: tl.constexpr, OFF_DMIN: tl.constexpr, OFF_SCALES: tl.constexpr,
            OFF_QS: tl.constexpr, OFF_QH: tl.constexpr):  # fmt: skip
-    """Value t of the block at byte address `blk` (t and blk tensors of one shape), as f32."""
+    """Value t of the block at byte address `blk` (t and blk tensors of one shape), its d at `dp` (in the block, or
+    after its row's blocks: `layout.block_d`), as f32."""
     if FMT == Q5_K:  # Q4_K's codes and scales, and bit sb of qh[t % 32] over each code
         sb = t // SUB
         nib = (_byte(blk + OFF_QS + (t // 64) * 32 + t % SUB, mask) >> ((sb % 2) * 4)) & 0xF
         code = nib | (((_byte(blk + OFF_QH + t % SUB, mask) >> sb) & 1) << NIBBLE_BITS)
         sc, mn = _k_scale_min(blk, OFF_SCALES, sb, mask)
-        v = (_f16(blk + OFF_D, mask) * sc) * code.to(tl.float32) - _f16(blk + OFF_DMIN, mask) * mn
+        v = (_f16(dp, mask) * sc) * code.to(tl.float32) - _f16(blk + OFF_DMIN, mask) * mn
     elif FMT == Q4_0:
-        v = (_nibble(blk, OFF_QS, t, mask) - Q4_ZERO).to(tl.float32) * _f16(blk + OFF_D, mask)
+        v = (_nibble(blk, OFF_QS, t, mask) - Q4_ZERO).to(tl.float32) * _f16(dp, mask)
     elif FMT == Q4_1:
-        v = _nibble(blk, OFF_QS, t, mask).to(tl.float32) * _f16(blk + OFF_D, mask) + _f16(blk + OFF_DMIN, mask)
+        v = _nibble(blk, OFF_QS, t, mask).to(tl.float32) * _f16(dp, mask) + _f16(blk + OFF_DMIN, mask)
     elif FMT == Q5_1:
         code = _nibble(blk, OFF_QS, t, mask) | _fifth(blk, OFF_QH, t, mask)
-        v = code.to(tl.float32) * _f16(blk + OFF_D, mask) + _f16(blk + OFF_DMIN, mask)
+        v = code.to(tl.float32) * _f16(dp, mask) + _f16(blk + OFF_DMIN, mask)
     elif FMT == IQ4_NL:
-        v = _f16(blk + OFF_D, mask) * iq4_value(_nibble(blk, OFF_QS, t, mask))
+        v = _f16(dp, mask) * iq4_value(_nibble(blk, OFF_QS, t, mask))
     elif FMT == IQ4_XS:  # sub-block ib's scale: nibble ib % 2 of scales_l[ib // 2] under crumb ib of scales_h
         ib = t // SUB
         high = _byte(blk + IQ4_XS_SCALES_H + ib // 4, mask) >> ((ib % 4) * 2) & 0x3
         ls = ((_byte(blk + OFF_SCALES + ib // 2, mask) >> ((ib % 2) * NIBBLE_BITS)) & 0xF) | (high << NIBBLE_BITS)
         code = _nibble(blk + ib * HALF_BLOCK, OFF_QS, t % SUB, mask)
-        v = (_f16(blk + OFF_D, mask) * (ls - SCALE_ZERO).to(tl.float32)) * iq4_value(code)
+        v = (_f16(dp, mask) * (ls - SCALE_ZERO).to(tl.float32)) * iq4_value(code)
     elif FMT == Q3_K:  # value t: half n, crumb j of qs[32n + b] and bit 4n + j of hmask[b] (b = t % 32)
         n, j, b = t // HALF, (t % HALF) // SUB, t % SUB
         i = t // HALF_BLOCK  # its scale: nibble i // 8 of scales[i % 8] under crumb i // 4 of scales[8 + i % 4]
@@ -110,12 +112,12 @@ def decode(blk, t, mask, FMT: tl.constexpr, OFF_D: tl.constexpr, OFF_DMIN: tl.co
         sc = low | (((_byte(blk + OFF_SCALES + 8 + i % 4, mask) >> ((i // 4) * 2)) & 0x3) << NIBBLE_BITS)
         crumb = (_byte(blk + OFF_QS + n * SUB + b, mask) >> (j * 2)) & 0x3
         code = crumb | (((_byte(blk + OFF_QH + b, mask) >> (n * 4 + j)) & 1) << 2)
-        v = (_f16(blk + OFF_D, mask) * (sc - SCALE_ZERO).to(tl.float32)) * (code - Q3_ZERO).to(tl.float32)
+        v = (_f16(dp, mask) * (sc - SCALE_ZERO).to(tl.float32)) * (code - Q3_ZERO).to(tl.float32)
     else:
         tl.static_assert(FMT == Q2_K, "no gather decoder for this format")
         n, j, b = t // HALF, (t % HALF) // SUB, t % SUB
         sc = _byte(blk + OFF_SCALES + t // HALF_BLOCK, mask)
         crumb = (_byte(blk + OFF_QS + n * SUB + b, mask) >> (j * 2)) & 0x3
-        dl = _f16(blk + OFF_D, mask) * (sc & 0xF).to(tl.float32)
-        v = dl * crumb.to(tl.float32) - _f16(blk + OFF_DMIN, mask) * (sc >> NIBBLE_BITS).to(tl.float32)
+        dl = _f16(dp, mask) * (sc & 0xF).to(tl.float32)
+        v = dl * crumb.to(tl.float32) - _f16(dp + Q2_K_DMIN_AFTER_D, mask) * (sc >> NIBBLE_BITS).to(tl.float32)
     return v

@@ -92,7 +92,6 @@ HALF_WORD_BITS = const(16)  # a word's upper f16 (a K format's dmin, Q4_1's m) a
 FMT_Q2_K, FMT_Q3_K = const(Format.Q2_K.value), const(Format.Q3_K.value)
 FMT_IQ4_NL, FMT_IQ4_XS = const(Format.IQ4_NL.value), const(Format.IQ4_XS.value)
 Q2_K_SCALES, Q2_K_QS = offset(Format.Q2_K, "scales"), offset(Format.Q2_K, "qs")
-Q2_K_D = offset(Format.Q2_K, "d")  # dmin is the same word's upper half
 Q3_K_HMASK, Q3_K_QS = offset(Format.Q3_K, "hmask"), offset(Format.Q3_K, "qs")
 Q3_K_SCALES, Q3_K_D = offset(Format.Q3_K, "scales"), offset(Format.Q3_K, "d")
 IQ4_NL_D, IQ4_NL_QS = offset(Format.IQ4_NL, "d"), offset(Format.IQ4_NL, "qs")
@@ -266,13 +265,13 @@ def _k_run(blk, j, D: tl.constexpr, SCALES: tl.constexpr, QS: tl.constexpr):
 def run(w, at, dat, j, FMT: tl.constexpr, lut):
     """(codes int8 [BLOCK_N, 32], s0, s1, m0, m1 [BLOCK_N] f32) of run j of each row's block (see the module),
     the blocks at byte offsets `at` ([BLOCK_N] int64) of the matrix `w`, their d's at `dat` where the format keeps
-    them after a row's blocks (Q6_K, Q8_0: `layout.block_d`). `lut` points at the 16 int8 values of
+    them after a row's blocks (Q6_K, Q8_0, Q2_K: `layout.block_d`). `lut` points at the 16 int8 values of
     `IQ4_NL_VALUES` (read by the IQ4 formats only)."""
     blk = w + at
     if FMT == FMT_Q6_K:
         codes, s0, s1, m0, m1 = _q6_k_run(w, at, dat, j)
     elif FMT == FMT_Q2_K:
-        codes, s0, s1, m0, m1 = _q2_k_run(blk, j)
+        codes, s0, s1, m0, m1 = _q2_k_run(blk, w + dat, j)
     elif FMT == FMT_Q3_K:
         codes, s0, s1, m0, m1 = _q3_k_run(w, at, j)
     elif FMT == FMT_IQ4_NL:
@@ -353,10 +352,11 @@ def _crumb_run(blk, QS: tl.constexpr, j):
 
 
 @triton.jit
-def _q2_k_run(blk, j):
+def _q2_k_run(blk, dp, j):
     """Q2_K run j: 2-bit codes; sub-blocks 2j and 2j + 1 of 16 each take d * (scale byte's low nibble) and
-    -dmin * (its high nibble). Their two scale bytes are half of word j // 2 of the scales."""
-    d, dmin = _f16_pair(_word(blk, Q2_K_D))
+    -dmin * (its high nibble). Their two scale bytes are half of word j // 2 of the scales; d and dmin are the
+    word at `dp` (after the row's blocks)."""
+    d, dmin = _f16_pair(_word(dp, 0))
     pair = _word(blk, Q2_K_SCALES + (j // 2) * WORD) >> (HALF_WORD_BITS * (j % 2))
     b0, b1 = pair & BYTE, (pair >> BYTE_BITS) & BYTE
     s0, s1 = d * (b0 & NIBBLE).to(tl.float32), d * (b1 & NIBBLE).to(tl.float32)

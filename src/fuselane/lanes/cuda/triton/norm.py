@@ -15,7 +15,7 @@ The embedding gather dequantizes its rows in the kernel from the checkpoint's ow
 field at its byte offset in the block as the device keeps it (`kernels.stored_offset`): the table stays in its
 quantized form on the device, and a token's row costs a few hundred bytes instead of a dequantized copy of the
 table. Fields are read a byte at a time and assembled, so a block of any byte size (22 for Q5_0) needs no
-alignment (a Q6_K or Q8_0 block's d sits after its row's blocks on the device: `layout.block_d`); a step
+alignment (a Q6_K, Q8_0 or Q2_K block's d sits after its row's blocks on the device: `layout.block_d`); a step
 gathers one row, so the extra loads cost nothing that matters.
 """
 
@@ -29,7 +29,13 @@ import triton.language as tl
 
 from fuselane.gguf.formats import LAYOUTS, QK, Format
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.plan.kernels import ROW_TAIL_D, stored_block_bytes, stored_offset, stored_row_bytes
+from fuselane.lanes.cuda.plan.kernels import (
+    ROW_TAIL_D,
+    kept_after_row,
+    stored_block_bytes,
+    stored_offset,
+    stored_row_bytes,
+)
 from fuselane.lanes.cuda.triton import gather_formats, pdl
 from fuselane.lanes.cuda.triton.gemv.layout import block_d
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts, store_quantized
@@ -45,6 +51,8 @@ Q8_0: tl.constexpr = tl.constexpr(int(Format.Q8_0))
 Q5_0: tl.constexpr = tl.constexpr(int(Format.Q5_0))
 Q4_K: tl.constexpr = tl.constexpr(int(Format.Q4_K))
 Q6_K: tl.constexpr = tl.constexpr(int(Format.Q6_K))
+# every format's flag: its d kept after its row's blocks (`layout.block_d`), not at OFF_D in a block
+ROW_TAIL_C = tl.constexpr({int(f): f in ROW_TAIL_D for f in Format})
 GATHER_FORMATS = (
     frozenset({Format.F32, Format.F16, Format.BF16, Format.Q8_0, Format.Q5_0, Format.Q4_K, Format.Q6_K})
     | gather_formats.FORMATS
@@ -332,7 +340,11 @@ def _decode(
         dmin = _f16_at(blk + OFF_DMIN, mask) * mn.to(tl.float32)
         v = d * nib.to(tl.float32) - dmin
     elif gather_formats.DECODES_C[FMT]:
-        v = gather_formats.decode(blk, t, mask, FMT, OFF_D, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH)
+        if ROW_TAIL_C[FMT]:
+            dp = block_d(row, j // VALUES, FMT, ROW_BYTES)
+        else:
+            dp = blk + OFF_D
+        v = gather_formats.decode(blk, dp, t, mask, FMT, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH)
     else:
         tl.static_assert(FMT == Q6_K, "no gather decoder for this format")
         # two halves of 128: value r of half h takes nibble (r // 64) of ql[h * 64 + r % 64] and, above it,
@@ -411,7 +423,7 @@ def _offset(fmt: Format, name: str) -> int:
     """Field `name`'s offset in a block of `fmt` as the device keeps it; 0 where the block has no such field (a d
     kept after the row's blocks: `layout.block_d`), which the decode then does not read."""
     names = {f.name for f in LAYOUTS[fmt].fields}
-    if name not in names or (name == "d" and fmt in ROW_TAIL_D):
+    if name not in names or kept_after_row(fmt, name):
         return 0
     return stored_offset(fmt, name)
 

@@ -367,8 +367,8 @@ def _k_pair_tile(blk, FMT: tl.constexpr):
 
 @triton.jit
 def _flat_values(blk, qd, t, FMT: tl.constexpr):
-    """[U, len(t)] f32 values t of the units `blk` of any other format (`qd`: Q6_K's and Q8_0's d's, kept after
-    their row's blocks, `layout.block_d`): bit for bit gguf's."""
+    """[U, len(t)] f32 values t of the units `blk` of any other format (`qd`: Q6_K's, Q8_0's and Q2_K's d's, kept
+    after their row's blocks, `layout.block_d`): bit for bit gguf's."""
     if FMT == FMT_Q6_K:
         v = _q6_k_values(blk, qd, t)
     elif FMT == FMT_Q8_0:
@@ -383,7 +383,7 @@ def _flat_values(blk, qd, t, FMT: tl.constexpr):
     elif FMT == FMT_Q5_1:
         v = _nibble_values(blk, t, Q5_1_D, Q5_1_M, Q5_1_QH, Q5_1_QS, 0)
     elif FMT == FMT_Q2_K:
-        v = q2_k_values(blk, t[None, :])
+        v = q2_k_values(blk, qd, t[None, :])
     elif FMT == FMT_Q3_K:
         v = q3_k_values(blk, t[None, :])
     elif FMT == FMT_IQ4_NL:

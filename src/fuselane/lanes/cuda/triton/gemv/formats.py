@@ -127,6 +127,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     in_two_23,
     k_scale_min,
     load_f16,
+    q2_k_d,
     q6_k_d,
     q8_0_d,
 )
@@ -331,10 +332,11 @@ def _dot_nibbles(
 
 
 @triton.jit
-def _low_bit_values(blk, t, FMT: tl.constexpr):
-    """Values t of the units at `blk` (broadcasting together) of Q2_K, Q3_K, IQ4_NL or IQ4_XS, f32."""
+def _low_bit_values(blk, qd, t, FMT: tl.constexpr):
+    """Values t of the units at `blk` (broadcasting together; `qd` their d's where kept after the row, Q2_K's) of
+    Q2_K, Q3_K, IQ4_NL or IQ4_XS, f32."""
     if FMT == FMT_Q2_K:
-        v = q2_k_values(blk, t)
+        v = q2_k_values(blk, qd, t)
     elif FMT == FMT_Q3_K:
         v = q3_k_values(blk, t)
     elif FMT == FMT_IQ4_NL:
@@ -373,7 +375,8 @@ def _dot_values(
     acc = tl.zeros([BLOCK_M, A, BLOCK_N, B], tl.float32)
     for step in tl.range(0, STEPS, num_stages=STAGES):
         blk = _units(w_rows, step, unit, UNITS, NBYTES)
-        w = _low_bit_values(blk[None], t[:, None, :], FMT)  # [A, N, B]
+        qd = q2_k_d(w_rows[:, None], (unit + step * UNITS)[None, :], STEPS * UNITS)  # read by Q2_K only
+        w = _low_bit_values(blk[None], qd[None], t[:, None, :], FMT)  # [A, N, B]
         acc = _acc_dot(acc, w, x_rows[:, None, None] + (val + step * (UNITS * UNIT))[None])
     return tl.sum(tl.sum(acc, axis=1), axis=2)
 

@@ -65,8 +65,11 @@ Q5_K_SCALES, Q5_K_QH, Q5_K_QS = offset(Format.Q5_K, "scales"), offset(Format.Q5_
 Q6_K_BYTES, Q6_K_SCALES = nbytes(Format.Q6_K), offset(Format.Q6_K, "scales")
 Q6_K_FILE_BYTES, Q6_K_D_BYTES = const(LAYOUTS[Format.Q6_K].nbytes), const(ROW_TAIL_D[Format.Q6_K])
 Q6_K_QL, Q6_K_QH = offset(Format.Q6_K, "ql"), offset(Format.Q6_K, "qh")
+# Q2_K on the device (`run/stored.py`): a block's scales and qs Q2_K_BYTES (80) apart, its d and dmin (a word) after
+# the row's blocks (`q2_k_d`), dmin Q2_K_DMIN_AFTER_D bytes past d
 Q2_K_BYTES, Q2_K_SCALES, Q2_K_QS = nbytes(Format.Q2_K), offset(Format.Q2_K, "scales"), offset(Format.Q2_K, "qs")
-Q2_K_D, Q2_K_DMIN = offset(Format.Q2_K, "d"), offset(Format.Q2_K, "dmin")
+Q2_K_FILE_BYTES, Q2_K_D_BYTES = const(LAYOUTS[Format.Q2_K].nbytes), const(ROW_TAIL_D[Format.Q2_K])
+Q2_K_DMIN_AFTER_D = const(LAYOUTS[Format.Q2_K].field("dmin").offset - LAYOUTS[Format.Q2_K].field("d").offset)
 Q3_K_BYTES, Q3_K_HMASK, Q3_K_QS = nbytes(Format.Q3_K), offset(Format.Q3_K, "hmask"), offset(Format.Q3_K, "qs")
 Q3_K_SCALES, Q3_K_D = offset(Format.Q3_K, "scales"), offset(Format.Q3_K, "d")
 IQ4_NL_BYTES, IQ4_NL_D, IQ4_NL_QS = nbytes(Format.IQ4_NL), offset(Format.IQ4_NL, "d"), offset(Format.IQ4_NL, "qs")
@@ -149,6 +152,10 @@ def check_layouts() -> None:
     stored_runs = (stored_block_bytes(Format.Q3_K), q3.field("qs").offset, q3.field("hmask").offset, scales.offset)
     if any(v % 16 for v in stored_runs) or d.offset != scales.offset + scales.count:
         raise RuntimeError("Q3_K: the int8 GEMV loads its scales and d, qs and hmask runs as 16-byte words; moved")
+    q2 = LAYOUTS[Format.Q2_K]
+    q2_runs = (stored_block_bytes(Format.Q2_K), q2.field("qs").offset, q2.field("scales").offset)
+    if any(v % 16 for v in q2_runs) or q2.field("d").offset != stored_block_bytes(Format.Q2_K):
+        raise RuntimeError("Q2_K: the int8 GEMV loads its scales and qs runs as 16-byte words, d after the row; moved")
     if stored_block_bytes(Format.Q8_0) % 16 or stored_offset(Format.Q8_0, "qs"):
         raise RuntimeError("Q8_0: the GEMVs load a block's codes as two 16-byte words, d after the row; moved")
     q6 = LAYOUTS[Format.Q6_K]
@@ -196,14 +203,23 @@ def q8_0_d(row, unit, N_UNITS):
 
 
 @triton.jit
+def q2_k_d(row, unit, N_UNITS):
+    """Pointers to the f16 d of block `unit` of the Q2_K rows at `row` (as `q6_k_d`: the d's, each with its dmin
+    Q2_K_DMIN_AFTER_D bytes on, follow the row's N_UNITS blocks; N_UNITS is ROW_BYTES // Q2_K_FILE_BYTES)."""
+    return row + N_UNITS * Q2_K_BYTES + unit * Q2_K_D_BYTES
+
+
+@triton.jit
 def block_d(row, unit, FMT: tl.constexpr, ROW_BYTES: tl.constexpr):
     """Where the f16 d of block `unit` of the rows at `row` (byte pointers or offsets of rows of ROW_BYTES stored
     bytes; broadcasting) lies, for a format that keeps a row's d's after its blocks (Q6_K: `q6_k_d`, Q8_0:
-    `q8_0_d`); for any other format `row` itself (broadcast), which no decode reads."""
+    `q8_0_d`, Q2_K: `q2_k_d`); for any other format `row` itself (broadcast), which no decode reads."""
     if FMT == FMT_Q6_K:
         return q6_k_d(row, unit, ROW_BYTES // Q6_K_FILE_BYTES)
     elif FMT == FMT_Q8_0:
         return q8_0_d(row, unit, ROW_BYTES // Q8_0_FILE_BYTES)
+    elif FMT == FMT_Q2_K:
+        return q2_k_d(row, unit, ROW_BYTES // Q2_K_FILE_BYTES)
     else:
         return row + unit * 0
 

@@ -21,9 +21,10 @@ run (or two):
 - the 32-value formats (Q4_0, Q4_1, Q5_1, IQ4_NL) and IQ4_XS's 32-value sub-blocks: a group a block, lo its
   low nibbles (values 0-15), hi its high ones (16-31).
 Every group's codes are words held in the thread (`int8_words.ld4` where a run is 16-byte aligned: Q5_K's
-176-byte blocks and Q3_K's stored 112-byte ones; `ld2` where it is 8-byte aligned: IQ4_XS's 136-byte blocks,
-header and runs; `ld_words` where it is 4-byte aligned: Q4_1, Q5_1, Q2_K; `ld_run` where it is only 2-byte
-aligned: Q4_0, IQ4_NL), as `q8` holds Q4_K's and Q6_K's: no shared-memory exchange before a dp4a chain.
+176-byte blocks, Q3_K's stored 112-byte ones and Q2_K's split 80-byte ones, d and dmin after the row; `ld2`
+where it is 8-byte aligned: IQ4_XS's 136-byte blocks, header and runs, and Q2_K's scales; `ld_words` where it
+is 4-byte aligned: Q4_1, Q5_1; `ld_run` where it is only 2-byte aligned: Q4_0, IQ4_NL), as `q8` holds Q4_K's
+and Q6_K's: no shared-memory exchange before a dp4a chain.
 
 Codes enter dp4a as stored (unsigned) and the format's offset is applied once a run from the activation's
 16-value sum s: Q4_0's 8 and Q3_K's 4 as a bias, Q4_1's and Q5_1's minimum m and Q2_K's dmin * min as an
@@ -70,7 +71,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     NIBBLE,
     NIBBLE_BITS,
     Q2_K_BYTES,
-    Q2_K_D,
     Q2_K_QS,
     Q2_K_SCALES,
     Q3_K_BYTES,
@@ -96,6 +96,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q5_K_QS,
     SIGNED_SCALE,
     const,
+    q2_k_d,
 )
 
 LOW_NIBBLES = const(0x0F0F0F0F)  # the low nibble of each byte of a word
@@ -130,10 +131,10 @@ K_PAIR_FORMATS = frozenset({Format.Q5_K})
 # formats whose group r (of four) meets the runs 128 (r // 2) + 16 (r % 2) + 32 j, j = 0..3: a 16-byte run of
 # crumbs, whole
 K_QUAD_FORMATS = frozenset({Format.Q3_K, Format.Q2_K})
-# the alignment each format's loads need of its rows' start: Q5_K's and Q3_K's (its stored 112-byte blocks)
-# 128-bit loads (`ld4`), IQ4_XS's 64-bit ones (`ld2`), the 32-bit words of Q4_1's, Q5_1's and Q2_K's runs
-# (`ld_words`) and of Q5_1's qh and Q2_K's header and scales
-ALIGN = {Format.Q5_K: 16, Format.Q3_K: 16, Format.Q4_1: 4, Format.Q5_1: 4, Format.IQ4_XS: 8, Format.Q2_K: 4}
+# the alignment each format's loads need of its rows' start: Q5_K's, Q3_K's (its stored 112-byte blocks) and
+# Q2_K's (its split 80-byte ones) 128-bit loads (`ld4`), IQ4_XS's 64-bit ones (`ld2`), the 32-bit words of
+# Q4_1's and Q5_1's runs (`ld_words`) and of Q5_1's qh
+ALIGN = {Format.Q5_K: 16, Format.Q3_K: 16, Format.Q2_K: 16, Format.Q4_1: 4, Format.Q5_1: 4, Format.IQ4_XS: 8}
 
 
 # --- loads ---------------------------------------------------------------------------------------------------
@@ -198,12 +199,12 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
         scales = lo, lo >> HALF_WORD_BITS, mid, mid >> HALF_WORD_BITS, hi, hi >> HALF_WORD_BITS
         qs = ld4(_i32(blk + r * RUN_BYTES + Q3_K_QS), True, PINNED)
         return (_f16(dw),) + scales + qs + ld4(_i32(blk + t * RUN_BYTES + Q3_K_HMASK), True, PINNED)
-    else:
+    else:  # d and dmin (one word after the row's blocks), the half's eight scale bytes and the group's qs run
         tl.static_assert(FMT == FMT_Q2_K, "no int8 GEMV body for this format")
         blk = w_rows[:, None] + (unit * Q2_K_BYTES)[None, :]
-        sc = blk + Q2_K_SCALES + (r // 2) * Q3_LOW_SCALES  # the half's eight scale bytes
-        head = _word(blk + Q2_K_D), _word(sc), _word(sc + 4)
-        return head + ld_words(blk + r * RUN_BYTES + Q2_K_QS, PINNED)
+        dd = _word(q2_k_d(w_rows[:, None], unit[None, :], N_UNITS))
+        head = (dd,) + ld2(blk + Q2_K_SCALES + (r // 2) * Q3_LOW_SCALES)
+        return head + ld4(_i32(blk + r * RUN_BYTES + Q2_K_QS), True, PINNED)
 
 
 # --- the sums a group --------------------------------------------------------------------------------------------
