@@ -1,7 +1,7 @@
 """The weights' layout on the cuda lane's device (`run/stored.py`, `kernels.STORED_BLOCK_BYTES`, `ROW_TAIL_D`):
-Q3_K's blocks padded to 112 bytes; Q6_K's, Q8_0's and Q2_K's rows split into their blocks' bytes but d (Q6_K's
-first 208, Q8_0's 32 codes, Q2_K's scales and qs, its dmin kept with its d), then the blocks' d's, then zeros to
-a 16-byte end (Q8_0: 8); the bytes each adds, and the device decode reading them back as `gguf.dequant` does.
+Q3_K's blocks padded to 112 bytes; Q6_K's, Q8_0's, Q2_K's, Q4_0's, IQ4_NL's and IQ4_XS's rows split into their
+blocks' bytes but d (Q6_K's first 208, Q8_0's 32 codes, Q2_K's scales and qs, its dmin kept with its d; IQ4_XS's
+scales kept with its d too), then the blocks' d's, then zeros to a 16-byte end (Q8_0, Q4_0, IQ4_NL: 8); the bytes each adds, and the device decode reading them back as `gguf.dequant` does.
 Host-only but for the last cases, which run the decode kernel (interpreted without a GPU)."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def _q6_k_rows(rows: int, blocks: int, seed: int = 0) -> np.ndarray:
     return _rows(Format.Q6_K, rows, blocks, seed)
 
 
-def test_q6_k_q8_0_and_q2_k_rows_are_split():
-    assert {Format.Q6_K, Format.Q8_0, Format.Q2_K} <= set(SPLIT)
+def test_the_formats_whose_blocks_are_not_whole_16_byte_units_are_split():
+    assert {Format.Q6_K, Format.Q8_0, Format.Q2_K, Format.Q4_0, Format.IQ4_NL, Format.IQ4_XS} <= set(SPLIT)
 
 
 @pytest.mark.parametrize("fmt", SPLIT, ids=lambda f: f.name)
@@ -58,11 +58,13 @@ def test_a_stored_offset_moves_past_a_d_kept_after_the_row():
     assert kernels.stored_offset(Format.Q6_K, "scales") == Q6.field("scales").offset
     assert kernels.stored_offset(Format.Q4_K, "qs") == LAYOUTS[Format.Q4_K].field("qs").offset
     assert kernels.stored_offset(Format.Q2_K, "qs") == LAYOUTS[Format.Q2_K].field("qs").offset
+    assert kernels.stored_offset(Format.IQ4_XS, "qs") == kernels.stored_offset(Format.Q4_0, "qs") == 0
     with pytest.raises(ValueError, match="after its row"):
         kernels.stored_offset(Format.Q8_0, "d")
     with pytest.raises(ValueError, match="dmin is kept after its row"):
         kernels.stored_offset(Format.Q2_K, "dmin")
     assert kernels.kept_after_row(Format.Q2_K, "dmin") and not kernels.kept_after_row(Format.Q2_K, "scales")
+    assert kernels.kept_after_row(Format.IQ4_XS, "scales_l") and not kernels.kept_after_row(Format.IQ4_XS, "qs")
     assert not kernels.kept_after_row(Format.Q4_K, "dmin")
 
 
@@ -93,16 +95,22 @@ def test_q3_k_pads_each_block_and_the_other_formats_keep_the_files_bytes():
     assert not stored.relaid(Format.Q4_K) and stored.relaid(Format.Q6_K) and stored.relaid(Format.Q3_K)
 
 
-@pytest.mark.parametrize(
-    ("fmt", "blocks"), [(Format.Q6_K, 3), (Format.Q8_0, 5), (Format.Q2_K, 3)], ids=["Q6_K", "Q8_0", "Q2_K"]
-)
+# rows whose stored bytes differ from the file's: each row's start moves (Q4_0 / IQ4_NL: 5 blocks, 90 bytes -> 96)
+DECODED = {Format.Q6_K: 3, Format.Q8_0: 5, Format.Q2_K: 3, Format.Q4_0: 5, Format.IQ4_NL: 5, Format.IQ4_XS: 3}
+
+
+def test_every_split_format_is_decoded_here():
+    assert set(DECODED) == set(SPLIT)
+
+
+@pytest.mark.parametrize(("fmt", "blocks"), list(DECODED.items()), ids=[f.name for f in DECODED])
 def test_the_device_decode_reads_the_split_rows_as_dequant_does(fmt, blocks):
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
     from fuselane.lanes.cuda.triton.gemv.epilogue import dequantize as device_dequantize
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    lay, rows = LAYOUTS[fmt], 5  # rows of 630 (170, 252) bytes: 640 (176, 256) on the device, each row moved
+    lay, rows = LAYOUTS[fmt], 5
     raw = _rows(fmt, rows, blocks, seed=4)
     assert kernels.stored_row_bytes(fmt, blocks * lay.values) != blocks * lay.nbytes
     w = torch.from_numpy(stored.stored_bytes(fmt, raw, blocks * lay.nbytes)).to(device)

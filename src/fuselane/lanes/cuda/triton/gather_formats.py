@@ -8,7 +8,8 @@ so these favour plainness over speed. Exactness: a scale product (f16 times a co
 at most 8 bits) is exact in f32, and a minimum is added or subtracted with one rounding, as dequant does.
 
 `norm._decode` hands these formats to `decode` with the address of a block's d (Q2_K's, with its dmin, after its
-row's blocks on the device); the offsets it passes are the layout's fields under the gather's names: OFF_DMIN a
+row's blocks on the device, as IQ4_XS's scales and Q4_0's and IQ4_NL's d); the offsets it passes are the layout's
+fields under the gather's names (0 for a field kept after the row): OFF_DMIN a
 minimum (dmin, or Q4_1's / Q5_1's m), OFF_SCALES the packed scales (IQ4_XS's scales_l), OFF_QH the high bits (qh,
 or Q3_K's hmask).
 """
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import Format
-from fuselane.lanes.cuda.triton.gemv.layout import IQ4_XS_SCALES_H, Q2_K_DMIN_AFTER_D, const
+from fuselane.lanes.cuda.triton.gemv.layout import IQ4_XS_SCALES_H, IQ4_XS_SCALES_L, Q2_K_DMIN_AFTER_D, const
 from fuselane.lanes.cuda.triton.gemv.low_bits import iq4_value
 
 Q5_K = const(int(Format.Q5_K))
@@ -38,7 +39,7 @@ DECODES_C = const({int(f): f in FORMATS for f in Format})
 # field names the gather passes each format's offsets under (`norm.embed_norm`), where the layout's differ
 MIN_FIELD = {Format.Q4_1: "m", Format.Q5_1: "m"}
 HIGH_FIELD = {Format.Q3_K: "hmask"}
-SCALES_FIELD = {Format.IQ4_XS: "scales_l"}
+SCALES_FIELD = {Format.IQ4_XS: "scales_l"}  # (kept after the row with d: read from d's address)
 
 HALF_BLOCK, SUB, HALF, NIBBLE_BITS = const(16), const(32), const(128), const(4)
 Q4_ZERO, Q3_ZERO, SCALE_ZERO = const(8), const(4), const(32)  # Q4_0's code bias, Q3_K's, and the signed scales'
@@ -99,10 +100,10 @@ def decode(blk, dp, t, mask, FMT: tl.constexpr, OFF_DMIN: tl.constexpr, OFF_SCAL
         v = code.to(tl.float32) * _f16(dp, mask) + _f16(blk + OFF_DMIN, mask)
     elif FMT == IQ4_NL:
         v = _f16(dp, mask) * iq4_value(_nibble(blk, OFF_QS, t, mask))
-    elif FMT == IQ4_XS:  # sub-block ib's scale: nibble ib % 2 of scales_l[ib // 2] under crumb ib of scales_h
+    elif FMT == IQ4_XS:  # sub-block ib's scale: nibble ib % 2 of scales_l[ib // 2] under crumb ib of scales_h (after d)
         ib = t // SUB
-        high = _byte(blk + IQ4_XS_SCALES_H + ib // 4, mask) >> ((ib % 4) * 2) & 0x3
-        ls = ((_byte(blk + OFF_SCALES + ib // 2, mask) >> ((ib % 2) * NIBBLE_BITS)) & 0xF) | (high << NIBBLE_BITS)
+        high = _byte(dp + IQ4_XS_SCALES_H + ib // 4, mask) >> ((ib % 4) * 2) & 0x3
+        ls = ((_byte(dp + IQ4_XS_SCALES_L + ib // 2, mask) >> ((ib % 2) * NIBBLE_BITS)) & 0xF) | (high << NIBBLE_BITS)
         code = _nibble(blk + ib * HALF_BLOCK, OFF_QS, t % SUB, mask)
         v = (_f16(dp, mask) * (ls - SCALE_ZERO).to(tl.float32)) * iq4_value(code)
     elif FMT == Q3_K:  # value t: half n, crumb j of qs[32n + b] and bit 4n + j of hmask[b] (b = t % 32)

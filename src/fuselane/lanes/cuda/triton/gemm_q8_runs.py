@@ -19,9 +19,10 @@ A run's bytes of a row are contiguous (a Q4_K pair's 32 qs bytes, a Q8_0 block's
 load is BLOCK_N rows of 16-32 contiguous bytes. Every byte is read as part of a 32-bit word and taken apart
 with shifts: a load of 4 bytes or more a thread is one the software pipeliner can issue ahead as an
 asynchronous copy, a 1- or 2-byte load is not (it would wait in every run). Where a format's block is a whole
-number of words (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K, IQ4_XS) its fields are read at their own word offsets (`blk`
-pointers). The other blocks (Q4_0 and IQ4_NL 18 bytes, Q5_0 22, Q3_K 110; Q6_K's 208 and Q8_0's 32 as the
-lane keeps them, whose d lies after the row's blocks) are read as only 2-aligned, so those bodies take the blocks'
+number of words (Q4_1, Q5_1, Q4_K, Q5_K; Q2_K's 80 and IQ4_XS's 128 as the lane keeps them, their headers' words
+after the row's blocks) its fields are read at their own word offsets (`blk` pointers). The other blocks (Q5_0
+22 bytes, Q3_K 110; Q6_K's 208, Q8_0's 32 and Q4_0's and IQ4_NL's 16 as the lane keeps them, whose d lies after
+the row's blocks) are read as only 2-aligned, so those bodies take the blocks'
 byte offsets (`at`) and read the word at or below each field (`_word_below`); a run of 16 or 32 bytes that
 starts 2 past a word boundary is rebuilt from the words there and the words one on (`_run_bytes`). Every
 offset into a block is even, so a field never straddles more than two words, and every word read holds a byte
@@ -47,10 +48,10 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     FMT_Q6_K,
     FMT_Q8_0,
     HALF_QK,
+    IQ4_XS_SCALES_L,
     K_LOW_SUBS,
     NIBBLE,
     NIBBLE_BITS,
-    Q4_0_D,
     Q4_0_QS,
     Q4_1_D,
     Q4_1_QS,
@@ -94,9 +95,7 @@ FMT_IQ4_NL, FMT_IQ4_XS = const(Format.IQ4_NL.value), const(Format.IQ4_XS.value)
 Q2_K_SCALES, Q2_K_QS = offset(Format.Q2_K, "scales"), offset(Format.Q2_K, "qs")
 Q3_K_HMASK, Q3_K_QS = offset(Format.Q3_K, "hmask"), offset(Format.Q3_K, "qs")
 Q3_K_SCALES, Q3_K_D = offset(Format.Q3_K, "scales"), offset(Format.Q3_K, "d")
-IQ4_NL_D, IQ4_NL_QS = offset(Format.IQ4_NL, "d"), offset(Format.IQ4_NL, "qs")
-IQ4_XS_D, IQ4_XS_QS = offset(Format.IQ4_XS, "d"), offset(Format.IQ4_XS, "qs")  # d's word holds scales_h above
-IQ4_XS_SCALES_L = offset(Format.IQ4_XS, "scales_l")
+IQ4_NL_QS, IQ4_XS_QS = offset(Format.IQ4_NL, "qs"), offset(Format.IQ4_XS, "qs")
 K2_HALF_RUNS = const(4)  # Q2_K / Q3_K: a half of 128 values is four runs, crumb c of qs byte i of the half
 K2_QS_HALF = const(32)  # qs bytes of a half
 Q3_BIAS = const(4)  # Q3_K: code = (2 low bits | high bit << 2) - 4
@@ -265,7 +264,7 @@ def _k_run(blk, j, D: tl.constexpr, SCALES: tl.constexpr, QS: tl.constexpr):
 def run(w, at, dat, j, FMT: tl.constexpr, lut):
     """(codes int8 [BLOCK_N, 32], s0, s1, m0, m1 [BLOCK_N] f32) of run j of each row's block (see the module),
     the blocks at byte offsets `at` ([BLOCK_N] int64) of the matrix `w`, their d's at `dat` where the format keeps
-    them after a row's blocks (Q6_K, Q8_0, Q2_K: `layout.block_d`). `lut` points at the 16 int8 values of
+    them after a row's blocks (`kernels.ROW_TAIL_D`: `layout.block_d`). `lut` points at the 16 int8 values of
     `IQ4_NL_VALUES` (read by the IQ4 formats only)."""
     blk = w + at
     if FMT == FMT_Q6_K:
@@ -276,11 +275,11 @@ def run(w, at, dat, j, FMT: tl.constexpr, lut):
         codes, s0, s1, m0, m1 = _q3_k_run(w, at, j)
     elif FMT == FMT_IQ4_NL:
         codes = tl.load(lut + _halves(*_nibbles_at(w, at + IQ4_NL_QS)))
-        s0 = _f16_at(w, at + IQ4_NL_D)
+        s0 = _f16_at(w, dat)
         zero = tl.zeros(blk.shape, tl.float32)
         s1, m0, m1 = s0, zero, zero
     elif FMT == FMT_IQ4_XS:
-        codes, s0, s1, m0, m1 = _iq4_xs_run(blk, j, lut)
+        codes, s0, s1, m0, m1 = _iq4_xs_run(blk, w + dat, j, lut)
     else:
         codes, s0, s1, m0, m1 = _one_scale_run(w, at, dat, j, FMT)
     return codes, s0, s1, m0, m1
@@ -288,7 +287,7 @@ def run(w, at, dat, j, FMT: tl.constexpr, lut):
 
 @triton.jit
 def _one_scale_run(w, at, dat, j, FMT: tl.constexpr):
-    """A run under one scale and one offset (Q8_0, whose d is at `dat`, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K)."""
+    """A run under one scale and one offset (Q8_0 and Q4_0, whose d is at `dat`, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K)."""
     blk = w + at
     zero = tl.zeros(blk.shape, tl.float32)
     if FMT == FMT_Q8_0:
@@ -297,7 +296,7 @@ def _one_scale_run(w, at, dat, j, FMT: tl.constexpr):
         m = zero
     elif FMT == FMT_Q4_0:
         codes = _halves(*_nibbles_at(w, at + Q4_0_QS)) - Q4_BIAS
-        s = _f16_at(w, at + Q4_0_D)
+        s = _f16_at(w, dat)
         m = zero
     elif FMT == FMT_Q4_1:
         codes = _nibble_run(blk, Q4_1_QS)
@@ -390,15 +389,16 @@ def _q3_k_run(w, at, j):
 
 
 @triton.jit
-def _iq4_xs_run(blk, j, lut):
+def _iq4_xs_run(blk, head_at, j, lut):
     """IQ4_XS run j: the table's values of 16 qs bytes' nibbles (low: values 0-15, high: 16-31), under d times
     the run's signed 6-bit scale: its low 4 bits nibble j of the 32-bit scales_l, its top 2 crumb j of the
-    u16 scales_h (the upper half of d's word)."""
+    u16 scales_h (the upper half of d's word). The header (d's word, then scales_l) is at `head_at`, after the
+    row's blocks."""
     i = tl.arange(0, QK_C)
     b = _bytes(blk, IQ4_XS_QS + j * HALF_QK, i % HALF_QK)
     codes = tl.load(lut + tl.where((i < HALF_QK)[None, :], b & NIBBLE, b >> NIBBLE_BITS))
-    head = _word(blk, IQ4_XS_D)
-    low = (_word(blk, IQ4_XS_SCALES_L) >> (NIBBLE_BITS * j)) & NIBBLE
+    head = _word(head_at, 0)
+    low = (_word(head_at, IQ4_XS_SCALES_L) >> (NIBBLE_BITS * j)) & NIBBLE
     top = (head >> (HALF_WORD_BITS + 2 * j)) & CRUMB
     d = (head & F16_BITS).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     s = d * ((low | (top << NIBBLE_BITS)) - K_SIGNED_SCALE).to(tl.float32)

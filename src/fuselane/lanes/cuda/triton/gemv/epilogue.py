@@ -55,7 +55,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     NIBBLE,
     NIBBLE_BITS,
     NO_FIELD,
-    Q4_0_D,
     Q4_0_QS,
     Q4_1_D,
     Q4_1_M,
@@ -281,17 +280,23 @@ def gemv_add_norm(
 
 
 @triton.jit
-def _nibble_values(blk, t, D: tl.constexpr, M: tl.constexpr, QH: tl.constexpr, QS: tl.constexpr, BIAS: tl.constexpr):
+def _nibble_values(blk, qd, t, D: tl.constexpr, M: tl.constexpr, QH: tl.constexpr, QS: tl.constexpr,
+                   BIAS: tl.constexpr):  # fmt: skip
     """Q4_0 / Q4_1 / Q5_0 / Q5_1: value t < 16 is the low nibble of qs byte t, 16 + t its high nibble; the
     5-bit formats (QH >= 0) take bit t of the little-endian 32-bit qh as the fifth bit.
-    value = d * (code - BIAS), plus the minimum m where M >= 0 (one rounding, as gguf's)."""
+    value = d * (code - BIAS), plus the minimum m where M >= 0 (one rounding, as gguf's); d at D in the block,
+    or at `qd` where D < 0 (Q4_0's, after the row's blocks)."""
     q = tl.load(blk + QS + (t % HALF_QK)[None, :]).to(tl.int32)
     code = (q >> ((t // HALF_QK) * NIBBLE_BITS)[None, :]) & NIBBLE
     if QH >= 0:
         qh_ptr = (blk + QH).to(tl.pointer_type(tl.uint16))
         qh = tl.load(qh_ptr).to(tl.int32) | (tl.load(qh_ptr + 1).to(tl.int32) << HALF_WORD_BITS)
         code |= ((qh >> t[None, :]) & BIT) << NIBBLE_BITS
-    v = load_f16(blk + D) * in_two_23(code | F32_TWO_23_BITS, BIAS)
+    if D >= 0:
+        d = load_f16(blk + D)
+    else:
+        d = load_f16(qd)
+    v = d * in_two_23(code | F32_TWO_23_BITS, BIAS)
     if M >= 0:
         v += load_f16(blk + M)
     return v
@@ -367,29 +372,29 @@ def _k_pair_tile(blk, FMT: tl.constexpr):
 
 @triton.jit
 def _flat_values(blk, qd, t, FMT: tl.constexpr):
-    """[U, len(t)] f32 values t of the units `blk` of any other format (`qd`: Q6_K's, Q8_0's and Q2_K's d's, kept
-    after their row's blocks, `layout.block_d`): bit for bit gguf's."""
+    """[U, len(t)] f32 values t of the units `blk` of any other format (`qd`: their d's where kept after their
+    row's blocks, `layout.block_d`): bit for bit gguf's."""
     if FMT == FMT_Q6_K:
         v = _q6_k_values(blk, qd, t)
     elif FMT == FMT_Q8_0:
         q = tl.load((blk + Q8_0_QS + t[None, :]).to(tl.pointer_type(tl.int8))).to(tl.float32)
         v = load_f16(qd) * q
     elif FMT == FMT_Q4_0:
-        v = _nibble_values(blk, t, Q4_0_D, NO_FIELD, NO_FIELD, Q4_0_QS, Q4_BIAS)
+        v = _nibble_values(blk, qd, t, NO_FIELD, NO_FIELD, NO_FIELD, Q4_0_QS, Q4_BIAS)
     elif FMT == FMT_Q4_1:
-        v = _nibble_values(blk, t, Q4_1_D, Q4_1_M, NO_FIELD, Q4_1_QS, 0)
+        v = _nibble_values(blk, qd, t, Q4_1_D, Q4_1_M, NO_FIELD, Q4_1_QS, 0)
     elif FMT == FMT_Q5_0:
-        v = _nibble_values(blk, t, Q5_0_D, NO_FIELD, Q5_0_QH, Q5_0_QS, Q5_BIAS)
+        v = _nibble_values(blk, qd, t, Q5_0_D, NO_FIELD, Q5_0_QH, Q5_0_QS, Q5_BIAS)
     elif FMT == FMT_Q5_1:
-        v = _nibble_values(blk, t, Q5_1_D, Q5_1_M, Q5_1_QH, Q5_1_QS, 0)
+        v = _nibble_values(blk, qd, t, Q5_1_D, Q5_1_M, Q5_1_QH, Q5_1_QS, 0)
     elif FMT == FMT_Q2_K:
         v = q2_k_values(blk, qd, t[None, :])
     elif FMT == FMT_Q3_K:
         v = q3_k_values(blk, t[None, :])
     elif FMT == FMT_IQ4_NL:
-        v = iq4_nl_values(blk, t[None, :])
+        v = iq4_nl_values(blk, qd, t[None, :])
     elif FMT == FMT_IQ4_XS:
-        v = iq4_xs_values(blk, t[None, :])
+        v = iq4_xs_values(blk, qd, t[None, :])
     elif FMT == FMT_F32:
         v = tl.load(blk.to(tl.pointer_type(tl.float32)) + t[None, :])
     elif FMT == FMT_F16:

@@ -76,7 +76,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q2_K_BYTES,
     Q3_K_BYTES,
     Q4_0_BYTES,
-    Q4_0_D,
     Q4_0_QS,
     Q4_1_BYTES,
     Q4_1_D,
@@ -123,13 +122,14 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     QK_K_C,
     SIGN_BIT,
     SIGNED_BYTE_BIAS,
+    TAIL_C,
     f16_in_word,
     in_two_23,
     k_scale_min,
     load_f16,
-    q2_k_d,
     q6_k_d,
     q8_0_d,
+    tail_d,
 )
 from fuselane.lanes.cuda.triton.gemv.low_bits import iq4_nl_values, iq4_xs_values, q2_k_values, q3_k_values
 
@@ -295,10 +295,12 @@ def _dot_nibbles(
     QH: tl.constexpr,
     QS: tl.constexpr,
     BIAS: tl.constexpr,
+    FMT: tl.constexpr,
 ):
     """Q4_0 / Q4_1 / Q5_0 / Q5_1: a slot is (part of) a block's 16 qs bytes; value i < 16 is the low nibble of
     byte i, value 16 + i its high nibble; the 5-bit formats (QH >= 0) add bit i of the little-endian 32-bit qh
-    as the fifth bit. value = d * (code - BIAS), plus the block's minimum m where M >= 0."""
+    as the fifth bit. value = d * (code - BIAS), plus the block's minimum m where M >= 0; d at D in the block, or
+    after the row's blocks where D < 0 (Q4_0: `layout.tail_d`)."""
     B: tl.constexpr = UNITS * SPLIT
     A: tl.constexpr = HALF_QK // SPLIT
     slot = tl.arange(0, B)
@@ -308,7 +310,10 @@ def _dot_nibbles(
     acc = tl.zeros([BLOCK_M, A, BLOCK_N, B], tl.float32)
     for step in tl.range(0, STEPS, num_stages=STAGES):
         blk = _units(w_rows, step, unit, UNITS, NBYTES)
-        d = load_f16(blk + D)
+        if D >= 0:
+            d = load_f16(blk + D)
+        else:
+            d = load_f16(tail_d(w_rows[:, None], (unit + step * UNITS)[None, :], STEPS * UNITS, FMT))
         q = tl.load(blk[None] + (i + QS)[:, None, :]).to(tl.int32) | F32_TWO_23_BITS
         lo, hi = q & (F32_TWO_23_BITS | NIBBLE), q & (F32_TWO_23_BITS | HIGH_NIBBLE)
         if QH >= 0:
@@ -333,17 +338,17 @@ def _dot_nibbles(
 
 @triton.jit
 def _low_bit_values(blk, qd, t, FMT: tl.constexpr):
-    """Values t of the units at `blk` (broadcasting together; `qd` their d's where kept after the row, Q2_K's) of
-    Q2_K, Q3_K, IQ4_NL or IQ4_XS, f32."""
+    """Values t of the units at `blk` (broadcasting together; `qd` their d's where kept after the row: all but
+    Q3_K's) of Q2_K, Q3_K, IQ4_NL or IQ4_XS, f32."""
     if FMT == FMT_Q2_K:
         v = q2_k_values(blk, qd, t)
     elif FMT == FMT_Q3_K:
         v = q3_k_values(blk, t)
     elif FMT == FMT_IQ4_NL:
-        v = iq4_nl_values(blk, t)
+        v = iq4_nl_values(blk, qd, t)
     else:
         tl.static_assert(FMT == FMT_IQ4_XS, "no value decode for this format")
-        v = iq4_xs_values(blk, t)
+        v = iq4_xs_values(blk, qd, t)
     return v
 
 
@@ -375,7 +380,10 @@ def _dot_values(
     acc = tl.zeros([BLOCK_M, A, BLOCK_N, B], tl.float32)
     for step in tl.range(0, STEPS, num_stages=STAGES):
         blk = _units(w_rows, step, unit, UNITS, NBYTES)
-        qd = q2_k_d(w_rows[:, None], (unit + step * UNITS)[None, :], STEPS * UNITS)  # read by Q2_K only
+        if TAIL_C[FMT]:
+            qd = tail_d(w_rows[:, None], (unit + step * UNITS)[None, :], STEPS * UNITS, FMT)
+        else:
+            qd = blk  # read by no format here
         w = _low_bit_values(blk[None], qd[None], t[:, None, :], FMT)  # [A, N, B]
         acc = _acc_dot(acc, w, x_rows[:, None, None] + (val + step * (UNITS * UNIT))[None])
     return tl.sum(tl.sum(acc, axis=1), axis=2)
@@ -449,22 +457,22 @@ def dot_rows(
     elif FMT == FMT_Q4_0:
         y = _dot_nibbles(
             w_rows, x_rows, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES,
-            Q4_0_BYTES, Q4_0_D, NO_FIELD, NO_FIELD, Q4_0_QS, Q4_BIAS,
+            Q4_0_BYTES, NO_FIELD, NO_FIELD, NO_FIELD, Q4_0_QS, Q4_BIAS, FMT,
         )  # fmt: skip
     elif FMT == FMT_Q4_1:
         y = _dot_nibbles(
             w_rows, x_rows, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES,
-            Q4_1_BYTES, Q4_1_D, Q4_1_M, NO_FIELD, Q4_1_QS, 0,
+            Q4_1_BYTES, Q4_1_D, Q4_1_M, NO_FIELD, Q4_1_QS, 0, FMT,
         )  # fmt: skip
     elif FMT == FMT_Q5_0:
         y = _dot_nibbles(
             w_rows, x_rows, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES,
-            Q5_0_BYTES, Q5_0_D, NO_FIELD, Q5_0_QH, Q5_0_QS, Q5_BIAS,
+            Q5_0_BYTES, Q5_0_D, NO_FIELD, Q5_0_QH, Q5_0_QS, Q5_BIAS, FMT,
         )  # fmt: skip
     elif FMT == FMT_Q5_1:
         y = _dot_nibbles(
             w_rows, x_rows, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES,
-            Q5_1_BYTES, Q5_1_D, Q5_1_M, Q5_1_QH, Q5_1_QS, 0,
+            Q5_1_BYTES, Q5_1_D, Q5_1_M, Q5_1_QH, Q5_1_QS, 0, FMT,
         )  # fmt: skip
     elif FMT == FMT_Q2_K:
         y = _dot_values(w_rows, x_rows, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES, FMT, QK_K_C, Q2_K_BYTES)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import IQ4_NL_VALUES, LAYOUTS, QK, QK_K, Format
-from fuselane.lanes.cuda.plan.kernels import ROW_TAIL_D, stored_block_bytes, stored_offset
+from fuselane.lanes.cuda.plan.kernels import ROW_TAIL_D, kept_after_row, stored_block_bytes, stored_offset
 
 # --- layout facts, as constexprs the kernels can read --------------------------------------------------------
 
@@ -33,6 +33,15 @@ def nbytes(fmt: Format) -> tl.constexpr:
     return const(stored_block_bytes(fmt))
 
 
+def after_d(fmt: Format, field: str) -> tl.constexpr:
+    """The byte offset of `field` from its block's d where the device keeps both after the row's blocks
+    (`kernels.kept_after_row`), as a constexpr."""
+    if not kept_after_row(fmt, field):
+        raise ValueError(f"{Format(fmt).name}'s {field} is kept in its block, not after its row")
+    lay = LAYOUTS[Format(fmt)]
+    return const(lay.field(field).offset - lay.field("d").offset)
+
+
 FMT_F32, FMT_F16, FMT_BF16 = const(Format.F32.value), const(Format.F16.value), const(Format.BF16.value)
 FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 = const(Format.Q8_0.value), const(Format.Q4_0.value), const(Format.Q4_1.value)
 FMT_Q5_0, FMT_Q5_1 = const(Format.Q5_0.value), const(Format.Q5_1.value)
@@ -49,7 +58,9 @@ NO_FIELD = const(-1)  # a field offset a format does not have
 # (`q8_0_d`); Q8_0_FILE_BYTES is the file's block, by which a row's stored bytes give its blocks
 Q8_0_BYTES, Q8_0_QS = nbytes(Format.Q8_0), offset(Format.Q8_0, "qs")
 Q8_0_FILE_BYTES, Q8_0_D_BYTES = const(LAYOUTS[Format.Q8_0].nbytes), const(ROW_TAIL_D[Format.Q8_0])
-Q4_0_BYTES, Q4_0_D, Q4_0_QS = nbytes(Format.Q4_0), offset(Format.Q4_0, "d"), offset(Format.Q4_0, "qs")
+# Q4_0, IQ4_NL and IQ4_XS on the device (`run/stored.py`): a block's codes (16 bytes; IQ4_XS 128) one after another,
+# its header after the row's blocks (`tail_d`: Q4_0's and IQ4_NL's d; IQ4_XS's d, scales_h and scales_l, 8 bytes)
+Q4_0_BYTES, Q4_0_QS = nbytes(Format.Q4_0), offset(Format.Q4_0, "qs")
 Q4_1_BYTES, Q4_1_D, Q4_1_QS = nbytes(Format.Q4_1), offset(Format.Q4_1, "d"), offset(Format.Q4_1, "qs")
 Q4_1_M = offset(Format.Q4_1, "m")
 Q5_0_BYTES, Q5_0_D, Q5_0_QS = nbytes(Format.Q5_0), offset(Format.Q5_0, "d"), offset(Format.Q5_0, "qs")
@@ -69,12 +80,19 @@ Q6_K_QL, Q6_K_QH = offset(Format.Q6_K, "ql"), offset(Format.Q6_K, "qh")
 # the row's blocks (`q2_k_d`), dmin Q2_K_DMIN_AFTER_D bytes past d
 Q2_K_BYTES, Q2_K_SCALES, Q2_K_QS = nbytes(Format.Q2_K), offset(Format.Q2_K, "scales"), offset(Format.Q2_K, "qs")
 Q2_K_FILE_BYTES, Q2_K_D_BYTES = const(LAYOUTS[Format.Q2_K].nbytes), const(ROW_TAIL_D[Format.Q2_K])
-Q2_K_DMIN_AFTER_D = const(LAYOUTS[Format.Q2_K].field("dmin").offset - LAYOUTS[Format.Q2_K].field("d").offset)
+Q2_K_DMIN_AFTER_D = after_d(Format.Q2_K, "dmin")
 Q3_K_BYTES, Q3_K_HMASK, Q3_K_QS = nbytes(Format.Q3_K), offset(Format.Q3_K, "hmask"), offset(Format.Q3_K, "qs")
 Q3_K_SCALES, Q3_K_D = offset(Format.Q3_K, "scales"), offset(Format.Q3_K, "d")
-IQ4_NL_BYTES, IQ4_NL_D, IQ4_NL_QS = nbytes(Format.IQ4_NL), offset(Format.IQ4_NL, "d"), offset(Format.IQ4_NL, "qs")
-IQ4_XS_BYTES, IQ4_XS_D, IQ4_XS_QS = nbytes(Format.IQ4_XS), offset(Format.IQ4_XS, "d"), offset(Format.IQ4_XS, "qs")
-IQ4_XS_SCALES_H, IQ4_XS_SCALES_L = offset(Format.IQ4_XS, "scales_h"), offset(Format.IQ4_XS, "scales_l")
+IQ4_NL_BYTES, IQ4_NL_QS = nbytes(Format.IQ4_NL), offset(Format.IQ4_NL, "qs")
+IQ4_XS_BYTES, IQ4_XS_QS = nbytes(Format.IQ4_XS), offset(Format.IQ4_XS, "qs")
+IQ4_XS_SCALES_H, IQ4_XS_SCALES_L = after_d(Format.IQ4_XS, "scales_h"), after_d(Format.IQ4_XS, "scales_l")
+
+# the `ROW_TAIL_D` formats: every format's flag, and their stored and file blocks' bytes and header bytes kept after
+# a row (constexpr maps a kernel indexes by its FMT)
+TAIL_C = const({int(f): f in ROW_TAIL_D for f in Format})
+STORED_BYTES_C = const({int(f): stored_block_bytes(f) for f in ROW_TAIL_D})
+FILE_BYTES_C = const({int(f): LAYOUTS[f].nbytes for f in ROW_TAIL_D})
+TAIL_BYTES_C = const({int(f): ROW_TAIL_D[f] for f in ROW_TAIL_D})
 
 # --- bit facts of the codes (the formats' definitions, as in dequant.py) --------------------------------------
 
@@ -210,16 +228,21 @@ def q2_k_d(row, unit, N_UNITS):
 
 
 @triton.jit
+def tail_d(row, unit, N_UNITS, FMT: tl.constexpr):
+    """Pointers to the d of block `unit` of the rows at `row` (rows of N_UNITS blocks) of a `ROW_TAIL_D` format
+    (`q6_k_d`, `q8_0_d` and `q2_k_d` for any of them): its header's bytes (d, and any field after it the row keeps
+    with it) follow the row's blocks."""
+    return row + N_UNITS * STORED_BYTES_C[FMT] + unit * TAIL_BYTES_C[FMT]
+
+
+@triton.jit
 def block_d(row, unit, FMT: tl.constexpr, ROW_BYTES: tl.constexpr):
     """Where the f16 d of block `unit` of the rows at `row` (byte pointers or offsets of rows of ROW_BYTES stored
-    bytes; broadcasting) lies, for a format that keeps a row's d's after its blocks (Q6_K: `q6_k_d`, Q8_0:
-    `q8_0_d`, Q2_K: `q2_k_d`); for any other format `row` itself (broadcast), which no decode reads."""
-    if FMT == FMT_Q6_K:
-        return q6_k_d(row, unit, ROW_BYTES // Q6_K_FILE_BYTES)
-    elif FMT == FMT_Q8_0:
-        return q8_0_d(row, unit, ROW_BYTES // Q8_0_FILE_BYTES)
-    elif FMT == FMT_Q2_K:
-        return q2_k_d(row, unit, ROW_BYTES // Q2_K_FILE_BYTES)
+    bytes; broadcasting) lies, for a format that keeps a row's d's after its blocks (`tail_d`; a row's stored bytes
+    give its blocks as ROW_BYTES // the file's block, its padding under a block); for any other format `row`
+    itself (broadcast), which no decode reads."""
+    if TAIL_C[FMT]:
+        return tail_d(row, unit, ROW_BYTES // FILE_BYTES_C[FMT], FMT)
     else:
         return row + unit * 0
 

@@ -23,13 +23,11 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     CRUMB,
     HALF_QK,
     HALF_QS,
-    IQ4_NL_D,
     IQ4_NL_QS,
     IQ4_T0,
     IQ4_T1,
     IQ4_T2,
     IQ4_T3,
-    IQ4_XS_D,
     IQ4_XS_QS,
     IQ4_XS_SCALES_H,
     IQ4_XS_SCALES_L,
@@ -123,18 +121,19 @@ def _iq4_codes(qs, t):
 
 
 @triton.jit
-def iq4_nl_values(blk, t):
-    """IQ4_NL: value = d * table[code], a 32-value block."""
-    return load_f16(blk + IQ4_NL_D) * iq4_value(_iq4_codes(blk + IQ4_NL_QS, t))
+def iq4_nl_values(blk, qd, t):
+    """IQ4_NL: value = d * table[code], a 32-value block, d at `qd` (after the row's blocks)."""
+    return load_f16(qd) * iq4_value(_iq4_codes(blk + IQ4_NL_QS, t))
 
 
 @triton.jit
-def iq4_xs_values(blk, t):
+def iq4_xs_values(blk, qd, t):
     """IQ4_XS: value = d * (scale - 32) * table[code], a signed 6-bit scale a run of 32 (its low 4 bits a nibble
-    of scales_l, its top 2 bits a crumb of the 16-bit scales_h)."""
+    of scales_l, its top 2 bits a crumb of the 16-bit scales_h); d at `qd`, the scales after it (the block's
+    header, after the row's blocks)."""
     run, r = t // IQ4_XS_SUB, t % IQ4_XS_SUB
-    low = _bits(blk + IQ4_XS_SCALES_L + run // 2, (run % 2) * NIBBLE_BITS, NIBBLE)
-    top = _bits(blk + IQ4_XS_SCALES_H + run // CRUMBS_A_BYTE, 2 * (run % CRUMBS_A_BYTE), CRUMB)
+    low = _bits(qd + IQ4_XS_SCALES_L + run // 2, (run % 2) * NIBBLE_BITS, NIBBLE)
+    top = _bits(qd + IQ4_XS_SCALES_H + run // CRUMBS_A_BYTE, 2 * (run % CRUMBS_A_BYTE), CRUMB)
     scale = ((low | (top << NIBBLE_BITS)) - SIGNED_SCALE).to(tl.float32)
     codes = _iq4_codes(blk + IQ4_XS_QS + run * HALF_QK, r)
-    return (load_f16(blk + IQ4_XS_D) * scale) * iq4_value(codes)
+    return (load_f16(qd) * scale) * iq4_value(codes)

@@ -21,10 +21,12 @@ run (or two):
 - the 32-value formats (Q4_0, Q4_1, Q5_1, IQ4_NL) and IQ4_XS's 32-value sub-blocks: a group a block, lo its
   low nibbles (values 0-15), hi its high ones (16-31).
 Every group's codes are words held in the thread (`int8_words.ld4` where a run is 16-byte aligned: Q5_K's
-176-byte blocks, Q3_K's stored 112-byte ones and Q2_K's split 80-byte ones, d and dmin after the row; `ld2`
-where it is 8-byte aligned: IQ4_XS's 136-byte blocks, header and runs, and Q2_K's scales; `ld_words` where it
-is 4-byte aligned: Q4_1, Q5_1; `ld_run` where it is only 2-byte aligned: Q4_0, IQ4_NL), as `q8` holds Q4_K's
-and Q6_K's: no shared-memory exchange before a dp4a chain.
+176-byte blocks, Q3_K's stored 112-byte ones, and the split rows of Q2_K (80-byte blocks, d and dmin after the
+row), IQ4_XS (128 bytes of codes a block, its 8-byte header after the row) and Q4_0 / IQ4_NL (16 bytes of codes,
+d after the row; two 64-bit loads where a row does not end on 16 bytes); `ld2` for IQ4_XS's header and Q2_K's
+scales; `ld_words` where a run is 4-byte aligned: Q4_1, Q5_1), as `q8` holds Q4_K's and Q6_K's: no
+shared-memory exchange before a dp4a chain. Where the file's 18-byte Q4_0 / IQ4_NL blocks put every other run 2
+bytes past a word, a run took five 32-bit loads and four funnel shifts (`int8_words.ld_run`).
 
 Codes enter dp4a as stored (unsigned) and the format's offset is applied once a run from the activation's
 16-value sum s: Q4_0's 8 and Q3_K's 4 as a bias, Q4_1's and Q5_1's minimum m and Q2_K's dmin * min as an
@@ -38,12 +40,14 @@ and 32-bit loads).
 
 from __future__ import annotations
 
+import math
+
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import QK, QK_K, Format
+from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format
 from fuselane.lanes.cuda.triton.gemv.fast import K_RUNS, RUN_BYTES, q4_k_scales_of
-from fuselane.lanes.cuda.triton.gemv.int8_words import dot16_of, ld2, ld4, ld_run, ld_scalar, ld_words, prmt
+from fuselane.lanes.cuda.triton.gemv.int8_words import dot16_of, ld2, ld4, ld_scalar, ld_words, prmt
 from fuselane.lanes.cuda.triton.gemv.layout import (
     BYTE,
     BYTE_BITS,
@@ -58,14 +62,12 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     FMT_Q5_K,
     HALF_WORD_BITS,
     IQ4_NL_BYTES,
-    IQ4_NL_D,
     IQ4_NL_QS,
     IQ4_T0,
     IQ4_T1,
     IQ4_T2,
     IQ4_T3,
     IQ4_XS_BYTES,
-    IQ4_XS_D,
     IQ4_XS_QS,
     IQ4_XS_SCALES_L,
     NIBBLE,
@@ -79,7 +81,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q3_K_SCALES,
     Q3_LOW_SCALES,
     Q4_0_BYTES,
-    Q4_0_D,
     Q4_0_QS,
     Q4_1_BYTES,
     Q4_1_D,
@@ -97,7 +98,9 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     SIGNED_SCALE,
     const,
     q2_k_d,
+    tail_d,
 )
+from fuselane.lanes.cuda.triton.quant import CODES_ALIGN
 
 LOW_NIBBLES = const(0x0F0F0F0F)  # the low nibble of each byte of a word
 LOW_BITS = const(0x01010101)  # bit 0 of each byte
@@ -118,6 +121,10 @@ TABLE_HALF = const(0x44444444)  # bit 3 of each code moved to bit 2: the second 
 IN_ORDER = const(0x32103210)  # bytes 0-3 in order, for each 16-bit half of a selector
 EVEN_BYTES, ODD_BYTES = const(0x6420), const(0x7531)  # the low nibbles' values, the high nibbles'
 QUAD = const(4)  # Q3_K / Q2_K: groups a super-block, each four runs of 16
+# Q4_0 / IQ4_NL rows of a multiple of this many blocks (8 of 18 bytes) end on 16 bytes, so every block's codes
+# start on 16 (`kernels.ROW_ALIGN_BYTES`: rows end on 8)
+NIBBLE_WIDE_ROW = const(CODES_ALIGN // math.gcd(LAYOUTS[Format.Q4_0].nbytes, CODES_ALIGN))
+DWORD_BYTES = const(8)  # an `ld2` load
 
 # Groups a unit (a block or super-block), and values a unit, of each format here
 GROUPS = {
@@ -134,7 +141,10 @@ K_QUAD_FORMATS = frozenset({Format.Q3_K, Format.Q2_K})
 # the alignment each format's loads need of its rows' start: Q5_K's, Q3_K's (its stored 112-byte blocks) and
 # Q2_K's (its split 80-byte ones) 128-bit loads (`ld4`), IQ4_XS's 64-bit ones (`ld2`), the 32-bit words of
 # Q4_1's and Q5_1's runs (`ld_words`) and of Q5_1's qh
-ALIGN = {Format.Q5_K: 16, Format.Q3_K: 16, Format.Q2_K: 16, Format.Q4_1: 4, Format.Q5_1: 4, Format.IQ4_XS: 8}
+ALIGN = {
+    Format.Q5_K: 16, Format.Q3_K: 16, Format.Q2_K: 16, Format.IQ4_XS: 16, Format.Q4_0: 16, Format.IQ4_NL: 16,
+    Format.Q4_1: 4, Format.Q5_1: 4,
+}  # fmt: skip
 
 
 # --- loads ---------------------------------------------------------------------------------------------------
@@ -171,23 +181,25 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
         blk = w_rows[:, None] + (unit * Q5_K_BYTES)[None, :]
         head, qs = ld4(_i32(blk), True, PINNED), ld4(_i32(blk + r * RUN_BYTES + Q5_K_QS), True, PINNED)
         return head + qs + ld4(_i32(blk + (r % 2) * RUN_BYTES + Q5_K_QH), True, PINNED)
-    elif FMT == FMT_Q4_0:
+    elif (FMT == FMT_Q4_0) | (FMT == FMT_IQ4_NL):  # d after the row, the block's 16 codes on 16 bytes (or 8)
+        tl.static_assert((Q4_0_BYTES == IQ4_NL_BYTES) & (Q4_0_QS == 0) & (IQ4_NL_QS == 0), "one layout for both")
         blk = w_rows[:, None] + (unit * Q4_0_BYTES)[None, :]
-        return (half_at(blk + Q4_0_D),) + ld_run(blk + Q4_0_QS, PINNED)
-    elif FMT == FMT_IQ4_NL:
-        blk = w_rows[:, None] + (unit * IQ4_NL_BYTES)[None, :]
-        return (half_at(blk + IQ4_NL_D),) + ld_run(blk + IQ4_NL_QS, PINNED)
+        d = half_at(tail_d(w_rows[:, None], unit[None, :], N_UNITS, FMT))
+        if N_UNITS // NIBBLE_WIDE_ROW * NIBBLE_WIDE_ROW == N_UNITS:  # rows end on 16 bytes: one 128-bit load
+            return (d,) + ld4(_i32(blk), True, PINNED)
+        else:  # rows end on 8 bytes (`kernels.ROW_ALIGN_BYTES`)
+            return (d,) + ld2(blk, PINNED) + ld2(blk + DWORD_BYTES, PINNED)
     elif FMT == FMT_Q4_1:
         blk = w_rows[:, None] + (unit * Q4_1_BYTES)[None, :]
         return (half_at(blk + Q4_1_D), half_at(blk + Q4_1_M)) + ld_words(blk + Q4_1_QS, PINNED)
     elif FMT == FMT_Q5_1:
         blk = w_rows[:, None] + (unit * Q5_1_BYTES)[None, :]
         return (half_at(blk + Q5_1_D), half_at(blk + Q5_1_M), _word(blk + Q5_1_QH)) + ld_words(blk + Q5_1_QS, PINNED)
-    elif FMT == FMT_IQ4_XS:  # d and scales_h as one word, scales_l the next; the sub-block's 16 qs bytes
-        tl.static_assert(IQ4_XS_SCALES_L == IQ4_XS_D + 4, "IQ4_XS's header is one 8-byte load")
+    elif FMT == FMT_IQ4_XS:  # d and scales_h as one word, scales_l the next (after the row); a 16-byte qs run
+        tl.static_assert(IQ4_XS_SCALES_L == 4, "IQ4_XS's header is one 8-byte load")
         blk = w_rows[:, None] + (unit * IQ4_XS_BYTES)[None, :]
-        run = blk + r * RUN_BYTES + IQ4_XS_QS
-        return ld2(blk + IQ4_XS_D) + ld2(run, PINNED) + ld2(run + 8, PINNED)
+        head = ld2(tail_d(w_rows[:, None], unit[None, :], N_UNITS, FMT))
+        return head + ld4(_i32(blk + r * RUN_BYTES + IQ4_XS_QS), True, PINNED)
     elif FMT == FMT_Q3_K:  # the 12 scale bytes and d as one 16-byte load (a stored block's), qs and hmask runs
         blk = w_rows[:, None] + (unit * Q3_K_BYTES)[None, :]
         t = r % 2
