@@ -1,8 +1,9 @@
 """The weights' layout on the cuda lane's device (`run/stored.py`, `kernels.STORED_BLOCK_BYTES`, `ROW_TAIL_D`):
 Q3_K's blocks padded to 112 bytes; Q6_K's, Q8_0's, Q2_K's, Q4_0's, IQ4_NL's and IQ4_XS's rows split into their
 blocks' bytes but d (Q6_K's first 208, Q8_0's 32 codes, Q2_K's scales and qs, its dmin kept with its d; IQ4_XS's
-scales kept with its d too), then the blocks' d's, then zeros to a 16-byte end (Q8_0, Q4_0, IQ4_NL: 8); the bytes each adds, and the device decode reading them back as `gguf.dequant` does.
-Host-only but for the last cases, which run the decode kernel (interpreted without a GPU)."""
+scales kept with its d too), then the blocks' d's, then zeros to a 16-byte end (Q8_0, Q4_0, IQ4_NL: 8); the
+bytes each adds, and the device decode reading them back as `gguf.dequant` does. Host-only but for the last
+cases, which run the decode kernel (interpreted without a GPU)."""
 
 from __future__ import annotations
 

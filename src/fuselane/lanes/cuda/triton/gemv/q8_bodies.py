@@ -97,7 +97,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q5_K_QS,
     SIGNED_SCALE,
     const,
-    q2_k_d,
     tail_d,
 )
 from fuselane.lanes.cuda.triton.quant import CODES_ALIGN
@@ -214,7 +213,7 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
     else:  # d and dmin (one word after the row's blocks), the half's eight scale bytes and the group's qs run
         tl.static_assert(FMT == FMT_Q2_K, "no int8 GEMV body for this format")
         blk = w_rows[:, None] + (unit * Q2_K_BYTES)[None, :]
-        dd = _word(q2_k_d(w_rows[:, None], unit[None, :], N_UNITS))
+        dd = _word(tail_d(w_rows[:, None], unit[None, :], N_UNITS, FMT))
         head = (dd,) + ld2(blk + Q2_K_SCALES + (r // 2) * Q3_LOW_SCALES)
         return head + ld4(_i32(blk + r * RUN_BYTES + Q2_K_QS), True, PINNED)
 
