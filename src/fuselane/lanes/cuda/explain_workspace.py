@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fuselane.fuse.optimizer import Plan, optimize
-from fuselane.gguf.formats import tensor_bytes
+from fuselane.gguf.formats import Format, tensor_bytes
 from fuselane.graph.ir import Form
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.shim import CudaShim
@@ -34,6 +34,7 @@ def prefill_workspace(
     uploaded = {n: _uploaded(t) for n, t in tensors.items()}  # as `CudaLane._upload` lays them out
     _, weights = parts({n: nbytes + extra for n, (nbytes, extra) in uploaded.items()})
     surplus = sum(extra for _, extra in uploaded.values())
+    relaid = sorted({t.format for n, t in tensors.items() if uploaded[n][1]}, key=int)
 
     def plan_at(rows: int) -> Plan:
         graph = recognizer(cfg).recognize(cfg, tensors, Form.PREFILL, rows=rows, ctx=ctx)
@@ -55,6 +56,7 @@ def prefill_workspace(
         "within": ws.within,
         "rounds_in_place": ws.rounds_in_place,
         "stored_surplus_bytes": surplus,
+        "stored_formats": [Format(f).name for f in relaid],
     }
 
 
@@ -80,14 +82,15 @@ def render_workspace(w: dict[str, Any]) -> list[str]:
         f"  f16 scratch {w['scratch_bytes'] / MB:.1f} MB (a layer's largest product {slabs}); cuBLAS's workspace "
         f"{cublas} ({config})",
         f"  dying activations rounded to f16 in place: {'yes' if w['rounds_in_place'] else 'no'}",
-        *_stored(w.get("stored_surplus_bytes", 0)),
+        *_stored(w.get("stored_surplus_bytes", 0), w.get("stored_formats", [])),
         f"  the {held} ({round(100 * kernels.WORKSPACE_SHARE)} %): {verdict}",
     ]
 
 
-def _stored(surplus: int) -> list[str]:
-    """The line on the weights' stored layout, where it adds to the file's bytes (`run/stored.py`)."""
+def _stored(surplus: int, formats: Sequence[str]) -> list[str]:
+    """The line on the weights' stored layout, where it adds to the file's bytes (`run/stored.py`): the layouts of
+    the `formats` (names) that add them."""
     if not surplus:
         return []
     over = f"{surplus / MB:.1f} MB over the file, held in the share"
-    return [f"  blocks stored 16-byte aligned ({stored.describe()}): {over}"]
+    return [f"  blocks stored 16-byte aligned ({stored.describe([Format[f] for f in formats])}): {over}"]

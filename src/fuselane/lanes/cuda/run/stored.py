@@ -11,6 +11,7 @@ The upload (`lane.CudaLane`) writes them so; tests hand the kernels the same."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -104,10 +105,13 @@ def surplus(fmt: Format, nbytes: int, row_bytes: int | None = None) -> int:
     return nbytes // row_bytes * kernels.stored_row_bytes(fmt, per_row * LAYOUTS[fmt].values) - nbytes
 
 
-def describe() -> str:
-    """The stored layouts in a few words, for `explain`."""
+def describe(formats: Iterable[Format] | None = None) -> str:
+    """The stored layouts of `formats` (every one the lane relays where None) in a few words, for `explain`."""
     parts = []
+    wanted = None if formats is None else {Format(f) for f in formats}
     for fmt, block in kernels.STORED_BLOCK_BYTES.items():
+        if wanted is not None and fmt not in wanted:
+            continue
         if fmt in kernels.ROW_TAIL_D:
             align = kernels.ROW_ALIGN_BYTES[fmt]
             parts.append(f"{fmt.name}'s d's after a row's {block}-byte blocks, rows to {align} bytes")
