@@ -52,26 +52,22 @@ QBLOCK = contract.QBLOCK
 # the 7B Q8_0's decode +14 %). Its rows end on 8 bytes, not 16: a row of a multiple of 128 values then needs no
 # padding (Qwen2.5-0.5B's 896 would take 8 bytes a row on 16, 1.2 MB on its head, which cost the model's 512-row
 # prompt chunks their share), and the int8 GEMV reads rows that do not end on 16 as four 64-bit loads a block.
-# A Q2_K block (84 bytes: scales 16, qs 64, d 2, dmin 2) is split too, its d and dmin (one 32-bit word) after the
-# row: the 80 bytes left are five 16-byte runs, so a group of the int8 GEMV reads its half's scales in one 64-bit
-# load and its qs run in one 128-bit load where the file's 84-byte blocks (4-byte aligned) took six 32-bit loads.
+# Q2_K's 84-byte blocks (scales 16, qs 64, d, dmin) were split too, their d and dmin after the row (rows to 16
+# bytes): the GLU's loads 122 -> 74 (sm_90 SASS, the 7B's widths), but its decode only 449.4 -> 453.2 tok/s (H100,
+# the 7B in Q2_K), and the rows' padding (8 bytes a row at 1,536 values) left Qwen2.5-1.5B's 256-row prompt chunks
+# out of the share: kept as the file has them (benchmarks/RESULTS.md, 2026-12-06, second).
 # Q4_0's and IQ4_NL's 18-byte blocks (d, then 16 bytes of codes) are split as Q8_0's, rows to 8 bytes, so a block's
 # codes are one 128-bit load (two 64-bit ones where a row does not end on 16) where the file's layout took five
 # 32-bit loads and four funnel shifts; IQ4_XS's 136-byte blocks keep their 8-byte header (d, scales_h, scales_l)
 # after the row, so each of its 16-byte runs is one 128-bit load where it took two 64-bit ones.
 STORED_BLOCK_BYTES = {
-    Format.Q2_K: 80, Format.Q3_K: 112, Format.Q6_K: 208, Format.Q8_0: 32, Format.Q4_0: 16, Format.IQ4_NL: 16,
-    Format.IQ4_XS: 128,
+    Format.Q3_K: 112, Format.Q6_K: 208, Format.Q8_0: 32, Format.Q4_0: 16, Format.IQ4_NL: 16, Format.IQ4_XS: 128,
 }  # fmt: skip
-# Formats whose blocks' f16 scale d (and the fields after it up to these bytes: Q2_K's dmin, IQ4_XS's scales) is
-# kept after a row's blocks (bytes a block), not in each block
-ROW_TAIL_D = {
-    Format.Q2_K: 4, Format.Q6_K: 2, Format.Q8_0: 2, Format.Q4_0: 2, Format.IQ4_NL: 2, Format.IQ4_XS: 8,
-}  # fmt: skip
+# Formats whose blocks' f16 scale d (and the fields after it up to these bytes: IQ4_XS's scales) is kept after a
+# row's blocks (bytes a block), not in each block
+ROW_TAIL_D = {Format.Q6_K: 2, Format.Q8_0: 2, Format.Q4_0: 2, Format.IQ4_NL: 2, Format.IQ4_XS: 8}
 # A row of a ROW_TAIL_D format ends on this many bytes, so the next row's runs start aligned for its loads
-ROW_ALIGN_BYTES = {
-    Format.Q2_K: 16, Format.Q6_K: 16, Format.Q8_0: 8, Format.Q4_0: 8, Format.IQ4_NL: 8, Format.IQ4_XS: 16,
-}  # fmt: skip
+ROW_ALIGN_BYTES = {Format.Q6_K: 16, Format.Q8_0: 8, Format.Q4_0: 8, Format.IQ4_NL: 8, Format.IQ4_XS: 16}
 
 
 def stored_block_bytes(fmt: Format) -> int:
@@ -94,7 +90,7 @@ def stored_offset(fmt: Format, field: str) -> int:
 
 def kept_after_row(fmt: Format, field: str) -> bool:
     """Whether `field` of a block of `fmt` is kept after its row's blocks on the device (a `ROW_TAIL_D` format's
-    d, and Q2_K's dmin with it), not in the block."""
+    d, and IQ4_XS's scales with it), not in the block."""
     tail = ROW_TAIL_D.get(Format(fmt))
     if tail is None:
         return False

@@ -1,10 +1,10 @@
 """A matrix's bytes as the cuda lane keeps them on the device (`kernels.STORED_BLOCK_BYTES`, `ROW_TAIL_D`):
 
 - Q3_K's 110-byte blocks each at the start of 112 bytes, the rest zero, so every block starts on 16 bytes;
-- Q6_K's, Q8_0's and Q2_K's rows split: each block's bytes but its f16 d (Q6_K's ql, qh and scales, 208 bytes;
-  Q8_0's 32 codes; Q2_K's scales and qs, 80 bytes, its dmin kept with its d) one after another, then the row's
-  blocks' d's, then zeros to a 16-byte end (Q8_0: 8), so every run of codes starts on 16 bytes (Q8_0's on 8 where
-  a row's blocks are not a multiple of 8);
+- Q6_K's, Q8_0's, Q4_0's, IQ4_NL's and IQ4_XS's rows split: each block's bytes but its f16 d (Q6_K's ql, qh and
+  scales, 208 bytes; Q8_0's 32 codes; Q4_0's and IQ4_NL's 16; IQ4_XS's 128, its scales kept with its d) one after
+  another, then the row's blocks' d's, then zeros to a 16-byte end (Q8_0, Q4_0, IQ4_NL: 8), so every run of codes
+  starts on 16 bytes (on 8 where a row of those three does not end on 16);
 - every other format as the file has it.
 
 The upload (`lane.CudaLane`) writes them so; tests hand the kernels the same."""

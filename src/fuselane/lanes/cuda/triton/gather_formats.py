@@ -7,8 +7,8 @@ file's Q2_K), so every format a matrix may be stored in needs a decoder here; a 
 so these favour plainness over speed. Exactness: a scale product (f16 times a code or a sub-block scale of
 at most 8 bits) is exact in f32, and a minimum is added or subtracted with one rounding, as dequant does.
 
-`norm._decode` hands these formats to `decode` with the address of a block's d (Q2_K's, with its dmin, after its
-row's blocks on the device, as IQ4_XS's scales and Q4_0's and IQ4_NL's d); the offsets it passes are the layout's
+`norm._decode` hands these formats to `decode` with the address of a block's d (IQ4_XS's, with its scales, after
+its row's blocks on the device, as Q4_0's and IQ4_NL's d); the offsets it passes are the layout's
 fields under the gather's names (0 for a field kept after the row): OFF_DMIN a
 minimum (dmin, or Q4_1's / Q5_1's m), OFF_SCALES the packed scales (IQ4_XS's scales_l), OFF_QH the high bits (qh,
 or Q3_K's hmask).
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import Format
-from fuselane.lanes.cuda.triton.gemv.layout import IQ4_XS_SCALES_H, IQ4_XS_SCALES_L, Q2_K_DMIN_AFTER_D, const
+from fuselane.lanes.cuda.triton.gemv.layout import IQ4_XS_SCALES_H, IQ4_XS_SCALES_L, const
 from fuselane.lanes.cuda.triton.gemv.low_bits import iq4_value
 
 Q5_K = const(int(Format.Q5_K))
@@ -120,5 +120,5 @@ def decode(blk, dp, t, mask, FMT: tl.constexpr, OFF_DMIN: tl.constexpr, OFF_SCAL
         sc = _byte(blk + OFF_SCALES + t // HALF_BLOCK, mask)
         crumb = (_byte(blk + OFF_QS + n * SUB + b, mask) >> (j * 2)) & 0x3
         dl = _f16(dp, mask) * (sc & 0xF).to(tl.float32)
-        v = dl * crumb.to(tl.float32) - _f16(dp + Q2_K_DMIN_AFTER_D, mask) * (sc >> NIBBLE_BITS).to(tl.float32)
+        v = dl * crumb.to(tl.float32) - _f16(blk + OFF_DMIN, mask) * (sc >> NIBBLE_BITS).to(tl.float32)
     return v

@@ -21,12 +21,12 @@ loop, so the body is one run's work whatever the format, and only one run's code
 The loop is a `tl.range` with `num_stages`: Triton's pipeliner issues the next stages' loads as asynchronous
 copies into shared memory while the current run multiplies. A load is staged only if a thread's part of it is
 4 bytes or more, so every weight byte is read in 32-bit words (`gemm_q8_runs`): the blocks that are whole
-words directly (and Q2_K's d and dmin, one word after its row), the 2-aligned ones (Q4_0, Q5_0, IQ4_NL, Q3_K, and
-Q6_K's and Q8_0's d) from the word boundary at or below (a run's bytes rebuilt from two words where it starts
-mid-word). What stays in the trip is the IQ4 formats' 16-value table lookup (32 byte loads a thread a run,
-L1-resident). Weight rows are the MMA's rows because a run's per-row scales are then a few values a thread (four
-at 128 rows and 4 warps); as its columns each thread would hold a quarter of them and compute every scale 32
-times over.
+words directly (and IQ4_XS's header, two words after its row), the 2-aligned ones (Q5_0, Q3_K, and the split
+formats' d: Q6_K's, Q8_0's, Q4_0's, IQ4_NL's) from the word boundary at or below (a run's bytes rebuilt from two
+words where it starts mid-word). What stays in the trip is the IQ4 formats' 16-value table lookup (32 byte loads
+a thread a run, L1-resident). Weight rows are the MMA's rows because a run's per-row scales are then a few values
+a thread (four at 128 rows and 4 warps); as its columns each thread would hold a quarter of them and compute
+every scale 32 times over.
 
 So the numbers are the exact product of the dequantized activation and the dequantized weights, up to the f32
 roundings of the scaling and the sums; nothing is rounded to f16, so no activation overflows (an int8 code

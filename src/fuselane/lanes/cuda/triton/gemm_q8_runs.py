@@ -19,8 +19,8 @@ A run's bytes of a row are contiguous (a Q4_K pair's 32 qs bytes, a Q8_0 block's
 load is BLOCK_N rows of 16-32 contiguous bytes. Every byte is read as part of a 32-bit word and taken apart
 with shifts: a load of 4 bytes or more a thread is one the software pipeliner can issue ahead as an
 asynchronous copy, a 1- or 2-byte load is not (it would wait in every run). Where a format's block is a whole
-number of words (Q4_1, Q5_1, Q4_K, Q5_K; Q2_K's 80 and IQ4_XS's 128 as the lane keeps them, their headers' words
-after the row's blocks) its fields are read at their own word offsets (`blk` pointers). The other blocks (Q5_0
+number of words (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K; IQ4_XS's 128 as the lane keeps them, its header's words after the
+row's blocks) its fields are read at their own word offsets (`blk` pointers). The other blocks (Q5_0
 22 bytes, Q3_K 110; Q6_K's 208, Q8_0's 32 and Q4_0's and IQ4_NL's 16 as the lane keeps them, whose d lies after
 the row's blocks) are read as only 2-aligned, so those bodies take the blocks'
 byte offsets (`at`) and read the word at or below each field (`_word_below`); a run of 16 or 32 bytes that
@@ -93,6 +93,7 @@ HALF_WORD_BITS = const(16)  # a word's upper f16 (a K format's dmin, Q4_1's m) a
 FMT_Q2_K, FMT_Q3_K = const(Format.Q2_K.value), const(Format.Q3_K.value)
 FMT_IQ4_NL, FMT_IQ4_XS = const(Format.IQ4_NL.value), const(Format.IQ4_XS.value)
 Q2_K_SCALES, Q2_K_QS = offset(Format.Q2_K, "scales"), offset(Format.Q2_K, "qs")
+Q2_K_D = offset(Format.Q2_K, "d")  # dmin is the same word's upper half
 Q3_K_HMASK, Q3_K_QS = offset(Format.Q3_K, "hmask"), offset(Format.Q3_K, "qs")
 Q3_K_SCALES, Q3_K_D = offset(Format.Q3_K, "scales"), offset(Format.Q3_K, "d")
 IQ4_NL_QS, IQ4_XS_QS = offset(Format.IQ4_NL, "qs"), offset(Format.IQ4_XS, "qs")
@@ -270,7 +271,7 @@ def run(w, at, dat, j, FMT: tl.constexpr, lut):
     if FMT == FMT_Q6_K:
         codes, s0, s1, m0, m1 = _q6_k_run(w, at, dat, j)
     elif FMT == FMT_Q2_K:
-        codes, s0, s1, m0, m1 = _q2_k_run(blk, w + dat, j)
+        codes, s0, s1, m0, m1 = _q2_k_run(blk, j)
     elif FMT == FMT_Q3_K:
         codes, s0, s1, m0, m1 = _q3_k_run(w, at, j)
     elif FMT == FMT_IQ4_NL:
@@ -351,11 +352,10 @@ def _crumb_run(blk, QS: tl.constexpr, j):
 
 
 @triton.jit
-def _q2_k_run(blk, dp, j):
+def _q2_k_run(blk, j):
     """Q2_K run j: 2-bit codes; sub-blocks 2j and 2j + 1 of 16 each take d * (scale byte's low nibble) and
-    -dmin * (its high nibble). Their two scale bytes are half of word j // 2 of the scales; d and dmin are the
-    word at `dp` (after the row's blocks)."""
-    d, dmin = _f16_pair(_word(dp, 0))
+    -dmin * (its high nibble). Their two scale bytes are half of word j // 2 of the scales."""
+    d, dmin = _f16_pair(_word(blk, Q2_K_D))
     pair = _word(blk, Q2_K_SCALES + (j // 2) * WORD) >> (HALF_WORD_BITS * (j % 2))
     b0, b1 = pair & BYTE, (pair >> BYTE_BITS) & BYTE
     s0, s1 = d * (b0 & NIBBLE).to(tl.float32), d * (b1 & NIBBLE).to(tl.float32)

@@ -15,7 +15,7 @@ The embedding gather dequantizes its rows in the kernel from the checkpoint's ow
 field at its byte offset in the block as the device keeps it (`kernels.stored_offset`): the table stays in its
 quantized form on the device, and a token's row costs a few hundred bytes instead of a dequantized copy of the
 table. Fields are read a byte at a time and assembled, so a block of any byte size (22 for Q5_0) needs no
-alignment (a Q6_K, Q8_0 or Q2_K block's d sits after its row's blocks on the device: `layout.block_d`); a step
+alignment (a split format's d, Q6_K's or Q8_0's, sits after its row's blocks on the device: `layout.block_d`); a step
 gathers one row, so the extra loads cost nothing that matters.
 """
 

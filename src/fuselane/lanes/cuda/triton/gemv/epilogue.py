@@ -388,7 +388,7 @@ def _flat_values(blk, qd, t, FMT: tl.constexpr):
     elif FMT == FMT_Q5_1:
         v = _nibble_values(blk, qd, t, Q5_1_D, Q5_1_M, Q5_1_QH, Q5_1_QS, 0)
     elif FMT == FMT_Q2_K:
-        v = q2_k_values(blk, qd, t[None, :])
+        v = q2_k_values(blk, t[None, :])
     elif FMT == FMT_Q3_K:
         v = q3_k_values(blk, t[None, :])
     elif FMT == FMT_IQ4_NL:

@@ -338,10 +338,10 @@ def _dot_nibbles(
 
 @triton.jit
 def _low_bit_values(blk, qd, t, FMT: tl.constexpr):
-    """Values t of the units at `blk` (broadcasting together; `qd` their d's where kept after the row: all but
-    Q3_K's) of Q2_K, Q3_K, IQ4_NL or IQ4_XS, f32."""
+    """Values t of the units at `blk` (broadcasting together; `qd` their d's where kept after the row: IQ4_NL's
+    and IQ4_XS's) of Q2_K, Q3_K, IQ4_NL or IQ4_XS, f32."""
     if FMT == FMT_Q2_K:
-        v = q2_k_values(blk, qd, t)
+        v = q2_k_values(blk, t)
     elif FMT == FMT_Q3_K:
         v = q3_k_values(blk, t)
     elif FMT == FMT_IQ4_NL:

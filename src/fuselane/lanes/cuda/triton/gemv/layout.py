@@ -76,10 +76,8 @@ Q5_K_SCALES, Q5_K_QH, Q5_K_QS = offset(Format.Q5_K, "scales"), offset(Format.Q5_
 Q6_K_BYTES, Q6_K_SCALES = nbytes(Format.Q6_K), offset(Format.Q6_K, "scales")
 Q6_K_FILE_BYTES, Q6_K_D_BYTES = const(LAYOUTS[Format.Q6_K].nbytes), const(ROW_TAIL_D[Format.Q6_K])
 Q6_K_QL, Q6_K_QH = offset(Format.Q6_K, "ql"), offset(Format.Q6_K, "qh")
-# Q2_K on the device (`run/stored.py`): a block's scales and qs Q2_K_BYTES (80) apart, its d and dmin (a word) after
-# the row's blocks (`tail_d`), dmin Q2_K_DMIN_AFTER_D bytes past d
 Q2_K_BYTES, Q2_K_SCALES, Q2_K_QS = nbytes(Format.Q2_K), offset(Format.Q2_K, "scales"), offset(Format.Q2_K, "qs")
-Q2_K_DMIN_AFTER_D = after_d(Format.Q2_K, "dmin")
+Q2_K_D, Q2_K_DMIN = offset(Format.Q2_K, "d"), offset(Format.Q2_K, "dmin")
 Q3_K_BYTES, Q3_K_HMASK, Q3_K_QS = nbytes(Format.Q3_K), offset(Format.Q3_K, "hmask"), offset(Format.Q3_K, "qs")
 Q3_K_SCALES, Q3_K_D = offset(Format.Q3_K, "scales"), offset(Format.Q3_K, "d")
 IQ4_NL_BYTES, IQ4_NL_QS = nbytes(Format.IQ4_NL), offset(Format.IQ4_NL, "qs")
@@ -174,9 +172,6 @@ def check_layouts() -> None:
         d = lay.field("d").offset
         if stored % 16 or stored + tail != lay.nbytes or d not in (0, stored):
             raise RuntimeError(f"{fmt.name}: the GEMVs load a block's runs as 16-byte words, its header after the row")
-    q2 = LAYOUTS[Format.Q2_K]
-    if q2.field("qs").offset % 16 or q2.field("scales").offset % 16:
-        raise RuntimeError("Q2_K: the int8 GEMV loads its scales and qs runs as 16-byte words; the layout moved")
     if stored_block_bytes(Format.Q8_0) % 16 or stored_offset(Format.Q8_0, "qs"):
         raise RuntimeError("Q8_0: the GEMVs load a block's codes as two 16-byte words, d after the row; moved")
     q6 = LAYOUTS[Format.Q6_K]
@@ -227,7 +222,7 @@ def q8_0_d(row, unit, N_UNITS):
 def tail_d(row, unit, N_UNITS, FMT: tl.constexpr):
     """Pointers to the d of block `unit` of the rows at `row` (rows of N_UNITS blocks) of a `ROW_TAIL_D` format
     (`q6_k_d` and `q8_0_d` for any of them): its header's bytes (d, and the fields after it the row keeps with it:
-    Q2_K's dmin, IQ4_XS's scales) follow the row's blocks."""
+    IQ4_XS's scales) follow the row's blocks."""
     return row + N_UNITS * STORED_BYTES_C[FMT] + unit * TAIL_BYTES_C[FMT]
 
 

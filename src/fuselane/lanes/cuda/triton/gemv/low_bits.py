@@ -35,7 +35,8 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     K_SUB,
     NIBBLE,
     NIBBLE_BITS,
-    Q2_K_DMIN_AFTER_D,
+    Q2_K_D,
+    Q2_K_DMIN,
     Q2_K_QS,
     Q2_K_SCALES,
     Q3_BIAS_CODE,
@@ -80,13 +81,13 @@ def _crumb_codes(blk, t, QS: tl.constexpr):
 
 
 @triton.jit
-def q2_k_values(blk, qd, t):
+def q2_k_values(blk, t):
     """Q2_K: value = (d * scale) * code - dmin * min, a 4-bit scale and min (low and high nibble of one byte)
-    a sub-block of 16; d at `qd` and dmin after it (kept after the row's blocks: `layout.block_d`)."""
+    a sub-block of 16."""
     code = _crumb_codes(blk, t, Q2_K_QS).to(tl.float32)
     packed = _byte(blk + Q2_K_SCALES + t // K_SUB)
-    scale = (load_f16(qd) * (packed & NIBBLE).to(tl.float32)) * code
-    return scale - load_f16(qd + Q2_K_DMIN_AFTER_D) * (packed >> NIBBLE_BITS).to(tl.float32)
+    scale = (load_f16(blk + Q2_K_D) * (packed & NIBBLE).to(tl.float32)) * code
+    return scale - load_f16(blk + Q2_K_DMIN) * (packed >> NIBBLE_BITS).to(tl.float32)
 
 
 @triton.jit

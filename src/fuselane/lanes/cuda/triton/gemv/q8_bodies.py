@@ -21,12 +21,12 @@ run (or two):
 - the 32-value formats (Q4_0, Q4_1, Q5_1, IQ4_NL) and IQ4_XS's 32-value sub-blocks: a group a block, lo its
   low nibbles (values 0-15), hi its high ones (16-31).
 Every group's codes are words held in the thread (`int8_words.ld4` where a run is 16-byte aligned: Q5_K's
-176-byte blocks, Q3_K's stored 112-byte ones, and the split rows of Q2_K (80-byte blocks, d and dmin after the
-row), IQ4_XS (128 bytes of codes a block, its 8-byte header after the row) and Q4_0 / IQ4_NL (16 bytes of codes,
-d after the row; two 64-bit loads where a row does not end on 16 bytes); `ld2` for IQ4_XS's header and Q2_K's
-scales; `ld_words` where a run is 4-byte aligned: Q4_1, Q5_1), as `q8` holds Q4_K's and Q6_K's: no
-shared-memory exchange before a dp4a chain. Where the file's 18-byte Q4_0 / IQ4_NL blocks put every other run 2
-bytes past a word, a run took five 32-bit loads and four funnel shifts (`int8_words.ld_run`).
+176-byte blocks, Q3_K's stored 112-byte ones, and the split rows of IQ4_XS (128 bytes of codes a block, its
+8-byte header after the row) and Q4_0 / IQ4_NL (16 bytes of codes, d after the row; two 64-bit loads where a row
+does not end on 16 bytes); `ld2` for IQ4_XS's header; `ld_words` where a run is 4-byte aligned: Q4_1, Q5_1,
+Q2_K), as `q8` holds Q4_K's and Q6_K's: no shared-memory exchange before a dp4a chain. Where the file's 18-byte
+Q4_0 / IQ4_NL blocks put every other run 2 bytes past a word, a run took five 32-bit loads and four funnel shifts
+(`int8_words.ld_run`).
 
 Codes enter dp4a as stored (unsigned) and the format's offset is applied once a run from the activation's
 16-value sum s: Q4_0's 8 and Q3_K's 4 as a bias, Q4_1's and Q5_1's minimum m and Q2_K's dmin * min as an
@@ -73,6 +73,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     NIBBLE,
     NIBBLE_BITS,
     Q2_K_BYTES,
+    Q2_K_D,
     Q2_K_QS,
     Q2_K_SCALES,
     Q3_K_BYTES,
@@ -137,12 +138,12 @@ K_PAIR_FORMATS = frozenset({Format.Q5_K})
 # formats whose group r (of four) meets the runs 128 (r // 2) + 16 (r % 2) + 32 j, j = 0..3: a 16-byte run of
 # crumbs, whole
 K_QUAD_FORMATS = frozenset({Format.Q3_K, Format.Q2_K})
-# the alignment each format's loads need of its rows' start: Q5_K's, Q3_K's (its stored 112-byte blocks) and
-# Q2_K's (its split 80-byte ones) 128-bit loads (`ld4`), IQ4_XS's 64-bit ones (`ld2`), the 32-bit words of
-# Q4_1's and Q5_1's runs (`ld_words`) and of Q5_1's qh
+# the alignment each format's loads need of its rows' start: the 128-bit loads (`ld4`) of Q5_K's, Q3_K's (its
+# stored 112-byte blocks) and the split formats' runs, the 32-bit words of Q4_1's, Q5_1's and Q2_K's runs
+# (`ld_words`) and of Q5_1's qh and Q2_K's header and scales
 ALIGN = {
-    Format.Q5_K: 16, Format.Q3_K: 16, Format.Q2_K: 16, Format.IQ4_XS: 16, Format.Q4_0: 16, Format.IQ4_NL: 16,
-    Format.Q4_1: 4, Format.Q5_1: 4,
+    Format.Q5_K: 16, Format.Q3_K: 16, Format.IQ4_XS: 16, Format.Q4_0: 16, Format.IQ4_NL: 16,
+    Format.Q4_1: 4, Format.Q5_1: 4, Format.Q2_K: 4,
 }  # fmt: skip
 
 
@@ -210,12 +211,12 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
         scales = lo, lo >> HALF_WORD_BITS, mid, mid >> HALF_WORD_BITS, hi, hi >> HALF_WORD_BITS
         qs = ld4(_i32(blk + r * RUN_BYTES + Q3_K_QS), True, PINNED)
         return (_f16(dw),) + scales + qs + ld4(_i32(blk + t * RUN_BYTES + Q3_K_HMASK), True, PINNED)
-    else:  # d and dmin (one word after the row's blocks), the half's eight scale bytes and the group's qs run
+    else:
         tl.static_assert(FMT == FMT_Q2_K, "no int8 GEMV body for this format")
         blk = w_rows[:, None] + (unit * Q2_K_BYTES)[None, :]
-        dd = _word(tail_d(w_rows[:, None], unit[None, :], N_UNITS, FMT))
-        head = (dd,) + ld2(blk + Q2_K_SCALES + (r // 2) * Q3_LOW_SCALES)
-        return head + ld4(_i32(blk + r * RUN_BYTES + Q2_K_QS), True, PINNED)
+        sc = blk + Q2_K_SCALES + (r // 2) * Q3_LOW_SCALES  # the half's eight scale bytes
+        head = _word(blk + Q2_K_D), _word(sc), _word(sc + 4)
+        return head + ld_words(blk + r * RUN_BYTES + Q2_K_QS, PINNED)
 
 
 # --- the sums a group --------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ ACC_VALUES = 64
 # step of a 16-row tile is 4.6 KB, and a 4096-row product has ~2 programs a SM.
 GEMV_STAGES = 3
 # cp.async moves 4, 8 or 16 bytes from an address so aligned: a format whose units are whole 16-byte lines
-# (Q4_K, Q5_K, the floats; Q2_K, Q3_K, Q6_K and Q8_0 as the lane stores them, `run/stored.py`) pipelines; the others'
+# (Q4_K, Q5_K, the floats; Q3_K and the split formats as the lane stores them, `run/stored.py`) pipelines; the others'
 # 2-byte-aligned blocks (Q5_0's 22 bytes, ...) cannot, and run one step at a time, their latency covered by
 # occupancy (sm_90 SASS of Q8_0 and Q6_K in the file's 34- and 210-byte blocks had ~5 % fewer instructions a
 # value unpipelined: the pipeliner's shared-memory staging bought them nothing).
