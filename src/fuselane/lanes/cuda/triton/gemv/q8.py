@@ -26,14 +26,13 @@ Under Triton's interpreter (`TRITON_INTERPRET=1`, CI without a GPU) the word-lev
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format
+from fuselane.gguf.formats import QK, QK_K, Format
 from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import fast, q8_bodies
@@ -79,6 +78,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     q8_0_d,
 )
 from fuselane.lanes.cuda.triton.gemv.parts import Part, check_glu_out, check_rows, part_rows, parts_args, store_parts
+from fuselane.lanes.cuda.triton.gemv.q8_bodies import DWORD_BYTES
 from fuselane.lanes.cuda.triton.gemv.q8_tiles import tile_of
 from fuselane.lanes.cuda.triton.gemv.weight_loads import PINNED, fence
 from fuselane.lanes.cuda.triton.quant import CODES_ALIGN, Q8Acts, check_acts
@@ -94,8 +94,7 @@ QK_C, QK_K_C, HALF_QK_C = const(QK), const(QK_K), const(QK // 2)
 WORD_VALUES = const(4)  # int8 codes a 32-bit word
 PINNED_C = const(PINNED)  # `FENCE`'s value under weight_loads=ahead
 # Q8_0 rows of a multiple of this many blocks (8 of 34 bytes) end on 16 bytes, so every block's codes start on 16
-Q8_0_WIDE_ROW = const(CODES_ALIGN // math.gcd(LAYOUTS[Format.Q8_0].nbytes, CODES_ALIGN))
-DWORD_BYTES = const(8)  # an `ld2` load
+Q8_0_WIDE_ROW = const(q8_bodies.rows_on_16(Format.Q8_0))
 # Each format's groups a unit (a thread's share of a chunk: see `chunk_acts`) and values a unit; `q8_bodies` holds
 # the formats after the first four
 GROUPS = {Format.Q4_K: K_RUNS.value, Format.Q6_K: Q6_RUNS.value, Format.Q8_0: 1, Format.Q5_0: 1} | q8_bodies.GROUPS

@@ -121,10 +121,18 @@ TABLE_HALF = const(0x44444444)  # bit 3 of each code moved to bit 2: the second 
 IN_ORDER = const(0x32103210)  # bytes 0-3 in order, for each 16-bit half of a selector
 EVEN_BYTES, ODD_BYTES = const(0x6420), const(0x7531)  # the low nibbles' values, the high nibbles'
 QUAD = const(4)  # Q3_K / Q2_K: groups a super-block, each four runs of 16
+DWORD_BYTES = const(8)  # an `ld2` load
+
+
+def rows_on_16(fmt: Format) -> int:
+    """Blocks a row must be a multiple of for a format's rows (its file blocks' bytes a row) to end on 16 bytes,
+    so that every row's codes start where one 128-bit load reaches them."""
+    return CODES_ALIGN // math.gcd(LAYOUTS[fmt].nbytes, CODES_ALIGN)
+
+
 # Q4_0 / IQ4_NL rows of a multiple of this many blocks (8 of 18 bytes) end on 16 bytes, so every block's codes
 # start on 16 (`kernels.ROW_ALIGN_BYTES`: rows end on 8)
-NIBBLE_WIDE_ROW = const(CODES_ALIGN // math.gcd(LAYOUTS[Format.Q4_0].nbytes, CODES_ALIGN))
-DWORD_BYTES = const(8)  # an `ld2` load
+NIBBLE_WIDE_ROW = const(rows_on_16(Format.Q4_0))
 
 # Groups a unit (a block or super-block), and values a unit, of each format here
 GROUPS = {
