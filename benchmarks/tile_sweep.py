@@ -5,6 +5,8 @@ Usage:
       [--depth 1 2] [--steps 300] [--knob K=V ...]
   python benchmarks/tile_sweep.py MODEL.gguf --entry GLU_TILES:Q3_K --entry TILES:Q3_K --tile 4,8,1 ...
       (each entry swept over the same tiles in turn, the model loaded once)
+  python benchmarks/tile_sweep.py MODEL.gguf --set GLU_TILES:Q4_0=2,2,2 --entry TILES:Q4_0 --tile 4,4,1 ...
+      (entries fixed at other tiles for the whole sweep: to time candidates together)
 
 Each candidate (a tile of a `q8_tiles` table for one format, times each prefetch depth) is set in the module,
 the step is run eagerly (compiling its kernels) and captured again, and its replay is timed: the whole step,
@@ -44,6 +46,7 @@ def main() -> None:
     ap.add_argument("--fmt", default="Q4_K", help="the format whose entry is swept (Q4_K, Q6_K, Q8_0, Q5_0, ...)")
     ap.add_argument("--entry", action="append", default=[], help="TABLE:FMT, swept in turn (repeatable)")
     ap.add_argument("--tile", action="append", default=[], help="rows,warps,per_thread (repeatable)")
+    ap.add_argument("--set", action="append", default=[], help="TABLE:FMT=rows,warps,per_thread (repeatable)")
     ap.add_argument("--depth", type=int, nargs="+", default=[gemv_q8.PREFETCH_DEPTH], choices=(1, 2))
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--ctx", type=int, default=1024)
@@ -52,15 +55,26 @@ def main() -> None:
     m = load(args.model, lane="cuda", ctx=args.ctx, knobs=["activations=int8", *args.knob])
     m.session().feed(list(range(100, 100 + PROMPT)))
     step = m.lane.step(1)
+    for fixed in args.set:
+        entry, tile = fixed.split("=")
+        table_name, fmt_name = entry.split(":")
+        getattr(q8_tiles, table_name)[Format[fmt_name]] = parse_tile(tile)
+        print(f"{table_name}[{fmt_name}] set to {parse_tile(tile)}")
     entries = [e.split(":") for e in args.entry] or [(args.table, args.fmt)]
     for table_name, fmt_name in entries:
         sweep(m.lane, step, args, getattr(q8_tiles, table_name), table_name, Format[fmt_name])
 
 
+def parse_tile(text: str) -> tuple[int, int, int]:
+    """`rows,warps,per_thread` as a tile."""
+    rows, warps, per_thread = (int(v) for v in text.split(","))
+    return rows, warps, per_thread
+
+
 def sweep(lane, step, args, table: dict, table_name: str, fmt: Format) -> None:
     """Time the step at each tile of `args.tile` (and prefetch depth) set as `table[fmt]`, then restore it."""
     landed, landed_depth = table[fmt], gemv_q8.PREFETCH_DEPTH
-    tiles = [tuple(int(v) for v in t.split(",")) for t in args.tile] or [landed]
+    tiles = [parse_tile(t) for t in args.tile] or [landed]
     print(f"{args.model}: {table_name}[{fmt.name}] (landed {landed}, depth {landed_depth})")
     try:
         for tile in tiles:

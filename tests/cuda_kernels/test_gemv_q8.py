@@ -287,6 +287,10 @@ def test_a_rows_length_picks_its_tile() -> None:
     ):
         assert q8_tiles.tile_of(Format.Q4_K, tall, n) == table[Format.Q4_K], n
     assert q8_tiles.NARROW_TALL_TILES[Format.Q4_K] != q8_tiles.TALL_TILES[Format.Q4_K]
+    # a gated pair's tile by its rows' length: Q4_0's short rows keep the tile its wide ones left
+    for k, table in ((q8_tiles.SHORT_K - 256, q8_tiles.SHORT_GLU_TILES), (q8_tiles.SHORT_K, q8_tiles.GLU_TILES)):
+        assert q8_tiles.tile_of(Format.Q4_0, k, glu=True) == table[Format.Q4_0], k
+    assert q8_tiles.SHORT_GLU_TILES[Format.Q4_0] != q8_tiles.GLU_TILES[Format.Q4_0]
 
 
 @pytest.mark.cuda

@@ -66,14 +66,26 @@ SHORT_TILES = TILES | {Format.Q6_K: (4, 2, 2)}
 # its gated pair within 1 % at every tile (`benchmarks/RESULTS.md`).
 SHORT_TILES[Format.Q8_0] = (4, 4, 1)
 TILES[Format.Q8_0] = (2, 8, 1)
+# A gated pair of short rows keeps GLU_TILES' entries as they stand here; the entries set after this line are
+# the wide rows' alone.
+SHORT_GLU_TILES = dict(GLU_TILES)
+# Q4_0 and IQ4_NL as the lane keeps them (a block's codes one 128-bit load, `run/stored.py`): the whole step of
+# the 7B in Q4_0 (H100, 2026-12-06) 2.256 ms at Q5_0's (4, 2, 2) everywhere; its attention rows at four rows and
+# four warps, one (row, group) a thread, 2.144; its 18,944-value down at two rows and two warps 2.173; both with
+# its gated pair at eight rows and four warps 2.037. The 1.5B's and 0.5B's short rows gained at no tile (their
+# gated pair at (8, 4, 1): 0.956 -> 0.949 and 0.564 -> 0.574 ms), so they keep Q5_0's. IQ4_XS's tall rows at two
+# rows and four warps (the 7B 2.390 -> 2.277 ms; (2, 8, 1) 2.278).
+for nibbles in (Format.Q4_0, Format.IQ4_NL):
+    TILES[nibbles], TALL_TILES[nibbles], GLU_TILES[nibbles] = (4, 4, 1), (2, 2, 2), (8, 4, 1)
+TALL_TILES[Format.IQ4_XS] = (2, 4, 1)
 
 
 def tile_of(fmt: Format, k: int, n: int | None = None, *, glu: bool = False) -> tuple[int, int, int]:
     """The tile (rows a program, warps, (row, group)s a thread) the int8 GEMV takes for `n` rows of `k` values in
-    `fmt`: the GLU's; a tall row's, from TALL_K values (a narrow one's under SHORT_K rows, where `n` is known);
-    a short row's, under SHORT_K values; else TILES'."""
+    `fmt`: the GLU's (a short row's under SHORT_K values); a tall row's, from TALL_K values (a narrow one's under
+    SHORT_K rows, where `n` is known); a short row's, under SHORT_K values; else TILES'."""
     if glu:
-        return GLU_TILES[fmt]
+        return (SHORT_GLU_TILES if k < SHORT_K else GLU_TILES)[fmt]
     if k >= TALL_K:
         return (NARROW_TALL_TILES if n is not None and n < SHORT_K else TALL_TILES)[fmt]
     return (SHORT_TILES if k < SHORT_K else TILES)[fmt]
