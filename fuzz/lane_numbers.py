@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     # before Triton is first imported (the lanes load it lazily): without a GPU every launch runs on the CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] == "1":
+        from fuselane.lanes.cuda.triton import interpreter_calls
+
+        interpreter_calls.install()
     rng = random.Random(a.seed)
     failed = 0
     with open(a.log, "a") if a.log != "-" else sys.stdout as log, tempfile.TemporaryDirectory() as folder:

@@ -33,6 +33,10 @@ def _without_gpu() -> bool:
 # imports Triton (one importing transformers does, through torch), whatever order the tests run in.
 if _without_gpu():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+    from fuselane.lanes.cuda.triton import interpreter_calls
+
+    interpreter_calls.install()
 
 
 @pytest.hookimpl(tryfirst=True)
