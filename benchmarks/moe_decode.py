@@ -3,7 +3,7 @@ row: the router's scores and the top-k), the kept experts' gate/up (both product
 int8 activations), and the down launch (`triton/moe/down.py`: the kept experts' down products, the weighted
 combine, the residual and the next norm in its last program, written as int8 too), with and without a folded
 shared expert (its SwiGLU and score in the gate/up launch, the SwiGLU in f32 products and in the kept experts'
-int8 tiles, `kernels.MOE_SHARED_INT8`; its down rows in the down launch); in µs and GB/s,
+int8 tiles, `moe_kernels.MOE_SHARED_INT8`; its down rows in the down launch); in µs and GB/s,
 each down launch at every variant and tile asked for, so one GPU call can A/B.
 
 Usage (on a GPU):
@@ -17,10 +17,10 @@ ffn 768, the down Q4_K or Q6_K by layer; DeepSeek-V2-Lite's 6 of 64 experts of f
 are not whole super-blocks, so llama.cpp writes them Q5_0 or Q8_0 (`gguf.synth.fit_format`), and its two
 shared experts (ffn 2 x 1,408 = 2,816), timed folded into both launches (gate/up in the experts' gate/up
 format, down in the same fitted to 2,816 values, and a gate score row in f32, as `shared.Shared` takes them).
-`--variant` names `kernels.MoeDown` values (old: MoeDown.SERIAL, new: MoeDown.READ_AHEAD); `--tile`,
+`--variant` names `moe_kernels.MoeDown` values (old: MoeDown.SERIAL, new: MoeDown.READ_AHEAD); `--tile`,
 `--warps`, `--per-thread` and `--depth` the int8 down program's tile (`down.Tile`: weight rows a program over
 every slot, warps, (row, group)s a thread, and the new order's chunks in flight), `--packed` whether the
-tile's rows are over the experts themselves, not their slots (`kernels.MOE_DOWN_PACKED`; the same tile where
+tile's rows are over the experts themselves, not their slots (`moe_kernels.MOE_DOWN_PACKED`; the same tile where
 the kept experts are a power of two in number); each takes several values, and every combination is timed.
 
 Each launch is timed as `moe_prefill.py` times its own: a CUDA graph of 10 launches replayed (the host's time
@@ -45,7 +45,7 @@ import torch
 from benchmarks.moe_prefill import MODELS, _median_us
 from fuselane.gguf.formats import Format, row_bytes
 from fuselane.gguf.synth import fit_format
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import moe_kernels
 from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 
 EPS = 1e-6
@@ -116,7 +116,7 @@ class Bench:
                           torch.zeros(sdff + 1, device=self.dev))  # fmt: skip
         return (s, wg.numel() + wu.numel() + score.numel() * F32), (s, wd.numel())
 
-    def down(self, fmt: Format, variant: kernels.MoeDown, tile, shared=None):
+    def down(self, fmt: Format, variant: moe_kernels.MoeDown, tile, shared=None):
         from fuselane.lanes.cuda.triton.moe import down
 
         wd = self.weights(fmt, self.d, self.dff)
@@ -154,20 +154,22 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-shared", action="store_true", help="no launch with a folded shared expert (gate/up or down)")
     ap.add_argument("--gate-up", default=None)
     ap.add_argument("--down", nargs="+", default=None)
-    ap.add_argument("--variant", nargs="+", default=[v.value for v in kernels.MoeDown],
-                    choices=[v.value for v in kernels.MoeDown])  # fmt: skip
-    ap.add_argument("--tile", nargs="+", type=int, default=[kernels.MOE_DOWN_TILE])
-    ap.add_argument("--warps", nargs="+", type=int, default=[kernels.MOE_DOWN_WARPS])
-    ap.add_argument("--per-thread", nargs="+", type=int, default=[kernels.MOE_DOWN_PER_THREAD])
+    ap.add_argument("--variant", nargs="+", default=[v.value for v in moe_kernels.MoeDown],
+                    choices=[v.value for v in moe_kernels.MoeDown])  # fmt: skip
+    ap.add_argument("--tile", nargs="+", type=int, default=[moe_kernels.MOE_DOWN_TILE])
+    ap.add_argument("--warps", nargs="+", type=int, default=[moe_kernels.MOE_DOWN_WARPS])
+    ap.add_argument("--per-thread", nargs="+", type=int, default=[moe_kernels.MOE_DOWN_PER_THREAD])
     ap.add_argument(
         "--packed",
         nargs="+",
         choices=["no", "yes"],
         default=["no", "yes"],
-        help="the down tile's rows over the kept experts, not their slots (kernels.MOE_DOWN_PACKED)",
+        help="the down tile's rows over the kept experts, not their slots (moe_kernels.MOE_DOWN_PACKED)",
     )
-    ap.add_argument("--depth", nargs="+", type=int, default=[0],
-                    help="the new order's chunks in flight (0: the format's, `kernels.moe_down_depth`)")  # fmt: skip
+    ap.add_argument(
+        "--depth", nargs="+", type=int, default=[0],
+        help="the new order's chunks in flight (0: the format's, `moe_kernels.moe_down_depth`)",
+    )  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="no GPU: every launch once under TRITON_INTERPRET=1")
     return ap.parse_args(argv)
 
@@ -204,24 +206,24 @@ def main(argv: list[str] | None = None) -> None:
         folded = b.shared(fgu, sdff) if sdff else None  # (the gate/up launch's part, the down launch's)
         for tiles_q8 in (False, True) if folded is not None else ():
             # the shared expert's SwiGLU in f32 products, then as the kept experts' int8 tiles (where they take it)
-            saved, kernels.MOE_SHARED_INT8 = kernels.MOE_SHARED_INT8, tiles_q8
+            saved, moe_kernels.MOE_SHARED_INT8 = moe_kernels.MOE_SHARED_INT8, tiles_q8
             try:
                 what = f"int8 shared-{'int8' if tiles_q8 else 'f32'}"
                 _time(f"gate/up {fgu.name} +shared", what, lambda: b.gate_up(fgu, folded[0]))
             finally:
-                kernels.MOE_SHARED_INT8 = saved
+                moe_kernels.MOE_SHARED_INT8 = saved
         shared = [None] + ([folded[1]] if folded is not None else [])
         packs = sorted({p == "yes" for p in a.packed} if top & (top - 1) else {False})  # packing changes no tile of 2^n
         grid = itertools.product(a.tile, a.warps, a.per_thread, [d or None for d in a.depth], packs)
         tiles = [Tile(*t) for t in grid]
         for fmt, s, tile, v in itertools.product(fds, shared, tiles, a.variant):
-            if tile.depth is not None and kernels.MoeDown(v) is not kernels.MoeDown.READ_AHEAD:
+            if tile.depth is not None and moe_kernels.MoeDown(v) is not moe_kernels.MoeDown.READ_AHEAD:
                 continue  # the old order's depth is the GEMV's
             name = f"down {fmt.name}" + (" +shared" if s is not None else "")
-            new = kernels.MoeDown(v) is kernels.MoeDown.READ_AHEAD
-            depth = tile.depth or (kernels.moe_down_depth(fmt) if new else PREFETCH_DEPTH)  # the old: the GEMV's
+            new = moe_kernels.MoeDown(v) is moe_kernels.MoeDown.READ_AHEAD
+            depth = tile.depth or (moe_kernels.moe_down_depth(fmt) if new else PREFETCH_DEPTH)  # the old: the GEMV's
             what = f"{v} {tile.rows} rows w{tile.warps} t{tile.per_thread} d{depth}{' packed' if tile.packed else ''}"
-            _time(name, what, lambda fmt=fmt, s=s, tile=tile, v=v: b.down(fmt, kernels.MoeDown(v), tile, s))
+            _time(name, what, lambda fmt=fmt, s=s, tile=tile, v=v: b.down(fmt, moe_kernels.MoeDown(v), tile, s))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ Usage (on a GPU):
 A model preset gives the widths and the formats a Q4_K_M file holds: Qwen3-30B-A3B's experts are Q4_K with
 the down Q4_K or Q6_K by layer; DeepSeek-V2-Lite's down rows (1,408 values) are not whole super-blocks, so
 llama.cpp's Q4_K_M writes them Q5_0 or Q8_0 (`gguf.synth.fit_format`), which the grouped GEMM decodes unit by
-unit. Without `--block-m` etc. each launch takes the table's tile (`kernels.moe_gemm_tile`). `--sweep` times
+unit. Without `--block-m` etc. each launch takes the table's tile (`moe_kernels.moe_gemm_tile`). `--sweep` times
 the candidate tiles of every launch (a candidate that does not compile is reported and skipped) and stops
 starting new ones past `--budget` seconds; it prints each line as it is timed.
 
@@ -40,7 +40,7 @@ import torch
 
 from fuselane.gguf.formats import Format, row_bytes
 from fuselane.gguf.synth import fit_format
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import moe_kernels
 from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton.moe import grouped, route, words
 from fuselane.lanes.cuda.triton.moe import grouped_combine as gc
@@ -81,7 +81,7 @@ MODELS = {
 }
 
 # (BLOCK_M, BLOCK_N, warps, stages, word step) the sweep tries for each grouped launch, around the table's
-# (`kernels.MOE_WORDS_TILES`, from the first sweep: four warps won both models' Q4_K gate/up and V2-Lite's Q5_0
+# (`moe_kernels.MOE_WORDS_TILES`, from the first sweep: four warps won both models' Q4_K gate/up and V2-Lite's Q5_0
 # down at 64 x 64; one stage of a whole super-block won Q6_K's down, and one stage Q8_0's, at 64 x 128 and
 # eight warps; 64 x 256 Q4_K's down). Those most likely to win first, by the first sweep and by what ptxas
 # spills (sm_90, Qwen3's widths, bytes a thread for Q4_K gate/up, down, Q6_K gate/up, down): 64 x 64 four warps
@@ -158,7 +158,7 @@ def _tile_name(fmt: Format, tile: dict) -> str:
     return said + (f" k{tile['step']}" if words.takes(fmt) and "step" in tile else "")
 
 
-def _runs_as(fmt: Format, launch: kernels.MoeLaunch, n: int, k: int, tile: dict, per: float) -> tuple:
+def _runs_as(fmt: Format, launch: moe_kernels.MoeLaunch, n: int, k: int, tile: dict, per: float) -> tuple:
     """The tile a launch of (n, k) experts in `fmt`, `per` pairs an expert, runs at for `tile` (the table's where
     not given), its step the one `grouped.format_consts` takes (a 256-value step of a row not whole 256-value
     steps runs at 128)."""
@@ -299,7 +299,7 @@ def main() -> None:
     print("sweep (BLOCK_M x BLOCK_N, warps, stages, values a step of the word decode):", flush=True)
     table = [(f"gate/up {fgu.name}", gu_us)] + [(f"down {f.name}", us) for f, us in zip(fds, dn_us, strict=True)]
     best = {name: (us, "table") for name, us in table if us is not None}  # the table's tile, timed above
-    gu, dn = kernels.MoeLaunch.GATE_UP, kernels.MoeLaunch.DOWN
+    gu, dn = moe_kernels.MoeLaunch.GATE_UP, moe_kernels.MoeLaunch.DOWN
     jobs = [(f"gate/up {fgu.name}", fgu, b.gate_up, gu, (a.dff, a.d))]
     jobs += [(f"down {f.name}", f, b.down, dn, (a.d, a.dff)) for f in fds]
     per = b.pairs / b.experts

@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fuselane.gguf.formats import Format
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import moe_kernels
 
 D, DFF, EXPERTS, TOP, ROWS = 2048, 768, 128, 8, 512
 SM90 = GPUTarget("cuda", 90, 32)
@@ -64,7 +64,7 @@ def _compile(kernel, consts: dict, warps: int, stages: int) -> str:
 def _decode(fmts: list[Format], sass: str | None, variant: str | None = None, sdff: int = 0) -> None:
     """Compile the decode launches at Qwen3-30B-A3B's widths (a fresh process: not under the interpreter); with
     `sdff`, the gate/up and down launches again with a folded shared expert of that width (its SwiGLU in f32
-    products, then in the kept experts' int8 tiles: `kernels.MOE_SHARED_INT8`)."""
+    products, then in the kept experts' int8 tiles: `moe_kernels.MOE_SHARED_INT8`)."""
     import torch
     from triton.runtime.jit import JITFunction
 
@@ -95,7 +95,7 @@ def _decode(fmts: list[Format], sass: str | None, variant: str | None = None, sd
                 for fmt, folded, q8 in itertools.product(fmts, [False, True] if sdff else [False], [False, True]):
                     if q8 and not folded:
                         continue
-                    kernels.MOE_SHARED_INT8 = q8
+                    moe_kernels.MOE_SHARED_INT8 = q8
                     s = _shared(shared, fmt, sdff) if folded else None
                     wg = torch.zeros(EXPERTS * DFF * row_bytes(fmt, D), dtype=torch.uint8)
                     gate_up.gate_up(empty_q8(1, D, "cpu"), wg, wg, fmt, ids, DFF, D, torch.zeros(TOP, DFF),
@@ -154,7 +154,7 @@ def main() -> None:
     ap.add_argument("--step-scales", action="store_true", help="a step's own f16 scale (no routing row scales)")
     ap.add_argument("--decode", action="store_true", help="the decode step's routing, gate/up and down launches")
     ap.add_argument("--sass", default=None, help="with --decode: write each kernel's SASS to this folder")
-    ap.add_argument("--variant", default=None, help="with --decode: the down launch's (kernels.MoeDown's value)")
+    ap.add_argument("--variant", default=None, help="with --decode: the down launch's (moe_kernels.MoeDown's value)")
     ap.add_argument("--shared", type=int, default=0, help="with --decode: a folded shared expert's width too")
     a = ap.parse_args()
     if a.decode:
@@ -166,12 +166,12 @@ def main() -> None:
                   PDL=True)  # fmt: skip
     for fmt in (Format[f] for f in a.fmt):
         for down, (n, k) in ((False, (a.dff, D)), (True, (D, a.dff))):
-            launch = kernels.MoeLaunch.DOWN if down else kernels.MoeLaunch.GATE_UP
+            launch = moe_kernels.MoeLaunch.DOWN if down else moe_kernels.MoeLaunch.GATE_UP
             bm, bn, warps, stages, step = G.tile_options(fmt, launch, a.block_m, a.block_n, a.warps, a.stages, a.step)
             consts = dict(**G.format_consts(fmt, n, k, word_step=step, launch=launch), BLOCK_M=bm, BLOCK_N=bn,
                           **common)  # fmt: skip
             if down:
-                consts.update(D=D, DFF=a.dff, ADDS=1, NORM=True, NORM_CHUNK=kernels.MOE_NORM_CHUNK, ROWS=ROWS)
+                consts.update(D=D, DFF=a.dff, ADDS=1, NORM=True, NORM_CHUNK=moe_kernels.MOE_NORM_CHUNK, ROWS=ROWS)
             else:
                 consts.update(N=a.dff, KD=D)
             said = _compile(G.down_kernel if down else G.gate_up_kernel, consts, warps, stages)

@@ -1,5 +1,5 @@
 """The decode mixture's down launch compiled, on a GPU (`pytest -m cuda`; skipped where there is none): its new
-order (`kernels.MoeDown.READ_AHEAD`: the route weights and the residual read ahead, three chunks in flight
+order (`moe_kernels.MoeDown.READ_AHEAD`: the route weights and the residual read ahead, three chunks in flight
 where the format's table says) gives the old order's bits at the real widths, Qwen3-30B-A3B's (eight of 128
 experts of 768, Q4_K and Q6_K) and DeepSeek-V2-Lite's (six of 64 of 1,408, Q5_0 and Q8_0), replayed in a
 CUDA graph under dependent launches as the lane runs it: the sum, the normed row and its int8 form."""
@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
 from fuselane.gguf.quantize import random_blocks  # noqa: E402
-from fuselane.lanes.cuda.plan import kernels  # noqa: E402
+from fuselane.lanes.cuda.plan import moe_kernels  # noqa: E402
 from fuselane.lanes.cuda.run.stored import stored_bytes  # noqa: E402
 from fuselane.lanes.cuda.triton import pdl, quant  # noqa: E402
 from fuselane.lanes.cuda.triton.moe import down  # noqa: E402
@@ -39,7 +39,7 @@ def test_the_new_down_order_gives_the_old_bits(fmt, experts, top, dff):
     h = quant.quantize(torch.randn(top, dff, device=dev), quant.empty_q8(top, dff, dev))
     res, norm_w = torch.randn(1, D, device=dev), torch.rand(D, device=dev) + 0.5
     got = {}
-    for variant in kernels.MoeDown:
+    for variant in moe_kernels.MoeDown:
         sum_out, out, out_q8 = torch.zeros(1, D, device=dev), torch.zeros(1, D, device=dev), quant.empty_q8(1, D, dev)
         counter = down.counters(1, dev)
 
@@ -61,6 +61,6 @@ def test_the_new_down_order_gives_the_old_bits(fmt, experts, top, dff):
         for run in runs[1:]:
             assert all(np.array_equal(a, b) for a, b in zip(runs[0], run, strict=True)), variant
         got[variant] = runs[0]
-    assert np.isfinite(got[kernels.MoeDown.SERIAL][0]).all()
-    old, new = got[kernels.MoeDown.SERIAL], got[kernels.MoeDown.READ_AHEAD]
+    assert np.isfinite(got[moe_kernels.MoeDown.SERIAL][0]).all()
+    old, new = got[moe_kernels.MoeDown.SERIAL], got[moe_kernels.MoeDown.READ_AHEAD]
     assert all(np.array_equal(a, b) for a, b in zip(old, new, strict=True))

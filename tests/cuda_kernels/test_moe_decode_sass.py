@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 from kernel_checks import CUDA  # noqa: E402
 
 from fuselane.gguf.formats import QK_K, Format  # noqa: E402
-from fuselane.lanes.cuda.plan import kernels as table  # noqa: E402
+from fuselane.lanes.cuda.plan import moe_kernels as table  # noqa: E402
 
 DFF = 768  # Qwen3-30B-A3B's experts (the compile's widths): three super-blocks, a chunk each
 

@@ -28,7 +28,7 @@ from kernel_checks import CUDA, DEVICE, U16, dev, gamma, norm_rel, raw_weights, 
 
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import Format, row_bytes  # noqa: E402
-from fuselane.lanes.cuda.plan import kernels  # noqa: E402
+from fuselane.lanes.cuda.plan import moe_kernels  # noqa: E402
 from fuselane.lanes.cuda.triton.moe import grouped, route  # noqa: E402
 from fuselane.lanes.cuda.triton.moe import grouped_combine as gc  # noqa: E402
 
@@ -94,9 +94,9 @@ CASES = {
 STEPS = {"q6_k-q4_k-whole-steps": 256}
 
 
-# Each word format at both launches' table tiles (`kernels.moe_gemm_tile`: 64 pairs, up to 256 weight rows, the
+# Each word format at both launches' table tiles (`moe_kernels.moe_gemm_tile`: 64 pairs, up to 256 weight rows, the
 # table's values a step; Q6_K, Q8_0 and Q5_0's gate/up the launch's default), at shapes a tile or two wide. A
-# few pairs an expert (at most `kernels.MOE_FEW_PAIRS`) take the few pairs' tiles where the table has them
+# few pairs an expert (at most `moe_kernels.MOE_FEW_PAIRS`) take the few pairs' tiles where the table has them
 # (Q4_K's 16-pair tiles, Q6_K's down); "-many" cases give each expert more.
 TABLE_CASES = {
     "q4_k-q4_k": (Format.Q4_K, Format.Q4_K, 4, 2, 2, 256, 256, dict(every=0, none=None), 1, True),
@@ -345,7 +345,7 @@ def test_cuda_grouped_experts_real_widths(fmt_gu, fmt_d, shape, row_scales):
 def test_cuda_route_sorts_a_chunk(shape):
     # a real chunk's routing: the order is the stable sort of the ids it wrote, the counts their histogram, each
     # row's experts distinct and its weights renormalised; twice, so the counters re-arm. The scores (the
-    # tensor-core tile's three TF32 products, `kernels.moe_route_chunk`) are within f32's rounding of the f64
+    # tensor-core tile's three TF32 products, `moe_kernels.moe_route_chunk`) are within f32's rounding of the f64
     # product, and every row whose k-th and next scores are apart keeps the f64 product's experts
     rows, k, experts, d, _ = shape
     rng = np.random.default_rng(3)
@@ -392,15 +392,15 @@ def _expert(raw: np.ndarray, fmt: Format, e: int, n: int, k: int) -> np.ndarray:
 def test_a_chunk_of_few_pairs_an_expert_takes_the_few_pairs_tiles():
     """At most MOE_FEW_PAIRS pairs an expert on average (the 80B-A3B's ~10 of a 512-row chunk's) take the timed
     few-pairs tiles; more, or a format without one, the word decode's table."""
-    few, many = kernels.MOE_FEW_PAIRS, kernels.MOE_FEW_PAIRS + 1
-    for (fmt, launch), tile in kernels.MOE_FEW_PAIRS_TILES.items():
-        assert kernels.moe_gemm_tile(fmt, launch, few) == tile
-        assert kernels.moe_gemm_tile(fmt, launch, many) == kernels.MOE_WORDS_TILES.get(
-            (fmt, launch), kernels.MOE_WORDS_DEFAULT[launch]
+    few, many = moe_kernels.MOE_FEW_PAIRS, moe_kernels.MOE_FEW_PAIRS + 1
+    for (fmt, launch), tile in moe_kernels.MOE_FEW_PAIRS_TILES.items():
+        assert moe_kernels.moe_gemm_tile(fmt, launch, few) == tile
+        assert moe_kernels.moe_gemm_tile(fmt, launch, many) == moe_kernels.MOE_WORDS_TILES.get(
+            (fmt, launch), moe_kernels.MOE_WORDS_DEFAULT[launch]
         )
     assert (
-        kernels.moe_gemm_tile(Format.Q8_0, kernels.MoeLaunch.DOWN, 1)
-        == kernels.MOE_WORDS_TILES[Format.Q8_0, kernels.MoeLaunch.DOWN]
+        moe_kernels.moe_gemm_tile(Format.Q8_0, moe_kernels.MoeLaunch.DOWN, 1)
+        == moe_kernels.MOE_WORDS_TILES[Format.Q8_0, moe_kernels.MoeLaunch.DOWN]
     )
     d = 2048
     assert grouped.down_width_tiles(Format.Q4_K, d, pairs_an_expert=few) == d // 128

@@ -24,7 +24,7 @@ from kernel_checks import DEVICE, dev, file_bytes_of, gamma, norm_rel, raw_weigh
 
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import Format  # noqa: E402
-from fuselane.lanes.cuda.plan import kernels  # noqa: E402
+from fuselane.lanes.cuda.plan import kernels, moe_kernels  # noqa: E402
 from fuselane.lanes.cuda.triton import quant  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8  # noqa: E402
 from fuselane.lanes.cuda.triton.moe import down, gate_up, route, shared  # noqa: E402
@@ -50,7 +50,7 @@ def _softmax_topk(scores: np.ndarray, k: int, renorm: bool):
     ("renorm", "rows", "experts"), [(True, 1, 12), (False, 1, 12), (True, 3, 12), (False, 3, 12), (True, 1, 160)]
 )
 def test_route_ranks_the_experts_and_sorts_the_pairs(renorm, rows, experts):
-    # up to kernels.MOE_RANK_BY_COUNT_EXPERTS a row's experts are ranked by counting, past it by arg-max passes
+    # up to moe_kernels.MOE_RANK_BY_COUNT_EXPERTS a row's experts are ranked by counting, past it by arg-max passes
     rng = np.random.default_rng(1)
     d, k = 64, 3
     w = rng.standard_normal((experts, d)).astype(np.float32)
@@ -78,17 +78,17 @@ def test_route_ranks_the_experts_and_sorts_the_pairs(renorm, rows, experts):
     ids=["f32-one-tile", "bf16-three-tiles", "f16-two-tiles", "f32-ranked-in-groups-of-rows"],
 )
 def test_a_chunks_routing_product_on_the_tensor_core_tile(fmt, experts, d):
-    # past the GEMV's rows a float router multiplies as tensor-core tiles (`kernels.moe_route_chunk`): blocks of
+    # past the GEMV's rows a float router multiplies as tensor-core tiles (`moe_kernels.moe_route_chunk`): blocks of
     # 16 rows (the last partial) by 32 router rows (the last partial), a width past whole 64-value steps (96),
     # each block's rows' largest values split among its programs; ids, weights, order, counts and row scales as
     # the GEMV's tile gives them. 300 experts: a block is ranked a group of its rows at a time
-    # (`kernels.moe_rank_rows`), the sort's places carried across the groups, the last block's groups partly
+    # (`moe_kernels.moe_rank_rows`), the sort's places carried across the groups, the last block's groups partly
     # or wholly past the chunk
     rng = np.random.default_rng(6)
     rows, k = 21, 3
-    assert kernels.moe_route_chunk(fmt, rows) and not kernels.moe_route_chunk(fmt, kernels.GEMV_ROWS)
-    block, warps = kernels.MOE_ROUTE_CHUNK_ROWS, kernels.MOE_ROUTE_CHUNK_WARPS
-    groups = block // kernels.moe_rank_rows(block, 1 << (experts - 1).bit_length(), warps)
+    assert moe_kernels.moe_route_chunk(fmt, rows) and not moe_kernels.moe_route_chunk(fmt, kernels.GEMV_ROWS)
+    block, warps = moe_kernels.MOE_ROUTE_CHUNK_ROWS, moe_kernels.MOE_ROUTE_CHUNK_WARPS
+    groups = block // moe_kernels.moe_rank_rows(block, 1 << (experts - 1).bit_length(), warps)
     assert (groups > 2) == (experts > 256)
     dtype = {Format.F32: np.float32, Format.F16: np.float16, Format.BF16: np.float32}[fmt]
     w = rng.standard_normal((experts, d)).astype(dtype)
@@ -231,9 +231,9 @@ def _shared_expert(rng, d: int, sdff: int, fmt: Format, int8: bool = False, gate
 def test_a_folded_shared_expert_rides_the_gate_up_launch(fmt, int8, sdff, shared_int8, gated, monkeypatch):
     # its SwiGLU and sigmoid land in its scratch row beside the kept experts' products, which stay as they
     # were; a width of 96 is more tiles than the kept experts' 64 rows take. Under int8 activations its
-    # SwiGLU takes the kept experts' int8 tiles (kernels.MOE_SHARED_INT8) or the f32 products. An ungated
+    # SwiGLU takes the kept experts' int8 tiles (moe_kernels.MOE_SHARED_INT8) or the f32 products. An ungated
     # expert (DeepSeek's) has no score program: 1 where the sigmoid goes, its SwiGLU tiles all the same.
-    monkeypatch.setattr(shared.kernels, "MOE_SHARED_INT8", shared_int8)
+    monkeypatch.setattr(shared.moe_kernels, "MOE_SHARED_INT8", shared_int8)
     rng = np.random.default_rng(6)
     experts, n, k, slots = 4, 64, 256, 2
     rg, _ = _matrices(fmt, experts, n, k, rng)
@@ -257,7 +257,7 @@ def test_a_folded_shared_expert_rides_the_gate_up_launch(fmt, int8, sdff, shared
     assert abs(got[sdff] - gate) <= bound
 
 
-NEW, OLD = kernels.MoeDown.READ_AHEAD, kernels.MoeDown.SERIAL
+NEW, OLD = moe_kernels.MoeDown.READ_AHEAD, moe_kernels.MoeDown.SERIAL
 
 
 @pytest.mark.parametrize(
@@ -271,7 +271,7 @@ NEW, OLD = kernels.MoeDown.READ_AHEAD, kernels.MoeDown.SERIAL
 )  # fmt: skip
 def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff, slots, variant, d, packed, monkeypatch):
     # 768 values: Q4_K's three super-blocks (Qwen3-30B-A3B's experts); three kept experts: the int8 tile's
-    # slots are four, the last one padding that must count 0; packed (kernels.MOE_DOWN_PACKED), ten rows a
+    # slots are four, the last one padding that must count 0; packed (moe_kernels.MOE_DOWN_PACKED), ten rows a
     # program of three experts, 30 of 32 entries, the last program's two rows past the width. A width of 64
     # walks the norm's row in two chunks of 32; both variants (MoeDown) sum the same terms.
     monkeypatch.setattr(down.fast_norm, "NORM_CHUNK", 32)
@@ -315,19 +315,19 @@ def test_down_combines_adds_and_norms(fmt, int8, rows, shared, dff, slots, varia
 @pytest.mark.parametrize(("k", "dff"), [(8, 768), (10, 512), (6, 1536)])
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_decode_down_tile_gives_each_thread_one_group_in_whole_chunks(k, dff, packed):
-    """The int8 down tile (`kernels.MOE_DOWN_TILE`): every kept expert a slot, or packed every (row, expert) an
+    """The int8 down tile (`moe_kernels.MOE_DOWN_TILE`): every kept expert a slot, or packed every (row, expert) an
     entry, one (row, 16-value group) a thread, and the row's super-blocks whole chunks (no masked chunk
     re-reading a unit)."""
-    rows = kernels.moe_down_rows(k, packed=packed)
-    entries = kernels.moe_down_entries(k, rows)
-    assert entries == kernels.MOE_DOWN_TILE and rows * k <= entries
+    rows = moe_kernels.moe_down_rows(k, packed=packed)
+    entries = moe_kernels.moe_down_entries(k, rows)
+    assert entries == moe_kernels.MOE_DOWN_TILE and rows * k <= entries
     if packed:
         assert entries - rows * k < k  # no whole row more would fit
     else:
-        assert rows * kernels.moe_down_slots(k) == entries
-    plan = gemv_q8.tile_plan(Format.Q4_K, dff, entries, kernels.MOE_DOWN_WARPS, kernels.MOE_DOWN_PER_THREAD)
+        assert rows * moe_kernels.moe_down_slots(k) == entries
+    plan = gemv_q8.tile_plan(Format.Q4_K, dff, entries, moe_kernels.MOE_DOWN_WARPS, moe_kernels.MOE_DOWN_PER_THREAD)
     groups = entries * plan["CHUNK"] * gemv_q8.GROUPS[Format.Q4_K]
-    assert groups == plan["num_warps"] * kernels.WARP * kernels.MOE_DOWN_PER_THREAD
+    assert groups == plan["num_warps"] * kernels.WARP * moe_kernels.MOE_DOWN_PER_THREAD
     assert plan["N_UNITS"] % plan["CHUNK"] == 0
 
 
@@ -347,7 +347,7 @@ def test_the_down_orders_and_depths_give_the_same_bits(fmt, dff, warps):
         sum_out, out, out_q8 = torch.zeros((1, d)), torch.zeros((1, d)), quant.empty_q8(1, d, DEVICE)
         down.down_combine(hin, dev(rd), fmt, ids, wts, d, dff, sum_out, adds=(res,),
                           norm=down.Norm(norm_w, 1e-6, out, out_q8), counter=down.counters(1, DEVICE), variant=variant,
-                          tile=down.Tile(kernels.MOE_DOWN_TILE, warps, 1, depth))  # fmt: skip
+                          tile=down.Tile(moe_kernels.MOE_DOWN_TILE, warps, 1, depth))  # fmt: skip
         got.append([t.numpy().copy() for t in (sum_out, out, out_q8.q, out_q8.d)])
     assert np.isfinite(got[0][0]).all()
     for other in got[1:]:

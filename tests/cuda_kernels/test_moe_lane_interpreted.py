@@ -35,7 +35,7 @@ SHAPES = {
     "qwen2moe": Shape(
         "qwen2moe", 64, 1, 4, 2, 16, 128, 260, context=4096, experts=8, experts_used=2, expert_ff=32, shared_ff=64
     ),
-    # three kept: the decode down tile's slots round up to four, or pack ten rows of three (kernels.MOE_DOWN_PACKED)
+    # three kept: the decode down tile's slots round up to four, or pack ten rows of three (moe_kernels.MOE_DOWN_PACKED)
     "qwen2moe-3": Shape(
         "qwen2moe", 64, 1, 4, 2, 16, 128, 260, context=4096, experts=8, experts_used=3, expert_ff=32, shared_ff=64
     ),
@@ -93,7 +93,7 @@ def _record_routing(monkeypatch) -> list:
         ("qwen3moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT}, "on"),
         ("qwen2moe", "dequant", {C.ROUTER_TOPK, C.MOE_GATE_UP_ACT, C.MOE_DEFERRED_FINALIZE}, "on"),
         ("qwen2moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT}, "on"),  # the fold's int8 experts
-        # the folded expert's SwiGLU as the kept experts' int8 tiles (kernels.MOE_SHARED_INT8)
+        # the folded expert's SwiGLU as the kept experts' int8 tiles (moe_kernels.MOE_SHARED_INT8)
         ("qwen2moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT}, "on-int8"),
         # the shared expert in launches of its own, its result added in by the down launch
         ("qwen2moe", "int8", {C.ROUTER_TOPK, C.GLU_ACT_MUL_QUANT, C.NORM_QUANT, None}, "off"),
@@ -104,11 +104,11 @@ def _record_routing(monkeypatch) -> list:
     ],
 )
 def test_cuda_lane_runs_a_mixture_as_the_cpu_lane(tmp_path, monkeypatch, shape, activations, decode_classes, fold):
-    from fuselane.lanes.cuda.plan import kernels
+    from fuselane.lanes.cuda.plan import moe_kernels
 
     fold, *how = fold.split("-")
-    monkeypatch.setattr(kernels, "MOE_SHARED_INT8", "int8" in how)
-    monkeypatch.setattr(kernels, "MOE_DOWN_PACKED", "packed" in how)
+    monkeypatch.setattr(moe_kernels, "MOE_SHARED_INT8", "int8" in how)
+    monkeypatch.setattr(moe_kernels, "MOE_DOWN_PACKED", "packed" in how)
     path = write_synthetic(tmp_path / "m.gguf", SHAPES[shape], MIXES.get(shape, "q8_0"), seed=4)
     gpu = load(path, lane="cuda", ctx=16, knobs=[f"activations={activations}", f"shared_fold={fold}"])
     ref = load(path, lane="cpu", ctx=16, dtype=np.float64)

@@ -8,7 +8,7 @@ from fuselane.errors import FuselaneError
 from fuselane.fuse.views import GemvForm
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Dst, Rows
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import kernels, moe_kernels
 from fuselane.lanes.cuda.plan.knobs import (
     H200,
     Activations,
@@ -36,13 +36,13 @@ def test_kernel_facts() -> None:
     assert kernels.norm_threads(1024) == 128 and kernels.norm_threads(10) == kernels.WARP
     assert kernels.norm_threads(1 << 20) == kernels.MAX_BLOCK_THREADS
     # four rows of the width for each of eight kept experts a program, eight warps (the kernel's tile)
-    assert kernels.moe_down_launch(2048, 768, 8, 0) == (2048 // 4, 8 * kernels.WARP)
+    assert moe_kernels.moe_down_launch(2048, 768, 8, 0) == (2048 // 4, 8 * kernels.WARP)
     # a mixture's grouped GEMM: past the GEMV's rows, or a few rows whose experts no f32 GEMV decodes
-    assert kernels.moe_grouped(9) and not kernels.moe_grouped(8, {Format.Q4_K, Format.Q6_K})
-    assert kernels.moe_grouped(2, {Format.Q4_K, Format.Q3_K}) and not kernels.moe_grouped(1, {Format.Q3_K})
+    assert moe_kernels.moe_grouped(9) and not moe_kernels.moe_grouped(8, {Format.Q4_K, Format.Q6_K})
+    assert moe_kernels.moe_grouped(2, {Format.Q4_K, Format.Q3_K}) and not moe_kernels.moe_grouped(1, {Format.Q3_K})
     # six kept, packed: five rows of the six experts a program (30 of its 32 entries), not four of eight slots
-    assert kernels.moe_down_launch(2048, 1408, 6, 0) == (-(-2048 // 5), 8 * kernels.WARP)
-    assert kernels.moe_down_launch(2048, 1024, 4, 1024) == (2048 // 8, 8 * kernels.WARP)
+    assert moe_kernels.moe_down_launch(2048, 1408, 6, 0) == (-(-2048 // 5), 8 * kernels.WARP)
+    assert moe_kernels.moe_down_launch(2048, 1024, 4, 1024) == (2048 // 8, 8 * kernels.WARP)
     for activations in Activations:
         assert kernels.accumulator(kernels.mode(activations)) == (4, 32)
     assert kernels.attn_splits(head_blocks=32, span=4096, sms=132) == 33  # eight one-warp blocks a SM

@@ -51,7 +51,7 @@ from fuselane.graph.ops import (
     Unary,
     UnaryOp,
 )
-from fuselane.lanes.cuda.plan import gdn, kernels
+from fuselane.lanes.cuda.plan import gdn, kernels, moe_kernels
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
 from fuselane.numerics.contract import Scheme, holds_accumulator
 
@@ -530,7 +530,7 @@ def _shared_expert_fusion(shim: CudaShim, op: Op, members: Sequence[Op], g: Tens
     made = {x.out for x in found}
     int8 = _kept_int8_format(shim, [p.x for p in products if p.x not in made], g)
     gate_up = [p for p in products if p.x not in made and p.n > 1]
-    tiles = kernels.MOE_SHARED_INT8 and int8 is not None and all(_in_tiles(p, int8) for p in gate_up)
+    tiles = moe_kernels.MOE_SHARED_INT8 and int8 is not None and all(_in_tiles(p, int8) for p in gate_up)
     if all(_shared_product_read(p, made, tiles, int8 is None) for p in products):
         return None
     return (

@@ -206,7 +206,7 @@ class CudaKnobs:
       program of the down launch, so a layer stays within the launch budget. `off` runs it in launches of its
       own (its gate/up GEMV, its down GEMV, and where gated its gate's score, the sigmoid and the row scale;
       the down launch adds the result). H200, Qwen3-Next-80B-A3B's
-      replayed step: 3.67 ms folded (its SwiGLU as the kept experts' int8 tiles, `kernels.MOE_SHARED_INT8`),
+      replayed step: 3.67 ms folded (its SwiGLU as the kept experts' int8 tiles, `moe_kernels.MOE_SHARED_INT8`),
       3.90 folded in f32 products, 3.98 apart (benchmarks/RESULTS.md, 2026-12-03); folded into the down
       launch alone, where its programs made the rest wait, it took 5.02. H100, Q4_K_M, its down an int8
       product: DeepSeek-V2-Lite 2.146 folded, 2.239 apart; Qwen1.5-MoE-A2.7B, whose shared expert is as wide

@@ -45,7 +45,7 @@ from fuselane.fuse.views import GemvForm, class_of, gemv, leaves, moe, parts, ro
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form, Op, QuantFormat, Rows, TensorGraph
 from fuselane.graph.ops import Attention, ExpertMatmul, HeadMatmul, Moe
-from fuselane.lanes.cuda.plan import gdn, gemm_tiles, kernels, latent
+from fuselane.lanes.cuda.plan import gdn, gemm_tiles, kernels, latent, moe_kernels
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, ROWS_A_WARP
 from fuselane.lanes.cuda.plan.fits import fits as lane_fits
 from fuselane.lanes.cuda.plan.gdn import GDN_NATIVE
@@ -557,7 +557,7 @@ class CudaShim:
 
     @staticmethod
     def moe_down_launch(op: Op, g: TensorGraph) -> tuple[int, int] | None:
-        """A decode mixture's down projection launch (`kernels.moe_down_launch`): its experts' intermediate
+        """A decode mixture's down projection launch (`moe_kernels.moe_down_launch`): its experts' intermediate
         width from the mixture's own spec, its shared expert's from that expert's down projection (the fold's
         product that lands the model's width) where it is folded in; None where the parts do not say."""
         m = moe(op)
@@ -570,7 +570,7 @@ class CudaShim:
             if not landing:
                 return None
             sdff = landing[0].k
-        return kernels.moe_down_launch(m.d, dff, m.k, sdff)
+        return moe_kernels.moe_down_launch(m.d, dff, m.k, sdff)
 
     # --- the lane rule ---------------------------------------------------------------------------------
 

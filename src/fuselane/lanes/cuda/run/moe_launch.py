@@ -8,7 +8,7 @@
   arrays the fused op adds in, the folded shared expert's down rows, and the next norm; the folded expert's
   gate/up SwiGLU and gate score ride the kept experts' gate/up launch (`triton/moe/shared.py`).
 
-A chunk past the GEMV's rows (`kernels.moe_grouped`) whose experts the grouped GEMM takes multiplies them on
+A chunk past the GEMV's rows (`moe_kernels.moe_grouped`) whose experts the grouped GEMM takes multiplies them on
 the tensor cores instead (`grouped`): the routing launch also counts each expert's pairs (a buffer the
 three launches share, by the order's name), and gate/up and down are each still one launch.
 """
@@ -38,7 +38,7 @@ from fuselane.graph.ops import (
     Unary,
     UnaryOp,
 )
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import kernels, moe_kernels
 from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
@@ -69,14 +69,14 @@ _FORMATS_BY_ORDER = "moe-formats-by-order"  # the scratch key of `_expert_format
 def _order(b, found: Op, rows: int) -> tuple[Any, str] | None:
     """A chunk's sorted pairs (int32) and the order's name, where the expert product `found` reads them and
     the chunk is the grouped GEMM's."""
-    if len(found.ins) < 4 or not kernels.moe_grouped(rows, _expert_formats(b, found.ins[3])):
+    if len(found.ins) < 4 or not moe_kernels.moe_grouped(rows, _expert_formats(b, found.ins[3])):
         return None
     return _ids(b, found.ins[3]), found.ins[3]
 
 
 def _expert_formats(b, order_name: str) -> set:
     """The formats of the expert matrices whose products read the sorted pairs `order_name`: the routing launch
-    that sorts them and the products that read them decide the grouped GEMM alike (`kernels.moe_grouped`). The
+    that sorts them and the products that read them decide the grouped GEMM alike (`moe_kernels.moe_grouped`). The
     graph is walked once a bound plan (kept in its scratch), not once a launch."""
     by_order = b.scratch.get(_FORMATS_BY_ORDER)
     if by_order is None:
@@ -113,7 +113,7 @@ def route_topk(op: Op, b) -> list:
     w, fmt = b.raw[mm.ins[1]]
     ids, weights, scores = _ids(b, top.out), b.bufs[rw.out], b.bufs[mm.out]
     order = _ids(b, sorts[0].out) if sorts else None
-    grouped = sorts and kernels.moe_grouped(spec.rows, _expert_formats(b, sorts[0].out))
+    grouped = sorts and moe_kernels.moe_grouped(spec.rows, _expert_formats(b, sorts[0].out))
     counts = _counts(b, sorts[0].out, spec.experts, x.device) if grouped else None
     counter = b.scratch.setdefault(f"moe-route:{op.out}", route.counters(x.device, spec.rows))
     args = (spec.experts, spec.k, spec.renorm, ids, weights, scores, counter, order, counts)

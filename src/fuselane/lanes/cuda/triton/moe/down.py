@@ -9,18 +9,18 @@ A folded shared expert (SharedExpertFusion, a decode step's one row): the gate/u
 written its SwiGLU and its gate's sigmoid into a scratch row (`shared.py`); each program adds sigmoid * (its
 down rows . that row), read after its wait like the kept experts' activations.
 
-Under int8 activations a program's product tile is every kept expert's rows at once (`kernels.moe_down_rows`
+Under int8 activations a program's product tile is every kept expert's rows at once (`moe_kernels.moe_down_rows`
 rows of each, expert-major, each row with its own slot's activation; the experts' slots a power of two, or
-packed, `kernels.MOE_DOWN_PACKED`, a number of rows that need not be), so the experts' weights stream in
+packed, `moe_kernels.MOE_DOWN_PACKED`, a number of rows that need not be), so the experts' weights stream in
 together; with f32 activations the slots are summed one after another.
 Those weights always take the coherent path with a barrier after them (`weight_loads.PINNED`, whatever the
 lane's `weight_loads` knob): a decode row of an expert is a few chunks (Qwen3-30B-A3B's 768 values, three Q4_K
 super-blocks), and on the read-only path ptxas sinks each chunk's loads below the last chunk's dp4a (sm_90
 SASS: chunk 1's 128-bit loads after chunk 0's IDP.4A, chunk 2's after chunk 1's), so a program made one DRAM
 round trip a chunk; pinned, all of them are issued before the first sum at the same registers for Q4_K
-(`kernels.MOE_DOWN_UNPINNED` says where not). The int8 launch reads the ids and the first chunks' weights
+(`moe_kernels.MOE_DOWN_UNPINNED` says where not). The int8 launch reads the ids and the first chunks' weights
 before its wait for the gate/up launch (`_kept_q8`), so a program's round trips to them run under that
-launch's end. Under `kernels.MoeDown.READ_AHEAD` (the table's) the route weights are read with the ids and the
+launch's end. Under `moe_kernels.MoeDown.READ_AHEAD` (the table's) the route weights are read with the ids and the
 residual right after the wait (`down_rows.kept_dots`), so no load sits between a program's last dp4a and its
 store.
 """
@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import QK, Format
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import moe_kernels
 from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import fast_norm
@@ -62,15 +62,15 @@ class Norm:
 @dataclass(frozen=True, slots=True)
 class Tile:
     """The int8 down program's tile: weight rows a program (every slot's), warps, (row, group)s a thread
-    (`gemv.q8.tile_plan`), under MoeDown.READ_AHEAD the chunks in flight (`kernels.moe_down_depth`, the
-    format's where None), and whether the tile is packed (`kernels.moe_down_rows`); the kernels table's by
+    (`gemv.q8.tile_plan`), under MoeDown.READ_AHEAD the chunks in flight (`moe_kernels.moe_down_depth`, the
+    format's where None), and whether the tile is packed (`moe_kernels.moe_down_rows`); the kernels table's by
     default."""
 
-    rows: int = kernels.MOE_DOWN_TILE
-    warps: int = kernels.MOE_DOWN_WARPS
-    per_thread: int = kernels.MOE_DOWN_PER_THREAD
+    rows: int = moe_kernels.MOE_DOWN_TILE
+    warps: int = moe_kernels.MOE_DOWN_WARPS
+    per_thread: int = moe_kernels.MOE_DOWN_PER_THREAD
     depth: int | None = None
-    packed: bool | None = None  # rows a program over the experts, not their slots (kernels.MOE_DOWN_PACKED)
+    packed: bool | None = None  # rows a program over the experts, not their slots (moe_kernels.MOE_DOWN_PACKED)
 
 
 @triton.jit
@@ -112,7 +112,7 @@ def _kept_q8(hq, hd, hs, w, ids, weights, a0, a1, row, tile, D: tl.constexpr, DF
     """[BLOCK_N] f32: the weighted sum of row `row`'s kept experts' down products at tile `tile` of the width
     (its ROWS rows, the rest of BLOCK_N past them), every expert's rows in one int8 product tile of ENTRIES
     weight rows (expert-major: entry i is expert i // ROWS's row i % ROWS), each with its own pair's activation,
-    so all their loads stream together (`kernels.MOE_DOWN_TILE`). Entries past K experts read the last
+    so all their loads stream together (`moe_kernels.MOE_DOWN_TILE`). Entries past K experts read the last
     expert's rows again and count 0.
 
     EARLY (a dependent launch, `pdl`): the ids and the first chunks' weights are read before the wait for the
@@ -210,20 +210,20 @@ def counters(rows: int, device) -> Tensor:
 
 def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weights: Tensor, d: int, dff: int,
                  sum_out: Tensor, *, adds: tuple[Tensor, ...] = (), shared: shared_mod.Shared | None = None,
-                 norm: Norm | None = None, counter: Tensor, variant: kernels.MoeDown | None = None,
+                 norm: Norm | None = None, counter: Tensor, variant: moe_kernels.MoeDown | None = None,
                  tile: Tile | None = None) -> Tensor:  # fmt: skip
     """sum_out (rows, d) = sum over each row's slots j of weights[row, j] * (h[pair] @ Wd[ids[pair]]^T) (+ the
     shared expert's sigmoid-gated output) (+ each of `adds`), Wd (experts, d, dff) checkpoint rows in `fmt`,
     h (rows * slots, dff) f32 or its int8 form; with `norm`, its RMS norm of each row too. One launch.
-    `variant` (default `kernels.MOE_DOWN_VARIANT`) and `tile` (default the kernels table's) are for timing
+    `variant` (default `moe_kernels.MOE_DOWN_VARIANT`) and `tile` (default the kernels table's) are for timing
     one against another (`benchmarks/moe_decode.py`); every choice sums the same terms."""
     fmt = Format(fmt)
-    variant = kernels.MOE_DOWN_VARIANT if variant is None else kernels.MoeDown(variant)
+    variant = moe_kernels.MOE_DOWN_VARIANT if variant is None else moe_kernels.MoeDown(variant)
     tile = tile or Tile()
     if tile.depth is not None and not (
-        1 <= tile.depth <= kernels.MOE_DOWN_MAX_DEPTH and variant is kernels.MoeDown.READ_AHEAD
+        1 <= tile.depth <= moe_kernels.MOE_DOWN_MAX_DEPTH and variant is moe_kernels.MoeDown.READ_AHEAD
     ):
-        raise ValueError(f"a depth (1 to {kernels.MOE_DOWN_MAX_DEPTH}) is the new order's (MoeDown.READ_AHEAD)")
+        raise ValueError(f"a depth (1 to {moe_kernels.MOE_DOWN_MAX_DEPTH}) is the new order's (MoeDown.READ_AHEAD)")
     rows, k = ids.shape
     if ids.dtype != torch.int32 or weights.numel() != rows * k or sum_out.numel() != rows * d:
         raise ValueError(f"ids must be int32 (rows, k), weights as many, sum_out ({rows}, {d})")
@@ -235,16 +235,16 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
     if q8in:
         check_acts(h, dff, rows * k)
         gemv_q8.check_aligned([w], fmt)
-        per = kernels.moe_down_rows(k, tile.rows, tile.packed)
-        entries = kernels.moe_down_entries(k, per)
+        per = moe_kernels.moe_down_rows(k, tile.rows, tile.packed)
+        entries = moe_kernels.moe_down_entries(k, per)
         block_n = triton.next_power_of_2(per)
         consts = gemv_q8.tile_plan(fmt, dff, entries, tile.warps, tile.per_thread)
         warps = consts.pop("num_warps")
         consts |= dict(BLOCK_N=block_n, ROWS=per, ENTRIES=entries, STEPS=1, UNITS=1, SPLIT=1, STAGES=1)
-        if fmt not in kernels.MOE_DOWN_UNPINNED:
+        if fmt not in moe_kernels.MOE_DOWN_UNPINNED:
             consts["FENCE"] = PINNED
-        if variant is kernels.MoeDown.READ_AHEAD:  # `down_rows.kept_dots`' own depth
-            consts["DEPTH"] = tile.depth or kernels.moe_down_depth(fmt)
+        if variant is moe_kernels.MoeDown.READ_AHEAD:  # `down_rows.kept_dots`' own depth
+            consts["DEPTH"] = tile.depth or moe_kernels.moe_down_depth(fmt)
         hargs = (h.q, *h)
     else:
         consts, warps = f32_plan(fmt, d, dff)
@@ -265,7 +265,7 @@ def down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weight
         norm.w if norm else sum_out, norm.out if norm else sum_out, *oq, counter, float(norm.eps if norm else 0.0),
         *sargs, D=d, DFF=dff, K=k, EXPERT_BYTES=d * stored_row_bytes(fmt, dff), Q8IN=q8in,
         ADDS=len(adds), NORM=norm is not None, Q8OUT=q8out, NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk),
-        SHARED=s is not None, AHEAD=variant is kernels.MoeDown.READ_AHEAD, EARLY=q8in,
+        SHARED=s is not None, AHEAD=variant is moe_kernels.MoeDown.READ_AHEAD, EARLY=q8in,
         **consts, **sconsts, num_warps=warps,
         **pdl.options(),
     )  # fmt: skip

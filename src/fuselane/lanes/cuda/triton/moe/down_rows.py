@@ -28,7 +28,7 @@ def kept_dots(w_rows, xq, xd, xs, route_w, a0, a1, row, first, live, D: tl.const
     """([BLOCK_N] f32, [TILE_N] f32): each tile row's x . row (`w_rows`, each with its own activation row's
     [BLOCK_N, 1] pointers) times its route weight (`route_w` pointers; 0 where not `live`), and the sum of
     the first ADDS arrays at TILE_N values of row `row` from value `first`. DEPTH chunks of weights are in flight
-    while one is summed (1 to 3; `kernels.moe_down_depth`), the first DEPTH read before the wait. EARLY: the
+    while one is summed (1 to 3; `moe_kernels.moe_down_depth`), the first DEPTH read before the wait. EARLY: the
     first chunks' weights and the route weights are read before the wait for the launch before (PDL), the
     arrays added in after it."""
     CHUNKS: tl.constexpr = (N_UNITS + CHUNK - 1) // CHUNK

@@ -3,7 +3,7 @@
 The routing launch (`route`) leaves the chunk's (row, slot) pairs sorted by expert, stably (`order`), and the
 pairs each expert takes (`counts`). Each expert's run of the sorted pairs is cut into tiles of BLOCK_M pairs,
 the last one partial; tile t of the chunk is found on the device from the counts (`_tile_of`), so nothing
-returns to the host and the grid is a bound, not a count: `kernels.moe_tiles_bound` tiles of pairs (a tile
+returns to the host and the grid is a bound, not a count: `moe_kernels.moe_tiles_bound` tiles of pairs (a tile
 past the chunk's ends at once) by the tiles of weight rows. The launches are thus captured as they are.
 
 A program takes one tile of one expert's pairs by BLOCK_N rows of that expert's matrix (the 3-D tensor's
@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import Format
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import moe_kernels
 from fuselane.lanes.cuda.plan.kernels import stored_row_bytes, stored_span_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemm import F16_SAFE, step_units, supports
@@ -43,7 +43,7 @@ from fuselane.lanes.cuda.triton.moe.words import word_tile
 
 # The word decode reads the weights as 32-bit words: their bytes must start 4-aligned.
 WORD_ALIGN = 4
-GATE_UP, DOWN = kernels.MoeLaunch.GATE_UP, kernels.MoeLaunch.DOWN
+GATE_UP, DOWN = moe_kernels.MoeLaunch.GATE_UP, moe_kernels.MoeLaunch.DOWN
 
 
 @triton.jit
@@ -199,8 +199,8 @@ def down_kernel(
 
 def down_width_tiles(fmt: Format, d: int, block_n: int | None = None, pairs_an_expert: float | None = None) -> int:
     """Tiles of the model's width a down launch of experts in `fmt` takes (its combine's counters a row): the
-    table's BLOCK_N (`kernels.moe_gemm_tile`, for `pairs_an_expert`) unless given."""
-    return triton.cdiv(d, block_n or kernels.moe_gemm_tile(fmt, DOWN, pairs_an_expert).block_n)
+    table's BLOCK_N (`moe_kernels.moe_gemm_tile`, for `pairs_an_expert`) unless given."""
+    return triton.cdiv(d, block_n or moe_kernels.moe_gemm_tile(fmt, DOWN, pairs_an_expert).block_n)
 
 
 def takes(fmt: Format, n: int, k: int) -> bool:
@@ -210,17 +210,17 @@ def takes(fmt: Format, n: int, k: int) -> bool:
 
 
 def format_consts(fmt: Format, n: int, k: int, w: Tensor | None = None, word_step: int | None = None, *,
-                  launch: kernels.MoeLaunch) -> dict:  # fmt: skip
+                  launch: moe_kernels.MoeLaunch) -> dict:  # fmt: skip
     """The kernels' constants for experts of (n, k) rows in `fmt` (the bytes `w`, where given) in `launch`: the
     decode's unit and step, an expert's bytes, and whether the weights are decoded from words (`words.takes`;
     their bytes 4-aligned, as a GGUF tensor's and a device allocation's are), `word_step` values a step (the
-    table's, `kernels.moe_gemm_tile`, where not given)."""
+    table's, `moe_kernels.moe_gemm_tile`, where not given)."""
     values = decode_unit(fmt, k)
     units = step_units(fmt, k)
     # the word decode's steps are 128 or 256 values: a row of neither (a 32-value format's of 1,472 values)
     # takes the unit decode's steps
     word = words.takes(fmt) and (w is None or w.data_ptr() % WORD_ALIGN == 0) and k % min(words.STEPS) == 0
-    step = (word_step or kernels.moe_gemm_tile(fmt, launch).step) if word else values * units
+    step = (word_step or moe_kernels.moe_gemm_tile(fmt, launch).step) if word else values * units
     if k % step:  # a 32-value format's row of whole 128-value steps, not of 256 (DeepSeek-V2-Lite's 1,408)
         step = min(words.STEPS)
     return dict(FMT=int(fmt), VALUES=values, NBYTES=stored_span_bytes(fmt, values), ROW_BYTES=stored_row_bytes(fmt, k),
@@ -237,17 +237,17 @@ def _check(w: Tensor, fmt: Format, experts: int, n: int, k: int, order: Tensor, 
 
 
 def _grid(n: int, block_n: int, pairs: int, experts: int, block_m: int) -> tuple[int, int]:
-    return triton.cdiv(n, block_n), kernels.moe_tiles_bound(pairs, experts, block_m)
+    return triton.cdiv(n, block_n), moe_kernels.moe_tiles_bound(pairs, experts, block_m)
 
 
-def tile_options(fmt: Format, launch: kernels.MoeLaunch, block_m: int | None = None, block_n: int | None = None,
+def tile_options(fmt: Format, launch: moe_kernels.MoeLaunch, block_m: int | None = None, block_n: int | None = None,
                  warps: int | None = None, stages: int | None = None, step: int | None = None,
-                 pairs_an_expert: float | None = None) -> kernels.MoeTile:  # fmt: skip
-    """The tile of `launch` for experts in `fmt`: the table's (`kernels.moe_gemm_tile`, for `pairs_an_expert`)
+                 pairs_an_expert: float | None = None) -> moe_kernels.MoeTile:  # fmt: skip
+    """The tile of `launch` for experts in `fmt`: the table's (`moe_kernels.moe_gemm_tile`, for `pairs_an_expert`)
     where not given."""
-    table = kernels.moe_gemm_tile(fmt, launch, pairs_an_expert)
+    table = moe_kernels.moe_gemm_tile(fmt, launch, pairs_an_expert)
     given = (block_m, block_n, warps, stages, step)
-    return kernels.MoeTile(*(t if v is None else v for v, t in zip(given, table, strict=True)))
+    return moe_kernels.MoeTile(*(t if v is None else v for v, t in zip(given, table, strict=True)))
 
 
 def gate_up_grouped(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, experts: int, slots: int, order: Tensor,
@@ -257,7 +257,7 @@ def gate_up_grouped(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, expert
     """out[p] (n) f32 = SiLU(x[p // slots] @ Wg[e]^T) * (x[p // slots] @ Wu[e]^T) for each pair p the sorted
     `order` (int32 (pairs,)) lists, e its expert, `counts` (int32 (experts,)) the pairs of each in turn; Wg and
     Wu (experts, n, k) checkpoint rows in `fmt`, x f32 (rows, k) contiguous. One launch; the tile, its warps and
-    stages, and the word decode's values a step are the table's (`kernels.moe_gemm_tile`) unless
+    stages, and the word decode's values a step are the table's (`moe_kernels.moe_gemm_tile`) unless
     given (tests, the benchmark's sweep). With `amax` (`route.RowScales`, the routing launch's) each row takes one
     f16 scale for the whole product, and each pair's largest |out| is raised in amax.h for the down launch."""
     fmt = Format(fmt)
@@ -312,7 +312,8 @@ def down_grouped(h: Tensor, w: Tensor, fmt: Format, experts: int, order: Tensor,
         h, w, order, counts, weights, order if h_amax is None else h_amax, pair_out, *combine_args(c, rows, d),
         D=d, DFF=dff, SLOTS=slots, E=experts, E_BLOCK=triton.next_power_of_2(experts),
         **format_consts(fmt, d, dff, w, step, launch=DOWN), ADDS=len(c.adds), NORM=c.norm is not None,
-        NORM_CHUNK=kernels.MOE_NORM_CHUNK, ROWS=rows, ROW_SCALES=h_amax is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        NORM_CHUNK=moe_kernels.MOE_NORM_CHUNK, ROWS=rows, ROW_SCALES=h_amax is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages, **pdl.options(),
     )  # fmt: skip
     return c.sum_out

@@ -7,16 +7,16 @@ Gating: the softmax over every expert, or (DeepSeek-V3) each score's sigmoid wit
 probabilities plus a per-expert correction bias; the kept weights scaled by the model's factor.
 
 Programs take tiles of experts of a block of rows (up to the GEMV's 8, which read the router's rows once;
-a decode step's one row takes an expert a program, `kernels.moe_route_tile`, whose f32 router row is read
+a decode step's one row takes an expert a program, `moe_kernels.moe_route_tile`, whose f32 router row is read
 before the wait for the launch that wrote x, `_router_row`; a chunk past the GEMV's rows by a float router takes
-blocks of 16 rows by 32 router rows on the tensor cores, `_router_tile`, `kernels.moe_route_chunk`) and store
+blocks of 16 rows by 32 router rows on the tensor cores, `_router_tile`, `moe_kernels.moe_route_chunk`) and store
 the scores; a
 block's last program to finish (a self-resetting counter a block, `fast_norm.norm_last`'s memory ordering)
 ranks its rows, so a chunk's blocks are ranked in parallel. Ranking: a decode step's row of up to
-`kernels.MOE_RANK_BY_COUNT_EXPERTS` experts places each expert by the count of those ahead of it (one
+`moe_kernels.MOE_RANK_BY_COUNT_EXPERTS` experts places each expert by the count of those ahead of it (one
 comparison of every pair, one reduction); more experts take k arg-max passes, and a block of a chunk's
 rows takes k arg-max passes over as many of its rows at once as keep a thread's share of the scores bounded
-(`kernels.moe_rank_rows`); both put the lower index first on a tie, as the cpu
+(`moe_kernels.moe_rank_rows`); both put the lower index first on a tie, as the cpu
 lane's stable sort.
 
 Sorting (a chunk), a stable counting sort by expert id, split so no program walks the pairs one pass after
@@ -38,7 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import Format
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import kernels, moe_kernels
 from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemm import F16_SAFE
@@ -53,8 +53,8 @@ PAIRS_A_PASS = 1024
 HIST_A_THREAD = 32
 # Values of a block's rows a pass of the rows' largest |value| (`_row_amax`) reads: 8 rows, 16 values a thread.
 AMAX_CHUNK = tl.constexpr(512)
-RANK_BY_COUNT = tl.constexpr(kernels.MOE_RANK_BY_COUNT_EXPERTS)  # a kernel reads a constexpr global only
-CHUNK_PRECISION = tl.constexpr(kernels.MOE_ROUTE_CHUNK_PRECISION)
+RANK_BY_COUNT = tl.constexpr(moe_kernels.MOE_RANK_BY_COUNT_EXPERTS)  # a kernel reads a constexpr global only
+CHUNK_PRECISION = tl.constexpr(moe_kernels.MOE_ROUTE_CHUNK_PRECISION)
 
 
 @triton.jit
@@ -188,7 +188,7 @@ def _rank_block(scores, ids, weights, bias, scale, hist, rank, block, E: tl.cons
                 K: tl.constexpr, K_BLOCK: tl.constexpr, ROWS: tl.constexpr, ROW_BLOCK: tl.constexpr,
                 RANK_ROWS: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
                 SORT: tl.constexpr):  # fmt: skip
-    """A block of a chunk's rows ranked RANK_ROWS at a time (`_rank_rows`, `kernels.moe_rank_rows`: a thread
+    """A block of a chunk's rows ranked RANK_ROWS at a time (`_rank_rows`, `moe_kernels.moe_rank_rows`: a thread
     holds a bounded share of the [rows, experts] tile whatever the experts); with SORT, the block's share of
     the sort too (`_block_places`), the pairs of each expert in the rows already ranked carried from one group
     to the next, and the block's histogram stored at the end."""
@@ -259,7 +259,7 @@ def _sort_pairs(ids, order, counts, hist, rank, P: tl.constexpr, E: tl.constexpr
 
 @triton.jit
 def _router_row(w_row, x, D: tl.constexpr, D_BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """[1] f32: x . one f32 router row (a decode step's program, `kernels.moe_route_tile`). The row is a weight,
+    """[1] f32: x . one f32 router row (a decode step's program, `moe_kernels.moe_route_tile`). The row is a weight,
     so it is loaded before the wait for the launch that wrote x (`pdl`): a coherent load with a barrier after
     it, which ptxas does not sink below the barrier nor hoist the wait above, so the row's DRAM round trip
     runs under the launch before's serial tail (its last program's norm) instead of after it."""
@@ -407,7 +407,7 @@ def sort_scratch(device, rows: int, experts: int, k: int) -> Tensor:
 
 def _row_block(rows: int, chunk: bool = False) -> int:
     """A block's rows: the tensor-core tile's (`chunk`), else the GEMV's (all rows up to its 8)."""
-    return kernels.MOE_ROUTE_CHUNK_ROWS if chunk else triton.next_power_of_2(min(rows, kernels.GEMV_ROWS))
+    return moe_kernels.MOE_ROUTE_CHUNK_ROWS if chunk else triton.next_power_of_2(min(rows, kernels.GEMV_ROWS))
 
 
 def _blocks(rows: int, row_block: int) -> int:
@@ -427,9 +427,9 @@ def _sort_scratch(scratch: Tensor | None, rows: int, experts: int, k: int, stand
 
 def _chunk_plan(fmt: Format, experts: int, d: int) -> tuple[dict, int]:
     """`f32_plan`'s constants for the tensor-core tile (`kernels.MOE_ROUTE_CHUNK_*`; the GEMV's are not read)."""
-    consts = dict(FMT=int(fmt), STEPS=0, UNITS=1, SPLIT=1, BLOCK_N=kernels.MOE_ROUTE_CHUNK_EXPERTS,
-                  STAGES=kernels.MOE_ROUTE_CHUNK_STAGES, ROW_BYTES=stored_row_bytes(fmt, d))  # fmt: skip
-    return consts, kernels.MOE_ROUTE_CHUNK_WARPS
+    consts = dict(FMT=int(fmt), STEPS=0, UNITS=1, SPLIT=1, BLOCK_N=moe_kernels.MOE_ROUTE_CHUNK_EXPERTS,
+                  STAGES=moe_kernels.MOE_ROUTE_CHUNK_STAGES, ROW_BYTES=stored_row_bytes(fmt, d))  # fmt: skip
+    return consts, moe_kernels.MOE_ROUTE_CHUNK_WARPS
 
 
 def counters(device, rows: int = 1) -> Tensor:
@@ -463,12 +463,12 @@ def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool,
         raise ValueError(f"counts must be int32 ({experts},), written with the order")
     if bias is not None and (bias.dtype != torch.float32 or bias.numel() != experts):
         raise ValueError(f"the correction bias must be f32 ({experts},)")
-    chunk = kernels.moe_route_chunk(fmt, rows)
+    chunk = moe_kernels.moe_route_chunk(fmt, rows)
     row_block, blocks = _row_block(rows, chunk), _blocks(rows, _row_block(rows, chunk))
     if chunk:
         plan, warps = _chunk_plan(Format(fmt), experts, d)
     else:
-        plan, warps = f32_plan(Format(fmt), experts, d, m=row_block, tile=kernels.moe_route_tile(rows))
+        plan, warps = f32_plan(Format(fmt), experts, d, m=row_block, tile=moe_kernels.moe_route_tile(rows))
     expert_tiles = tiles(experts, plan["BLOCK_N"])
     # the block's rows' largest values split among its first programs: a power of two of rows each, all covered
     amax_rows = triton.next_power_of_2(triton.cdiv(row_block, expert_tiles))
@@ -491,7 +491,7 @@ def route(x: Tensor, w: Tensor, fmt: Format, experts: int, k: int, renorm: bool,
         D=d, E=experts, E_BLOCK=triton.next_power_of_2(experts), K=k, K_BLOCK=triton.next_power_of_2(k),
         ROWS=rows, ROW_BLOCK=row_block, RENORM=renorm, SIGMOID=sigmoid, BIAS=bias is not None, SORT=sort,
         COUNT=counts is not None, AMAX=amax is not None, HB=hb, PB=PAIRS_A_PASS,
-        D_BLOCK=triton.next_power_of_2(d), CHUNK=chunk, BLOCK_K=kernels.MOE_ROUTE_CHUNK_K, AMAX_ROWS=amax_rows,
-        RANK_ROWS=kernels.moe_rank_rows(row_block, triton.next_power_of_2(experts), warps),
+        D_BLOCK=triton.next_power_of_2(d), CHUNK=chunk, BLOCK_K=moe_kernels.MOE_ROUTE_CHUNK_K, AMAX_ROWS=amax_rows,
+        RANK_ROWS=moe_kernels.moe_rank_rows(row_block, triton.next_power_of_2(experts), warps),
         num_warps=warps, **plan, **pdl.options(), **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )  # fmt: skip

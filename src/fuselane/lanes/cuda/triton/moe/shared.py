@@ -2,7 +2,7 @@
 kept experts' gate/up launch as programs of their own (`gate_up.gate_up`), into a scratch row; the down launch
 (`down.down_combine`) then adds sigmoid * (its down rows . that row) in each of its programs. An ungated shared
 expert (DeepSeek's) has no score: its gate/up launch writes 1 where the sigmoid would go. The SwiGLU is
-f32 products (`shared_phase`), or, under `kernels.MOE_SHARED_INT8` where the expert's gate/up are the kept
+f32 products (`shared_phase`), or, under `moe_kernels.MOE_SHARED_INT8` where the expert's gate/up are the kept
 experts' format, their own int8 tiles (`gate_up`, `Shared.tiles`); the score is always an f32 product. Where the
 SwiGLU runs as int8 tiles, the down rows are an int8 product of its int8 form, which the tiles write a block each
 (`scratch_q8`), in every format the int8 GEMV takes (`Shared.down_int8`); otherwise an f32 product, in the
@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import QK, Format
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import kernels, moe_kernels
 from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 from fuselane.lanes.cuda.triton.gemv import rows as gemv_rows
 from fuselane.lanes.cuda.triton.moe.common import f32_plan, row_dot, tiles
@@ -91,10 +91,10 @@ def int8_takes(fmt: Format, n: int, k: int) -> bool:
 
 
 def swiglu_tiles(kept_fmt: Format | None, fmt: Format, sdff: int, d: int, gate: Tensor, up: Tensor) -> bool:
-    """Whether a folded shared expert's SwiGLU runs as the kept experts' int8 tiles (`kernels.MOE_SHARED_INT8`):
+    """Whether a folded shared expert's SwiGLU runs as the kept experts' int8 tiles (`moe_kernels.MOE_SHARED_INT8`):
     the kept experts read the int8 form of the input (their format `kept_fmt`, None where they read f32), the
     expert's gate and up are that format, whole blocks, and start where the int8 loads need them to."""
-    if not kernels.MOE_SHARED_INT8 or kept_fmt is None or Format(fmt) is not Format(kept_fmt):
+    if not moe_kernels.MOE_SHARED_INT8 or kept_fmt is None or Format(fmt) is not Format(kept_fmt):
         return False
     align = gemv_q8.ALIGN.get(Format(fmt), 1)
     return int8_takes(fmt, sdff, d) and not (gate.data_ptr() % align or up.data_ptr() % align)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import LAYOUTS, Format
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import moe_kernels
 from fuselane.lanes.cuda.plan.kernels import stored_block_bytes, stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.layout import (
@@ -76,7 +76,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
 
 # The formats this decode takes (every other keeps `unit_values`' path): the tile table's (`kernels`), which
 # gives each its tiles.
-FORMATS = kernels.MOE_WORDS_FORMATS
+FORMATS = moe_kernels.MOE_WORDS_FORMATS
 # The values a step may take: a super-block's half or whole (a Q6_K half is its natural unit), four or eight
 # 32-value blocks.
 STEPS = (128, 256)
