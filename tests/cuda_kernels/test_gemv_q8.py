@@ -155,22 +155,23 @@ def test_gate_up_glu(fmt: Format) -> None:
     check_glu(fmt, N, 768 if fmt in SUPER else 320, np.random.default_rng(int(fmt) + 7))
 
 
-def check_product(fmt: Format, n: int, k: int, rng: np.random.Generator) -> None:
-    """`gemv_q8` of n random rows of k values in `fmt` at the module's tile, against the reference."""
+def check_product(fmt: Format, n: int, k: int, rng: np.random.Generator, **tile) -> None:
+    """`gemv_q8` of n random rows of k values in `fmt` at the module's tile (or `tile`), against the reference."""
     raw = raw_weights(fmt, n, k, rng)
     _, acts = _quantized(k, rng)
     out = torch.full((1, n), float("nan"), device=DEVICE)
-    gemv_q8(acts, dev(raw), fmt, n, k, out)
+    gemv_q8(acts, dev(raw), fmt, n, k, out, **tile)
     want, scale = _reference(acts, raw, fmt, n, k)
     check(out, want, gamma(k + ROUNDINGS) * scale)
 
 
-def check_glu(fmt: Format, n: int, k: int, rng: np.random.Generator) -> None:
-    """`gemv_q8_gate_up_glu` of a random pair of n rows of k values in `fmt`, against the reference."""
+def check_glu(fmt: Format, n: int, k: int, rng: np.random.Generator, **tile) -> None:
+    """`gemv_q8_gate_up_glu` of a random pair of n rows of k values in `fmt` (at `tile` where given), against the
+    reference."""
     wg, wu = raw_weights(fmt, n, k, rng), raw_weights(fmt, n, k, rng)
     _, acts = _quantized(k, rng)
     out = torch.full((1, n), float("nan"), device=DEVICE)
-    gemv_q8_gate_up_glu(acts, dev(wg), dev(wu), fmt, n, k, out)
+    gemv_q8_gate_up_glu(acts, dev(wg), dev(wu), fmt, n, k, out, **tile)
     (g, g_scale), (u, u_scale) = _reference(acts, wg, fmt, n, k), _reference(acts, wu, fmt, n, k)
     silu = g / (1 + np.exp(-g))
     bound = gamma(k + ROUNDINGS) * (SILU_SLOPE * g_scale * np.abs(u) + np.abs(silu) * u_scale)
@@ -253,6 +254,26 @@ def _iq4_kernel(words, out, N: tl.constexpr):
 # the 8B's gate/up GLU (12288 x 4096)
 REAL = ((3584, 3584), (3584, 18944))
 NEW = (Format.Q5_K, Format.IQ4_XS, Format.Q3_K, Format.Q2_K, Format.Q4_0, Format.Q4_1, Format.Q5_1, Format.IQ4_NL)
+
+
+# The tiles a wide row's launch takes that no short row's does (`q8_tiles`: the tables past SHORT_K values), at
+# small widths here so the interpreter runs them: Q4_0's and IQ4_NL's own at wide rows (8 blocks a row, each
+# block's codes one 128-bit load), IQ4_XS's tall rows; a program's rows and one more, so the last is masked.
+WIDE_ROW_TILES = [
+    ("GLU_TILES", Format.Q4_0, 256), ("GLU_TILES", Format.IQ4_NL, 256), ("TILES", Format.Q4_0, 256),
+    ("TALL_TILES", Format.Q4_0, 512), ("TALL_TILES", Format.IQ4_XS, 512),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("table", "fmt", "k"), WIDE_ROW_TILES, ids=lambda v: getattr(v, "name", str(v)))
+def test_a_wide_rows_tile_at_a_small_width(table: str, fmt: Format, k: int) -> None:
+    rows, warps, per_thread = getattr(q8_tiles, table)[fmt]
+    tile = {"block_n": rows, "warps": warps, "per_thread": per_thread}
+    rng = np.random.default_rng(int(fmt) + len(table))
+    if table == "GLU_TILES":
+        check_glu(fmt, rows + 1, k, rng, **tile)
+    else:
+        check_product(fmt, rows + 1, k, rng, **tile)
 
 
 @pytest.mark.cuda
