@@ -1,4 +1,5 @@
-"""The cuda lane's kernel facts: the one place that says what shapes each Triton kernel takes.
+"""The cuda lane's kernel facts: the one place that says what shapes each Triton kernel takes (a mixture's
+kernels' in `moe_kernels`, which builds on these).
 
 The kernels size their launches from these values and the shim decides from the same values whether a fused
 op has a launch, so a fusion the optimizer builds is always one a kernel runs. Each value is chosen for an

@@ -20,8 +20,9 @@ import triton.runtime.interpreter as interpreter
 LANGS = (tl, tl.core)  # the modules `_patch_lang` patches where a function's globals name them
 
 
+@functools.cache
 def _langs_of(fn) -> frozenset[str]:
-    """The language modules `fn`'s globals name, by module name."""
+    """The language modules `fn`'s globals name, by module name (a function's globals are its module's, so once)."""
     return frozenset(v.__name__ for v in fn.__globals__.values() if any(v is lang for lang in LANGS))
 
 
@@ -33,17 +34,11 @@ def install() -> bool:
     if getattr(device.__call__, "launch_patched", False):
         return False
     patched: list[set[str] | None] = [None]  # the modules the launch in progress has patched; None outside one
-    langs: dict[object, frozenset[str]] = {}
     launch, device_call = grid.__call__, device.__call__
-
-    def langs_of(fn) -> frozenset[str]:
-        if fn not in langs:
-            langs[fn] = _langs_of(fn)
-        return langs[fn]
 
     @functools.wraps(launch)
     def launch_counted(self, *args, **kwargs):
-        patched[0] = set(langs_of(self.fn))
+        patched[0] = set(_langs_of(self.fn))
         try:
             return launch(self, *args, **kwargs)
         finally:
@@ -54,9 +49,9 @@ def install() -> bool:
         done = patched[0]
         if done is None:
             return device_call(self, *args, **kwargs)
-        if not langs_of(self.fn) <= done:
+        if not _langs_of(self.fn) <= done:
             interpreter._patch_lang(self.fn)
-            done |= langs_of(self.fn)
+            done |= _langs_of(self.fn)
         fn = self.rewrite()
         try:
             return fn(*args, **kwargs)
