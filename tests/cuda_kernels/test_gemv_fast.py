@@ -123,6 +123,30 @@ def test_default_tiles_give_every_thread_its_groups() -> None:
             assert plan["N_UNITS"] * fast.UNIT_VALUES[fmt] == 4096
 
 
+def test_a_narrow_float_product_takes_more_programs() -> None:
+    # under NARROW_VALUES values (all parts together) a float product takes four rows a program and two groups
+    # a thread, partial chunk or not; a larger one, or one given a tile, keeps the format's
+    rows = fast.NARROW_VALUES // 1536
+    for fmt in (Format.F16, Format.BF16):
+        narrow = fast.launch_plan(fmt, 1536, None, None, n=rows - 1)
+        assert (narrow["BLOCK_N"], narrow["CHUNK"]) == (4, 64)  # 48 units: one partial chunk
+        wide = fast.launch_plan(fmt, 1536, None, None, n=rows + 1)
+        assert wide["BLOCK_N"] == fast.TILES[fmt][0]
+        assert fast.launch_plan(fmt, 1536, 8, None, n=1)["BLOCK_N"] == 8
+    assert fast.launch_plan(Format.Q8_0, 1536, None, None, n=1)["BLOCK_N"] == fast.TILES[Format.Q8_0][0]
+
+
+@pytest.mark.parametrize("fmt", [Format.F16, Format.BF16], ids=lambda f: f.name)
+def test_a_float_product_at_the_wide_tile(fmt: Format, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the interpreted shapes are all narrow: the wide tile (8 rows, a group a thread) runs here, whole and
+    # partial chunks
+    monkeypatch.setattr(fast, "NARROW_VALUES", 0)
+    rng = np.random.default_rng(int(fmt) + 300)
+    for k in (K_SHORT, K_BLOCKS[0]):
+        assert fast.launch_plan(fmt, k, None, None, n=N)["BLOCK_N"] == fast.TILES[fmt][0]
+        _case(fmt, raw_weights(fmt, N, k, rng), N, k, rng)
+
+
 def test_supports_fast() -> None:
     assert all(supports_fast(fmt, 1) for fmt in FORMATS)
     assert not supports_fast(Format.Q4_K, 2)

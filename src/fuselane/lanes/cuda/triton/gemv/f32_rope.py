@@ -80,7 +80,7 @@ def gemv_f32_parts_rope(
     width = x.shape[-1]
     if takes(fmt) == "fast":
         fast.check_one_row(x, width, [], fmt, 1)
-        plan = fast.launch_plan(fmt, width, None, None)
+        plan = fast.launch_plan(fmt, width, None, None, n=sum(p.n for p in parts))
         args, flags, tiles = parts_args(parts, fmt, width, plan["BLOCK_N"], x, None)
         check_tile(plan["BLOCK_N"], hd)
         _fast_parts_rope_kernel[(tiles,)](x, *args, *targs, **flags, **plan, **tconsts, **pdl.options())

@@ -110,6 +110,15 @@ GLU_TILES = TILES | {Format.Q4_K: (2, 2), Format.Q8_0: (4, 2)}
 # A row whose units do not fill whole chunks of a format's tile (the 7B's 14 and 74 super-blocks) takes the
 # default tile, whose 2-unit chunk they fill: a partial last chunk cost the 7B's gate/up 17 % (1,766 -> 1,459).
 DEFAULT_TILE = (8, 1)
+# A float product of fewer values than NARROW_VALUES (its parts together, rows times row length) is a few waves of
+# programs at 8 rows a program, each walking its rows in a few chunks: its launch waits on round trips, not on
+# HBM. It takes four rows and two groups a thread: twice the programs, each with twice the bytes in flight,
+# partial chunk or not (a 1,536-value row is 48 units of a 64-unit chunk). A decode step's replay (H100,
+# 2026-12-06), every product at 8 rows -> every one at this tile: Qwen2.5-0.5B in BF16 1.020 -> 0.771 ms, 1.5B
+# 2.383 -> 1.677, 3B 3.690 -> 3.228, Qwen3-1.7B 2.137 -> 1.958, Qwen3-4B in F16 4.461 -> 4.127; the 7B in F16
+# 6.225 -> 6.349, whose gated pair and down product (68M values each) keep 8 rows.
+NARROW_VALUES = 32 * 2**20
+NARROW_TILES = {Format.F16: (4, 2), Format.BF16: (4, 2)}
 if frozenset(GROUPS) != kernels.FAST_GEMV_FORMATS:
     raise RuntimeError("kernels.FAST_GEMV_FORMATS must name this GEMV's formats (`GROUPS`)")
 if any(
@@ -503,19 +512,30 @@ def supports_fast(fmt: Format | int, m: int) -> bool:
 
 
 def launch_plan(
-    fmt: Format, k: int, block_n: int | None, warps: int | None, per_thread: int | None = None, *, glu: bool = False
+    fmt: Format,
+    k: int,
+    block_n: int | None,
+    warps: int | None,
+    per_thread: int | None = None,
+    *,
+    glu: bool = False,
+    n: int | None = None,
 ) -> dict:
-    """The launch's constexprs and warps. A chunk is as many units as give every thread `per_thread` (row,
-    group)s: BLOCK_N * groups = the block's threads times that; or the row's units, rounded up to a power of
-    two, if fewer."""
+    """The launch's constexprs and warps for rows of `k` values, `n` of them where known (a small float
+    product takes NARROW_TILES unless a tile is given). A chunk is as many units as give every thread
+    `per_thread` (row, group)s: BLOCK_N * groups = the block's threads times that; or the row's units, rounded
+    up to a power of two, if fewer."""
     if fmt not in GROUPS:
         raise ValueError(f"no fast GEMV for {Format(fmt).name}")
     unit = UNIT_VALUES[fmt]
     if k < 1 or k % unit:
         raise ValueError(f"the fast {fmt.name} GEMV takes rows of whole {unit}-value units, not {k} values")
-    rows, groups = (GLU_TILES if glu else TILES)[fmt]
-    if block_n is None and per_thread is None and (k // unit) % _chunk(fmt, k, rows, WARPS, groups):
-        rows, groups = DEFAULT_TILE
+    if block_n is None and per_thread is None and n is not None and n * k < NARROW_VALUES and fmt in NARROW_TILES:
+        rows, groups = NARROW_TILES[fmt]
+    else:
+        rows, groups = (GLU_TILES if glu else TILES)[fmt]
+        if block_n is None and per_thread is None and (k // unit) % _chunk(fmt, k, rows, WARPS, groups):
+            rows, groups = DEFAULT_TILE
     block_n = rows if block_n is None else block_n
     warps = WARPS if warps is None else warps
     per_thread = groups if per_thread is None else per_thread
@@ -555,7 +575,7 @@ def gemv_fast_parts(x: Tensor, parts: Sequence[Part | tuple], fmt: Format, *, re
     fmt = Format(fmt)
     k = x.shape[-1]
     check_one_row(x, k, [], fmt, 1)  # the activation; parts_args checks each part's weights
-    plan = launch_plan(fmt, k, block_n, warps, per_thread)
+    plan = launch_plan(fmt, k, block_n, warps, per_thread, n=sum(Part(*p).n for p in parts))
     args, flags, tiles = parts_args(parts, fmt, k, plan["BLOCK_N"], x, residual)
     _parts_kernel[(tiles,)](x, *args, **flags, **plan, **pdl.options())
 
@@ -584,6 +604,6 @@ def gemv_fast_gate_up_glu(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, 
     fmt = Format(fmt)
     check_one_row(x, k, [w_gate, w_up], fmt, n)
     check_glu_out(out, n)
-    plan = launch_plan(fmt, k, block_n, warps, per_thread, glu=True)
+    plan = launch_plan(fmt, k, block_n, warps, per_thread, glu=True, n=n)
     _glu_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](x, w_gate, w_up, n, out, **plan, **pdl.options())
     return out

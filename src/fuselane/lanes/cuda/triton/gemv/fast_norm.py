@@ -152,7 +152,7 @@ def gemv_fast_add_norm(
     check_add_norm(residual, sum_out, norm_w, out, counter, n, x.device)
     if NORM_CHUNK < 1 or NORM_CHUNK & (NORM_CHUNK - 1):
         raise ValueError(f"NORM_CHUNK must be a power of two, not {NORM_CHUNK}")
-    plan = launch_plan(fmt, k, block_n, warps)
+    plan = launch_plan(fmt, k, block_n, warps, n=n)
     chunk = min(triton.next_power_of_2(n), NORM_CHUNK)
     _fast_add_norm_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](
         x2,
