@@ -26,7 +26,7 @@ from kernel_checks import CUDA, DEVICE, U32, CountLaunches, check, dev, file_blo
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import Format  # noqa: E402
 from fuselane.gguf.quantize import quantize  # noqa: E402
-from fuselane.lanes.cuda.triton.gemv import fast  # noqa: E402
+from fuselane.lanes.cuda.triton.gemv import fast, fast_tiles  # noqa: E402
 from fuselane.lanes.cuda.triton.gemv.fast import (  # noqa: E402
     gemv_fast,
     gemv_fast_gate_up_glu,
@@ -116,7 +116,7 @@ def test_default_tiles_give_every_thread_its_groups() -> None:
     # the layout the kernels are written for: BLOCK_N rows x the chunk's scale groups = the block's threads
     # times the (row, group)s the format's tile gives a thread
     for fmt in FORMATS:
-        for glu, tiles in ((False, fast.TILES), (True, fast.GLU_TILES)):
+        for glu, tiles in ((False, fast_tiles.TILES), (True, fast_tiles.GLU_TILES)):
             plan = fast.launch_plan(fmt, 4096, None, None, glu=glu)
             groups = plan["BLOCK_N"] * plan["CHUNK"] * fast.GROUPS[fmt]
             assert groups == plan["num_warps"] * fast.LANES * tiles[fmt][1]
@@ -126,24 +126,24 @@ def test_default_tiles_give_every_thread_its_groups() -> None:
 def test_a_narrow_float_product_takes_more_programs() -> None:
     # under NARROW_VALUES values (all parts together) a float product takes four rows a program and two groups
     # a thread, partial chunk or not; a larger one, or one given a tile, keeps the format's
-    rows = fast.NARROW_VALUES // 1536
+    rows = fast_tiles.NARROW_VALUES // 1536
     for fmt in (Format.F16, Format.BF16):
         narrow = fast.launch_plan(fmt, 1536, None, None, n=rows - 1)
         assert (narrow["BLOCK_N"], narrow["CHUNK"]) == (4, 64)  # 48 units: one partial chunk
         wide = fast.launch_plan(fmt, 1536, None, None, n=rows + 1)
-        assert wide["BLOCK_N"] == fast.TILES[fmt][0]
+        assert wide["BLOCK_N"] == fast_tiles.TILES[fmt][0]
         assert fast.launch_plan(fmt, 1536, 8, None, n=1)["BLOCK_N"] == 8
-    assert fast.launch_plan(Format.Q8_0, 1536, None, None, n=1)["BLOCK_N"] == fast.TILES[Format.Q8_0][0]
+    assert fast.launch_plan(Format.Q8_0, 1536, None, None, n=1)["BLOCK_N"] == fast_tiles.TILES[Format.Q8_0][0]
 
 
 @pytest.mark.parametrize("fmt", [Format.F16, Format.BF16], ids=lambda f: f.name)
 def test_a_float_product_at_the_wide_tile(fmt: Format, monkeypatch: pytest.MonkeyPatch) -> None:
     # the interpreted shapes are all narrow: the wide tile (8 rows, a group a thread) runs here, whole and
     # partial chunks
-    monkeypatch.setattr(fast, "NARROW_VALUES", 0)
+    monkeypatch.setattr(fast_tiles, "NARROW_VALUES", 0)
     rng = np.random.default_rng(int(fmt) + 300)
     for k in (K_SHORT, K_BLOCKS[0]):
-        assert fast.launch_plan(fmt, k, None, None, n=N)["BLOCK_N"] == fast.TILES[fmt][0]
+        assert fast.launch_plan(fmt, k, None, None, n=N)["BLOCK_N"] == fast_tiles.TILES[fmt][0]
         _case(fmt, raw_weights(fmt, N, k, rng), N, k, rng)
 
 

@@ -42,6 +42,7 @@ from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton.gemv import fast_tiles
 from fuselane.lanes.cuda.triton.gemv.layout import (
     BYTE,
     BYTE_BITS,
@@ -98,33 +99,8 @@ GROUPS[Format.BF16] = 1  # BF16 rows as F16's: 32 values a unit, two 16-byte loa
 GROUPS_C = const({int(f): g for f, g in GROUPS.items()})
 UNIT_VALUES = {Format.Q4_K: QK_K, Format.Q6_K: QK_K, Format.Q8_0: QK, Format.Q5_0: QK, Format.F16: QK, Format.BF16: QK}
 WARPS, LANES = 4, 32
-# Tiles by format: (rows a program, (row, group)s a thread a chunk: each one 16 bytes of codes in flight and
-# an accumulator tile). Measured on the H200 (`benchmarks/gemv_compare.py --tiles`, GB/s of weights): the
-# super-block formats read 10-45 % faster at 4 rows and two groups a thread (8B q/o 1,035 -> 1,217, gate
-# 1,130 -> 1,639, down 1,121 -> 1,276, head 1,397 -> 1,682); the 32-value formats keep 8 rows and one.
-TILES = {Format.Q4_K: (4, 2), Format.Q6_K: (4, 2), Format.Q8_0: (8, 1), Format.Q5_0: (8, 1), Format.F16: (8, 1)}
-TILES[Format.BF16] = TILES[Format.F16]  # the same bytes a value (not swept)
-# The gate/up GLU walks two matrices: Q4_K at 2 rows and two groups (8B gate 1,465 -> 2,003 GB/s), Q8_0 at
-# 4 and two (0.6B gate 1,372 -> 1,617).
-GLU_TILES = TILES | {Format.Q4_K: (2, 2), Format.Q8_0: (4, 2)}
-# A row whose units do not fill whole chunks of a format's tile (the 7B's 14 and 74 super-blocks) takes the
-# default tile, whose 2-unit chunk they fill: a partial last chunk cost the 7B's gate/up 17 % (1,766 -> 1,459).
-DEFAULT_TILE = (8, 1)
-# A float product of fewer values than NARROW_VALUES (its parts together, rows times row length) is a few waves of
-# programs at 8 rows a program, each walking its rows in a few chunks: its launch waits on round trips, not on
-# HBM. It takes four rows and two groups a thread: twice the programs, each with twice the bytes in flight,
-# partial chunk or not (a 1,536-value row is 48 units of a 64-unit chunk). A decode step's replay (H100,
-# 2026-12-06), every product at 8 rows -> every one at this tile: Qwen2.5-0.5B in BF16 1.020 -> 0.771 ms, 1.5B
-# 2.383 -> 1.677, 3B 3.690 -> 3.228, Qwen3-1.7B 2.137 -> 1.958, Qwen3-4B in F16 4.461 -> 4.127; the 7B in F16
-# 6.225 -> 6.349, whose gated pair and down product (68M values each) keep 8 rows.
-NARROW_VALUES = 32 * 2**20
-NARROW_TILES = {Format.F16: (4, 2), Format.BF16: (4, 2)}
 if frozenset(GROUPS) != kernels.FAST_GEMV_FORMATS:
     raise RuntimeError("kernels.FAST_GEMV_FORMATS must name this GEMV's formats (`GROUPS`)")
-if any(
-    r > kernels.F32_GEMV_MOST_TILE_ROWS or r & (r - 1) for r, _ in (*TILES.values(), *GLU_TILES.values(), DEFAULT_TILE)
-):
-    raise RuntimeError("a fast GEMV tile's rows must be a power of two within kernels.F32_GEMV_MOST_TILE_ROWS")
 # A CTA barrier after each iteration's prefetch: without it ptxas (Triton 3.6, sm_90) sinks the next chunk's
 # loads to the loop's end, so a warp waits out each chunk's latency; with it they issue first and a chunk's
 # decode covers the next one's latency, for ~3 % more instructions and 60-96 registers. Read at launch:
@@ -522,7 +498,7 @@ def launch_plan(
     n: int | None = None,
 ) -> dict:
     """The launch's constexprs and warps for rows of `k` values, `n` of them where known (a small float
-    product takes NARROW_TILES unless a tile is given). A chunk is as many units as give every thread
+    product takes `fast_tiles.NARROW_TILES` unless a tile is given). A chunk is as many units as give every thread
     `per_thread` (row, group)s: BLOCK_N * groups = the block's threads times that; or the row's units, rounded
     up to a power of two, if fewer."""
     if fmt not in GROUPS:
@@ -530,12 +506,13 @@ def launch_plan(
     unit = UNIT_VALUES[fmt]
     if k < 1 or k % unit:
         raise ValueError(f"the fast {fmt.name} GEMV takes rows of whole {unit}-value units, not {k} values")
-    if block_n is None and per_thread is None and n is not None and n * k < NARROW_VALUES and fmt in NARROW_TILES:
-        rows, groups = NARROW_TILES[fmt]
+    narrow = fast_tiles.narrow_tile(fmt, k, n) if block_n is None and per_thread is None else None
+    if narrow is not None:
+        rows, groups = narrow
     else:
-        rows, groups = (GLU_TILES if glu else TILES)[fmt]
+        rows, groups = (fast_tiles.GLU_TILES if glu else fast_tiles.TILES)[fmt]
         if block_n is None and per_thread is None and (k // unit) % _chunk(fmt, k, rows, WARPS, groups):
-            rows, groups = DEFAULT_TILE
+            rows, groups = fast_tiles.DEFAULT_TILE
     block_n = rows if block_n is None else block_n
     warps = WARPS if warps is None else warps
     per_thread = groups if per_thread is None else per_thread
