@@ -124,13 +124,15 @@ def test_default_tiles_give_every_thread_its_groups() -> None:
 
 
 def test_a_narrow_float_product_takes_more_programs() -> None:
-    # under NARROW_VALUES values (all parts together) a float product takes four rows a program and two groups
-    # a thread, partial chunk or not; a larger one, or one given a tile, keeps the format's
-    rows = fast_tiles.NARROW_VALUES // 1536
+    # a float product with a side under NARROW_SIDE (its parts' rows together) takes four rows a program and
+    # two groups a thread, partial chunk or not; one long both ways, or one given a tile, keeps the format's
+    side = fast_tiles.NARROW_SIDE
     for fmt in (Format.F16, Format.BF16):
-        narrow = fast.launch_plan(fmt, 1536, None, None, n=rows - 1)
-        assert (narrow["BLOCK_N"], narrow["CHUNK"]) == (4, 64)  # 48 units: one partial chunk
-        wide = fast.launch_plan(fmt, 1536, None, None, n=rows + 1)
+        few_rows = fast.launch_plan(fmt, 1536 * 8, None, None, n=side - 1)
+        short_rows = fast.launch_plan(fmt, 1536, None, None, n=side * 50)
+        assert few_rows["BLOCK_N"] == short_rows["BLOCK_N"] == 4
+        assert short_rows["CHUNK"] == 64  # 48 units: one partial chunk
+        wide = fast.launch_plan(fmt, side, None, None, n=side)
         assert wide["BLOCK_N"] == fast_tiles.TILES[fmt][0]
         assert fast.launch_plan(fmt, 1536, 8, None, n=1)["BLOCK_N"] == 8
     assert fast.launch_plan(Format.Q8_0, 1536, None, None, n=1)["BLOCK_N"] == fast_tiles.TILES[Format.Q8_0][0]
@@ -140,7 +142,7 @@ def test_a_narrow_float_product_takes_more_programs() -> None:
 def test_a_float_product_at_the_wide_tile(fmt: Format, monkeypatch: pytest.MonkeyPatch) -> None:
     # the interpreted shapes are all narrow: the wide tile (8 rows, a group a thread) runs here, whole and
     # partial chunks
-    monkeypatch.setattr(fast_tiles, "NARROW_VALUES", 0)
+    monkeypatch.setattr(fast_tiles, "NARROW_SIDE", 0)
     rng = np.random.default_rng(int(fmt) + 300)
     for k in (K_SHORT, K_BLOCKS[0]):
         assert fast.launch_plan(fmt, k, None, None, n=N)["BLOCK_N"] == fast_tiles.TILES[fmt][0]
@@ -254,10 +256,12 @@ def test_gate_up_glu(fmt: Format) -> None:
 
 # --- real shapes, on a GPU only ----------------------------------------------------------------------------------
 
-# (format, n, k): a 7-8B model's projections and the output heads
+# (format, n, k): a 7-8B model's projections and the output heads; a 1.5B's float o and gate products (the
+# float GEMV's narrow tile)
 REAL = [(Format.Q4_K, 4096, 4096), (Format.Q4_K, 12288, 4096), (Format.Q6_K, 4096, 12288),
         (Format.Q6_K, 151936, 4096), (Format.Q8_0, 151936, 896), (Format.Q5_0, 4864, 896),
-        (Format.F16, 4096, 4096), (Format.BF16, 4096, 4096)]  # fmt: skip
+        (Format.F16, 4096, 4096), (Format.BF16, 4096, 4096),
+        (Format.F16, 1536, 1536), (Format.BF16, 8960, 1536)]  # fmt: skip
 REF_ROWS = 8192  # rows of the f64 reference dequantized at a time on the device
 
 

@@ -23,21 +23,23 @@ GLU_TILES = TILES | {Format.Q4_K: (2, 2), Format.Q8_0: (4, 2)}
 # A row whose units do not fill whole chunks of a format's tile (the 7B's 14 and 74 super-blocks) takes the
 # default tile, whose 2-unit chunk they fill: a partial last chunk cost the 7B's gate/up 17 % (1,766 -> 1,459).
 DEFAULT_TILE = (8, 1)
-# A float product of fewer values than NARROW_VALUES (its parts together, rows times row length) is a few waves of
-# programs at 8 rows a program, each walking its rows in a few chunks: its launch waits on round trips, not on
-# HBM. It takes four rows and two groups a thread: twice the programs, each with twice the bytes in flight,
-# partial chunk or not (a 1,536-value row is 48 units of a 64-unit chunk). A decode step's replay (H100,
-# 2026-12-06), every product at 8 rows -> every one at this tile: Qwen2.5-0.5B in BF16 1.020 -> 0.771 ms, 1.5B
-# 2.383 -> 1.677, 3B 3.690 -> 3.228, Qwen3-1.7B 2.137 -> 1.958, Qwen3-4B in F16 4.461 -> 4.127; the 7B in F16
-# 6.225 -> 6.349, whose gated pair and down product (68M values each) keep 8 rows.
-NARROW_VALUES = 32 * 2**20
+# A float product whose rows are few or short (either side under NARROW_SIDE; a launch in parts its parts' rows
+# together) is a few programs an SM at 8 rows a program, or a few chunks a program: its launch waits on round
+# trips, not on HBM. It takes four rows and two groups a thread: twice the programs, each with twice the bytes
+# in flight, partial chunk or not (a 1,536-value row is 48 units of a 64-unit chunk). A decode step's replay
+# (H100, 2026-12-06), every product at 8 rows -> every one at this tile: Qwen2.5-0.5B in BF16 1.020 -> 0.771 ms,
+# 1.5B 2.383 -> 1.677, 3B 3.690 -> 3.228, Qwen3-1.7B 2.137 -> 1.958, Qwen3-4B in F16 4.461 -> 4.127 (each of
+# their products has a side of at most 2,560); the 7B in F16, whose every product is at least 3,584 both ways,
+# 6.303 -> 6.375 (its o product alone at this tile 6.400). Where between 2,560 and 3,584 the gain ends is not
+# measured.
+NARROW_SIDE = 3072
 NARROW_TILES = {Format.F16: (4, 2), Format.BF16: (4, 2)}
 
 
 def narrow_tile(fmt: Format, k: int, n: int | None) -> tuple[int, int] | None:
-    """The tile of a product of `n` rows of `k` values in `fmt` (its parts together) where it is a small float
-    product, else None (the format's own tile)."""
-    if n is None or fmt not in NARROW_TILES or n * k >= NARROW_VALUES:
+    """The tile of a product of `n` rows of `k` values in `fmt` (its parts together) where it is a float product
+    of few or short rows, else None (the format's own tile)."""
+    if n is None or fmt not in NARROW_TILES or min(n, k) >= NARROW_SIDE:
         return None
     return NARROW_TILES[fmt]
 
