@@ -2,12 +2,12 @@
 rope 64; V2-Lite's 16 heads, `--heads 16 128` adds V3's) at several depths, each launch replayed from a CUDA graph
 so no host time counts. A row a depth: `split` is every span cut into the plan's shares and merged (the kernel
 before the short path), `plan` what the lane launches on an H200 (the short path, `triton.mla.whole`, up to
-`kernels.MLA_SHORT_ROWS` rows, then the shares), `packed` the f16 tensor-core kernel `--knob latent_decode=packed`
+`attn_kernels.MLA_SHORT_ROWS` rows, then the shares), `packed` the f16 tensor-core kernel `--knob latent_decode=packed`
 takes (`triton.mla.packed`, its splits `packed.splits` at the cache's length; its difference from `split` is the
 f16 operands', ~1e-3), and `whole:V/T/C/S/H` the short path forced at every depth
 shown: `V` values a program, `T` rows a tile, `C` query values a product step, `S` stages of loads in flight, `H`
-shares at most (past `kernels.MLA_SHORT_SHARE_ROWS` rows). Where `plan` stops beating `split` is where
-MLA_SHORT_ROWS belongs. The shares are `kernels.mla_splits` at the cache's length (`--ctx`, each).
+shares at most (past `attn_kernels.MLA_SHORT_SHARE_ROWS` rows). Where `plan` stops beating `split` is where
+MLA_SHORT_ROWS belongs. The shares are `attn_kernels.mla_splits` at the cache's length (`--ctx`, each).
 
 In brackets after each time, the variant's output against the first's (`split`): its largest difference over
 the largest value (f32 sums in another order: ~1e-7). Each kernel variant compiles once a cache length (a few
@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 
 from benchmarks.gemv_compare import timed
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import attn_kernels
 from fuselane.lanes.cuda.triton.mla import attention as A
 from fuselane.lanes.cuda.triton.mla import packed as P
 from fuselane.lanes.cuda.triton.mla import whole
@@ -94,14 +94,14 @@ def main() -> None:
     ap.add_argument("--depths", type=int, nargs="+", default=[64, 256, 512, 1024, 4095, 32767])
     a = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"short path: up to {kernels.MLA_SHORT_ROWS} rows, {PLAN}", flush=True)
+    print(f"short path: up to {attn_kernels.MLA_SHORT_ROWS} rows, {PLAN}", flush=True)
     began = time.perf_counter()
     for ctx in a.ctx:
         kc = torch.randn(ctx, LORA + ROPE, device="cuda").half()
         for heads in a.heads:
             q = torch.randn(1, heads * (LORA + ROPE), device="cuda")
             out = torch.empty(1, heads * LORA, device="cuda")
-            shares = kernels.mla_splits(A.groups(heads, LORA), ctx, sms)
+            shares = attn_kernels.mla_splits(A.groups(heads, LORA), ctx, sms)
             first = ctx == a.ctx[0]
             for depth in (d for d in a.depths if d < ctx and (first or d == min(a.depths) or d >= ctx // 2)):
                 row = _row(q, kc, out, heads, depth, shares, first)

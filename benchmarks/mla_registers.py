@@ -31,7 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fuselane.lanes.cuda.compile_check import cuobjdump, resources
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import attn_kernels
 from fuselane.lanes.cuda.triton.mla import attention, whole
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -67,7 +67,7 @@ def current(heads: int, splits: int, a: argparse.Namespace):
     hb, vb, g = attention.blocks(heads, LORA, a.heads_a_program, a.value_slices)
     cluster, count, slots = attention.clusters(splits)
     consts = dict(HEADS=heads, KW=LORA + ROPE, VD=LORA, HB=hb, VB=vb, SLICES=a.value_slices, GROUPS=g,
-                  KC=a.score_chunk, BLOCK_N=kernels.MLA_TILE_ROWS, SPLITS=splits, CLUSTER=cluster, CLUSTERS=count,
+                  KC=a.score_chunk, BLOCK_N=attn_kernels.MLA_TILE_ROWS, SPLITS=splits, CLUSTER=cluster, CLUSTERS=count,
                   SLOTS=slots, MERGE_BATCH=a.merge_batch,
                   **dict(zip(SHORT_CONSTS, short(a).constants(), strict=True)),
                   INTERPRETED=False, SEQ_ROWS=0, PDL=True)  # fmt: skip
@@ -113,11 +113,11 @@ def main() -> None:
     ap.add_argument("--old", default="", help="a commit whose kernel to compile beside this one (e.g. 49158d3)")
     ap.add_argument("--heads", default="16,128")
     ap.add_argument("--splits", default="1,4")
-    ap.add_argument("--heads-a-program", type=int, default=kernels.MLA_HEADS_A_PROGRAM)
-    ap.add_argument("--value-slices", type=int, default=kernels.MLA_VALUE_SLICES)
-    ap.add_argument("--score-chunk", type=int, default=kernels.MLA_SCORE_CHUNK)
-    ap.add_argument("--warps", type=int, default=kernels.MLA_WARPS)
-    ap.add_argument("--merge-batch", type=int, default=kernels.MLA_MERGE_BATCH)
+    ap.add_argument("--heads-a-program", type=int, default=attn_kernels.MLA_HEADS_A_PROGRAM)
+    ap.add_argument("--value-slices", type=int, default=attn_kernels.MLA_VALUE_SLICES)
+    ap.add_argument("--score-chunk", type=int, default=attn_kernels.MLA_SCORE_CHUNK)
+    ap.add_argument("--warps", type=int, default=attn_kernels.MLA_WARPS)
+    ap.add_argument("--merge-batch", type=int, default=attn_kernels.MLA_MERGE_BATCH)
     plan = whole.Short()
     ap.add_argument("--short-rows", type=int, default=plan.rows)
     ap.add_argument("--short-values", type=int, default=plan.values)

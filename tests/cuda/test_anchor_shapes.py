@@ -48,7 +48,7 @@ LAYERS = 2
 SEED = 5
 SHORT_PROMPT = [11, 200, 7, 7, 90, 3, 141, 52, 9]
 # the decode attention splits 2,048 rows as it does 4,096 (33-128 splits and their merge at these shapes,
-# `kernels.attn_splits`) after four chunks of prefill: 4,096 ran the same kernels with an f64 reference twice as
+# `attn_kernels.attn_splits`) after four chunks of prefill: 4,096 ran the same kernels with an f64 reference twice as
 # long, which set the length of the whole GPU run
 LONG_DEPTH = 2048
 DEPTHS = [0, LONG_DEPTH]

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 from fuselane.graph.ops import Attention  # noqa: E402
 from fuselane.lanes.cpu import kernels as cpu  # noqa: E402
-from fuselane.lanes.cuda.plan import kernels  # noqa: E402
+from fuselane.lanes.cuda.plan import attn_kernels  # noqa: E402
 from fuselane.lanes.cuda.triton.mla import attention, whole  # noqa: E402
 
 HEADS, LORA, ROPE, CTX = 16, 512, 64, 2048
@@ -37,7 +37,7 @@ def test_the_short_path_and_the_split_path_attend_the_latents(depth):
     kc = torch.from_numpy(cache).cuda()
     pos = torch.tensor([depth], dtype=torch.int32, device="cuda")
     scale = 1 / np.sqrt(192.0)
-    shares = kernels.mla_splits(
+    shares = attn_kernels.mla_splits(
         attention.groups(HEADS, LORA), CTX, torch.cuda.get_device_properties(0).multi_processor_count
     )
     short = replace(whole.PLAN, shares=2)  # the lane's on an H200 for these widths (`mla_launch.short_path`)

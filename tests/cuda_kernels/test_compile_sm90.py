@@ -146,7 +146,7 @@ def test_the_wide_chunk_is_past_the_rows_where_a_launch_changes_form():
     # a chunk's products leave the GEMV past its rows, and a rotation launch takes tiles of rows and heads past
     # its one-head rows: the check's wide chunk must compile both
     from fuselane.lanes.cuda import compile_check
-    from fuselane.lanes.cuda.plan import kernels
+    from fuselane.lanes.cuda.plan import attn_kernels, kernels
 
-    assert compile_check.WIDE_PROMPT > max(kernels.GEMV_ROWS, kernels.ROPE_ONE_HEAD_ROWS)
+    assert compile_check.WIDE_PROMPT > max(kernels.GEMV_ROWS, attn_kernels.ROPE_ONE_HEAD_ROWS)
     assert compile_check.CTX > compile_check.WIDE_PROMPT + compile_check.DECODE_TOKENS

@@ -26,7 +26,7 @@ from kernel_checks import DEVICE, dev, gamma, norm_rel  # noqa: E402
 from fuselane.graph.ops import CausalConv, ConvShift, GatedDelta, L2Norm, Rope  # noqa: E402
 from fuselane.lanes.cpu import gdn_kernels as ref  # noqa: E402
 from fuselane.lanes.cpu.kernels import rope as ref_rope  # noqa: E402
-from fuselane.lanes.cuda.plan import kernels  # noqa: E402
+from fuselane.lanes.cuda.plan import attn_kernels, kernels  # noqa: E402
 from fuselane.lanes.cuda.triton import rope  # noqa: E402
 from fuselane.lanes.cuda.triton.gdn import chunked, conv, delta, gates, norm  # noqa: E402
 from fuselane.numerics.contract import Keep  # noqa: E402
@@ -227,7 +227,7 @@ def test_the_gated_norm_and_a_strided_l2_norm():
 
 
 @pytest.mark.parametrize("apart", [False, True])
-@pytest.mark.parametrize("rows", [2, kernels.ROPE_ONE_HEAD_ROWS + 3])
+@pytest.mark.parametrize("rows", [2, attn_kernels.ROPE_ONE_HEAD_ROWS + 3])
 def test_a_partial_rotary_turns_the_first_values_of_each_head(apart, rows):
     # past a decode step's rows a program takes a tile of rows and heads; a partial rotary's head (4 turned
     # values and 12 not, in tiles of 4 and 16) is no power of two wide, its tile's sides must be

@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 
 from fuselane.graph.ops import Attention  # noqa: E402
 from fuselane.lanes.cpu import kernels as ref  # noqa: E402
-from fuselane.lanes.cuda.plan import kernels  # noqa: E402
+from fuselane.lanes.cuda.plan import attn_kernels  # noqa: E402
 from fuselane.lanes.cuda.triton import pdl, quant  # noqa: E402
 from fuselane.lanes.cuda.triton.attention import decode as attention  # noqa: E402
 from fuselane.lanes.cuda.triton.attention import group_decode  # noqa: E402
@@ -175,10 +175,10 @@ def test_the_plans_splits_are_powers_of_two_within_the_chip():
     within `ATTN_GROUP_WAVES` blocks a SM."""
     for kv in (1, 2, 4, 8, 16, 64):
         for span in (1, 64, 65, 1000, 4096, 131072):
-            s = kernels.attn_group_splits(kv, span, 132)
-            assert s & (s - 1) == 0 and 1 <= s <= kernels.ATTN_GROUP_MOST_SPLITS
-            assert s <= math.ceil(span / kernels.ATTN_GROUP_MIN_CHUNK)
-            assert s == 1 or kv * s <= kernels.ATTN_GROUP_WAVES * 132
+            s = attn_kernels.attn_group_splits(kv, span, 132)
+            assert s & (s - 1) == 0 and 1 <= s <= attn_kernels.ATTN_GROUP_MOST_SPLITS
+            assert s <= math.ceil(span / attn_kernels.ATTN_GROUP_MIN_CHUNK)
+            assert s == 1 or kv * s <= attn_kernels.ATTN_GROUP_WAVES * 132
 
 
 @pytest.mark.cuda

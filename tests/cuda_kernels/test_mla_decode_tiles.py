@@ -69,7 +69,7 @@ def run(q, cache, pos, *, heads, rows, splits, heads_a_program, value_slices, se
     [(1, 40, 3, 2, 2), (2, 21, 1, 4, 1), (1, 0, 2, 8, 4), (3, 33, 4, 4, 2), (1, 100, 8, 2, 2), (2, 90, 6, 4, 1)],
 )  # fmt: skip
 def test_blocks_of_heads_and_value_slices_attend_as_one(rows, pos, splits, heads_a_program, value_slices):
-    # past `kernels.MLA_MERGE_BATCH` shares that hold rows, the merge takes two levels (`attention.clusters`)
+    # past `attn_kernels.MLA_MERGE_BATCH` shares that hold rows, the merge takes two levels (`attention.clusters`)
     rng = np.random.default_rng(11)
     heads, ctx = 6, 128  # 6 heads: a row's last block is partly past them
     cache = rng.standard_normal((ctx, KW)).astype(np.float16)

@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 
 from fuselane.graph.ops import Attention  # noqa: E402
 from fuselane.lanes.cpu import kernels as ref  # noqa: E402
-from fuselane.lanes.cuda.plan import kernels  # noqa: E402
+from fuselane.lanes.cuda.plan import attn_kernels  # noqa: E402
 from fuselane.lanes.cuda.triton import pdl  # noqa: E402
 from fuselane.lanes.cuda.triton.mla import packed  # noqa: E402
 from tests.cuda_kernels.test_norm_rope_attention import (  # noqa: E402
@@ -117,9 +117,9 @@ def test_what_the_kernel_takes():
     """tl.dot's sides (latent and rotated part powers of two of at least 16) and the most heads a program holds;
     the value width in slices no narrower than 16."""
     assert packed.takes(16, 576, 512) and packed.takes(4, 48, 32)
-    assert not packed.takes(kernels.MLA_PACKED_MOST_HEADS + 1, 576, 512)  # V3's 128 heads: the cores' kernel
+    assert not packed.takes(attn_kernels.MLA_PACKED_MOST_HEADS + 1, 576, 512)  # V3's 128 heads: the cores' kernel
     assert not packed.takes(16, 560, 512) and not packed.takes(16, 552, 488)
-    assert packed.value_slices(512) == kernels.MLA_PACKED_VALUE_SLICES and packed.value_slices(32) == 2
+    assert packed.value_slices(512) == attn_kernels.MLA_PACKED_VALUE_SLICES and packed.value_slices(32) == 2
 
 
 @pytest.mark.cuda

@@ -31,7 +31,7 @@ from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
 from fuselane.gguf.quantize import random_blocks  # noqa: E402
 from fuselane.graph.ops import ArgMax, Attention, RmsNorm, Rope, Unary, UnaryOp, Yarn  # noqa: E402
 from fuselane.lanes.cpu import kernels as ref  # noqa: E402
-from fuselane.lanes.cuda.plan import kernels  # noqa: E402
+from fuselane.lanes.cuda.plan import attn_kernels  # noqa: E402
 from fuselane.lanes.cuda.run.stored import stored_bytes  # noqa: E402
 from fuselane.lanes.cuda.triton import misc, norm, pdl, quant, rope  # noqa: E402
 from fuselane.lanes.cuda.triton.attention import decode as attention  # noqa: E402
@@ -317,7 +317,7 @@ def test_rope_q_k_one_launch(normed):
 
 
 @given(
-    heads=st.integers(1, 128), half=st.integers(1, kernels.ROPE_HEAD // 2), turned_half=st.integers(0, 128),
+    heads=st.integers(1, 128), half=st.integers(1, attn_kernels.ROPE_HEAD // 2), turned_half=st.integers(0, 128),
     rows=st.integers(1, 1 << 14),
 )  # fmt: skip
 def test_a_rotation_tile_is_whole_powers_of_two(heads, half, turned_half, rows):
@@ -326,7 +326,7 @@ def test_a_rotation_tile_is_whole_powers_of_two(heads, half, turned_half, rows):
     hd, turned = 2 * half, 2 * min(turned_half, half) or 2 * half
     tile_rows, tile_heads, warps = rope.rope_tile(heads, hd, turned, rows)
     assert all(v >= 1 and v & (v - 1) == 0 for v in (tile_rows, tile_heads, warps))
-    assert warps <= kernels.ROPE_WARPS and tile_heads < 2 * heads and tile_rows < 2 * rows
+    assert warps <= attn_kernels.ROPE_WARPS and tile_heads < 2 * heads and tile_rows < 2 * rows
 
 
 @pytest.mark.parametrize("per_row", [False, True])

@@ -8,7 +8,7 @@ from fuselane.errors import FuselaneError
 from fuselane.fuse.views import GemvForm
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Dst, Rows
-from fuselane.lanes.cuda.plan import kernels, moe_kernels
+from fuselane.lanes.cuda.plan import attn_kernels, kernels, moe_kernels
 from fuselane.lanes.cuda.plan.knobs import (
     H200,
     Activations,
@@ -45,16 +45,16 @@ def test_kernel_facts() -> None:
     assert moe_kernels.moe_down_launch(2048, 1024, 4, 1024) == (2048 // 8, 8 * kernels.WARP)
     for activations in Activations:
         assert kernels.accumulator(kernels.mode(activations)) == (4, 32)
-    assert kernels.attn_splits(head_blocks=32, span=4096, sms=132) == 33  # eight one-warp blocks a SM
-    assert kernels.attn_splits(head_blocks=32, span=641, sms=132) == 21  # capped by 32-row (one-tile) chunks
-    assert kernels.attn_splits(head_blocks=256, span=4096, sms=132) == 5
-    assert kernels.attn_splits(head_blocks=8, span=300, sms=132) == 10
-    assert kernels.attn_splits(head_blocks=4096, span=4096, sms=132) == 1
-    assert kernels.mla_splits(head_blocks=2, span=64, sms=132) == 4  # V2-Lite's two blocks: a tile a share
-    assert kernels.mla_splits(head_blocks=2, span=4096, sms=132) == 161  # the merge's balance, (4096 / 2)^(2/3)
-    assert kernels.mla_splits(head_blocks=16, span=4096, sms=132) == 66  # V3's 16 blocks: the chip filled 8 times
-    assert kernels.mla_splits(head_blocks=128, span=4096, sms=132) == 9  # and 8 rows of them
-    assert kernels.attn_heads_a_block(7) == 1
+    assert attn_kernels.attn_splits(head_blocks=32, span=4096, sms=132) == 33  # eight one-warp blocks a SM
+    assert attn_kernels.attn_splits(head_blocks=32, span=641, sms=132) == 21  # capped by 32-row (one-tile) chunks
+    assert attn_kernels.attn_splits(head_blocks=256, span=4096, sms=132) == 5
+    assert attn_kernels.attn_splits(head_blocks=8, span=300, sms=132) == 10
+    assert attn_kernels.attn_splits(head_blocks=4096, span=4096, sms=132) == 1
+    assert attn_kernels.mla_splits(head_blocks=2, span=64, sms=132) == 4  # V2-Lite's two blocks: a tile a share
+    assert attn_kernels.mla_splits(head_blocks=2, span=4096, sms=132) == 161  # the merge's balance, (4096 / 2)^(2/3)
+    assert attn_kernels.mla_splits(head_blocks=16, span=4096, sms=132) == 66  # V3's 16 blocks: the chip filled 8 times
+    assert attn_kernels.mla_splits(head_blocks=128, span=4096, sms=132) == 9  # and 8 rows of them
+    assert attn_kernels.attn_heads_a_block(7) == 1
     assert chunks_apart(splits=4, rows=1, head_blocks=8, sms=132)
     assert not chunks_apart(splits=4, rows=64, head_blocks=64, sms=132)
 

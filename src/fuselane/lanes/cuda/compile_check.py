@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 INTERPRET = "TRITON_INTERPRET"
 # tokens of the wide chunk: past the GEMV's rows, so the chunk's GEMMs run, and past the rows a rotation launch
-# takes a head a program (`kernels.ROPE_ONE_HEAD_ROWS`), so its tiles of rows and heads compile too
+# takes a head a program (`attn_kernels.ROPE_ONE_HEAD_ROWS`), so its tiles of rows and heads compile too
 WIDE_PROMPT = 80
 NARROW_PROMPT = 3  # ...and of the narrow one, within them
 DECODE_TOKENS = 3  # decode steps of the sampled loop

@@ -51,7 +51,7 @@ from fuselane.graph.ops import (
     Unary,
     UnaryOp,
 )
-from fuselane.lanes.cuda.plan import gdn, kernels, moe_kernels
+from fuselane.lanes.cuda.plan import attn_kernels, gdn, kernels, moe_kernels
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
 from fuselane.numerics.contract import Scheme, holds_accumulator
 
@@ -161,7 +161,7 @@ def _leaf(leaf: Op) -> str | None:
             continue
         if isinstance(spec, HeadMatmul) and (access.pitch % kernels.QBLOCK or access.offset % kernels.QBLOCK):
             return "a per-head product reads a part in place only at whole 32-value blocks"
-        pair = kernels.ATTN_VALUES_A_LOAD
+        pair = attn_kernels.ATTN_VALUES_A_LOAD
         if isinstance(spec, Attention) and (access.pitch % pair or access.offset % pair):
             return "an attention reads its values in place a pair at a time, from an even place"
     return None
@@ -283,7 +283,9 @@ def _qkv_head_epilogue(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorG
     if p is None or ro is None:
         return "a projection's epilogue turns the heads of its result"
     one_row = _one_row_or_batch_of_one(p.m) and shim.gemv_mergeable(p) and p.dst.own() is not None
-    its_heads = ro.part is None and ro.heads == ro.per_row and p.n == ro.heads * ro.hd and ro.hd <= kernels.ROPE_HEAD
+    its_heads = (
+        ro.part is None and ro.heads == ro.per_row and p.n == ro.heads * ro.hd and ro.hd <= attn_kernels.ROPE_HEAD
+    )
     if one_row and its_heads:
         return None
     return "a projection turns in its epilogue the heads of the one row it writes whole, a GEMV of a step's one row"
@@ -296,7 +298,7 @@ def _rope_qk_one_launch(shim: CudaShim, op: Op, members: Sequence[Op], g: Tensor
     normed = {s.norm is not None for s in sides if s is not None}
     turns = {(s.hd, s.base, s.yarn) for s in sides if s is not None}
     one = (
-        len(sides) <= kernels.ROPE_SIDES
+        len(sides) <= attn_kernels.ROPE_SIDES
         and all(s.heads == s.per_row for s in sides if s is not None)
         and len(normed) <= 1
         and len(turns) <= 1
@@ -352,7 +354,7 @@ def _attn_output_gate(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGr
     # The gate rides the decode step's, a short chunk's and a batch's sequences' attention stores, a pair a
     # thread; a chunk in tiles gates apart.
     attentions = [a for m in members if (a := _attention(m)) is not None]
-    pair = kernels.ATTN_VALUES_A_LOAD
+    pair = attn_kernels.ATTN_VALUES_A_LOAD
     if attentions and all(a.rows <= kernels.GEMV_ROWS and a.value_width % pair == 0 for a in attentions):
         return None
     return (
@@ -365,7 +367,7 @@ def _attn_output_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorG
     # The decode step's attention stores its output a pair a thread, each 32-value group in one half-warp's
     # sixteen lanes; a chunk's (`attention/prefill.py`) quantizes each tile row's head in its epilogue: both
     # take heads of whole 32-value groups. A step's (or a batch's) heads that are not whole groups (8, 16,
-    # 48, 80) run heads whole groups together a block where the group allows it (`kernels.attn_heads_a_block`;
+    # 48, 80) run heads whole groups together a block where the group allows it (`attn_kernels.attn_heads_a_block`;
     # the packed kernel's block is a key/value group), and otherwise are read back where stored, each group
     # two blocks share by the later of them (`attention.splits.seam_counters`): the row must be whole groups.
     a = _attention(members[0])
@@ -401,7 +403,7 @@ def _gemv_gate_up_glu(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGr
 
 def _gemv_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
     if isinstance(members[0].sym, HeadMatmul):  # DeepSeek's value half: a program a block of a head's outputs
-        return None if kernels.head_product_quantizes(members[0].sym.b) else HEADS_IN_BLOCKS
+        return None if attn_kernels.head_product_quantizes(members[0].sym.b) else HEADS_IN_BLOCKS
     p = gemv(members[0], g)
     if (
         p is not None

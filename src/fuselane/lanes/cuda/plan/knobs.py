@@ -212,7 +212,7 @@ class CudaKnobs:
       product: DeepSeek-V2-Lite 2.146 folded, 2.239 apart; Qwen1.5-MoE-A2.7B, whose shared expert is as wide
       as its kept experts together, 1.813 folded, 1.761 apart (docs/moe.md).
     - `latent_decode=packed`: under int8, a decode step's latent attention (heads of at most
-      `kernels.MLA_PACKED_MOST_HEADS`: V2-Lite's 16) takes the int8 numerics' f16 attention on the tensor cores,
+      `attn_kernels.MLA_PACKED_MOST_HEADS`: V2-Lite's 16) takes the int8 numerics' f16 attention on the tensor cores,
       a row's heads the rows of one product (`triton/mla/packed.py`); V3's 128 heads, and every head under
       `dequant`, keep the CUDA cores' f32 products (`cores`, the knob's other value). H100, V2-Lite's heads:
       13.3 us at 4,096 rows against the cores' 66.5; the model's tg128 at depth 4,096 412 against 258 tok/s.

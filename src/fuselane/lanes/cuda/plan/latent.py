@@ -24,7 +24,7 @@ from fuselane.gguf.formats import LAYOUTS, Format
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import WHOLE, Op, Rows, TensorGraph
 from fuselane.graph.ops import Attention, HeadMatmul, Join, Rope
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import attn_kernels, kernels
 from fuselane.lanes.cuda.plan.knobs import Activations
 
 RULE = "latent_expanded"
@@ -146,8 +146,8 @@ def latent_launches(shim, lt: Latent) -> tuple[HeadHalf, HeadHalf, SplitAttentio
     per_block = heads_per_block(lt.heads, qk, lt.vd, k.chip.smem_bytes_per_block, acc)
     if per_block is None:
         return None
-    splits = kernels.attn_splits(lt.heads // per_block, lt.len, k.chip.sms)
-    parallel = splits > 1 and lt.rows * (lt.heads // per_block) < kernels.ATTN_WAVES * k.chip.sms
+    splits = attn_kernels.attn_splits(lt.heads // per_block, lt.len, k.chip.sms)
+    parallel = splits > 1 and lt.rows * (lt.heads // per_block) < attn_kernels.ATTN_WAVES * k.chip.sms
     attend = SplitAttention(
         lt.qr, keys, values, lt.pos, lt.ct, lt.heads, qk, lt.vd, lt.len, lt.rows, lt.scale, per_block, splits,
         parallel, lt.nope, qk, (lt.qpp, rope), (lt.kc, lt.kw, lt.lora),

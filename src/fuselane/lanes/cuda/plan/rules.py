@@ -36,7 +36,7 @@ from fuselane.graph import facts
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import WHOLE, Access, Dst, Fused, Op, QuantFormat, QuantizedActs, Rows, TensorGraph
 from fuselane.graph.ops import Quantize
-from fuselane.lanes.cuda.plan import gdn, kernels
+from fuselane.lanes.cuda.plan import attn_kernels, gdn, kernels
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, CudaShim
 from fuselane.lanes.cuda.plan.knobs import RopeEpilogue
 
@@ -170,7 +170,7 @@ def _why_not_turned(shim: CudaShim, op: Op, g: TensorGraph) -> str | None:
         return NOT_TURNED_HERE
     sides = sorted(turned, key=lambda m: m.dst.row is not None)  # the query (in a buffer of its own) first
     forms = [rope(parts(m)[1]) for m in sides]
-    if len(sides) != kernels.ROPE_SIDES or sides[0].dst.row is not None or None in forms:
+    if len(sides) != attn_kernels.ROPE_SIDES or sides[0].dst.row is not None or None in forms:
         return NOT_A_QUERY_AND_KEY
     q, k = forms
     assert q is not None and k is not None
@@ -209,7 +209,7 @@ def _turns_apart(r: Rewriter, i: int, why: str) -> int:
     merged = Op(Fused(C.MERGED_QKV, tuple(products)), tuple(n for n, _ in ins), tuple(a for _, a in ins), head.out,
                 head.dst, tuple(sorted(c for p in products for c in p.covers)))  # fmt: skip
     r.split(ROPE_EPILOGUE, i, [merged, *rotations], why, undone=[m for m in members if _turns(m)])
-    if len(rotations) == kernels.ROPE_SIDES:
+    if len(rotations) == attn_kernels.ROPE_SIDES:
         r.try_fuse(ROPE_EPILOGUE, PAIR, [i + 1, i + 2], i + 2)
     elif len(rotations) == 1:
         _pair_with_a_later_turn(r, i + 1)

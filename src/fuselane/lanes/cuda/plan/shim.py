@@ -45,7 +45,7 @@ from fuselane.fuse.views import GemvForm, class_of, gemv, leaves, moe, parts, ro
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form, Op, QuantFormat, Rows, TensorGraph
 from fuselane.graph.ops import Attention, ExpertMatmul, HeadMatmul, Moe
-from fuselane.lanes.cuda.plan import gdn, gemm_tiles, kernels, latent, moe_kernels
+from fuselane.lanes.cuda.plan import attn_kernels, gdn, gemm_tiles, kernels, latent, moe_kernels
 from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, ROWS_A_WARP
 from fuselane.lanes.cuda.plan.fits import fits as lane_fits
 from fuselane.lanes.cuda.plan.gdn import GDN_NATIVE
@@ -287,7 +287,7 @@ class CudaShim:
         if cls is C.GATED_NORM:  # a program a head: heads of whole 32-value blocks quantize in its store
             return gdn.gated_norm_quantizes(producer)
         if isinstance(producer.sym, HeadMatmul):  # a program a block of a head's outputs
-            return kernels.head_product_quantizes(producer.sym.b)
+            return attn_kernels.head_product_quantizes(producer.sym.b)
         if cls in (C.GEMV_NORM_EPILOGUE, C.GEMV_GATE_UP_GLU):
             # the one-row int8 GEMV's epilogues; a batch's rows past one are quantized by a launch of their own
             p = gemv(parts(producer)[0], g)
@@ -479,7 +479,7 @@ class CudaShim:
         sides = [
             side for m in members if class_of(m) is C.QKV_HEAD_EPILOGUE and (side := rope(parts(m)[1])) is not None
         ]
-        if len(sides) > kernels.ROPE_SIDES:
+        if len(sides) > attn_kernels.ROPE_SIDES:
             return False
         keys = {(s.base, s.pos, s.hd, s.half, s.norm is not None) for s in sides}
         return len(keys) <= 1
@@ -582,4 +582,4 @@ class CudaShim:
 def chunks_apart(splits: int, rows: int, head_blocks: int, sms: int) -> bool:
     """Whether an attention cut into `splits` chunks runs a block a chunk: where its rows' head blocks alone
     leave the chip idle (fewer than `ATTN_WAVES` blocks a SM)."""
-    return splits > 1 and rows * head_blocks < kernels.ATTN_WAVES * sms
+    return splits > 1 and rows * head_blocks < attn_kernels.ATTN_WAVES * sms

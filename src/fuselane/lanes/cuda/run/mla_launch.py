@@ -232,15 +232,15 @@ def _shares_scratch(b, spec: Attention, shares: int, short: Any, device: Any):
 
 
 def splits(rows: int, blocks: int, span: int, sms: int, device: Any) -> int:
-    """Shares of a row's span (`kernels.mla_splits`: enough programs to fill the chip of `sms` multiprocessors,
+    """Shares of a row's span (`attn_kernels.mla_splits`: enough programs to fill the chip of `sms` multiprocessors,
     `Bound.sms`, a program a row's block of heads a share, `blocks` of them, as many as the merge's balance
     allows) for a decode step's or a batch's few rows; a chunk's rows fill it alone. Under the interpreter the
     chip stands for INTERPRETED_SMS."""
-    from fuselane.lanes.cuda.plan import kernels
+    from fuselane.lanes.cuda.plan import attn_kernels, kernels
 
     if rows > kernels.GEMV_ROWS:
         return 1
-    return kernels.mla_splits(rows * blocks, span, sms if device.type == "cuda" else INTERPRETED_SMS)
+    return attn_kernels.mla_splits(rows * blocks, span, sms if device.type == "cuda" else INTERPRETED_SMS)
 
 
 def short_path(rows: int, heads: int, vd: int, sms: int, device: Any):
@@ -248,7 +248,7 @@ def short_path(rows: int, heads: int, vd: int, sms: int, device: Any):
     plan's where its programs fit the chip of `sms` multiprocessors in one wave (a program a SM: the split path's
     shared memory is the kernel's), so a decode step's or a few batch rows' of V2-Lite's 16 heads; never past
     that (V3's 128 heads take 512 programs; a chunk's rows past the GEMV's fill the chip with shares alone). A
-    span past `kernels.MLA_SHORT_SHARE_ROWS` is cut into as many shares as still fit that wave (a power of two).
+    span past `attn_kernels.MLA_SHORT_SHARE_ROWS` is cut into as many shares as still fit that wave (a power of two).
     Under the interpreter, spans of INTERPRETED_SHORT_ROWS in one share."""
     from fuselane.lanes.cuda.triton.mla import whole
 

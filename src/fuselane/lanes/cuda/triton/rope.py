@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from fuselane.graph.ops import Yarn
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import attn_kernels, kernels
 from fuselane.lanes.cuda.triton import pdl
 
 # 2*pi as an f32 and the f64 remainder it leaves: k * 2pi subtracted in two fused steps is exact to f32
@@ -67,18 +67,19 @@ def _widths(hd: int, turned: int) -> tuple[int, int]:
 
 def rope_tile(heads: int, hd: int, turned: int, rows: int) -> tuple[int, int, int]:
     """(rows, heads, warps) of a rotation launch's program, for heads of `hd` values, `turned` of them turning.
-    Up to `kernels.ROPE_ONE_HEAD_ROWS` rows (a decode step, a batch's step, a short chunk) a program takes one
+    Up to `attn_kernels.ROPE_ONE_HEAD_ROWS` rows (a decode step, a batch's step, a short chunk) a program takes one
     head of one row, a pair of values a thread: such a launch waits on its latency, not its work. Past that, a
-    few heads (about `kernels.ROPE_HEAD_VALUES` values of a row, at most `heads`, the wider side's) and as many
-    rows of them as keep a program near `kernels.ROPE_VALUES` values, `kernels.ROPE_VALUES_A_THREAD` a thread."""
-    if rows <= kernels.ROPE_ONE_HEAD_ROWS:  # a thread a pair of the head's values, turned or not
-        return 1, 1, max(1, min(kernels.ROPE_WARPS, triton.next_power_of_2(hd // 2) // kernels.WARP))
+    few heads (about `attn_kernels.ROPE_HEAD_VALUES` values of a row, at most `heads`, the wider side's) and as
+    many rows of them as keep a program near `attn_kernels.ROPE_VALUES` values,
+    `attn_kernels.ROPE_VALUES_A_THREAD` a thread."""
+    if rows <= attn_kernels.ROPE_ONE_HEAD_ROWS:  # a thread a pair of the head's values, turned or not
+        return 1, 1, max(1, min(attn_kernels.ROPE_WARPS, triton.next_power_of_2(hd // 2) // kernels.WARP))
     pairs, rest = _widths(hd, turned)
     per_head = 2 * pairs + (rest if turned < hd else 0)  # a partial rotary's head is no power of two
-    tile_heads = _floor_pow2(min(triton.next_power_of_2(heads), kernels.ROPE_HEAD_VALUES // per_head))
-    tile_rows = _floor_pow2(min(triton.next_power_of_2(rows), kernels.ROPE_VALUES // (tile_heads * per_head)))
-    warps = tile_rows * tile_heads * per_head // (kernels.ROPE_VALUES_A_THREAD * kernels.WARP)
-    return tile_rows, tile_heads, _floor_pow2(min(kernels.ROPE_WARPS, warps))
+    tile_heads = _floor_pow2(min(triton.next_power_of_2(heads), attn_kernels.ROPE_HEAD_VALUES // per_head))
+    tile_rows = _floor_pow2(min(triton.next_power_of_2(rows), attn_kernels.ROPE_VALUES // (tile_heads * per_head)))
+    warps = tile_rows * tile_heads * per_head // (attn_kernels.ROPE_VALUES_A_THREAD * kernels.WARP)
+    return tile_rows, tile_heads, _floor_pow2(min(attn_kernels.ROPE_WARPS, warps))
 
 
 def _floor_pow2(n: int) -> int:
@@ -222,8 +223,8 @@ def _rope_kernel(
 
 
 def check_head(hd: int) -> None:
-    if hd % 2 or hd > kernels.ROPE_HEAD:
-        raise ValueError(f"a rotation takes an even head of at most {kernels.ROPE_HEAD} values, not {hd}")
+    if hd % 2 or hd > attn_kernels.ROPE_HEAD:
+        raise ValueError(f"a rotation takes an even head of at most {attn_kernels.ROPE_HEAD} values, not {hd}")
 
 
 def _in_pitches(x: torch.Tensor, hd: int) -> tuple[int, int, int]:

@@ -6,7 +6,7 @@ new position with no re-capture: every loop bound, every split's share of the sp
 kernel from `pos`.
 
 FlashDecode. The span (cache rows 0..pos) is cut into up to `splits` chunks of at least `min_chunk` rows; a
-block takes one chunk for `kernels.attn_heads_a_block` query heads of one key/value group (one: see the
+block takes one chunk for `attn_kernels.attn_heads_a_block` query heads of one key/value group (one: see the
 fact), one warp a head, on the CUDA cores in f32 (under the dequantized numerics; under the int8 ones
 `flash_decode` launches `group_decode.py`'s kernel, a key/value group's heads packed into tensor-core rows). Its tensors
 are laid out [heads, rows, hd] with a head's values last and contiguous: Triton gives each thread runs of
@@ -20,7 +20,7 @@ position's row, which that launch appends, into the tile after it. A block whose
 writes the output; otherwise each writes its partial (running max, sum of weights, unnormalized weighted
 values) to scratch and the last block of the group to finish (an atomic counter a group, re-armed by that
 block for the next launch) merges the partials with the log-sum-exp combine. One launch; the number of
-splits is fixed when the plan is built (`decode_plan`: `kernels.attn_splits` at the cache's length, where
+splits is fixed when the plan is built (`decode_plan`: `attn_kernels.attn_splits` at the cache's length, where
 `shim.chunks_apart` says the head blocks alone leave the chip idle), and blocks past the chunks a short span
 needs exit at once.
 
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import QK
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import attn_kernels, kernels
 from fuselane.lanes.cuda.plan.knobs import H200, Chip
 from fuselane.lanes.cuda.plan.shim import chunks_apart
 from fuselane.lanes.cuda.triton import pdl
@@ -68,18 +68,18 @@ def decode_plan(
     splits: int | None = None,
     heads_per_block: int | None = None,
 ) -> DecodePlan:
-    """The launch of a decode attention over a cache of `cache_len` rows on `chip`: `kernels.attn_heads_a_block`
-    query heads of one key/value group a block (or `heads_per_block`), splits from `kernels.attn_splits` where
+    """The launch of a decode attention over a cache of `cache_len` rows on `chip`: `attn_kernels.attn_heads_a_block`
+    query heads of one key/value group a block (or `heads_per_block`), splits from `attn_kernels.attn_splits` where
     `shim.chunks_apart` says so (or `splits` where given)."""
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not share {kv_heads} key/value heads evenly")
     group = heads // kv_heads
-    per_block = kernels.attn_heads_a_block(group, hd) if heads_per_block is None else heads_per_block
+    per_block = attn_kernels.attn_heads_a_block(group, hd) if heads_per_block is None else heads_per_block
     if per_block < 1 or group % per_block:
         raise ValueError(f"a block takes a divisor of the group's {group} heads, not {per_block}")
     blocks = heads // per_block
     if splits is None:
-        splits = kernels.attn_splits(blocks, cache_len, chip.sms)
+        splits = attn_kernels.attn_splits(blocks, cache_len, chip.sms)
         if not chunks_apart(splits, 1, blocks, chip.sms):
             splits = 1
     return DecodePlan(per_block, blocks, max(1, splits))
@@ -95,10 +95,10 @@ def decode_scratch(
     heads: int, hd: int, cache_len: int, device: torch.device | str, *, chip: Chip = H200, splits: int | None = None
 ) -> torch.Tensor:
     """A decode attention's scratch, allocated once with the plan and kept (its counters start at zero; the
-    kernel leaves them at zero). Sized for any grouping of `heads`: the most splits `kernels.attn_splits`
+    kernel leaves them at zero). Sized for any grouping of `heads`: the most splits `attn_kernels.attn_splits`
     gives (at one group), a counter a head and a seam counter a 32-value block of the output; pass `splits`
     where the launch names its own."""
-    most = splits or kernels.attn_splits(1, cache_len, chip.sms)
+    most = splits or attn_kernels.attn_splits(1, cache_len, chip.sms)
     return torch.zeros(heads * most * (hd + 2) + heads + heads * hd // QK, dtype=torch.float32, device=device)
 
 
@@ -278,7 +278,7 @@ def flash_decode(
     splits: int | None = None,
     chip: Chip = H200,
     tile_rows: int | None = None,
-    min_chunk: int = kernels.ATTN_MIN_CHUNK,
+    min_chunk: int = attn_kernels.ATTN_MIN_CHUNK,
     merge_batch: int | None = None,
     heads_per_block: int | None = None,
     out_q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -304,9 +304,9 @@ def flash_decode(
     packed = f16_ops and group_decode.rows_packed(hd)
     if packed:
         plan = group_decode.group_plan(heads, kv_heads, k_cache.shape[0], chip.sms, splits)
-        tile_rows = tile_rows or kernels.ATTN_GROUP_TILE_ROWS
+        tile_rows = tile_rows or attn_kernels.ATTN_GROUP_TILE_ROWS
     else:
-        tile_rows = tile_rows or kernels.ATTN_DECODE_TILE_ROWS
+        tile_rows = tile_rows or attn_kernels.ATTN_DECODE_TILE_ROWS
         plan = decode_plan(
             heads, kv_heads, hd, k_cache.shape[0], chip=chip, splits=splits, heads_per_block=heads_per_block
         )

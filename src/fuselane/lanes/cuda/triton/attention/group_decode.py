@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import attn_kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.attention.prefill import DOT_MIN, softmax_fold
 from fuselane.lanes.cuda.triton.attention.splits import (
@@ -51,11 +51,11 @@ def rows_packed(hd: int) -> bool:
 
 def group_plan(heads: int, kv_heads: int, cache_len: int, sms: int, splits: int | None = None) -> DecodePlan:
     """The packed launch over a cache of `cache_len` rows: a block a key/value group and split, splits from
-    `kernels.attn_group_splits` (or `splits` where given)."""
+    `attn_kernels.attn_group_splits` (or `splits` where given)."""
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not share {kv_heads} key/value heads evenly")
     if splits is None:
-        splits = kernels.attn_group_splits(kv_heads, cache_len, sms)
+        splits = attn_kernels.attn_group_splits(kv_heads, cache_len, sms)
     return DecodePlan(heads // kv_heads, kv_heads, max(1, splits))
 
 
@@ -205,7 +205,7 @@ def group_decode(
     gate: torch.Tensor | None,
     sms: int,
     warps: int | None = None,
-    stages: int = kernels.ATTN_GROUP_STAGES,
+    stages: int = attn_kernels.ATTN_GROUP_STAGES,
 ) -> None:
     """The packed launch of `decode.flash_decode` (which checks its arguments and cuts its scratch into
     `parts`: the partials' values, maxima, sums, the groups' counters and the output's seam counters, where a
@@ -213,7 +213,7 @@ def group_decode(
     for the sweep."""
     group = plan.heads_per_block
     group_p2 = triton.next_power_of_2(group)
-    warps = warps or kernels.attn_group_warps(group, hd, plan.head_blocks * plan.splits, sms)
+    warps = warps or attn_kernels.attn_group_warps(group, hd, plan.head_blocks * plan.splits, sms)
     # each merge batch holds G_P2 x batch x HD f32 values over the block's threads
     batch = merge_round(group_p2, hd, warps, plan.splits, merge_batch)
     _group_decode_kernel[(plan.head_blocks, plan.splits)](

@@ -8,13 +8,13 @@ and tables):
   wrote them) into the pool at slot[i] (= table[pos // block] * block + pos % block, computed on the host
   with the table), rounded to the pool's f16 or f32 there;
 - `paged_decode`: row i's query heads over pool rows of its blocks 0 .. len[i] - 1. A program takes
-  `kernels.attn_heads_a_block` query heads of one key/value group (one: the one-row decode's measured fact),
+  `attn_kernels.attn_heads_a_block` query heads of one key/value group (one: the one-row decode's measured fact),
   a warp a head, with the running softmax of FlashDecode (`decode.fold_tile`: the same tile fold, the same
-  2^(s * scale * log2 e - max) weights). A loop step reads a tile of `kernels.ATTN_PAGED_TILE_ROWS` cache
+  2^(s * scale * log2 e - max) weights). A loop step reads a tile of `attn_kernels.ATTN_PAGED_TILE_ROWS` cache
   rows, each through its block's id in the row's table, so a step folds several blocks. Where the batch's
   rows and head blocks leave the chip's SMs idle (`paged_plan`: `shim.chunks_apart`), each row's span is cut
-  into up to `splits` chunks of whole tiles (`kernels.attn_splits` of the batch's head blocks; none under
-  `kernels.ATTN_MIN_CHUNK` rows, so a short row takes fewer and the programs past its chunks exit at once):
+  into up to `splits` chunks of whole tiles (`attn_kernels.attn_splits` of the batch's head blocks; none under
+  `attn_kernels.ATTN_MIN_CHUNK` rows, so a short row takes fewer and the programs past its chunks exit at once):
   each program of a cut row writes its partial (running max, sum of weights, weighted values) to scratch and
   ticks its row's head-block counter, and the last to finish merges them (`splits.merge_partials`, the
   log-sum-exp combine) and re-arms the counter, as the one-row decode does. One launch of (rows, head blocks,
@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import QK
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import attn_kernels, kernels
 from fuselane.lanes.cuda.plan.knobs import H200
 from fuselane.lanes.cuda.plan.shim import chunks_apart
 from fuselane.lanes.cuda.triton import pdl
@@ -97,16 +97,16 @@ class PagedPlan(NamedTuple):
 def paged_plan(rows: int, heads: int, kv_heads: int, span: int, *, sms: int, splits: int | None = None,
                hd: int = 0) -> PagedPlan:  # fmt: skip
     """The launch of a paged decode attention of `rows` rows over spans of at most `span` cache rows (the tables'
-    width in rows) on a chip of `sms` SMs: `kernels.attn_heads_a_block` heads of a group a program, as the one-row
-    decode; its span cut in `kernels.attn_splits` of the batch's head blocks where `shim.chunks_apart` says the
+    width in rows) on a chip of `sms` SMs: `attn_kernels.attn_heads_a_block` heads of a group a program, as the one-row
+    decode; its span cut in `attn_kernels.attn_splits` of the batch's head blocks where `shim.chunks_apart` says the
     rows' head blocks alone leave the chip idle (or `splits`, where given). Never from the rows' lengths: they
     are device values, and a captured graph replays one launch for any of them."""
     if heads % kv_heads:
         raise ValueError(f"paged_decode: {heads} query heads do not share {kv_heads} key/value heads evenly")
-    per_block = kernels.attn_heads_a_block(heads // kv_heads, hd)
+    per_block = attn_kernels.attn_heads_a_block(heads // kv_heads, hd)
     blocks = heads // per_block
     if splits is None:
-        splits = kernels.attn_splits(rows * blocks, span, sms)
+        splits = attn_kernels.attn_splits(rows * blocks, span, sms)
         if not chunks_apart(splits, rows, blocks, sms):
             splits = 1
     return PagedPlan(per_block, blocks, max(1, splits))
@@ -251,8 +251,8 @@ def paged_decode(
     scratch: torch.Tensor | None = None,
     sms: int = H200.sms,
     splits: int | None = None,
-    tile_rows: int = kernels.ATTN_PAGED_TILE_ROWS,
-    min_chunk: int = kernels.ATTN_MIN_CHUNK,
+    tile_rows: int = attn_kernels.ATTN_PAGED_TILE_ROWS,
+    min_chunk: int = attn_kernels.ATTN_MIN_CHUNK,
     merge_batch: int = DECODE_MERGE_BATCH,
 ) -> None:
     """out[i] = attention of row i's `heads` query heads (q: rows x heads * hd, f32) over its first lens[i]

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import QK
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import attn_kernels, kernels
 from fuselane.lanes.cuda.triton.quant import quantize_block
 
 LOG2E = math.log2(math.e)
@@ -45,9 +45,9 @@ class DecodePlan(NamedTuple):
 
 def merge_round(rows: int, width: int, warps: int, splits: int, asked: int | None = None) -> int:
     """Splits a packed merge reads a round trip (a power of two, a tl.arange): as many as keep a block's `rows`
-    rows of `width` f32 values a split within `kernels.ATTN_GROUP_MERGE_HELD` values a thread, no more than the
+    rows of `width` f32 values a split within `attn_kernels.ATTN_GROUP_MERGE_HELD` values a thread, no more than the
     splits (rounded up to a power of two) or `asked`."""
-    held = kernels.ATTN_GROUP_MERGE_HELD * warps * kernels.WARP // (rows * width)
+    held = attn_kernels.ATTN_GROUP_MERGE_HELD * warps * kernels.WARP // (rows * width)
     batch = max(1, min(asked or held, held, triton.next_power_of_2(splits)))
     return 1 << (batch.bit_length() - 1)
 
@@ -95,9 +95,9 @@ def store_out(o, offs, store_mask, head, out_ptr, oq_ptr, od_ptr, os_ptr, HD: tl
 
 def seam_counters(width: int, hd: int, heads_per_block: int) -> int:
     """Counters a row's output needs for its int8 form: one a 32-value block where a block's heads are not
-    whole 32-value blocks together (`kernels.attn_block_whole_blocks`), so neighbouring blocks share one (a
+    whole 32-value blocks together (`attn_kernels.attn_block_whole_blocks`), so neighbouring blocks share one (a
     seam); none otherwise. int32, zero when first given; the kernels leave them at zero."""
-    return 0 if kernels.attn_block_whole_blocks(hd, heads_per_block) else width // QK
+    return 0 if attn_kernels.attn_block_whole_blocks(hd, heads_per_block) else width // QK
 
 
 @triton.jit

@@ -4,7 +4,7 @@ sums the rows' latents (their first `kv_lora` values, read in place from the cac
 scores.
 
 Every head reads the same cached rows (one kv head), so a program takes a query row's block of heads
-(`kernels.MLA_HEADS_A_PROGRAM`) and a slice of the value width (`kernels.MLA_VALUE_SLICES`: the whole of it):
+(`attn_kernels.MLA_HEADS_A_PROGRAM`) and a slice of the value width (`attn_kernels.MLA_VALUE_SLICES`: the whole of it):
 a tile of `MLA_TILE_ROWS` cached rows is loaded once and scored for every head of the block at once. The
 scores are a sum of tile products (`tl.dot`, f32 with IEEE products, on the CUDA cores) over
 `MLA_SCORE_CHUNK` query values at a time, each chunk of the query read again a tile (from L1 or L2): Triton's f32
@@ -19,7 +19,7 @@ the step is built, at the cache's length; a step's shares past its position hold
 neither writing nor counting. The partials merge in two levels (`clusters`): the last of each cluster of about
 sqrt(splits) shares to finish (a self-resetting counter a cluster, the routing launch's memory ordering)
 combines its cluster's into one more partial, and the last cluster to finish combines those into the row's
-output (a single cluster: straight into it). A merge reads `kernels.MLA_MERGE_BATCH` partials a round trip,
+output (a single cluster: straight into it). A merge reads `attn_kernels.MLA_MERGE_BATCH` partials a round trip,
 combined by a running maximum. One launch. A batch's row attends its own sequence's block of the cache at its
 own position.
 """
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import attn_kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.attention.splits import interpreted
 from fuselane.lanes.cuda.triton.mla import whole
@@ -239,8 +239,8 @@ def _latent_attention_kernel(
 def clusters(splits: int) -> tuple[int, int, int]:
     """(shares a cluster, clusters, partial slots) of a launch of `splits` shares: about sqrt(splits) clusters
     of as many shares, so each level of the merge reads about sqrt(splits) partials; one cluster (no second
-    level) up to `kernels.MLA_MERGE_BATCH` shares."""
-    cluster = max(kernels.MLA_MERGE_BATCH, math.isqrt(splits - 1) + 1) if splits > 1 else 1
+    level) up to `attn_kernels.MLA_MERGE_BATCH` shares."""
+    cluster = max(attn_kernels.MLA_MERGE_BATCH, math.isqrt(splits - 1) + 1) if splits > 1 else 1
     count = triton.cdiv(splits, cluster)
     return cluster, count, splits + (count if count > 1 else 0)
 
@@ -254,15 +254,15 @@ def blocks(heads: int, vd: int, heads_a_program: int, value_slices: int) -> tupl
     return hb, vb, triton.cdiv(heads, hb) * value_slices
 
 
-def groups(heads: int, vd: int, value_slices: int = kernels.MLA_VALUE_SLICES,
-           heads_a_program: int = kernels.MLA_HEADS_A_PROGRAM) -> int:  # fmt: skip
-    """Programs a row and share: its blocks of heads times its value slices (`kernels.mla_splits` takes
+def groups(heads: int, vd: int, value_slices: int = attn_kernels.MLA_VALUE_SLICES,
+           heads_a_program: int = attn_kernels.MLA_HEADS_A_PROGRAM) -> int:  # fmt: skip
+    """Programs a row and share: its blocks of heads times its value slices (`attn_kernels.mla_splits` takes
     them as the launch's head blocks)."""
     return blocks(heads, vd, heads_a_program, value_slices)[2]
 
 
-def scratch(rows: int, heads: int, vd: int, splits: int, device, *, value_slices: int = kernels.MLA_VALUE_SLICES,
-            heads_a_program: int = kernels.MLA_HEADS_A_PROGRAM,
+def scratch(rows: int, heads: int, vd: int, splits: int, device, *, value_slices: int = attn_kernels.MLA_VALUE_SLICES,
+            heads_a_program: int = attn_kernels.MLA_HEADS_A_PROGRAM,
             short: whole.Short = whole.PLAN) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(the shares' sums, the counters a row and block) a launch of `splits` shares takes, the short path's
     shares' (`short`) after them; each launch leaves the counters at zero."""
@@ -283,8 +283,8 @@ def _short_work(work: tuple[torch.Tensor, torch.Tensor], rows: int, heads: int, 
 def latent_attention(
     q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, *,
     rows: int, heads: int, kw: int, vd: int, scale: float, seq_rows: int = 0, splits: int = 1,
-    work: tuple[torch.Tensor, torch.Tensor] | None = None, value_slices: int = kernels.MLA_VALUE_SLICES,
-    heads_a_program: int = kernels.MLA_HEADS_A_PROGRAM, warps: int = kernels.MLA_WARPS,
+    work: tuple[torch.Tensor, torch.Tensor] | None = None, value_slices: int = attn_kernels.MLA_VALUE_SLICES,
+    heads_a_program: int = attn_kernels.MLA_HEADS_A_PROGRAM, warps: int = attn_kernels.MLA_WARPS,
     short: whole.Short = whole.PLAN,
 ) -> None:  # fmt: skip
     """out (rows, heads * vd) = softmax(q . keys * scale) @ values, row i of `q` (rows, heads * kw) at
@@ -308,7 +308,8 @@ def latent_attention(
     _latent_attention_kernel[(rows, wide, g)](
         q, kc, kc.stride(0), vc, vc.stride(0), pos, out, part, counter, spart, scount, scale, heads, kw, vd, hb, vb,
         value_slices, g,
-        kernels.MLA_SCORE_CHUNK, kernels.MLA_TILE_ROWS, splits, cluster, count, slots, kernels.MLA_MERGE_BATCH,
+        attn_kernels.MLA_SCORE_CHUNK, attn_kernels.MLA_TILE_ROWS, splits, cluster, count, slots,
+        attn_kernels.MLA_MERGE_BATCH,
         *short.constants(), interpreted(), seq_rows,
         num_warps=warps, **pdl.options(),
     )  # fmt: skip

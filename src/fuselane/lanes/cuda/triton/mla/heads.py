@@ -14,7 +14,7 @@ its rotated part, turned by one more column of programs as `parts.rope` turns it
 
 With `out_q8` (GemvQuant: the value half's product, which `attn_output` reads in int8), each program also
 writes its tile's int8 form, whole 32-value blocks of a head's outputs (the codes the `Quantize` launch would
-write, `quant.store_quantized_rows`): a program takes `kernels.HEAD_QUANT_ROWS` rows, so no block spans two
+write, `quant.store_quantized_rows`): a program takes `attn_kernels.HEAD_QUANT_ROWS` rows, so no block spans two
 programs.
 """
 
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import Format
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import attn_kernels
 from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.formats import SLOTS, dot_rows
@@ -41,7 +41,7 @@ from fuselane.lanes.cuda.triton.quant import QB_C, Q8Acts, store_quantized, stor
 FLOATS = {Format.F32: torch.float32, Format.F16: torch.float16, Format.BF16: torch.int16}
 BF16_SHIFT = tl.constexpr(16)  # a bf16's bits are an f32's upper half
 # Output rows a program of the float kernel takes: a 32-value block, so it writes an int8 form too.
-FLOAT_BLOCK_N = kernels.HEAD_QUANT_ROWS
+FLOAT_BLOCK_N = attn_kernels.HEAD_QUANT_ROWS
 
 
 @triton.jit
@@ -176,12 +176,12 @@ def head_matmul(
     `x_head`) times its own `b` rows of `a` values of `w` (the checkpoint's bytes in `fmt`); returns `out`.
     With `turn`, out is (m, heads * (b + turn.hd)): each head's products, then its rotated part (one launch:
     the grid's last column of programs turns). With `out_q8` (m rows of heads * b), the launch writes out's
-    int8 form too (heads of whole blocks, `kernels.head_product_quantizes`, and no `turn`)."""
+    int8 form too (heads of whole blocks, `attn_kernels.head_product_quantizes`, and no `turn`)."""
     fmt = Format(fmt)
     width = b + (turn.hd if turn is not None else 0)
     if out.stride(-1) != 1 or out.numel() != m * heads * width:
         raise ValueError(f"out must hold ({m}, {heads * width}) values with unit column stride")
-    whole = turn is None and kernels.head_product_quantizes(b)
+    whole = turn is None and attn_kernels.head_product_quantizes(b)
     if out_q8 is not None and (not whole or tuple(out_q8.q.shape) != (m, heads * b)):
         raise ValueError(f"an int8 form is written for heads of whole 32-value blocks into ({m}, {heads * b}) codes")
     q8 = tuple(out_q8) if out_q8 is not None else (out, out, out)
@@ -200,7 +200,9 @@ def head_matmul(
         return out
     if fmt not in SLOTS:
         raise ValueError(f"no per-head product for {fmt.name} rows")
-    block_n, warps = tile(fmt, b, a, m) if out_q8 is None else (kernels.HEAD_QUANT_ROWS, kernels.HEAD_QUANT_WARPS)
+    block_n, warps = (
+        tile(fmt, b, a, m) if out_q8 is None else (attn_kernels.HEAD_QUANT_ROWS, attn_kernels.HEAD_QUANT_WARPS)
+    )
     block_m, m_tiles = row_tiles(m)
     steps, units, split = plan(fmt, a, block_n, warps, block_m)
     _head_rows_kernel[(triton.cdiv(b, block_n) + more, m_tiles, heads)](

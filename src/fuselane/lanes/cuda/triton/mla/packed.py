@@ -11,7 +11,7 @@ latents, the tile's weights by the same latents (the values are the latents: one
 
 The numerics are `group_decode.py`'s (`CudaShim.attention` under int8: queries, keys, values and weights
 rounded to f16, f32 sums and softmax): the query is scaled by scale * log2 e before its rounding, so scores
-come out in base-2 units. The value width is cut into `kernels.MLA_PACKED_VALUE_SLICES` slices, a program a
+come out in base-2 units. The value width is cut into `attn_kernels.MLA_PACKED_VALUE_SLICES` slices, a program a
 slice (each scores the tile again, from L2 after the first), so a row's merge reads a slice's partials, not
 the width's. The span is cut into splits computed in the kernel from the position (a graph replays at any
 position), each split's partial parked and merged by the slice's last program (`attention.splits`).
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import attn_kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.attention.prefill import DOT_MIN, softmax_fold
 from fuselane.lanes.cuda.triton.attention.splits import (
@@ -120,22 +120,22 @@ def _p2(n: int) -> bool:
 
 
 def value_slices(vd: int) -> int:
-    """Slices of a `vd`-value width the programs take: `kernels.MLA_PACKED_VALUE_SLICES`, fewer where a slice
+    """Slices of a `vd`-value width the programs take: `attn_kernels.MLA_PACKED_VALUE_SLICES`, fewer where a slice
     would be narrower than tl.dot's 16."""
-    return max(1, min(kernels.MLA_PACKED_VALUE_SLICES, vd // DOT_MIN))
+    return max(1, min(attn_kernels.MLA_PACKED_VALUE_SLICES, vd // DOT_MIN))
 
 
 def takes(heads: int, kw: int, vd: int) -> bool:
     """Whether a latent attention of `heads` heads, keys of `kw` values and values of the first `vd` of them has
     this kernel: the latent and the rotated part tl.dot's sides, the heads within one program's rows
-    (`kernels.MLA_PACKED_MOST_HEADS`)."""
-    return _p2(vd) and _p2(kw - vd) and 0 < heads <= kernels.MLA_PACKED_MOST_HEADS
+    (`attn_kernels.MLA_PACKED_MOST_HEADS`)."""
+    return _p2(vd) and _p2(kw - vd) and 0 < heads <= attn_kernels.MLA_PACKED_MOST_HEADS
 
 
 def splits(rows: int, vd: int, span: int, sms: int) -> int:
-    """Splits of a row's span: `kernels.attn_group_splits`' (a power of two, the chip filled `ATTN_GROUP_WAVES`
+    """Splits of a row's span: `attn_kernels.attn_group_splits`' (a power of two, the chip filled `ATTN_GROUP_WAVES`
     times by the rows' value slices, a tile a split at least)."""
-    return kernels.attn_group_splits(rows * value_slices(vd), span, sms, kernels.MLA_PACKED_TILE_ROWS)
+    return attn_kernels.attn_group_splits(rows * value_slices(vd), span, sms, attn_kernels.MLA_PACKED_TILE_ROWS)
 
 
 def scratch(rows: int, heads: int, vd: int, splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,11 +164,12 @@ def latent_attention(q: torch.Tensor, kc: torch.Tensor, pos: torch.Tensor, out: 
     parts = rows * heads * splits  # a row's heads' splits: their values, then a slice's maxima, then its sums
     acc, top, total = part[: parts * vd], part[parts * vd : parts * (vd + slices)], part[parts * (vd + slices) :]
     r = max(DOT_MIN, triton.next_power_of_2(heads))
-    warps = kernels.MLA_PACKED_WARPS
+    warps = attn_kernels.MLA_PACKED_WARPS
     _packed_kernel[(slices, splits, rows)](
         q, kc, kc.stride(0), pos, out, acc, top if splits > 1 else out, total if splits > 1 else out, counter,
-        scale * LOG2E, HEADS=heads, R=r, LORA=vd, ROT=kw - vd, VB=vb, SLICES=slices, TILE=kernels.MLA_PACKED_TILE_ROWS,
+        scale * LOG2E, HEADS=heads, R=r, LORA=vd, ROT=kw - vd, VB=vb, SLICES=slices,
+        TILE=attn_kernels.MLA_PACKED_TILE_ROWS,
         SPLITS=splits, S_P2=triton.next_power_of_2(splits), MERGE_BATCH=merge_round(r, vb, warps, splits),
-        SEQ_ROWS=seq_rows, INTERPRETED=interpreted(), num_warps=warps, num_stages=kernels.MLA_PACKED_STAGES,
+        SEQ_ROWS=seq_rows, INTERPRETED=interpreted(), num_warps=warps, num_stages=attn_kernels.MLA_PACKED_STAGES,
         **pdl.options(),
     )  # fmt: skip

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan import attn_kernels
 
 
 @triton.jit
@@ -144,13 +144,13 @@ class Short:
     merged by the last to end (1: never). The defaults are the plan's (`kernels.MLA_SHORT_*`); the lane sets
     `shares` by its chip (`mla_launch.short_path`)."""
 
-    rows: int = kernels.MLA_SHORT_ROWS
-    values: int = kernels.MLA_SHORT_VALUES
-    tile_rows: int = kernels.MLA_SHORT_TILE_ROWS
-    chunk: int = kernels.MLA_SHORT_CHUNK
-    stages: int = kernels.MLA_SHORT_STAGES
+    rows: int = attn_kernels.MLA_SHORT_ROWS
+    values: int = attn_kernels.MLA_SHORT_VALUES
+    tile_rows: int = attn_kernels.MLA_SHORT_TILE_ROWS
+    chunk: int = attn_kernels.MLA_SHORT_CHUNK
+    stages: int = attn_kernels.MLA_SHORT_STAGES
     shares: int = 1
-    share_rows: int = kernels.MLA_SHORT_SHARE_ROWS
+    share_rows: int = attn_kernels.MLA_SHORT_SHARE_ROWS
 
     def __post_init__(self) -> None:
         if self.shares < 1 or self.shares & (self.shares - 1):
