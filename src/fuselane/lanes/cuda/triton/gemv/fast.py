@@ -497,10 +497,10 @@ def launch_plan(
     glu: bool = False,
     n: int | None = None,
 ) -> dict:
-    """The launch's constexprs and warps for rows of `k` values, `n` of them where known (a small float
-    product takes `fast_tiles.NARROW_TILES` unless a tile is given). A chunk is as many units as give every thread
-    `per_thread` (row, group)s: BLOCK_N * groups = the block's threads times that; or the row's units, rounded
-    up to a power of two, if fewer."""
+    """The launch's constexprs and warps for rows of `k` values, `n` of them where known (a float product of
+    few or short rows takes `fast_tiles.narrow_tile`'s unless a tile is given). A chunk is as many units as
+    give every thread `per_thread` (row, group)s: BLOCK_N * groups = the block's threads times that; or the
+    row's units, rounded up to a power of two, if fewer."""
     if fmt not in GROUPS:
         raise ValueError(f"no fast GEMV for {Format(fmt).name}")
     unit = UNIT_VALUES[fmt]
