@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Here, with network access: the llama.cpp source that ANCHORS.md's figures were measured with (the tree vendored
+# On a machine with network access: the llama.cpp source that ANCHORS.md's figures were measured with (the tree vendored
 # in llama-cpp-python's source release), pruned to what a CUDA build of llama-bench needs, as one .tgz that a GPU
 # host without network access can take (`benchmarks/llama_cpp.sh` builds and runs it there).
 #
