@@ -15,12 +15,8 @@ out=${1:?usage: benchmarks/gpu.sh OUT_DIR [SHAPE:MIX ...]}
 shift
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fuselane-site .whl/*.whl
-  export PYTHONPATH=/tmp/fuselane-site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$root/src:$root:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+# shellcheck source=benchmarks/source_tree.sh
+source "$root/benchmarks/source_tree.sh"
 models=${FUSELANE_MODELS:-/tmp/fuselane-models}
 mkdir -p "$models"
 specs=("$@")

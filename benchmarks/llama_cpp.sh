@@ -17,12 +17,8 @@ src=$(realpath "$src")
 mkdir -p "$out"
 out=$(realpath "$out")
 root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fuselane-site .whl/*.whl
-  export PYTHONPATH=/tmp/fuselane-site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$root/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+# shellcheck source=benchmarks/source_tree.sh
+source "$root/benchmarks/source_tree.sh"
 build=${LLAMA_BUILD:-/tmp/llama-build}
 models=${FUSELANE_MODELS:-/tmp/fuselane-models}
 budget=${FUSELANE_BUDGET_S:-0}
