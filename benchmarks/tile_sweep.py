@@ -26,7 +26,7 @@ from fuselane.lanes.cuda.triton.gemv import q8 as gemv_q8
 from fuselane.lanes.cuda.triton.gemv import q8_tiles
 from fuselane.runtime.model import load
 
-TABLES = ("TILES", "TALL_TILES", "SHORT_TILES", "NARROW_TALL_TILES", "GLU_TILES")
+TABLES = ("TILES", "TALL_TILES", "SHORT_TILES", "NARROW_TALL_TILES", "GLU_TILES", "SHORT_GLU_TILES")
 PROMPT = 64
 
 

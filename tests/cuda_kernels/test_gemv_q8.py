@@ -258,10 +258,12 @@ NEW = (Format.Q5_K, Format.IQ4_XS, Format.Q3_K, Format.Q2_K, Format.Q4_0, Format
 
 # The tiles a wide row's launch takes that no short row's does (`q8_tiles`: the tables past SHORT_K values), at
 # small widths here so the interpreter runs them: Q4_0's and IQ4_NL's own at wide rows (8 blocks a row, each
-# block's codes one 128-bit load), IQ4_XS's tall rows; a program's rows and one more, so the last is masked.
+# block's codes one 128-bit load), IQ4_XS's and Q6_K's tall rows, Q6_K's and Q5_K's gated pairs; a program's
+# rows and one more, so the last is masked.
 WIDE_ROW_TILES = [
     ("GLU_TILES", Format.Q4_0, 256), ("GLU_TILES", Format.IQ4_NL, 256), ("TILES", Format.Q4_0, 256),
-    ("TALL_TILES", Format.Q4_0, 512), ("TALL_TILES", Format.IQ4_XS, 512),
+    ("TALL_TILES", Format.Q4_0, 512), ("TALL_TILES", Format.IQ4_XS, 512), ("TALL_TILES", Format.Q6_K, 512),
+    ("GLU_TILES", Format.Q6_K, 256), ("GLU_TILES", Format.Q5_K, 256),
 ]  # fmt: skip
 
 
@@ -278,7 +280,7 @@ def test_a_wide_rows_tile_at_a_small_width(table: str, fmt: Format, k: int) -> N
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("fmt", NEW, ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", (*NEW, Format.Q6_K), ids=lambda f: f.name)
 def test_real_widths(fmt: Format) -> None:
     rng = np.random.default_rng(int(fmt) + 99)
     for n, k in REAL:

@@ -69,6 +69,13 @@ TILES[Format.Q8_0] = (2, 8, 1)
 # A gated pair of short rows keeps GLU_TILES' entries as they stand here; the entries set after this line are
 # the wide rows' alone.
 SHORT_GLU_TILES = dict(GLU_TILES)
+# Wide rows' gated pairs and tall rows since the split Q6_K rows took the GLU to 241 registers a thread (the whole
+# step, H100, 2026-12-06, `benchmarks/RESULTS.md`): a Q6_K gated pair at two rows and four warps, two (row,
+# group)s a thread (the 7B in Q6_K 3.287 -> 2.844 ms, the 8B 3.217 -> 3.004; (2, 4, 1) 2.806 and 3.126), Q6_K's
+# tall rows at (2, 2, 2) (the Q6_K 7B 2.905 -> 2.807, the Q4_K_M 7B 2.359 -> 2.314, 8B 2.604 -> 2.569, the
+# Q5_K_M 7B 2.652 -> 2.611), and a Q5_K gated pair at eight rows and four warps (the Q5_K_M 7B 2.746 -> 2.658).
+GLU_TILES[Format.Q6_K], GLU_TILES[Format.Q5_K] = (2, 4, 2), (8, 4, 1)
+TALL_TILES[Format.Q6_K] = (2, 2, 2)
 # Q4_0 and IQ4_NL as the lane keeps them (a block's codes one 128-bit load, `run/stored.py`): the whole step of
 # the 7B in Q4_0 (H100, 2026-12-06) 2.256 ms at Q5_0's (4, 2, 2) everywhere; its attention rows at four rows and
 # four warps, one (row, group) a thread, 2.144; its 18,944-value down at two rows and two warps 2.173; both with
