@@ -209,7 +209,7 @@ def test_the_fold_takes_a_shared_expert_whose_products_have_kernels(mix, int8):
 def test_shared_fold_off_runs_the_shared_expert_apart_and_says_why():
     # the knob keeps the gated shared expert out of the down launch: every layer's fold refused with the
     # knob's reason, its gate/up a gated pair of its own; on (the default) every layer folds it
-    from fuselane.lanes.cuda.plan.fits import SHARED_APART
+    from fuselane.lanes.cuda.plan.fits_recurrent import SHARED_APART
 
     on = optimize(graph("synth:qwen1.5-moe-a2.7b", 1), CudaShim())
     off = optimize(graph("synth:qwen1.5-moe-a2.7b", 1), CudaShim(CudaKnobs.parse(["shared_fold=off"])))

@@ -18,7 +18,6 @@ from typing import Protocol
 from fuselane.fuse.views import (
     GemvForm,
     class_of,
-    conv,
     embedded_norm,
     gemv,
     leaves,
@@ -28,22 +27,17 @@ from fuselane.fuse.views import (
     rope,
     unit_output,
 )
-from fuselane.gguf.formats import Format
 from fuselane.graph.classes import ClassId as C
-from fuselane.graph.ir import Fused, Op, QuantFormat, Rows, Strided, TensorGraph, Values
+from fuselane.graph.ir import Fused, Op, QuantFormat, Rows, Strided, TensorGraph
 from fuselane.graph.ops import (
     Attention,
-    CausalConv,
     Elementwise,
     ElementwiseOp,
-    ExpertMatmul,
     GateAct,
     GatedDelta,
     HeadMatmul,
     Join,
-    L2Norm,
     Matmul,
-    MoeAct,
     Rope,
     RowsGather,
     SetRow,
@@ -51,7 +45,8 @@ from fuselane.graph.ops import (
     Unary,
     UnaryOp,
 )
-from fuselane.lanes.cuda.plan import attn_kernels, gdn, kernels, moe_kernels
+from fuselane.lanes.cuda.plan import attn_kernels, kernels
+from fuselane.lanes.cuda.plan import fits_recurrent as recurrent
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
 from fuselane.numerics.contract import Scheme, holds_accumulator
 
@@ -63,12 +58,6 @@ TABLE_ROTATIONS_APART = "the fused rotations turn NEOX pairs: DeepSeek's pairs t
 # epilogue), never by a table.
 NEOX_ROTATIONS = frozenset(
     {C.QK_NORM_ROPE, C.QK_NORM_ROPE_KV_APPEND, C.ROPE_KV_APPEND, C.QKV_HEAD_EPILOGUE, C.ROPE_QK_ONE_LAUNCH}
-)
-
-
-SHARED_APART = (
-    "a shared expert runs in launches of its own (knob shared_fold=off): five launches more a layer where it is gated, "
-    "two where not"
 )
 
 
@@ -455,121 +444,6 @@ def _merged_qkv(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -
     )
 
 
-# --- recurrent layers and mixtures -----------------------------------------------------------------------
-
-
-def _conv_silu_l2norm(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
-    found = leaves(op)
-    chan = next((x.sym.chan for x in found if isinstance(x.sym, CausalConv)), None)
-    cols = next((x.sym.cols for x in found if isinstance(x.sym, L2Norm)), None)
-    if (
-        chan is not None
-        and cols is not None
-        and cols <= kernels.CONV_L2_MAX_HEAD
-        and cols % kernels.WARP == 0
-        and chan % cols == 0
-    ):
-        return None
-    return "a convolution's epilogue norms heads of at most 1024 values, whole warps, that divide its channels"
-
-
-def _conv_parts(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
-    convs = [conv(m) for m in members]
-    if any(c is None for c in convs):
-        return "a launch of convolutions takes convolutions"
-    found = [c for c in convs if c is not None]
-    normed = {c.l2 for c in found if c.l2 is not None}
-    one = (
-        len(found) <= kernels.CONV_PARTS
-        and all(c.rows == 1 and c.silu and c.taps == found[0].taps for c in found)
-        and len(normed) <= 1
-    )
-    if one:
-        return None
-    return (
-        "one launch convolves a step's one row through the SiLU in at most four parts of one length of taps, the "
-        "normed ones over heads of one width"
-    )
-
-
-def _gdn_gate_projections(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
-    products = [p for m in members if (p := gemv(m, g)) is not None]
-    if all(isinstance(p.weights, Values) for p in products):
-        return None
-    return "the lane takes a delta rule's gates from its activation only by matrices it holds as values"
-
-
-def _gdn_step(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
-    return gdn.gates_in_step(op) or gdn.norm_in_step(op)
-
-
-def _shared_expert_fusion(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
-    if not shim.knobs.shared_fold:
-        return SHARED_APART
-    found = leaves(op)
-    # A SwiGLU is, in the graphs, the SiLU of the gate times the up product.
-    silu = any(isinstance(x.sym, Unary) and x.sym.op is UnaryOp.SILU for x in found)
-    times = any(isinstance(x.sym, Elementwise) and x.sym.op is ElementwiseOp.MUL and not x.sym.row for x in found)
-    biased = any(isinstance(x.sym, Elementwise) and x.sym.op is ElementwiseOp.ADD and x.sym.row for x in found)
-    products = [p for x in found if (p := gemv(x, g)) is not None]
-    by_rows = all(isinstance(p.weights, Rows) and p.m == 1 for p in products)
-    m = moe(op)
-    # Kept experts take a warp each and the shared expert one more, in one block of at most 32 warps.
-    if not (
-        m is not None
-        and m.k < kernels.MAX_BLOCK_WARPS
-        and m.rows == 1
-        and m.act is MoeAct.SWIGLU
-        and silu
-        and times
-        and not biased
-        and by_rows
-    ):
-        return (
-            "a mixture folds its unbiased SwiGLU shared expert, a step's one row of checkpoint rows, into at most "
-            "32 warps of kept experts"
-        )
-    made = {x.out for x in found}
-    int8 = _kept_int8_format(shim, [p.x for p in products if p.x not in made], g)
-    gate_up = [p for p in products if p.x not in made and p.n > 1]
-    tiles = moe_kernels.MOE_SHARED_INT8 and int8 is not None and all(_in_tiles(p, int8) for p in gate_up)
-    if all(_shared_product_read(p, made, tiles, int8 is None) for p in products):
-        return None
-    return (
-        "a folded shared expert's score reads f32 activations, in the formats the GEMV by rows decodes; its "
-        "gate, up and down those, or the kept experts' int8 tiles and an int8 down product"
-    )
-
-
-def _in_tiles(p: GemvForm, int8: Format) -> bool:
-    """Whether a shared gate or up product runs as the kept experts' int8 tiles: their format, whole blocks."""
-    return isinstance(p.weights, Rows) and p.weights.format is int8 and p.n % kernels.QBLOCK == 0
-
-
-def _shared_product_read(p: GemvForm, made: set[str], tiles: bool, f32: bool) -> bool:
-    """Whether a folded shared expert's product has a kernel: the f32 GEMV by rows (`moe/shared.py`'s
-    `row_dot`) in its formats, and in those it decodes a value at a time where the kept experts read f32 (`f32`:
-    activations=dequant, `shared.int8_down`); or, where its gate and up run as the kept experts' int8 tiles
-    (`tiles`), those and its down (reading their SwiGLU's int8 form) as an int8 product in the int8 GEMV's
-    formats."""
-    fmt = p.weights.format if isinstance(p.weights, Rows) else None
-    if fmt in kernels.ROWS_GEMV_FORMATS or (f32 and fmt is not None and kernels.rows_gemv(fmt, p.m)):
-        return True
-    score = p.n == 1 and p.x not in made
-    return tiles and not score and fmt is not None and kernels.int8_gemv(fmt, p.m, p.k)
-
-
-def _kept_int8_format(shim: CudaShim, inputs: list[str], g: TensorGraph) -> Format | None:
-    """The format of the kept experts' gate/up products that read one of `inputs` (the mixture's input) in
-    int8, or None where they read it in f32 (or none is found)."""
-    for top in g.ops:
-        found = [x for x in leaves(top) if isinstance(x.sym, ExpertMatmul) and not x.sym.slotted]
-        if found and found[0].ins[0] in inputs and shim.activation(top, 0, g) is not None:
-            storage = g.tensors[found[0].ins[1]].storage
-            return storage.format if isinstance(storage, Rows) else None
-    return None
-
-
 def _row_write_quant(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
     # A row set carries its row's quantized form a block at a time: the rows whole 32-value blocks.
     first = members[0].sym
@@ -584,12 +458,12 @@ _CHECKS: dict[C, Check] = {
     C.MOE_DEFERRED_FINALIZE: _moe_deferred_finalize,
     C.EMBED_NORM: _embed_norm,
     C.QKV_HEAD_EPILOGUE: _qkv_head_epilogue,
-    C.CONV_SILU_L2NORM: _conv_silu_l2norm,
+    C.CONV_SILU_L2NORM: recurrent.conv_silu_l2norm,
     C.GEMV_GATE_UP_GLU: _gemv_gate_up_glu,
-    C.CONV_PARTS: _conv_parts,
-    C.GDN_GATE_PROJECTIONS: _gdn_gate_projections,
-    C.GDN_STEP: _gdn_step,
-    C.SHARED_EXPERT_FUSION: _shared_expert_fusion,
+    C.CONV_PARTS: recurrent.conv_parts,
+    C.GDN_GATE_PROJECTIONS: recurrent.gdn_gate_projections,
+    C.GDN_STEP: recurrent.gdn_step,
+    C.SHARED_EXPERT_FUSION: recurrent.shared_expert_fusion,
     C.ROPE_QK_ONE_LAUNCH: _rope_qk_one_launch,
     C.ATTN_OUTPUT_GATE: _attn_output_gate,
     C.ROW_WRITE_QUANT: _row_write_quant,
