@@ -150,6 +150,67 @@ def test_parts_bias_residual_and_row(fmt: Format) -> None:
     check(table[2:3], refs[2][0], gamma(k + ROUNDINGS) * refs[2][1])
 
 
+# A launch in parts of two formats (a Q4_K_M layer's Q6_K value rows beside its Q4_K query and key, a Q5_K_M one's
+# beside Q5_K, Q8_0 beside Q4_0): each part in its own format's body at the first part's tile, the second
+# format's part with a bias and landing at a table's row.
+MIXED = [(Format.Q4_K, Format.Q6_K), (Format.Q5_K, Format.Q6_K), (Format.Q4_0, Format.Q8_0)]
+
+
+@pytest.mark.parametrize(("first", "second"), MIXED, ids=lambda f: f.name)
+def test_parts_of_two_formats(first: Format, second: Format) -> None:
+    k = 512
+    rng = np.random.default_rng(int(first) * 31 + int(second))
+    ns, fmts = (N, 9, 16), (first, second, first)
+    raws = [raw_weights(f, n, k, rng) for f, n in zip(fmts, ns, strict=True)]
+    _, acts = _quantized(k, rng)
+    bias = rng.standard_normal(ns[1]).astype(np.float32)
+    table = torch.zeros((4, ns[1]), device=DEVICE)
+    pos = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    out0, out2 = torch.zeros((1, ns[0]), device=DEVICE), torch.zeros((1, ns[2]), device=DEVICE)
+    parts = [Part(dev(raws[0]), ns[0], out0), Part(dev(raws[1]), ns[1], table, dev(bias), (pos, ns[1])),
+             Part(dev(raws[2]), ns[2], out2)]  # fmt: skip
+    gemv_q8_parts(acts, parts, fmts)
+    refs = [_reference(acts, raw, f, n, k) for raw, f, n in zip(raws, fmts, ns, strict=True)]
+    check(out0, refs[0][0], gamma(k + ROUNDINGS) * refs[0][1])
+    check(table[1:2], refs[1][0] + bias, gamma(k + ROUNDINGS) * (refs[1][1] + np.abs(bias)))
+    assert not table[[0, 2, 3]].any()
+    check(out2, refs[2][0], gamma(k + ROUNDINGS) * refs[2][1])
+
+
+# Qwen3-Next-80B-A3B's two-format launches in its Q4_K_M recipe (compiled): a delta-rule layer's Q5_K q/k/v rows
+# beside its Q4_K gate and gates, a full-attention layer's Q4_K query/gate and key beside its Q6_K value rows
+REAL_TWO_FORMATS = {
+    "delta-rule": ((Format.Q5_K, 8192), (Format.Q4_K, 4096), (Format.Q4_K, 64)),
+    "full-attention": ((Format.Q4_K, 8192), (Format.Q4_K, 512), (Format.Q6_K, 512)),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("layer", REAL_TWO_FORMATS)
+def test_parts_of_two_formats_at_real_widths(layer: str) -> None:
+    k = 2048
+    rng = np.random.default_rng(len(layer))
+    fmts, ns = zip(*REAL_TWO_FORMATS[layer], strict=True)
+    raws = [raw_weights(f, n, k, rng) for f, n in zip(fmts, ns, strict=True)]
+    _, acts = _quantized(k, rng)
+    outs = [torch.full((1, n), float("nan"), device=DEVICE) for n in ns]
+    gemv_q8_parts(acts, [Part(dev(raw), n, out) for raw, n, out in zip(raws, ns, outs, strict=True)], fmts)
+    for raw, f, n, out in zip(raws, fmts, ns, outs, strict=True):
+        want, scale = _reference(acts, raw, f, n, k)
+        check(out, want, gamma(k + ROUNDINGS) * scale)
+
+
+def test_parts_take_at_most_two_formats() -> None:
+    k = 256
+    rng = np.random.default_rng(5)
+    fmts = (Format.Q4_K, Format.Q6_K, Format.Q8_0)
+    _, acts = _quantized(k, rng)
+    parts = [Part(dev(raw_weights(f, 4, k, rng)), 4, torch.zeros((1, 4), device=DEVICE)) for f in fmts]
+    with pytest.raises(ValueError, match="at most 2 formats"):
+        gemv_q8_parts(acts, parts, fmts)
+
+
 @pytest.mark.parametrize("fmt", (Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_K, Format.Q2_K), ids=lambda f: f.name)
 def test_gate_up_glu(fmt: Format) -> None:
     check_glu(fmt, N, 768 if fmt in SUPER else 320, np.random.default_rng(int(fmt) + 7))

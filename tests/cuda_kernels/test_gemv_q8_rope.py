@@ -35,9 +35,11 @@ TILE = {"block_n": 4, "warps": 1, "per_thread": 1}  # 16 programs a head: the co
 YARN = Yarn(factor=4.0, original=4096, beta_fast=32.0, beta_slow=1.0)  # the ramp falls inside a head of 64
 
 
-def _layer(fmt: Format, normed: bool, rng: np.random.Generator):
-    """A decode step's QKV weights in `fmt`, its quantized input, and the q/k norm weights where `normed`."""
-    weights = [dev(raw_weights(fmt, n * HD, K, rng)) for n in (HEADS, KV, KV)]
+def _layer(fmt: Format, normed: bool, rng: np.random.Generator, v_fmt: Format | None = None):
+    """A decode step's QKV weights in `fmt` (the value's in `v_fmt` where given), its quantized input, and the
+    q/k norm weights where `normed`."""
+    fmts = (fmt, fmt, v_fmt or fmt)
+    weights = [dev(raw_weights(f, n * HD, K, rng)) for f, n in zip(fmts, (HEADS, KV, KV), strict=True)]
     x = rng.standard_normal((1, K)).astype(np.float32)
     acts = quant.quantize(dev(x), quant.empty_q8(1, K, DEVICE))
     norms = [dev(rng.uniform(0.5, 1.5, HD).astype(np.float32)) for _ in range(2)] if normed else [None, None]
@@ -63,16 +65,21 @@ def _cases() -> list:
                 in_ci = ((fmt is Format.Q8_0) + normed + (tile_id == "small_tile")) % 2 == 0
                 marks = () if in_ci else GPU_ONLY
                 name = f"{fmt.name}-{'qk_norm_rope' if normed else 'rope'}-{tile_id}"
-                cases.append(pytest.param(fmt, normed, tile, None, marks=marks, id=name))
+                cases.append(pytest.param(fmt, normed, tile, None, None, marks=marks, id=name))
     # YaRN's stretched frequencies, turned in the epilogue as in the rotations' own launch
-    cases.append(pytest.param(Format.Q4_K, True, TILE, YARN, id="Q4_K-qk_norm_rope-small_tile-yarn"))
+    cases.append(pytest.param(Format.Q4_K, True, TILE, YARN, None, id="Q4_K-qk_norm_rope-small_tile-yarn"))
+    # a Q4_K_M layer's Q6_K value rows in the same launch (two formats in parts)
+    cases.append(pytest.param(Format.Q4_K, False, {}, None, Format.Q6_K, marks=GPU_ONLY, id="Q4_K-rope-q6_k_v"))
     return cases
 
 
-@pytest.mark.parametrize(("fmt", "normed", "tile", "yarn"), _cases())
-def test_turned_in_the_epilogue_as_in_a_launch_of_its_own(fmt: Format, normed: bool, tile: dict, yarn) -> None:
+@pytest.mark.parametrize(("fmt", "normed", "tile", "yarn", "v_fmt"), _cases())
+def test_turned_in_the_epilogue_as_in_a_launch_of_its_own(
+    fmt: Format, normed: bool, tile: dict, yarn, v_fmt: Format | None
+) -> None:
     rng = np.random.default_rng(int(fmt) + 10 * normed)
-    (wq, wk, wv), acts, (qw, kw) = _layer(fmt, normed, rng)
+    (wq, wk, wv), acts, (qw, kw) = _layer(fmt, normed, rng, v_fmt)
+    fmt = (fmt, fmt, v_fmt) if v_fmt is not None else fmt
     pos = torch.tensor([POS], dtype=torch.int32, device=DEVICE)
     pitch = KV * HD
 

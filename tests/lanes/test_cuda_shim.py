@@ -58,6 +58,7 @@ from fuselane.graph.ops import (
     UnaryOp,
 )
 from fuselane.lanes.cuda.plan import fits as fits_module
+from fuselane.lanes.cuda.plan import fits_recurrent
 from fuselane.lanes.cuda.plan.gdn import GDN_NATIVE
 from fuselane.lanes.cuda.plan.knobs import Activations, CachePrecision, CudaKnobs, StatePrecision
 from fuselane.lanes.cuda.plan.shim import (
@@ -463,9 +464,15 @@ CASES = [
         INT8,
     ),
     Case(
+        # two formats share the int8 GEMV's parts (a Q4_K_M layer's Q6_K value rows), a third does not
         "products in parts",
-        lambda: fused(C.MERGED_QKV, matmul(1, 4096, 4096), matmul(1, 1024, 4096, out="k")),
         lambda: fused(C.MERGED_QKV, matmul(1, 4096, 4096), matmul(1, 1024, 4096, "q6k", out="k")),
+        lambda: fused(
+            C.MERGED_QKV,
+            matmul(1, 4096, 4096),
+            matmul(1, 1024, 4096, "q6k", out="k"),
+            matmul(1, 1024, 4096, "q8", out="v"),
+        ),
         "products of one activation are one launch in parts: at most four, one format — on the tensor cores "
         "whole 128-output tiles",
     ),
@@ -521,7 +528,8 @@ def test_the_table_covers_every_refusal() -> None:
     assert len(table) == len(set(table)), "one row a reason"
     # the accumulator's reason is the numerics contract's own, formatted with the product's width
     ours = {r for r in table if "accumulator" not in r}
-    assert _returned_strings(inspect.getsource(fits_module)) == ours
+    sources = inspect.getsource(fits_module) + inspect.getsource(fits_recurrent)
+    assert _returned_strings(sources) == ours
 
 
 def test_held_gemv_parts_refuses_products_in_parts() -> None:

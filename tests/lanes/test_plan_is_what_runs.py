@@ -230,12 +230,16 @@ def test_cuda_binds_a_qwen3next_plan_as_explain_prints_it(tmp_path, mix, knobs, 
 
 
 def test_rope_epilogue_folds_the_rotations_only_where_the_gemv_turns_them(paths) -> None:
-    # qwen3 Q4_K_M: layer 1's V is Q6_K, so its QKV GEMV holds the query and key alone; auto turns only there
+    # qwen3 Q4_K_M: layer 1's V is Q6_K. Under auto its QKV GEMV holds the query and key alone, turning them, and
+    # the V its own launch; under off and on the V's rows join the GEMV as a second format (`_formats_mix`), which
+    # then turns nothing (off: the rotations in one launch after it) or every head (on)
     path = paths["qwen3-q4_k_m"]
     plans = {v: build_plan(path, lane="cuda", knobs=(f"rope_epilogue={v}",))[2] for v in ("off", "auto", "on")}
     pairs = {v: sum(class_of(op) is C.ROPE_QK_ONE_LAUNCH for op in p.ops) for v, p in plans.items()}
     assert pairs == {"off": 2, "auto": 1, "on": 0}
-    assert plans["off"].launches() == plans["auto"].launches() + 1 == plans["on"].launches() + 2
+    values = {v: sum(class_of(op) is C.ROW_WRITE for op in p.ops) for v, p in plans.items()}
+    assert values == {"off": 0, "auto": 1, "on": 0}
+    assert plans["off"].launches() == plans["auto"].launches() == plans["on"].launches() + 2
 
 
 # --- the cpu lane: what executes is what explain prints --------------------------------------------------

@@ -38,7 +38,7 @@ from fuselane.lanes.cuda.plan.gdn import (
 )
 from fuselane.lanes.cuda.plan.knobs import CudaKnobs
 from fuselane.lanes.cuda.plan.shim import CudaShim
-from fuselane.models import config_of, recognizer
+from fuselane.models import config_of, qwen, recognizer
 from fuselane.numerics.contract import Keep
 from tests.lanes.test_cuda_launches import Stub
 
@@ -60,11 +60,13 @@ class Specified(CudaShim):
         return spec
 
 
-def graph(name: str, rows: int, *, float_ba: bool = False, **widths: int):
+def graph(name: str, rows: int, *, float_ba: bool = False, v_fmt: Format | None = None, **widths: int):
     shape = replace(SHAPES[name], n_layers=LAYERS, **widths)
     formats = tensor_formats(shape, "q4_k_m")
     if float_ba:  # the gates' projection kept in F32, as the converter writes it before quantizing
         formats |= {n: Format.F32 for n in formats if n.endswith("ssm_ba.weight")}
+    if v_fmt is not None:  # the value rows of a `use_more_bits` layer (four layers have none of those)
+        formats |= {n: v_fmt for n in formats if n.endswith("attn_v.weight")}
     tensors = {n: Stub(dims, formats[n]) for n, dims in tensor_shapes(shape).items()}
     cfg = config_of(model_metadata(shape, name, 0) | {"general.architecture": shape.arch}, tensors)
     form = Form.DECODE if rows == 1 else Form.PREFILL
@@ -248,3 +250,35 @@ def test_a_gate_read_elsewhere_keeps_the_gating_apart(name):
     assert name in facts.writes(apart)
     assert sum(e.rule == "gates_in_step" for e in plan.fired) == LAYERS - 2
     assert any(u.rule == "gates_in_step" and f"{name} is also read by" in u.reason for u in plan.unmatched)
+
+
+def test_the_q4_k_m_recipes_two_formats_share_each_layers_gemv_in_parts():
+    # llama.cpp's Q4_K_M: a delta-rule layer's q/k/v rows Q5_K beside its gate's and gates' Q4_K, a full-attention
+    # layer's value rows Q6_K on its `use_more_bits` layers: each layer's products of its input are one int8 GEMV
+    # in parts of two formats, and every layer keeps the budget of 7
+    from tests.lanes.test_launch_budget import LAUNCH_BUDGET
+
+    g = graph("qwen3-next-80b-a3b", 1, v_fmt=Format.Q6_K)
+    plan = optimize(g, CudaShim())
+    merged = [op for op in plan.ops if class_of(op) is C.MERGED_QKV]
+    assert len(merged) == LAYERS
+    for op in merged:
+        weights = {g.tensors[w].storage.format for w in op.ins if w.endswith("weight")}
+        assert weights in ({Format.Q5_K, Format.Q4_K}, {Format.Q4_K, Format.Q6_K}), op.out
+    assert not [op for op in plan.ops if class_of(op) is C.ROW_WRITE]  # the value rows land from the GEMV
+    # a layer's launches: from its GEMV in parts to the next one's (its down launch norms the next layer's input)
+    # (the last, a full-attention layer, to the output head's product)
+    starts = [plan.ops.index(op) for op in merged]
+    ends = [*starts[1:], next(i for i, op in enumerate(plan.ops) if op.out == qwen.LOGITS)]
+    for a, b in zip(starts, ends, strict=True):
+        assert sum(launches_of(op) for op in plan.ops[a:b]) == LAUNCH_BUDGET, plan.ops[a].out
+
+
+def test_two_formats_do_not_share_a_gemv_that_reads_f32():
+    # the f32 GEMVs (activations=dequant) decode one format a launch: the value rows keep their own
+    g = graph("qwen3-next-80b-a3b", 1, v_fmt=Format.Q6_K)
+    plan = optimize(g, CudaShim(CudaKnobs.parse(["activations=dequant"])))
+    (value,) = [op for op in plan.ops if class_of(op) is C.ROW_WRITE and "attn_v" in op.ins[1]]
+    for op in plan.ops:
+        if class_of(op) is C.MERGED_QKV:
+            assert len({g.tensors[w].storage.format for w in op.ins if w.endswith("weight")}) == 1, op.out

@@ -290,6 +290,8 @@ def _recipe_format(shape: Shape, recipe: Recipe, name: str, row: int, ranks: lis
         chosen = recipe.attn_v(rank, shape.n_layers, shape.n_heads // shape.n_kv_heads)
     elif kind == "attn_output":
         chosen = recipe.attn_output
+    elif kind == "attn_qkv":
+        chosen = recipe.attn_qkv
     elif kind in ("ffn_down", "ffn_down_exps", "ffn_down_shexp"):
         chosen = recipe.ffn_down(rank, shape.n_layers)
     else:

@@ -230,6 +230,9 @@ INT8_GEMV_TILE_ROWS = {
     Format.Q5_1: 4, Format.IQ4_NL: 4, Format.IQ4_XS: 4, Format.Q3_K: 2, Format.Q2_K: 2,
 }  # fmt: skip
 INT8_GEMV_FORMATS = frozenset(INT8_GEMV_TILE_ROWS)
+# Formats one int8 GEMV launch in parts takes (a decode step's one row): each program's part is one format, so
+# the kernel holds a body for each; the first part's format sets the launch's tile.
+GEMV_PARTS_FORMATS = 2
 # ...its rows whole super-blocks of the format (a K format's or IQ4_XS's 256 values, the others' 32): the run
 # a program reads at a time.
 SUPER_BLOCK_FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q5_K, Format.IQ4_XS, Format.Q3_K, Format.Q2_K})

@@ -14,8 +14,8 @@ kernels size themselves by:
   result at a row a parameter names;
 - a product by checkpoint rows reads its activation quantized under the lane's quantized numerics (one int8
   word a value, or two), and a producer quantizes in its epilogue under `fuse_quant` where its kernel can;
-- several products of one activation are one launch in parts: at most four, one format, in the GEMV one
-  number of rows a warp (the GEMM in parts on the tensor cores is specified but has no kernel yet).
+- several products of one activation are one launch in parts: at most four, one format (two in a step's int8
+  GEMV), in the GEMV one number of rows a warp (the GEMM in parts on the tensor cores has no kernel yet).
 
 A class is native only where the lane has the kernel that runs it in one launch (`launch.BINDERS`); the
 specified classes it has no kernel for yet run as their parts (`NO_KERNEL_CLASSES`). The lane's own rules
@@ -55,6 +55,7 @@ from fuselane.lanes.cuda.plan.knobs import (
     CudaKnobs,
     DeltaProducts,
     PrefillWeights,
+    RopeEpilogue,
     StatePrecision,
 )
 from fuselane.lanes.cuda.plan.rules import (
@@ -511,9 +512,9 @@ class CudaShim:
 
     def gemv_in_parts(self, members: Sequence[Op], g: TensorGraph) -> bool:
         """Whether every member of a GEMV in parts is one the GEMV takes together: at most four, one
-        activation, one format. Any widths: the int8 GEMV's and the fast GEMV's tiles are their format's, and
-        the GEMV by rows takes its narrowest part's tile (one row a warp where any part's is), so a wide query
-        and a narrow key and value share a launch."""
+        activation, one format (two in the one-row int8 GEMV: `_formats_mix`). Any widths: the int8 GEMV's and
+        the fast GEMV's tiles are their format's, and the GEMV by rows takes its narrowest part's tile (one row
+        a warp where any part's is), so a wide query and a narrow key and value share a launch."""
         products = [self.part_product(m, g) for m in members]
         if not products or any(p is None for p in products):
             return False
@@ -523,14 +524,30 @@ class CudaShim:
             len(products) <= kernels.GEMM_PARTS
             and self.turned_alike(members)
             and all(
-                self.gemv_mergeable(p)
-                and self.gemv_takes(p, g)
-                and p.weights == first.weights
-                and (p.x, p.k, p.m) == (first.x, first.k, first.m)
+                self.gemv_mergeable(p) and self.gemv_takes(p, g) and (p.x, p.k, p.m) == (first.x, first.k, first.m)
                 for p in products
                 if p is not None
             )
+            and self._formats_mix(members, products, g)  # type: ignore[arg-type]
         )
+
+    def _formats_mix(self, members: Sequence[Op], products: Sequence[GemvForm], g: TensorGraph) -> bool:
+        """Whether a GEMV in parts takes its members' weights: one storage, or in the one-row int8 GEMV rows of
+        `kernels.GEMV_PARTS_FORMATS` formats (Q4_K_M's Q6_K attn_v, Qwen3-Next's Q5_K attn_qkv), except where
+        the second would cost the query and key their turn in the epilogue (`rope_epilogue=auto`)."""
+        first = products[0].weights
+        if all(p.weights == first for p in products):
+            return True
+        if not all(isinstance(p.weights, Rows) and p.m == 1 and self.reads_int8(p, g) for p in products):
+            return False
+        if len({p.weights for p in products}) > kernels.GEMV_PARTS_FORMATS:
+            return False
+        knobs = self.knobs
+        if knobs.rope_epilogue is not RopeEpilogue.AUTO or not knobs.norm_launch:
+            return True
+        turns = [class_of(m) is C.QKV_HEAD_EPILOGUE for m in members]
+        alike = [t for t, p in zip(turns, products, strict=True) if p.weights == first]
+        return not any(turns) or not all(alike)
 
     def pairs_on_cublas(self, g: TensorGraph) -> bool:
         """Whether a prefill chunk's gated pair runs whole on cuBLAS (the `prefill` knob's f16 copies or

@@ -219,7 +219,12 @@ def merged(op: Op, b: Any):
     if turned and b.paged is not None and spec.m != 1:
         raise PlanMismatch(f"{op.out}: a batch's rows past one turn in their own launch")
     x, fmt = b.bufs[first.ins[0]], b.raw[first.ins[1]][1]
+    fmts = [b.raw[leaves(parts(m)[0] if k in turned else m)[0].ins[1]][1] for k, m in enumerate(members)]
     q8 = q8_in(first.ins[0], fmt, spec.m, spec.k, b, *(p[2] for p in products))
+    if len(set(fmts)) > 1:  # two formats: the one-row int8 GEMV's parts only (`CudaShim.gemv_in_parts`)
+        if q8 is None or spec.m != 1 or not all(q8[0].supports(f, 1, spec.k) for f in fmts):
+            raise PlanMismatch(f"{op.out}: products of two formats in parts run in the one-row int8 GEMV only")
+        fmt = fmts
     if turned:
         return [_turned_in_gemv(turned, members, products, q8[1] if q8 is not None else x, q8 is not None, fmt, b)]
     if q8 is not None:
@@ -231,7 +236,7 @@ def merged(op: Op, b: Any):
     return [lambda: gemv.gemv_parts(x, products, fmt)]
 
 
-def _turned_in_gemv(turned: list[int], members, products: list, acts: Any, int8: bool, fmt: Format, b: Any):
+def _turned_in_gemv(turned: list[int], members, products: list, acts: Any, int8: bool, fmt: Format | list, b: Any):
     """The GEMV in parts that turns a query's and a key's heads in its epilogue: the int8 one (`q8_rope`) where
     `acts` is the activation's int8 form (`int8`), else the f32 one (`f32_rope`, a step's one row). The query lands in a
     buffer of its own, the key where its rotation writes it (its cache row)."""

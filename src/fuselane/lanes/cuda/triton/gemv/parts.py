@@ -8,7 +8,8 @@ took 27 scalars. Triton flattens a tuple argument in order, so the kernel's para
 specialization and the code are what they were; an item is read with a constant index (`parts.items[1].out`).
 
 Host side: `Part` (what a caller asks for), the checks, `parts_args` (the one-row GEMVs' arguments) and
-`pack_parts`. Device side: `part_rows` (this program's part and rows), `store_parts` (its epilogue), `pick`.
+`pack_parts`. Device side: `part_rows` (this program's part and rows; `part_base` and `row_pointers` where the
+parts' rows differ in size), `store_parts` (its epilogue), `pick`.
 """
 
 from __future__ import annotations
@@ -138,16 +139,29 @@ def first_tile(part, parts):
 
 
 @triton.jit
-def part_rows(parts, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
+def part_base(parts, BLOCK_N: tl.constexpr):
     """A launch in parts (`parts`: a `PartsArgs`): this program's part (part p owns tiles [t_p, t_{p+1}), an
-    absent one NO_TILE), its rows, the part's n, and the rows' weight pointers (rows past n read its last
-    row: no masked weight loads; the store drops them)."""
+    absent one NO_TILE), its rows, the part's n, and the part's weights (its first row)."""
     pid = tl.program_id(0)
     t, p = parts.first, parts.items
     part = (pid >= t[0]).to(tl.int32) + (pid >= t[1]).to(tl.int32) + (pid >= t[2]).to(tl.int32)
     w, n = pick(part, p[0].w, p[1].w, p[2].w, p[3].w), pick(part, p[0].n, p[1].n, p[2].n, p[3].n)
     rows = (pid - first_tile(part, parts)) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return part, rows, n, w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    return part, rows, n, w
+
+
+@triton.jit
+def row_pointers(w, rows, n, ROW_BYTES: tl.constexpr):
+    """The rows' weight pointers from a part's first row (rows past n read its last row: no masked weight
+    loads; the store drops them)."""
+    return w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+
+
+@triton.jit
+def part_rows(parts, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`part_base` with the rows' weight pointers (`row_pointers`) in place of the part's first row."""
+    part, rows, n, w = part_base(parts, BLOCK_N)
+    return part, rows, n, row_pointers(w, rows, n, ROW_BYTES)
 
 
 @triton.jit
@@ -174,17 +188,28 @@ def out_args(part: Part) -> tuple[Tensor, int, Tensor | None]:
     return part_out(part, 1)
 
 
-def parts_args(parts: Sequence[Part | tuple], fmt: Format, k: int, block_n: int, stand_in: Tensor,
-               residual: Tensor | None) -> tuple[list, dict, int]:  # fmt: skip
+def part_formats(fmt: Format | Sequence[Format], count: int) -> list[Format]:
+    """Each of `count` parts' format: `fmt` for all, or one a part."""
+    if isinstance(fmt, Sequence):
+        if len(fmt) != count:
+            raise ValueError(f"{len(fmt)} formats for {count} parts")
+        return [Format(f) for f in fmt]
+    return [Format(fmt)] * count
+
+
+def parts_args(parts: Sequence[Part | tuple], fmt: Format | Sequence[Format], k: int, block_n: int,
+               stand_in: Tensor, residual: Tensor | None) -> tuple[list, dict, int]:  # fmt: skip
     """A one-row launch in parts' arguments after its activation: its `PartsArgs` and the residual; its
-    flags; and its programs. `stand_in` (any device tensor) stands in for an absent pointer, never read."""
+    flags; and its programs. `fmt`: the parts' format, or each part's (`part_formats`). `stand_in` (any
+    device tensor) stands in for an absent pointer, never read."""
     parts = [Part(*p) for p in parts]
     if not 1 <= len(parts) <= PARTS_MOST:
         raise ValueError(f"a launch in parts takes 1..{PARTS_MOST} parts, not {len(parts)}")
+    fmts = part_formats(fmt, len(parts))
     entries: list[PartArgs] = []
     bias_bits = row_bits = 0
     for i, p in enumerate(parts):
-        check_rows(p.w, fmt, p.n, k)
+        check_rows(p.w, fmts[i], p.n, k)
         out, pitch, pos = out_args(p)
         bias_bits |= (p.bias is not None) << i
         row_bits |= (pos is not None) << i

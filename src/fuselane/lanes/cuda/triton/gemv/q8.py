@@ -33,6 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselane.gguf.formats import QK, QK_K, Format
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import fast, q8_bodies
@@ -77,7 +78,16 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     q6_k_d,
     q8_0_d,
 )
-from fuselane.lanes.cuda.triton.gemv.parts import Part, check_glu_out, check_rows, part_rows, parts_args, store_parts
+from fuselane.lanes.cuda.triton.gemv.parts import (
+    Part,
+    check_glu_out,
+    check_rows,
+    part_base,
+    part_formats,
+    parts_args,
+    row_pointers,
+    store_parts,
+)
 from fuselane.lanes.cuda.triton.gemv.q8_bodies import DWORD_BYTES
 from fuselane.lanes.cuda.triton.gemv.q8_tiles import tile_of
 from fuselane.lanes.cuda.triton.gemv.weight_loads import PINNED, fence
@@ -468,12 +478,23 @@ def parts_product(
     xq, xd, xs, parts, res,
     FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     FENCE: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
-    DEPTH: tl.constexpr, PDL: tl.constexpr,
+    DEPTH: tl.constexpr, PDL: tl.constexpr, SECOND: tl.constexpr, FMT_B: tl.constexpr, N_UNITS_B: tl.constexpr,
+    CHUNK_B: tl.constexpr, ROW_BYTES_B: tl.constexpr,
 ):  # fmt: skip
-    """A launch in parts' program: its part's rows summed and stored with the part's epilogue. Returns the
-    part, for an epilogue of the kernel's own after it (`q8_rope`)."""
-    part, rows, n, w_rows = part_rows(parts, ROW_BYTES, BLOCK_N)
-    y, _ = row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, PDL)
+    """A launch in parts' program: its part's rows summed and stored with the part's epilogue. SECOND holds a
+    bit for each part in the second format (FMT_B, its units, chunk and row bytes), 0 where every part is in
+    FMT: a program's part is one format, so it takes one body, whole. Returns the part, for an epilogue of
+    the kernel's own after it (`q8_rope`)."""
+    part, rows, n, w = part_base(parts, BLOCK_N)
+    if SECOND == 0:
+        w_rows = row_pointers(w, rows, n, ROW_BYTES)
+        y, _ = row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, PDL)
+    elif ((tl.full((), SECOND, tl.int32) >> part) & 1) != 0:
+        w_rows = row_pointers(w, rows, n, ROW_BYTES_B)
+        y, _ = row_dots(w_rows, w_rows, xq, xd, xs, FMT_B, BLOCK_N, N_UNITS_B, CHUNK_B, FENCE, False, DEPTH, PDL)
+    else:
+        w_rows = row_pointers(w, rows, n, ROW_BYTES)
+        y, _ = row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, PDL)
     store_parts(y, rows, part, n, parts, res, PARTS, BIAS, AT_ROW, HAS_RES)
     return part
 
@@ -483,11 +504,13 @@ def _parts_kernel(
     xq, xd, xs, parts, res,
     FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     FENCE: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
-    DEPTH: tl.constexpr, PDL: tl.constexpr,
+    DEPTH: tl.constexpr, PDL: tl.constexpr, SECOND: tl.constexpr, FMT_B: tl.constexpr, N_UNITS_B: tl.constexpr,
+    CHUNK_B: tl.constexpr, ROW_BYTES_B: tl.constexpr,
 ):  # fmt: skip
     pdl.release(PDL)
     parts_product(
-        xq, xd, xs, parts, res, FMT, N_UNITS, CHUNK, ROW_BYTES, BLOCK_N, FENCE, PARTS, BIAS, AT_ROW, HAS_RES, DEPTH, PDL
+        xq, xd, xs, parts, res, FMT, N_UNITS, CHUNK, ROW_BYTES, BLOCK_N, FENCE, PARTS, BIAS, AT_ROW, HAS_RES, DEPTH,
+        PDL, SECOND, FMT_B, N_UNITS_B, CHUNK_B, ROW_BYTES_B,
     )  # fmt: skip
 
 
@@ -541,33 +564,63 @@ def tile_plan(
     for name, v in (("block_n", block_n), ("warps", warps), ("per_thread", per_thread)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two, not {v}")
-    n_units = k // unit
-    chunk = min(max(1, warps * LANES * per_thread // (block_n * GROUPS[fmt])), triton.next_power_of_2(n_units))
-    consts = dict(FMT=int(fmt), N_UNITS=n_units, CHUNK=chunk, ROW_BYTES=stored_row_bytes(fmt, k), BLOCK_N=block_n)
+    consts = dict(FMT=int(fmt), N_UNITS=k // unit, CHUNK=_chunk(fmt, k, block_n, warps, per_thread))
+    consts |= {"ROW_BYTES": stored_row_bytes(fmt, k), "BLOCK_N": block_n}
     return consts | {"FENCE": fence(fast.PREFETCH_FENCE), "num_warps": warps, "DEPTH": PREFETCH_DEPTH}
 
 
-def gemv_q8_parts(x: Q8Acts, parts: Sequence[Part | tuple], fmt: Format, *, residual: Tensor | None = None,
-                  block_n: int | None = None, warps: int | None = None,
+def _chunk(fmt: Format, k: int, block_n: int, warps: int, per_thread: int) -> int:
+    """Units a chunk: as many as give each thread `per_thread` (row, group)s, at most the row's units rounded
+    up to a power of two."""
+    units = k // UNIT_VALUES[fmt]
+    return min(max(1, warps * LANES * per_thread // (block_n * GROUPS[fmt])), triton.next_power_of_2(units))
+
+
+def gemv_q8_parts(x: Q8Acts, parts: Sequence[Part | tuple], fmt: Format | Sequence[Format], *,
+                  residual: Tensor | None = None, block_n: int | None = None, warps: int | None = None,
                   per_thread: int | None = None) -> None:  # fmt: skip
-    """One launch of up to four products of one format reading the same quantized `x`; as
-    `gemv_fast.gemv_fast_parts` (bias, a row of a table at a device position, residual into part 0)."""
+    """One launch of up to four products reading the same quantized `x`; as `gemv_fast.gemv_fast_parts`
+    (bias, a row of a table at a device position, residual into part 0). `fmt`: the parts' format, or each
+    part's, of at most `kernels.GEMV_PARTS_FORMATS` (the first part's takes the launch's tile)."""
     plan, args, flags, tiles = parts_launch(x, parts, fmt, residual, block_n, warps, per_thread)
     _parts_kernel[(tiles,)](x.q, x.d, x.s, *args, **flags, **plan, **pdl.options())
 
 
 def parts_launch(
-    x: Q8Acts, parts: Sequence[Part | tuple], fmt: Format, residual: Tensor | None,
+    x: Q8Acts, parts: Sequence[Part | tuple], fmt: Format | Sequence[Format], residual: Tensor | None,
     block_n: int | None, warps: int | None, per_thread: int | None,
 ) -> tuple[dict, list, dict, int]:  # fmt: skip
-    """A launch in parts on `x`, checked: its tile's plan, its arguments after the activation, its flags and
-    its programs (`parts.parts_args`)."""
-    fmt = Format(fmt)
+    """A launch in parts on `x`, checked: its tile's plan (the first part's format's, with the second
+    format's constants: `second_format`), its arguments after the activation, its flags and its programs
+    (`parts.parts_args`)."""
+    fmts = part_formats(fmt, len(parts))
     k = x.q.shape[-1]
     check_acts(x, k)
-    check_aligned([Part(*p).w for p in parts], fmt)
-    plan = tile_plan(fmt, k, block_n, warps, per_thread, n=sum(Part(*p).n for p in parts))
-    return plan, *parts_args(parts, fmt, k, plan["BLOCK_N"], x.d, residual)
+    for p, f in zip(parts, fmts, strict=True):
+        check_aligned([Part(*p).w], f)
+    n = sum(Part(*p).n for p in parts)
+    plan = tile_plan(fmts[0], k, block_n, warps, per_thread, n=n)
+    plan |= second_format(fmts, k, plan, per_thread or tile_of(fmts[0], k, n)[2])
+    return plan, *parts_args(parts, fmts, k, plan["BLOCK_N"], x.d, residual)
+
+
+def second_format(fmts: Sequence[Format], k: int, plan: dict, per_thread: int) -> dict:
+    """The constants of a launch in parts' second format (SECOND: a bit for each part in it; 0, and the first
+    format's constants, where there is none): its chunk at the launch's tile, as `tile_plan` makes one."""
+    first = fmts[0]
+    formats = set(fmts)
+    if len(formats) > kernels.GEMV_PARTS_FORMATS:
+        raise ValueError(f"a launch in parts takes at most {kernels.GEMV_PARTS_FORMATS} formats, not {len(formats)}")
+    second = next((f for f in fmts if f is not first), first)
+    if second not in FORMATS:
+        raise ValueError(f"no int8 GEMV for {second.name}")
+    if k % UNIT_VALUES[second]:
+        raise ValueError(f"the int8 {second.name} GEMV takes rows of whole {UNIT_VALUES[second]}-value units")
+    block_n, warps = plan["BLOCK_N"], plan["num_warps"]
+    bits = sum(1 << i for i, f in enumerate(fmts) if f is not first)
+    consts = dict(SECOND=bits, FMT_B=int(second), N_UNITS_B=k // UNIT_VALUES[second])
+    consts |= {"CHUNK_B": _chunk(second, k, block_n, warps, per_thread), "ROW_BYTES_B": stored_row_bytes(second, k)}
+    return consts
 
 
 def gemv_q8(x: Q8Acts, w: Tensor, fmt: Format, n: int, k: int, out: Tensor, *, bias: Tensor | None = None,

@@ -36,10 +36,13 @@ def _parts_rope_kernel(
     FENCE: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
     DEPTH: tl.constexpr, Q_PART: tl.constexpr, K_PART: tl.constexpr, Q_HEADS: tl.constexpr, HD: tl.constexpr,
     HALF_P2: tl.constexpr, NORM: tl.constexpr, K_AT_POS: tl.constexpr, YARN: tl.constexpr, PDL: tl.constexpr,
+    SECOND: tl.constexpr, FMT_B: tl.constexpr, N_UNITS_B: tl.constexpr, CHUNK_B: tl.constexpr,
+    ROW_BYTES_B: tl.constexpr,
 ):  # fmt: skip
     pdl.release(PDL)
     part = parts_product(
-        xq, xd, xs, parts, res, FMT, N_UNITS, CHUNK, ROW_BYTES, BLOCK_N, FENCE, PARTS, BIAS, AT_ROW, HAS_RES, DEPTH, PDL
+        xq, xd, xs, parts, res, FMT, N_UNITS, CHUNK, ROW_BYTES, BLOCK_N, FENCE, PARTS, BIAS, AT_ROW, HAS_RES, DEPTH,
+        PDL, SECOND, FMT_B, N_UNITS_B, CHUNK_B, ROW_BYTES_B,
     )  # fmt: skip
     turn_heads(part, tl.program_id(0) - first_tile(part, parts), parts, q_out, k_out, k_pitch, q_w, k_w, pos,
                counters, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, BLOCK_N, Q_PART, K_PART, Q_HEADS, HD, HALF_P2,
@@ -47,7 +50,8 @@ def _parts_rope_kernel(
 
 
 def gemv_q8_parts_rope(
-    x: Q8Acts, parts: Sequence[Part | tuple], fmt: Format, q: Turn, k: Turn, pos: Tensor, counters: Tensor, *,
+    x: Q8Acts, parts: Sequence[Part | tuple], fmt: Format | Sequence[Format], q: Turn, k: Turn, pos: Tensor,
+    counters: Tensor, *,
     hd: int, base: float, eps: float = 0.0, block_n: int | None = None, warps: int | None = None,
     per_thread: int | None = None, yarn: Yarn | None = None,
 ) -> None:  # fmt: skip
@@ -55,7 +59,7 @@ def gemv_q8_parts_rope(
     their parts' outputs as before) are then turned in the epilogue as `rope.rope_q_k` turns them: normed
     where `norm_w` is given (both or neither), rotated to position pos[0], landing in `q.out` and in `k.out`
     (at row pos[0] where `cache_row_pitch` is given), by `yarn`'s stretched frequencies where given. `counters`
-    are `rope_counters(q.heads, k.heads)`'s."""
+    are `rope_counters(q.heads, k.heads)`'s. `fmt`: the parts' format or each part's, as `gemv_q8_parts`."""
     parts = [Part(*p) for p in parts]
     check_turns(parts, q, k, hd, counters)
     plan, args, flags, tiles = parts_launch(x, parts, fmt, None, block_n, warps, per_thread)
