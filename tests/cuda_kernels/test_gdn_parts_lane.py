@@ -138,6 +138,16 @@ REAL = replace(SHAPES["qwen3-next-80b-a3b"], n_layers=4, vocab=512, experts=16)
 DECODES = 4  # the third decode step is captured as a CUDA graph, the fourth replayed
 
 
+def _captured_steps_as_the_cpu_lane(gpu, path) -> None:
+    """The prompt's and DECODES steps' logits of `gpu` within its contract of the cpu lane's in f64 on `path`."""
+    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
+    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
+    sg, sr = gpu.session(), ref.session()
+    pairs = [(sg.feed(PROMPT), sr.feed(PROMPT))] + [(sg.extend([t]), sr.extend([t])) for t in range(11, 11 + DECODES)]
+    for i, (a, b) in enumerate(pairs):
+        assert rel(a, b) <= tol, f"step {i}: {rel(a, b):.2e} > {tol:.2e}"
+
+
 @pytest.mark.cuda
 @pytest.mark.xdist_group("qwen3next-f16")  # one worker compiles the F16 kernels once for both states
 @pytest.mark.parametrize("state", ["f32", "bf16"])
@@ -149,12 +159,7 @@ def test_the_real_shape_in_f16_takes_the_gates_projection_in_the_graph(tmp_path,
     path = write_synthetic(tmp_path / "m.gguf", REAL, "f16", seed=6)
     gpu = load(path, lane="cuda", ctx=32, knobs=[f"state={state}"])
     assert C.GDN_GATE_PROJECTIONS in {class_of(op) for op, _ in gpu.lane.step(1).bound}
-    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
-    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
-    sg, sr = gpu.session(), ref.session()
-    pairs = [(sg.feed(PROMPT), sr.feed(PROMPT))] + [(sg.extend([t]), sr.extend([t])) for t in range(11, 11 + DECODES)]
-    for i, (a, b) in enumerate(pairs):
-        assert rel(a, b) <= tol, f"step {i}: {rel(a, b):.2e} > {tol:.2e}"
+    _captured_steps_as_the_cpu_lane(gpu, path)
 
 
 @pytest.mark.cuda
@@ -174,9 +179,4 @@ def test_the_real_shape_in_q4_k_m_runs_two_formats_in_each_gemv_in_parts(tmp_pat
     gpu = load(path, lane="cuda", ctx=32)
     bound = [class_of(op) for op, _ in gpu.lane.step(1).bound]
     assert bound.count(C.MERGED_QKV) == REAL.n_layers and C.ROW_WRITE not in bound
-    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
-    tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
-    sg, sr = gpu.session(), ref.session()
-    pairs = [(sg.feed(PROMPT), sr.feed(PROMPT))] + [(sg.extend([t]), sr.extend([t])) for t in range(11, 11 + DECODES)]
-    for i, (a, b) in enumerate(pairs):
-        assert rel(a, b) <= tol, f"step {i}: {rel(a, b):.2e} > {tol:.2e}"
+    _captured_steps_as_the_cpu_lane(gpu, path)
