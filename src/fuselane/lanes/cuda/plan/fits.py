@@ -12,11 +12,9 @@ times the up product; a row a parameter names is a `RowAt` whose `sel` is the pa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Sequence
 
 from fuselane.fuse.views import (
-    GemvForm,
     class_of,
     embedded_norm,
     gemv,
@@ -28,7 +26,7 @@ from fuselane.fuse.views import (
     unit_output,
 )
 from fuselane.graph.classes import ClassId as C
-from fuselane.graph.ir import Fused, Op, QuantFormat, Rows, Strided, TensorGraph
+from fuselane.graph.ir import Fused, Op, Rows, Strided, TensorGraph
 from fuselane.graph.ops import (
     Attention,
     Elementwise,
@@ -47,8 +45,9 @@ from fuselane.graph.ops import (
 )
 from fuselane.lanes.cuda.plan import attn_kernels, kernels
 from fuselane.lanes.cuda.plan import fits_recurrent as recurrent
-from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
-from fuselane.numerics.contract import Scheme, holds_accumulator
+from fuselane.lanes.cuda.plan.knobs import Activations
+from fuselane.lanes.cuda.plan.shim_view import Check, CudaShim
+from fuselane.numerics.contract import holds_accumulator
 
 GEMV_PARTS = "gemv_parts"  # the lane rule's name, which `--hold` takes
 ROWS_A_WARP = "rows_a_warp"  # the held name that runs every product a row a warp
@@ -59,51 +58,6 @@ TABLE_ROTATIONS_APART = "the fused rotations turn NEOX pairs: DeepSeek's pairs t
 NEOX_ROTATIONS = frozenset(
     {C.QK_NORM_ROPE, C.QK_NORM_ROPE_KV_APPEND, C.ROPE_KV_APPEND, C.QKV_HEAD_EPILOGUE, C.ROPE_QK_ONE_LAUNCH}
 )
-
-
-class CudaShim(Protocol):
-    """What the checks read of the cuda shim (`shim.CudaShim`, which calls `fits`): its knobs, what it holds,
-    its numerics and its answers about products. A protocol, so this module does not import the shim back."""
-
-    knobs: CudaKnobs
-    held: tuple[str, ...]
-
-    @property
-    def accumulator_bits(self) -> int: ...
-
-    @property
-    def scheme(self) -> Scheme | None: ...
-
-    @property
-    def activation_format(self) -> QuantFormat | None: ...
-
-    @staticmethod
-    def int8_gemv(p: GemvForm) -> bool: ...
-
-    def fits(self, op: Op, g: TensorGraph) -> str | None: ...
-
-    def activation(self, consumer: Op, operand: int, g: TensorGraph) -> QuantFormat | None: ...
-
-    def quantizes_in_epilogue(self, producer: Op, g: TensorGraph) -> bool: ...
-
-    def per_warp(self, p: GemvForm) -> int: ...
-
-    def part_product(self, op: Op, g: TensorGraph) -> GemvForm | None: ...
-
-    def rows_product(self, op: Op, g: TensorGraph) -> GemvForm | None: ...
-
-    def gemv_mergeable(self, p: GemvForm) -> bool: ...
-
-    def gemv_in_parts(self, members: Sequence[Op], g: TensorGraph) -> bool: ...
-
-    def gemm_parts(self, members: Sequence[Op], g: TensorGraph) -> bool: ...
-
-    def pairs_on_cublas(self, g: TensorGraph) -> bool: ...
-
-    def moe_down_launch(self, op: Op, g: TensorGraph) -> tuple[int, int] | None: ...
-
-
-Check = Callable[[CudaShim, Op, Sequence[Op], TensorGraph], "str | None"]
 
 
 def fits(shim: CudaShim, op: Op, g: TensorGraph) -> str | None:

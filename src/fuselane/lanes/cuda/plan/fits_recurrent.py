@@ -8,16 +8,13 @@ protocol and their thresholds from the kernel facts (`kernels`, `moe_kernels`, `
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from fuselane.fuse.views import GemvForm, conv, gemv, leaves, moe
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Op, Rows, TensorGraph, Values
 from fuselane.graph.ops import CausalConv, Elementwise, ElementwiseOp, ExpertMatmul, L2Norm, MoeAct, Unary, UnaryOp
 from fuselane.lanes.cuda.plan import gdn, kernels, moe_kernels
-
-if TYPE_CHECKING:
-    from fuselane.lanes.cuda.plan.fits import CudaShim
+from fuselane.lanes.cuda.plan.shim_view import CudaShim
 
 SHARED_APART = (
     "a shared expert runs in launches of its own (knob shared_fold=off): five launches more a layer where it is gated, "

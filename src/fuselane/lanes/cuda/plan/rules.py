@@ -37,8 +37,9 @@ from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import WHOLE, Access, Dst, Fused, Op, QuantFormat, QuantizedActs, Rows, TensorGraph
 from fuselane.graph.ops import Quantize
 from fuselane.lanes.cuda.plan import attn_kernels, gdn, kernels
-from fuselane.lanes.cuda.plan.fits import GEMV_PARTS, CudaShim
+from fuselane.lanes.cuda.plan.fits import GEMV_PARTS
 from fuselane.lanes.cuda.plan.knobs import RopeEpilogue
+from fuselane.lanes.cuda.plan.shim_view import CudaShim
 
 ROPE_EPILOGUE = "rope_epilogue"
 PRODUCTS_APART = "products_apart"

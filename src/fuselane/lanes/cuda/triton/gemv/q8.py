@@ -411,8 +411,8 @@ def _parts_kernel(
     xq, xd, xs, parts, res,
     FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     FENCE: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
-    DEPTH: tl.constexpr, PDL: tl.constexpr, SECOND: tl.constexpr, FMT_B: tl.constexpr, N_UNITS_B: tl.constexpr,
-    CHUNK_B: tl.constexpr, ROW_BYTES_B: tl.constexpr,
+    DEPTH: tl.constexpr, SECOND: tl.constexpr, FMT_B: tl.constexpr, N_UNITS_B: tl.constexpr, CHUNK_B: tl.constexpr,
+    ROW_BYTES_B: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.release(PDL)
     parts_product(

@@ -35,9 +35,8 @@ def _parts_rope_kernel(
     FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     FENCE: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
     DEPTH: tl.constexpr, Q_PART: tl.constexpr, K_PART: tl.constexpr, Q_HEADS: tl.constexpr, HD: tl.constexpr,
-    HALF_P2: tl.constexpr, NORM: tl.constexpr, K_AT_POS: tl.constexpr, YARN: tl.constexpr, PDL: tl.constexpr,
-    SECOND: tl.constexpr, FMT_B: tl.constexpr, N_UNITS_B: tl.constexpr, CHUNK_B: tl.constexpr,
-    ROW_BYTES_B: tl.constexpr,
+    HALF_P2: tl.constexpr, NORM: tl.constexpr, K_AT_POS: tl.constexpr, YARN: tl.constexpr, SECOND: tl.constexpr,
+    FMT_B: tl.constexpr, N_UNITS_B: tl.constexpr, CHUNK_B: tl.constexpr, ROW_BYTES_B: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.release(PDL)
     part = parts_product(
