@@ -177,10 +177,10 @@ def test_parts_of_two_formats(first: Format, second: Format) -> None:
     check(out2, refs[2][0], gamma(k + ROUNDINGS) * refs[2][1])
 
 
-# Qwen3-Next-80B-A3B's two-format launches in its Q4_K_M recipe (compiled): a delta-rule layer's Q5_K q/k/v rows
+# Qwen3-Next-80B-A3B's two-format launches in its Q4_K_M recipe (compiled): a delta-rule layer's Q6_K q/k/v rows
 # beside its Q4_K gate and gates, a full-attention layer's Q4_K query/gate and key beside its Q6_K value rows
 REAL_TWO_FORMATS = {
-    "delta-rule": ((Format.Q5_K, 8192), (Format.Q4_K, 4096), (Format.Q4_K, 64)),
+    "delta-rule": ((Format.Q6_K, 8192), (Format.Q4_K, 4096), (Format.Q4_K, 64)),
     "full-attention": ((Format.Q4_K, 8192), (Format.Q4_K, 512), (Format.Q6_K, 512)),
 }
 

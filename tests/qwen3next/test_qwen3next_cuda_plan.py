@@ -253,18 +253,20 @@ def test_a_gate_read_elsewhere_keeps_the_gating_apart(name):
 
 
 def test_the_q4_k_m_recipes_two_formats_share_each_layers_gemv_in_parts():
-    # llama.cpp's Q4_K_M: a delta-rule layer's q/k/v rows Q5_K beside its gate's and gates' Q4_K, a full-attention
-    # layer's value rows Q6_K on its `use_more_bits` layers: each layer's products of its input are one int8 GEMV
-    # in parts of two formats, and every layer keeps the budget of 7
+    # llama.cpp's Q4_K_M gives every attn_v-like matrix Q6_K on its `use_more_bits` layers: a delta-rule layer's
+    # fused q/k/v rows beside its Q4_K gate and gates (layer 2 of 4), a full-attention layer's value rows beside
+    # its Q4_K query/gate and key (layer 3). Each layer's products of its input are one int8 GEMV in parts, of two
+    # formats where they differ, and every layer keeps the budget of 7
     from tests.lanes.test_launch_budget import LAUNCH_BUDGET
 
-    g = graph("qwen3-next-80b-a3b", 1, v_fmt=Format.Q6_K)
+    g = graph("qwen3-next-80b-a3b", 1)
+    assert g.tensors["blk.2.attn_qkv.weight"].storage.format is Format.Q6_K
+    assert g.tensors["blk.3.attn_v.weight"].storage.format is Format.Q6_K
     plan = optimize(g, CudaShim())
     merged = [op for op in plan.ops if class_of(op) is C.MERGED_QKV]
     assert len(merged) == LAYERS
-    for op in merged:
-        weights = {g.tensors[w].storage.format for w in op.ins if w.endswith("weight")}
-        assert weights in ({Format.Q5_K, Format.Q4_K}, {Format.Q4_K, Format.Q6_K}), op.out
+    mixes = [{g.tensors[w].storage.format for w in op.ins if w.endswith("weight")} for op in merged]
+    assert mixes == [{Format.Q4_K}, {Format.Q4_K}, {Format.Q4_K, Format.Q6_K}, {Format.Q4_K, Format.Q6_K}]
     assert not [op for op in plan.ops if class_of(op) is C.ROW_WRITE]  # the value rows land from the GEMV
     # a layer's launches: from its GEMV in parts to the next one's (its down launch norms the next layer's input)
     # (the last, a full-attention layer, to the output head's product)

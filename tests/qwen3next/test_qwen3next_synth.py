@@ -31,8 +31,10 @@ def test_the_real_shape_is_qwen3_next_80b_a3b():
 def test_its_q4_k_m_mix_keeps_the_convolution_and_routers_in_f32():
     formats = tensor_formats(REAL, "q4_k_m")
     assert formats["blk.0.ssm_conv1d.weight"] is Format.F32 and formats["blk.0.ffn_gate_inp.weight"] is Format.F32
-    # llama.cpp's Q4_K_M takes a fused q/k/v matrix one K format up; the gate and the others stay Q4_K
-    assert formats["blk.0.attn_qkv.weight"] is Format.Q5_K and formats["blk.0.attn_gate.weight"] is Format.Q4_K
+    # llama.cpp's attn_v rules take the fused q/k/v matrix too: Q6_K on the `use_more_bits` layers (0, not 6) of
+    # the 48 attn_v-like matrices, each layer's one; the gate and the others stay Q4_K
+    assert formats["blk.0.attn_qkv.weight"] is Format.Q6_K and formats["blk.6.attn_qkv.weight"] is Format.Q4_K
+    assert formats["blk.0.attn_gate.weight"] is Format.Q4_K
     size = sum(tensor_bytes(formats[n], d) for n, d in tensor_shapes(REAL).items())
     assert 48e9 < size < 49e9  # 48.4 GB
 

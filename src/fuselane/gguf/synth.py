@@ -286,12 +286,12 @@ def _recipe_format(shape: Shape, recipe: Recipe, name: str, row: int, ranks: lis
     if parts[0] != "blk":
         return recipe.base
     rank, kind = ranks[int(parts[1])], parts[2]
-    if kind == "attn_v":
+    # llama.cpp's attn_v rules take every "attn_v-like" matrix (`category_is_attn_v`: a fused q/k/v one too,
+    # Qwen3-Next's delta-rule layers'), counted over all of them: a layer holds one, so its rank
+    if kind in ("attn_v", "attn_qkv"):
         chosen = recipe.attn_v(rank, shape.n_layers, shape.n_heads // shape.n_kv_heads)
     elif kind == "attn_output":
         chosen = recipe.attn_output
-    elif kind == "attn_qkv":
-        chosen = recipe.attn_qkv
     elif kind in ("ffn_down", "ffn_down_exps", "ffn_down_shexp"):
         chosen = recipe.ffn_down(rank, shape.n_layers)
     else:

@@ -136,7 +136,6 @@ class Recipe:
     attn_v: Callable[[int, int, int], Format | None] = lambda r, n, gqa: None
     attn_output: Format | None = None
     ffn_down: Callable[[int, int], Format | None] = lambda r, n: None
-    attn_qkv: Format | None = None  # a fused q/k/v matrix's (Qwen3-Next's gated delta-rule layers')
 
 
 def _more_bits(fmt: Format) -> Callable[..., Format | None]:
@@ -149,16 +148,9 @@ def _more_bits(fmt: Format) -> Callable[..., Format | None]:
 RECIPES: dict[Mix, Recipe] = {
     Mix.Q8_0: Recipe(Format.Q8_0),
     Mix.Q6_K: Recipe(Format.Q6_K),
-    # Q5_K_M / Q4_K_M: a fused q/k/v matrix one K format up (llama.cpp's ATTENTION_QKV category)
-    Mix.Q5_K_M: Recipe(
-        Format.Q5_K, attn_v=_more_bits(Format.Q6_K), ffn_down=_more_bits(Format.Q6_K), attn_qkv=Format.Q6_K
-    ),
-    Mix.Q4_K_M: Recipe(
-        Format.Q4_K, attn_v=_more_bits(Format.Q6_K), ffn_down=_more_bits(Format.Q6_K), attn_qkv=Format.Q5_K
-    ),
-    Mix.Q4_K_M_05B: Recipe(
-        Format.Q4_K, attn_v=_more_bits(Format.Q6_K), ffn_down=_more_bits(Format.Q6_K), attn_qkv=Format.Q5_K
-    ),
+    Mix.Q5_K_M: Recipe(Format.Q5_K, attn_v=_more_bits(Format.Q6_K), ffn_down=_more_bits(Format.Q6_K)),
+    Mix.Q4_K_M: Recipe(Format.Q4_K, attn_v=_more_bits(Format.Q6_K), ffn_down=_more_bits(Format.Q6_K)),
+    Mix.Q4_K_M_05B: Recipe(Format.Q4_K, attn_v=_more_bits(Format.Q6_K), ffn_down=_more_bits(Format.Q6_K)),
     Mix.Q5_0: Recipe(Format.Q5_0),
     Mix.Q4_0: Recipe(Format.Q4_0),
     # IQ4_XS: attn_v Q5_K where 4+ query heads share a kv head; ffn_down Q5_K on the first eighth of layers
@@ -168,13 +160,12 @@ RECIPES: dict[Mix, Recipe] = {
         ffn_down=lambda r, n: Format.Q5_K if r < n // 8 else None,
     ),
     # Q3_K_M: attn_v Q5_K on the first two layers, Q4_K after; attn_output Q4_K; ffn_down Q5_K on the first
-    # sixteenth, Q4_K after (llama.cpp keeps Q3_K there only for Falcon); a fused q/k/v matrix Q4_K
+    # sixteenth, Q4_K after (llama.cpp keeps Q3_K there only for Falcon)
     Mix.Q3_K_M: Recipe(
         Format.Q3_K,
         attn_v=lambda r, n, gqa: Format.Q5_K if r < 2 else Format.Q4_K,
         attn_output=Format.Q4_K,
         ffn_down=lambda r, n: Format.Q5_K if r < n // 16 else Format.Q4_K,
-        attn_qkv=Format.Q4_K,
     ),
     # Q2_K: attn_v Q4_K where 4+ query heads share a kv head, else Q3_K; attn_output and ffn_down Q3_K
     Mix.Q2_K: Recipe(

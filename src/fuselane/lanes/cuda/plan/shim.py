@@ -533,7 +533,7 @@ class CudaShim:
 
     def _formats_mix(self, members: Sequence[Op], products: Sequence[GemvForm], g: TensorGraph) -> bool:
         """Whether a GEMV in parts takes its members' weights: one storage, or in the one-row int8 GEMV rows of
-        `kernels.GEMV_PARTS_FORMATS` formats (Q4_K_M's Q6_K attn_v, Qwen3-Next's Q5_K attn_qkv), except where
+        `kernels.GEMV_PARTS_FORMATS` formats (Q4_K_M's Q6_K attn_v or Qwen3-Next attn_qkv), except where
         the second would cost the query and key their turn in the epilogue (`rope_epilogue=auto`)."""
         first = products[0].weights
         if all(p.weights == first for p in products):
