@@ -213,13 +213,14 @@ def merged(op: Op, b: Any):
     gemv = _rows_gemv()
     members = op.sym.parts  # type: ignore[union-attr]
     turned = [k for k, m in enumerate(members) if class_of(m) is C.QKV_HEAD_EPILOGUE]
-    products = [_part(parts(m)[0] if k in turned else m, b) for k, m in enumerate(members)]
+    bare = [parts(m)[0] if k in turned else m for k, m in enumerate(members)]  # each member's product
+    products = [_part(m, b) for m in bare]
     first = leaves(members[0])[0]
     spec: Matmul = first.sym  # type: ignore[assignment]
     if turned and b.paged is not None and spec.m != 1:
         raise PlanMismatch(f"{op.out}: a batch's rows past one turn in their own launch")
     x, fmt = b.bufs[first.ins[0]], b.raw[first.ins[1]][1]
-    fmts = [b.raw[leaves(parts(m)[0] if k in turned else m)[0].ins[1]][1] for k, m in enumerate(members)]
+    fmts = [b.raw[leaves(m)[0].ins[1]][1] for m in bare]
     q8 = q8_in(first.ins[0], fmt, spec.m, spec.k, b, *(p[2] for p in products))
     if len(set(fmts)) > 1:  # two formats: the one-row int8 GEMV's parts only (`CudaShim.gemv_in_parts`)
         if q8 is None or spec.m != 1 or not all(q8[0].supports(f, 1, spec.k) for f in fmts):

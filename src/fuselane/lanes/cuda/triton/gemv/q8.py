@@ -42,7 +42,6 @@ from fuselane.lanes.cuda.triton.gemv.fast import (
     LANES,
     PAIR,
     PAIR_RUNS,
-    Q6_RUNS,
     QUAD,
     q4_k_scales_of,
     q6_k_runs,
@@ -68,7 +67,7 @@ from fuselane.lanes.cuda.triton.gemv.parts import (
     row_pointers,
     store_parts,
 )
-from fuselane.lanes.cuda.triton.gemv.q8_raw import raw_chunk
+from fuselane.lanes.cuda.triton.gemv.q8_raw import GROUPS, GROUPS_C, HALF_QK_C, NEW_BODIES_C, raw_chunk
 from fuselane.lanes.cuda.triton.gemv.q8_tiles import tile_of
 from fuselane.lanes.cuda.triton.gemv.weight_loads import PINNED, fence
 from fuselane.lanes.cuda.triton.quant import CODES_ALIGN, Q8Acts, check_acts
@@ -80,14 +79,11 @@ FIFTH_BITS = const(0x10101010)  # bit 4 of each byte
 SPREAD = const((1 << 4) | (1 << 11) | (1 << 18) | (1 << 25))
 Q6_CRUMB_STEP, Q6_HIGH_CRUMB = const(2), const(4)  # Q6_K: crumbs of run r at bits 2 (r // 2) (low nibbles), + 4 (high)
 Q6_BIAS, Q5_BIAS = const(32.0), const(16.0)
-QK_C, QK_K_C, HALF_QK_C = const(QK), const(QK_K), const(QK // 2)
+QK_C, QK_K_C = const(QK), const(QK_K)
 WORD_VALUES = const(4)  # int8 codes a 32-bit word
 PINNED_C = const(PINNED)  # `FENCE`'s value under weight_loads=ahead
-# Each format's groups a unit (a thread's share of a chunk: see `chunk_acts`) and values a unit; `q8_bodies` holds
-# the formats after the first four
-GROUPS = {Format.Q4_K: K_RUNS.value, Format.Q6_K: Q6_RUNS.value, Format.Q8_0: 1, Format.Q5_0: 1} | q8_bodies.GROUPS
+# Each format's values a unit (its groups a unit: `q8_raw.GROUPS`); `q8_bodies` holds the formats after the first four
 UNIT_VALUES = {Format.Q4_K: QK_K, Format.Q6_K: QK_K, Format.Q8_0: QK, Format.Q5_0: QK} | q8_bodies.UNIT_VALUES
-GROUPS_C = const({int(f): g for f, g in GROUPS.items()})
 FORMATS = frozenset(GROUPS)
 # formats whose group r of a unit meets values 64 (r // 2) + 16 (r % 2) + 0..15 and the 16 from 32 on
 # (as a constexpr map of every format to a flag: compiled Triton indexes a constexpr dict, but has no `in`)
@@ -95,7 +91,6 @@ K_PAIRS_C = const({int(f): f in {Format.Q4_K} | q8_bodies.K_PAIR_FORMATS for f i
 # formats whose group r of (four) meets values 128 (r // 2) + 16 (r % 2) + 32 j + 0..15, j = 0..3 (`q8_bodies`)
 K_QUADS_C = const({int(f): f in q8_bodies.K_QUAD_FORMATS for f in Format})
 QUAD_GROUPS = q8_bodies.QUAD
-NEW_BODIES_C = const({int(f): f in q8_bodies.FORMATS for f in Format})  # the formats of `q8_bodies`
 # Chunks of weights a program has in flight while it sums one (1 or 2). Two chunks: 0.6B 0.912 -> 0.826 ms,
 # 0.5B 0.621 -> 0.597 ms a step, where a row is a few chunks; no change on the 8B (2.868 / 2.866 ms), whose
 # programs are not short of loads in flight.

@@ -17,6 +17,7 @@ from fuselane.lanes.cuda.triton.gemv.fast import (
     K_RUNS,
     Q6_QH_RUNS,
     Q6_RUN,
+    Q6_RUNS,
     Q6_SUBS_HALF,
     RUN_BYTES,
     ld16,
@@ -49,10 +50,13 @@ from fuselane.lanes.cuda.triton.gemv.q8_bodies import DWORD_BYTES
 HALF_QK_C = const(QK // 2)
 # Q8_0 rows of a multiple of this many blocks (8 of 34 bytes) end on 16 bytes, so every block's codes start on 16
 Q8_0_WIDE_ROW = const(q8_bodies.rows_on_16(Format.Q8_0))
-# the formats of `q8_bodies` and their groups a unit, as constexpr maps of every format (compiled Triton indexes a
-# constexpr dict, but has no `in`)
-BODIES_C = const({int(f): f in q8_bodies.FORMATS for f in Format})
-BODY_GROUPS_C = const({int(f): q8_bodies.GROUPS.get(f, 1) for f in Format})
+# Each format's groups a unit (a thread's share of a chunk: see `q8.chunk_acts`); `q8_bodies` holds the formats
+# after the first four
+GROUPS = {Format.Q4_K: K_RUNS.value, Format.Q6_K: Q6_RUNS.value, Format.Q8_0: 1, Format.Q5_0: 1} | q8_bodies.GROUPS
+GROUPS_C = const({int(f): g for f, g in GROUPS.items()})
+# the formats of `q8_bodies`, as a constexpr map of every format (compiled Triton indexes a constexpr dict, but has
+# no `in`)
+NEW_BODIES_C = const({int(f): f in q8_bodies.FORMATS for f in Format})
 
 
 @triton.jit
@@ -120,7 +124,7 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
         return _raw_q6_k(w_rows, u0, N_UNITS, CHUNK, CLAMP, PINNED)
     elif FMT == FMT_Q8_0:
         return _raw_q8_0(w_rows, u0, N_UNITS, CHUNK, CLAMP, PINNED)
-    elif BODIES_C[FMT]:
-        return q8_bodies.raw_chunk(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP, BODY_GROUPS_C[FMT], PINNED)
+    elif NEW_BODIES_C[FMT]:
+        return q8_bodies.raw_chunk(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP, GROUPS_C[FMT], PINNED)
     else:
         return load_chunk(w_rows, u0, FMT, N_UNITS, CHUNK, CLAMP)
