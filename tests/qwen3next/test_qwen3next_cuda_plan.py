@@ -18,11 +18,12 @@ from dataclasses import replace
 
 import pytest
 
+from fuselane.explain import launches_per_layer
 from fuselane.fuse.optimizer import check_runs, launches_of, needs, optimize
 from fuselane.fuse.shim import DECOMPOSE, NATIVE, SupportKind
 from fuselane.fuse.views import class_of
 from fuselane.gguf.formats import Format
-from fuselane.gguf.synth import SHAPES, model_metadata, tensor_formats, tensor_shapes
+from fuselane.gguf.synth import SHAPES, Mix, model_metadata, tensor_formats, tensor_shapes
 from fuselane.graph import facts
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import WHOLE, Dst, Form, Op, Role, Tensor, Values
@@ -60,9 +61,11 @@ class Specified(CudaShim):
         return spec
 
 
-def graph(name: str, rows: int, *, float_ba: bool = False, v_fmt: Format | None = None, **widths: int):
+def graph(
+    name: str, rows: int, *, float_ba: bool = False, v_fmt: Format | None = None, mix: str = "q4_k_m", **widths: int
+):
     shape = replace(SHAPES[name], n_layers=LAYERS, **widths)
-    formats = tensor_formats(shape, "q4_k_m")
+    formats = tensor_formats(shape, mix)
     if float_ba:  # the gates' projection kept in F32, as the converter writes it before quantizing
         formats |= {n: Format.F32 for n in formats if n.endswith("ssm_ba.weight")}
     if v_fmt is not None:  # the value rows of a `use_more_bits` layer (four layers have none of those)
@@ -274,6 +277,20 @@ def test_the_q4_k_m_recipes_two_formats_share_each_layers_gemv_in_parts():
     ends = [*starts[1:], next(i for i, op in enumerate(plan.ops) if op.out == qwen.LOGITS)]
     for a, b in zip(starts, ends, strict=True):
         assert sum(launches_of(op) for op in plan.ops[a:b]) == LAUNCH_BUDGET, plan.ops[a].out
+
+
+@pytest.mark.parametrize("knobs", [(), ("rope_epilogue=on",), ("rope_epilogue=off",)], ids=["auto", "on", "off"])
+@pytest.mark.parametrize("mix", [m.value for m in Mix if m not in (Mix.Q4_K_M_05B, Mix.F32, Mix.F16, Mix.BF16)])
+def test_every_quantized_recipe_keeps_the_budget(mix, knobs):
+    # each recipe writes the fused q/k/v rows (attn_v-like) by its own rules beside the gate's base format:
+    # Q3_K_M, IQ4_XS and Q2_K in every layer, Q4_K_M and Q5_K_M on their `use_more_bits` layers; the int8
+    # GEMV in parts takes the second format, so no layer takes a launch more for it
+    from tests.lanes.test_launch_budget import LAUNCH_BUDGET
+
+    g = graph("qwen3-next-80b-a3b", 1, mix=mix)
+    per_layer = launches_per_layer(optimize(g, CudaShim(CudaKnobs.parse(list(knobs)))))
+    assert sorted(per_layer) == list(range(LAYERS))
+    assert max(per_layer.values()) <= LAUNCH_BUDGET, per_layer
 
 
 def test_two_formats_do_not_share_a_gemv_that_reads_f32():
