@@ -2,7 +2,7 @@
 
 Without a GPU the kernel runs in Triton's interpreter at small shapes (groups of 2, 3 and 7 query heads, heads
 of 16-64 values, a 40-row cache in tiles of 16 rows); the `cuda` test runs the 7B's and the 8B's heads over
-4,096 rows. Tolerances are `test_norm_rope_attention.attention_bound`'s: the kernel rounds the scaled query,
+4,096 rows. Tolerances are `test_attention_kernels.attention_bound`'s: the kernel rounds the scaled query,
 the keys, the values and the softmax weights to f16 (2^-11 each, relative), so a cache in f32 is rounded as an
 f16 one is stored.
 """
@@ -26,12 +26,12 @@ from fuselane.lanes.cuda.plan import attn_kernels  # noqa: E402
 from fuselane.lanes.cuda.triton import pdl, quant  # noqa: E402
 from fuselane.lanes.cuda.triton.attention import decode as attention  # noqa: E402
 from fuselane.lanes.cuda.triton.attention import group_decode  # noqa: E402
+from tests.cuda_kernels.test_attention_kernels import attention_bound  # noqa: E402
 from tests.cuda_kernels.test_norm_rope_attention import (  # noqa: E402
     APPROX,
     DEVICE,
     U16,
     U,
-    attention_bound,
     dev,
     f32,
     host,

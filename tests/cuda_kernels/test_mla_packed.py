@@ -4,7 +4,7 @@ values the cached rows' latents) against the cpu lane in f64.
 Without a GPU the kernel runs in Triton's interpreter at small widths (latents of 32 and 64 values in 2 and 4
 slices, a rotated part of 16, 3-16 heads, a 100-row cache in tiles of the plan's 32 rows); the `cuda` test runs
 DeepSeek-V2-Lite's heads over 4,096 rows at the plan's splits. Tolerances are
-`test_norm_rope_attention.attention_bound`'s with f16 operands (the scaled query, the cached rows and the
+`test_attention_kernels.attention_bound`'s with f16 operands (the scaled query, the cached rows and the
 weights rounded to 2^-11 each), the cache f16 as stored.
 """
 
@@ -25,10 +25,10 @@ from fuselane.lanes.cpu import kernels as ref  # noqa: E402
 from fuselane.lanes.cuda.plan import attn_kernels  # noqa: E402
 from fuselane.lanes.cuda.triton import pdl  # noqa: E402
 from fuselane.lanes.cuda.triton.mla import packed  # noqa: E402
+from tests.cuda_kernels.test_attention_kernels import attention_bound  # noqa: E402
 from tests.cuda_kernels.test_norm_rope_attention import (  # noqa: E402
     DEVICE,
     U16,
-    attention_bound,
     dev,
     f32,
     host,

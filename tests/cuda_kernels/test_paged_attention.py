@@ -3,7 +3,7 @@ position) against the cpu lane's NumPy kernels in f64.
 
 Each row of a batch attends its own cache rows, which lie in scattered blocks of one pool found through its
 table: the reference gathers them into a contiguous cache and runs the cpu lane's attention over it. Bounds are
-`attention_bound`'s (derived in test_norm_rope_attention), the reference reading the unrounded rows; tiny
+`attention_bound`'s (derived in test_attention_kernels), the reference reading the unrounded rows; tiny
 shapes (4 query heads over 2, blocks of 4 rows), run in Triton's interpreter without a GPU.
 """
 
@@ -19,13 +19,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from test_attention_kernels import attention_bound  # noqa: E402
 from test_norm_rope_attention import (  # noqa: E402
     EPS,
     HEADS,
     KV,
     QWEN_BASE,
     U16,
-    attention_bound,
     dev,
     f32,
     host,
