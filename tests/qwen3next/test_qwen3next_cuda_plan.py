@@ -42,6 +42,7 @@ from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.models import config_of, qwen, recognizer
 from fuselane.numerics.contract import Keep
 from tests.lanes.test_cuda_launches import Stub
+from tests.lanes.test_launch_budget import LAUNCH_BUDGET
 
 LAYERS = 4  # three gated delta-rule layers and one full-attention layer at the real shape
 HYBRID_RULES = ("conv_silu", "conv_silu_l2norm", "gdn_gating", "gdn_gate_projections", "gdn_step", "gated_norm")
@@ -260,8 +261,6 @@ def test_the_q4_k_m_recipes_two_formats_share_each_layers_gemv_in_parts():
     # fused q/k/v rows beside its Q4_K gate and gates (layer 2 of 4), a full-attention layer's value rows beside
     # its Q4_K query/gate and key (layer 3). Each layer's products of its input are one int8 GEMV in parts, of two
     # formats where they differ, and every layer keeps the budget of 7
-    from tests.lanes.test_launch_budget import LAUNCH_BUDGET
-
     g = graph("qwen3-next-80b-a3b", 1)
     assert g.tensors["blk.2.attn_qkv.weight"].storage.format is Format.Q6_K
     assert g.tensors["blk.3.attn_v.weight"].storage.format is Format.Q6_K
@@ -285,8 +284,6 @@ def test_every_quantized_recipe_keeps_the_budget(mix, knobs):
     # each recipe writes the fused q/k/v rows (attn_v-like) by its own rules beside the gate's base format:
     # Q3_K_M, IQ4_XS and Q2_K in every layer, Q4_K_M and Q5_K_M on their `use_more_bits` layers; the int8
     # GEMV in parts takes the second format, so no layer takes a launch more for it
-    from tests.lanes.test_launch_budget import LAUNCH_BUDGET
-
     g = graph("qwen3-next-80b-a3b", 1, mix=mix)
     per_layer = launches_per_layer(optimize(g, CudaShim(CudaKnobs.parse(list(knobs)))))
     assert sorted(per_layer) == list(range(LAYERS))
