@@ -76,6 +76,10 @@ SHORT_GLU_TILES = dict(GLU_TILES)
 # Q5_K_M 7B 2.652 -> 2.611), and a Q5_K gated pair at eight rows and four warps (the Q5_K_M 7B 2.746 -> 2.658).
 GLU_TILES[Format.Q6_K], GLU_TILES[Format.Q5_K] = (2, 4, 2), (8, 4, 1)
 TALL_TILES[Format.Q6_K] = (2, 2, 2)
+# ...and a narrow model's Q6_K down projections too, which kept the eight-warp tile after the wide rows' moved
+# (the whole step, H100, 2026-12-06: Qwen2.5-3B in Q6_K 1.747 -> 1.623 ms, Qwen3-4B 2.104 -> 2.056, the 1.5B
+# 1.103 -> 1.086, the 3B in Q4_K_M 1.542 -> 1.506; (2, 4, 2) won on the 1.5B alone, 1.031, and lost on the 4B).
+NARROW_TALL_TILES[Format.Q6_K] = TALL_TILES[Format.Q6_K]
 # Q4_0 and IQ4_NL as the lane keeps them (a block's codes one 128-bit load, `run/stored.py`): the whole step of
 # the 7B in Q4_0 (H100, 2026-12-06) 2.256 ms at Q5_0's (4, 2, 2) everywhere; its attention rows at four rows and
 # four warps, one (row, group) a thread, 2.144; its 18,944-value down at two rows and two warps 2.173; both with
