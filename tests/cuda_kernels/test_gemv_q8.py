@@ -282,6 +282,25 @@ def test_runs_two_bytes_past_a_word_are_read_whole() -> None:
     assert np.array_equal(out.cpu().numpy(), want)
 
 
+@triton.jit
+def _rotl_kernel(src, out, N: tl.constexpr):
+    """Each word of `src` turned left by 0..31 bits (`int8_words.rotl`), [N, 32] into `out`."""
+    i = tl.arange(0, N)[:, None]
+    s = tl.arange(0, 32)[None, :]
+    tl.store(out + i * 32 + s, int8_words.rotl(tl.load(src + i) + s * 0, s))
+
+
+def test_a_word_turns_left_by_every_amount() -> None:
+    # Q5_K's codes take their fifth bits from a turn of the qh word by 4 - 2j (mod 32): 0 and 30 among them
+    words = np.random.default_rng(6).integers(-(2**31), 2**31, 8, dtype=np.int64).astype(np.int32)
+    out = torch.zeros((8, 32), dtype=torch.int32, device=DEVICE)
+    _rotl_kernel[(1,)](dev(words), out, N=8)
+    u = words.view(np.uint32).astype(np.uint64)[:, None]
+    s = np.arange(32, dtype=np.uint64)[None, :]
+    want = (((u << s) | (u >> (32 - s))) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)  # 32-bit words in 64
+    assert np.array_equal(out.cpu().numpy(), want)
+
+
 def test_supports() -> None:
     assert supports(Format.Q4_K, 1, 512) and not supports(Format.Q4_K, 2, 512)
     assert not supports(Format.Q4_K, 1, 96) and supports(Format.Q8_0, 1, 96)

@@ -222,6 +222,18 @@ def _word_at(lo, hi, shift):
 
 
 @triton.jit
+def rotl(x, s):
+    """Each int32 of `x` rotated left by `s` (0-31) bits: one funnel shift of the word with itself."""
+    if INTERPRETED:
+        u = x.to(tl.uint32, bitcast=True)
+        return ((u << s) | ((u >> 1) >> (31 - s))).to(tl.int32, bitcast=True)
+    else:
+        return tl.inline_asm_elementwise(
+            "shf.l.wrap.b32 $0, $1, $1, $2;", "=r,r,r", [x, s], dtype=tl.int32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
 def ld_run(ptr, PINNED: tl.constexpr = False):
     """The 16 bytes at each 2-byte aligned address of `ptr` ([N, G] byte pointers) as four int32 words in the
     thread: five aligned words read (four where the run is on a word), then shifted into place (Q4_0's and

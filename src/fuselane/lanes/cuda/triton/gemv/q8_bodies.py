@@ -47,7 +47,7 @@ import triton.language as tl
 
 from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format
 from fuselane.lanes.cuda.triton.gemv.fast import K_RUNS, RUN_BYTES, q4_k_scales_of
-from fuselane.lanes.cuda.triton.gemv.int8_words import dot16_of, ld2, ld4, ld_scalar, ld_words, prmt
+from fuselane.lanes.cuda.triton.gemv.int8_words import dot16_of, ld2, ld4, ld_scalar, ld_words, prmt, rotl
 from fuselane.lanes.cuda.triton.gemv.layout import (
     BYTE,
     BYTE_BITS,
@@ -105,6 +105,7 @@ from fuselane.lanes.cuda.triton.quant import CODES_ALIGN
 LOW_NIBBLES = const(0x0F0F0F0F)  # the low nibble of each byte of a word
 LOW_BITS = const(0x01010101)  # bit 0 of each byte
 FIFTH_BITS = const(0x10101010)  # bit 4 of each byte
+WORD_BITS = const(32)
 # x * SPREAD puts bit i (0..3) of x at bit 8i + 4 (shifts 4, 11, 18, 25; the other products miss the mask)
 SPREAD = const((1 << 4) | (1 << 11) | (1 << 18) | (1 << 25))
 HALF_WORD = const(0xFFFF)
@@ -255,9 +256,13 @@ def _nibble_runs(q0, q1, q2, q3, acts):
 
 
 @triton.jit
-def _q5_k_codes(q, qh, bit):
-    """Four 5-bit codes a word: the low nibbles of `q`'s bytes under bit `bit` of `qh`'s."""
-    return (q & LOW_NIBBLES) | (((qh >> bit) & LOW_BITS) << NIBBLE_BITS)
+def _q5_k_codes(q, qh, turn):
+    """A word's four lo and four hi 5-bit codes: `q`'s low (high) nibbles under the fifth bits that `qh`'s bytes
+    rotated by `turn` hold at bit 4 (bit 5), one rotation for both."""
+    r = rotl(qh, turn)
+    lo = (q & LOW_NIBBLES) | (r & FIFTH_BITS)
+    hi = ((q >> NIBBLE_BITS) & LOW_NIBBLES) | ((r >> 1) & FIFTH_BITS)
+    return lo, hi
 
 
 @triton.jit
@@ -277,12 +282,15 @@ def _q5_k(raw, acts, CHUNK: tl.constexpr):
     h0, h1, h2, h3, q0, q1, q2, q3, e0, e1, e2, e3 = raw
     da_lo, s_lo, da_hi, s_hi = acts[4], acts[5], acts[10], acts[11]
     d, dmin, scales, mins = q4_k_scales_of(h0, h1, h2, h3, CHUNK)
+    # the pair's lo fifth bits are bit 2j of each qh byte: a left turn of 4 - 2j (mod 32) takes them to bit 4
+    # and the hi ones (2j + 1) to bit 5; no byte's bits cross into another's fields (j = 3 turns right by 2)
     b = ((tl.arange(0, CHUNK * K_RUNS) % K_RUNS) // 2 * 2)[None, :]
-    lo, hi = _runs(
-        _q5_k_codes(q0, e0, b), _q5_k_codes(q1, e1, b), _q5_k_codes(q2, e2, b), _q5_k_codes(q3, e3, b),
-        _q5_k_codes(q0 >> NIBBLE_BITS, e0, b + 1), _q5_k_codes(q1 >> NIBBLE_BITS, e1, b + 1),
-        _q5_k_codes(q2 >> NIBBLE_BITS, e2, b + 1), _q5_k_codes(q3 >> NIBBLE_BITS, e3, b + 1), acts, False,
-    )  # fmt: skip
+    turn = (NIBBLE_BITS - b) & (WORD_BITS - 1)
+    lo0, hi0 = _q5_k_codes(q0, e0, turn)
+    lo1, hi1 = _q5_k_codes(q1, e1, turn)
+    lo2, hi2 = _q5_k_codes(q2, e2, turn)
+    lo3, hi3 = _q5_k_codes(q3, e3, turn)
+    lo, hi = _runs(lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, acts, False)
     return k_pair_sums(lo, hi, d, dmin, scales, mins, da_lo, s_lo, da_hi, s_hi)
 
 
