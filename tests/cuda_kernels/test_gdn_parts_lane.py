@@ -3,8 +3,9 @@ interpreter, against the cpu lane in f64 within the lane's numerics contract (`l
 hybrid (one gated delta-rule layer, one gated full-attention layer): a prompt of a few rows and a decode step,
 or under int8 activations (whose interpreted products are slow) two decode steps.
 
-- A file holding its matrices in F16 holds `ssm_ba` as values: the gates take their projection in their own
-  launch (GdnGateProjections), under both `state` precisions.
+- A file holding its matrices in F16: a step's (and a short chunk's) `ssm_ba` product rides the layer's GEMV in
+  parts, the delta step making the gates; with `gemv_parts` held the gates take their projection in their own
+  launch (GdnGateProjections, from the lane's f32 copy of the matrix); under both `state` precisions.
 - Under int8 activations, heads of 32 values (whole blocks): the gated norm writes `ssm_out`'s int8 form in its
   store (GdnOutputQuant), no Quantize launch after it; in a decode step the delta rule's launch does
   (`norm_in_step`). Interpreted, the decode step's own launches on inputs of their own (the norm's output
@@ -54,13 +55,23 @@ def _same_as_the_cpu_lane(gpu, ref, prompt: list[int]) -> None:
         assert rel(a, b) <= tol, f"{what}: {rel(a, b):.2e} > {tol:.2e}"
 
 
+def _gates_product(step, held: tuple[str, ...]) -> None:
+    """Where a step's gates take their product: in their launch where `gemv_parts` is held, else in the GEMV
+    in parts of the layer's input."""
+    classes = {class_of(op) for op, _ in step.bound}
+    in_parts = [op for op, _ in step.bound if class_of(op) is C.MERGED_QKV and any("ssm_ba" in n for n in op.ins)]
+    assert (C.GDN_GATE_PROJECTIONS in classes) == bool(held)
+    assert bool(in_parts) != bool(held)
+
+
 @pytest.mark.parametrize("state", ["f32", "bf16"])
-def test_the_gates_take_their_projection_in_their_launch(tmp_path, state):
+@pytest.mark.parametrize("held", [(), ("gemv_parts",)], ids=["in-parts", "with-the-gates"])
+def test_the_gates_product_in_parts_or_in_the_gates_launch(tmp_path, state, held):
     path = write_synthetic(tmp_path / "m.gguf", TINY, "f16", seed=4)
-    gpu = load(path, lane="cuda", ctx=16, knobs=[f"state={state}", "activations=dequant"])
+    gpu = load(path, lane="cuda", ctx=16, knobs=[f"state={state}", "activations=dequant"], held=held)
     ref = load(path, lane="cpu", ctx=16, dtype=np.float64)
-    for rows in (1, len(PROMPT)):
-        assert C.GDN_GATE_PROJECTIONS in {class_of(op) for op, _ in gpu.lane.step(rows).bound}
+    for rows in (1, len(PROMPT)):  # both within the GEMV's rows
+        _gates_product(gpu.lane.step(rows), held)
     _same_as_the_cpu_lane(gpu, ref, PROMPT)
 
 
@@ -150,15 +161,16 @@ def _captured_steps_as_the_cpu_lane(gpu, path) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.xdist_group("qwen3next-f16")  # one worker compiles the F16 kernels once for both states
-@pytest.mark.parametrize("state", ["f32", "bf16"])
-def test_the_real_shape_in_f16_takes_the_gates_projection_in_the_graph(tmp_path, state):
-    """Four layers of the real shape with every matrix F16: the gates with their projection in the captured
-    decode step, its logits within the contract of the cpu lane's in f64."""
+@pytest.mark.parametrize(("state", "held"), [("f32", ()), ("bf16", ("gemv_parts",))])
+def test_the_real_shape_in_f16_runs_the_gates_product_in_the_graph(tmp_path, state, held):
+    """Four layers of the real shape with every matrix F16: the gates' product in the captured decode step's GEMV
+    in parts (or, `gemv_parts` held, with the gates in their launch), its logits within the contract of the cpu
+    lane's in f64."""
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
     path = write_synthetic(tmp_path / "m.gguf", REAL, "f16", seed=6)
-    gpu = load(path, lane="cuda", ctx=32, knobs=[f"state={state}"])
-    assert C.GDN_GATE_PROJECTIONS in {class_of(op) for op, _ in gpu.lane.step(1).bound}
+    gpu = load(path, lane="cuda", ctx=32, knobs=[f"state={state}"], held=held)
+    _gates_product(gpu.lane.step(1), held)
     _captured_steps_as_the_cpu_lane(gpu, path)
 
 

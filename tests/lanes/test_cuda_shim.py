@@ -76,6 +76,7 @@ WEIGHTS = {
     "q2k": Rows(Format.Q2_K),
     "mxfp4": Rows(Format.MXFP4),  # a format no GEMV of f32 activations decodes
     "f32": Values("f32"),
+    "f16": Rows(Format.F16),
     "norm": Values("f32"),
 }
 
@@ -87,6 +88,7 @@ def graph(rows: int = 1) -> TensorGraph:
         g.add(Tensor(name, (1, 1), storage, Role.WEIGHT))
     g.emit(Unary(UnaryOp.SILU, rows, 12288), ("gate",), "silu")
     g.emit(Elementwise(ElementwiseOp.MUL, rows, 12288), ("silu", "up"), "glu")
+    g.emit(Matmul(rows, 4096, 2048), ("xf", "f16"), "qkv")  # a product of "xf" a GEMV in parts takes others with
     return g
 
 
@@ -373,7 +375,14 @@ CASES = [
         "delta rule gates",
         lambda: fused(C.GDN_GATE_PROJECTIONS, matmul(1, 32, 2048, "f32", out="a"), matmul(1, 32, 2048, "f32")),
         lambda: fused(C.GDN_GATE_PROJECTIONS, matmul(1, 32, 2048, "f32", out="a"), matmul(1, 32, 2048, "q4k")),
-        "the lane takes a delta rule's gates from its activation only by matrices it holds as values",
+        "the lane takes a delta rule's gates from its activation only by matrices of floats",
+    ),
+    Case(
+        "delta rule gates in parts",
+        lambda: fused(C.GDN_GATE_PROJECTIONS, matmul(1, 64, 2048, "f16", out="a"), unary(64, x="a")),
+        lambda: fused(C.GDN_GATE_PROJECTIONS, matmul(1, 64, 2048, "f16", x="xf", out="a"), unary(64, x="a")),
+        "a step's gates' product rides the GEMV in parts of its activation's other products, and the delta step "
+        "makes the gates (gates_in_step): one launch fewer",
     ),
     Case(
         "shared expert",

@@ -203,8 +203,9 @@ GDN_RULES = (
     [
         *(("q8_0", (), ()), ("q8_0", ("activations=dequant", "state=bf16"), ()), ("q8_0", (), GDN_RULES)),
         *(("q8_0", (), (r,)) for r in GDN_RULES),
-        # every matrix F16: the gates take their projection (`ssm_ba` held as values) in their launch
-        *(("f16", (), ()), ("f16", (), ("gdn_gate_projections",))),
+        # every matrix F16: a step's gates' product rides the GEMV in parts (a chunk's gates take it in their
+        # launch), or, with that held, the gates take it in theirs
+        *(("f16", (), ()), ("f16", (), ("gdn_gate_projections",)), ("f16", (), ("gemv_parts",))),
     ],
 )
 def test_cuda_binds_a_qwen3next_plan_as_explain_prints_it(tmp_path, mix, knobs, held) -> None:
@@ -214,7 +215,10 @@ def test_cuda_binds_a_qwen3next_plan_as_explain_prints_it(tmp_path, mix, knobs, 
         _check_step(path, lane.step(rows), form, rows, knobs, held)
     classes = {class_of(op) for op, _ in lane.step(1).bound}
     if not held and not knobs:  # the classes this plan is here for are in it
-        assert mix != "f16" or C.GDN_GATE_PROJECTIONS in classes
+        chunk = {class_of(op) for op, _ in lane.step(PREFILL_ROWS).bound}
+        assert mix != "f16" or (C.GDN_GATE_PROJECTIONS in chunk and C.GDN_GATE_PROJECTIONS not in classes)
+    if held == ("gemv_parts",):
+        assert C.GDN_GATE_PROJECTIONS in classes
         # the gated norm's int8 form written in the decode step's store (`norm_in_step`)
         assert mix == "f16" or any(step_writes_int8(op) for op, _ in lane.step(1).bound)
     # a decode step's delta rule is one launch (the recurrence); a chunk's GdnStep the chunked form's two, and

@@ -47,9 +47,6 @@ from fuselane.models.qwen3next_config import read_hybrid
 
 # Tensors the graph reads as plain values, not as a product's checkpoint rows.
 _VALUE_TENSORS = ("ssm_conv1d.weight",)
-# Matrices held as plain values where the file stores them as floats: the gates' projection, which a lane may
-# take with the gating in one launch only from values (`GdnGateProjections`); in a quantized format, rows.
-_VALUES_WHERE_FLOATS = ("ssm_ba.weight",)
 
 
 def read_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], arch: str) -> ModelConfig:
@@ -123,8 +120,7 @@ class _HybridBuilder(Builder):
         for name, shape in weight_shapes(cfg).items():
             fmt = tensors[name].format
             shape = moe.graph_shape(name, shape)
-            floats = name.endswith(_VALUES_WHERE_FLOATS) and fmt in VECTOR_FORMATS
-            plain = len(shape) == 1 or name.endswith(_VALUE_TENSORS) or floats
+            plain = len(shape) == 1 or name.endswith(_VALUE_TENSORS)
             storage = Values(fmt.name.lower()) if plain else Rows(fmt)
             self.g.add(Tensor(name, shape, storage, Role.WEIGHT))
         self.g.add(Tensor(IDS, (rows,), Values("i32"), Role.INPUT))

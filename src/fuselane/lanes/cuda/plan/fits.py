@@ -46,10 +46,9 @@ from fuselane.graph.ops import (
 from fuselane.lanes.cuda.plan import attn_kernels, kernels
 from fuselane.lanes.cuda.plan import fits_recurrent as recurrent
 from fuselane.lanes.cuda.plan.knobs import Activations
-from fuselane.lanes.cuda.plan.shim_view import Check, CudaShim
+from fuselane.lanes.cuda.plan.shim_view import GEMV_PARTS, Check, CudaShim
 from fuselane.numerics.contract import holds_accumulator
 
-GEMV_PARTS = "gemv_parts"  # the lane rule's name, which `--hold` takes
 ROWS_A_WARP = "rows_a_warp"  # the held name that runs every product a row a warp
 # A latent attention's query and key rotations, side by side once `Mla` holds what lay between them.
 TABLE_ROTATIONS_APART = "the fused rotations turn NEOX pairs: DeepSeek's pairs turn in the table kernel's launch"

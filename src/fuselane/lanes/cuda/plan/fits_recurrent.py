@@ -12,9 +12,19 @@ from collections.abc import Sequence
 from fuselane.fuse.views import GemvForm, conv, gemv, leaves, moe
 from fuselane.gguf.formats import Format
 from fuselane.graph.ir import Op, Rows, TensorGraph, Values
-from fuselane.graph.ops import CausalConv, Elementwise, ElementwiseOp, ExpertMatmul, L2Norm, MoeAct, Unary, UnaryOp
+from fuselane.graph.ops import (
+    CausalConv,
+    Elementwise,
+    ElementwiseOp,
+    ExpertMatmul,
+    L2Norm,
+    Matmul,
+    MoeAct,
+    Unary,
+    UnaryOp,
+)
 from fuselane.lanes.cuda.plan import gdn, kernels, moe_kernels
-from fuselane.lanes.cuda.plan.shim_view import CudaShim
+from fuselane.lanes.cuda.plan.shim_view import GEMV_PARTS, CudaShim
 
 SHARED_APART = (
     "a shared expert runs in launches of its own (knob shared_fold=off): five launches more a layer where it is gated, "
@@ -58,12 +68,28 @@ def conv_parts(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) ->
     )
 
 
+FLOAT_FORMATS = (Format.F32, Format.F16, Format.BF16)
+
+
 def gdn_gate_projections(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
-    """A delta rule's gates with their projection in one launch (GdnGateProjections)."""
-    products = [p for m in members if (p := gemv(m, g)) is not None]
-    if all(isinstance(p.weights, Values) for p in products):
-        return None
-    return "the lane takes a delta rule's gates from its activation only by matrices it holds as values"
+    """A delta rule's gates with their projection in one launch (GdnGateProjections), from a matrix of floats (the
+    lane's f32 copy of it), where no GEMV in parts takes the product with another of its activation's (a chunk's
+    rows, `gemv_parts` held, or formats apart): there it joins them, one launch fewer."""
+    products = [(m, p) for m in members if (p := gemv(m, g)) is not None]
+    if not all(
+        isinstance(p.weights, Values) or (isinstance(p.weights, Rows) and p.weights.format in FLOAT_FORMATS)
+        for _, p in products
+    ):
+        return "the lane takes a delta rule's gates from its activation only by matrices of floats"
+    if GEMV_PARTS not in shim.held and len(products) == 1:
+        mine, p = products[0]
+        siblings = (x for x in g.ops if x is not mine and isinstance(x.sym, Matmul) and x.ins[0] == p.x)
+        if any(shim.gemv_in_parts([x, mine], g) for x in siblings):
+            return (
+                "a step's gates' product rides the GEMV in parts of its activation's other products, and the delta "
+                "step makes the gates (gates_in_step): one launch fewer"
+            )
+    return None
 
 
 def gdn_step(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:

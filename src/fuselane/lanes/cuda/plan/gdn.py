@@ -9,13 +9,13 @@ rule gated by a sigmoid (`fits`).
 This lane runs every one of them as specified (`triton/gdn`, bound in `run/gdn_launch.py`): the convolution (with
 its state's shift, SiLU and heads' L2 norm) and up to four of them a launch (ConvParts, each part its own input,
 state, taps and output); the gates, and the gates with the `ssm_ba` product that feeds them (GdnGateProjections,
-where the lane holds that matrix as values: `fits`); the delta step; the gated norm, writing its int8 form in its
-store where its heads are whole 32-value blocks (GdnOutputQuant; narrower heads quantize in a launch after it, the
-lane rule `quantize_apart`). The shared rules' regroupings of the step's launch run there too, in the recurrence
-only: the step making its gates (`gates_in_step`) and norming its output with the norm's int8 form (`norm_in_step`,
-a program a head's whole value width). The gated attention (AttnOutputGate) multiplies by its gate's sigmoid in the
-attention's store (the decode and the chunk attention kernels; `fits` keeps it to a step's and a short chunk's),
-writing its int8 form there too under `fuse_quant`.
+from a matrix of floats where no GEMV in parts takes the product: `fits`); the delta step; the gated norm, writing
+its int8 form in its store where its heads are whole 32-value blocks (GdnOutputQuant; narrower heads quantize in a
+launch after it, the lane rule `quantize_apart`). The shared rules' regroupings of the step's launch run there too,
+in the recurrence only: the step making its gates (`gates_in_step`) and norming its output with the norm's int8
+form (`norm_in_step`, a program a head's whole value width). The gated attention (AttnOutputGate) multiplies by its
+gate's sigmoid in the attention's store (the decode and the chunk attention kernels; `fits` keeps it to a step's
+and a short chunk's), writing its int8 form there too under `fuse_quant`.
 
 A chunk's delta step (GdnStep over more than one row) runs the chunked form (`triton/gdn/chunked.py`) in two
 launches, every block's triangular system first, then the state across the blocks: the settling pass

@@ -11,6 +11,8 @@ from fuselane.graph.ir import Op, QuantFormat, TensorGraph
 from fuselane.lanes.cuda.plan.knobs import CudaKnobs
 from fuselane.numerics.contract import Scheme
 
+GEMV_PARTS = "gemv_parts"  # the lane rule's name, which `--hold` takes (`rules.gemv_parts`)
+
 
 class CudaShim(Protocol):
     """What the checks read of the cuda shim (`shim.CudaShim`, which calls `fits`): its knobs, what it holds,
@@ -44,6 +46,8 @@ class CudaShim(Protocol):
     def rows_product(self, op: Op, g: TensorGraph) -> GemvForm | None: ...
 
     def gemv_mergeable(self, p: GemvForm) -> bool: ...
+
+    def gemv_takes(self, p: GemvForm, g: TensorGraph) -> bool: ...
 
     def gemv_in_parts(self, members: Sequence[Op], g: TensorGraph) -> bool: ...
 

@@ -176,7 +176,7 @@ def _gate_matrix(b, name: str, shape: tuple[int, int]) -> Any:
         raw, fmt = b.raw[name]
         dtypes = {Format.F32: torch.float32, Format.F16: torch.float16, Format.BF16: torch.bfloat16}
         if fmt not in dtypes:
-            raise PlanMismatch(f"{name}: the gates' projection takes its matrix as values, not {fmt.name}")
+            raise PlanMismatch(f"{name}: the gates' projection takes a matrix of floats, not {fmt.name}")
         b.scratch[key] = raw.view(dtypes[fmt]).float().view(shape).contiguous()
     return b.scratch[key]
 
