@@ -2,8 +2,8 @@
 for every row and value head, b and a read where the layer's `ssm_ba` product wrote them (per key head: its
 value heads' b, then their a, so value head h is at (h / per, h % per) of groups of 2 per values).
 
-`projected` is the gates with that product in the same launch (GdnGateProjections, from the lane's f32
-copy of an `ssm_ba` matrix of floats): a program a row takes every value head's b and a row of the matrix, a dot product
+`projected` is the gates with that product in the same launch (GdnGateProjections, from the lane's f32 copy of
+an `ssm_ba` matrix of floats): a program a row takes every value head's b and a row of the matrix, a dot product
 each over the layer's input in f32, then the gates in registers; neither b nor a is written."""
 
 from __future__ import annotations
