@@ -68,16 +68,13 @@ def conv_parts(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) ->
     )
 
 
-FLOAT_FORMATS = (Format.F32, Format.F16, Format.BF16)
-
-
 def gdn_gate_projections(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
     """A delta rule's gates with their projection in one launch (GdnGateProjections), from a matrix of floats (the
     lane's f32 copy of it), where no GEMV in parts takes the product with another of its activation's (a chunk's
     rows, `gemv_parts` held, or formats apart): there it joins them, one launch fewer."""
     products = [(m, p) for m in members if (p := gemv(m, g)) is not None]
     if not all(
-        isinstance(p.weights, Values) or (isinstance(p.weights, Rows) and p.weights.format in FLOAT_FORMATS)
+        isinstance(p.weights, Values) or (isinstance(p.weights, Rows) and p.weights.format in gdn.GATE_MATRIX_FORMATS)
         for _, p in products
     ):
         return "the lane takes a delta rule's gates from its activation only by matrices of floats"

@@ -28,6 +28,7 @@ from dataclasses import replace
 
 from fuselane.fuse.shim import DECOMPOSE, NATIVE, Support
 from fuselane.fuse.views import class_of, leaves
+from fuselane.gguf.formats import Format
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Op
 from fuselane.graph.ops import DeltaState, GatedDelta, RmsNorm
@@ -35,6 +36,9 @@ from fuselane.lanes.cuda.plan import kernels
 
 # The specification's answer for each class (EPILOGUE: native under `fuse_quant`, else decomposed).
 EPILOGUE = "native under fuse_quant"
+# The `ssm_ba` formats the gates with their product take (GdnGateProjections): the binder makes an f32 copy of
+# the matrix from these, and the fit declines any other.
+GATE_MATRIX_FORMATS = frozenset({Format.F32, Format.F16, Format.BF16})
 SPECIFIED: dict[C, Support | str] = {
     C.GDN_STEP: NATIVE,
     C.GDN_GATING: NATIVE,

@@ -38,7 +38,13 @@ from fuselane.graph.ops import (
     Unary,
     UnaryOp,
 )
-from fuselane.lanes.cuda.plan.gdn import DELTA_FORM_LAUNCHES, DELTA_SPLIT, DELTA_WHOLE, delta_chunked
+from fuselane.lanes.cuda.plan.gdn import (
+    DELTA_FORM_LAUNCHES,
+    DELTA_SPLIT,
+    DELTA_WHOLE,
+    GATE_MATRIX_FORMATS,
+    delta_chunked,
+)
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
 
@@ -174,9 +180,9 @@ def _gate_matrix(b, name: str, shape: tuple[int, int]) -> Any:
     key = f"gate-matrix:{name}"
     if key not in b.scratch:
         raw, fmt = b.raw[name]
-        dtypes = {Format.F32: torch.float32, Format.F16: torch.float16, Format.BF16: torch.bfloat16}
-        if fmt not in dtypes:
+        if fmt not in GATE_MATRIX_FORMATS:
             raise PlanMismatch(f"{name}: the gates' projection takes a matrix of floats, not {fmt.name}")
+        dtypes = {Format.F32: torch.float32, Format.F16: torch.float16, Format.BF16: torch.bfloat16}
         b.scratch[key] = raw.view(dtypes[fmt]).float().view(shape).contiguous()
     return b.scratch[key]
 
