@@ -501,17 +501,30 @@ def write_synthetic(
     *,
     seed: int = 0,
     progress: bool = False,
+    formats: Mapping[str, Format] | None = None,
 ) -> Path:
     """Write a checkpoint of `shape` (a Shape or a SHAPES name) with random weights in `mix`; return its path.
 
     Matrices are random blocks of the formats `tensor_formats` gives (values of size ~0.02), norms near one,
-    biases near zero; the tokenizer is `synthetic_tokenizer(shape.vocab, seed)`. The same arguments give the
-    same bytes. `progress` shows a progress bar on stderr. Memory stays at one 64 MiB chunk.
+    biases near zero; the tokenizer is `synthetic_tokenizer(shape.vocab, seed)`. `formats` stores the tensors
+    it names in other formats than the mix's (a file no recipe writes: an MXFP4 matrix in a Q8_0 model). The
+    same arguments give the same bytes. `progress` shows a progress bar on stderr. Memory stays at one 64 MiB
+    chunk.
     """
     label, shape = resolve_shape(shape)
     mix = Mix.parse(mix)
     dims = tensor_shapes(shape)
-    plan = [_Planned(n, dims[n], f, tensor_bytes(f, dims[n])) for n, f in tensor_formats(shape, mix).items()]
+    chosen = tensor_formats(shape, mix)
+    unknown = sorted(set(formats or {}) - set(chosen))
+    if unknown:
+        raise FuselaneError(f"formats name tensors the model does not have: {unknown[:3]}")
+    chosen |= {n: Format(f) for n, f in (formats or {}).items()}
+    ragged = [n for n in formats or {} if dims[n][-1] % LAYOUTS[chosen[n]].values]
+    if ragged:
+        raise FuselaneError(
+            f"'{ragged[0]}' rows of {dims[ragged[0]][-1]} values are not whole {chosen[ragged[0]].name} blocks"
+        )
+    plan = [_Planned(n, dims[n], f, tensor_bytes(f, dims[n])) for n, f in chosen.items()]
     meta = model_metadata(shape, f"synthetic {label} {mix.value}", FILE_TYPES[mix])
     meta["general.description"] = f"fuselane synthetic checkpoint: random weights, mix {mix.value}, seed {seed}"
     meta |= _tokenizer(shape, None, seed)

@@ -70,15 +70,21 @@ def make_lane(
 
 def _cuda_runs(cfg: ModelConfig, tensors: Any, ctx: int, knobs: Any) -> None:
     """Refuse, by the cuda shim's reason, a model whose primitives the cuda lane has no kernels for (a mixture's
-    routing), before torch or a GPU is asked for: the plan side alone decides it."""
+    routing) or whose matrices it decodes nowhere (MXFP4), before torch or a GPU is asked for: the plan side
+    alone decides it."""
     from fuselane.fuse.optimizer import check_runs
     from fuselane.graph.ir import Form
+    from fuselane.lanes.cuda.plan.fits import undecoded
     from fuselane.lanes.cuda.plan.knobs import CudaKnobs
     from fuselane.lanes.cuda.plan.shim import CudaShim
     from fuselane.models import recognizer
 
     graph = recognizer(cfg).recognize(cfg, tensors, Form.DECODE, rows=1, ctx=ctx)
-    check_runs(graph, CudaShim(knobs or CudaKnobs()))
+    shim = CudaShim(knobs or CudaKnobs())
+    check_runs(graph, shim)
+    why = undecoded(graph)
+    if why is not None:
+        raise FuselaneError(f"the {shim.name} lane cannot run this model: {why}")
 
 
 @dataclass(slots=True)

@@ -2,7 +2,8 @@
 
 The checks run in a fixed order: the products' accumulator first; then every primitive the op stands for (a
 soft cap, a sigmoid-gated delta rule, a part of every unit written, a part read in place); then a mixture's
-destination; then the conditions of the op's own class. Each refusal's text is shown to the user by
+destination; then the conditions of the op's own class; last, a matrix in a format no kernel decodes (MXFP4).
+Each refusal's text is shown to the user by
 `fuselane explain`; each threshold is a kernel fact from `kernels`.
 
 How the IR names what the checks read: an attention sits in a FlashDecode / FlashPrefill fold (built before
@@ -71,11 +72,29 @@ def fits(shim: CudaShim, op: Op, g: TensorGraph) -> str | None:
     if moe(op) is not None and op.dst.row is not None and isinstance(op.dst.row.sel, str):
         return "a mixture writes its result at a fixed row, never at one a parameter names"
     if not isinstance(op.sym, Fused):
-        return None
+        return _undecoded(op, g)
     if op.sym.cls in NEOX_ROTATIONS and any(_table_rotation(x.sym) for x in leaves(op) if isinstance(x.sym, Rope)):
         return TABLE_ROTATIONS_APART
     check = _CHECKS.get(op.sym.cls)
-    return None if check is None else check(shim, op, op.sym.parts, g)
+    # a class's own reasons first, which say what its kernels take; then any matrix no kernel decodes
+    return (None if check is None else check(shim, op, op.sym.parts, g)) or _undecoded(op, g)
+
+
+def undecoded(g: TensorGraph) -> str | None:
+    """The first matrix of `g` in a format no kernel of the lane decodes, as `fits` words it, or None: checked
+    before the lane is made, so that `--lane auto` runs such a model on the cpu lane."""
+    return next((why for op in g.ops if (why := _undecoded(op, g)) is not None), None)
+
+
+def _undecoded(op: Op, g: TensorGraph) -> str | None:
+    """A matrix the op reads in a format no kernel of the lane decodes (`kernels.DEQUANT_FORMATS`: every format
+    of the table but MXFP4): its products, gathers and prompt scratch would each stop at it."""
+    for leaf in leaves(op):
+        for name in leaf.ins:
+            t = g.tensors.get(name)
+            if t is not None and isinstance(t.storage, Rows) and t.storage.format not in kernels.DEQUANT_FORMATS:
+                return f"{name} is {t.storage.format.name}, which no kernel of the lane decodes (the cpu lane runs it)"
+    return None
 
 
 def _leaf(leaf: Op) -> str | None:
