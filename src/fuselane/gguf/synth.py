@@ -514,21 +514,24 @@ def write_synthetic(
     label, shape = resolve_shape(shape)
     mix = Mix.parse(mix)
     dims = tensor_shapes(shape)
-    chosen = tensor_formats(shape, mix)
-    unknown = sorted(set(formats or {}) - set(chosen))
-    if unknown:
-        raise FuselaneError(f"formats name tensors the model does not have: {unknown[:3]}")
-    chosen |= {n: Format(f) for n, f in (formats or {}).items()}
-    ragged = [n for n in formats or {} if dims[n][-1] % LAYOUTS[chosen[n]].values]
-    if ragged:
-        raise FuselaneError(
-            f"'{ragged[0]}' rows of {dims[ragged[0]][-1]} values are not whole {chosen[ragged[0]].name} blocks"
-        )
+    chosen = tensor_formats(shape, mix) | _named_formats(dims, formats)
     plan = [_Planned(n, dims[n], f, tensor_bytes(f, dims[n])) for n, f in chosen.items()]
     meta = model_metadata(shape, f"synthetic {label} {mix.value}", FILE_TYPES[mix])
     meta["general.description"] = f"fuselane synthetic checkpoint: random weights, mix {mix.value}, seed {seed}"
     meta |= _tokenizer(shape, None, seed)
     return _write(path, shape, plan, meta, lambda t: _random_chunks(t, seed), progress)
+
+
+def _named_formats(dims: Mapping[str, tuple[int, ...]], formats: Mapping[str, Format] | None) -> dict[str, Format]:
+    """`formats` checked against the model's tensors: each one it has, its rows whole blocks of the format."""
+    named = {n: Format(f) for n, f in (formats or {}).items()}
+    unknown = [n for n in named if n not in dims]
+    if unknown:
+        raise FuselaneError(f"formats name tensors the model does not have: {unknown[:3]}")
+    for name, fmt in named.items():
+        if dims[name][-1] % LAYOUTS[fmt].values:
+            raise FuselaneError(f"'{name}' rows of {dims[name][-1]} values are not whole {fmt.name} blocks")
+    return named
 
 
 def _tokenizer(shape: Shape, tokenizer: Mapping[str, Any] | None, seed: int = 0) -> dict[str, Any]:
@@ -562,18 +565,13 @@ def write_weights(
     extra = [n for n in weights if n not in dims]
     if missing or extra:
         raise FuselaneError(f"weights do not match the {shape.arch} tensors: missing {missing[:3]}, extra {extra[:3]}")
-    formats = dict(formats or {})
-    unknown = [n for n in formats if n not in dims]
-    if unknown:
-        raise FuselaneError(f"formats name tensors the model does not have: {unknown[:3]}")
+    named = _named_formats(dims, formats)
     plan: list[_Planned] = []
     for name, want in dims.items():
         got = tuple(np.shape(weights[name]))
         if got != want:
             raise FuselaneError(f"weight '{name}' has shape {got}, expected {want}")
-        fmt = Format(formats.get(name, Format.F32))
-        if want[-1] % LAYOUTS[fmt].values:
-            raise FuselaneError(f"'{name}' rows of {want[-1]} values are not whole {fmt.name} blocks")
+        fmt = named.get(name, Format.F32)
         plan.append(_Planned(name, want, fmt, tensor_bytes(fmt, want)))
     matrix_formats = Counter({t.fmt: 0 for t in plan})
     for t in plan:
