@@ -233,6 +233,45 @@ def test_parts_of_a_wide_and_a_narrow_product() -> None:
         check(got, want, gamma(k) * scale)
 
 
+# A step's launch in parts of two formats under activations=dequant (Qwen3-Next's Q4_K_M recipe: a delta-rule
+# layer's Q6_K q/k/v rows beside its Q4_K gate; its IQ4_XS recipe: Q5_K beside IQ4_XS, decoded a value at a
+# time): each part in its own format's k loop at the launch's one tile, the second format's part with a bias and
+# landing at a table's row at a device position
+@pytest.mark.parametrize(
+    ("first", "second"), [(Format.Q4_K, Format.Q6_K), (Format.IQ4_XS, Format.Q5_K)], ids=lambda f: f.name
+)
+def test_parts_of_two_formats(first: Format, second: Format, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(int(first) * 31 + int(second))
+    k, widths, fmts = 256, (32, 8, 16), (first, second, first)
+    x = _x(1, k, rng)
+    raws = [raw_weights(f, n, k, rng) for f, n in zip(fmts, widths, strict=True)]
+    bias = rng.standard_normal(widths[1]).astype(np.float32)
+    table = torch.zeros((4, widths[1]), device=DEVICE)
+    pos = torch.tensor([2], dtype=torch.int64, device=DEVICE)
+    outs = [torch.zeros((1, widths[0]), device=DEVICE), table, torch.zeros((1, widths[2]), device=DEVICE)]
+    counter = CountLaunches(gemv_mod._gemv_parts_kernel)
+    monkeypatch.setattr(gemv_mod, "_gemv_parts_kernel", counter)
+    parts = [Part(dev(raws[0]), widths[0], outs[0]), Part(dev(raws[1]), widths[1], table, dev(bias), (pos, widths[1])),
+             Part(dev(raws[2]), widths[2], outs[2])]  # fmt: skip
+    gemv_parts(dev(x), parts, fmts)
+    assert counter.launches == 1
+    for i, (raw, f, n) in enumerate(zip(raws, fmts, widths, strict=True)):
+        want, scale = _reference(x, raw, f, n, k)
+        b = bias if i == 1 else np.zeros(n)
+        got = table[2:3] if i == 1 else outs[i]
+        check(got, want + b, gamma(k + EPILOGUE_ROUNDINGS) * (scale + np.abs(b)))
+    assert not table[[0, 1, 3]].any()
+
+
+def test_parts_take_at_most_two_formats() -> None:
+    rng = np.random.default_rng(52)
+    fmts = (Format.Q4_K, Format.Q6_K, Format.Q8_0)
+    x = dev(_x(1, 256, rng))
+    parts = [Part(dev(raw_weights(f, 4, 256, rng)), 4, torch.zeros((1, 4), device=DEVICE)) for f in fmts]
+    with pytest.raises(ValueError, match="at most 2 formats"):
+        gemv_parts(x, parts, fmts)
+
+
 def test_parts_take_at_most_gemm_parts() -> None:
     rng = np.random.default_rng(50)
     raw, x = dev(raw_weights(Format.Q8_0, 8, 64, rng)), dev(_x(1, 64, rng))

@@ -70,6 +70,31 @@ def test_turned_in_the_epilogue_as_in_a_launch_of_its_own(fmt: Format, normed: b
     assert_turned_alike(want, got, normed, counters)
 
 
+def test_turned_beside_value_rows_in_another_format() -> None:
+    # a Q4_K_M layer's Q6_K value rows beside its Q4_K query and key (rope_epilogue=on): the GEMV by rows takes
+    # both formats in one launch and turns the heads as its launch without the turn, then the rotations, do
+    rng = np.random.default_rng(21)
+    fmts = (Format.Q4_K, Format.Q4_K, Format.Q6_K)
+    wq, wk, wv = (dev(raw_weights(f, n * HD, K, rng)) for f, n in zip(fmts, (HEADS, KV, KV), strict=True))
+    x = dev(rng.standard_normal((1, K)).astype(np.float32))
+    pos = torch.tensor([POS], dtype=torch.int32, device=DEVICE)
+    pitch = KV * HD
+
+    raw_q, raw_k, q_out, k_cache, v_cache = want = _outputs()
+    parts = [Part(wq, HEADS * HD, raw_q), Part(wk, KV * HD, raw_k), Part(wv, KV * HD, v_cache, None, (pos, pitch))]
+    rows.gemv_parts(x, parts, fmts)
+    rope.rope_q_k(raw_q, raw_k, q_out, k_cache, pos, heads=HEADS, kv_heads=KV, hd=HD, base=BASE,
+                  k_cache_row_pitch=pitch)  # fmt: skip
+
+    raw_q, raw_k, q_out, k_cache, v_cache = got = _outputs()
+    parts = [Part(wq, HEADS * HD, raw_q), Part(wk, KV * HD, raw_k), Part(wv, KV * HD, v_cache, None, (pos, pitch))]
+    counters = rope_counters(HEADS, KV, DEVICE)
+    q, k = Turn(0, q_out, HEADS), Turn(1, k_cache, KV, pitch)
+    f32_rope.gemv_f32_parts_rope(x, parts, fmts, q, k, pos, counters, hd=HD, base=BASE)
+
+    assert_turned_alike(want, got, False, counters)
+
+
 def test_the_f32_turns_take_one_row_in_a_format_they_decode() -> None:
     rng = np.random.default_rng(4)
     (wq, wk, _), x, _ = _layer(Format.Q5_K, False, rng)

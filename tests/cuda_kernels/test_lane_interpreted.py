@@ -148,14 +148,14 @@ def test_int8_activations_multiply_with_dp4a(tmp_path, monkeypatch, arch):
     own = kernels.norm_in_own_launch(kernels.Mode.INT8, shape.n_ff, shape.n_embd)
     assert bool(calls.get("norm_q8")) == own, calls
     # against the f32 GEMVs turning the same heads in their epilogue (`f32_rope`): the int8 step's one launch more
-    # is the embedding's norm quantizing, and under norm_launch a down projection's add + norm; one less a layer
-    # whose value rows are in another format (the Q4_K_M recipe's Q6_K attn_v), which join the int8 GEMV's parts
-    # (two formats in one launch) and keep a launch of their own beside the f32 GEMV's
+    # is the embedding's norm quantizing, and under norm_launch a down projection's add + norm. A layer whose
+    # value rows are in another format (the Q4_K_M recipe's Q6_K attn_v) takes them into its GEMV in parts under
+    # both numerics (two formats in one launch: the int8 GEMV, the f32 GEMV by rows)
     formats = tensor_formats(shape, mix)
     mixed = sum(formats[f"blk.{i}.attn_v.weight"] != formats[f"blk.{i}.attn_q.weight"] for i in range(shape.n_layers))
     assert mix != "q4_k_m" or mixed  # the Q4_K_M layer's Q6_K value rows ran in the two formats' launch above
     plain = load(path, lane="cuda", ctx=32, knobs=["activations=dequant", "rope_epilogue=on"])
-    assert gpu.lane.step(1).launches == plain.lane.step(1).launches + 1 + own * shape.n_layers - mixed
+    assert gpu.lane.step(1).launches == plain.lane.step(1).launches + 1 + own * shape.n_layers
 
 
 def test_rope_epilogue_auto_turns_only_the_layers_that_need_it(tmp_path):
@@ -182,7 +182,9 @@ def test_rope_epilogue_auto_turns_only_the_layers_that_need_it(tmp_path):
 
 def test_dequant_turns_the_query_and_key_in_the_f32_gemvs_epilogue(tmp_path, monkeypatch):
     # activations=dequant: layer 1's query and key (its Q6_K attn_v a launch of its own) turn in the f32 QKV
-    # GEMV's epilogue (`f32_rope`) under rope_epilogue=auto, every layer's under on; within the f32 contract
+    # GEMV's epilogue (`f32_rope`) under rope_epilogue=auto, every layer's under on; within the f32 contract. As
+    # under int8 activations, off and on take layer 1's value rows into its GEMV as a second format (the f32 GEMV
+    # by rows takes two), so auto turns its heads at no launch fewer than off
     from fuselane.gguf.synth import Shape
     from fuselane.lanes.cuda.triton.gemv import f32_rope
 
@@ -197,10 +199,18 @@ def test_dequant_turns_the_query_and_key_in_the_f32_gemvs_epilogue(tmp_path, mon
         return load(path, lane="cuda", ctx=32, knobs=["activations=dequant", *knobs]).lane.step(1).launches
 
     off, auto, on = (launches(f"rope_epilogue={v}") for v in ("off", "auto", "on"))
-    assert (auto, on) == (off - 1, off - 2)
+    assert (auto, on) == (off, off - 2)
     calls.clear()
     _int8_within_contract(path, ["activations=dequant", "rope_epilogue=on"], steps=1)
     assert calls  # the step's two layers turned their heads in the f32 GEMV
+    # off: layer 1's Q4_K query and key and its Q6_K value rows in one launch of the GEMV by rows, unturned
+    from fuselane.lanes.cuda.triton.gemv import rows
+
+    calls.clear()
+    plain, mixed = rows.gemv_parts, []
+    monkeypatch.setattr(rows, "gemv_parts", lambda x, p, fmt, **k: mixed.append(fmt) or plain(x, p, fmt, **k))
+    _int8_within_contract(path, ["activations=dequant", "rope_epilogue=off"], steps=1)
+    assert [f for f in mixed if isinstance(f, list) and len(set(f)) == 2] and not calls
 
 
 def test_int8_products_quantize_what_their_producer_did_not(tmp_path):

@@ -291,11 +291,31 @@ def test_every_recipe_keeps_the_budget(mix, knobs):
     assert max(per_layer.values()) <= LAUNCH_BUDGET, per_layer
 
 
-def test_two_formats_do_not_share_a_gemv_that_reads_f32():
-    # the f32 GEMVs (activations=dequant) decode one format a launch: the value rows keep their own
+def test_two_formats_share_a_step_gemv_that_reads_f32():
+    # the f32 GEMV by rows (activations=dequant) takes a step's parts in two formats, as the int8 GEMV does: the
+    # value rows land from the full-attention layer's GEMV in parts, the delta-rule layers' Q6_K q/k/v rows share
+    # theirs with the Q4_K gate and gates
     g = graph("qwen3-next-80b-a3b", 1, v_fmt=Format.Q6_K)
     plan = optimize(g, CudaShim(CudaKnobs.parse(["activations=dequant"])))
-    (value,) = [op for op in plan.ops if class_of(op) is C.ROW_WRITE and "attn_v" in op.ins[1]]
+    assert not [op for op in plan.ops if class_of(op) is C.ROW_WRITE and "attn_v" in op.ins[1]]
+    merged = [op for op in plan.ops if class_of(op) is C.MERGED_QKV]
+    mixes = [{g.tensors[w].storage.format for w in op.ins if w.endswith("weight")} for op in merged]
+    assert {Format.Q4_K, Format.Q6_K} in mixes, mixes
+
+
+def test_two_formats_do_not_share_a_gemv_of_a_batchs_rows_that_reads_f32():
+    # past a step's one row the f32 GEMV decodes one format a launch: the value rows keep their own
+    g = graph("qwen3-next-80b-a3b", 4, v_fmt=Format.Q6_K)
+    plan = optimize(g, CudaShim(CudaKnobs.parse(["activations=dequant"])))
     for op in plan.ops:
         if class_of(op) is C.MERGED_QKV:
             assert len({g.tensors[w].storage.format for w in op.ins if w.endswith("weight")}) == 1, op.out
+
+
+@pytest.mark.parametrize("mix", [m.value for m in Mix if m is not Mix.Q4_K_M_05B])
+def test_every_recipe_keeps_the_budget_reading_f32(mix):
+    # activations=dequant: the recipes' second formats join the f32 GEMV by rows' parts, so no layer takes a
+    # launch more for them than under int8 activations
+    g = graph("qwen3-next-80b-a3b", 1, mix=mix)
+    per_layer = launches_per_layer(optimize(g, CudaShim(CudaKnobs.parse(["activations=dequant"]))))
+    assert max(per_layer.values()) <= LAUNCH_BUDGET, per_layer

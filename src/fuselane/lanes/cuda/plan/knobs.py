@@ -154,9 +154,9 @@ class CudaKnobs:
       format, takes a launch of its own: a Q4_K_M layer's Q6_K attn_v). Elsewhere they keep a launch after
       the GEMV, which was never slower (benchmarks/RESULTS.md). `on` turns them in every layer
       whose tile divides a head, `off` in none; under either the V product in another format joins the
-      GEMV as its second format (the int8 GEMV's parts take two: `CudaShim._formats_mix`). Under
-      `activations=dequant` the f32 GEMVs turn them alike (`triton/gemv/f32_rope.py`, a step's one row,
-      heads of a multiple of 16 values): there a mixture's
+      GEMV as its second format (a step's GEMVs take two: the int8 GEMV, and under dequant the f32 GEMV by
+      rows; `CudaShim._formats_mix`). Under `activations=dequant` the f32 GEMVs turn them alike
+      (`triton/gemv/f32_rope.py`, a step's one row, heads of a multiple of 16 values): there a mixture's
       layer with its V apart takes its router's launch too, and would take 8 (not timed against the launch
       after the GEMV).
     - `weight_loads=as-written`: the int8 GEMVs read their weights on the read-only path, where ptxas sinks a

@@ -14,8 +14,8 @@ kernels size themselves by:
   result at a row a parameter names;
 - a product by checkpoint rows reads its activation quantized under the lane's quantized numerics (one int8
   word a value, or two), and a producer quantizes in its epilogue under `fuse_quant` where its kernel can;
-- several products of one activation are one launch in parts: at most four, one format (two in a step's int8
-  GEMV), in the GEMV one number of rows a warp (the GEMM in parts on the tensor cores has no kernel yet).
+- several products of one activation are one launch in parts: at most four, one format (two in a step's one
+  row, int8 or f32), in the GEMV one number of rows a warp (the GEMM in parts on the tensor cores has no kernel yet).
 
 A class is native only where the lane has the kernel that runs it in one launch (`launch.BINDERS`); the
 specified classes it has no kernel for yet run as their parts (`NO_KERNEL_CLASSES`). The lane's own rules
@@ -512,7 +512,7 @@ class CudaShim:
 
     def gemv_in_parts(self, members: Sequence[Op], g: TensorGraph) -> bool:
         """Whether every member of a GEMV in parts is one the GEMV takes together: at most four, one
-        activation, one format (two in the one-row int8 GEMV: `_formats_mix`). Any widths: the int8 GEMV's and
+        activation, one format (two in a step's one-row GEMVs: `_formats_mix`). Any widths: the int8 GEMV's and
         the fast GEMV's tiles are their format's, and the GEMV by rows takes its narrowest part's tile (one row
         a warp where any part's is), so a wide query and a narrow key and value share a launch."""
         products = [self.part_product(m, g) for m in members]
@@ -532,13 +532,18 @@ class CudaShim:
         )
 
     def _formats_mix(self, members: Sequence[Op], products: Sequence[GemvForm], g: TensorGraph) -> bool:
-        """Whether a GEMV in parts takes its members' weights: one storage, or in the one-row int8 GEMV rows of
-        `kernels.GEMV_PARTS_FORMATS` formats (Q4_K_M's Q6_K attn_v or Qwen3-Next attn_qkv), except where
-        the second would cost the query and key their turn in the epilogue (`rope_epilogue=auto`)."""
+        """Whether a GEMV in parts takes its members' weights: one storage, or a step's one row's rows of
+        `kernels.GEMV_PARTS_FORMATS` formats (Q4_K_M's Q6_K attn_v or Qwen3-Next attn_qkv) in the int8 GEMV, or
+        in the f32 GEMV by rows where none reads int8 (`activations=dequant`), except where the second would
+        cost the query and key their turn in the epilogue (`rope_epilogue=auto`)."""
         first = products[0].weights
         if all(p.weights == first for p in products):
             return True
-        if not all(isinstance(p.weights, Rows) and p.m == 1 and self.reads_int8(p, g) for p in products):
+        if not all(isinstance(p.weights, Rows) and p.m == 1 for p in products):
+            return False
+        int8 = [self.reads_int8(p, g) for p in products]
+        f32 = not any(int8) and all(kernels.rows_gemv(p.weights.format, 1) for p in products)  # type: ignore[union-attr]
+        if not (all(int8) or f32):
             return False
         if len({p.weights for p in products}) > kernels.GEMV_PARTS_FORMATS:
             return False

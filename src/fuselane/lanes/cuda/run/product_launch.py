@@ -222,15 +222,18 @@ def merged(op: Op, b: Any):
     x, fmt = b.bufs[first.ins[0]], b.raw[first.ins[1]][1]
     fmts = [b.raw[leaves(m)[0].ins[1]][1] for m in bare]
     q8 = q8_in(first.ins[0], fmt, spec.m, spec.k, b, *(p[2] for p in products))
-    if len(set(fmts)) > 1:  # two formats: the one-row int8 GEMV's parts only (`CudaShim.gemv_in_parts`)
-        if q8 is None or spec.m != 1 or not all(q8[0].supports(f, 1, spec.k) for f in fmts):
-            raise PlanMismatch(f"{op.out}: products of two formats in parts run in the one-row int8 GEMV only")
+    if len(set(fmts)) > 1:  # two formats: a step's one row, int8 or f32 (`CudaShim._formats_mix`)
+        int8 = q8 is not None and all(q8[0].supports(f, 1, spec.k) for f in fmts)
+        if spec.m != 1 or not (int8 or q8 is None and all(kernels.rows_gemv(f, 1) for f in fmts)):
+            raise PlanMismatch(f"{op.out}: products of two formats in parts run in a step's one-row GEMVs only")
         fmt = fmts
     if turned:
         return [_turned_in_gemv(turned, members, products, q8[1] if q8 is not None else x, q8 is not None, fmt, b)]
     if q8 is not None:
         gemv_q8, acts = q8
         return [lambda: gemv_q8.gemv_q8_parts(acts, products, fmt)]
+    if isinstance(fmt, list):  # the f32 GEMV by rows takes two formats
+        return [lambda: gemv.gemv_parts(x, products, fmt)]
     fast = _fast(fmt, spec.m, *(p[2] for p in products))
     if fast is not None:
         return [lambda: fast.gemv_fast_parts(x, products, fmt)]

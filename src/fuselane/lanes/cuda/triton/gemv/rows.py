@@ -24,8 +24,8 @@ Q5_0, the full rate for F16. (The int8 activations' dp4a kernels are the lane's 
 Three launchers, each one launch, none allocating:
 - `gemv`: one product, with its bias, a residual added, or landing in a row of a table (a KV cache) at a
   position read on the device, so a captured CUDA graph replays at a new position;
-- `gemv_parts`: up to `kernels.GEMM_PARTS` products of one format reading one activation (a layer's q, k
-  and v), programs mapped to parts by their cumulative tiles;
+- `gemv_parts`: up to `kernels.GEMM_PARTS` products of one format, or a step's of two, reading one activation
+  (a layer's q, k and v), programs mapped to parts by their cumulative tiles;
 - `gemv_gate_up_glu`: a gate and an up product with SwiGLU in the epilogue.
 `epilogue` builds on these: `gemv_add_norm` (a step's projection plus residual whose last program norms
 the row, GemvNormEpilogue in one launch) and `dequantize` (a whole matrix decoded on the device).
@@ -44,7 +44,15 @@ from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.kernels import stored_row_bytes, stored_span_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.formats import SLOTS, dot_rows
-from fuselane.lanes.cuda.triton.gemv.parts import Part, PartArgs, check_bias, check_rows, pack_parts, part_out
+from fuselane.lanes.cuda.triton.gemv.parts import (
+    Part,
+    PartArgs,
+    check_bias,
+    check_rows,
+    pack_parts,
+    part_formats,
+    part_out,
+)
 
 # The most f32 partial sums a thread keeps for its m rows' slot values: a step's slot is cut finer as m grows
 # so that m times the values a thread holds stays within it. At 64 the sm_90 build needs at most 128
@@ -149,24 +157,31 @@ def store_part(
 def _gemv_parts_kernel(
     x, x_pitch, m, parts, res, res_pitch,
     FMT: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr,
+    STAGES: tl.constexpr, SECOND: tl.constexpr, FMT_B: tl.constexpr, ROW_BYTES_B: tl.constexpr,
+    STEPS_B: tl.constexpr, UNITS_B: tl.constexpr, SPLIT_B: tl.constexpr, STAGES_B: tl.constexpr,
     PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
-    parts_body(x, x_pitch, m, parts, res, res_pitch, FMT, ROW_BYTES, STEPS, UNITS, SPLIT, PARTS, BIAS, AT_ROW, HAS_RES,
-               BLOCK_M, BLOCK_N, STAGES)  # fmt: skip
+    parts_body(x, x_pitch, m, parts, res, res_pitch, FMT, ROW_BYTES, STEPS, UNITS, SPLIT, STAGES, SECOND, FMT_B,
+               ROW_BYTES_B, STEPS_B, UNITS_B, SPLIT_B, STAGES_B, PARTS, BIAS, AT_ROW, HAS_RES, BLOCK_M,
+               BLOCK_N)  # fmt: skip
 
 
 @triton.jit
 def parts_body(
     x, x_pitch, m, parts, res, res_pitch,
     FMT: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr,
+    STAGES: tl.constexpr, SECOND: tl.constexpr, FMT_B: tl.constexpr, ROW_BYTES_B: tl.constexpr,
+    STEPS_B: tl.constexpr, UNITS_B: tl.constexpr, SPLIT_B: tl.constexpr, STAGES_B: tl.constexpr,
     PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """A launch in parts' program (`parts`: a `parts.PartsArgs`; part p owns tiles [t_p, t_{p+1}); BIAS and AT_ROW
-    hold a bit a part; the residual is part 0's): its part's rows summed and stored. Returns the part and the
-    program's tile in it, for an epilogue of a kernel's own after it (`f32_rope`)."""
+    hold a bit a part; the residual is part 0's): its part's rows summed and stored. SECOND holds a bit for each
+    part in the second format (FMT_B and its k loop's constants), 0 where every part is in FMT: a program's part
+    is one format, so it walks one body. Returns the part and the program's tile in it, for an epilogue of a
+    kernel's own after it (`f32_rope`)."""
     p, t = parts.items, parts.first
     pid = tl.program_id(0)
     part = (pid >= t[0]).to(tl.int32)
@@ -179,10 +194,15 @@ def parts_body(
     first = _pick(part, 0, t[0], t[1], t[2], PARTS)
     rows = (pid - first) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past the part's end read its last row (no masked loads in the k loop); the store drops them.
-    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    row = tl.minimum(rows, n - 1).to(tl.int64)
     mi = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     x_rows = x + tl.minimum(mi, m - 1) * x_pitch
-    y = dot_rows(w_rows, x_rows, FMT, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES)
+    if SECOND == 0:
+        y = dot_rows(w + row * ROW_BYTES, x_rows, FMT, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES)
+    elif ((tl.full((), SECOND, tl.int32) >> part) & 1) != 0:
+        y = dot_rows(w + row * ROW_BYTES_B, x_rows, FMT_B, STEPS_B, UNITS_B, SPLIT_B, BLOCK_M, BLOCK_N, STAGES_B)
+    else:
+        y = dot_rows(w + row * ROW_BYTES, x_rows, FMT, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES)
     store_part(y, part, rows, n, mi, m, p, res, res_pitch, PARTS, BIAS, AT_ROW, HAS_RES)
     return part, pid - first
 
@@ -271,23 +291,27 @@ def row_tiles(m: int) -> tuple[int, int]:
 # --- launchers ---------------------------------------------------------------------------------------------------
 
 
-def parts_launch(x: torch.Tensor, parts: Sequence[Part | tuple], fmt: Format,
+def parts_launch(x: torch.Tensor, parts: Sequence[Part | tuple], fmt: Format | Sequence[Format],
                  residual: torch.Tensor | None) -> tuple[tuple[int, int], list, dict]:  # fmt: skip
     """A launch in parts on `x`, checked: its grid, its arguments (the activation's first) and its constants
-    (`num_warps` among them)."""
-    fmt = Format(fmt)
+    (`num_warps` among them). `fmt`: the parts' format, or each part's, of at most
+    `kernels.GEMV_PARTS_FORMATS`; the tile is the one of fewer rows a warp of the two."""
     parts = [Part(*p) for p in parts]
     if not 1 <= len(parts) <= kernels.GEMM_PARTS:
         raise ValueError(f"a launch in parts takes 1..{kernels.GEMM_PARTS} parts, not {len(parts)}")
+    fmts = part_formats(fmt, len(parts))
+    first = fmts[0]
+    second = next((f for f in fmts if f is not first), first)
+    if len(set(fmts)) > kernels.GEMV_PARTS_FORMATS:
+        raise ValueError(f"a launch in parts takes at most {kernels.GEMV_PARTS_FORMATS} formats, not {len(set(fmts))}")
     k = x.shape[1]
     m = check_x(x, k)
-    block_n, warps = tile(fmt, min(p.n for p in parts), k, m)
+    block_n, warps = min(tile(f, min(p.n for p in parts), k, m) for f in (first, second))
     block_m, m_tiles = row_tiles(m)
-    steps, units, split = plan(fmt, k, block_n, warps, block_m)
     entries: list[PartArgs] = []
     bias_bits = row_bits = 0
-    for i, p in enumerate(parts):
-        check_rows(p.w, fmt, p.n, k)
+    for i, (p, f) in enumerate(zip(parts, fmts, strict=True)):
+        check_rows(p.w, f, p.n, k)
         check_bias(p.bias, p.n)
         out, pitch, pos = part_out(p, m)
         bias_bits |= (p.bias is not None) << i
@@ -305,20 +329,31 @@ def parts_launch(x: torch.Tensor, parts: Sequence[Part | tuple], fmt: Format,
         x if residual is None else residual,
         0 if residual is None else residual.stride(0),
     ]
-    consts = dict(FMT=int(fmt), ROW_BYTES=stored_row_bytes(fmt, k), STEPS=steps, UNITS=units, SPLIT=split,
-                  PARTS=len(parts), BIAS=bias_bits, AT_ROW=row_bits, HAS_RES=residual is not None, BLOCK_M=block_m,
-                  BLOCK_N=block_n, STAGES=stages(fmt), num_warps=warps)  # fmt: skip
+    consts = _loop_consts(first, k, block_n, warps, block_m, "")
+    consts |= _loop_consts(second, k, block_n, warps, block_m, "_B")
+    consts |= dict(SECOND=sum(1 << i for i, f in enumerate(fmts) if f is not first), PARTS=len(parts), BIAS=bias_bits,
+                   AT_ROW=row_bits, HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                   num_warps=warps)  # fmt: skip
     return (tiles, m_tiles), args, consts
+
+
+def _loop_consts(fmt: Format, k: int, block_n: int, warps: int, block_m: int, suffix: str) -> dict:
+    """A format's k-loop constants at a launch's tile, each name with `suffix` (a launch's second format's)."""
+    steps, units, split = plan(fmt, k, block_n, warps, block_m)
+    consts = dict(FMT=int(fmt), ROW_BYTES=stored_row_bytes(fmt, k), STEPS=steps, UNITS=units, SPLIT=split,
+                  STAGES=stages(fmt))  # fmt: skip
+    return {name + suffix: v for name, v in consts.items()}
 
 
 def gemv_parts(
     x: torch.Tensor,
     parts: Sequence[Part | tuple],
-    fmt: Format,
+    fmt: Format | Sequence[Format],
     *,
     residual: torch.Tensor | None = None,
 ) -> None:
-    """One launch of up to `kernels.GEMM_PARTS` products of one format reading the same `x` (m, k).
+    """One launch of up to `kernels.GEMM_PARTS` products reading the same `x` (m, k), in one format or two
+    (`fmt`: the parts', or each part's).
 
     Each part is a `Part` (or a tuple in its order: w, n, out, bias|None, out_row|None): its `out` gets
     x @ W^T (+ bias), (m, n) or rows of a table at a position read on the device. `residual` (m, n0), if
