@@ -175,11 +175,12 @@ def test_the_real_shape_in_f16_runs_the_gates_product_in_the_graph(tmp_path, sta
 
 
 @pytest.mark.cuda
-def test_the_real_shape_in_q4_k_m_runs_two_formats_in_each_gemv_in_parts(tmp_path):
+@pytest.mark.parametrize("activations", ["int8", "dequant"])
+def test_the_real_shape_in_q4_k_m_runs_two_formats_in_each_gemv_in_parts(tmp_path, activations):
     """Four layers of the real shape in llama.cpp's Q4_K_M recipe: layer 2's Q6_K q/k/v rows beside its Q4_K gate
     and gates, the full-attention layer's Q6_K value rows beside its Q4_K query/gate and key, each layer's products
-    of its input in one int8 GEMV (of two formats in those two); the captured step's logits within the contract of
-    the cpu lane's in f64."""
+    of its input in one GEMV (of two formats in those two): the int8 GEMV, or under dequant the f32 GEMV by rows;
+    the captured step's logits within the contract of the cpu lane's in f64."""
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
     from fuselane.gguf.formats import Format
@@ -188,7 +189,7 @@ def test_the_real_shape_in_q4_k_m_runs_two_formats_in_each_gemv_in_parts(tmp_pat
     formats = tensor_formats(REAL, "q4_k_m")
     assert formats["blk.2.attn_qkv.weight"] is Format.Q6_K and formats["blk.3.attn_v.weight"] is Format.Q6_K
     path = write_synthetic(tmp_path / "m.gguf", REAL, "q4_k_m", seed=7)
-    gpu = load(path, lane="cuda", ctx=32)
+    gpu = load(path, lane="cuda", ctx=32, knobs=[f"activations={activations}"])
     bound = [class_of(op) for op, _ in gpu.lane.step(1).bound]
     assert bound.count(C.MERGED_QKV) == REAL.n_layers and C.ROW_WRITE not in bound
     _captured_steps_as_the_cpu_lane(gpu, path)
