@@ -1,6 +1,7 @@
-"""The launch budget of a decode step, at the lane's default knobs: at most LAUNCH_BUDGET launches a layer on
-every dense Qwen shape published (0.5B to 72B, Qwen2.5 and Qwen3) in every quantization mix the synthetic
-writer knows, not only the four of ANCHORS.md.
+"""The launch budget of a decode step: at most LAUNCH_BUDGET launches a layer on every dense Qwen shape
+published (0.5B to 72B, Qwen2.5 and Qwen3) in every quantization mix the synthetic writer knows, not only the
+four of ANCHORS.md, at the lane's default knobs and under dequantized activations; and on those shapes and the
+Qwen mixtures' at every setting of the knobs that move launches.
 
 Plans are built from tensor stubs (shapes and the mix's formats), so no file is written. Each shape keeps its
 widths at LAYERS layers: a layer's launches depend on its widths and its tensors' formats, and the recipes give
@@ -16,13 +17,14 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
+from fuselane.explain import launches_per_layer as plan_launches
 from fuselane.fuse.optimizer import covered, optimize
 from fuselane.gguf.synth import SHAPES, Mix, Shape, model_metadata, tensor_formats, tensor_shapes
 from fuselane.graph.ir import Form
 from fuselane.lanes.cuda.plan.kernels import QBLOCK
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
 from fuselane.lanes.cuda.plan.shim import CudaShim
-from fuselane.models import config_of, qwen
+from fuselane.models import config_of, qwen, recognizer
 from tests.lanes.test_cuda_launches import Stub, launches_per_layer
 
 LAUNCH_BUDGET = 7  # a decode step's launches a layer
@@ -123,3 +125,30 @@ def test_a_yarn_file_keeps_the_budget(name: str, mix: Mix) -> None:
     g, cfg = _decode_graph(replace(PUBLISHED[name], n_layers=LAYERS, yarn_factor=4.0, yarn_original=32768), name, mix)
     assert cfg.yarn is not None
     assert max(launches_per_layer(g, optimize(g, CudaShim(CudaKnobs()))).values()) <= LAUNCH_BUDGET
+
+
+# The knobs whose settings change a decode step's launches: its numerics, where the query's and key's rotations
+# turn, and whether a down projection's add and norm take a launch of their own.
+LAUNCH_KNOBS = [
+    [f"activations={a}", f"rope_epilogue={r}", f"norm_launch={n}"]
+    for a in ("int8", "dequant")
+    for r in ("auto", "on", "off")
+    for n in ("on", "off")
+]
+MIXTURES = [name for name, shape in SHAPES.items() if shape.arch in ("qwen2moe", "qwen3moe", "qwen3next")]
+
+
+@pytest.mark.parametrize("name", [*PUBLISHED, *(m for m in MIXTURES if "tiny" not in m)])
+def test_every_launch_knob_keeps_the_budget(name: str) -> None:
+    # every setting of the knobs that move launches, on every Qwen shape and mix: a setting no benchmark runs
+    # keeps the budget too (Qwen3-Next's K and IQ recipes under dequant took 8 a layer before the f32 GEMV by
+    # rows took a step's two formats)
+    shape = replace(SHAPES.get(name) or PUBLISHED[name], n_layers=LAYERS)
+    for mix in (m for m in Mix if m is not Mix.Q4_K_M_05B):
+        formats = tensor_formats(shape, mix)
+        tensors = {n: Stub(dims, formats[n]) for n, dims in tensor_shapes(shape).items()}
+        cfg = config_of(model_metadata(shape, name, 0) | {"general.architecture": shape.arch}, tensors)
+        g = recognizer(cfg).recognize(cfg, tensors, Form.DECODE, rows=1, ctx=4096)
+        for knobs in LAUNCH_KNOBS:
+            per_layer = plan_launches(optimize(g, CudaShim(CudaKnobs.parse(knobs))))  # a view is no launch
+            assert max(per_layer.values()) <= LAUNCH_BUDGET, (mix.value, knobs, per_layer)
