@@ -193,3 +193,18 @@ def test_the_real_shape_in_q4_k_m_runs_two_formats_in_each_gemv_in_parts(tmp_pat
     bound = [class_of(op) for op, _ in gpu.lane.step(1).bound]
     assert bound.count(C.MERGED_QKV) == REAL.n_layers and C.ROW_WRITE not in bound
     _captured_steps_as_the_cpu_lane(gpu, path)
+
+
+def test_two_formats_share_a_step_gemv_reading_f32(tmp_path):
+    # activations=dequant: the delta-rule layer's Q8_0 q/k/v and gate rows beside its F32 gates' rows, the
+    # full-attention layer's Q8_0 query/gate and key beside its Q4_0 value rows, each one launch of the f32 GEMV
+    # by rows in two formats; the prompt's and a decode step's logits within the contract of the cpu lane in f64
+    from fuselane.gguf.formats import Format
+
+    formats = {"blk.0.ssm_ba.weight": Format.F32, "blk.1.attn_v.weight": Format.Q4_0}
+    path = write_synthetic(tmp_path / "m.gguf", TINY, "q8_0", seed=6, formats=formats)
+    gpu = load(path, lane="cuda", ctx=16, knobs=["activations=dequant"])
+    merged = [op for op, _ in gpu.lane.step(1).bound if class_of(op) is C.MERGED_QKV]
+    assert {n for op in merged for n in op.ins} >= set(formats)
+    assert not [op for op, _ in gpu.lane.step(1).bound if class_of(op) is C.ROW_WRITE]
+    _same_as_the_cpu_lane(gpu, load(path, lane="cpu", ctx=16, dtype=np.float64), PROMPT)
