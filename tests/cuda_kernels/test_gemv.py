@@ -237,8 +237,11 @@ def test_parts_of_a_wide_and_a_narrow_product() -> None:
 # layer's Q6_K q/k/v rows beside its Q4_K gate; its IQ4_XS recipe: Q5_K beside IQ4_XS, decoded a value at a
 # time): each part in its own format's k loop at the launch's one tile, the second format's part with a bias and
 # landing at a table's row at a device position
+# (Q3_K beside Q5_K: its Q3_K_M recipe; Q8_0 beside F32: a file whose gates' rows the converter kept in floats)
 @pytest.mark.parametrize(
-    ("first", "second"), [(Format.Q4_K, Format.Q6_K), (Format.IQ4_XS, Format.Q5_K)], ids=lambda f: f.name
+    ("first", "second"),
+    [(Format.Q4_K, Format.Q6_K), (Format.IQ4_XS, Format.Q5_K), (Format.Q3_K, Format.Q5_K), (Format.Q8_0, Format.F32)],
+    ids=lambda f: f.name,
 )
 def test_parts_of_two_formats(first: Format, second: Format, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(int(first) * 31 + int(second))
