@@ -104,10 +104,11 @@ def test_gemm_bias_residual_and_rows_of_a_table():
 def test_supports_and_refusals():
     assert G.supports(Format.Q4_K, 4096) and G.supports(Format.Q5_0, 896) and G.supports(Format.Q8_0, 4864)
     assert G.supports(Format.Q8_0, 96) and G.step_units(Format.Q8_0, 96) == 1  # three blocks: a block a step
-    assert G.supports(Format.IQ4_XS, 4096) and not G.supports(Format.MXFP4, 4096)  # no device decode of MXFP4
+    assert G.supports(Format.IQ4_XS, 4096) and G.supports(Format.MXFP4, 4096)  # MXFP4 kept as IQ4_NL is
+    assert not G.supports(Format.Q4_K, 96)  # rows of whole super-blocks only
     raw = dev(raw_weights(Format.Q8_0, 8, 256, np.random.default_rng(0)))
     with pytest.raises(ValueError, match="no prefill GEMM"):
-        G.gemm(torch.zeros((4, 256), device=DEVICE), raw, Format.MXFP4, 8, 256, torch.empty((4, 8), device=DEVICE))
+        G.gemm(torch.zeros((4, 96), device=DEVICE), raw, Format.Q4_K, 8, 96, torch.empty((4, 8), device=DEVICE))
     with pytest.raises(ValueError, match="out must be"):
         G.gemm(torch.zeros((4, 256), device=DEVICE), raw, Format.Q8_0, 8, 256, torch.empty((4, 9), device=DEVICE))
 

@@ -63,6 +63,7 @@ ALL = (
     Format.Q3_K,
     Format.IQ4_NL,
     Format.IQ4_XS,
+    Format.MXFP4,
 )
 QUANTIZABLE = (Format.F32, Format.F16, Format.BF16, Format.Q8_0, Format.Q4_0, Format.Q4_1, Format.Q5_0, Format.Q5_1)
 K = 512  # two K super-blocks, sixteen 32-value blocks: every format's loop takes more than one step

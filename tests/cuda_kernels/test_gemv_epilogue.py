@@ -61,7 +61,7 @@ ALL = (
     Format.Q6_K,
 )
 # the whole-matrix decode takes these too: the int8 GEMV's formats that the GEMVs by rows do not decode
-DECODED = ALL + (Format.Q2_K, Format.Q3_K, Format.IQ4_NL, Format.IQ4_XS)
+DECODED = ALL + (Format.Q2_K, Format.Q3_K, Format.IQ4_NL, Format.IQ4_XS, Format.MXFP4)
 N, K = 256, 512  # a norm of 256 values; two K super-blocks a row, so every format's loop takes several steps
 
 

@@ -106,4 +106,4 @@ def test_the_f32_turns_take_one_row_in_a_format_they_decode() -> None:
         f32_rope.gemv_f32_parts_rope(x.expand(2, K).contiguous(), parts, Format.Q5_K, q, k, pos,
                                      rope_counters(HEADS, KV, DEVICE), hd=HD, base=BASE)  # fmt: skip
     assert f32_rope.takes(Format.Q4_K) == "fast" and f32_rope.takes(Format.IQ4_XS) == "rows"
-    assert f32_rope.takes(Format.MXFP4) is None
+    assert f32_rope.takes(Format.MXFP4) == "rows"

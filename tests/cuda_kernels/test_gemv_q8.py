@@ -33,12 +33,13 @@ from fuselane.lanes.cuda.triton.gemv.q8 import gemv_q8, gemv_q8_gate_up_glu, gem
 from fuselane.lanes.cuda.triton.gemv.rows import Part  # noqa: E402
 
 SUPER = (Format.Q4_K, Format.Q6_K, Format.Q5_K, Format.IQ4_XS, Format.Q3_K, Format.Q2_K)  # 256-value units
-BLOCKS = (Format.Q8_0, Format.Q5_0, Format.Q4_0, Format.Q4_1, Format.Q5_1, Format.IQ4_NL)  # 32-value blocks
+BLOCKS = (Format.Q8_0, Format.Q5_0, Format.Q4_0, Format.Q4_1, Format.Q5_1, Format.IQ4_NL, Format.MXFP4)  # 32 values
 FORMATS = SUPER + BLOCKS
 CODE_FIELDS = {
     Format.Q4_K: ("qs",), Format.Q6_K: ("ql", "qh"), Format.Q8_0: ("qs",), Format.Q5_0: ("qh", "qs"),
     Format.Q5_K: ("qh", "qs"), Format.Q4_0: ("qs",), Format.Q4_1: ("qs",), Format.Q5_1: ("qh", "qs"),
     Format.IQ4_NL: ("qs",), Format.IQ4_XS: ("qs",), Format.Q3_K: ("hmask", "qs"), Format.Q2_K: ("qs",),
+    Format.MXFP4: ("qs",),
 }  # fmt: skip
 N = 37  # not whole tiles: rows past n are computed and dropped
 # The formats added after the first four run fewer rows and widths: the interpreter's time is a program's
@@ -47,6 +48,8 @@ NEWER = frozenset(SUPER[2:] + BLOCKS[2:])
 ROWS = {f: 9 if f in NEWER else N for f in FORMATS}
 KS = {f: (512, 768) for f in SUPER} | {f: (96, 320, 512) for f in BLOCKS}
 KS |= {f: (512,) if f in SUPER else (96, 320) for f in NEWER}
+# MXFP4's rows (17-byte blocks, its e after the row) end on 16 bytes at 16 blocks: the 128-bit loads there
+KS[Format.MXFP4] = (96, 512)
 ROUNDINGS = 8  # a run's scale products, its offset term and the epilogue's adds
 SILU_SLOPE, GLU_ULPS = 1.1, 12  # as test_gemv_fast.py
 

@@ -270,10 +270,10 @@ def test_route_sorts_and_counts_each_experts_pairs(hist_a_thread, monkeypatch):
 def test_refusals():
     raw = dev(raw_weights(Format.Q8_0, 2 * 8, 96, np.random.default_rng(0)))
     order, counts = torch.zeros(4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
-    assert not grouped.takes(Format.MXFP4, 8, 96) and grouped.takes(Format.Q4_K, 8, 256)
-    assert grouped.takes(Format.Q8_0, 8, 96)  # three blocks: a block a step
+    assert not grouped.takes(Format.Q4_K, 8, 96) and grouped.takes(Format.Q4_K, 8, 256)
+    assert grouped.takes(Format.Q8_0, 8, 96) and grouped.takes(Format.MXFP4, 8, 96)  # a block a step
     with pytest.raises(ValueError, match="no grouped GEMM"):
-        grouped.gate_up_grouped(torch.zeros((2, 96)), raw, raw, Format.MXFP4, 2, 2, order, counts, 8, 96,
+        grouped.gate_up_grouped(torch.zeros((2, 96)), raw, raw, Format.Q4_K, 2, 2, order, counts, 8, 96,
                                 torch.zeros((4, 8)))  # fmt: skip
 
 

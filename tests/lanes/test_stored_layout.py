@@ -1,9 +1,9 @@
-"""The weights' layout on the cuda lane's device (`run/stored.py`, `kernels.STORED_BLOCK_BYTES`, `ROW_TAIL_D`):
-Q3_K's blocks padded to 112 bytes; Q6_K's, Q8_0's, Q4_0's, IQ4_NL's and IQ4_XS's rows split into their blocks'
-bytes but d (Q6_K's first 208, Q8_0's 32 codes, Q4_0's and IQ4_NL's 16, IQ4_XS's 128, its scales kept with its
-d), then the blocks' d's, then zeros to a 16-byte end (Q8_0, Q4_0, IQ4_NL: 8); the
-bytes each adds, and the device decode reading them back as `gguf.dequant` does. Host-only but for the last
-cases, which run the decode kernel (interpreted without a GPU)."""
+"""The weights' layout on the cuda lane's device (`run/stored.py`, `kernels.STORED_BLOCK_BYTES`, `ROW_TAIL_D`): Q3_K's
+blocks padded to 112 bytes; Q6_K's, Q8_0's, Q4_0's, IQ4_NL's, IQ4_XS's and MXFP4's rows split into their blocks'
+bytes but d (MXFP4's exponent e) (Q6_K's first 208, Q8_0's 32 codes, Q4_0's and IQ4_NL's 16, IQ4_XS's 128, its
+scales kept with its d), then the blocks' d's, then zeros to a 16-byte end (Q8_0, Q4_0, IQ4_NL: 8); the bytes each
+adds, and the device decode reading them back as `gguf.dequant` does. Host-only but for the last cases, which run
+the decode kernel (interpreted without a GPU)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def test_a_split_row_keeps_its_blocks_then_its_ds_then_zeros_to_16_bytes(fmt, bl
     width = kernels.stored_row_bytes(fmt, blocks * lay.values)
     assert out.shape[1] == width and width % kernels.ROW_ALIGN_BYTES[fmt] == 0 and width - row_bytes < 16
     file = raw.reshape(rows, blocks, lay.nbytes)
-    d_at, stride, tail = lay.field("d").offset, kernels.stored_block_bytes(fmt), kernels.ROW_TAIL_D[fmt]
+    d_at = lay.field(kernels.TAIL_FIELD.get(fmt, "d")).offset  # MXFP4's header is its exponent, e
+    stride, tail = kernels.stored_block_bytes(fmt), kernels.ROW_TAIL_D[fmt]
     assert stride == lay.nbytes - tail and stride % 16 == 0  # every block's runs start on 16 bytes
     for r in range(rows):
         for b in range(blocks):
@@ -96,7 +97,7 @@ def test_q3_k_pads_each_block_and_the_other_formats_keep_the_files_bytes():
 
 
 # rows whose stored bytes differ from the file's: each row's start moves (Q4_0 / IQ4_NL: 5 blocks, 90 bytes -> 96)
-DECODED = {Format.Q6_K: 3, Format.Q8_0: 5, Format.Q4_0: 5, Format.IQ4_NL: 5, Format.IQ4_XS: 3}
+DECODED = {Format.Q6_K: 3, Format.Q8_0: 5, Format.Q4_0: 5, Format.IQ4_NL: 5, Format.IQ4_XS: 3, Format.MXFP4: 17}
 
 
 def test_every_split_format_is_decoded_here():

@@ -70,8 +70,8 @@ def make_lane(
 
 def _cuda_runs(cfg: ModelConfig, tensors: Any, ctx: int, knobs: Any) -> None:
     """Refuse, by the cuda shim's reason, a model whose primitives the cuda lane has no kernels for (a mixture's
-    routing) or whose matrices it decodes nowhere (MXFP4), before torch or a GPU is asked for: the plan side
-    alone decides it."""
+    routing) or whose matrices it decodes nowhere (a format no kernel of the lane has), before torch or a GPU is
+    asked for: the plan side alone decides it."""
     from fuselane.fuse.optimizer import check_runs
     from fuselane.graph.ir import Form
     from fuselane.lanes.cuda.plan.fits import undecoded

@@ -2,7 +2,7 @@
 
 The checks run in a fixed order: the products' accumulator first; then every primitive the op stands for (a
 soft cap, a sigmoid-gated delta rule, a part of every unit written, a part read in place); then a mixture's
-destination; then the conditions of the op's own class; last, a matrix in a format no kernel decodes (MXFP4).
+destination; then the conditions of the op's own class; last, a matrix in a format no kernel decodes.
 Each refusal's text is shown to the user by
 `fuselane explain`; each threshold is a kernel fact from `kernels`.
 
@@ -88,7 +88,7 @@ def undecoded(g: TensorGraph) -> str | None:
 
 def _undecoded(op: Op, g: TensorGraph) -> str | None:
     """A matrix the op reads in a format no kernel of the lane decodes (`kernels.DEQUANT_FORMATS`: every format
-    of the table but MXFP4): its products, gathers and prompt scratch would each stop at it."""
+    of the table today): its products, gathers and prompt scratch would each stop at it."""
     for leaf in leaves(op):
         for name in leaf.ins:
             t = g.tensors.get(name)

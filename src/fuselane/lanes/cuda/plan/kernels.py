@@ -60,14 +60,23 @@ QBLOCK = contract.QBLOCK
 # codes are one 128-bit load (two 64-bit ones where a row does not end on 16) where the file's layout took five
 # 32-bit loads and four funnel shifts; IQ4_XS's 136-byte blocks keep their 8-byte header (d, scales_h, scales_l)
 # after the row, so each of its 16-byte runs is one 128-bit load where it took two 64-bit ones.
+# MXFP4's 17-byte blocks (an e8m0 exponent e, then IQ4_NL's 16 bytes of codes in its nibble order) are split as
+# IQ4_NL's, their 1-byte e after the row (the kernels make its scale 2^(e - 128), ggml's e8m0 halved for the
+# doubled table, exactly, from the byte): so MXFP4 runs every IQ4_NL path with its own table
+# (`formats.MXFP4_VALUES`) and its scale from e, in the file's bytes (a 2-byte d would be 6 % more).
 STORED_BLOCK_BYTES = {
     Format.Q3_K: 112, Format.Q6_K: 208, Format.Q8_0: 32, Format.Q4_0: 16, Format.IQ4_NL: 16, Format.IQ4_XS: 128,
+    Format.MXFP4: 16,
 }  # fmt: skip
-# Formats whose blocks' f16 scale d (and the fields after it up to these bytes: IQ4_XS's scales) is kept after a
-# row's blocks (bytes a block), not in each block
-ROW_TAIL_D = {Format.Q6_K: 2, Format.Q8_0: 2, Format.Q4_0: 2, Format.IQ4_NL: 2, Format.IQ4_XS: 8}
+# Formats whose blocks' f16 scale d (and the fields after it up to these bytes: IQ4_XS's scales; MXFP4's e) is
+# kept after a row's blocks (bytes a block), not in each block
+ROW_TAIL_D = {Format.Q6_K: 2, Format.Q8_0: 2, Format.Q4_0: 2, Format.IQ4_NL: 2, Format.IQ4_XS: 8, Format.MXFP4: 1}
+# ...the file's field those bytes start at, where it is not d
+TAIL_FIELD = {Format.MXFP4: "e"}
 # A row of a ROW_TAIL_D format ends on this many bytes, so the next row's runs start aligned for its loads
-ROW_ALIGN_BYTES = {Format.Q6_K: 16, Format.Q8_0: 8, Format.Q4_0: 8, Format.IQ4_NL: 8, Format.IQ4_XS: 16}
+ROW_ALIGN_BYTES = {
+    Format.Q6_K: 16, Format.Q8_0: 8, Format.Q4_0: 8, Format.IQ4_NL: 8, Format.IQ4_XS: 16, Format.MXFP4: 8,
+}  # fmt: skip
 
 
 def stored_block_bytes(fmt: Format) -> int:
@@ -80,23 +89,24 @@ def stored_offset(fmt: Format, field: str) -> int:
     `ROW_TAIL_D` format's d, kept after the row, came before it (Q8_0's codes start a stored block)."""
     lay = LAYOUTS[Format(fmt)]
     at = lay.field(field).offset
-    tail = ROW_TAIL_D.get(Format(fmt))
-    if tail is None:
+    if Format(fmt) not in ROW_TAIL_D:
         return at
     if kept_after_row(fmt, field):
         raise ValueError(f"{Format(fmt).name}'s {field} is kept after its row's blocks, not in a block")
-    return at - tail if lay.field("d").offset < at else at
+    return at - ROW_TAIL_D[Format(fmt)] if _tail_field_at(fmt) < at else at
+
+
+def _tail_field_at(fmt: Format) -> int:
+    return LAYOUTS[Format(fmt)].field(TAIL_FIELD.get(Format(fmt), "d")).offset
 
 
 def kept_after_row(fmt: Format, field: str) -> bool:
     """Whether `field` of a block of `fmt` is kept after its row's blocks on the device (a `ROW_TAIL_D` format's
     d, and IQ4_XS's scales with it), not in the block."""
-    tail = ROW_TAIL_D.get(Format(fmt))
-    if tail is None:
+    if Format(fmt) not in ROW_TAIL_D:
         return False
-    lay = LAYOUTS[Format(fmt)]
-    d_at = lay.field("d").offset
-    return d_at <= lay.field(field).offset < d_at + tail
+    d_at = _tail_field_at(fmt)
+    return d_at <= LAYOUTS[Format(fmt)].field(field).offset < d_at + ROW_TAIL_D[Format(fmt)]
 
 
 def stored_row_bytes(fmt: Format, n_values: int) -> int:
@@ -227,7 +237,7 @@ DECODED_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q5_0, Format.Q5_1,
 # reads the f32 activation.
 INT8_GEMV_TILE_ROWS = {
     Format.Q4_K: 4, Format.Q6_K: 4, Format.Q8_0: 4, Format.Q5_0: 4, Format.Q5_K: 4, Format.Q4_0: 4, Format.Q4_1: 4,
-    Format.Q5_1: 4, Format.IQ4_NL: 4, Format.IQ4_XS: 4, Format.Q3_K: 2, Format.Q2_K: 2,
+    Format.Q5_1: 4, Format.IQ4_NL: 4, Format.IQ4_XS: 4, Format.Q3_K: 2, Format.Q2_K: 2, Format.MXFP4: 4,
 }  # fmt: skip
 INT8_GEMV_FORMATS = frozenset(INT8_GEMV_TILE_ROWS)
 # Formats one int8 GEMV launch in parts takes (a decode step's one row): each program's part is one format, so
@@ -245,7 +255,7 @@ ROWS_GEMV_FORMATS = frozenset({
 # ...and these, a value at a time (`formats._dot_values`): slower than their int8 GEMV, so taken only for a
 # step's one row that reads f32 (activations=dequant), where a chunk's decode and cuBLAS took two launches a
 # product and an f16 copy of the matrix (`rows_gemv`).
-VALUE_GEMV_FORMATS = frozenset({Format.Q2_K, Format.Q3_K, Format.IQ4_NL, Format.IQ4_XS})
+VALUE_GEMV_FORMATS = frozenset({Format.Q2_K, Format.Q3_K, Format.IQ4_NL, Format.IQ4_XS, Format.MXFP4})
 # The formats the whole-matrix decode on the device (`gemv/epilogue.dequantize`) takes: the prefill products'
 # f16 copies and scratch come from it, so a checkpoint in any of them prefills on cuBLAS.
 DEQUANT_FORMATS = ROWS_GEMV_FORMATS | VALUE_GEMV_FORMATS

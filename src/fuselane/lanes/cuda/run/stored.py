@@ -5,6 +5,7 @@
   scales, 208 bytes; Q8_0's 32 codes; Q4_0's and IQ4_NL's 16; IQ4_XS's 128, its scales kept with its d) one after
   another, then the row's blocks' d's, then zeros to a 16-byte end (Q8_0, Q4_0, IQ4_NL: 8), so every run of codes
   starts on 16 bytes (on 8 where a row of those three does not end on 16);
+- MXFP4's rows as IQ4_NL's, each block's 1-byte e8m0 exponent where IQ4_NL keeps its d;
 - every other format as the file has it.
 
 The upload (`lane.CudaLane`) writes them so; tests hand the kernels the same."""
@@ -71,7 +72,7 @@ def stored_tensor(fmt: Format, raw: Any, row_bytes: int | None = None) -> Any:
     if tail is None:
         runs[:, :, :file_block].copy_(blocks)
     else:
-        d_at = LAYOUTS[fmt].field("d").offset
+        d_at = LAYOUTS[fmt].field(kernels.TAIL_FIELD.get(fmt, "d")).offset
         runs[:, :, :d_at].copy_(blocks[:, :, :d_at])
         runs[:, :, d_at:].copy_(blocks[:, :, d_at + tail :])
         ds = out[:, per_row * stride : per_row * (stride + tail)].view(rows, per_row, tail)

@@ -1,5 +1,6 @@
-"""The embedding gather's (`norm.embed_norm`) value decoders for Q5_K, Q4_0, Q4_1, Q5_1, IQ4_NL, IQ4_XS, Q3_K and
-Q2_K: value j of a checkpoint row, read byte by byte, as f32 bit for bit as `fuselane.gguf.dequant` decodes it.
+"""The embedding gather's (`norm.embed_norm`) value decoders for Q5_K, Q4_0, Q4_1, Q5_1, IQ4_NL, IQ4_XS, Q3_K,
+Q2_K and MXFP4: value j of a checkpoint row, read byte by byte, as f32 bit for bit as `fuselane.gguf.dequant`
+decodes it.
 
 Why: a decode step starts with one row of the embedding table, gathered and normed in one launch from the
 file's own blocks. The recipes put the table in the file's base format (a Q5_K_M file's is Q5_K, a Q2_K
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import Format
-from fuselane.lanes.cuda.triton.gemv.layout import IQ4_XS_SCALES_H, IQ4_XS_SCALES_L, const
+from fuselane.lanes.cuda.triton.gemv.layout import IQ4_XS_SCALES_H, IQ4_XS_SCALES_L, const, e8m0_scale
 from fuselane.lanes.cuda.triton.gemv.low_bits import iq4_value
 
 Q5_K = const(int(Format.Q5_K))
@@ -29,10 +30,12 @@ Q4_1 = const(int(Format.Q4_1))
 Q5_1 = const(int(Format.Q5_1))
 IQ4_NL = const(int(Format.IQ4_NL))
 IQ4_XS = const(int(Format.IQ4_XS))
+MXFP4 = const(int(Format.MXFP4))
 Q3_K = const(int(Format.Q3_K))
 Q2_K = const(int(Format.Q2_K))
 FORMATS = frozenset(
     {Format.Q5_K, Format.Q4_0, Format.Q4_1, Format.Q5_1, Format.IQ4_NL, Format.IQ4_XS, Format.Q3_K, Format.Q2_K}
+    | {Format.MXFP4}
 )
 # every format's flag, as a constexpr map (compiled Triton indexes a constexpr dict, but has no `in`)
 DECODES_C = const({int(f): f in FORMATS for f in Format})
@@ -100,6 +103,8 @@ def decode(blk, dp, t, mask, FMT: tl.constexpr, OFF_DMIN: tl.constexpr, OFF_SCAL
         v = code.to(tl.float32) * _f16(dp, mask) + _f16(blk + OFF_DMIN, mask)
     elif FMT == IQ4_NL:
         v = _f16(dp, mask) * iq4_value(_nibble(blk, OFF_QS, t, mask))
+    elif FMT == MXFP4:
+        v = e8m0_scale(_byte(dp, mask)) * iq4_value(_nibble(blk, OFF_QS, t, mask), True)
     elif FMT == IQ4_XS:  # sub-block ib's scale: nibble ib % 2 of scales_l[ib // 2] under crumb ib of scales_h (after d)
         ib = t // SUB
         high = _byte(dp + IQ4_XS_SCALES_H + ib // 4, mask) >> ((ib % 4) * 2) & 0x3

@@ -441,7 +441,7 @@ def embed_norm(
     out[i] = rows_out[i] / sqrt(mean(rows_out[i]^2) + eps) * w, one launch, a block a row.
 
     `table_raw` is the table's bytes on the device (uint8, 1-D or (vocab, row bytes)); `fmt` one of
-    GATHER_FORMATS (every matrix format but MXFP4); `ids` int32 (rows,) on the device (a captured graph reads the
+    GATHER_FORMATS (every matrix format); `ids` int32 (rows,) on the device (a captured graph reads the
     step's token from it); `rows_out` and `out` (rows, w.numel()).
     """
     fmt = Format(fmt)

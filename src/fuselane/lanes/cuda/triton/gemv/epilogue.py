@@ -39,6 +39,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     FMT_F32,
     FMT_IQ4_NL,
     FMT_IQ4_XS,
+    FMT_MXFP4,
     FMT_Q2_K,
     FMT_Q3_K,
     FMT_Q4_0,
@@ -96,7 +97,13 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     load_f16,
     q6_k_d,
 )
-from fuselane.lanes.cuda.triton.gemv.low_bits import iq4_nl_values, iq4_xs_values, q2_k_values, q3_k_values
+from fuselane.lanes.cuda.triton.gemv.low_bits import (
+    iq4_nl_values,
+    iq4_xs_values,
+    mxfp4_values,
+    q2_k_values,
+    q3_k_values,
+)
 from fuselane.lanes.cuda.triton.gemv.rows import (
     check_rows,
     check_x,
@@ -393,6 +400,8 @@ def _flat_values(blk, qd, t, FMT: tl.constexpr):
         v = q3_k_values(blk, t[None, :])
     elif FMT == FMT_IQ4_NL:
         v = iq4_nl_values(blk, qd, t[None, :])
+    elif FMT == FMT_MXFP4:
+        v = mxfp4_values(blk, qd, t[None, :])
     elif FMT == FMT_IQ4_XS:
         v = iq4_xs_values(blk, qd, t[None, :])
     elif FMT == FMT_F32:

@@ -52,6 +52,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     FMT_F32,
     FMT_IQ4_NL,
     FMT_IQ4_XS,
+    FMT_MXFP4,
     FMT_Q2_K,
     FMT_Q3_K,
     FMT_Q4_0,
@@ -70,6 +71,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     IQ4_NL_BYTES,
     IQ4_XS_BYTES,
     K_PAIRS,
+    MXFP4_BYTES,
     NIBBLE,
     NIBBLE_BITS,
     NO_FIELD,
@@ -131,7 +133,13 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     q8_0_d,
     tail_d,
 )
-from fuselane.lanes.cuda.triton.gemv.low_bits import iq4_nl_values, iq4_xs_values, q2_k_values, q3_k_values
+from fuselane.lanes.cuda.triton.gemv.low_bits import (
+    iq4_nl_values,
+    iq4_xs_values,
+    mxfp4_values,
+    q2_k_values,
+    q3_k_values,
+)
 
 # --- decoding helpers -------------------------------------------------------------------------------------------
 
@@ -346,6 +354,8 @@ def _low_bit_values(blk, qd, t, FMT: tl.constexpr):
         v = q3_k_values(blk, t)
     elif FMT == FMT_IQ4_NL:
         v = iq4_nl_values(blk, qd, t)
+    elif FMT == FMT_MXFP4:
+        v = mxfp4_values(blk, qd, t)
     else:
         tl.static_assert(FMT == FMT_IQ4_XS, "no value decode for this format")
         v = iq4_xs_values(blk, qd, t)
@@ -482,6 +492,8 @@ def dot_rows(
         y = _dot_values(w_rows, x_rows, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES, FMT, QK_K_C, IQ4_XS_BYTES)
     elif FMT == FMT_IQ4_NL:
         y = _dot_values(w_rows, x_rows, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES, FMT, QK_C, IQ4_NL_BYTES)
+    elif FMT == FMT_MXFP4:
+        y = _dot_values(w_rows, x_rows, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES, FMT, QK_C, MXFP4_BYTES)
     else:
         tl.static_assert((FMT == FMT_F32) | (FMT == FMT_F16) | (FMT == FMT_BF16), "no GEMV for this format")
         y = _dot_float(w_rows, x_rows, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES, FMT)
@@ -520,6 +532,7 @@ SLOTS: dict[Format, Slots] = {
     Format.Q3_K: Slots(QK_K, QK_K // QK, QK),
     Format.IQ4_XS: Slots(QK_K, QK_K // QK, QK),
     Format.IQ4_NL: Slots(QK, 1, QK),
+    Format.MXFP4: Slots(QK, 1, QK),
     Format.F32: Slots(QK, 1, QK),
     Format.F16: Slots(QK, 1, QK),
     Format.BF16: Slots(QK, 1, QK),

@@ -11,8 +11,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import IQ4_NL_VALUES, LAYOUTS, QK, QK_K, Format
-from fuselane.lanes.cuda.plan.kernels import ROW_TAIL_D, kept_after_row, stored_block_bytes, stored_offset
+from fuselane.gguf.formats import IQ4_NL_VALUES, LAYOUTS, MXFP4_VALUES, QK, QK_K, Format
+from fuselane.lanes.cuda.plan.kernels import (
+    ROW_TAIL_D,
+    TAIL_FIELD,
+    kept_after_row,
+    stored_block_bytes,
+    stored_offset,
+)
 
 # --- layout facts, as constexprs the kernels can read --------------------------------------------------------
 
@@ -48,6 +54,7 @@ FMT_Q5_0, FMT_Q5_1 = const(Format.Q5_0.value), const(Format.Q5_1.value)
 FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = const(Format.Q4_K.value), const(Format.Q5_K.value), const(Format.Q6_K.value)
 FMT_Q2_K, FMT_Q3_K = const(Format.Q2_K.value), const(Format.Q3_K.value)
 FMT_IQ4_NL, FMT_IQ4_XS = const(Format.IQ4_NL.value), const(Format.IQ4_XS.value)
+FMT_MXFP4 = const(Format.MXFP4.value)  # kept as IQ4_NL, its own table and a bf16 d (`kernels.STORED_BLOCK_BYTES`)
 
 QK_C = const(QK)  # values of a 32-value block
 HALF_QK = const(QK // 2)  # a 32-value 4-bit block's bytes: low nibbles are values 0-15, high nibbles 16-31
@@ -81,6 +88,7 @@ Q2_K_D, Q2_K_DMIN = offset(Format.Q2_K, "d"), offset(Format.Q2_K, "dmin")
 Q3_K_BYTES, Q3_K_HMASK, Q3_K_QS = nbytes(Format.Q3_K), offset(Format.Q3_K, "hmask"), offset(Format.Q3_K, "qs")
 Q3_K_SCALES, Q3_K_D = offset(Format.Q3_K, "scales"), offset(Format.Q3_K, "d")
 IQ4_NL_BYTES, IQ4_NL_QS = nbytes(Format.IQ4_NL), offset(Format.IQ4_NL, "qs")
+MXFP4_BYTES, MXFP4_QS = nbytes(Format.MXFP4), offset(Format.MXFP4, "qs")
 IQ4_XS_BYTES, IQ4_XS_QS = nbytes(Format.IQ4_XS), offset(Format.IQ4_XS, "qs")
 IQ4_XS_SCALES_H, IQ4_XS_SCALES_L = after_d(Format.IQ4_XS, "scales_h"), after_d(Format.IQ4_XS, "scales_l")
 
@@ -149,6 +157,16 @@ IQ4_T0, IQ4_T1, IQ4_T2, IQ4_T3 = (
     const(int.from_bytes(_IQ4_BYTES[4 * w : 4 * w + 4], "little", signed=True)) for w in range(4)
 )
 IQ4_XS_SUB = const(32)  # IQ4_XS: values under one of its eight scales
+# MXFP4: its (doubled) e2m1 values as IQ4's table is kept
+_MXFP4_BYTES = bytes(v & 0xFF for v in MXFP4_VALUES)
+MX_T0, MX_T1, MX_T2, MX_T3 = (
+    const(int.from_bytes(_MXFP4_BYTES[4 * w : 4 * w + 4], "little", signed=True)) for w in range(4)
+)
+# MXFP4's scale 2^(e - 128) from its e8m0 byte e, as ggml's `e8m0_to_fp32_half` makes it: for e < 2 an f32
+# subnormal, 2^-128 << e; else the exponent field e - 1
+E8M0_SUBNORMAL_BITS = const(0x00200000)  # the f32 bits of 2^-128
+E8M0_NORMAL_FROM = const(2)
+F32_MANTISSA_BITS = const(23)
 
 # The 2^23 trick: 0x4B000000 are the bits of 2.0**23; OR-ing an integer u < 2^23 into them gives the float
 # 2^23 + u exactly.
@@ -167,10 +185,10 @@ def check_layouts() -> None:
     stored_runs = (stored_block_bytes(Format.Q3_K), q3.field("qs").offset, q3.field("hmask").offset, scales.offset)
     if any(v % 16 for v in stored_runs) or d.offset != scales.offset + scales.count:
         raise RuntimeError("Q3_K: the int8 GEMV loads its scales and d, qs and hmask runs as 16-byte words; moved")
-    for fmt, tail in ROW_TAIL_D.items():  # a split block: whole 16-byte units, its header one run of bytes
+    for fmt in ROW_TAIL_D:  # a split block: whole 16-byte units, its header one run of bytes
         lay, stored = LAYOUTS[fmt], stored_block_bytes(fmt)
-        d = lay.field("d").offset
-        if stored % 16 or stored + tail != lay.nbytes or d not in (0, stored):
+        d = lay.field(TAIL_FIELD.get(fmt, "d")).offset
+        if stored % 16 or stored + ROW_TAIL_D[fmt] != lay.nbytes or d not in (0, stored):
             raise RuntimeError(f"{fmt.name}: the GEMVs load a block's runs as 16-byte words, its header after the row")
     if stored_block_bytes(Format.Q8_0) % 16 or stored_offset(Format.Q8_0, "qs"):
         raise RuntimeError("Q8_0: the GEMVs load a block's codes as two 16-byte words, d after the row; moved")
@@ -242,6 +260,19 @@ def block_d(row, unit, FMT: tl.constexpr, ROW_BYTES: tl.constexpr):
 def load_f16(ptr):
     """The f16 at each of `ptr` (uint8 pointers, 2-aligned), as f32."""
     return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def e8m0_scale(e):
+    """MXFP4's scale from its exponent byte `e` (int32 0..255), as f32, exactly: 2^(e - 128)."""
+    bits = tl.where(e < E8M0_NORMAL_FROM, E8M0_SUBNORMAL_BITS << e, (e - 1) << F32_MANTISSA_BITS)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_e8m0(ptr):
+    """MXFP4's scale from the exponent byte at each of `ptr` (uint8 pointers), as f32."""
+    return e8m0_scale(tl.load(ptr).to(tl.int32))
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""The values of Q2_K, Q3_K, IQ4_NL and IQ4_XS blocks, a tile at a time, for the on-device decode
+"""The values of Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4 blocks, a tile at a time, for the on-device decode
 (`epilogue.dequantize`) and the GEMMs that stage weights through it (`epilogue.unit_values`).
 
 The int8 GEMV (`q8_bodies`) multiplies these formats' codes as integers and never forms a weight; a prefill
@@ -33,6 +33,11 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     IQ4_XS_SCALES_L,
     IQ4_XS_SUB,
     K_SUB,
+    MX_T0,
+    MX_T1,
+    MX_T2,
+    MX_T3,
+    MXFP4_QS,
     NIBBLE,
     NIBBLE_BITS,
     Q2_K_D,
@@ -49,6 +54,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q3_SCALE_ROWS,
     Q6_HALF,
     SIGNED_SCALE,
+    load_e8m0,
     load_f16,
 )
 
@@ -105,11 +111,14 @@ def q3_k_values(blk, t):
 
 
 @triton.jit
-def iq4_value(code):
-    """The signed value a 4-bit IQ4 code stands for (`formats.IQ4_NL_VALUES`), as f32: byte code % 4 of the
-    table's word code // 4."""
+def iq4_value(code, MX: tl.constexpr = False):
+    """The signed value a 4-bit IQ4 code stands for (`formats.IQ4_NL_VALUES`; MX: `formats.MXFP4_VALUES`), as
+    f32: byte code % 4 of the table's word code // 4."""
     w = code // WORD_BYTES
-    word = tl.where(w == 0, IQ4_T0, tl.where(w == 1, IQ4_T1, tl.where(w == 2, IQ4_T2, IQ4_T3)))
+    if MX:
+        word = tl.where(w == 0, MX_T0, tl.where(w == 1, MX_T1, tl.where(w == 2, MX_T2, MX_T3)))
+    else:
+        word = tl.where(w == 0, IQ4_T0, tl.where(w == 1, IQ4_T1, tl.where(w == 2, IQ4_T2, IQ4_T3)))
     byte = (word >> ((code % WORD_BYTES) * BYTE_BITS)) & BYTE
     return ((byte << SIGN_SHIFT) >> SIGN_SHIFT).to(tl.float32)
 
@@ -125,6 +134,12 @@ def _iq4_codes(qs, t):
 def iq4_nl_values(blk, qd, t):
     """IQ4_NL: value = d * table[code], a 32-value block, d at `qd` (after the row's blocks)."""
     return load_f16(qd) * iq4_value(_iq4_codes(blk + IQ4_NL_QS, t))
+
+
+@triton.jit
+def mxfp4_values(blk, qd, t):
+    """MXFP4 as the device keeps it (IQ4_NL's layout): value = 2^(e - 128) * table[code], its e at `qd`."""
+    return load_e8m0(qd) * iq4_value(_iq4_codes(blk + MXFP4_QS, t), True)
 
 
 @triton.jit

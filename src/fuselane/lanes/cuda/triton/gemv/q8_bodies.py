@@ -54,6 +54,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     CRUMB,
     FMT_IQ4_NL,
     FMT_IQ4_XS,
+    FMT_MXFP4,
     FMT_Q2_K,
     FMT_Q3_K,
     FMT_Q4_0,
@@ -70,6 +71,12 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     IQ4_XS_BYTES,
     IQ4_XS_QS,
     IQ4_XS_SCALES_L,
+    MX_T0,
+    MX_T1,
+    MX_T2,
+    MX_T3,
+    MXFP4_BYTES,
+    MXFP4_QS,
     NIBBLE,
     NIBBLE_BITS,
     Q2_K_BYTES,
@@ -98,6 +105,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q5_K_QS,
     SIGNED_SCALE,
     const,
+    e8m0_scale,
     tail_d,
 )
 from fuselane.lanes.cuda.triton.quant import CODES_ALIGN
@@ -133,12 +141,13 @@ def rows_on_16(fmt: Format) -> int:
 
 # Q4_0 / IQ4_NL rows of a multiple of this many blocks (8 of 18 bytes) end on 16 bytes, so every block's codes
 # start on 16 (`kernels.ROW_ALIGN_BYTES`: rows end on 8)
-NIBBLE_WIDE_ROW = const(rows_on_16(Format.Q4_0))
+# (MXFP4's rows, its 1-byte e after each 16 bytes of codes, end on 16 bytes at a multiple of 16 blocks)
+WIDE_ROW_C = const({int(f): rows_on_16(f) for f in (Format.Q4_0, Format.IQ4_NL, Format.MXFP4)})
 
 # Groups a unit (a block or super-block), and values a unit, of each format here
 GROUPS = {
     Format.Q5_K: K_RUNS.value, Format.Q3_K: QUAD.value, Format.Q2_K: QUAD.value, Format.IQ4_XS: QK_K // QK,
-    Format.Q4_0: 1, Format.Q4_1: 1, Format.Q5_1: 1, Format.IQ4_NL: 1,
+    Format.Q4_0: 1, Format.Q4_1: 1, Format.Q5_1: 1, Format.IQ4_NL: 1, Format.MXFP4: 1,
 }  # fmt: skip
 UNIT_VALUES = {f: QK_K if f in (Format.Q5_K, Format.Q3_K, Format.Q2_K, Format.IQ4_XS) else QK for f in GROUPS}
 FORMATS = frozenset(GROUPS)
@@ -151,7 +160,7 @@ K_QUAD_FORMATS = frozenset({Format.Q3_K, Format.Q2_K})
 # stored 112-byte blocks) and the split formats' runs, the 32-bit words of Q4_1's, Q5_1's and Q2_K's runs
 # (`ld_words`) and of Q5_1's qh and Q2_K's header and scales
 ALIGN = {
-    Format.Q5_K: 16, Format.Q3_K: 16, Format.IQ4_XS: 16, Format.Q4_0: 16, Format.IQ4_NL: 16,
+    Format.Q5_K: 16, Format.Q3_K: 16, Format.IQ4_XS: 16, Format.Q4_0: 16, Format.IQ4_NL: 16, Format.MXFP4: 16,
     Format.Q4_1: 4, Format.Q5_1: 4, Format.Q2_K: 4,
 }  # fmt: skip
 
@@ -190,11 +199,13 @@ def raw_chunk(w_rows, u0, FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.co
         blk = w_rows[:, None] + (unit * Q5_K_BYTES)[None, :]
         head, qs = ld4(_i32(blk), True, PINNED), ld4(_i32(blk + r * RUN_BYTES + Q5_K_QS), True, PINNED)
         return head + qs + ld4(_i32(blk + (r % 2) * RUN_BYTES + Q5_K_QH), True, PINNED)
-    elif (FMT == FMT_Q4_0) | (FMT == FMT_IQ4_NL):  # d after the row, the block's 16 codes on 16 bytes (or 8)
-        tl.static_assert((Q4_0_BYTES == IQ4_NL_BYTES) & (Q4_0_QS == 0) & (IQ4_NL_QS == 0), "one layout for both")
+    elif (FMT == FMT_Q4_0) | (FMT == FMT_IQ4_NL) | (FMT == FMT_MXFP4):  # d after the row, 16 codes on 16 bytes (or 8)
+        tl.static_assert((Q4_0_BYTES == IQ4_NL_BYTES) & (Q4_0_QS == 0) & (IQ4_NL_QS == 0), "one layout for all")
+        tl.static_assert((MXFP4_BYTES == IQ4_NL_BYTES) & (MXFP4_QS == 0), "one layout for all")
         blk = w_rows[:, None] + (unit * Q4_0_BYTES)[None, :]
-        d = half_at(tail_d(w_rows[:, None], unit[None, :], N_UNITS, FMT))
-        if N_UNITS // NIBBLE_WIDE_ROW * NIBBLE_WIDE_ROW == N_UNITS:  # rows end on 16 bytes: one 128-bit load
+        d_at = tail_d(w_rows[:, None], unit[None, :], N_UNITS, FMT)
+        d = e8m0_scale(ld_scalar(d_at, 1)) if FMT == FMT_MXFP4 else half_at(d_at)
+        if N_UNITS // WIDE_ROW_C[FMT] * WIDE_ROW_C[FMT] == N_UNITS:  # rows end on 16 bytes: one 128-bit load
             return (d,) + ld4(_i32(blk), True, PINNED)
         else:  # rows end on 8 bytes (`kernels.ROW_ALIGN_BYTES`)
             return (d,) + ld2(blk, PINNED) + ld2(blk + DWORD_BYTES, PINNED)
@@ -335,16 +346,19 @@ def _q5_1(raw, acts):
 
 
 @triton.jit
-def iq4_pair(q):
+def iq4_pair(q, MX: tl.constexpr = False):
     """A word of eight codes (byte i: one value's code in its low nibble, the value 16 on's in its high one)
     -> the word of the low nibbles' four signed table values and the word of the high ones'. Each 16-bit
     half of the word is a selector of four nibbles: its codes pick their bytes from the table's low half
     (codes 0-7) and its high half (8-15), and bit 3 of each picks between the two; then two permutes part
-    the low nibbles' values from the high ones'. Seven `prmt` a word (eight values)."""
+    the low nibbles' values from the high ones'. Seven `prmt` a word (eight values). MX: MXFP4's table."""
     sel = q & PICK_LOW3
     side = ((q >> 1) & TABLE_HALF) | IN_ORDER
     zero = tl.zeros_like(q)
-    t0, t1, t2, t3 = zero + IQ4_T0, zero + IQ4_T1, zero + IQ4_T2, zero + IQ4_T3
+    if MX:
+        t0, t1, t2, t3 = zero + MX_T0, zero + MX_T1, zero + MX_T2, zero + MX_T3
+    else:
+        t0, t1, t2, t3 = zero + IQ4_T0, zero + IQ4_T1, zero + IQ4_T2, zero + IQ4_T3
     first = prmt(prmt(t0, t1, sel), prmt(t2, t3, sel), side)
     up, up_side = sel >> HALF_WORD_BITS, side >> HALF_WORD_BITS
     second = prmt(prmt(t0, t1, up), prmt(t2, t3, up), up_side)
@@ -352,21 +366,21 @@ def iq4_pair(q):
 
 
 @triton.jit
-def _iq4_runs(q0, q1, q2, q3, acts):
-    """IQ4_NL / IQ4_XS: a block's low nibbles' table values with its first 16 activations, its high ones'
-    with the next 16, as signed dp4a."""
-    lo0, hi0 = iq4_pair(q0)
-    lo1, hi1 = iq4_pair(q1)
-    lo2, hi2 = iq4_pair(q2)
-    lo3, hi3 = iq4_pair(q3)
+def _iq4_runs(q0, q1, q2, q3, acts, MX: tl.constexpr = False):
+    """IQ4_NL / IQ4_XS / MXFP4: a block's low nibbles' table values with its first 16 activations, its high
+    ones' with the next 16, as signed dp4a."""
+    lo0, hi0 = iq4_pair(q0, MX)
+    lo1, hi1 = iq4_pair(q1, MX)
+    lo2, hi2 = iq4_pair(q2, MX)
+    lo3, hi3 = iq4_pair(q3, MX)
     return _runs(lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, acts, True)
 
 
 @triton.jit
-def _iq4_nl(raw, acts):
-    """IQ4_NL: value = d * table[code]."""
+def _iq4_nl(raw, acts, MX: tl.constexpr = False):
+    """IQ4_NL: value = d * table[code]; MX: MXFP4's table (its d the power of two its e stands for)."""
     d, q0, q1, q2, q3 = raw
-    lo, hi = _iq4_runs(q0, q1, q2, q3, acts)
+    lo, hi = _iq4_runs(q0, q1, q2, q3, acts, MX)
     return d * acts[4] * (lo + hi).to(tl.float32)
 
 
@@ -461,6 +475,8 @@ def group_sums(raw, acts, FMT: tl.constexpr, CHUNK: tl.constexpr):
         return _q5_1(raw, acts)
     elif FMT == FMT_IQ4_NL:
         return _iq4_nl(raw, acts)
+    elif FMT == FMT_MXFP4:
+        return _iq4_nl(raw, acts, True)
     elif FMT == FMT_IQ4_XS:
         return _iq4_xs(raw, acts, CHUNK)
     elif FMT == FMT_Q3_K:

@@ -86,7 +86,8 @@ NARROW_TALL_TILES[Format.Q6_K] = TALL_TILES[Format.Q6_K]
 # its gated pair at eight rows and four warps 2.037. The 1.5B's and 0.5B's short rows gained at no tile (their
 # gated pair at (8, 4, 1): 0.956 -> 0.949 and 0.564 -> 0.574 ms), so they keep Q5_0's. IQ4_XS's tall rows at two
 # rows and four warps (the 7B 2.390 -> 2.277 ms; (2, 8, 1) 2.278).
-for nibbles in (Format.Q4_0, Format.IQ4_NL):
+# MXFP4, kept as IQ4_NL is, takes its tiles (not swept).
+for nibbles in (Format.Q4_0, Format.IQ4_NL, Format.MXFP4):
     TILES[nibbles], TALL_TILES[nibbles], GLU_TILES[nibbles] = (4, 4, 1), (2, 2, 2), (8, 4, 1)
 TALL_TILES[Format.IQ4_XS] = (2, 4, 1)
 
