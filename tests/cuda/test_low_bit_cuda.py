@@ -2,9 +2,10 @@
 none): a mixture whose experts are Q3_K / Q2_K (the grouped GEMM for a chunk, the int8 GEMV bodies for a
 step; Qwen1.5-MoE's folded shared expert with its Q3_K down) and DeepSeek's latent attention with `attn_k_b`
 in IQ4_NL and `attn_v_b` in Q3_K (the per-head products on the matrices' f32 values), each against the cpu
-lane in f64 within the lane's contract: a prompt's chunk, a chunk of three rows, then decode steps. Two
-layers, 16 experts and a small vocabulary keep the reference short. CI checks the same paths interpreted at
-small widths (`tests/cuda_kernels/test_low_bit_prefill.py`)."""
+lane in f64 within the lane's contract: a prompt's chunk, a chunk of three rows, then decode steps (and MXFP4
+experts, llama.cpp's `MXFP4_MOE`). Two layers, 16 experts and a small vocabulary keep the reference short. CI
+checks the same paths interpreted at small widths (`tests/cuda_kernels/test_low_bit_prefill.py`,
+`test_mxfp4_lane.py`)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,12 @@ def test_a_model_of_odd_widths_runs_as_the_cpu_lane(tmp_path, case: str) -> None
     shape, mix, knobs = ODD_WIDTHS[case]
     path = write_synthetic(tmp_path / "m.gguf", shape, mix, seed=13)
     runs_as_the_cpu_lane(path, PROMPT, SHORT, DECODE, ctx=64, knobs=knobs)
+
+
+def test_mxfp4_experts_run_as_the_cpu_lane(tmp_path) -> None:
+    # llama.cpp's MXFP4_MOE at Qwen3-30B-A3B's widths: the experts MXFP4 (kept as IQ4_NL, its e after the row), the
+    # rest Q8_0; the grouped GEMM for a chunk, the int8 GEMV bodies for a step
+    shape = replace(SHAPES["qwen3-30b-a3b"], n_layers=2, vocab=4096, experts=16)
+    experts = [f"blk.{i}.ffn_{p}_exps.weight" for i in range(2) for p in ("gate", "up", "down")]
+    path = write_synthetic(tmp_path / "m.gguf", shape, "q8_0", seed=13, formats=dict.fromkeys(experts, Format.MXFP4))
+    runs_as_the_cpu_lane(path, PROMPT, SHORT, DECODE, ctx=64)

@@ -115,7 +115,8 @@ def describe(formats: Iterable[Format] | None = None) -> str:
             continue
         if fmt in kernels.ROW_TAIL_D:
             align = kernels.ROW_ALIGN_BYTES[fmt]
-            parts.append(f"{fmt.name}'s d's after a row's {block}-byte blocks, rows to {align} bytes")
+            field = kernels.TAIL_FIELD.get(fmt, "d")
+            parts.append(f"{fmt.name}'s {field}'s after a row's {block}-byte blocks, rows to {align} bytes")
         else:
             parts.append(f"{fmt.name}'s {LAYOUTS[fmt].nbytes} bytes in {block}")
     return ", ".join(parts)
