@@ -33,10 +33,10 @@ IQ4_XS = const(int(Format.IQ4_XS))
 MXFP4 = const(int(Format.MXFP4))
 Q3_K = const(int(Format.Q3_K))
 Q2_K = const(int(Format.Q2_K))
-FORMATS = frozenset(
-    {Format.Q5_K, Format.Q4_0, Format.Q4_1, Format.Q5_1, Format.IQ4_NL, Format.IQ4_XS, Format.Q3_K, Format.Q2_K}
-    | {Format.MXFP4}
-)
+FORMATS = frozenset({
+    Format.Q5_K, Format.Q4_0, Format.Q4_1, Format.Q5_1, Format.IQ4_NL, Format.IQ4_XS, Format.Q3_K, Format.Q2_K,
+    Format.MXFP4,
+})  # fmt: skip
 # every format's flag, as a constexpr map (compiled Triton indexes a constexpr dict, but has no `in`)
 DECODES_C = const({int(f): f in FORMATS for f in Format})
 # field names the gather passes each format's offsets under (`norm.embed_norm`), where the layout's differ

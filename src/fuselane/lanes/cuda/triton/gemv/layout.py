@@ -54,7 +54,7 @@ FMT_Q5_0, FMT_Q5_1 = const(Format.Q5_0.value), const(Format.Q5_1.value)
 FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = const(Format.Q4_K.value), const(Format.Q5_K.value), const(Format.Q6_K.value)
 FMT_Q2_K, FMT_Q3_K = const(Format.Q2_K.value), const(Format.Q3_K.value)
 FMT_IQ4_NL, FMT_IQ4_XS = const(Format.IQ4_NL.value), const(Format.IQ4_XS.value)
-FMT_MXFP4 = const(Format.MXFP4.value)  # kept as IQ4_NL, its own table and a bf16 d (`kernels.STORED_BLOCK_BYTES`)
+FMT_MXFP4 = const(Format.MXFP4.value)  # kept as IQ4_NL, its own table and its e after the row (`kernels`)
 
 QK_C = const(QK)  # values of a 32-value block
 HALF_QK = const(QK // 2)  # a 32-value 4-bit block's bytes: low nibbles are values 0-15, high nibbles 16-31
