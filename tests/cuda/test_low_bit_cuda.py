@@ -65,6 +65,6 @@ def test_mxfp4_experts_run_as_the_cpu_lane(tmp_path) -> None:
     # llama.cpp's MXFP4_MOE at Qwen3-30B-A3B's widths: the experts MXFP4 (kept as IQ4_NL, its e after the row), the
     # rest Q8_0; the grouped GEMM for a chunk, the int8 GEMV bodies for a step
     shape = replace(SHAPES["qwen3-30b-a3b"], n_layers=2, vocab=4096, experts=16)
-    experts = [f"blk.{i}.ffn_{p}_exps.weight" for i in range(2) for p in ("gate", "up", "down")]
-    path = write_synthetic(tmp_path / "m.gguf", shape, "q8_0", seed=13, formats=dict.fromkeys(experts, Format.MXFP4))
+    assert Format.MXFP4 in tensor_formats(shape, "mxfp4_moe").values()
+    path = write_synthetic(tmp_path / "m.gguf", shape, "mxfp4_moe", seed=13)
     runs_as_the_cpu_lane(path, PROMPT, SHORT, DECODE, ctx=64)

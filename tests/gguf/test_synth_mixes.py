@@ -76,6 +76,19 @@ def test_iq4_xs():
     expect(f, 28, Format.IQ4_XS, ffn_down=lambda i: Format.Q5_K if i < 3 else Format.IQ4_XS)
 
 
+def test_mxfp4_moe_is_the_experts_in_mxfp4_and_every_other_matrix_q8_0():
+    # llama.cpp's MXFP4_MOE: a 3-D (expert) tensor MXFP4, every other matrix Q8_0, the output too; the router F32
+    f = tensor_formats(SHAPES["qwen3-30b-a3b"], "mxfp4_moe")
+    experts = {n for n in f if "_exps." in n}
+    assert experts and {f[n] for n in experts} == {Format.MXFP4}
+    assert {f[n] for n in f if n not in experts and n.endswith(".weight") and "norm" not in n} - {Format.F32} == {
+        Format.Q8_0
+    }
+    assert f["blk.0.ffn_gate_inp.weight"] is Format.F32 and f["output.weight"] is Format.Q8_0
+    # a dense model has no expert tensor: every matrix Q8_0
+    expect(tensor_formats(SHAPES["qwen2.5-7b"], "mxfp4_moe"), 28, Format.Q8_0, output=Format.Q8_0)
+
+
 def test_bf16_is_every_matrix():
     f = tensor_formats(SHAPES["qwen3-8b"], "bf16")
     assert {f[n] for n, d in tensor_shapes(SHAPES["qwen3-8b"]).items() if len(d) == 2} == {Format.BF16}

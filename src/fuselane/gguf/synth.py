@@ -286,6 +286,8 @@ def _recipe_format(shape: Shape, recipe: Recipe, name: str, row: int, ranks: lis
     if parts[0] != "blk":
         return recipe.base
     rank, kind = ranks[int(parts[1])], parts[2]
+    if recipe.experts is not None and kind.endswith("_exps"):
+        return recipe.experts
     # llama.cpp's attn_v rules take every "attn_v-like" matrix (`category_is_attn_v`: a fused q/k/v one too,
     # Qwen3-Next's delta-rule layers'), counted over all of them: a layer holds one, so its rank
     if kind in ("attn_v", "attn_qkv"):

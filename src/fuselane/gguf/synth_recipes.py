@@ -33,6 +33,7 @@ class Mix(enum.Enum):
     IQ4_XS = "iq4_xs"
     Q3_K_M = "q3_k_m"
     Q2_K = "q2_k"
+    MXFP4_MOE = "mxfp4_moe"  # a mixture's experts MXFP4, every other matrix Q8_0
 
     @classmethod
     def parse(cls, mix: Mix | str) -> Mix:
@@ -59,6 +60,7 @@ FILE_TYPES: dict[Mix, LlamaFileType] = {
     Mix.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
     Mix.Q3_K_M: LlamaFileType.MOSTLY_Q3_K_M,
     Mix.Q2_K: LlamaFileType.MOSTLY_Q2_K,
+    Mix.MXFP4_MOE: LlamaFileType.MOSTLY_MXFP4_MOE,
 }
 
 # general.file_type of a file of given weights, by its most used matrix format
@@ -136,6 +138,7 @@ class Recipe:
     attn_v: Callable[[int, int, int], Format | None] = lambda r, n, gqa: None
     attn_output: Format | None = None
     ffn_down: Callable[[int, int], Format | None] = lambda r, n: None
+    experts: Format | None = None  # a mixture's expert matrices (3-D), before every rule above
 
 
 def _more_bits(fmt: Format) -> Callable[..., Format | None]:
@@ -174,4 +177,6 @@ RECIPES: dict[Mix, Recipe] = {
         attn_output=Format.Q3_K,
         ffn_down=lambda r, n: Format.Q3_K,
     ),
+    # MXFP4_MOE: the experts' 3-D tensors MXFP4, every other matrix (the output too) Q8_0; a dense model all Q8_0
+    Mix.MXFP4_MOE: Recipe(Format.Q8_0, experts=Format.MXFP4),
 }
