@@ -1,9 +1,10 @@
 """MXFP4 on the cuda lane: the blocks split as IQ4_NL's (their 16 code bytes in the same nibble order), each block's
 1-byte e8m0 exponent where IQ4_NL keeps its d, then every IQ4_NL path with MXFP4's table and the scale 2^(e - 128)
 made from e (`layout.e8m0_scale`). Against the cpu lane in f64, within the lane's contract (`logits_tolerance`),
-under Triton's interpreter (or compiled, on a GPU): a dense model whose embedding and down projections are MXFP4 and
-a mixture whose experts are (llama.cpp's `MXFP4_MOE` files), a prompt past the GEMV's rows (its chunk's products on
-the f16 scratch, the mixture's on the grouped GEMM) and a decode step, under int8 and dequantized activations."""
+under Triton's interpreter (or compiled, on a GPU): a dense model whose embedding and down projections are MXFP4, a
+mixture and a latent model in llama.cpp's `MXFP4_MOE` recipe (their experts, and DeepSeek's per-head `attn_v_b`), a
+prompt past the GEMV's rows (its chunk's products on the f16 scratch, the mixture's on the grouped GEMM) and a decode
+step, under int8 and dequantized activations (the latent model under int8)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,14 @@ from fuselane.runtime.model import load  # noqa: E402
 
 PROMPT = [5, 60, 7, 11, 200, 3, 141, 52, 9, 90, 17, 33]  # past the GEMV's rows: a chunk
 assert len(PROMPT) > kernels.GEMV_ROWS
-MXFP4_TENSORS = {
-    "dense": ("tiny-qwen3", ["token_embd.weight", *(f"blk.{i}.ffn_down.weight" for i in range(2))]),
-    "experts": ("tiny-qwen3moe", [f"blk.{i}.ffn_{p}_exps.weight" for i in range(2) for p in ("gate", "up", "down")]),
+# (shape, mix, tensors written MXFP4 beside the mix's): the mixture and the latent model in llama.cpp's MXFP4_MOE
+# recipe (every 3-D matrix MXFP4: the experts, DeepSeek's per-head attn_v_b), a dense one by name
+MXFP4_FILES = {
+    "dense": ("tiny-qwen3", "q8_0", ["token_embd.weight", *(f"blk.{i}.ffn_down.weight" for i in range(2))]),
+    "experts": ("tiny-qwen3moe", "mxfp4_moe", []),
+    "latent": ("tiny-deepseek2", "mxfp4_moe", []),
 }
+CASES = [(kind, a) for kind in MXFP4_FILES for a in ("int8", "dequant") if kind != "latent" or a == "int8"]
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -60,14 +65,13 @@ def test_the_lane_decodes_every_format_of_the_table():
     assert set(Format) <= kernels.DEQUANT_FORMATS
 
 
-@pytest.mark.parametrize("activations", ["int8", "dequant"])
-@pytest.mark.parametrize("kind", MXFP4_TENSORS)
+@pytest.mark.parametrize(("kind", "activations"), CASES)
 def test_an_mxfp4_file_runs_as_the_cpu_lane(tmp_path, kind, activations):
-    shape, names = MXFP4_TENSORS[kind]
-    path = write_synthetic(tmp_path / "m.gguf", shape, "q8_0", seed=2, formats=dict.fromkeys(names, Format.MXFP4))
+    shape, mix, names = MXFP4_FILES[kind]
+    path = write_synthetic(tmp_path / "m.gguf", shape, mix, seed=2, formats=dict.fromkeys(names, Format.MXFP4))
     gpu = load(path, lane="cuda", ctx=32, knobs=[f"activations={activations}"])
     ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
-    assert all(gpu.lane.raw[n][1] is Format.MXFP4 for n in names)
+    assert sum(fmt is Format.MXFP4 for _, fmt in gpu.lane.raw.values()) >= 3
     tol = gpu.lane.shim.numerics().logits_tolerance(gpu.cfg.n_layers)
     sg, sr = gpu.session(), ref.session()
     for what, a, b in (("prompt", sg.feed(PROMPT), sr.feed(PROMPT)), ("decode", sg.extend([9]), sr.extend([9]))):

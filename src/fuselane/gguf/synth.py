@@ -286,8 +286,6 @@ def _recipe_format(shape: Shape, recipe: Recipe, name: str, row: int, ranks: lis
     if parts[0] != "blk":
         return recipe.base
     rank, kind = ranks[int(parts[1])], parts[2]
-    if recipe.experts is not None and kind.endswith("_exps"):
-        return recipe.experts
     # llama.cpp's attn_v rules take every "attn_v-like" matrix (`category_is_attn_v`: a fused q/k/v one too,
     # Qwen3-Next's delta-rule layers'), counted over all of them: a layer holds one, so its rank
     if kind in ("attn_v", "attn_qkv"):
@@ -325,6 +323,8 @@ def tensor_formats(shape: Shape, mix: Mix | str) -> dict[str, Format]:
             formats[name] = Format.F32
         elif mix in _PLAIN:
             formats[name] = _PLAIN[mix]
+        elif len(dims) == 3 and RECIPES[mix].experts is not None:  # llama.cpp's `ne[2] > 1`
+            formats[name] = fit_format(RECIPES[mix].experts, dims[-1])
         else:
             formats[name] = fit_format(_recipe_format(shape, RECIPES[mix], name, dims[-1], ranks), dims[-1])
     return formats

@@ -33,7 +33,7 @@ class Mix(enum.Enum):
     IQ4_XS = "iq4_xs"
     Q3_K_M = "q3_k_m"
     Q2_K = "q2_k"
-    MXFP4_MOE = "mxfp4_moe"  # a mixture's experts MXFP4, every other matrix Q8_0
+    MXFP4_MOE = "mxfp4_moe"  # 3-D matrices (a mixture's experts) MXFP4, every other matrix Q8_0
 
     @classmethod
     def parse(cls, mix: Mix | str) -> Mix:
@@ -138,7 +138,7 @@ class Recipe:
     attn_v: Callable[[int, int, int], Format | None] = lambda r, n, gqa: None
     attn_output: Format | None = None
     ffn_down: Callable[[int, int], Format | None] = lambda r, n: None
-    experts: Format | None = None  # a mixture's expert matrices (3-D), before every rule above
+    experts: Format | None = None  # every 3-D matrix (a mixture's experts, DeepSeek's attn_k_b / attn_v_b) first
 
 
 def _more_bits(fmt: Format) -> Callable[..., Format | None]:
@@ -177,6 +177,7 @@ RECIPES: dict[Mix, Recipe] = {
         attn_output=Format.Q3_K,
         ffn_down=lambda r, n: Format.Q3_K,
     ),
-    # MXFP4_MOE: the experts' 3-D tensors MXFP4, every other matrix (the output too) Q8_0; a dense model all Q8_0
+    # MXFP4_MOE: every 3-D tensor (the experts', DeepSeek's per-head attn_k_b / attn_v_b) MXFP4, every other matrix
+    # (the output too) Q8_0; a dense model all Q8_0
     Mix.MXFP4_MOE: Recipe(Format.Q8_0, experts=Format.MXFP4),
 }
