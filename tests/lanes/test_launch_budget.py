@@ -24,7 +24,7 @@ from fuselane.graph.ir import Form
 from fuselane.lanes.cuda.plan.kernels import QBLOCK
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
 from fuselane.lanes.cuda.plan.shim import CudaShim
-from fuselane.models import config_of, qwen, recognizer
+from fuselane.models import config_of, recognizer
 from tests.lanes.test_cuda_launches import Stub, launches_per_layer
 
 LAUNCH_BUDGET = 7  # a decode step's launches a layer
@@ -68,7 +68,7 @@ def _decode_graph(shape: Shape, name: str, mix: Mix):
     formats = tensor_formats(shape, mix)
     tensors = {n: Stub(dims, formats[n]) for n, dims in tensor_shapes(shape).items()}
     cfg = config_of(model_metadata(shape, name, 0) | {"general.architecture": shape.arch}, tensors)
-    return qwen.recognize(cfg, tensors, Form.DECODE, ctx=4096), cfg
+    return recognizer(cfg).recognize(cfg, tensors, Form.DECODE, rows=1, ctx=4096), cfg
 
 
 @pytest.mark.parametrize("mix", [m for m in Mix if m is not Mix.Q4_K_M_05B])
@@ -145,10 +145,7 @@ def test_every_launch_knob_keeps_the_budget(name: str) -> None:
     # rows took a step's two formats)
     shape = replace(SHAPES.get(name) or PUBLISHED[name], n_layers=LAYERS)
     for mix in (m for m in Mix if m is not Mix.Q4_K_M_05B):
-        formats = tensor_formats(shape, mix)
-        tensors = {n: Stub(dims, formats[n]) for n, dims in tensor_shapes(shape).items()}
-        cfg = config_of(model_metadata(shape, name, 0) | {"general.architecture": shape.arch}, tensors)
-        g = recognizer(cfg).recognize(cfg, tensors, Form.DECODE, rows=1, ctx=4096)
+        g, _ = _decode_graph(shape, name, mix)
         for knobs in LAUNCH_KNOBS:
             per_layer = plan_launches(optimize(g, CudaShim(CudaKnobs.parse(knobs))))  # a view is no launch
             assert max(per_layer.values()) <= LAUNCH_BUDGET, (mix.value, knobs, per_layer)

@@ -93,11 +93,17 @@ def stored_offset(fmt: Format, field: str) -> int:
         return at
     if kept_after_row(fmt, field):
         raise ValueError(f"{Format(fmt).name}'s {field} is kept after its row's blocks, not in a block")
-    return at - ROW_TAIL_D[Format(fmt)] if _tail_field_at(fmt) < at else at
+    return at - ROW_TAIL_D[Format(fmt)] if tail_offset(fmt) < at else at
 
 
-def _tail_field_at(fmt: Format) -> int:
-    return LAYOUTS[Format(fmt)].field(TAIL_FIELD.get(Format(fmt), "d")).offset
+def tail_field(fmt: Format) -> str:
+    """The file's field a `ROW_TAIL_D` format's bytes kept after the row start at: d, or MXFP4's e."""
+    return TAIL_FIELD.get(Format(fmt), "d")
+
+
+def tail_offset(fmt: Format) -> int:
+    """That field's offset in the file's block."""
+    return LAYOUTS[Format(fmt)].field(tail_field(fmt)).offset
 
 
 def kept_after_row(fmt: Format, field: str) -> bool:
@@ -105,7 +111,7 @@ def kept_after_row(fmt: Format, field: str) -> bool:
     d, and IQ4_XS's scales with it), not in the block."""
     if Format(fmt) not in ROW_TAIL_D:
         return False
-    d_at = _tail_field_at(fmt)
+    d_at = tail_offset(fmt)
     return d_at <= LAYOUTS[Format(fmt)].field(field).offset < d_at + ROW_TAIL_D[Format(fmt)]
 
 

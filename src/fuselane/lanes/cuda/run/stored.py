@@ -72,7 +72,7 @@ def stored_tensor(fmt: Format, raw: Any, row_bytes: int | None = None) -> Any:
     if tail is None:
         runs[:, :, :file_block].copy_(blocks)
     else:
-        d_at = LAYOUTS[fmt].field(kernels.TAIL_FIELD.get(fmt, "d")).offset
+        d_at = kernels.tail_offset(fmt)
         runs[:, :, :d_at].copy_(blocks[:, :, :d_at])
         runs[:, :, d_at:].copy_(blocks[:, :, d_at + tail :])
         ds = out[:, per_row * stride : per_row * (stride + tail)].view(rows, per_row, tail)
@@ -114,8 +114,7 @@ def describe(formats: Iterable[Format] | None = None) -> str:
         if wanted is not None and fmt not in wanted:
             continue
         if fmt in kernels.ROW_TAIL_D:
-            align = kernels.ROW_ALIGN_BYTES[fmt]
-            field = kernels.TAIL_FIELD.get(fmt, "d")
+            field, align = kernels.tail_field(fmt), kernels.ROW_ALIGN_BYTES[fmt]
             parts.append(f"{fmt.name}'s {field}'s after a row's {block}-byte blocks, rows to {align} bytes")
         else:
             parts.append(f"{fmt.name}'s {LAYOUTS[fmt].nbytes} bytes in {block}")

@@ -14,10 +14,10 @@ import triton.language as tl
 from fuselane.gguf.formats import IQ4_NL_VALUES, LAYOUTS, MXFP4_VALUES, QK, QK_K, Format
 from fuselane.lanes.cuda.plan.kernels import (
     ROW_TAIL_D,
-    TAIL_FIELD,
     kept_after_row,
     stored_block_bytes,
     stored_offset,
+    tail_offset,
 )
 
 # --- layout facts, as constexprs the kernels can read --------------------------------------------------------
@@ -187,7 +187,7 @@ def check_layouts() -> None:
         raise RuntimeError("Q3_K: the int8 GEMV loads its scales and d, qs and hmask runs as 16-byte words; moved")
     for fmt in ROW_TAIL_D:  # a split block: whole 16-byte units, its header one run of bytes
         lay, stored = LAYOUTS[fmt], stored_block_bytes(fmt)
-        d = lay.field(TAIL_FIELD.get(fmt, "d")).offset
+        d = tail_offset(fmt)
         if stored % 16 or stored + ROW_TAIL_D[fmt] != lay.nbytes or d not in (0, stored):
             raise RuntimeError(f"{fmt.name}: the GEMVs load a block's runs as 16-byte words, its header after the row")
     if stored_block_bytes(Format.Q8_0) % 16 or stored_offset(Format.Q8_0, "qs"):
