@@ -10,16 +10,16 @@ import pytest
 from fuselane.fuse.rules import SHARED_RULES
 from fuselane.fuse.shim import NATIVE, After, Before, SupportKind
 from fuselane.graph.classes import ClassId as C
-from fuselane.lanes.cuda.plan.gdn import GDN_NATIVE
-from fuselane.lanes.cuda.plan.knobs import Activations, CachePrecision, CudaKnobs, StatePrecision
-from fuselane.lanes.cuda.plan.shim import (
+from fuselane.lanes.cuda.plan.classes import (
     DECOMPOSED_CLASSES,
     NATIVE_CLASSES,
     NO_KERNEL_CLASSES,
     QUANT_EPILOGUES,
     REFUSED_CLASSES,
-    CudaShim,
 )
+from fuselane.lanes.cuda.plan.gdn import GDN_NATIVE
+from fuselane.lanes.cuda.plan.knobs import Activations, CachePrecision, CudaKnobs, StatePrecision
+from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.numerics.contract import Block, Keep, Kept, Quantized, Scale, Scheme
 
 DEFAULT = CudaKnobs()

@@ -25,9 +25,10 @@ from fuselane.gguf.synth_latent import LATENT_SHAPES
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form
 from fuselane.graph.ops import Quantize
+from fuselane.lanes.cuda.plan.classes import NATIVE_CLASSES, QUANT_EPILOGUES
 from fuselane.lanes.cuda.plan.gdn import DELTA_FORM_LAUNCHES, DELTA_SPLIT, step_writes_int8
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
-from fuselane.lanes.cuda.plan.shim import NATIVE_CLASSES, QUANT_EPILOGUES, CudaShim
+from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.lanes.cuda.run.launch import BINDERS, PARTS_ONLY
 from fuselane.models import recognizer
 

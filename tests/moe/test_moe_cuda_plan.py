@@ -21,8 +21,9 @@ from fuselane.gguf.synth import SHAPES, Mix, model_metadata, tensor_formats, ten
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form, QuantFormat
 from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.plan.classes import MOE_CLASSES, QUANT_EPILOGUES
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
-from fuselane.lanes.cuda.plan.shim import MOE_CLASSES, QUANT_EPILOGUES, CudaShim
+from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.models import config_of, recognizer
 from tests.lanes.test_cuda_launches import Stub
 from tests.lanes.test_cuda_launches import launches_per_layer as stub_launches

@@ -51,8 +51,8 @@ from fuselane.graph.ops import (
     Unary,
     UnaryOp,
 )
+from fuselane.lanes.cuda.plan.classes import QUANT_EPILOGUES
 from fuselane.lanes.cuda.plan.knobs import H200
-from fuselane.lanes.cuda.plan.shim import QUANT_EPILOGUES
 from fuselane.lanes.cuda.run import gdn_launch, mla_launch, moe_launch, product_launch, rope_launch
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
 
@@ -363,7 +363,7 @@ def _quantizing(op: Op, b: Bound):
 Binder = Callable[[Op, Bound], list[Launch]]
 
 # The one table: every class the shim runs natively, and every primitive, to its binder (a test holds the
-# classes to the shim's `NATIVE_CLASSES` and `QUANT_EPILOGUES`).
+# classes to `classes.NATIVE_CLASSES` and `QUANT_EPILOGUES`).
 BINDERS: dict[C | type, Binder] = {
     Matmul: product_launch.product,
     RmsNorm: _rms_norm,
