@@ -27,6 +27,7 @@ CASES = [
     ("tiny-qwen2", "q8_0", ["round_in_place=on"]),  # a chunk's dying activations rounded in their own bytes
     ("tiny-qwen2moe", "q4_k_m", ["prefill=int8"]),
     ("tiny-qwen3moe", "q8_0", ["prefill=in-place"]),
+    ("tiny-qwen3moe", "mxfp4_moe", []),  # MXFP4 experts through IQ4_NL's bodies with its table and scale
     ("tiny-qwen3next", "q4_k_m", []),
     ("tiny-deepseek2", "q4_k_m", []),
 ]
