@@ -1,7 +1,7 @@
 """Time the int8 prefill GEMM (`gemm_q8`) over candidate tiles against cuBLAS on an f16 copy, on a 512-row chunk.
 
 For each product of the reference shapes (Qwen2.5-7B, Qwen3-8B, the small ones) and each tile of
-`gemm_tiles.SWEEP` (BLOCK_M activation rows, BLOCK_N weight rows, warps, stages: 36 candidates), prints
+`gemm_tiles.SWEEP` (BLOCK_M activation rows, BLOCK_N weight rows, warps, stages: 54 candidates), prints
 TFLOP/s (2 m n k a launch, replayed from a CUDA graph), microseconds, and the largest difference from the
 f16-copy product relative to its largest value; the row's best tile is marked. Write the best ones into
 `fuselane/lanes/cuda/plan/gemm_tiles.py` (`TILES`, `DEFAULT_TILE`).

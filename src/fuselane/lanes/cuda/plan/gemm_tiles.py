@@ -51,8 +51,10 @@ DEFAULT_TILE = GemmTile(block_m=64, block_n=128, warps=4, stages=3)
 _SPLIT_TILE = GemmTile(block_m=32, block_n=128, warps=4, stages=3)
 TILES: dict[Format, GemmTile] = {fmt: _SPLIT_TILE for fmt in SPLIT_FORMATS}
 # The candidates a GPU sweep times (`benchmarks/gemm_q8_sweep.py`): activation rows, weight rows (the MMA's
-# rows: 64 a warp group), warps and pipeline stages, every combination (36).
-SWEEP_M, SWEEP_N, SWEEP_WARPS, SWEEP_STAGES = (32, 64, 128), (64, 128), (4, 8), (2, 3, 4)
+# rows), warps and pipeline stages, every combination (54). 64 weight rows a warp group or more compile to
+# Hopper's wgmma, whose sums the run's scaling waits for; 32 to mma.sync (sm_90, Triton 3.6), at 96-128
+# registers a thread against 214-243 (Q4_K, `benchmarks/gemm_q8_registers.py`), so several blocks a SM.
+SWEEP_M, SWEEP_N, SWEEP_WARPS, SWEEP_STAGES = (32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4)
 SWEEP = tuple(
     GemmTile(bm, bn, warps, stages)
     for bm in SWEEP_M
