@@ -151,17 +151,18 @@ SIGNED_SCALE = const(32)  # Q3_K's and IQ4_XS's 6-bit scales are stored + 32
 Q3_HIGH_SCALES, Q3_SCALE_ROWS = const(8), const(4)
 Q3_LOW_SCALES = const(8)  # bytes of the scales' low nibbles
 Q3_BIAS_CODE = const(4)  # a clear hmask bit makes the code 4 lower
-# IQ4_NL / IQ4_XS: the 16 values a code stands for as four little-endian int32 words (bytes 4w..4w + 3)
-_IQ4_BYTES = bytes(v & 0xFF for v in IQ4_NL_VALUES)
-IQ4_T0, IQ4_T1, IQ4_T2, IQ4_T3 = (
-    const(int.from_bytes(_IQ4_BYTES[4 * w : 4 * w + 4], "little", signed=True)) for w in range(4)
-)
+
+
+def _table_words(values) -> tuple:
+    """A 16-entry code table of signed bytes as four little-endian int32 words (bytes 4w..4w + 3)."""
+    raw = bytes(v & 0xFF for v in values)
+    return tuple(const(int.from_bytes(raw[4 * w : 4 * w + 4], "little", signed=True)) for w in range(4))
+
+
+# IQ4_NL / IQ4_XS: the 16 values a code stands for; MXFP4: its (doubled) e2m1 values, kept the same way
+IQ4_T0, IQ4_T1, IQ4_T2, IQ4_T3 = _table_words(IQ4_NL_VALUES)
+MX_T0, MX_T1, MX_T2, MX_T3 = _table_words(MXFP4_VALUES)
 IQ4_XS_SUB = const(32)  # IQ4_XS: values under one of its eight scales
-# MXFP4: its (doubled) e2m1 values as IQ4's table is kept
-_MXFP4_BYTES = bytes(v & 0xFF for v in MXFP4_VALUES)
-MX_T0, MX_T1, MX_T2, MX_T3 = (
-    const(int.from_bytes(_MXFP4_BYTES[4 * w : 4 * w + 4], "little", signed=True)) for w in range(4)
-)
 # MXFP4's scale 2^(e - 128) from its e8m0 byte e, as ggml's `e8m0_to_fp32_half` makes it: for e < 2 an f32
 # subnormal, 2^-128 << e; else the exponent field e - 1
 E8M0_SUBNORMAL_BITS = const(0x00200000)  # the f32 bits of 2^-128
