@@ -147,9 +147,10 @@ def bad(tmp_path_factory) -> dict[str, str]:
     files["bad k shape"] = write_gguf(
         d / "bad-k.gguf", "qwen2", meta, weights | {"blk.0.attn_k.weight": weights["blk.0.attn_k.weight"][:-1]}
     )
-    # IQ2_XXS stores 256 values in 66 bytes; a 256-wide row of it where ffn_up belongs
-    iq2 = (np.zeros((QWEN2.n_ff, 66), dtype=np.uint8), GGMLQuantizationType.IQ2_XXS)
-    files["iq2"] = write_gguf(d / "iq2.gguf", "qwen2", meta, weights | {"blk.0.ffn_up.weight": iq2})
+    # Q8_K (llama.cpp's in-kernel activation format, never a file's weights) stores 256 values in 292 bytes; a
+    # 256-wide row of it where ffn_up belongs
+    q8k = (np.zeros((QWEN2.n_ff, 292), dtype=np.uint8), GGMLQuantizationType.Q8_K)
+    files["q8k"] = write_gguf(d / "q8k.gguf", "qwen2", meta, weights | {"blk.0.ffn_up.weight": q8k})
     nan = weights | {"output_norm.weight": np.full(QWEN2.n_embd, np.nan, dtype=np.float32)}
     files["nan"] = write_gguf(d / "nan.gguf", "qwen2", meta, nan)
     return {name: str(p) for name, p in files.items()} | {"long": LONG_PROMPT}
@@ -195,7 +196,7 @@ CASES: dict[str, Case] = {
     "mamba architecture": _file("mamba", ModelError, "'mamba'", "not supported"),
     "missing tensor": _file("no ffn_up", ModelError, "blk.1.ffn_up.weight", "missing"),
     "wrong tensor shape": _file("bad k shape", ModelError, "blk.0.attn_k.weight", "shape"),
-    "unsupported quant type": _file("iq2", GgufError, "blk.0.ffn_up.weight", "IQ2_XXS"),
+    "unsupported quant type": _file("q8k", GgufError, "blk.0.ffn_up.weight", "Q8_K"),
     "NaN weights": Case(
         ("run", "--raw", "--temp", "0.9", "-n", "4", "{nan}", "hello"),
         ("nan",),

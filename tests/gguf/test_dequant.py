@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from fuselane.errors import GgufError
 from fuselane.gguf import dequant
 from fuselane.gguf.dequant import dequantize, dequantize_rows
-from fuselane.gguf.formats import IQ4_NL_VALUES, LAYOUTS, MXFP4_VALUES, FieldKind, Format, row_bytes
+from fuselane.gguf.formats import GRID_FORMATS, IQ4_NL_VALUES, LAYOUTS, MXFP4_VALUES, FieldKind, Format, row_bytes
 from fuselane.gguf.quantize import quantize, random_blocks
 
 ALL = list(Format)
@@ -86,6 +86,37 @@ def test_layout_matches_ggml(fmt: Format) -> None:
 def test_code_tables_match_gguf() -> None:
     assert IQ4_NL_VALUES == gguf_quants.IQ4_NL.kvalues
     assert MXFP4_VALUES == gguf_quants.MXFP4.kvalues
+
+
+# A grid or ternary block of all-zero codes at d = 1: every value is the first entry of llama.cpp's table for
+# the format (ggml-common.h: iq2xxs/iq2xs/iq2s_grid[0] eight 8s, iq3xxs_grid[0] four 4s, iq3s_grid[0] four 1s,
+# iq1s_grid[0] eight -1s) times the zero scale's step (IQ2: (0.5 + 0) / 4, IQ3_XXS: (0.5 + 0) / 2, IQ3_S and
+# IQ1: 2 * 0 + 1), IQ1's + 1/8 delta added; a ternary digit 0 is -1. Independent of gguf: it checks where each
+# layout puts d and that the decoder reads the format named.
+ZERO_CODE_VALUES = {
+    Format.IQ2_XXS: 1.0,
+    Format.IQ2_XS: 1.0,
+    Format.IQ2_S: 1.0,
+    Format.IQ3_XXS: 1.0,
+    Format.IQ3_S: 1.0,
+    Format.IQ1_S: -0.875,
+    Format.IQ1_M: -0.875,
+    Format.TQ1_0: -1.0,
+    Format.TQ2_0: -1.0,
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(GRID_FORMATS), ids=lambda f: f.name)
+def test_zero_codes_decode_to_the_tables_first_entry(fmt: Format) -> None:
+    lay = LAYOUTS[fmt]
+    block = np.zeros((1, lay.nbytes), np.uint8)
+    one = np.array([1.0], np.float16).view(np.uint16)
+    if fmt is Format.IQ1_M:  # d's four nibbles are the top ones of the four scale words
+        words = block[:, lay.field("scales").offset :].view("<u2")
+        words[0] = [((int(one[0]) >> (4 * i)) & 0xF) << 12 for i in range(4)]
+    else:
+        block[:, lay.field("d").offset :][:, :2].view("<f2")[:] = 1.0
+    assert set(dequantize(block.reshape(-1), fmt, (lay.values,)).tolist()) == {ZERO_CODE_VALUES[fmt]}
 
 
 # --- equality with gguf ---
@@ -187,8 +218,8 @@ def test_bad_inputs_raise_gguf_error() -> None:
         dequantize(raw, Format.Q4_0, ())
     with pytest.raises(GgufError, match="uint8"):
         dequantize(raw.view(np.int8), Format.Q4_0, (2, 64))
-    with pytest.raises(GgufError, match="IQ2_XXS"):
-        dequantize(raw, GGMLQuantizationType.IQ2_XXS, (2, 64))
+    with pytest.raises(GgufError, match="Q8_K"):
+        dequantize(raw, GGMLQuantizationType.Q8_K, (2, 64))
     with pytest.raises(GgufError, match="99"):
         dequantize(raw, 99, (2, 64))
     with pytest.raises(GgufError, match="out of range"):

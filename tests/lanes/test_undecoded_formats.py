@@ -2,10 +2,8 @@
 runs: `explain` shows the plan and names the matrix, `--lane cuda` refuses in one line, `--lane auto` runs the
 model on the cpu lane, which decodes every format of the table.
 
-The lane decodes every format of the table today (MXFP4, the last, since its blocks are kept as IQ4_NL's:
-`kernels.STORED_BLOCK_BYTES`), so these tests take MXFP4 out of the lane's decoded formats (`kernels.
-DEQUANT_FORMATS`), as a format added to the table before its kernels would be; `tests/cuda_kernels/
-test_mxfp4_lane.py` runs the same files on the lane."""
+The grid and ternary formats (`formats.GRID_FORMATS`: IQ2_*, IQ3_*, IQ1_*, TQ*) are such formats: read from
+files, decoded by the cpu lane, by no kernel of the cuda lane."""
 
 from __future__ import annotations
 
@@ -16,34 +14,30 @@ from fuselane.cli import main
 from fuselane.errors import FuselaneError
 from fuselane.explain import build_plan
 from fuselane.fuse.views import leaves
-from fuselane.gguf.formats import Format
-from fuselane.gguf.synth import write_synthetic
+from fuselane.gguf.formats import GRID_FORMATS, Format
+from fuselane.gguf.synth import Shape, write_synthetic
 from fuselane.graph.ir import Fused
-from fuselane.lanes.cuda.plan import kernels
 from fuselane.runtime import model as runtime
 
-DENSE_WHY = "blk.0.ffn_down.weight is MXFP4, which no kernel of the lane decodes (the cpu lane runs it)"
-EXPERTS_WHY = "blk.0.ffn_gate_exps.weight is MXFP4, which no kernel of the lane decodes (the cpu lane runs it)"
+DENSE_WHY = "blk.0.ffn_down.weight is IQ2_XXS, which no kernel of the lane decodes (the cpu lane runs it)"
+EXPERTS_WHY = "blk.0.ffn_gate_exps.weight is IQ3_XXS, which no kernel of the lane decodes (the cpu lane runs it)"
+# rows of whole 256-value super-blocks, as the grid formats need
+DENSE = Shape("qwen3", 256, 2, 4, 2, 64, 512, 512, context=4096)
+EXPERTS = Shape("qwen3moe", 256, 2, 4, 2, 64, 512, 512, context=4096, experts=4, experts_used=2, expert_ff=256)
 
 
-def _mxfp4(path, shape: str, names: list[str]) -> str:
-    return str(write_synthetic(path, shape, "q8_0", seed=2, formats=dict.fromkeys(names, Format.MXFP4)))
-
-
-@pytest.fixture(autouse=True)
-def undecoded(monkeypatch):
-    """MXFP4 as a format no kernel of the lane decodes."""
-    monkeypatch.setattr(kernels, "DEQUANT_FORMATS", kernels.DEQUANT_FORMATS - {Format.MXFP4})
+def _write(path, shape: Shape, names: list[str], fmt: Format) -> str:
+    return str(write_synthetic(path, shape, "q8_0", seed=2, formats=dict.fromkeys(names, fmt)))
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, str]:
-    d = tmp_path_factory.mktemp("mxfp4")
+    d = tmp_path_factory.mktemp("grid")
     downs = [f"blk.{i}.ffn_down.weight" for i in range(2)]
     experts = [f"blk.{i}.ffn_{p}_exps.weight" for i in range(2) for p in ("gate", "up", "down")]
     return {
-        "dense": _mxfp4(d / "dense.gguf", "tiny-qwen3", downs),
-        "experts": _mxfp4(d / "experts.gguf", "tiny-qwen3moe", experts),
+        "dense": _write(d / "dense.gguf", DENSE, downs, Format.IQ2_XXS),
+        "experts": _write(d / "experts.gguf", EXPERTS, experts, Format.IQ3_XXS),
         "plain": str(write_synthetic(d / "plain.gguf", "tiny-qwen3", "q8_0", seed=2)),
     }
 
@@ -64,7 +58,7 @@ def test_a_file_the_lane_decodes_is_not_refused(files):
 
 @pytest.mark.parametrize(("kind", "why"), [("dense", DENSE_WHY), ("experts", EXPERTS_WHY)])
 def test_the_cuda_lane_refuses_before_torch_is_asked(files, kind, why):
-    with pytest.raises(FuselaneError, match="lane cannot run this model: .*MXFP4, which no kernel"):
+    with pytest.raises(FuselaneError, match="lane cannot run this model: .*IQ.*, which no kernel"):
         runtime.load(files[kind], lane="cuda", ctx=32)
 
 
@@ -84,3 +78,19 @@ def test_auto_runs_it_on_the_cpu_lane(files, monkeypatch):
 def test_synth_refuses_formats_of_tensors_it_does_not_write(tmp_path):
     with pytest.raises(FuselaneError, match="formats name tensors the model does not have"):
         write_synthetic(tmp_path / "m.gguf", "tiny-qwen3", "q8_0", formats={"blk.9.ffn_down.weight": Format.Q8_0})
+
+
+@pytest.mark.parametrize("fmt", sorted(GRID_FORMATS), ids=lambda f: f.name)
+def test_the_cpu_lane_runs_every_grid_format(tmp_path, fmt):
+    # every projection of both layers in the format: the prompt's logits are finite and differ from a Q8_0
+    # file's of the same seed (the matrices were read in the format, not skipped)
+    names = [f"blk.{i}.{m}.weight" for i in range(2) for m in ("attn_q", "attn_output", "ffn_gate", "ffn_up")]
+    path = _write(tmp_path / "m.gguf", DENSE, names, fmt)
+    logits = np.asarray(runtime.load(path, lane="cpu", ctx=32).session().feed([5, 60, 7]))
+    plain = np.asarray(
+        runtime.load(_write(tmp_path / "p.gguf", DENSE, [], Format.Q8_0), lane="cpu", ctx=32).session().feed([5, 60, 7])
+    )
+    assert np.isfinite(logits).all() and not np.allclose(logits, plain)
+    assert build_plan(path, lane="cuda")[2].cannot_run.endswith(
+        f"blk.0.attn_q.weight is {fmt.name}, which no kernel of the lane decodes (the cpu lane runs it)"
+    )

@@ -5,6 +5,8 @@ float values, and they must be the values llama.cpp (and `gguf.quants`) would co
 format is one small function that decodes a batch of blocks with whole-array operations; the driver walks
 a tensor in chunks of blocks so that the temporaries stay a few MiB however large the tensor is, and writes
 straight into the preallocated result. Field offsets come from `formats.LAYOUTS`, never from numbers here.
+The grid and ternary formats (`formats.GRID_FORMATS`: IQ1_*, IQ2_*, IQ3_*, TQ*) are decoded by `gguf.quants`
+itself, which holds llama.cpp's value grids; only the cpu lane reads them, and no speed of theirs was asked.
 
 Why the results equal gguf's bit for bit: every product is exact in float32 (an f16 scale has 11
 significant bits, and sub-scale times code is an integer below 2^12), so only the one addition of the
@@ -17,10 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from gguf import quants as gguf_quants
+from gguf.constants import GGMLQuantizationType
 from numpy.typing import DTypeLike
 
 from fuselane.errors import GgufError
 from fuselane.gguf.formats import (
+    GRID_FORMATS,
     IQ4_NL_VALUES,
     LAYOUTS,
     MXFP4_VALUES,
@@ -257,6 +262,21 @@ def _iq4_xs(blocks: np.ndarray, out: np.ndarray) -> None:
     dl = (_scale(blocks, _IQ4_XS) * _signed(low | (high << np.uint8(4)), 32)).reshape(n, 8, 1)
     values = np.take(_IQ4_NL_TABLE, _nibbles(_field(blocks, _IQ4_XS, "qs"), 16))
     np.multiply(dl, values.reshape(n, 8, 32), out=out.reshape(n, 8, 32))
+
+
+def _grid_decoder(fmt: Format) -> Decoder:
+    """A grid or ternary format's blocks through `gguf.quants`, which holds llama.cpp's value grids (up to 2,048
+    entries a format) and decodes them as its C code does; these formats need no speed of their own here."""
+    qtype = GGMLQuantizationType(int(fmt))
+
+    def decode(blocks: np.ndarray, out: np.ndarray) -> None:
+        out[:] = gguf_quants.dequantize(blocks, qtype)
+
+    return decode
+
+
+for _fmt in GRID_FORMATS:
+    _DECODERS[_fmt] = _grid_decoder(_fmt)
 
 
 # --- drivers ---

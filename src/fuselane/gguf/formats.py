@@ -29,9 +29,18 @@ class Format(enum.IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ2_XXS = 16
+    IQ2_XS = 17
+    IQ3_XXS = 18
+    IQ1_S = 19
     IQ4_NL = 20
+    IQ3_S = 21
+    IQ2_S = 22
     IQ4_XS = 23
+    IQ1_M = 29
     BF16 = 30
+    TQ1_0 = 34
+    TQ2_0 = 35
     MXFP4 = 39
 
 
@@ -163,7 +172,65 @@ LAYOUTS: dict[Format, BlockLayout] = {
     ),
     # e: shared power-of-two exponent (e8m0); qs: 4-bit e2m1 codes
     Format.MXFP4: _layout(Format.MXFP4, QK, ("e", "u1", 1, S), ("qs", "u1", QK // 2, P)),
+    # The grid formats (GRID_FORMATS): codes index llama.cpp's tables of 4 or 8 values (its iq*_grid), with
+    # separate sign bits and 3-4-bit sub-block scales; the cpu lane decodes them through `gguf.quants`.
+    # qs: eight u32 pairs, a pair's first four bytes grid indices, its second 4 x 7 sign bits and a 4-bit scale
+    Format.IQ2_XXS: _layout(Format.IQ2_XXS, QK_K, ("d", "<f2", 1, S), ("qs", "u1", QK_K // 4, P)),
+    # qs: 32 u16, 9 bits of grid index and 7 of signs; scales: two 4-bit scales a byte
+    Format.IQ2_XS: _layout(
+        Format.IQ2_XS, QK_K, ("d", "<f2", 1, S), ("qs", "u1", QK_K // 4, P), ("scales", "u1", QK_K // 32, P)
+    ),
+    # qs: low 8 bits of 32 grid indices; signs: one bit a value; qh: the indices' top 2 bits
+    Format.IQ2_S: _layout(
+        Format.IQ2_S,
+        QK_K,
+        ("d", "<f2", 1, S),
+        ("qs", "u1", QK_K // 8, P),
+        ("signs", "u1", QK_K // 8, P),
+        ("qh", "u1", QK_K // 32, P),
+        ("scales", "u1", QK_K // 32, P),
+    ),
+    # qs: 64 grid indices (4 values each); scales: eight u32 of 4 x 7 sign bits and a 4-bit scale
+    Format.IQ3_XXS: _layout(
+        Format.IQ3_XXS, QK_K, ("d", "<f2", 1, S), ("qs", "u1", QK_K // 4, P), ("scales", "u1", QK_K // 8, P)
+    ),
+    Format.IQ3_S: _layout(
+        Format.IQ3_S,
+        QK_K,
+        ("d", "<f2", 1, S),
+        ("qs", "u1", QK_K // 4, P),
+        ("qh", "u1", QK_K // 32, P),
+        ("signs", "u1", QK_K // 8, P),
+        ("scales", "u1", QK_K // 64, P),
+    ),
+    # qs: low 8 bits of 32 grid indices; qh: 8 u16 of 4 x 3 index bits, a 3-bit scale and the delta's sign
+    Format.IQ1_S: _layout(Format.IQ1_S, QK_K, ("d", "<f2", 1, S), ("qs", "u1", QK_K // 8, P), ("qh", "u1", 16, P)),
+    # no field of its own holds d: the f16 is the top nibbles of the four u16 of `scales` (IQ1M_SCALE_NIBBLES)
+    Format.IQ1_M: _layout(
+        Format.IQ1_M, QK_K, ("qs", "u1", QK_K // 8, P), ("qh", "u1", QK_K // 16, P), ("scales", "u1", 8, P)
+    ),
+    # ternary: qs five base-3 digits a byte (240 values), qh four (16); value = d * (digit - 1)
+    Format.TQ1_0: _layout(Format.TQ1_0, QK_K, ("qs", "u1", 48, P), ("qh", "u1", 4, P), ("d", "<f2", 1, S)),
+    # ternary: 2-bit codes, value = d * (code - 1)
+    Format.TQ2_0: _layout(Format.TQ2_0, QK_K, ("qs", "u1", QK_K // 4, P), ("d", "<f2", 1, S)),
 }
+
+# Formats whose codes index llama.cpp's value grids, or hold ternary digits: read from files and decoded by the
+# cpu lane (through `gguf.quants`, which holds the grids), decoded by no kernel of the cuda lane.
+GRID_FORMATS = frozenset(
+    {
+        Format.IQ2_XXS,
+        Format.IQ2_XS,
+        Format.IQ2_S,
+        Format.IQ3_XXS,
+        Format.IQ3_S,
+        Format.IQ1_S,
+        Format.IQ1_M,
+        Format.TQ1_0,
+        Format.TQ2_0,
+    }
+)
+IQ1M_SCALE_NIBBLES = 4  # IQ1_M's f16 d: bits 12-15 of each of its `scales` u16, the first the lowest
 
 
 def layout(fmt: Format) -> BlockLayout:

@@ -18,7 +18,7 @@ from gguf.constants import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 
 from fuselane.errors import GgufError
-from fuselane.gguf.formats import LAYOUTS, Field, FieldKind, Format
+from fuselane.gguf.formats import IQ1M_SCALE_NIBBLES, LAYOUTS, Field, FieldKind, Format
 
 _QUANTIZABLE = (
     Format.F32,
@@ -49,6 +49,15 @@ _SYNTH: dict[Format, tuple[float, float]] = {
     Format.IQ4_NL: (67.4, 0.0),
     Format.IQ4_XS: (1250.0, 0.0),
     Format.MXFP4: (5.85, 0.0),
+    Format.IQ2_XXS: (53.4, 0.0),
+    Format.IQ2_XS: (55.9, 0.0),
+    Format.IQ2_S: (56.4, 0.0),
+    Format.IQ3_XXS: (142.0, 0.0),
+    Format.IQ3_S: (140.0, 0.0),
+    Format.IQ1_S: (7.21, 0.0),
+    Format.IQ1_M: (7.20, 0.0),
+    Format.TQ1_0: (0.817, 0.0),
+    Format.TQ2_0: (0.707, 0.0),  # its codes made ternary (`_ternary`): 0 half the time, -1 and 1 a quarter each
 }
 
 # d is drawn from [1 - JITTER, 1 + JITTER] times its target, so blocks differ but the size barely moves
@@ -120,6 +129,21 @@ def _field_view(blocks: np.ndarray, f: Field) -> np.ndarray:
     return blocks[:, f.offset : f.offset + f.nbytes].view(f.dtype)
 
 
+def _iq1m_scale(scales: np.ndarray, d: np.ndarray) -> None:
+    """IQ1_M's d (n, 1) f16 into the top nibbles of its four scale words (n, 4), the first word the lowest."""
+    bits = d.view(np.uint16)
+    nibble = np.uint16(16 // IQ1M_SCALE_NIBBLES)
+    scales &= np.uint16(0x0FFF)
+    for i in range(IQ1M_SCALE_NIBBLES):
+        scales[:, i] |= ((bits[:, 0] >> np.uint16(nibble * i)) & np.uint16(0xF)) << np.uint16(12)
+
+
+def _ternary(codes: np.ndarray) -> None:
+    """TQ2_0's 2-bit codes made ternary in place: code 3 (value 2d, which no ternary model has) becomes 1 (0)."""
+    threes = (codes >> np.uint8(1)) & codes & np.uint8(0x55)  # the low bit of each 2-bit code that is 3
+    codes ^= threes << np.uint8(1)
+
+
 def random_blocks(fmt: Format, n_blocks: int, rng: np.random.Generator, scale: float = 0.02) -> np.ndarray:
     """`n_blocks` random blocks of `fmt` as uint8 (n_blocks, block bytes), decoding to values of ~`scale`.
 
@@ -145,6 +169,10 @@ def random_blocks(fmt: Format, n_blocks: int, rng: np.random.Generator, scale: f
         _field_view(blocks, lay.field("e"))[:] = np.clip(e, 0, 254).astype(np.uint8)
         return blocks
     d = np.maximum(target, np.float32(_F16_TINY)).astype(np.float16)
+    if fmt is Format.IQ1_M:
+        _iq1m_scale(_field_view(blocks, lay.field("scales")).view("<u2"), d)
+    if fmt is Format.TQ2_0:
+        _ternary(_field_view(blocks, lay.field("qs")))
     for f in lay.fields:
         if f.kind is FieldKind.SCALE:
             _field_view(blocks, f)[:] = d

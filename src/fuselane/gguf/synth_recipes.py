@@ -81,6 +81,15 @@ FORMAT_FILE_TYPES: dict[Format, LlamaFileType] = {
     Format.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL,
     Format.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
     Format.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE,
+    Format.IQ2_XXS: LlamaFileType.MOSTLY_IQ2_XXS,
+    Format.IQ2_XS: LlamaFileType.MOSTLY_IQ2_XS,
+    Format.IQ2_S: LlamaFileType.MOSTLY_IQ2_S,
+    Format.IQ3_XXS: LlamaFileType.MOSTLY_IQ3_XXS,
+    Format.IQ3_S: LlamaFileType.MOSTLY_IQ3_S,
+    Format.IQ1_S: LlamaFileType.MOSTLY_IQ1_S,
+    Format.IQ1_M: LlamaFileType.MOSTLY_IQ1_M,
+    Format.TQ1_0: LlamaFileType.MOSTLY_TQ1_0,
+    Format.TQ2_0: LlamaFileType.MOSTLY_TQ2_0,
 }
 
 
