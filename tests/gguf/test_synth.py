@@ -19,6 +19,7 @@ from fuselane.gguf.synth import (
     main,
     tensor_formats,
     tensor_shapes,
+    tensor_type_overrides,
     write_synthetic,
     write_weights,
 )
@@ -335,3 +336,28 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main([str(tmp_path / "c.gguf"), "--shape", "nope"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: unknown shape") and err.count("\n") == 1
+
+
+def test_tensor_types_override_as_llama_quantizes(tmp_path):
+    # the first pattern a matrix's name holds wins; a row that is not whole blocks falls back as llama.cpp's
+    # does (64-value rows: a grid format to IQ4_NL, a ternary one to Q4_0); norms and biases stay F32
+    out = tmp_path / "t.gguf"
+    argv = [str(out), "--shape", "tiny-qwen3", "--mix", "q8_0", "--tensor-type", "ffn_(up|gate)=IQ3_S"]
+    assert main([*argv, "--tensor-type", "attn_q=tq2_0", "--tensor-type", "ffn=q4_0"]) == 0
+    wide = tensor_type_overrides(K_SHAPE, "q8_0", ["blk\\.1\\.ffn_up=iq2_xxs", "ffn_up=q4_k"])
+    with open_gguf(out) as f:
+        types = {name: t.format for name, t in f.tensors.items()}
+    assert {types[f"blk.{i}.ffn_{p}.weight"] for i in range(2) for p in ("up", "gate")} == {Format.IQ4_NL}
+    assert types["blk.0.attn_q.weight"] is Format.Q4_0 and types["blk.0.ffn_down.weight"] is Format.Q4_0
+    assert types["blk.0.attn_k.weight"] is Format.Q8_0 and types["blk.0.attn_norm.weight"] is Format.F32
+    assert wide == {"blk.1.ffn_up.weight": Format.IQ2_XXS, **{f"blk.{i}.ffn_up.weight": Format.Q4_K for i in (0, 2)}}
+
+
+@pytest.mark.parametrize(
+    ("pattern", "error"),
+    [("q8_0", "is not REGEX=TYPE"), ("(=q8_0", "bad regular expression"), ("ffn=q8_k", "unknown type q8_k")],
+)
+def test_bad_tensor_types_are_one_line(tmp_path, capsys, pattern, error):
+    assert main([str(tmp_path / "c.gguf"), "--tensor-type", pattern]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --tensor-type") and error in err and err.count("\n") == 1

@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -354,6 +355,37 @@ def write_synthetic(
     return _write(path, shape, plan, meta, lambda t: _random_chunks(t, seed), progress)
 
 
+def tensor_type_overrides(shape: Shape | str, mix: Mix | str, patterns: Sequence[str]) -> dict[str, Format]:
+    """The formats llama-quantize's `--tensor-type REGEX=TYPE` options give `shape`'s matrices in `mix`: each
+    matrix the mix quantizes takes the type of the first pattern found in its name (`re.search`), or llama.cpp's
+    fallback where its rows are not whole blocks of it (`fit_format`); norms, biases and routers stay F32.
+    FuselaneError for a pattern without `=`, a bad regular expression or a type fuselane does not read."""
+    _, shape = resolve_shape(shape)
+    rules = []
+    for pattern in patterns:
+        regex, sep, name = pattern.rpartition("=")
+        if not sep or not regex:
+            raise FuselaneError(f"--tensor-type '{pattern}' is not REGEX=TYPE")
+        try:
+            rules.append((re.compile(regex), Format[name.upper()]))
+        except re.error as e:
+            raise FuselaneError(f"--tensor-type '{pattern}': bad regular expression: {e}") from None
+        except KeyError:
+            raise FuselaneError(
+                f"--tensor-type '{pattern}': unknown type {name}: choose one of "
+                f"{', '.join(f.name.lower() for f in Format)}"
+            ) from None
+    dims = tensor_shapes(shape)
+    chosen: dict[str, Format] = {}
+    for name, fmt in tensor_formats(shape, mix).items():
+        if len(dims[name]) == 1 or name.endswith((ROUTER, *hybrid.F32_MATRICES)):
+            continue
+        rule = next((f for regex, f in rules if regex.search(name)), None)
+        if rule is not None and rule is not fmt:
+            chosen[name] = fit_format(rule, dims[name][-1])
+    return chosen
+
+
 def _named_formats(dims: Mapping[str, tuple[int, ...]], formats: Mapping[str, Format] | None) -> dict[str, Format]:
     """`formats` checked against the model's tensors: each one it has, its rows whole blocks of the format."""
     named = {n: Format(f) for n, f in (formats or {}).items()}
@@ -422,7 +454,8 @@ def write_weights(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m fuselane.gguf.synth OUT.gguf --shape NAME --mix MIX [--seed N]`: write a synthetic file."""
+    """`python -m fuselane.gguf.synth OUT.gguf --shape NAME --mix MIX [--seed N] [--tensor-type REGEX=TYPE ...]`:
+    write a synthetic file."""
     parser = argparse.ArgumentParser(
         prog="python -m fuselane.gguf.synth", description="Write a synthetic Qwen or DeepSeek GGUF checkpoint."
     )
@@ -430,9 +463,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="tiny-qwen2", help=f"one of: {', '.join(SHAPES)}")
     parser.add_argument("--mix", default="q8_0", help=f"one of: {', '.join(m.value for m in Mix)}")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and vocabulary")
+    parser.add_argument(
+        "--tensor-type",
+        action="append",
+        default=[],
+        metavar="REGEX=TYPE",
+        help="as llama-quantize's: matrices whose name REGEX finds in TYPE (e.g. 'ffn_(up|gate)=iq3_s'), repeatable",
+    )
     args = parser.parse_args(argv)
     try:
-        path = write_synthetic(args.out, args.shape, args.mix, seed=args.seed, progress=sys.stderr.isatty())
+        formats = tensor_type_overrides(args.shape, args.mix, args.tensor_type)
+        path = write_synthetic(
+            args.out, args.shape, args.mix, seed=args.seed, progress=sys.stderr.isatty(), formats=formats
+        )
     except (FuselaneError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from gguf import LlamaFileType
 
 from fuselane.errors import FuselaneError
-from fuselane.gguf.formats import LAYOUTS, Format
+from fuselane.gguf.formats import GRID_FORMATS, LAYOUTS, Format
 
 
 class Mix(enum.Enum):
@@ -119,6 +119,9 @@ def layer_ranks(n_layers: int, mix: Mix) -> list[int]:
 # llama.cpp's fallback when a tensor's rows are not whole blocks of the chosen format (llama-quant.cpp,
 # convert_incompatible_tensor); F16 when the fallback does not fit either.
 FALLBACK: dict[Format, Format] = {
+    **dict.fromkeys(GRID_FORMATS - {Format.TQ1_0, Format.TQ2_0}, Format.IQ4_NL),
+    Format.TQ1_0: Format.Q4_0,
+    Format.TQ2_0: Format.Q4_0,
     Format.Q2_K: Format.IQ4_NL,
     Format.Q3_K: Format.IQ4_NL,
     Format.IQ4_XS: Format.IQ4_NL,
