@@ -5,8 +5,8 @@ float values, and they must be the values llama.cpp (and `gguf.quants`) would co
 format is one small function that decodes a batch of blocks with whole-array operations; the driver walks
 a tensor in chunks of blocks so that the temporaries stay a few MiB however large the tensor is, and writes
 straight into the preallocated result. Field offsets come from `formats.LAYOUTS`, never from numbers here.
-The grid and ternary formats (`formats.GRID_FORMATS`: IQ1_*, IQ2_*, IQ3_*, TQ*) are decoded by `gguf.quants`
-itself, which holds llama.cpp's value grids; only the cpu lane reads them, and no speed of theirs was asked.
+The grid and ternary formats (`formats.GRID_FORMATS`: IQ1_*, IQ2_*, IQ3_*, TQ*) decode in `dequant_grid`, from
+`gguf.quants`' value grids; only the cpu lane reads them.
 
 Why the results equal gguf's bit for bit: every product is exact in float32 (an f16 scale has 11
 significant bits, and sub-scale times code is an integer below 2^12), so only the one addition of the
@@ -19,13 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from gguf import quants as gguf_quants
-from gguf.constants import GGMLQuantizationType
 from numpy.typing import DTypeLike
 
 from fuselane.errors import GgufError
+from fuselane.gguf.dequant_grid import DECODERS as GRID_DECODERS
 from fuselane.gguf.formats import (
-    GRID_FORMATS,
     IQ4_NL_VALUES,
     LAYOUTS,
     MXFP4_VALUES,
@@ -264,19 +262,7 @@ def _iq4_xs(blocks: np.ndarray, out: np.ndarray) -> None:
     np.multiply(dl, values.reshape(n, 8, 32), out=out.reshape(n, 8, 32))
 
 
-def _grid_decoder(fmt: Format) -> Decoder:
-    """A grid or ternary format's blocks through `gguf.quants`, which holds llama.cpp's value grids (up to 2,048
-    entries a format) and decodes them as its C code does; these formats need no speed of their own here."""
-    qtype = GGMLQuantizationType(int(fmt))
-
-    def decode(blocks: np.ndarray, out: np.ndarray) -> None:
-        out[:] = gguf_quants.dequantize(blocks, qtype)
-
-    return decode
-
-
-for _fmt in GRID_FORMATS:
-    _DECODERS[_fmt] = _grid_decoder(_fmt)
+_DECODERS.update(GRID_DECODERS)  # the grid and ternary formats (`dequant_grid`)
 
 
 # --- drivers ---
