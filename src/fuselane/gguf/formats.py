@@ -173,7 +173,7 @@ LAYOUTS: dict[Format, BlockLayout] = {
     # e: shared power-of-two exponent (e8m0); qs: 4-bit e2m1 codes
     Format.MXFP4: _layout(Format.MXFP4, QK, ("e", "u1", 1, S), ("qs", "u1", QK // 2, P)),
     # The grid formats (GRID_FORMATS): codes index llama.cpp's tables of 4 or 8 values (its iq*_grid), with
-    # separate sign bits and 3-4-bit sub-block scales; the cpu lane decodes them through `gguf.quants`.
+    # separate sign bits and 3-4-bit sub-block scales; only the cpu lane decodes them (`dequant_grid`).
     # qs: eight u32 pairs, a pair's first four bytes grid indices, its second 4 x 7 sign bits and a 4-bit scale
     Format.IQ2_XXS: _layout(Format.IQ2_XXS, QK_K, ("d", "<f2", 1, S), ("qs", "u1", QK_K // 4, P)),
     # qs: 32 u16, 9 bits of grid index and 7 of signs; scales: two 4-bit scales a byte
@@ -216,7 +216,7 @@ LAYOUTS: dict[Format, BlockLayout] = {
 }
 
 # Formats whose codes index llama.cpp's value grids, or hold ternary digits: read from files and decoded by the
-# cpu lane (through `gguf.quants`, which holds the grids), decoded by no kernel of the cuda lane.
+# cpu lane (`dequant_grid`, from `gguf.quants`' grids), by no kernel of the cuda lane.
 GRID_FORMATS = frozenset(
     {
         Format.IQ2_XXS,
