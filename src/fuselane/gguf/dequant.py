@@ -22,6 +22,10 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from fuselane.errors import GgufError
+from fuselane.gguf.block_views import Decoder
+from fuselane.gguf.block_views import field as _field
+from fuselane.gguf.block_views import nibbles as _nibbles
+from fuselane.gguf.block_views import scale as _scale
 from fuselane.gguf.dequant_grid import DECODERS as GRID_DECODERS
 from fuselane.gguf.formats import (
     IQ4_NL_VALUES,
@@ -38,9 +42,6 @@ from fuselane.gguf.formats import (
 # Throughput is flat from 256 KiB to 16 MiB on a 2-core Xeon.
 CHUNK_BYTES = 1 << 20
 
-Decoder = Callable[[np.ndarray, np.ndarray], None]
-"""Decodes blocks (n, layout.nbytes) uint8 into out (n, layout.values) float32, in place."""
-
 _DECODERS: dict[Format, Decoder] = {}
 _IQ4_NL_TABLE = np.array(IQ4_NL_VALUES, dtype=np.int8)
 _MXFP4_TABLE = np.array(MXFP4_VALUES, dtype=np.int8)
@@ -54,26 +55,6 @@ def _decoder(fmt: Format) -> Callable[[Decoder], Decoder]:
         return fn
 
     return register
-
-
-def _field(blocks: np.ndarray, lay: BlockLayout, name: str) -> np.ndarray:
-    """Field `name` of every block, as an (n, count) view in the field's dtype."""
-    f = lay.field(name)
-    return blocks[:, f.offset : f.offset + f.nbytes].view(f.dtype)
-
-
-def _scale(blocks: np.ndarray, lay: BlockLayout, name: str = "d") -> np.ndarray:
-    return _field(blocks, lay, name).astype(np.float32)
-
-
-def _nibbles(qs: np.ndarray, group: int) -> np.ndarray:
-    """Bytes (n, k * group) as codes (n, k, 2, group): each group's low nibbles, then its high nibbles."""
-    # a packed copy first: NumPy's loops over short strided rows cost more than the copy does
-    g = np.ascontiguousarray(qs).reshape(qs.shape[0], -1, group)
-    codes = np.empty((qs.shape[0], g.shape[1], 2, group), dtype=np.uint8)
-    np.bitwise_and(g, 0x0F, out=codes[:, :, 0])
-    np.right_shift(g, 4, out=codes[:, :, 1])
-    return codes
 
 
 def _crumbs(qs: np.ndarray, group: int) -> np.ndarray:

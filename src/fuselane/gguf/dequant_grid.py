@@ -5,9 +5,8 @@ A code of a grid format picks a row of one of llama.cpp's value grids (4 or 8 va
 sign pattern, or for IQ1 a sign of a shared offset, goes with it. Each decoder here gathers the row's signed
 values from one table of every (grid row, sign pattern) pair, built once from `gguf.quants`' grids, and
 multiplies them by the sub-block's scale: a gather and a multiply a value. `gguf.quants`' own decode
-broadcasts over the grids and decodes about 10M values a second on two cores, ~50x under the K formats'
-decoders, which made a small model's load take minutes; these decode ~20x faster than it. The ternary formats
-decode at 25-50M values a second in `gguf.quants` and stay there.
+broadcasts over the grids: 38-61M values a second on two cores against these decoders' 323-571M
+(`benchmarks/dequant_host.py`, RESULTS.md). The ternary formats decode as fast in `gguf.quants` and stay there.
 
 The same numbers as `gguf.quants` bit for bit: every product is exact in float32 (an f16 scale, 11
 significant bits, times a sub-scale of at most 5 bits, times a grid value below 64 or IQ1's value +- 1/8),
@@ -17,15 +16,13 @@ so the order of the factors cannot change a bit, and signs of zero follow the sa
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import numpy as np
 from gguf import quants as gguf_quants
 from gguf.constants import GGMLQuantizationType
 
+from fuselane.gguf.block_views import Decoder, field, nibbles, scale
 from fuselane.gguf.formats import LAYOUTS, Format
-
-Decoder = Callable[[np.ndarray, np.ndarray], None]
 
 SIGN_BITS = 7  # IQ2_XXS / IQ2_XS / IQ3_XXS: a sign pattern of 8 values as a 7-bit index (the 8th its parity)
 SIGN_MASK = (1 << SIGN_BITS) - 1
@@ -78,18 +75,9 @@ def _offset_table(fmt: Format) -> np.ndarray:
     return np.stack([grid + delta, grid - delta], axis=1).reshape(-1, grid.shape[1])
 
 
-def _split(blocks: np.ndarray, fmt: Format) -> dict[str, np.ndarray]:
-    lay = LAYOUTS[fmt]
-    return {f.name: blocks[:, f.offset : f.offset + f.nbytes] for f in lay.fields}
-
-
-def _d(raw: np.ndarray) -> np.ndarray:
-    return raw.view("<f2").astype(np.float32)  # (n, 1)
-
-
 def _nibbles(raw: np.ndarray) -> np.ndarray:
     """Bytes (n, k) as their 2k nibbles, the low one first."""
-    return np.stack([raw & NIBBLE, raw >> 4], axis=-1).reshape(raw.shape[0], -1)
+    return nibbles(raw, 1).reshape(raw.shape[0], -1)
 
 
 def _gather(table: np.ndarray, index: np.ndarray, scale: np.ndarray, out: np.ndarray) -> None:
@@ -99,32 +87,32 @@ def _gather(table: np.ndarray, index: np.ndarray, scale: np.ndarray, out: np.nda
 
 
 def _iq2_xxs(blocks: np.ndarray, out: np.ndarray) -> None:
-    f = _split(blocks, Format.IQ2_XXS)
+    lay = LAYOUTS[Format.IQ2_XXS]
     n = len(blocks)
-    pairs = np.ascontiguousarray(f["qs"]).view("<u4").reshape(n, 8, 2)
+    pairs = np.ascontiguousarray(field(blocks, lay, "qs")).view("<u4").reshape(n, 8, 2)
     grid = pairs[..., 0].copy().view(np.uint8).reshape(n, 8, 4)
     signs = (pairs[..., 1:] >> np.arange(0, 4 * SIGN_BITS, SIGN_BITS, dtype=np.uint32)) & SIGN_MASK
-    db = _d(f["d"]) * (HALF + (pairs[..., 1] >> SCALE_SHIFT).astype(np.float32)) * IQ2_STEP
+    db = scale(blocks, lay) * (HALF + (pairs[..., 1] >> SCALE_SHIFT).astype(np.float32)) * IQ2_STEP
     index = grid.astype(np.intp) * (SIGN_MASK + 1) + signs
     _gather(_signed_table(Format.IQ2_XXS, SIGN_MASK + 1), index, db[..., None], out)
 
 
 def _iq2_xs(blocks: np.ndarray, out: np.ndarray) -> None:
-    f = _split(blocks, Format.IQ2_XS)
+    lay = LAYOUTS[Format.IQ2_XS]
     n = len(blocks)
-    qs = np.ascontiguousarray(f["qs"]).view("<u2").reshape(n, 16, 2)
-    db = _d(f["d"]) * (HALF + _nibbles(f["scales"]).astype(np.float32)) * IQ2_STEP
+    qs = np.ascontiguousarray(field(blocks, lay, "qs")).view("<u2").reshape(n, 16, 2)
+    db = scale(blocks, lay) * (HALF + _nibbles(field(blocks, lay, "scales")).astype(np.float32)) * IQ2_STEP
     index = (qs & 511).astype(np.intp) * (SIGN_MASK + 1) + (qs >> 9)
     _gather(_signed_table(Format.IQ2_XS, SIGN_MASK + 1), index, db[..., None], out)
 
 
 def _iq2_s(blocks: np.ndarray, out: np.ndarray) -> None:
-    f = _split(blocks, Format.IQ2_S)
+    lay = LAYOUTS[Format.IQ2_S]
     n = len(blocks)
-    high = (f["qh"][..., None] >> np.arange(0, 8, 2, dtype=np.uint8)) & 3  # (n, 8, 4): 2 bits an index
-    grid = f["qs"].astype(np.intp) | (high.reshape(n, 32).astype(np.intp) << 8)
-    db = _d(f["d"]) * (HALF + _nibbles(f["scales"]).astype(np.float32)) * IQ2_STEP
-    index = (grid * 256 + f["signs"]).reshape(n, 16, 2)
+    high = (field(blocks, lay, "qh")[..., None] >> np.arange(0, 8, 2, dtype=np.uint8)) & 3  # (n, 8, 4): 2 bits an index
+    grid = field(blocks, lay, "qs").astype(np.intp) | (high.reshape(n, 32).astype(np.intp) << 8)
+    db = scale(blocks, lay) * (HALF + _nibbles(field(blocks, lay, "scales")).astype(np.float32)) * IQ2_STEP
+    index = (grid * 256 + field(blocks, lay, "signs")).reshape(n, 16, 2)
     _gather(_signed_table(Format.IQ2_S, 256), index, db[..., None], out)
 
 
@@ -134,46 +122,48 @@ def _iq3_nibbles(patterns: np.ndarray) -> np.ndarray:
 
 
 def _iq3_xxs(blocks: np.ndarray, out: np.ndarray) -> None:
-    f = _split(blocks, Format.IQ3_XXS)
+    lay = LAYOUTS[Format.IQ3_XXS]
     n = len(blocks)
-    words = np.ascontiguousarray(f["scales"]).view("<u4")  # (n, 8): 4 sign indices and a scale a 32 values
+    words = np.ascontiguousarray(field(blocks, lay, "scales")).view(
+        "<u4"
+    )  # (n, 8): 4 sign indices and a scale a 32 values
     signs = (words[..., None] >> np.arange(0, 4 * SIGN_BITS, SIGN_BITS, dtype=np.uint32)) & SIGN_MASK
     patterns = _ksigns()[signs.reshape(n, 32)]
-    db = _d(f["d"]) * (HALF + (words >> SCALE_SHIFT).astype(np.float32)) * IQ3_XXS_STEP
-    index = (f["qs"].astype(np.intp) * 16 + _iq3_nibbles(patterns)).reshape(n, 8, 8)
+    db = scale(blocks, lay) * (HALF + (words >> SCALE_SHIFT).astype(np.float32)) * IQ3_XXS_STEP
+    index = (field(blocks, lay, "qs").astype(np.intp) * 16 + _iq3_nibbles(patterns)).reshape(n, 8, 8)
     _gather(_signed_table(Format.IQ3_XXS, 16), index, db[..., None], out)
 
 
 def _iq3_s(blocks: np.ndarray, out: np.ndarray) -> None:
-    f = _split(blocks, Format.IQ3_S)
+    lay = LAYOUTS[Format.IQ3_S]
     n = len(blocks)
-    high = (f["qh"][..., None] >> np.arange(8, dtype=np.uint8)) & 1  # (n, 8, 8): an index's 9th bit
-    grid = f["qs"].astype(np.intp) | (high.reshape(n, 64).astype(np.intp) << 8)
-    db = _d(f["d"]) * (1 + 2 * _nibbles(f["scales"]))
-    index = (grid * 16 + _iq3_nibbles(f["signs"])).reshape(n, 8, 8)
+    high = (field(blocks, lay, "qh")[..., None] >> np.arange(8, dtype=np.uint8)) & 1  # (n, 8, 8): an index's 9th bit
+    grid = field(blocks, lay, "qs").astype(np.intp) | (high.reshape(n, 64).astype(np.intp) << 8)
+    db = scale(blocks, lay) * (1 + 2 * _nibbles(field(blocks, lay, "scales")))
+    index = (grid * 16 + _iq3_nibbles(field(blocks, lay, "signs"))).reshape(n, 8, 8)
     _gather(_signed_table(Format.IQ3_S, 16), index, db[..., None], out)
 
 
 def _iq1_s(blocks: np.ndarray, out: np.ndarray) -> None:
-    f = _split(blocks, Format.IQ1_S)
+    lay = LAYOUTS[Format.IQ1_S]
     n = len(blocks)
-    qh = np.ascontiguousarray(f["qh"]).view("<u2")  # (n, 8): a word a 32 values
+    qh = np.ascontiguousarray(field(blocks, lay, "qh")).view("<u2")  # (n, 8): a word a 32 values
     high = (qh[..., None] >> np.arange(0, 12, 3, dtype=np.uint16)) & SEVEN  # (n, 8, 4)
-    grid = f["qs"].reshape(n, 8, 4).astype(np.intp) | (high.astype(np.intp) << IQ1_LOW_BITS)
+    grid = field(blocks, lay, "qs").reshape(n, 8, 4).astype(np.intp) | (high.astype(np.intp) << IQ1_LOW_BITS)
     negative = ((qh & IQ1_S_NEGATIVE) != 0)[..., None]
-    dl = _d(f["d"]) * (2 * ((qh >> IQ1_SCALE_SHIFT) & SEVEN) + 1)
+    dl = scale(blocks, lay) * (2 * ((qh >> IQ1_SCALE_SHIFT) & SEVEN) + 1)
     _gather(_offset_table(Format.IQ1_S), grid * 2 + negative, dl[..., None], out)
 
 
 def _iq1_m(blocks: np.ndarray, out: np.ndarray) -> None:
-    f = _split(blocks, Format.IQ1_M)
+    lay = LAYOUTS[Format.IQ1_M]
     n = len(blocks)
-    words = np.ascontiguousarray(f["scales"]).view("<u2")  # (n, 4): 4 x 3-bit scales, a nibble of d
+    words = np.ascontiguousarray(field(blocks, lay, "scales")).view("<u2")  # (n, 4): 4 x 3-bit scales, a nibble of d
     d_bits = (words & np.uint16(0xF000)) >> np.arange(12, -1, -4, dtype=np.uint16)
     d = np.bitwise_or.reduce(d_bits, axis=1).view(np.float16).astype(np.float32)[:, None]
     scales = ((words[..., None] >> np.arange(0, 12, 3, dtype=np.uint16)) & SEVEN).reshape(n, 16)
-    entries = _nibbles(f["qh"])  # (n, 32): an entry's top 3 index bits and its delta's sign
-    grid = f["qs"].astype(np.intp) | ((entries & SEVEN).astype(np.intp) << IQ1_LOW_BITS)
+    entries = _nibbles(field(blocks, lay, "qh"))  # (n, 32): an entry's top 3 index bits and its delta's sign
+    grid = field(blocks, lay, "qs").astype(np.intp) | ((entries & SEVEN).astype(np.intp) << IQ1_LOW_BITS)
     negative = (entries & IQ1_M_NEGATIVE) != 0
     with np.errstate(invalid="ignore"):  # d's nibbles may spell a NaN, which decodes to NaN as in ggml
         dl = d * (2 * scales + 1)
