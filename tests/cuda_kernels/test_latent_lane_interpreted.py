@@ -63,7 +63,7 @@ def test_cuda_lane_runs_latent_attention_as_the_cpu_lane(tmp_path, name):
     step = gpu.lane.step(1)
     bound = [op for op, _ in step.bound]
     assert HeadMatmul in {type(op.sym) for op in bound}  # the value half; the query's is in its join
-    assert C.JOIN_IN_PLACE in {class_of(op) for op in bound}  # each join written in place by one launch
+    assert C.MLA_PROLOGUE in {class_of(op) for op in bound}  # both joins written in place by one launch
     assert C.ROUTER_TOPK in {class_of(op) for op in bound}  # the gating runs in the routing launch
     assert splits(1, 1, CTX, H200.sms, torch.device("cpu")) > 1  # the decode step's shares are merged
     sg, sr = gpu.session(), ref.session()

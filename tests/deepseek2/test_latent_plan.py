@@ -13,7 +13,7 @@ import pytest
 
 from fuselane.errors import ModelError
 from fuselane.explain import build_plan
-from fuselane.fuse.optimizer import launches_of
+from fuselane.fuse.optimizer import launches_of, optimize
 from fuselane.fuse.shim import SupportKind
 from fuselane.fuse.views import class_of
 from fuselane.gguf.reader import open_gguf
@@ -56,9 +56,10 @@ def test_the_rule_takes_each_layers_latent_attention_as_its_three_launches(files
     assert len(taken) == 2 and [f.rule for f in plan.fired].count(latent.RULE) == 2  # one a layer
     assert all(launches_of(op) == latent.LAUNCHES == 3 for op in taken)
     _, _, held = build_plan(files["v2"], lane="cuda", form="prefill", rows=int(WIDE), held=(latent.RULE,))
-    # absorbed: the absorption with the query's rotation beside it (JoinInPlace), the attention, the value half
-    # (the slices are views); expanded, the query's rotation is a launch of its own before `Mla`'s three
-    absorbed, expanded = 3, latent.LAUNCHES + 1
+    # absorbed: the absorption with the query's rotation beside it and the cache row's join (MlaPrologue), the
+    # attention, the value half (the slices are views); expanded, the query's rotation and the cache row's join
+    # are a launch each before `Mla`'s three
+    absorbed, expanded = 3, latent.LAUNCHES + 2
     assert held.launches() - plan.launches() == 2 * (absorbed - expanded)
     # with the join inside `Mla`, the query's and the key's rotations meet: the table kernel turns each apart
     rotations = {(m.kind, m.reason) for m in plan.missed if m.rule == "rope_q_k_one_launch"}
@@ -105,11 +106,12 @@ def _formats():
 
 
 def test_the_shim_answers_as_specified():
+    # as the specification's lane, except MlaPrologue: this lane has its launch (`triton/mla/prologue.py`)
     shim = CudaShim(CudaKnobs())
     assert shim.supports(C.GROUPED_TOPK).reason == "the lane routes by one top-k over every expert"
-    assert shim.supports(C.MLA).kind is SupportKind.NATIVE
-    for cls in (C.MLA_PROLOGUE, C.MLA_UNABSORB_IN_FOLD):
-        assert shim.supports(cls).kind is SupportKind.DECOMPOSE
+    for cls in (C.MLA, C.MLA_PROLOGUE):
+        assert shim.supports(cls).kind is SupportKind.NATIVE
+    assert shim.supports(C.MLA_UNABSORB_IN_FOLD).kind is SupportKind.DECOMPOSE
 
 
 def test_run_on_the_cuda_lane_says_why_in_one_line(files):
@@ -229,6 +231,11 @@ def test_a_decode_step_folds_the_shared_experts_into_the_mixtures_launches(files
     assert apart.launches() - plan.launches() == 2  # the file's one mixture layer
 
 
+def _joins(plan) -> list:
+    """The plan's ops, with each MlaPrologue's two joins in its place."""
+    return [part for op in plan.ops for part in (op.sym.parts if class_of(op) is C.MLA_PROLOGUE else (op,))]
+
+
 @pytest.mark.parametrize("form, rows", [("decode", 1), ("prefill", 8), ("prefill", int(WIDE))])
 def test_the_cache_rows_join_is_written_in_the_cache(files, form, rows):
     # `join_row_write`: the cache row's join (the normed latent, the rotated key) lands in the latent cache at the
@@ -237,7 +244,7 @@ def test_the_cache_rows_join_is_written_in_the_cache(files, form, rows):
 
     _, _, plan = build_plan(files["v2"], lane="cuda", form=form, rows=rows)
     _, _, held = build_plan(files["v2"], lane="cuda", form=form, rows=rows, held=("join_row_write",))
-    joins = [op for op in plan.ops if class_of(op) is C.JOIN_IN_PLACE]
+    joins = [op for op in _joins(plan) if class_of(op) is C.JOIN_IN_PLACE]
     in_cache = [op for op in joins if op.dst.row is not None]
     assert len(in_cache) == 2 and {op.dst.buf for op in in_cache} == {"blk.0.latent_cache", "blk.1.latent_cache"}
     assert all(isinstance(op.sym.parts[-1].sym, SetRow) for op in in_cache)
@@ -271,3 +278,21 @@ def test_the_value_half_writes_the_int8_form_attn_output_reads(tmp_path, vdim, f
     assert held.launches() - plan.launches() == (2 if folded else 0)
     misses = [m for m in plan.missed if m.rule == "gemv_quant" and (m.kind, m.reason) == ("fits", HEADS_IN_BLOCKS)]
     assert len(misses) == (0 if folded else 2)
+
+
+@pytest.mark.parametrize("mix", ["q4_k_m", "q8_0", "q2_k"])
+def test_a_v2_lite_decode_step_joins_in_one_launch(mix):
+    # `mla_prologue`: the query's join and the cache row's share one launch, a launch a layer fewer (9 -> 8 on a
+    # mixture layer: the projection, the prologue, the attention, the value half, the output projection with
+    # the norm, the routing, the experts' gate/up, their down with the next norm)
+    from fuselane.explain import launches_per_layer
+    from fuselane.gguf.synth import Mix
+    from tests.lanes.test_launch_budget import _decode_graph
+
+    g, _ = _decode_graph(replace(SHAPES["deepseek-v2-lite"], n_layers=3), "deepseek-v2-lite", Mix(mix))
+    plan = optimize(g, CudaShim(CudaKnobs()))
+    held = optimize(g, CudaShim(CudaKnobs()), held=("mla_prologue",))
+    assert [class_of(op) for op in plan.ops].count(C.MLA_PROLOGUE) == 3
+    per_layer, apart = launches_per_layer(plan), launches_per_layer(held)
+    assert [apart[i] - per_layer[i] for i in range(3)] == [1, 1, 1]
+    assert max(per_layer.values()) == 8

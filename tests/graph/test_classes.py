@@ -37,6 +37,7 @@ NOT_IN_DENSE_GRAPHS = {
     "strided_read": "the dense graphs slice nothing",
     "join_in_place": "the dense graphs join nothing",
     "join_row_write": "the dense graphs join nothing (tests/deepseek2/test_latent_plan.py)",
+    "mla_prologue": "the dense graphs hold no latent attention (tests/deepseek2/test_latent_plan.py)",
     "fused_sampling": "the plans end in the logits; the next token is picked after the graph",
     "elementwise_quant": "no product reads an elementwise result that add_norm has not taken",
     "gemv_quant": "no product reads another product's output",

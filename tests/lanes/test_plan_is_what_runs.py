@@ -122,14 +122,14 @@ def test_the_table_binds_no_class_the_shim_does_not_run() -> None:
 class _Claims(CudaShim):
     """The cuda shim answering native for one more class: what the binder test must catch."""
 
-    extra: C = C.MLA_PROLOGUE
+    extra: C = C.MLA_UNABSORB_IN_FOLD
 
     def supports(self, cls: C) -> Support:
         return NATIVE if cls is self.extra else CudaShim.supports(self, cls)
 
 
 def test_a_native_answer_without_a_binder_is_caught() -> None:
-    assert unbound_native(_Claims()) == {C.MLA_PROLOGUE}
+    assert unbound_native(_Claims()) == {C.MLA_UNABSORB_IN_FOLD}
 
 
 # --- the cuda lane: what binds is what explain prints ----------------------------------------------------

@@ -17,12 +17,14 @@ from fuselane.fuse.rewriter import Rewriter
 from fuselane.fuse.routing_rules import ROUTING_RULES
 from fuselane.fuse.rule import Pattern, Rule
 from fuselane.fuse.views import gemv, leaves, rope, slice_view
+from fuselane.graph import facts
 from fuselane.graph.classes import ClassId as C
-from fuselane.graph.ir import Dst, Role, Strided, UnitPart
+from fuselane.graph.ir import Dst, Op, Role, Strided, UnitPart
 from fuselane.graph.ops import (
     ArgMax,
     Attention,
     Elementwise,
+    HeadMatmul,
     Join,
     Matmul,
     RmsNorm,
@@ -286,6 +288,35 @@ def join_row_write(r: Rewriter, i: int) -> None:
         r.try_fuse("join_row_write", C.JOIN_IN_PLACE, [i, j], j)
 
 
+def _absorbs(op: Op) -> bool:
+    """Whether a JoinInPlace is a latent attention's query join (a per-head product beside its rotation)."""
+    return any(isinstance(leaf.sym, HeadMatmul) for leaf in leaves(op))
+
+
+def mla_prologue(r: Rewriter, i: int) -> None:
+    op = op_at(r, i, C.JOIN_IN_PLACE)
+    if op is None or not _absorbs(op):
+        return
+    # the layer's cache row join: the next join in place before its attention (a later one is the next layer's)
+    for j in range(i + 1, len(r.s)):
+        other = r.s.slot(j)
+        if other is None:
+            continue
+        if any(isinstance(x.sym, Attention) for x in leaves(other)):
+            return
+        if op_at(r, j, C.JOIN_IN_PLACE) is not None and not _absorbs(other):
+            break
+    else:
+        return
+    # one launch runs both at once: the row's join may not read what the query's writes
+    shared = set(facts.writes(op)) & set(facts.reads(other))
+    if shared:
+        name = sorted(shared)[0]
+        r.no_match("mla_prologue", [i, j], lambda: f"op {j} ({other.out}) reads {name}, which op {i} writes")
+        return
+    r.try_fuse("mla_prologue", C.MLA_PROLOGUE, [i, j], j)
+
+
 def _other_readers(r: Rewriter, name: str) -> str:
     readers = r.s.readers(name)
     return r.other_readers(name, readers[0]) if readers else f"{name} is the graph's output"
@@ -341,6 +372,7 @@ LAYOUT_RULES = [
     Rule("strided_read", (C.STRIDED_READ,), strided_read),  # f(slice(x)) -> f reads x strided, in place
     Rule("join_in_place", (C.JOIN_IN_PLACE,), join_in_place),  # join(f(a), g(b)) -> f, g write unit parts
     Rule("join_row_write", (C.JOIN_IN_PLACE,), join_row_write),  # set_row(cache, pos, JoinInPlace) -> in the row
+    Rule("mla_prologue", (C.MLA_PROLOGUE,), mla_prologue),  # JoinInPlace(query); JoinInPlace(cache row) -> one op
     Rule("fused_sampling", (C.FUSED_SAMPLING,), fused_sampling),  # argmax(x @ W^T) -> FusedSampling
 ]
 

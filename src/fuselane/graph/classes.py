@@ -109,7 +109,7 @@ class Awaits(enum.Enum):
 
     GATED_DELTA_RULE = "rules regrouping a gated delta-rule layer's fused ops (qwen3next's run as they are)"
     GATED_ATTENTION = "gated attention (qwen3next's full-attention layers)"
-    LATENT_ATTENTION = "rules over latent attention's prologue and its value expansion (deepseek2)"
+    LATENT_ATTENTION = "rules over latent attention's value expansion and its values read in place (deepseek2)"
     ATTENTION_VARIANTS = "attention variants: soft caps, windows, sinks, sparse reads"
     OTHER_ARCHITECTURES = "an architecture with this shape (qwen2 / qwen3 graphs have none)"
     SCHEDULE_REWRITES = "rules that rewrite across the schedule (recompute, regroup across ops or layers)"
@@ -204,7 +204,7 @@ STANDING: dict[ClassId, Standing] = {
     ClassId.ATTN_OUTPUT_QUANT: _built("attention_output_quant"),
     ClassId.ATTN_OUTPUT_GATE: _built("attn_output_gate"),
     ClassId.ROW_WRITE_QUANT: _built("row_write_quant"),
-    ClassId.MLA_PROLOGUE: _MLA,
+    ClassId.MLA_PROLOGUE: _built("mla_prologue"),  # the latent attention's two joins in place, one op
     ClassId.MLA_UNABSORB_IN_FOLD: _MLA,
     ClassId.ELEMENTWISE_CHAINS: _SCHEDULE,
     ClassId.ELEMENTWISE_REGIONS: _SCHEDULE,

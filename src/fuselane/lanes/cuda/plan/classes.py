@@ -33,6 +33,7 @@ NATIVE_CLASSES = frozenset(
         *GDN_NATIVE,
         C.MLA,  # a wide chunk's latent attention expanded: its three launches (`latent.latent_launches`)
         C.JOIN_IN_PLACE,  # the latent attention's joins: the query's and the cache row's (`fits`)
+        C.MLA_PROLOGUE,  # both joins in one launch (`triton/mla/prologue.py`), which the specification's decomposes
     }
 )
 
@@ -63,7 +64,7 @@ DECOMPOSED_CLASSES = NO_KERNEL_CLASSES | frozenset(
     {
         *(C.NORM_SCALE, C.NORM_WEIGHT_OFFSET, C.DUAL_NORM, C.PREFILL_NORM_EPILOGUES, C.ATTN_RESIDUAL_NORM),
         *(C.RECOMPUTE_FANOUT, C.QK_NORM_ROPE_GATE_SPLIT, C.HORIZONTAL_NORM_ROPE_INSERT, C.CROSS_LAYER_LAUNCH),
-        *(C.MLA_PROLOGUE, C.MLA_UNABSORB_IN_FOLD, C.ELEMENTWISE_CHAINS, C.ELEMENTWISE_REGIONS),
+        *(C.MLA_UNABSORB_IN_FOLD, C.ELEMENTWISE_CHAINS, C.ELEMENTWISE_REGIONS),
         *(C.GEMM_SCALE, C.AFFINE_INPUT_FOLD, C.ROUTER_SHARED_GATE_MERGE),
         *(C.GDN_INPUT_EPILOGUE, C.GDN_DECODE_WHOLE, C.GDN_POST_CONV_PREP),
         C.LAST_LAYER_ROWS,

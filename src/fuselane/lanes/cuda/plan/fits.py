@@ -311,6 +311,21 @@ def _join_in_place(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph
     return None if normed is not None and spec.heads == 1 and normed.cols == spec.wa else JOIN_IN_PLACE_PAIRS
 
 
+PROLOGUE_PAIR = "one launch runs a latent attention's query join and its cache row's join only as each runs alone"
+
+
+def _mla_prologue(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    # `triton.mla.prologue`: the query's join's grid (`heads.head_matmul` with its `Turn`) and one more plane
+    # for the cache row's (`parts.norm_rope`), each as it runs alone
+    if len(members) != 2 or any(class_of(m) is not C.JOIN_IN_PLACE for m in members):
+        return PROLOGUE_PAIR
+    query, row = members
+    absorbs = [any(isinstance(p.sym, HeadMatmul) for p in leaves(m)) for m in members]
+    if absorbs != [True, False]:
+        return PROLOGUE_PAIR
+    return _join_in_place(shim, query, parts(query), g) or _join_in_place(shim, row, parts(row), g)
+
+
 def _attn_output_gate(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
     # The gate rides the decode step's, a short chunk's and a batch's sequences' attention stores, a pair a
     # thread; a chunk in tiles gates apart.
@@ -445,4 +460,5 @@ _CHECKS: dict[C, Check] = {
     C.GEMV_QUANT: _gemv_quant,
     C.MERGED_QKV: _merged_qkv,
     C.JOIN_IN_PLACE: _join_in_place,
+    C.MLA_PROLOGUE: _mla_prologue,
 }

@@ -416,6 +416,7 @@ BINDERS: dict[C | type, Binder] = {
     C.ATTN_OUTPUT_GATE: _attn_output_gate,
     C.MLA: mla_launch.mla,
     C.JOIN_IN_PLACE: mla_launch.join_in_place,
+    C.MLA_PROLOGUE: mla_launch.prologue,
     **{cls: _quantizing for cls in QUANT_EPILOGUES},
 }
 # Native classes that launch only as a part of another class's launch: a projection turns its heads in its

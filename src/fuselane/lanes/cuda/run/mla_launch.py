@@ -121,30 +121,67 @@ def join_in_place(op: Op, b) -> list:
     """JoinInPlace: a join's two parts written where the join lies, one launch: the query's (each head's product
     by the key half, then its rotated part: `heads.head_matmul` with a `Turn`) or the cache row's (the normed
     latent, then the rotated key: `parts.norm_rope`). The lane's `fits` admits no other pair."""
-    from fuselane.lanes.cuda.triton.mla import heads, parts
+    from fuselane.lanes.cuda.triton.mla import heads
+
+    query = _query_join(op, b)
+    if query is not None:
+        return [lambda: heads.head_matmul(*query[0](), **query[1])]
+    return [_cache_join(op, b).launch]
+
+
+def prologue(op: Op, b) -> list:
+    """MlaPrologue: the query's join and the cache row's (each as `join_in_place` binds it) in one launch."""
+    from fuselane.lanes.cuda.triton.mla import heads
+    from fuselane.lanes.cuda.triton.mla import prologue as one_launch
+
+    first, second = op.sym.parts  # type: ignore[union-attr]
+    query, row = _query_join(first, b), _cache_join(second, b)
+    if query is None:
+        raise PlanMismatch(f"{op.out}: the prologue's first join is the query's")
+    return [lambda: one_launch.prologue(heads.launch(*query[0](), **query[1]), row)]
+
+
+def _query_join(op: Op, b):
+    """The query's join's `head_matmul` arguments: (a callable giving its positional ones, the weights decoded
+    where they must be on the first call, its keywords); None where `op` is the cache row's join."""
+    from fuselane.lanes.cuda.triton.mla import heads
+
+    if _row_write(op) is not None:
+        return None
+    first, turned, join = join_parts(op)
+    if not isinstance(first.sym, HeadMatmul):
+        return None
+    spec: Rope = turned.sym  # type: ignore[assignment]
+    hm: HeadMatmul = first.sym
+    out, pos, x = b.bufs[join.out], b.bufs["pos"], b.bufs[turned.ins[0]]
+    table = _table(turned, b, x.device)
+    x_row, x_head = _pitches(x, spec.heads, spec.hd)
+    q, weights = b.bufs[first.ins[0]], _head_weights(b, first.ins[1], hm)
+    q_row, q_head = _pitches(q, hm.heads, hm.a)
+    turn = heads.Turn(x, x_row, x_head, pos, table, spec.hd, spec.half, spec.batched)
+    return lambda: (q, q_row, q_head, hm.m, *weights(), hm.heads, hm.a, hm.b, out), dict(turn=turn)
+
+
+def _cache_join(op: Op, b):
+    """The cache row's join (`parts.CacheJoin`): the latent's norm and the key's rotation, written straight into
+    the cache at the position where its row write is fused in (`join_row_write`)."""
+    from fuselane.lanes.cuda.triton.mla import parts
 
     row = _row_write(op)
     if row is not None:  # the cache row's join, written straight into the cache at the position
         op = op.sym.parts[0]  # type: ignore[union-attr]
     first, turned, join = join_parts(op)
     spec: Rope = turned.sym  # type: ignore[assignment]
-    out, pos = b.bufs[join.out], b.bufs["pos"]
-    x = b.bufs[turned.ins[0]]
+    out, pos, x = b.bufs[join.out], b.bufs["pos"], b.bufs[turned.ins[0]]
     table = _table(turned, b, x.device)
-    x_row, x_head = _pitches(x, spec.heads, spec.hd)
-    if isinstance(first.sym, HeadMatmul):
-        hm: HeadMatmul = first.sym
-        q, weights = b.bufs[first.ins[0]], _head_weights(b, first.ins[1], hm)
-        q_row, q_head = _pitches(q, hm.heads, hm.a)
-        turn = heads.Turn(x, x_row, x_head, pos, table, spec.hd, spec.half, spec.batched)
-        return [lambda: heads.head_matmul(q, q_row, q_head, hm.m, *weights(), hm.heads, hm.a, hm.b, out, turn=turn)]
+    x_row, _ = _pitches(x, spec.heads, spec.hd)
     n_op, w_op = [p for p in leaves(first) if isinstance(p.sym, RmsNorm | Elementwise)][-2:]
     ns: RmsNorm = n_op.sym  # type: ignore[assignment]
     latent, w = b.bufs[n_op.ins[0]].view(ns.rows, ns.cols), b.vec[w_op.ins[1]]
     at_pos = row is not None
     rows = _cache_rows(b.bufs[row.dst.buf], row.sym.cols) if at_pos else out.view(ns.rows, -1)  # type: ignore[union-attr]
     shape = dict(rows=ns.rows, hd=spec.hd, half=spec.half, batched=spec.batched, at_pos=at_pos)
-    return [lambda: parts.norm_rope(latent, w, ns.eps, x, x_row, rows, pos, table, **shape)]
+    return parts.CacheJoin(latent, w, ns.eps, x, x_row, rows, pos, table, **shape)
 
 
 def _row_write(op: Op) -> Op | None:

@@ -73,14 +73,14 @@ def _turn_rows(rx, rx_row, rx_head, out, out_row, out_head, n, m, h, pos, inv, f
 
 
 @triton.jit
-def _head_rows_kernel(
+def rows_program(
     x, x_row, x_head, m, w, out, out_row, out_head, n, rx, rx_row, rx_head, pos, inv, oq, od, os_,
     FMT: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr,
-    HALF: tl.constexpr, BATCHED: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
+    HALF: tl.constexpr, BATCHED: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
+    """Head `program_id(2)`'s program of the block formats' kernel (the prologue's heads' programs too)."""
     # PAIRS > 0: the grid's last column of programs turns each head's rows (`Turn`) instead of a product tile
-    pdl.begin(PDL)
     h = tl.program_id(2)
     if PAIRS > 0:
         if tl.program_id(0) == tl.num_programs(0) - 1:
@@ -92,6 +92,19 @@ def _head_rows_kernel(
     else:
         _rows_product(x, x_row, x_head, m, w, out, out_row, out_head, n, h, oq, od, os_, FMT, ROW_BYTES, STEPS,
                       UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES, QUANT)  # fmt: skip
+
+
+@triton.jit
+def _head_rows_kernel(
+    x, x_row, x_head, m, w, out, out_row, out_head, n, rx, rx_row, rx_head, pos, inv, oq, od, os_,
+    FMT: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr,
+    HALF: tl.constexpr, BATCHED: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    pdl.begin(PDL)
+    rows_program(x, x_row, x_head, m, w, out, out_row, out_head, n, rx, rx_row, rx_head, pos, inv, oq, od, os_, FMT,
+                 ROW_BYTES, STEPS, UNITS, SPLIT, BLOCK_M, BLOCK_N, STAGES, PAIRS, BLOCK_P, HALF, BATCHED,
+                 QUANT)  # fmt: skip
 
 
 @triton.jit
@@ -113,12 +126,12 @@ def _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, oq
 
 
 @triton.jit
-def _head_floats_kernel(
+def floats_program(
     x, x_row, x_head, w, out, out_row, out_head, n, a, rx, rx_row, rx_head, pos, inv, oq, od, os_,
     BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr,
-    BATCHED: tl.constexpr, BF16: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
+    BATCHED: tl.constexpr, BF16: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
-    pdl.begin(PDL)
+    """Head `program_id(2)`'s program of the float kernel, row `program_id(1)` (the prologue's too)."""
     h, mi = tl.program_id(2), tl.program_id(1)
     if PAIRS > 0:
         if tl.program_id(0) == tl.num_programs(0) - 1:
@@ -130,6 +143,17 @@ def _head_floats_kernel(
     else:
         _floats_product(x, x_row, x_head, w, out, out_row, out_head, n, a, h, mi, oq, od, os_, BLOCK_N, BLOCK_A, BF16,
                         QUANT)  # fmt: skip
+
+
+@triton.jit
+def _head_floats_kernel(
+    x, x_row, x_head, w, out, out_row, out_head, n, a, rx, rx_row, rx_head, pos, inv, oq, od, os_,
+    BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr,
+    BATCHED: tl.constexpr, BF16: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    pdl.begin(PDL)
+    floats_program(x, x_row, x_head, w, out, out_row, out_head, n, a, rx, rx_row, rx_head, pos, inv, oq, od, os_,
+                   BLOCK_N, BLOCK_A, PAIRS, BLOCK_P, HALF, BATCHED, BF16, QUANT)  # fmt: skip
 
 
 def reads_floats(fmt: Format, a: int) -> bool:
@@ -168,15 +192,22 @@ def _no_turn(out: torch.Tensor) -> tuple[tuple, dict]:
     return (out, 0, 0, out, out), dict(PAIRS=0, BLOCK_P=1, HALF=False, BATCHED=False)
 
 
-def head_matmul(
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """A per-head product's launch, checked: the float kernel's or the block formats', its grid, its runtime
+    arguments and its constexprs (`num_warps` among them) by name."""
+
+    floats: bool
+    grid: tuple[int, int, int]
+    args: tuple
+    constants: dict
+
+
+def launch(
     x: torch.Tensor, x_row: int, x_head: int, m: int, w: torch.Tensor, fmt: Format, heads: int, a: int, b: int,
     out: torch.Tensor, turn: Turn | None = None, out_q8: Q8Acts | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """out (m, heads * b) = each head's `a` values of each of the `m` rows of `x` (at pitches `x_row`,
-    `x_head`) times its own `b` rows of `a` values of `w` (the checkpoint's bytes in `fmt`); returns `out`.
-    With `turn`, out is (m, heads * (b + turn.hd)): each head's products, then its rotated part (one launch:
-    the grid's last column of programs turns). With `out_q8` (m rows of heads * b), the launch writes out's
-    int8 form too (heads of whole blocks, `attn_kernels.head_product_quantizes`, and no `turn`)."""
+) -> Launch:  # fmt: skip
+    """`head_matmul`'s launch (its arguments as it takes them), checked."""
     fmt = Format(fmt)
     width = b + (turn.hd if turn is not None else 0)
     if out.stride(-1) != 1 or out.numel() != m * heads * width:
@@ -190,24 +221,36 @@ def head_matmul(
     out_row = heads * width
     rargs, rconsts = (turn.args(), turn.constants()) if turn is not None else _no_turn(out)
     more = 1 if turn is not None else 0  # the rotation's column of programs
+    quant = out_q8 is not None
     if reads_floats(fmt, a):
         grid = (triton.cdiv(b, FLOAT_BLOCK_N) + more, m, heads)
-        block_a = triton.next_power_of_2(a)
-        _head_floats_kernel[grid](
-            x, x_row, x_head, w.view(FLOATS[fmt]), out, out_row, width, b, a, *rargs, *q8, FLOAT_BLOCK_N, block_a,
-            **rconsts, BF16=fmt is Format.BF16, QUANT=out_q8 is not None, **pdl.options(),
-        )  # fmt: skip
-        return out
+        args = (x, x_row, x_head, w.view(FLOATS[fmt]), out, out_row, width, b, a, *rargs, *q8)
+        consts = dict(BLOCK_N=FLOAT_BLOCK_N, BLOCK_A=triton.next_power_of_2(a), **rconsts, BF16=fmt is Format.BF16,
+                      QUANT=quant)  # fmt: skip
+        return Launch(True, grid, args, consts)
     if fmt not in SLOTS:
         raise ValueError(f"no per-head product for {fmt.name} rows")
-    block_n, warps = (
-        tile(fmt, b, a, m) if out_q8 is None else (attn_kernels.HEAD_QUANT_ROWS, attn_kernels.HEAD_QUANT_WARPS)
-    )
+    block_n, warps = tile(fmt, b, a, m) if not quant else (attn_kernels.HEAD_QUANT_ROWS, attn_kernels.HEAD_QUANT_WARPS)
     block_m, m_tiles = row_tiles(m)
     steps, units, split = plan(fmt, a, block_n, warps, block_m)
-    _head_rows_kernel[(triton.cdiv(b, block_n) + more, m_tiles, heads)](
-        x, x_row, x_head, m, w, out, out_row, width, b, *rargs, *q8,
+    consts = dict(
         FMT=int(fmt), ROW_BYTES=stored_row_bytes(fmt, a), STEPS=steps, UNITS=units, SPLIT=split, BLOCK_M=block_m,
-        BLOCK_N=block_n, STAGES=stages(fmt), **rconsts, QUANT=out_q8 is not None, num_warps=warps, **pdl.options()
+        BLOCK_N=block_n, STAGES=stages(fmt), **rconsts, QUANT=quant, num_warps=warps,
     )  # fmt: skip
+    args = (x, x_row, x_head, m, w, out, out_row, width, b, *rargs, *q8)
+    return Launch(False, (triton.cdiv(b, block_n) + more, m_tiles, heads), args, consts)
+
+
+def head_matmul(
+    x: torch.Tensor, x_row: int, x_head: int, m: int, w: torch.Tensor, fmt: Format, heads: int, a: int, b: int,
+    out: torch.Tensor, turn: Turn | None = None, out_q8: Q8Acts | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """out (m, heads * b) = each head's `a` values of each of the `m` rows of `x` (at pitches `x_row`,
+    `x_head`) times its own `b` rows of `a` values of `w` (the checkpoint's bytes in `fmt`); returns `out`.
+    With `turn`, out is (m, heads * (b + turn.hd)): each head's products, then its rotated part (one launch:
+    the grid's last column of programs turns). With `out_q8` (m rows of heads * b), the launch writes out's
+    int8 form too (heads of whole blocks, `attn_kernels.head_product_quantizes`, and no `turn`)."""
+    go = launch(x, x_row, x_head, m, w, fmt, heads, a, b, out, turn, out_q8)
+    kernel = _head_floats_kernel if go.floats else _head_rows_kernel
+    kernel[go.grid](*go.args, **go.constants, **pdl.options())
     return out

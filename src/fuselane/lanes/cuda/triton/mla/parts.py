@@ -12,6 +12,8 @@ rotated slice of the query's projection, or of the latent's).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -86,40 +88,85 @@ def _rope_kernel(x, x_row, x_head, out, pos, inv, HEADS: tl.constexpr, PAIRS: tl
 
 
 @triton.jit
-def _norm_rope_kernel(x, x_row, w, k, k_row, out, out_row, pos, inv, cols, eps, BLOCK: tl.constexpr,
-                      CHUNKS: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr,
-                      BATCHED: tl.constexpr, AT_POS: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
-    pdl.begin(PDL)
-    r = tl.program_id(0)
+def cache_row(x, x_row, w, k, k_row, out, out_row, pos, inv, cols, eps, r, part, BLOCK: tl.constexpr,
+              CHUNKS: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr,
+              BATCHED: tl.constexpr, AT_POS: tl.constexpr):  # fmt: skip
+    """Row `r`'s `part` of the cache row's join: 0 its latent normed into the row's first `cols` values, 1 its
+    key turned into the rest (`_norm_rope_kernel`'s two programs a row; the latent attention's prologue,
+    `prologue.py`, calls it beside the query's join)."""
     if AT_POS:  # row r lands at the cache's row pos[0] + r, rounded to the cache's precision in the store
         out += tl.load(pos).to(tl.int64) * out_row
-    if tl.program_id(1) == 0:  # the normed latent: the row's first `cols` values
+    if part == 0:  # the normed latent: the row's first `cols` values
         norm.rms_norm_unit(x, x, out, w, out, x_row, x_row, out_row, out_row, out, out, out, cols, eps,
                            r.to(tl.int64), 0, False, True, BLOCK, CHUNKS, False)  # fmt: skip
     else:  # the rotated key after it
         rope_row(k, k_row, 0, out + r.to(tl.int64) * out_row + cols, pos, inv, r, 0, PAIRS, BLOCK_P, HALF, BATCHED)
 
 
+@triton.jit
+def _norm_rope_kernel(x, x_row, w, k, k_row, out, out_row, pos, inv, cols, eps, BLOCK: tl.constexpr,
+                      CHUNKS: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr,
+                      BATCHED: tl.constexpr, AT_POS: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl.begin(PDL)
+    cache_row(x, x_row, w, k, k_row, out, out_row, pos, inv, cols, eps, tl.program_id(0), tl.program_id(1), BLOCK,
+              CHUNKS, PAIRS, BLOCK_P, HALF, BATCHED, AT_POS)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class CacheJoin:
+    """The cache row's join (JoinInPlace), each of `rows` rows: its latent `x` (rows, cols) normed by the weights
+    `w` (as `norm.rms_norm`, bit for bit: its program at its warps), then its key's `hd` values of `k` (rows `k_row`
+    apart) turned as `rope` turns them, by the table `inv` at the position `pos`, into `out` (rows, cols + hd).
+    `at_pos`: `out` is the cache, row i written at its row pos[0] + i in its precision (as `rope.set_rows`
+    rounds: to nearest, ties to even), so no row write follows."""
+
+    x: torch.Tensor
+    w: torch.Tensor
+    eps: float
+    k: torch.Tensor
+    k_row: int
+    out: torch.Tensor
+    pos: torch.Tensor
+    inv: torch.Tensor
+    rows: int
+    hd: int
+    half: bool
+    batched: bool = False
+    at_pos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.out.stride(-1) != 1 or self.x.stride(-1) != 1 or self.out.shape[-1] != self.w.numel() + self.hd:
+            raise ValueError("norm_rope: unit-stride rows, the output as wide as the latent and the key")
+        if self.at_pos and self.batched:
+            raise ValueError("norm_rope: a batch's rows are written at their own positions by a row write")
+        if self.hd % 2 or self.inv.numel() != self.hd // 2:
+            raise ValueError(f"norm_rope: {self.hd} values need {self.hd // 2} frequencies, not {self.inv.numel()}")
+
+    def args(self) -> tuple:
+        """The kernels' runtime arguments (`cache_row`'s, up to the row)."""
+        x, out = self.x, self.out
+        return x, x.stride(0), self.w, self.k, self.k_row, out, out.stride(0), self.pos, self.inv, self.w.numel(), \
+            float(self.eps)  # fmt: skip
+
+    def constants(self) -> tuple:
+        """The kernels' constexprs, in `cache_row`'s order (BLOCK, CHUNKS, PAIRS, BLOCK_P, HALF, BATCHED, AT_POS)."""
+        tile = norm.row_tile(self.w.numel())
+        pairs = self.hd // 2
+        return tile.block, tile.chunks, pairs, triton.next_power_of_2(pairs), self.half, self.batched, self.at_pos
+
+    def launch(self) -> None:
+        """The join alone: one launch of two programs a row (the norm's at its warps)."""
+        _norm_rope_kernel[(self.rows, 2)](
+            *self.args(), *self.constants(), num_warps=norm.row_tile(self.w.numel()).warps, **pdl.options()
+        )  # fmt: skip
+
+
 def norm_rope(
     x: torch.Tensor, w: torch.Tensor, eps: float, k: torch.Tensor, k_row: int, out: torch.Tensor, pos: torch.Tensor,
     inv: torch.Tensor, *, rows: int, hd: int, half: bool, batched: bool = False, at_pos: bool = False,
 ) -> None:  # fmt: skip
-    """out (rows, cols + hd), each row: its latent `x` (rows, cols) normed by the weights `w` (as `norm.rms_norm`,
-    bit for bit: its program at its warps), then its key's `hd` values of `k` (rows `k_row` apart) turned as
-    `rope` turns them. One launch, two programs a row: the cache row's join written in place (JoinInPlace).
-    `at_pos`: `out` is the cache, row i written at its row pos[0] + i in its precision (as `rope.set_rows`
-    rounds: to nearest, ties to even), so no row write follows."""
-    if out.stride(-1) != 1 or x.stride(-1) != 1 or out.shape[-1] != w.numel() + hd:
-        raise ValueError("norm_rope: unit-stride rows, the output as wide as the latent and the key")
-    if at_pos and batched:
-        raise ValueError("norm_rope: a batch's rows are written at their own positions by a row write")
-    if hd % 2 or inv.numel() != hd // 2:
-        raise ValueError(f"norm_rope: {hd} values need {hd // 2} frequencies, not {inv.numel()}")
-    tile = norm.row_tile(w.numel())
-    _norm_rope_kernel[(rows, 2)](
-        x, x.stride(0), w, k, k_row, out, out.stride(0), pos, inv, w.numel(), float(eps), tile.block, tile.chunks,
-        hd // 2, triton.next_power_of_2(hd // 2), half, batched, at_pos, num_warps=tile.warps, **pdl.options(),
-    )  # fmt: skip
+    """The cache row's join (`CacheJoin`) in one launch of two programs a row (JoinInPlace)."""
+    CacheJoin(x, w, eps, k, k_row, out, pos, inv, rows, hd, half, batched, at_pos).launch()
 
 
 def rope(
