@@ -105,6 +105,8 @@ TABLE_CASES = {
     "q8_0-q6_k-many": (Format.Q8_0, Format.Q6_K, 18, 2, 2, 256, 256, dict(every=0, none=None), 1, True),
     "q6_k-q5_0": (Format.Q6_K, Format.Q5_0, 4, 2, 3, 256, 128, dict(every=2, none=None), 1, False),
     "q5_0-q8_0": (Format.Q5_0, Format.Q8_0, 4, 2, 3, 128, 128, dict(every=None, none=0), 1, True),
+    # llama.cpp's MXFP4_MOE experts: both launches from words (the launches' default tiles)
+    "mxfp4-mxfp4": (Format.MXFP4, Format.MXFP4, 6, 2, 3, 256, 128, dict(every=None, none=None), 1, True),
 }
 
 
@@ -277,6 +279,13 @@ def test_refusals():
                                 torch.zeros((4, 8)))  # fmt: skip
 
 
+def test_mxfp4_experts_decode_from_words_where_rows_are_whole_steps():
+    # their unit decode spilled (sm_90: 255 registers and 792 stack bytes a thread in the gate/up launch)
+    for launch, k in ((grouped.GATE_UP, 2048), (grouped.DOWN, 768)):
+        assert grouped.format_consts(Format.MXFP4, 8, k, launch=launch)["WORDS"]
+    assert not grouped.format_consts(Format.MXFP4, 8, 96, launch=grouped.DOWN)["WORDS"]  # a block a step
+
+
 # --- compiled, at Qwen3-30B-A3B's widths (n_embd 2048, 128 experts, top-8, expert ffn 768) ------------------
 
 
@@ -294,6 +303,7 @@ V2_LITE = (512, 6, 64, 2048, 1408)  # DeepSeek-V2-Lite's: its down rows take a 3
         (Format.Q4_K, Format.Q6_K, REAL, False),
         (Format.Q4_K, Format.Q5_0, V2_LITE, True),
         (Format.Q4_K, Format.Q8_0, V2_LITE, True),
+        (Format.MXFP4, Format.MXFP4, REAL, True),
     ],
 )
 def test_cuda_grouped_experts_real_widths(fmt_gu, fmt_d, shape, row_scales):
