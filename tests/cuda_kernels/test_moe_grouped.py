@@ -107,6 +107,8 @@ TABLE_CASES = {
     "q5_0-q8_0": (Format.Q5_0, Format.Q8_0, 4, 2, 3, 128, 128, dict(every=None, none=0), 1, True),
     # llama.cpp's MXFP4_MOE experts: both launches from words (the launches' default tiles)
     "mxfp4-mxfp4": (Format.MXFP4, Format.MXFP4, 6, 2, 3, 256, 128, dict(every=None, none=None), 1, True),
+    # Q4_0's and IQ4_NL's 16 code bytes a block, as MXFP4's, their f16 d's after the row's blocks
+    "q4_0-iq4_nl": (Format.Q4_0, Format.IQ4_NL, 6, 2, 3, 128, 256, dict(every=1, none=None), 1, False),
 }
 
 
@@ -279,11 +281,12 @@ def test_refusals():
                                 torch.zeros((4, 8)))  # fmt: skip
 
 
-def test_mxfp4_experts_decode_from_words_where_rows_are_whole_steps():
-    # their unit decode spilled (sm_90: 255 registers and 792 stack bytes a thread in the gate/up launch)
+@pytest.mark.parametrize("fmt", [Format.Q4_0, Format.IQ4_NL, Format.MXFP4], ids=lambda f: f.name)
+def test_16_byte_block_experts_decode_from_words_where_rows_are_whole_steps(fmt):
+    # their unit decode spilled (sm_90: 255 registers and 752-792 stack bytes a thread in the gate/up launch)
     for launch, k in ((grouped.GATE_UP, 2048), (grouped.DOWN, 768)):
-        assert grouped.format_consts(Format.MXFP4, 8, k, launch=launch)["WORDS"]
-    assert not grouped.format_consts(Format.MXFP4, 8, 96, launch=grouped.DOWN)["WORDS"]  # a block a step
+        assert grouped.format_consts(fmt, 8, k, launch=launch)["WORDS"]
+    assert not grouped.format_consts(fmt, 8, 96, launch=grouped.DOWN)["WORDS"]  # a block a step
 
 
 # --- compiled, at Qwen3-30B-A3B's widths (n_embd 2048, 128 experts, top-8, expert ffn 768) ------------------

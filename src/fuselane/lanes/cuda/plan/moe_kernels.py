@@ -79,10 +79,12 @@ class MoeTile(NamedTuple):
 # gate/up 64 x 64 in four warps 168 registers (Q4_K), 245-254 (Q5_0, Q8_0, Q6_K), none spilled; down Q4_K
 # 64 x 256 255 and 312 bytes spilled a thread, Q6_K 64 x 128 one stage 255 and 260, Q8_0 28, Q5_0 20: the
 # timings above are with those spills.
-# MXFP4 (an `MXFP4_MOE` file's experts) takes the launches' default tiles: its unit decode spilled (sm_90: 255
-# registers and 792 stack bytes a thread in the gate/up launch, 672 in the down one), its words decode none in
-# gate/up (196 registers) and 24 bytes in the down launch (255); not swept.
-MOE_WORDS_FORMATS = frozenset({Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0, Format.MXFP4})
+# Q4_0, IQ4_NL and MXFP4 (16 code bytes a block, an `MXFP4_MOE` file's experts) take the launches' default
+# tiles, not swept: their unit decode spilled (sm_90, Qwen3-30B-A3B's widths: 255 registers and 752 / 792 stack
+# bytes a thread in the gate/up launch, 312 / 672 in the down one), the words decode's less (below).
+MOE_WORDS_FORMATS = frozenset(
+    {Format.Q4_K, Format.Q6_K, Format.Q8_0, Format.Q5_0, Format.Q4_0, Format.IQ4_NL, Format.MXFP4}
+)
 MOE_WORDS_TILES = {
     (Format.Q4_K, MoeLaunch.GATE_UP): MoeTile(64, 64, 4, 2, 128),
     (Format.Q4_K, MoeLaunch.DOWN): MoeTile(64, 256, 8, 2, 128),

@@ -21,9 +21,10 @@ sub-block.
   4 (byte)], the signed byte through the 2^23 trick with its sign bit flipped; Q5_0 (22 bytes): [BLOCK_N,
   block, 2 (nibble), 4 (word of qs), 4 (byte)], value 16 * nibble + 4 * word + byte, its fifth bit that bit of
   qh.
-- MXFP4 (16 code bytes a block as the lane keeps them, IQ4_NL's layout, each block's exponent byte after the
-  row's): its codes as Q5_0's qs, [BLOCK_N, block, 2 (nibble), 4 (word), 4 (byte)]; value = 2^(e - 128) times
-  the code's e2m1 value, from the same 16-entry table the unit decode reads (`low_bits.iq4_value`).
+- Q4_0, IQ4_NL and MXFP4 (16 code bytes a block as the lane keeps them, each block's d, or MXFP4's exponent
+  byte, after the row's): the codes as Q5_0's qs, [BLOCK_N, block, 2 (nibble), 4 (word), 4 (byte)]; value =
+  d * (code - 8), or the scale times the code's value in the 16-entry table the unit decode reads
+  (`low_bits.iq4_value`).
 
 A field 2 bytes past a word (the 2-aligned formats' blocks at an odd multiple of 2 bytes) is read from its
 two aligned neighbours (a funnel shift; the second word is not read where the field is aligned). A block's
@@ -37,7 +38,7 @@ import triton.language as tl
 
 from fuselane.gguf.formats import LAYOUTS, Format
 from fuselane.lanes.cuda.plan import moe_kernels
-from fuselane.lanes.cuda.plan.kernels import ROW_TAIL_D, stored_block_bytes, stored_row_bytes
+from fuselane.lanes.cuda.plan.kernels import stored_block_bytes, stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.layout import (
     BIT,
@@ -46,19 +47,26 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     CRUMB,
     F16_BITS,
     F32_TWO_23_BITS,
+    FMT_IQ4_NL,
     FMT_MXFP4,
+    FMT_Q4_0,
     FMT_Q4_K,
     FMT_Q5_0,
     FMT_Q6_K,
     FMT_Q8_0,
     HALF_QK,
     HALF_WORD_BITS,
+    IQ4_NL_BYTES,
+    IQ4_NL_QS,
     K_LOW_SUBS,
     K_TOP_SHIFT,
     MXFP4_BYTES,
     MXFP4_QS,
     NIBBLE,
     NIBBLE_BITS,
+    Q4_0_BYTES,
+    Q4_0_QS,
+    Q4_BIAS,
     Q4_K_QS,
     Q4_K_SCALES,
     Q5_0_BYTES,
@@ -75,14 +83,15 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     SIGN_BIT,
     SIGNED_BYTE_BIAS,
     SIX_BITS,
+    TAIL_BYTES_C,
     WORD,
     block_d,
     in_two_23,
     load_e8m0,
+    load_f16,
 )
 from fuselane.lanes.cuda.triton.gemv.low_bits import iq4_value
 
-MXFP4_E_BYTES = tl.constexpr(ROW_TAIL_D[Format.MXFP4])  # a block's exponent after the row
 # The formats this decode takes (every other keeps `unit_values`' path): the tile table's (`kernels`), which
 # gives each its tiles.
 FORMATS = moe_kernels.MOE_WORDS_FORMATS
@@ -218,21 +227,33 @@ def _q5_0_tile(w, off, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_tile(w, off, doff, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
-    """[BLOCK_N, KW] f32: values part * KW on of the MXFP4 rows at byte offsets `off`: KW // 32 blocks of 16 code
-    bytes as the device keeps them (IQ4_NL's layout, each block's exponent byte from `doff` on, after the row's
-    blocks), [BLOCK_N, block, 2 (nibble), 4 (word), 4 (byte)] (value 16 * nibble + 4 * word + byte, as Q5_0's
-    qs); value = 2^(e - 128) * table[code], both factors exact in f32, so their product is."""
+def _nibbles_tile(w, off, doff, part, FMT: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """[BLOCK_N, KW] f32: values part * KW on of the Q4_0, IQ4_NL or MXFP4 rows at byte offsets `off`: KW // 32
+    blocks of 16 code bytes as the device keeps them (each block's d, or MXFP4's exponent byte, from `doff` on,
+    after the row's blocks), [BLOCK_N, block, 2 (nibble), 4 (word), 4 (byte)] (value 16 * nibble + 4 * word +
+    byte, as Q5_0's qs); value = d * (code - 8), d * table[code], or 2^(e - 128) * table[code]: each factor exact
+    in f32 and so their product."""
+    if FMT == FMT_MXFP4:
+        nbytes, qs_at = MXFP4_BYTES, MXFP4_QS
+    elif FMT == FMT_IQ4_NL:
+        nbytes, qs_at = IQ4_NL_BYTES, IQ4_NL_QS
+    else:
+        nbytes, qs_at = Q4_0_BYTES, Q4_0_QS
     u = part * (KW // 32) + tl.arange(0, KW // 32)
-    blk = off[:, None, None, None, None] + u[None, :, None, None, None] * MXFP4_BYTES
+    blk = off[:, None, None, None, None] + u[None, :, None, None, None] * nbytes
     nib = tl.arange(0, 2)[None, None, :, None, None]
     i = tl.arange(0, 4)[None, None, None, :, None]
     c = tl.arange(0, 4)[None, None, None, None, :]
-    p, mis = _at(w, blk, MXFP4_QS)
+    p, mis = _at(w, blk, qs_at)
     qs = _word_at(p + i, mis)  # [BLOCK_N, U, 1, 4, 1]
     code = ((qs >> (c * BYTE_BITS + nib * NIBBLE_BITS).to(tl.uint32)) & NIBBLE).to(tl.int32)
-    e = load_e8m0(w + doff[:, None, None, None, None] + u[None, :, None, None, None] * MXFP4_E_BYTES)
-    v = e * iq4_value(code, True)
+    tail = w + doff[:, None, None, None, None] + u[None, :, None, None, None] * TAIL_BYTES_C[FMT]
+    if FMT == FMT_MXFP4:
+        v = load_e8m0(tail) * iq4_value(code, True)
+    elif FMT == FMT_IQ4_NL:
+        v = load_f16(tail) * iq4_value(code)
+    else:
+        v = load_f16(tail) * (code - Q4_BIAS).to(tl.float32)
     return tl.reshape(v, [BLOCK_N, KW])
 
 
@@ -246,8 +267,8 @@ def word_tile(w, off, doff, part, FMT: tl.constexpr, BLOCK_N: tl.constexpr, KW: 
         v = _q6_k_tile(w, off, doff, part, BLOCK_N, KW)
     elif FMT == FMT_Q8_0:
         v = _q8_0_tile(w, off, doff, part, BLOCK_N, KW)
-    elif FMT == FMT_MXFP4:
-        v = _mxfp4_tile(w, off, doff, part, BLOCK_N, KW)
+    elif (FMT == FMT_MXFP4) | (FMT == FMT_IQ4_NL) | (FMT == FMT_Q4_0):
+        v = _nibbles_tile(w, off, doff, part, FMT, BLOCK_N, KW)
     else:
         tl.static_assert(FMT == FMT_Q5_0, "no word decode for this format")
         v = _q5_0_tile(w, off, part, BLOCK_N, KW)
