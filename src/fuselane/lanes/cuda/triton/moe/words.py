@@ -21,6 +21,8 @@ sub-block.
   4 (byte)], the signed byte through the 2^23 trick with its sign bit flipped; Q5_0 (22 bytes): [BLOCK_N,
   block, 2 (nibble), 4 (word of qs), 4 (byte)], value 16 * nibble + 4 * word + byte, its fifth bit that bit of
   qh.
+- Q5_K (176-byte blocks): Q4_K's tile, each value's fifth bit from qh byte 4i + b (bit 2j + h) loaded as the
+  same [BLOCK_N, 1, 1, 8 (i), 1] words.
 - Q4_0, IQ4_NL and MXFP4 (16 code bytes a block as the lane keeps them, each block's d, or MXFP4's exponent
   byte, after the row's): the codes as Q5_0's qs, [BLOCK_N, block, 2 (nibble), 4 (word), 4 (byte)]; value =
   d * (code - 8), or the scale times the code's value in the 16-entry table the unit decode reads
@@ -52,6 +54,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     FMT_Q4_0,
     FMT_Q4_K,
     FMT_Q5_0,
+    FMT_Q5_K,
     FMT_Q6_K,
     FMT_Q8_0,
     HALF_QK,
@@ -73,6 +76,9 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q5_0_QH,
     Q5_0_QS,
     Q5_BIAS,
+    Q5_K_QH,
+    Q5_K_QS,
+    Q5_K_SCALES,
     Q6_BIAS,
     Q6_K_QH,
     Q6_K_QL,
@@ -115,20 +121,28 @@ def _f16_half(word, HIGH: tl.constexpr):
 
 
 @triton.jit
-def _q4_k_tile(w, off, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
-    """[BLOCK_N, KW] f32: values part * KW on of the Q4_K super-blocks at byte offsets `off` ([BLOCK_N] int64,
-    4-aligned) of `w`."""
+def _k_pairs_tile(w, off, part, FMT: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """[BLOCK_N, KW] f32: values part * KW on of the Q4_K or Q5_K super-blocks at byte offsets `off` ([BLOCK_N]
+    int64, 4-aligned) of `w`; Q5_K's fifth bit of value 64j + 32h + l is bit 2j + h of qh byte l."""
+    if FMT == FMT_Q5_K:
+        qs_at, scales_at = Q5_K_QS, Q5_K_SCALES
+    else:
+        qs_at, scales_at = Q4_K_QS, Q4_K_SCALES
     p = (w + off).to(tl.pointer_type(tl.int32))[:, None, None, None, None]  # [BLOCK_N, 1, 1, 1, 1]
     j = part * (KW // 64) + tl.arange(0, KW // 64)[None, :, None, None, None]  # the qs chunks of 64 values
     h = tl.arange(0, 2)[None, None, :, None, None]
     i = tl.arange(0, 8)[None, None, None, :, None]
     b = tl.arange(0, 4)[None, None, None, None, :]
-    words = tl.load(p + Q4_K_QS // WORD + j * 8 + i)  # [BLOCK_N, 4, 1, 8, 1]
-    code = ((words >> (h * NIBBLE_BITS + b * BYTE_BITS)) & NIBBLE) | F32_TWO_23_BITS  # [BLOCK_N, J, 2, 8, 4]
+    words = tl.load(p + qs_at // WORD + j * 8 + i)  # [BLOCK_N, 4, 1, 8, 1]
+    code = (words >> (h * NIBBLE_BITS + b * BYTE_BITS)) & NIBBLE  # [BLOCK_N, J, 2, 8, 4]
+    if FMT == FMT_Q5_K:
+        qh = tl.load(p + Q5_K_QH // WORD + i)  # [BLOCK_N, 1, 1, 8, 1]: qh bytes 4i..4i + 3
+        code |= ((qh >> (b * BYTE_BITS + 2 * j + h)) & BIT) << NIBBLE_BITS
+    code |= F32_TWO_23_BITS
     head = tl.load(p)  # d, dmin
-    sa = tl.load(p + Q4_K_SCALES // WORD)
-    sb = tl.load(p + Q4_K_SCALES // WORD + 1)
-    sc_ = tl.load(p + Q4_K_SCALES // WORD + 2)
+    sa = tl.load(p + scales_at // WORD)
+    sb = tl.load(p + scales_at // WORD + 1)
+    sc_ = tl.load(p + scales_at // WORD + 2)
     s = 2 * j + h  # [1, J, 2, 1, 1]: the sub-block
     shift = (s % K_LOW_SUBS) * BYTE_BITS
     low = s < K_LOW_SUBS
@@ -261,8 +275,8 @@ def _nibbles_tile(w, off, doff, part, FMT: tl.constexpr, BLOCK_N: tl.constexpr, 
 def word_tile(w, off, doff, part, FMT: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr):
     """[BLOCK_N, KW] f16: values part * KW on (KW 128 or 256: `STEPS`) of the super-blocks at byte offsets `off`
     ([BLOCK_N] int64) of `w` (uint8), decoded; `doff` their d's where the format keeps them apart (`block_d`)."""
-    if FMT == FMT_Q4_K:
-        v = _q4_k_tile(w, off, part, BLOCK_N, KW)
+    if (FMT == FMT_Q4_K) | (FMT == FMT_Q5_K):
+        v = _k_pairs_tile(w, off, part, FMT, BLOCK_N, KW)
     elif FMT == FMT_Q6_K:
         v = _q6_k_tile(w, off, doff, part, BLOCK_N, KW)
     elif FMT == FMT_Q8_0:
