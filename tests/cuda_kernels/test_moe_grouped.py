@@ -109,6 +109,8 @@ TABLE_CASES = {
     "mxfp4-mxfp4": (Format.MXFP4, Format.MXFP4, 6, 2, 3, 256, 128, dict(every=None, none=None), 1, True),
     # Q4_0's and IQ4_NL's 16 code bytes a block, as MXFP4's, their f16 d's after the row's blocks
     "q4_0-iq4_nl": (Format.Q4_0, Format.IQ4_NL, 6, 2, 3, 128, 256, dict(every=1, none=None), 1, False),
+    # IQ4_XS's super-blocks (a scale a 32-value run, its d and scales after the row's blocks)
+    "iq4_xs-iq4_xs": (Format.IQ4_XS, Format.IQ4_XS, 5, 2, 3, 256, 256, dict(every=None, none=2), 1, True),
 }
 
 

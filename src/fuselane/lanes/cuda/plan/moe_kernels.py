@@ -83,7 +83,17 @@ class MoeTile(NamedTuple):
 # tiles, not swept: their unit decode spilled (sm_90, Qwen3-30B-A3B's widths: 255 registers and 752 / 792 stack
 # bytes a thread in the gate/up launch, 312 / 672 in the down one), the words decode's less (below).
 MOE_WORDS_FORMATS = frozenset(
-    {Format.Q4_K, Format.Q5_K, Format.Q6_K, Format.Q8_0, Format.Q5_0, Format.Q4_0, Format.IQ4_NL, Format.MXFP4}
+    {
+        Format.Q4_K,
+        Format.Q5_K,
+        Format.Q6_K,
+        Format.Q8_0,
+        Format.Q5_0,
+        Format.Q4_0,
+        Format.IQ4_NL,
+        Format.IQ4_XS,
+        Format.MXFP4,
+    }
 )
 MOE_WORDS_TILES = {
     (Format.Q4_K, MoeLaunch.GATE_UP): MoeTile(64, 64, 4, 2, 128),

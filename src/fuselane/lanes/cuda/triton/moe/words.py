@@ -23,6 +23,8 @@ sub-block.
   qh.
 - Q5_K (176-byte blocks): Q4_K's tile, each value's fifth bit from qh byte 4i + b (bit 2j + h) loaded as the
   same [BLOCK_N, 1, 1, 8 (i), 1] words.
+- IQ4_XS (128 code bytes a super-block as the lane keeps them, its d and scales after the row's): 32-value runs
+  as Q4_0's blocks, each run's scale from one word of scales_l and the word of d and scales_h.
 - Q4_0, IQ4_NL and MXFP4 (16 code bytes a block as the lane keeps them, each block's d, or MXFP4's exponent
   byte, after the row's): the codes as Q5_0's qs, [BLOCK_N, block, 2 (nibble), 4 (word), 4 (byte)]; value =
   d * (code - 8), or the scale times the code's value in the 16-entry table the unit decode reads
@@ -50,6 +52,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     F16_BITS,
     F32_TWO_23_BITS,
     FMT_IQ4_NL,
+    FMT_IQ4_XS,
     FMT_MXFP4,
     FMT_Q4_0,
     FMT_Q4_K,
@@ -61,6 +64,9 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     HALF_WORD_BITS,
     IQ4_NL_BYTES,
     IQ4_NL_QS,
+    IQ4_XS_QS,
+    IQ4_XS_SCALES_H,
+    IQ4_XS_SCALES_L,
     K_LOW_SUBS,
     K_TOP_SHIFT,
     MXFP4_BYTES,
@@ -88,6 +94,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q8_0_QS,
     SIGN_BIT,
     SIGNED_BYTE_BIAS,
+    SIGNED_SCALE,
     SIX_BITS,
     TAIL_BYTES_C,
     WORD,
@@ -272,6 +279,31 @@ def _nibbles_tile(w, off, doff, part, FMT: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
+def _iq4_xs_tile(w, off, doff, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """[BLOCK_N, KW] f32: values part * KW on of the IQ4_XS super-blocks at byte offsets `off` (their 128 code
+    bytes as the device keeps them; each block's d, scales_h and scales_l, 8 bytes, from `doff` on, after the
+    row's blocks), [BLOCK_N, run, 2 (nibble), 4 (word), 4 (byte)]: value 32 run + 16 nibble + 4 word + byte,
+    = (d * (scale - 32)) * table[code], the run's signed 6-bit scale its nibble of scales_l under its crumb of
+    scales_h (`low_bits.iq4_xs_values`' order of products)."""
+    R: tl.constexpr = KW // 32
+    run = part * R + tl.arange(0, R)[None, :, None, None, None]
+    nib = tl.arange(0, 2)[None, None, :, None, None]
+    i = tl.arange(0, 4)[None, None, None, :, None]
+    c = tl.arange(0, 4)[None, None, None, None, :]
+    p = (w + off).to(tl.pointer_type(tl.int32))[:, None, None, None, None]
+    qs = tl.load(p + IQ4_XS_QS // WORD + run * (HALF_QK // WORD) + i)  # [BLOCK_N, R, 1, 4, 1]
+    code = (qs >> (c * BYTE_BITS + nib * NIBBLE_BITS)) & NIBBLE
+    head = (w + doff).to(tl.pointer_type(tl.int32))[:, None, None, None, None]
+    d_h = tl.load(head)  # d, then scales_h
+    low_scales = tl.load(head + IQ4_XS_SCALES_L // WORD)
+    low = (low_scales >> ((run // 2) * BYTE_BITS + (run % 2) * NIBBLE_BITS)) & NIBBLE
+    top = (d_h >> (2 * run + IQ4_XS_SCALES_H * BYTE_BITS)) & CRUMB  # the tensor first: see `low_bits._bits`
+    scale = ((low | (top << NIBBLE_BITS)) - SIGNED_SCALE).to(tl.float32)  # [BLOCK_N, R, 1, 1, 1]
+    v = (_f16_half(d_h, 0) * scale) * iq4_value(code)
+    return tl.reshape(v, [BLOCK_N, KW])
+
+
+@triton.jit
 def word_tile(w, off, doff, part, FMT: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr):
     """[BLOCK_N, KW] f16: values part * KW on (KW 128 or 256: `STEPS`) of the super-blocks at byte offsets `off`
     ([BLOCK_N] int64) of `w` (uint8), decoded; `doff` their d's where the format keeps them apart (`block_d`)."""
@@ -281,6 +313,8 @@ def word_tile(w, off, doff, part, FMT: tl.constexpr, BLOCK_N: tl.constexpr, KW: 
         v = _q6_k_tile(w, off, doff, part, BLOCK_N, KW)
     elif FMT == FMT_Q8_0:
         v = _q8_0_tile(w, off, doff, part, BLOCK_N, KW)
+    elif FMT == FMT_IQ4_XS:
+        v = _iq4_xs_tile(w, off, doff, part, BLOCK_N, KW)
     elif (FMT == FMT_MXFP4) | (FMT == FMT_IQ4_NL) | (FMT == FMT_Q4_0):
         v = _nibbles_tile(w, off, doff, part, FMT, BLOCK_N, KW)
     else:
