@@ -111,6 +111,8 @@ TABLE_CASES = {
     "q4_0-iq4_nl": (Format.Q4_0, Format.IQ4_NL, 6, 2, 3, 128, 256, dict(every=1, none=None), 1, False),
     # IQ4_XS's super-blocks (a scale a 32-value run, its d and scales after the row's blocks)
     "iq4_xs-iq4_xs": (Format.IQ4_XS, Format.IQ4_XS, 5, 2, 3, 256, 256, dict(every=None, none=2), 1, True),
+    # the low-bit recipes' experts: Q2_K's and Q3_K's crumbs, a scale a 16-value sub-block
+    "q2_k-q3_k": (Format.Q2_K, Format.Q3_K, 5, 2, 3, 256, 256, dict(every=0, none=None), 1, False),
 }
 
 

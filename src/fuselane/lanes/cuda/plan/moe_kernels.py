@@ -79,20 +79,15 @@ class MoeTile(NamedTuple):
 # gate/up 64 x 64 in four warps 168 registers (Q4_K), 245-254 (Q5_0, Q8_0, Q6_K), none spilled; down Q4_K
 # 64 x 256 255 and 312 bytes spilled a thread, Q6_K 64 x 128 one stage 255 and 260, Q8_0 28, Q5_0 20: the
 # timings above are with those spills.
-# Q4_0, IQ4_NL and MXFP4 (16 code bytes a block, an `MXFP4_MOE` file's experts) take the launches' default
-# tiles, not swept: their unit decode spilled (sm_90, Qwen3-30B-A3B's widths: 255 registers and 752 / 792 stack
-# bytes a thread in the gate/up launch, 312 / 672 in the down one), the words decode's less (below).
+# The other formats (Q5_K; Q4_0, IQ4_NL and MXFP4, 16 code bytes a block, an `MXFP4_MOE` file's experts; IQ4_XS;
+# Q2_K, Q3_K) take the launches' default tiles, not swept. Their unit decode spilled or filled the registers
+# (sm_90, Qwen3-30B-A3B's widths, a thread: Q4_0 / MXFP4 255 registers and 752 / 792 stack bytes in the
+# gate/up launch; IQ4_XS, Q2_K, Q3_K 254-255 and none, their down 144-192 bytes); the words decode's
+# `benchmarks/RESULTS.md` lists (2026-12-07, third).
 MOE_WORDS_FORMATS = frozenset(
     {
-        Format.Q4_K,
-        Format.Q5_K,
-        Format.Q6_K,
-        Format.Q8_0,
-        Format.Q5_0,
-        Format.Q4_0,
-        Format.IQ4_NL,
-        Format.IQ4_XS,
-        Format.MXFP4,
+        *(Format.Q4_K, Format.Q5_K, Format.Q6_K, Format.Q8_0, Format.Q5_0),
+        *(Format.Q4_0, Format.IQ4_NL, Format.IQ4_XS, Format.Q2_K, Format.Q3_K, Format.MXFP4),
     }
 )
 MOE_WORDS_TILES = {

@@ -25,6 +25,10 @@ sub-block.
   same [BLOCK_N, 1, 1, 8 (i), 1] words.
 - IQ4_XS (128 code bytes a super-block as the lane keeps them, its d and scales after the row's): 32-value runs
   as Q4_0's blocks, each run's scale from one word of scales_l and the word of d and scales_h.
+- Q2_K (84-byte blocks) and Q3_K (110 in 112): qs byte 32 half + l holds value 128 half + 32j + l in crumb j,
+  so words [BLOCK_N, half, 1, 8 (i), 1] shifted by 8b + 2j give [BLOCK_N, half, 4 (j), 8, 4 (b)]: value
+  128 half + 32j + 4i + b; Q3_K's third bit is bit 4 half + j of hmask word i's byte b; a 16-value sub-block's
+  scale (Q2_K's with its min) is a byte load a sub-block.
 - Q4_0, IQ4_NL and MXFP4 (16 code bytes a block as the lane keeps them, each block's d, or MXFP4's exponent
   byte, after the row's): the codes as Q5_0's qs, [BLOCK_N, block, 2 (nibble), 4 (word), 4 (byte)]; value =
   d * (code - 8), or the scale times the code's value in the 16-entry table the unit decode reads
@@ -54,6 +58,8 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     FMT_IQ4_NL,
     FMT_IQ4_XS,
     FMT_MXFP4,
+    FMT_Q2_K,
+    FMT_Q3_K,
     FMT_Q4_0,
     FMT_Q4_K,
     FMT_Q5_0,
@@ -61,6 +67,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     FMT_Q6_K,
     FMT_Q8_0,
     HALF_QK,
+    HALF_QS,
     HALF_WORD_BITS,
     IQ4_NL_BYTES,
     IQ4_NL_QS,
@@ -68,11 +75,23 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     IQ4_XS_SCALES_H,
     IQ4_XS_SCALES_L,
     K_LOW_SUBS,
+    K_SUB,
     K_TOP_SHIFT,
     MXFP4_BYTES,
     MXFP4_QS,
     NIBBLE,
     NIBBLE_BITS,
+    Q2_K_D,
+    Q2_K_QS,
+    Q2_K_SCALES,
+    Q3_BIAS_CODE,
+    Q3_HIGH_SCALES,
+    Q3_K_D,
+    Q3_K_HMASK,
+    Q3_K_QS,
+    Q3_K_SCALES,
+    Q3_LOW_SCALES,
+    Q3_SCALE_ROWS,
     Q4_0_BYTES,
     Q4_0_QS,
     Q4_BIAS,
@@ -111,6 +130,7 @@ FORMATS = moe_kernels.MOE_WORDS_FORMATS
 # The values a step may take: a super-block's half or whole (a Q6_K half is its natural unit), four or eight
 # 32-value blocks.
 STEPS = (128, 256)
+QK_K_VALUES = tl.constexpr(256)  # a super-block's values
 SIGN_SHIFT = tl.constexpr(24)  # an int8 at the top of a word: shifted back down with its sign
 BYTE_MISALIGN = tl.constexpr(3)  # a byte address's offset in its word
 
@@ -304,6 +324,56 @@ def _iq4_xs_tile(w, off, doff, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
 
 
 @triton.jit
+def _crumbs(w, off, part, QS: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """Q2_K's / Q3_K's 2-bit codes of values part * KW on, [BLOCK_N, half, 4 (j), 8 (i), 4 (b)] (value 128 half +
+    32j + 4i + b: crumb j of qs byte 32 half + 4i + b), with the tile's half, j, i and b and its sub-blocks of 16."""
+    H: tl.constexpr = KW // 128
+    h = part * H + tl.arange(0, H)[None, :, None, None, None]
+    j = tl.arange(0, 4)[None, None, :, None, None]
+    i = tl.arange(0, 8)[None, None, None, :, None]
+    b = tl.arange(0, 4)[None, None, None, None, :]
+    p = (w + off).to(tl.pointer_type(tl.int32))[:, None, None, None, None]
+    qs = tl.load(p + QS // WORD + h * (HALF_QS // WORD) + i)  # [BLOCK_N, H, 1, 8, 1]
+    code = (qs >> (b * BYTE_BITS + 2 * j)) & CRUMB
+    return code, h, j, i, b, h * (QK_K_VALUES // 2 // K_SUB) + 2 * j + i // (K_SUB // WORD)
+
+
+@triton.jit
+def _q2_k_tile(w, off, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """[BLOCK_N, KW] f32: values part * KW on of the Q2_K super-blocks at byte offsets `off` (84-byte blocks, so
+    4-aligned): value = (d * scale) * code - dmin * min, a sub-block's 4-bit scale and min one scales byte
+    (`low_bits.q2_k_values`' order of products)."""
+    code, h, j, i, b, sub = _crumbs(w, off, part, Q2_K_QS, BLOCK_N, KW)
+    packed = tl.load((w + off)[:, None, None, None, None] + Q2_K_SCALES + sub).to(tl.int32)  # [BLOCK_N, H, 4, 8, 1]
+    head = tl.load((w + off).to(tl.pointer_type(tl.int32))[:, None, None, None, None] + Q2_K_D // WORD)  # d, dmin
+    scaled = (_f16_half(head, 0) * (packed & NIBBLE).to(tl.float32)) * code.to(tl.float32)
+    v = scaled - _f16_half(head, 1) * (packed >> NIBBLE_BITS).to(tl.float32)
+    return tl.reshape(v, [BLOCK_N, KW])
+
+
+@triton.jit
+def _q3_k_tile(w, off, part, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """[BLOCK_N, KW] f32: values part * KW on of the Q3_K super-blocks at byte offsets `off` (110 bytes each in
+    112 as the device keeps them): value = (d * (scale - 32)) * (code - 4 (1 - hbit)), the third bit bit 4 half + j
+    of hmask byte 4i + b, a sub-block's signed 6-bit scale its nibble of the first 8 scales bytes under its crumb
+    of the last 4 (`low_bits.q3_k_values`' order of products)."""
+    code, h, j, i, b, sub = _crumbs(w, off, part, Q3_K_QS, BLOCK_N, KW)
+    p = (w + off).to(tl.pointer_type(tl.int32))[:, None, None, None, None]
+    hmask = tl.load(p + Q3_K_HMASK // WORD + i)  # [BLOCK_N, 1, 1, 8, 1]
+    hbit = (hmask >> (b * BYTE_BITS + h * 4 + j)) & BIT
+    code = code + hbit * Q3_BIAS_CODE - Q3_BIAS_CODE
+    scales = (w + off)[:, None, None, None, None] + Q3_K_SCALES
+    low = (tl.load(scales + sub % Q3_LOW_SCALES).to(tl.int32) >> ((sub // Q3_LOW_SCALES) * NIBBLE_BITS)) & NIBBLE
+    top = (
+        tl.load(scales + (sub % Q3_SCALE_ROWS + Q3_HIGH_SCALES)).to(tl.int32) >> (2 * (sub // Q3_SCALE_ROWS))
+    ) & CRUMB
+    scale = (low | (top << NIBBLE_BITS)) - SIGNED_SCALE
+    d = _f16_at(w, off[:, None, None, None, None] + Q3_K_D)
+    v = (d * scale.to(tl.float32)) * code.to(tl.float32)
+    return tl.reshape(v, [BLOCK_N, KW])
+
+
+@triton.jit
 def word_tile(w, off, doff, part, FMT: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr):
     """[BLOCK_N, KW] f16: values part * KW on (KW 128 or 256: `STEPS`) of the super-blocks at byte offsets `off`
     ([BLOCK_N] int64) of `w` (uint8), decoded; `doff` their d's where the format keeps them apart (`block_d`)."""
@@ -315,6 +385,10 @@ def word_tile(w, off, doff, part, FMT: tl.constexpr, BLOCK_N: tl.constexpr, KW: 
         v = _q8_0_tile(w, off, doff, part, BLOCK_N, KW)
     elif FMT == FMT_IQ4_XS:
         v = _iq4_xs_tile(w, off, doff, part, BLOCK_N, KW)
+    elif FMT == FMT_Q2_K:
+        v = _q2_k_tile(w, off, part, BLOCK_N, KW)
+    elif FMT == FMT_Q3_K:
+        v = _q3_k_tile(w, off, part, BLOCK_N, KW)
     elif (FMT == FMT_MXFP4) | (FMT == FMT_IQ4_NL) | (FMT == FMT_Q4_0):
         v = _nibbles_tile(w, off, doff, part, FMT, BLOCK_N, KW)
     else:
