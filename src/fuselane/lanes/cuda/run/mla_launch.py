@@ -1,6 +1,7 @@
 """Binders of the latent attention's ops (`triton.mla`). Absorbed: the per-head products, the join of a head's
 two parts, the rotation of DeepSeek's pairs (YaRN's frequencies where the file has them), the attention over
-the latent cache with the latents as values, and the slices the others read in place (views, no launch).
+the latent cache with the latents as values, and the slices the others read in place (views, no launch); a
+decode step's two joins in one launch (MlaPrologue).
 Expanded (`Mla`, a wide chunk's): the key half and the value half of the latent's expansion over the cached
 rows, then each head's attention over its own expanded keys and values.
 
