@@ -311,6 +311,8 @@ V2_LITE = (512, 6, 64, 2048, 1408)  # DeepSeek-V2-Lite's: its down rows take a 3
         (Format.Q4_K, Format.Q5_0, V2_LITE, True),
         (Format.Q4_K, Format.Q8_0, V2_LITE, True),
         (Format.MXFP4, Format.MXFP4, REAL, True),
+        (Format.Q4_0, Format.IQ4_XS, REAL, True),
+        (Format.Q2_K, Format.Q3_K, REAL, True),
     ],
 )
 def test_cuda_grouped_experts_real_widths(fmt_gu, fmt_d, shape, row_scales):
