@@ -16,15 +16,14 @@ from fuselane.fuse.quant_rules import QUANT_RULES
 from fuselane.fuse.rewriter import Rewriter
 from fuselane.fuse.routing_rules import ROUTING_RULES
 from fuselane.fuse.rule import Pattern, Rule
-from fuselane.fuse.views import gemv, leaves, rope, slice_view
+from fuselane.fuse.views import absorbs, gemv, leaves, rope, slice_view
 from fuselane.graph import facts
 from fuselane.graph.classes import ClassId as C
-from fuselane.graph.ir import Dst, Op, Role, Strided, UnitPart
+from fuselane.graph.ir import Dst, Role, Strided, UnitPart
 from fuselane.graph.ops import (
     ArgMax,
     Attention,
     Elementwise,
-    HeadMatmul,
     Join,
     Matmul,
     RmsNorm,
@@ -288,14 +287,9 @@ def join_row_write(r: Rewriter, i: int) -> None:
         r.try_fuse("join_row_write", C.JOIN_IN_PLACE, [i, j], j)
 
 
-def _absorbs(op: Op) -> bool:
-    """Whether a JoinInPlace is a latent attention's query join (a per-head product beside its rotation)."""
-    return any(isinstance(leaf.sym, HeadMatmul) for leaf in leaves(op))
-
-
 def mla_prologue(r: Rewriter, i: int) -> None:
     op = op_at(r, i, C.JOIN_IN_PLACE)
-    if op is None or not _absorbs(op):
+    if op is None or not absorbs(op):
         return
     # the layer's cache row join: the next join in place before its attention (a later one is the next layer's)
     for j in range(i + 1, len(r.s)):
@@ -304,7 +298,7 @@ def mla_prologue(r: Rewriter, i: int) -> None:
             continue
         if any(isinstance(x.sym, Attention) for x in leaves(other)):
             return
-        if op_at(r, j, C.JOIN_IN_PLACE) is not None and not _absorbs(other):
+        if op_at(r, j, C.JOIN_IN_PLACE) is not None and not absorbs(other):
             break
     else:
         return

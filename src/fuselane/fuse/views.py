@@ -118,6 +118,13 @@ def leaves(op: Op) -> list[Op]:
     return [op]
 
 
+def absorbs(op: Op) -> bool:
+    """Whether an op holds a per-head product (a latent attention's query join: its product by the key half)."""
+    from fuselane.graph.ops import HeadMatmul
+
+    return _find(op, HeadMatmul) is not None
+
+
 def _find(op: Op, kind: type) -> Op | None:
     return next((leaf for leaf in leaves(op) if isinstance(leaf.sym, kind)), None)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fuselane.fuse.views import (
+    absorbs,
     class_of,
     embedded_norm,
     gemv,
@@ -320,8 +321,7 @@ def _mla_prologue(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph)
     if len(members) != 2 or any(class_of(m) is not C.JOIN_IN_PLACE for m in members):
         return PROLOGUE_PAIR
     query, row = members
-    absorbs = [any(isinstance(p.sym, HeadMatmul) for p in leaves(m)) for m in members]
-    if absorbs != [True, False]:
+    if [absorbs(m) for m in members] != [True, False]:
         return PROLOGUE_PAIR
     return _join_in_place(shim, query, parts(query), g) or _join_in_place(shim, row, parts(row), g)
 

@@ -126,25 +126,24 @@ def join_in_place(op: Op, b) -> list:
 
     query = _query_join(op, b)
     if query is not None:
-        return [lambda: heads.head_matmul(*query[0](), **query[1])]
+        return [lambda: heads.run(query())]
     return [_cache_join(op, b).launch]
 
 
 def prologue(op: Op, b) -> list:
     """MlaPrologue: the query's join and the cache row's (each as `join_in_place` binds it) in one launch."""
-    from fuselane.lanes.cuda.triton.mla import heads
     from fuselane.lanes.cuda.triton.mla import prologue as one_launch
 
     first, second = op.sym.parts  # type: ignore[union-attr]
     query, row = _query_join(first, b), _cache_join(second, b)
     if query is None:
         raise PlanMismatch(f"{op.out}: the prologue's first join is the query's")
-    return [lambda: one_launch.prologue(heads.launch(*query[0](), **query[1]), row)]
+    return [lambda: one_launch.prologue(query(), row)]
 
 
 def _query_join(op: Op, b):
-    """The query's join's `head_matmul` arguments: (a callable giving its positional ones, the weights decoded
-    where they must be on the first call, its keywords); None where `op` is the cache row's join."""
+    """A callable giving the query's join's launch (`heads.launch` with its `Turn`; the weights decoded where they
+    must be on the first call); None where `op` is the cache row's join."""
     from fuselane.lanes.cuda.triton.mla import heads
 
     if _row_write(op) is not None:
@@ -160,7 +159,7 @@ def _query_join(op: Op, b):
     q, weights = b.bufs[first.ins[0]], _head_weights(b, first.ins[1], hm)
     q_row, q_head = _pitches(q, hm.heads, hm.a)
     turn = heads.Turn(x, x_row, x_head, pos, table, spec.hd, spec.half, spec.batched)
-    return lambda: (q, q_row, q_head, hm.m, *weights(), hm.heads, hm.a, hm.b, out), dict(turn=turn)
+    return lambda: heads.launch(q, q_row, q_head, hm.m, *weights(), hm.heads, hm.a, hm.b, out, turn=turn)
 
 
 def _cache_join(op: Op, b):

@@ -250,7 +250,11 @@ def head_matmul(
     With `turn`, out is (m, heads * (b + turn.hd)): each head's products, then its rotated part (one launch:
     the grid's last column of programs turns). With `out_q8` (m rows of heads * b), the launch writes out's
     int8 form too (heads of whole blocks, `attn_kernels.head_product_quantizes`, and no `turn`)."""
-    go = launch(x, x_row, x_head, m, w, fmt, heads, a, b, out, turn, out_q8)
+    run(launch(x, x_row, x_head, m, w, fmt, heads, a, b, out, turn, out_q8))
+    return out
+
+
+def run(go: Launch) -> None:
+    """A per-head product's launch (`launch`) alone."""
     kernel = _head_floats_kernel if go.floats else _head_rows_kernel
     kernel[go.grid](*go.args, **go.constants, **pdl.options())
-    return out

@@ -69,7 +69,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     HALF_QK,
     HALF_QS,
     HALF_WORD_BITS,
-    IQ4_NL_BYTES,
     IQ4_NL_QS,
     IQ4_XS_QS,
     IQ4_XS_SCALES_H,
@@ -77,7 +76,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     K_LOW_SUBS,
     K_SUB,
     K_TOP_SHIFT,
-    MXFP4_BYTES,
     MXFP4_QS,
     NIBBLE,
     NIBBLE_BITS,
@@ -92,7 +90,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     Q3_K_SCALES,
     Q3_LOW_SCALES,
     Q3_SCALE_ROWS,
-    Q4_0_BYTES,
     Q4_0_QS,
     Q4_BIAS,
     Q4_K_QS,
@@ -115,6 +112,7 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
     SIGNED_BYTE_BIAS,
     SIGNED_SCALE,
     SIX_BITS,
+    STORED_BYTES_C,
     TAIL_BYTES_C,
     WORD,
     block_d,
@@ -124,6 +122,10 @@ from fuselane.lanes.cuda.triton.gemv.layout import (
 )
 from fuselane.lanes.cuda.triton.gemv.low_bits import iq4_value
 
+# Q4_0's, IQ4_NL's and MXFP4's codes start their stored block (their d or exponent is kept after the row)
+NIBBLES_QS = Q4_0_QS
+if not Q4_0_QS == IQ4_NL_QS == MXFP4_QS:
+    raise ImportError("Q4_0's, IQ4_NL's and MXFP4's codes no longer start their stored blocks alike")
 # The formats this decode takes (every other keeps `unit_values`' path): the tile table's (`kernels`), which
 # gives each its tiles.
 FORMATS = moe_kernels.MOE_WORDS_FORMATS
@@ -274,18 +276,12 @@ def _nibbles_tile(w, off, doff, part, FMT: tl.constexpr, BLOCK_N: tl.constexpr, 
     after the row's blocks), [BLOCK_N, block, 2 (nibble), 4 (word), 4 (byte)] (value 16 * nibble + 4 * word +
     byte, as Q5_0's qs); value = d * (code - 8), d * table[code], or 2^(e - 128) * table[code]: each factor exact
     in f32 and so their product."""
-    if FMT == FMT_MXFP4:
-        nbytes, qs_at = MXFP4_BYTES, MXFP4_QS
-    elif FMT == FMT_IQ4_NL:
-        nbytes, qs_at = IQ4_NL_BYTES, IQ4_NL_QS
-    else:
-        nbytes, qs_at = Q4_0_BYTES, Q4_0_QS
     u = part * (KW // 32) + tl.arange(0, KW // 32)
-    blk = off[:, None, None, None, None] + u[None, :, None, None, None] * nbytes
+    blk = off[:, None, None, None, None] + u[None, :, None, None, None] * STORED_BYTES_C[FMT]
     nib = tl.arange(0, 2)[None, None, :, None, None]
     i = tl.arange(0, 4)[None, None, None, :, None]
     c = tl.arange(0, 4)[None, None, None, None, :]
-    p, mis = _at(w, blk, qs_at)
+    p, mis = _at(w, blk, NIBBLES_QS)
     qs = _word_at(p + i, mis)  # [BLOCK_N, U, 1, 4, 1]
     code = ((qs >> (c * BYTE_BITS + nib * NIBBLE_BITS).to(tl.uint32)) & NIBBLE).to(tl.int32)
     tail = w + doff[:, None, None, None, None] + u[None, :, None, None, None] * TAIL_BYTES_C[FMT]
