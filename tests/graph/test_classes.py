@@ -56,6 +56,7 @@ MIXTURE_RULES = (
     "moe_deferred_finalize",
 )
 NOT_IN_DENSE_GRAPHS |= dict.fromkeys(MIXTURE_RULES, "the dense graphs route to no experts")
+NOT_IN_DENSE_GRAPHS["route_in_norm"] = "the dense graphs route to no experts (tests/moe/test_moe_cuda_plan.py)"
 # Likewise the gated delta rule's and the gated attention's (tests/qwen3next/test_qwen3next_rules.py).
 HYBRID_RULES = (
     *("conv_silu", "conv_silu_l2norm", "conv_parts", "gdn_gating", "gdn_gate_projections", "gdn_step"),

@@ -50,9 +50,11 @@ from fuselane.graph.ops import (
     Moe,
     RmsNorm,
     Rope,
+    RouteWeights,
     RowsGather,
     SetRow,
     Softcap,
+    TopK,
     Unary,
     UnaryOp,
 )
@@ -162,6 +164,19 @@ def conv(taps: int = 4, chan: int = 2048) -> Op:
 
 def gated_attention(hd: int) -> Op:
     return fused(C.ATTN_OUTPUT_GATE, attention(hd=hd), mul(32 * hd, "att", "gate", "gated"))
+
+
+def routing(router: str = "f16", experts: int = 128, rows: int = 1, x: str = "h") -> Op:
+    """A router's product, top-k and weights over `experts` experts (a RouterTopk's parts) of `rows` rows of x."""
+    scores = matmul(rows, experts, 2048, router, x=x, out="scores")
+    top = prim(TopK(rows, experts, 8), ("scores",), "ids")
+    return fused(C.ROUTER_TOPK, scores, top, prim(RouteWeights(rows, experts, 8, True), ("scores", "ids"), "rw"))
+
+
+def routed_norm(quant: bool = True, **kw) -> Op:
+    """A routing that took in the output projection whose norm it reads (`route_in_norm`)."""
+    normed = gne(2048, first=matmul(1, 2048, 4096))
+    return fused(C.ROUTER_TOPK, fused(C.NORM_QUANT, normed) if quant else normed, routing(**kw))
 
 
 def gate_up_glu(n: int = 12288, m: int = 1, up: str = "q4k", gate: str = "q4k") -> Op:
@@ -385,6 +400,25 @@ CASES = [
         "makes the gates (gates_in_step): one launch fewer",
     ),
     Case(
+        "routing in the norm's launch",
+        lambda: routed_norm(),
+        lambda: routed_norm(quant=False),
+        "a step's routing runs in its norm's launch only from a projection's int8 add + norm GEMV (a NormQuant of a "
+        "GemvNormEpilogue) whose row is whole 32-value blocks",
+    ),
+    Case(
+        "routing a step's row in the norm's launch",
+        lambda: routed_norm(),
+        lambda: routed_norm(rows=4),
+        "a chunk's or a batch's rows route in a launch of their own; a step's one row routes in its norm's",
+    ),
+    Case(
+        "the router routing in the norm's launch",
+        lambda: routed_norm(experts=256),
+        lambda: routed_norm(router="q8"),
+        fits_recurrent.ROUTER_IN_NORM,
+    ),
+    Case(
         "shared expert",
         lambda: shared_expert(),
         lambda: shared_expert(bias=True),
@@ -550,7 +584,7 @@ def test_the_table_covers_every_refusal() -> None:
     table = [c.reason for c in CASES]
     assert len(table) == len(set(table)), "one row a reason"
     # the accumulator's reason is the numerics contract's own, formatted with the product's width
-    ours = {r for r in table if "accumulator" not in r} | {SHARED_FORMATS_WHY}
+    ours = {r for r in table if "accumulator" not in r and r != fits_recurrent.ROUTER_IN_NORM} | {SHARED_FORMATS_WHY}
     sources = inspect.getsource(fits_module) + inspect.getsource(fits_recurrent)
     assert _returned_strings(sources) == ours
 

@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 from fuselane.explain import build_plan, launches_per_layer, model_source
 from fuselane.fuse.optimizer import optimize
 from fuselane.fuse.shim import DECOMPOSE, NATIVE
-from fuselane.fuse.views import class_of
+from fuselane.fuse.views import class_of, leaves
 from fuselane.gguf.synth import SHAPES, Mix, model_metadata, tensor_formats, tensor_shapes
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form, QuantFormat
+from fuselane.graph.ops import Matmul
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.plan.classes import MOE_CLASSES, QUANT_EPILOGUES
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
@@ -69,7 +70,14 @@ def test_a_decode_step_mixture_is_three_launches_under_the_specified_answers(mod
     plan = optimize(graph(model, 1), CudaShim(CudaKnobs(activations=activations)))
     layers = len({op.out.split(".")[0] for op in plan.ops if class_of(op) is C.ROUTER_TOPK})
     assert mixture_ops(plan) == ["RouterTopk", "MoeGateUpAct", "MoeDeferredFinalize"] * layers
-    assert not [m for m in plan.missed if m.cls in MOE_CLASSES]
+    # the routing takes in the norm it reads where the int8 add + norm GEMV finishes it (`route_in_norm`)
+    routers = [op for op in plan.ops if class_of(op) is C.ROUTER_TOPK]
+    in_norm = activations is Activations.INT8
+    assert all((class_of(op.sym.parts[0]) is C.NORM_QUANT) == in_norm for op in routers)
+    assert not [m for m in plan.missed if m.cls in MOE_CLASSES and m.rule != "route_in_norm"]
+    only_int8 = "a step's routing runs in its norm's launch only from a projection's int8 add + norm GEMV"
+    reasons = {m.reason.split(" (")[0] for m in plan.missed if m.rule == "route_in_norm"}
+    assert reasons == (set() if in_norm else {only_int8})
 
 
 def test_a_chunk_sorts_by_expert_and_keeps_its_shared_expert_apart():
@@ -116,18 +124,21 @@ def test_a_decode_step_is_at_most_seven_launches_a_layer(model, knobs):
 
 
 @pytest.mark.parametrize("model", ["synth:qwen3-30b-a3b", "synth:qwen1.5-moe-a2.7b", "synth:deepseek-v2-lite"])
-def test_the_norm_the_router_reads_in_f32_writes_the_experts_int8_form(model):
-    # before: AttnOutput -> GemvNormEpilogue (f32) -> RouterTopk, Quantize -> MoeGateUpAct
-    # after:  AttnOutput -> NormQuant (f32 and int8) -> RouterTopk (f32), MoeGateUpAct (int8)
+def test_the_routing_takes_in_the_norm_it_reads_and_its_int8_form(model):
+    # before: AttnOutput -> NormQuant (f32 and int8) -> RouterTopk (f32), MoeGateUpAct (int8)
+    # after:  AttnOutput -> RouterTopk holding the NormQuant: one launch norms the row, writes its int8 form for
+    #         the experts and routes it (`route_in_norm`)
     _, _, plan = build_plan(model, lane="cuda")
     routers = [op for op in plan.ops if class_of(op) is C.ROUTER_TOPK]
     assert routers
     for router in routers:
-        x = router.ins[0]
-        producer = next(op for op in plan.ops if op.out == x)
-        assert class_of(producer) is C.NORM_QUANT, (x, class_of(producer))
+        normed, routing = router.sym.parts
+        assert class_of(normed) is C.NORM_QUANT and class_of(normed.sym.parts[0]) is C.GEMV_NORM_EPILOGUE
+        assert next(x for x in leaves(routing) if isinstance(x.sym, Matmul)).ins[0] == normed.out
     quantized_apart = {op.out for op in plan.ops if type(op.sym).__name__ == "Quantize"}
-    assert not quantized_apart & {router.ins[0] for router in routers}
+    assert not quantized_apart & {router.sym.parts[0].out for router in routers}
+    _, _, held = build_plan(model, lane="cuda", held=("route_in_norm",))
+    assert held.launches() - plan.launches() == len(routers)  # a launch a mixture layer
 
 
 @pytest.mark.parametrize("knobs", [(), ("activations=dequant",)])

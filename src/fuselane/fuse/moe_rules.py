@@ -6,6 +6,9 @@ with its top-k and routing weights (`RouterTopk`), a chunk's sort of its pairs b
 products with the weighted combine (`MoeDownCombine`), the shared expert (and its sigmoid gate, where it has one)
 folded into the mixture (`SharedExpertFusion`), and the residual add and next norm in the mixture's last step
 (`MoeDeferredFinalize`). Each swallows an intermediate only where nothing outside the fusion reads it.
+
+Last, after the quantizing rules (`ROUTE_IN_NORM_RULES`): a routing op takes in the projection whose epilogue norms
+the row its router reads (`route_in_norm`), where a lane routes in the launch that finishes that norm.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from collections.abc import Sequence
 from fuselane.fuse.patterns import is_add, next_reader, op_at
 from fuselane.fuse.rewriter import Rewriter
 from fuselane.fuse.rule import Rule
-from fuselane.fuse.views import class_of, moe
+from fuselane.fuse.views import class_of, leaves, moe, parts
 from fuselane.graph.classes import ClassId as C
+from fuselane.graph.ir import Op
 from fuselane.graph.ops import (
     Elementwise,
     ExpertChoice,
@@ -201,4 +205,26 @@ MOE_RULES = [
     Rule("shared_expert_fusion", (C.SHARED_EXPERT_FUSION,), shared_expert_fusion),
     # AddNorm(r, mixture [+ x]) -> MoeDeferredFinalize: the mixture adds the residual (and x) and norms in its last step
     Rule("moe_deferred_finalize", (C.MOE_DEFERRED_FINALIZE,), moe_deferred_finalize),
+]
+
+
+def _product_norm(op: Op) -> bool:
+    """Whether op is a projection whose epilogue adds its residual and norms the row (GemvNormEpilogue), or that
+    op's quantizing fold: a launch whose last program holds the whole normed row already."""
+    inner = parts(op)[0] if class_of(op) is C.NORM_QUANT else op
+    return class_of(inner) is C.GEMV_NORM_EPILOGUE
+
+
+def route_in_norm(r: Rewriter, j: int) -> None:
+    if op_at(r, j, C.ROUTER_TOPK) is None:
+        return
+    router = next((x for x in leaves(r.s.get(j)) if isinstance(x.sym, Matmul)), None)
+    i = r.s.producer(router.ins[0], before=j) if router is not None else None
+    if i is not None and r.s.get(i).out == router.ins[0] and _product_norm(r.s.get(i)):  # type: ignore[union-attr]
+        r.try_fuse("route_in_norm", C.ROUTER_TOPK, [i, j], j)
+
+
+ROUTE_IN_NORM_RULES = [
+    # GemvNormEpilogue(...) -> x; RouterTopk(x) -> RouterTopk: the projection's launch norms x and routes it
+    Rule("route_in_norm", (C.ROUTER_TOPK,), route_in_norm),
 ]

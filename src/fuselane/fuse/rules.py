@@ -9,7 +9,7 @@ Lanes link their own rules in at named positions; any rule may be held by name.
 from __future__ import annotations
 
 from fuselane.fuse.gdn_rules import GATED_ATTENTION_RULES, GDN_RULES, STEP_NORM_RULES
-from fuselane.fuse.moe_rules import MOE_RULES
+from fuselane.fuse.moe_rules import MOE_RULES, ROUTE_IN_NORM_RULES
 from fuselane.fuse.parallel_rules import PARALLEL_RULES
 from fuselane.fuse.patterns import is_add, is_mul, next_reader, op_at
 from fuselane.fuse.quant_rules import QUANT_RULES
@@ -384,5 +384,6 @@ SHARED_RULES: list[Rule] = (
     + PRODUCT_RULES
     + LAYOUT_RULES
     + QUANT_RULES
+    + ROUTE_IN_NORM_RULES  # after the quant rules: the norm goes in with its int8 form
     + STEP_NORM_RULES  # after the quant rules: a step's norm goes in with its int8 form
 )

@@ -166,7 +166,7 @@ STANDING: dict[ClassId, Standing] = {
     ClassId.MERGED_QKV: _built("merged_projections", "gemv_parts"),
     ClassId.MERGED_GATE_UP: _built("merged_gate_up"),
     ClassId.GEMM_DEQUANT_INKERNEL: _LANE,  # a product by checkpoint rows dequantizes them in its kernel
-    ClassId.ROUTER_TOPK: _built("router_topk"),
+    ClassId.ROUTER_TOPK: _built("router_topk", "route_in_norm"),
     ClassId.MOE_TOKEN_SORT: _built("moe_token_sort"),
     ClassId.MOE_GATE_UP_ACT: _built("moe_gate_up_act"),
     ClassId.MOE_DOWN_COMBINE: _built("moe_down_combine"),

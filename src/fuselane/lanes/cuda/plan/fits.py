@@ -451,6 +451,7 @@ _CHECKS: dict[C, Check] = {
     C.GDN_GATE_PROJECTIONS: recurrent.gdn_gate_projections,
     C.GDN_STEP: recurrent.gdn_step,
     C.SHARED_EXPERT_FUSION: recurrent.shared_expert_fusion,
+    C.ROUTER_TOPK: recurrent.router_topk,
     C.ROPE_QK_ONE_LAUNCH: _rope_qk_one_launch,
     C.ATTN_OUTPUT_GATE: _attn_output_gate,
     C.ROW_WRITE_QUANT: _row_write_quant,

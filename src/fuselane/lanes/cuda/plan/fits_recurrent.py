@@ -1,5 +1,6 @@
 """The cuda shim's checks of a recurrent layer's and a mixture's fused classes (`fits` registers them): a
-convolution's epilogue and parts, a delta rule's gates and step, a shared expert folded into its mixture.
+convolution's epilogue and parts, a delta rule's gates and step, a shared expert folded into its mixture, a
+step's routing in the launch that norms the row it reads.
 
 Kept apart from `fits` so each module holds one family of checks; the checks read the shim through `fits`'
 protocol and their thresholds from the kernel facts (`kernels`, `moe_kernels`, `gdn`).
@@ -9,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fuselane.fuse.views import GemvForm, conv, gemv, leaves, moe
+from fuselane.fuse.views import GemvForm, class_of, conv, gemv, leaves, moe, norm, parts
 from fuselane.gguf.formats import Format
+from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Op, Rows, TensorGraph, Values
 from fuselane.graph.ops import (
     CausalConv,
@@ -20,6 +22,7 @@ from fuselane.graph.ops import (
     L2Norm,
     Matmul,
     MoeAct,
+    RouteWeights,
     Unary,
     UnaryOp,
 )
@@ -159,4 +162,34 @@ def kept_int8_format(shim: CudaShim, inputs: list[str], g: TensorGraph) -> Forma
         if found and found[0].ins[0] in inputs and shim.activation(top, 0, g) is not None:
             storage = g.tensors[found[0].ins[1]].storage
             return storage.format if isinstance(storage, Rows) else None
+    return None
+
+
+# Why a step's routing by its router's format or width keeps a launch of its own.
+ROUTER_IN_NORM = (
+    f"a step routes in its norm's launch by a float router (F32, F16 or BF16) of at most "
+    f"{moe_kernels.MOE_ROUTE_IN_NORM_EXPERTS} experts"
+)
+
+
+def router_topk(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    """Routing (RouterTopk): its own launch, or a step's in the launch of the projection whose normed row it reads
+    (`route_in_norm`: the int8 add + norm GEMV, `triton/moe/norm_route.py`)."""
+    if class_of(members[-1]) is not C.ROUTER_TOPK:
+        return None  # the router's product, top-k and weights: the routing launch takes every shape
+    normed, found = members[0], leaves(members[-1])
+    inner = parts(normed)[0] if class_of(normed) is C.NORM_QUANT else None
+    closing = norm(parts(inner)[1]) if inner is not None and class_of(inner) is C.GEMV_NORM_EPILOGUE else None
+    if closing is None or closing.cols % kernels.QBLOCK or not shim.quantizes_in_epilogue(inner, g):
+        return (
+            "a step's routing runs in its norm's launch only from a projection's int8 add + norm GEMV (a NormQuant "
+            "of a GemvNormEpilogue) whose row is whole 32-value blocks"
+        )
+    spec = next(x.sym for x in found if isinstance(x.sym, RouteWeights))
+    if spec.rows != 1:
+        return "a chunk's or a batch's rows route in a launch of their own; a step's one row routes in its norm's"
+    router = next(gemv(x, g) for x in found if isinstance(x.sym, Matmul))
+    fmt = router.weights.format if router is not None and isinstance(router.weights, Rows) else None
+    if fmt is None or not moe_kernels.moe_route_in_norm(spec.experts, fmt):
+        return ROUTER_IN_NORM
     return None

@@ -314,3 +314,35 @@ def moe_down_launch(d: int, dff: int, k: int, sdff: int) -> tuple[int, int]:
     in chunks of the int8 GEMV's plan (`gemv.q8.tile_plan`).
     """
     return math.ceil(d / moe_down_rows(k)), MOE_DOWN_WARPS * WARP
+
+
+# A decode step's routing inside the launch of the projection whose norm the router reads (`route_in_norm`,
+# `triton/moe/norm_route.py`): each program of the int8 add + norm GEMV adds its rows' share of every expert's
+# score, and the launch's last programs sum the shares in two levels. A program holds its rows' router columns
+# (experts x rows, read before its wait) through its product's loop: at most MOE_ROUTE_IN_NORM_EXPERTS experts
+# (a power of two), 256 x the GEMV's 4 rows over its 64 threads at the fewest, 16 values a thread; Qwen3-Next's
+# 512 keep the routing launch. The router is a float matrix (the tensor-core tile's formats, read as values).
+MOE_ROUTE_IN_NORM_EXPERTS = 256
+MOE_ROUTE_IN_NORM_FORMATS = MOE_ROUTE_CHUNK_FORMATS
+# Values of the shares a thread of a summing program holds a pass (`norm_route._sum_shares`).
+MOE_ROUTE_SHARE_VALUES = 8
+
+
+def moe_route_in_norm(experts: int, router_fmt: Format) -> bool:
+    """Whether a decode step's routing by `experts` experts of a router in `router_fmt` runs in the launch of
+    the projection whose norm it reads."""
+    return pow2_at_least(experts) <= MOE_ROUTE_IN_NORM_EXPERTS and Format(router_fmt) in MOE_ROUTE_IN_NORM_FORMATS
+
+
+def moe_route_groups(programs: int) -> tuple[int, int]:
+    """(programs a group, groups) of a launch of `programs` programs that routes in its norm: groups of about
+    sqrt(programs) (a power of two), so the groups' last programs and the launch's last each sum about as many
+    rows of shares."""
+    group = pow2_at_least(math.isqrt(max(programs - 1, 0)) + 1)
+    return group, math.ceil(programs / group)
+
+
+def moe_route_share_rows(most: int, experts_block: int, warps: int) -> int:
+    """Rows of shares a summing program takes a pass: as many as hold MOE_ROUTE_SHARE_VALUES a thread (a power of
+    two), one at least, at most `most` rounded up to a power of two."""
+    return max(1, min(pow2_at_least(most), MOE_ROUTE_SHARE_VALUES * warps * WARP // experts_block))

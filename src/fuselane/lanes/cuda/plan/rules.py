@@ -276,19 +276,21 @@ def quantize_apart(shim: CudaShim, r: Rewriter) -> None:
     while i < len(r.s):
         op = r.s.slot(i)
         fmt = shim.activation(op, 0, r.g) if op is not None and op.ins else None
-        if op is not None and fmt is not None and not _writes_int8(r, r.s.producer(op.ins[0], before=i)):
+        if op is not None and fmt is not None and not _writes_int8(r, r.s.producer(op.ins[0], before=i), op.ins[0]):
             r.insert(i, quantize(r.g, op.ins[0], fmt))
             i += 1
         i += 1
 
 
-def _writes_int8(r: Rewriter, at: int | None) -> bool:
-    """Whether the op at slot `at` writes its result's int8 form: a quantizing fold (a step's norm among them),
-    or a `Quantize`."""
+def _writes_int8(r: Rewriter, at: int | None, name: str) -> bool:
+    """Whether the op at slot `at` writes `name`'s int8 form: a quantizing fold (a step's norm among them), or a
+    `Quantize`, or a fused op holding a quantizing fold that writes it (a routing op that took in its norm)."""
     op = r.s.slot(at) if at is not None else None
     if op is None:
         return False
-    return class_of(op) in QUANTIZING or isinstance(op.sym, Quantize) or gdn.step_writes_int8(op)
+    if class_of(op) in QUANTIZING or isinstance(op.sym, Quantize) or gdn.step_writes_int8(op):
+        return True
+    return any(class_of(p) in QUANTIZING and p.out == name for p in parts(op)) if isinstance(op.sym, Fused) else False
 
 
 def quantize(g: TensorGraph, x: str, fmt: QuantFormat) -> Op:

@@ -163,7 +163,8 @@ class CudaShim:
         cls = class_of(consumer)
         if cls in _QUANTIZING:
             return self.activation(parts(consumer)[0], operand, g)
-        if cls in _EPILOGUED:
+        if cls in _EPILOGUED or (cls is C.ROUTER_TOPK and class_of(parts(consumer)[0]) is not None):
+            # an epilogue's, or a routing that took in the norm it reads (`route_in_norm`): its first part's
             first = parts(consumer)[0]
             return self.activation(first, operand, g) if operand < len(first.ins) else None
         fmt = self.activation_format

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fuselane.errors import FuselaneError
-from fuselane.fuse.views import leaves
+from fuselane.fuse.views import class_of, leaves
 from fuselane.gguf.formats import Format
+from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Op
 from fuselane.graph.ops import (
     Elementwise,
@@ -41,6 +42,9 @@ from fuselane.graph.ops import (
 from fuselane.lanes.cuda.plan import kernels, moe_kernels
 from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
+
+# The producers a RouterTopk holds where it routes in the launch that norms its input (`route_in_norm`).
+NORMS_ROUTED = (C.NORM_QUANT, C.GEMV_NORM_EPILOGUE)
 
 # b.scratch's key of the folded shared experts by the expert ids their mixture reads (`gate_up_act`)
 _RIDERS = "moe-shared-riders"
@@ -99,26 +103,52 @@ def _amax_key(x_name: str, rows: int, k: int) -> str:
     return f"moe-amax:{x_name}:{rows}x{k}"
 
 
-def route_topk(op: Op, b) -> list:
-    """RouterTopk and MoeTokenSort: one `route` launch."""
-    from fuselane.lanes.cuda.triton.moe import route
+@dataclass(frozen=True, slots=True)
+class _Routing:
+    """A routing fused op's parts: its router product, top-k, weights, chunk sort (None in a step) and gating."""
 
+    mm: Op
+    top: Op
+    rw: Op
+    sort: Op | None
+    choice: Op | None
+
+    @property
+    def spec(self) -> RouteWeights:
+        return self.rw.sym  # type: ignore[return-value]
+
+
+def _routing(op: Op) -> _Routing:
     found = leaves(op)
     mms, tops, rws, sorts = (_of(found, t) for t in (Matmul, TopK, RouteWeights, ExpertSort))
     if len(mms) != 1 or len(tops) != 1 or len(rws) != 1:
         raise _mismatch(f"{op.out}: routing launches with its router product, top-k and weights together")
-    mm, top, rw = mms[0], tops[0], rws[0]
-    spec: RouteWeights = rw.sym  # type: ignore[assignment]
+    choices = _of(found, ExpertChoice)  # DeepSeek's gating: the top-k ranks the choice scores
+    return _Routing(mms[0], tops[0], rws[0], sorts[0] if sorts else None, choices[0] if choices else None)
+
+
+def _gating(b, rt: _Routing) -> dict:
+    bias = b.vec[rt.choice.ins[1]] if rt.choice is not None and rt.choice.sym.bias else None  # type: ignore[union-attr]
+    return dict(sigmoid=rt.spec.gating is Gating.SIGMOID, bias=bias, scale=rt.spec.scale)
+
+
+def route_topk(op: Op, b) -> list:
+    """RouterTopk and MoeTokenSort: one `route` launch; a RouterTopk holding the norm its router reads, the
+    projection's launch that routes in its norm (`route_in_norm`)."""
+    from fuselane.lanes.cuda.triton.moe import route
+
+    if class_of(op.sym.parts[0]) in NORMS_ROUTED:  # type: ignore[union-attr]
+        return _route_in_norm(op, b)
+    rt = _routing(op)
+    spec, mm = rt.spec, rt.mm
     x = b.bufs[mm.ins[0]].view(spec.rows, -1)
     w, fmt = b.raw[mm.ins[1]]
-    ids, weights, scores = _ids(b, top.out), b.bufs[rw.out], b.bufs[mm.out]
-    order = _ids(b, sorts[0].out) if sorts else None
-    grouped = sorts and moe_kernels.moe_grouped(spec.rows, _expert_formats(b, sorts[0].out))
-    counts = _counts(b, sorts[0].out, spec.experts, x.device) if grouped else None
+    ids, weights, scores = _ids(b, rt.top.out), b.bufs[rt.rw.out], b.bufs[mm.out]
+    order = _ids(b, rt.sort.out) if rt.sort is not None else None
+    grouped = rt.sort is not None and moe_kernels.moe_grouped(spec.rows, _expert_formats(b, rt.sort.out))
+    counts = _counts(b, rt.sort.out, spec.experts, x.device) if grouped else None  # type: ignore[union-attr]
     counter = b.scratch.setdefault(f"moe-route:{op.out}", route.counters(x.device, spec.rows))
     args = (spec.experts, spec.k, spec.renorm, ids, weights, scores, counter, order, counts)
-    choices = _of(found, ExpertChoice)  # DeepSeek's gating: the top-k ranks the choice scores
-    bias = b.vec[choices[0].ins[1]] if choices and choices[0].sym.bias else None  # type: ignore[union-attr]
     # one scratch a shape: the layers' routing launches run one after another, each writing before it reads
     scratch = None
     if order is not None:
@@ -132,8 +162,30 @@ def route_topk(op: Op, b) -> list:
         if shape not in b.scratch:
             b.scratch[shape] = route.row_scales(x.device, spec.rows, spec.k, x.shape[1])
         amax = b.scratch[_amax_key(mm.ins[0], spec.rows, spec.k)] = b.scratch[shape]
-    gating = dict(sigmoid=spec.gating is Gating.SIGMOID, bias=bias, scale=spec.scale, scratch=scratch, amax=amax)
+    gating = _gating(b, rt) | dict(scratch=scratch, amax=amax)
     return [lambda: route.route(x, w, fmt, *args, **gating)]
+
+
+def _route_in_norm(op: Op, b) -> list:
+    """A step's projection, its residual add and norm (and the norm's int8 form) and the routing of the normed
+    row, in the int8 add + norm GEMV's launch (`norm_route`)."""
+    from fuselane.lanes.cuda.run.product_launch import norm_product
+    from fuselane.lanes.cuda.triton.moe import norm_route
+
+    normed, routing = op.sym.parts  # type: ignore[union-attr]
+    inner = normed.sym.parts[0] if class_of(normed) is C.NORM_QUANT else normed
+    p, out_q8, rt = norm_product(inner, b), b.q8.get(normed.out), _routing(routing)
+    if p.acts is None or out_q8 is None or rt.spec.rows != 1 or rt.mm.ins[0] != normed.out:
+        raise _mismatch(f"{op.out}: a step's routing runs in its norm's launch from the int8 GEMV's norm only")
+    router, router_fmt = b.raw[rt.mm.ins[1]]
+    spec = rt.spec
+    ids, weights = _ids(b, rt.top.out), b.bufs[rt.rw.out]
+    key = f"moe-route-in-norm:{p.fmt.name}:{p.n}x{p.k}x{spec.experts}"  # written before read in every launch
+    scratch = b.scratch.setdefault(key, norm_route.route_scratch(p.x.device, p.fmt, p.n, p.k, spec.experts))
+    routed = (router, router_fmt, spec.experts, spec.k, spec.renorm, ids, weights, scratch)
+    gating = _gating(b, rt)
+    return [lambda: norm_route.gemv_q8_add_norm_route(p.acts, p.wt, p.fmt, p.n, p.k, p.r, p.s, p.w, p.eps, p.out,
+                                                      out_q8, p.counter, *routed, **gating)]  # fmt: skip
 
 
 def _check_f32_experts(fmt, rows: int) -> None:

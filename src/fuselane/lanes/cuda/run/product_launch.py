@@ -7,6 +7,7 @@ the in-kernel f16 GEMMs or cuBLAS on f16 copies or a scratch (the `prefill` knob
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from fuselane.fuse.views import class_of, leaves, parts
@@ -259,36 +260,64 @@ def _turned_in_gemv(turned: list[int], members, products: list, acts: Any, int8:
                           yarn=q.yarn)  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class NormProduct:
+    """A step's projection with its residual add and norm (GemvNormEpilogue), bound: its activation x (and its
+    int8 form where the plan wrote one and the int8 GEMV takes the product), the checkpoint rows, the residual
+    r, the sum s, the norm's weight w and eps, the normed row out, and the launch's counter."""
+
+    x: Any
+    acts: Any
+    wt: Any
+    fmt: Format
+    n: int
+    k: int
+    r: Any
+    s: Any
+    w: Any
+    eps: float
+    out: Any
+    counter: Any
+
+
+def norm_product(op: Op, b: Any) -> NormProduct:
+    """A GemvNormEpilogue's operands against the lane's buffers."""
+    mm = op.sym.parts[0]  # type: ignore[union-attr]
+    add, n_op, w_op = leaves(op.sym.parts[1])  # type: ignore[union-attr]
+    residual = add.ins[0] if add.ins[1] == mm.out else add.ins[1]
+    spec: RmsNorm = n_op.sym  # type: ignore[assignment]
+    product: Matmul = mm.sym  # type: ignore[assignment]
+    if product.m > 1:
+        raise PlanMismatch(f"{op.out}: a projection norms in its last program the one row of a decode step only")
+    from fuselane.lanes.cuda.triton.gemv import epilogue as gemv_epilogue
+
+    x, out = b.bufs[mm.ins[0]], b.bufs[w_op.out]
+    wt, fmt = b.raw[mm.ins[1]]
+    q8 = q8_in(mm.ins[0], fmt, product.m, product.k, b, out)
+    acts = q8[1] if q8 is not None and product.n % kernels.QBLOCK == 0 else None
+    counter = gemv_epilogue.gemv_add_norm_counter(x.device)  # its own: launches on one stream in turn
+    return NormProduct(x, acts, wt, fmt, product.n, product.k, b.bufs[residual], b.bufs[add.out],
+                       b.vec[w_op.ins[1]], spec.eps, out, counter)  # fmt: skip
+
+
 def norm_epilogue(op: Op, b: Any, out_q8: Any = None):
     """A step's projection with its residual add and norm in one launch, whose last program norms the sum. In
     the int8 GEMV (where the plan quantized its activation) the last program writes the norm's int8 form too:
     into `out_q8` (NormQuant), else into a scratch no product reads."""
-    mm = op.sym.parts[0]  # type: ignore[union-attr]
-    add_norm = op.sym.parts[1]  # type: ignore[union-attr]
-    add, n_op, w_op = leaves(add_norm)
-    residual = add.ins[0] if add.ins[1] == mm.out else add.ins[1]
-    spec: RmsNorm = n_op.sym  # type: ignore[assignment]
-    s, w, out = b.bufs[add.out], b.vec[w_op.ins[1]], b.bufs[w_op.out]
-    product: Matmul = mm.sym  # type: ignore[assignment]
-    wt, fmt = b.raw[mm.ins[1]]
     from fuselane.lanes.cuda.triton.gemv import epilogue as gemv_epilogue
     from fuselane.lanes.cuda.triton.gemv import fast_norm as gemv_fast_norm
 
-    x, r = b.bufs[mm.ins[0]], b.bufs[residual]
-    counter = gemv_epilogue.gemv_add_norm_counter(x.device)  # its own: launches on one stream in turn
-    n, k = product.n, product.k
-    q8 = q8_in(mm.ins[0], fmt, product.m, k, b, out)
-    if product.m > 1:
-        raise PlanMismatch(f"{op.out}: a projection norms in its last program the one row of a decode step only")
-    if q8 is not None and n % kernels.QBLOCK == 0:
+    p = norm_product(op, b)
+    if p.acts is not None:
         from fuselane.lanes.cuda.triton.gemv import q8_epilogue as qe
         from fuselane.lanes.cuda.triton.quant import empty_q8
 
-        _, acts = q8
-        oq = out_q8 if out_q8 is not None else b.scratch.setdefault(f"q8-drop:{n}", empty_q8(1, n, x.device))
-        return [lambda: qe.gemv_q8_add_norm(acts, wt, fmt, n, k, r, s, w, spec.eps, out, oq, counter)]
+        oq = out_q8 if out_q8 is not None else b.scratch.setdefault(f"q8-drop:{p.n}", empty_q8(1, p.n, p.x.device))
+        return [lambda: qe.gemv_q8_add_norm(p.acts, p.wt, p.fmt, p.n, p.k, p.r, p.s, p.w, p.eps, p.out, oq,
+                                            p.counter)]  # fmt: skip
     if out_q8 is not None:
         raise PlanMismatch(f"{op.out}: a projection's norm writes its int8 form only from the int8 GEMV")
-    if gemv_fast_norm.supports_fast_add_norm(fmt, n):
-        return [lambda: gemv_fast_norm.gemv_fast_add_norm(x, wt, fmt, n, k, r, s, w, spec.eps, out, counter)]
-    return [lambda: gemv_epilogue.gemv_add_norm(x, wt, fmt, n, k, r, s, w, spec.eps, out, counter)]
+    if gemv_fast_norm.supports_fast_add_norm(p.fmt, p.n):
+        return [lambda: gemv_fast_norm.gemv_fast_add_norm(p.x, p.wt, p.fmt, p.n, p.k, p.r, p.s, p.w, p.eps, p.out,
+                                                          p.counter)]  # fmt: skip
+    return [lambda: gemv_epilogue.gemv_add_norm(p.x, p.wt, p.fmt, p.n, p.k, p.r, p.s, p.w, p.eps, p.out, p.counter)]

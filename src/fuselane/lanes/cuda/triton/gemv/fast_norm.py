@@ -63,8 +63,7 @@ def _write(y_norm, start, n, mask, out, oq, od, os_, Q8OUT: tl.constexpr):
 def norm_last(sum_out, norm_w, out, n, eps, counter, oq, od, os_, NORM_BLOCK: tl.constexpr,
               NORM_STEPS: tl.constexpr, Q8OUT: tl.constexpr):  # fmt: skip
     """A launch's end: each program, its sum_out rows stored, counts itself done on `counter`; the last one
-    norms the whole row (out = sum_out / sqrt(mean(sum_out^2) + eps) * norm_w, and its int8 form where Q8OUT)
-    and re-arms the counter."""
+    norms the whole row (`norm_row`) and re-arms the counter."""
     # Why the last program sees every program's sum_out, on the GPU (epilogue's pattern):
     # - the block's barrier orders all its threads' stores before the counter's atomic, which one thread does
     #   (Triton lowers an atomic on a scalar pointer to one thread, its result broadcast through shared memory);
@@ -73,44 +72,54 @@ def norm_last(sum_out, norm_w, out, n, eps, counter, oq, od, os_, NORM_BLOCK: tl
     # - the last program's atomic reads the value every other program's release wrote (a read-modify-write
     #   always reads the latest value in the counter's order), and is an acquire: everything those programs
     #   stored happens-before it, and the broadcast's barrier orders it before every thread's loads below;
-    # - those loads read L2 (.cg), never this SM's L1: a line of sum_out may sit there stale, loaded as another
-    #   tile's residual by an earlier program on this SM (sum_out may be the residual's buffer), and weak loads
-    #   could hit it. Both passes below load so: the second re-reads the row too.
+    # - those loads read L2 (.cg), never this SM's L1 (`norm_row`).
     tl.debug_barrier()
     done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
-        offs = tl.arange(0, NORM_BLOCK)
-        if NORM_STEPS == 1:  # the whole row in registers: one round trip to L2, not two a chunk
-            mask = offs < n
-            # the norm's weight loaded with the row, not after the sum of squares: the reduction's barriers would
-            # hold its load behind them, a second round trip (to DRAM, where the step has evicted it) in the tail
-            nw = tl.load(norm_w + offs, mask=mask, other=0.0).to(tl.float32)
-            s = tl.load(sum_out + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            r = tl.rsqrt(tl.sum(s * s, axis=0) / n + eps)
-            y_norm = s * r * nw
-            _write(y_norm, 0, n, mask, out, oq, od, os_, Q8OUT)
-        else:
-            # squares summed elementwise across chunks, reduced once: any order of n non-negative terms is within
-            # gamma_n of the exact sum, the bound the norm's tests derive
-            squares = tl.zeros([NORM_BLOCK], tl.float32)
-            # the passes' count is a constexpr (the launch's cdiv(n, NORM_BLOCK)): a norm's width is a model's constant,
-            # and the interpreter cannot loop to a runtime bound
-            for step in range(NORM_STEPS):
-                start = step * NORM_BLOCK
-                mask = start + offs < n
-                s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-                squares += s * s
-            # the arithmetic of `norm.rms_norm`: r = 1 / sqrt(mean(s^2) + eps), out = (s * r) * w
-            r = tl.rsqrt(tl.sum(squares, axis=0) / n + eps)
-            for step in range(NORM_STEPS):
-                start = step * NORM_BLOCK
-                mask = start + offs < n
-                s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-                y_norm = s * r * tl.load(norm_w + start + offs, mask=mask, other=0.0).to(tl.float32)
-                _write(y_norm, start, n, mask, out, oq, od, os_, Q8OUT)
-            # every other program has counted already: re-armed for the next launch (a CUDA graph's replay), which
-            # stream order puts after this one's end, so no ordering is asked of the store
+        norm_row(sum_out, norm_w, out, n, eps, oq, od, os_, NORM_BLOCK, NORM_STEPS, Q8OUT)
+        # every other program has counted already: re-armed for the next launch (a CUDA graph's replay), which
+        # stream order puts after this one's end, so no ordering is asked of the store
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def norm_row(sum_out, norm_w, out, n, eps, oq, od, os_, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr,
+             Q8OUT: tl.constexpr):  # fmt: skip
+    """The whole row's norm by one program that every program's sum_out is visible to: out = sum_out /
+    sqrt(mean(sum_out^2) + eps) * norm_w (and its int8 form where Q8OUT); returns 1 / sqrt(mean(sum_out^2) + eps).
+    Its loads read L2 (.cg), never this SM's L1: a line of sum_out may sit there stale, loaded as another tile's
+    residual by an earlier program on this SM (sum_out may be the residual's buffer), and weak loads could hit
+    it. Both passes of a chunked row load so: the second re-reads the row too."""
+    offs = tl.arange(0, NORM_BLOCK)
+    if NORM_STEPS == 1:  # the whole row in registers: one round trip to L2, not two a chunk
+        mask = offs < n
+        # the norm's weight loaded with the row, not after the sum of squares: the reduction's barriers would
+        # hold its load behind them, a second round trip (to DRAM, where the step has evicted it) in the tail
+        nw = tl.load(norm_w + offs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sum_out + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        r = tl.rsqrt(tl.sum(s * s, axis=0) / n + eps)
+        y_norm = s * r * nw
+        _write(y_norm, 0, n, mask, out, oq, od, os_, Q8OUT)
+    else:
+        # squares summed elementwise across chunks, reduced once: any order of n non-negative terms is within
+        # gamma_n of the exact sum, the bound the norm's tests derive
+        squares = tl.zeros([NORM_BLOCK], tl.float32)
+        # the passes' count is a constexpr (the launch's cdiv(n, NORM_BLOCK)): a norm's width is a model's
+        # constant, and the interpreter cannot loop to a runtime bound
+        for step in range(NORM_STEPS):
+            start = step * NORM_BLOCK
+            mask = start + offs < n
+            s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            squares += s * s
+        # the arithmetic of `norm.rms_norm`: r = 1 / sqrt(mean(s^2) + eps), out = (s * r) * w
+        r = tl.rsqrt(tl.sum(squares, axis=0) / n + eps)
+        for step in range(NORM_STEPS):
+            start = step * NORM_BLOCK
+            mask = start + offs < n
+            s = tl.load(sum_out + start + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            y_norm = s * r * tl.load(norm_w + start + offs, mask=mask, other=0.0).to(tl.float32)
+            _write(y_norm, start, n, mask, out, oq, od, os_, Q8OUT)
+    return r
 
 
 def supports_fast_add_norm(fmt: Format | int, n: int, m: int = 1) -> bool:
