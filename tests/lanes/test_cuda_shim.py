@@ -403,8 +403,8 @@ CASES = [
         "routing in the norm's launch",
         lambda: routed_norm(),
         lambda: routed_norm(quant=False),
-        "a step's routing runs in its norm's launch only from a projection's int8 add + norm GEMV (a NormQuant of a "
-        "GemvNormEpilogue) whose row is whole 32-value blocks",
+        "a step's routing runs in its norm's launch only from a projection's add + norm GEMV: the int8 one (a "
+        "NormQuant of a GemvNormEpilogue) or the fast f32 one, its row whole 32-value blocks",
     ),
     Case(
         "routing a step's row in the norm's launch",

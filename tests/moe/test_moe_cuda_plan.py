@@ -70,14 +70,11 @@ def test_a_decode_step_mixture_is_three_launches_under_the_specified_answers(mod
     plan = optimize(graph(model, 1), CudaShim(CudaKnobs(activations=activations)))
     layers = len({op.out.split(".")[0] for op in plan.ops if class_of(op) is C.ROUTER_TOPK})
     assert mixture_ops(plan) == ["RouterTopk", "MoeGateUpAct", "MoeDeferredFinalize"] * layers
-    # the routing takes in the norm it reads where the int8 add + norm GEMV finishes it (`route_in_norm`)
+    # the routing takes in the norm it reads (`route_in_norm`): the int8 add + norm GEMV's, or the f32 one's
     routers = [op for op in plan.ops if class_of(op) is C.ROUTER_TOPK]
-    in_norm = activations is Activations.INT8
-    assert all((class_of(op.sym.parts[0]) is C.NORM_QUANT) == in_norm for op in routers)
-    assert not [m for m in plan.missed if m.cls in MOE_CLASSES and m.rule != "route_in_norm"]
-    only_int8 = "a step's routing runs in its norm's launch only from a projection's int8 add + norm GEMV"
-    reasons = {m.reason.split(" (")[0] for m in plan.missed if m.rule == "route_in_norm"}
-    assert reasons == (set() if in_norm else {only_int8})
+    quantized = activations is Activations.INT8
+    assert all(class_of(op.sym.parts[0]) is (C.NORM_QUANT if quantized else C.GEMV_NORM_EPILOGUE) for op in routers)
+    assert not [m for m in plan.missed if m.cls in MOE_CLASSES]
 
 
 def test_a_chunk_sorts_by_expert_and_keeps_its_shared_expert_apart():

@@ -178,12 +178,12 @@ def router_topk(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -
     if class_of(members[-1]) is not C.ROUTER_TOPK:
         return None  # the router's product, top-k and weights: the routing launch takes every shape
     normed, found = members[0], leaves(members[-1])
-    inner = parts(normed)[0] if class_of(normed) is C.NORM_QUANT else None
-    closing = norm(parts(inner)[1]) if inner is not None and class_of(inner) is C.GEMV_NORM_EPILOGUE else None
-    if closing is None or closing.cols % kernels.QBLOCK or not shim.quantizes_in_epilogue(inner, g):
+    quantized = class_of(normed) is C.NORM_QUANT
+    inner = parts(normed)[0] if quantized else normed
+    if not _norm_routes(shim, inner, quantized, g):
         return (
-            "a step's routing runs in its norm's launch only from a projection's int8 add + norm GEMV (a NormQuant "
-            "of a GemvNormEpilogue) whose row is whole 32-value blocks"
+            "a step's routing runs in its norm's launch only from a projection's add + norm GEMV: the int8 one (a "
+            "NormQuant of a GemvNormEpilogue) or the fast f32 one, its row whole 32-value blocks"
         )
     spec = next(x.sym for x in found if isinstance(x.sym, RouteWeights))
     if spec.rows != 1:
@@ -193,3 +193,18 @@ def router_topk(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -
     if fmt is None or not moe_kernels.moe_route_in_norm(spec.experts, fmt):
         return ROUTER_IN_NORM
     return None
+
+
+def _norm_routes(shim: CudaShim, inner: Op, quantized: bool, g: TensorGraph) -> bool:
+    """Whether the projection `inner` (a GemvNormEpilogue) launches as an add + norm GEMV that routes: the int8
+    GEMV, which writes the norm's int8 form (`quantized`), or the fast f32 GEMV (`kernels.FAST_GEMV_FORMATS`),
+    of a step's one row of whole 32-value blocks."""
+    if class_of(inner) is not C.GEMV_NORM_EPILOGUE:
+        return False
+    p, closing = gemv(parts(inner)[0], g), norm(parts(inner)[1])
+    if p is None or closing is None or p.m != 1 or closing.cols % kernels.QBLOCK:
+        return False
+    if quantized:
+        return shim.quantizes_in_epilogue(inner, g)
+    fmt = p.weights.format if isinstance(p.weights, Rows) else None
+    return shim.activation(inner, 0, g) is None and fmt in kernels.FAST_GEMV_FORMATS

@@ -167,25 +167,31 @@ def route_topk(op: Op, b) -> list:
 
 
 def _route_in_norm(op: Op, b) -> list:
-    """A step's projection, its residual add and norm (and the norm's int8 form) and the routing of the normed
-    row, in the int8 add + norm GEMV's launch (`norm_route`)."""
+    """A step's projection, its residual add and norm (and the norm's int8 form, from the int8 GEMV) and the
+    routing of the normed row, in the add + norm GEMV's launch (`norm_route`)."""
     from fuselane.lanes.cuda.run.product_launch import norm_product
+    from fuselane.lanes.cuda.triton.gemv import fast_norm
     from fuselane.lanes.cuda.triton.moe import norm_route
 
     normed, routing = op.sym.parts  # type: ignore[union-attr]
     inner = normed.sym.parts[0] if class_of(normed) is C.NORM_QUANT else normed
     p, out_q8, rt = norm_product(inner, b), b.q8.get(normed.out), _routing(routing)
-    if p.acts is None or out_q8 is None or rt.spec.rows != 1 or rt.mm.ins[0] != normed.out:
-        raise _mismatch(f"{op.out}: a step's routing runs in its norm's launch from the int8 GEMV's norm only")
+    int8 = p.acts is not None and out_q8 is not None
+    f32 = out_q8 is None and p.acts is None and fast_norm.supports_fast_add_norm(p.fmt, p.n)
+    if not (int8 or f32) or rt.spec.rows != 1 or rt.mm.ins[0] != normed.out:
+        raise _mismatch(f"{op.out}: a step's routing runs in its norm's launch from an add + norm GEMV's norm only")
     router, router_fmt = b.raw[rt.mm.ins[1]]
     spec = rt.spec
-    ids, weights = _ids(b, rt.top.out), b.bufs[rt.rw.out]
-    key = f"moe-route-in-norm:{p.fmt.name}:{p.n}x{p.k}x{spec.experts}"  # written before read in every launch
-    scratch = b.scratch.setdefault(key, norm_route.route_scratch(p.x.device, p.fmt, p.n, p.k, spec.experts))
-    routed = (router, router_fmt, spec.experts, spec.k, spec.renorm, ids, weights, scratch)
-    gating = _gating(b, rt)
-    return [lambda: norm_route.gemv_q8_add_norm_route(p.acts, p.wt, p.fmt, p.n, p.k, p.r, p.s, p.w, p.eps, p.out,
-                                                      out_q8, p.counter, *routed, **gating)]  # fmt: skip
+    # written before read in every launch: one a shape
+    key = f"moe-route-in-norm:{p.fmt.name}:{p.n}x{p.k}x{spec.experts}:{int8}"
+    scratch = b.scratch.setdefault(key, norm_route.route_scratch(p.x.device, p.fmt, p.n, p.k, spec.experts, int8))
+    routed = norm_route.Routing(router, router_fmt, spec.experts, spec.k, spec.renorm, _ids(b, rt.top.out),
+                                b.bufs[rt.rw.out], scratch, **_gating(b, rt))  # fmt: skip
+    if int8:
+        return [lambda: norm_route.gemv_q8_add_norm_route(p.acts, p.wt, p.fmt, p.n, p.k, p.r, p.s, p.w, p.eps,
+                                                          p.out, out_q8, p.counter, routed)]  # fmt: skip
+    return [lambda: norm_route.gemv_fast_add_norm_route(p.x, p.wt, p.fmt, p.n, p.k, p.r, p.s, p.w, p.eps, p.out,
+                                                        p.counter, routed)]  # fmt: skip
 
 
 def _check_f32_experts(fmt, rows: int) -> None:

@@ -1,6 +1,6 @@
 """A decode step's routing inside the launch of the projection whose norm the router reads: the plan's RouterTopk
-holding a NormQuant of a GemvNormEpilogue (the shared rule `route_in_norm`), one launch where the routing took
-one of its own after the int8 add + norm GEMV (`gemv.q8_epilogue.gemv_q8_add_norm`).
+holding a GemvNormEpilogue (or its NormQuant; the shared rule `route_in_norm`), one launch where the routing took
+one of its own after the add + norm GEMV (`q8_epilogue.gemv_q8_add_norm`, the int8 one; `fast_norm`, the f32 one).
 
 The router reads the norm of s = x @ W^T + residual: its scores are W_r @ (s * r * g) = r * (W_r @ (g * s)), with
 r = 1 / sqrt(mean(s^2) + eps) one number of the whole row and g the norm's weight. So each program, its rows of s
@@ -9,9 +9,10 @@ s[row]; the router's columns of its rows read before the wait for the launch bef
 The last program of each group of programs (a self-resetting counter a group) sums its group's shares; the last
 group's last program norms the row as `fast_norm.norm_row` does, which gives r, sums the groups' shares, scales
 them by r and ranks the row as the routing launch does (`route._keep_by_count`'s places, a few experts at a
-time: the softmax or sigmoid, the top-k, the renormalised and scaled weights). Two levels keep each tail's read near sqrt(programs) x experts values
-(`moe_kernels.moe_route_groups`) instead of one program reading every program's shares, or the whole router;
-the sums run in a fixed order, so a row's scores are the same bits at every replay.
+time: the softmax or sigmoid, the top-k, the renormalised and scaled weights). Two levels keep each tail's read
+near sqrt(programs) x experts values (`moe_kernels.moe_route_groups`) instead of one program reading every
+program's shares, or the whole router; the sums run in a fixed order, so a row's scores are the same bits at
+every replay.
 
 The memory ordering is `fast_norm.norm_last`'s, twice: every program's stores, the block's barrier, an acq_rel
 atomic at gpu scope on its group's counter; the group's last program's loads go to L2 (.cg), then its store of the
@@ -34,7 +35,9 @@ from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import fast_norm
 from fuselane.lanes.cuda.triton.gemv.epilogue import COUNTER_DTYPE, check_add_norm
-from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_row
+from fuselane.lanes.cuda.triton.gemv.fast import check_one_row, launch_plan
+from fuselane.lanes.cuda.triton.gemv.fast import row_dots as fast_row_dots
+from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_row, supports_fast_add_norm
 from fuselane.lanes.cuda.triton.gemv.layout import FMT_F16, FMT_F32, HALF_WORD_BITS
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 from fuselane.lanes.cuda.triton.gemv.q8 import check_aligned, row_dots, tile_plan
@@ -122,28 +125,18 @@ def _choice(s, ex, live, bias, top, total, SIGMOID: tl.constexpr, BIAS: tl.const
 
 
 @triton.jit
-def _q8_add_norm_route_kernel(
-    xq, xd, xs, w, n, res, sum_out, norm_w, out, oq, od, os_, counter, eps,
-    wr, shares, group_shares, group_counters, scores, ids, weights, bias, scale,
-    FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
-    FENCE: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, DEPTH: tl.constexpr, PDL: tl.constexpr,
-    E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr, K_BLOCK: tl.constexpr, RENORM: tl.constexpr,
-    SIGMOID: tl.constexpr, BIAS: tl.constexpr, RFMT: tl.constexpr, R_ROW_BYTES: tl.constexpr, GROUP: tl.constexpr,
-    GROUPS: tl.constexpr, SHARE_ROWS: tl.constexpr, RANK_ROWS: tl.constexpr,
-):  # fmt: skip
-    pdl.release(PDL)
+def _route_tail(y, rows, n, res, sum_out, norm_w, out, oq, od, os_, counter, eps, wr_cols, g, shares, group_shares,
+                group_counters, scores, ids, weights, bias, scale, NORM_BLOCK: tl.constexpr,
+                NORM_STEPS: tl.constexpr, Q8OUT: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr,
+                K: tl.constexpr, K_BLOCK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr,
+                BIAS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, SHARE_ROWS: tl.constexpr,
+                RANK_ROWS: tl.constexpr):  # fmt: skip
+    """A program's end, its rows' products `y` in registers: the sum (`store_row`'s epilogue), its rows' shares of
+    the scores, then the group's and the launch's last programs (the module's docstring)."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ex = tl.arange(0, E_BLOCK)
     keep = rows < n
-    # the router's columns and the norm's weights at these rows are weights: read before the wait for the launch
-    # that wrote x, a barrier after them so ptxas issues them there (`route._router_row`)
-    wr_cols = _router_columns(wr, rows, n, ex, E, RFMT, R_ROW_BYTES)
-    g = tl.load(norm_w + rows, mask=keep, other=0.0).to(tl.float32)
-    tl.debug_barrier()
-    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
-    y, _ = row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, PDL)
-    # `store_row`'s epilogue, its sum kept: the residual may be sum_out itself (each program reads only its rows)
+    # the residual may be sum_out itself: each program reads only the rows it writes
     s = y + tl.load(res + rows, mask=keep, other=0.0).to(tl.float32)
     tl.store(sum_out + rows, s, mask=keep)
     # rows past n: their router columns and weights are zero, so they add nothing
@@ -159,12 +152,58 @@ def _q8_add_norm_route_kernel(
         tl.debug_barrier()
         finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if finished == GROUPS - 1:  # the last group's: every program's rows of s and every group's sum
-            r = norm_row(sum_out, norm_w, out, n, eps, oq, od, os_, NORM_BLOCK, NORM_STEPS, True)
+            r = norm_row(sum_out, norm_w, out, n, eps, oq, od, os_, NORM_BLOCK, NORM_STEPS, Q8OUT)
             row = _sum_shares(group_shares, 0, GROUPS, ex, GROUPS, SHARE_ROWS, E_BLOCK) * r
             tl.store(scores + ex, row, mask=ex < E)
             tl.debug_barrier()  # `_rank` reads chunks of the scores back
             _rank(row, scores, ids, weights, bias, scale, E, E_BLOCK, K, K_BLOCK, RENORM, SIGMOID, BIAS, RANK_ROWS)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _q8_add_norm_route_kernel(
+    xq, xd, xs, w, n, res, sum_out, norm_w, out, oq, od, os_, counter, eps,
+    wr, shares, group_shares, group_counters, scores, ids, weights, bias, scale,
+    FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    FENCE: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, DEPTH: tl.constexpr, PDL: tl.constexpr,
+    E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr, K_BLOCK: tl.constexpr, RENORM: tl.constexpr,
+    SIGMOID: tl.constexpr, BIAS: tl.constexpr, RFMT: tl.constexpr, R_ROW_BYTES: tl.constexpr, GROUP: tl.constexpr,
+    GROUPS: tl.constexpr, SHARE_ROWS: tl.constexpr, RANK_ROWS: tl.constexpr,
+):  # fmt: skip
+    pdl.release(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # the router's columns and the norm's weights at these rows are weights: read before the wait for the launch
+    # that wrote x, a barrier after them so ptxas issues them there (`route._router_row`)
+    wr_cols = _router_columns(wr, rows, n, tl.arange(0, E_BLOCK), E, RFMT, R_ROW_BYTES)
+    g = tl.load(norm_w + rows, mask=rows < n, other=0.0).to(tl.float32)
+    tl.debug_barrier()
+    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    y, _ = row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, PDL)
+    _route_tail(y, rows, n, res, sum_out, norm_w, out, oq, od, os_, counter, eps, wr_cols, g, shares, group_shares,
+                group_counters, scores, ids, weights, bias, scale, NORM_BLOCK, NORM_STEPS, True, E, E_BLOCK, K,
+                K_BLOCK, RENORM, SIGMOID, BIAS, GROUP, GROUPS, SHARE_ROWS, RANK_ROWS)  # fmt: skip
+
+
+@triton.jit
+def _fast_add_norm_route_kernel(
+    x, w, n, res, sum_out, norm_w, out, counter, eps,
+    wr, shares, group_shares, group_counters, scores, ids, weights, bias, scale,
+    FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    FENCE: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, PDL: tl.constexpr,
+    E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr, K_BLOCK: tl.constexpr, RENORM: tl.constexpr,
+    SIGMOID: tl.constexpr, BIAS: tl.constexpr, RFMT: tl.constexpr, R_ROW_BYTES: tl.constexpr, GROUP: tl.constexpr,
+    GROUPS: tl.constexpr, SHARE_ROWS: tl.constexpr, RANK_ROWS: tl.constexpr,
+):  # fmt: skip
+    pdl.release(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wr_cols = _router_columns(wr, rows, n, tl.arange(0, E_BLOCK), E, RFMT, R_ROW_BYTES)  # as the int8 kernel's
+    g = tl.load(norm_w + rows, mask=rows < n, other=0.0).to(tl.float32)
+    tl.debug_barrier()
+    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    y, _ = fast_row_dots(w_rows, w_rows, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, PDL)
+    _route_tail(y, rows, n, res, sum_out, norm_w, out, out, out, out, counter, eps, wr_cols, g, shares, group_shares,
+                group_counters, scores, ids, weights, bias, scale, NORM_BLOCK, NORM_STEPS, False, E, E_BLOCK, K,
+                K_BLOCK, RENORM, SIGMOID, BIAS, GROUP, GROUPS, SHARE_ROWS, RANK_ROWS)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,14 +218,36 @@ class RouteScratch:
     scores: Tensor
 
 
-def _programs(fmt: Format, n: int, k: int) -> tuple[dict, int]:
-    plan = tile_plan(fmt, k, None, None, None, n=n)
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """A routing a launch runs in its norm: the router (experts, n) checkpoint rows in `fmt` (F32, F16 or BF16),
+    `k` kept experts renormalised where `renorm`, the softmax or each score's sigmoid (`sigmoid`), DeepSeek's
+    correction `bias` (experts,) f32 where the model has one, the kept weights times `scale`; the results ids (k,)
+    int32 and weights (k,) f32, and the launch's `RouteScratch`."""
+
+    router: Tensor
+    fmt: Format
+    experts: int
+    k: int
+    renorm: bool
+    ids: Tensor
+    weights: Tensor
+    scratch: RouteScratch
+    sigmoid: bool = False
+    bias: Tensor | None = None
+    scale: float = 1.0
+
+
+def _plan(fmt: Format, n: int, k: int, int8: bool) -> tuple[dict, int]:
+    """The product's launch plan (the int8 GEMV's, or the fast f32 GEMV's) and its programs."""
+    plan = tile_plan(fmt, k, None, None, None, n=n) if int8 else launch_plan(fmt, k, None, None, n=n)
     return plan, triton.cdiv(n, plan["BLOCK_N"])
 
 
-def route_scratch(device, fmt: Format, n: int, k: int, experts: int) -> RouteScratch:
-    """The scratch of `gemv_q8_add_norm_route` for a product of n rows of k values in `fmt` and `experts` experts."""
-    _, programs = _programs(Format(fmt), n, k)
+def route_scratch(device, fmt: Format, n: int, k: int, experts: int, int8: bool = True) -> RouteScratch:
+    """The scratch of a launch that routes in its norm, for a product of n rows of k values in `fmt` (on the int8
+    GEMV, or the fast f32 GEMV where not `int8`) and `experts` experts."""
+    _, programs = _plan(Format(fmt), n, k, int8)
     group, groups = moe_kernels.moe_route_groups(programs)
     e_block = triton.next_power_of_2(experts)
     return RouteScratch(
@@ -197,43 +258,67 @@ def route_scratch(device, fmt: Format, n: int, k: int, experts: int) -> RouteScr
     )
 
 
-def gemv_q8_add_norm_route(
-    x: Q8Acts, w: Tensor, fmt: Format, n: int, k: int, residual: Tensor, sum_out: Tensor, norm_w: Tensor,
-    eps: float, out: Tensor, out_q8: Q8Acts, counter: Tensor, router: Tensor, router_fmt: Format, experts: int,
-    top_k: int, renorm: bool, ids: Tensor, weights: Tensor, scratch: RouteScratch, *, sigmoid: bool = False,
-    bias: Tensor | None = None, scale: float = 1.0,
-) -> Tensor:  # fmt: skip
+def _routing_args(rt: Routing, fmt: Format, n: int, k: int, int8: bool) -> tuple[tuple, dict, int]:
+    """The routing's operands and constexprs for a launch of the product's plan, and its programs."""
+    router_fmt = Format(rt.fmt)
+    if n % QK or router_fmt not in ROUTER_FORMATS or not 1 <= rt.k <= rt.experts:
+        raise ValueError(f"routing in the norm takes whole {QK}-value blocks, a float router and 1 <= k <= experts")
+    if rt.ids.dtype != torch.int32 or rt.ids.numel() != rt.k or rt.weights.numel() != rt.k:
+        raise ValueError(f"ids must be int32 and ids and weights ({rt.k},)")
+    if rt.bias is not None and (rt.bias.dtype != torch.float32 or rt.bias.numel() != rt.experts):
+        raise ValueError(f"the correction bias must be f32 ({rt.experts},)")
+    plan, programs = _plan(fmt, n, k, int8)
+    group, groups = moe_kernels.moe_route_groups(programs)
+    e_block = triton.next_power_of_2(rt.experts)
+    sc = rt.scratch
+    if sc.shares.numel() < programs * e_block or sc.group_counters.numel() < groups:
+        raise ValueError("the scratch is not route_scratch's for this product")
+    chunk = max(min(triton.next_power_of_2(n), fast_norm.NORM_CHUNK), QK)
+    warps = plan["num_warps"]
+    args = (rt.router, sc.shares, sc.group_shares, sc.group_counters, sc.scores, rt.ids, rt.weights,
+            sc.scores if rt.bias is None else rt.bias, float(rt.scale))  # fmt: skip
+    consts = dict(
+        NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(n, chunk), E=rt.experts, E_BLOCK=e_block, K=rt.k,
+        K_BLOCK=triton.next_power_of_2(rt.k), RENORM=rt.renorm, SIGMOID=rt.sigmoid, BIAS=rt.bias is not None,
+        RFMT=int(router_fmt), R_ROW_BYTES=stored_row_bytes(router_fmt, n), GROUP=group, GROUPS=groups,
+        SHARE_ROWS=moe_kernels.moe_route_share_rows(max(group, groups), e_block, warps),
+        RANK_ROWS=moe_kernels.moe_route_share_rows(e_block, e_block, warps),
+    )  # fmt: skip
+    return args, consts | plan | pdl.options(), programs
+
+
+def gemv_q8_add_norm_route(x: Q8Acts, w: Tensor, fmt: Format, n: int, k: int, residual: Tensor, sum_out: Tensor,
+                           norm_w: Tensor, eps: float, out: Tensor, out_q8: Q8Acts, counter: Tensor,
+                           routing: Routing) -> Tensor:  # fmt: skip
     """`q8_epilogue.gemv_q8_add_norm` (sum_out = x @ W^T + residual, out = its RMS norm times norm_w, out_q8 its
-    int8 form) that also routes the normed row as `route.route` does a decode step's one row: ids (top_k,) int32
-    and weights (top_k,) f32 of the router `router` (experts, n) in `router_fmt` (F32, F16 or BF16). One launch;
-    `scratch` is `route_scratch`'s for these shapes, `counter` `epilogue.gemv_add_norm_counter`'s. Returns out."""
-    fmt, router_fmt = Format(fmt), Format(router_fmt)
+    int8 form) that also routes the normed row as `route.route` does a decode step's one row (`routing`). One
+    launch; `counter` is `epilogue.gemv_add_norm_counter`'s. Returns out."""
+    fmt = Format(fmt)
     check_acts(x, k)
     check_rows(w, fmt, n, k)
     check_aligned([w], fmt)
     check_add_norm(residual, sum_out, norm_w, out, counter, n, x.q.device)
     check_acts(Q8Acts(out_q8.q.view(1, -1), out_q8.d, out_q8.s), n)
-    if n % QK or router_fmt not in ROUTER_FORMATS or not 1 <= top_k <= experts:
-        raise ValueError(f"routing in the norm takes whole {QK}-value blocks, a float router and 1 <= k <= experts")
-    if ids.dtype != torch.int32 or ids.numel() != top_k or weights.numel() != top_k:
-        raise ValueError(f"ids must be int32 and ids and weights ({top_k},)")
-    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != experts):
-        raise ValueError(f"the correction bias must be f32 ({experts},)")
-    plan, programs = _programs(fmt, n, k)
-    group, groups = moe_kernels.moe_route_groups(programs)
-    e_block = triton.next_power_of_2(experts)
-    if scratch.shares.numel() < programs * e_block or scratch.group_counters.numel() < groups:
-        raise ValueError("the scratch is not route_scratch's for this product")
-    chunk = max(min(triton.next_power_of_2(n), fast_norm.NORM_CHUNK), QK)
-    share_rows = moe_kernels.moe_route_share_rows(max(group, groups), e_block, plan["num_warps"])
+    args, consts, programs = _routing_args(routing, fmt, n, k, True)
     _q8_add_norm_route_kernel[(programs,)](
-        *x, w, n, residual, sum_out, norm_w, out, *out_q8, counter, float(eps),
-        router, scratch.shares, scratch.group_shares, scratch.group_counters, scratch.scores, ids, weights,
-        scratch.scores if bias is None else bias, float(scale),
-        NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(n, chunk), E=experts, E_BLOCK=e_block, K=top_k,
-        K_BLOCK=triton.next_power_of_2(top_k), RENORM=renorm, SIGMOID=sigmoid, BIAS=bias is not None,
-        RFMT=int(router_fmt), R_ROW_BYTES=stored_row_bytes(router_fmt, n), GROUP=group, GROUPS=groups,
-        SHARE_ROWS=share_rows, RANK_ROWS=moe_kernels.moe_route_share_rows(e_block, e_block, plan["num_warps"]),
-        **plan, **pdl.options(),
-    )  # fmt: skip
+        *x, w, n, residual, sum_out, norm_w, out, *out_q8, counter, float(eps), *args, **consts
+    )
+    return out
+
+
+def gemv_fast_add_norm_route(x: Tensor, w: Tensor, fmt: Format, n: int, k: int, residual: Tensor, sum_out: Tensor,
+                             norm_w: Tensor, eps: float, out: Tensor, counter: Tensor,
+                             routing: Routing) -> Tensor:  # fmt: skip
+    """`fast_norm.gemv_fast_add_norm` (the f32 activation x (1, k), a format the fast GEMV takes) that also routes
+    the normed row (`routing`), as `gemv_q8_add_norm_route`. Returns out."""
+    fmt = Format(fmt)
+    if not supports_fast_add_norm(fmt, n):
+        raise ValueError(f"no fast GEMV with a norm for {fmt.name} rows of {n}")
+    x2 = x.view(1, -1) if x.dim() == 1 else x
+    check_one_row(x2, k, [w], fmt, n)
+    check_add_norm(residual, sum_out, norm_w, out, counter, n, x.device)
+    args, consts, programs = _routing_args(routing, fmt, n, k, False)
+    _fast_add_norm_route_kernel[(programs,)](
+        x2, w, n, residual, sum_out, norm_w, out, counter, float(eps), *args, **consts
+    )
     return out
