@@ -41,7 +41,7 @@ from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_row, supports_fast_ad
 from fuselane.lanes.cuda.triton.gemv.layout import FMT_F16, FMT_F32, HALF_WORD_BITS
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 from fuselane.lanes.cuda.triton.gemv.q8 import check_aligned, row_dots, tile_plan
-from fuselane.lanes.cuda.triton.moe.route import _probability
+from fuselane.lanes.cuda.triton.moe.route import probability
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts
 
 ROUTER_FORMATS = moe_kernels.MOE_ROUTE_IN_NORM_FORMATS
@@ -65,7 +65,7 @@ def _router_columns(wr, rows, n, ex, E: tl.constexpr, RFMT: tl.constexpr, R_ROW_
 @triton.jit
 def _sum_shares(shares, first, count, ex, MOST: tl.constexpr, SHARE_ROWS: tl.constexpr, E_BLOCK: tl.constexpr):
     """[E_BLOCK] f32: the sum of `count` (at most MOST) rows of shares from row `first`, SHARE_ROWS rows a pass,
-    in row order. Loads read L2 (.cg): other programs wrote them."""
+    in the same order at every launch. Loads read L2 (.cg): other programs wrote them."""
     k = tl.arange(0, SHARE_ROWS)
     acc = tl.zeros([SHARE_ROWS, E_BLOCK], tl.float32)
     for step in range(tl.cdiv(MOST, SHARE_ROWS)):
@@ -100,7 +100,7 @@ def _rank(s, scores, ids, weights, bias, scale, E: tl.constexpr, E_BLOCK: tl.con
         ahead = (c[None, :] > c_at[:, None]) | ((c[None, :] == c_at[:, None]) & (ex[None, :] < at[:, None]))
         place = tl.sum(ahead.to(tl.int32), 1)
         kept = (at < E) & (place < K)
-        p = tl.where(kept, _probability(s_at, top, total, SIGMOID), 0.0)
+        p = tl.where(kept, probability(s_at, top, total, SIGMOID), 0.0)
         kept_sum += tl.sum(p, 0)
         tl.store(ids + place, at, mask=kept)
         tl.store(weights + place, p if RENORM else p * scale, mask=kept)
@@ -118,9 +118,9 @@ def _choice(s, ex, live, bias, top, total, SIGMOID: tl.constexpr, BIAS: tl.const
     where the model has one, the probabilities under a sigmoid, else the scores; -inf past the experts."""
     c = s
     if SIGMOID:
-        c = _probability(s, top, total, SIGMOID)
+        c = probability(s, top, total, SIGMOID)
     if BIAS:
-        c = _probability(s, top, total, SIGMOID) + tl.load(bias + ex, mask=live, other=0.0)
+        c = probability(s, top, total, SIGMOID) + tl.load(bias + ex, mask=live, other=0.0)
     return tl.where(live, c, float("-inf"))
 
 

@@ -69,7 +69,7 @@ def _rank_row(scores, ids, weights, bias, scale, r, E: tl.constexpr, E_BLOCK: tl
     if not SIGMOID:
         top = tl.max(s, 0)
         total = tl.sum(tl.where(live, tl.exp(s - top), 0.0), 0)
-    p = tl.where(live, _probability(s, top, total, SIGMOID), 0.0)
+    p = tl.where(live, probability(s, top, total, SIGMOID), 0.0)
     # the choice scores: the probabilities (plus the correction bias) where the model ranks by them; a
     # softmax without a bias ranks as its scores do
     c = s
@@ -85,7 +85,7 @@ def _rank_row(scores, ids, weights, bias, scale, r, E: tl.constexpr, E_BLOCK: tl
 
 
 @triton.jit
-def _probability(s, top, total, SIGMOID: tl.constexpr):
+def probability(s, top, total, SIGMOID: tl.constexpr):
     """A score's routing probability: its sigmoid (e^-s overflows to inf for s << 0: the right 0), or its share
     of the softmax whose largest score is `top` and whose sum of e^(s - top) is `total`. One expression for every
     expert of a row and for the kept ones read back, so both give the same bits."""
@@ -113,7 +113,7 @@ def _keep_by_count(ids, weights, scale, r, c, p, ex, live, K: tl.constexpr, RENO
 def _keep_by_passes(ids, weights, scale, scores, r, c, top, total, ex, E: tl.constexpr, K: tl.constexpr,
                     K_BLOCK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr):  # fmt: skip
     """Row r's kept experts by K arg-max passes over the choice scores `c` (the lower index first on a tie); their
-    probabilities from their scores read back after the passes (`_probability`), one load instead of a reduction
+    probabilities from their scores read back after the passes (`probability`), one load instead of a reduction
     a pass."""
     slot = tl.arange(0, K_BLOCK)
     kept_ids = tl.zeros([K_BLOCK], tl.int32)
@@ -122,7 +122,7 @@ def _keep_by_passes(ids, weights, scale, scores, r, c, top, total, ex, E: tl.con
         kept_ids = tl.where(slot == j, best.to(tl.int32), kept_ids)
         c = tl.where(ex == best, float("-inf"), c)
     chosen = tl.load(scores + r * E + kept_ids, mask=slot < K, other=0.0, cache_modifier=".cg")
-    kept = tl.where(slot < K, _probability(chosen, top, total, SIGMOID), 0.0)
+    kept = tl.where(slot < K, probability(chosen, top, total, SIGMOID), 0.0)
     if RENORM:
         kept = kept / tl.sum(kept, 0)
     tl.store(ids + r * K + slot, kept_ids, mask=slot < K)
@@ -131,7 +131,7 @@ def _keep_by_passes(ids, weights, scale, scores, r, c, top, total, ex, E: tl.con
 
 @triton.jit
 def _choice(scores, rows, live_rows, bias, ex, live, E: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr):
-    """A block's rows' choice scores ([rows, E_BLOCK]) and each row's softmax top score and sum (`_probability`'s;
+    """A block's rows' choice scores ([rows, E_BLOCK]) and each row's softmax top score and sum (`probability`'s;
     0 and 1 under SIGMOID): `_rank_row`'s, a row each."""
     m = live_rows[:, None] & live[None, :]
     s = tl.load(scores + rows[:, None] * E + ex[None, :], mask=m, other=0.0, cache_modifier=".cg")
@@ -141,7 +141,7 @@ def _choice(scores, rows, live_rows, bias, ex, live, E: tl.constexpr, SIGMOID: t
     if not SIGMOID:
         top = tl.max(s, 1)
         total = tl.sum(tl.where(live[None, :], tl.exp(s - top[:, None]), 0.0), 1)
-    p = tl.where(live[None, :], _probability(s, top[:, None], total[:, None], SIGMOID), 0.0)
+    p = tl.where(live[None, :], probability(s, top[:, None], total[:, None], SIGMOID), 0.0)
     c = s
     if SIGMOID:
         c = p
@@ -175,7 +175,7 @@ def _rank_rows(scores, ids, weights, bias, scale, first, E: tl.constexpr, E_BLOC
     m = live_rows[:, None] & (slot < K)
     # the kept experts' probabilities from their scores read back (`_keep_by_passes`' way)
     chosen = tl.load(scores + rows[:, None] * E + kept_ids, mask=m, other=0.0, cache_modifier=".cg")
-    kept = tl.where(m, _probability(chosen, top[:, None], total[:, None], SIGMOID), 0.0)
+    kept = tl.where(m, probability(chosen, top[:, None], total[:, None], SIGMOID), 0.0)
     if RENORM:
         kept = kept / tl.sum(kept, 1)[:, None]  # a row past the chunk sums to 0: not stored
     tl.store(ids + at, kept_ids, mask=m)
