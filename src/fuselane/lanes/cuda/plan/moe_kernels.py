@@ -325,7 +325,7 @@ def moe_down_launch(d: int, dff: int, k: int, sdff: int) -> tuple[int, int]:
 MOE_ROUTE_IN_NORM_EXPERTS = 256
 MOE_ROUTE_IN_NORM_FORMATS = MOE_ROUTE_CHUNK_FORMATS
 # Values of the shares a thread of a summing program holds a pass (`norm_route._sum_shares`).
-MOE_ROUTE_SHARE_VALUES = 8
+MOE_ROUTE_SHARE_VALUES = 16
 
 
 def moe_route_in_norm(experts: int, router_fmt: Format) -> bool:

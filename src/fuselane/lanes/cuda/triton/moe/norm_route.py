@@ -8,8 +8,8 @@ in registers, adds up its rows' share of every expert's score (the sum over its 
 s[row]; the router's columns of its rows read before the wait for the launch before, as a weight) and stores it.
 The last program of each group of programs (a self-resetting counter a group) sums its group's shares; the last
 group's last program norms the row as `fast_norm.norm_row` does, which gives r, sums the groups' shares, scales
-them by r and ranks the row as the routing launch does (`route._keep_by_count`'s places, a few experts at a
-time: the softmax or sigmoid, the top-k, the renormalised and scaled weights). Two levels keep each tail's read
+them by r and ranks the row as the routing launch does (`route._rank_row`, by k arg-max passes: the softmax or
+sigmoid, the top-k, the renormalised and scaled weights). Two levels keep each tail's read
 near sqrt(programs) x experts values (`moe_kernels.moe_route_groups`) instead of one program reading every
 program's shares, or the whole router; the sums run in a fixed order, so a row's scores are the same bits at
 every replay.
@@ -41,7 +41,7 @@ from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_row, supports_fast_ad
 from fuselane.lanes.cuda.triton.gemv.layout import FMT_F16, FMT_F32, HALF_WORD_BITS
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 from fuselane.lanes.cuda.triton.gemv.q8 import check_aligned, row_dots, tile_plan
-from fuselane.lanes.cuda.triton.moe.route import probability
+from fuselane.lanes.cuda.triton.moe.route import _rank_row
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts
 
 ROUTER_FORMATS = moe_kernels.MOE_ROUTE_IN_NORM_FORMATS
@@ -76,61 +76,12 @@ def _sum_shares(shares, first, count, ex, MOST: tl.constexpr, SHARE_ROWS: tl.con
 
 
 @triton.jit
-def _rank(s, scores, ids, weights, bias, scale, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr,
-          K_BLOCK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
-          RANK_ROWS: tl.constexpr):  # fmt: skip
-    """The row's kept experts and weights from its scores `s` (also stored at `scores`, visible to every thread):
-    `route._keep_by_count`'s places (the experts ahead of each, a higher choice score or an equal one at a lower
-    index), counted RANK_ROWS experts at a time so no thread holds more than a few of the comparisons (the whole
-    experts x experts comparison took this launch to 254 registers a thread, against the GEMV's 45: one block a
-    SM). The kept weights are stored as the pass finds them and renormalised after, by their sum."""
-    ex = tl.arange(0, E_BLOCK)
-    live = ex < E
-    top, total = 0.0, 1.0
-    if not SIGMOID:
-        top = tl.max(tl.where(live, s, float("-inf")), 0)
-        total = tl.sum(tl.where(live, tl.exp(s - top), 0.0), 0)
-    c = _choice(s, ex, live, bias, top, total, SIGMOID, BIAS)
-    mine = tl.arange(0, RANK_ROWS)
-    kept_sum = 0.0
-    for step in range(E_BLOCK // RANK_ROWS):
-        at = step * RANK_ROWS + mine
-        s_at = tl.load(scores + at, mask=at < E, other=0.0)
-        c_at = _choice(s_at, at, at < E, bias, top, total, SIGMOID, BIAS)
-        ahead = (c[None, :] > c_at[:, None]) | ((c[None, :] == c_at[:, None]) & (ex[None, :] < at[:, None]))
-        place = tl.sum(ahead.to(tl.int32), 1)
-        kept = (at < E) & (place < K)
-        p = tl.where(kept, probability(s_at, top, total, SIGMOID), 0.0)
-        kept_sum += tl.sum(p, 0)
-        tl.store(ids + place, at, mask=kept)
-        tl.store(weights + place, p if RENORM else p * scale, mask=kept)
-    if RENORM:
-        tl.debug_barrier()  # every thread's kept weights stored before any is read back
-        slot = tl.arange(0, K_BLOCK)
-        w = tl.load(weights + slot, mask=slot < K, other=0.0)
-        tl.debug_barrier()
-        tl.store(weights + slot, w / kept_sum * scale, mask=slot < K)
-
-
-@triton.jit
-def _choice(s, ex, live, bias, top, total, SIGMOID: tl.constexpr, BIAS: tl.constexpr):
-    """The scores the experts are ranked by (`route._rank_row`'s): the probabilities plus the correction bias
-    where the model has one, the probabilities under a sigmoid, else the scores; -inf past the experts."""
-    c = s
-    if SIGMOID:
-        c = probability(s, top, total, SIGMOID)
-    if BIAS:
-        c = probability(s, top, total, SIGMOID) + tl.load(bias + ex, mask=live, other=0.0)
-    return tl.where(live, c, float("-inf"))
-
-
-@triton.jit
 def _route_tail(y, rows, n, res, sum_out, norm_w, out, oq, od, os_, counter, eps, wr_cols, g, shares, group_shares,
                 group_counters, scores, ids, weights, bias, scale, NORM_BLOCK: tl.constexpr,
                 NORM_STEPS: tl.constexpr, Q8OUT: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr,
                 K: tl.constexpr, K_BLOCK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr,
-                BIAS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, SHARE_ROWS: tl.constexpr,
-                RANK_ROWS: tl.constexpr):  # fmt: skip
+                BIAS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+                SHARE_ROWS: tl.constexpr):  # fmt: skip
     """A program's end, its rows' products `y` in registers: the sum (`store_row`'s epilogue), its rows' shares of
     the scores, then the group's and the launch's last programs (the module's docstring)."""
     pid = tl.program_id(0)
@@ -155,8 +106,10 @@ def _route_tail(y, rows, n, res, sum_out, norm_w, out, oq, od, os_, counter, eps
             r = norm_row(sum_out, norm_w, out, n, eps, oq, od, os_, NORM_BLOCK, NORM_STEPS, Q8OUT)
             row = _sum_shares(group_shares, 0, GROUPS, ex, GROUPS, SHARE_ROWS, E_BLOCK) * r
             tl.store(scores + ex, row, mask=ex < E)
-            tl.debug_barrier()  # `_rank` reads chunks of the scores back
-            _rank(row, scores, ids, weights, bias, scale, E, E_BLOCK, K, K_BLOCK, RENORM, SIGMOID, BIAS, RANK_ROWS)
+            tl.debug_barrier()  # the ranking reads the scores back
+            # k arg-max passes, not the routing launch's one experts x experts count: that comparison took this
+            # launch to 254 registers a thread against the GEMV's 45 (one block a SM)
+            _rank_row(scores, ids, weights, bias, scale, 0, E, E_BLOCK, K, K_BLOCK, RENORM, SIGMOID, BIAS, False)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -168,7 +121,7 @@ def _q8_add_norm_route_kernel(
     FENCE: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, DEPTH: tl.constexpr, PDL: tl.constexpr,
     E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr, K_BLOCK: tl.constexpr, RENORM: tl.constexpr,
     SIGMOID: tl.constexpr, BIAS: tl.constexpr, RFMT: tl.constexpr, R_ROW_BYTES: tl.constexpr, GROUP: tl.constexpr,
-    GROUPS: tl.constexpr, SHARE_ROWS: tl.constexpr, RANK_ROWS: tl.constexpr,
+    GROUPS: tl.constexpr, SHARE_ROWS: tl.constexpr,
 ):  # fmt: skip
     pdl.release(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -181,7 +134,7 @@ def _q8_add_norm_route_kernel(
     y, _ = row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, PDL)
     _route_tail(y, rows, n, res, sum_out, norm_w, out, oq, od, os_, counter, eps, wr_cols, g, shares, group_shares,
                 group_counters, scores, ids, weights, bias, scale, NORM_BLOCK, NORM_STEPS, True, E, E_BLOCK, K,
-                K_BLOCK, RENORM, SIGMOID, BIAS, GROUP, GROUPS, SHARE_ROWS, RANK_ROWS)  # fmt: skip
+                K_BLOCK, RENORM, SIGMOID, BIAS, GROUP, GROUPS, SHARE_ROWS)  # fmt: skip
 
 
 @triton.jit
@@ -192,7 +145,7 @@ def _fast_add_norm_route_kernel(
     FENCE: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, PDL: tl.constexpr,
     E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr, K_BLOCK: tl.constexpr, RENORM: tl.constexpr,
     SIGMOID: tl.constexpr, BIAS: tl.constexpr, RFMT: tl.constexpr, R_ROW_BYTES: tl.constexpr, GROUP: tl.constexpr,
-    GROUPS: tl.constexpr, SHARE_ROWS: tl.constexpr, RANK_ROWS: tl.constexpr,
+    GROUPS: tl.constexpr, SHARE_ROWS: tl.constexpr,
 ):  # fmt: skip
     pdl.release(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -203,7 +156,7 @@ def _fast_add_norm_route_kernel(
     y, _ = fast_row_dots(w_rows, w_rows, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, PDL)
     _route_tail(y, rows, n, res, sum_out, norm_w, out, out, out, out, counter, eps, wr_cols, g, shares, group_shares,
                 group_counters, scores, ids, weights, bias, scale, NORM_BLOCK, NORM_STEPS, False, E, E_BLOCK, K,
-                K_BLOCK, RENORM, SIGMOID, BIAS, GROUP, GROUPS, SHARE_ROWS, RANK_ROWS)  # fmt: skip
+                K_BLOCK, RENORM, SIGMOID, BIAS, GROUP, GROUPS, SHARE_ROWS)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +235,6 @@ def _routing_args(rt: Routing, fmt: Format, n: int, k: int, int8: bool) -> tuple
         K_BLOCK=triton.next_power_of_2(rt.k), RENORM=rt.renorm, SIGMOID=rt.sigmoid, BIAS=rt.bias is not None,
         RFMT=int(router_fmt), R_ROW_BYTES=stored_row_bytes(router_fmt, n), GROUP=group, GROUPS=groups,
         SHARE_ROWS=moe_kernels.moe_route_share_rows(max(group, groups), e_block, warps),
-        RANK_ROWS=moe_kernels.moe_route_share_rows(e_block, e_block, warps),
     )  # fmt: skip
     return args, consts | plan | pdl.options(), programs
 
