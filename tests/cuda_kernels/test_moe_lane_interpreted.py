@@ -154,3 +154,19 @@ def test_experts_of_rows_not_whole_128_value_steps_run_a_prompt(tmp_path):
     assert tensor_formats(shape, "q3_k_m")["blk.0.ffn_gate_exps.weight"] is Format.IQ4_NL
     path = write_synthetic(tmp_path / "m.gguf", shape, "q3_k_m", seed=4)
     runs_as_the_cpu_lane(path, [5, 60, 7, 200, 8, 1, 2, 3, 4, 5, 6], [9, 10], [11], ctx=32)
+
+
+@pytest.mark.parametrize(("shape", "activations"), [("qwen2moe", "int8"), ("qwen3moe", "dequant")])
+def test_the_routing_in_the_norms_launch_runs_as_the_cpu_lane(tmp_path, shape, activations):
+    # knob route_in_norm=on: a decode step's routing runs in the output projection's add + norm GEMV (the int8
+    # one, writing the norm's int8 form too, or the f32 one), each program's share of the scores summed by its
+    # group's and the launch's last programs (`triton/moe/norm_route.py`)
+    from tests.lane_steps import runs_as_the_cpu_lane
+
+    path = write_synthetic(tmp_path / "m.gguf", SHAPES[shape], MIXES.get(shape, "q8_0"), seed=4)
+    knobs = [f"activations={activations}", "route_in_norm=on"]
+    step = load(path, lane="cuda", ctx=16, knobs=knobs).lane.step(1)
+    routers = [op for op, _ in step.bound if class_of(op) is C.ROUTER_TOPK]
+    inner = C.NORM_QUANT if activations == "int8" else C.GEMV_NORM_EPILOGUE
+    assert routers and all(class_of(op.sym.parts[0]) is inner for op in routers)
+    runs_as_the_cpu_lane(path, PROMPT, [9, 10], [11], ctx=16, knobs=knobs)

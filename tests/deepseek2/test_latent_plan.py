@@ -283,9 +283,9 @@ def test_the_value_half_writes_the_int8_form_attn_output_reads(tmp_path, vdim, f
 @pytest.mark.parametrize("mix", ["q4_k_m", "q8_0", "q2_k"])
 def test_a_v2_lite_decode_step_joins_in_one_launch(mix):
     # `mla_prologue`: the query's join and the cache row's share one launch, a launch a layer fewer (9 -> 8 on a
-    # mixture layer); with the routing in the output projection's launch (`route_in_norm`), 7: the projection,
-    # the prologue, the attention, the value half, the output projection with the norm and the routing, the
-    # experts' gate/up, their down with the next norm
+    # mixture layer: the projection, the prologue, the attention, the value half, the output projection with
+    # the norm, the routing, the experts' gate/up, their down with the next norm); with the routing in the
+    # output projection's launch (knob route_in_norm=on), 7
     from fuselane.explain import launches_per_layer
     from fuselane.gguf.synth import Mix
     from tests.lanes.test_launch_budget import _decode_graph
@@ -296,4 +296,6 @@ def test_a_v2_lite_decode_step_joins_in_one_launch(mix):
     assert [class_of(op) for op in plan.ops].count(C.MLA_PROLOGUE) == 3
     per_layer, apart = launches_per_layer(plan), launches_per_layer(held)
     assert [apart[i] - per_layer[i] for i in range(3)] == [1, 1, 1]
-    assert max(per_layer.values()) == 7
+    assert max(per_layer.values()) == 8
+    routed = optimize(g, CudaShim(CudaKnobs(route_in_norm=True)))
+    assert max(launches_per_layer(routed).values()) == 7

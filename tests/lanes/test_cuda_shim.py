@@ -67,6 +67,7 @@ from fuselane.lanes.cuda.plan.shim import (
 
 DEFAULT = CudaKnobs()
 INT8 = CudaKnobs(activations=Activations.INT8)
+ROUTED = CudaKnobs(route_in_norm=True)
 
 # --- building ops by hand ----------------------------------------------------------------------------------
 
@@ -400,23 +401,33 @@ CASES = [
         "makes the gates (gates_in_step): one launch fewer",
     ),
     Case(
+        "routing in its own launch",
+        lambda: routing(),
+        lambda: routed_norm(),
+        "a step's routing keeps its own launch (knob route_in_norm=off): in the norm's launch its serial tail "
+        "measured slower than the launch it saves",
+    ),
+    Case(
         "routing in the norm's launch",
         lambda: routed_norm(),
         lambda: routed_norm(quant=False),
         "a step's routing runs in its norm's launch only from a projection's add + norm GEMV: the int8 one (a "
         "NormQuant of a GemvNormEpilogue) or the fast f32 one, its row whole 32-value blocks",
+        knobs=ROUTED,
     ),
     Case(
         "routing a step's row in the norm's launch",
         lambda: routed_norm(),
         lambda: routed_norm(rows=4),
         "a chunk's or a batch's rows route in a launch of their own; a step's one row routes in its norm's",
+        knobs=ROUTED,
     ),
     Case(
         "the router routing in the norm's launch",
         lambda: routed_norm(experts=256),
         lambda: routed_norm(router="q8"),
         fits_recurrent.ROUTER_IN_NORM,
+        knobs=ROUTED,
     ),
     Case(
         "shared expert",

@@ -70,11 +70,20 @@ def test_a_decode_step_mixture_is_three_launches_under_the_specified_answers(mod
     plan = optimize(graph(model, 1), CudaShim(CudaKnobs(activations=activations)))
     layers = len({op.out.split(".")[0] for op in plan.ops if class_of(op) is C.ROUTER_TOPK})
     assert mixture_ops(plan) == ["RouterTopk", "MoeGateUpAct", "MoeDeferredFinalize"] * layers
-    # the routing takes in the norm it reads (`route_in_norm`): the int8 add + norm GEMV's, or the f32 one's
-    routers = [op for op in plan.ops if class_of(op) is C.ROUTER_TOPK]
+    # the routing keeps its own launch: `route_in_norm` asks, and the lane answers with its knob's reason
+    assert not [m for m in plan.missed if m.cls in MOE_CLASSES and m.rule != "route_in_norm"]
+    assert {m.reason.split(" (")[0] for m in plan.missed if m.rule == "route_in_norm"} == {
+        "a step's routing keeps its own launch"
+    }
+    # under the knob it runs in the output projection's launch: the int8 add + norm GEMV's, or the f32 one's
+    knobs = CudaKnobs(activations=activations, route_in_norm=True)
+    routed = optimize(graph(model, 1), CudaShim(knobs))
+    assert mixture_ops(routed) == mixture_ops(plan)
+    routers = [op for op in routed.ops if class_of(op) is C.ROUTER_TOPK]
     quantized = activations is Activations.INT8
     assert all(class_of(op.sym.parts[0]) is (C.NORM_QUANT if quantized else C.GEMV_NORM_EPILOGUE) for op in routers)
-    assert not [m for m in plan.missed if m.cls in MOE_CLASSES]
+    assert not [m for m in routed.missed if m.cls in MOE_CLASSES]
+    assert routed.launches() == plan.launches() - layers
 
 
 def test_a_chunk_sorts_by_expert_and_keeps_its_shared_expert_apart():
@@ -121,11 +130,26 @@ def test_a_decode_step_is_at_most_seven_launches_a_layer(model, knobs):
 
 
 @pytest.mark.parametrize("model", ["synth:qwen3-30b-a3b", "synth:qwen1.5-moe-a2.7b", "synth:deepseek-v2-lite"])
-def test_the_routing_takes_in_the_norm_it_reads_and_its_int8_form(model):
+def test_the_norm_the_router_reads_in_f32_writes_the_experts_int8_form(model):
+    # before: AttnOutput -> GemvNormEpilogue (f32) -> RouterTopk, Quantize -> MoeGateUpAct
+    # after:  AttnOutput -> NormQuant (f32 and int8) -> RouterTopk (f32), MoeGateUpAct (int8)
+    _, _, plan = build_plan(model, lane="cuda")
+    routers = [op for op in plan.ops if class_of(op) is C.ROUTER_TOPK]
+    assert routers
+    for router in routers:
+        x = router.ins[0]
+        producer = next(op for op in plan.ops if op.out == x)
+        assert class_of(producer) is C.NORM_QUANT, (x, class_of(producer))
+    quantized_apart = {op.out for op in plan.ops if type(op.sym).__name__ == "Quantize"}
+    assert not quantized_apart & {router.ins[0] for router in routers}
+
+
+@pytest.mark.parametrize("model", ["synth:qwen3-30b-a3b", "synth:qwen1.5-moe-a2.7b", "synth:deepseek-v2-lite"])
+def test_under_the_knob_the_routing_takes_in_the_norm_it_reads_and_its_int8_form(model):
     # before: AttnOutput -> NormQuant (f32 and int8) -> RouterTopk (f32), MoeGateUpAct (int8)
     # after:  AttnOutput -> RouterTopk holding the NormQuant: one launch norms the row, writes its int8 form for
-    #         the experts and routes it (`route_in_norm`)
-    _, _, plan = build_plan(model, lane="cuda")
+    #         the experts and routes it (`route_in_norm`, knob route_in_norm=on)
+    _, _, plan = build_plan(model, lane="cuda", knobs=("route_in_norm=on",))
     routers = [op for op in plan.ops if class_of(op) is C.ROUTER_TOPK]
     assert routers
     for router in routers:
@@ -134,8 +158,8 @@ def test_the_routing_takes_in_the_norm_it_reads_and_its_int8_form(model):
         assert next(x for x in leaves(routing) if isinstance(x.sym, Matmul)).ins[0] == normed.out
     quantized_apart = {op.out for op in plan.ops if type(op.sym).__name__ == "Quantize"}
     assert not quantized_apart & {router.sym.parts[0].out for router in routers}
-    _, _, held = build_plan(model, lane="cuda", held=("route_in_norm",))
-    assert held.launches() - plan.launches() == len(routers)  # a launch a mixture layer
+    _, _, default = build_plan(model, lane="cuda")
+    assert default.launches() - plan.launches() == len(routers)  # a launch a mixture layer
 
 
 @pytest.mark.parametrize("knobs", [(), ("activations=dequant",)])

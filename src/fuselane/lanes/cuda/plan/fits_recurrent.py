@@ -177,6 +177,11 @@ def router_topk(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -
     (`route_in_norm`: the int8 add + norm GEMV, `triton/moe/norm_route.py`)."""
     if class_of(members[-1]) is not C.ROUTER_TOPK:
         return None  # the router's product, top-k and weights: the routing launch takes every shape
+    if not shim.knobs.route_in_norm:
+        return (
+            "a step's routing keeps its own launch (knob route_in_norm=off): in the norm's launch its serial tail "
+            "measured slower than the launch it saves"
+        )
     normed, found = members[0], leaves(members[-1])
     quantized = class_of(normed) is C.NORM_QUANT
     inner = parts(normed)[0] if quantized else normed

@@ -213,6 +213,12 @@ class CudaKnobs:
       launch alone, where its programs made the rest wait, it took 5.02. H100, Q4_K_M, its down an int8
       product: DeepSeek-V2-Lite 2.146 folded, 2.239 apart; Qwen1.5-MoE-A2.7B, whose shared expert is as wide
       as its kept experts together, 1.813 folded, 1.761 apart (docs/moe.md).
+    - `route_in_norm=off`: a decode step's routing keeps its own launch after the output projection's add + norm
+      GEMV. `on` runs it in that launch (`route_in_norm`, `triton/moe/norm_route.py`: each program's share of
+      the router's scores, summed by its group's and the launch's last programs, which norm and rank the row), a
+      launch less a mixture layer (DeepSeek-V2-Lite 8 -> 7, Qwen3-30B-A3B 7 -> 6), measured slower: the one
+      program's serial tail outlasts the routing launch it saves (H100, Q4_K_M tg128: V2-Lite 561.8 -> 543.3
+      tok/s, Qwen3-30B-A3B 417.1 -> 393.4; benchmarks/RESULTS.md, 2026-12-07, fourth).
     - `latent_decode=packed`: under int8, a decode step's latent attention (heads of at most
       `attn_kernels.MLA_PACKED_MOST_HEADS`: V2-Lite's 16) takes the int8 numerics' f16 attention on the tensor cores,
       a row's heads the rows of one product (`triton/mla/packed.py`); V3's 128 heads, and every head under
@@ -235,6 +241,7 @@ class CudaKnobs:
     shared_fold: bool = True
     round_in_place: RoundInPlace = RoundInPlace.AUTO
     latent_decode: LatentDecode = LatentDecode.PACKED
+    route_in_norm: bool = False
     chunk_rows: int | None = None  # None: the lane's own (`auto`)
 
     @classmethod
@@ -313,4 +320,5 @@ _SETTERS = {
     "round_in_place": lambda k, v: replace(k, round_in_place=_choice("round_in_place", RoundInPlace, v)),
     "chunk_rows": lambda k, v: replace(k, chunk_rows=_rows("chunk_rows", v)),
     "latent_decode": lambda k, v: replace(k, latent_decode=_choice("latent_decode", LatentDecode, v)),
+    "route_in_norm": lambda k, v: replace(k, route_in_norm=_flag("route_in_norm", v)),
 }
