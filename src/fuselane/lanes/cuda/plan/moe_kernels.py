@@ -79,8 +79,11 @@ class MoeTile(NamedTuple):
 # gate/up 64 x 64 in four warps 168 registers (Q4_K), 245-254 (Q5_0, Q8_0, Q6_K), none spilled; down Q4_K
 # 64 x 256 255 and 312 bytes spilled a thread, Q6_K 64 x 128 one stage 255 and 260, Q8_0 28, Q5_0 20: the
 # timings above are with those spills.
-# The other formats (Q5_K; Q4_0, IQ4_NL and MXFP4, 16 code bytes a block, an `MXFP4_MOE` file's experts; IQ4_XS;
-# Q2_K, Q3_K) take the launches' default tiles, not swept. Their unit decode spilled or filled the registers
+# MXFP4 (an `MXFP4_MOE` file's experts), swept at Qwen3-30B-A3B's widths on an H100 (2026-12-07, fourth; µs a
+# launch against the defaults): gate/up 64 x 64, four warps, one stage, 128 a step 524.0 (577.9); down 64 x 128,
+# four warps, two stages, 128 a step 441.7 (489.0).
+# The other formats (Q5_K; Q4_0 and IQ4_NL, 16 code bytes a block as MXFP4's; IQ4_XS; Q2_K, Q3_K) take the
+# launches' default tiles, not swept. Their unit decode spilled or filled the registers
 # (sm_90, Qwen3-30B-A3B's widths, a thread: Q4_0 / MXFP4 255 registers and 752 / 792 stack bytes in the
 # gate/up launch; IQ4_XS, Q2_K, Q3_K 254-255 and none, their down 144-192 bytes); the words decode's
 # `benchmarks/RESULTS.md` lists (2026-12-07, third).
@@ -96,6 +99,8 @@ MOE_WORDS_TILES = {
     (Format.Q6_K, MoeLaunch.DOWN): MoeTile(64, 128, 8, 1, 256),
     (Format.Q5_0, MoeLaunch.DOWN): MoeTile(64, 64, 4, 2, 128),
     (Format.Q8_0, MoeLaunch.DOWN): MoeTile(64, 128, 8, 1, 128),
+    (Format.MXFP4, MoeLaunch.GATE_UP): MoeTile(64, 64, 4, 1, 128),
+    (Format.MXFP4, MoeLaunch.DOWN): MoeTile(64, 128, 4, 2, 128),
 }
 MOE_WORDS_DEFAULT = {
     MoeLaunch.GATE_UP: MOE_WORDS_TILES[Format.Q4_K, MoeLaunch.GATE_UP],
