@@ -8,7 +8,7 @@ in registers, adds up its rows' share of every expert's score (the sum over its 
 s[row]; the router's columns of its rows read before the wait for the launch before, as a weight) and stores it.
 The last program of each group of programs (a self-resetting counter a group) sums its group's shares; the last
 group's last program norms the row as `fast_norm.norm_row` does, which gives r, sums the groups' shares, scales
-them by r and ranks the row as the routing launch does (`route._rank_row`, by k arg-max passes: the softmax or
+them by r and ranks the row as the routing launch does (`route.rank_row`, by k arg-max passes: the softmax or
 sigmoid, the top-k, the renormalised and scaled weights). Two levels keep each tail's read
 near sqrt(programs) x experts values (`moe_kernels.moe_route_groups`) instead of one program reading every
 program's shares, or the whole router; the sums run in a fixed order, so a row's scores are the same bits at
@@ -41,7 +41,7 @@ from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_row, supports_fast_ad
 from fuselane.lanes.cuda.triton.gemv.layout import FMT_F16, FMT_F32, HALF_WORD_BITS
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 from fuselane.lanes.cuda.triton.gemv.q8 import check_aligned, row_dots, tile_plan
-from fuselane.lanes.cuda.triton.moe.route import _rank_row
+from fuselane.lanes.cuda.triton.moe.route import rank_row
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts
 
 ROUTER_FORMATS = moe_kernels.MOE_ROUTE_IN_NORM_FORMATS
@@ -109,7 +109,7 @@ def _route_tail(y, rows, n, res, sum_out, norm_w, out, oq, od, os_, counter, eps
             tl.debug_barrier()  # the ranking reads the scores back
             # k arg-max passes, not the routing launch's one experts x experts count: that comparison took this
             # launch to 254 registers a thread against the GEMV's 45 (one block a SM)
-            _rank_row(scores, ids, weights, bias, scale, 0, E, E_BLOCK, K, K_BLOCK, RENORM, SIGMOID, BIAS, False)
+            rank_row(scores, ids, weights, bias, scale, 0, E, E_BLOCK, K, K_BLOCK, RENORM, SIGMOID, BIAS, False)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -118,10 +118,10 @@ def _q8_add_norm_route_kernel(
     xq, xd, xs, w, n, res, sum_out, norm_w, out, oq, od, os_, counter, eps,
     wr, shares, group_shares, group_counters, scores, ids, weights, bias, scale,
     FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
-    FENCE: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, DEPTH: tl.constexpr, PDL: tl.constexpr,
+    FENCE: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, DEPTH: tl.constexpr,
     E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr, K_BLOCK: tl.constexpr, RENORM: tl.constexpr,
     SIGMOID: tl.constexpr, BIAS: tl.constexpr, RFMT: tl.constexpr, R_ROW_BYTES: tl.constexpr, GROUP: tl.constexpr,
-    GROUPS: tl.constexpr, SHARE_ROWS: tl.constexpr,
+    GROUPS: tl.constexpr, SHARE_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.release(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -142,10 +142,10 @@ def _fast_add_norm_route_kernel(
     x, w, n, res, sum_out, norm_w, out, counter, eps,
     wr, shares, group_shares, group_counters, scores, ids, weights, bias, scale,
     FMT: tl.constexpr, N_UNITS: tl.constexpr, CHUNK: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
-    FENCE: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, PDL: tl.constexpr,
+    FENCE: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr,
     E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr, K_BLOCK: tl.constexpr, RENORM: tl.constexpr,
     SIGMOID: tl.constexpr, BIAS: tl.constexpr, RFMT: tl.constexpr, R_ROW_BYTES: tl.constexpr, GROUP: tl.constexpr,
-    GROUPS: tl.constexpr, SHARE_ROWS: tl.constexpr,
+    GROUPS: tl.constexpr, SHARE_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.release(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -236,7 +236,7 @@ def _routing_args(rt: Routing, fmt: Format, n: int, k: int, int8: bool) -> tuple
         RFMT=int(router_fmt), R_ROW_BYTES=stored_row_bytes(router_fmt, n), GROUP=group, GROUPS=groups,
         SHARE_ROWS=moe_kernels.moe_route_share_rows(max(group, groups), e_block, warps),
     )  # fmt: skip
-    return args, consts | plan | pdl.options(), programs
+    return args, consts | plan, programs
 
 
 def gemv_q8_add_norm_route(x: Q8Acts, w: Tensor, fmt: Format, n: int, k: int, residual: Tensor, sum_out: Tensor,
@@ -253,7 +253,7 @@ def gemv_q8_add_norm_route(x: Q8Acts, w: Tensor, fmt: Format, n: int, k: int, re
     check_acts(Q8Acts(out_q8.q.view(1, -1), out_q8.d, out_q8.s), n)
     args, consts, programs = _routing_args(routing, fmt, n, k, True)
     _q8_add_norm_route_kernel[(programs,)](
-        *x, w, n, residual, sum_out, norm_w, out, *out_q8, counter, float(eps), *args, **consts
+        *x, w, n, residual, sum_out, norm_w, out, *out_q8, counter, float(eps), *args, **consts, **pdl.options()
     )
     return out
 
@@ -271,6 +271,6 @@ def gemv_fast_add_norm_route(x: Tensor, w: Tensor, fmt: Format, n: int, k: int, 
     check_add_norm(residual, sum_out, norm_w, out, counter, n, x.device)
     args, consts, programs = _routing_args(routing, fmt, n, k, False)
     _fast_add_norm_route_kernel[(programs,)](
-        x2, w, n, residual, sum_out, norm_w, out, counter, float(eps), *args, **consts
+        x2, w, n, residual, sum_out, norm_w, out, counter, float(eps), *args, **consts, **pdl.options()
     )
     return out

@@ -58,9 +58,9 @@ CHUNK_PRECISION = tl.constexpr(moe_kernels.MOE_ROUTE_CHUNK_PRECISION)
 
 
 @triton.jit
-def _rank_row(scores, ids, weights, bias, scale, r, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr,
-              K_BLOCK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
-              ONE_ROW: tl.constexpr):  # fmt: skip
+def rank_row(scores, ids, weights, bias, scale, r, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr,
+             K_BLOCK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
+             ONE_ROW: tl.constexpr):  # fmt: skip
     """Row r's kept experts and weights from its scores (ONE_ROW: a block of one row, which may rank by count)."""
     ex = tl.arange(0, E_BLOCK)
     live = ex < E
@@ -132,7 +132,7 @@ def _keep_by_passes(ids, weights, scale, scores, r, c, top, total, ex, E: tl.con
 @triton.jit
 def _choice(scores, rows, live_rows, bias, ex, live, E: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr):
     """A block's rows' choice scores ([rows, E_BLOCK]) and each row's softmax top score and sum (`probability`'s;
-    0 and 1 under SIGMOID): `_rank_row`'s, a row each."""
+    0 and 1 under SIGMOID): `rank_row`'s, a row each."""
     m = live_rows[:, None] & live[None, :]
     s = tl.load(scores + rows[:, None] * E + ex[None, :], mask=m, other=0.0, cache_modifier=".cg")
     s = tl.where(live[None, :], s, float("-inf"))  # a row past the chunk's ranks zeros, and stores nothing
@@ -358,7 +358,7 @@ def _route_kernel(
     if done == tl.num_programs(0) - 1:  # a block's last tile of experts ranks its rows: the blocks in parallel
         tl.atomic_xchg(counter + 1 + block, 0, sem="relaxed", scope="gpu")
         if ROW_BLOCK == 1:  # a decode step's row (never sorted)
-            _rank_row(scores, ids, weights, bias, scale, block, E, E_BLOCK, K, K_BLOCK, RENORM, SIGMOID, BIAS, True)
+            rank_row(scores, ids, weights, bias, scale, block, E, E_BLOCK, K, K_BLOCK, RENORM, SIGMOID, BIAS, True)
         else:
             _rank_block(scores, ids, weights, bias, scale, hist, rank, block, E, E_BLOCK, K, K_BLOCK, ROWS,
                         ROW_BLOCK, RANK_ROWS, RENORM, SIGMOID, BIAS, SORT)  # fmt: skip
