@@ -128,6 +128,17 @@ def supports_fast_add_norm(fmt: Format | int, n: int, m: int = 1) -> bool:
     return m == 1 and fmt in GROUPS and n >= 1
 
 
+def check_fast_add_norm(x: Tensor, w: Tensor, fmt: Format, n: int, k: int, residual: Tensor, sum_out: Tensor,
+                        norm_w: Tensor, out: Tensor, counter: Tensor) -> Tensor:  # fmt: skip
+    """The operands of a fast GEMV with an add + norm (`gemv_fast_add_norm`'s), checked; x as one row (1, k)."""
+    if not supports_fast_add_norm(fmt, n):
+        raise ValueError(f"no fast GEMV with a norm for {Format(fmt).name} rows of {n}")
+    x2 = x.view(1, -1) if x.dim() == 1 else x
+    check_one_row(x2, k, [w], fmt, n)
+    check_add_norm(residual, sum_out, norm_w, out, counter, n, x.device)
+    return x2
+
+
 def gemv_fast_add_norm(
     x: Tensor,
     w: Tensor,
@@ -154,11 +165,7 @@ def gemv_fast_add_norm(
     format's tile, as in `fast`.
     """
     fmt = Format(fmt)
-    if not supports_fast_add_norm(fmt, n):
-        raise ValueError(f"no fast GEMV with a norm for {fmt.name} rows of {n}")
-    x2 = x.view(1, -1) if x.dim() == 1 else x
-    check_one_row(x2, k, [w], fmt, n)
-    check_add_norm(residual, sum_out, norm_w, out, counter, n, x.device)
+    x2 = check_fast_add_norm(x, w, fmt, n, k, residual, sum_out, norm_w, out, counter)
     if NORM_CHUNK < 1 or NORM_CHUNK & (NORM_CHUNK - 1):
         raise ValueError(f"NORM_CHUNK must be a power of two, not {NORM_CHUNK}")
     plan = launch_plan(fmt, k, block_n, warps, n=n)

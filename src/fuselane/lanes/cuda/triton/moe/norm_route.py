@@ -35,31 +35,31 @@ from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import fast_norm
 from fuselane.lanes.cuda.triton.gemv.epilogue import COUNTER_DTYPE, check_add_norm
-from fuselane.lanes.cuda.triton.gemv.fast import check_one_row, launch_plan
+from fuselane.lanes.cuda.triton.gemv.fast import launch_plan
 from fuselane.lanes.cuda.triton.gemv.fast import row_dots as fast_row_dots
-from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_row, supports_fast_add_norm
-from fuselane.lanes.cuda.triton.gemv.layout import FMT_F16, FMT_F32, HALF_WORD_BITS
+from fuselane.lanes.cuda.triton.gemv.fast_norm import check_fast_add_norm, norm_row
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 from fuselane.lanes.cuda.triton.gemv.q8 import check_aligned, row_dots, tile_plan
-from fuselane.lanes.cuda.triton.moe.route import rank_row
+from fuselane.lanes.cuda.triton.moe.route import float_values, rank_row
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts
 
 ROUTER_FORMATS = moe_kernels.MOE_ROUTE_IN_NORM_FORMATS
 
 
 @triton.jit
-def _router_columns(wr, rows, n, ex, E: tl.constexpr, RFMT: tl.constexpr, R_ROW_BYTES: tl.constexpr):
-    """[E_BLOCK, BLOCK_N] f32: every expert's router values at the columns `rows` (zero past n and past E)."""
-    m = (ex < E)[:, None] & (rows < n)[None, :]
-    at = wr + ex.to(tl.int64)[:, None] * R_ROW_BYTES
-    if RFMT == FMT_F32:
-        v = tl.load(at.to(tl.pointer_type(tl.float32)) + rows[None, :], mask=m, other=0.0)
-    elif RFMT == FMT_F16:
-        v = tl.load(at.to(tl.pointer_type(tl.float16)) + rows[None, :], mask=m, other=0.0).to(tl.float32)
-    else:
-        bits = tl.load(at.to(tl.pointer_type(tl.uint16)) + rows[None, :], mask=m, other=0).to(tl.int32)
-        v = (bits << HALF_WORD_BITS).to(tl.float32, bitcast=True)  # BF16 is the top half of an f32
-    return v
+def _before_wait(wr, norm_w, w, rows, n, E: tl.constexpr, E_BLOCK: tl.constexpr, RFMT: tl.constexpr,
+                 R_ROW_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr):  # fmt: skip
+    """A program's weights read before the wait for the launch that wrote x, with a barrier after them so ptxas
+    issues them there (`route._router_row`): every expert's router values at its rows ([E_BLOCK, BLOCK_N] f32,
+    zero past n and past E) and the norm's weights at them; and its rows' first bytes (rows past n read the
+    last row: no masked weight loads, the store drops them)."""
+    ex = tl.arange(0, E_BLOCK)
+    keep = rows < n
+    live = (ex < E)[:, None] & keep[None, :]
+    wr_cols = float_values(wr + ex.to(tl.int64)[:, None] * R_ROW_BYTES, rows[None, :], live, RFMT)
+    g = tl.load(norm_w + rows, mask=keep, other=0.0).to(tl.float32)
+    tl.debug_barrier()
+    return wr_cols, g, w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
 
 
 @triton.jit
@@ -125,12 +125,7 @@ def _q8_add_norm_route_kernel(
 ):  # fmt: skip
     pdl.release(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # the router's columns and the norm's weights at these rows are weights: read before the wait for the launch
-    # that wrote x, a barrier after them so ptxas issues them there (`route._router_row`)
-    wr_cols = _router_columns(wr, rows, n, tl.arange(0, E_BLOCK), E, RFMT, R_ROW_BYTES)
-    g = tl.load(norm_w + rows, mask=rows < n, other=0.0).to(tl.float32)
-    tl.debug_barrier()
-    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    wr_cols, g, w_rows = _before_wait(wr, norm_w, w, rows, n, E, E_BLOCK, RFMT, R_ROW_BYTES, ROW_BYTES)
     y, _ = row_dots(w_rows, w_rows, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, DEPTH, PDL)
     _route_tail(y, rows, n, res, sum_out, norm_w, out, oq, od, os_, counter, eps, wr_cols, g, shares, group_shares,
                 group_counters, scores, ids, weights, bias, scale, NORM_BLOCK, NORM_STEPS, True, E, E_BLOCK, K,
@@ -149,10 +144,7 @@ def _fast_add_norm_route_kernel(
 ):  # fmt: skip
     pdl.release(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    wr_cols = _router_columns(wr, rows, n, tl.arange(0, E_BLOCK), E, RFMT, R_ROW_BYTES)  # as the int8 kernel's
-    g = tl.load(norm_w + rows, mask=rows < n, other=0.0).to(tl.float32)
-    tl.debug_barrier()
-    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES
+    wr_cols, g, w_rows = _before_wait(wr, norm_w, w, rows, n, E, E_BLOCK, RFMT, R_ROW_BYTES, ROW_BYTES)
     y, _ = fast_row_dots(w_rows, w_rows, x, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, False, PDL)
     _route_tail(y, rows, n, res, sum_out, norm_w, out, out, out, out, counter, eps, wr_cols, g, shares, group_shares,
                 group_counters, scores, ids, weights, bias, scale, NORM_BLOCK, NORM_STEPS, False, E, E_BLOCK, K,
@@ -264,11 +256,7 @@ def gemv_fast_add_norm_route(x: Tensor, w: Tensor, fmt: Format, n: int, k: int, 
     """`fast_norm.gemv_fast_add_norm` (the f32 activation x (1, k), a format the fast GEMV takes) that also routes
     the normed row (`routing`), as `gemv_q8_add_norm_route`. Returns out."""
     fmt = Format(fmt)
-    if not supports_fast_add_norm(fmt, n):
-        raise ValueError(f"no fast GEMV with a norm for {fmt.name} rows of {n}")
-    x2 = x.view(1, -1) if x.dim() == 1 else x
-    check_one_row(x2, k, [w], fmt, n)
-    check_add_norm(residual, sum_out, norm_w, out, counter, n, x.device)
+    x2 = check_fast_add_norm(x, w, fmt, n, k, residual, sum_out, norm_w, out, counter)
     args, consts, programs = _routing_args(routing, fmt, n, k, False)
     _fast_add_norm_route_kernel[(programs,)](
         x2, w, n, residual, sum_out, norm_w, out, counter, float(eps), *args, **consts, **pdl.options()

@@ -272,6 +272,18 @@ def _router_row(w_row, x, D: tl.constexpr, D_BLOCK: tl.constexpr, PDL: tl.conste
 
 
 @triton.jit
+def float_values(rows, at, mask, FMT: tl.constexpr):
+    """f32: the values at index `at` of the float rows whose byte addresses are `rows` (F32, F16 or BF16; 0 where
+    not `mask`)."""
+    if FMT == FMT_F32:
+        return tl.load(rows.to(tl.pointer_type(tl.float32)) + at, mask=mask, other=0.0)
+    if FMT == FMT_F16:
+        return tl.load(rows.to(tl.pointer_type(tl.float16)) + at, mask=mask, other=0.0).to(tl.float32)
+    bits = tl.load(rows.to(tl.pointer_type(tl.uint16)) + at, mask=mask, other=0).to(tl.int32)
+    return (bits << HALF_WORD_BITS).to(tl.float32, bitcast=True)  # BF16 is the top half of an f32
+
+
+@triton.jit
 def _router_tile(w, x, rows, e, ROWS: tl.constexpr, E: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
                  ROW_BYTES: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                  ROW_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
@@ -286,13 +298,7 @@ def _router_tile(w, x, rows, e, ROWS: tl.constexpr, E: tl.constexpr, D: tl.const
         at = s * BLOCK_K + k
         m = (at < D)[None, :]
         a = tl.load(x_rows + at[None, :], mask=m, other=0.0)
-        if FMT == FMT_F32:
-            b = tl.load(w_rows.to(tl.pointer_type(tl.float32)) + at[None, :], mask=m, other=0.0)
-        elif FMT == FMT_F16:
-            b = tl.load(w_rows.to(tl.pointer_type(tl.float16)) + at[None, :], mask=m, other=0.0).to(tl.float32)
-        else:
-            bits = tl.load(w_rows.to(tl.pointer_type(tl.uint16)) + at[None, :], mask=m, other=0).to(tl.int32)
-            b = (bits << HALF_WORD_BITS).to(tl.float32, bitcast=True)  # BF16 is the top half of an f32
+        b = float_values(w_rows, at[None, :], m, FMT)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=CHUNK_PRECISION)
     return acc
 
