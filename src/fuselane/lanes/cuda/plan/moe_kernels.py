@@ -81,7 +81,7 @@ class MoeTile(NamedTuple):
 # timings above are with those spills.
 # MXFP4 (an `MXFP4_MOE` file's experts), swept at Qwen3-30B-A3B's widths on an H100 (2026-12-07, fourth; µs a
 # launch against the defaults): gate/up 64 x 64, four warps, one stage, 128 a step 524.0 (577.9); down 64 x 128,
-# four warps, two stages, 128 a step 441.7 (489.0).
+# four warps, two stages, 128 a step 441.7 (489.0; 255 registers and 280 stack bytes a thread, sm_90: timed so).
 # The other formats (Q5_K; Q4_0 and IQ4_NL, 16 code bytes a block as MXFP4's; IQ4_XS; Q2_K, Q3_K) take the
 # launches' default tiles, not swept. Their unit decode spilled or filled the registers
 # (sm_90, Qwen3-30B-A3B's widths, a thread: Q4_0 / MXFP4 255 registers and 752 / 792 stack bytes in the
@@ -321,12 +321,14 @@ def moe_down_launch(d: int, dff: int, k: int, sdff: int) -> tuple[int, int]:
     return math.ceil(d / moe_down_rows(k)), MOE_DOWN_WARPS * WARP
 
 
-# A decode step's routing inside the launch of the projection whose norm the router reads (`route_in_norm`,
-# `triton/moe/norm_route.py`): each program of the int8 add + norm GEMV adds its rows' share of every expert's
-# score, and the launch's last programs sum the shares in two levels. A program holds its rows' router columns
-# (experts x rows, read before its wait) through its product's loop: at most MOE_ROUTE_IN_NORM_EXPERTS experts
-# (a power of two), 256 x the GEMV's 4 rows over its 64 threads at the fewest, 16 values a thread; Qwen3-Next's
-# 512 keep the routing launch. The router is a float matrix (the tensor-core tile's formats, read as values).
+# A decode step's routing inside the launch of the projection whose norm the router reads (knob
+# `route_in_norm=on`, `triton/moe/norm_route.py`): each program of the add + norm GEMV (int8 or f32) adds its
+# rows' share of every expert's score, and the launch's last programs sum the shares in two levels. A program
+# holds its rows' router columns (experts x rows, read before its wait) through its product's loop: at most
+# MOE_ROUTE_IN_NORM_EXPERTS experts (a power of two), 256 x the GEMV's 4 rows over its 64 threads at the fewest,
+# 16 values a thread; Qwen3-Next's 512 keep the routing launch. The router is a float matrix (the tensor-core
+# tile's formats, read as values). Measured slower than the routing launch (benchmarks/RESULTS.md, 2026-12-07,
+# fourth), so off by default.
 MOE_ROUTE_IN_NORM_EXPERTS = 256
 MOE_ROUTE_IN_NORM_FORMATS = MOE_ROUTE_CHUNK_FORMATS
 # Values of the shares a thread of a summing program holds a pass (`norm_route._sum_shares`).
