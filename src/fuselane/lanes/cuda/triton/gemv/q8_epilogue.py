@@ -72,7 +72,8 @@ def q8_counters(n: int, device) -> Tensor:
     return torch.zeros(triton.cdiv(n, QK), dtype=COUNTER_DTYPE, device=device)
 
 
-def _check_q8_out(out: Q8Acts, n: int) -> None:
+def check_q8_out(out: Q8Acts, n: int) -> None:
+    """A launch's quantized output of n values: whole 32-value blocks, one row's int8 codes and scales."""
     if n % QK:
         raise ValueError(f"a quantized output takes whole {QK}-value blocks, not {n} values")
     check_acts(Q8Acts(out.q.view(1, -1), out.d, out.s), n)
@@ -90,7 +91,7 @@ def gemv_q8_add_norm(
     check_rows(w, fmt, n, k)
     check_aligned([w], fmt)
     check_add_norm(residual, sum_out, norm_w, out, counter, n, x.q.device)
-    _check_q8_out(out_q8, n)
+    check_q8_out(out_q8, n)
     plan = tile_plan(fmt, k, block_n, warps, per_thread, n=n)
     chunk = max(min(triton.next_power_of_2(n), fast_norm.NORM_CHUNK), QK)
     _q8_add_norm_kernel[(triton.cdiv(n, plan["BLOCK_N"]),)](
@@ -112,7 +113,7 @@ def gemv_q8_gate_up_glu_q8(
     check_rows(w_up, fmt, n, k)
     check_aligned([w_gate, w_up], fmt)
     check_row(out, n, "out")
-    _check_q8_out(out_q8, n)
+    check_q8_out(out_q8, n)
     plan = tile_plan(fmt, k, block_n, warps, per_thread, glu=True)
     if plan["BLOCK_N"] > QK or counters.numel() != n // QK or counters.dtype != COUNTER_DTYPE:
         raise ValueError(f"a tile of at most {QK} rows and q8_counters({n})")

@@ -40,6 +40,7 @@ from fuselane.lanes.cuda.triton.gemv.fast import row_dots as fast_row_dots
 from fuselane.lanes.cuda.triton.gemv.fast_norm import check_fast_add_norm, norm_row
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
 from fuselane.lanes.cuda.triton.gemv.q8 import check_aligned, row_dots, tile_plan
+from fuselane.lanes.cuda.triton.gemv.q8_epilogue import check_q8_out
 from fuselane.lanes.cuda.triton.moe.route import float_values, rank_row
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts
 
@@ -242,7 +243,7 @@ def gemv_q8_add_norm_route(x: Q8Acts, w: Tensor, fmt: Format, n: int, k: int, re
     check_rows(w, fmt, n, k)
     check_aligned([w], fmt)
     check_add_norm(residual, sum_out, norm_w, out, counter, n, x.q.device)
-    check_acts(Q8Acts(out_q8.q.view(1, -1), out_q8.d, out_q8.s), n)
+    check_q8_out(out_q8, n)
     args, consts, programs = _routing_args(routing, fmt, n, k, True)
     _q8_add_norm_route_kernel[(programs,)](
         *x, w, n, residual, sum_out, norm_w, out, *out_q8, counter, float(eps), *args, **consts, **pdl.options()
