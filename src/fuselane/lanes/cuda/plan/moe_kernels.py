@@ -79,14 +79,22 @@ class MoeTile(NamedTuple):
 # gate/up 64 x 64 in four warps 168 registers (Q4_K), 245-254 (Q5_0, Q8_0, Q6_K), none spilled; down Q4_K
 # 64 x 256 255 and 312 bytes spilled a thread, Q6_K 64 x 128 one stage 255 and 260, Q8_0 28, Q5_0 20: the
 # timings above are with those spills.
-# MXFP4 (an `MXFP4_MOE` file's experts), swept at Qwen3-30B-A3B's widths on an H100 (2026-12-07, fourth; µs a
-# launch against the defaults): gate/up 64 x 64, four warps, one stage, 128 a step 524.0 (577.9); down 64 x 128,
-# four warps, two stages, 128 a step 441.7 (489.0; 255 registers and 280 stack bytes a thread, sm_90: timed so).
-# The other formats (Q5_K; Q4_0 and IQ4_NL, 16 code bytes a block as MXFP4's; IQ4_XS; Q2_K, Q3_K) take the
-# launches' default tiles, not swept. Their unit decode spilled or filled the registers
-# (sm_90, Qwen3-30B-A3B's widths, a thread: Q4_0 / MXFP4 255 registers and 752 / 792 stack bytes in the
-# gate/up launch; IQ4_XS, Q2_K, Q3_K 254-255 and none, their down 144-192 bytes); the words decode's
-# `benchmarks/RESULTS.md` lists (2026-12-07, third).
+# Swept on an H100 at Qwen3-30B-A3B's widths (2026-12-07; µs a launch, against the tile each took before):
+# - MXFP4 (an `MXFP4_MOE` file's experts): gate/up 64 x 64, four warps, one stage, 128 a step 524.0 (577.9);
+#   down 64 x 128, four warps, two stages, 128 a step 441.7 (489.0; 255 registers and 280 stack bytes a
+#   thread, sm_90: timed so).
+# - Q4_0: gate/up 64 x 64, four warps, one stage, 128 324.6 (425.0); down 64 x 128, four warps, two stages,
+#   128 312.4 (411.1).
+# - IQ4_XS: gate/up as Q4_0's 529.6 (534.4); down as Q4_0's 393.8 (540.3).
+# - Q2_K gate/up 64 x 64, four warps, one stage, 256 a step 329.5 (401.6); Q3_K down as Q4_0's 317.2 (421.7).
+# - Q5_K gate/up as Q4_0's 328.8 (411.4).
+# - Q6_K down 64 x 64, four warps, one stage, 128 407.2 against 563.9 at its H200-timed tile above (the same
+#   sweep's 64 x 128, eight warps, one stage, 128 413.2).
+# One stage won every gate/up column and 64 x 128 in four warps two stages every 16-code-byte and Q3_K down
+# column. IQ4_NL (Q4_0's 16 code bytes a block, a table's values) is not swept: it takes the defaults. The
+# unit decode spilled or filled the registers (sm_90, Qwen3-30B-A3B's widths, a thread: Q4_0 / MXFP4 255
+# registers and 752 / 792 stack bytes in the gate/up launch; IQ4_XS, Q2_K, Q3_K 254-255 and none, their down
+# 144-192 bytes); the words decode's `benchmarks/RESULTS.md` lists (2026-12-07, third).
 MOE_WORDS_FORMATS = frozenset(
     {
         *(Format.Q4_K, Format.Q5_K, Format.Q6_K, Format.Q8_0, Format.Q5_0),
@@ -96,11 +104,18 @@ MOE_WORDS_FORMATS = frozenset(
 MOE_WORDS_TILES = {
     (Format.Q4_K, MoeLaunch.GATE_UP): MoeTile(64, 64, 4, 2, 128),
     (Format.Q4_K, MoeLaunch.DOWN): MoeTile(64, 256, 8, 2, 128),
-    (Format.Q6_K, MoeLaunch.DOWN): MoeTile(64, 128, 8, 1, 256),
+    (Format.Q6_K, MoeLaunch.DOWN): MoeTile(64, 64, 4, 1, 128),
     (Format.Q5_0, MoeLaunch.DOWN): MoeTile(64, 64, 4, 2, 128),
     (Format.Q8_0, MoeLaunch.DOWN): MoeTile(64, 128, 8, 1, 128),
     (Format.MXFP4, MoeLaunch.GATE_UP): MoeTile(64, 64, 4, 1, 128),
     (Format.MXFP4, MoeLaunch.DOWN): MoeTile(64, 128, 4, 2, 128),
+    (Format.Q4_0, MoeLaunch.GATE_UP): MoeTile(64, 64, 4, 1, 128),
+    (Format.Q4_0, MoeLaunch.DOWN): MoeTile(64, 128, 4, 2, 128),
+    (Format.IQ4_XS, MoeLaunch.GATE_UP): MoeTile(64, 64, 4, 1, 128),
+    (Format.IQ4_XS, MoeLaunch.DOWN): MoeTile(64, 128, 4, 2, 128),
+    (Format.Q2_K, MoeLaunch.GATE_UP): MoeTile(64, 64, 4, 1, 256),
+    (Format.Q3_K, MoeLaunch.DOWN): MoeTile(64, 128, 4, 2, 128),
+    (Format.Q5_K, MoeLaunch.GATE_UP): MoeTile(64, 64, 4, 1, 128),
 }
 MOE_WORDS_DEFAULT = {
     MoeLaunch.GATE_UP: MOE_WORDS_TILES[Format.Q4_K, MoeLaunch.GATE_UP],
