@@ -2,7 +2,8 @@
 
 The checks run in a fixed order: the products' accumulator first; then every primitive the op stands for (a
 soft cap, a sigmoid-gated delta rule, a part of every unit written, a part read in place); then a mixture's
-destination; then the conditions of the op's own class; last, a matrix in a format no kernel decodes.
+destination; then a grid format's matrix in a fused op (none of their kernels decodes one); then the conditions
+of the op's own class; last, a matrix in a format no kernel decodes.
 Each refusal's text is shown to the user by
 `fuselane explain`; each threshold is a kernel fact from `kernels`.
 
@@ -27,6 +28,7 @@ from fuselane.fuse.views import (
     rope,
     unit_output,
 )
+from fuselane.gguf.formats import Format
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Fused, Op, Rows, Strided, TensorGraph
 from fuselane.graph.ops import (
@@ -77,8 +79,9 @@ def fits(shim: CudaShim, op: Op, g: TensorGraph) -> str | None:
     if op.sym.cls in NEOX_ROTATIONS and any(_table_rotation(x.sym) for x in leaves(op) if isinstance(x.sym, Rope)):
         return TABLE_ROTATIONS_APART
     check = _CHECKS.get(op.sym.cls)
-    # a class's own reasons first, which say what its kernels take; then any matrix no kernel decodes
-    return (None if check is None else check(shim, op, op.sym.parts, g)) or _undecoded(op, g)
+    # a grid matrix first, which no fused kernel decodes; then a class's own reasons, which say what its kernels
+    # take; then any matrix no kernel decodes
+    return _grid_matrix(op, g) or (None if check is None else check(shim, op, op.sym.parts, g)) or _undecoded(op, g)
 
 
 def undecoded(g: TensorGraph) -> str | None:
@@ -88,14 +91,43 @@ def undecoded(g: TensorGraph) -> str | None:
 
 
 def _undecoded(op: Op, g: TensorGraph) -> str | None:
-    """A matrix the op reads in a format no kernel of the lane decodes (`kernels.DEQUANT_FORMATS`: every format
-    of the table today): its products, gathers and prompt scratch would each stop at it."""
+    """A matrix the op reads in a format no kernel of the lane decodes there: one outside
+    `kernels.DEQUANT_FORMATS` and the grid formats, whose products, gathers and prompt scratch would each stop
+    at it; or a grid format's (`kernels.GRID_GEMV_FORMATS`) anywhere but as the matrix of a product alone, which
+    its own GEMV multiplies (and its whole-matrix decode, for a chunk)."""
+    for leaf in leaves(op):
+        for i, name in enumerate(leaf.ins):
+            fmt = _matrix_format(name, g)
+            if fmt is None or fmt in kernels.DEQUANT_FORMATS:
+                continue
+            if fmt not in kernels.GRID_GEMV_FORMATS:
+                return f"{name} is {fmt.name}, which no kernel of the lane decodes" + _CPU
+            if isinstance(op.sym, Fused):
+                return _GRID_ALONE.format(name=name, fmt=fmt.name)
+            if not (isinstance(op.sym, Matmul) and i == 1):
+                return f"{name} is {fmt.name}, a grid format, which the lane multiplies in a dense product only" + _CPU
+    return None
+
+
+_CPU = " (the cpu lane runs it)"
+_GRID_ALONE = "{name} is {fmt}, a grid format, which the lane multiplies alone, by its own GEMV"
+
+
+def _grid_matrix(op: Op, g: TensorGraph) -> str | None:
+    """Why a fused op holding a grid format's matrix has no launch: no fused class's kernel decodes one, so the
+    op is taken apart and the product runs alone."""
     for leaf in leaves(op):
         for name in leaf.ins:
-            t = g.tensors.get(name)
-            if t is not None and isinstance(t.storage, Rows) and t.storage.format not in kernels.DEQUANT_FORMATS:
-                return f"{name} is {t.storage.format.name}, which no kernel of the lane decodes (the cpu lane runs it)"
+            fmt = _matrix_format(name, g)
+            if fmt in kernels.GRID_GEMV_FORMATS:
+                return _GRID_ALONE.format(name=name, fmt=fmt.name)
     return None
+
+
+def _matrix_format(name: str, g: TensorGraph) -> Format | None:
+    """The format of the checkpoint rows `name` is, or None for any other tensor."""
+    t = g.tensors.get(name)
+    return t.storage.format if t is not None and isinstance(t.storage, Rows) else None
 
 
 def _leaf(leaf: Op) -> str | None:

@@ -2,8 +2,9 @@
 row), a gated pair, products of one activation in parts (the int8 one turning the query's and key's heads in
 its epilogue), and a step's projection that norms its row in its last program. Each picks, among kernels that
 launch alike, the one the plan's choices name: the int8 GEMV where the plan quantized the activation
-(`q8_in`), the int8 GEMM for a chunk's (`_q8_gemm`), else the f32 GEMVs within the GEMV's rows, and past them
-the in-kernel f16 GEMMs or cuBLAS on f16 copies or a scratch (the `prefill` knob)."""
+(`q8_in`), the int8 GEMM for a chunk's (`_q8_gemm`), else the f32 GEMVs within the GEMV's rows (a grid
+format's own, `grid/gemv.py`), and past them the in-kernel f16 GEMMs or cuBLAS on f16 copies or a scratch (the
+`prefill` knob)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,10 @@ def product(op: Op, b: Any, *, bias: str | None = None, residual: str | None = N
         gemv_q8, acts = q8
         n, k = spec.n, spec.k
         return [lambda: gemv_q8.gemv_q8(acts, w, fmt, n, k, out, bias=bias_t, residual=res_t, out_row=row)]
+    if spec.m <= kernels.GEMV_ROWS and fmt in kernels.GRID_GEMV_FORMATS:  # a grid format's own GEMV
+        from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid
+
+        return [lambda: gemv_grid(x, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)]
     if spec.m <= kernels.GEMV_ROWS and kernels.rows_gemv(fmt, spec.m):  # a step's or a batch's rows: GEMVs
         # (Q2_K, Q3_K, IQ4_NL or IQ4_XS in a chunk of a few rows multiplies as a longer chunk's: below)
         kernel = _gemv_kernels(fmt, spec.m, out)

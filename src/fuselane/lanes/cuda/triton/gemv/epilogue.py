@@ -486,8 +486,13 @@ def dequantize(
     `fuselane.gguf.dequant.dequantize` gives, bit for bit; an f16 `out` holds it rounded to nearest even.
     One launch, any format `gemv` takes, in the format's tile (`kernels.dequant_tile`: values a program,
     warps); `values_warps` overrides it only for the sweep that measures them (`benchmarks/dequant_sweep.py`).
+    A grid or ternary format's matrix is decoded by its own kernel (`grid.decode`).
     """
     fmt = Format(fmt)
+    if fmt in kernels.GRID_GEMV_FORMATS:
+        from fuselane.lanes.cuda.triton.grid.decode import dequantize_grid
+
+        return dequantize_grid(w, fmt, n, k, out)
     if fmt not in kernels.DEQUANT_FORMATS:
         raise ValueError(f"no device decode for {fmt.name}")
     check_rows(w, fmt, n, k)

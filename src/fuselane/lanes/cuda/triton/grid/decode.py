@@ -1,0 +1,91 @@
+"""The whole-matrix decode of a grid or ternary format on the device: one launch turns a GGUF tensor's bytes into
+f16 or f32 values, each the f32 `fuselane.gguf.dequant.dequantize` gives (an f16 out holds it rounded to nearest
+even), so a product the lane has no fused kernel for can read the weights as floats.
+
+A program decodes UNITS whole 256-value blocks (`values.grid_values` over a [UNITS, 1] x [1, 256] tile); blocks
+past the end decode the last one, as `gemv.epilogue`'s decode does, and their stores are masked.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselane.gguf.formats import LAYOUTS, QK_K, Format
+from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton.grid.values import BLOCK_VALUES, GRID_DEVICE_FORMATS, device_table, grid_values
+
+DECODE_OUT = (torch.float16, torch.float32)
+PROGRAM_BLOCKS = 8  # blocks a program: 2,048 values, 16 a thread at DECODE_WARPS
+DECODE_WARPS = 4
+
+
+@triton.jit
+def _grid_dequant_kernel(
+    w,
+    table,
+    out,
+    units,
+    units_a_row,
+    pitch,
+    FMT: tl.constexpr,
+    NBYTES: tl.constexpr,
+    UNITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # a program decodes UNITS whole blocks of the flat tensor; row r's blocks at w + r * units_a_row * NBYTES
+    pdl.begin(PDL)
+    u = tl.program_id(0).to(tl.int64) * UNITS + tl.arange(0, UNITS)
+    keep = u < units
+    # units past the end decode the last one (no masked loads); the store drops them
+    last = tl.minimum(u, units - 1)
+    row, unit = last // units_a_row, last % units_a_row
+    blk = (w + (row * units_a_row + unit) * NBYTES)[:, None]
+    t = tl.arange(0, BLOCK_VALUES)[None, :]
+    v = grid_values(blk, table, t, FMT)
+    first = out + (u // units_a_row) * pitch + (u % units_a_row) * BLOCK_VALUES  # [U]: each unit's first value
+    # an f16 result is the f32 value rounded once, to nearest even (as NumPy's astype rounds)
+    tl.store(first[:, None] + t, v.to(out.dtype.element_ty), mask=keep[:, None])
+
+
+def dequantize_grid(
+    w: torch.Tensor, fmt: Format, n: int, k: int, out: torch.Tensor, table: torch.Tensor | None = None
+) -> torch.Tensor:
+    """out (n, k) = the values of the n x k rows `w` (1-D uint8, the GGUF tensor's bytes) in the grid or ternary
+    format `fmt`, decoded on the device; returns `out`.
+
+    `out` is an f16 or f32 2-D tensor of unit column stride, rows at any pitch (columns past k untouched).
+    Every value is the f32 `fuselane.gguf.dequant.dequantize` gives, bit for bit; an f16 `out` holds it rounded
+    to nearest even. `table` is `values.device_table(fmt, w.device)` unless given (a caller holding it already).
+    """
+    fmt = Format(fmt)
+    if fmt not in GRID_DEVICE_FORMATS:
+        raise ValueError(f"no device grid decode for {fmt.name}")
+    if n < 0 or k < 0 or k % QK_K:
+        raise ValueError(f"{fmt.name} rows must be whole {QK_K}-value blocks; got n={n}, k={k}")
+    want = n * (k // QK_K) * LAYOUTS[fmt].nbytes
+    if w.dtype != torch.uint8 or w.dim() != 1 or not w.is_contiguous() or w.numel() != want:
+        raise ValueError(f"{fmt.name} weights of {n} rows of {k} must be a contiguous 1-D uint8 tensor of {want} bytes")
+    if out.dtype not in DECODE_OUT or out.dim() != 2 or tuple(out.shape) != (n, k) or out.stride(1) != 1:
+        raise ValueError(f"out must be an f16 or f32 ({n}, {k}) tensor with unit column stride")
+    if table is None:
+        table = device_table(fmt, w.device)
+    units_a_row = k // QK_K
+    units = n * units_a_row
+    if units == 0:
+        return out
+    _grid_dequant_kernel[(triton.cdiv(units, PROGRAM_BLOCKS),)](
+        w,
+        table,
+        out,
+        units,
+        units_a_row,
+        out.stride(0),
+        FMT=int(fmt),
+        NBYTES=LAYOUTS[fmt].nbytes,
+        UNITS=PROGRAM_BLOCKS,
+        num_warps=DECODE_WARPS,
+        **pdl.options(),
+    )
+    return out

@@ -1,0 +1,147 @@
+"""The GEMV of the grid and ternary formats: y (m, n) = x (m, k) @ W^T for a step's or a batch's few rows, W the
+checkpoint's blocks in one of `kernels.GRID_GEMV_FORMATS`, each value decoded in registers (`values.grid_values`,
+its grid row gathered from the format's table), f32 activations and sums.
+
+These formats (IQ1_*, IQ2_*, IQ3_*, TQ*) spend 1.6-3.4 bits a value; their codes index llama.cpp's grids, so a
+value costs a table gather beside its field loads, and no int8 form of the activation helps the decode. The
+kernel is one launch a product with the epilogue every product binder asks of a GEMV (a bias, a residual, a
+landing row read on the device: `rows.store_rows`), so a grid matrix multiplies alone and the ops around it
+keep their own launches (`fits`: the lane's fused classes take no grid matrix).
+
+Launch shape: a program takes BLOCK_N weight rows for all m <= `kernels.GEMV_ROWS` rows of x and walks k a
+slice of SLICE values of a super-block at a time; its [BLOCK_M, BLOCK_N, SLICE] partial sums are reduced once
+at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselane.gguf.formats import LAYOUTS, QK_K, Format
+from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton.gemv.rows import check_x, row_tiles, store_rows
+from fuselane.lanes.cuda.triton.grid.values import device_table, grid_values
+
+# Weight rows a program takes, and its warps: a value costs a few dependent loads (its fields, its grid row),
+# so many rows in flight a SM cover their latency rather than a long k loop a thread.
+GRID_BLOCK_N = 16
+GRID_WARPS = 4
+# The values of a super-block one step of the k loop decodes a row: [BLOCK_M, BLOCK_N, SLICE] partial sums,
+# at most ACC_VALUES a thread at the GEMV's eight rows (8 * 16 * 64 / 128 threads = 64).
+SLICE = 64
+ACC_VALUES = 64
+
+
+@triton.jit
+def _grid_gemv_kernel(
+    x,
+    x_pitch,
+    m,
+    w,
+    table,
+    n,
+    out,
+    pitch,
+    bias,
+    pos,
+    res,
+    res_pitch,
+    FMT: tl.constexpr,
+    NBYTES: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    STEPS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLICE_C: tl.constexpr,
+    SUPER_C: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    AT_ROW: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl.begin(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mi = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # rows past n decode row n - 1 (no masked weight loads); the store drops them
+    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
+    x_rows = x + mi.to(tl.int64) * x_pitch  # [M]
+    keep_m = mi < m
+    s = tl.arange(0, SLICE_C)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, SLICE_C], tl.float32)
+    slices: tl.constexpr = SUPER_C // SLICE_C
+    for step in tl.range(0, STEPS):
+        t = (step % slices) * SLICE_C + s  # [S]: the values of the super-block this step decodes
+        blk = w_rows + (step // slices) * NBYTES  # [N]
+        v = grid_values(blk[:, None], table, t[None, :], FMT)  # [N, S]
+        col = step * SLICE_C + s
+        xs = tl.load(x_rows[:, None] + col[None, :], mask=keep_m[:, None], other=0.0).to(tl.float32)  # [M, S]
+        acc += xs[:, None, :] * v[None, :, :]
+    y = tl.sum(acc, axis=2)
+    store_rows(y, rows, n, mi, m, out, pitch, bias, pos, res, res_pitch, HAS_BIAS, AT_ROW, HAS_RES)
+
+
+def gemv_grid(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    fmt: Format,
+    n: int,
+    k: int,
+    out: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    out_row: tuple[torch.Tensor, int] | None = None,
+) -> torch.Tensor:
+    """out = x (m, k) @ W^T (+ bias) (+ residual), W the n x k checkpoint rows `w` (1-D uint8, the file's blocks)
+    in a grid or ternary `fmt`; returns `out`. As `rows.gemv`: with `out_row` = (pos, pitch), row r lands at row
+    pos[0] + r of the table `out`, the position read on the device; `residual` (m, n) may be `out` itself. Rows
+    of x past the GEMV's run in tiles of them, each re-reading the weights."""
+    fmt = Format(fmt)
+    if fmt not in kernels.GRID_GEMV_FORMATS:
+        raise ValueError(f"no grid GEMV for {fmt.name}")
+    m = check_x(x, k)
+    lay = LAYOUTS[fmt]
+    if k % lay.values or w.dtype != torch.uint8 or w.dim() != 1 or w.numel() != n * (k // lay.values) * lay.nbytes:
+        raise ValueError(f"w must be the {n} x {k} {fmt.name} rows' bytes, whole {lay.values}-value blocks")
+    if bias is not None and (bias.dim() != 1 or bias.numel() != n):
+        raise ValueError(f"bias must have {n} values")
+    if residual is not None and (tuple(residual.shape) != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"residual must be ({m}, {n}) with unit column stride")
+    if out_row is None:
+        if tuple(out.shape) != (m, n) or out.stride(1) != 1:
+            raise ValueError(f"out must be ({m}, {n}) with unit column stride")
+        pos, pitch = None, out.stride(0)
+    else:
+        pos, pitch = out_row
+    block_m, m_tiles = row_tiles(m)
+    _grid_gemv_kernel[(triton.cdiv(n, GRID_BLOCK_N), m_tiles)](
+        x,
+        x.stride(0),
+        m,
+        w,
+        device_table(fmt, w.device),
+        n,
+        out,
+        pitch,
+        x if bias is None else bias,  # an absent bias, position or residual is never read
+        x if pos is None else pos,
+        x if residual is None else residual,
+        0 if residual is None else residual.stride(0),
+        FMT=int(fmt),
+        NBYTES=lay.nbytes,
+        ROW_BYTES=(k // lay.values) * lay.nbytes,
+        STEPS=k // SLICE,
+        BLOCK_M=block_m,
+        BLOCK_N=GRID_BLOCK_N,
+        SLICE_C=SLICE,
+        SUPER_C=QK_K,
+        HAS_BIAS=bias is not None,
+        AT_ROW=pos is not None,
+        HAS_RES=residual is not None,
+        num_warps=GRID_WARPS,
+        **pdl.options(),
+    )
+    return out

@@ -1,0 +1,373 @@
+"""The values of the grid and ternary formats' 256-value super-blocks on the device, read from the file's own
+block layout (`formats.LAYOUTS`) and one lookup table a format (`table_bytes`, `device_table`).
+
+A grid format's code picks a row of one of llama.cpp's value grids (4 or 8 values a row) and a sign pattern
+(IQ1: the sign of a shared offset of 1/8) goes with it; a sub-block scale multiplies the row. `grid_values` finds
+for each wanted value t its row index, its sign and its sub-block's scale in the block's bytes, then gathers the
+row's value from the table: bit for bit the f32 `fuselane.gguf.dequant` gives (`dequant_grid`, itself bit-equal to
+`gguf.quants`). Every product is exact in f32 (an f16 scale's 11 significant bits times a sub-scale of at most 5
+bits times a grid value below 64, or IQ1's value +- 1/8), so the order of the factors changes no bit; the order
+of the reference is kept anyway, and a zero's sign follows the same IEEE rule in either order. The ternary
+formats (TQ1_0, TQ2_0) need no table: a value is d times a digit - 1, the digit read from base-3 or 2-bit codes.
+
+The table of a grid format, as `table_bytes` builds it from `gguf.quants`' grids (the layout the kernels read):
+- bytes [0, rows * width): the grid, row r's `width` values (8; IQ3_XXS and IQ3_S 4) as signed bytes at r * width
+  (IQ2 grids hold 8, 25, 43; IQ3_XXS 4..62; IQ3_S 1..15; IQ1 -1, 0, 1);
+- for IQ2_XXS, IQ2_XS and IQ3_XXS, then 128 bytes at `*_KSIGNS` (rows * width): ggml's ksigns_iq2xs, the sign
+  patterns of 8 values a 7-bit index stands for (bit j set: value j negative; the 8th bit the 7's parity).
+IQ2_XXS 2,048 + 128 bytes, IQ2_XS 4,096 + 128, IQ2_S 8,192, IQ3_XXS 1,024 + 128, IQ3_S 2,048, IQ1_S and IQ1_M
+16,384. A ternary format's table is one unread byte (a launch still takes a pointer).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import numpy as np
+import triton
+import triton.language as tl
+from gguf import quants as gguf_quants
+
+from fuselane.gguf.formats import LAYOUTS, QK_K, Format
+from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.triton.gemv.layout import BIT, BYTE_BITS, CRUMB, NIBBLE, NIBBLE_BITS, load_f16
+
+if TYPE_CHECKING:
+    import torch
+
+GRID_DEVICE_FORMATS = kernels.GRID_GEMV_FORMATS  # every grid and ternary format of the table
+KSIGN_FORMATS = frozenset({Format.IQ2_XXS, Format.IQ2_XS, Format.IQ3_XXS})  # sign patterns by 7-bit index
+TERNARY_FORMATS = frozenset({Format.TQ1_0, Format.TQ2_0})
+KSIGNS = np.frombuffer(gguf_quants.IQ2_XXS.ksigns, dtype=np.uint8)  # ggml's ksigns_iq2xs: 128 patterns
+
+
+def _grid_shape(fmt: Format) -> tuple[int, int]:
+    """(rows, values a row) of `fmt`'s grid in `gguf.quants`."""
+    rows, width = getattr(gguf_quants, fmt.name).grid_shape
+    return int(rows), int(width)
+
+
+def _grid_bytes(fmt: Format) -> int:
+    """Bytes of `fmt`'s grid in its table: where its ksigns begin."""
+    rows, width = _grid_shape(fmt)
+    return rows * width
+
+
+def table_bytes(fmt: Format) -> np.ndarray:
+    """`fmt`'s lookup table as the device reads it (the module's layout), uint8 1-D: the grid's rows of signed
+    bytes, then the 128 ksigns where the format indexes sign patterns; one byte for a ternary format."""
+    fmt = Format(fmt)
+    if fmt not in GRID_DEVICE_FORMATS:
+        raise ValueError(f"no device table for {fmt.name}")
+    if fmt in TERNARY_FORMATS:
+        return np.zeros(1, dtype=np.uint8)
+    cls = getattr(gguf_quants, fmt.name)
+    cls.init_grid()
+    grid = np.asarray(cls.grid, dtype=np.float32).reshape(_grid_shape(fmt))
+    parts = [grid.astype(np.int8).view(np.uint8).reshape(-1)]
+    if fmt in KSIGN_FORMATS:
+        parts.append(KSIGNS)
+    return np.concatenate(parts)
+
+
+def device_table(fmt: Format, device: torch.device | str) -> torch.Tensor:
+    """`table_bytes(fmt)` as a uint8 tensor on `device`, built once a (format, device)."""
+    return _device_table(Format(fmt), str(device))
+
+
+@functools.cache
+def _device_table(fmt: Format, device: str) -> torch.Tensor:
+    """`device_table`'s cache: one tensor a (format, device name)."""
+    import torch
+
+    return torch.from_numpy(table_bytes(fmt)).to(device)
+
+
+def _at(fmt: Format, field: str) -> tl.constexpr:
+    """The byte offset of `field` in a file block of `fmt`, as a constexpr."""
+    return tl.constexpr(LAYOUTS[fmt].field(field).offset)
+
+
+# --- formats and layouts, as constexprs ----------------------------------------------------------------------
+
+FMT_IQ2_XXS, FMT_IQ2_XS = tl.constexpr(int(Format.IQ2_XXS)), tl.constexpr(int(Format.IQ2_XS))
+FMT_IQ2_S, FMT_IQ3_XXS = tl.constexpr(int(Format.IQ2_S)), tl.constexpr(int(Format.IQ3_XXS))
+FMT_IQ3_S, FMT_IQ1_S = tl.constexpr(int(Format.IQ3_S)), tl.constexpr(int(Format.IQ1_S))
+FMT_IQ1_M, FMT_TQ1_0 = tl.constexpr(int(Format.IQ1_M)), tl.constexpr(int(Format.TQ1_0))
+FMT_TQ2_0 = tl.constexpr(int(Format.TQ2_0))
+
+IQ2_XXS_D, IQ2_XXS_QS = _at(Format.IQ2_XXS, "d"), _at(Format.IQ2_XXS, "qs")
+IQ2_XS_D, IQ2_XS_QS, IQ2_XS_SCALES = _at(Format.IQ2_XS, "d"), _at(Format.IQ2_XS, "qs"), _at(Format.IQ2_XS, "scales")
+IQ2_S_D, IQ2_S_QS, IQ2_S_SIGNS = _at(Format.IQ2_S, "d"), _at(Format.IQ2_S, "qs"), _at(Format.IQ2_S, "signs")
+IQ2_S_QH, IQ2_S_SCALES = _at(Format.IQ2_S, "qh"), _at(Format.IQ2_S, "scales")
+IQ3_XXS_D, IQ3_XXS_QS = _at(Format.IQ3_XXS, "d"), _at(Format.IQ3_XXS, "qs")
+IQ3_XXS_SCALES = _at(Format.IQ3_XXS, "scales")
+IQ3_S_D, IQ3_S_QS, IQ3_S_QH = _at(Format.IQ3_S, "d"), _at(Format.IQ3_S, "qs"), _at(Format.IQ3_S, "qh")
+IQ3_S_SIGNS, IQ3_S_SCALES = _at(Format.IQ3_S, "signs"), _at(Format.IQ3_S, "scales")
+IQ1_S_D, IQ1_S_QS, IQ1_S_QH = _at(Format.IQ1_S, "d"), _at(Format.IQ1_S, "qs"), _at(Format.IQ1_S, "qh")
+IQ1_M_QS, IQ1_M_QH, IQ1_M_SCALES = _at(Format.IQ1_M, "qs"), _at(Format.IQ1_M, "qh"), _at(Format.IQ1_M, "scales")
+TQ1_0_QS, TQ1_0_QH, TQ1_0_D = _at(Format.TQ1_0, "qs"), _at(Format.TQ1_0, "qh"), _at(Format.TQ1_0, "d")
+TQ2_0_QS, TQ2_0_D = _at(Format.TQ2_0, "qs"), _at(Format.TQ2_0, "d")
+
+# the tables (module docstring): values a grid row, and where the ksigns begin
+ROW8, ROW4 = tl.constexpr(8), tl.constexpr(4)
+IQ2_XXS_KSIGNS = tl.constexpr(_grid_bytes(Format.IQ2_XXS))
+IQ2_XS_KSIGNS = tl.constexpr(_grid_bytes(Format.IQ2_XS))
+IQ3_XXS_KSIGNS = tl.constexpr(_grid_bytes(Format.IQ3_XXS))
+if {_grid_shape(f)[1] for f in GRID_DEVICE_FORMATS - TERNARY_FORMATS} != {ROW8.value, ROW4.value}:
+    raise RuntimeError("a gguf.quants grid row is no longer 4 or 8 values wide")
+
+BLOCK_VALUES = tl.constexpr(QK_K)  # values of a super-block
+
+# --- the bits of the codes (as `dequant_grid` and `gguf.quants` read them) -----------------------------------
+
+GROUP8_BITS = tl.constexpr(3)  # t >> 3: the group of 8 values t is in (one 8-wide grid row, one sign byte)
+GROUP4_BITS = tl.constexpr(2)  # t >> 2: the group of 4 values (one 4-wide grid row)
+SUB16_BITS = tl.constexpr(4)  # t >> 4: the sub-block of 16 values (IQ2_XS / IQ2_S / IQ1_M scales)
+SUB32_BITS = tl.constexpr(5)  # t >> 5: the sub-block of 32 values (IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S)
+SUB64_BITS = tl.constexpr(6)  # t >> 6: the 64 values of an IQ3_S scale byte (two nibbles)
+IN_GROUP8 = tl.constexpr(7)  # t & 7: t's place in its group of 8 (its bit of a sign byte)
+IN_GROUP4 = tl.constexpr(3)
+QUAD = tl.constexpr(3)  # & 3: a group's place among four (the four grid bytes and sign indices of a u32 pair)
+PAIR_BYTES = tl.constexpr(8)  # IQ2_XXS: a sub-block of 32's two u32 (4 grid indices; 4 sign indices and a scale)
+WORD_BYTES = tl.constexpr(4)
+HALF_BYTES = tl.constexpr(2)  # bytes of a u16
+SIGN_BITS = tl.constexpr(7)  # a 7-bit sign index into the ksigns
+SIGN_MASK = tl.constexpr(0x7F)
+SCALE_SHIFT = tl.constexpr(28)  # IQ2_XXS / IQ3_XXS: a sub-block's 4-bit scale, the top of its sign word
+NINE_BITS = tl.constexpr(0x1FF)  # IQ2_XS: a u16's 9-bit grid index (its top 7 bits the sign index)
+INDEX_HIGH_SHIFT = tl.constexpr(8)  # a grid index's bits above its low byte
+HALF = tl.constexpr(0.5)
+IQ2_STEP = tl.constexpr(0.25)  # IQ2_*: value = d * (0.5 + scale) * 0.25 * grid value
+IQ3_XXS_STEP = tl.constexpr(0.5)  # IQ3_XXS: value = d * (0.5 + scale) * 0.5 * grid value
+SEVEN = tl.constexpr(0x7)  # a 3-bit field (IQ1's index bits and scales)
+THREE_BITS = tl.constexpr(3)
+IQ1_DELTA, IQ1_NEG_DELTA = tl.constexpr(0.125), tl.constexpr(-0.125)  # IQ1: value = dl * (grid value +- 1/8)
+IQ1_S_SCALE_SHIFT = tl.constexpr(12)  # IQ1_S: a sub-block's 3-bit scale, bits 12-14 of its qh word
+IQ1_S_NEGATIVE = tl.constexpr(0x8000)  # IQ1_S: the delta's sign, bit 15 of the qh word
+IQ1_M_NEGATIVE = tl.constexpr(0x08)  # IQ1_M: the delta's sign, bit 3 of an entry's qh nibble
+IQ1_M_WORD_SHIFT = tl.constexpr(2)  # IQ1_M: i >> 2, the u16 of `scales` holding 3-bit scale i (four a word)
+NIBBLE_SHIFT = tl.constexpr(1)  # g >> 1: the byte holding nibble g (two a byte)
+CRUMB_SHIFT = tl.constexpr(2)  # g >> 2: the byte holding crumb g (four a byte)
+CRUMB_BITS = tl.constexpr(2)
+IQ2_XS_SIGN_SHIFT = tl.constexpr(9)  # IQ2_XS: a u16's sign index above its 9-bit grid index
+HIGH_NIBBLE = tl.constexpr(0xF0)
+# IQ1_M's f16 d: the top nibbles of its four `scales` u16 (bytes 1, 3, 5, 7), the first the lowest
+IQ1_M_D0, IQ1_M_D1 = tl.constexpr(1), tl.constexpr(3)
+IQ1_M_D2, IQ1_M_D3 = tl.constexpr(5), tl.constexpr(7)
+# TQ1_0: 5 base-3 digits a qs byte, its first 32 bytes for values 0-159 (digit t // 32 of byte t % 32), its next
+# 16 for 160-239 (digit (t - 160) // 16 of byte 32 + t % 16); qh's 4 bytes 4 digits each for 240-255
+TQ1_RUN1, TQ1_RUN2 = tl.constexpr(160), tl.constexpr(240)  # first values of the 16-byte run and of qh
+TQ1_RUN0_BYTES = 32  # qs bytes of the first run (values 0-159)
+TQ1_RUN0_AT, TQ1_RUN1_AT = TQ1_0_QS, tl.constexpr(TQ1_0_QS.value + TQ1_RUN0_BYTES)  # where the qs runs begin
+TQ1_RUN0_BITS, TQ1_RUN1_BITS, TQ1_QH_BITS = tl.constexpr(5), tl.constexpr(4), tl.constexpr(2)  # log2 of run bytes
+TQ1_MAX_DIGITS = tl.constexpr(4)  # digits above the lowest of a byte: the multiplier is 3^digit, at most 81
+TERNARY_BASE = tl.constexpr(3)
+BYTE = tl.constexpr(0xFF)  # gguf multiplies a byte by 3^digit in uint8: modulo 256
+TERNARY_BIAS = tl.constexpr(1)  # a ternary value is d * (digit - 1)
+# TQ2_0: 2-bit codes, value t as crumb (t % 128) // 32 of byte 32 * (t // 128) + t % 32
+TQ2_HALF_BITS, TQ2_RUN_BITS = tl.constexpr(7), tl.constexpr(5)
+TQ2_HALF_BYTES, TQ2_RUN = tl.constexpr(32), tl.constexpr(31)
+
+
+# --- loads ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _byte(ptr):
+    """The uint8 at each of `ptr`, as int32. (Here and below a constexpr meets a tensor from the right: Triton
+    3.6's interpreter turns `constexpr + tensor` into a tuple.)"""
+    return tl.load(ptr).to(tl.int32)
+
+
+@triton.jit
+def _u16(ptr):
+    """The little-endian u16 at each of `ptr`, from its two bytes (blocks lie at any even offset), as int32."""
+    return _byte(ptr) | (_byte(ptr + 1) << BYTE_BITS)
+
+
+@triton.jit
+def _u32(ptr):
+    """The little-endian u32 at each of `ptr`, from its four bytes, as int32 (its top bit the int's sign: the
+    fields read from it are shifted down and masked)."""
+    return _u16(ptr) | (_u16(ptr + HALF_BYTES) << (2 * BYTE_BITS))
+
+
+@triton.jit
+def _grid_value(table, row, t, ROW: tl.constexpr):
+    """Value t % ROW of grid row `row` (ROW values a row, at table + row * ROW), as f32."""
+    return tl.load((table + (row * ROW + (t & (ROW - 1)))).to(tl.pointer_type(tl.int8))).to(tl.float32)
+
+
+@triton.jit
+def _signed(g, negative):
+    """`g` negated where `negative` (a sign bit, 0 or 1): a grid value times its sign, exactly."""
+    return tl.where(negative != 0, -g, g)
+
+
+@triton.jit
+def _ksign(table, word, t, KSIGNS: tl.constexpr):
+    """The sign bit of value t from a word of four 7-bit sign indices (t's group of 8 takes index (t >> 3) & 3),
+    through the ksigns at table + KSIGNS."""
+    index = (word >> (((t >> GROUP8_BITS) & QUAD) * SIGN_BITS)) & SIGN_MASK
+    return (_byte(table + KSIGNS + index) >> (t & IN_GROUP8)) & BIT
+
+
+@triton.jit
+def _iq2_scale(d, scales, t):
+    """IQ2_XS / IQ2_S: d * (0.5 + scale) * 0.25, the 4-bit scale of t's sub-block of 16 (nibble (t >> 4) & 1 of
+    byte t >> 5 of `scales`)."""
+    scale = (_byte(scales + (t >> SUB32_BITS)) >> (((t >> SUB16_BITS) & BIT) * NIBBLE_BITS)) & NIBBLE
+    return d * (scale.to(tl.float32) + HALF) * IQ2_STEP
+
+
+# --- the formats ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _iq2_xxs(blk, table, t):
+    """IQ2_XXS: a sub-block of 32 is a u32 pair; the first's byte l the grid row of the l-th 8 values, the
+    second four 7-bit sign indices and the 4-bit scale on top."""
+    pair = blk + IQ2_XXS_QS + (t >> SUB32_BITS) * PAIR_BYTES
+    row = _byte(pair + ((t >> GROUP8_BITS) & QUAD))
+    word = _u32(pair + WORD_BYTES)
+    negative = _ksign(table, word, t, IQ2_XXS_KSIGNS)
+    db = load_f16(blk + IQ2_XXS_D) * (((word >> SCALE_SHIFT) & NIBBLE).to(tl.float32) + HALF) * IQ2_STEP
+    return db * _signed(_grid_value(table, row, t, ROW8), negative)
+
+
+@triton.jit
+def _iq2_xs(blk, table, t):
+    """IQ2_XS: a u16 a group of 8, a 9-bit grid row and a 7-bit sign index; a 4-bit scale a sub-block of 16."""
+    code = _u16(blk + IQ2_XS_QS + (t >> GROUP8_BITS) * HALF_BYTES)
+    index = code >> IQ2_XS_SIGN_SHIFT
+    negative = (_byte(table + IQ2_XS_KSIGNS + index) >> (t & IN_GROUP8)) & BIT
+    db = _iq2_scale(load_f16(blk + IQ2_XS_D), blk + IQ2_XS_SCALES, t)
+    return db * _signed(_grid_value(table, code & NINE_BITS, t, ROW8), negative)
+
+
+@triton.jit
+def _iq2_s(blk, table, t):
+    """IQ2_S: a grid row's low 8 bits in qs, its top 2 as crumb g % 4 of qh byte g // 4 (g = t >> 3); a sign
+    bit a value; a 4-bit scale a sub-block of 16."""
+    g = t >> GROUP8_BITS
+    high = (_byte(blk + IQ2_S_QH + (g >> CRUMB_SHIFT)) >> ((g & QUAD) * CRUMB_BITS)) & CRUMB
+    row = _byte(blk + IQ2_S_QS + g) | (high << INDEX_HIGH_SHIFT)
+    negative = (_byte(blk + IQ2_S_SIGNS + g) >> (t & IN_GROUP8)) & BIT
+    db = _iq2_scale(load_f16(blk + IQ2_S_D), blk + IQ2_S_SCALES, t)
+    return db * _signed(_grid_value(table, row, t, ROW8), negative)
+
+
+@triton.jit
+def _iq3_xxs(blk, table, t):
+    """IQ3_XXS: a byte of qs a grid row of 4 values; a sub-block of 32 a u32 of four 7-bit sign indices (one a
+    group of 8) and its 4-bit scale on top."""
+    row = _byte(blk + IQ3_XXS_QS + (t >> GROUP4_BITS))
+    word = _u32(blk + IQ3_XXS_SCALES + (t >> SUB32_BITS) * WORD_BYTES)
+    negative = _ksign(table, word, t, IQ3_XXS_KSIGNS)
+    db = load_f16(blk + IQ3_XXS_D) * (((word >> SCALE_SHIFT) & NIBBLE).to(tl.float32) + HALF) * IQ3_XXS_STEP
+    return db * _signed(_grid_value(table, row, t, ROW4), negative)
+
+
+@triton.jit
+def _iq3_s(blk, table, t):
+    """IQ3_S: a grid row of 4 values, its low 8 bits in qs, its 9th bit i % 8 of qh byte i // 8 (i = t >> 2);
+    a sign bit a value; value = d * (1 + 2 * scale), a 4-bit scale a sub-block of 32."""
+    i = t >> GROUP4_BITS
+    high = (_byte(blk + IQ3_S_QH + (i >> GROUP8_BITS)) >> (i & IN_GROUP8)) & BIT
+    row = _byte(blk + IQ3_S_QS + i) | (high << INDEX_HIGH_SHIFT)
+    negative = (_byte(blk + IQ3_S_SIGNS + (t >> GROUP8_BITS)) >> (t & IN_GROUP8)) & BIT
+    scale = (_byte(blk + IQ3_S_SCALES + (t >> SUB64_BITS)) >> (((t >> SUB32_BITS) & BIT) * NIBBLE_BITS)) & NIBBLE
+    db = load_f16(blk + IQ3_S_D) * (scale * 2 + 1).to(tl.float32)
+    return db * _signed(_grid_value(table, row, t, ROW4), negative)
+
+
+@triton.jit
+def _iq1_s(blk, table, t):
+    """IQ1_S: a grid row's low 8 bits in qs, its top 3 in the u16 of its sub-block of 32 (3 bits a group of 8,
+    then the 3-bit scale and the delta's sign); value = d * (2 * scale + 1) * (grid value +- 1/8)."""
+    g = t >> GROUP8_BITS
+    qh = _u16(blk + IQ1_S_QH + (t >> SUB32_BITS) * HALF_BYTES)
+    row = _byte(blk + IQ1_S_QS + g) | (((qh >> ((g & QUAD) * THREE_BITS)) & SEVEN) << INDEX_HIGH_SHIFT)
+    dl = load_f16(blk + IQ1_S_D) * (((qh >> IQ1_S_SCALE_SHIFT) & SEVEN) * 2 + 1).to(tl.float32)
+    delta = tl.where((qh & IQ1_S_NEGATIVE) != 0, IQ1_NEG_DELTA, IQ1_DELTA)
+    return dl * (_grid_value(table, row, t, ROW8) + delta)
+
+
+@triton.jit
+def _iq1_m_d(blk):
+    """IQ1_M's f16 d, its nibbles the top ones of the four u16 of `scales` (the first the lowest), as f32."""
+    low = (_byte(blk + IQ1_M_SCALES + IQ1_M_D0) >> NIBBLE_BITS) | (_byte(blk + IQ1_M_SCALES + IQ1_M_D1) & HIGH_NIBBLE)
+    high = (_byte(blk + IQ1_M_SCALES + IQ1_M_D2) >> NIBBLE_BITS) | (_byte(blk + IQ1_M_SCALES + IQ1_M_D3) & HIGH_NIBBLE)
+    bits = low | (high << BYTE_BITS)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _iq1_m(blk, table, t):
+    """IQ1_M: a grid row's low 8 bits in qs, its top 3 and the delta's sign in a nibble of qh (one a group of
+    8); value = d * (2 * scale + 1) * (grid value +- 1/8), a 3-bit scale a sub-block of 16."""
+    g = t >> GROUP8_BITS
+    entry = (_byte(blk + IQ1_M_QH + (g >> NIBBLE_SHIFT)) >> ((g & BIT) * NIBBLE_BITS)) & NIBBLE
+    row = _byte(blk + IQ1_M_QS + g) | ((entry & SEVEN) << INDEX_HIGH_SHIFT)
+    i = t >> SUB16_BITS  # scale i: bits 3 * (i % 4) of u16 i // 4 of `scales`
+    word = _u16(blk + IQ1_M_SCALES + (i >> IQ1_M_WORD_SHIFT) * HALF_BYTES)
+    scale = (word >> ((i & QUAD) * THREE_BITS)) & SEVEN
+    dl = _iq1_m_d(blk) * (scale * 2 + 1).to(tl.float32)
+    delta = tl.where((entry & IQ1_M_NEGATIVE) != 0, IQ1_NEG_DELTA, IQ1_DELTA)
+    return dl * (_grid_value(table, row, t, ROW8) + delta)
+
+
+@triton.jit
+def _tq1_0(blk, t):
+    """TQ1_0: digit j of a byte q is ((q * 3^j mod 256) * 3) >> 8 (gguf's base-3 code, top digit first);
+    value = d * (digit - 1). Runs: qs bytes 0-31 for values 0-159, 32-47 for 160-239, qh for 240-255."""
+    in_run1, in_qh = t >= TQ1_RUN1, t >= TQ1_RUN2
+    rel = tl.where(in_qh, t - TQ1_RUN2, tl.where(in_run1, t - TQ1_RUN1, t))
+    bits = tl.where(in_qh, TQ1_QH_BITS, tl.where(in_run1, TQ1_RUN1_BITS, TQ1_RUN0_BITS))
+    start = tl.where(in_qh, TQ1_0_QH, tl.where(in_run1, TQ1_RUN1_AT, TQ1_RUN0_AT))
+    digit = rel >> bits
+    q = _byte(blk + (start + (rel - (digit << bits))))
+    for j in tl.static_range(TQ1_MAX_DIGITS):
+        q = tl.where(digit > j, (q * TERNARY_BASE) & BYTE, q)
+    code = (q * TERNARY_BASE) >> BYTE_BITS
+    return load_f16(blk + TQ1_0_D) * (code - TERNARY_BIAS).to(tl.float32)
+
+
+@triton.jit
+def _tq2_0(blk, t):
+    """TQ2_0: value t is crumb (t % 128) // 32 of byte 32 * (t // 128) + t % 32; value = d * (code - 1)."""
+    at = (t >> TQ2_HALF_BITS) * TQ2_HALF_BYTES + (t & TQ2_RUN)
+    crumb = ((t >> TQ2_RUN_BITS) & QUAD) * CRUMB_BITS
+    code = (_byte(blk + TQ2_0_QS + at) >> crumb) & CRUMB
+    return load_f16(blk + TQ2_0_D) * (code - TERNARY_BIAS).to(tl.float32)
+
+
+@triton.jit
+def grid_values(blk, table, t, FMT: tl.constexpr):
+    """The f32 values t (int32 indices 0..255 in a super-block) of the blocks at `blk` (uint8 pointers to each
+    block's first byte in the file's layout), of shapes that broadcast together (the whole-matrix decode's
+    [U, 1] and [1, T]; a GEMV's [1, N, B] and [A, 1, B]), in the format `FMT` (`int(Format.X)`, one of
+    GRID_DEVICE_FORMATS); `table` points to `device_table(FMT)`. Bit for bit `fuselane.gguf.dequant`'s values,
+    signs of zero included."""
+    if FMT == FMT_IQ2_XXS:
+        v = _iq2_xxs(blk, table, t)
+    elif FMT == FMT_IQ2_XS:
+        v = _iq2_xs(blk, table, t)
+    elif FMT == FMT_IQ2_S:
+        v = _iq2_s(blk, table, t)
+    elif FMT == FMT_IQ3_XXS:
+        v = _iq3_xxs(blk, table, t)
+    elif FMT == FMT_IQ3_S:
+        v = _iq3_s(blk, table, t)
+    elif FMT == FMT_IQ1_S:
+        v = _iq1_s(blk, table, t)
+    elif FMT == FMT_IQ1_M:
+        v = _iq1_m(blk, table, t)
+    elif FMT == FMT_TQ1_0:
+        v = _tq1_0(blk, t)
+    else:
+        tl.static_assert(FMT == FMT_TQ2_0, "no grid decode for this format")
+        v = _tq2_0(blk, t)
+    return v

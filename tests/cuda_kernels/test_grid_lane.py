@@ -1,0 +1,140 @@
+"""The grid and ternary formats on the cuda lane: a step's and a short chunk's products on the grid GEMV
+(`triton/grid/gemv.py`), a prompt's chunk on cuBLAS over the f16 scratch or copies the grid decode writes
+(`triton/grid/decode.py`), against the cpu lane in f64 within the lane's contract; the GEMV alone against f64
+with each epilogue. Interpreted where there is no GPU, compiled on one.
+
+A grid matrix multiplies alone: the fused ops that would hold it are taken apart (`fits`), so the plan's
+launches a layer grow, and `explain` says why."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run the kernels on the CPU
+pytest.importorskip("triton")
+
+from fuselane.explain import build_plan  # noqa: E402
+from fuselane.fuse.views import leaves  # noqa: E402
+from fuselane.gguf.dequant import dequantize  # noqa: E402
+from fuselane.gguf.formats import GRID_FORMATS, LAYOUTS, Format  # noqa: E402
+from fuselane.gguf.quantize import random_blocks  # noqa: E402
+from fuselane.gguf.synth import Shape, write_synthetic  # noqa: E402
+from fuselane.graph.ir import Fused  # noqa: E402
+from fuselane.lanes.cuda.plan import kernels  # noqa: E402
+from tests.lane_steps import rel, runs_as_the_cpu_lane  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# rows of whole 256-value super-blocks; 4 query heads a kv head; one layer keeps the interpreter's time short
+QWEN2 = Shape("qwen2", 256, 1, 4, 1, 64, 512, 512, context=64)
+QWEN3 = Shape("qwen3", 256, 1, 4, 1, 64, 512, 512, context=64)
+PROMPT = [5, 60, 7, 300, 8, 1, 2, 3, 4, 5, 6]  # past the GEMV's rows: a chunk on cuBLAS
+SHORT = [12, 13, 14]  # within the GEMV's rows: the grid GEMV over three rows
+assert len(PROMPT) > kernels.GEMV_ROWS >= len(SHORT)
+# every projection of the layer in a grid format, seven of them in one file (Qwen2's q, k and v with biases)
+SEVEN = {
+    "attn_q": Format.IQ2_XXS,
+    "attn_k": Format.IQ2_XS,
+    "attn_v": Format.IQ3_XXS,
+    "attn_output": Format.IQ2_S,
+    "ffn_gate": Format.IQ3_S,
+    "ffn_up": Format.IQ1_S,
+    "ffn_down": Format.IQ1_M,
+}
+TERNARY = {"attn_q": Format.TQ2_0, "attn_output": Format.TQ1_0, "ffn_down": Format.TQ2_0, "ffn_up": Format.TQ1_0}
+assert set(SEVEN.values()) | set(TERNARY.values()) == GRID_FORMATS
+
+
+def _write(path, shape: Shape, formats: dict[str, Format]) -> str:
+    names = {f"blk.0.{m}.weight": f for m, f in formats.items()}
+    return str(write_synthetic(path, shape, "q8_0", seed=5, formats=names))
+
+
+@pytest.mark.parametrize(
+    ("shape", "formats", "activations"),
+    [(QWEN2, SEVEN, "int8"), (QWEN2, SEVEN, "dequant"), (QWEN3, TERNARY, "int8")],
+    ids=["qwen2-grid-int8", "qwen2-grid-dequant", "qwen3-ternary-int8"],
+)
+def test_a_grid_model_runs_as_the_cpu_lane(tmp_path, shape, formats, activations):
+    path = _write(tmp_path / "m.gguf", shape, formats)
+    runs_as_the_cpu_lane(path, PROMPT, SHORT, [9, 77], ctx=32, knobs=[f"activations={activations}"])
+
+
+def test_a_prompt_on_f16_copies_runs_as_the_cpu_lane(tmp_path):
+    path = _write(tmp_path / "m.gguf", QWEN3, {"attn_q": Format.IQ2_XXS, "ffn_down": Format.IQ3_S})
+    runs_as_the_cpu_lane(path, PROMPT, SHORT, [], ctx=32, knobs=["prefill=f16-copy"])
+
+
+def test_the_fused_ops_that_would_hold_a_grid_matrix_are_taken_apart(tmp_path):
+    path = _write(tmp_path / "m.gguf", QWEN3, {"ffn_down": Format.IQ2_XXS})
+    _, _, plan = build_plan(path, lane="cuda")
+    assert plan.cannot_run is None
+    matrix = "blk.0.ffn_down.weight"
+    readers = [op for op in plan.ops if matrix in {x for leaf in leaves(op) for x in leaf.ins}]
+    assert readers and all(not isinstance(op.sym, Fused) for op in readers)
+    # and the same file with the projection in Q8_0 fuses it
+    plain = str(write_synthetic(tmp_path / "p.gguf", QWEN3, "q8_0", seed=5))
+    fused = [op for op in build_plan(plain, lane="cuda")[2].ops if matrix in {x for lf in leaves(op) for x in lf.ins}]
+    assert any(isinstance(op.sym, Fused) for op in fused)
+
+
+def _rows(fmt: Format, n: int, k: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
+    lay = LAYOUTS[fmt]
+    blocks = random_blocks(fmt, n * k // lay.values, np.random.default_rng(seed))
+    want = dequantize(blocks.reshape(-1), fmt, (n, k)).astype(np.float64)
+    return torch.from_numpy(blocks.reshape(-1)).to(DEVICE), want
+
+
+@pytest.mark.parametrize("fmt", sorted(GRID_FORMATS), ids=lambda f: f.name)
+@pytest.mark.parametrize("m", [1, 3])
+def test_the_grid_gemv_matches_f64(fmt, m):
+    from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid
+
+    n, k = 20, 512  # a partial tile of rows; two super-blocks a row
+    w, want_w = _rows(fmt, n, k, seed=int(fmt) + m)
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    out = torch.empty((m, n), dtype=torch.float32, device=DEVICE)
+    gemv_grid(torch.from_numpy(x).to(DEVICE), w, fmt, n, k, out)
+    want = x.astype(np.float64) @ want_w.T
+    # f32 sums of k products: within k ulps of the largest partial sum, far under this bound
+    assert rel(out.cpu().numpy(), want) < 1e-5
+
+
+def test_the_grid_gemv_epilogues(tmp_path):
+    from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid
+
+    fmt, n, k, m = Format.IQ2_XS, 24, 256, 2
+    w, want_w = _rows(fmt, n, k, seed=3)
+    rng = np.random.default_rng(4)
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(DEVICE)
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(DEVICE)
+    product = x.cpu().numpy().astype(np.float64) @ want_w.T
+    # a bias and a residual added in place
+    res = torch.from_numpy(rng.standard_normal((m, n)).astype(np.float32)).to(DEVICE)
+    want = product + bias.cpu().numpy() + res.cpu().numpy()
+    gemv_grid(x, w, fmt, n, k, res, bias=bias, residual=res)
+    assert rel(res.cpu().numpy(), want) < 1e-5
+    # rows landing at a position read on the device, in a wider table
+    table = torch.zeros((6, n + 8), dtype=torch.float32, device=DEVICE)
+    pos = torch.tensor([3], dtype=torch.int32, device=DEVICE)
+    gemv_grid(x, w, fmt, n, k, table, out_row=(pos, table.stride(0)))
+    got = table.cpu().numpy()
+    assert rel(got[3:5, :n], product) < 1e-5
+    assert not got[:3].any() and not got[5:].any() and not got[:, n:].any()
+
+
+def test_the_grid_gemv_refuses_what_it_does_not_take():
+    from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid
+
+    w, _ = _rows(Format.IQ2_XXS, 4, 256, seed=1)
+    x = torch.zeros((1, 256), dtype=torch.float32, device=DEVICE)
+    out = torch.empty((1, 4), dtype=torch.float32, device=DEVICE)
+    with pytest.raises(ValueError, match="no grid GEMV for Q8_0"):
+        gemv_grid(x, w, Format.Q8_0, 4, 256, out)
+    with pytest.raises(ValueError, match="IQ2_XXS rows' bytes"):
+        gemv_grid(x, w[:-1], Format.IQ2_XXS, 4, 256, out)
