@@ -24,6 +24,7 @@ from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import GRID_FORMATS, LAYOUTS, Format  # noqa: E402
 from fuselane.gguf.quantize import random_blocks  # noqa: E402
 from fuselane.gguf.synth import Shape, write_synthetic  # noqa: E402
+from fuselane.graph.classes import ClassId as C  # noqa: E402
 from fuselane.graph.ir import Fused  # noqa: E402
 from fuselane.lanes.cuda.plan import kernels  # noqa: E402
 from tests.lane_steps import rel, runs_as_the_cpu_lane  # noqa: E402
@@ -80,6 +81,15 @@ def test_the_fused_ops_that_would_hold_a_grid_matrix_are_taken_apart(tmp_path):
     plain = str(write_synthetic(tmp_path / "p.gguf", QWEN3, "q8_0", seed=5))
     fused = [op for op in build_plan(plain, lane="cuda")[2].ops if matrix in {x for lf in leaves(op) for x in lf.ins}]
     assert any(isinstance(op.sym, Fused) for op in fused)
+
+
+def test_a_grid_product_keeps_its_bias_and_landing_row(tmp_path):
+    # the grid GEMV's epilogue adds a bias and lands a row in the cache: those fused ops hold the grid matrix
+    path = _write(tmp_path / "m.gguf", QWEN2, {"attn_q": Format.IQ2_XXS, "attn_v": Format.IQ3_S})
+    ops = build_plan(path, lane="cuda")[2].ops
+    holding = {m: [op.sym.cls for op in ops if f"blk.0.{m}.weight" in {x for lf in leaves(op) for x in lf.ins}]
+               for m in ("attn_q", "attn_v")}  # fmt: skip
+    assert holding == {"attn_q": [C.GEMM_BIAS], "attn_v": [C.ROW_WRITE]}
 
 
 def _rows(fmt: Format, n: int, k: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:

@@ -103,6 +103,8 @@ def _undecoded(op: Op, g: TensorGraph) -> str | None:
             if fmt not in kernels.GRID_GEMV_FORMATS:
                 return f"{name} is {fmt.name}, which no kernel of the lane decodes" + _CPU
             if isinstance(op.sym, Fused):
+                if op.sym.cls in _GRID_PRODUCT_CLASSES:
+                    continue
                 return _GRID_ALONE.format(name=name, fmt=fmt.name)
             if not (isinstance(op.sym, Matmul) and i == 1):
                 return f"{name} is {fmt.name}, a grid format, which the lane multiplies in a dense product only" + _CPU
@@ -110,12 +112,21 @@ def _undecoded(op: Op, g: TensorGraph) -> str | None:
 
 
 _CPU = " (the cpu lane runs it)"
-_GRID_ALONE = "{name} is {fmt}, a grid format, which the lane multiplies alone, by its own GEMV"
+_GRID_ALONE = (
+    "{name} is {fmt}, a grid format, which the lane multiplies alone (with a bias or a landing row), by its own GEMV"
+)
+
+
+# Fused classes whose launch is a product alone with its bias or its landing row (`product_launch.product`),
+# which the grid GEMV's epilogue takes as the GEMV by rows' does.
+_GRID_PRODUCT_CLASSES = frozenset({C.GEMM_BIAS, C.ROW_WRITE})
 
 
 def _grid_matrix(op: Op, g: TensorGraph) -> str | None:
-    """Why a fused op holding a grid format's matrix has no launch: no fused class's kernel decodes one, so the
-    op is taken apart and the product runs alone."""
+    """Why a fused op holding a grid format's matrix has no launch: no fused class's kernel decodes one but a
+    product's with its bias or landing row, so the op is taken apart and the product runs alone."""
+    if op.sym.cls in _GRID_PRODUCT_CLASSES:
+        return None
     for leaf in leaves(op):
         for name in leaf.ins:
             fmt = _matrix_format(name, g)
