@@ -148,3 +148,27 @@ def test_the_grid_gemv_refuses_what_it_does_not_take():
         gemv_grid(x, w, Format.Q8_0, 4, 256, out)
     with pytest.raises(ValueError, match="IQ2_XXS rows' bytes"):
         gemv_grid(x, w[:-1], Format.IQ2_XXS, 4, 256, out)
+
+
+def test_a_batch_of_grid_sequences_decodes_as_each_alone(tmp_path):
+    # the paged form: two sequences a step, the grid GEMV over the batch's rows; greedy tokens as the cpu lane's
+    from fuselane.engine.batch import engine_for
+    from fuselane.engine.sequence import Request
+    from fuselane.runtime.model import load
+    from fuselane.runtime.sampling import GREEDY
+
+    path = _write(
+        tmp_path / "m.gguf", QWEN3, {"attn_q": Format.IQ3_XXS, "ffn_up": Format.IQ2_S, "ffn_down": Format.TQ2_0}
+    )
+    gpu = load(path, lane="cuda", ctx=32)
+    ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
+    engine = engine_for(gpu, blocks=6, max_seqs=2, max_queue=2, block_size=4, chunk=6)
+    prompts, events = [[3, 4, 5, 6], [7, 8, 9]], {}
+    ids = [
+        engine.submit(Request(tuple(p), 3, GREEDY), lambda e: events.setdefault(e.seq, []).append(e)) for p in prompts
+    ]
+    engine.run_until_idle()
+    for seq, prompt in zip(ids, prompts, strict=True):
+        assert not any(e.error for e in events[seq])
+        got = [t for e in events[seq] for t in e.tokens]
+        assert got == list(ref.generate_ids(ref.session(), prompt, max_tokens=3, sampling=GREEDY))
