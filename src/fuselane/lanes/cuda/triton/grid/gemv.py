@@ -9,8 +9,10 @@ landing row read on the device: `rows.store_rows`), so a grid matrix multiplies 
 keep their own launches (`fits`: the lane's fused classes take no grid matrix).
 
 Launch shape: a program takes BLOCK_N weight rows for all m <= `kernels.GEMV_ROWS` rows of x and walks k a
-slice of SLICE values of a super-block at a time; its [BLOCK_M, BLOCK_N, SLICE] partial sums are reduced once
-at the end.
+slice of SLICE values of a super-block at a time: a thread finds a group's fields once (`values.grid_group`:
+the words of its 8 grid values, its signs, its scale) and decodes its 8 values from them in an unrolled loop
+(`grid_entry`), so the bit work that finds a grid row is spent once for 8 values; the [BLOCK_M, BLOCK_N,
+groups] partial sums are reduced once at the end.
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from fuselane.gguf.formats import LAYOUTS, QK_K, Format
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.rows import check_x, row_tiles, store_rows
-from fuselane.lanes.cuda.triton.grid.values import device_table, grid_values
+from fuselane.lanes.cuda.triton.grid.values import (
+    GRID_GROUP,
+    TERNARY_FORMATS,
+    device_table,
+    grid_entry,
+    grid_group,
+    grid_values,
+)
 
 # Weight rows a program takes, and its warps: a value costs a few dependent loads (its fields, its grid row),
 # so many rows in flight a SM cover their latency rather than a long k loop a thread.
@@ -33,6 +42,11 @@ GRID_WARPS = 4
 # at most ACC_VALUES a thread at the GEMV's eight rows (8 * 16 * 64 / 128 threads = 64).
 SLICE = 64
 ACC_VALUES = 64
+
+
+def values_a_thread(m: int) -> int:
+    """Weight values a thread decodes a step of the k loop at `m` rows of x (each times every row's value)."""
+    return GRID_BLOCK_N * SLICE // (GRID_WARPS * kernels.WARP)
 
 
 @triton.jit
@@ -57,6 +71,8 @@ def _grid_gemv_kernel(
     BLOCK_N: tl.constexpr,
     SLICE_C: tl.constexpr,
     SUPER_C: tl.constexpr,
+    GROUP_C: tl.constexpr,
+    TERNARY: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     AT_ROW: tl.constexpr,
     HAS_RES: tl.constexpr,
@@ -69,16 +85,30 @@ def _grid_gemv_kernel(
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
     x_rows = x + mi.to(tl.int64) * x_pitch  # [M]
     keep_m = mi < m
-    s = tl.arange(0, SLICE_C)
-    acc = tl.zeros([BLOCK_M, BLOCK_N, SLICE_C], tl.float32)
+    n_zero = rows * 0  # [N] zeros: x's pointers in the product's shape
+    groups: tl.constexpr = SLICE_C // GROUP_C
     slices: tl.constexpr = SUPER_C // SLICE_C
+    gi = tl.arange(0, groups)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, groups], tl.float32)
     for step in tl.range(0, STEPS):
-        t = (step % slices) * SLICE_C + s  # [S]: the values of the super-block this step decodes
-        blk = w_rows + (step // slices) * NBYTES  # [N]
-        v = grid_values(blk[:, None], table, t[None, :], FMT)  # [N, S]
-        col = step * SLICE_C + s
-        xs = tl.load(x_rows[:, None] + col[None, :], mask=keep_m[:, None], other=0.0).to(tl.float32)  # [M, S]
-        acc += xs[:, None, :] * v[None, :, :]
+        g = (step % slices) * groups + gi  # [G]: the groups of the super-block this step decodes
+        blk = (w_rows + (step // slices) * NBYTES)[:, None]  # [N, 1]
+        # [M, N, G]: each group's first value of x, a pointer a thread (each thread reads its own, from L1, where
+        # an [M, G] load would be spread to the product's layout through shared memory for every value)
+        cols = x_rows[:, None, None] + ((step * SLICE_C + gi * GROUP_C)[None, None, :] + n_zero[None, :, None])
+        if TERNARY:
+            for j in tl.static_range(GROUP_C):
+                v = grid_values(blk, table, (g * GROUP_C + j)[None, :], FMT)  # [N, G]
+                xs = tl.load(cols + j, mask=keep_m[:, None, None], other=0.0).to(tl.float32)
+                acc += xs * v[None, :, :]
+        else:
+            # a group's fields once ([N, G]), then each of its 8 values from them alone
+            low, high, signs, scale, delta = grid_group(blk, table, g[None, :], FMT)
+            for j in tl.static_range(GROUP_C):
+                # j as a constant int32 (folded into the shifts it sets): the interpreter's j is a Python int
+                v = grid_entry(low, high, signs, scale, delta, tl.full([1, 1], j, tl.int32), FMT)
+                xs = tl.load(cols + j, mask=keep_m[:, None, None], other=0.0).to(tl.float32)
+                acc += xs * v[None, :, :]
     y = tl.sum(acc, axis=2)
     store_rows(y, rows, n, mi, m, out, pitch, bias, pos, res, res_pitch, HAS_BIAS, AT_ROW, HAS_RES)
 
@@ -138,6 +168,8 @@ def gemv_grid(
         BLOCK_N=GRID_BLOCK_N,
         SLICE_C=SLICE,
         SUPER_C=QK_K,
+        GROUP_C=GRID_GROUP,
+        TERNARY=fmt in TERNARY_FORMATS,
         HAS_BIAS=bias is not None,
         AT_ROW=pos is not None,
         HAS_RES=residual is not None,

@@ -122,16 +122,18 @@ BLOCK_VALUES = tl.constexpr(QK_K)  # values of a super-block
 
 # --- the bits of the codes (as `dequant_grid` and `gguf.quants` read them) -----------------------------------
 
-GROUP8_BITS = tl.constexpr(3)  # t >> 3: the group of 8 values t is in (one 8-wide grid row, one sign byte)
+GRID_GROUP = 8  # values a group: one 8-wide grid row (two 4-wide), one sign byte or sign index
+GROUP8_BITS = tl.constexpr(GRID_GROUP.bit_length() - 1)  # t >> 3: the group of 8 values t is in
+# a group g's sub-blocks: g >> 1 its sub-block of 16 values, g >> 2 of 32, g >> 3 of 64
+SUB16_GROUPS, SUB32_GROUPS, SUB64_GROUPS = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+ROWS_A_GROUP = tl.constexpr(2)  # IQ3_XXS / IQ3_S: 4-wide grid rows a group of 8
 GROUP4_BITS = tl.constexpr(2)  # t >> 2: the group of 4 values (one 4-wide grid row)
-SUB16_BITS = tl.constexpr(4)  # t >> 4: the sub-block of 16 values (IQ2_XS / IQ2_S / IQ1_M scales)
-SUB32_BITS = tl.constexpr(5)  # t >> 5: the sub-block of 32 values (IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S)
-SUB64_BITS = tl.constexpr(6)  # t >> 6: the 64 values of an IQ3_S scale byte (two nibbles)
 IN_GROUP8 = tl.constexpr(7)  # t & 7: t's place in its group of 8 (its bit of a sign byte)
 IN_GROUP4 = tl.constexpr(3)
 QUAD = tl.constexpr(3)  # & 3: a group's place among four (the four grid bytes and sign indices of a u32 pair)
 PAIR_BYTES = tl.constexpr(8)  # IQ2_XXS: a sub-block of 32's two u32 (4 grid indices; 4 sign indices and a scale)
 WORD_BYTES = tl.constexpr(4)
+SIGN_SHIFT = tl.constexpr(24)  # a byte shifted to an int32's top and back: its sign extended
 HALF_BYTES = tl.constexpr(2)  # bytes of a u16
 SIGN_BITS = tl.constexpr(7)  # a 7-bit sign index into the ksigns
 SIGN_MASK = tl.constexpr(0x7F)
@@ -195,104 +197,103 @@ def _u32(ptr):
 
 
 @triton.jit
-def _grid_value(table, row, t, ROW: tl.constexpr):
-    """Value t % ROW of grid row `row` (ROW values a row, at table + row * ROW), as f32."""
-    return tl.load((table + (row * ROW + (t & (ROW - 1)))).to(tl.pointer_type(tl.int8))).to(tl.float32)
+def _row_word(table, row, ROW: tl.constexpr, HIGH: tl.constexpr):
+    """The int32 of grid row `row`'s signed bytes holding a group's values 0-3 (HIGH false) or 4-7: the row's
+    first or second word where a row is 8 values, its only one where it is 4 (a group then spans two rows)."""
+    at = row * ROW + (HIGH and ROW == ROW8) * WORD_BYTES
+    return tl.load((table + at).to(tl.pointer_type(tl.int32)))
 
 
 @triton.jit
-def _signed(g, negative):
-    """`g` negated where `negative` (a sign bit, 0 or 1): a grid value times its sign, exactly."""
-    return tl.where(negative != 0, -g, g)
+def _ksign_byte(table, word, g, KSIGNS: tl.constexpr):
+    """The sign byte of group g from a word of four 7-bit sign indices (group g takes index g & 3), through the
+    ksigns at table + KSIGNS: bit j set, value j negative."""
+    return _byte(table + KSIGNS + ((word >> ((g & QUAD) * SIGN_BITS)) & SIGN_MASK))
 
 
 @triton.jit
-def _ksign(table, word, t, KSIGNS: tl.constexpr):
-    """The sign bit of value t from a word of four 7-bit sign indices (t's group of 8 takes index (t >> 3) & 3),
-    through the ksigns at table + KSIGNS."""
-    index = (word >> (((t >> GROUP8_BITS) & QUAD) * SIGN_BITS)) & SIGN_MASK
-    return (_byte(table + KSIGNS + index) >> (t & IN_GROUP8)) & BIT
-
-
-@triton.jit
-def _iq2_scale(d, scales, t):
-    """IQ2_XS / IQ2_S: d * (0.5 + scale) * 0.25, the 4-bit scale of t's sub-block of 16 (nibble (t >> 4) & 1 of
-    byte t >> 5 of `scales`)."""
-    scale = (_byte(scales + (t >> SUB32_BITS)) >> (((t >> SUB16_BITS) & BIT) * NIBBLE_BITS)) & NIBBLE
+def _iq2_scale(d, scales, g):
+    """IQ2_XS / IQ2_S: d * (0.5 + scale) * 0.25, the 4-bit scale of group g's sub-block of 16 (nibble
+    (g >> 1) & 1 of byte g >> 2 of `scales`)."""
+    scale = (_byte(scales + (g >> SUB32_GROUPS)) >> (((g >> SUB16_GROUPS) & BIT) * NIBBLE_BITS)) & NIBBLE
     return d * (scale.to(tl.float32) + HALF) * IQ2_STEP
 
 
-# --- the formats ---------------------------------------------------------------------------------------------
+# --- a group's fields: (the words of its grid values, its sign byte, its scale, IQ1's offset) ----------------
 
 
 @triton.jit
-def _iq2_xxs(blk, table, t):
+def _iq2_xxs(blk, table, g):
     """IQ2_XXS: a sub-block of 32 is a u32 pair; the first's byte l the grid row of the l-th 8 values, the
     second four 7-bit sign indices and the 4-bit scale on top."""
-    pair = blk + IQ2_XXS_QS + (t >> SUB32_BITS) * PAIR_BYTES
-    row = _byte(pair + ((t >> GROUP8_BITS) & QUAD))
+    pair = blk + IQ2_XXS_QS + (g >> SUB32_GROUPS) * PAIR_BYTES
+    row = _byte(pair + (g & QUAD))
     word = _u32(pair + WORD_BYTES)
-    negative = _ksign(table, word, t, IQ2_XXS_KSIGNS)
     db = load_f16(blk + IQ2_XXS_D) * (((word >> SCALE_SHIFT) & NIBBLE).to(tl.float32) + HALF) * IQ2_STEP
-    return db * _signed(_grid_value(table, row, t, ROW8), negative)
+    low, high = _row_word(table, row, ROW8, False), _row_word(table, row, ROW8, True)
+    return low, high, _ksign_byte(table, word, g, IQ2_XXS_KSIGNS), db, 0.0
 
 
 @triton.jit
-def _iq2_xs(blk, table, t):
+def _iq2_xs(blk, table, g):
     """IQ2_XS: a u16 a group of 8, a 9-bit grid row and a 7-bit sign index; a 4-bit scale a sub-block of 16."""
-    code = _u16(blk + IQ2_XS_QS + (t >> GROUP8_BITS) * HALF_BYTES)
-    index = code >> IQ2_XS_SIGN_SHIFT
-    negative = (_byte(table + IQ2_XS_KSIGNS + index) >> (t & IN_GROUP8)) & BIT
-    db = _iq2_scale(load_f16(blk + IQ2_XS_D), blk + IQ2_XS_SCALES, t)
-    return db * _signed(_grid_value(table, code & NINE_BITS, t, ROW8), negative)
+    code = _u16(blk + IQ2_XS_QS + g * HALF_BYTES)
+    signs = _byte(table + IQ2_XS_KSIGNS + (code >> IQ2_XS_SIGN_SHIFT))
+    db = _iq2_scale(load_f16(blk + IQ2_XS_D), blk + IQ2_XS_SCALES, g)
+    row = code & NINE_BITS
+    return _row_word(table, row, ROW8, False), _row_word(table, row, ROW8, True), signs, db, 0.0
 
 
 @triton.jit
-def _iq2_s(blk, table, t):
-    """IQ2_S: a grid row's low 8 bits in qs, its top 2 as crumb g % 4 of qh byte g // 4 (g = t >> 3); a sign
-    bit a value; a 4-bit scale a sub-block of 16."""
-    g = t >> GROUP8_BITS
+def _iq2_s(blk, table, g):
+    """IQ2_S: a grid row's low 8 bits in qs, its top 2 as crumb g % 4 of qh byte g // 4; a sign byte a group;
+    a 4-bit scale a sub-block of 16."""
     high = (_byte(blk + IQ2_S_QH + (g >> CRUMB_SHIFT)) >> ((g & QUAD) * CRUMB_BITS)) & CRUMB
     row = _byte(blk + IQ2_S_QS + g) | (high << INDEX_HIGH_SHIFT)
-    negative = (_byte(blk + IQ2_S_SIGNS + g) >> (t & IN_GROUP8)) & BIT
-    db = _iq2_scale(load_f16(blk + IQ2_S_D), blk + IQ2_S_SCALES, t)
-    return db * _signed(_grid_value(table, row, t, ROW8), negative)
+    db = _iq2_scale(load_f16(blk + IQ2_S_D), blk + IQ2_S_SCALES, g)
+    signs = _byte(blk + IQ2_S_SIGNS + g)
+    return _row_word(table, row, ROW8, False), _row_word(table, row, ROW8, True), signs, db, 0.0
 
 
 @triton.jit
-def _iq3_xxs(blk, table, t):
-    """IQ3_XXS: a byte of qs a grid row of 4 values; a sub-block of 32 a u32 of four 7-bit sign indices (one a
-    group of 8) and its 4-bit scale on top."""
-    row = _byte(blk + IQ3_XXS_QS + (t >> GROUP4_BITS))
-    word = _u32(blk + IQ3_XXS_SCALES + (t >> SUB32_BITS) * WORD_BYTES)
-    negative = _ksign(table, word, t, IQ3_XXS_KSIGNS)
+def _iq3_xxs(blk, table, g):
+    """IQ3_XXS: a byte of qs a grid row of 4 values (two a group); a sub-block of 32 a u32 of four 7-bit sign
+    indices (one a group of 8) and its 4-bit scale on top."""
+    rows = blk + IQ3_XXS_QS + g * ROWS_A_GROUP
+    word = _u32(blk + IQ3_XXS_SCALES + (g >> SUB32_GROUPS) * WORD_BYTES)
     db = load_f16(blk + IQ3_XXS_D) * (((word >> SCALE_SHIFT) & NIBBLE).to(tl.float32) + HALF) * IQ3_XXS_STEP
-    return db * _signed(_grid_value(table, row, t, ROW4), negative)
+    low, high = _row_word(table, _byte(rows), ROW4, False), _row_word(table, _byte(rows + 1), ROW4, True)
+    return low, high, _ksign_byte(table, word, g, IQ3_XXS_KSIGNS), db, 0.0
 
 
 @triton.jit
-def _iq3_s(blk, table, t):
-    """IQ3_S: a grid row of 4 values, its low 8 bits in qs, its 9th bit i % 8 of qh byte i // 8 (i = t >> 2);
-    a sign bit a value; value = d * (1 + 2 * scale), a 4-bit scale a sub-block of 32."""
-    i = t >> GROUP4_BITS
+def _iq3_s_row(blk, i):
+    """IQ3_S: grid row i (4 values), its low 8 bits in qs, its 9th bit i % 8 of qh byte i // 8."""
     high = (_byte(blk + IQ3_S_QH + (i >> GROUP8_BITS)) >> (i & IN_GROUP8)) & BIT
-    row = _byte(blk + IQ3_S_QS + i) | (high << INDEX_HIGH_SHIFT)
-    negative = (_byte(blk + IQ3_S_SIGNS + (t >> GROUP8_BITS)) >> (t & IN_GROUP8)) & BIT
-    scale = (_byte(blk + IQ3_S_SCALES + (t >> SUB64_BITS)) >> (((t >> SUB32_BITS) & BIT) * NIBBLE_BITS)) & NIBBLE
-    db = load_f16(blk + IQ3_S_D) * (scale * 2 + 1).to(tl.float32)
-    return db * _signed(_grid_value(table, row, t, ROW4), negative)
+    return _byte(blk + IQ3_S_QS + i) | (high << INDEX_HIGH_SHIFT)
 
 
 @triton.jit
-def _iq1_s(blk, table, t):
+def _iq3_s(blk, table, g):
+    """IQ3_S: two grid rows of 4 values a group; a sign byte a group; value = d * (1 + 2 * scale), a 4-bit
+    scale a sub-block of 32."""
+    i = g * ROWS_A_GROUP
+    low = _row_word(table, _iq3_s_row(blk, i), ROW4, False)
+    high = _row_word(table, _iq3_s_row(blk, i + 1), ROW4, True)
+    scale = (_byte(blk + IQ3_S_SCALES + (g >> SUB64_GROUPS)) >> (((g >> SUB32_GROUPS) & BIT) * NIBBLE_BITS)) & NIBBLE
+    db = load_f16(blk + IQ3_S_D) * (scale * 2 + 1).to(tl.float32)
+    return low, high, _byte(blk + IQ3_S_SIGNS + g), db, 0.0
+
+
+@triton.jit
+def _iq1_s(blk, table, g):
     """IQ1_S: a grid row's low 8 bits in qs, its top 3 in the u16 of its sub-block of 32 (3 bits a group of 8,
-    then the 3-bit scale and the delta's sign); value = d * (2 * scale + 1) * (grid value +- 1/8)."""
-    g = t >> GROUP8_BITS
-    qh = _u16(blk + IQ1_S_QH + (t >> SUB32_BITS) * HALF_BYTES)
+    then the 3-bit scale and the delta's sign); value = d * (2 * scale + 1) * (grid value +- 1/8), no signs."""
+    qh = _u16(blk + IQ1_S_QH + (g >> SUB32_GROUPS) * HALF_BYTES)
     row = _byte(blk + IQ1_S_QS + g) | (((qh >> ((g & QUAD) * THREE_BITS)) & SEVEN) << INDEX_HIGH_SHIFT)
     dl = load_f16(blk + IQ1_S_D) * (((qh >> IQ1_S_SCALE_SHIFT) & SEVEN) * 2 + 1).to(tl.float32)
     delta = tl.where((qh & IQ1_S_NEGATIVE) != 0, IQ1_NEG_DELTA, IQ1_DELTA)
-    return dl * (_grid_value(table, row, t, ROW8) + delta)
+    return _row_word(table, row, ROW8, False), _row_word(table, row, ROW8, True), 0, dl, delta
 
 
 @triton.jit
@@ -305,18 +306,58 @@ def _iq1_m_d(blk):
 
 
 @triton.jit
-def _iq1_m(blk, table, t):
+def _iq1_m(blk, table, g):
     """IQ1_M: a grid row's low 8 bits in qs, its top 3 and the delta's sign in a nibble of qh (one a group of
-    8); value = d * (2 * scale + 1) * (grid value +- 1/8), a 3-bit scale a sub-block of 16."""
-    g = t >> GROUP8_BITS
+    8); value = d * (2 * scale + 1) * (grid value +- 1/8), a 3-bit scale a sub-block of 16, no signs."""
     entry = (_byte(blk + IQ1_M_QH + (g >> NIBBLE_SHIFT)) >> ((g & BIT) * NIBBLE_BITS)) & NIBBLE
     row = _byte(blk + IQ1_M_QS + g) | ((entry & SEVEN) << INDEX_HIGH_SHIFT)
-    i = t >> SUB16_BITS  # scale i: bits 3 * (i % 4) of u16 i // 4 of `scales`
+    i = g >> SUB16_GROUPS  # scale i: bits 3 * (i % 4) of u16 i // 4 of `scales`
     word = _u16(blk + IQ1_M_SCALES + (i >> IQ1_M_WORD_SHIFT) * HALF_BYTES)
     scale = (word >> ((i & QUAD) * THREE_BITS)) & SEVEN
     dl = _iq1_m_d(blk) * (scale * 2 + 1).to(tl.float32)
     delta = tl.where((entry & IQ1_M_NEGATIVE) != 0, IQ1_NEG_DELTA, IQ1_DELTA)
-    return dl * (_grid_value(table, row, t, ROW8) + delta)
+    return _row_word(table, row, ROW8, False), _row_word(table, row, ROW8, True), 0, dl, delta
+
+
+@triton.jit
+def grid_group(blk, table, g, FMT: tl.constexpr):
+    """The fields of the groups g (0..31) of 8 values of the blocks at `blk` (uint8 pointers to each block's
+    first byte in the file's layout; shapes that broadcast together) in a grid format `FMT` (not a ternary
+    one), for `grid_entry`: the two int32 words of their 8 grid values (signed bytes, values 0-3 then 4-7),
+    their sign byte (bit j set: value j negative; 0 for IQ1), their scale and IQ1's offset (0.0 for the others).
+    Found once a group: a GEMV decodes its 8 values from them alone."""
+    if FMT == FMT_IQ2_XXS:
+        f = _iq2_xxs(blk, table, g)
+    elif FMT == FMT_IQ2_XS:
+        f = _iq2_xs(blk, table, g)
+    elif FMT == FMT_IQ2_S:
+        f = _iq2_s(blk, table, g)
+    elif FMT == FMT_IQ3_XXS:
+        f = _iq3_xxs(blk, table, g)
+    elif FMT == FMT_IQ3_S:
+        f = _iq3_s(blk, table, g)
+    elif FMT == FMT_IQ1_S:
+        f = _iq1_s(blk, table, g)
+    else:
+        tl.static_assert(FMT == FMT_IQ1_M, "no grid group for this format")
+        f = _iq1_m(blk, table, g)
+    return f
+
+
+@triton.jit
+def grid_entry(low, high, signs, scale, delta, j, FMT: tl.constexpr):
+    """Value j (0..7; a tensor, or a constexpr in a GEMV's unrolled group) of a group from its `grid_group`
+    fields in `FMT`: scale * its grid value, negated where its sign bit is set (IQ1: scale * (its grid value +
+    delta)). Every step is exact in f32 (a grid value plus IQ1's 1/8 has 5 significant bits), so this is
+    `gguf.dequant`'s value bit for bit."""
+    word = tl.where(j < WORD_BYTES, low, high)
+    # byte j % 4 to the word's top ((3 - j % 4) bytes up, as ((j % 4) ^ 3)), then back down with its sign
+    grid = ((word << (((j & QUAD) ^ QUAD) * BYTE_BITS)) >> SIGN_SHIFT).to(tl.float32)
+    if (FMT == FMT_IQ1_S) | (FMT == FMT_IQ1_M):
+        v = scale * (grid + delta)  # no signs
+    else:
+        v = scale * tl.where(((signs >> j) & BIT) != 0, -grid, grid)
+    return v
 
 
 @triton.jit
@@ -348,26 +389,13 @@ def _tq2_0(blk, t):
 def grid_values(blk, table, t, FMT: tl.constexpr):
     """The f32 values t (int32 indices 0..255 in a super-block) of the blocks at `blk` (uint8 pointers to each
     block's first byte in the file's layout), of shapes that broadcast together (the whole-matrix decode's
-    [U, 1] and [1, T]; a GEMV's [1, N, B] and [A, 1, B]), in the format `FMT` (`int(Format.X)`, one of
-    GRID_DEVICE_FORMATS); `table` points to `device_table(FMT)`. Bit for bit `fuselane.gguf.dequant`'s values,
-    signs of zero included."""
-    if FMT == FMT_IQ2_XXS:
-        v = _iq2_xxs(blk, table, t)
-    elif FMT == FMT_IQ2_XS:
-        v = _iq2_xs(blk, table, t)
-    elif FMT == FMT_IQ2_S:
-        v = _iq2_s(blk, table, t)
-    elif FMT == FMT_IQ3_XXS:
-        v = _iq3_xxs(blk, table, t)
-    elif FMT == FMT_IQ3_S:
-        v = _iq3_s(blk, table, t)
-    elif FMT == FMT_IQ1_S:
-        v = _iq1_s(blk, table, t)
-    elif FMT == FMT_IQ1_M:
-        v = _iq1_m(blk, table, t)
-    elif FMT == FMT_TQ1_0:
+    [U, 1] and [1, T]), in the format `FMT` (`int(Format.X)`, one of GRID_DEVICE_FORMATS); `table` points to
+    `device_table(FMT)`. Bit for bit `fuselane.gguf.dequant`'s values, signs of zero included."""
+    if FMT == FMT_TQ1_0:
         v = _tq1_0(blk, t)
-    else:
-        tl.static_assert(FMT == FMT_TQ2_0, "no grid decode for this format")
+    elif FMT == FMT_TQ2_0:
         v = _tq2_0(blk, t)
+    else:
+        low, high, signs, scale, delta = grid_group(blk, table, t >> GROUP8_BITS, FMT)
+        v = grid_entry(low, high, signs, scale, delta, t & IN_GROUP8, FMT)
     return v

@@ -1,0 +1,90 @@
+"""The grid GEMV (`triton/grid/gemv.py`) as compiled for an H200 (sm_90), without a GPU: registers and stack bytes a
+thread, and its SASS counted: all instructions, global loads (LDG), and the k loop's body (from the target of
+its backward branch to the branch) over the weight values a thread decodes a step of it: instructions a value.
+
+Why: a grid value costs its fields' loads, a table gather and the bit work that finds them, so what limits the
+GEMV is issue, not memory; the counts weigh a change to the decode before a GPU times it.
+
+Run it in a process of its own, without `TRITON_INTERPRET`.
+
+Usage: python benchmarks/grid_sass.py [--formats IQ2_XXS,IQ3_S] [--n 3584] [--k 18944] [--m 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import torch
+from gemv_sass import ARCH, counts
+from triton.runtime.jit import JITFunction
+
+from fuselane.gguf.formats import GRID_FORMATS, LAYOUTS, Format
+from fuselane.lanes.cuda.compile_check import Report, compiling, cuobjdump, resources
+
+_BACK = re.compile(r"@!?P\d+\s+BRA\s+(0x[0-9a-f]+)")
+_AT = re.compile(r"/\*([0-9a-f]{4,})\*/\s+\S")
+
+
+def loop_body(sass: str) -> int:
+    """Instructions of the first backward branch's loop: from its target's address to the branch."""
+    lines = [line for line in sass.splitlines() if _AT.search(line)]
+    for i, line in enumerate(lines):
+        back = _BACK.search(line)
+        here = int(_AT.search(line).group(1), 16)
+        if back and int(back.group(1), 16) < here:
+            start = int(back.group(1), 16)
+            return sum(1 for other in lines[: i + 1] if int(_AT.search(other).group(1), 16) >= start)
+    return 0
+
+
+def compiled(formats: list[Format], n: int, k: int, m: int) -> list[tuple[Format, bytes]]:
+    """(format, cubin) of each format's grid GEMV over n x k at m rows."""
+    seen: list[tuple[Format, bytes]] = []
+    with compiling(ARCH, Report()):
+        from fuselane.lanes.cuda.triton import pdl
+        from fuselane.lanes.cuda.triton.grid import gemv as grid_gemv
+
+        launch = JITFunction.run
+
+        def noted(self, *args, grid, warmup, **kwargs):
+            kernel = launch(self, *args, grid=grid, warmup=warmup, **kwargs)
+            seen.append((Format(kwargs["FMT"]), kernel.asm["cubin"]))
+            return kernel
+
+        JITFunction.run = noted
+        try:
+            with pdl.dependent_launches(True):
+                for fmt in formats:
+                    lay = LAYOUTS[fmt]
+                    w = torch.zeros(n * (k // lay.values) * lay.nbytes, dtype=torch.uint8)
+                    grid_gemv.gemv_grid(torch.zeros(m, k), w, fmt, n, k, torch.zeros(m, n))
+        finally:
+            JITFunction.run = launch
+    return seen
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", default=",".join(sorted(f.name for f in GRID_FORMATS)), help="comma-separated")
+    ap.add_argument("--n", type=int, default=3584, help="the product's rows")
+    ap.add_argument("--k", type=int, default=18944, help="its width (whole 256-value super-blocks)")
+    ap.add_argument("--m", type=int, default=1, help="rows of x")
+    args = ap.parse_args()
+    formats = [Format[f] for f in args.formats.split(",")]
+    cubins = compiled(formats, args.n, args.k, args.m)
+    from fuselane.lanes.cuda.triton.grid.gemv import values_a_thread
+
+    per_thread = values_a_thread(args.m)
+    print(f"{'fmt':8} {'regs':>4} {'stack':>5} {'instr':>6} {'LDG':>5} {'loop':>5} {'a value':>7}", end="")
+    print(f"  ({per_thread} values a thread a step of the loop)")
+    for fmt, cubin in cubins:
+        c = counts(cubin)
+        regs, stack = resources(cubin)
+        total, loads = sum(c.values()), sum(v for op, v in c.items() if op.startswith("LDG"))
+        body = loop_body(cuobjdump(cubin, "-sass"))
+        print(f"{fmt.name:8} {regs:4d} {stack:5d} {total:6d} {loads:5d} {body:5d} {body / per_thread:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
