@@ -65,9 +65,11 @@ def test_a_grid_model_runs_as_the_cpu_lane(tmp_path, shape, formats, activations
     runs_as_the_cpu_lane(path, PROMPT, SHORT, [9, 77], ctx=32, knobs=[f"activations={activations}"])
 
 
-def test_a_prompt_on_f16_copies_runs_as_the_cpu_lane(tmp_path):
+@pytest.mark.parametrize("prefill", ["f16-copy", "in-place", "int8"])
+def test_a_prompt_under_every_prefill_runs_as_the_cpu_lane(tmp_path, prefill):
+    # no in-kernel or int8 GEMM decodes a grid matrix: a chunk's grid products take f16 copies under those knobs
     path = _write(tmp_path / "m.gguf", QWEN3, {"attn_q": Format.IQ2_XXS, "ffn_down": Format.IQ3_S})
-    runs_as_the_cpu_lane(path, PROMPT, SHORT, [], ctx=32, knobs=["prefill=f16-copy"])
+    runs_as_the_cpu_lane(path, PROMPT, SHORT, [], ctx=32, knobs=[f"prefill={prefill}"])
 
 
 def test_the_fused_ops_that_would_hold_a_grid_matrix_are_taken_apart(tmp_path):
