@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from fuselane.explain import build_plan  # noqa: E402
-from fuselane.fuse.views import leaves  # noqa: E402
+from fuselane.fuse.views import class_of, leaves  # noqa: E402
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import GRID_FORMATS, LAYOUTS, Format  # noqa: E402
 from fuselane.gguf.quantize import random_blocks  # noqa: E402
@@ -92,6 +92,17 @@ def test_a_grid_product_keeps_its_bias_and_landing_row(tmp_path):
     holding = {m: [op.sym.cls for op in ops if f"blk.0.{m}.weight" in {x for lf in leaves(op) for x in lf.ins}]
                for m in ("attn_q", "attn_v")}  # fmt: skip
     assert holding == {"attn_q": [C.GEMM_BIAS], "attn_v": [C.ROW_WRITE]}
+
+
+def test_a_gated_pair_in_one_grid_format_is_one_launch(tmp_path):
+    # the gate and the up product in one grid format: the grid GEMV's pair; in two, each alone and the GLU apart
+    one = _write(tmp_path / "one.gguf", QWEN3, {"ffn_gate": Format.IQ2_XS, "ffn_up": Format.IQ2_XS})
+    two = _write(tmp_path / "two.gguf", QWEN3, {"ffn_gate": Format.IQ2_XS, "ffn_up": Format.IQ3_S})
+    classes = {
+        name: [class_of(op) for op in build_plan(p, lane="cuda")[2].ops] for name, p in (("one", one), ("two", two))
+    }
+    assert C.GEMV_GATE_UP_GLU in classes["one"] and C.GEMV_GATE_UP_GLU not in classes["two"]
+    runs_as_the_cpu_lane(one, PROMPT, SHORT, [9], ctx=32)
 
 
 def _rows(fmt: Format, n: int, k: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:

@@ -103,7 +103,7 @@ def _undecoded(op: Op, g: TensorGraph) -> str | None:
             if fmt not in kernels.GRID_GEMV_FORMATS:
                 return f"{name} is {fmt.name}, which no kernel of the lane decodes" + _CPU
             if isinstance(op.sym, Fused):
-                if op.sym.cls in _GRID_PRODUCT_CLASSES:
+                if _grid_launch(op, g):
                     continue
                 return _GRID_ALONE.format(name=name, fmt=fmt.name)
             if not (isinstance(op.sym, Matmul) and i == 1):
@@ -113,7 +113,8 @@ def _undecoded(op: Op, g: TensorGraph) -> str | None:
 
 _CPU = " (the cpu lane runs it)"
 _GRID_ALONE = (
-    "{name} is {fmt}, a grid format, which the lane multiplies alone (with a bias or a landing row), by its own GEMV"
+    "{name} is {fmt}, a grid format, which the lane multiplies by its own GEMV: alone, with a bias or a landing "
+    "row, or paired with an up product in its format"
 )
 
 
@@ -122,10 +123,28 @@ _GRID_ALONE = (
 _GRID_PRODUCT_CLASSES = frozenset({C.GEMM_BIAS, C.ROW_WRITE})
 
 
-def _grid_matrix(op: Op, g: TensorGraph) -> str | None:
-    """Why a fused op holding a grid format's matrix has no launch: no fused class's kernel decodes one but a
-    product's with its bias or landing row, so the op is taken apart and the product runs alone."""
+def _grid_launch(op: Op, g: TensorGraph) -> bool:
+    """Whether a fused op's grid matrices have a launch of the grid GEMV: a product with its bias or landing
+    row, or a gated pair within the GEMV's rows whose gate and up product share one grid format
+    (`grid.gemv.gemv_grid_gate_up_glu`)."""
     if op.sym.cls in _GRID_PRODUCT_CLASSES:
+        return True
+    if op.sym.cls is not C.GEMV_GATE_UP_GLU:
+        return False
+    products = [p for m in op.sym.parts if (p := gemv(m, g)) is not None]
+    formats = {p.weights.format if isinstance(p.weights, Rows) else None for p in products}
+    return (
+        len(products) == 2
+        and products[0].m <= kernels.GEMV_ROWS
+        and len(formats) == 1
+        and formats <= kernels.GRID_GEMV_FORMATS
+    )
+
+
+def _grid_matrix(op: Op, g: TensorGraph) -> str | None:
+    """Why a fused op holding a grid format's matrix has no launch: no fused class's kernel decodes one but the
+    grid GEMV's (`_grid_launch`), so the op is taken apart and its products run alone."""
+    if _grid_launch(op, g):
         return None
     for leaf in leaves(op):
         for name in leaf.ins:
@@ -411,7 +430,8 @@ def _gemv_gate_up_glu(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGr
     gate, up = products[0], products[1]
     if not (isinstance(gate.weights, Rows) and isinstance(up.weights, Rows)):
         return "the lane pairs a gate and an up product only over checkpoint rows"
-    if gate.m <= kernels.GEMV_ROWS and not shim.gemv_takes(gate, g):
+    grid = gate.weights.format in kernels.GRID_GEMV_FORMATS  # the grid GEMV's pair (`_grid_launch`)
+    if gate.m <= kernels.GEMV_ROWS and not (grid or shim.gemv_takes(gate, g)):
         return "a chunk's few rows pair a gate and an up product only in the formats the f32 GEMVs decode"
     gemv_rows = gate.m <= kernels.GEMV_ROWS or shim.knobs.activations is Activations.DEQUANT
     paired = not gemv_rows and gate.weights == up.weights and gate.n % kernels.GEMM_PAIR_TILE_N == 0

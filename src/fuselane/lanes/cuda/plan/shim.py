@@ -417,9 +417,12 @@ class CudaShim:
 
     def gemv_mergeable(self, p: GemvForm) -> bool:
         """Whether a product is one the GEMV takes in parts: within the GEMV's rows, landing whole, its
-        outputs whole warps of rows, its rows whole 32-value blocks (only a float matrix is ragged)."""
+        outputs whole warps of rows, its rows whole 32-value blocks (only a float matrix is ragged), not in a
+        grid format (the grid GEMV takes a product alone or a gated pair)."""
+        grid = isinstance(p.weights, Rows) and p.weights.format in kernels.GRID_GEMV_FORMATS
         return (
-            p.m <= kernels.GEMV_ROWS
+            not grid
+            and p.m <= kernels.GEMV_ROWS
             and self.lands_whole(p)
             and p.n % self.per_warp(p) == 0
             and p.k % kernels.QBLOCK == 0

@@ -170,6 +170,10 @@ def gate_up(op: Op, b: Any, out_q8: Any = None):
         return [_f16_pair(gate, up, spec, b, x.view(spec.m, spec.k), out.view(spec.m, spec.n), rounds)]
     (wg, fmt), (wu, _) = b.raw[gate.ins[1]], b.raw[up.ins[1]]
     n, k = spec.n, spec.k
+    if fmt in kernels.GRID_GEMV_FORMATS:  # the grid GEMV's pair (`fits` keeps the two in one grid format)
+        from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid_gate_up_glu
+
+        return [lambda: gemv_grid_gate_up_glu(x, wg, wu, fmt, n, k, out)]
     q8 = q8_in(gate.ins[0], fmt, spec.m, k, b, out)
     if q8 is not None:
         gemv_q8, acts = q8

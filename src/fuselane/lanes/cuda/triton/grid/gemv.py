@@ -24,7 +24,7 @@ import triton.language as tl
 from fuselane.gguf.formats import LAYOUTS, QK_K, Format
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv.rows import check_x, row_tiles, store_rows
+from fuselane.lanes.cuda.triton.gemv.rows import check_x, row_tiles, store_glu, store_rows
 from fuselane.lanes.cuda.triton.grid.values import (
     GRID_GROUP,
     TERNARY_FORMATS,
@@ -38,10 +38,9 @@ from fuselane.lanes.cuda.triton.grid.values import (
 # so many rows in flight a SM cover their latency rather than a long k loop a thread.
 GRID_BLOCK_N = 16
 GRID_WARPS = 4
-# The values of a super-block one step of the k loop decodes a row: [BLOCK_M, BLOCK_N, SLICE] partial sums,
-# at most ACC_VALUES a thread at the GEMV's eight rows (8 * 16 * 64 / 128 threads = 64).
+# The values of a super-block one step of the k loop decodes a row: [BLOCK_M, BLOCK_N, SLICE / 8] partial sums,
+# a thread a group of 8 values of a row: 8 sums a thread at the GEMV's eight rows.
 SLICE = 64
-ACC_VALUES = 64
 
 
 def values_a_thread(m: int) -> int:
@@ -50,19 +49,13 @@ def values_a_thread(m: int) -> int:
 
 
 @triton.jit
-def _grid_gemv_kernel(
-    x,
-    x_pitch,
-    m,
+def _grid_dot(
     w,
     table,
     n,
-    out,
-    pitch,
-    bias,
-    pos,
-    res,
-    res_pitch,
+    x_rows,
+    keep_m,
+    rows,
     FMT: tl.constexpr,
     NBYTES: tl.constexpr,
     ROW_BYTES: tl.constexpr,
@@ -73,18 +66,10 @@ def _grid_gemv_kernel(
     SUPER_C: tl.constexpr,
     GROUP_C: tl.constexpr,
     TERNARY: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    AT_ROW: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl.begin(PDL)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mi = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """[BLOCK_M, BLOCK_N] f32: the rows `x_rows` of x (`keep_m` those within m) times the weight rows `rows`."""
     # rows past n decode row n - 1 (no masked weight loads); the store drops them
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
-    x_rows = x + mi.to(tl.int64) * x_pitch  # [M]
-    keep_m = mi < m
     n_zero = rows * 0  # [N] zeros: x's pointers in the product's shape
     groups: tl.constexpr = SLICE_C // GROUP_C
     slices: tl.constexpr = SUPER_C // SLICE_C
@@ -109,8 +94,103 @@ def _grid_gemv_kernel(
                 v = grid_entry(low, high, signs, scale, delta, tl.full([1, 1], j, tl.int32), FMT)
                 xs = tl.load(cols + j, mask=keep_m[:, None, None], other=0.0).to(tl.float32)
                 acc += xs * v[None, :, :]
-    y = tl.sum(acc, axis=2)
-    store_rows(y, rows, n, mi, m, out, pitch, bias, pos, res, res_pitch, HAS_BIAS, AT_ROW, HAS_RES)
+    return tl.sum(acc, axis=2)
+
+
+@triton.jit
+def _grid_gemv_kernel(
+    x,
+    x_pitch,
+    m,
+    w,
+    w_up,
+    table,
+    n,
+    out,
+    pitch,
+    bias,
+    pos,
+    res,
+    res_pitch,
+    FMT: tl.constexpr,
+    NBYTES: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    STEPS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLICE_C: tl.constexpr,
+    SUPER_C: tl.constexpr,
+    GROUP_C: tl.constexpr,
+    TERNARY: tl.constexpr,
+    GLU: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    AT_ROW: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl.begin(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mi = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    x_rows = x + mi.to(tl.int64) * x_pitch  # [M]
+    keep_m = mi < m
+    y = _grid_dot(w, table, n, x_rows, keep_m, rows, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N, SLICE_C,
+                  SUPER_C, GROUP_C, TERNARY)  # fmt: skip
+    if GLU:  # `w` the gate's rows, `w_up` the up product's, in one format: SiLU(gate) * up
+        up = _grid_dot(w_up, table, n, x_rows, keep_m, rows, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N,
+                       SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
+        store_glu(y, up, rows, n, mi, m, out, pitch)
+    else:
+        store_rows(y, rows, n, mi, m, out, pitch, bias, pos, res, res_pitch, HAS_BIAS, AT_ROW, HAS_RES)
+
+
+def _check_rows(w: torch.Tensor, fmt: Format, n: int, k: int) -> None:
+    lay = LAYOUTS[fmt]
+    if k % lay.values or w.dtype != torch.uint8 or w.dim() != 1 or w.numel() != n * (k // lay.values) * lay.nbytes:
+        raise ValueError(f"w must be the {n} x {k} {fmt.name} rows' bytes, whole {lay.values}-value blocks")
+
+
+def _grid_format(fmt: Format) -> Format:
+    fmt = Format(fmt)
+    if fmt not in kernels.GRID_GEMV_FORMATS:
+        raise ValueError(f"no grid GEMV for {fmt.name}")
+    return fmt
+
+
+def _launch(x, w, w_up, fmt: Format, n: int, k: int, out, pitch: int, bias, pos, residual) -> None:
+    """One launch of the grid GEMV kernel over x's rows (in tiles of the GEMV's), its arguments checked."""
+    lay = LAYOUTS[fmt]
+    block_m, m_tiles = row_tiles(x.shape[0])
+    _grid_gemv_kernel[(triton.cdiv(n, GRID_BLOCK_N), m_tiles)](
+        x,
+        x.stride(0),
+        x.shape[0],
+        w,
+        w if w_up is None else w_up,  # an absent up product, bias, position or residual is never read
+        device_table(fmt, w.device),
+        n,
+        out,
+        pitch,
+        x if bias is None else bias,
+        x if pos is None else pos,
+        x if residual is None else residual,
+        0 if residual is None else residual.stride(0),
+        FMT=int(fmt),
+        NBYTES=lay.nbytes,
+        ROW_BYTES=(k // lay.values) * lay.nbytes,
+        STEPS=k // SLICE,
+        BLOCK_M=block_m,
+        BLOCK_N=GRID_BLOCK_N,
+        SLICE_C=SLICE,
+        SUPER_C=QK_K,
+        GROUP_C=GRID_GROUP,
+        TERNARY=fmt in TERNARY_FORMATS,
+        GLU=w_up is not None,
+        HAS_BIAS=bias is not None,
+        AT_ROW=pos is not None,
+        HAS_RES=residual is not None,
+        num_warps=GRID_WARPS,
+        **pdl.options(),
+    )
 
 
 def gemv_grid(
@@ -129,13 +209,9 @@ def gemv_grid(
     in a grid or ternary `fmt`; returns `out`. As `rows.gemv`: with `out_row` = (pos, pitch), row r lands at row
     pos[0] + r of the table `out`, the position read on the device; `residual` (m, n) may be `out` itself. Rows
     of x past the GEMV's run in tiles of them, each re-reading the weights."""
-    fmt = Format(fmt)
-    if fmt not in kernels.GRID_GEMV_FORMATS:
-        raise ValueError(f"no grid GEMV for {fmt.name}")
+    fmt = _grid_format(fmt)
     m = check_x(x, k)
-    lay = LAYOUTS[fmt]
-    if k % lay.values or w.dtype != torch.uint8 or w.dim() != 1 or w.numel() != n * (k // lay.values) * lay.nbytes:
-        raise ValueError(f"w must be the {n} x {k} {fmt.name} rows' bytes, whole {lay.values}-value blocks")
+    _check_rows(w, fmt, n, k)
     if bias is not None and (bias.dim() != 1 or bias.numel() != n):
         raise ValueError(f"bias must have {n} values")
     if residual is not None and (tuple(residual.shape) != (m, n) or residual.stride(1) != 1):
@@ -146,34 +222,21 @@ def gemv_grid(
         pos, pitch = None, out.stride(0)
     else:
         pos, pitch = out_row
-    block_m, m_tiles = row_tiles(m)
-    _grid_gemv_kernel[(triton.cdiv(n, GRID_BLOCK_N), m_tiles)](
-        x,
-        x.stride(0),
-        m,
-        w,
-        device_table(fmt, w.device),
-        n,
-        out,
-        pitch,
-        x if bias is None else bias,  # an absent bias, position or residual is never read
-        x if pos is None else pos,
-        x if residual is None else residual,
-        0 if residual is None else residual.stride(0),
-        FMT=int(fmt),
-        NBYTES=lay.nbytes,
-        ROW_BYTES=(k // lay.values) * lay.nbytes,
-        STEPS=k // SLICE,
-        BLOCK_M=block_m,
-        BLOCK_N=GRID_BLOCK_N,
-        SLICE_C=SLICE,
-        SUPER_C=QK_K,
-        GROUP_C=GRID_GROUP,
-        TERNARY=fmt in TERNARY_FORMATS,
-        HAS_BIAS=bias is not None,
-        AT_ROW=pos is not None,
-        HAS_RES=residual is not None,
-        num_warps=GRID_WARPS,
-        **pdl.options(),
-    )
+    _launch(x, w, None, fmt, n, k, out, pitch, bias, pos, residual)
+    return out
+
+
+def gemv_grid_gate_up_glu(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, fmt: Format, n: int, k: int, out: torch.Tensor
+) -> torch.Tensor:
+    """out (m, n) = SiLU(x @ Wg^T) * (x @ Wu^T) in one launch, both matrices n x k checkpoint rows in the grid
+    format `fmt`; returns `out`. A program takes the same rows of both, so the gate's and the up product's sums
+    meet in registers."""
+    fmt = _grid_format(fmt)
+    m = check_x(x, k)
+    _check_rows(w_gate, fmt, n, k)
+    _check_rows(w_up, fmt, n, k)
+    if tuple(out.shape) != (m, n) or out.stride(1) != 1:
+        raise ValueError(f"out must be ({m}, {n}) with unit column stride")
+    _launch(x, w_gate, w_up, fmt, n, k, out, out.stride(0), None, None, None)
     return out
