@@ -1,6 +1,8 @@
-"""The grid GEMV (`triton/grid/gemv.py`) as compiled for an H200 (sm_90), without a GPU: registers and stack bytes a
-thread, and its SASS counted: all instructions, global loads (LDG), and the k loop's body (from the target of
-its backward branch to the branch) over the weight values a thread decodes a step of it: instructions a value.
+"""The grid GEMV (`triton/grid/gemv.py`) and the whole-matrix decode (`triton/grid/decode.py`) as compiled for an
+H200 (sm_90), without a GPU: registers and stack bytes a thread, and their SASS counted: all instructions, global
+loads (LDG), and for the GEMV its k loop's body (from the target of its backward branch to the branch) over the
+weight values a thread decodes a step of it (instructions a value), for the decode (no loop) the whole kernel
+over the values a thread decodes.
 
 Why: a grid value costs its fields' loads, a table gather and the bit work that finds them, so what limits the
 GEMV is issue, not memory; the counts weigh a change to the decode before a GPU times it.
@@ -19,8 +21,9 @@ import torch
 from gemv_sass import ARCH, counts
 from triton.runtime.jit import JITFunction
 
-from fuselane.gguf.formats import GRID_FORMATS, LAYOUTS, Format
+from fuselane.gguf.formats import GRID_FORMATS, LAYOUTS, QK_K, Format
 from fuselane.lanes.cuda.compile_check import Report, compiling, cuobjdump, resources
+from fuselane.lanes.cuda.plan.kernels import WARP
 
 _BACK = re.compile(r"@!?P\d+\s+BRA\s+(0x[0-9a-f]+)")
 _AT = re.compile(r"/\*([0-9a-f]{4,})\*/\s+\S")
@@ -38,18 +41,19 @@ def loop_body(sass: str) -> int:
     return 0
 
 
-def compiled(formats: list[Format], n: int, k: int, m: int) -> list[tuple[Format, bytes]]:
-    """(format, cubin) of each format's grid GEMV over n x k at m rows."""
-    seen: list[tuple[Format, bytes]] = []
+def compiled(formats: list[Format], n: int, k: int, m: int) -> list[tuple[str, Format, bytes]]:
+    """(kernel, format, cubin) of each format's grid GEMV over n x k at m rows and its whole-matrix decode."""
+    seen: list[tuple[str, Format, bytes]] = []
     with compiling(ARCH, Report()):
         from fuselane.lanes.cuda.triton import pdl
         from fuselane.lanes.cuda.triton.grid import gemv as grid_gemv
+        from fuselane.lanes.cuda.triton.grid.decode import dequantize_grid
 
         launch = JITFunction.run
 
         def noted(self, *args, grid, warmup, **kwargs):
             kernel = launch(self, *args, grid=grid, warmup=warmup, **kwargs)
-            seen.append((Format(kwargs["FMT"]), kernel.asm["cubin"]))
+            seen.append((self.fn.__name__, Format(kwargs["FMT"]), kernel.asm["cubin"]))
             return kernel
 
         JITFunction.run = noted
@@ -59,6 +63,7 @@ def compiled(formats: list[Format], n: int, k: int, m: int) -> list[tuple[Format
                     lay = LAYOUTS[fmt]
                     w = torch.zeros(n * (k // lay.values) * lay.nbytes, dtype=torch.uint8)
                     grid_gemv.gemv_grid(torch.zeros(m, k), w, fmt, n, k, torch.zeros(m, n))
+                    dequantize_grid(w, fmt, n, k, torch.zeros(n, k, dtype=torch.float16))
         finally:
             JITFunction.run = launch
     return seen
@@ -73,17 +78,19 @@ def main() -> None:
     args = ap.parse_args()
     formats = [Format[f] for f in args.formats.split(",")]
     cubins = compiled(formats, args.n, args.k, args.m)
+    from fuselane.lanes.cuda.triton.grid.decode import DECODE_WARPS, PROGRAM_BLOCKS
     from fuselane.lanes.cuda.triton.grid.gemv import values_a_thread
 
-    per_thread = values_a_thread(args.m)
-    print(f"{'fmt':8} {'regs':>4} {'stack':>5} {'instr':>6} {'LDG':>5} {'loop':>5} {'a value':>7}", end="")
-    print(f"  ({per_thread} values a thread a step of the loop)")
-    for fmt, cubin in cubins:
+    per_thread = {"_grid_gemv_kernel": values_a_thread(args.m)}
+    per_thread["_grid_dequant_kernel"] = PROGRAM_BLOCKS * QK_K // (DECODE_WARPS * WARP)
+    print(f"{'kernel':22} {'fmt':8} {'regs':>4} {'stack':>5} {'instr':>6} {'LDG':>5} {'loop':>5} {'a value':>7}")
+    for name, fmt, cubin in cubins:
         c = counts(cubin)
         regs, stack = resources(cubin)
         total, loads = sum(c.values()), sum(v for op, v in c.items() if op.startswith("LDG"))
-        body = loop_body(cuobjdump(cubin, "-sass"))
-        print(f"{fmt.name:8} {regs:4d} {stack:5d} {total:6d} {loads:5d} {body:5d} {body / per_thread:7.1f}")
+        body = loop_body(cuobjdump(cubin, "-sass")) or total
+        row = f"{name:22} {fmt.name:8} {regs:4d} {stack:5d} {total:6d} {loads:5d} {body:5d}"
+        print(f"{row} {body / per_thread[name]:7.1f}")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 f16 or f32 values, each the f32 `fuselane.gguf.dequant.dequantize` gives (an f16 out holds it rounded to nearest
 even), so a product the lane has no fused kernel for can read the weights as floats.
 
-A program decodes UNITS whole 256-value blocks (`values.grid_values` over a [UNITS, 1] x [1, 256] tile); blocks
-past the end decode the last one, as `gemv.epilogue`'s decode does, and their stores are masked.
+A program decodes UNITS whole 256-value blocks: a grid format's 32 groups of 8 a block, each group's fields found
+once (`values.grid_group`) and its 8 values from them (`grid_entry`); a ternary format's values each alone
+(`grid_values`). Blocks past the end decode the last one, as `gemv.epilogue`'s decode does, and their stores are
+masked.
 """
 
 from __future__ import annotations
@@ -14,7 +16,16 @@ import triton.language as tl
 
 from fuselane.gguf.formats import LAYOUTS, QK_K, Format
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.grid.values import BLOCK_VALUES, GRID_DEVICE_FORMATS, device_table, grid_values
+from fuselane.lanes.cuda.triton.grid.values import (
+    BLOCK_VALUES,
+    GRID_DEVICE_FORMATS,
+    GRID_GROUP,
+    TERNARY_FORMATS,
+    device_table,
+    grid_entry,
+    grid_group,
+    grid_values,
+)
 
 DECODE_OUT = (torch.float16, torch.float32)
 PROGRAM_BLOCKS = 8  # blocks a program: 2,048 values, 16 a thread at DECODE_WARPS
@@ -32,6 +43,8 @@ def _grid_dequant_kernel(
     FMT: tl.constexpr,
     NBYTES: tl.constexpr,
     UNITS: tl.constexpr,
+    GROUP_C: tl.constexpr,
+    TERNARY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # a program decodes UNITS whole blocks of the flat tensor; row r's blocks at w + r * units_a_row * NBYTES
@@ -42,11 +55,20 @@ def _grid_dequant_kernel(
     last = tl.minimum(u, units - 1)
     row, unit = last // units_a_row, last % units_a_row
     blk = (w + (row * units_a_row + unit) * NBYTES)[:, None]
-    t = tl.arange(0, BLOCK_VALUES)[None, :]
-    v = grid_values(blk, table, t, FMT)
     first = out + (u // units_a_row) * pitch + (u % units_a_row) * BLOCK_VALUES  # [U]: each unit's first value
     # an f16 result is the f32 value rounded once, to nearest even (as NumPy's astype rounds)
-    tl.store(first[:, None] + t, v.to(out.dtype.element_ty), mask=keep[:, None])
+    if TERNARY:
+        t = tl.arange(0, BLOCK_VALUES)[None, :]
+        v = grid_values(blk, table, t, FMT)
+        tl.store(first[:, None] + t, v.to(out.dtype.element_ty), mask=keep[:, None])
+    else:
+        # a group's fields once ([U, G]), then each of its 8 values from them alone (as the grid GEMV)
+        g = tl.arange(0, BLOCK_VALUES // GROUP_C)[None, :]
+        low, high, signs, scale, delta = grid_group(blk, table, g, FMT)
+        at = first[:, None] + g * GROUP_C
+        for j in tl.static_range(GROUP_C):
+            v = grid_entry(low, high, signs, scale, delta, tl.full([1, 1], j, tl.int32), FMT)
+            tl.store(at + j, v.to(out.dtype.element_ty), mask=keep[:, None])
 
 
 def dequantize_grid(
@@ -85,6 +107,8 @@ def dequantize_grid(
         FMT=int(fmt),
         NBYTES=LAYOUTS[fmt].nbytes,
         UNITS=PROGRAM_BLOCKS,
+        GROUP_C=GRID_GROUP,
+        TERNARY=fmt in TERNARY_FORMATS,
         num_warps=DECODE_WARPS,
         **pdl.options(),
     )
