@@ -73,25 +73,29 @@ def test_a_prompt_under_every_prefill_runs_as_the_cpu_lane(tmp_path, prefill):
 
 
 def test_the_fused_ops_that_would_hold_a_grid_matrix_are_taken_apart(tmp_path):
-    path = _write(tmp_path / "m.gguf", QWEN3, {"ffn_down": Format.IQ2_XXS})
+    # the query's product: the QKV launch in parts that turns its heads takes no grid matrix, so it runs alone
+    path = _write(tmp_path / "m.gguf", QWEN3, {"attn_q": Format.IQ2_XXS})
     _, _, plan = build_plan(path, lane="cuda")
     assert plan.cannot_run is None
-    matrix = "blk.0.ffn_down.weight"
+    matrix = "blk.0.attn_q.weight"
     readers = [op for op in plan.ops if matrix in {x for leaf in leaves(op) for x in leaf.ins}]
     assert readers and all(not isinstance(op.sym, Fused) for op in readers)
+    assert any(matrix in why and "a grid format" in why for why in map(str, plan.missed))
     # and the same file with the projection in Q8_0 fuses it
     plain = str(write_synthetic(tmp_path / "p.gguf", QWEN3, "q8_0", seed=5))
     fused = [op for op in build_plan(plain, lane="cuda")[2].ops if matrix in {x for lf in leaves(op) for x in lf.ins}]
     assert any(isinstance(op.sym, Fused) for op in fused)
 
 
-def test_a_grid_product_keeps_its_bias_and_landing_row(tmp_path):
-    # the grid GEMV's epilogue adds a bias and lands a row in the cache: those fused ops hold the grid matrix
-    path = _write(tmp_path / "m.gguf", QWEN2, {"attn_q": Format.IQ2_XXS, "attn_v": Format.IQ3_S})
+def test_a_grid_product_keeps_its_epilogues(tmp_path):
+    # the grid GEMV's epilogue adds a bias, lands a row in the cache, or adds the residual and norms the row:
+    # those fused ops hold the grid matrix
+    formats = {"attn_q": Format.IQ2_XXS, "attn_v": Format.IQ3_S, "ffn_down": Format.IQ1_M}
+    path = _write(tmp_path / "m.gguf", QWEN2, formats)
     ops = build_plan(path, lane="cuda")[2].ops
     holding = {m: [op.sym.cls for op in ops if f"blk.0.{m}.weight" in {x for lf in leaves(op) for x in lf.ins}]
-               for m in ("attn_q", "attn_v")}  # fmt: skip
-    assert holding == {"attn_q": [C.GEMM_BIAS], "attn_v": [C.ROW_WRITE]}
+               for m in formats}  # fmt: skip
+    assert holding == {"attn_q": [C.GEMM_BIAS], "attn_v": [C.ROW_WRITE], "ffn_down": [C.GEMV_NORM_EPILOGUE]}
 
 
 def test_a_gated_pair_in_one_grid_format_is_one_launch(tmp_path):
@@ -149,6 +153,28 @@ def test_the_grid_gemv_epilogues(tmp_path):
     got = table.cpu().numpy()
     assert rel(got[3:5, :n], product) < 1e-5
     assert not got[:3].any() and not got[5:].any() and not got[:, n:].any()
+
+
+@pytest.mark.parametrize("chunk", [None, 16], ids=["held", "chunked"])
+def test_the_grid_add_norm_matches_f64(chunk):
+    # sum_out = x @ W^T + residual in place, then its RMS norm by the last program: against f64, and the counter
+    # left at zero for the next launch
+    from fuselane.lanes.cuda.triton.gemv.epilogue import gemv_add_norm_counter
+    from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid_add_norm
+
+    fmt, n, k, eps = Format.IQ3_XXS, 40, 256, 1e-6
+    w, want_w = _rows(fmt, n, k, seed=6)
+    rng = np.random.default_rng(7)
+    x, res, norm_w = (rng.standard_normal(s).astype(np.float32) for s in ((1, k), n, n))
+    s = x.astype(np.float64) @ want_w.T + res
+    want = s / np.sqrt(np.mean(s * s) + eps) * norm_w
+    res_t = torch.from_numpy(res).to(DEVICE)
+    out = torch.empty(n, dtype=torch.float32, device=DEVICE)
+    counter = gemv_add_norm_counter(DEVICE)
+    x_t, norm_t = (torch.from_numpy(a).to(DEVICE) for a in (x, norm_w))
+    gemv_grid_add_norm(x_t, w, fmt, n, k, res_t, res_t, norm_t, eps, out, counter, norm_chunk=chunk)
+    assert rel(res_t.cpu().numpy(), s[0]) < 1e-5 and rel(out.cpu().numpy(), want[0]) < 1e-5
+    assert int(counter.item()) == 0
 
 
 def test_the_grid_gemv_refuses_what_it_does_not_take():

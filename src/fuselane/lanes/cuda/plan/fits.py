@@ -113,8 +113,8 @@ def _undecoded(op: Op, g: TensorGraph) -> str | None:
 
 _CPU = " (the cpu lane runs it)"
 _GRID_ALONE = (
-    "{name} is {fmt}, a grid format, which the lane multiplies by its own GEMV: alone, with a bias or a landing "
-    "row, or paired with an up product in its format"
+    "{name} is {fmt}, a grid format, which the lane multiplies by its own GEMV: alone, with a bias, a landing row "
+    "or a step's add + norm, or paired with an up product in its format"
 )
 
 
@@ -125,10 +125,13 @@ _GRID_PRODUCT_CLASSES = frozenset({C.GEMM_BIAS, C.ROW_WRITE})
 
 def _grid_launch(op: Op, g: TensorGraph) -> bool:
     """Whether a fused op's grid matrices have a launch of the grid GEMV: a product with its bias or landing
-    row, or a gated pair within the GEMV's rows whose gate and up product share one grid format
-    (`grid.gemv.gemv_grid_gate_up_glu`)."""
+    row, a step's projection whose last program norms its row (`grid.gemv.gemv_grid_add_norm`), or a gated
+    pair within the GEMV's rows whose gate and up product share one grid format (`gemv_grid_gate_up_glu`)."""
     if op.sym.cls in _GRID_PRODUCT_CLASSES:
         return True
+    if op.sym.cls is C.GEMV_NORM_EPILOGUE:  # a step's one row (the class's own check says the rest)
+        p = gemv(op.sym.parts[0], g)
+        return p is not None and p.m == 1
     if op.sym.cls is not C.GEMV_GATE_UP_GLU:
         return False
     products = [p for m in op.sym.parts if (p := gemv(m, g)) is not None]
@@ -228,7 +231,8 @@ def _gemv_norm_epilogue(shim: CudaShim, op: Op, members: Sequence[Op], g: Tensor
     fmt = p.weights.format if isinstance(p.weights, Rows) else None
     int8 = shim.activation(members[0], 0, g) is not None
     chunked = fmt is not None and kernels.norm_walked_in_chunks(fmt, p.m, p.k, n.cols, int8)
-    by_rows = fmt is not None and (kernels.rows_gemv(fmt, p.m) or chunked)
+    grid = fmt in kernels.GRID_GEMV_FORMATS  # the grid GEMV's last program walks the norm's row in chunks
+    by_rows = fmt is not None and (kernels.rows_gemv(fmt, p.m) or chunked or grid)
     one_gemv = by_rows and _one_row_or_batch_of_one(p.m) and p.dst.own() is not None
     whole_row = n.part is None and n.rows == p.m and n.cols == p.n and members[1].dst.own() is not None
     if not (one_gemv and whole_row):

@@ -24,6 +24,8 @@ import triton.language as tl
 from fuselane.gguf.formats import LAYOUTS, QK_K, Format
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton.gemv.epilogue import check_add_norm
+from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
 from fuselane.lanes.cuda.triton.gemv.rows import check_x, row_tiles, store_glu, store_rows
 from fuselane.lanes.cuda.triton.grid.values import (
     GRID_GROUP,
@@ -41,6 +43,9 @@ GRID_WARPS = 4
 # The values of a super-block one step of the k loop decodes a row: [BLOCK_M, BLOCK_N, SLICE / 8] partial sums,
 # a thread a group of 8 values of a row: 8 sums a thread at the GEMV's eight rows.
 SLICE = 64
+# The most values of a norm's row the last program holds in registers (`kernels.NORM_HELD_A_THREAD` a thread); a
+# wider row is walked in chunks of it, read back from L2.
+NORM_HELD = kernels.NORM_HELD_A_THREAD * GRID_WARPS * kernels.WARP
 
 
 def values_a_thread(m: int) -> int:
@@ -112,6 +117,10 @@ def _grid_gemv_kernel(
     pos,
     res,
     res_pitch,
+    norm_w,
+    norm_out,
+    counter,
+    eps,
     FMT: tl.constexpr,
     NBYTES: tl.constexpr,
     ROW_BYTES: tl.constexpr,
@@ -126,6 +135,9 @@ def _grid_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     AT_ROW: tl.constexpr,
     HAS_RES: tl.constexpr,
+    NORM: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+    NORM_STEPS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.begin(PDL)
@@ -141,6 +153,8 @@ def _grid_gemv_kernel(
         store_glu(y, up, rows, n, mi, m, out, pitch)
     else:
         store_rows(y, rows, n, mi, m, out, pitch, bias, pos, res, res_pitch, HAS_BIAS, AT_ROW, HAS_RES)
+    if NORM:  # a step's one row: `out` holds x @ W^T + residual, which the launch's last program norms
+        norm_last(out, norm_w, norm_out, n, eps, counter, norm_out, norm_out, norm_out, NORM_BLOCK, NORM_STEPS, False)
 
 
 def _check_rows(w: torch.Tensor, fmt: Format, n: int, k: int) -> None:
@@ -156,10 +170,14 @@ def _grid_format(fmt: Format) -> Format:
     return fmt
 
 
-def _launch(x, w, w_up, fmt: Format, n: int, k: int, out, pitch: int, bias, pos, residual) -> None:
-    """One launch of the grid GEMV kernel over x's rows (in tiles of the GEMV's), its arguments checked."""
+def _launch(x, w, fmt: Format, n: int, k: int, out, pitch: int, *, w_up=None, bias=None, pos=None, residual=None,
+            norm: tuple | None = None, norm_chunk: int | None = None) -> None:  # fmt: skip
+    """One launch of the grid GEMV kernel over x's rows (in tiles of the GEMV's), its arguments checked by the
+    caller; `norm` = (norm_w, norm_out, counter, eps) norms the one row `out` holds in the last program."""
     lay = LAYOUTS[fmt]
     block_m, m_tiles = row_tiles(x.shape[0])
+    norm_w, norm_out, counter, eps = norm if norm is not None else (x, x, x, 0.0)  # never read without NORM
+    chunk = min(triton.next_power_of_2(n), norm_chunk or NORM_HELD)
     _grid_gemv_kernel[(triton.cdiv(n, GRID_BLOCK_N), m_tiles)](
         x,
         x.stride(0),
@@ -174,6 +192,10 @@ def _launch(x, w, w_up, fmt: Format, n: int, k: int, out, pitch: int, bias, pos,
         x if pos is None else pos,
         x if residual is None else residual,
         0 if residual is None else residual.stride(0),
+        norm_w,
+        norm_out,
+        counter,
+        float(eps),
         FMT=int(fmt),
         NBYTES=lay.nbytes,
         ROW_BYTES=(k // lay.values) * lay.nbytes,
@@ -188,6 +210,9 @@ def _launch(x, w, w_up, fmt: Format, n: int, k: int, out, pitch: int, bias, pos,
         HAS_BIAS=bias is not None,
         AT_ROW=pos is not None,
         HAS_RES=residual is not None,
+        NORM=norm is not None,
+        NORM_BLOCK=chunk,
+        NORM_STEPS=triton.cdiv(n, chunk),
         num_warps=GRID_WARPS,
         **pdl.options(),
     )
@@ -222,7 +247,7 @@ def gemv_grid(
         pos, pitch = None, out.stride(0)
     else:
         pos, pitch = out_row
-    _launch(x, w, None, fmt, n, k, out, pitch, bias, pos, residual)
+    _launch(x, w, fmt, n, k, out, pitch, bias=bias, pos=pos, residual=residual)
     return out
 
 
@@ -238,5 +263,37 @@ def gemv_grid_gate_up_glu(
     _check_rows(w_up, fmt, n, k)
     if tuple(out.shape) != (m, n) or out.stride(1) != 1:
         raise ValueError(f"out must be ({m}, {n}) with unit column stride")
-    _launch(x, w_gate, w_up, fmt, n, k, out, out.stride(0), None, None, None)
+    _launch(x, w_gate, fmt, n, k, out, out.stride(0), w_up=w_up)
+    return out
+
+
+def gemv_grid_add_norm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    fmt: Format,
+    n: int,
+    k: int,
+    residual: torch.Tensor,
+    sum_out: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    counter: torch.Tensor,
+    *,
+    norm_chunk: int | None = None,
+) -> torch.Tensor:
+    """One launch for a decode step's row: sum_out = x @ W^T + residual, W the n x k checkpoint rows `w` in the
+    grid format `fmt`, then out = sum_out / sqrt(mean(sum_out^2) + eps) * norm_w, the norm done by the launch's
+    last program over the sum_out it reads back (`fast_norm.norm_last`); returns `out`. The contract of
+    `epilogue.gemv_add_norm`: `sum_out` may be `residual`, `counter` is `gemv_add_norm_counter`'s, left at 0. A
+    row wider than NORM_HELD is normed in chunks of it (`norm_chunk`, a power of two, sets the chunk: tests)."""
+    fmt = _grid_format(fmt)
+    x2 = x.view(1, -1) if x.dim() == 1 else x
+    if check_x(x2, k) != 1:
+        raise ValueError(f"a grid GEMV's add + norm takes a decode step's one row of x, not {x2.shape[0]}")
+    _check_rows(w, fmt, n, k)
+    check_add_norm(residual, sum_out, norm_w, out, counter, n, x.device)
+    row = sum_out.view(1, n)
+    norm = (norm_w, out, counter, eps)
+    _launch(x2, w, fmt, n, k, row, n, residual=residual.view(1, n), norm=norm, norm_chunk=norm_chunk)
     return out
