@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import re
+from collections.abc import Iterator
 
 import torch
 from triton.runtime.jit import JITFunction
@@ -40,6 +42,23 @@ def counts(cubin: bytes) -> collections.Counter:
     return collections.Counter(m.group(1).split(".")[0] for m in _INSTRUCTION.finditer(sass))
 
 
+@contextlib.contextmanager
+def noting(seen: list[tuple[str, Format, bytes]]) -> Iterator[None]:
+    """Within it, every kernel launch (compiled, under `compiling`) notes (kernel, its FMT, its cubin) in `seen`."""
+    launch = JITFunction.run
+
+    def noted(self, *args, grid, warmup, **kwargs):
+        kernel = launch(self, *args, grid=grid, warmup=warmup, **kwargs)
+        seen.append((self.fn.__name__, Format(kwargs["FMT"]), kernel.asm["cubin"]))
+        return kernel
+
+    JITFunction.run = noted
+    try:
+        yield
+    finally:
+        JITFunction.run = launch
+
+
 def compiled(formats: list[Format], n: int, k: int) -> list[tuple[str, Format, bytes]]:
     """(kernel, format, cubin) of each format's GLU over n x k and its down product over k x n."""
     seen: list[tuple[str, Format, bytes]] = []
@@ -49,15 +68,7 @@ def compiled(formats: list[Format], n: int, k: int) -> list[tuple[str, Format, b
         from fuselane.lanes.cuda.triton.gemv.weight_loads import weight_loads
         from fuselane.lanes.cuda.triton.quant import empty_q8
 
-        launch = JITFunction.run
-
-        def noted(self, *args, grid, warmup, **kwargs):
-            kernel = launch(self, *args, grid=grid, warmup=warmup, **kwargs)
-            seen.append((self.fn.__name__, Format(kwargs["FMT"]), kernel.asm["cubin"]))
-            return kernel
-
-        JITFunction.run = noted
-        try:
+        with noting(seen):
             with pdl.dependent_launches(True), weight_loads(WeightLoads.AS_WRITTEN):
                 for fmt in formats:
                     pair = torch.zeros(n * stored_row_bytes(fmt, k), dtype=torch.uint8)  # as the lane stores it
@@ -74,8 +85,6 @@ def compiled(formats: list[Format], n: int, k: int) -> list[tuple[str, Format, b
                     )
                     down = torch.zeros(k * stored_row_bytes(fmt, n), dtype=torch.uint8)
                     q8.gemv_q8(empty_q8(1, n, "cpu"), down, fmt, k, n, torch.zeros(1, k))
-        finally:
-            JITFunction.run = launch
     return seen
 
 

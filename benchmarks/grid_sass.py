@@ -18,8 +18,7 @@ import argparse
 import re
 
 import torch
-from gemv_sass import ARCH, counts
-from triton.runtime.jit import JITFunction
+from gemv_sass import ARCH, counts, noting
 
 from fuselane.gguf.formats import GRID_FORMATS, LAYOUTS, QK_K, Format
 from fuselane.lanes.cuda.compile_check import Report, compiling, cuobjdump, resources
@@ -49,23 +48,12 @@ def compiled(formats: list[Format], n: int, k: int, m: int) -> list[tuple[str, F
         from fuselane.lanes.cuda.triton.grid import gemv as grid_gemv
         from fuselane.lanes.cuda.triton.grid.decode import dequantize_grid
 
-        launch = JITFunction.run
-
-        def noted(self, *args, grid, warmup, **kwargs):
-            kernel = launch(self, *args, grid=grid, warmup=warmup, **kwargs)
-            seen.append((self.fn.__name__, Format(kwargs["FMT"]), kernel.asm["cubin"]))
-            return kernel
-
-        JITFunction.run = noted
-        try:
-            with pdl.dependent_launches(True):
-                for fmt in formats:
-                    lay = LAYOUTS[fmt]
-                    w = torch.zeros(n * (k // lay.values) * lay.nbytes, dtype=torch.uint8)
-                    grid_gemv.gemv_grid(torch.zeros(m, k), w, fmt, n, k, torch.zeros(m, n))
-                    dequantize_grid(w, fmt, n, k, torch.zeros(n, k, dtype=torch.float16))
-        finally:
-            JITFunction.run = launch
+        with noting(seen), pdl.dependent_launches(True):
+            for fmt in formats:
+                lay = LAYOUTS[fmt]
+                w = torch.zeros(n * (k // lay.values) * lay.nbytes, dtype=torch.uint8)
+                grid_gemv.gemv_grid(torch.zeros(m, k), w, fmt, n, k, torch.zeros(m, n))
+                dequantize_grid(w, fmt, n, k, torch.zeros(n, k, dtype=torch.float16))
     return seen
 
 
