@@ -265,13 +265,12 @@ VALUE_GEMV_FORMATS = frozenset({Format.Q2_K, Format.Q3_K, Format.IQ4_NL, Format.
 # The formats the whole-matrix decode on the device (`gemv/epilogue.dequantize`) takes: the prefill products'
 # f16 copies and scratch come from it, so a checkpoint in any of them prefills on cuBLAS.
 DEQUANT_FORMATS = ROWS_GEMV_FORMATS | VALUE_GEMV_FORMATS
-# The grid and ternary formats (`formats.GRID_FORMATS`), decoded a value at a time from their grids' tables
-# (`triton/grid/`): by their own GEMV for a product's rows within the GEMV's, whole for a chunk's scratch or
-# f16 copies. A grid matrix multiplies alone: no fused class's kernel decodes one (`fits`), nor a gather, a
-# per-head or an expert product.
+# The grid and ternary formats (`formats.GRID_FORMATS`), decoded from their grids' tables (`triton/grid/`): by
+# their own GEMV for a product's rows within the GEMV's (with a bias, a landing row, a step's add + norm, or
+# as a gated pair), whole for a chunk's scratch or f16 copies (`gemv/epilogue.dequantize` hands them on). No
+# other kernel decodes one (`fits._grid_launch`): not a launch in parts, a gather, a per-head or an expert
+# product.
 GRID_GEMV_FORMATS = GRID_FORMATS
-# Every format the whole-matrix decode on the device takes (`gemv/epilogue.dequantize`).
-DEVICE_DECODE_FORMATS = DEQUANT_FORMATS | GRID_GEMV_FORMATS
 # The one-row f32 GEMV's formats (`triton/gemv/fast.py`, its `GROUPS`): its add + norm epilogue, like the
 # int8 GEMV's, has the last program walk the norm's row in chunks re-read from L2, so it norms any width; only
 # the GEMV by checkpoint rows (`triton/gemv/rows.py`) holds the row in its block's registers.

@@ -67,7 +67,7 @@ class MoeTile(NamedTuple):
 # - down Q4_K, Qwen3: 64 x 256, eight warps, two stages, 128: 301.7 (64 x 128 eight warps three stages 312.8;
 #   the tile before, 64 x 128 eight warps two stages, 368.3).
 # - down Q6_K, Qwen3: 64 x 128, eight warps, one stage, a whole super-block a step: 465.0 (64 x 64 four warps
-#   two stages 700.0; the tile before 741.9).
+#   two stages 700.0; the tile before 741.9); replaced after the H100 sweep below.
 # - down Q5_0, V2-Lite: 64 x 64, four warps, two stages, 128: 342.2 (64 x 128 eight warps one stage 373.4; the
 #   tile before 390.9).
 # - down Q8_0, V2-Lite: 64 x 128, eight warps, one stage, 128 (timed as "256 a step", which 1,408 values take

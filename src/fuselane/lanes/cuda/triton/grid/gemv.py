@@ -3,10 +3,11 @@ checkpoint's blocks in one of `kernels.GRID_GEMV_FORMATS`, each value decoded in
 its grid row gathered from the format's table), f32 activations and sums.
 
 These formats (IQ1_*, IQ2_*, IQ3_*, TQ*) spend 1.6-3.4 bits a value; their codes index llama.cpp's grids, so a
-value costs a table gather beside its field loads, and no int8 form of the activation helps the decode. The
-kernel is one launch a product with the epilogue every product binder asks of a GEMV (a bias, a residual, a
-landing row read on the device: `rows.store_rows`), so a grid matrix multiplies alone and the ops around it
-keep their own launches (`fits`: the lane's fused classes take no grid matrix).
+value costs a table gather beside its field loads, and no int8 form of the activation helps the decode. One
+kernel, three launchers: `gemv_grid` (a product with a bias, a residual or a landing row read on the device:
+`rows.store_rows`), `gemv_grid_gate_up_glu` (a gated pair in one grid format, SiLU(gate) * up) and
+`gemv_grid_add_norm` (a step's projection plus residual whose last program norms the row:
+`fast_norm.norm_last`). Every other fused op holding a grid matrix is taken apart (`fits._grid_launch`).
 
 Launch shape: a program takes BLOCK_N weight rows for all m <= `kernels.GEMV_ROWS` rows of x and walks k a
 slice of SLICE values of a super-block at a time: a thread finds a group's fields once (`values.grid_group`:
@@ -41,7 +42,7 @@ from fuselane.lanes.cuda.triton.grid.values import (
 GRID_BLOCK_N = 16
 GRID_WARPS = 4
 # The values of a super-block one step of the k loop decodes a row: [BLOCK_M, BLOCK_N, SLICE / 8] partial sums,
-# a thread a group of 8 values of a row: 8 sums a thread at the GEMV's eight rows.
+# a thread a group of 8 values of a row (a sum for each of x's rows).
 SLICE = 64
 # The most values of a norm's row the last program holds in registers (`kernels.NORM_HELD_A_THREAD` a thread); a
 # wider row is walked in chunks of it, read back from L2.
