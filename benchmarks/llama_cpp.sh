@@ -2,8 +2,10 @@
 # On a GPU host: llama.cpp's llama-bench and `fuselane bench` on the same synthetic checkpoints, one after the
 # other on one card, as ANCHORS.md measured llama.cpp (`-ngl 99 -fa 1 -p 512 -n 128`, a build for sm_90).
 #
-#   benchmarks/llama_cpp.sh LLAMA_SRC OUT_DIR [SHAPE:MIX ...]
+#   benchmarks/llama_cpp.sh LLAMA_SRC OUT_DIR [SHAPE:MIX[:REGEX=TYPE] ...]
 #
+# A third field is llama-quantize's --tensor-type over the mix (`qwen2.5-7b:q4_k_m:attn_|ffn_=iq2_xxs`: every
+# projection IQ2_XXS).
 # LLAMA_SRC is a llama.cpp source tree or `benchmarks/llama_cpp_source.sh`'s .tgz. It is built once into
 # LLAMA_BUILD (default /tmp/llama-build; ~4 minutes on 16 cores); a build already there is reused. Each
 # checkpoint is written to FUSELANE_MODELS (default /tmp/fuselane-models), measured by both, and removed
@@ -50,11 +52,15 @@ for spec in "${specs[@]}"; do
     echo "stopped before $spec: the budget of $budget s is spent" | tee -a "$table"
     break
   fi
-  shape=${spec%%:*} mix=${spec##*:} name=${spec//:/-}
+  # SHAPE:MIX, or SHAPE:MIX:REGEX=TYPE for llama-quantize's --tensor-type over the mix (a grid format's file)
+  IFS=: read -r shape mix types <<< "$spec"
+  name=$(echo "$spec" | tr ':=|()' '-----' | tr -s -)
+  extra=()
+  [ -z "$types" ] || extra=(--tensor-type "$types")
   file=$models/$name.gguf
-  [ -f "$file" ] || python3 -m fuselane.gguf.synth "$file" --shape "$shape" --mix "$mix" > /dev/null
+  [ -f "$file" ] || python3 -m fuselane.gguf.synth "$file" --shape "$shape" --mix "$mix" "${extra[@]}" > /dev/null
   "$build/bin/llama-bench" -m "$file" -ngl 99 -fa 1 -p 512 -n 128 -r 3 -o json > "$out/llama-$name.json" 2> "$out/llama-$name.err"
   python3 -m fuselane bench "$file" --lane cuda -p 512 -n 128 -r 3 --json > "$out/fuselane-$name.json" 2> "$out/fuselane-$name.err"
-  python3 "$root/benchmarks/side_by_side.py" "$shape" "$mix" "$file" "$out/llama-$name.json" "$out/fuselane-$name.json" | tee -a "$table"
+  python3 "$root/benchmarks/side_by_side.py" "$shape" "$mix${types:+ + $types}" "$file" "$out/llama-$name.json" "$out/fuselane-$name.json" | tee -a "$table"
   [ -n "${FUSELANE_KEEP:-}" ] || rm -f "$file"
 done
