@@ -61,6 +61,7 @@ for spec in "${specs[@]}"; do
   [ -f "$file" ] || python3 -m fuselane.gguf.synth "$file" --shape "$shape" --mix "$mix" "${extra[@]}" > /dev/null
   "$build/bin/llama-bench" -m "$file" -ngl 99 -fa 1 -p 512 -n 128 -r 3 -o json > "$out/llama-$name.json" 2> "$out/llama-$name.err"
   python3 -m fuselane bench "$file" --lane cuda -p 512 -n 128 -r 3 --json > "$out/fuselane-$name.json" 2> "$out/fuselane-$name.err"
-  python3 "$root/benchmarks/side_by_side.py" "$shape" "$mix${types:+ + $types}" "$file" "$out/llama-$name.json" "$out/fuselane-$name.json" | tee -a "$table"
+  label=$mix${types:+ + ${types//|/\\|}}  # a regex's | escaped for the markdown table
+  python3 "$root/benchmarks/side_by_side.py" "$shape" "$label" "$file" "$out/llama-$name.json" "$out/fuselane-$name.json" | tee -a "$table"
   [ -n "${FUSELANE_KEEP:-}" ] || rm -f "$file"
 done
