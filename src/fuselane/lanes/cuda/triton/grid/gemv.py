@@ -42,8 +42,11 @@ from fuselane.lanes.cuda.triton.grid.values import (
 GRID_BLOCK_N = 16
 GRID_WARPS = 4
 # The values of a super-block one step of the k loop decodes a row: [BLOCK_M, BLOCK_N, SLICE / 8] partial sums,
-# a thread a group of 8 values of a row (a sum for each of x's rows).
-SLICE = 64
+# two groups of 8 values of a row a thread (a sum for each of x's rows). Compiled for sm_90
+# (`benchmarks/grid_sass.py`), 128 took 11.6-14.6 instructions a value in the loop against 12.4-16.5 at 64
+# (IQ2_XXS, IQ3_S, IQ1_M), the loop's fixed cost over twice the values and two groups' loads in flight a
+# thread; 256 took the same as 128 at twice the registers. Not timed on a GPU.
+SLICE = 128
 # The most values of a norm's row the last program holds in registers (`kernels.NORM_HELD_A_THREAD` a thread); a
 # wider row is walked in chunks of it, read back from L2.
 NORM_HELD = kernels.NORM_HELD_A_THREAD * GRID_WARPS * kernels.WARP
