@@ -47,6 +47,9 @@ SEVEN = {
     "ffn_down": Format.IQ1_M,
 }
 TERNARY = {"attn_q": Format.TQ2_0, "attn_output": Format.TQ1_0, "ffn_down": Format.TQ2_0, "ffn_up": Format.TQ1_0}
+# a file mixing a grid format with the mix's Q8_0 (the value product, the output projection): the grid
+# projections' norms write their int8 form for them (NormQuant)
+MIXED = {m: Format.IQ2_XXS for m in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
 assert set(SEVEN.values()) | set(TERNARY.values()) == GRID_FORMATS
 
 
@@ -57,11 +60,13 @@ def _write(path, shape: Shape, formats: dict[str, Format]) -> str:
 
 @pytest.mark.parametrize(
     ("shape", "formats", "activations"),
-    [(QWEN2, SEVEN, "int8"), (QWEN2, SEVEN, "dequant"), (QWEN3, TERNARY, "int8")],
-    ids=["qwen2-grid-int8", "qwen2-grid-dequant", "qwen3-ternary-int8"],
+    [(QWEN2, SEVEN, "int8"), (QWEN2, SEVEN, "dequant"), (QWEN3, TERNARY, "int8"), (QWEN3, MIXED, "int8")],
+    ids=["qwen2-grid-int8", "qwen2-grid-dequant", "qwen3-ternary-int8", "qwen3-mixed-int8"],
 )
 def test_a_grid_model_runs_as_the_cpu_lane(tmp_path, shape, formats, activations):
     path = _write(tmp_path / "m.gguf", shape, formats)
+    if formats is MIXED:
+        assert C.NORM_QUANT in {class_of(op) for op in build_plan(path, lane="cuda")[2].ops}
     runs_as_the_cpu_lane(path, PROMPT, SHORT, [9, 77], ctx=32, knobs=[f"activations={activations}"])
 
 
@@ -175,6 +180,23 @@ def test_the_grid_add_norm_matches_f64(chunk):
     gemv_grid_add_norm(x_t, w, fmt, n, k, res_t, res_t, norm_t, eps, out, counter, norm_chunk=chunk)
     assert rel(res_t.cpu().numpy(), s[0]) < 1e-5 and rel(out.cpu().numpy(), want[0]) < 1e-5
     assert int(counter.item()) == 0
+
+
+def test_the_grid_add_norm_writes_the_normed_rows_int8_form():
+    # the last program's int8 form of the normed row: the lane's own quantize of that row, bit for bit
+    from fuselane.lanes.cuda.triton.gemv.epilogue import gemv_add_norm_counter
+    from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid_add_norm
+    from fuselane.lanes.cuda.triton.quant import empty_q8, quantize
+
+    fmt, n, k = Format.IQ2_S, 96, 256
+    w, _ = _rows(fmt, n, k, seed=8)
+    rng = np.random.default_rng(9)
+    x, res, norm_w = (torch.from_numpy(rng.standard_normal(s).astype(np.float32)).to(DEVICE) for s in ((1, k), n, n))
+    out, q8 = torch.empty(n, dtype=torch.float32, device=DEVICE), empty_q8(1, n, DEVICE)
+    gemv_grid_add_norm(x, w, fmt, n, k, res, res.clone(), norm_w, 1e-6, out, gemv_add_norm_counter(DEVICE), out_q8=q8)
+    want = quantize(out.view(1, n), empty_q8(1, n, DEVICE))
+    for got, ref in zip(q8, want, strict=True):
+        assert torch.equal(got.cpu(), ref.cpu())
 
 
 def test_the_grid_gemv_refuses_what_it_does_not_take():

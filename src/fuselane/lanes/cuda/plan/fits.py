@@ -125,10 +125,14 @@ _GRID_PRODUCT_CLASSES = frozenset({C.GEMM_BIAS, C.ROW_WRITE})
 
 def _grid_launch(op: Op, g: TensorGraph) -> bool:
     """Whether a fused op's grid matrices have a launch of the grid GEMV: a product with its bias or landing
-    row, a step's projection whose last program norms its row (`grid.gemv.gemv_grid_add_norm`), or a gated
-    pair within the GEMV's rows whose gate and up product share one grid format (`gemv_grid_gate_up_glu`)."""
+    row, a step's projection whose last program norms its row (`grid.gemv.gemv_grid_add_norm`; with the
+    normed row's int8 form, NormQuant), or a gated pair within the GEMV's rows whose gate and up product share
+    one grid format (`gemv_grid_gate_up_glu`)."""
     if op.sym.cls in _GRID_PRODUCT_CLASSES:
         return True
+    if op.sym.cls is C.NORM_QUANT:  # a projection's norm writing its int8 form too: the add + norm's launch
+        first = op.sym.parts[0]
+        return isinstance(first.sym, Fused) and first.sym.cls is C.GEMV_NORM_EPILOGUE and _grid_launch(first, g)
     if op.sym.cls is C.GEMV_NORM_EPILOGUE:  # a step's one row (the class's own check says the rest)
         p = gemv(op.sym.parts[0], g)
         return p is not None and p.m == 1

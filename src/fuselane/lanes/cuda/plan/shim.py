@@ -219,6 +219,9 @@ class CudaShim:
             return gdn.gated_norm_quantizes(producer)
         if isinstance(producer.sym, HeadMatmul):  # a program a block of a head's outputs
             return attn_kernels.head_product_quantizes(producer.sym.b)
+        if cls is C.GEMV_NORM_EPILOGUE and self._grid_product(producer, g):
+            # the grid GEMV's add + norm: its last program writes the normed row's int8 form, whole blocks
+            return g.tensors[producer.out].shape[-1] % kernels.QBLOCK == 0
         if cls in (C.GEMV_NORM_EPILOGUE, C.GEMV_GATE_UP_GLU):
             # the one-row int8 GEMV's epilogues; a batch's rows past one are quantized by a launch of their own
             p = gemv(parts(producer)[0], g)
@@ -231,6 +234,13 @@ class CudaShim:
             m = moe(producer)
             return m is not None and m.rows == 1 and m.d % kernels.QBLOCK == 0
         return False
+
+    @staticmethod
+    def _grid_product(op: Op, g: TensorGraph) -> bool:
+        """Whether a fused op's first part is a product of a step's one row in a grid format."""
+        p = gemv(parts(op)[0], g)
+        grid = p is not None and isinstance(p.weights, Rows) and p.weights.format in kernels.GRID_GEMV_FORMATS
+        return grid and p.m == 1
 
     @staticmethod
     def _experts_read_int8(op: Op, x: str, g: TensorGraph) -> bool:

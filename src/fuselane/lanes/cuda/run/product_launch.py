@@ -328,14 +328,12 @@ def norm_epilogue(op: Op, b: Any, out_q8: Any = None):
     from fuselane.lanes.cuda.triton.gemv import fast_norm as gemv_fast_norm
 
     p = norm_product(op, b)
-    if p.fmt in kernels.GRID_GEMV_FORMATS:  # the grid GEMV's add + norm (its activation f32: no int8 form)
+    if p.fmt in kernels.GRID_GEMV_FORMATS:  # the grid GEMV's add + norm (its activation f32), the norm's int8 too
         from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid_add_norm
 
         _grid_table(p.fmt, p.wt)
-
-        if out_q8 is not None:
-            raise PlanMismatch(f"{op.out}: a grid projection's norm writes no int8 form")
-        return [lambda: gemv_grid_add_norm(p.x, p.wt, p.fmt, p.n, p.k, p.r, p.s, p.w, p.eps, p.out, p.counter)]
+        return [lambda: gemv_grid_add_norm(p.x, p.wt, p.fmt, p.n, p.k, p.r, p.s, p.w, p.eps, p.out, p.counter,
+                                           out_q8=out_q8)]  # fmt: skip
     if p.acts is not None:
         from fuselane.lanes.cuda.triton.gemv import q8_epilogue as qe
         from fuselane.lanes.cuda.triton.quant import empty_q8

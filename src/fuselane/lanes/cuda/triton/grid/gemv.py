@@ -27,6 +27,7 @@ from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.epilogue import check_add_norm
 from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
+from fuselane.lanes.cuda.triton.gemv.q8_epilogue import check_q8_out
 from fuselane.lanes.cuda.triton.gemv.rows import check_x, row_tiles, store_glu, store_rows
 from fuselane.lanes.cuda.triton.grid.values import (
     GRID_GROUP,
@@ -36,6 +37,7 @@ from fuselane.lanes.cuda.triton.grid.values import (
     grid_group,
     grid_values,
 )
+from fuselane.lanes.cuda.triton.quant import Q8Acts
 
 # Weight rows a program takes, and its warps: a value costs a few dependent loads (its fields, its grid row),
 # so many rows in flight a SM cover their latency rather than a long k loop a thread.
@@ -125,6 +127,9 @@ def _grid_gemv_kernel(
     norm_out,
     counter,
     eps,
+    oq,
+    od,
+    os_,
     FMT: tl.constexpr,
     NBYTES: tl.constexpr,
     ROW_BYTES: tl.constexpr,
@@ -142,6 +147,7 @@ def _grid_gemv_kernel(
     NORM: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     NORM_STEPS: tl.constexpr,
+    Q8OUT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.begin(PDL)
@@ -157,8 +163,9 @@ def _grid_gemv_kernel(
         store_glu(y, up, rows, n, mi, m, out, pitch)
     else:
         store_rows(y, rows, n, mi, m, out, pitch, bias, pos, res, res_pitch, HAS_BIAS, AT_ROW, HAS_RES)
-    if NORM:  # a step's one row: `out` holds x @ W^T + residual, which the launch's last program norms
-        norm_last(out, norm_w, norm_out, n, eps, counter, norm_out, norm_out, norm_out, NORM_BLOCK, NORM_STEPS, False)
+    if NORM:  # a step's one row: `out` holds x @ W^T + residual, which the launch's last program norms (and
+        # where Q8OUT writes as int8 activations too, for the int8 products that read it)
+        norm_last(out, norm_w, norm_out, n, eps, counter, oq, od, os_, NORM_BLOCK, NORM_STEPS, Q8OUT)
 
 
 def _check_rows(w: torch.Tensor, fmt: Format, n: int, k: int) -> None:
@@ -175,9 +182,11 @@ def _grid_format(fmt: Format) -> Format:
 
 
 def _launch(x, w, fmt: Format, n: int, k: int, out, pitch: int, *, w_up=None, bias=None, pos=None, residual=None,
-            norm: tuple | None = None, norm_chunk: int | None = None) -> None:  # fmt: skip
+            norm: tuple | None = None, norm_chunk: int | None = None, out_q8: Q8Acts | None = None,
+            ) -> None:  # fmt: skip
     """One launch of the grid GEMV kernel over x's rows (in tiles of the GEMV's), its arguments checked by the
-    caller; `norm` = (norm_w, norm_out, counter, eps) norms the one row `out` holds in the last program."""
+    caller; `norm` = (norm_w, norm_out, counter, eps) norms the one row `out` holds in the last program, which
+    writes the normed row's int8 form to `out_q8` too where given."""
     lay = LAYOUTS[fmt]
     block_m, m_tiles = row_tiles(x.shape[0])
     norm_w, norm_out, counter, eps = norm if norm is not None else (x, x, x, 0.0)  # never read without NORM
@@ -200,6 +209,7 @@ def _launch(x, w, fmt: Format, n: int, k: int, out, pitch: int, *, w_up=None, bi
         norm_out,
         counter,
         float(eps),
+        *((x, x, x) if out_q8 is None else out_q8),  # the int8 output's codes, scales and sums, read only where Q8OUT
         FMT=int(fmt),
         NBYTES=lay.nbytes,
         ROW_BYTES=(k // lay.values) * lay.nbytes,
@@ -217,6 +227,7 @@ def _launch(x, w, fmt: Format, n: int, k: int, out, pitch: int, *, w_up=None, bi
         NORM=norm is not None,
         NORM_BLOCK=chunk,
         NORM_STEPS=triton.cdiv(n, chunk),
+        Q8OUT=out_q8 is not None,
         num_warps=GRID_WARPS,
         **pdl.options(),
     )
@@ -284,20 +295,25 @@ def gemv_grid_add_norm(
     out: torch.Tensor,
     counter: torch.Tensor,
     *,
+    out_q8: Q8Acts | None = None,
     norm_chunk: int | None = None,
 ) -> torch.Tensor:
     """One launch for a decode step's row: sum_out = x @ W^T + residual, W the n x k checkpoint rows `w` in the
     grid format `fmt`, then out = sum_out / sqrt(mean(sum_out^2) + eps) * norm_w, the norm done by the launch's
     last program over the sum_out it reads back (`fast_norm.norm_last`); returns `out`. The contract of
-    `epilogue.gemv_add_norm`: `sum_out` may be `residual`, `counter` is `gemv_add_norm_counter`'s, left at 0. A
-    row wider than NORM_HELD is normed in chunks of it (`norm_chunk`, a power of two, sets the chunk: tests)."""
+    `epilogue.gemv_add_norm`: `sum_out` may be `residual`, `counter` is `gemv_add_norm_counter`'s, left at 0. With
+    `out_q8` the last program writes the normed row's int8 form too (`quant.store_quantized`, whole 32-value
+    blocks), so an int8 product after it needs no launch to quantize it. A row wider than NORM_HELD is normed
+    in chunks of it (`norm_chunk`, a power of two, sets the chunk: tests)."""
     fmt = _grid_format(fmt)
     x2 = x.view(1, -1) if x.dim() == 1 else x
     if check_x(x2, k) != 1:
         raise ValueError(f"a grid GEMV's add + norm takes a decode step's one row of x, not {x2.shape[0]}")
     _check_rows(w, fmt, n, k)
     check_add_norm(residual, sum_out, norm_w, out, counter, n, x.device)
+    if out_q8 is not None:
+        check_q8_out(out_q8, n)
     row = sum_out.view(1, n)
     norm = (norm_w, out, counter, eps)
-    _launch(x2, w, fmt, n, k, row, n, residual=residual.view(1, n), norm=norm, norm_chunk=norm_chunk)
+    _launch(x2, w, fmt, n, k, row, n, residual=residual.view(1, n), norm=norm, norm_chunk=norm_chunk, out_q8=out_q8)
     return out
