@@ -24,11 +24,12 @@ from gguf import quants as gguf_quants  # noqa: E402
 from fuselane.gguf.dequant import dequantize  # noqa: E402
 from fuselane.gguf.formats import LAYOUTS, QK_K, Format  # noqa: E402
 from fuselane.gguf.quantize import random_blocks  # noqa: E402
+from fuselane.lanes.cuda.plan import kernels  # noqa: E402
 from fuselane.lanes.cuda.triton.grid import values  # noqa: E402
 from fuselane.lanes.cuda.triton.grid.decode import PROGRAM_BLOCKS, dequantize_grid  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FORMATS = sorted(values.GRID_DEVICE_FORMATS, key=int)
+FORMATS = sorted(kernels.GRID_GEMV_FORMATS, key=int)
 ROWS, BLOCKS = 3, 2  # 6 blocks: one program, its last 2 units past the end (masked)
 assert ROWS * BLOCKS < PROGRAM_BLOCKS
 F16_SIGN = 0x80  # the sign bit of an f16's high byte

@@ -208,7 +208,7 @@ def test_the_grid_gemv_refuses_what_it_does_not_take():
     out = torch.empty((1, 4), dtype=torch.float32, device=DEVICE)
     with pytest.raises(ValueError, match="no grid GEMV for Q8_0"):
         gemv_grid(x, w, Format.Q8_0, 4, 256, out)
-    with pytest.raises(ValueError, match="IQ2_XXS rows' bytes"):
+    with pytest.raises(ValueError, match="IQ2_XXS weights of 4 rows of 256 must be"):
         gemv_grid(x, w[:-1], Format.IQ2_XXS, 4, 256, out)
 
 

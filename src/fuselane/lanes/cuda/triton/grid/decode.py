@@ -15,10 +15,10 @@ import triton
 import triton.language as tl
 
 from fuselane.gguf.formats import LAYOUTS, QK_K, Format
+from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.grid.values import (
     BLOCK_VALUES,
-    GRID_DEVICE_FORMATS,
     GRID_GROUP,
     TERNARY_FORMATS,
     device_table,
@@ -82,7 +82,7 @@ def dequantize_grid(
     to nearest even. `table` is `values.device_table(fmt, w.device)` unless given (a caller holding it already).
     """
     fmt = Format(fmt)
-    if fmt not in GRID_DEVICE_FORMATS:
+    if fmt not in kernels.GRID_GEMV_FORMATS:
         raise ValueError(f"no device grid decode for {fmt.name}")
     if n < 0 or k < 0 or k % QK_K:
         raise ValueError(f"{fmt.name} rows must be whole {QK_K}-value blocks; got n={n}, k={k}")

@@ -27,6 +27,7 @@ from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.epilogue import check_add_norm
 from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
+from fuselane.lanes.cuda.triton.gemv.parts import Part, check_bias, check_rows, part_out
 from fuselane.lanes.cuda.triton.gemv.q8_epilogue import check_q8_out
 from fuselane.lanes.cuda.triton.gemv.rows import check_x, row_tiles, store_glu, store_rows
 from fuselane.lanes.cuda.triton.grid.values import (
@@ -54,8 +55,8 @@ SLICE = 128
 NORM_HELD = kernels.NORM_HELD_A_THREAD * GRID_WARPS * kernels.WARP
 
 
-def values_a_thread(m: int) -> int:
-    """Weight values a thread decodes a step of the k loop at `m` rows of x (each times every row's value)."""
+def values_a_thread() -> int:
+    """Weight values a thread decodes a step of the k loop (each times every row of x's value)."""
     return GRID_BLOCK_N * SLICE // (GRID_WARPS * kernels.WARP)
 
 
@@ -169,9 +170,10 @@ def _grid_gemv_kernel(
 
 
 def _check_rows(w: torch.Tensor, fmt: Format, n: int, k: int) -> None:
-    lay = LAYOUTS[fmt]
-    if k % lay.values or w.dtype != torch.uint8 or w.dim() != 1 or w.numel() != n * (k // lay.values) * lay.nbytes:
-        raise ValueError(f"w must be the {n} x {k} {fmt.name} rows' bytes, whole {lay.values}-value blocks")
+    """`parts.check_rows`, the rows whole super-blocks (the k loop's steps are slices of one)."""
+    if k % QK_K:
+        raise ValueError(f"{fmt.name} rows take whole {QK_K}-value blocks, not {k} values")
+    check_rows(w, fmt, n, k)
 
 
 def _grid_format(fmt: Format) -> Format:
@@ -252,16 +254,10 @@ def gemv_grid(
     fmt = _grid_format(fmt)
     m = check_x(x, k)
     _check_rows(w, fmt, n, k)
-    if bias is not None and (bias.dim() != 1 or bias.numel() != n):
-        raise ValueError(f"bias must have {n} values")
+    check_bias(bias, n)
     if residual is not None and (tuple(residual.shape) != (m, n) or residual.stride(1) != 1):
         raise ValueError(f"residual must be ({m}, {n}) with unit column stride")
-    if out_row is None:
-        if tuple(out.shape) != (m, n) or out.stride(1) != 1:
-            raise ValueError(f"out must be ({m}, {n}) with unit column stride")
-        pos, pitch = None, out.stride(0)
-    else:
-        pos, pitch = out_row
+    out, pitch, pos = part_out(Part(w, n, out, bias, out_row), m)
     _launch(x, w, fmt, n, k, out, pitch, bias=bias, pos=pos, residual=residual)
     return out
 
@@ -276,8 +272,7 @@ def gemv_grid_gate_up_glu(
     m = check_x(x, k)
     _check_rows(w_gate, fmt, n, k)
     _check_rows(w_up, fmt, n, k)
-    if tuple(out.shape) != (m, n) or out.stride(1) != 1:
-        raise ValueError(f"out must be ({m}, {n}) with unit column stride")
+    part_out(Part(w_gate, n, out), m)
     _launch(x, w_gate, fmt, n, k, out, out.stride(0), w_up=w_up)
     return out
 

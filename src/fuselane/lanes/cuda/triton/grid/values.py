@@ -36,7 +36,6 @@ from fuselane.lanes.cuda.triton.gemv.layout import BIT, BYTE_BITS, CRUMB, NIBBLE
 if TYPE_CHECKING:
     import torch
 
-GRID_DEVICE_FORMATS = kernels.GRID_GEMV_FORMATS  # every grid and ternary format of the table
 KSIGN_FORMATS = frozenset({Format.IQ2_XXS, Format.IQ2_XS, Format.IQ3_XXS})  # sign patterns by 7-bit index
 TERNARY_FORMATS = frozenset({Format.TQ1_0, Format.TQ2_0})
 KSIGNS = np.frombuffer(gguf_quants.IQ2_XXS.ksigns, dtype=np.uint8)  # ggml's ksigns_iq2xs: 128 patterns
@@ -58,7 +57,7 @@ def table_bytes(fmt: Format) -> np.ndarray:
     """`fmt`'s lookup table as the device reads it (the module's layout), uint8 1-D: the grid's rows of signed
     bytes, then the 128 ksigns where the format indexes sign patterns; one byte for a ternary format."""
     fmt = Format(fmt)
-    if fmt not in GRID_DEVICE_FORMATS:
+    if fmt not in kernels.GRID_GEMV_FORMATS:
         raise ValueError(f"no device table for {fmt.name}")
     if fmt in TERNARY_FORMATS:
         return np.zeros(1, dtype=np.uint8)
@@ -115,7 +114,7 @@ ROW8, ROW4 = tl.constexpr(8), tl.constexpr(4)
 IQ2_XXS_KSIGNS = tl.constexpr(_grid_bytes(Format.IQ2_XXS))
 IQ2_XS_KSIGNS = tl.constexpr(_grid_bytes(Format.IQ2_XS))
 IQ3_XXS_KSIGNS = tl.constexpr(_grid_bytes(Format.IQ3_XXS))
-if {_grid_shape(f)[1] for f in GRID_DEVICE_FORMATS - TERNARY_FORMATS} != {ROW8.value, ROW4.value}:
+if {_grid_shape(f)[1] for f in kernels.GRID_GEMV_FORMATS - TERNARY_FORMATS} != {ROW8.value, ROW4.value}:
     raise RuntimeError("a gguf.quants grid row is no longer 4 or 8 values wide")
 
 BLOCK_VALUES = tl.constexpr(QK_K)  # values of a super-block
@@ -389,7 +388,7 @@ def _tq2_0(blk, t):
 def grid_values(blk, table, t, FMT: tl.constexpr):
     """The f32 values t (int32 indices 0..255 in a super-block) of the blocks at `blk` (uint8 pointers to each
     block's first byte in the file's layout), of shapes that broadcast together (the whole-matrix decode's
-    [U, 1] and [1, T]), in the format `FMT` (`int(Format.X)`, one of GRID_DEVICE_FORMATS); `table` points to
+    [U, 1] and [1, T]), in the format `FMT` (`int(Format.X)`, one of kernels.GRID_GEMV_FORMATS); `table` points to
     `device_table(FMT)`. Bit for bit `fuselane.gguf.dequant`'s values, signs of zero included."""
     if FMT == FMT_TQ1_0:
         v = _tq1_0(blk, t)
