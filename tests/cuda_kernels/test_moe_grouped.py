@@ -113,6 +113,10 @@ TABLE_CASES = {
     "iq4_xs-iq4_xs": (Format.IQ4_XS, Format.IQ4_XS, 5, 2, 3, 256, 256, dict(every=None, none=2), 1, True),
     # the low-bit recipes' experts: Q2_K's and Q3_K's crumbs, a scale a 16-value sub-block
     "q2_k-q3_k": (Format.Q2_K, Format.Q3_K, 5, 2, 3, 256, 256, dict(every=0, none=None), 1, False),
+    # the grid formats' tiles from their tables (`grid.values.grid_tile`): 8-wide and 4-wide grid rows, IQ1's
+    # offset, and a ternary format's values each alone
+    "iq2_xxs-iq3_s": (Format.IQ2_XXS, Format.IQ3_S, 5, 2, 3, 256, 256, dict(every=None, none=1), 1, True),
+    "iq1_m-tq2_0": (Format.IQ1_M, Format.TQ2_0, 4, 2, 3, 256, 512, dict(every=0, none=None), 1, False),
 }
 
 

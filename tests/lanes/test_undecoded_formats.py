@@ -3,8 +3,10 @@ runs: `explain` shows the plan and names the matrix, `--lane cuda` refuses in on
 model on the cpu lane, which decodes every format of the table.
 
 The grid and ternary formats (`formats.GRID_FORMATS`: IQ2_*, IQ3_*, IQ1_*, TQ*) are decoded by the cpu lane
-everywhere and by the cuda lane in a dense product alone (`triton/grid/`): a mixture's experts in one are such
-a matrix; a dense model's projections in them run (`tests/cuda_kernels/test_grid_lane.py`)."""
+everywhere and by the cuda lane in a product (`triton/grid/`): a dense projection, a mixture's experts. An
+embedding table in one is such a matrix (no gather decodes it); so is a mixture whose gate and up experts differ
+in format, which the gate/up launch cannot take (it decodes one). The grid files the lane runs are tested in
+`tests/cuda_kernels/test_grid_lane.py` and `test_grid_experts_lane.py`."""
 
 from __future__ import annotations
 
@@ -20,10 +22,14 @@ from fuselane.gguf.synth import Shape, write_synthetic
 from fuselane.graph.ir import Fused
 from fuselane.runtime import model as runtime
 
-EXPERTS_WHY = (
-    "blk.0.ffn_gate_exps.weight is IQ3_XXS, a grid format, which the lane multiplies in a dense product only "
-    "(the cpu lane runs it)"
+EMBEDDING_WHY = (
+    "token_embd.weight is IQ3_XXS, a grid format, which the lane multiplies in a product only (the cpu lane runs it)"
 )
+GATE_UP_WHY = (
+    "blk.0.ffn_gate_exps.weight is Q4_K and blk.0.ffn_up_exps.weight is Q6_K: a mixture's gate and up experts "
+    "multiply in one launch that decodes one format (the cpu lane runs it)"
+)
+REFUSED = {"embedding": EMBEDDING_WHY, "gate_up": GATE_UP_WHY}
 # rows of whole 256-value super-blocks, as the grid formats need
 DENSE = Shape("qwen3", 256, 2, 4, 2, 64, 512, 512, context=4096)
 EXPERTS = Shape("qwen3moe", 256, 2, 4, 2, 64, 512, 512, context=4096, experts=4, experts_used=2, expert_ff=256)
@@ -38,14 +44,17 @@ def files(tmp_path_factory) -> dict[str, str]:
     d = tmp_path_factory.mktemp("grid")
     downs = [f"blk.{i}.ffn_down.weight" for i in range(2)]
     experts = [f"blk.{i}.ffn_{p}_exps.weight" for i in range(2) for p in ("gate", "up", "down")]
+    mixed = {"blk.0.ffn_gate_exps.weight": Format.Q4_K, "blk.0.ffn_up_exps.weight": Format.Q6_K}
     return {
         "dense": _write(d / "dense.gguf", DENSE, downs, Format.IQ2_XXS),
         "experts": _write(d / "experts.gguf", EXPERTS, experts, Format.IQ3_XXS),
+        "embedding": _write(d / "embedding.gguf", DENSE, ["token_embd.weight"], Format.IQ3_XXS),
+        "gate_up": str(write_synthetic(d / "gate_up.gguf", EXPERTS, "q8_0", seed=2, formats=mixed)),
         "plain": str(write_synthetic(d / "plain.gguf", "tiny-qwen3", "q8_0", seed=2)),
     }
 
 
-@pytest.mark.parametrize(("kind", "why"), [("experts", EXPERTS_WHY)])
+@pytest.mark.parametrize(("kind", "why"), list(REFUSED.items()))
 def test_explain_names_the_matrix(files, kind, why):
     _, _, plan = build_plan(files[kind], lane="cuda")
     assert plan.cannot_run is not None and plan.cannot_run.endswith(why)
@@ -55,25 +64,28 @@ def test_explain_names_the_matrix(files, kind, why):
     assert readers and all(not isinstance(op.sym, Fused) for op in readers)
 
 
-@pytest.mark.parametrize("kind", ["plain", "dense"])
+@pytest.mark.parametrize("kind", ["plain", "dense", "experts"])
 def test_a_file_the_lane_decodes_is_not_refused(files, kind):
     assert build_plan(files[kind], lane="cuda")[2].cannot_run is None
 
 
-def test_the_cuda_lane_refuses_before_torch_is_asked(files):
-    with pytest.raises(FuselaneError, match="lane cannot run this model: .*IQ3_XXS, a grid format, which the lane"):
-        runtime.load(files["experts"], lane="cuda", ctx=32)
+@pytest.mark.parametrize("kind", list(REFUSED))
+def test_the_cuda_lane_refuses_before_torch_is_asked(files, kind):
+    with pytest.raises(FuselaneError, match="lane cannot run this model: " + REFUSED[kind].split()[0]):
+        runtime.load(files[kind], lane="cuda", ctx=32)
 
 
-def test_the_command_says_so_in_one_line(files, capsys):
-    assert main(["run", files["experts"], "hi", "--lane", "cuda", "-n", "1"]) == 1
+@pytest.mark.parametrize("kind", list(REFUSED))
+def test_the_command_says_so_in_one_line(files, kind, capsys):
+    assert main(["run", files[kind], "hi", "--lane", "cuda", "-n", "1"]) == 1
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and EXPERTS_WHY in err and "Traceback" not in err
+    assert len(err.splitlines()) == 1 and REFUSED[kind] in err and "Traceback" not in err
 
 
-def test_auto_runs_it_on_the_cpu_lane(files, monkeypatch):
+@pytest.mark.parametrize("kind", list(REFUSED))
+def test_auto_runs_it_on_the_cpu_lane(files, kind, monkeypatch):
     monkeypatch.setattr(runtime, "_cuda_available", lambda: True)  # as on a GPU host
-    m = runtime.load(files["experts"], lane="auto", ctx=32)
+    m = runtime.load(files[kind], lane="auto", ctx=32)
     assert m.lane.name == "cpu"
     assert np.isfinite(np.asarray(m.session().feed([5, 60, 7]))).all()
 

@@ -35,6 +35,7 @@ from fuselane.graph.ops import (
     Attention,
     Elementwise,
     ElementwiseOp,
+    ExpertMatmul,
     GateAct,
     GatedDelta,
     HeadMatmul,
@@ -75,7 +76,7 @@ def fits(shim: CudaShim, op: Op, g: TensorGraph) -> str | None:
     if moe(op) is not None and op.dst.row is not None and isinstance(op.dst.row.sel, str):
         return "a mixture writes its result at a fixed row, never at one a parameter names"
     if not isinstance(op.sym, Fused):
-        return _undecoded(op, g)
+        return _undecoded(op, g) or (_gate_up_apart(g, op) if isinstance(op.sym, ExpertMatmul) else None)
     if op.sym.cls in NEOX_ROTATIONS and any(_table_rotation(x.sym) for x in leaves(op) if isinstance(x.sym, Rope)):
         return TABLE_ROTATIONS_APART
     check = _CHECKS.get(op.sym.cls)
@@ -85,9 +86,28 @@ def fits(shim: CudaShim, op: Op, g: TensorGraph) -> str | None:
 
 
 def undecoded(g: TensorGraph) -> str | None:
-    """The first matrix of `g` in a format no kernel of the lane decodes, as `fits` words it, or None: checked
-    before the lane is made, so that `--lane auto` runs such a model on the cpu lane."""
-    return next((why for op in g.ops if (why := _undecoded(op, g)) is not None), None)
+    """The first matrix of `g` in a format no kernel of the lane decodes, as `fits` words it, or a mixture whose
+    gate and up experts differ in format, or None: checked before the lane is made, so that `--lane auto` runs
+    such a model on the cpu lane."""
+    return next((why for op in g.ops if (why := _undecoded(op, g)) is not None), None) or _gate_up_apart(g)
+
+
+def _gate_up_apart(g: TensorGraph, product: Op | None = None) -> str | None:
+    """Why a mixture's gate and up experts (those beside `product`, else any) have no launch: they differ in
+    format (`_moe_gate_up_act`)."""
+    pairs: dict[tuple[str, ...], list[str]] = {}
+    for op in g.ops:
+        for leaf in leaves(op):
+            if isinstance(leaf.sym, ExpertMatmul) and not leaf.sym.slotted:  # gate and up read the rows and ids
+                pairs.setdefault((leaf.ins[0], *leaf.ins[2:]), []).append(leaf.ins[1])
+    if product is not None:
+        pairs = {key: names for key, names in pairs.items() if product.ins[1] in names}
+    for names in pairs.values():
+        formats = [_matrix_format(name, g) for name in names]
+        if len(set(formats)) > 1:
+            listed = " and ".join(f"{n} is {f.name}" for n, f in zip(names, formats, strict=True) if f is not None)
+            return f"{listed}: {GATE_UP_ONE_FORMAT}" + _CPU
+    return None
 
 
 def _undecoded(op: Op, g: TensorGraph) -> str | None:
@@ -106,21 +126,25 @@ def _undecoded(op: Op, g: TensorGraph) -> str | None:
                 if _grid_launch(op, g):
                     continue
                 return _GRID_ALONE.format(name=name, fmt=fmt.name)
-            if not (isinstance(op.sym, Matmul) and i == 1):
-                return f"{name} is {fmt.name}, a grid format, which the lane multiplies in a dense product only" + _CPU
+            if not (isinstance(op.sym, (Matmul, ExpertMatmul)) and i == 1):
+                return f"{name} is {fmt.name}, a grid format, which the lane multiplies in a product only" + _CPU
     return None
 
 
 _CPU = " (the cpu lane runs it)"
 _GRID_ALONE = (
     "{name} is {fmt}, a grid format, which the lane multiplies by its own GEMV: alone, with a bias, a landing row "
-    "or a step's add + norm, or paired with an up product in its format"
+    "or a step's add + norm, or paired with an up product in its format; a mixture's experts in its gate/up and "
+    "down launches, with no shared expert folded in"
 )
 
 
 # Fused classes whose launch is a product alone with its bias or its landing row (`product_launch.product`),
 # which the grid GEMV's epilogue takes as the GEMV by rows' does.
 _GRID_PRODUCT_CLASSES = frozenset({C.GEMM_BIAS, C.ROW_WRITE})
+# A mixture's launches whose experts may be in a grid format (`grid/experts.py` for a step's or a batch's rows, the
+# grouped GEMM's grid tiles for a chunk's); a folded shared expert (SharedExpertFusion) is taken apart.
+_GRID_MIXTURE_CLASSES = frozenset({C.MOE_GATE_UP_ACT, C.MOE_DOWN_COMBINE, C.MOE_DEFERRED_FINALIZE})
 
 
 def _grid_launch(op: Op, g: TensorGraph) -> bool:
@@ -130,9 +154,12 @@ def _grid_launch(op: Op, g: TensorGraph) -> bool:
     one grid format (`gemv_grid_gate_up_glu`)."""
     if op.sym.cls in _GRID_PRODUCT_CLASSES:
         return True
-    if op.sym.cls is C.NORM_QUANT:  # a projection's norm writing its int8 form too: the add + norm's launch
+    if op.sym.cls in _GRID_MIXTURE_CLASSES:  # every grid matrix an expert tensor the launch multiplies
+        return all(isinstance(leaf.sym, ExpertMatmul) for leaf in leaves(op) if _reads_grid(leaf, g))
+    if op.sym.cls is C.NORM_QUANT:  # a norm writing its int8 form too: the add + norm's or the mixture's launch
         first = op.sym.parts[0]
-        return isinstance(first.sym, Fused) and first.sym.cls is C.GEMV_NORM_EPILOGUE and _grid_launch(first, g)
+        closing = (C.GEMV_NORM_EPILOGUE, C.MOE_DEFERRED_FINALIZE)
+        return isinstance(first.sym, Fused) and first.sym.cls in closing and _grid_launch(first, g)
     if op.sym.cls is C.GEMV_NORM_EPILOGUE:  # a step's one row (the class's own check says the rest)
         p = gemv(op.sym.parts[0], g)
         return p is not None and p.m == 1
@@ -146,6 +173,11 @@ def _grid_launch(op: Op, g: TensorGraph) -> bool:
         and len(formats) == 1
         and formats <= kernels.GRID_GEMV_FORMATS
     )
+
+
+def _reads_grid(leaf: Op, g: TensorGraph) -> bool:
+    """Whether a primitive reads a matrix in a grid format."""
+    return any(_matrix_format(name, g) in kernels.GRID_GEMV_FORMATS for name in leaf.ins)
 
 
 def _grid_matrix(op: Op, g: TensorGraph) -> str | None:
@@ -281,6 +313,14 @@ def _moe_deferred_finalize(shim: CudaShim, op: Op, members: Sequence[Op], g: Ten
     if _one_row(shim, m.rows) and shim.moe_down_launch(members[0], g) is None:
         return "a decode mixture's down projection reads its experts' widths from its parts"
     return None
+
+
+GATE_UP_ONE_FORMAT = "a mixture's gate and up experts multiply in one launch that decodes one format"
+
+
+def _moe_gate_up_act(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
+    formats = {_matrix_format(leaf.ins[1], g) for leaf in leaves(op) if isinstance(leaf.sym, ExpertMatmul)}
+    return GATE_UP_ONE_FORMAT if len(formats) > 1 else None
 
 
 def _embed_norm(shim: CudaShim, op: Op, members: Sequence[Op], g: TensorGraph) -> str | None:
@@ -514,6 +554,7 @@ _CHECKS: dict[C, Check] = {
     C.NORM_THEN_ADD: _norm_then_add,
     C.GEMV_NORM_EPILOGUE: _gemv_norm_epilogue,
     C.MOE_DEFERRED_FINALIZE: _moe_deferred_finalize,
+    C.MOE_GATE_UP_ACT: _moe_gate_up_act,
     C.EMBED_NORM: _embed_norm,
     C.QKV_HEAD_EPILOGUE: _qkv_head_epilogue,
     C.CONV_SILU_L2NORM: recurrent.conv_silu_l2norm,

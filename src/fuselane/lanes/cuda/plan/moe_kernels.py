@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from fuselane.gguf.formats import QK_K, Format
+from fuselane.gguf.formats import GRID_FORMATS, QK_K, Format
 from fuselane.lanes.cuda.plan.kernels import GEMV_ROWS, ROWS_GEMV_FORMATS, WARP, pow2_at_least
 
 # --- a chunk's mixture: the grouped GEMM (`triton/moe/grouped.py`) -----------------------------------------
@@ -122,6 +122,11 @@ MOE_WORDS_DEFAULT = {
     MoeLaunch.DOWN: MoeTile(64, 128, 8, 1, 128),
 }
 
+# The grid and ternary formats' tile (`grid.values.grid_tile`, half a super-block a step): a value costs its group's
+# table gather, so a tile decodes few rows against many pairs. Eight warps: at four the down launch took 255
+# registers and 56 stack bytes a thread (sm_90, Qwen3-30B-A3B's widths, IQ3_S), at eight 211-219 and none. Untimed.
+MOE_GRID_TILE = MoeTile(64, 64, 8, 1, 128)
+
 
 # A chunk whose experts take few pairs each (at most MOE_FEW_PAIRS on average) mostly fills a 64-pair tile with
 # padding: Qwen3-Next-80B-A3B's 512 experts, top-10, meet ~10 of a 512-row chunk's pairs each. Its tiles, timed
@@ -147,6 +152,8 @@ def moe_gemm_tile(fmt: Format, launch: MoeLaunch, pairs_an_expert: float | None 
         return MOE_FEW_PAIRS_TILES[fmt, launch]
     if fmt in MOE_WORDS_FORMATS:
         return MOE_WORDS_TILES.get((fmt, launch), MOE_WORDS_DEFAULT[launch])
+    if fmt in GRID_FORMATS:
+        return MOE_GRID_TILE
     down = launch is MoeLaunch.DOWN
     block_n = MOE_DOWN_BLOCK_N if down else MOE_GATE_UP_BLOCK_N
     return MoeTile(MOE_GEMM_BLOCK_M, block_n, MOE_GEMM_WARPS, MOE_GEMM_STAGES, MOE_UNIT_STEP)

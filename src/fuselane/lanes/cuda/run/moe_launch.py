@@ -3,7 +3,8 @@
 
 - RouterTopk, MoeTokenSort: `route` (scores, top-k, weights; the chunk's order by expert);
 - MoeGateUpAct (and its GluActMulQuant): `gate_up`, int8 where the plan quantized its activation and the
-  int8 GEMV takes the format, writing its own int8 form where the plan asks;
+  int8 GEMV takes the format, writing its own int8 form where the plan asks; experts in a grid format take
+  `grid.experts` (f32 activations, no folded shared expert);
 - MoeDownCombine, SharedExpertFusion, MoeDeferredFinalize (and its NormQuant): `down_combine`, with the
   arrays the fused op adds in, the folded shared expert's down rows, and the next norm; the folded expert's
   gate/up SwiGLU and gate score ride the kept experts' gate/up launch (`triton/moe/shared.py`).
@@ -42,6 +43,7 @@ from fuselane.graph.ops import (
 from fuselane.lanes.cuda.plan import kernels, moe_kernels
 from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.run.mismatch import PlanMismatch
+from fuselane.lanes.cuda.run.product_launch import grid_table
 
 # The producers a RouterTopk holds where it routes in the launch that norms its input (`route_in_norm`).
 NORMS_ROUTED = (C.NORM_QUANT, C.GEMV_NORM_EPILOGUE)
@@ -220,8 +222,12 @@ def gate_up_act(op: Op, b, out_q8: Any = None) -> list:
     (wg, fmt), (wu, _) = b.raw[gate.ins[1]], b.raw[up.ins[1]]
     ids, out = _ids(b, gate.ins[2]).view(spec.rows, spec.k), b.bufs[op.out]
     order = _order(b, gate, spec.rows)
+    grid_table(fmt, wg)
     if order is not None and out_q8 is None and _grouped().takes(fmt, spec.n, spec.kd):
         return _gate_up_grouped(b, gate, wg, wu, fmt, spec, order, out, op.out)
+    if fmt in kernels.GRID_GEMV_FORMATS:  # a step's or a batch's pairs on the grid GEMV's dot, f32 activations
+        x = b.bufs[gate.ins[0]].view(spec.rows, spec.kd)
+        return [lambda: _grid_experts().grid_gate_up(x, wg, wu, fmt, ids, spec.n, spec.kd, out)]
     q8 = _int8(b, gate.ins[0], fmt, spec.n, spec.kd, spec.rows)
     if q8 is None:
         _check_f32_experts(fmt, spec.rows)
@@ -239,6 +245,12 @@ def _grouped() -> Any:
     from fuselane.lanes.cuda.triton.moe import grouped
 
     return grouped
+
+
+def _grid_experts() -> Any:
+    from fuselane.lanes.cuda.triton.grid import experts
+
+    return experts
 
 
 def _experts(w, spec_n: int, spec_kd: int, fmt) -> int:
@@ -352,12 +364,18 @@ def down_combine(op: Op, b, out_q8: Any = None) -> list:
         raise _mismatch(f"{op.out}: a mixture writes an int8 form only of the norm it ends with")
     sum_out = b.bufs[sum_name]
     order = _order(b, p.down, mix.rows)
+    grid_table(fmt, w)
     if order is not None and shared is None and out_q8 is None and _grouped().takes(fmt, mix.d, spec.kd):
         return _down_grouped(b, op, p, w, fmt, order, weights, adds, norm, sum_out)
-    if q8 is None:
-        _check_f32_experts(fmt, mix.rows)
     counter = b.scratch.setdefault(f"moe-down:{op.out}", down.counters(mix.rows, sum_out.device))
     d, dff = mix.d, spec.kd
+    if fmt in kernels.GRID_GEMV_FORMATS:  # a step's or a batch's rows on the grid GEMV's dot (no shared expert)
+        if shared is not None:
+            raise _mismatch(f"{op.out}: a folded shared expert rides no grid format's expert launches")
+        return [lambda: _grid_experts().grid_down_combine(h, w, fmt, ids, weights, d, dff, sum_out, adds=adds,
+                                                          norm=norm, counter=counter)]  # fmt: skip
+    if q8 is None:
+        _check_f32_experts(fmt, mix.rows)
     return [
         lambda: down.down_combine(
             h, w, fmt, ids, weights, d, dff, sum_out, adds=adds, shared=shared, norm=norm, counter=counter

@@ -28,7 +28,7 @@ def _rows_gemv():
     return rows
 
 
-def _grid_table(fmt: Format, w: Any) -> None:
+def grid_table(fmt: Format, w: Any) -> None:
     """A grid format's table on the device (`grid.values.device_table`, kept once made), made at bind time: a
     launch replayed from a CUDA graph's capture may not copy it up then."""
     if fmt in kernels.GRID_GEMV_FORMATS:
@@ -53,7 +53,7 @@ def product(op: Op, b: Any, *, bias: str | None = None, residual: str | None = N
     bias_t = b.vec[bias] if bias else None
     res_t = b.bufs[residual] if residual else None
     w, fmt = b.raw[op.ins[1]]
-    _grid_table(fmt, w)
+    grid_table(fmt, w)
     chunk = _q8_gemm(op.ins[0], fmt, spec.m, spec.k, b, out)
     if chunk is not None:  # the plan quantized a chunk's activation: the int8 tensor cores, no copy
         gemm_q8, acts = chunk
@@ -171,7 +171,7 @@ def gate_up(op: Op, b: Any, out_q8: Any = None):
     gate, up = (p for p in leaves(op) if isinstance(p.sym, Matmul))
     spec: Matmul = gate.sym  # type: ignore[assignment]
     x, out = b.bufs[gate.ins[0]], b.bufs[op.out]
-    _grid_table(b.raw[gate.ins[1]][1], b.raw[gate.ins[1]][0])
+    grid_table(b.raw[gate.ins[1]][1], b.raw[gate.ins[1]][0])
     if spec.m > kernels.GEMV_ROWS:
         if b.in_place or out_q8 is not None:  # the GEMV would read every matrix once a tile of rows
             raise PlanMismatch(
@@ -331,7 +331,7 @@ def norm_epilogue(op: Op, b: Any, out_q8: Any = None):
     if p.fmt in kernels.GRID_GEMV_FORMATS:  # the grid GEMV's add + norm (its activation f32), the norm's int8 too
         from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid_add_norm
 
-        _grid_table(p.fmt, p.wt)
+        grid_table(p.fmt, p.wt)
         return [lambda: gemv_grid_add_norm(p.x, p.wt, p.fmt, p.n, p.k, p.r, p.s, p.w, p.eps, p.out, p.counter,
                                            out_q8=out_q8)]  # fmt: skip
     if p.acts is not None:

@@ -61,7 +61,7 @@ def values_a_thread() -> int:
 
 
 @triton.jit
-def _grid_dot(
+def grid_dot(
     w,
     table,
     n,
@@ -156,10 +156,10 @@ def _grid_gemv_kernel(
     mi = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     x_rows = x + mi.to(tl.int64) * x_pitch  # [M]
     keep_m = mi < m
-    y = _grid_dot(w, table, n, x_rows, keep_m, rows, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N, SLICE_C,
+    y = grid_dot(w, table, n, x_rows, keep_m, rows, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N, SLICE_C,
                   SUPER_C, GROUP_C, TERNARY)  # fmt: skip
     if GLU:  # `w` the gate's rows, `w_up` the up product's, in one format: SiLU(gate) * up
-        up = _grid_dot(w_up, table, n, x_rows, keep_m, rows, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N,
+        up = grid_dot(w_up, table, n, x_rows, keep_m, rows, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N,
                        SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
         store_glu(y, up, rows, n, mi, m, out, pitch)
     else:

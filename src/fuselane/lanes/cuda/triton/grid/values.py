@@ -123,6 +123,7 @@ BLOCK_VALUES = tl.constexpr(QK_K)  # values of a super-block
 
 GRID_GROUP = 8  # values a group: one 8-wide grid row (two 4-wide), one sign byte or sign index
 GROUP8_BITS = tl.constexpr(GRID_GROUP.bit_length() - 1)  # t >> 3: the group of 8 values t is in
+GROUP8 = tl.constexpr(GRID_GROUP)
 # a group g's sub-blocks: g >> 1 its sub-block of 16 values, g >> 2 of 32, g >> 3 of 64
 SUB16_GROUPS, SUB32_GROUPS, SUB64_GROUPS = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 ROWS_A_GROUP = tl.constexpr(2)  # IQ3_XXS / IQ3_S: 4-wide grid rows a group of 8
@@ -397,4 +398,20 @@ def grid_values(blk, table, t, FMT: tl.constexpr):
     else:
         low, high, signs, scale, delta = grid_group(blk, table, t >> GROUP8_BITS, FMT)
         v = grid_entry(low, high, signs, scale, delta, t & IN_GROUP8, FMT)
+    return v
+
+
+@triton.jit
+def grid_tile(blk, table, first, FMT: tl.constexpr, BLOCK_N: tl.constexpr, VALUES: tl.constexpr):
+    """[BLOCK_N, VALUES] f32: values first .. first + VALUES - 1 (a multiple of 8 within one super-block) of each of
+    the blocks at `blk` ([BLOCK_N] uint8 pointers), in the values' order: a grid format's groups' fields found
+    once a group and its 8 values broadcast over a trailing axis of 8, so the reshape to the tile moves no value;
+    a ternary format's values each alone. The grouped expert GEMM's weight tile (`moe/grouped.py`)."""
+    if (FMT == FMT_TQ1_0) | (FMT == FMT_TQ2_0):
+        v = grid_values(blk[:, None], table, (first + tl.arange(0, VALUES))[None, :], FMT)
+    else:
+        g = first // GROUP8 + tl.arange(0, VALUES // GROUP8)
+        low, high, signs, scale, delta = grid_group(blk[:, None, None], table, g[None, :, None], FMT)
+        j = tl.arange(0, GROUP8)[None, None, :]
+        v = tl.reshape(grid_entry(low, high, signs, scale, delta, j, FMT), [BLOCK_N, VALUES])
     return v

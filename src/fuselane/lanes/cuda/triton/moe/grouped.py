@@ -28,14 +28,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuselane.gguf.formats import Format
-from fuselane.lanes.cuda.plan import moe_kernels
+from fuselane.gguf.formats import QK_K, Format
+from fuselane.lanes.cuda.plan import kernels, moe_kernels
 from fuselane.lanes.cuda.plan.kernels import stored_row_bytes, stored_span_bytes
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemm import F16_SAFE, step_units, supports
 from fuselane.lanes.cuda.triton.gemv.epilogue import decode_unit, unit_values
 from fuselane.lanes.cuda.triton.gemv.layout import block_d
 from fuselane.lanes.cuda.triton.gemv.parts import check_rows
+from fuselane.lanes.cuda.triton.grid.values import device_table, grid_tile
 from fuselane.lanes.cuda.triton.moe import words
 from fuselane.lanes.cuda.triton.moe.grouped_combine import Combine, combine_args, combine_rows, counters_for
 from fuselane.lanes.cuda.triton.moe.route import RowScales, f16_row_scale
@@ -92,11 +93,17 @@ def _weights(w_rows, u0, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.con
 
 
 @triton.jit
-def _tile(w, off, s, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
-          STEP_UNITS: tl.constexpr, STEP_VALUES: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
-    """[BLOCK_N, STEP_VALUES] f16: step s's weights of the rows at byte offsets `off` of `w`, from words where
-    the format has that decode (`words`: a super-block or its half a step), else unit by unit."""
-    if WORDS:
+def _tile(w, off, s, table, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
+          STEP_UNITS: tl.constexpr, STEP_VALUES: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
+          GRID: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, STEP_VALUES] f16: step s's weights of the rows at byte offsets `off` of `w`: a grid format's from
+    its table (`grid.values.grid_tile`, half a super-block or a whole one a step), from words where the format
+    has that decode (`words`: a super-block or its half a step), else unit by unit."""
+    if GRID:
+        first = s * STEP_VALUES
+        b = grid_tile(w + off + first // VALUES * NBYTES, table, first % VALUES, FMT, BLOCK_N, STEP_VALUES)
+        b = b.to(tl.float16)
+    elif WORDS:
         first = s * STEP_VALUES
         unit = first // VALUES
         b = word_tile(w, off + unit * NBYTES, block_d(off, unit, FMT, ROW_BYTES), first % VALUES // STEP_VALUES, FMT,
@@ -117,11 +124,12 @@ def _tile_pairs(order, counts, E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: 
 
 @triton.jit
 def gate_up_kernel(
-    x, w_gate, w_up, order, counts, out, x_amax, x16, h_amax,
+    x, w_gate, w_up, table, order, counts, out, x_amax, x16, h_amax,
     N: tl.constexpr, KD: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr,
     EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
     ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, STEP_UNITS: tl.constexpr, STEP_VALUES: tl.constexpr,
-    WORDS: tl.constexpr, ROW_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    WORDS: tl.constexpr, GRID: tl.constexpr, ROW_SCALES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)  # the order and counts (and the rows' largest values) are the routing launch's
     e, pair, live, n_live = _tile_pairs(order, counts, E, E_BLOCK, BLOCK_M)
@@ -137,18 +145,26 @@ def gate_up_kernel(
             x16_rows = x16 + (pair // SLOTS).to(tl.int64) * KD
             for s in range(0, STEPS):
                 a16 = tl.load(x16_rows[:, None] + s * STEP_VALUES + cols[None, :])
-                wg = _tile(w_gate, off, s, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                wg = _tile(
+                    w_gate, off, s, table, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS, GRID
+                )
                 gate = tl.dot(a16, tl.trans(wg), gate)
-                wu = _tile(w_up, off, s, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                wu = _tile(
+                    w_up, off, s, table, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS, GRID
+                )
                 up = tl.dot(a16, tl.trans(wu), up)
             gate *= row_scale[:, None]
             up *= row_scale[:, None]
         else:
             for s in range(0, STEPS):
                 a16, scale, big = _f16_rows(tl.load(x_rows[:, None] + s * STEP_VALUES + cols[None, :]))
-                wg = _tile(w_gate, off, s, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                wg = _tile(
+                    w_gate, off, s, table, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS, GRID
+                )
                 gate = _mma(a16, scale, big, wg, gate)
-                wu = _tile(w_up, off, s, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                wu = _tile(
+                    w_up, off, s, table, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS, GRID
+                )
                 up = _mma(a16, scale, big, wu, up)
         h = gate / (1.0 + tl.exp(-gate)) * up
         keep = live[:, None] & (rows < N)[None, :]
@@ -161,11 +177,11 @@ def gate_up_kernel(
 
 @triton.jit
 def down_kernel(
-    h, w, order, counts, weights, h_amax, pair_out, a0, a1, sum_out, norm_w, normed, counters, eps,
+    h, w, table, order, counts, weights, h_amax, pair_out, a0, a1, sum_out, norm_w, normed, counters, eps,
     D: tl.constexpr, DFF: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr,
     EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
     ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, STEP_UNITS: tl.constexpr, STEP_VALUES: tl.constexpr,
-    WORDS: tl.constexpr, ADDS: tl.constexpr,
+    WORDS: tl.constexpr, GRID: tl.constexpr, ADDS: tl.constexpr,
     NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, ROWS: tl.constexpr, ROW_SCALES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -182,13 +198,17 @@ def down_kernel(
             inv = (1.0 / row_scale)[:, None]
             for s in range(0, STEPS):
                 a16 = (tl.load(h_rows[:, None] + s * STEP_VALUES + vals[None, :]) * inv).to(tl.float16)
-                wt = _tile(w, off, s, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                wt = _tile(
+                    w, off, s, table, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS, GRID
+                )
                 acc = tl.dot(a16, tl.trans(wt), acc)
             acc *= row_scale[:, None]
         else:
             for s in range(0, STEPS):
                 a16, scale, big = _f16_rows(tl.load(h_rows[:, None] + s * STEP_VALUES + vals[None, :]))
-                wt = _tile(w, off, s, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS)
+                wt = _tile(
+                    w, off, s, table, FMT, VALUES, NBYTES, ROW_BYTES, STEP_UNITS, STEP_VALUES, BLOCK_N, WORDS, GRID
+                )
                 acc = _mma(a16, scale, big, wt, acc)
         acc = acc * tl.load(weights + pair)[:, None]
         keep = live[:, None] & (cols_d < D)[None, :]
@@ -205,8 +225,9 @@ def down_width_tiles(fmt: Format, d: int, block_n: int | None = None, pairs_an_e
 
 def takes(fmt: Format, n: int, k: int) -> bool:
     """Whether the grouped GEMM takes experts of (n, k) checkpoint rows in `fmt`: those the dense prefill GEMM
-    takes (`gemm.supports`)."""
-    return n > 0 and supports(Format(fmt), k)
+    takes (`gemm.supports`), and the grid formats' rows of whole super-blocks (decoded from their tables)."""
+    fmt = Format(fmt)
+    return n > 0 and (supports(fmt, k) or (fmt in kernels.GRID_GEMV_FORMATS and k > 0 and k % QK_K == 0))
 
 
 def format_consts(fmt: Format, n: int, k: int, w: Tensor | None = None, word_step: int | None = None, *,
@@ -216,6 +237,11 @@ def format_consts(fmt: Format, n: int, k: int, w: Tensor | None = None, word_ste
     their bytes 4-aligned, as a GGUF tensor's and a device allocation's are), `word_step` values a step (the
     table's, `moe_kernels.moe_gemm_tile`, where not given)."""
     values = decode_unit(fmt, k)
+    if fmt in kernels.GRID_GEMV_FORMATS:  # a step is a slice of one super-block (`grid.values.grid_tile`)
+        step = word_step or moe_kernels.moe_gemm_tile(fmt, launch).step
+        return dict(FMT=int(fmt), VALUES=values, NBYTES=stored_span_bytes(fmt, values),
+                    ROW_BYTES=stored_row_bytes(fmt, k), STEPS=k // step, STEP_UNITS=1, STEP_VALUES=step, WORDS=False,
+                    GRID=True, EXPERT_BYTES=n * stored_row_bytes(fmt, k))  # fmt: skip
     units = step_units(fmt, k)
     # the word decode's steps are 128 or 256 values: a row of neither (a 32-value format's of 1,472 values)
     # takes the unit decode's steps
@@ -224,7 +250,7 @@ def format_consts(fmt: Format, n: int, k: int, w: Tensor | None = None, word_ste
     if k % step:  # a 32-value format's row of whole 128-value steps, not of 256 (DeepSeek-V2-Lite's 1,408)
         step = min(words.STEPS)
     return dict(FMT=int(fmt), VALUES=values, NBYTES=stored_span_bytes(fmt, values), ROW_BYTES=stored_row_bytes(fmt, k),
-                STEPS=k // step, STEP_UNITS=units, STEP_VALUES=step, WORDS=word,
+                STEPS=k // step, STEP_UNITS=units, STEP_VALUES=step, WORDS=word, GRID=False,
                 EXPERT_BYTES=n * stored_row_bytes(fmt, k))  # fmt: skip
 
 
@@ -234,6 +260,12 @@ def _check(w: Tensor, fmt: Format, experts: int, n: int, k: int, order: Tensor, 
     check_rows(w, fmt, experts * n, k)
     if order.dtype != torch.int32 or counts.dtype != torch.int32 or counts.numel() != experts:
         raise ValueError(f"order must be int32 pairs and counts int32 ({experts},)")
+
+
+def _table(fmt: Format, w: Tensor) -> Tensor:
+    """A grid format's table on the weights' device (`grid.values.device_table`, made once); the weights
+    themselves, never read, for any other format."""
+    return device_table(fmt, w.device) if fmt in kernels.GRID_GEMV_FORMATS else w
 
 
 def _grid(n: int, block_n: int, pairs: int, experts: int, block_m: int) -> tuple[int, int]:
@@ -275,7 +307,7 @@ def gate_up_grouped(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, expert
         raise ValueError(f"out must be contiguous ({pairs}, {n})")
     scales = (amax.x, amax.x16, amax.h) if amax is not None else (x, x, order)  # stand-ins where there are none
     gate_up_kernel[_grid(n, block_n, pairs, experts, block_m)](
-        x, w_gate, w_up, order, counts, out, *scales, N=n, KD=k, SLOTS=slots, E=experts,
+        x, w_gate, w_up, _table(fmt, w_gate), order, counts, out, *scales, N=n, KD=k, SLOTS=slots, E=experts,
         E_BLOCK=triton.next_power_of_2(experts), **format_consts(fmt, n, k, w_gate, step, launch=GATE_UP),
         BLOCK_M=block_m, BLOCK_N=block_n, ROW_SCALES=amax is not None, num_warps=warps, num_stages=stages,
         **pdl.options(),
@@ -309,7 +341,8 @@ def down_grouped(h: Tensor, w: Tensor, fmt: Format, experts: int, order: Tensor,
     if c.counters.numel() < counters_for(rows, grid[0]):
         raise ValueError(f"counters must hold {counters_for(rows, grid[0])}")
     down_kernel[grid](
-        h, w, order, counts, weights, order if h_amax is None else h_amax, pair_out, *combine_args(c, rows, d),
+        h, w, _table(fmt, w), order, counts, weights, order if h_amax is None else h_amax, pair_out,
+        *combine_args(c, rows, d),
         D=d, DFF=dff, SLOTS=slots, E=experts, E_BLOCK=triton.next_power_of_2(experts),
         **format_consts(fmt, d, dff, w, step, launch=DOWN), ADDS=len(c.adds), NORM=c.norm is not None,
         NORM_CHUNK=moe_kernels.MOE_NORM_CHUNK, ROWS=rows, ROW_SCALES=h_amax is not None,

@@ -1,0 +1,172 @@
+"""A mixture's kept experts in a grid or ternary format for a decode step's or a batch's rows: the (row, slot)
+pairs' products on the grid GEMV's dot (`gemv.grid_dot`), each program reading its pair's expert id on the
+device and that expert's rows of the 3-D tensor (base + id * an expert's bytes). A chunk's pairs take the
+grouped GEMM instead (`moe/grouped.py`, its weight tiles from `values.grid_tile`).
+
+Two launches, as the other formats' (`moe/gate_up.py`, `moe/down.py`) with f32 activations:
+- `grid_gate_up` (MoeGateUpAct): SiLU(gate) * up of each pair, a tile of the expert's rows a program;
+- `grid_down_combine` (MoeDownCombine, MoeDeferredFinalize): a tile of the model's width a program sums its row's
+  slots in order, weight times the expert's product, then the arrays the plan adds in; where the plan defers
+  the next norm to the mixture the last program of the row norms it (`fast_norm.norm_last`), writing its int8
+  form too where an int8 product reads it.
+A folded shared expert (SharedExpertFusion) is not taken: its products run apart (`fits._grid_launch`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format
+from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.triton import pdl
+from fuselane.lanes.cuda.triton.gemv import fast_norm
+from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
+from fuselane.lanes.cuda.triton.gemv.q8_epilogue import check_q8_out
+from fuselane.lanes.cuda.triton.grid.gemv import GRID_BLOCK_N, GRID_WARPS, SLICE, grid_dot
+from fuselane.lanes.cuda.triton.grid.values import GRID_GROUP, TERNARY_FORMATS, device_table
+from fuselane.lanes.cuda.triton.moe.down import Norm
+from fuselane.lanes.cuda.triton.moe.down_rows import adds as added
+
+# the int8 form of a normed row: a scale a 32-value block, a sum a 16-value half (`quant.Q8Acts`)
+Q8_BLOCK, Q8_SUM = tl.constexpr(QK), tl.constexpr(QK // 2)
+
+
+@triton.jit
+def _dot(w, table, n, x_row, rows, FMT: tl.constexpr, NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
+         STEPS: tl.constexpr, BLOCK_N: tl.constexpr, SLICE_C: tl.constexpr, SUPER_C: tl.constexpr,
+         GROUP_C: tl.constexpr, TERNARY: tl.constexpr):  # fmt: skip
+    """[BLOCK_N] f32: one f32 row (its pointer) times the weight rows `rows` of the n rows at `w`."""
+    one = tl.arange(0, 1)
+    y = grid_dot(w, table, n, x_row + one, one < 1, rows, FMT, NBYTES, ROW_BYTES, STEPS, 1, BLOCK_N, SLICE_C, SUPER_C,
+                 GROUP_C, TERNARY)  # fmt: skip
+    return tl.reshape(y, [BLOCK_N])
+
+
+@triton.jit
+def _gate_up_kernel(
+    x, w_gate, w_up, table, ids, out,
+    N: tl.constexpr, KD: tl.constexpr, SLOTS: tl.constexpr, EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr,
+    NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
+    SLICE_C: tl.constexpr, SUPER_C: tl.constexpr, GROUP_C: tl.constexpr, TERNARY: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.begin(PDL)  # the ids and the activation are the launches' before
+    pair = tl.program_id(1)
+    e = tl.load(ids + pair).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_row = x + (pair // SLOTS).to(tl.int64) * KD
+    base = e * EXPERT_BYTES
+    gate = _dot(w_gate + base, table, N, x_row, rows, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N, SLICE_C, SUPER_C,
+                GROUP_C, TERNARY)  # fmt: skip
+    up = _dot(w_up + base, table, N, x_row, rows, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N, SLICE_C, SUPER_C,
+              GROUP_C, TERNARY)  # fmt: skip
+    # SiLU(g) = g / (1 + e^-g): for a very negative g, e^-g is inf and the quotient a signed zero, as it should
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out + pair.to(tl.int64) * N + rows, h, mask=rows < N)
+
+
+@triton.jit
+def _down_kernel(
+    h, w, table, ids, weights, a0, a1, sum_out, norm_w, normed, oq, od, os_, counters, eps,
+    D: tl.constexpr, DFF: tl.constexpr, SLOTS: tl.constexpr, EXPERT_BYTES: tl.constexpr, ADDS: tl.constexpr,
+    NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, Q8OUT: tl.constexpr,
+    FMT: tl.constexpr, NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
+    SLICE_C: tl.constexpr, SUPER_C: tl.constexpr, GROUP_C: tl.constexpr, TERNARY: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.begin(PDL)
+    row = tl.program_id(1).to(tl.int64)
+    first = tl.program_id(0) * BLOCK_N
+    cols = first + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for j in range(0, SLOTS):  # the slots in order, as the cpu lane sums them
+        pair = row * SLOTS + j
+        e = tl.load(ids + pair).to(tl.int64)
+        y = _dot(w + e * EXPERT_BYTES, table, D, h + pair * DFF, cols, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N,
+                 SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
+        acc += tl.load(weights + pair) * y
+    if ADDS > 0:
+        acc += added(a0, a1, row, first, D, BLOCK_N, ADDS)
+    tl.store(sum_out + row * D + cols, acc, mask=cols < D)
+    if NORM:
+        norm_last(sum_out + row * D, norm_w, normed + row * D, D, eps, counters + row, oq + row * D,
+                  od + row * (D // Q8_BLOCK), os_ + row * (D // Q8_SUM), NORM_BLOCK, NORM_STEPS, Q8OUT)  # fmt: skip
+
+
+def _consts(fmt: Format, k: int) -> dict:
+    """The grid dot's constants for rows of k values in `fmt` (`gemv.grid_dot`)."""
+    lay = LAYOUTS[fmt]
+    return dict(FMT=int(fmt), NBYTES=lay.nbytes, ROW_BYTES=(k // lay.values) * lay.nbytes, STEPS=k // SLICE,
+                BLOCK_N=GRID_BLOCK_N, SLICE_C=SLICE, SUPER_C=QK_K, GROUP_C=GRID_GROUP,
+                TERNARY=fmt in TERNARY_FORMATS)  # fmt: skip
+
+
+def _check(w: Tensor, fmt: Format, n: int, k: int, ids: Tensor) -> int:
+    """The experts the 3-D tensor `w` holds, its rows checked: whole super-blocks, whole experts."""
+    if Format(fmt) not in kernels.GRID_GEMV_FORMATS:
+        raise ValueError(f"no grid expert products for {Format(fmt).name}")
+    if n < 1 or k < 1 or k % QK_K:
+        raise ValueError(f"{fmt.name} experts take rows of whole {QK_K}-value blocks, not {k} values")
+    expert = n * (k // QK_K) * LAYOUTS[fmt].nbytes
+    if w.dtype != torch.uint8 or w.dim() != 1 or not w.is_contiguous() or w.numel() % expert or w.numel() == 0:
+        raise ValueError(f"{fmt.name} experts of {n} rows of {k} must be contiguous 1-D uint8, whole experts")
+    if ids.dtype != torch.int32 or ids.dim() != 2:
+        raise ValueError("ids must be int32 (rows, slots)")
+    return w.numel() // expert
+
+
+def grid_gate_up(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: Tensor, n: int, k: int,
+                 out: Tensor) -> Tensor:  # fmt: skip
+    """out (pairs, n) f32 = SiLU(x[row] @ Wg[e]^T) * (x[row] @ Wu[e]^T) for each (row, slot) pair, e = ids[pair]
+    (int32 (rows, slots)), Wg and Wu (experts, n, k) checkpoint rows in the grid format `fmt`, x f32 (rows, k).
+    One launch."""
+    fmt = Format(fmt)
+    experts = _check(w_gate, fmt, n, k, ids)
+    if w_up.numel() != w_gate.numel():
+        raise ValueError("the gate and up experts must be the same shape")
+    rows, slots = ids.shape
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != rows * k:
+        raise ValueError(f"x must be contiguous f32 ({rows}, {k})")
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != rows * slots * n:
+        raise ValueError(f"out must be contiguous f32 ({rows * slots}, {n})")
+    _gate_up_kernel[(triton.cdiv(n, GRID_BLOCK_N), ids.numel())](
+        x, w_gate, w_up, device_table(fmt, w_gate.device), ids, out, N=n, KD=k, SLOTS=ids.shape[1],
+        EXPERT_BYTES=w_gate.numel() // experts, **_consts(fmt, k), num_warps=GRID_WARPS, **pdl.options(),
+    )  # fmt: skip
+    return out
+
+
+def grid_down_combine(h: Tensor, w: Tensor, fmt: Format, ids: Tensor, weights: Tensor, d: int, dff: int,
+                      sum_out: Tensor, *, adds: tuple[Tensor, ...] = (), norm: Norm | None = None,
+                      counter: Tensor | None = None) -> Tensor:  # fmt: skip
+    """sum_out (rows, d) = sum over each row's slots j, in order, of weights[row, j] * (h[pair] @ Wd[ids[pair]]^T)
+    (+ each of `adds`), Wd (experts, d, dff) checkpoint rows in the grid format `fmt`, h f32 (rows * slots, dff);
+    with `norm` (`moe.down.Norm`) each row's RMS norm too, by the row's last program, counted on `counter`
+    (`moe.down.counters(rows)`, left at zero), and its int8 form where `norm.out_q8`. One launch."""
+    fmt = Format(fmt)
+    experts = _check(w, fmt, d, dff, ids)
+    rows, slots = ids.shape
+    if h.dtype != torch.float32 or not h.is_contiguous() or h.numel() != rows * slots * dff:
+        raise ValueError(f"h must be contiguous f32 ({rows * slots}, {dff})")
+    if weights.numel() != rows * slots or sum_out.numel() != rows * d:
+        raise ValueError(f"weights must be ({rows}, {slots}) and sum_out ({rows}, {d})")
+    if len(adds) > 2 or any(a.numel() != rows * d for a in adds):
+        raise ValueError(f"at most two arrays of ({rows}, {d}) are added in")
+    if norm is not None and (counter is None or counter.numel() < rows or norm.out.numel() != rows * d):
+        raise ValueError(f"a norm takes a counter a row and an output of ({rows}, {d})")
+    q8out = norm is not None and norm.out_q8 is not None
+    if q8out:
+        check_q8_out(norm.out_q8, d)  # type: ignore[union-attr]
+    chunk = max(min(triton.next_power_of_2(d), fast_norm.NORM_CHUNK), QK)
+    padded = (*adds, sum_out, sum_out)[:2]  # an absent array is never read
+    oq = norm.out_q8 if q8out else (sum_out,) * 3  # type: ignore[union-attr]
+    _down_kernel[(triton.cdiv(d, GRID_BLOCK_N), rows)](
+        h, w, device_table(fmt, w.device), ids, weights, *padded, sum_out,
+        norm.w if norm else sum_out, norm.out if norm else sum_out, *oq,
+        counter if counter is not None else ids, float(norm.eps if norm else 0.0),
+        D=d, DFF=dff, SLOTS=slots, EXPERT_BYTES=w.numel() // experts, ADDS=len(adds), NORM=norm is not None,
+        NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk), Q8OUT=q8out, **_consts(fmt, dff),
+        num_warps=GRID_WARPS, **pdl.options(),
+    )  # fmt: skip
+    return sum_out
