@@ -6,9 +6,9 @@ format at a width, each shows up here as it would at a user's first prompt.
 
 Each draw is a dense Qwen-like shape (qwen2 or qwen3: heads of 48 to 256 values, one to eight key heads, the
 queries within half and twice the hidden width, hidden widths of whole 32-, 64- or 128-value units; some with
-projections in the grid formats), a
-mixture of other widths (qwen2moe, qwen3moe), or Qwen3-Next or DeepSeek-V2-Lite cut to a few layers; a mix
-from `synth.Mix`, one knob setting or none, and a batch of 2 to 5 sequences. Each runs
+projections in the grid formats), a mixture of other widths (qwen2moe, qwen3moe; some with experts in the grid
+formats), or Qwen3-Next or DeepSeek-V2-Lite cut to a few layers; a mix from `synth.Mix`, one knob setting or
+none, and a batch of 2 to 5 sequences. Each runs
 `python -m fuselane.lanes.cuda.compile_check` in a process of its own (it must not inherit the
 interpreter's kernels); a line a draw goes to the log: OK, FAIL with the check's last line, or TIMEOUT.
 About 10-20 s a draw on one core.
@@ -38,10 +38,13 @@ HEAD_DIMS = (48, 64, 80, 96, 128, 128, 256)
 UNITS = (32, 64, 128)  # a hidden width's unit
 CUT = ("--layers", "2", "--experts", "16", "--vocab", "512")  # a named shape, cut
 TIMEOUT_S = 600
-# a dense draw's share whose projections are partly in the grid formats, and the projections it picks from (the
-# gate and the up product together, so their pair is drawn too)
+# a dense or mixture draw's share whose projections are partly in the grid formats, and the projections it picks
+# from (the gate and the up product together, so their pair is drawn too; a mixture's experts likewise)
 GRID_DRAWS = 0.3
-GRID_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_(gate|up)", "ffn_down")
+GRID_TARGETS = {
+    "dense": ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_(gate|up)", "ffn_down"),
+    "mixture": ("attn_q", "attn_output", "ffn_(gate|up)_exps", "ffn_down_exps"),
+}
 
 
 def _dense_or_mixture(rng: random.Random, mixture: bool) -> Shape | None:
@@ -73,16 +76,16 @@ def _draw(rng: random.Random, folder: str, i: int) -> tuple[list[str], str] | No
     shape = _dense_or_mixture(rng, kind == "mixture")
     if shape is None:
         return None
-    types = _grid_types(rng) if kind == "dense" and mix != Mix.MXFP4_MOE.value and rng.random() < GRID_DRAWS else []
+    types = _grid_types(rng, kind) if mix != Mix.MXFP4_MOE.value and rng.random() < GRID_DRAWS else []
     formats = tensor_type_overrides(shape, mix, types) if types else None
     path = write_synthetic(os.path.join(folder, f"{i}.gguf"), shape, mix, seed=1, formats=formats)
     return [str(path), *tail], f"{shape} {said}" + "".join(f" --tensor-type {t}" for t in types)
 
 
-def _grid_types(rng: random.Random) -> list[str]:
-    """One to three of a dense layer's projections in a grid or ternary format, llama-quantize's way
+def _grid_types(rng: random.Random, kind: str) -> list[str]:
+    """One to three of a dense or mixture layer's projections in a grid or ternary format, llama-quantize's way
     (`--tensor-type REGEX=TYPE`; a row not whole 256-value blocks takes llama.cpp's fallback)."""
-    picked = rng.sample(GRID_TARGETS, rng.randint(1, 3))
+    picked = rng.sample(GRID_TARGETS[kind], rng.randint(1, 3))
     return [f"{target}={rng.choice(sorted(f.name.lower() for f in GRID_FORMATS))}" for target in picked]
 
 
