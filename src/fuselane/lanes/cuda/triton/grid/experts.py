@@ -1,14 +1,18 @@
 """A mixture's kept experts in a grid or ternary format for a decode step's or a batch's rows: the (row, slot)
-pairs' products on the grid GEMV's dot (`gemv.grid_dot`), each program reading its pair's expert id on the
-device and that expert's rows of the 3-D tensor (base + id * an expert's bytes). A chunk's pairs take the
+pairs' products on the grid GEMV's dot (`gemv.grid_dot`), each program reading its pairs' expert ids on the
+device and those experts' rows of the 3-D tensor (base + id * an expert's bytes). A chunk's pairs take the
 grouped GEMM instead (`moe/grouped.py`, its weight tiles from `values.grid_tile`).
 
-Two launches, as the other formats' (`moe/gate_up.py`, `moe/down.py`) with f32 activations:
-- `grid_gate_up` (MoeGateUpAct): SiLU(gate) * up of each pair, a tile of the expert's rows a program;
-- `grid_down_combine` (MoeDownCombine, MoeDeferredFinalize): a tile of the model's width a program sums its row's
-  slots in order, weight times the expert's product, then the arrays the plan adds in; where the plan defers
-  the next norm to the mixture the last program of the row norms it (`fast_norm.norm_last`), writing its int8
-  form too where an int8 product reads it.
+Two launches, as the other formats' (`moe/gate_up.py`, `moe/down.py`) with f32 activations, each tile the grid
+GEMV's GRID_BLOCK_N weight rows, so a step's few pairs still spread over the chip:
+- `grid_gate_up` (MoeGateUpAct): a program takes GATE_UP_ROWS rows of a pair's expert, those of its gate and
+  of its up matrix in one tile, and stores their SwiGLU;
+- `grid_down_combine` (MoeDownCombine, MoeDeferredFinalize): a program takes `down_rows(slots)` rows of the
+  model's width for every kept expert of its row at once (slot-major, each weight row with its own pair's
+  activation, as the int8 down's tile), so their loads are in flight together rather than one expert after
+  another; it sums the slots' weighted products (a fixed tree, the same bits at every replay), then the arrays
+  the plan adds in; where the plan defers the next norm to the mixture the row's last program norms it
+  (`fast_norm.norm_last`), writing its int8 form too where an int8 product reads it.
 A folded shared expert (SharedExpertFusion) is not taken: its products run apart (`fits._grid_launch`).
 """
 
@@ -32,74 +36,80 @@ from fuselane.lanes.cuda.triton.moe.down_rows import adds as added
 
 # the int8 form of a normed row: a scale a 32-value block, a sum a 16-value half (`quant.Q8Acts`)
 Q8_BLOCK, Q8_SUM = tl.constexpr(QK), tl.constexpr(QK // 2)
-
-
-@triton.jit
-def _dot(w, table, n, x_row, rows, FMT: tl.constexpr, NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
-         STEPS: tl.constexpr, BLOCK_N: tl.constexpr, SLICE_C: tl.constexpr, SUPER_C: tl.constexpr,
-         GROUP_C: tl.constexpr, TERNARY: tl.constexpr):  # fmt: skip
-    """[BLOCK_N] f32: one f32 row (its pointer) times the weight rows `rows` of the n rows at `w`."""
-    one = tl.arange(0, 1)
-    y = grid_dot(w, table, n, x_row + one, one < 1, rows, FMT, NBYTES, ROW_BYTES, STEPS, 1, BLOCK_N, SLICE_C, SUPER_C,
-                 GROUP_C, TERNARY)  # fmt: skip
-    return tl.reshape(y, [BLOCK_N])
+# rows of the expert a gate/up program takes: its tile is those rows of the gate and of the up matrix
+GATE_UP_ROWS = GRID_BLOCK_N // 2
 
 
 @triton.jit
 def _gate_up_kernel(
     x, w_gate, w_up, table, ids, out,
     N: tl.constexpr, KD: tl.constexpr, SLOTS: tl.constexpr, EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr,
-    NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
+    NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, ROWS: tl.constexpr,
     SLICE_C: tl.constexpr, SUPER_C: tl.constexpr, GROUP_C: tl.constexpr, TERNARY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)  # the ids and the activation are the launches' before
     pair = tl.program_id(1)
     e = tl.load(ids + pair).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    x_row = x + (pair // SLOTS).to(tl.int64) * KD
+    i = tl.arange(0, 2 * ROWS)  # the tile: ROWS rows of the gate, then the same rows of the up matrix
+    rows = tl.program_id(0) * ROWS + i % ROWS
     base = e * EXPERT_BYTES
-    gate = _dot(w_gate + base, table, N, x_row, rows, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N, SLICE_C, SUPER_C,
-                GROUP_C, TERNARY)  # fmt: skip
-    up = _dot(w_up + base, table, N, x_row, rows, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N, SLICE_C, SUPER_C,
-              GROUP_C, TERNARY)  # fmt: skip
+    w = tl.where(i < ROWS, w_gate + base, w_up + base)
+    one = tl.arange(0, 1)
+    x_row = x + (pair // SLOTS).to(tl.int64) * KD + one
+    y = grid_dot(w, table, N, x_row, one < 1, rows, i * 0, FMT, NBYTES, ROW_BYTES, STEPS, 1, 2 * ROWS, SLICE_C,
+                 SUPER_C, GROUP_C, TERNARY)  # fmt: skip
+    halves = tl.reshape(y, [2, ROWS])
+    half = tl.arange(0, 2)[:, None]
+    gate = tl.sum(tl.where(half == 0, halves, 0.0), 0)
+    up = tl.sum(tl.where(half == 1, halves, 0.0), 0)
     # SiLU(g) = g / (1 + e^-g): for a very negative g, e^-g is inf and the quotient a signed zero, as it should
     h = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out + pair.to(tl.int64) * N + rows, h, mask=rows < N)
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    tl.store(out + pair.to(tl.int64) * N + r, h, mask=r < N)
 
 
 @triton.jit
 def _down_kernel(
     h, w, table, ids, weights, a0, a1, sum_out, norm_w, normed, oq, od, os_, counters, eps,
-    D: tl.constexpr, DFF: tl.constexpr, SLOTS: tl.constexpr, EXPERT_BYTES: tl.constexpr, ADDS: tl.constexpr,
-    NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, Q8OUT: tl.constexpr,
-    FMT: tl.constexpr, NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, DFF: tl.constexpr, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, EXPERT_BYTES: tl.constexpr,
+    ADDS: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, Q8OUT: tl.constexpr,
+    FMT: tl.constexpr, NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, ROWS: tl.constexpr,
     SLICE_C: tl.constexpr, SUPER_C: tl.constexpr, GROUP_C: tl.constexpr, TERNARY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
     row = tl.program_id(1).to(tl.int64)
-    first = tl.program_id(0) * BLOCK_N
-    cols = first + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for j in range(0, SLOTS):  # the slots in order, as the cpu lane sums them
-        pair = row * SLOTS + j
-        e = tl.load(ids + pair).to(tl.int64)
-        y = _dot(w + e * EXPERT_BYTES, table, D, h + pair * DFF, cols, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N,
-                 SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
-        acc += tl.load(weights + pair) * y
+    first = tl.program_id(0) * ROWS
+    # the tile: ROWS rows of the width for every kept expert at once (slot-major, the slots a power of two; those
+    # past the row's read its last expert again and count 0), each weight row with its own pair's activation
+    i = tl.arange(0, SLOTS_P2 * ROWS)
+    slot = i // ROWS
+    pair = row * SLOTS + tl.minimum(slot, SLOTS - 1)
+    e = tl.load(ids + pair).to(tl.int64)
+    wt = tl.where(slot < SLOTS, tl.load(weights + pair), 0.0)
+    one = tl.arange(0, 1)
+    y = grid_dot(w + e * EXPERT_BYTES, table, D, h + one, one < 1, first + i % ROWS, pair * DFF, FMT, NBYTES,
+                 ROW_BYTES, STEPS, 1, SLOTS_P2 * ROWS, SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
+    acc = tl.sum(tl.reshape(tl.reshape(y, [SLOTS_P2 * ROWS]) * wt, [SLOTS_P2, ROWS]), 0)
     if ADDS > 0:
-        acc += added(a0, a1, row, first, D, BLOCK_N, ADDS)
+        acc += added(a0, a1, row, first, D, ROWS, ADDS)
+    cols = first + tl.arange(0, ROWS)
     tl.store(sum_out + row * D + cols, acc, mask=cols < D)
     if NORM:
         norm_last(sum_out + row * D, norm_w, normed + row * D, D, eps, counters + row, oq + row * D,
                   od + row * (D // Q8_BLOCK), os_ + row * (D // Q8_SUM), NORM_BLOCK, NORM_STEPS, Q8OUT)  # fmt: skip
 
 
+def down_rows(slots: int) -> int:
+    """Rows of the width a down program takes: the grid GEMV's tile shared among the kept experts' slots (a power
+    of two), one row each at least."""
+    return max(1, GRID_BLOCK_N // triton.next_power_of_2(slots))
+
+
 def _consts(fmt: Format, k: int) -> dict:
     """The grid dot's constants for rows of k values in `fmt` (`gemv.grid_dot`)."""
     lay = LAYOUTS[fmt]
     return dict(FMT=int(fmt), NBYTES=lay.nbytes, ROW_BYTES=(k // lay.values) * lay.nbytes, STEPS=k // SLICE,
-                BLOCK_N=GRID_BLOCK_N, SLICE_C=SLICE, SUPER_C=QK_K, GROUP_C=GRID_GROUP,
-                TERNARY=fmt in TERNARY_FORMATS)  # fmt: skip
+                SLICE_C=SLICE, SUPER_C=QK_K, GROUP_C=GRID_GROUP, TERNARY=fmt in TERNARY_FORMATS)  # fmt: skip
 
 
 def _check(w: Tensor, fmt: Format, n: int, k: int, ids: Tensor) -> int:
@@ -130,9 +140,10 @@ def grid_gate_up(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: Tens
         raise ValueError(f"x must be contiguous f32 ({rows}, {k})")
     if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != rows * slots * n:
         raise ValueError(f"out must be contiguous f32 ({rows * slots}, {n})")
-    _gate_up_kernel[(triton.cdiv(n, GRID_BLOCK_N), ids.numel())](
+    _gate_up_kernel[(triton.cdiv(n, GATE_UP_ROWS), ids.numel())](
         x, w_gate, w_up, device_table(fmt, w_gate.device), ids, out, N=n, KD=k, SLOTS=ids.shape[1],
-        EXPERT_BYTES=w_gate.numel() // experts, **_consts(fmt, k), num_warps=GRID_WARPS, **pdl.options(),
+        EXPERT_BYTES=w_gate.numel() // experts, ROWS=GATE_UP_ROWS, **_consts(fmt, k), num_warps=GRID_WARPS,
+        **pdl.options(),
     )  # fmt: skip
     return out
 
@@ -140,7 +151,7 @@ def grid_gate_up(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: Tens
 def grid_down_combine(h: Tensor, w: Tensor, fmt: Format, ids: Tensor, weights: Tensor, d: int, dff: int,
                       sum_out: Tensor, *, adds: tuple[Tensor, ...] = (), norm: Norm | None = None,
                       counter: Tensor | None = None) -> Tensor:  # fmt: skip
-    """sum_out (rows, d) = sum over each row's slots j, in order, of weights[row, j] * (h[pair] @ Wd[ids[pair]]^T)
+    """sum_out (rows, d) = sum over each row's slots j of weights[row, j] * (h[pair] @ Wd[ids[pair]]^T)
     (+ each of `adds`), Wd (experts, d, dff) checkpoint rows in the grid format `fmt`, h f32 (rows * slots, dff);
     with `norm` (`moe.down.Norm`) each row's RMS norm too, by the row's last program, counted on `counter`
     (`moe.down.counters(rows)`, left at zero), and its int8 form where `norm.out_q8`. One launch."""
@@ -161,12 +172,14 @@ def grid_down_combine(h: Tensor, w: Tensor, fmt: Format, ids: Tensor, weights: T
     chunk = max(min(triton.next_power_of_2(d), fast_norm.NORM_CHUNK), QK)
     padded = (*adds, sum_out, sum_out)[:2]  # an absent array is never read
     oq = norm.out_q8 if q8out else (sum_out,) * 3  # type: ignore[union-attr]
-    _down_kernel[(triton.cdiv(d, GRID_BLOCK_N), rows)](
+    per = down_rows(slots)
+    _down_kernel[(triton.cdiv(d, per), rows)](
         h, w, device_table(fmt, w.device), ids, weights, *padded, sum_out,
         norm.w if norm else sum_out, norm.out if norm else sum_out, *oq,
         counter if counter is not None else ids, float(norm.eps if norm else 0.0),
-        D=d, DFF=dff, SLOTS=slots, EXPERT_BYTES=w.numel() // experts, ADDS=len(adds), NORM=norm is not None,
-        NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk), Q8OUT=q8out, **_consts(fmt, dff),
+        D=d, DFF=dff, SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots), EXPERT_BYTES=w.numel() // experts,
+        ADDS=len(adds), NORM=norm is not None, NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk), Q8OUT=q8out,
+        ROWS=per, **_consts(fmt, dff),
         num_warps=GRID_WARPS, **pdl.options(),
     )  # fmt: skip
     return sum_out

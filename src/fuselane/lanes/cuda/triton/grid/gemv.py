@@ -68,6 +68,7 @@ def grid_dot(
     x_rows,
     keep_m,
     rows,
+    x_cols,
     FMT: tl.constexpr,
     NBYTES: tl.constexpr,
     ROW_BYTES: tl.constexpr,
@@ -79,10 +80,12 @@ def grid_dot(
     GROUP_C: tl.constexpr,
     TERNARY: tl.constexpr,
 ):
-    """[BLOCK_M, BLOCK_N] f32: the rows `x_rows` of x (`keep_m` those within m) times the weight rows `rows`."""
+    """[BLOCK_M, BLOCK_N] f32: the rows `x_rows` of x (`keep_m` those within m) times the weight rows `rows` of
+    `w` (a pointer, or one a weight row: a mixture's tile of several experts' rows); `x_cols` ([BLOCK_N] ints)
+    moves x's pointers for each weight row (zeros for a dense product; a tile of several experts' rows reads
+    each its own pair's activation)."""
     # rows past n decode row n - 1 (no masked weight loads); the store drops them
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
-    n_zero = rows * 0  # [N] zeros: x's pointers in the product's shape
     groups: tl.constexpr = SLICE_C // GROUP_C
     slices: tl.constexpr = SUPER_C // SLICE_C
     gi = tl.arange(0, groups)
@@ -92,7 +95,7 @@ def grid_dot(
         blk = (w_rows + (step // slices) * NBYTES)[:, None]  # [N, 1]
         # [M, N, G]: each group's first value of x, a pointer a thread (each thread reads its own, from L1, where
         # an [M, G] load would be spread to the product's layout through shared memory for every value)
-        cols = x_rows[:, None, None] + ((step * SLICE_C + gi * GROUP_C)[None, None, :] + n_zero[None, :, None])
+        cols = x_rows[:, None, None] + ((step * SLICE_C + gi * GROUP_C)[None, None, :] + x_cols[None, :, None])
         if TERNARY:
             for j in tl.static_range(GROUP_C):
                 v = grid_values(blk, table, (g * GROUP_C + j)[None, :], FMT)  # [N, G]
@@ -156,11 +159,12 @@ def _grid_gemv_kernel(
     mi = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     x_rows = x + mi.to(tl.int64) * x_pitch  # [M]
     keep_m = mi < m
-    y = grid_dot(w, table, n, x_rows, keep_m, rows, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N, SLICE_C,
-                  SUPER_C, GROUP_C, TERNARY)  # fmt: skip
+    x_cols = rows * 0  # every weight row reads the same rows of x
+    y = grid_dot(w, table, n, x_rows, keep_m, rows, x_cols, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N,
+                 SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
     if GLU:  # `w` the gate's rows, `w_up` the up product's, in one format: SiLU(gate) * up
-        up = grid_dot(w_up, table, n, x_rows, keep_m, rows, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N,
-                       SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
+        up = grid_dot(w_up, table, n, x_rows, keep_m, rows, x_cols, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M,
+                      BLOCK_N, SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
         store_glu(y, up, rows, n, mi, m, out, pitch)
     else:
         store_rows(y, rows, n, mi, m, out, pitch, bias, pos, res, res_pitch, HAS_BIAS, AT_ROW, HAS_RES)
