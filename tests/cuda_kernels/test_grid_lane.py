@@ -104,6 +104,18 @@ def test_a_grid_product_keeps_its_epilogues(tmp_path):
     assert holding == {"attn_q": [C.GEMM_BIAS], "attn_v": [C.ROW_WRITE], "ffn_down": [C.NORM_QUANT]}
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["own-output", "tied"])
+def test_an_embedding_in_a_grid_format_is_gathered_from_its_table(tmp_path, tied):
+    # llama.cpp's IQ2_S, IQ2_M and IQ3_XXS mixes write the table IQ3_S: the gather and norm decode its rows (one
+    # launch); a tied table is the output head's matrix too, on the grid GEMV (a step) and its decode (a chunk)
+    shape = Shape("qwen3", 256, 1, 4, 1, 64, 512, 512, context=64, tied=tied)
+    path = str(write_synthetic(tmp_path / "e.gguf", shape, "q8_0", seed=5, formats={"token_embd.weight": Format.IQ3_S}))
+    ops = build_plan(path, lane="cuda")[2].ops
+    readers = [class_of(op) for op in ops if "token_embd.weight" in {x for lf in leaves(op) for x in lf.ins}]
+    assert readers[0] is C.EMBED_NORM and len(readers) == 1 + tied
+    runs_as_the_cpu_lane(path, PROMPT, SHORT, [9, 77], ctx=32)
+
+
 def test_a_gated_pair_in_one_grid_format_is_one_launch(tmp_path):
     # the gate and the up product in one grid format: the grid GEMV's pair; in two, each alone and the GLU apart
     one = _write(tmp_path / "one.gguf", QWEN3, {"ffn_gate": Format.IQ2_XS, "ffn_up": Format.IQ2_XS})

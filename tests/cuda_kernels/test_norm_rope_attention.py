@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from fuselane.gguf.dequant import dequantize_rows  # noqa: E402
-from fuselane.gguf.formats import LAYOUTS, Format  # noqa: E402
+from fuselane.gguf.formats import GRID_FORMATS, LAYOUTS, Format  # noqa: E402
 from fuselane.gguf.quantize import random_blocks  # noqa: E402
 from fuselane.graph.ops import ArgMax, RmsNorm, Rope, Unary, UnaryOp, Yarn  # noqa: E402
 from fuselane.lanes.cpu import kernels as ref  # noqa: E402
@@ -163,6 +163,7 @@ def test_rms_norm_per_head_reads_a_part_in_place():
 
 GATHERED = [Format.Q8_0, Format.Q4_K, Format.Q5_0, Format.Q6_K, Format.F16, Format.F32, Format.BF16, Format.Q5_K]
 GATHERED += [Format.Q4_0, Format.Q4_1, Format.Q5_1, Format.IQ4_NL, Format.IQ4_XS, Format.Q3_K, Format.Q2_K]
+GATHERED += sorted(GRID_FORMATS)  # from their tables (llama.cpp's IQ2_S, IQ2_M and IQ3_XXS mixes' IQ3_S table)
 
 
 @pytest.mark.parametrize("fmt", GATHERED, ids=lambda f: f.name)
@@ -185,9 +186,10 @@ def test_embed_norm_gathers_dequantized_rows(fmt):
     within(host(out), want, norm_rel(cols) * np.abs(want), "embed norm")
 
 
-def test_embed_norm_wide_row_decodes_twice():
+@pytest.mark.parametrize("fmt", [Format.Q4_K, Format.IQ2_XS], ids=lambda f: f.name)
+def test_embed_norm_wide_row_decodes_twice(fmt):
     rng = np.random.default_rng(5)
-    fmt, vocab, cols = Format.Q4_K, 3, 9216  # wider than a norm block's tile: the two-pass path
+    vocab, cols = 3, 9216  # wider than a norm block's tile: the two-pass path
     raw = random_blocks(fmt, vocab * cols // LAYOUTS[fmt].values, rng, scale=0.5).reshape(-1)
     ids = np.array([2, 1], dtype=np.int32)
     w = f32(rng, cols)

@@ -3,12 +3,14 @@ runs: `explain` shows the plan and names the matrix, `--lane cuda` refuses in on
 model on the cpu lane, which decodes every format of the table.
 
 The grid and ternary formats (`formats.GRID_FORMATS`: IQ2_*, IQ3_*, IQ1_*, TQ*) are decoded by the cpu lane
-everywhere and by the cuda lane in a product (`triton/grid/`): a dense projection, a mixture's experts. An
-embedding table in one is such a matrix (no gather decodes it); so is a mixture whose gate and up experts differ
-in format, which the gate/up launch cannot take (it decodes one). The grid files the lane runs are tested in
-`tests/cuda_kernels/test_grid_lane.py` and `test_grid_experts_lane.py`."""
+everywhere and by the cuda lane in a product (`triton/grid/`: a dense projection, a mixture's experts) and an
+embedding's gather. A latent attention's per-head product in one is such a matrix; so is a mixture whose gate
+and up experts differ in format, which the gate/up launch cannot take (it decodes one). The grid files the lane
+runs are tested in `tests/cuda_kernels/test_grid_lane.py` and `test_grid_experts_lane.py`."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,20 +20,23 @@ from fuselane.errors import FuselaneError
 from fuselane.explain import build_plan
 from fuselane.fuse.views import leaves
 from fuselane.gguf.formats import GRID_FORMATS, Format
-from fuselane.gguf.synth import Shape, write_synthetic
+from fuselane.gguf.synth import SHAPES, Shape, write_synthetic
 from fuselane.graph.ir import Fused
 from fuselane.runtime import model as runtime
 
-EMBEDDING_WHY = (
-    "token_embd.weight is IQ3_XXS, a grid format, which the lane multiplies in a product only (the cpu lane runs it)"
+PER_HEAD_WHY = (
+    "blk.0.attn_v_b.weight is IQ2_XXS, a grid format, which the lane decodes in a product and an embedding only "
+    "(the cpu lane runs it)"
 )
 GATE_UP_WHY = (
     "blk.0.ffn_gate_exps.weight is Q4_K and blk.0.ffn_up_exps.weight is Q6_K: a mixture's gate and up experts "
     "multiply in one launch that decodes one format (the cpu lane runs it)"
 )
-REFUSED = {"embedding": EMBEDDING_WHY, "gate_up": GATE_UP_WHY}
+REFUSED = {"per_head": PER_HEAD_WHY, "gate_up": GATE_UP_WHY}
 # rows of whole 256-value super-blocks, as the grid formats need
 DENSE = Shape("qwen3", 256, 2, 4, 2, 64, 512, 512, context=4096)
+# DeepSeek-V2-Lite's latent attention at one layer and narrow widths: its value product's rows are the latent's 512
+LATENT = replace(SHAPES["deepseek-v2-lite"], n_layers=1, vocab=512, n_embd=256, n_heads=2, n_ff=256)
 EXPERTS = Shape("qwen3moe", 256, 2, 4, 2, 64, 512, 512, context=4096, experts=4, experts_used=2, expert_ff=256)
 
 
@@ -48,7 +53,8 @@ def files(tmp_path_factory) -> dict[str, str]:
     return {
         "dense": _write(d / "dense.gguf", DENSE, downs, Format.IQ2_XXS),
         "experts": _write(d / "experts.gguf", EXPERTS, experts, Format.IQ3_XXS),
-        "embedding": _write(d / "embedding.gguf", DENSE, ["token_embd.weight"], Format.IQ3_XXS),
+        "embedding": _write(d / "embedding.gguf", DENSE, ["token_embd.weight"], Format.IQ3_S),
+        "per_head": _write(d / "per_head.gguf", LATENT, ["blk.0.attn_v_b.weight"], Format.IQ2_XXS),
         "gate_up": str(write_synthetic(d / "gate_up.gguf", EXPERTS, "q8_0", seed=2, formats=mixed)),
         "plain": str(write_synthetic(d / "plain.gguf", "tiny-qwen3", "q8_0", seed=2)),
     }
@@ -64,7 +70,7 @@ def test_explain_names_the_matrix(files, kind, why):
     assert readers and all(not isinstance(op.sym, Fused) for op in readers)
 
 
-@pytest.mark.parametrize("kind", ["plain", "dense", "experts"])
+@pytest.mark.parametrize("kind", ["plain", "dense", "experts", "embedding"])
 def test_a_file_the_lane_decodes_is_not_refused(files, kind):
     assert build_plan(files[kind], lane="cuda")[2].cannot_run is None
 

@@ -126,8 +126,11 @@ def _undecoded(op: Op, g: TensorGraph) -> str | None:
                 if _grid_launch(op, g):
                     continue
                 return _GRID_ALONE.format(name=name, fmt=fmt.name)
-            if not (isinstance(op.sym, (Matmul, ExpertMatmul)) and i == 1):
-                return f"{name} is {fmt.name}, a grid format, which the lane multiplies in a product only" + _CPU
+            if not (isinstance(op.sym, (Matmul, ExpertMatmul)) and i == 1 or isinstance(op.sym, RowsGather)):
+                return (
+                    f"{name} is {fmt.name}, a grid format, which the lane decodes in a product and an embedding only"
+                    + _CPU
+                )
     return None
 
 
@@ -135,7 +138,7 @@ _CPU = " (the cpu lane runs it)"
 _GRID_ALONE = (
     "{name} is {fmt}, a grid format, which the lane multiplies by its own GEMV: alone, with a bias, a landing row "
     "or a step's add + norm, or paired with an up product in its format; a mixture's experts in its gate/up and "
-    "down launches, with no shared expert folded in"
+    "down launches, with no shared expert folded in; an embedding table in its gather and norm"
 )
 
 
@@ -156,6 +159,8 @@ def _grid_launch(op: Op, g: TensorGraph) -> bool:
         return True
     if op.sym.cls in _GRID_MIXTURE_CLASSES:  # every grid matrix an expert tensor the launch multiplies
         return all(isinstance(leaf.sym, ExpertMatmul) for leaf in leaves(op) if _reads_grid(leaf, g))
+    if op.sym.cls is C.EMBED_NORM:  # the gather decodes its table's rows (`norm.embed_norm`)
+        return all(isinstance(leaf.sym, RowsGather) for leaf in leaves(op) if _reads_grid(leaf, g))
     if op.sym.cls is C.NORM_QUANT:  # a norm writing its int8 form too: the add + norm's or the mixture's launch
         first = op.sym.parts[0]
         closing = (C.GEMV_NORM_EPILOGUE, C.MOE_DEFERRED_FINALIZE)

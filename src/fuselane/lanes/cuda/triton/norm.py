@@ -38,6 +38,7 @@ from fuselane.lanes.cuda.plan.kernels import (
 )
 from fuselane.lanes.cuda.triton import gather_formats, pdl
 from fuselane.lanes.cuda.triton.gemv.layout import block_d
+from fuselane.lanes.cuda.triton.grid.values import device_table, grid_values
 from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts, store_quantized
 
 QB = tl.constexpr(QK)  # values an int8 block's scale covers
@@ -56,7 +57,10 @@ ROW_TAIL_C = tl.constexpr({int(f): f in ROW_TAIL_D for f in Format})
 GATHER_FORMATS = (
     frozenset({Format.F32, Format.F16, Format.BF16, Format.Q8_0, Format.Q5_0, Format.Q4_K, Format.Q6_K})
     | gather_formats.FORMATS
+    | kernels.GRID_GEMV_FORMATS
 )
+# every format's flag: a grid or ternary format, decoded from its table (`grid.values.grid_values`)
+GRID_C = tl.constexpr({int(f): f in kernels.GRID_GEMV_FORMATS for f in Format})
 
 # Code offsets that make the formats' unsigned codes signed (ggml's): Q5_0 codes are 5 bits around 16,
 # Q6_K codes 6 bits around 32.
@@ -290,6 +294,7 @@ def _decode(
     row,
     j,
     mask,
+    grid_table,
     FMT: tl.constexpr,
     VALUES: tl.constexpr,
     NBYTES: tl.constexpr,
@@ -339,6 +344,9 @@ def _decode(
         d = _f16_at(blk + OFF_D, mask) * sc.to(tl.float32)
         dmin = _f16_at(blk + OFF_DMIN, mask) * mn.to(tl.float32)
         v = d * nib.to(tl.float32) - dmin
+    elif GRID_C[FMT]:  # from the format's table (`grid.values`); a value past the row reads the row's first
+        blk = row + tl.where(mask, j // VALUES, 0) * NBYTES
+        v = grid_values(blk, grid_table, tl.where(mask, t, 0), FMT)
     elif gather_formats.DECODES_C[FMT]:
         if ROW_TAIL_C[FMT]:
             dp = block_d(row, j // VALUES, FMT, ROW_BYTES)
@@ -363,6 +371,7 @@ def _decode(
 @triton.jit
 def _embed_norm_kernel(
     table_ptr,
+    grid_table,
     ids_ptr,
     w_ptr,
     rows_ptr,
@@ -393,7 +402,9 @@ def _embed_norm_kernel(
     offs = tl.arange(0, BLOCK)
     if CHUNKS == 1:  # the row fits the block's registers: decode it once
         mask = offs < cols
-        v = _decode(row, offs, mask, FMT, VALUES, NBYTES, ROW_BYTES, OFF_D, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH)
+        v = _decode(
+            row, offs, mask, grid_table, FMT, VALUES, NBYTES, ROW_BYTES, OFF_D, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH
+        )
         v = tl.where(mask, v, 0.0)
         tl.store(rows_row + offs, v.to(rows_ptr.dtype.element_ty), mask=mask)
         r = tl.rsqrt(tl.sum(v * v, axis=0) / cols + eps)
@@ -404,7 +415,9 @@ def _embed_norm_kernel(
         for c in tl.static_range(CHUNKS):
             j = c * BLOCK + offs
             mask = j < cols
-            v = _decode(row, j, mask, FMT, VALUES, NBYTES, ROW_BYTES, OFF_D, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH)
+            v = _decode(
+                row, j, mask, grid_table, FMT, VALUES, NBYTES, ROW_BYTES, OFF_D, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH
+            )
             v = tl.where(mask, v, 0.0)
             tl.store(rows_row + j, v.to(rows_ptr.dtype.element_ty), mask=mask)
             squares += v * v
@@ -414,7 +427,9 @@ def _embed_norm_kernel(
             # first pass, and no read of a value another thread of the block may not have stored yet
             j = c * BLOCK + offs
             mask = j < cols
-            v = _decode(row, j, mask, FMT, VALUES, NBYTES, ROW_BYTES, OFF_D, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH)
+            v = _decode(
+                row, j, mask, grid_table, FMT, VALUES, NBYTES, ROW_BYTES, OFF_D, OFF_DMIN, OFF_SCALES, OFF_QS, OFF_QH
+            )
             w = tl.load(w_ptr + j, mask=mask, other=0.0).to(tl.float32)
             tl.store(out_row + j, (v * r * w).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -458,6 +473,7 @@ def embed_norm(
     tile = row_tile(cols)
     _embed_norm_kernel[(rows,)](
         table_raw,
+        device_table(fmt, table_raw.device) if fmt in kernels.GRID_GEMV_FORMATS else table_raw,  # else unread
         ids,
         w,
         rows_out,
