@@ -76,6 +76,31 @@ def test_iq4_xs():
     expect(f, 28, Format.IQ4_XS, ffn_down=lambda i: Format.Q5_K if i < 3 else Format.IQ4_XS)
 
 
+def test_the_grid_recipes_on_7b():
+    # IQ3_M: IQ3_S; attn_v and attn_output Q4_K, ffn_down Q4_K on the first eighth; the embedding the base's
+    f = tensor_formats(SHAPES["qwen2.5-7b"], "iq3_m")
+    first = lambda fmt, base: lambda i: fmt if i < 3 else base  # noqa: E731
+    expect(f, 28, Format.IQ3_S, attn_v=Format.Q4_K, attn_output=Format.Q4_K, ffn_down=first(Format.Q4_K, Format.IQ3_S))
+    # IQ3_XXS (with an importance matrix): q and k IQ2_S, attn_v Q4_K (7 query heads a kv head), attn_output
+    # IQ3_S; the embedding IQ3_S, the output Q5_K
+    f = tensor_formats(SHAPES["qwen2.5-7b"], "iq3_xxs")
+    expect(f, 28, Format.IQ3_XXS, embd=Format.IQ3_S, output=Format.Q5_K, attn_q=Format.IQ2_S, attn_k=Format.IQ2_S,
+           attn_v=Format.Q4_K, attn_output=Format.IQ3_S)  # fmt: skip
+    # and with 2 query heads a kv head (the 0.6B) the base's attn_v
+    f = tensor_formats(SHAPES["qwen3-0.6b"], "iq3_xxs")
+    expect(f, 28, Format.IQ3_XXS, embd=Format.IQ3_S, output=Format.Q5_K, attn_q=Format.IQ2_S, attn_k=Format.IQ2_S,
+           attn_output=Format.IQ3_S)  # fmt: skip
+    # IQ2_M: IQ2_S; attn_v Q4_K with 4+ query heads a kv head, else IQ3_S; attn_output IQ3_S; ffn_down IQ3_S on
+    # the first eighth; the embedding IQ3_S, the output Q5_K
+    for name, v in (("qwen2.5-7b", Format.Q4_K), ("qwen3-0.6b", Format.IQ3_S)):
+        f = tensor_formats(SHAPES[name], "iq2_m")
+        expect(f, 28, Format.IQ2_S, embd=Format.IQ3_S, output=Format.Q5_K, attn_v=v, attn_output=Format.IQ3_S,
+               ffn_down=first(Format.IQ3_S, Format.IQ2_S))  # fmt: skip
+    # a mixture's experts (Qwen3-30B-A3B, 128 of them): IQ2_M's attn_v Q4_K whatever the heads
+    f = tensor_formats(SHAPES["qwen3-30b-a3b"], "iq2_m")
+    assert f["blk.0.attn_v.weight"] is Format.Q4_K and f["blk.9.ffn_gate_exps.weight"] is Format.IQ2_S
+
+
 def test_mxfp4_moe_is_the_experts_in_mxfp4_and_every_other_matrix_q8_0():
     # llama.cpp's MXFP4_MOE: a 3-D (expert) tensor MXFP4, every other matrix Q8_0, the output too; the router F32
     f = tensor_formats(SHAPES["qwen3-30b-a3b"], "mxfp4_moe")
@@ -117,8 +142,10 @@ def test_32b_shape():
 FILE_TYPES = {
     "bf16": LlamaFileType.MOSTLY_BF16, "q6_k": LlamaFileType.MOSTLY_Q6_K, "q5_k_m": LlamaFileType.MOSTLY_Q5_K_M,
     "q4_0": LlamaFileType.MOSTLY_Q4_0, "q5_0": LlamaFileType.MOSTLY_Q5_0, "iq4_xs": LlamaFileType.MOSTLY_IQ4_XS,
-    "q3_k_m": LlamaFileType.MOSTLY_Q3_K_M, "q2_k": LlamaFileType.MOSTLY_Q2_K,
+    "q3_k_m": LlamaFileType.MOSTLY_Q3_K_M, "q2_k": LlamaFileType.MOSTLY_Q2_K, "iq3_m": LlamaFileType.MOSTLY_IQ3_M,
+    "iq3_xxs": LlamaFileType.MOSTLY_IQ3_XXS, "iq2_m": LlamaFileType.MOSTLY_IQ2_M,
 }  # fmt: skip
+BASES = {"iq3_m": Format.IQ3_S, "iq2_m": Format.IQ2_S}  # the mixes named for a recipe, not their base format
 
 
 @pytest.mark.parametrize("mix", list(FILE_TYPES))
@@ -129,8 +156,8 @@ def test_written_file_holds_the_recipe(tmp_path, mix):
         assert g.metadata["general.file_type"] == FILE_TYPES[mix]
         assert {n: t.format for n, t in g.tensors.items()} == want
     # at whole super-blocks nothing falls back: the base format and the recipe's others are what is written
-    base = want["blk.5.attn_q.weight"]
-    assert base.name.lower() == mix.removesuffix("_m")
+    base = want["blk.5.ffn_gate.weight"]
+    assert base is (BASES[mix] if mix in BASES else Format[mix.removesuffix("_m").upper()])
 
 
 @pytest.mark.parametrize("mix", [m.value for m in Mix])

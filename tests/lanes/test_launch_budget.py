@@ -1,7 +1,7 @@
 """The launch budget of a decode step: at most LAUNCH_BUDGET launches a layer on every dense Qwen shape
-published (0.5B to 72B, Qwen2.5 and Qwen3) in every quantization mix the synthetic writer knows, not only the
-four of ANCHORS.md, at the lane's default knobs and under dequantized activations; and on those shapes and the
-Qwen mixtures' at every setting of the knobs that move launches.
+published (0.5B to 72B, Qwen2.5 and Qwen3) in every quantization mix the synthetic writer knows (the grid mixes
+held to their own count), not only the four of ANCHORS.md, at the lane's default knobs and under dequantized
+activations; and on those shapes and the Qwen mixtures' at every setting of the knobs that move launches.
 
 Plans are built from tensor stubs (shapes and the mix's formats), so no file is written. Each shape keeps its
 widths at LAYERS layers: a layer's launches depend on its widths and its tensors' formats, and the recipes give
@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 
 from fuselane.explain import launches_per_layer as plan_launches
 from fuselane.fuse.optimizer import covered, optimize
+from fuselane.gguf.formats import QK_K
 from fuselane.gguf.synth import SHAPES, Mix, Shape, model_metadata, tensor_formats, tensor_shapes
+from fuselane.gguf.synth_recipes import GRID_MIXES
 from fuselane.graph.ir import Form
 from fuselane.lanes.cuda.plan.kernels import QBLOCK
 from fuselane.lanes.cuda.plan.knobs import Activations, CudaKnobs
@@ -29,6 +31,14 @@ from tests.lanes.test_cuda_launches import Stub, launches_per_layer
 
 LAUNCH_BUDGET = 7  # a decode step's launches a layer
 LAYERS = 8
+# every mix but the grid ones (`synth_recipes.GRID_MIXES`, held to their own count below) and the 0.5B file's order
+BUDGET_MIXES = [m for m in Mix if m is not Mix.Q4_K_M_05B and m not in GRID_MIXES]
+# The grid mixes (IQ3_M, IQ3_XXS, IQ2_M): a step's q and k grid products take a launch each (no GEMV in parts takes
+# a grid format), one more than the budget; a layer whose down product is a K format's (IQ3_M's first eighth)
+# quantizes the grid gated pair's output in a launch of its own (the grid GEMV writes no int8 form of a gated pair),
+# and the first layer the embedding's norm: up to three more.
+GRID_MIX_LAYER = LAUNCH_BUDGET + 1
+GRID_MIX_MOST = LAUNCH_BUDGET + 3
 
 # The published dense configs: the synthetic writer's shapes (their vocabularies one size, which a layer's
 # launches do not see) and Qwen2.5-72B. Qwen2.5's 14B, 32B and 72B are where a norm wider than a block first
@@ -71,7 +81,7 @@ def _decode_graph(shape: Shape, name: str, mix: Mix):
     return recognizer(cfg).recognize(cfg, tensors, Form.DECODE, rows=1, ctx=4096), cfg
 
 
-@pytest.mark.parametrize("mix", [m for m in Mix if m is not Mix.Q4_K_M_05B])
+@pytest.mark.parametrize("mix", BUDGET_MIXES)
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_a_decode_step_takes_at_most_the_budget_a_layer(name: str, mix: Mix) -> None:
     g, _ = _decode_graph(replace(PUBLISHED[name], n_layers=LAYERS), name, mix)
@@ -85,7 +95,7 @@ def test_a_decode_step_takes_at_most_the_budget_a_layer(name: str, mix: Mix) -> 
 @settings(max_examples=SHAPE_EXAMPLES, deadline=None)
 @given(
     shape=qwen_like(),
-    mix=st.sampled_from([m for m in Mix if m is not Mix.Q4_K_M_05B]),
+    mix=st.sampled_from(BUDGET_MIXES),
     activations=st.sampled_from([Activations.INT8, Activations.DEQUANT]),
 )
 @example(shape=Shape("qwen2", 1024, LAYERS, 8, 1, 128, 2752, 1024), mix=Mix.Q5_0, activations=Activations.INT8)
@@ -106,7 +116,7 @@ def test_any_qwen_like_shape_keeps_the_budget(shape: Shape, mix: Mix, activation
     assert max(launches_per_layer(g, plan).values()) <= LAUNCH_BUDGET
 
 
-@pytest.mark.parametrize("mix", [m for m in Mix if m is not Mix.Q4_K_M_05B])
+@pytest.mark.parametrize("mix", BUDGET_MIXES)
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_f32_activations_keep_the_budget(name: str, mix: Mix) -> None:
     # activations=dequant: a projection's last program norms a row wider than its block holds in chunks, so
@@ -116,6 +126,20 @@ def test_f32_activations_keep_the_budget(name: str, mix: Mix) -> None:
     g, _ = _decode_graph(replace(PUBLISHED[name], n_layers=LAYERS), name, mix)
     plan = optimize(g, CudaShim(CudaKnobs(activations=Activations.DEQUANT)))
     assert max(launches_per_layer(g, plan).values()) <= LAUNCH_BUDGET
+
+
+@pytest.mark.parametrize("activations", [Activations.INT8, Activations.DEQUANT])
+@pytest.mark.parametrize("mix", sorted(GRID_MIXES, key=lambda m: m.value))
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_the_grid_mixes_take_one_launch_more_a_layer(name: str, mix: Mix, activations: Activations) -> None:
+    g, _ = _decode_graph(replace(PUBLISHED[name], n_layers=LAYERS), name, mix)
+    per_layer = launches_per_layer(g, optimize(g, CudaShim(CudaKnobs(activations=activations))))
+    counts = sorted(per_layer.values())
+    assert counts[-1] <= GRID_MIX_MOST, per_layer
+    # rows not whole 256-value blocks (Qwen2.5-72B's down product, 29,568 values) fall back to IQ4_NL: its layers
+    # take the K-format down's count
+    whole = PUBLISHED[name].n_ff % QK_K == 0
+    assert not whole or counts[len(counts) // 2] <= GRID_MIX_LAYER, per_layer
 
 
 @pytest.mark.parametrize("mix", [Mix.Q4_K_M, Mix.Q8_0])
@@ -144,7 +168,7 @@ def test_every_launch_knob_keeps_the_budget(name: str) -> None:
     # keeps the budget too (Qwen3-Next's K and IQ recipes under dequant took 8 a layer before the f32 GEMV by
     # rows took a step's two formats)
     shape = replace(SHAPES.get(name) or PUBLISHED[name], n_layers=LAYERS)
-    for mix in (m for m in Mix if m is not Mix.Q4_K_M_05B):
+    for mix in BUDGET_MIXES:
         g, _ = _decode_graph(shape, name, mix)
         for knobs in LAUNCH_KNOBS:
             per_layer = plan_launches(optimize(g, CudaShim(CudaKnobs.parse(knobs))))  # a view is no launch

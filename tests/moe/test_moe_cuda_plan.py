@@ -17,7 +17,7 @@ from fuselane.explain import build_plan, launches_per_layer, model_source
 from fuselane.fuse.optimizer import optimize
 from fuselane.fuse.shim import DECOMPOSE, NATIVE
 from fuselane.fuse.views import class_of, leaves
-from fuselane.gguf.synth import SHAPES, Mix, model_metadata, tensor_formats, tensor_shapes
+from fuselane.gguf.synth import SHAPES, model_metadata, tensor_formats, tensor_shapes
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form, QuantFormat
 from fuselane.graph.ops import Matmul
@@ -28,6 +28,7 @@ from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.models import config_of, recognizer
 from tests.lanes.test_cuda_launches import Stub
 from tests.lanes.test_cuda_launches import launches_per_layer as stub_launches
+from tests.lanes.test_launch_budget import BUDGET_MIXES
 
 DECOMPOSED_BY_SPEC = (C.MASKED_EXPERT_ACTIVATION, C.MOE_GATHER_IN_OPERAND)
 SHARED_REASON = (
@@ -163,7 +164,7 @@ def test_under_the_knob_the_routing_takes_in_the_norm_it_reads_and_its_int8_form
 
 
 @pytest.mark.parametrize("knobs", [(), ("activations=dequant",)])
-@pytest.mark.parametrize("mix", [m for m in Mix if m is not Mix.Q4_K_M_05B])
+@pytest.mark.parametrize("mix", BUDGET_MIXES)
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen1.5-moe-a2.7b"])
 def test_every_mix_of_the_real_mixtures_is_within_the_budget(name, mix, knobs):
     # eight layers hold every combination of formats the recipes give a layer (tests/lanes/test_launch_budget.py);
@@ -194,7 +195,7 @@ def _mixture_like(draw):
 
 
 @settings(max_examples=100, deadline=None)
-@given(shape=_mixture_like(), mix=st.sampled_from([m for m in Mix if m is not Mix.Q4_K_M_05B]))
+@given(shape=_mixture_like(), mix=st.sampled_from(BUDGET_MIXES))
 def test_a_mixture_of_any_widths_is_within_the_budget(shape, mix):
     _assert_within_the_budget(shape, "mixture-like", mix)
 
@@ -209,12 +210,13 @@ def _assert_within_the_budget(shape, name, mix, knobs=()):
 
 
 @pytest.mark.parametrize("int8", [True, False])
-@pytest.mark.parametrize("mix", [m for m in Mix if m is not Mix.Q4_K_M_05B])
+@pytest.mark.parametrize("mix", BUDGET_MIXES)
 def test_the_fold_takes_a_shared_expert_whose_products_have_kernels(mix, int8):
     # the folded expert's gate and up read the mixture's input by rows or as the kept experts' int8 tiles, its
     # down its SwiGLU by rows or, after those tiles, as an int8 product: llama.cpp's Q2_K recipe gives
     # Qwen1.5-MoE's shared down Q3_K and IQ4_XS's IQ4_XS, which the int8 GEMV reads at speed; under dequant
-    # activations the GEMV by rows reads them a value at a time, so every layer folds
+    # activations the GEMV by rows reads them a value at a time, so every layer folds (the grid mixes' experts
+    # ride no fold: `test_grid_experts_lane.py`)
     from fuselane.lanes.cuda.plan import kernels
 
     shape = replace(SHAPES["qwen1.5-moe-a2.7b"], n_layers=8)

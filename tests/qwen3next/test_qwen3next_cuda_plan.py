@@ -23,7 +23,7 @@ from fuselane.fuse.optimizer import check_runs, launches_of, needs, optimize
 from fuselane.fuse.shim import DECOMPOSE, NATIVE, SupportKind
 from fuselane.fuse.views import class_of
 from fuselane.gguf.formats import Format
-from fuselane.gguf.synth import SHAPES, Mix, model_metadata, tensor_formats, tensor_shapes
+from fuselane.gguf.synth import SHAPES, model_metadata, tensor_formats, tensor_shapes
 from fuselane.graph import facts
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import WHOLE, Dst, Form, Op, Role, Tensor, Values
@@ -42,7 +42,7 @@ from fuselane.lanes.cuda.plan.shim import CudaShim
 from fuselane.models import config_of, qwen, recognizer
 from fuselane.numerics.contract import Keep
 from tests.lanes.test_cuda_launches import Stub
-from tests.lanes.test_launch_budget import LAUNCH_BUDGET
+from tests.lanes.test_launch_budget import BUDGET_MIXES, LAUNCH_BUDGET
 
 LAYERS = 4  # three gated delta-rule layers and one full-attention layer at the real shape
 HYBRID_RULES = ("conv_silu", "conv_silu_l2norm", "gdn_gating", "gdn_gate_projections", "gdn_step", "gated_norm")
@@ -279,7 +279,7 @@ def test_the_q4_k_m_recipes_two_formats_share_each_layers_gemv_in_parts():
 
 
 @pytest.mark.parametrize("knobs", [(), ("rope_epilogue=on",), ("rope_epilogue=off",)], ids=["auto", "on", "off"])
-@pytest.mark.parametrize("mix", [m.value for m in Mix if m is not Mix.Q4_K_M_05B])
+@pytest.mark.parametrize("mix", [m.value for m in BUDGET_MIXES])
 def test_every_recipe_keeps_the_budget(mix, knobs):
     # each quantized recipe writes the fused q/k/v rows (attn_v-like) by its own rules beside the gate's base
     # format: Q3_K_M, IQ4_XS and Q2_K in every layer, Q4_K_M and Q5_K_M on their `use_more_bits` layers; the
@@ -312,7 +312,7 @@ def test_two_formats_do_not_share_a_gemv_of_a_batchs_rows_that_reads_f32():
             assert len({g.tensors[w].storage.format for w in op.ins if w.endswith("weight")}) == 1, op.out
 
 
-@pytest.mark.parametrize("mix", [m.value for m in Mix if m is not Mix.Q4_K_M_05B])
+@pytest.mark.parametrize("mix", [m.value for m in BUDGET_MIXES])
 def test_every_recipe_keeps_the_budget_reading_f32(mix):
     # activations=dequant: the recipes' second formats join the f32 GEMV by rows' parts, so no layer takes a
     # launch more for them than under int8 activations

@@ -112,17 +112,19 @@ def _recipe_format(shape: Shape, recipe: Recipe, name: str, row: int, ranks: lis
     if name == "output.weight" or (shape.tied and name == "token_embd.weight"):
         if row % LAYOUTS[recipe.base].values or recipe.base is Format.Q8_0:
             return Format.Q8_0
-        return Format.Q6_K
+        return recipe.output
     parts = name.split(".")
     if parts[0] != "blk":
-        return recipe.base
+        return (recipe.token_embd if name == "token_embd.weight" else None) or recipe.base
     rank, kind = ranks[int(parts[1])], parts[2]
     # llama.cpp's attn_v rules take every "attn_v-like" matrix (`category_is_attn_v`: a fused q/k/v one too,
     # Qwen3-Next's delta-rule layers'), counted over all of them: a layer holds one, so its rank
     if kind in ("attn_v", "attn_qkv"):
-        chosen = recipe.attn_v(rank, shape.n_layers, shape.n_heads // shape.n_kv_heads)
+        chosen = recipe.attn_v(rank, shape.n_layers, shape.n_heads // shape.n_kv_heads, shape.experts)
     elif kind == "attn_output":
         chosen = recipe.attn_output
+    elif kind in ("attn_q", "attn_k"):
+        chosen = recipe.attn_q if kind == "attn_q" else recipe.attn_k
     elif kind in ("ffn_down", "ffn_down_exps", "ffn_down_shexp"):
         chosen = recipe.ffn_down(rank, shape.n_layers)
     else:

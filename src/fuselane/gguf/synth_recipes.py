@@ -34,6 +34,9 @@ class Mix(enum.Enum):
     Q3_K_M = "q3_k_m"
     Q2_K = "q2_k"
     MXFP4_MOE = "mxfp4_moe"  # 3-D matrices (a mixture's experts) MXFP4, every other matrix Q8_0
+    IQ3_M = "iq3_m"
+    IQ3_XXS = "iq3_xxs"  # as made with an importance matrix (its q and k IQ2_S need one)
+    IQ2_M = "iq2_m"  # as made with an importance matrix
 
     @classmethod
     def parse(cls, mix: Mix | str) -> Mix:
@@ -45,6 +48,11 @@ class Mix(enum.Enum):
         except ValueError:
             raise FuselaneError(f"unknown mix '{mix}': choose one of {', '.join(m.value for m in cls)}") from None
 
+
+# The mixes whose projections are mostly in the grid formats: the cuda lane takes a step's grid products apart
+# from the GEMV in parts and from the int8 epilogues (`fits._grid_launch`), so their layers take more launches than
+# the budget (`tests/lanes/test_launch_budget.py` holds them to their own count).
+GRID_MIXES = frozenset({Mix.IQ3_M, Mix.IQ3_XXS, Mix.IQ2_M})
 
 FILE_TYPES: dict[Mix, LlamaFileType] = {
     Mix.F32: LlamaFileType.ALL_F32,
@@ -61,6 +69,9 @@ FILE_TYPES: dict[Mix, LlamaFileType] = {
     Mix.Q3_K_M: LlamaFileType.MOSTLY_Q3_K_M,
     Mix.Q2_K: LlamaFileType.MOSTLY_Q2_K,
     Mix.MXFP4_MOE: LlamaFileType.MOSTLY_MXFP4_MOE,
+    Mix.IQ3_M: LlamaFileType.MOSTLY_IQ3_M,
+    Mix.IQ3_XXS: LlamaFileType.MOSTLY_IQ3_XXS,
+    Mix.IQ2_M: LlamaFileType.MOSTLY_IQ2_M,
 }
 
 # general.file_type of a file of given weights, by its most used matrix format
@@ -143,14 +154,19 @@ def fit_format(fmt: Format, row: int) -> Format:
 class Recipe:
     """A mix's choice of format per matrix, as llama.cpp's `llama_tensor_get_type` makes it for a dense model
     (src/llama-quant.cpp): `base` for every matrix it does not name; the output projection (the embedding
-    table when tied) Q6_K unless `base` is Q8_0 or unquantized; then, by kind, a rule of the layer's rank r
-    among n layers (`layer_ranks`) and the model's query heads a kv head (`gqa`)."""
+    table when tied) `output` (Q6_K) unless `base` is Q8_0 or unquantized; the embedding table `token_embd`
+    where named; then, by kind, a rule of the layer's rank r among n layers (`layer_ranks`), the model's query
+    heads a kv head (`gqa`) and its experts (0 for a dense model)."""
 
     base: Format
-    attn_v: Callable[[int, int, int], Format | None] = lambda r, n, gqa: None
+    attn_v: Callable[[int, int, int, int], Format | None] = lambda r, n, gqa, experts: None
     attn_output: Format | None = None
     ffn_down: Callable[[int, int], Format | None] = lambda r, n: None
     experts: Format | None = None  # every 3-D matrix (a mixture's experts, DeepSeek's attn_k_b / attn_v_b) first
+    output: Format = Format.Q6_K
+    token_embd: Format | None = None
+    attn_q: Format | None = None
+    attn_k: Format | None = None
 
 
 def _more_bits(fmt: Format) -> Callable[..., Format | None]:
@@ -158,8 +174,10 @@ def _more_bits(fmt: Format) -> Callable[..., Format | None]:
     return lambda r, n, *_: fmt if use_more_bits(r, n) else None
 
 
-# Only the file types llama-quantize makes from an f16/bf16 source without an importance matrix; rules that
-# need one (IQ4_XS's and Q4_0's ffn_down guards) are left out, as llama.cpp leaves them out without it.
+# The file types llama-quantize makes from an f16/bf16 source without an importance matrix; rules that need one
+# (IQ4_XS's and Q4_0's ffn_down guards) are left out, as llama.cpp leaves them out without it. IQ3_XXS and IQ2_M
+# take one (llama-quantize refuses IQ2_S and IQ2_XXS matrices without it): theirs are the rules with one.
+# IQ-recipes' output projection is Q5_K; IQ2_M's and IQ3_XXS's embedding IQ3_S.
 RECIPES: dict[Mix, Recipe] = {
     Mix.Q8_0: Recipe(Format.Q8_0),
     Mix.Q6_K: Recipe(Format.Q6_K),
@@ -171,25 +189,52 @@ RECIPES: dict[Mix, Recipe] = {
     # IQ4_XS: attn_v Q5_K where 4+ query heads share a kv head; ffn_down Q5_K on the first eighth of layers
     Mix.IQ4_XS: Recipe(
         Format.IQ4_XS,
-        attn_v=lambda r, n, gqa: Format.Q5_K if gqa >= 4 else None,
+        attn_v=lambda r, n, gqa, *_: Format.Q5_K if gqa >= 4 else None,
         ffn_down=lambda r, n: Format.Q5_K if r < n // 8 else None,
     ),
     # Q3_K_M: attn_v Q5_K on the first two layers, Q4_K after; attn_output Q4_K; ffn_down Q5_K on the first
     # sixteenth, Q4_K after (llama.cpp keeps Q3_K there only for Falcon)
     Mix.Q3_K_M: Recipe(
         Format.Q3_K,
-        attn_v=lambda r, n, gqa: Format.Q5_K if r < 2 else Format.Q4_K,
+        attn_v=lambda r, n, *_: Format.Q5_K if r < 2 else Format.Q4_K,
         attn_output=Format.Q4_K,
         ffn_down=lambda r, n: Format.Q5_K if r < n // 16 else Format.Q4_K,
     ),
     # Q2_K: attn_v Q4_K where 4+ query heads share a kv head, else Q3_K; attn_output and ffn_down Q3_K
     Mix.Q2_K: Recipe(
         Format.Q2_K,
-        attn_v=lambda r, n, gqa: Format.Q4_K if gqa >= 4 else Format.Q3_K,
+        attn_v=lambda r, n, gqa, *_: Format.Q4_K if gqa >= 4 else Format.Q3_K,
         attn_output=Format.Q3_K,
         ffn_down=lambda r, n: Format.Q3_K,
     ),
     # MXFP4_MOE: every 3-D tensor (the experts', DeepSeek's per-head attn_k_b / attn_v_b) MXFP4, every other matrix
     # (the output too) Q8_0; a dense model all Q8_0
     Mix.MXFP4_MOE: Recipe(Format.Q8_0, experts=Format.MXFP4),
+    # IQ3_M: IQ3_S; attn_v and attn_output Q4_K; ffn_down Q4_K on the first eighth of layers
+    Mix.IQ3_M: Recipe(
+        Format.IQ3_S,
+        attn_v=lambda *_: Format.Q4_K,
+        attn_output=Format.Q4_K,
+        ffn_down=lambda r, n: Format.Q4_K if r < n // 8 else None,
+    ),
+    # IQ3_XXS: q and k IQ2_S; attn_v Q4_K where 4+ query heads share a kv head; attn_output IQ3_S
+    Mix.IQ3_XXS: Recipe(
+        Format.IQ3_XXS,
+        attn_v=lambda r, n, gqa, *_: Format.Q4_K if gqa >= 4 else None,
+        attn_output=Format.IQ3_S,
+        output=Format.Q5_K,
+        token_embd=Format.IQ3_S,
+        attn_q=Format.IQ2_S,
+        attn_k=Format.IQ2_S,
+    ),
+    # IQ2_M: IQ2_S; attn_v Q4_K where 4+ query heads share a kv head or 4+ experts, else IQ3_S; attn_output IQ3_S;
+    # ffn_down IQ3_S on the first eighth of layers
+    Mix.IQ2_M: Recipe(
+        Format.IQ2_S,
+        attn_v=lambda r, n, gqa, experts: Format.Q4_K if gqa >= 4 or experts >= 4 else Format.IQ3_S,
+        attn_output=Format.IQ3_S,
+        ffn_down=lambda r, n: Format.IQ3_S if r < n // 8 else None,
+        output=Format.Q5_K,
+        token_embd=Format.IQ3_S,
+    ),
 }
