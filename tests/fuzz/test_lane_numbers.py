@@ -22,4 +22,4 @@ def test_a_draw_runs_on_both_lanes_within_the_contract(tmp_path) -> None:
     log = tmp_path / "log"
     assert lane_numbers.main(["--seed", "9", "--count", "1", "--log", str(log)]) == 0
     (line,) = log.read_text().splitlines()
-    assert line.startswith("OK ") and "qwen3moe d=128 L=1" in line and "mix=q5_k_m knobs=fuse_quant=off" in line
+    assert line.startswith("OK ") and "qwen3moe d=128 L=1" in line and "mix=iq4_xs knobs=fuse_quant=off" in line
