@@ -20,10 +20,11 @@ source "$root/benchmarks/source_tree.sh"
 models=${FUSELANE_MODELS:-/tmp/fuselane-models}
 mkdir -p "$models"
 specs=("$@")
-# ANCHORS.md's four shapes, and a mixture with shared experts and latent attention, whose decode launches
-# (the kept and the folded shared experts' products) no dense shape runs
+# ANCHORS.md's four shapes, a mixture with shared experts and latent attention, whose decode launches (the
+# kept and the folded shared experts' products) no dense shape runs, and a 7B in llama.cpp's IQ3_M recipe (the
+# grid GEMV and the grid embedding gather)
 [ ${#specs[@]} -gt 0 ] || specs=(qwen2.5-0.5b:q4_k_m_05b qwen3-0.6b:q8_0 qwen2.5-7b:q4_k_m qwen3-8b:q4_k_m
-  deepseek-v2-lite:q4_k_m)
+  deepseek-v2-lite:q4_k_m qwen2.5-7b:iq3_m)
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
 if [ -n "${FUSELANE_COMMIT:-}" ]; then
@@ -34,7 +35,8 @@ fi
 
 for spec in "${specs[@]}"; do
   shape=${spec%%:*} mix=${spec##*:}
-  [ -f "$models/$shape.gguf" ] || python3 -m fuselane.gguf.synth "$models/$shape.gguf" --shape "$shape" --mix "$mix"
+  [ -f "$models/$shape-$mix.gguf" ] || python3 -m fuselane.gguf.synth "$models/$shape-$mix.gguf" --shape "$shape" \
+    --mix "$mix"
 done
 
 # the slowest tests' times go in the log: the anchor-shape tests (tests/cuda/test_anchor_shapes.py) spend most
@@ -44,9 +46,9 @@ done
 knobs=()
 for knob in ${FUSELANE_KNOBS:-}; do knobs+=(--knob "$knob"); done
 for spec in "${specs[@]}"; do
-  shape=${spec%%:*}
-  python3 -m fuselane bench "$models/$shape.gguf" --lane cuda -p 512 -n 128 --depth 0 4096 --json "${knobs[@]}" \
-    > "$out/bench-$shape.json" 2> "$out/bench-$shape.err"
-  python3 -m fuselane explain "$models/$shape.gguf" --lane cuda "${knobs[@]}" > "$out/explain-$shape.txt" 2>&1
+  name=${spec%%:*}-${spec##*:}  # a shape in several mixes: a file each
+  python3 -m fuselane bench "$models/$name.gguf" --lane cuda -p 512 -n 128 --depth 0 4096 --json "${knobs[@]}" \
+    > "$out/bench-$name.json" 2> "$out/bench-$name.err"
+  python3 -m fuselane explain "$models/$name.gguf" --lane cuda "${knobs[@]}" > "$out/explain-$name.txt" 2>&1
 done
 cat "$out"/bench-*.json
