@@ -116,6 +116,25 @@ def test_an_embedding_in_a_grid_format_is_gathered_from_its_table(tmp_path, tied
     runs_as_the_cpu_lane(path, PROMPT, SHORT, [9, 77], ctx=32)
 
 
+@pytest.mark.parametrize(
+    ("shape", "formats", "parts"),
+    [
+        (QWEN2, {"attn_q": Format.IQ2_S, "attn_k": Format.IQ2_S}, 2),  # with their biases; the value Q8_0, apart
+        (QWEN3, {"attn_q": Format.IQ3_S, "attn_k": Format.IQ3_S, "attn_v": Format.IQ3_S}, 3),  # v in its cache row
+    ],
+    ids=["qwen2-q-k", "qwen3-q-k-v"],
+)
+def test_a_steps_grid_products_of_one_activation_share_a_launch(tmp_path, shape, formats, parts):
+    # the grid GEMV in parts (llama.cpp's IQ3_XXS and IQ2_M recipes give q and k IQ2_S): the rotations stay a
+    # launch of their own (no grid part turns its heads)
+    path = _write(tmp_path / "m.gguf", shape, formats)
+    ops = build_plan(path, lane="cuda")[2].ops
+    merged = [op for op in ops if class_of(op) is C.MERGED_QKV]
+    assert len(merged) == 1 and len(merged[0].sym.parts) == parts
+    assert C.QKV_HEAD_EPILOGUE not in {class_of(m) for m in merged[0].sym.parts}
+    runs_as_the_cpu_lane(path, PROMPT, SHORT, [9, 77], ctx=32)
+
+
 def test_a_gated_pair_in_one_grid_format_is_one_launch(tmp_path):
     # the gate and the up product in one grid format: the grid GEMV's pair; in two, each alone and the GLU apart
     one = _write(tmp_path / "one.gguf", QWEN3, {"ffn_gate": Format.IQ2_XS, "ffn_up": Format.IQ2_XS})
@@ -148,6 +167,32 @@ def test_the_grid_gemv_matches_f64(fmt, m):
     want = x.astype(np.float64) @ want_w.T
     # f32 sums of k products: within k ulps of the largest partial sum, far under this bound
     assert rel(out.cpu().numpy(), want) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", [Format.IQ2_S, Format.TQ1_0], ids=lambda f: f.name)
+def test_the_grid_gemv_in_parts_matches_each_alone(fmt):
+    # a query with its bias, a key landing at a row of its cache read on the device, and a third part: each part's
+    # tiles (the last ones partial) into its own output, as the lone GEMV gives them, bit for bit
+    from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid, gemv_grid_parts
+
+    k, sizes = 512, (40, 24, 8)
+    rng = np.random.default_rng(int(fmt))
+    x = torch.from_numpy(rng.standard_normal((1, k)).astype(np.float32)).to(DEVICE)
+    ws = [_rows(fmt, n, k, seed=int(fmt) + i) for i, n in enumerate(sizes)]
+    bias = torch.from_numpy(rng.standard_normal(sizes[0]).astype(np.float32)).to(DEVICE)
+    q, v = torch.empty((1, sizes[0]), device=DEVICE), torch.empty((1, sizes[2]), device=DEVICE)
+    cache = torch.zeros((5, sizes[1]), device=DEVICE)
+    pos = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+    parts = [(ws[0][0], sizes[0], q, bias, None), (ws[1][0], sizes[1], cache, None, (pos, sizes[1])),
+             (ws[2][0], sizes[2], v, None, None)]  # fmt: skip
+    gemv_grid_parts(x, parts, fmt, k)
+    alone = [torch.empty((1, n), device=DEVICE) for n in sizes]
+    gemv_grid(x, ws[0][0], fmt, sizes[0], k, alone[0], bias=bias)
+    for i in (1, 2):
+        gemv_grid(x, ws[i][0], fmt, sizes[i], k, alone[i])
+    assert torch.equal(q, alone[0]) and torch.equal(v, alone[2]) and torch.equal(cache[2:3], alone[1])
+    assert not cache[:2].any() and not cache[3:].any()
+    assert rel(q.cpu().numpy(), x.cpu().numpy().astype(np.float64) @ ws[0][1].T + bias.cpu().numpy()) < 1e-5
 
 
 def test_the_grid_gemv_epilogues(tmp_path):

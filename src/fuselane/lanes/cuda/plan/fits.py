@@ -137,7 +137,8 @@ def _undecoded(op: Op, g: TensorGraph) -> str | None:
 _CPU = " (the cpu lane runs it)"
 _GRID_ALONE = (
     "{name} is {fmt}, a grid format, which the lane multiplies by its own GEMV: alone, with a bias, a landing row "
-    "or a step's add + norm, or paired with an up product in its format; a mixture's experts in its gate/up and "
+    "or a step's add + norm, in parts with a step's products in its format (no head turned in the epilogue), or "
+    "paired with an up product in its format; a mixture's experts in its gate/up and "
     "down launches, with no shared expert folded in; an embedding table in its gather and norm"
 )
 
@@ -165,6 +166,11 @@ def _grid_launch(op: Op, g: TensorGraph) -> bool:
         first = op.sym.parts[0]
         closing = (C.GEMV_NORM_EPILOGUE, C.MOE_DEFERRED_FINALIZE)
         return isinstance(first.sym, Fused) and first.sym.cls in closing and _grid_launch(first, g)
+    if op.sym.cls is C.MERGED_QKV:  # a step's products in one grid format, none turning its heads (`gemv_grid_parts`)
+        products = [gemv(m, g) for m in op.sym.parts]
+        formats = {p.weights.format if p is not None and isinstance(p.weights, Rows) else None for p in products}
+        plain = all(class_of(m) is not C.QKV_HEAD_EPILOGUE for m in op.sym.parts)
+        return plain and len(formats) == 1 and formats <= kernels.GRID_GEMV_FORMATS and products[0].m == 1
     if op.sym.cls is C.GEMV_NORM_EPILOGUE:  # a step's one row (the class's own check says the rest)
         p = gemv(op.sym.parts[0], g)
         return p is not None and p.m == 1

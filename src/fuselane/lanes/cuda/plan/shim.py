@@ -427,11 +427,11 @@ class CudaShim:
 
     def gemv_mergeable(self, p: GemvForm) -> bool:
         """Whether a product is one the GEMV takes in parts: within the GEMV's rows, landing whole, its
-        outputs whole warps of rows, its rows whole 32-value blocks (only a float matrix is ragged), not in a
-        grid format (the grid GEMV takes a product alone or a gated pair)."""
+        outputs whole warps of rows, its rows whole 32-value blocks (only a float matrix is ragged); in a grid
+        format a step's one row (`grid.gemv.gemv_grid_parts`)."""
         grid = isinstance(p.weights, Rows) and p.weights.format in kernels.GRID_GEMV_FORMATS
         return (
-            not grid
+            (not grid or p.m == 1)
             and p.m <= kernels.GEMV_ROWS
             and self.lands_whole(p)
             and p.n % self.per_warp(p) == 0
@@ -440,10 +440,13 @@ class CudaShim:
 
     def gemv_takes(self, p: GemvForm, g: TensorGraph) -> bool:
         """Whether a GEMV multiplies a product of at most the GEMV's rows: the f32 GEMVs by checkpoint rows in
-        their formats (`kernels.rows_gemv`: Q2_K, Q3_K, IQ4_NL and IQ4_XS at a step's one row only), the int8
-        GEMV in the others where the plan quantizes the activation for it (a step's one row, a batch's rows).
-        A chunk of a few rows in those four formats multiplies as a longer chunk does, on cuBLAS."""
+        their formats (`kernels.rows_gemv`: Q2_K, Q3_K, IQ4_NL and IQ4_XS at a step's one row only) and the grid
+        GEMV in the grid formats, the int8 GEMV in the others where the plan quantizes the activation for it (a
+        step's one row, a batch's rows). A chunk of a few rows in those four formats multiplies as a longer
+        chunk does, on cuBLAS."""
         if not isinstance(p.weights, Rows) or kernels.rows_gemv(p.weights.format, p.m):
+            return True
+        if p.weights.format in kernels.GRID_GEMV_FORMATS:
             return True
         return self.reads_int8(p, g)
 

@@ -242,6 +242,14 @@ def merged(op: Op, b: Any):
         raise PlanMismatch(f"{op.out}: a batch's rows past one turn in their own launch")
     x, fmt = b.bufs[first.ins[0]], b.raw[first.ins[1]][1]
     fmts = [b.raw[leaves(m)[0].ins[1]][1] for m in bare]
+    if fmt in kernels.GRID_GEMV_FORMATS:  # a step's products in one grid format (`fits._grid_launch`): its own GEMV
+        from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid_parts
+
+        grid_table(fmt, products[0][0])
+        if turned or set(fmts) != {fmt} or spec.m != 1:
+            raise PlanMismatch(f"{op.out}: a grid GEMV in parts takes a step's one row in one format, no turn")
+        x1 = x.view(1, spec.k)
+        return [lambda: gemv_grid_parts(x1, products, fmt, spec.k)]
     q8 = q8_in(first.ins[0], fmt, spec.m, spec.k, b, *(p[2] for p in products))
     if len(set(fmts)) > 1:  # two formats: a step's one row, int8 or f32 (`CudaShim._formats_mix`)
         int8 = q8 is not None and all(q8[0].supports(f, 1, spec.k) for f in fmts)

@@ -3,11 +3,13 @@ checkpoint's blocks in one of `kernels.GRID_GEMV_FORMATS`, each value decoded in
 its grid row gathered from the format's table), f32 activations and sums.
 
 These formats (IQ1_*, IQ2_*, IQ3_*, TQ*) spend 1.6-3.4 bits a value; their codes index llama.cpp's grids, so a
-value costs a table gather beside its field loads, and no int8 form of the activation helps the decode. One
-kernel, three launchers: `gemv_grid` (a product with a bias, a residual or a landing row read on the device:
-`rows.store_rows`), `gemv_grid_gate_up_glu` (a gated pair in one grid format, SiLU(gate) * up) and
-`gemv_grid_add_norm` (a step's projection plus residual whose last program norms the row:
-`fast_norm.norm_last`). Every other fused op holding a grid matrix is taken apart (`fits._grid_launch`).
+value costs a table gather beside its field loads, and no int8 form of the activation helps the decode. Two
+kernels, four launchers: `gemv_grid` (a product with a bias, a residual or a landing row read on the device:
+`rows.store_rows`), `gemv_grid_gate_up_glu` (a gated pair in one grid format, SiLU(gate) * up),
+`gemv_grid_add_norm` (a step's projection plus residual whose last program norms the row: `fast_norm.norm_last`)
+and `gemv_grid_parts` (a step's products of one activation in one grid format, a layer's query and key, in one
+launch: `gemv.parts`' programs part after part and epilogues). Every other fused op holding a grid matrix is
+taken apart (`fits._grid_launch`).
 
 Launch shape: a program takes BLOCK_N weight rows for all m <= `kernels.GEMV_ROWS` rows of x and walks k a
 slice of SLICE values of a super-block at a time: a thread finds a group's fields once (`values.grid_group`:
@@ -18,6 +20,8 @@ groups] partial sums are reduced once at the end.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -27,7 +31,15 @@ from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.epilogue import check_add_norm
 from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
-from fuselane.lanes.cuda.triton.gemv.parts import Part, check_bias, check_rows, part_out
+from fuselane.lanes.cuda.triton.gemv.parts import (
+    Part,
+    check_bias,
+    check_rows,
+    part_base,
+    part_out,
+    parts_args,
+    store_parts,
+)
 from fuselane.lanes.cuda.triton.gemv.q8_epilogue import check_q8_out
 from fuselane.lanes.cuda.triton.gemv.rows import check_x, row_tiles, store_glu, store_rows
 from fuselane.lanes.cuda.triton.grid.values import (
@@ -173,6 +185,36 @@ def _grid_gemv_kernel(
         norm_last(out, norm_w, norm_out, n, eps, counter, oq, od, os_, NORM_BLOCK, NORM_STEPS, Q8OUT)
 
 
+@triton.jit
+def _grid_parts_kernel(
+    x,
+    parts,
+    res,
+    table,
+    FMT: tl.constexpr,
+    NBYTES: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    STEPS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLICE_C: tl.constexpr,
+    SUPER_C: tl.constexpr,
+    GROUP_C: tl.constexpr,
+    TERNARY: tl.constexpr,
+    PARTS: tl.constexpr,
+    BIAS: tl.constexpr,
+    AT_ROW: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # a step's one row: this program's part (`gemv.parts.part_base`, tiles part after part) and its rows of it
+    pdl.begin(PDL)
+    part, rows, n, w = part_base(parts, BLOCK_N)
+    one = tl.arange(0, 1)
+    y = grid_dot(w, table, n, x + one, one < 1, rows, rows * 0, FMT, NBYTES, ROW_BYTES, STEPS, 1, BLOCK_N, SLICE_C,
+                 SUPER_C, GROUP_C, TERNARY)  # fmt: skip
+    store_parts(tl.reshape(y, [BLOCK_N]), rows, part, n, parts, res, PARTS, BIAS, AT_ROW, HAS_RES)
+
+
 def _check_rows(w: torch.Tensor, fmt: Format, n: int, k: int) -> None:
     """`parts.check_rows`, the rows whole super-blocks (the k loop's steps are slices of one)."""
     if k % QK_K:
@@ -264,6 +306,39 @@ def gemv_grid(
     out, pitch, pos = part_out(Part(w, n, out, bias, out_row), m)
     _launch(x, w, fmt, n, k, out, pitch, bias=bias, pos=pos, residual=residual)
     return out
+
+
+def gemv_grid_parts(
+    x: torch.Tensor, parts: Sequence[Part | tuple], fmt: Format, k: int, *, residual: torch.Tensor | None = None
+) -> None:
+    """One launch of up to `parts.PARTS_MOST` products of a step's one row `x` (1, k) in one grid or ternary format
+    (a layer's query and key), each a `Part` (or a tuple in its order: w, n, out, bias|None, out_row|None): its
+    `out` gets x @ W^T (+ bias), or lands at a row of a table read on the device; `residual` (1, n0) is added to
+    part 0. Programs take the parts' tiles part after part, as the other GEMVs in parts do."""
+    fmt = _grid_format(fmt)
+    if check_x(x, k) != 1:
+        raise ValueError(f"a grid GEMV in parts takes a step's one row of x, not {x.shape[0]}")
+    if k % QK_K:
+        raise ValueError(f"{fmt.name} rows take whole {QK_K}-value blocks, not {k} values")
+    args, flags, tiles = parts_args(parts, fmt, k, GRID_BLOCK_N, x, residual)
+    lay = LAYOUTS[fmt]
+    _grid_parts_kernel[(tiles,)](
+        x,
+        *args,
+        device_table(fmt, x.device),
+        FMT=int(fmt),
+        NBYTES=lay.nbytes,
+        ROW_BYTES=(k // lay.values) * lay.nbytes,
+        STEPS=k // SLICE,
+        BLOCK_N=GRID_BLOCK_N,
+        SLICE_C=SLICE,
+        SUPER_C=QK_K,
+        GROUP_C=GRID_GROUP,
+        TERNARY=fmt in TERNARY_FORMATS,
+        **flags,
+        num_warps=GRID_WARPS,
+        **pdl.options(),
+    )
 
 
 def gemv_grid_gate_up_glu(
