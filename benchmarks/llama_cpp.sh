@@ -28,7 +28,7 @@ start=$(date +%s)
 mkdir -p "$models"
 specs=("$@")
 [ ${#specs[@]} -gt 0 ] || specs=(qwen2.5-7b:q4_k_m qwen2.5-7b:q5_k_m qwen2.5-7b:q6_k qwen2.5-7b:q8_0
-  qwen2.5-7b:q3_k_m qwen2.5-7b:q2_k qwen2.5-7b:iq4_xs qwen2.5-1.5b:bf16)
+  qwen2.5-7b:q3_k_m qwen2.5-7b:q2_k qwen2.5-7b:iq4_xs qwen2.5-1.5b:bf16 qwen2.5-7b:iq3_m qwen2.5-7b:iq3_xxs)
 
 if [ ! -x "$build/bin/llama-bench" ]; then
   tree=$src
