@@ -327,6 +327,7 @@ def _embed_norm(op: Op, b: Bound):
     gather, n_op, w_op = leaves(op)
     spec: RmsNorm = n_op.sym  # type: ignore[assignment]
     table, fmt = b.raw[gather.ins[0]]
+    product_launch.grid_table(fmt, table)  # a grid format's table, made before any capture
     ids, rows_out = b.bufs[gather.ins[1]], b.bufs[gather.out]
     w, out = b.vec[w_op.ins[1]], b.bufs[w_op.out]
     return [lambda: norm.embed_norm(table, fmt, ids, w, rows_out, out, spec.eps)]

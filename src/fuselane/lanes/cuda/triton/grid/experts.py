@@ -29,8 +29,8 @@ from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import fast_norm
 from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
 from fuselane.lanes.cuda.triton.gemv.q8_epilogue import check_q8_out
-from fuselane.lanes.cuda.triton.grid.gemv import GRID_BLOCK_N, GRID_WARPS, SLICE, grid_dot
-from fuselane.lanes.cuda.triton.grid.values import GRID_GROUP, TERNARY_FORMATS, device_table
+from fuselane.lanes.cuda.triton.grid.gemv import GRID_BLOCK_N, GRID_WARPS, dot_consts, grid_dot
+from fuselane.lanes.cuda.triton.grid.values import device_table
 from fuselane.lanes.cuda.triton.moe.down import Norm
 from fuselane.lanes.cuda.triton.moe.down_rows import adds as added
 
@@ -105,13 +105,6 @@ def down_rows(slots: int) -> int:
     return max(1, GRID_BLOCK_N // triton.next_power_of_2(slots))
 
 
-def _consts(fmt: Format, k: int) -> dict:
-    """The grid dot's constants for rows of k values in `fmt` (`gemv.grid_dot`)."""
-    lay = LAYOUTS[fmt]
-    return dict(FMT=int(fmt), NBYTES=lay.nbytes, ROW_BYTES=(k // lay.values) * lay.nbytes, STEPS=k // SLICE,
-                SLICE_C=SLICE, SUPER_C=QK_K, GROUP_C=GRID_GROUP, TERNARY=fmt in TERNARY_FORMATS)  # fmt: skip
-
-
 def _check(w: Tensor, fmt: Format, n: int, k: int, ids: Tensor) -> int:
     """The experts the 3-D tensor `w` holds, its rows checked: whole super-blocks, whole experts."""
     if Format(fmt) not in kernels.GRID_GEMV_FORMATS:
@@ -142,7 +135,7 @@ def grid_gate_up(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: Tens
         raise ValueError(f"out must be contiguous f32 ({rows * slots}, {n})")
     _gate_up_kernel[(triton.cdiv(n, GATE_UP_ROWS), ids.numel())](
         x, w_gate, w_up, device_table(fmt, w_gate.device), ids, out, N=n, KD=k, SLOTS=ids.shape[1],
-        EXPERT_BYTES=w_gate.numel() // experts, ROWS=GATE_UP_ROWS, **_consts(fmt, k), num_warps=GRID_WARPS,
+        EXPERT_BYTES=w_gate.numel() // experts, ROWS=GATE_UP_ROWS, **dot_consts(fmt, k), num_warps=GRID_WARPS,
         **pdl.options(),
     )  # fmt: skip
     return out
@@ -179,7 +172,7 @@ def grid_down_combine(h: Tensor, w: Tensor, fmt: Format, ids: Tensor, weights: T
         counter if counter is not None else ids, float(norm.eps if norm else 0.0),
         D=d, DFF=dff, SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots), EXPERT_BYTES=w.numel() // experts,
         ADDS=len(adds), NORM=norm is not None, NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk), Q8OUT=q8out,
-        ROWS=per, **_consts(fmt, dff),
+        ROWS=per, **dot_consts(fmt, dff),
         num_warps=GRID_WARPS, **pdl.options(),
     )  # fmt: skip
     return sum_out

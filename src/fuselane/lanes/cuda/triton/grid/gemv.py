@@ -215,6 +215,14 @@ def _grid_parts_kernel(
     store_parts(tl.reshape(y, [BLOCK_N]), rows, part, n, parts, res, PARTS, BIAS, AT_ROW, HAS_RES)
 
 
+def dot_consts(fmt: Format, k: int) -> dict:
+    """`grid_dot`'s constants for rows of k values in `fmt` (the tile's rows, BLOCK_M and BLOCK_N, are the
+    launch's)."""
+    lay = LAYOUTS[fmt]
+    return dict(FMT=int(fmt), NBYTES=lay.nbytes, ROW_BYTES=(k // lay.values) * lay.nbytes, STEPS=k // SLICE,
+                SLICE_C=SLICE, SUPER_C=QK_K, GROUP_C=GRID_GROUP, TERNARY=fmt in TERNARY_FORMATS)  # fmt: skip
+
+
 def _check_rows(w: torch.Tensor, fmt: Format, n: int, k: int) -> None:
     """`parts.check_rows`, the rows whole super-blocks (the k loop's steps are slices of one)."""
     if k % QK_K:
@@ -235,7 +243,6 @@ def _launch(x, w, fmt: Format, n: int, k: int, out, pitch: int, *, w_up=None, bi
     """One launch of the grid GEMV kernel over x's rows (in tiles of the GEMV's), its arguments checked by the
     caller; `norm` = (norm_w, norm_out, counter, eps) norms the one row `out` holds in the last program, which
     writes the normed row's int8 form to `out_q8` too where given."""
-    lay = LAYOUTS[fmt]
     block_m, m_tiles = row_tiles(x.shape[0])
     norm_w, norm_out, counter, eps = norm if norm is not None else (x, x, x, 0.0)  # never read without NORM
     chunk = min(triton.next_power_of_2(n), norm_chunk or NORM_HELD)
@@ -258,16 +265,9 @@ def _launch(x, w, fmt: Format, n: int, k: int, out, pitch: int, *, w_up=None, bi
         counter,
         float(eps),
         *((x, x, x) if out_q8 is None else out_q8),  # the int8 output's codes, scales and sums, read only where Q8OUT
-        FMT=int(fmt),
-        NBYTES=lay.nbytes,
-        ROW_BYTES=(k // lay.values) * lay.nbytes,
-        STEPS=k // SLICE,
+        **dot_consts(fmt, k),
         BLOCK_M=block_m,
         BLOCK_N=GRID_BLOCK_N,
-        SLICE_C=SLICE,
-        SUPER_C=QK_K,
-        GROUP_C=GRID_GROUP,
-        TERNARY=fmt in TERNARY_FORMATS,
         GLU=w_up is not None,
         HAS_BIAS=bias is not None,
         AT_ROW=pos is not None,
@@ -321,20 +321,12 @@ def gemv_grid_parts(
     if k % QK_K:
         raise ValueError(f"{fmt.name} rows take whole {QK_K}-value blocks, not {k} values")
     args, flags, tiles = parts_args(parts, fmt, k, GRID_BLOCK_N, x, residual)
-    lay = LAYOUTS[fmt]
     _grid_parts_kernel[(tiles,)](
         x,
         *args,
         device_table(fmt, x.device),
-        FMT=int(fmt),
-        NBYTES=lay.nbytes,
-        ROW_BYTES=(k // lay.values) * lay.nbytes,
-        STEPS=k // SLICE,
+        **dot_consts(fmt, k),
         BLOCK_N=GRID_BLOCK_N,
-        SLICE_C=SLICE,
-        SUPER_C=QK_K,
-        GROUP_C=GRID_GROUP,
-        TERNARY=fmt in TERNARY_FORMATS,
         **flags,
         num_warps=GRID_WARPS,
         **pdl.options(),
