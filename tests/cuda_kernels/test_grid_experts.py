@@ -53,7 +53,7 @@ def test_gate_up_reads_only_the_kept_experts(fmt, rows):
     ru, wu = _experts(fmt, experts, n, k, rng)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     ids = IDS[:rows]
-    out = torch.full((rows * slots, n), np.nan)
+    out = torch.full((rows * slots, n), np.nan, device=DEVICE)
     grid_gate_up(dev(x), dev(rg), dev(ru), fmt, dev(ids), n, k, out)
     for p, e in enumerate(ids.reshape(-1)):
         xr = x[p // slots].astype(np.float64)
@@ -61,7 +61,7 @@ def test_gate_up_reads_only_the_kept_experts(fmt, rows):
         silu = g / (1 + np.exp(-g))
         bound = SILU_SLOPE * _dot_bound(wg[e], xr) * np.abs(u) + np.abs(silu) * _dot_bound(wu[e], xr)
         bound += 4 * gamma(1) * np.abs(silu * u) + 1e-30
-        got = out[p].double().numpy()
+        got = out[p].double().cpu().numpy()
         assert np.all(np.abs(got - silu * u) <= bound), f"pair {p}"
 
 
@@ -82,7 +82,7 @@ def test_down_combines_adds_and_norms(fmt, rows, adds, norm, q8, monkeypatch):
     wts = rng.uniform(0.1, 0.6, (rows, slots)).astype(np.float32)
     res = [rng.standard_normal((rows, d)).astype(np.float32) for _ in range(adds)]
     norm_w = rng.uniform(0.5, 1.5, d).astype(np.float32)
-    sum_out, out = torch.zeros((rows, d)), torch.zeros((rows, d))
+    sum_out, out = torch.zeros((rows, d), device=DEVICE), torch.zeros((rows, d), device=DEVICE)
     out_q8 = quant.empty_q8(rows, d, DEVICE) if q8 else None
     counter = down.counters(rows, DEVICE)
     spec = down.Norm(dev(norm_w), EPS, out, out_q8) if norm else None
@@ -99,14 +99,14 @@ def test_down_combines_adds_and_norms(fmt, rows, adds, norm, q8, monkeypatch):
             y = wd[e] @ hv[pair]
             want = want + wts[r, j] * y
             bound = bound + wts[r, j] * _dot_bound(wd[e], hv[pair]) + gamma(slots + adds + 1) * np.abs(wts[r, j] * y)
-        got = sum_out[r].double().numpy()
+        got = sum_out[r].double().cpu().numpy()
         assert np.all(np.abs(got - want) <= bound + 1e-30), f"row {r}"
         if norm:
             normed = got / np.sqrt(np.mean(got**2) + EPS) * norm_w
-            np.testing.assert_allclose(out[r].double().numpy(), normed, rtol=4 * norm_rel(d), atol=0)
+            np.testing.assert_allclose(out[r].double().cpu().numpy(), normed, rtol=4 * norm_rel(d), atol=0)
     if q8:
-        codes, scales, _ = quant.quantize_reference(out.numpy())
-        assert np.array_equal(out_q8.q.numpy(), codes) and np.array_equal(out_q8.d.numpy(), scales)
+        codes, scales, _ = quant.quantize_reference(out.cpu().numpy())
+        assert np.array_equal(out_q8.q.cpu().numpy(), codes) and np.array_equal(out_q8.d.cpu().numpy(), scales)
 
 
 def test_the_grid_experts_refuse_what_they_do_not_take():

@@ -56,7 +56,7 @@ def _gate_up_kernel(
     w = tl.where(i < ROWS, w_gate + base, w_up + base)
     one = tl.arange(0, 1)
     x_row = x + (pair // SLOTS).to(tl.int64) * KD + one
-    y = grid_dot(w, table, N, x_row, one < 1, rows, i * 0, FMT, NBYTES, ROW_BYTES, STEPS, 1, 2 * ROWS, SLICE_C,
+    y = grid_dot(w, table, N, x_row, rows, i * 0, FMT, NBYTES, ROW_BYTES, STEPS, 1, 2 * ROWS, SLICE_C,
                  SUPER_C, GROUP_C, TERNARY)  # fmt: skip
     halves = tl.reshape(y, [2, ROWS])
     half = tl.arange(0, 2)[:, None]
@@ -87,7 +87,7 @@ def _down_kernel(
     e = tl.load(ids + pair).to(tl.int64)
     wt = tl.where(slot < SLOTS, tl.load(weights + pair), 0.0)
     one = tl.arange(0, 1)
-    y = grid_dot(w + e * EXPERT_BYTES, table, D, h + one, one < 1, first + i % ROWS, pair * DFF, FMT, NBYTES,
+    y = grid_dot(w + e * EXPERT_BYTES, table, D, h + one, first + i % ROWS, pair * DFF, FMT, NBYTES,
                  ROW_BYTES, STEPS, 1, SLOTS_P2 * ROWS, SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
     acc = tl.sum(tl.reshape(tl.reshape(y, [SLOTS_P2 * ROWS]) * wt, [SLOTS_P2, ROWS]), 0)
     if ADDS > 0:

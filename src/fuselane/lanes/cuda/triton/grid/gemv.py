@@ -46,8 +46,9 @@ from fuselane.lanes.cuda.triton.grid.values import (
     GRID_GROUP,
     TERNARY_FORMATS,
     device_table,
-    grid_entry,
+    flip_bytes,
     grid_group,
+    grid_magnitude,
     grid_values,
 )
 from fuselane.lanes.cuda.triton.quant import Q8Acts
@@ -78,7 +79,6 @@ def grid_dot(
     table,
     n,
     x_rows,
-    keep_m,
     rows,
     x_cols,
     FMT: tl.constexpr,
@@ -92,7 +92,8 @@ def grid_dot(
     GROUP_C: tl.constexpr,
     TERNARY: tl.constexpr,
 ):
-    """[BLOCK_M, BLOCK_N] f32: the rows `x_rows` of x (`keep_m` those within m) times the weight rows `rows` of
+    """[BLOCK_M, BLOCK_N] f32: the rows `x_rows` of x (pointers, each a row within m: the caller points a tile's
+    rows past m at a row within it, whose sums the store drops, so no load is masked) times the weight rows `rows` of
     `w` (a pointer, or one a weight row: a mixture's tile of several experts' rows); `x_cols` ([BLOCK_N] ints)
     moves x's pointers for each weight row (zeros for a dense product; a tile of several experts' rows reads
     each its own pair's activation)."""
@@ -111,16 +112,19 @@ def grid_dot(
         if TERNARY:
             for j in tl.static_range(GROUP_C):
                 v = grid_values(blk, table, (g * GROUP_C + j)[None, :], FMT)  # [N, G]
-                xs = tl.load(cols + j, mask=keep_m[:, None, None], other=0.0).to(tl.float32)
+                xs = tl.load(cols + j).to(tl.float32)
                 acc += xs * v[None, :, :]
         else:
-            # a group's fields once ([N, G]), then each of its 8 values from them alone
+            # a group's fields once ([N, G]), then each of its 8 values from them alone, unscaled; the group's
+            # sum takes its scale once
             low, high, signs, scale, delta = grid_group(blk, table, g[None, :], FMT)
+            low, high = flip_bytes(low), flip_bytes(high)
+            part = tl.zeros([BLOCK_M, BLOCK_N, groups], tl.float32)
             for j in tl.static_range(GROUP_C):
-                # j as a constant int32 (folded into the shifts it sets): the interpreter's j is a Python int
-                v = grid_entry(low, high, signs, scale, delta, tl.full([1, 1], j, tl.int32), FMT)
-                xs = tl.load(cols + j, mask=keep_m[:, None, None], other=0.0).to(tl.float32)
-                acc += xs * v[None, :, :]
+                v = grid_magnitude(low, high, signs, delta, j, FMT)
+                xs = tl.load(cols + j).to(tl.float32)
+                part += xs * v[None, :, :]
+            acc += part * scale[None, :, :]
     return tl.sum(acc, axis=2)
 
 
@@ -169,13 +173,12 @@ def _grid_gemv_kernel(
     pdl.begin(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mi = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    x_rows = x + mi.to(tl.int64) * x_pitch  # [M]
-    keep_m = mi < m
+    x_rows = x + tl.minimum(mi, m - 1).to(tl.int64) * x_pitch  # [M]: rows past m read row m - 1 (dropped)
     x_cols = rows * 0  # every weight row reads the same rows of x
-    y = grid_dot(w, table, n, x_rows, keep_m, rows, x_cols, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N,
+    y = grid_dot(w, table, n, x_rows, rows, x_cols, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N,
                  SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
     if GLU:  # `w` the gate's rows, `w_up` the up product's, in one format: SiLU(gate) * up
-        up = grid_dot(w_up, table, n, x_rows, keep_m, rows, x_cols, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M,
+        up = grid_dot(w_up, table, n, x_rows, rows, x_cols, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M,
                       BLOCK_N, SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
         store_glu(y, up, rows, n, mi, m, out, pitch)
     else:
@@ -210,7 +213,7 @@ def _grid_parts_kernel(
     pdl.begin(PDL)
     part, rows, n, w = part_base(parts, BLOCK_N)
     one = tl.arange(0, 1)
-    y = grid_dot(w, table, n, x + one, one < 1, rows, rows * 0, FMT, NBYTES, ROW_BYTES, STEPS, 1, BLOCK_N, SLICE_C,
+    y = grid_dot(w, table, n, x + one, rows, rows * 0, FMT, NBYTES, ROW_BYTES, STEPS, 1, BLOCK_N, SLICE_C,
                  SUPER_C, GROUP_C, TERNARY)  # fmt: skip
     store_parts(tl.reshape(y, [BLOCK_N]), rows, part, n, parts, res, PARTS, BIAS, AT_ROW, HAS_RES)
 

@@ -31,6 +31,7 @@ from gguf import quants as gguf_quants
 
 from fuselane.gguf.formats import LAYOUTS, QK_K, Format
 from fuselane.lanes.cuda.plan import kernels
+from fuselane.lanes.cuda.triton.gemv.int8_words import INTERPRETED, prmt
 from fuselane.lanes.cuda.triton.gemv.layout import BIT, BYTE_BITS, CRUMB, NIBBLE, NIBBLE_BITS, load_f16
 
 if TYPE_CHECKING:
@@ -119,6 +120,15 @@ if {_grid_shape(f)[1] for f in kernels.GRID_GEMV_FORMATS - TERNARY_FORMATS} != {
 
 BLOCK_VALUES = tl.constexpr(QK_K)  # values of a super-block
 
+# `grid_magnitude`: a signed byte b made b + 128 (its top bit flipped), permuted to byte 0 of a word whose
+# bytes 1-2 are zero and byte 3 is 2^23's exponent (the selector's nibbles 4, 5, 7 pick bytes 0, 1, 3 of
+# FLOAT_EXPONENT; `_under_exponent` spells both in its PTX), is the f32 2^23 + 128 + b
+BYTE_FLIP = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32
+FLOAT_EXPONENT = tl.constexpr(0x4B000000)
+UNDER_EXPONENT = tl.constexpr(0x7540)
+FLOAT_BIAS = tl.constexpr(8388736.0)  # 2^23 + 128
+LOW_WORD, WORD_SHIFT = tl.constexpr(0xFFFFFFFF), tl.constexpr(32)  # an int64's halves
+
 # --- the bits of the codes (as `dequant_grid` and `gguf.quants` read them) -----------------------------------
 
 GRID_GROUP = 8  # values a group: one 8-wide grid row (two 4-wide), one sign byte or sign index
@@ -185,14 +195,16 @@ def _byte(ptr):
 
 @triton.jit
 def _u16(ptr):
-    """The little-endian u16 at each of `ptr`, from its two bytes (blocks lie at any even offset), as int32."""
-    return _byte(ptr) | (_byte(ptr + 1) << BYTE_BITS)
+    """The little-endian u16 at each of `ptr`, one 16-bit load, as int32: every u16 field of these formats lies
+    at an even offset of a block and every block at an even offset of the rows (their sizes are even), where
+    two byte loads cost a grid value of the GEMV an eighth of its loads."""
+    return tl.load(ptr.to(tl.pointer_type(tl.uint16))).to(tl.int32)
 
 
 @triton.jit
 def _u32(ptr):
-    """The little-endian u32 at each of `ptr`, from its four bytes, as int32 (its top bit the int's sign: the
-    fields read from it are shifted down and masked)."""
+    """The little-endian u32 at each of `ptr` (2-aligned: blocks lie at any even offset), from its two u16, as
+    int32 (its top bit the int's sign: the fields read from it are shifted down and masked)."""
     return _u16(ptr) | (_u16(ptr + HALF_BYTES) << (2 * BYTE_BITS))
 
 
@@ -202,6 +214,14 @@ def _row_word(table, row, ROW: tl.constexpr, HIGH: tl.constexpr):
     first or second word where a row is 8 values, its only one where it is 4 (a group then spans two rows)."""
     at = row * ROW + (HIGH and ROW == ROW8) * WORD_BYTES
     return tl.load((table + at).to(tl.pointer_type(tl.int32)))
+
+
+@triton.jit
+def _row8_words(table, row):
+    """The two int32 words of 8-wide grid row `row` (values 0-3, 4-7) from one 64-bit load (a row is 8-aligned
+    in the table)."""
+    both = tl.load((table + row * ROW8).to(tl.pointer_type(tl.int64)))
+    return (both & LOW_WORD).to(tl.int32), (both >> WORD_SHIFT).to(tl.int32)
 
 
 @triton.jit
@@ -230,7 +250,7 @@ def _iq2_xxs(blk, table, g):
     row = _byte(pair + (g & QUAD))
     word = _u32(pair + WORD_BYTES)
     db = load_f16(blk + IQ2_XXS_D) * (((word >> SCALE_SHIFT) & NIBBLE).to(tl.float32) + HALF) * IQ2_STEP
-    low, high = _row_word(table, row, ROW8, False), _row_word(table, row, ROW8, True)
+    low, high = _row8_words(table, row)
     return low, high, _ksign_byte(table, word, g, IQ2_XXS_KSIGNS), db, 0.0
 
 
@@ -241,7 +261,8 @@ def _iq2_xs(blk, table, g):
     signs = _byte(table + IQ2_XS_KSIGNS + (code >> IQ2_XS_SIGN_SHIFT))
     db = _iq2_scale(load_f16(blk + IQ2_XS_D), blk + IQ2_XS_SCALES, g)
     row = code & NINE_BITS
-    return _row_word(table, row, ROW8, False), _row_word(table, row, ROW8, True), signs, db, 0.0
+    low, high = _row8_words(table, row)
+    return low, high, signs, db, 0.0
 
 
 @triton.jit
@@ -252,17 +273,18 @@ def _iq2_s(blk, table, g):
     row = _byte(blk + IQ2_S_QS + g) | (high << INDEX_HIGH_SHIFT)
     db = _iq2_scale(load_f16(blk + IQ2_S_D), blk + IQ2_S_SCALES, g)
     signs = _byte(blk + IQ2_S_SIGNS + g)
-    return _row_word(table, row, ROW8, False), _row_word(table, row, ROW8, True), signs, db, 0.0
+    low, high = _row8_words(table, row)
+    return low, high, signs, db, 0.0
 
 
 @triton.jit
 def _iq3_xxs(blk, table, g):
-    """IQ3_XXS: a byte of qs a grid row of 4 values (two a group); a sub-block of 32 a u32 of four 7-bit sign
-    indices (one a group of 8) and its 4-bit scale on top."""
-    rows = blk + IQ3_XXS_QS + g * ROWS_A_GROUP
+    """IQ3_XXS: a byte of qs a grid row of 4 values (two a group, one u16 at an even offset); a sub-block of 32
+    a u32 of four 7-bit sign indices (one a group of 8) and its 4-bit scale on top."""
+    rows = _u16(blk + IQ3_XXS_QS + g * ROWS_A_GROUP)
     word = _u32(blk + IQ3_XXS_SCALES + (g >> SUB32_GROUPS) * WORD_BYTES)
     db = load_f16(blk + IQ3_XXS_D) * (((word >> SCALE_SHIFT) & NIBBLE).to(tl.float32) + HALF) * IQ3_XXS_STEP
-    low, high = _row_word(table, _byte(rows), ROW4, False), _row_word(table, _byte(rows + 1), ROW4, True)
+    low, high = _row_word(table, rows & BYTE, ROW4, False), _row_word(table, rows >> BYTE_BITS, ROW4, True)
     return low, high, _ksign_byte(table, word, g, IQ3_XXS_KSIGNS), db, 0.0
 
 
@@ -293,7 +315,8 @@ def _iq1_s(blk, table, g):
     row = _byte(blk + IQ1_S_QS + g) | (((qh >> ((g & QUAD) * THREE_BITS)) & SEVEN) << INDEX_HIGH_SHIFT)
     dl = load_f16(blk + IQ1_S_D) * (((qh >> IQ1_S_SCALE_SHIFT) & SEVEN) * 2 + 1).to(tl.float32)
     delta = tl.where((qh & IQ1_S_NEGATIVE) != 0, IQ1_NEG_DELTA, IQ1_DELTA)
-    return _row_word(table, row, ROW8, False), _row_word(table, row, ROW8, True), 0, dl, delta
+    low, high = _row8_words(table, row)
+    return low, high, 0, dl, delta
 
 
 @triton.jit
@@ -316,7 +339,8 @@ def _iq1_m(blk, table, g):
     scale = (word >> ((i & QUAD) * THREE_BITS)) & SEVEN
     dl = _iq1_m_d(blk) * (scale * 2 + 1).to(tl.float32)
     delta = tl.where((entry & IQ1_M_NEGATIVE) != 0, IQ1_NEG_DELTA, IQ1_DELTA)
-    return _row_word(table, row, ROW8, False), _row_word(table, row, ROW8, True), 0, dl, delta
+    low, high = _row8_words(table, row)
+    return low, high, 0, dl, delta
 
 
 @triton.jit
@@ -357,6 +381,48 @@ def grid_entry(low, high, signs, scale, delta, j, FMT: tl.constexpr):
         v = scale * (grid + delta)  # no signs
     else:
         v = scale * tl.where(((signs >> j) & BIT) != 0, -grid, grid)
+    return v
+
+
+@triton.jit
+def flip_bytes(word):
+    """A word of four signed grid bytes, each made unsigned (b + 128), for `grid_magnitude`."""
+    return word ^ BYTE_FLIP
+
+
+@triton.jit
+def _under_exponent(word, J: tl.constexpr):
+    """The f32 2^23 + byte J of `word` (0..3): the byte permuted to byte 0 of FLOAT_EXPONENT's word, in one
+    `prmt` whose operand and selector are immediates (as tensors, each permute took a move beside it)."""
+    if INTERPRETED:
+        sel = tl.zeros_like(word) + (UNDER_EXPONENT | J)
+        bits = prmt(word, tl.zeros_like(word) + FLOAT_EXPONENT, sel)
+    elif J == 0:
+        bits = tl.inline_asm_elementwise("prmt.b32 $0, $1, 0x4b000000, 0x7540;", "=r,r", [word], tl.int32, True, 1)
+    elif J == 1:
+        bits = tl.inline_asm_elementwise("prmt.b32 $0, $1, 0x4b000000, 0x7541;", "=r,r", [word], tl.int32, True, 1)
+    elif J == 2:
+        bits = tl.inline_asm_elementwise("prmt.b32 $0, $1, 0x4b000000, 0x7542;", "=r,r", [word], tl.int32, True, 1)
+    else:
+        bits = tl.inline_asm_elementwise("prmt.b32 $0, $1, 0x4b000000, 0x7543;", "=r,r", [word], tl.int32, True, 1)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def grid_magnitude(low, high, signs, delta, J: tl.constexpr, FMT: tl.constexpr):
+    """Value J (a constexpr, 0..7) of a group's grid row unscaled, from its words made unsigned (`flip_bytes`):
+    its signed grid value, negated where its sign bit is set (IQ1: plus the offset `delta`). Byte J % 4 is put
+    under the exponent of 2^23 by one byte permute, so the f32 2^23 + 128 + b less FLOAT_BIAS is b exactly: no
+    int-to-float conversion (a quarter-rate instruction on sm_90) and no shifts. The sign as a select: sm_90
+    moves seven sign bits to predicates in one instruction and negates in the add (an xor of the f32's sign bit
+    took a shift and a logic op a value: 198 instructions where that took 212 in IQ3_S's k loop, 16 values a
+    thread). The GEMV's dot (`gemv.grid_dot`) scales a group's sum once."""
+    # J % 4 spelled with // (the interpreter's J is a Python int, which has no % with a constexpr)
+    grid = _under_exponent(low if J < WORD_BYTES else high, J - (J // WORD_BYTES) * WORD_BYTES) - FLOAT_BIAS
+    if (FMT == FMT_IQ1_S) | (FMT == FMT_IQ1_M):
+        v = grid + delta  # no signs
+    else:
+        v = tl.where(((signs >> J) & BIT) != 0, -grid, grid)
     return v
 
 

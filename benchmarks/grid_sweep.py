@@ -1,0 +1,71 @@
+"""Time the grid GEMV (`grid.gemv.gemv_grid`) on a 7B's widths under tiles of (weight rows a program, warps,
+values of a super-block a k step), in GB/s of the file's bytes, each launch replayed from a CUDA graph.
+
+Usage: python benchmarks/grid_sweep.py   (on a GPU)
+The module's own tile's result is compared with the f64 product of the dequantized matrix, each other tile's
+with it; a tile that does not compile is reported.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gemv_compare import timed
+
+from fuselane.gguf.dequant import dequantize
+from fuselane.gguf.formats import LAYOUTS, Format, row_bytes
+from fuselane.gguf.quantize import random_blocks
+from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
+from fuselane.lanes.cuda.run.stored import stored_bytes
+from fuselane.lanes.cuda.triton.grid import gemv as G
+
+SHAPES = [  # (name, format, n, k)
+    ("7b gate", Format.IQ3_S, 18944, 3584),
+    ("7b down", Format.IQ3_S, 3584, 18944),
+    ("7b o", Format.IQ3_S, 3584, 3584),
+    ("0.5b gate", Format.IQ3_S, 4864, 896),
+    ("0.5b down", Format.IQ3_S, 896, 4864),
+    ("32b gate", Format.IQ3_S, 27648, 5120),
+    ("32b down", Format.IQ3_S, 5120, 27648),
+    ("7b gate", Format.IQ2_XXS, 18944, 3584),
+    ("7b down", Format.IQ2_XXS, 3584, 18944),
+]
+TILES = [(16, 4, 128), (8, 2, 128), (4, 1, 128), (8, 2, 256), (8, 4, 256), (16, 8, 256), (4, 2, 256)]
+
+
+def with_tile(bn: int, warps: int, slice_: int, call):
+    """`call()` under the tile, the module's own put back after."""
+    own = G.GRID_BLOCK_N, G.GRID_WARPS, G.SLICE
+    G.GRID_BLOCK_N, G.GRID_WARPS, G.SLICE = bn, warps, slice_
+    try:
+        return call()
+    finally:
+        G.GRID_BLOCK_N, G.GRID_WARPS, G.SLICE = own
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    for name, fmt, n, k in SHAPES:
+        raw = random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng)
+        w = torch.from_numpy(stored_bytes(fmt, raw, row_bytes(fmt, k))).cuda()
+        x = torch.randn(1, k, device="cuda")
+        want, out = torch.empty(1, n, device="cuda"), torch.empty(1, n, device="cuda")
+        G.gemv_grid(x, w, fmt, n, k, want)
+        ref = dequantize(raw, fmt, (n, k), dtype=np.float64) @ x.double().cpu().numpy()[0]
+        err = float(np.abs(want.double().cpu().numpy()[0] - ref).max() / np.abs(ref).max())
+        nbytes = n * stored_row_bytes(fmt, k)
+        row = []
+        for bn, warps, sl in TILES:
+            try:
+                took = with_tile(bn, warps, sl, lambda: timed(lambda: G.gemv_grid(x, w, fmt, n, k, out)))  # noqa: B023
+            except Exception as e:  # reported, not fatal
+                row.append(f"{bn}/{warps}/{sl}: {type(e).__name__}")
+                continue
+            diff = float((out - want).abs().max() / want.abs().max())
+            note = "" if diff < 1e-4 else f" (diff {diff:.0e})"
+            row.append(f"{bn}/{warps}/{sl}: {nbytes / took / 1e9:5.0f}{note}")
+        print(f"{name} {fmt.name} {n}x{k} {nbytes / 1e6:.1f} MB (vs f64 {err:.0e})  " + "  ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
