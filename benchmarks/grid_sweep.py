@@ -1,12 +1,14 @@
 """Time the grid GEMV (`grid.gemv.gemv_grid`) on a 7B's widths under tiles of (weight rows a program, warps,
 values of a super-block a k step), in GB/s of the file's bytes, each launch replayed from a CUDA graph.
 
-Usage: python benchmarks/grid_sweep.py   (on a GPU)
+Usage: python benchmarks/grid_sweep.py   (on a GPU; SWEEP_QUICK=1 for the 7B's widths and four tiles)
 The module's own tile's result is compared with the f64 product of the dequantized matrix, each other tile's
 with it; a tile that does not compile is reported.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -31,21 +33,24 @@ SHAPES = [  # (name, format, n, k)
     ("7b down", Format.IQ2_XXS, 3584, 18944),
 ]
 TILES = [(16, 4, 128), (8, 2, 128), (4, 1, 128), (8, 2, 256), (8, 4, 256), (16, 8, 256), (4, 2, 256)]
+# SWEEP_QUICK=1: the 7B's three widths, the rule's two tiles against the first tile and one between
+QUICK_SHAPES, QUICK_TILES = SHAPES[:3], [(16, 4, 128), (8, 2, 128), (16, 8, 256), (8, 4, 256)]
 
 
 def with_tile(bn: int, warps: int, slice_: int, call):
-    """`call()` under the tile, the module's own put back after."""
-    own = G.GRID_BLOCK_N, G.GRID_WARPS, G.SLICE
-    G.GRID_BLOCK_N, G.GRID_WARPS, G.SLICE = bn, warps, slice_
+    """`call()` under the tile for every launch, the module's own rule put back after."""
+    own = G.grid_tile
+    G.grid_tile = lambda n: G.GridTile(bn, warps, slice_)
     try:
         return call()
     finally:
-        G.GRID_BLOCK_N, G.GRID_WARPS, G.SLICE = own
+        G.grid_tile = own
 
 
 def main() -> None:
     rng = np.random.default_rng(0)
-    for name, fmt, n, k in SHAPES:
+    quick = os.environ.get("SWEEP_QUICK") == "1"
+    for name, fmt, n, k in QUICK_SHAPES if quick else SHAPES:
         raw = random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng)
         w = torch.from_numpy(stored_bytes(fmt, raw, row_bytes(fmt, k))).cuda()
         x = torch.randn(1, k, device="cuda")
@@ -55,7 +60,7 @@ def main() -> None:
         err = float(np.abs(want.double().cpu().numpy()[0] - ref).max() / np.abs(ref).max())
         nbytes = n * stored_row_bytes(fmt, k)
         row = []
-        for bn, warps, sl in TILES:
+        for bn, warps, sl in QUICK_TILES if quick else TILES:
             try:
                 took = with_tile(bn, warps, sl, lambda: timed(lambda: G.gemv_grid(x, w, fmt, n, k, out)))  # noqa: B023
             except Exception as e:  # reported, not fatal

@@ -155,9 +155,14 @@ def _rows(fmt: Format, n: int, k: int, seed: int) -> tuple[torch.Tensor, np.ndar
 
 @pytest.mark.parametrize("fmt", sorted(GRID_FORMATS), ids=lambda f: f.name)
 @pytest.mark.parametrize("m", [1, 3])
-def test_the_grid_gemv_matches_f64(fmt, m):
+@pytest.mark.parametrize("tile", ["many_rows", "few_rows"])
+def test_the_grid_gemv_matches_f64(fmt, m, tile, monkeypatch):
+    from fuselane.lanes.cuda.triton.grid import gemv as grid_gemv
     from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid
 
+    # each of the tile rule's two tiles (`grid_tile`: by the product's rows) at a tiny product's
+    chosen = {"many_rows": grid_gemv.MANY_ROWS_TILE, "few_rows": grid_gemv.FEW_ROWS_TILE}[tile]
+    monkeypatch.setattr(grid_gemv, "grid_tile", lambda n: chosen)
     n, k = 20, 512  # a partial tile of rows; two super-blocks a row
     w, want_w = _rows(fmt, n, k, seed=int(fmt) + m)
     rng = np.random.default_rng(m)

@@ -4,7 +4,7 @@ device and those experts' rows of the 3-D tensor (base + id * an expert's bytes)
 grouped GEMM instead (`moe/grouped.py`, its weight tiles from `values.grid_tile`).
 
 Two launches, as the other formats' (`moe/gate_up.py`, `moe/down.py`) with f32 activations, each tile the grid
-GEMV's GRID_BLOCK_N weight rows, so a step's few pairs still spread over the chip:
+GEMV's first tile's 16 weight rows (`EXPERT_TILE`), so a step's few pairs still spread over the chip:
 - `grid_gate_up` (MoeGateUpAct): a program takes GATE_UP_ROWS rows of a pair's expert, those of its gate and
   of its up matrix in one tile, and stores their SwiGLU;
 - `grid_down_combine` (MoeDownCombine, MoeDeferredFinalize): a program takes `down_rows(slots)` rows of the
@@ -29,15 +29,17 @@ from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import fast_norm
 from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
 from fuselane.lanes.cuda.triton.gemv.q8_epilogue import check_q8_out
-from fuselane.lanes.cuda.triton.grid.gemv import GRID_BLOCK_N, GRID_WARPS, dot_consts, grid_dot
+from fuselane.lanes.cuda.triton.grid.gemv import GridTile, dot_consts, grid_dot
 from fuselane.lanes.cuda.triton.grid.values import device_table
 from fuselane.lanes.cuda.triton.moe.down import Norm
 from fuselane.lanes.cuda.triton.moe.down_rows import adds as added
 
 # the int8 form of a normed row: a scale a 32-value block, a sum a 16-value half (`quant.Q8Acts`)
 Q8_BLOCK, Q8_SUM = tl.constexpr(QK), tl.constexpr(QK // 2)
+# the experts' tile: the grid GEMV's first (16 rows, 4 warps, 128 values a step), not yet swept for experts
+EXPERT_TILE = GridTile(16, 4, 128)
 # rows of the expert a gate/up program takes: its tile is those rows of the gate and of the up matrix
-GATE_UP_ROWS = GRID_BLOCK_N // 2
+GATE_UP_ROWS = EXPERT_TILE.block_n // 2
 
 
 @triton.jit
@@ -102,7 +104,7 @@ def _down_kernel(
 def down_rows(slots: int) -> int:
     """Rows of the width a down program takes: the grid GEMV's tile shared among the kept experts' slots (a power
     of two), one row each at least."""
-    return max(1, GRID_BLOCK_N // triton.next_power_of_2(slots))
+    return max(1, EXPERT_TILE.block_n // triton.next_power_of_2(slots))
 
 
 def _check(w: Tensor, fmt: Format, n: int, k: int, ids: Tensor) -> int:
@@ -135,7 +137,8 @@ def grid_gate_up(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: Tens
         raise ValueError(f"out must be contiguous f32 ({rows * slots}, {n})")
     _gate_up_kernel[(triton.cdiv(n, GATE_UP_ROWS), ids.numel())](
         x, w_gate, w_up, device_table(fmt, w_gate.device), ids, out, N=n, KD=k, SLOTS=ids.shape[1],
-        EXPERT_BYTES=w_gate.numel() // experts, ROWS=GATE_UP_ROWS, **dot_consts(fmt, k), num_warps=GRID_WARPS,
+        EXPERT_BYTES=w_gate.numel() // experts, ROWS=GATE_UP_ROWS, **dot_consts(fmt, k, EXPERT_TILE.slice),
+        num_warps=EXPERT_TILE.warps,
         **pdl.options(),
     )  # fmt: skip
     return out
@@ -172,7 +175,7 @@ def grid_down_combine(h: Tensor, w: Tensor, fmt: Format, ids: Tensor, weights: T
         counter if counter is not None else ids, float(norm.eps if norm else 0.0),
         D=d, DFF=dff, SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots), EXPERT_BYTES=w.numel() // experts,
         ADDS=len(adds), NORM=norm is not None, NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk), Q8OUT=q8out,
-        ROWS=per, **dot_consts(fmt, dff),
-        num_warps=GRID_WARPS, **pdl.options(),
+        ROWS=per, **dot_consts(fmt, dff, EXPERT_TILE.slice),
+        num_warps=EXPERT_TILE.warps, **pdl.options(),
     )  # fmt: skip
     return sum_out

@@ -3,7 +3,7 @@ checkpoint's blocks in one of `kernels.GRID_GEMV_FORMATS`, each value decoded in
 its grid row gathered from the format's table), f32 activations and sums.
 
 These formats (IQ1_*, IQ2_*, IQ3_*, TQ*) spend 1.6-3.4 bits a value; their codes index llama.cpp's grids, so a
-value costs a table gather beside its field loads, and no int8 form of the activation helps the decode. Two
+value costs a table gather beside its field loads. Two
 kernels, four launchers: `gemv_grid` (a product with a bias, a residual or a landing row read on the device:
 `rows.store_rows`), `gemv_grid_gate_up_glu` (a gated pair in one grid format, SiLU(gate) * up),
 `gemv_grid_add_norm` (a step's projection plus residual whose last program norms the row: `fast_norm.norm_last`)
@@ -11,16 +11,24 @@ and `gemv_grid_parts` (a step's products of one activation in one grid format, a
 launch: `gemv.parts`' programs part after part and epilogues). Every other fused op holding a grid matrix is
 taken apart (`fits._grid_launch`).
 
-Launch shape: a program takes BLOCK_N weight rows for all m <= `kernels.GEMV_ROWS` rows of x and walks k a
-slice of SLICE values of a super-block at a time: a thread finds a group's fields once (`values.grid_group`:
+Launch shape (`grid_tile`): a program takes BLOCK_N weight rows for all m <= `kernels.GEMV_ROWS` rows of x and
+walks k a slice of a super-block at a time: a thread finds a group's fields once (`values.grid_group`:
 the words of its 8 grid values, its signs, its scale) and decodes its 8 values from them in an unrolled loop
-(`grid_entry`), so the bit work that finds a grid row is spent once for 8 values; the [BLOCK_M, BLOCK_N,
-groups] partial sums are reduced once at the end.
+(`values.grid_magnitude`: a byte permute and an add a value, no int-to-float conversion), so the bit work
+that finds a grid row is spent once for 8 values; a group's 8 products are summed unscaled and its scale
+applied once; the [BLOCK_M, BLOCK_N, groups] partial sums are reduced once at the end.
+
+What bounds it is issue, not memory: about 10-12 instructions a value in the k loop (sm_90 SASS,
+`benchmarks/grid_sass.py`), of which the value itself takes ~5 (permute, add, select, FMA, the activation's
+load) and the group's fields and table gathers the rest. An int8 form of the activation (dp4a on four grid
+bytes at once, as llama.cpp's) would take the value's share to ~1.5; it needs the int8 GEMV's launches to read
+a table (`gemv.q8`), which they do not yet.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -53,24 +61,37 @@ from fuselane.lanes.cuda.triton.grid.values import (
 )
 from fuselane.lanes.cuda.triton.quant import Q8Acts
 
-# Weight rows a program takes, and its warps: a value costs a few dependent loads (its fields, its grid row),
-# so many rows in flight a SM cover their latency rather than a long k loop a thread.
-GRID_BLOCK_N = 16
-GRID_WARPS = 4
-# The values of a super-block one step of the k loop decodes a row: [BLOCK_M, BLOCK_N, SLICE / 8] partial sums,
-# two groups of 8 values of a row a thread (a sum for each of x's rows). Compiled for sm_90
-# (`benchmarks/grid_sass.py`), 128 took 11.6-14.6 instructions a value in the loop against 12.4-16.5 at 64
-# (IQ2_XXS, IQ3_S, IQ1_M), the loop's fixed cost over twice the values and two groups' loads in flight a
-# thread; 256 took the same as 128 at twice the registers. Not timed on a GPU.
-SLICE = 128
-# The most values of a norm's row the last program holds in registers (`kernels.NORM_HELD_A_THREAD` a thread); a
-# wider row is walked in chunks of it, read back from L2.
-NORM_HELD = kernels.NORM_HELD_A_THREAD * GRID_WARPS * kernels.WARP
+
+@dataclass(frozen=True, slots=True)
+class GridTile:
+    """A grid GEMV launch's tile: weight rows a program, its warps, and the values of a super-block one step of
+    its k loop decodes a row (the [BLOCK_M, block_n, slice / 8] partial sums, spread over the program's
+    threads)."""
+
+    block_n: int
+    warps: int
+    slice: int
+
+    def values_a_thread(self) -> int:
+        """Weight values a thread decodes a step of the k loop (each times every row of x's value)."""
+        return self.block_n * self.slice // (self.warps * kernels.WARP)
 
 
-def values_a_thread() -> int:
-    """Weight values a thread decodes a step of the k loop (each times every row of x's value)."""
-    return GRID_BLOCK_N * SLICE // (GRID_WARPS * kernels.WARP)
+# A value costs a few dependent loads (its fields, its grid row), so what keeps the GEMV fed is many warps in
+# flight a SM. Swept on an H100 (benchmarks/grid_sweep.py; RESULTS.md, 2026-12-07 seventh), IQ3_S at a 7B's
+# widths: a product of many rows (the gate, 18,944 x 3,584) ran fastest in small programs, 8 rows and 2 warps
+# (572 GB/s; 482 at 16 rows and 4 warps); one of few rows and a long k (the down product, 3,584 x 18,944: 224
+# programs of 16 rows) at 16 rows, 8 warps and a whole super-block a step (386 GB/s against 201), the warps
+# on the chip doubled and the loop's fixed cost a value halved.
+MANY_ROWS_TILE = GridTile(8, 2, 128)
+FEW_ROWS_TILE = GridTile(16, 8, QK_K)
+# the rows from which MANY_ROWS_TILE's programs put about 16 warps on each of an H100's 132 SMs at once
+MANY_ROWS = 8192
+
+
+def grid_tile(n: int) -> GridTile:
+    """The tile of a launch of n weight rows in all (a launch in parts: its parts' rows together)."""
+    return MANY_ROWS_TILE if n >= MANY_ROWS else FEW_ROWS_TILE
 
 
 @triton.jit
@@ -218,12 +239,12 @@ def _grid_parts_kernel(
     store_parts(tl.reshape(y, [BLOCK_N]), rows, part, n, parts, res, PARTS, BIAS, AT_ROW, HAS_RES)
 
 
-def dot_consts(fmt: Format, k: int) -> dict:
-    """`grid_dot`'s constants for rows of k values in `fmt` (the tile's rows, BLOCK_M and BLOCK_N, are the
-    launch's)."""
+def dot_consts(fmt: Format, k: int, slice_: int = MANY_ROWS_TILE.slice) -> dict:
+    """`grid_dot`'s constants for rows of k values in `fmt`, `slice_` values a step (the tile's; its rows,
+    BLOCK_M and BLOCK_N, are the launch's)."""
     lay = LAYOUTS[fmt]
-    return dict(FMT=int(fmt), NBYTES=lay.nbytes, ROW_BYTES=(k // lay.values) * lay.nbytes, STEPS=k // SLICE,
-                SLICE_C=SLICE, SUPER_C=QK_K, GROUP_C=GRID_GROUP, TERNARY=fmt in TERNARY_FORMATS)  # fmt: skip
+    return dict(FMT=int(fmt), NBYTES=lay.nbytes, ROW_BYTES=(k // lay.values) * lay.nbytes, STEPS=k // slice_,
+                SLICE_C=slice_, SUPER_C=QK_K, GROUP_C=GRID_GROUP, TERNARY=fmt in TERNARY_FORMATS)  # fmt: skip
 
 
 def _check_rows(w: torch.Tensor, fmt: Format, n: int, k: int) -> None:
@@ -247,9 +268,12 @@ def _launch(x, w, fmt: Format, n: int, k: int, out, pitch: int, *, w_up=None, bi
     caller; `norm` = (norm_w, norm_out, counter, eps) norms the one row `out` holds in the last program, which
     writes the normed row's int8 form to `out_q8` too where given."""
     block_m, m_tiles = row_tiles(x.shape[0])
+    tile = grid_tile(n)
     norm_w, norm_out, counter, eps = norm if norm is not None else (x, x, x, 0.0)  # never read without NORM
-    chunk = min(triton.next_power_of_2(n), norm_chunk or NORM_HELD)
-    _grid_gemv_kernel[(triton.cdiv(n, GRID_BLOCK_N), m_tiles)](
+    # the most values of the norm's row the last program holds in registers; a wider row is walked in chunks of
+    # it, read back from L2
+    chunk = min(triton.next_power_of_2(n), norm_chunk or kernels.NORM_HELD_A_THREAD * tile.warps * kernels.WARP)
+    _grid_gemv_kernel[(triton.cdiv(n, tile.block_n), m_tiles)](
         x,
         x.stride(0),
         x.shape[0],
@@ -268,9 +292,9 @@ def _launch(x, w, fmt: Format, n: int, k: int, out, pitch: int, *, w_up=None, bi
         counter,
         float(eps),
         *((x, x, x) if out_q8 is None else out_q8),  # the int8 output's codes, scales and sums, read only where Q8OUT
-        **dot_consts(fmt, k),
+        **dot_consts(fmt, k, tile.slice),
         BLOCK_M=block_m,
-        BLOCK_N=GRID_BLOCK_N,
+        BLOCK_N=tile.block_n,
         GLU=w_up is not None,
         HAS_BIAS=bias is not None,
         AT_ROW=pos is not None,
@@ -279,7 +303,7 @@ def _launch(x, w, fmt: Format, n: int, k: int, out, pitch: int, *, w_up=None, bi
         NORM_BLOCK=chunk,
         NORM_STEPS=triton.cdiv(n, chunk),
         Q8OUT=out_q8 is not None,
-        num_warps=GRID_WARPS,
+        num_warps=tile.warps,
         **pdl.options(),
     )
 
@@ -323,15 +347,16 @@ def gemv_grid_parts(
         raise ValueError(f"a grid GEMV in parts takes a step's one row of x, not {x.shape[0]}")
     if k % QK_K:
         raise ValueError(f"{fmt.name} rows take whole {QK_K}-value blocks, not {k} values")
-    args, flags, tiles = parts_args(parts, fmt, k, GRID_BLOCK_N, x, residual)
+    tile = grid_tile(sum(Part(*p).n for p in parts))
+    args, flags, tiles = parts_args(parts, fmt, k, tile.block_n, x, residual)
     _grid_parts_kernel[(tiles,)](
         x,
         *args,
         device_table(fmt, x.device),
-        **dot_consts(fmt, k),
-        BLOCK_N=GRID_BLOCK_N,
+        **dot_consts(fmt, k, tile.slice),
+        BLOCK_N=tile.block_n,
         **flags,
-        num_warps=GRID_WARPS,
+        num_warps=tile.warps,
         **pdl.options(),
     )
 
@@ -372,7 +397,8 @@ def gemv_grid_add_norm(
     last program over the sum_out it reads back (`fast_norm.norm_last`); returns `out`. The contract of
     `epilogue.gemv_add_norm`: `sum_out` may be `residual`, `counter` is `gemv_add_norm_counter`'s, left at 0. With
     `out_q8` the last program writes the normed row's int8 form too (`quant.store_quantized`, whole 32-value
-    blocks), so an int8 product after it needs no launch to quantize it. A row wider than NORM_HELD is normed
+    blocks), so an int8 product after it needs no launch to quantize it. A row wider than the launch's
+    threads hold (`kernels.NORM_HELD_A_THREAD` a thread) is normed
     in chunks of it (`norm_chunk`, a power of two, sets the chunk: tests)."""
     fmt = _grid_format(fmt)
     x2 = x.view(1, -1) if x.dim() == 1 else x
