@@ -33,14 +33,31 @@ LAYERS = {
                  "attn_output": Format.IQ3_XXS, "ffn_gate": Format.IQ2_XXS, "ffn_up": Format.IQ2_XXS,
                  "ffn_down": Format.IQ2_S},
 }  # fmt: skip
+# llama.cpp's IQ3_M layer (q, k, gate and up IQ3_S; v, o and the first eighth's down Q4_K): the query's and key's
+# heads turned in the grid GEMV in parts' epilogue, the gated pair at the many-row tile; and Qwen3's q/k norm
+# turned there too (`rope_epilogue=on`, its v a third part)
+TURNED = {
+    "qwen2.5-7b": ({"attn_q": Format.IQ3_S, "attn_k": Format.IQ3_S, "ffn_gate": Format.IQ3_S, "ffn_up": Format.IQ3_S},
+                   []),
+    "qwen3-8b": ({"attn_q": Format.IQ2_XXS, "attn_k": Format.IQ2_XXS, "attn_v": Format.IQ2_XXS}, ["rope_epilogue=on"]),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_a_grid_model_runs_as_the_cpu_lane(tmp_path, name: str) -> None:
+    _runs(tmp_path, name, LAYERS[name], [])
+
+
+@pytest.mark.parametrize("name", list(TURNED))
+def test_a_grid_query_and_key_turned_in_the_gemvs_epilogue_run_as_the_cpu_lane(tmp_path, name: str) -> None:
+    _runs(tmp_path, name, *TURNED[name])
+
+
+def _runs(tmp_path, name: str, layer: dict, knobs: list[str]) -> None:
     shape = replace(SHAPES[name], n_layers=2, vocab=4096)
-    formats = {f"blk.{i}.{m}.weight": f for i in range(2) for m, f in LAYERS[name].items()}
+    formats = {f"blk.{i}.{m}.weight": f for i in range(2) for m, f in layer.items()}
     path = write_synthetic(tmp_path / "m.gguf", shape, "q4_k_m", seed=13, formats=formats)
-    runs_as_the_cpu_lane(path, PROMPT, SHORT, DECODE, ctx=64)
+    runs_as_the_cpu_lane(path, PROMPT, SHORT, DECODE, ctx=64, knobs=knobs)
 
 
 @pytest.mark.parametrize("fmt", sorted(GRID_FORMATS), ids=lambda f: f.name)

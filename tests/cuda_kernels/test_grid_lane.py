@@ -117,22 +117,29 @@ def test_an_embedding_in_a_grid_format_is_gathered_from_its_table(tmp_path, tied
 
 
 @pytest.mark.parametrize(
-    ("shape", "formats", "parts"),
+    ("shape", "formats", "parts", "knobs", "turned"),
     [
-        (QWEN2, {"attn_q": Format.IQ2_S, "attn_k": Format.IQ2_S}, 2),  # with their biases; the value Q8_0, apart
-        (QWEN3, {"attn_q": Format.IQ3_S, "attn_k": Format.IQ3_S, "attn_v": Format.IQ3_S}, 3),  # v in its cache row
+        # with their biases; the value Q8_0, apart; the query's and key's rotations in the GEMV's epilogue
+        (QWEN2, {"attn_q": Format.IQ2_S, "attn_k": Format.IQ2_S}, 2, [], True),
+        # v in its cache row: three parts, whose q/k norm and rope keep a launch of their own under `auto` ...
+        (QWEN3, {"attn_q": Format.IQ3_S, "attn_k": Format.IQ3_S, "attn_v": Format.IQ3_S}, 3, [], False),
+        # ... and turn in the epilogue under `on`
+        (QWEN3, {"attn_q": Format.IQ3_S, "attn_k": Format.IQ3_S, "attn_v": Format.IQ3_S}, 3, ["rope_epilogue=on"],
+         True),
     ],
-    ids=["qwen2-q-k", "qwen3-q-k-v"],
-)
-def test_a_steps_grid_products_of_one_activation_share_a_launch(tmp_path, shape, formats, parts):
-    # the grid GEMV in parts (llama.cpp's IQ3_XXS and IQ2_M recipes give q and k IQ2_S): the rotations stay a
-    # launch of their own (no grid part turns its heads)
+    ids=["qwen2-q-k", "qwen3-q-k-v", "qwen3-q-k-v-turned"],
+)  # fmt: skip
+def test_a_steps_grid_products_of_one_activation_share_a_launch(tmp_path, shape, formats, parts, knobs, turned):
+    # the grid GEMV in parts (llama.cpp's IQ3_M, IQ3_XXS and IQ2_M recipes give q and k one grid format), the
+    # query's and key's heads turned in its epilogue where the `rope_epilogue` rule turns them
     path = _write(tmp_path / "m.gguf", shape, formats)
-    ops = build_plan(path, lane="cuda")[2].ops
+    ops = build_plan(path, lane="cuda", knobs=knobs)[2].ops
     merged = [op for op in ops if class_of(op) is C.MERGED_QKV]
     assert len(merged) == 1 and len(merged[0].sym.parts) == parts
-    assert C.QKV_HEAD_EPILOGUE not in {class_of(m) for m in merged[0].sym.parts}
-    runs_as_the_cpu_lane(path, PROMPT, SHORT, [9, 77], ctx=32)
+    members = [class_of(m) for m in merged[0].sym.parts]
+    assert members.count(C.QKV_HEAD_EPILOGUE) == (2 if turned else 0)
+    assert (C.ROPE_QK_ONE_LAUNCH in {class_of(op) for op in ops}) != turned
+    runs_as_the_cpu_lane(path, PROMPT, SHORT, [9, 77], ctx=32, knobs=knobs)
 
 
 def test_a_gated_pair_in_one_grid_format_is_one_launch(tmp_path):
@@ -274,16 +281,23 @@ def test_the_grid_gemv_refuses_what_it_does_not_take():
         gemv_grid(x, w[:-1], Format.IQ2_XXS, 4, 256, out)
 
 
-def test_a_batch_of_grid_sequences_decodes_as_each_alone(tmp_path):
+@pytest.mark.parametrize(
+    "formats",
+    [
+        {"attn_q": Format.IQ3_XXS, "ffn_up": Format.IQ2_S, "ffn_down": Format.TQ2_0},
+        # q and k in one grid format: a step of one sequence turns their heads in the GEMV in parts' epilogue
+        {"attn_q": Format.IQ3_S, "attn_k": Format.IQ3_S},
+    ],
+    ids=["alone", "q-k-turned"],
+)
+def test_a_batch_of_grid_sequences_decodes_as_each_alone(tmp_path, formats):
     # the paged form: two sequences a step, the grid GEMV over the batch's rows; greedy tokens as the cpu lane's
     from fuselane.engine.batch import engine_for
     from fuselane.engine.sequence import Request
     from fuselane.runtime.model import load
     from fuselane.runtime.sampling import GREEDY
 
-    path = _write(
-        tmp_path / "m.gguf", QWEN3, {"attn_q": Format.IQ3_XXS, "ffn_up": Format.IQ2_S, "ffn_down": Format.TQ2_0}
-    )
+    path = _write(tmp_path / "m.gguf", QWEN3, formats)
     gpu = load(path, lane="cuda", ctx=32)
     ref = load(path, lane="cpu", ctx=32, dtype=np.float64)
     engine = engine_for(gpu, blocks=6, max_seqs=2, max_queue=2, block_size=4, chunk=6)

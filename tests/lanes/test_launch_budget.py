@@ -34,9 +34,10 @@ LAYERS = 8
 # every mix but the grid ones (`synth_recipes.GRID_MIXES`, held to their own counts below) and the 0.5B file's order
 BUDGET_MIXES = [m for m in Mix if m is not Mix.Q4_K_M_05B and m not in GRID_MIXES]
 # The grid mixes (IQ3_M, IQ3_XXS, IQ2_M): a layer whose down product is a grid format's keeps the budget; one whose
-# down product reads int8 (IQ3_M's first eighth in Q4_K, a row not whole super-blocks in IQ4_NL) takes two more:
-# the grid gated pair writes no int8 form, so a launch quantizes it, and the down's add + norm runs apart.
-GRID_INT8_DOWN = LAUNCH_BUDGET + 2
+# down product reads int8 (IQ3_M's first eighth in Q4_K, a row not whole super-blocks in IQ4_NL) takes one more:
+# the grid gated pair writes no int8 form, so a launch quantizes it (the query's and key's rotations turn in the
+# grid GEMV in parts' epilogue, where they took a launch of their own before).
+GRID_INT8_DOWN = LAUNCH_BUDGET + 1
 
 # The published dense configs: the synthetic writer's shapes (their vocabularies one size, which a layer's
 # launches do not see) and Qwen2.5-72B. Qwen2.5's 14B, 32B and 72B are where a norm wider than a block first

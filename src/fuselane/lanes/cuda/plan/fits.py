@@ -137,7 +137,7 @@ def _undecoded(op: Op, g: TensorGraph) -> str | None:
 _CPU = " (the cpu lane runs it)"
 _GRID_ALONE = (
     "{name} is {fmt}, a grid format, which the lane multiplies by its own GEMV: alone, with a bias, a landing row "
-    "or a step's add + norm, in parts with a step's products in its format (no head turned in the epilogue), or "
+    "or a step's add + norm, in parts with a step's products in its format (turning a query's and a key's heads), or "
     "paired with an up product in its format; a mixture's experts in its gate/up and "
     "down launches, with no shared expert folded in; an embedding table in its gather and norm"
 )
@@ -166,11 +166,14 @@ def _grid_launch(op: Op, g: TensorGraph) -> bool:
         first = op.sym.parts[0]
         closing = (C.GEMV_NORM_EPILOGUE, C.MOE_DEFERRED_FINALIZE)
         return isinstance(first.sym, Fused) and first.sym.cls in closing and _grid_launch(first, g)
-    if op.sym.cls is C.MERGED_QKV:  # a step's products in one grid format, none turning its heads (`gemv_grid_parts`)
-        products = [gemv(m, g) for m in op.sym.parts]
+    if op.sym.cls is C.MERGED_QKV:  # a step's products in one grid format (`gemv_grid_parts`; turning a query's
+        # and a key's heads, `gemv_grid_parts_rope`)
+        products = [_turned_product(m, g) for m in op.sym.parts]
         formats = {p.weights.format if p is not None and isinstance(p.weights, Rows) else None for p in products}
-        plain = all(class_of(m) is not C.QKV_HEAD_EPILOGUE for m in op.sym.parts)
-        return plain and len(formats) == 1 and formats <= kernels.GRID_GEMV_FORMATS and products[0].m == 1
+        return len(formats) == 1 and formats <= kernels.GRID_GEMV_FORMATS and products[0].m == 1
+    if op.sym.cls is C.QKV_HEAD_EPILOGUE:  # a step's one row: it launches only as a part of the GEMV in parts
+        p = _turned_product(op, g)
+        return p is not None and p.m == 1
     if op.sym.cls is C.GEMV_NORM_EPILOGUE:  # a step's one row (the class's own check says the rest)
         p = gemv(op.sym.parts[0], g)
         return p is not None and p.m == 1
@@ -184,6 +187,11 @@ def _grid_launch(op: Op, g: TensorGraph) -> bool:
         and len(formats) == 1
         and formats <= kernels.GRID_GEMV_FORMATS
     )
+
+
+def _turned_product(member: Op, g: TensorGraph):
+    """The product a member of a GEMV in parts computes (a projection turning its heads: its product)."""
+    return gemv(parts(member)[0] if class_of(member) is C.QKV_HEAD_EPILOGUE else member, g)
 
 
 def _reads_grid(leaf: Op, g: TensorGraph) -> bool:

@@ -295,6 +295,10 @@ GEMV_BLOCK_WARPS_FOUR_ROWS = 4
 # two, so a head whose width is a multiple of this is whole tiles, which the f32 QKV GEMV that turns its query
 # and key in its epilogue needs (`triton/gemv/f32_rope.py`).
 F32_GEMV_MOST_TILE_ROWS = ROWS_A_WARP_WIDE * GEMV_BLOCK_WARPS_FOUR_ROWS
+# The grid GEMV's tiles (`triton/grid/gemv.py`, `grid_tile`) take rows dividing this: a head of a multiple of it is
+# whole programs, so the GEMV in parts turns a query's and a key's heads in its epilogue
+# (`triton/grid/parts_rope.py`)
+GRID_GEMV_MOST_TILE_ROWS = 16
 
 
 def f32_turning_gemv(fmt: Format, m: int) -> str | None:

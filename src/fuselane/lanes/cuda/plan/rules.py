@@ -182,8 +182,11 @@ def _why_not_turned(shim: CudaShim, op: Op, g: TensorGraph) -> str | None:
 
 def _tile_rows(act: QuantFormat | None, fmt, m: int) -> int | None:
     """The most rows a tile of the GEMV that turns the heads takes (a head must be whole tiles), or None where no
-    GEMV turns them: the int8 GEMV's in its formats, or an f32 GEMV's (a step's one row read in f32, in a
-    format the tile-streaming GEMV or the GEMV by rows decodes: `triton/gemv/f32_rope.py`)."""
+    GEMV turns them: the grid GEMV's in the grid formats (a step's one row: `triton/grid/parts_rope.py`), the int8
+    GEMV's in its formats, or an f32 GEMV's (a step's one row read in f32, in a format the tile-streaming GEMV or
+    the GEMV by rows decodes: `triton/gemv/f32_rope.py`)."""
+    if fmt in kernels.GRID_GEMV_FORMATS:
+        return kernels.GRID_GEMV_MOST_TILE_ROWS if m == 1 else None
     if act is QuantFormat.ONE_WORD:
         return kernels.INT8_GEMV_TILE_ROWS.get(fmt)
     f32 = act is None and kernels.f32_turning_gemv(fmt, m) is not None

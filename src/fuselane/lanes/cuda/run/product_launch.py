@@ -246,9 +246,11 @@ def merged(op: Op, b: Any):
         from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid_parts
 
         grid_table(fmt, products[0][0])
-        if turned or set(fmts) != {fmt} or spec.m != 1:
-            raise PlanMismatch(f"{op.out}: a grid GEMV in parts takes a step's one row in one format, no turn")
+        if set(fmts) != {fmt} or spec.m != 1:
+            raise PlanMismatch(f"{op.out}: a grid GEMV in parts takes a step's one row in one format")
         x1 = x.view(1, spec.k)
+        if turned:
+            return [_turned_in_gemv(turned, members, products, x1, False, fmt, b)]
         return [lambda: gemv_grid_parts(x1, products, fmt, spec.k)]
     q8 = q8_in(first.ins[0], fmt, spec.m, spec.k, b, *(p[2] for p in products))
     if len(set(fmts)) > 1:  # two formats: a step's one row, int8 or f32 (`CudaShim._formats_mix`)
@@ -271,9 +273,11 @@ def merged(op: Op, b: Any):
 
 def _turned_in_gemv(turned: list[int], members, products: list, acts: Any, int8: bool, fmt: Format | list, b: Any):
     """The GEMV in parts that turns a query's and a key's heads in its epilogue: the int8 one (`q8_rope`) where
-    `acts` is the activation's int8 form (`int8`), else the f32 one (`f32_rope`, a step's one row). The query lands in a
-    buffer of its own, the key where its rotation writes it (its cache row)."""
+    `acts` is the activation's int8 form (`int8`), the grid GEMV's (`grid.parts_rope`, a step's one row) in a grid
+    format, else the f32 one (`f32_rope`, a step's one row). The query lands in a buffer of its own, the key where
+    its rotation writes it (its cache row)."""
     from fuselane.lanes.cuda.triton.gemv import f32_rope, q8_rope, turn
+    from fuselane.lanes.cuda.triton.grid.parts_rope import gemv_grid_parts_rope
 
     qi, ki = turned if members[turned[0]].dst.row is None else turned[::-1]
     q_op, k_op = (parts(members[i])[1] for i in (qi, ki))
@@ -284,6 +288,8 @@ def _turned_in_gemv(turned: list[int], members, products: list, acts: Any, int8:
     k_turn = turn.Turn(ki, kk.out, kk.heads, kk.pitch if b.paged is None else None, kk.norm_w)
     pos = b.bufs["pos"] if b.paged is None else b.paged.positions
     launch = q8_rope.gemv_q8_parts_rope if int8 else f32_rope.gemv_f32_parts_rope
+    if fmt in kernels.GRID_GEMV_FORMATS:
+        launch = gemv_grid_parts_rope
     return lambda: launch(acts, products, fmt, q_turn, k_turn, pos, counters, hd=q.hd, base=q.base, eps=q.eps,
                           yarn=q.yarn)  # fmt: skip
 

@@ -85,6 +85,8 @@ class GridTile:
 # on the chip doubled and the loop's fixed cost a value halved.
 MANY_ROWS_TILE = GridTile(8, 2, 128)
 FEW_ROWS_TILE = GridTile(16, 8, QK_K)
+if any(kernels.GRID_GEMV_MOST_TILE_ROWS % t.block_n for t in (MANY_ROWS_TILE, FEW_ROWS_TILE)):
+    raise RuntimeError("a grid tile's rows must divide kernels.GRID_GEMV_MOST_TILE_ROWS (the plan's head check)")
 # the rows from which MANY_ROWS_TILE's programs put about 16 warps on each of an H100's 132 SMs at once
 MANY_ROWS = 8192
 
@@ -254,7 +256,8 @@ def _check_rows(w: torch.Tensor, fmt: Format, n: int, k: int) -> None:
     check_rows(w, fmt, n, k)
 
 
-def _grid_format(fmt: Format) -> Format:
+def grid_format(fmt: Format) -> Format:
+    """`fmt` as a Format, checked to be one the grid GEMV decodes."""
     fmt = Format(fmt)
     if fmt not in kernels.GRID_GEMV_FORMATS:
         raise ValueError(f"no grid GEMV for {fmt.name}")
@@ -324,7 +327,7 @@ def gemv_grid(
     in a grid or ternary `fmt`; returns `out`. As `rows.gemv`: with `out_row` = (pos, pitch), row r lands at row
     pos[0] + r of the table `out`, the position read on the device; `residual` (m, n) may be `out` itself. Rows
     of x past the GEMV's run in tiles of them, each re-reading the weights."""
-    fmt = _grid_format(fmt)
+    fmt = grid_format(fmt)
     m = check_x(x, k)
     _check_rows(w, fmt, n, k)
     check_bias(bias, n)
@@ -342,7 +345,7 @@ def gemv_grid_parts(
     (a layer's query and key), each a `Part` (or a tuple in its order: w, n, out, bias|None, out_row|None): its
     `out` gets x @ W^T (+ bias), or lands at a row of a table read on the device; `residual` (1, n0) is added to
     part 0. Programs take the parts' tiles part after part, as the other GEMVs in parts do."""
-    fmt = _grid_format(fmt)
+    fmt = grid_format(fmt)
     if check_x(x, k) != 1:
         raise ValueError(f"a grid GEMV in parts takes a step's one row of x, not {x.shape[0]}")
     if k % QK_K:
@@ -367,7 +370,7 @@ def gemv_grid_gate_up_glu(
     """out (m, n) = SiLU(x @ Wg^T) * (x @ Wu^T) in one launch, both matrices n x k checkpoint rows in the grid
     format `fmt`; returns `out`. A program takes the same rows of both, so the gate's and the up product's sums
     meet in registers."""
-    fmt = _grid_format(fmt)
+    fmt = grid_format(fmt)
     m = check_x(x, k)
     _check_rows(w_gate, fmt, n, k)
     _check_rows(w_up, fmt, n, k)
@@ -400,7 +403,7 @@ def gemv_grid_add_norm(
     blocks), so an int8 product after it needs no launch to quantize it. A row wider than the launch's
     threads hold (`kernels.NORM_HELD_A_THREAD` a thread) is normed
     in chunks of it (`norm_chunk`, a power of two, sets the chunk: tests)."""
-    fmt = _grid_format(fmt)
+    fmt = grid_format(fmt)
     x2 = x.view(1, -1) if x.dim() == 1 else x
     if check_x(x2, k) != 1:
         raise ValueError(f"a grid GEMV's add + norm takes a decode step's one row of x, not {x2.shape[0]}")
