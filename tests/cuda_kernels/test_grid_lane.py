@@ -78,11 +78,12 @@ def test_a_prompt_under_every_prefill_runs_as_the_cpu_lane(tmp_path, prefill):
 
 
 def test_the_fused_ops_that_would_hold_a_grid_matrix_are_taken_apart(tmp_path):
-    # the query's product: the QKV launch in parts that turns its heads takes no grid matrix, so it runs alone
-    path = _write(tmp_path / "m.gguf", QWEN3, {"attn_q": Format.IQ2_XXS})
+    # the gate's product: the GEMV's gated pair takes a grid matrix only with its up product in the same grid
+    # format (here Q8_0), so it runs alone
+    path = _write(tmp_path / "m.gguf", QWEN3, {"ffn_gate": Format.IQ2_XXS})
     _, _, plan = build_plan(path, lane="cuda")
     assert plan.cannot_run is None
-    matrix = "blk.0.attn_q.weight"
+    matrix = "blk.0.ffn_gate.weight"
     readers = [op for op in plan.ops if matrix in {x for leaf in leaves(op) for x in leaf.ins}]
     assert readers and all(not isinstance(op.sym, Fused) for op in readers)
     assert any(matrix in why and "a grid format" in why for why in map(str, plan.missed))
