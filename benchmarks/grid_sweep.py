@@ -56,7 +56,7 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda")
         want, out = torch.empty(1, n, device="cuda"), torch.empty(1, n, device="cuda")
         G.gemv_grid(x, w, fmt, n, k, want)
-        ref = dequantize(raw, fmt, (n, k), dtype=np.float64) @ x.double().cpu().numpy()[0]
+        ref = dequantize(raw.reshape(-1), fmt, (n, k), dtype=np.float64) @ x.double().cpu().numpy()[0]
         err = float(np.abs(want.double().cpu().numpy()[0] - ref).max() / np.abs(ref).max())
         nbytes = n * stored_row_bytes(fmt, k)
         row = []
