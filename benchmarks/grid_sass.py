@@ -4,8 +4,9 @@ loads (LDG), and for the GEMV its k loop's body (from the target of its backward
 weight values a thread decodes a step of it (instructions a value), for the decode (no loop) the whole kernel
 over the values a thread decodes.
 
-Why: a grid value costs its fields' loads, a table gather and the bit work that finds them, so what limits the
-GEMV is issue, not memory; the counts weigh a change to the decode before a GPU times it.
+Why: a grid value costs its fields' loads, a table gather and the bit work that finds them; the counts weigh a
+change to the decode before a GPU times it. (Timed on an H100, the GEMV waits on its loads more than on issue: a
+cut from 13.6 to 12.4 instructions a value gained 2-4 %; benchmarks/RESULTS.md, 2026-12-07 seventh.)
 
 Run it in a process of its own, without `TRITON_INTERPRET`.
 

@@ -18,11 +18,12 @@ the words of its 8 grid values, its signs, its scale) and decodes its 8 values f
 that finds a grid row is spent once for 8 values; a group's 8 products are summed unscaled and its scale
 applied once; the [BLOCK_M, BLOCK_N, groups] partial sums are reduced once at the end.
 
-What bounds it is issue, not memory: about 10-12 instructions a value in the k loop (sm_90 SASS,
-`benchmarks/grid_sass.py`), of which the value itself takes ~5 (permute, add, select, FMA, the activation's
-load) and the group's fields and table gathers the rest. An int8 form of the activation (dp4a on four grid
-bytes at once, as llama.cpp's) would take the value's share to ~1.5; it needs the int8 GEMV's launches to read
-a table (`gemv.q8`), which they do not yet.
+What bounds it (H100, benchmarks/RESULTS.md 2026-12-07 seventh): a value's dependent loads (its group's fields,
+its grid row, its activation) waiting on L1 and L2, not issue: cutting the k loop from 13.6 to 12.4 instructions a
+value (IQ3_S) gained 2-4 % at the rule's tiles, where more warps in flight gained 20-90 %. It reads 400-585 GB/s
+(the 7B in IQ3_M: 119 tok/s, 13 % of the bandwidth limit). An int8 form of the activation (dp4a on four grid
+bytes at once, as llama.cpp's vec-dot) would take a value to ~1.5 instructions and a quarter of the activation
+loads; it needs the int8 GEMV's launches (`gemv.q8`) to read a table, which they do not yet.
 """
 
 from __future__ import annotations
