@@ -144,21 +144,21 @@ def _match_numpy(shape: tuple, tile: dict, seed: int, runs: int = 2) -> None:
     order, counts = _sorted(ids, experts)
     pairs = rows * slots
 
-    h = torch.full((pairs, dff), np.nan)
+    h = torch.full((pairs, dff), np.nan, device=DEVICE)
     for _ in range(runs):
         grouped.gate_up_grouped(dev(x), dev(rg), dev(ru), fmt_gu, experts, slots, order, counts, dff, d, h, **tile)
     e = ids.reshape(-1)
     want_h, bound_h = _glu(wg[e], wu[e], _f16(x)[np.arange(pairs) // slots])
-    within(h.double().numpy().reshape(-1), want_h.reshape(-1), bound_h.reshape(-1), "gate/up")
+    within(h.double().cpu().numpy().reshape(-1), want_h.reshape(-1), bound_h.reshape(-1), "gate/up")
 
     res = [rng.standard_normal((rows, d)).astype(np.float32) for _ in range(adds)]
     sum_out = dev(res[-1].copy())  # the last array added is the sum's own buffer
     added = tuple(dev(r) for r in res[:-1]) + (sum_out,)
     norm_w = dev(rng.standard_normal(d).astype(np.float32))
-    gnorm = gc.GroupedNorm(norm_w, EPS, torch.zeros((rows, d))) if norm else None
+    gnorm = gc.GroupedNorm(norm_w, EPS, torch.zeros((rows, d), device=DEVICE)) if norm else None
     width_tiles = grouped.down_width_tiles(fmt_d, d, tile.get("block_n"), pairs / experts)
     c = gc.Combine(sum_out, gc.counters(rows, width_tiles, DEVICE), added, gnorm)
-    pair_out = torch.empty(pairs * d)
+    pair_out = torch.empty(pairs * d, device=DEVICE)
     first = None
     for _ in range(runs):
         sum_out.copy_(dev(res[-1]))
@@ -167,17 +167,17 @@ def _match_numpy(shape: tuple, tile: dict, seed: int, runs: int = 2) -> None:
         first = sum_out.clone() if first is None else first
     assert torch.equal(first, sum_out), "the combine's sum changed between launches"
 
-    hv, wde = _f16(h.double().numpy()), wd[e].astype(np.float64)
+    hv, wde = _f16(h.double().cpu().numpy()), wd[e].astype(np.float64)
     prods = np.einsum("pdk,pk->pd", wde, hv) * rw.reshape(-1, 1)
     mags = np.einsum("pdk,pk->pd", np.abs(wde), np.abs(hv)) * rw.reshape(-1, 1)
     want = prods.reshape(rows, slots, d).sum(1) + sum(r.astype(np.float64) for r in res)
     terms = np.abs(prods).reshape(rows, slots, d).sum(1) + sum(np.abs(r) for r in res)
     bound = gamma(dff + 1) * mags.reshape(rows, slots, d).sum(1) + gamma(slots + adds + 1) * terms + 1e-30
-    got = sum_out.double().numpy()
+    got = sum_out.double().cpu().numpy()
     within(got.reshape(-1), want.reshape(-1), bound.reshape(-1), "down + combine")
     if norm:
-        normed = got / np.sqrt((got * got).mean(-1, keepdims=True) + EPS) * gnorm.w.double().numpy()
-        out = gnorm.out.double().numpy()
+        normed = got / np.sqrt((got * got).mean(-1, keepdims=True) + EPS) * gnorm.w.double().cpu().numpy()
+        out = gnorm.out.double().cpu().numpy()
         within(out.reshape(-1), normed.reshape(-1), (norm_rel(d) * np.abs(normed)).reshape(-1) + 1e-30, "norm")
 
 
