@@ -287,9 +287,8 @@ def _turned_in_gemv(turned: list[int], members, products: list, acts: Any, int8:
     # a batch of one: the row turns at its own position and its key lands in the step's staging row (row 0)
     k_turn = turn.Turn(ki, kk.out, kk.heads, kk.pitch if b.paged is None else None, kk.norm_w)
     pos = b.bufs["pos"] if b.paged is None else b.paged.positions
-    launch = q8_rope.gemv_q8_parts_rope if int8 else f32_rope.gemv_f32_parts_rope
-    if not isinstance(fmt, list) and fmt in kernels.GRID_GEMV_FORMATS:  # a list: a step's two formats
-        launch = gemv_grid_parts_rope
+    grid = not isinstance(fmt, list) and fmt in kernels.GRID_GEMV_FORMATS  # a list: a step's two formats
+    launch = gemv_grid_parts_rope if grid else q8_rope.gemv_q8_parts_rope if int8 else f32_rope.gemv_f32_parts_rope
     return lambda: launch(acts, products, fmt, q_turn, k_turn, pos, counters, hd=q.hd, base=q.base, eps=q.eps,
                           yarn=q.yarn)  # fmt: skip
 

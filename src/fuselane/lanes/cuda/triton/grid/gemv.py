@@ -233,16 +233,27 @@ def _grid_parts_kernel(
     HAS_RES: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # a step's one row: this program's part (`gemv.parts.part_base`, tiles part after part) and its rows of it
     pdl.begin(PDL)
+    grid_parts_product(x, parts, res, table, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N, SLICE_C, SUPER_C, GROUP_C,
+                       TERNARY, PARTS, BIAS, AT_ROW, HAS_RES)  # fmt: skip
+
+
+@triton.jit
+def grid_parts_product(x, parts, res, table, FMT: tl.constexpr, NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
+                       STEPS: tl.constexpr, BLOCK_N: tl.constexpr, SLICE_C: tl.constexpr, SUPER_C: tl.constexpr,
+                       GROUP_C: tl.constexpr, TERNARY: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr,
+                       AT_ROW: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+    """A step's one row times this program's part (`gemv.parts.part_base`, tiles part after part), its rows
+    stored with the part's epilogue; returns the part (`parts_rope` turns its heads after)."""
     part, rows, n, w = part_base(parts, BLOCK_N)
     one = tl.arange(0, 1)
     y = grid_dot(w, table, n, x + one, rows, rows * 0, FMT, NBYTES, ROW_BYTES, STEPS, 1, BLOCK_N, SLICE_C,
                  SUPER_C, GROUP_C, TERNARY)  # fmt: skip
     store_parts(tl.reshape(y, [BLOCK_N]), rows, part, n, parts, res, PARTS, BIAS, AT_ROW, HAS_RES)
+    return part
 
 
-def dot_consts(fmt: Format, k: int, slice_: int = MANY_ROWS_TILE.slice) -> dict:
+def dot_consts(fmt: Format, k: int, slice_: int) -> dict:
     """`grid_dot`'s constants for rows of k values in `fmt`, `slice_` values a step (the tile's; its rows,
     BLOCK_M and BLOCK_N, are the launch's)."""
     lay = LAYOUTS[fmt]
@@ -346,6 +357,14 @@ def gemv_grid_parts(
     (a layer's query and key), each a `Part` (or a tuple in its order: w, n, out, bias|None, out_row|None): its
     `out` gets x @ W^T (+ bias), or lands at a row of a table read on the device; `residual` (1, n0) is added to
     part 0. Programs take the parts' tiles part after part, as the other GEMVs in parts do."""
+    tile, args, consts, tiles = parts_launch(x, parts, fmt, k, residual)
+    _grid_parts_kernel[(tiles,)](x, *args, **consts, num_warps=tile.warps, **pdl.options())
+
+
+def parts_launch(x: torch.Tensor, parts: Sequence[Part | tuple], fmt: Format, k: int,
+                 residual: torch.Tensor | None) -> tuple[GridTile, list, dict, int]:  # fmt: skip
+    """A grid launch in parts over a step's one row `x` (1, k), checked: its tile (by the parts' rows together),
+    the arguments after x (the parts', the residual, the table), its constants and its programs."""
     fmt = grid_format(fmt)
     if check_x(x, k) != 1:
         raise ValueError(f"a grid GEMV in parts takes a step's one row of x, not {x.shape[0]}")
@@ -353,16 +372,8 @@ def gemv_grid_parts(
         raise ValueError(f"{fmt.name} rows take whole {QK_K}-value blocks, not {k} values")
     tile = grid_tile(sum(Part(*p).n for p in parts))
     args, flags, tiles = parts_args(parts, fmt, k, tile.block_n, x, residual)
-    _grid_parts_kernel[(tiles,)](
-        x,
-        *args,
-        device_table(fmt, x.device),
-        **dot_consts(fmt, k, tile.slice),
-        BLOCK_N=tile.block_n,
-        **flags,
-        num_warps=tile.warps,
-        **pdl.options(),
-    )
+    consts = dot_consts(fmt, k, tile.slice) | flags | dict(BLOCK_N=tile.block_n)
+    return tile, [*args, device_table(fmt, x.device)], consts, tiles
 
 
 def gemv_grid_gate_up_glu(

@@ -18,14 +18,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuselane.gguf.formats import QK_K, Format
+from fuselane.gguf.formats import Format
 from fuselane.graph.ops import Yarn
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv.parts import Part, first_tile, part_base, parts_args, store_parts
-from fuselane.lanes.cuda.triton.gemv.rows import check_x
+from fuselane.lanes.cuda.triton.gemv.parts import Part, first_tile
 from fuselane.lanes.cuda.triton.gemv.turn import Turn, check_tile, check_turns, turn_args, turn_heads
-from fuselane.lanes.cuda.triton.grid.gemv import dot_consts, grid_dot, grid_format, grid_tile
-from fuselane.lanes.cuda.triton.grid.values import device_table
+from fuselane.lanes.cuda.triton.grid.gemv import grid_parts_product, parts_launch
 
 
 @triton.jit
@@ -39,11 +37,8 @@ def _grid_parts_rope_kernel(
     HALF_P2: tl.constexpr, NORM: tl.constexpr, K_AT_POS: tl.constexpr, YARN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
-    part, rows, n, w = part_base(parts, BLOCK_N)
-    one = tl.arange(0, 1)
-    y = grid_dot(w, table, n, x + one, rows, rows * 0, FMT, NBYTES, ROW_BYTES, STEPS, 1, BLOCK_N, SLICE_C, SUPER_C,
-                 GROUP_C, TERNARY)  # fmt: skip
-    store_parts(tl.reshape(y, [BLOCK_N]), rows, part, n, parts, res, PARTS, BIAS, AT_ROW, HAS_RES)
+    part = grid_parts_product(x, parts, res, table, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N, SLICE_C, SUPER_C,
+                              GROUP_C, TERNARY, PARTS, BIAS, AT_ROW, HAS_RES)  # fmt: skip
     turn_heads(part, tl.program_id(0) - first_tile(part, parts), parts, q_out, k_out, k_pitch, q_w, k_w, pos,
                counters, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, BLOCK_N, Q_PART, K_PART, Q_HEADS, HD, HALF_P2,
                NORM, K_AT_POS, YARN)  # fmt: skip
@@ -56,19 +51,9 @@ def gemv_grid_parts_rope(
     """`gemv.gemv_grid_parts` over a step's one row `x` (1, k) in the grid format `fmt`, whose parts `q.part` and
     `k.part` (a query's and a key's raw heads, written to their parts' outputs) are then turned in the epilogue as
     `q8_rope.gemv_q8_parts_rope` turns them. `counters` are `turn.rope_counters(q.heads, k.heads)`'s."""
-    fmt = grid_format(fmt)
-    width = x.shape[-1]
-    if check_x(x, width) != 1:
-        raise ValueError(f"a grid GEMV in parts takes a step's one row of x, not {x.shape[0]}")
-    if width % QK_K:
-        raise ValueError(f"{fmt.name} rows take whole {QK_K}-value blocks, not {width} values")
     parts = [Part(*p) for p in parts]
     check_turns(parts, q, k, hd, counters)
-    tile = grid_tile(sum(p.n for p in parts))
+    tile, args, consts, tiles = parts_launch(x, parts, fmt, x.shape[-1], None)
     check_tile(tile.block_n, hd)
-    args, flags, tiles = parts_args(parts, fmt, width, tile.block_n, x, None)
     targs, tconsts = turn_args(q, k, pos, counters, hd=hd, base=base, eps=eps, yarn=yarn)
-    _grid_parts_rope_kernel[(tiles,)](
-        x, *args, device_table(fmt, x.device), *targs, **dot_consts(fmt, width, tile.slice), BLOCK_N=tile.block_n,
-        **flags, **tconsts, num_warps=tile.warps, **pdl.options(),
-    )  # fmt: skip
+    _grid_parts_rope_kernel[(tiles,)](x, *args, *targs, **consts, **tconsts, num_warps=tile.warps, **pdl.options())
