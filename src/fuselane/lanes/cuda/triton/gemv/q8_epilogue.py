@@ -56,7 +56,14 @@ def _q8_glu_q8_kernel(
     w_g, w_u = w_gate + row_off, w_up + row_off
     gate, up = row_dots(w_g, w_u, xq, xd, xs, FMT, BLOCK_N, N_UNITS, CHUNK, FENCE, True, DEPTH, PDL)
     tl.store(out + rows, gate / (1.0 + tl.exp(-gate)) * up, mask=rows < n)
-    # the block of 32 outputs these rows are in is quantized by the last of its programs to finish
+    quantize_block_last(out, pid, n, oq, od, os_, counters, BLOCK_N)
+
+
+@triton.jit
+def quantize_block_last(out, pid, n, oq, od, os_, counters, BLOCK_N: tl.constexpr):
+    """After program `pid` stored its BLOCK_N values (a divisor of 32) of the row `out`: the block of 32 they are
+    in is quantized into (oq, od, os_) by the last of its programs to finish (`counters`, one a block, each left
+    at zero)."""
     tl.debug_barrier()
     blk = pid * BLOCK_N // QB
     done = tl.atomic_add(counters + blk, 1, sem="acq_rel", scope="gpu")

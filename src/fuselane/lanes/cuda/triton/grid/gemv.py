@@ -35,10 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselane.gguf.formats import LAYOUTS, QK_K, Format
+from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
-from fuselane.lanes.cuda.triton.gemv.epilogue import check_add_norm
+from fuselane.lanes.cuda.triton.gemv.epilogue import COUNTER_DTYPE, check_add_norm
 from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
 from fuselane.lanes.cuda.triton.gemv.parts import (
     Part,
@@ -49,8 +49,9 @@ from fuselane.lanes.cuda.triton.gemv.parts import (
     parts_args,
     store_parts,
 )
-from fuselane.lanes.cuda.triton.gemv.q8_epilogue import check_q8_out
+from fuselane.lanes.cuda.triton.gemv.q8_epilogue import check_q8_out, quantize_block_last
 from fuselane.lanes.cuda.triton.gemv.rows import check_x, row_tiles, store_glu, store_rows
+from fuselane.lanes.cuda.triton.grid.q8 import Q8_FORMATS, grid_dot_q8
 from fuselane.lanes.cuda.triton.grid.values import (
     GRID_GROUP,
     TERNARY_FORMATS,
@@ -60,7 +61,7 @@ from fuselane.lanes.cuda.triton.grid.values import (
     grid_magnitude,
     grid_values,
 )
-from fuselane.lanes.cuda.triton.quant import Q8Acts
+from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +154,24 @@ def grid_dot(
 
 
 @triton.jit
+def _dot(w, table, n, x, x_pitch, m, xq, xd, rows, mi, FMT: tl.constexpr, NBYTES: tl.constexpr,
+         ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+         SLICE_C: tl.constexpr, SUPER_C: tl.constexpr, GROUP_C: tl.constexpr, TERNARY: tl.constexpr,
+         Q8IN: tl.constexpr):  # fmt: skip
+    """[BLOCK_M, BLOCK_N]: x's rows `mi` times the weight rows `rows`: the dp4a dot on a step's one row in int8
+    (Q8IN: `xq`, `xd`), else the f32 one on x (rows past m read row m - 1, dropped at the store)."""
+    if Q8IN:
+        y = grid_dot_q8(w, table, n, xq, xd, rows, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N, SLICE_C, SUPER_C,
+                        GROUP_C)  # fmt: skip
+        y = tl.reshape(y, [1, BLOCK_N])
+    else:
+        x_rows = x + tl.minimum(mi, m - 1).to(tl.int64) * x_pitch  # [M]
+        y = grid_dot(w, table, n, x_rows, rows, rows * 0, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N,
+                     SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
+    return y
+
+
+@triton.jit
 def _grid_gemv_kernel(
     x,
     x_pitch,
@@ -174,6 +193,8 @@ def _grid_gemv_kernel(
     oq,
     od,
     os_,
+    xq,
+    xd,
     FMT: tl.constexpr,
     NBYTES: tl.constexpr,
     ROW_BYTES: tl.constexpr,
@@ -192,19 +213,20 @@ def _grid_gemv_kernel(
     NORM_BLOCK: tl.constexpr,
     NORM_STEPS: tl.constexpr,
     Q8OUT: tl.constexpr,
+    Q8IN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.begin(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mi = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    x_rows = x + tl.minimum(mi, m - 1).to(tl.int64) * x_pitch  # [M]: rows past m read row m - 1 (dropped)
-    x_cols = rows * 0  # every weight row reads the same rows of x
-    y = grid_dot(w, table, n, x_rows, rows, x_cols, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N,
-                 SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
+    y = _dot(w, table, n, x, x_pitch, m, xq, xd, rows, mi, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N, SLICE_C,
+             SUPER_C, GROUP_C, TERNARY, Q8IN)  # fmt: skip
     if GLU:  # `w` the gate's rows, `w_up` the up product's, in one format: SiLU(gate) * up
-        up = grid_dot(w_up, table, n, x_rows, rows, x_cols, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M,
-                      BLOCK_N, SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
+        up = _dot(w_up, table, n, x, x_pitch, m, xq, xd, rows, mi, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N,
+                  SLICE_C, SUPER_C, GROUP_C, TERNARY, Q8IN)  # fmt: skip
         store_glu(y, up, rows, n, mi, m, out, pitch)
+        if Q8OUT:  # a step's one row: its 32-value blocks' int8 form, each by the last of its programs
+            quantize_block_last(out, tl.program_id(0), n, oq, od, os_, counter, BLOCK_N)
     else:
         store_rows(y, rows, n, mi, m, out, pitch, bias, pos, res, res_pitch, HAS_BIAS, AT_ROW, HAS_RES)
     if NORM:  # a step's one row: `out` holds x @ W^T + residual, which the launch's last program norms (and
@@ -215,6 +237,8 @@ def _grid_gemv_kernel(
 @triton.jit
 def _grid_parts_kernel(
     x,
+    xq,
+    xd,
     parts,
     res,
     table,
@@ -231,24 +255,27 @@ def _grid_parts_kernel(
     BIAS: tl.constexpr,
     AT_ROW: tl.constexpr,
     HAS_RES: tl.constexpr,
+    Q8IN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.begin(PDL)
-    grid_parts_product(x, parts, res, table, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N, SLICE_C, SUPER_C, GROUP_C,
-                       TERNARY, PARTS, BIAS, AT_ROW, HAS_RES)  # fmt: skip
+    grid_parts_product(x, xq, xd, parts, res, table, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N, SLICE_C, SUPER_C,
+                       GROUP_C, TERNARY, PARTS, BIAS, AT_ROW, HAS_RES, Q8IN)  # fmt: skip
 
 
 @triton.jit
-def grid_parts_product(x, parts, res, table, FMT: tl.constexpr, NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
-                       STEPS: tl.constexpr, BLOCK_N: tl.constexpr, SLICE_C: tl.constexpr, SUPER_C: tl.constexpr,
-                       GROUP_C: tl.constexpr, TERNARY: tl.constexpr, PARTS: tl.constexpr, BIAS: tl.constexpr,
-                       AT_ROW: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
-    """A step's one row times this program's part (`gemv.parts.part_base`, tiles part after part), its rows
-    stored with the part's epilogue; returns the part (`parts_rope` turns its heads after)."""
+def grid_parts_product(x, xq, xd, parts, res, table, FMT: tl.constexpr, NBYTES: tl.constexpr,
+                       ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr, SLICE_C: tl.constexpr,
+                       SUPER_C: tl.constexpr, GROUP_C: tl.constexpr, TERNARY: tl.constexpr, PARTS: tl.constexpr,
+                       BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
+                       Q8IN: tl.constexpr):  # fmt: skip
+    """A step's one row (f32 `x`, or its int8 form `xq`, `xd` where Q8IN) times this program's part
+    (`gemv.parts.part_base`, tiles part after part), its rows stored with the part's epilogue; returns the part
+    (`parts_rope` turns its heads after)."""
     part, rows, n, w = part_base(parts, BLOCK_N)
     one = tl.arange(0, 1)
-    y = grid_dot(w, table, n, x + one, rows, rows * 0, FMT, NBYTES, ROW_BYTES, STEPS, 1, BLOCK_N, SLICE_C,
-                 SUPER_C, GROUP_C, TERNARY)  # fmt: skip
+    y = _dot(w, table, n, x, 0, 1, xq, xd, rows, one, FMT, NBYTES, ROW_BYTES, STEPS, 1, BLOCK_N, SLICE_C, SUPER_C,
+             GROUP_C, TERNARY, Q8IN)  # fmt: skip
     store_parts(tl.reshape(y, [BLOCK_N]), rows, part, n, parts, res, PARTS, BIAS, AT_ROW, HAS_RES)
     return part
 
@@ -276,37 +303,54 @@ def grid_format(fmt: Format) -> Format:
     return fmt
 
 
+def _activation(x: torch.Tensor | Q8Acts, fmt: Format, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """x as the kernels take it: (its f32 rows, its int8 codes, its blocks' scales, its rows), a Q8Acts checked as
+    a step's one row (`q8.grid_dot_q8`, not in a ternary format); an f32 x's codes and scales are x, never read."""
+    if isinstance(x, Q8Acts):
+        if fmt not in Q8_FORMATS:
+            raise ValueError(f"the grid GEMV reads {fmt.name}'s activation as f32, not int8")
+        check_acts(x, k)
+        return x.q, x.q, x.d, 1
+    return x, x, x, check_x(x, k)
+
+
 def _launch(x, w, fmt: Format, n: int, k: int, out, pitch: int, *, w_up=None, bias=None, pos=None, residual=None,
             norm: tuple | None = None, norm_chunk: int | None = None, out_q8: Q8Acts | None = None,
-            ) -> None:  # fmt: skip
-    """One launch of the grid GEMV kernel over x's rows (in tiles of the GEMV's), its arguments checked by the
-    caller; `norm` = (norm_w, norm_out, counter, eps) norms the one row `out` holds in the last program, which
-    writes the normed row's int8 form to `out_q8` too where given."""
-    block_m, m_tiles = row_tiles(x.shape[0])
+            counters=None) -> None:  # fmt: skip
+    """One launch of the grid GEMV kernel over x's rows (in tiles of the GEMV's; a Q8Acts: a step's one row in
+    int8), its arguments checked by the caller; `norm` = (norm_w, norm_out, counter, eps) norms the one row `out`
+    holds in the last program, which writes the normed row's int8 form to `out_q8` too where given; a gated pair
+    with `out_q8` writes its row's int8 form, a block by the last of its programs (`counters`)."""
+    xf, xq, xd, m = _activation(x, fmt, k)
+    block_m, m_tiles = row_tiles(m)
     tile = grid_tile(n)
-    norm_w, norm_out, counter, eps = norm if norm is not None else (x, x, x, 0.0)  # never read without NORM
+    norm_w, norm_out, counter, eps = norm if norm is not None else (xf, xf, counters if w_up is not None else xf, 0.0)
+    if counter is None:
+        counter = xf  # never read: no int8 output
     # the most values of the norm's row the last program holds in registers; a wider row is walked in chunks of
     # it, read back from L2
     chunk = min(triton.next_power_of_2(n), norm_chunk or kernels.NORM_HELD_A_THREAD * tile.warps * kernels.WARP)
     _grid_gemv_kernel[(triton.cdiv(n, tile.block_n), m_tiles)](
-        x,
-        x.stride(0),
-        x.shape[0],
+        xf,
+        xf.stride(0),
+        m,
         w,
         w if w_up is None else w_up,  # an absent up product, bias, position or residual is never read
         device_table(fmt, w.device),
         n,
         out,
         pitch,
-        x if bias is None else bias,
-        x if pos is None else pos,
-        x if residual is None else residual,
+        xf if bias is None else bias,
+        xf if pos is None else pos,
+        xf if residual is None else residual,
         0 if residual is None else residual.stride(0),
         norm_w,
         norm_out,
         counter,
         float(eps),
-        *((x, x, x) if out_q8 is None else out_q8),  # the int8 output's codes, scales and sums, read only where Q8OUT
+        *((xf, xf, xf) if out_q8 is None else out_q8),  # the int8 output (codes, scales, sums), read where Q8OUT
+        xq,
+        xd,
         **dot_consts(fmt, k, tile.slice),
         BLOCK_M=block_m,
         BLOCK_N=tile.block_n,
@@ -318,13 +362,14 @@ def _launch(x, w, fmt: Format, n: int, k: int, out, pitch: int, *, w_up=None, bi
         NORM_BLOCK=chunk,
         NORM_STEPS=triton.cdiv(n, chunk),
         Q8OUT=out_q8 is not None,
+        Q8IN=isinstance(x, Q8Acts),
         num_warps=tile.warps,
         **pdl.options(),
     )
 
 
 def gemv_grid(
-    x: torch.Tensor,
+    x: torch.Tensor | Q8Acts,
     w: torch.Tensor,
     fmt: Format,
     n: int,
@@ -338,9 +383,10 @@ def gemv_grid(
     """out = x (m, k) @ W^T (+ bias) (+ residual), W the n x k checkpoint rows `w` (1-D uint8, the file's blocks)
     in a grid or ternary `fmt`; returns `out`. As `rows.gemv`: with `out_row` = (pos, pitch), row r lands at row
     pos[0] + r of the table `out`, the position read on the device; `residual` (m, n) may be `out` itself. Rows
-    of x past the GEMV's run in tiles of them, each re-reading the weights."""
+    of x past the GEMV's run in tiles of them, each re-reading the weights. A Q8Acts x is a step's one row in
+    int8 (a grid format's, not a ternary one's), met in dp4a (`q8.grid_dot_q8`)."""
     fmt = grid_format(fmt)
-    m = check_x(x, k)
+    m = _activation(x, fmt, k)[3]
     _check_rows(w, fmt, n, k)
     check_bias(bias, n)
     if residual is not None and (tuple(residual.shape) != (m, n) or residual.stride(1) != 1):
@@ -351,48 +397,59 @@ def gemv_grid(
 
 
 def gemv_grid_parts(
-    x: torch.Tensor, parts: Sequence[Part | tuple], fmt: Format, k: int, *, residual: torch.Tensor | None = None
-) -> None:
-    """One launch of up to `parts.PARTS_MOST` products of a step's one row `x` (1, k) in one grid or ternary format
-    (a layer's query and key), each a `Part` (or a tuple in its order: w, n, out, bias|None, out_row|None): its
-    `out` gets x @ W^T (+ bias), or lands at a row of a table read on the device; `residual` (1, n0) is added to
-    part 0. Programs take the parts' tiles part after part, as the other GEMVs in parts do."""
+    x: torch.Tensor | Q8Acts, parts: Sequence[Part | tuple], fmt: Format, k: int, *,
+    residual: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """One launch of up to `parts.PARTS_MOST` products of a step's one row `x` (1, k; or its int8 form) in one grid
+    or ternary format (a layer's query and key), each a `Part` (or a tuple in its order: w, n, out, bias|None,
+    out_row|None): its `out` gets x @ W^T (+ bias), or lands at a row of a table read on the device; `residual`
+    (1, n0) is added to part 0. Programs take the parts' tiles part after part, as the other GEMVs in parts do."""
     tile, args, consts, tiles = parts_launch(x, parts, fmt, k, residual)
-    _grid_parts_kernel[(tiles,)](x, *args, **consts, num_warps=tile.warps, **pdl.options())
+    _grid_parts_kernel[(tiles,)](*args, **consts, num_warps=tile.warps, **pdl.options())
 
 
-def parts_launch(x: torch.Tensor, parts: Sequence[Part | tuple], fmt: Format, k: int,
+def parts_launch(x: torch.Tensor | Q8Acts, parts: Sequence[Part | tuple], fmt: Format, k: int,
                  residual: torch.Tensor | None) -> tuple[GridTile, list, dict, int]:  # fmt: skip
-    """A grid launch in parts over a step's one row `x` (1, k), checked: its tile (by the parts' rows together),
-    the arguments after x (the parts', the residual, the table), its constants and its programs."""
+    """A grid launch in parts over a step's one row `x` (1, k; or its int8 form), checked: its tile (by the parts'
+    rows together), its arguments (x's three pointers, the parts', the residual, the table), its constants and
+    its programs."""
     fmt = grid_format(fmt)
-    if check_x(x, k) != 1:
-        raise ValueError(f"a grid GEMV in parts takes a step's one row of x, not {x.shape[0]}")
+    xf, xq, xd, m = _activation(x, fmt, k)
+    if m != 1:
+        raise ValueError(f"a grid GEMV in parts takes a step's one row of x, not {m}")
     if k % QK_K:
         raise ValueError(f"{fmt.name} rows take whole {QK_K}-value blocks, not {k} values")
     tile = grid_tile(sum(Part(*p).n for p in parts))
-    args, flags, tiles = parts_args(parts, fmt, k, tile.block_n, x, residual)
-    consts = dot_consts(fmt, k, tile.slice) | flags | dict(BLOCK_N=tile.block_n)
-    return tile, [*args, device_table(fmt, x.device)], consts, tiles
+    args, flags, tiles = parts_args(parts, fmt, k, tile.block_n, xf, residual)
+    consts = dot_consts(fmt, k, tile.slice) | flags | dict(BLOCK_N=tile.block_n, Q8IN=isinstance(x, Q8Acts))
+    return tile, [xf, xq, xd, *args, device_table(fmt, xf.device)], consts, tiles
 
 
 def gemv_grid_gate_up_glu(
-    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, fmt: Format, n: int, k: int, out: torch.Tensor
-) -> torch.Tensor:
+    x: torch.Tensor | Q8Acts, w_gate: torch.Tensor, w_up: torch.Tensor, fmt: Format, n: int, k: int,
+    out: torch.Tensor, *, out_q8: Q8Acts | None = None, counters: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """out (m, n) = SiLU(x @ Wg^T) * (x @ Wu^T) in one launch, both matrices n x k checkpoint rows in the grid
     format `fmt`; returns `out`. A program takes the same rows of both, so the gate's and the up product's sums
-    meet in registers."""
+    meet in registers. With `out_q8` (a step's one row, n whole 32-value blocks) the row's int8 form is written
+    too, each block by the last of its programs (`counters`: `q8_epilogue.q8_counters(n)`'s)."""
     fmt = grid_format(fmt)
-    m = check_x(x, k)
+    m = _activation(x, fmt, k)[3]
     _check_rows(w_gate, fmt, n, k)
     _check_rows(w_up, fmt, n, k)
     part_out(Part(w_gate, n, out), m)
-    _launch(x, w_gate, fmt, n, k, out, out.stride(0), w_up=w_up)
+    if out_q8 is not None:
+        if m != 1:
+            raise ValueError(f"a gated pair writes its int8 form for a step's one row, not {m}")
+        check_q8_out(out_q8, n)
+        if counters is None or counters.numel() != n // QK or counters.dtype != COUNTER_DTYPE:
+            raise ValueError(f"a gated pair's int8 form takes q8_counters({n})")
+    _launch(x, w_gate, fmt, n, k, out, out.stride(0), w_up=w_up, out_q8=out_q8, counters=counters)
     return out
 
 
 def gemv_grid_add_norm(
-    x: torch.Tensor,
+    x: torch.Tensor | Q8Acts,
     w: torch.Tensor,
     fmt: Format,
     n: int,
@@ -408,22 +465,23 @@ def gemv_grid_add_norm(
     norm_chunk: int | None = None,
 ) -> torch.Tensor:
     """One launch for a decode step's row: sum_out = x @ W^T + residual, W the n x k checkpoint rows `w` in the
-    grid format `fmt`, then out = sum_out / sqrt(mean(sum_out^2) + eps) * norm_w, the norm done by the launch's
-    last program over the sum_out it reads back (`fast_norm.norm_last`); returns `out`. The contract of
-    `epilogue.gemv_add_norm`: `sum_out` may be `residual`, `counter` is `gemv_add_norm_counter`'s, left at 0. With
-    `out_q8` the last program writes the normed row's int8 form too (`quant.store_quantized`, whole 32-value
-    blocks), so an int8 product after it needs no launch to quantize it. A row wider than the launch's
-    threads hold (`kernels.NORM_HELD_A_THREAD` a thread) is normed
-    in chunks of it (`norm_chunk`, a power of two, sets the chunk: tests)."""
+    grid format `fmt` (x f32, or its int8 form), then out = sum_out / sqrt(mean(sum_out^2) + eps) * norm_w, the
+    norm done by the launch's last program over the sum_out it reads back (`fast_norm.norm_last`); returns `out`.
+    The contract of `epilogue.gemv_add_norm`: `sum_out` may be `residual`, `counter` is `gemv_add_norm_counter`'s,
+    left at 0. With `out_q8` the last program writes the normed row's int8 form too (`quant.store_quantized`,
+    whole 32-value blocks), so an int8 product after it needs no launch to quantize it. A row wider than the
+    launch's threads hold (`kernels.NORM_HELD_A_THREAD` a thread) is normed in chunks of it (`norm_chunk`, a power
+    of two, sets the chunk: tests)."""
     fmt = grid_format(fmt)
-    x2 = x.view(1, -1) if x.dim() == 1 else x
-    if check_x(x2, k) != 1:
-        raise ValueError(f"a grid GEMV's add + norm takes a decode step's one row of x, not {x2.shape[0]}")
+    if not isinstance(x, Q8Acts):
+        x = x.view(1, -1) if x.dim() == 1 else x
+    if _activation(x, fmt, k)[3] != 1:
+        raise ValueError("a grid GEMV's add + norm takes a decode step's one row of x")
     _check_rows(w, fmt, n, k)
-    check_add_norm(residual, sum_out, norm_w, out, counter, n, x.device)
+    check_add_norm(residual, sum_out, norm_w, out, counter, n, w.device)
     if out_q8 is not None:
         check_q8_out(out_q8, n)
     row = sum_out.view(1, n)
     norm = (norm_w, out, counter, eps)
-    _launch(x2, w, fmt, n, k, row, n, residual=residual.view(1, n), norm=norm, norm_chunk=norm_chunk, out_q8=out_q8)
+    _launch(x, w, fmt, n, k, row, n, residual=residual.view(1, n), norm=norm, norm_chunk=norm_chunk, out_q8=out_q8)
     return out

@@ -24,36 +24,40 @@ from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv.parts import Part, first_tile
 from fuselane.lanes.cuda.triton.gemv.turn import Turn, check_tile, check_turns, turn_args, turn_heads
 from fuselane.lanes.cuda.triton.grid.gemv import grid_parts_product, parts_launch
+from fuselane.lanes.cuda.triton.quant import Q8Acts
 
 
 @triton.jit
 def _grid_parts_rope_kernel(
-    x, parts, res, table,
+    x, xq, xd, parts, res, table,
     q_out, k_out, k_pitch, q_w, k_w, pos, counters, eps, freq_exp, yarn_low, yarn_inv, yarn_cut,
     FMT: tl.constexpr, NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
     SLICE_C: tl.constexpr, SUPER_C: tl.constexpr, GROUP_C: tl.constexpr, TERNARY: tl.constexpr,
     PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
     Q_PART: tl.constexpr, K_PART: tl.constexpr, Q_HEADS: tl.constexpr, HD: tl.constexpr,
-    HALF_P2: tl.constexpr, NORM: tl.constexpr, K_AT_POS: tl.constexpr, YARN: tl.constexpr, PDL: tl.constexpr,
+    HALF_P2: tl.constexpr, NORM: tl.constexpr, K_AT_POS: tl.constexpr, YARN: tl.constexpr, Q8IN: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
-    part = grid_parts_product(x, parts, res, table, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N, SLICE_C, SUPER_C,
-                              GROUP_C, TERNARY, PARTS, BIAS, AT_ROW, HAS_RES)  # fmt: skip
+    part = grid_parts_product(x, xq, xd, parts, res, table, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N, SLICE_C,
+                              SUPER_C, GROUP_C, TERNARY, PARTS, BIAS, AT_ROW, HAS_RES, Q8IN)  # fmt: skip
     turn_heads(part, tl.program_id(0) - first_tile(part, parts), parts, q_out, k_out, k_pitch, q_w, k_w, pos,
                counters, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, BLOCK_N, Q_PART, K_PART, Q_HEADS, HD, HALF_P2,
                NORM, K_AT_POS, YARN)  # fmt: skip
 
 
 def gemv_grid_parts_rope(
-    x: Tensor, parts: Sequence[Part | tuple], fmt: Format, q: Turn, k: Turn, pos: Tensor, counters: Tensor, *,
+    x: Tensor | Q8Acts, parts: Sequence[Part | tuple], fmt: Format, q: Turn, k: Turn, pos: Tensor, counters: Tensor, *,
     hd: int, base: float, eps: float = 0.0, yarn: Yarn | None = None,
 ) -> None:  # fmt: skip
-    """`gemv.gemv_grid_parts` over a step's one row `x` (1, k) in the grid format `fmt`, whose parts `q.part` and
-    `k.part` (a query's and a key's raw heads, written to their parts' outputs) are then turned in the epilogue as
-    `q8_rope.gemv_q8_parts_rope` turns them. `counters` are `turn.rope_counters(q.heads, k.heads)`'s."""
+    """`gemv.gemv_grid_parts` over a step's one row `x` (1, k; or its int8 form) in the grid format `fmt`, whose
+    parts `q.part` and `k.part` (a query's and a key's raw heads, written to their parts' outputs) are then turned
+    in the epilogue as `q8_rope.gemv_q8_parts_rope` turns them. `counters` are
+    `turn.rope_counters(q.heads, k.heads)`'s."""
     parts = [Part(*p) for p in parts]
     check_turns(parts, q, k, hd, counters)
-    tile, args, consts, tiles = parts_launch(x, parts, fmt, x.shape[-1], None)
+    k_in = (x.q if isinstance(x, Q8Acts) else x).shape[-1]
+    tile, args, consts, tiles = parts_launch(x, parts, fmt, k_in, None)
     check_tile(tile.block_n, hd)
     targs, tconsts = turn_args(q, k, pos, counters, hd=hd, base=base, eps=eps, yarn=yarn)
-    _grid_parts_rope_kernel[(tiles,)](x, *args, *targs, **consts, **tconsts, num_warps=tile.warps, **pdl.options())
+    _grid_parts_rope_kernel[(tiles,)](*args, *targs, **consts, **tconsts, num_warps=tile.warps, **pdl.options())

@@ -48,7 +48,7 @@ def _grid_shape(fmt: Format) -> tuple[int, int]:
     return int(rows), int(width)
 
 
-def _grid_bytes(fmt: Format) -> int:
+def grid_bytes(fmt: Format) -> int:
     """Bytes of `fmt`'s grid in its table: where its ksigns begin."""
     rows, width = _grid_shape(fmt)
     return rows * width
@@ -112,9 +112,9 @@ TQ2_0_QS, TQ2_0_D = _at(Format.TQ2_0, "qs"), _at(Format.TQ2_0, "d")
 
 # the tables (module docstring): values a grid row, and where the ksigns begin
 ROW8, ROW4 = tl.constexpr(8), tl.constexpr(4)
-IQ2_XXS_KSIGNS = tl.constexpr(_grid_bytes(Format.IQ2_XXS))
-IQ2_XS_KSIGNS = tl.constexpr(_grid_bytes(Format.IQ2_XS))
-IQ3_XXS_KSIGNS = tl.constexpr(_grid_bytes(Format.IQ3_XXS))
+IQ2_XXS_KSIGNS = tl.constexpr(grid_bytes(Format.IQ2_XXS))
+IQ2_XS_KSIGNS = tl.constexpr(grid_bytes(Format.IQ2_XS))
+IQ3_XXS_KSIGNS = tl.constexpr(grid_bytes(Format.IQ3_XXS))
 if {_grid_shape(f)[1] for f in kernels.GRID_GEMV_FORMATS - TERNARY_FORMATS} != {ROW8.value, ROW4.value}:
     raise RuntimeError("a gguf.quants grid row is no longer 4 or 8 values wide")
 
