@@ -1,9 +1,11 @@
 """Time the grid GEMV (`grid.gemv.gemv_grid`) on a 7B's widths under tiles of (weight rows a program, warps,
 values of a super-block a k step), in GB/s of the file's bytes, each launch replayed from a CUDA graph.
 
-Usage: python benchmarks/grid_sweep.py   (on a GPU; SWEEP_QUICK=1 for the 7B's widths and three tiles)
-The module's own tile's result is compared with the f64 product of the dequantized matrix, each other tile's
-with it; a tile that does not compile is reported.
+Usage: python benchmarks/grid_sweep.py   (on a GPU; SWEEP_QUICK=1 for the 7B's widths and three tiles; SWEEP_INT8=1
+for the activation's int8 form, `grid/q8.py`'s dp4a dot)
+The module's own tile's result is compared with the f64 product of the dequantized matrix (on the f32 row: under
+SWEEP_INT8 the error is the activation's quantization's), each other tile's with it; a tile that does not compile
+is reported.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from fuselane.gguf.quantize import random_blocks
 from fuselane.lanes.cuda.plan.kernels import stored_row_bytes
 from fuselane.lanes.cuda.run.stored import stored_bytes
 from fuselane.lanes.cuda.triton.grid import gemv as G
+from fuselane.lanes.cuda.triton.quant import empty_q8, quantize
 
 SHAPES = [  # (name, format, n, k)
     ("7b gate", Format.IQ3_S, 18944, 3584),
@@ -50,19 +53,21 @@ def with_tile(bn: int, warps: int, slice_: int, call):
 def main() -> None:
     rng = np.random.default_rng(0)
     quick = os.environ.get("SWEEP_QUICK") == "1"
+    int8 = os.environ.get("SWEEP_INT8") == "1"
     for name, fmt, n, k in QUICK_SHAPES if quick else SHAPES:
         raw = random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng)
         w = torch.from_numpy(stored_bytes(fmt, raw, row_bytes(fmt, k))).cuda()
         x = torch.randn(1, k, device="cuda")
+        xin = quantize(x, empty_q8(1, k, "cuda")) if int8 else x
         want, out = torch.empty(1, n, device="cuda"), torch.empty(1, n, device="cuda")
-        G.gemv_grid(x, w, fmt, n, k, want)
+        G.gemv_grid(xin, w, fmt, n, k, want)
         ref = dequantize(raw.reshape(-1), fmt, (n, k), dtype=np.float64) @ x.double().cpu().numpy()[0]
         err = float(np.abs(want.double().cpu().numpy()[0] - ref).max() / np.abs(ref).max())
         nbytes = n * stored_row_bytes(fmt, k)
         row = []
         for bn, warps, sl in QUICK_TILES if quick else TILES:
             try:
-                took = with_tile(bn, warps, sl, lambda: timed(lambda: G.gemv_grid(x, w, fmt, n, k, out)))  # noqa: B023
+                took = with_tile(bn, warps, sl, lambda: timed(lambda: G.gemv_grid(xin, w, fmt, n, k, out)))  # noqa: B023
             except Exception as e:  # reported, not fatal
                 row.append(f"{bn}/{warps}/{sl}: {type(e).__name__}")
                 continue

@@ -155,7 +155,7 @@ def _grid_launch(op: Op, g: TensorGraph) -> bool:
     """Whether a fused op's grid matrices have a launch of the grid GEMV: a product with its bias or landing
     row, a step's projection whose last program norms its row (`grid.gemv.gemv_grid_add_norm`; with the
     normed row's int8 form, NormQuant), or a gated pair within the GEMV's rows whose gate and up product share
-    one grid format (`gemv_grid_gate_up_glu`)."""
+    one grid format (`gemv_grid_gate_up_glu`; a step's writing its int8 form too, GluActMulQuant)."""
     if op.sym.cls in _GRID_PRODUCT_CLASSES:
         return True
     if op.sym.cls in _GRID_MIXTURE_CLASSES:  # every grid matrix an expert tensor the launch multiplies
@@ -166,6 +166,11 @@ def _grid_launch(op: Op, g: TensorGraph) -> bool:
         first = op.sym.parts[0]
         closing = (C.GEMV_NORM_EPILOGUE, C.MOE_DEFERRED_FINALIZE)
         return isinstance(first.sym, Fused) and first.sym.cls in closing and _grid_launch(first, g)
+    if op.sym.cls is C.GLU_ACT_MUL_QUANT:  # a step's gated pair writing its int8 form (`gemv_grid_gate_up_glu`)
+        first = op.sym.parts[0]
+        pair = isinstance(first.sym, Fused) and first.sym.cls is C.GEMV_GATE_UP_GLU and _grid_launch(first, g)
+        p = gemv(parts(first)[0], g) if pair else None
+        return p is not None and p.m == 1
     if op.sym.cls is C.MERGED_QKV:  # a step's products in one grid format (`gemv_grid_parts`; turning a query's
         # and a key's heads, `gemv_grid_parts_rope`)
         products = [_turned_product(m, g) for m in op.sym.parts]

@@ -271,6 +271,10 @@ DEQUANT_FORMATS = ROWS_GEMV_FORMATS | VALUE_GEMV_FORMATS
 # other kernel decodes one (`fits._grid_launch`): not a launch in parts, a gather, a per-head or an expert
 # product.
 GRID_GEMV_FORMATS = GRID_FORMATS
+# The grid formats whose GEMV reads a step's one row in int8 (`triton/grid/q8.py`: grid bytes against the codes
+# in dp4a) under int8 activations, so the plan quantizes that row for them as for the int8 GEMV's formats: every
+# one with a grid; the ternary formats (TQ1_0, TQ2_0; no grid) read f32.
+GRID_INT8_FORMATS = GRID_GEMV_FORMATS - {Format.TQ1_0, Format.TQ2_0}
 # The one-row f32 GEMV's formats (`triton/gemv/fast.py`, its `GROUPS`): its add + norm epilogue, like the
 # int8 GEMV's, has the last program walk the norm's row in chunks re-read from L2, so it norms any width; only
 # the GEMV by checkpoint rows (`triton/gemv/rows.py`) holds the row in its block's registers.
@@ -363,6 +367,12 @@ def int8_gemv(fmt: Format, m: int, k: int, batch: bool = False) -> bool:
     GEMV's multiply as a chunk's do, on the tensor cores."""
     rows = m == 1 or (batch and m <= GEMV_ROWS)
     return rows and fmt in INT8_GEMV_FORMATS and k % (QK_K if fmt in SUPER_BLOCK_FORMATS else QK) == 0
+
+
+def grid_int8(fmt: Format, m: int, batch: bool = False) -> bool:
+    """Whether the grid GEMV reads a product's activation in int8: a step's one row (not a batch's rows) in
+    one of GRID_INT8_FORMATS (whole super-blocks: every grid matrix's rows are)."""
+    return m == 1 and not batch and fmt in GRID_INT8_FORMATS
 
 
 def norm_walked_in_chunks(fmt: Format, m: int, k: int, n: int, int8: bool) -> bool:

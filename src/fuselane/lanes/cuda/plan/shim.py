@@ -184,9 +184,13 @@ class CudaShim:
 
     @staticmethod
     def int8_gemv(p: GemvForm, batch: bool = False) -> bool:
-        """Whether a product by checkpoint rows is one the int8 GEMV multiplies (over a batch's rows where
-        `batch`)."""
-        return isinstance(p.weights, Rows) and kernels.int8_gemv(p.weights.format, p.m, p.k, batch)
+        """Whether a product by checkpoint rows reads its activation in int8: one the int8 GEMV multiplies (over a
+        batch's rows where `batch`), or a step's one row in a grid format the grid GEMV meets in dp4a
+        (`kernels.grid_int8`)."""
+        if not isinstance(p.weights, Rows):
+            return False
+        fmt = p.weights.format
+        return kernels.int8_gemv(fmt, p.m, p.k, batch) or kernels.grid_int8(fmt, p.m, batch)
 
     def int8_gemm(self, p: GemvForm) -> bool:
         """Whether a chunk's product multiplies on the int8 tensor cores (`gemm_tiles.int8_gemm`): past the
@@ -487,6 +491,8 @@ class CudaShim:
             return True
         if not all(isinstance(p.weights, Rows) and p.m == 1 for p in products):
             return False
+        if any(p.weights.format in kernels.GRID_GEMV_FORMATS for p in products):  # type: ignore[union-attr]
+            return False  # the grid GEMV in parts takes one grid format
         int8 = [self.reads_int8(p, g) for p in products]
         f32 = not any(int8) and all(kernels.rows_gemv(p.weights.format, 1) for p in products)  # type: ignore[union-attr]
         if not (all(int8) or f32):

@@ -37,6 +37,12 @@ def grid_table(fmt: Format, w: Any) -> None:
         device_table(fmt, w.device)
 
 
+def grid_x(name: str, fmt: Format, m: int, b: Any, x: Any):
+    """A grid product's activation as its GEMV reads it: the int8 form the plan wrote of a step's one row in a
+    format the grid GEMV meets in dp4a (`kernels.grid_int8`), else the f32 rows `x`."""
+    return b.q8[name] if kernels.grid_int8(fmt, m) and name in b.q8 else x
+
+
 def rows_view(b: Any, op: Op):
     """The destination a product or row write lands in: (buffer, (pos, pitch) or None)."""
     if op.dst.row is not None:
@@ -69,7 +75,8 @@ def product(op: Op, b: Any, *, bias: str | None = None, residual: str | None = N
     if spec.m <= kernels.GEMV_ROWS and fmt in kernels.GRID_GEMV_FORMATS:  # a grid format's own GEMV
         from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid
 
-        return [lambda: gemv_grid(x, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)]
+        xg = grid_x(op.ins[0], fmt, spec.m, b, x)
+        return [lambda: gemv_grid(xg, w, fmt, spec.n, spec.k, out, bias=bias_t, residual=res_t, out_row=row)]
     if spec.m <= kernels.GEMV_ROWS and kernels.rows_gemv(fmt, spec.m):  # a step's or a batch's rows: GEMVs
         # (Q2_K, Q3_K, IQ4_NL or IQ4_XS in a chunk of a few rows multiplies as a longer chunk's: below)
         kernel = _gemv_kernels(fmt, spec.m, out)
@@ -182,9 +189,14 @@ def gate_up(op: Op, b: Any, out_q8: Any = None):
     (wg, fmt), (wu, _) = b.raw[gate.ins[1]], b.raw[up.ins[1]]
     n, k = spec.n, spec.k
     if fmt in kernels.GRID_GEMV_FORMATS:  # the grid GEMV's pair (`fits` keeps the two in one grid format)
+        from fuselane.lanes.cuda.triton.gemv.q8_epilogue import q8_counters
         from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid_gate_up_glu
 
-        return [lambda: gemv_grid_gate_up_glu(x, wg, wu, fmt, n, k, out)]
+        xg = grid_x(gate.ins[0], fmt, spec.m, b, x)
+        if out_q8 is None:
+            return [lambda: gemv_grid_gate_up_glu(xg, wg, wu, fmt, n, k, out)]
+        counters = b.scratch.setdefault(f"glu-q8:{op.out}", q8_counters(n, out.device))
+        return [lambda: gemv_grid_gate_up_glu(xg, wg, wu, fmt, n, k, out, out_q8=out_q8, counters=counters)]
     q8 = q8_in(gate.ins[0], fmt, spec.m, k, b, out)
     if q8 is not None:
         gemv_q8, acts = q8
@@ -248,7 +260,7 @@ def merged(op: Op, b: Any):
         grid_table(fmt, products[0][0])
         if set(fmts) != {fmt} or spec.m != 1:
             raise PlanMismatch(f"{op.out}: a grid GEMV in parts takes a step's one row in one format")
-        x1 = x.view(1, spec.k)
+        x1 = grid_x(first.ins[0], fmt, 1, b, x.view(1, spec.k))
         if turned:
             return [_turned_in_gemv(turned, members, products, x1, False, fmt, b)]
         return [lambda: gemv_grid_parts(x1, products, fmt, spec.k)]
@@ -328,6 +340,8 @@ def norm_product(op: Op, b: Any) -> NormProduct:
     wt, fmt = b.raw[mm.ins[1]]
     q8 = q8_in(mm.ins[0], fmt, product.m, product.k, b, out)
     acts = q8[1] if q8 is not None and product.n % kernels.QBLOCK == 0 else None
+    if fmt in kernels.GRID_GEMV_FORMATS:  # the grid GEMV reads the int8 form at any width
+        acts = grid_x(mm.ins[0], fmt, product.m, b, None)
     counter = gemv_epilogue.gemv_add_norm_counter(x.device)  # its own: launches on one stream in turn
     return NormProduct(x, acts, wt, fmt, product.n, product.k, b.bufs[residual], b.bufs[add.out],
                        b.vec[w_op.ins[1]], spec.eps, out, counter)  # fmt: skip
@@ -341,11 +355,13 @@ def norm_epilogue(op: Op, b: Any, out_q8: Any = None):
     from fuselane.lanes.cuda.triton.gemv import fast_norm as gemv_fast_norm
 
     p = norm_product(op, b)
-    if p.fmt in kernels.GRID_GEMV_FORMATS:  # the grid GEMV's add + norm (its activation f32), the norm's int8 too
+    if p.fmt in kernels.GRID_GEMV_FORMATS:  # the grid GEMV's add + norm (its activation f32 or int8), the norm's
+        # int8 form too
         from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid_add_norm
 
         grid_table(p.fmt, p.wt)
-        return [lambda: gemv_grid_add_norm(p.x, p.wt, p.fmt, p.n, p.k, p.r, p.s, p.w, p.eps, p.out, p.counter,
+        xg = p.acts if p.acts is not None else p.x
+        return [lambda: gemv_grid_add_norm(xg, p.wt, p.fmt, p.n, p.k, p.r, p.s, p.w, p.eps, p.out, p.counter,
                                            out_q8=out_q8)]  # fmt: skip
     if p.acts is not None:
         from fuselane.lanes.cuda.triton.gemv import q8_epilogue as qe

@@ -35,8 +35,9 @@ from fuselane.lanes.cuda.triton.grid.values import (
     table_bytes,
 )
 
-# the formats this dot takes: every grid format but the ternary ones (no grid, no table rows)
-Q8_FORMATS = kernels.GRID_GEMV_FORMATS - TERNARY_FORMATS
+Q8_FORMATS = kernels.GRID_INT8_FORMATS  # every grid format but the ternary ones (no grid, no table rows)
+if Q8_FORMATS & TERNARY_FORMATS:
+    raise RuntimeError("a ternary format has no grid for the int8 dot")
 SIGNED_FORMATS = Q8_FORMATS - {Format.IQ1_S, Format.IQ1_M}
 
 
