@@ -1,6 +1,6 @@
 """The GEMV of the grid and ternary formats: y (m, n) = x (m, k) @ W^T for a step's or a batch's few rows, W the
 checkpoint's blocks in one of `kernels.GRID_GEMV_FORMATS`, each value decoded in registers (`values.grid_values`,
-its grid row gathered from the format's table), f32 activations and sums.
+its grid row gathered from the format's table), f32 activations (or a step's row in int8) and f32 sums.
 
 These formats (IQ1_*, IQ2_*, IQ3_*, TQ*) spend 1.6-3.4 bits a value; their codes index llama.cpp's grids, so a
 value costs a table gather beside its field loads. Two
@@ -18,12 +18,12 @@ the words of its 8 grid values, its signs, its scale) and decodes its 8 values f
 that finds a grid row is spent once for 8 values; a group's 8 products are summed unscaled and its scale
 applied once; the [BLOCK_M, BLOCK_N, groups] partial sums are reduced once at the end.
 
-What bounds it (H100, benchmarks/RESULTS.md 2026-12-07 seventh): a value's dependent loads (its group's fields,
-its grid row, its activation) waiting on L1 and L2, not issue: cutting the k loop from 13.6 to 12.4 instructions a
-value (IQ3_S) gained 2-4 % at the rule's tiles, where more warps in flight gained 20-90 %. It reads 400-585 GB/s
-(the 7B in IQ3_M: 119 tok/s, 13 % of the bandwidth limit). An int8 form of the activation (dp4a on four grid
-bytes at once, as llama.cpp's vec-dot) would take a value to ~1.5 instructions and a quarter of the activation
-loads; it needs the int8 GEMV's launches (`gemv.q8`) to read a table, which they do not yet.
+What bounds it (H100, benchmarks/RESULTS.md 2026-12-07 seventh): on f32 activations, a value's dependent loads
+(its group's fields, its grid row, its activation) waiting on L1 and L2, not issue: cutting the k loop from 13.6
+to 12.4 instructions a value (IQ3_S) gained 2-4 % at the rule's tiles, where more warps in flight gained 20-90 %.
+It read 400-585 GB/s. Under int8 activations a step's one row is read in int8 (`Q8IN`: `q8.grid_dot_q8`, a
+group's 8 values in two dp4a and one 64-bit load of codes), every launch here taking it as a `Q8Acts`; the
+gated pair then writes its own row's int8 form (`q8_epilogue.quantize_block_last`) for the down product.
 """
 
 from __future__ import annotations
