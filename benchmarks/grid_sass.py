@@ -10,7 +10,8 @@ cut from 13.6 to 12.4 instructions a value gained 2-4 %; benchmarks/RESULTS.md, 
 
 Run it in a process of its own, without `TRITON_INTERPRET`.
 
-Usage: python benchmarks/grid_sass.py [--formats IQ2_XXS,IQ3_S] [--n 3584] [--k 18944] [--m 1]
+Usage: python benchmarks/grid_sass.py [--formats IQ2_XXS,IQ3_S] [--n 3584] [--k 18944] [--m 1] [--int8]
+(--int8: the GEMV on a step's row in int8, `grid/q8.py`; the ternary formats keep f32)
 """
 
 from __future__ import annotations
@@ -41,19 +42,25 @@ def loop_body(sass: str) -> int:
     return 0
 
 
-def compiled(formats: list[Format], n: int, k: int, m: int) -> list[tuple[str, Format, bytes]]:
-    """(kernel, format, cubin) of each format's grid GEMV over n x k at m rows and its whole-matrix decode."""
+def compiled(formats: list[Format], n: int, k: int, m: int, int8: bool = False) -> list[tuple[str, Format, bytes]]:
+    """(kernel, format, cubin) of each format's grid GEMV over n x k at m rows (one row in int8 where `int8`) and
+    its whole-matrix decode."""
     seen: list[tuple[str, Format, bytes]] = []
     with compiling(ARCH, Report()):
         from fuselane.lanes.cuda.triton import pdl
         from fuselane.lanes.cuda.triton.grid import gemv as grid_gemv
         from fuselane.lanes.cuda.triton.grid.decode import dequantize_grid
+        from fuselane.lanes.cuda.triton.grid.q8 import Q8_FORMATS
+        from fuselane.lanes.cuda.triton.quant import Q8Acts
 
         with noting(seen), pdl.dependent_launches(True):
             for fmt in formats:
                 lay = LAYOUTS[fmt]
                 w = torch.zeros(n * (k // lay.values) * lay.nbytes, dtype=torch.uint8)
-                grid_gemv.gemv_grid(torch.zeros(m, k), w, fmt, n, k, torch.zeros(m, n))
+                x = torch.zeros(m, k)
+                if int8 and fmt in Q8_FORMATS:
+                    x = Q8Acts(torch.zeros(1, k, dtype=torch.int8), torch.zeros(1, k // 32), torch.zeros(1, k // 16))
+                grid_gemv.gemv_grid(x, w, fmt, n, k, torch.zeros(1 if int8 else m, n))
                 dequantize_grid(w, fmt, n, k, torch.zeros(n, k, dtype=torch.float16))
     return seen
 
@@ -64,9 +71,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=3584, help="the product's rows")
     ap.add_argument("--k", type=int, default=18944, help="its width (whole 256-value super-blocks)")
     ap.add_argument("--m", type=int, default=1, help="rows of x")
+    ap.add_argument("--int8", action="store_true", help="a step's row in int8 (`grid/q8.py`)")
     args = ap.parse_args()
     formats = [Format[f] for f in args.formats.split(",")]
-    cubins = compiled(formats, args.n, args.k, args.m)
+    cubins = compiled(formats, args.n, args.k, args.m, args.int8)
     from fuselane.lanes.cuda.triton.grid.decode import DECODE_WARPS, PROGRAM_BLOCKS
     from fuselane.lanes.cuda.triton.grid.gemv import grid_tile
 

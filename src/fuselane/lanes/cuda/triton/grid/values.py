@@ -31,7 +31,7 @@ from gguf import quants as gguf_quants
 
 from fuselane.gguf.formats import LAYOUTS, QK_K, Format
 from fuselane.lanes.cuda.plan import kernels
-from fuselane.lanes.cuda.triton.gemv.int8_words import INTERPRETED, prmt
+from fuselane.lanes.cuda.triton.gemv.int8_words import INTERPRETED, ld_scalar, prmt
 from fuselane.lanes.cuda.triton.gemv.layout import BIT, BYTE_BITS, CRUMB, NIBBLE, NIBBLE_BITS, load_f16
 
 if TYPE_CHECKING:
@@ -194,6 +194,15 @@ def _byte(ptr):
 
 
 @triton.jit
+def _group_byte(ptr):
+    """The uint8 field of each group at `ptr` (a byte a group: IQ3_S's and IQ2_S's sign bytes, IQ2_S's and
+    IQ1's grid bytes), as int32, loaded by inline asm: a thread's two neighbouring groups' bytes are contiguous,
+    so a `tl.load` took them in one 16-bit load of a layout of its own and handed them back through shared
+    memory, two barriers a step of the GEMV's k loop (sm_90 SASS)."""
+    return ld_scalar(ptr, 1)
+
+
+@triton.jit
 def _u16(ptr):
     """The little-endian u16 at each of `ptr`, one 16-bit load, as int32: every u16 field of these formats lies
     at an even offset of a block and every block at an even offset of the rows (their sizes are even), where
@@ -270,9 +279,9 @@ def _iq2_s(blk, table, g):
     """IQ2_S: a grid row's low 8 bits in qs, its top 2 as crumb g % 4 of qh byte g // 4; a sign byte a group;
     a 4-bit scale a sub-block of 16."""
     high = (_byte(blk + IQ2_S_QH + (g >> CRUMB_SHIFT)) >> ((g & QUAD) * CRUMB_BITS)) & CRUMB
-    row = _byte(blk + IQ2_S_QS + g) | (high << INDEX_HIGH_SHIFT)
+    row = _group_byte(blk + IQ2_S_QS + g) | (high << INDEX_HIGH_SHIFT)
     db = _iq2_scale(load_f16(blk + IQ2_S_D), blk + IQ2_S_SCALES, g)
-    signs = _byte(blk + IQ2_S_SIGNS + g)
+    signs = _group_byte(blk + IQ2_S_SIGNS + g)
     low, high = _row8_words(table, row)
     return low, high, signs, db, 0.0
 
@@ -289,22 +298,18 @@ def _iq3_xxs(blk, table, g):
 
 
 @triton.jit
-def _iq3_s_row(blk, i):
-    """IQ3_S: grid row i (4 values), its low 8 bits in qs, its 9th bit i % 8 of qh byte i // 8."""
-    high = (_byte(blk + IQ3_S_QH + (i >> GROUP8_BITS)) >> (i & IN_GROUP8)) & BIT
-    return _byte(blk + IQ3_S_QS + i) | (high << INDEX_HIGH_SHIFT)
-
-
-@triton.jit
 def _iq3_s(blk, table, g):
     """IQ3_S: two grid rows of 4 values a group; a sign byte a group; value = d * (1 + 2 * scale), a 4-bit
-    scale a sub-block of 32."""
+    scale a sub-block of 32. Row i's low 8 bits are qs byte i, its 9th bit i % 8 of qh byte i // 8: a group's
+    rows 2g and 2g + 1 are one u16 of qs (at an even offset) and two neighbouring bits of one qh byte."""
     i = g * ROWS_A_GROUP
-    low = _row_word(table, _iq3_s_row(blk, i), ROW4, False)
-    high = _row_word(table, _iq3_s_row(blk, i + 1), ROW4, True)
+    qs = _u16(blk + IQ3_S_QS + i)
+    qh = _byte(blk + IQ3_S_QH + (i >> GROUP8_BITS)) >> (i & IN_GROUP8)
+    low = _row_word(table, (qs & BYTE) | ((qh & BIT) << INDEX_HIGH_SHIFT), ROW4, False)
+    high = _row_word(table, (qs >> BYTE_BITS) | (((qh >> 1) & BIT) << INDEX_HIGH_SHIFT), ROW4, True)
     scale = (_byte(blk + IQ3_S_SCALES + (g >> SUB64_GROUPS)) >> (((g >> SUB32_GROUPS) & BIT) * NIBBLE_BITS)) & NIBBLE
     db = load_f16(blk + IQ3_S_D) * (scale * 2 + 1).to(tl.float32)
-    return low, high, _byte(blk + IQ3_S_SIGNS + g), db, 0.0
+    return low, high, _group_byte(blk + IQ3_S_SIGNS + g), db, 0.0
 
 
 @triton.jit
@@ -312,7 +317,7 @@ def _iq1_s(blk, table, g):
     """IQ1_S: a grid row's low 8 bits in qs, its top 3 in the u16 of its sub-block of 32 (3 bits a group of 8,
     then the 3-bit scale and the delta's sign); value = d * (2 * scale + 1) * (grid value +- 1/8), no signs."""
     qh = _u16(blk + IQ1_S_QH + (g >> SUB32_GROUPS) * HALF_BYTES)
-    row = _byte(blk + IQ1_S_QS + g) | (((qh >> ((g & QUAD) * THREE_BITS)) & SEVEN) << INDEX_HIGH_SHIFT)
+    row = _group_byte(blk + IQ1_S_QS + g) | (((qh >> ((g & QUAD) * THREE_BITS)) & SEVEN) << INDEX_HIGH_SHIFT)
     dl = load_f16(blk + IQ1_S_D) * (((qh >> IQ1_S_SCALE_SHIFT) & SEVEN) * 2 + 1).to(tl.float32)
     delta = tl.where((qh & IQ1_S_NEGATIVE) != 0, IQ1_NEG_DELTA, IQ1_DELTA)
     low, high = _row8_words(table, row)
@@ -333,7 +338,7 @@ def _iq1_m(blk, table, g):
     """IQ1_M: a grid row's low 8 bits in qs, its top 3 and the delta's sign in a nibble of qh (one a group of
     8); value = d * (2 * scale + 1) * (grid value +- 1/8), a 3-bit scale a sub-block of 16, no signs."""
     entry = (_byte(blk + IQ1_M_QH + (g >> NIBBLE_SHIFT)) >> ((g & BIT) * NIBBLE_BITS)) & NIBBLE
-    row = _byte(blk + IQ1_M_QS + g) | ((entry & SEVEN) << INDEX_HIGH_SHIFT)
+    row = _group_byte(blk + IQ1_M_QS + g) | ((entry & SEVEN) << INDEX_HIGH_SHIFT)
     i = g >> SUB16_GROUPS  # scale i: bits 3 * (i % 4) of u16 i // 4 of `scales`
     word = _u16(blk + IQ1_M_SCALES + (i >> IQ1_M_WORD_SHIFT) * HALF_BYTES)
     scale = (word >> ((i & QUAD) * THREE_BITS)) & SEVEN
