@@ -2,7 +2,7 @@
 values of a super-block a k step), in GB/s of the file's bytes, each launch replayed from a CUDA graph.
 
 Usage: python benchmarks/grid_sweep.py   (on a GPU; SWEEP_QUICK=1 for the 7B's widths and three tiles; SWEEP_INT8=1
-for the activation's int8 form, `grid/q8.py`'s dp4a dot)
+for the activation's int8 form, `grid/q8.py`'s dp4a dot; SWEEP_ALL_TILES=1 every tile at the quick shapes)
 The module's own tile's result is compared with the f64 product of the dequantized matrix (on the f32 row: under
 SWEEP_INT8 the error is the activation's quantization's), each other tile's with it; a tile that does not compile
 is reported.
@@ -54,6 +54,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     quick = os.environ.get("SWEEP_QUICK") == "1"
     int8 = os.environ.get("SWEEP_INT8") == "1"
+    all_tiles = os.environ.get("SWEEP_ALL_TILES") == "1"
     for name, fmt, n, k in QUICK_SHAPES if quick else SHAPES:
         raw = random_blocks(fmt, n * k // LAYOUTS[fmt].values, rng)
         w = torch.from_numpy(stored_bytes(fmt, raw, row_bytes(fmt, k))).cuda()
@@ -65,7 +66,7 @@ def main() -> None:
         err = float(np.abs(want.double().cpu().numpy()[0] - ref).max() / np.abs(ref).max())
         nbytes = n * stored_row_bytes(fmt, k)
         row = []
-        for bn, warps, sl in QUICK_TILES if quick else TILES:
+        for bn, warps, sl in QUICK_TILES if quick and not all_tiles else TILES:
             try:
                 took = with_tile(bn, warps, sl, lambda: timed(lambda: G.gemv_grid(xin, w, fmt, n, k, out)))  # noqa: B023
             except Exception as e:  # reported, not fatal
