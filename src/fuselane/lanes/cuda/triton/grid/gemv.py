@@ -444,6 +444,8 @@ def gemv_grid_gate_up_glu(
         check_q8_out(out_q8, n)
         if counters is None or counters.numel() != n // QK or counters.dtype != COUNTER_DTYPE:
             raise ValueError(f"a gated pair's int8 form takes q8_counters({n})")
+        if QK % grid_tile(n).block_n:  # a block is quantized by the last of its whole programs
+            raise ValueError(f"a gated pair's int8 form needs a tile of rows dividing {QK}")
     _launch(x, w_gate, fmt, n, k, out, out.stride(0), w_up=w_up, out_q8=out_q8, counters=counters)
     return out
 
