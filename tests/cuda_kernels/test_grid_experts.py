@@ -65,6 +65,31 @@ def test_gate_up_reads_only_the_kept_experts(fmt, rows):
         assert np.all(np.abs(got - silu * u) <= bound), f"pair {p}"
 
 
+@pytest.mark.parametrize("fmt", [Format.IQ2_XXS, Format.IQ3_S, Format.IQ1_M])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gate_up_on_int8_rows_matches_f64(fmt, rows):
+    # each row quantized by the lane (`quant.quantize`); the products over its codes in f64, the gate's and the
+    # up product's integer sums exact, so within the f32 dot's bound of them
+    rng = np.random.default_rng(int(fmt) * 5 + rows)
+    experts, n, k, slots = 5, 48, 512, 3
+    rg, wg = _experts(fmt, experts, n, k, rng)
+    ru, wu = _experts(fmt, experts, n, k, rng)
+    acts = quant.quantize(dev(rng.standard_normal((rows, k)).astype(np.float32)), quant.empty_q8(rows, k, DEVICE))
+    codes = acts.q.cpu().numpy().astype(np.float64).reshape(rows, -1, 32)
+    x = (codes * acts.d.cpu().numpy().astype(np.float64).reshape(rows, -1, 1)).reshape(rows, k)
+    ids = IDS[:rows]
+    out = torch.full((rows * slots, n), np.nan, device=DEVICE)
+    grid_gate_up(acts, dev(rg), dev(ru), fmt, dev(ids), n, k, out)
+    for p, e in enumerate(ids.reshape(-1)):
+        xr = x[p // slots]
+        g, u = wg[e] @ xr, wu[e] @ xr
+        silu = g / (1 + np.exp(-g))
+        bound = SILU_SLOPE * _dot_bound(wg[e], xr) * np.abs(u) + np.abs(silu) * _dot_bound(wu[e], xr)
+        bound += 4 * gamma(1) * np.abs(silu * u) + 1e-30
+        got = out[p].double().cpu().numpy()
+        assert np.all(np.abs(got - silu * u) <= bound), f"pair {p}"
+
+
 @pytest.mark.parametrize(
     ("fmt", "rows", "adds", "norm", "q8"),
     [(Format.IQ2_XS, 1, 1, True, True), (Format.IQ3_XXS, 2, 2, True, False), (Format.IQ1_S, 2, 1, False, False),

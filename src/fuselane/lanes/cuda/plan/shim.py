@@ -249,12 +249,17 @@ class CudaShim:
     @staticmethod
     def _experts_read_int8(op: Op, x: str, g: TensorGraph) -> bool:
         """Whether the kept experts' products of `op` that read `x` are ones the int8 GEMV multiplies (its
-        formats, whole blocks): only then is `x` quantized for them."""
+        formats, whole blocks), or a step's gate/up products in a grid format (`grid.experts.grid_gate_up`): only
+        then is `x` quantized for them."""
         products = [p for p in leaves(op) if isinstance(p.sym, ExpertMatmul) and p.ins[0] == x]
+        gate_up = class_of(op) is C.MOE_GATE_UP_ACT  # the grid experts' gate/up launch reads a step's row in int8
         for p in products:
             storage = g.tensors[p.ins[1]].storage
             spec: ExpertMatmul = p.sym  # type: ignore[assignment]
-            if not isinstance(storage, Rows) or not kernels.int8_gemv(storage.format, 1, spec.kd):
+            if not isinstance(storage, Rows):
+                return False
+            fmt = storage.format
+            if not (kernels.int8_gemv(fmt, 1, spec.kd) or gate_up and kernels.grid_int8(fmt, spec.rows)):
                 return False
         return bool(products)
 

@@ -6,7 +6,8 @@ grouped GEMM instead (`moe/grouped.py`, its weight tiles from `values.grid_tile`
 Two launches, as the other formats' (`moe/gate_up.py`, `moe/down.py`) with f32 activations, each tile the grid
 GEMV's first tile's 16 weight rows (`EXPERT_TILE`), so a step's few pairs still spread over the chip:
 - `grid_gate_up` (MoeGateUpAct): a program takes GATE_UP_ROWS rows of a pair's expert, those of its gate and
-  of its up matrix in one tile, and stores their SwiGLU;
+  of its up matrix in one tile, and stores their SwiGLU; a decode step's row in int8 where the plan quantized it
+  (`q8.grid_dot_q8`: dp4a on the grid bytes), the f32 row otherwise;
 - `grid_down_combine` (MoeDownCombine, MoeDeferredFinalize): a program takes `down_rows(slots)` rows of the
   model's width for every kept expert of its row at once (slot-major, each weight row with its own pair's
   activation, as the int8 down's tile), so their loads are in flight together rather than one expert after
@@ -30,9 +31,11 @@ from fuselane.lanes.cuda.triton.gemv import fast_norm
 from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
 from fuselane.lanes.cuda.triton.gemv.q8_epilogue import check_q8_out
 from fuselane.lanes.cuda.triton.grid.gemv import GridTile, dot_consts, grid_dot
+from fuselane.lanes.cuda.triton.grid.q8 import Q8_FORMATS, grid_dot_q8
 from fuselane.lanes.cuda.triton.grid.values import device_table
 from fuselane.lanes.cuda.triton.moe.down import Norm
 from fuselane.lanes.cuda.triton.moe.down_rows import adds as added
+from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts
 
 # the int8 form of a normed row: a scale a 32-value block, a sum a 16-value half (`quant.Q8Acts`)
 Q8_BLOCK, Q8_SUM = tl.constexpr(QK), tl.constexpr(QK // 2)
@@ -44,10 +47,11 @@ GATE_UP_ROWS = EXPERT_TILE.block_n // 2
 
 @triton.jit
 def _gate_up_kernel(
-    x, w_gate, w_up, table, ids, out,
+    x, xq, xd, w_gate, w_up, table, ids, out,
     N: tl.constexpr, KD: tl.constexpr, SLOTS: tl.constexpr, EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr,
     NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, ROWS: tl.constexpr,
-    SLICE_C: tl.constexpr, SUPER_C: tl.constexpr, GROUP_C: tl.constexpr, TERNARY: tl.constexpr, PDL: tl.constexpr,
+    SLICE_C: tl.constexpr, SUPER_C: tl.constexpr, GROUP_C: tl.constexpr, TERNARY: tl.constexpr, Q8IN: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)  # the ids and the activation are the launches' before
     pair = tl.program_id(1)
@@ -56,10 +60,13 @@ def _gate_up_kernel(
     rows = tl.program_id(0) * ROWS + i % ROWS
     base = e * EXPERT_BYTES
     w = tl.where(i < ROWS, w_gate + base, w_up + base)
-    one = tl.arange(0, 1)
-    x_row = x + (pair // SLOTS).to(tl.int64) * KD + one
-    y = grid_dot(w, table, N, x_row, rows, i * 0, FMT, NBYTES, ROW_BYTES, STEPS, 1, 2 * ROWS, SLICE_C,
-                 SUPER_C, GROUP_C, TERNARY)  # fmt: skip
+    row = (pair // SLOTS).to(tl.int64)
+    if Q8IN:  # the pair's row in int8: its codes and its blocks' scales
+        y = grid_dot_q8(w, table, N, xq + row * KD, xd + row * (KD // Q8_BLOCK), rows, FMT, NBYTES, ROW_BYTES,
+                        STEPS, 2 * ROWS, SLICE_C, SUPER_C, GROUP_C)  # fmt: skip
+    else:
+        y = grid_dot(w, table, N, x + row * KD + tl.arange(0, 1), rows, i * 0, FMT, NBYTES, ROW_BYTES, STEPS, 1,
+                     2 * ROWS, SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
     halves = tl.reshape(y, [2, ROWS])
     half = tl.arange(0, 2)[:, None]
     gate = tl.sum(tl.where(half == 0, halves, 0.0), 0)
@@ -121,23 +128,31 @@ def _check(w: Tensor, fmt: Format, n: int, k: int, ids: Tensor) -> int:
     return w.numel() // expert
 
 
-def grid_gate_up(x: Tensor, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: Tensor, n: int, k: int,
+def grid_gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: Tensor, n: int, k: int,
                  out: Tensor) -> Tensor:  # fmt: skip
     """out (pairs, n) f32 = SiLU(x[row] @ Wg[e]^T) * (x[row] @ Wu[e]^T) for each (row, slot) pair, e = ids[pair]
-    (int32 (rows, slots)), Wg and Wu (experts, n, k) checkpoint rows in the grid format `fmt`, x f32 (rows, k).
-    One launch."""
+    (int32 (rows, slots)), Wg and Wu (experts, n, k) checkpoint rows in the grid format `fmt`, x f32 (rows, k) or
+    its int8 form (a grid format's, not a ternary one's: `q8.grid_dot_q8`). One launch."""
     fmt = Format(fmt)
     experts = _check(w_gate, fmt, n, k, ids)
     if w_up.numel() != w_gate.numel():
         raise ValueError("the gate and up experts must be the same shape")
     rows, slots = ids.shape
-    if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != rows * k:
+    q8in = isinstance(x, Q8Acts)
+    if q8in:
+        if fmt not in Q8_FORMATS:
+            raise ValueError(f"the grid experts read {fmt.name}'s activation as f32, not int8")
+        check_acts(x, k, rows)
+        xf, xq, xd = x.d, x.q, x.d  # x.d stands in for the f32 row, never read
+    elif x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != rows * k:
         raise ValueError(f"x must be contiguous f32 ({rows}, {k})")
+    else:
+        xf, xq, xd = x, x, x
     if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != rows * slots * n:
         raise ValueError(f"out must be contiguous f32 ({rows * slots}, {n})")
     _gate_up_kernel[(triton.cdiv(n, GATE_UP_ROWS), ids.numel())](
-        x, w_gate, w_up, device_table(fmt, w_gate.device), ids, out, N=n, KD=k, SLOTS=ids.shape[1],
-        EXPERT_BYTES=w_gate.numel() // experts, ROWS=GATE_UP_ROWS, **dot_consts(fmt, k, EXPERT_TILE.slice),
+        xf, xq, xd, w_gate, w_up, device_table(fmt, w_gate.device), ids, out, N=n, KD=k, SLOTS=ids.shape[1],
+        EXPERT_BYTES=w_gate.numel() // experts, ROWS=GATE_UP_ROWS, **dot_consts(fmt, k, EXPERT_TILE.slice), Q8IN=q8in,
         num_warps=EXPERT_TILE.warps,
         **pdl.options(),
     )  # fmt: skip
