@@ -90,6 +90,37 @@ def test_gate_up_on_int8_rows_matches_f64(fmt, rows):
         assert np.all(np.abs(got - silu * u) <= bound), f"pair {p}"
 
 
+@pytest.mark.parametrize("fmt", [Format.IQ2_S, Format.IQ1_S])
+def test_the_int8_pairs_feed_the_int8_down(fmt):
+    # gate/up writes each pair's SwiGLU row in int8 too (the lane's own quantize of it, bit for bit, the counters
+    # left at zero); the down reads those codes: within the f32 dot's bound of f64 over them
+    from fuselane.lanes.cuda.triton.gemv.q8_epilogue import q8_counters
+
+    rng = np.random.default_rng(int(fmt))
+    experts, d, dff, k, rows, slots = 5, 64, 256, 256, 1, 3
+    rg, _ = _experts(fmt, experts, dff, k, rng)
+    ru, _ = _experts(fmt, experts, dff, k, rng)
+    rd, wd = _experts(fmt, experts, d, dff, rng)
+    ids, pairs = IDS[:rows], rows * slots
+    x = quant.quantize(dev(rng.standard_normal((rows, k)).astype(np.float32)), quant.empty_q8(rows, k, DEVICE))
+    h, hq = torch.empty((pairs, dff), device=DEVICE), quant.empty_q8(pairs, dff, DEVICE)
+    counters = q8_counters(pairs * dff, DEVICE)
+    grid_gate_up(x, dev(rg), dev(ru), fmt, dev(ids), dff, k, h, hq, counters)
+    for got, ref in zip(hq, quant.quantize(h, quant.empty_q8(pairs, dff, DEVICE)), strict=True):
+        assert torch.equal(got.cpu(), ref.cpu())
+    assert not counters.any()
+    weights = rng.random((rows, slots)).astype(np.float32)
+    sum_out = torch.empty((rows, d), device=DEVICE)
+    grid_down_combine(hq, dev(rd), fmt, dev(ids), dev(weights), d, dff, sum_out)
+    codes = hq.q.cpu().numpy().astype(np.float64).reshape(pairs, -1, 32)
+    hx = (codes * hq.d.cpu().numpy().astype(np.float64).reshape(pairs, -1, 1)).reshape(pairs, dff)
+    for r in range(rows):
+        terms = [weights[r, j] * (wd[ids[r, j]] @ hx[r * slots + j]) for j in range(slots)]
+        bound = sum(weights[r, j] * _dot_bound(wd[ids[r, j]], hx[r * slots + j]) for j in range(slots))
+        bound += slots * gamma(2) * sum(np.abs(t) for t in terms) + 1e-30
+        assert np.all(np.abs(sum_out[r].double().cpu().numpy() - sum(terms)) <= bound)
+
+
 @pytest.mark.parametrize(
     ("fmt", "rows", "adds", "norm", "q8"),
     [(Format.IQ2_XS, 1, 1, True, True), (Format.IQ3_XXS, 2, 2, True, False), (Format.IQ1_S, 2, 1, False, False),

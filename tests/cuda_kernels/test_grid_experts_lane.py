@@ -44,16 +44,20 @@ def _holding(path: str, matrix: str) -> list[C]:
 
 
 @pytest.mark.parametrize(
-    ("formats", "activations"),
+    ("formats", "activations", "gate_up"),
     [
-        ({"ffn_gate_exps": Format.IQ2_XXS, "ffn_up_exps": Format.IQ2_XXS, "ffn_down_exps": Format.IQ3_S}, "int8"),
-        ({"ffn_gate_exps": Format.IQ1_M, "ffn_up_exps": Format.IQ1_M, "ffn_down_exps": Format.TQ1_0}, "dequant"),
+        # a step's row in int8 for the gate/up experts, which write their SwiGLU rows' int8 form for the down
+        ({"ffn_gate_exps": Format.IQ2_XXS, "ffn_up_exps": Format.IQ2_XXS, "ffn_down_exps": Format.IQ3_S}, "int8",
+         C.GLU_ACT_MUL_QUANT),
+        # a ternary down product reads f32: the gate/up launch writes no int8 form
+        ({"ffn_gate_exps": Format.IQ1_M, "ffn_up_exps": Format.IQ1_M, "ffn_down_exps": Format.TQ1_0}, "dequant",
+         C.MOE_GATE_UP_ACT),
     ],
     ids=["iq2_xxs-iq3_s-int8", "iq1_m-tq1_0-dequant"],
-)
-def test_grid_experts_run_as_the_cpu_lane(tmp_path, formats, activations):
+)  # fmt: skip
+def test_grid_experts_run_as_the_cpu_lane(tmp_path, formats, activations, gate_up):
     path = _write(tmp_path / "m.gguf", QWEN3MOE, formats)
-    assert _holding(path, "blk.0.ffn_gate_exps.weight") == [C.MOE_GATE_UP_ACT]
+    assert _holding(path, "blk.0.ffn_gate_exps.weight") == [gate_up]
     runs_as_the_cpu_lane(path, PROMPT, SHORT, DECODE, ctx=32, knobs=[f"activations={activations}"])
 
 

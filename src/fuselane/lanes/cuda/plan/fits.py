@@ -166,10 +166,13 @@ def _grid_launch(op: Op, g: TensorGraph) -> bool:
         first = op.sym.parts[0]
         closing = (C.GEMV_NORM_EPILOGUE, C.MOE_DEFERRED_FINALIZE)
         return isinstance(first.sym, Fused) and first.sym.cls in closing and _grid_launch(first, g)
-    if op.sym.cls is C.GLU_ACT_MUL_QUANT:  # a step's gated pair writing its int8 form (`gemv_grid_gate_up_glu`)
+    if op.sym.cls is C.GLU_ACT_MUL_QUANT:  # a step's gated pair or kept experts' gate/up writing its int8 form
         first = op.sym.parts[0]
-        pair = isinstance(first.sym, Fused) and first.sym.cls is C.GEMV_GATE_UP_GLU and _grid_launch(first, g)
-        p = gemv(parts(first)[0], g) if pair else None
+        if not (isinstance(first.sym, Fused) and _grid_launch(first, g)):
+            return False
+        if first.sym.cls is C.MOE_GATE_UP_ACT:  # `grid.experts.grid_gate_up`
+            return all(leaf.sym.rows == 1 for leaf in leaves(first) if isinstance(leaf.sym, ExpertMatmul))
+        p = gemv(parts(first)[0], g) if first.sym.cls is C.GEMV_GATE_UP_GLU else None  # `gemv_grid_gate_up_glu`
         return p is not None and p.m == 1
     if op.sym.cls is C.MERGED_QKV:  # a step's products in one grid format (`gemv_grid_parts`; turning a query's
         # and a key's heads, `gemv_grid_parts_rope`)

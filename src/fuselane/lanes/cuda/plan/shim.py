@@ -249,17 +249,16 @@ class CudaShim:
     @staticmethod
     def _experts_read_int8(op: Op, x: str, g: TensorGraph) -> bool:
         """Whether the kept experts' products of `op` that read `x` are ones the int8 GEMV multiplies (its
-        formats, whole blocks), or a step's gate/up products in a grid format (`grid.experts.grid_gate_up`): only
-        then is `x` quantized for them."""
+        formats, whole blocks), or a step's in a grid format (`grid.experts`): only then is `x` quantized for
+        them."""
         products = [p for p in leaves(op) if isinstance(p.sym, ExpertMatmul) and p.ins[0] == x]
-        gate_up = class_of(op) is C.MOE_GATE_UP_ACT  # the grid experts' gate/up launch reads a step's row in int8
         for p in products:
             storage = g.tensors[p.ins[1]].storage
             spec: ExpertMatmul = p.sym  # type: ignore[assignment]
             if not isinstance(storage, Rows):
                 return False
             fmt = storage.format
-            if not (kernels.int8_gemv(fmt, 1, spec.kd) or gate_up and kernels.grid_int8(fmt, spec.rows)):
+            if not (kernels.int8_gemv(fmt, 1, spec.kd) or kernels.grid_int8(fmt, spec.rows)):
                 return False
         return bool(products)
 
@@ -271,7 +270,8 @@ class CudaShim:
         if product is None or not isinstance(storage, Rows) or self.activation(op, 0, g) is None:
             return False
         spec: ExpertMatmul = product.sym  # type: ignore[assignment]
-        return kernels.int8_gemv(storage.format, spec.rows, spec.kd) and spec.n % kernels.QBLOCK == 0
+        int8 = kernels.int8_gemv(storage.format, spec.rows, spec.kd) or kernels.grid_int8(storage.format, spec.rows)
+        return int8 and spec.n % kernels.QBLOCK == 0
 
     def rules(self) -> list[tuple[Position, LaneRule]]:
         """The lane's own rules and where they link into the shared table (`rules`): the GEMV in parts before

@@ -232,7 +232,12 @@ def gate_up_act(op: Op, b, out_q8: Any = None) -> list:
         x = b.bufs[gate.ins[0]].view(spec.rows, spec.kd)
         if kernels.grid_int8(fmt, spec.rows) and gate.ins[0] in b.q8:
             x = b.q8[gate.ins[0]]
-        return [lambda: _grid_experts().grid_gate_up(x, wg, wu, fmt, ids, spec.n, spec.kd, out)]
+        counters = None
+        if out_q8 is not None:  # each pair's row in int8 too, for the down product (GluActMulQuant)
+            from fuselane.lanes.cuda.triton.gemv.q8_epilogue import q8_counters
+
+            counters = b.scratch.setdefault(f"moe-q8:{op.out}", q8_counters(ids.numel() * spec.n, out.device))
+        return [lambda: _grid_experts().grid_gate_up(x, wg, wu, fmt, ids, spec.n, spec.kd, out, out_q8, counters)]
     q8 = _int8(b, gate.ins[0], fmt, spec.n, spec.kd, spec.rows)
     if q8 is None:
         _check_f32_experts(fmt, spec.rows)
@@ -355,6 +360,8 @@ def down_combine(op: Op, b, out_q8: Any = None) -> list:
     ids = _ids(b, p.down.ins[2]).view(mix.rows, mix.k)
     weights = b.bufs[p.mix.ins[1]]
     q8 = _int8(b, p.down.ins[0], fmt, spec.n, spec.kd, mix.rows)
+    if kernels.grid_int8(fmt, mix.rows):  # the grid experts' down reads the pairs' int8 rows where written
+        q8 = b.q8.get(p.down.ins[0])
     h = q8 if q8 is not None else b.bufs[p.down.ins[0]].view(mix.rows * mix.k, spec.kd)
     adds = tuple(b.bufs[name] for name in p.adds)
     shared = _shared(b, p.shared, op, p.down.ins[2], q8 is None) if p.shared else None

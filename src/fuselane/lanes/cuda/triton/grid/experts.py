@@ -8,7 +8,8 @@ GEMV's first tile's 16 weight rows (`EXPERT_TILE`), so a step's few pairs still 
 - `grid_gate_up` (MoeGateUpAct): a program takes GATE_UP_ROWS rows of a pair's expert, those of its gate and
   of its up matrix in one tile, and stores their SwiGLU; a decode step's row in int8 where the plan quantized it
   (`q8.grid_dot_q8`: dp4a on the grid bytes), the f32 row otherwise;
-- `grid_down_combine` (MoeDownCombine, MoeDeferredFinalize): a program takes `down_rows(slots)` rows of the
+- `grid_down_combine` (MoeDownCombine, MoeDeferredFinalize; the pairs' SwiGLU rows in int8 where the gate/up
+  launch wrote them, GluActMulQuant): a program takes `down_rows(slots)` rows of the
   model's width for every kept expert of its row at once (slot-major, each weight row with its own pair's
   activation, as the int8 down's tile), so their loads are in flight together rather than one expert after
   another; it sums the slots' weighted products (a fixed tree, the same bits at every replay), then the arrays
@@ -28,8 +29,9 @@ from fuselane.gguf.formats import LAYOUTS, QK, QK_K, Format
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton import pdl
 from fuselane.lanes.cuda.triton.gemv import fast_norm
+from fuselane.lanes.cuda.triton.gemv.epilogue import COUNTER_DTYPE
 from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
-from fuselane.lanes.cuda.triton.gemv.q8_epilogue import check_q8_out
+from fuselane.lanes.cuda.triton.gemv.q8_epilogue import check_q8_out, quantize_block_last
 from fuselane.lanes.cuda.triton.grid.gemv import GridTile, dot_consts, grid_dot
 from fuselane.lanes.cuda.triton.grid.q8 import Q8_FORMATS, grid_dot_q8
 from fuselane.lanes.cuda.triton.grid.values import device_table
@@ -47,11 +49,11 @@ GATE_UP_ROWS = EXPERT_TILE.block_n // 2
 
 @triton.jit
 def _gate_up_kernel(
-    x, xq, xd, w_gate, w_up, table, ids, out,
+    x, xq, xd, w_gate, w_up, table, ids, out, oq, od, os_, counters,
     N: tl.constexpr, KD: tl.constexpr, SLOTS: tl.constexpr, EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr,
     NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, ROWS: tl.constexpr,
     SLICE_C: tl.constexpr, SUPER_C: tl.constexpr, GROUP_C: tl.constexpr, TERNARY: tl.constexpr, Q8IN: tl.constexpr,
-    PDL: tl.constexpr,
+    Q8OUT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)  # the ids and the activation are the launches' before
     pair = tl.program_id(1)
@@ -62,8 +64,8 @@ def _gate_up_kernel(
     w = tl.where(i < ROWS, w_gate + base, w_up + base)
     row = (pair // SLOTS).to(tl.int64)
     if Q8IN:  # the pair's row in int8: its codes and its blocks' scales
-        y = grid_dot_q8(w, table, N, xq + row * KD, xd + row * (KD // Q8_BLOCK), rows, FMT, NBYTES, ROW_BYTES,
-                        STEPS, 2 * ROWS, SLICE_C, SUPER_C, GROUP_C)  # fmt: skip
+        y = grid_dot_q8(w, table, N, xq + row * KD, xd + row * (KD // Q8_BLOCK), rows, i * 0, FMT, NBYTES,
+                        ROW_BYTES, STEPS, 2 * ROWS, SLICE_C, SUPER_C, GROUP_C)  # fmt: skip
     else:
         y = grid_dot(w, table, N, x + row * KD + tl.arange(0, 1), rows, i * 0, FMT, NBYTES, ROW_BYTES, STEPS, 1,
                      2 * ROWS, SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
@@ -74,16 +76,22 @@ def _gate_up_kernel(
     # SiLU(g) = g / (1 + e^-g): for a very negative g, e^-g is inf and the quotient a signed zero, as it should
     h = gate / (1.0 + tl.exp(-gate)) * up
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    tl.store(out + pair.to(tl.int64) * N + r, h, mask=r < N)
+    at = pair.to(tl.int64)
+    tl.store(out + at * N + r, h, mask=r < N)
+    if Q8OUT:  # the pair's row in int8 for the down product, a block by the last of its programs
+        blocks = N // Q8_BLOCK
+        quantize_block_last(out + at * N, tl.program_id(0), N, oq + at * N, od + at * blocks,
+                            os_ + at * (N // Q8_SUM), counters + at * blocks, ROWS)  # fmt: skip
 
 
 @triton.jit
 def _down_kernel(
-    h, w, table, ids, weights, a0, a1, sum_out, norm_w, normed, oq, od, os_, counters, eps,
+    h, hq, hd, w, table, ids, weights, a0, a1, sum_out, norm_w, normed, oq, od, os_, counters, eps,
     D: tl.constexpr, DFF: tl.constexpr, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, EXPERT_BYTES: tl.constexpr,
     ADDS: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, Q8OUT: tl.constexpr,
     FMT: tl.constexpr, NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, ROWS: tl.constexpr,
-    SLICE_C: tl.constexpr, SUPER_C: tl.constexpr, GROUP_C: tl.constexpr, TERNARY: tl.constexpr, PDL: tl.constexpr,
+    SLICE_C: tl.constexpr, SUPER_C: tl.constexpr, GROUP_C: tl.constexpr, TERNARY: tl.constexpr, Q8IN: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
     row = tl.program_id(1).to(tl.int64)
@@ -95,9 +103,12 @@ def _down_kernel(
     pair = row * SLOTS + tl.minimum(slot, SLOTS - 1)
     e = tl.load(ids + pair).to(tl.int64)
     wt = tl.where(slot < SLOTS, tl.load(weights + pair), 0.0)
-    one = tl.arange(0, 1)
-    y = grid_dot(w + e * EXPERT_BYTES, table, D, h + one, first + i % ROWS, pair * DFF, FMT, NBYTES,
-                 ROW_BYTES, STEPS, 1, SLOTS_P2 * ROWS, SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
+    if Q8IN:  # each pair's SwiGLU row in int8 (the gate/up launch wrote it)
+        y = grid_dot_q8(w + e * EXPERT_BYTES, table, D, hq, hd, first + i % ROWS, pair * DFF, FMT, NBYTES,
+                        ROW_BYTES, STEPS, SLOTS_P2 * ROWS, SLICE_C, SUPER_C, GROUP_C)  # fmt: skip
+    else:
+        y = grid_dot(w + e * EXPERT_BYTES, table, D, h + tl.arange(0, 1), first + i % ROWS, pair * DFF, FMT,
+                     NBYTES, ROW_BYTES, STEPS, 1, SLOTS_P2 * ROWS, SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
     acc = tl.sum(tl.reshape(tl.reshape(y, [SLOTS_P2 * ROWS]) * wt, [SLOTS_P2, ROWS]), 0)
     if ADDS > 0:
         acc += added(a0, a1, row, first, D, ROWS, ADDS)
@@ -129,10 +140,12 @@ def _check(w: Tensor, fmt: Format, n: int, k: int, ids: Tensor) -> int:
 
 
 def grid_gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: Tensor, n: int, k: int,
-                 out: Tensor) -> Tensor:  # fmt: skip
+                 out: Tensor, out_q8: Q8Acts | None = None, counters: Tensor | None = None) -> Tensor:  # fmt: skip
     """out (pairs, n) f32 = SiLU(x[row] @ Wg[e]^T) * (x[row] @ Wu[e]^T) for each (row, slot) pair, e = ids[pair]
     (int32 (rows, slots)), Wg and Wu (experts, n, k) checkpoint rows in the grid format `fmt`, x f32 (rows, k) or
-    its int8 form (a grid format's, not a ternary one's: `q8.grid_dot_q8`). One launch."""
+    its int8 form (a grid format's, not a ternary one's: `q8.grid_dot_q8`). With `out_q8` each pair's row is
+    written in int8 too (n whole 32-value blocks, each by the last of its programs: `counters`,
+    `q8_counters(pairs * n)`'s). One launch."""
     fmt = Format(fmt)
     experts = _check(w_gate, fmt, n, k, ids)
     if w_up.numel() != w_gate.numel():
@@ -150,27 +163,44 @@ def grid_gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, 
         xf, xq, xd = x, x, x
     if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != rows * slots * n:
         raise ValueError(f"out must be contiguous f32 ({rows * slots}, {n})")
+    if out_q8 is not None:
+        pairs = ids.numel()
+        check_acts(out_q8, n, pairs)
+        if counters is None or counters.numel() != pairs * n // QK or counters.dtype != COUNTER_DTYPE:
+            raise ValueError(f"the pairs' int8 form takes q8_counters({pairs * n})")
+    oq = out_q8 if out_q8 is not None else (out, out, out)  # never read without Q8OUT
     _gate_up_kernel[(triton.cdiv(n, GATE_UP_ROWS), ids.numel())](
-        xf, xq, xd, w_gate, w_up, device_table(fmt, w_gate.device), ids, out, N=n, KD=k, SLOTS=ids.shape[1],
+        xf, xq, xd, w_gate, w_up, device_table(fmt, w_gate.device), ids, out, *oq,
+        counters if counters is not None else ids, N=n, KD=k, SLOTS=ids.shape[1],
         EXPERT_BYTES=w_gate.numel() // experts, ROWS=GATE_UP_ROWS, **dot_consts(fmt, k, EXPERT_TILE.slice), Q8IN=q8in,
+        Q8OUT=out_q8 is not None,
         num_warps=EXPERT_TILE.warps,
         **pdl.options(),
     )  # fmt: skip
     return out
 
 
-def grid_down_combine(h: Tensor, w: Tensor, fmt: Format, ids: Tensor, weights: Tensor, d: int, dff: int,
+def grid_down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, weights: Tensor, d: int, dff: int,
                       sum_out: Tensor, *, adds: tuple[Tensor, ...] = (), norm: Norm | None = None,
                       counter: Tensor | None = None) -> Tensor:  # fmt: skip
     """sum_out (rows, d) = sum over each row's slots j of weights[row, j] * (h[pair] @ Wd[ids[pair]]^T)
-    (+ each of `adds`), Wd (experts, d, dff) checkpoint rows in the grid format `fmt`, h f32 (rows * slots, dff);
+    (+ each of `adds`), Wd (experts, d, dff) checkpoint rows in the grid format `fmt`, h f32 (rows * slots, dff)
+    or its int8 form (a grid format's, as `grid_gate_up` writes it);
     with `norm` (`moe.down.Norm`) each row's RMS norm too, by the row's last program, counted on `counter`
     (`moe.down.counters(rows)`, left at zero), and its int8 form where `norm.out_q8`. One launch."""
     fmt = Format(fmt)
     experts = _check(w, fmt, d, dff, ids)
     rows, slots = ids.shape
-    if h.dtype != torch.float32 or not h.is_contiguous() or h.numel() != rows * slots * dff:
+    q8in = isinstance(h, Q8Acts)
+    if q8in:
+        if fmt not in Q8_FORMATS:
+            raise ValueError(f"the grid experts read {fmt.name}'s activation as f32, not int8")
+        check_acts(h, dff, rows * slots)
+        hf, hq, hd = h.d, h.q, h.d  # h.d stands in for the f32 rows, never read
+    elif h.dtype != torch.float32 or not h.is_contiguous() or h.numel() != rows * slots * dff:
         raise ValueError(f"h must be contiguous f32 ({rows * slots}, {dff})")
+    else:
+        hf, hq, hd = h, h, h
     if weights.numel() != rows * slots or sum_out.numel() != rows * d:
         raise ValueError(f"weights must be ({rows}, {slots}) and sum_out ({rows}, {d})")
     if len(adds) > 2 or any(a.numel() != rows * d for a in adds):
@@ -185,12 +215,12 @@ def grid_down_combine(h: Tensor, w: Tensor, fmt: Format, ids: Tensor, weights: T
     oq = norm.out_q8 if q8out else (sum_out,) * 3  # type: ignore[union-attr]
     per = down_rows(slots)
     _down_kernel[(triton.cdiv(d, per), rows)](
-        h, w, device_table(fmt, w.device), ids, weights, *padded, sum_out,
+        hf, hq, hd, w, device_table(fmt, w.device), ids, weights, *padded, sum_out,
         norm.w if norm else sum_out, norm.out if norm else sum_out, *oq,
         counter if counter is not None else ids, float(norm.eps if norm else 0.0),
         D=d, DFF=dff, SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots), EXPERT_BYTES=w.numel() // experts,
         ADDS=len(adds), NORM=norm is not None, NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk), Q8OUT=q8out,
-        ROWS=per, **dot_consts(fmt, dff, EXPERT_TILE.slice),
+        ROWS=per, **dot_consts(fmt, dff, EXPERT_TILE.slice), Q8IN=q8in,
         num_warps=EXPERT_TILE.warps, **pdl.options(),
     )  # fmt: skip
     return sum_out

@@ -161,8 +161,8 @@ def _dot(w, table, n, x, x_pitch, m, xq, xd, rows, mi, FMT: tl.constexpr, NBYTES
     """[BLOCK_M, BLOCK_N]: x's rows `mi` times the weight rows `rows`: the dp4a dot on a step's one row in int8
     (Q8IN: `xq`, `xd`), else the f32 one on x (rows past m read row m - 1, dropped at the store)."""
     if Q8IN:
-        y = grid_dot_q8(w, table, n, xq, xd, rows, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N, SLICE_C, SUPER_C,
-                        GROUP_C)  # fmt: skip
+        y = grid_dot_q8(w, table, n, xq, xd, rows, rows * 0, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N, SLICE_C,
+                        SUPER_C, GROUP_C)  # fmt: skip
         y = tl.reshape(y, [1, BLOCK_N])
     else:
         x_rows = x + tl.minimum(mi, m - 1).to(tl.int64) * x_pitch  # [M]

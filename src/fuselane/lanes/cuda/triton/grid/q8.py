@@ -110,6 +110,7 @@ def grid_dot_q8(
     xq,
     xd,
     rows,
+    x_cols,
     FMT: tl.constexpr,
     NBYTES: tl.constexpr,
     ROW_BYTES: tl.constexpr,
@@ -120,16 +121,19 @@ def grid_dot_q8(
     GROUP_C: tl.constexpr,
 ):
     """[BLOCK_N] f32: a step's one row, quantized (`xq` its int8 codes, 16-byte aligned; `xd` its 32-value
-    blocks' scales), times the weight rows `rows` of `w` in the grid format FMT (one of Q8_FORMATS); rows past n
-    decode row n - 1, which the caller's store drops. The k loop of `gemv.grid_dot`: SLICE_C values of a
-    super-block a step, a group's fields found once and its 8 values met in two dp4a."""
+    blocks' scales), times the weight rows `rows` of `w` (a pointer, or one a weight row: a mixture's tile of
+    several experts' rows) in the grid format FMT (one of Q8_FORMATS); rows past n decode row n - 1, which the
+    caller's store drops. `x_cols` ([BLOCK_N] ints, multiples of 256) moves the activation for each weight row
+    (zeros for a dense product; a tile of several experts' rows reads each its own pair's row). The k loop of
+    `gemv.grid_dot`: SLICE_C values of a super-block a step, a group's fields found once and its 8 values met in
+    two dp4a."""
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
     groups: tl.constexpr = SLICE_C // GROUP_C
     slices: tl.constexpr = SUPER_C // SLICE_C
     gi = tl.arange(0, groups)
-    # each thread reads its own groups' codes and scales (from L1), as `grid_dot` reads x: an [G] load would be
+    # each thread reads its own groups' codes and scales (from L1), as `grid_dot` reads x: a [G] load would be
     # spread to the [N, G] layout through shared memory a step
-    own = tl.zeros([BLOCK_N, 1], tl.int32)
+    own = x_cols[:, None]
     acc = tl.zeros([BLOCK_N, groups], tl.float32)
     for step in tl.range(0, STEPS):
         g = (step % slices) * groups + gi  # [G]: the groups of the super-block this step decodes
