@@ -43,40 +43,29 @@ def _dot_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     return gamma(x.shape[-1] + ROUNDINGS) * (np.abs(w) @ np.abs(x))
 
 
-# 8-wide and 4-wide grid rows, IQ1's offset, a ternary format's digits; 48 rows: three tiles, the last partial
-@pytest.mark.parametrize("fmt", [Format.IQ2_XXS, Format.IQ3_S, Format.IQ1_M, Format.TQ1_0])
-@pytest.mark.parametrize("rows", [1, 2])
-def test_gate_up_reads_only_the_kept_experts(fmt, rows):
-    rng = np.random.default_rng(int(fmt) + rows)
-    experts, n, k, slots = 5, 48, 512, 3
-    rg, wg = _experts(fmt, experts, n, k, rng)
-    ru, wu = _experts(fmt, experts, n, k, rng)
-    x = rng.standard_normal((rows, k)).astype(np.float32)
-    ids = IDS[:rows]
-    out = torch.full((rows * slots, n), np.nan, device=DEVICE)
-    grid_gate_up(dev(x), dev(rg), dev(ru), fmt, dev(ids), n, k, out)
-    for p, e in enumerate(ids.reshape(-1)):
-        xr = x[p // slots].astype(np.float64)
-        g, u = wg[e] @ xr, wu[e] @ xr
-        silu = g / (1 + np.exp(-g))
-        bound = SILU_SLOPE * _dot_bound(wg[e], xr) * np.abs(u) + np.abs(silu) * _dot_bound(wu[e], xr)
-        bound += 4 * gamma(1) * np.abs(silu * u) + 1e-30
-        got = out[p].double().cpu().numpy()
-        assert np.all(np.abs(got - silu * u) <= bound), f"pair {p}"
-
-
-@pytest.mark.parametrize("fmt", [Format.IQ2_XXS, Format.IQ3_S, Format.IQ1_M])
-@pytest.mark.parametrize("rows", [1, 2])
-def test_gate_up_on_int8_rows_matches_f64(fmt, rows):
-    # each row quantized by the lane (`quant.quantize`); the products over its codes in f64, the gate's and the
-    # up product's integer sums exact, so within the f32 dot's bound of them
-    rng = np.random.default_rng(int(fmt) * 5 + rows)
-    experts, n, k, slots = 5, 48, 512, 3
-    rg, wg = _experts(fmt, experts, n, k, rng)
-    ru, wu = _experts(fmt, experts, n, k, rng)
-    acts = quant.quantize(dev(rng.standard_normal((rows, k)).astype(np.float32)), quant.empty_q8(rows, k, DEVICE))
+def _values(acts: quant.Q8Acts, rows: int, k: int) -> np.ndarray:
+    """The values an int8 form's codes stand for, (rows, k) f64."""
     codes = acts.q.cpu().numpy().astype(np.float64).reshape(rows, -1, 32)
-    x = (codes * acts.d.cpu().numpy().astype(np.float64).reshape(rows, -1, 1)).reshape(rows, k)
+    return (codes * acts.d.cpu().numpy().astype(np.float64).reshape(rows, -1, 1)).reshape(rows, k)
+
+
+# 8-wide and 4-wide grid rows, IQ1's offset, a ternary format's digits; 48 rows: three tiles, the last partial. On
+# int8 rows (a grid format's), each row quantized by the lane (`quant.quantize`): the products over its codes in
+# f64, the gate's and the up product's integer sums exact, so within the f32 dot's bound of them
+@pytest.mark.parametrize(
+    ("fmt", "int8"),
+    [(Format.IQ2_XXS, False), (Format.IQ3_S, False), (Format.IQ1_M, False), (Format.TQ1_0, False),
+     (Format.IQ2_XXS, True), (Format.IQ3_S, True), (Format.IQ1_M, True)],
+)  # fmt: skip
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gate_up_reads_only_the_kept_experts(fmt, int8, rows):
+    rng = np.random.default_rng(int(fmt) * (5 if int8 else 1) + rows)
+    experts, n, k, slots = 5, 48, 512, 3
+    rg, wg = _experts(fmt, experts, n, k, rng)
+    ru, wu = _experts(fmt, experts, n, k, rng)
+    x32 = rng.standard_normal((rows, k)).astype(np.float32)
+    acts = quant.quantize(dev(x32), quant.empty_q8(rows, k, DEVICE)) if int8 else dev(x32)
+    x = _values(acts, rows, k) if int8 else x32.astype(np.float64)
     ids = IDS[:rows]
     out = torch.full((rows * slots, n), np.nan, device=DEVICE)
     grid_gate_up(acts, dev(rg), dev(ru), fmt, dev(ids), n, k, out)
@@ -112,8 +101,7 @@ def test_the_int8_pairs_feed_the_int8_down(fmt):
     weights = rng.random((rows, slots)).astype(np.float32)
     sum_out = torch.empty((rows, d), device=DEVICE)
     grid_down_combine(hq, dev(rd), fmt, dev(ids), dev(weights), d, dff, sum_out)
-    codes = hq.q.cpu().numpy().astype(np.float64).reshape(pairs, -1, 32)
-    hx = (codes * hq.d.cpu().numpy().astype(np.float64).reshape(pairs, -1, 1)).reshape(pairs, dff)
+    hx = _values(hq, pairs, dff)
     for r in range(rows):
         terms = [weights[r, j] * (wd[ids[r, j]] @ hx[r * slots + j]) for j in range(slots)]
         bound = sum(weights[r, j] * _dot_bound(wd[ids[r, j]], hx[r * slots + j]) for j in range(slots))
