@@ -6,8 +6,10 @@ own (12.4 instructions a value in IQ3_S's k loop, RESULTS.md 2026-12-07 seventh)
 Here a group of 8 values costs its fields (`values.grid_group`, as before), its sign byte spread to two byte masks
 (a multiply and a sign-replicating `prmt` each), the masks applied (an xor and an add a word: every grid byte of
 the signed formats is 1..127, so ~b + 1 stays within its byte), one 64-bit load of its 8 activation codes, two
-dp4a and one scaled add: about 2.5 instructions a value, and an eighth of the activation loads. llama.cpp's
-vec-dot for these formats works the same way (grid bytes against q8_1 codes in dp4a, signs as byte masks).
+dp4a and one scaled add: an eighth of the activation loads, and the k loop 5.9-8.2 instructions a value where f32
+took 9.7-12.1 (sm_90 SASS, `benchmarks/grid_sass.py --int8`; what remains is mostly the fields' loads and their
+64-bit addresses). llama.cpp's vec-dot for these formats works the same way (grid bytes against q8_1 codes in
+dp4a, signs as byte masks).
 
 IQ1_S / IQ1_M have no signs but an offset of +-1/8 a group: the group's sum is dp4a(grid, codes) + offset *
 dp4a(ones, codes), in f32 after the integer sums. Ternary formats keep the f32 GEMV (`gemv.grid_dot`).
