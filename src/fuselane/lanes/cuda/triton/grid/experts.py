@@ -33,7 +33,7 @@ from fuselane.lanes.cuda.triton.gemv.epilogue import COUNTER_DTYPE
 from fuselane.lanes.cuda.triton.gemv.fast_norm import norm_last
 from fuselane.lanes.cuda.triton.gemv.q8_epilogue import check_q8_out, quantize_block_last
 from fuselane.lanes.cuda.triton.grid.gemv import GridTile, dot_consts, grid_dot
-from fuselane.lanes.cuda.triton.grid.q8 import Q8_FORMATS, grid_dot_q8
+from fuselane.lanes.cuda.triton.grid.q8 import grid_dot_q8, int8_args
 from fuselane.lanes.cuda.triton.grid.values import device_table
 from fuselane.lanes.cuda.triton.moe.down import Norm
 from fuselane.lanes.cuda.triton.moe.down_rows import adds as added
@@ -153,10 +153,7 @@ def grid_gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, 
     rows, slots = ids.shape
     q8in = isinstance(x, Q8Acts)
     if q8in:
-        if fmt not in Q8_FORMATS:
-            raise ValueError(f"the grid experts read {fmt.name}'s activation as f32, not int8")
-        check_acts(x, k, rows)
-        xf, xq, xd = x.d, x.q, x.d  # x.d stands in for the f32 row, never read
+        xf, xq, xd = int8_args(x, fmt, k, rows)
     elif x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != rows * k:
         raise ValueError(f"x must be contiguous f32 ({rows}, {k})")
     else:
@@ -193,10 +190,7 @@ def grid_down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, w
     rows, slots = ids.shape
     q8in = isinstance(h, Q8Acts)
     if q8in:
-        if fmt not in Q8_FORMATS:
-            raise ValueError(f"the grid experts read {fmt.name}'s activation as f32, not int8")
-        check_acts(h, dff, rows * slots)
-        hf, hq, hd = h.d, h.q, h.d  # h.d stands in for the f32 rows, never read
+        hf, hq, hd = int8_args(h, fmt, dff, rows * slots)
     elif h.dtype != torch.float32 or not h.is_contiguous() or h.numel() != rows * slots * dff:
         raise ValueError(f"h must be contiguous f32 ({rows * slots}, {dff})")
     else:

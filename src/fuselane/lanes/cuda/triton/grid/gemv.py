@@ -51,7 +51,7 @@ from fuselane.lanes.cuda.triton.gemv.parts import (
 )
 from fuselane.lanes.cuda.triton.gemv.q8_epilogue import check_q8_out, quantize_block_last
 from fuselane.lanes.cuda.triton.gemv.rows import check_x, row_tiles, store_glu, store_rows
-from fuselane.lanes.cuda.triton.grid.q8 import Q8_FORMATS, grid_dot_q8
+from fuselane.lanes.cuda.triton.grid.q8 import grid_dot_q8, int8_args
 from fuselane.lanes.cuda.triton.grid.values import (
     GRID_GROUP,
     TERNARY_FORMATS,
@@ -61,7 +61,7 @@ from fuselane.lanes.cuda.triton.grid.values import (
     grid_magnitude,
     grid_values,
 )
-from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts
+from fuselane.lanes.cuda.triton.quant import Q8Acts
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,10 +307,7 @@ def _activation(x: torch.Tensor | Q8Acts, fmt: Format, k: int) -> tuple[torch.Te
     """x as the kernels take it: (its f32 rows, its int8 codes, its blocks' scales, its rows), a Q8Acts checked as
     a step's one row (`q8.grid_dot_q8`, not in a ternary format); an f32 x's codes and scales are x, never read."""
     if isinstance(x, Q8Acts):
-        if fmt not in Q8_FORMATS:
-            raise ValueError(f"the grid GEMV reads {fmt.name}'s activation as f32, not int8")
-        check_acts(x, k)
-        return x.q, x.q, x.d, 1
+        return *int8_args(x, fmt, k), 1
     return x, x, x, check_x(x, k)
 
 
@@ -324,9 +321,8 @@ def _launch(x, w, fmt: Format, n: int, k: int, out, pitch: int, *, w_up=None, bi
     xf, xq, xd, m = _activation(x, fmt, k)
     block_m, m_tiles = row_tiles(m)
     tile = grid_tile(n)
-    norm_w, norm_out, counter, eps = norm if norm is not None else (xf, xf, counters if w_up is not None else xf, 0.0)
-    if counter is None:
-        counter = xf  # never read: no int8 output
+    # an absent norm's operands, or the pair's counters without its int8 form, are never read
+    norm_w, norm_out, counter, eps = norm if norm is not None else (xf, xf, xf if counters is None else counters, 0.0)
     # the most values of the norm's row the last program holds in registers; a wider row is walked in chunks of
     # it, read back from L2
     chunk = min(triton.next_power_of_2(n), norm_chunk or kernels.NORM_HELD_A_THREAD * tile.warps * kernels.WARP)

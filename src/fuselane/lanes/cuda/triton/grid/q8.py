@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from fuselane.gguf.formats import QK, Format
 from fuselane.lanes.cuda.plan import kernels
@@ -36,6 +37,7 @@ from fuselane.lanes.cuda.triton.grid.values import (
     grid_group,
     table_bytes,
 )
+from fuselane.lanes.cuda.triton.quant import Q8Acts, check_acts
 
 Q8_FORMATS = kernels.GRID_INT8_FORMATS  # every grid format but the ternary ones (no grid, no table rows)
 if Q8_FORMATS & TERNARY_FORMATS:
@@ -52,6 +54,17 @@ def _check_grids() -> None:
 
 
 _check_grids()
+
+
+def int8_args(x: Q8Acts, fmt: Format, k: int, rows: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    """The three activation pointers a grid launch takes for an activation in int8: (a stand-in for its f32 rows,
+    never read: its scales, f32 too; its codes; its scales), x checked as `rows` rows of k values in a format this
+    dot takes."""
+    if fmt not in Q8_FORMATS:
+        raise ValueError(f"the grid kernels' dot reads {fmt.name}'s activation as f32, not int8")
+    check_acts(x, k, rows)
+    return x.d, x.q, x.d
+
 
 QB = tl.constexpr(QK)
 LOW_SIGNS, HIGH_SIGNS = tl.constexpr(0x0F), tl.constexpr(0xF0)  # a sign byte's bits for values 0-3, 4-7
