@@ -212,6 +212,7 @@ def test_bench_measures_the_cpu_lane(tiny):
         assert r["lane"] == "cpu:float32" and r["prompt"] == 8 and r["generated"] == 4
         assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and 0 < r["percent_of_limit"]
         assert r["peak_gpu_gb"] is None and r["peak_over_pct"] is None and r["prefill"] == ""  # no GPU memory
+        assert r["dependent_launches"] is None  # the cuda lane's `pdl`
     table, err, code = fuselane("bench", tiny["qwen2"], "--lane", "cpu", "-p", "8", "-n", "4")
     assert code == 0 and "| cpu:float32 | pp8 |" in table and "| tg4 |" in table, err
 
@@ -344,3 +345,16 @@ def test_bench_names_the_chunk_rows_where_the_prompt_took_more_than_one():
     whole = BenchResult("m.gguf", "cuda:H200:int8", 0.41, 512, 128, 0, 1.0, 1.0, 172, 0.4, 4800.0, 1000.0, 50.0, 0.43,
                         chunk_rows=512)  # fmt: skip
     assert "| pp512 |" in render([whole])
+
+
+def test_bench_marks_a_step_launched_in_plain_stream_order():
+    # `pdl=auto` launches a grid-format model's steps plainly: its tg line says so, a dependent step's does not
+    from fuselane.bench import BenchResult, as_json, render
+
+    def result(dependent: bool) -> BenchResult:
+        return BenchResult("m.gguf", "cuda:H100:int8", 3.6, 512, 128, 0, 1.0, 1.0, 199, 3.3, 3000.0, 900.0, 16.0,
+                           3.8, dependent_launches=dependent)  # fmt: skip
+
+    assert "| 199 (pdl off) |" in render([result(False)]).splitlines()[3]
+    assert "| 199 |" in render([result(True)]).splitlines()[3]
+    assert as_json([result(False)])[0]["dependent_launches"] is False

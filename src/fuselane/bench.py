@@ -73,6 +73,8 @@ class BenchResult:
     # context), in %: the workspace's share, which the cuda lane keeps within 5 % where it can; None on the cpu lane
     peak_over_pct: float | None = None
     chunk_rows: int = 0  # the rows the prompt ran in a chunk at (llama-bench's ubatch)
+    # whether the cuda lane launched each kernel as a dependent of the one before (`pdl`); None on the cpu lane
+    dependent_launches: bool | None = None
 
 
 def _copy_bandwidth(lane: Any) -> float:
@@ -289,6 +291,7 @@ def bench(
         prefill=_prefill(m.lane),
         peak_over_pct=None if peak is None else round(100 * (peak / m.lane.model_bytes() - 1), 1),
         chunk_rows=session.chunk,
+        dependent_launches=getattr(m.lane, "dependent_launch", None),
     )
 
 
@@ -376,10 +379,17 @@ def render(results: list[BenchResult]) -> str:
         )
         lines.append(
             f"| {r.model} | {r.size_gb} GB | {r.lane} | tg{r.generated}{at} | {r.decode_tok_s:,.1f} | "
-            f"{r.launches_per_token if r.launches_per_token is not None else ''} | {r.percent_of_limit} % | {peak} |"
+            f"{_launches(r)} | {r.percent_of_limit} % | {peak} |"
         )
     caches = dict.fromkeys(f"{r.model}: cache {r.cache_values}" for r in results if r.cache_values)
     return "\n".join([*lines, *([""] if caches else []), *caches])
+
+
+def _launches(r: BenchResult) -> str:
+    """A decode step's launches, marked where the cuda lane made them in plain stream order (`pdl`)."""
+    if r.launches_per_token is None:
+        return ""
+    return f"{r.launches_per_token}" + (" (pdl off)" if r.dependent_launches is False else "")
 
 
 def as_json(results: list[BenchResult]) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ from fuselane.gguf.synth import Shape, write_synthetic  # noqa: E402
 from fuselane.graph.classes import ClassId as C  # noqa: E402
 from fuselane.graph.ir import Fused  # noqa: E402
 from fuselane.lanes.cuda.plan import kernels  # noqa: E402
+from fuselane.runtime.model import load  # noqa: E402
 from tests.lane_steps import rel, runs_as_the_cpu_lane  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -115,6 +116,10 @@ def test_an_embedding_in_a_grid_format_is_gathered_from_its_table(tmp_path, tied
     readers = [class_of(op) for op in ops if "token_embd.weight" in {x for lf in leaves(op) for x in lf.ins}]
     assert readers[0] is C.EMBED_NORM and len(readers) == 1 + tied
     runs_as_the_cpu_lane(path, PROMPT, SHORT, [9, 77], ctx=32)
+    # only a tied table is a product's matrix, so only then does `pdl=auto` launch in plain stream order
+    lane = load(path, lane="cuda", ctx=32).lane
+    assert (Format.IQ3_S in lane.multiplied_formats()) is tied
+    assert lane.shim.dependent_launches(lane.multiplied_formats()) is not tied
 
 
 @pytest.mark.parametrize(
@@ -303,7 +308,6 @@ def test_a_batch_of_grid_sequences_decodes_as_each_alone(tmp_path, formats):
     # the paged form: two sequences a step, the grid GEMV over the batch's rows; greedy tokens as the cpu lane's
     from fuselane.engine.batch import engine_for
     from fuselane.engine.sequence import Request
-    from fuselane.runtime.model import load
     from fuselane.runtime.sampling import GREEDY
 
     path = _write(tmp_path / "m.gguf", QWEN3, formats)

@@ -15,6 +15,7 @@ from fuselane.lanes.cuda.plan.knobs import (
     CachePrecision,
     CudaKnobs,
     DeltaProducts,
+    DependentLaunch,
     LatentDecode,
     PrefillWeights,
     RopeEpilogue,
@@ -72,7 +73,6 @@ def test_knobs_parse() -> None:
     assert CudaKnobs.parse(["prefill=f16-copy"]).prefill_weights is PrefillWeights.F16_COPY
     assert CudaKnobs.parse(["prefill=int8"]).prefill_weights is PrefillWeights.INT8
     assert CudaKnobs.parse(["prefill=in-place"]).prefill_weights is PrefillWeights.IN_PLACE
-    assert CudaKnobs().dependent_launch and not CudaKnobs.parse(["pdl=off"]).dependent_launch
     assert CudaKnobs().norm_launch and not CudaKnobs.parse(["norm_launch=off"]).norm_launch
     assert CudaKnobs().rope_epilogue is RopeEpilogue.AUTO
     assert CudaKnobs().delta_products is DeltaProducts.TF32X3  # the f32 FMA products spill (knobs.py)
@@ -110,7 +110,7 @@ def test_knobs_parse() -> None:
         ("sms=-3", "knob 'sms' takes a positive whole number, not '-3'"),
         ("chip=tpu", "knob 'chip' takes one of h200"),
         ("prefill=int4", "knob 'prefill' takes one of int8, f16-copy, in-place, f16-scratch, auto, not 'int4'"),
-        ("pdl=later", "knob 'pdl' takes on or off, not 'later'"),
+        ("pdl=later", "knob 'pdl' takes auto, on or off, not 'later'"),
         ("chunk_rows=0", "knob 'chunk_rows' takes auto or a positive whole number, not '0'"),
         ("chunk_rows=half", "knob 'chunk_rows' takes auto or a positive whole number, not 'half'"),
     ],
@@ -167,3 +167,20 @@ def test_explain_says_what_prefill_auto_takes_and_what_the_copies_would() -> Non
     assert batch.startswith("multiply f16 copies of the matrices where they fit")
     copies = CudaShim(CudaKnobs.parse(["prefill=f16-copy"])).prefill_products
     assert copies.startswith("multiply f16 copies") and "scratch" not in copies
+
+
+def test_dependent_launches_follow_the_knob_and_the_models_formats() -> None:
+    """`pdl=auto` makes each launch a dependent of the one before but in a model that multiplies a matrix in a
+    grid format (whose steps measured slower so); `on` and `off` force either."""
+    on, off, auto = DependentLaunch.ON, DependentLaunch.OFF, DependentLaunch.AUTO
+    assert CudaKnobs().dependent_launch is auto
+    spellings = ("on", "off", "true", "0", "AUTO")
+    assert [CudaKnobs.parse([f"pdl={v}"]).dependent_launch for v in spellings] == [on, off, on, off, auto]
+    with pytest.raises(FuselaneError, match="auto, on or off, not 'sometimes'"):
+        CudaKnobs.parse(["pdl=sometimes"])
+    dense, grid = {Format.Q4_K, Format.Q6_K}, {Format.Q4_K, Format.IQ3_S}
+    assert CudaShim().dependent_launches(dense) and not CudaShim().dependent_launches(grid)
+    assert all(CudaShim(CudaKnobs(dependent_launch=on)).dependent_launches(f) for f in (dense, grid))
+    assert not any(CudaShim(CudaKnobs(dependent_launch=off)).dependent_launches(f) for f in (dense, grid))
+    # every format the grid GEMV decodes, the ternary ones too (they run the same kernel on f32 rows)
+    assert not any(kernels.dependent_launch_pays({fmt}) for fmt in kernels.GRID_GEMV_FORMATS)

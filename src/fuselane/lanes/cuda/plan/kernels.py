@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from fuselane.gguf.formats import GRID_FORMATS, LAYOUTS, QK, QK_K, Format
@@ -373,6 +374,14 @@ def grid_int8(fmt: Format, m: int, batch: bool = False) -> bool:
     """Whether the grid GEMV reads a product's activation in int8: a step's one row (not a batch's rows) in
     one of GRID_INT8_FORMATS (whole super-blocks: every grid matrix's rows are)."""
     return m == 1 and not batch and fmt in GRID_INT8_FORMATS
+
+
+def dependent_launch_pays(formats: Iterable[Format]) -> bool:
+    """Whether a model's steps run faster with each launch a dependent of the one before (`triton/pdl.py`),
+    given the formats of the matrices it multiplies: not where one is a grid format. Measured (H100, the 7B,
+    `fuselane bench -p 512 -n 128`, benchmarks/RESULTS.md): in IQ3_M, whose gated pairs and downs run the grid
+    GEMV, 119.1 tok/s with them against 149.7 without; in Q4_K_M, 443.3 against 414.1."""
+    return not any(fmt in GRID_GEMV_FORMATS for fmt in formats)
 
 
 def norm_walked_in_chunks(fmt: Format, m: int, k: int, n: int, int8: bool) -> bool:

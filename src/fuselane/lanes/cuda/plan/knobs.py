@@ -86,6 +86,14 @@ class RopeEpilogue(enum.Enum):
     OFF = "off"  # a launch of their own after the GEMV
 
 
+class DependentLaunch(enum.Enum):
+    """Whether each of a step's launches is a dependent of the one before it (`triton/pdl.py`)."""
+
+    AUTO = "auto"  # on, but for a model that multiplies a matrix in a grid format (`kernels.dependent_launch_pays`)
+    ON = "on"
+    OFF = "off"
+
+
 class WeightLoads(enum.Enum):
     """How the int8 decode GEMVs issue a chunk's weight loads ahead of the sums before it
     (`triton/gemv/weight_loads.py`)."""
@@ -139,9 +147,10 @@ class CudaKnobs:
     - `fuse_quant=True`: under quantized activations a producer writes its result already quantized, which
       saves a launch and a pass over the activation; off only to trace a numerics difference.
     - `batch=False`: a form's rows are one sequence's.
-    - `pdl=True`: on a GPU of compute capability 9.0 or later each kernel launches as a dependent of the one
-      before it, so its launch and its blocks' start overlap that one's end (`triton/pdl.py`); off to time
-      the plain launch order. Results are the same either way.
+    - `pdl=auto`: on a GPU of compute capability 9.0 or later each kernel launches as a dependent of the one
+      before it, so its launch and its blocks' start overlap that one's end (`triton/pdl.py`), except in a
+      model that multiplies a matrix in a grid format, whose steps measured faster in the plain launch order
+      (`kernels.dependent_launch_pays`). `on` and `off` force either; results are the same either way.
     - `norm_launch=True`: under int8 activations a down projection's residual add and norm take a launch of
       their own (`kernels.norm_in_own_launch`): the GEMV epilogue's serial tail costs more than a launch
       (measured in benchmarks/RESULTS.md). `off` keeps them in the GEMV's
@@ -233,7 +242,7 @@ class CudaKnobs:
     fuse_quant: bool = True
     batch: bool = False
     prefill_weights: PrefillWeights = PrefillWeights.AUTO
-    dependent_launch: bool = True
+    dependent_launch: DependentLaunch = DependentLaunch.AUTO
     norm_launch: bool = True
     rope_epilogue: RopeEpilogue = RopeEpilogue.AUTO
     weight_loads: WeightLoads = WeightLoads.AS_WRITTEN
@@ -280,6 +289,16 @@ def _flag(key: str, value: str) -> bool:
     raise FuselaneError(f"knob '{key}' takes on or off, not '{value}'")
 
 
+def _dependent_launch(value: str) -> DependentLaunch:
+    """`pdl`'s value: auto, or a flag (on / off and their spellings)."""
+    if value.lower() == DependentLaunch.AUTO.value:
+        return DependentLaunch.AUTO
+    try:
+        return DependentLaunch.ON if _flag("pdl", value) else DependentLaunch.OFF
+    except FuselaneError:
+        raise FuselaneError(f"knob 'pdl' takes auto, on or off, not '{value}'") from None
+
+
 def _count(key: str, value: str) -> int:
     if not value.isdigit() or int(value) <= 0:
         raise FuselaneError(f"knob '{key}' takes a positive whole number, not '{value}'")
@@ -311,7 +330,7 @@ _SETTERS = {
     "fuse_quant": lambda k, v: replace(k, fuse_quant=_flag("fuse_quant", v)),
     "batch": lambda k, v: replace(k, batch=_flag("batch", v)),
     "prefill": lambda k, v: replace(k, prefill_weights=_choice("prefill", PrefillWeights, v)),
-    "pdl": lambda k, v: replace(k, dependent_launch=_flag("pdl", v)),
+    "pdl": lambda k, v: replace(k, dependent_launch=_dependent_launch(v)),
     "norm_launch": lambda k, v: replace(k, norm_launch=_flag("norm_launch", v)),
     "rope_epilogue": lambda k, v: replace(k, rope_epilogue=_choice("rope_epilogue", RopeEpilogue, v)),
     "weight_loads": lambda k, v: replace(k, weight_loads=_choice("weight_loads", WeightLoads, v)),

@@ -34,7 +34,7 @@ names so its `fits` answers agree (a held `gemv_parts` is also skipped by the sh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -42,6 +42,7 @@ from fuselane.fuse.rewriter import Rewriter
 from fuselane.fuse.rules import SHARED_RULES
 from fuselane.fuse.shim import DECOMPOSE, NATIVE, After, Before, LaneRule, Position, Support, refuse
 from fuselane.fuse.views import GemvForm, class_of, gemv, leaves, moe, parts, rope
+from fuselane.gguf.formats import Format
 from fuselane.graph.classes import ClassId as C
 from fuselane.graph.ir import Form, Op, QuantFormat, Rows, TensorGraph
 from fuselane.graph.ops import Attention, ExpertMatmul, HeadMatmul, Moe
@@ -61,6 +62,7 @@ from fuselane.lanes.cuda.plan.knobs import (
     CachePrecision,
     CudaKnobs,
     DeltaProducts,
+    DependentLaunch,
     PrefillWeights,
     RopeEpilogue,
     StatePrecision,
@@ -306,6 +308,14 @@ class CudaShim:
             fused=Bound.EXACT,  # type: ignore[attr-defined]
             accumulator_bits=self.accumulator_bits,
         )
+
+    def dependent_launches(self, formats: Iterable[Format]) -> bool:
+        """Whether each launch is made a dependent of the one before it (`pdl`), for a model whose matrices
+        are in `formats`: under `auto`, where that pays (`kernels.dependent_launch_pays`)."""
+        setting = self.knobs.dependent_launch
+        if setting is DependentLaunch.AUTO:
+            return kernels.dependent_launch_pays(formats)
+        return setting is DependentLaunch.ON
 
     # --- numerics --------------------------------------------------------------------------------------
 

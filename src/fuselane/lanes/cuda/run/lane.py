@@ -93,7 +93,9 @@ class CudaLane:
         self.shim = CudaShim(knobs, held=held)
         # programmatic dependent launch needs compute capability 9.0; the interpreter runs launches in turn
         self.dependent_launch = (
-            knobs.dependent_launch and not interpreted and torch.cuda.get_device_capability(self.device)[0] >= PDL_MAJOR
+            self.shim.dependent_launches(self.multiplied_formats())
+            and not interpreted
+            and torch.cuda.get_device_capability(self.device)[0] >= PDL_MAJOR
         )
         self.held, self.use_graphs = held, graphs
         self.cache_dtype = torch.float16 if knobs.cache_precision is CachePrecision.F16 else torch.float32
@@ -253,15 +255,23 @@ class CudaLane:
         held = (*self.caches.values(), *self.states.values())
         return self.weights_bytes - self.stored_surplus + sum(t.numel() * t.element_size() for t in held)
 
+    def _multiplied(self, name: str) -> bool:
+        """Whether a step multiplies tensor `name`: every one of two or more dimensions but an embedding table
+        that is only gathered (one row a token)."""
+        return len(self.tensors[name].shape) > 1 and not (name == "token_embd.weight" and not self.cfg.tied)
+
+    def multiplied_formats(self) -> set[Format]:
+        """The formats of the matrices a step multiplies (`_multiplied`): what `pdl=auto` decides by."""
+        return {t.format for n, t in self.tensors.items() if self._multiplied(n)}
+
     def weight_bytes(self) -> int:
         """Bytes a decode step reads: every matrix once, but the embedding table (one row is gathered) and a
         mixture's expert tensors (only the kept experts' matrices are read: k of them a layer)."""
         total = 0
         for n, (w, _) in self.raw.items():
-            shape = self.tensors[n].shape
-            if len(shape) == 1 or (n == "token_embd.weight" and not self.cfg.tied):
+            if not self._multiplied(n):
                 continue
-            kept = self.cfg.experts_used / self.cfg.experts if len(shape) == 3 else 1
+            kept = self.cfg.experts_used / self.cfg.experts if len(self.tensors[n].shape) == 3 else 1
             total += int(w.numel() * kept)
         return total
 
