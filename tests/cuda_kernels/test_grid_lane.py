@@ -174,16 +174,26 @@ def _rows(fmt: Format, n: int, k: int, seed: int) -> tuple[torch.Tensor, np.ndar
     return torch.from_numpy(blocks.reshape(-1)).to(DEVICE), want
 
 
+def test_the_tile_rule_takes_small_programs_for_a_steps_one_row():
+    # by the product's rows, and for few of them by x's rows: a step's one row in 4-row programs (swept fastest
+    # on both activations), a batch's rows in 16-row ones, which read each activation row once for more rows
+    from fuselane.lanes.cuda.triton.grid import gemv as grid_gemv
+
+    assert grid_gemv.grid_tile(18944) is grid_gemv.grid_tile(18944, 4) is grid_gemv.MANY_ROWS_TILE
+    assert grid_gemv.grid_tile(3584) is grid_gemv.ONE_ROW_FEW_ROWS_TILE
+    assert grid_gemv.grid_tile(3584, 2) is grid_gemv.FEW_ROWS_TILE
+
+
 @pytest.mark.parametrize("fmt", sorted(GRID_FORMATS), ids=lambda f: f.name)
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("tile", ["many_rows", "few_rows"])
+@pytest.mark.parametrize("tile", ["many_rows", "few_rows", "one_row_few_rows"])
 def test_the_grid_gemv_matches_f64(fmt, m, tile, monkeypatch):
     from fuselane.lanes.cuda.triton.grid import gemv as grid_gemv
     from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid
 
     # each of the tile rule's two tiles (`grid_tile`: by the product's rows) at a tiny product's
-    chosen = {"many_rows": grid_gemv.MANY_ROWS_TILE, "few_rows": grid_gemv.FEW_ROWS_TILE}[tile]
-    monkeypatch.setattr(grid_gemv, "grid_tile", lambda n: chosen)
+    chosen = getattr(grid_gemv, f"{tile.upper()}_TILE")
+    monkeypatch.setattr(grid_gemv, "grid_tile", lambda n, m=1: chosen)
     n, k = 20, 512  # a partial tile of rows; two super-blocks a row
     w, want_w = _rows(fmt, n, k, seed=int(fmt) + m)
     rng = np.random.default_rng(m)

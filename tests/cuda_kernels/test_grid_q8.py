@@ -71,12 +71,12 @@ def test_the_sign_masks_negate_each_marked_byte():
 
 
 @pytest.mark.parametrize("fmt", Q8_GRID, ids=lambda f: f.name)
-@pytest.mark.parametrize("tile", ["many_rows", "few_rows"])
+@pytest.mark.parametrize("tile", ["many_rows", "few_rows", "one_row_few_rows"])
 def test_the_grid_gemv_on_int8_matches_f64(fmt, tile, monkeypatch):
     from fuselane.lanes.cuda.triton.grid import gemv as grid_gemv
 
-    chosen = {"many_rows": grid_gemv.MANY_ROWS_TILE, "few_rows": grid_gemv.FEW_ROWS_TILE}[tile]
-    monkeypatch.setattr(grid_gemv, "grid_tile", lambda n: chosen)
+    chosen = getattr(grid_gemv, f"{tile.upper()}_TILE")
+    monkeypatch.setattr(grid_gemv, "grid_tile", lambda n, m=1: chosen)
     n, k = 20, 512  # a partial tile of rows; two super-blocks a row
     w, want_w = _rows(fmt, n, k, seed=int(fmt))
     acts, x = _acts(k, seed=int(fmt) + 1)

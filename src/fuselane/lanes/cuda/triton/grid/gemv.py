@@ -85,17 +85,27 @@ class GridTile:
 # (572 GB/s; 482 at 16 rows and 4 warps); one of few rows and a long k (the down product, 3,584 x 18,944: 224
 # programs of 16 rows) at 16 rows, 8 warps and a whole super-block a step (386 GB/s against 201), the warps
 # on the chip doubled and the loop's fixed cost a value halved.
+# Swept again over seven tiles after the field-load changes (RESULTS.md, 2026-12-07 ninth; H100, IQ3_S, a step's
+# one row): the down product's few rows ran fastest in programs of 4 rows, 2 warps and a whole super-block a
+# step, on the f32 row (430 GB/s against 337 at 16 rows and 8 warps) and on its int8 form (505 against 372), the
+# attention output's (3,584 x 3,584) too (432 / 465 against 374 / 410); a batch's rows keep the 16-row tile,
+# which reads each activation row once for four times the weight rows (not swept past one row).
 MANY_ROWS_TILE = GridTile(8, 2, 128)
 FEW_ROWS_TILE = GridTile(16, 8, QK_K)
-if any(kernels.GRID_GEMV_MOST_TILE_ROWS % t.block_n for t in (MANY_ROWS_TILE, FEW_ROWS_TILE)):
+ONE_ROW_FEW_ROWS_TILE = GridTile(4, 2, QK_K)
+_TILES = (MANY_ROWS_TILE, FEW_ROWS_TILE, ONE_ROW_FEW_ROWS_TILE)
+if any(kernels.GRID_GEMV_MOST_TILE_ROWS % t.block_n for t in _TILES):
     raise RuntimeError("a grid tile's rows must divide kernels.GRID_GEMV_MOST_TILE_ROWS (the plan's head check)")
 # the rows from which MANY_ROWS_TILE's programs put about 16 warps on each of an H100's 132 SMs at once
 MANY_ROWS = 8192
 
 
-def grid_tile(n: int) -> GridTile:
-    """The tile of a launch of n weight rows in all (a launch in parts: its parts' rows together)."""
-    return MANY_ROWS_TILE if n >= MANY_ROWS else FEW_ROWS_TILE
+def grid_tile(n: int, m: int = 1) -> GridTile:
+    """The tile of a launch of n weight rows in all (a launch in parts: its parts' rows together) over m rows
+    of x."""
+    if n >= MANY_ROWS:
+        return MANY_ROWS_TILE
+    return ONE_ROW_FEW_ROWS_TILE if m == 1 else FEW_ROWS_TILE
 
 
 @triton.jit
@@ -320,7 +330,7 @@ def _launch(x, w, fmt: Format, n: int, k: int, out, pitch: int, *, w_up=None, bi
     with `out_q8` writes its row's int8 form, a block by the last of its programs (`counters`)."""
     xf, xq, xd, m = _activation(x, fmt, k)
     block_m, m_tiles = row_tiles(m)
-    tile = grid_tile(n)
+    tile = grid_tile(n, m)
     # an absent norm's operands, or the pair's counters without its int8 form, are never read
     norm_w, norm_out, counter, eps = norm if norm is not None else (xf, xf, xf if counters is None else counters, 0.0)
     # the most values of the norm's row the last program holds in registers; a wider row is walked in chunks of
@@ -440,7 +450,7 @@ def gemv_grid_gate_up_glu(
         check_q8_out(out_q8, n)
         if counters is None or counters.numel() != n // QK or counters.dtype != COUNTER_DTYPE:
             raise ValueError(f"a gated pair's int8 form takes q8_counters({n})")
-        if QK % grid_tile(n).block_n:  # a block is quantized by the last of its whole programs
+        if QK % grid_tile(n, m).block_n:  # a block is quantized by the last of its whole programs
             raise ValueError(f"a gated pair's int8 form needs a tile of rows dividing {QK}")
     _launch(x, w_gate, fmt, n, k, out, out.stride(0), w_up=w_up, out_q8=out_q8, counters=counters)
     return out
