@@ -4,8 +4,8 @@ on the cuda lane: a prompt's chunk on cuBLAS over f16 copies or the f16 scratch 
 in f64 within the lane's contract. Interpreted where there is no GPU, one knob a mix (the decode steps of these
 mixes are `tests/cuda/test_cuda_mixes.py`'s, on a GPU, and their kernels' `test_gemv_q8.py`'s). A mixture whose
 experts are in them multiplies a chunk of any rows past one on the grouped GEMM (no f32 GEMV decodes them), a
-step's one row on the int8 GEMV. A latent attention's per-head products in them read the matrix's f32 values,
-decoded once on the device."""
+step's one row on the int8 GEMV. A latent attention's per-head products in them, or in a grid format (llama.cpp's
+IQ mixes write DeepSeek's value half in one), read the matrix's f32 values, decoded once on the device."""
 
 from __future__ import annotations
 
@@ -58,4 +58,13 @@ def test_a_latent_attention_in_q3_k_runs_as_the_cpu_lane(tmp_path) -> None:
     formats = tensor_formats(shape, "q3_k_m")
     assert formats["blk.0.attn_v_b.weight"] is Format.Q3_K and formats["blk.0.attn_k_b.weight"] is Format.IQ4_NL
     path = write_synthetic(tmp_path / "m.gguf", shape, "q3_k_m", seed=3)
+    _runs_as_the_cpu_lane(path, [9])
+
+
+@pytest.mark.parametrize("fmt", [Format.IQ2_XXS, Format.IQ3_S])
+def test_a_latent_attentions_value_half_in_a_grid_format_runs_as_the_cpu_lane(tmp_path, fmt) -> None:
+    # the value half's rows are the latent's 256 values (whole super-blocks); its f32 values decoded once by
+    # the grid decode, in the absorbed form's per-head product (its tiles in the expanded form take none)
+    shape = dataclasses.replace(SHAPES["tiny-deepseek2"], n_embd=256, n_ff=512, kv_lora=256, nope=32, n_layers=1)
+    path = write_synthetic(tmp_path / "m.gguf", shape, "q8_0", seed=4, formats={"blk.0.attn_v_b.weight": fmt})
     _runs_as_the_cpu_lane(path, [9])

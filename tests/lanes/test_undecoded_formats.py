@@ -3,10 +3,11 @@ runs: `explain` shows the plan and names the matrix, `--lane cuda` refuses in on
 model on the cpu lane, which decodes every format of the table.
 
 The grid and ternary formats (`formats.GRID_FORMATS`: IQ2_*, IQ3_*, IQ1_*, TQ*) are decoded by the cpu lane
-everywhere and by the cuda lane in a product (`triton/grid/`: a dense projection, a mixture's experts) and an
-embedding's gather. A latent attention's per-head product in one is such a matrix; so is a mixture whose gate
-and up experts differ in format, which the gate/up launch cannot take (it decodes one). The grid files the lane
-runs are tested in `tests/cuda_kernels/test_grid_lane.py` and `test_grid_experts_lane.py`."""
+everywhere and by the cuda lane in a product (`triton/grid/`: a dense projection, a mixture's experts), an
+embedding's gather and a latent attention's per-head product (decoded once to f32 values). A mixture whose gate
+and up experts differ in format is such a matrix: the gate/up launch cannot take it (it decodes one). The grid
+files the lane runs are tested in `tests/cuda_kernels/test_grid_lane.py`, `test_grid_experts_lane.py` and
+`tests/cuda_kernels/test_low_bit_prefill.py` (the per-head product)."""
 
 from __future__ import annotations
 
@@ -24,15 +25,11 @@ from fuselane.gguf.synth import SHAPES, Shape, write_synthetic
 from fuselane.graph.ir import Fused
 from fuselane.runtime import model as runtime
 
-PER_HEAD_WHY = (
-    "blk.0.attn_v_b.weight is IQ2_XXS, a grid format, which the lane decodes in a product and an embedding only "
-    "(the cpu lane runs it)"
-)
 GATE_UP_WHY = (
     "blk.0.ffn_gate_exps.weight is Q4_K and blk.0.ffn_up_exps.weight is Q6_K: a mixture's gate and up experts "
     "multiply in one launch that decodes one format (the cpu lane runs it)"
 )
-REFUSED = {"per_head": PER_HEAD_WHY, "gate_up": GATE_UP_WHY}
+REFUSED = {"gate_up": GATE_UP_WHY}
 # rows of whole 256-value super-blocks, as the grid formats need
 DENSE = Shape("qwen3", 256, 2, 4, 2, 64, 512, 512, context=4096)
 # DeepSeek-V2-Lite's latent attention at one layer and narrow widths: its value product's rows are the latent's 512
@@ -70,7 +67,7 @@ def test_explain_names_the_matrix(files, kind, why):
     assert readers and all(not isinstance(op.sym, Fused) for op in readers)
 
 
-@pytest.mark.parametrize("kind", ["plain", "dense", "experts", "embedding"])
+@pytest.mark.parametrize("kind", ["plain", "dense", "experts", "embedding", "per_head"])
 def test_a_file_the_lane_decodes_is_not_refused(files, kind):
     assert build_plan(files[kind], lane="cuda")[2].cannot_run is None
 

@@ -114,11 +114,12 @@ def _undecoded(op: Op, g: TensorGraph) -> str | None:
     """A matrix the op reads in a format no kernel of the lane decodes there: one outside
     `kernels.DEQUANT_FORMATS` and the grid formats, whose products, gathers and prompt scratch would each stop
     at it; or a grid format's (`kernels.GRID_GEMV_FORMATS`) anywhere but as the matrix of a product alone, which
-    its own GEMV multiplies (and its whole-matrix decode, for a chunk)."""
+    its own GEMV multiplies (and its whole-matrix decode, for a chunk), or of a per-head product
+    (`_values_decoded`)."""
     for leaf in leaves(op):
         for i, name in enumerate(leaf.ins):
             fmt = _matrix_format(name, g)
-            if fmt is None or fmt in kernels.DEQUANT_FORMATS:
+            if fmt is None or fmt in kernels.DEQUANT_FORMATS or _values_decoded(leaf, i):
                 continue
             if fmt not in kernels.GRID_GEMV_FORMATS:
                 return f"{name} is {fmt.name}, which no kernel of the lane decodes" + _CPU
@@ -213,11 +214,20 @@ def _grid_matrix(op: Op, g: TensorGraph) -> str | None:
     if _grid_launch(op, g):
         return None
     for leaf in leaves(op):
-        for name in leaf.ins:
+        for i, name in enumerate(leaf.ins):
             fmt = _matrix_format(name, g)
-            if fmt in kernels.GRID_GEMV_FORMATS:
+            if fmt in kernels.GRID_GEMV_FORMATS and not _values_decoded(leaf, i):
                 return _GRID_ALONE.format(name=name, fmt=fmt.name)
     return None
+
+
+def _values_decoded(leaf: Op, operand: int) -> bool:
+    """Whether a primitive's operand is a matrix its launch reads as f32 values, decoded once on the device from
+    any format the whole-matrix decode takes, the grid formats too (`mla_launch._head_weights`): a latent
+    attention's per-head product's (llama.cpp's IQ mixes write DeepSeek's `attn_v_b`, rows of the latent's 512
+    values, in them). The expanded form's tiles decode none of them, so such a half keeps the absorbed form
+    (`latent.HeadHalf.in_tiles`)."""
+    return isinstance(leaf.sym, HeadMatmul) and operand == 1
 
 
 def _matrix_format(name: str, g: TensorGraph) -> Format | None:
