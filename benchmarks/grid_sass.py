@@ -78,7 +78,7 @@ def main() -> None:
     from fuselane.lanes.cuda.triton.grid.decode import DECODE_WARPS, PROGRAM_BLOCKS
     from fuselane.lanes.cuda.triton.grid.gemv import grid_tile
 
-    per_thread = {"_grid_gemv_kernel": grid_tile(args.n).values_a_thread()}
+    per_thread = {"_grid_gemv_kernel": grid_tile(args.n, 1 if args.int8 else args.m).values_a_thread()}
     per_thread["_grid_dequant_kernel"] = PROGRAM_BLOCKS * QK_K // (DECODE_WARPS * WARP)
     print(f"{'kernel':22} {'fmt':8} {'regs':>4} {'stack':>5} {'instr':>6} {'LDG':>5} {'loop':>5} {'a value':>7}")
     for name, fmt, cubin in cubins:

@@ -36,14 +36,14 @@ SHAPES = [  # (name, format, n, k)
     ("7b down", Format.IQ2_XXS, 3584, 18944),
 ]
 TILES = [(16, 4, 128), (8, 2, 128), (4, 1, 128), (8, 2, 256), (8, 4, 256), (16, 8, 256), (4, 2, 256)]
-# SWEEP_QUICK=1: the 7B's three widths, the rule's two tiles against the first tile
-QUICK_SHAPES, QUICK_TILES = SHAPES[:3], [(16, 4, 128), (8, 2, 128), (16, 8, 256)]
+# SWEEP_QUICK=1: the 7B's three widths, the rule's tiles against the first tile
+QUICK_SHAPES, QUICK_TILES = SHAPES[:3], [(16, 4, 128), (8, 2, 128), (16, 8, 256), (4, 2, 256)]
 
 
 def with_tile(bn: int, warps: int, slice_: int, call):
     """`call()` under the tile for every launch, the module's own rule put back after."""
     own = G.grid_tile
-    G.grid_tile = lambda n: G.GridTile(bn, warps, slice_)
+    G.grid_tile = lambda n, m=1: G.GridTile(bn, warps, slice_)
     try:
         return call()
     finally:
