@@ -3,9 +3,9 @@ f16 or f32 values, each the f32 `fuselane.gguf.dequant.dequantize` gives (an f16
 even), so a product the lane has no fused kernel for can read the weights as floats.
 
 A program decodes UNITS whole 256-value blocks: a grid format's 32 groups of 8 a block, each group's fields found
-once (`values.grid_group`) and its 8 values from them (`grid_entry`); a ternary format's values each alone
-(`grid_values`). Blocks past the end decode the last one, as `gemv.epilogue`'s decode does, and their stores are
-masked.
+once (`values.grid_group`) and its 8 values from them (`grid_entry`), stored side by side; a ternary format's
+values each alone (`grid_values`). Blocks past the end decode the last one, as `gemv.epilogue`'s decode does, and
+their stores are masked.
 """
 
 from __future__ import annotations
@@ -62,13 +62,31 @@ def _grid_dequant_kernel(
         v = grid_values(blk, table, t, FMT)
         tl.store(first[:, None] + t, v.to(out.dtype.element_ty), mask=keep[:, None])
     else:
-        # a group's fields once ([U, G]), then each of its 8 values from them alone (as the grid GEMV)
+        # a group's fields once ([U, G]), then its 8 values from them alone (as the grid GEMV), side by side in
+        # the thread, so a unit's values leave in one wide store a group, not 8 narrow ones 16 bytes apart
         g = tl.arange(0, BLOCK_VALUES // GROUP_C)[None, :]
         low, high, signs, scale, delta = grid_group(blk, table, g, FMT)
-        at = first[:, None] + g * GROUP_C
-        for j in tl.static_range(GROUP_C):
-            v = grid_entry(low, high, signs, scale, delta, tl.full([1, 1], j, tl.int32), FMT)
-            tl.store(at + j, v.to(out.dtype.element_ty), mask=keep[:, None])
+        v = _group_values(low, high, signs, scale, delta, FMT, GROUP_C)  # [U, G * 8]
+        t = tl.arange(0, BLOCK_VALUES)[None, :]
+        tl.store(first[:, None] + t, v.to(out.dtype.element_ty), mask=keep[:, None])
+
+
+@triton.jit
+def _entry(low, high, signs, scale, delta, J: tl.constexpr, FMT: tl.constexpr):
+    return grid_entry(low, high, signs, scale, delta, tl.full([1, 1], J, tl.int32), FMT)
+
+
+@triton.jit
+def _group_values(low, high, signs, scale, delta, FMT: tl.constexpr, GROUP_C: tl.constexpr):
+    """[U, G * 8]: each group's 8 values (`grid_entry`) in order, a group's in one thread. `tl.join` adds a last
+    axis of two; joining the values 4 apart first, then 2 apart, then 1 apart makes that axis (j >> 2, j >> 1 & 1,
+    j & 1), which flattens to j."""
+    a0 = tl.join(_entry(low, high, signs, scale, delta, 0, FMT), _entry(low, high, signs, scale, delta, 4, FMT))
+    a1 = tl.join(_entry(low, high, signs, scale, delta, 1, FMT), _entry(low, high, signs, scale, delta, 5, FMT))
+    a2 = tl.join(_entry(low, high, signs, scale, delta, 2, FMT), _entry(low, high, signs, scale, delta, 6, FMT))
+    a3 = tl.join(_entry(low, high, signs, scale, delta, 3, FMT), _entry(low, high, signs, scale, delta, 7, FMT))
+    v = tl.join(tl.join(a0, a2), tl.join(a1, a3))  # [U, G, 2, 2, 2]
+    return tl.reshape(v, [v.shape[0], v.shape[1] * GROUP_C])
 
 
 def dequantize_grid(
