@@ -60,6 +60,28 @@ def _runs(tmp_path, name: str, layer: dict, knobs: list[str]) -> None:
     runs_as_the_cpu_lane(path, PROMPT, SHORT, DECODE, ctx=64, knobs=knobs)
 
 
+def test_a_grid_model_gives_the_same_bits_launched_plainly_and_as_dependents(tmp_path) -> None:
+    # `pdl=auto` launches a grid model's steps in plain stream order (measured faster); forced on, each grid
+    # launch is a dependent of the one before and waits for it: the same logits bit for bit (a narrow shape in
+    # llama.cpp's IQ3_M layer: the grid GEMV in parts with its turns, the gated pair writing its int8 form)
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("dependent launches need compute capability 9.0")
+    from fuselane.gguf.synth import Shape
+    from fuselane.runtime.model import load
+
+    shape = Shape("qwen2", 256, 2, 4, 1, 64, 512, 512, context=64)
+    formats = {f"blk.{i}.{m}.weight": f for i in range(2) for m, f in TURNED["qwen2.5-7b"][0].items()}
+    path = write_synthetic(tmp_path / "m.gguf", shape, "q4_k_m", seed=13, formats=formats)
+    plain, dependent = (load(path, lane="cuda", ctx=64, knobs=k) for k in ([], ["pdl=on"]))
+    assert not plain.lane.dependent_launch and dependent.lane.dependent_launch
+    steps = []
+    for model in (plain, dependent):
+        s = model.session()
+        steps.append([s.feed(PROMPT), s.extend(SHORT), *(s.extend([t]) for t in DECODE)])
+    for a, b in zip(*steps, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("fmt", sorted(GRID_FORMATS), ids=lambda f: f.name)
 def test_the_grid_gemv_and_decode_at_a_7b_width(fmt: Format) -> None:
     # a down projection's widths: 3,584 rows of 18,944 values, one row and eight; the decode bit for bit
