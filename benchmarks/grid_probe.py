@@ -1,8 +1,9 @@
 """Where the grid GEMV's time goes: its launch on a step's int8 row beside probes of the same tile and shape:
 one that only streams the matrix's bytes (each thread's loads as wide as the tile's layout makes them, an xor a
 word), one that only gathers grid rows (two 4-byte rows a group of 8 values from a table of IQ3_S's 512 rows,
-at indices hashed from row, group and step, as a file's fall), and one that gathers one index a step for every
-lane (one line a load: the gathers' floor). In microseconds a launch and GB/s of the file's bytes, each
+at indices hashed from row, group and step, as a file's fall), one that gathers one index a step for every
+lane (one line a load: the gathers' floor), and one that gathers the spread rows from the table held in the
+program (`tl.gather`, through shared memory). In microseconds a launch and GB/s of the file's bytes, each
 replayed from a CUDA graph.
 
 Why: the GEMV reads 370-850 GB/s of an H100's ~3,000 at a 7B's widths (RESULTS.md, 2026-12-07 ninth), waiting
@@ -65,13 +66,31 @@ def _gather_kernel(table, out, STEPS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     tl.store(out + tl.program_id(0), tl.sum(tl.sum(acc.to(tl.float32), axis=1), axis=0))
 
 
+@triton.jit
+def _shared_gather_kernel(table, out, STEPS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                          ROWS: tl.constexpr, HASH_C: tl.constexpr):  # fmt: skip
+    """`_gather_kernel`'s spread gathers from the table held in the program (`tl.gather`: Triton stages it in
+    shared memory a call, a store and two barriers), a step's two rows a group in one call."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.arange(0, GROUPS)
+    held = tl.load(table + tl.arange(0, ROWS))
+    acc = tl.zeros([BLOCK_N, GROUPS], tl.int32)
+    for step in tl.range(0, STEPS):
+        key = (rows[:, None] * (STEPS * GROUPS) + step * GROUPS + g[None, :]) * HASH_C
+        idx = (key.to(tl.uint32, bitcast=True) >> 16).to(tl.int32) & (ROWS - 1)
+        both = tl.reshape(tl.join(idx, idx ^ 1), [BLOCK_N * GROUPS * 2])
+        a, b = tl.split(tl.reshape(tl.gather(held, both, 0), [BLOCK_N, GROUPS, 2]))
+        acc += a + b
+    tl.store(out + tl.program_id(0), tl.sum(tl.sum(acc.to(tl.float32), axis=1), axis=0))
+
+
 def _launch(kernel, programs: int, warps: int, *args, **consts):
     """A call launching `kernel` over `programs` programs of `warps` warps."""
     return lambda: kernel[(programs,)](*args, **consts, num_warps=warps)
 
 
 def probes(w: torch.Tensor, n: int, k: int, sink: torch.Tensor) -> dict[str, object]:
-    """The three probes' launches over `w` (n rows of k IQ3_S values) at the GEMV's tile for a step's row."""
+    """The probes' launches over `w` (n rows of k IQ3_S values) at the GEMV's tile for a step's row."""
     lay, tile = LAYOUTS[FMT], G.grid_tile(n, 1)
     programs, row_b = triton.cdiv(n, tile.block_n), stored_row_bytes(FMT, k)
     # the stream's step: about the bytes a GEMV step reads of a row (its slice's share), in whole words
@@ -85,12 +104,14 @@ def probes(w: torch.Tensor, n: int, k: int, sink: torch.Tensor) -> dict[str, obj
                           STEPS=row_b // (step_words * WORD), BLOCK_N=tile.block_n, STEP_WORDS=step_words),
         "gathers": _launch(_gather_kernel, programs, tile.warps, table, sink, SPREAD=1, **gathers),
         "one row": _launch(_gather_kernel, programs, tile.warps, table, sink, SPREAD=0, **gathers),
+        "held": _launch(_shared_gather_kernel, programs, tile.warps, table, sink, **gathers),
     }  # fmt: skip
 
 
 def main() -> None:
     rng = np.random.default_rng(0)
-    print(f"{'product':10} {'tile':>9} {'GEMV':>14} {'stream':>14} {'gathers':>14} {'one row':>14}  us (GB/s)")
+    heads = "".join(f"{h:>15}" for h in ("GEMV", "stream", "gathers", "one row", "held"))
+    print(f"{'product':10} {'tile':>9}{heads}  us (GB/s)")
     for name, n, k in SHAPES:
         raw = random_blocks(FMT, n * k // LAYOUTS[FMT].values, rng)
         w = torch.from_numpy(stored_bytes(FMT, raw, row_bytes(FMT, k))).cuda()
