@@ -21,6 +21,7 @@ from fuselane.fuse.views import class_of, leaves  # noqa: E402
 from fuselane.gguf.formats import Format  # noqa: E402
 from fuselane.gguf.synth import Shape, write_synthetic  # noqa: E402
 from fuselane.graph.classes import ClassId as C  # noqa: E402
+from fuselane.runtime.model import load  # noqa: E402
 from tests.lane_steps import runs_as_the_cpu_lane  # noqa: E402
 
 # rows of whole 256-value super-blocks, as the grid formats need; one layer keeps the interpreter's time short
@@ -59,6 +60,9 @@ def test_grid_experts_run_as_the_cpu_lane(tmp_path, formats, activations, gate_u
     path = _write(tmp_path / "m.gguf", QWEN3MOE, formats)
     assert _holding(path, "blk.0.ffn_gate_exps.weight") == [gate_up]
     runs_as_the_cpu_lane(path, PROMPT, SHORT, DECODE, ctx=32, knobs=[f"activations={activations}"])
+    # grid experts run kernels of their own, not the grid GEMV: `pdl=auto` keeps dependent launches
+    lane = load(path, lane="cuda", ctx=32).lane
+    assert not set(formats.values()) & lane.dense_formats() and lane.shim.dependent_launches(lane.dense_formats())
 
 
 def test_the_mixtures_last_step_norms_and_quantizes_from_grid_experts(tmp_path):

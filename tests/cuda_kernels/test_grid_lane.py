@@ -118,8 +118,8 @@ def test_an_embedding_in_a_grid_format_is_gathered_from_its_table(tmp_path, tied
     runs_as_the_cpu_lane(path, PROMPT, SHORT, [9, 77], ctx=32)
     # only a tied table is a product's matrix, so only then does `pdl=auto` launch in plain stream order
     lane = load(path, lane="cuda", ctx=32).lane
-    assert (Format.IQ3_S in lane.multiplied_formats()) is tied
-    assert lane.shim.dependent_launches(lane.multiplied_formats()) is not tied
+    assert (Format.IQ3_S in lane.dense_formats()) is tied
+    assert lane.shim.dependent_launches(lane.dense_formats()) is not tied
 
 
 @pytest.mark.parametrize(

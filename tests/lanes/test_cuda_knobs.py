@@ -170,8 +170,8 @@ def test_explain_says_what_prefill_auto_takes_and_what_the_copies_would() -> Non
 
 
 def test_dependent_launches_follow_the_knob_and_the_models_formats() -> None:
-    """`pdl=auto` makes each launch a dependent of the one before but in a model that multiplies a matrix in a
-    grid format (whose steps measured slower so); `on` and `off` force either."""
+    """`pdl=auto` makes each launch a dependent of the one before but in a model whose dense products multiply a
+    matrix in a grid format (whose steps measured slower so); `on` and `off` force either."""
     on, off, auto = DependentLaunch.ON, DependentLaunch.OFF, DependentLaunch.AUTO
     assert CudaKnobs().dependent_launch is auto
     spellings = ("on", "off", "true", "0", "AUTO")

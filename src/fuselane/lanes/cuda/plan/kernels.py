@@ -378,9 +378,11 @@ def grid_int8(fmt: Format, m: int, batch: bool = False) -> bool:
 
 def dependent_launch_pays(formats: Iterable[Format]) -> bool:
     """Whether a model's steps run faster with each launch a dependent of the one before (`triton/pdl.py`),
-    given the formats of the matrices it multiplies: not where one is a grid format. Measured (H100, the 7B,
-    `fuselane bench -p 512 -n 128`, benchmarks/RESULTS.md): in IQ3_M, whose gated pairs and downs run the grid
-    GEMV, 119.1 tok/s with them against 149.7 without; in Q4_K_M, 443.3 against 414.1."""
+    given the formats of the matrices its dense products multiply: not where one is a grid format, which the
+    grid GEMV multiplies. Measured (H100, the 7B, `fuselane bench -p 512 -n 128`, benchmarks/RESULTS.md): in
+    IQ3_M, whose gated pairs and downs run the grid GEMV, 119.1 tok/s with them against 149.7 without; in
+    Q4_K_M, 443.3 against 414.1. A mixture's grid experts run kernels of their own (`grid/experts.py`),
+    unmeasured either way, so they keep the lane's default."""
     return not any(fmt in GRID_GEMV_FORMATS for fmt in formats)
 
 

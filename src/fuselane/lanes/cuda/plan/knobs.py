@@ -89,7 +89,7 @@ class RopeEpilogue(enum.Enum):
 class DependentLaunch(enum.Enum):
     """Whether each of a step's launches is a dependent of the one before it (`triton/pdl.py`)."""
 
-    AUTO = "auto"  # on, but for a model that multiplies a matrix in a grid format (`kernels.dependent_launch_pays`)
+    AUTO = "auto"  # on, but where a dense product's matrix is in a grid format (`kernels.dependent_launch_pays`)
     ON = "on"
     OFF = "off"
 
@@ -149,8 +149,9 @@ class CudaKnobs:
     - `batch=False`: a form's rows are one sequence's.
     - `pdl=auto`: on a GPU of compute capability 9.0 or later each kernel launches as a dependent of the one
       before it, so its launch and its blocks' start overlap that one's end (`triton/pdl.py`), except in a
-      model that multiplies a matrix in a grid format, whose steps measured faster in the plain launch order
-      (`kernels.dependent_launch_pays`). `on` and `off` force either; results are the same either way.
+      model whose dense products multiply a matrix in a grid format (the grid GEMV's), whose steps measured
+      faster in the plain launch order (`kernels.dependent_launch_pays`). `on` and `off` force either; results
+      are the same either way.
     - `norm_launch=True`: under int8 activations a down projection's residual add and norm take a launch of
       their own (`kernels.norm_in_own_launch`): the GEMV epilogue's serial tail costs more than a launch
       (measured in benchmarks/RESULTS.md). `off` keeps them in the GEMV's

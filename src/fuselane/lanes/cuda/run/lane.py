@@ -93,7 +93,7 @@ class CudaLane:
         self.shim = CudaShim(knobs, held=held)
         # programmatic dependent launch needs compute capability 9.0; the interpreter runs launches in turn
         self.dependent_launch = (
-            self.shim.dependent_launches(self.multiplied_formats())
+            self.shim.dependent_launches(self.dense_formats())
             and not interpreted
             and torch.cuda.get_device_capability(self.device)[0] >= PDL_MAJOR
         )
@@ -260,9 +260,11 @@ class CudaLane:
         that is only gathered (one row a token)."""
         return len(self.tensors[name].shape) > 1 and not (name == "token_embd.weight" and not self.cfg.tied)
 
-    def multiplied_formats(self) -> set[Format]:
-        """The formats of the matrices a step multiplies (`_multiplied`): what `pdl=auto` decides by."""
-        return {t.format for n, t in self.tensors.items() if self._multiplied(n)}
+    def dense_formats(self) -> set[Format]:
+        """The formats of the matrices a step's dense products multiply (`_multiplied`, two dimensions: not a
+        mixture's expert tensors or a latent attention's per-head ones, which run kernels of their own): what
+        `pdl=auto` decides by."""
+        return {t.format for n, t in self.tensors.items() if self._multiplied(n) and len(t.shape) == 2}
 
     def weight_bytes(self) -> int:
         """Bytes a decode step reads: every matrix once, but the embedding table (one row is gathered) and a

@@ -37,9 +37,9 @@ after weight loads):
   routing's expert ids (from L2) and its first chunks of those experts' weights before its wait, and the
   gate/up launch's activations after it.
 
-A step whose products run the grid GEMV measured slower this way, not faster (H100, the 7B in IQ3_M: 119.1
-against 149.7 tok/s in plain stream order, where its grid GEMV took 5.1 of 6.9 ms of kernel time either way; the
-cause is not yet known), so under the `pdl` knob's `auto` such a model launches plainly
+A step whose dense products run the grid GEMV measured slower this way, not faster (H100, the 7B in IQ3_M:
+119.1 against 149.7 tok/s in plain stream order, where its grid GEMV took 5.1 of 6.9 ms of kernel time either
+way; the cause is not yet known), so under the `pdl` knob's `auto` such a model launches plainly
 (`kernels.dependent_launch_pays`).
 
 The lane turns it on for the launches it makes inside `dependent_launches(True)`; each launcher passes
