@@ -69,7 +69,7 @@ def test_a_grid_model_gives_the_same_bits_launched_plainly_and_as_dependents(tmp
     from fuselane.gguf.synth import Shape
     from fuselane.runtime.model import load
 
-    shape = Shape("qwen2", 256, 2, 4, 1, 64, 512, 512, context=64)
+    shape = Shape("qwen2", 256, 2, 4, 1, 64, 512, 4096, context=64)  # the vocabulary PROMPT's ids need
     formats = {f"blk.{i}.{m}.weight": f for i in range(2) for m, f in TURNED["qwen2.5-7b"][0].items()}
     path = write_synthetic(tmp_path / "m.gguf", shape, "q4_k_m", seed=13, formats=formats)
     plain, dependent = (load(path, lane="cuda", ctx=64, knobs=k) for k in ([], ["pdl=on"]))
