@@ -207,10 +207,11 @@ def _check_f32_experts(fmt, rows: int) -> None:
 
 
 def _int8(b, name: str, fmt, n: int, k: int, rows: int) -> Any:
-    """The int8 form of activation `name` where the plan wrote one and the int8 expert products take it."""
+    """The int8 form of activation `name` where the plan wrote one and the expert products take it: the int8
+    experts' formats, or a step's grid experts (`kernels.grid_int8`: their dot meets the codes in dp4a)."""
     from fuselane.lanes.cuda.triton.moe.gate_up import int8_takes
 
-    return b.q8.get(name) if rows == 1 and int8_takes(fmt, n, k) else None
+    return b.q8.get(name) if kernels.grid_int8(fmt, rows) or (rows == 1 and int8_takes(fmt, n, k)) else None
 
 
 def gate_up_act(op: Op, b, out_q8: Any = None) -> list:
@@ -227,9 +228,8 @@ def gate_up_act(op: Op, b, out_q8: Any = None) -> list:
         return _gate_up_grouped(b, gate, wg, wu, fmt, spec, order, out, op.out)
     if fmt in kernels.GRID_GEMV_FORMATS:  # a step's or a batch's pairs on the grid GEMV's dot: a step's row in
         # int8 where the plan quantized it, else f32
-        x = b.bufs[gate.ins[0]].view(spec.rows, spec.kd)
-        if kernels.grid_int8(fmt, spec.rows) and gate.ins[0] in b.q8:
-            x = b.q8[gate.ins[0]]
+        x = _int8(b, gate.ins[0], fmt, spec.n, spec.kd, spec.rows)
+        x = x if x is not None else b.bufs[gate.ins[0]].view(spec.rows, spec.kd)
         counters = None
         if out_q8 is not None:  # each pair's row in int8 too, for the down product (GluActMulQuant)
             from fuselane.lanes.cuda.triton.gemv.q8_epilogue import q8_counters
@@ -357,9 +357,7 @@ def down_combine(op: Op, b, out_q8: Any = None) -> list:
     w, fmt = b.raw[p.down.ins[1]]
     ids = _ids(b, p.down.ins[2]).view(mix.rows, mix.k)
     weights = b.bufs[p.mix.ins[1]]
-    q8 = _int8(b, p.down.ins[0], fmt, spec.n, spec.kd, mix.rows)
-    if kernels.grid_int8(fmt, mix.rows):  # the grid experts' down reads the pairs' int8 rows where written
-        q8 = b.q8.get(p.down.ins[0])
+    q8 = _int8(b, p.down.ins[0], fmt, spec.n, spec.kd, mix.rows)  # a grid down: the pairs' int8 rows where written
     h = q8 if q8 is not None else b.bufs[p.down.ins[0]].view(mix.rows * mix.k, spec.kd)
     adds = tuple(b.bufs[name] for name in p.adds)
     shared = _shared(b, p.shared, op, p.down.ins[2], q8 is None) if p.shared else None

@@ -139,6 +139,16 @@ def _check(w: Tensor, fmt: Format, n: int, k: int, ids: Tensor) -> int:
     return w.numel() // expert
 
 
+def _acts(x: Tensor | Q8Acts, fmt: Format, k: int, rows: int, name: str) -> tuple[Tensor, Tensor, Tensor]:
+    """A launch's three activation pointers (f32 rows, int8 codes, block scales; `q8.int8_args`) for `rows` rows
+    of k values: an int8 form checked as such, or contiguous f32 rows standing for all three."""
+    if isinstance(x, Q8Acts):
+        return int8_args(x, fmt, k, rows)
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != rows * k:
+        raise ValueError(f"{name} must be contiguous f32 ({rows}, {k})")
+    return x, x, x
+
+
 def grid_gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, ids: Tensor, n: int, k: int,
                  out: Tensor, out_q8: Q8Acts | None = None, counters: Tensor | None = None) -> Tensor:  # fmt: skip
     """out (pairs, n) f32 = SiLU(x[row] @ Wg[e]^T) * (x[row] @ Wu[e]^T) for each (row, slot) pair, e = ids[pair]
@@ -151,13 +161,7 @@ def grid_gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, 
     if w_up.numel() != w_gate.numel():
         raise ValueError("the gate and up experts must be the same shape")
     rows, slots = ids.shape
-    q8in = isinstance(x, Q8Acts)
-    if q8in:
-        xf, xq, xd = int8_args(x, fmt, k, rows)
-    elif x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != rows * k:
-        raise ValueError(f"x must be contiguous f32 ({rows}, {k})")
-    else:
-        xf, xq, xd = x, x, x
+    xf, xq, xd = _acts(x, fmt, k, rows, "x")
     if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != rows * slots * n:
         raise ValueError(f"out must be contiguous f32 ({rows * slots}, {n})")
     if out_q8 is not None:
@@ -169,7 +173,8 @@ def grid_gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, 
     _gate_up_kernel[(triton.cdiv(n, GATE_UP_ROWS), ids.numel())](
         xf, xq, xd, w_gate, w_up, device_table(fmt, w_gate.device), ids, out, *oq,
         counters if counters is not None else ids, N=n, KD=k, SLOTS=ids.shape[1],
-        EXPERT_BYTES=w_gate.numel() // experts, ROWS=GATE_UP_ROWS, **dot_consts(fmt, k, EXPERT_TILE.slice), Q8IN=q8in,
+        EXPERT_BYTES=w_gate.numel() // experts, ROWS=GATE_UP_ROWS, **dot_consts(fmt, k, EXPERT_TILE.slice),
+        Q8IN=isinstance(x, Q8Acts),
         Q8OUT=out_q8 is not None,
         num_warps=EXPERT_TILE.warps,
         **pdl.options(),
@@ -188,13 +193,7 @@ def grid_down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, w
     fmt = Format(fmt)
     experts = _check(w, fmt, d, dff, ids)
     rows, slots = ids.shape
-    q8in = isinstance(h, Q8Acts)
-    if q8in:
-        hf, hq, hd = int8_args(h, fmt, dff, rows * slots)
-    elif h.dtype != torch.float32 or not h.is_contiguous() or h.numel() != rows * slots * dff:
-        raise ValueError(f"h must be contiguous f32 ({rows * slots}, {dff})")
-    else:
-        hf, hq, hd = h, h, h
+    hf, hq, hd = _acts(h, fmt, dff, rows * slots, "h")
     if weights.numel() != rows * slots or sum_out.numel() != rows * d:
         raise ValueError(f"weights must be ({rows}, {slots}) and sum_out ({rows}, {d})")
     if len(adds) > 2 or any(a.numel() != rows * d for a in adds):
@@ -214,7 +213,7 @@ def grid_down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, w
         counter if counter is not None else ids, float(norm.eps if norm else 0.0),
         D=d, DFF=dff, SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots), EXPERT_BYTES=w.numel() // experts,
         ADDS=len(adds), NORM=norm is not None, NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk), Q8OUT=q8out,
-        ROWS=per, **dot_consts(fmt, dff, EXPERT_TILE.slice), Q8IN=q8in,
+        ROWS=per, **dot_consts(fmt, dff, EXPERT_TILE.slice), Q8IN=isinstance(h, Q8Acts),
         num_warps=EXPERT_TILE.warps, **pdl.options(),
     )  # fmt: skip
     return sum_out
