@@ -35,9 +35,12 @@ SHAPES = [  # (name, format, n, k)
     ("7b gate", Format.IQ2_XXS, 18944, 3584),
     ("7b down", Format.IQ2_XXS, 3584, 18944),
 ]
-TILES = [(16, 4, 128), (8, 2, 128), (4, 1, 128), (8, 2, 256), (8, 4, 256), (16, 8, 256), (4, 2, 256)]
-# SWEEP_QUICK=1: the 7B's three widths, the rule's tiles against the first tile
-QUICK_SHAPES, QUICK_TILES = SHAPES[:3], [(16, 4, 128), (8, 2, 128), (16, 8, 256), (4, 2, 256)]
+# (rows, warps, values a step): past 256, whole super-blocks a step (`grid/steps.py`)
+TILES = [(16, 4, 128), (8, 2, 128), (4, 1, 128), (8, 2, 256), (8, 4, 256), (16, 8, 256), (4, 2, 256), (2, 4, 512),
+         (1, 4, 1024), (4, 4, 512), (2, 2, 512), (4, 8, 1024)]  # fmt: skip
+# SWEEP_QUICK=1: the 7B's three widths, the rule's tiles against the first tile and the wide steps
+QUICK_SHAPES = SHAPES[:3]
+QUICK_TILES = [(16, 4, 128), (8, 2, 128), (16, 8, 256), (4, 2, 256), (2, 4, 512), (1, 4, 1024), (4, 4, 512)]
 
 
 def with_tile(bn: int, warps: int, slice_: int, call):

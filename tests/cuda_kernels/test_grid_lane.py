@@ -21,12 +21,13 @@ pytest.importorskip("triton")
 from fuselane.explain import build_plan  # noqa: E402
 from fuselane.fuse.views import class_of, leaves  # noqa: E402
 from fuselane.gguf.dequant import dequantize  # noqa: E402
-from fuselane.gguf.formats import GRID_FORMATS, LAYOUTS, Format  # noqa: E402
+from fuselane.gguf.formats import GRID_FORMATS, LAYOUTS, QK_K, Format  # noqa: E402
 from fuselane.gguf.quantize import random_blocks  # noqa: E402
 from fuselane.gguf.synth import Shape, write_synthetic  # noqa: E402
 from fuselane.graph.classes import ClassId as C  # noqa: E402
 from fuselane.graph.ir import Fused  # noqa: E402
 from fuselane.lanes.cuda.plan import kernels  # noqa: E402
+from fuselane.lanes.cuda.triton.grid.values import GRID_GROUP  # noqa: E402
 from fuselane.runtime.model import load  # noqa: E402
 from tests.lane_steps import rel, runs_as_the_cpu_lane  # noqa: E402
 
@@ -175,13 +176,16 @@ def _rows(fmt: Format, n: int, k: int, seed: int) -> tuple[torch.Tensor, np.ndar
 
 
 def test_the_tile_rule_takes_small_programs_for_a_steps_one_row():
-    # by the product's rows, and for few of them by x's rows: a step's one row in 4-row programs (swept fastest
-    # on both activations), a batch's rows in 16-row ones, which read each activation row once for more rows
+    # by the product's rows, and for few of them by x's rows: a step's one row in 2-row programs of two
+    # super-blocks a step (a row's k over 64 threads), a batch's rows in 16-row ones, which read each activation
+    # row once for more rows
     from fuselane.lanes.cuda.triton.grid import gemv as grid_gemv
 
     assert grid_gemv.grid_tile(18944) is grid_gemv.grid_tile(18944, 4) is grid_gemv.MANY_ROWS_TILE
     assert grid_gemv.grid_tile(3584) is grid_gemv.ONE_ROW_FEW_ROWS_TILE
     assert grid_gemv.grid_tile(3584, 2) is grid_gemv.FEW_ROWS_TILE
+    one_row = grid_gemv.ONE_ROW_FEW_ROWS_TILE
+    assert one_row.slice > QK_K and one_row.values_a_thread() == GRID_GROUP
 
 
 @pytest.mark.parametrize("fmt", sorted(GRID_FORMATS), ids=lambda f: f.name)
@@ -203,6 +207,44 @@ def test_the_grid_gemv_matches_f64(fmt, m, tile, monkeypatch):
     want = x.astype(np.float64) @ want_w.T
     # f32 sums of k products: within k ulps of the largest partial sum, far under this bound
     assert rel(out.cpu().numpy(), want) < 1e-5
+
+
+# steps of several whole super-blocks (`grid/steps.py`): rows of 3 super-blocks end inside a step of 2 or 4 (the
+# last step's groups past the row read its last block and count nothing), rows of 4 end on a step
+WIDE_TILES = {"two-blocks": (2, 4, 512), "four-blocks": (1, 4, 1024)}
+
+
+@pytest.mark.parametrize("fmt", [Format.IQ3_S, Format.IQ2_XXS, Format.IQ1_M, Format.TQ1_0], ids=lambda f: f.name)
+@pytest.mark.parametrize("k", [768, 1024])
+@pytest.mark.parametrize("tile", WIDE_TILES)
+def test_a_step_of_several_super_blocks_matches_f64(fmt, k, tile, monkeypatch):
+    from fuselane.lanes.cuda.triton.grid import gemv as grid_gemv
+
+    chosen = grid_gemv.GridTile(*WIDE_TILES[tile])
+    monkeypatch.setattr(grid_gemv, "grid_tile", lambda n, m=1: chosen)
+    n, m = 6, 2
+    w, want_w = _rows(fmt, n, k, seed=int(fmt) + k)
+    x = np.random.default_rng(k).standard_normal((m, k)).astype(np.float32)
+    out = torch.empty((m, n), dtype=torch.float32, device=DEVICE)
+    grid_gemv.gemv_grid(torch.from_numpy(x).to(DEVICE), w, fmt, n, k, out)
+    assert rel(out.cpu().numpy(), x.astype(np.float64) @ want_w.T) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", [Format.IQ2_XS, Format.TQ2_0], ids=lambda f: f.name)
+def test_a_gated_pair_walks_both_matrices_in_one_loop(fmt, monkeypatch):
+    # the gate's and the up product's groups in one k loop (each activation value loaded once for both), at a
+    # whole-step tile and at a wide one ending inside a step: SiLU(gate) * up against f64 over f32 rows
+    from fuselane.lanes.cuda.triton.grid import gemv as grid_gemv
+
+    n, k, m = 12, 768, 3
+    (wg, want_g), (wu, want_u) = _rows(fmt, n, k, seed=1), _rows(fmt, n, k, seed=2)
+    x = np.random.default_rng(3).standard_normal((m, k)).astype(np.float32)
+    g, u = x.astype(np.float64) @ want_g.T, x.astype(np.float64) @ want_u.T
+    for tile in (grid_gemv.FEW_ROWS_TILE, grid_gemv.GridTile(*WIDE_TILES["two-blocks"])):
+        monkeypatch.setattr(grid_gemv, "grid_tile", lambda n, m=1, tile=tile: tile)
+        out = torch.empty((m, n), dtype=torch.float32, device=DEVICE)
+        grid_gemv.gemv_grid_gate_up_glu(torch.from_numpy(x).to(DEVICE), wg, wu, fmt, n, k, out)
+        assert rel(out.cpu().numpy(), g / (1 + np.exp(-g)) * u) < 1e-5
 
 
 @pytest.mark.parametrize("fmt", [Format.IQ2_S, Format.TQ1_0], ids=lambda f: f.name)

@@ -85,6 +85,23 @@ def test_the_grid_gemv_on_int8_matches_f64(fmt, tile, monkeypatch):
     assert rel(out.cpu().numpy(), x @ want_w.T) < TOL
 
 
+@pytest.mark.parametrize("fmt", [Format.IQ3_S, Format.IQ2_S, Format.IQ1_S], ids=lambda f: f.name)
+@pytest.mark.parametrize("k", [768, 1024])
+@pytest.mark.parametrize("tile", [(2, 4, 512), (1, 4, 1024)], ids=["two-blocks", "four-blocks"])
+def test_a_step_of_several_super_blocks_on_int8_matches_f64(fmt, k, tile, monkeypatch):
+    # rows of 3 super-blocks end inside a step of 2 or 4 (the groups past the row count nothing), 4 on a step
+    from fuselane.lanes.cuda.triton.grid import gemv as grid_gemv
+
+    chosen = grid_gemv.GridTile(*tile)
+    monkeypatch.setattr(grid_gemv, "grid_tile", lambda n, m=1: chosen)
+    n = 6
+    w, want_w = _rows(fmt, n, k, seed=int(fmt) + k)
+    acts, x = _acts(k, seed=k)
+    out = torch.empty((1, n), dtype=torch.float32, device=DEVICE)
+    grid_gemv.gemv_grid(acts, w, fmt, n, k, out)
+    assert rel(out.cpu().numpy(), x @ want_w.T) < TOL
+
+
 def test_large_activations_stay_finite_and_exact():
     # activations near llama.cpp's q8_1 range: the codes' scale carries the size, the integer sums stay exact
     from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid

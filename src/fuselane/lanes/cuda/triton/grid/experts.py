@@ -64,11 +64,11 @@ def _gate_up_kernel(
     w = tl.where(i < ROWS, w_gate + base, w_up + base)
     row = (pair // SLOTS).to(tl.int64)
     if Q8IN:  # the pair's row in int8: its codes and its blocks' scales
-        y = grid_dot_q8(w, table, N, xq + row * KD, xd + row * (KD // Q8_BLOCK), rows, i * 0, FMT, NBYTES,
-                        ROW_BYTES, STEPS, 2 * ROWS, SLICE_C, SUPER_C, GROUP_C)  # fmt: skip
+        y = grid_dot_q8(w, w, table, N, xq + row * KD, xd + row * (KD // Q8_BLOCK), rows, i * 0, FMT, NBYTES,
+                        ROW_BYTES, STEPS, 2 * ROWS, SLICE_C, SUPER_C, GROUP_C)[0]  # fmt: skip
     else:
-        y = grid_dot(w, table, N, x + row * KD + tl.arange(0, 1), rows, i * 0, FMT, NBYTES, ROW_BYTES, STEPS, 1,
-                     2 * ROWS, SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
+        y = grid_dot(w, w, table, N, x + row * KD + tl.arange(0, 1), rows, i * 0, FMT, NBYTES, ROW_BYTES, STEPS,
+                     1, 2 * ROWS, SLICE_C, SUPER_C, GROUP_C, TERNARY)[0]  # fmt: skip
     halves = tl.reshape(y, [2, ROWS])
     half = tl.arange(0, 2)[:, None]
     gate = tl.sum(tl.where(half == 0, halves, 0.0), 0)
@@ -104,11 +104,13 @@ def _down_kernel(
     e = tl.load(ids + pair).to(tl.int64)
     wt = tl.where(slot < SLOTS, tl.load(weights + pair), 0.0)
     if Q8IN:  # each pair's SwiGLU row in int8 (the gate/up launch wrote it)
-        y = grid_dot_q8(w + e * EXPERT_BYTES, table, D, hq, hd, first + i % ROWS, pair * DFF, FMT, NBYTES,
-                        ROW_BYTES, STEPS, SLOTS_P2 * ROWS, SLICE_C, SUPER_C, GROUP_C)  # fmt: skip
+        we = w + e * EXPERT_BYTES
+        y = grid_dot_q8(we, we, table, D, hq, hd, first + i % ROWS, pair * DFF, FMT, NBYTES, ROW_BYTES, STEPS,
+                        SLOTS_P2 * ROWS, SLICE_C, SUPER_C, GROUP_C)[0]  # fmt: skip
     else:
-        y = grid_dot(w + e * EXPERT_BYTES, table, D, h + tl.arange(0, 1), first + i % ROWS, pair * DFF, FMT,
-                     NBYTES, ROW_BYTES, STEPS, 1, SLOTS_P2 * ROWS, SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
+        we = w + e * EXPERT_BYTES
+        y = grid_dot(we, we, table, D, h + tl.arange(0, 1), first + i % ROWS, pair * DFF, FMT, NBYTES, ROW_BYTES,
+                     STEPS, 1, SLOTS_P2 * ROWS, SLICE_C, SUPER_C, GROUP_C, TERNARY)[0]  # fmt: skip
     acc = tl.sum(tl.reshape(tl.reshape(y, [SLOTS_P2 * ROWS]) * wt, [SLOTS_P2, ROWS]), 0)
     if ADDS > 0:
         acc += added(a0, a1, row, first, D, ROWS, ADDS)

@@ -52,6 +52,7 @@ from fuselane.lanes.cuda.triton.gemv.parts import (
 from fuselane.lanes.cuda.triton.gemv.q8_epilogue import check_q8_out, quantize_block_last
 from fuselane.lanes.cuda.triton.gemv.rows import check_x, row_tiles, store_glu, store_rows
 from fuselane.lanes.cuda.triton.grid.q8 import grid_dot_q8, int8_args
+from fuselane.lanes.cuda.triton.grid.steps import live, step_groups, steps
 from fuselane.lanes.cuda.triton.grid.values import (
     GRID_GROUP,
     TERNARY_FORMATS,
@@ -90,9 +91,14 @@ class GridTile:
 # step, on the f32 row (430 GB/s against 337 at 16 rows and 8 warps) and on its int8 form (505 against 372), the
 # attention output's (3,584 x 3,584) too (432 / 465 against 374 / 410); a batch's rows keep the 16-row tile,
 # which reads each activation row once for four times the weight rows (not swept past one row).
+# A step's one row over few weight rows, seen beside llama.cpp's vec-dot on an H100 (RESULTS.md, 2026-12-07
+# tenth): the down product at 4/2/256 ran 896 programs of 64 threads, 16 threads a weight row, 0.2 waves a SM,
+# and took 57 us where llama.cpp's 128 threads a row took 30. Two super-blocks a step (`steps.step_groups`) give
+# a row 64 threads, one group of 8 values each a step, and the launch twice the loads in flight; both of a 7B's
+# widths (14 and 74 super-blocks) are whole steps.
 MANY_ROWS_TILE = GridTile(8, 2, 128)
 FEW_ROWS_TILE = GridTile(16, 8, QK_K)
-ONE_ROW_FEW_ROWS_TILE = GridTile(4, 2, QK_K)
+ONE_ROW_FEW_ROWS_TILE = GridTile(2, 4, 2 * QK_K)
 _TILES = (MANY_ROWS_TILE, FEW_ROWS_TILE, ONE_ROW_FEW_ROWS_TILE)
 if any(kernels.GRID_GEMV_MOST_TILE_ROWS % t.block_n for t in _TILES):
     raise RuntimeError("a grid tile's rows must divide kernels.GRID_GEMV_MOST_TILE_ROWS (the plan's head check)")
@@ -111,6 +117,7 @@ def grid_tile(n: int, m: int = 1) -> GridTile:
 @triton.jit
 def grid_dot(
     w,
+    w2,
     table,
     n,
     x_rows,
@@ -126,59 +133,80 @@ def grid_dot(
     SUPER_C: tl.constexpr,
     GROUP_C: tl.constexpr,
     TERNARY: tl.constexpr,
+    PAIR: tl.constexpr = False,
 ):
     """[BLOCK_M, BLOCK_N] f32: the rows `x_rows` of x (pointers, each a row within m: the caller points a tile's
     rows past m at a row within it, whose sums the store drops, so no load is masked) times the weight rows `rows` of
     `w` (a pointer, or one a weight row: a mixture's tile of several experts' rows); `x_cols` ([BLOCK_N] ints)
     moves x's pointers for each weight row (zeros for a dense product; a tile of several experts' rows reads
-    each its own pair's activation)."""
+    each its own pair's activation). Where PAIR, the same rows of `w2` too, in the same loop (a gated pair: each
+    activation value loaded once for both, twice the loads in flight): a tuple of both."""
     # rows past n decode row n - 1 (no masked weight loads); the store drops them
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
+    w2_rows = w2 + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
     groups: tl.constexpr = SLICE_C // GROUP_C
-    slices: tl.constexpr = SUPER_C // SLICE_C
+    blocks: tl.constexpr = ROW_BYTES // NBYTES
     gi = tl.arange(0, groups)
     acc = tl.zeros([BLOCK_M, BLOCK_N, groups], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N, groups], tl.float32)
     for step in tl.range(0, STEPS):
-        g = (step % slices) * groups + gi  # [G]: the groups of the super-block this step decodes
-        blk = (w_rows + (step // slices) * NBYTES)[:, None]  # [N, 1]
+        off, g, first = step_groups(step, gi, NBYTES, SLICE_C, SUPER_C, GROUP_C, blocks)
+        blk = w_rows[:, None] + off  # [N, 1] or [N, G]
+        blk2 = w2_rows[:, None] + off
         # [M, N, G]: each group's first value of x, a pointer a thread (each thread reads its own, from L1, where
         # an [M, G] load would be spread to the product's layout through shared memory for every value)
-        cols = x_rows[:, None, None] + ((step * SLICE_C + gi * GROUP_C)[None, None, :] + x_cols[None, :, None])
+        cols = x_rows[:, None, None] + (first[None, None, :] + x_cols[None, :, None])
         if TERNARY:
             for j in tl.static_range(GROUP_C):
-                v = grid_values(blk, table, (g * GROUP_C + j)[None, :], FMT)  # [N, G]
                 xs = tl.load(cols + j).to(tl.float32)
-                acc += xs * v[None, :, :]
+                if STEPS * SLICE_C > blocks * SUPER_C:  # a last step partly past the row: those groups count nothing
+                    xs = tl.where(live(step, gi, SLICE_C, SUPER_C, GROUP_C, blocks)[None, None, :], xs, 0.0)
+                acc += xs * grid_values(blk, table, (g * GROUP_C + j)[None, :], FMT)[None, :, :]
+                if PAIR:
+                    acc2 += xs * grid_values(blk2, table, (g * GROUP_C + j)[None, :], FMT)[None, :, :]
         else:
             # a group's fields once ([N, G]), then each of its 8 values from them alone, unscaled; the group's
             # sum takes its scale once
             low, high, signs, scale, delta = grid_group(blk, table, g[None, :], FMT)
             low, high = flip_bytes(low), flip_bytes(high)
             part = tl.zeros([BLOCK_M, BLOCK_N, groups], tl.float32)
+            if PAIR:
+                low2, high2, signs2, scale2, delta2 = grid_group(blk2, table, g[None, :], FMT)
+                low2, high2 = flip_bytes(low2), flip_bytes(high2)
+                part2 = tl.zeros([BLOCK_M, BLOCK_N, groups], tl.float32)
             for j in tl.static_range(GROUP_C):
-                v = grid_magnitude(low, high, signs, delta, j, FMT)
                 xs = tl.load(cols + j).to(tl.float32)
-                part += xs * v[None, :, :]
+                part += xs * grid_magnitude(low, high, signs, delta, j, FMT)[None, :, :]
+                if PAIR:
+                    part2 += xs * grid_magnitude(low2, high2, signs2, delta2, j, FMT)[None, :, :]
+            if STEPS * SLICE_C > blocks * SUPER_C:  # a last step partly past the row: those groups count nothing
+                keep = live(step, gi, SLICE_C, SUPER_C, GROUP_C, blocks)[None, :]
+                scale = tl.where(keep, scale, 0.0)
+                if PAIR:
+                    scale2 = tl.where(keep, scale2, 0.0)
             acc += part * scale[None, :, :]
-    return tl.sum(acc, axis=2)
+            if PAIR:
+                acc2 += part2 * scale2[None, :, :]
+    return tl.sum(acc, axis=2), tl.sum(acc2, axis=2)
 
 
 @triton.jit
-def _dot(w, table, n, x, x_pitch, m, xq, xd, rows, mi, FMT: tl.constexpr, NBYTES: tl.constexpr,
+def _dot(w, w2, table, n, x, x_pitch, m, xq, xd, rows, mi, FMT: tl.constexpr, NBYTES: tl.constexpr,
          ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
          SLICE_C: tl.constexpr, SUPER_C: tl.constexpr, GROUP_C: tl.constexpr, TERNARY: tl.constexpr,
-         Q8IN: tl.constexpr):  # fmt: skip
-    """[BLOCK_M, BLOCK_N]: x's rows `mi` times the weight rows `rows`: the dp4a dot on a step's one row in int8
-    (Q8IN: `xq`, `xd`), else the f32 one on x (rows past m read row m - 1, dropped at the store)."""
+         Q8IN: tl.constexpr, PAIR: tl.constexpr):  # fmt: skip
+    """([BLOCK_M, BLOCK_N], the same of `w2` where PAIR): x's rows `mi` times the weight rows `rows`: the dp4a dot
+    on a step's one row in int8 (Q8IN: `xq`, `xd`), else the f32 one on x (rows past m read row m - 1, dropped at
+    the store)."""
     if Q8IN:
-        y = grid_dot_q8(w, table, n, xq, xd, rows, rows * 0, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N, SLICE_C,
-                        SUPER_C, GROUP_C)  # fmt: skip
-        y = tl.reshape(y, [1, BLOCK_N])
+        y, y2 = grid_dot_q8(w, w2, table, n, xq, xd, rows, rows * 0, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N,
+                            SLICE_C, SUPER_C, GROUP_C, PAIR)  # fmt: skip
+        y, y2 = tl.reshape(y, [1, BLOCK_N]), tl.reshape(y2, [1, BLOCK_N])
     else:
         x_rows = x + tl.minimum(mi, m - 1).to(tl.int64) * x_pitch  # [M]
-        y = grid_dot(w, table, n, x_rows, rows, rows * 0, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N,
-                     SLICE_C, SUPER_C, GROUP_C, TERNARY)  # fmt: skip
-    return y
+        y, y2 = grid_dot(w, w2, table, n, x_rows, rows, rows * 0, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N,
+                         SLICE_C, SUPER_C, GROUP_C, TERNARY, PAIR)  # fmt: skip
+    return y, y2
 
 
 @triton.jit
@@ -229,11 +257,10 @@ def _grid_gemv_kernel(
     pdl.begin(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mi = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    y = _dot(w, table, n, x, x_pitch, m, xq, xd, rows, mi, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N, SLICE_C,
-             SUPER_C, GROUP_C, TERNARY, Q8IN)  # fmt: skip
-    if GLU:  # `w` the gate's rows, `w_up` the up product's, in one format: SiLU(gate) * up
-        up = _dot(w_up, table, n, x, x_pitch, m, xq, xd, rows, mi, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N,
-                  SLICE_C, SUPER_C, GROUP_C, TERNARY, Q8IN)  # fmt: skip
+    # GLU: `w` the gate's rows, `w_up` the up product's, in one format, both in one k loop: SiLU(gate) * up
+    y, up = _dot(w, w_up, table, n, x, x_pitch, m, xq, xd, rows, mi, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N,
+                 SLICE_C, SUPER_C, GROUP_C, TERNARY, Q8IN, GLU)  # fmt: skip
+    if GLU:
         store_glu(y, up, rows, n, mi, m, out, pitch)
         if Q8OUT:  # a step's one row: its 32-value blocks' int8 form, each by the last of its programs
             quantize_block_last(out, tl.program_id(0), n, oq, od, os_, counter, BLOCK_N)
@@ -284,8 +311,8 @@ def grid_parts_product(x, xq, xd, parts, res, table, FMT: tl.constexpr, NBYTES: 
     (`parts_rope` turns its heads after)."""
     part, rows, n, w = part_base(parts, BLOCK_N)
     one = tl.arange(0, 1)
-    y = _dot(w, table, n, x, 0, 1, xq, xd, rows, one, FMT, NBYTES, ROW_BYTES, STEPS, 1, BLOCK_N, SLICE_C, SUPER_C,
-             GROUP_C, TERNARY, Q8IN)  # fmt: skip
+    y = _dot(w, w, table, n, x, 0, 1, xq, xd, rows, one, FMT, NBYTES, ROW_BYTES, STEPS, 1, BLOCK_N, SLICE_C, SUPER_C,
+             GROUP_C, TERNARY, Q8IN, False)[0]  # fmt: skip
     store_parts(tl.reshape(y, [BLOCK_N]), rows, part, n, parts, res, PARTS, BIAS, AT_ROW, HAS_RES)
     return part
 
@@ -294,7 +321,7 @@ def dot_consts(fmt: Format, k: int, slice_: int) -> dict:
     """`grid_dot`'s constants for rows of k values in `fmt`, `slice_` values a step (the tile's; its rows,
     BLOCK_M and BLOCK_N, are the launch's)."""
     lay = LAYOUTS[fmt]
-    return dict(FMT=int(fmt), NBYTES=lay.nbytes, ROW_BYTES=(k // lay.values) * lay.nbytes, STEPS=k // slice_,
+    return dict(FMT=int(fmt), NBYTES=lay.nbytes, ROW_BYTES=(k // lay.values) * lay.nbytes, STEPS=steps(k, slice_),
                 SLICE_C=slice_, SUPER_C=QK_K, GROUP_C=GRID_GROUP, TERNARY=fmt in TERNARY_FORMATS)  # fmt: skip
 
 

@@ -27,6 +27,7 @@ from torch import Tensor
 from fuselane.gguf.formats import QK, Format
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton.gemv.int8_words import INTERPRETED, dp4a
+from fuselane.lanes.cuda.triton.grid.steps import live, step_groups
 from fuselane.lanes.cuda.triton.grid.values import (
     FMT_IQ1_M,
     FMT_IQ1_S,
@@ -120,6 +121,7 @@ def group_dot(low, high, signs, delta, a0, a1, FMT: tl.constexpr):
 @triton.jit
 def grid_dot_q8(
     w,
+    w2,
     table,
     n,
     xq,
@@ -134,29 +136,42 @@ def grid_dot_q8(
     SLICE_C: tl.constexpr,
     SUPER_C: tl.constexpr,
     GROUP_C: tl.constexpr,
+    PAIR: tl.constexpr = False,
 ):
     """[BLOCK_N] f32: a step's one row, quantized (`xq` its int8 codes, 16-byte aligned; `xd` its 32-value
     blocks' scales), times the weight rows `rows` of `w` (a pointer, or one a weight row: a mixture's tile of
     several experts' rows) in the grid format FMT (one of Q8_FORMATS); rows past n decode row n - 1, which the
     caller's store drops. `x_cols` ([BLOCK_N] ints, multiples of 256) moves the activation for each weight row
     (zeros for a dense product; a tile of several experts' rows reads each its own pair's row). The k loop of
-    `gemv.grid_dot`: SLICE_C values of a super-block a step, a group's fields found once and its 8 values met in
-    two dp4a."""
+    `gemv.grid_dot` (`steps.step_groups`: a slice of a super-block a step, or several whole ones), a group's
+    fields found once and its 8 values met in two dp4a. Where PAIR, the same rows of `w2` in the same loop (a
+    gated pair: the activation's codes loaded once for both): a tuple of both, else (the product, itself)."""
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
+    w2_rows = w2 + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
     groups: tl.constexpr = SLICE_C // GROUP_C
-    slices: tl.constexpr = SUPER_C // SLICE_C
+    blocks: tl.constexpr = ROW_BYTES // NBYTES
     gi = tl.arange(0, groups)
     # each thread reads its own groups' codes and scales (from L1), as `grid_dot` reads x: a [G] load would be
     # spread to the [N, G] layout through shared memory a step
     own = x_cols[:, None]
     acc = tl.zeros([BLOCK_N, groups], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, groups], tl.float32)
     for step in tl.range(0, STEPS):
-        g = (step % slices) * groups + gi  # [G]: the groups of the super-block this step decodes
-        blk = (w_rows + (step // slices) * NBYTES)[:, None]  # [N, 1]
-        low, high, signs, scale, delta = grid_group(blk, table, g[None, :], FMT)
-        first = (step * SLICE_C + gi * GROUP_C)[None, :] + own  # [N, G]: each group's first value
-        pair = tl.load((xq + first).to(tl.pointer_type(tl.int64)))  # its 8 codes, 8-aligned
+        off, g, first = step_groups(step, gi, NBYTES, SLICE_C, SUPER_C, GROUP_C, blocks)
+        low, high, signs, scale, delta = grid_group(w_rows[:, None] + off, table, g[None, :], FMT)
+        at = first[None, :] + own  # [N, G]: each group's first value
+        pair = tl.load((xq + at).to(tl.pointer_type(tl.int64)))  # its 8 codes, 8-aligned
         a0, a1 = (pair & LOW_WORD).to(tl.int32), (pair >> WORD_SHIFT).to(tl.int32)
-        da = tl.load(xd + first // QB)
+        da = tl.load(xd + at // QB)
+        if STEPS * SLICE_C > blocks * SUPER_C:  # a last step partly past the row: those groups count nothing
+            da = tl.where(live(step, gi, SLICE_C, SUPER_C, GROUP_C, blocks)[None, :], da, 0.0)
         acc += (scale * da) * group_dot(low, high, signs, delta, a0, a1, FMT)
-    return tl.sum(acc, axis=1)
+        if PAIR:
+            low2, high2, signs2, scale2, delta2 = grid_group(w2_rows[:, None] + off, table, g[None, :], FMT)
+            acc2 += (scale2 * da) * group_dot(low2, high2, signs2, delta2, a0, a1, FMT)
+    y = tl.sum(acc, axis=1)
+    if PAIR:
+        y2 = tl.sum(acc2, axis=1)
+    else:
+        y2 = y
+    return y, y2
