@@ -30,16 +30,31 @@ _BACK = re.compile(r"@!?P\d+\s+BRA\s+(0x[0-9a-f]+)")
 _AT = re.compile(r"/\*([0-9a-f]{4,})\*/\s+\S")
 
 
-def loop_body(sass: str) -> int:
-    """Instructions of the first backward branch's loop: from its target's address to the branch."""
+def loop_lines(sass: str) -> list[str]:
+    """The first backward branch's loop: its instructions from its target's address to the branch."""
     lines = [line for line in sass.splitlines() if _AT.search(line)]
     for i, line in enumerate(lines):
         back = _BACK.search(line)
         here = int(_AT.search(line).group(1), 16)
         if back and int(back.group(1), 16) < here:
             start = int(back.group(1), 16)
-            return sum(1 for other in lines[: i + 1] if int(_AT.search(other).group(1), 16) >= start)
-    return 0
+            return [other for other in lines[: i + 1] if int(_AT.search(other).group(1), 16) >= start]
+    return []
+
+
+def loop_body(sass: str) -> int:
+    """Instructions of the first backward branch's loop."""
+    return len(loop_lines(sass))
+
+
+def unrolled(sass: str, fmt: Format, int8: bool) -> int:
+    """How many steps of the k loop ptxas put in one trip of the loop (Triton's `tl.range` may unroll it): on
+    int8 rows, the loop's dp4a over a step's (two a group; four for IQ1's offset); 1 where not known."""
+    if not int8:
+        return 1
+    per_group = 4 if fmt in (Format.IQ1_S, Format.IQ1_M) else 2
+    dp4a = sum(1 for line in loop_lines(sass) if "IDP.4A" in line)
+    return max(1, dp4a // per_group)
 
 
 def compiled(formats: list[Format], n: int, k: int, m: int, int8: bool = False) -> list[tuple[str, Format, bytes]]:
@@ -78,16 +93,22 @@ def main() -> None:
     from fuselane.lanes.cuda.triton.grid.decode import DECODE_WARPS, PROGRAM_BLOCKS
     from fuselane.lanes.cuda.triton.grid.gemv import grid_tile
 
-    per_thread = {"_grid_gemv_kernel": grid_tile(args.n, 1 if args.int8 else args.m).values_a_thread()}
+    tile = grid_tile(args.n, 1 if args.int8 else args.m)
+    # a step's values a thread; the GEMV's loop may hold several steps (`unrolled`), whose values it counts
+    per_thread = {"_grid_gemv_kernel": tile.values_a_thread()}
     per_thread["_grid_dequant_kernel"] = PROGRAM_BLOCKS * QK_K // (DECODE_WARPS * WARP)
-    print(f"{'kernel':22} {'fmt':8} {'regs':>4} {'stack':>5} {'instr':>6} {'LDG':>5} {'loop':>5} {'a value':>7}")
+    print(f"tile: {tile.block_n} rows, {tile.warps} warps, {tile.slice} values a step")
+    head = f"{'kernel':22} {'fmt':8} {'regs':>4} {'stack':>5} {'instr':>6} {'LDG':>5} {'loop':>5} {'steps':>5}"
+    print(f"{head} {'a value':>7}")
     for name, fmt, cubin in cubins:
         c = counts(cubin)
         regs, stack = resources(cubin)
         total, loads = sum(c.values()), sum(v for op, v in c.items() if op.startswith("LDG"))
-        body = loop_body(cuobjdump(cubin, "-sass")) or total
-        row = f"{name:22} {fmt.name:8} {regs:4d} {stack:5d} {total:6d} {loads:5d} {body:5d}"
-        print(f"{row} {body / per_thread[name]:7.1f}")
+        sass = cuobjdump(cubin, "-sass")
+        body = loop_body(sass) or total
+        trip = unrolled(sass, fmt, args.int8) if name == "_grid_gemv_kernel" else 1
+        row = f"{name:22} {fmt.name:8} {regs:4d} {stack:5d} {total:6d} {loads:5d} {body:5d} {trip:5d}"
+        print(f"{row} {body / (trip * per_thread[name]):7.1f}")
 
 
 if __name__ == "__main__":

@@ -231,12 +231,14 @@ def test_a_step_of_several_super_blocks_matches_f64(fmt, k, tile, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", [Format.IQ2_XS, Format.TQ2_0], ids=lambda f: f.name)
-def test_a_gated_pair_walks_both_matrices_in_one_loop(fmt, monkeypatch):
-    # the gate's and the up product's groups in one k loop (each activation value loaded once for both), at a
-    # whole-step tile and at a wide one ending inside a step: SiLU(gate) * up against f64 over f32 rows
+@pytest.mark.parametrize("m", [1, 3])
+def test_a_gated_pair_walks_both_matrices_in_one_loop(fmt, m, monkeypatch):
+    # a row of x: the gate's and the up product's groups in one k loop (each activation value loaded once for
+    # both); a batch's rows: one product after the other. At a whole-step tile and at a wide one ending inside a
+    # step: SiLU(gate) * up against f64 over f32 rows
     from fuselane.lanes.cuda.triton.grid import gemv as grid_gemv
 
-    n, k, m = 12, 768, 3
+    n, k = 12, 768
     (wg, want_g), (wu, want_u) = _rows(fmt, n, k, seed=1), _rows(fmt, n, k, seed=2)
     x = np.random.default_rng(3).standard_normal((m, k)).astype(np.float32)
     g, u = x.astype(np.float64) @ want_g.T, x.astype(np.float64) @ want_u.T
