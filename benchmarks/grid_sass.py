@@ -47,14 +47,15 @@ def loop_body(sass: str) -> int:
     return len(loop_lines(sass))
 
 
-def unrolled(sass: str, fmt: Format, int8: bool) -> int:
-    """How many steps of the k loop ptxas put in one trip of the loop (Triton's `tl.range` may unroll it): on
-    int8 rows, the loop's dp4a over a step's (two a group; four for IQ1's offset); 1 where not known."""
+def unrolled(sass: str, fmt: Format, int8: bool, groups: int) -> int:
+    """How many steps of the k loop ptxas put in one trip of the loop (Triton's `tl.range` may unroll it), a
+    step's `groups` of 8 values a thread: on int8 rows, the loop's dp4a over a step's (two a group; four for
+    IQ1's offset); 1 where not known."""
     if not int8:
         return 1
     per_group = 4 if fmt in (Format.IQ1_S, Format.IQ1_M) else 2
     dp4a = sum(1 for line in loop_lines(sass) if "IDP.4A" in line)
-    return max(1, dp4a // per_group)
+    return max(1, dp4a // (per_group * groups))
 
 
 def compiled(formats: list[Format], n: int, k: int, m: int, int8: bool = False) -> list[tuple[str, Format, bytes]]:
@@ -92,6 +93,7 @@ def main() -> None:
     cubins = compiled(formats, args.n, args.k, args.m, args.int8)
     from fuselane.lanes.cuda.triton.grid.decode import DECODE_WARPS, PROGRAM_BLOCKS
     from fuselane.lanes.cuda.triton.grid.gemv import grid_tile
+    from fuselane.lanes.cuda.triton.grid.values import GRID_GROUP
 
     tile = grid_tile(args.n, 1 if args.int8 else args.m)
     # a step's values a thread; the GEMV's loop may hold several steps (`unrolled`), whose values it counts
@@ -106,7 +108,7 @@ def main() -> None:
         total, loads = sum(c.values()), sum(v for op, v in c.items() if op.startswith("LDG"))
         sass = cuobjdump(cubin, "-sass")
         body = loop_body(sass) or total
-        trip = unrolled(sass, fmt, args.int8) if name == "_grid_gemv_kernel" else 1
+        trip = unrolled(sass, fmt, args.int8, per_thread[name] // GRID_GROUP) if name == "_grid_gemv_kernel" else 1
         row = f"{name:22} {fmt.name:8} {regs:4d} {stack:5d} {total:6d} {loads:5d} {body:5d} {trip:5d}"
         print(f"{row} {body / (trip * per_thread[name]):7.1f}")
 
