@@ -140,7 +140,8 @@ def grid_dot(
     `w` (a pointer, or one a weight row: a mixture's tile of several experts' rows); `x_cols` ([BLOCK_N] ints)
     moves x's pointers for each weight row (zeros for a dense product; a tile of several experts' rows reads
     each its own pair's activation). Where PAIR, the same rows of `w2` too, in the same loop (a gated pair: each
-    activation value loaded once for both, twice the loads in flight): a tuple of both."""
+    activation value loaded once for both, twice the loads in flight): a tuple of both, else (the product,
+    itself)."""
     # rows past n decode row n - 1 (no masked weight loads); the store drops them
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
     w2_rows = w2 + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
@@ -187,7 +188,12 @@ def grid_dot(
             acc += part * scale[None, :, :]
             if PAIR:
                 acc2 += part2 * scale2[None, :, :]
-    return tl.sum(acc, axis=2), tl.sum(acc2, axis=2)
+    y = tl.sum(acc, axis=2)
+    if PAIR:
+        y2 = tl.sum(acc2, axis=2)
+    else:
+        y2 = y
+    return y, y2
 
 
 @triton.jit

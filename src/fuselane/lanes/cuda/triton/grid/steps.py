@@ -45,11 +45,6 @@ def live(step, gi, SLICE_C: tl.constexpr, SUPER_C: tl.constexpr, GROUP_C: tl.con
     return step * (SLICE_C // GROUP_C) + gi < BLOCKS * (SUPER_C // GROUP_C)
 
 
-def ragged(k_blocks: int, slice_: int, super_: int) -> bool:
-    """Whether a row of `k_blocks` super-blocks of `super_` values ends inside a step of `slice_` values."""
-    return slice_ > super_ and k_blocks % (slice_ // super_) != 0
-
-
 def steps(k: int, slice_: int) -> int:
     """The k loop's steps over a row of k values, `slice_` values a step (the last one partly past the row)."""
     return triton.cdiv(k, slice_)
