@@ -1,5 +1,5 @@
 """Time the grid GEMV (`grid.gemv.gemv_grid`) on a 7B's widths under tiles of (weight rows a program, warps,
-values of a super-block a k step), in GB/s of the file's bytes, each launch replayed from a CUDA graph.
+values a k step, and on int8 rows a thread's run of groups of one 32-value sub-block), in GB/s of the file's bytes, each launch replayed from a CUDA graph.
 
 Usage: python benchmarks/grid_sweep.py   (on a GPU; SWEEP_QUICK=1 for the 7B's widths and three tiles; SWEEP_INT8=1
 for the activation's int8 form, `grid/q8.py`'s dp4a dot; SWEEP_ALL_TILES=1 every tile at the quick shapes)
@@ -35,18 +35,21 @@ SHAPES = [  # (name, format, n, k)
     ("7b gate", Format.IQ2_XXS, 18944, 3584),
     ("7b down", Format.IQ2_XXS, 3584, 18944),
 ]
-# (rows, warps, values a step): past 256, whole super-blocks a step (`grid/steps.py`)
+# (rows, warps, values a step[, a thread's run of groups on int8 rows]): past 256, whole super-blocks a step
+# (`grid/steps.py`)
 TILES = [(16, 4, 128), (8, 2, 128), (4, 1, 128), (8, 2, 256), (8, 4, 256), (16, 8, 256), (4, 2, 256), (2, 4, 512),
-         (1, 4, 1024), (4, 4, 512), (2, 2, 512), (4, 8, 1024)]  # fmt: skip
+         (1, 4, 1024), (4, 4, 512), (2, 2, 512), (4, 8, 1024), (2, 1, 512, 4), (8, 2, 1024, 4), (4, 4, 1024, 4),
+         (2, 4, 2048, 4), (8, 2, 128, 2)]  # fmt: skip
 # SWEEP_QUICK=1: the 7B's three widths, the rule's tiles against the first tile and the wide steps
 QUICK_SHAPES = SHAPES[:3]
-QUICK_TILES = [(16, 4, 128), (8, 2, 128), (16, 8, 256), (4, 2, 256), (2, 4, 512), (1, 4, 1024), (4, 4, 512)]
+QUICK_TILES = [(16, 4, 128), (8, 2, 128), (16, 8, 256), (4, 2, 256), (2, 4, 512), (1, 4, 1024), (4, 4, 512),
+               (2, 1, 512, 4), (4, 4, 1024, 4), (2, 4, 2048, 4), (8, 2, 128, 2)]  # fmt: skip
 
 
-def with_tile(bn: int, warps: int, slice_: int, call):
-    """`call()` under the tile for every launch, the module's own rule put back after."""
+def with_tile(tile: tuple, call):
+    """`call()` under the tile (`GridTile`'s fields) for every launch, the module's own rule put back after."""
     own = G.grid_tile
-    G.grid_tile = lambda n, m=1: G.GridTile(bn, warps, slice_)
+    G.grid_tile = lambda n, m=1: G.GridTile(*tile)
     try:
         return call()
     finally:
@@ -69,15 +72,16 @@ def main() -> None:
         err = float(np.abs(want.double().cpu().numpy()[0] - ref).max() / np.abs(ref).max())
         nbytes = n * stored_row_bytes(fmt, k)
         row = []
-        for bn, warps, sl in QUICK_TILES if quick and not all_tiles else TILES:
+        for tile in QUICK_TILES if quick and not all_tiles else TILES:
+            label = "/".join(map(str, tile))
             try:
-                took = with_tile(bn, warps, sl, lambda: timed(lambda: G.gemv_grid(xin, w, fmt, n, k, out)))  # noqa: B023
+                took = with_tile(tile, lambda: timed(lambda: G.gemv_grid(xin, w, fmt, n, k, out)))  # noqa: B023
             except Exception as e:  # reported, not fatal
-                row.append(f"{bn}/{warps}/{sl}: {type(e).__name__}")
+                row.append(f"{label}: {type(e).__name__}")
                 continue
             diff = float((out - want).abs().max() / want.abs().max())
             note = "" if diff < 1e-4 else f" (diff {diff:.0e})"
-            row.append(f"{bn}/{warps}/{sl}: {nbytes / took / 1e9:5.0f}{note}")
+            row.append(f"{label}: {nbytes / took / 1e9:5.0f}{note}")
         print(f"{name} {fmt.name} {n}x{k} {nbytes / 1e6:.1f} MB (vs f64 {err:.0e})  " + "  ".join(row), flush=True)
 
 

@@ -87,9 +87,14 @@ def test_the_grid_gemv_on_int8_matches_f64(fmt, tile, monkeypatch):
 
 @pytest.mark.parametrize("fmt", [Format.IQ3_S, Format.IQ2_S, Format.IQ1_S], ids=lambda f: f.name)
 @pytest.mark.parametrize("k", [768, 1024])
-@pytest.mark.parametrize("tile", [(2, 4, 512), (1, 4, 1024)], ids=["two-blocks", "four-blocks"])
+@pytest.mark.parametrize(
+    "tile",
+    [(2, 4, 512), (1, 4, 1024), (2, 1, 512, 4), (4, 2, 1024, 2)],
+    ids=["two-blocks", "four-blocks", "two-blocks-runs-of-4", "four-blocks-runs-of-2"],
+)
 def test_a_step_of_several_super_blocks_on_int8_matches_f64(fmt, k, tile, monkeypatch):
-    # rows of 3 super-blocks end inside a step of 2 or 4 (the groups past the row count nothing), 4 on a step
+    # rows of 3 super-blocks end inside a step of 2 or 4 (the groups past the row count nothing), 4 on a step; a
+    # thread's groups one at a time or in runs of one sub-block
     from fuselane.lanes.cuda.triton.grid import gemv as grid_gemv
 
     chosen = grid_gemv.GridTile(*tile)
@@ -138,13 +143,18 @@ def test_the_parts_on_int8_match_each_alone():
 
 
 @pytest.mark.parametrize("fmt", [Format.IQ3_S, Format.IQ1_M], ids=lambda f: f.name)
-def test_the_gated_pair_on_int8_writes_its_int8_form(fmt):
+@pytest.mark.parametrize("run", [1, 4])
+def test_the_gated_pair_on_int8_writes_its_int8_form(fmt, run, monkeypatch):
     # SiLU(gate) * up against f64 over the same codes; its int8 form the lane's own quantize of that row, bit for
     # bit, each block by the last of its programs, the counters left at zero
     from fuselane.lanes.cuda.triton.gemv.q8_epilogue import q8_counters
+    from fuselane.lanes.cuda.triton.grid import gemv as grid_gemv
     from fuselane.lanes.cuda.triton.grid.gemv import gemv_grid_gate_up_glu
     from fuselane.lanes.cuda.triton.quant import empty_q8, quantize
 
+    tile = grid_gemv.ONE_ROW_FEW_ROWS_TILE  # a wide step (the row of one super-block ends inside it)
+    monkeypatch.setattr(grid_gemv, "grid_tile", lambda n, m=1: grid_gemv.GridTile(tile.block_n, tile.warps,
+                                                                                    tile.slice, run))  # fmt: skip
     n, k = 96, 256
     (wg, want_g), (wu, want_u) = _rows(fmt, n, k, seed=5), _rows(fmt, n, k, seed=6)
     acts, x = _acts(k, seed=7)

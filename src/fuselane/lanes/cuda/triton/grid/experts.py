@@ -53,6 +53,7 @@ def _gate_up_kernel(
     N: tl.constexpr, KD: tl.constexpr, SLOTS: tl.constexpr, EXPERT_BYTES: tl.constexpr, FMT: tl.constexpr,
     NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, ROWS: tl.constexpr,
     SLICE_C: tl.constexpr, SUPER_C: tl.constexpr, GROUP_C: tl.constexpr, TERNARY: tl.constexpr, Q8IN: tl.constexpr,
+    RUN_C: tl.constexpr,
     Q8OUT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)  # the ids and the activation are the launches' before
@@ -65,7 +66,7 @@ def _gate_up_kernel(
     row = (pair // SLOTS).to(tl.int64)
     if Q8IN:  # the pair's row in int8: its codes and its blocks' scales
         y = grid_dot_q8(w, w, table, N, xq + row * KD, xd + row * (KD // Q8_BLOCK), rows, i * 0, FMT, NBYTES,
-                        ROW_BYTES, STEPS, 2 * ROWS, SLICE_C, SUPER_C, GROUP_C)[0]  # fmt: skip
+                        ROW_BYTES, STEPS, 2 * ROWS, SLICE_C, SUPER_C, GROUP_C, False, RUN_C)[0]  # fmt: skip
     else:
         y = grid_dot(w, w, table, N, x + row * KD + tl.arange(0, 1), rows, i * 0, FMT, NBYTES, ROW_BYTES, STEPS,
                      1, 2 * ROWS, SLICE_C, SUPER_C, GROUP_C, TERNARY)[0]  # fmt: skip
@@ -91,6 +92,7 @@ def _down_kernel(
     ADDS: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, Q8OUT: tl.constexpr,
     FMT: tl.constexpr, NBYTES: tl.constexpr, ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, ROWS: tl.constexpr,
     SLICE_C: tl.constexpr, SUPER_C: tl.constexpr, GROUP_C: tl.constexpr, TERNARY: tl.constexpr, Q8IN: tl.constexpr,
+    RUN_C: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
@@ -106,7 +108,7 @@ def _down_kernel(
     if Q8IN:  # each pair's SwiGLU row in int8 (the gate/up launch wrote it)
         we = w + e * EXPERT_BYTES
         y = grid_dot_q8(we, we, table, D, hq, hd, first + i % ROWS, pair * DFF, FMT, NBYTES, ROW_BYTES, STEPS,
-                        SLOTS_P2 * ROWS, SLICE_C, SUPER_C, GROUP_C)[0]  # fmt: skip
+                        SLOTS_P2 * ROWS, SLICE_C, SUPER_C, GROUP_C, False, RUN_C)[0]  # fmt: skip
     else:
         we = w + e * EXPERT_BYTES
         y = grid_dot(we, we, table, D, h + tl.arange(0, 1), first + i % ROWS, pair * DFF, FMT, NBYTES, ROW_BYTES,
@@ -175,7 +177,8 @@ def grid_gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, 
     _gate_up_kernel[(triton.cdiv(n, GATE_UP_ROWS), ids.numel())](
         xf, xq, xd, w_gate, w_up, device_table(fmt, w_gate.device), ids, out, *oq,
         counters if counters is not None else ids, N=n, KD=k, SLOTS=ids.shape[1],
-        EXPERT_BYTES=w_gate.numel() // experts, ROWS=GATE_UP_ROWS, **dot_consts(fmt, k, EXPERT_TILE.slice),
+        EXPERT_BYTES=w_gate.numel() // experts, ROWS=GATE_UP_ROWS,
+        **dot_consts(fmt, k, EXPERT_TILE.slice, EXPERT_TILE.run),
         Q8IN=isinstance(x, Q8Acts),
         Q8OUT=out_q8 is not None,
         num_warps=EXPERT_TILE.warps,
@@ -215,7 +218,7 @@ def grid_down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, w
         counter if counter is not None else ids, float(norm.eps if norm else 0.0),
         D=d, DFF=dff, SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots), EXPERT_BYTES=w.numel() // experts,
         ADDS=len(adds), NORM=norm is not None, NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk), Q8OUT=q8out,
-        ROWS=per, **dot_consts(fmt, dff, EXPERT_TILE.slice), Q8IN=isinstance(h, Q8Acts),
+        ROWS=per, **dot_consts(fmt, dff, EXPERT_TILE.slice, EXPERT_TILE.run), Q8IN=isinstance(h, Q8Acts),
         num_warps=EXPERT_TILE.warps, **pdl.options(),
     )  # fmt: skip
     return sum_out

@@ -74,6 +74,9 @@ class GridTile:
     block_n: int
     warps: int
     slice: int
+    # groups of one 32-value sub-block a thread takes in an unrolled loop on int8 rows (`q8.grid_dot_q8`); the f32
+    # dot takes a group at a time
+    run: int = 1
 
     def values_a_thread(self) -> int:
         """Weight values a thread decodes a step of the k loop (each times every row of x's value)."""
@@ -200,13 +203,13 @@ def grid_dot(
 def _dot(w, w2, table, n, x, x_pitch, m, xq, xd, rows, mi, FMT: tl.constexpr, NBYTES: tl.constexpr,
          ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
          SLICE_C: tl.constexpr, SUPER_C: tl.constexpr, GROUP_C: tl.constexpr, TERNARY: tl.constexpr,
-         Q8IN: tl.constexpr, PAIR: tl.constexpr):  # fmt: skip
+         Q8IN: tl.constexpr, PAIR: tl.constexpr, RUN_C: tl.constexpr):  # fmt: skip
     """([BLOCK_M, BLOCK_N], the same of `w2` where PAIR): x's rows `mi` times the weight rows `rows`: the dp4a dot
     on a step's one row in int8 (Q8IN: `xq`, `xd`), else the f32 one on x (rows past m read row m - 1, dropped at
     the store)."""
     if Q8IN:
         y, y2 = grid_dot_q8(w, w2, table, n, xq, xd, rows, rows * 0, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N,
-                            SLICE_C, SUPER_C, GROUP_C, PAIR)  # fmt: skip
+                            SLICE_C, SUPER_C, GROUP_C, PAIR, RUN_C)  # fmt: skip
         y, y2 = tl.reshape(y, [1, BLOCK_N]), tl.reshape(y2, [1, BLOCK_N])
     else:
         x_rows = x + tl.minimum(mi, m - 1).to(tl.int64) * x_pitch  # [M]
@@ -258,6 +261,7 @@ def _grid_gemv_kernel(
     NORM_STEPS: tl.constexpr,
     Q8OUT: tl.constexpr,
     Q8IN: tl.constexpr,
+    RUN_C: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.begin(PDL)
@@ -268,12 +272,12 @@ def _grid_gemv_kernel(
     # 167 registers a thread, sm_90)
     if GLU & (BLOCK_M > 1):
         y = _dot(w, w, table, n, x, x_pitch, m, xq, xd, rows, mi, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M, BLOCK_N,
-                 SLICE_C, SUPER_C, GROUP_C, TERNARY, Q8IN, False)[0]  # fmt: skip
+                 SLICE_C, SUPER_C, GROUP_C, TERNARY, Q8IN, False, RUN_C)[0]  # fmt: skip
         up = _dot(w_up, w_up, table, n, x, x_pitch, m, xq, xd, rows, mi, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M,
-                  BLOCK_N, SLICE_C, SUPER_C, GROUP_C, TERNARY, Q8IN, False)[0]  # fmt: skip
+                  BLOCK_N, SLICE_C, SUPER_C, GROUP_C, TERNARY, Q8IN, False, RUN_C)[0]  # fmt: skip
     else:
         y, up = _dot(w, w_up, table, n, x, x_pitch, m, xq, xd, rows, mi, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_M,
-                     BLOCK_N, SLICE_C, SUPER_C, GROUP_C, TERNARY, Q8IN, GLU)  # fmt: skip
+                     BLOCK_N, SLICE_C, SUPER_C, GROUP_C, TERNARY, Q8IN, GLU, RUN_C)  # fmt: skip
     if GLU:
         store_glu(y, up, rows, n, mi, m, out, pitch)
         if Q8OUT:  # a step's one row: its 32-value blocks' int8 form, each by the last of its programs
@@ -307,11 +311,12 @@ def _grid_parts_kernel(
     AT_ROW: tl.constexpr,
     HAS_RES: tl.constexpr,
     Q8IN: tl.constexpr,
+    RUN_C: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.begin(PDL)
     grid_parts_product(x, xq, xd, parts, res, table, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N, SLICE_C, SUPER_C,
-                       GROUP_C, TERNARY, PARTS, BIAS, AT_ROW, HAS_RES, Q8IN)  # fmt: skip
+                       GROUP_C, TERNARY, PARTS, BIAS, AT_ROW, HAS_RES, Q8IN, RUN_C)  # fmt: skip
 
 
 @triton.jit
@@ -319,24 +324,25 @@ def grid_parts_product(x, xq, xd, parts, res, table, FMT: tl.constexpr, NBYTES: 
                        ROW_BYTES: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr, SLICE_C: tl.constexpr,
                        SUPER_C: tl.constexpr, GROUP_C: tl.constexpr, TERNARY: tl.constexpr, PARTS: tl.constexpr,
                        BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
-                       Q8IN: tl.constexpr):  # fmt: skip
+                       Q8IN: tl.constexpr, RUN_C: tl.constexpr):  # fmt: skip
     """A step's one row (f32 `x`, or its int8 form `xq`, `xd` where Q8IN) times this program's part
     (`gemv.parts.part_base`, tiles part after part), its rows stored with the part's epilogue; returns the part
     (`parts_rope` turns its heads after)."""
     part, rows, n, w = part_base(parts, BLOCK_N)
     one = tl.arange(0, 1)
     y = _dot(w, w, table, n, x, 0, 1, xq, xd, rows, one, FMT, NBYTES, ROW_BYTES, STEPS, 1, BLOCK_N, SLICE_C, SUPER_C,
-             GROUP_C, TERNARY, Q8IN, False)[0]  # fmt: skip
+             GROUP_C, TERNARY, Q8IN, False, RUN_C)[0]  # fmt: skip
     store_parts(tl.reshape(y, [BLOCK_N]), rows, part, n, parts, res, PARTS, BIAS, AT_ROW, HAS_RES)
     return part
 
 
-def dot_consts(fmt: Format, k: int, slice_: int) -> dict:
-    """`grid_dot`'s constants for rows of k values in `fmt`, `slice_` values a step (the tile's; its rows,
-    BLOCK_M and BLOCK_N, are the launch's)."""
+def dot_consts(fmt: Format, k: int, slice_: int, run: int = 1) -> dict:
+    """`grid_dot`'s constants for rows of k values in `fmt`, `slice_` values a step and `run` groups a thread's
+    sub-block (the tile's; its rows, BLOCK_M and BLOCK_N, are the launch's)."""
     lay = LAYOUTS[fmt]
     return dict(FMT=int(fmt), NBYTES=lay.nbytes, ROW_BYTES=(k // lay.values) * lay.nbytes, STEPS=steps(k, slice_),
-                SLICE_C=slice_, SUPER_C=QK_K, GROUP_C=GRID_GROUP, TERNARY=fmt in TERNARY_FORMATS)  # fmt: skip
+                SLICE_C=slice_, SUPER_C=QK_K, GROUP_C=GRID_GROUP, TERNARY=fmt in TERNARY_FORMATS,
+                RUN_C=run)  # fmt: skip
 
 
 def _check_rows(w: torch.Tensor, fmt: Format, n: int, k: int) -> None:
@@ -398,7 +404,7 @@ def _launch(x, w, fmt: Format, n: int, k: int, out, pitch: int, *, w_up=None, bi
         *((xf, xf, xf) if out_q8 is None else out_q8),  # the int8 output (codes, scales, sums), read where Q8OUT
         xq,
         xd,
-        **dot_consts(fmt, k, tile.slice),
+        **dot_consts(fmt, k, tile.slice, tile.run),
         BLOCK_M=block_m,
         BLOCK_N=tile.block_n,
         GLU=w_up is not None,
@@ -468,7 +474,7 @@ def parts_launch(x: torch.Tensor | Q8Acts, parts: Sequence[Part | tuple], fmt: F
         raise ValueError(f"{fmt.name} rows take whole {QK_K}-value blocks, not {k} values")
     tile = grid_tile(sum(Part(*p).n for p in parts))
     args, flags, tiles = parts_args(parts, fmt, k, tile.block_n, xf, residual)
-    consts = dot_consts(fmt, k, tile.slice) | flags | dict(BLOCK_N=tile.block_n, Q8IN=isinstance(x, Q8Acts))
+    consts = dot_consts(fmt, k, tile.slice, tile.run) | flags | dict(BLOCK_N=tile.block_n, Q8IN=isinstance(x, Q8Acts))
     return tile, [xf, xq, xd, *args, device_table(fmt, xf.device)], consts, tiles
 
 

@@ -36,11 +36,11 @@ def _grid_parts_rope_kernel(
     PARTS: tl.constexpr, BIAS: tl.constexpr, AT_ROW: tl.constexpr, HAS_RES: tl.constexpr,
     Q_PART: tl.constexpr, K_PART: tl.constexpr, Q_HEADS: tl.constexpr, HD: tl.constexpr,
     HALF_P2: tl.constexpr, NORM: tl.constexpr, K_AT_POS: tl.constexpr, YARN: tl.constexpr, Q8IN: tl.constexpr,
-    PDL: tl.constexpr,
+    RUN_C: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
     part = grid_parts_product(x, xq, xd, parts, res, table, FMT, NBYTES, ROW_BYTES, STEPS, BLOCK_N, SLICE_C,
-                              SUPER_C, GROUP_C, TERNARY, PARTS, BIAS, AT_ROW, HAS_RES, Q8IN)  # fmt: skip
+                              SUPER_C, GROUP_C, TERNARY, PARTS, BIAS, AT_ROW, HAS_RES, Q8IN, RUN_C)  # fmt: skip
     turn_heads(part, tl.program_id(0) - first_tile(part, parts), parts, q_out, k_out, k_pitch, q_w, k_w, pos,
                counters, eps, freq_exp, yarn_low, yarn_inv, yarn_cut, BLOCK_N, Q_PART, K_PART, Q_HEADS, HD, HALF_P2,
                NORM, K_AT_POS, YARN)  # fmt: skip

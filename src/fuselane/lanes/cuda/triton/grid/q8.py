@@ -137,6 +137,7 @@ def grid_dot_q8(
     SUPER_C: tl.constexpr,
     GROUP_C: tl.constexpr,
     PAIR: tl.constexpr = False,
+    RUN_C: tl.constexpr = 1,
 ):
     """[BLOCK_N] f32: a step's one row, quantized (`xq` its int8 codes, 16-byte aligned; `xd` its 32-value
     blocks' scales), times the weight rows `rows` of `w` (a pointer, or one a weight row: a mixture's tile of
@@ -145,30 +146,36 @@ def grid_dot_q8(
     (zeros for a dense product; a tile of several experts' rows reads each its own pair's row). The k loop of
     `gemv.grid_dot` (`steps.step_groups`: a slice of a super-block a step, or several whole ones), a group's
     fields found once and its 8 values met in two dp4a. Where PAIR, the same rows of `w2` in the same loop (a
-    gated pair: the activation's codes loaded once for both): a tuple of both, else (the product, itself)."""
+    gated pair: the activation's codes loaded once for both): a tuple of both, else (the product, itself).
+    A thread takes RUN_C neighbouring groups of one 32-value sub-block in an unrolled loop, so the compiler loads
+    the fields they share once (their block's d, the sub-block's scale and high bits, the activation's scale: IQ3_S
+    6.75 loads a group against 9, sm_90), at RUN_C times the registers of a group."""
     w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
     w2_rows = w2 + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
     groups: tl.constexpr = SLICE_C // GROUP_C
     blocks: tl.constexpr = ROW_BYTES // NBYTES
-    gi = tl.arange(0, groups)
+    tl.static_assert(QB % (RUN_C * GROUP_C) == 0, "a thread's run of groups lies in one 32-value sub-block")
+    runs = tl.arange(0, groups // RUN_C)
     # each thread reads its own groups' codes and scales (from L1), as `grid_dot` reads x: a [G] load would be
     # spread to the [N, G] layout through shared memory a step
     own = x_cols[:, None]
-    acc = tl.zeros([BLOCK_N, groups], tl.float32)
-    acc2 = tl.zeros([BLOCK_N, groups], tl.float32)
+    acc = tl.zeros([BLOCK_N, groups // RUN_C], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, groups // RUN_C], tl.float32)
     for step in tl.range(0, STEPS):
-        off, g, first = step_groups(step, gi, NBYTES, SLICE_C, SUPER_C, GROUP_C, blocks)
-        low, high, signs, scale, delta = grid_group(w_rows[:, None] + off, table, g[None, :], FMT)
-        at = first[None, :] + own  # [N, G]: each group's first value
-        pair = tl.load((xq + at).to(tl.pointer_type(tl.int64)))  # its 8 codes, 8-aligned
-        a0, a1 = (pair & LOW_WORD).to(tl.int32), (pair >> WORD_SHIFT).to(tl.int32)
-        da = tl.load(xd + at // QB)
-        if STEPS * SLICE_C > blocks * SUPER_C:  # a last step partly past the row: those groups count nothing
-            da = tl.where(live(step, gi, SLICE_C, SUPER_C, GROUP_C, blocks)[None, :], da, 0.0)
-        acc += (scale * da) * group_dot(low, high, signs, delta, a0, a1, FMT)
-        if PAIR:
-            low2, high2, signs2, scale2, delta2 = grid_group(w2_rows[:, None] + off, table, g[None, :], FMT)
-            acc2 += (scale2 * da) * group_dot(low2, high2, signs2, delta2, a0, a1, FMT)
+        for j in tl.static_range(RUN_C):
+            gi = runs * RUN_C + j
+            off, g, first = step_groups(step, gi, NBYTES, SLICE_C, SUPER_C, GROUP_C, blocks)
+            low, high, signs, scale, delta = grid_group(w_rows[:, None] + off, table, g[None, :], FMT)
+            at = first[None, :] + own  # [N, G]: each group's first value
+            pair = tl.load((xq + at).to(tl.pointer_type(tl.int64)))  # its 8 codes, 8-aligned
+            a0, a1 = (pair & LOW_WORD).to(tl.int32), (pair >> WORD_SHIFT).to(tl.int32)
+            da = tl.load(xd + at // QB)
+            if STEPS * SLICE_C > blocks * SUPER_C:  # a last step partly past the row: those groups count nothing
+                da = tl.where(live(step, gi, SLICE_C, SUPER_C, GROUP_C, blocks)[None, :], da, 0.0)
+            acc += (scale * da) * group_dot(low, high, signs, delta, a0, a1, FMT)
+            if PAIR:
+                low2, high2, signs2, scale2, delta2 = grid_group(w2_rows[:, None] + off, table, g[None, :], FMT)
+                acc2 += (scale2 * da) * group_dot(low2, high2, signs2, delta2, a0, a1, FMT)
     y = tl.sum(acc, axis=1)
     if PAIR:
         y2 = tl.sum(acc2, axis=1)
