@@ -1,5 +1,6 @@
 """Time the grid GEMV (`grid.gemv.gemv_grid`) on a 7B's widths under tiles of (weight rows a program, warps,
-values a k step, and on int8 rows a thread's run of groups of one 32-value sub-block), in GB/s of the file's bytes, each launch replayed from a CUDA graph.
+values a k step, and on int8 rows a thread's run of groups of one 32-value sub-block), in GB/s of the file's
+bytes, each launch replayed from a CUDA graph.
 
 Usage: python benchmarks/grid_sweep.py   (on a GPU; SWEEP_QUICK=1 for the 7B's widths and three tiles; SWEEP_INT8=1
 for the activation's int8 form, `grid/q8.py`'s dp4a dot; SWEEP_ALL_TILES=1 every tile at the quick shapes)
