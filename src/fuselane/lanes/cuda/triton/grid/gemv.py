@@ -52,7 +52,7 @@ from fuselane.lanes.cuda.triton.gemv.parts import (
 from fuselane.lanes.cuda.triton.gemv.q8_epilogue import check_q8_out, quantize_block_last
 from fuselane.lanes.cuda.triton.gemv.rows import check_x, row_tiles, store_glu, store_rows
 from fuselane.lanes.cuda.triton.grid.q8 import grid_dot_q8, int8_args
-from fuselane.lanes.cuda.triton.grid.steps import live, step_groups, steps
+from fuselane.lanes.cuda.triton.grid.steps import live, pair_sums, step_groups, steps
 from fuselane.lanes.cuda.triton.grid.values import (
     GRID_GROUP,
     TERNARY_FORMATS,
@@ -191,12 +191,7 @@ def grid_dot(
             acc += part * scale[None, :, :]
             if PAIR:
                 acc2 += part2 * scale2[None, :, :]
-    y = tl.sum(acc, axis=2)
-    if PAIR:
-        y2 = tl.sum(acc2, axis=2)
-    else:
-        y2 = y
-    return y, y2
+    return pair_sums(acc, acc2, 2, PAIR)
 
 
 @triton.jit

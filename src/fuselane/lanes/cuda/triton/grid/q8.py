@@ -27,7 +27,7 @@ from torch import Tensor
 from fuselane.gguf.formats import QK, Format
 from fuselane.lanes.cuda.plan import kernels
 from fuselane.lanes.cuda.triton.gemv.int8_words import INTERPRETED, dp4a
-from fuselane.lanes.cuda.triton.grid.steps import live, step_groups
+from fuselane.lanes.cuda.triton.grid.steps import live, pair_sums, step_groups
 from fuselane.lanes.cuda.triton.grid.values import (
     FMT_IQ1_M,
     FMT_IQ1_S,
@@ -176,9 +176,4 @@ def grid_dot_q8(
             if PAIR:
                 low2, high2, signs2, scale2, delta2 = grid_group(w2_rows[:, None] + off, table, g[None, :], FMT)
                 acc2 += (scale2 * da) * group_dot(low2, high2, signs2, delta2, a0, a1, FMT)
-    y = tl.sum(acc, axis=1)
-    if PAIR:
-        y2 = tl.sum(acc2, axis=1)
-    else:
-        y2 = y
-    return y, y2
+    return pair_sums(acc, acc2, 1, PAIR)

@@ -8,6 +8,7 @@ and a long k (a 7B's down product: 3,584 rows of 18,944 values): a slice of one 
 32 threads, so the launch holds too few loads in flight to cover their latency (0.2 waves a SM on an H100,
 benchmarks/RESULTS.md 2026-12-07 tenth); four blocks a step give a row 128. A row's blocks need not be a whole
 number of steps: the last step's groups past the row read its last block again, and `live` says which count.
+Both dots end alike too (`pair_sums`: a gated pair's two products, walked in one loop).
 """
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ def step_groups(step, gi, NBYTES: tl.constexpr, SLICE_C: tl.constexpr, SUPER_C: 
 def live(step, gi, SLICE_C: tl.constexpr, SUPER_C: tl.constexpr, GROUP_C: tl.constexpr, BLOCKS: tl.constexpr):
     """[G] bool: which groups of step `step` lie in the row (`step_groups` gives the others the last block)."""
     return step * (SLICE_C // GROUP_C) + gi < BLOCKS * (SUPER_C // GROUP_C)
+
+
+@triton.jit
+def pair_sums(acc, acc2, AXIS: tl.constexpr, PAIR: tl.constexpr):
+    """A dot's result: acc summed over AXIS, and acc2 too where PAIR (a gated pair's second product), else the
+    first sum again."""
+    y = tl.sum(acc, axis=AXIS)
+    if PAIR:
+        y2 = tl.sum(acc2, axis=AXIS)
+    else:
+        y2 = y
+    return y, y2
 
 
 def steps(k: int, slice_: int) -> int:
