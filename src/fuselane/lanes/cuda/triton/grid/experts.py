@@ -178,7 +178,7 @@ def grid_gate_up(x: Tensor | Q8Acts, w_gate: Tensor, w_up: Tensor, fmt: Format, 
         xf, xq, xd, w_gate, w_up, device_table(fmt, w_gate.device), ids, out, *oq,
         counters if counters is not None else ids, N=n, KD=k, SLOTS=ids.shape[1],
         EXPERT_BYTES=w_gate.numel() // experts, ROWS=GATE_UP_ROWS,
-        **dot_consts(fmt, k, EXPERT_TILE.slice, EXPERT_TILE.run),
+        **dot_consts(fmt, k, EXPERT_TILE),
         Q8IN=isinstance(x, Q8Acts),
         Q8OUT=out_q8 is not None,
         num_warps=EXPERT_TILE.warps,
@@ -218,7 +218,7 @@ def grid_down_combine(h: Tensor | Q8Acts, w: Tensor, fmt: Format, ids: Tensor, w
         counter if counter is not None else ids, float(norm.eps if norm else 0.0),
         D=d, DFF=dff, SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots), EXPERT_BYTES=w.numel() // experts,
         ADDS=len(adds), NORM=norm is not None, NORM_BLOCK=chunk, NORM_STEPS=triton.cdiv(d, chunk), Q8OUT=q8out,
-        ROWS=per, **dot_consts(fmt, dff, EXPERT_TILE.slice, EXPERT_TILE.run), Q8IN=isinstance(h, Q8Acts),
+        ROWS=per, **dot_consts(fmt, dff, EXPERT_TILE), Q8IN=isinstance(h, Q8Acts),
         num_warps=EXPERT_TILE.warps, **pdl.options(),
     )  # fmt: skip
     return sum_out

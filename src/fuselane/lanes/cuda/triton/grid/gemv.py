@@ -52,7 +52,7 @@ from fuselane.lanes.cuda.triton.gemv.parts import (
 from fuselane.lanes.cuda.triton.gemv.q8_epilogue import check_q8_out, quantize_block_last
 from fuselane.lanes.cuda.triton.gemv.rows import check_x, row_tiles, store_glu, store_rows
 from fuselane.lanes.cuda.triton.grid.q8 import grid_dot_q8, int8_args
-from fuselane.lanes.cuda.triton.grid.steps import live, pair_sums, step_groups, steps
+from fuselane.lanes.cuda.triton.grid.steps import live, pair_sums, step_groups
 from fuselane.lanes.cuda.triton.grid.values import (
     GRID_GROUP,
     TERNARY_FORMATS,
@@ -146,8 +146,8 @@ def grid_dot(
     activation value loaded once for both, twice the loads in flight): a tuple of both, else (the product,
     itself)."""
     # rows past n decode row n - 1 (no masked weight loads); the store drops them
-    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
-    w2_rows = w2 + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
+    at_row = tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
+    w_rows, w2_rows = w + at_row, w2 + at_row
     groups: tl.constexpr = SLICE_C // GROUP_C
     blocks: tl.constexpr = ROW_BYTES // NBYTES
     gi = tl.arange(0, groups)
@@ -331,13 +331,13 @@ def grid_parts_product(x, xq, xd, parts, res, table, FMT: tl.constexpr, NBYTES: 
     return part
 
 
-def dot_consts(fmt: Format, k: int, slice_: int, run: int = 1) -> dict:
-    """`grid_dot`'s constants for rows of k values in `fmt`, `slice_` values a step and `run` groups a thread's
-    sub-block (the tile's; its rows, BLOCK_M and BLOCK_N, are the launch's)."""
+def dot_consts(fmt: Format, k: int, tile: GridTile) -> dict:
+    """`grid_dot`'s constants for rows of k values in `fmt` under `tile` (its values a step and a thread's run of
+    groups; its rows, BLOCK_M and BLOCK_N, are the launch's; a last step may lie partly past the row)."""
     lay = LAYOUTS[fmt]
-    return dict(FMT=int(fmt), NBYTES=lay.nbytes, ROW_BYTES=(k // lay.values) * lay.nbytes, STEPS=steps(k, slice_),
-                SLICE_C=slice_, SUPER_C=QK_K, GROUP_C=GRID_GROUP, TERNARY=fmt in TERNARY_FORMATS,
-                RUN_C=run)  # fmt: skip
+    return dict(FMT=int(fmt), NBYTES=lay.nbytes, ROW_BYTES=(k // lay.values) * lay.nbytes,
+                STEPS=triton.cdiv(k, tile.slice), SLICE_C=tile.slice, SUPER_C=QK_K, GROUP_C=GRID_GROUP,
+                TERNARY=fmt in TERNARY_FORMATS, RUN_C=tile.run)  # fmt: skip
 
 
 def _check_rows(w: torch.Tensor, fmt: Format, n: int, k: int) -> None:
@@ -399,7 +399,7 @@ def _launch(x, w, fmt: Format, n: int, k: int, out, pitch: int, *, w_up=None, bi
         *((xf, xf, xf) if out_q8 is None else out_q8),  # the int8 output (codes, scales, sums), read where Q8OUT
         xq,
         xd,
-        **dot_consts(fmt, k, tile.slice, tile.run),
+        **dot_consts(fmt, k, tile),
         BLOCK_M=block_m,
         BLOCK_N=tile.block_n,
         GLU=w_up is not None,
@@ -469,7 +469,7 @@ def parts_launch(x: torch.Tensor | Q8Acts, parts: Sequence[Part | tuple], fmt: F
         raise ValueError(f"{fmt.name} rows take whole {QK_K}-value blocks, not {k} values")
     tile = grid_tile(sum(Part(*p).n for p in parts))
     args, flags, tiles = parts_args(parts, fmt, k, tile.block_n, xf, residual)
-    consts = dot_consts(fmt, k, tile.slice, tile.run) | flags | dict(BLOCK_N=tile.block_n, Q8IN=isinstance(x, Q8Acts))
+    consts = dot_consts(fmt, k, tile) | flags | dict(BLOCK_N=tile.block_n, Q8IN=isinstance(x, Q8Acts))
     return tile, [xf, xq, xd, *args, device_table(fmt, xf.device)], consts, tiles
 
 

@@ -150,8 +150,8 @@ def grid_dot_q8(
     A thread takes RUN_C neighbouring groups of one 32-value sub-block in an unrolled loop, so the compiler loads
     the fields they share once (their block's d, the sub-block's scale and high bits, the activation's scale: IQ3_S
     6.75 loads a group against 9, sm_90), at RUN_C times the registers of a group."""
-    w_rows = w + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
-    w2_rows = w2 + tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
+    at_row = tl.minimum(rows, n - 1).to(tl.int64) * ROW_BYTES  # [N]
+    w_rows, w2_rows = w + at_row, w2 + at_row
     groups: tl.constexpr = SLICE_C // GROUP_C
     blocks: tl.constexpr = ROW_BYTES // NBYTES
     tl.static_assert(QB % (RUN_C * GROUP_C) == 0, "a thread's run of groups lies in one 32-value sub-block")

@@ -56,8 +56,3 @@ def pair_sums(acc, acc2, AXIS: tl.constexpr, PAIR: tl.constexpr):
     else:
         y2 = y
     return y, y2
-
-
-def steps(k: int, slice_: int) -> int:
-    """The k loop's steps over a row of k values, `slice_` values a step (the last one partly past the row)."""
-    return triton.cdiv(k, slice_)
